@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Both install first when needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned first: this machine carries a local CPU wheel of 2.13.0, and a bare range would
+# pull the newest CUDA build (several GB). The package's own range is satisfied by it.
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install serve test bench lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+serve: install
+	$(PY) -m gapless serve
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m gapless.bench.offline
+
+lint: install
+	$(VENV)/bin/ruff check gapless tests
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
