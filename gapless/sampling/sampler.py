@@ -1,0 +1,332 @@
+"""On-device sampling: penalties, temperature, top-k/top-p/min-p and a seeded draw, in bulk tensor ops.
+
+The sampler runs inside the device stream right after the forward, so it must never wait for the
+host: no ``.item()``, no boolean-mask indexing, no per-request Python. All per-request decisions are
+made on the host once, when the ``SamplingBatch`` is built, and arrive as per-row tensors plus a few
+Python flags that let whole stages be skipped when no row needs them.
+
+Randomness is counter-based: the noise for (request seed, output step, vocab column) is a hash of
+those three numbers, so a seeded request draws the same tokens whatever else shares its batch,
+whichever row it sits in, and after being retracted and resumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gapless.sampling_params import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+# lowbias32 (Chris Wellons' hash prospector): a 32-bit mixer with very low avalanche bias. The second
+# multiplier is >= 2**31, so it is used as its negative twin (same residue mod 2**32): a 32-bit value
+# times a constant of magnitude <= 2**31 always fits in int64, so no product ever overflows.
+_MUL1 = 0x7FEB352D
+_MUL2 = 0x846CA68B - (1 << 32)
+_GOLDEN = 0x9E3779B9  # odd, so multiplying by it permutes 32-bit values
+_UNIFORM_BITS = 23  # n + 0.5 with n < 2**23 is exact in float32, so u lies strictly inside (0, 1)
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """Hash 32-bit values held in an int64 tensor, in place (lowbias32)."""
+    x.bitwise_xor_(x >> 16)
+    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 16)
+    return x
+
+
+def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One well-mixed 32-bit key per row from its (seed, step): the row's random stream for this token."""
+    key = _mix32_((seeds >> 32).bitwise_and(_MASK32).bitwise_xor_(_GOLDEN))
+    key = _mix32_(key.bitwise_xor_(seeds.bitwise_and(_MASK32)))
+    return _mix32_(key.bitwise_xor_(steps.bitwise_and(_MASK32)))
+
+
+def _column_hashes(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """A fixed hash per vocab column; xor-ing it with a row key gives independent inputs per column."""
+    cols = torch.arange(vocab_size, dtype=torch.int64, device=device)
+    return _mix32_(cols.mul_(_GOLDEN).add_(1).bitwise_and_(_MASK32))
+
+
+def gumbel_noise(keys: torch.Tensor, column_hashes: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] as a pure function of each row's key and the column index.
+
+    ``argmax(logits + gumbel)`` is a draw from ``softmax(logits)``; it is the same exponential race as
+    ``argmax(probs / Exp(1))`` taken in log space, where masked (-inf) tokens simply never win.
+    """
+    x = _mix32_(keys[:, None] ^ column_hashes[None, :])
+    u = (x >> (32 - _UNIFORM_BITS)).to(torch.float32).add_(0.5).mul_(2.0**-_UNIFORM_BITS)
+    return u.log_().neg_().log_().neg_()
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a freshly built host tensor to ``device`` without blocking on the device stream.
+
+    A plain ``.to("cuda")`` from pageable memory synchronises the stream, i.e. waits for the batch in
+    flight; from pinned memory the copy is queued in stream order and the host moves on.
+    """
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _as_int64(value: int) -> int:
+    """Wrap any Python int into int64 range (seeds are arbitrary ints; only 64 bits of them count)."""
+    return ((value + (1 << 63)) % (1 << 64)) - (1 << 63)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of one batch, already on the device.
+
+    Greedy rows carry temperature 0 and neutral filter settings, so the device can tell them apart
+    without another tensor and their settings never trigger a stage. The ``need_*`` flags are computed
+    on the host from the params, which is what lets the sampler skip stages without a device sync.
+    """
+
+    temperature: torch.Tensor  # [B] float32; 0 marks a greedy row
+    top_k: torch.Tensor  # [B] int64; "disabled" is vocab_size (or larger; clamped on the device)
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64: output tokens the request had before this one
+    rows: torch.Tensor  # [B] int64: request-table rows, index the penalty state
+    repetition_penalty: torch.Tensor  # [B] float32
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    penalised: torch.Tensor  # [B] int32: 1 where the row's sampled tokens must be counted
+    all_greedy: bool
+    any_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    need_penalties: bool
+
+    @property
+    def size(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        steps: Sequence[int],
+        rows: Sequence[int],
+        seeds: Sequence[int],
+        device: torch.device | str,
+        vocab_size: int | None = None,
+    ) -> SamplingBatch:
+        """Gather the batch's settings into two host tensors and queue one copy of each to the device.
+
+        ``seeds`` are the effective seeds (the engine picks one for requests without ``params.seed``);
+        ``steps[i]`` is how many output tokens request i already has. ``vocab_size``, when given, lets
+        top_k >= vocab count as disabled on the host, so such rows do not force the sort stage.
+        """
+        n = len(params)
+        if not (len(steps) == len(rows) == len(seeds) == n):
+            lengths = (n, len(steps), len(rows), len(seeds))
+            raise ValueError(f"params, steps, rows, seeds differ in length: {lengths}")
+        device = torch.device(device)
+        k_off = vocab_size if vocab_size is not None else (1 << 31) - 1
+        temps, top_k, top_p, min_p = [], [], [], []
+        any_greedy = False
+        need_top_k = need_top_p = need_min_p = False
+        for p in params:
+            if p.greedy:
+                any_greedy = True
+                temps.append(0.0)
+                top_k.append(k_off)
+                top_p.append(1.0)
+                min_p.append(0.0)
+                continue
+            k = k_off if p.top_k == -1 else min(p.top_k, k_off)
+            need_top_k |= k < k_off
+            need_top_p |= p.top_p < 1.0
+            need_min_p |= p.min_p > 0.0
+            temps.append(p.temperature)
+            top_k.append(k)
+            top_p.append(p.top_p)
+            min_p.append(p.min_p)
+        all_greedy = n > 0 and all(t == 0.0 for t in temps)
+        penalised = [int(p.has_penalties) for p in params]
+
+        floats = torch.tensor(
+            [
+                temps,
+                top_p,
+                min_p,
+                [p.repetition_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
+            ],
+            dtype=torch.float32,
+        ).reshape(6, n)
+        ints = torch.tensor(
+            [top_k, [_as_int64(s) for s in seeds], list(steps), list(rows), penalised], dtype=torch.int64
+        ).reshape(5, n)
+        f = _to_device(floats, device)
+        i = _to_device(ints, device)
+        return cls(
+            temperature=f[0],
+            top_p=f[1],
+            min_p=f[2],
+            repetition_penalty=f[3],
+            presence_penalty=f[4],
+            frequency_penalty=f[5],
+            top_k=i[0],
+            seeds=i[1],
+            steps=i[2],
+            rows=i[3],
+            penalised=i[4].to(torch.int32),
+            all_greedy=all_greedy,
+            any_greedy=any_greedy,
+            need_top_k=need_top_k,
+            need_top_p=need_top_p,
+            need_min_p=need_min_p,
+            need_penalties=any(penalised),
+        )
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    Same rule as Hugging Face's warpers and vLLM: top-k keeps every token tied with the k-th largest;
+    top-p drops tokens whose ascending cumulative probability is <= 1 - p, always keeping the largest.
+    One sort serves both. Rows with k = vocab and p = 1 come out unchanged (up to zero-probability
+    tokens, which could not be drawn anyway). ``logits`` may be modified in place.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        kth_index = (vocab - top_k.clamp(1, vocab)).unsqueeze(1)
+        kth = sorted_logits.gather(1, kth_index)
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's top probability (in place)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True).mul_(min_p.unsqueeze(1))
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    """Turns a batch of last-position logits into next tokens, on the device, without host syncs.
+
+    Penalty state (token counts per request-table row) lives here, on the device, so penalties cost
+    no host work per token: ``init_rows`` fills a row when its request (re)enters the running set,
+    and ``sample`` adds each sampled token. Both must run in device-stream order (as part of the
+    submitted jobs), so a row is filled before the first batch that reads it.
+    """
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.max_rows = max_rows
+        self.device = torch.device(device)
+        self._column_hashes = _column_hashes(vocab_size, self.device)
+        # Allocated on first use: [max_rows, vocab] is large, and most workloads never use penalties.
+        self.output_counts: torch.Tensor | None = None  # int32: times each token was sampled
+        self.prompt_mask: torch.Tensor | None = None  # bool: token occurs in the prompt
+
+    def _penalty_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.output_counts is None or self.prompt_mask is None:
+            shape = (self.max_rows, self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        return self.output_counts, self.prompt_mask
+
+    def init_rows(
+        self, rows: Sequence[int], prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]]
+    ) -> None:
+        """Reset the penalty state of ``rows`` and fill it from each request's prompt and output so far.
+
+        Needed only for requests with penalties (``params.has_penalties``), every time one enters the
+        running set: on admission (``output_ids`` empty) and when a retracted request resumes (its
+        outputs so far). Token ids outside the vocabulary are ignored, as in Hugging Face.
+        """
+        counts, prompt_mask = self._penalty_state()
+        vocab = self.vocab_size
+        p_rows = [r for r, ids in zip(rows, prompt_ids, strict=True) for t in ids if 0 <= t < vocab]
+        p_toks = [t for ids in prompt_ids for t in ids if 0 <= t < vocab]
+        o_rows = [r for r, ids in zip(rows, output_ids, strict=True) for t in ids if 0 <= t < vocab]
+        o_toks = [t for ids in output_ids for t in ids if 0 <= t < vocab]
+        host = torch.tensor([*rows, *p_rows, *p_toks, *o_rows, *o_toks], dtype=torch.int64)
+        flat = _to_device(host, self.device)
+        row_t, p_rows_t, p_toks_t, o_rows_t, o_toks_t = flat.split(
+            [len(rows), len(p_rows), len(p_toks), len(o_rows), len(o_toks)]
+        )
+        counts.index_fill_(0, row_t, 0)
+        prompt_mask.index_fill_(0, row_t, False)
+        prompt_mask.index_put_((p_rows_t, p_toks_t), torch.ones_like(p_toks_t, dtype=torch.bool))
+        counts.index_put_((o_rows_t, o_toks_t), torch.ones_like(o_toks_t, dtype=torch.int32), accumulate=True)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Return one token id per row (int64 [B], on the device) and record it for penalised rows.
+
+        Order follows vLLM / Hugging Face: penalties on raw logits, greedy rows take the argmax of
+        those, then temperature, top-k, top-p, min-p, and a seeded draw for the rest.
+        """
+        if logits.shape[-1] > self.vocab_size:  # padded lm_head: the extra columns are not tokens
+            logits = logits[:, : self.vocab_size]
+        if batch.need_penalties:
+            logits = self.apply_penalties(logits.float(), batch)
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._draw(logits, batch)
+        if batch.need_penalties:
+            counts, _ = self._penalty_state()
+            counts.index_put_((batch.rows, tokens), batch.penalised, accumulate=True)
+        return tokens
+
+    def apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Repetition penalty (HF: over prompt + output) then presence/frequency (OpenAI: output only).
+
+        Rows without penalties carry neutral values (1, 0, 0), which leave their logits bit-identical.
+        """
+        counts_all, prompt_all = self._penalty_state()
+        counts = counts_all.index_select(0, batch.rows)
+        in_output = counts > 0
+        seen = prompt_all.index_select(0, batch.rows).logical_or_(in_output)
+        rep = batch.repetition_penalty.unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits < 0, logits * rep, logits / rep), logits)
+        logits -= batch.frequency_penalty.unsqueeze(1) * counts
+        logits -= batch.presence_penalty.unsqueeze(1) * in_output
+        return logits
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Sample the non-greedy rows; greedy rows in a mixed batch get their plain argmax."""
+        greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
+        is_greedy = batch.temperature == 0
+        temperature = batch.temperature.masked_fill(is_greedy, 1.0)
+        logits = self.apply_filters(logits.float() / temperature.unsqueeze(1), batch)
+        # A later ``return_logprobs`` option would take log_softmax of these filtered logits here.
+        scores = gumbel_noise(_row_keys(batch.seeds, batch.steps), self._column_hashes).add_(logits)
+        tokens = scores.argmax(dim=-1)
+        if greedy_tokens is not None:
+            tokens = torch.where(is_greedy, greedy_tokens, tokens)
+        return tokens
+
+    def apply_filters(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Apply top-k, top-p and min-p to temperature-scaled logits (in place); masked tokens are -inf."""
+        if batch.need_top_k or batch.need_top_p:
+            logits = apply_top_k_top_p(
+                logits,
+                batch.top_k if batch.need_top_k else None,
+                batch.top_p if batch.need_top_p else None,
+            )
+        if batch.need_min_p:
+            logits = apply_min_p(logits, batch.min_p)
+        return logits
