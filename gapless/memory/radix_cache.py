@@ -1,0 +1,478 @@
+"""Prefix caches: a radix tree from token prefixes to KV slots (SGLang's RadixCache), and a null cache.
+
+Ownership model. Every usable KV page is, at any time, exactly one of: free in the allocator, owned by
+the tree (it holds KV for a cached prefix and is freed only by ``evict``), or owned by one live request
+(KV the request computed that the tree has not adopted). A request that matched a prefix *reads* the
+tree's pages for it and holds a lock on the matched node so they cannot be evicted under it.
+
+Both caches implement :class:`PrefixCache`; the engine never branches on which one it has, because it
+only calls ``match_prefix``/``lock`` at admission and the helpers in ``prefix_cache`` afterwards.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from gapless.memory.allocator import PageAllocator
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class TreeNode:
+    """One edge of the radix tree: a run of whole pages of tokens and the slots holding their KV.
+
+    ``lock_ref`` counts the locks held on this node or any descendant (locks are applied along the
+    path to the root), so a node with ``lock_ref > 0`` is pinned.
+    """
+
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access")
+
+    def __init__(self, id: int, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None) -> None:
+        self.id = id  # creation order; also the LRU tie-break, so eviction order is deterministic
+        self.key = key  # token ids, len a multiple of page_size
+        self.value = value  # int64 CPU slots, same length as key
+        self.parent = parent  # None for the root and for evicted nodes
+        self.children: dict[object, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = 0  # logical clock, not wall time, so tests are deterministic
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Longest cached page-aligned prefix: its slots (int64 CPU), deepest node (root if none), length."""
+
+    slots: torch.Tensor
+    node: TreeNode
+    length: int
+
+
+class PrefixCache(Protocol):
+    """What the engine and the helpers in ``prefix_cache`` need from a prefix cache."""
+
+    page_size: int
+
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult: ...
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int: ...
+    def lock(self, node: TreeNode) -> None: ...
+    def unlock(self, node: TreeNode) -> None: ...
+    def evict(self, num_tokens: int) -> int: ...
+    @property
+    def evictable_size(self) -> int: ...
+    @property
+    def protected_size(self) -> int: ...
+    @property
+    def total_size(self) -> int: ...
+    @property
+    def active_locks(self) -> int: ...
+    def all_slots(self) -> torch.Tensor: ...
+    def reset(self) -> None: ...
+    def check_invariants(self) -> None: ...
+
+
+def _as_tuple(tokens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    if isinstance(tokens, torch.Tensor):
+        return tuple(tokens.reshape(-1).tolist())
+    return tuple(tokens)
+
+
+def _host_slots(slots: torch.Tensor) -> torch.Tensor:
+    return slots.reshape(-1).to(device="cpu", dtype=torch.int64)
+
+
+def _validate_insert(tokens: tuple[int, ...], slots: torch.Tensor, page_size: int) -> None:
+    if len(tokens) != slots.numel():
+        raise ValueError(f"insert: {len(tokens)} tokens but {slots.numel()} slots")
+    if len(tokens) % page_size:
+        raise ValueError(f"insert: length {len(tokens)} is not a multiple of page_size {page_size}")
+
+
+def _fail(msg: str) -> None:
+    raise AssertionError(msg)
+
+
+class RadixCache:
+    """Radix tree over token ids whose edges are whole pages, with LRU eviction of unlocked leaves.
+
+    Children are keyed by their first page (the first token when ``page_size == 1``), so a lookup is a
+    dict hit per edge. Sizes are kept as two counters, ``evictable_size`` (tokens in unlocked nodes)
+    and ``protected_size`` (tokens in locked nodes), updated incrementally by lock/unlock/insert/evict.
+    Eviction candidates are the set of unlocked leaves, ordered by a lazy min-heap on
+    ``(last_access, id)``: a stale entry (node touched again, locked, grown a child, or evicted) is
+    skipped when popped, and the heap is rebuilt from the set when stale entries pile up.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        if page_size != allocator.page_size:
+            raise ValueError(f"page_size {page_size} != allocator.page_size {allocator.page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the whole tree without freeing its pages: pair it with ``allocator.reset()``.
+
+        To drop cached prefixes while keeping the allocator consistent, use
+        ``evict(cache.evictable_size)`` instead.
+        """
+        self._ids = itertools.count()
+        self._clock = 0
+        self.root = TreeNode(next(self._ids), (), _EMPTY, None)
+        self._evictable_size = 0
+        self._protected_size = 0
+        self._active_locks = 0
+        self._leaves: set[TreeNode] = set()  # unlocked leaves: exactly the eviction candidates
+        self._heap: list[tuple[int, int, TreeNode]] = []
+
+    # ---- sizes ----
+
+    @property
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    @property
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    @property
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    @property
+    def active_locks(self) -> int:
+        """``lock()`` calls not yet matched by ``unlock()`` (a leak detector: 0 once requests drain)."""
+        return self._active_locks
+
+    # ---- lookup and insertion ----
+
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of ``tokens``, rounded down to whole pages. Does not lock.
+
+        If the match ends inside a node, that node is split so the returned node ends exactly at
+        ``length`` (locking it then pins exactly the matched prefix). Touches the path for LRU.
+        """
+        toks = _as_tuple(tokens)
+        toks = toks[: len(toks) // self.page_size * self.page_size]
+        node, length, values = self._descend(toks, self._tick())
+        slots = torch.cat(values) if values else _EMPTY.clone()
+        return MatchResult(slots=slots, node=node, length=length)
+
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+        """Cache ``tokens`` -> ``slots``; return how many leading tokens were already cached.
+
+        Ownership: for the returned leading part ``[0, P)`` the tree keeps its own slots and the
+        caller still owns the ``slots[:P]`` it passed (freeing them if they are duplicates is the
+        caller's job); the tree adopts ``slots[P:]`` and will free them when it evicts them.
+        ``len(tokens) == len(slots)`` and a multiple of ``page_size``, else ValueError.
+        """
+        toks = _as_tuple(tokens)
+        slots = _host_slots(slots)
+        _validate_insert(toks, slots, self.page_size)
+        tick = self._tick()
+        node, present, _ = self._descend(toks, tick)
+        if present < len(toks):
+            leaf = TreeNode(next(self._ids), toks[present:], slots[present:].clone(), node)
+            leaf.last_access = tick
+            node.children[self._child_key(leaf.key, 0)] = leaf
+            self._evictable_size += len(leaf.key)
+            self._leaves.discard(node)  # no longer a leaf
+            self._add_leaf(leaf)
+        return present
+
+    # ---- pinning ----
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors against eviction (locking the root is a counted no-op)."""
+        self._check_attached(node)
+        self._active_locks += 1
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+                self._leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one ``lock(node)``; RuntimeError if that would take a lock count below zero."""
+        self._check_attached(node)
+        # Ancestors' lock_ref >= node's, so checking the node (and the total) suffices.
+        if self._active_locks == 0 or (node is not self.root and node.lock_ref == 0):
+            raise RuntimeError(f"unlock of {node} that is not locked")
+        self._active_locks -= 1
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+                if not node.children:
+                    self._add_leaf(node)
+            node = node.parent  # type: ignore[assignment]
+
+    # ---- eviction ----
+
+    def evict(self, num_tokens: int) -> int:
+        """Free least-recently-used unlocked leaves until ``num_tokens`` are freed or none are left.
+
+        Whole nodes go, so this may free more than asked. A parent left as an unlocked leaf becomes a
+        candidate in turn. Pages go back to the allocator in one call. Returns tokens freed.
+        """
+        freed = 0
+        pages: list[torch.Tensor] = []
+        while freed < num_tokens and self._heap:
+            t, _, node = heapq.heappop(self._heap)
+            if node not in self._leaves or node.last_access != t:
+                continue  # stale entry
+            self._leaves.remove(node)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[self._child_key(node.key, 0)]
+            node.parent = None
+            pages.append(self.allocator.pages_of(node.value))
+            freed += len(node.key)
+            self._evictable_size -= len(node.key)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                self._add_leaf(parent)
+        if pages:
+            self.allocator.free(torch.cat(pages))
+        return freed
+
+    # ---- inspection ----
+
+    def all_slots(self) -> torch.Tensor:
+        """Every slot the tree owns (int64 CPU), in no particular order."""
+        values = [n.value for n in self._nodes()]
+        return torch.cat(values) if values else _EMPTY.clone()
+
+    def check_invariants(self) -> None:
+        """Walk the tree and raise AssertionError on any broken invariant.
+
+        Checked: parent/child links and child keys; every key non-empty, page-aligned and as long as
+        its value; values are int64 runs of whole pages (page-aligned, consecutive within a page); no
+        page twice, page 0 never, no tree page free in the allocator; ``lock_ref >= 0`` and a node's
+        ``lock_ref >= sum of its children's`` (each lock adds 1 along a whole root path, so a node
+        counts its children's locks plus those taken on it directly); both size counters; the
+        candidate set is exactly the unlocked leaves, each with a live heap entry.
+        """
+        ps = self.page_size
+        if self.root.parent is not None or self.root.key or self.root.lock_ref:
+            _fail("root must have no parent, an empty key and lock_ref 0")
+        evictable = protected = 0
+        leaves: set[TreeNode] = set()
+        values: list[torch.Tensor] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            child_locks = 0
+            for ck, child in node.children.items():
+                k = len(child.key)
+                if child.parent is not node:
+                    _fail(f"{child} has a wrong parent link")
+                if k == 0 or k % ps:
+                    _fail(f"{child} key length {k} is not a positive multiple of page_size {ps}")
+                if ck != self._child_key(child.key, 0):
+                    _fail(f"{child} is filed under a key that is not its first page")
+                v = child.value
+                if v.dtype != torch.int64 or v.device.type != "cpu" or tuple(v.shape) != (k,):
+                    _fail(f"{child} value must be int64 CPU of shape ({k},), got {v.dtype} {tuple(v.shape)}")
+                pv = v.view(-1, ps)
+                if bool((pv[:, 0] % ps != 0).any()) or bool((pv - pv[:, :1] != self._page_offsets).any()):
+                    _fail(f"{child} value is not a run of whole pages: {v[:16].tolist()}")
+                if child.lock_ref < 0:
+                    _fail(f"{child} has negative lock_ref")
+                child_locks += child.lock_ref
+                if child.lock_ref > 0:
+                    protected += k
+                else:
+                    evictable += k
+                    if not child.children:
+                        leaves.add(child)
+                values.append(v)
+                stack.append(child)
+            if node is not self.root and node.lock_ref < child_locks:
+                _fail(f"{node} lock_ref {node.lock_ref} < its children's total {child_locks}")
+        if (evictable, protected) != (self._evictable_size, self._protected_size):
+            _fail(
+                f"size counters (evictable={self._evictable_size}, protected={self._protected_size}) "
+                f"!= walked (evictable={evictable}, protected={protected})"
+            )
+        if leaves != self._leaves:
+            _fail(f"eviction candidates {self._leaves} != unlocked leaves {leaves}")
+        live = {(t, i) for t, i, _ in self._heap}
+        for leaf in leaves:
+            if (leaf.last_access, leaf.id) not in live:
+                _fail(f"{leaf} has no live heap entry")
+        if values:
+            pages = self.allocator.pages_of(torch.cat(values))
+            if torch.unique(pages).numel() != pages.numel():
+                _fail("a page appears twice in the tree")
+            if bool((pages < 1).any()) or bool((pages >= self.allocator.num_pages).any()):
+                _fail("the tree holds page 0 or an out-of-range page")
+            free = self.allocator.is_free_mask[pages]
+            if bool(free.any()):
+                _fail(f"tree pages are free in the allocator: {pages[free][:8].tolist()}")
+
+    # ---- internals ----
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _child_key(self, key: tuple[int, ...], start: int) -> object:
+        if self.page_size == 1:
+            return key[start]
+        return key[start : start + self.page_size]
+
+    def _match_len(self, key: tuple[int, ...], toks: tuple[int, ...], pos: int) -> int:
+        """Page-aligned common prefix length of ``key`` and ``toks[pos:]``; the first page is known equal."""
+        n = len(key)
+        if toks[pos : pos + n] == key:  # common case: the whole edge matches (one C-level compare)
+            return n
+        ps = self.page_size
+        n = min(n, len(toks) - pos)
+        i = ps
+        while i + ps <= n and key[i : i + ps] == toks[pos + i : pos + i + ps]:
+            i += ps
+        return i
+
+    def _descend(self, toks: tuple[int, ...], tick: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow ``toks`` (page-aligned) down the tree, splitting where the match ends mid-edge.
+
+        Returns the deepest matched node, the matched length and the matched nodes' values.
+        """
+        node = self.root
+        pos = 0
+        values: list[torch.Tensor] = []
+        while pos < len(toks):
+            child = node.children.get(self._child_key(toks, pos))
+            if child is None:
+                break
+            m = self._match_len(child.key, toks, pos)
+            if m < len(child.key):
+                child = self._split(child, m)
+            self._touch(child, tick)
+            values.append(child.value)
+            pos += m
+            node = child
+        return node, pos, values
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Cut ``child`` at page-aligned offset ``m``; the new upper node is returned.
+
+        The original object stays the lower part, so a request holding it still holds the node
+        ending where its match ended. The upper part copies ``lock_ref`` (every lock through the
+        lower part passes through it), so both size counters are unchanged.
+        """
+        parent = child.parent
+        assert parent is not None
+        mid = TreeNode(next(self._ids), child.key[:m], child.value[:m].clone(), parent)
+        mid.lock_ref = child.lock_ref
+        mid.last_access = child.last_access
+        child.key = child.key[m:]
+        child.value = child.value[m:].clone()
+        child.parent = mid
+        mid.children[self._child_key(child.key, 0)] = child
+        parent.children[self._child_key(mid.key, 0)] = mid
+        return mid
+
+    def _touch(self, node: TreeNode, tick: int) -> None:
+        node.last_access = tick
+        if node in self._leaves:
+            self._push(node)
+
+    def _add_leaf(self, node: TreeNode) -> None:
+        self._leaves.add(node)
+        self._push(node)
+
+    def _push(self, node: TreeNode) -> None:
+        heapq.heappush(self._heap, (node.last_access, node.id, node))
+        if len(self._heap) > 2 * len(self._leaves) + 64:  # compact stale entries (amortised O(1))
+            self._heap = [(n.last_access, n.id, n) for n in self._leaves]
+            heapq.heapify(self._heap)
+
+    def _check_attached(self, node: TreeNode) -> None:
+        if node is not self.root and node.parent is None:
+            raise RuntimeError(f"{node} has been evicted (match and lock before anything can evict)")
+
+    def _nodes(self) -> list[TreeNode]:
+        out: list[TreeNode] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+
+class NoPrefixCache:
+    """The prefix cache when prefix caching is off: it never holds anything.
+
+    Contract, chosen so the ``prefix_cache`` helpers and the engine run the same code for both
+    caches: ``match_prefix`` always matches 0 tokens at the root; ``insert`` adopts nothing and
+    returns ``len(tokens)``, i.e. by the ``insert`` contract the caller keeps ownership of every slot
+    it passed; ``lock``/``unlock`` only count (so leaks and double unlocks are still caught);
+    ``evict`` frees nothing. With it, ``cache_finished`` frees everything the request holds and
+    ``cache_unfinished`` leaves the request owning all of its slots.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        if page_size != allocator.page_size:
+            raise ValueError(f"page_size {page_size} != allocator.page_size {allocator.page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = TreeNode(0, (), _EMPTY, None)
+        self._active_locks = 0
+
+    def reset(self) -> None:
+        self._active_locks = 0
+
+    @property
+    def evictable_size(self) -> int:
+        return 0
+
+    @property
+    def protected_size(self) -> int:
+        return 0
+
+    @property
+    def total_size(self) -> int:
+        return 0
+
+    @property
+    def active_locks(self) -> int:
+        return self._active_locks
+
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        return MatchResult(slots=_EMPTY.clone(), node=self.root, length=0)
+
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+        toks = _as_tuple(tokens)
+        _validate_insert(toks, _host_slots(slots), self.page_size)
+        return len(toks)
+
+    def lock(self, node: TreeNode) -> None:
+        self._active_locks += 1
+
+    def unlock(self, node: TreeNode) -> None:
+        if self._active_locks == 0:
+            raise RuntimeError("unlock without a matching lock")
+        self._active_locks -= 1
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def all_slots(self) -> torch.Tensor:
+        return _EMPTY.clone()
+
+    def check_invariants(self) -> None:
+        if self._active_locks < 0:
+            _fail("negative lock count")
