@@ -1,0 +1,44 @@
+"""What every attention backend sees of a batch.
+
+A batch is ragged: request b contributes `extend_lens[b]` new tokens (1 in decode) that attend, causally,
+to its `prefix_lens[b]` cached tokens and to each other. Keys and values are read through the request
+table: token j of request b lives in KV slot `req_table[rows[b], j]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    rows: torch.Tensor  # [B] int64: request-table row of each request
+    prefix_lens: torch.Tensor  # [B] int64: tokens already in the KV cache before this batch
+    extend_lens: torch.Tensor  # [B] int64: new tokens of this batch
+    q_start: torch.Tensor  # [B] int64: offset of each request's first new token in the flat batch
+    req_table: torch.Tensor  # [rows, max_context] int32, on the device
+    max_extend_len: int  # host-side maxima, so no kernel launch needs a device->host sync
+    max_seq_len: int
+    is_decode: bool
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.prefix_lens + self.extend_lens
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows.shape[0]
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Per-batch work shared by all layers (index tensors, masks); the result is passed to `forward`."""
+
+    def forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, state: Any, scale: float
+    ) -> torch.Tensor:
+        """q: [T, heads, d]; caches: [slots, kv_heads, d]; returns [T, heads, d]. The new tokens' K/V are
+        already stored in the cache when this is called."""

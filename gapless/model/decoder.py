@@ -1,0 +1,135 @@
+"""One decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), switched by `ModelConfig`.
+
+The model sees a flat, ragged batch of tokens (all requests' new tokens concatenated) and a
+`ForwardContext` passed down as an argument: where to store each token's K/V and how to attend.
+Module names mirror Hugging Face's so checkpoint names map one to one (q/k/v and gate/up are fused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gapless.attention.base import AttentionBackend
+from gapless.memory.kv_pool import KVPool
+from gapless.model.config import ModelConfig
+from gapless.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    silu_and_mul,
+)
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64: KV slot of each new token
+    kv_pool: KVPool
+    backend: AttentionBackend
+    attn_state: Any  # backend.prepare(metadata)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.cfg = cfg
+        self.qkv_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}, bias=cfg.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rope = rope
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, q.shape[-1] // cfg.head_dim, cfg.head_dim)
+        k = k.view(-1, k.shape[-1] // cfg.head_dim, cfg.head_dim)
+        v = v.view(-1, v.shape[-1] // cfg.head_dim, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(ctx.positions, q, k)
+        ctx.kv_pool.store(self.layer_id, ctx.out_slots, k, v)
+        out = ctx.backend.forward(
+            q, ctx.kv_pool.k[self.layer_id], ctx.kv_pool.v[self.layer_id], ctx.attn_state, self.scale
+        )
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, bias=cfg.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, rope)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. `forward` returns final hidden states; `logits` projects only the rows asked for,
+    so a prefill computes the vocabulary projection for its last token alone."""
+
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    fused_weights = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", "gate"),
+        ".up_proj.": (".gate_up_proj.", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderBody(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, ctx)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

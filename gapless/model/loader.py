@@ -1,0 +1,95 @@
+"""Load a Hugging Face checkpoint directory (config.json + single or sharded *.safetensors)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from gapless.model.config import ModelConfig, load_model_config
+from gapless.model.decoder import CausalLM
+from gapless.model.layers import default_weight_loader
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto` means the checkpoint's dtype on an accelerator and float32 on the CPU (where bf16 is slow)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(cfg.torch_dtype or "bfloat16", torch.bfloat16)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    path = Path(path)
+    cfg = load_model_config(path)
+    with _default_dtype(dtype), torch.device(device):
+        model = CausalLM(cfg)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in iter_weights(path):
+        if "rotary_emb" in name:
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the head shares the embedding table
+        shard = None
+        for frag, (fused, shard_id) in CausalLM.fused_weights.items():
+            if frag in name:
+                name, shard = name.replace(frag, fused), shard_id
+                break
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint weight {name!r} has no place in the {cfg.architecture} model")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor.to(dtype), shard)
+        loaded.add(name if shard is None else f"{name}#{shard}")
+    expected = set()
+    for name, _ in model.named_parameters():
+        offsets = getattr(_owner(model, name), "shard_offsets", None)
+        expected.update([f"{name}#{s}" for s in offsets] if offsets else [name])
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
+    return model.requires_grad_(False).eval()
+
+
+def _owner(model: torch.nn.Module, param_name: str) -> torch.nn.Module:
+    return model.get_submodule(param_name.rsplit(".", 1)[0])
