@@ -1,0 +1,59 @@
+"""One config tree for the engine (and, later, the server): every option, its default and its check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    dtype: str = "auto"  # auto: checkpoint dtype on GPU, float32 on CPU
+    page_size: int = 1
+    radix_cache: bool = True
+    chunked_prefill_size: int = 2048  # token budget of one prefill batch; longer prompts are chunked
+    max_running_requests: int = 256
+    kv_cache_tokens: int | None = None  # None: sized from free memory
+    kv_memory_fraction: float | None = (
+        None  # share of free memory for KV when sizing; None: 0.85 GPU, 0.3 CPU
+    )
+    schedule_policy: str = "lpm"
+    max_model_len: int | None = None  # cap on context length; None: the model's max_position_embeddings
+    seed: int = 0  # draws the seeds of requests that bring none, so a run is reproducible
+    # scheduler tuning (SGLang's defaults): the expected share of max_tokens a request will really use
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if self.page_size < 1:
+            raise bad("page_size", "must be >= 1")
+        if self.chunked_prefill_size < 1:
+            raise bad("chunked_prefill_size", "must be >= 1")
+        if self.max_running_requests < 1:
+            raise bad("max_running_requests", "must be >= 1")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise bad("kv_cache_tokens", f"must hold at least one page ({self.page_size} tokens)")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction < 1:
+            raise bad("kv_memory_fraction", "must be in (0, 1)")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", "must be >= 2")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise bad("device", "must be auto, cpu, cuda or cuda:N")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)

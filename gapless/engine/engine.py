@@ -1,0 +1,130 @@
+"""The engine in process: tokenizer + model runner + scheduler, driven one step at a time.
+
+`LLM` (offline) and the server's scheduler process both drive this. It validates every request before
+the scheduler sees it, so bad input raises a clear error and leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from gapless.config import EngineConfig
+from gapless.engine.request import Req
+from gapless.engine.scheduler import EngineStats, Scheduler
+from gapless.model.runner import ModelRunner
+from gapless.sampling_params import SamplingParams
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(cfg.model)
+        eos = set(self.runner.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self.vocab_size = self.runner.model_config.vocab_size
+        self.scheduler = Scheduler(cfg, self.runner, decode_tail=self.tokenizer.decode)
+        self._seeds = random.Random(cfg.seed)
+        self._ids = itertools.count()
+        self.reqs: dict[str, Req] = {}
+
+    @property
+    def max_context(self) -> int:
+        return self.runner.max_context
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt, validated: non-empty, in the vocabulary, leaving room for one new token."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_context:
+            what = (
+                "the KV cache can hold"
+                if self.max_context < self.runner.model_config.max_position_embeddings
+                and (self.cfg.max_model_len is None or self.max_context < self.cfg.max_model_len)
+                else "the context length"
+            )
+            raise ValueError(
+                f"prompt is {len(ids)} tokens but {what} is {self.max_context} tokens "
+                f"(prompt plus at least one generated token must fit)"
+            )
+        return ids
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Req:
+        """Queue an already validated prompt (see `tokenize`)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        n = next(self._ids)
+        rid = rid if rid is not None else str(n)
+        if rid in self.reqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.eos_ids
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        req = Req(
+            rid=rid,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            seed=seed,
+            arrival=n,
+            stop_ids=frozenset(stop_ids),
+        )
+        self.reqs[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, rid: str) -> None:
+        """Abort a request wherever it is; it is finished (reason "abort") at the next step."""
+        req = self.reqs.get(rid)
+        if req is not None and not req.finished:
+            req.aborted = True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Req]:
+        """Run one scheduler step; returns the requests that got a token or finished in it."""
+        sched = self.scheduler
+        updated = sched.abort_pending()
+        batch = sched.schedule()
+        if batch is not None:
+            updated += sched.process(batch, sched.launch(batch).tolist())
+        elif sched.has_work() and not updated:
+            raise RuntimeError("scheduler stalled: requests are queued but none can be scheduled")
+        for req in updated:
+            if req.finished:
+                self.reqs.pop(req.rid, None)
+        return updated
+
+    def output_text(self, req: Req) -> str:
+        """The generated text, cut before the stop string that ended the request (OpenAI semantics)."""
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+        if req.stop_str_hit is not None:
+            text = text[: text.find(req.stop_str_hit)] if req.stop_str_hit in text else text
+        return text
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        for rid in list(self.reqs):
+            self.abort(rid)
+        while self.has_unfinished():
+            self.step()

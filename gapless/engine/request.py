@@ -1,0 +1,54 @@
+"""A request's host-side state, owned by the scheduler."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from gapless.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue (new, or retracted)
+    PREFILL = "prefill"  # admitted, prompt being prefilled in chunks
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # effective sampling seed (the user's, or one drawn by the engine)
+    arrival: int  # admission order, for fcfs and tie-breaks
+    stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    # KV ownership: positions [0, kv_len) have slots in the request-table row; [0, cached_len) of them
+    # belong to the radix tree and are pinned through `last_node`.
+    row: int | None = None
+    kv_len: int = 0
+    cached_len: int = 0
+    last_node: Any = None
+    cached_tokens: int | None = None  # prefix-cache hit at first admission (reported to the user)
+    finish_reason: str | None = None
+    stop_str_hit: str | None = None  # the stop string that ended it, if any
+    aborted: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """All tokens whose KV the request needs: the prompt and what it generated so far."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def remaining_tokens(self, max_context: int) -> int:
+        return max(0, min(self.params.max_tokens - len(self.output_ids), max_context - self.seq_len))

@@ -1,0 +1,429 @@
+"""The scheduler: owns every request's host state and decides what the device runs next.
+
+One step (the plain loop; the overlap loop of a later issue reorders the same three calls):
+  1. `schedule()`  – prefill/extend first (admission under a token and a KV budget), else decode;
+                     retract decode requests when KV runs out;
+  2. `launch()`    – hand the built `ForwardBatch` to the device stream;
+  3. `process()`   – append the sampled tokens, check stops, free or cache finished requests' KV.
+
+KV ownership (see gapless.memory.prefix_cache): a request holds slots for positions [0, kv_len) in its
+request-table row; [0, cached_len) of them belong to the radix tree, pinned through `last_node`.
+Finished and retracted requests give their KV back in exactly one place: `_release`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from gapless.config import EngineConfig
+from gapless.engine.request import Req, ReqStatus
+from gapless.memory.allocator import PageAllocator
+from gapless.memory.integrity import check_integrity
+from gapless.memory.prefix_cache import cache_finished, cache_unfinished
+from gapless.memory.radix_cache import NoPrefixCache, RadixCache
+from gapless.model.runner import ForwardBatch, ModelRunner
+from gapless.sampling.sampler import SamplingBatch
+
+log = logging.getLogger(__name__)
+
+CLIP_MAX_NEW_TOKENS = 4096  # cap on the per-request decode reservation, as SGLang does
+RETRACT_DECODE_STEPS = 20  # after a retraction, reserve at least this many steps for each running request
+LPM_MAX_QUEUE = 128  # beyond this, matching every waiting prompt costs more than it saves: fall back to fcfs
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_batches: int = 0
+    decode_batches: int = 0
+    prompt_tokens: int = 0  # tokens computed in extend batches
+    cached_prompt_tokens: int = 0  # prompt tokens served from the radix cache
+    generated_tokens: int = 0
+    retractions: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ScheduledBatch:
+    """Host view of a launched batch: which requests, and which of them sample a token."""
+
+    reqs: list[Req]
+    extend_lens: list[int]
+    samples: list[bool]  # False for a non-final chunk of a chunked prefill
+    forward: ForwardBatch
+    is_decode: bool
+
+
+class Scheduler:
+    def __init__(
+        self, cfg: EngineConfig, runner: ModelRunner, decode_tail: Callable[[list[int]], str]
+    ) -> None:
+        self.cfg = cfg
+        self.runner = runner
+        self.device = runner.device
+        self.page_size = cfg.page_size
+        self.max_context = runner.max_context
+        self.req_table = runner.req_table
+        self.allocator = PageAllocator(runner.kv_pool.num_pages, cfg.page_size)
+        self.cache: RadixCache | NoPrefixCache = (
+            RadixCache(self.allocator, cfg.page_size)
+            if cfg.radix_cache
+            else NoPrefixCache(self.allocator, cfg.page_size)
+        )
+        self.decode_tail = decode_tail
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # the one request whose prompt is being prefilled in chunks
+        self.new_token_ratio = cfg.init_new_token_ratio
+        self._ratio_decay = (
+            cfg.init_new_token_ratio - cfg.min_new_token_ratio
+        ) / cfg.new_token_ratio_decay_steps
+        self._table_writes: list[tuple[int, int, torch.Tensor]] = []  # (row, start, slots) for the next batch
+        self._penalty_inits: list[tuple[int, list[int], list[int]]] = []  # rows to (re)build, next batch
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def abort_pending(self) -> list[Req]:
+        """Finish every request marked `aborted`, wherever it is; returns them."""
+        done = []
+        for req in [r for r in self.waiting if r.aborted]:
+            self.waiting.remove(req)
+            self._finish(req, "abort")
+            done.append(req)
+        for req in [r for r in self.running if r.aborted] + (
+            [self.chunked] if self.chunked and self.chunked.aborted else []
+        ):
+            self._finish(req, "abort")
+            done.append(req)
+        return done
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_extend()
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        return batch
+
+    def _reserve(self, req: Req) -> int:
+        """KV tokens kept back for a running request's future decode steps (estimated, adaptive)."""
+        return int(min(req.remaining_tokens(self.max_context), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def _available_tokens(self) -> int:
+        return self.allocator.num_free_tokens + self.cache.evictable_size
+
+    def _order_waiting(self) -> list[Req]:
+        if self.cfg.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE and self.cfg.radix_cache:
+            hits = {id(r): self.cache.match_prefix(self._match_key(r)).length for r in self.waiting}
+            return sorted(self.waiting, key=lambda r: (-hits[id(r)], r.arrival))
+        return sorted(self.waiting, key=lambda r: r.arrival)
+
+    @staticmethod
+    def _match_key(req: Req) -> list[int]:
+        # the last token is always computed, so its logits exist to sample from
+        return req.fill_ids[:-1]
+
+    def _schedule_extend(self) -> ScheduledBatch | None:
+        if self.chunked is None and not self.waiting:
+            return None
+        budget = self.cfg.chunked_prefill_size
+        reserved = sum(self._reserve(r) for r in self.running)
+        entries: list[tuple[Req, int]] = []
+        slots: list[torch.Tensor] = []
+
+        if self.chunked is not None:
+            req = self.chunked
+            rest = req.seq_len - req.kv_len
+            n = min(rest, budget)
+            if self._fits(
+                self._pages(n) * self.page_size, self._reserve(req) if n == rest else 0, reserved, idle=True
+            ):
+                slots.append(self._alloc_extend(req, n))
+                entries.append((req, n))
+                budget -= n
+        if self.chunked is None:
+            for req in self._order_waiting():
+                if budget <= 0 or self._num_active() + len(entries) >= self.cfg.max_running_requests:
+                    break
+                if self.req_table.num_free == 0:
+                    break
+                match = self.cache.match_prefix(self._match_key(req))
+                self.cache.lock(match.node)
+                ext = req.seq_len - match.length
+                n = min(ext, budget)
+                own_reserve = self._reserve(req) if n == ext else 0
+                if not self._fits(self._pages(n) * self.page_size, own_reserve, reserved, idle=not entries):
+                    self.cache.unlock(match.node)
+                    break
+                self._admit(req, match)
+                slots.append(self._alloc_extend(req, n))
+                entries.append((req, n))
+                budget -= n
+                self.waiting.remove(req)
+                if n < ext:
+                    req.status = ReqStatus.PREFILL
+                    self.chunked = req
+                    break
+                reserved += own_reserve
+        if not entries:
+            return None
+        return self._build(entries, torch.cat(slots), is_decode=False)
+
+    def _fits(self, tokens: int, own_reserve: int, reserved: int, idle: bool) -> bool:
+        """Whether `tokens` new KV slots fit beside the decode reservations. The reservations are estimates:
+        when nothing else runs, the request only needs its own slots (retraction covers a wrong guess),
+        so an estimate can never stall an idle engine."""
+        avail = self._available_tokens()
+        if idle and not self.running:
+            return tokens <= avail
+        return tokens + own_reserve + reserved <= avail
+
+    def _num_active(self) -> int:
+        return len(self.running) + (1 if self.chunked is not None else 0)
+
+    def _admit(self, req: Req, match) -> None:
+        row = self.req_table.alloc()
+        assert row is not None
+        req.row, req.last_node = row, match.node
+        req.cached_len = req.kv_len = match.length
+        if req.cached_tokens is None:
+            req.cached_tokens = match.length
+            self.stats.cached_prompt_tokens += match.length
+        if match.length:
+            self._write_table(row, 0, match.slots)
+        if req.params.has_penalties:
+            self._penalty_inits.append((row, req.prompt_ids, list(req.output_ids)))
+
+    def _write_table(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Host mirror now; the device table in stream order, with the next launched batch."""
+        self.req_table.write_host(row, start, slots)
+        self._table_writes.append((row, start, slots))
+
+    def _alloc_pages(self, n: int) -> torch.Tensor:
+        short = n - self.allocator.num_free_pages
+        if short > 0:
+            self.cache.evict(short * self.page_size)
+        pages = self.allocator.alloc(n)
+        assert pages is not None, "scheduler admitted more KV than the pool holds"
+        return pages
+
+    def _alloc_extend(self, req: Req, n: int) -> torch.Tensor:
+        """Slots for positions [kv_len, kv_len + n) of `req`, written to its row's host mirror."""
+        start, ps = req.kv_len, self.page_size
+        parts = []
+        in_page = min(n, (-start) % ps)  # room left in the request's last, partly filled page
+        if in_page:
+            last = int(self.req_table.host_table[req.row, start - 1])
+            parts.append(torch.arange(last + 1, last + 1 + in_page, dtype=torch.int64))
+        rest = n - in_page
+        if rest:
+            parts.append(self.allocator.page_slots(self._alloc_pages(self._pages(rest)))[:rest])
+        slots = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.req_table.write_host(req.row, start, slots)
+        req.kv_len += n
+        return slots
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        ps = self.page_size
+        while True:
+            kv_lens = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64)
+            needs_page = kv_lens % ps == 0
+            need = int(needs_page.sum())
+            if need <= self.allocator.num_free_pages + self.cache.evictable_size // ps:
+                break
+            if len(self.running) > 1:
+                self._retract(min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids))))
+            elif self.chunked is not None:
+                self._retract(self.chunked)
+            else:  # cannot happen: max_context is capped so that one request always fits the pool
+                raise RuntimeError("KV pool cannot hold a single request")
+        rows = torch.tensor([r.row for r in self.running], dtype=torch.int64)
+        out = torch.empty(len(self.running), dtype=torch.int64)
+        if need:
+            out[needs_page] = self._alloc_pages(need) * ps
+        if need < len(self.running):
+            partial = ~needs_page
+            out[partial] = self.req_table.host_table[rows[partial], kv_lens[partial] - 1].long() + 1
+        self.req_table.host_table[rows, kv_lens] = out.to(torch.int32)
+        for r in self.running:
+            r.kv_len += 1
+        self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
+        return self._build([(r, 1) for r in self.running], out, is_decode=True)
+
+    def _retract(self, victim: Req) -> None:
+        """Send a request (the one with the least progress) back to the waiting queue; its computed KV
+        stays in the prefix cache, so resuming it recomputes little."""
+        if victim is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(victim)
+        self._release(victim)
+        victim.status = ReqStatus.WAITING
+        self.waiting.append(victim)
+        self.stats.retractions += 1
+        total_out = sum(len(r.output_ids) for r in self.running)
+        total_max = sum(r.params.max_tokens for r in self.running) or 1
+        estimate = (total_out + RETRACT_DECODE_STEPS * len(self.running)) / total_max
+        self.new_token_ratio = min(1.0, max(self.new_token_ratio, estimate))
+        log.debug("retracted %s; new_token_ratio=%.3f", victim.rid, self.new_token_ratio)
+
+    def _build(
+        self, entries: list[tuple[Req, int]], out_slots: torch.Tensor, is_decode: bool
+    ) -> ScheduledBatch:
+        """Bulk-build the device inputs of a batch from host state (no per-token Python)."""
+        reqs = [r for r, _ in entries]
+        ext = torch.tensor([n for _, n in entries], dtype=torch.int64)
+        pre = torch.tensor([r.kv_len - n for r, n in entries], dtype=torch.int64)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        q_start = torch.cumsum(ext, 0) - ext
+        total = int(ext.sum())
+        if is_decode:
+            input_ids = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+            positions, token_rows = pre, rows
+        else:
+            input_ids = [t for r, n in entries for t in r.fill_ids[r.kv_len - n : r.kv_len]]
+            token_rows = torch.repeat_interleave(rows, ext)
+            positions = torch.arange(total) - torch.repeat_interleave(q_start - pre, ext)
+        samples = [r.kv_len == r.seq_len for r in reqs]  # the whole sequence is in KV: sample its next token
+        sample_reqs = [r for r, s in zip(reqs, samples) if s]
+        sample_index = (q_start + ext - 1)[torch.tensor(samples, dtype=torch.bool)]
+        table_writes = None
+        if self._table_writes:
+            w_rows = torch.cat(
+                [torch.full((len(s),), row, dtype=torch.int64) for row, _, s in self._table_writes]
+            )
+            w_pos = torch.cat([torch.arange(start, start + len(s)) for _, start, s in self._table_writes])
+            w_slots = torch.cat([s for _, _, s in self._table_writes])
+            table_writes = tuple(t.to(self.device, non_blocking=True) for t in (w_rows, w_pos, w_slots))
+            self._table_writes = []
+        penalty_inits, self._penalty_inits = self._penalty_inits, []
+        sampling = None
+        if sample_reqs:
+            sampling = SamplingBatch.build(
+                [r.params for r in sample_reqs],
+                [len(r.output_ids) for r in sample_reqs],
+                [r.row for r in sample_reqs],
+                [r.seed for r in sample_reqs],
+                self.device,
+                vocab_size=self.runner.model_config.vocab_size,
+            )
+        dev = self.device
+        fwd = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=positions.to(dev, non_blocking=True),
+            out_slots=out_slots.to(dev, non_blocking=True),
+            token_rows=token_rows.to(dev, non_blocking=True),
+            rows=rows.to(dev, non_blocking=True),
+            prefix_lens=pre.to(dev, non_blocking=True),
+            extend_lens=ext.to(dev, non_blocking=True),
+            q_start=q_start.to(dev, non_blocking=True),
+            max_extend_len=int(ext.max()),
+            max_seq_len=int((pre + ext).max()),
+            is_decode=is_decode,
+            sample_index=sample_index.to(dev, non_blocking=True),
+            sampling=sampling,
+            table_writes=table_writes,  # type: ignore[arg-type]
+            penalty_inits=penalty_inits,
+        )
+        if is_decode:
+            self.stats.decode_batches += 1
+        else:
+            self.stats.prefill_batches += 1
+            self.stats.prompt_tokens += total
+        return ScheduledBatch(reqs, [n for _, n in entries], samples, fwd, is_decode)
+
+    # ------------------------------------------------------------------ results
+    def launch(self, batch: ScheduledBatch) -> torch.Tensor:
+        return self.runner.run(batch.forward)
+
+    def process(self, batch: ScheduledBatch, next_tokens: list[int]) -> list[Req]:
+        """Fold a batch's sampled tokens into request state; returns the requests that got a token
+        or finished."""
+        self.stats.steps += 1
+        touched = []
+        tokens = iter(next_tokens)
+        for req, samples in zip(batch.reqs, batch.samples):
+            if not samples:  # a non-final chunk: its KV enters the cache now that the forward has written it
+                self._cache_chunk(req)
+                continue
+            tok = next(tokens)
+            if req.finished:
+                continue
+            req.output_ids.append(tok)
+            self.stats.generated_tokens += 1
+            touched.append(req)
+            if self.chunked is req:
+                self.chunked = None
+            if req.status is not ReqStatus.RUNNING:
+                req.status = ReqStatus.RUNNING
+                self.running.append(req)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason)
+        return touched
+
+    def _cache_chunk(self, req: Req) -> None:
+        if req.finished:
+            return
+        slots = self.req_table.host_table[req.row, : req.kv_len].long()
+        prefix, node, cached_len = cache_unfinished(
+            self.cache, self.allocator, req.fill_ids[: req.kv_len], slots, req.last_node, req.cached_len
+        )
+        if cached_len > req.cached_len:
+            # the tree may hold other slots for this span (another request inserted it first): read those
+            new = prefix[req.cached_len : cached_len]
+            if not torch.equal(new, slots[req.cached_len : cached_len]):
+                self._write_table(req.row, req.cached_len, new)
+        req.last_node, req.cached_len = node, cached_len
+
+    def _stop_reason(self, req: Req, tok: int) -> str | None:
+        p = req.params
+        if tok in req.stop_ids:
+            return "stop"
+        if p.stop:
+            tail = self.decode_tail(req.output_ids[-(4 * max(len(s) for s in p.stop) + 1) :])
+            for s in p.stop:
+                if s in tail:
+                    req.stop_str_hit = s
+                    return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_context:
+            return "length"
+        return None
+
+    def _finish(self, req: Req, reason: str) -> None:
+        if req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        if req.row is not None:
+            self._release(req)
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    def _release(self, req: Req) -> None:
+        """Give back a request's KV (into the prefix cache where it can be reused) and its table row."""
+        slots = self.req_table.host_table[req.row, : req.kv_len].long()
+        cache_finished(
+            self.cache, self.allocator, req.fill_ids[: req.kv_len], slots, req.last_node, req.cached_len
+        )
+        self.req_table.free(req.row)
+        req.row, req.last_node, req.kv_len, req.cached_len = None, None, 0, 0
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """After a workload drains: every KV page free or in the tree, nothing locked, every row free."""
+        assert not self.has_work(), "requests still in flight"
+        check_integrity(self.allocator, self.cache, self.req_table)

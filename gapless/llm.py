@@ -1,0 +1,93 @@
+"""Offline entry point: `LLM(path).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from gapless.config import EngineConfig
+from gapless.engine.engine import Engine
+from gapless.engine.request import Req
+from gapless.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    cached_tokens: int
+
+
+class LLM:
+    """An engine in this process. Options are those of `EngineConfig` (page_size, radix_cache, ...)."""
+
+    def __init__(self, model: str, **options: Any) -> None:
+        self.engine = Engine(EngineConfig.from_kwargs(str(model), **options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # validate everything before queueing anything, so a bad prompt leaves the engine untouched
+        token_ids = [self.engine.tokenize(p) for p in prompts]
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling params must be SamplingParams, not {type(p).__name__}")
+        reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, params)]
+        try:
+            with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                while self.engine.has_unfinished():
+                    done = sum(r.finished for r in self.engine.step())
+                    bar.update(done)
+        except BaseException:
+            for r in reqs:
+                self.engine.abort(r.rid)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
+        return [self._output(r, p) for r, p in zip(reqs, prompts)]
+
+    def _output(self, req: Req, prompt: Any) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.rid,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=req.prompt_ids,
+            text=self.engine.output_text(req),
+            token_ids=list(req.output_ids),
+            finish_reason=req.finish_reason or "abort",
+            cached_tokens=req.cached_tokens or 0,
+        )
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

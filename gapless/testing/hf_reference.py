@@ -1,0 +1,79 @@
+"""The yardstick: greedy continuations and logits from `transformers` itself, for parity tests."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TIE_TOLERANCE = 1e-3  # a greedy divergence is accepted only where the reference's top-2 logits are this close
+
+
+def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()
+
+
+@dataclass
+class Reference:
+    tokens: list[int]  # greedy continuation
+    logits: torch.Tensor  # [steps, vocab] fp32 logits that chose each token
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> Reference:
+    """Greedy decoding with the HF model and its own KV cache; no EOS stop (compare with ignore_eos)."""
+    ids = torch.tensor([prompt])
+    out = model(input_ids=ids, use_cache=True)
+    tokens, logits = [], []
+    for _ in range(max_new_tokens):
+        step_logits = out.logits[0, -1].float()
+        tok = int(step_logits.argmax())
+        tokens.append(tok)
+        logits.append(step_logits)
+        out = model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return Reference(tokens, torch.stack(logits))
+
+
+@torch.inference_mode()
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logits [len(ids), vocab] in fp32."""
+    return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def check_greedy(ours: list[int], ref: Reference, tol: float = TIE_TOLERANCE) -> str | None:
+    """None if `ours` equals the reference, or first diverges at a near-tie (then returns a note saying so).
+    Raises AssertionError on a real divergence."""
+    n = min(len(ours), len(ref.tokens))
+    assert len(ours) == len(ref.tokens), f"length {len(ours)} != reference {len(ref.tokens)}"
+    for i in range(n):
+        if ours[i] != ref.tokens[i]:
+            step = ref.logits[i]
+            top2 = step.topk(2).values
+            gap = float(top2[0] - top2[1])
+            ours_gap = float(step.max() - step[ours[i]])
+            assert ours_gap <= tol, (
+                f"diverged at step {i}: ours {ours[i]} vs reference {ref.tokens[i]}, "
+                f"reference logit gap {ours_gap:.2e} > tie tolerance {tol:.0e}"
+            )
+            return f"accepted near-tie divergence at step {i} (top-2 gap {gap:.2e})"
+    return None
+
+
+def make_prompts(
+    vocab: int, n: int = 16, seed: int = 0, shared_prefix: int = 48, max_len: int = 90
+) -> list[list[int]]:
+    """Varied lengths (1..max_len), a group sharing a long prefix, and some longer than a small chunk."""
+    rng = random.Random(seed)
+    tok = lambda: rng.randrange(3, vocab)  # noqa: E731
+    prefix = [tok() for _ in range(shared_prefix)]
+    prompts = []
+    for i in range(n):
+        if i % 3 == 0:
+            prompts.append(prefix + [tok() for _ in range(rng.randint(1, max_len - shared_prefix))])
+        else:
+            prompts.append([tok() for _ in range(rng.choice([1, 3, 7, 20, 33, 64, max_len]))])
+    return prompts

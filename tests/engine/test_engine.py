@@ -1,0 +1,267 @@
+"""Engine behaviour beyond greedy parity: caching, bad input, seeds, abort, finish reasons, loading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from gapless import LLM, SamplingParams
+from gapless.testing import make_checkpoint
+from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3(ckpt_factory):
+    return str(ckpt_factory("qwen3"))
+
+
+@pytest.fixture()
+def llm(qwen3):
+    with LLM(qwen3, device="cpu", kv_cache_tokens=2048, max_model_len=256) as llm:
+        yield llm
+
+
+def test_repeated_prompt_hits_cache_with_same_output(llm):
+    prompt = make_prompts(llm.engine.vocab_size, n=1, seed=3, shared_prefix=40, max_len=70)[0]
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert first.cached_tokens == 0
+    assert again.cached_tokens > 0
+    assert again.token_ids == first.token_ids
+    llm.check_integrity()
+
+
+def test_text_prompts_and_per_prompt_params(llm):
+    outs = llm.generate(
+        ["hello world", "café"],
+        [GREEDY, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)],
+        use_tqdm=False,
+    )
+    assert [len(o.token_ids) for o in outs] == [12, 3]
+    assert outs[0].prompt == "hello world"
+    assert outs[0].text == llm.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
+
+
+def test_bad_input_raises_clear_errors_and_engine_keeps_working(llm):
+    good = [5, 6, 7]
+    with pytest.raises(ValueError, match=r"300 tokens.*256"):
+        llm.generate([list(range(3, 303))], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 10**6]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(TypeError):
+        SamplingParams(temprature=1.0)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate([good, good], [GREEDY], use_tqdm=False)
+    # a batch with one bad prompt queues nothing
+    with pytest.raises(ValueError):
+        llm.generate([good, []], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([good], GREEDY, use_tqdm=False)[0]
+    assert len(out.token_ids) == 12
+    llm.check_integrity()
+
+
+def test_prompt_longer_than_kv_pool_names_both_lengths(qwen3):
+    with LLM(qwen3, device="cpu", kv_cache_tokens=64) as small:
+        with pytest.raises(ValueError, match=r"100 tokens.*KV cache.*64"):
+            small.generate([list(range(3, 103))], GREEDY, use_tqdm=False)
+
+
+def test_seeded_sampling_same_alone_and_in_mixed_batch(llm):
+    prompt = [11, 12, 13, 14, 15]
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].token_ids
+    others = [
+        SamplingParams(max_tokens=n, temperature=t, ignore_eos=True)
+        for n, t in [(5, 0.0), (20, 1.3), (9, 0.7)]
+    ]
+    mixed = llm.generate(
+        [[3, 4], [9] * 30, prompt, [20, 21, 22]], [others[0], others[1], seeded, others[2]], use_tqdm=False
+    )
+    assert mixed[2].token_ids == alone
+    other_seed = llm.generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True), use_tqdm=False
+    )[0].token_ids
+    assert other_seed != alone
+
+
+def test_seeded_sampling_with_penalties_survives_retraction(qwen3):
+    prompts = make_prompts(1000, n=12, seed=5, max_len=60)
+    params = [
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.8,
+            seed=i,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            ignore_eos=True,
+        )
+        for i in range(len(prompts))
+    ]
+    with LLM(qwen3, device="cpu", kv_cache_tokens=4096) as roomy:
+        ref = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    with LLM(
+        qwen3,
+        device="cpu",
+        kv_cache_tokens=160,
+        page_size=4,
+        chunked_prefill_size=16,
+        init_new_token_ratio=0.02,
+        min_new_token_ratio=0.02,
+    ) as tight:
+        got = [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+        assert tight.engine.stats.retractions > 0
+        tight.check_integrity()
+    assert got == ref
+
+
+def test_abort_at_every_stage_leaves_nothing_behind(qwen3):
+    with LLM(
+        qwen3, device="cpu", kv_cache_tokens=1024, chunked_prefill_size=16, max_running_requests=4
+    ) as llm:
+        eng = llm.engine
+        long_prompt = list(range(3, 83))  # 80 tokens: 5 chunks of 16
+        params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        decoding = eng.add_request([5, 6, 7], params)
+        chunked = eng.add_request(long_prompt, params)
+        waiting = [eng.add_request([9, 10, 11 + i], params) for i in range(5)]
+        eng.step()  # prefill: `decoding` and the first chunk of `chunked`
+        eng.step()
+        assert chunked.status.value == "prefill" and decoding.status.value == "running"
+        for r in (decoding, chunked, waiting[-1]):
+            eng.abort(r.rid)
+        done = eng.step()
+        for r in (decoding, chunked, waiting[-1]):
+            assert r in done and r.finish_reason == "abort" and r.row is None
+        eng.abort("no-such-request")  # unknown ids are ignored
+        while eng.has_unfinished():
+            eng.step()
+        assert all(r.finish_reason == "length" for r in waiting[:-1])
+        llm.check_integrity()
+
+
+def test_finish_reasons(qwen3, llm):
+    prompt = [40, 41, 42, 43]
+    free = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
+    # stop token: the 5th generated token
+    tok = free.token_ids[4]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[tok]), use_tqdm=False
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
+    # stop string: text of generated tokens 3..5; output text stops right before it
+    full_text = llm.tokenizer.decode(free.token_ids)
+    stop = llm.tokenizer.decode(free.token_ids[3:6]).strip() or llm.tokenizer.decode(free.token_ids[3:6])
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop], ignore_eos=True), use_tqdm=False
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full_text[: full_text.find(stop)]
+    assert stop not in out.text
+    # max_tokens
+    assert free.finish_reason == "length" and len(free.token_ids) == 24
+    # context limit: max_model_len 256 caps prompt + output
+    out = llm.generate(
+        [list(range(3, 253))],
+        SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    llm.check_integrity()
+
+
+def test_eos_stops_unless_ignored(tmp_path, qwen3):
+    # make EOS the greedy choice: the first greedy token becomes the model's EOS id
+    probe = LLM(qwen3, device="cpu", kv_cache_tokens=512)
+    first = probe.generate([[7, 8, 9]], GREEDY, use_tqdm=False)[0].token_ids
+    probe.shutdown()
+    ckpt = tmp_path / "eos"
+    shutil.copytree(qwen3, ckpt)
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    gen["eos_token_id"] = (
+        [gen["eos_token_id"], first[2]] if isinstance(gen["eos_token_id"], int) else [first[2]]
+    )
+    (ckpt / "generation_config.json").write_text(json.dumps(gen))
+    with LLM(str(ckpt), device="cpu", kv_cache_tokens=512) as llm:
+        stopped = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+        ignored = llm.generate([[7, 8, 9]], GREEDY, use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == first[:3]
+    assert ignored.token_ids == first
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_policies_give_reference_outputs(ckpt_factory, policy):
+    path = ckpt_factory("llama")
+    hf = load_hf_model(path)
+    prompts = make_prompts(hf.config.vocab_size, n=8, seed=11)
+    with LLM(
+        str(path), device="cpu", schedule_policy=policy, max_running_requests=3, kv_cache_tokens=4096
+    ) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert check_greedy(o.token_ids, hf_greedy(hf, p, 12)) is None
+        llm.check_integrity()
+
+
+def test_sharded_checkpoint_matches_single_file(tmp_path, qwen3):
+    sharded = make_checkpoint(tmp_path / "sharded", "qwen3", shards=3)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    prompts = [[5, 6, 7, 8], [100, 200]]
+    with (
+        LLM(str(sharded), device="cpu", kv_cache_tokens=512) as a,
+        LLM(qwen3, device="cpu", kv_cache_tokens=512) as b,
+    ):
+        assert [o.token_ids for o in a.generate(prompts, GREEDY, use_tqdm=False)] == [
+            o.token_ids for o in b.generate(prompts, GREEDY, use_tqdm=False)
+        ]
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"architectures": ["Qwen3MoeForCausalLM"]}, "unsupported architecture 'Qwen3MoeForCausalLM'"),
+        ({"num_experts": 8}, "mixture-of-experts"),
+        ({"use_sliding_window": True, "sliding_window": 64}, "sliding-window"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}},
+            "rope scaling type 'yarn'",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_unsupported_checkpoints_are_refused_by_name(tmp_path, qwen3, patch, message):
+    ckpt = tmp_path / "bad"
+    shutil.copytree(qwen3, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(patch)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(ckpt), device="cpu")
+
+
+def test_integrity_check_catches_a_leak(llm):
+    llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    leaked = llm.engine.scheduler.allocator.alloc(1)
+    with pytest.raises(AssertionError):
+        llm.check_integrity()
+    llm.engine.scheduler.allocator.free(leaked)
+    llm.check_integrity()

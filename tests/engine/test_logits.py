@@ -1,0 +1,47 @@
+"""Teacher-forced logits of a prefill, and of a prefill on a cached prefix, match transformers (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gapless import LLM, SamplingParams
+from gapless.testing import ARCHS
+from gapless.testing.hf_reference import hf_logits, load_hf_model, make_prompts
+
+TOL = 1e-4
+
+
+def prefill_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
+    """Logits of every new position of the prompt's only extend batch, and its cached prefix length."""
+    eng = llm.engine
+    req = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    batch = eng.scheduler.schedule()
+    assert batch is not None and batch.reqs == [req], "the prompt should be prefilled alone, in one batch"
+    logits = eng.runner.model.logits(eng.runner.forward_hidden(batch.forward))
+    eng.scheduler.process(batch, eng.scheduler.launch(batch).tolist())
+    while eng.has_unfinished():
+        eng.step()
+    return logits, req.cached_tokens
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_and_cached_prefix_logits(ckpt_factory, arch, page_size):
+    path = ckpt_factory(arch)
+    hf = load_hf_model(path)
+    base = make_prompts(hf.config.vocab_size, n=2, seed=7, shared_prefix=40, max_len=60)[0]
+    llm = LLM(str(path), device="cpu", dtype="float32", page_size=page_size, kv_cache_tokens=1024)
+
+    ours, cached = prefill_logits(llm, base)
+    assert cached == 0
+    torch.testing.assert_close(ours, hf_logits(hf, base), atol=TOL, rtol=0)
+
+    # same first 32 tokens, then different ones: the second prefill runs on the cached prefix
+    other = base[:32] + [(t * 7 + 3) % hf.config.vocab_size for t in base[32:50]]
+    ours, cached = prefill_logits(llm, other)
+    assert cached == 32
+    ref = hf_logits(hf, other)[cached:]
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=TOL, rtol=0)
+    llm.check_integrity()
