@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+CPU_WORKERS = ("auto", "inline", "thread", "process")
 
 
 @dataclass
@@ -24,6 +26,15 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     max_model_len: int | None = None  # cap on context length; None: the model's max_position_embeddings
     seed: int = 0  # draws the seeds of requests that bring none, so a run is reproducible
+    # overlap scheduling: the host schedules batch N+1 and processes batch N-1 while the device runs N.
+    # Off with overlap=False, `--disable-overlap`, or GAPLESS_DISABLE_OVERLAP=1.
+    overlap: bool = field(default_factory=lambda: os.environ.get("GAPLESS_DISABLE_OVERLAP", "0") in ("", "0"))
+    cpu_worker: str = (
+        "auto"  # CPU device side: auto (process if overlapping, else inline), inline, thread, process
+    )
+    device_threads: int | None = None  # torch threads of the device side (None: torch's default)
+    chaos_seed: int | None = None  # tests: seeded random delays in the device worker and the host loop
+    trace_path: str | None = None  # write a Chrome/Perfetto trace of host and device spans here on shutdown
     # scheduler tuning (SGLang's defaults): the expected share of max_tokens a request will really use
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14
@@ -47,6 +58,10 @@ class EngineConfig:
             raise bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise bad("max_model_len", "must be >= 2")
+        if self.cpu_worker not in CPU_WORKERS:
+            raise bad("cpu_worker", f"must be one of {CPU_WORKERS}")
+        if self.device_threads is not None and self.device_threads < 1:
+            raise bad("device_threads", "must be >= 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
 

@@ -13,30 +13,34 @@ from collections.abc import Sequence
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gapless.config import EngineConfig
+from gapless.engine.meter import StepStats
 from gapless.engine.request import Req
 from gapless.engine.scheduler import EngineStats, Scheduler
-from gapless.model.runner import ModelRunner
+from gapless.engine.stream import make_stream
 from gapless.sampling_params import SamplingParams
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.runner = ModelRunner(cfg)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(cfg.model)
-        eos = set(self.runner.model_config.eos_token_ids)
+        # the device side: in this process (`runner`), or in a device process (runner is None)
+        self.stream, self.runner = make_stream(cfg)
+        self.info = self.stream.info
+        eos = set(self.info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self.vocab_size = self.runner.model_config.vocab_size
-        self.scheduler = Scheduler(cfg, self.runner, decode_tail=self.tokenizer.decode)
+        self.vocab_size = self.info.vocab_size
+        self.scheduler = Scheduler(cfg, self.stream, decode_tail=self.tokenizer.decode)
+        self._closed = False
         self._seeds = random.Random(cfg.seed)
         self._ids = itertools.count()
         self.reqs: dict[str, Req] = {}
 
     @property
     def max_context(self) -> int:
-        return self.runner.max_context
+        return self.info.max_context
 
     @property
     def stats(self) -> EngineStats:
@@ -54,12 +58,10 @@ class Engine:
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_context:
-            what = (
-                "the KV cache can hold"
-                if self.max_context < self.runner.model_config.max_position_embeddings
-                and (self.cfg.max_model_len is None or self.max_context < self.cfg.max_model_len)
-                else "the context length"
+            context = min(
+                self.info.max_position_embeddings, self.cfg.max_model_len or self.info.max_position_embeddings
             )
+            what = "the KV cache can hold" if self.info.kv_tokens < context else "the context length"
             raise ValueError(
                 f"prompt is {len(ids)} tokens but {what} is {self.max_context} tokens "
                 f"(prompt plus at least one generated token must fit)"
@@ -102,11 +104,13 @@ class Engine:
     def step(self) -> list[Req]:
         """Run one scheduler step; returns the requests that got a token or finished in it."""
         sched = self.scheduler
-        updated = sched.abort_pending()
-        batch = sched.schedule()
-        if batch is not None:
-            updated += sched.process(batch, sched.launch(batch).tolist())
-        elif sched.has_work() and not updated:
+        launched = sched.stats.prefill_batches + sched.stats.decode_batches
+        updated = sched.step()
+        if (
+            not updated
+            and sched.has_work()
+            and launched == sched.stats.prefill_batches + sched.stats.decode_batches
+        ):
             raise RuntimeError("scheduler stalled: requests are queued but none can be scheduled")
         for req in updated:
             if req.finished:
@@ -120,11 +124,21 @@ class Engine:
             text = text[: text.find(req.stop_str_hit)] if req.stop_str_hit in text else text
         return text
 
+    def step_stats(self) -> StepStats:
+        """Bubble meter: steps, device busy/idle time, host time per step (since the last reset)."""
+        return self.scheduler.meter.stats()
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
+        if self._closed:
+            return
         for rid in list(self.reqs):
             self.abort(rid)
         while self.has_unfinished():
             self.step()
+        if self.cfg.trace_path:
+            self.scheduler.meter.write_trace(self.cfg.trace_path)
+        self.stream.close()
+        self._closed = True

@@ -32,6 +32,8 @@ class Req:
     kv_len: int = 0
     cached_len: int = 0
     last_node: Any = None
+    sampled: int = 0  # output tokens sampled, counting those still in flight (host knows len(output_ids))
+    inflight: int = 0  # launched batches holding this request that are not processed yet
     cached_tokens: int | None = None  # prefix-cache hit at first admission (reported to the user)
     finish_reason: str | None = None
     stop_str_hit: str | None = None  # the stop string that ended it, if any

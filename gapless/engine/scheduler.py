@@ -1,10 +1,20 @@
 """The scheduler: owns every request's host state and decides what the device runs next.
 
-One step (the plain loop; the overlap loop of a later issue reorders the same three calls):
-  1. `schedule()`  – prefill/extend first (admission under a token and a KV budget), else decode;
-                     retract decode requests when KV runs out;
-  2. `launch()`    – hand the built `ForwardBatch` to the device stream;
-  3. `process()`   – append the sampled tokens, check stops, free or cache finished requests' KV.
+One step (`step`), the same code for both loops:
+  1. `schedule()` – prefill/extend first (admission under a token and a KV budget), else decode;
+                    retract decode requests when KV runs out;
+  2. `launch()`   – hand the built `ForwardBatch` to the device stream, without waiting;
+  3. `process()`  – wait for a launched batch's tokens, append them, check stops, free or cache KV.
+The plain loop processes the batch it just launched. The overlap loop processes the previous one, so
+the host's work for batch N-1 and N+1 hides under the device's work on batch N.
+
+What makes overlap correct:
+- Host state moves at schedule time (kv_len, running/prefill status, `sampled`), so batch N+1 can be
+  built while N's tokens are unknown; a decode's input is the device's future-token slot of its row.
+- A request counts the launched, unprocessed batches that hold it (`inflight`). It can finish (stop,
+  abort, length) while a batch still holds it: its KV and row are then released exactly once, when
+  that last batch is processed, and the token that batch sampled for it is dropped.
+- Retraction needs exact host state, so it first drains the in-flight batch (rare: a bubble).
 
 KV ownership (see gapless.memory.prefix_cache): a request holds slots for positions [0, kv_len) in its
 request-table row; [0, cached_len) of them belong to the radix tree, pinned through `last_node`.
@@ -14,18 +24,23 @@ Finished and retracted requests give their KV back in exactly one place: `_relea
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from gapless.config import EngineConfig
+from gapless.engine.meter import BubbleMeter
 from gapless.engine.request import Req, ReqStatus
+from gapless.engine.stream import Chaos, DeviceStream, Pending
 from gapless.memory.allocator import PageAllocator
 from gapless.memory.integrity import check_integrity
 from gapless.memory.prefix_cache import cache_finished, cache_unfinished
 from gapless.memory.radix_cache import NoPrefixCache, RadixCache
-from gapless.model.runner import ForwardBatch, ModelRunner
+from gapless.memory.req_table import ReqTable
+from gapless.model.runner import ForwardBatch
 from gapless.sampling.sampler import SamplingBatch
 
 log = logging.getLogger(__name__)
@@ -54,21 +69,24 @@ class ScheduledBatch:
     reqs: list[Req]
     extend_lens: list[int]
     samples: list[bool]  # False for a non-final chunk of a chunked prefill
+    kv_after: list[int]  # each request's kv_len once this batch has run
     forward: ForwardBatch
     is_decode: bool
 
 
 class Scheduler:
     def __init__(
-        self, cfg: EngineConfig, runner: ModelRunner, decode_tail: Callable[[list[int]], str]
+        self, cfg: EngineConfig, stream: DeviceStream, decode_tail: Callable[[list[int]], str]
     ) -> None:
+        info = stream.info
         self.cfg = cfg
-        self.runner = runner
-        self.device = runner.device
+        self.stream = stream
+        self.overlap = cfg.overlap
         self.page_size = cfg.page_size
-        self.max_context = runner.max_context
-        self.req_table = runner.req_table
-        self.allocator = PageAllocator(runner.kv_pool.num_pages, cfg.page_size)
+        self.max_context = info.max_context
+        self.vocab_size = info.vocab_size
+        self.req_table = ReqTable(cfg.max_running_requests, info.max_context, device=None)  # host mirror
+        self.allocator = PageAllocator(info.num_pages, cfg.page_size)
         self.cache: RadixCache | NoPrefixCache = (
             RadixCache(self.allocator, cfg.page_size)
             if cfg.radix_cache
@@ -78,34 +96,79 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the one request whose prompt is being prefilled in chunks
+        self.inflight: deque[tuple[ScheduledBatch, Pending]] = deque()
         self.new_token_ratio = cfg.init_new_token_ratio
         self._ratio_decay = (
             cfg.init_new_token_ratio - cfg.min_new_token_ratio
         ) / cfg.new_token_ratio_decay_steps
         self._table_writes: list[tuple[int, int, torch.Tensor]] = []  # (row, start, slots) for the next batch
         self._penalty_inits: list[tuple[int, list[int], list[int]]] = []  # rows to (re)build, next batch
+        self._drained: list[Req] = []  # updates of batches processed early (retraction drains)
+        self.chaos = Chaos(cfg.chaos_seed + 2) if cfg.chaos_seed is not None else None
+        self.meter = BubbleMeter(keep_trace=cfg.trace_path is not None)
         self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[Req]:
+        """One iteration of the loop; returns the requests that got a token or finished."""
+        t0 = time.perf_counter()
+        if self.chaos:
+            self.chaos.delay()
+        updated = self.abort_pending()
+        batch = self.schedule()
+        t1 = time.perf_counter()
+        self.meter.host_span("schedule", t0, t1)
+        if batch is not None:
+            self.launch(batch)
+            if self.stream.asynchronous:  # an inline stream's launch is the device job itself
+                self.meter.host_span("launch", t1, time.perf_counter())
+        keep = 1 if self.overlap and batch is not None else 0
+        while len(self.inflight) > keep:
+            updated += self._process_oldest()
+        updated += self._drained
+        self._drained = []
+        self.meter.step_done()
+        if not self.has_work():
+            self.meter.went_idle()
+        return updated
+
+    def launch(self, batch: ScheduledBatch) -> None:
+        for req in batch.reqs:
+            req.inflight += 1
+        self.inflight.append((batch, self.stream.submit(batch.forward)))
+
+    def _process_oldest(self) -> list[Req]:
+        batch, pending = self.inflight.popleft()
+        tokens, timing = pending.result()
+        t0 = time.perf_counter()
+        self.meter.job("decode" if batch.is_decode else "extend", timing.start, timing.end)
+        if self.chaos:
+            self.chaos.delay()
+        updated = self.process(batch, tokens)
+        self.meter.host_span("process", t0, time.perf_counter())
+        return updated
+
+    def drain(self) -> None:
+        """Process every launched batch now (their updates are returned by the current step)."""
+        while self.inflight:
+            self._drained += self._process_oldest()
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.inflight)
 
     def abort_pending(self) -> list[Req]:
-        """Finish every request marked `aborted`, wherever it is; returns them."""
-        done = []
-        for req in [r for r in self.waiting if r.aborted]:
-            self.waiting.remove(req)
+        """Finish every request marked `aborted`, wherever it is; returns them. One still held by an
+        in-flight batch gives its KV back when that batch is processed."""
+        aborted = [r for r in self.waiting + self.running if r.aborted]
+        if self.chunked is not None and self.chunked.aborted:
+            aborted.append(self.chunked)
+        for req in aborted:
             self._finish(req, "abort")
-            done.append(req)
-        for req in [r for r in self.running if r.aborted] + (
-            [self.chunked] if self.chunked and self.chunked.aborted else []
-        ):
-            self._finish(req, "abort")
-            done.append(req)
-        return done
+        return aborted
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch | None:
@@ -153,7 +216,10 @@ class Scheduler:
                 slots.append(self._alloc_extend(req, n))
                 entries.append((req, n))
                 budget -= n
-        if self.chunked is None:
+                if n == rest:
+                    self.chunked = None
+                    self._start_decoding(req)
+        if self.chunked is None and not entries:
             for req in self._order_waiting():
                 if budget <= 0 or self._num_active() + len(entries) >= self.cfg.max_running_requests:
                     break
@@ -176,10 +242,17 @@ class Scheduler:
                     req.status = ReqStatus.PREFILL
                     self.chunked = req
                     break
+                self._start_decoding(req)
                 reserved += own_reserve
         if not entries:
             return None
         return self._build(entries, torch.cat(slots), is_decode=False)
+
+    def _start_decoding(self, req: Req) -> None:
+        """Its prompt is fully scheduled: it decodes from the next batch on, reading its first token
+        from the future-token slot that this batch's sampler fills."""
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
 
     def _fits(self, tokens: int, own_reserve: int, reserved: int, idle: bool) -> bool:
         """Whether `tokens` new KV slots fit beside the decode reservations. The reservations are estimates:
@@ -235,32 +308,46 @@ class Scheduler:
         req.kv_len += n
         return slots
 
-    def _schedule_decode(self) -> ScheduledBatch:
+    def _decodable(self) -> list[Req]:
+        """Running requests that may need another token: not those whose in-flight token is already
+        their last (max_tokens or the context limit); they finish when that batch is processed."""
+        return [
+            r
+            for r in self.running
+            if r.sampled < r.params.max_tokens and len(r.prompt_ids) + r.sampled < self.max_context
+        ]
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
         ps = self.page_size
         while True:
-            kv_lens = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64)
+            reqs = self._decodable()
+            if not reqs:
+                return None
+            kv_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
             needs_page = kv_lens % ps == 0
             need = int(needs_page.sum())
             if need <= self.allocator.num_free_pages + self.cache.evictable_size // ps:
                 break
-            if len(self.running) > 1:
+            if self.inflight:  # retraction needs every request's exact tokens: process what is in flight
+                self.drain()
+            elif len(self.running) > 1:
                 self._retract(min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids))))
             elif self.chunked is not None:
                 self._retract(self.chunked)
             else:  # cannot happen: max_context is capped so that one request always fits the pool
                 raise RuntimeError("KV pool cannot hold a single request")
-        rows = torch.tensor([r.row for r in self.running], dtype=torch.int64)
-        out = torch.empty(len(self.running), dtype=torch.int64)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        out = torch.empty(len(reqs), dtype=torch.int64)
         if need:
             out[needs_page] = self._alloc_pages(need) * ps
-        if need < len(self.running):
+        if need < len(reqs):
             partial = ~needs_page
             out[partial] = self.req_table.host_table[rows[partial], kv_lens[partial] - 1].long() + 1
         self.req_table.host_table[rows, kv_lens] = out.to(torch.int32)
-        for r in self.running:
+        for r in reqs:
             r.kv_len += 1
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
-        return self._build([(r, 1) for r in self.running], out, is_decode=True)
+        return self._build([(r, 1) for r in reqs], out, is_decode=True)
 
     def _retract(self, victim: Req) -> None:
         """Send a request (the one with the least progress) back to the waiting queue; its computed KV
@@ -270,6 +357,7 @@ class Scheduler:
         else:
             self.running.remove(victim)
         self._release(victim)
+        victim.sampled = len(victim.output_ids)
         victim.status = ReqStatus.WAITING
         self.waiting.append(victim)
         self.stats.retractions += 1
@@ -290,15 +378,17 @@ class Scheduler:
         q_start = torch.cumsum(ext, 0) - ext
         total = int(ext.sum())
         if is_decode:
-            input_ids = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+            input_ids: list[int] = []  # the device reads each row's future-token slot
             positions, token_rows = pre, rows
         else:
             input_ids = [t for r, n in entries for t in r.fill_ids[r.kv_len - n : r.kv_len]]
             token_rows = torch.repeat_interleave(rows, ext)
             positions = torch.arange(total) - torch.repeat_interleave(q_start - pre, ext)
-        samples = [r.kv_len == r.seq_len for r in reqs]  # the whole sequence is in KV: sample its next token
+        # the whole sequence is in KV once this batch runs: sample its next token
+        samples = [r.kv_len == len(r.prompt_ids) + r.sampled for r in reqs]
         sample_reqs = [r for r, s in zip(reqs, samples) if s]
-        sample_index = (q_start + ext - 1)[torch.tensor(samples, dtype=torch.bool)]
+        sample_mask = torch.tensor(samples, dtype=torch.bool)
+        sample_index = (q_start + ext - 1)[sample_mask]
         table_writes = None
         if self._table_writes:
             w_rows = torch.cat(
@@ -306,35 +396,37 @@ class Scheduler:
             )
             w_pos = torch.cat([torch.arange(start, start + len(s)) for _, start, s in self._table_writes])
             w_slots = torch.cat([s for _, _, s in self._table_writes])
-            table_writes = tuple(t.to(self.device, non_blocking=True) for t in (w_rows, w_pos, w_slots))
+            table_writes = (w_rows, w_pos, w_slots)
             self._table_writes = []
         penalty_inits, self._penalty_inits = self._penalty_inits, []
         sampling = None
         if sample_reqs:
             sampling = SamplingBatch.build(
                 [r.params for r in sample_reqs],
-                [len(r.output_ids) for r in sample_reqs],
+                [r.sampled for r in sample_reqs],  # counts tokens still in flight
                 [r.row for r in sample_reqs],
                 [r.seed for r in sample_reqs],
-                self.device,
-                vocab_size=self.runner.model_config.vocab_size,
+                "cpu",  # the stream moves the whole batch to the device
+                vocab_size=self.vocab_size,
             )
-        dev = self.device
+            for r in sample_reqs:
+                r.sampled += 1
         fwd = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=positions.to(dev, non_blocking=True),
-            out_slots=out_slots.to(dev, non_blocking=True),
-            token_rows=token_rows.to(dev, non_blocking=True),
-            rows=rows.to(dev, non_blocking=True),
-            prefix_lens=pre.to(dev, non_blocking=True),
-            extend_lens=ext.to(dev, non_blocking=True),
-            q_start=q_start.to(dev, non_blocking=True),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=positions,
+            out_slots=out_slots,
+            token_rows=token_rows,
+            rows=rows,
+            prefix_lens=pre,
+            extend_lens=ext,
+            q_start=q_start,
             max_extend_len=int(ext.max()),
             max_seq_len=int((pre + ext).max()),
             is_decode=is_decode,
-            sample_index=sample_index.to(dev, non_blocking=True),
+            sample_index=sample_index,
+            sample_rows=rows[sample_mask],
             sampling=sampling,
-            table_writes=table_writes,  # type: ignore[arg-type]
+            table_writes=table_writes,
             penalty_inits=penalty_inits,
         )
         if is_decode:
@@ -342,44 +434,39 @@ class Scheduler:
         else:
             self.stats.prefill_batches += 1
             self.stats.prompt_tokens += total
-        return ScheduledBatch(reqs, [n for _, n in entries], samples, fwd, is_decode)
+        return ScheduledBatch(
+            reqs, [n for _, n in entries], samples, [r.kv_len for r in reqs], fwd, is_decode
+        )
 
     # ------------------------------------------------------------------ results
-    def launch(self, batch: ScheduledBatch) -> torch.Tensor:
-        return self.runner.run(batch.forward)
-
     def process(self, batch: ScheduledBatch, next_tokens: list[int]) -> list[Req]:
-        """Fold a batch's sampled tokens into request state; returns the requests that got a token
-        or finished."""
+        """Fold a processed batch's sampled tokens into request state; returns the requests that got a
+        token or finished. A request that finished while the batch was in flight gets no token from it."""
         self.stats.steps += 1
         touched = []
         tokens = iter(next_tokens)
-        for req, samples in zip(batch.reqs, batch.samples):
-            if not samples:  # a non-final chunk: its KV enters the cache now that the forward has written it
-                self._cache_chunk(req)
-                continue
-            tok = next(tokens)
+        for req, samples, kv_after in zip(batch.reqs, batch.samples, batch.kv_after):
+            req.inflight -= 1
+            tok = next(tokens) if samples else None
             if req.finished:
+                self._maybe_release(req)
+                continue
+            if tok is None:  # a non-final chunk: its KV enters the cache now that the forward wrote it
+                self._cache_chunk(req, kv_after)
                 continue
             req.output_ids.append(tok)
             self.stats.generated_tokens += 1
             touched.append(req)
-            if self.chunked is req:
-                self.chunked = None
-            if req.status is not ReqStatus.RUNNING:
-                req.status = ReqStatus.RUNNING
-                self.running.append(req)
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 self._finish(req, reason)
         return touched
 
-    def _cache_chunk(self, req: Req) -> None:
-        if req.finished:
-            return
-        slots = self.req_table.host_table[req.row, : req.kv_len].long()
+    def _cache_chunk(self, req: Req, kv_done: int) -> None:
+        """Share the prompt prefix a processed chunk completed (only KV a finished forward wrote)."""
+        slots = self.req_table.host_table[req.row, :kv_done].long()
         prefix, node, cached_len = cache_unfinished(
-            self.cache, self.allocator, req.fill_ids[: req.kv_len], slots, req.last_node, req.cached_len
+            self.cache, self.allocator, req.fill_ids[:kv_done], slots, req.last_node, req.cached_len
         )
         if cached_len > req.cached_len:
             # the tree may hold other slots for this span (another request inserted it first): read those
@@ -405,13 +492,19 @@ class Scheduler:
     def _finish(self, req: Req, reason: str) -> None:
         if req.status is ReqStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
         if self.chunked is req:
             self.chunked = None
-        if req.row is not None:
-            self._release(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        self._maybe_release(req)
+
+    def _maybe_release(self, req: Req) -> None:
+        """Release a finished request's KV once no launched batch still uses it (exactly once)."""
+        if req.row is not None and req.inflight == 0:
+            self._release(req)
 
     def _release(self, req: Req) -> None:
         """Give back a request's KV (into the prefix cache where it can be reused) and its table row."""
@@ -425,5 +518,5 @@ class Scheduler:
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
         """After a workload drains: every KV page free or in the tree, nothing locked, every row free."""
-        assert not self.has_work(), "requests still in flight"
+        assert not self.has_work(), "requests still pending"
         check_integrity(self.allocator, self.cache, self.req_table)

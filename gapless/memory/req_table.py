@@ -13,14 +13,20 @@ class ReqTable:
     stream order (``apply_writes``), never under a forward that is still reading it.
     """
 
-    def __init__(self, max_rows: int, max_context: int, device: torch.device | str) -> None:
+    def __init__(self, max_rows: int, max_context: int, device: torch.device | str | None) -> None:
+        """`device=None` keeps only the host mirror: the scheduler's copy when the device side (and its
+        table) lives in another process."""
         if max_rows < 1 or max_context < 1:
             raise ValueError(f"need max_rows >= 1 and max_context >= 1, got {max_rows}, {max_context}")
         self.max_rows = max_rows
         self.max_context = max_context
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else None
         # Zero = slot 0 of the reserved page 0: an unwritten entry never points at live KV.
-        self.device_table = torch.zeros((max_rows, max_context), dtype=torch.int32, device=self.device)
+        self.device_table = (
+            torch.zeros((max_rows, max_context), dtype=torch.int32, device=self.device)
+            if device is not None
+            else None
+        )
         self.host_table = torch.zeros((max_rows, max_context), dtype=torch.int32)
         self._free_rows: list[int] = []
         self._is_free: list[bool] = []

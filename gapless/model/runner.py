@@ -21,15 +21,22 @@ from gapless.memory.req_table import ReqTable
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.loader import load_model, resolve_dtype
 from gapless.sampling.sampler import Sampler, SamplingBatch
+from gapless.tensors import dataclass_to_device
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ForwardBatch:
-    """Device inputs of one forward. Requests are contiguous in the flat token dimension, in `rows` order."""
+    """Inputs of one forward, built on the host as CPU tensors; the device stream moves them over.
 
-    input_ids: torch.Tensor  # [T]
+    Requests are contiguous in the flat token dimension, in `rows` order. A decode batch carries no
+    input ids: each request's input is the token its previous batch sampled, which the device keeps in
+    `ModelRunner.token_buf[row]` (the future-token slot). So a decode can be launched before that token
+    ever reaches the host, and stream order guarantees the sampler wrote it first.
+    """
+
+    input_ids: torch.Tensor  # [T] extend tokens; empty in decode (read from the token slots)
     positions: torch.Tensor  # [T]
     out_slots: torch.Tensor  # [T] KV slot each new token is stored in
     token_rows: torch.Tensor  # [T] request-table row of each token
@@ -41,12 +48,27 @@ class ForwardBatch:
     max_seq_len: int
     is_decode: bool
     sample_index: torch.Tensor  # [S] flat index of the tokens whose next token is sampled
+    sample_rows: torch.Tensor  # [S] their rows: where the sampled tokens are kept for the next decode
     sampling: SamplingBatch | None
     # (rows, positions, slots) request-table entries the batch needs besides its own new tokens:
     # prefixes matched in the radix cache
     table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (row, prompt_ids, output_ids) whose sampler penalty state is (re)built before sampling
     penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What the host-side scheduler needs to know of the device side (which may live in another process)."""
+
+    device: str
+    num_pages: int
+    kv_tokens: int
+    max_context: int
+    max_running_requests: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
 
 
 def pick_device(name: str) -> torch.device:
@@ -108,6 +130,10 @@ class ModelRunner:
         self.req_table = ReqTable(cfg.max_running_requests, self.max_context, self.device)
         self.sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, self.device)
         self.backend = TorchRefBackend()
+        # future-token slots: the last sampled token of the request in each row (-1: none yet / consumed)
+        self.token_buf = torch.full((cfg.max_running_requests,), -1, dtype=torch.int64, device=self.device)
+        self.check_future_reads = False  # tests/chaos: consume slots and fail loudly on an unwritten one
+        self.max_running_requests = cfg.max_running_requests
         log.info(
             "KV cache: %d tokens (%.1f MiB), max context %d",
             self.kv_tokens,
@@ -115,9 +141,34 @@ class ModelRunner:
             self.max_context,
         )
 
+    @property
+    def info(self) -> RunnerInfo:
+        mc = self.model_config
+        return RunnerInfo(
+            device=str(self.device),
+            num_pages=self.kv_pool.num_pages,
+            kv_tokens=self.kv_tokens,
+            max_context=self.max_context,
+            max_running_requests=self.max_running_requests,
+            vocab_size=mc.vocab_size,
+            max_position_embeddings=mc.max_position_embeddings,
+            eos_token_ids=mc.eos_token_ids,
+        )
+
+    def _input_ids(self, batch: ForwardBatch) -> torch.Tensor:
+        if not batch.is_decode:
+            return batch.input_ids
+        ids = self.token_buf[batch.rows]
+        if self.check_future_reads:
+            if bool((ids < 0).any()):  # a host sync, only in tests and chaos mode
+                raise RuntimeError(f"decode read an unwritten future-token slot (rows {batch.rows.tolist()})")
+            self.token_buf[batch.rows] = -1
+        return ids
+
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
-        """Apply the batch's table writes and run the decoder; returns hidden states [T, hidden]."""
+        """Apply the batch's table writes and run the decoder; returns hidden states [T, hidden].
+        `batch` must already be on this device."""
         table = self.req_table
         if batch.table_writes is not None:
             table.apply_writes(*batch.table_writes)
@@ -139,11 +190,13 @@ class ModelRunner:
             backend=self.backend,
             attn_state=self.backend.prepare(meta),
         )
-        return self.model(batch.input_ids, ctx)
+        return self.model(self._input_ids(batch), ctx)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """The step's device job: forward, then sample the next token of every request in `sample_index`."""
+        """The step's device job: forward, then sample the next token of every request in `sample_index`
+        and keep it in its row's future-token slot. Returns the sampled tokens (on the device)."""
+        batch = dataclass_to_device(batch, self.device)
         if batch.penalty_inits:  # before any early return: a first chunk samples nothing but must init
             rows, prompts, outputs = zip(*batch.penalty_inits)
             self.sampler.init_rows(list(rows), list(prompts), list(outputs))
@@ -151,4 +204,6 @@ class ModelRunner:
         if batch.sampling is None:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         logits = self.model.logits(hidden[batch.sample_index])
-        return self.sampler.sample(logits, batch.sampling)
+        tokens = self.sampler.sample(logits, batch.sampling)
+        self.token_buf[batch.sample_rows] = tokens
+        return tokens

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gapless import LLM, SamplingParams
+from gapless.tensors import dataclass_to_device
 from gapless.testing import ARCHS
 from gapless.testing.hf_reference import hf_logits, load_hf_model, make_prompts
 
@@ -18,8 +19,9 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
     req = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     batch = eng.scheduler.schedule()
     assert batch is not None and batch.reqs == [req], "the prompt should be prefilled alone, in one batch"
-    logits = eng.runner.model.logits(eng.runner.forward_hidden(batch.forward))
-    eng.scheduler.process(batch, eng.scheduler.launch(batch).tolist())
+    forward = dataclass_to_device(batch.forward, eng.runner.device)
+    logits = eng.runner.model.logits(eng.runner.forward_hidden(forward))
+    eng.scheduler.launch(batch)
     while eng.has_unfinished():
         eng.step()
     return logits, req.cached_tokens
@@ -31,7 +33,10 @@ def test_prefill_and_cached_prefix_logits(ckpt_factory, arch, page_size):
     path = ckpt_factory(arch)
     hf = load_hf_model(path)
     base = make_prompts(hf.config.vocab_size, n=2, seed=7, shared_prefix=40, max_len=60)[0]
-    llm = LLM(str(path), device="cpu", dtype="float32", page_size=page_size, kv_cache_tokens=1024)
+    # in-process device side (overlap off), so the test can call the model directly
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", page_size=page_size, kv_cache_tokens=1024, overlap=False
+    )
 
     ours, cached = prefill_logits(llm, base)
     assert cached == 0

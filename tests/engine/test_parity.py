@@ -38,10 +38,14 @@ def references(ckpt_factory):
 
 
 COMBOS = list(itertools.product(ARCHS, [1, 16], [True, False], [16, 2048], [None, SMALL_KV]))
+# overlap on runs the same scheduler against a device worker thread here (the device process is
+# exercised by tests/engine/test_overlap.py: it costs a process start per engine)
+LOOPS = {"plain": {"overlap": False}, "overlap": {"overlap": True, "cpu_worker": "thread"}}
 
 
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize(("arch", "page_size", "radix", "chunk", "kv"), COMBOS)
-def test_greedy_parity(references, arch, page_size, radix, chunk, kv):
+def test_greedy_parity(references, arch, page_size, radix, chunk, kv, loop):
     path, prompts, refs = references(arch)
     llm = LLM(
         str(path),
@@ -53,6 +57,7 @@ def test_greedy_parity(references, arch, page_size, radix, chunk, kv):
         kv_cache_tokens=kv or 8192,
         max_running_requests=256,
         **RETRACT_EAGERLY if kv == SMALL_KV else {},
+        **LOOPS[loop],
     )
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
