@@ -16,8 +16,20 @@ from gapless.memory.allocator import PageAllocator
 from gapless.memory.radix_cache import PrefixCache, TreeNode
 
 
-def _host_slots(slots: torch.Tensor) -> torch.Tensor:
-    return slots.reshape(-1).to(device="cpu", dtype=torch.int64)
+def _insert_aligned(
+    cache: PrefixCache, tokens: Sequence[int], slots: torch.Tensor, cached_len: int
+) -> tuple[torch.Tensor, int, int]:
+    """Insert the page-aligned part of a request's KV; returns (host slots, aligned length A, P) where
+    P is how much of it the cache already held."""
+    slots = slots.reshape(-1).to(device="cpu", dtype=torch.int64)
+    n = len(tokens)
+    if slots.numel() != n:
+        raise ValueError(f"{n} tokens but {slots.numel()} slots")
+    aligned = n // cache.page_size * cache.page_size
+    present = cache.insert(tokens[:aligned], slots[:aligned])
+    if present < cached_len:
+        raise RuntimeError(f"cache lost part of a locked prefix ({present} < cached_len {cached_len})")
+    return slots, aligned, present
 
 
 def cache_finished(
@@ -37,14 +49,7 @@ def cache_finished(
     With :class:`NoPrefixCache` ``P == A`` and ``cached_len == 0``, so everything is freed. Each page
     the request owned is freed exactly once; afterwards the request owns nothing.
     """
-    slots = _host_slots(slots)
-    n = len(tokens)
-    if slots.numel() != n:
-        raise ValueError(f"{n} tokens but {slots.numel()} slots")
-    aligned = n // cache.page_size * cache.page_size
-    present = cache.insert(tokens[:aligned], slots[:aligned])
-    if present < cached_len:
-        raise RuntimeError(f"cache lost part of a locked prefix ({present} < cached_len {cached_len})")
+    slots, aligned, present = _insert_aligned(cache, tokens, slots, cached_len)
     allocator.free(
         torch.cat([allocator.pages_of(slots[cached_len:present]), allocator.pages_of(slots[aligned:])])
     )
@@ -70,14 +75,7 @@ def cache_unfinished(
     into that page. With :class:`NoPrefixCache` nothing changes hands and ``([], root, 0)`` is
     returned.
     """
-    slots = _host_slots(slots)
-    n = len(tokens)
-    if slots.numel() != n:
-        raise ValueError(f"{n} tokens but {slots.numel()} slots")
-    aligned = n // cache.page_size * cache.page_size
-    present = cache.insert(tokens[:aligned], slots[:aligned])
-    if present < cached_len:
-        raise RuntimeError(f"cache lost part of a locked prefix ({present} < cached_len {cached_len})")
+    slots, aligned, present = _insert_aligned(cache, tokens, slots, cached_len)
     match = cache.match_prefix(tokens[:aligned])
     new_len = match.length
     if new_len < cached_len:
