@@ -14,7 +14,8 @@ def _serve(args: argparse.Namespace) -> int:
     model = args.model or str(default_model_path())
     print("gapless: the HTTP server arrives in a later issue; running an offline generation instead.")
     print(f"gapless: model {model}")
-    with LLM(model, device=args.device) as llm:
+    options = {"overlap": False} if args.disable_overlap else {}  # else the default (and its env switch)
+    with LLM(model, device=args.device, **options) as llm:
         prompts = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "café naïve"]
         t = time.perf_counter()
         outs = llm.generate(
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", default=None, help="Hugging Face checkpoint directory")
     serve.add_argument("--device", default="auto")
     serve.add_argument("--max-tokens", type=int, default=32)
+    serve.add_argument(
+        "--disable-overlap",
+        action="store_true",
+        help="plain loop: process each batch before scheduling the next (also GAPLESS_DISABLE_OVERLAP=1)",
+    )
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)

@@ -33,6 +33,8 @@ class EngineConfig:
         "auto"  # CPU device side: auto (process if overlapping, else inline), inline, thread, process
     )
     device_threads: int | None = None  # torch threads of the device side (None: torch's default)
+    # CPU device process: pin the host to one core and the device to the others (restored on shutdown)
+    cpu_affinity: bool = True
     chaos_seed: int | None = None  # tests: seeded random delays in the device worker and the host loop
     trace_path: str | None = None  # write a Chrome/Perfetto trace of host and device spans here on shutdown
     # scheduler tuning (SGLang's defaults): the expected share of max_tokens a request will really use

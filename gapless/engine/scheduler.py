@@ -59,6 +59,7 @@ class EngineStats:
     cached_prompt_tokens: int = 0  # prompt tokens served from the radix cache
     generated_tokens: int = 0
     retractions: int = 0
+    dropped_tokens: int = 0  # sampled for a request that had finished while the batch was in flight
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -449,6 +450,7 @@ class Scheduler:
             req.inflight -= 1
             tok = next(tokens) if samples else None
             if req.finished:
+                self.stats.dropped_tokens += tok is not None
                 self._maybe_release(req)
                 continue
             if tok is None:  # a non-final chunk: its KV enters the cache now that the forward wrote it

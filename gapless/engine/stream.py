@@ -18,6 +18,7 @@ interleavings deterministically.
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import random
@@ -151,8 +152,12 @@ class ThreadStream:
         self.thread.join(timeout=10)
 
 
-def _device_main(conn: Any, cfg: EngineConfig, chaos_seed: int | None, threads: int | None) -> None:
+def _device_main(
+    conn: Any, cfg: EngineConfig, chaos_seed: int | None, threads: int | None, cpus: set[int] | None = None
+) -> None:
     """The device process: builds the runner, then runs jobs from the pipe until told to stop."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -202,6 +207,20 @@ class ProcessStream:
     asynchronous = True
 
     def __init__(self, cfg: EngineConfig, chaos_seed: int | None = None, threads: int | None = None) -> None:
+        # Host and device on separate cores. Without it, each result the device sends wakes the host
+        # on the device's own core (the kernel's wake-affine placement), and the device waits ~2 ms
+        # a step for the host to yield it back: measured, that bubble was most of the device's idle
+        # time. The host's affinity (and torch threads) are restored by `close()`.
+        self._host_affinity: set[int] | None = None
+        self._host_threads = torch.get_num_threads()
+        device_cpus = None
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if cfg.cpu_affinity and len(cpus) >= 2:
+            self._host_affinity = set(cpus)
+            os.sched_setaffinity(0, {cpus[0]})
+            torch.set_num_threads(1)
+            device_cpus = set(cpus[1:])
+            threads = min(threads or len(device_cpus), len(device_cpus))  # never more threads than cores
         # A fresh interpreter running this module (not multiprocessing's spawn/forkserver, which
         # re-import the user's main script in the child), connected by a socketpair.
         ours, theirs = socket.socketpair()
@@ -210,7 +229,7 @@ class ProcessStream:
         )
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send_bytes(pickle.dumps((cfg, chaos_seed, threads)))
+        self.conn.send_bytes(pickle.dumps((cfg, chaos_seed, threads, device_cpus)))
         self._next_id = 0
         self._done: dict[int, tuple[list[int], float, float]] = {}
         _, self.info = self._recv()
@@ -231,7 +250,12 @@ class ProcessStream:
     def submit(self, batch: ForwardBatch) -> Pending:
         job_id = self._next_id
         self._next_id += 1
-        self.conn.send_bytes(pickle.dumps(("run", job_id, to_numpy(batch)), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            self.conn.send_bytes(
+                pickle.dumps(("run", job_id, to_numpy(batch)), protocol=pickle.HIGHEST_PROTOCOL)
+            )
+        except OSError as e:
+            raise RuntimeError(f"device process died (exit code {self._exit_code()})") from e
         return _ProcessPending(self, job_id, time.perf_counter())
 
     def _wait(self, job_id: int) -> tuple[list[int], float, float]:
@@ -258,6 +282,10 @@ class ProcessStream:
                 self.proc.kill()
                 self.proc.wait()
         self.conn.close()
+        if self._host_affinity is not None:
+            os.sched_setaffinity(0, self._host_affinity)
+            torch.set_num_threads(self._host_threads)
+            self._host_affinity = None
 
 
 class _CudaPending:
@@ -304,16 +332,22 @@ class CudaStream:
         self.forward_stream.synchronize()
 
 
+MIN_CORES_FOR_DEVICE_PROCESS = 4
+
+
 def make_stream(cfg: EngineConfig) -> tuple[DeviceStream, ModelRunner | None]:
     """The stream this config asks for; also the in-process runner, when there is one.
 
     On CUDA it is always `CudaStream`. On the CPU, `cpu_worker="auto"` picks the device process when
-    overlapping and the inline stream otherwise.
+    overlapping on a machine with at least `MIN_CORES_FOR_DEVICE_PROCESS` cores, and the inline stream
+    otherwise: the device process needs a core of its own for the host, and on 2 cores the device's
+    compute loses more by giving one up than overlap hides (measured: README, "Why a device process").
     """
     chaos = Chaos(cfg.chaos_seed) if cfg.chaos_seed is not None else None
     worker = cfg.cpu_worker
     if worker == "auto":
-        worker = "process" if cfg.overlap else "inline"
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        worker = "process" if cfg.overlap and cores >= MIN_CORES_FOR_DEVICE_PROCESS else "inline"
     on_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if worker == "process" and not on_cuda:
         return ProcessStream(cfg, cfg.chaos_seed, cfg.device_threads), None
@@ -333,9 +367,9 @@ def _device_process_entry(fd: int) -> None:
     when to stop it) and exits when told to or when the host's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
-    cfg, chaos_seed, threads = pickle.loads(conn.recv_bytes())
+    cfg, chaos_seed, threads, cpus = pickle.loads(conn.recv_bytes())
     try:
-        _device_main(conn, cfg, chaos_seed, threads)
+        _device_main(conn, cfg, chaos_seed, threads, cpus)
     except (EOFError, OSError):
         pass  # the host went away
 
