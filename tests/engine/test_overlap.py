@@ -1,0 +1,193 @@
+"""Overlap scheduling: race safety under chaos, abort at every stage, finish while in flight,
+future-token slots, the device process, the bubble meter and the trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from gapless import LLM, SamplingParams
+from gapless.config import EngineConfig
+from gapless.engine.meter import BubbleMeter
+from gapless.engine.request import ReqStatus
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+BACKGROUND = [[5, 6, 7], [9] * 20, list(range(30, 70)), [11, 12]]
+TARGET = list(range(100, 180))  # 80 tokens: 5 chunks of 16
+
+
+@pytest.fixture(scope="module")
+def qwen3(ckpt_factory):
+    return str(ckpt_factory("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3):
+    """Outputs of the background requests and of the target, run alone without overlap."""
+    with LLM(qwen3, device="cpu", overlap=False, kv_cache_tokens=2048) as llm:
+        outs = llm.generate(BACKGROUND + [TARGET], GREEDY, use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+def overlap_llm(path: str, chaos_seed: int, worker: str = "thread", **kw) -> LLM:
+    return LLM(
+        path,
+        device="cpu",
+        overlap=True,
+        cpu_worker=worker,
+        chaos_seed=chaos_seed,
+        chunked_prefill_size=16,
+        kv_cache_tokens=2048,
+        **kw,
+    )
+
+
+# Where in its life the target is when the abort arrives; each is a predicate on its state after a step.
+STAGES = {
+    "waiting": lambda r: True,  # before any step
+    "mid_chunked_prefill": lambda r: r.status is ReqStatus.PREFILL and 16 < r.kv_len < 64,
+    "last_chunk_in_flight": lambda r: r.status is ReqStatus.RUNNING and r.inflight > 0 and not r.output_ids,
+    "decode_in_flight": lambda r: len(r.output_ids) >= 2 and r.inflight > 0,
+    "last_token_in_flight": lambda r: r.sampled == r.params.max_tokens and r.inflight > 0 and not r.finished,
+}
+
+
+@pytest.mark.parametrize("chaos_seed", [0, 1, 2])
+@pytest.mark.parametrize("stage", STAGES)
+def test_abort_at_every_stage(qwen3, reference, stage, chaos_seed):
+    with overlap_llm(qwen3, chaos_seed) as llm:
+        eng = llm.engine
+        bg = [eng.add_request(p, GREEDY) for p in BACKGROUND]
+        target = eng.add_request(TARGET, GREEDY)
+        if stage != "waiting":
+            for _ in range(200):
+                eng.step()
+                if STAGES[stage](target):
+                    break
+            else:
+                pytest.fail(f"target never reached stage {stage}")
+        eng.abort(target.rid)
+        while eng.has_unfinished():
+            eng.step()
+        assert target.finish_reason == "abort"
+        assert len(target.output_ids) < GREEDY.max_tokens  # the in-flight token is never emitted
+        assert target.output_ids == reference[-1][: len(target.output_ids)]
+        assert [r.output_ids for r in bg] == reference[:-1]
+        llm.check_integrity()
+
+
+@pytest.mark.parametrize("chaos_seed", [0, 1, 2])
+def test_finish_while_in_flight_emits_nothing_more(qwen3, reference, chaos_seed):
+    """A stop token ends a request while the next batch (launched before the host saw the token) still
+    holds it: no extra token, KV and row freed exactly once, and an abort after that is a no-op."""
+    stop_at = {i: ref[4] for i, ref in enumerate(reference[:-1])}
+    with overlap_llm(qwen3, chaos_seed) as llm:
+        eng = llm.engine
+        reqs = [
+            eng.add_request(p, SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at[i]]))
+            for i, p in enumerate(BACKGROUND)
+        ]
+        aborted_late = False
+        while eng.has_unfinished():
+            eng.step()
+            for r in reqs:
+                if r.finished and r.inflight > 0:  # finished, its in-flight batch not processed yet
+                    eng.abort(r.rid)
+                    aborted_late = True
+        for r, ref in zip(reqs, reference):
+            expected = ref[: ref.index(stop_at[reqs.index(r)]) + 1]
+            assert r.output_ids == expected and r.finish_reason == "stop"
+        assert eng.stats.dropped_tokens > 0, "no request finished while a batch still held it"
+        assert aborted_late
+        llm.check_integrity()
+
+
+def test_device_process_with_chaos_matches_reference(qwen3, reference):
+    with overlap_llm(qwen3, chaos_seed=7, worker="process") as llm:
+        outs = llm.generate(BACKGROUND + [TARGET], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == reference
+        stats = llm.engine.step_stats()
+        assert stats.device_jobs > 0 and 0.0 <= stats.device_idle_fraction < 1.0
+        llm.check_integrity()
+
+
+def test_seeded_sampling_same_with_and_without_overlap(qwen3):
+    params = [
+        SamplingParams(
+            max_tokens=12, temperature=1.0, top_p=0.9, seed=i, frequency_penalty=0.5, ignore_eos=True
+        )
+        for i in range(len(BACKGROUND))
+    ]
+    with LLM(qwen3, device="cpu", overlap=False, kv_cache_tokens=2048) as plain:
+        ref = [o.token_ids for o in plain.generate(BACKGROUND, params, use_tqdm=False)]
+    for worker in ("thread", "process"):
+        with overlap_llm(qwen3, chaos_seed=3, worker=worker) as llm:
+            assert [o.token_ids for o in llm.generate(BACKGROUND, params, use_tqdm=False)] == ref
+
+
+def test_reading_an_unwritten_future_slot_fails_loudly(qwen3):
+    with LLM(qwen3, device="cpu", overlap=False, kv_cache_tokens=512) as llm:
+        eng = llm.engine
+        eng.runner.check_future_reads = True
+        req = eng.add_request([5, 6, 7], GREEDY)
+        eng.step()  # prefill: samples the first token into the row's slot
+        eng.step()  # decode: consumes it (slot marked invalid), samples the next
+        eng.runner.token_buf[req.row] = -1  # as if the sampler had not written it
+        with pytest.raises(RuntimeError, match="unwritten future-token slot"):
+            eng.step()
+
+
+def test_device_process_death_is_an_error_not_a_hang(qwen3):
+    llm = overlap_llm(qwen3, chaos_seed=None, worker="process")
+    proc = llm.engine.stream.proc
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)  # dead before the send (the other order, dying mid-job, is the recv path)
+    with pytest.raises(RuntimeError, match="device process died"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+
+
+def test_bad_checkpoint_error_comes_back_from_the_device_process(tmp_path, qwen3):
+    import shutil
+
+    ckpt = tmp_path / "bad"
+    shutil.copytree(qwen3, ckpt)
+    for f in ckpt.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        overlap_llm(str(ckpt), chaos_seed=None, worker="process")
+
+
+def test_overlap_switch(monkeypatch):
+    assert EngineConfig("m").overlap is True
+    monkeypatch.setenv("GAPLESS_DISABLE_OVERLAP", "1")
+    assert EngineConfig("m").overlap is False
+    assert EngineConfig("m", overlap=True).overlap is True
+
+
+def test_bubble_meter_counts_gaps_only_while_work_is_pending():
+    m = BubbleMeter(keep_trace=True)
+    m.job("extend", 0.0, 1.0)
+    m.job("decode", 1.5, 2.5)  # 0.5 s bubble
+    m.host_span("schedule", 2.5, 2.7)
+    m.step_done()
+    m.went_idle()
+    m.job("decode", 10.0, 11.0)  # after an idle period: not a bubble
+    st = m.stats()
+    assert st.device_jobs == 3 and st.device_busy_s == pytest.approx(3.0)
+    assert st.device_idle_s == pytest.approx(0.5)
+    assert st.device_idle_fraction == pytest.approx(0.5 / 3.5)
+    assert st.mean_host_ms_per_step == pytest.approx(200.0)
+
+
+def test_trace_has_host_and_device_spans(tmp_path, qwen3):
+    trace = tmp_path / "trace.json"
+    with overlap_llm(qwen3, chaos_seed=None, trace_path=str(trace)) as llm:
+        llm.generate(BACKGROUND, GREEDY, use_tqdm=False)
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == {1, 2}
+    assert any(e["name"] == "decode" for e in spans) and any(e["name"] == "process" for e in spans)
+    assert all(e["dur"] >= 0 for e in spans)
