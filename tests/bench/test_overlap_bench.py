@@ -1,0 +1,67 @@
+"""The overlap benchmark and the timeline drawing run end to end on tiny settings."""
+
+from __future__ import annotations
+
+import json
+
+from PIL import Image
+
+from gapless.bench import overlap, timeline
+
+
+def test_overlap_bench_smoke(tmp_path):
+    res = overlap.main(
+        [
+            "--size",
+            "tiny",
+            "--num-seqs",
+            "8",
+            "--max-running",
+            "4",
+            "--input",
+            "4",
+            "8",
+            "--output",
+            "4",
+            "8",
+            "--threads",
+            "1",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    for mode in overlap.MODES:
+        s = res["summary"][mode]
+        assert s["tok_s"] > 0 and 0.0 <= s["device_idle_fraction"] < 1.0 and s["host_ms_per_step"] > 0
+    assert res["ratio"] > 0 and res["ideal_ratio"] >= 1.0
+    assert json.loads((tmp_path / "overlap.json").read_text())["summary"].keys() == overlap.MODES.keys()
+    assert Image.open(tmp_path / "timeline.png").size[0] > 1000
+
+
+def test_timeline_draws_spans_where_they_are(tmp_path):
+    trace = {
+        "traceEvents": [
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "host"}},
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "device"}},
+            {"name": "decode", "ph": "X", "pid": 1, "tid": 2, "ts": 0, "dur": 50_000},  # 0-50 ms
+            {"name": "process", "ph": "X", "pid": 1, "tid": 1, "ts": 50_000, "dur": 50_000},  # 50-100 ms
+        ]
+    }
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    out = tmp_path / "t.png"
+    timeline.draw([("t", path)], out, window_ms=100)
+    img = Image.open(out).convert("RGB")
+    row_y = 10 + 20  # first row (host) of the first panel
+    left_quarter = timeline.LEFT + timeline.WIDTH // 4
+    right_quarter = timeline.LEFT + 3 * timeline.WIDTH // 4
+    host_mid, dev_mid = (
+        row_y + timeline.ROW_H // 2,
+        row_y + timeline.ROW_H + timeline.GAP + timeline.ROW_H // 2,
+    )
+    assert img.getpixel((left_quarter, dev_mid)) == timeline.COLORS["decode"]
+    assert img.getpixel((right_quarter, dev_mid)) == (255, 255, 255)
+    assert img.getpixel((right_quarter, host_mid)) == timeline.COLORS["process"]
+    assert img.getpixel((left_quarter, host_mid)) == (255, 255, 255)
