@@ -104,13 +104,10 @@ class Engine:
     def step(self) -> list[Req]:
         """Run one scheduler step; returns the requests that got a token or finished in it."""
         sched = self.scheduler
-        launched = sched.stats.prefill_batches + sched.stats.decode_batches
+        before = (sched.stats.prefill_batches + sched.stats.decode_batches, sched.stats.steps)
         updated = sched.step()
-        if (
-            not updated
-            and sched.has_work()
-            and launched == sched.stats.prefill_batches + sched.stats.decode_batches
-        ):
+        after = (sched.stats.prefill_batches + sched.stats.decode_batches, sched.stats.steps)
+        if not updated and before == after and sched.has_work():  # nothing launched, nothing processed
             raise RuntimeError("scheduler stalled: requests are queued but none can be scheduled")
         for req in updated:
             if req.finished:
@@ -132,13 +129,16 @@ class Engine:
         self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
+        """Abort what is left, write the trace if asked, and stop the device side (even if draining fails)."""
         if self._closed:
             return
-        for rid in list(self.reqs):
-            self.abort(rid)
-        while self.has_unfinished():
-            self.step()
-        if self.cfg.trace_path:
-            self.scheduler.meter.write_trace(self.cfg.trace_path)
-        self.stream.close()
         self._closed = True
+        try:
+            for rid in list(self.reqs):
+                self.abort(rid)
+            while self.has_unfinished():
+                self.step()
+            if self.cfg.trace_path:
+                self.scheduler.meter.write_trace(self.cfg.trace_path)
+        finally:
+            self.stream.close()

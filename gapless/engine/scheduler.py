@@ -116,7 +116,7 @@ class Scheduler:
         if self.chaos:
             self.chaos.delay()
         updated = self.abort_pending()
-        batch = self.schedule()
+        batch = self.schedule()  # (a retraction's drain, rare, lands in this span too)
         t1 = time.perf_counter()
         self.meter.host_span("schedule", t0, t1)
         if batch is not None:

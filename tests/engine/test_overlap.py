@@ -147,6 +147,8 @@ def test_device_process_death_is_an_error_not_a_hang(qwen3):
     proc.wait(timeout=10)  # dead before the send (the other order, dying mid-job, is the recv path)
     with pytest.raises(RuntimeError, match="device process died"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    llm.shutdown()  # nothing left to drain: it closes the stream
+    assert llm.engine.stream.conn.closed
 
 
 def test_bad_checkpoint_error_comes_back_from_the_device_process(tmp_path, qwen3):
