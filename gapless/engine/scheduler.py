@@ -222,7 +222,8 @@ class Scheduler:
                     self._start_decoding(req)
         if self.chunked is None and not entries:
             for req in self._order_waiting():
-                if budget <= 0 or self._num_active() + len(entries) >= self.cfg.max_running_requests:
+                # admitted requests count at once: they join `running` (or become `chunked`) here
+                if budget <= 0 or self._num_active() >= self.cfg.max_running_requests:
                     break
                 if self.req_table.num_free == 0:
                     break

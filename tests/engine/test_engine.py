@@ -265,3 +265,24 @@ def test_integrity_check_catches_a_leak(llm):
         llm.check_integrity()
     llm.engine.scheduler.allocator.free(leaked)
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_max_running_requests_is_respected_and_reached(qwen3, overlap):
+    with LLM(
+        qwen3,
+        device="cpu",
+        kv_cache_tokens=4096,
+        max_running_requests=3,
+        overlap=overlap,
+        cpu_worker="thread",
+    ) as llm:
+        eng = llm.engine
+        for i in range(8):
+            eng.add_request([5 + i, 6, 7], GREEDY)
+        eng.step()
+        assert len(eng.scheduler.running) == 3, "one prefill batch admits up to the cap"
+        while eng.has_unfinished():
+            eng.step()
+            assert len(eng.scheduler.running) + (eng.scheduler.chunked is not None) <= 3
+        llm.check_integrity()
