@@ -17,7 +17,9 @@ from gapless.attention.base import AttentionMetadata
 
 @dataclass
 class _State:
-    slots: torch.Tensor  # [B, S] int64 KV slots (padding -> slot 0, masked out)
+    slots: torch.Tensor  # [B * S] int64 KV slots, row-major (padding -> slot 0, masked out)
+    batch: int
+    seq: int
     q_index: torch.Tensor  # [B, Q] index into the flat token dimension (padding -> 0)
     q_valid: torch.Tensor  # [B, Q] bool
     mask: torch.Tensor  # [B, 1, Q, S] bool, True = may attend
@@ -40,15 +42,25 @@ class TorchRefBackend:
         mask = mask | (~q_valid[:, :, None] & (key_pos == 0)[None, None, :])
         slots = meta.req_table[meta.rows, :S].long()
         slots = torch.where(key_pos[None, :] < seq_lens[:, None], slots, 0)
-        return _State(slots=slots, q_index=q_index, q_valid=q_valid, mask=mask.unsqueeze(1))
+        return _State(
+            slots=slots.reshape(-1),
+            batch=meta.batch_size,
+            seq=S,
+            q_index=q_index,
+            q_valid=q_valid,
+            mask=mask.unsqueeze(1),
+        )
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, state: _State, scale: float
     ) -> torch.Tensor:
-        B, S = state.slots.shape
+        B, S = state.batch, state.seq
         qp = q[state.q_index].transpose(1, 2)  # [B, H, Q, d]
-        k = k_cache[state.slots].transpose(1, 2)  # [B, KVH, S, d]
-        v = v_cache[state.slots].transpose(1, 2)
+        # index_select on a flat index: ~3x faster than advanced indexing with a [B, S] index on CPU
+        k = (
+            k_cache.index_select(0, state.slots).view(B, S, *k_cache.shape[1:]).transpose(1, 2)
+        )  # [B, KVH, S, d]
+        v = v_cache.index_select(0, state.slots).view(B, S, *v_cache.shape[1:]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             qp, k, v, attn_mask=state.mask, scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
         )
