@@ -80,6 +80,10 @@ class LLM:
             cached_tokens=req.cached_tokens or 0,
         )
 
+    def get_stats(self) -> dict[str, float | int]:
+        """Steps, tokens, device idle fraction, mean host time per step, ... since the engine started."""
+        return self.engine.get_stats()
+
     def check_integrity(self) -> None:
         self.engine.check_integrity()
 

@@ -125,6 +125,26 @@ class Engine:
         """Bubble meter: steps, device busy/idle time, host time per step (since the last reset)."""
         return self.scheduler.meter.stats()
 
+    def get_stats(self) -> dict[str, float | int]:
+        """Engine counters and the bubble meter in one flat dict: steps, tokens, device idle fraction,
+        mean host time per step, ..."""
+        st, m = self.scheduler.stats, self.step_stats()
+        return {
+            "steps": m.steps,
+            "prefill_batches": st.prefill_batches,
+            "decode_batches": st.decode_batches,
+            "prompt_tokens": st.prompt_tokens,
+            "cached_prompt_tokens": st.cached_prompt_tokens,
+            "generated_tokens": st.generated_tokens,
+            "retractions": st.retractions,
+            "dropped_tokens": st.dropped_tokens,
+            "device_busy_s": m.device_busy_s,
+            "device_idle_s": m.device_idle_s,
+            "device_idle_fraction": m.device_idle_fraction,
+            "mean_host_ms_per_step": m.mean_host_ms_per_step,
+            "mean_device_ms_per_job": m.mean_device_ms_per_job,
+        }
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 

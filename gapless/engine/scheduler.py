@@ -279,7 +279,9 @@ class Scheduler:
         if match.length:
             self._write_table(row, 0, match.slots)
         if req.params.has_penalties:
-            self._penalty_inits.append((row, req.prompt_ids, list(req.output_ids)))
+            self._penalty_inits.append(
+                (row, list(req.prompt_ids), list(req.output_ids))
+            )  # copies: see #8056 test
 
     def _write_table(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Host mirror now; the device table in stream order, with the next launched batch."""
