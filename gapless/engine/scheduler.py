@@ -37,7 +37,7 @@ from gapless.engine.request import Req, ReqStatus
 from gapless.engine.stream import Chaos, DeviceStream, Pending
 from gapless.memory.allocator import PageAllocator
 from gapless.memory.integrity import check_integrity
-from gapless.memory.prefix_cache import cache_finished, cache_unfinished
+from gapless.memory.prefix_cache import alloc_pages, cache_finished, cache_unfinished
 from gapless.memory.radix_cache import NoPrefixCache, RadixCache
 from gapless.memory.req_table import ReqTable
 from gapless.model.runner import ForwardBatch
@@ -289,10 +289,7 @@ class Scheduler:
         self._table_writes.append((row, start, slots))
 
     def _alloc_pages(self, n: int) -> torch.Tensor:
-        short = n - self.allocator.num_free_pages
-        if short > 0:
-            self.cache.evict(short * self.page_size)
-        pages = self.allocator.alloc(n)
+        pages = alloc_pages(self.allocator, self.cache, n)  # evicts unlocked cache leaves as needed
         assert pages is not None, "scheduler admitted more KV than the pool holds"
         return pages
 

@@ -78,10 +78,3 @@ class ReqTable:
         positions = positions.to(self.device, torch.int64, non_blocking=True)
         slots = slots.to(self.device, torch.int32, non_blocking=True)
         self.device_table.index_put_((rows, positions), slots)
-
-    def write_device_row(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """Device table: one contiguous run ``device_table[row, start:start + n] = slots`` (stream order)."""
-        end = start + slots.numel()
-        if end > self.max_context:
-            raise ValueError(f"positions [{start}, {end}) exceed max_context {self.max_context}")
-        self.device_table[row, start:end].copy_(slots.reshape(-1), non_blocking=True)

@@ -53,12 +53,3 @@ def test_apply_writes_scatters_into_the_device_table(device: str) -> None:
     t.apply_writes(torch.tensor([0]), torch.tensor([0]), torch.tensor([5]))  # host tensors are moved
     assert int(t.device_table[0, 0]) == 5
     assert not bool(t.host_table.any())
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_write_device_row(device: str) -> None:
-    t = ReqTable(2, 5, device)
-    t.write_device_row(1, 1, torch.tensor([4, 5, 6]))
-    assert t.device_table.cpu().tolist() == [[0] * 5, [0, 4, 5, 6, 0]]
-    with pytest.raises(ValueError):
-        t.write_device_row(0, 4, torch.tensor([1, 2]))
