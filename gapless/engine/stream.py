@@ -229,10 +229,14 @@ class ProcessStream:
         )
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send_bytes(pickle.dumps((cfg, chaos_seed, threads, device_cpus)))
         self._next_id = 0
         self._done: dict[int, tuple[list[int], float, float]] = {}
-        _, self.info = self._recv()
+        try:
+            self.conn.send_bytes(pickle.dumps((cfg, chaos_seed, threads, device_cpus)))
+            _, self.info = self._recv()
+        except BaseException:
+            self.close()  # a failed start leaves no process behind and the host's affinity as it was
+            raise
 
     def _recv(self) -> tuple:
         try:

@@ -160,8 +160,10 @@ def test_bad_checkpoint_error_comes_back_from_the_device_process(tmp_path, qwen3
     shutil.copytree(qwen3, ckpt)
     for f in ckpt.glob("*.safetensors"):
         f.unlink()
+    affinity = os.sched_getaffinity(0)
     with pytest.raises(FileNotFoundError, match="safetensors"):
         overlap_llm(str(ckpt), chaos_seed=None, worker="process")
+    assert os.sched_getaffinity(0) == affinity  # the failed start gave the host its cores back
 
 
 def test_overlap_switch(monkeypatch):
