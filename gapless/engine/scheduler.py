@@ -68,7 +68,6 @@ class ScheduledBatch:
     """Host view of a launched batch: which requests, and which of them sample a token."""
 
     reqs: list[Req]
-    extend_lens: list[int]
     samples: list[bool]  # False for a non-final chunk of a chunked prefill
     kv_after: list[int]  # each request's kv_len once this batch has run
     forward: ForwardBatch
@@ -435,9 +434,7 @@ class Scheduler:
         else:
             self.stats.prefill_batches += 1
             self.stats.prompt_tokens += total
-        return ScheduledBatch(
-            reqs, [n for _, n in entries], samples, [r.kv_len for r in reqs], fwd, is_decode
-        )
+        return ScheduledBatch(reqs, samples, [r.kv_len for r in reqs], fwd, is_decode)
 
     # ------------------------------------------------------------------ results
     def process(self, batch: ScheduledBatch, next_tokens: list[int]) -> list[Req]:
