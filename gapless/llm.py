@@ -23,6 +23,9 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     cached_tokens: int
+    # with SamplingParams.logprobs: per token, its logprob, and the top (token id, logprob) pairs
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class LLM:
@@ -78,6 +81,8 @@ class LLM:
             token_ids=list(req.output_ids),
             finish_reason=req.finish_reason or "abort",
             cached_tokens=req.cached_tokens or 0,
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            top_logprobs=list(req.output_top_logprobs) if req.params.logprobs is not None else None,
         )
 
     def get_stats(self) -> dict[str, float | int]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 # Below this temperature the softmax is a point mass for any realistic logit gap, and dividing by it
 # risks overflowing to inf; vLLM uses the same cut-off to switch to greedy decoding.
 GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
 def _real(name: str, value: object) -> float:
@@ -57,6 +58,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    # None: no logprobs; k >= 0: the sampled token's logprob and the k most likely tokens' (raw model
+    # distribution, before penalties, temperature and filters, as vLLM returns them)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = _integer("max_tokens", self.max_tokens)
@@ -95,6 +99,10 @@ class SamplingParams:
         self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

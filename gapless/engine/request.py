@@ -25,6 +25,9 @@ class Req:
     arrival: int  # admission order, for fcfs and tie-breaks
     stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
     output_ids: list[int] = field(default_factory=list)
+    # with params.logprobs set: per output token, its logprob and the top (token, logprob) pairs
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     # KV ownership: positions [0, kv_len) have slots in the request-table row; [0, cached_len) of them
     # belong to the radix tree and are pinned through `last_node`.

@@ -41,7 +41,7 @@ from gapless.memory.prefix_cache import alloc_pages, cache_finished, cache_unfin
 from gapless.memory.radix_cache import NoPrefixCache, RadixCache
 from gapless.memory.req_table import ReqTable
 from gapless.model.runner import ForwardBatch
-from gapless.sampling.sampler import SamplingBatch
+from gapless.sampling.sampler import HostSamples, SamplingBatch
 
 log = logging.getLogger(__name__)
 
@@ -437,15 +437,16 @@ class Scheduler:
         return ScheduledBatch(reqs, samples, [r.kv_len for r in reqs], fwd, is_decode)
 
     # ------------------------------------------------------------------ results
-    def process(self, batch: ScheduledBatch, next_tokens: list[int]) -> list[Req]:
+    def process(self, batch: ScheduledBatch, samples: HostSamples) -> list[Req]:
         """Fold a processed batch's sampled tokens into request state; returns the requests that got a
         token or finished. A request that finished while the batch was in flight gets no token from it."""
         self.stats.steps += 1
         touched = []
-        tokens = iter(next_tokens)
-        for req, samples, kv_after in zip(batch.reqs, batch.samples, batch.kv_after):
+        i = -1  # index of the request's sample in `samples`
+        for req, sampled, kv_after in zip(batch.reqs, batch.samples, batch.kv_after):
             req.inflight -= 1
-            tok = next(tokens) if samples else None
+            i += sampled
+            tok = samples.tokens[i] if sampled else None
             if req.finished:
                 self.stats.dropped_tokens += tok is not None
                 self._maybe_release(req)
@@ -454,6 +455,9 @@ class Scheduler:
                 self._cache_chunk(req, kv_after)
                 continue
             req.output_ids.append(tok)
+            if req.params.logprobs is not None and samples.logprobs is not None:
+                req.output_logprobs.append(samples.logprobs[i])
+                req.output_top_logprobs.append(samples.top[i][: req.params.logprobs])
             self.stats.generated_tokens += 1
             touched.append(req)
             reason = self._stop_reason(req, tok)

@@ -1,6 +1,6 @@
 """The device stream: where forward jobs run, in submission order, while the host goes on.
 
-One interface, `submit(batch) -> Pending` and `Pending.result() -> (tokens, timing)`, and four
+One interface, `submit(batch) -> Pending` and `Pending.result() -> (samples, timing)`, and four
 implementations the scheduler cannot tell apart:
 
 - `InlineStream`: runs the job in the caller's thread at submit (the plain loop; debugging).
@@ -38,6 +38,7 @@ import torch
 
 from gapless.config import EngineConfig
 from gapless.model.runner import ForwardBatch, ModelRunner, RunnerInfo
+from gapless.sampling.sampler import HostSamples, SampleOutput
 from gapless.tensors import dataclass_to_device, from_numpy, to_numpy
 
 
@@ -66,7 +67,7 @@ class Chaos:
 
 
 class Pending(Protocol):
-    def result(self) -> tuple[list[int], JobTiming]:
+    def result(self) -> tuple[HostSamples, JobTiming]:
         """Wait for the job (the one deliberate host wait of the step loop); its sampled tokens."""
 
 
@@ -79,11 +80,13 @@ class DeviceStream(Protocol):
     def close(self) -> None: ...
 
 
-def _run_job(runner: ModelRunner, batch: ForwardBatch, chaos: Chaos | None) -> tuple[list[int], float, float]:
+def _run_job(
+    runner: ModelRunner, batch: ForwardBatch, chaos: Chaos | None
+) -> tuple[HostSamples, float, float]:
     if chaos:
         chaos.delay()
     start = time.perf_counter()
-    tokens = runner.run(batch).tolist()
+    tokens = HostSamples.from_tensors(runner.run(batch))
     end = time.perf_counter()
     if chaos:
         chaos.delay()
@@ -91,10 +94,10 @@ def _run_job(runner: ModelRunner, batch: ForwardBatch, chaos: Chaos | None) -> t
 
 
 class _Done:
-    def __init__(self, tokens: list[int], timing: JobTiming) -> None:
+    def __init__(self, tokens: HostSamples, timing: JobTiming) -> None:
         self._value = (tokens, timing)
 
-    def result(self) -> tuple[list[int], JobTiming]:
+    def result(self) -> tuple[HostSamples, JobTiming]:
         return self._value
 
 
@@ -117,7 +120,7 @@ class _FuturePending:
     def __init__(self, fut: Future, submit: float) -> None:
         self.fut, self.submit = fut, submit
 
-    def result(self) -> tuple[list[int], JobTiming]:
+    def result(self) -> tuple[HostSamples, JobTiming]:
         tokens, start, end = self.fut.result()
         return tokens, JobTiming(self.submit, start, end)
 
@@ -195,7 +198,7 @@ class _ProcessPending:
     def __init__(self, stream: ProcessStream, job_id: int, submit: float) -> None:
         self.stream, self.job_id, self.submit = stream, job_id, submit
 
-    def result(self) -> tuple[list[int], JobTiming]:
+    def result(self) -> tuple[HostSamples, JobTiming]:
         tokens, start, end = self.stream._wait(self.job_id)
         return tokens, JobTiming(self.submit, start, end)
 
@@ -230,7 +233,7 @@ class ProcessStream:
         theirs.close()
         self.conn = Connection(ours.detach())
         self._next_id = 0
-        self._done: dict[int, tuple[list[int], float, float]] = {}
+        self._done: dict[int, tuple[HostSamples, float, float]] = {}
         try:
             self.conn.send_bytes(pickle.dumps((cfg, chaos_seed, threads, device_cpus)))
             _, self.info = self._recv()
@@ -262,7 +265,7 @@ class ProcessStream:
             raise RuntimeError(f"device process died (exit code {self._exit_code()})") from e
         return _ProcessPending(self, job_id, time.perf_counter())
 
-    def _wait(self, job_id: int) -> tuple[list[int], float, float]:
+    def _wait(self, job_id: int) -> tuple[HostSamples, float, float]:
         while job_id not in self._done:
             _, done_id, tokens, start, end = self._recv()
             self._done[done_id] = (tokens, start, end)
@@ -293,15 +296,17 @@ class ProcessStream:
 
 
 class _CudaPending:
-    def __init__(self, host_tokens: torch.Tensor, done: Any, start: Any, submit: float) -> None:
-        self.host_tokens, self.done, self.start, self.submit = host_tokens, done, start, submit
+    def __init__(
+        self, out: SampleOutput, host: list[torch.Tensor], done: Any, start: Any, submit: float
+    ) -> None:
+        self.out, self.host, self.done, self.start, self.submit = out, host, done, start, submit
 
-    def result(self) -> tuple[list[int], JobTiming]:
+    def result(self) -> tuple[HostSamples, JobTiming]:
         self.done.synchronize()
         # device times from events, placed on the host clock by the wait's end
         end = time.perf_counter()
         dur = self.start.elapsed_time(self.done) / 1e3
-        return self.host_tokens.tolist(), JobTiming(self.submit, end - dur, end)
+        return HostSamples.from_tensors(self.out, self.host), JobTiming(self.submit, end - dur, end)
 
 
 class CudaStream:
@@ -326,11 +331,13 @@ class CudaStream:
             # inputs are allocated and copied (non-blocking, from pinned memory) on the forward stream,
             # so the caching allocator never hands their memory out while the forward may read it
             batch = dataclass_to_device(batch, self.runner.device)
-            tokens = self.runner.run(batch)
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            out = self.runner.run(batch)
+            host = []
+            for t in out.tensors():
+                host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+                host[-1].copy_(t, non_blocking=True)
             done.record()
-        return _CudaPending(host, done, start, submit)
+        return _CudaPending(out, host, done, start, submit)
 
     def close(self) -> None:
         self.forward_stream.synchronize()

@@ -20,7 +20,7 @@ from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.loader import load_model, resolve_dtype
-from gapless.sampling.sampler import Sampler, SamplingBatch
+from gapless.sampling.sampler import SampleOutput, Sampler, SamplingBatch, compute_logprobs
 from gapless.tensors import dataclass_to_device
 
 log = logging.getLogger(__name__)
@@ -193,17 +193,20 @@ class ModelRunner:
         return self.model(self._input_ids(batch), ctx)
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch) -> SampleOutput:
         """The step's device job: forward, then sample the next token of every request in `sample_index`
-        and keep it in its row's future-token slot. Returns the sampled tokens (on the device)."""
+        and keep it in its row's future-token slot. Returns the sampled tokens (on the device), with
+        logprobs when a request in the batch asked for them."""
         batch = dataclass_to_device(batch, self.device)
         if batch.penalty_inits:  # before any early return: a first chunk samples nothing but must init
             rows, prompts, outputs = zip(*batch.penalty_inits)
             self.sampler.init_rows(list(rows), list(prompts), list(outputs))
         hidden = self.forward_hidden(batch)
         if batch.sampling is None:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
+            return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
         logits = self.model.logits(hidden[batch.sample_index])
         tokens = self.sampler.sample(logits, batch.sampling)
         self.token_buf[batch.sample_rows] = tokens
-        return tokens
+        if batch.sampling.num_logprobs >= 0:
+            return compute_logprobs(logits[:, : self.sampler.vocab_size], tokens, batch.sampling.num_logprobs)
+        return SampleOutput(tokens)

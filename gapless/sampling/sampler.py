@@ -105,6 +105,7 @@ class SamplingBatch:
     need_top_p: bool
     need_min_p: bool
     need_penalties: bool
+    num_logprobs: int = -1  # top logprobs to return per row (the batch's largest ask); -1: none
 
     @property
     def size(self) -> int:
@@ -152,6 +153,7 @@ class SamplingBatch:
             top_p.append(p.top_p)
             min_p.append(p.min_p)
         all_greedy = n > 0 and all(t == 0.0 for t in temps)
+        num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         penalised = [int(p.has_penalties) for p in params]
 
         floats = torch.tensor(
@@ -188,6 +190,7 @@ class SamplingBatch:
             need_top_p=need_top_p,
             need_min_p=need_min_p,
             need_penalties=any(penalised),
+            num_logprobs=num_logprobs,
         )
 
 
@@ -220,6 +223,46 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True).mul_(min_p.unsqueeze(1))
     return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+@dataclass
+class SampleOutput:
+    """One batch's sampled tokens and, when asked for, their logprobs (device tensors)."""
+
+    tokens: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor | None = None  # [S] float32: log p(sampled token)
+    top_ids: torch.Tensor | None = None  # [S, k] int64: the k most likely tokens, most likely first
+    top_logprobs: torch.Tensor | None = None  # [S, k] float32
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if t is not None]
+
+
+@dataclass
+class HostSamples:
+    """`SampleOutput` on the host, as lists: what the scheduler folds into request state."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None  # per row: (token, logprob), most likely first
+
+    @classmethod
+    def from_tensors(cls, out: SampleOutput, host: list[torch.Tensor] | None = None) -> HostSamples:
+        """Convert, reading `host` (copies of `out.tensors()`, same order) when given."""
+        tensors = host if host is not None else out.tensors()
+        tokens = tensors[0].tolist()
+        if out.logprobs is None:
+            return cls(tokens)
+        logprobs, top_ids, top_lps = (t.tolist() for t in tensors[1:4])
+        top = [list(zip(ids, lps)) for ids, lps in zip(top_ids, top_lps)]
+        return cls(tokens, logprobs, top)
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleOutput:
+    """Logprobs of the sampled tokens and the top `k` of each row, from the raw logits (fp32)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    top_lps, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], tokens[:, None][:, :0])
+    return SampleOutput(tokens, logprobs.gather(1, tokens[:, None]).squeeze(1), top_ids, top_lps)
 
 
 class Sampler:
@@ -312,7 +355,6 @@ class Sampler:
         is_greedy = batch.temperature == 0
         temperature = batch.temperature.masked_fill(is_greedy, 1.0)
         logits = self.apply_filters(logits.float() / temperature.unsqueeze(1), batch)
-        # A later ``return_logprobs`` option would take log_softmax of these filtered logits here.
         scores = gumbel_noise(_row_keys(batch.seeds, batch.steps), self._column_hashes).add_(logits)
         tokens = scores.argmax(dim=-1)
         if greedy_tokens is not None:

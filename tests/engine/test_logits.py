@@ -50,3 +50,35 @@ def test_prefill_and_cached_prefix_logits(ckpt_factory, arch, page_size):
     assert ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=TOL, rtol=0)
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_logprobs_match_transformers(ckpt_factory, overlap):
+    """The logprob of each generated token and the top-k list are transformers' log_softmax of the same
+    position, in a batch where requests ask for different k (and one for none)."""
+    path = ckpt_factory("qwen3")
+    hf = load_hf_model(path)
+    prompts = make_prompts(hf.config.vocab_size, n=3, seed=3, shared_prefix=10, max_len=30)
+    ks = [0, 5, None]
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=k)
+        if k != 5
+        else SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True, logprobs=k)
+        for k in ks
+    ]
+    with LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=1024, overlap=overlap) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, k, out in zip(prompts, ks, outs):
+        if k is None:
+            assert out.logprobs is None and out.top_logprobs is None
+            continue
+        ref = hf_logits(hf, prompt + out.token_ids[:-1])[len(prompt) - 1 :].log_softmax(-1)
+        assert len(out.logprobs) == len(out.token_ids) == len(out.top_logprobs) == 6
+        chosen = ref.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(out.logprobs), chosen, atol=TOL, rtol=0)
+        for step, top in enumerate(out.top_logprobs):
+            assert len(top) == k
+            if k:
+                values, ids = ref[step].topk(k)
+                assert [t for t, _ in top] == ids.tolist()
+                torch.testing.assert_close(torch.tensor([lp for _, lp in top]), values, atol=TOL, rtol=0)

@@ -71,6 +71,9 @@ def test_numbers_are_coerced() -> None:
         ("seed", "42"),
         ("ignore_eos", 1),
         ("skip_special_tokens", "yes"),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("logprobs", True),
     ],
 )
 def test_bad_value_raises_naming_the_field(field: str, value: object) -> None:
@@ -90,6 +93,8 @@ def test_bad_value_raises_naming_the_field(field: str, value: object) -> None:
         dict(seed=-5),
         dict(seed=2**70),
         dict(max_tokens=1),
+        dict(logprobs=0),
+        dict(logprobs=20),
     ],
 )
 def test_edge_values_are_accepted(kwargs: dict) -> None:
