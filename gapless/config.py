@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -74,3 +75,40 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(model=model, **kwargs)
+
+
+# bool options whose command-line flag reads better negated (default on)
+_NEGATED_FLAGS = {"overlap": "--disable-overlap", "radix_cache": "--disable-radix-cache"}
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` option (but `model`): `--page-size`, `--disable-overlap`, ... Flags left
+    out keep the config's default (so GAPLESS_DISABLE_OVERLAP still applies)."""
+    group = parser.add_argument_group("engine options")
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        kind = str(f.type).replace(" | None", "")
+        default = f.default if f.default is not MISSING else None
+        if kind == "bool":
+            if f.name in _NEGATED_FLAGS:
+                group.add_argument(_NEGATED_FLAGS[f.name], dest=f.name, action="store_false", default=None)
+            else:
+                group.add_argument(
+                    "--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction
+                )
+            continue
+        group.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=_FLAG_TYPES[kind],
+            default=None,
+            help=f"default: {default}" if default is not None else None,
+        )
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (those left out keep their defaults)."""
+    names = {f.name for f in fields(EngineConfig)} - {"model"}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}

@@ -128,8 +128,18 @@ class Engine:
     def get_stats(self) -> dict[str, float | int]:
         """Engine counters and the bubble meter in one flat dict: steps, tokens, device idle fraction,
         mean host time per step, ..."""
-        st, m = self.scheduler.stats, self.step_stats()
+        st, m, sched = self.scheduler.stats, self.step_stats(), self.scheduler
+        kv_total = sched.allocator.num_usable_pages * sched.page_size
+        kv_free, kv_cached = sched.allocator.num_free_tokens, sched.cache.evictable_size
+        looked_up = st.prompt_tokens + st.cached_prompt_tokens
         return {
+            "running_requests": len(sched.running) + (sched.chunked is not None),
+            "waiting_requests": len(sched.waiting),
+            "kv_total_tokens": kv_total,
+            "kv_free_tokens": kv_free,
+            "kv_cached_tokens": kv_cached,  # in the prefix cache, unused by any request: evictable
+            "kv_used_tokens": kv_total - kv_free - kv_cached,
+            "prefix_hit_rate": st.cached_prompt_tokens / looked_up if looked_up else 0.0,
             "steps": m.steps,
             "prefill_batches": st.prefill_batches,
             "decode_batches": st.decode_batches,

@@ -1,0 +1,126 @@
+"""Messages between the server's processes, as msgspec structs encoded with msgpack.
+
+    API server --TokenizeReq/Abort/StatsReq--> tokenizer --SchedReq/Abort/StatsReq--> scheduler
+    scheduler --Updates/StatsOut--> detokenizer --Deltas/StatsOut--> API server
+    any worker --ReqError/Ready/Failed--> API server
+
+Every control message from the API server travels through the tokenizer, so an abort can never
+overtake the request it aborts. Decoding is typed: a peer can only ever produce these structs (no
+pickle, no arbitrary objects), and a malformed frame raises `msgspec.DecodeError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from gapless.sampling_params import SamplingParams
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+    role: str
+    content: str
+
+
+class TokenizeReq(msgspec.Struct, tag=True):
+    rid: str
+    params: SamplingParams
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None  # chat: rendered with the tokenizer's chat template
+
+
+class SchedReq(msgspec.Struct, tag=True):
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True):
+    rid: str
+
+
+class StatsReq(msgspec.Struct, tag=True):
+    ticket: int
+
+
+class StatsOut(msgspec.Struct, tag=True):
+    ticket: int
+    stats: dict[str, Any]
+
+
+class ReqUpdate(msgspec.Struct):
+    """New tokens of one request since its last update (and its end, when finished)."""
+
+    rid: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    stop_str_hit: str | None = None
+    # set on a request's first update only: what the detokenizer needs to know of it
+    stop: list[str] | None = None
+    skip_special_tokens: bool = True
+
+
+class Updates(msgspec.Struct, tag=True):
+    updates: list[ReqUpdate]
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    top: list[tuple[str, int, float]]  # (text, id, logprob), most likely first
+
+
+class ReqDelta(msgspec.Struct):
+    """What the API server streams: text decoded since the last delta."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+class Deltas(msgspec.Struct, tag=True):
+    deltas: list[ReqDelta]
+
+
+class ReqError(msgspec.Struct, tag=True):
+    """A request refused by a worker (bad prompt, too long, ...): `status` is the HTTP status to answer."""
+
+    rid: str
+    message: str
+    status: int = 400
+    param: str | None = None
+
+
+class Ready(msgspec.Struct, tag=True):
+    worker: str
+    info: dict[str, Any] = {}
+
+
+class Failed(msgspec.Struct, tag=True):
+    worker: str
+    error: str
+
+
+Message = TokenizeReq | SchedReq | Abort | StatsReq | StatsOut | Updates | Deltas | ReqError | Ready | Failed
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> Any:
+    return _decoder.decode(frame)

@@ -1,0 +1,305 @@
+"""The server's worker processes: tokenizer, scheduler (engine + model runner), detokenizer.
+
+Each is a `spawn`ed process with a PULL socket it binds and PUSH sockets to the next stage (see
+`protocol`). A worker that fails to start reports `Failed` to the API server; one that dies later is
+noticed by the API server's watchdog. Workers die with their parent (`PR_SET_PDEATHSIG`), ignore
+SIGINT (a terminal's Ctrl-C reaches the whole group; the API server decides) and exit cleanly on
+SIGTERM, so a shutdown never leaves a process behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from gapless.server import protocol as P
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+IDLE_POLL_MS = 500  # an idle worker wakes this often (to notice its parent is gone)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """ZeroMQ addresses of the PULL socket each process binds."""
+
+    api: str
+    tokenizer: str
+    scheduler: str
+    detokenizer: str
+
+    @classmethod
+    def in_dir(cls, path: str) -> Endpoints:
+        return cls(*(f"ipc://{os.path.join(path, name)}" for name in ("api", "tok", "sched", "detok")))
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _setup_child(parent_pid: int) -> None:
+    """Die with the parent, leave Ctrl-C to it, exit cleanly (finally blocks run) on SIGTERM."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        raise SystemExit(0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
+
+
+class _Sockets:
+    def __init__(self, bind: str, push: dict[str, str]) -> None:
+        self.ctx = zmq.Context()
+        self.recv = self.ctx.socket(zmq.PULL)
+        self.recv.bind(bind)
+        self.push: dict[str, zmq.Socket] = {}
+        for name, addr in push.items():
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(addr)
+            self.push[name] = sock
+
+    def send(self, to: str, msg: Any) -> None:
+        self.push[to].send(P.encode(msg))
+
+    def poll(self, timeout_ms: int) -> Any | None:
+        if self.recv.poll(timeout_ms):
+            return P.decode(self.recv.recv())
+        return None
+
+    def close(self) -> None:
+        for sock in (self.recv, *self.push.values()):
+            sock.close(linger=1000)  # let what is queued go out
+        self.ctx.term()
+
+
+def _run_worker(name: str, parent_pid: int, sockets: Callable[[], _Sockets], body: Callable[[_Sockets], Any]):
+    _setup_child(parent_pid)
+    socks = sockets()
+    try:
+        body(socks)
+    except SystemExit:
+        pass
+    except BaseException:  # noqa: BLE001 - report, then die with an error (the API server exits)
+        try:
+            socks.send("api", P.Failed(name, traceback.format_exc()))
+        except Exception:  # noqa: BLE001
+            pass
+        raise
+    finally:
+        socks.close()
+
+
+# ----------------------------------------------------------------------------------------- tokenizer
+def _render_prompt(tokenizer: Any, req: P.TokenizeReq) -> list[int]:
+    if req.token_ids is not None:
+        return req.token_ids
+    if req.messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)  # the template places its own specials
+    assert req.text is not None
+    return tokenizer.encode(req.text, add_special_tokens=True) if req.text else []
+
+
+def tokenizer_main(ends: Endpoints, model: str, parent_pid: int) -> None:
+    def body(socks: _Sockets) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        socks.send("api", P.Ready("tokenizer"))
+        while True:
+            msg = socks.poll(IDLE_POLL_MS)
+            if msg is None:
+                continue
+            if not isinstance(msg, P.TokenizeReq):
+                socks.send("scheduler", msg)  # Abort, StatsReq: in order behind the requests
+                continue
+            try:
+                ids = _render_prompt(tokenizer, msg)
+            except Exception as e:  # noqa: BLE001 - a template or tokenizer error is the request's
+                socks.send("api", P.ReqError(msg.rid, f"could not tokenize the prompt: {e}"))
+                continue
+            socks.send("scheduler", P.SchedReq(msg.rid, ids, msg.params))
+
+    _run_worker(
+        "tokenizer",
+        parent_pid,
+        lambda: _Sockets(ends.tokenizer, {"scheduler": ends.scheduler, "api": ends.api}),
+        body,
+    )
+
+
+# ----------------------------------------------------------------------------------------- scheduler
+class _Reporter:
+    """Turns the requests a step updated into `ReqUpdate`s holding only what is new since the last one."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {}  # rid -> output tokens already reported
+
+    def update(self, req: Any) -> P.ReqUpdate:
+        first = req.rid not in self.sent
+        start = self.sent.get(req.rid, 0)
+        end = len(req.output_ids)
+        with_lp = req.params.logprobs is not None
+        if req.finished:
+            self.sent.pop(req.rid, None)
+        else:
+            self.sent[req.rid] = end
+        return P.ReqUpdate(
+            rid=req.rid,
+            token_ids=req.output_ids[start:end],
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens or 0,
+            logprobs=req.output_logprobs[start:end] if with_lp else None,
+            top_logprobs=req.output_top_logprobs[start:end] if with_lp else None,
+            finish_reason=req.finish_reason if req.finished else None,
+            stop_str_hit=req.stop_str_hit,
+            stop=list(req.params.stop) if first else None,
+            skip_special_tokens=req.params.skip_special_tokens,
+        )
+
+
+def _engine_stats(engine: Any) -> dict[str, Any]:
+    stats: dict[str, Any] = dict(engine.get_stats())
+    if engine.has_unfinished():
+        stats["integrity"] = "not checked: requests in flight"
+    else:
+        try:
+            engine.check_integrity()
+            stats["integrity"] = "ok"
+        except AssertionError as e:
+            stats["integrity"] = f"failed: {e}"
+    return stats
+
+
+def scheduler_main(ends: Endpoints, cfg: Any, parent_pid: int) -> None:
+    def body(socks: _Sockets) -> None:
+        from gapless.engine.engine import Engine
+
+        engine = Engine(cfg)
+        try:
+            info = engine.info
+            socks.send(
+                "api",
+                P.Ready(
+                    "scheduler",
+                    {
+                        "max_context": info.max_context,
+                        "kv_tokens": info.kv_tokens,
+                        "device": info.device,
+                        "vocab_size": info.vocab_size,
+                    },
+                ),
+            )
+            _scheduler_loop(engine, socks)
+        finally:
+            engine.shutdown()
+
+    _run_worker(
+        "scheduler",
+        parent_pid,
+        lambda: _Sockets(ends.scheduler, {"detokenizer": ends.detokenizer, "api": ends.api}),
+        body,
+    )
+
+
+def _scheduler_loop(engine: Any, socks: _Sockets) -> None:
+    reporter = _Reporter()
+    while True:
+        # take every queued message; wait for one only when there is nothing to run
+        timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
+        while (msg := socks.poll(timeout)) is not None:
+            timeout = 0
+            if isinstance(msg, P.SchedReq):
+                try:
+                    ids = engine.tokenize(msg.prompt_ids)  # validates ids and length
+                    engine.add_request(ids, msg.params, rid=msg.rid)
+                except ValueError as e:
+                    socks.send("api", P.ReqError(msg.rid, str(e), param="prompt"))
+            elif isinstance(msg, P.Abort):
+                engine.abort(msg.rid)  # unknown (already finished) ids are ignored
+            elif isinstance(msg, P.StatsReq):
+                socks.send("detokenizer", P.StatsOut(msg.ticket, _engine_stats(engine)))
+        if engine.has_unfinished():
+            updated = engine.step()
+            if updated:
+                socks.send("detokenizer", P.Updates([reporter.update(r) for r in updated]))
+
+
+# ----------------------------------------------------------------------------------------- detokenizer
+def detokenizer_main(ends: Endpoints, model: str, parent_pid: int) -> None:
+    def body(socks: _Sockets) -> None:
+        from transformers import AutoTokenizer
+
+        from gapless.server.detokenizer import IncrementalDetokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        states: dict[str, Any] = {}
+        socks.send("api", P.Ready("detokenizer"))
+        while True:
+            msg = socks.poll(IDLE_POLL_MS)
+            if msg is None:
+                continue
+            if not isinstance(msg, P.Updates):
+                socks.send("api", msg)
+                continue
+            deltas = []
+            for u in msg.updates:
+                state = states.get(u.rid)
+                if state is None:
+                    state = states[u.rid] = _DetokState(
+                        IncrementalDetokenizer(
+                            tokenizer, skip_special_tokens=u.skip_special_tokens, stop=u.stop or []
+                        )
+                    )
+                deltas.append(state.delta(tokenizer, u))
+                if u.finish_reason is not None:
+                    del states[u.rid]
+            socks.send("api", P.Deltas(deltas))
+
+    _run_worker("detokenizer", parent_pid, lambda: _Sockets(ends.detokenizer, {"api": ends.api}), body)
+
+
+class _DetokState:
+    def __init__(self, detok: Any) -> None:
+        self.detok = detok
+        self.completion_tokens = 0
+
+    def delta(self, tokenizer: Any, u: P.ReqUpdate) -> P.ReqDelta:
+        text = self.detok.update(u.token_ids) if u.token_ids else ""
+        if u.finish_reason is not None:
+            text += self.detok.finish(u.stop_str_hit)
+        self.completion_tokens += len(u.token_ids)
+        logprobs = None
+        if u.logprobs is not None and u.top_logprobs is not None:
+            piece = lambda t: tokenizer.decode([t])  # noqa: E731
+            logprobs = [
+                P.TokenLogprob(piece(t), lp, [(piece(i), i, v) for i, v in top])
+                for t, lp, top in zip(u.token_ids, u.logprobs, u.top_logprobs)
+            ]
+        return P.ReqDelta(
+            rid=u.rid,
+            text=text,
+            token_ids=u.token_ids,
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=u.cached_tokens,
+            logprobs=logprobs,
+            finish_reason=u.finish_reason,
+        )
