@@ -1,0 +1,657 @@
+"""Online serving benchmark: replay a workload against a running OpenAI-compatible server and measure it.
+
+    python -m gapless serve --model PATH &        # or any OpenAI-compatible server
+    python -m gapless.bench.serving --request-rate 4 --num-prompts 200
+    python -m gapless.bench.serving --workload sharegpt --request-rate inf --max-concurrency 32 \\
+        --output-json /tmp/serving.json
+
+Requests go to `POST /v1/completions` with `stream: true`, `stream_options: {"include_usage": true}`,
+`max_tokens` set to the request's output length, `ignore_eos: true` (the vLLM/SGLang extension, so every
+request generates exactly its output length whatever the model emits) and `temperature` 0. Prompts are
+lists of token ids (OpenAI's completions API accepts `prompt: [ids]`), so input lengths are exact and no
+tokenizer is needed on the client. Token ids are uniform below `--vocab-size` (default 1000: the test
+tokenizer's size, and below any real model's vocabulary).
+
+Arrivals are a Poisson process of `--request-rate` requests/s (exponential inter-arrival gaps, the first
+request at t=0); `inf` sends everything at once. `--max-concurrency` caps the requests in flight: a request
+whose arrival time has come waits for a free slot, and its latencies count from when it is actually sent.
+
+Workloads (both regenerated exactly from `--seed`):
+
+- `random`: nano-vllm-style (`gapless.bench.workload.random_workload`). Lengths are uniform in
+  `[L*(1-r), L*(1+r)]` for `L` = `--input-len`/`--output-len` and `r` = `--range-ratio`, or in explicit
+  `--min-input/--max-input/--min-output/--max-output` bounds.
+- `sharegpt`: synthetic lengths shaped like the ShareGPT conversations vLLM benchmarks with, without
+  downloading anything. Each length is lognormal, clipped to `[--min-*, --max-*]` (default [4, 1024], the
+  range vLLM's ShareGPT loader keeps). The means default to 161 prompt and 338 output tokens, the ShareGPT
+  averages reported in the vLLM paper (Kwon et al., SOSP 2023, section 6.1). The log-space sigmas are
+  1.2 for prompts and 0.8 for outputs: real ShareGPT prompts are mostly short questions with a long tail of
+  pasted documents (median well below the mean: here ~78 tokens, ~1.5% clipped at 1024), while answers are
+  more concentrated around a few hundred tokens (median ~245, a few percent at the 1024 cap). The lognormal
+  mu is set so the unclipped mean equals the requested mean; clipping lowers it (defaults: ~150 and ~322).
+  `--input-len`/`--output-len` change the means and keep the shapes.
+
+Per request: TTFT (first content chunk - send), inter-token latencies (gaps between successive content
+chunks), e2e latency ([DONE] - send) and TPOT ((e2e - TTFT) / (output tokens - 1)). A content chunk is one
+with a non-empty `choices` list, except a trailing chunk with empty text that only carries `finish_reason`
+(it holds no token). The output token count comes from the final `usage` chunk, or from the number of
+content chunks if the server sends no usage. A chunk may hold more than one token when the server batches
+its stream, so ITL is really the inter-chunk gap; TPOT is per token either way. Failed requests (HTTP error,
+connection drop, an error event in the stream, a stream with no [DONE]) are counted and reported with their
+error; the run goes on.
+
+The report prints as a table; `--output-json PATH` also writes `{"config", "summary", "requests"}` with one
+record per request (times in seconds relative to the benchmark start) for plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from gapless.bench.workload import Workload, random_workload
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_NUM_PROMPTS = 200
+# random: prompt and output lengths 512 and 128 give or take half (uniform in [256, 768] and [64, 192])
+RANDOM_INPUT_LEN = 512
+RANDOM_OUTPUT_LEN = 128
+RANDOM_RANGE_RATIO = 0.5
+# sharegpt: means from the vLLM paper's ShareGPT statistics; shapes and clip range as the module docstring
+SHAREGPT_INPUT_MEAN = 161
+SHAREGPT_OUTPUT_MEAN = 338
+SHAREGPT_INPUT_SIGMA = 1.2
+SHAREGPT_OUTPUT_SIGMA = 0.8
+SHAREGPT_MIN_LEN = 4
+SHAREGPT_MAX_LEN = 1024
+DEFAULT_VOCAB_SIZE = 1000
+PERCENTILES = (50, 90, 99)
+
+
+# ---------------------------------------------------------------------------------------------- workloads
+
+
+def random_bounds(length: int, range_ratio: float) -> tuple[int, int]:
+    """Inclusive `[L*(1-r), L*(1+r)]`, rounded, never below 1."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    return max(1, round(length * (1.0 - range_ratio))), max(1, round(length * (1.0 + range_ratio)))
+
+
+def lognormal_lengths(rng: random.Random, n: int, mean: float, sigma: float, lo: int, hi: int) -> list[int]:
+    """`n` lognormal lengths whose unclipped mean is `mean`, rounded and clipped to `[lo, hi]`."""
+    if mean <= 0 or sigma < 0:
+        raise ValueError(f"need mean > 0 and sigma >= 0, got mean={mean}, sigma={sigma}")
+    if not 1 <= lo <= hi:
+        raise ValueError(f"need 1 <= lo <= hi, got [{lo}, {hi}]")
+    mu = math.log(mean) - sigma * sigma / 2.0  # E[exp(N(mu, s^2))] = exp(mu + s^2/2)
+    return [min(hi, max(lo, round(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+
+
+def sharegpt_workload(
+    num_seqs: int,
+    input_mean: float = SHAREGPT_INPUT_MEAN,
+    output_mean: float = SHAREGPT_OUTPUT_MEAN,
+    min_input: int = SHAREGPT_MIN_LEN,
+    max_input: int = SHAREGPT_MAX_LEN,
+    min_output: int = SHAREGPT_MIN_LEN,
+    max_output: int = SHAREGPT_MAX_LEN,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+) -> Workload:
+    """ShareGPT-shaped synthetic workload (see the module docstring for the distribution and why).
+
+    As in `random_workload`, one private `random.Random(seed)` draws everything: prompt lengths, then output
+    lengths, then the prompts' token ids (uniform in [0, vocab_size)).
+    """
+    if num_seqs < 1:
+        raise ValueError(f"num_seqs must be >= 1, got {num_seqs}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    rng = random.Random(seed)
+    input_lens = lognormal_lengths(rng, num_seqs, input_mean, SHAREGPT_INPUT_SIGMA, min_input, max_input)
+    output_lens = lognormal_lengths(rng, num_seqs, output_mean, SHAREGPT_OUTPUT_SIGMA, min_output, max_output)
+    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in input_lens]
+    return Workload(prompts, output_lens)
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    """The workload the command line asks for (lengths as the module docstring describes)."""
+    if args.workload == "random":
+        in_lo, in_hi = random_bounds(args.input_len or RANDOM_INPUT_LEN, args.range_ratio)
+        out_lo, out_hi = random_bounds(args.output_len or RANDOM_OUTPUT_LEN, args.range_ratio)
+        return random_workload(
+            args.num_prompts,
+            args.min_input or in_lo,
+            args.max_input or in_hi,
+            args.min_output or out_lo,
+            args.max_output or out_hi,
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+        )
+    return sharegpt_workload(
+        args.num_prompts,
+        input_mean=args.input_len or SHAREGPT_INPUT_MEAN,
+        output_mean=args.output_len or SHAREGPT_OUTPUT_MEAN,
+        min_input=args.min_input or SHAREGPT_MIN_LEN,
+        max_input=args.max_input or SHAREGPT_MAX_LEN,
+        min_output=args.min_output or SHAREGPT_MIN_LEN,
+        max_output=args.max_output or SHAREGPT_MAX_LEN,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+    )
+
+
+def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Send times (s from the start) of `n` requests arriving as a Poisson process of `rate` per second.
+
+    Inter-arrival gaps are exponential with mean 1/rate; the first request goes at 0. `rate` = inf sends all
+    at 0. The generator is seeded apart from the workload's, so the arrivals do not depend on its lengths.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 (or inf), got {rate}")
+    if n == 0:
+        return []
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng([seed, 0x5E9D]).exponential(1.0 / rate, size=n - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+# ---------------------------------------------------------------------------------------------- SSE
+
+
+DONE = "[DONE]"
+
+
+class SSEDecoder:
+    """Server-sent events from text lines: `feed` each line, get an event's data when a blank line ends it.
+
+    Follows the SSE format as far as a client of an OpenAI-style stream needs: `data:` lines (one optional
+    space after the colon is dropped; several in one event join with newlines), comments (`:`) and other
+    fields (`event:`, `id:`, `retry:`) are skipped. `flush` returns an event the stream ended inside.
+    """
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        line = line.rstrip("\r\n")
+        if not line:
+            return self.flush()
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        if name == "data":
+            self._data.append(value[1:] if value.startswith(" ") else value)
+        return None
+
+    def flush(self) -> str | None:
+        if not self._data:
+            return None
+        data, self._data = "\n".join(self._data), []
+        return data
+
+
+class StreamError(Exception):
+    """The server reported an error inside the stream, or sent something that is not a chunk."""
+
+
+def parse_chunk(data: str) -> dict[str, Any] | None:
+    """One event's data as a chunk dict; None for the final `[DONE]`; StreamError for an error event."""
+    if data.strip() == DONE:
+        return None
+    try:
+        chunk = json.loads(data)
+    except json.JSONDecodeError as e:
+        raise StreamError(f"bad JSON in stream: {data[:200]!r}") from e
+    if not isinstance(chunk, dict):
+        raise StreamError(f"stream event is not an object: {data[:200]!r}")
+    if "error" in chunk or chunk.get("object") == "error":
+        err = chunk.get("error", chunk)
+        message = err.get("message", err) if isinstance(err, dict) else err
+        raise StreamError(f"error in stream: {message}")
+    return chunk
+
+
+def is_content_chunk(chunk: dict[str, Any]) -> bool:
+    """A chunk that carries output: non-empty `choices`, unless it is only an empty-text finish marker."""
+    choices = chunk.get("choices")
+    if not choices:
+        return False
+    choice = choices[0]
+    return bool(choice.get("text")) or choice.get("finish_reason") is None
+
+
+def usage_tokens(chunk: dict[str, Any]) -> int | None:
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+        return int(usage["completion_tokens"])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+@dataclass
+class RequestRecord:
+    """One request's outcome. Times are seconds from the benchmark start; latencies seconds."""
+
+    index: int
+    prompt_len: int
+    max_tokens: int
+    scheduled_s: float  # Poisson arrival time
+    send_s: float | None = None  # when it was sent (later than scheduled_s if it waited for a slot)
+    end_s: float | None = None
+    success: bool = False
+    error: str | None = None
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+
+
+def request_metrics(send: float, chunk_times: list[float], end: float, output_tokens: int) -> dict[str, Any]:
+    """TTFT, ITLs, e2e and TPOT of a request from its send time, content-chunk times and end time."""
+    if not chunk_times:
+        raise ValueError("no content chunks: TTFT is undefined")
+    ttft = chunk_times[0] - send
+    e2e = end - send
+    itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    tpot = (e2e - ttft) / (output_tokens - 1) if output_tokens > 1 else None
+    return dict(ttft_s=ttft, e2e_s=e2e, itl_s=itl, tpot_s=tpot)
+
+
+def stats(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
+    """mean, std and the PERCENTILES of `values` times `scale`; all None when there are none."""
+    keys = ["mean", "std", *(f"p{p}" for p in PERCENTILES)]
+    if not values:
+        return dict.fromkeys(keys)
+    a = np.asarray(values, dtype=np.float64) * scale
+    out = dict(mean=float(a.mean()), std=float(a.std()))
+    out.update({f"p{p}": float(v) for p, v in zip(PERCENTILES, np.percentile(a, PERCENTILES))})
+    return out
+
+
+def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]:
+    """Counts, throughputs over `duration_s` and latency stats (ms) of the successful requests."""
+    ok = [r for r in records if r.success]
+    failed = [r for r in records if not r.success]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: None)
+    return dict(
+        completed=len(ok),
+        failed=len(failed),
+        duration_s=duration_s,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        requested_output_tokens=sum(r.max_tokens for r in ok),
+        wrong_length_requests=sum(r.output_tokens != r.max_tokens for r in ok),
+        request_throughput=per_s(len(ok)),
+        input_throughput=per_s(input_tokens),
+        output_throughput=per_s(output_tokens),
+        total_token_throughput=per_s(input_tokens + output_tokens),
+        ttft_ms=stats([r.ttft_s for r in ok], 1e3),
+        itl_ms=stats([x for r in ok for x in r.itl_s], 1e3),
+        tpot_ms=stats([r.tpot_s for r in ok if r.tpot_s is not None], 1e3),
+        e2e_ms=stats([r.e2e_s for r in ok], 1e3),
+        errors=dict(Counter(r.error for r in failed).most_common()),
+    )
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    def num(v: float | None, fmt: str = ".2f") -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    width = 52
+    lines = ["{:=^{w}}".format(" Serving Benchmark Result ", w=width)]
+    row = lambda label, value: lines.append(f"{label:<38}{value:>14}")  # noqa: E731
+    row("Successful requests:", str(summary["completed"]))
+    row("Failed requests:", str(summary["failed"]))
+    row("Benchmark duration (s):", num(summary["duration_s"]))
+    row("Total input tokens:", str(summary["input_tokens"]))
+    row("Total generated tokens:", str(summary["output_tokens"]))
+    row("Request throughput (req/s):", num(summary["request_throughput"]))
+    row("Input token throughput (tok/s):", num(summary["input_throughput"]))
+    row("Output token throughput (tok/s):", num(summary["output_throughput"]))
+    row("Total token throughput (tok/s):", num(summary["total_token_throughput"]))
+    titles = dict(
+        ttft_ms="Time to First Token",
+        tpot_ms="Time per Output Token (excl. 1st token)",
+        itl_ms="Inter-token Latency",
+        e2e_ms="End-to-end Latency",
+    )
+    for key, title in titles.items():
+        lines.append("{:-^{w}}".format(f" {title} ", w=width))
+        s = summary[key]
+        name = key.removesuffix("_ms").upper()
+        row(f"Mean {name} (ms):", num(s["mean"]))
+        for p in PERCENTILES:
+            row(f"P{p} {name} (ms):", num(s[f"p{p}"]))
+    lines.append("=" * width)
+    if summary["wrong_length_requests"]:
+        lines.append(
+            f"WARNING: {summary['wrong_length_requests']} requests generated other than max_tokens tokens "
+            f"({summary['output_tokens']} generated, {summary['requested_output_tokens']} requested): "
+            "does the server honour ignore_eos?"
+        )
+    for error, count in summary["errors"].items():
+        lines.append(f"FAILED x{count}: {error}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- client
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    endpoint: str,
+    payload: dict[str, Any],
+    record: RequestRecord,
+    t0: float,
+) -> RequestRecord:
+    """Stream one completion into `record` (times relative to `t0`); any failure goes into its `error`."""
+    chunk_times: list[float] = []
+    n_tokens: int | None = None
+    send = time.perf_counter()
+    end: float | None = None
+    record.send_s = send - t0
+    try:
+        async with client.stream("POST", endpoint, json=payload) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace").strip()
+                raise StreamError(f"HTTP {resp.status_code}: {body[:300]}")
+            decoder = SSEDecoder()
+
+            def handle(data: str | None) -> bool:
+                """Account for one event; True at [DONE]."""
+                nonlocal n_tokens
+                if data is None:
+                    return False
+                now = time.perf_counter()
+                chunk = parse_chunk(data)
+                if chunk is None:
+                    return True
+                if is_content_chunk(chunk):
+                    chunk_times.append(now)
+                usage = usage_tokens(chunk)
+                if usage is not None:
+                    n_tokens = usage
+                return False
+
+            async for line in resp.aiter_lines():
+                if handle(decoder.feed(line)):
+                    end = time.perf_counter()
+                    break
+            else:
+                if handle(decoder.flush()):
+                    end = time.perf_counter()
+        if end is None:
+            raise StreamError("stream ended without [DONE]")
+        if not chunk_times:
+            raise StreamError("no output tokens in stream")
+        record.output_tokens = n_tokens if n_tokens is not None else len(chunk_times)
+        for name, value in request_metrics(send, chunk_times, end, record.output_tokens).items():
+            setattr(record, name, value)
+        record.success = True
+    except Exception as e:  # every failure is a failed request, never a crashed run
+        record.error = str(e) if isinstance(e, StreamError) else f"{type(e).__name__}: {e}"
+        end = time.perf_counter()
+    record.end_s = end - t0
+    return record
+
+
+def _payload(args: argparse.Namespace, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    payload = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=args.temperature,
+        ignore_eos=True,
+        stream=True,
+        stream_options=dict(include_usage=True),
+    )
+    payload.update(args.extra_body)
+    return payload
+
+
+async def run_benchmark(
+    args: argparse.Namespace, client: httpx.AsyncClient, model: str, work: Workload, arrivals: list[float]
+) -> tuple[list[RequestRecord], float]:
+    """Send every request at its arrival time (and a free slot); return the records and the duration."""
+    slots = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bar = _progress(len(work), args.disable_tqdm)
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> RequestRecord:
+        record = RequestRecord(i, len(work.prompts[i]), work.output_lens[i], arrivals[i])
+        await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+        payload = _payload(args, model, work.prompts[i], work.output_lens[i])
+        try:
+            if slots is None:
+                return await send_request(client, args.endpoint, payload, record, t0)
+            async with slots:
+                return await send_request(client, args.endpoint, payload, record, t0)
+        finally:
+            bar.update(1)
+
+    records = await asyncio.gather(*(one(i) for i in range(len(work))))
+    duration = time.perf_counter() - t0
+    bar.close()
+    return list(records), duration
+
+
+def _progress(total: int, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", disable=disable, file=sys.stderr)
+
+
+async def first_model(client: httpx.AsyncClient) -> str:
+    """The id of the first model `GET /v1/models` lists."""
+    resp = await client.get("/v1/models")
+    resp.raise_for_status()
+    models = resp.json().get("data") or []
+    if not models:
+        raise RuntimeError("GET /v1/models lists no model; pass --model")
+    return models[0]["id"]
+
+
+def make_client(args: argparse.Namespace, n_requests: int) -> httpx.AsyncClient:
+    """One client for the run: a connection per request that may be in flight, no pool wait timeout.
+
+    `trust_env=False`: a benchmark of a (usually local) server must not go through an environment proxy.
+    """
+    conns = min(n_requests, args.max_concurrency) if args.max_concurrency else n_requests
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return httpx.AsyncClient(
+        base_url=args.base_url,
+        headers=headers,
+        timeout=httpx.Timeout(args.timeout, pool=None),
+        limits=httpx.Limits(max_connections=max(1, conns), max_keepalive_connections=max(1, conns)),
+        trust_env=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _json_object(s: str) -> dict[str, Any]:
+    try:
+        v = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return v
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m gapless.bench.serving",
+        description="Online benchmark of an OpenAI-compatible server: Poisson arrivals, streamed "
+        "/v1/completions, TTFT/ITL/TPOT/e2e and throughput.",
+    )
+    s = p.add_argument_group("server")
+    s.add_argument(
+        "--base-url",
+        default=DEFAULT_BASE_URL,
+        help=f"server root (default {DEFAULT_BASE_URL}; a trailing /v1 is dropped)",
+    )
+    s.add_argument("--endpoint", default="/v1/completions", help="completions path (default /v1/completions)")
+    s.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
+    s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for a connection or a chunk (default 600)",
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=("random", "sharegpt"), default="random", help="(default random)")
+    w.add_argument(
+        "--num-prompts",
+        type=_positive_int,
+        default=DEFAULT_NUM_PROMPTS,
+        help=f"(default {DEFAULT_NUM_PROMPTS})",
+    )
+    w.add_argument(
+        "--input-len",
+        type=_positive_int,
+        help=f"random: centre of the prompt lengths (default {RANDOM_INPUT_LEN}); "
+        f"sharegpt: their mean (default {SHAREGPT_INPUT_MEAN})",
+    )
+    w.add_argument(
+        "--output-len",
+        type=_positive_int,
+        help=f"random: centre of the output lengths (default {RANDOM_OUTPUT_LEN}); "
+        f"sharegpt: their mean (default {SHAREGPT_OUTPUT_MEAN})",
+    )
+    w.add_argument(
+        "--range-ratio",
+        type=float,
+        default=RANDOM_RANGE_RATIO,
+        help=f"random: lengths uniform in [L*(1-r), L*(1+r)] (default {RANDOM_RANGE_RATIO}; 0 = fixed)",
+    )
+    for name in ("min-input", "max-input", "min-output", "max-output"):
+        w.add_argument(
+            f"--{name}",
+            type=_positive_int,
+            help=f"random: overrides that bound of the range; sharegpt: clip bound "
+            f"(default {SHAREGPT_MIN_LEN if name.startswith('min') else SHAREGPT_MAX_LEN})",
+        )
+    w.add_argument(
+        "--vocab-size",
+        type=_positive_int,
+        default=DEFAULT_VOCAB_SIZE,
+        help=f"prompt token ids are uniform below this (default {DEFAULT_VOCAB_SIZE})",
+    )
+    w.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals (default 0)")
+    t = p.add_argument_group("traffic and sampling")
+    t.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrival rate in requests/s; inf sends all at once (default inf)",
+    )
+    t.add_argument("--max-concurrency", type=_positive_int, help="cap on requests in flight (default none)")
+    t.add_argument("--temperature", type=float, default=0.0, help="(default 0: greedy)")
+    t.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="merged into every request body, e.g. '{\"top_p\": 0.9}'",
+    )
+    p.add_argument("--output-json", metavar="PATH", help="write the summary and per-request records here")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if not args.request_rate > 0:
+        p.error(f"--request-rate must be > 0 or inf, got {args.request_rate}")
+    if not 0.0 <= args.range_ratio < 1.0:
+        p.error(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    return args
+
+
+async def _main(args: argparse.Namespace, work: Workload, arrivals: list[float]) -> dict[str, Any]:
+    async with make_client(args, len(work)) as client:
+        try:
+            model = args.model or await first_model(client)
+        except (httpx.HTTPError, RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(
+                f"error: cannot list the models at {args.base_url}/v1/models ({e!r}); pass --model"
+            ) from e
+        records, duration = await run_benchmark(args, client, model, work, arrivals)
+    return dict(model=model, records=records, duration=duration)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the report, return `{"config", "summary", "requests", "report"}`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    try:
+        work = build_workload(args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    arrivals = arrival_times(len(work), args.request_rate, args.seed)
+    print(
+        f"{len(work)} requests ({args.workload}: {work.input_tokens} prompt, "
+        f"{work.output_tokens} output tokens) to {args.base_url}{args.endpoint} at {args.request_rate} req/s"
+        + (f", at most {args.max_concurrency} in flight" if args.max_concurrency else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    ran = asyncio.run(_main(args, work, arrivals))
+    summary = summarize(ran["records"], ran["duration"])
+    config = dict(
+        command=shlex.join(["python", "-m", "gapless.bench.serving", *argv]),
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=ran["model"],
+        workload=args.workload,
+        num_prompts=len(work),
+        input_tokens=work.input_tokens,
+        output_tokens=work.output_tokens,
+        seed=args.seed,
+        request_rate="inf" if math.isinf(args.request_rate) else args.request_rate,
+        max_concurrency=args.max_concurrency,
+        temperature=args.temperature,
+        extra_body=args.extra_body,
+    )
+    report = format_report(summary)
+    print(report)
+    res = dict(config=config, summary=summary, requests=[asdict(r) for r in ran["records"]], report=report)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()
