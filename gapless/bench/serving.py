@@ -22,9 +22,10 @@ Workloads (both regenerated exactly from `--seed`):
   `[L*(1-r), L*(1+r)]` for `L` = `--input-len`/`--output-len` and `r` = `--range-ratio`, or in explicit
   `--min-input/--max-input/--min-output/--max-output` bounds.
 - `sharegpt`: synthetic lengths shaped like the ShareGPT conversations vLLM benchmarks with, without
-  downloading anything. Each length is lognormal, clipped to `[--min-*, --max-*]` (default [4, 1024], the
-  range vLLM's ShareGPT loader keeps). The means default to 161 prompt and 338 output tokens, the ShareGPT
-  averages reported in the vLLM paper (Kwon et al., SOSP 2023, section 6.1). The log-space sigmas are
+  downloading anything. Each length is lognormal, clipped to `[--min-*, --max-*]` (default [4, 1024]:
+  vLLM's ShareGPT loader keeps prompts of 4 to 1024 tokens and prompt + output within 2048, so capping
+  outputs at 1024 too stays inside that). The means default to 161 prompt and 338 output tokens, the
+  averages the vLLM paper gives for its ShareGPT workload (Kwon et al., SOSP 2023). The log-space sigmas are
   1.2 for prompts and 0.8 for outputs: real ShareGPT prompts are mostly short questions with a long tail of
   pasted documents (median well below the mean: here ~78 tokens, ~1.5% clipped at 1024), while answers are
   more concentrated around a few hundred tokens (median ~245, a few percent at the 1024 cap). The lognormal
