@@ -205,6 +205,7 @@ class ServerState:
         for rid in list(group.open):
             self.groups.pop(rid, None)
             self.send(P.Abort(rid))
+            self.metrics.requests.labels(self.metrics.model, "abort").inc()
         group.open.clear()
         self.metrics.in_flight.dec()
 

@@ -50,7 +50,7 @@ def scripted(tmp_path_factory):
     assert srv.stop() == 0, srv.output
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(server):
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         yield c

@@ -1,0 +1,355 @@
+"""Incremental detokenizer: whole characters only, bounded decode windows, stop strings cut and held.
+
+The key property: the concatenation of all deltas equals a one-shot decode of all the ids, cut
+before the first stop string (what `Engine.output_text` returns). It is checked with hypothesis and
+with seeded random sequences built from real text, multi-byte characters spelled byte by byte,
+arbitrary bytes and special tokens, fed in random chunk sizes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from gapless.server.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
+from gapless.testing import build_tokenizer
+
+FFFD = "\ufffd"
+
+
+def _byte_to_char() -> dict[int, str]:
+    """Byte-level BPE's byte -> vocabulary character table (printable bytes are themselves)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """The test tokenizer as the engine loads it: saved to disk and read back by AutoTokenizer."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(save_dir=path)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def byte_ids(tok):
+    """byte value -> the id of its single-byte token, to spell any bytes one token per byte."""
+    vocab = tok.get_vocab()
+    table = {b: vocab[c] for b, c in _byte_to_char().items()}
+    assert tok.decode([table[0xC3], table[0xA9]]) == "é"  # the table is right
+    return table
+
+
+def spell(byte_ids: dict[int, str], data: bytes) -> list[int]:
+    return [byte_ids[b] for b in data]
+
+
+def expected(tok, ids, stop=(), skip_special_tokens=True) -> str:
+    text = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def stream(tok, ids, chunks, stop=(), skip_special_tokens=True, stop_str_hit=None):
+    """Feed `ids` in chunks of the given sizes (cycled); return (deltas, final delta, detokenizer)."""
+    det = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens, stop=list(stop))
+    deltas, i, c = [], 0, 0
+    while i < len(ids):
+        n = chunks[c % len(chunks)] if chunks else 1
+        deltas.append(det.update(ids[i : i + n]))
+        i, c = i + n, c + 1
+    return deltas, det.finish(stop_str_hit), det
+
+
+# ---------------------------------------------------------------------- multi-byte characters
+
+
+def test_euro_split_across_tokens_arrives_whole(tok):
+    ids = tok.encode("a€b")
+    assert len(tok.encode("€")) == 3  # the test tokenizer really splits it (one token per byte)
+    det = IncrementalDetokenizer(tok)
+    deltas = [det.update([t]) for t in ids]
+    assert "".join(deltas) + det.finish() == "a€b"
+    assert all(FFFD not in d for d in deltas)
+    assert "€" in deltas  # one delta, the whole character, exactly when its last byte came
+    assert deltas.index("€") == ids.index(tok.encode("€")[-1])
+
+
+@pytest.mark.parametrize("text", ["é", "naïve café", "€", "中文", "😀🚀", "👨‍👩‍👧", "𝄞", "Ω ≈ π"])
+def test_multibyte_spelled_byte_by_byte(tok, byte_ids, text):
+    """Even characters the BPE merged ("é") come out whole when fed one byte token at a time."""
+    ids = spell(byte_ids, text.encode())
+    det = IncrementalDetokenizer(tok)
+    deltas = [det.update([t]) for t in ids]
+    assert "".join(deltas) + det.finish() == text
+    assert all(FFFD not in d for d in deltas)
+    shown = [d for d in deltas if d]
+    assert shown == [ch for ch in text]  # every character in exactly one delta, as soon as complete
+
+
+def test_several_tokens_per_update(tok, byte_ids):
+    ids = spell(byte_ids, "x€".encode()) + tok.encode(" done")
+    det = IncrementalDetokenizer(tok)
+    assert det.update(ids[:2]) == "x"  # "x" and the first byte of "€"
+    assert det.update(ids[2:3]) == ""
+    assert det.update(ids[3:]) == "€ done"
+    assert det.finish() == ""
+
+
+def test_invalid_bytes_flushed_at_finish(tok, byte_ids):
+    det = IncrementalDetokenizer(tok)
+    assert det.update(spell(byte_ids, b"ok\xe2\x82")) == "ok"
+    assert det.finish() == FFFD  # never completed: shown as the one-shot decode shows it
+    assert det.text == "ok" + FFFD
+
+
+class CountingTokenizer:
+    def __init__(self, tok) -> None:
+        self.tok, self.sizes = tok, []
+
+    def decode(self, ids, **kw):
+        self.sizes.append(len(ids))
+        return self.tok.decode(ids, **kw)
+
+
+def test_long_run_of_invalid_bytes_then_valid_character(tok, byte_ids):
+    """Past MAX_PENDING_TOKENS undecided tokens the window is forced forward, without breaking a
+    character whose first byte is among the last ones (a premature U+FFFD would break the equality)."""
+    for n in (MAX_PENDING_TOKENS - 1, MAX_PENDING_TOKENS, MAX_PENDING_TOKENS + 1, 100):
+        data = b"\x80" * n + "é€😀".encode() + b"\xff" * n + b"\xe2\x82\xac" + b"\xf0" * n + "😀".encode()
+        ids = spell(byte_ids, data)
+        counting = CountingTokenizer(tok)
+        det = IncrementalDetokenizer(counting)
+        deltas = [det.update([t]) for t in ids]
+        text = "".join(deltas) + det.finish()
+        assert text == tok.decode(ids) == data.decode("utf-8", "replace")
+        assert deltas[-1].endswith("😀")
+        # garbage is shown as it settles: before the last emoji, at most a few U+FFFD were held
+        assert len("".join(deltas[:-4])) >= len(text) - 1 - MAX_PENDING_TOKENS
+        assert max(counting.sizes) <= 2 * MAX_PENDING_TOKENS + 2  # and not re-decoded forever
+
+
+def test_decode_window_is_bounded(tok, byte_ids):
+    rng = random.Random(0)
+    pieces = [tok.encode("The quick brown fox, café €5 中文 😀. ")] + [
+        spell(byte_ids, b"\x80\x80\xe2"),
+        spell(byte_ids, "ü".encode()),
+        [1, 2],
+    ]
+    ids = [t for _ in range(150) for t in rng.choice(pieces)]
+    counting = CountingTokenizer(tok)
+    det = IncrementalDetokenizer(counting, skip_special_tokens=False, stop=["never appears"])
+    text = "".join(det.update([t]) for t in ids) + det.finish()
+    assert text == tok.decode(ids, skip_special_tokens=False)
+    assert len(ids) > 1000
+    # context + undecided + new tokens, never the whole output
+    assert max(counting.sizes) <= 2 * MAX_PENDING_TOKENS + 2
+    assert len(counting.sizes) < 4 * len(ids)  # a few decodes per token, not one per earlier token
+
+
+# ---------------------------------------------------------------------- stop strings
+
+
+def test_stop_prefix_held_back_until_settled(tok):
+    a, hash_, c = tok.encode("ab"), tok.encode("#"), tok.encode("c")
+    det = IncrementalDetokenizer(tok, stop=["###"])
+    assert det.update(a + hash_) == "ab"  # "#" may begin "###"
+    assert det.update(hash_) == ""
+    assert det.update(c) == "##c"  # it did not
+    assert det.update(hash_ + hash_) == ""
+    assert det.update(hash_) == ""  # "###": stop
+    assert det.stopped and det.stop_str_hit == "###"
+    assert det.update(c) == ""  # nothing after a stop string is ever shown
+    assert det.finish("###") == ""
+    assert det.text == "ab##c"
+
+
+def test_stop_string_inside_one_token_and_across_tokens(tok, byte_ids):
+    ids = tok.encode("Hello world, the end")
+    for chunks in ([1], [2], [len(ids)]):
+        deltas, last, det = stream(tok, ids, chunks, stop=["lo wo", "end"])
+        assert "".join(deltas) + last == "Hel"
+        assert det.stop_str_hit == "lo wo"
+    # a stop string that is one byte of a multi-byte character can never match mid-character
+    ids = spell(byte_ids, "x€y".encode())
+    deltas, last, det = stream(tok, ids, [1], stop=["€y"])
+    assert "".join(deltas) + last == "x" and det.stop_str_hit == "€y"
+
+
+def test_earliest_stop_wins(tok):
+    ids = tok.encode("one two three")
+    deltas, last, det = stream(tok, ids, [len(ids)], stop=["three", "two", "e t"])
+    assert "".join(deltas) + last == "on"
+    assert det.stop_str_hit == "e t"
+
+
+def test_finish_flushes_held_tail_unless_stopped_on_it(tok):
+    ids = tok.encode("ab#")
+    # length / EOS / abort: the "#" held back as a possible "###" is shown after all
+    det = IncrementalDetokenizer(tok, stop="###")
+    assert det.update(ids) == "ab"
+    assert det.finish() == "#"
+    assert not det.stopped
+    # the engine stopped on a string the detokenizer was not told about: cut before it
+    det = IncrementalDetokenizer(tok, stop="###")
+    assert det.update(ids) == "ab"
+    assert det.finish(stop_str_hit="#") == ""
+    assert det.stop_str_hit == "#"
+    # the engine's stop string is not in the (special-token-free) text: flush, like output_text
+    det = IncrementalDetokenizer(tok)
+    assert det.update(ids + [tok.convert_tokens_to_ids("<|im_end|>")]) == "ab#"
+    assert det.finish(stop_str_hit="<|im_end|>") == ""
+    assert det.finish() == ""  # idempotent
+
+
+def test_special_tokens(tok):
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("hi") + [end] + tok.encode(" there")
+    assert "".join(stream(tok, ids, [1])[0]) == "hi there"
+    deltas, last, _ = stream(tok, ids, [1], skip_special_tokens=False)
+    assert "".join(deltas) + last == "hi<|im_end|> there"
+    deltas, last, det = stream(tok, ids, [1], stop=["<|im_end|>"], skip_special_tokens=False)
+    assert "".join(deltas) + last == "hi" and det.stopped
+
+
+def test_bad_stop_strings_rejected(tok):
+    with pytest.raises(ValueError):
+        IncrementalDetokenizer(tok, stop=[""])
+    det = IncrementalDetokenizer(tok)
+    det.finish()
+    with pytest.raises(RuntimeError):
+        det.update([5])
+
+
+# ---------------------------------------------------------------------- the key property
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Le café est très bon ### crème brûlée",
+    "中文文本用于测试 😀 🚀 ✨ 👨‍👩‍👧",
+    "def f(x):\n\n    return x # done\n",
+    "€100 ≈ ¥15000; π ≈ 3.14 ###",
+    "ab#c##d###e",
+]
+STOPS = ["###", "#", "€", "é", "\n\n", "the", "ab", "😀 ", "文", "<|im_end|>", FFFD, "o", "x):"]
+MULTIBYTE = ["é", "€", "😀", "中", "𝄞", "ü", "👨‍👩‍👧", "ñ"]
+
+
+def _segments(tok, byte_ids):
+    n = len(tok)
+    return st.one_of(
+        st.integers(0, n - 1).map(lambda i: [i]),  # any id: specials (0-2), bytes, merges
+        st.sampled_from(TEXTS).map(lambda s: tok.encode(s)),  # real text, stop strings inside
+        st.sampled_from(MULTIBYTE).map(lambda s: spell(byte_ids, s.encode())),  # split characters
+        st.binary(max_size=5).map(lambda b: spell(byte_ids, b)),  # arbitrary bytes, invalid ones too
+        st.tuples(st.sampled_from([b"\x80", b"\xf0", b"\xe2\x82", b"\xff"]), st.integers(1, 12)).map(
+            lambda t: spell(byte_ids, t[0] * t[1])  # long runs of invalid bytes: the forced window moves
+        ),
+    )
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_deltas_concatenate_to_the_stop_cut_one_shot_decode(tok, byte_ids, data):
+    segments = data.draw(st.lists(_segments(tok, byte_ids), max_size=12))
+    ids = [t for seg in segments for t in seg]
+    skip = data.draw(st.booleans())
+    full = tok.decode(ids, skip_special_tokens=skip)
+    stop = data.draw(st.lists(st.sampled_from(STOPS), max_size=3))
+    if full and data.draw(st.booleans()):  # a stop string taken from the text itself
+        i = data.draw(st.integers(0, len(full) - 1))
+        stop.append(full[i : i + data.draw(st.integers(1, 4))])
+    chunks = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=5))
+
+    det = IncrementalDetokenizer(tok, skip_special_tokens=skip, stop=stop)
+    want = expected(tok, ids, stop, skip)
+    shown, i, c = "", 0, 0
+    while i < len(ids):
+        n = chunks[c % len(chunks)]
+        i, c = i + n, c + 1
+        shown += det.update(ids[i - n : i])
+        so_far = tok.decode(ids[:i], skip_special_tokens=skip)
+        assert want.startswith(shown)  # nothing is ever taken back, nothing past a stop is shown
+        # ...and nothing is held without reason: only an undecided character and a possible stop prefix
+        settled = expected(tok, ids[:i], stop, skip) if det.stopped else so_far.rstrip(FFFD)
+        hold = 0 if det.stopped else max((len(s) - 1 for s in stop), default=0)
+        assert len(shown) >= len(settled) - hold
+    shown += det.finish()
+    assert shown == want
+    assert det.text == want
+    assert det.stopped == any(s in full for s in stop)
+
+
+def test_random_sequences_against_one_shot_decode(tok, byte_ids):
+    rng = random.Random(1234)
+    pieces = (
+        [tok.encode(s) for s in TEXTS]
+        + [spell(byte_ids, s.encode()) for s in MULTIBYTE]
+        + [[i] for i in range(len(tok))]
+    )
+    for _ in range(1000):
+        ids = [t for _ in range(rng.randint(0, 40)) for t in rng.choice(pieces)]
+        if rng.random() < 0.3:  # a split multi-byte character at the very end
+            ids += spell(byte_ids, rng.choice(MULTIBYTE).encode())[:-1]
+        stop = rng.sample(STOPS, rng.randint(0, 3))
+        skip = rng.random() < 0.5
+        chunks = [rng.randint(1, 6) for _ in range(rng.randint(1, 4))]
+        deltas, last, _ = stream(tok, ids, chunks, stop, skip)
+        assert "".join(deltas) + last == expected(tok, ids, stop, skip), (ids, stop, skip, chunks)
+
+
+# ---------------------------------------------------------------------- against the engine
+
+
+def test_streaming_the_engine_matches_output_text(ckpt_factory):
+    """Driven by the real engine (which stops on its own decode of the tail), the stream equals
+    `Engine.output_text`, whether the request ends on a stop string, EOS or length."""
+    from gapless.config import EngineConfig
+    from gapless.engine.engine import Engine
+    from gapless.sampling_params import SamplingParams
+
+    cfg = EngineConfig(
+        str(ckpt_factory("qwen3")), device="cpu", cpu_worker="inline", overlap=False, kv_cache_tokens=2048
+    )
+    engine = Engine(cfg)
+    try:
+        prompts = ["café €5 and", "中文 😀", "The quick brown fox"]
+
+        def run(prompt, **kw):
+            params = SamplingParams(max_tokens=16, temperature=0.0, **kw)
+            req = engine.add_request(engine.tokenize(prompt), params)
+            det = IncrementalDetokenizer(
+                engine.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+            )
+            shown, seen = "", 0
+            while not req.finished:
+                engine.step()
+                shown += det.update(req.output_ids[seen:])
+                seen = len(req.output_ids)
+            shown += det.finish(req.stop_str_hit)
+            assert shown == engine.output_text(req), (prompt, kw)
+            return req, det
+
+        for prompt in prompts:
+            for skip in (True, False):
+                req, _ = run(prompt, skip_special_tokens=skip)
+                full = engine.output_text(req)
+                for at, n in ((0, 1), (len(full) // 3, 2), (len(full) // 2, 4), (len(full) - 2, 2)):
+                    stop = full[at : at + n]
+                    if not stop:
+                        continue
+                    req, det = run(prompt, skip_special_tokens=skip, stop=[stop, "never"])
+                    assert req.finish_reason == "stop" and det.stop_str_hit == stop == req.stop_str_hit
+                    assert det.text == full[: full.find(stop)]
+    finally:
+        engine.shutdown()
