@@ -1,0 +1,241 @@
+"""Interactive chat in the terminal: `gapless chat --model PATH`.
+
+Drives an in-process `Engine` one step at a time, so each step's new tokens are shown as soon as they
+are sampled (through `IncrementalDetokenizer`: whole characters only, stop strings cut). The
+conversation is kept as chat messages and re-rendered with the tokenizer's chat template every turn;
+the engine's prefix cache makes the repeated history cheap. `/reset` forgets the history, `/exit`,
+`/quit` or end of input (Ctrl-D) quits, and Ctrl-C while a reply streams stops that reply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gapless.config import EngineConfig, add_engine_args, engine_options
+from gapless.engine.engine import Engine
+from gapless.sampling_params import SamplingParams
+from gapless.server.detokenizer import IncrementalDetokenizer
+
+EXIT_COMMANDS = ("/exit", "/quit")
+RESET_COMMAND = "/reset"
+HELP_TEXT = "commands: /reset (forget the conversation), /exit or /quit (or Ctrl-D); Ctrl-C stops a reply\n"
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """The special token the chat template closes an assistant turn with (ChatML's <|im_end|>, Llama
+    3's <|eot_id|>), found by rendering a turn; [] when there is none or no template.
+
+    Chat models stop on it, but not every checkpoint lists it among its EOS ids."""
+    mark = "\x00reply\x00"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}], tokenize=False
+        )
+    except Exception:  # no template, or one that insists on other roles: nothing to add
+        return []
+    if not isinstance(text, str) or mark not in text:
+        return []
+    after = tokenizer.encode(text.split(mark, 1)[1], add_special_tokens=False)
+    special = set(tokenizer.all_special_ids)
+    return [after[0]] if after and after[0] in special else []
+
+
+@dataclass
+class Turn:
+    """What one reply produced: the text shown and how the request ended."""
+
+    text: str
+    prompt_tokens: int
+    output_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
+class ChatSession:
+    """A conversation with an engine: the message history and how to extend it by one reply."""
+
+    engine: Engine
+    params: SamplingParams = field(default_factory=SamplingParams)
+    system: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if not getattr(self.engine.tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template; chat needs one")
+        extra = [t for t in end_of_turn_ids(self.engine.tokenizer) if t not in self.params.stop_token_ids]
+        if extra:  # a copy: the caller's params stay as they were
+            self.params = dataclasses.replace(
+                self.params, stop_token_ids=[*self.params.stop_token_ids, *extra]
+            )
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def prompt_ids(self, messages: list[dict[str, str]] | None = None) -> list[int]:
+        """The token ids of the conversation so far, ending with an open assistant turn."""
+        tok = self.engine.tokenizer
+        text = tok.apply_chat_template(
+            self.messages if messages is None else messages, add_generation_prompt=True, tokenize=False
+        )
+        # the template writes any BOS itself; the tokenizer must not add another
+        return self.engine.tokenize(tok.encode(text, add_special_tokens=False))
+
+    def send(self, user_text: str, write: Callable[[str], Any] = lambda s: None) -> Turn:
+        """Add a user message, stream the reply through `write` delta by delta, and keep both in the
+        history. Raises ValueError (history unchanged) when the conversation no longer fits."""
+        messages = [*self.messages, {"role": "user", "content": user_text}]
+        ids = self.prompt_ids(messages)
+        engine = self.engine
+        req = engine.add_request(ids, self.params)
+        detok = IncrementalDetokenizer(
+            engine.tokenizer, skip_special_tokens=self.params.skip_special_tokens, stop=self.params.stop
+        )
+        seen = 0
+        try:
+            while not req.finished:
+                engine.step()
+                if len(req.output_ids) > seen:
+                    delta = detok.update(req.output_ids[seen:])
+                    seen = len(req.output_ids)
+                    if delta:
+                        write(delta)
+        except KeyboardInterrupt:  # stop this reply, keep what was shown, keep the engine usable
+            engine.abort(req.rid)
+            while engine.has_unfinished():
+                engine.step()
+        delta = detok.update(req.output_ids[seen:]) + detok.finish(req.stop_str_hit)
+        if delta:
+            write(delta)
+        self.messages = [*messages, {"role": "assistant", "content": detok.text}]
+        return Turn(detok.text, len(ids), list(req.output_ids), req.finish_reason or "abort")
+
+
+def run_chat(
+    engine: Engine,
+    params: SamplingParams | None = None,
+    *,
+    input_fn: Callable[[str], str] = input,
+    write: Callable[[str], Any] | None = None,
+    flush: Callable[[], Any] | None = None,
+    system: str | None = None,
+    prompt: str = ">>> ",
+) -> ChatSession:
+    """The read-reply loop until `/exit`, `/quit` or end of input; returns the session (its history).
+
+    `input_fn(prompt)` reads a line (raises EOFError at the end), `write` shows text (default: stdout,
+    flushed), `flush` (if given) is called after every delta so the reply streams through buffered
+    output too.
+    """
+    if write is None:
+        write, flush = sys.stdout.write, sys.stdout.flush
+    session = ChatSession(engine, params or SamplingParams(max_tokens=512, temperature=0.7), system)
+
+    def show(text: str) -> None:
+        write(text)
+        if flush is not None:
+            flush()
+
+    while True:
+        try:
+            line = input_fn(prompt)
+        except EOFError:
+            show("\n")
+            break
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as shells do
+            show("\n")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in EXIT_COMMANDS:
+            break
+        if text == RESET_COMMAND:
+            session.reset()
+            show("(history cleared)\n")
+            continue
+        if text in ("/help", "/?"):
+            show(HELP_TEXT)
+            continue
+        try:
+            turn = session.send(line, show)
+        except ValueError as e:  # the conversation outgrew the context: say so, keep the history
+            show(f"error: {e}; /reset starts over\n")
+            continue
+        show("\n" if turn.finish_reason != "abort" else " [stopped]\n")
+    return session
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def add_chat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `chat` subcommand's options: the model, sampling, and every engine option as `serve` has
+    them (`--device`, `--disable-overlap`, `--max-model-len`, `--seed`, ...)."""
+    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: built-in)")
+    parser.add_argument("--system", default=None, help="system prompt")
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
+    sampling.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_engine_args(parser)
+    return parser
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    """An engine for `args`, built as `serve` builds its config (flags left out keep their defaults)."""
+    model = args.model
+    if model is None:
+        from gapless.testing import default_model_path
+
+        model = str(default_model_path())
+    return Engine(EngineConfig.from_kwargs(str(model), **engine_options(args)))
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+    )
+
+
+def chat_main(
+    args: argparse.Namespace,
+    *,
+    input_fn: Callable[[str], str] = input,
+    write: Callable[[str], Any] | None = None,
+) -> int:
+    """Run `gapless chat` for parsed `args`; returns the exit status. The engine is shut down after."""
+    try:
+        params = sampling_from_args(args)
+    except ValueError as e:
+        print(f"gapless chat: {e}", file=sys.stderr)
+        return 2
+    engine = engine_from_args(args)
+    try:
+        (write or sys.stdout.write)(f"gapless chat: {engine.cfg.model} ({HELP_TEXT.rstrip()})\n")
+        run_chat(engine, params, input_fn=input_fn, write=write, system=args.system)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gapless.chat [options]`, the same as `gapless chat`."""
+    parser = add_chat_args(argparse.ArgumentParser(prog="gapless chat"))
+    return chat_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
