@@ -39,10 +39,18 @@ def server(ckpt_factory):
 
 @pytest.fixture(scope="session")
 def scripted(tmp_path_factory):
-    """A server whose model greedily writes SCRIPT_TEXT after the prompt's last token `x`, then EOS."""
+    """A server whose model greedily writes SCRIPT_TEXT after the prompt's last token `x` (and "x" +
+    SCRIPT_TEXT as a chat reply), then EOS."""
     tok = build_tokenizer()
     start = tok.convert_tokens_to_ids("x")
     chain = [start, *byte_token_ids("é€".encode()), *(tok.convert_tokens_to_ids(c) for c in "ab#")]
+    # a chat prompt ends with the template's assistant header: its last token leads into the script too
+    header = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    chat_end = tok.encode(header, add_special_tokens=False)[-1]
+    assert chat_end not in chain
+    chain.insert(0, chat_end)
     path = make_scripted_checkpoint(tmp_path_factory.mktemp("scripted"), dict(zip(chain[:-1], chain[1:])))
     srv = _serve("--model", str(path))
     srv.start_token = start
