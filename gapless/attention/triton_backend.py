@@ -1,0 +1,120 @@
+"""The Triton attention backend: `gapless.attention.triton_kernels` behind the `AttentionBackend` protocol.
+
+The kernels read the metadata tensors directly, so `prepare` only normalises them (contiguous, on one
+device) and keeps the host ints; the decode split count and its fp32 scratch buffers are settled by the
+first layer's `forward` and reused by the rest, since every layer of a batch has the same shapes.
+
+Triton itself is imported only when a `TritonBackend` is made, so importing `gapless.attention` works
+without it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gapless.attention.base import AttentionMetadata
+
+_CPU_SM_STANDIN = 8  # for the interpreter's split heuristic: a few splits, not one per key block
+
+
+def interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@dataclass
+class _State:
+    rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    q_start: torch.Tensor
+    req_table: torch.Tensor
+    max_extend_len: int
+    max_seq_len: int
+    is_decode: bool
+    scratch: dict[tuple, Any] = field(default_factory=dict)  # decode: (splits, mid_o, mid_lse) by shape
+
+
+class TritonBackend:
+    def __init__(self, num_splits: int | None = None) -> None:
+        """`num_splits` fixes the decode split count (tests); by default it follows the batch."""
+        from gapless.attention import triton_kernels
+
+        self._k = triton_kernels
+        self.num_splits = num_splits
+        self._sms: dict[torch.device, int] = {}
+
+    @property
+    def interpreted(self) -> bool:
+        """Whether the kernels were built for Triton's interpreter (CPU tensors) rather than the GPU."""
+        return self._k.INTERPRET
+
+    def _num_sms(self, device: torch.device) -> int:
+        if device not in self._sms:
+            if device.type == "cuda":
+                self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._sms[device] = _CPU_SM_STANDIN
+        return self._sms[device]
+
+    def prepare(self, meta: AttentionMetadata) -> _State:
+        return _State(
+            rows=meta.rows.contiguous(),
+            prefix_lens=meta.prefix_lens.contiguous(),
+            extend_lens=meta.extend_lens.contiguous(),
+            q_start=meta.q_start.contiguous(),
+            req_table=meta.req_table if meta.req_table.stride(-1) == 1 else meta.req_table.contiguous(),
+            max_extend_len=meta.max_extend_len,
+            max_seq_len=meta.max_seq_len,
+            is_decode=meta.is_decode,
+        )
+
+    def forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, state: _State, scale: float
+    ) -> torch.Tensor:
+        if q.device.type == "cpu" and not self.interpreted:
+            raise RuntimeError(
+                "Triton kernels got CPU tensors but were not built for the interpreter: set "
+                "TRITON_INTERPRET=1 before gapless.attention.triton_kernels is first imported"
+            )
+        if not state.is_decode:
+            return self._k.extend_attention(
+                q,
+                k_cache,
+                v_cache,
+                state.rows,
+                state.prefix_lens,
+                state.extend_lens,
+                state.q_start,
+                state.req_table,
+                state.max_extend_len,
+                scale,
+            )
+        batch, heads, d = state.rows.shape[0], q.shape[1], q.shape[2]
+        key = (heads, k_cache.shape[1], d, q.device)
+        if key not in state.scratch:
+            splits = self.num_splits or self._k.decode_num_splits(
+                batch, k_cache.shape[1], state.max_seq_len, self._num_sms(q.device)
+            )
+            splits = max(1, min(splits, self._k.MAX_SPLITS))
+            mid_o = torch.empty(batch, heads, splits, d, dtype=torch.float32, device=q.device)
+            mid_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+            state.scratch[key] = (splits, mid_o, mid_lse)
+        splits, mid_o, mid_lse = state.scratch[key]
+        return self._k.decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            state.rows,
+            state.prefix_lens,
+            state.extend_lens,
+            state.q_start,
+            state.req_table,
+            splits,
+            scale,
+            mid_o=mid_o,
+            mid_lse=mid_lse,
+        )

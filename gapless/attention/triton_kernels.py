@@ -1,0 +1,589 @@
+"""Paged attention in Triton: ragged extend (prefill), split-KV decode, and a fused KV store.
+
+Keys and values are never copied into a contiguous per-request buffer: every kernel reads them through
+the request table (`req_table[rows[b], j]` is the KV slot of token j of request b), a block of slots at a
+time, so the cache layout (page size, fragmentation, a prefix that ends mid-page) is only table content.
+
+- `extend_attention`: one program per (query block, request, query head). Each loops over its request's
+  keys up to the last position any of its queries may see, with an online softmax in fp32 (running max,
+  running sum, rescaled accumulator). The causal mask is `key_pos <= prefix_len + query_offset`.
+- `decode_attention`: one query per request, two stages. Stage 1 runs one program per (request, kv head,
+  split); the program handles all query heads that share the kv head (GQA/MQA, one `tl.dot` of
+  [group, d] x [d, block]) over its split of the context and writes the split's normalised output and
+  log-sum-exp. Stage 2 merges the splits of each (request, head). The number of splits is a host int
+  chosen from `max_seq_len` and the batch size, so a long context is spread over many programs even when
+  the batch is small.
+- `store_kv`: writes new K/V rows into their cache slots.
+
+Launchers read grid sizes from host ints (`max_extend_len`, `max_seq_len`, shapes) and never sync the
+device. Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale). Head dims need not be powers
+of two: the head dimension is padded to a power of two >= 16 and masked.
+
+Two portability notes. fp32 inputs use `input_precision="ieee"` in `tl.dot`, since the default (tf32 on
+NVIDIA) would cost about three decimal digits. Triton's interpreter (TRITON_INTERPRET=1, used for CPU
+tests) multiplies the raw bits of bf16 `tl.dot` operands (triton-lang/triton#11584, "not supported yet"),
+so under the interpreter bf16 operands are upcast to fp32 first; the values are unchanged, only the
+product is exact rather than done by tensor cores.
+
+The interpreter is picked when `@triton.jit` runs: for these kernels when this module is first imported
+(`INTERPRET` records which mode they were built in), but for triton.language's own `@jit` helpers
+(`tl.sum`, `tl.max`, `tl.zeros`, ...) when triton.language is first imported, which torch may do on its own
+long before (in this repo, importing `gapless.testing` does). The interpreter cannot call helpers built in
+GPU mode, so the kernels use builtins where there is one (`tl.full`, not `tl.zeros`) and call the two
+reductions through `_max`/`_sum`: `tl.max`/`tl.sum` themselves on the GPU, interpreted copies of them under
+the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+MIN_SPLIT_LEN = 128  # keys; shorter splits cost more in stage 2 and launch overhead than they save
+_DECODE_BLOCK_N = 64
+
+if INTERPRET:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def _interpreted(f):
+        return f if isinstance(f, InterpretedFunction) else InterpretedFunction(f.fn)
+
+    _max, _sum = _interpreted(tl.max), _interpreted(tl.sum)
+else:
+    _max, _sum = tl.max, tl.sum
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Rows,
+    PrefixLens,
+    ExtendLens,
+    QStart,
+    Table,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    ext = tl.load(ExtendLens + b)
+    m0 = pid_m * BLOCK_M
+    if m0 >= ext:  # the grid is sized for the longest request
+        return
+    prefix = tl.load(PrefixLens + b)
+    q_start = tl.load(QStart + b)
+    row = tl.load(Rows + b).to(tl.int64)
+    kvh = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < ext
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = prefix + offs_m
+    # keys past the last query of this block are masked for every row: don't visit them
+    kv_end = prefix + tl.minimum(m0 + BLOCK_M, ext)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    table_row = Table + row * stride_table
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(
+            K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+            mask=n_mask[None, :] & d_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        # nested @jit calls are slow under the interpreter, so the dot's variants are spelt out here
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale_log2
+        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, _max(s, 1))
+        # a row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids (-inf) - (-inf)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + _sum(p, 1)
+        v = tl.load(
+            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        p = p.to(V.dtype.element_ty)  # P @ V in the input dtype, as flash attention does
+        if UPCAST:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    # whole blocks per split, so only a split's last block is partial; shared by both decode stages
+    per_split = (seq_len + num_splits - 1) // num_splits
+    return (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q,
+    K,
+    V,
+    MidO,
+    MidLse,
+    Rows,
+    PrefixLens,
+    ExtendLens,
+    QStart,
+    Table,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    stride_table,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(PrefixLens + b) + tl.load(ExtendLens + b)
+    chunk = _split_len(seq_len, tl.num_programs(2), BLOCK_N)
+    start = split * chunk
+    if start >= seq_len:  # stage 2 skips empty splits by the same arithmetic
+        return
+    end = tl.minimum(start + chunk, seq_len)
+    row = tl.load(Rows + b).to(tl.int64)
+    q_row = tl.load(QStart + b).to(tl.int64)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_h
+    q = tl.load(
+        Q + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)
+    table_row = Table + row * stride_table
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(
+            K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+            mask=n_mask[None, :] & d_mask[:, None],
+            other=0.0,
+        )
+        # nested @jit calls are slow under the interpreter, so the dot's variants are spelt out here
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, _max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + _sum(p, 1)
+        v = tl.load(
+            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        p = p.to(V.dtype.element_ty)  # P @ V in the input dtype, as flash attention does
+        if UPCAST:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
+    tl.store(
+        MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
+        acc / l_safe[:, None],
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
+    tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    MidO,
+    MidLse,
+    Out,
+    PrefixLens,
+    ExtendLens,
+    QStart,
+    num_splits,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(PrefixLens + b) + tl.load(ExtendLens + b)
+    chunk = _split_len(seq_len, num_splits, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    # splits that start past the context were never written: their memory is garbage
+    s_mask = (offs_s < num_splits) & (offs_s * chunk < seq_len)
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_ml_b + h * stride_ml_h + offs_s, mask=s_mask, other=float("-inf"))
+    o = tl.load(
+        MidO + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m = _max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    w_sum = _sum(w, 0)
+    out = _sum(w[:, None] * o, 0) / tl.where(w_sum > 0, w_sum, 1.0)
+    q_row = tl.load(QStart + b).to(tl.int64)
+    tl.store(Out + q_row * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _store_kv_kernel(
+    K,
+    V,
+    KCache,
+    VCache,
+    Loc,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kct,
+    stride_kch,
+    stride_vct,
+    stride_vch,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Loc + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    k_dst = KCache + slot * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
+    v_dst = VCache + slot * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(k_dst, k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _dot_flags(dtype: torch.dtype) -> dict[str, bool]:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"attention kernels take fp32, bf16 or fp16, not {dtype}")
+    upcast = INTERPRET and dtype == torch.bfloat16
+    return {"IEEE": dtype == torch.float32 or upcast, "UPCAST": upcast}
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise TypeError(
+            f"q, k_cache and v_cache must share a dtype, got {q.dtype}/{k_cache.dtype}/{v_cache.dtype}"
+        )
+    if q.shape[2] != k_cache.shape[2] or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}"
+        )
+    if q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[1]} kv heads")
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    q_start: torch.Tensor,
+    req_table: torch.Tensor,
+    max_extend_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens to its cached prefix and to each other.
+
+    q: [T, heads, d] (flat, request b's tokens at `q_start[b]`); caches: [slots, kv_heads, d]; the new
+    tokens' K/V must already be in the cache. Returns [T, heads, d] in q's dtype."""
+    _check(q, k_cache, v_cache)
+    q, k_cache, v_cache = map(_last_dim_contiguous, (q, k_cache, v_cache))
+    T, heads, d = q.shape
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    batch = rows.shape[0]
+    if T == 0 or batch == 0 or max_extend_len == 0:
+        return out
+    block_d = _block_d(d)
+    if block_d <= 64:
+        block_m, block_n = 64, 64
+    elif block_d <= 128:
+        block_m, block_n = 64, 64 if q.element_size() <= 2 else 32
+    else:
+        block_m, block_n = 32, 32
+    grid = (triton.cdiv(max_extend_len, block_m), batch, heads)
+    _extend_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        rows,
+        prefix_lens,
+        extend_lens,
+        q_start,
+        req_table,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_table.stride(0),
+        GROUP=heads // k_cache.shape[1],
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=4,
+        num_stages=2,
+        **_dot_flags(q.dtype),
+    )
+    return out
+
+
+def decode_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per request for decode: enough programs to cover the SMs about twice, no split shorter than
+    MIN_SPLIT_LEN keys, at most MAX_SPLITS. Host arithmetic only."""
+    by_len = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_LEN)
+    by_occupancy = triton.cdiv(2 * num_sms, max(batch * kv_heads, 1))
+    return max(1, min(by_len, by_occupancy, MAX_SPLITS))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    q_start: torch.Tensor,
+    req_table: torch.Tensor,
+    num_splits: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One new token per request (`extend_lens` all 1) attending to all `prefix_lens[b] + 1` keys.
+
+    `mid_o` [B, heads, >=num_splits, d] and `mid_lse` [B, heads, >=num_splits] fp32 are scratch; pass
+    them to reuse one allocation across layers."""
+    _check(q, k_cache, v_cache)
+    q, k_cache, v_cache = map(_last_dim_contiguous, (q, k_cache, v_cache))
+    T, heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    batch = rows.shape[0]
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if T == 0 or batch == 0:
+        return out
+    num_splits = max(1, min(num_splits, MAX_SPLITS))
+    if mid_o is None:
+        mid_o = torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
+    if mid_lse is None:
+        mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    group = heads // kv_heads
+    block_d = _block_d(d)
+    block_n = _DECODE_BLOCK_N if block_d <= 128 else 32
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        mid_o,
+        mid_lse,
+        rows,
+        prefix_lens,
+        extend_lens,
+        q_start,
+        req_table,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        req_table.stride(0),
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        num_warps=4,
+        num_stages=2,
+        **_dot_flags(q.dtype),
+    )
+    _decode_reduce_kernel[(batch, heads)](
+        mid_o,
+        mid_lse,
+        out,
+        prefix_lens,
+        extend_lens,
+        q_start,
+        num_splits,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_N=block_n,
+        num_warps=2,
+    )
+    return out
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Write k/v [T, kv_heads, d] into cache slots `loc` [T] (cast to the cache dtype), in place."""
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:] or k_cache.shape != v_cache.shape:
+        raise ValueError(f"shape mismatch: k/v {tuple(k.shape)}, caches {tuple(k_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the caches' last dimension must be contiguous (they are written in place)")
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    T, kv_heads, d = k.shape
+    if T == 0:
+        return
+    _store_kv_kernel[(T,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        loc,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        KV_HEADS=kv_heads,
+        HEAD_DIM=d,
+        BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(d),
+        num_warps=1 if kv_heads * d <= 512 else 4,
+    )

@@ -1,0 +1,292 @@
+"""The Triton backend against the torch reference, and `make_backend`.
+
+Without CUDA the kernels run under Triton's interpreter on CPU tensors. The interpreter is chosen when
+`@triton.jit` runs, so TRITON_INTERPRET is set here, before the kernels module is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
+
+from gapless.attention import TorchRefBackend, make_backend  # noqa: E402
+from gapless.attention import triton_kernels as tk  # noqa: E402
+from gapless.attention.base import AttentionMetadata  # noqa: E402
+from gapless.attention.triton_backend import TritonBackend  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and not tk.INTERPRET:
+    pytest.skip(
+        "triton_kernels was imported before TRITON_INTERPRET was set, so it cannot run on CPU",
+        allow_module_level=True,
+    )
+
+NUM_ROWS = 8
+
+
+def make_batch(
+    seed: int,
+    *,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    page_size: int,
+    dtype: torch.dtype = torch.float32,
+    garbage: bool = False,
+):
+    """A random batch with K/V laid out in pages of `page_size` slots, scattered over the pool.
+
+    Returns (q, k_cache, v_cache, meta, clean): `clean` is (k, v) with every slot outside the batch's
+    contexts zeroed, for the reference; with `garbage`, the caches given to the kernels hold NaN there
+    (slot 0 too, which masked table loads fall back to), and the table entries past each context point at
+    such slots."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    max_ctx = max(seq_lens) + 2 * page_size
+    pages_per_req = [-(-s // page_size) for s in seq_lens]
+    num_pages = sum(pages_per_req) + 8  # spare pages, left unused
+    k = torch.randn(num_pages * page_size, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(num_pages * page_size, kv_heads, d, generator=g).to(dtype)
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()  # page 0: padding, never a context
+    rows = torch.randperm(NUM_ROWS, generator=g)[: len(seq_lens)]
+    table = torch.zeros(NUM_ROWS, max_ctx, dtype=torch.int32)
+    used = torch.zeros(num_pages * page_size, dtype=torch.bool)
+    for row, s, n_pages in zip(rows.tolist(), seq_lens, pages_per_req):
+        pages = torch.tensor([perm.pop() for _ in range(n_pages)])
+        slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:s]
+        table[row, :s] = slots.int()
+        used[slots] = True
+    clean_k, clean_v = k.masked_fill(~used[:, None, None], 0), v.masked_fill(~used[:, None, None], 0)
+    if garbage:
+        k = k.masked_fill(~used[:, None, None], float("nan"))
+        v = v.masked_fill(~used[:, None, None], float("nan"))
+        unused = (~used).nonzero().reshape(-1).int()
+        for row, s in zip(rows.tolist(), seq_lens):
+            table[row, s:] = unused[torch.randint(len(unused), (max_ctx - s,), generator=g)]
+    else:
+        k, v = clean_k, clean_v
+    ext = torch.tensor(extend_lens)
+    q = torch.randn(int(ext.sum()), heads, d, generator=g).to(dtype)
+    meta = AttentionMetadata(
+        rows=rows.to(DEVICE),
+        prefix_lens=torch.tensor(prefix_lens, device=DEVICE),
+        extend_lens=ext.to(DEVICE),
+        q_start=(torch.cumsum(ext, 0) - ext).to(DEVICE),
+        req_table=table.to(DEVICE),
+        max_extend_len=max(extend_lens),
+        max_seq_len=max(seq_lens),
+        is_decode=all(e == 1 for e in extend_lens),
+    )
+    dev = (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    return (*dev, meta, (clean_k.to(DEVICE), clean_v.to(DEVICE)))
+
+
+def reference(q, clean, meta, scale):
+    ref = TorchRefBackend()
+    return ref.forward(q.float(), clean[0].float(), clean[1].float(), ref.prepare(meta), scale)
+
+
+def check(out, ref, dtype):
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "non-finite values in the attention output"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:
+        err = (out.float() - ref).abs().max() / ref.abs().max()
+        assert err < 2e-2, f"relative error {err:.3g} in {dtype}"
+
+
+# empty prefix (0), prefixes off any page boundary (13, 21, 100), a request longer than one query block
+# (70, after a prefix) and one whose prefix spans two key blocks (100)
+EXTEND = dict(prefix_lens=[0, 13, 21, 100], extend_lens=[9, 1, 70, 20])
+# a context of one token (0 + 1), and ones long enough for several splits with a short last split
+DECODE = dict(prefix_lens=[0, 5, 300, 130], extend_lens=[1, 1, 1, 1])
+
+SHAPES = [  # heads, kv_heads, head_dim, page_size
+    pytest.param(4, 2, 16, 1, id="gqa-d16-page1"),
+    pytest.param(4, 2, 32, 16, id="gqa-d32-page16"),
+    pytest.param(4, 1, 16, 16, id="mqa-d16-page16"),
+    pytest.param(2, 2, 64, 16, id="mha-d64-page16"),
+    pytest.param(4, 2, 128, 1, id="gqa-d128-page1"),
+    pytest.param(2, 1, 80, 16, id="mqa-d80-page16"),  # not a power of two: padded and masked
+]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "page_size"), SHAPES)
+def test_extend_matches_reference(heads, kv_heads, d, page_size):
+    q, k, v, meta, clean = make_batch(0, heads=heads, kv_heads=kv_heads, d=d, page_size=page_size, **EXTEND)
+    backend = TritonBackend()
+    out = backend.forward(q, k, v, backend.prepare(meta), d**-0.5)
+    check(out, reference(q, clean, meta, d**-0.5), torch.float32)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "page_size"), SHAPES)
+def test_decode_matches_reference(heads, kv_heads, d, page_size):
+    q, k, v, meta, clean = make_batch(1, heads=heads, kv_heads=kv_heads, d=d, page_size=page_size, **DECODE)
+    backend = TritonBackend(num_splits=6)  # 5 non-empty splits of 64 keys for the 301-token context, 1 empty
+    out = backend.forward(q, k, v, backend.prepare(meta), d**-0.5)
+    check(out, reference(q, clean, meta, d**-0.5), torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, tk.MAX_SPLITS])
+def test_decode_split_counts(num_splits):
+    """Any split count gives the same answer; the default picks several for a long context."""
+    q, k, v, meta, clean = make_batch(2, heads=4, kv_heads=1, d=32, page_size=16, **DECODE)
+    backend = TritonBackend(num_splits=num_splits)
+    state = backend.prepare(meta)
+    out = backend.forward(q, k, v, state, 0.2)
+    check(out, reference(q, clean, meta, 0.2), torch.float32)
+    ((splits, _, _),) = state.scratch.values()
+    assert splits == (num_splits or tk.decode_num_splits(4, 1, 301, backend._num_sms(DEVICE)))
+    if num_splits is None:
+        assert splits > 1
+
+
+def test_decode_scratch_is_reused_across_layers():
+    """A second layer with other caches reuses the first's split buffers and still gets its own answer."""
+    q, k, v, meta, clean = make_batch(3, heads=4, kv_heads=2, d=16, page_size=1, **DECODE)
+    backend = TritonBackend(num_splits=4)
+    state = backend.prepare(meta)
+    out1 = backend.forward(q, k, v, state, 0.25)
+    out2 = backend.forward(q, -2 * k, v.flip(-1), state, 0.25)
+    assert len(state.scratch) == 1
+    check(out1, reference(q, clean, meta, 0.25), torch.float32)
+    check(out2, reference(q, (-2 * clean[0], clean[1].flip(-1)), meta, 0.25), torch.float32)
+    assert not torch.allclose(out1, out2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_half_precision(dtype, mode):
+    lens = EXTEND if mode == "extend" else DECODE
+    q, k, v, meta, clean = make_batch(4, heads=4, kv_heads=2, d=32, page_size=16, dtype=dtype, **lens)
+    backend = TritonBackend(num_splits=5)
+    out = backend.forward(q, k, v, backend.prepare(meta), 32**-0.5)
+    check(out, reference(q, clean, meta, 32**-0.5), dtype)
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype"), [("extend", torch.float32), ("decode", torch.float32), ("extend", torch.float16)]
+)
+def test_garbage_outside_contexts_is_never_read(mode, dtype):
+    """Unused slots hold NaN and the table's tail points at them; masked loads must skip them (a NaN value
+    row read under a zero weight would still make the output NaN)."""
+    lens = EXTEND if mode == "extend" else DECODE
+    q, k, v, meta, clean = make_batch(
+        5, heads=4, kv_heads=2, d=16, page_size=16, dtype=dtype, garbage=True, **lens
+    )
+    assert k.isnan().any() and v.isnan().any()
+    backend = TritonBackend(num_splits=4)
+    out = backend.forward(q, k, v, backend.prepare(meta), 0.25)
+    check(out, reference(q, clean, meta, 0.25), dtype)
+
+
+def test_poison_inside_a_context_does_show():
+    """The garbage test could fail: a NaN in a slot a request does read reaches that request's output."""
+    q, k, v, meta, _ = make_batch(6, heads=2, kv_heads=1, d=16, page_size=16, **DECODE)
+    b = 2  # the 301-token request: poison a key in the middle of its context
+    k[meta.req_table[meta.rows[b], 150].long()] = float("nan")
+    backend = TritonBackend(num_splits=4)
+    out = backend.forward(q, k, v, backend.prepare(meta), 0.25)
+    assert out[b].isnan().all()
+    others = [i for i in range(4) if i != b]
+    assert torch.isfinite(out[others]).all()
+
+
+def test_empty_batch():
+    q, k, v, meta, _ = make_batch(7, heads=2, kv_heads=1, d=16, page_size=1, prefix_lens=[3], extend_lens=[2])
+    for name in ("rows", "prefix_lens", "extend_lens", "q_start"):
+        setattr(meta, name, getattr(meta, name)[:0])
+    meta.max_extend_len = meta.max_seq_len = 0
+    backend = TritonBackend()
+    for meta.is_decode in (False, True):
+        assert backend.forward(q[:0], k, v, backend.prepare(meta), 0.25).shape == (0, 2, 16)
+
+
+def test_decode_num_splits():
+    long_small = tk.decode_num_splits(batch=1, kv_heads=8, max_seq_len=32768, num_sms=132)
+    assert 1 < long_small <= tk.MAX_SPLITS and long_small * 8 >= 132  # every SM gets a program
+    assert tk.decode_num_splits(batch=256, kv_heads=8, max_seq_len=32768, num_sms=132) == 1  # grid is full
+    assert tk.decode_num_splits(batch=1, kv_heads=1, max_seq_len=100, num_sms=132) == 1  # too short to split
+    assert tk.decode_num_splits(batch=1, kv_heads=1, max_seq_len=10**6, num_sms=132) == tk.MAX_SPLITS
+
+
+@pytest.mark.parametrize(
+    ("src", "cache"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
+def test_store_kv(src, cache):
+    g = torch.Generator().manual_seed(8)
+    kv_heads, d, T = 2, 32, 11
+    k_cache = torch.randn(64, kv_heads, d, generator=g).to(cache).to(DEVICE)
+    v_cache = torch.randn(64, kv_heads, d, generator=g).to(cache).to(DEVICE)
+    kv = torch.randn(T, 2 * kv_heads * d + 8, generator=g).to(src).to(DEVICE)  # fused projection output
+    k_new = kv[:, : kv_heads * d].view(T, kv_heads, d)  # non-contiguous rows, as the decoder has them
+    v_new = kv[:, kv_heads * d : 2 * kv_heads * d].view(T, kv_heads, d)
+    loc = (torch.randperm(63, generator=g)[:T] + 1).to(DEVICE)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.index_copy_(0, loc, k_new.to(cache))
+    want_v.index_copy_(0, loc, v_new.to(cache))
+    tk.store_kv(k_cache, v_cache, loc, k_new, v_new)
+    if src == cache or not tk.INTERPRET:
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    else:  # the interpreter truncates fp32 -> bf16 where the GPU (and torch) round: allow one ulp
+        other = torch.ones(64, dtype=torch.bool, device=DEVICE).index_fill_(0, loc, False)
+        assert torch.equal(k_cache[other], want_k[other]) and torch.equal(v_cache[other], want_v[other])
+        for got, want in ((k_cache, want_k), (v_cache, want_v)):
+            torch.testing.assert_close(got[loc].float(), want[loc].float(), atol=0, rtol=2**-7)
+
+
+def test_make_backend_choices(monkeypatch):
+    assert isinstance(make_backend("torch", "cpu"), TorchRefBackend)
+    assert isinstance(make_backend("auto", "cpu"), TorchRefBackend)  # the interpreter is never automatic
+    assert isinstance(make_backend("auto", "cuda"), TritonBackend)
+    assert isinstance(make_backend("triton", DEVICE), TritonBackend)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if tk.INTERPRET:
+        assert isinstance(make_backend("triton", torch.device("cpu")), TritonBackend)
+    else:  # built for the GPU: the variable came too late for this process
+        with pytest.raises(RuntimeError, match="imported before TRITON_INTERPRET was set"):
+            make_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*auto, torch, triton"):
+        make_backend("flash", "cpu")
+
+
+def test_make_backend_errors(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="on CPU it needs Triton's interpreter.*TRITON_INTERPRET=1"):
+        make_backend("triton", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(tk, "INTERPRET", False)  # as if the kernels had been imported before the env var
+    with pytest.raises(RuntimeError, match="imported before TRITON_INTERPRET was set"):
+        make_backend("triton", "cpu")
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        make_backend("triton", "cuda")
+    assert isinstance(make_backend("auto", "cuda"), TorchRefBackend)
+
+
+def test_package_imports_without_triton():
+    """Importing the attention package (and the backend module) neither needs Triton nor loads the
+    kernels; "auto" then falls back to torch even on CUDA."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import gapless.attention, gapless.attention.triton_backend\n"
+        "from gapless.attention import make_backend, TorchRefBackend\n"
+        "assert 'gapless.attention.triton_kernels' not in sys.modules\n"
+        "assert isinstance(make_backend('auto', 'cuda'), TorchRefBackend)\n"
+        "try:\n    make_backend('triton', 'cuda')\nexcept RuntimeError as e:\n    print(e)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "needs the triton package" in res.stdout
