@@ -116,6 +116,7 @@ class ServerState:
         self._tickets = itertools.count()
         self.metrics = Metrics(served_model)
         self.fatal: str | None = None  # set when a worker died: the server is shutting down
+        self.worker_pids: dict[str, int] = {}
         self.on_fatal: Callable[[str], None] = lambda why: None
 
     def send(self, msg: Any) -> None:
@@ -424,7 +425,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def debug_state() -> JSONResponse:
         """The scheduler's counters and, when idle, its KV integrity check; and the API's open requests."""
         stats = await state.engine_stats()
-        return JSONResponse({**stats, "api_open_requests": len(state.groups)})
+        return JSONResponse(
+            {**stats, "api_open_requests": len(state.groups), "worker_pids": state.worker_pids}
+        )
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(request: Request) -> Response:

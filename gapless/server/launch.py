@@ -32,6 +32,7 @@ log = logging.getLogger("gapless.server")
 STARTUP_TIMEOUT_S = 600.0
 WATCHDOG_S = 0.5
 TERMINATE_GRACE_S = 5.0
+GRACEFUL_SHUTDOWN_S = 2  # open responses (streams) get this long to finish on shutdown, then are cut
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -45,9 +46,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+def _process_context() -> mp.context.BaseContext:
+    """Workers fork from a fork server that imported torch and transformers once (seconds saved per
+    worker) and never ran anything: safe to fork, unlike this process. Spawn where there is none."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["gapless.server.preload"])
+    return ctx
+
+
 class _Workers:
     def __init__(self, ends: Endpoints, cfg: EngineConfig) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _process_context()
         pid = os.getpid()
         self.procs = {
             "scheduler": ctx.Process(target=scheduler_main, args=(ends, cfg, pid), name="gapless-scheduler"),
@@ -101,8 +112,16 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, ends: Endpoints, w
     model_name = args.served_model_name or Path(cfg.model).name
     state = ServerState(ends, model_name, cfg.model, {}, args.api_key, args.max_request_bytes)
     state.info = await _wait_ready(state, workers)
+    state.worker_pids = {name: p.pid for name, p in workers.procs.items()}
     app = create_app(state)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
     server = uvicorn.Server(config)
     state.on_fatal = lambda why: setattr(server, "should_exit", True)
 

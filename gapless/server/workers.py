@@ -47,14 +47,27 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _setup_child(parent_pid: int) -> None:
-    """Die with the parent, leave Ctrl-C to it, exit cleanly (finally blocks run) on SIGTERM."""
+    """Die with the parent, leave Ctrl-C to it, exit cleanly (finally blocks run) on SIGTERM.
+
+    The parent is the process that forked this one: the server, or its fork server (which exits when
+    the server does, so the death signal still arrives)."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         except OSError:
             pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if not _alive(parent_pid):  # the server died before prctl took effect
         raise SystemExit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -82,7 +95,7 @@ class _Sockets:
 
     def close(self) -> None:
         for sock in (self.recv, *self.push.values()):
-            sock.close(linger=1000)  # let what is queued go out
+            sock.close(linger=0)
         self.ctx.term()
 
 
