@@ -1,29 +1,22 @@
-"""The command line: `gapless chat` through `main` (the server's `gapless serve` is exercised as a
-process by tests/server, the README's `make serve` path included)."""
+"""The command line: `gapless chat` through `main`, with its input piped (the server's `gapless serve` is
+exercised as a process by tests/server, the README's `make serve` path included)."""
 
 from __future__ import annotations
 
-import builtins
+import io
+import sys
 
 from gapless.__main__ import main
 
 
 def test_chat_subcommand_streams_and_resets(monkeypatch, ckpt_factory, capsys):
-    lines = iter(["hello", "/reset", "hello"])
-
-    def fake_input(prompt: str = "") -> str:
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr(builtins, "input", fake_input)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/reset\nhello\n"))
     path = str(ckpt_factory("qwen3"))
     argv = ["chat", "--model", path, "--device", "cpu", "--max-tokens", "5", "--temperature", "0"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "history cleared" in out
+    turns = out.split(">>> ")[1:]  # the prompt before each line read, and once more before EOF
+    assert len(turns) == 4, out
+    assert "history cleared" in turns[1]
     # the same message after /reset gets the same (greedy) reply: the history really was cleared
-    lines = [line for line in out.splitlines()[1:] if line.strip()]  # after the banner
-    assert len(lines) == 3 and lines[1] == "(history cleared)", out
-    assert lines[0] == lines[2] and lines[0], out
+    assert turns[0].strip() and turns[0] == turns[2], out

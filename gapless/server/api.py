@@ -39,7 +39,6 @@ from gapless.server.openai_protocol import (
 log = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 5.0
-DISCONNECT_CHECK_S = 1.0
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -306,21 +305,28 @@ class _Endpoint:
         self.created = int(time.time())
 
     async def collect(self, group: _Group, count: int) -> list[_Choice]:
-        """Wait for every choice to finish; abort them if the client goes away meanwhile."""
-        choices = [_Choice() for _ in range(count)]
-        events = _events(group)
-        try:
-            while True:
-                try:
-                    index, d = await asyncio.wait_for(anext(events), DISCONNECT_CHECK_S)
-                except asyncio.TimeoutError:
-                    if await self.request.is_disconnected():
-                        raise asyncio.CancelledError from None
-                    continue
-                except StopAsyncIteration:
-                    return choices
+        """Wait for every choice to finish; abort them the moment the client goes away."""
+
+        async def fold_all() -> list[_Choice]:
+            choices = [_Choice() for _ in range(count)]
+            async for index, d in _events(group):
                 _fold(choices[index], d)
+            return choices
+
+        async def disconnected() -> None:
+            while (await self.request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.create_task(fold_all())
+        watch = asyncio.create_task(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client is gone: abort (below); the answer goes nowhere
+                raise BadRequest("client disconnected", status=499)
+            return work.result()
         finally:
+            for task in (work, watch):
+                task.cancel()
             self.state.release(group)
 
     def stream(

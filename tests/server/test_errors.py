@@ -176,3 +176,16 @@ def test_generate_native_endpoint(client):
     assert all(len(o["output_ids"]) == 3 and o["meta_info"]["finish_reason"] == "length" for o in out)
     error_of(client.post("/generate", json={"text": "x", "sampling_params": {"bogus": 1}}), 400)
     error_of(client.post("/generate", json={"sampling_params": {}}), 400)
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server, client, model):
+    aborted = 'gapless_requests_total{finish_reason="abort"'
+    before = _metric(client, aborted)
+    body = {"model": model, "prompt": "a long answer", "max_tokens": 400, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=0.5)
+    state = wait_idle_and_clean(client)
+    assert state["kv_used_tokens"] == 0 and state["running_requests"] == 0
+    assert _metric(client, aborted) == before + 1
+    good(client, model)
