@@ -7,7 +7,7 @@ requests, extend and decode alike. The index tensors and the mask are built once
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +21,10 @@ class _State:
     batch: int
     seq: int
     q_index: torch.Tensor  # [B, Q] index into the flat token dimension (padding -> 0)
-    q_valid: torch.Tensor  # [B, Q] bool
     mask: torch.Tensor  # [B, 1, Q, S] bool, True = may attend
+    q_start: torch.Tensor  # [B]
+    # (request, query offset) [T] of each flat token; made by the first layer, which knows T
+    out_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
 
 
 class TorchRefBackend:
@@ -47,8 +49,8 @@ class TorchRefBackend:
             batch=meta.batch_size,
             seq=S,
             q_index=q_index,
-            q_valid=q_valid,
             mask=mask.unsqueeze(1),
+            q_start=meta.q_start,
         )
 
     def forward(
@@ -64,4 +66,15 @@ class TorchRefBackend:
         out = F.scaled_dot_product_attention(
             qp, k, v, attn_mask=state.mask, scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
         )
-        return out.transpose(1, 2)[state.q_valid]  # [T, H, d]
+        if state.out_index is None:
+            state.out_index = _token_coords(state.q_start, q.shape[0])
+        # integer gather, not a `[q_valid]` mask: boolean-mask indexing counts the mask on the host (a sync)
+        return out.transpose(1, 2)[state.out_index]  # [T, H, d]
+
+
+def _token_coords(q_start: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request, offset) of each flat token: token t belongs to the last request b with q_start[b] <= t
+    (requests are contiguous and in order), at offset t - q_start[b]."""
+    t = torch.arange(num_tokens, device=q_start.device)
+    b = torch.searchsorted(q_start, t, right=True) - 1
+    return b, t - q_start[b]
