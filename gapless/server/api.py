@@ -300,9 +300,21 @@ def _sse(obj: Any) -> str:
 class _Endpoint:
     """Runs a generation request for one response shape (completion, chat, native)."""
 
-    def __init__(self, state: ServerState, request: Request) -> None:
+    def __init__(self, state: ServerState, request: Request, id_prefix: str = "", model: str = "") -> None:
         self.state, self.request = state, request
         self.created = int(time.time())
+        self.id, self.model = f"{id_prefix}-{uuid.uuid4().hex}", model
+
+    def envelope(self, obj: str, choices: list[Any], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        """An OpenAI response object (or stream chunk) around `choices`."""
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def usage_chunk(self, obj: str, include: bool, n: int) -> Callable[[list[_Choice]], list[Any]]:
+        """The stream's last chunk: usage with no choices, when the client asked (`include_usage`)."""
+        return lambda choices: [self.envelope(obj, [], _usage(choices, n))] if include else []
 
     async def collect(self, group: _Group, count: int) -> list[_Choice]:
         """Wait for every choice to finish; abort them the moment the client goes away."""
@@ -440,20 +452,13 @@ def create_app(state: ServerState) -> FastAPI:
         req: CompletionRequest = await parse(request, CompletionRequest)
         params, prompts = req.to_params(), req.prompts()
         group = state.submit(_expand(prompts, params, req.n))
-        ep, rid = _Endpoint(state, request), f"cmpl-{group.rids[0].rsplit('-', 1)[0]}"
+        ep, obj = _Endpoint(state, request, "cmpl", req.model), "text_completion"
         count = len(group.rids)
+        with_logprobs = params.logprobs is not None
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-            out = {
-                "id": rid,
-                "object": "text_completion",
-                "created": ep.created,
-                "model": req.model,
-                "choices": choices,
-            }
-            if usage is not None:
-                out["usage"] = usage
-            return out
+        def choice(index: int, text: str, lps: list[P.TokenLogprob] | None, finish: str | None, offset=0):
+            lp = _completion_logprobs(lps, offset) if with_logprobs and lps is not None else None
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if req.stream:
             offsets = [0] * count
@@ -461,32 +466,16 @@ def create_app(state: ServerState) -> FastAPI:
             def delta(index: int, d: P.ReqDelta, c: _Choice) -> list[Any]:
                 if not d.text and d.finish_reason is None and not d.logprobs:
                     return []
-                lp = None
-                if d.logprobs is not None and params.logprobs is not None:
-                    lp = _completion_logprobs(d.logprobs, offsets[index])
+                out = choice(index, d.text, d.logprobs, c.finish_reason, offsets[index])
                 offsets[index] += len(d.text)
-                return [
-                    chunk(
-                        [{"index": index, "text": d.text, "logprobs": lp, "finish_reason": c.finish_reason}]
-                    )
-                ]
+                return [ep.envelope(obj, [out])]
 
-            def final(choices: list[_Choice]) -> list[Any]:
-                return [chunk([], _usage(choices, req.n))] if req.include_usage else []
-
-            return ep.stream(group, count, delta, final)
+            return ep.stream(group, count, delta, ep.usage_chunk(obj, req.include_usage, req.n))
         choices = await ep.collect(group, count)
         return JSONResponse(
-            chunk(
-                [
-                    {
-                        "index": i,
-                        "text": "".join(c.text),
-                        "logprobs": _completion_logprobs(c.logprobs) if params.logprobs is not None else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for i, c in enumerate(choices)
-                ],
+            ep.envelope(
+                obj,
+                [choice(i, "".join(c.text), c.logprobs, c.finish_reason) for i, c in enumerate(choices)],
                 _usage(choices, req.n),
             )
         )
@@ -497,74 +486,45 @@ def create_app(state: ServerState) -> FastAPI:
         params = req.to_params()
         messages = [P.ChatMessage(m.role, m.text()) for m in req.messages]
         group = state.submit(_expand([messages], params, req.n))
-        ep, rid = _Endpoint(state, request), f"chatcmpl-{group.rids[0].rsplit('-', 1)[0]}"
+        ep, obj = _Endpoint(state, request, "chatcmpl", req.model), "chat.completion.chunk"
         count = len(group.rids)
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-            out = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": ep.created,
-                "model": req.model,
-                "choices": choices,
-            }
-            if usage is not None:
-                out["usage"] = usage
-            return out
+        def logprobs(lps: list[P.TokenLogprob] | None) -> dict[str, Any] | None:
+            return _chat_logprobs(lps) if req.logprobs and lps is not None else None
 
         if req.stream:
             started = [False] * count
 
             def delta(index: int, d: P.ReqDelta, c: _Choice) -> list[Any]:
                 out = []
-                if not started[index]:
+                if not started[index]:  # the first chunk of a choice names the role
                     started[index] = True
-                    role = {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    out.append(chunk([role]))
+                    role = {"role": "assistant", "content": ""}
+                    out.append({"index": index, "delta": role, "logprobs": None, "finish_reason": None})
                 if d.text or d.logprobs or d.finish_reason is not None:
-                    lp = _chat_logprobs(d.logprobs) if d.logprobs is not None and req.logprobs else None
                     body = {"content": d.text} if d.text else {}
                     out.append(
-                        chunk(
-                            [
-                                {
-                                    "index": index,
-                                    "delta": body,
-                                    "logprobs": lp,
-                                    "finish_reason": c.finish_reason,
-                                }
-                            ]
-                        )
+                        {
+                            "index": index,
+                            "delta": body,
+                            "logprobs": logprobs(d.logprobs),
+                            "finish_reason": c.finish_reason,
+                        }
                     )
-                return out
+                return [ep.envelope(obj, [o]) for o in out]
 
-            def final(choices: list[_Choice]) -> list[Any]:
-                return [chunk([], _usage(choices, req.n))] if req.include_usage else []
-
-            return ep.stream(group, count, delta, final)
+            return ep.stream(group, count, delta, ep.usage_chunk(obj, req.include_usage, req.n))
         choices = await ep.collect(group, count)
-        body = {
-            "id": rid,
-            "object": "chat.completion",
-            "created": ep.created,
-            "model": req.model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
-                    "logprobs": _chat_logprobs(c.logprobs) if req.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for i, c in enumerate(choices)
-            ],
-            "usage": _usage(choices, req.n),
-        }
-        return JSONResponse(body)
+        answers = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ]
+        return JSONResponse(ep.envelope("chat.completion", answers, _usage(choices, req.n)))
 
     @app.post("/generate", dependencies=[Depends(auth)])
     async def generate(request: Request) -> Response:

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,13 @@ class _Sockets:
             return P.decode(self.recv.recv())
         return None
 
+    def messages(self) -> Iterator[Any]:
+        """Every message that arrives, forever (waking every IDLE_POLL_MS so signals are seen)."""
+        while True:
+            msg = self.poll(IDLE_POLL_MS)
+            if msg is not None:
+                yield msg
+
     def close(self) -> None:
         for sock in (self.recv, *self.push.values()):
             sock.close(linger=0)
@@ -136,10 +143,7 @@ def tokenizer_main(ends: Endpoints, model: str, parent_pid: int) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(model)
         socks.send("api", P.Ready("tokenizer"))
-        while True:
-            msg = socks.poll(IDLE_POLL_MS)
-            if msg is None:
-                continue
+        for msg in socks.messages():
             if not isinstance(msg, P.TokenizeReq):
                 socks.send("scheduler", msg)  # Abort, StatsReq: in order behind the requests
                 continue
@@ -265,10 +269,7 @@ def detokenizer_main(ends: Endpoints, model: str, parent_pid: int) -> None:
         tokenizer = AutoTokenizer.from_pretrained(model)
         states: dict[str, Any] = {}
         socks.send("api", P.Ready("detokenizer"))
-        while True:
-            msg = socks.poll(IDLE_POLL_MS)
-            if msg is None:
-                continue
+        for msg in socks.messages():
             if not isinstance(msg, P.Updates):
                 socks.send("api", msg)
                 continue
