@@ -129,20 +129,28 @@ class ServerState:
 
     # ------------------------------------------------------------------ the receive loop
     async def receive_loop(self) -> None:
-        while True:
-            msg = await self.next_message()
-            if isinstance(msg, P.Deltas):
-                now = time.perf_counter()
-                for d in msg.deltas:
-                    self._deliver(d.rid, d, now)
-            elif isinstance(msg, P.ReqError):
-                self._deliver(msg.rid, msg, time.perf_counter())
-            elif isinstance(msg, P.StatsOut):
-                fut = self.stats_waiters.pop(msg.ticket, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.stats)
-            elif isinstance(msg, P.Failed):
-                self.fail(f"the {msg.worker} worker failed:\n{msg.error}")
+        try:
+            while True:
+                self._dispatch(await self.next_message())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - without this loop no request can finish: stop serving
+            log.exception("the API server's receive loop failed")
+            self.fail(f"the API server's receive loop failed: {e!r}")
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, P.Deltas):
+            now = time.perf_counter()
+            for d in msg.deltas:
+                self._deliver(d.rid, d, now)
+        elif isinstance(msg, P.ReqError):
+            self._deliver(msg.rid, msg, time.perf_counter())
+        elif isinstance(msg, P.StatsOut):
+            fut = self.stats_waiters.pop(msg.ticket, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.stats)
+        elif isinstance(msg, P.Failed):
+            self.fail(f"the {msg.worker} worker failed:\n{msg.error}")
 
     def _deliver(self, rid: str, msg: P.ReqDelta | P.ReqError, now: float) -> None:
         group = self.groups.get(rid)
