@@ -9,6 +9,7 @@ from typing import Any
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 CPU_WORKERS = ("auto", "inline", "thread", "process")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
 
 
 @dataclass
@@ -20,10 +21,18 @@ class EngineConfig:
     radix_cache: bool = True
     chunked_prefill_size: int = 2048  # token budget of one prefill batch; longer prompts are chunked
     max_running_requests: int = 256
-    kv_cache_tokens: int | None = None  # None: sized from free memory
-    kv_memory_fraction: float | None = (
-        None  # share of free memory for KV when sizing; None: 0.85 GPU, 0.3 CPU
-    )
+    kv_cache_tokens: int | None = None  # None: sized from free memory (below); a number overrides that
+    # CUDA: share of the GPU's total memory for weights + KV cache (as SGLang's); the KV pool gets what the
+    # weights leave of it, less what the measured activation peak and the CUDA graphs need
+    mem_fraction_static: float = 0.85
+    kv_memory_fraction: float | None = None  # CPU only: share of available RAM for KV; None: 0.3
+    # auto: triton on CUDA (when it imports), torch on CPU; torch: the reference; triton: the Triton
+    # kernels (on CPU only under TRITON_INTERPRET=1, for tests)
+    attention_backend: str = "auto"
+    # decode batches of up to this many requests replay CUDA graphs (padded to a captured size); 0: off;
+    # None: 256 on CUDA with a kernel backend, off otherwise. On CPU a positive value runs the same padded
+    # static-buffer path eagerly (tests)
+    cuda_graph_max_bs: int | None = None
     schedule_policy: str = "lpm"
     max_model_len: int | None = None  # cap on context length; None: the model's max_position_embeddings
     seed: int = 0  # draws the seeds of requests that bring none, so a run is reproducible
@@ -57,6 +66,12 @@ class EngineConfig:
             raise bad("kv_cache_tokens", f"must hold at least one page ({self.page_size} tokens)")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction < 1:
             raise bad("kv_memory_fraction", "must be in (0, 1)")
+        if not 0 < self.mem_fraction_static < 1:
+            raise bad("mem_fraction_static", "must be in (0, 1)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
+            raise bad("cuda_graph_max_bs", "must be >= 0 (0 turns CUDA graphs off)")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}")
         if self.max_model_len is not None and self.max_model_len < 2:

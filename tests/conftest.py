@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from gapless.testing import make_checkpoint
+import torch
+
+# Without a GPU, the Triton attention kernels run under Triton's interpreter. Triton picks interpreter or
+# GPU mode for triton.language's own helpers when triton.language is first imported, and that happens as a
+# side effect of importing transformers (so of gapless.testing, below, and of most test modules): the
+# variable must be set before any of them loads. Importing torch alone does not load Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from gapless.testing import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
