@@ -1,0 +1,201 @@
+"""No host synchronisation in the device job.
+
+The step loop's one deliberate wait is on the completion event of a batch's copied tokens
+(`CudaStream`'s pending result). Everything else the device side does per step - table writes, the
+forward (eager or through the graph runner), sampling with every stage, logprobs, penalty-state
+updates - must only enqueue work. On the CPU nothing ever blocks, so this test watches instead: it runs
+engine workloads with `ModelRunner.run` under a torch function mode and a dispatch mode that raise on
+every operation that, on a GPU, reads device memory from the host (`.item()`, `int()`/`bool()` of a
+tensor, `.tolist()`, `.cpu()`, boolean-mask indexing, `nonzero`, ...).
+
+Pageable host->device copies cannot be seen on the CPU; the device job has none by construction: the
+batch arrives through `dataclass_to_device` (pinned, non-blocking), and the sampler's penalty-state
+inputs go through `_to_device` (likewise). On a GPU, test_cuda.py runs the loop under
+`torch.cuda.set_sync_debug_mode("error")`, which also catches those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gapless import LLM, SamplingParams
+from gapless.testing.hf_reference import make_prompts
+
+aten = torch.ops.aten
+
+
+class HostSync(AssertionError):
+    pass
+
+
+# Python-level reads of tensor data into host values (most never reach the dispatcher)
+_SYNC_FUNCTIONS = {
+    torch.Tensor.tolist,
+    torch.Tensor.item,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.__repr__,
+    torch.Tensor.__format__,
+    torch.Tensor.__contains__,
+    torch.Tensor.nonzero,
+    torch.nonzero,
+    torch.Tensor.masked_select,
+    torch.masked_select,
+    torch.Tensor.unique,
+    torch.unique,
+    torch.equal,
+    torch.Tensor.equal,
+    torch.argwhere,
+}
+# aten ops whose result size or value the host must read
+_SYNC_OPS = {
+    aten._local_scalar_dense.default,
+    aten.item.default,
+    aten.is_nonzero.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.equal.default,
+}
+_INDEX_OPS = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+}
+
+
+def _bool_index(indices: object) -> bool:
+    if isinstance(indices, torch.Tensor):
+        return indices.dtype in (torch.bool, torch.uint8)
+    if isinstance(indices, (list, tuple)):
+        return any(_bool_index(i) for i in indices)
+    return False
+
+
+class _Functions(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", repr(func))
+        if func in _SYNC_FUNCTIONS:
+            raise HostSync(f"host sync in the device job: {name}")
+        if name in ("__getitem__", "__setitem__") and _bool_index(args[1]):
+            raise HostSync(f"host sync in the device job: boolean-mask {name}")
+        if name == "repeat_interleave" and isinstance(
+            args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor
+        ):
+            if kwargs.get("output_size") is None:
+                raise HostSync("host sync in the device job: repeat_interleave without output_size")
+        if func is torch.where and len(args) + len(kwargs) == 1:
+            raise HostSync("host sync in the device job: torch.where(condition)")
+        return func(*args, **kwargs)
+
+
+class _Ops(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SYNC_OPS:
+            raise HostSync(f"host sync in the device job: {func}")
+        if func in _INDEX_OPS and _bool_index(args[1]):
+            raise HostSync(f"host sync in the device job: {func} with a boolean mask")
+        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            raise HostSync(f"host sync in the device job: {func} without output_size")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def forbid_host_syncs() -> Iterator[None]:
+    with _Functions(), _Ops():
+        yield
+
+
+def test_the_watch_catches_syncs():
+    t = torch.arange(6.0)
+    for sync in (
+        lambda: t.sum().item(),
+        lambda: int(t[0]),
+        lambda: bool((t > 2).any()),
+        lambda: t.tolist(),
+        lambda: t[t > 2],
+        lambda: t.masked_fill(t > 2, 0).nonzero(),
+        lambda: t.__setitem__(t > 2, 0.0),
+        lambda: torch.repeat_interleave(torch.tensor([1, 2])),
+        lambda: [0, 1, 2][torch.tensor(1)],
+        lambda: f"{t[0]:.1f}",
+    ):
+        with forbid_host_syncs(), pytest.raises(HostSync):
+            sync()
+    with forbid_host_syncs():  # what the device job does instead
+        t.masked_fill(t > 2, 0.0).argmax()
+        t[torch.tensor([0, 2])].sum()
+        torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([2, 1]), output_size=3)
+        torch.where(t > 2, t, 0.0)
+
+
+def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = make_prompts(vocab, n=10, seed=5, shared_prefix=32, max_len=60)
+    kinds = [
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.9, top_k=12, top_p=0.8, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=0.7, min_p=0.1, logprobs=3, ignore_eos=True),
+        SamplingParams(
+            max_tokens=9,
+            temperature=1.0,
+            repetition_penalty=1.2,
+            presence_penalty=0.3,
+            frequency_penalty=0.2,
+            seed=2,
+            ignore_eos=True,
+        ),
+        SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, ignore_eos=True),
+    ]
+    return prompts, [kinds[i % len(kinds)] for i in range(len(prompts))]
+
+
+LOOPS = {
+    "plain": {"overlap": False},
+    "overlap": {"overlap": True, "cpu_worker": "thread"},
+}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_device_job_never_syncs(ckpt_factory, loop):
+    """Extends with cached prefixes and chunks, decodes eager (6 rows) and through the graph runner's
+    padded buffers (<= 4 rows), every sampling stage, penalties and logprobs: no host sync anywhere."""
+    path = str(ckpt_factory("llama"))
+    with LLM(
+        path,
+        device="cpu",
+        page_size=4,
+        kv_cache_tokens=2048,
+        chunked_prefill_size=32,
+        max_running_requests=6,
+        cuda_graph_max_bs=4,
+        **LOOPS[loop],
+    ) as llm:
+        runner = llm.engine.runner
+        run = runner.run
+
+        def watched(batch):
+            with forbid_host_syncs():
+                return run(batch)
+
+        runner.run = watched
+        prompts, params = _workload(runner.model_config.vocab_size)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
+        assert llm.engine.stats.cached_prompt_tokens > 0
+        assert runner.graphs is not None and sum(runner.graphs.runs.values()) > 0
+        assert llm.engine.stats.decode_batches > sum(runner.graphs.runs.values())  # eager decodes too
+        llm.check_integrity()
