@@ -36,7 +36,7 @@ from transformers import (
 from gapless.testing.tokenizer import _trained_tokenizer_json, build_tokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-SIZES = ("tiny", "overlap", "bench")
+SIZES = ("tiny", "overlap", "bench", "qwen3-0.6b")
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig,
@@ -94,7 +94,7 @@ _TINY: dict[str, dict[str, Any]] = {
 }
 
 # Shapes for the larger sizes; they replace the tiny shape but keep each arch's features (rope,
-# tying, bias). Both are meant for qwen3 first, the other archs accept them too.
+# tying, bias) unless they set them. They are meant for qwen3 first; the other archs accept them too.
 _SHAPES: dict[str, dict[str, Any]] = {
     # Small enough that host-side scheduling time is a visible share of a step.
     "overlap": dict(
@@ -114,6 +114,25 @@ _SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=4,
         head_dim=64,
         max_position_embeddings=4096,
+    ),
+    # Qwen3-0.6B's own shape, for the GPU benchmark (`gapless.bench.gpu`): the values of the published
+    # Qwen/Qwen3-0.6B config.json (hidden 1024, 28 layers, 16 q / 8 kv heads of head_dim 128 != 1024/16,
+    # vocab 151936, 40960 positions, rope_theta 1e6, eps 1e-6, tied lm_head), with random weights.
+    # ~596M parameters (155M of them the tied embedding): 1.2 GB in bf16, and 112 KiB of bf16 KV per
+    # token (28 layers x 2 x 8 heads x 128). Too big for tests; only the GPU benchmark builds it. Meant
+    # for qwen3 (the other archs take the shape but not Qwen3's q/k norm).
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
     ),
 }
 
@@ -141,14 +160,14 @@ def model_config(arch: str, size: str = "tiny", **overrides: Any) -> PretrainedC
     tokenizer = build_tokenizer()
     kwargs: dict[str, Any] = dict(_COMMON)
     kwargs.update(json.loads(json.dumps(_TINY[arch])))  # deep copy: configs mutate rope dicts
-    if size != "tiny":
-        kwargs.update(_SHAPES[size])
     kwargs.update(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if size != "tiny":
+        kwargs.update(_SHAPES[size])  # after the tokenizer's: a real model's shape may bring its vocab
     kwargs.update(overrides)
     if kwargs["vocab_size"] < len(tokenizer):
         raise ValueError(f"vocab_size {kwargs['vocab_size']} < tokenizer size {len(tokenizer)}")
@@ -187,6 +206,29 @@ def _spread_init(model: PreTrainedModel, seed: int) -> None:
             raise ValueError(f"no init rule for parameter {name} {tuple(p.shape)}")
 
 
+def _uninitialised_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """The model for `config` with weights left for `_spread_init`, which overwrites every parameter.
+
+    Built on the meta device and then given empty CPU storage, so torch's and transformers' own inits
+    never run: for Qwen3-0.6B they were 16 s of the 30 s a checkpoint took on 2 cores. The result is the
+    same model: `tie_weights` restores the tie that `to_empty` breaks, and non-persistent buffers (RoPE's
+    inv_freq), left as garbage, are never saved. Where that might not hold (a persistent buffer, which
+    init would fill and the checkpoint carry, or a tie not restored) it builds the model the plain way.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    if set(model.state_dict()) <= params:
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        if tied == bool(config.tie_word_embeddings):
+            return model
+    with torch.random.fork_rng(devices=[]):  # seed without disturbing the caller's RNG stream
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config)
+
+
 def make_checkpoint(
     path: str | Path,
     arch: str,
@@ -205,9 +247,7 @@ def make_checkpoint(
     """
     path = Path(path)
     config = model_config(arch, size, **config_overrides)
-    with torch.random.fork_rng(devices=[]):  # seed without disturbing the caller's RNG stream
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)  # float32: init and cast happen after
+    model = _uninitialised_model(config, seed)  # float32: init and cast happen after
     _spread_init(model, seed)
     model = model.to(dtype).eval()
 
