@@ -118,15 +118,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     for name, value in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.engine_options = {}
-    for item in args.engine_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            p.error(f"--engine-option wants KEY=VALUE, got {item!r}")
-        try:
-            args.engine_options[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            args.engine_options[key] = value  # a bare string
+    try:
+        args.engine_options = parse_engine_options(args.engine_option)
+    except ValueError as e:
+        p.error(str(e))
     if args.threads < 1:
         p.error("--threads must be >= 1")
     if args.hf_batch_size < 1:
@@ -134,6 +129,21 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     if args.hf_num_seqs is not None and not 1 <= args.hf_num_seqs <= args.num_seqs:
         p.error(f"--hf-num-seqs must be in [1, {args.num_seqs}]")
     return args
+
+
+def parse_engine_options(items: list[str]) -> dict[str, Any]:
+    """`--engine-option KEY=VALUE` items as LLM options: VALUE as a Python literal (False, 16, 0.5, None),
+    else as a bare string."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-option wants KEY=VALUE, got {item!r}")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value  # a bare string
+    return options
 
 
 def _model_path(args: argparse.Namespace) -> Path:
@@ -240,6 +250,16 @@ def _stats_delta(after: Any, before: Any) -> dict[str, Any]:
     return out
 
 
+def _sync(device: str | torch.device) -> None:
+    """Wait for the GPU's queued work (so a timer brackets it); nothing to wait for on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# The warm-up both engines get by default: two short prompts, four tokens each.
+WARMUP = Workload([[1, 2, 3], [4, 5, 6, 7, 8]], [4, 4])
+
+
 def run_gapless(
     path: Path,
     work: Workload,
@@ -247,18 +267,24 @@ def run_gapless(
     kv_cache_tokens: int | None = None,
     profile: str | None = None,
     options: dict[str, Any] | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    warmup: Workload = WARMUP,
 ) -> dict[str, Any]:
     """One `LLM.generate` over the whole workload, greedy, each request to exactly its output length.
 
     `threads` goes to the engine's device side (on a CPU it runs in its own process, which does not
-    inherit this process's `torch.set_num_threads`); `options` are further `LLM` options.
+    inherit this process's `torch.set_num_threads`); `options` are further `LLM` options (they win over
+    `device` and `dtype`). `warmup` runs first, untimed, in the same engine: on a GPU give it prompts
+    as long as the workload's, so kernels are compiled and picked before the clock starts (and different
+    tokens from the workload's, so the prefix cache has nothing the timed run can reuse).
     """
     from gapless import LLM, SamplingParams
 
     if kv_cache_tokens is None:
         kv_cache_tokens = work.input_tokens + work.output_tokens + 1024  # + warm-up and slack
     opts: dict[str, Any] = dict(
-        device="cpu", dtype="float32", kv_cache_tokens=kv_cache_tokens, device_threads=threads
+        device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens, device_threads=threads
     )
     opts.update(options or {})
     t0 = time.perf_counter()
@@ -266,12 +292,15 @@ def run_gapless(
     load_s = time.perf_counter() - t0
     try:
         # Warm-up (not timed): first calls allocate, pick kernels and fault in the weights.
-        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], warm, use_tqdm=False)
+        warm = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in warmup.output_lens]
+        t0 = time.perf_counter()
+        llm.generate(warmup.prompts, warm, use_tqdm=False)
+        warmup_s = time.perf_counter() - t0
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
         before, meter_before = dataclasses.replace(llm.engine.stats), llm.engine.step_stats()
         prof = cProfile.Profile() if profile else None
         gc.collect()
+        _sync(llm.engine.info.device)
         with OtherLoad() as others:
             t0 = time.perf_counter()
             if prof is not None:
@@ -279,9 +308,13 @@ def run_gapless(
             outputs = llm.generate(work.prompts, params, use_tqdm=False)
             if prof is not None:
                 prof.disable()
+            _sync(llm.engine.info.device)
             wall = time.perf_counter() - t0
         stats = _stats_delta(llm.engine.stats, before)
         meter = _stats_delta(llm.engine.step_stats(), meter_before)
+        info = dataclasses.asdict(llm.engine.info)
+        runner = llm.engine.runner  # None when the device side runs in its own process
+        backend = type(getattr(runner, "backend", None)).__name__ if runner is not None else None
     finally:
         llm.shutdown()
     if prof is not None:
@@ -299,6 +332,11 @@ def run_gapless(
         load_s=load_s,
         other_cores=others.cores,
         kv_cache_tokens=kv_cache_tokens,
+        kv_pool_tokens=info["kv_tokens"],
+        device=info["device"],
+        attention_backend=backend,
+        warmup_requests=len(warmup),
+        warmup_s=warmup_s,
         wrong_length_requests=wrong,
         steps=stats.get("steps", 0),
         prefill_batches=stats.get("prefill_batches", 0),
@@ -306,6 +344,7 @@ def run_gapless(
         retractions=stats.get("retractions", 0),
         device_busy_s=meter.get("device_busy_s"),
         device_idle_s=meter.get("device_idle_s"),
+        device_jobs=meter.get("device_jobs"),
         host_s=meter.get("host_s"),
         engine_options={k: v for k, v in opts.items() if k != "kv_cache_tokens"},
         stats=stats,
@@ -313,7 +352,8 @@ def run_gapless(
 
 
 def hf_generate(model: Any, prompts: list[list[int]], max_new: int, pad: int) -> torch.Tensor:
-    """One left-padded greedy `generate` that runs every row to `max_new` tokens; returns them, [B, max_new].
+    """One left-padded greedy `generate` that runs every row to `max_new` tokens; returns them, [B, max_new]
+    (on the model's device).
 
     `eos_token_id=None` overrides the checkpoint's EOS so no row stops early (`ignore_eos`, as gapless
     runs); the length check makes sure transformers really did, or the tokens/s would be a lie.
@@ -325,8 +365,8 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new: int, pad: int) ->
         ids[i, longest - len(p) :] = torch.tensor(p)
         mask[i, longest - len(p) :] = 1
     out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
         max_new_tokens=max_new,
         do_sample=False,
         eos_token_id=None,
@@ -340,30 +380,44 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new: int, pad: int) ->
     return out[:, longest:]
 
 
-def run_transformers(path: Path, work: Workload, batch_size: int) -> dict[str, Any]:
+def run_transformers(
+    path: Path,
+    work: Workload,
+    batch_size: int,
+    device: str = "cpu",
+    dtype: str | torch.dtype = torch.float32,
+    warmup: Workload = WARMUP,
+) -> dict[str, Any]:
     """transformers `generate` as a user batches it: left-padded static batches in workload order, greedy,
-    EOS disabled so every batch runs to its longest requested output."""
+    EOS disabled so every batch runs to its longest requested output. sdpa attention, the model in `dtype`
+    on `device` (on CUDA the timer brackets a `synchronize`). `warmup`'s prompts run first, untimed, as
+    one batch to its longest output."""
     from transformers import AutoModelForCausalLM
 
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+    model.to(device).eval()
     load_s = time.perf_counter() - t0
     pad = model.generation_config.pad_token_id
     if pad is None:
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     with torch.inference_mode():
-        hf_generate(model, [[1, 2, 3], [4, 5, 6, 7, 8]], 4, pad)  # warm-up, not timed
+        hf_generate(model, warmup.prompts, max(warmup.output_lens), pad)  # warm-up, not timed
         computed = 0
         gc.collect()
+        _sync(device)
         with OtherLoad() as others:
             t0 = time.perf_counter()
             for start in range(0, len(work), batch_size):
                 lens = work.output_lens[start : start + batch_size]
                 hf_generate(model, work.prompts[start : start + batch_size], max(lens), pad)
                 computed += len(lens) * max(lens)
+            _sync(device)
             wall = time.perf_counter() - t0
+    del model
     useful = work.output_tokens
     return dict(
         engine="transformers",
@@ -375,6 +429,8 @@ def run_transformers(path: Path, work: Workload, batch_size: int) -> dict[str, A
         output_tokens_per_s=useful / wall,
         load_s=load_s,
         other_cores=others.cores,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
         batch_size=min(batch_size, len(work)),
         batches=-(-len(work) // batch_size),
         computed_output_tokens=computed,
