@@ -65,10 +65,11 @@ class LLM:
                     done = sum(r.finished for r in self.engine.step())
                     bar.update(done)
         except BaseException:
-            for r in reqs:
-                self.engine.abort(r.rid)
-            while self.engine.has_unfinished():
-                self.engine.step()
+            if not self.engine.broken:  # an error between steps: give this call's requests back
+                for r in reqs:
+                    self.engine.abort(r.rid)
+                while self.engine.has_unfinished():
+                    self.engine.step()
             raise
         return [self._output(r, p) for r, p in zip(reqs, prompts)]
 

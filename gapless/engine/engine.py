@@ -34,6 +34,7 @@ class Engine:
         self.vocab_size = self.info.vocab_size
         self.scheduler = Scheduler(cfg, self.stream, decode_tail=self.tokenizer.decode)
         self._closed = False
+        self._broken = False  # a step raised: shutdown skips draining
         self._seeds = random.Random(cfg.seed)
         self._ids = itertools.count()
         self.reqs: dict[str, Req] = {}
@@ -98,14 +99,25 @@ class Engine:
         if req is not None and not req.finished:
             req.aborted = True
 
+    @property
+    def broken(self) -> bool:
+        """True once a step raised part-way (e.g. Ctrl-C): the engine can only be shut down."""
+        return self._broken
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[Req]:
         """Run one scheduler step; returns the requests that got a token or finished in it."""
+        if self._broken:
+            raise RuntimeError(
+                "a step of this engine was interrupted part-way; its state is lost, start a new one"
+            )
         sched = self.scheduler
         before = (sched.stats.prefill_batches + sched.stats.decode_batches, sched.stats.steps)
+        self._broken = True  # until the step returns: an exception (Ctrl-C) mid-step leaves state half-moved
         updated = sched.step()
+        self._broken = False
         after = (sched.stats.prefill_batches + sched.stats.decode_batches, sched.stats.steps)
         if not updated and before == after and sched.has_work():  # nothing launched, nothing processed
             raise RuntimeError("scheduler stalled: requests are queued but none can be scheduled")
@@ -164,6 +176,8 @@ class Engine:
             return
         self._closed = True
         try:
+            if self._broken:  # a step was cut short: its host state is not consistent enough to drain
+                return
             for rid in list(self.reqs):
                 self.abort(rid)
             while self.has_unfinished():

@@ -286,3 +286,30 @@ def test_max_running_requests_is_respected_and_reached(qwen3, overlap):
             eng.step()
             assert len(eng.scheduler.running) + (eng.scheduler.chunked is not None) <= 3
         llm.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_interrupt_mid_step_leaves_an_engine_that_only_shuts_down(qwen3, monkeypatch, overlap):
+    """Ctrl-C can land anywhere inside a step, e.g. after a batch's host state moved but before it was
+    launched. The interrupt must reach the caller (not an error from a drain over half-moved state), the
+    engine must refuse further steps by name, and shutdown must still stop the device side cleanly."""
+    from gapless.engine.scheduler import Scheduler
+
+    llm = LLM(str(qwen3), device="cpu", dtype="float32", kv_cache_tokens=4096, overlap=overlap)
+    calls = {"n": 0}
+    launch = Scheduler.launch
+
+    def interrupted_launch(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return launch(self, batch)
+
+    monkeypatch.setattr(Scheduler, "launch", interrupted_launch)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7], [8, 9, 10, 11]], params, use_tqdm=False)
+    assert llm.engine.broken
+    with pytest.raises(RuntimeError, match="interrupted"):
+        llm.generate([[5, 6]], params, use_tqdm=False)
+    llm.shutdown()  # no drain, no error
