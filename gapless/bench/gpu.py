@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from gapless.bench.offline import parse_engine_options, run_gapless, run_transformers
+from gapless.bench.offline import cpu_name, parse_engine_options, run_gapless, run_transformers
 from gapless.bench.workload import Workload, random_workload
 
 # nano-vllm's bench.py: 256 seqs, input and output lengths uniform in [100, 1024].
@@ -239,12 +239,6 @@ def _nvidia_smi() -> dict[str, str] | None:
 def _machine(device: str) -> dict[str, Any]:
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     try:
         import triton
 
@@ -253,7 +247,7 @@ def _machine(device: str) -> dict[str, Any]:
         triton_version = None
     m: dict[str, Any] = dict(
         device=device,
-        cpu=cpu,
+        cpu=cpu_name(),
         cores=os.cpu_count(),
         python=platform.python_version(),
         torch=torch.__version__,

@@ -158,18 +158,23 @@ def _vocab_size(path: Path) -> int:
     return int(json.loads((path / "config.json").read_text())["vocab_size"])
 
 
-def _machine(threads: int) -> dict[str, Any]:
-    """What the numbers were measured on (whether it was shared is measured per run, see `OtherLoad`)."""
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+    return cpu
+
+
+def _machine(threads: int) -> dict[str, Any]:
+    """What the numbers were measured on (whether it was shared is measured per run, see `OtherLoad`)."""
     import transformers
 
     return dict(
-        cpu=cpu,
+        cpu=cpu_name(),
         cores=os.cpu_count(),
         usable_cores=len(os.sched_getaffinity(0)),
         threads=threads,
