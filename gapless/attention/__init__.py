@@ -6,12 +6,17 @@ the torch backend works) where Triton is missing.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from gapless.attention.base import AttentionBackend, AttentionMetadata
+from gapless.attention.selfcheck import Probe, disagreement
 from gapless.attention.torch_ref import TorchRefBackend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchRefBackend", "make_backend"]
+log = logging.getLogger(__name__)
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "Probe", "TorchRefBackend", "make_backend"]
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -24,10 +29,11 @@ def _triton_import_error() -> str | None:
     return None
 
 
-def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
+def make_backend(name: str, device: torch.device | str, probe: Probe | None = None) -> AttentionBackend:
     """ "torch": the reference backend, any device. "triton": the Triton kernels; on CPU only under
-    Triton's interpreter (TRITON_INTERPRET=1, slow, for tests). "auto": Triton on CUDA when it imports,
-    else torch."""
+    Triton's interpreter (TRITON_INTERPRET=1, slow, for tests). "auto": Triton on CUDA when it imports
+    and, given the model's attention shapes (`probe`), agrees with the reference on them at start-up;
+    else torch, with a warning saying why."""
     device = torch.device(device)
     if name == "torch":
         return TorchRefBackend()
@@ -35,7 +41,7 @@ def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
         if device.type == "cuda" and _triton_import_error() is None:
             from gapless.attention.triton_backend import TritonBackend
 
-            return TritonBackend()
+            return checked(TritonBackend(), probe, device)
         return TorchRefBackend()
     if name == "triton":
         err = _triton_import_error()
@@ -60,3 +66,15 @@ def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
             )
         return backend
     raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)}")
+
+
+def checked(backend: AttentionBackend, probe: Probe | None, device: torch.device) -> AttentionBackend:
+    """`backend` if it agrees with the reference on `probe`'s shapes (or there is no probe), else the
+    reference backend."""
+    why = disagreement(backend, probe, device) if probe is not None else None
+    if why is None:
+        return backend
+    log.warning(
+        "attention: %s does not work here (%s); using the torch reference", type(backend).__name__, why
+    )
+    return TorchRefBackend()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gapless.attention import AttentionBackend, TorchRefBackend, make_backend
+from gapless.attention import AttentionBackend, Probe, TorchRefBackend, make_backend
 from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
 from gapless.memory.kv_pool import KVPool
@@ -208,7 +208,8 @@ class ModelRunner:
         self.model_config = mcfg
         self.page_size = cfg.page_size
         self.max_running_requests = max_rows = cfg.max_running_requests
-        self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device)
+        probe = Probe(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
         if self.device.type == "cuda" and cfg.kv_memory_fraction is not None:
             raise ValueError(
                 "kv_memory_fraction sizes the KV cache on the CPU; on CUDA set mem_fraction_static "

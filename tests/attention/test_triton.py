@@ -290,3 +290,47 @@ def test_package_imports_without_triton():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "needs the triton package" in res.stdout
+
+
+# ----------------------------------------------------------------------------- the start-up self-check
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_self_check_passes_the_kernels(dtype):
+    from gapless.attention import Probe, checked
+    from gapless.attention.selfcheck import disagreement
+
+    probe = Probe(heads=4, kv_heads=2, head_dim=32, dtype=dtype)
+    assert disagreement(TritonBackend(), probe, DEVICE) is None
+    backend = TritonBackend()
+    assert checked(backend, probe, DEVICE) is backend
+
+
+class _Broken(TorchRefBackend):
+    """The reference, broken one way: a launch error, a NaN, or outputs 10% off."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def forward(self, q, k_cache, v_cache, state, scale):
+        if self.how == "raises":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        out = super().forward(q, k_cache, v_cache, state, scale).clone()
+        if self.how == "nan":
+            out[0, 0, 0] = float("nan")
+        else:
+            out *= 1.1
+        return out
+
+
+@pytest.mark.parametrize(
+    ("how", "says"), [("raises", "failed"), ("nan", "non-finite"), ("wrong", "relative error")]
+)
+def test_self_check_replaces_a_backend_that_does_not_work(how, says, caplog):
+    from gapless.attention import Probe, checked
+    from gapless.attention.selfcheck import disagreement
+
+    probe = Probe(heads=4, kv_heads=1, head_dim=16, dtype=torch.float32)
+    broken = _Broken(how)
+    assert says in disagreement(broken, probe, DEVICE)
+    with caplog.at_level("WARNING"):
+        chosen = checked(broken, probe, DEVICE)
+    assert type(chosen) is TorchRefBackend and says in caplog.text

@@ -1,0 +1,85 @@
+"""A start-up check of a kernel backend against the torch reference, on the model's own shapes.
+
+`attention_backend="auto"` picks the Triton kernels on CUDA. Should they fail to compile on this GPU or
+Triton version, or compute something else than the reference, serving with them would be wrong or
+would not start. So before "auto" commits to them, one small ragged extend batch (with prefixes,
+unaligned to pages) and one decode batch long enough to use several splits run through both backends;
+on any error or disagreement, "auto" falls back to the reference backend and logs why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gapless.attention.base import AttentionBackend, AttentionMetadata
+from gapless.attention.torch_ref import TorchRefBackend
+
+# relative error bound of the output (max abs error / max abs reference): bf16/fp16 keep ~3 digits
+_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The attention shapes of the model to check the backend with."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def _batch(
+    probe: Probe, prefix_lens: list[int], extend_lens: list[int], device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    slots_needed = sum(seq_lens)
+    kv = (slots_needed + 1, probe.kv_heads, probe.head_dim)
+    k = torch.randn(kv, generator=g)
+    v = torch.randn(kv, generator=g)
+    # each request's tokens in scattered slots (slot 0 is padding and stays unused)
+    perm = (torch.randperm(slots_needed, generator=g) + 1).split(seq_lens)
+    table = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
+    for b, slots in enumerate(perm):
+        table[b, : len(slots)] = slots.to(torch.int32)
+    ext = torch.tensor(extend_lens)
+    q = torch.randn(int(ext.sum()), probe.heads, probe.head_dim, generator=g)
+    meta = AttentionMetadata(
+        rows=torch.arange(len(seq_lens), device=device),
+        prefix_lens=torch.tensor(prefix_lens, device=device),
+        extend_lens=ext.to(device),
+        q_start=(torch.cumsum(ext, 0) - ext).to(device),
+        req_table=table.to(device),
+        max_extend_len=max(extend_lens),
+        max_seq_len=max(seq_lens),
+        is_decode=all(e == 1 for e in extend_lens),
+    )
+    to = lambda t: t.to(device=device, dtype=probe.dtype)  # noqa: E731
+    return to(q), to(k), to(v), meta
+
+
+def disagreement(backend: AttentionBackend, probe: Probe, device: torch.device) -> str | None:
+    """None if `backend` matches the torch reference on an extend and a decode batch; else why not."""
+    reference = TorchRefBackend()
+    scale = probe.head_dim**-0.5
+    cases = {
+        "extend": ([0, 5, 37], [4, 1, 9]),
+        "decode": ([1, 40, 700], [1, 1, 1]),
+    }
+    for seed, (name, (prefix_lens, extend_lens)) in enumerate(cases.items()):
+        q, k, v, meta = _batch(probe, prefix_lens, extend_lens, device, seed)
+        try:
+            out = backend.forward(q, k, v, backend.prepare(meta), scale)
+        except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
+            return f"{name} batch failed: {type(e).__name__}: {e}"
+        want = reference.forward(q.float(), k.float(), v.float(), reference.prepare(meta), scale)
+        if out.shape != want.shape:
+            return f"{name} batch: output shape {tuple(out.shape)}, reference {tuple(want.shape)}"
+        if not bool(torch.isfinite(out).all()):
+            return f"{name} batch: non-finite output"
+        err = float((out.float() - want).abs().max() / want.abs().max().clamp_min(1e-6))
+        if err > _TOLERANCE.get(probe.dtype, 3e-2):
+            return f"{name} batch: relative error {err:.2e} against the reference"
+    return None
