@@ -20,3 +20,10 @@ def test_chat_subcommand_streams_and_resets(monkeypatch, ckpt_factory, capsys):
     assert "history cleared" in turns[1]
     # the same message after /reset gets the same (greedy) reply: the history really was cleared
     assert turns[0].strip() and turns[0] == turns[2], out
+
+
+def test_serve_refuses_bad_arguments_before_starting_anything(tmp_path, ckpt_factory, capsys):
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert main(["serve", "--model", str(ckpt_factory("qwen3")), "--page-size", "0"]) == 2
+    assert "page_size=0" in capsys.readouterr().err

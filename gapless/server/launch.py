@@ -168,7 +168,16 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model = args.model or str(default_model_path())
-    cfg = EngineConfig.from_kwargs(model, **engine_options(args))
+    if not Path(model, "config.json").is_file():
+        print(
+            f"gapless: {model!r} is not a Hugging Face checkpoint directory (no config.json)", file=sys.stderr
+        )
+        return 2
+    try:
+        cfg = EngineConfig.from_kwargs(model, **engine_options(args))
+    except ValueError as e:
+        print(f"gapless: {e}", file=sys.stderr)
+        return 2
     # uvicorn handles SIGINT/SIGTERM while serving and re-raises them afterwards: this handler turns a
     # re-raised (or early) SIGTERM into an exception, so the workers are always stopped below
     signal.signal(signal.SIGTERM, _on_sigterm)
