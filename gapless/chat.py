@@ -10,9 +10,12 @@ the engine's prefix cache makes the repeated history cheap. `/reset` forgets the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +46,21 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     after = tokenizer.encode(text.split(mark, 1)[1], add_special_tokens=False)
     special = set(tokenizer.all_special_ids)
     return [after[0]] if after and after[0] in special else []
+
+
+@contextlib.contextmanager
+def _ctrl_c_as_flag() -> Iterator[Callable[[], bool]]:
+    """While inside, Ctrl-C sets a flag instead of raising: an interrupt landing inside an engine step
+    would leave the engine's state half-moved (it then refuses to go on). Yields a check of the flag."""
+    hit = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield hit.is_set  # signal handlers can only be set from the main thread
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hit.set())
+    try:
+        yield hit.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @dataclass
@@ -98,18 +116,16 @@ class ChatSession:
             engine.tokenizer, skip_special_tokens=self.params.skip_special_tokens, stop=self.params.stop
         )
         seen = 0
-        try:
+        with _ctrl_c_as_flag() as interrupted:
             while not req.finished:
+                if interrupted():  # stop this reply between steps, keep what was shown
+                    engine.abort(req.rid)
                 engine.step()
                 if len(req.output_ids) > seen:
                     delta = detok.update(req.output_ids[seen:])
                     seen = len(req.output_ids)
                     if delta:
                         write(delta)
-        except KeyboardInterrupt:  # stop this reply, keep what was shown, keep the engine usable
-            engine.abort(req.rid)
-            while engine.has_unfinished():
-                engine.step()
         delta = detok.update(req.output_ids[seen:]) + detok.finish(req.stop_str_hit)
         if delta:
             write(delta)

@@ -185,3 +185,36 @@ def test_chat_main_from_command_line_args(model):
     assert parser.parse_args(["--stop", "a", "--stop", "b"]).stop == ["a", "b"]
     bad = parser.parse_args(["--model", model, "--temperature", "-1"])
     assert chat_main(bad, input_fn=read, write=out.append) == 2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ctrl_c_stops_the_reply_between_steps_and_the_chat_goes_on(model, overlap):
+    """Ctrl-C while a reply streams ends that reply (finish reason "abort") without interrupting an
+    engine step, so the engine stays whole and the next message is answered."""
+    import os
+    import signal
+
+    engine = make_engine(model, overlap=overlap, cpu_worker="thread" if overlap else "inline")
+    try:
+        session = ChatSession(engine, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        shown: list[str] = []
+        launch, launches = engine.scheduler.launch, []
+
+        def launch_and_press_ctrl_c(batch):  # the user presses Ctrl-C in the middle of a step
+            launches.append(batch)
+            if len(launches) == 4:
+                os.kill(os.getpid(), signal.SIGINT)
+            return launch(batch)
+
+        engine.scheduler.launch = launch_and_press_ctrl_c
+        turn = session.send("tell me a long story", shown.append)
+        engine.scheduler.launch = launch
+        assert turn.finish_reason == "abort"
+        assert 0 < len(turn.output_ids) < 200
+        assert turn.text == "".join(shown)
+        assert not engine.broken
+        again = session.send("and another", lambda s: None)
+        assert again.finish_reason == "length" and len(again.output_ids) == 200
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
