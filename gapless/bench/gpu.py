@@ -432,8 +432,8 @@ def _ratios(res: dict[str, Any]) -> dict[str, float | None]:
 
 
 def _interrupted(e: BaseException | None) -> bool:
-    """Whether `e` is, or was raised while handling, a KeyboardInterrupt (the engine's cleanup after an
-    interrupt can raise an error of its own, which then hides the interrupt)."""
+    """Whether `e` is, or was raised while handling, a KeyboardInterrupt (an error raised by some cleanup
+    after an interrupt would otherwise hide it)."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         if isinstance(e, KeyboardInterrupt):
