@@ -37,7 +37,13 @@ from typing import Any
 
 import torch
 
-from gapless.bench.offline import cpu_name, parse_engine_options, run_gapless, run_transformers
+from gapless.bench.offline import (
+    cpu_name,
+    parse_engine_options,
+    run_gapless,
+    run_transformers,
+    workload_summary,
+)
 from gapless.bench.workload import Workload, random_workload
 
 # nano-vllm's bench.py: 256 seqs, input and output lengths uniform in [100, 1024].
@@ -512,14 +518,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         model_info=info,
         build_s=build_s,
         workload=dict(
-            num_seqs=len(work),
-            min_input=args.min_input,
-            max_input=args.max_input,
-            min_output=args.min_output,
-            max_output=args.max_output,
-            seed=args.seed,
-            input_tokens=work.input_tokens,
-            output_tokens=work.output_tokens,
+            **workload_summary(args, work),
             decode_kv_tokens_read=kv_read,
             warmup_requests=len(warm),
             warmup_tokens=warm.input_tokens + warm.output_tokens,

@@ -510,6 +510,20 @@ def format_report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def workload_summary(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
+    """The workload's parameters (from `args`) and its token counts, for the JSON."""
+    return dict(
+        num_seqs=len(work),
+        min_input=args.min_input,
+        max_input=args.max_input,
+        min_output=args.min_output,
+        max_output=args.max_output,
+        seed=args.seed,
+        input_tokens=work.input_tokens,
+        output_tokens=work.output_tokens,
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the report, return the results (the JSON's content)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -529,16 +543,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         command=shlex.join(["python", "-m", "gapless.bench.offline", *argv]),
         machine=_machine(args.threads),
         model=str(path),
-        workload=dict(
-            num_seqs=len(work),
-            min_input=args.min_input,
-            max_input=args.max_input,
-            min_output=args.min_output,
-            max_output=args.max_output,
-            seed=args.seed,
-            input_tokens=work.input_tokens,
-            output_tokens=work.output_tokens,
-        ),
+        workload=workload_summary(args, work),
         sampling="greedy (temperature 0), ignore_eos",
     )
     print(
