@@ -52,14 +52,14 @@ _ERROR_TYPES = {
 }
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None):
-    body = {
-        "message": message,
-        "type": _ERROR_TYPES.get(status, "server_error"),
-        "param": param,
-        "code": code,
-    }
-    return JSONResponse({"error": body}, status_code=status)
+def error_body(status: int, message: str, param: str | None = None, code: Any = None) -> dict[str, Any]:
+    """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
 
 
 @dataclass
@@ -366,16 +366,7 @@ class _Endpoint:
                 for chunk in final(choices):
                     yield _sse(chunk)
             except BadRequest as e:
-                yield _sse(
-                    {
-                        "error": {
-                            "message": str(e),
-                            "type": _ERROR_TYPES.get(e.status),
-                            "param": e.param,
-                            "code": e.status,
-                        }
-                    }
-                )
+                yield _sse(error_body(e.status, str(e), e.param, code=e.status))
             finally:  # also when the client disconnected and the response task was cancelled
                 self.state.release(group)
             yield "data: [DONE]\n\n"

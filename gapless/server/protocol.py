@@ -18,7 +18,7 @@ import msgspec
 from gapless.sampling_params import SamplingParams
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+class ChatMessage(msgspec.Struct):
     role: str
     content: str
 
