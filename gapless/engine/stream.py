@@ -18,6 +18,7 @@ interleavings deterministically.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -379,10 +380,8 @@ def _device_process_entry(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     cfg, chaos_seed, threads, cpus = pickle.loads(conn.recv_bytes())
-    try:
+    with contextlib.suppress(EOFError, OSError):  # the host went away: end quietly
         _device_main(conn, cfg, chaos_seed, threads, cpus)
-    except (EOFError, OSError):
-        pass  # the host went away
 
 
 if __name__ == "__main__":
