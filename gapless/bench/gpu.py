@@ -38,7 +38,9 @@ from typing import Any
 import torch
 
 from gapless.bench.offline import (
+    add_workload_args,
     cpu_name,
+    fill_workload_args,
     parse_engine_options,
     run_gapless,
     run_transformers,
@@ -84,14 +86,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         description="Offline throughput on a GPU (nano-vllm workload, Qwen3-0.6B shape): gapless with and "
         "without overlap, and transformers batched generate on a slice.",
     )
-    w = p.add_argument_group("workload (defaults: nano-vllm's, or --quick's)")
-    w.add_argument("--num-seqs", type=int, help=f"requests (default {NANO_VLLM['num_seqs']})")
-    w.add_argument("--min-input", type=int, help=f"shortest prompt (default {NANO_VLLM['min_input']})")
-    w.add_argument("--max-input", type=int, help=f"longest prompt (default {NANO_VLLM['max_input']})")
-    w.add_argument("--min-output", type=int, help=f"shortest output (default {NANO_VLLM['min_output']})")
-    w.add_argument("--max-output", type=int, help=f"longest output (default {NANO_VLLM['max_output']})")
-    w.add_argument("--seed", type=int, default=0, help="workload seed (default 0, as nano-vllm)")
-    w.add_argument("--quick", action="store_true", help="a small workload, to check that everything runs")
+    w = add_workload_args(p, "nano-vllm's", NANO_VLLM, "a small workload, to check that everything runs")
     w.add_argument(
         "--warmup-seqs",
         type=int,
@@ -139,9 +134,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH (after every run)")
     args = p.parse_args(argv)
 
-    for name, value in (QUICK if args.quick else NANO_VLLM).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_workload_args(args, QUICK if args.quick else NANO_VLLM)
     if args.hf_num_seqs is None:
         args.hf_num_seqs = min(QUICK_HF_NUM_SEQS if args.quick else HF_NUM_SEQS, args.num_seqs)
     if args.hf_batch_size is None:

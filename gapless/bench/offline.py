@@ -51,19 +51,33 @@ QUICK: dict[str, int] = dict(num_seqs=8, min_input=8, max_input=32, min_output=8
 HF_BATCH_SIZE = 64
 
 
+def add_workload_args(
+    p: argparse.ArgumentParser, name: str, defaults: dict[str, int], quick_help: str
+) -> argparse._ArgumentGroup:
+    """The workload flags of the offline benchmarks (left None: `fill_workload_args` fills them in)."""
+    w = p.add_argument_group(f"workload (defaults: {name}, or --quick's)")
+    w.add_argument("--num-seqs", type=int, help=f"requests (default {defaults['num_seqs']})")
+    w.add_argument("--min-input", type=int, help=f"shortest prompt (default {defaults['min_input']})")
+    w.add_argument("--max-input", type=int, help=f"longest prompt (default {defaults['max_input']})")
+    w.add_argument("--min-output", type=int, help=f"shortest output (default {defaults['min_output']})")
+    w.add_argument("--max-output", type=int, help=f"longest output (default {defaults['max_output']})")
+    w.add_argument("--seed", type=int, default=0, help="workload seed (default 0, as nano-vllm)")
+    w.add_argument("--quick", action="store_true", help=quick_help)
+    return w
+
+
+def fill_workload_args(args: argparse.Namespace, sizes: dict[str, int]) -> None:
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m gapless.bench.offline",
         description="Offline throughput of gapless vs transformers batched generate (nano-vllm workload).",
     )
-    w = p.add_argument_group("workload (defaults: the CPU workload, or --quick's)")
-    w.add_argument("--num-seqs", type=int, help=f"requests (default {DEFAULTS['num_seqs']})")
-    w.add_argument("--min-input", type=int, help=f"shortest prompt (default {DEFAULTS['min_input']})")
-    w.add_argument("--max-input", type=int, help=f"longest prompt (default {DEFAULTS['max_input']})")
-    w.add_argument("--min-output", type=int, help=f"shortest output (default {DEFAULTS['min_output']})")
-    w.add_argument("--max-output", type=int, help=f"longest output (default {DEFAULTS['max_output']})")
-    w.add_argument("--seed", type=int, default=0, help="workload seed (default 0, as nano-vllm)")
-    w.add_argument("--quick", action="store_true", help="a few-second smoke run (tiny workload)")
+    add_workload_args(p, "the CPU workload", DEFAULTS, "a few-second smoke run (tiny workload)")
     m = p.add_argument_group("model and machine")
     m.add_argument("--model", help="HF checkpoint dir (default: the random-weight qwen3 of --size)")
     m.add_argument(
@@ -114,10 +128,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
-    sizes = QUICK if args.quick else DEFAULTS
-    for name, value in sizes.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_workload_args(args, QUICK if args.quick else DEFAULTS)
     try:
         args.engine_options = parse_engine_options(args.engine_option)
     except ValueError as e:
