@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gapless.config import EngineConfig
+from gapless.engine.batch import ForwardBatch
 from gapless.engine.meter import BubbleMeter
 from gapless.engine.request import Req, ReqStatus
 from gapless.engine.stream import Chaos, DeviceStream, Pending
@@ -40,7 +41,6 @@ from gapless.memory.integrity import check_integrity
 from gapless.memory.prefix_cache import alloc_pages, cache_finished, cache_unfinished
 from gapless.memory.radix_cache import NoPrefixCache, RadixCache
 from gapless.memory.req_table import ReqTable
-from gapless.model.runner import ForwardBatch
 from gapless.sampling.sampler import HostSamples, SamplingBatch
 
 log = logging.getLogger(__name__)

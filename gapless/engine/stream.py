@@ -38,7 +38,8 @@ from typing import Any, Protocol
 import torch
 
 from gapless.config import EngineConfig
-from gapless.model.runner import ForwardBatch, ModelRunner, RunnerInfo
+from gapless.engine.batch import ForwardBatch, RunnerInfo
+from gapless.engine.runner import ModelRunner
 from gapless.sampling.sampler import HostSamples, SampleOutput
 from gapless.tensors import dataclass_to_device, from_numpy, to_numpy
 

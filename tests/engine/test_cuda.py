@@ -107,7 +107,7 @@ def test_cuda_graphs_bf16_parity(ckpt_factory):
 
 def test_cuda_defaults_triton_backend_and_every_bucket_captured(ckpt_factory):
     from gapless.attention.triton_backend import TritonBackend
-    from gapless.model.cuda_graph import batch_size_buckets
+    from gapless.engine.cuda_graph import batch_size_buckets
 
     with LLM(str(ckpt_factory("qwen3")), device="cuda", kv_cache_tokens=2048, max_running_requests=16) as llm:
         runner = llm.engine.runner

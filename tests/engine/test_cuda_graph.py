@@ -12,8 +12,8 @@ import torch
 
 from gapless import LLM, SamplingParams
 from gapless.config import EngineConfig
-from gapless.model.cuda_graph import batch_size_buckets
-from gapless.model.runner import dummy_prefill, gpu_kv_tokens
+from gapless.engine.cuda_graph import batch_size_buckets
+from gapless.engine.runner import dummy_prefill, gpu_kv_tokens
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
 
 # More requests than rows, with different lengths: decode batches shrink (4 -> 3 -> ...) as requests

@@ -9,7 +9,7 @@ A graph replays fixed shapes at fixed addresses, so:
   batch is copied into them at the start of its job, on the forward stream: in stream order, like every
   other device write, so it composes with overlap scheduling. The graph reads each request's input token
   from the future-token slots itself (`token_buf[rows]`), so it runs before the host knows that token;
-- padded rows point at the runner's reserved request-table row (`ModelRunner.pad_row`, whose token slot
+- padded rows point at the runner's reserved request-table row (`pad_row`, whose token slot
   holds a valid token) and at KV slot 0, in the padding page no request owns, so they never touch real
   state;
 - attention metadata is graph-safe: the graph is captured with `max_seq_len` = the runner's max context
@@ -28,14 +28,16 @@ import bisect
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from gapless.attention.base import AttentionMetadata
+from gapless.engine.batch import ForwardBatch
+from gapless.memory.req_table import ReqTable
 
-if TYPE_CHECKING:
-    from gapless.model.runner import ForwardBatch, ModelRunner
+# the runner's decoder over a flat batch: (input_ids, positions, out_slots, metadata) -> hidden [T, hidden]
+ForwardTokens = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +58,37 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 class GraphRunner:
     """Decode forwards of up to `max_bs` requests on static buffers; CUDA graphs on a GPU."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        max_bs: int,
+        *,
+        forward_tokens: ForwardTokens,
+        req_table: ReqTable,
+        token_buf: torch.Tensor,
+        pad_row: int,
+        max_context: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        """`forward_tokens` runs the decoder; `req_table` and `token_buf` (the future-token slots) are
+        the device state a decode reads; `pad_row` is the reserved request-table row padded columns
+        use (its token slot must hold a valid id); `max_context` bounds every request's length."""
+        self.forward_tokens, self.req_table, self.token_buf = forward_tokens, req_table, token_buf
+        self.max_context = max_context
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = max_bs
-        dev = runner.device
+        self.device = dev = token_buf.device
         # one column per row: request-table row, position (in decode also the tokens cached before it),
         # KV slot of the new token; copied in with one kernel per step
         self.inputs = torch.empty(3, max_bs, dtype=torch.int64, device=dev)
         self.rows, self.positions, self.out_slots = self.inputs.unbind(0)
         # what a padded column holds: the reserved row, position 0, KV slot 0 (the padding page)
-        pad = torch.tensor([runner.pad_row, 0, 0], dtype=torch.int64, device=dev)
+        pad = torch.tensor([pad_row, 0, 0], dtype=torch.int64, device=dev)
         self.pad = pad[:, None].expand(3, max_bs).contiguous()
         self.inputs.copy_(self.pad)
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
         self.q_start = torch.arange(max_bs, dtype=torch.int64, device=dev)
-        self.hidden = torch.empty(max_bs, runner.model_config.hidden_size, dtype=runner.dtype, device=dev)
+        self.hidden = torch.empty(max_bs, hidden_size, dtype=dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # host-side counters for tests and logs: runs per bucket, padded rows run
         self.runs: Counter[int] = Counter()
@@ -83,26 +100,25 @@ class GraphRunner:
     def _body(self, n: int) -> None:
         """The captured work for bucket `n`: table writes, embedding of the future tokens, the decoder;
         the final hidden states land in `self.hidden[:n]`."""
-        r = self.runner
         rows, positions, out_slots = self.rows[:n], self.positions[:n], self.out_slots[:n]
-        r.req_table.apply_writes(rows, positions, out_slots)
+        self.req_table.apply_writes(rows, positions, out_slots)
         meta = AttentionMetadata(
             rows=rows,
             prefix_lens=positions,  # a decode token's position is the number of tokens before it
             extend_lens=self.extend_lens[:n],
             q_start=self.q_start[:n],
-            req_table=r.req_table.device_table,
+            req_table=self.req_table.device_table,
             max_extend_len=1,
-            max_seq_len=r.max_context,
+            max_seq_len=self.max_context,
             is_decode=True,
         )
-        self.hidden[:n].copy_(r.forward_tokens(r.token_buf[rows], positions, out_slots, meta))
+        self.hidden[:n].copy_(self.forward_tokens(self.token_buf[rows], positions, out_slots, meta))
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Record one graph per bucket (largest first, so the smaller ones share its memory pool). On the
         CPU there is nothing to capture."""
-        dev = self.runner.device
+        dev = self.device
         if dev.type != "cuda":
             return
         t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 `ModelRunner.run(batch)` is the one job the scheduler submits to the device stream per step: apply the
 batch's request-table writes, run the model, sample. Everything it touches is device state; the
 scheduler only ever hands it a `ForwardBatch` built from host state. Decode batches go through CUDA
-graphs (`gapless.model.cuda_graph`) when they are on.
+graphs (`gapless.engine.cuda_graph`) when they are on.
 
 KV cache size: `kv_cache_tokens` when given. Otherwise, on the CPU, `kv_memory_fraction` of the available
 RAM; on CUDA, what `mem_fraction_static` of the GPU leaves beside the weights, and no more than the free
@@ -16,16 +16,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from gapless.attention import AttentionBackend, Probe, TorchRefBackend, make_backend
 from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
+from gapless.engine.batch import ForwardBatch, RunnerInfo
+from gapless.engine.cuda_graph import DEFAULT_MAX_BS, GraphRunner
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
-from gapless.model.cuda_graph import DEFAULT_MAX_BS, GraphRunner
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.loader import load_model, resolve_dtype
 from gapless.sampling.sampler import SampleOutput, Sampler, SamplingBatch, compute_logprobs
@@ -33,51 +33,6 @@ from gapless.sampling_params import MAX_LOGPROBS, SamplingParams
 from gapless.tensors import dataclass_to_device
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ForwardBatch:
-    """Inputs of one forward, built on the host as CPU tensors; the device stream moves them over.
-
-    Requests are contiguous in the flat token dimension, in `rows` order. A decode batch carries no
-    input ids: each request's input is the token its previous batch sampled, which the device keeps in
-    `ModelRunner.token_buf[row]` (the future-token slot). So a decode can be launched before that token
-    ever reaches the host, and stream order guarantees the sampler wrote it first.
-    """
-
-    input_ids: torch.Tensor  # [T] extend tokens; empty in decode (read from the token slots)
-    positions: torch.Tensor  # [T]
-    out_slots: torch.Tensor  # [T] KV slot each new token is stored in
-    token_rows: torch.Tensor  # [T] request-table row of each token
-    rows: torch.Tensor  # [B]
-    prefix_lens: torch.Tensor  # [B]
-    extend_lens: torch.Tensor  # [B]
-    q_start: torch.Tensor  # [B]
-    max_extend_len: int
-    max_seq_len: int
-    is_decode: bool
-    sample_index: torch.Tensor  # [S] flat index of the tokens whose next token is sampled
-    sample_rows: torch.Tensor  # [S] their rows: where the sampled tokens are kept for the next decode
-    sampling: SamplingBatch | None
-    # (rows, positions, slots) request-table entries the batch needs besides its own new tokens:
-    # prefixes matched in the radix cache
-    table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # (row, prompt_ids, output_ids) whose sampler penalty state is (re)built before sampling
-    penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class RunnerInfo:
-    """What the host-side scheduler needs to know of the device side (which may live in another process)."""
-
-    device: str
-    num_pages: int
-    kv_tokens: int
-    max_context: int
-    max_running_requests: int
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
 
 
 def pick_device(name: str) -> torch.device:
@@ -263,7 +218,16 @@ class ModelRunner:
             sizing,
         )
         if graph_bs:
-            self.graphs = GraphRunner(self, graph_bs)
+            self.graphs = GraphRunner(
+                graph_bs,
+                forward_tokens=self.forward_tokens,
+                req_table=self.req_table,
+                token_buf=self.token_buf,
+                pad_row=self.pad_row,
+                max_context=self.max_context,
+                hidden_size=mcfg.hidden_size,
+                dtype=self.dtype,
+            )
             self.graphs.capture()
 
     def _graph_max_bs(self, cfg: EngineConfig) -> int:

@@ -1,0 +1,60 @@
+"""The batch types the host and the device side share: what one forward runs, and what the host needs
+to know of the device side.
+
+The scheduler builds a `ForwardBatch` from host state; the device stream moves it to the device; the
+model runner and the CUDA graph runner read it. `RunnerInfo` travels the other way, once, at start-up.
+This module imports nothing of the engine, so every side can import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gapless.sampling.sampler import SamplingBatch
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward, built on the host as CPU tensors; the device stream moves them over.
+
+    Requests are contiguous in the flat token dimension, in `rows` order. A decode batch carries no
+    input ids: each request's input is the token its previous batch sampled, which the device keeps in
+    `ModelRunner.token_buf[row]` (the future-token slot). So a decode can be launched before that token
+    ever reaches the host, and stream order guarantees the sampler wrote it first.
+    """
+
+    input_ids: torch.Tensor  # [T] extend tokens; empty in decode (read from the token slots)
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T] KV slot each new token is stored in
+    token_rows: torch.Tensor  # [T] request-table row of each token
+    rows: torch.Tensor  # [B]
+    prefix_lens: torch.Tensor  # [B]
+    extend_lens: torch.Tensor  # [B]
+    q_start: torch.Tensor  # [B]
+    max_extend_len: int
+    max_seq_len: int
+    is_decode: bool
+    sample_index: torch.Tensor  # [S] flat index of the tokens whose next token is sampled
+    sample_rows: torch.Tensor  # [S] their rows: where the sampled tokens are kept for the next decode
+    sampling: SamplingBatch | None
+    # (rows, positions, slots) request-table entries the batch needs besides its own new tokens:
+    # prefixes matched in the radix cache
+    table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (row, prompt_ids, output_ids) whose sampler penalty state is (re)built before sampling
+    penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What the host-side scheduler needs to know of the device side (which may live in another process)."""
+
+    device: str
+    num_pages: int
+    kv_tokens: int
+    max_context: int
+    max_running_requests: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
