@@ -31,16 +31,20 @@ from gapless.bench.serving import (
     StreamError,
     arrival_times,
     is_content_chunk,
-    lognormal_lengths,
     parse_chunk,
-    random_bounds,
     request_metrics,
-    sharegpt_workload,
     stats,
     summarize,
     usage_tokens,
 )
-from gapless.bench.workload import random_workload
+from gapless.bench.workload import (
+    SHAREGPT_INPUT_SIGMA,
+    SHAREGPT_OUTPUT_SIGMA,
+    lognormal_lengths,
+    random_bounds,
+    random_workload,
+    sharegpt_workload,
+)
 
 # ---------------------------------------------------------------------------------------------- workloads
 
@@ -81,13 +85,11 @@ def test_sharegpt_workload():
     assert all(0 <= t < 1000 for p in a.prompts for t in p)
     # its lengths are the lognormal ones below: prompt lengths first, then output lengths, same generator
     rng = random.Random(0)
-    assert ins.tolist() == lognormal_lengths(rng, 1000, 161, serving.SHAREGPT_INPUT_SIGMA, 4, 1024)
-    assert outs.tolist() == lognormal_lengths(rng, 1000, 338, serving.SHAREGPT_OUTPUT_SIGMA, 4, 1024)
+    assert ins.tolist() == lognormal_lengths(rng, 1000, 161, SHAREGPT_INPUT_SIGMA, 4, 1024)
+    assert outs.tolist() == lognormal_lengths(rng, 1000, 338, SHAREGPT_OUTPUT_SIGMA, 4, 1024)
 
 
-@pytest.mark.parametrize(
-    "mean,sigma", [(161, serving.SHAREGPT_INPUT_SIGMA), (338, serving.SHAREGPT_OUTPUT_SIGMA)]
-)
+@pytest.mark.parametrize("mean,sigma", [(161, SHAREGPT_INPUT_SIGMA), (338, SHAREGPT_OUTPUT_SIGMA)])
 def test_sharegpt_length_shape(mean, sigma):
     x = np.array(lognormal_lengths(random.Random(0), 50_000, mean, sigma, 4, 1024))
     assert x.min() >= 4 and x.max() <= 1024
