@@ -36,7 +36,8 @@ connection drop, an error event in the stream, a stream with no [DONE]) are coun
 error; the run goes on.
 
 The report prints as a table; `--output-json PATH` also writes `{"config", "summary", "requests", "report"}`
-with one record per request (times in seconds relative to the benchmark start) for plots.
+with one record per request (times in seconds relative to the benchmark start) for plots, and
+`--summary-json PATH` the same without the per-request records (small enough to commit).
 """
 
 from __future__ import annotations
@@ -527,6 +528,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="merged into every request body, e.g. '{\"top_p\": 0.9}'",
     )
     p.add_argument("--output-json", metavar="PATH", help="write the summary and per-request records here")
+    p.add_argument(
+        "--summary-json", metavar="PATH", help="write the summary without per-request records here"
+    )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if not args.request_rate > 0:
@@ -585,6 +589,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res = dict(config=config, summary=summary, requests=[asdict(r) for r in ran["records"]], report=report)
     if args.output_json:
         cli.write_json(args.output_json, res)
+    if args.summary_json:
+        cli.write_json(args.summary_json, dict(config=config, summary=summary, report=report))
     return res
 
 

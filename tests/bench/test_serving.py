@@ -453,6 +453,16 @@ def test_module_runs_as_a_script(fake, tmp_path):
     assert data["summary"]["completed"] == 3
 
 
+def test_summary_json_is_the_output_json_without_the_requests(fake, tmp_path):
+    url, _ = fake
+    argv = ["--num-prompts", "4", "--input-len", "4", "--output-len", "3", "--disable-tqdm"]
+    res = serving.main(["--base-url", url, "--summary-json", str(tmp_path / "summary.json"), *argv])
+    small = json.loads((tmp_path / "summary.json").read_text())
+    assert set(small) == {"config", "summary", "report"}
+    assert small == json.loads(json.dumps({k: res[k] for k in small}))
+    assert small["summary"]["completed"] == 4
+
+
 def test_unreachable_server_fails_requests_not_the_run(tmp_path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
