@@ -3,9 +3,9 @@
 Each benchmark (`offline`, `gpu`, `overlap`, `serving`) is a script around what only it measures; what
 they have in common is here, once: the workload flags of the offline benchmarks and how their defaults
 fill in, `--engine-option`, the model (`--model`, or a random-weight qwen3 of `--size` built on first
-use), the machine description every JSON carries, the command line that reproduces a run, progress lines,
-the JSON file and markdown tables. It imports torch only where a function needs it, so the serving
-benchmark (an HTTP client) starts without it.
+use) with its shape and byte counts, the machine description the offline benchmarks' JSON carries, the
+command line that reproduces a run, progress lines, the JSON file and markdown tables. It imports torch
+only where a function needs it, so the serving benchmark (an HTTP client) starts without it.
 """
 
 from __future__ import annotations

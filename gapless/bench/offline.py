@@ -32,8 +32,8 @@ from gapless.bench.runs import run_gapless, run_transformers
 # at very different times) scaled to a quarter of its requests and a fifth of its lengths. With the
 # `bench` checkpoint (8 layers, hidden 512) on the idle 2-core dev machine a run takes ~50 s in all
 # (gapless ~19 s, transformers ~23 s, plus loading), ~75 s with --threads 1, and up to ~2.5 min on 2
-# threads while another process keeps a core busy (see `OtherLoad`). nano-vllm's own sizes (256 seqs,
-# lengths in [100, 1024], 144k output tokens) would take tens of minutes here.
+# threads while another process keeps a core busy (see `gapless.bench.runs.OtherLoad`). nano-vllm's own
+# sizes (256 seqs, lengths in [100, 1024], 144k output tokens) would take tens of minutes here.
 DEFAULTS: dict[str, int] = dict(num_seqs=64, min_input=16, max_input=192, min_output=16, max_output=192)
 # `--quick`: a smoke run of a few seconds.
 QUICK: dict[str, int] = dict(num_seqs=8, min_input=8, max_input=32, min_output=8, max_output=32)

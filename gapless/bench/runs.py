@@ -105,7 +105,9 @@ def _sync(device: str | torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _result(engine: str, work: Workload, output_tokens: int, wall: float, load_s: float, others: OtherLoad):
+def _result(
+    engine: str, work: Workload, output_tokens: int, wall: float, load_s: float, others: OtherLoad
+) -> dict[str, Any]:
     """The figures every engine's result has, in the JSON's names."""
     return dict(
         engine=engine,
