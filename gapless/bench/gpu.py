@@ -22,30 +22,18 @@ table for the README and rewrites `--json` after every run, so a run cut short k
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
-import json
 import logging
-import os
-import platform
-import shlex
-import subprocess
 import sys
-import time
 import traceback
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gapless.bench.offline import (
-    add_workload_args,
-    cpu_name,
-    fill_workload_args,
-    parse_engine_options,
-    run_gapless,
-    run_transformers,
-    workload_summary,
-)
+from gapless.bench import cli
+from gapless.bench.runs import run_gapless, run_transformers
 from gapless.bench.workload import Workload, random_workload
 
 # nano-vllm's bench.py: 256 seqs, input and output lengths uniform in [100, 1024].
@@ -71,13 +59,11 @@ TARGET_TOK_S = 20_000
 TARGET_IDLE = 0.02
 
 RUNS = {"overlap": True, "plain": False}  # result key -> the engine's `overlap` option
-_T0 = time.perf_counter()
-
-
-def _log(msg: str) -> None:
-    """Progress on stderr, with seconds since start and the wall clock (to line up with nvidia-smi logs)."""
-    stamp = time.strftime("%H:%M:%S")
-    print(f"[{time.perf_counter() - _T0:7.1f}s {stamp}] {msg}", file=sys.stderr, flush=True)
+LABELS = {
+    "overlap": "gapless, overlap",
+    "plain": "gapless, no overlap",
+    "transformers": "transformers generate",
+}
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -86,20 +72,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         description="Offline throughput on a GPU (nano-vllm workload, Qwen3-0.6B shape): gapless with and "
         "without overlap, and transformers batched generate on a slice.",
     )
-    w = add_workload_args(p, "nano-vllm's", NANO_VLLM, "a small workload, to check that everything runs")
+    w = cli.add_workload_args(p, "nano-vllm's", NANO_VLLM, "a small workload, to check that everything runs")
     w.add_argument(
         "--warmup-seqs",
         type=int,
         help=f"requests in gapless's untimed warm-up (default {WARMUP_SEQS}, at most --num-seqs)",
     )
-    m = p.add_argument_group("model and device")
-    m.add_argument("--model", help="HF checkpoint dir (default: the random-weight qwen3 of --size, built)")
-    m.add_argument(
-        "--size",
-        default="qwen3-0.6b",
-        choices=("tiny", "overlap", "bench", "qwen3-0.6b"),
-        help="shape of the built-in random qwen3 when --model is not given (default qwen3-0.6b)",
-    )
+    m = cli.add_model_args(p, "qwen3-0.6b", ("tiny", "overlap", "bench", "qwen3-0.6b"), "model and device")
     m.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     m.add_argument(
         "--dtype",
@@ -114,12 +93,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="KV pool size (default: every token of the workload and the warm-up, plus slack, so nothing "
         "is retracted; ~31 GiB for the default workload)",
     )
-    g.add_argument(
-        "--engine-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra LLM option for both gapless runs, repeatable (e.g. cuda_graph_max_bs=0, "
+    cli.add_engine_option_arg(
+        g,
+        "extra LLM option for both gapless runs, repeatable (e.g. cuda_graph_max_bs=0, "
         "attention_backend=torch, page_size=16); not overlap, which the runs set",
     )
     g.add_argument("--skip-plain", action="store_true", help="run gapless with overlap only")
@@ -133,8 +109,16 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     h.add_argument("--hf-batch-size", type=int, help="static batch size of generate (default: the slice)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH (after every run)")
     args = p.parse_args(argv)
+    cli.finish_args(p, args, NANO_VLLM, QUICK)
+    _fill_defaults(args)
+    error = _check(args)
+    if error:
+        p.error(error)
+    return args
 
-    fill_workload_args(args, QUICK if args.quick else NANO_VLLM)
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """The defaults that depend on --quick or on other flags."""
     if args.hf_num_seqs is None:
         args.hf_num_seqs = min(QUICK_HF_NUM_SEQS if args.quick else HF_NUM_SEQS, args.num_seqs)
     if args.hf_batch_size is None:
@@ -143,71 +127,24 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         args.warmup_seqs = QUICK_WARMUP[0] if args.quick else WARMUP_SEQS
     args.warmup_seqs = min(args.warmup_seqs, args.num_seqs)
     args.warmup_output = QUICK_WARMUP[1] if args.quick else WARMUP_OUTPUT
-    try:
-        args.engine_options = parse_engine_options(args.engine_option)
-    except ValueError as e:
-        p.error(str(e))
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, if anything."""
     if "overlap" in args.engine_options:
-        p.error("--engine-option overlap=... : the benchmark runs both modes (use --skip-plain for one)")
+        return "--engine-option overlap=... : the benchmark runs both modes (use --skip-plain for one)"
     if not 1 <= args.hf_num_seqs <= args.num_seqs:
-        p.error(f"--hf-num-seqs must be in [1, {args.num_seqs}]")
+        return f"--hf-num-seqs must be in [1, {args.num_seqs}]"
     if args.hf_batch_size < 1:
-        p.error("--hf-batch-size must be >= 1")
+        return "--hf-batch-size must be >= 1"
     if args.warmup_seqs < 1:
-        p.error("--warmup-seqs must be >= 1")
+        return "--warmup-seqs must be >= 1"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(
+        return (
             f"--device {args.device} but CUDA is not available (a CPU smoke run: --quick --size tiny "
             "--device cpu --dtype float32)"
         )
-    return args
-
-
-def _model_path(args: argparse.Namespace) -> tuple[Path, float]:
-    """The checkpoint, and the seconds it took to build (0 when given or cached)."""
-    if args.model:
-        return Path(args.model), 0.0
-    from gapless.testing import cached_checkpoint
-
-    dtype = getattr(torch, args.dtype)
-    # float32 is the default of `make_checkpoint`: leave it out so the tests' cached checkpoints are shared
-    kw = {} if dtype == torch.float32 else {"dtype": dtype}
-    t0 = time.perf_counter()
-    path = cached_checkpoint("qwen3", size=args.size, **kw)
-    return path, time.perf_counter() - t0
-
-
-def _model_info(path: Path, dtype: str) -> dict[str, Any]:
-    """Shape, parameter count (from the safetensors headers) and the bytes decode reads per token/step."""
-    from safetensors import safe_open
-
-    cfg = json.loads((path / "config.json").read_text())
-    layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    elem = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-    params = 0
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                n = 1
-                for d in st.get_slice(name).get_shape():
-                    n *= d
-                params += n
-    return dict(
-        model_type=cfg.get("model_type"),
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg.get("intermediate_size"),
-        num_hidden_layers=layers,
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=cfg["vocab_size"],
-        tie_word_embeddings=cfg.get("tie_word_embeddings"),
-        params=params,
-        dtype=dtype,
-        weight_bytes=params * elem,
-        kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem,
-    )
+    return None
 
 
 def decode_kv_tokens_read(work: Workload) -> int:
@@ -218,52 +155,6 @@ def decode_kv_tokens_read(work: Workload) -> int:
         steps = out - 1
         total += steps * len(prompt) + steps * (steps + 1) // 2
     return total
-
-
-def _nvidia_smi() -> dict[str, str] | None:
-    fields = "name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit"
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout.splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return None
-    return dict(zip(fields.split(","), (v.strip() for v in out.split(","))))
-
-
-def _machine(device: str) -> dict[str, Any]:
-    import transformers
-
-    try:
-        import triton
-
-        triton_version: str | None = triton.__version__
-    except ImportError:
-        triton_version = None
-    m: dict[str, Any] = dict(
-        device=device,
-        cpu=cpu_name(),
-        cores=os.cpu_count(),
-        python=platform.python_version(),
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
-        triton=triton_version,
-        transformers=transformers.__version__,
-    )
-    if torch.device(device).type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        m.update(
-            gpu=props.name,
-            gpu_memory_gib=round(props.total_memory / 2**30, 1),
-            sms=props.multi_processor_count,
-            compute_capability=f"{props.major}.{props.minor}",
-            nvidia_smi=_nvidia_smi(),
-        )
-    return m
 
 
 def _free_device(device: str) -> int | None:
@@ -316,77 +207,62 @@ def _num(x: float | None, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
-def format_report(res: dict[str, Any]) -> str:
-    """The markdown the command prints, ready for the README."""
-    w, m, mi = res["workload"], res["machine"], res["model_info"]
-    on_gpu = "gpu" in m
-    if on_gpu:
-        smi = m.get("nvidia_smi") or {}
-        sm = m["compute_capability"].replace(".", "")
-        driver = f", driver {smi['driver_version']}" if smi.get("driver_version") else ""
-        where = f"{m['gpu']} ({m['gpu_memory_gib']} GiB, {m['sms']} SMs, sm_{sm}{driver}), CUDA {m['cuda']}"
-    else:
-        where = f"{m['cpu']} ({m['cores']} cores), no GPU"
-    idle_name = "GPU idle" if on_gpu else "device idle"
-    lines = [
-        f"## Offline throughput{' on the GPU' if on_gpu else ''}: nano-vllm's workload (greedy, ignore_eos)",
-        "",
-        f"command: `{res['command']}`",
-        f"machine: {where}; torch {m['torch']}, triton {m['triton']}, transformers {m['transformers']}, "
-        f"python {m['python']}",
-        f"model: {res['model_name']}: {mi['num_hidden_layers']} layers, hidden {mi['hidden_size']}, "
-        f"{mi['num_attention_heads']} q / {mi['num_key_value_heads']} kv heads x {mi['head_dim']}, vocab "
-        f"{mi['vocab_size']}; {mi['params'] / 1e6:.0f}M parameters, random weights, {mi['dtype']} "
-        f"({mi['weight_bytes'] / 1e9:.2f} GB, {mi['kv_bytes_per_token'] / 1024:.0f} KiB of KV per token)",
-        f"workload: {w['num_seqs']} requests, prompts uniform in [{w['min_input']}, {w['max_input']}] "
-        f"({w['input_tokens']:,} tokens), outputs uniform in [{w['min_output']}, {w['max_output']}] "
-        f"({w['output_tokens']:,} tokens), random token ids, seed {w['seed']}; decode reads "
-        f"{w['decode_kv_tokens_read'] * mi['kv_bytes_per_token'] / 1e12:.2f} TB of KV",
-        "",
-        f"| engine | requests | output tokens | wall s | output tok/s | {idle_name} (1 - busy/wall) "
-        "| host ms/step | device ms/step | steps (prefill + decode) | notes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+def _failed_row(key: str, r: dict[str, Any]) -> list[str]:
+    return [LABELS[key], *[""] * 8, f"FAILED: {r['error_line']}"]
+
+
+def _gapless_row(key: str, g: dict[str, Any]) -> list[str]:
+    notes = (
+        f"attention {g['attention_backend'] or '?'}; KV pool {g['kv_pool_tokens']:,} tokens "
+        f"({g['kv_pool_gib']} GiB); {g['retractions']} retractions; decode read "
+        f"{g['decode_bytes_read'] / 1e12:.1f} TB, {g['decode_read_tb_per_s']:.2f} TB/s"
+    )
+    if g.get("peak_gib") is not None:
+        notes += f"; peak {g['peak_gib']} GiB"
+    return [
+        LABELS[key],
+        str(g["requests"]),
+        f"{g['output_tokens']:,}",
+        f"{g['wall_s']:.2f}",
+        f"{g['output_tokens_per_s']:,.0f}",
+        f"{_pct(g['device_idle_fraction'])} ({_pct(_sub1(g['busy_fraction_of_wall']))})",
+        _num(g["host_ms_per_step"], ".2f"),
+        _num(g["device_ms_per_step"], ".2f"),
+        f"{g['steps']} ({g['prefill_batches']} + {g['decode_batches']})",
+        notes,
     ]
-    for key, label in (("overlap", "gapless, overlap"), ("plain", "gapless, no overlap")):
-        g = res.get(key)
-        if g is None:
+
+
+def _transformers_row(h: dict[str, Any]) -> list[str]:
+    return [
+        LABELS["transformers"],
+        f"{h['requests']} (the first {h['requests']})",
+        f"{h['output_tokens']:,}",
+        f"{h['wall_s']:.2f}",
+        f"{h['output_tokens_per_s']:,.0f}",
+        *["n/a"] * 4,
+        f"sdpa, {h['dtype']}; {h['batches']} left-padded static batch(es) of {h['batch_size']}; "
+        f"{h['wasted_output_fraction']:.0%} of decoded tokens past their request's length",
+    ]
+
+
+def _rows(res: dict[str, Any]) -> list[list[str]]:
+    """The table's rows: each gapless run and transformers, or the error that stopped one."""
+    rows = []
+    for key in (*RUNS, "transformers"):
+        r = res.get(key)
+        if r is None:
             continue
-        if "error" in g:
-            lines.append(f"| {label} | | | | | | | | | FAILED: {g['error_line']} |")
-            continue
-        notes = (
-            f"attention {g['attention_backend'] or '?'}; KV pool {g['kv_pool_tokens']:,} tokens "
-            f"({g['kv_pool_gib']} GiB); {g['retractions']} retractions; decode read "
-            f"{g['decode_bytes_read'] / 1e12:.1f} TB, {g['decode_read_tb_per_s']:.2f} TB/s"
-        )
-        if g.get("peak_gib") is not None:
-            notes += f"; peak {g['peak_gib']} GiB"
-        lines.append(
-            f"| {label} | {g['requests']} | {g['output_tokens']:,} | {g['wall_s']:.2f} "
-            f"| {g['output_tokens_per_s']:,.0f} | {_pct(g['device_idle_fraction'])} "
-            f"({_pct(_sub1(g['busy_fraction_of_wall']))}) "
-            f"| {_num(g['host_ms_per_step'], '.2f')} | {_num(g['device_ms_per_step'], '.2f')} "
-            f"| {g['steps']} ({g['prefill_batches']} + {g['decode_batches']}) | {notes} |"
-        )
-    h = res.get("transformers")
-    if h is not None:
-        if "error" in h:
-            lines.append(f"| transformers generate | | | | | | | | | FAILED: {h['error_line']} |")
+        if "error" in r:
+            rows.append(_failed_row(key, r))
         else:
-            lines.append(
-                f"| transformers generate | {h['requests']} (the first {h['requests']}) "
-                f"| {h['output_tokens']:,} | {h['wall_s']:.2f} | {h['output_tokens_per_s']:,.0f} "
-                "| n/a | n/a | n/a | n/a "
-                f"| sdpa, {h['dtype']}; {h['batches']} left-padded static batch(es) of {h['batch_size']}; "
-                f"{h['wasted_output_fraction']:.0%} of decoded tokens past their request's length |"
-            )
-    lines += [
-        "",
-        f"{idle_name}: the engine's bubble meter, gaps between forward jobs while requests were pending over "
-        "busy + gaps; in brackets 1 - (summed job time / wall), which also counts the first launch and the "
-        "last wait. host ms/step: scheduling, batch building and result processing, waits excluded.",
-        "",
-    ]
+            rows.append(_transformers_row(r) if key == "transformers" else _gapless_row(key, r))
+    return rows
+
+
+def _verdict(res: dict[str, Any]) -> list[str]:
+    """The ratios, the target check and any wrong-length warning, under the table."""
+    lines = []
     r = res["ratios"]
     if r.get("overlap_vs_plain") is not None:
         lines.append(f"**overlap / no overlap: {r['overlap_vs_plain']:.2f}x** output tokens/s")
@@ -397,23 +273,60 @@ def format_report(res: dict[str, Any]) -> str:
         )
     g = res.get("overlap")
     if g is not None and "error" not in g:
-        met = (
-            g["output_tokens_per_s"] >= TARGET_TOK_S
-            and g["device_idle_fraction"] is not None
-            and g["device_idle_fraction"] < TARGET_IDLE
-        )
+        idle = g["device_idle_fraction"]
+        met = g["output_tokens_per_s"] >= TARGET_TOK_S and idle is not None and idle < TARGET_IDLE
         lines.append(
             f"\nanchors: {ANCHORS}; target on an H100: >= {TARGET_TOK_S:,} tok/s with GPU idle < "
             f"{TARGET_IDLE:.0%} in overlap mode: {'met' if met else 'NOT met'} here "
-            f"({g['output_tokens_per_s']:,.0f} tok/s, {_pct(g['device_idle_fraction'])} idle)"
+            f"({g['output_tokens_per_s']:,.0f} tok/s, {_pct(idle)} idle)"
         )
-    for key in ("overlap", "plain"):
+    for key in RUNS:
         g = res.get(key)
         if g is not None and "error" not in g and g["wrong_length_requests"]:
             lines.append(
                 f"\nWARNING ({key}): {g['wrong_length_requests']} requests did not get their length "
                 f"({g['output_tokens']} tokens generated, {g['requested_output_tokens']} requested)"
             )
+    return lines
+
+
+def format_report(res: dict[str, Any]) -> str:
+    """The markdown the command prints, ready for the README."""
+    w, mi = res["workload"], res["model_info"]
+    on_gpu = "gpu" in res["machine"]
+    idle_name = "GPU idle" if on_gpu else "device idle"
+    header = (
+        "engine",
+        "requests",
+        "output tokens",
+        "wall s",
+        "output tok/s",
+        f"{idle_name} (1 - busy/wall)",
+        "host ms/step",
+        "device ms/step",
+        "steps (prefill + decode)",
+        "notes",
+    )
+    lines = [
+        f"## Offline throughput{' on the GPU' if on_gpu else ''}: nano-vllm's workload (greedy, ignore_eos)",
+        "",
+        f"command: `{res['command']}`",
+        cli.machine_line(res["machine"]),
+        f"model: {res['model_name']}: {mi['num_hidden_layers']} layers, hidden {mi['hidden_size']}, "
+        f"{mi['num_attention_heads']} q / {mi['num_key_value_heads']} kv heads x {mi['head_dim']}, vocab "
+        f"{mi['vocab_size']}; {mi['params'] / 1e6:.0f}M parameters, random weights, {mi['dtype']} "
+        f"({mi['weight_bytes'] / 1e9:.2f} GB, {mi['kv_bytes_per_token'] / 1024:.0f} KiB of KV per token)",
+        f"{cli.workload_line(w)}; decode reads "
+        f"{w['decode_kv_tokens_read'] * mi['kv_bytes_per_token'] / 1e12:.2f} TB of KV",
+        "",
+        *cli.markdown_table(header, _rows(res), "lrrrrrrrll"),
+        "",
+        f"{idle_name}: the engine's bubble meter, gaps between forward jobs while requests were pending over "
+        "busy + gaps; in brackets 1 - (summed job time / wall), which also counts the first launch and the "
+        "last wait. host ms/step: scheduling, batch building and result processing, waits excluded.",
+        "",
+        *_verdict(res),
+    ]
     return "\n".join(lines)
 
 
@@ -462,132 +375,136 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     level = log.level
     log.setLevel(logging.INFO)  # the engine's KV sizing, attention backend and CUDA graph lines
     try:
-        return _run(args, argv)
+        return _Bench(args, argv).run()
     finally:
         log.setLevel(level)
 
 
-def _run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    res: dict[str, Any] = dict(
-        command=shlex.join(["python", "-m", "gapless.bench.gpu", *argv]), machine=_machine(args.device)
-    )
-    _log(f"machine: {res['machine']}")
-    _log(f"model: {args.model or 'building/loading the random ' + args.size + ' qwen3 in ' + args.dtype} ...")
-    path, build_s = _model_path(args)
-    info = _model_info(path, args.dtype)
-    _log(f"model at {path} (built in {build_s:.1f} s): {info['params'] / 1e6:.0f}M params")
-    work = random_workload(
-        args.num_seqs,
-        args.min_input,
-        args.max_input,
-        args.min_output,
-        args.max_output,
-        vocab_size=info["vocab_size"],
-        seed=args.seed,
-    )
-    lo, hi = args.warmup_output
-    warm = random_workload(
-        args.warmup_seqs,
-        args.min_input,
-        args.max_input,
-        lo,
-        hi,
-        vocab_size=info["vocab_size"],
-        seed=args.seed + 1,
-    )
-    kv = args.kv_cache_tokens
-    if kv is None:
-        kv = work.input_tokens + work.output_tokens + warm.input_tokens + warm.output_tokens + 4096
-    hf_work = work.head(args.hf_num_seqs)
-    kv_read = decode_kv_tokens_read(work)
-    res.update(
-        model=str(path),
-        model_name=(
-            path.name
-            if args.model
-            else f"random-weight qwen3, size {args.size!r}"
-            + (" (Qwen3-0.6B's config)" if args.size == "qwen3-0.6b" else "")
-        ),
-        model_info=info,
-        build_s=build_s,
-        workload=dict(
-            **workload_summary(args, work),
-            decode_kv_tokens_read=kv_read,
-            warmup_requests=len(warm),
-            warmup_tokens=warm.input_tokens + warm.output_tokens,
-            hf_num_seqs=len(hf_work),
-            hf_output_tokens=hf_work.output_tokens,
-        ),
-        sampling="greedy (temperature 0), ignore_eos",
-        kv_cache_tokens=kv,
-        engine_options=args.engine_options,
-        errors=[],
-    )
+class _Bench:
+    """One benchmark run: the model and workloads it sets up, then each engine's timed run into `res`."""
 
-    def save() -> None:
-        res["ratios"] = _ratios(res)
-        if args.json:
-            Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
+        self.args = args
+        self.res: dict[str, Any] = dict(
+            command=cli.command_line("gapless.bench.gpu", argv), machine=cli.machine(args.device)
+        )
+        cli.progress(f"machine: {self.res['machine']}")
+        what = args.model or f"building/loading the random {args.size} qwen3 in {args.dtype}"
+        cli.progress(f"model: {what} ...")
+        self.path, build_s = cli.model_path(args, args.dtype)
+        self.info = cli.model_info(self.path, args.dtype)
+        cli.progress(
+            f"model at {self.path} (built in {build_s:.1f} s): {self.info['params'] / 1e6:.0f}M params"
+        )
+        vocab = self.info["vocab_size"]
+        self.work = cli.workload_from_args(args, vocab)
+        lo, hi = args.warmup_output
+        self.warm = random_workload(
+            args.warmup_seqs, args.min_input, args.max_input, lo, hi, vocab_size=vocab, seed=args.seed + 1
+        )
+        kv = args.kv_cache_tokens
+        if kv is None:
+            kv = self.work.input_tokens + self.work.output_tokens + self.warm.input_tokens
+            kv += self.warm.output_tokens + 4096
+        self.hf_work = self.work.head(args.hf_num_seqs)
+        self.kv_read = decode_kv_tokens_read(self.work)
+        name = self.path.name if args.model else f"random-weight qwen3, size {args.size!r}"
+        if not args.model and args.size == "qwen3-0.6b":
+            name += " (Qwen3-0.6B's config)"
+        self.res.update(
+            model=str(self.path),
+            model_name=name,
+            model_info=self.info,
+            build_s=build_s,
+            workload=dict(
+                **cli.workload_summary(args, self.work),
+                decode_kv_tokens_read=self.kv_read,
+                warmup_requests=len(self.warm),
+                warmup_tokens=self.warm.input_tokens + self.warm.output_tokens,
+                hf_num_seqs=len(self.hf_work),
+                hf_output_tokens=self.hf_work.output_tokens,
+            ),
+            sampling="greedy (temperature 0), ignore_eos",
+            kv_cache_tokens=kv,
+            engine_options=args.engine_options,
+            errors=[],
+        )
 
-    # A run that fails is recorded and the next one goes on; an interrupt (SIGINT, e.g. the time limit of
-    # bench/gpu_bench.sh) stops the runs, and what finished is still reported and saved.
-    stop = False
-    for key, overlap in RUNS.items():
-        if stop or (key == "plain" and args.skip_plain):
-            continue
-        _log(f"gapless, overlap={overlap}: {len(work)} requests, {work.output_tokens} output tokens ...")
-        leftover = _free_device(args.device)
+    def save(self) -> None:
+        """Rewrite the JSON with what has finished (so a run cut short keeps it)."""
+        self.res["ratios"] = _ratios(self.res)
+        if self.args.json:
+            cli.write_json(self.args.json, self.res)
+
+    def run(self) -> dict[str, Any]:
+        """Each gapless mode, then transformers. A run that fails is recorded and the next one goes on; an
+        interrupt (SIGINT, e.g. the time limit of bench/gpu_bench.sh) stops the runs, and what finished is
+        still reported and saved."""
+        args, res = self.args, self.res
+        stop = False
+        for key, overlap in RUNS.items():
+            if stop or (key == "plain" and args.skip_plain):
+                continue
+            stop = self._record(key, functools.partial(self._gapless, overlap))
+        if not args.skip_hf and not stop:
+            self._record("transformers", self._transformers)
+            _free_device(args.device)
+        self.save()
+        report = format_report(res)
+        res["report"] = report
+        self.save()
+        print(report, flush=True)
+        cli.progress("done" + (f"; FAILED: {', '.join(res['errors'])}" if res["errors"] else ""))
+        return res
+
+    def _record(self, key: str, run: Callable[[], dict[str, Any]]) -> bool:
+        """`run()`'s result, or its failure, as `res[key]`, saved; True if it was interrupted."""
+        leftover = _free_device(self.args.device)
         try:
-            g = run_gapless(
-                path,
-                work,
-                kv_cache_tokens=kv,
-                options={**args.engine_options, "overlap": overlap},
-                device=args.device,
-                dtype=args.dtype,
-                warmup=warm,
-            )
-            g["leftover_bytes_before"] = leftover
-            g["peak_gib"] = _peak_gib(args.device)
-            _gapless_derived(g, info, kv_read)
-            _log(
-                f"gapless, overlap={overlap}: {g['output_tokens_per_s']:.0f} tok/s in {g['wall_s']:.2f} s "
-                f"(load {g['load_s']:.1f} s, warm-up {g['warmup_s']:.1f} s), "
-                f"idle {_pct(g['device_idle_fraction'])}, {g['retractions']} retractions"
-            )
-        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - recorded (see above)
-            g = _failed(e)
-            res["errors"].append(key)
-            stop = g["interrupted"]
-        res[key] = g
-        save()
+            r = run()
+            r["leftover_bytes_before"] = leftover
+            r["peak_gib"] = _peak_gib(self.args.device)
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - recorded (see `run`)
+            r = _failed(e)
+            self.res["errors"].append(key)
+        self.res[key] = r
+        self.save()
+        return bool(r.get("interrupted"))
 
-    if not args.skip_hf and not stop:
-        _log(f"transformers: {len(hf_work)} requests, batches of {args.hf_batch_size} ...")
-        leftover = _free_device(args.device)
+    def _gapless(self, overlap: bool) -> dict[str, Any]:
+        args, work = self.args, self.work
+        cli.progress(
+            f"gapless, overlap={overlap}: {len(work)} requests, {work.output_tokens} output tokens ..."
+        )
+        g = run_gapless(
+            self.path,
+            work,
+            kv_cache_tokens=self.res["kv_cache_tokens"],
+            options={**args.engine_options, "overlap": overlap},
+            device=args.device,
+            dtype=args.dtype,
+            warmup=self.warm,
+        )
+        _gapless_derived(g, self.info, self.kv_read)
+        cli.progress(
+            f"gapless, overlap={overlap}: {g['output_tokens_per_s']:.0f} tok/s in {g['wall_s']:.2f} s "
+            f"(load {g['load_s']:.1f} s, warm-up {g['warmup_s']:.1f} s), "
+            f"idle {_pct(g['device_idle_fraction'])}, {g['retractions']} retractions"
+        )
+        return g
+
+    def _transformers(self) -> dict[str, Any]:
+        args, warm = self.args, self.warm
+        cli.progress(f"transformers: {len(self.hf_work)} requests, batches of {args.hf_batch_size} ...")
         hf_warm = Workload(warm.prompts[: min(4, len(warm))], [8] * min(4, len(warm)))
-        try:
-            h = run_transformers(
-                path, hf_work, args.hf_batch_size, device=args.device, dtype=args.dtype, warmup=hf_warm
-            )
-            h["leftover_bytes_before"] = leftover
-            h["peak_gib"] = _peak_gib(args.device)
-            _log(
-                f"transformers: {h['output_tokens_per_s']:.0f} tok/s in {h['wall_s']:.2f} s "
-                f"(load {h['load_s']:.1f} s)"
-            )
-        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
-            h = _failed(e)
-            res["errors"].append("transformers")
-        res["transformers"] = h
-        _free_device(args.device)
-    save()
-    report = format_report(res)
-    res["report"] = report
-    save()
-    print(report, flush=True)
-    _log("done" + (f"; FAILED: {', '.join(res['errors'])}" if res["errors"] else ""))
-    return res
+        h = run_transformers(
+            self.path, self.hf_work, args.hf_batch_size, device=args.device, dtype=args.dtype, warmup=hf_warm
+        )
+        cli.progress(
+            f"transformers: {h['output_tokens_per_s']:.0f} tok/s in {h['wall_s']:.2f} s "
+            f"(load {h['load_s']:.1f} s)"
+        )
+        return h
 
 
 if __name__ == "__main__":

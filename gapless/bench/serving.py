@@ -16,21 +16,15 @@ Arrivals are a Poisson process of `--request-rate` requests/s (exponential inter
 request at t=0); `inf` sends everything at once. `--max-concurrency` caps the requests in flight: a request
 whose arrival time has come waits for a free slot, and its latencies count from when it is actually sent.
 
-Workloads (both regenerated exactly from `--seed`):
+Workloads (both regenerated exactly from `--seed`, see `gapless.bench.workload`):
 
-- `random`: nano-vllm-style (`gapless.bench.workload.random_workload`). Lengths are uniform in
-  `[L*(1-r), L*(1+r)]` for `L` = `--input-len`/`--output-len` and `r` = `--range-ratio`, or in explicit
+- `random`: nano-vllm-style (`random_workload`). Lengths are uniform in `[L*(1-r), L*(1+r)]` for `L` =
+  `--input-len`/`--output-len` and `r` = `--range-ratio`, or in explicit
   `--min-input/--max-input/--min-output/--max-output` bounds.
 - `sharegpt`: synthetic lengths shaped like the ShareGPT conversations vLLM benchmarks with, without
-  downloading anything. Each length is lognormal, clipped to `[--min-*, --max-*]` (default [4, 1024]:
-  vLLM's ShareGPT loader keeps prompts of 4 to 1024 tokens and prompt + output within 2048, so capping
-  outputs at 1024 too stays inside that). The means default to 161 prompt and 338 output tokens, the
-  averages the vLLM paper gives for its ShareGPT workload (Kwon et al., SOSP 2023). The log-space sigmas are
-  1.2 for prompts and 0.8 for outputs: real ShareGPT prompts are mostly short questions with a long tail of
-  pasted documents (median well below the mean: here ~78 tokens, ~1.5% clipped at 1024), while answers are
-  more concentrated around a few hundred tokens (median ~245, a few percent at the 1024 cap). The lognormal
-  mu is set so the unclipped mean equals the requested mean; clipping lowers it (defaults: ~150 and ~322).
-  `--input-len`/`--output-len` change the means and keep the shapes.
+  downloading anything (`sharegpt_workload`: lognormal, means 161 prompt and 338 output tokens, clipped to
+  `[--min-*, --max-*]`, default [4, 1024]). `--input-len`/`--output-len` change the means and keep the
+  shapes.
 
 Per request: TTFT (first content chunk - send), inter-token latencies (gaps between successive content
 chunks), e2e latency ([DONE] - send) and TPOT ((e2e - TTFT) / (output tokens - 1)). A content chunk is one
@@ -41,8 +35,9 @@ its stream, so ITL is really the inter-chunk gap; TPOT is per token either way. 
 connection drop, an error event in the stream, a stream with no [DONE]) are counted and reported with their
 error; the run goes on.
 
-The report prints as a table; `--output-json PATH` also writes `{"config", "summary", "requests"}` with one
-record per request (times in seconds relative to the benchmark start) for plots.
+The report prints as a table; `--output-json PATH` also writes `{"config", "summary", "requests", "report"}`
+with one record per request (times in seconds relative to the benchmark start) for plots, and
+`--summary-json PATH` the same without the per-request records (small enough to commit).
 """
 
 from __future__ import annotations
@@ -51,19 +46,26 @@ import argparse
 import asyncio
 import json
 import math
-import random
-import shlex
 import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-from gapless.bench.workload import Workload, random_workload
+from gapless.bench import cli
+from gapless.bench.workload import (
+    SHAREGPT_INPUT_MEAN,
+    SHAREGPT_MAX_LEN,
+    SHAREGPT_MIN_LEN,
+    SHAREGPT_OUTPUT_MEAN,
+    Workload,
+    random_bounds,
+    random_workload,
+    sharegpt_workload,
+)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_NUM_PROMPTS = 200
@@ -71,64 +73,11 @@ DEFAULT_NUM_PROMPTS = 200
 RANDOM_INPUT_LEN = 512
 RANDOM_OUTPUT_LEN = 128
 RANDOM_RANGE_RATIO = 0.5
-# sharegpt: means from the vLLM paper's ShareGPT statistics; shapes and clip range as the module docstring
-SHAREGPT_INPUT_MEAN = 161
-SHAREGPT_OUTPUT_MEAN = 338
-SHAREGPT_INPUT_SIGMA = 1.2
-SHAREGPT_OUTPUT_SIGMA = 0.8
-SHAREGPT_MIN_LEN = 4
-SHAREGPT_MAX_LEN = 1024
 DEFAULT_VOCAB_SIZE = 1000
 PERCENTILES = (50, 90, 99)
 
 
 # ---------------------------------------------------------------------------------------------- workloads
-
-
-def random_bounds(length: int, range_ratio: float) -> tuple[int, int]:
-    """Inclusive `[L*(1-r), L*(1+r)]`, rounded, never below 1."""
-    if length < 1:
-        raise ValueError(f"length must be >= 1, got {length}")
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
-    return max(1, round(length * (1.0 - range_ratio))), max(1, round(length * (1.0 + range_ratio)))
-
-
-def lognormal_lengths(rng: random.Random, n: int, mean: float, sigma: float, lo: int, hi: int) -> list[int]:
-    """`n` lognormal lengths whose unclipped mean is `mean`, rounded and clipped to `[lo, hi]`."""
-    if mean <= 0 or sigma < 0:
-        raise ValueError(f"need mean > 0 and sigma >= 0, got mean={mean}, sigma={sigma}")
-    if not 1 <= lo <= hi:
-        raise ValueError(f"need 1 <= lo <= hi, got [{lo}, {hi}]")
-    mu = math.log(mean) - sigma * sigma / 2.0  # E[exp(N(mu, s^2))] = exp(mu + s^2/2)
-    return [min(hi, max(lo, round(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
-
-
-def sharegpt_workload(
-    num_seqs: int,
-    input_mean: float = SHAREGPT_INPUT_MEAN,
-    output_mean: float = SHAREGPT_OUTPUT_MEAN,
-    min_input: int = SHAREGPT_MIN_LEN,
-    max_input: int = SHAREGPT_MAX_LEN,
-    min_output: int = SHAREGPT_MIN_LEN,
-    max_output: int = SHAREGPT_MAX_LEN,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    seed: int = 0,
-) -> Workload:
-    """ShareGPT-shaped synthetic workload (see the module docstring for the distribution and why).
-
-    As in `random_workload`, one private `random.Random(seed)` draws everything: prompt lengths, then output
-    lengths, then the prompts' token ids (uniform in [0, vocab_size)).
-    """
-    if num_seqs < 1:
-        raise ValueError(f"num_seqs must be >= 1, got {num_seqs}")
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    rng = random.Random(seed)
-    input_lens = lognormal_lengths(rng, num_seqs, input_mean, SHAREGPT_INPUT_SIGMA, min_input, max_input)
-    output_lens = lognormal_lengths(rng, num_seqs, output_mean, SHAREGPT_OUTPUT_SIGMA, min_output, max_output)
-    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in input_lens]
-    return Workload(prompts, output_lens)
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -496,13 +445,6 @@ def make_client(args: argparse.Namespace, n_requests: int) -> httpx.AsyncClient:
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def _json_object(s: str) -> dict[str, Any]:
     try:
         v = json.loads(s)
@@ -538,38 +480,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("--workload", choices=("random", "sharegpt"), default="random", help="(default random)")
     w.add_argument(
         "--num-prompts",
-        type=_positive_int,
+        type=cli.positive_int,
         default=DEFAULT_NUM_PROMPTS,
         help=f"(default {DEFAULT_NUM_PROMPTS})",
     )
-    w.add_argument(
-        "--input-len",
-        type=_positive_int,
-        help=f"random: centre of the prompt lengths (default {RANDOM_INPUT_LEN}); "
-        f"sharegpt: their mean (default {SHAREGPT_INPUT_MEAN})",
-    )
-    w.add_argument(
-        "--output-len",
-        type=_positive_int,
-        help=f"random: centre of the output lengths (default {RANDOM_OUTPUT_LEN}); "
-        f"sharegpt: their mean (default {SHAREGPT_OUTPUT_MEAN})",
-    )
+    centre = "random: centre of the {} lengths (default {}); sharegpt: their mean (default {})"
+    bound = "random: overrides that bound of the range; sharegpt: clip bound (default {})"
+    lengths = {
+        "--input-len": centre.format("prompt", RANDOM_INPUT_LEN, SHAREGPT_INPUT_MEAN),
+        "--output-len": centre.format("output", RANDOM_OUTPUT_LEN, SHAREGPT_OUTPUT_MEAN),
+        "--min-input": bound.format(SHAREGPT_MIN_LEN),
+        "--max-input": bound.format(SHAREGPT_MAX_LEN),
+        "--min-output": bound.format(SHAREGPT_MIN_LEN),
+        "--max-output": bound.format(SHAREGPT_MAX_LEN),
+    }
+    for flag, text in lengths.items():
+        w.add_argument(flag, type=cli.positive_int, help=text)
     w.add_argument(
         "--range-ratio",
         type=float,
         default=RANDOM_RANGE_RATIO,
         help=f"random: lengths uniform in [L*(1-r), L*(1+r)] (default {RANDOM_RANGE_RATIO}; 0 = fixed)",
     )
-    for name in ("min-input", "max-input", "min-output", "max-output"):
-        w.add_argument(
-            f"--{name}",
-            type=_positive_int,
-            help=f"random: overrides that bound of the range; sharegpt: clip bound "
-            f"(default {SHAREGPT_MIN_LEN if name.startswith('min') else SHAREGPT_MAX_LEN})",
-        )
     w.add_argument(
         "--vocab-size",
-        type=_positive_int,
+        type=cli.positive_int,
         default=DEFAULT_VOCAB_SIZE,
         help=f"prompt token ids are uniform below this (default {DEFAULT_VOCAB_SIZE})",
     )
@@ -581,7 +516,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=math.inf,
         help="Poisson arrival rate in requests/s; inf sends all at once (default inf)",
     )
-    t.add_argument("--max-concurrency", type=_positive_int, help="cap on requests in flight (default none)")
+    t.add_argument(
+        "--max-concurrency", type=cli.positive_int, help="cap on requests in flight (default none)"
+    )
     t.add_argument("--temperature", type=float, default=0.0, help="(default 0: greedy)")
     t.add_argument(
         "--extra-body",
@@ -591,6 +528,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="merged into every request body, e.g. '{\"top_p\": 0.9}'",
     )
     p.add_argument("--output-json", metavar="PATH", help="write the summary and per-request records here")
+    p.add_argument(
+        "--summary-json", metavar="PATH", help="write the summary without per-request records here"
+    )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if not args.request_rate > 0:
@@ -622,17 +562,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError as e:
         sys.exit(f"error: {e}")
     arrivals = arrival_times(len(work), args.request_rate, args.seed)
-    print(
+    cli.progress(
         f"{len(work)} requests ({args.workload}: {work.input_tokens} prompt, "
         f"{work.output_tokens} output tokens) to {args.base_url}{args.endpoint} at {args.request_rate} req/s"
-        + (f", at most {args.max_concurrency} in flight" if args.max_concurrency else ""),
-        file=sys.stderr,
-        flush=True,
+        + (f", at most {args.max_concurrency} in flight" if args.max_concurrency else "")
     )
     ran = asyncio.run(_main(args, work, arrivals))
     summary = summarize(ran["records"], ran["duration"])
     config = dict(
-        command=shlex.join(["python", "-m", "gapless.bench.serving", *argv]),
+        command=cli.command_line("gapless.bench.serving", argv),
         base_url=args.base_url,
         endpoint=args.endpoint,
         model=ran["model"],
@@ -650,7 +588,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(report)
     res = dict(config=config, summary=summary, requests=[asdict(r) for r in ran["records"]], report=report)
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(res, indent=1) + "\n")
+        cli.write_json(args.output_json, res)
+    if args.summary_json:
+        cli.write_json(args.summary_json, dict(config=config, summary=summary, report=report))
     return res
 
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from gapless.bench import gpu
+from gapless.bench import cli, gpu
 from gapless.bench.workload import Workload, random_workload
 from gapless.testing import cached_checkpoint
 
@@ -78,7 +82,7 @@ def test_decode_kv_reads_match_a_step_by_step_count():
     assert gpu.decode_kv_tokens_read(work) == 6 + 7 + 8
 
 
-def test_qwen3_06b_config_matches_the_published_model():
+def test_qwen3_06b_config_matches_the_published_model(tmp_path):
     """The size the GPU bench builds has Qwen3-0.6B's shape (checked on the config; never built here)."""
     from gapless.testing.checkpoints import model_config
 
@@ -94,10 +98,45 @@ def test_qwen3_06b_config_matches_the_published_model():
     assert c.tie_word_embeddings and c.rms_norm_eps == 1e-6
     theta = c.rope_parameters["rope_theta"] if hasattr(c, "rope_parameters") else c.rope_theta
     assert theta == 1e6
-    # 112 KiB of bf16 KV per token, as the issue's arithmetic says
-    assert 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 == 112 * 1024
+    # what the bench reports from that config: 112 KiB of bf16 KV per token, as the issue's arithmetic says
+    c.save_pretrained(tmp_path)  # config.json alone: no weights, so no parameters to count
+    info = cli.model_info(tmp_path, "bfloat16")
+    assert (info["head_dim"], info["vocab_size"], info["params"]) == (128, 151936, 0)
+    assert info["kv_bytes_per_token"] == 112 * 1024
+    assert cli.model_info(tmp_path, "float32")["kv_bytes_per_token"] == 224 * 1024
 
 
 def test_engine_option_overlap_is_refused():
     with pytest.raises(SystemExit):
         gpu._parse_args(["--quick", "--device", "cpu", "--engine-option", "overlap=False"])
+
+
+def test_model_info_counts_parameters_and_bytes():
+    path = cached_checkpoint("qwen3")
+    info = cli.model_info(path, "bfloat16")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    # every tensor in the safetensors files (tied embeddings are stored once)
+    assert info["params"] == sum(p.numel() for p in model.parameters())
+    assert info["weight_bytes"] == 2 * info["params"]
+
+
+def test_gpu_bench_script_writes_its_files(tmp_path):
+    """`bench/gpu_bench.sh`, the one command a GPU session runs, on the CPU: the same files in $OUT."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OUT=str(tmp_path), PY=sys.executable, GPU_BENCH_TIMEOUT="300")
+    argv = ["--quick", "--size", "tiny", "--device", "cpu", "--dtype", "float32", "--skip-plain", "--skip-hf"]
+    proc = subprocess.run(
+        ["bash", str(root / "bench" / "gpu_bench.sh"), *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gapless imports ok" in (tmp_path / "gpu_env.log").read_text()
+    res = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert res["errors"] == [] and "plain" not in res and "transformers" not in res
+    assert res["overlap"]["output_tokens"] == res["workload"]["output_tokens"]
+    assert res["report"] in (tmp_path / "gpu_bench.log").read_text()

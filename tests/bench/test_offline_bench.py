@@ -50,7 +50,7 @@ def test_hf_generate_runs_past_the_checkpoints_eos():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gapless.bench.offline import hf_generate
+    from gapless.bench.runs import hf_generate
 
     model = AutoModelForCausalLM.from_pretrained(
         str(cached_checkpoint("qwen3")), dtype=torch.float32, attn_implementation="sdpa"

@@ -31,16 +31,20 @@ from gapless.bench.serving import (
     StreamError,
     arrival_times,
     is_content_chunk,
-    lognormal_lengths,
     parse_chunk,
-    random_bounds,
     request_metrics,
-    sharegpt_workload,
     stats,
     summarize,
     usage_tokens,
 )
-from gapless.bench.workload import random_workload
+from gapless.bench.workload import (
+    SHAREGPT_INPUT_SIGMA,
+    SHAREGPT_OUTPUT_SIGMA,
+    lognormal_lengths,
+    random_bounds,
+    random_workload,
+    sharegpt_workload,
+)
 
 # ---------------------------------------------------------------------------------------------- workloads
 
@@ -81,13 +85,11 @@ def test_sharegpt_workload():
     assert all(0 <= t < 1000 for p in a.prompts for t in p)
     # its lengths are the lognormal ones below: prompt lengths first, then output lengths, same generator
     rng = random.Random(0)
-    assert ins.tolist() == lognormal_lengths(rng, 1000, 161, serving.SHAREGPT_INPUT_SIGMA, 4, 1024)
-    assert outs.tolist() == lognormal_lengths(rng, 1000, 338, serving.SHAREGPT_OUTPUT_SIGMA, 4, 1024)
+    assert ins.tolist() == lognormal_lengths(rng, 1000, 161, SHAREGPT_INPUT_SIGMA, 4, 1024)
+    assert outs.tolist() == lognormal_lengths(rng, 1000, 338, SHAREGPT_OUTPUT_SIGMA, 4, 1024)
 
 
-@pytest.mark.parametrize(
-    "mean,sigma", [(161, serving.SHAREGPT_INPUT_SIGMA), (338, serving.SHAREGPT_OUTPUT_SIGMA)]
-)
+@pytest.mark.parametrize("mean,sigma", [(161, SHAREGPT_INPUT_SIGMA), (338, SHAREGPT_OUTPUT_SIGMA)])
 def test_sharegpt_length_shape(mean, sigma):
     x = np.array(lognormal_lengths(random.Random(0), 50_000, mean, sigma, 4, 1024))
     assert x.min() >= 4 and x.max() <= 1024
@@ -449,6 +451,16 @@ def test_module_runs_as_a_script(fake, tmp_path):
     data = json.loads(out.read_text())
     assert set(data) == {"config", "summary", "requests", "report"}
     assert data["summary"]["completed"] == 3
+
+
+def test_summary_json_is_the_output_json_without_the_requests(fake, tmp_path):
+    url, _ = fake
+    argv = ["--num-prompts", "4", "--input-len", "4", "--output-len", "3", "--disable-tqdm"]
+    res = serving.main(["--base-url", url, "--summary-json", str(tmp_path / "summary.json"), *argv])
+    small = json.loads((tmp_path / "summary.json").read_text())
+    assert set(small) == {"config", "summary", "report"}
+    assert small == json.loads(json.dumps({k: res[k] for k in small}))
+    assert small["summary"]["completed"] == 4
 
 
 def test_unreachable_server_fails_requests_not_the_run(tmp_path):
