@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 serve: install
-	$(PY) -m gapless serve
+	$(PY) -m gapless serve $(ARGS)
 
 test: install
 	$(PY) -m pytest -q

@@ -65,3 +65,27 @@ def test_timeline_draws_spans_where_they_are(tmp_path):
     assert img.getpixel((right_quarter, dev_mid)) == (255, 255, 255)
     assert img.getpixel((right_quarter, host_mid)) == timeline.COLORS["process"]
     assert img.getpixel((left_quarter, host_mid)) == (255, 255, 255)
+
+
+def test_timeline_default_window_is_the_whole_run(tmp_path):
+    """Without --ms the picture spans every trace to its last span's end (the longest one), not a
+    fixed 100 ms that cuts a longer run off."""
+    paths = []
+    for name, end_us in (("short", 40_000), ("long", 350_000)):
+        trace = {
+            "traceEvents": [
+                {"name": "thread_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "device"}},
+                {"name": "decode", "ph": "X", "pid": 1, "tid": 2, "ts": 0, "dur": end_us},
+            ]
+        }
+        paths.append((name, tmp_path / f"{name}.json"))
+        paths[-1][1].write_text(json.dumps(trace))
+    out = tmp_path / "whole.png"
+    assert timeline.draw(paths, out) == 350.0
+    assert timeline.draw(paths, out, skip_ms=50) == 300.0
+    timeline.main([str(p) for _, p in paths] + ["-o", str(out)])
+    img = Image.open(out).convert("RGB")
+    # the second panel's (the long trace's) device row is filled to the right edge
+    panel = 20 + 2 * (timeline.ROW_H + timeline.GAP)
+    dev_mid = 10 + panel + 20 + timeline.ROW_H + timeline.GAP + timeline.ROW_H // 2
+    assert img.getpixel((timeline.LEFT + timeline.WIDTH - 3, dev_mid)) == timeline.COLORS["decode"]
