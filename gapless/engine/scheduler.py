@@ -38,7 +38,7 @@ from gapless.engine.request import Req, ReqStatus
 from gapless.engine.stream import Chaos, DeviceStream, Pending
 from gapless.memory.allocator import PageAllocator
 from gapless.memory.integrity import check_integrity
-from gapless.memory.prefix_cache import alloc_pages, cache_finished, cache_unfinished
+from gapless.memory.prefix_cache import HeldKV, alloc_pages, cache_finished, cache_unfinished
 from gapless.memory.radix_cache import NoPrefixCache, RadixCache
 from gapless.memory.req_table import ReqTable
 from gapless.sampling.sampler import HostSamples, SamplingBatch
@@ -469,7 +469,7 @@ class Scheduler:
         """Share the prompt prefix a processed chunk completed (only KV a finished forward wrote)."""
         slots = self.req_table.host_table[req.row, :kv_done].long()
         prefix, node, cached_len = cache_unfinished(
-            self.cache, self.allocator, req.fill_ids[:kv_done], slots, req.last_node, req.cached_len
+            self.cache, self.allocator, HeldKV(req.fill_ids[:kv_done], slots, req.last_node, req.cached_len)
         )
         if cached_len > req.cached_len:
             # the tree may hold other slots for this span (another request inserted it first): read those
@@ -513,7 +513,9 @@ class Scheduler:
         """Give back a request's KV (into the prefix cache where it can be reused) and its table row."""
         slots = self.req_table.host_table[req.row, : req.kv_len].long()
         cache_finished(
-            self.cache, self.allocator, req.fill_ids[: req.kv_len], slots, req.last_node, req.cached_len
+            self.cache,
+            self.allocator,
+            HeldKV(req.fill_ids[: req.kv_len], slots, req.last_node, req.cached_len),
         )
         self.req_table.free(req.row)
         req.row, req.last_node, req.kv_len, req.cached_len = None, None, 0, 0
