@@ -313,7 +313,7 @@ def run_gapless(
         llm.generate(warmup.prompts, warm, use_tqdm=False)
         warmup_s = time.perf_counter() - t0
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
-        before, meter_before = dataclasses.replace(llm.engine.stats), llm.engine.step_stats()
+        before = dataclasses.replace(llm.engine.stats)
         prof = cProfile.Profile() if profile else None
         gc.collect()
         _sync(llm.engine.info.device)
@@ -327,7 +327,6 @@ def run_gapless(
             _sync(llm.engine.info.device)
             wall = time.perf_counter() - t0
         stats = _stats_delta(llm.engine.stats, before)
-        meter = _stats_delta(llm.engine.step_stats(), meter_before)
         info = dataclasses.asdict(llm.engine.info)
         runner = llm.engine.runner  # None when the device side runs in its own process
         backend = type(getattr(runner, "backend", None)).__name__ if runner is not None else None
@@ -354,14 +353,14 @@ def run_gapless(
         warmup_requests=len(warmup),
         warmup_s=warmup_s,
         wrong_length_requests=wrong,
-        steps=stats.get("steps", 0),
+        steps=stats.get("device_jobs", 0),
         prefill_batches=stats.get("prefill_batches", 0),
         decode_batches=stats.get("decode_batches", 0),
         retractions=stats.get("retractions", 0),
-        device_busy_s=meter.get("device_busy_s"),
-        device_idle_s=meter.get("device_idle_s"),
-        device_jobs=meter.get("device_jobs"),
-        host_s=meter.get("host_s"),
+        device_busy_s=stats.get("device_busy_s"),
+        device_idle_s=stats.get("device_idle_s"),
+        device_jobs=stats.get("device_jobs"),
+        host_s=stats.get("host_s"),
         engine_options={k: v for k, v in opts.items() if k != "kv_cache_tokens"},
         stats=stats,
     )

@@ -42,7 +42,7 @@ def run_once(
         t = time.perf_counter()
         outs = llm.generate(work.prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t
-        st = llm.engine.step_stats()
+        st = llm.engine.stats
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == work.output_tokens, "every request must run to its length"
     return {

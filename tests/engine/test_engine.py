@@ -281,10 +281,10 @@ def test_max_running_requests_is_respected_and_reached(qwen3, overlap):
         for i in range(8):
             eng.add_request([5 + i, 6, 7], GREEDY)
         eng.step()
-        assert len(eng.scheduler.running) == 3, "one prefill batch admits up to the cap"
+        assert len(eng.scheduler.queues.running) == 3, "one prefill batch admits up to the cap"
         while eng.has_unfinished():
             eng.step()
-            assert len(eng.scheduler.running) + (eng.scheduler.chunked is not None) <= 3
+            assert len(eng.scheduler.queues.running) + (eng.scheduler.queues.chunked is not None) <= 3
         llm.check_integrity()
 
 
