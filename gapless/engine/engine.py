@@ -4,7 +4,7 @@
 queued, so bad input raises a clear error and leaves the engine as it was: `SamplingParams` checks its
 own values when it is made; `tokenize` checks a prompt (non-empty, ids in the vocabulary, room for one
 new token); `add_request` checks the params' type and the request id, and trusts its prompt ids, so its
-callers (`LLM`, the server's scheduler worker) pass every prompt through `tokenize` first.
+callers (`LLM`, `gapless chat`, the server's scheduler worker) pass every prompt through `tokenize` first.
 """
 
 from __future__ import annotations
