@@ -123,10 +123,14 @@ def _result(
 
 
 def _meter(llm: Any) -> dict[str, Any]:
-    """The engine's bubble meter since its last reset, with the ratios it derives."""
-    st = llm.engine.step_stats()
+    """The engine's bubble-meter figures since the meter's last reset, with the ratios they give."""
+    st = llm.engine.stats
     return dict(
-        dataclasses.asdict(st),
+        steps=st.steps,
+        device_jobs=st.device_jobs,
+        device_busy_s=st.device_busy_s,
+        device_idle_s=st.device_idle_s,
+        host_s=st.host_s,
         device_idle_fraction=st.device_idle_fraction,
         host_ms_per_step=st.mean_host_ms_per_step,
         device_ms_per_job=st.mean_device_ms_per_job,
@@ -172,8 +176,8 @@ def run_gapless(
         llm.generate(warmup.prompts, warm, use_tqdm=False)
         warmup_s = time.perf_counter() - t0
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+        llm.engine.scheduler.meter.reset()  # before the snapshot: it zeroes the meter's figures in place
         before = dataclasses.replace(llm.engine.stats)
-        llm.engine.scheduler.meter.reset()
         prof = cProfile.Profile() if profile else None
         gc.collect()
         _sync(llm.engine.info.device)

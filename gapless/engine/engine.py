@@ -1,7 +1,10 @@
 """The engine in process: tokenizer + model runner + scheduler, driven one step at a time.
 
-`LLM` (offline) and the server's scheduler process both drive this. It validates every request before
-the scheduler sees it, so bad input raises a clear error and leaves the engine as it was.
+`LLM` (offline) and the server's scheduler process both drive this. Input is checked before anything is
+queued, so bad input raises a clear error and leaves the engine as it was: `SamplingParams` checks its
+own values when it is made; `tokenize` checks a prompt (non-empty, ids in the vocabulary, room for one
+new token); `add_request` checks the params' type and the request id, and trusts its prompt ids, so its
+callers (`LLM`, `gapless chat`, the server's scheduler worker) pass every prompt through `tokenize` first.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from collections.abc import Sequence
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gapless.config import EngineConfig
-from gapless.engine.meter import StepStats
 from gapless.engine.request import Req
-from gapless.engine.scheduler import EngineStats, Scheduler
+from gapless.engine.scheduler import Scheduler
+from gapless.engine.stats import EngineStats
 from gapless.engine.stream import make_stream
 from gapless.sampling_params import SamplingParams
 
@@ -45,6 +48,7 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
+        """The live counters and bubble-meter figures (`get_stats` adds the queue and KV gauges)."""
         return self.scheduler.stats
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -113,12 +117,12 @@ class Engine:
             raise RuntimeError(
                 "a step of this engine was interrupted part-way; its state is lost, start a new one"
             )
-        sched = self.scheduler
-        before = (sched.stats.prefill_batches + sched.stats.decode_batches, sched.stats.steps)
+        sched, st = self.scheduler, self.scheduler.stats
+        before = (st.prefill_batches + st.decode_batches, st.device_jobs)  # launched, processed
         self._broken = True  # until the step returns: an exception (Ctrl-C) mid-step leaves state half-moved
         updated = sched.step()
         self._broken = False
-        after = (sched.stats.prefill_batches + sched.stats.decode_batches, sched.stats.steps)
+        after = (st.prefill_batches + st.decode_batches, st.device_jobs)
         if not updated and before == after and sched.has_work():  # nothing launched, nothing processed
             raise RuntimeError("scheduler stalled: requests are queued but none can be scheduled")
         for req in updated:
@@ -133,38 +137,15 @@ class Engine:
             text = text[: text.find(req.stop_str_hit)] if req.stop_str_hit in text else text
         return text
 
-    def step_stats(self) -> StepStats:
-        """Bubble meter: steps, device busy/idle time, host time per step (since the last reset)."""
-        return self.scheduler.meter.stats()
-
     def get_stats(self) -> dict[str, float | int]:
-        """Engine counters and the bubble meter in one flat dict: steps, tokens, device idle fraction,
-        mean host time per step, ..."""
-        st, m, sched = self.scheduler.stats, self.step_stats(), self.scheduler
-        kv_total = sched.allocator.num_usable_pages * sched.page_size
-        kv_free, kv_cached = sched.allocator.num_free_tokens, sched.cache.evictable_size
-        looked_up = st.prompt_tokens + st.cached_prompt_tokens
+        """Every `EngineStats` figure under its own name (tokens, batches, steps, device busy and idle
+        time, ...), with the queue and KV pool as they are now."""
+        sched = self.scheduler
         return {
-            "running_requests": len(sched.running) + (sched.chunked is not None),
-            "waiting_requests": len(sched.waiting),
-            "kv_total_tokens": kv_total,
-            "kv_free_tokens": kv_free,
-            "kv_cached_tokens": kv_cached,  # in the prefix cache, unused by any request: evictable
-            "kv_used_tokens": kv_total - kv_free - kv_cached,
-            "prefix_hit_rate": st.cached_prompt_tokens / looked_up if looked_up else 0.0,
-            "steps": m.steps,
-            "prefill_batches": st.prefill_batches,
-            "decode_batches": st.decode_batches,
-            "prompt_tokens": st.prompt_tokens,
-            "cached_prompt_tokens": st.cached_prompt_tokens,
-            "generated_tokens": st.generated_tokens,
-            "retractions": st.retractions,
-            "dropped_tokens": st.dropped_tokens,
-            "device_busy_s": m.device_busy_s,
-            "device_idle_s": m.device_idle_s,
-            "device_idle_fraction": m.device_idle_fraction,
-            "mean_host_ms_per_step": m.mean_host_ms_per_step,
-            "mean_device_ms_per_job": m.mean_device_ms_per_job,
+            "running_requests": sched.queues.num_active(),
+            "waiting_requests": len(sched.queues.waiting),
+            **sched.kv.usage(),
+            **sched.stats.as_dict(),
         }
 
     def check_integrity(self) -> None:

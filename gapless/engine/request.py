@@ -1,11 +1,11 @@
-"""A request's host-side state, owned by the scheduler."""
+"""A request's host-side state: the engine creates it, the scheduler moves it, callers read its outputs."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
+from gapless.memory.radix_cache import TreeNode
 from gapless.sampling_params import SamplingParams
 
 
@@ -34,7 +34,7 @@ class Req:
     row: int | None = None
     kv_len: int = 0
     cached_len: int = 0
-    last_node: Any = None
+    last_node: TreeNode | None = None
     sampled: int = 0  # output tokens sampled, counting those still in flight (host knows len(output_ids))
     inflight: int = 0  # launched batches holding this request that are not processed yet
     cached_tokens: int | None = None  # prefix-cache hit at first admission (reported to the user)

@@ -1,14 +1,16 @@
 """Where a request's KV pages change hands: the one place finished requests are freed.
 
-A live request holds KV slots for positions ``[0, len)`` of its tokens. Positions ``[0, cached_len)``
-are the tree's slots (from ``match_prefix``; the request holds a lock on that node); positions
-``[cached_len, len)`` are the request's own, in whole pages starting at a page boundary (the last page
-may be partly filled). Both helpers work unchanged for :class:`RadixCache` and :class:`NoPrefixCache`.
+A live request holds KV slots for positions ``[0, len)`` of its tokens (a :class:`HeldKV`). Positions
+``[0, cached_len)`` are the tree's slots (from ``match_prefix``; the request holds a lock on that node);
+positions ``[cached_len, len)`` are the request's own, in whole pages starting at a page boundary (the
+last page may be partly filled). Both helpers work unchanged for :class:`RadixCache` and
+:class:`NoPrefixCache`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -16,58 +18,55 @@ from gapless.memory.allocator import PageAllocator
 from gapless.memory.radix_cache import PrefixCache, TreeNode
 
 
-def _insert_aligned(
-    cache: PrefixCache, tokens: Sequence[int], slots: torch.Tensor, cached_len: int
-) -> tuple[torch.Tensor, int, int]:
+@dataclass(frozen=True)
+class HeldKV:
+    """The KV one live request holds, as the module docstring describes: ``slots[i]`` holds the KV of
+    ``tokens[i]``; ``[0, cached_len)`` are the tree's slots, pinned through a lock on ``node``."""
+
+    tokens: Sequence[int]
+    slots: torch.Tensor
+    node: TreeNode
+    cached_len: int
+
+
+def _insert_aligned(cache: PrefixCache, held: HeldKV) -> tuple[torch.Tensor, int, int]:
     """Insert the page-aligned part of a request's KV; returns (host slots, aligned length A, P) where
     P is how much of it the cache already held."""
-    slots = slots.reshape(-1).to(device="cpu", dtype=torch.int64)
-    n = len(tokens)
+    slots = held.slots.reshape(-1).to(device="cpu", dtype=torch.int64)
+    n = len(held.tokens)
     if slots.numel() != n:
         raise ValueError(f"{n} tokens but {slots.numel()} slots")
     aligned = n // cache.page_size * cache.page_size
-    present = cache.insert(tokens[:aligned], slots[:aligned])
-    if present < cached_len:
-        raise RuntimeError(f"cache lost part of a locked prefix ({present} < cached_len {cached_len})")
+    present = cache.insert(held.tokens[:aligned], slots[:aligned])
+    if present < held.cached_len:
+        raise RuntimeError(f"cache lost part of a locked prefix ({present} < cached_len {held.cached_len})")
     return slots, aligned, present
 
 
-def cache_finished(
-    cache: PrefixCache,
-    allocator: PageAllocator,
-    tokens: Sequence[int],
-    slots: torch.Tensor,
-    node: TreeNode,
-    cached_len: int,
-) -> None:
+def cache_finished(cache: PrefixCache, allocator: PageAllocator, held: HeldKV) -> None:
     """Release a finished (or retracted) request: cache what can be cached, free the rest, unlock.
 
-    ``tokens``/``slots`` cover every position whose KV was computed. The page-aligned part
+    ``held.tokens``/``held.slots`` cover every position whose KV was computed. The page-aligned part
     ``[0, A)`` is inserted; the tree adopts ``[P, A)`` where ``P`` is what it already had. The
     request's own pages that the tree did not adopt are freed: duplicates ``[cached_len, P)`` and the
     unaligned tail ``[A, len)`` (with ``page_size > 1`` one partial page, wholly the request's).
     With :class:`NoPrefixCache` ``P == A`` and ``cached_len == 0``, so everything is freed. Each page
     the request owned is freed exactly once; afterwards the request owns nothing.
     """
-    slots, aligned, present = _insert_aligned(cache, tokens, slots, cached_len)
+    slots, aligned, present = _insert_aligned(cache, held)
     allocator.free(
-        torch.cat([allocator.pages_of(slots[cached_len:present]), allocator.pages_of(slots[aligned:])])
+        torch.cat([allocator.pages_of(slots[held.cached_len : present]), allocator.pages_of(slots[aligned:])])
     )
-    cache.unlock(node)
+    cache.unlock(held.node)
 
 
 def cache_unfinished(
-    cache: PrefixCache,
-    allocator: PageAllocator,
-    tokens: Sequence[int],
-    slots: torch.Tensor,
-    node: TreeNode,
-    cached_len: int,
+    cache: PrefixCache, allocator: PageAllocator, held: HeldKV
 ) -> tuple[torch.Tensor, TreeNode, int]:
     """Share a running request's computed prefix (after a prefill chunk) and re-pin it.
 
     Inserts the page-aligned part ``[0, A)``, re-matches it and moves the request's lock from
-    ``node`` to the new match. Returns ``(prefix_slots, new_node, new_cached_len)``: the engine
+    ``held.node`` to the new match. Returns ``(prefix_slots, new_node, new_cached_len)``: the engine
     rewrites its request-table row ``[0, new_cached_len)`` with ``prefix_slots`` (the tree's slots).
     The request's own pages in ``[cached_len, new_cached_len)`` that the tree did not adopt (the
     duplicates of a prefix someone else cached first) are freed, since the row no longer points at
@@ -75,8 +74,9 @@ def cache_unfinished(
     into that page. With :class:`NoPrefixCache` nothing changes hands and ``([], root, 0)`` is
     returned.
     """
-    slots, aligned, present = _insert_aligned(cache, tokens, slots, cached_len)
-    match = cache.match_prefix(tokens[:aligned])
+    slots, aligned, _ = _insert_aligned(cache, held)
+    cached_len = held.cached_len
+    match = cache.match_prefix(held.tokens[:aligned])
     new_len = match.length
     if new_len < cached_len:
         raise RuntimeError(f"re-match shrank the cached prefix ({new_len} < {cached_len})")
@@ -85,7 +85,7 @@ def cache_unfinished(
     tree = allocator.pages_of(match.slots[cached_len:new_len])
     allocator.free(own[own != tree])
     cache.lock(match.node)  # lock the new path before unlocking the old, shared part never dips to 0
-    cache.unlock(node)
+    cache.unlock(held.node)
     return match.slots, match.node, new_len
 
 

@@ -6,14 +6,15 @@ the tree (it holds KV for a cached prefix and is freed only by ``evict``), or ow
 tree's pages for it and holds a lock on the matched node so they cannot be evicted under it.
 
 Both caches implement :class:`PrefixCache`; the engine never branches on which one it has, because it
-only calls ``match_prefix``/``lock`` at admission and the helpers in ``prefix_cache`` afterwards.
+only calls ``prefix_len`` to order waiting requests, ``match_prefix``/``lock`` at admission and the
+helpers in ``prefix_cache`` afterwards.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -60,6 +61,7 @@ class PrefixCache(Protocol):
 
     page_size: int
 
+    def prefix_len(self, tokens: Sequence[int]) -> int: ...
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult: ...
     def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int: ...
     def lock(self, node: TreeNode) -> None: ...
@@ -82,6 +84,11 @@ def _as_tuple(tokens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     if isinstance(tokens, torch.Tensor):
         return tuple(tokens.reshape(-1).tolist())
     return tuple(tokens)
+
+
+def _whole_pages(tokens: Sequence[int] | torch.Tensor, page_size: int) -> tuple[int, ...]:
+    toks = _as_tuple(tokens)
+    return toks[: len(toks) // page_size * page_size]
 
 
 def _host_slots(slots: torch.Tensor) -> torch.Tensor:
@@ -154,15 +161,21 @@ class RadixCache:
 
     # ---- lookup and insertion ----
 
+    def prefix_len(self, tokens: Sequence[int]) -> int:
+        """``match_prefix(tokens).length`` without its side effects: no split, no LRU touch.
+
+        For ordering waiting requests by their cached prefix (LPM), which looks at many prompts per
+        step and admits few: only an admitted request's match may reshape the tree or count as a use.
+        """
+        return sum(m for _, m in self._walk(_whole_pages(tokens, self.page_size)))
+
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
         """Longest cached prefix of ``tokens``, rounded down to whole pages. Does not lock.
 
         If the match ends inside a node, that node is split so the returned node ends exactly at
         ``length`` (locking it then pins exactly the matched prefix). Touches the path for LRU.
         """
-        toks = _as_tuple(tokens)
-        toks = toks[: len(toks) // self.page_size * self.page_size]
-        node, length, values = self._descend(toks, self._tick())
+        node, length, values = self._descend(_whole_pages(tokens, self.page_size), self._tick())
         slots = torch.cat(values) if values else _EMPTY.clone()
         return MatchResult(slots=slots, node=node, length=length)
 
@@ -263,7 +276,6 @@ class RadixCache:
         counts its children's locks plus those taken on it directly); both size counters; the
         candidate set is exactly the unlocked leaves, each with a live heap entry.
         """
-        ps = self.page_size
         if self.root.parent is not None or self.root.key or self.root.lock_ref:
             _fail("root must have no parent, an empty key and lock_ref 0")
         evictable = protected = 0
@@ -272,34 +284,42 @@ class RadixCache:
         stack = [self.root]
         while stack:
             node = stack.pop()
-            child_locks = 0
             for ck, child in node.children.items():
-                k = len(child.key)
-                if child.parent is not node:
-                    _fail(f"{child} has a wrong parent link")
-                if k == 0 or k % ps:
-                    _fail(f"{child} key length {k} is not a positive multiple of page_size {ps}")
-                if ck != self._child_key(child.key, 0):
-                    _fail(f"{child} is filed under a key that is not its first page")
-                v = child.value
-                if v.dtype != torch.int64 or v.device.type != "cpu" or tuple(v.shape) != (k,):
-                    _fail(f"{child} value must be int64 CPU of shape ({k},), got {v.dtype} {tuple(v.shape)}")
-                pv = v.view(-1, ps)
-                if bool((pv[:, 0] % ps != 0).any()) or bool((pv - pv[:, :1] != self._page_offsets).any()):
-                    _fail(f"{child} value is not a run of whole pages: {v[:16].tolist()}")
-                if child.lock_ref < 0:
-                    _fail(f"{child} has negative lock_ref")
-                child_locks += child.lock_ref
+                self._check_edge(node, ck, child)
                 if child.lock_ref > 0:
-                    protected += k
+                    protected += len(child.key)
                 else:
-                    evictable += k
+                    evictable += len(child.key)
                     if not child.children:
                         leaves.add(child)
-                values.append(v)
+                values.append(child.value)
                 stack.append(child)
+            child_locks = sum(c.lock_ref for c in node.children.values())
             if node is not self.root and node.lock_ref < child_locks:
                 _fail(f"{node} lock_ref {node.lock_ref} < its children's total {child_locks}")
+        self._check_counters(evictable, protected, leaves)
+        self._check_pages(values)
+
+    def _check_edge(self, parent: TreeNode, child_key: object, child: TreeNode) -> None:
+        """One edge: its links, its key and how it is filed, its slots, its lock count."""
+        ps, k = self.page_size, len(child.key)
+        if child.parent is not parent:
+            _fail(f"{child} has a wrong parent link")
+        if k == 0 or k % ps:
+            _fail(f"{child} key length {k} is not a positive multiple of page_size {ps}")
+        if child_key != self._child_key(child.key, 0):
+            _fail(f"{child} is filed under a key that is not its first page")
+        v = child.value
+        if v.dtype != torch.int64 or v.device.type != "cpu" or tuple(v.shape) != (k,):
+            _fail(f"{child} value must be int64 CPU of shape ({k},), got {v.dtype} {tuple(v.shape)}")
+        pv = v.view(-1, ps)
+        if bool((pv[:, 0] % ps != 0).any()) or bool((pv - pv[:, :1] != self._page_offsets).any()):
+            _fail(f"{child} value is not a run of whole pages: {v[:16].tolist()}")
+        if child.lock_ref < 0:
+            _fail(f"{child} has negative lock_ref")
+
+    def _check_counters(self, evictable: int, protected: int, leaves: set[TreeNode]) -> None:
+        """The incremental sizes and eviction candidates agree with what the walk found."""
         if (evictable, protected) != (self._evictable_size, self._protected_size):
             _fail(
                 f"size counters (evictable={self._evictable_size}, protected={self._protected_size}) "
@@ -311,15 +331,19 @@ class RadixCache:
         for leaf in leaves:
             if (leaf.last_access, leaf.id) not in live:
                 _fail(f"{leaf} has no live heap entry")
-        if values:
-            pages = self.allocator.pages_of(torch.cat(values))
-            if torch.unique(pages).numel() != pages.numel():
-                _fail("a page appears twice in the tree")
-            if bool((pages < 1).any()) or bool((pages >= self.allocator.num_pages).any()):
-                _fail("the tree holds page 0 or an out-of-range page")
-            free = self.allocator.is_free_mask[pages]
-            if bool(free.any()):
-                _fail(f"tree pages are free in the allocator: {pages[free][:8].tolist()}")
+
+    def _check_pages(self, values: list[torch.Tensor]) -> None:
+        """Each tree page once, never page 0 or out of range, and not free in the allocator."""
+        if not values:
+            return
+        pages = self.allocator.pages_of(torch.cat(values))
+        if torch.unique(pages).numel() != pages.numel():
+            _fail("a page appears twice in the tree")
+        if bool((pages < 1).any()) or bool((pages >= self.allocator.num_pages).any()):
+            _fail("the tree holds page 0 or an out-of-range page")
+        free = self.allocator.is_free_mask[pages]
+        if bool(free.any()):
+            _fail(f"tree pages are free in the allocator: {pages[free][:8].tolist()}")
 
     # ---- internals ----
 
@@ -344,25 +368,35 @@ class RadixCache:
             i += ps
         return i
 
-    def _descend(self, toks: tuple[int, ...], tick: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
-        """Follow ``toks`` (page-aligned) down the tree, splitting where the match ends mid-edge.
-
-        Returns the deepest matched node, the matched length and the matched nodes' values.
-        """
-        node = self.root
-        pos = 0
-        values: list[torch.Tensor] = []
+    def _walk(self, toks: tuple[int, ...]) -> Iterator[tuple[TreeNode, int]]:
+        """The edges ``toks`` (page-aligned) follows down from the root, each with how many of its
+        tokens match; only the last may match partly. Reads only: the caller may split that last edge."""
+        node, pos = self.root, 0
         while pos < len(toks):
             child = node.children.get(self._child_key(toks, pos))
             if child is None:
-                break
+                return
             m = self._match_len(child.key, toks, pos)
+            partly = m < len(child.key)
+            yield child, m
+            if partly:
+                return
+            node, pos = child, pos + m
+
+    def _descend(self, toks: tuple[int, ...], tick: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow ``toks`` (page-aligned) down the tree, splitting where the match ends mid-edge, and
+        touch the path for LRU.
+
+        Returns the deepest matched node, the matched length and the matched nodes' values.
+        """
+        node, pos = self.root, 0
+        values: list[torch.Tensor] = []
+        for child, m in self._walk(toks):
             if m < len(child.key):
                 child = self._split(child, m)
             self._touch(child, tick)
             values.append(child.value)
-            pos += m
-            node = child
+            node, pos = child, pos + m
         return node, pos, values
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
@@ -417,11 +451,11 @@ class NoPrefixCache:
     """The prefix cache when prefix caching is off: it never holds anything.
 
     Contract, chosen so the ``prefix_cache`` helpers and the engine run the same code for both
-    caches: ``match_prefix`` always matches 0 tokens at the root; ``insert`` adopts nothing and
-    returns ``len(tokens)``, i.e. by the ``insert`` contract the caller keeps ownership of every slot
-    it passed; ``lock``/``unlock`` only count (so leaks and double unlocks are still caught);
-    ``evict`` frees nothing. With it, ``cache_finished`` frees everything the request holds and
-    ``cache_unfinished`` leaves the request owning all of its slots.
+    caches: ``prefix_len`` is always 0 and ``match_prefix`` always matches 0 tokens at the root;
+    ``insert`` adopts nothing and returns ``len(tokens)``, i.e. by the ``insert`` contract the caller
+    keeps ownership of every slot it passed; ``lock``/``unlock`` only count (so leaks and double
+    unlocks are still caught); ``evict`` frees nothing. With it, ``cache_finished`` frees everything
+    the request holds and ``cache_unfinished`` leaves the request owning all of its slots.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int) -> None:
@@ -450,6 +484,9 @@ class NoPrefixCache:
     @property
     def active_locks(self) -> int:
         return self._active_locks
+
+    def prefix_len(self, tokens: Sequence[int]) -> int:
+        return 0
 
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
         return MatchResult(slots=_EMPTY.clone(), node=self.root, length=0)

@@ -71,8 +71,9 @@ class ReqTable:
     def apply_writes(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Device table: ``device_table[rows[i], positions[i]] = slots[i]`` for all i, as one scatter.
 
-        The engine builds the three index tensors for a whole batch and enqueues this on its stream.
-        Tensors already on the device are used as they are (no copy, no host sync).
+        The scheduler builds the three index tensors for a whole batch; the device side applies them in
+        stream order, before the batch that needs them. Tensors already on the device are used as they
+        are (no copy, no host sync).
         """
         rows = rows.to(self.device, torch.int64, non_blocking=True)
         positions = positions.to(self.device, torch.int64, non_blocking=True)

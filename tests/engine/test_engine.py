@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -33,6 +34,19 @@ def test_repeated_prompt_hits_cache_with_same_output(llm):
     assert again.cached_tokens > 0
     assert again.token_ids == first.token_ids
     llm.check_integrity()
+
+
+def test_stats_name_each_figure_once(llm):
+    prompts = make_prompts(llm.engine.vocab_size, n=3, seed=4, shared_prefix=20, max_len=40)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # served from the prefix cache
+    st, flat = llm.engine.stats, llm.get_stats()
+    assert {k: flat[k] for k in dataclasses.asdict(st)} == dataclasses.asdict(st)
+    assert flat["device_jobs"] == st.prefill_batches + st.decode_batches > 0  # every launched batch ran
+    assert flat["steps"] >= flat["device_jobs"]  # a step launches at most one batch
+    assert flat["generated_tokens"] == 4 * GREEDY.max_tokens and flat["prefix_hit_rate"] > 0
+    assert flat["kv_used_tokens"] == 0 and flat["running_requests"] == flat["waiting_requests"] == 0
+    assert flat["kv_free_tokens"] + flat["kv_cached_tokens"] == flat["kv_total_tokens"]
 
 
 def test_text_prompts_and_per_prompt_params(llm):
@@ -281,10 +295,10 @@ def test_max_running_requests_is_respected_and_reached(qwen3, overlap):
         for i in range(8):
             eng.add_request([5 + i, 6, 7], GREEDY)
         eng.step()
-        assert len(eng.scheduler.running) == 3, "one prefill batch admits up to the cap"
+        assert len(eng.scheduler.queues.running) == 3, "one prefill batch admits up to the cap"
         while eng.has_unfinished():
             eng.step()
-            assert len(eng.scheduler.running) + (eng.scheduler.chunked is not None) <= 3
+            assert len(eng.scheduler.queues.running) + (eng.scheduler.queues.chunked is not None) <= 3
         llm.check_integrity()
 
 

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from gapless.memory.allocator import PageAllocator
 from gapless.memory.integrity import check_integrity
-from gapless.memory.prefix_cache import alloc_pages, cache_finished, cache_unfinished
+from gapless.memory.prefix_cache import HeldKV, alloc_pages, cache_finished, cache_unfinished
 from gapless.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache, TreeNode
 from gapless.memory.req_table import ReqTable
 
@@ -30,6 +30,35 @@ class SimReq:
     node: TreeNode
     cached_len: int
     row: int
+
+    def held(self) -> HeldKV:
+        return HeldKV(self.tokens, self.slots, self.node, self.cached_len)
+
+
+def cache_state(c: PrefixCache) -> object:
+    """Everything a read-only lookup must leave as it was: every node's key, slots, links, locks and LRU
+    stamp, the LRU clock and heap, the eviction candidates and the size counters."""
+    if not isinstance(c, RadixCache):
+        return c.active_locks
+    nodes = [c.root, *c._nodes()]
+    return (
+        [
+            (
+                n.id,
+                n.key,
+                n.value.tolist(),
+                n.parent.id if n.parent is not None else None,
+                n.lock_ref,
+                n.last_access,
+                sorted(child.id for child in n.children.values()),
+            )
+            for n in nodes
+        ],
+        c._clock,
+        [(t, i, n.id) for t, i, n in c._heap],
+        {n.id for n in c._leaves},
+        (c.evictable_size, c.protected_size, c.active_locks),
+    )
 
 
 class PrefixModel:
@@ -174,9 +203,7 @@ class MemoryMachine(RuleBasedStateMachine):
         aligned = len(req.tokens) // self.ps * self.ps
         expected_present = self.model.insert(req.tokens[:aligned], req.slots[:aligned]) if self.radix else 0
         free_before = self.a.num_free_pages
-        prefix, node, cached = cache_unfinished(
-            self.c, self.a, req.tokens, req.slots, req.node, req.cached_len
-        )
+        prefix, node, cached = cache_unfinished(self.c, self.a, req.held())
         if self.a.num_free_pages > free_before:
             event("commit freed a duplicate prefix")
         assert cached == (aligned if self.radix else 0)
@@ -199,7 +226,7 @@ class MemoryMachine(RuleBasedStateMachine):
             self.model.insert(req.tokens[:aligned], req.slots[:aligned])
         own = set(self.a.pages_of(req.slots[req.cached_len :]).tolist())
         free_before = self.a.num_free_pages
-        cache_finished(self.c, self.a, req.tokens, req.slots, req.node, req.cached_len)
+        cache_finished(self.c, self.a, req.held())
         aligned_own = len(own) - (1 if len(req.tokens) % self.ps else 0)
         if self.a.num_free_pages - free_before > len(own) - aligned_own:
             event("finish freed a duplicate prefix")
@@ -225,6 +252,21 @@ class MemoryMachine(RuleBasedStateMachine):
     def match_only(self, base: int, cut: int, extra: list[int]) -> None:
         tokens = (self.history[base % len(self.history)][:cut] if self.history else []) + extra
         self.check_match(tokens)
+
+    @rule(
+        base=st.integers(0, 1000),
+        cut=st.integers(0, 40),
+        extra=st.lists(st.integers(0, 2), max_size=8),
+    )
+    def lookup_only(self, base: int, cut: int, extra: list[int]) -> None:
+        """The scheduler's LPM ordering: the length a match would give, and nothing in the cache moves."""
+        tokens = (self.history[base % len(self.history)][:cut] if self.history else []) + extra
+        before = cache_state(self.c)
+        n = self.c.prefix_len(tokens)
+        assert cache_state(self.c) == before
+        self.c.check_invariants()
+        assert n == (self.model.present(tokens) if self.radix else 0)
+        assert n == self.c.match_prefix(tokens).length
 
     @rule()
     def drain(self) -> None:
@@ -290,7 +332,8 @@ TestMemoryMachine.settings = settings(
     ops=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 2), max_size=20)), min_size=1, max_size=30),
 )
 def test_match_prefix_agrees_with_a_dict_model(page_size: int, ops: list[tuple[bool, list[int]]]) -> None:
-    """Inserts (no eviction) and matches in random order: every match equals the model's answer."""
+    """Inserts (no eviction) and matches in random order: every match equals the model's answer, and the
+    read-only lookup before it gives the same length and changes nothing."""
     a = PageAllocator(num_pages=400, page_size=page_size)
     c = RadixCache(a, page_size)
     model = PrefixModel(page_size)
@@ -304,7 +347,11 @@ def test_match_prefix_agrees_with_a_dict_model(page_size: int, ops: list[tuple[b
             assert present == model.insert(tokens, slots)
             a.free(a.pages_of(slots[:present]))
         else:
+            before = cache_state(c)
+            length = c.prefix_len(tokens)
+            assert cache_state(c) == before
             m = c.match_prefix(tokens)
+            assert length == m.length
             expected = model.match_slots(tokens, a)
             assert m.length == expected.numel() and torch.equal(m.slots, expected)
             full = tokens[: len(tokens) // page_size * page_size]

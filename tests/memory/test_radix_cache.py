@@ -176,6 +176,22 @@ def test_eviction_is_lru_over_leaves(ps: int) -> None:
     c.check_invariants()
 
 
+@pytest.mark.parametrize("ps", [1, 4])
+def test_prefix_len_is_a_match_without_split_or_lru_touch(ps: int) -> None:
+    a, c = make(ps)
+    seqs = {name: [tok] * (3 * ps) for name, tok in (("A", 1), ("B", 2))}
+    for s in seqs.values():
+        put(a, c, s)
+    nodes = len(c._nodes())
+    probe = seqs["A"][: 2 * ps] + [7] * ps  # ends inside A's edge: a match would split it
+    assert c.prefix_len(probe) == 2 * ps and c.prefix_len(seqs["A"] + [5]) == 3 * ps
+    assert c.prefix_len([9] * ps) == 0 and c.prefix_len(seqs["B"][: 2 * ps - 1]) == ps  # whole pages only
+    assert len(c._nodes()) == nodes  # no split
+    c.check_invariants()
+    assert c.evict(1) == 3 * ps and c.match_prefix(seqs["A"]).length == 0  # A is still the LRU one
+    assert c.prefix_len(probe) == 0 == c.match_prefix(probe).length
+
+
 def test_evict_frees_at_least_the_request_in_lru_order_and_stops() -> None:
     a, c = make(1)
     for t in range(5):
@@ -280,7 +296,7 @@ def test_no_prefix_cache_contract() -> None:
     a = PageAllocator(8, 2)
     c = NoPrefixCache(a, 2)
     m = c.match_prefix([1, 2, 3, 4])
-    assert m.length == 0 and m.node is c.root and m.slots.numel() == 0
+    assert m.length == 0 and m.node is c.root and m.slots.numel() == 0 and c.prefix_len([1, 2, 3, 4]) == 0
     assert c.insert([1, 2, 3, 4], torch.arange(4, 8)) == 4  # adopts nothing: caller keeps all
     assert c.total_size == c.evictable_size == c.protected_size == 0 and c.evict(100) == 0
     assert c.all_slots().numel() == 0

@@ -1,0 +1,147 @@
+"""The scheduler: owns every request's host state and decides what the device runs next.
+
+One step (`step`), the same code for both loops:
+  1. `schedule()` – prefill/extend first (admission under a token and a KV budget), else decode;
+                    retract decode requests when KV runs out;
+  2. `launch()`   – hand the built `ForwardBatch` to the device stream, without waiting;
+  3. process      – wait for a launched batch's tokens, append them, check stops, free or cache KV.
+The plain loop processes the batch it just launched. The overlap loop processes the previous one, so
+the host's work for batch N-1 and N+1 hides under the device's work on batch N.
+
+What makes overlap correct:
+- Host state moves at schedule time (kv_len, running/prefill status, `sampled`), so batch N+1 can be
+  built while N's tokens are unknown; a decode's input is the device's future-token slot of its row.
+- A request counts the launched, unprocessed batches that hold it (`inflight`). It can finish (stop,
+  abort, length) while a batch still holds it: its KV and row are then released exactly once, when
+  that last batch is processed, and the token that batch sampled for it is dropped.
+- Retraction needs exact host state, so it first drains the in-flight batch (rare: a bubble).
+
+Split by job: `prefill` (admission, budgets, chunking), `decode` (decode batches, retraction), `kv`
+(the one place KV is taken and given back), `build` (the `ForwardBatch` from host state), `results`
+(tokens, stops, the end of a request); `queues` and `budget` hold the state they share.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from gapless.config import EngineConfig
+from gapless.engine.meter import BubbleMeter
+from gapless.engine.request import Req
+from gapless.engine.scheduler.budget import DecodeReserve
+from gapless.engine.scheduler.build import ScheduledBatch, build_batch
+from gapless.engine.scheduler.decode import Decode
+from gapless.engine.scheduler.kv import KVManager
+from gapless.engine.scheduler.prefill import Prefill
+from gapless.engine.scheduler.queues import Queues
+from gapless.engine.scheduler.results import Results
+from gapless.engine.stats import EngineStats
+from gapless.engine.stream import DeviceStream, Pending
+from gapless.memory.allocator import PageAllocator
+from gapless.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from gapless.memory.req_table import ReqTable
+
+__all__ = ["EngineStats", "ScheduledBatch", "Scheduler"]
+
+
+class Scheduler:
+    def __init__(
+        self, cfg: EngineConfig, stream: DeviceStream, decode_tail: Callable[[list[int]], str]
+    ) -> None:
+        info = stream.info
+        self.stream = stream
+        self.overlap = cfg.overlap
+        self.vocab_size = info.vocab_size
+        # host-side memory: the request table's mirror, the page allocator and the prefix cache
+        self.req_table = ReqTable(cfg.max_running_requests, info.max_context, device=None)
+        self.allocator = PageAllocator(info.num_pages, cfg.page_size)
+        cache_type = RadixCache if cfg.radix_cache else NoPrefixCache
+        self.cache: PrefixCache = cache_type(self.allocator, cfg.page_size)
+        self.kv = KVManager(self.req_table, self.allocator, self.cache)
+        self.queues = Queues()
+        self.stats = EngineStats()
+        self.meter = BubbleMeter(keep_trace=cfg.trace_path is not None, stats=self.stats)
+        reserve = DecodeReserve(cfg, info.max_context)
+        self.prefill = Prefill(cfg, self.queues, self.kv, reserve, self.stats)
+        self.decode = Decode(self.queues, self.kv, reserve, self.stats, info.max_context)
+        self.results = Results(self.queues, self.kv, self.stats, decode_tail, info.max_context)
+        self.inflight: deque[tuple[ScheduledBatch, Pending]] = deque()
+        self._drained: list[Req] = []  # updates of batches processed early (retraction drains)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[Req]:
+        """One iteration of the loop; returns the requests that got a token or finished."""
+        t0 = time.perf_counter()
+        updated = self.results.abort_pending()
+        batch = self.schedule()  # (a retraction's drain, rare, lands in this span too)
+        t1 = time.perf_counter()
+        self.meter.host_span("schedule", t0, t1)
+        if batch is not None:
+            self.launch(batch)
+            if self.stream.asynchronous:  # an inline stream's launch is the device job itself
+                self.meter.host_span("launch", t1, time.perf_counter())
+        keep = 1 if self.overlap and batch is not None else 0
+        while len(self.inflight) > keep:
+            updated += self._process_oldest()
+        updated += self._drained
+        self._drained = []
+        self.meter.step_done()
+        if not self.has_work():
+            self.meter.went_idle()
+        return updated
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next batch: prefill/extend first, else decode; None if nothing can run now."""
+        extend = self.prefill.schedule()
+        if extend is not None:
+            self.stats.prefill_batches += 1
+            self.stats.prompt_tokens += extend.num_tokens
+            slots, writes = torch.cat(extend.slots), self.kv.take_table_writes()
+            return build_batch(extend.entries, slots, False, writes, extend.penalty_inits, self.vocab_size)
+        decode = self.decode.schedule(self.drain) if self.queues.running else None
+        if decode is None:
+            return None
+        self.stats.decode_batches += 1
+        reqs, slots = decode  # (a drain inside may have queued table writes: they go with this batch)
+        return build_batch(
+            [(r, 1) for r in reqs], slots, True, self.kv.take_table_writes(), [], self.vocab_size
+        )
+
+    def launch(self, batch: ScheduledBatch) -> None:
+        for req in batch.reqs:
+            req.inflight += 1
+        self.inflight.append((batch, self.stream.submit(batch.forward)))
+
+    def _process_oldest(self) -> list[Req]:
+        batch, pending = self.inflight.popleft()
+        tokens, timing = pending.result()
+        t0 = time.perf_counter()
+        self.meter.job("decode" if batch.is_decode else "extend", timing.start, timing.end)
+        updated = self.results.process(batch, tokens)
+        self.meter.host_span("process", t0, time.perf_counter())
+        return updated
+
+    def drain(self) -> bool:
+        """Process every launched batch now (their updates are returned by the current step); False if
+        none was in flight."""
+        drained = bool(self.inflight)
+        while self.inflight:
+            self._drained += self._process_oldest()
+        return drained
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Req) -> None:
+        self.queues.waiting.append(req)
+
+    def has_work(self) -> bool:
+        q = self.queues
+        return bool(q.waiting or q.running or q.chunked or self.inflight)
+
+    def check_integrity(self) -> None:
+        """After a workload drains: every KV page free or in the tree, nothing locked, every row free."""
+        assert not self.has_work(), "requests still pending"
+        self.kv.check_integrity()

@@ -1,0 +1,170 @@
+"""KV accounting: the one place a request's KV slots and request-table row are taken and given back.
+
+A request holds slots for positions [0, kv_len) in its request-table row; [0, cached_len) of them belong
+to the radix tree, pinned through `last_node` (see gapless.memory.prefix_cache). Slots are taken at
+admission (a matched prefix, then each extend chunk) and per decode step; a processed prefill chunk is
+shared with the tree; a finished or retracted request gives everything back in `release`. The host
+mirror of the request table changes here at once; the device table only through `take_table_writes`,
+in stream order, with the next batch launched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gapless.engine.request import Req
+from gapless.memory.allocator import PageAllocator
+from gapless.memory.integrity import check_integrity
+from gapless.memory.prefix_cache import HeldKV, alloc_pages, cache_finished, cache_unfinished
+from gapless.memory.radix_cache import MatchResult, PrefixCache, TreeNode
+from gapless.memory.req_table import ReqTable
+
+
+def _match_key(req: Req) -> list[int]:
+    # the last token is always computed, so its logits exist to sample from
+    return req.fill_ids[:-1]
+
+
+class KVManager:
+    """Takes and gives back KV for requests, over the scheduler's allocator, prefix cache and host
+    request table."""
+
+    def __init__(self, req_table: ReqTable, allocator: PageAllocator, cache: PrefixCache) -> None:
+        self.req_table = req_table
+        self.allocator = allocator
+        self.cache = cache
+        self.page_size = allocator.page_size
+        self._table_writes: list[tuple[int, int, torch.Tensor]] = []  # (row, start, slots) for the next batch
+
+    # ------------------------------------------------------------------ sizes
+    def pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def available_tokens(self) -> int:
+        """Free, or freeable by evicting unused cached prefixes."""
+        return self.allocator.num_free_tokens + self.cache.evictable_size
+
+    def usage(self) -> dict[str, int]:
+        """The pool in tokens: total, free, cached (in the prefix cache, unused by any request:
+        evictable) and used by requests."""
+        total = self.allocator.num_usable_pages * self.page_size
+        free, cached = self.allocator.num_free_tokens, self.cache.evictable_size
+        return {
+            "kv_total_tokens": total,
+            "kv_free_tokens": free,
+            "kv_cached_tokens": cached,
+            "kv_used_tokens": total - free - cached,
+        }
+
+    # ------------------------------------------------------------------ admission
+    def prefix_len(self, req: Req) -> int:
+        """Cached prefix length of a waiting request, read only (for ordering the queue)."""
+        return self.cache.prefix_len(_match_key(req))
+
+    def lock_prefix(self, req: Req) -> MatchResult:
+        """Match a waiting request's cached prefix and pin it, so that allocating cannot evict it."""
+        match = self.cache.match_prefix(_match_key(req))
+        self.cache.lock(match.node)
+        return match
+
+    def unlock(self, node: TreeNode) -> None:
+        self.cache.unlock(node)
+
+    def admit(self, req: Req, match: MatchResult) -> int:
+        """Give `req` a request-table row that starts with its matched (and locked) prefix; returns it."""
+        row = self.req_table.alloc()
+        assert row is not None
+        req.row, req.last_node = row, match.node
+        req.cached_len = req.kv_len = match.length
+        if match.length:
+            self._write_table(row, 0, match.slots)
+        return row
+
+    def alloc_extend(self, req: Req, n: int) -> torch.Tensor:
+        """Slots for positions [kv_len, kv_len + n) of `req`, written to its row's host mirror."""
+        start, ps = req.kv_len, self.page_size
+        parts = []
+        in_page = min(n, (-start) % ps)  # room left in the request's last, partly filled page
+        if in_page:
+            last = int(self.req_table.host_table[req.row, start - 1])
+            parts.append(torch.arange(last + 1, last + 1 + in_page, dtype=torch.int64))
+        rest = n - in_page
+        if rest:
+            parts.append(self.allocator.page_slots(self._alloc_pages(self.pages(rest)))[:rest])
+        slots = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.req_table.write_host(req.row, start, slots)
+        req.kv_len += n
+        return slots
+
+    # ------------------------------------------------------------------ decode
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One slot per request for position kv_len (a new page where the last one is full), in bulk;
+        None, taking nothing, if the pool cannot give the pages even by evicting."""
+        ps = self.page_size
+        kv_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        needs_page = kv_lens % ps == 0
+        need = int(needs_page.sum())
+        if need > self.allocator.num_free_pages + self.cache.evictable_size // ps:
+            return None
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        out = torch.empty(len(reqs), dtype=torch.int64)
+        if need:
+            out[needs_page] = self._alloc_pages(need) * ps
+        if need < len(reqs):
+            partial = ~needs_page
+            out[partial] = self.req_table.host_table[rows[partial], kv_lens[partial] - 1].long() + 1
+        self.req_table.host_table[rows, kv_lens] = out.to(torch.int32)
+        for r in reqs:
+            r.kv_len += 1
+        return out
+
+    # ------------------------------------------------------------------ results
+    def cache_chunk(self, req: Req, kv_done: int) -> None:
+        """Share the prompt prefix a processed chunk completed (only KV a finished forward wrote)."""
+        held = self._held(req, kv_done)
+        prefix, node, cached_len = cache_unfinished(self.cache, self.allocator, held)
+        if cached_len > req.cached_len:
+            # the tree may hold other slots for this span (another request inserted it first): read those
+            new = prefix[req.cached_len : cached_len]
+            if not torch.equal(new, held.slots[req.cached_len : cached_len]):
+                self._write_table(req.row, req.cached_len, new)
+        req.last_node, req.cached_len = node, cached_len
+
+    def release(self, req: Req) -> None:
+        """Give back a request's KV (into the prefix cache where it can be reused) and its table row."""
+        cache_finished(self.cache, self.allocator, self._held(req, req.kv_len))
+        self.req_table.free(req.row)
+        req.row, req.last_node, req.kv_len, req.cached_len = None, None, 0, 0
+
+    # ------------------------------------------------------------------ device table
+    def take_table_writes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(rows, positions, slots) of the row entries the device table still lacks, for the next batch
+        to apply in stream order: matched prefixes, and chunks the tree answered with its own slots."""
+        writes, self._table_writes = self._table_writes, []
+        if not writes:
+            return None
+        rows = torch.cat([torch.full((len(s),), row, dtype=torch.int64) for row, _, s in writes])
+        positions = torch.cat([torch.arange(start, start + len(s)) for _, start, s in writes])
+        return rows, positions, torch.cat([s for _, _, s in writes])
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """With no request left: every KV page free or in the tree, nothing locked, every row free."""
+        check_integrity(self.allocator, self.cache, self.req_table)
+
+    # ------------------------------------------------------------------ internals
+    def _held(self, req: Req, n: int) -> HeldKV:
+        """What `req` holds for its first `n` positions (host slots, copied out of the table)."""
+        assert req.row is not None and req.last_node is not None
+        slots = self.req_table.host_table[req.row, :n].long()
+        return HeldKV(req.fill_ids[:n], slots, req.last_node, req.cached_len)
+
+    def _write_table(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Host mirror now; the device table in stream order, with the next launched batch."""
+        self.req_table.write_host(row, start, slots)
+        self._table_writes.append((row, start, slots))
+
+    def _alloc_pages(self, n: int) -> torch.Tensor:
+        pages = alloc_pages(self.allocator, self.cache, n)  # evicts unlocked cache leaves as needed
+        assert pages is not None, "scheduler admitted more KV than the pool holds"
+        return pages

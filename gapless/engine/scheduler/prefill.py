@@ -1,0 +1,124 @@
+"""Admission and prefill: which waiting requests start, and how much of their prompts this batch computes.
+
+An extend batch continues the chunked request first, else admits waiting requests in policy order
+(`lpm`: longest cached prefix first; `fcfs`), under two budgets: a token budget per batch
+(`chunked_prefill_size`; a longer prompt is prefilled in chunks, one chunked request at a time) and a
+KV budget that keeps back the running requests' decode reservation (`DecodeReserve`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gapless.config import EngineConfig
+from gapless.engine.request import Req, ReqStatus
+from gapless.engine.scheduler.budget import DecodeReserve
+from gapless.engine.scheduler.kv import KVManager
+from gapless.engine.scheduler.queues import Queues
+from gapless.engine.stats import EngineStats
+from gapless.memory.radix_cache import MatchResult
+
+LPM_MAX_QUEUE = 128  # beyond this, matching every waiting prompt costs more than it saves: fall back to fcfs
+
+
+@dataclass
+class ExtendPlan:
+    """An extend batch being filled: what each request computes, and the budgets left."""
+
+    token_budget: int
+    reserved: int  # KV kept back for the decode steps of the running requests
+    entries: list[tuple[Req, int]] = field(default_factory=list)  # (request, tokens it computes)
+    slots: list[torch.Tensor] = field(default_factory=list)  # their new tokens' KV slots
+    # (row, prompt_ids, output_ids) of admitted requests with penalties: their sampler state is built
+    # before this batch samples (copies: the device side must never read lists the host goes on mutating)
+    penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+
+    def add(self, req: Req, slots: torch.Tensor) -> None:
+        self.entries.append((req, len(slots)))
+        self.slots.append(slots)
+        self.token_budget -= len(slots)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+
+class Prefill:
+    def __init__(
+        self, cfg: EngineConfig, queues: Queues, kv: KVManager, reserve: DecodeReserve, stats: EngineStats
+    ) -> None:
+        self.cfg, self.queues, self.kv, self.reserve, self.stats = cfg, queues, kv, reserve, stats
+
+    def schedule(self) -> ExtendPlan | None:
+        """The next extend batch, or None if nothing can be prefilled now."""
+        q = self.queues
+        if q.chunked is None and not q.waiting:
+            return None
+        plan = ExtendPlan(self.cfg.chunked_prefill_size, sum(self.reserve.tokens(r) for r in q.running))
+        if q.chunked is not None:
+            self._continue_chunked(plan, q.chunked)
+        if q.chunked is None and not plan.entries:
+            self._admit_waiting(plan)
+        return plan if plan.entries else None
+
+    def _continue_chunked(self, plan: ExtendPlan, req: Req) -> None:
+        rest = req.seq_len - req.kv_len
+        n = min(rest, plan.token_budget)
+        own_reserve = self.reserve.tokens(req) if n == rest else 0
+        if not self._fits(n, own_reserve, plan.reserved, alone=not self.queues.running):
+            return
+        plan.add(req, self.kv.alloc_extend(req, n))
+        if n == rest:
+            self.queues.chunked = None
+            self.queues.start_decoding(req)
+
+    def _admit_waiting(self, plan: ExtendPlan) -> None:
+        q = self.queues
+        for req in self._order_waiting():
+            # admitted requests count at once: they join `running` (or become `chunked`) here
+            if plan.token_budget <= 0 or q.num_active() >= self.cfg.max_running_requests:
+                break
+            if self.kv.req_table.num_free == 0:
+                break
+            match = self.kv.lock_prefix(req)
+            ext = req.seq_len - match.length
+            n = min(ext, plan.token_budget)
+            own_reserve = self.reserve.tokens(req) if n == ext else 0
+            if not self._fits(n, own_reserve, plan.reserved, alone=not plan.entries and not q.running):
+                self.kv.unlock(match.node)
+                break
+            self._admit(plan, req, match)
+            plan.add(req, self.kv.alloc_extend(req, n))
+            q.waiting.remove(req)
+            if n < ext:
+                req.status = ReqStatus.PREFILL
+                q.chunked = req
+                break
+            q.start_decoding(req)
+            plan.reserved += own_reserve
+
+    def _order_waiting(self) -> list[Req]:
+        waiting = self.queues.waiting
+        if self.cfg.schedule_policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE and self.cfg.radix_cache:
+            hits = {id(r): self.kv.prefix_len(r) for r in waiting}
+            return sorted(waiting, key=lambda r: (-hits[id(r)], r.arrival))
+        return sorted(waiting, key=lambda r: r.arrival)
+
+    def _fits(self, n: int, own_reserve: int, reserved: int, alone: bool) -> bool:
+        """Whether `n` new tokens' KV (in whole pages) fits beside the decode reservations. These are
+        estimates: a request with nothing else running only needs its own slots (retraction covers a
+        wrong guess), so an estimate can never stall an idle engine."""
+        tokens, avail = self.kv.pages(n) * self.kv.page_size, self.kv.available_tokens()
+        if alone:
+            return tokens <= avail
+        return tokens + own_reserve + reserved <= avail
+
+    def _admit(self, plan: ExtendPlan, req: Req, match: MatchResult) -> None:
+        row = self.kv.admit(req, match)
+        if req.cached_tokens is None:  # its first admission (not a retracted request's return)
+            req.cached_tokens = match.length
+            self.stats.cached_prompt_tokens += match.length
+        if req.params.has_penalties:
+            plan.penalty_inits.append((row, list(req.prompt_ids), list(req.output_ids)))

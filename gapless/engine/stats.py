@@ -1,0 +1,62 @@
+"""The engine's figures, one name each: what the scheduler counts and what the bubble meter measures.
+
+One live `EngineStats` per engine (`Engine.stats`): the scheduler adds to its counters, the bubble meter
+(`gapless.engine.meter`) to its time figures. `Engine.get_stats()` flattens it, beside the queue and KV
+gauges of the moment, into the dict that `LLM.get_stats`, the server's /metrics and /debug/state show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started; the meter's (from `steps` on) since its last `reset`."""
+
+    # counted by the scheduler
+    prefill_batches: int = 0  # extend batches launched (whole prompts and prefill chunks)
+    decode_batches: int = 0  # decode batches launched
+    prompt_tokens: int = 0  # tokens computed in extend batches (a retracted request's recomputed ones too)
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at a request's first admission
+    generated_tokens: int = 0  # output tokens appended to requests
+    retractions: int = 0  # running requests sent back to the waiting queue for want of KV
+    dropped_tokens: int = 0  # sampled for a request that had finished while the batch was in flight
+    # measured by the bubble meter
+    steps: int = 0  # scheduler loop iterations (`Scheduler.step` calls)
+    device_jobs: int = 0  # batches the device ran and the host processed
+    device_busy_s: float = 0.0  # device time in those jobs
+    device_idle_s: float = 0.0  # gaps between consecutive jobs while requests were pending
+    # host time in the loop's schedule, launch and process spans: device waits excluded, but for the
+    # rare drain a retraction needs, which lands in the schedule span
+    host_s: float = 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens that the prefix cache served."""
+        looked_up = self.prompt_tokens + self.cached_prompt_tokens
+        return self.cached_prompt_tokens / looked_up if looked_up else 0.0
+
+    @property
+    def device_idle_fraction(self) -> float:
+        total = self.device_busy_s + self.device_idle_s
+        return self.device_idle_s / total if total > 0 else 0.0
+
+    @property
+    def mean_host_ms_per_step(self) -> float:
+        return 1e3 * self.host_s / self.steps if self.steps else 0.0
+
+    @property
+    def mean_device_ms_per_job(self) -> float:
+        return 1e3 * self.device_busy_s / self.device_jobs if self.device_jobs else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        """Every figure, the derived ones included, under its own name."""
+        derived = (
+            "prefix_hit_rate",
+            "device_idle_fraction",
+            "mean_host_ms_per_step",
+            "mean_device_ms_per_job",
+        )
+        return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in derived}}
