@@ -211,7 +211,7 @@ def run_gapless(
         wrong_length_requests=sum(
             len(o.token_ids) != n for o, n in zip(outputs, work.output_lens, strict=True)
         ),
-        steps=stats.get("steps", 0),
+        steps=stats.get("device_jobs", 0),  # batches run (the meter's loop iterations: `meter["steps"]`)
         prefill_batches=stats.get("prefill_batches", 0),
         decode_batches=stats.get("decode_batches", 0),
         retractions=stats.get("retractions", 0),
