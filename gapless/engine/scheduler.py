@@ -26,13 +26,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from gapless.config import EngineConfig
 from gapless.engine.batch import ForwardBatch
+from gapless.engine.detokenize import StopStrings, TokenDecoder
 from gapless.engine.meter import BubbleMeter
 from gapless.engine.request import Req, ReqStatus
 from gapless.engine.stream import Chaos, DeviceStream, Pending
@@ -75,9 +75,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(
-        self, cfg: EngineConfig, stream: DeviceStream, decode_tail: Callable[[list[int]], str]
-    ) -> None:
+    def __init__(self, cfg: EngineConfig, stream: DeviceStream, tokenizer: TokenDecoder) -> None:
         info = stream.info
         self.cfg = cfg
         self.stream = stream
@@ -92,7 +90,7 @@ class Scheduler:
             if cfg.radix_cache
             else NoPrefixCache(self.allocator, cfg.page_size)
         )
-        self.decode_tail = decode_tail
+        self.stop_strings = StopStrings(tokenizer)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the one request whose prompt is being prefilled in chunks
@@ -480,17 +478,14 @@ class Scheduler:
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
         p = req.params
+        at_length = len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_context
+        if p.stop:  # the stop rule (gapless.engine.stop), as the output text and the stream apply it
+            req.stop_str_hit = self.stop_strings.check(req, tok, last=tok in req.stop_ids or at_length)
+            if req.stop_str_hit is not None:
+                return "stop"
         if tok in req.stop_ids:
             return "stop"
-        if p.stop:
-            tail = self.decode_tail(req.output_ids[-(4 * max(len(s) for s in p.stop) + 1) :])
-            for s in p.stop:
-                if s in tail:
-                    req.stop_str_hit = s
-                    return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_context:
-            return "length"
-        return None
+        return "length" if at_length else None
 
     def _finish(self, req: Req, reason: str) -> None:
         if req.status is ReqStatus.RUNNING:
