@@ -27,8 +27,9 @@ The guarantees hold for decoders whose output is a left-to-right function of the
 BPE: Llama 3, Qwen, GPT-2, and this project's test tokenizer). SentencePiece's byte-fallback decoder
 turns a whole run of byte tokens into U+FFFD when any of them is invalid, and `clean_up_tokenization_
 spaces` rewrites text across token boundaries; for those the deltas are still whole characters, but
-garbage bytes or cleaned-up spaces may come out differently from a one-shot decode. Every user still
-agrees with every other, as they all run this code on the same ids.
+garbage bytes or cleaned-up spaces may come out differently from a one-shot decode. Where a request
+stops, and its text with stop strings, are still the same for every user: each runs this code on the
+same ids, one token at a time.
 """
 
 from __future__ import annotations
@@ -189,7 +190,8 @@ class IncrementalDetokenizer:
 def detokenize(
     tokenizer: TokenDecoder, ids: Sequence[int], *, stop: Iterable[str] | None, skip_special_tokens: bool
 ) -> str:
-    """The whole text of `ids` at once, exactly as a stream of them shows it."""
+    """The whole text of `ids` at once: with stop strings, exactly what a stream of them shows (the ids
+    go through one at a time); without, the one-shot decode."""
     det = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens, stop=stop)
     return det.update(ids) + det.finish()
 
