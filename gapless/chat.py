@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gapless.config import EngineConfig, add_engine_args, engine_options
+from gapless.engine.detokenize import IncrementalDetokenizer
 from gapless.engine.engine import Engine
 from gapless.sampling_params import SamplingParams
-from gapless.server.detokenizer import IncrementalDetokenizer
 
 EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
@@ -126,7 +126,7 @@ class ChatSession:
                     seen = len(req.output_ids)
                     if delta:
                         write(delta)
-        delta = detok.update(req.output_ids[seen:]) + detok.finish(req.stop_str_hit)
+        delta = detok.update(req.output_ids[seen:]) + detok.finish()
         if delta:
             write(delta)
         self.messages = [*messages, {"role": "assistant", "content": detok.text}]

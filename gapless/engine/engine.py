@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gapless.config import EngineConfig
+from gapless.engine.detokenize import detokenize
 from gapless.engine.request import Req
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.stats import EngineStats
@@ -35,7 +36,7 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.vocab_size = self.info.vocab_size
-        self.scheduler = Scheduler(cfg, self.stream, decode_tail=self.tokenizer.decode)
+        self.scheduler = Scheduler(cfg, self.stream, tokenizer=self.tokenizer)
         self._closed = False
         self._broken = False  # a step raised: shutdown skips draining
         self._seeds = random.Random(cfg.seed)
@@ -131,11 +132,12 @@ class Engine:
         return updated
 
     def output_text(self, req: Req) -> str:
-        """The generated text, cut before the stop string that ended the request (OpenAI semantics)."""
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
-        if req.stop_str_hit is not None:
-            text = text[: text.find(req.stop_str_hit)] if req.stop_str_hit in text else text
-        return text
+        """The generated text, cut before a stop string (OpenAI semantics) by the rule the scheduler
+        stopped on and the server streams by (gapless.engine.stop)."""
+        p = req.params
+        return detokenize(
+            self.tokenizer, req.output_ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens
+        )
 
     def get_stats(self) -> dict[str, float | int]:
         """Every `EngineStats` figure under its own name (tokens, batches, steps, device busy and idle

@@ -5,6 +5,6 @@ import torch  # noqa: F401
 import transformers  # noqa: F401
 from transformers import AutoTokenizer  # noqa: F401
 
+import gapless.engine.detokenize  # noqa: F401
 import gapless.engine.engine  # noqa: F401
-import gapless.server.detokenizer  # noqa: F401
 import gapless.server.workers  # noqa: F401

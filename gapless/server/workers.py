@@ -264,7 +264,7 @@ def detokenizer_main(ends: Endpoints, model: str, parent_pid: int) -> None:
     def body(socks: _Sockets) -> None:
         from transformers import AutoTokenizer
 
-        from gapless.server.detokenizer import IncrementalDetokenizer
+        from gapless.engine.detokenize import IncrementalDetokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)
         states: dict[str, Any] = {}
@@ -298,7 +298,7 @@ class _DetokState:
     def delta(self, tokenizer: Any, u: P.ReqUpdate) -> P.ReqDelta:
         text = self.detok.update(u.token_ids) if u.token_ids else ""
         if u.finish_reason is not None:
-            text += self.detok.finish(u.stop_str_hit)
+            text += self.detok.finish()
         self.completion_tokens += len(u.token_ids)
         logprobs = None
         if u.logprobs is not None and u.top_logprobs is not None:

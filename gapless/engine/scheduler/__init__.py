@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
 from gapless.config import EngineConfig
+from gapless.engine.detokenize import TokenDecoder
 from gapless.engine.meter import BubbleMeter
 from gapless.engine.request import Req
 from gapless.engine.scheduler.budget import DecodeReserve
@@ -49,9 +49,8 @@ __all__ = ["EngineStats", "ScheduledBatch", "Scheduler"]
 
 
 class Scheduler:
-    def __init__(
-        self, cfg: EngineConfig, stream: DeviceStream, decode_tail: Callable[[list[int]], str]
-    ) -> None:
+    def __init__(self, cfg: EngineConfig, stream: DeviceStream, tokenizer: TokenDecoder) -> None:
+        """`tokenizer` decodes output tokens for stop strings (gapless.engine.stop)."""
         info = stream.info
         self.stream = stream
         self.overlap = cfg.overlap
@@ -68,7 +67,7 @@ class Scheduler:
         reserve = DecodeReserve(cfg, info.max_context)
         self.prefill = Prefill(cfg, self.queues, self.kv, reserve, self.stats)
         self.decode = Decode(self.queues, self.kv, reserve, self.stats, info.max_context)
-        self.results = Results(self.queues, self.kv, self.stats, decode_tail, info.max_context)
+        self.results = Results(self.queues, self.kv, self.stats, tokenizer, info.max_context)
         self.inflight: deque[tuple[ScheduledBatch, Pending]] = deque()
         self._drained: list[Req] = []  # updates of batches processed early (retraction drains)
 

@@ -3,8 +3,7 @@ a request (finished or aborted), whose KV goes back once no launched batch still
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from gapless.engine.detokenize import StopStrings, TokenDecoder
 from gapless.engine.request import Req, ReqStatus
 from gapless.engine.scheduler.build import ScheduledBatch
 from gapless.engine.scheduler.kv import KVManager
@@ -19,11 +18,11 @@ class Results:
         queues: Queues,
         kv: KVManager,
         stats: EngineStats,
-        decode_tail: Callable[[list[int]], str],
+        tokenizer: TokenDecoder,
         max_context: int,
     ) -> None:
         self.queues, self.kv, self.stats = queues, kv, stats
-        self.decode_tail = decode_tail  # token ids -> text, for stop strings
+        self.stop_strings = StopStrings(tokenizer)
         self.max_context = max_context
 
     def process(self, batch: ScheduledBatch, samples: HostSamples) -> list[Req]:
@@ -72,17 +71,14 @@ class Results:
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
         p = req.params
+        at_length = len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_context
+        if p.stop:  # the stop rule (gapless.engine.stop), as the output text and the stream apply it
+            req.stop_str_hit = self.stop_strings.check(req, tok, last=tok in req.stop_ids or at_length)
+            if req.stop_str_hit is not None:
+                return "stop"
         if tok in req.stop_ids:
             return "stop"
-        if p.stop:
-            tail = self.decode_tail(req.output_ids[-(4 * max(len(s) for s in p.stop) + 1) :])
-            for s in p.stop:
-                if s in tail:
-                    req.stop_str_hit = s
-                    return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_context:
-            return "length"
-        return None
+        return "length" if at_length else None
 
     def _maybe_release(self, req: Req) -> None:
         """Release a finished request's KV once no launched batch still uses it (exactly once)."""

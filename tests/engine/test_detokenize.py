@@ -1,9 +1,10 @@
-"""Incremental detokenizer: whole characters only, bounded decode windows, stop strings cut and held.
+"""Incremental detokenizer: whole characters only, bounded decode windows, any chunking.
 
-The key property: the concatenation of all deltas equals a one-shot decode of all the ids, cut
-before the first stop string (what `Engine.output_text` returns). It is checked with hypothesis and
-with seeded random sequences built from real text, multi-byte characters spelled byte by byte,
-arbitrary bytes and special tokens, fed in random chunk sizes.
+The key property: the concatenation of all deltas equals a one-shot decode of all the ids, cut by the
+stop rule (the first token whose text, less a trailing U+FFFD run, holds a stop string; cut at the
+earliest one), however the ids are grouped into updates. It is checked with hypothesis and with seeded
+random sequences built from real text, multi-byte characters spelled byte by byte, arbitrary bytes and
+special tokens, fed in random chunk sizes. The stop rule's edges are tested in test_stop.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from gapless.server.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
+from gapless.engine.detokenize import MAX_PENDING_TOKENS, IncrementalDetokenizer
+from gapless.engine.stop import find_stop
 from gapless.testing import build_tokenizer
 
 FFFD = "\ufffd"
@@ -55,12 +57,19 @@ def spell(byte_ids: dict[int, str], data: bytes) -> list[int]:
 
 
 def expected(tok, ids, stop=(), skip_special_tokens=True) -> str:
+    """The stop rule, spelled out: at the first token whose decoded text (less the trailing U+FFFD
+    run of a character still arriving) holds a stop string, cut before the earliest; else the
+    whole decode, cut the same way."""
+    for i in range(1, len(ids) + 1) if stop else ():
+        text = tok.decode(ids[:i], skip_special_tokens=skip_special_tokens).rstrip(FFFD)
+        if (found := find_stop(text, stop)) is not None:
+            return text[: found[0]]
     text = tok.decode(ids, skip_special_tokens=skip_special_tokens)
-    cuts = [text.find(s) for s in stop if s in text]
-    return text[: min(cuts)] if cuts else text
+    found = find_stop(text, stop)
+    return text if found is None else text[: found[0]]
 
 
-def stream(tok, ids, chunks, stop=(), skip_special_tokens=True, stop_str_hit=None):
+def stream(tok, ids, chunks, stop=(), skip_special_tokens=True):
     """Feed `ids` in chunks of the given sizes (cycled); return (deltas, final delta, detokenizer)."""
     det = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens, stop=list(stop))
     deltas, i, c = [], 0, 0
@@ -68,7 +77,7 @@ def stream(tok, ids, chunks, stop=(), skip_special_tokens=True, stop_str_hit=Non
         n = chunks[c % len(chunks)] if chunks else 1
         deltas.append(det.update(ids[i : i + n]))
         i, c = i + n, c + 1
-    return deltas, det.finish(stop_str_hit), det
+    return deltas, det.finish(), det
 
 
 # ---------------------------------------------------------------------- multi-byte characters
@@ -157,80 +166,6 @@ def test_decode_window_is_bounded(tok, byte_ids):
     assert len(counting.sizes) < 4 * len(ids)  # a few decodes per token, not one per earlier token
 
 
-# ---------------------------------------------------------------------- stop strings
-
-
-def test_stop_prefix_held_back_until_settled(tok):
-    a, hash_, c = tok.encode("ab"), tok.encode("#"), tok.encode("c")
-    det = IncrementalDetokenizer(tok, stop=["###"])
-    assert det.update(a + hash_) == "ab"  # "#" may begin "###"
-    assert det.update(hash_) == ""
-    assert det.update(c) == "##c"  # it did not
-    assert det.update(hash_ + hash_) == ""
-    assert det.update(hash_) == ""  # "###": stop
-    assert det.stopped and det.stop_str_hit == "###"
-    assert det.update(c) == ""  # nothing after a stop string is ever shown
-    assert det.finish("###") == ""
-    assert det.text == "ab##c"
-
-
-def test_stop_string_inside_one_token_and_across_tokens(tok, byte_ids):
-    ids = tok.encode("Hello world, the end")
-    for chunks in ([1], [2], [len(ids)]):
-        deltas, last, det = stream(tok, ids, chunks, stop=["lo wo", "end"])
-        assert "".join(deltas) + last == "Hel"
-        assert det.stop_str_hit == "lo wo"
-    # a stop string that is one byte of a multi-byte character can never match mid-character
-    ids = spell(byte_ids, "x€y".encode())
-    deltas, last, det = stream(tok, ids, [1], stop=["€y"])
-    assert "".join(deltas) + last == "x" and det.stop_str_hit == "€y"
-
-
-def test_earliest_stop_wins(tok):
-    ids = tok.encode("one two three")
-    deltas, last, det = stream(tok, ids, [len(ids)], stop=["three", "two", "e t"])
-    assert "".join(deltas) + last == "on"
-    assert det.stop_str_hit == "e t"
-
-
-def test_finish_flushes_held_tail_unless_stopped_on_it(tok):
-    ids = tok.encode("ab#")
-    # length / EOS / abort: the "#" held back as a possible "###" is shown after all
-    det = IncrementalDetokenizer(tok, stop="###")
-    assert det.update(ids) == "ab"
-    assert det.finish() == "#"
-    assert not det.stopped
-    # the engine stopped on a string the detokenizer was not told about: cut before it
-    det = IncrementalDetokenizer(tok, stop="###")
-    assert det.update(ids) == "ab"
-    assert det.finish(stop_str_hit="#") == ""
-    assert det.stop_str_hit == "#"
-    # the engine's stop string is not in the (special-token-free) text: flush, like output_text
-    det = IncrementalDetokenizer(tok)
-    assert det.update(ids + [tok.convert_tokens_to_ids("<|im_end|>")]) == "ab#"
-    assert det.finish(stop_str_hit="<|im_end|>") == ""
-    assert det.finish() == ""  # idempotent
-
-
-def test_special_tokens(tok):
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    ids = tok.encode("hi") + [end] + tok.encode(" there")
-    assert "".join(stream(tok, ids, [1])[0]) == "hi there"
-    deltas, last, _ = stream(tok, ids, [1], skip_special_tokens=False)
-    assert "".join(deltas) + last == "hi<|im_end|> there"
-    deltas, last, det = stream(tok, ids, [1], stop=["<|im_end|>"], skip_special_tokens=False)
-    assert "".join(deltas) + last == "hi" and det.stopped
-
-
-def test_bad_stop_strings_rejected(tok):
-    with pytest.raises(ValueError):
-        IncrementalDetokenizer(tok, stop=[""])
-    det = IncrementalDetokenizer(tok)
-    det.finish()
-    with pytest.raises(RuntimeError):
-        det.update([5])
-
-
 # ---------------------------------------------------------------------- the key property
 
 TEXTS = [
@@ -306,50 +241,3 @@ def test_random_sequences_against_one_shot_decode(tok, byte_ids):
         chunks = [rng.randint(1, 6) for _ in range(rng.randint(1, 4))]
         deltas, last, _ = stream(tok, ids, chunks, stop, skip)
         assert "".join(deltas) + last == expected(tok, ids, stop, skip), (ids, stop, skip, chunks)
-
-
-# ---------------------------------------------------------------------- against the engine
-
-
-def test_streaming_the_engine_matches_output_text(ckpt_factory):
-    """Driven by the real engine (which stops on its own decode of the tail), the stream equals
-    `Engine.output_text`, whether the request ends on a stop string, EOS or length."""
-    from gapless.config import EngineConfig
-    from gapless.engine.engine import Engine
-    from gapless.sampling_params import SamplingParams
-
-    cfg = EngineConfig(
-        str(ckpt_factory("qwen3")), device="cpu", cpu_worker="inline", overlap=False, kv_cache_tokens=2048
-    )
-    engine = Engine(cfg)
-    try:
-        prompts = ["café €5 and", "中文 😀", "The quick brown fox"]
-
-        def run(prompt, **kw):
-            params = SamplingParams(max_tokens=16, temperature=0.0, **kw)
-            req = engine.add_request(engine.tokenize(prompt), params)
-            det = IncrementalDetokenizer(
-                engine.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop
-            )
-            shown, seen = "", 0
-            while not req.finished:
-                engine.step()
-                shown += det.update(req.output_ids[seen:])
-                seen = len(req.output_ids)
-            shown += det.finish(req.stop_str_hit)
-            assert shown == engine.output_text(req), (prompt, kw)
-            return req, det
-
-        for prompt in prompts:
-            for skip in (True, False):
-                req, _ = run(prompt, skip_special_tokens=skip)
-                full = engine.output_text(req)
-                for at, n in ((0, 1), (len(full) // 3, 2), (len(full) // 2, 4), (len(full) - 2, 2)):
-                    stop = full[at : at + n]
-                    if not stop:
-                        continue
-                    req, det = run(prompt, skip_special_tokens=skip, stop=[stop, "never"])
-                    assert req.finish_reason == "stop" and det.stop_str_hit == stop == req.stop_str_hit
-                    assert det.text == full[: full.find(stop)]
-    finally:
-        engine.shutdown()

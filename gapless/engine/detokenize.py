@@ -1,0 +1,223 @@
+"""Incremental detokenization: token ids in, text deltas out, stop strings honoured.
+
+One `IncrementalDetokenizer` per request turns its output ids into text wherever text is needed: the
+scheduler (`StopStrings`, to stop a request on a stop string), the server's detokenizer process and the
+chat (to stream it), and `Engine.output_text` (all at once). Two layers, each holding back only what it
+must:
+
+1. Decoding. Byte-level BPE splits a multi-byte character ("é", "€", emoji, CJK) across tokens, and a
+   decode that ends mid-character ends in U+FFFD. Each step decodes a bounded window of token ids,
+   `ids[prefix:]`, and settles the part of it past what was settled before, except a trailing run of
+   U+FFFD, which may still turn into a real character when the next bytes arrive. Text before that run
+   is final: appending bytes only changes how the last, incomplete sequence decodes. Once the window
+   decodes cleanly (no trailing U+FFFD), `read` moves to the end, and once the window is long enough
+   `prefix` moves to a few tokens before the end (the context that keeps decoders which strip a
+   leading space, such as SentencePiece's, consistent). Every decode is over O(new tokens + a small
+   constant) ids, and a step of one token costs about one decode.
+
+2. Stop strings (`gapless.engine.stop`, where the rule is written down). With stop strings, ids are
+   decoded one token at a time, however many arrive together, since the rule is per token; the
+   settled text goes through a `StopMatcher`, which holds back a tail that could begin a stop string.
+
+The concatenation of every delta `update` and `finish` return is `tokenizer.decode(all_ids,
+skip_special_tokens=...)`, cut as the stop rule says (OpenAI semantics: the stop string itself is not
+returned); without stop strings, exactly the one-shot decode.
+
+The guarantees hold for decoders whose output is a left-to-right function of the bytes (byte-level
+BPE: Llama 3, Qwen, GPT-2, and this project's test tokenizer). SentencePiece's byte-fallback decoder
+turns a whole run of byte tokens into U+FFFD when any of them is invalid, and `clean_up_tokenization_
+spaces` rewrites text across token boundaries; for those the deltas are still whole characters, but
+garbage bytes or cleaned-up spaces may come out differently from a one-shot decode. Where a request
+stops, and its text with stop strings, are still the same for every user: each runs this code on the
+same ids, one token at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+from weakref import WeakKeyDictionary
+
+from gapless.engine.request import Req
+from gapless.engine.stop import StopMatcher
+
+REPLACEMENT = "\ufffd"
+
+# Tokens of context kept when the window moves up. Enough for decoders that treat the first token of a
+# decode specially (SentencePiece drops its leading space).
+CONTEXT_TOKENS = 4
+# A window that decodes cleanly moves up once it spans more than this many tokens: until then a step
+# costs one short decode, not two (moving up decodes the new window once to find its offset).
+WINDOW_TOKENS = 8
+# Undecided tokens (past the read offset, decoding to a trailing U+FFFD) tolerated before the window is
+# forced forward. A UTF-8 character is at most 4 bytes, so valid text never gets near this; a stream of
+# invalid bytes does, and without the cap every call would re-decode all of it.
+MAX_PENDING_TOKENS = 8
+
+
+class TokenDecoder(Protocol):
+    """What the detokenizer needs of a tokenizer (a Hugging Face tokenizer is one)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Streams the text of one request's output tokens, `update` by `update`, then `finish`.
+
+    `stop` is the request's stop strings (`SamplingParams.stop`: a string, a list, or None).
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenDecoder,
+        *,
+        skip_special_tokens: bool = True,
+        stop: str | Iterable[str] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.matcher = StopMatcher(stop)
+        # all output ids seen (decodes only ever read a bounded tail of it)
+        self._ids: list[int] = []
+        # the window is ids[_prefix:]; ids before _read decode to final text, all of which (and perhaps
+        # more) has been settled: decode(ids[_prefix:])[:_settled]
+        self._prefix = 0
+        self._read = 0
+        self._settled = 0
+        self._text_parts: list[str] = []
+        self.finished = False
+
+    # ------------------------------------------------------------------ public
+    @property
+    def stop_str_hit(self) -> str | None:
+        """The stop string the text ended on, if any."""
+        return self.matcher.hit
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string appeared in the text: nothing after it is shown."""
+        return self.matcher.hit is not None
+
+    @property
+    def text(self) -> str:
+        """Everything returned so far (the concatenation of all deltas)."""
+        if len(self._text_parts) > 1:
+            self._text_parts[:] = ["".join(self._text_parts)]
+        return self._text_parts[0] if self._text_parts else ""
+
+    def update(self, new_token_ids: Sequence[int]) -> str:
+        """Add newly generated ids (any number, possibly none); return the text to show now.
+
+        Never returns part of a character, text past a stop string, or a tail that may begin one.
+        """
+        if self.finished:
+            raise RuntimeError("update() after finish()")
+        step = 1 if self.matcher.stops else max(1, len(new_token_ids))  # the stop rule is per token
+        out = []
+        for i in range(0, len(new_token_ids), step):
+            self._ids.extend(int(t) for t in new_token_ids[i : i + step])
+            if not self.stopped:  # after a stop, ids are kept but never decoded
+                out.append(self.matcher.feed(self._decode_step(final=False)))
+        return self._append("".join(out))
+
+    def finish(self) -> str:
+        """End the request; return the text not shown yet: the held-back text, including bytes that
+        never formed a valid character (as U+FFFD), cut before a stop string if one is in it. Calling
+        it again returns ""."""
+        if self.finished:
+            return ""
+        self.finished = True
+        if self.stopped:
+            return ""
+        return self._append(self.matcher.flush(self._decode_step(final=True)))
+
+    # ------------------------------------------------------------------ decoding
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_step(self, *, final: bool) -> str:
+        """Decoded text that became final since the last call (all of it when `final`)."""
+        full = self._decode(self._prefix)
+        end = len(full) if final else len(full.rstrip(REPLACEMENT))
+        out = full[self._settled : end]
+        self._settled = max(self._settled, end)
+        if final:
+            return out
+        if end == len(full):  # all of the window is final
+            self._read = len(self._ids)
+            if self._read - self._prefix > WINDOW_TOKENS:
+                self._advance()
+        elif len(self._ids) - self._read > MAX_PENDING_TOKENS:
+            out += self._force_advance(full)
+        return out
+
+    def _advance(self) -> None:
+        """The window is long and all of it final: start it a few tokens of context before the end."""
+        end = len(self._ids)
+        start = end - CONTEXT_TOKENS
+        text = self._decode(start, end)
+        # Prefer a context that starts on a character, not inside one (a byte-fallback decoder would
+        # read the stray continuation bytes differently once more bytes follow). A character starts at
+        # most 3 tokens back (4 bytes); byte-level decoding is right either way.
+        for _ in range(3):
+            if not text.startswith(REPLACEMENT) or start == self._prefix:
+                break
+            start -= 1
+            text = self._decode(start, end)
+        self._prefix, self._settled = start, len(text)
+
+    def _force_advance(self, full: str) -> str:
+        """Too many undecided tokens (invalid bytes): commit at the last token boundary that splits the
+        text cleanly, i.e. where decoding both sides separately gives the same text, so the bytes
+        after it that may still complete a character stay undecided. Returns what that settles."""
+        for k in range(len(self._ids) - 1, self._read, -1):
+            right = self._decode(k)
+            if right and full.endswith(right):
+                left = self._decode(self._prefix, k)
+                if left + right == full:
+                    out = full[self._settled : len(left)]
+                    self._settled = max(self._settled, len(left)) - len(left)
+                    self._prefix = self._read = k
+                    return out
+        return ""  # no clean boundary (a tokenizer whose decode is not byte-wise): keep waiting
+
+    def _append(self, delta: str) -> str:
+        if delta:
+            self._text_parts.append(delta)
+        return delta
+
+
+def detokenize(
+    tokenizer: TokenDecoder, ids: Sequence[int], *, stop: Iterable[str] | None, skip_special_tokens: bool
+) -> str:
+    """The whole text of `ids` at once: with stop strings, exactly what a stream of them shows (the ids
+    go through one at a time); without, the one-shot decode."""
+    det = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens, stop=stop)
+    return det.update(ids) + det.finish()
+
+
+class StopStrings:
+    """The scheduler's stop-string check: a detokenizer per request with stop strings, fed each token
+    as it is processed (a few tokens decoded per token, never the whole output)."""
+
+    def __init__(self, tokenizer: TokenDecoder) -> None:
+        self.tokenizer = tokenizer
+        # held weakly: an entry goes with its request however that ends (an abort included)
+        self._detoks: WeakKeyDictionary[Req, IncrementalDetokenizer] = WeakKeyDictionary()
+
+    def check(self, req: Req, tok: int, last: bool) -> str | None:
+        """Feed the request's new token `tok`; return the stop string its text ended on, if any.
+        `last`: the request ends with this token anyway (EOS, a stop token, its length), so all of its
+        text is settled and is searched too."""
+        det = self._detoks.get(req)
+        if det is None:
+            p = req.params
+            det = self._detoks[req] = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop
+            )
+        det.update([tok])
+        if last:
+            det.finish()
+        if last or det.stopped:
+            del self._detoks[req]
+        return det.stop_str_hit
