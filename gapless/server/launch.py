@@ -164,7 +164,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from gapless.testing import default_model_path
+    from gapless.default_model import default_model_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model = args.model or str(default_model_path())
