@@ -25,7 +25,7 @@ import zmq
 from gapless.config import EngineConfig
 from gapless.server import protocol as P
 
-if TYPE_CHECKING:  # imported where they run: the API server process never loads torch or transformers
+if TYPE_CHECKING:  # imported where they run, so importing this module loads neither torch nor transformers
     from transformers import PreTrainedTokenizerBase
 
     from gapless.engine.engine import Engine

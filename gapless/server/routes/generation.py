@@ -49,7 +49,7 @@ class Choice:
             self.finish_reason = d.finish_reason if d.finish_reason in ("stop", "length") else "abort"
 
 
-def usage(choices: list[Choice], n: int) -> Json:
+def count_usage(choices: list[Choice], n: int) -> Json:
     """Prompt and cached tokens count once per prompt (its first choice); completion tokens every choice."""
     firsts = choices[::n]
     prompt = sum(c.prompt_tokens for c in firsts)
@@ -111,7 +111,7 @@ class Generation:
 
     def usage_chunk(self, obj: str, include: bool, n: int) -> FinalChunks:
         """The stream's last chunk: usage with no choices, when the client asked (`include_usage`)."""
-        return lambda choices: [self.envelope(obj, [], usage(choices, n))] if include else []
+        return lambda choices: [self.envelope(obj, [], count_usage(choices, n))] if include else []
 
     async def collect(self) -> list[Choice]:
         """Wait for every choice to finish; abort them the moment the client goes away."""
