@@ -210,7 +210,7 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     """An engine for `args`, built as `serve` builds its config (flags left out keep their defaults)."""
     model = args.model
     if model is None:
-        from gapless.testing import default_model_path
+        from gapless.default_model import default_model_path
 
         model = str(default_model_path())
     return Engine(EngineConfig.from_kwargs(str(model), **engine_options(args)))

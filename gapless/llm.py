@@ -16,6 +16,8 @@ from gapless.sampling_params import SamplingParams
 
 @dataclass
 class RequestOutput:
+    """One prompt's result: its text (cut before a stop string), token ids, and why it finished."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -41,6 +43,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids) and return the outputs in the prompts' order.
+
+        `sampling_params` is one for all prompts or one per prompt. Every prompt and params is checked
+        before anything is queued, so a bad one raises and leaves the engine untouched. An error (or
+        Ctrl-C) between steps aborts this call's requests before it propagates; one that cuts a step
+        short leaves the engine `broken`, to be shut down."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
@@ -73,7 +81,7 @@ class LLM:
             raise
         return [self._output(r, p) for r, p in zip(reqs, prompts)]
 
-    def _output(self, req: Req, prompt: Any) -> RequestOutput:
+    def _output(self, req: Req, prompt: str | Sequence[int]) -> RequestOutput:
         return RequestOutput(
             request_id=req.rid,
             prompt=prompt if isinstance(prompt, str) else None,

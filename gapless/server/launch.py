@@ -1,9 +1,10 @@
 """`gapless serve`: start the workers, wait until each is ready, serve HTTP, and take it all down.
 
 The API server runs in this process (uvicorn on an asyncio loop); the tokenizer, scheduler and
-detokenizer are `spawn`ed children. Shutdown (SIGINT, SIGTERM, or a worker dying) stops uvicorn,
-then terminates the workers and waits for them, killing any that hang; the scheduler's own device
-process (if any) ends with it. The exit status is non-zero when a worker failed.
+detokenizer are child processes forked from a fork server that imported torch and transformers once
+(`preload`), or spawned where the platform has no fork server. Shutdown (SIGINT, SIGTERM, or a worker
+dying) stops uvicorn, then terminates the workers and waits for them, killing any that hang; the
+scheduler's own device process (if any) ends with it. The exit status is non-zero when a worker failed.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 import uvicorn
 
 from gapless.config import EngineConfig, add_engine_args, engine_options
 from gapless.server import protocol as P
-from gapless.server.api import ServerState, create_app
+from gapless.server.api import create_app
+from gapless.server.engine_client import EngineClient
+from gapless.server.health import Health
+from gapless.server.metrics import Metrics
+from gapless.server.state import ServerState, Settings
 from gapless.server.workers import Endpoints, detokenizer_main, scheduler_main, tokenizer_main
 
 log = logging.getLogger("gapless.server")
@@ -92,28 +97,33 @@ class _Workers:
                 p.join(TERMINATE_GRACE_S)
 
 
-async def _wait_ready(state: ServerState, workers: _Workers) -> dict[str, Any]:
-    ready: dict[str, dict[str, Any]] = {}
+async def _wait_ready(client: EngineClient, workers: _Workers) -> P.SchedulerInfo:
+    """What the scheduler reported once every worker said it is ready; RuntimeError if one failed."""
+    ready: dict[str, P.SchedulerInfo | None] = {}
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while len(ready) < len(workers.procs):
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers not ready after {STARTUP_TIMEOUT_S:.0f}s: {sorted(ready)}")
-        msg = await state.next_message(timeout_s=WATCHDOG_S)
+        msg = await client.next_message(timeout_s=WATCHDOG_S)
         if isinstance(msg, P.Ready):
             ready[msg.worker] = msg.info
         elif isinstance(msg, P.Failed):
             raise RuntimeError(f"the {msg.worker} worker failed to start:\n{msg.error}")
         elif (why := workers.dead()) is not None:
             raise RuntimeError(f"{why} during startup")
-    return ready["scheduler"]
+    info = ready["scheduler"]
+    assert info is not None, "the scheduler's Ready carries its info"
+    return info
 
 
 async def _serve(args: argparse.Namespace, cfg: EngineConfig, ends: Endpoints, workers: _Workers) -> int:
     model_name = args.served_model_name or Path(cfg.model).name
-    state = ServerState(ends, model_name, cfg.model, {}, args.api_key, args.max_request_bytes)
-    state.info = await _wait_ready(state, workers)
-    state.worker_pids = {name: p.pid for name, p in workers.procs.items()}
-    app = create_app(state)
+    health, metrics = Health(), Metrics(model_name)
+    client = EngineClient(ends, metrics, health)
+    info = await _wait_ready(client, workers)
+    health.worker_pids = {name: p.pid for name, p in workers.procs.items() if p.pid is not None}
+    settings = Settings(model_name, cfg.model, info, args.api_key, args.max_request_bytes)
+    app = create_app(ServerState(settings, client, health, metrics))
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -123,34 +133,33 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, ends: Endpoints, w
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     server = uvicorn.Server(config)
-    state.on_fatal = lambda why: setattr(server, "should_exit", True)
+    health.on_fatal(lambda why: setattr(server, "should_exit", True))
 
     async def watchdog() -> None:
         while True:
             await asyncio.sleep(WATCHDOG_S)
             if (why := workers.dead()) is not None:
-                state.fail(why)
+                health.fail(why)
                 return
 
     async def announce() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1]
-        info = state.info
         print(
             f"gapless: serving {model_name} at http://{args.host}:{port} "
-            f"(device {info['device']}, {info['kv_tokens']} KV tokens, context {info['max_context']})",
+            f"(device {info.device}, {info.kv_tokens} KV tokens, context {info.max_context})",
             flush=True,
         )
 
-    tasks = [asyncio.create_task(t) for t in (state.receive_loop(), watchdog(), announce())]
+    tasks = [asyncio.create_task(t) for t in (client.receive_loop(), watchdog(), announce())]
     try:
         await server.serve()
     finally:
         for t in tasks:
             t.cancel()
-    if state.fatal:
-        print(f"gapless: exiting: {state.fatal}", file=sys.stderr, flush=True)
+    if health.fatal:
+        print(f"gapless: exiting: {health.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
 
@@ -159,12 +168,12 @@ class _Terminated(Exception):
     pass
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise _Terminated
 
 
 def serve(args: argparse.Namespace) -> int:
-    from gapless.testing import default_model_path
+    from gapless.default_model import default_model_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model = args.model or str(default_model_path())

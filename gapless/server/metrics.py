@@ -1,11 +1,13 @@
-"""Prometheus metrics of the API server: request latencies and token counters it observes itself, and
-gauges of the scheduler's state, refreshed from the scheduler on each scrape."""
+"""Prometheus metrics of the API server: request latencies and token counters it observes itself (from
+the deltas it receives), and gauges of the scheduler's state, refreshed from the scheduler on each scrape."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gapless.server.protocol import ReqDelta, Stats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -22,7 +24,17 @@ _ENGINE_GAUGES = {
 }
 
 
+class RequestClock:
+    """When one HTTP request arrived, and when each of its engine requests last produced tokens."""
+
+    def __init__(self) -> None:
+        self.arrival = time.perf_counter()
+        self.last_token: dict[str, float] = {}  # engine rid -> when its last tokens arrived
+
+
 class Metrics:
+    """The server's Prometheus registry, and the one place that observes requests into it."""
+
     def __init__(self, model: str) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model"]
@@ -48,11 +60,41 @@ class Metrics:
             registry=r,
         )
 
-    def set_engine(self, stats: dict[str, Any]) -> None:
+    def started(self) -> None:
+        """An HTTP request was submitted."""
+        self.in_flight.inc()
+
+    def ended(self) -> None:
+        """An HTTP request is done (answered, failed, or its client gone)."""
+        self.in_flight.dec()
+
+    def aborted(self) -> None:
+        """An engine request was aborted before it finished (its client went away)."""
+        self.requests.labels(self.model, "abort").inc()
+
+    def observe(self, clock: RequestClock, d: ReqDelta, now: float) -> None:
+        """Token counts and latencies of a delta that arrived at `now`; the request's totals when it ends."""
+        n = len(d.token_ids)
+        if n:
+            last = clock.last_token.get(d.rid)
+            if last is None:
+                self.ttft.labels(self.model).observe(now - clock.arrival)
+            else:
+                for _ in range(n):
+                    self.itl.labels(self.model).observe((now - last) / n)
+            clock.last_token[d.rid] = now
+            self.generation_tokens.labels(self.model).inc(n)
+        if d.finish_reason is not None:
+            self.prompt_tokens.labels(self.model).inc(d.prompt_tokens)
+            self.requests.labels(self.model, d.finish_reason).inc()
+            self.e2e.labels(self.model).observe(now - clock.arrival)
+
+    def set_engine(self, stats: Stats) -> None:
+        """Refresh the scheduler's gauges from its stats."""
         for name, (key, _) in _ENGINE_GAUGES.items():
             if key in stats:
                 self.engine[name].set(stats[key])
-        integrity = stats.get("integrity", "")
+        integrity = str(stats.get("integrity", ""))
         self.integrity.set(1 if integrity == "ok" else 0 if integrity.startswith("failed") else -1)
 
     def render(self) -> bytes:

@@ -1,20 +1,40 @@
-"""HTTP request bodies (OpenAI's, with the vLLM/SGLang extensions) and their mapping to `SamplingParams`.
+"""HTTP request bodies (OpenAI's, with the vLLM/SGLang extensions), their validation and conversion to
+engine requests, and OpenAI's error object.
 
-Bodies are decoded by msgspec straight into these structs: a body that is not JSON is a 422, a field of
-the wrong type or an out-of-range value is a 400 naming the field. Unknown fields are ignored, as
+`parse_request` is the one place a body becomes engine requests: msgspec decodes it straight into these
+structs (a body that is not JSON is a 422, a field of the wrong type a 400 naming the field), the model
+name is checked (404), and the struct's `engine_requests` checks the values (a 400 naming the field) and
+turns it into one (prompt, `SamplingParams`) pair per prompt and choice. Unknown fields are ignored, as
 OpenAI's clients send ones we have no use for (`user`, ...); fields we know but cannot honour are
 refused by name rather than silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Collection
+from dataclasses import replace
+from typing import Any, Literal, TypeGuard, TypeVar
 
 import msgspec
 
 from gapless.sampling_params import SamplingParams
+from gapless.server.protocol import ChatMessage
 
 RUN_TO_CONTEXT_END = 2**31 - 1  # max_tokens left unset: generate until the context is full (or a stop)
+
+Prompt = str | list[int] | list[ChatMessage]  # text, token ids, or a chat to render with the template
+EngineRequest = tuple[Prompt, SamplingParams]  # one prompt and choice, as the tokenizer worker takes it
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 class BadRequest(ValueError):
@@ -25,12 +45,32 @@ class BadRequest(ValueError):
         self.param, self.status = param, status
 
 
-def _is_ids(x: Any) -> bool:
+def error_body(
+    status: int, message: str, param: str | None = None, code: int | None = None
+) -> dict[str, dict[str, str | int | None]]:
+    """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def expand(prompts: list[Prompt], params: SamplingParams, n: int) -> list[EngineRequest]:
+    """One engine request per (prompt, choice). With a seed, choice j samples with seed + j: repeatable
+    across requests, and the n choices still differ."""
+    seeded = params.seed is not None
+    return [
+        (prompt, replace(params, seed=params.seed + j) if seeded and j else params)
+        for prompt in prompts
+        for j in range(n)
+    ]
+
+
+def _is_ids(x: object) -> TypeGuard[list[int]]:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def _prompt_list(p: Any, param: str, text: bool = True) -> list[str | list[int]]:
+def _prompt_list(p: object, param: str, text: bool = True) -> list[str | list[int]]:
     """One prompt or a list of them: strings (if `text`) or token-id lists; each non-empty."""
+    prompts: list[str | list[int]]
     if isinstance(p, str) and text:
         prompts = [p]
     elif _is_ids(p) and p:
@@ -107,7 +147,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Sampling, kw_only=True):
     model: str
-    prompt: str | list[Any]  # a string, token ids, or a list of either (checked in `prompts`)
+    # a string, token ids, or a list of either: any JSON list, checked in `prompts` to word the error
+    prompt: str | list[Any]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -127,6 +168,10 @@ class CompletionRequest(_Sampling, kw_only=True):
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise BadRequest(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
         return self.sampling_params(self.max_tokens, self.logprobs)
+
+    def engine_requests(self) -> list[EngineRequest]:
+        params = self.to_params()
+        return expand(self.prompts(), params, self.n)
 
 
 class ContentPart(msgspec.Struct):
@@ -174,12 +219,17 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens, logprobs)
 
+    def engine_requests(self) -> list[EngineRequest]:
+        params = self.to_params()
+        chat: list[ChatMessage] = [ChatMessage(m.role, m.text()) for m in self.messages]
+        return expand([chat], params, self.n)
+
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
     """SGLang-style native endpoint: text or token ids in, text and token ids out."""
 
     text: str | list[str] | None = None
-    input_ids: list[Any] | None = None  # token ids, or a list of them
+    input_ids: list[Any] | None = None  # token ids, or a list of them (checked in `prompts`)
     sampling_params: dict[str, Any] = {}
     stream: bool = False
 
@@ -201,9 +251,29 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
         except ValueError as e:
             raise BadRequest(str(e), str(e).split(" ", 1)[0]) from None
 
+    def engine_requests(self) -> list[EngineRequest]:
+        params = self.to_params()
+        return expand(self.prompts(), params, 1)
 
-def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode a request body: malformed JSON -> 422, wrong shape or types -> 400 naming the field."""
+
+GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest, GenerateRequest)
+
+
+def parse_request(
+    body: bytes, kind: type[GenerationRequest], model_names: Collection[str]
+) -> tuple[GenerationRequest, list[EngineRequest]]:
+    """The request in `body` and its engine requests, or BadRequest: the one place a request is checked.
+
+    Malformed JSON is a 422, a wrong shape or type a 400 naming the field, a model this server does not
+    serve a 404, and an invalid value (or one it cannot honour) a 400 naming the field."""
+    req = _decode(body, kind)
+    model = getattr(req, "model", None)  # the native endpoint names none
+    if model is not None and model not in model_names:
+        raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
+    return req, req.engine_requests()
+
+
+def _decode(body: bytes, kind: type[GenerationRequest]) -> GenerationRequest:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:

@@ -11,8 +11,6 @@ pickle, no arbitrary objects), and a malformed frame raises `msgspec.DecodeError
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from gapless.sampling_params import SamplingParams
@@ -45,9 +43,12 @@ class StatsReq(msgspec.Struct, tag=True):
     ticket: int
 
 
+Stats = dict[str, float | int | str]  # the engine's counters (`Engine.get_stats`) and the integrity check
+
+
 class StatsOut(msgspec.Struct, tag=True):
     ticket: int
-    stats: dict[str, Any]
+    stats: Stats
 
 
 class ReqUpdate(msgspec.Struct):
@@ -102,9 +103,18 @@ class ReqError(msgspec.Struct, tag=True):
     param: str | None = None
 
 
+class SchedulerInfo(msgspec.Struct):
+    """What the scheduler tells the API server once, when ready: for `/v1/models` and the ready line."""
+
+    max_context: int
+    kv_tokens: int
+    device: str
+    vocab_size: int
+
+
 class Ready(msgspec.Struct, tag=True):
     worker: str
-    info: dict[str, Any] = {}
+    info: SchedulerInfo | None = None  # the scheduler's; the other workers send none
 
 
 class Failed(msgspec.Struct, tag=True):
@@ -118,9 +128,9 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def encode(msg: Any) -> bytes:
+def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(frame: bytes) -> Any:
+def decode(frame: bytes) -> Message:
     return _decoder.decode(frame)

@@ -1,10 +1,10 @@
 """The server's worker processes: tokenizer, scheduler (engine + model runner), detokenizer.
 
-Each is a `spawn`ed process with a PULL socket it binds and PUSH sockets to the next stage (see
-`protocol`). A worker that fails to start reports `Failed` to the API server; one that dies later is
-noticed by the API server's watchdog. Workers die with their parent (`PR_SET_PDEATHSIG`), ignore
-SIGINT (a terminal's Ctrl-C reaches the whole group; the API server decides) and exit cleanly on
-SIGTERM, so a shutdown never leaves a process behind.
+Each is a child process (forked from the server's fork server, see `launch`) with a PULL socket it binds
+and PUSH sockets to the next stage (see `protocol`). A worker that fails reports `Failed` to the API
+server; one that dies without a word is noticed by the API server's watchdog. Workers die with their
+parent (`PR_SET_PDEATHSIG`), ignore SIGINT (a terminal's Ctrl-C reaches the whole group; the API server
+decides) and exit cleanly on SIGTERM, so a shutdown never leaves a process behind.
 """
 
 from __future__ import annotations
@@ -17,11 +17,20 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import zmq
 
+from gapless.config import EngineConfig
 from gapless.server import protocol as P
+
+if TYPE_CHECKING:  # imported where they run, so importing this module loads neither torch nor transformers
+    from transformers import PreTrainedTokenizerBase
+
+    from gapless.engine.engine import Engine
+    from gapless.engine.request import Req
+    from gapless.server.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +52,7 @@ class Endpoints:
         return cls(*(f"ipc://{os.path.join(path, name)}" for name in ("api", "tok", "sched", "detok")))
 
 
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
@@ -75,6 +84,8 @@ def _setup_child(parent_pid: int) -> None:
 
 
 class _Sockets:
+    """A worker's PULL socket and its PUSH sockets to the next stages, by name."""
+
     def __init__(self, bind: str, push: dict[str, str]) -> None:
         self.ctx = zmq.Context()
         self.recv = self.ctx.socket(zmq.PULL)
@@ -85,15 +96,15 @@ class _Sockets:
             sock.connect(addr)
             self.push[name] = sock
 
-    def send(self, to: str, msg: Any) -> None:
+    def send(self, to: str, msg: P.Message) -> None:
         self.push[to].send(P.encode(msg))
 
-    def poll(self, timeout_ms: int) -> Any | None:
+    def poll(self, timeout_ms: int) -> P.Message | None:
         if self.recv.poll(timeout_ms):
             return P.decode(self.recv.recv())
         return None
 
-    def messages(self) -> Iterator[Any]:
+    def messages(self) -> Iterator[P.Message]:
         """Every message that arrives, forever (waking every IDLE_POLL_MS so signals are seen)."""
         while True:
             msg = self.poll(IDLE_POLL_MS)
@@ -106,7 +117,10 @@ class _Sockets:
         self.ctx.term()
 
 
-def _run_worker(name: str, parent_pid: int, sockets: Callable[[], _Sockets], body: Callable[[_Sockets], Any]):
+def _run_worker(
+    name: str, parent_pid: int, sockets: Callable[[], _Sockets], body: Callable[[_Sockets], None]
+) -> None:
+    """Run a worker's `body` on its sockets; report a failure to the API server, then die with it."""
     _setup_child(parent_pid)
     socks = sockets()
     try:
@@ -124,7 +138,8 @@ def _run_worker(name: str, parent_pid: int, sockets: Callable[[], _Sockets], bod
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
-def _render_prompt(tokenizer: Any, req: P.TokenizeReq) -> list[int]:
+def _render_prompt(tokenizer: PreTrainedTokenizerBase, req: P.TokenizeReq) -> list[int]:
+    """The prompt's token ids: given, a chat rendered with the template, or text encoded."""
     if req.token_ids is not None:
         return req.token_ids
     if req.messages is not None:
@@ -169,7 +184,7 @@ class _Reporter:
     def __init__(self) -> None:
         self.sent: dict[str, int] = {}  # rid -> output tokens already reported
 
-    def update(self, req: Any) -> P.ReqUpdate:
+    def update(self, req: Req) -> P.ReqUpdate:
         first = req.rid not in self.sent
         start = self.sent.get(req.rid, 0)
         end = len(req.output_ids)
@@ -192,8 +207,9 @@ class _Reporter:
         )
 
 
-def _engine_stats(engine: Any) -> dict[str, Any]:
-    stats: dict[str, Any] = dict(engine.get_stats())
+def _engine_stats(engine: Engine) -> P.Stats:
+    """The engine's counters, with its KV integrity check when nothing runs (it reads every request)."""
+    stats: P.Stats = dict(engine.get_stats())
     if engine.has_unfinished():
         stats["integrity"] = "not checked: requests in flight"
     else:
@@ -205,25 +221,15 @@ def _engine_stats(engine: Any) -> dict[str, Any]:
     return stats
 
 
-def scheduler_main(ends: Endpoints, cfg: Any, parent_pid: int) -> None:
+def scheduler_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int) -> None:
     def body(socks: _Sockets) -> None:
         from gapless.engine.engine import Engine
 
         engine = Engine(cfg)
         try:
             info = engine.info
-            socks.send(
-                "api",
-                P.Ready(
-                    "scheduler",
-                    {
-                        "max_context": info.max_context,
-                        "kv_tokens": info.kv_tokens,
-                        "device": info.device,
-                        "vocab_size": info.vocab_size,
-                    },
-                ),
-            )
+            ready = P.SchedulerInfo(info.max_context, info.kv_tokens, info.device, info.vocab_size)
+            socks.send("api", P.Ready("scheduler", ready))
             _scheduler_loop(engine, socks)
         finally:
             engine.shutdown()
@@ -236,7 +242,7 @@ def scheduler_main(ends: Endpoints, cfg: Any, parent_pid: int) -> None:
     )
 
 
-def _scheduler_loop(engine: Any, socks: _Sockets) -> None:
+def _scheduler_loop(engine: Engine, socks: _Sockets) -> None:
     reporter = _Reporter()
     while True:
         # take every queued message; wait for one only when there is nothing to run
@@ -267,7 +273,7 @@ def detokenizer_main(ends: Endpoints, model: str, parent_pid: int) -> None:
         from gapless.engine.detokenize import IncrementalDetokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)
-        states: dict[str, Any] = {}
+        states: dict[str, _DetokState] = {}
         socks.send("api", P.Ready("detokenizer"))
         for msg in socks.messages():
             if not isinstance(msg, P.Updates):
@@ -291,11 +297,13 @@ def detokenizer_main(ends: Endpoints, model: str, parent_pid: int) -> None:
 
 
 class _DetokState:
-    def __init__(self, detok: Any) -> None:
+    """One request's incremental detokenizer and its count of completion tokens."""
+
+    def __init__(self, detok: IncrementalDetokenizer) -> None:
         self.detok = detok
         self.completion_tokens = 0
 
-    def delta(self, tokenizer: Any, u: P.ReqUpdate) -> P.ReqDelta:
+    def delta(self, tokenizer: PreTrainedTokenizerBase, u: P.ReqUpdate) -> P.ReqDelta:
         text = self.detok.update(u.token_ids) if u.token_ids else ""
         if u.finish_reason is not None:
             text += self.detok.finish()

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from gapless.default_model.tokenizer import build_tokenizer
 from gapless.testing.checkpoints import make_checkpoint
-from gapless.testing.tokenizer import build_tokenizer
 
 HIDDEN = 256
 # halfway to the scripted logit (~HIDDEN), 8 standard deviations above the others (~N(0, HIDDEN))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _URL = re.compile(r"serving \S+ at (http://\S+)")
@@ -96,7 +97,8 @@ class ServerProcess:
         return self.proc.wait()
 
 
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1) -> bool:
+def wait_until(predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.1) -> bool:
+    """Poll `predicate` until it is true or `timeout` seconds passed; its last truth value."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

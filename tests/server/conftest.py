@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from gapless.default_model.tokenizer import build_tokenizer
 from gapless.testing.scripted import byte_token_ids, make_scripted_checkpoint
 from gapless.testing.server import ServerProcess, alive, wait_until
-from gapless.testing.tokenizer import build_tokenizer
 
 API_KEY = "test-key"
 MAX_REQUEST_BYTES = 65536

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,9 +20,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from gapless.testing import ARCHS, build_tokenizer, cached_checkpoint, default_model_path, make_checkpoint
+import gapless
+from gapless.default_model import default_model_path
+from gapless.default_model.tokenizer import CORPUS, VOCAB_SIZE, trained_tokenizer_json
+from gapless.testing import ARCHS, build_tokenizer, cached_checkpoint, make_checkpoint
 from gapless.testing.checkpoints import model_config
-from gapless.testing.tokenizer import CORPUS, VOCAB_SIZE, _trained_tokenizer_json
 
 
 def _load(path: Path) -> torch.nn.Module:
@@ -53,8 +57,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_tokenizer_is_deterministic() -> None:
     # Each training run uses fresh Rust hash maps with new random seeds, so two runs in one
     # process are as independent as two processes.
-    first = _trained_tokenizer_json.__wrapped__()
-    assert first == _trained_tokenizer_json.__wrapped__() == _trained_tokenizer_json()
+    first = trained_tokenizer_json.__wrapped__()
+    assert first == trained_tokenizer_json.__wrapped__() == trained_tokenizer_json()
     tok = build_tokenizer()
     assert len(tok) == VOCAB_SIZE
     assert tok.eos_token == tok.pad_token == "<|endoftext|>"
@@ -234,6 +238,23 @@ def test_default_model_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     stamp = (path / "config.json").stat().st_mtime_ns
     assert default_model_path() == path
     assert (path / "config.json").stat().st_mtime_ns == stamp  # not rebuilt
+    # the default model is the tiny qwen3 test checkpoint: one recipe serves both
+    ref = make_checkpoint(tmp_path / "ref", "qwen3")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (path / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+def test_the_server_and_the_engine_do_not_import_the_test_machinery() -> None:
+    code = (
+        "import sys, gapless.server.launch, gapless.server.workers, gapless.default_model, gapless.chat, "
+        "gapless.llm; print(sorted(m for m in sys.modules if m.startswith('gapless.testing')))"
+    )
+    root = str(Path(gapless.__file__).parents[1])  # this checkout's gapless, whatever is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    assert out.strip() == "[]"
 
 
 def test_cached_checkpoint_keys_and_concurrency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

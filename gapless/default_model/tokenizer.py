@@ -1,7 +1,8 @@
 """A real byte-level BPE tokenizer, trained locally on a built-in corpus.
 
-Tests need a tokenizer that behaves like a production one (byte-level BPE, special tokens, a chat
-template, multi-byte characters split across tokens) but must never touch the network. Training a
+The default model and the test checkpoints need a tokenizer that behaves like a production one
+(byte-level BPE, special tokens, a chat template, multi-byte characters split across tokens) but must
+never touch the network. Training a
 ~1000-token BPE on a few KB of embedded text takes a fraction of a second, keeps the tiny models'
 embedding tables small, and is deterministic, so every process gets the same vocabulary.
 """
@@ -106,7 +107,7 @@ CORPUS: tuple[str, ...] = (
 
 
 @functools.lru_cache(maxsize=1)
-def _trained_tokenizer_json() -> str:
+def trained_tokenizer_json() -> str:
     """Train the BPE once per process and hand out its JSON; training is the slow part."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -123,13 +124,13 @@ def _trained_tokenizer_json() -> str:
 
 
 def build_tokenizer(save_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
-    """Return the test tokenizer (a fresh object each call), saving it to `save_dir` when given.
+    """Return the built-in tokenizer (a fresh object each call), saving it to `save_dir` when given.
 
     A fresh wrapper per call means callers may mutate it (padding side, template) without
     affecting others; only the trained vocabulary is shared.
     """
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json()),
+        tokenizer_object=Tokenizer.from_str(trained_tokenizer_json()),
         bos_token=EOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,

@@ -1,0 +1,59 @@
+"""The endpoints around generation: `/health` (no key needed), `/v1/models`, `/metrics` (Prometheus)
+and `/debug/state` (the scheduler's counters, with its KV integrity check when idle)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from gapless.server.routes.common import error_response, require_api_key, server_state
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    fatal = server_state(request).health.fatal
+    if fatal:
+        return error_response(503, fatal)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/v1/models", dependencies=[Depends(require_api_key)])
+async def models(request: Request) -> JSONResponse:
+    settings = server_state(request).settings
+    card = {
+        "id": settings.served_model,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "gapless",
+        "max_model_len": settings.info.max_context,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/metrics", dependencies=[Depends(require_api_key)])
+async def metrics(request: Request) -> Response:
+    state = server_state(request)
+    try:
+        state.metrics.set_engine(await state.client.engine_stats())
+    except asyncio.TimeoutError:
+        log.warning("scheduler stats timed out; serving the last values")
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/debug/state", dependencies=[Depends(require_api_key)])
+async def debug_state(request: Request) -> JSONResponse:
+    """The scheduler's counters and, when idle, its KV integrity check; and the API's open requests."""
+    state = server_state(request)
+    stats = await state.client.engine_stats()
+    open_requests = len(state.client.groups)
+    return JSONResponse(
+        {**stats, "api_open_requests": open_requests, "worker_pids": state.health.worker_pids}
+    )

@@ -1,0 +1,121 @@
+"""OpenAI's generation endpoints, `/v1/completions` and `/v1/chat/completions`: their response objects,
+streamed chunks and logprob formats. Requests are checked and converted in `openai_protocol`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from gapless.server import protocol as P
+from gapless.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gapless.server.routes.common import require_api_key
+from gapless.server.routes.generation import Choice, Generation, Json, count_usage, submit
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+TEXT_COMPLETION = "text_completion"
+CHAT_COMPLETION = "chat.completion"
+CHAT_CHUNK = "chat.completion.chunk"
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    req, group = await submit(request, CompletionRequest)
+    gen = Generation(request, group, "cmpl", req.model)
+    shape = _Completion(gen, req.logprobs is not None)
+    if req.stream:
+        return gen.stream(shape.chunks, gen.usage_chunk(TEXT_COMPLETION, req.include_usage, req.n))
+    choices = await gen.collect()
+    answers = [shape.choice(i, "".join(c.text), c.logprobs, c.finish_reason) for i, c in enumerate(choices)]
+    return JSONResponse(gen.envelope(TEXT_COMPLETION, answers, count_usage(choices, req.n)))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    req, group = await submit(request, ChatCompletionRequest)
+    gen = Generation(request, group, "chatcmpl", req.model)
+    shape = _Chat(gen, req.logprobs)
+    if req.stream:
+        return gen.stream(shape.chunks, gen.usage_chunk(CHAT_CHUNK, req.include_usage, req.n))
+    choices = await gen.collect()
+    answers = [shape.answer(i, c) for i, c in enumerate(choices)]
+    return JSONResponse(gen.envelope(CHAT_COMPLETION, answers, count_usage(choices, req.n)))
+
+
+class _Completion:
+    """A completion's choices, whole or as stream chunks (with each chunk's offset into its text)."""
+
+    def __init__(self, gen: Generation, with_logprobs: bool) -> None:
+        self.gen, self.with_logprobs = gen, with_logprobs
+        self.offsets = [0] * gen.count  # per choice: the length of the text streamed so far
+
+    def choice(
+        self, index: int, text: str, lps: list[P.TokenLogprob] | None, finish: str | None, offset: int = 0
+    ) -> Json:
+        lp = _completion_logprobs(lps, offset) if self.with_logprobs and lps is not None else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def chunks(self, index: int, d: P.ReqDelta, c: Choice) -> list[Json]:
+        if not d.text and d.finish_reason is None and not d.logprobs:
+            return []
+        out = self.choice(index, d.text, d.logprobs, c.finish_reason, self.offsets[index])
+        self.offsets[index] += len(d.text)
+        return [self.gen.envelope(TEXT_COMPLETION, [out])]
+
+
+class _Chat:
+    """A chat completion's messages, whole or as stream chunks (a choice's first chunk names the role)."""
+
+    def __init__(self, gen: Generation, with_logprobs: bool) -> None:
+        self.gen, self.with_logprobs = gen, with_logprobs
+        self.started = [False] * gen.count
+
+    def logprobs(self, lps: list[P.TokenLogprob] | None) -> Json | None:
+        return _chat_logprobs(lps) if self.with_logprobs and lps is not None else None
+
+    def answer(self, index: int, c: Choice) -> Json:
+        message = {"role": "assistant", "content": "".join(c.text)}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": self.logprobs(c.logprobs),
+            "finish_reason": c.finish_reason,
+        }
+
+    def chunks(self, index: int, d: P.ReqDelta, c: Choice) -> list[Json]:
+        out: list[Json] = []
+        if not self.started[index]:
+            self.started[index] = True
+            role = {"role": "assistant", "content": ""}
+            out.append({"index": index, "delta": role, "logprobs": None, "finish_reason": None})
+        if d.text or d.logprobs or d.finish_reason is not None:
+            delta = {"content": d.text} if d.text else {}
+            logprobs = self.logprobs(d.logprobs)
+            out.append(
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            )
+        return [self.gen.envelope(CHAT_CHUNK, [o]) for o in out]
+
+
+def _completion_logprobs(lps: list[P.TokenLogprob], offset: int = 0) -> Json:
+    offsets, pos = [], offset
+    for lp in lps:
+        offsets.append(pos)
+        pos += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t: v for t, _, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(lps: list[P.TokenLogprob]) -> Json:
+    def entry(token: str, logprob: float) -> Json:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, _, v in lp.top]} for lp in lps
+        ]
+    }

@@ -1,0 +1,33 @@
+"""What the API server's handlers share, one object per concern: the settings they answer by, the
+client of the worker pipeline (with the requests in flight), the server's health, and its metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gapless.server.engine_client import EngineClient
+from gapless.server.health import Health
+from gapless.server.metrics import Metrics
+from gapless.server.protocol import SchedulerInfo
+
+
+@dataclass(frozen=True)
+class Settings:
+    served_model: str  # the model's id in the API
+    model_path: str  # also accepted as the model's id
+    info: SchedulerInfo  # what the scheduler reported when it was ready
+    api_key: str | None = None  # every endpoint but /health needs it as a Bearer token when set
+    max_request_bytes: int = 32 << 20  # larger bodies get a 413
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """The names a request may give as its `model`."""
+        return frozenset((self.served_model, self.model_path))
+
+
+@dataclass(frozen=True)
+class ServerState:
+    settings: Settings
+    client: EngineClient
+    health: Health
+    metrics: Metrics

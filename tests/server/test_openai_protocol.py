@@ -1,0 +1,82 @@
+"""`parse_request`, the one place a request body is checked and turned into engine requests, without a
+server: what each endpoint's body becomes, and which error wins when a body has several."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gapless.sampling_params import SamplingParams
+from gapless.server.health import Health
+from gapless.server.openai_protocol import (
+    RUN_TO_CONTEXT_END,
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    parse_request,
+)
+from gapless.server.protocol import ChatMessage
+
+NAMES = {"tiny", "/models/tiny"}
+
+
+def parse(kind, **body):
+    return parse_request(json.dumps(body).encode(), kind, NAMES)
+
+
+def refusal(kind, body: bytes | dict) -> BadRequest:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(BadRequest) as e:
+        parse_request(raw, kind, NAMES)
+    return e.value
+
+
+def test_completion_becomes_one_request_per_prompt_and_choice_with_seeds_apart():
+    req, engine = parse(CompletionRequest, model="tiny", prompt=["a", [5, 6]], n=2, seed=7, max_tokens=3)
+    assert req.n == 2
+    assert [p for p, _ in engine] == ["a", "a", [5, 6], [5, 6]]
+    assert [sp.seed for _, sp in engine] == [7, 8, 7, 8]
+    assert all(sp.max_tokens == 3 for _, sp in engine)
+
+
+def test_chat_becomes_messages_and_defaults_run_to_the_context_end():
+    content = [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]
+    _, engine = parse(
+        ChatCompletionRequest, model="/models/tiny", messages=[{"role": "user", "content": content}]
+    )
+    [(prompt, params)] = engine
+    assert prompt == [ChatMessage("user", "hi there")]
+    assert params.max_tokens == RUN_TO_CONTEXT_END and params.logprobs is None
+
+
+def test_generate_takes_sampling_params_names_and_needs_no_model():
+    _, engine = parse(GenerateRequest, input_ids=[[1, 2], [3]], sampling_params={"max_new_tokens": 4})
+    assert engine == [([1, 2], SamplingParams(max_tokens=4)), ([3], SamplingParams(max_tokens=4))]
+
+
+def test_errors_come_in_order_json_then_shape_then_model_then_values():
+    assert refusal(CompletionRequest, b"{").status == 422
+    shape = refusal(CompletionRequest, {"model": "nope", "prompt": "x", "max_tokens": "many"})
+    assert (shape.status, shape.param) == (400, "max_tokens")
+    model = refusal(CompletionRequest, {"model": "nope", "prompt": [], "echo": True})
+    assert (model.status, model.param) == (404, "model")
+    # values: the unsupported options and sampling values before the prompt
+    value = refusal(CompletionRequest, {"model": "tiny", "prompt": [], "echo": True})
+    assert (value.status, value.param) == (400, "echo")
+    assert (
+        refusal(CompletionRequest, {"model": "tiny", "prompt": [], "temperature": -1}).param == "temperature"
+    )
+    assert refusal(CompletionRequest, {"model": "tiny", "prompt": []}).param == "prompt"
+    assert refusal(GenerateRequest, {"text": "", "sampling_params": {"bogus": 1}}).param == "sampling_params"
+
+
+def test_health_fails_once_and_tells_its_listeners_in_order():
+    health, heard = Health(), []
+    health.on_fatal(lambda why: heard.append(("first", why)))
+    health.on_fatal(lambda why: heard.append(("second", why)))
+    health.fail("worker died")
+    health.fail("and again")
+    assert health.fatal == "worker died"
+    assert heard == [("first", "worker died"), ("second", "worker died")]
