@@ -1,7 +1,7 @@
 """The shape of the code, checked on every run: lint clean (complexity included) and imports that run one
 way, with no circle.
 
-The layers, bottom to top (DESIGN.md): plain option types; memory; attention and sampling; the model;
+The layers, bottom to top (DESIGN.md): plain option types (and the default model's maker); memory; attention and sampling; the model;
 the engine; the server and the offline `LLM`; the programs and test support on top. A module may import
 its own layer and the layers below it, never one above: so the device side never reaches back into the
 scheduler, nor the engine into the server.
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gapless"
 
 LAYERS: list[set[str]] = [
-    {"config", "sampling_params", "tensors"},
+    {"config", "sampling_params", "tensors", "default_model"},
     {"memory"},
     {"attention", "sampling"},
     {"model"},

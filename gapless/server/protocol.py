@@ -61,7 +61,6 @@ class ReqUpdate(msgspec.Struct):
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
-    stop_str_hit: str | None = None
     # set on a request's first update only: what the detokenizer needs to know of it
     stop: list[str] | None = None
     skip_special_tokens: bool = True

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # imported where they run, so importing this module loads nei
 
     from gapless.engine.engine import Engine
     from gapless.engine.request import Req
-    from gapless.server.detokenizer import IncrementalDetokenizer
+    from gapless.engine.detokenize import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,6 @@ class _Reporter:
             logprobs=req.output_logprobs[start:end] if with_lp else None,
             top_logprobs=req.output_top_logprobs[start:end] if with_lp else None,
             finish_reason=req.finish_reason if req.finished else None,
-            stop_str_hit=req.stop_str_hit,
             stop=list(req.params.stop) if first else None,
             skip_special_tokens=req.params.skip_special_tokens,
         )
