@@ -28,9 +28,9 @@ from gapless.server import protocol as P
 if TYPE_CHECKING:  # imported where they run, so importing this module loads neither torch nor transformers
     from transformers import PreTrainedTokenizerBase
 
+    from gapless.engine.detokenize import IncrementalDetokenizer
     from gapless.engine.engine import Engine
     from gapless.engine.request import Req
-    from gapless.engine.detokenize import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
