@@ -1,4 +1,4 @@
-"""Paged attention in Triton: ragged extend (prefill), split-KV decode, and a fused KV store.
+"""Paged attention in Triton: ragged extend (prefill) and split-KV decode.
 
 Keys and values are never copied into a contiguous per-request buffer: every kernel reads them through
 the request table (`req_table[rows[b], j]` is the KV slot of token j of request b), a block of slots at a
@@ -13,7 +13,6 @@ time, so the cache layout (page size, fragmentation, a prefix that ends mid-page
   log-sum-exp. Stage 2 merges the splits of each (request, head). The number of splits is a host int
   chosen from `max_seq_len` and the batch size, so a long context is spread over many programs even when
   the batch is small.
-- `store_kv`: writes new K/V rows into their cache slots.
 
 Launchers read grid sizes from host ints (`max_extend_len`, `max_seq_len`, shapes) and never sync the
 device. Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale). Head dims need not be powers
@@ -328,39 +327,6 @@ def _decode_reduce_kernel(
     tl.store(Out + q_row * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
-def _store_kv_kernel(
-    K,
-    V,
-    KCache,
-    VCache,
-    Loc,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kct,
-    stride_kch,
-    stride_vct,
-    stride_vch,
-    KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(Loc + t).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    k_dst = KCache + slot * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
-    v_dst = VCache + slot * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(k_dst, k.to(KCache.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(VCache.dtype.element_ty), mask=mask)
-
-
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -553,37 +519,3 @@ def decode_attention(
         num_warps=2,
     )
     return out
-
-
-def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Write k/v [T, kv_heads, d] into cache slots `loc` [T] (cast to the cache dtype), in place."""
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:] or k_cache.shape != v_cache.shape:
-        raise ValueError(f"shape mismatch: k/v {tuple(k.shape)}, caches {tuple(k_cache.shape)}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the caches' last dimension must be contiguous (they are written in place)")
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    T, kv_heads, d = k.shape
-    if T == 0:
-        return
-    _store_kv_kernel[(T,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        loc,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        KV_HEADS=kv_heads,
-        HEAD_DIM=d,
-        BLOCK_H=triton.next_power_of_2(kv_heads),
-        BLOCK_D=triton.next_power_of_2(d),
-        num_warps=1 if kv_heads * d <= 512 else 4,
-    )
