@@ -131,9 +131,9 @@ def test_seeded_sampling_same_with_and_without_overlap(qwen3):
 
 
 def test_reading_an_unwritten_future_slot_fails_loudly(qwen3):
-    with LLM(qwen3, device="cpu", overlap=False, kv_cache_tokens=512) as llm:
+    # chaos_seed installs the checking runner
+    with LLM(qwen3, device="cpu", overlap=False, kv_cache_tokens=512, chaos_seed=0) as llm:
         eng = llm.engine
-        eng.runner.check_future_reads = True
         req = eng.add_request([5, 6, 7], GREEDY)
         eng.step()  # prefill: samples the first token into the row's slot
         eng.step()  # decode: consumes it (slot marked invalid), samples the next
