@@ -104,7 +104,6 @@ class ModelRunner:
                 req_table=self.req_table,
                 token_buf=self.token_buf,
                 pad_row=self.pad_row,
-                max_context=self.max_context,
                 hidden_size=mcfg.hidden_size,
                 dtype=self.dtype,
             )
