@@ -35,7 +35,7 @@ class _State:
 class TritonBackend:
     def __init__(self, num_splits: int | None = None) -> None:
         """`num_splits` fixes the decode split count (tests); by default it follows the batch."""
-        from gapless.attention import triton_kernels
+        import gapless.attention.triton_kernels as triton_kernels
 
         self._k = triton_kernels
         self.num_splits = num_splits
