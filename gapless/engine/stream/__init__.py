@@ -4,8 +4,9 @@ One interface (`base.DeviceStream`): `submit(batch) -> Pending`, `Pending.result
 The scheduler runs the same code on every stream; it reads `asynchronous` only to know whether the time
 `submit` took is host time (a launch) or the device job itself (the inline stream). The streams:
 
-- `InlineStream` (inline.py): runs the job in the caller's thread, at submit. The plain loop's stream on
-  a CPU, and the overlap loop's where the machine has too few cores for a device process.
+- `InlineStream` (inline.py): runs the job in the caller's thread, at submit. `cpu_worker="auto"` picks
+  it for the plain loop on a CPU, and for the overlap loop where there are too few cores for a device
+  process (see `cpu_worker`).
 - `ThreadStream` (thread.py): a worker thread running jobs in FIFO order, futures as events.
 - `ProcessStream` (process.py): a device process that owns the weights, KV pool, request table and
   future-token slots, fed jobs through a pipe: what really overlaps host and device on a CPU.

@@ -11,9 +11,10 @@ from gapless.sampling.sampler import HostSamples
 
 
 class InlineStream:
-    """No overlap: `submit` returns when the job is done. The CPU stream of the plain loop, and of the
-    overlap loop where a device process would cost more than overlap hides (fewer than 4 cores, see
-    `make_stream`). The worker thread and the device process run their jobs through one too."""
+    """No overlap: `submit` returns when the job is done. On a CPU, `cpu_worker="auto"` picks it for the
+    plain loop, and for the overlap loop where a device process would cost more than overlap hides (fewer
+    than 4 cores, see `stream.cpu_worker`). The worker thread and the device process run their jobs
+    through one too."""
 
     asynchronous = False
 
