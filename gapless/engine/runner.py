@@ -76,7 +76,8 @@ class ModelRunner:
         # One request-table row and token slot past the scheduler's rows, never handed out: padded decode
         # rows (CUDA graphs) and memory-measuring dummies use it. Its token slot always holds a valid id.
         self.pad_row = max_rows
-        # future-token slots: the last sampled token of the request in each row (-1: none yet)
+        # future-token slots: the last sampled token of the request in each row (-1: none yet; under
+        # chaos_seed also read already, see stream/chaos.py)
         self.token_buf = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=self.device)
         self.token_buf[self.pad_row] = 0
         self.graphs: GraphRunner | None = None
