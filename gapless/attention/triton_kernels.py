@@ -91,7 +91,7 @@ def _attend_block(
         mask=kv_mask[None, :] & d_mask[:, None],
         other=0.0,
     )  # [BLOCK_D, BLOCK_N]
-    # the dot's variants are spelt out: a nested @jit call per dot is slow under the interpreter
+    # the dot's variants are spelt out, not a helper each: nested @jit calls are slow under the interpreter
     if UPCAST:
         k = k.to(tl.float32)
     if IEEE:

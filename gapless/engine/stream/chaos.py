@@ -5,7 +5,8 @@ every future-token slot a decode reads.
 `ChaosStream` around the stream the host submits to, shaking the host loop (delays before a launch and
 before a batch's results are processed), and another around the jobs the device side runs (delays
 before and after each job; in the worker thread or the device process, which builds its own runner).
-The same seed gives the same delays, so an interleaving that breaks can be replayed.
+A seed fixes the sequence of delays (not the threads' own timing), so several seeds shake different
+interleavings.
 
 `FutureCheckingRunner` marks a row's future-token slot consumed (-1) once a decode has read it, and
 raises when a decode would read a slot the sampler has not written since: overlap scheduling must never
