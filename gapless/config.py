@@ -1,4 +1,5 @@
-"""One config tree for the engine (and, later, the server): every option, its default and its check."""
+"""The engine's options in one dataclass: every option, its default and its check, and a command-line
+flag for each (`add_engine_args`). The server's own options (host, port, API key) are its launcher's."""
 
 from __future__ import annotations
 
@@ -39,13 +40,16 @@ class EngineConfig:
     # overlap scheduling: the host schedules batch N+1 and processes batch N-1 while the device runs N.
     # Off with overlap=False, `--disable-overlap`, or GAPLESS_DISABLE_OVERLAP=1.
     overlap: bool = field(default_factory=lambda: os.environ.get("GAPLESS_DISABLE_OVERLAP", "0") in ("", "0"))
-    cpu_worker: str = (
-        "auto"  # CPU device side: auto (process if overlapping, else inline), inline, thread, process
-    )
-    device_threads: int | None = None  # torch threads of the device side (None: torch's default)
-    # CPU device process: pin the host to one core and the device to the others (restored on shutdown)
+    # where the device side runs on a CPU: inline, thread (a worker thread) or process (a device process);
+    # auto: the device process when overlapping on a machine with at least 4 cores, else inline
+    cpu_worker: str = "auto"
+    # torch threads of the device side; None: torch's default (a pinned device process: one per core it has)
+    device_threads: int | None = None
+    # CPU device process: pin the host to one core and the device to the others (undone when it closes)
     cpu_affinity: bool = True
-    chaos_seed: int | None = None  # tests: seeded random delays in the device worker and the host loop
+    # testing only: seeded random delays on both sides of the device stream, and a runner that raises when
+    # a decode reads an unwritten future-token slot (a host sync per decode); see engine/stream/chaos.py
+    chaos_seed: int | None = None
     trace_path: str | None = None  # write a Chrome/Perfetto trace of host and device spans here on shutdown
     # scheduler tuning (SGLang's defaults): the expected share of max_tokens a request will really use
     init_new_token_ratio: float = 0.7
@@ -95,6 +99,7 @@ class EngineConfig:
 # bool options whose command-line flag reads better negated (default on)
 _NEGATED_FLAGS = {"overlap": "--disable-overlap", "radix_cache": "--disable-radix-cache"}
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
+_FLAG_HELP = {"chaos_seed": "testing only: seeded random delays around the device stream, future-slot checks"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +124,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             dest=f.name,
             type=_FLAG_TYPES[kind],
             default=None,
-            help=f"default: {default}" if default is not None else None,
+            help=_FLAG_HELP.get(f.name, f"default: {default}" if default is not None else None),
         )
 
 

@@ -1,8 +1,8 @@
 """The Triton attention backend: `gapless.attention.triton_kernels` behind the `AttentionBackend` protocol.
 
-The kernels read the metadata tensors directly, so `prepare` only normalises them (contiguous, on one
-device) and keeps the host ints; the decode split count and its fp32 scratch buffers are settled by the
-first layer's `forward` and reused by the rest, since every layer of a batch has the same shapes.
+The kernels read the metadata tensors directly, so `prepare` only makes them contiguous, once per batch;
+the decode split count and its fp32 scratch buffers are settled by the first layer's `forward` and
+reused by the rest, since every layer of a batch has the same shapes.
 
 Triton itself is imported only when a `TritonBackend` is made, so importing `gapless.attention` works
 without it.
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gapless.attention.base import AttentionMetadata
+from gapless.tensors import map_tensors
 
 _CPU_SM_STANDIN = 8  # for the interpreter's split heuristic: a few splits, not one per key block
 
@@ -27,21 +28,14 @@ def interpret_requested() -> bool:
 
 @dataclass
 class _State:
-    rows: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
-    q_start: torch.Tensor
-    req_table: torch.Tensor
-    max_extend_len: int
-    max_seq_len: int
-    is_decode: bool
+    meta: AttentionMetadata  # with contiguous tensors, as the kernels index them
     scratch: dict[tuple, Any] = field(default_factory=dict)  # decode: (splits, mid_o, mid_lse) by shape
 
 
 class TritonBackend:
     def __init__(self, num_splits: int | None = None) -> None:
         """`num_splits` fixes the decode split count (tests); by default it follows the batch."""
-        from gapless.attention import triton_kernels
+        import gapless.attention.triton_kernels as triton_kernels
 
         self._k = triton_kernels
         self.num_splits = num_splits
@@ -61,16 +55,7 @@ class TritonBackend:
         return self._sms[device]
 
     def prepare(self, meta: AttentionMetadata) -> _State:
-        return _State(
-            rows=meta.rows.contiguous(),
-            prefix_lens=meta.prefix_lens.contiguous(),
-            extend_lens=meta.extend_lens.contiguous(),
-            q_start=meta.q_start.contiguous(),
-            req_table=meta.req_table if meta.req_table.stride(-1) == 1 else meta.req_table.contiguous(),
-            max_extend_len=meta.max_extend_len,
-            max_seq_len=meta.max_seq_len,
-            is_decode=meta.is_decode,
-        )
+        return _State(map_tensors(meta, self._k.last_dim_contiguous))
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, state: _State, scale: float
@@ -80,41 +65,25 @@ class TritonBackend:
                 "Triton kernels got CPU tensors but were not built for the interpreter: set "
                 "TRITON_INTERPRET=1 before gapless.attention.triton_kernels is first imported"
             )
-        if not state.is_decode:
-            return self._k.extend_attention(
-                q,
-                k_cache,
-                v_cache,
-                state.rows,
-                state.prefix_lens,
-                state.extend_lens,
-                state.q_start,
-                state.req_table,
-                state.max_extend_len,
-                scale,
-            )
-        batch, heads, d = state.rows.shape[0], q.shape[1], q.shape[2]
+        if not state.meta.is_decode:
+            return self._k.extend_attention(q, k_cache, v_cache, state.meta, scale)
+        splits, mid_o, mid_lse = self._decode_scratch(state, q, k_cache)
+        return self._k.decode_attention(
+            q, k_cache, v_cache, state.meta, splits, scale, mid_o=mid_o, mid_lse=mid_lse
+        )
+
+    def _decode_scratch(
+        self, state: _State, q: torch.Tensor, k_cache: torch.Tensor
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The batch's decode split count and fp32 split buffers, made by its first layer."""
+        batch, heads, d = state.meta.batch_size, q.shape[1], q.shape[2]
         key = (heads, k_cache.shape[1], d, q.device)
         if key not in state.scratch:
             splits = self.num_splits or self._k.decode_num_splits(
-                batch, k_cache.shape[1], state.max_seq_len, self._num_sms(q.device)
+                batch, k_cache.shape[1], state.meta.max_seq_len, self._num_sms(q.device)
             )
             splits = max(1, min(splits, self._k.MAX_SPLITS))
             mid_o = torch.empty(batch, heads, splits, d, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
             state.scratch[key] = (splits, mid_o, mid_lse)
-        splits, mid_o, mid_lse = state.scratch[key]
-        return self._k.decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            state.rows,
-            state.prefix_lens,
-            state.extend_lens,
-            state.q_start,
-            state.req_table,
-            splits,
-            scale,
-            mid_o=mid_o,
-            mid_lse=mid_lse,
-        )
+        return state.scratch[key]

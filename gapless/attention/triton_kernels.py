@@ -1,4 +1,4 @@
-"""Paged attention in Triton: ragged extend (prefill), split-KV decode, and a fused KV store.
+"""Paged attention in Triton: ragged extend (prefill) and split-KV decode.
 
 Keys and values are never copied into a contiguous per-request buffer: every kernel reads them through
 the request table (`req_table[rows[b], j]` is the KV slot of token j of request b), a block of slots at a
@@ -13,7 +13,6 @@ time, so the cache layout (page size, fragmentation, a prefix that ends mid-page
   log-sum-exp. Stage 2 merges the splits of each (request, head). The number of splits is a host int
   chosen from `max_seq_len` and the batch size, so a long context is spread over many programs even when
   the batch is small.
-- `store_kv`: writes new K/V rows into their cache slots.
 
 Launchers read grid sizes from host ints (`max_extend_len`, `max_seq_len`, shapes) and never sync the
 device. Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale). Head dims need not be powers
@@ -42,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gapless.attention.base import AttentionMetadata
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 _LOG2E = 1.4426950408889634
@@ -61,11 +62,69 @@ else:
 
 
 @triton.jit
+def _attend_block(
+    q,
+    K,
+    V,
+    slots,
+    visible,
+    kv_mask,
+    kvh,
+    offs_d,
+    d_mask,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    scale_log2,
+    m_i,
+    l_i,
+    acc,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One block of keys of the online softmax, for both kernels: scores of `q` [M, BLOCK_D] against the
+    keys in `slots` [BLOCK_N] where `visible` [M or 1, BLOCK_N] (others -inf), then the running max `m_i`,
+    sum `l_i` and accumulator `acc` rescaled and updated with the block's values. Returns them."""
+    k = tl.load(
+        K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+        mask=kv_mask[None, :] & d_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_D, BLOCK_N]
+    # the dot's variants are spelt out, not a helper each: nested @jit calls are slow under the interpreter
+    if UPCAST:
+        k = k.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = tl.where(visible, s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, _max(s, 1))
+    # a row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids (-inf) - (-inf)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
+    l_i = l_i * alpha + _sum(p, 1)
+    v = tl.load(
+        V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+        mask=kv_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_D]
+    p = p.to(V.dtype.element_ty)  # P @ V in the input dtype, as flash attention does
+    if UPCAST:
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(
     Q,
     K,
     V,
-    Out,
     Rows,
     PrefixLens,
     ExtendLens,
@@ -78,9 +137,10 @@ def _extend_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
+    stride_table,
+    Out,
     stride_ot,
     stride_oh,
-    stride_table,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -125,39 +185,11 @@ def _extend_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(
-            K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-            mask=n_mask[None, :] & d_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        # nested @jit calls are slow under the interpreter, so the dot's variants are spelt out here
-        if UPCAST:
-            k = k.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale_log2
-        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, _max(s, 1))
-        # a row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids (-inf) - (-inf)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + _sum(p, 1)
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        p = p.to(V.dtype.element_ty)  # P @ V in the input dtype, as flash attention does
-        if UPCAST:
-            p, v = p.to(tl.float32), v.to(tl.float32)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])  # causal
+        m_i, l_i, acc = _attend_block(
+            q, K, V, slots, visible, n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
+            scale_log2, m_i, l_i, acc, IEEE, UPCAST,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -179,8 +211,6 @@ def _decode_split_kernel(
     Q,
     K,
     V,
-    MidO,
-    MidLse,
     Rows,
     PrefixLens,
     ExtendLens,
@@ -193,12 +223,14 @@ def _decode_split_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
+    stride_table,
+    MidO,
+    MidLse,
     stride_mo_b,
     stride_mo_h,
     stride_mo_s,
     stride_ml_b,
     stride_ml_h,
-    stride_table,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -240,38 +272,10 @@ def _decode_split_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(
-            K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-            mask=n_mask[None, :] & d_mask[:, None],
-            other=0.0,
-        )
-        # nested @jit calls are slow under the interpreter, so the dot's variants are spelt out here
-        if UPCAST:
-            k = k.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, _max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + _sum(p, 1)
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-        p = p.to(V.dtype.element_ty)  # P @ V in the input dtype, as flash attention does
-        if UPCAST:
-            p, v = p.to(tl.float32), v.to(tl.float32)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, K, V, slots, n_mask[None, :], n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt,
+            stride_vh, scale_log2, m_i, l_i, acc, IEEE, UPCAST,
+        )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
@@ -328,39 +332,6 @@ def _decode_reduce_kernel(
     tl.store(Out + q_row * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
-def _store_kv_kernel(
-    K,
-    V,
-    KCache,
-    VCache,
-    Loc,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kct,
-    stride_kch,
-    stride_vct,
-    stride_vch,
-    KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(Loc + t).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    k_dst = KCache + slot * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
-    v_dst = VCache + slot * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(k_dst, k.to(KCache.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(VCache.dtype.element_ty), mask=mask)
-
-
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -372,7 +343,8 @@ def _dot_flags(dtype: torch.dtype) -> dict[str, bool]:
     return {"IEEE": dtype == torch.float32 or upcast, "UPCAST": upcast}
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x`, copied only if its last dimension is strided: the kernels index rows by stride, elements by 1."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -389,30 +361,45 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[1]} kv heads")
 
 
+def _paged_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> tuple:
+    """The arguments both attention kernels start with: q, the caches, the batch's metadata, the scale
+    (base 2) and the strides. q and the caches are checked and made last-dim contiguous here; `meta`'s
+    tensors must already be contiguous (`TritonBackend.prepare` makes them so, once per batch)."""
+    _check(q, k_cache, v_cache)
+    q, k_cache, v_cache = map(last_dim_contiguous, (q, k_cache, v_cache))
+    return (
+        q,
+        k_cache,
+        v_cache,
+        meta.rows,
+        meta.prefix_lens,
+        meta.extend_lens,
+        meta.q_start,
+        meta.req_table,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        meta.req_table.stride(0),
+    )
+
+
 def extend_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    rows: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    q_start: torch.Tensor,
-    req_table: torch.Tensor,
-    max_extend_len: int,
-    scale: float,
-    out: torch.Tensor | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens to its cached prefix and to each other.
 
-    q: [T, heads, d] (flat, request b's tokens at `q_start[b]`); caches: [slots, kv_heads, d]; the new
-    tokens' K/V must already be in the cache. Returns [T, heads, d] in q's dtype."""
-    _check(q, k_cache, v_cache)
-    q, k_cache, v_cache = map(_last_dim_contiguous, (q, k_cache, v_cache))
+    q: [T, heads, d] (flat, request b's tokens at `meta.q_start[b]`); caches: [slots, kv_heads, d]; the
+    new tokens' K/V must already be in the cache. Returns [T, heads, d] in q's dtype."""
+    args = _paged_args(q, k_cache, v_cache, meta, scale)
     T, heads, d = q.shape
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    batch = rows.shape[0]
-    if T == 0 or batch == 0 or max_extend_len == 0:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if T == 0 or meta.batch_size == 0 or meta.max_extend_len == 0:
         return out
     block_d = _block_d(d)
     if block_d <= 64:
@@ -421,27 +408,12 @@ def extend_attention(
         block_m, block_n = 64, 64 if q.element_size() <= 2 else 32
     else:
         block_m, block_n = 32, 32
-    grid = (triton.cdiv(max_extend_len, block_m), batch, heads)
+    grid = (triton.cdiv(meta.max_extend_len, block_m), meta.batch_size, heads)
     _extend_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
+        *args,
         out,
-        rows,
-        prefix_lens,
-        extend_lens,
-        q_start,
-        req_table,
-        scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
         out.stride(0),
         out.stride(1),
-        req_table.stride(0),
         GROUP=heads // k_cache.shape[1],
         HEAD_DIM=d,
         BLOCK_D=block_d,
@@ -466,14 +438,9 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    rows: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    q_start: torch.Tensor,
-    req_table: torch.Tensor,
+    meta: AttentionMetadata,
     num_splits: int,
     scale: float,
-    out: torch.Tensor | None = None,
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -481,13 +448,11 @@ def decode_attention(
 
     `mid_o` [B, heads, >=num_splits, d] and `mid_lse` [B, heads, >=num_splits] fp32 are scratch; pass
     them to reuse one allocation across layers."""
-    _check(q, k_cache, v_cache)
-    q, k_cache, v_cache = map(_last_dim_contiguous, (q, k_cache, v_cache))
+    args = _paged_args(q, k_cache, v_cache, meta, scale)
     T, heads, d = q.shape
     kv_heads = k_cache.shape[1]
-    batch = rows.shape[0]
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    batch = meta.batch_size
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or batch == 0:
         return out
     num_splits = max(1, min(num_splits, MAX_SPLITS))
@@ -498,30 +463,12 @@ def decode_attention(
     group = heads // kv_heads
     block_d = _block_d(d)
     block_n = _DECODE_BLOCK_N if block_d <= 128 else 32
+    mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
+        *args,
         mid_o,
         mid_lse,
-        rows,
-        prefix_lens,
-        extend_lens,
-        q_start,
-        req_table,
-        scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        req_table.stride(0),
+        *mid_strides,
         GROUP=group,
         HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
@@ -535,15 +482,11 @@ def decode_attention(
         mid_o,
         mid_lse,
         out,
-        prefix_lens,
-        extend_lens,
-        q_start,
+        meta.prefix_lens,
+        meta.extend_lens,
+        meta.q_start,
         num_splits,
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
+        *mid_strides,
         out.stride(0),
         out.stride(1),
         HEAD_DIM=d,
@@ -553,37 +496,3 @@ def decode_attention(
         num_warps=2,
     )
     return out
-
-
-def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Write k/v [T, kv_heads, d] into cache slots `loc` [T] (cast to the cache dtype), in place."""
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:] or k_cache.shape != v_cache.shape:
-        raise ValueError(f"shape mismatch: k/v {tuple(k.shape)}, caches {tuple(k_cache.shape)}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the caches' last dimension must be contiguous (they are written in place)")
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    T, kv_heads, d = k.shape
-    if T == 0:
-        return
-    _store_kv_kernel[(T,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        loc,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        KV_HEADS=kv_heads,
-        HEAD_DIM=d,
-        BLOCK_H=triton.next_power_of_2(kv_heads),
-        BLOCK_D=triton.next_power_of_2(d),
-        num_warps=1 if kv_heads * d <= 512 else 4,
-    )

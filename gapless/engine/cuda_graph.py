@@ -66,15 +66,13 @@ class GraphRunner:
         req_table: ReqTable,
         token_buf: torch.Tensor,
         pad_row: int,
-        max_context: int,
         hidden_size: int,
         dtype: torch.dtype,
     ) -> None:
         """`forward_tokens` runs the decoder; `req_table` and `token_buf` (the future-token slots) are
-        the device state a decode reads; `pad_row` is the reserved request-table row padded columns
-        use (its token slot must hold a valid id); `max_context` bounds every request's length."""
+        the device state a decode reads (the table's width bounds every request's length); `pad_row` is
+        the reserved request-table row padded columns use (its token slot must hold a valid id)."""
         self.forward_tokens, self.req_table, self.token_buf = forward_tokens, req_table, token_buf
-        self.max_context = max_context
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = max_bs
         self.device = dev = token_buf.device
@@ -109,7 +107,7 @@ class GraphRunner:
             q_start=self.q_start[:n],
             req_table=self.req_table.device_table,
             max_extend_len=1,
-            max_seq_len=self.max_context,
+            max_seq_len=self.req_table.max_context,
             is_decode=True,
         )
         self.hidden[:n].copy_(self.forward_tokens(self.token_buf[rows], positions, out_slots, meta))

@@ -46,10 +46,6 @@ class KVPool:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
-    @property
-    def size_bytes(self) -> int:
-        return self.k_buffer.nbytes + self.v_buffer.nbytes
-
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` (``[n, kvh, hd]``) into ``slots`` (int64 ``[n]``, on the pool's device) in place.
 

@@ -1,9 +1,11 @@
-"""Building blocks of the decoder, written tensor-parallel-ready.
+"""Building blocks of the decoder.
 
-Linear and embedding layers are column- or row-parallel over a world of size `tp_size` (1 for now).
-Each parameter carries a `weight_loader` that copies its shard out of a full checkpoint tensor, so
-tensor parallelism over `torch.distributed` later changes `tp_rank`/`tp_size` and an all-reduce,
-not the model code.
+The linear and embedding layers carry the names of their tensor-parallel roles (column-parallel: split by
+output features; row-parallel: split by input features, partial sums all-reduced; vocab-parallel: split
+by vocabulary rows), so the decoder already says where tensor parallelism will shard it. For now they run
+on one rank and hold whole weights; tensor parallelism will give them a rank, shard their weights in
+`load_shard` and add the collectives, without touching the model code. Each parameter carries a
+`weight_loader` that copies it (or its fused shard) out of a checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -28,122 +30,76 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: A
     param.data.copy_(loaded)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W split by output rows across ranks; each rank holds out_features/tp_size rows."""
+class _Linear(nn.Module):
+    """y = x W^T + b, with W and b loaded whole from the checkpoint (through `load_shard`)."""
 
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        assert out_features % tp_size == 0, "output features must divide by the tensor-parallel size"
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.out_per_rank = out_features // tp_size
-        self.weight = _set_loader(nn.Parameter(torch.empty(self.out_per_rank, in_features)), self.load_shard)
-        self.bias = (
-            _set_loader(nn.Parameter(torch.empty(self.out_per_rank)), self.load_shard) if bias else None
-        )
+        self.weight = _set_loader(nn.Parameter(torch.empty(out_features, in_features)), self.load_shard)
+        self.bias = _set_loader(nn.Parameter(torch.empty(out_features)), self.load_shard) if bias else None
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        n = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, self.tp_rank * n, n))
+        default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
+class ColumnParallelLinear(_Linear):
+    """A linear layer tensor parallelism will split by output features (W's rows): each rank computes a
+    slice of y, with no communication."""
+
+
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one matmul (gate+up, q+k+v).
 
-    `shard_sizes` maps each checkpoint shard name to its full output size; a rank's fused weight is
-    the concatenation of its slice of every shard.
+    `shard_sizes` maps each checkpoint shard name to its output size; the fused weight is the
+    concatenation of the shards, in that order, and each checkpoint tensor is loaded into its place.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        shard_sizes: dict[str, int],
-        bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-    ) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias, tp_rank, tp_size)
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         off = 0
         for name, size in shard_sizes.items():
-            assert size % tp_size == 0
-            self.shard_offsets[name] = (off, size // tp_size)
-            off += size // tp_size
-        self.output_sizes = [size for _, size in self.shard_offsets.values()]
+            self.shard_offsets[name] = (off, size)
+            off += size
+        self.output_sizes = list(shard_sizes.values())
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         off, n = self.shard_offsets[shard_id]
-        default_weight_loader(param.data.narrow(0, off, n), loaded.narrow(0, self.tp_rank * n, n))
+        default_weight_loader(param.data.narrow(0, off, n), loaded)
 
 
-class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W split by input columns; partial sums are all-reduced across ranks."""
-
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
-    ) -> None:
-        super().__init__()
-        assert in_features % tp_size == 0, "input features must divide by the tensor-parallel size"
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = _set_loader(
-            nn.Parameter(torch.empty(out_features, in_features // tp_size)), self.load_shard
-        )
-        # the bias is added once, after the reduction
-        self.bias = (
-            _set_loader(nn.Parameter(torch.empty(out_features)), default_weight_loader) if bias else None
-        )
-
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        n = param.shape[1]
-        default_weight_loader(param, loaded.narrow(1, self.tp_rank * n, n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+class RowParallelLinear(_Linear):
+    """A linear layer tensor parallelism will split by input features (W's columns): each rank's partial
+    sums are all-reduced, and the bias is added once, after the reduction."""
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows; out-of-shard ids contribute zeros before the all-reduce."""
+    """The embedding table; tensor parallelism will split it by vocabulary rows (out-of-shard ids then
+    contribute zeros before an all-reduce). Rows past the checkpoint's table are zero."""
 
-    def __init__(self, vocab_size: int, dim: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.rows_per_rank = math.ceil(vocab_size / tp_size)
-        self.vocab_start = tp_rank * self.rows_per_rank
         self.vocab_size = vocab_size
-        self.weight = _set_loader(nn.Parameter(torch.empty(self.rows_per_rank, dim)), self.load_shard)
+        self.weight = _set_loader(nn.Parameter(torch.empty(vocab_size, dim)), self.load_shard)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        rows = loaded[self.vocab_start : self.vocab_start + self.rows_per_rank]
+        rows = loaded[: self.vocab_size]
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.vocab_start
-        inside = (local >= 0) & (local < self.rows_per_rank)
-        y = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight) * inside.unsqueeze(-1)
-        torch.distributed.all_reduce(y)
-        return y
+        return F.embedding(ids, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection split by vocabulary rows; logits are gathered across ranks."""
+    """The output projection to vocabulary logits; tensor parallelism will split it by vocabulary rows and
+    gather the logits across ranks."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
-        return logits[..., : self.vocab_size]
+        return F.linear(hidden, self.weight)
 
 
 class RMSNorm(nn.Module):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from gapless.sampling_params import SamplingParams
+from gapless.tensors import to_device
 
 _MASK32 = 0xFFFFFFFF
 # lowbias32 (Chris Wellons' hash prospector): a 32-bit mixer with very low avalanche bias. The second
@@ -63,17 +64,6 @@ def gumbel_noise(keys: torch.Tensor, column_hashes: torch.Tensor) -> torch.Tenso
     return u.log_().neg_().log_().neg_()
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a freshly built host tensor to ``device`` without blocking on the device stream.
-
-    A plain ``.to("cuda")`` from pageable memory synchronises the stream, i.e. waits for the batch in
-    flight; from pinned memory the copy is queued in stream order and the host moves on.
-    """
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _as_int64(value: int) -> int:
     """Wrap any Python int into int64 range (seeds are arbitrary ints; only 64 bits of them count)."""
     return ((value + (1 << 63)) % (1 << 64)) - (1 << 63)
@@ -81,7 +71,8 @@ def _as_int64(value: int) -> int:
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings of one batch, already on the device.
+    """Per-row sampling settings of one batch, as tensors on the device `build` was given (the scheduler
+    builds them on the host; the device stream moves them with the rest of the batch).
 
     Greedy rows carry temperature 0 and neutral filter settings, so the device can tell them apart
     without another tensor and their settings never trigger a stage. The ``need_*`` flags are computed
@@ -121,7 +112,8 @@ class SamplingBatch:
         device: torch.device | str,
         vocab_size: int | None = None,
     ) -> SamplingBatch:
-        """Gather the batch's settings into two host tensors and queue one copy of each to the device.
+        """Gather the batch's settings into two host tensors and copy each to ``device`` (on CUDA queued
+        from pinned memory, without blocking the host; on the host's own device, no copy).
 
         ``seeds`` are the effective seeds (the engine picks one for requests without ``params.seed``);
         ``steps[i]`` is how many output tokens request i already has. ``vocab_size``, when given, lets
@@ -170,8 +162,8 @@ class SamplingBatch:
         ints = torch.tensor(
             [top_k, [_as_int64(s) for s in seeds], list(steps), list(rows), penalised], dtype=torch.int64
         ).reshape(5, n)
-        f = _to_device(floats, device)
-        i = _to_device(ints, device)
+        f = to_device(floats, device)
+        i = to_device(ints, device)
         return cls(
             temperature=f[0],
             top_p=f[1],
@@ -306,7 +298,7 @@ class Sampler:
         o_rows = [r for r, ids in zip(rows, output_ids, strict=True) for t in ids if 0 <= t < vocab]
         o_toks = [t for ids in output_ids for t in ids if 0 <= t < vocab]
         host = torch.tensor([*rows, *p_rows, *p_toks, *o_rows, *o_toks], dtype=torch.int64)
-        flat = _to_device(host, self.device)
+        flat = to_device(host, self.device)
         row_t, p_rows_t, p_toks_t, o_rows_t, o_toks_t = flat.split(
             [len(rows), len(p_rows), len(p_toks), len(o_rows), len(o_toks)]
         )

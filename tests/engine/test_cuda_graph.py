@@ -13,7 +13,8 @@ import torch
 from gapless import LLM, SamplingParams
 from gapless.config import EngineConfig
 from gapless.engine.cuda_graph import batch_size_buckets
-from gapless.engine.runner import dummy_prefill, gpu_kv_tokens
+from gapless.engine.memory_plan import dummy_prefill, plan_gpu_kv
+from gapless.engine.runner import measure_activations
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
 
 # More requests than rows, with different lengths: decode batches shrink (4 -> 3 -> ...) as requests
@@ -118,9 +119,9 @@ def test_cli_flags_for_the_new_options():
 GiB = 2**30
 
 
-def test_gpu_kv_tokens_static_share_binds():
+def test_plan_gpu_kv_static_share_binds():
     # 80 GiB GPU to ourselves, 16 GiB of weights: weights + KV within 85% of it
-    tokens = gpu_kv_tokens(
+    plan = plan_gpu_kv(
         total=80 * GiB,
         free=63 * GiB,
         resident=16 * GiB,
@@ -130,12 +131,14 @@ def test_gpu_kv_tokens_static_share_binds():
         bytes_per_token=128 * 1024,
         reserve=0,
     )
-    assert tokens == (int(80 * GiB * 0.85) - 16 * GiB) // (128 * 1024)
+    assert plan.tokens == (int(80 * GiB * 0.85) - 16 * GiB) // (128 * 1024)
+    # the log line carries the figures behind it
+    assert "of 80.0 GiB, 63.0 GiB free: 16.00 GiB resident, activation peak 2.00 GiB" in plan.describe()
 
 
-def test_gpu_kv_tokens_free_memory_binds():
+def test_plan_gpu_kv_free_memory_binds():
     # another process holds 30 GiB: what is free must still take the activation peak, graphs and reserve
-    tokens = gpu_kv_tokens(
+    tokens = plan_gpu_kv(
         total=80 * GiB,
         free=34 * GiB,
         resident=16 * GiB,
@@ -144,15 +147,15 @@ def test_gpu_kv_tokens_free_memory_binds():
         mem_fraction_static=0.85,
         bytes_per_token=1000,
         reserve=GiB // 2,
-    )
+    ).tokens
     assert tokens == (34 * GiB - 3 * GiB - GiB - GiB // 2) // 1000
 
 
-def test_gpu_kv_tokens_never_negative():
+def test_plan_gpu_kv_never_negative():
     kw = dict(total=24 * GiB, free=GiB, activation_peak=2 * GiB, graph_bytes=0, bytes_per_token=1)
     # the weights alone exceed the static share; the peak alone exceeds what is free
-    assert gpu_kv_tokens(resident=23 * GiB, mem_fraction_static=0.9, **kw) == 0
-    assert gpu_kv_tokens(resident=GiB, mem_fraction_static=0.9, **kw) == 0
+    assert plan_gpu_kv(resident=23 * GiB, mem_fraction_static=0.9, **kw).tokens == 0
+    assert plan_gpu_kv(resident=GiB, mem_fraction_static=0.9, **kw).tokens == 0
 
 
 def test_dummy_prefill_splits_at_the_table_width():
@@ -171,7 +174,7 @@ def test_memory_dummies_run_and_leave_the_runner_as_new(workload):
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     with LLM(path, device="cpu", kv_cache_tokens=256, overlap=False, max_running_requests=MAX_RUNNING) as llm:
         runner = llm.engine.runner
-        assert runner.measure_activations(prefill_tokens=300, graph_bs=GRAPH_BS) == (0, 0)
+        assert measure_activations(runner, runner.kv_pool, runner.req_table, 300, graph_bs=GRAPH_BS) == (0, 0)
         assert runner.sampler.output_counts is not None  # the decode dummy used penalties
         assert not runner.sampler.output_counts.any() and not runner.sampler.prompt_mask.any()
         assert (runner.token_buf[: runner.pad_row] == -1).all() and int(runner.token_buf[runner.pad_row]) == 0

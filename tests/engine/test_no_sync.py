@@ -10,7 +10,7 @@ tensor, `.tolist()`, `.cpu()`, boolean-mask indexing, `nonzero`, ...).
 
 Pageable host->device copies cannot be seen on the CPU; the device job has none by construction: the
 batch arrives through `dataclass_to_device` (pinned, non-blocking), and the sampler's penalty-state
-inputs go through `_to_device` (likewise). On a GPU, test_cuda.py runs the loop under
+inputs go through `gapless.tensors.to_device` (likewise). On a GPU, test_cuda.py runs the loop under
 `torch.cuda.set_sync_debug_mode("error")`, which also catches those.
 """
 

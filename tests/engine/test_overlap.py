@@ -8,11 +8,16 @@ import os
 import signal
 
 import pytest
+import torch
 
 from gapless import LLM, SamplingParams
 from gapless.config import EngineConfig
 from gapless.engine.meter import BubbleMeter
 from gapless.engine.request import ReqStatus
+from gapless.engine.runner import ModelRunner
+from gapless.engine.stream.chaos import ChaosStream, FutureCheckingRunner
+from gapless.engine.stream.inline import InlineStream
+from gapless.engine.stream.thread import ThreadStream
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 BACKGROUND = [[5, 6, 7], [9] * 20, list(range(30, 70)), [11, 12]]
@@ -106,6 +111,7 @@ def test_finish_while_in_flight_emits_nothing_more(qwen3, reference, chaos_seed)
 
 
 def test_device_process_with_chaos_matches_reference(qwen3, reference):
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     with overlap_llm(qwen3, chaos_seed=7, worker="process") as llm:
         outs = llm.generate(BACKGROUND + [TARGET], GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outs] == reference
@@ -114,6 +120,19 @@ def test_device_process_with_chaos_matches_reference(qwen3, reference):
         assert stats["generated_tokens"] == sum(len(o.token_ids) for o in outs)
         assert stats["mean_host_ms_per_step"] > 0 and stats["device_busy_s"] > 0
         llm.check_integrity()
+    # the host was pinned to one core for the device process: closing gave it all back
+    assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads
+
+
+def test_test_machinery_is_installed_only_under_chaos_seed(qwen3):
+    with overlap_llm(qwen3, chaos_seed=None) as llm:
+        assert type(llm.engine.runner) is ModelRunner
+        assert isinstance(llm.engine.stream, ThreadStream) and type(llm.engine.stream.jobs) is InlineStream
+    with overlap_llm(qwen3, chaos_seed=5) as llm:
+        assert isinstance(llm.engine.runner, FutureCheckingRunner)
+        host = llm.engine.stream
+        assert isinstance(host, ChaosStream) and isinstance(host.stream, ThreadStream)
+        assert isinstance(host.stream.jobs, ChaosStream)  # delays on the device side too
 
 
 def test_seeded_sampling_same_with_and_without_overlap(qwen3):
@@ -131,9 +150,9 @@ def test_seeded_sampling_same_with_and_without_overlap(qwen3):
 
 
 def test_reading_an_unwritten_future_slot_fails_loudly(qwen3):
-    with LLM(qwen3, device="cpu", overlap=False, kv_cache_tokens=512) as llm:
+    # chaos_seed installs the checking runner
+    with LLM(qwen3, device="cpu", overlap=False, kv_cache_tokens=512, chaos_seed=0) as llm:
         eng = llm.engine
-        eng.runner.check_future_reads = True
         req = eng.add_request([5, 6, 7], GREEDY)
         eng.step()  # prefill: samples the first token into the row's slot
         eng.step()  # decode: consumes it (slot marked invalid), samples the next
@@ -160,10 +179,11 @@ def test_bad_checkpoint_error_comes_back_from_the_device_process(tmp_path, qwen3
     shutil.copytree(qwen3, ckpt)
     for f in ckpt.glob("*.safetensors"):
         f.unlink()
-    affinity = os.sched_getaffinity(0)
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     with pytest.raises(FileNotFoundError, match="safetensors"):
         overlap_llm(str(ckpt), chaos_seed=None, worker="process")
-    assert os.sched_getaffinity(0) == affinity  # the failed start gave the host its cores back
+    # the failed start gave the host its cores and threads back
+    assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads
 
 
 def test_overlap_switch(monkeypatch):
@@ -203,8 +223,6 @@ def test_batches_share_no_memory_with_host_state(qwen3):
     """The device side must never read an object the scheduler goes on mutating (SGLang #8056): every
     tensor a batch carries is its own, never a view of the host request table or of radix-tree slots."""
     import dataclasses
-
-    import torch
 
     with LLM(qwen3, device="cpu", overlap=False, kv_cache_tokens=1024, chunked_prefill_size=16) as llm:
         eng = llm.engine

@@ -28,7 +28,7 @@ def test_shapes_and_zero_init(device: str) -> None:
     for t in pool.k + pool.v:
         assert t.shape == (20, 2, 8) and t.dtype == torch.bfloat16 and t.device.type == device
         assert not bool(t.any())
-    assert pool.size_bytes == 20 * KVPool.bytes_per_token(3, 2, 8, torch.bfloat16)
+    assert pool.k_buffer.nbytes + pool.v_buffer.nbytes == 20 * KVPool.bytes_per_token(3, 2, 8, torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,42 @@
+"""What every device stream offers the scheduler: `submit(batch) -> Pending`, then `Pending.result()`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from gapless.engine.batch import ForwardBatch, RunnerInfo
+from gapless.sampling.sampler import HostSamples
+
+
+@dataclass
+class JobTiming:
+    """perf_counter seconds (one clock for every process on the machine)."""
+
+    submit: float
+    start: float
+    end: float
+
+
+class Pending(Protocol):
+    def result(self) -> tuple[HostSamples, JobTiming]:
+        """Wait for the job (the one deliberate host wait of the step loop); its sampled tokens."""
+
+
+class DeviceStream(Protocol):
+    info: RunnerInfo
+    asynchronous: bool  # False: submit runs the job before returning
+
+    def submit(self, batch: ForwardBatch) -> Pending: ...
+
+    def close(self) -> None: ...
+
+
+class Done:
+    """The `Pending` of a job that has already run."""
+
+    def __init__(self, tokens: HostSamples, timing: JobTiming) -> None:
+        self._value = (tokens, timing)
+
+    def result(self) -> tuple[HostSamples, JobTiming]:
+        return self._value

@@ -1,0 +1,157 @@
+"""The device process stream: on a CPU, the one that really overlaps host and device.
+
+A worker thread shares the GIL with the host loop, and a forward's many small ops each need it
+(measured: see the README). So the device side runs in a process of its own that owns the weights, KV
+pool, request table and future-token slots, as a GPU would ("the stream owns device state"), fed jobs
+through a pipe. This module is the host's side; the device process runs `python -m gapless.engine.stream`.
+
+`HostPinning` is the step that gives host and device their own cores: `make_stream` takes it before it
+starts the stream (and undoes it if the start fails), the stream undoes it when it closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import torch
+
+from gapless.config import EngineConfig
+from gapless.engine.batch import ForwardBatch
+from gapless.engine.stream.base import JobTiming, Pending
+from gapless.sampling.sampler import HostSamples
+from gapless.tensors import to_numpy
+
+
+class HostPinning:
+    """This (the host) process on the first of its cores with one torch thread; the others are left to
+    the device process (`device_cpus`).
+
+    Without it, each result the device sends wakes the host on the device's own core (the kernel's
+    wake-affine placement), and the device waits ~2 ms a step for the host to yield it back: measured,
+    that bubble was most of the device's idle time. `restore()` gives the host back the affinity and
+    torch thread count it had.
+    """
+
+    def __init__(self, cpus: list[int]) -> None:
+        self.host_cpus, self.device_cpus = set(cpus), set(cpus[1:])
+        self.host_threads = torch.get_num_threads()
+        os.sched_setaffinity(0, {cpus[0]})
+        torch.set_num_threads(1)
+        self.pinned = True
+
+    @classmethod
+    def pin(cls) -> HostPinning | None:
+        """Pin the host now; None (nothing changed) where there are fewer than 2 cores to split."""
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        return cls(cpus) if len(cpus) >= 2 else None
+
+    def restore(self) -> None:
+        if self.pinned:
+            os.sched_setaffinity(0, self.host_cpus)
+            torch.set_num_threads(self.host_threads)
+            self.pinned = False
+
+
+class _ProcessPending:
+    def __init__(self, stream: ProcessStream, job_id: int, submit: float) -> None:
+        self.stream, self.job_id, self.submit = stream, job_id, submit
+
+    def result(self) -> tuple[HostSamples, JobTiming]:
+        tokens, start, end = self.stream._wait(self.job_id)
+        return tokens, JobTiming(self.submit, start, end)
+
+
+class ProcessStream:
+    """Jobs run in a device process; the pipe is FIFO, so results come back in submission order.
+    Messages are pickled between our own two processes only (never from the network)."""
+
+    asynchronous = True
+
+    def __init__(self, cfg: EngineConfig, pinning: HostPinning | None = None) -> None:
+        """Start the device process and wait until its runner is built (its errors are raised here, with
+        no process left behind). With `pinning` (already applied to this process), the device process
+        runs on `pinning.device_cpus`, with no more torch threads than those, and `close()` restores it."""
+        self.pinning = pinning
+        threads, device_cpus = cfg.device_threads, None
+        if pinning is not None:
+            device_cpus = pinning.device_cpus
+            threads = min(threads or len(device_cpus), len(device_cpus))
+        self._next_id = 0
+        self._done: dict[int, tuple[HostSamples, float, float]] = {}
+        self.proc: subprocess.Popen | None = None
+        # A fresh interpreter running the device process (not multiprocessing's spawn/forkserver, which
+        # re-import the user's main script in the child), connected by a socketpair.
+        ours, theirs = socket.socketpair()
+        self.conn = Connection(ours.detach())
+        try:
+            with theirs:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "gapless.engine.stream", str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()],
+                )
+            self.conn.send_bytes(pickle.dumps((cfg, threads, device_cpus)))
+            _, self.info = self._recv()
+        except BaseException:
+            self._stop()
+            raise
+
+    def _recv(self) -> tuple:
+        try:
+            msg = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError) as e:
+            raise RuntimeError(f"device process died (exit code {self._exit_code()})") from e
+        if msg[0] == "error":
+            self._exit_code()
+            _, exc, tb = msg
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"raised in the device process:\n{tb}")
+            raise exc
+        return msg
+
+    def submit(self, batch: ForwardBatch) -> Pending:
+        job_id = self._next_id
+        self._next_id += 1
+        try:
+            self.conn.send_bytes(
+                pickle.dumps(("run", job_id, to_numpy(batch)), protocol=pickle.HIGHEST_PROTOCOL)
+            )
+        except OSError as e:
+            raise RuntimeError(f"device process died (exit code {self._exit_code()})") from e
+        return _ProcessPending(self, job_id, time.perf_counter())
+
+    def _wait(self, job_id: int) -> tuple[HostSamples, float, float]:
+        while job_id not in self._done:
+            _, done_id, tokens, start, end = self._recv()
+            self._done[done_id] = (tokens, start, end)
+        return self._done.pop(job_id)
+
+    def _exit_code(self) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        self._stop()
+        if self.pinning is not None:
+            self.pinning.restore()
+
+    def _stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.conn.send_bytes(pickle.dumps(("stop",)))
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.conn.close()
