@@ -26,13 +26,13 @@ import torch
 from gapless.config import EngineConfig
 from gapless.engine.runner import ModelRunner
 from gapless.engine.stream.base import DeviceStream, JobTiming, Pending
-from gapless.engine.stream.chaos import Chaos, device_side, host_side, make_runner
+from gapless.engine.stream.chaos import device_side, host_side, make_runner
 from gapless.engine.stream.cuda import CudaStream
 from gapless.engine.stream.inline import InlineStream
 from gapless.engine.stream.process import HostPinning, ProcessStream
 from gapless.engine.stream.thread import ThreadStream
 
-__all__ = ["Chaos", "DeviceStream", "JobTiming", "Pending", "make_stream"]
+__all__ = ["DeviceStream", "JobTiming", "Pending", "make_stream"]
 
 MIN_CORES_FOR_DEVICE_PROCESS = 4
 
