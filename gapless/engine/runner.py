@@ -101,14 +101,13 @@ class ModelRunner:
         if graph_bs:
             self.graphs = GraphRunner(
                 graph_bs,
-                forward_tokens=self.forward_tokens,
                 req_table=self.req_table,
                 token_buf=self.token_buf,
                 pad_row=self.pad_row,
                 hidden_size=mcfg.hidden_size,
                 dtype=self.dtype,
             )
-            self.graphs.capture()
+            self.graphs.capture(self.forward_tokens)
 
     def _graph_max_bs(self, cfg: EngineConfig) -> int:
         """Largest decode batch run through the graph runner; 0: none. By default graphs are on for CUDA
@@ -217,7 +216,7 @@ class ModelRunner:
         if batch.table_writes is not None:
             table.apply_writes(*batch.table_writes)
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch, self.forward_tokens)
         table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
         meta = AttentionMetadata(
             rows=batch.rows,
