@@ -22,11 +22,13 @@ class EngineConfig:
     radix_cache: bool = True
     chunked_prefill_size: int = 2048  # token budget of one prefill batch; longer prompts are chunked
     max_running_requests: int = 256
-    kv_cache_tokens: int | None = None  # None: sized from free memory (below); a number overrides that
+    kv_cache_tokens: int | None = None  # None: sized as below; a number overrides that, on any device
     # CUDA: share of the GPU's total memory for weights + KV cache (as SGLang's); the KV pool gets what the
     # weights leave of it, less what the measured activation peak and the CUDA graphs need
     mem_fraction_static: float = 0.85
-    kv_memory_fraction: float | None = None  # CPU only: share of available RAM for KV; None: 0.3
+    # CPU only: the KV cache's size in GiB; None: 4 (as vLLM's CPU backend), or half the available RAM where
+    # that is less. Never more than max_running_requests full rows can use
+    kv_cache_memory_gib: float | None = None
     # auto: triton on CUDA (when it imports), torch on CPU; torch: the reference; triton: the Triton
     # kernels (on CPU only under TRITON_INTERPRET=1, for tests)
     attention_backend: str = "auto"
@@ -68,8 +70,8 @@ class EngineConfig:
             raise bad("max_running_requests", "must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise bad("kv_cache_tokens", f"must hold at least one page ({self.page_size} tokens)")
-        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction < 1:
-            raise bad("kv_memory_fraction", "must be in (0, 1)")
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise bad("kv_cache_memory_gib", "must be > 0")
         if not 0 < self.mem_fraction_static < 1:
             raise bad("mem_fraction_static", "must be in (0, 1)")
         if self.attention_backend not in ATTENTION_BACKENDS:
