@@ -107,9 +107,7 @@ class Engine:
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_context:
-            context = min(
-                self.info.max_position_embeddings, self.cfg.max_model_len or self.info.max_position_embeddings
-            )
+            context = self.cfg.max_model_len or self.info.max_position_embeddings
             what = "the KV cache can hold" if self.info.kv_tokens < context else "the context length"
             raise ValueError(
                 f"prompt is {len(ids)} tokens but {what} is {self.max_context} tokens "

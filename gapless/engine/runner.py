@@ -59,23 +59,22 @@ class ModelRunner:
         # what the process held before this runner: other tensors, other engines. The KV plan counts only
         # what the runner adds on top as its own (see `plan_gpu_kv`)
         allocated_before = _allocated(self.device)
-        mcfg = load_model_config(cfg.model)
-        self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
-        self.model: CausalLM = load_model(cfg.model, self.dtype, self.device)
-        self.model_config = mcfg
-        self.page_size = cfg.page_size
-        self.max_running_requests = max_rows = cfg.max_running_requests
-        probe = Probe(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
-        self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
         if self.device.type == "cuda" and cfg.kv_cache_memory_gib is not None:
             raise ValueError(
                 "kv_cache_memory_gib sizes the KV cache on the CPU; on CUDA set mem_fraction_static "
                 "(share of GPU memory for weights + KV) or kv_cache_tokens"
             )
+        mcfg = load_model_config(cfg.model)
+        # EngineConfig refused a max_model_len past the model's own unless told to allow it
+        max_context = cfg.max_model_len or mcfg.max_position_embeddings
+        self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
+        self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
+        self.model_config = mcfg
+        self.page_size = cfg.page_size
+        self.max_running_requests = max_rows = cfg.max_running_requests
+        probe = Probe(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
 
-        max_context = mcfg.max_position_embeddings
-        if cfg.max_model_len is not None:
-            max_context = min(max_context, cfg.max_model_len)
         self.sampler = Sampler(mcfg.vocab_size, max_rows, self.device)
         # One request-table row and token slot past the scheduler's rows, never handed out: padded decode
         # rows (CUDA graphs) and memory-measuring dummies use it. Its token slot always holds a valid id.
