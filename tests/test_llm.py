@@ -68,6 +68,21 @@ def test_leaving_with_releases_everything_without_a_gc(qwen3, no_gc, options):
     assert thread is None or not thread.is_alive()
 
 
+def test_a_failed_start_leaves_no_device_thread(qwen3, monkeypatch):
+    from gapless.engine import engine as engine_module
+
+    streams = []
+
+    def failing_scheduler(cfg, stream, tokenizer):
+        streams.append(stream)
+        raise RuntimeError("scheduler failed")
+
+    monkeypatch.setattr(engine_module, "Scheduler", failing_scheduler)
+    with pytest.raises(RuntimeError, match="scheduler failed"):
+        LLM(qwen3, **KV, overlap=True, cpu_worker="thread")
+    assert not streams[0].thread.is_alive()
+
+
 def test_memory_falls_back_when_the_block_ends(qwen3):
     LLM(qwen3, **KV).shutdown()  # first use: imports, kernels, allocator arenas
     before = _rss_mib()

@@ -50,7 +50,11 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.vocab_size = self.info.vocab_size
-        self._scheduler: Scheduler | None = Scheduler(cfg, stream, tokenizer=self.tokenizer)
+        try:
+            self._scheduler: Scheduler | None = Scheduler(cfg, stream, tokenizer=self.tokenizer)
+        except BaseException:  # no engine to shut down: stop the device thread or process here
+            stream.close()
+            raise
         self._closed = False
         self._broken = False  # a step raised: shutdown skips draining
         self._seeds = random.Random(cfg.seed)
