@@ -4,13 +4,39 @@ flag for each (`add_engine_args`). The server's own options (host, port, API key
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
+# set to 1 to accept a max_model_len above the model's max_position_embeddings (as vLLM's
+# VLLM_ALLOW_LONG_MAX_MODEL_LEN): RoPE then runs on positions the model never saw in training
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "GAPLESS_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def declared_context_length(hf_config: Mapping[str, Any]) -> int:
+    """The context length a Hugging Face `config.json` declares: `max_position_embeddings`, 2048 when it
+    is absent (transformers' default). The model's shape (`gapless.model.config`) and the max_model_len
+    check below both read it here."""
+    return int(hf_config.get("max_position_embeddings", 2048))
+
+
+def _checkpoint_context_length(model: str) -> int | None:
+    """`declared_context_length` of the checkpoint directory `model`; None when its config.json cannot
+    be read (the model loader then says what is wrong with the checkpoint)."""
+    try:
+        data = json.loads(Path(model, "config.json").read_text())
+        return declared_context_length(data) if isinstance(data, dict) else None
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 @dataclass
@@ -22,11 +48,13 @@ class EngineConfig:
     radix_cache: bool = True
     chunked_prefill_size: int = 2048  # token budget of one prefill batch; longer prompts are chunked
     max_running_requests: int = 256
-    kv_cache_tokens: int | None = None  # None: sized from free memory (below); a number overrides that
+    kv_cache_tokens: int | None = None  # None: sized as below; a number overrides that, on any device
     # CUDA: share of the GPU's total memory for weights + KV cache (as SGLang's); the KV pool gets what the
     # weights leave of it, less what the measured activation peak and the CUDA graphs need
     mem_fraction_static: float = 0.85
-    kv_memory_fraction: float | None = None  # CPU only: share of available RAM for KV; None: 0.3
+    # CPU only: the KV cache's size in GiB; None: 4 (as vLLM's CPU backend), or half the available RAM where
+    # that is less. Never more than max_running_requests full rows can use
+    kv_cache_memory_gib: float | None = None
     # auto: triton on CUDA (when it imports), torch on CPU; torch: the reference; triton: the Triton
     # kernels (on CPU only under TRITON_INTERPRET=1, for tests)
     attention_backend: str = "auto"
@@ -35,7 +63,9 @@ class EngineConfig:
     # static-buffer path eagerly (tests)
     cuda_graph_max_bs: int | None = None
     schedule_policy: str = "lpm"
-    max_model_len: int | None = None  # cap on context length; None: the model's max_position_embeddings
+    # context length; None: the model's max_position_embeddings. More than that is refused unless
+    # GAPLESS_ALLOW_LONG_MAX_MODEL_LEN=1 (then with a warning)
+    max_model_len: int | None = None
     seed: int = 0  # draws the seeds of requests that bring none, so a run is reproducible
     # overlap scheduling: the host schedules batch N+1 and processes batch N-1 while the device runs N.
     # Off with overlap=False, `--disable-overlap`, or GAPLESS_DISABLE_OVERLAP=1.
@@ -68,8 +98,8 @@ class EngineConfig:
             raise bad("max_running_requests", "must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise bad("kv_cache_tokens", f"must hold at least one page ({self.page_size} tokens)")
-        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction < 1:
-            raise bad("kv_memory_fraction", "must be in (0, 1)")
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise bad("kv_cache_memory_gib", "must be > 0")
         if not 0 < self.mem_fraction_static < 1:
             raise bad("mem_fraction_static", "must be in (0, 1)")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -86,6 +116,25 @@ class EngineConfig:
             raise bad("device_threads", "must be >= 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
+        self._check_max_model_len()
+
+    def _check_max_model_len(self) -> None:
+        """A max_model_len past the checkpoint's own context length is refused here, when the options are
+        made: before any worker starts or weight loads (`gapless serve` turns it into one line and exit
+        status 2). GAPLESS_ALLOW_LONG_MAX_MODEL_LEN=1 accepts it with a warning."""
+        limit = _checkpoint_context_length(self.model)
+        if self.max_model_len is None or limit is None or self.max_model_len <= limit:
+            return
+        what = (
+            f"max_model_len={self.max_model_len} is more than the model's context length "
+            f"(max_position_embeddings={limit} in {Path(self.model, 'config.json')})"
+        )
+        if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0") in ("", "0"):
+            raise ValueError(
+                f"{what}; lower it, or set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to run past it anyway (outputs "
+                "beyond the trained length may be wrong)"
+            )
+        log.warning("%s; allowed by %s=1: outputs beyond it may be wrong", what, ALLOW_LONG_MAX_MODEL_LEN_ENV)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

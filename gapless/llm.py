@@ -1,17 +1,24 @@
-"""Offline entry point: `LLM(path).generate(prompts, SamplingParams(...))`."""
+"""Offline entry point: `LLM(path).generate(prompts, SamplingParams(...))`, or `.chat(messages)`.
+
+Leaving `with LLM(...)` (or `shutdown()`) releases the model, KV cache, CUDA graphs and workers at once;
+the object stays, but every later call raises `EngineShutDown`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from gapless.config import EngineConfig
-from gapless.engine.engine import Engine
+from gapless.engine.chat_template import Message, render_chat
+from gapless.engine.engine import Engine, EngineShutDown
 from gapless.engine.request import Req
 from gapless.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
 
 
 @dataclass
@@ -37,6 +44,14 @@ class LLM:
         self.engine = Engine(EngineConfig.from_kwargs(str(model), **options))
         self.tokenizer = self.engine.tokenizer
 
+    def _live_engine(self) -> Engine:
+        if self.engine.closed:
+            raise EngineShutDown(
+                "this LLM was shut down (its `with` block ended or shutdown() was called): its model, KV "
+                "cache and workers are released; create a new LLM"
+            )
+        return self.engine
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
@@ -49,23 +64,55 @@ class LLM:
         before anything is queued, so a bad one raises and leaves the engine untouched. An error (or
         Ctrl-C) between steps aborts this call's requests before it propagates; one that cuts a step
         short leaves the engine `broken`, to be shut down."""
+        engine = self._live_engine()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        params = _params_per_prompt(sampling_params, len(prompts), "prompts")
         # validate everything before queueing anything, so a bad prompt leaves the engine untouched
-        token_ids = [self.engine.tokenize(p) for p in prompts]
-        for p in params:
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling params must be SamplingParams, not {type(p).__name__}")
+        token_ids = [engine.tokenize(p) for p in prompts]
+        return self._run(prompts, token_ids, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of
+        them, as vLLM's `LLM.chat` does: each is rendered with the tokenizer's chat template (or
+        `chat_template`), `chat_template_kwargs` passed to it (e.g. `{"enable_thinking": False}` for
+        Qwen3), and an assistant turn opened (`add_generation_prompt`). Returns one `RequestOutput` per
+        conversation, its `prompt` the rendered text. Raises ValueError when the model's tokenizer has
+        no chat template; like `generate`, it checks every conversation before queueing any."""
+        engine = self._live_engine()
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        params = _params_per_prompt(sampling_params, len(convs), "conversations")
+        texts, token_ids = [], []
+        for conv in convs:
+            text, ids = render_chat(
+                self.tokenizer,
+                conv,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            texts.append(text)
+            token_ids.append(engine.tokenize(ids))
+        return self._run(texts, token_ids, params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: Sequence[Prompt],
+        token_ids: list[list[int]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Queue the validated prompts and step the engine until all of them are finished."""
         reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, params)]
         try:
             with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm, unit="req") as bar:
@@ -81,7 +128,7 @@ class LLM:
             raise
         return [self._output(r, p) for r, p in zip(reqs, prompts)]
 
-    def _output(self, req: Req, prompt: str | Sequence[int]) -> RequestOutput:
+    def _output(self, req: Req, prompt: Prompt) -> RequestOutput:
         return RequestOutput(
             request_id=req.rid,
             prompt=prompt if isinstance(prompt, str) else None,
@@ -96,12 +143,13 @@ class LLM:
 
     def get_stats(self) -> dict[str, float | int]:
         """Steps, tokens, device idle fraction, mean host time per step, ... since the engine started."""
-        return self.engine.get_stats()
+        return self._live_engine().get_stats()
 
     def check_integrity(self) -> None:
-        self.engine.check_integrity()
+        self._live_engine().check_integrity()
 
     def shutdown(self) -> None:
+        """Stop the engine and release its model, KV cache, CUDA graphs and workers now. Idempotent."""
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:
@@ -109,3 +157,20 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int, what: str
+) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt: the same one for all, or the list given (checked)."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} {what}")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, not {type(p).__name__}")
+    return params

@@ -62,17 +62,21 @@ class GraphRunner:
         self,
         max_bs: int,
         *,
-        forward_tokens: ForwardTokens,
         req_table: ReqTable,
         token_buf: torch.Tensor,
         pad_row: int,
         hidden_size: int,
         dtype: torch.dtype,
     ) -> None:
-        """`forward_tokens` runs the decoder; `req_table` and `token_buf` (the future-token slots) are
-        the device state a decode reads (the table's width bounds every request's length); `pad_row` is
-        the reserved request-table row padded columns use (its token slot must hold a valid id)."""
-        self.forward_tokens, self.req_table, self.token_buf = forward_tokens, req_table, token_buf
+        """`req_table` and `token_buf` (the future-token slots) are the device state a decode reads (the
+        table's width bounds every request's length); `pad_row` is the reserved request-table row padded
+        columns use (its token slot must hold a valid id).
+
+        The decoder itself (`ForwardTokens`, the runner's bound method) is passed to `capture` and `run`
+        rather than kept: a graph runner holding its runner's method while the runner holds it would be a
+        reference cycle, and the weights, KV pool and graph pool would then outlive the engine until the
+        garbage collector happened to run."""
+        self.req_table, self.token_buf = req_table, token_buf
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = max_bs
         self.device = dev = token_buf.device
@@ -95,7 +99,7 @@ class GraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.rows.shape[0] <= self.max_bs
 
-    def _body(self, n: int) -> None:
+    def _body(self, n: int, forward_tokens: ForwardTokens) -> None:
         """The captured work for bucket `n`: table writes, embedding of the future tokens, the decoder;
         the final hidden states land in `self.hidden[:n]`."""
         rows, positions, out_slots = self.rows[:n], self.positions[:n], self.out_slots[:n]
@@ -110,12 +114,12 @@ class GraphRunner:
             max_seq_len=self.req_table.max_context,
             is_decode=True,
         )
-        self.hidden[:n].copy_(self.forward_tokens(self.token_buf[rows], positions, out_slots, meta))
+        self.hidden[:n].copy_(forward_tokens(self.token_buf[rows], positions, out_slots, meta))
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Record one graph per bucket (largest first, so the smaller ones share its memory pool). On the
-        CPU there is nothing to capture."""
+    def capture(self, forward_tokens: ForwardTokens) -> None:
+        """Record one graph per bucket (largest first, so the smaller ones share its memory pool) of
+        `forward_tokens`, the runner's decoder. On the CPU there is nothing to capture."""
         dev = self.device
         if dev.type != "cuda":
             return
@@ -127,10 +131,10 @@ class GraphRunner:
         for n in reversed(self.buckets):
             with torch.cuda.stream(stream):
                 for _ in range(WARMUP_RUNS):
-                    self._body(n)
+                    self._body(n, forward_tokens)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._body(n)
+                self._body(n, forward_tokens)
             pool = graph.pool()
             self.graphs[n] = graph
         torch.cuda.synchronize(dev)
@@ -141,9 +145,11 @@ class GraphRunner:
             time.perf_counter() - t0,
         )
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Decode `batch` (on the device, `can_run`) through its bucket; returns its rows' final hidden
-        states [B, hidden], a view of the static output (read it before the next decode runs)."""
+    def run(self, batch: ForwardBatch, forward_tokens: ForwardTokens) -> torch.Tensor:
+        """Decode `batch` (on the device, `can_run`) through its bucket: its graph's replay, or
+        `forward_tokens` (the decoder the graph was captured from) where none was captured (the CPU).
+        Returns its rows' final hidden states [B, hidden], a view of the static output (read it before
+        the next decode runs)."""
         b = batch.rows.shape[0]
         n = self.buckets[bisect.bisect_left(self.buckets, b)]
         self.inputs[:, :b].copy_(torch.stack((batch.rows, batch.positions, batch.out_slots)))
@@ -153,7 +159,7 @@ class GraphRunner:
         if graph is not None:
             graph.replay()
         else:
-            self._body(n)
+            self._body(n, forward_tokens)
         self.runs[n] += 1
         self.padded_rows += n - b
         return self.hidden[:b]

@@ -5,6 +5,12 @@ queued, so bad input raises a clear error and leaves the engine as it was: `Samp
 own values when it is made; `tokenize` checks a prompt (non-empty, ids in the vocabulary, room for one
 new token); `add_request` checks the params' type and the request id, and trusts its prompt ids, so its
 callers (`LLM`, `gapless chat`, the server's scheduler worker) pass every prompt through `tokenize` first.
+
+`shutdown` gives the device side back at once: the engine drops its scheduler, stream and runner (none
+of them is in a reference cycle, so the weights, KV pool and CUDA graphs are freed then, not whenever the
+garbage collector runs), and on CUDA returns the cached blocks to the device, so a second engine in the
+same process, or another process, finds the memory free. Anything that needs the device side afterwards
+raises `EngineShutDown`.
 """
 
 from __future__ import annotations
@@ -13,15 +19,21 @@ import itertools
 import random
 from collections.abc import Sequence
 
+import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gapless.config import EngineConfig
 from gapless.engine.detokenize import detokenize
 from gapless.engine.request import Req
+from gapless.engine.runner import ModelRunner
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.stats import EngineStats
-from gapless.engine.stream import make_stream
+from gapless.engine.stream import DeviceStream, make_stream
 from gapless.sampling_params import SamplingParams
+
+
+class EngineShutDown(RuntimeError):
+    """The engine (or the `LLM` around it) was shut down: its model, KV cache and workers are gone."""
 
 
 class Engine:
@@ -29,19 +41,54 @@ class Engine:
         self.cfg = cfg
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(cfg.model)
         # the device side: in this process (`runner`), or in a device process (runner is None)
-        self.stream, self.runner = make_stream(cfg)
-        self.info = self.stream.info
+        stream, runner = make_stream(cfg)
+        self._stream: DeviceStream | None = stream
+        self._runner = runner
+        self.info = stream.info
         eos = set(self.info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.vocab_size = self.info.vocab_size
-        self.scheduler = Scheduler(cfg, self.stream, tokenizer=self.tokenizer)
+        try:
+            self._scheduler: Scheduler | None = Scheduler(cfg, stream, tokenizer=self.tokenizer)
+        except BaseException:  # no engine to shut down: stop the device thread or process here
+            stream.close()
+            raise
         self._closed = False
         self._broken = False  # a step raised: shutdown skips draining
         self._seeds = random.Random(cfg.seed)
         self._ids = itertools.count()
         self.reqs: dict[str, Req] = {}
+
+    @property
+    def closed(self) -> bool:
+        """True once `shutdown` ran: the device side is released and only the tokenizer is left."""
+        return self._closed
+
+    def _live(self) -> None:
+        if self._closed:
+            raise EngineShutDown(
+                "the engine was shut down: its model, KV cache and workers are released; start a new one"
+            )
+
+    @property
+    def scheduler(self) -> Scheduler:
+        self._live()
+        assert self._scheduler is not None
+        return self._scheduler
+
+    @property
+    def stream(self) -> DeviceStream:
+        self._live()
+        assert self._stream is not None
+        return self._stream
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        """The in-process model runner; None when the device side runs in a device process."""
+        self._live()
+        return self._runner
 
     @property
     def max_context(self) -> int:
@@ -64,9 +111,7 @@ class Engine:
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_context:
-            context = min(
-                self.info.max_position_embeddings, self.cfg.max_model_len or self.info.max_position_embeddings
-            )
+            context = self.cfg.max_model_len or self.info.max_position_embeddings
             what = "the KV cache can hold" if self.info.kv_tokens < context else "the context length"
             raise ValueError(
                 f"prompt is {len(ids)} tokens but {what} is {self.max_context} tokens "
@@ -154,10 +199,10 @@ class Engine:
         self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
-        """Abort what is left, write the trace if asked, and stop the device side (even if draining fails)."""
+        """Abort what is left, write the trace if asked, stop the device side (even if draining fails)
+        and release it: weights, KV pool, CUDA graphs, the device process or thread."""
         if self._closed:
             return
-        self._closed = True
         try:
             if self._broken:  # a step was cut short: its host state is not consistent enough to drain
                 return
@@ -168,4 +213,16 @@ class Engine:
             if self.cfg.trace_path:
                 self.scheduler.meter.write_trace(self.cfg.trace_path)
         finally:
-            self.stream.close()
+            self._release()
+
+    def _release(self) -> None:
+        """Close the stream and drop every reference to the device side, so it is freed now."""
+        stream = self._stream
+        self._closed = True
+        self._scheduler = self._stream = self._runner = None
+        self.reqs.clear()
+        if stream is not None:
+            stream.close()
+        del stream  # the last reference: the runner, its weights, KV pool and graphs go with it
+        if self.info.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # hand the freed blocks back to the device

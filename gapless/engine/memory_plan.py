@@ -1,15 +1,19 @@
 """How many tokens the KV pool holds, worked out from explicit figures; and the dummy batches that measure
 the activations those figures include.
 
-`kv_cache_tokens` decides when given. Otherwise, on the CPU, the pool gets `kv_memory_fraction` of the
-available RAM (`available_ram`); on CUDA, `plan_gpu_kv` takes the tighter of the static share
-(`mem_fraction_static` of the GPU, less what stays allocated) and the free memory less the activation
-peak, the CUDA graphs' pool and a reserve. The model runner measures the peak by running `dummy_prefill`
-and `dummy_decode` (see `gapless.engine.runner.measure_activations`) before its real pool exists.
+`kv_cache_tokens` decides when given. Otherwise, on the CPU, `plan_cpu_kv` gives the pool a fixed size:
+`kv_cache_memory_gib`, 4 GiB by default (as vLLM's CPU backend, `VLLM_CPU_KVCACHE_SPACE`), so the same
+command gets the same pool whatever else the machine is doing; never more than every request row can
+use, nor more than the available RAM (`available_ram`). On CUDA, `plan_gpu_kv` takes the tighter of the
+static share (`mem_fraction_static` of the GPU, less what gapless itself holds) and the free memory less
+the activation peak, the CUDA graphs' pool and a reserve. The model runner measures the peak by running
+`dummy_prefill` and `dummy_decode` (see `gapless.engine.runner.measure_activations`) before its real pool
+exists. Each plan says in one line how it came to its size, for the start-up log.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -19,15 +23,19 @@ from gapless.engine.batch import ForwardBatch
 from gapless.sampling.sampler import SamplingBatch
 from gapless.sampling_params import MAX_LOGPROBS, SamplingParams
 
-CPU_KV_FRACTION = 0.3  # default kv_memory_fraction
+_GIB = 2**30
+# the CPU pool's size when kv_cache_memory_gib is not given, as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE)
+DEFAULT_CPU_KV_GIB = 4.0
+# the default may take at most this share of the available RAM (activations, the tokenizer and the other
+# server processes need the rest); a size the user gave may take all of it
+DEFAULT_CPU_KV_MAX_SHARE = 0.5
 # GPU memory the measured peaks do not see: allocator fragmentation, the forward stream's cuBLAS
 # workspace, the graphs' own kernel parameters
 GPU_RESERVE_BYTES = 512 * 2**20
-_GIB = 2**30
 
 
 def available_ram() -> int:
-    """Available RAM in bytes, for sizing the KV cache on the CPU."""
+    """Available RAM in bytes (MemAvailable), for checking that the CPU KV pool fits."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -39,22 +47,82 @@ def available_ram() -> int:
 
 
 @dataclass(frozen=True)
+class CpuKVPlan:
+    """The KV pool's size on the CPU, and why (for the start-up log line)."""
+
+    tokens: int
+    bytes_per_token: int
+    requested_gib: float
+    given: bool  # kv_cache_memory_gib was set (else the default)
+    available: int  # bytes of available RAM when the plan was made
+    capped_by: str | None  # None, "rows" (no more can ever be used) or "ram" (the default did not fit)
+
+    def describe(self) -> str:
+        size = f"kv_cache_memory_gib={self.requested_gib:g}" + ("" if self.given else " (the default)")
+        if self.capped_by == "rows":
+            return f"{size}, capped at what max_running_requests rows of the max context can use"
+        if self.capped_by == "ram":
+            return (
+                f"{size} cut to {DEFAULT_CPU_KV_MAX_SHARE:.0%} of the {self.available / _GIB:.1f} GiB of "
+                "available RAM; set kv_cache_memory_gib or kv_cache_tokens to choose"
+            )
+        return size
+
+
+def plan_cpu_kv(
+    *, memory_gib: float | None, available: int, most_tokens: int, bytes_per_token: int
+) -> CpuKVPlan:
+    """KV tokens for the CPU pool: `memory_gib` (None: `DEFAULT_CPU_KV_GIB`) worth of tokens, at most
+    `most_tokens` (every request row full). The free RAM does not set the size, it only checks it: a
+    size that was given and exceeds the `available` bytes is a ValueError; the default is cut to
+    `DEFAULT_CPU_KV_MAX_SHARE` of them (`capped_by="ram"`, for a warning)."""
+    given = memory_gib is not None
+    gib = memory_gib if memory_gib is not None else DEFAULT_CPU_KV_GIB
+    want = min(int(gib * _GIB), most_tokens * bytes_per_token)
+    capped_by = "rows" if want < int(gib * _GIB) else None
+    if given and want > available:
+        raise ValueError(
+            f"kv_cache_memory_gib={gib:g}: a KV cache of {want / _GIB:.2f} GiB does not fit in the "
+            f"{available / _GIB:.2f} GiB of available RAM; lower it, or set kv_cache_tokens"
+        )
+    if not given and want > available * DEFAULT_CPU_KV_MAX_SHARE:
+        want, capped_by = int(available * DEFAULT_CPU_KV_MAX_SHARE), "ram"
+    return CpuKVPlan(want // bytes_per_token, bytes_per_token, gib, given, available, capped_by)
+
+
+@dataclass(frozen=True)
 class GpuKVPlan:
     """The KV pool's size on a GPU, and the figures (bytes) it was worked out from, for the log line."""
 
     tokens: int
     total: int
     free: int
-    resident: int
+    resident: int  # what gapless itself holds: the runner's own allocations
+    foreign: int  # what else this process held when the runner started (not gapless's)
     activation_peak: int
     graph_bytes: int
     mem_fraction_static: float
+    reserve: int
+
+    @property
+    def static_limit(self) -> int:
+        """Bytes the static share leaves the pool: mem_fraction_static of the GPU less what gapless holds."""
+        return int(self.total * self.mem_fraction_static) - self.resident
+
+    @property
+    def free_limit(self) -> int:
+        """Bytes the free memory leaves the pool once the activations, graphs and reserve are set aside."""
+        return self.free - self.activation_peak - self.graph_bytes - self.reserve
 
     def describe(self) -> str:
+        bound = "mem_fraction_static" if self.static_limit <= self.free_limit else "free memory"
+        foreign = f" (not the {self.foreign / _GIB:.2f} GiB others hold)" if self.foreign else ""
         return (
-            f"mem_fraction_static={self.mem_fraction_static} of {self.total / _GIB:.1f} GiB, "
-            f"{self.free / _GIB:.1f} GiB free: {self.resident / _GIB:.2f} GiB resident, activation peak "
-            f"{self.activation_peak / _GIB:.2f} GiB, CUDA graphs {self.graph_bytes / _GIB:.2f} GiB"
+            f"limited by {bound}: mem_fraction_static={self.mem_fraction_static} of {self.total / _GIB:.1f} "
+            f"GiB less {self.resident / _GIB:.2f} GiB gapless holds{foreign} leaves "
+            f"{self.static_limit / _GIB:.2f} GiB; {self.free / _GIB:.1f} GiB free less activation peak "
+            f"{self.activation_peak / _GIB:.2f} GiB, CUDA graphs {self.graph_bytes / _GIB:.2f} GiB and "
+            f"reserve {self.reserve / _GIB:.2f} GiB leaves {self.free_limit / _GIB:.2f} GiB"
         )
 
 
@@ -62,7 +130,8 @@ def plan_gpu_kv(
     *,
     total: int,
     free: int,
-    resident: int,
+    allocated: int,
+    allocated_before: int = 0,
     activation_peak: int,
     graph_bytes: int,
     mem_fraction_static: float,
@@ -71,15 +140,27 @@ def plan_gpu_kv(
 ) -> GpuKVPlan:
     """KV tokens the pool may hold on a GPU: its bytes are the tighter of two limits.
 
-    - The static share: what stays allocated for the runner's life (`resident`: weights, request
-      state, sampler state) plus the KV pool fit in `mem_fraction_static` of the `total` memory.
-    - What is `free` now (other processes' use included) must still hold the activation peak of the
-      largest step, the CUDA graphs' memory pool and a `reserve`.
+    - The static share: what gapless itself keeps allocated for the runner's life (weights, request
+      state, sampler state: `allocated` now less `allocated_before` the runner started, never the
+      process's total) plus the KV pool fit in `mem_fraction_static` of the `total` memory.
+    - What is `free` now must still hold the activation peak of the largest step, the CUDA graphs'
+      memory pool and a `reserve`. Memory held by anything else (another process, or another tensor or
+      engine of this process: `allocated_before`) is simply not free: it shrinks this limit, not the
+      static share, so a foreign allocation costs the pool what it takes and no more.
     """
-    static = int(total * mem_fraction_static) - resident
-    dynamic = free - activation_peak - graph_bytes - reserve
-    tokens = max(0, min(static, dynamic)) // bytes_per_token
-    return GpuKVPlan(tokens, total, free, resident, activation_peak, graph_bytes, mem_fraction_static)
+    plan = GpuKVPlan(
+        tokens=0,
+        total=total,
+        free=free,
+        resident=allocated - allocated_before,
+        foreign=allocated_before,
+        activation_peak=activation_peak,
+        graph_bytes=graph_bytes,
+        mem_fraction_static=mem_fraction_static,
+        reserve=reserve,
+    )
+    tokens = max(0, min(plan.static_limit, plan.free_limit)) // bytes_per_token
+    return dataclasses.replace(plan, tokens=tokens)
 
 
 # every sampling stage on, and logprobs, so a dummy step allocates what the largest real one does

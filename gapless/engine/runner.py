@@ -23,11 +23,12 @@ from gapless.config import EngineConfig
 from gapless.engine.batch import ForwardBatch, RunnerInfo
 from gapless.engine.cuda_graph import DEFAULT_MAX_BS, GraphRunner
 from gapless.engine.memory_plan import (
-    CPU_KV_FRACTION,
+    CpuKVPlan,
     GpuKVPlan,
     available_ram,
     dummy_decode,
     dummy_prefill,
+    plan_cpu_kv,
     plan_gpu_kv,
 )
 from gapless.memory.kv_pool import KVPool
@@ -55,23 +56,25 @@ class ModelRunner:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.device = pick_device(cfg.device)
+        # what the process held before this runner: other tensors, other engines. The KV plan counts only
+        # what the runner adds on top as its own (see `plan_gpu_kv`)
+        allocated_before = _allocated(self.device)
+        if self.device.type == "cuda" and cfg.kv_cache_memory_gib is not None:
+            raise ValueError(
+                "kv_cache_memory_gib sizes the KV cache on the CPU; on CUDA set mem_fraction_static "
+                "(share of GPU memory for weights + KV) or kv_cache_tokens"
+            )
         mcfg = load_model_config(cfg.model)
+        # EngineConfig refused a max_model_len past the model's own unless told to allow it
+        max_context = cfg.max_model_len or mcfg.max_position_embeddings
         self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
-        self.model: CausalLM = load_model(cfg.model, self.dtype, self.device)
+        self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
         self.model_config = mcfg
         self.page_size = cfg.page_size
         self.max_running_requests = max_rows = cfg.max_running_requests
         probe = Probe(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
         self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
-        if self.device.type == "cuda" and cfg.kv_memory_fraction is not None:
-            raise ValueError(
-                "kv_memory_fraction sizes the KV cache on the CPU; on CUDA set mem_fraction_static "
-                "(share of GPU memory for weights + KV) or kv_cache_tokens"
-            )
 
-        max_context = mcfg.max_position_embeddings
-        if cfg.max_model_len is not None:
-            max_context = min(max_context, cfg.max_model_len)
         self.sampler = Sampler(mcfg.vocab_size, max_rows, self.device)
         # One request-table row and token slot past the scheduler's rows, never handed out: padded decode
         # rows (CUDA graphs) and memory-measuring dummies use it. Its token slot always holds a valid id.
@@ -84,7 +87,7 @@ class ModelRunner:
         graph_bs = self._graph_max_bs(cfg)
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
-        kv_tokens, plan = self._kv_tokens(cfg, max_context, per_token, graph_bs)
+        kv_tokens, plan = self._kv_tokens(cfg, max_context, per_token, graph_bs, allocated_before)
         num_pages = -(-kv_tokens // cfg.page_size) + 1  # +1: page 0 is reserved for padding
         self.kv_pool = self._new_kv_pool(num_pages)
         self.kv_tokens = (num_pages - 1) * cfg.page_size
@@ -92,23 +95,22 @@ class ModelRunner:
         self.max_context = min(max_context, self.kv_tokens)
         self.req_table = ReqTable(max_rows + 1, self.max_context, self.device)
         log.info(
-            "KV cache: %d tokens (%.1f MiB), max context %d%s",
+            "KV cache: %d tokens, %.3g GiB, max context %d (%s)",
             self.kv_tokens,
-            self.kv_tokens * per_token / 2**20,
+            self.kv_tokens * per_token / 2**30,
             self.max_context,
-            f" ({plan.describe()})" if plan is not None else "",
+            plan.describe() if plan is not None else f"kv_cache_tokens={cfg.kv_cache_tokens}",
         )
         if graph_bs:
             self.graphs = GraphRunner(
                 graph_bs,
-                forward_tokens=self.forward_tokens,
                 req_table=self.req_table,
                 token_buf=self.token_buf,
                 pad_row=self.pad_row,
                 hidden_size=mcfg.hidden_size,
                 dtype=self.dtype,
             )
-            self.graphs.capture()
+            self.graphs.capture(self.forward_tokens)
 
     def _graph_max_bs(self, cfg: EngineConfig) -> int:
         """Largest decode batch run through the graph runner; 0: none. By default graphs are on for CUDA
@@ -134,15 +136,23 @@ class ModelRunner:
         )
 
     def _kv_tokens(
-        self, cfg: EngineConfig, max_context: int, per_token: int, graph_bs: int
-    ) -> tuple[int, GpuKVPlan | None]:
-        """Tokens for the KV pool (see `gapless.engine.memory_plan`), and on CUDA the plan behind them."""
+        self, cfg: EngineConfig, max_context: int, per_token: int, graph_bs: int, allocated_before: int
+    ) -> tuple[int, CpuKVPlan | GpuKVPlan | None]:
+        """Tokens for the KV pool (see `gapless.engine.memory_plan`), and the plan behind them (None when
+        `kv_cache_tokens` gave them)."""
         if cfg.kv_cache_tokens is not None:
             return cfg.kv_cache_tokens, None
         most = self.max_running_requests * max_context  # every row full: more could never be used
         if self.device.type != "cuda":
-            frac = cfg.kv_memory_fraction or CPU_KV_FRACTION
-            return min(int(available_ram() * frac) // per_token, most), None
+            cpu_plan = plan_cpu_kv(
+                memory_gib=cfg.kv_cache_memory_gib,
+                available=available_ram(),
+                most_tokens=most,
+                bytes_per_token=per_token,
+            )
+            if cpu_plan.capped_by == "ram":
+                log.warning("KV cache: %s", cpu_plan.describe())
+            return cpu_plan.tokens, cpu_plan
         # the activation peak, measured on a one-page pool and a table as wide as one prefill chunk; both
         # are gone (and their memory back in the allocator) before the free memory is read
         peak, graph_bytes = measure_activations(
@@ -157,7 +167,8 @@ class ModelRunner:
         plan = plan_gpu_kv(
             total=total,
             free=free,
-            resident=torch.cuda.memory_allocated(self.device),
+            allocated=_allocated(self.device),
+            allocated_before=allocated_before,
             activation_peak=peak,
             graph_bytes=graph_bytes,
             mem_fraction_static=cfg.mem_fraction_static,
@@ -217,7 +228,7 @@ class ModelRunner:
         if batch.table_writes is not None:
             table.apply_writes(*batch.table_writes)
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch, self.forward_tokens)
         table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
         meta = AttentionMetadata(
             rows=batch.rows,
@@ -286,6 +297,11 @@ def measure_activations(
         if state is not None:
             state.zero_()
     return peak, graph_bytes
+
+
+def _allocated(device: torch.device) -> int:
+    """Bytes of live tensors on `device` (CUDA's caching allocator), 0 off CUDA."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def _peak_bytes(device: torch.device, fn: Callable[[], object]) -> int:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gapless.config import declared_context_length
+
 # architecture -> per-family switches of the one decoder implementation
 _FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": None, "qk_norm": False},
@@ -88,7 +90,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     if hidden_act != "silu":
         raise ValueError(f"{arch}: hidden_act={hidden_act!r} is not supported (only 'silu')")
 
-    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    max_pos = declared_context_length(cfg)
     window = cfg.get("sliding_window")
     window_on = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
     if window is not None and window_on and int(window) < max_pos:

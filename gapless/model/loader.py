@@ -58,11 +58,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+) -> CausalLM:
+    """The checkpoint's model in `dtype` on `device`; `max_positions` as `CausalLM` takes it."""
     path = Path(path)
     cfg = load_model_config(path)
     with _default_dtype(dtype), torch.device(device):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, max_positions)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for name, tensor in iter_weights(path):

@@ -11,6 +11,8 @@ GPU is present.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -140,9 +142,9 @@ def test_cuda_step_loop_never_syncs(ckpt_factory):
         assert all(len(o.token_ids) == 8 for o in outs)
 
 
-def test_cuda_kv_memory_fraction_is_for_the_cpu(ckpt_factory):
+def test_cuda_kv_cache_memory_gib_is_for_the_cpu(ckpt_factory):
     with pytest.raises(ValueError, match="mem_fraction_static"):
-        LLM(str(ckpt_factory("llama")), device="cuda", kv_memory_fraction=0.5)
+        LLM(str(ckpt_factory("llama")), device="cuda", kv_cache_memory_gib=0.5)
 
 
 GiB = 2**30
@@ -175,3 +177,32 @@ def test_cuda_too_little_memory_for_any_kv_is_a_clear_error(ckpt_factory):
     # a static share smaller than the weights themselves leaves nothing for the pool
     with pytest.raises(RuntimeError, match="no GPU memory left for the KV cache"):
         LLM(str(ckpt_factory("llama", size="bench")), device="cuda", mem_fraction_static=1e-4)
+
+
+def test_cuda_leaving_llm_gives_the_memory_back_at_once(ckpt_factory):
+    """With the garbage collector off, leaving `with LLM(...)` (default pool: most of the GPU, CUDA graphs
+    on) returns the allocated memory to its baseline and the cached blocks to the device; so a second
+    LLM in the same process gets a pool as large as the first's."""
+    path = str(ckpt_factory("llama", size="bench"))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    slack = 256 * 2**20  # cuBLAS workspaces the streams keep, a few MiB each
+    kv_tokens = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            # 1024 rows of 4096 tokens could use 64 GiB: the pool is sized by the memory, not the rows
+            with LLM(
+                path, device="cuda", max_running_requests=1024, chunked_prefill_size=512, cuda_graph_max_bs=16
+            ) as llm:
+                out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+                assert len(out[0].token_ids) == 4 and llm.engine.runner.graphs is not None
+                kv_tokens.append(llm.engine.info.kv_tokens)
+                assert torch.cuda.memory_allocated() > allocated + GiB  # the pool really was taken
+            assert torch.cuda.memory_allocated() <= allocated + slack
+            assert torch.cuda.memory_reserved() <= reserved + slack
+    finally:
+        gc.enable()
+    assert kv_tokens[1] >= 0.95 * kv_tokens[0], kv_tokens

@@ -124,7 +124,7 @@ def test_plan_gpu_kv_static_share_binds():
     plan = plan_gpu_kv(
         total=80 * GiB,
         free=63 * GiB,
-        resident=16 * GiB,
+        allocated=16 * GiB,
         activation_peak=2 * GiB,
         graph_bytes=GiB,
         mem_fraction_static=0.85,
@@ -132,8 +132,12 @@ def test_plan_gpu_kv_static_share_binds():
         reserve=0,
     )
     assert plan.tokens == (int(80 * GiB * 0.85) - 16 * GiB) // (128 * 1024)
-    # the log line carries the figures behind it
-    assert "of 80.0 GiB, 63.0 GiB free: 16.00 GiB resident, activation peak 2.00 GiB" in plan.describe()
+    # the log line carries the figures behind it, and which limit bound
+    line = plan.describe()
+    assert line.startswith("limited by mem_fraction_static: mem_fraction_static=0.85 of 80.0 GiB")
+    assert (
+        "less 16.00 GiB gapless holds leaves 52.00 GiB; 63.0 GiB free less activation peak 2.00 GiB" in line
+    )
 
 
 def test_plan_gpu_kv_free_memory_binds():
@@ -141,7 +145,7 @@ def test_plan_gpu_kv_free_memory_binds():
     tokens = plan_gpu_kv(
         total=80 * GiB,
         free=34 * GiB,
-        resident=16 * GiB,
+        allocated=16 * GiB,
         activation_peak=3 * GiB,
         graph_bytes=GiB,
         mem_fraction_static=0.85,
@@ -154,8 +158,8 @@ def test_plan_gpu_kv_free_memory_binds():
 def test_plan_gpu_kv_never_negative():
     kw = dict(total=24 * GiB, free=GiB, activation_peak=2 * GiB, graph_bytes=0, bytes_per_token=1)
     # the weights alone exceed the static share; the peak alone exceeds what is free
-    assert plan_gpu_kv(resident=23 * GiB, mem_fraction_static=0.9, **kw).tokens == 0
-    assert plan_gpu_kv(resident=GiB, mem_fraction_static=0.9, **kw).tokens == 0
+    assert plan_gpu_kv(allocated=23 * GiB, mem_fraction_static=0.9, **kw).tokens == 0
+    assert plan_gpu_kv(allocated=GiB, mem_fraction_static=0.9, **kw).tokens == 0
 
 
 def test_dummy_prefill_splits_at_the_table_width():

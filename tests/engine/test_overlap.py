@@ -163,13 +163,14 @@ def test_reading_an_unwritten_future_slot_fails_loudly(qwen3):
 
 def test_device_process_death_is_an_error_not_a_hang(qwen3):
     llm = overlap_llm(qwen3, chaos_seed=None, worker="process")
-    proc = llm.engine.stream.proc
+    stream = llm.engine.stream  # the engine lets go of it at shutdown
+    proc = stream.proc
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)  # dead before the send (the other order, dying mid-job, is the recv path)
     with pytest.raises(RuntimeError, match="device process died"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     llm.shutdown()  # nothing left to drain: it closes the stream
-    assert llm.engine.stream.conn.closed
+    assert stream.conn.closed
 
 
 def test_bad_checkpoint_error_comes_back_from_the_device_process(tmp_path, qwen3):

@@ -1,0 +1,45 @@
+"""A conversation's prompt: the messages rendered with the tokenizer's chat template, then tokenized.
+
+The template writes the special tokens itself (BOS, role markers), so its text is encoded without the
+tokenizer adding any more. A tokenizer without a template is refused by name: a plain-text fallback
+would give a chat model a prompt it was never trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+Message = Mapping[str, Any]  # {"role": ..., "content": ...}, as OpenAI and transformers take them
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[str, list[int]]:
+    """The prompt text of `messages` and its token ids. `add_generation_prompt` opens the assistant's
+    turn; `chat_template` replaces the tokenizer's own; `chat_template_kwargs` go to the template (e.g.
+    Qwen3's `enable_thinking`). Raises ValueError when there is no template to render with."""
+    if chat_template is None and not has_chat_template(tokenizer):
+        raise ValueError(
+            "the model's tokenizer has no chat template, so it cannot render chat messages: prompt it with "
+            "plain text (LLM.generate, /v1/completions) or pass a chat_template"
+        )
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        tokenize=False,
+        **dict(chat_template_kwargs or {}),
+    )
+    return text, tokenizer.encode(text, add_special_tokens=False)
