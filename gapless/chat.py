@@ -1,10 +1,12 @@
-"""Interactive chat in the terminal: `gapless chat --model PATH`.
+"""Interactive chat in the terminal: `gapless chat [MODEL]`.
 
 Drives an in-process `Engine` one step at a time, so each step's new tokens are shown as soon as they
 are sampled (through `IncrementalDetokenizer`: whole characters only, stop strings cut). The
 conversation is kept as chat messages and re-rendered with the tokenizer's chat template every turn;
 the engine's prefix cache makes the repeated history cheap. `/reset` forgets the history, `/exit`,
 `/quit` or end of input (Ctrl-D) quits, and Ctrl-C while a reply streams stops that reply.
+
+The engine is imported where it is used, so the command line's parser (`add_chat_args`) loads no torch.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gapless.config import EngineConfig, add_engine_args, engine_options
-from gapless.engine.detokenize import IncrementalDetokenizer
-from gapless.engine.engine import Engine
+from gapless.config import add_engine_args, add_model_args, config_from_args
 from gapless.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gapless.engine.engine import Engine
 
 EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
@@ -108,6 +111,8 @@ class ChatSession:
     def send(self, user_text: str, write: Callable[[str], Any] = lambda s: None) -> Turn:
         """Add a user message, stream the reply through `write` delta by delta, and keep both in the
         history. Raises ValueError (history unchanged) when the conversation no longer fits."""
+        from gapless.engine.detokenize import IncrementalDetokenizer
+
         messages = [*self.messages, {"role": "user", "content": user_text}]
         ids = self.prompt_ids(messages)
         engine = self.engine
@@ -194,26 +199,22 @@ def run_chat(
 def add_chat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `chat` subcommand's options: the model, sampling, and every engine option as `serve` has
     them (`--device`, `--disable-overlap`, `--max-model-len`, `--seed`, ...)."""
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: built-in)")
+    add_model_args(parser)
     parser.add_argument("--system", default=None, help="system prompt")
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
-    sampling.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument(
+        "--max-tokens", type=int, default=512, help="longest reply, in tokens (default: 512)"
+    )
+    sampling.add_argument("--temperature", type=float, default=0.7, help="0 for greedy (default: 0.7)")
+    sampling.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling's mass (default: 1: off)"
+    )
+    sampling.add_argument(
+        "--top-k", type=int, default=-1, help="sample among the k likeliest (default: -1: all)"
+    )
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     add_engine_args(parser)
     return parser
-
-
-def engine_from_args(args: argparse.Namespace) -> Engine:
-    """An engine for `args`, built as `serve` builds its config (flags left out keep their defaults)."""
-    model = args.model
-    if model is None:
-        from gapless.default_model import default_model_path
-
-        model = str(default_model_path())
-    return Engine(EngineConfig.from_kwargs(str(model), **engine_options(args)))
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -232,13 +233,20 @@ def chat_main(
     input_fn: Callable[[str], str] = input,
     write: Callable[[str], Any] | None = None,
 ) -> int:
-    """Run `gapless chat` for parsed `args`; returns the exit status. The engine is shut down after."""
+    """Run `gapless chat` for parsed `args`; returns the exit status: 2 for bad arguments, a checkpoint
+    that cannot run or a device that is not there, found before anything loads. The engine is shut
+    down after."""
+    from gapless.engine.engine import Engine
+    from gapless.engine.preflight import check_engine_config
+
     try:
         params = sampling_from_args(args)
+        cfg = config_from_args(args)
+        check_engine_config(cfg)
     except ValueError as e:
         print(f"gapless chat: {e}", file=sys.stderr)
         return 2
-    engine = engine_from_args(args)
+    engine = Engine(cfg)
     try:
         (write or sys.stdout.write)(f"gapless chat: {engine.cfg.model} ({HELP_TEXT.rstrip()})\n")
         run_chat(engine, params, input_fn=input_fn, write=write, system=args.system)
@@ -249,8 +257,9 @@ def chat_main(
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m gapless.chat [options]`, the same as `gapless chat`."""
-    parser = add_chat_args(argparse.ArgumentParser(prog="gapless chat"))
-    return chat_main(parser.parse_args(argv))
+    from gapless.__main__ import main as gapless_main
+
+    return gapless_main(["chat", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The engine's options in one dataclass: every option, its default and its check, and a command-line
-flag for each (`add_engine_args`). The server's own options (host, port, API key) are its launcher's."""
+flag for each (`add_engine_args`: its help is the option's comment, vLLM's and SGLang's names for it are
+aliases, `FLAG_ALIASES`). The server's own options (host, port, API key) are its launcher's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -145,39 +146,214 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
 
+# ------------------------------------------------------------------------------------ command line
+# A flag for every option of `EngineConfig`, with the option's comment above as its help (one place
+# explains an option), and other servers' names for the same settings (`FLAG_ALIASES`).
+
+
+class _ArgumentAdder(Protocol):
+    """A parser or an argument group."""
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action: ...
+
+
+class Alias(NamedTuple):
+    """Another server's flag for one of gapless's settings."""
+
+    option: str  # the option it sets (an `EngineConfig` field, or a server option such as log_requests)
+    source: str  # whose flag it is
+    const: object = None  # a switch sets this value; None: the flag takes the option's value
+
+
+# vLLM's and SGLang's flags for gapless's settings, so a command line written for either runs here. The
+# flags they share with gapless (--max-model-len, --max-running-requests, --chunked-prefill-size,
+# --mem-fraction-static, --disable-radix-cache, --dtype, --seed, --served-model-name, ...) need no entry.
+FLAG_ALIASES: dict[str, Alias] = {
+    "--model-path": Alias("model", "SGLang"),
+    "--max-num-seqs": Alias("max_running_requests", "vLLM"),
+    "--max-num-batched-tokens": Alias("chunked_prefill_size", "vLLM"),
+    "--gpu-memory-utilization": Alias("mem_fraction_static", "vLLM"),
+    "--context-length": Alias("max_model_len", "SGLang"),
+    "--max-total-tokens": Alias("kv_cache_tokens", "SGLang"),
+    "--block-size": Alias("page_size", "vLLM"),
+    "--random-seed": Alias("seed", "SGLang"),
+    "--enable-prefix-caching": Alias("radix_cache", "vLLM", True),
+    "--no-enable-prefix-caching": Alias("radix_cache", "vLLM", False),
+    "--disable-overlap-schedule": Alias("overlap", "SGLang", False),
+    "--enforce-eager": Alias("cuda_graph_max_bs", "vLLM", 0),
+    "--disable-cuda-graph": Alias("cuda_graph_max_bs", "SGLang", 0),
+    "--enable-log-requests": Alias("log_requests", "vLLM", True),
+    "--disable-log-stats": Alias("log_stats_interval", "vLLM", 0.0),
+}
+
+# vLLM's and SGLang's parallelism flags: gapless runs on one device, so any size but 1 is refused by name
+_PARALLEL_FLAGS = {
+    "tensor": ("--tensor-parallel-size", "--tp-size", "-tp"),
+    "pipeline": ("--pipeline-parallel-size", "--pp-size", "-pp"),
+    "data": ("--data-parallel-size", "--dp-size", "-dp"),
+}
+
+# the dtype names the flag takes: torch's, and vLLM's (half, float) for the same types
+DTYPE_NAMES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+}
+
 # bool options whose command-line flag reads better negated (default on)
 _NEGATED_FLAGS = {"overlap": "--disable-overlap", "radix_cache": "--disable-radix-cache"}
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
-_FLAG_HELP = {"chaos_seed": "testing only: seeded random delays around the device stream, future-slot checks"}
+_METAVARS = {"int": "N", "float": "X", "str": "S", "device": "{auto,cpu,cuda,cuda:N}", "trace_path": "PATH"}
+_CHOICES = {
+    "schedule_policy": SCHEDULE_POLICIES,
+    "cpu_worker": CPU_WORKERS,
+    "attention_backend": ATTENTION_BACKENDS,
+}
+# the help of options that have no comment in `EngineConfig` (an option's comment is its help)
+_FLAG_HELP = {
+    "page_size": "tokens per KV cache page; the prefix cache shares whole pages",
+    "radix_cache": "reuse the KV cache of shared prompt prefixes (a radix tree)",
+    "max_running_requests": "most requests running (decoding) at once",
+    "schedule_policy": "which waiting request starts first: lpm (longest cached prefix) or fcfs",
+    "min_new_token_ratio": "the lowest that expected share decays to",
+    "new_token_ratio_decay_steps": "steps over which the expected share decays to its lowest",
+}
+
+
+def option_comments() -> dict[str, str]:
+    """Each `EngineConfig` option's comment: the comment lines right above it and the one on its line.
+
+    Read from this file's source, so the comment a reader sees beside an option is the help its flag
+    prints; {} where the source is not shipped."""
+    import ast
+    import inspect
+    import io
+    import tokenize
+
+    try:
+        source = inspect.getsource(EngineConfig)
+    except (OSError, TypeError):
+        return {}
+    comments: dict[int, tuple[str, bool]] = {}  # line -> (text, whether it is a line of its own)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = (tok.string.lstrip("#").strip(), tok.line.lstrip().startswith("#"))
+    found: dict[str, str] = {}
+    cls = ast.parse(source).body[0]
+    assert isinstance(cls, ast.ClassDef)
+    for node in cls.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above, line = [], node.lineno - 1
+        while line in comments and comments[line][1]:
+            above.insert(0, comments[line][0])
+            line -= 1
+        end = node.end_lineno or node.lineno
+        after = [comments[n][0] for n in range(node.lineno, end + 1) if n in comments and not comments[n][1]]
+        if above or after:
+            found[node.target.id] = " ".join(above + after)
+    return found
+
+
+def add_option(group: _ArgumentAdder, option: str, *flags: str, **kwargs: Any) -> None:
+    """Add `option`'s flags: its own (`flags`; default `--option-name`), the other servers' names for it
+    that take its value, and their switches that set it to a value (`FLAG_ALIASES`)."""
+    own = flags or ("--" + option.replace("_", "-"),)
+    aliases = [(flag, a) for flag, a in FLAG_ALIASES.items() if a.option == option]
+    group.add_argument(*own, *(flag for flag, a in aliases if a.const is None), dest=option, **kwargs)
+    for flag, a in aliases:
+        if a.const is not None:
+            help_text = f"{a.source}'s flag: sets {option} to {a.const}"
+            group.add_argument(
+                flag, dest=option, action="store_const", const=a.const, default=None, help=help_text
+            )
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint to run: as the first argument (as `vllm serve MODEL`), or `--model` / `--model-path`."""
+    help_text = "Hugging Face checkpoint directory (default: the built-in tiny model)"
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL", default=None, help=help_text)
+    add_option(parser, "model", default=None, metavar="MODEL", help="the same, as a flag")
+
+
+def chosen_model(args: argparse.Namespace) -> str | None:
+    """The checkpoint `add_model_args` read; None for the built-in model. ValueError when two differ."""
+    first, flag = getattr(args, "model_arg", None), getattr(args, "model", None)
+    if first is not None and flag is not None and first != flag:
+        raise ValueError(f"two models given: {first!r} and --model {flag!r}")
+    return first if first is not None else flag
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineConfig` option (but `model`): `--page-size`, `--disable-overlap`, ... Flags left
-    out keep the config's default (so GAPLESS_DISABLE_OVERLAP still applies)."""
+    """One flag per `EngineConfig` option (but `model`): `--page-size`, `--disable-overlap`, ..., with
+    their aliases; and the parallelism flags, refused unless 1. Flags left out keep the config's default
+    (so GAPLESS_DISABLE_OVERLAP still applies)."""
     group = parser.add_argument_group("engine options")
+    comments = option_comments()
     for f in fields(EngineConfig):
         if f.name == "model":
             continue
         kind = str(f.type).replace(" | None", "")
-        default = f.default if f.default is not MISSING else None
+        text = comments.get(f.name) or _FLAG_HELP.get(f.name, "")
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        default = None if default is MISSING else default
         if kind == "bool":
             if f.name in _NEGATED_FLAGS:
-                group.add_argument(_NEGATED_FLAGS[f.name], dest=f.name, action="store_false", default=None)
+                flag, text = _NEGATED_FLAGS[f.name], f"turn off {f.name}: {text}"
+                add_option(group, f.name, flag, action="store_false", default=None, help=_help(text))
             else:
-                group.add_argument(
-                    "--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction
-                )
+                add_option(group, f.name, action=argparse.BooleanOptionalAction, help=_help(text, default))
             continue
-        group.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
+        choices: tuple[str, ...] | None = tuple(DTYPE_NAMES) if f.name == "dtype" else _CHOICES.get(f.name)
+        add_option(
+            group,
+            f.name,
             type=_FLAG_TYPES[kind],
             default=None,
-            help=_FLAG_HELP.get(f.name, f"default: {default}" if default is not None else None),
+            choices=choices,
+            metavar=None if choices else _METAVARS.get(f.name, _METAVARS[kind]),
+            help=_help(text, default),
+        )
+    parallel = parser.add_argument_group(
+        "parallelism (vLLM's and SGLang's flags; gapless runs on one device)"
+    )
+    for axis, flags in _PARALLEL_FLAGS.items():
+        parallel.add_argument(
+            *flags, dest=f"{axis}_parallel_size", type=int, default=None, metavar="N", help="only 1"
         )
 
 
+def _help(text: str, default: object = None) -> str:
+    """argparse help: `text` (its % escaped) and the default, if any."""
+    text = text.replace("%", "%%")
+    return f"{text} (default: {default})" if default is not None else text
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine options given on the command line (those left out keep their defaults)."""
+    """The engine options given on the command line (those left out keep their defaults), dtype names
+    made torch's; ValueError for a parallelism size other than 1."""
+    for axis, flags in _PARALLEL_FLAGS.items():
+        size = getattr(args, f"{axis}_parallel_size", None)
+        if size not in (None, 1):
+            raise ValueError(
+                f"{axis} parallelism is not supported yet ({flags[0]} {size}); gapless runs on one device"
+            )
     names = {f.name for f in fields(EngineConfig)} - {"model"}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+    options = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if "dtype" in options:
+        options["dtype"] = DTYPE_NAMES[options["dtype"]]
+    return options
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine config a command line asks for: its model (the built-in one, made on first use, when it
+    names none) and the options it gives; ValueError for a bad one."""
+    options, model = engine_options(args), chosen_model(args)
+    if model is None:
+        from gapless.default_model import default_model_path
+
+        model = str(default_model_path())
+    return EngineConfig.from_kwargs(model, **options)

@@ -1,18 +1,50 @@
-"""The command line: `gapless chat` through `main`, with its input piped (the server's `gapless serve` is
-exercised as a process by tests/server, the README's `make serve` path included)."""
+"""The command line: `gapless chat` through `main`, with its input piped; the parser (fast, no engine
+imported, vLLM's and SGLang's flags as aliases, a near miss named); and `gapless serve`'s checks, each one
+line and status 2 before any process starts (the server itself runs as a process in tests/server)."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
+import shutil
+import socket
+import subprocess
 import sys
+import time
+from dataclasses import fields
+from pathlib import Path
 
-from gapless.__main__ import main
+import pytest
+
+import gapless
+from gapless.__main__ import build_parser, main, parse_args
+from gapless.config import (
+    _FLAG_HELP,
+    _PARALLEL_FLAGS,
+    FLAG_ALIASES,
+    EngineConfig,
+    engine_options,
+    option_comments,
+)
+from gapless.testing.server import descendants
+
+ROOT = Path(gapless.__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "zmq")
+
+
+def _python(args: list[str]) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
 def test_chat_subcommand_streams_and_resets(monkeypatch, ckpt_factory, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/reset\nhello\n"))
     path = str(ckpt_factory("qwen3"))
-    argv = ["chat", "--model", path, "--device", "cpu", "--max-tokens", "5", "--temperature", "0"]
+    argv = ["chat", path, "--device", "cpu", "--max-tokens", "5", "--temperature", "0"]  # MODEL positional
     assert main(argv) == 0
     out = capsys.readouterr().out
     turns = out.split(">>> ")[1:]  # the prompt before each line read, and once more before EOF
@@ -22,8 +54,144 @@ def test_chat_subcommand_streams_and_resets(monkeypatch, ckpt_factory, capsys):
     assert turns[0].strip() and turns[0] == turns[2], out
 
 
+def test_help_is_fast_and_parsing_imports_no_engine():
+    # best of three: the machine is shared, and one slow start says nothing about the imports
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        done = _python(["-m", "gapless", "serve", "--help"])
+        best = min(best, time.perf_counter() - start)
+        assert done.returncode == 0 and "--max-num-seqs" in done.stdout, done.stderr
+    assert best < 1.0, f"gapless serve --help took {best:.2f} s"
+    code = (
+        "import sys\n"
+        "from gapless.__main__ import parse_args\n"
+        "parse_args(['serve', 'm', '--max-num-seqs', '4', '--dtype', 'half'])\n"
+        "parse_args(['chat', 'm', '--temperature', '0'])\n"
+        "try:\n    parse_args(['serve', '--max-num-seq', '4'])\nexcept SystemExit:\n    pass\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    done = _python(["-c", code])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_vllm_and_sglang_flags_are_aliases():
+    args = parse_args(
+        ["serve", "/ckpt", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
+        + ["--gpu-memory-utilization", "0.6", "--no-enable-prefix-caching", "--context-length", "256"]
+        + ["--max-total-tokens", "4096", "--block-size", "16", "--random-seed", "3", "--enforce-eager"]
+        + [
+            "--disable-overlap-schedule",
+            "--dtype",
+            "half",
+            "--tensor-parallel-size",
+            "1",
+            "--disable-log-stats",
+        ]
+    )
+    assert args.model_arg == "/ckpt" and args.log_stats_interval == 0.0
+    assert engine_options(args) == {
+        "max_running_requests": 8,
+        "chunked_prefill_size": 512,
+        "mem_fraction_static": 0.6,
+        "radix_cache": False,
+        "max_model_len": 256,
+        "kv_cache_tokens": 4096,
+        "page_size": 16,
+        "seed": 3,
+        "cuda_graph_max_bs": 0,
+        "overlap": False,
+        "dtype": "float16",
+    }
+    assert engine_options(parse_args(["serve", "--enable-prefix-caching", "--dtype", "float"])) == {
+        "radix_cache": True,
+        "dtype": "float32",
+    }
+    assert parse_args(["serve", "--model-path", "/a"]).model == "/a"
+    assert parse_args(["serve", "--enable-log-requests"]).log_requests is True
+    assert parse_args(["chat", "/a", "--disable-cuda-graph"]).cuda_graph_max_bs == 0
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["serve", "--max-num-seq", "4"], "unknown flag --max-num-seq; did you mean --max-num-seqs?"),
+        (["serve", "--gpu-memory-utilisation=0.5"], "did you mean --gpu-memory-utilization?"),
+        (["chat", "--temprature", "0"], "unknown flag --temprature; did you mean --temperature?"),
+        (["serve", "--trust-remote-code"], "unknown flag --trust-remote-code (see gapless serve --help)"),
+        (["serve", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+        (["serve", "--port", "http"], "argument --port: 'http' is not a port number (0 to 65535)"),
+        (["serve", "--port", "70000"], "argument --port: '70000' is not a port number"),
+    ],
+)
+def test_argument_errors_show_the_subcommands_usage_and_one_line(argv, said, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    usage, error = capsys.readouterr().err.strip().split("\n")
+    assert usage == f"usage: gapless {argv[0]} [MODEL] [options]"
+    assert error.startswith(f"gapless {argv[0]}: error: ") and said in error, error
+
+
+def test_every_flag_has_help_and_each_option_one_source_of_it():
+    _, subs = build_parser()
+    for name, parser in subs.items():
+        bare = [a.option_strings or [a.dest] for a in parser._actions if not a.help]
+        assert not bare, f"gapless {name}: flags without help: {bare}"
+    comments, options = option_comments(), {f.name for f in fields(EngineConfig)} - {"model"}
+    assert set(comments) | set(_FLAG_HELP) >= options
+    assert not set(comments) & set(_FLAG_HELP), (
+        "an option's help is its comment in EngineConfig, or else here"
+    )
+    assert comments["seed"].startswith("draws the seeds of requests")  # the comment on the option's line
+
+
+def test_readme_names_every_alias():
+    readme = (ROOT / "README.md").read_text()
+    flags = [*FLAG_ALIASES, *(flag for names in _PARALLEL_FLAGS.values() for flag in names)]
+    assert not [f for f in flags if f"`{f}`" not in readme], "README's alias table lacks some flags"
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """Run `gapless ARGV`, which must refuse to start: status 2, one `gapless: ...` line, no process."""
+    before, start = descendants(os.getpid()), time.monotonic()
+    assert main(argv) == 2
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(("gapless: ", "gapless chat: ")), err
+    assert descendants(os.getpid()) <= before, "a process was started"
+    return err
+
+
 def test_serve_refuses_bad_arguments_before_starting_anything(tmp_path, ckpt_factory, capsys):
-    assert main(["serve", "--model", str(tmp_path)]) == 2
-    assert "no config.json" in capsys.readouterr().err
-    assert main(["serve", "--model", str(ckpt_factory("qwen3")), "--page-size", "0"]) == 2
-    assert "page_size=0" in capsys.readouterr().err
+    assert "no config.json" in _refused(["serve", str(tmp_path)], capsys)
+    ckpt = str(ckpt_factory("qwen3"))
+    assert "page_size=0" in _refused(["serve", "--model", ckpt, "--page-size", "0"], capsys)
+    assert "two models given" in _refused(["serve", ckpt, "--model", str(tmp_path)], capsys)
+    err = _refused(["serve", ckpt, "--tp-size", "2"], capsys)
+    assert "tensor parallelism is not supported yet (--tensor-parallel-size 2)" in err
+
+
+def test_an_unsupported_architecture_is_refused_by_name(tmp_path, ckpt_factory, capsys):
+    ckpt = shutil.copytree(ckpt_factory("qwen3"), tmp_path / "gpt2")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    for argv in (["serve", str(ckpt)], ["chat", str(ckpt)]):
+        err = _refused(argv, capsys)
+        assert "unsupported architecture 'GPT2LMHeadModel'" in err and "Qwen3ForCausalLM" in err, err
+
+
+def test_a_device_this_machine_lacks_is_refused(ckpt_factory, capsys):
+    # cuda:99 exists on no machine: without CUDA it says so, with it there is no 100th device
+    err = _refused(["serve", str(ckpt_factory("qwen3")), "--device", "cuda:99"], capsys)
+    assert err.startswith("gapless: device 'cuda:99': "), err
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(ckpt_factory, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _refused(["serve", str(ckpt_factory("qwen3")), "--port", str(port), "--device", "cpu"], capsys)
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use; another server runs there?" in err

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.decoder import CausalLM
@@ -42,10 +43,21 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    """Every tensor of the checkpoint, with a progress bar on stderr (by bytes read: a big model loads
+    for minutes, and the bar shows it moving)."""
+    files = safetensors_files(path)
+    with tqdm(
+        total=sum(f.stat().st_size for f in files), desc="loading weights", unit="B", unit_scale=True
+    ) as bar:
+        done = 0
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    bar.update(tensor.nbytes)
+                    yield name, tensor
+            done += file.stat().st_size
+            bar.update(done - bar.n)  # the file's header
 
 
 @contextlib.contextmanager

@@ -1,54 +1,106 @@
-"""`gapless serve`: start the workers, wait until each is ready, serve HTTP, and take it all down.
+"""`gapless serve`: check what can be checked, start the workers, wait until each is ready, serve HTTP, and
+take it all down.
+
+Before any process starts or a weight loads, `serve` checks the engine options, the checkpoint (its
+architecture, weights and tokenizer), the device, and the port (binding the HTTP socket there and then), so
+each of those mistakes is one `gapless: ...` line and exit status 2 within a second. Importing this module
+loads neither torch nor the web stack (`serve` does), so the command line's parser stays fast.
 
 The API server runs in this process (uvicorn on an asyncio loop); the tokenizer, scheduler and
 detokenizer are child processes forked from a fork server that imported torch and transformers once
-(`preload`), or spawned where the platform has no fork server. Shutdown (SIGINT, SIGTERM, or a worker
-dying) stops uvicorn, then terminates the workers and waits for them, killing any that hang; the
-scheduler's own device process (if any) ends with it. The exit status is non-zero when a worker failed.
+(`preload`), or spawned where the platform has no fork server.
+
+Shutdown (SIGINT, SIGTERM, or a worker dying) first ends every open request: a stream gets an error event
+and `data: [DONE]`, a waiting request a 503. Then uvicorn stops, the workers are terminated and waited for
+(killed if they hang), and so are multiprocessing's fork server and resource tracker and any process
+orphaned below this one (it is their subreaper): when the server's exit status is seen, none of its
+processes is left. The exit status is 1 when a worker failed, 2 for a refused start, else 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
+import errno
 import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import uvicorn
-
-from gapless.config import EngineConfig, add_engine_args, engine_options
-from gapless.server import protocol as P
-from gapless.server.api import create_app
-from gapless.server.engine_client import EngineClient
+from gapless.config import EngineConfig, add_engine_args, add_model_args, add_option, config_from_args
 from gapless.server.health import Health
-from gapless.server.metrics import Metrics
-from gapless.server.state import ServerState, Settings
-from gapless.server.workers import Endpoints, detokenizer_main, scheduler_main, tokenizer_main
+from gapless.server.logs import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from gapless.model.config import ModelConfig
+    from gapless.server import protocol as P
+    from gapless.server.engine_client import EngineClient
+    from gapless.server.workers import Endpoints, SchedulerLogs
 
 log = logging.getLogger("gapless.server")
 
 STARTUP_TIMEOUT_S = 600.0
 WATCHDOG_S = 0.5
 TERMINATE_GRACE_S = 5.0
-GRACEFUL_SHUTDOWN_S = 2  # open responses (streams) get this long to finish on shutdown, then are cut
+GRACEFUL_SHUTDOWN_S = 2  # open responses get this long to end after they were told the server stops
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: built-in)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--api-key", default=os.environ.get("GAPLESS_API_KEY"), help="require Bearer auth")
+    add_model_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0: every interface")
+    parser.add_argument("--port", type=_port, default=8000, help="0 picks a free port (default: 8000)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("GAPLESS_API_KEY"),
+        help="require `Authorization: Bearer KEY` (all but /health); prefer GAPLESS_API_KEY: ps shows flags",
+    )
     parser.add_argument("--served-model-name", default=None, help="model id in the API (default: dir name)")
-    parser.add_argument("--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413 (default: 32 MiB)"
+    )
+    logs = parser.add_argument_group("logging")
+    logs.add_argument(
+        "--log-level",
+        default=os.environ.get(LOG_LEVEL_ENV, "info"),
+        choices=LOG_LEVELS,
+        help=f"in every process; debug shows each scheduler step (default: ${LOG_LEVEL_ENV} or info)",
+    )
+    add_option(
+        logs,
+        "log_requests",
+        action="store_true",
+        help="a line per request: HTTP access, and the scheduler's tokens, finish reason and latency",
+    )
+    add_option(
+        logs,
+        "log_stats_interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between stats lines (throughput, queues, KV, prefix hits) while busy; 0: none "
+        "(default: 10)",
+    )
     add_engine_args(parser)
+
+
+def _port(text: str) -> int:
+    """A TCP port number (the socket layer would silently take 70000 as 4464)."""
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)")
+    return int(text)
 
 
 def _process_context() -> mp.context.BaseContext:
@@ -62,11 +114,15 @@ def _process_context() -> mp.context.BaseContext:
 
 
 class _Workers:
-    def __init__(self, ends: Endpoints, cfg: EngineConfig) -> None:
+    def __init__(self, ends: Endpoints, cfg: EngineConfig, logs: SchedulerLogs) -> None:
+        from gapless.server.workers import detokenizer_main, scheduler_main, tokenizer_main
+
         ctx = _process_context()
         pid = os.getpid()
         self.procs = {
-            "scheduler": ctx.Process(target=scheduler_main, args=(ends, cfg, pid), name="gapless-scheduler"),
+            "scheduler": ctx.Process(
+                target=scheduler_main, args=(ends, cfg, pid, logs), name="gapless-scheduler"
+            ),
             "tokenizer": ctx.Process(
                 target=tokenizer_main, args=(ends, cfg.model, pid), name="gapless-tokenizer"
             ),
@@ -99,6 +155,8 @@ class _Workers:
 
 async def _wait_ready(client: EngineClient, workers: _Workers) -> P.SchedulerInfo:
     """What the scheduler reported once every worker said it is ready; RuntimeError if one failed."""
+    from gapless.server import protocol as P
+
     ready: dict[str, P.SchedulerInfo | None] = {}
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while len(ready) < len(workers.procs):
@@ -116,7 +174,34 @@ async def _wait_ready(client: EngineClient, workers: _Workers) -> P.SchedulerInf
     return info
 
 
-async def _serve(args: argparse.Namespace, cfg: EngineConfig, ends: Endpoints, workers: _Workers) -> int:
+def _http_server(config: uvicorn.Config, on_shutdown: Callable[[], None]) -> uvicorn.Server:
+    """A uvicorn server that calls `on_shutdown` when it begins to shut down, before it waits for the
+    open responses: they are told to end (an error event for a stream) instead of being cut."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            on_shutdown()
+            await super().shutdown(sockets)
+
+    return Server(config)
+
+
+async def _serve(
+    args: argparse.Namespace,
+    cfg: EngineConfig,
+    ends: Endpoints,
+    workers: _Workers,
+    listener: socket.socket,
+    started: float,
+) -> int:
+    import uvicorn
+
+    from gapless.server.api import create_app
+    from gapless.server.engine_client import EngineClient
+    from gapless.server.metrics import Metrics
+    from gapless.server.state import ServerState, Settings
+
     model_name = args.served_model_name or Path(cfg.model).name
     health, metrics = Health(), Metrics(model_name)
     client = EngineClient(ends, metrics, health)
@@ -126,13 +211,11 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, ends: Endpoints, w
     app = create_app(ServerState(settings, client, health, metrics))
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
         log_level=args.log_level,
-        access_log=False,
+        access_log=args.log_requests,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    server = uvicorn.Server(config)
+    server = _http_server(config, on_shutdown=health.stop)
     health.on_fatal(lambda why: setattr(server, "should_exit", True))
 
     async def watchdog() -> None:
@@ -145,23 +228,47 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, ends: Endpoints, w
     async def announce() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
+        host, port = args.host, listener.getsockname()[1]
         print(
-            f"gapless: serving {model_name} at http://{args.host}:{port} "
-            f"(device {info.device}, {info.kv_tokens} KV tokens, context {info.max_context})",
+            f"gapless: serving {model_name} at http://{f'[{host}]' if ':' in host else host}:{port} "
+            f"(device {info.device}, {info.kv_tokens} KV tokens, context {info.max_context}; "
+            f"started in {time.monotonic() - started:.1f} s)",
             flush=True,
         )
 
     tasks = [asyncio.create_task(t) for t in (client.receive_loop(), watchdog(), announce())]
     try:
-        await server.serve()
+        await server.serve(sockets=[listener])
     finally:
         for t in tasks:
             t.cancel()
-    if health.fatal:
+    if health.failed:
         print(f"gapless: exiting: {health.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound and listening: taken before anything starts, so a port in use is found at
+    once (not after the model loaded) and is ours from then on. ValueError naming the address if not."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = "; another server runs there? pick another --port (0: any free one)"
+        raise ValueError(
+            f"cannot listen on {host}:{port}: {e.strerror}{hint if e.errno == errno.EADDRINUSE else ''}"
+        ) from None
+    return sock
 
 
 class _Terminated(Exception):
@@ -173,32 +280,95 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from gapless.default_model import default_model_path
+    """Run `gapless serve` for parsed `args` until it is stopped; returns the exit status."""
+    from gapless.engine.preflight import check_engine_config
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model = args.model or str(default_model_path())
-    if not Path(model, "config.json").is_file():
-        print(
-            f"gapless: {model!r} is not a Hugging Face checkpoint directory (no config.json)", file=sys.stderr
-        )
-        return 2
+    started = time.monotonic()
     try:
-        cfg = EngineConfig.from_kwargs(model, **engine_options(args))
+        cfg = config_from_args(args)
+        mcfg = check_engine_config(cfg)
+        listener = listen(args.host, args.port)
     except ValueError as e:
-        print(f"gapless: {e}", file=sys.stderr)
+        print(f"gapless: {e}", file=sys.stderr, flush=True)
         return 2
+    with listener:
+        return _run(args, cfg, mcfg, listener, started)
+
+
+def _run(
+    args: argparse.Namespace, cfg: EngineConfig, mcfg: ModelConfig, listener: socket.socket, started: float
+) -> int:
+    from gapless.server.workers import Endpoints, SchedulerLogs
+
+    configure_logging(args.log_level)
+    os.environ[LOG_LEVEL_ENV] = args.log_level  # the workers' level (they inherit the environment)
+    mp.current_process().name = "gapless-api"
+    _adopt_orphans()
+    print(f"gapless: starting {cfg.model} ({mcfg.architecture}; device {cfg.device})", flush=True)
     # uvicorn handles SIGINT/SIGTERM while serving and re-raises them afterwards: this handler turns a
     # re-raised (or early) SIGTERM into an exception, so the workers are always stopped below
     signal.signal(signal.SIGTERM, _on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gapless-") as tmp:
         ends = Endpoints.in_dir(tmp)
-        workers = _Workers(ends, cfg)
+        workers = _Workers(ends, cfg, SchedulerLogs(args.log_stats_interval, args.log_requests))
         try:
-            return asyncio.run(_serve(args, cfg, ends, workers))
+            return asyncio.run(_serve(args, cfg, ends, workers, listener, started))
         except (KeyboardInterrupt, _Terminated):
             return 0
         except RuntimeError as e:
             print(f"gapless: {e}", file=sys.stderr, flush=True)
             return 1
         finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the cleanup short
+                signal.signal(sig, signal.SIG_IGN)
             workers.stop()
+            _reap_children()
+
+
+def _adopt_orphans() -> None:
+    """Become the subreaper of every process below this one (Linux): a process whose parent dies (the
+    scheduler's device process, say) is then this one's child, and shutdown waits for it too."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _children() -> set[int]:
+    """This process's children, zombies included (from /proc; empty where there is none)."""
+    me, found = os.getpid(), set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    stat = Path(entry.path, "stat").read_text()
+                    if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                        found.add(int(entry.name))
+    return found
+
+
+def _reap_children(timeout_s: float = TERMINATE_GRACE_S) -> None:
+    """Stop multiprocessing's fork server (it would outlive this process by a second), wait for every
+    child left, terminating and after `timeout_s` killing those that do not end, then stop the resource
+    tracker (it ends once every process that used it has)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    _stop_helper(forkserver._forkserver)  # type: ignore[attr-defined]
+    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    deadline, signalled = time.monotonic() + timeout_s, set()
+    while left := _children() - {getattr(tracker, "_pid", None)}:
+        late = time.monotonic() > deadline
+        for pid in left:
+            with contextlib.suppress(ChildProcessError, ProcessLookupError):
+                if os.waitpid(pid, os.WNOHANG)[0] == 0 and (late or pid not in signalled):
+                    os.kill(pid, signal.SIGKILL if late else signal.SIGTERM)
+                    signalled.add(pid)
+        time.sleep(0.02)
+    _stop_helper(tracker)
+
+
+def _stop_helper(helper: object) -> None:
+    """Stop one of multiprocessing's helper processes and wait for it (`_stop`: in CPython since 3.8)."""
+    stop = getattr(helper, "_stop", None)
+    if stop is not None:
+        with contextlib.suppress(OSError, ChildProcessError):
+            stop()

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import zmq
 
 from gapless.config import EngineConfig
 from gapless.server import protocol as P
+from gapless.server.logs import LOG_LEVEL_ENV, StatsLog, configure_logging
 
 if TYPE_CHECKING:  # imported where they run, so importing this module loads neither torch nor transformers
     from transformers import PreTrainedTokenizerBase
@@ -67,7 +69,8 @@ def _alive(pid: int) -> bool:
 
 
 def _setup_child(parent_pid: int) -> None:
-    """Die with the parent, leave Ctrl-C to it, exit cleanly (finally blocks run) on SIGTERM.
+    """Die with the parent, leave Ctrl-C to it, exit cleanly (finally blocks run) on SIGTERM, and log
+    at the server's level.
 
     The parent is the process that forked this one: the server, or its fork server (which exits when
     the server does, so the death signal still arrives)."""
@@ -80,7 +83,7 @@ def _setup_child(parent_pid: int) -> None:
         raise SystemExit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
+    configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"))
 
 
 class _Sockets:
@@ -220,7 +223,16 @@ def _engine_stats(engine: Engine) -> P.Stats:
     return stats
 
 
-def scheduler_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int) -> None:
+@dataclass(frozen=True)
+class SchedulerLogs:
+    """What the scheduler worker logs as it runs: a stats line every `stats_interval_s` seconds while it
+    has work (0: never), and with `requests` a line per finished or refused request."""
+
+    stats_interval_s: float = 10.0
+    requests: bool = False
+
+
+def scheduler_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int, logs: SchedulerLogs) -> None:
     def body(socks: _Sockets) -> None:
         from gapless.engine.engine import Engine
 
@@ -229,7 +241,7 @@ def scheduler_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int) -> None:
             info = engine.info
             ready = P.SchedulerInfo(info.max_context, info.kv_tokens, info.device, info.vocab_size)
             socks.send("api", P.Ready("scheduler", ready))
-            _scheduler_loop(engine, socks)
+            _SchedulerLoop(engine, socks, logs).run()
         finally:
             engine.shutdown()
 
@@ -241,27 +253,80 @@ def scheduler_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int) -> None:
     )
 
 
-def _scheduler_loop(engine: Engine, socks: _Sockets) -> None:
-    reporter = _Reporter()
-    while True:
-        # take every queued message; wait for one only when there is nothing to run
-        timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
-        while (msg := socks.poll(timeout)) is not None:
-            timeout = 0
-            if isinstance(msg, P.SchedReq):
-                try:
-                    ids = engine.tokenize(msg.prompt_ids)  # validates ids and length
-                    engine.add_request(ids, msg.params, rid=msg.rid)
-                except ValueError as e:
-                    socks.send("api", P.ReqError(msg.rid, str(e), param="prompt"))
-            elif isinstance(msg, P.Abort):
-                engine.abort(msg.rid)  # unknown (already finished) ids are ignored
-            elif isinstance(msg, P.StatsReq):
-                socks.send("detokenizer", P.StatsOut(msg.ticket, _engine_stats(engine)))
-        if engine.has_unfinished():
-            updated = engine.step()
-            if updated:
-                socks.send("detokenizer", P.Updates([reporter.update(r) for r in updated]))
+class _SchedulerLoop:
+    """The scheduler worker's loop: take every queued message, run a step while there is work, send the
+    step's updates on, and log what `SchedulerLogs` asks for."""
+
+    def __init__(self, engine: Engine, socks: _Sockets, logs: SchedulerLogs) -> None:
+        self.engine, self.socks, self.log_requests = engine, socks, logs.requests
+        self.reporter = _Reporter()
+        self.stats_log = StatsLog(logs.stats_interval_s)
+        self.clocks: dict[str, list[float]] = {}  # with log_requests: rid -> [queued at, first token at]
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            # take every queued message; wait for one only when there is nothing to run
+            timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
+            while (msg := self.socks.poll(timeout)) is not None:
+                timeout = 0
+                self.take(msg)
+            if engine.has_unfinished():
+                self.step()
+            self.stats_log.tick(engine)
+
+    def take(self, msg: P.Message) -> None:
+        if isinstance(msg, P.SchedReq):
+            self.add(msg)
+        elif isinstance(msg, P.Abort):
+            log.debug("request %s: abort", msg.rid)
+            self.engine.abort(msg.rid)  # unknown (already finished) ids are ignored
+        elif isinstance(msg, P.StatsReq):
+            self.socks.send("detokenizer", P.StatsOut(msg.ticket, _engine_stats(self.engine)))
+
+    def add(self, msg: P.SchedReq) -> None:
+        try:
+            ids = self.engine.tokenize(msg.prompt_ids)  # validates ids and length
+            self.engine.add_request(ids, msg.params, rid=msg.rid)
+        except ValueError as e:
+            if self.log_requests:
+                log.info("request %s: refused: %s", msg.rid, e)
+            self.socks.send("api", P.ReqError(msg.rid, str(e), param="prompt"))
+            return
+        log.debug("request %s: queued, %d prompt tokens", msg.rid, len(ids))
+        if self.log_requests:
+            self.clocks[msg.rid] = [time.perf_counter()]
+
+    def step(self) -> None:
+        updated = self.engine.step()
+        if updated:
+            self.socks.send("detokenizer", P.Updates([self.reporter.update(r) for r in updated]))
+        if self.log_requests:
+            now = time.perf_counter()
+            for req in updated:
+                self._log_request(req, now)
+
+    def _log_request(self, req: Req, now: float) -> None:
+        """Note a request's first token; log the request's line when it finished."""
+        clock = self.clocks.get(req.rid)
+        if clock is None:
+            return
+        if len(clock) == 1 and req.output_ids:
+            clock.append(now)
+        if req.finished:
+            del self.clocks[req.rid]
+            first = f"{clock[1] - clock[0]:.3f} s" if len(clock) > 1 else "-"
+            log.info(
+                "request %s: %d prompt tokens (%d cached), %d output tokens, finish %s, first token %s, "
+                "%.3f s in all",
+                req.rid,
+                len(req.prompt_ids),
+                req.cached_tokens or 0,
+                len(req.output_ids),
+                req.finish_reason,
+                first,
+                now - clock[0],
+            )
 
 
 # ----------------------------------------------------------------------------------------- detokenizer

@@ -1,8 +1,11 @@
-"""SIGINT and SIGTERM stop every process of the server within seconds, even mid-request; a dead worker
-makes the server exit with an error instead of hanging. Nothing is left behind either way."""
+"""SIGINT and SIGTERM stop every process of the server within seconds, even mid-request: an open stream
+ends with an error event and `[DONE]`, and no process of the server is left by the time its exit status is
+seen. A dead worker makes the server exit with an error instead of hanging, leaving nothing behind either.
+The SIGTERM server also runs with every log on, and shows what each prints."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -11,52 +14,81 @@ import time
 import httpx
 import pytest
 
-from gapless.testing.server import ServerProcess, alive, wait_until
+from gapless.testing.server import ServerProcess, alive
 
 SHUTDOWN_S = 15.0
+LOGS_ON = ("--log-level", "debug", "--log-requests", "--log-stats-interval", "0.2")
 
 
 def _start(
-    ckpt_factory, default_model: bool = False, env: dict | None = None
+    ckpt_factory, *args: str, default_model: bool = False, env: dict | None = None
 ) -> tuple[ServerProcess, set[int]]:
-    model = [] if default_model else ["--model", str(ckpt_factory("qwen3"))]
-    srv = ServerProcess(*model, "--device", "cpu", "--kv-cache-tokens", "8192", env=env)
+    model = [] if default_model else [str(ckpt_factory("qwen3"))]  # MODEL as the first argument
+    srv = ServerProcess(*model, "--device", "cpu", "--kv-cache-tokens", "8192", *args, env=env)
     workers = srv.workers()
     assert len(workers) >= 3, f"expected tokenizer, scheduler and detokenizer processes, got {workers}"
     return srv, workers
 
 
-def _stream_in_background(url: str) -> threading.Thread:
-    """A long streaming request, so the shutdown happens with work in flight."""
+class _Stream(threading.Thread):
+    """A long streaming request, read in the background: its data lines, and an event set once the
+    first arrived (the request runs)."""
 
-    def run() -> None:
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.events, self.running = url, [], threading.Event()
+        self.start()
+
+    def run(self) -> None:
         body = {"text": "go", "stream": True, "sampling_params": {"max_tokens": 1000, "ignore_eos": True}}
-        try:
-            with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as r:
-                for _ in r.iter_lines():
-                    pass
-        except httpx.HTTPError:
-            pass
+        with httpx.stream("POST", f"{self.url}/generate", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line.removeprefix("data: "))
+                    self.running.set()
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+
+def _left(workers: set[int]) -> list[int]:
+    return [p for p in workers if alive(p)]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_stops_every_process(ckpt_factory, tmp_path, sig):
-    # SIGINT's server is `make serve`'s: no --model, the built-in model made on first use (not in ~)
+def test_signal_ends_open_streams_and_stops_every_process(ckpt_factory, tmp_path, sig):
+    # SIGINT's server is `make serve`'s: no model, the built-in one made on first use (not in ~)
     default = sig == signal.SIGINT
-    srv, workers = _start(ckpt_factory, default, env={"GAPLESS_CACHE": str(tmp_path)})
+    logs = () if default else LOGS_ON
+    srv, workers = _start(ckpt_factory, *logs, default_model=default, env={"GAPLESS_CACHE": str(tmp_path)})
     if default:
         assert "serving tiny-qwen3" in srv.output and (tmp_path / "models").is_dir()
-    _stream_in_background(srv.url)
-    time.sleep(0.5)
+    else:  # a finished request, for the request lines
+        r = httpx.post(f"{srv.url}/generate", json={"text": "hi", "sampling_params": {"max_tokens": 3}})
+        assert r.status_code == 200, r.text
+    stream = _Stream(srv.url)
+    assert stream.running.wait(30), srv.output
+    time.sleep(0.5)  # a few stats lines' worth
     start = time.monotonic()
     srv.signal(sig)
     assert srv.wait(SHUTDOWN_S) == 0, srv.output
-    assert wait_until(lambda: not any(alive(p) for p in workers), 5), "worker processes left behind"
+    assert not _left(workers), "processes outlived the server"  # at once: it waited for them
     assert time.monotonic() - start < SHUTDOWN_S
+    stream.join(10)
+    assert stream.events[-1] == "[DONE]", stream.events[-3:]
+    error = json.loads(stream.events[-2])["error"]
+    assert error["message"] == "server is shutting down" and error["code"] == 503, stream.events[-3:]
+    assert len(stream.events) > 3  # tokens streamed before the error
+    if not default:
+        _check_logs(srv.output)
+
+
+def _check_logs(out: str) -> None:
+    """What the server printed with every log on: start-up progress, debug records of each scheduler step,
+    the periodic stats line, and a line per request (the scheduler's and the HTTP access line)."""
+    assert "gapless: starting " in out and "loading weights" in out and "KV cache: 8192 tokens" in out
+    assert "gapless-scheduler DEBUG prefill batch: 1 requests" in out, out
+    assert "gapless-scheduler DEBUG decode batch: 1 requests" in out
+    assert "gapless-scheduler INFO engine: prompt " in out and " tok/s, running 1, waiting 0, KV " in out
+    assert "prompt tokens (0 cached), 3 output tokens, finish length, first token " in out
+    assert '"POST /generate HTTP/1.1" 200' in out
 
 
 @pytest.mark.parametrize("worker", ["scheduler", "detokenizer"])
@@ -68,4 +100,4 @@ def test_dead_worker_makes_the_server_exit_with_an_error(ckpt_factory, worker):
         os.kill(pids[worker], signal.SIGKILL)
         assert srv.wait(SHUTDOWN_S) != 0
     assert f"the {worker} worker exited" in srv.output
-    assert wait_until(lambda: not any(alive(p) for p in workers), 5), "worker processes left behind"
+    assert not _left(workers), "processes outlived the server"

@@ -23,6 +23,7 @@ Split by job: `prefill` (admission, budgets, chunking), `decode` (decode batches
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -46,6 +47,8 @@ from gapless.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from gapless.memory.req_table import ReqTable
 
 __all__ = ["EngineStats", "ScheduledBatch", "Scheduler"]
+
+log = logging.getLogger(__name__)  # at debug: each batch it schedules
 
 
 class Scheduler:
@@ -99,13 +102,22 @@ class Scheduler:
         if extend is not None:
             self.stats.prefill_batches += 1
             self.stats.prompt_tokens += extend.num_tokens
+            log.debug(
+                "prefill batch: %d requests, %d tokens (%d waiting)",
+                len(extend.entries),
+                extend.num_tokens,
+                len(self.queues.waiting),
+            )
             slots, writes = torch.cat(extend.slots), self.kv.take_table_writes()
             return build_batch(extend.entries, slots, False, writes, extend.penalty_inits, self.vocab_size)
         decode = self.decode.schedule(self.drain) if self.queues.running else None
         if decode is None:
             return None
         self.stats.decode_batches += 1
-        reqs, slots = decode  # (a drain inside may have queued table writes: they go with this batch)
+        reqs, slots = decode
+        log.debug(
+            "decode batch: %d requests", len(reqs)
+        )  # (a drain inside may have queued table writes: they go with this batch)
         return build_batch(
             [(r, 1) for r in reqs], slots, True, self.kv.take_table_writes(), [], self.vocab_size
         )
