@@ -24,6 +24,11 @@ from gapless.engine.detokenize import IncrementalDetokenizer
 from gapless.engine.engine import Engine
 from gapless.sampling_params import SamplingParams
 
+MODEL_HELP = (
+    "a checkpoint directory, a GGUF file, org/name on Hugging Face, or tiny-random "
+    "(default: SmolLM2-135M-Instruct)"
+)
+
 EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
 HELP_TEXT = "commands: /reset (forget the conversation), /exit or /quit (or Ctrl-D); Ctrl-C stops a reply\n"
@@ -194,7 +199,7 @@ def run_chat(
 def add_chat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `chat` subcommand's options: the model, sampling, and every engine option as `serve` has
     them (`--device`, `--disable-overlap`, `--max-model-len`, `--seed`, ...)."""
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: built-in)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--system", default=None, help="system prompt")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
@@ -208,12 +213,9 @@ def add_chat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def engine_from_args(args: argparse.Namespace) -> Engine:
     """An engine for `args`, built as `serve` builds its config (flags left out keep their defaults)."""
-    model = args.model
-    if model is None:
-        from gapless.default_model import default_model_path
+    from gapless.default_model.smollm2 import NAME as DEFAULT_MODEL
 
-        model = str(default_model_path())
-    return Engine(EngineConfig.from_kwargs(str(model), **engine_options(args)))
+    return Engine(EngineConfig.from_kwargs(str(args.model or DEFAULT_MODEL), **engine_options(args)))
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -235,10 +237,10 @@ def chat_main(
     """Run `gapless chat` for parsed `args`; returns the exit status. The engine is shut down after."""
     try:
         params = sampling_from_args(args)
+        engine = engine_from_args(args)  # a model that cannot be found or fetched is a ValueError too
     except ValueError as e:
         print(f"gapless chat: {e}", file=sys.stderr)
         return 2
-    engine = engine_from_args(args)
     try:
         (write or sys.stdout.write)(f"gapless chat: {engine.cfg.model} ({HELP_TEXT.rstrip()})\n")
         run_chat(engine, params, input_fn=input_fn, write=write, system=args.system)

@@ -51,6 +51,18 @@ class EngineConfig:
     # a decode reads an unwritten future-token slot (a host sync per decode); see engine/stream/chaos.py
     chaos_seed: int | None = None
     trace_path: str | None = None  # write a Chrome/Perfetto trace of host and device spans here on shutdown
+    # what `model` names is resolved by gapless.model.source: a checkpoint directory, a GGUF file (or a
+    # directory holding one), a built-in name, or a Hugging Face id at `revision`, downloaded into
+    # `download_dir` (None: the Hugging Face cache)
+    revision: str | None = None
+    download_dir: str | None = None
+    tokenizer: str | None = None  # a separate tokenizer (path or Hugging Face id); None: the model's own
+    chat_template: str | None = None  # a template file or the template itself; None: the tokenizer's
+    # auto: sampling defaults (temperature, top_p, ...) from the checkpoint's generation_config.json or GGUF
+    # metadata fill what a request leaves unset; vllm: ignore them; or a directory holding a
+    # generation_config.json
+    generation_config: str = "auto"
+    trust_remote_code: bool = False  # refused: gapless runs no code from a checkpoint
     # scheduler tuning (SGLang's defaults): the expected share of max_tokens a request will really use
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14

@@ -13,7 +13,7 @@ import itertools
 import random
 from collections.abc import Sequence
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from gapless.config import EngineConfig
 from gapless.engine.detokenize import detokenize
@@ -21,13 +21,14 @@ from gapless.engine.request import Req
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.stats import EngineStats
 from gapless.engine.stream import make_stream
+from gapless.model.source import load_tokenizer, localize
 from gapless.sampling_params import SamplingParams
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(cfg.model)
+        self.cfg = cfg = localize(cfg)  # the model as local files: a path, built-in name or Hugging Face id
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)
         # the device side: in this process (`runner`), or in a device process (runner is None)
         self.stream, self.runner = make_stream(cfg)
         self.info = self.stream.info

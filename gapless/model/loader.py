@@ -1,4 +1,6 @@
-"""Load a Hugging Face checkpoint directory (config.json + single or sharded *.safetensors)."""
+"""Load a model: a Hugging Face checkpoint directory (config.json + single or sharded *.safetensors) or a
+GGUF file (dequantized by `gapless.model.gguf`). Both yield Hugging Face names and layouts, so one loop
+places either."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from gapless.model import gguf
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.decoder import CausalLM
+from gapless.model.gguf import is_gguf_file
 from gapless.model.layers import default_weight_loader
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -42,6 +46,10 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight of a checkpoint directory or a GGUF file, under its Hugging Face name."""
+    if is_gguf_file(path):
+        yield from gguf.iter_weights(path)
+        return
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():

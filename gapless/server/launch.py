@@ -38,10 +38,14 @@ STARTUP_TIMEOUT_S = 600.0
 WATCHDOG_S = 0.5
 TERMINATE_GRACE_S = 5.0
 GRACEFUL_SHUTDOWN_S = 2  # open responses (streams) get this long to finish on shutdown, then are cut
+MODEL_HELP = (
+    "a checkpoint directory, a GGUF file, org/name on Hugging Face, or tiny-random "
+    "(default: SmolLM2-135M-Instruct)"
+)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: built-in)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--api-key", default=os.environ.get("GAPLESS_API_KEY"), help="require Bearer auth")
@@ -67,11 +71,9 @@ class _Workers:
         pid = os.getpid()
         self.procs = {
             "scheduler": ctx.Process(target=scheduler_main, args=(ends, cfg, pid), name="gapless-scheduler"),
-            "tokenizer": ctx.Process(
-                target=tokenizer_main, args=(ends, cfg.model, pid), name="gapless-tokenizer"
-            ),
+            "tokenizer": ctx.Process(target=tokenizer_main, args=(ends, cfg, pid), name="gapless-tokenizer"),
             "detokenizer": ctx.Process(
-                target=detokenizer_main, args=(ends, cfg.model, pid), name="gapless-detokenizer"
+                target=detokenizer_main, args=(ends, cfg, pid), name="gapless-detokenizer"
             ),
         }
         for p in self.procs.values():
@@ -173,17 +175,14 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from gapless.default_model import default_model_path
+    from gapless.default_model.smollm2 import NAME as DEFAULT_MODEL
+    from gapless.model.source import localize, served_name
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model = args.model or str(default_model_path())
-    if not Path(model, "config.json").is_file():
-        print(
-            f"gapless: {model!r} is not a Hugging Face checkpoint directory (no config.json)", file=sys.stderr
-        )
-        return 2
-    try:
-        cfg = EngineConfig.from_kwargs(model, **engine_options(args))
+    model = args.model or DEFAULT_MODEL
+    try:  # the model made local (fetched, downloaded) and checked before any worker starts
+        cfg = localize(EngineConfig.from_kwargs(model, **engine_options(args)))
+        args.served_model_name = args.served_model_name or served_name(model)
     except ValueError as e:
         print(f"gapless: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ SHUTDOWN_S = 15.0
 def _start(
     ckpt_factory, default_model: bool = False, env: dict | None = None
 ) -> tuple[ServerProcess, set[int]]:
-    model = [] if default_model else ["--model", str(ckpt_factory("qwen3"))]
+    model = ["--model", "tiny-random" if default_model else str(ckpt_factory("qwen3"))]
     srv = ServerProcess(*model, "--device", "cpu", "--kv-cache-tokens", "8192", env=env)
     workers = srv.workers()
     assert len(workers) >= 3, f"expected tokenizer, scheduler and detokenizer processes, got {workers}"
@@ -45,11 +45,11 @@ def _stream_in_background(url: str) -> threading.Thread:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_process(ckpt_factory, tmp_path, sig):
-    # SIGINT's server is `make serve`'s: no --model, the built-in model made on first use (not in ~)
+    # SIGINT's server runs the built-in tiny random model (`--model tiny-random`), made on first use
     default = sig == signal.SIGINT
     srv, workers = _start(ckpt_factory, default, env={"GAPLESS_CACHE": str(tmp_path)})
     if default:
-        assert "serving tiny-qwen3" in srv.output and (tmp_path / "models").is_dir()
+        assert "serving tiny-random" in srv.output and (tmp_path / "models").is_dir()
     _stream_in_background(srv.url)
     time.sleep(0.5)
     start = time.monotonic()
