@@ -58,10 +58,6 @@ class EngineConfig:
     download_dir: str | None = None
     tokenizer: str | None = None  # a separate tokenizer (path or Hugging Face id); None: the model's own
     chat_template: str | None = None  # a template file or the template itself; None: the tokenizer's
-    # auto: sampling defaults (temperature, top_p, ...) from the checkpoint's generation_config.json or GGUF
-    # metadata fill what a request leaves unset; vllm: ignore them; or a directory holding a
-    # generation_config.json
-    generation_config: str = "auto"
     trust_remote_code: bool = False  # refused: gapless runs no code from a checkpoint
     # scheduler tuning (SGLang's defaults): the expected share of max_tokens a request will really use
     init_new_token_ratio: float = 0.7

@@ -183,19 +183,3 @@ def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         elif arch in _PERMUTED_QK and ".attn_k." in tensor.name:
             w = _unpermute(w, kv_heads)
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable))
-
-
-# general.sampling.* (written by newer llama.cpp converters from generation_config.json) -> SamplingParams
-_SAMPLING_KEYS = {
-    "general.sampling.temp": "temperature",
-    "general.sampling.top_p": "top_p",
-    "general.sampling.top_k": "top_k",
-    "general.sampling.min_p": "min_p",
-    "general.sampling.penalty_repeat": "repetition_penalty",
-}
-
-
-def sampling_defaults(path: str | Path) -> dict[str, Any]:
-    """The sampling defaults the file's metadata recommends, under `SamplingParams` names."""
-    meta = metadata(path)
-    return {field: meta[key] for key, field in _SAMPLING_KEYS.items() if key in meta}

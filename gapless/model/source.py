@@ -132,7 +132,7 @@ def read_chat_template(value: str) -> str:
 
 def localize(cfg: EngineConfig) -> EngineConfig:
     """`cfg` with `model` and `tokenizer` resolved to local paths, everything checked that can be before
-    a worker starts (the architecture, the chat template, the generation config). Idempotent."""
+    a worker starts (the architecture, the chat template). Idempotent."""
     if cfg.trust_remote_code:
         raise ModelSourceError(
             "--trust-remote-code is not supported: gapless runs no code from a checkpoint, only the "
@@ -148,11 +148,6 @@ def localize(cfg: EngineConfig) -> EngineConfig:
         raise ModelSourceError(f"{model}: {_first_line(e)}") from None
     if cfg.chat_template is not None:
         read_chat_template(cfg.chat_template)
-    if cfg.generation_config not in ("auto", "vllm") and not Path(cfg.generation_config).is_dir():
-        raise ModelSourceError(
-            f"generation_config={cfg.generation_config!r}: must be auto, vllm or a directory holding "
-            "generation_config.json"
-        )
     return dataclasses.replace(cfg, model=str(model), tokenizer=tokenizer)
 
 
