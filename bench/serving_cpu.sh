@@ -18,7 +18,7 @@ for run in overlap-1 plain-1 overlap-2 plain-2; do
   flags=(--device cpu --kv-cache-tokens 65536)
   [ "$mode" = plain ] && flags+=(--disable-overlap)
   log="$OUT/server_$run.log"
-  "$PY" -m gapless serve --port 0 "${flags[@]}" >"$log" 2>&1 &
+  "$PY" -m gapless serve --model tiny-random --port 0 "${flags[@]}" >"$log" 2>&1 &
   pid=$!
   for _ in $(seq 120); do grep -q "serving .* at http" "$log" && break; sleep 1; done
   url=$(grep -o "http://[0-9.:]*" "$log" | tail -1)

@@ -17,7 +17,7 @@ from gapless.chat import add_chat_args
 from gapless.server.launch import add_serve_args
 
 SUBCOMMANDS = {
-    "serve": "OpenAI-compatible HTTP server (default model: the built-in tiny one)",
+    "serve": "OpenAI-compatible HTTP server (default model: SmolLM2-135M-Instruct)",
     "chat": "chat in the terminal (/reset clears the history, /exit quits)",
 }
 

@@ -241,8 +241,8 @@ def chat_main(
 
     try:
         params = sampling_from_args(args)
-        cfg = config_from_args(args)
-        check_engine_config(cfg)
+        # the model made local (fetched, downloaded) and checked: a model that cannot be is a ValueError
+        cfg, _ = check_engine_config(config_from_args(args))
     except ValueError as e:
         print(f"gapless chat: {e}", file=sys.stderr)
         return 2

@@ -5,12 +5,9 @@ aliases, `FLAG_ALIASES`). The server's own options (host, port, API key) are its
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 log = logging.getLogger(__name__)
@@ -18,26 +15,6 @@ log = logging.getLogger(__name__)
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
-# set to 1 to accept a max_model_len above the model's max_position_embeddings (as vLLM's
-# VLLM_ALLOW_LONG_MAX_MODEL_LEN): RoPE then runs on positions the model never saw in training
-ALLOW_LONG_MAX_MODEL_LEN_ENV = "GAPLESS_ALLOW_LONG_MAX_MODEL_LEN"
-
-
-def declared_context_length(hf_config: Mapping[str, Any]) -> int:
-    """The context length a Hugging Face `config.json` declares: `max_position_embeddings`, 2048 when it
-    is absent (transformers' default). The model's shape (`gapless.model.config`) and the max_model_len
-    check below both read it here."""
-    return int(hf_config.get("max_position_embeddings", 2048))
-
-
-def _checkpoint_context_length(model: str) -> int | None:
-    """`declared_context_length` of the checkpoint directory `model`; None when its config.json cannot
-    be read (the model loader then says what is wrong with the checkpoint)."""
-    try:
-        data = json.loads(Path(model, "config.json").read_text())
-        return declared_context_length(data) if isinstance(data, dict) else None
-    except (OSError, ValueError, TypeError):
-        return None
 
 
 @dataclass
@@ -82,6 +59,14 @@ class EngineConfig:
     # a decode reads an unwritten future-token slot (a host sync per decode); see engine/stream/chaos.py
     chaos_seed: int | None = None
     trace_path: str | None = None  # write a Chrome/Perfetto trace of host and device spans here on shutdown
+    # what `model` names is resolved by gapless.model.source: a checkpoint directory, a GGUF file (or a
+    # directory holding one), a built-in name, or a Hugging Face id at `revision`, downloaded into
+    # `download_dir` (None: the Hugging Face cache)
+    revision: str | None = None
+    download_dir: str | None = None
+    tokenizer: str | None = None  # a separate tokenizer (path or Hugging Face id); None: the model's own
+    chat_template: str | None = None  # a template file or the template itself; None: the tokenizer's
+    trust_remote_code: bool = False  # refused: gapless runs no code from a checkpoint
     # scheduler tuning (SGLang's defaults): the expected share of max_tokens a request will really use
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14
@@ -117,25 +102,6 @@ class EngineConfig:
             raise bad("device_threads", "must be >= 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
-        self._check_max_model_len()
-
-    def _check_max_model_len(self) -> None:
-        """A max_model_len past the checkpoint's own context length is refused here, when the options are
-        made: before any worker starts or weight loads (`gapless serve` turns it into one line and exit
-        status 2). GAPLESS_ALLOW_LONG_MAX_MODEL_LEN=1 accepts it with a warning."""
-        limit = _checkpoint_context_length(self.model)
-        if self.max_model_len is None or limit is None or self.max_model_len <= limit:
-            return
-        what = (
-            f"max_model_len={self.max_model_len} is more than the model's context length "
-            f"(max_position_embeddings={limit} in {Path(self.model, 'config.json')})"
-        )
-        if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0") in ("", "0"):
-            raise ValueError(
-                f"{what}; lower it, or set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to run past it anyway (outputs "
-                "beyond the trained length may be wrong)"
-            )
-        log.warning("%s; allowed by %s=1: outputs beyond it may be wrong", what, ALLOW_LONG_MAX_MODEL_LEN_ENV)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -274,13 +240,16 @@ def add_option(group: _ArgumentAdder, option: str, *flags: str, **kwargs: Any) -
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The checkpoint to run: as the first argument (as `vllm serve MODEL`), or `--model` / `--model-path`."""
-    help_text = "Hugging Face checkpoint directory (default: the built-in tiny model)"
+    help_text = (
+        "a checkpoint directory, a GGUF file, org/name on Hugging Face, or tiny-random (the built-in tiny "
+        "random-weight model) (default: SmolLM2-135M-Instruct, fetched on first use)"
+    )
     parser.add_argument("model_arg", nargs="?", metavar="MODEL", default=None, help=help_text)
     add_option(parser, "model", default=None, metavar="MODEL", help="the same, as a flag")
 
 
 def chosen_model(args: argparse.Namespace) -> str | None:
-    """The checkpoint `add_model_args` read; None for the built-in model. ValueError when two differ."""
+    """The model `add_model_args` read; None when none was named. ValueError when two differ."""
     first, flag = getattr(args, "model_arg", None), getattr(args, "model", None)
     if first is not None and flag is not None and first != flag:
         raise ValueError(f"two models given: {first!r} and --model {flag!r}")
@@ -349,11 +318,12 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The engine config a command line asks for: its model (the built-in one, made on first use, when it
-    names none) and the options it gives; ValueError for a bad one."""
+    """The engine config a command line asks for: its model (the default model when it names none) and
+    the options it gives; ValueError for a bad one. The model is named as given: `check_engine_config`
+    makes it local."""
     options, model = engine_options(args), chosen_model(args)
     if model is None:
-        from gapless.default_model import default_model_path
+        from gapless.default_model.smollm2 import NAME as DEFAULT_MODEL
 
-        model = str(default_model_path())
+        model = DEFAULT_MODEL
     return EngineConfig.from_kwargs(model, **options)

@@ -20,15 +20,17 @@ import random
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from gapless.config import EngineConfig
 from gapless.engine.detokenize import detokenize
+from gapless.engine.preflight import check_engine_config
 from gapless.engine.request import Req
 from gapless.engine.runner import ModelRunner
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.stats import EngineStats
 from gapless.engine.stream import DeviceStream, make_stream
+from gapless.model.source import load_tokenizer
 from gapless.sampling_params import SamplingParams
 
 
@@ -38,8 +40,9 @@ class EngineShutDown(RuntimeError):
 
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(cfg.model)
+        # the model as local files (a path, a built-in name or a Hugging Face id), checked before it loads
+        self.cfg = cfg = check_engine_config(cfg)[0]
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)
         # the device side: in this process (`runner`), or in a device process (runner is None)
         stream, runner = make_stream(cfg)
         self._stream: DeviceStream | None = stream

@@ -1,38 +1,65 @@
 """What can be known about an engine's options before a process starts or a weight loads.
 
-`gapless serve` and `gapless chat` run `check_engine_config` first, so a checkpoint that is not there, an
-architecture gapless cannot run, or a device this machine lacks is one line within a second, rather than
-a worker's traceback after the model began loading. Only the device check imports torch, and only for a
-CUDA device.
+`Engine` runs `check_engine_config` first, and so do `gapless serve` and `gapless chat` before they start
+any worker: a model that cannot be found or fetched, a checkpoint without weights or tokenizer, an
+architecture gapless cannot run, a `max_model_len` past the model's context, or a device this machine
+lacks is one line within a second, rather than a worker's traceback after the model began loading. Only
+the device check imports torch, and only for a CUDA device.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 from gapless.config import EngineConfig
 from gapless.model.config import ModelConfig, load_model_config
+from gapless.model.source import localize
+
+log = logging.getLogger(__name__)
 
 # the files one of which a Hugging Face tokenizer loads from
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# set to 1 to accept a max_model_len above the model's max_position_embeddings (as vLLM's
+# VLLM_ALLOW_LONG_MAX_MODEL_LEN): RoPE then runs on positions the model never saw in training
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "GAPLESS_ALLOW_LONG_MAX_MODEL_LEN"
 
 
-def check_engine_config(cfg: EngineConfig) -> ModelConfig:
-    """The checkpoint's model config, once the checkpoint and the device are known to be usable;
-    ValueError (one line, naming what is wrong) otherwise."""
+def check_engine_config(cfg: EngineConfig) -> tuple[EngineConfig, ModelConfig]:
+    """`cfg` with its model made local (see `gapless.model.source.localize`: fetched or downloaded when
+    it names a built-in model or a Hugging Face id) and the model's config, once the checkpoint, the
+    context length and the device are known to be usable; ValueError (one line, naming what is wrong)
+    otherwise. Idempotent."""
+    cfg = localize(cfg)  # refuses, by name, an architecture or a feature the decoder lacks
     path = Path(cfg.model)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{cfg.model!r} is not a Hugging Face checkpoint directory (no config.json)")
-    try:  # refuses, by name, an architecture or a feature the decoder lacks
-        mcfg = load_model_config(path)
-    except KeyError as e:
-        raise ValueError(f"{path / 'config.json'} lacks {e}") from None
-    if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
-        raise ValueError(f"{cfg.model!r} has no *.safetensors weights (the only format gapless reads)")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{cfg.model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    mcfg = load_model_config(path)
+    if path.is_dir():  # a GGUF file carries its weights and tokenizer
+        if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
+            raise ValueError(f"{cfg.model!r} has no *.safetensors weights (nor is it a GGUF file)")
+        tokenizer = Path(cfg.tokenizer) if cfg.tokenizer is not None else path
+        if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"{tokenizer} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    check_max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, cfg.model)
     check_device(cfg.device)
-    return mcfg
+    return cfg, mcfg
+
+
+def check_max_model_len(max_model_len: int | None, limit: int, model: str) -> None:
+    """A max_model_len past the model's own context length is refused; GAPLESS_ALLOW_LONG_MAX_MODEL_LEN=1
+    accepts it with a warning."""
+    if max_model_len is None or max_model_len <= limit:
+        return
+    what = (
+        f"max_model_len={max_model_len} is more than the model's context length "
+        f"(max_position_embeddings={limit} in {model})"
+    )
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0") in ("", "0"):
+        raise ValueError(
+            f"{what}; lower it, or set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to run past it anyway (outputs "
+            "beyond the trained length may be wrong)"
+        )
+    log.warning("%s; allowed by %s=1: outputs beyond it may be wrong", what, ALLOW_LONG_MAX_MODEL_LEN_ENV)
 
 
 def check_device(device: str) -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gapless.config import declared_context_length
+from gapless.model.gguf import config_dict as gguf_config_dict
+from gapless.model.gguf import is_gguf_file
 
 # architecture -> per-family switches of the one decoder implementation
 _FAMILIES: dict[str, dict[str, Any]] = {
@@ -69,18 +70,28 @@ def _eos_ids(*candidates: Any) -> tuple[int, ...]:
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Read and validate `config.json` (plus `generation_config.json` for EOS ids) of a checkpoint."""
+    """Read and validate the config of a checkpoint directory (`config.json`, plus `generation_config.json`
+    for EOS ids) or of a GGUF file (its metadata, as `gapless.model.gguf.config_dict` maps it)."""
     path = Path(path)
+    if is_gguf_file(path):
+        return model_config_from_dict(gguf_config_dict(path), str(path))
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face checkpoint directory")
-    cfg: dict[str, Any] = json.loads(cfg_file.read_text())
+    gen_eos = None
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+    return model_config_from_dict(json.loads(cfg_file.read_text()), str(cfg_file), gen_eos)
+
+
+def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None) -> ModelConfig:
+    """Validate a `config.json` dict (from `where`, for messages); `gen_eos`: generation config's EOS ids."""
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in _FAMILIES:
         raise ValueError(
-            f"unsupported architecture {arch!r} in {cfg_file}; "
-            f"gapless runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {arch!r} in {where}; gapless runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     fam = _FAMILIES[arch]
     for moe_key in ("num_experts", "num_local_experts", "n_routed_experts"):
@@ -90,7 +101,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     if hidden_act != "silu":
         raise ValueError(f"{arch}: hidden_act={hidden_act!r} is not supported (only 'silu')")
 
-    max_pos = declared_context_length(cfg)
+    max_pos = int(cfg.get("max_position_embeddings", 2048))  # transformers' default when absent
     window = cfg.get("sliding_window")
     window_on = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
     if window is not None and window_on and int(window) < max_pos:
@@ -120,11 +131,6 @@ def load_model_config(path: str | Path) -> ModelConfig:
     attn_bias = bool(cfg.get("attention_bias", False))
     qkv_bias = attn_bias if fam["qkv_bias"] is None else fam["qkv_bias"]
     o_bias = attn_bias if fam["qkv_bias"] is None else False
-
-    gen_eos = None
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
 
     return ModelConfig(
         architecture=arch,

@@ -1,4 +1,6 @@
-"""Load a Hugging Face checkpoint directory (config.json + single or sharded *.safetensors)."""
+"""Load a model: a Hugging Face checkpoint directory (config.json + single or sharded *.safetensors) or a
+GGUF file (dequantized by `gapless.model.gguf`). Both yield Hugging Face names and layouts, so one loop
+places either."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from gapless.model import gguf
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.decoder import CausalLM
+from gapless.model.gguf import is_gguf_file
 from gapless.model.layers import default_weight_loader
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -43,8 +47,12 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, with a progress bar on stderr (by bytes read: a big model loads
-    for minutes, and the bar shows it moving)."""
+    """Each weight of a checkpoint directory or a GGUF file, under its Hugging Face name; a checkpoint's
+    with a progress bar on stderr (by bytes read: a big model loads for minutes, and the bar shows it
+    moving)."""
+    if is_gguf_file(path):
+        yield from gguf.iter_weights(path)
+        return
     files = safetensors_files(path)
     with tqdm(
         total=sum(f.stat().st_size for f in files), desc="loading weights", unit="B", unit_scale=True

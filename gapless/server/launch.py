@@ -67,7 +67,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("GAPLESS_API_KEY"),
         help="require `Authorization: Bearer KEY` (all but /health); prefer GAPLESS_API_KEY: ps shows flags",
     )
-    parser.add_argument("--served-model-name", default=None, help="model id in the API (default: dir name)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id in the API (default: the model as named; a path's last part)",
+    )
     parser.add_argument(
         "--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413 (default: 32 MiB)"
     )
@@ -282,11 +286,14 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Run `gapless serve` for parsed `args` until it is stopped; returns the exit status."""
     from gapless.engine.preflight import check_engine_config
+    from gapless.model.source import served_name
 
     started = time.monotonic()
     try:
-        cfg = config_from_args(args)
-        mcfg = check_engine_config(cfg)
+        named = config_from_args(args)
+        # the model made local (fetched, downloaded) and checked before any worker starts
+        cfg, mcfg = check_engine_config(named)
+        args.served_model_name = args.served_model_name or served_name(named.model)
         listener = listen(args.host, args.port)
     except ValueError as e:
         print(f"gapless: {e}", file=sys.stderr, flush=True)

@@ -155,11 +155,11 @@ def _render_prompt(tokenizer: PreTrainedTokenizerBase, req: P.TokenizeReq) -> li
     return tokenizer.encode(req.text, add_special_tokens=True) if req.text else []
 
 
-def tokenizer_main(ends: Endpoints, model: str, parent_pid: int) -> None:
+def tokenizer_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int) -> None:
     def body(socks: _Sockets) -> None:
-        from transformers import AutoTokenizer
+        from gapless.model.source import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = load_tokenizer(cfg)
         socks.send("api", P.Ready("tokenizer"))
         for msg in socks.messages():
             if not isinstance(msg, P.TokenizeReq):
@@ -330,13 +330,12 @@ class _SchedulerLoop:
 
 
 # ----------------------------------------------------------------------------------------- detokenizer
-def detokenizer_main(ends: Endpoints, model: str, parent_pid: int) -> None:
+def detokenizer_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int) -> None:
     def body(socks: _Sockets) -> None:
-        from transformers import AutoTokenizer
-
         from gapless.engine.detokenize import IncrementalDetokenizer
+        from gapless.model.source import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = load_tokenizer(cfg)
         states: dict[str, _DetokState] = {}
         socks.send("api", P.Ready("detokenizer"))
         for msg in socks.messages():

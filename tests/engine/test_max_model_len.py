@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from gapless import LLM, SamplingParams
-from gapless.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, EngineConfig
+from gapless.config import EngineConfig
 from gapless.engine import runner as runner_module
+from gapless.engine.preflight import ALLOW_LONG_MAX_MODEL_LEN_ENV, check_engine_config
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model
 
 TINY_CONTEXT = 1024  # the tiny checkpoints' max_position_embeddings
@@ -30,7 +31,7 @@ def test_too_long_max_model_len_is_refused_before_weights_load(qwen3, monkeypatc
 
     monkeypatch.setattr(runner_module, "load_model", no_loading)
     for make in (
-        lambda: EngineConfig.from_kwargs(qwen3, max_model_len=TINY_CONTEXT + 1),
+        lambda: check_engine_config(EngineConfig.from_kwargs(qwen3, max_model_len=TINY_CONTEXT + 1)),
         lambda: LLM(qwen3, device="cpu", max_model_len=4096),
     ):
         with pytest.raises(
@@ -40,10 +41,12 @@ def test_too_long_max_model_len_is_refused_before_weights_load(qwen3, monkeypatc
         assert f"max_position_embeddings={TINY_CONTEXT}" in str(e.value)
         assert ALLOW_LONG_MAX_MODEL_LEN_ENV in str(e.value)
     # at or below the model's length is fine, and "0" does not allow
-    assert EngineConfig.from_kwargs(qwen3, max_model_len=TINY_CONTEXT).max_model_len == TINY_CONTEXT
+    assert (
+        check_engine_config(EngineConfig(qwen3, max_model_len=TINY_CONTEXT))[0].max_model_len == TINY_CONTEXT
+    )
     monkeypatch.setenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0")
     with pytest.raises(ValueError, match="more than the model's context length"):
-        EngineConfig.from_kwargs(qwen3, max_model_len=TINY_CONTEXT + 1)
+        check_engine_config(EngineConfig(qwen3, max_model_len=TINY_CONTEXT + 1))
 
 
 def test_allowed_long_max_model_len_warns_and_runs_past_the_model_length(qwen3, monkeypatch, caplog):
@@ -51,7 +54,7 @@ def test_allowed_long_max_model_len_warns_and_runs_past_the_model_length(qwen3, 
     longer than max_position_embeddings runs, with RoPE past the trained positions computed as
     transformers computes them."""
     monkeypatch.setenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, "1")
-    caplog.set_level(logging.WARNING, logger="gapless.config")
+    caplog.set_level(logging.WARNING, logger="gapless.engine.preflight")
     prompt = [(7 * i) % 500 + 3 for i in range(TINY_CONTEXT + 100)]
     with LLM(qwen3, device="cpu", max_model_len=TINY_CONTEXT + 200, kv_cache_tokens=2048) as llm:
         assert llm.engine.max_context == TINY_CONTEXT + 200

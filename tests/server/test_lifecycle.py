@@ -23,7 +23,8 @@ LOGS_ON = ("--log-level", "debug", "--log-requests", "--log-stats-interval", "0.
 def _start(
     ckpt_factory, *args: str, default_model: bool = False, env: dict | None = None
 ) -> tuple[ServerProcess, set[int]]:
-    model = [] if default_model else [str(ckpt_factory("qwen3"))]  # MODEL as the first argument
+    # MODEL as the first argument; the built-in tiny random model by name (no model would fetch SmolLM2)
+    model = ["tiny-random"] if default_model else [str(ckpt_factory("qwen3"))]
     srv = ServerProcess(*model, "--device", "cpu", "--kv-cache-tokens", "8192", *args, env=env)
     workers = srv.workers()
     assert len(workers) >= 3, f"expected tokenizer, scheduler and detokenizer processes, got {workers}"
@@ -54,12 +55,12 @@ def _left(workers: set[int]) -> list[int]:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_ends_open_streams_and_stops_every_process(ckpt_factory, tmp_path, sig):
-    # SIGINT's server is `make serve`'s: no model, the built-in one made on first use (not in ~)
+    # SIGINT's server runs the built-in tiny random model, made on first use (not in ~)
     default = sig == signal.SIGINT
     logs = () if default else LOGS_ON
     srv, workers = _start(ckpt_factory, *logs, default_model=default, env={"GAPLESS_CACHE": str(tmp_path)})
     if default:
-        assert "serving tiny-qwen3" in srv.output and (tmp_path / "models").is_dir()
+        assert "serving tiny-random" in srv.output and (tmp_path / "models").is_dir()
     else:  # a finished request, for the request lines
         r = httpx.post(f"{srv.url}/generate", json={"text": "hi", "sampling_params": {"max_tokens": 3}})
         assert r.status_code == 200, r.text

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import gapless
-from gapless.default_model import default_model_path
+from gapless.default_model import tiny_model_path
 from gapless.default_model.tokenizer import CORPUS, VOCAB_SIZE, trained_tokenizer_json
 from gapless.testing import ARCHS, build_tokenizer, cached_checkpoint, make_checkpoint
 from gapless.testing.checkpoints import model_config
@@ -232,11 +232,11 @@ def test_logits_have_clear_winners(checkpoints: dict[str, Path], arch: str) -> N
 
 def test_default_model_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GAPLESS_CACHE", str(tmp_path))
-    path = default_model_path()
+    path = tiny_model_path()
     assert path == tmp_path / "models" / "tiny-qwen3-v1"
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3"
     stamp = (path / "config.json").stat().st_mtime_ns
-    assert default_model_path() == path
+    assert tiny_model_path() == path
     assert (path / "config.json").stat().st_mtime_ns == stamp  # not rebuilt
     # the default model is the tiny qwen3 test checkpoint: one recipe serves both
     ref = make_checkpoint(tmp_path / "ref", "qwen3")

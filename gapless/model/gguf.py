@@ -1,0 +1,185 @@
+"""GGUF files (llama.cpp's format), read with the `gguf` package, the format's own library.
+
+A GGUF file carries the config, the tokenizer and the weights in one file. This module turns each into
+what the safetensors path already has: the metadata into a Hugging Face style `config.json` dict (which
+`gapless.model.config` validates with the same rules as a checkpoint directory's), and the tensors into
+Hugging Face names and layouts, dequantized to float32 (the loader casts them to the engine's dtype).
+Every tensor type `gguf.quants.dequantize` knows is read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+and the K-quants. The tokenizer and chat template are built by transformers from the same file
+(`gapless.model.source.load_tokenizer`).
+
+llama.cpp's converter permutes the rows of the q and k projections of `llama` models (its RoPE pairs
+neighbouring elements, Hugging Face's pairs the two halves of a head); `_unpermute` undoes that, as
+transformers does when it loads a GGUF. The Qwen families are written unpermuted.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# general.architecture -> the Hugging Face architecture the one decoder runs it as. llama.cpp writes
+# Mistral models as `llama` (same tensors; gapless refuses a real sliding window either way).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_PERMUTED_QK = ("llama", "mistral")  # llama.cpp's converter permutes q/k rows of these
+
+# llama.cpp tensor names -> Hugging Face names ("{}" is the layer index)
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """A file whose first four bytes are GGUF's magic (the name's suffix is not trusted either way)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _reader(path: str) -> Any:
+    """The file's reader, shared by the config and weight reads of one load (and keyed by the file's
+    size and mtime, so a file rewritten in place is read afresh)."""
+    st = Path(path).stat()
+    return _open(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open(path: str, size: int, mtime_ns: int) -> Any:
+    from gguf import GGUFReader  # memory-maps the file: opening it reads only the header
+
+    return GGUFReader(path)
+
+
+def metadata(path: str | Path) -> dict[str, Any]:
+    """Every metadata field of the file as a Python value (strings, numbers, lists)."""
+    return {name: field.contents() for name, field in _reader(str(path)).fields.items()}
+
+
+def tensor_names(path: str | Path) -> set[str]:
+    return {t.name for t in _reader(str(path)).tensors}
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, names: set[str]) -> dict[str, Any] | None:
+    if "rope_freqs.weight" in names:  # llama3-style scaling, stored as per-frequency factors
+        raise ValueError(
+            "this GGUF stores RoPE scaling as a rope_freqs tensor (llama3-style), which gapless does not "
+            "read yet; use the model's Hugging Face checkpoint"
+        )
+    key = f"{arch}.rope.scaling."
+    kind = meta.get(key + "type")
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(meta.get(key + "factor", 1.0))}
+    if key + "original_context_length" in meta:
+        scaling["original_max_position_embeddings"] = int(meta[key + "original_context_length"])
+    return scaling
+
+
+def config_dict(path: str | Path) -> dict[str, Any]:
+    """The file's metadata as the `config.json` dict a Hugging Face checkpoint of it would carry.
+
+    Raises ValueError naming the architecture when it is not one gapless runs, and for mixture-of-experts.
+    """
+    meta, names = metadata(path), tensor_names(path)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {path}; gapless runs GGUF files of "
+            f"{', '.join(ARCHITECTURES)}"
+        )
+    if experts := meta.get(f"{arch}.expert_count"):
+        raise ValueError(f"{arch}: mixture-of-experts (expert_count={experts}) is not supported")
+    hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:  # the embedding table's rows: the shape is in ggml order, [hidden, vocab]
+        vocab = next(int(t.shape[-1]) for t in _reader(str(path)).tensors if t.name == "token_embd.weight")
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta[f"{arch}.feed_forward_length"]),
+        "num_hidden_layers": int(meta[f"{arch}.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(head_dim) if head_dim else hidden // heads,
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(meta, arch, names),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "use_sliding_window": False,
+    }
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name; None for tensors the model has no use for."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: per head, its rows were interleaved as (pair, half)."""
+    rest = w.shape[1:]
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize(tensor: Any) -> np.ndarray:
+    """One tensor of the file as float32 in numpy (row-major, Hugging Face) order."""
+    from gguf import GGMLQuantizationType, quants
+
+    if tensor.tensor_type == GGMLQuantizationType.F32:
+        return np.asarray(tensor.data, dtype=np.float32)
+    return quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+
+
+def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for each tensor the model uses, q/k rows unpermuted."""
+    meta = metadata(path)
+    arch = meta["general.architecture"]
+    heads = int(meta[f"{arch}.attention.head_count"])
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    for tensor in _reader(str(path)).tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        w = dequantize(tensor)
+        if arch in _PERMUTED_QK and ".attn_q." in tensor.name:
+            w = _unpermute(w, heads)
+        elif arch in _PERMUTED_QK and ".attn_k." in tensor.name:
+            w = _unpermute(w, kv_heads)
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable))

