@@ -5,12 +5,9 @@ aliases, `FLAG_ALIASES`). The server's own options (host, port, API key) are its
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, NamedTuple, Protocol
-
-log = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 CPU_WORKERS = ("auto", "inline", "thread", "process")
@@ -59,11 +56,10 @@ class EngineConfig:
     # a decode reads an unwritten future-token slot (a host sync per decode); see engine/stream/chaos.py
     chaos_seed: int | None = None
     trace_path: str | None = None  # write a Chrome/Perfetto trace of host and device spans here on shutdown
-    # what `model` names is resolved by gapless.model.source: a checkpoint directory, a GGUF file (or a
-    # directory holding one), a built-in name, or a Hugging Face id at `revision`, downloaded into
-    # `download_dir` (None: the Hugging Face cache)
+    # `model` is a checkpoint directory, a GGUF file (or a directory holding one), a built-in name, or a
+    # Hugging Face id (gapless.model.source); an id's branch, tag or commit:
     revision: str | None = None
-    download_dir: str | None = None
+    download_dir: str | None = None  # where Hugging Face downloads go; None: the Hugging Face cache
     tokenizer: str | None = None  # a separate tokenizer (path or Hugging Face id); None: the model's own
     chat_template: str | None = None  # a template file or the template itself; None: the tokenizer's
     trust_remote_code: bool = False  # refused: gapless runs no code from a checkpoint

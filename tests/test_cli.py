@@ -119,7 +119,7 @@ def test_vllm_and_sglang_flags_are_aliases():
         (["serve", "--max-num-seq", "4"], "unknown flag --max-num-seq; did you mean --max-num-seqs?"),
         (["serve", "--gpu-memory-utilisation=0.5"], "did you mean --gpu-memory-utilization?"),
         (["chat", "--temprature", "0"], "unknown flag --temprature; did you mean --temperature?"),
-        (["serve", "--trust-remote-code"], "unknown flag --trust-remote-code (see gapless serve --help)"),
+        (["serve", "--frobnicate"], "unknown flag --frobnicate (see gapless serve --help)"),
         (["serve", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
         (["serve", "--port", "http"], "argument --port: 'http' is not a port number (0 to 65535)"),
         (["serve", "--port", "70000"], "argument --port: '70000' is not a port number"),

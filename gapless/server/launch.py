@@ -127,11 +127,9 @@ class _Workers:
             "scheduler": ctx.Process(
                 target=scheduler_main, args=(ends, cfg, pid, logs), name="gapless-scheduler"
             ),
-            "tokenizer": ctx.Process(
-                target=tokenizer_main, args=(ends, cfg.model, pid), name="gapless-tokenizer"
-            ),
+            "tokenizer": ctx.Process(target=tokenizer_main, args=(ends, cfg, pid), name="gapless-tokenizer"),
             "detokenizer": ctx.Process(
-                target=detokenizer_main, args=(ends, cfg.model, pid), name="gapless-detokenizer"
+                target=detokenizer_main, args=(ends, cfg, pid), name="gapless-detokenizer"
             ),
         }
         for p in self.procs.values():
