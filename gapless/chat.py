@@ -101,12 +101,10 @@ class ChatSession:
 
     def prompt_ids(self, messages: list[dict[str, str]] | None = None) -> list[int]:
         """The token ids of the conversation so far, ending with an open assistant turn."""
-        tok = self.engine.tokenizer
-        text = tok.apply_chat_template(
-            self.messages if messages is None else messages, add_generation_prompt=True, tokenize=False
-        )
-        # the template writes any BOS itself; the tokenizer must not add another
-        return self.engine.tokenize(tok.encode(text, add_special_tokens=False))
+        from gapless.engine.chat_template import render_chat
+
+        _, ids = render_chat(self.engine.tokenizer, self.messages if messages is None else messages)
+        return self.engine.tokenize(ids)
 
     def send(self, user_text: str, write: Callable[[str], Any] = lambda s: None) -> Turn:
         """Add a user message, stream the reply through `write` delta by delta, and keep both in the
