@@ -47,6 +47,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("GAPLESS_API_KEY"), help="require Bearer auth")
     parser.add_argument("--served-model-name", default=None, help="model id in the API (default: dir name)")
     parser.add_argument("--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413")
+    parser.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=None,
+        metavar="N",
+        help="max_tokens of a request that sets none (default: the rest of the context)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop a request still running after this long and answer 504 (default: no limit)",
+    )
     parser.add_argument("--log-level", default="info")
     add_engine_args(parser)
 
@@ -122,7 +136,15 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig, ends: Endpoints, w
     client = EngineClient(ends, metrics, health)
     info = await _wait_ready(client, workers)
     health.worker_pids = {name: p.pid for name, p in workers.procs.items() if p.pid is not None}
-    settings = Settings(model_name, cfg.model, info, args.api_key, args.max_request_bytes)
+    settings = Settings(
+        model_name,
+        cfg.model,
+        info,
+        args.api_key,
+        args.max_request_bytes,
+        args.max_tokens_default,
+        args.request_timeout,
+    )
     app = create_app(ServerState(settings, client, health, metrics))
     config = uvicorn.Config(
         app,

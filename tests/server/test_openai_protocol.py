@@ -15,21 +15,23 @@ from gapless.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    ServedModel,
     parse_request,
 )
 from gapless.server.protocol import ChatMessage
 
-NAMES = {"tiny", "/models/tiny"}
+SERVED = ServedModel.of_checkpoint("tiny", "/models/tiny", vocab_size=1000, max_context=64)
 
 
-def parse(kind, **body):
-    return parse_request(json.dumps(body).encode(), kind, NAMES)
+def parse(kind, served=SERVED, **body):
+    req, sub = parse_request(json.dumps(body).encode(), kind, served)
+    return req, sub.engine_requests()
 
 
-def refusal(kind, body: bytes | dict) -> BadRequest:
+def refusal(kind, body: bytes | dict, served=SERVED) -> BadRequest:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     with pytest.raises(BadRequest) as e:
-        parse_request(raw, kind, NAMES)
+        parse_request(raw, kind, served)
     return e.value
 
 
