@@ -111,7 +111,7 @@ class ServedModel:
         names = (model, model.rstrip("/")) if model is not None else ()
         if model is not None and self.name not in names and self.aliases.isdisjoint(names):
             raise BadRequest(
-                f"The model `{model}` does not exist; this server serves `{self.name}`.", "model", 404
+                f"The model `{model[:200]}` does not exist; this server serves `{self.name}`.", "model", 404
             )
 
     def default_max_tokens(self, max_tokens: int | None) -> int:
@@ -319,6 +319,13 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs)
         chat = [ChatMessage(m.role, m.text(f"messages[{i}]")) for i, m in enumerate(self.messages)]
+        if self.chat_template_kwargs:  # any JSON: its integers must fit in 64 bits too, to reach the template
+            try:
+                msgspec.msgpack.encode(self.chat_template_kwargs)
+            except OverflowError:
+                raise BadRequest(
+                    "chat_template_kwargs holds an integer past 64 bits", "chat_template_kwargs"
+                ) from None
         return Submission([chat], choices, self.chat_template_kwargs)
 
 

@@ -234,6 +234,7 @@ def _same_connection(server, method: str, path: str, body: bytes, headers: dict)
         ("/v1/completions", {"prompt": [5, BIG]}, "prompt"),
         ("/v1/completions", {"prompt": ["hi", [BIG]]}, "prompt"),
         ("/v1/chat/completions", {"max_completion_tokens": BIG}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"x": [1, {"y": BIG}]}}, "chat_template_kwargs"),
         ("/generate", {"sampling_params": {"max_new_tokens": BIG}}, "sampling_params.max_new_tokens"),
         ("/generate", {"sampling_params": {"seed": -BIG}}, "sampling_params.seed"),
     ],
