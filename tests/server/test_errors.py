@@ -354,6 +354,7 @@ def test_model_may_be_left_out_or_given_as_the_checkpoint_path(client, ckpt_fact
 def test_openapi_schema_is_published_behind_the_key(server, client):
     error_of(httpx.get(f"{server.url}/openapi.json", timeout=30), 401)
     doc = client.get("/openapi.json").json()
+    assert doc["security"] == [{"bearer": []}]
     assert {"/v1/completions", "/v1/chat/completions", "/generate"} <= set(doc["paths"])
     schemas = doc["components"]["schemas"]
     # the native endpoint's sampling fields are SamplingParams' own, plus SGLang's max_new_tokens

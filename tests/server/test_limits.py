@@ -197,3 +197,8 @@ def test_a_request_past_its_deadline_is_stopped_and_its_kv_freed(client):
     state = wait_idle_and_clean(client)
     assert state["kv_used_tokens"] == 0 and state["running_requests"] == 0
     assert small(client).status_code == 200
+
+
+def test_without_an_api_key_the_schema_asks_for_none(client):
+    doc = client.get("/openapi.json").json()
+    assert "security" not in doc and "securitySchemes" not in doc["components"]

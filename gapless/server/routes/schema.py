@@ -11,7 +11,7 @@ import functools
 from typing import Any
 
 import msgspec
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from gapless import __version__
@@ -21,7 +21,7 @@ from gapless.server.openai_protocol import (
     GenerateRequest,
     error_body,
 )
-from gapless.server.routes.common import require_api_key
+from gapless.server.routes.common import require_api_key, server_state
 
 router = APIRouter()
 
@@ -62,8 +62,8 @@ def _get(summary: str, media: str = "application/json") -> dict[str, Any]:
 
 
 @functools.cache
-def openapi_document() -> dict[str, Any]:
-    """The OpenAPI 3.1 document of every endpoint (built once)."""
+def openapi_document(with_key: bool) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of every endpoint (built once), saying whether a Bearer key is required."""
     _, schemas = msgspec.json.schema_components(
         (CompletionRequest, ChatCompletionRequest, GenerateRequest), ref_template=_REF
     )
@@ -83,18 +83,18 @@ def openapi_document() -> dict[str, Any]:
         "/debug/state": _get("The scheduler's counters, the KV integrity check when idle, the worker pids"),
         "/openapi.json": _get("This document"),
     }
-    return {
+    doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "gapless", "version": __version__},
         "paths": paths,
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": [{"bearer": []}],
+        "components": {"schemas": schemas},
     }
+    if with_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
 
 
 @router.get("/openapi.json", dependencies=[Depends(require_api_key)])
-async def openapi() -> JSONResponse:
-    return JSONResponse(openapi_document())
+async def openapi(request: Request) -> JSONResponse:
+    return JSONResponse(openapi_document(server_state(request).settings.api_key is not None))
