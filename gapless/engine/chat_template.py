@@ -15,31 +15,43 @@ from transformers import PreTrainedTokenizerBase
 Message = Mapping[str, Any]  # {"role": ..., "content": ...}, as OpenAI and transformers take them
 
 
+class NoChatTemplate(ValueError):
+    """The tokenizer has no chat template (and none was given), so chat messages cannot be rendered."""
+
+
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(
+def chat_text(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Message],
     *,
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> tuple[str, list[int]]:
-    """The prompt text of `messages` and its token ids. `add_generation_prompt` opens the assistant's
-    turn; `chat_template` replaces the tokenizer's own; `chat_template_kwargs` go to the template (e.g.
-    Qwen3's `enable_thinking`). Raises ValueError when there is no template to render with."""
+) -> str:
+    """The prompt text of `messages`. `add_generation_prompt` opens the assistant's turn; `chat_template`
+    replaces the tokenizer's own; `chat_template_kwargs` go to the template (e.g. Qwen3's
+    `enable_thinking`). Raises NoChatTemplate when there is no template to render with."""
     if chat_template is None and not has_chat_template(tokenizer):
-        raise ValueError(
+        raise NoChatTemplate(
             "the model's tokenizer has no chat template, so it cannot render chat messages: prompt it with "
             "plain text (LLM.generate, /v1/completions) or pass a chat_template"
         )
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         add_generation_prompt=add_generation_prompt,
         chat_template=chat_template,
         tokenize=False,
         **dict(chat_template_kwargs or {}),
     )
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], **options: Any
+) -> tuple[str, list[int]]:
+    """`chat_text` (same options) and its token ids: encoded without added special tokens, since the
+    template writes its own."""
+    text = chat_text(tokenizer, messages, **options)
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -2,6 +2,8 @@
 
 Routes live in `routes/` by endpoint family; every refusal, from a route or from Starlette itself (an
 unknown route, a wrong method), is answered as OpenAI's error JSON with its status, and the server goes on.
+Around every HTTP exchange, `ExchangeScope` releases what it submitted, however it ends, and answers an
+unexpected exception with a JSON 500 on a connection that stays open.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gapless.server.openai_protocol import BadRequest
-from gapless.server.routes import admin, native, openai
-from gapless.server.routes.common import error_response
+from gapless.server.routes import admin, native, openai, schema
+from gapless.server.routes.common import ExchangeScope, error_response
 from gapless.server.state import ServerState
 
 
@@ -21,7 +23,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.add_exception_handler(BadRequest, _bad_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    for routes in (admin, openai, native):
+    app.add_middleware(ExchangeScope)
+    for routes in (admin, openai, native, schema):
         app.include_router(routes.router)
     return app
 

@@ -1,9 +1,10 @@
 """The API server's end of the worker pipeline: the sockets to the workers and the requests in flight.
 
-Each HTTP request is submitted as a `Group` of engine requests (one per prompt and choice) and sent to
-the tokenizer. A single task (`receive_loop`) reads every message the workers send back and puts each
-delta on its group's queue, which the HTTP handler awaits. A group released before its requests finish
-(its client went away) has them aborted at once, so their KV is freed.
+Each HTTP request is submitted as a `Group` of engine requests (one per prompt and choice), sent to the
+tokenizer in one message. A single task (`receive_loop`) reads every message the workers send back and
+puts each delta on its group's queue, which the HTTP handler awaits, until the group's deadline if it has
+one. A group released before its requests finish (its client went away, its deadline passed, or its
+handler failed) has them aborted at once, so their KV is freed.
 """
 
 from __future__ import annotations
@@ -20,23 +21,55 @@ import zmq.asyncio
 from gapless.server import protocol as P
 from gapless.server.health import Health
 from gapless.server.metrics import Metrics, RequestClock
-from gapless.server.openai_protocol import BadRequest, EngineRequest
+from gapless.server.openai_protocol import BadRequest, Prompt, Submission
 from gapless.server.workers import Endpoints
 
 log = logging.getLogger(__name__)
 
-STATS_TIMEOUT_S = 5.0
+STATS_WAIT_S = 0.5  # past this, /metrics and /debug/state answer with the scheduler's last counters
 
 
 class Group:
     """The engine requests of one HTTP request; their deltas arrive on one queue as (index, message)."""
 
-    def __init__(self, rids: list[str]) -> None:
+    def __init__(self, rids: list[str], timeout_s: float | None = None) -> None:
         self.rids = rids
         self.index = {rid: i for i, rid in enumerate(rids)}
         self.open = set(rids)
         self.queue: asyncio.Queue[tuple[int, P.ReqDelta | P.ReqError]] = asyncio.Queue()
         self.clock = RequestClock()
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.released = False
+
+    @property
+    def done(self) -> bool:
+        """Every request has finished and every delta has been taken."""
+        return not self.open and self.queue.empty()
+
+    async def next_delta(self) -> tuple[int, P.ReqDelta]:
+        """The next delta, as (request index, delta). A worker's refusal raises BadRequest with its status,
+        and so does the deadline passing (504): the caller's release then aborts what still runs."""
+        remaining = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        try:
+            index, msg = await asyncio.wait_for(self.queue.get(), remaining)
+        except asyncio.TimeoutError:
+            raise BadRequest(
+                f"the request ran past its time limit of {self.timeout_s:g} s (--request-timeout) "
+                "and was stopped",
+                status=504,
+            ) from None
+        if isinstance(msg, P.ReqError):
+            raise BadRequest(msg.message, msg.param, msg.status)
+        return index, msg
+
+
+def _prompt_in(prompt: Prompt) -> P.PromptIn:
+    if isinstance(prompt, str):
+        return P.PromptIn(text=prompt)
+    if prompt and isinstance(prompt[0], P.ChatMessage):
+        return P.PromptIn(messages=prompt)  # type: ignore[arg-type]
+    return P.PromptIn(token_ids=prompt)  # type: ignore[arg-type]
 
 
 class EngineClient:
@@ -52,6 +85,8 @@ class EngineClient:
         self.to_tokenizer.connect(ends.tokenizer)
         self.groups: dict[str, Group] = {}  # engine rid -> its HTTP request's group
         self.stats_waiters: dict[int, asyncio.Future[P.Stats]] = {}
+        self.last_stats: P.Stats = {}  # the scheduler's last answer, and when it came
+        self.last_stats_at: float | None = None
         self._tickets = itertools.count()
         health.on_fatal(self._fail_open_requests)
 
@@ -83,7 +118,12 @@ class EngineClient:
                 self._deliver(d.rid, d, now)
         elif isinstance(msg, P.ReqError):
             self._deliver(msg.rid, msg, time.perf_counter())
+        elif isinstance(msg, P.Refused):  # the whole request: every one of its groups' rids at once
+            now = time.perf_counter()
+            for rid in msg.rids:
+                self._deliver(rid, P.ReqError(rid, msg.message, msg.status, msg.param), now)
         elif isinstance(msg, P.StatsOut):
+            self.last_stats, self.last_stats_at = msg.stats, time.monotonic()
             fut = self.stats_waiters.pop(msg.ticket, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg.stats)
@@ -107,26 +147,30 @@ class EngineClient:
         self.groups.clear()
 
     # ------------------------------------------------------------------ requests
-    def submit(self, requests: list[EngineRequest]) -> Group:
-        """Send one HTTP request's engine requests to the tokenizer; their deltas arrive on the group."""
+    def submit(self, sub: Submission, max_prompt_tokens: int, timeout_s: float | None = None) -> Group:
+        """Send one HTTP request's engine requests to the tokenizer in one message; their deltas arrive on
+        the group. The message is encoded before anything is registered, so a failure leaves no trace."""
         if self.health.fatal:
             raise BadRequest(f"server is shutting down: {self.health.fatal}", status=503)
         base = uuid.uuid4().hex
-        group = Group([f"{base}-{i}" for i in range(len(requests))])
-        for rid, (prompt, params) in zip(group.rids, requests):
+        rids = [f"{base}-{i}" for i in range(len(sub.prompts) * len(sub.choices))]
+        prompts = [_prompt_in(p) for p in sub.prompts]
+        frame = P.encode(
+            P.TokenizeReq(rids, prompts, sub.choices, max_prompt_tokens, sub.chat_template_kwargs)
+        )
+        group = Group(rids, timeout_s)
+        for rid in rids:
             self.groups[rid] = group
-            if isinstance(prompt, str):
-                req = P.TokenizeReq(rid, params, text=prompt)
-            elif prompt and isinstance(prompt[0], P.ChatMessage):
-                req = P.TokenizeReq(rid, params, messages=prompt)  # type: ignore[arg-type]
-            else:
-                req = P.TokenizeReq(rid, params, token_ids=prompt)  # type: ignore[arg-type]
-            self.send(req)
+        self.to_tokenizer.send(frame)
         self.metrics.started()
         return group
 
     def release(self, group: Group) -> None:
-        """The HTTP request is done (or its client gone): abort whatever of it still runs."""
+        """The HTTP request is done (or its client gone): abort whatever of it still runs. Only the first
+        call counts."""
+        if group.released:
+            return
+        group.released = True
         for rid in list(group.open):
             self.groups.pop(rid, None)
             self.send(P.Abort(rid))
@@ -135,12 +179,21 @@ class EngineClient:
         self.metrics.ended()
 
     async def engine_stats(self) -> P.Stats:
-        """The scheduler's counters (with its KV integrity check when idle); TimeoutError after 5 s."""
+        """The scheduler's counters, with its KV integrity check when idle. The scheduler answers between
+        steps; when it has not within STATS_WAIT_S (a long prefill step holds it), these are the last
+        counters it sent, with their age in `stats_age_s` and the integrity check marked not run, so that
+        /metrics and /debug/state answer at once whatever the scheduler is doing."""
         ticket = next(self._tickets)
         fut: asyncio.Future[P.Stats] = asyncio.get_running_loop().create_future()
         self.stats_waiters[ticket] = fut
         self.send(P.StatsReq(ticket))
         try:
-            return await asyncio.wait_for(fut, STATS_TIMEOUT_S)
+            return await asyncio.wait_for(fut, STATS_WAIT_S)
+        except asyncio.TimeoutError:
+            stale = dict(self.last_stats)
+            if self.last_stats_at is not None:
+                stale["stats_age_s"] = round(time.monotonic() - self.last_stats_at, 3)
+            stale["integrity"] = "not checked: the scheduler is busy; its last counters"
+            return stale
         finally:
             self.stats_waiters.pop(ticket, None)

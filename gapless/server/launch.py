@@ -75,6 +75,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413 (default: 32 MiB)"
     )
+    parser.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=None,
+        metavar="N",
+        help="max_tokens of a request that sets none (default: the rest of the context)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop a request still running after this long and answer 504 (default: no limit)",
+    )
     logs = parser.add_argument_group("logging")
     logs.add_argument(
         "--log-level",
@@ -209,7 +223,15 @@ async def _serve(
     client = EngineClient(ends, metrics, health)
     info = await _wait_ready(client, workers)
     health.worker_pids = {name: p.pid for name, p in workers.procs.items() if p.pid is not None}
-    settings = Settings(model_name, cfg.model, info, args.api_key, args.max_request_bytes)
+    settings = Settings(
+        model_name,
+        cfg.model,
+        info,
+        args.api_key,
+        args.max_request_bytes,
+        args.max_tokens_default,
+        args.request_timeout,
+    )
     app = create_app(ServerState(settings, client, health, metrics))
     config = uvicorn.Config(
         app,

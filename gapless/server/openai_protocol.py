@@ -1,29 +1,49 @@
 """HTTP request bodies (OpenAI's, with the vLLM/SGLang extensions), their validation and conversion to
 engine requests, and OpenAI's error object.
 
-`parse_request` is the one place a body becomes engine requests: msgspec decodes it straight into these
-structs (a body that is not JSON is a 422, a field of the wrong type a 400 naming the field), the model
-name is checked (404), and the struct's `engine_requests` checks the values (a 400 naming the field) and
-turns it into one (prompt, `SamplingParams`) pair per prompt and choice. Unknown fields are ignored, as
-OpenAI's clients send ones we have no use for (`user`, ...); fields we know but cannot honour are
-refused by name rather than silently ignored.
+`parse_request` is the one place a body becomes engine requests, and it checks everything it can before
+anything is submitted: msgspec decodes the body straight into these structs (a body that is not JSON, not
+UTF-8 or nested too deeply is a 422; a field of the wrong type, or an integer outside 64 bits, a 400
+naming the field), the model name is checked (404), and the struct's `submission` checks the values (a
+400 naming the field), every prompt of a multi-prompt request included (token ids against the vocabulary
+and the context). Text prompts are measured once tokenized, by the tokenizer worker, which refuses the
+whole request if any prompt is too long, before any of it reaches the scheduler.
+
+Unknown fields are ignored, as OpenAI's clients send ones we have no use for (`user`, ...), and logged once
+each at debug level; fields we know but cannot honour are refused by name rather than silently ignored.
+The structs are also the one source of the published OpenAPI schema (`routes/schema.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import replace
-from typing import Any, Literal, TypeGuard, TypeVar
+import dataclasses
+import functools
+import logging
+import operator
+import os
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Annotated, Any, Literal, TypeGuard, TypeVar, Union
 
 import msgspec
 
 from gapless.sampling_params import SamplingParams
 from gapless.server.protocol import ChatMessage
 
-RUN_TO_CONTEXT_END = 2**31 - 1  # max_tokens left unset: generate until the context is full (or a stop)
+log = logging.getLogger(__name__)
+
+RUN_TO_CONTEXT_END = 2**31 - 1  # no max_tokens and no server default: generate until the context is full
+MAX_N = 128  # choices per prompt
+
+# Every integer a request carries must fit in 64 bits: the wire between the processes (msgpack) and the
+# sampler (int64 tensors) carry no more. Bounding them here makes a larger one a 400 naming its field.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Choices = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 
 Prompt = str | list[int] | list[ChatMessage]  # text, token ids, or a chat to render with the template
-EngineRequest = tuple[Prompt, SamplingParams]  # one prompt and choice, as the tokenizer worker takes it
+EngineRequest = tuple[Prompt, SamplingParams]  # one prompt and choice
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -31,9 +51,11 @@ _ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     500: "server_error",
     503: "server_error",
+    504: "timeout_error",
 }
 
 
@@ -53,23 +75,90 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def expand(prompts: list[Prompt], params: SamplingParams, n: int) -> list[EngineRequest]:
-    """One engine request per (prompt, choice). With a seed, choice j samples with seed + j: repeatable
-    across requests, and the n choices still differ."""
-    seeded = params.seed is not None
-    return [
-        (prompt, replace(params, seed=params.seed + j) if seeded and j else params)
-        for prompt in prompts
-        for j in range(n)
-    ]
+def prompt_too_long(tokens: int, max_prompt_tokens: int) -> str:
+    """The refusal of a prompt of `tokens` tokens, worded the same wherever it is measured."""
+    return (
+        f"prompt is {tokens} tokens but this server takes at most {max_prompt_tokens} "
+        f"(its context of {max_prompt_tokens + 1} tokens must hold the prompt and one generated token)"
+    )
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What requests are checked against before anything is submitted: the names the model answers to,
+    the scheduler's vocabulary and context, and the server's default length of a reply."""
+
+    name: str  # the model's id in the API; a request that names no model gets this one
+    aliases: frozenset[str]  # also accepted as `model` (the checkpoint path)
+    vocab_size: int
+    max_context: int  # a prompt plus at least one generated token must fit
+    max_tokens_default: int | None = None  # max_tokens of a request that sets none (None: the context's end)
+
+    @classmethod
+    def of_checkpoint(
+        cls, name: str, path: str, vocab_size: int, max_context: int, max_tokens_default: int | None = None
+    ) -> ServedModel:
+        """The model served as `name` from `path`: the path as given, without a trailing slash and
+        resolved are accepted names too, so a client may name the checkpoint it knows."""
+        aliases = frozenset({path, path.rstrip("/") or path, os.path.realpath(path)}) - {name}
+        return cls(name, aliases, vocab_size, max_context, max_tokens_default)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.max_context - 1
+
+    def check_model(self, model: str | None) -> None:
+        names = (model, model.rstrip("/")) if model is not None else ()
+        if model is not None and self.name not in names and self.aliases.isdisjoint(names):
+            raise BadRequest(
+                f"The model `{model[:200]}` does not exist; this server serves `{self.name}`.", "model", 404
+            )
+
+    def default_max_tokens(self, max_tokens: int | None) -> int:
+        """A request's max_tokens: its own, else the server's default, else the rest of the context."""
+        if max_tokens is not None:
+            return max_tokens
+        return self.max_tokens_default if self.max_tokens_default is not None else RUN_TO_CONTEXT_END
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A checked request's work for the engine: its prompts and, per choice, the sampling params. Engine
+    request i * n + j is prompt i's choice j, sampled with `choices[j]` (n = len(choices)): the order in
+    which the responses list their choices."""
+
+    prompts: list[Prompt]
+    choices: list[SamplingParams]
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def engine_requests(self) -> list[EngineRequest]:
+        return [(prompt, params) for prompt in self.prompts for params in self.choices]
+
+
+def _choices(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of each of n choices. With a seed, choice j samples with seed + j: repeatable across
+    requests, and the n choices still differ."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + j) if j else params for j in range(n)]
 
 
 def _is_ids(x: object) -> TypeGuard[list[int]]:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def _prompt_list(p: object, param: str, text: bool = True) -> list[str | list[int]]:
-    """One prompt or a list of them: strings (if `text`) or token-id lists; each non-empty."""
+def _check_ids(ids: list[int], param: str, served: ServedModel) -> None:
+    """Token ids the scheduler would take: not longer than the context allows, each in the vocabulary."""
+    if len(ids) > served.max_prompt_tokens:
+        raise BadRequest(prompt_too_long(len(ids), served.max_prompt_tokens), param)
+    bad = next((t for t in ids if not 0 <= t < served.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"{param} token id {bad} is outside the vocabulary [0, {served.vocab_size})", param)
+
+
+def _prompt_list(p: object, param: str, served: ServedModel, text: bool = True) -> list[Prompt]:
+    """One prompt or a list of them: strings (if `text`) or token-id lists; each non-empty, and token
+    ids checked against the vocabulary and the context."""
     prompts: list[str | list[int]]
     if isinstance(p, str) and text:
         prompts = [p]
@@ -80,9 +169,20 @@ def _prompt_list(p: object, param: str, text: bool = True) -> list[str | list[in
     else:
         what = "a string, a list of token ids, or a list of either" if text else "token ids or a list of them"
         raise BadRequest(f"{param} must be {what} (non-empty)", param)
-    if any(len(x) == 0 for x in prompts):
-        raise BadRequest(f"{param} contains an empty prompt", param)
-    return prompts
+    for prompt in prompts:
+        if len(prompt) == 0:
+            raise BadRequest(f"{param} contains an empty prompt", param)
+        if isinstance(prompt, list):
+            _check_ids(prompt, param, served)
+    return list(prompts)
+
+
+def _sampling_params(fields: dict[str, Any]) -> SamplingParams:
+    """`SamplingParams(**fields)`, its refusal of a value a 400 naming the field."""
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        raise BadRequest(str(e), str(e).split(" ", 1)[0]) from None
 
 
 class StreamOptions(msgspec.Struct):
@@ -90,33 +190,33 @@ class StreamOptions(msgspec.Struct):
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
-    """Fields common to every generation endpoint."""
+    """Fields common to the OpenAI endpoints."""
 
+    model: str | None = None  # the served model when left out
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Choices = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM / SGLang extensions
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.n < 1 or self.n > 128:
-            raise BadRequest(f"n must be in [1, 128], got {self.n}", "n")
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+        """The params of each choice."""
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported", "logit_bias")
         fields: dict[str, Any] = {
-            "max_tokens": RUN_TO_CONTEXT_END if max_tokens is None else max_tokens,
+            "max_tokens": max_tokens,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
@@ -135,10 +235,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
         ):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
-        try:
-            return SamplingParams(**fields)
-        except ValueError as e:
-            raise BadRequest(str(e), str(e).split(" ", 1)[0]) from None
+        return _choices(_sampling_params(fields), self.n)
 
     @property
     def include_usage(self) -> bool:
@@ -146,19 +243,17 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    model: str
-    # a string, token ids, or a list of either: any JSON list, checked in `prompts` to word the error
+    """POST /v1/completions."""
+
+    # a string, token ids, or a list of either: any JSON list, checked in `submission` to word the error
     prompt: str | list[Any]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16  # OpenAI's default; null: the server's default (--max-tokens-default)
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
-    def prompts(self) -> list[str | list[int]]:
-        return _prompt_list(self.prompt, "prompt")
-
-    def to_params(self) -> SamplingParams:
+    def submission(self, served: ServedModel) -> Submission:
         if self.echo:
             raise BadRequest("echo is not supported", "echo")
         if self.suffix:
@@ -167,11 +262,8 @@ class CompletionRequest(_Sampling, kw_only=True):
             raise BadRequest("best_of other than n is not supported", "best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise BadRequest(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
-        return self.sampling_params(self.max_tokens, self.logprobs)
-
-    def engine_requests(self) -> list[EngineRequest]:
-        params = self.to_params()
-        return expand(self.prompts(), params, self.n)
+        choices = self.sampling_params(served.default_max_tokens(self.max_tokens), self.logprobs)
+        return Submission(_prompt_list(self.prompt, "prompt", served), choices)
 
 
 class ContentPart(msgspec.Struct):
@@ -183,30 +275,38 @@ class Message(msgspec.Struct):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
 
-    def text(self) -> str:
+    def text(self, where: str) -> str:
+        """The message's text; `where` (`messages[i]`) names it in errors."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise BadRequest(f"message content of type {part.type!r} is not supported", "messages")
+        for j, part in enumerate(self.content):
+            field = f"{where}.content[{j}]"
+            if part.type != "text":
+                raise BadRequest(f"{field}: content of type {part.type!r} is not supported", field)
+            if part.text is None:
+                raise BadRequest(
+                    f"{field}.text is missing: a text content part needs its text", f"{field}.text"
+                )
             parts.append(part.text)
         return "".join(parts)
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
-    model: str
+    """POST /v1/chat/completions."""
+
     messages: list[Message]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None  # neither this nor max_completion_tokens: the server's default
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
 
-    def to_params(self) -> SamplingParams:
+    def submission(self, served: ServedModel) -> Submission:
         if not self.messages:
             raise BadRequest("messages is empty", "messages")
         if self.tools:
@@ -217,60 +317,82 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise BadRequest("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, logprobs)
+        choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs)
+        chat = [ChatMessage(m.role, m.text(f"messages[{i}]")) for i, m in enumerate(self.messages)]
+        if self.chat_template_kwargs:  # any JSON: its integers must fit in 64 bits too, to reach the template
+            try:
+                msgspec.msgpack.encode(self.chat_template_kwargs)
+            except OverflowError:
+                raise BadRequest(
+                    "chat_template_kwargs holds an integer past 64 bits", "chat_template_kwargs"
+                ) from None
+        return Submission([chat], choices, self.chat_template_kwargs)
 
-    def engine_requests(self) -> list[EngineRequest]:
-        params = self.to_params()
-        chat: list[ChatMessage] = [ChatMessage(m.role, m.text()) for m in self.messages]
-        return expand([chat], params, self.n)
+
+def _int64_inside(tp: Any) -> Any:
+    """`tp` with every `int` in it (inside unions and lists too) bounded to 64 bits."""
+    if tp is int:
+        return Int64
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list:
+        return list[_int64_inside(args[0])]  # type: ignore[misc]
+    if args and typing.get_origin(tp) in (Union, types.UnionType):
+        return functools.reduce(operator.or_, [_int64_inside(a) for a in args])
+    return tp
+
+
+def _native_sampling_struct() -> type[msgspec.Struct]:
+    """`SamplingParams`' fields as a request struct (with SGLang's `max_new_tokens`): made from the
+    dataclass, so the native endpoint's schema and checks can never list other fields than it."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields: list[tuple[str, Any, Any]] = [
+        (f.name, _int64_inside(hints[f.name]), f.default) for f in dataclasses.fields(SamplingParams)
+    ]
+    fields.append(("max_new_tokens", Int64 | None, None))  # SGLang's name for max_tokens
+    struct = msgspec.defstruct("SamplingParamsIn", fields, kw_only=True, forbid_unknown_fields=True)
+    struct.__doc__ = "gapless.SamplingParams' fields by their names, and SGLang's max_new_tokens."
+    return struct
+
+
+SamplingParamsIn = _native_sampling_struct()
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
-    """SGLang-style native endpoint: text or token ids in, text and token ids out."""
+    """POST /generate: SGLang-style, text or token ids in, text and token ids out."""
 
     text: str | list[str] | None = None
-    input_ids: list[Any] | None = None  # token ids, or a list of them (checked in `prompts`)
-    sampling_params: dict[str, Any] = {}
+    input_ids: list[Any] | None = None  # token ids, or a list of them (checked in `submission`)
+    sampling_params: SamplingParamsIn = msgspec.field(default_factory=SamplingParamsIn)  # type: ignore[valid-type]
     stream: bool = False
 
-    def prompts(self) -> list[str | list[int]]:
+    def submission(self, served: ServedModel) -> Submission:
+        fields = msgspec.structs.asdict(self.sampling_params)
+        max_new_tokens = fields.pop("max_new_tokens")
+        if max_new_tokens is not None:
+            fields["max_tokens"] = max_new_tokens
+        params = _sampling_params(fields)
         if (self.text is None) == (self.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         if self.text is not None:
-            return _prompt_list(self.text, "text")
-        return _prompt_list(self.input_ids, "input_ids", text=False)
-
-    def to_params(self) -> SamplingParams:
-        fields = dict(self.sampling_params)
-        if "max_new_tokens" in fields:  # SGLang's name
-            fields["max_tokens"] = fields.pop("max_new_tokens")
-        try:
-            return SamplingParams(**fields)
-        except TypeError as e:
-            raise BadRequest(f"sampling_params: {e}", "sampling_params") from None
-        except ValueError as e:
-            raise BadRequest(str(e), str(e).split(" ", 1)[0]) from None
-
-    def engine_requests(self) -> list[EngineRequest]:
-        params = self.to_params()
-        return expand(self.prompts(), params, 1)
+            return Submission(_prompt_list(self.text, "text", served), [params])
+        return Submission(_prompt_list(self.input_ids, "input_ids", served, text=False), [params])
 
 
 GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest, GenerateRequest)
+REQUEST_TYPES = (CompletionRequest, ChatCompletionRequest, GenerateRequest)
 
 
 def parse_request(
-    body: bytes, kind: type[GenerationRequest], model_names: Collection[str]
-) -> tuple[GenerationRequest, list[EngineRequest]]:
-    """The request in `body` and its engine requests, or BadRequest: the one place a request is checked.
+    body: bytes, kind: type[GenerationRequest], served: ServedModel
+) -> tuple[GenerationRequest, Submission]:
+    """The request in `body` and its work for the engine, or BadRequest: the one place a request is checked.
 
     Malformed JSON is a 422, a wrong shape or type a 400 naming the field, a model this server does not
     serve a 404, and an invalid value (or one it cannot honour) a 400 naming the field."""
     req = _decode(body, kind)
-    model = getattr(req, "model", None)  # the native endpoint names none
-    if model is not None and model not in model_names:
-        raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
-    return req, req.engine_requests()
+    served.check_model(getattr(req, "model", None))  # the native endpoint names none
+    _log_ignored_fields(body, kind)
+    return req, req.submission(served)
 
 
 def _decode(body: bytes, kind: type[GenerationRequest]) -> GenerationRequest:
@@ -278,7 +400,28 @@ def _decode(body: bytes, kind: type[GenerationRequest]) -> GenerationRequest:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         message = str(e)
-        param = message.rsplit("`$.", 1)[-1].rstrip("`").split("[")[0] if "`$." in message else None
+        param = message.rsplit("`$.", 1)[-1].rstrip("`") if "`$." in message else None
         raise BadRequest(message, param) from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"request body is not valid JSON: {e}", None, status=422) from None
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"request body is not valid UTF-8: {e}", None, status=422) from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply", None, status=422) from None
+
+
+_IGNORED_LOGGED: set[tuple[str, str]] = set()  # (request type, field) pairs logged so far
+_MAX_IGNORED_LOGGED = 256  # field names are the client's choice: remember (and log) only so many
+
+
+def _log_ignored_fields(body: bytes, kind: type[msgspec.Struct]) -> None:
+    """Log, once per endpoint and name and at debug level, the top-level fields a request gave that
+    gapless ignores (an OpenAI field it has no use for, or a misspelt one)."""
+    if not log.isEnabledFor(logging.DEBUG) or len(_IGNORED_LOGGED) >= _MAX_IGNORED_LOGGED:
+        return
+    given: Iterable[str] = msgspec.json.decode(body, type=dict[str, msgspec.Raw]).keys()
+    for name in sorted(set(given) - set(kind.__struct_fields__)):
+        key = (kind.__name__, name)
+        if key not in _IGNORED_LOGGED and len(_IGNORED_LOGGED) < _MAX_IGNORED_LOGGED:
+            _IGNORED_LOGGED.add(key)
+            log.debug("%s: ignoring the field %r, which gapless does not use", kind.__name__, name[:80])

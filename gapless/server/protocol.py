@@ -2,6 +2,7 @@
 
     API server --TokenizeReq/Abort/StatsReq--> tokenizer --SchedReq/Abort/StatsReq--> scheduler
     scheduler --Updates/StatsOut--> detokenizer --Deltas/StatsOut--> API server
+    tokenizer --Refused--> API server
     any worker --ReqError/Ready/Failed--> API server
 
 Every control message from the API server travels through the tokenizer, so an abort can never
@@ -10,6 +11,8 @@ pickle, no arbitrary objects), and a malformed frame raises `msgspec.DecodeError
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -21,12 +24,24 @@ class ChatMessage(msgspec.Struct):
     content: str
 
 
-class TokenizeReq(msgspec.Struct, tag=True):
-    rid: str
-    params: SamplingParams
+class PromptIn(msgspec.Struct):
+    """One prompt as the client gave it: text, token ids, or a chat to render with the chat template."""
+
     text: str | None = None
     token_ids: list[int] | None = None
-    messages: list[ChatMessage] | None = None  # chat: rendered with the tokenizer's chat template
+    messages: list[ChatMessage] | None = None
+
+
+class TokenizeReq(msgspec.Struct, tag=True):
+    """One HTTP request's engine requests, tokenized together so that all of them reach the scheduler or
+    none does. Engine request `rids[i * n + j]` is prompt i's choice j, sampled with `params[j]`
+    (n = len(params)); each distinct prompt crosses the socket, and is tokenized, once."""
+
+    rids: list[str]
+    prompts: list[PromptIn]
+    params: list[SamplingParams]
+    max_prompt_tokens: int  # the longest prompt the scheduler takes (its context holds one more token)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
 
 
 class SchedReq(msgspec.Struct, tag=True):
@@ -102,6 +117,16 @@ class ReqError(msgspec.Struct, tag=True):
     param: str | None = None
 
 
+class Refused(msgspec.Struct, tag=True):
+    """The tokenizer refused a whole HTTP request (`TokenizeReq.rids`) before any of it reached the
+    scheduler: one message, so the API server closes all of its engine requests at once."""
+
+    rids: list[str]
+    message: str
+    status: int = 400
+    param: str | None = None
+
+
 class SchedulerInfo(msgspec.Struct):
     """What the scheduler tells the API server once, when ready: for `/v1/models` and the ready line."""
 
@@ -121,7 +146,11 @@ class Failed(msgspec.Struct, tag=True):
     error: str
 
 
-Message = TokenizeReq | SchedReq | Abort | StatsReq | StatsOut | Updates | Deltas | ReqError | Ready | Failed
+Message = (
+    (TokenizeReq | SchedReq | Abort | StatsReq | StatsOut | Updates | Deltas | ReqError | Refused)
+    | Ready
+    | Failed
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

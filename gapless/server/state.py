@@ -3,11 +3,13 @@ client of the worker pipeline (with the requests in flight), the server's health
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from gapless.server.engine_client import EngineClient
 from gapless.server.health import Health
 from gapless.server.metrics import Metrics
+from gapless.server.openai_protocol import ServedModel
 from gapless.server.protocol import SchedulerInfo
 
 
@@ -18,11 +20,16 @@ class Settings:
     info: SchedulerInfo  # what the scheduler reported when it was ready
     api_key: str | None = None  # every endpoint but /health needs it as a Bearer token when set
     max_request_bytes: int = 32 << 20  # larger bodies get a 413
+    max_tokens_default: int | None = None  # max_tokens of a request that sets none (None: the context's end)
+    request_timeout_s: float | None = None  # a request still running after this long is stopped (504)
 
-    @property
-    def model_names(self) -> frozenset[str]:
-        """The names a request may give as its `model`."""
-        return frozenset((self.served_model, self.model_path))
+    @functools.cached_property
+    def served(self) -> ServedModel:
+        """What requests are checked against: the model's names and the scheduler's limits."""
+        info = self.info
+        return ServedModel.of_checkpoint(
+            self.served_model, self.model_path, info.vocab_size, info.max_context, self.max_tokens_default
+        )
 
 
 @dataclass(frozen=True)

@@ -10,22 +10,26 @@ decides) and exit cleanly on SIGTERM, so a shutdown never leaves a process behin
 from __future__ import annotations
 
 import ctypes
+import inspect
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from gapless.config import EngineConfig
 from gapless.server import protocol as P
 from gapless.server.logs import LOG_LEVEL_ENV, StatsLog, configure_logging
+from gapless.server.openai_protocol import prompt_too_long
 
 if TYPE_CHECKING:  # imported where they run, so importing this module loads neither torch nor transformers
     from transformers import PreTrainedTokenizerBase
@@ -141,36 +145,154 @@ def _run_worker(
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
-def _render_prompt(tokenizer: PreTrainedTokenizerBase, req: P.TokenizeReq) -> list[int]:
-    """The prompt's token ids: given, a chat rendered with the template, or text encoded."""
-    if req.token_ids is not None:
-        return req.token_ids
-    if req.messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)  # the template places its own specials
-    assert req.text is not None
-    return tokenizer.encode(req.text, add_special_tokens=True) if req.text else []
+INLINE_CHARS = 16_384  # a request with more text than this is tokenized on the background thread
+NFC_MERGE = 4  # NFC composes at most this many code points into one (the longest canonical decomposition)
+BUSY_POLL_MS = 5  # while the background thread works, the loop looks for its results this often
+
+
+class _Refusal(Exception):
+    """A prompt the tokenizer cannot pass on: the whole request is refused with this message (a 400)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Tokenizer:
+    """Turns one HTTP request's `TokenizeReq` into a `SchedReq` per engine request, or refuses the whole
+    request (`Refused`) if any of its prompts cannot be served, so none of it reaches the scheduler.
+
+    Text that cannot fit is refused before it is tokenized (a 10 MB prompt would hold the tokenizer for
+    seconds and its memory for good). No token covers more characters than the longest vocabulary entry
+    has (`max_token_chars`: special tokens included, and a byte-level entry's length counts its bytes,
+    never fewer than the characters it decodes to), and the NFC normalisation some tokenizers apply merges
+    at most NFC_MERGE characters into one: so a text longer than max_prompt_tokens * max_token_chars *
+    NFC_MERGE characters needs more tokens than the context holds."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.max_token_chars = max(len(token) for token in tokenizer.get_vocab())
+        # apply_chat_template's own arguments: chat_template_kwargs must not set them (tokenize=True, ...)
+        self.reserved = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+
+    def max_chars(self, max_prompt_tokens: int) -> int:
+        return max_prompt_tokens * self.max_token_chars * NFC_MERGE
+
+    def handle(self, req: P.TokenizeReq) -> list[P.Message]:
+        """The request's `SchedReq`s (engine request i * n + j: prompt i, choice j), or one `Refused`."""
+        try:
+            ids = [self.prompt_ids(prompt, req) for prompt in req.prompts]
+        except _Refusal as e:
+            return [P.Refused(req.rids, str(e), param=e.param)]
+        except Exception as e:  # noqa: BLE001 - a template or tokenizer error is the request's
+            return [P.Refused(req.rids, f"could not tokenize the prompt: {e}", param="prompt")]
+        n = len(req.params)
+        return [P.SchedReq(rid, ids[k // n], req.params[k % n]) for k, rid in enumerate(req.rids)]
+
+    def prompt_ids(self, prompt: P.PromptIn, req: P.TokenizeReq) -> list[int]:
+        """A prompt's token ids: given (the API server checked them), a chat rendered with the template,
+        or text encoded; refused if empty or longer than the scheduler takes."""
+        if prompt.token_ids is not None:
+            return prompt.token_ids
+        if prompt.messages is not None:  # the template places its own special tokens
+            text, specials, param = self._render(prompt.messages, req.chat_template_kwargs), False, "messages"
+        else:
+            text, specials, param = prompt.text or "", True, "prompt"
+        limit = self.max_chars(req.max_prompt_tokens)
+        if len(text) > limit:
+            raise _Refusal(
+                f"{param} is {len(text)} characters, more than the {limit} that can fit in "
+                f"{req.max_prompt_tokens} tokens with this tokenizer; it was not tokenized",
+                param,
+            )
+        ids = self.tokenizer.encode(text, add_special_tokens=specials) if text else []
+        if not ids:
+            raise _Refusal(f"{param} is empty", param)
+        if len(ids) > req.max_prompt_tokens:
+            raise _Refusal(prompt_too_long(len(ids), req.max_prompt_tokens), param)
+        return ids
+
+    def _render(self, messages: list[P.ChatMessage], kwargs: dict[str, Any] | None) -> str:
+        from gapless.engine.chat_template import NoChatTemplate, chat_text
+
+        clash = sorted(set(kwargs or ()) & self.reserved)
+        if clash:
+            raise _Refusal(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return chat_text(self.tokenizer, chat, chat_template_kwargs=kwargs)
+        except NoChatTemplate:
+            raise _Refusal(
+                "this model has no chat template, so it cannot take chat requests; "
+                "send the prompt as text to /v1/completions instead",
+                "messages",
+            ) from None
+
+
+def _text_chars(req: P.TokenizeReq) -> int:
+    """How much text a request brings: what decides whether it is tokenized in the background."""
+    return sum(len(p.text or "") + sum(len(m.content) for m in p.messages or ()) for p in req.prompts)
+
+
+class _Background:
+    """A thread that tokenizes the requests with much text, so that one long tokenization never holds up
+    the others (the Rust tokenizer releases the GIL while it works). A daemon: a SIGTERM never waits for it.
+    """
+
+    def __init__(self, work: Callable[[P.TokenizeReq], list[P.Message]]) -> None:
+        self.todo: queue.SimpleQueue[P.TokenizeReq] = queue.SimpleQueue()
+        self.results: queue.SimpleQueue[tuple[P.TokenizeReq, list[P.Message]]] = queue.SimpleQueue()
+        self.rids: set[str] = set()  # of the requests given to it and not yet taken back
+        threading.Thread(target=self._run, args=(work,), name="gapless-tokenize", daemon=True).start()
+
+    def _run(self, work: Callable[[P.TokenizeReq], list[P.Message]]) -> None:
+        while True:
+            req = self.todo.get()
+            self.results.put((req, work(req)))
+
+    def give(self, req: P.TokenizeReq) -> None:
+        self.rids.update(req.rids)
+        self.todo.put(req)
+
+    def take(self) -> Iterator[tuple[P.TokenizeReq, list[P.Message]]]:
+        """The requests it has finished, with their messages."""
+        while not self.results.empty():
+            req, out = self.results.get()
+            self.rids.difference_update(req.rids)
+            yield req, out
+
+
+def _send_tokenized(socks: _Sockets, out: list[P.Message]) -> None:
+    for msg in out:
+        socks.send("api" if isinstance(msg, P.Refused) else "scheduler", msg)
+
+
+def _tokenizer_loop(tokenizer: _Tokenizer, socks: _Sockets) -> None:
+    background = _Background(tokenizer.handle)
+    aborted: set[str] = set()  # rids aborted while their request was in the background: never sent on
+    while True:
+        msg = socks.poll(BUSY_POLL_MS if background.rids else IDLE_POLL_MS)
+        if isinstance(msg, P.TokenizeReq) and _text_chars(msg) > INLINE_CHARS:
+            background.give(msg)
+        elif isinstance(msg, P.TokenizeReq):
+            _send_tokenized(socks, tokenizer.handle(msg))
+        elif msg is not None:  # Abort, StatsReq: in order behind the requests
+            if isinstance(msg, P.Abort) and msg.rid in background.rids:
+                aborted.add(msg.rid)
+            socks.send("scheduler", msg)
+        for req, out in background.take():
+            if aborted.isdisjoint(req.rids):
+                _send_tokenized(socks, out)
+            aborted.difference_update(req.rids)
 
 
 def tokenizer_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int) -> None:
     def body(socks: _Sockets) -> None:
         from gapless.model.source import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg)
+        tokenizer = _Tokenizer(load_tokenizer(cfg))
         socks.send("api", P.Ready("tokenizer"))
-        for msg in socks.messages():
-            if not isinstance(msg, P.TokenizeReq):
-                socks.send("scheduler", msg)  # Abort, StatsReq: in order behind the requests
-                continue
-            try:
-                ids = _render_prompt(tokenizer, msg)
-            except Exception as e:  # noqa: BLE001 - a template or tokenizer error is the request's
-                socks.send("api", P.ReqError(msg.rid, f"could not tokenize the prompt: {e}"))
-                continue
-            socks.send("scheduler", P.SchedReq(msg.rid, ids, msg.params))
+        _tokenizer_loop(tokenizer, socks)
 
     _run_worker(
         "tokenizer",

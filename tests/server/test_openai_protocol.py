@@ -4,6 +4,7 @@ server: what each endpoint's body becomes, and which error wins when a body has 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -15,21 +16,23 @@ from gapless.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    ServedModel,
     parse_request,
 )
 from gapless.server.protocol import ChatMessage
 
-NAMES = {"tiny", "/models/tiny"}
+SERVED = ServedModel.of_checkpoint("tiny", "/models/tiny", vocab_size=1000, max_context=64)
 
 
-def parse(kind, **body):
-    return parse_request(json.dumps(body).encode(), kind, NAMES)
+def parse(kind, served=SERVED, **body):
+    req, sub = parse_request(json.dumps(body).encode(), kind, served)
+    return req, sub.engine_requests()
 
 
-def refusal(kind, body: bytes | dict) -> BadRequest:
+def refusal(kind, body: bytes | dict, served=SERVED) -> BadRequest:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     with pytest.raises(BadRequest) as e:
-        parse_request(raw, kind, NAMES)
+        parse_request(raw, kind, served)
     return e.value
 
 
@@ -80,3 +83,45 @@ def test_health_fails_once_and_tells_its_listeners_in_order():
     health.fail("and again")
     assert health.fatal == "worker died"
     assert heard == [("first", "worker died"), ("second", "worker died")]
+
+
+def test_a_request_without_a_limit_gets_the_server_default_and_openai_defaults_stay():
+    served = ServedModel.of_checkpoint("tiny", "/models/tiny", 1000, 64, max_tokens_default=7)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        (ChatCompletionRequest, chat, 7),
+        (ChatCompletionRequest, {**chat, "max_tokens": 3}, 3),
+        (CompletionRequest, {"prompt": "x", "max_tokens": None}, 7),
+        (CompletionRequest, {"prompt": "x"}, 16),  # OpenAI's default for completions
+        (GenerateRequest, {"text": "x"}, 16),  # SamplingParams' default
+    ]
+    for kind, body, want in cases:
+        [(_, params)] = parse(kind, served, **body)[1]
+        assert params.max_tokens == want, (kind.__name__, body)
+    [(_, params)] = parse(ChatCompletionRequest, **chat)[1]
+    assert params.max_tokens == RUN_TO_CONTEXT_END
+
+
+def test_chat_template_kwargs_travel_with_the_chat():
+    kwargs = {"enable_thinking": False, "extra": {"nested": [1, 2]}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    _, sub = parse_request(json.dumps(body).encode(), ChatCompletionRequest, SERVED)
+    assert sub.chat_template_kwargs == kwargs
+
+
+def test_token_ids_are_checked_in_every_prompt_before_anything_else_happens():
+    assert refusal(CompletionRequest, {"prompt": [[1], [2, 1000]]}).param == "prompt"  # vocab is 1000
+    long = refusal(CompletionRequest, {"prompt": [[1], [1] * 64]})  # the context is 64 tokens
+    assert long.param == "prompt" and "at most 63" in str(long)
+    assert refusal(GenerateRequest, {"input_ids": [[1], [-1]]}).param == "input_ids"
+    _, engine = parse(CompletionRequest, prompt=[[1], [2] * 63], max_tokens=1)
+    assert len(engine) == 2
+
+
+def test_ignored_fields_are_logged_once_at_debug_level(caplog):
+    caplog.set_level(logging.DEBUG, logger="gapless.server.openai_protocol")
+    for _ in range(3):
+        parse(CompletionRequest, prompt="x", frobnicate=1, user_tag_for_test="me")
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert sum("'frobnicate'" in m for m in logged) == 1, logged
+    assert sum("'user_tag_for_test'" in m for m in logged) == 1, logged

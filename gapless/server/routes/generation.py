@@ -1,28 +1,36 @@
 """What every generation endpoint shares: submitting a request's engine requests, folding their deltas
 into choices, and answering with one JSON response (`collect`) or a stream of SSE chunks (`stream`).
 
-Either way the request's group is released when the answer ends or its client goes away, which aborts
-whatever still runs, so a client that leaves never holds KV.
+Either way the request's group belongs to its HTTP exchange (`ExchangeScope`), which releases it when the
+answer ends, its client goes away or its deadline passes: that aborts whatever still runs, so a request
+that is not answered never holds KV. A stream starts only once its first delta is in: a request the
+workers refuse (a prompt too long once tokenized, a chat to a model without a chat template) is answered
+with its 4xx, not a 200 and an error event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from gapless.server import protocol as P
-from gapless.server.engine_client import EngineClient, Group
+from gapless.server.engine_client import Group
 from gapless.server.openai_protocol import BadRequest, GenerationRequest, error_body, parse_request
-from gapless.server.routes.common import read_body, server_state
+from gapless.server.routes.common import owned_by_exchange, read_json_body, server_state
+
+log = logging.getLogger(__name__)
 
 Json = dict[str, object]  # a JSON object of a response
+T = TypeVar("T")
 
 
 @dataclass
@@ -63,20 +71,16 @@ def count_usage(choices: list[Choice], n: int) -> Json:
 
 
 async def submit(request: Request, kind: type[GenerationRequest]) -> tuple[GenerationRequest, Group]:
-    """Read the body, check and convert it (`parse_request`), and submit its engine requests."""
-    state = server_state(request)
-    body = await read_body(request, state.settings.max_request_bytes)
-    req, engine_requests = parse_request(body, kind, state.settings.model_names)
-    return req, state.client.submit(engine_requests)
-
-
-async def _events(group: Group) -> AsyncIterator[tuple[int, P.ReqDelta]]:
-    """Deltas of a group until all its requests finish; a worker's refusal raises BadRequest."""
-    while group.open or not group.queue.empty():
-        index, msg = await group.queue.get()
-        if isinstance(msg, P.ReqError):
-            raise BadRequest(msg.message, msg.param, msg.status)
-        yield index, msg
+    """Read the body, check and convert it (`parse_request`: everything is checked before anything is
+    submitted), and submit its engine requests as a group the HTTP exchange owns."""
+    settings = server_state(request).settings
+    body = await read_json_body(request, settings.max_request_bytes)
+    req, sub = parse_request(body, kind, settings.served)
+    group = server_state(request).client.submit(
+        sub, settings.served.max_prompt_tokens, settings.request_timeout_s
+    )
+    owned_by_exchange(request, group)
+    return req, group
 
 
 def _sse(obj: Json) -> str:
@@ -91,7 +95,6 @@ class Generation:
     """The answer to one generation request, in one response shape (completion, chat, native)."""
 
     def __init__(self, request: Request, group: Group, id_prefix: str = "", model: str = "") -> None:
-        self.client: EngineClient = server_state(request).client
         self.request, self.group, self.count = request, group, len(group.rids)
         self.created = int(time.time())
         self.id, self.model = f"{id_prefix}-{uuid.uuid4().hex}", model
@@ -113,48 +116,63 @@ class Generation:
         """The stream's last chunk: usage with no choices, when the client asked (`include_usage`)."""
         return lambda choices: [self.envelope(obj, [], count_usage(choices, n))] if include else []
 
-    async def collect(self) -> list[Choice]:
-        """Wait for every choice to finish; abort them the moment the client goes away."""
-
-        async def fold_all() -> list[Choice]:
-            choices = [Choice() for _ in range(self.count)]
-            async for index, d in _events(self.group):
-                choices[index].fold(d)
-            return choices
+    async def _unless_disconnected(self, work: Awaitable[T]) -> T:
+        """`work`'s result; BadRequest (499) the moment the client goes away first (the exchange's release
+        then aborts the request)."""
 
         async def disconnected() -> None:
             while (await self.request.receive())["type"] != "http.disconnect":
                 pass
 
-        work = asyncio.create_task(fold_all())
+        task = asyncio.ensure_future(work)
         watch = asyncio.create_task(disconnected())
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():  # the client is gone: abort (below); the answer goes nowhere
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():  # the client is gone; the answer goes nowhere
                 raise BadRequest("client disconnected", status=499)
-            return work.result()
+            return task.result()
         finally:
-            for task in (work, watch):
-                task.cancel()
-            self.client.release(self.group)
+            for t in (task, watch):
+                t.cancel()
 
-    def stream(self, chunks: Chunks, final: FinalChunks) -> StreamingResponse:
-        """Stream each delta's chunks as SSE, then the final ones and `[DONE]`; a worker's refusal
-        mid-stream becomes an error event."""
+    async def collect(self) -> list[Choice]:
+        """Wait for every choice to finish."""
+
+        async def fold_all() -> list[Choice]:
+            choices = [Choice() for _ in range(self.count)]
+            while not self.group.done:
+                index, d = await self.group.next_delta()
+                choices[index].fold(d)
+            return choices
+
+        return await self._unless_disconnected(fold_all())
+
+    async def stream(self, chunks: Chunks, final: FinalChunks) -> StreamingResponse:
+        """Stream each delta's chunks as SSE, then the final ones and `[DONE]`. The first delta is awaited
+        before the response starts, so a refusal is an HTTP error; a later failure (a deadline, a worker's
+        error) becomes an error event, and the stream still ends with `[DONE]`."""
+        first = await self._unless_disconnected(self.group.next_delta())
 
         async def body() -> AsyncIterator[str]:
             choices = [Choice() for _ in range(self.count)]
+            index, d = first
             try:
-                async for index, d in _events(self.group):
+                while True:
                     choices[index].fold(d)
                     for chunk in chunks(index, d, choices[index]):
                         yield _sse(chunk)
+                    if self.group.done:
+                        break
+                    index, d = await self.group.next_delta()
                 for chunk in final(choices):
                     yield _sse(chunk)
             except BadRequest as e:
                 yield _sse(error_body(e.status, str(e), e.param, code=e.status))
-            finally:  # also when the client disconnected and the response task was cancelled
-                self.client.release(self.group)
+            except Exception:  # noqa: BLE001 - the headers are sent: end the stream with an error event
+                log.exception("unexpected error while streaming")
+                yield _sse(
+                    error_body(500, "internal server error (details are in the server's log)", code=500)
+                )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")

@@ -20,7 +20,7 @@ async def generate(request: Request) -> Response:
     req, group = await submit(request, GenerateRequest)
     gen = Generation(request, group)
     if req.stream:
-        return gen.stream(lambda i, d, c: [_result(group, i, c, d.text, d.token_ids)], lambda cs: [])
+        return await gen.stream(lambda i, d, c: [_result(group, i, c, d.text, d.token_ids)], lambda cs: [])
     choices = await gen.collect()
     out = [_result(group, i, c, "".join(c.text), c.token_ids) for i, c in enumerate(choices)]
     return JSONResponse(out[0] if len(out) == 1 else out)

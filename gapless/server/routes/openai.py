@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 
 from gapless.server import protocol as P
 from gapless.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from gapless.server.routes.common import require_api_key
+from gapless.server.routes.common import require_api_key, server_state
 from gapless.server.routes.generation import Choice, Generation, Json, count_usage, submit
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -21,10 +21,10 @@ CHAT_CHUNK = "chat.completion.chunk"
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     req, group = await submit(request, CompletionRequest)
-    gen = Generation(request, group, "cmpl", req.model)
+    gen = Generation(request, group, "cmpl", req.model or server_state(request).settings.served_model)
     shape = _Completion(gen, req.logprobs is not None)
     if req.stream:
-        return gen.stream(shape.chunks, gen.usage_chunk(TEXT_COMPLETION, req.include_usage, req.n))
+        return await gen.stream(shape.chunks, gen.usage_chunk(TEXT_COMPLETION, req.include_usage, req.n))
     choices = await gen.collect()
     answers = [shape.choice(i, "".join(c.text), c.logprobs, c.finish_reason) for i, c in enumerate(choices)]
     return JSONResponse(gen.envelope(TEXT_COMPLETION, answers, count_usage(choices, req.n)))
@@ -33,10 +33,10 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     req, group = await submit(request, ChatCompletionRequest)
-    gen = Generation(request, group, "chatcmpl", req.model)
+    gen = Generation(request, group, "chatcmpl", req.model or server_state(request).settings.served_model)
     shape = _Chat(gen, req.logprobs)
     if req.stream:
-        return gen.stream(shape.chunks, gen.usage_chunk(CHAT_CHUNK, req.include_usage, req.n))
+        return await gen.stream(shape.chunks, gen.usage_chunk(CHAT_CHUNK, req.include_usage, req.n))
     choices = await gen.collect()
     answers = [shape.answer(i, c) for i, c in enumerate(choices)]
     return JSONResponse(gen.envelope(CHAT_COMPLETION, answers, count_usage(choices, req.n)))
