@@ -123,6 +123,12 @@ def test_vllm_and_sglang_flags_are_aliases():
         (["serve", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
         (["serve", "--port", "http"], "argument --port: 'http' is not a port number (0 to 65535)"),
         (["serve", "--port", "70000"], "argument --port: '70000' is not a port number"),
+        (["serve", "--max-tokens-default", "0"], "argument --max-tokens-default: '0' is not a whole number"),
+        (["serve", "--request-timeout", "0"], "argument --request-timeout: '0' is not a number of seconds"),
+        (
+            ["serve", "--request-timeout", "nan"],
+            "argument --request-timeout: 'nan' is not a number of seconds",
+        ),
     ],
 )
 def test_argument_errors_show_the_subcommands_usage_and_one_line(argv, said, capsys):
