@@ -54,6 +54,17 @@ _LAYER_NAMES = {
 }
 
 
+# llama.cpp's sampling metadata (`general.sampling.*`, written by newer converters) -> the
+# generation_config.json names of the same defaults
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
 def is_gguf_file(path: str | Path) -> bool:
     """A file whose first four bytes are GGUF's magic (the name's suffix is not trusted either way)."""
     path = Path(path)
@@ -140,6 +151,12 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "use_sliding_window": False,
     }
+
+
+def generation_config_dict(path: str | Path) -> dict[str, Any]:
+    """The file's sampling defaults under their `generation_config.json` names; {} when it has none."""
+    meta = metadata(path)
+    return {name: meta[key] for key, name in _SAMPLING_KEYS.items() if key in meta}
 
 
 def hf_name(name: str) -> str | None:
