@@ -6,7 +6,9 @@ what the safetensors path already has: the metadata into a Hugging Face style `c
 Hugging Face names and layouts, dequantized to float32 (the loader casts them to the engine's dtype).
 Every tensor type `gguf.quants.dequantize` knows is read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 and the K-quants. The tokenizer and chat template are built by transformers from the same file
-(`gapless.model.source.load_tokenizer`).
+(`gapless.model.source.load_tokenizer`); sampling defaults, where the file has them (`general.sampling.*`,
+written by newer llama.cpp converters from generation_config.json), are read back under their Hugging Face
+names (`gapless.model.generation_config`).
 
 llama.cpp's converter permutes the rows of the q and k projections of `llama` models (its RoPE pairs
 neighbouring elements, Hugging Face's pairs the two halves of a head); `_unpermute` undoes that, as

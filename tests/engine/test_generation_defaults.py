@@ -57,6 +57,7 @@ def test_unset_knobs_take_the_checkpoint_defaults_and_explicit_ones_win(ckpt):
     with LLM(str(ckpt), device="cpu", kv_cache_tokens=512) as llm:
         engine = llm.engine
         assert engine.sampling_defaults == CHECKPOINT
+        assert knobs(llm.get_default_sampling_params()) == {**CHECKPOINT, "min_p": 0.0}
         unset = engine.add_request(PROMPT, SamplingParams(max_tokens=2))
         assert knobs(unset.params) == {**CHECKPOINT, "min_p": 0.0}  # min_p: the checkpoint has none
         # explicit values equal to the library's defaults are explicit all the same
