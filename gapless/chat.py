@@ -154,7 +154,7 @@ def run_chat(
     """
     if write is None:
         write, flush = sys.stdout.write, sys.stdout.flush
-    session = ChatSession(engine, params or SamplingParams(max_tokens=512, temperature=0.7), system)
+    session = ChatSession(engine, params or SamplingParams(max_tokens=512), system)
 
     def show(text: str) -> None:
         write(text)
@@ -203,12 +203,14 @@ def add_chat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     sampling.add_argument(
         "--max-tokens", type=int, default=512, help="longest reply, in tokens (default: 512)"
     )
-    sampling.add_argument("--temperature", type=float, default=0.7, help="0 for greedy (default: 0.7)")
+    # left out: the checkpoint's default (its generation_config.json), else the library's, as the server's
+    unset = "default: the checkpoint's, else"
+    sampling.add_argument("--temperature", type=float, default=None, help=f"0 for greedy ({unset} 1)")
     sampling.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling's mass (default: 1: off)"
+        "--top-p", type=float, default=None, help=f"nucleus sampling's mass ({unset} 1: off)"
     )
     sampling.add_argument(
-        "--top-k", type=int, default=-1, help="sample among the k likeliest (default: -1: all)"
+        "--top-k", type=int, default=None, help=f"sample among the k likeliest ({unset} -1: all)"
     )
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     add_engine_args(parser)

@@ -63,6 +63,10 @@ class EngineConfig:
     tokenizer: str | None = None  # a separate tokenizer (path or Hugging Face id); None: the model's own
     chat_template: str | None = None  # a template file or the template itself; None: the tokenizer's
     trust_remote_code: bool = False  # refused: gapless runs no code from a checkpoint
+    # sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) of requests that leave them
+    # unset: auto: the checkpoint's generation_config.json (or a GGUF's sampling metadata); vllm: none (the
+    # library's defaults, as vLLM's --generation-config vllm); or a folder holding a generation_config.json
+    generation_config: str = "auto"
     # scheduler tuning (SGLang's defaults): the expected share of max_tokens a request will really use
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14
@@ -168,7 +172,14 @@ DTYPE_NAMES = {
 # bool options whose command-line flag reads better negated (default on)
 _NEGATED_FLAGS = {"overlap": "--disable-overlap", "radix_cache": "--disable-radix-cache"}
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
-_METAVARS = {"int": "N", "float": "X", "str": "S", "device": "{auto,cpu,cuda,cuda:N}", "trace_path": "PATH"}
+_METAVARS = {
+    "int": "N",
+    "float": "X",
+    "str": "S",
+    "device": "{auto,cpu,cuda,cuda:N}",
+    "trace_path": "PATH",
+    "generation_config": "{auto,vllm,DIR}",
+}
 _CHOICES = {
     "schedule_policy": SCHEDULE_POLICIES,
     "cpu_worker": CPU_WORKERS,

@@ -60,10 +60,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids) and return the outputs in the prompts' order.
 
-        `sampling_params` is one for all prompts or one per prompt. Every prompt and params is checked
-        before anything is queued, so a bad one raises and leaves the engine untouched. An error (or
-        Ctrl-C) between steps aborts this call's requests before it propagates; one that cuts a step
-        short leaves the engine `broken`, to be shut down."""
+        `sampling_params` is one for all prompts or one per prompt (None: `SamplingParams()`); the knobs
+        they leave unset take the checkpoint's sampling defaults (`get_default_sampling_params`). Every
+        prompt and params is checked before anything is queued, so a bad one raises and leaves the
+        engine untouched. An error (or Ctrl-C) between steps aborts this call's requests before it
+        propagates; one that cuts a step short leaves the engine `broken`, to be shut down."""
         engine = self._live_engine()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -72,6 +73,12 @@ class LLM:
         # validate everything before queueing anything, so a bad prompt leaves the engine untouched
         token_ids = [engine.tokenize(p) for p in prompts]
         return self._run(prompts, token_ids, params, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request that sets no sampling knob samples with, as vLLM's method of this name: the
+        checkpoint's defaults (its generation_config.json, unless `generation_config="vllm"`), else the
+        library's."""
+        return SamplingParams().resolved(self._live_engine().sampling_defaults)
 
     def chat(
         self,

@@ -3,18 +3,36 @@
 Field names and defaults follow vLLM's ``SamplingParams`` so that code written against it (and the
 OpenAI-compatible server's request fields) carries over. Everything is checked once, here, so the
 on-device sampler can trust its inputs and never branch on bad values in the hot path.
+
+The sampling knobs a checkpoint may set defaults for (``CHECKPOINT_DEFAULTABLE``: temperature, top_p,
+top_k, min_p, repetition_penalty) default to None, "unset", so that an explicit value, even one equal to
+the library's default (``temperature=1.0``), can be told from one left out. The engine fills the unset
+ones when it queues a request (``resolved``): the checkpoint's default (its ``generation_config.json``),
+else the library's (``LIBRARY_DEFAULTS``, vLLM's), as vLLM does with ``--generation-config auto``. Only
+resolved params reach the sampler.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 # Below this temperature the softmax is a point mass for any realistic logit gap, and dividing by it
 # risks overflowing to inf; vLLM uses the same cut-off to switch to greedy decoding.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+# what an unset knob samples with when the checkpoint sets no default for it (vLLM's defaults)
+LIBRARY_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+CHECKPOINT_DEFAULTABLE = tuple(LIBRARY_DEFAULTS)  # the fields a checkpoint's generation config may default
 
 
 def _real(name: str, value: object) -> float:
@@ -37,20 +55,72 @@ def _flag(name: str, value: object) -> bool:
     return value
 
 
+def _temperature(v: object) -> float:
+    t = _real("temperature", v)
+    if not (math.isfinite(t) and t >= 0.0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {t}")
+    return t
+
+
+def _top_p(v: object) -> float:
+    p = _real("top_p", v)
+    if not 0.0 < p <= 1.0:  # also rejects NaN
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    return p
+
+
+def _top_k(v: object) -> int:
+    k = _integer("top_k", v)
+    if k == 0 or k < -1:
+        raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {k}")
+    return k
+
+
+def _min_p(v: object) -> float:
+    p = _real("min_p", v)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {p}")
+    return p
+
+
+def _repetition_penalty(v: object) -> float:
+    r = _real("repetition_penalty", v)
+    if not (math.isfinite(r) and r > 0.0):
+        raise ValueError(f"repetition_penalty must be a finite number > 0, got {r}")
+    return r
+
+
+# each defaultable knob's check: its value as the sampler takes it, or ValueError naming the field
+_CHECKS = {
+    "temperature": _temperature,
+    "top_p": _top_p,
+    "top_k": _top_k,
+    "min_p": _min_p,
+    "repetition_penalty": _repetition_penalty,
+}
+
+
+def check_sampling_value(name: str, value: object) -> float | int:
+    """`value` checked as `name`'s (one of ``CHECKPOINT_DEFAULTABLE``), by the rule a request's own is:
+    a checkpoint's defaults pass it before they are used."""
+    return _CHECKS[name](value)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each output token of one request, and when to stop.
 
     ``stop`` and ``stop_token_ids`` are normalised to lists (possibly empty) so callers never need
-    to handle ``None`` or a bare string.
+    to handle ``None`` or a bare string. The five knobs a checkpoint may default are None until the
+    engine resolves them (see the module's docstring): None is "unset", never a value to sample with.
     """
 
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float | None = None  # unset: the checkpoint's default, else 1.0 (LIBRARY_DEFAULTS)
+    top_p: float | None = None  # unset: the checkpoint's, else 1.0 (off)
+    top_k: int | None = None  # unset: the checkpoint's, else -1 (off)
+    min_p: float | None = None  # unset: the checkpoint's, else 0.0 (off)
+    repetition_penalty: float | None = None  # unset: the checkpoint's, else 1.0 (off)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stop: str | list[str] | None = None
@@ -67,25 +137,10 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
 
-        self.temperature = _real("temperature", self.temperature)
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-
-        self.top_p = _real("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:  # also rejects NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-        self.top_k = _integer("top_k", self.top_k)
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
-
-        self.min_p = _real("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-
-        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name, check in _CHECKS.items():
+            value = getattr(self, name)
+            if value is not None:  # None: unset, filled by `resolved`
+                setattr(self, name, check(value))
 
         for name in ("presence_penalty", "frequency_penalty"):
             value = _real(name, getattr(self, name))
@@ -127,15 +182,40 @@ class SamplingParams:
         return out
 
     @property
+    def unset(self) -> tuple[str, ...]:
+        """The knobs left unset (None): the checkpoint's defaults, else the library's, fill them."""
+        return tuple(name for name in CHECKPOINT_DEFAULTABLE if getattr(self, name) is None)
+
+    def resolved(self, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+        """These params with every unset knob filled: from `defaults` (the checkpoint's, already checked
+        with `check_sampling_value`) where it has the knob, else from ``LIBRARY_DEFAULTS``. Explicit
+        values stay as they are; `self` itself when nothing is unset."""
+        unset = self.unset
+        if not unset:
+            return self
+        defaults = defaults or {}
+        return replace(self, **{name: defaults.get(name, LIBRARY_DEFAULTS[name]) for name in unset})
+
+    def _value(self, name: str) -> float | int:
+        """The knob's value as the request will sample with it if the checkpoint sets no default."""
+        value = getattr(self, name)
+        return LIBRARY_DEFAULTS[name] if value is None else value
+
+    @property
     def greedy(self) -> bool:
-        """True when the request always takes the argmax token (temperature 0 or top_k 1).
+        """True when the request always takes the argmax token (temperature 0 or top_k 1); of unset
+        params, when they would be greedy without checkpoint defaults.
 
         Temperatures below ``GREEDY_TEMPERATURE_EPS`` count as 0, as in vLLM: dividing logits by
         them would overflow to inf, and the distribution they describe is the argmax anyway.
         """
-        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+        return self._value("temperature") < GREEDY_TEMPERATURE_EPS or self._value("top_k") == 1
 
     @property
     def has_penalties(self) -> bool:
         """True when any penalty is active, i.e. the sampler must track this request's tokens."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self._value("repetition_penalty") != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

@@ -16,6 +16,7 @@ raises `EngineShutDown`.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from collections.abc import Sequence
 
@@ -30,8 +31,11 @@ from gapless.engine.runner import ModelRunner
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.stats import EngineStats
 from gapless.engine.stream import DeviceStream, make_stream
+from gapless.model.generation_config import describe, generation_defaults
 from gapless.model.source import load_tokenizer
 from gapless.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class EngineShutDown(RuntimeError):
@@ -43,6 +47,16 @@ class Engine:
         # the model as local files (a path, a built-in name or a Hugging Face id), checked before it loads
         self.cfg = cfg = check_engine_config(cfg)[0]
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)
+        # what a request's unset sampling knobs take (`add_request`): the checkpoint's, unless
+        # generation_config says otherwise
+        self.sampling_defaults = generation_defaults(cfg.model, cfg.generation_config)
+        if self.sampling_defaults:
+            source = "the checkpoint" if cfg.generation_config == "auto" else cfg.generation_config
+            log.info(
+                "generation defaults from %s: %s; --generation-config vllm to ignore",
+                source,
+                describe(self.sampling_defaults),
+            )
         # the device side: in this process (`runner`), or in a device process (runner is None)
         stream, runner = make_stream(cfg)
         self._stream: DeviceStream | None = stream
@@ -123,9 +137,12 @@ class Engine:
         return ids
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Req:
-        """Queue an already validated prompt (see `tokenize`)."""
+        """Queue an already validated prompt (see `tokenize`). The one place a request's unset sampling
+        knobs are filled (`SamplingParams.resolved`: the checkpoint's defaults, else the library's), for
+        `LLM`, `gapless chat` and the server alike; the queued `Req` holds the resolved params."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        params = params.resolved(self.sampling_defaults)
         n = next(self._ids)
         rid = rid if rid is not None else str(n)
         if rid in self.reqs:

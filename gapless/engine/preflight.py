@@ -2,8 +2,9 @@
 
 `Engine` runs `check_engine_config` first, and so do `gapless serve` and `gapless chat` before they start
 any worker: a model that cannot be found or fetched, a checkpoint without weights or tokenizer, an
-architecture gapless cannot run, a `max_model_len` past the model's context, or a device this machine
-lacks is one line within a second, rather than a worker's traceback after the model began loading. Only
+architecture gapless cannot run, a sampling default no request could set (or a `generation_config`
+folder without the file), a `max_model_len` past the model's context, or a device this machine lacks is
+one line within a second, rather than a worker's traceback after the model began loading. Only
 the device check imports torch, and only for a CUDA device.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from gapless.config import EngineConfig
 from gapless.model.config import ModelConfig, load_model_config
+from gapless.model.generation_config import generation_defaults
 from gapless.model.source import localize
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ def check_engine_config(cfg: EngineConfig) -> tuple[EngineConfig, ModelConfig]:
         tokenizer = Path(cfg.tokenizer) if cfg.tokenizer is not None else path
         if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
             raise ValueError(f"{tokenizer} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    generation_defaults(cfg.model, cfg.generation_config)  # a checkpoint default no request could set
     check_max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, cfg.model)
     check_device(cfg.device)
     return cfg, mcfg

@@ -20,7 +20,7 @@ class ReqStatus(enum.Enum):
 class Req:
     rid: str
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # resolved (`Engine.add_request`): no knob is left unset
     seed: int  # effective sampling seed (the user's, or one drawn by the engine)
     arrival: int  # admission order, for fcfs and tie-breaks
     stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gapless.model.generation_config import read_generation_config
 from gapless.model.gguf import config_dict as gguf_config_dict
 from gapless.model.gguf import is_gguf_file
 
@@ -78,10 +79,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face checkpoint directory")
-    gen_eos = None
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+    gen_eos = read_generation_config(path).get("eos_token_id")
     return model_config_from_dict(json.loads(cfg_file.read_text()), str(cfg_file), gen_eos)
 
 

@@ -6,7 +6,9 @@ what the safetensors path already has: the metadata into a Hugging Face style `c
 Hugging Face names and layouts, dequantized to float32 (the loader casts them to the engine's dtype).
 Every tensor type `gguf.quants.dequantize` knows is read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 and the K-quants. The tokenizer and chat template are built by transformers from the same file
-(`gapless.model.source.load_tokenizer`).
+(`gapless.model.source.load_tokenizer`); sampling defaults, where the file has them (`general.sampling.*`,
+written by newer llama.cpp converters from generation_config.json), are read back under their Hugging Face
+names (`gapless.model.generation_config`).
 
 llama.cpp's converter permutes the rows of the q and k projections of `llama` models (its RoPE pairs
 neighbouring elements, Hugging Face's pairs the two halves of a head); `_unpermute` undoes that, as
@@ -51,6 +53,17 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+
+
+# llama.cpp's sampling metadata (`general.sampling.*`, written by newer converters) -> the
+# generation_config.json names of the same defaults
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
 }
 
 
@@ -140,6 +153,12 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "use_sliding_window": False,
     }
+
+
+def generation_config_dict(path: str | Path) -> dict[str, Any]:
+    """The file's sampling defaults under their `generation_config.json` names; {} when it has none."""
+    meta = metadata(path)
+    return {name: meta[key] for key, name in _SAMPLING_KEYS.items() if key in meta}
 
 
 def hf_name(name: str) -> str | None:

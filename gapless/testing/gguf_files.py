@@ -4,7 +4,8 @@ Written with the `gguf` package as llama.cpp's `convert_hf_to_gguf.py` writes th
 writer names, tensor names from gguf's own `TensorNameMap` (not gapless's table), llama's q/k rows
 permuted as llama.cpp permutes them, 1-D tensors (norms, biases) kept in F32 and matrices stored in the
 chosen type, and the byte-level BPE tokenizer as `tokenizer.ggml.*` (tokens, types, merges, special ids,
-chat template). transformers reads the same file (`from_pretrained(dir, gguf_file=...)`) as the reference.
+chat template), and the sampling defaults of its `generation_config.json` as `general.sampling.*`.
+transformers reads the same file (`from_pretrained(dir, gguf_file=...)`) as the reference.
 """
 
 from __future__ import annotations
@@ -78,6 +79,23 @@ def _add_config(writer: gguf.GGUFWriter, cfg: dict, name: str) -> None:
     writer.add_vocab_size(cfg["vocab_size"])
 
 
+def _add_sampling(writer: gguf.GGUFWriter, ckpt: Path) -> None:
+    """The checkpoint's sampling defaults (`generation_config.json`) as `general.sampling.*`, as
+    convert_hf_to_gguf.py writes them; nothing for a checkpoint without any."""
+    path = ckpt / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    adders = {
+        "temperature": writer.add_sampling_temp,
+        "top_p": writer.add_sampling_top_p,
+        "top_k": writer.add_sampling_top_k,
+        "min_p": writer.add_sampling_min_p,
+        "repetition_penalty": writer.add_sampling_penalty_repeat,
+    }
+    for name, add in adders.items():
+        if gen.get(name) is not None:
+            add(gen[name])
+
+
 def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     """Write the checkpoint directory `ckpt` (one safetensors file) as a GGUF file `out`, its matrices in
     `qtype` (one of TYPES)."""
@@ -90,6 +108,7 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     _add_config(writer, cfg, f"tiny-{gguf.MODEL_ARCH_NAMES[arch]}")
     _add_tokenizer(writer, ckpt)
+    _add_sampling(writer, ckpt)
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     kind = gguf.GGMLQuantizationType[qtype]

@@ -29,7 +29,7 @@ def make_batch(
 ) -> SamplingBatch:
     n = len(params)
     return SamplingBatch.build(
-        list(params),
+        [p.resolved() for p in params],  # as the engine queues them: no knob unset
         steps=list(steps) if steps is not None else [0] * n,
         rows=list(rows) if rows is not None else list(range(n)),
         seeds=list(seeds) if seeds is not None else list(range(n)),
@@ -40,6 +40,7 @@ def make_batch(
 
 def hf_filtered(logits_row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Reference: Hugging Face's warpers, one row at a time, in generate()'s order."""
+    p = p.resolved()
     scores = logits_row.unsqueeze(0)
     ids = torch.zeros(1, 1, dtype=torch.long)
     warpers = [TemperatureLogitsWarper(p.temperature)]

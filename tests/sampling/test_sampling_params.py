@@ -8,7 +8,9 @@ from gapless.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm() -> None:
-    p = SamplingParams()
+    # the knobs a checkpoint may default are unset until the engine resolves them; without checkpoint
+    # defaults they resolve to vLLM's
+    p = SamplingParams().resolved()
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (16, 1.0, 1.0, -1, 0.0)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert p.stop == [] and p.stop_token_ids == []
@@ -41,7 +43,6 @@ def test_numbers_are_coerced() -> None:
         ("temperature", math.inf),
         ("temperature", math.nan),
         ("temperature", "0.7"),
-        ("temperature", None),
         ("top_p", 0.0),
         ("top_p", 1.01),
         ("top_p", -0.5),
@@ -113,3 +114,21 @@ def test_greedy_and_has_penalties() -> None:
     assert SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(presence_penalty=-0.5).has_penalties
     assert SamplingParams(frequency_penalty=0.1).has_penalties
+
+
+def test_unset_knobs_are_none_and_resolve_checkpoint_then_library_defaults() -> None:
+    p = SamplingParams(temperature=None, top_k=5)  # None is "unset", not a bad value
+    assert p.unset == ("temperature", "top_p", "min_p", "repetition_penalty")
+    assert p.temperature is None and not p.greedy and not p.has_penalties  # as the library's defaults
+    checkpoint = {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.3}
+    r = p.resolved(checkpoint)
+    assert (r.temperature, r.top_k, r.top_p, r.min_p, r.repetition_penalty) == (0.6, 5, 1.0, 0.0, 1.3)
+    assert r.unset == () and r.has_penalties and p.temperature is None  # a copy; p stays unset
+    # an explicit value equal to the library's default is still explicit: the checkpoint's does not win
+    explicit = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+    assert explicit.resolved(checkpoint) is explicit
+    # dataclasses.replace keeps what was unset unset, and an explicit replacement wins
+    from dataclasses import replace
+
+    assert replace(p, seed=3).resolved(checkpoint).temperature == 0.6
+    assert replace(p, temperature=1.0).resolved(checkpoint).temperature == 1.0
