@@ -1,10 +1,12 @@
 """The engine in process: tokenizer + model runner + scheduler, driven one step at a time.
 
-`LLM` (offline) and the server's scheduler process both drive this. Input is checked before anything is
-queued, so bad input raises a clear error and leaves the engine as it was: `SamplingParams` checks its
-own values when it is made; `tokenize` checks a prompt (non-empty, ids in the vocabulary, room for one
-new token); `add_request` checks the params' type and the request id, and trusts its prompt ids, so its
-callers (`LLM`, `gapless chat`, the server's scheduler worker) pass every prompt through `tokenize` first.
+`LLM` (offline) and the server's scheduler process both drive this. Before anything loads, the model is
+made local and checked (`gapless.engine.preflight`). Input is checked before anything is queued, so bad
+input raises a clear error and leaves the engine as it was: `SamplingParams` checks its own values when
+it is made; `tokenize` checks a prompt (non-empty, ids in the vocabulary, room for one new token);
+`add_request` checks the params' type and the request id, fills the params' unset fields from the
+checkpoint's generation defaults, and trusts its prompt ids, so its callers (`LLM`, `gapless chat`, the
+server's scheduler worker) pass every prompt through `tokenize` first.
 
 `shutdown` gives the device side back at once: the engine drops its scheduler, stream and runner (none
 of them is in a reference cycle, so the weights, KV pool and CUDA graphs are freed then, not whenever the
