@@ -91,7 +91,7 @@ class Scheduler:
             updated += self._process_oldest()
         updated += self._drained
         self._drained = []
-        self.meter.step_done()
+        self.meter.step_done(None if batch is None else "decode" if batch.is_decode else "extend")
         if not self.has_work():
             self.meter.went_idle()
         return updated
