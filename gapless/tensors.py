@@ -37,8 +37,42 @@ def map_tensors(obj: T, fn: Callable[[Any], Any], kind: type = torch.Tensor) -> 
     return dataclasses.replace(obj, **{f.name: conv(getattr(obj, f.name)) for f in dataclasses.fields(obj)})  # type: ignore[arg-type]
 
 
+def packed(*parts: torch.Tensor) -> list[torch.Tensor]:
+    """1-D tensors of one dtype as views of one new buffer, so that `dataclass_to_device` moves them in
+    one copy (and no view shares memory with the tensors it came from)."""
+    return list(torch.cat(parts).split([p.shape[0] for p in parts]))
+
+
 def dataclass_to_device(obj: T, device: torch.device) -> T:
-    return map_tensors(obj, lambda t: to_device(t, device))
+    """A copy of a dataclass with its tensors on `device`, one copy per host buffer: tensors that are
+    views of one small buffer (see `packed`) are moved as that buffer and come back as the same views of
+    the device's copy. A view of a buffer much larger than itself is moved alone."""
+    tensors: list[torch.Tensor] = []
+    map_tensors(obj, lambda t: tensors.append(t))
+    viewed: dict[int, int] = {}  # storage -> bytes its tensors here view
+    for t in tensors:
+        if t.device != device:
+            key = t.untyped_storage().data_ptr()
+            viewed[key] = viewed.get(key, 0) + t.numel() * t.element_size()
+    moved: dict[int, torch.UntypedStorage] = {}
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device == device:
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() > viewed[key] + _SLACK_BYTES:
+            return to_device(t, device)
+        if key not in moved:
+            whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+            moved[key] = to_device(whole, device).untyped_storage()
+        out = torch.empty(0, dtype=t.dtype, device=device)
+        return out.set_(moved[key], t.storage_offset(), t.shape, t.stride())
+
+    return map_tensors(obj, move)
+
+
+_SLACK_BYTES = 4096  # a buffer this much larger than the views of it still moves whole
 
 
 def to_numpy(obj: T) -> T:
