@@ -27,7 +27,7 @@ FLOAT_FIELDS = (
     "frequency_penalty",
 )
 INT_FIELDS = ("top_k", "seed", "penalised")  # top_k "disabled" is vocab_size; penalised: 1 or 0
-# the stages a row may need, in the order of `RowStages.stages`
+# the stages a row may need: bit i of a row's stages is STAGES[i]
 STAGES = ("greedy", "top_k", "top_p", "min_p", "penalties")
 
 
@@ -69,18 +69,19 @@ class SampleFlags:
 
     @classmethod
     def of(cls, stages: np.ndarray, logprobs: np.ndarray) -> SampleFlags:
-        """The flags of a batch whose rows need `stages` ([len(STAGES), n] bool) and ask for `logprobs`
-        ([n] int, -1: none)."""
-        greedy, top_k, top_p, min_p, penalties = stages.any(axis=1).tolist()
-        n = stages.shape[1]
+        """The flags of a batch whose rows need `stages` ([n] uint8, bit i set: `STAGES[i]`) and ask for
+        `logprobs` ([n] int, -1: none)."""
+        if not len(stages):
+            return cls(False, False, False, False, False, False)
+        some, every = int(np.bitwise_or.reduce(stages)), int(np.bitwise_and.reduce(stages))
         return cls(
-            all_greedy=n > 0 and bool(stages[0].all()),
-            any_greedy=greedy,
-            need_top_k=top_k,
-            need_top_p=top_p,
-            need_min_p=min_p,
-            need_penalties=penalties,
-            num_logprobs=int(logprobs.max()) if n else -1,
+            all_greedy=bool(every & 1),
+            any_greedy=bool(some & 1),
+            need_top_k=bool(some & 2),
+            need_top_p=bool(some & 4),
+            need_min_p=bool(some & 8),
+            need_penalties=bool(some & 16),
+            num_logprobs=int(logprobs.max()),
         )
 
 
@@ -101,15 +102,16 @@ class RowParams:
         seeds: Sequence[int],
         vocab_size: int | None = None,
     ) -> tuple[RowParams, np.ndarray, np.ndarray]:
-        """The values of `params` for `rows` (with their effective `seeds`), and the rows' stages
-        ([len(STAGES), A] bool) and logprobs asks ([A], -1: none) for the host's `RowStages`.
+        """The values of `params` for `rows` (with their effective `seeds`), and the rows' stages ([A]
+        uint8, bit i: `STAGES[i]`) and logprobs asks ([A], -1: none) for the host's `RowStages`.
         `vocab_size`, when given, makes top_k >= vocab count as disabled."""
         k_off = vocab_size if vocab_size is not None else (1 << 31) - 1
         values = [row_values(p, s, k_off) for p, s in zip(params, seeds, strict=True)]
         n = len(values)
         floats = torch.tensor([v[0] for v in values], dtype=torch.float32).reshape(n, -1).T
         ints = torch.tensor([v[1] for v in values], dtype=torch.int64).reshape(n, -1).T
-        stages = np.array([v[2] for v in values], dtype=bool).reshape(n, len(STAGES)).T
+        bits = np.array([v[2] for v in values], dtype=np.uint8).reshape(n, len(STAGES))
+        stages = (bits << np.arange(len(STAGES), dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
         logprobs = np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64)
         row_t = torch.tensor(list(rows), dtype=torch.int64)
         return cls(row_t, floats.contiguous(), ints.contiguous()), stages, logprobs
@@ -120,14 +122,14 @@ class RowStages:
     `SampleFlags` come from a gather over its rows instead of a loop over its requests."""
 
     def __init__(self, num_rows: int) -> None:
-        self.stages = np.zeros((len(STAGES), num_rows), dtype=bool)
+        self.stages = np.zeros(num_rows, dtype=np.uint8)  # bit i: the row needs STAGES[i]
         self.logprobs = np.full(num_rows, -1, dtype=np.int64)
 
     def set(self, rows: torch.Tensor, stages: np.ndarray, logprobs: np.ndarray) -> None:
         r = rows.numpy()
-        self.stages[:, r] = stages
+        self.stages[r] = stages
         self.logprobs[r] = logprobs
 
     def flags(self, rows: np.ndarray) -> SampleFlags:
         """The flags of a batch sampling for `rows`."""
-        return SampleFlags.of(self.stages[:, rows], self.logprobs[rows])
+        return SampleFlags.of(self.stages[rows], self.logprobs[rows])

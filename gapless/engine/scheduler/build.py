@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gapless.engine.batch import ForwardBatch
@@ -20,6 +21,7 @@ from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
 
 TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_DECODE_ROWS = 6  # a decode batch's buffer: rows, positions, KV slots, ones, 0..n-1, steps
 
 
 @dataclass
@@ -47,18 +49,18 @@ class BatchBuilder:
         """The decode batch of `reqs`, whose new tokens' KV slots `slots` holds. Moves state at schedule
         time: each request's `sampled` counts this batch's token."""
         n = len(reqs)
-        steps = torch.tensor([r.sampled for r in reqs], dtype=torch.int64)
+        buf = np.empty((_DECODE_ROWS, n), dtype=np.int64)
+        buf[0], buf[1], buf[2], buf[3] = slots.rows, slots.positions, slots.out, 1
+        buf[4] = np.arange(n)
+        buf[5] = [r.sampled for r in reqs]
         for r in reqs:
             r.sampled += 1
-        rows, positions, out_slots, ones, ar, steps, *writes = packed(
-            slots.rows,
-            slots.positions,
-            slots.out,
-            torch.ones(n, dtype=torch.int64),
-            torch.arange(n, dtype=torch.int64),
-            steps,
-            *(table_writes or ()),
-        )
+        writes = None
+        if table_writes is None:
+            rows, positions, out_slots, ones, ar, steps = torch.from_numpy(buf).unbind(0)
+        else:  # (after a retraction's drain) in the same buffer, to keep one copy
+            rows, positions, out_slots, ones, ar, steps, *w = packed(*torch.from_numpy(buf), *table_writes)
+            writes = (w[0], w[1], w[2])
         forward = ForwardBatch(
             input_ids=ar[:0],  # the device reads each row's future-token slot
             positions=positions,
@@ -74,8 +76,8 @@ class BatchBuilder:
             sample_index=ar,
             sample_rows=rows,
             sample_steps=steps,
-            sampling=self.stages.flags(slots.rows.numpy()),
-            table_writes=tuple(writes) if writes else None,  # type: ignore[arg-type]
+            sampling=self.stages.flags(slots.rows),
+            table_writes=writes,
         )
         return ScheduledBatch(reqs, forward, True, [], [])
 

@@ -32,26 +32,23 @@ class Results:
         if not batch.is_decode:  # a decode's requests all sampled; an extend's non-final chunks did not
             reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
             chunks = [(r, kv) for r, s, kv in zip(batch.reqs, batch.samples, batch.kv_after) if not s]
-        touched = []
+        touched: list[Req] = []
+        logprobs, max_context = samples.logprobs is not None, self.max_context
         for i, (req, tok) in enumerate(zip(reqs, samples.tokens, strict=True)):
             req.inflight -= 1
             if req.status is ReqStatus.FINISHED:
                 self.stats.dropped_tokens += 1
                 self._maybe_release(req)
                 continue
-            out = req.output_ids
+            out, p = req.output_ids, req.params
             out.append(tok)
             touched.append(req)
-            if samples.logprobs is not None and req.params.logprobs is not None:
-                req.output_logprobs.append(samples.logprobs[i])
-                req.output_top_logprobs.append(samples.top[i][: req.params.logprobs])  # type: ignore[index]
-            p = req.params
-            # the common case costs three comparisons: no stop string, no stop token, below both limits
-            if (
-                p.stop
-                or tok in req.stop_ids
-                or len(out) >= min(p.max_tokens, self.max_context - len(req.prompt_ids))
-            ):
+            if logprobs and p.logprobs is not None:
+                req.output_logprobs.append(samples.logprobs[i])  # type: ignore[index]
+                req.output_top_logprobs.append(samples.top[i][: p.logprobs])  # type: ignore[index]
+            # the common case costs four comparisons: no stop string, no stop token, below both limits
+            n = len(out)
+            if p.stop or tok in req.stop_ids or n >= p.max_tokens or n + len(req.prompt_ids) >= max_context:
                 reason = self._stop_reason(req, tok)
                 if reason is not None:
                     self._finish(req, reason)
