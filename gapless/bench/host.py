@@ -7,15 +7,18 @@ must stay near 1 ms. This benchmark measures that host time on any machine: a 1-
 Qwen3 (tiny shape) keeps the device side cheap, 256 requests with short prompts are admitted at once and
 then decode together to the same length, so nearly every step is a decode of 256 rows.
 
-Both loops run, one after the other: plain (inline device side) and overlap (on the CPU the device
-process, whose launch span includes shipping the batch through the pipe, as a GPU's includes the
-host-to-device copies). Each prints host ms per step, per prefill step and per decode step next to the
-device's ms per job. `--profile DIR` writes a cProfile of each timed run.
+Both loops run, alternating for `--rounds` rounds (machine noise hits both alike; the table shows
+each figure's median): plain (inline device side) and overlap (on the CPU the device process, whose
+launch span includes shipping the batch through the pipe, as a GPU's includes the host-to-device
+copies). Each prints host ms per step, per prefill step and per decode step next to the device's ms
+per job, and how many cores other processes kept busy meanwhile (the host figures are wall time: on a
+shared machine they grow with its load). `--profile DIR` writes a cProfile of each mode's last run.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,15 @@ HEADER = (
     "host ms/prefill step",
     "host ms/decode step",
     "device ms/job",
+    "other cores busy",
+)
+FIGURES = (
+    "tok_s",
+    "host_ms_per_step",
+    "host_ms_per_prefill_step",
+    "host_ms_per_decode_step",
+    "device_ms_per_job",
+    "other_cores",
 )
 
 
@@ -50,6 +62,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=cli.positive_int, default=128, help="output tokens per request")
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--threads", type=cli.positive_int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--rounds", type=cli.positive_int, default=3, help="alternating rounds (default 3)")
     ap.add_argument("--profile", help="directory for a cProfile of each mode's timed run")
     ap.add_argument("--json", help="write the results here")
     cli.add_engine_option_arg(ap.add_argument_group("engine"), "e.g. --engine-option page_size=16")
@@ -107,7 +120,17 @@ def _row(r: dict[str, Any]) -> tuple[object, ...]:
         f"{r['host_ms_per_prefill_step']:.3f}",
         f"{r['host_ms_per_decode_step']:.3f}",
         f"{r['device_ms_per_job']:.3f}",
+        "?" if r["other_cores"] is None else f"{r['other_cores']:.2f}",
     )
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over `runs` of one mode."""
+    out = dict(runs[-1])
+    for k in FIGURES:
+        values = [r[k] for r in runs if r[k] is not None]
+        out[k] = statistics.median(values) if values else None
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -117,19 +140,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     machine = cli.machine(threads=args.threads)
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-    rows = []
-    for mode in args.modes:
-        cli.progress(f"{mode}: {args.num_seqs} requests x {args.output_len} tokens")
-        rows.append(run_mode(path, mode, args))
+    runs: list[dict[str, Any]] = []
+    for i in range(args.rounds):
+        for mode in args.modes:
+            cli.progress(f"round {i + 1}, {mode}: {args.num_seqs} requests x {args.output_len} tokens")
+            runs.append(run_mode(path, mode, args))
+    rows = [_median([r for r in runs if r["mode"] == mode]) for mode in args.modes]
     print(cli.command_line("gapless.bench.host", argv if argv is not None else sys.argv[1:]))
     print(cli.machine_line(machine))
     print(
         f"{args.num_seqs} requests running at once, prompts {args.input_len}, outputs {args.output_len} "
-        f"tokens; model {path.name}\n"
+        f"tokens; model {path.name}; median of {args.rounds} alternating rounds\n"
     )
-    print("\n".join(cli.markdown_table(HEADER, [_row(r) for r in rows], "lrrrrrr")))
+    print("\n".join(cli.markdown_table(HEADER, [_row(r) for r in rows], "lrrrrrrr")))
     if args.json:
-        cli.write_json(args.json, {"args": vars(args), "model": str(path), "machine": machine, "runs": rows})
+        result = {"args": vars(args), "model": str(path), "machine": machine, "summary": rows, "runs": runs}
+        cli.write_json(args.json, result)
     return rows
 
 

@@ -33,16 +33,17 @@ class Results:
             reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
             chunks = [(r, kv) for r, s, kv in zip(batch.reqs, batch.samples, batch.kv_after) if not s]
         touched: list[Req] = []
+        touch, finished = touched.append, ReqStatus.FINISHED  # (locals: this loop runs per token)
         logprobs, max_context = samples.logprobs is not None, self.max_context
         for i, (req, tok) in enumerate(zip(reqs, samples.tokens, strict=True)):
             req.inflight -= 1
-            if req.status is ReqStatus.FINISHED:
+            if req.status is finished:
                 self.stats.dropped_tokens += 1
                 self._maybe_release(req)
                 continue
             out, p = req.output_ids, req.params
             out.append(tok)
-            touched.append(req)
+            touch(req)
             if logprobs and p.logprobs is not None:
                 req.output_logprobs.append(samples.logprobs[i])  # type: ignore[index]
                 req.output_top_logprobs.append(samples.top[i][: p.logprobs])  # type: ignore[index]
