@@ -43,6 +43,15 @@ HEADER = (
     "device ms/job",
     "other cores busy",
 )
+METER = (  # the engine's meter figures each run reports
+    "prefill_steps",
+    "decode_steps",
+    "host_ms_per_step",
+    "host_ms_per_prefill_step",
+    "host_ms_per_decode_step",
+    "device_ms_per_job",
+    "device_idle_fraction",
+)
 FIGURES = (
     "tok_s",
     "host_ms_per_step",
@@ -95,20 +104,8 @@ def run_mode(path: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     g = run_gapless(path, work, args.threads, options=options, profile=profile)
     if g["wrong_length_requests"]:
         raise RuntimeError(f"{g['wrong_length_requests']} requests did not run to their length")
-    m = g["meter"]
-    return dict(
-        mode=mode,
-        tok_s=g["output_tokens_per_s"],
-        prefill_steps=m["prefill_steps"],
-        decode_steps=m["decode_steps"],
-        host_ms_per_step=m["host_ms_per_step"],
-        host_ms_per_prefill_step=m["host_ms_per_prefill_step"],
-        host_ms_per_decode_step=m["host_ms_per_decode_step"],
-        device_ms_per_job=m["device_ms_per_job"],
-        device_idle_fraction=m["device_idle_fraction"],
-        other_cores=g["other_cores"],
-        engine_options=g["engine_options"],
-    )
+    meter = {k: g["meter"][k] for k in METER}
+    return dict(mode=mode, tok_s=g["output_tokens_per_s"], other_cores=g["other_cores"], **meter)
 
 
 def _row(r: dict[str, Any]) -> tuple[object, ...]:

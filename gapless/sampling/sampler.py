@@ -67,16 +67,15 @@ def gumbel_noise(keys: torch.Tensor, column_hashes: torch.Tensor) -> torch.Tenso
     return u.log_().neg_().log_().neg_()
 
 
-@dataclass
-class SamplingBatch:
-    """Per-row sampling settings of one batch, as device tensors, with the flags that say which stages
-    run. In the engine the sampler gathers them from its per-row state (`Sampler.batch`); `build` makes
-    one from params directly (tests, tools).
+@dataclass(frozen=True, kw_only=True)
+class SamplingBatch(SampleFlags):
+    """Per-row sampling settings of one batch, as device tensors, with the flags (`SampleFlags`) that say
+    which stages run. In the engine the sampler gathers them from its per-row state (`Sampler.batch`);
+    `build` makes one from params directly (tests, tools).
 
     Greedy rows carry temperature 0 and neutral filter settings (`gapless.sampling.rows.row_values`), so
     the device can tell them apart without another tensor and their settings never trigger a stage. The
-    ``need_*`` flags are computed on the host, which is what lets the sampler skip stages without a
-    device sync.
+    flags are computed on the host, which is what lets the sampler skip stages without a device sync.
     """
 
     temperature: torch.Tensor  # [B] float32; 0 marks a greedy row
@@ -90,13 +89,6 @@ class SamplingBatch:
     presence_penalty: torch.Tensor  # [B] float32
     frequency_penalty: torch.Tensor  # [B] float32
     penalised: torch.Tensor  # [B] int32: 1 where the row's sampled tokens must be counted
-    all_greedy: bool
-    any_greedy: bool
-    need_top_k: bool
-    need_top_p: bool
-    need_min_p: bool
-    need_penalties: bool
-    num_logprobs: int = -1  # top logprobs to return per row (the batch's largest ask); -1: none
 
     @property
     def size(self) -> int:
