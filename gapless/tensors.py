@@ -70,9 +70,8 @@ def dataclass_to_device(obj: T, device: torch.device) -> T:
     moved: dict[int, torch.UntypedStorage] = {}
 
     def move(t: torch.Tensor) -> torch.Tensor:
-        if t.device == device:
-            return t
-        if not _moves_whole(t):
+        # (a tensor already on the device may name it otherwise, `cuda:0` for `cuda`: `to` leaves it)
+        if t.device == device or t.device.type != "cpu" or not _moves_whole(t):
             return to_device(t, device)
         storage = t.untyped_storage()
         key = storage.data_ptr()
