@@ -122,7 +122,16 @@ def _result(
     )
 
 
-_METER = ("steps", "device_jobs", "device_busy_s", "device_idle_s", "host_s", "device_idle_fraction")
+_METER = (
+    "steps",
+    "device_jobs",
+    "device_busy_s",
+    "device_idle_s",
+    "host_s",
+    "device_idle_fraction",
+    "prefill_steps",
+    "decode_steps",
+)
 
 
 def _meter(llm: Any) -> dict[str, Any]:
@@ -132,6 +141,8 @@ def _meter(llm: Any) -> dict[str, Any]:
     return {
         **{name: figures[name] for name in _METER},
         "host_ms_per_step": figures["mean_host_ms_per_step"],
+        "host_ms_per_prefill_step": figures["mean_host_ms_per_prefill_step"],
+        "host_ms_per_decode_step": figures["mean_host_ms_per_decode_step"],
         "device_ms_per_job": figures["mean_device_ms_per_job"],
     }
 

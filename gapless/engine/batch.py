@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gapless.sampling.sampler import SamplingBatch
+from gapless.sampling.rows import RowParams, SampleFlags
 
 
 @dataclass
@@ -22,7 +22,12 @@ class ForwardBatch:
     Requests are contiguous in the flat token dimension, in `rows` order. A decode batch carries no
     input ids: each request's input is the token its previous batch sampled, which the device keeps in
     `ModelRunner.token_buf[row]` (the future-token slot). So a decode can be launched before that token
-    ever reaches the host, and stream order guarantees the sampler wrote it first.
+    ever reaches the host, and stream order guarantees the sampler wrote it first. Nor does it carry
+    sampling settings: the sampler keeps them per row (`row_params`, sent once, by the batch that
+    admits a request), so a batch brings only its sampling rows' step counts and the stages to run.
+
+    The scheduler builds the tensors as views of as few host buffers as it can (a decode: one), so the
+    stream moves each buffer in one copy (`gapless.tensors.dataclass_to_device`).
     """
 
     input_ids: torch.Tensor  # [T] extend tokens; empty in decode (read from the token slots)
@@ -38,7 +43,10 @@ class ForwardBatch:
     is_decode: bool
     sample_index: torch.Tensor  # [S] flat index of the tokens whose next token is sampled
     sample_rows: torch.Tensor  # [S] their rows: where the sampled tokens are kept for the next decode
-    sampling: SamplingBatch | None
+    sample_steps: torch.Tensor  # [S] output tokens each of them had before this one (its random stream)
+    sampling: SampleFlags | None  # the sampling stages the batch needs; None: it samples nothing
+    # sampling values of the requests this batch admits, kept per row by the sampler from now on
+    row_params: RowParams | None = None
     # (rows, positions, slots) request-table entries the batch needs besides its own new tokens:
     # prefixes matched in the radix cache
     table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from gapless.engine.batch import ForwardBatch
-from gapless.sampling.sampler import SamplingBatch
+from gapless.sampling.rows import RowParams, SampleFlags
 from gapless.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _GIB = 2**30
@@ -187,6 +187,7 @@ def _dummy_batch(
     q_start = torch.cumsum(extend_lens, 0) - extend_lens
     rows = torch.full((n,), pad_row, dtype=torch.int64)
     sampler_rows = [i % max_rows for i in range(n)]  # sampler rows index its penalty state: real rows only
+    values, stages, logprobs = RowParams.build([_ALL_STAGES] * n, sampler_rows, [0] * n, vocab_size)
     return ForwardBatch(
         input_ids=torch.zeros(0 if is_decode else num_tokens, dtype=torch.int64),  # decode: from the slots
         positions=torch.cat([torch.arange(length) for length in lens]),
@@ -200,10 +201,10 @@ def _dummy_batch(
         max_seq_len=max(lens),
         is_decode=is_decode,
         sample_index=q_start + extend_lens - 1,
-        sample_rows=rows,
-        sampling=SamplingBatch.build(
-            [_ALL_STAGES] * n, [0] * n, sampler_rows, [0] * n, "cpu", vocab_size=vocab_size
-        ),
+        sample_rows=values.rows,
+        sample_steps=torch.zeros(n, dtype=torch.int64),
+        sampling=SampleFlags.of(stages, logprobs),
+        row_params=values,
     )
 
 

@@ -12,7 +12,8 @@ from gapless.engine.stats import EngineStats
 
 class BubbleMeter:
     """Fills the time figures of an `EngineStats` (`steps`, `device_jobs`, `device_busy_s`,
-    `device_idle_s`, `host_s`); the scheduler calls it around each span of its loop."""
+    `device_idle_s`, `host_s` and its prefill/decode split); the scheduler calls it around each span of
+    its loop, and at the end of a step says what the step launched."""
 
     def __init__(self, keep_trace: bool = False, stats: EngineStats | None = None) -> None:
         self.keep_trace = keep_trace
@@ -22,8 +23,9 @@ class BubbleMeter:
     def reset(self) -> None:
         """Zero the meter's figures (the scheduler's counters beside them keep counting) and its trace."""
         st = self._stats
-        st.steps = st.device_jobs = 0
-        st.device_busy_s = st.device_idle_s = st.host_s = 0.0
+        st.steps = st.device_jobs = st.prefill_steps = st.decode_steps = 0
+        st.device_busy_s = st.device_idle_s = st.host_s = st.prefill_host_s = st.decode_host_s = 0.0
+        self._step_host = 0.0  # host time of the step under way
         self._last_end: float | None = None
         self.spans: list[tuple[str, str, float, float]] = []  # (track, name, start, end)
 
@@ -33,11 +35,21 @@ class BubbleMeter:
 
     def host_span(self, name: str, start: float, end: float) -> None:
         self._stats.host_s += end - start
+        self._step_host += end - start
         if self.keep_trace:
             self.spans.append(("host", name, start, end))
 
-    def step_done(self) -> None:
-        self._stats.steps += 1
+    def step_done(self, launched: str | None = None) -> None:
+        """The step is over; it launched a batch of kind `launched` ("extend" or "decode"), or none."""
+        st = self._stats
+        st.steps += 1
+        if launched == "extend":
+            st.prefill_steps += 1
+            st.prefill_host_s += self._step_host
+        elif launched == "decode":
+            st.decode_steps += 1
+            st.decode_host_s += self._step_host
+        self._step_host = 0.0
 
     def job(self, name: str, start: float, end: float) -> None:
         """A device job ran [start, end]; the gap since the previous job was a bubble."""

@@ -250,17 +250,21 @@ class ModelRunner:
         and keep it in its row's future-token slot. Returns the sampled tokens (on the device), with
         logprobs when a request in the batch asked for them."""
         batch = dataclass_to_device(batch, self.device)
-        if batch.penalty_inits:  # before any early return: a first chunk samples nothing but must init
+        # before any early return: a first chunk samples nothing but must set its rows up
+        if batch.row_params is not None:
+            self.sampler.write_rows(batch.row_params)
+        if batch.penalty_inits:
             rows, prompts, outputs = zip(*batch.penalty_inits)
             self.sampler.init_rows(list(rows), list(prompts), list(outputs))
         hidden = self.forward_hidden(batch)
-        if batch.sampling is None:
+        flags = batch.sampling
+        if flags is None:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
         logits = self.model.logits(hidden[batch.sample_index])
-        tokens = self.sampler.sample(logits, batch.sampling)
+        tokens = self.sampler.sample(logits, self.sampler.batch(batch.sample_rows, batch.sample_steps, flags))
         self.token_buf[batch.sample_rows] = tokens
-        if batch.sampling.num_logprobs >= 0:
-            return compute_logprobs(logits[:, : self.sampler.vocab_size], tokens, batch.sampling.num_logprobs)
+        if flags.num_logprobs >= 0:
+            return compute_logprobs(logits[:, : self.sampler.vocab_size], tokens, flags.num_logprobs)
         return SampleOutput(tokens)
 
 
@@ -273,7 +277,7 @@ def measure_activations(
     forward of `graph_bs` rows, which is about what the graphs' shared memory pool keeps).
 
     Runs `runner`'s weights and sampler on `kv_pool` and `req_table` (writing only the padding row and KV
-    slot 0), and leaves its token slots and penalty state as new. Each dummy runs once unmeasured first,
+    slot 0), and leaves its token slots and sampler state as new. Each dummy runs once unmeasured first,
     so what it allocates for good (the sampler's penalty state, kernels, library handles) counts as
     resident, not as peak. On the CPU the dummies run and both numbers are 0."""
     scratch = runner.with_memory(kv_pool, req_table)
@@ -293,9 +297,7 @@ def measure_activations(
         graph_bytes = _peak_bytes(runner.device, lambda: scratch.forward_hidden(fwd))
     runner.token_buf.fill_(-1)
     runner.token_buf[runner.pad_row] = 0
-    for state in (runner.sampler.output_counts, runner.sampler.prompt_mask):
-        if state is not None:
-            state.zero_()
+    runner.sampler.reset()
     return peak, graph_bytes
 
 

@@ -31,6 +31,12 @@ class EngineStats:
     # host time in the loop's schedule, launch and process spans: device waits excluded, but for the
     # rare drain a retraction needs, which lands in the schedule span
     host_s: float = 0.0
+    # the same host time split by what the step launched: an extend (prefill) batch or a decode batch
+    # (a step that launched nothing counts in neither); their costs differ by orders of magnitude on a GPU
+    prefill_steps: int = 0
+    prefill_host_s: float = 0.0
+    decode_steps: int = 0
+    decode_host_s: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -48,6 +54,14 @@ class EngineStats:
         return 1e3 * self.host_s / self.steps if self.steps else 0.0
 
     @property
+    def mean_host_ms_per_prefill_step(self) -> float:
+        return 1e3 * self.prefill_host_s / self.prefill_steps if self.prefill_steps else 0.0
+
+    @property
+    def mean_host_ms_per_decode_step(self) -> float:
+        return 1e3 * self.decode_host_s / self.decode_steps if self.decode_steps else 0.0
+
+    @property
     def mean_device_ms_per_job(self) -> float:
         return 1e3 * self.device_busy_s / self.device_jobs if self.device_jobs else 0.0
 
@@ -57,6 +71,8 @@ class EngineStats:
             "prefix_hit_rate",
             "device_idle_fraction",
             "mean_host_ms_per_step",
+            "mean_host_ms_per_prefill_step",
+            "mean_host_ms_per_decode_step",
             "mean_device_ms_per_job",
         )
         return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in derived}}

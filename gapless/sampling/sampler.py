@@ -1,8 +1,9 @@
 """On-device sampling: penalties, temperature, top-k/top-p/min-p and a seeded draw, in bulk tensor ops.
 
 The sampler runs inside the device stream right after the forward, so it must never wait for the
-host: no ``.item()``, no boolean-mask indexing, no per-request Python. All per-request decisions are
-made on the host once, when the ``SamplingBatch`` is built, and arrive as per-row tensors plus a few
+host: no ``.item()``, no boolean-mask indexing, no per-request Python. Every per-request decision is
+made on the host once, when the request is admitted (`gapless.sampling.rows`): its values live in the
+sampler's per-row state on the device, and each batch brings only its rows, their step counts and a few
 Python flags that let whole stages be skipped when no row needs them.
 
 Randomness is counter-based: the noise for (request seed, output step, vocab column) is a hash of
@@ -12,11 +13,13 @@ whichever row it sits in, and after being retracted and resumed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from gapless.sampling.rows import FLOAT_FIELDS, INT_FIELDS, RowParams, SampleFlags
 from gapless.sampling_params import SamplingParams
 from gapless.tensors import to_device
 
@@ -64,19 +67,15 @@ def gumbel_noise(keys: torch.Tensor, column_hashes: torch.Tensor) -> torch.Tenso
     return u.log_().neg_().log_().neg_()
 
 
-def _as_int64(value: int) -> int:
-    """Wrap any Python int into int64 range (seeds are arbitrary ints; only 64 bits of them count)."""
-    return ((value + (1 << 63)) % (1 << 64)) - (1 << 63)
+@dataclass(frozen=True, kw_only=True)
+class SamplingBatch(SampleFlags):
+    """Per-row sampling settings of one batch, as device tensors, with the flags (`SampleFlags`) that say
+    which stages run. In the engine the sampler gathers them from its per-row state (`Sampler.batch`);
+    `build` makes one from params directly (tests, tools).
 
-
-@dataclass
-class SamplingBatch:
-    """Per-row sampling settings of one batch, as tensors on the device `build` was given (the scheduler
-    builds them on the host; the device stream moves them with the rest of the batch).
-
-    Greedy rows carry temperature 0 and neutral filter settings, so the device can tell them apart
-    without another tensor and their settings never trigger a stage. The ``need_*`` flags are computed
-    on the host from the params, which is what lets the sampler skip stages without a device sync.
+    Greedy rows carry temperature 0 and neutral filter settings (`gapless.sampling.rows.row_values`), so
+    the device can tell them apart without another tensor and their settings never trigger a stage. The
+    flags are computed on the host, which is what lets the sampler skip stages without a device sync.
     """
 
     temperature: torch.Tensor  # [B] float32; 0 marks a greedy row
@@ -90,17 +89,38 @@ class SamplingBatch:
     presence_penalty: torch.Tensor  # [B] float32
     frequency_penalty: torch.Tensor  # [B] float32
     penalised: torch.Tensor  # [B] int32: 1 where the row's sampled tokens must be counted
-    all_greedy: bool
-    any_greedy: bool
-    need_top_k: bool
-    need_top_p: bool
-    need_min_p: bool
-    need_penalties: bool
-    num_logprobs: int = -1  # top logprobs to return per row (the batch's largest ask); -1: none
 
     @property
     def size(self) -> int:
         return self.temperature.shape[0]
+
+    @classmethod
+    def of(
+        cls,
+        floats: torch.Tensor,
+        ints: torch.Tensor,
+        steps: torch.Tensor,
+        rows: torch.Tensor,
+        flags: SampleFlags,
+    ) -> SamplingBatch:
+        """From per-row values (`floats` [len(FLOAT_FIELDS), B], `ints` [len(INT_FIELDS), B], in the order
+        of `gapless.sampling.rows`) already on the device, with the batch's `steps`, `rows` and flags."""
+        temperature, top_p, min_p, repetition, presence, frequency = floats.unbind(0)
+        top_k, seeds, penalised = ints.unbind(0)
+        return cls(
+            temperature=temperature,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            top_k=top_k,
+            seeds=seeds,
+            steps=steps,
+            rows=rows,
+            penalised=penalised.to(torch.int32),
+            **dataclasses.asdict(flags),
+        )
 
     @classmethod
     def build(
@@ -112,8 +132,7 @@ class SamplingBatch:
         device: torch.device | str,
         vocab_size: int | None = None,
     ) -> SamplingBatch:
-        """Gather the batch's settings into two host tensors and copy each to ``device`` (on CUDA queued
-        from pinned memory, without blocking the host; on the host's own device, no copy).
+        """The batch of `params` on ``device``, its values copied there in two tensors.
 
         ``seeds`` are the effective seeds (the engine picks one for requests without ``params.seed``);
         ``steps[i]`` is how many output tokens request i already has. ``vocab_size``, when given, lets
@@ -124,66 +143,11 @@ class SamplingBatch:
             lengths = (n, len(steps), len(rows), len(seeds))
             raise ValueError(f"params, steps, rows, seeds differ in length: {lengths}")
         device = torch.device(device)
-        k_off = vocab_size if vocab_size is not None else (1 << 31) - 1
-        temps, top_k, top_p, min_p = [], [], [], []
-        any_greedy = False
-        need_top_k = need_top_p = need_min_p = False
-        for p in params:
-            if p.greedy:
-                any_greedy = True
-                temps.append(0.0)
-                top_k.append(k_off)
-                top_p.append(1.0)
-                min_p.append(0.0)
-                continue
-            k = k_off if p.top_k == -1 else min(p.top_k, k_off)
-            need_top_k |= k < k_off
-            need_top_p |= p.top_p < 1.0
-            need_min_p |= p.min_p > 0.0
-            temps.append(p.temperature)
-            top_k.append(k)
-            top_p.append(p.top_p)
-            min_p.append(p.min_p)
-        all_greedy = n > 0 and all(t == 0.0 for t in temps)
-        num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
-        penalised = [int(p.has_penalties) for p in params]
-
-        floats = torch.tensor(
-            [
-                temps,
-                top_p,
-                min_p,
-                [p.repetition_penalty for p in params],
-                [p.presence_penalty for p in params],
-                [p.frequency_penalty for p in params],
-            ],
-            dtype=torch.float32,
-        ).reshape(6, n)
-        ints = torch.tensor(
-            [top_k, [_as_int64(s) for s in seeds], list(steps), list(rows), penalised], dtype=torch.int64
-        ).reshape(5, n)
-        f = to_device(floats, device)
-        i = to_device(ints, device)
-        return cls(
-            temperature=f[0],
-            top_p=f[1],
-            min_p=f[2],
-            repetition_penalty=f[3],
-            presence_penalty=f[4],
-            frequency_penalty=f[5],
-            top_k=i[0],
-            seeds=i[1],
-            steps=i[2],
-            rows=i[3],
-            penalised=i[4].to(torch.int32),
-            all_greedy=all_greedy,
-            any_greedy=any_greedy,
-            need_top_k=need_top_k,
-            need_top_p=need_top_p,
-            need_min_p=need_min_p,
-            need_penalties=any(penalised),
-            num_logprobs=num_logprobs,
-        )
+        values, stages, logprobs = RowParams.build(params, rows, seeds, vocab_size)
+        ints = torch.cat([values.ints, torch.tensor([list(steps)], dtype=torch.int64).reshape(1, n)])
+        ints = to_device(torch.cat([ints, values.rows[None]]), device)
+        floats = to_device(values.floats, device)
+        return cls.of(floats, ints[:3], ints[3], ints[4], SampleFlags.of(stages, logprobs))
 
 
 def apply_top_k_top_p(
@@ -260,10 +224,11 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Samp
 class Sampler:
     """Turns a batch of last-position logits into next tokens, on the device, without host syncs.
 
-    Penalty state (token counts per request-table row) lives here, on the device, so penalties cost
-    no host work per token: ``init_rows`` fills a row when its request (re)enters the running set,
-    and ``sample`` adds each sampled token. Both must run in device-stream order (as part of the
-    submitted jobs), so a row is filled before the first batch that reads it.
+    Per-row state lives here, on the device, so a step costs no host work per request: the sampling
+    values of each request-table row (``write_rows`` when a request enters a row, ``batch`` gathers a
+    step's), and the penalty state (token counts per row: ``init_rows`` fills a row when its request
+    (re)enters the running set, ``sample`` adds each sampled token). All of it changes in device-stream
+    order (as part of the submitted jobs), so a row is filled before the first batch that reads it.
     """
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device | str) -> None:
@@ -271,9 +236,27 @@ class Sampler:
         self.max_rows = max_rows
         self.device = torch.device(device)
         self._column_hashes = _column_hashes(vocab_size, self.device)
+        # per-row sampling values (gapless.sampling.rows' order), written when a request enters a row
+        self.row_floats = torch.zeros(len(FLOAT_FIELDS), max_rows, dtype=torch.float32, device=self.device)
+        self.row_ints = torch.zeros(len(INT_FIELDS), max_rows, dtype=torch.int64, device=self.device)
         # Allocated on first use: [max_rows, vocab] is large, and most workloads never use penalties.
         self.output_counts: torch.Tensor | None = None  # int32: times each token was sampled
         self.prompt_mask: torch.Tensor | None = None  # bool: token occurs in the prompt
+
+    def write_rows(self, values: RowParams) -> None:
+        """Keep the sampling values of requests entering `values.rows` (on this device)."""
+        self.row_floats[:, values.rows] = values.floats
+        self.row_ints[:, values.rows] = values.ints
+
+    def batch(self, rows: torch.Tensor, steps: torch.Tensor, flags: SampleFlags) -> SamplingBatch:
+        """The `SamplingBatch` of `rows` (each at output step `steps`), gathered from the per-row state."""
+        return SamplingBatch.of(self.row_floats[:, rows], self.row_ints[:, rows], steps, rows, flags)
+
+    def reset(self) -> None:
+        """Every row's values and penalty state as new (after memory-measuring dummies used them)."""
+        for state in (self.row_floats, self.row_ints, self.output_counts, self.prompt_mask):
+            if state is not None:
+                state.zero_()
 
     def _penalty_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.output_counts is None or self.prompt_mask is None:

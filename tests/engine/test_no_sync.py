@@ -12,19 +12,30 @@ Pageable host->device copies cannot be seen on the CPU; the device job has none 
 batch arrives through `dataclass_to_device` (pinned, non-blocking), and the sampler's penalty-state
 inputs go through `gapless.tensors.to_device` (likewise). On a GPU, test_cuda.py runs the loop under
 `torch.cuda.set_sync_debug_mode("error")`, which also catches those.
+
+How many copies a step makes is seen on the CPU too: what crosses the stream boundary is the batch, and
+moving it to another device (here `meta`, which copies no data) through `dataclass_to_device` shows each
+host-to-device copy as an `aten._to_copy` from the CPU. A decode step makes at most 2 (it makes 1).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import gapless.sampling.sampler
 from gapless import LLM, SamplingParams
+from gapless.engine.request import Req
+from gapless.engine.scheduler.build import BatchBuilder
+from gapless.engine.scheduler.kv import DecodeSlots
+from gapless.tensors import dataclass_to_device, packed
 from gapless.testing.hf_reference import make_prompts
 
 aten = torch.ops.aten
@@ -199,3 +210,101 @@ def test_device_job_never_syncs(ckpt_factory, loop):
         assert runner.graphs is not None and sum(runner.graphs.runs.values()) > 0
         assert llm.engine.stats.decode_batches > sum(runner.graphs.runs.values())  # eager decodes too
         llm.check_integrity()
+
+
+class _HostToDevice(TorchDispatchMode):
+    """Counts copies from the CPU onto another device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._to_copy.default:
+            src, dst = args[0].device, kwargs.get("device") or args[0].device
+        elif func is aten.copy_.default:
+            src, dst = args[1].device, args[0].device
+        else:
+            return func(*args, **kwargs)
+        self.copies += src.type == "cpu" and torch.device(dst).type != "cpu"
+        return func(*args, **kwargs)
+
+
+def _copies(batch) -> int:
+    with _HostToDevice() as count:
+        dataclass_to_device(batch, torch.device("meta"))
+    return count.copies
+
+
+@dataclasses.dataclass
+class _Two:
+    x: torch.Tensor
+    y: tuple[torch.Tensor, ...]
+
+
+def test_the_count_sees_copies():
+    a, b = torch.arange(4), torch.arange(3)
+    assert _copies(_Two(a, (b,))) == 2  # two buffers
+    x, y = packed(a, b)
+    assert _copies(_Two(x, (y, x))) == 1  # views of one buffer move as one copy
+    big = torch.arange(100_000)
+    assert _copies(_Two(big[:2], (big[5:7],))) == 2  # small views of a large buffer move alone
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_decode_step_copies_once_and_never_syncs(ckpt_factory, loop, monkeypatch):
+    """Every decode batch (penalties, logprobs, seeded and greedy rows, requests resumed after a
+    retraction) crosses to the device in at most 2 host-to-device copies, its device job copies nothing
+    more (the sampler's values are already there, per row) and never syncs."""
+    path = str(ckpt_factory("llama"))
+    to_device = gapless.sampling.sampler.to_device
+    in_job: list[int] = []
+    monkeypatch.setattr(
+        gapless.sampling.sampler, "to_device", lambda t, d: in_job.append(1) or to_device(t, d)
+    )
+    with LLM(
+        path,
+        device="cpu",
+        page_size=4,
+        kv_cache_tokens=160,  # tight: decodes retract, and resumed requests bring table writes
+        chunked_prefill_size=32,
+        max_running_requests=6,
+        init_new_token_ratio=0.02,  # admit as if requests needed few more tokens
+        min_new_token_ratio=0.02,
+        **LOOPS[loop],
+    ) as llm:
+        runner = llm.engine.runner
+        run = runner.run
+        decodes: list[tuple[int, int]] = []
+
+        def watched(batch):
+            before = len(in_job)
+            with forbid_host_syncs():
+                out = run(batch)
+            if batch.is_decode:
+                decodes.append((_copies(batch), len(in_job) - before))
+            return out
+
+        runner.run = watched
+        prompts, params = _workload(runner.model_config.vocab_size)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
+        assert llm.engine.stats.retractions > 0
+        assert len(decodes) > 10
+        assert max(c for c, _ in decodes) <= 2 and all(n == 0 for _, n in decodes)
+        llm.check_integrity()
+
+
+def test_decode_batch_with_table_writes_is_one_buffer():
+    """The rare decode that carries request-table writes (queued by a retraction's drain) keeps them in
+    its one buffer."""
+    reqs = [Req(str(i), [1, 2, 3], SamplingParams(), seed=i, arrival=i, row=i, sampled=i) for i in range(3)]
+    slots = DecodeSlots(np.array([0, 1, 2]), np.array([3, 4, 5]), np.array([30, 40, 50]))
+    writes = (torch.tensor([1, 1]), torch.tensor([0, 1]), torch.tensor([7, 8]))
+    batch = BatchBuilder(4, 100).decode(reqs, slots, writes).forward
+    assert _copies(batch) == 1
+    assert [t.tolist() for t in batch.table_writes] == [[1, 1], [0, 1], [7, 8]]
+    assert batch.sample_steps.tolist() == [0, 1, 2] and [r.sampled for r in reqs] == [1, 2, 3]
+    assert batch.positions.tolist() == [3, 4, 5] and batch.out_slots.tolist() == [30, 40, 50]
+    assert batch.max_seq_len == 6

@@ -34,7 +34,7 @@ from gapless.engine.detokenize import TokenDecoder
 from gapless.engine.meter import BubbleMeter
 from gapless.engine.request import Req
 from gapless.engine.scheduler.budget import DecodeReserve
-from gapless.engine.scheduler.build import ScheduledBatch, build_batch
+from gapless.engine.scheduler.build import BatchBuilder, ScheduledBatch
 from gapless.engine.scheduler.decode import Decode
 from gapless.engine.scheduler.kv import KVManager
 from gapless.engine.scheduler.prefill import Prefill
@@ -57,7 +57,7 @@ class Scheduler:
         info = stream.info
         self.stream = stream
         self.overlap = cfg.overlap
-        self.vocab_size = info.vocab_size
+        self.builder = BatchBuilder(cfg.max_running_requests, info.vocab_size)
         # host-side memory: the request table's mirror, the page allocator and the prefix cache
         self.req_table = ReqTable(cfg.max_running_requests, info.max_context, device=None)
         self.allocator = PageAllocator(info.num_pages, cfg.page_size)
@@ -91,7 +91,7 @@ class Scheduler:
             updated += self._process_oldest()
         updated += self._drained
         self._drained = []
-        self.meter.step_done()
+        self.meter.step_done(None if batch is None else "decode" if batch.is_decode else "extend")
         if not self.has_work():
             self.meter.went_idle()
         return updated
@@ -109,18 +109,15 @@ class Scheduler:
                 len(self.queues.waiting),
             )
             slots, writes = torch.cat(extend.slots), self.kv.take_table_writes()
-            return build_batch(extend.entries, slots, False, writes, extend.penalty_inits, self.vocab_size)
+            return self.builder.extend(extend.entries, slots, writes, extend.admitted, extend.penalty_inits)
         decode = self.decode.schedule(self.drain) if self.queues.running else None
         if decode is None:
             return None
         self.stats.decode_batches += 1
         reqs, slots = decode
-        log.debug(
-            "decode batch: %d requests", len(reqs)
-        )  # (a drain inside may have queued table writes: they go with this batch)
-        return build_batch(
-            [(r, 1) for r in reqs], slots, True, self.kv.take_table_writes(), [], self.vocab_size
-        )
+        log.debug("decode batch: %d requests", len(reqs))
+        # (a drain inside may have queued table writes: they go with this batch)
+        return self.builder.decode(reqs, slots, self.kv.take_table_writes())
 
     def launch(self, batch: ScheduledBatch) -> None:
         for req in batch.reqs:

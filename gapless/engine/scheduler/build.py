@@ -1,15 +1,27 @@
 """From scheduled requests to a `ForwardBatch`: the device inputs, built in bulk from host state (no
-per-token Python), and the host's view of the launched batch."""
+per-token Python), and the host's view of the launched batch.
+
+Every index vector of a batch is a view of one host buffer, so the stream moves a batch in one copy (two
+when it admits requests: their sampling values are floats). A request's sampling settings are turned
+into values once, when it is admitted (`gapless.sampling.rows`); a decode batch carries only its rows,
+positions, KV slots and step counts.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gapless.engine.batch import ForwardBatch
 from gapless.engine.request import Req
-from gapless.sampling.sampler import SamplingBatch
+from gapless.engine.scheduler.kv import DecodeSlots
+from gapless.sampling.rows import RowParams, RowStages
+from gapless.tensors import packed
+
+TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_DECODE_ROWS = 6  # a decode batch's buffer: rows, positions, KV slots, ones, 0..n-1, steps
 
 
 @dataclass
@@ -17,66 +29,127 @@ class ScheduledBatch:
     """Host view of a launched batch: which requests, and which of them sample a token."""
 
     reqs: list[Req]
-    samples: list[bool]  # False for a non-final chunk of a chunked prefill
-    kv_after: list[int]  # each request's kv_len once this batch has run
     forward: ForwardBatch
     is_decode: bool
+    # extend batches only (a decode's requests each sample one token): per request, whether it samples
+    # (False for a non-final chunk of a chunked prefill) and its kv_len once this batch has run
+    samples: list[bool]
+    kv_after: list[int]
 
 
-def build_batch(
-    entries: list[tuple[Req, int]],
-    out_slots: torch.Tensor,
-    is_decode: bool,
-    table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    penalty_inits: list[tuple[int, list[int], list[int]]],
-    vocab_size: int,
-) -> ScheduledBatch:
-    """The batch of `entries` (request, tokens it computes; KV already allocated, `kv_len` already
-    advanced). Moves state at schedule time: each sampling request's `sampled` counts this batch's token."""
-    reqs = [r for r, _ in entries]
-    ext = torch.tensor([n for _, n in entries], dtype=torch.int64)
-    pre = torch.tensor([r.kv_len - n for r, n in entries], dtype=torch.int64)
-    rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
-    q_start = torch.cumsum(ext, 0) - ext
-    if is_decode:
-        input_ids: list[int] = []  # the device reads each row's future-token slot
-        positions, token_rows = pre, rows
-    else:
-        input_ids = [t for r, n in entries for t in r.fill_ids[r.kv_len - n : r.kv_len]]
+class BatchBuilder:
+    """Builds the scheduler's batches; keeps the host's side of the per-row sampling state (which stages
+    each request-table row needs), set when a request is admitted."""
+
+    def __init__(self, num_rows: int, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.stages = RowStages(num_rows)
+
+    def decode(self, reqs: list[Req], slots: DecodeSlots, table_writes: TableWrites | None) -> ScheduledBatch:
+        """The decode batch of `reqs`, whose new tokens' KV slots `slots` holds. Moves state at schedule
+        time: each request's `sampled` counts this batch's token."""
+        n = len(reqs)
+        buf = np.empty((_DECODE_ROWS, n), dtype=np.int64)
+        buf[0], buf[1], buf[2], buf[3] = slots.rows, slots.positions, slots.out, 1
+        buf[4] = np.arange(n)
+        buf[5] = [r.sampled for r in reqs]
+        for r in reqs:
+            r.sampled += 1
+        writes = None
+        if table_writes is None:
+            rows, positions, out_slots, ones, ar, steps = torch.from_numpy(buf).unbind(0)
+        else:  # (after a retraction's drain) in the same buffer, to keep one copy
+            rows, positions, out_slots, ones, ar, steps, *w = packed(*torch.from_numpy(buf), *table_writes)
+            writes = (w[0], w[1], w[2])
+        forward = ForwardBatch(
+            input_ids=ar[:0],  # the device reads each row's future-token slot
+            positions=positions,
+            out_slots=out_slots,
+            token_rows=rows,
+            rows=rows,
+            prefix_lens=positions,
+            extend_lens=ones,
+            q_start=ar,
+            max_extend_len=1,
+            max_seq_len=int(slots.positions.max()) + 1,
+            is_decode=True,
+            sample_index=ar,
+            sample_rows=rows,
+            sample_steps=steps,
+            sampling=self.stages.flags(slots.rows),
+            table_writes=writes,
+        )
+        return ScheduledBatch(reqs, forward, True, [], [])
+
+    def extend(
+        self,
+        entries: list[tuple[Req, int]],
+        out_slots: torch.Tensor,
+        table_writes: TableWrites | None,
+        admitted: list[Req],
+        penalty_inits: list[tuple[int, list[int], list[int]]],
+    ) -> ScheduledBatch:
+        """The extend batch of `entries` (request, tokens it computes; KV already allocated, `kv_len`
+        already advanced); `admitted` are the requests that entered their rows in it. Moves state at
+        schedule time: each sampling request's `sampled` counts this batch's token."""
+        reqs = [r for r, _ in entries]
+        row_params = self._admit(admitted) if admitted else None
+        ext = torch.tensor([n for _, n in entries], dtype=torch.int64)
+        pre = torch.tensor([r.kv_len - n for r, n in entries], dtype=torch.int64)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        q_start = torch.cumsum(ext, 0) - ext
+        input_ids = torch.tensor([t for r, n in entries for t in r.fill_ids[r.kv_len - n : r.kv_len]])
         token_rows = torch.repeat_interleave(rows, ext)
         positions = torch.arange(int(ext.sum())) - torch.repeat_interleave(q_start - pre, ext)
-    # the whole sequence is in KV once this batch runs: sample its next token
-    samples = [r.kv_len == len(r.prompt_ids) + r.sampled for r in reqs]
-    sample_reqs = [r for r, s in zip(reqs, samples) if s]
-    sample_mask = torch.tensor(samples, dtype=torch.bool)
-    sampling = None
-    if sample_reqs:
-        sampling = SamplingBatch.build(
-            [r.params for r in sample_reqs],
-            [r.sampled for r in sample_reqs],  # counts tokens still in flight
-            [r.row for r in sample_reqs],
-            [r.seed for r in sample_reqs],
-            "cpu",  # the stream moves the whole batch to the device
-            vocab_size=vocab_size,
-        )
+        # the whole sequence is in KV once this batch runs: sample its next token
+        samples = [r.kv_len == len(r.prompt_ids) + r.sampled for r in reqs]
+        sample_mask = torch.tensor(samples, dtype=torch.bool)
+        sample_reqs = [r for r, s in zip(reqs, samples) if s]
+        steps = torch.tensor([r.sampled for r in sample_reqs], dtype=torch.int64)
         for r in sample_reqs:
             r.sampled += 1
-    forward = ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=positions,
-        out_slots=out_slots,
-        token_rows=token_rows,
-        rows=rows,
-        prefix_lens=pre,
-        extend_lens=ext,
-        q_start=q_start,
-        max_extend_len=int(ext.max()),
-        max_seq_len=int((pre + ext).max()),
-        is_decode=is_decode,
-        sample_index=(q_start + ext - 1)[sample_mask],
-        sample_rows=rows[sample_mask],
-        sampling=sampling,
-        table_writes=table_writes,
-        penalty_inits=penalty_inits,
-    )
-    return ScheduledBatch(reqs, samples, [r.kv_len for r in reqs], forward, is_decode)
+        sample_rows = rows[sample_mask]
+        admit = (row_params.rows, row_params.ints.reshape(-1)) if row_params is not None else ()
+        parts = packed(
+            input_ids.to(torch.int64),
+            positions,
+            out_slots,
+            token_rows,
+            rows,
+            pre,
+            ext,
+            q_start,
+            (q_start + ext - 1)[sample_mask],
+            sample_rows,
+            steps,
+            *admit,
+            *(table_writes or ()),
+        )
+        if row_params is not None:  # its index vectors travel in the batch's one int64 buffer
+            row_params.rows, row_params.ints = parts[11], parts[12].view(row_params.ints.shape)
+        forward = ForwardBatch(
+            *parts[:8],
+            max_extend_len=int(ext.max()),
+            max_seq_len=int((pre + ext).max()),
+            is_decode=False,
+            sample_index=parts[8],
+            sample_rows=parts[9],
+            sample_steps=parts[10],
+            sampling=self.stages.flags(sample_rows.numpy()) if sample_reqs else None,
+            table_writes=tuple(parts[11 + len(admit) :]) if table_writes else None,  # type: ignore[arg-type]
+            penalty_inits=penalty_inits,
+            row_params=row_params,
+        )
+        return ScheduledBatch(reqs, forward, False, samples, [r.kv_len for r in reqs])
+
+    def _admit(self, admitted: list[Req]) -> RowParams:
+        """The sampling values of requests entering their rows (for the device), noting on the host which
+        stages each row needs."""
+        values, stages, logprobs = RowParams.build(
+            [r.params for r in admitted],
+            [r.row for r in admitted],  # type: ignore[misc]
+            [r.seed for r in admitted],
+            self.vocab_size,
+        )
+        self.stages.set(values.rows, stages, logprobs)
+        return values

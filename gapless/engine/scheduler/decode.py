@@ -6,11 +6,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import torch
-
 from gapless.engine.request import Req, ReqStatus
 from gapless.engine.scheduler.budget import DecodeReserve
-from gapless.engine.scheduler.kv import KVManager
+from gapless.engine.scheduler.kv import DecodeSlots, KVManager
 from gapless.engine.scheduler.queues import Queues
 from gapless.engine.stats import EngineStats
 
@@ -24,7 +22,7 @@ class Decode:
         self.queues, self.kv, self.reserve, self.stats = queues, kv, reserve, stats
         self.max_context = max_context
 
-    def schedule(self, drain: Callable[[], bool]) -> tuple[list[Req], torch.Tensor] | None:
+    def schedule(self, drain: Callable[[], bool]) -> tuple[list[Req], DecodeSlots] | None:
         """The requests of the next decode batch and their new tokens' KV slots, or None if none needs
         a token. `drain` processes the batches in flight (False if there were none): retraction needs
         every request's exact tokens, so it drains first (rare: a bubble)."""

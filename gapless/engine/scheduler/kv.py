@@ -10,6 +10,9 @@ in stream order, with the next batch launched.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from gapless.engine.request import Req
@@ -18,6 +21,16 @@ from gapless.memory.integrity import check_integrity
 from gapless.memory.prefix_cache import HeldKV, alloc_pages, cache_finished, cache_unfinished
 from gapless.memory.radix_cache import MatchResult, PrefixCache, TreeNode
 from gapless.memory.req_table import ReqTable
+
+
+@dataclass
+class DecodeSlots:
+    """What a decode step took, per request: its row, the position of its new token (its kv_len before
+    the step) and that token's KV slot."""
+
+    rows: np.ndarray  # [B] int64
+    positions: np.ndarray  # [B] int64
+    out: np.ndarray  # [B] int64
 
 
 def _match_key(req: Req) -> list[int]:
@@ -34,6 +47,7 @@ class KVManager:
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
+        self._host_table = req_table.host_table.numpy()  # the same memory, for numpy's cheaper indexing
         self._table_writes: list[tuple[int, int, torch.Tensor]] = []  # (row, start, slots) for the next batch
 
     # ------------------------------------------------------------------ sizes
@@ -97,26 +111,31 @@ class KVManager:
         return slots
 
     # ------------------------------------------------------------------ decode
-    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
-        """One slot per request for position kv_len (a new page where the last one is full), in bulk;
-        None, taking nothing, if the pool cannot give the pages even by evicting."""
+    def alloc_decode(self, reqs: list[Req]) -> DecodeSlots | None:
+        """One slot per request for position kv_len (a new page where the last one is full), in bulk
+        (numpy on the host: a few small arrays cost less there than as tensors); None, taking nothing, if
+        the pool cannot give the pages even by evicting."""
         ps = self.page_size
-        kv_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        needs_page = kv_lens % ps == 0
-        need = int(needs_page.sum())
+        kv_lens = np.array([r.kv_len for r in reqs], dtype=np.int64)
+        needs_page = kv_lens % ps == 0 if ps > 1 else None
+        need = len(reqs) if needs_page is None else int(needs_page.sum())
         if need > self.allocator.num_free_pages + self.cache.evictable_size // ps:
             return None
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
-        out = torch.empty(len(reqs), dtype=torch.int64)
-        if need:
-            out[needs_page] = self._alloc_pages(need) * ps
-        if need < len(reqs):
-            partial = ~needs_page
-            out[partial] = self.req_table.host_table[rows[partial], kv_lens[partial] - 1].long() + 1
-        self.req_table.host_table[rows, kv_lens] = out.to(torch.int32)
+        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        table = self._host_table
+        if needs_page is None:  # page size 1: every token starts a page
+            out = self._alloc_pages(need).numpy()
+        else:
+            out = np.empty(len(reqs), dtype=np.int64)
+            if need:
+                out[needs_page] = self._alloc_pages(need).numpy() * ps
+            if need < len(reqs):
+                partial = ~needs_page
+                out[partial] = table[rows[partial], kv_lens[partial] - 1] + 1
+        table[rows, kv_lens] = out
         for r in reqs:
             r.kv_len += 1
-        return out
+        return DecodeSlots(rows, kv_lens, out)
 
     # ------------------------------------------------------------------ results
     def cache_chunk(self, req: Req, kv_done: int) -> None:

@@ -34,6 +34,7 @@ class ExtendPlan:
     # (row, prompt_ids, output_ids) of admitted requests with penalties: their sampler state is built
     # before this batch samples (copies: the device side must never read lists the host goes on mutating)
     penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    admitted: list[Req] = field(default_factory=list)  # requests that enter their rows in this batch
 
     def add(self, req: Req, slots: torch.Tensor) -> None:
         self.entries.append((req, len(slots)))
@@ -117,6 +118,7 @@ class Prefill:
 
     def _admit(self, plan: ExtendPlan, req: Req, match: MatchResult) -> None:
         row = self.kv.admit(req, match)
+        plan.admitted.append(req)
         if req.cached_tokens is None:  # its first admission (not a retracted request's return)
             req.cached_tokens = match.length
             self.stats.cached_prompt_tokens += match.length

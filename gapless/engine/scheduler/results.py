@@ -28,28 +28,38 @@ class Results:
     def process(self, batch: ScheduledBatch, samples: HostSamples) -> list[Req]:
         """Fold a processed batch's sampled tokens into request state; returns the requests that got a
         token or finished. A request that finished while the batch was in flight gets no token from it."""
-        touched = []
-        i = -1  # index of the request's sample in `samples`
-        for req, sampled, kv_after in zip(batch.reqs, batch.samples, batch.kv_after):
+        reqs, chunks = batch.reqs, []
+        if not batch.is_decode:  # a decode's requests all sampled; an extend's non-final chunks did not
+            reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
+            chunks = [(r, kv) for r, s, kv in zip(batch.reqs, batch.samples, batch.kv_after) if not s]
+        touched: list[Req] = []
+        touch, finished = touched.append, ReqStatus.FINISHED  # (locals: this loop runs per token)
+        logprobs, max_context = samples.logprobs is not None, self.max_context
+        for i, (req, tok) in enumerate(zip(reqs, samples.tokens, strict=True)):
             req.inflight -= 1
-            i += sampled
-            tok = samples.tokens[i] if sampled else None
-            if req.finished:
-                self.stats.dropped_tokens += tok is not None
+            if req.status is finished:
+                self.stats.dropped_tokens += 1
                 self._maybe_release(req)
                 continue
-            if tok is None:  # a non-final chunk: its KV enters the cache now that the forward wrote it
+            out, p = req.output_ids, req.params
+            out.append(tok)
+            touch(req)
+            if logprobs and p.logprobs is not None:
+                req.output_logprobs.append(samples.logprobs[i])  # type: ignore[index]
+                req.output_top_logprobs.append(samples.top[i][: p.logprobs])  # type: ignore[index]
+            # the common case costs four comparisons: no stop string, no stop token, below both limits
+            n = len(out)
+            if p.stop or tok in req.stop_ids or n >= p.max_tokens or n + len(req.prompt_ids) >= max_context:
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    self._finish(req, reason)
+        for req, kv_after in chunks:
+            req.inflight -= 1
+            if req.finished:
+                self._maybe_release(req)
+            else:  # a non-final chunk: its KV enters the cache now that the forward wrote it
                 self.kv.cache_chunk(req, kv_after)
-                continue
-            req.output_ids.append(tok)
-            if req.params.logprobs is not None and samples.logprobs is not None:
-                req.output_logprobs.append(samples.logprobs[i])
-                req.output_top_logprobs.append(samples.top[i][: req.params.logprobs])
-            self.stats.generated_tokens += 1
-            touched.append(req)
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
-                self._finish(req, reason)
+        self.stats.generated_tokens += len(touched)
         return touched
 
     def abort_pending(self) -> list[Req]:

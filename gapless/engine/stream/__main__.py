@@ -19,7 +19,6 @@ import torch
 from gapless.config import EngineConfig
 from gapless.engine.stream.chaos import device_side, make_runner
 from gapless.engine.stream.inline import InlineStream
-from gapless.tensors import from_numpy
 
 
 def _device_main(conn: Connection, cfg: EngineConfig, threads: int | None, cpus: set[int] | None) -> None:
@@ -40,7 +39,7 @@ def _device_main(conn: Connection, cfg: EngineConfig, threads: int | None, cpus:
             return
         _, job_id, batch = msg
         try:
-            tokens, timing = jobs.submit(from_numpy(batch)).result()
+            tokens, timing = jobs.submit(batch).result()
             conn.send_bytes(pickle.dumps(("done", job_id, tokens, timing.start, timing.end)))
         except BaseException as e:  # noqa: BLE001
             _send_error(conn, e)

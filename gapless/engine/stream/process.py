@@ -26,7 +26,7 @@ from gapless.config import EngineConfig
 from gapless.engine.batch import ForwardBatch
 from gapless.engine.stream.base import JobTiming, Pending
 from gapless.sampling.sampler import HostSamples
-from gapless.tensors import to_numpy
+from gapless.tensors import dumps
 
 
 class HostPinning:
@@ -70,7 +70,8 @@ class _ProcessPending:
 
 class ProcessStream:
     """Jobs run in a device process; the pipe is FIFO, so results come back in submission order.
-    Messages are pickled between our own two processes only (never from the network)."""
+    Messages are pickled between our own two processes only (never from the network); a batch's tensors
+    travel as their host buffers, each written once (`gapless.tensors.dumps`)."""
 
     asynchronous = True
 
@@ -119,9 +120,7 @@ class ProcessStream:
         job_id = self._next_id
         self._next_id += 1
         try:
-            self.conn.send_bytes(
-                pickle.dumps(("run", job_id, to_numpy(batch)), protocol=pickle.HIGHEST_PROTOCOL)
-            )
+            self.conn.send_bytes(dumps(("run", job_id, batch)))
         except OSError as e:
             raise RuntimeError(f"device process died (exit code {self._exit_code()})") from e
         return _ProcessPending(self, job_id, time.perf_counter())

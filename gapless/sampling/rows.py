@@ -1,0 +1,135 @@
+"""Sampling settings per request-table row, set once when a request is admitted.
+
+A request's sampling settings do not change while it runs, so they are not rebuilt per step: when a
+request enters a row, `RowParams.build` turns its `SamplingParams` into the values the sampler uses
+(shipped with that batch and written into the sampler's per-row state on the device, in stream order)
+and into the stages the row needs (kept on the host in `RowStages`, which tells each batch which stages
+to run without a device sync). A step then ships only its rows and their step counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gapless.sampling_params import SamplingParams
+
+# the per-row values, in the order of `RowParams.floats` and `RowParams.ints`
+FLOAT_FIELDS = (
+    "temperature",  # 0 marks a greedy row
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+INT_FIELDS = ("top_k", "seed", "penalised")  # top_k "disabled" is vocab_size; penalised: 1 or 0
+# the stages a row may need: bit i of a row's stages is STAGES[i]
+STAGES = ("greedy", "top_k", "top_p", "min_p", "penalties")
+
+
+def as_int64(value: int) -> int:
+    """Wrap any Python int into int64 range (seeds are arbitrary ints; only 64 bits of them count)."""
+    return ((value + (1 << 63)) % (1 << 64)) - (1 << 63)
+
+
+def row_values(p: SamplingParams, seed: int, k_off: int) -> tuple[list[float], list[int], list[bool]]:
+    """One request's (floats, ints, stages), in `FLOAT_FIELDS`, `INT_FIELDS` and `STAGES` order.
+
+    A greedy row carries temperature 0 and neutral filter settings, so the device can tell it apart
+    without another value and its settings never switch a stage on; `k_off` is the top_k that means
+    "disabled" (the vocabulary size), so a top_k at or above it forces no sort."""
+    penalties = [p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+    penalised = p.has_penalties
+    if p.greedy:
+        floats, k = [0.0, 1.0, 0.0, *penalties], k_off
+        stages = [True, False, False, False, penalised]
+    else:
+        floats = [p.temperature, p.top_p, p.min_p, *penalties]
+        k = k_off if p.top_k == -1 else min(p.top_k, k_off)
+        stages = [False, k < k_off, p.top_p < 1.0, p.min_p > 0.0, penalised]
+    return floats, [k, as_int64(seed), int(penalised)], stages
+
+
+@dataclass(frozen=True)
+class SampleFlags:
+    """Which sampling stages a batch needs: decided on the host, so the device skips the others without
+    reading anything back."""
+
+    all_greedy: bool
+    any_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    need_penalties: bool
+    num_logprobs: int = -1  # top logprobs to return per row (the batch's largest ask); -1: none
+
+    @classmethod
+    def of(cls, stages: np.ndarray, logprobs: np.ndarray) -> SampleFlags:
+        """The flags of a batch whose rows need `stages` ([n] uint8, bit i set: `STAGES[i]`) and ask for
+        `logprobs` ([n] int, -1: none)."""
+        if not len(stages):
+            return cls(False, False, False, False, False, False)
+        some, every = int(np.bitwise_or.reduce(stages)), int(np.bitwise_and.reduce(stages))
+        return cls(
+            all_greedy=bool(every & 1),
+            any_greedy=bool(some & 1),
+            need_top_k=bool(some & 2),
+            need_top_p=bool(some & 4),
+            need_min_p=bool(some & 8),
+            need_penalties=bool(some & 16),
+            num_logprobs=int(logprobs.max()),
+        )
+
+
+@dataclass
+class RowParams:
+    """The sampling values of requests entering request-table rows (host tensors; the batch that admits
+    them carries these to the device, where `Sampler.write_rows` keeps them per row)."""
+
+    rows: torch.Tensor  # [A] int64
+    floats: torch.Tensor  # [len(FLOAT_FIELDS), A] float32
+    ints: torch.Tensor  # [len(INT_FIELDS), A] int64
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        rows: Sequence[int],
+        seeds: Sequence[int],
+        vocab_size: int | None = None,
+    ) -> tuple[RowParams, np.ndarray, np.ndarray]:
+        """The values of `params` for `rows` (with their effective `seeds`), and the rows' stages ([A]
+        uint8, bit i: `STAGES[i]`) and logprobs asks ([A], -1: none) for the host's `RowStages`.
+        `vocab_size`, when given, makes top_k >= vocab count as disabled."""
+        k_off = vocab_size if vocab_size is not None else (1 << 31) - 1
+        values = [row_values(p, s, k_off) for p, s in zip(params, seeds, strict=True)]
+        n = len(values)
+        floats = torch.tensor([v[0] for v in values], dtype=torch.float32).reshape(n, -1).T
+        ints = torch.tensor([v[1] for v in values], dtype=torch.int64).reshape(n, -1).T
+        bits = np.array([v[2] for v in values], dtype=np.uint8).reshape(n, len(STAGES))
+        stages = (bits << np.arange(len(STAGES), dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+        logprobs = np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64)
+        row_t = torch.tensor(list(rows), dtype=torch.int64)
+        return cls(row_t, floats.contiguous(), ints.contiguous()), stages, logprobs
+
+
+class RowStages:
+    """The host's copy of what each request-table row's sampling needs (`STAGES`, logprobs), so a batch's
+    `SampleFlags` come from a gather over its rows instead of a loop over its requests."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.stages = np.zeros(num_rows, dtype=np.uint8)  # bit i: the row needs STAGES[i]
+        self.logprobs = np.full(num_rows, -1, dtype=np.int64)
+
+    def set(self, rows: torch.Tensor, stages: np.ndarray, logprobs: np.ndarray) -> None:
+        r = rows.numpy()
+        self.stages[r] = stages
+        self.logprobs[r] = logprobs
+
+    def flags(self, rows: np.ndarray) -> SampleFlags:
+        """The flags of a batch sampling for `rows`."""
+        return SampleFlags.of(self.stages[rows], self.logprobs[rows])
