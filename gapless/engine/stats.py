@@ -51,19 +51,19 @@ class EngineStats:
 
     @property
     def mean_host_ms_per_step(self) -> float:
-        return 1e3 * self.host_s / self.steps if self.steps else 0.0
+        return _ms_per(self.host_s, self.steps)
 
     @property
     def mean_host_ms_per_prefill_step(self) -> float:
-        return 1e3 * self.prefill_host_s / self.prefill_steps if self.prefill_steps else 0.0
+        return _ms_per(self.prefill_host_s, self.prefill_steps)
 
     @property
     def mean_host_ms_per_decode_step(self) -> float:
-        return 1e3 * self.decode_host_s / self.decode_steps if self.decode_steps else 0.0
+        return _ms_per(self.decode_host_s, self.decode_steps)
 
     @property
     def mean_device_ms_per_job(self) -> float:
-        return 1e3 * self.device_busy_s / self.device_jobs if self.device_jobs else 0.0
+        return _ms_per(self.device_busy_s, self.device_jobs)
 
     def as_dict(self) -> dict[str, float | int]:
         """Every figure, the derived ones included, under its own name."""
@@ -76,3 +76,8 @@ class EngineStats:
             "mean_device_ms_per_job",
         )
         return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in derived}}
+
+
+def _ms_per(seconds: float, count: int) -> float:
+    """Milliseconds per item; 0 when there was none."""
+    return 1e3 * seconds / count if count else 0.0
