@@ -217,14 +217,12 @@ def add_chat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "stop")  # each a SamplingParams field
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        stop=args.stop,
-    )
+    """The reply's sampling options; those not given stay unset (the checkpoint's defaults apply)."""
+    return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
 
 
 def chat_main(
