@@ -1,4 +1,6 @@
-"""One decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), switched by `ModelConfig`.
+"""One decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Granite), switched by
+`ModelConfig` where the families differ: q/k norm per head (Qwen3) or over all heads (OLMo 2), norms on
+the sublayers' outputs instead of their inputs (OLMo 2), Granite's multipliers.
 
 The model sees a flat, ragged batch of tokens (all requests' new tokens concatenated) and a
 `ForwardContext` passed down as an argument: where to store each token's K/V and how to attend.
@@ -45,19 +47,22 @@ class Attention(nn.Module):
             cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}, bias=cfg.qkv_bias
         )
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # per head (over head_dim) or over all heads' features at once (q_size, kv_size)
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.kv_size, cfg.rms_norm_eps)
         self.rope = rope
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        if cfg.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, q.shape[-1] // cfg.head_dim, cfg.head_dim)
         k = k.view(-1, k.shape[-1] // cfg.head_dim, cfg.head_dim)
         v = v.view(-1, v.shape[-1] // cfg.head_dim, cfg.head_dim)
-        if cfg.qk_norm:
+        if cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(ctx.positions, q, k)
         ctx.kv_pool.store(self.layer_id, ctx.out_slots, k, v)
@@ -80,16 +85,32 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each added to the residual stream. Pre-norm (the Llama way: `input_layernorm`
+    before attention, `post_attention_layernorm` before the MLP), or, with `post_norms` (OLMo 2), each
+    sublayer's output normed (`post_attention_layernorm`, `post_feedforward_layernorm`) and its input not.
+    Granite scales each sublayer's output by `residual_multiplier` before the add."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, rope)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norms = cfg.post_norms
+        if not cfg.post_norms:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def _residual(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(x, ctx))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        x = x + self._residual(self.self_attn(self.input_layernorm(x), ctx))
+        return x + self._residual(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DecoderBody(nn.Module):
@@ -99,9 +120,12 @@ class DecoderBody(nn.Module):
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1.0 elsewhere
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         for layer in self.layers:
             x = layer(x, ctx)
         return self.norm(x)
@@ -111,7 +135,8 @@ class CausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final hidden states; `logits` projects only the rows asked for,
     so a prefill computes the vocabulary projection for its last token alone."""
 
-    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    # checkpoint name fragment -> (fused parameter fragment, shard id); a checkpoint that already fuses
+    # them (Phi-3's qkv_proj, gate_up_proj) is split into the same shards at load
     fused_weights = {
         ".q_proj.": (".qkv_proj.", "q"),
         ".k_proj.": (".qkv_proj.", "k"),
@@ -134,4 +159,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, ctx)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.cfg.logits_scaling != 1.0:  # Granite divides, in the model's dtype, as transformers does
+            logits = logits / self.cfg.logits_scaling
+        return logits.float()

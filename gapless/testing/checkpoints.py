@@ -5,7 +5,8 @@ They are written by `gapless.default_model.checkpoint` (transformers' own config
 
 The tiny configs are chosen so that together they cover the features the engine must get right:
 grouped-query and multi-query attention, a head_dim that is not hidden/heads, llama3 RoPE scaling,
-attention bias (Qwen2), q/k norm (Qwen3), and tied and untied lm_heads.
+attention bias (Qwen2), q/k norm per head (Qwen3) and over all heads (OLMo 2), fused q/k/v and gate/up
+checkpoint weights (Phi-3), post-norms (OLMo 2), Granite's multipliers, and tied and untied lm_heads.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    GraniteConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from gapless.default_model.checkpoint import (
     QWEN3_TINY,
@@ -29,7 +39,7 @@ from gapless.default_model.checkpoint import (
     write_checkpoint,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite")
 SIZES = ("tiny", "overlap", "bench", "qwen3-0.6b")
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
@@ -37,6 +47,9 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "mistral": MistralConfig,
+    "phi3": Phi3Config,
+    "olmo2": Olmo2Config,
+    "granite": GraniteConfig,
 }
 
 # Per-arch tiny configs. Between them: GQA (4 q / 2 kv heads), MQA (mistral: 1 kv head), head_dim 32
@@ -55,6 +68,19 @@ _TINY: dict[str, dict[str, Any]] = {
     "qwen2": dict(TINY, tie_word_embeddings=True),
     "qwen3": QWEN3_TINY,
     "mistral": dict(TINY, num_key_value_heads=1, sliding_window=None, tie_word_embeddings=False),
+    # Phi-3 writes q/k/v and gate/up fused; OLMo 2 norms q and k over all heads and the sublayers'
+    # outputs; Granite's multipliers are all != 1 (attention_multiplier 0.2 != 1/sqrt(16)), so a
+    # forgotten one changes the output.
+    "phi3": dict(TINY, sliding_window=None, tie_word_embeddings=False),
+    "olmo2": dict(TINY, tie_word_embeddings=False),
+    "granite": dict(
+        TINY,
+        tie_word_embeddings=True,
+        embedding_multiplier=2.0,
+        residual_multiplier=1.5,
+        attention_multiplier=0.2,
+        logits_scaling=1.25,
+    ),
 }
 
 # Shapes for the larger sizes; they replace the tiny shape but keep each arch's features (rope,
