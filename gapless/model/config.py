@@ -20,18 +20,41 @@ from gapless.model.gguf import is_gguf_file
 # architecture -> per-family switches of the one decoder implementation:
 #   qkv_bias: bias on q/k/v (None: the config's `attention_bias`, which then also puts one on o_proj)
 #   qk_norm: None, "head" (Qwen3: RMSNorm over head_dim, per head) or "all" (OLMo 2: over all heads at once)
-#   post_norms: the sublayers' outputs are normed before the residual add, and their inputs are not (OLMo 2)
+#   norms: where each layer's RMSNorms sit (`NORM_PLACES`): "pre" (on the sublayers' inputs), "post" (on
+#     their outputs, OLMo 2) or "sandwich" (both, Gemma 2)
 #   multipliers: Granite's embedding/residual/attention multipliers and logits divisor are read
-_PLAIN: dict[str, Any] = {"qkv_bias": None, "qk_norm": None, "post_norms": False, "multipliers": False}
+#   gemma: Gemma 2's `1 + weight` RMSNorm, sqrt(hidden) embedding scale, `query_pre_attn_scalar`,
+#     attention and final logit soft-capping, and sliding-window layers (`layer_types`)
+_PLAIN: dict[str, Any] = {
+    "qkv_bias": None,
+    "qk_norm": None,
+    "norms": "pre",
+    "multipliers": False,
+    "gemma": False,
+}
 _FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": _PLAIN,
     "MistralForCausalLM": {**_PLAIN, "qkv_bias": False},
     "Qwen2ForCausalLM": {**_PLAIN, "qkv_bias": True},
     "Qwen3ForCausalLM": {**_PLAIN, "qk_norm": "head"},
     "Phi3ForCausalLM": {**_PLAIN, "qkv_bias": False},  # q/k/v and gate/up come fused in the checkpoint
-    "Olmo2ForCausalLM": {**_PLAIN, "qk_norm": "all", "post_norms": True},
+    "Olmo2ForCausalLM": {**_PLAIN, "qk_norm": "all", "norms": "post"},
     "GraniteForCausalLM": {**_PLAIN, "multipliers": True},
+    "Gemma2ForCausalLM": {**_PLAIN, "norms": "sandwich", "gemma": True},
 }
+# norm placement -> the checkpoint names of the norms on (attention input, attention output, MLP input,
+# MLP output); None where a placement has none. Llama's "post_attention_layernorm" is the MLP's input norm.
+NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+    "sandwich": (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+}
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 # keys whose presence marks a checkpoint with more than a text decoder (vision or audio towers)
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "mm_projector_type")
@@ -57,11 +80,18 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: str | None  # RMSNorm on q and k before RoPE: "head" (Qwen3, per head) or "all" (OLMo 2)
-    post_norms: bool  # OLMo 2: norm each sublayer's output (post_attention/post_feedforward), not its input
+    norms: str  # a key of NORM_PLACES: which of each sublayer's input and output are normed
+    norm_offset: bool  # Gemma: RMSNorm scales by (1 + weight), computed in fp32 before the cast back
+    hidden_act: str  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
+    embedding_normalizer: bool  # Gemma: embeddings times sqrt(hidden), rounded to the model's dtype first
     embedding_multiplier: float  # Granite: embeddings are scaled by it (1.0 elsewhere)
     residual_multiplier: float  # Granite: each sublayer's output is scaled by it before the residual add
     attention_scale: float  # softmax scale: head_dim**-0.5, or Granite's `attention_multiplier`
     logits_scaling: float  # Granite: logits are divided by it (1.0 elsewhere)
+    attn_logit_softcapping: float | None  # Gemma 2: attention scores s -> cap * tanh(s / cap)
+    final_logit_softcapping: float | None  # Gemma 2: logits z -> cap * tanh(z / cap)
+    sliding_window: int | None  # window layers attend to the last `sliding_window` tokens (self included)
+    window_layers: tuple[bool, ...]  # per layer: whether it is a sliding-window layer
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
 
@@ -72,6 +102,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def _optional_float(x: Any) -> float | None:
+    return None if x is None else float(x)
 
 
 def _eos_ids(*candidates: Any) -> tuple[int, ...]:
@@ -112,18 +146,37 @@ def _architecture(cfg: dict[str, Any], where: str) -> str:
     for moe_key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if cfg.get(moe_key):
             raise ValueError(f"{arch}: mixture-of-experts ({moe_key}={cfg[moe_key]}) is not supported")
-    hidden_act = cfg.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"{arch}: hidden_act={hidden_act!r} is not supported (only 'silu')")
+    hidden_act = _hidden_act(cfg, arch)
+    if hidden_act not in _ACTIVATIONS or (hidden_act != "silu") != _FAMILIES[arch]["gemma"]:
+        raise ValueError(f"{arch}: hidden_act={hidden_act!r} is not supported")
     max_pos = int(cfg.get("max_position_embeddings", 2048))  # transformers' default when absent
     window = cfg.get("sliding_window")
     # Qwen2/Qwen3 switch the window with `use_sliding_window`; Mistral and Phi-3 apply any window they set
-    if window is not None and cfg.get("use_sliding_window", True) and int(window) < max_pos:
+    windowed = window is not None and cfg.get("use_sliding_window", True) and int(window) < max_pos
+    if windowed and not _FAMILIES[arch]["gemma"]:
         raise ValueError(
             f"{arch}: sliding-window attention (sliding_window={window} < "
             f"max_position_embeddings={max_pos}) is not supported"
         )
     return arch
+
+
+def _hidden_act(cfg: dict[str, Any], arch: str) -> str:
+    """Gemma names the activation `hidden_activation` (some configs carry a stale `hidden_act` too)."""
+    if _FAMILIES[arch]["gemma"]:
+        return str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
+    return str(cfg.get("hidden_act", "silu"))
+
+
+def _window_layers(cfg: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """Gemma 2's sliding-window layers: as `layer_types` lists them, else every other one from the first
+    (transformers' default for Gemma 2)."""
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+    ]
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types={types!r} is not supported")
+    return tuple(t == "sliding_attention" for t in types)
 
 
 def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None]:
@@ -162,13 +215,20 @@ def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None)
     o_bias = attn_bias if fam["qkv_bias"] is None else False
     # Granite's multipliers (its config's defaults are 1.0, attention_multiplier included)
     mult = (lambda key: float(cfg.get(key, 1.0))) if fam["multipliers"] else (lambda key: 1.0)
+    num_layers = int(cfg["num_hidden_layers"])
+    gemma = fam["gemma"]
+    if fam["multipliers"]:
+        scale = mult("attention_multiplier")
+    else:
+        scale = float(cfg.get("query_pre_attn_scalar", head_dim) if gemma else head_dim) ** -0.5
+    window = cfg.get("sliding_window") if gemma else None
 
     return ModelConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=head_dim,
@@ -181,11 +241,18 @@ def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None)
         o_bias=o_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=fam["qk_norm"],
-        post_norms=fam["post_norms"],
+        norms=fam["norms"],
+        norm_offset=gemma,
+        hidden_act=_hidden_act(cfg, arch),
+        embedding_normalizer=gemma,
         embedding_multiplier=mult("embedding_multiplier"),
         residual_multiplier=mult("residual_multiplier"),
-        attention_scale=mult("attention_multiplier") if fam["multipliers"] else head_dim**-0.5,
+        attention_scale=scale,
         logits_scaling=mult("logits_scaling"),
+        attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping") if gemma else None),
+        final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping") if gemma else None),
+        sliding_window=int(window) if window is not None else None,
+        window_layers=_window_layers(cfg, num_layers) if window is not None else (False,) * num_layers,
         eos_token_ids=_eos_ids(gen_eos, cfg.get("eos_token_id")),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )

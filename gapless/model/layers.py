@@ -117,6 +117,25 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores weight - 1, so it scales by (1 + weight), and the product is
+    taken in fp32 before the cast back (Llama's casts first), as transformers' Gemma does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        self.weight.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_rms_norm(dim: int, eps: float, offset: bool) -> RMSNorm:
+    """The family's RMSNorm: Gemma's `1 + weight` one where `offset`, else Llama's."""
+    return OffsetRMSNorm(dim, eps) if offset else RMSNorm(dim, eps)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies of rotary embeddings, with `linear` or `llama3` scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -169,3 +188,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": silu_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+}

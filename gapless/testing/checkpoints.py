@@ -6,7 +6,8 @@ They are written by `gapless.default_model.checkpoint` (transformers' own config
 The tiny configs are chosen so that together they cover the features the engine must get right:
 grouped-query and multi-query attention, a head_dim that is not hidden/heads, llama3 RoPE scaling,
 attention bias (Qwen2), q/k norm per head (Qwen3) and over all heads (OLMo 2), fused q/k/v and gate/up
-checkpoint weights (Phi-3), post-norms (OLMo 2), Granite's multipliers, and tied and untied lm_heads.
+checkpoint weights (Phi-3), post-norms (OLMo 2), Granite's multipliers, Gemma 2's sliding window and
+soft-caps, and tied and untied lm_heads.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from transformers import (
+    Gemma2Config,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -39,7 +41,7 @@ from gapless.default_model.checkpoint import (
     write_checkpoint,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite", "gemma2")
 SIZES = ("tiny", "overlap", "bench", "qwen3-0.6b")
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
@@ -50,6 +52,7 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "phi3": Phi3Config,
     "olmo2": Olmo2Config,
     "granite": GraniteConfig,
+    "gemma2": Gemma2Config,
 }
 
 # Per-arch tiny configs. Between them: GQA (4 q / 2 kv heads), MQA (mistral: 1 kv head), head_dim 32
@@ -80,6 +83,19 @@ _TINY: dict[str, dict[str, Any]] = {
         residual_multiplier=1.5,
         attention_multiplier=0.2,
         logits_scaling=1.25,
+    ),
+    # Gemma 2: layer 0 slides a 24-token window (prompts run to 90 tokens, chunks of 16 cross its edge,
+    # shared 48-token prefixes are hit from inside it), layer 1 is global; soft-caps that bite on these
+    # weights' scores and logits, query_pre_attn_scalar != head_dim.
+    "gemma2": dict(
+        TINY,
+        head_dim=16,
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=24,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=8.0,
+        tie_word_embeddings=False,  # tied, the sqrt(hidden)-scaled embedding would predict its own token
     ),
 }
 

@@ -72,3 +72,23 @@ def test_fused_checkpoint_weights_are_split_into_their_shards(phi3: Path, tmp_pa
     )
     with pytest.raises(ValueError, match="fused weight 'model.layers.0.self_attn.qkv_proj.weight'"):
         load_model(bad, torch.float32, torch.device("cpu"))
+
+
+def test_the_gemma2_checkpoint_window_shapes_long_prompts(tmp_path: Path) -> None:
+    """The parity tests' Gemma 2 checkpoint slides a 24-token window on layer 0: the same weights with a
+    window past the prompt give the same logits up to position 24 and different ones after, so parity
+    on prompts longer than 24 (tests/engine/test_parity.py, test_logits.py) checks the window."""
+    from gapless.testing.hf_reference import hf_logits, load_hf_model
+
+    windowed = load_hf_model(make_checkpoint(tmp_path / "w24", "gemma2"))
+    wide = load_hf_model(make_checkpoint(tmp_path / "w1024", "gemma2", sliding_window=1024))
+    ids = list(range(5, 65))
+    a, b = hf_logits(windowed, ids), hf_logits(wide, ids)
+    torch.testing.assert_close(a[:24], b[:24], atol=1e-5, rtol=0)
+    assert (a[24:] - b[24:]).abs().amax(-1).min() > 1e-3
+    cfg = load_model_config(tmp_path / "w24")
+    assert (cfg.sliding_window, cfg.window_layers) == (24, (True, False))
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (4.0, 8.0)
+    assert (
+        cfg.attention_scale == 24**-0.5 and cfg.norms == "sandwich" and cfg.hidden_act == "gelu_pytorch_tanh"
+    )

@@ -141,6 +141,10 @@ def test_checkpoint_loads_in_transformers(checkpoints: dict[str, Path], arch: st
     if arch == "granite":
         assert (cfg.embedding_multiplier, cfg.residual_multiplier) == (2.0, 1.5)
         assert (cfg.attention_multiplier, cfg.logits_scaling) == (0.2, 1.25)
+    if arch == "gemma2":  # a window shorter than the test prompts on layer 0, a global layer 1
+        assert (cfg.sliding_window, cfg.layer_types) == (24, ["sliding_attention", "full_attention"])
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (4.0, 8.0)
+        assert (cfg.query_pre_attn_scalar, cfg.hidden_activation) == (24, "gelu_pytorch_tanh")
     if arch == "llama":
         assert (q // cfg.head_dim, k // cfg.head_dim) == (4, 2)  # grouped-query
     if arch == "mistral":
