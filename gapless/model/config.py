@@ -22,6 +22,7 @@ from gapless.model.gguf import is_gguf_file
 #   qk_norm: None, "head" (Qwen3: RMSNorm over head_dim, per head) or "all" (OLMo 2: over all heads at once)
 #   norms: where each layer's RMSNorms sit (`NORM_PLACES`): "pre" (on the sublayers' inputs), "post" (on
 #     their outputs, OLMo 2) or "sandwich" (both, Gemma 2)
+#   norm_kind: the RMSNorm's arithmetic (`ModelConfig.norm_kind`; Gemma's is "gemma")
 #   multipliers: Granite's embedding/residual/attention multipliers and logits divisor are read
 #   gemma: Gemma 2's `1 + weight` RMSNorm, sqrt(hidden) embedding scale, `query_pre_attn_scalar`,
 #     attention and final logit soft-capping, and sliding-window layers (`layer_types`)
@@ -29,6 +30,7 @@ _PLAIN: dict[str, Any] = {
     "qkv_bias": None,
     "qk_norm": None,
     "norms": "pre",
+    "norm_kind": "llama",
     "multipliers": False,
     "gemma": False,
 }
@@ -38,7 +40,7 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {**_PLAIN, "qkv_bias": True},
     "Qwen3ForCausalLM": {**_PLAIN, "qk_norm": "head"},
     "Phi3ForCausalLM": {**_PLAIN, "qkv_bias": False},  # q/k/v and gate/up come fused in the checkpoint
-    "Olmo2ForCausalLM": {**_PLAIN, "qk_norm": "all", "norms": "post"},
+    "Olmo2ForCausalLM": {**_PLAIN, "qk_norm": "all", "norms": "post", "norm_kind": "fp32"},
     "GraniteForCausalLM": {**_PLAIN, "multipliers": True},
     "Gemma2ForCausalLM": {**_PLAIN, "norms": "sandwich", "gemma": True},
 }
@@ -81,7 +83,8 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: str | None  # RMSNorm on q and k before RoPE: "head" (Qwen3, per head) or "all" (OLMo 2)
     norms: str  # a key of NORM_PLACES: which of each sublayer's input and output are normed
-    norm_offset: bool  # Gemma: RMSNorm scales by (1 + weight), computed in fp32 before the cast back
+    norm_kind: str  # RMSNorm's arithmetic: "llama", "fp32" (OLMo 2: weight times fp32, then cast) or
+    # "gemma" (scale by 1 + weight, in fp32); see gapless.model.layers.RMS_NORMS
     hidden_act: str  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
     embedding_normalizer: bool  # Gemma: embeddings times sqrt(hidden), rounded to the model's dtype first
     embedding_multiplier: float  # Granite: embeddings are scaled by it (1.0 elsewhere)
@@ -242,7 +245,7 @@ def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None)
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=fam["qk_norm"],
         norms=fam["norms"],
-        norm_offset=gemma,
+        norm_kind="gemma" if gemma else fam["norm_kind"],
         hidden_act=_hidden_act(cfg, arch),
         embedding_normalizer=gemma,
         embedding_multiplier=mult("embedding_multiplier"),

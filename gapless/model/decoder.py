@@ -23,7 +23,6 @@ from gapless.model.layers import (
     GATED_ACTIVATIONS,
     MergedColumnParallelLinear,
     ParallelLMHead,
-    RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -51,8 +50,9 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # per head (over head_dim) or over all heads' features at once (q_size, kv_size)
             per_head = cfg.qk_norm == "head"
-            self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.q_size, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.kv_size, cfg.rms_norm_eps)
+            q_dim, k_dim = (cfg.head_dim, cfg.head_dim) if per_head else (cfg.q_size, cfg.kv_size)
+            self.q_norm = make_rms_norm(q_dim, cfg.rms_norm_eps, cfg.norm_kind)
+            self.k_norm = make_rms_norm(k_dim, cfg.rms_norm_eps, cfg.norm_kind)
         self.rope = rope
         self.scale = cfg.attention_scale
         # what the backend is asked for beyond plain causal attention (Gemma 2); none: its plain call
@@ -110,7 +110,7 @@ class DecoderLayer(nn.Module):
         self.norm_names = NORM_PLACES[cfg.norms]
         for name in self.norm_names:
             if name is not None:
-                self.add_module(name, make_rms_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
+                self.add_module(name, make_rms_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_kind))
         self.residual_multiplier = cfg.residual_multiplier
 
     def _norm(self, place: int, x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +131,7 @@ class DecoderBody(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
-        self.norm = make_rms_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.norm = make_rms_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_kind)
         self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1.0 elsewhere
         # Gemma's sqrt(hidden), which transformers rounds to the model's dtype before multiplying
         self.normalizer = cfg.hidden_size**0.5 if cfg.embedding_normalizer else None

@@ -117,23 +117,40 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class OffsetRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: the checkpoint stores weight - 1, so it scales by (1 + weight), and the product is
-    taken in fp32 before the cast back (Llama's casts first), as transformers' Gemma does."""
+class Fp32ProductRMSNorm(RMSNorm):
+    """OLMo 2's RMSNorm: the weight multiplies the fp32 normed values and the product is cast back
+    (Llama's casts first, then multiplies), as transformers' OLMo 2 does; the same in fp32, not in bf16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._scale() * self._normed(x)).to(x.dtype)
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def _scale(self) -> torch.Tensor:
+        return self.weight
+
+
+class OffsetRMSNorm(Fp32ProductRMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores weight - 1, so it scales by (1 + weight), in fp32 before the
+    cast back, as transformers' Gemma does."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps)
         self.weight.data.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+    def _scale(self) -> torch.Tensor:
+        return 1.0 + self.weight.float()
 
 
-def make_rms_norm(dim: int, eps: float, offset: bool) -> RMSNorm:
-    """The family's RMSNorm: Gemma's `1 + weight` one where `offset`, else Llama's."""
-    return OffsetRMSNorm(dim, eps) if offset else RMSNorm(dim, eps)
+# a family's `norm_kind` -> its RMSNorm
+RMS_NORMS: dict[str, type[RMSNorm]] = {"llama": RMSNorm, "fp32": Fp32ProductRMSNorm, "gemma": OffsetRMSNorm}
+
+
+def make_rms_norm(dim: int, eps: float, kind: str) -> RMSNorm:
+    """The family's RMSNorm (`RMS_NORMS`): Llama's, OLMo 2's fp32 product, or Gemma's `1 + weight`."""
+    return RMS_NORMS[kind](dim, eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -92,3 +92,31 @@ def test_the_gemma2_checkpoint_window_shapes_long_prompts(tmp_path: Path) -> Non
     assert (
         cfg.attention_scale == 24**-0.5 and cfg.norms == "sandwich" and cfg.hidden_act == "gelu_pytorch_tanh"
     )
+
+
+@pytest.mark.parametrize(
+    ("kind", "hf_class"),
+    [
+        ("llama", "transformers.models.llama.modeling_llama.LlamaRMSNorm"),
+        ("fp32", "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm"),
+        ("gemma", "transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm"),
+    ],
+)
+def test_each_rms_norm_is_bit_exact_with_its_family_in_bf16(kind: str, hf_class: str) -> None:
+    """Where the weight multiplies (before or after the cast back to bf16) changes bf16 results; each
+    family's norm does it as transformers' does, bit for bit."""
+    import importlib
+
+    from gapless.model.layers import make_rms_norm
+
+    module, name = hf_class.rsplit(".", 1)
+    hf = getattr(importlib.import_module(module), name)(64, eps=1e-6)
+    ours = make_rms_norm(64, 1e-6, kind)
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, generator=g) * 0.3 + (0.0 if kind == "gemma" else 1.0)
+    x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        ours.weight.copy_(weight)
+        hf, ours = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
+        assert torch.equal(ours(x), hf(x))
