@@ -38,7 +38,23 @@ class AttentionBackend(Protocol):
         """Per-batch work shared by all layers (index tensors, masks); the result is passed to `forward`."""
 
     def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, state: Any, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        state: Any,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [T, heads, d]; caches: [slots, kv_heads, d]; returns [T, heads, d]. The new tokens' K/V are
-        already stored in the cache when this is called."""
+        already stored in the cache when this is called. `window`: a query at position p attends only to
+        keys at positions > p - window (a sliding-window layer); `softcap`: scores s become
+        softcap * tanh(s / softcap) before the mask and softmax (Gemma 2). A backend that lacks either
+        raises NotImplementedError naming it."""
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-capping of attention scores and logits, cap * tanh(x / cap), computed in the order
+    transformers computes it; x itself when `cap` is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap

@@ -28,6 +28,13 @@ class Probe:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    window: int | None = None  # the model's sliding window, if any layer has one
+    softcap: float | None = None  # the model's attention soft-capping, if any
+
+    @property
+    def needs(self) -> list[str]:
+        """What the model's attention asks beyond plain causal attention, by name."""
+        return [n for n, v in (("sliding window", self.window), ("soft-capping", self.softcap)) if v]
 
 
 def _batch(

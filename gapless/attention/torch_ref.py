@@ -2,7 +2,9 @@
 
 The ragged batch is padded to `[B, max_extend_len]` queries and `[B, max_seq_len]` keys gathered from the
 KV pool through the request table, then one `scaled_dot_product_attention` call per layer handles all
-requests, extend and decode alike. The index tensors and the mask are built once per batch.
+requests, extend and decode alike. The index tensors and the mask are built once per batch (a
+sliding-window layer's mask once per window size). Soft-capped scores (Gemma 2) cannot go through
+`scaled_dot_product_attention`, so those layers compute the scores, cap, mask and softmax explicitly.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gapless.attention.base import AttentionMetadata
+from gapless.attention.base import softcap as apply_softcap
 
 
 @dataclass
@@ -23,6 +26,9 @@ class _State:
     q_index: torch.Tensor  # [B, Q] index into the flat token dimension (padding -> 0)
     mask: torch.Tensor  # [B, 1, Q, S] bool, True = may attend
     q_start: torch.Tensor  # [B]
+    q_pos: torch.Tensor  # [B, Q] absolute position of each query (for sliding windows)
+    padding: torch.Tensor  # [B, 1, Q, S] bool: a padding query's one allowed key (key 0)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, Q, S]
     # (request, query offset) [T] of each flat token; made by the first layer, which knows T
     out_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
 
@@ -41,7 +47,8 @@ class TorchRefBackend:
             key_pos[None, None, :] < seq_lens[:, None, None]
         )
         # padding queries attend to key 0 only, so softmax never sees an all-masked row (NaN)
-        mask = mask | (~q_valid[:, :, None] & (key_pos == 0)[None, None, :])
+        padding = ~q_valid[:, :, None] & (key_pos == 0)[None, None, :]
+        mask = mask | padding
         slots = meta.req_table[meta.rows, :S].long()
         slots = torch.where(key_pos[None, :] < seq_lens[:, None], slots, 0)
         return _State(
@@ -51,10 +58,31 @@ class TorchRefBackend:
             q_index=q_index,
             mask=mask.unsqueeze(1),
             q_start=meta.q_start,
+            q_pos=q_pos,
+            padding=padding.unsqueeze(1),
         )
 
+    @staticmethod
+    def _mask(state: _State, window: int | None) -> torch.Tensor:
+        """The batch's mask, narrowed for a sliding-window layer to keys at positions > q_pos - window
+        (each query sees the last `window` tokens, itself included, as transformers' window mask)."""
+        if window is None:
+            return state.mask
+        if window not in state.window_masks:
+            key_pos = torch.arange(state.seq, device=state.q_pos.device)
+            recent = (key_pos[None, None, :] > state.q_pos[:, :, None] - window).unsqueeze(1)
+            state.window_masks[window] = (state.mask & recent) | state.padding
+        return state.window_masks[window]
+
     def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, state: _State, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        state: _State,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         B, S = state.batch, state.seq
         qp = q[state.q_index].transpose(1, 2)  # [B, H, Q, d]
@@ -63,13 +91,30 @@ class TorchRefBackend:
             k_cache.index_select(0, state.slots).view(B, S, *k_cache.shape[1:]).transpose(1, 2)
         )  # [B, KVH, S, d]
         v = v_cache.index_select(0, state.slots).view(B, S, *v_cache.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=state.mask, scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
-        )
+        mask = self._mask(state, window)
+        if softcap is None:
+            out = F.scaled_dot_product_attention(
+                qp, k, v, attn_mask=mask, scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
+            )
+        else:
+            out = _softcapped_attention(qp, k, v, mask, scale, softcap)
         if state.out_index is None:
             state.out_index = _token_coords(state.q_start, q.shape[0])
         # integer gather, not a `[q_valid]` mask: boolean-mask indexing counts the mask on the host (a sync)
         return out.transpose(1, 2)[state.out_index]  # [T, H, d]
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """Attention with soft-capped scores, as transformers' eager Gemma 2 computes it: scores scaled, then
+    capped, then masked, softmax in fp32 and cast back. q: [B, H, Q, d]; k, v: [B, KVH, S, d]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = apply_softcap(torch.matmul(q, k.transpose(2, 3)) * scale, cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _token_coords(q_start: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

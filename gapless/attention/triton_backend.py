@@ -22,6 +22,10 @@ from gapless.tensors import map_tensors
 _CPU_SM_STANDIN = 8  # for the interpreter's split heuristic: a few splits, not one per key block
 
 
+# what the kernels cannot do yet: `make_backend` keeps models that need it on the torch reference
+UNSUPPORTED = "the Triton kernels have no sliding-window attention or attention soft-capping yet"
+
+
 def interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -58,8 +62,17 @@ class TritonBackend:
         return _State(map_tensors(meta, self._k.last_dim_contiguous))
 
     def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, state: _State, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        state: _State,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if window is not None or softcap is not None:
+            raise NotImplementedError(UNSUPPORTED)
         if q.device.type == "cpu" and not self.interpreted:
             raise RuntimeError(
                 "Triton kernels got CPU tensors but were not built for the interpreter: set "

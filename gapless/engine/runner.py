@@ -72,7 +72,14 @@ class ModelRunner:
         self.model_config = mcfg
         self.page_size = cfg.page_size
         self.max_running_requests = max_rows = cfg.max_running_requests
-        probe = Probe(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        probe = Probe(
+            mcfg.num_heads,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            self.dtype,
+            mcfg.sliding_window,
+            mcfg.attn_logit_softcapping,
+        )
         self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
 
         self.sampler = Sampler(mcfg.vocab_size, max_rows, self.device)

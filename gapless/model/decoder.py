@@ -1,4 +1,7 @@
-"""One decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), switched by `ModelConfig`.
+"""One decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Granite, Gemma 2),
+switched by `ModelConfig` where the families differ: q/k norm per head (Qwen3) or over all heads (OLMo 2),
+where the norms sit (`NORM_PLACES`), Granite's multipliers, Gemma's `1 + weight` norms, GeGLU, embedding
+scale, soft-capping and sliding-window layers.
 
 The model sees a flat, ragged batch of tokens (all requests' new tokens concatenated) and a
 `ForwardContext` passed down as an argument: where to store each token's K/V and how to attend.
@@ -13,17 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from gapless.attention.base import AttentionBackend
+from gapless.attention.base import AttentionBackend, softcap
 from gapless.memory.kv_pool import KVPool
-from gapless.model.config import ModelConfig
+from gapless.model.config import NORM_PLACES, ModelConfig
 from gapless.model.layers import (
+    GATED_ACTIVATIONS,
     MergedColumnParallelLinear,
     ParallelLMHead,
-    RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    silu_and_mul,
+    make_rms_norm,
 )
 
 
@@ -45,24 +48,39 @@ class Attention(nn.Module):
             cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}, bias=cfg.qkv_bias
         )
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # per head (over head_dim) or over all heads' features at once (q_size, kv_size)
+            per_head = cfg.qk_norm == "head"
+            q_dim, k_dim = (cfg.head_dim, cfg.head_dim) if per_head else (cfg.q_size, cfg.kv_size)
+            self.q_norm = make_rms_norm(q_dim, cfg.rms_norm_eps, cfg.norm_kind)
+            self.k_norm = make_rms_norm(k_dim, cfg.rms_norm_eps, cfg.norm_kind)
         self.rope = rope
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        # what the backend is asked for beyond plain causal attention (Gemma 2); none: its plain call
+        self.extra: dict[str, Any] = {}
+        if cfg.window_layers[layer_id]:
+            self.extra["window"] = cfg.sliding_window
+        if cfg.attn_logit_softcapping is not None:
+            self.extra["softcap"] = cfg.attn_logit_softcapping
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        if cfg.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, q.shape[-1] // cfg.head_dim, cfg.head_dim)
         k = k.view(-1, k.shape[-1] // cfg.head_dim, cfg.head_dim)
         v = v.view(-1, v.shape[-1] // cfg.head_dim, cfg.head_dim)
-        if cfg.qk_norm:
+        if cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(ctx.positions, q, k)
         ctx.kv_pool.store(self.layer_id, ctx.out_slots, k, v)
         out = ctx.backend.forward(
-            q, ctx.kv_pool.k[self.layer_id], ctx.kv_pool.v[self.layer_id], ctx.attn_state, self.scale
+            q,
+            ctx.kv_pool.k[self.layer_id],
+            ctx.kv_pool.v[self.layer_id],
+            ctx.attn_state,
+            self.scale,
+            **self.extra,
         )
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -74,22 +92,37 @@ class MLP(nn.Module):
             cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, bias=cfg.mlp_bias
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_and_mul = GATED_ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each added to the residual stream, with RMSNorms where the family puts them
+    (`NORM_PLACES`): on each sublayer's input (Llama), its output (OLMo 2) or both (Gemma 2). Granite
+    scales each sublayer's output by `residual_multiplier` before the add."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, rope)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm_names = NORM_PLACES[cfg.norms]
+        for name in self.norm_names:
+            if name is not None:
+                self.add_module(name, make_rms_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_kind))
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def _norm(self, place: int, x: torch.Tensor) -> torch.Tensor:
+        name = self.norm_names[place]
+        return x if name is None else self.get_submodule(name)(x)
+
+    def _residual(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._residual(self._norm(1, self.self_attn(self._norm(0, x), ctx)))
+        return x + self._residual(self._norm(3, self.mlp(self._norm(2, x))))
 
 
 class DecoderBody(nn.Module):
@@ -98,10 +131,17 @@ class DecoderBody(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_rms_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_kind)
+        self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1.0 elsewhere
+        # Gemma's sqrt(hidden), which transformers rounds to the model's dtype before multiplying
+        self.normalizer = cfg.hidden_size**0.5 if cfg.embedding_normalizer else None
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        if self.normalizer is not None:
+            x = x * torch.tensor(self.normalizer, dtype=x.dtype)
         for layer in self.layers:
             x = layer(x, ctx)
         return self.norm(x)
@@ -111,7 +151,8 @@ class CausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final hidden states; `logits` projects only the rows asked for,
     so a prefill computes the vocabulary projection for its last token alone."""
 
-    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    # checkpoint name fragment -> (fused parameter fragment, shard id); a checkpoint that already fuses
+    # them (Phi-3's qkv_proj, gate_up_proj) is split into the same shards at load
     fused_weights = {
         ".q_proj.": (".qkv_proj.", "q"),
         ".k_proj.": (".qkv_proj.", "k"),
@@ -134,4 +175,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, ctx)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.cfg.logits_scaling != 1.0:  # Granite divides, in the model's dtype, as transformers does
+            logits = logits / self.cfg.logits_scaling
+        return softcap(logits, self.cfg.final_logit_softcapping).float()

@@ -117,6 +117,42 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class Fp32ProductRMSNorm(RMSNorm):
+    """OLMo 2's RMSNorm: the weight multiplies the fp32 normed values and the product is cast back
+    (Llama's casts first, then multiplies), as transformers' OLMo 2 does; the same in fp32, not in bf16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._scale() * self._normed(x)).to(x.dtype)
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def _scale(self) -> torch.Tensor:
+        return self.weight
+
+
+class OffsetRMSNorm(Fp32ProductRMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores weight - 1, so it scales by (1 + weight), in fp32 before the
+    cast back, as transformers' Gemma does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        self.weight.data.zero_()
+
+    def _scale(self) -> torch.Tensor:
+        return 1.0 + self.weight.float()
+
+
+# a family's `norm_kind` -> its RMSNorm
+RMS_NORMS: dict[str, type[RMSNorm]] = {"llama": RMSNorm, "fp32": Fp32ProductRMSNorm, "gemma": OffsetRMSNorm}
+
+
+def make_rms_norm(dim: int, eps: float, kind: str) -> RMSNorm:
+    """The family's RMSNorm (`RMS_NORMS`): Llama's, OLMo 2's fp32 product, or Gemma's `1 + weight`."""
+    return RMS_NORMS[kind](dim, eps)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies of rotary embeddings, with `linear` or `llama3` scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -169,3 +205,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": silu_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+}

@@ -93,17 +93,7 @@ def load_model(
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
-        shard = None
-        for frag, (fused, shard_id) in CausalLM.fused_weights.items():
-            if frag in name:
-                name, shard = name.replace(frag, fused), shard_id
-                break
-        param = params.get(name)
-        if param is None:
-            raise ValueError(f"checkpoint weight {name!r} has no place in the {cfg.architecture} model")
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        loader(param, tensor.to(dtype), shard)
-        loaded.add(name if shard is None else f"{name}#{shard}")
+        loaded.update(_place(model, params, name, tensor.to(dtype)))
     expected = set()
     for name, _ in model.named_parameters():
         offsets = getattr(_owner(model, name), "shard_offsets", None)
@@ -112,6 +102,33 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
     return model.requires_grad_(False).eval()
+
+
+def _place(
+    model: CausalLM, params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor
+) -> list[str]:
+    """Load one checkpoint tensor into its parameter; the names it filled (`name#shard` for a fused one).
+
+    A separate q/k/v or gate/up tensor goes into its shard of the fused parameter; a tensor the checkpoint
+    already fuses (Phi-3's `qkv_proj`, `gate_up_proj`) is split along its rows into every shard."""
+    shard = None
+    for frag, (fused, shard_id) in CausalLM.fused_weights.items():
+        if frag in name:
+            name, shard = name.replace(frag, fused), shard_id
+            break
+    param = params.get(name)
+    if param is None:
+        raise ValueError(f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model")
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    offsets = getattr(_owner(model, name), "shard_offsets", None)
+    if shard is None and offsets:
+        if tensor.shape[0] != sum(n for _, n in offsets.values()):
+            raise ValueError(f"fused weight {name!r} has {tensor.shape[0]} rows, the model {param.shape[0]}")
+        for shard_id, (off, n) in offsets.items():
+            loader(param, tensor.narrow(0, off, n), shard_id)
+        return [f"{name}#{s}" for s in offsets]
+    loader(param, tensor, shard)
+    return [name if shard is None else f"{name}#{shard}"]
 
 
 def _owner(model: torch.nn.Module, param_name: str) -> torch.nn.Module:

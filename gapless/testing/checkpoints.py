@@ -5,7 +5,9 @@ They are written by `gapless.default_model.checkpoint` (transformers' own config
 
 The tiny configs are chosen so that together they cover the features the engine must get right:
 grouped-query and multi-query attention, a head_dim that is not hidden/heads, llama3 RoPE scaling,
-attention bias (Qwen2), q/k norm (Qwen3), and tied and untied lm_heads.
+attention bias (Qwen2), q/k norm per head (Qwen3) and over all heads (OLMo 2), fused q/k/v and gate/up
+checkpoint weights (Phi-3), post-norms (OLMo 2), Granite's multipliers, Gemma 2's sliding window and
+soft-caps, and tied and untied lm_heads.
 """
 
 from __future__ import annotations
@@ -16,7 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    Gemma2Config,
+    GraniteConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from gapless.default_model.checkpoint import (
     QWEN3_TINY,
@@ -29,7 +41,7 @@ from gapless.default_model.checkpoint import (
     write_checkpoint,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite", "gemma2")
 SIZES = ("tiny", "overlap", "bench", "qwen3-0.6b")
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
@@ -37,6 +49,10 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "mistral": MistralConfig,
+    "phi3": Phi3Config,
+    "olmo2": Olmo2Config,
+    "granite": GraniteConfig,
+    "gemma2": Gemma2Config,
 }
 
 # Per-arch tiny configs. Between them: GQA (4 q / 2 kv heads), MQA (mistral: 1 kv head), head_dim 32
@@ -55,6 +71,32 @@ _TINY: dict[str, dict[str, Any]] = {
     "qwen2": dict(TINY, tie_word_embeddings=True),
     "qwen3": QWEN3_TINY,
     "mistral": dict(TINY, num_key_value_heads=1, sliding_window=None, tie_word_embeddings=False),
+    # Phi-3 writes q/k/v and gate/up fused; OLMo 2 norms q and k over all heads and the sublayers'
+    # outputs; Granite's multipliers are all != 1 (attention_multiplier 0.2 != 1/sqrt(16)), so a
+    # forgotten one changes the output.
+    "phi3": dict(TINY, sliding_window=None, tie_word_embeddings=False),
+    "olmo2": dict(TINY, tie_word_embeddings=False),
+    "granite": dict(
+        TINY,
+        tie_word_embeddings=True,
+        embedding_multiplier=2.0,
+        residual_multiplier=1.5,
+        attention_multiplier=0.2,
+        logits_scaling=1.25,
+    ),
+    # Gemma 2: layer 0 slides a 24-token window (prompts run to 90 tokens, chunks of 16 cross its edge,
+    # shared 48-token prefixes are hit from inside it), layer 1 is global; soft-caps that bite on these
+    # weights' scores and logits, query_pre_attn_scalar != head_dim.
+    "gemma2": dict(
+        TINY,
+        head_dim=16,
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=24,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=8.0,
+        tie_word_embeddings=False,  # tied, the sqrt(hidden)-scaled embedding would predict its own token
+    ),
 }
 
 # Shapes for the larger sizes; they replace the tiny shape but keep each arch's features (rope,

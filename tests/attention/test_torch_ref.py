@@ -9,7 +9,9 @@ from gapless.attention.base import AttentionMetadata
 from gapless.attention.torch_ref import TorchRefBackend
 
 
-def naive(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, scale):
+def naive(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, scale, window=None, cap=None):
+    """Per request: scores, soft-capped (cap * tanh(s / cap)) if `cap`, causal and, with `window`, only
+    the last `window` positions up to the query's own."""
     outs, start = [], 0
     for row, pre, ext in zip(rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
         slots = table[row, : pre + ext].long()
@@ -18,16 +20,22 @@ def naive(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, scale):
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         qq = q[start : start + ext].float()  # [E, h, d]
         scores = torch.einsum("ehd,shd->hes", qq, k) * scale
-        causal = torch.arange(pre + ext)[None, :] <= (pre + torch.arange(ext))[:, None]
+        if cap is not None:
+            scores = cap * torch.tanh(scores / cap)
+        key_pos, q_pos = torch.arange(pre + ext)[None, :], (pre + torch.arange(ext))[:, None]
+        causal = (key_pos <= q_pos) & (key_pos > q_pos - (window or pre + ext + 1))
         scores = scores.masked_fill(~causal[None], float("-inf"))
         outs.append(torch.einsum("hes,shd->ehd", scores.softmax(-1), v))
         start += ext
     return torch.cat(outs)
 
 
+# plain; a sliding window shorter than most contexts (prefixes 13 and 30 start their queries' windows
+# inside the cached prefix); Gemma 2's soft-capping; both
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (8, None), (None, 2.0), (8, 2.0)])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("mode", ["extend", "decode"])
-def test_matches_naive_attention(heads, kv_heads, mode):
+def test_matches_naive_attention(heads, kv_heads, mode, window, cap):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     d, slots_total, max_ctx = 16, 512, 64
     k_cache = torch.randn(slots_total, kv_heads, d, generator=g)
@@ -52,8 +60,12 @@ def test_matches_naive_attention(heads, kv_heads, mode):
         is_decode=mode == "decode",
     )
     backend = TorchRefBackend()
-    out = backend.forward(q, k_cache, v_cache, backend.prepare(meta), d**-0.5)
-    ref = naive(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, d**-0.5)
+    state = backend.prepare(meta)
+    out = backend.forward(q, k_cache, v_cache, state, d**-0.5, window=window, softcap=cap)
+    ref = naive(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, d**-0.5, window, cap)
+    if window is not None:  # the window changes the answer here (so the comparison tests it)
+        full = backend.forward(q, k_cache, v_cache, state, d**-0.5, softcap=cap)
+        assert not torch.allclose(full, ref, atol=1e-3)
     assert out.shape == ref.shape
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

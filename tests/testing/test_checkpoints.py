@@ -127,9 +127,24 @@ def test_checkpoint_loads_in_transformers(checkpoints: dict[str, Path], arch: st
     assert GenerationConfig.from_pretrained(path).eos_token_id == tok.eos_token_id
 
     attn = model.model.layers[0].self_attn
-    q, k = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    if arch == "phi3":  # q/k/v (and gate/up) written fused, as Phi-3 checkpoints are
+        assert attn.qkv_proj.weight.shape[0] == cfg.hidden_size * 2  # 4 q + 2 kv + 2 kv heads of 16
+        assert model.model.layers[0].mlp.gate_up_proj.weight.shape[0] == 2 * cfg.intermediate_size
+        q, k = cfg.hidden_size, cfg.hidden_size // 2
+    else:
+        q, k = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert tied == cfg.tie_word_embeddings == (arch in ("qwen2", "qwen3"))
+    assert tied == cfg.tie_word_embeddings == (arch in ("qwen2", "qwen3", "granite"))
+    if arch == "olmo2":  # q/k norm over all heads; norms after attention and MLP, none before
+        assert (attn.q_norm.weight.shape[0], attn.k_norm.weight.shape[0]) == (q, k)
+        assert hasattr(model.model.layers[0], "post_feedforward_layernorm")
+    if arch == "granite":
+        assert (cfg.embedding_multiplier, cfg.residual_multiplier) == (2.0, 1.5)
+        assert (cfg.attention_multiplier, cfg.logits_scaling) == (0.2, 1.25)
+    if arch == "gemma2":  # a window shorter than the test prompts on layer 0, a global layer 1
+        assert (cfg.sliding_window, cfg.layer_types) == (24, ["sliding_attention", "full_attention"])
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (4.0, 8.0)
+        assert (cfg.query_pre_attn_scalar, cfg.hidden_activation) == (24, "gelu_pytorch_tanh")
     if arch == "llama":
         assert (q // cfg.head_dim, k // cfg.head_dim) == (4, 2)  # grouped-query
     if arch == "mistral":
