@@ -68,10 +68,11 @@ class TritonBackend:
         v_cache: torch.Tensor,
         state: _State,
         scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
+        **layer: Any,
     ) -> torch.Tensor:
-        if window is not None or softcap is not None:
+        """`AttentionBackend.forward`; `layer`'s options (`window`, `softcap`) must be None: the kernels
+        have neither."""
+        if any(value is not None for value in layer.values()):
             raise NotImplementedError(UNSUPPORTED)
         if q.device.type == "cpu" and not self.interpreted:
             raise RuntimeError(

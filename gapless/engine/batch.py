@@ -8,10 +8,11 @@ This module imports nothing of the engine, so every side can import it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
+from gapless.attention.base import AttentionMetadata
 from gapless.sampling.rows import RowParams, SampleFlags
 
 
@@ -52,6 +53,12 @@ class ForwardBatch:
     table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (row, prompt_ids, output_ids) whose sampler penalty state is (re)built before sampling
     penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+
+    def attention_metadata(self, req_table: torch.Tensor) -> AttentionMetadata:
+        """What attention reads of this batch (its fields of the same names), with the device's
+        request table."""
+        shared = {f.name: getattr(self, f.name) for f in fields(AttentionMetadata) if f.name != "req_table"}
+        return AttentionMetadata(req_table=req_table, **shared)
 
 
 @dataclass(frozen=True)

@@ -237,16 +237,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch, self.forward_tokens)
         table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
-        meta = AttentionMetadata(
-            rows=batch.rows,
-            prefix_lens=batch.prefix_lens,
-            extend_lens=batch.extend_lens,
-            q_start=batch.q_start,
-            req_table=table.device_table,
-            max_extend_len=batch.max_extend_len,
-            max_seq_len=batch.max_seq_len,
-            is_decode=batch.is_decode,
-        )
+        meta = batch.attention_metadata(table.device_table)
         # a decode's inputs are its rows' future-token slots
         input_ids = self.token_buf[batch.rows] if batch.is_decode else batch.input_ids
         return self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)

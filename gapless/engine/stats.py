@@ -49,21 +49,11 @@ class EngineStats:
         total = self.device_busy_s + self.device_idle_s
         return self.device_idle_s / total if total > 0 else 0.0
 
-    @property
-    def mean_host_ms_per_step(self) -> float:
-        return _ms_per(self.host_s, self.steps)
-
-    @property
-    def mean_host_ms_per_prefill_step(self) -> float:
-        return _ms_per(self.prefill_host_s, self.prefill_steps)
-
-    @property
-    def mean_host_ms_per_decode_step(self) -> float:
-        return _ms_per(self.decode_host_s, self.decode_steps)
-
-    @property
-    def mean_device_ms_per_job(self) -> float:
-        return _ms_per(self.device_busy_s, self.device_jobs)
+    # averages in milliseconds (0 when there was nothing to average)
+    mean_host_ms_per_step = property(lambda self: _ms_per(self.host_s, self.steps))
+    mean_host_ms_per_prefill_step = property(lambda self: _ms_per(self.prefill_host_s, self.prefill_steps))
+    mean_host_ms_per_decode_step = property(lambda self: _ms_per(self.decode_host_s, self.decode_steps))
+    mean_device_ms_per_job = property(lambda self: _ms_per(self.device_busy_s, self.device_jobs))
 
     def as_dict(self) -> dict[str, float | int]:
         """Every figure, the derived ones included, under its own name."""
