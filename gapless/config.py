@@ -21,7 +21,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: checkpoint dtype on GPU, float32 on CPU
     page_size: int = 1
     radix_cache: bool = True
-    chunked_prefill_size: int = 2048  # token budget of one prefill batch; longer prompts are chunked
+    # token budget of one prefill batch; longer prompts are chunked. None: chosen for the device at start-up
+    # (gapless.engine.defaults: 2048 on CPU; on CUDA by GPU memory, 16384 from 60 GiB up)
+    chunked_prefill_size: int | None = None
     max_running_requests: int = 256
     kv_cache_tokens: int | None = None  # None: sized as below; a number overrides that, on any device
     # CUDA: share of the GPU's total memory for weights + KV cache (as SGLang's); the KV pool gets what the
@@ -78,7 +80,7 @@ class EngineConfig:
 
         if self.page_size < 1:
             raise bad("page_size", "must be >= 1")
-        if self.chunked_prefill_size < 1:
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise bad("chunked_prefill_size", "must be >= 1")
         if self.max_running_requests < 1:
             raise bad("max_running_requests", "must be >= 1")

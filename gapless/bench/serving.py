@@ -29,11 +29,14 @@ Workloads (both regenerated exactly from `--seed`, see `gapless.bench.workload`)
 Per request: TTFT (first content chunk - send), inter-token latencies (gaps between successive content
 chunks), e2e latency ([DONE] - send) and TPOT ((e2e - TTFT) / (output tokens - 1)). A content chunk is one
 with a non-empty `choices` list, except a trailing chunk with empty text that only carries `finish_reason`
-(it holds no token). The output token count comes from the final `usage` chunk, or from the number of
-content chunks if the server sends no usage. A chunk may hold more than one token when the server batches
-its stream, so ITL is really the inter-chunk gap; TPOT is per token either way. Failed requests (HTTP error,
-connection drop, an error event in the stream, a stream with no [DONE]) are counted and reported with their
-error; the run goes on.
+(it holds no token). Tokens are counted by the server, not from the text: the output token count comes
+from the final `usage` chunk (asked for with `include_usage`), or from the number of content chunks only
+if the server sends no usage. A stream whose tokens decoded to no text at all (a tokenizer that covers
+less than the model's vocabulary) still counts its tokens; its first output is then its finish chunk (or
+[DONE]), so that is its TTFT. A chunk may hold more than one token when the server batches its stream, so
+ITL is really the inter-chunk gap; TPOT is per token either way. A request fails only on an error (HTTP
+error, connection drop, an error event in the stream, a stream with no [DONE], or one with neither usage
+nor output to count): failures are counted and reported with their error; the run goes on.
 
 The report prints as a table; `--output-json PATH` also writes `{"config", "summary", "requests", "report"}`
 with one record per request (times in seconds relative to the benchmark start) for plots, and
@@ -321,6 +324,7 @@ async def send_request(
 ) -> RequestRecord:
     """Stream one completion into `record` (times relative to `t0`); any failure goes into its `error`."""
     chunk_times: list[float] = []
+    first_choice: float | None = None  # the first chunk with choices, text or not
     n_tokens: int | None = None
     send = time.perf_counter()
     end: float | None = None
@@ -334,13 +338,15 @@ async def send_request(
 
             def handle(data: str | None) -> bool:
                 """Account for one event; True at [DONE]."""
-                nonlocal n_tokens
+                nonlocal n_tokens, first_choice
                 if data is None:
                     return False
                 now = time.perf_counter()
                 chunk = parse_chunk(data)
                 if chunk is None:
                     return True
+                if first_choice is None and chunk.get("choices"):
+                    first_choice = now
                 if is_content_chunk(chunk):
                     chunk_times.append(now)
                 usage = usage_tokens(chunk)
@@ -357,10 +363,12 @@ async def send_request(
                     end = time.perf_counter()
         if end is None:
             raise StreamError("stream ended without [DONE]")
-        if not chunk_times:
-            raise StreamError("no output tokens in stream")
+        if n_tokens is None and not chunk_times:
+            raise StreamError("neither usage nor output in stream: its tokens cannot be counted")
         record.output_tokens = n_tokens if n_tokens is not None else len(chunk_times)
-        for name, value in request_metrics(send, chunk_times, end, record.output_tokens).items():
+        # no text at all: the client's first output was the finish chunk, or [DONE]
+        times = chunk_times or [first_choice if first_choice is not None else end]
+        for name, value in request_metrics(send, times, end, record.output_tokens).items():
             setattr(record, name, value)
         record.success = True
     except Exception as e:  # every failure is a failed request, never a crashed run

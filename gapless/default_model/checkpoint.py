@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from gapless.default_model.tokenizer import build_tokenizer, trained_tokenizer_json
+from gapless.default_model.tokenizer import FILLER_TEXT, build_tokenizer, trained_tokenizer_json
 
 # RoPE goes in as `rope_theta` / `rope_scaling`: transformers 5 folds them into `rope_parameters`
 # (which is what config.json then carries), and 4.x takes them as they are.
@@ -80,6 +80,7 @@ def recipe() -> dict[str, Any]:
     return dict(
         init=[LOGIT_STD, LINEAR_GAIN, EMBED_STD, NORM_NOISE, BIAS_STD],
         tokenizer=hashlib.sha256(trained_tokenizer_json().encode()).hexdigest(),
+        tokenizer_filler=FILLER_TEXT,  # how a vocabulary past the trained one is filled
     )
 
 
@@ -163,7 +164,8 @@ def write_checkpoint(
         max_shard_size = max(1, math.ceil(total / shards))
     model.save_pretrained(str(path), max_shard_size=max_shard_size)
 
-    tokenizer = build_tokenizer()
+    # every id of the model's vocabulary decodes to text, however far past the trained tokenizer's it goes
+    tokenizer = build_tokenizer(vocab_size=config.vocab_size)
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(str(path))
     GenerationConfig(

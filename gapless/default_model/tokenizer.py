@@ -5,17 +5,26 @@ The default model and the test checkpoints need a tokenizer that behaves like a 
 never touch the network. Training a
 ~1000-token BPE on a few KB of embedded text takes a fraction of a second, keeps the tiny models'
 embedding tables small, and is deterministic, so every process gets the same vocabulary.
+
+A model with a real model's vocabulary (the GPU benchmark's Qwen3-0.6B shape: 151,936 ids) gets the same
+tokenizer with its vocabulary filled up to the model's (`build_tokenizer(vocab_size=...)`): each id past
+the trained ones decodes to a text of its own (`FILLER_TEXT`), so whatever a random-weight model samples
+streams as text, as a real model's tokens do. The filler entries have no merges, so encoding never
+produces them and every text encodes as it does with the trained vocabulary alone.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 VOCAB_SIZE = 1000
+# what an id past the trained vocabulary decodes to; as a byte-level token a space is "Ġ" (U+0120)
+FILLER_TEXT = " tok{}"
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -123,14 +132,33 @@ def trained_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def build_tokenizer(save_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
-    """Return the built-in tokenizer (a fresh object each call), saving it to `save_dir` when given.
+@functools.lru_cache(maxsize=4)
+def tokenizer_json(vocab_size: int | None = None) -> str:
+    """The trained tokenizer's JSON with its vocabulary filled up to `vocab_size` ids (None, or no more
+    than it has: as trained); id i past the trained ones decodes to `FILLER_TEXT.format(i)`."""
+    data = json.loads(trained_tokenizer_json())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    if vocab_size is None or vocab_size <= len(vocab):
+        return trained_tokenizer_json()
+    byte_level_space = chr(0x100 + ord(" "))  # the byte-level alphabet's stand-in for a space
+    for i in range(len(vocab), vocab_size):
+        vocab[FILLER_TEXT.format(i).replace(" ", byte_level_space)] = i
+    if len(vocab) != vocab_size:
+        raise AssertionError(f"a filler token collided with a trained one: {len(vocab)} != {vocab_size}")
+    return json.dumps(data, ensure_ascii=False)
+
+
+def build_tokenizer(
+    save_dir: str | Path | None = None, vocab_size: int | None = None
+) -> PreTrainedTokenizerFast:
+    """Return the built-in tokenizer (a fresh object each call), saving it to `save_dir` when given; with
+    `vocab_size` above the trained vocabulary's size, filled up to it (see `tokenizer_json`).
 
     A fresh wrapper per call means callers may mutate it (padding side, template) without
     affecting others; only the trained vocabulary is shared.
     """
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(trained_tokenizer_json()),
+        tokenizer_object=Tokenizer.from_str(tokenizer_json(vocab_size)),
         bos_token=EOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,

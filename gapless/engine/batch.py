@@ -70,6 +70,7 @@ class RunnerInfo:
     kv_tokens: int
     max_context: int
     max_running_requests: int
+    chunked_prefill_size: int  # as chosen for the device when the config left it unset (engine.defaults)
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]

@@ -17,6 +17,7 @@ raises `EngineShutDown`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -64,6 +65,8 @@ class Engine:
         self._stream: DeviceStream | None = stream
         self._runner = runner
         self.info = stream.info
+        # the scheduler's prefill budget is the one the runner chose for its device (engine.defaults)
+        self.cfg = cfg = dataclasses.replace(cfg, chunked_prefill_size=self.info.chunked_prefill_size)
         eos = set(self.info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -22,6 +22,7 @@ from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
 from gapless.engine.batch import ForwardBatch, RunnerInfo
 from gapless.engine.cuda_graph import DEFAULT_MAX_BS, GraphRunner
+from gapless.engine.defaults import apply_device_defaults, device_memory
 from gapless.engine.memory_plan import (
     CpuKVPlan,
     GpuKVPlan,
@@ -56,6 +57,10 @@ class ModelRunner:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.device = pick_device(cfg.device)
+        # options left unset get their device's default here, before anything is sized from them
+        cfg = apply_device_defaults(cfg, self.device.type, device_memory(self.device))
+        assert cfg.chunked_prefill_size is not None
+        self.chunked_prefill_size: int = cfg.chunked_prefill_size
         # what the process held before this runner: other tensors, other engines. The KV plan counts only
         # what the runner adds on top as its own (see `plan_gpu_kv`)
         allocated_before = _allocated(self.device)
@@ -165,8 +170,8 @@ class ModelRunner:
         peak, graph_bytes = measure_activations(
             self,
             self._new_kv_pool(1),
-            ReqTable(self.max_running_requests + 1, min(max_context, cfg.chunked_prefill_size), self.device),
-            cfg.chunked_prefill_size,
+            ReqTable(self.max_running_requests + 1, min(max_context, self.chunked_prefill_size), self.device),
+            self.chunked_prefill_size,
             graph_bs,
         )
         torch.cuda.empty_cache()
@@ -205,6 +210,7 @@ class ModelRunner:
             kv_tokens=self.kv_tokens,
             max_context=self.max_context,
             max_running_requests=self.max_running_requests,
+            chunked_prefill_size=self.chunked_prefill_size,
             vocab_size=mc.vocab_size,
             max_position_embeddings=mc.max_position_embeddings,
             eos_token_ids=mc.eos_token_ids,

@@ -271,7 +271,8 @@ async def _serve(
         host, port = args.host, listener.getsockname()[1]
         print(
             f"gapless: serving {model_name} at http://{f'[{host}]' if ':' in host else host}:{port} "
-            f"(device {info.device}, {info.kv_tokens} KV tokens, context {info.max_context}; "
+            f"(device {info.device}, {info.kv_tokens} KV tokens, context {info.max_context}, "
+            f"chunked_prefill_size {info.chunked_prefill_size}; "
             f"started in {time.monotonic() - started:.1f} s)",
             flush=True,
         )

@@ -134,6 +134,7 @@ class SchedulerInfo(msgspec.Struct):
     kv_tokens: int
     device: str
     vocab_size: int
+    chunked_prefill_size: int  # as chosen for the device (gapless.engine.defaults), for the ready line
 
 
 class Ready(msgspec.Struct, tag=True):

@@ -361,7 +361,9 @@ def scheduler_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int, logs: Sc
         engine = Engine(cfg)
         try:
             info = engine.info
-            ready = P.SchedulerInfo(info.max_context, info.kv_tokens, info.device, info.vocab_size)
+            ready = P.SchedulerInfo(
+                info.max_context, info.kv_tokens, info.device, info.vocab_size, info.chunked_prefill_size
+            )
             socks.send("api", P.Ready("scheduler", ready))
             _SchedulerLoop(engine, socks, logs).run()
         finally:

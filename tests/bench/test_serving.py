@@ -278,6 +278,7 @@ MODEL = "fake-model"
 class FakeState:
     fail_every: int = 0  # request n (1-based, in arrival order) gets HTTP 500 when n % fail_every == 0
     drop_every: int = 0  # ... has its connection dropped after two chunks when n % drop_every == 1
+    textless: bool = False  # its tokens decode to no text: no chunk but the finish chunk and usage
     count: int = 0
     in_flight: int = 0
     peak: int = 0
@@ -304,7 +305,7 @@ def make_app(state: FakeState) -> FastAPI:
         drop = state.drop_every and n % state.drop_every == 1
         max_tokens = body["max_tokens"]
         # odd requests get no usage chunk: the client then counts content chunks
-        send_usage = n % 2 == 0
+        send_usage = n % 2 == 0 or state.textless
 
         def event(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
@@ -322,7 +323,8 @@ def make_app(state: FakeState) -> FastAPI:
                 for k in range(max_tokens):
                     if k:
                         await asyncio.sleep(ITL_SLEEP)
-                    yield event(choice(f" t{k}", None))
+                    if not state.textless:
+                        yield event(choice(f" t{k}", None))
                     if drop and k == 1:
                         raise RuntimeError("injected connection drop")
                 yield event(choice("", "length"))  # a finish-only chunk: not a token
@@ -438,6 +440,19 @@ def test_end_to_end_failures_are_counted(fake, tmp_path):
     assert reqs[-1]["scheduled_s"] > 0
     assert s["duration_s"] >= reqs[-1]["scheduled_s"]
     assert res["config"]["request_rate"] == 40.0
+
+
+def test_tokens_that_decode_to_no_text_are_counted_not_failed(fake, tmp_path):
+    """A stream of tokens whose text is empty (a tokenizer covering less than the model's vocabulary)
+    succeeds with the server's token count; its first output, the finish chunk, is its TTFT. Before,
+    each such request failed: "no output tokens in stream"."""
+    url, state = fake
+    state.textless = True
+    argv = ["--num-prompts", "4", "--input-len", "6", "--output-len", "3", "--range-ratio", "0"]
+    s = _run(url, tmp_path, *argv, "--disable-tqdm")["summary"]
+    assert (s["completed"], s["failed"], s["errors"]) == (4, 0, {})
+    assert s["output_tokens"] == s["requested_output_tokens"] == 4 * 3
+    assert s["ttft_ms"]["mean"] / 1e3 >= TTFT_SLEEP + 2 * ITL_SLEEP * 0.8  # the finish chunk, at the end
 
 
 def test_module_runs_as_a_script(fake, tmp_path):

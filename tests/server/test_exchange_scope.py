@@ -27,7 +27,7 @@ class _Client:
 
 def test_an_unexpected_exception_is_a_json_500_that_releases_what_the_exchange_submitted():
     client = _Client()
-    settings = Settings("m", "/models/m", SchedulerInfo(64, 64, "cpu", 100))
+    settings = Settings("m", "/models/m", SchedulerInfo(64, 64, "cpu", 100, 2048))
     app = create_app(ServerState(settings, client, Health(), Metrics("m")))  # type: ignore[arg-type]
     group, other = Group(["a-0", "a-1"]), Group(["b-0"])
 
