@@ -27,6 +27,9 @@ from gapless.model.gguf import is_gguf_file
 #   gemma: Gemma's `1 + weight` RMSNorm, sqrt(hidden) embedding scale, `query_pre_attn_scalar`,
 #     attention and final logit soft-capping, and sliding-window layers (`layer_types`): 2 (Gemma 2) or 3
 #     (Gemma 3: also a RoPE base of its own on the window layers, and a window pattern of 6); 0 elsewhere
+#   window: how a `sliding_window` applies outside Gemma: "all" (Mistral, Mixtral, Phi-3: every layer, as
+#     soon as it is set), "qwen" (Qwen2, Qwen3: with `use_sliding_window`, on the layers `layer_types` names,
+#     else those from `max_window_layers` on) or None (an active window is refused)
 #   moe: a mixture-of-experts MLP (`gapless.model.moe`): None (dense), "qwen" (Qwen2/3-MoE, OLMoE: top-k
 #     of the softmax, renormalised if `norm_topk_prob`, weights cast to the model's dtype) or "mixtral"
 #     (always renormalised, weights kept in fp32 as transformers' Mixtral keeps them)
@@ -37,19 +40,21 @@ _PLAIN: dict[str, Any] = {
     "norm_kind": "llama",
     "multipliers": False,
     "gemma": 0,
+    "window": None,
     "moe": None,
 }
 _FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": _PLAIN,
-    "MistralForCausalLM": {**_PLAIN, "qkv_bias": False},
-    "Qwen2ForCausalLM": {**_PLAIN, "qkv_bias": True},
-    "Qwen3ForCausalLM": {**_PLAIN, "qk_norm": "head"},
-    "Phi3ForCausalLM": {**_PLAIN, "qkv_bias": False},  # q/k/v and gate/up come fused in the checkpoint
+    "MistralForCausalLM": {**_PLAIN, "qkv_bias": False, "window": "all"},
+    "Qwen2ForCausalLM": {**_PLAIN, "qkv_bias": True, "window": "qwen"},
+    "Qwen3ForCausalLM": {**_PLAIN, "qk_norm": "head", "window": "qwen"},
+    # q/k/v and gate/up come fused in the checkpoint
+    "Phi3ForCausalLM": {**_PLAIN, "qkv_bias": False, "window": "all"},
     "Olmo2ForCausalLM": {**_PLAIN, "qk_norm": "all", "norms": "post", "norm_kind": "fp32"},
     "GraniteForCausalLM": {**_PLAIN, "multipliers": True},
     "Gemma2ForCausalLM": {**_PLAIN, "norms": "sandwich", "gemma": 2},
     "Gemma3ForCausalLM": {**_PLAIN, "norms": "sandwich", "gemma": 3, "qk_norm": "head"},
-    "MixtralForCausalLM": {**_PLAIN, "qkv_bias": False, "moe": "mixtral"},
+    "MixtralForCausalLM": {**_PLAIN, "qkv_bias": False, "window": "all", "moe": "mixtral"},
     "Qwen2MoeForCausalLM": {**_PLAIN, "qkv_bias": True, "moe": "qwen"},
     "Qwen3MoeForCausalLM": {**_PLAIN, "qk_norm": "head", "moe": "qwen"},
     "OlmoeForCausalLM": {**_PLAIN, "qk_norm": "all", "moe": "qwen"},
@@ -175,15 +180,6 @@ def _architecture(cfg: dict[str, Any], where: str) -> str:
     hidden_act = _hidden_act(cfg, arch)
     if hidden_act not in _ACTIVATIONS or (hidden_act != "silu") != bool(fam["gemma"]):
         raise ValueError(f"{arch}: hidden_act={hidden_act!r} is not supported")
-    max_pos = int(cfg.get("max_position_embeddings", 2048))  # transformers' default when absent
-    window = cfg.get("sliding_window")
-    # Qwen2/Qwen3 switch the window with `use_sliding_window`; Mistral and Phi-3 apply any window they set
-    windowed = window is not None and cfg.get("use_sliding_window", True) and int(window) < max_pos
-    if windowed and not _FAMILIES[arch]["gemma"]:
-        raise ValueError(
-            f"{arch}: sliding-window attention (sliding_window={window} < "
-            f"max_position_embeddings={max_pos}) is not supported"
-        )
     return arch
 
 
@@ -194,16 +190,37 @@ def _hidden_act(cfg: dict[str, Any], arch: str) -> str:
     return str(cfg.get("hidden_act", "silu"))
 
 
-def _window_layers(cfg: dict[str, Any], num_layers: int, gemma: int) -> tuple[bool, ...]:
-    """Gemma's sliding-window layers: as `layer_types` lists them, else every `sliding_window_pattern`-th
-    layer is global (transformers' defaults: every other one for Gemma 2, every sixth for Gemma 3)."""
-    pattern = int(cfg.get("sliding_window_pattern") or (2 if gemma == 2 else 6))
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
-    ]
+def _window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[bool, ...]]:
+    """The sliding window and which layers slide, as transformers decides it for the family (`_FAMILIES`'
+    "gemma" and "window"). Gemma: as `layer_types` lists them, else every `sliding_window_pattern`-th layer
+    is global (transformers' defaults: every other one for Gemma 2, every sixth for Gemma 3)."""
+    fam = _FAMILIES[arch]
+    window = cfg.get("sliding_window")
+    gemma, kind = fam["gemma"], fam["window"]
+    if window is None or not (gemma or kind or cfg.get("use_sliding_window", True)):
+        return None, (False,) * num_layers
+    if gemma:
+        pattern = int(cfg.get("sliding_window_pattern") or (2 if gemma == 2 else 6))
+        default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    elif kind == "all":
+        default = ["sliding_attention"] * num_layers
+    elif kind == "qwen":
+        if not cfg.get("use_sliding_window", False):
+            return None, (False,) * num_layers
+        first = int(cfg.get("max_window_layers", 28))  # transformers' default
+        default = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    else:
+        max_pos = int(cfg.get("max_position_embeddings", 2048))  # transformers' default when absent
+        if int(window) < max_pos:
+            raise ValueError(
+                f"{arch}: sliding-window attention (sliding_window={window} < "
+                f"max_position_embeddings={max_pos}) is not supported"
+            )
+        return None, (False,) * num_layers
+    types = default if kind == "all" else cfg.get("layer_types") or default
     if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"layer_types={types!r} is not supported")
-    return tuple(t == "sliding_attention" for t in types)
+    return int(window), tuple(t == "sliding_attention" for t in types)
 
 
 def _rope(
@@ -254,7 +271,7 @@ def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None)
         scale = mult("attention_multiplier")
     else:
         scale = float(cfg.get("query_pre_attn_scalar", head_dim) if gemma else head_dim) ** -0.5
-    window = cfg.get("sliding_window") if gemma else None
+    window, window_layers = _window(cfg, arch, num_layers)
     local_theta, local_scaling = _rope(cfg, arch, "sliding_attention") if gemma == 3 else (None, None)
 
     return ModelConfig(
@@ -286,8 +303,8 @@ def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None)
         # transformers' Gemma 3 never applies an `attn_logit_softcapping` its config may carry
         attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping") if gemma == 2 else None),
         final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping") if gemma else None),
-        sliding_window=int(window) if window is not None else None,
-        window_layers=_window_layers(cfg, num_layers, gemma) if window is not None else (False,) * num_layers,
+        sliding_window=window,
+        window_layers=window_layers,
         local_rope_theta=local_theta,
         local_rope_scaling=local_scaling,
         eos_token_ids=_eos_ids(gen_eos, cfg.get("eos_token_id")),
@@ -310,6 +327,9 @@ def _moe_fields(cfg: dict[str, Any], moe: str | None, num_layers: int) -> dict[s
             norm_topk_prob=False,
             shared_expert_intermediate_size=0,
         )
+    for keys in (("num_experts", "num_local_experts"), ("num_experts_per_tok",)):
+        if not any(k in cfg for k in keys):  # transformers would fill in its default (128 experts, ...)
+            raise ValueError(f"{cfg['architectures'][0]}: the config lacks {keys[0]}")
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = set(cfg.get("mlp_only_layers") or [])
