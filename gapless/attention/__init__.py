@@ -32,19 +32,12 @@ def _triton_import_error() -> str | None:
 def make_backend(name: str, device: torch.device | str, probe: Probe | None = None) -> AttentionBackend:
     """ "torch": the reference backend, any device. "triton": the Triton kernels; on CPU only under
     Triton's interpreter (TRITON_INTERPRET=1, slow, for tests). "auto": Triton on CUDA when it imports
-    and, given the model's attention shapes (`probe`), agrees with the reference on them at start-up;
-    else torch, with a warning saying why (a model with sliding windows or soft-capping, which the kernels
-    lack, always gets torch; "triton" refuses it)."""
+    and, given the model's attention shapes (`probe`, with its sliding window and soft-cap if any), agrees
+    with the reference on them at start-up; else torch, with a warning saying why."""
     device = torch.device(device)
     if name == "torch":
         return TorchRefBackend()
     if name == "auto":
-        if device.type == "cuda" and probe is not None and probe.needs:
-            log.warning(
-                "attention: the model needs %s, which the Triton kernels lack; using the torch reference",
-                " and ".join(probe.needs),
-            )
-            return TorchRefBackend()
         if device.type == "cuda" and _triton_import_error() is None:
             from gapless.attention.triton_backend import TritonBackend
 
@@ -65,11 +58,6 @@ def make_backend(name: str, device: torch.device | str, probe: Probe | None = No
             )
         if device.type not in ("cuda", "cpu"):
             raise RuntimeError(f"attention backend 'triton' does not support device type {device.type!r}")
-        if probe is not None and probe.needs:
-            raise RuntimeError(
-                f"attention backend 'triton': the model needs {' and '.join(probe.needs)}, which the Triton "
-                "kernels lack - use 'torch' or 'auto'"
-            )
         backend = TritonBackend()
         if device.type == "cpu" and not backend.interpreted:
             raise RuntimeError(

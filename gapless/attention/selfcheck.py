@@ -28,13 +28,8 @@ class Probe:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    window: int | None = None  # the model's sliding window, if any layer has one
-    softcap: float | None = None  # the model's attention soft-capping, if any
-
-    @property
-    def needs(self) -> list[str]:
-        """What the model's attention asks beyond plain causal attention, by name."""
-        return [n for n, v in (("sliding window", self.window), ("soft-capping", self.softcap)) if v]
+    window: int | None = None  # the model's sliding window, if any layer has one: checked with it
+    softcap: float | None = None  # the model's attention soft-capping, if any: checked with it
 
 
 def _batch(
@@ -77,11 +72,13 @@ def disagreement(backend: AttentionBackend, probe: Probe, device: torch.device) 
     }
     for seed, (name, (prefix_lens, extend_lens)) in enumerate(cases.items()):
         q, k, v, meta = _batch(probe, prefix_lens, extend_lens, device, seed)
+        # as the decoder asks: a layer's options only where it has them
+        layer = {n: x for n, x in (("window", probe.window), ("softcap", probe.softcap)) if x is not None}
         try:
-            out = backend.forward(q, k, v, backend.prepare(meta), scale)
+            out = backend.forward(q, k, v, backend.prepare(meta), scale, **layer)
         except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
             return f"{name} batch failed: {type(e).__name__}: {e}"
-        want = reference.forward(q.float(), k.float(), v.float(), reference.prepare(meta), scale)
+        want = reference.forward(q.float(), k.float(), v.float(), reference.prepare(meta), scale, **layer)
         if out.shape != want.shape:
             return f"{name} batch: output shape {tuple(out.shape)}, reference {tuple(want.shape)}"
         if not bool(torch.isfinite(out).all()):

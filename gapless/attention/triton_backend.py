@@ -22,10 +22,6 @@ from gapless.tensors import map_tensors
 _CPU_SM_STANDIN = 8  # for the interpreter's split heuristic: a few splits, not one per key block
 
 
-# what the kernels cannot do yet: `make_backend` keeps models that need it on the torch reference
-UNSUPPORTED = "the Triton kernels have no sliding-window attention or attention soft-capping yet"
-
-
 def interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -68,22 +64,20 @@ class TritonBackend:
         v_cache: torch.Tensor,
         state: _State,
         scale: float,
-        **layer: Any,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """`AttentionBackend.forward`; `layer`'s options (`window`, `softcap`) must be None: the kernels
-        have neither."""
-        if any(value is not None for value in layer.values()):
-            raise NotImplementedError(UNSUPPORTED)
+        """`AttentionBackend.forward`: sliding windows and soft-capping included."""
         if q.device.type == "cpu" and not self.interpreted:
             raise RuntimeError(
                 "Triton kernels got CPU tensors but were not built for the interpreter: set "
                 "TRITON_INTERPRET=1 before gapless.attention.triton_kernels is first imported"
             )
         if not state.meta.is_decode:
-            return self._k.extend_attention(q, k_cache, v_cache, state.meta, scale)
+            return self._k.extend_attention(q, k_cache, v_cache, state.meta, scale, window, softcap)
         splits, mid_o, mid_lse = self._decode_scratch(state, q, k_cache)
         return self._k.decode_attention(
-            q, k_cache, v_cache, state.meta, splits, scale, mid_o=mid_o, mid_lse=mid_lse
+            q, k_cache, v_cache, state.meta, splits, scale, mid_o, mid_lse, window, softcap
         )
 
     def _decode_scratch(

@@ -49,6 +49,7 @@ _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_SPLIT_LEN = 128  # keys; shorter splits cost more in stage 2 and launch overhead than they save
 _DECODE_BLOCK_N = 64
+_NO_WINDOW = 2**30  # the window of a layer without one: past any context, so it masks nothing
 
 if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction
@@ -77,15 +78,20 @@ def _attend_block(
     stride_vt,
     stride_vh,
     scale_log2,
+    cap_in,
+    cap_out,
     m_i,
     l_i,
     acc,
+    SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One block of keys of the online softmax, for both kernels: scores of `q` [M, BLOCK_D] against the
     keys in `slots` [BLOCK_N] where `visible` [M or 1, BLOCK_N] (others -inf), then the running max `m_i`,
-    sum `l_i` and accumulator `acc` rescaled and updated with the block's values. Returns them."""
+    sum `l_i` and accumulator `acc` rescaled and updated with the block's values. Returns them.
+    SOFTCAP: scores s * scale become cap * tanh(s * scale / cap) (`cap_in` = scale / cap, `cap_out` =
+    cap * log2(e)) before the mask, as Gemma 2 caps them."""
     k = tl.load(
         K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
         mask=kv_mask[None, :] & d_mask[:, None],
@@ -98,7 +104,11 @@ def _attend_block(
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
-    s = tl.where(visible, s * scale_log2, float("-inf"))
+    if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): no tanh builtin in every Triton, and exp2 saturates
+        s = (1.0 - 2.0 / (tl.exp2(s * cap_in * (2.0 * 1.4426950408889634)) + 1.0)) * cap_out
+    else:
+        s = s * scale_log2
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, _max(s, 1))
     # a row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids (-inf) - (-inf)
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -131,6 +141,9 @@ def _extend_kernel(
     QStart,
     Table,
     scale_log2,
+    cap_in,
+    cap_out,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -146,6 +159,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -181,14 +195,21 @@ def _extend_kernel(
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     table_row = Table + row * stride_table
-    for n0 in range(0, kv_end, BLOCK_N):
+    # keys before the first query's window are masked for every row: start at its block
+    kv_start = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
-        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])  # causal
+        # causal, and within the last `window` positions
+        visible = (
+            n_mask[None, :]
+            & (offs_n[None, :] <= q_pos[:, None])
+            & (offs_n[None, :] > q_pos[:, None] - window)
+        )
         m_i, l_i, acc = _attend_block(
             q, K, V, slots, visible, n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
-            scale_log2, m_i, l_i, acc, IEEE, UPCAST,
+            scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST,
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -217,6 +238,9 @@ def _decode_split_kernel(
     QStart,
     Table,
     scale_log2,
+    cap_in,
+    cap_out,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -236,6 +260,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -243,8 +268,10 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(PrefixLens + b) + tl.load(ExtendLens + b)
-    chunk = _split_len(seq_len, tl.num_programs(2), BLOCK_N)
-    start = split * chunk
+    # the query at seq_len - 1 sees keys [first, seq_len): the splits share out those alone
+    first = tl.maximum(seq_len - window, 0)
+    chunk = _split_len(seq_len - first, tl.num_programs(2), BLOCK_N)
+    start = first + split * chunk
     if start >= seq_len:  # stage 2 skips empty splits by the same arithmetic
         return
     end = tl.minimum(start + chunk, seq_len)
@@ -274,7 +301,7 @@ def _decode_split_kernel(
         slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_block(
             q, K, V, slots, n_mask[None, :], n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt,
-            stride_vh, scale_log2, m_i, l_i, acc, IEEE, UPCAST,
+            stride_vh, scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST,
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -296,6 +323,7 @@ def _decode_reduce_kernel(
     ExtendLens,
     QStart,
     num_splits,
+    window,
     stride_mo_b,
     stride_mo_h,
     stride_mo_s,
@@ -311,11 +339,12 @@ def _decode_reduce_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(PrefixLens + b) + tl.load(ExtendLens + b)
-    chunk = _split_len(seq_len, num_splits, BLOCK_N)
+    span = seq_len - tl.maximum(seq_len - window, 0)  # the keys the query sees, as stage 1 splits them
+    chunk = _split_len(span, num_splits, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     # splits that start past the context were never written: their memory is garbage
-    s_mask = (offs_s < num_splits) & (offs_s * chunk < seq_len)
+    s_mask = (offs_s < num_splits) & (offs_s * chunk < span)
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(MidLse + b * stride_ml_b + h * stride_ml_h + offs_s, mask=s_mask, other=float("-inf"))
     o = tl.load(
@@ -361,12 +390,25 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[1]} kv heads")
 
 
+def _window_arg(window: int | None) -> int:
+    return _NO_WINDOW if window is None else min(window, _NO_WINDOW)
+
+
 def _paged_args(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
 ) -> tuple:
     """The arguments both attention kernels start with: q, the caches, the batch's metadata, the scale
-    (base 2) and the strides. q and the caches are checked and made last-dim contiguous here; `meta`'s
-    tensors must already be contiguous (`TritonBackend.prepare` makes them so, once per batch)."""
+    (base 2), the soft-cap factors and the window (`_NO_WINDOW` for none), and the strides. q and the
+    caches are checked and made last-dim contiguous here; `meta`'s tensors must already be contiguous
+    (`TritonBackend.prepare` makes them so, once per batch)."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be >= 1")
     _check(q, k_cache, v_cache)
     q, k_cache, v_cache = map(last_dim_contiguous, (q, k_cache, v_cache))
     return (
@@ -379,6 +421,9 @@ def _paged_args(
         meta.q_start,
         meta.req_table,
         scale * _LOG2E,
+        scale / softcap if softcap else 0.0,
+        softcap * _LOG2E if softcap else 0.0,
+        _window_arg(window),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -390,13 +435,20 @@ def _paged_args(
 
 
 def extend_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens to its cached prefix and to each other.
 
     q: [T, heads, d] (flat, request b's tokens at `meta.q_start[b]`); caches: [slots, kv_heads, d]; the
-    new tokens' K/V must already be in the cache. Returns [T, heads, d] in q's dtype."""
-    args = _paged_args(q, k_cache, v_cache, meta, scale)
+    new tokens' K/V must already be in the cache. `window`, `softcap`: as `AttentionBackend.forward`
+    takes them. Returns [T, heads, d] in q's dtype."""
+    args = _paged_args(q, k_cache, v_cache, meta, scale, window, softcap)
     T, heads, d = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or meta.batch_size == 0 or meta.max_extend_len == 0:
@@ -419,6 +471,7 @@ def extend_attention(
         BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        SOFTCAP=bool(softcap),
         num_warps=4,
         num_stages=2,
         **_dot_flags(q.dtype),
@@ -443,12 +496,15 @@ def decode_attention(
     scale: float,
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """One new token per request (`extend_lens` all 1) attending to all `prefix_lens[b] + 1` keys.
+    """One new token per request (`extend_lens` all 1) attending to all `prefix_lens[b] + 1` keys (the
+    last `window` of them, with a window; `softcap` as `AttentionBackend.forward` takes it).
 
     `mid_o` [B, heads, >=num_splits, d] and `mid_lse` [B, heads, >=num_splits] fp32 are scratch; pass
     them to reuse one allocation across layers."""
-    args = _paged_args(q, k_cache, v_cache, meta, scale)
+    args = _paged_args(q, k_cache, v_cache, meta, scale, window, softcap)
     T, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     batch = meta.batch_size
@@ -474,6 +530,7 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
         BLOCK_D=block_d,
         BLOCK_N=block_n,
+        SOFTCAP=bool(softcap),
         num_warps=4,
         num_stages=2,
         **_dot_flags(q.dtype),
@@ -486,6 +543,7 @@ def decode_attention(
         meta.extend_lens,
         meta.q_start,
         num_splits,
+        _window_arg(window),
         *mid_strides,
         out.stride(0),
         out.stride(1),

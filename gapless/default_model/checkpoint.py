@@ -110,8 +110,8 @@ def _spread_init(model: PreTrainedModel, seed: int) -> None:
             normal_(p, 1.0, NORM_NOISE)
         elif name.endswith(".bias"):
             normal_(p, 0.0, BIAS_STD)
-        elif p.dim() == 2:
-            normal_(p, 0.0, LINEAR_GAIN / math.sqrt(p.shape[1]))
+        elif p.dim() in (2, 3):  # a linear's [out, in], or stacked experts' [experts, out, in]
+            normal_(p, 0.0, LINEAR_GAIN / math.sqrt(p.shape[-1]))
         else:
             raise ValueError(f"no init rule for parameter {name} {tuple(p.shape)}")
 

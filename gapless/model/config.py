@@ -24,25 +24,40 @@ from gapless.model.gguf import is_gguf_file
 #     their outputs, OLMo 2) or "sandwich" (both, Gemma 2)
 #   norm_kind: the RMSNorm's arithmetic (`ModelConfig.norm_kind`; Gemma's is "gemma")
 #   multipliers: Granite's embedding/residual/attention multipliers and logits divisor are read
-#   gemma: Gemma 2's `1 + weight` RMSNorm, sqrt(hidden) embedding scale, `query_pre_attn_scalar`,
-#     attention and final logit soft-capping, and sliding-window layers (`layer_types`)
+#   gemma: Gemma's `1 + weight` RMSNorm, sqrt(hidden) embedding scale, `query_pre_attn_scalar`,
+#     attention and final logit soft-capping, and sliding-window layers (`layer_types`): 2 (Gemma 2) or 3
+#     (Gemma 3: also a RoPE base of its own on the window layers, and a window pattern of 6); 0 elsewhere
+#   window: how a `sliding_window` applies outside Gemma: "all" (Mistral, Mixtral, Phi-3: every layer, as
+#     soon as it is set), "qwen" (Qwen2, Qwen3: with `use_sliding_window`, on the layers `layer_types` names,
+#     else those from `max_window_layers` on) or None (an active window is refused)
+#   moe: a mixture-of-experts MLP (`gapless.model.moe`): None (dense), "qwen" (Qwen2/3-MoE, OLMoE: top-k
+#     of the softmax, renormalised if `norm_topk_prob`, weights cast to the model's dtype) or "mixtral"
+#     (always renormalised, weights kept in fp32 as transformers' Mixtral keeps them)
 _PLAIN: dict[str, Any] = {
     "qkv_bias": None,
     "qk_norm": None,
     "norms": "pre",
     "norm_kind": "llama",
     "multipliers": False,
-    "gemma": False,
+    "gemma": 0,
+    "window": None,
+    "moe": None,
 }
 _FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": _PLAIN,
-    "MistralForCausalLM": {**_PLAIN, "qkv_bias": False},
-    "Qwen2ForCausalLM": {**_PLAIN, "qkv_bias": True},
-    "Qwen3ForCausalLM": {**_PLAIN, "qk_norm": "head"},
-    "Phi3ForCausalLM": {**_PLAIN, "qkv_bias": False},  # q/k/v and gate/up come fused in the checkpoint
+    "MistralForCausalLM": {**_PLAIN, "qkv_bias": False, "window": "all"},
+    "Qwen2ForCausalLM": {**_PLAIN, "qkv_bias": True, "window": "qwen"},
+    "Qwen3ForCausalLM": {**_PLAIN, "qk_norm": "head", "window": "qwen"},
+    # q/k/v and gate/up come fused in the checkpoint
+    "Phi3ForCausalLM": {**_PLAIN, "qkv_bias": False, "window": "all"},
     "Olmo2ForCausalLM": {**_PLAIN, "qk_norm": "all", "norms": "post", "norm_kind": "fp32"},
     "GraniteForCausalLM": {**_PLAIN, "multipliers": True},
-    "Gemma2ForCausalLM": {**_PLAIN, "norms": "sandwich", "gemma": True},
+    "Gemma2ForCausalLM": {**_PLAIN, "norms": "sandwich", "gemma": 2},
+    "Gemma3ForCausalLM": {**_PLAIN, "norms": "sandwich", "gemma": 3, "qk_norm": "head"},
+    "MixtralForCausalLM": {**_PLAIN, "qkv_bias": False, "window": "all", "moe": "mixtral"},
+    "Qwen2MoeForCausalLM": {**_PLAIN, "qkv_bias": True, "moe": "qwen"},
+    "Qwen3MoeForCausalLM": {**_PLAIN, "qk_norm": "head", "moe": "qwen"},
+    "OlmoeForCausalLM": {**_PLAIN, "qk_norm": "all", "moe": "qwen"},
 }
 # norm placement -> the checkpoint names of the norms on (attention input, attention output, MLP input,
 # MLP output); None where a placement has none. Llama's "post_attention_layernorm" is the MLP's input norm.
@@ -95,6 +110,15 @@ class ModelConfig:
     final_logit_softcapping: float | None  # Gemma 2: logits z -> cap * tanh(z / cap)
     sliding_window: int | None  # window layers attend to the last `sliding_window` tokens (self included)
     window_layers: tuple[bool, ...]  # per layer: whether it is a sliding-window layer
+    local_rope_theta: float | None  # Gemma 3: the window layers' own RoPE base (None: the model's)
+    local_rope_scaling: dict[str, Any] | None  # and their RoPE scaling
+    moe: str | None  # the family's router (`_FAMILIES`' "moe"); None: every MLP is dense
+    moe_layers: tuple[bool, ...]  # per layer: whether its MLP is the mixture of experts
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int  # each expert's MLP width
+    norm_topk_prob: bool  # renormalise the top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int  # Qwen2-MoE: an always-on expert behind a sigmoid gate; 0: none
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
 
@@ -146,21 +170,16 @@ def _architecture(cfg: dict[str, Any], where: str) -> str:
             f"unsupported architecture {arch!r} in {where}{what}; "
             f"gapless runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    for moe_key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if cfg.get(moe_key):
+    fam = _FAMILIES[arch]
+    for moe_key in ("num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts"):
+        if cfg.get(moe_key) and not fam["moe"]:
             raise ValueError(f"{arch}: mixture-of-experts ({moe_key}={cfg[moe_key]}) is not supported")
+    for key in ("clip_qkv", "use_bidirectional_attention"):  # OLMoE's clipping, EmbeddingGemma's attention
+        if cfg.get(key):
+            raise ValueError(f"{arch}: {key}={cfg[key]!r} is not supported")
     hidden_act = _hidden_act(cfg, arch)
-    if hidden_act not in _ACTIVATIONS or (hidden_act != "silu") != _FAMILIES[arch]["gemma"]:
+    if hidden_act not in _ACTIVATIONS or (hidden_act != "silu") != bool(fam["gemma"]):
         raise ValueError(f"{arch}: hidden_act={hidden_act!r} is not supported")
-    max_pos = int(cfg.get("max_position_embeddings", 2048))  # transformers' default when absent
-    window = cfg.get("sliding_window")
-    # Qwen2/Qwen3 switch the window with `use_sliding_window`; Mistral and Phi-3 apply any window they set
-    windowed = window is not None and cfg.get("use_sliding_window", True) and int(window) < max_pos
-    if windowed and not _FAMILIES[arch]["gemma"]:
-        raise ValueError(
-            f"{arch}: sliding-window attention (sliding_window={window} < "
-            f"max_position_embeddings={max_pos}) is not supported"
-        )
     return arch
 
 
@@ -171,23 +190,50 @@ def _hidden_act(cfg: dict[str, Any], arch: str) -> str:
     return str(cfg.get("hidden_act", "silu"))
 
 
-def _window_layers(cfg: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
-    """Gemma 2's sliding-window layers: as `layer_types` lists them, else every other one from the first
-    (transformers' default for Gemma 2)."""
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
-    ]
+def _window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[bool, ...]]:
+    """The sliding window and which layers slide, as transformers decides it for the family (`_FAMILIES`'
+    "gemma" and "window"). Gemma: as `layer_types` lists them, else every `sliding_window_pattern`-th layer
+    is global (transformers' defaults: every other one for Gemma 2, every sixth for Gemma 3)."""
+    fam = _FAMILIES[arch]
+    window = cfg.get("sliding_window")
+    gemma, kind = fam["gemma"], fam["window"]
+    if window is None or not (gemma or kind or cfg.get("use_sliding_window", True)):
+        return None, (False,) * num_layers
+    if gemma:
+        pattern = int(cfg.get("sliding_window_pattern") or (2 if gemma == 2 else 6))
+        default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    elif kind == "all":
+        default = ["sliding_attention"] * num_layers
+    elif kind == "qwen":
+        if not cfg.get("use_sliding_window", False):
+            return None, (False,) * num_layers
+        first = int(cfg.get("max_window_layers", 28))  # transformers' default
+        default = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    else:
+        max_pos = int(cfg.get("max_position_embeddings", 2048))  # transformers' default when absent
+        if int(window) < max_pos:
+            raise ValueError(
+                f"{arch}: sliding-window attention (sliding_window={window} < "
+                f"max_position_embeddings={max_pos}) is not supported"
+            )
+        return None, (False,) * num_layers
+    types = default if kind == "all" else cfg.get("layer_types") or default
     if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"layer_types={types!r} is not supported")
-    return tuple(t == "sliding_attention" for t in types)
+    return int(window), tuple(t == "sliding_attention" for t in types)
 
 
-def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None]:
+def _rope(
+    cfg: dict[str, Any], arch: str, layer_type: str = "full_attention"
+) -> tuple[float, dict[str, Any] | None]:
     """RoPE's base and scaling: v5 configs carry `rope_parameters` (rope_theta inside, and Phi-3's
-    partial_rotary_factor), v4 ones `rope_theta` + `rope_scaling`."""
+    partial_rotary_factor; per layer type for Gemma 3), v4 ones `rope_theta` + `rope_scaling` (and
+    Gemma 3's `rope_local_base_freq` for its window layers, which v4 never scaled)."""
     rope = dict(cfg.get("rope_parameters") or {})
-    if isinstance(rope.get("full_attention"), dict):  # per-layer-type form; all our layers are full attention
-        rope = dict(rope["full_attention"])
+    if isinstance(rope.get("full_attention"), dict):  # per-layer-type form
+        rope = dict(rope.get(layer_type) or {})
+    elif layer_type == "sliding_attention":  # v4 (or flat) Gemma 3: the local base, no scaling
+        return float(cfg.get("rope_local_base_freq", 10000.0)), None
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -214,7 +260,8 @@ def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None)
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     attn_bias = bool(cfg.get("attention_bias", False))
-    qkv_bias = attn_bias if fam["qkv_bias"] is None else fam["qkv_bias"]
+    # Qwen2's bias is always on; Qwen2-MoE's config may switch it (`qkv_bias`)
+    qkv_bias = attn_bias if fam["qkv_bias"] is None else fam["qkv_bias"] and bool(cfg.get("qkv_bias", True))
     o_bias = attn_bias if fam["qkv_bias"] is None else False
     # Granite's multipliers (its config's defaults are 1.0, attention_multiplier included)
     mult = (lambda key: float(cfg.get(key, 1.0))) if fam["multipliers"] else (lambda key: 1.0)
@@ -224,7 +271,8 @@ def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None)
         scale = mult("attention_multiplier")
     else:
         scale = float(cfg.get("query_pre_attn_scalar", head_dim) if gemma else head_dim) ** -0.5
-    window = cfg.get("sliding_window") if gemma else None
+    window, window_layers = _window(cfg, arch, num_layers)
+    local_theta, local_scaling = _rope(cfg, arch, "sliding_attention") if gemma == 3 else (None, None)
 
     return ModelConfig(
         architecture=arch,
@@ -247,15 +295,53 @@ def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None)
         norms=fam["norms"],
         norm_kind="gemma" if gemma else fam["norm_kind"],
         hidden_act=_hidden_act(cfg, arch),
-        embedding_normalizer=gemma,
+        embedding_normalizer=bool(gemma),
         embedding_multiplier=mult("embedding_multiplier"),
         residual_multiplier=mult("residual_multiplier"),
         attention_scale=scale,
         logits_scaling=mult("logits_scaling"),
-        attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping") if gemma else None),
+        # transformers' Gemma 3 never applies an `attn_logit_softcapping` its config may carry
+        attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping") if gemma == 2 else None),
         final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping") if gemma else None),
-        sliding_window=int(window) if window is not None else None,
-        window_layers=_window_layers(cfg, num_layers) if window is not None else (False,) * num_layers,
+        sliding_window=window,
+        window_layers=window_layers,
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
         eos_token_ids=_eos_ids(gen_eos, cfg.get("eos_token_id")),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        **_moe_fields(cfg, fam["moe"], num_layers),
+    )
+
+
+def _moe_fields(cfg: dict[str, Any], moe: str | None, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of `ModelConfig`: which layers route to experts (Qwen's
+    `decoder_sparse_step` and `mlp_only_layers`; all of them in Mixtral and OLMoE), how many experts, how
+    many per token, their width and the shared expert's."""
+    if moe is None:
+        return dict(
+            moe=None,
+            moe_layers=(False,) * num_layers,
+            num_experts=0,
+            num_experts_per_tok=0,
+            moe_intermediate_size=0,
+            norm_topk_prob=False,
+            shared_expert_intermediate_size=0,
+        )
+    for keys in (("num_experts", "num_local_experts"), ("num_experts_per_tok",)):
+        if not any(k in cfg for k in keys):  # transformers would fill in its default (128 experts, ...)
+            raise ValueError(f"{cfg['architectures'][0]}: the config lacks {keys[0]}")
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts and not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+    return dict(
+        moe=moe,
+        moe_layers=tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        norm_topk_prob=moe == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
     )

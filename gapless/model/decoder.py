@@ -1,7 +1,9 @@
-"""One decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Granite, Gemma 2),
-switched by `ModelConfig` where the families differ: q/k norm per head (Qwen3) or over all heads (OLMo 2),
-where the norms sit (`NORM_PLACES`), Granite's multipliers, Gemma's `1 + weight` norms, GeGLU, embedding
-scale, soft-capping and sliding-window layers.
+"""One decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Granite, Gemma 2 and 3,
+and the mixture-of-experts Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE), switched by `ModelConfig` where the
+families differ: q/k norm per head (Qwen3, Gemma 3) or over all heads (OLMo 2, OLMoE), where the norms sit
+(`NORM_PLACES`), Granite's multipliers, Gemma's `1 + weight` norms, GeGLU, embedding scale, soft-capping,
+sliding-window layers with their own RoPE base (Gemma 3), and a mixture of experts in place of the MLP
+(`gapless.model.moe`).
 
 The model sees a flat, ragged batch of tokens (all requests' new tokens concatenated) and a
 `ForwardContext` passed down as an argument: where to store each token's K/V and how to attend.
@@ -28,6 +30,7 @@ from gapless.model.layers import (
     VocabParallelEmbedding,
     make_rms_norm,
 )
+from gapless.model.moe import SparseMoE
 
 
 @dataclass
@@ -86,12 +89,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: the width (default: the config's; Qwen2-MoE's shared expert has its own)."""
         super().__init__()
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, bias=cfg.mlp_bias
+            cfg.hidden_size, {"gate": inter, "up": inter}, bias=cfg.mlp_bias
         )
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_and_mul = GATED_ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +111,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, rope)
-        self.mlp = MLP(cfg)
+        self.mlp = _mlp(cfg, layer_id)
         self.norm_names = NORM_PLACES[cfg.norms]
         for name in self.norm_names:
             if name is not None:
@@ -125,12 +130,27 @@ class DecoderLayer(nn.Module):
         return x + self._residual(self._norm(3, self.mlp(self._norm(2, x))))
 
 
+def _mlp(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    """The layer's MLP: dense, or the mixture of experts (with Qwen2-MoE's shared expert, a dense MLP)."""
+    if not cfg.moe_layers[layer_id]:
+        return MLP(cfg)
+    shared = cfg.shared_expert_intermediate_size
+    return SparseMoE(cfg, MLP(cfg, shared) if shared else None)
+
+
 class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        local_rope = rope  # Gemma 3's window layers rotate with a base of their own
+        if cfg.local_rope_theta is not None:
+            local_rope = RotaryEmbedding(
+                cfg.head_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling
+            )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, local_rope if cfg.window_layers[i] else rope) for i in range(cfg.num_layers)
+        )
         self.norm = make_rms_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_kind)
         self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1.0 elsewhere
         # Gemma's sqrt(hidden), which transformers rounds to the model's dtype before multiplying

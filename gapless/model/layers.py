@@ -24,6 +24,11 @@ def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Paramete
     return param
 
 
+def set_weight_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:
+    """`param`, carrying `loader` as its `weight_loader` (for layers defined outside this module)."""
+    return _set_loader(param, loader)
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
@@ -74,6 +79,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(_Linear):
     """A linear layer tensor parallelism will split by input features (W's columns): each rank's partial
     sums are all-reduced, and the bias is added once, after the reduction."""
+
+
+class ReplicatedLinear(_Linear):
+    """A linear layer every tensor-parallel rank will hold whole (a mixture-of-experts router, Qwen2-MoE's
+    shared-expert gate: small, and needed in full on each rank)."""
 
 
 class VocabParallelEmbedding(nn.Module):

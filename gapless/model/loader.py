@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gapless.model import gguf
+from gapless.model import gguf, moe
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
@@ -94,11 +94,7 @@ def load_model(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
         loaded.update(_place(model, params, name, tensor.to(dtype)))
-    expected = set()
-    for name, _ in model.named_parameters():
-        offsets = getattr(_owner(model, name), "shard_offsets", None)
-        expected.update([f"{name}#{s}" for s in offsets] if offsets else [name])
-    missing = sorted(expected - loaded)
+    missing = sorted(_expected(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
     return model.requires_grad_(False).eval()
@@ -112,8 +108,11 @@ def _place(
     A separate q/k/v or gate/up tensor goes into its shard of the fused parameter; a tensor the checkpoint
     already fuses (Phi-3's `qkv_proj`, `gate_up_proj`) is split along its rows into every shard."""
     shard = None
+    target = moe.checkpoint_target(name)  # one expert's projection, or Mixtral's router
+    if target is not None:
+        name, shard = target
     for frag, (fused, shard_id) in CausalLM.fused_weights.items():
-        if frag in name:
+        if target is None and frag in name:
             name, shard = name.replace(frag, fused), shard_id
             break
     param = params.get(name)
@@ -129,6 +128,20 @@ def _place(
         return [f"{name}#{s}" for s in offsets]
     loader(param, tensor, shard)
     return [name if shard is None else f"{name}#{shard}"]
+
+
+def _expected(model: CausalLM) -> set[str]:
+    """The names `_place` must fill: each parameter, or each of its shards (`name#shard`) where its module
+    lists them (a fused projection's `shard_offsets`, the experts' `checkpoint_shards`)."""
+    expected = set()
+    for name, _ in model.named_parameters():
+        owner = _owner(model, name)
+        if hasattr(owner, "checkpoint_shards"):
+            shards = owner.checkpoint_shards(name.rsplit(".", 1)[1])
+        else:
+            shards = list(getattr(owner, "shard_offsets", None) or ())
+        expected.update([f"{name}#{s}" for s in shards] if shards else [name])
+    return expected
 
 
 def _owner(model: torch.nn.Module, param_name: str) -> torch.nn.Module:

@@ -7,7 +7,9 @@ The tiny configs are chosen so that together they cover the features the engine 
 grouped-query and multi-query attention, a head_dim that is not hidden/heads, llama3 RoPE scaling,
 attention bias (Qwen2), q/k norm per head (Qwen3) and over all heads (OLMo 2), fused q/k/v and gate/up
 checkpoint weights (Phi-3), post-norms (OLMo 2), Granite's multipliers, Gemma 2's sliding window and
-soft-caps, and tied and untied lm_heads.
+soft-caps, Gemma 3's window layers with a RoPE base of their own, mixtures of experts (Qwen2-MoE's
+shared expert, Qwen3-MoE's dense layer among sparse ones, Mixtral's always-renormalised router, OLMoE's
+q/k norm over all heads), and tied and untied lm_heads.
 """
 
 from __future__ import annotations
@@ -20,14 +22,19 @@ from typing import Any
 import torch
 from transformers import (
     Gemma2Config,
+    Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
+    OlmoeConfig,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from gapless.default_model.checkpoint import (
@@ -41,7 +48,22 @@ from gapless.default_model.checkpoint import (
     write_checkpoint,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "granite", "gemma2")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "olmo2",
+    "granite",
+    "gemma2",
+    "gemma3_text",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+)
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 SIZES = ("tiny", "overlap", "bench", "qwen3-0.6b")
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
@@ -53,7 +75,14 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "olmo2": Olmo2Config,
     "granite": GraniteConfig,
     "gemma2": Gemma2Config,
+    "gemma3_text": Gemma3TextConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+    "qwen3_moe": Qwen3MoeConfig,
+    "mixtral": MixtralConfig,
+    "olmoe": OlmoeConfig,
 }
+# the tiny mixtures: 8 experts of width 32, 2 per token
+_EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 # Per-arch tiny configs. Between them: GQA (4 q / 2 kv heads), MQA (mistral: 1 kv head), head_dim 32
 # != 64/4 (qwen3, the default model's config), llama3 RoPE scaling whose thresholds split head_dim 16's
@@ -96,6 +125,35 @@ _TINY: dict[str, dict[str, Any]] = {
         attn_logit_softcapping=4.0,
         final_logit_softcapping=8.0,
         tie_word_embeddings=False,  # tied, the sqrt(hidden)-scaled embedding would predict its own token
+    ),
+    # Gemma 3: the same window on layer 0, whose RoPE base (10^4) differs from the global layer's (10^6,
+    # linearly scaled by 2); q/k norms; no attention soft-cap (transformers' Gemma 3 has none)
+    "gemma3_text": dict(
+        TINY,
+        head_dim=16,
+        sliding_window=24,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=8.0,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+        tie_word_embeddings=False,
+    ),
+    # Qwen2-MoE: a shared expert behind its sigmoid gate, top-k weights not renormalised
+    "qwen2_moe": dict(
+        TINY, num_experts=8, shared_expert_intermediate_size=48, tie_word_embeddings=False, **_EXPERTS
+    ),
+    # Qwen3-MoE: renormalised top-k; layer 1 a dense MLP (`mlp_only_layers`)
+    "qwen3_moe": dict(
+        TINY, num_experts=8, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False, **_EXPERTS
+    ),
+    "mixtral": dict(
+        TINY, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, tie_word_embeddings=False
+    ),
+    "olmoe": dict(
+        TINY, num_experts=8, num_experts_per_tok=2, intermediate_size=32, tie_word_embeddings=False
     ),
 }
 

@@ -91,9 +91,9 @@ def make_batch(
     return (*dev, meta, (clean_k.to(DEVICE), clean_v.to(DEVICE)))
 
 
-def reference(q, clean, meta, scale):
+def reference(q, clean, meta, scale, **layer):
     ref = TorchRefBackend()
-    return ref.forward(q.float(), clean[0].float(), clean[1].float(), ref.prepare(meta), scale)
+    return ref.forward(q.float(), clean[0].float(), clean[1].float(), ref.prepare(meta), scale, **layer)
 
 
 def check(out, ref, dtype):
@@ -136,6 +136,27 @@ def test_decode_matches_reference(heads, kv_heads, d, page_size):
     backend = TritonBackend(num_splits=6)  # 5 non-empty splits of 64 keys for the 301-token context, 1 empty
     out = backend.forward(q, k, v, backend.prepare(meta), d**-0.5)
     check(out, reference(q, clean, meta, d**-0.5), torch.float32)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(24, None), (None, 2.0), (7, 2.0), (1, None), (10**9, None)])
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_sliding_window_and_softcap_match_reference(mode, window, softcap):
+    """Gemma's window and soft-cap in both kernels. Extend: a chunk starting at 0 and ones after prefixes
+    shorter and longer than the window (a prefix hit inside it, chunks across its edge, a 70-token chunk
+    spanning several key blocks, so whole blocks before the window are skipped); decode: contexts shorter
+    and longer than the window, over several splits of what the window leaves. A window of 1 sees only the
+    token itself; one past every context is plain causal attention. NaN outside the contexts stays unread."""
+    lens = EXTEND if mode == "extend" else DECODE
+    q, k, v, meta, clean = make_batch(8, heads=4, kv_heads=2, d=16, page_size=16, garbage=True, **lens)
+    backend = TritonBackend(num_splits=3)
+    layer = {"window": window, "softcap": softcap}
+    out = backend.forward(q, k, v, backend.prepare(meta), 0.5, **layer)
+    check(out, reference(q, clean, meta, 0.5, **layer), torch.float32)
+    if window == 10**9:
+        check(out, reference(q, clean, meta, 0.5, softcap=softcap), torch.float32)
+    else:  # the window or cap changes the answer, so matching the reference checks it
+        plain = reference(q, clean, meta, 0.5)
+        assert (out - plain).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, tk.MAX_SPLITS])

@@ -1,46 +1,41 @@
-"""Which backend a model with sliding windows or soft-capping (Gemma 2) gets: the Triton kernels lack
-both, so "auto" keeps such a model on the torch reference and says why, "triton" refuses it by name, and
-the Triton backend itself refuses to be asked for either rather than ignore it."""
+"""Which backend a model with sliding windows or soft-capping (Gemma 2 and 3) gets: the Triton kernels
+have both (tests/attention/test_triton.py checks them against the reference), so "triton" takes such a
+model and "auto" checks the kernels on the model's own window and cap at start-up, as for any model."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 
-from gapless.attention import Probe, TorchRefBackend, make_backend
+from gapless.attention import Probe, make_backend
+from gapless.attention.selfcheck import disagreement
 
-PLAIN = Probe(4, 2, 16, torch.float32)
+pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
 
+from gapless.attention import triton_kernels as tk  # noqa: E402
+from gapless.attention.triton_backend import TritonBackend  # noqa: E402
 
-@pytest.mark.parametrize(
-    ("probe", "named"),
-    [
-        (Probe(4, 2, 16, torch.float32, window=24), "sliding window"),
-        (Probe(4, 2, 16, torch.float32, softcap=50.0), "soft-capping"),
-        (Probe(4, 2, 16, torch.float32, window=24, softcap=50.0), "sliding window and soft-capping"),
-    ],
-)
-def test_auto_keeps_windowed_or_capped_models_on_the_reference(caplog, probe, named):
-    # on a CUDA device "auto" would otherwise take the Triton kernels; the choice is made before any
-    # CUDA call, so this runs without a GPU
-    with caplog.at_level(logging.WARNING, logger="gapless.attention"):
-        backend = make_backend("auto", "cuda", probe)
-    assert isinstance(backend, TorchRefBackend)
-    assert f"the model needs {named}, which the Triton kernels lack" in caplog.text
-    assert probe.needs and not PLAIN.needs
+if not torch.cuda.is_available() and not tk.INTERPRET:
+    pytest.skip(
+        "triton_kernels was imported before TRITON_INTERPRET was set, so it cannot run on CPU",
+        allow_module_level=True,
+    )
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_triton_refuses_windowed_models_and_forward_arguments():
-    pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
-    with pytest.raises(RuntimeError, match="needs sliding window, which the Triton kernels lack"):
-        make_backend("triton", "cpu", Probe(4, 2, 16, torch.float32, window=24))
-    from gapless.attention.triton_backend import TritonBackend
+def test_triton_takes_windowed_and_capped_models():
+    probe = Probe(4, 2, 16, torch.float32, window=24, softcap=4.0)
+    assert isinstance(make_backend("triton", DEVICE, probe), TritonBackend)
 
-    q = torch.zeros(1, 4, 16)
-    for kw in ({"window": 8}, {"softcap": 2.0}):
-        with pytest.raises(
-            NotImplementedError, match="no sliding-window attention or attention soft-capping"
-        ):
-            TritonBackend().forward(q, q, q, None, 0.25, **kw)
+
+def test_the_start_up_check_runs_the_models_window_and_cap():
+    """ "auto"'s start-up check passes the probe's window and cap to both backends: the kernels agree with
+    the reference on them, and a backend that ignored them would be caught."""
+    probe = Probe(4, 2, 16, torch.float32, window=24, softcap=4.0)
+    assert disagreement(TritonBackend(), probe, DEVICE) is None
+
+    class Ignores(TritonBackend):
+        def forward(self, q, k_cache, v_cache, state, scale, window=None, softcap=None):
+            return super().forward(q, k_cache, v_cache, state, scale)
+
+    assert "relative error" in disagreement(Ignores(), probe, DEVICE)

@@ -34,8 +34,10 @@ PROMPTS = [PREFIX + [7, 8, 9], [5, 6, 7, 8, 9], [3] * 9]
 LATER = PREFIX + list(range(60, 80))  # run after the first three: its prefix comes from the radix cache
 
 
-# qwen3: GQA, q/k norm, head_dim != hidden / heads; mistral: MQA
-@pytest.mark.parametrize(("arch", "graph_bs"), [("qwen3", 0), ("mistral", 4)])
+# qwen3: GQA, q/k norm, head_dim != hidden / heads; mistral: MQA; gemma2: a 24-token window on layer 0
+# (LATER and its decode run past it; chunks of 16 cross its edge; its radix prefix ends inside it) and
+# soft-capped scores
+@pytest.mark.parametrize(("arch", "graph_bs"), [("qwen3", 0), ("mistral", 4), ("gemma2", 4)])
 def test_triton_backend_greedy_parity(ckpt_factory, arch, graph_bs):
     path = ckpt_factory(arch)
     hf = load_hf_model(path)

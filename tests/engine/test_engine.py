@@ -252,9 +252,19 @@ def test_sharded_checkpoint_matches_single_file(tmp_path, qwen3):
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"architectures": ["Qwen3MoeForCausalLM"]}, "unsupported architecture 'Qwen3MoeForCausalLM'"),
+        ({"architectures": ["DeepseekV3ForCausalLM"]}, "unsupported architecture 'DeepseekV3ForCausalLM'"),
         ({"num_experts": 8}, "mixture-of-experts"),
-        ({"use_sliding_window": True, "sliding_window": 64}, "sliding-window"),
+        ({"architectures": ["Qwen3MoeForCausalLM"]}, "Qwen3MoeForCausalLM: the config lacks num_experts"),
+        (
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "use_sliding_window": True,
+                "sliding_window": 64,
+            },
+            "Qwen3MoeForCausalLM: sliding-window attention",
+        ),
         (
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}},
             "rope scaling type 'yarn'",

@@ -37,11 +37,12 @@ def references(ckpt_factory):
     return get
 
 
-# Families whose difference is inside the layer (fused weights, norms, multipliers) and not in what the
-# engine's options touch (paging, prefix reuse, chunking, retraction) run two corners of the matrix, to
-# keep the suite's time in check: every option off-default in one, every one at its default in the other.
-# The rest, Gemma 2's sliding window among them, run all of it.
-REDUCED = ("phi3", "olmo2", "granite")
+# Families whose difference is inside the layer (fused weights, norms, multipliers, Gemma 3's RoPE bases
+# and q/k norms on Gemma 2's window, the mixtures of experts) and not in what the engine's options touch
+# (paging, prefix reuse, chunking, retraction) run two corners of the matrix, to keep the suite's time in
+# check: every option off-default in one, every one at its default in the other. The rest, Gemma 2's
+# sliding window among them, run all of it.
+REDUCED = ("phi3", "olmo2", "granite", "gemma3_text", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 CORNERS = [(1, True, 16, SMALL_KV), (16, False, 2048, None)]
 COMBOS = [
     (arch, *combo)

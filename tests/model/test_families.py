@@ -33,14 +33,35 @@ _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": 
         # Phi-3's LongRoPE (v5's rope_parameters, and v4's rope_scaling with the old "su" name)
         ({"rope_parameters": {**_LONGROPE, "rope_theta": 10000.0}}, "LongRoPE"),
         ({"rope_parameters": None, "rope_scaling": {**_LONGROPE, "type": "su"}}, "LongRoPE"),
-        # Phi-3 applies a window it sets, with no `use_sliding_window` switch
-        ({"sliding_window": 64}, "sliding-window"),
+        # a window in a family that has none in gapless (Qwen3-MoE's)
+        (
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "sliding_window": 64,
+                "use_sliding_window": True,
+            },
+            r"sliding-window attention \(sliding_window=64 < max_position_embeddings=1024\)",
+        ),
         ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
         (
             {"architectures": ["Gemma3ForConditionalGeneration"], "vision_config": {"hidden_size": 8}},
             r"Gemma3ForConditionalGeneration'.*multimodal: vision_config; gapless runs text only",
         ),
-        ({"architectures": ["Qwen2MoeForCausalLM"]}, "unsupported architecture 'Qwen2MoeForCausalLM'"),
+        ({"architectures": ["DeepseekV2ForCausalLM"]}, "unsupported architecture 'DeepseekV2ForCausalLM'"),
+        ({"architectures": ["Gemma3nForCausalLM"]}, "unsupported architecture 'Gemma3nForCausalLM'"),
+        # mixture-of-experts keys in a dense family's config
+        ({"num_local_experts": 8}, r"mixture-of-experts \(num_local_experts=8\) is not supported"),
+        ({"architectures": ["OlmoeForCausalLM"], "clip_qkv": 8.0}, "clip_qkv=8.0 is not supported"),
+        (
+            {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
+            "use_bidirectional_attention=True is not supported",
+        ),
+        (
+            {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 5},
+            r"num_experts_per_tok=5 must be in 1..num_experts=4",
+        ),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(phi3: Path, patch: dict, message: str) -> None:
@@ -120,3 +141,68 @@ def test_each_rms_norm_is_bit_exact_with_its_family_in_bf16(kind: str, hf_class:
         ours.weight.copy_(weight)
         hf, ours = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
         assert torch.equal(ours(x), hf(x))
+
+
+def test_gemma3_window_layers_rotate_with_their_own_base(tmp_path: Path) -> None:
+    """Gemma 3's window layers take the sliding RoPE parameters (v5's per-layer-type `rope_parameters`, v4's
+    `rope_local_base_freq`, never scaled) and the global ones the rest; without `layer_types` every sixth
+    layer is global. The parity checkpoint's local base matters: with the global base on both layers
+    transformers' logits move, so parity (tests/engine) checks it."""
+    from gapless.testing.hf_reference import hf_logits, load_hf_model
+
+    path = make_checkpoint(tmp_path / "g3", "gemma3_text")
+    cfg = load_model_config(path)
+    assert (cfg.rope_theta, cfg.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 2.0})
+    assert (cfg.local_rope_theta, cfg.local_rope_scaling) == (1e4, None)
+    assert cfg.window_layers == (True, False) and cfg.qk_norm == "head" and cfg.attn_logit_softcapping is None
+    v4 = {
+        **_config(path, rope_parameters=None, layer_types=None, num_hidden_layers=7),
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 5e3,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    old = model_config_from_dict(v4, "config.json")
+    assert (old.rope_theta, old.rope_scaling["factor"], old.local_rope_theta) == (1e6, 8.0, 5e3)
+    assert old.window_layers == (True,) * 5 + (False, True)
+
+    same_base = tmp_path / "same"
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    make_checkpoint(
+        same_base, "gemma3_text", rope_parameters={"sliding_attention": rope, "full_attention": rope}
+    )
+    ids = list(range(5, 45))
+    assert (hf_logits(load_hf_model(path), ids) - hf_logits(load_hf_model(same_base), ids)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("arch", "window", "layers"),
+    [
+        # Mistral (as Phi-3 and Mixtral) slides every layer once `sliding_window` is set
+        ("mistral", {"sliding_window": 24}, (True, True)),
+        # Qwen2 (as Qwen3) with `use_sliding_window`: the layers from `max_window_layers` on
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}, (False, True)),
+    ],
+)
+def test_sliding_windows_of_mistral_and_qwen_decode_as_transformers(
+    tmp_path: Path, arch: str, window: dict, layers: tuple
+) -> None:
+    """Greedy tokens equal transformers' for prompts past the window, chunked across its edge (chunks of
+    16, pages of 4), some of them on a cached prefix that ends inside it; the window changes
+    transformers' logits, so the match checks it."""
+    from gapless import LLM, SamplingParams
+    from gapless.testing.hf_reference import check_greedy, hf_greedy, hf_logits, load_hf_model, make_prompts
+
+    path = make_checkpoint(tmp_path / "w", arch, **window)
+    assert load_model_config(path).window_layers == layers
+    hf = load_hf_model(path)
+    prompts = make_prompts(hf.config.vocab_size, n=6, seed=2, shared_prefix=20, max_len=60)
+    wide = load_hf_model(make_checkpoint(tmp_path / "wide", arch))
+    assert (hf_logits(hf, prompts[0])[30:] - hf_logits(wide, prompts[0])[30:]).abs().max() > 1e-3
+    with LLM(str(path), device="cpu", dtype="float32", page_size=4, chunked_prefill_size=16) as llm:
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )
+        assert sum(out.cached_tokens for out in outs) > 0
+        llm.check_integrity()
+    for prompt, out in zip(prompts, outs):
+        check_greedy(out.token_ids, hf_greedy(hf, prompt, 8))

@@ -1,0 +1,133 @@
+"""The mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): a router picks `top_k` of `E`
+expert MLPs per token, and the token's output is their routing-weighted sum (plus, in Qwen2-MoE, a
+shared expert behind a sigmoid gate).
+
+Routing is transformers' own: softmax over the router logits in fp32, top-k, renormalised to sum 1 where
+the config asks (`norm_topk_prob`; Mixtral always), then cast to the model's dtype (Qwen, OLMoE) or kept
+in fp32 (Mixtral), which decides where a bf16 product rounds.
+
+Two ways to run the experts, with the same weights ([E, 2I, H] gate/up, [E, H, I] down, loaded from the
+checkpoint's per-expert tensors):
+- `reference_experts`: transformers' loop over the experts that got tokens, on the CPU (it gathers each
+  expert's tokens with host-side indices, which on a GPU would wait for the device);
+- `gapless.model.moe_triton.fused_experts`: tokens sorted by expert and one grouped-GEMM Triton kernel,
+  with no host reads, on CUDA.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gapless.model.config import ModelConfig
+from gapless.model.layers import GATED_ACTIVATIONS, ReplicatedLinear, set_weight_loader
+
+# per-expert checkpoint tensors: `...mlp.experts.3.gate_proj.weight` (Qwen, OLMoE) or
+# `...block_sparse_moe.experts.3.w1.weight` (Mixtral: w1 gate, w3 up, w2 down)
+_EXPERT_NAME = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def checkpoint_target(name: str) -> tuple[str, Any] | None:
+    """Where a checkpoint tensor of an MoE layer goes: (parameter name, shard id) for one expert's
+    projection, the renamed router for Mixtral's `block_sparse_moe.gate`; None for any other tensor."""
+    m = _EXPERT_NAME.match(name)
+    if m and m.group(3) in _PROJ:
+        prefix, expert, proj = m.group(1), int(m.group(2)), _PROJ[m.group(3)]
+        param = "down_proj" if proj == "down" else "gate_up_proj"
+        return f"{prefix}.mlp.experts.{param}", (expert, proj)
+    if ".block_sparse_moe." in name:
+        return name.replace(".block_sparse_moe.", ".mlp."), None
+    return None
+
+
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids), each [T, top_k], from router logits [T, E], as transformers routes."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if fp32_weights else weights.to(logits.dtype)), ids
+
+
+def reference_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The experts as transformers runs them: for each expert with tokens, in order, its MLP on its
+    tokens, times their routing weights, added into the output in the model's dtype."""
+    out = torch.zeros_like(x)
+    act = GATED_ACTIVATIONS["silu"]
+    for expert in ids.unique().tolist():
+        token, slot = torch.where(ids == expert)
+        h = F.linear(act(F.linear(x[token], w13[expert])), w2[expert])
+        out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+    return out
+
+
+class Experts(nn.Module):
+    """All experts' weights of one layer, stacked: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I].
+    Each checkpoint tensor of expert e loads into its slice (shard id (e, "gate" | "up" | "down"))."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        self.gate_up_proj = set_weight_loader(
+            nn.Parameter(torch.empty(num_experts, 2 * inter, hidden)), self.load_shard
+        )
+        self.down_proj = set_weight_loader(
+            nn.Parameter(torch.empty(num_experts, hidden, inter)), self.load_shard
+        )
+        self.use_triton: bool | None = None  # None: by device (CUDA: fused Triton); tests force either
+
+    def checkpoint_shards(self, param: str) -> list[tuple[int, str]]:
+        """The shard ids that together fill `param` (the loader checks that none is missing)."""
+        projs = ("down",) if param == "down_proj" else ("gate", "up")
+        return [(e, p) for e in range(self.num_experts) for p in projs]
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        expert, proj = shard_id
+        target = param.data[expert]
+        if proj != "down":
+            target = target.narrow(0, 0 if proj == "gate" else self.inter, self.inter)
+        if target.shape != loaded.shape:
+            raise ValueError(
+                f"expert {expert} {proj} weight {tuple(loaded.shape)} does not fit {tuple(target.shape)}"
+            )
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        use_triton = x.is_cuda if self.use_triton is None else self.use_triton
+        if use_triton:
+            from gapless.model.moe_triton import fused_experts
+
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return reference_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+
+class SparseMoE(nn.Module):
+    """Router + experts (+ Qwen2-MoE's gated shared expert, given by the decoder as a dense MLP)."""
+
+    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"mixture-of-experts with hidden_act={cfg.hidden_act!r} is not supported")
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.fp32_weights = cfg.moe == "mixtral"
+        self.shared_expert = shared_expert
+        if shared_expert is not None:
+            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.fp32_weights)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

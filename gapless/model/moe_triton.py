@@ -1,0 +1,176 @@
+"""The fused mixture-of-experts path: tokens sorted by expert, then one grouped-GEMM Triton kernel, run
+twice (gate/up with SiLU·mul fused, then down with the routing weight fused).
+
+Each token picks `top_k` experts, so the batch makes `T * top_k` (token, expert) entries. `align` sorts the
+entries by expert and pads each expert's run to a multiple of `BLOCK_M`, so every block of `BLOCK_M`
+sorted entries belongs to one expert; the kernel's program for a block multiplies its entries' rows by
+that expert's weight matrix alone. All of it is sized from host ints (the padded length is bounded by
+`T * top_k + min(E, T * top_k) * (BLOCK_M - 1)`; blocks past the real padded length return at once), so
+nothing reads device memory on the host and a CUDA graph can capture it.
+
+The plain per-expert loop in `gapless.model.moe.reference_experts` is the yardstick: tests run this under
+Triton's interpreter (`TRITON_INTERPRET=1`, fp32) against it. As in `gapless.attention.triton_kernels`,
+fp32 dots use `input_precision="ieee"` (tf32 would cost three decimal digits), and the kernel uses
+builtins only (`tl.full`, `tl.exp`), so the interpreter never calls a helper built in GPU mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# the interpreter multiplies the raw bits of bf16 `tl.dot` operands (triton-lang/triton#11584): there the
+# operands go in as fp32 (same values), as `gapless.attention.triton_kernels` does it
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    A,
+    W,
+    Out,
+    SortedIds,
+    BlockExpert,
+    NumPadded,
+    RouteWeights,
+    num_entries,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    ROWS_PER_A: tl.constexpr,
+    GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[entry, n] for one block of `BLOCK_M` sorted entries (one expert) and `BLOCK_N` outputs.
+
+    A row of `A` is entry // ROWS_PER_A (the token, for the first GEMM; the entry itself for the second).
+    GATED: `W[e]` holds gate rows [0, N) then up rows [N, 2N), and the result is silu(gate) * up.
+    WEIGHTED: the result is multiplied by the entry's routing weight."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    expert = tl.load(BlockExpert + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    entry = tl.load(SortedIds + offs_m)
+    valid = entry < num_entries
+    a_row = (entry // ROWS_PER_A).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_base = W + expert * stride_we
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(
+            A + a_row[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0
+        )
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+        if GATED:
+            u = tl.load(w_base + (offs_n + N)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+            if IEEE:
+                acc_up += tl.dot(a, u, input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, u)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
+    if WEIGHTED:
+        acc = acc * tl.load(RouteWeights + entry, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(
+        Out + entry.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+        acc.to(Out.dtype.element_ty),
+        mask=valid[:, None] & n_mask[None, :],
+    )
+
+
+def align(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entries (flat indices into `ids` [T, top_k]) sorted by expert, each expert's run padded to a multiple
+    of `block_m` with the sentinel `ids.numel()`; the expert of each block; and the padded length (a
+    one-element device tensor). Only device ops: the host never reads a count."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_expert = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_expert]
+    capacity = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.full((capacity,), n, dtype=torch.int64, device=dev)
+    sorted_ids[(ends - padded)[sorted_expert] + rank] = order
+    block_start = torch.arange(0, capacity, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, block_start, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, block_expert, ends[-1:]
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k].
+
+    x: [T, H]; w13: [E, 2I, H] (gate rows, then up); w2: [E, H, I]; weights, ids: [T, top_k]."""
+    if INTERPRET and x.dtype != torch.float32:
+        return fused_experts(x.float(), w13.float(), w2.float(), weights, ids).to(x.dtype)
+    tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = ids.shape[1]
+    n = tokens * top_k
+    block_m = 16 if n <= 512 else 64
+    sorted_ids, block_expert, num_padded = align(ids, num_experts, block_m)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    weights = weights.reshape(-1).contiguous()
+    h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
+    ieee = x.dtype == torch.float32
+    blocks = sorted_ids.numel() // block_m
+    for a, w, out, rows_per_a, gated, n_out, k_in in (
+        (x, w13, h, top_k, True, inter, hidden),
+        (h, w2, y, 1, False, hidden, inter),
+    ):
+        block_n = min(64, max(16, triton.next_power_of_2(n_out)))
+        block_k = min(64, max(16, triton.next_power_of_2(k_in)))
+        _grouped_gemm_kernel[(blocks, triton.cdiv(n_out, block_n))](
+            a,
+            w,
+            out,
+            sorted_ids,
+            block_expert,
+            num_padded,
+            weights,
+            n,
+            n_out,
+            k_in,
+            a.stride(0),
+            w.stride(0),
+            w.stride(1),
+            out.stride(0),
+            ROWS_PER_A=rows_per_a,
+            GATED=gated,
+            WEIGHTED=not gated,
+            IEEE=ieee,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
+    return y.view(tokens, top_k, hidden).sum(1).to(x.dtype)
