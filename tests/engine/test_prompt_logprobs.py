@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gapless import LLM, SamplingParams
+from gapless.engine.prompt_logprobs import prompt_logprobs_output
 from gapless.testing import ARCHS
 from gapless.testing.hf_reference import hf_logits, load_hf_model, make_prompts
 
@@ -87,3 +88,33 @@ def test_prompt_logprobs_of_one_token_prompt_and_bad_values(ckpt_factory):
             SamplingParams(prompt_logprobs=bad)
     with pytest.raises(ValueError, match="prompt_logprobs_start"):
         SamplingParams(prompt_logprobs=1, prompt_logprobs_start=-2)
+
+
+@pytest.mark.parametrize("chaos_seed", [0, 1])
+def test_prompt_logprobs_under_chaos_retraction_and_abort(ckpt_factory, chaos_seed):
+    """Overlap under chaos (random delays on both sides), a KV pool small enough to retract, and a scoring
+    request aborted mid chunked prefill: the other scoring requests' logprobs stay exact, the generating
+    requests' tokens stay what they are alone, and nothing leaks."""
+    path = ckpt_factory("qwen3")
+    hf = load_hf_model(path)
+    prompts = make_prompts(hf.config.vocab_size, n=6, seed=5, shared_prefix=40, max_len=70)
+    gen = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    score = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    with LLM(str(path), device="cpu", overlap=False, kv_cache_tokens=2048) as llm:
+        alone = [o.token_ids for o in llm.generate(prompts, gen, use_tqdm=False)]
+    opts = dict(chunked_prefill_size=16, kv_cache_tokens=160, init_new_token_ratio=0.02)
+    with LLM(str(path), device="cpu", overlap=True, cpu_worker="thread", chaos_seed=chaos_seed, **opts) as llm:
+        eng = llm.engine
+        reqs = [eng.add_request(p, score if i % 2 else gen) for i, p in enumerate(prompts)]
+        doomed = eng.add_request(list(range(200, 260)), score)
+        while eng.has_unfinished():
+            eng.step()
+            if 16 < doomed.kv_len < 48 and not doomed.aborted:
+                eng.abort(doomed.rid)
+        assert eng.stats.retractions > 0
+        assert doomed.finish_reason == "abort"
+        llm.check_integrity()
+    for i, (req, prompt) in enumerate(zip(reqs, prompts)):
+        assert req.output_ids == alone[i]
+        if i % 2:
+            check_prompt_logprobs(hf, prompt, prompt_logprobs_output(req), k=2)
