@@ -103,7 +103,9 @@ def test_prompt_logprobs_under_chaos_retraction_and_abort(ckpt_factory, chaos_se
     with LLM(str(path), device="cpu", overlap=False, kv_cache_tokens=2048) as llm:
         alone = [o.token_ids for o in llm.generate(prompts, gen, use_tqdm=False)]
     opts = dict(chunked_prefill_size=16, kv_cache_tokens=160, init_new_token_ratio=0.02)
-    with LLM(str(path), device="cpu", overlap=True, cpu_worker="thread", chaos_seed=chaos_seed, **opts) as llm:
+    with LLM(
+        str(path), device="cpu", overlap=True, cpu_worker="thread", chaos_seed=chaos_seed, **opts
+    ) as llm:
         eng = llm.engine
         reqs = [eng.add_request(p, score if i % 2 else gen) for i, p in enumerate(prompts)]
         doomed = eng.add_request(list(range(200, 260)), score)
