@@ -164,7 +164,7 @@ class Engine:
             seed=seed,
             arrival=n,
             stop_ids=frozenset(stop_ids),
-            prompt_lp=prompt_logprobs.new_state(params),
+            prompt_lp=prompt_logprobs.new_state(params, len(prompt_ids)),
         )
         self.reqs[rid] = req
         self.scheduler.add(req)

@@ -34,11 +34,13 @@ class Logprob:
     decoded_token: str | None = None
 
 
-def new_state(params: SamplingParams) -> PromptLogprobState | None:
-    """The scoring state of a new request, or None when it asks for no prompt logprobs."""
+def new_state(params: SamplingParams, prompt_len: int) -> PromptLogprobState | None:
+    """The scoring state of a new request with a prompt of `prompt_len` tokens, or None when it asks for
+    no prompt logprobs. A start past the prompt scores nothing (and is kept at its end, so the outputs
+    that list every position up to it stay as long as the prompt)."""
     if params.prompt_logprobs is None:
         return None
-    return PromptLogprobState.of(params.prompt_logprobs, params.prompt_logprobs_start)
+    return PromptLogprobState.of(params.prompt_logprobs, min(params.prompt_logprobs_start, prompt_len))
 
 
 def reuse_limit(req: Req) -> int:

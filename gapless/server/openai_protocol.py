@@ -429,6 +429,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
 
 GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest, GenerateRequest)
+S = TypeVar("S", bound=msgspec.Struct)
 REQUEST_TYPES = (CompletionRequest, ChatCompletionRequest, GenerateRequest)
 
 
@@ -439,13 +440,14 @@ def parse_request(
 
     Malformed JSON is a 422, a wrong shape or type a 400 naming the field, a model this server does not
     serve a 404, and an invalid value (or one it cannot honour) a 400 naming the field."""
-    req = _decode(body, kind)
+    req = decode_body(body, kind)
     served.check_model(getattr(req, "model", None))  # the native endpoint names none
     _log_ignored_fields(body, kind)
     return req, req.submission(served)
 
 
-def _decode(body: bytes, kind: type[GenerationRequest]) -> GenerationRequest:
+def decode_body(body: bytes, kind: type[S]) -> S:
+    """`body` decoded into `kind`, or BadRequest: 422 for what is not JSON, 400 naming a wrong field."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:

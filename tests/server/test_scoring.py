@@ -128,6 +128,8 @@ def test_generate_returns_sglang_logprobs(client, hf):
     assert len(meta["output_token_logprobs"]) == 2 and len(meta["output_top_logprobs"][0]) == 2
     first = client.post("/generate", json={**body, "logprob_start_len": 0}).json()["meta_info"]
     assert first["input_token_logprobs"][0][0] is None and len(first["input_token_logprobs"]) == len(IDS[0])
+    past = client.post("/generate", json={**body, "logprob_start_len": 2**62}).json()["meta_info"]
+    assert past["input_token_logprobs"] == [] and len(past["output_token_logprobs"]) == 2
 
 
 def test_tokenize_and_detokenize(client):

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from gapless.server import protocol as P
-from gapless.server.openai_protocol import BadRequest, ChatMessage, Int64, Message, ServedModel
+from gapless.server.openai_protocol import BadRequest, ChatMessage, Int64, Message, ServedModel, decode_body
 from gapless.server.routes.common import read_json_body, require_api_key, server_state
 
 if TYPE_CHECKING:
@@ -138,15 +138,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 def _decode_body(body: bytes, kind: type[Any], served: ServedModel) -> Any:
-    try:
-        req = msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        message = str(e)
-        raise BadRequest(
-            message, message.rsplit("`$.", 1)[-1].rstrip("`") if "`$." in message else None
-        ) from None
-    except msgspec.DecodeError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}", None, status=422) from None
+    req = decode_body(body, kind)
     served.check_model(req.model)
     return req
 
