@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from gapless.config import EngineConfig
 from gapless.engine.chat_template import Message, render_chat
 from gapless.engine.engine import Engine, EngineShutDown
+from gapless.engine.prompt_logprobs import Logprob, prompt_logprobs_output
 from gapless.engine.request import Req
 from gapless.sampling_params import SamplingParams
 
@@ -35,6 +36,9 @@ class RequestOutput:
     # with SamplingParams.logprobs: per token, its logprob, and the top (token id, logprob) pairs
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # with SamplingParams.prompt_logprobs: per prompt position, None (the first, or before
+    # prompt_logprobs_start) or {token id: Logprob(logprob, rank, decoded_token)}, as vLLM's
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -146,6 +150,7 @@ class LLM:
             cached_tokens=req.cached_tokens or 0,
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             top_logprobs=list(req.output_top_logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs_output(req, lambda t: self.tokenizer.decode([t])),
         )
 
     def get_stats(self) -> dict[str, float | int]:

@@ -131,6 +131,12 @@ class SamplingParams:
     # None: no logprobs; k >= 0: the sampled token's logprob and the k most likely tokens' (raw model
     # distribution, before penalties, temperature and filters, as vLLM returns them)
     logprobs: int | None = None
+    # None: none; k >= 0: for every prompt position from `prompt_logprobs_start` on (at least 1: the
+    # first token has nothing before it), the prompt token's logprob and rank and the k most likely
+    # tokens' logprobs, from the same raw distribution (gapless.sampling.logprobs). The prompt's cached
+    # prefix is reused only up to the first scored position.
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0  # SGLang's logprob_start_len
 
     def __post_init__(self) -> None:
         self.max_tokens = _integer("max_tokens", self.max_tokens)
@@ -158,6 +164,15 @@ class SamplingParams:
             self.logprobs = _integer("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _integer("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+                )
+        self.prompt_logprobs_start = _integer("prompt_logprobs_start", self.prompt_logprobs_start)
+        if self.prompt_logprobs_start < 0:
+            raise ValueError(f"prompt_logprobs_start must be non-negative, got {self.prompt_logprobs_start}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from gapless.attention.base import AttentionMetadata
+from gapless.sampling.logprobs import PromptScoreAsk
 from gapless.sampling.rows import RowParams, SampleFlags
 
 
@@ -53,6 +54,8 @@ class ForwardBatch:
     table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (row, prompt_ids, output_ids) whose sampler penalty state is (re)built before sampling
     penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    # prompt positions whose logprobs the batch returns (requests with prompt_logprobs), else None
+    prompt_scores: PromptScoreAsk | None = None
 
     def attention_metadata(self, req_table: torch.Tensor) -> AttentionMetadata:
         """What attention reads of this batch (its fields of the same names), with the device's

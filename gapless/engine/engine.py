@@ -27,6 +27,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from gapless.config import EngineConfig
+from gapless.engine import prompt_logprobs
 from gapless.engine.detokenize import detokenize
 from gapless.engine.preflight import check_engine_config
 from gapless.engine.request import Req
@@ -163,6 +164,7 @@ class Engine:
             seed=seed,
             arrival=n,
             stop_ids=frozenset(stop_ids),
+            prompt_lp=prompt_logprobs.new_state(params, len(prompt_ids)),
         )
         self.reqs[rid] = req
         self.scheduler.add(req)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from gapless.memory.radix_cache import TreeNode
+from gapless.sampling.logprobs import PromptLogprobState
 from gapless.sampling_params import SamplingParams
 
 
@@ -28,6 +29,8 @@ class Req:
     # with params.logprobs set: per output token, its logprob and the top (token, logprob) pairs
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # with params.prompt_logprobs set: the prompt positions scored so far (gapless.engine.prompt_logprobs)
+    prompt_lp: PromptLogprobState | None = None
     status: ReqStatus = ReqStatus.WAITING
     # KV ownership: positions [0, kv_len) have slots in the request-table row; [0, cached_len) of them
     # belong to the radix tree and are pinned through `last_node`.

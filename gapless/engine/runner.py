@@ -37,6 +37,7 @@ from gapless.memory.req_table import ReqTable
 from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.loader import load_model, resolve_dtype
+from gapless.sampling.logprobs import score_prompt
 from gapless.sampling.sampler import SampleOutput, Sampler, compute_logprobs
 from gapless.tensors import dataclass_to_device
 
@@ -261,6 +262,12 @@ class ModelRunner:
             rows, prompts, outputs = zip(*batch.penalty_inits)
             self.sampler.init_rows(list(rows), list(prompts), list(outputs))
         hidden = self.forward_hidden(batch)
+        out = self._sample(batch, hidden)
+        if batch.prompt_scores is not None:  # prompt logprobs: in bounded pieces (gapless.sampling.logprobs)
+            out.prompt = score_prompt(hidden, self.model.logits, batch.prompt_scores, self.sampler.vocab_size)
+        return out
+
+    def _sample(self, batch: ForwardBatch, hidden: torch.Tensor) -> SampleOutput:
         flags = batch.sampling
         if flags is None:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))

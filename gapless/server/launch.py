@@ -38,6 +38,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from gapless.config import EngineConfig, add_engine_args, add_model_args, add_option, config_from_args
+from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.health import Health
 from gapless.server.logs import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
 
@@ -83,6 +84,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="max_tokens of a request that sets none (default: the rest of the context)",
     )
     parser.add_argument(
+        "--max-logprobs",
+        type=_max_logprobs,
+        default=MAX_LOGPROBS,
+        metavar="K",
+        help=f"the most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs; "
+        f"at most {MAX_LOGPROBS}, the default)",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=_positive_float,
         default=None,
@@ -124,6 +133,12 @@ def _port(text: str) -> int:
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
+
+
+def _max_logprobs(text: str) -> int:
+    if not text.isdigit() or int(text) > MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number in [0, {MAX_LOGPROBS}]")
     return int(text)
 
 
@@ -247,6 +262,8 @@ async def _serve(
         args.max_request_bytes,
         args.max_tokens_default,
         args.request_timeout,
+        max_logprobs=args.max_logprobs,
+        engine_config=cfg,
     )
     app = create_app(ServerState(settings, client, health, metrics))
     config = uvicorn.Config(

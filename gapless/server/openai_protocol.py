@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal, TypeGuard, TypeVar, Union
 
 import msgspec
 
-from gapless.sampling_params import SamplingParams
+from gapless.sampling_params import MAX_LOGPROBS, SamplingParams
 from gapless.server.protocol import ChatMessage
 
 log = logging.getLogger(__name__)
@@ -93,15 +93,30 @@ class ServedModel:
     vocab_size: int
     max_context: int  # a prompt plus at least one generated token must fit
     max_tokens_default: int | None = None  # max_tokens of a request that sets none (None: the context's end)
+    max_logprobs: int = MAX_LOGPROBS  # the most top logprobs a request may ask for (--max-logprobs)
 
     @classmethod
     def of_checkpoint(
-        cls, name: str, path: str, vocab_size: int, max_context: int, max_tokens_default: int | None = None
+        cls,
+        name: str,
+        path: str,
+        vocab_size: int,
+        max_context: int,
+        max_tokens_default: int | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> ServedModel:
         """The model served as `name` from `path`: the path as given, without a trailing slash and
         resolved are accepted names too, so a client may name the checkpoint it knows."""
         aliases = frozenset({path, path.rstrip("/") or path, os.path.realpath(path)}) - {name}
-        return cls(name, aliases, vocab_size, max_context, max_tokens_default)
+        return cls(name, aliases, vocab_size, max_context, max_tokens_default, max_logprobs)
+
+    def check_logprobs(self, value: int | None, field: str) -> None:
+        """A number of top logprobs: None, or an integer in [0, --max-logprobs] (a 400 naming `field`)."""
+        if value is not None and not 0 <= value <= self.max_logprobs:
+            raise BadRequest(
+                f"{field} must be in [0, {self.max_logprobs}] (this server's --max-logprobs), got {value}",
+                field,
+            )
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -210,11 +225,14 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: Int64 | None = None  # vLLM's: the prompt's logprobs and the top k (0-20) per position
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
         """The params of each choice."""
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported", "logit_bias")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: they come with the whole answer
+            raise BadRequest("prompt_logprobs is not available when stream is true", "prompt_logprobs")
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
             "stop": self.stop,
@@ -223,6 +241,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
             "seed": self.seed,
             "skip_special_tokens": self.skip_special_tokens,
             "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
         }
         for name in (
             "temperature",
@@ -254,16 +273,27 @@ class CompletionRequest(_Sampling, kw_only=True):
     best_of: Int64 | None = None
 
     def submission(self, served: ServedModel) -> Submission:
-        if self.echo:
-            raise BadRequest("echo is not supported", "echo")
         if self.suffix:
             raise BadRequest("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise BadRequest("best_of other than n is not supported", "best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
-            raise BadRequest(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
-        choices = self.sampling_params(served.default_max_tokens(self.max_tokens), self.logprobs)
+        served.check_logprobs(self.logprobs, "logprobs")
+        served.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        max_tokens = served.default_max_tokens(self.max_tokens)
+        if self.scores_only:  # the prompt alone: one token is sampled (the last chunk samples anyway), unsent
+            max_tokens = 1
+        choices = self.sampling_params(max_tokens, self.logprobs)
+        if (
+            self.echo
+        ):  # the prompt's logprobs come with it, from the same top k (gapless.server.routes.scoring)
+            k = max(self.logprobs or 0, self.prompt_logprobs or 0)
+            choices = [replace(c, prompt_logprobs=k) for c in choices]
         return Submission(_prompt_list(self.prompt, "prompt", served), choices)
+
+    @property
+    def scores_only(self) -> bool:
+        """`echo` with `max_tokens` 0: the answer is the prompt (and its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
 
 
 class ContentPart(msgspec.Struct):
@@ -315,6 +345,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise BadRequest("response_format other than text is not supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs to be true", "top_logprobs")
+        served.check_logprobs(self.top_logprobs, "top_logprobs")
+        served.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs)
@@ -364,12 +396,30 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     input_ids: list[Any] | None = None  # token ids, or a list of them (checked in `submission`)
     sampling_params: SamplingParamsIn = msgspec.field(default_factory=SamplingParamsIn)  # type: ignore[valid-type]
     stream: bool = False
+    # SGLang's logprob options: with return_logprob, meta_info carries the output tokens' logprobs and the
+    # prompt's from position logprob_start_len (-1: none), each with the top_logprobs_num most likely
+    return_logprob: bool = False
+    logprob_start_len: Int64 = -1
+    top_logprobs_num: Int64 = 0
+    return_text_in_logprobs: bool = False
 
     def submission(self, served: ServedModel) -> Submission:
         fields = msgspec.structs.asdict(self.sampling_params)
         max_new_tokens = fields.pop("max_new_tokens")
         if max_new_tokens is not None:
             fields["max_tokens"] = max_new_tokens
+        served.check_logprobs(fields["logprobs"], "sampling_params.logprobs")
+        served.check_logprobs(fields["prompt_logprobs"], "sampling_params.prompt_logprobs")
+        if self.return_logprob:
+            served.check_logprobs(self.top_logprobs_num, "top_logprobs_num")
+            if self.logprob_start_len < -1:
+                raise BadRequest(
+                    "logprob_start_len must be -1 (no prompt logprobs) or more", "logprob_start_len"
+                )
+            fields["logprobs"] = self.top_logprobs_num
+            if self.logprob_start_len >= 0:
+                fields["prompt_logprobs"] = self.top_logprobs_num
+                fields["prompt_logprobs_start"] = self.logprob_start_len
         params = _sampling_params(fields)
         if (self.text is None) == (self.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
@@ -379,6 +429,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
 
 GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest, GenerateRequest)
+S = TypeVar("S", bound=msgspec.Struct)
 REQUEST_TYPES = (CompletionRequest, ChatCompletionRequest, GenerateRequest)
 
 
@@ -389,13 +440,14 @@ def parse_request(
 
     Malformed JSON is a 422, a wrong shape or type a 400 naming the field, a model this server does not
     serve a 404, and an invalid value (or one it cannot honour) a 400 naming the field."""
-    req = _decode(body, kind)
+    req = decode_body(body, kind)
     served.check_model(getattr(req, "model", None))  # the native endpoint names none
     _log_ignored_fields(body, kind)
     return req, req.submission(served)
 
 
-def _decode(body: bytes, kind: type[GenerationRequest]) -> GenerationRequest:
+def decode_body(body: bytes, kind: type[S]) -> S:
+    """`body` decoded into `kind`, or BadRequest: 422 for what is not JSON, 400 naming a wrong field."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:

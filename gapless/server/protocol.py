@@ -79,6 +79,11 @@ class ReqUpdate(msgspec.Struct):
     # set on a request's first update only: what the detokenizer needs to know of it
     stop: list[str] | None = None
     skip_special_tokens: bool = True
+    # with prompt_logprobs, on the request's first update: the prompt, the first scored position, and per
+    # scored position (logprob, rank, [(id, logprob)] top k)
+    prompt_ids: list[int] | None = None
+    prompt_logprobs_start: int = 1
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 class Updates(msgspec.Struct, tag=True):
@@ -89,6 +94,18 @@ class TokenLogprob(msgspec.Struct):
     token: str
     logprob: float
     top: list[tuple[str, int, float]]  # (text, id, logprob), most likely first
+
+
+class PromptLogprobs(msgspec.Struct):
+    """A prompt's tokens and logprobs, decoded: what echo and the prompt-logprob fields answer with."""
+
+    text: str  # the prompt's token ids decoded
+    ids: list[int]
+    tokens: list[str]  # each token's text
+    start: int  # the first scored position; `logprobs`, `ranks` and `top` start there
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[str, int, float]]]  # (text, id, logprob), most likely first
 
 
 class ReqDelta(msgspec.Struct):
@@ -102,6 +119,7 @@ class ReqDelta(msgspec.Struct):
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    prompt: PromptLogprobs | None = None  # on the first delta, when the request asked for prompt logprobs
 
 
 class Deltas(msgspec.Struct, tag=True):

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.engine_client import EngineClient
 from gapless.server.health import Health
 from gapless.server.metrics import Metrics
 from gapless.server.openai_protocol import ServedModel
 from gapless.server.protocol import SchedulerInfo
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from gapless.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -22,14 +29,29 @@ class Settings:
     max_request_bytes: int = 32 << 20  # larger bodies get a 413
     max_tokens_default: int | None = None  # max_tokens of a request that sets none (None: the context's end)
     request_timeout_s: float | None = None  # a request still running after this long is stopped (504)
+    max_logprobs: int = MAX_LOGPROBS  # the most top logprobs a request may ask for
+    engine_config: EngineConfig | None = None  # the workers' config: /tokenize loads the same tokenizer
 
     @functools.cached_property
     def served(self) -> ServedModel:
         """What requests are checked against: the model's names and the scheduler's limits."""
         info = self.info
         return ServedModel.of_checkpoint(
-            self.served_model, self.model_path, info.vocab_size, info.max_context, self.max_tokens_default
+            self.served_model,
+            self.model_path,
+            info.vocab_size,
+            info.max_context,
+            self.max_tokens_default,
+            self.max_logprobs,
         )
+
+    @functools.cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The served model's tokenizer in the API server, loaded on first use (by /tokenize)."""
+        from gapless.model.source import load_tokenizer
+
+        assert self.engine_config is not None, "the server was started without its engine config"
+        return load_tokenizer(self.engine_config)
 
 
 @dataclass(frozen=True)

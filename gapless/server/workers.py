@@ -30,6 +30,7 @@ from gapless.config import EngineConfig
 from gapless.server import protocol as P
 from gapless.server.logs import LOG_LEVEL_ENV, StatsLog, configure_logging
 from gapless.server.openai_protocol import prompt_too_long
+from gapless.server.prompt_logprobs import decode_prompt_logprobs, prompt_logprob_fields
 
 if TYPE_CHECKING:  # imported where they run, so importing this module loads neither torch nor transformers
     from transformers import PreTrainedTokenizerBase
@@ -328,6 +329,7 @@ class _Reporter:
             finish_reason=req.finish_reason if req.finished else None,
             stop=list(req.params.stop) if first else None,
             skip_special_tokens=req.params.skip_special_tokens,
+            **(prompt_logprob_fields(req) if first else {}),
         )
 
 
@@ -511,4 +513,5 @@ class _DetokState:
             cached_tokens=u.cached_tokens,
             logprobs=logprobs,
             finish_reason=u.finish_reason,
+            prompt=decode_prompt_logprobs(tokenizer, u),
         )

@@ -183,7 +183,8 @@ LOOPS = {
 @pytest.mark.parametrize("loop", LOOPS)
 def test_device_job_never_syncs(ckpt_factory, loop):
     """Extends with cached prefixes and chunks, decodes eager (6 rows) and through the graph runner's
-    padded buffers (<= 4 rows), every sampling stage, penalties and logprobs: no host sync anywhere."""
+    padded buffers (<= 4 rows), every sampling stage, penalties, logprobs and prompt logprobs (scored in
+    chunks of 32): no host sync anywhere."""
     path = str(ckpt_factory("llama"))
     with LLM(
         path,
@@ -204,8 +205,10 @@ def test_device_job_never_syncs(ckpt_factory, loop):
 
         runner.run = watched
         prompts, params = _workload(runner.model_config.vocab_size)
+        prompts, params = prompts + [prompts[0]], params + [SamplingParams(max_tokens=3, prompt_logprobs=2)]
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
+        assert len(outs[-1].prompt_logprobs) == len(prompts[-1])
         assert llm.engine.stats.cached_prompt_tokens > 0
         assert runner.graphs is not None and sum(runner.graphs.runs.values()) > 0
         assert llm.engine.stats.decode_batches > sum(runner.graphs.runs.values())  # eager decodes too

@@ -41,13 +41,13 @@ BAD_PARAMS = [
     ({"max_tokens": "many"}, "max_tokens"),
     ({"n": 0}, "n"),
     ({"stop": [""]}, "stop"),
-    ({"logprobs": 9}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),  # above --max-logprobs (20)
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),  # outside the vocabulary
     ({"prompt": "word " * 600}, "prompt"),  # longer than --max-model-len 512
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"echo": True}, "echo"),
+    ({"suffix": "x"}, "suffix"),
 ]
 
 

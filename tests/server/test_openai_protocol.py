@@ -63,11 +63,11 @@ def test_errors_come_in_order_json_then_shape_then_model_then_values():
     assert refusal(CompletionRequest, b"{").status == 422
     shape = refusal(CompletionRequest, {"model": "nope", "prompt": "x", "max_tokens": "many"})
     assert (shape.status, shape.param) == (400, "max_tokens")
-    model = refusal(CompletionRequest, {"model": "nope", "prompt": [], "echo": True})
+    model = refusal(CompletionRequest, {"model": "nope", "prompt": [], "suffix": "x"})
     assert (model.status, model.param) == (404, "model")
     # values: the unsupported options and sampling values before the prompt
-    value = refusal(CompletionRequest, {"model": "tiny", "prompt": [], "echo": True})
-    assert (value.status, value.param) == (400, "echo")
+    value = refusal(CompletionRequest, {"model": "tiny", "prompt": [], "suffix": "x"})
+    assert (value.status, value.param) == (400, "suffix")
     assert (
         refusal(CompletionRequest, {"model": "tiny", "prompt": [], "temperature": -1}).param == "temperature"
     )

@@ -9,12 +9,13 @@ positions, KV slots and step counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from gapless.engine.batch import ForwardBatch
+from gapless.engine.prompt_logprobs import Scored, plan_scores
 from gapless.engine.request import Req
 from gapless.engine.scheduler.kv import DecodeSlots
 from gapless.sampling.rows import RowParams, RowStages
@@ -35,6 +36,7 @@ class ScheduledBatch:
     # (False for a non-final chunk of a chunked prefill) and its kv_len once this batch has run
     samples: list[bool]
     kv_after: list[int]
+    scored: Scored = field(default_factory=list)  # requests scoring prompt positions, with their counts
 
 
 class BatchBuilder:
@@ -140,7 +142,8 @@ class BatchBuilder:
             penalty_inits=penalty_inits,
             row_params=row_params,
         )
-        return ScheduledBatch(reqs, forward, False, samples, [r.kv_len for r in reqs])
+        forward.prompt_scores, scored = plan_scores(entries)
+        return ScheduledBatch(reqs, forward, False, samples, [r.kv_len for r in reqs], scored)
 
     def _admit(self, admitted: list[Req]) -> RowParams:
         """The sampling values of requests entering their rows (for the device), noting on the host which

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gapless.engine.prompt_logprobs import reuse_limit
 from gapless.engine.request import Req
 from gapless.memory.allocator import PageAllocator
 from gapless.memory.integrity import check_integrity
@@ -34,8 +35,9 @@ class DecodeSlots:
 
 
 def _match_key(req: Req) -> list[int]:
-    # the last token is always computed, so its logits exist to sample from
-    return req.fill_ids[:-1]
+    # the last token is always computed, so its logits exist to sample from; a request scoring its
+    # prompt computes every position it scores (gapless.engine.prompt_logprobs)
+    return req.fill_ids[: reuse_limit(req)]
 
 
 class KVManager:

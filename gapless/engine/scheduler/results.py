@@ -4,6 +4,7 @@ a request (finished or aborted), whose KV goes back once no launched batch still
 from __future__ import annotations
 
 from gapless.engine.detokenize import StopStrings, TokenDecoder
+from gapless.engine.prompt_logprobs import fold_scores
 from gapless.engine.request import Req, ReqStatus
 from gapless.engine.scheduler.build import ScheduledBatch
 from gapless.engine.scheduler.kv import KVManager
@@ -29,6 +30,7 @@ class Results:
         """Fold a processed batch's sampled tokens into request state; returns the requests that got a
         token or finished. A request that finished while the batch was in flight gets no token from it."""
         reqs, chunks = batch.reqs, []
+        fold_scores(batch.scored, samples.prompt)  # before a finish below: its scores are all in
         if not batch.is_decode:  # a decode's requests all sampled; an extend's non-final chunks did not
             reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
             chunks = [(r, kv) for r, s, kv in zip(batch.reqs, batch.samples, batch.kv_after) if not s]

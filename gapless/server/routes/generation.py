@@ -44,9 +44,11 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    prompt: P.PromptLogprobs | None = None  # the prompt's logprobs, when asked for (first delta)
 
     def fold(self, d: P.ReqDelta) -> None:
         """Add a delta: its text, tokens and logprobs, the latest counts, and how it finished."""
+        self.prompt = d.prompt or self.prompt
         self.text.append(d.text)
         self.token_ids += d.token_ids
         if d.logprobs:

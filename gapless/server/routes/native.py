@@ -11,6 +11,7 @@ from gapless.server.engine_client import Group
 from gapless.server.openai_protocol import GenerateRequest
 from gapless.server.routes.common import require_api_key
 from gapless.server.routes.generation import Choice, Generation, Json, submit
+from gapless.server.routes.scoring import sglang_logprobs
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -20,14 +21,16 @@ async def generate(request: Request) -> Response:
     req, group = await submit(request, GenerateRequest)
     gen = Generation(request, group)
     if req.stream:
-        return await gen.stream(lambda i, d, c: [_result(group, i, c, d.text, d.token_ids)], lambda cs: [])
+        return await gen.stream(
+            lambda i, d, c: [_result(req, group, i, c, d.text, d.token_ids)], lambda cs: []
+        )
     choices = await gen.collect()
-    out = [_result(group, i, c, "".join(c.text), c.token_ids) for i, c in enumerate(choices)]
+    out = [_result(req, group, i, c, "".join(c.text), c.token_ids) for i, c in enumerate(choices)]
     return JSONResponse(out[0] if len(out) == 1 else out)
 
 
-def _result(group: Group, index: int, c: Choice, text: str, ids: list[int]) -> Json:
-    return {
+def _result(req: GenerateRequest, group: Group, index: int, c: Choice, text: str, ids: list[int]) -> Json:
+    out = {
         "index": index,
         "text": text,
         "output_ids": ids,
@@ -39,3 +42,8 @@ def _result(group: Group, index: int, c: Choice, text: str, ids: list[int]) -> J
             "finish_reason": c.finish_reason,
         },
     }
+    if req.return_logprob:  # SGLang's logprob fields (gapless.server.routes.scoring), so far
+        out["meta_info"].update(
+            sglang_logprobs(c.logprobs, c.token_ids, c.prompt, req.return_text_in_logprobs)
+        )  # type: ignore[union-attr]
+    return out

@@ -10,6 +10,13 @@ from gapless.server import protocol as P
 from gapless.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gapless.server.routes.common import require_api_key, server_state
 from gapless.server.routes.generation import Choice, Generation, Json, count_usage, submit
+from gapless.server.routes.scoring import (
+    echo_text,
+    join_legacy,
+    legacy_prompt_logprobs,
+    prompts_of,
+    vllm_prompt_logprobs,
+)
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -22,11 +29,15 @@ CHAT_CHUNK = "chat.completion.chunk"
 async def completions(request: Request) -> Response:
     req, group = await submit(request, CompletionRequest)
     gen = Generation(request, group, "cmpl", req.model or server_state(request).settings.served_model)
-    shape = _Completion(gen, req.logprobs is not None)
+    shape = _Completion(gen, req)
     if req.stream:
-        return await gen.stream(shape.chunks, gen.usage_chunk(TEXT_COMPLETION, req.include_usage, req.n))
-    choices = await gen.collect()
-    answers = [shape.choice(i, "".join(c.text), c.logprobs, c.finish_reason) for i, c in enumerate(choices)]
+        usage = gen.usage_chunk(TEXT_COMPLETION, req.include_usage, req.n)
+        return await gen.stream(shape.chunks, lambda cs: usage(shape.scored(cs)))
+    choices = shape.scored(await gen.collect())
+    answers = [
+        shape.choice(i, "".join(c.text), c.logprobs, c.finish_reason, c.prompt, first=True)
+        for i, c in enumerate(choices)
+    ]
     return JSONResponse(gen.envelope(TEXT_COMPLETION, answers, count_usage(choices, req.n)))
 
 
@@ -39,28 +50,59 @@ async def chat_completions(request: Request) -> Response:
         return await gen.stream(shape.chunks, gen.usage_chunk(CHAT_CHUNK, req.include_usage, req.n))
     choices = await gen.collect()
     answers = [shape.answer(i, c) for i, c in enumerate(choices)]
-    return JSONResponse(gen.envelope(CHAT_COMPLETION, answers, count_usage(choices, req.n)))
+    out = gen.envelope(CHAT_COMPLETION, answers, count_usage(choices, req.n))
+    if req.prompt_logprobs is not None:  # vLLM's extra field, once per response (one prompt)
+        out["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt)
+    return JSONResponse(out)
 
 
 class _Completion:
-    """A completion's choices, whole or as stream chunks (with each chunk's offset into its text)."""
+    """A completion's choices, whole or as stream chunks (with each chunk's offset into its text). With
+    `echo`, a choice's first chunk (or the whole choice) starts with the prompt and, with `logprobs`, the
+    prompt's logprobs (gapless.server.routes.scoring); with `max_tokens` 0 nothing generated is sent."""
 
-    def __init__(self, gen: Generation, with_logprobs: bool) -> None:
-        self.gen, self.with_logprobs = gen, with_logprobs
+    def __init__(self, gen: Generation, req: CompletionRequest) -> None:
+        self.gen, self.with_logprobs, self.echo, self.n = gen, req.logprobs is not None, req.echo, req.n
+        self.scores_only, self.with_prompt_logprobs = req.scores_only, req.prompt_logprobs is not None
+        self.prompts = prompts_of(req.prompt) if req.echo else []
         self.offsets = [0] * gen.count  # per choice: the length of the text streamed so far
 
     def choice(
-        self, index: int, text: str, lps: list[P.TokenLogprob] | None, finish: str | None, offset: int = 0
+        self,
+        index: int,
+        text: str,
+        lps: list[P.TokenLogprob] | None,
+        finish: str | None,
+        prompt: P.PromptLogprobs | None,
+        offset: int = 0,
+        first: bool = False,
     ) -> Json:
-        lp = _completion_logprobs(lps, offset) if self.with_logprobs and lps is not None else None
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        if self.scores_only:  # the one token sampled is not part of the answer
+            text, lps, finish = "", [], finish and "length"
+        head = echo_text(self.prompts[index // self.n], prompt) if self.echo and first else ""
+        lp = _completion_logprobs(lps, offset + len(head)) if self.with_logprobs and lps is not None else None
+        if head and lp is not None and prompt is not None:
+            lp = join_legacy(legacy_prompt_logprobs(prompt), lp)
+        out = {"index": index, "text": head + text, "logprobs": lp, "finish_reason": finish}
+        if self.with_prompt_logprobs and first:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(prompt)
+        return out
 
     def chunks(self, index: int, d: P.ReqDelta, c: Choice) -> list[Json]:
-        if not d.text and d.finish_reason is None and not d.logprobs:
+        first = d.prompt is not None  # echo asks for the prompt's logprobs: they come on the first delta
+        quiet = self.scores_only or (not d.text and not d.logprobs)
+        if quiet and d.finish_reason is None and not (first and self.echo):
             return []
-        out = self.choice(index, d.text, d.logprobs, c.finish_reason, self.offsets[index])
-        self.offsets[index] += len(d.text)
+        out = self.choice(index, d.text, d.logprobs, c.finish_reason, d.prompt, self.offsets[index], first)
+        self.offsets[index] += len(out["text"])  # type: ignore[arg-type]
         return [self.gen.envelope(TEXT_COMPLETION, [out])]
+
+    def scored(self, choices: list[Choice]) -> list[Choice]:
+        """`choices`, counting no completion tokens when nothing generated is sent (`max_tokens` 0)."""
+        if self.scores_only:
+            for c in choices:
+                c.completion_tokens = 0
+        return choices
 
 
 class _Chat:
