@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from gapless.attention.base import AttentionMetadata
 from gapless.attention.torch_ref import TorchRefBackend
-from gapless.model.layers import RotaryEmbedding, rope_inv_freq
+from gapless.model.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, rope_inv_freq
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -72,3 +72,34 @@ def test_decode_attention_fast_path_equals_general_path(prefixes: list[int], win
     fast, general = run(True), run(False)
     assert fast.shape == general.shape == (B, heads, d)
     torch.testing.assert_close(fast, general, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_calls_the_gemm_bit_for_bit_as_f_linear(dtype: torch.dtype, bias: bool) -> None:
+    """The 2-D fast path (mm / addmm on the transposed weight) is F.linear's own kernel: equal results."""
+    torch.manual_seed(1)
+    layer = ColumnParallelLinear(64, 48, bias=bias).to(dtype)
+    torch.nn.init.normal_(layer.weight)
+    if bias:
+        torch.nn.init.normal_(layer.bias)
+    for x in (
+        torch.randn(1, 64, dtype=dtype),
+        torch.randn(9, 64, dtype=dtype),
+        torch.randn(2, 3, 64, dtype=dtype),
+    ):
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_bit_exact_with_transformers(dtype: torch.dtype) -> None:
+    """Llama's RMSNorm: the float32 path (no casts) and the cast path both equal transformers' exactly."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(2)
+    ours, hf = RMSNorm(96, 1e-5), LlamaRMSNorm(96, eps=1e-5)
+    torch.nn.init.normal_(ours.weight)
+    hf.weight.data.copy_(ours.weight.data)
+    ours, hf = ours.to(dtype), hf.to(dtype)
+    x = torch.randn(5, 96).to(dtype)
+    assert torch.equal(ours(x), hf(x))
