@@ -10,11 +10,12 @@
 # IN.gguf OUT.gguf F32`), so both engines serve bit-identical weights (gapless serves the Q4_1 GGUF
 # dequantized, its default model). Further GGUFs (F16, Q4_1) run after it, each as its own engine.
 # Environment: GAPLESS_DTYPES (default "float32"; e.g. "float32 bfloat16"), CONCURRENCY (default "1 8 32"),
-# THREADS (llama-server -t, default the core count), OUT (default bench/results/llamacpp_cpu), PY.
+# THREADS (llama-server -t, default the core count), NUM_PROMPTS (default 64; fewer for a quick check),
+# OUT (default bench/results/llamacpp_cpu), PY.
 # Writes per engine and concurrency C: <engine>_cC.summary.json and .log, the servers' logs, and
 # comparison.md (gapless.bench.compare: the ratio table). Every process it starts is stopped on exit.
 set -euo pipefail
-[ $# -ge 2 ] || { sed -n 2,17p "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n 2,18p "$0"; exit 2; }
 LLAMA_SERVER=$(realpath "$1"); shift
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -22,7 +23,7 @@ OUT=${OUT:-bench/results/llamacpp_cpu}
 THREADS=${THREADS:-$(nproc)}
 CONCURRENCY=${CONCURRENCY:-1 8 32}
 mkdir -p "$OUT"
-CLIENT=(--num-prompts 64 --input-len 34 --output-len 64 --range-ratio 0 --seed 0 --disable-tqdm)
+CLIENT=(--num-prompts "${NUM_PROMPTS:-64}" --input-len 34 --output-len 64 --range-ratio 0 --seed 0 --disable-tqdm)
 server=
 stop() { [ -n "$server" ] && { kill -INT "$server" 2>/dev/null; wait "$server" 2>/dev/null || true; }; server=; }
 trap stop EXIT
