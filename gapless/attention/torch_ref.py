@@ -3,7 +3,10 @@
 The ragged batch is padded to `[B, max_extend_len]` queries and `[B, max_seq_len]` keys gathered from the
 KV pool through the request table, then one `scaled_dot_product_attention` call per layer handles all
 requests, extend and decode alike. The index tensors and the mask are built once per batch (a
-sliding-window layer's mask once per window size). Soft-capped scores (Gemma 2) cannot go through
+sliding-window layer's mask once per window size). A decode batch (one query per request, so the flat
+batch is already `[B, 1]`) skips the two gathers that pad queries and unpad outputs, and a lone decode
+request, whose keys are all valid, attends without a mask: on a CPU, where a small model's decode step is
+many small ops, those are a visible share of the step. Soft-capped scores (Gemma 2) cannot go through
 `scaled_dot_product_attention`, so those layers compute the scores, cap, mask and softmax explicitly.
 """
 
@@ -28,6 +31,7 @@ class _State:
     q_start: torch.Tensor  # [B]
     q_pos: torch.Tensor  # [B, Q] absolute position of each query (for sliding windows)
     padding: torch.Tensor  # [B, 1, Q, S] bool: a padding query's one allowed key (key 0)
+    decode: bool  # one query per request: the flat batch is the padded one, token b = request b
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, Q, S]
     # (request, query offset) [T] of each flat token; made by the first layer, which knows T
     out_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
@@ -60,6 +64,7 @@ class TorchRefBackend:
             q_start=meta.q_start,
             q_pos=q_pos,
             padding=padding.unsqueeze(1),
+            decode=meta.is_decode and Q == 1,
         )
 
     @staticmethod
@@ -85,7 +90,7 @@ class TorchRefBackend:
         softcap: float | None = None,
     ) -> torch.Tensor:
         B, S = state.batch, state.seq
-        qp = q[state.q_index].transpose(1, 2)  # [B, H, Q, d]
+        qp = q.unsqueeze(2) if state.decode else q[state.q_index].transpose(1, 2)  # [B, H, Q, d]
         # index_select on a flat index: ~3x faster than advanced indexing with a [B, S] index on CPU
         k = (
             k_cache.index_select(0, state.slots).view(B, S, *k_cache.shape[1:]).transpose(1, 2)
@@ -93,11 +98,15 @@ class TorchRefBackend:
         v = v_cache.index_select(0, state.slots).view(B, S, *v_cache.shape[1:]).transpose(1, 2)
         mask = self._mask(state, window)
         if softcap is None:
+            # a lone decode request's keys are exactly its sequence (S = its length): nothing to mask
+            bare = state.decode and B == 1 and window is None
             out = F.scaled_dot_product_attention(
-                qp, k, v, attn_mask=mask, scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
+                qp, k, v, attn_mask=None if bare else mask, scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
             )
         else:
             out = _softcapped_attention(qp, k, v, mask, scale, softcap)
+        if state.decode:
+            return out.squeeze(2)  # [B, H, d]: token b is request b
         if state.out_index is None:
             state.out_index = _token_coords(state.q_start, q.shape[0])
         # integer gather, not a `[q_valid]` mask: boolean-mask indexing counts the mask on the host (a sync)

@@ -59,6 +59,7 @@ import httpx
 import numpy as np
 
 from gapless.bench import cli
+from gapless.bench.compare import ratio_table
 from gapless.bench.workload import (
     SHAREGPT_INPUT_MEAN,
     SHAREGPT_MAX_LEN,
@@ -475,6 +476,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=DEFAULT_BASE_URL,
         help=f"server root (default {DEFAULT_BASE_URL}; a trailing /v1 is dropped)",
     )
+    s.add_argument(
+        "--compare-base-url",
+        metavar="URL",
+        help="then send the same requests to this server too (e.g. a running llama-server) and print the "
+        "ratio of the two servers' figures (gapless.bench.compare)",
+    )
+    s.add_argument("--compare-model", help="model name at --compare-base-url (default: its first listed)")
     s.add_argument("--endpoint", default="/v1/completions", help="completions path (default /v1/completions)")
     s.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
     s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
@@ -546,6 +554,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not 0.0 <= args.range_ratio < 1.0:
         p.error(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    if args.compare_base_url:
+        args.compare_base_url = args.compare_base_url.rstrip("/").removesuffix("/v1")
     return args
 
 
@@ -595,11 +605,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = format_report(summary)
     print(report)
     res = dict(config=config, summary=summary, requests=[asdict(r) for r in ran["records"]], report=report)
+    if args.compare_base_url:
+        res["compare"] = _compare(args, work, arrivals, summary)
     if args.output_json:
         cli.write_json(args.output_json, res)
     if args.summary_json:
         cli.write_json(args.summary_json, dict(config=config, summary=summary, report=report))
     return res
+
+
+def _compare(
+    args: argparse.Namespace, work: Workload, arrivals: list[float], summary: dict[str, Any]
+) -> dict[str, Any]:
+    """The same workload and arrivals against `--compare-base-url`, after the first server's run; prints
+    its report and the ratio table, and returns both with its summary."""
+    other_args = argparse.Namespace(
+        **{**vars(args), "base_url": args.compare_base_url, "model": args.compare_model}
+    )
+    cli.progress(f"the same requests to {other_args.base_url}{args.endpoint}")
+    ran = asyncio.run(_main(other_args, work, arrivals))
+    other = summarize(ran["records"], ran["duration"])
+    report = format_report(other)
+    table = ratio_table({f"base {args.base_url}": summary, f"compare {other_args.base_url}": other})
+    print(report)
+    print(table)
+    return dict(base_url=other_args.base_url, model=ran["model"], summary=other, report=report, ratio=table)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from gapless.attention import AttentionBackend, Probe, TorchRefBackend, make_bac
 from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
 from gapless.engine.batch import ForwardBatch, RunnerInfo
+from gapless.engine.cpu_dtype import slow_dtype_warning
 from gapless.engine.cuda_graph import DEFAULT_MAX_BS, GraphRunner
 from gapless.engine.defaults import apply_device_defaults, device_memory
 from gapless.engine.memory_plan import (
@@ -74,6 +75,8 @@ class ModelRunner:
         # EngineConfig refused a max_model_len past the model's own unless told to allow it
         max_context = cfg.max_model_len or mcfg.max_position_embeddings
         self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
+        if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
+            log.warning(why)
         self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
         self.model_config = mcfg
         self.page_size = cfg.page_size

@@ -47,6 +47,13 @@ class _Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the decoder's activations are [tokens, features]: call the GEMM itself, as F.linear does for 2-D
+        # input (the same kernel, bit for bit), without its dispatch layers (linear, matmul), which on a
+        # CPU cost a share of a small model's decode step
+        if x.dim() == 2:
+            if self.bias is None:
+                return torch.mm(x, self.weight.t())
+            return torch.addmm(self.bias, x, self.weight.t())
         return F.linear(x, self.weight, self.bias)
 
 
@@ -121,10 +128,11 @@ class RMSNorm(nn.Module):
         self.weight = _set_loader(nn.Parameter(torch.ones(dim)), default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:  # the same ops without the two no-op casts (each a dispatch on a CPU)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 class Fp32ProductRMSNorm(RMSNorm):
@@ -186,7 +194,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) RoPE with a cos/sin table precomputed for every position."""
+    """Neox-style (rotate-half) RoPE with a cos/sin table precomputed for every position.
+
+    q and k are rotated together, in one pass: per layer one gather of the table and four elementwise ops
+    instead of two of each per tensor, which on a CPU (eager dispatch of every small op) is a visible
+    share of a decode step. The table keeps sin with the sign of rotate-half folded in (`-sin` on the
+    first half), so `x * cos + swap_halves(x) * sin` is bit for bit `x * cos + rotate_half(x) * sin`
+    (negation is exact, in every dtype)."""
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
@@ -195,21 +209,25 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        sin = emb.sin()
+        sin[:, : head_dim // 2] *= -1
+        # [positions, 2, head_dim]: cos, then rotate-half's signed sin
+        self.register_buffer("cos_sin", torch.stack([emb.cos(), sin], dim=1), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, d], k: [T, kv_heads, d]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(2).unbind(1)  # each [T, 1, d]
+        qk = torch.cat([q, k], dim=1)
+        out = qk * cos + _swap_halves(qk) * sin
+        return out.split([q.shape[1], k.shape[1]], dim=1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x2, x1] for x = [x1, x2] along the last dimension (rotate-half without its sign)."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
