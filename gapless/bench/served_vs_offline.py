@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from gapless.bench import cli, serving
 from gapless.bench.runs import WARMUP, run_gapless
@@ -43,14 +44,19 @@ QUICK: dict[str, int] = dict(num_seqs=8, min_input=8, max_input=16, min_output=8
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m gapless.bench.served_vs_offline",
-        description="Served vs offline output tokens/s of one workload on one machine, and their ratio.",
-    )
-    cli.add_workload_args(p, "the CPU workload", DEFAULTS, "a few-second smoke run (tiny workload)")
+    what = "Served vs offline output tokens/s of one workload on one machine, and their ratio."
+    p = argparse.ArgumentParser(prog="python -m gapless.bench.served_vs_offline", description=what)
     m = cli.add_model_args(p, "overlap", ("tiny", "overlap", "bench"), "model and machine")
+    cli.add_workload_args(p, "the CPU workload", DEFAULTS, "a few-second smoke run (tiny workload)")
     m.add_argument("--device", default="cpu", help="for both (default cpu)")
     m.add_argument("--dtype", default="float32", help="for both (default float32)")
+    m.add_argument(
+        "--threads",
+        type=cli.positive_int,
+        default=1,
+        help="the engine's torch threads, offline and in the server's scheduler (default 1: a shared "
+        "CPU's other processes stall OpenMP's spinning threads)",
+    )
     s = p.add_argument_group("serving")
     s.add_argument(
         "--layouts",
@@ -99,12 +105,13 @@ def _hops(url: str) -> dict[str, int]:
 
 
 def run_served(
-    path: Path, work: Workload, layout: str, concurrency: list[int], device: str, dtype: str, kv: int
+    path: Path, work: Workload, layout: str, concurrency: list[int], engine: list[str]
 ) -> list[dict[str, Any]]:
-    """Serve `path` in `layout`, warm it up, run `work` at each concurrency; one result per run."""
+    """Serve `path` in `layout` with the `engine` flags, warm it up, run `work` at each concurrency; one
+    result per run."""
     from gapless.testing.server import ServerProcess
 
-    flags = ["--device", device, "--dtype", dtype, "--kv-cache-tokens", str(kv), "--log-stats-interval", "0"]
+    flags = [*engine, "--log-stats-interval", "0"]
     srv = ServerProcess(str(path), *flags, "--process-layout", layout, startup_timeout=600)
     out = []
     try:
@@ -202,6 +209,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kv = work.input_tokens + work.output_tokens + 1024  # as run_gapless sizes it: nothing is retracted
     cli.progress(cli.workload_line(cli.workload_summary(args, work)))
     runs: list[dict[str, Any]] = []
+    options = dict(device=args.device, dtype=args.dtype, kv_cache_tokens=kv)  # the same, as flags:
+    engine = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()] + [
+        f"--device-threads={args.threads}"
+    ]
+    torch.set_num_threads(args.threads)
     for k in range(args.rounds):
         if not args.skip_offline:
             cli.progress(f"round {k + 1}: offline")
@@ -215,16 +227,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         for layout in args.layouts:
             cli.progress(f"round {k + 1}: served, layout {layout}")
-            for r in run_served(path, work, layout, args.concurrency, args.device, args.dtype, kv):
+            for r in run_served(path, work, layout, args.concurrency, engine):
                 runs.append(dict(r, round=k, mode=layout))
     rows = summarize(runs)
     report = format_report(rows, args.layouts[0])
-    print(cli.machine_line(cli.machine(args.device)))
+    print(cli.machine_line(cli.machine(args.device, args.threads)))
     print(cli.workload_line(cli.workload_summary(args, work)))
     print(report)
     res = dict(
         command=cli.command_line("gapless.bench.served_vs_offline", argv),
-        machine=cli.machine(args.device),
+        machine=cli.machine(args.device, args.threads),
         workload=cli.workload_summary(args, work),
         model=str(path),
         runs=runs,

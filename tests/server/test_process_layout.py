@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from gapless.server.layout import choose_layout
-from gapless.testing.server import alive, wait_until
-from tests.server.conftest import API_KEY, MAX_REQUEST_BYTES, _serve, wait_idle_and_clean
+from gapless.testing.server import ServerProcess, alive, wait_until
+from tests.server.conftest import API_KEY, wait_idle_and_clean
 
 _REQUESTS = [
     ("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True}),
@@ -64,7 +64,7 @@ def _stream(c: httpx.Client, path: str, body: dict) -> tuple[str, list[object]]:
     return "|".join(texts[i] for i in sorted(texts)), sorted(finishes)
 
 
-def test_merged_layout_serves_the_same_tokens_as_split(server, ckpt_factory):
+def test_merged_layout_serves_the_same_tokens_as_split(server):
     """The session's server runs the layout `auto` picks here; a second one, the other layout, on the
     same model and options: both answer every request alike, to the token."""
     other = "split" if choose_layout("auto") == "merged" else "merged"
@@ -72,18 +72,8 @@ def test_merged_layout_serves_the_same_tokens_as_split(server, ckpt_factory):
         "merged": {"scheduler", "tokenizer+detokenizer"},
         "split": {"scheduler", "tokenizer", "detokenizer"},
     }
-    srv = _serve(
-        "--model",
-        str(ckpt_factory("qwen3")),
-        "--api-key",
-        API_KEY,
-        "--max-request-bytes",
-        str(MAX_REQUEST_BYTES),
-        "--max-model-len",
-        "512",
-        "--process-layout",
-        other,
-    )
+    args = server.proc.args[server.proc.args.index("--port") + 2 :]  # its model and options, as given
+    srv = ServerProcess(*args, "--process-layout", other)
     workers = srv.workers()
     try:
         assert f"process layout {other} (--process-layout)" in srv.output
