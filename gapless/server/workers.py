@@ -1,10 +1,12 @@
 """The server's worker processes: tokenizer, scheduler (engine + model runner), detokenizer.
 
 Each is a child process (forked from the server's fork server, see `launch`) with a PULL socket it binds
-and PUSH sockets to the next stage (see `protocol`). A worker that fails reports `Failed` to the API
-server; one that dies without a word is noticed by the API server's watchdog. Workers die with their
-parent (`PR_SET_PDEATHSIG`), ignore SIGINT (a terminal's Ctrl-C reaches the whole group; the API server
-decides) and exit cleanly on SIGTERM, so a shutdown never leaves a process behind.
+and PUSH sockets to the next stage (see `protocol`); the tokenizer and detokenizer stages run in a
+process each or share one (`text_worker_main`, the process layout of `gapless.server.layout`). A worker
+that fails reports `Failed` to the API server; one that dies without a word is noticed by the API
+server's watchdog. Workers die with their parent (`PR_SET_PDEATHSIG`), ignore SIGINT (a terminal's
+Ctrl-C reaches the whole group; the API server decides) and exit cleanly on SIGTERM, so a shutdown never
+leaves a process behind.
 """
 
 from __future__ import annotations
