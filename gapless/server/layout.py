@@ -3,8 +3,8 @@
 - `split`: the tokenizer, the scheduler (engine + model runner) and the detokenizer each in a process
   of their own, beside the API server: each stage gets a core when the machine has them.
 - `merged`: the tokenizer and the detokenizer share one process (`tokenizer+detokenizer`), beside the
-  API server and the scheduler. On a machine with few cores two more processes that each import torch
-  and transformers, and wake for every step, only take memory and CPU time from the model.
+  API server and the scheduler: on a machine with few cores, one process fewer that wakes every step
+  beside the model.
 - `auto` (the default): `merged` below `MIN_CORES_FOR_SPLIT` usable cores, else `split`.
 
 Both layouts run the same stage code on the same sockets and messages (`gapless.server.workers`); only
@@ -18,7 +18,8 @@ import os
 
 LAYOUTS = ("auto", "split", "merged")
 # One busy process per stage (API server, tokenizer, scheduler, detokenizer) needs four cores; below
-# that the tokenizer and detokenizer share one. Measured on 2 cores: bench/results/process_layout_cpu.log.
+# that the tokenizer and detokenizer share one (README, "Process layout": on 2 cores the measured
+# throughput difference is within the noise either way).
 MIN_CORES_FOR_SPLIT = 4
 
 
