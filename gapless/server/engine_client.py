@@ -41,15 +41,21 @@ class Group:
         self.timeout_s = timeout_s
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.released = False
+        self._error: P.ReqError | None = None  # a refusal taken from the queue behind deltas, raised next
+
+    def _raise(self, msg: P.ReqError) -> None:
+        raise BadRequest(msg.message, msg.param, msg.status)
 
     @property
     def done(self) -> bool:
-        """Every request has finished and every delta has been taken."""
-        return not self.open and self.queue.empty()
+        """Every request has finished and every delta (and refusal) has been taken."""
+        return not self.open and self.queue.empty() and self._error is None
 
     async def next_delta(self) -> tuple[int, P.ReqDelta]:
         """The next delta, as (request index, delta). A worker's refusal raises BadRequest with its status,
         and so does the deadline passing (504): the caller's release then aborts what still runs."""
+        if self._error is not None:
+            self._raise(self._error)
         remaining = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         try:
             index, msg = await asyncio.wait_for(self.queue.get(), remaining)
@@ -60,8 +66,22 @@ class Group:
                 status=504,
             ) from None
         if isinstance(msg, P.ReqError):
-            raise BadRequest(msg.message, msg.param, msg.status)
-        return index, msg
+            self._raise(msg)
+        return index, msg  # type: ignore[return-value]
+
+    async def next_deltas(self) -> list[tuple[int, P.ReqDelta]]:
+        """The next delta and every one already queued behind it, merged per request (`merge_deltas`):
+        when the stream's client (or the event loop) is behind, it gets one chunk per choice for all
+        that piled up, not one per step. A refusal behind them is raised by the next call."""
+        index, delta = await self.next_delta()
+        merged = {index: delta}
+        while not self.queue.empty():
+            index, msg = self.queue.get_nowait()
+            if isinstance(msg, P.ReqError):
+                self._error = msg
+                break
+            merged[index] = P.merge_deltas(merged[index], msg) if index in merged else msg
+        return list(merged.items())
 
 
 def _prompt_in(prompt: Prompt) -> P.PromptIn:
@@ -88,6 +108,7 @@ class EngineClient:
         self.last_stats: P.Stats = {}  # the scheduler's last answer, and when it came
         self.last_stats_at: float | None = None
         self._tickets = itertools.count()
+        self.hops = {"hop_api_deltas_in": 0, "hop_api_delta_records": 0}  # what the detokenizer sent here
         health.on_fatal(self._fail_open_requests)
 
     def send(self, msg: P.Message) -> None:
@@ -113,6 +134,8 @@ class EngineClient:
 
     def _dispatch(self, msg: P.Message | None) -> None:
         if isinstance(msg, P.Deltas):
+            self.hops["hop_api_deltas_in"] += 1
+            self.hops["hop_api_delta_records"] += len(msg.deltas)
             now = time.perf_counter()
             for d in msg.deltas:
                 self._deliver(d.rid, d, now)
@@ -123,10 +146,11 @@ class EngineClient:
             for rid in msg.rids:
                 self._deliver(rid, P.ReqError(rid, msg.message, msg.status, msg.param), now)
         elif isinstance(msg, P.StatsOut):
-            self.last_stats, self.last_stats_at = msg.stats, time.monotonic()
+            stats = {**msg.stats, **self.hops}
+            self.last_stats, self.last_stats_at = stats, time.monotonic()
             fut = self.stats_waiters.pop(msg.ticket, None)
             if fut is not None and not fut.done():
-                fut.set_result(msg.stats)
+                fut.set_result(stats)
         elif isinstance(msg, P.Failed):
             self.health.fail(f"the {msg.worker} worker failed:\n{msg.error}")
 

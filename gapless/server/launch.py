@@ -6,9 +6,10 @@ architecture, weights and tokenizer), the device, and the port (binding the HTTP
 each of those mistakes is one `gapless: ...` line and exit status 2 within a second. Importing this module
 loads neither torch nor the web stack (`serve` does), so the command line's parser stays fast.
 
-The API server runs in this process (uvicorn on an asyncio loop); the tokenizer, scheduler and
-detokenizer are child processes forked from a fork server that imported torch and transformers once
-(`preload`), or spawned where the platform has no fork server.
+The API server runs in this process (uvicorn on an asyncio loop); the scheduler and the tokenizer and
+detokenizer (in a process each, or both in one: `gapless.server.layout`) are child processes forked
+from a fork server that imported torch and transformers once (`preload`), or spawned where the
+platform has no fork server.
 
 Shutdown (SIGINT, SIGTERM, or a worker dying) first ends every open request: a stream gets an error event
 and `data: [DONE]`, a waiting request a 503. Then uvicorn stops, the workers are terminated and waited for
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING
 from gapless.config import EngineConfig, add_engine_args, add_model_args, add_option, config_from_args
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.health import Health
+from gapless.server.layout import LAYOUTS, MIN_CORES_FOR_SPLIT, worker_stages
 from gapless.server.logs import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
 
 if TYPE_CHECKING:
@@ -97,6 +99,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="stop a request still running after this long and answer 504 (default: no limit)",
+    )
+    parser.add_argument(
+        "--process-layout",
+        choices=LAYOUTS,
+        default="auto",
+        help="split: tokenizer and detokenizer in a process each; merged: one process for both; auto: "
+        f"merged below {MIN_CORES_FOR_SPLIT} usable cores, else split (default: auto)",
     )
     logs = parser.add_argument_group("logging")
     logs.add_argument(
@@ -163,20 +172,24 @@ def _process_context() -> mp.context.BaseContext:
 
 
 class _Workers:
-    def __init__(self, ends: Endpoints, cfg: EngineConfig, logs: SchedulerLogs) -> None:
-        from gapless.server.workers import detokenizer_main, scheduler_main, tokenizer_main
+    """The worker processes, by name: the scheduler, and the text workers of the process `layout`
+    (`gapless.server.layout`): `tokenizer` and `detokenizer`, or one `tokenizer+detokenizer`."""
+
+    def __init__(self, ends: Endpoints, cfg: EngineConfig, logs: SchedulerLogs, layout: str) -> None:
+        from gapless.server.workers import scheduler_main, text_worker_main
 
         ctx = _process_context()
         pid = os.getpid()
         self.procs = {
             "scheduler": ctx.Process(
                 target=scheduler_main, args=(ends, cfg, pid, logs), name="gapless-scheduler"
-            ),
-            "tokenizer": ctx.Process(target=tokenizer_main, args=(ends, cfg, pid), name="gapless-tokenizer"),
-            "detokenizer": ctx.Process(
-                target=detokenizer_main, args=(ends, cfg, pid), name="gapless-detokenizer"
-            ),
+            )
         }
+        for stages in worker_stages(layout):
+            name = "+".join(stages)
+            self.procs[name] = ctx.Process(
+                target=text_worker_main, args=(ends, cfg, pid, stages), name=f"gapless-{name}"
+            )
         for p in self.procs.values():
             p.start()
 
@@ -359,19 +372,22 @@ def serve(args: argparse.Namespace) -> int:
 def _run(
     args: argparse.Namespace, cfg: EngineConfig, mcfg: ModelConfig, listener: socket.socket, started: float
 ) -> int:
+    from gapless.server.layout import choose_layout, describe
     from gapless.server.workers import Endpoints, SchedulerLogs
 
     configure_logging(args.log_level)
     os.environ[LOG_LEVEL_ENV] = args.log_level  # the workers' level (they inherit the environment)
     mp.current_process().name = "gapless-api"
     _adopt_orphans()
+    layout = choose_layout(args.process_layout)
     print(f"gapless: starting {cfg.model} ({mcfg.architecture}; device {cfg.device})", flush=True)
+    print(f"gapless: {describe(args.process_layout, layout)}", flush=True)
     # uvicorn handles SIGINT/SIGTERM while serving and re-raises them afterwards: this handler turns a
     # re-raised (or early) SIGTERM into an exception, so the workers are always stopped below
     signal.signal(signal.SIGTERM, _on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gapless-") as tmp:
         ends = Endpoints.in_dir(tmp)
-        workers = _Workers(ends, cfg, SchedulerLogs(args.log_stats_interval, args.log_requests))
+        workers = _Workers(ends, cfg, SchedulerLogs(args.log_stats_interval, args.log_requests), layout)
         try:
             return asyncio.run(_serve(args, cfg, ends, workers, listener, started))
         except (KeyboardInterrupt, _Terminated):

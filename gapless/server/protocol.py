@@ -122,6 +122,24 @@ class ReqDelta(msgspec.Struct):
     prompt: PromptLogprobs | None = None  # on the first delta, when the request asked for prompt logprobs
 
 
+# What accumulates when deltas are merged: a field added to ReqDelta that grows token by token belongs here
+_JOINED = frozenset({"text", "token_ids", "logprobs"})
+
+
+def merge_deltas(first: ReqDelta, later: ReqDelta) -> ReqDelta:
+    """One delta of a request saying what `first` and then `later` say: text, tokens and logprobs
+    joined; every other field (the counts, the finish reason, a field only one of them carries) the
+    later's where it has one. What a stream sends when its client is behind (`Group.next_deltas`)."""
+    values = {}
+    for name in first.__struct_fields__:
+        a, b = getattr(first, name), getattr(later, name)
+        if name in _JOINED and a is not None and b is not None:
+            values[name] = a + b
+        else:
+            values[name] = a if b is None else b
+    return ReqDelta(**values)
+
+
 class Deltas(msgspec.Struct, tag=True):
     deltas: list[ReqDelta]
 

@@ -1,10 +1,12 @@
 """The server's worker processes: tokenizer, scheduler (engine + model runner), detokenizer.
 
 Each is a child process (forked from the server's fork server, see `launch`) with a PULL socket it binds
-and PUSH sockets to the next stage (see `protocol`). A worker that fails reports `Failed` to the API
-server; one that dies without a word is noticed by the API server's watchdog. Workers die with their
-parent (`PR_SET_PDEATHSIG`), ignore SIGINT (a terminal's Ctrl-C reaches the whole group; the API server
-decides) and exit cleanly on SIGTERM, so a shutdown never leaves a process behind.
+and PUSH sockets to the next stage (see `protocol`); the tokenizer and detokenizer stages run in a
+process each or share one (`text_worker_main`, the process layout of `gapless.server.layout`). A worker
+that fails reports `Failed` to the API server; one that dies without a word is noticed by the API
+server's watchdog. Workers die with their parent (`PR_SET_PDEATHSIG`), ignore SIGINT (a terminal's
+Ctrl-C reaches the whole group; the API server decides) and exit cleanly on SIGTERM, so a shutdown never
+leaves a process behind.
 """
 
 from __future__ import annotations
@@ -92,12 +94,17 @@ def _setup_child(parent_pid: int) -> None:
 
 
 class _Sockets:
-    """A worker's PULL socket and its PUSH sockets to the next stages, by name."""
+    """A worker's PULL socket and its PUSH sockets to the next stages, by name.
 
-    def __init__(self, bind: str, push: dict[str, str]) -> None:
+    The PULL socket binds every address in `binds`: one stage's, or both the tokenizer's and the
+    detokenizer's when one process runs the two (the merged layout). ZeroMQ queues each peer's messages
+    in order and takes from the peers in turn, so an abort still follows its request."""
+
+    def __init__(self, binds: tuple[str, ...], push: dict[str, str]) -> None:
         self.ctx = zmq.Context()
         self.recv = self.ctx.socket(zmq.PULL)
-        self.recv.bind(bind)
+        for addr in binds:
+            self.recv.bind(addr)
         self.push: dict[str, zmq.Socket] = {}
         for name, addr in push.items():
             sock = self.ctx.socket(zmq.PUSH)
@@ -111,13 +118,6 @@ class _Sockets:
         if self.recv.poll(timeout_ms):
             return P.decode(self.recv.recv())
         return None
-
-    def messages(self) -> Iterator[P.Message]:
-        """Every message that arrives, forever (waking every IDLE_POLL_MS so signals are seen)."""
-        while True:
-            msg = self.poll(IDLE_POLL_MS)
-            if msg is not None:
-                yield msg
 
     def close(self) -> None:
         for sock in (self.recv, *self.push.values()):
@@ -268,39 +268,35 @@ def _send_tokenized(socks: _Sockets, out: list[P.Message]) -> None:
         socks.send("api" if isinstance(msg, P.Refused) else "scheduler", msg)
 
 
-def _tokenizer_loop(tokenizer: _Tokenizer, socks: _Sockets) -> None:
-    background = _Background(tokenizer.handle)
-    aborted: set[str] = set()  # rids aborted while their request was in the background: never sent on
-    while True:
-        msg = socks.poll(BUSY_POLL_MS if background.rids else IDLE_POLL_MS)
+class _TokenizerStage:
+    """The tokenizer's part of a worker: each `TokenizeReq` becomes its `SchedReq`s (or one `Refused`),
+    long ones on the background thread; aborts and stats requests follow the requests to the scheduler."""
+
+    def __init__(self, tokenizer: _Tokenizer, socks: _Sockets) -> None:
+        self.tokenizer, self.socks = tokenizer, socks
+        self.background = _Background(tokenizer.handle)
+        self.aborted: set[str] = set()  # rids aborted while their request was in the background
+
+    def poll_ms(self) -> int:
+        """How long the worker may wait for a message: not long while the background thread works."""
+        return BUSY_POLL_MS if self.background.rids else IDLE_POLL_MS
+
+    def take(self, msg: P.Message) -> None:
         if isinstance(msg, P.TokenizeReq) and _text_chars(msg) > INLINE_CHARS:
-            background.give(msg)
+            self.background.give(msg)
         elif isinstance(msg, P.TokenizeReq):
-            _send_tokenized(socks, tokenizer.handle(msg))
-        elif msg is not None:  # Abort, StatsReq: in order behind the requests
-            if isinstance(msg, P.Abort) and msg.rid in background.rids:
-                aborted.add(msg.rid)
-            socks.send("scheduler", msg)
-        for req, out in background.take():
-            if aborted.isdisjoint(req.rids):
-                _send_tokenized(socks, out)
-            aborted.difference_update(req.rids)
+            _send_tokenized(self.socks, self.tokenizer.handle(msg))
+        else:  # Abort, StatsReq: in order behind the requests
+            if isinstance(msg, P.Abort) and msg.rid in self.background.rids:
+                self.aborted.add(msg.rid)
+            self.socks.send("scheduler", msg)
 
-
-def tokenizer_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int) -> None:
-    def body(socks: _Sockets) -> None:
-        from gapless.model.source import load_tokenizer
-
-        tokenizer = _Tokenizer(load_tokenizer(cfg))
-        socks.send("api", P.Ready("tokenizer"))
-        _tokenizer_loop(tokenizer, socks)
-
-    _run_worker(
-        "tokenizer",
-        parent_pid,
-        lambda: _Sockets(ends.tokenizer, {"scheduler": ends.scheduler, "api": ends.api}),
-        body,
-    )
+    def drain(self) -> None:
+        """Send on what the background thread finished (never what was aborted meanwhile)."""
+        for req, out in self.background.take():
+            if self.aborted.isdisjoint(req.rids):
+                _send_tokenized(self.socks, out)
+            self.aborted.difference_update(req.rids)
 
 
 # ----------------------------------------------------------------------------------------- scheduler
@@ -374,7 +370,7 @@ def scheduler_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int, logs: Sc
     _run_worker(
         "scheduler",
         parent_pid,
-        lambda: _Sockets(ends.scheduler, {"detokenizer": ends.detokenizer, "api": ends.api}),
+        lambda: _Sockets((ends.scheduler,), {"detokenizer": ends.detokenizer, "api": ends.api}),
         body,
     )
 
@@ -388,6 +384,10 @@ class _SchedulerLoop:
         self.reporter = _Reporter()
         self.stats_log = StatsLog(logs.stats_interval_s)
         self.clocks: dict[str, list[float]] = {}  # with log_requests: rid -> [queued at, first token at]
+        # what this hop sent: one Updates per step that produced output, whatever the number of requests
+        self.hops = dict.fromkeys(
+            ("hop_scheduler_steps", "hop_scheduler_updates_out", "hop_scheduler_request_updates"), 0
+        )
 
     def run(self) -> None:
         engine = self.engine
@@ -408,7 +408,8 @@ class _SchedulerLoop:
             log.debug("request %s: abort", msg.rid)
             self.engine.abort(msg.rid)  # unknown (already finished) ids are ignored
         elif isinstance(msg, P.StatsReq):
-            self.socks.send("detokenizer", P.StatsOut(msg.ticket, _engine_stats(self.engine)))
+            stats = {**_engine_stats(self.engine), **self.hops}
+            self.socks.send("detokenizer", P.StatsOut(msg.ticket, stats))
 
     def add(self, msg: P.SchedReq) -> None:
         try:
@@ -425,8 +426,11 @@ class _SchedulerLoop:
 
     def step(self) -> None:
         updated = self.engine.step()
+        self.hops["hop_scheduler_steps"] += 1
         if updated:
             self.socks.send("detokenizer", P.Updates([self.reporter.update(r) for r in updated]))
+            self.hops["hop_scheduler_updates_out"] += 1
+            self.hops["hop_scheduler_request_updates"] += len(updated)
         if self.log_requests:
             now = time.perf_counter()
             for req in updated:
@@ -456,33 +460,72 @@ class _SchedulerLoop:
 
 
 # ----------------------------------------------------------------------------------------- detokenizer
-def detokenizer_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int) -> None:
-    def body(socks: _Sockets) -> None:
+class _DetokenizerStage:
+    """The detokenizer's part of a worker: each step's `Updates` (every request's new tokens) become one
+    `Deltas` to the API server; anything else from the scheduler (`StatsOut`) passes on, with this hop's
+    message counts added."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, socks: _Sockets) -> None:
+        self.tokenizer, self.socks = tokenizer, socks
+        self.states: dict[str, _DetokState] = {}
+        self.hops = {"hop_detokenizer_updates_in": 0, "hop_detokenizer_deltas_out": 0}
+
+    def take(self, msg: P.Message) -> None:
+        if isinstance(msg, P.StatsOut):
+            msg = P.StatsOut(msg.ticket, {**msg.stats, **self.hops})
+        if not isinstance(msg, P.Updates):
+            self.socks.send("api", msg)
+            return
         from gapless.engine.detokenize import IncrementalDetokenizer
+
+        deltas = []
+        for u in msg.updates:
+            state = self.states.get(u.rid)
+            if state is None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, skip_special_tokens=u.skip_special_tokens, stop=u.stop or []
+                )
+                state = self.states[u.rid] = _DetokState(detok)
+            deltas.append(state.delta(self.tokenizer, u))
+            if u.finish_reason is not None:
+                del self.states[u.rid]
+        self.socks.send("api", P.Deltas(deltas))
+        self.hops["hop_detokenizer_updates_in"] += 1
+        self.hops["hop_detokenizer_deltas_out"] += 1
+
+
+_FROM_SCHEDULER = (P.Updates, P.StatsOut)  # what the scheduler sends on: the detokenizer's messages
+
+
+def text_worker_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int, stages: tuple[str, ...]) -> None:
+    """A worker running the tokenizer stage, the detokenizer stage, or both (`stages`, in that order;
+    see `gapless.server.layout`). Each stage binds its own address, so the API server and the scheduler
+    send the same messages to the same places whatever the layout, and both stages run the same code
+    alone or together; together, a message goes to the stage its type belongs to."""
+    name = "+".join(stages)
+    tokenize, detokenize = "tokenizer" in stages, "detokenizer" in stages
+    binds = (ends.tokenizer,) * tokenize + (ends.detokenizer,) * detokenize
+    push = {"api": ends.api, **({"scheduler": ends.scheduler} if tokenize else {})}
+
+    def body(socks: _Sockets) -> None:
         from gapless.model.source import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg)
-        states: dict[str, _DetokState] = {}
-        socks.send("api", P.Ready("detokenizer"))
-        for msg in socks.messages():
-            if not isinstance(msg, P.Updates):
-                socks.send("api", msg)
-                continue
-            deltas = []
-            for u in msg.updates:
-                state = states.get(u.rid)
-                if state is None:
-                    state = states[u.rid] = _DetokState(
-                        IncrementalDetokenizer(
-                            tokenizer, skip_special_tokens=u.skip_special_tokens, stop=u.stop or []
-                        )
-                    )
-                deltas.append(state.delta(tokenizer, u))
-                if u.finish_reason is not None:
-                    del states[u.rid]
-            socks.send("api", P.Deltas(deltas))
+        hf_tokenizer = load_tokenizer(cfg)
+        tok = _TokenizerStage(_Tokenizer(hf_tokenizer), socks) if tokenize else None
+        detok = _DetokenizerStage(hf_tokenizer, socks) if detokenize else None
+        socks.send("api", P.Ready(name))
+        while True:
+            msg = socks.poll(tok.poll_ms() if tok is not None else IDLE_POLL_MS)
+            if msg is not None:
+                if detok is not None and (tok is None or isinstance(msg, _FROM_SCHEDULER)):
+                    detok.take(msg)
+                else:
+                    assert tok is not None
+                    tok.take(msg)
+            if tok is not None:
+                tok.drain()
 
-    _run_worker("detokenizer", parent_pid, lambda: _Sockets(ends.detokenizer, {"api": ends.api}), body)
+    _run_worker(name, parent_pid, lambda: _Sockets(binds, push), body)
 
 
 class _DetokState:

@@ -1,6 +1,7 @@
 """SIGINT and SIGTERM stop every process of the server within seconds, even mid-request: an open stream
 ends with an error event and `[DONE]`, and no process of the server is left by the time its exit status is
 seen. A dead worker makes the server exit with an error instead of hanging, leaving nothing behind either.
+Both process layouts are covered (split: a process per stage; merged: tokenizer and detokenizer in one).
 The SIGTERM server also runs with every log on, and shows what each prints."""
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def test_signal_ends_open_streams_and_stops_every_process(ckpt_factory, tmp_path
     # SIGINT's server runs the built-in tiny random model, made on first use (not in ~)
     default = sig == signal.SIGINT
     logs = () if default else LOGS_ON
+    # each layout (gapless.server.layout) once: SIGINT's server the merged one, SIGTERM's the split one
+    logs += ("--process-layout", "merged" if default else "split")
     srv, workers = _start(ckpt_factory, *logs, default_model=default, env={"GAPLESS_CACHE": str(tmp_path)})
     if default:
         assert "serving tiny-random" in srv.output and (tmp_path / "models").is_dir()
@@ -92,9 +95,12 @@ def _check_logs(out: str) -> None:
     assert '"POST /generate HTTP/1.1" 200' in out
 
 
-@pytest.mark.parametrize("worker", ["scheduler", "detokenizer"])
-def test_dead_worker_makes_the_server_exit_with_an_error(ckpt_factory, worker):
-    srv, workers = _start(ckpt_factory)
+@pytest.mark.parametrize(
+    ("worker", "layout"),
+    [("scheduler", "split"), ("detokenizer", "split"), ("tokenizer+detokenizer", "merged")],
+)
+def test_dead_worker_makes_the_server_exit_with_an_error(ckpt_factory, worker, layout):
+    srv, workers = _start(ckpt_factory, "--process-layout", layout)
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         pids = c.get("/debug/state").json()["worker_pids"]
         assert set(pids.values()) <= workers

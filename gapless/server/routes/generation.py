@@ -11,7 +11,6 @@ with its 4xx, not a 200 and an error event.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -19,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -85,8 +85,12 @@ async def submit(request: Request, kind: type[GenerationRequest]) -> tuple[Gener
     return req, group
 
 
-def _sse(obj: Json) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+_encode_json = msgspec.json.Encoder().encode  # UTF-8 as is, like json.dumps(ensure_ascii=False), faster
+DONE = b"data: [DONE]\n\n"
+
+
+def _sse(obj: Json) -> bytes:
+    return b"data: " + _encode_json(obj) + b"\n\n"
 
 
 Chunks = Callable[[int, P.ReqDelta, Choice], list[Json]]  # a delta of choice i -> the chunks it streams
@@ -150,24 +154,32 @@ class Generation:
         return await self._unless_disconnected(fold_all())
 
     async def stream(self, chunks: Chunks, final: FinalChunks) -> StreamingResponse:
-        """Stream each delta's chunks as SSE, then the final ones and `[DONE]`. The first delta is awaited
+        """Stream the deltas' chunks as SSE, then the final ones and `[DONE]`. The first delta is awaited
         before the response starts, so a refusal is an HTTP error; a later failure (a deadline, a worker's
-        error) becomes an error event, and the stream still ends with `[DONE]`."""
-        first = await self._unless_disconnected(self.group.next_delta())
+        error) becomes an error event, and the stream still ends with `[DONE]`.
 
-        async def body() -> AsyncIterator[str]:
+        Each write holds everything ready: the deltas that piled up while the last write waited on the
+        client (or the event loop was busy) are merged per choice into one chunk (`Group.next_deltas`),
+        and the chunks they make go out in one write, each encoded once."""
+        first = await self._unless_disconnected(self.group.next_deltas())
+
+        async def body() -> AsyncIterator[bytes]:
             choices = [Choice() for _ in range(self.count)]
-            index, d = first
+            ready = first
             try:
                 while True:
-                    choices[index].fold(d)
-                    for chunk in chunks(index, d, choices[index]):
-                        yield _sse(chunk)
+                    out = []
+                    for index, d in ready:
+                        choices[index].fold(d)
+                        out += [_sse(chunk) for chunk in chunks(index, d, choices[index])]
+                    if out:
+                        yield b"".join(out)
                     if self.group.done:
                         break
-                    index, d = await self.group.next_delta()
-                for chunk in final(choices):
-                    yield _sse(chunk)
+                    ready = await self.group.next_deltas()
+                last = final(choices)
+                if last:
+                    yield b"".join(_sse(chunk) for chunk in last)
             except BadRequest as e:
                 yield _sse(error_body(e.status, str(e), e.param, code=e.status))
             except Exception:  # noqa: BLE001 - the headers are sent: end the stream with an error event
@@ -175,6 +187,6 @@ class Generation:
                 yield _sse(
                     error_body(500, "internal server error (details are in the server's log)", code=500)
                 )
-            yield "data: [DONE]\n\n"
+            yield DONE
 
         return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,0 +1,252 @@
+"""Served vs offline throughput of the same model and workload on one machine, and the ratio:
+`python -m gapless.bench.served_vs_offline`.
+
+    python -m gapless.bench.served_vs_offline --quick                     # seconds: does it run
+    python -m gapless.bench.served_vs_offline --rounds 2 --json out.json  # the CPU log's command
+    python -m gapless.bench.served_vs_offline --model PATH --device cuda --dtype bfloat16 \\
+        --num-seqs 512 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024
+
+Offline is one `LLM.generate` over the workload (`gapless.bench.runs.run_gapless`: greedy, every request
+to exactly its length, a warm-up first). Served is `gapless serve` started on the same checkpoint with the
+same engine settings (device, dtype, KV pool size), warmed up with the same warm-up requests, then sent
+the whole workload at once by the serving benchmark's client (`gapless.bench.serving`: streamed
+/v1/completions with token-id prompts, `ignore_eos`, temperature 0, tokens counted from `usage`). Both
+throughputs are output tokens over the wall time of the run, so the ratio is what serving costs.
+
+Each process layout in `--layouts` (`gapless.server.layout`) is served in turn, and with several
+`--max-concurrency` values each is run at each (`0` = everything at once, the only one the ratio to
+offline is taken at); `--rounds` repeats the lot, alternating, so the machine's drift hits every mode
+alike. Besides tokens/s each served run reports what its hops sent (`/debug/state`'s `hop_*` counters):
+messages per hop and request updates per message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from gapless.bench import cli, serving
+from gapless.bench.runs import WARMUP, run_gapless
+from gapless.bench.workload import Workload
+
+# Default CPU workload: a model small enough that the host's share (the server's included) is visible
+# (random-weight Qwen3 of size `overlap`: hidden 128, 2 layers), 64 requests all at once.
+DEFAULTS: dict[str, int] = dict(num_seqs=64, min_input=16, max_input=128, min_output=16, max_output=128)
+QUICK: dict[str, int] = dict(num_seqs=8, min_input=8, max_input=16, min_output=8, max_output=16)
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    what = "Served vs offline output tokens/s of one workload on one machine, and their ratio."
+    p = argparse.ArgumentParser(prog="python -m gapless.bench.served_vs_offline", description=what)
+    m = cli.add_model_args(p, "overlap", ("tiny", "overlap", "bench"), "model and machine")
+    cli.add_workload_args(p, "the CPU workload", DEFAULTS, "a few-second smoke run (tiny workload)")
+    m.add_argument("--device", default="cpu", help="for both (default cpu)")
+    m.add_argument("--dtype", default="float32", help="for both (default float32)")
+    m.add_argument(
+        "--threads",
+        type=cli.positive_int,
+        default=1,
+        help="the engine's torch threads, offline and in the server's scheduler (default 1: a shared "
+        "CPU's other processes stall OpenMP's spinning threads)",
+    )
+    s = p.add_argument_group("serving")
+    s.add_argument(
+        "--layouts",
+        default="split,merged",
+        help="process layouts to serve with, in turn (default split,merged)",
+    )
+    s.add_argument(
+        "--max-concurrency",
+        default="0",
+        help="requests in flight, comma-separated; 0: all at once (default 0)",
+    )
+    s.add_argument("--skip-offline", action="store_true", help="serve only (no ratio to offline)")
+    p.add_argument("--rounds", type=cli.positive_int, default=1, help="repeat every mode (default 1)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = p.parse_args(argv)
+    args.engine_option = []
+    cli.finish_args(p, args, DEFAULTS, QUICK)
+    args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    if not set(args.layouts) <= {"split", "merged", "auto"} or not args.layouts:
+        p.error(f"--layouts takes split, merged, auto; got {args.layouts}")
+    try:
+        args.concurrency = [int(x) for x in args.max_concurrency.split(",")]
+    except ValueError:
+        p.error(f"--max-concurrency takes whole numbers, got {args.max_concurrency!r}")
+    if any(c < 0 for c in args.concurrency):
+        p.error("--max-concurrency values must be >= 0")
+    return args
+
+
+async def _drive(url: str, work: Workload, concurrency: int) -> dict[str, Any]:
+    """Send the workload to the server at `url` (all at once, at most `concurrency` in flight if > 0);
+    the serving benchmark's summary."""
+    argv = ["--base-url", url, "--disable-tqdm"] + (
+        ["--max-concurrency", str(concurrency)] * (concurrency > 0)
+    )
+    args = serving.parse_args(argv)
+    async with serving.make_client(args, len(work)) as client:
+        model = await serving.first_model(client)
+        records, duration = await serving.run_benchmark(args, client, model, work, [0.0] * len(work))
+    return serving.summarize(records, duration)
+
+
+def _hops(url: str) -> dict[str, int]:
+    state = httpx.get(f"{url}/debug/state", timeout=30, trust_env=False).json()
+    return {k: v for k, v in state.items() if k.startswith("hop_")}
+
+
+def run_served(
+    path: Path, work: Workload, layout: str, concurrency: list[int], engine: list[str]
+) -> list[dict[str, Any]]:
+    """Serve `path` in `layout` with the `engine` flags, warm it up, run `work` at each concurrency; one
+    result per run."""
+    from gapless.testing.server import ServerProcess
+
+    flags = [*engine, "--log-stats-interval", "0"]
+    srv = ServerProcess(str(path), *flags, "--process-layout", layout, startup_timeout=600)
+    out = []
+    try:
+        asyncio.run(_drive(srv.url, WARMUP, 0))
+        for c in concurrency:
+            before = _hops(srv.url)
+            summary = asyncio.run(_drive(srv.url, work, c))
+            if summary["failed"] or summary["wrong_length_requests"]:
+                raise RuntimeError(f"served run failed: {json.dumps(summary['errors'])}\n{srv.output}")
+            hops = {k: v - before.get(k, 0) for k, v in _hops(srv.url).items()}
+            out.append(
+                dict(
+                    layout=layout,
+                    concurrency=c,
+                    output_tokens=summary["output_tokens"],
+                    wall_s=summary["duration_s"],
+                    output_tokens_per_s=summary["output_throughput"],
+                    ttft_p50_ms=summary["ttft_ms"]["p50"],
+                    tpot_p50_ms=summary["tpot_ms"]["p50"],
+                    hops=hops,
+                )
+            )
+    finally:
+        srv.stop()
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode (offline; each layout at each concurrency): median tokens/s over the rounds, the ratio to
+    offline (at concurrency 0) and to the first layout at the same concurrency, each the median of the
+    rounds' ratios (each round's modes ran back to back)."""
+    rounds = sorted({r["round"] for r in runs})
+    modes = list(dict.fromkeys((r["mode"], r.get("concurrency")) for r in runs))
+    first_layout = next((m for m, _ in modes if m != "offline"), None)
+
+    def rate(mode: str, c: int | None, k: int) -> float | None:
+        hit = [r for r in runs if r["round"] == k and r["mode"] == mode and r.get("concurrency") == c]
+        return hit[0]["output_tokens_per_s"] if hit else None
+
+    rows = []
+    for mode, c in modes:
+        tok_s = [x for k in rounds if (x := rate(mode, c, k)) is not None]
+        row: dict[str, Any] = dict(mode=mode, concurrency=c, output_tokens_per_s=_median(tok_s))
+        if mode != "offline":
+            off = [x / o for k in rounds if (x := rate(mode, c, k)) and (o := rate("offline", None, k))]
+            row["served_over_offline"] = _median(off) if c == 0 else None
+            base = [x / b for k in rounds if (x := rate(mode, c, k)) and (b := rate(first_layout, c, k))]
+            row[f"over_{first_layout}"] = _median(base)
+            hops = [r["hops"] for r in runs if r["mode"] == mode and r.get("concurrency") == c]
+            msgs, updates = (
+                hops[-1].get("hop_scheduler_updates_out", 0),
+                hops[-1].get("hop_scheduler_request_updates", 0),
+            )
+            row["request_updates_per_message"] = updates / msgs if msgs else None
+        rows.append(row)
+    return rows
+
+
+def format_report(rows: list[dict[str, Any]], first_layout: str) -> str:
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    header = (
+        "mode",
+        "max concurrency",
+        "output tok/s",
+        "served/offline",
+        f"/{first_layout}",
+        "updates/message",
+    )
+    table = [
+        (
+            r["mode"],
+            "-" if r["concurrency"] is None else (r["concurrency"] or "all"),
+            num(r["output_tokens_per_s"], ",.1f"),
+            num(r.get("served_over_offline"), ".3f"),
+            num(r.get(f"over_{first_layout}"), ".3f"),
+            num(r.get("request_updates_per_message"), ".1f"),
+        )
+        for r in rows
+    ]
+    return "\n".join(cli.markdown_table(header, table, "llrrrr"))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parse_args(argv)
+    path, _ = cli.model_path(args, args.dtype)
+    vocab = cli.model_info(path, args.dtype)["vocab_size"]
+    work = cli.workload_from_args(args, vocab)
+    kv = work.input_tokens + work.output_tokens + 1024  # as run_gapless sizes it: nothing is retracted
+    cli.progress(cli.workload_line(cli.workload_summary(args, work)))
+    runs: list[dict[str, Any]] = []
+    options = dict(device=args.device, dtype=args.dtype, kv_cache_tokens=kv)  # the same, as flags:
+    engine = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()] + [
+        f"--device-threads={args.threads}"
+    ]
+    torch.set_num_threads(args.threads)
+    for k in range(args.rounds):
+        if not args.skip_offline:
+            cli.progress(f"round {k + 1}: offline")
+            g = run_gapless(
+                path, work, options=dict(device=args.device, dtype=args.dtype, kv_cache_tokens=kv)
+            )
+            runs.append(
+                dict(
+                    round=k, mode="offline", output_tokens_per_s=g["output_tokens_per_s"], wall_s=g["wall_s"]
+                )
+            )
+        for layout in args.layouts:
+            cli.progress(f"round {k + 1}: served, layout {layout}")
+            for r in run_served(path, work, layout, args.concurrency, engine):
+                runs.append(dict(r, round=k, mode=layout))
+    rows = summarize(runs)
+    report = format_report(rows, args.layouts[0])
+    print(cli.machine_line(cli.machine(args.device, args.threads)))
+    print(cli.workload_line(cli.workload_summary(args, work)))
+    print(report)
+    res = dict(
+        command=cli.command_line("gapless.bench.served_vs_offline", argv),
+        machine=cli.machine(args.device, args.threads),
+        workload=cli.workload_summary(args, work),
+        model=str(path),
+        runs=runs,
+        summary=rows,
+        report=report,
+    )
+    if args.json:
+        cli.write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

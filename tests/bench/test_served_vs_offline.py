@@ -1,0 +1,47 @@
+"""`python -m gapless.bench.served_vs_offline`: its ratios come from the runs of the same round (served
+over offline at full concurrency only; each layout over the first), and its arguments are checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from gapless.bench import served_vs_offline as bench
+
+
+def _run(k: int, mode: str, tok_s: float, c: int | None = None, msgs: int = 10) -> dict:
+    hops = {"hop_scheduler_updates_out": msgs, "hop_scheduler_request_updates": 8 * msgs}
+    return dict(round=k, mode=mode, output_tokens_per_s=tok_s, concurrency=c, hops=hops)
+
+
+def test_ratios_are_per_round_then_the_median():
+    runs = [
+        _run(0, "offline", 100.0),
+        _run(0, "split", 90.0, 0),
+        _run(0, "merged", 99.0, 0),
+        _run(0, "split", 20.0, 1),
+        _run(0, "merged", 25.0, 1),
+        _run(1, "offline", 50.0),  # the machine got slower for the whole round
+        _run(1, "split", 40.0, 0),
+        _run(1, "merged", 45.0, 0),
+        _run(1, "split", 10.0, 1),
+        _run(1, "merged", 10.0, 1),
+    ]
+    rows = {(r["mode"], r["concurrency"]): r for r in bench.summarize(runs)}
+    assert rows[("offline", None)]["output_tokens_per_s"] == 75.0
+    assert rows[("split", 0)]["served_over_offline"] == pytest.approx((0.9 + 0.8) / 2)
+    assert rows[("merged", 0)]["over_split"] == pytest.approx((1.1 + 45 / 40) / 2)
+    assert rows[("split", 1)]["served_over_offline"] is None  # not at full concurrency
+    assert rows[("merged", 1)]["over_split"] == pytest.approx((1.25 + 1.0) / 2)
+    assert rows[("merged", 1)]["request_updates_per_message"] == 8.0
+    report = bench.format_report(bench.summarize(runs), "split")
+    assert "| merged | all | 72.0 | 0.945 | 1.113 | 8.0 |" in report, report
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--layouts", "single"], "--layouts takes"), (["--max-concurrency", "1,x"], "whole numbers")],
+)
+def test_bad_arguments_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench._parse_args(argv)
+    assert message in capsys.readouterr().err

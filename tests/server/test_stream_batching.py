@@ -1,0 +1,119 @@
+"""The server's messages scale with steps, not tokens: each hop (scheduler -> detokenizer -> API server)
+sends one message per step carrying every request's new tokens, and a stream whose deltas piled up (its
+client, or the event loop, behind) gets them merged into one chunk per choice, in one write."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from gapless.server import protocol as P
+from gapless.server.engine_client import Group
+from gapless.server.routes.generation import Generation
+from gapless.server.routes.openai import TEXT_COMPLETION, _Completion
+from tests.server.conftest import debug_state, wait_idle_and_clean
+
+
+def _delta(rid: str, text: str, ids: list[int], done: int, finish: str | None = None) -> P.ReqDelta:
+    return P.ReqDelta(
+        rid, text, ids, prompt_tokens=3, completion_tokens=done, cached_tokens=1, finish_reason=finish
+    )
+
+
+class _Connected:
+    """A request whose client never leaves (what `Generation` watches for a disconnect)."""
+
+    async def receive(self) -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+
+async def _writes(group: Group, *queued: tuple[int, P.ReqDelta | P.ReqError]) -> list[bytes]:
+    """The writes a completion stream makes for deltas that all arrived before it could send any."""
+    for item in queued:
+        group.queue.put_nowait(item)
+        if isinstance(item[1], P.ReqError) or item[1].finish_reason is not None:
+            group.open.discard(group.rids[item[0]])
+    gen = Generation(_Connected(), group, "cmpl", "m")  # type: ignore[arg-type]
+    response = await gen.stream(_Completion(gen, False).chunks, gen.usage_chunk(TEXT_COMPLETION, True, 1))
+    return [w async for w in response.body_iterator]  # type: ignore[misc]
+
+
+def _events(write: bytes) -> list[dict | str]:
+    out = []
+    for line in write.decode().split("\n\n"):
+        if line:
+            data = line.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_a_stream_behind_gets_its_deltas_merged_into_one_chunk_per_choice_in_one_write():
+    pieces = ["Hé", "ll", "o", " w", "€", "rld"]
+    queued = [(i % 2, _delta(f"r-{i % 2}", p, [i], i // 2 + 1)) for i, p in enumerate(pieces)]
+    queued[-2:] = [(k, _delta(f"r-{k}", pieces[4 + k], [4 + k], 3, "length")) for k in (0, 1)]
+    writes = asyncio.run(_writes(Group(["r-0", "r-1"]), *queued))
+    # before: one write and one chunk per delta (6); now one write of a chunk per choice, then usage
+    assert len(writes) == 3 and writes[-1] == b"data: [DONE]\n\n", writes
+    chunks = _events(writes[0])
+    assert [c["choices"][0]["text"] for c in chunks] == ["Héo€", "ll wrld"]  # type: ignore[index]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == ["length", "length"]  # type: ignore[index]
+    (usage,) = _events(writes[1])
+    assert usage["usage"]["completion_tokens"] == 6 and usage["usage"]["prompt_tokens"] == 6  # type: ignore[index]
+
+
+def test_a_refusal_behind_merged_deltas_still_ends_the_stream_with_its_error():
+    group = Group(["r-0"])
+    queued = [(0, _delta("r-0", "ab", [1], 1)), (0, _delta("r-0", "c", [2], 2))]
+    error = (0, P.ReqError("r-0", "the request ran past its time limit", status=504))
+    writes = asyncio.run(_writes(group, *queued, error))
+    events = [e for w in writes for e in _events(w)]
+    assert events[0]["choices"][0]["text"] == "abc"  # type: ignore[index]
+    assert events[1]["error"]["code"] == 504 and events[2] == "[DONE]", events  # type: ignore[index]
+
+
+def test_merging_keeps_counts_and_fields_only_one_delta_has():
+    first = _delta("r", "a", [1], 1)
+    first.logprobs = [P.TokenLogprob("a", -0.5, [])]
+    merged = P.merge_deltas(first, _delta("r", "b", [2], 2, "stop"))
+    assert (merged.rid, merged.text, merged.token_ids, merged.completion_tokens) == ("r", "ab", [1, 2], 2)
+    assert merged.finish_reason == "stop" and merged.logprobs == first.logprobs
+
+
+def _hops(client: httpx.Client) -> dict[str, int]:
+    return {k: v for k, v in debug_state(client).items() if k.startswith("hop_")}
+
+
+def test_each_hop_sends_one_message_per_step_for_all_streams(server, client):
+    """Eight streams at once (one request with n=8, and four more requests): every hop sends one
+    message per step that produced tokens, however many requests it carries."""
+    wait_idle_and_clean(client)
+    before = _hops(client)
+    streams = [{"prompt": [5, 6, 7], "n": 8, "max_tokens": 12}] + [
+        {"prompt": [9, i], "max_tokens": 12} for i in range(4)
+    ]
+    body = {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+    def run(request: dict) -> int:
+        with client.stream("POST", "/v1/completions", json={**request, **body}) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+        return json.loads(lines[-1][6:])["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(len(streams)) as pool:
+        assert list(pool.map(run, streams)) == [8 * 12] + [12] * 4
+    wait_idle_and_clean(client)
+    d = {k: v - before[k] for k, v in _hops(client).items()}
+    updates = d["hop_scheduler_updates_out"]
+    # one message per step with output at every hop; each request's update of a step rides in it
+    assert d["hop_detokenizer_updates_in"] == d["hop_detokenizer_deltas_out"] == updates, d
+    assert (
+        d["hop_api_deltas_in"] == updates and d["hop_api_delta_records"] == d["hop_scheduler_request_updates"]
+    )
+    assert updates <= d["hop_scheduler_steps"], d
+    assert d["hop_scheduler_request_updates"] == 12 * 12, d  # 12 requests, 12 steps each
+    # the n=8 request's choices run together: far fewer messages than request updates
+    assert updates <= 12 * 5, d
