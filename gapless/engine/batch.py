@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from gapless.attention.base import AttentionMetadata
+from gapless.sampling.mask import TokenMask
 from gapless.sampling.rows import RowParams, SampleFlags
 
 
@@ -53,12 +54,29 @@ class ForwardBatch:
     table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (row, prompt_ids, output_ids) whose sampler penalty state is (re)built before sampling
     penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    # allowed tokens of the rows a grammar or min_tokens constrains (`gapless.engine.grammar`)
+    token_mask: TokenMask | None = None
+    # the mask waits for the previous batch's tokens: run the forward and keep the logits; a `SampleJob`
+    # with the mask, submitted next once the host has it, samples them
+    defer_sampling: bool = False
 
     def attention_metadata(self, req_table: torch.Tensor) -> AttentionMetadata:
         """What attention reads of this batch (its fields of the same names), with the device's
         request table."""
         shared = {f.name: getattr(self, f.name) for f in fields(AttentionMetadata) if f.name != "req_table"}
         return AttentionMetadata(req_table=req_table, **shared)
+
+
+@dataclass
+class SampleJob:
+    """The second half of a batch launched with `defer_sampling`: sample its kept logits under `mask`.
+    The host submits it when the previous batch's tokens have advanced the grammars, so the forward ran
+    meanwhile; stream order puts it before the next batch's forward, which reads the tokens it samples."""
+
+    mask: TokenMask | None
+
+
+DeviceJob = ForwardBatch | SampleJob  # what a device stream runs
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 from gapless.attention import AttentionBackend, Probe, TorchRefBackend, make_backend
 from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
-from gapless.engine.batch import ForwardBatch, RunnerInfo
+from gapless.engine.batch import DeviceJob, ForwardBatch, RunnerInfo, SampleJob
 from gapless.engine.cuda_graph import DEFAULT_MAX_BS, GraphRunner
 from gapless.engine.defaults import apply_device_defaults, device_memory
 from gapless.engine.memory_plan import (
@@ -37,6 +37,7 @@ from gapless.memory.req_table import ReqTable
 from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.loader import load_model, resolve_dtype
+from gapless.sampling.mask import TokenMask
 from gapless.sampling.sampler import SampleOutput, Sampler, compute_logprobs
 from gapless.tensors import dataclass_to_device
 
@@ -96,6 +97,8 @@ class ModelRunner:
         self.token_buf = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=self.device)
         self.token_buf[self.pad_row] = 0
         self.graphs: GraphRunner | None = None
+        # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them
+        self._deferred: tuple[ForwardBatch, torch.Tensor] | None = None
         graph_bs = self._graph_max_bs(cfg)
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
@@ -249,11 +252,16 @@ class ModelRunner:
         return self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> SampleOutput:
+    def run(self, batch: DeviceJob) -> SampleOutput:
         """The step's device job: forward, then sample the next token of every request in `sample_index`
         and keep it in its row's future-token slot. Returns the sampled tokens (on the device), with
-        logprobs when a request in the batch asked for them."""
+        logprobs when a request in the batch asked for them. A batch with `defer_sampling` stops after
+        the logits (nothing sampled); the `SampleJob` after it samples them."""
         batch = dataclass_to_device(batch, self.device)
+        if isinstance(batch, SampleJob):
+            assert self._deferred is not None, "a SampleJob without a deferred batch before it"
+            (forward, logits), self._deferred = self._deferred, None
+            return self._sample(forward, logits, batch.mask)
         # before any early return: a first chunk samples nothing but must set its rows up
         if batch.row_params is not None:
             self.sampler.write_rows(batch.row_params)
@@ -265,7 +273,18 @@ class ModelRunner:
         if flags is None:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
         logits = self.model.logits(hidden[batch.sample_index])
-        tokens = self.sampler.sample(logits, self.sampler.batch(batch.sample_rows, batch.sample_steps, flags))
+        if batch.defer_sampling:
+            self._deferred = (batch, logits)
+            return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
+        return self._sample(batch, logits, batch.token_mask)
+
+    def _sample(self, batch: ForwardBatch, logits: torch.Tensor, mask: TokenMask | None) -> SampleOutput:
+        """Sample `batch`'s next tokens from its `logits` under `mask` and keep them in the token slots."""
+        flags = batch.sampling
+        assert flags is not None
+        sampling = self.sampler.batch(batch.sample_rows, batch.sample_steps, flags)
+        logits = self.sampler.constrain(logits, sampling, mask)
+        tokens = self.sampler.sample(logits, sampling)
         self.token_buf[batch.sample_rows] = tokens
         if flags.num_logprobs >= 0:
             return compute_logprobs(logits[:, : self.sampler.vocab_size], tokens, flags.num_logprobs)

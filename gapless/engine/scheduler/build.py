@@ -9,7 +9,7 @@ positions, KV slots and step counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ import torch
 from gapless.engine.batch import ForwardBatch
 from gapless.engine.request import Req
 from gapless.engine.scheduler.kv import DecodeSlots
+from gapless.engine.scheduler.masks import needs_mask
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
 
@@ -35,6 +36,8 @@ class ScheduledBatch:
     # (False for a non-final chunk of a chunked prefill) and its kv_len once this batch has run
     samples: list[bool]
     kv_after: list[int]
+    # the sampled rows that need a token mask: (position among them, request, output step)
+    masked: list[tuple[int, Req, int]] = field(default_factory=list)
 
 
 class BatchBuilder:
@@ -52,7 +55,7 @@ class BatchBuilder:
         buf = np.empty((_DECODE_ROWS, n), dtype=np.int64)
         buf[0], buf[1], buf[2], buf[3] = slots.rows, slots.positions, slots.out, 1
         buf[4] = np.arange(n)
-        buf[5] = [r.sampled for r in reqs]
+        buf[5] = steps = [r.sampled for r in reqs]
         for r in reqs:
             r.sampled += 1
         writes = None
@@ -79,7 +82,7 @@ class BatchBuilder:
             sampling=self.stages.flags(slots.rows),
             table_writes=writes,
         )
-        return ScheduledBatch(reqs, forward, True, [], [])
+        return ScheduledBatch(reqs, forward, True, [], [], _masked(forward, reqs, steps))
 
     def extend(
         self,
@@ -105,7 +108,8 @@ class BatchBuilder:
         samples = [r.kv_len == len(r.prompt_ids) + r.sampled for r in reqs]
         sample_mask = torch.tensor(samples, dtype=torch.bool)
         sample_reqs = [r for r, s in zip(reqs, samples) if s]
-        steps = torch.tensor([r.sampled for r in sample_reqs], dtype=torch.int64)
+        step_list = [r.sampled for r in sample_reqs]
+        steps = torch.tensor(step_list, dtype=torch.int64)
         for r in sample_reqs:
             r.sampled += 1
         sample_rows = rows[sample_mask]
@@ -140,7 +144,8 @@ class BatchBuilder:
             penalty_inits=penalty_inits,
             row_params=row_params,
         )
-        return ScheduledBatch(reqs, forward, False, samples, [r.kv_len for r in reqs])
+        masked = _masked(forward, sample_reqs, step_list)
+        return ScheduledBatch(reqs, forward, False, samples, [r.kv_len for r in reqs], masked)
 
     def _admit(self, admitted: list[Req]) -> RowParams:
         """The sampling values of requests entering their rows (for the device), noting on the host which
@@ -153,3 +158,11 @@ class BatchBuilder:
         )
         self.stages.set(values.rows, stages, logprobs)
         return values
+
+
+def _masked(forward: ForwardBatch, reqs: list[Req], steps: list[int]) -> list[tuple[int, Req, int]]:
+    """The sampled rows of `forward` (requests `reqs` at output `steps`) that need a token mask; looked
+    for only when a row's stages say one may (`SampleFlags.need_mask`)."""
+    if forward.sampling is None or not forward.sampling.need_mask:
+        return []
+    return [(i, r, s) for i, (r, s) in enumerate(zip(reqs, steps)) if needs_mask(r, s)]
