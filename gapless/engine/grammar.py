@@ -54,7 +54,7 @@ def _source(name: str, value: Any) -> tuple[str, str]:
             raise ValueError(f"json_schema must be a JSON object, got {type(value).__name__}")
         return "json", json.dumps(_no_control_chars(value), sort_keys=True)
     if name == "choice":
-        return "ebnf", "root ::= " + " | ".join(f"({json.dumps(c)})" for c in value)
+        return "ebnf", "root ::= " + " | ".join(f"({json.dumps(c, ensure_ascii=False)})" for c in value)
     return name, value  # regex, ebnf
 
 
@@ -84,16 +84,22 @@ def _grammar(kind: str, text: str, field: str) -> xgrammar.Grammar:
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         return xgr.Grammar.from_ebnf(text)
-    except (RuntimeError, ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever xgrammar refuses is the request's mistake
         message = _XGRAMMAR_PREFIX.sub("", str(e).strip())
         raise ValueError(f"{field} cannot be compiled: {message}") from None
 
 
-def check_structured(params: SamplingParams) -> None:
-    """Raise ValueError naming the field when `params`' structured-output constraint cannot be compiled."""
+def check_structured(params: SamplingParams, field: str | None = None) -> None:
+    """Raise ValueError naming `field` (default: the params' own field) when `params`' structured-output
+    constraint cannot be compiled."""
     spec = params.structured
     if spec is not None:
-        _grammar(*_source(*spec), field=spec[0])
+        name, value = spec
+        try:
+            source = _source(name, value)
+        except ValueError as e:
+            raise ValueError(str(e).replace(name, field or name, 1)) from None
+        _grammar(*source, field=field or name)
 
 
 class GrammarState:

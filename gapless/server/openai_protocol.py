@@ -29,8 +29,9 @@ from typing import Annotated, Any, Literal, TypeGuard, TypeVar, Union
 
 import msgspec
 
-from gapless.sampling_params import SamplingParams
+from gapless.sampling_params import STRUCTURED_FIELDS, SamplingParams
 from gapless.server.protocol import ChatMessage
+from gapless.server.structured import StructuredError, check_compiles, structured_fields
 
 log = logging.getLogger(__name__)
 
@@ -177,12 +178,30 @@ def _prompt_list(p: object, param: str, served: ServedModel, text: bool = True) 
     return list(prompts)
 
 
-def _sampling_params(fields: dict[str, Any]) -> SamplingParams:
-    """`SamplingParams(**fields)`, its refusal of a value a 400 naming the field."""
+def _sampling_params(fields: dict[str, Any], structured_source: str | None = None) -> SamplingParams:
+    """`SamplingParams(**fields)`, its refusal of a value a 400 naming the field (the request's own
+    structured-output field where a constraint came from one)."""
     try:
         return SamplingParams(**fields)
     except ValueError as e:
-        raise BadRequest(str(e), str(e).split(" ", 1)[0]) from None
+        param = str(e).split(" ", 1)[0]
+        if structured_source is not None and param in STRUCTURED_FIELDS:
+            raise BadRequest(f"{structured_source}: {e}", structured_source) from None
+        raise BadRequest(str(e), param) from None
+
+
+def _check_engine_side(params: SamplingParams, structured_source: str | None, served: ServedModel) -> None:
+    """What the engine would refuse, refused here with a 400 naming the field: a constraint that cannot be
+    compiled, a logit_bias token outside the vocabulary."""
+    try:
+        check_compiles(params, structured_source)
+    except StructuredError as e:
+        raise BadRequest(str(e), e.param) from None
+    bad = [t for t in params.logit_bias or () if t >= served.vocab_size]
+    if bad:
+        raise BadRequest(
+            f"logit_bias token id {bad[0]} is outside the vocabulary [0, {served.vocab_size})", "logit_bias"
+        )
 
 
 class StreamOptions(msgspec.Struct):
@@ -210,11 +229,18 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: Int64 = 0
+    # structured output (gapless.server.structured): OpenAI's, and vLLM's guided_* extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, served: ServedModel
+    ) -> list[SamplingParams]:
         """The params of each choice."""
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported", "logit_bias")
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
             "stop": self.stop,
@@ -223,7 +249,14 @@ class _Sampling(msgspec.Struct, kw_only=True):
             "seed": self.seed,
             "skip_special_tokens": self.skip_special_tokens,
             "logprobs": logprobs,
+            "logit_bias": self.logit_bias,
+            "min_tokens": self.min_tokens,
         }
+        try:
+            structured, source = structured_fields(self)
+        except StructuredError as e:
+            raise BadRequest(str(e), e.param) from None
+        fields.update(structured)
         for name in (
             "temperature",
             "top_p",
@@ -235,7 +268,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
         ):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
-        return _choices(_sampling_params(fields), self.n)
+        params = _sampling_params(fields, source)
+        _check_engine_side(params, source, served)
+        return _choices(params, self.n)
 
     @property
     def include_usage(self) -> bool:
@@ -262,7 +297,7 @@ class CompletionRequest(_Sampling, kw_only=True):
             raise BadRequest("best_of other than n is not supported", "best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise BadRequest(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
-        choices = self.sampling_params(served.default_max_tokens(self.max_tokens), self.logprobs)
+        choices = self.sampling_params(served.default_max_tokens(self.max_tokens), self.logprobs, served)
         return Submission(_prompt_list(self.prompt, "prompt", served), choices)
 
 
@@ -303,7 +338,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
 
     def submission(self, served: ServedModel) -> Submission:
@@ -311,13 +345,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise BadRequest("messages is empty", "messages")
         if self.tools:
             raise BadRequest("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise BadRequest("response_format other than text is not supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs)
+        choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs, served)
         chat = [ChatMessage(m.role, m.text(f"messages[{i}]")) for i, m in enumerate(self.messages)]
         if self.chat_template_kwargs:  # any JSON: its integers must fit in 64 bits too, to reach the template
             try:
@@ -371,6 +403,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
         if max_new_tokens is not None:
             fields["max_tokens"] = max_new_tokens
         params = _sampling_params(fields)
+        structured = params.structured
+        _check_engine_side(params, structured[0] if structured else None, served)
         if (self.text is None) == (self.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         if self.text is not None:
