@@ -28,11 +28,10 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from gapless.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # both imported when first needed: the API server checks grammars without torch
+    import torch
     import xgrammar
 
 CACHE_SIZE = 256  # compiled grammars kept (LRU); xgrammar's compiler caches its own work as well

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 from gapless.config import EngineConfig, add_engine_args, add_model_args, add_option, config_from_args
 from gapless.server.health import Health
 from gapless.server.logs import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
+from gapless.server.reasoning import PARSERS as REASONING_PARSERS
+from gapless.server.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     import uvicorn
@@ -88,6 +90,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="stop a request still running after this long and answer 504 (default: no limit)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default=None,
+        help="how the model writes tool calls, for tool_choice auto (vLLM's names; default: none)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split <think>...</think> into reasoning_content (default: none, all is content)",
     )
     logs = parser.add_argument_group("logging")
     logs.add_argument(
@@ -247,6 +261,8 @@ async def _serve(
         args.max_request_bytes,
         args.max_tokens_default,
         args.request_timeout,
+        args.tool_call_parser,
+        args.reasoning_parser,
     )
     app = create_app(ServerState(settings, client, health, metrics))
     config = uvicorn.Config(

@@ -32,6 +32,7 @@ import msgspec
 from gapless.sampling_params import STRUCTURED_FIELDS, SamplingParams
 from gapless.server.protocol import ChatMessage
 from gapless.server.structured import StructuredError, check_compiles, structured_fields
+from gapless.server.tools import ToolError, ToolPlan, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class ServedModel:
     vocab_size: int
     max_context: int  # a prompt plus at least one generated token must fit
     max_tokens_default: int | None = None  # max_tokens of a request that sets none (None: the context's end)
+    tool_call_parser: str | None = None  # --tool-call-parser (gapless.server.tools)
+    reasoning_parser: str | None = None  # --reasoning-parser (gapless.server.reasoning)
 
     @classmethod
     def of_checkpoint(
@@ -238,9 +241,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, served: ServedModel
+        self, max_tokens: int, logprobs: int | None, served: ServedModel, tool_constraint: dict | None = None
     ) -> list[SamplingParams]:
-        """The params of each choice."""
+        """The params of each choice; `tool_constraint`: the grammar `tool_choice` asks for."""
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
             "stop": self.stop,
@@ -256,6 +259,12 @@ class _Sampling(msgspec.Struct, kw_only=True):
             structured, source = structured_fields(self)
         except StructuredError as e:
             raise BadRequest(str(e), e.param) from None
+        if tool_constraint is not None:
+            if source is not None:
+                raise BadRequest(
+                    f'tool_choice "required" or a named function excludes {source}', "tool_choice"
+                )
+            structured, source = tool_constraint, "tool_choice"
         fields.update(structured)
         for name in (
             "temperature",
@@ -309,6 +318,9 @@ class ContentPart(msgspec.Struct):
 class Message(msgspec.Struct):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, to render with the template
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
 
     def text(self, where: str) -> str:
         """The message's text; `where` (`messages[i]`) names it in errors."""
@@ -338,19 +350,24 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
 
     def submission(self, served: ServedModel) -> Submission:
         if not self.messages:
             raise BadRequest("messages is empty", "messages")
-        if self.tools:
-            raise BadRequest("tools are not supported", "tools")
+        plan = self.tool_plan(served)
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs, served)
-        chat = [ChatMessage(m.role, m.text(f"messages[{i}]")) for i, m in enumerate(self.messages)]
+        constraint = {"json_schema": plan.schema} if plan is not None and plan.schema is not None else None
+        choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs, served, constraint)
+        chat = [
+            ChatMessage(m.role, m.text(f"messages[{i}]"), m.tool_calls, m.tool_call_id, m.name)
+            for i, m in enumerate(self.messages)
+        ]
         if self.chat_template_kwargs:  # any JSON: its integers must fit in 64 bits too, to reach the template
             try:
                 msgspec.msgpack.encode(self.chat_template_kwargs)
@@ -358,7 +375,18 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
                 raise BadRequest(
                     "chat_template_kwargs holds an integer past 64 bits", "chat_template_kwargs"
                 ) from None
-        return Submission([chat], choices, self.chat_template_kwargs)
+        kwargs = self.chat_template_kwargs
+        if plan is not None:
+            kwargs = {**(kwargs or {}), "tools": plan.tools}
+        return Submission([chat], choices, kwargs)
+
+    def tool_plan(self, served: ServedModel) -> ToolPlan | None:
+        """What the request's tools mean (`gapless.server.tools`); a 400 naming the field if they cannot
+        be honoured."""
+        try:
+            return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, served.tool_call_parser)
+        except ToolError as e:
+            raise BadRequest(str(e), e.param) from None
 
 
 def _int64_inside(tp: Any) -> Any:

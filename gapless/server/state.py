@@ -3,6 +3,7 @@ client of the worker pipeline (with the requests in flight), the server's health
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -22,13 +23,18 @@ class Settings:
     max_request_bytes: int = 32 << 20  # larger bodies get a 413
     max_tokens_default: int | None = None  # max_tokens of a request that sets none (None: the context's end)
     request_timeout_s: float | None = None  # a request still running after this long is stopped (504)
+    tool_call_parser: str | None = None  # --tool-call-parser
+    reasoning_parser: str | None = None  # --reasoning-parser
 
     @functools.cached_property
     def served(self) -> ServedModel:
         """What requests are checked against: the model's names and the scheduler's limits."""
         info = self.info
-        return ServedModel.of_checkpoint(
+        served = ServedModel.of_checkpoint(
             self.served_model, self.model_path, info.vocab_size, info.max_context, self.max_tokens_default
+        )
+        return dataclasses.replace(
+            served, tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser
         )
 
 
