@@ -133,6 +133,8 @@ def _check_structured(p: SamplingParams) -> None:
     if len(given) > 1:
         raise ValueError(f"json_schema, regex, ebnf, choice and json_object exclude each other; got {given}")
     p.json_object = _flag("json_object", p.json_object)
+    if p.grammar_after is not None and (not isinstance(p.grammar_after, str) or not p.grammar_after):
+        raise ValueError(f"grammar_after must be a non-empty string, got {p.grammar_after!r}")
     if p.json_schema is not None and not isinstance(p.json_schema, (str, dict)):
         raise ValueError(
             f"json_schema must be a JSON schema (an object or its JSON text), got {p.json_schema!r}"
@@ -194,6 +196,9 @@ class SamplingParams:
     ebnf: str | None = None
     choice: list[str] | None = None
     json_object: bool = False
+    # the constraint applies only once the output has written this text (a reasoning model's "</think>"):
+    # what comes before it is free
+    grammar_after: str | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = _integer("max_tokens", self.max_tokens)

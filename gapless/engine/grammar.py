@@ -105,20 +105,31 @@ class GrammarState:
     """One request's matcher. `advance` takes each processed output token; `fill` writes the next
     token's allowed set into a bitmask row."""
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+    def __init__(
+        self, matcher: xgrammar.GrammarMatcher, after: bytes | None = None, vocab: list[bytes] | None = None
+    ) -> None:
         self.matcher = matcher
         self.ended = False  # the grammar is complete (or refused a token): the request stops
+        # `grammar_after` as bytes, and each token's bytes: until the output holds them, the grammar waits
+        # (its tokens are free); matched on text, since a tokenizer may spell "</think>" several ways
+        self.after, self.vocab, self.tail = after or None, vocab or [], b""
 
     def advance(self, token: int) -> bool:
         """Accept `token`; True when the grammar has ended, so the request must stop. A token the grammar
         refuses (only possible if it was sampled without the mask) ends it too."""
+        if self.after is not None:
+            piece = self.vocab[token] if token < len(self.vocab) else b""
+            self.tail = (self.tail + piece)[-(len(self.after) + len(piece)) :]
+            if self.after in self.tail:
+                self.after = None
+            return False
         if not self.ended and (not self.matcher.accept_token(token) or self.matcher.is_terminated()):
             self.ended = True
         return self.ended
 
     def fill(self, bits: torch.Tensor, index: int) -> None:
-        """Row `index` of `bits` (int32 [m, words]) = the tokens the grammar allows next."""
-        if not self.ended:
+        """Row `index` of `bits` (int32 [m, words], all allowed) = the tokens the grammar allows next."""
+        if not self.ended and self.after is None:
             self.matcher.fill_next_token_bitmask(bits, index)
 
 
@@ -129,6 +140,7 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._vocab: list[bytes] = []  # each token's bytes (xgrammar's decoded vocabulary)
         self._compiled: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
 
     def _compile(self, kind: str, text: str, field: str) -> xgrammar.CompiledGrammar:
@@ -145,6 +157,7 @@ class Grammars:
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids or None
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._vocab = list(info.decoded_vocab)
         compiled = self._compiler.compile_grammar(grammar)
         self._compiled[key] = compiled
         if len(self._compiled) > CACHE_SIZE:
@@ -162,7 +175,9 @@ class Grammars:
 
         compiled = self._compile(*_source(*spec), field=spec[0])
         stops = sorted(stop_ids) or self.eos_ids
-        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None))
+        after = params.grammar_after.encode() if params.grammar_after else None
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
+        return GrammarState(matcher, after, self._vocab)
 
     def allocated(self) -> int:
         """Compiled grammars kept."""

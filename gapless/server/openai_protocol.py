@@ -31,6 +31,7 @@ import msgspec
 
 from gapless.sampling_params import STRUCTURED_FIELDS, SamplingParams
 from gapless.server.protocol import ChatMessage
+from gapless.server.reasoning import END as THINK_END
 from gapless.server.structured import StructuredError, check_compiles, structured_fields
 from gapless.server.tools import ToolError, ToolPlan, plan_tools
 
@@ -266,6 +267,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
                 )
             structured, source = tool_constraint, "tool_choice"
         fields.update(structured)
+        if source is not None:
+            fields["grammar_after"] = self.grammar_after(served)
         for name in (
             "temperature",
             "top_p",
@@ -280,6 +283,10 @@ class _Sampling(msgspec.Struct, kw_only=True):
         params = _sampling_params(fields, source)
         _check_engine_side(params, source, served)
         return _choices(params, self.n)
+
+    def grammar_after(self, served: ServedModel) -> str | None:
+        """The text after which a structured-output constraint applies (None: from the first token)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -379,6 +386,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         if plan is not None:
             kwargs = {**(kwargs or {}), "tools": plan.tools}
         return Submission([chat], choices, kwargs)
+
+    def grammar_after(self, served: ServedModel) -> str | None:
+        """With a reasoning parser the constraint waits for the end of the reasoning (`</think>`), unless
+        the template was told not to think."""
+        thinking = (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        return THINK_END if served.reasoning_parser is not None and thinking else None
 
     def tool_plan(self, served: ServedModel) -> ToolPlan | None:
         """What the request's tools mean (`gapless.server.tools`); a 400 naming the field if they cannot

@@ -276,3 +276,18 @@ def test_reasoning_parsers(parser, text, expected):
     for cut in range(len(text)):  # what streams is a prefix of the final split
         r, c = split_reasoning(parser, text[:cut], final=False)
         assert expected[0].startswith(r) and expected[1].startswith(c), (text[:cut], r, c)
+
+
+def test_grammar_applies_after_the_reasoning(tool_server):
+    """With a reasoning parser the constraint waits for `</think>`: the scripted thinking is untouched, the
+    answer after it is one of the choices (the script's own continuation is not)."""
+    oai = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="x", max_retries=0)
+    r = oai.chat.completions.create(
+        model=oai.models.list().data[0].id,
+        messages=MSGS,
+        max_tokens=20,
+        temperature=0.0,
+        extra_body={"guided_choice": ["sunny", "rainy"]},
+    )
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "Look it up." and msg.content in ("sunny", "rainy")
