@@ -11,7 +11,6 @@ says how much of that wait the forward hides.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from gapless.bench import cli
+from gapless.bench.overlap import FIGURES, _table, workload_parser
 from gapless.bench.runs import run_gapless
 from gapless.bench.workload import Workload, random_workload
 
@@ -27,7 +27,6 @@ LOOPS = {
     "overlap": {"overlap": True, "cpu_worker": "process"},
 }
 GRAMMARS: dict[str, dict[str, Any]] = {"free": {}, "regex": {"regex": "[a-z ]{4000}"}}
-FIGURES = ("tok_s", "device_idle_fraction", "host_ms_per_step", "device_ms_per_job")
 
 
 def run_once(path: Path, loop: str, grammar: str, work: Workload, max_running: int) -> dict[str, Any]:
@@ -40,12 +39,7 @@ def run_once(path: Path, loop: str, grammar: str, work: Workload, max_running: i
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_args(ap, "overlap", ("tiny", "overlap", "bench"))
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--max-running", type=int, default=128)
-    ap.add_argument("--input", type=int, nargs=2, default=(8, 32), metavar=("MIN", "MAX"))
-    ap.add_argument("--output", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"))
+    ap = workload_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", help="JSON file for the results")
     args = ap.parse_args(argv)
@@ -64,31 +58,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for loop in LOOPS:
         for grammar in GRAMMARS:
             rs = [r for r in runs if r["loop"] == loop and r["grammar"] == grammar]
+            figures = {k: statistics.median(r[k] for r in rs) for k in FIGURES}
             rows.append(
-                {
-                    "loop": loop,
-                    "grammar": grammar,
-                    **{k: statistics.median(r[k] for r in rs) for k in FIGURES},
-                }
+                {"loop": loop, "grammar": grammar, "mode": f"{loop}, {grammar}", "threads": 1, **figures}
             )
-    header = ("loop", "requests", "output tok/s", "device idle", "host ms/step", "device ms/job")
-    cells = [
-        (
-            r["loop"],
-            r["grammar"],
-            f"{r['tok_s']:.0f}",
-            f"{r['device_idle_fraction']:.1%}",
-            f"{r['host_ms_per_step']:.2f}",
-            f"{r['device_ms_per_job']:.2f}",
-        )
-        for r in rows
-    ]
     print(
         f"\n{len(work)} requests, {args.max_running} running at once, inputs {args.input}, outputs "
-        f"{args.output}; model {Path(path).name}; one device thread; median of {args.rounds} "
-        "alternating rounds\n"
+        f"{args.output}; model {Path(path).name}; median of {args.rounds} alternating rounds\n"
     )
-    print("\n".join(cli.markdown_table(header, cells, "llllll")))
+    print("\n".join(_table("each loop free and with a regex on every request:", rows)))
     by = {(r["loop"], r["grammar"]): r for r in rows}
     for loop in LOOPS:
         print(

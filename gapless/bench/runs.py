@@ -183,11 +183,14 @@ def run_gapless(
     load_s = time.perf_counter() - t0
     try:
         # Warm-up (not timed): first calls allocate, pick kernels and fault in the weights.
-        warm = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in warmup.output_lens]
+        extra = sampling or {}  # the warm-up also compiles a grammar the timed requests share
+        warm = [
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra)
+            for n in warmup.output_lens
+        ]
         t0 = time.perf_counter()
         llm.generate(warmup.prompts, warm, use_tqdm=False)
         warmup_s = time.perf_counter() - t0
-        extra = sampling or {}
         params = [
             SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra) for n in work.output_lens
         ]

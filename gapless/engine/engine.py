@@ -173,6 +173,12 @@ class Engine:
         self.scheduler.add(req)
         return req
 
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError naming the field if `add_request` would refuse `params` (a logit_bias token outside
+        the vocabulary, a grammar that cannot compile; the compiled grammar is kept for it)."""
+        check_logit_bias(params, self.vocab_size)
+        self.grammars.state(params, ())
+
     def abort(self, rid: str) -> None:
         """Abort a request wherever it is; it is finished (reason "abort") at the next step."""
         req = self.reqs.get(rid)

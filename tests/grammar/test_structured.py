@@ -241,8 +241,11 @@ def test_the_grammar_ends_the_request_even_with_ignore_eos(plain_llm):
     ],
 )
 def test_a_grammar_that_cannot_compile_is_refused_by_name(plain_llm, fields, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        plain_llm.generate([[3, 4]], SamplingParams(max_tokens=4, **fields))
+    with pytest.raises(ValueError, match=re.escape(message)):  # nothing of the call is queued
+        plain_llm.generate(
+            [[3, 4]] * 2, [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, **fields)]
+        )
+    assert not plain_llm.engine.has_unfinished()
     assert plain_llm.generate([[3, 4]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
     plain_llm.check_integrity()
 
