@@ -8,7 +8,7 @@ turn a model's text into OpenAI `tool_calls` (`--tool-call-parser`, vLLM's names
 - `required`, or a named function: a grammar makes the reply a JSON list of `{"name", "parameters"}`
   calls of the given tools (one with `parallel_tool_calls: false`), or the named function's arguments,
   each validating against the function's parameter schema; the reply is then those calls, whatever
-  the parser.
+  the parser. `parallel_tool_calls: false` allows one call (with `auto`, the first one parsed).
 
 Parsers (each split the text into content and calls, never raise: text they cannot parse stays content):
 - `hermes`, `qwen`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the closing tag may
@@ -66,6 +66,7 @@ class ToolPlan:
     parser: str | None = None  # auto: the server's parser
     name: str | None = None  # named: the function
     schema: dict[str, Any] | None = None  # required, named: the JSON schema the reply must follow
+    parallel: bool = True  # parallel_tool_calls: false keeps auto's first call only
 
     def calls(self, text: str) -> tuple[str, list[ToolCall]]:
         """The reply `text` as (content, tool calls)."""
@@ -78,7 +79,8 @@ class ToolPlan:
                 return text, []
             return "", [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
         if self.mode == "auto" and self.parser is not None:
-            return parse_tool_calls(self.parser, text)
+            content, calls = parse_tool_calls(self.parser, text)
+            return content, calls if self.parallel else calls[:1]
         return text, []
 
     def streamed_prefix(self, text: str) -> str:
@@ -186,7 +188,7 @@ def plan_tools(
                 f'({"|".join(PARSERS)}); or use "required" or a named function',
                 "tool_choice",
             )
-        return ToolPlan("auto", tools, parser=parser)
+        return ToolPlan("auto", tools, parser=parser, parallel=parallel is not False)
     if choice == "required":
         call = [
             {

@@ -279,3 +279,27 @@ def test_compiled_grammars_are_cached_by_schema(plain_llm):
             [[3, 4]], SamplingParams(max_tokens=2, json_schema='{"required": [], "type": "object"}')
         )
     assert grammars.allocated() == before + 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_constrained_device_jobs_never_sync(qwen3, overlap):
+    """The masks, logit_bias and the deferred sampling job read nothing back from the device."""
+    from tests.engine.test_no_sync import forbid_host_syncs
+
+    with LLM(qwen3, device="cpu", overlap=overlap, cpu_worker="thread", kv_cache_tokens=2048) as llm:
+        runner = llm.engine.runner
+        run = runner.run
+
+        def watched(job):
+            with forbid_host_syncs():
+                return run(job)
+
+        runner.run = watched
+        params = [
+            SamplingParams(max_tokens=12, temperature=1.0, seed=1, regex="[a-z]{12}"),
+            SamplingParams(max_tokens=6, temperature=0.0, logit_bias={7: 3.0}, min_tokens=3, logprobs=2),
+            FREE,
+        ]
+        outs = llm.generate([[3, 4], [5, 6], [7, 8]], params, use_tqdm=False)
+        assert re.fullmatch("[a-z]+", outs[0].text)
+        llm.check_integrity()

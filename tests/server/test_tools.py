@@ -254,6 +254,12 @@ def test_parsers(parser, text, content, calls):
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
 
 
+def test_parallel_tool_calls_false_keeps_the_first_auto_call():
+    text = f"<tool_call>{json.dumps(CALL)}</tool_call><tool_call>{json.dumps(CALL)}</tool_call>"
+    assert len(ToolPlan("auto", [WEATHER], parser="hermes").calls(text)[1]) == 2
+    assert len(ToolPlan("auto", [WEATHER], parser="hermes", parallel=False).calls(text)[1]) == 1
+
+
 def test_streamed_prefix_holds_back_a_marker():
     plan = ToolPlan("auto", [WEATHER], parser="hermes")
     assert plan.streamed_prefix("Hello <tool") == "Hello "
