@@ -40,12 +40,13 @@ def needs_mask(req: Req, step: int) -> bool:
     return req.grammar is not None or step < req.params.min_tokens
 
 
-def make_mask(masked: Masked, vocab_size: int) -> TokenMask:
-    """The allowed tokens of the `masked` rows now: each grammar's next tokens (all, for a request that
-    finished meanwhile: its token is dropped), without the stop tokens below min_tokens."""
-    bits = torch.full((len(masked), mask_words(vocab_size)), -1, dtype=torch.int32)
+def make_mask(masked: Masked, num_rows: int, vocab_size: int) -> TokenMask:
+    """The allowed tokens of the `masked` rows (of a batch sampling `num_rows`) now: each grammar's next
+    tokens (all, for a request that finished meanwhile: its token is dropped), without the stop tokens
+    below min_tokens; every other row allows all."""
+    bits = torch.full((num_rows, mask_words(vocab_size)), -1, dtype=torch.int32)
     words = bits.numpy().view(np.uint32)
-    for i, (_, req, step) in enumerate(masked):
+    for i, req, step in masked:
         if req.finished:
             continue
         if req.grammar is not None:
@@ -54,22 +55,21 @@ def make_mask(masked: Masked, vocab_size: int) -> TokenMask:
             for t in req.stop_ids:
                 if t < vocab_size:
                     words[i, t // 32] &= ~np.uint32(1 << (t % 32))
-    index = torch.tensor([j for j, _, _ in masked], dtype=torch.int64)
-    return TokenMask(index, bits)
+    return TokenMask([j for j, _, _ in masked], bits)
 
 
 class DeferredSample:
     """The `Pending` of a batch launched with `defer_sampling`: its forward's, and, once `release`d, its
     `SampleJob`'s."""
 
-    def __init__(self, stream: DeviceStream, forward: Pending, masked: Masked, vocab_size: int) -> None:
-        self.stream, self.forward, self.masked, self.vocab_size = stream, forward, masked, vocab_size
+    def __init__(self, stream: DeviceStream, forward: Pending, masked: Masked, rows: int, vocab: int) -> None:
+        self.stream, self.forward, self.masked, self.rows, self.vocab = stream, forward, masked, rows, vocab
         self.sample: Pending | None = None
 
     def release(self) -> None:
         """Every batch before this one was processed: fill the masks and submit the sampling (once)."""
         if self.sample is None:
-            self.sample = self.stream.submit(SampleJob(make_mask(self.masked, self.vocab_size)))
+            self.sample = self.stream.submit(SampleJob(make_mask(self.masked, self.rows, self.vocab)))
 
     def result(self) -> tuple[HostSamples, JobTiming]:
         self.release()
@@ -85,10 +85,11 @@ def launch(stream: DeviceStream, forward: ForwardBatch, masked: Masked, vocab_si
     deferred (see the module). Call it before the batch's requests count it in flight."""
     if not masked:
         return stream.submit(forward)
+    rows = len(forward.sample_rows)
     if any(req.grammar is not None and req.inflight > 0 for _, req, _ in masked):
         forward.defer_sampling = True
-        return DeferredSample(stream, stream.submit(forward), masked, vocab_size)
-    forward.token_mask = make_mask(masked, vocab_size)
+        return DeferredSample(stream, stream.submit(forward), masked, rows, vocab_size)
+    forward.token_mask = make_mask(masked, rows, vocab_size)
     return stream.submit(forward)
 
 
