@@ -3,7 +3,7 @@
 A grammar (structured output) or an unmet `min_tokens` forbids tokens per row and per step. The host
 fills one bit per vocabulary column (xgrammar's layout: int32 words, bit j of word w is token 32 * w + j,
 1 = allowed) for just the rows that need it; the device sets the forbidden logits to -inf in place with
-xgrammar's kernel (C++ on the CPU, Triton/CUDA on a GPU: 3-6x faster here than unpacking the bits with
+xgrammar's kernel (C++ on the CPU, Triton/CUDA on a GPU: 2.5-6x faster here than unpacking the bits with
 torch ops over a 150k vocabulary), so greedy, seeded and filtered sampling all pick among the allowed
 tokens and a seeded row still draws the same noise whatever else is in its batch. No host sync: the mask
 is an input of the job like any other (its row positions travel as a list too, as the kernel takes them).
