@@ -375,13 +375,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             ChatMessage(m.role, m.text(f"messages[{i}]"), m.tool_calls, m.tool_call_id, m.name)
             for i, m in enumerate(self.messages)
         ]
-        if self.chat_template_kwargs:  # any JSON: its integers must fit in 64 bits too, to reach the template
-            try:
-                msgspec.msgpack.encode(self.chat_template_kwargs)
-            except OverflowError:
-                raise BadRequest(
-                    "chat_template_kwargs holds an integer past 64 bits", "chat_template_kwargs"
-                ) from None
+        # any JSON: its integers must fit in 64 bits too, to reach the template
+        _fits_the_wire(self.chat_template_kwargs, "chat_template_kwargs")
+        _fits_the_wire(self.tools, "tools")
+        for i, m in enumerate(self.messages):
+            _fits_the_wire(m.tool_calls, f"messages[{i}].tool_calls")
         kwargs = self.chat_template_kwargs
         if plan is not None:
             kwargs = {**(kwargs or {}), "tools": plan.tools}
@@ -400,6 +398,15 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, served.tool_call_parser)
         except ToolError as e:
             raise BadRequest(str(e), e.param) from None
+
+
+def _fits_the_wire(value: object, param: str) -> None:
+    """A 400 naming `param` when free-form JSON holds an integer msgpack cannot carry (past 64 bits)."""
+    if value:
+        try:
+            msgspec.msgpack.encode(value)
+        except OverflowError:
+            raise BadRequest(f"{param} holds an integer past 64 bits", param) from None
 
 
 def _int64_inside(tp: Any) -> Any:

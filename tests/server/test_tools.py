@@ -297,3 +297,11 @@ def test_grammar_applies_after_the_reasoning(tool_server):
     )
     msg = r.choices[0].message
     assert msg.reasoning_content == "Look it up." and msg.content in ("sunny", "rainy")
+
+
+def test_tool_calls_past_64_bits_are_400(client, model):
+    """(found by the fuzzer) an assistant's tool_calls holding an integer msgpack cannot carry"""
+    msgs = [{"role": "assistant", "tool_calls": [{"": -(2**63) - 1}]}]
+    body = {"model": model, "messages": msgs, "max_tokens": 4}
+    assert error_of(client.post("/v1/chat/completions", json=body), 400)["param"] == "messages[0].tool_calls"
+    good(client, model)
