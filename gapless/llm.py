@@ -124,6 +124,8 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         """Queue the validated prompts and step the engine until all of them are finished."""
+        for p in params:  # a grammar that cannot compile refuses the call before any of it is queued
+            self.engine.check_params(p)
         reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, params)]
         try:
             with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm, unit="req") as bar:

@@ -18,6 +18,7 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 # Below this temperature the softmax is a point mass for any realistic logit gap, and dividing by it
 # risks overflowing to inf; vLLM uses the same cut-off to switch to greedy decoding.
@@ -100,6 +101,58 @@ _CHECKS = {
 }
 
 
+STRUCTURED_FIELDS = ("json_schema", "regex", "ebnf", "choice", "json_object")
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """`bias` as {token id: float}, or ValueError naming logit_bias (ids may come as strings, as JSON's
+    object keys do); the vocabulary bound is checked by the engine, which knows it."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        b = _real("logit_bias", value)
+        if tok < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias must map token ids >= 0 to values in [-100, 100], got {key!r}: {value!r}"
+            )
+        out[tok] = b
+    return out or None
+
+
+def _check_structured(p: SamplingParams) -> None:
+    """At most one structured-output field, each of its type (the grammar itself is compiled later)."""
+    given = [name for name in STRUCTURED_FIELDS if getattr(p, name) not in (None, False)]
+    if len(given) > 1:
+        raise ValueError(f"json_schema, regex, ebnf, choice and json_object exclude each other; got {given}")
+    p.json_object = _flag("json_object", p.json_object)
+    if p.grammar_after is not None and (not isinstance(p.grammar_after, str) or not p.grammar_after):
+        raise ValueError(f"grammar_after must be a non-empty string, got {p.grammar_after!r}")
+    if p.json_schema is not None and not isinstance(p.json_schema, (str, dict)):
+        raise ValueError(
+            f"json_schema must be a JSON schema (an object or its JSON text), got {p.json_schema!r}"
+        )
+    for name in ("regex", "ebnf"):
+        value = getattr(p, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    if p.choice is not None:
+        if (
+            not isinstance(p.choice, (list, tuple))
+            or not p.choice
+            or not all(isinstance(c, str) for c in p.choice)
+        ):
+            raise ValueError(f"choice must be a non-empty list of strings, got {p.choice!r}")
+        p.choice = list(p.choice)
+
+
 def check_sampling_value(name: str, value: object) -> float | int:
     """`value` checked as `name`'s (one of ``CHECKPOINT_DEFAULTABLE``), by the rule a request's own is:
     a checkpoint's defaults pass it before they are used."""
@@ -138,6 +191,22 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 0  # SGLang's logprob_start_len
 
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the request before this many output tokens
+    # Structured output (SGLang's sampling-param names; at most one): the output must match a JSON
+    # schema (a dict or its JSON text), a regular expression, an EBNF grammar (GBNF style, with a `root`
+    # rule), one of a list of strings, or any JSON object. Compiled with xgrammar when the request is
+    # queued (`gapless.engine.grammar`); one that cannot be compiled is a ValueError naming the field.
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    choice: list[str] | None = None
+    json_object: bool = False
+    # the constraint applies only once the output has written this text (a reasoning model's "</think>"):
+    # what comes before it is free
+    grammar_after: str | None = None
+
     def __post_init__(self) -> None:
         self.max_tokens = _integer("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
@@ -174,6 +243,14 @@ class SamplingParams:
         if self.prompt_logprobs_start < 0:
             raise ValueError(f"prompt_logprobs_start must be non-negative, got {self.prompt_logprobs_start}")
 
+        self.min_tokens = _integer("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        self.logit_bias = _logit_bias(self.logit_bias)
+        _check_structured(self)
+
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
         if stop is None:
@@ -195,6 +272,15 @@ class SamplingParams:
         if any(i < 0 for i in out):
             raise ValueError(f"stop_token_ids must be non-negative, got {ids!r}")
         return out
+
+    @property
+    def structured(self) -> tuple[str, object] | None:
+        """The structured-output constraint as (field name, value), or None when the output is free."""
+        for name in STRUCTURED_FIELDS:
+            value = getattr(self, name)
+            if value not in (None, False):
+                return name, value
+        return None
 
     @property
     def unset(self) -> tuple[str, ...]:

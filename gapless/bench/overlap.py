@@ -52,14 +52,20 @@ def run_once(
     )
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The model and workload options of this benchmark (the grammar benchmark shares them)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_model_args(ap, "overlap", ("tiny", "overlap", "bench"))
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--max-running", type=int, default=128)
     # short contexts keep the device step small, so host time is a visible share of it
     ap.add_argument("--input", type=int, nargs=2, default=(8, 32), metavar=("MIN", "MAX"))
     ap.add_argument("--output", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"))
+    return ap
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = workload_parser(__doc__)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread settings to try per mode")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", help="directory for JSON results, traces and timeline.png")

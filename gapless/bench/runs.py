@@ -157,8 +157,10 @@ def run_gapless(
     device: str = "cpu",
     dtype: str = "float32",
     warmup: Workload = WARMUP,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One `LLM.generate` over the whole workload, greedy, each request to exactly its output length.
+    """One `LLM.generate` over the whole workload, greedy, each request to exactly its output length
+    (`sampling`: more `SamplingParams` fields for the timed requests, e.g. a grammar).
 
     `threads` goes to the engine's device side (on a CPU it may run in its own process, which does not
     inherit this process's `torch.set_num_threads`); `options` are further `LLM` options (they win over
@@ -181,11 +183,17 @@ def run_gapless(
     load_s = time.perf_counter() - t0
     try:
         # Warm-up (not timed): first calls allocate, pick kernels and fault in the weights.
-        warm = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in warmup.output_lens]
+        extra = sampling or {}  # the warm-up also compiles a grammar the timed requests share
+        warm = [
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra)
+            for n in warmup.output_lens
+        ]
         t0 = time.perf_counter()
         llm.generate(warmup.prompts, warm, use_tqdm=False)
         warmup_s = time.perf_counter() - t0
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+        params = [
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra) for n in work.output_lens
+        ]
         llm.engine.scheduler.meter.reset()  # before the snapshot: it zeroes the meter's figures in place
         before = dataclasses.replace(llm.engine.stats)
         prof = cProfile.Profile() if profile else None

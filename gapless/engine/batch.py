@@ -14,6 +14,7 @@ import torch
 
 from gapless.attention.base import AttentionMetadata
 from gapless.sampling.logprobs import PromptScoreAsk
+from gapless.sampling.mask import TokenMask
 from gapless.sampling.rows import RowParams, SampleFlags
 
 
@@ -57,11 +58,29 @@ class ForwardBatch:
     # prompt positions whose logprobs the batch returns (requests with prompt_logprobs), else None
     prompt_scores: PromptScoreAsk | None = None
 
+    # allowed tokens of the rows a grammar or min_tokens constrains (`gapless.engine.grammar`)
+    token_mask: TokenMask | None = None
+    # the mask waits for the previous batch's tokens: run the forward and keep the logits; a `SampleJob`
+    # with the mask, submitted next once the host has it, samples them
+    defer_sampling: bool = False
+
     def attention_metadata(self, req_table: torch.Tensor) -> AttentionMetadata:
         """What attention reads of this batch (its fields of the same names), with the device's
         request table."""
         shared = {f.name: getattr(self, f.name) for f in fields(AttentionMetadata) if f.name != "req_table"}
         return AttentionMetadata(req_table=req_table, **shared)
+
+
+@dataclass
+class SampleJob:
+    """The second half of a batch launched with `defer_sampling`: sample its kept logits under `mask`.
+    The host submits it when the previous batch's tokens have advanced the grammars, so the forward ran
+    meanwhile; stream order puts it before the next batch's forward, which reads the tokens it samples."""
+
+    mask: TokenMask | None
+
+
+DeviceJob = ForwardBatch | SampleJob  # what a device stream runs
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from gapless.config import EngineConfig
 from gapless.engine import prompt_logprobs
 from gapless.engine.detokenize import detokenize
+from gapless.engine.grammar import Grammars, check_logit_bias
 from gapless.engine.preflight import check_engine_config
 from gapless.engine.request import Req
 from gapless.engine.runner import ModelRunner
@@ -73,6 +74,7 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.vocab_size = self.info.vocab_size
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)  # structured output
         try:
             self._scheduler: Scheduler | None = Scheduler(cfg, stream, tokenizer=self.tokenizer)
         except BaseException:  # no engine to shut down: stop the device thread or process here
@@ -156,6 +158,8 @@ class Engine:
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
+        check_logit_bias(params, self.vocab_size)
+        grammar = self.grammars.state(params, stop_ids)  # ValueError naming a field it cannot compile
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Req(
             rid=rid,
@@ -165,10 +169,17 @@ class Engine:
             arrival=n,
             stop_ids=frozenset(stop_ids),
             prompt_lp=prompt_logprobs.new_state(params, len(prompt_ids)),
+            grammar=grammar,
         )
         self.reqs[rid] = req
         self.scheduler.add(req)
         return req
+
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError naming the field if `add_request` would refuse `params` (a logit_bias token outside
+        the vocabulary, a grammar that cannot compile; the compiled grammar is kept for it)."""
+        check_logit_bias(params, self.vocab_size)
+        self.grammars.state(params, ())
 
     def abort(self, rid: str) -> None:
         """Abort a request wherever it is; it is finished (reason "abort") at the next step."""

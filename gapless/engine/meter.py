@@ -51,11 +51,13 @@ class BubbleMeter:
             st.decode_host_s += self._step_host
         self._step_host = 0.0
 
-    def job(self, name: str, start: float, end: float) -> None:
-        """A device job ran [start, end]; the gap since the previous job was a bubble."""
+    def job(self, name: str, start: float, end: float, idle: float = 0.0) -> None:
+        """A device job ran [start, end], waiting `idle` of it (a sampling deferred for its mask); the gap
+        since the previous job was a bubble."""
         st = self._stats
         st.device_jobs += 1
-        st.device_busy_s += end - start
+        st.device_busy_s += end - start - idle
+        st.device_idle_s += idle
         if self._last_end is not None:
             st.device_idle_s += max(0.0, start - self._last_end)
         self._last_end = end

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gapless.memory.radix_cache import TreeNode
 from gapless.sampling.logprobs import PromptLogprobState
 from gapless.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gapless.engine.grammar import GrammarState
 
 
 class ReqStatus(enum.Enum):
@@ -44,6 +48,7 @@ class Req:
     finish_reason: str | None = None
     stop_str_hit: str | None = None  # the stop string that ended it, if any
     aborted: bool = False
+    grammar: GrammarState | None = None  # structured output's matcher (gapless.engine.grammar)
 
     @property
     def seq_len(self) -> int:

@@ -20,7 +20,7 @@ import torch
 from gapless.attention import AttentionBackend, Probe, TorchRefBackend, make_backend
 from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
-from gapless.engine.batch import ForwardBatch, RunnerInfo
+from gapless.engine.batch import DeviceJob, ForwardBatch, RunnerInfo, SampleJob
 from gapless.engine.cpu_dtype import slow_dtype_warning
 from gapless.engine.cuda_graph import DEFAULT_MAX_BS, GraphRunner
 from gapless.engine.defaults import apply_device_defaults, device_memory
@@ -38,7 +38,8 @@ from gapless.memory.req_table import ReqTable
 from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.loader import load_model, resolve_dtype
-from gapless.sampling.logprobs import score_prompt
+from gapless.sampling.logprobs import PromptScores, score_prompt
+from gapless.sampling.mask import TokenMask
 from gapless.sampling.sampler import SampleOutput, Sampler, compute_logprobs
 from gapless.tensors import dataclass_to_device
 
@@ -100,6 +101,8 @@ class ModelRunner:
         self.token_buf = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=self.device)
         self.token_buf[self.pad_row] = 0
         self.graphs: GraphRunner | None = None
+        # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them
+        self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None] | None = None
         graph_bs = self._graph_max_bs(cfg)
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
@@ -253,11 +256,19 @@ class ModelRunner:
         return self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> SampleOutput:
+    def run(self, batch: DeviceJob) -> SampleOutput:
         """The step's device job: forward, then sample the next token of every request in `sample_index`
         and keep it in its row's future-token slot. Returns the sampled tokens (on the device), with
-        logprobs when a request in the batch asked for them."""
+        logprobs when a request in the batch asked for them, and the prompt logprobs of the positions it
+        scores. A batch with `defer_sampling` stops after the logits (nothing sampled, nothing returned);
+        the `SampleJob` after it samples them and returns the batch's results, prompt logprobs included."""
         batch = dataclass_to_device(batch, self.device)
+        if isinstance(batch, SampleJob):
+            assert self._deferred is not None, "a SampleJob without a deferred batch before it"
+            (forward, logits, prompt), self._deferred = self._deferred, None
+            out = self._sample(forward, logits, batch.mask)
+            out.prompt = prompt
+            return out
         # before any early return: a first chunk samples nothing but must set its rows up
         if batch.row_params is not None:
             self.sampler.write_rows(batch.row_params)
@@ -265,17 +276,27 @@ class ModelRunner:
             rows, prompts, outputs = zip(*batch.penalty_inits)
             self.sampler.init_rows(list(rows), list(prompts), list(outputs))
         hidden = self.forward_hidden(batch)
-        out = self._sample(batch, hidden)
+        prompt = None
         if batch.prompt_scores is not None:  # prompt logprobs: in bounded pieces (gapless.sampling.logprobs)
-            out.prompt = score_prompt(hidden, self.model.logits, batch.prompt_scores, self.sampler.vocab_size)
+            prompt = score_prompt(hidden, self.model.logits, batch.prompt_scores, self.sampler.vocab_size)
+        if batch.sampling is None:
+            out = SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
+        else:
+            logits = self.model.logits(hidden[batch.sample_index])
+            if batch.defer_sampling:
+                self._deferred = (batch, logits, prompt)
+                return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
+            out = self._sample(batch, logits, batch.token_mask)
+        out.prompt = prompt
         return out
 
-    def _sample(self, batch: ForwardBatch, hidden: torch.Tensor) -> SampleOutput:
+    def _sample(self, batch: ForwardBatch, logits: torch.Tensor, mask: TokenMask | None) -> SampleOutput:
+        """Sample `batch`'s next tokens from its `logits` under `mask` and keep them in the token slots."""
         flags = batch.sampling
-        if flags is None:
-            return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
-        logits = self.model.logits(hidden[batch.sample_index])
-        tokens = self.sampler.sample(logits, self.sampler.batch(batch.sample_rows, batch.sample_steps, flags))
+        assert flags is not None
+        sampling = self.sampler.batch(batch.sample_rows, batch.sample_steps, flags)
+        logits = self.sampler.constrain(logits, sampling, mask)
+        tokens = self.sampler.sample(logits, sampling)
         self.token_buf[batch.sample_rows] = tokens
         if flags.num_logprobs >= 0:
             return compute_logprobs(logits[:, : self.sampler.vocab_size], tokens, flags.num_logprobs)

@@ -10,7 +10,7 @@ to run without a device sync). A step then ships only its rows and their step co
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,7 +28,9 @@ FLOAT_FIELDS = (
 )
 INT_FIELDS = ("top_k", "seed", "penalised")  # top_k "disabled" is vocab_size; penalised: 1 or 0
 # the stages a row may need: bit i of a row's stages is STAGES[i]
-STAGES = ("greedy", "top_k", "top_p", "min_p", "penalties")
+# bias: the row has a logit_bias (kept per row on the device); mask: the host ships a token mask for the
+# row's steps (a grammar, or min_tokens not reached yet: `gapless.engine.grammar`)
+STAGES = ("greedy", "top_k", "top_p", "min_p", "penalties", "bias", "mask")
 
 
 def as_int64(value: int) -> int:
@@ -44,13 +46,14 @@ def row_values(p: SamplingParams, seed: int, k_off: int) -> tuple[list[float], l
     "disabled" (the vocabulary size), so a top_k at or above it forces no sort."""
     penalties = [p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
     penalised = p.has_penalties
+    extra = [p.logit_bias is not None, p.structured is not None or p.min_tokens > 0]
     if p.greedy:
         floats, k = [0.0, 1.0, 0.0, *penalties], k_off
-        stages = [True, False, False, False, penalised]
+        stages = [True, False, False, False, penalised, *extra]
     else:
         floats = [p.temperature, p.top_p, p.min_p, *penalties]
         k = k_off if p.top_k == -1 else min(p.top_k, k_off)
-        stages = [False, k < k_off, p.top_p < 1.0, p.min_p > 0.0, penalised]
+        stages = [False, k < k_off, p.top_p < 1.0, p.min_p > 0.0, penalised, *extra]
     return floats, [k, as_int64(seed), int(penalised)], stages
 
 
@@ -66,6 +69,8 @@ class SampleFlags:
     need_min_p: bool
     need_penalties: bool
     num_logprobs: int = -1  # top logprobs to return per row (the batch's largest ask); -1: none
+    need_bias: bool = False
+    need_mask: bool = False  # host side: some row may need a token mask (the batch carries it)
 
     @classmethod
     def of(cls, stages: np.ndarray, logprobs: np.ndarray) -> SampleFlags:
@@ -82,6 +87,8 @@ class SampleFlags:
             need_min_p=bool(some & 8),
             need_penalties=bool(some & 16),
             num_logprobs=int(logprobs.max()),
+            need_bias=bool(some & 32),
+            need_mask=bool(some & 64),
         )
 
 
@@ -93,6 +100,8 @@ class RowParams:
     rows: torch.Tensor  # [A] int64
     floats: torch.Tensor  # [len(FLOAT_FIELDS), A] float32
     ints: torch.Tensor  # [len(INT_FIELDS), A] int64
+    # (row, {token: bias}) of the admitted requests that have a logit_bias
+    logit_bias: list[tuple[int, dict[int, float]]] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -114,7 +123,8 @@ class RowParams:
         stages = (bits << np.arange(len(STAGES), dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
         logprobs = np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64)
         row_t = torch.tensor(list(rows), dtype=torch.int64)
-        return cls(row_t, floats.contiguous(), ints.contiguous()), stages, logprobs
+        bias = [(r, p.logit_bias) for p, r in zip(params, rows) if p.logit_bias is not None]
+        return cls(row_t, floats.contiguous(), ints.contiguous(), bias), stages, logprobs
 
 
 class RowStages:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from gapless.sampling.logprobs import PromptLogprob, PromptScores, host_scores
+from gapless.sampling.mask import TokenMask, apply_token_mask
 from gapless.sampling.rows import FLOAT_FIELDS, INT_FIELDS, RowParams, SampleFlags
 from gapless.sampling_params import SamplingParams
 from gapless.tensors import to_device
@@ -248,11 +249,27 @@ class Sampler:
         # Allocated on first use: [max_rows, vocab] is large, and most workloads never use penalties.
         self.output_counts: torch.Tensor | None = None  # int32: times each token was sampled
         self.prompt_mask: torch.Tensor | None = None  # bool: token occurs in the prompt
+        # float32 [max_rows, vocab]: each row's logit_bias (0 elsewhere); allocated when a request has one
+        self.logit_bias: torch.Tensor | None = None
 
     def write_rows(self, values: RowParams) -> None:
         """Keep the sampling values of requests entering `values.rows` (on this device)."""
         self.row_floats[:, values.rows] = values.floats
         self.row_ints[:, values.rows] = values.ints
+        if values.logit_bias and self.logit_bias is None:
+            self.logit_bias = torch.zeros(
+                self.max_rows, self.vocab_size, dtype=torch.float32, device=self.device
+            )
+        if self.logit_bias is not None:  # a row's bias is its own request's, or none
+            self.logit_bias.index_fill_(0, values.rows, 0.0)
+        if values.logit_bias:
+            entries = [
+                (r, t, b) for r, bias in values.logit_bias for t, b in bias.items() if t < self.vocab_size
+            ]
+            rows, toks, vals = zip(*entries) if entries else ((), (), ())
+            index = to_device(torch.tensor([rows, toks], dtype=torch.int64).reshape(2, -1), self.device)
+            vals_t = to_device(torch.tensor(vals, dtype=torch.float32), self.device)
+            self.logit_bias.index_put_((index[0], index[1]), vals_t)  # type: ignore[union-attr]
 
     def batch(self, rows: torch.Tensor, steps: torch.Tensor, flags: SampleFlags) -> SamplingBatch:
         """The `SamplingBatch` of `rows` (each at output step `steps`), gathered from the per-row state."""
@@ -260,7 +277,7 @@ class Sampler:
 
     def reset(self) -> None:
         """Every row's values and penalty state as new (after memory-measuring dummies used them)."""
-        for state in (self.row_floats, self.row_ints, self.output_counts, self.prompt_mask):
+        for state in (self.row_floats, self.row_ints, self.output_counts, self.prompt_mask, self.logit_bias):
             if state is not None:
                 state.zero_()
 
@@ -295,6 +312,18 @@ class Sampler:
         prompt_mask.index_fill_(0, row_t, False)
         prompt_mask.index_put_((p_rows_t, p_toks_t), torch.ones_like(p_toks_t, dtype=torch.bool))
         counts.index_put_((o_rows_t, o_toks_t), torch.ones_like(o_toks_t, dtype=torch.int32), accumulate=True)
+
+    def constrain(self, logits: torch.Tensor, batch: SamplingBatch, mask: TokenMask | None) -> torch.Tensor:
+        """The logits the batch samples from (and reports logprobs of): each row's token mask (grammar,
+        min_tokens) and logit_bias applied; `logits` itself when no row has either."""
+        if mask is None and not batch.need_bias:
+            return logits
+        logits = logits[:, : self.vocab_size]
+        if mask is not None:
+            logits = apply_token_mask(logits, mask)
+        if batch.need_bias and self.logit_bias is not None:
+            logits = logits.float() + self.logit_bias.index_select(0, batch.rows)
+        return logits
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Return one token id per row (int64 [B], on the device) and record it for penalised rows.

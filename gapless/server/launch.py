@@ -43,6 +43,8 @@ from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.health import Health
 from gapless.server.layout import LAYOUTS, MIN_CORES_FOR_SPLIT, worker_stages
 from gapless.server.logs import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
+from gapless.server.reasoning import PARSERS as REASONING_PARSERS
+from gapless.server.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     import uvicorn
@@ -106,6 +108,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="split: tokenizer and detokenizer in a process each; merged: one process for both; auto: "
         f"merged below {MIN_CORES_FOR_SPLIT} usable cores, else split (default: auto)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default=None,
+        help="how the model writes tool calls, for tool_choice auto (vLLM's names; default: none)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split <think>...</think> into reasoning_content (default: none, all is content)",
     )
     logs = parser.add_argument_group("logging")
     logs.add_argument(
@@ -277,6 +291,8 @@ async def _serve(
         args.request_timeout,
         max_logprobs=args.max_logprobs,
         engine_config=cfg,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     app = create_app(ServerState(settings, client, health, metrics))
     config = uvicorn.Config(

@@ -29,8 +29,11 @@ from typing import Annotated, Any, Literal, TypeGuard, TypeVar, Union
 
 import msgspec
 
-from gapless.sampling_params import MAX_LOGPROBS, SamplingParams
+from gapless.sampling_params import MAX_LOGPROBS, STRUCTURED_FIELDS, SamplingParams
 from gapless.server.protocol import ChatMessage
+from gapless.server.reasoning import END as THINK_END
+from gapless.server.structured import StructuredError, check_compiles, structured_fields
+from gapless.server.tools import ToolError, ToolPlan, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,8 @@ class ServedModel:
     max_context: int  # a prompt plus at least one generated token must fit
     max_tokens_default: int | None = None  # max_tokens of a request that sets none (None: the context's end)
     max_logprobs: int = MAX_LOGPROBS  # the most top logprobs a request may ask for (--max-logprobs)
+    tool_call_parser: str | None = None  # --tool-call-parser (gapless.server.tools)
+    reasoning_parser: str | None = None  # --reasoning-parser (gapless.server.reasoning)
 
     @classmethod
     def of_checkpoint(
@@ -192,12 +197,30 @@ def _prompt_list(p: object, param: str, served: ServedModel, text: bool = True) 
     return list(prompts)
 
 
-def _sampling_params(fields: dict[str, Any]) -> SamplingParams:
-    """`SamplingParams(**fields)`, its refusal of a value a 400 naming the field."""
+def _sampling_params(fields: dict[str, Any], structured_source: str | None = None) -> SamplingParams:
+    """`SamplingParams(**fields)`, its refusal of a value a 400 naming the field (the request's own
+    structured-output field where a constraint came from one)."""
     try:
         return SamplingParams(**fields)
     except ValueError as e:
-        raise BadRequest(str(e), str(e).split(" ", 1)[0]) from None
+        param = str(e).split(" ", 1)[0]
+        if structured_source is not None and param in STRUCTURED_FIELDS:
+            raise BadRequest(f"{structured_source}: {e}", structured_source) from None
+        raise BadRequest(str(e), param) from None
+
+
+def _check_engine_side(params: SamplingParams, structured_source: str | None, served: ServedModel) -> None:
+    """What the engine would refuse, refused here with a 400 naming the field: a constraint that cannot be
+    compiled, a logit_bias token outside the vocabulary."""
+    try:
+        check_compiles(params, structured_source)
+    except StructuredError as e:
+        raise BadRequest(str(e), e.param) from None
+    bad = [t for t in params.logit_bias or () if t >= served.vocab_size]
+    if bad:
+        raise BadRequest(
+            f"logit_bias token id {bad[0]} is outside the vocabulary [0, {served.vocab_size})", "logit_bias"
+        )
 
 
 class StreamOptions(msgspec.Struct):
@@ -226,11 +249,18 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: Int64 | None = None  # vLLM's: the prompt's logprobs and the top k (0-20) per position
+    min_tokens: Int64 = 0
+    # structured output (gapless.server.structured): OpenAI's, and vLLM's guided_* extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
-        """The params of each choice."""
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported", "logit_bias")
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, served: ServedModel, tool_constraint: dict | None = None
+    ) -> list[SamplingParams]:
+        """The params of each choice; `tool_constraint`: the grammar `tool_choice` asks for."""
         if self.stream and self.prompt_logprobs is not None:  # as vLLM: they come with the whole answer
             raise BadRequest("prompt_logprobs is not available when stream is true", "prompt_logprobs")
         fields: dict[str, Any] = {
@@ -242,7 +272,22 @@ class _Sampling(msgspec.Struct, kw_only=True):
             "skip_special_tokens": self.skip_special_tokens,
             "logprobs": logprobs,
             "prompt_logprobs": self.prompt_logprobs,
+            "logit_bias": self.logit_bias,
+            "min_tokens": self.min_tokens,
         }
+        try:
+            structured, source = structured_fields(self)
+        except StructuredError as e:
+            raise BadRequest(str(e), e.param) from None
+        if tool_constraint is not None:
+            if source is not None:
+                raise BadRequest(
+                    f'tool_choice "required" or a named function excludes {source}', "tool_choice"
+                )
+            structured, source = tool_constraint, "tool_choice"
+        fields.update(structured)
+        if source is not None:
+            fields["grammar_after"] = self.grammar_after(served)
         for name in (
             "temperature",
             "top_p",
@@ -254,7 +299,13 @@ class _Sampling(msgspec.Struct, kw_only=True):
         ):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
-        return _choices(_sampling_params(fields), self.n)
+        params = _sampling_params(fields, source)
+        _check_engine_side(params, source, served)
+        return _choices(params, self.n)
+
+    def grammar_after(self, served: ServedModel) -> str | None:
+        """The text after which a structured-output constraint applies (None: from the first token)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -282,10 +333,9 @@ class CompletionRequest(_Sampling, kw_only=True):
         max_tokens = served.default_max_tokens(self.max_tokens)
         if self.scores_only:  # the prompt alone: one token is sampled (the last chunk samples anyway), unsent
             max_tokens = 1
-        choices = self.sampling_params(max_tokens, self.logprobs)
-        if (
-            self.echo
-        ):  # the prompt's logprobs come with it, from the same top k (gapless.server.routes.scoring)
+        choices = self.sampling_params(max_tokens, self.logprobs, served)
+        if self.echo:
+            # the prompt's logprobs come with it, from the same top k (gapless.server.routes.scoring)
             k = max(self.logprobs or 0, self.prompt_logprobs or 0)
             choices = [replace(c, prompt_logprobs=k) for c in choices]
         return Submission(_prompt_list(self.prompt, "prompt", served), choices)
@@ -304,6 +354,9 @@ class ContentPart(msgspec.Struct):
 class Message(msgspec.Struct):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, to render with the template
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
 
     def text(self, where: str) -> str:
         """The message's text; `where` (`messages[i]`) names it in errors."""
@@ -333,32 +386,58 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
 
     def submission(self, served: ServedModel) -> Submission:
         if not self.messages:
             raise BadRequest("messages is empty", "messages")
-        if self.tools:
-            raise BadRequest("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise BadRequest("response_format other than text is not supported", "response_format")
+        plan = self.tool_plan(served)
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs to be true", "top_logprobs")
         served.check_logprobs(self.top_logprobs, "top_logprobs")
         served.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs)
-        chat = [ChatMessage(m.role, m.text(f"messages[{i}]")) for i, m in enumerate(self.messages)]
-        if self.chat_template_kwargs:  # any JSON: its integers must fit in 64 bits too, to reach the template
-            try:
-                msgspec.msgpack.encode(self.chat_template_kwargs)
-            except OverflowError:
-                raise BadRequest(
-                    "chat_template_kwargs holds an integer past 64 bits", "chat_template_kwargs"
-                ) from None
-        return Submission([chat], choices, self.chat_template_kwargs)
+        constraint = {"json_schema": plan.schema} if plan is not None and plan.schema is not None else None
+        choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs, served, constraint)
+        chat = [
+            ChatMessage(m.role, m.text(f"messages[{i}]"), m.tool_calls, m.tool_call_id, m.name)
+            for i, m in enumerate(self.messages)
+        ]
+        # any JSON: its integers must fit in 64 bits too, to reach the template
+        _fits_the_wire(self.chat_template_kwargs, "chat_template_kwargs")
+        _fits_the_wire(self.tools, "tools")
+        for i, m in enumerate(self.messages):
+            _fits_the_wire(m.tool_calls, f"messages[{i}].tool_calls")
+        kwargs = self.chat_template_kwargs
+        if plan is not None:
+            kwargs = {**(kwargs or {}), "tools": plan.tools}
+        return Submission([chat], choices, kwargs)
+
+    def grammar_after(self, served: ServedModel) -> str | None:
+        """With a reasoning parser the constraint waits for the end of the reasoning (`</think>`), unless
+        the template was told not to think."""
+        thinking = (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        return THINK_END if served.reasoning_parser is not None and thinking else None
+
+    def tool_plan(self, served: ServedModel) -> ToolPlan | None:
+        """What the request's tools mean (`gapless.server.tools`); a 400 naming the field if they cannot
+        be honoured."""
+        try:
+            return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, served.tool_call_parser)
+        except ToolError as e:
+            raise BadRequest(str(e), e.param) from None
+
+
+def _fits_the_wire(value: object, param: str) -> None:
+    """A 400 naming `param` when free-form JSON holds an integer msgpack cannot carry (past 64 bits)."""
+    if value:
+        try:
+            msgspec.msgpack.encode(value)
+        except OverflowError:
+            raise BadRequest(f"{param} holds an integer past 64 bits", param) from None
 
 
 def _int64_inside(tp: Any) -> Any:
@@ -421,6 +500,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
                 fields["prompt_logprobs"] = self.top_logprobs_num
                 fields["prompt_logprobs_start"] = self.logprob_start_len
         params = _sampling_params(fields)
+        structured = params.structured
+        _check_engine_side(params, structured[0] if structured else None, served)
         if (self.text is None) == (self.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         if self.text is not None:

@@ -22,6 +22,10 @@ from gapless.sampling_params import SamplingParams
 class ChatMessage(msgspec.Struct):
     role: str
     content: str
+    # tool calling (gapless.server.tools): an assistant's calls, a tool result's call id and name
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class PromptIn(msgspec.Struct):

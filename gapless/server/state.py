@@ -3,6 +3,7 @@ client of the worker pipeline (with the requests in flight), the server's health
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,18 +32,23 @@ class Settings:
     request_timeout_s: float | None = None  # a request still running after this long is stopped (504)
     max_logprobs: int = MAX_LOGPROBS  # the most top logprobs a request may ask for
     engine_config: EngineConfig | None = None  # the workers' config: /tokenize loads the same tokenizer
+    tool_call_parser: str | None = None  # --tool-call-parser
+    reasoning_parser: str | None = None  # --reasoning-parser
 
     @functools.cached_property
     def served(self) -> ServedModel:
         """What requests are checked against: the model's names and the scheduler's limits."""
         info = self.info
-        return ServedModel.of_checkpoint(
+        served = ServedModel.of_checkpoint(
             self.served_model,
             self.model_path,
             info.vocab_size,
             info.max_context,
             self.max_tokens_default,
             self.max_logprobs,
+        )
+        return dataclasses.replace(
+            served, tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser
         )
 
     @functools.cached_property

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 
 from gapless.config import EngineConfig
@@ -33,6 +34,7 @@ from gapless.server import protocol as P
 from gapless.server.logs import LOG_LEVEL_ENV, StatsLog, configure_logging
 from gapless.server.openai_protocol import prompt_too_long
 from gapless.server.prompt_logprobs import decode_prompt_logprobs, prompt_logprob_fields
+from gapless.server.tools import template_message
 
 if TYPE_CHECKING:  # imported where they run, so importing this module loads neither torch nor transformers
     from transformers import PreTrainedTokenizerBase
@@ -174,7 +176,9 @@ class _Tokenizer:
         self.tokenizer = tokenizer
         self.max_token_chars = max(len(token) for token in tokenizer.get_vocab())
         # apply_chat_template's own arguments: chat_template_kwargs must not set them (tokenize=True, ...)
-        self.reserved = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+        # (but `tools`: the request's tools travel there, gapless.server.tools)
+        self.reserved = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"tools"}
+        self.reserved |= {"messages"}
 
     def max_chars(self, max_prompt_tokens: int) -> int:
         return max_prompt_tokens * self.max_token_chars * NFC_MERGE
@@ -219,7 +223,7 @@ class _Tokenizer:
         clash = sorted(set(kwargs or ()) & self.reserved)
         if clash:
             raise _Refusal(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
-        chat = [{"role": m.role, "content": m.content} for m in messages]
+        chat = [template_message(msgspec.structs.asdict(m)) for m in messages]
         try:
             return chat_text(self.tokenizer, chat, chat_template_kwargs=kwargs)
         except NoChatTemplate:

@@ -12,6 +12,7 @@ dimension, so it wins whenever the current token has no script.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -46,10 +47,13 @@ def byte_token_ids(data: bytes) -> list[int]:
     return ids
 
 
-def make_scripted_checkpoint(path: str | Path, script: dict[int, int], seed: int = 0) -> Path:
+def make_scripted_checkpoint(
+    path: str | Path, script: dict[int, int], seed: int = 0, **overrides: Any
+) -> Path:
     """A llama-architecture checkpoint at `path` whose greedy next token after `a` is `script[a]` (EOS
     after tokens not in the script). Each token may have one successor, so a chain of tokens can
-    revisit no token; the model forgets everything but the current token."""
+    revisit no token; the model forgets everything but the current token. `overrides` go to the config
+    (a `vocab_size` past the tokenizer's adds filler tokens, whose text a test may rewrite)."""
     path = make_checkpoint(
         path,
         "llama",
@@ -59,6 +63,7 @@ def make_scripted_checkpoint(path: str | Path, script: dict[int, int], seed: int
         num_attention_heads=4,
         num_key_value_heads=2,
         rope_scaling=None,
+        **overrides,
     )
     weights_file = path / "model.safetensors"
     weights = load_file(str(weights_file))

@@ -46,7 +46,7 @@ BAD_PARAMS = [
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),  # outside the vocabulary
     ({"prompt": "word " * 600}, "prompt"),  # longer than --max-model-len 512
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 101.0}}, "logit_bias"),  # OpenAI's bound is [-100, 100]
     ({"suffix": "x"}, "suffix"),
 ]
 

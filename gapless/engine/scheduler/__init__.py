@@ -33,6 +33,7 @@ from gapless.config import EngineConfig
 from gapless.engine.detokenize import TokenDecoder
 from gapless.engine.meter import BubbleMeter
 from gapless.engine.request import Req
+from gapless.engine.scheduler import masks
 from gapless.engine.scheduler.budget import DecodeReserve
 from gapless.engine.scheduler.build import BatchBuilder, ScheduledBatch
 from gapless.engine.scheduler.decode import Decode
@@ -120,16 +121,18 @@ class Scheduler:
         return self.builder.decode(reqs, slots, self.kv.take_table_writes())
 
     def launch(self, batch: ScheduledBatch) -> None:
+        pending = masks.launch(self.stream, batch.forward, batch.masked, self.builder.vocab_size)
         for req in batch.reqs:
             req.inflight += 1
-        self.inflight.append((batch, self.stream.submit(batch.forward)))
+        self.inflight.append((batch, pending))
 
     def _process_oldest(self) -> list[Req]:
         batch, pending = self.inflight.popleft()
         tokens, timing = pending.result()
         t0 = time.perf_counter()
-        self.meter.job("decode" if batch.is_decode else "extend", timing.start, timing.end)
+        self.meter.job("decode" if batch.is_decode else "extend", timing.start, timing.end, timing.idle)
         updated = self.results.process(batch, tokens)
+        masks.release_oldest(self.inflight)  # the next batch's grammar masks can be filled now
         self.meter.host_span("process", t0, time.perf_counter())
         return updated
 

@@ -18,6 +18,7 @@ from gapless.engine.batch import ForwardBatch
 from gapless.engine.prompt_logprobs import Scored, plan_scores
 from gapless.engine.request import Req
 from gapless.engine.scheduler.kv import DecodeSlots
+from gapless.engine.scheduler.masks import needs_mask
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
 
@@ -38,6 +39,9 @@ class ScheduledBatch:
     kv_after: list[int]
     scored: Scored = field(default_factory=list)  # requests scoring prompt positions, with their counts
 
+    # the sampled rows that need a token mask: (position among them, request, output step)
+    masked: list[tuple[int, Req, int]] = field(default_factory=list)
+
 
 class BatchBuilder:
     """Builds the scheduler's batches; keeps the host's side of the per-row sampling state (which stages
@@ -54,7 +58,7 @@ class BatchBuilder:
         buf = np.empty((_DECODE_ROWS, n), dtype=np.int64)
         buf[0], buf[1], buf[2], buf[3] = slots.rows, slots.positions, slots.out, 1
         buf[4] = np.arange(n)
-        buf[5] = [r.sampled for r in reqs]
+        buf[5] = steps = [r.sampled for r in reqs]
         for r in reqs:
             r.sampled += 1
         writes = None
@@ -81,7 +85,7 @@ class BatchBuilder:
             sampling=self.stages.flags(slots.rows),
             table_writes=writes,
         )
-        return ScheduledBatch(reqs, forward, True, [], [])
+        return ScheduledBatch(reqs, forward, True, [], [], masked=_masked(forward, reqs, steps))
 
     def extend(
         self,
@@ -107,7 +111,8 @@ class BatchBuilder:
         samples = [r.kv_len == len(r.prompt_ids) + r.sampled for r in reqs]
         sample_mask = torch.tensor(samples, dtype=torch.bool)
         sample_reqs = [r for r, s in zip(reqs, samples) if s]
-        steps = torch.tensor([r.sampled for r in sample_reqs], dtype=torch.int64)
+        step_list = [r.sampled for r in sample_reqs]
+        steps = torch.tensor(step_list, dtype=torch.int64)
         for r in sample_reqs:
             r.sampled += 1
         sample_rows = rows[sample_mask]
@@ -143,7 +148,10 @@ class BatchBuilder:
             row_params=row_params,
         )
         forward.prompt_scores, scored = plan_scores(entries)
-        return ScheduledBatch(reqs, forward, False, samples, [r.kv_len for r in reqs], scored)
+        masked = _masked(forward, sample_reqs, step_list)
+        return ScheduledBatch(
+            reqs, forward, False, samples, [r.kv_len for r in reqs], scored=scored, masked=masked
+        )
 
     def _admit(self, admitted: list[Req]) -> RowParams:
         """The sampling values of requests entering their rows (for the device), noting on the host which
@@ -156,3 +164,11 @@ class BatchBuilder:
         )
         self.stages.set(values.rows, stages, logprobs)
         return values
+
+
+def _masked(forward: ForwardBatch, reqs: list[Req], steps: list[int]) -> list[tuple[int, Req, int]]:
+    """The sampled rows of `forward` (requests `reqs` at output `steps`) that need a token mask; looked
+    for only when a row's stages say one may (`SampleFlags.need_mask`)."""
+    if forward.sampling is None or not forward.sampling.need_mask:
+        return []
+    return [(i, r, s) for i, (r, s) in enumerate(zip(reqs, steps)) if needs_mask(r, s)]

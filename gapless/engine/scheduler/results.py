@@ -55,6 +55,8 @@ class Results:
                 reason = self._stop_reason(req, tok)
                 if reason is not None:
                     self._finish(req, reason)
+            if req.grammar is not None and not req.finished and req.grammar.advance(tok):
+                self._finish(req, "stop")  # the grammar is complete (gapless.engine.grammar)
         for req, kv_after in chunks:
             req.inflight -= 1
             if req.finished:

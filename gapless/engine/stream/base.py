@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from gapless.engine.batch import ForwardBatch, RunnerInfo
+from gapless.engine.batch import DeviceJob, RunnerInfo
 from gapless.sampling.sampler import HostSamples
 
 
@@ -16,6 +16,7 @@ class JobTiming:
     submit: float
     start: float
     end: float
+    idle: float = 0.0  # of [start, end], the time the device waited inside the job (a deferred mask)
 
 
 class Pending(Protocol):
@@ -27,7 +28,7 @@ class DeviceStream(Protocol):
     info: RunnerInfo
     asynchronous: bool  # False: submit runs the job before returning
 
-    def submit(self, batch: ForwardBatch) -> Pending: ...
+    def submit(self, batch: DeviceJob) -> Pending: ...
 
     def close(self) -> None: ...
 

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response
 
 from gapless.server import protocol as P
 from gapless.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gapless.server.reply import ChatReply
 from gapless.server.routes.common import require_api_key, server_state
 from gapless.server.routes.generation import Choice, Generation, Json, count_usage, submit
 from gapless.server.routes.scoring import (
@@ -44,8 +45,11 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     req, group = await submit(request, ChatCompletionRequest)
-    gen = Generation(request, group, "chatcmpl", req.model or server_state(request).settings.served_model)
-    shape = _Chat(gen, req.logprobs)
+    settings = server_state(request).settings
+    gen = Generation(request, group, "chatcmpl", req.model or settings.served_model)
+    shape = _Chat(
+        gen, req.logprobs, ChatReply(req.tool_plan(settings.served), settings.served.reasoning_parser)
+    )
     if req.stream:
         return await gen.stream(shape.chunks, gen.usage_chunk(CHAT_CHUNK, req.include_usage, req.n))
     choices = await gen.collect()
@@ -106,23 +110,62 @@ class _Completion:
 
 
 class _Chat:
-    """A chat completion's messages, whole or as stream chunks (a choice's first chunk names the role)."""
+    """A chat completion's messages, whole or as stream chunks (a choice's first chunk names the role).
+    With tools or a reasoning parser (`reply` not plain) the text is split into reasoning, content and
+    tool calls (`gapless.server.reply`)."""
 
-    def __init__(self, gen: Generation, with_logprobs: bool) -> None:
-        self.gen, self.with_logprobs = gen, with_logprobs
+    def __init__(self, gen: Generation, with_logprobs: bool, reply: ChatReply) -> None:
+        self.gen, self.with_logprobs, self.reply = gen, with_logprobs, reply
         self.started = [False] * gen.count
+        self.sent = [(0, 0)] * gen.count  # per choice: reasoning and content characters streamed
 
     def logprobs(self, lps: list[P.TokenLogprob] | None) -> Json | None:
         return _chat_logprobs(lps) if self.with_logprobs and lps is not None else None
 
     def answer(self, index: int, c: Choice) -> Json:
-        message = {"role": "assistant", "content": "".join(c.text)}
+        message: Json = {"role": "assistant", "content": "".join(c.text)}
+        finish = c.finish_reason
+        if not self.reply.plain:
+            reasoning, content, calls = self.reply.final("".join(c.text))
+            message["content"] = content if content or not calls else None
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [call.to_json() for call in calls]
+            finish = self._finish(finish, bool(calls))
         return {
             "index": index,
             "message": message,
             "logprobs": self.logprobs(c.logprobs),
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish,
         }
+
+    def _finish(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's finish reason: `tool_calls` when the model chose to call (a named function: `stop`)."""
+        tools = self.reply.tools
+        if called and reason == "stop" and tools is not None and tools.mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
+    def _shaped_delta(self, index: int, d: P.ReqDelta, c: Choice) -> tuple[Json, str | None]:
+        """The delta of a non-plain reply: what may stream of its reasoning and content now, and, at its
+        end, the rest and its tool calls; with the choice's finish reason."""
+        text, (r_sent, c_sent) = "".join(c.text), self.sent[index]
+        calls: list = []
+        if d.finish_reason is None:
+            reasoning, content = self.reply.streamable(text)
+        else:
+            final_reasoning, content, calls = self.reply.final(text)
+            reasoning = final_reasoning or ""
+        delta: Json = {}
+        if len(reasoning) > r_sent:
+            delta["reasoning_content"] = reasoning[r_sent:]
+        if len(content) > c_sent:
+            delta["content"] = content[c_sent:]
+        if calls:
+            delta["tool_calls"] = [call.to_json(i) for i, call in enumerate(calls)]
+        self.sent[index] = (max(r_sent, len(reasoning)), max(c_sent, len(content)))
+        return delta, self._finish(c.finish_reason, bool(calls))
 
     def chunks(self, index: int, d: P.ReqDelta, c: Choice) -> list[Json]:
         out: list[Json] = []
@@ -130,12 +173,14 @@ class _Chat:
             self.started[index] = True
             role = {"role": "assistant", "content": ""}
             out.append({"index": index, "delta": role, "logprobs": None, "finish_reason": None})
-        if d.text or d.logprobs or d.finish_reason is not None:
-            delta = {"content": d.text} if d.text else {}
+        if self.reply.plain:
+            delta: Json = {"content": d.text} if d.text else {}
+            finish = c.finish_reason
+        else:
+            delta, finish = self._shaped_delta(index, d, c)
+        if delta or d.logprobs or d.finish_reason is not None:
             logprobs = self.logprobs(d.logprobs)
-            out.append(
-                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
-            )
+            out.append({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         return [self.gen.envelope(CHAT_CHUNK, [o]) for o in out]
 
 
