@@ -5,6 +5,8 @@ whose output stays what it is alone."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -120,3 +122,29 @@ def test_prompt_logprobs_under_chaos_retraction_and_abort(ckpt_factory, chaos_se
         assert req.output_ids == alone[i]
         if i % 2:
             check_prompt_logprobs(hf, prompt, prompt_logprobs_output(req), k=2)
+
+
+def test_prompt_logprobs_of_constrained_requests(ckpt_factory):
+    """A request under a grammar scores its prompt like any other, admitted while a constrained request
+    is decoding in the overlap loop (whose batches sample under deferred masks), and its output still
+    follows its grammar."""
+    path = ckpt_factory("qwen3")
+    hf = load_hf_model(path)
+    rng = torch.Generator().manual_seed(5)
+    first, second, third = (
+        torch.randint(3, hf.config.vocab_size, (n,), generator=rng).tolist() for n in (12, 30, 21)
+    )
+    long = SamplingParams(max_tokens=24, temperature=0.0, regex="[a-z]{24}")
+    scored = SamplingParams(max_tokens=6, temperature=0.0, regex="[a-c]{6}", prompt_logprobs=K)
+    with LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=2048, **LOOPS["overlap"]) as llm:
+        eng = llm.engine
+        eng.add_request(first, long)
+        for _ in range(4):  # the first request decodes under its grammar
+            eng.step()
+        later = [eng.add_request(p, scored) for p in (second, third)]
+        while eng.has_unfinished():
+            eng.step()
+        llm.check_integrity()
+    for prompt, req in zip((second, third), later, strict=True):
+        check_prompt_logprobs(hf, prompt, prompt_logprobs_output(req))
+        assert re.fullmatch("[a-c]{1,6}", eng.output_text(req)), eng.output_text(req)
