@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from gapless.attention.base import AttentionMetadata
+from gapless.engine.spec.inputs import HistoryWrites, VerifyInputs
 from gapless.sampling.rows import RowParams, SampleFlags
 
 
@@ -53,6 +54,13 @@ class ForwardBatch:
     table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (row, prompt_ids, output_ids) whose sampler penalty state is (re)built before sampling
     penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    # speculative decoding (gapless.engine.spec): a verify batch's inputs, or an extend's token history
+    spec: VerifyInputs | HistoryWrites | None = None
+
+    @property
+    def reads_future_tokens(self) -> bool:
+        """Whether the batch's inputs are its rows' future-token slots: a decode's, or a verify's."""
+        return self.is_decode or isinstance(self.spec, VerifyInputs)
 
     def attention_metadata(self, req_table: torch.Tensor) -> AttentionMetadata:
         """What attention reads of this batch (its fields of the same names), with the device's
