@@ -1,5 +1,6 @@
 """Sampled requests under speculation: rejection sampling keeps the target distribution (a chi-square
-test on a tiny vocabulary: top_k=3 leaves each step three tokens to draw), and a seeded request draws the same tokens with speculation and without."""
+test on a tiny vocabulary: top_k=3 leaves each step three tokens to draw), and a seeded request draws the
+same tokens with speculation and without."""
 
 from __future__ import annotations
 
