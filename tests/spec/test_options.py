@@ -1,0 +1,73 @@
+"""Speculation's options: the flags' names (vLLM's and SGLang's), bad values and the refused draft-model
+mode named; the switch-off above a batch size; the figures in get_stats; no host sync in a verify job."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from gapless import LLM, SamplingParams
+from gapless.config import EngineConfig, add_engine_args, config_from_args
+
+from .conftest import ids
+
+
+def test_flags():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    argv = [
+        "m",
+        "--speculative-algorithm",
+        "ngram",
+        "--speculative-num-draft-tokens",
+        "6",
+        "--ngram-min",
+        "2",
+    ]
+    p.add_argument("model_arg")
+    cfg = config_from_args(p.parse_args([*argv, "--speculative-ngram-max-match-window-size", "5"]))
+    assert (cfg.speculative_algorithm, cfg.speculative_num_draft_tokens, cfg.ngram_min, cfg.ngram_max) == (
+        "ngram",
+        6,
+        2,
+        5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"speculative_algorithm": "eagle"}, "speculative_algorithm"),
+        ({"speculative_algorithm": "draft"}, "draft"),
+        ({"speculative_algorithm": "ngram", "speculative_draft_model": "/m"}, "draft"),
+        ({"speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens"),
+        ({"ngram_min": 3, "ngram_max": 2}, "ngram_min"),
+        ({"speculative_disable_batch_size": -1}, "speculative_disable_batch_size"),
+    ],
+)
+def test_bad_options_are_named(options, named):
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(model="m", **options)
+
+
+def test_switched_off_above_the_batch_size_and_counted(cyclic):
+    """Two requests with speculative_disable_batch_size=1 draft nothing while both run; one alone does.
+    The figures are in get_stats."""
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    spec = dict(speculative_algorithm="ngram", speculative_disable_batch_size=1, overlap=False)
+    with LLM(cyclic, device="cpu", kv_cache_tokens=2048, **spec) as llm:
+        llm.generate([ids("xabcdeab"), ids("xbcdea")], params, use_tqdm=False)
+        stats = llm.get_stats()
+        assert stats["spec_verifies"] == 2 * 29 and stats["spec_drafted_tokens"] == 0
+        assert stats["spec_mean_accepted_length"] == 1.0  # a verify without drafts yields one token
+        out = llm.generate([ids("xabcdeab")], params, use_tqdm=False)[0]
+        stats = llm.get_stats()
+        assert out.text == "cdeab" * 6
+        assert (
+            stats["spec_drafted_tokens"] > 0 and stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"]
+        )
+        assert stats["spec_acceptance_rate"] == 1.0
+        # 29 tokens after the prefill's, in a few verifies of up to 5 tokens
+        assert stats["spec_verifies"] - 2 * 29 <= 10
+        llm.check_integrity()
