@@ -64,7 +64,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     totals = {name: [0, 0.0] for name in engines}
     outputs: dict[str, list[list[int]]] = {}
-    for name, llm in engines.items():  # warm-up: one request each
+    for llm in engines.values():  # warm-up: one request each
         _run(llm, convs[:1], params, 1)
     for r in range(args.rounds):
         for name, llm in engines.items():
@@ -102,8 +102,8 @@ def report(res: dict[str, Any]) -> list[str]:
     return [
         res["command"],
         cli.machine_line(res["machine"]),
-        f"model {res['model']}, batch {res['batch']}, {res['requests']} copy-heavy requests x {res['rounds']} "
-        f"rounds, {res['output_tokens']} output tokens per engine, K={res['num_draft_tokens']}",
+        f"model {res['model']}, batch {res['batch']}, {res['requests']} copy-heavy requests x "
+        f"{res['rounds']} rounds, {res['output_tokens']} output tokens per engine, K={res['num_draft_tokens']}",
         *cli.markdown_table(["speculation", "output tok/s", "vs off"], rows, "lrr"),
         f"tokens identical: {res['identical']}; acceptance rate {res['acceptance_rate']:.3f}, "
         f"mean accepted length {res['mean_accepted_length']:.2f} tokens per verify",
