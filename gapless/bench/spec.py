@@ -103,7 +103,8 @@ def report(res: dict[str, Any]) -> list[str]:
         res["command"],
         cli.machine_line(res["machine"]),
         f"model {res['model']}, batch {res['batch']}, {res['requests']} copy-heavy requests x "
-        f"{res['rounds']} rounds, {res['output_tokens']} output tokens per engine, K={res['num_draft_tokens']}",
+        f"{res['rounds']} rounds, {res['output_tokens']} output tokens per engine, "
+        f"K={res['num_draft_tokens']}",
         *cli.markdown_table(["speculation", "output tok/s", "vs off"], rows, "lrr"),
         f"tokens identical: {res['identical']}; acceptance rate {res['acceptance_rate']:.3f}, "
         f"mean accepted length {res['mean_accepted_length']:.2f} tokens per verify",
