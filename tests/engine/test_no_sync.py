@@ -308,3 +308,42 @@ def test_decode_batch_with_table_writes_is_one_buffer():
     assert batch.sample_steps.tolist() == [0, 1, 2] and [r.sampled for r in reqs] == [1, 2, 3]
     assert batch.positions.tolist() == [3, 4, 5] and batch.out_slots.tolist() == [30, 40, 50]
     assert batch.max_seq_len == 6
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_verify_job_never_syncs(ckpt_factory, loop):
+    """Speculative decoding's verify batches (drafts looked up, placed and accepted on the device, slots
+    taken ahead, retraction under a tight pool) and the extends that fill the rows' token history: no host
+    sync, and a verify crosses to the device in one copy."""
+    path = str(ckpt_factory("llama"))
+    with LLM(
+        path,
+        device="cpu",
+        page_size=4,
+        kv_cache_tokens=256,
+        chunked_prefill_size=32,
+        max_running_requests=6,
+        init_new_token_ratio=0.02,
+        min_new_token_ratio=0.02,
+        speculative_algorithm="ngram",
+        **LOOPS[loop],
+    ) as llm:
+        runner = llm.engine.runner
+        run = runner.run
+        verifies: list[int] = []
+
+        def watched(batch):
+            with forbid_host_syncs():
+                out = run(batch)
+            if batch.reads_future_tokens:
+                verifies.append(_copies(batch))
+            return out
+
+        runner.run = watched
+        prompts, params = _workload(runner.model_config.vocab_size)
+        outs = llm.generate([p * 3 for p in prompts], params, use_tqdm=False)
+        assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
+        stats = llm.get_stats()
+        assert stats["spec_drafted_tokens"] > 0 and stats["retractions"] > 0
+        assert len(verifies) > 5 and max(verifies) == 1
+        llm.check_integrity()

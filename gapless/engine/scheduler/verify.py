@@ -82,12 +82,13 @@ class SpecDecode:
         max_seq = max(r.kv_len for r in reqs)  # kv_len is past every position the batch may take
         for r, e in zip(reqs, ext.tolist()):
             r.sampled += e
-        writes = [plan.writes] + ([table_writes] if table_writes is not None else [])
+        writes = plan.writes
+        if table_writes is not None:  # (a retraction's drain queued some: they go in the same buffer)
+            writes = tuple(torch.cat([a, b]) for a, b in zip(writes, table_writes))  # type: ignore[assignment]
         host = [torch.from_numpy(a) for a in (rows, ext, q_start, token_rows, owner, offsets)]
-        parts = packed(*host, *(t for w in writes for t in w), torch.arange(total))
-        rows_t, ext_t, q_start_t, token_rows_t, owner_t, offsets_t = parts[:6]
-        w = parts[6:-1]
-        empty = parts[-1][:0]  # filled on the device (`SpecState.prepare`)
+        parts = packed(*host, *writes, torch.arange(total))  # one buffer: the batch moves in one copy
+        rows_t, ext_t, q_start_t, token_rows_t, owner_t, offsets_t, *w, index = parts
+        empty = index[:0]  # filled on the device (`SpecState.prepare`)
         forward = ForwardBatch(
             input_ids=empty,
             positions=empty,
@@ -100,11 +101,11 @@ class SpecDecode:
             max_extend_len=int(ext.max()),
             max_seq_len=max_seq,
             is_decode=False,
-            sample_index=parts[-1],
+            sample_index=index,
             sample_rows=token_rows_t,
             sample_steps=empty,
             sampling=self.builder.stages.flags(token_rows),
-            table_writes=(torch.cat(w[0::3]), torch.cat(w[1::3]), torch.cat(w[2::3])),
+            table_writes=(w[0], w[1], w[2]),
             spec=VerifyInputs(owner_t, offsets_t, int(plan.drafts.max()), *self.ngram),
         )
         return ScheduledBatch(reqs, forward, True, [], [], drafts=plan.drafts)
