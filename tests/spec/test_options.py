@@ -71,3 +71,21 @@ def test_switched_off_above_the_batch_size_and_counted(cyclic):
         # 29 tokens after the prefill's, in a few verifies of up to 5 tokens
         assert stats["spec_verifies"] - 2 * 29 <= 10
         llm.check_integrity()
+
+
+def test_logprobs_are_the_targets(cyclic):
+    """A verify returns the target's logprobs of each accepted token (and its top alternatives): those
+    decoding without speculation gives."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    got = []
+    for spec in ({}, {"speculative_algorithm": "ngram"}):
+        with LLM(cyclic, device="cpu", kv_cache_tokens=2048, overlap=False, **spec) as llm:
+            out = llm.generate([ids("xabcdeab")], params, use_tqdm=False)[0]
+            got.append((out.token_ids, out.logprobs, out.top_logprobs))
+            assert llm.get_stats()["spec_accepted_tokens"] > 0 or not spec
+    (tokens, plain, plain_top), (spec_tokens, lps, top) = got
+    assert spec_tokens == tokens and len(lps) == len(plain) == 12
+    assert all(abs(a - b) < 1e-4 for a, b in zip(plain, lps))
+    for a, b in zip(plain_top, top):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b))
