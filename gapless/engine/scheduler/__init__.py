@@ -125,8 +125,8 @@ class Scheduler:
         log.debug("decode batch: %d requests", len(reqs))
         # (a drain inside may have queued table writes: they go with this batch)
         if self.spec is not None:
-            return self.spec.batch(reqs, slots, self.kv.take_table_writes())  # type: ignore[arg-type]
-        return self.builder.decode(reqs, slots, self.kv.take_table_writes())  # type: ignore[arg-type]
+            return self.spec.batch(reqs, slots, self.kv.take_table_writes())
+        return self.builder.decode(reqs, slots, self.kv.take_table_writes())
 
     def launch(self, batch: ScheduledBatch) -> None:
         for req in batch.reqs:

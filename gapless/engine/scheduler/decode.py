@@ -9,7 +9,7 @@ from typing import Any
 
 from gapless.engine.request import Req, ReqStatus
 from gapless.engine.scheduler.budget import DecodeReserve
-from gapless.engine.scheduler.kv import DecodeSlots, KVManager
+from gapless.engine.scheduler.kv import KVManager
 from gapless.engine.scheduler.queues import Queues
 from gapless.engine.stats import EngineStats
 
@@ -32,8 +32,9 @@ class Decode:
         # verify's slots for its drafts too (`gapless.engine.scheduler.verify`)
         self.alloc = alloc or kv.alloc_decode
 
-    def schedule(self, drain: Callable[[], bool]) -> tuple[list[Req], DecodeSlots] | None:
-        """The requests of the next decode batch and their new tokens' KV slots, or None if none needs
+    def schedule(self, drain: Callable[[], bool]) -> tuple[list[Req], Any] | None:
+        """The requests of the next decode batch and what `alloc` took for them (`DecodeSlots`, or a
+        verify's `VerifyPlan`), or None if none needs
         a token. `drain` processes the batches in flight (False if there were none): retraction needs
         every request's exact tokens, so it drains first (rare: a bubble)."""
         while True:
