@@ -127,6 +127,16 @@ def test_chaos_aborts_and_retraction(cyclic, chaos_seed):
     options = dict(overlap=True, cpu_worker="thread", chaos_seed=chaos_seed, chunked_prefill_size=16, **SPEC)
     with LLM(cyclic, device="cpu", kv_cache_tokens=160, **RETRACT_EAGERLY, **options) as llm:
         eng = llm.engine
+        sched, overlapped = eng.scheduler, []
+        process = sched._process_oldest
+
+        def watched():  # a verify processed while the next one is already launched: nothing waited
+            overlapped.append(
+                len(sched.inflight) == 2 and all(b.drafts is not None for b, _ in sched.inflight)
+            )
+            return process()
+
+        sched._process_oldest = watched
         reqs = [eng.add_request(p, params) for p in prompts]
         aborted = {reqs[1].rid, reqs[4].rid}
         for step in range(2000):
@@ -145,4 +155,5 @@ def test_chaos_aborts_and_retraction(cyclic, chaos_seed):
                 assert (req.output_ids, req.finish_reason) == (ref[0], ref[2])
         assert eng.stats.retractions > 0
         assert eng.stats.spec_accepted_tokens > 0
+        assert sum(overlapped) > 10, "verify N+1 should be launched before verify N is processed"
         llm.check_integrity()
