@@ -35,7 +35,9 @@ class Req:
     kv_len: int = 0
     cached_len: int = 0
     last_node: TreeNode | None = None
-    sampled: int = 0  # output tokens sampled, counting those still in flight (host knows len(output_ids))
+    # output tokens sampled, counting those still in flight (host knows len(output_ids)); under speculative
+    # decoding an upper bound: every token a launched verify may yield (gapless.engine.scheduler.verify)
+    sampled: int = 0
     inflight: int = 0  # launched batches holding this request that are not processed yet
     cached_tokens: int | None = None  # prefix-cache hit at first admission (reported to the user)
     finish_reason: str | None = None

@@ -15,6 +15,8 @@ have to follow each draft), near its `max_tokens` or the context limit, or when 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -27,12 +29,13 @@ from gapless.engine.spec.inputs import VerifyInputs
 from gapless.tensors import packed
 
 
+@dataclass
 class VerifyPlan:
     """The drafts each request of a verify batch tries, and the device-table writes of the slots taken
     for them."""
 
-    def __init__(self, drafts: np.ndarray, writes: TableWrites) -> None:
-        self.drafts, self.writes = drafts, writes
+    drafts: np.ndarray  # [B] int64
+    writes: TableWrites
 
 
 class SpecDecode:
