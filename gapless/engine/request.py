@@ -38,6 +38,8 @@ class Req:
     # output tokens sampled, counting those still in flight (host knows len(output_ids)); under speculative
     # decoding an upper bound: every token a launched verify may yield (gapless.engine.scheduler.verify)
     sampled: int = 0
+    # drafts of launched, unprocessed verify batches: while any, kv_len is only a bound on the device's
+    unresolved_drafts: int = 0
     inflight: int = 0  # launched batches holding this request that are not processed yet
     cached_tokens: int | None = None  # prefix-cache hit at first admission (reported to the user)
     finish_reason: str | None = None

@@ -312,8 +312,9 @@ def test_decode_batch_with_table_writes_is_one_buffer():
 
 def test_verify_job_never_syncs(ckpt_factory):
     """Speculative decoding's verify batches (drafts looked up, placed and accepted on the device, slots
-    taken ahead, retraction under a tight pool) and the extends that fill the rows' token history: no host
-    sync, and a verify crosses to the device in one copy."""
+    taken ahead, retraction under a tight pool), the extends that fill the rows' token history and the
+    plain decodes above the switch-off batch size (through the graph runner's buffers): no host sync, and
+    each crosses to the device in one copy."""
     path = str(ckpt_factory("llama"))
     with LLM(
         path,
@@ -325,6 +326,8 @@ def test_verify_job_never_syncs(ckpt_factory):
         init_new_token_ratio=0.02,
         min_new_token_ratio=0.02,
         speculative_algorithm="ngram",
+        speculative_disable_batch_size=3,  # larger decode batches run plain, through the graph runner
+        cuda_graph_max_bs=6,
         **LOOPS["overlap"],  # (the device job is the same in the plain loop)
     ) as llm:
         runner = llm.engine.runner
@@ -345,4 +348,5 @@ def test_verify_job_never_syncs(ckpt_factory):
         stats = llm.get_stats()
         assert stats["spec_drafted_tokens"] > 0 and stats["retractions"] > 0
         assert len(verifies) > 5 and max(verifies) == 1
+        assert sum(runner.graphs.runs.values()) > 0
         llm.check_integrity()

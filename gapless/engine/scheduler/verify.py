@@ -8,9 +8,10 @@ the request holds KV slots for every position those tokens may take (`KVManager.
 from what the previous step accepted (`gapless.engine.spec.device`). When a verify is processed
 (`verify_results`), the bound drops to the truth and the slots past it go back (`KVManager.trim`).
 
-A request tries no drafts (a plain decode, placed the same way) where speculating cannot pay or would be
-wrong: in batches larger than `speculative_disable_batch_size`, with penalties (their token counts would
-have to follow each draft), near its `max_tokens` or the context limit, or when the pool is short.
+A request tries no drafts where speculating cannot pay or would be wrong: in batches larger than
+`speculative_disable_batch_size`, with penalties (their token counts would have to follow each draft),
+near its `max_tokens` or the context limit, or when the pool is short. A batch in which none drafts and
+whose positions the host knows runs as a plain decode batch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gapless.config import EngineConfig
 from gapless.engine.batch import ForwardBatch
 from gapless.engine.request import Req
 from gapless.engine.scheduler.build import BatchBuilder, ScheduledBatch
-from gapless.engine.scheduler.kv import KVManager, TableWrites
+from gapless.engine.scheduler.kv import DecodeSlots, KVManager, TableWrites
 from gapless.engine.spec.inputs import VerifyInputs
 from gapless.tensors import packed
 
@@ -74,7 +75,12 @@ class SpecDecode:
 
     def batch(self, reqs: list[Req], plan: VerifyPlan, table_writes: TableWrites | None) -> ScheduledBatch:
         """The verify batch of `reqs`. Moves state at schedule time: `sampled` counts every token it may
-        yield."""
+        yield. Where none drafts and the host knows every position (no verify with drafts in flight), a
+        plain decode batch instead: cheaper, and it runs through the CUDA graphs (it keeps the rows'
+        device state as an extend does, `SpecState.keep`)."""
+        if not plan.drafts.any() and not any(r.unresolved_drafts for r in reqs):
+            rows, positions, slots = (t.numpy() for t in plan.writes)
+            return self.builder.decode(reqs, DecodeSlots(rows, positions, slots), table_writes)
         ext = plan.drafts + 1
         n, total = len(reqs), int(ext.sum())
         rows = np.array([r.row for r in reqs], dtype=np.int64)
@@ -85,6 +91,7 @@ class SpecDecode:
         max_seq = max(r.kv_len for r in reqs)  # kv_len is past every position the batch may take
         for r, e in zip(reqs, ext.tolist()):
             r.sampled += e
+            r.unresolved_drafts += e - 1
         writes = plan.writes
         if table_writes is not None:  # (a retraction's drain queued some: they go in the same buffer)
             writes = tuple(torch.cat([a, b]) for a, b in zip(writes, table_writes))  # type: ignore[assignment]

@@ -22,6 +22,7 @@ class VerifyResults(Results):
         stats, touched, start = self.stats, [], 0
         for req, k, a in zip(batch.reqs, drafts.tolist(), accepted, strict=True):
             req.inflight -= 1
+            req.unresolved_drafts -= k
             stats.spec_verifies += 1
             stats.spec_drafted_tokens += k
             stats.spec_accepted_tokens += a

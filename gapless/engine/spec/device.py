@@ -65,7 +65,7 @@ class SpecState:
         Returns what goes to the host: the sampled tokens, and for a verify also the accepted drafts
         per request appended ([T + B])."""
         spec = batch.spec
-        if not isinstance(spec, VerifyInputs):  # an extend: the rows that sampled start (or resume) decoding
+        if not isinstance(spec, VerifyInputs):  # an extend, or a plain decode: each row's next token
             token_buf[batch.sample_rows] = sampled
             last = batch.positions[batch.sample_index]
             self.tokens[batch.sample_rows, last + 1] = sampled
