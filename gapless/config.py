@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Protocol
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # draft: refused by name for now (gapless.engine.spec)
 
 
 @dataclass
@@ -73,6 +74,15 @@ class EngineConfig:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14
     new_token_ratio_decay_steps: int = 600
+    # speculative decoding (gapless.engine.spec): ngram drafts each request's next tokens from its own prompt
+    # and output (prompt lookup) and verifies them in one forward; None: off. draft is refused (not built yet)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4  # tokens drafted per request and step (the verify runs one more)
+    speculative_draft_model: str | None = None  # the draft model of speculative_algorithm=draft (refused)
+    ngram_min: int = 1  # shortest suffix of a request's tokens that ngram matches earlier in them
+    ngram_max: int = 4  # longest such suffix (the longest that matches wins, then the latest match)
+    # decode batches larger than this run without drafts (verifying K+1 tokens per request stops paying)
+    speculative_disable_batch_size: int = 16
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -104,6 +114,26 @@ class EngineConfig:
             raise bad("device_threads", "must be >= 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
+        self._check_speculative(bad)
+
+    def _check_speculative(self, bad: Any) -> None:
+        """The speculative-decoding options: a known algorithm, sizes in range, and no half-built mode."""
+        algo = self.speculative_algorithm
+        if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
+            raise bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS}")
+        if algo == "draft" or self.speculative_draft_model is not None:
+            raise ValueError(
+                "speculative_algorithm='draft' (--speculative-draft-model) is not supported yet: use "
+                "speculative_algorithm='ngram'"
+            )
+        if not 1 <= self.speculative_num_draft_tokens <= 16:
+            raise bad("speculative_num_draft_tokens", "must be in [1, 16]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise bad("ngram_min", f"must be >= 1 and <= ngram_max ({self.ngram_max})")
+        if self.ngram_max > 16:
+            raise bad("ngram_max", "must be <= 16")
+        if self.speculative_disable_batch_size < 0:
+            raise bad("speculative_disable_batch_size", "must be >= 0 (0: never draft)")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -152,6 +182,9 @@ FLAG_ALIASES: dict[str, Alias] = {
     "--disable-cuda-graph": Alias("cuda_graph_max_bs", "SGLang", 0),
     "--enable-log-requests": Alias("log_requests", "vLLM", True),
     "--disable-log-stats": Alias("log_stats_interval", "vLLM", 0.0),
+    "--speculative-draft-model-path": Alias("speculative_draft_model", "SGLang"),
+    "--speculative-ngram-min-match-window-size": Alias("ngram_min", "SGLang"),
+    "--speculative-ngram-max-match-window-size": Alias("ngram_max", "SGLang"),
 }
 
 # vLLM's and SGLang's parallelism flags: gapless runs on one device, so any size but 1 is refused by name
@@ -181,11 +214,13 @@ _METAVARS = {
     "device": "{auto,cpu,cuda,cuda:N}",
     "trace_path": "PATH",
     "generation_config": "{auto,vllm,DIR}",
+    "speculative_draft_model": "PATH",
 }
 _CHOICES = {
     "schedule_policy": SCHEDULE_POLICIES,
     "cpu_worker": CPU_WORKERS,
     "attention_backend": ATTENTION_BACKENDS,
+    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
 }
 # the help of options that have no comment in `EngineConfig` (an option's comment is its help)
 _FLAG_HELP = {

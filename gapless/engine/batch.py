@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from gapless.attention.base import AttentionMetadata
+from gapless.engine.spec.inputs import HistoryWrites, VerifyInputs
 from gapless.sampling.logprobs import PromptScoreAsk
 from gapless.sampling.mask import TokenMask
 from gapless.sampling.rows import RowParams, SampleFlags
@@ -63,6 +64,14 @@ class ForwardBatch:
     # the mask waits for the previous batch's tokens: run the forward and keep the logits; a `SampleJob`
     # with the mask, submitted next once the host has it, samples them
     defer_sampling: bool = False
+
+    # speculative decoding (gapless.engine.spec): a verify batch's inputs, or an extend's token history
+    spec: VerifyInputs | HistoryWrites | None = None
+
+    @property
+    def reads_future_tokens(self) -> bool:
+        """Whether the batch's inputs are its rows' future-token slots: a decode's, or a verify's."""
+        return self.is_decode or isinstance(self.spec, VerifyInputs)
 
     def attention_metadata(self, req_table: torch.Tensor) -> AttentionMetadata:
         """What attention reads of this batch (its fields of the same names), with the device's

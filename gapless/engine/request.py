@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from gapless.engine.grammar import GrammarState
 
 
+class RequestRefused(ValueError):
+    """A request the engine will not run, with the request field to blame (`param`: the server's 400
+    names it)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"  # in the waiting queue (new, or retracted)
     PREFILL = "prefill"  # admitted, prompt being prefilled in chunks
@@ -42,7 +51,11 @@ class Req:
     kv_len: int = 0
     cached_len: int = 0
     last_node: TreeNode | None = None
-    sampled: int = 0  # output tokens sampled, counting those still in flight (host knows len(output_ids))
+    # output tokens sampled, counting those still in flight (host knows len(output_ids)); under speculative
+    # decoding an upper bound: every token a launched verify may yield (gapless.engine.scheduler.verify)
+    sampled: int = 0
+    # drafts of launched, unprocessed verify batches: while any, kv_len is only a bound on the device's
+    unresolved_drafts: int = 0
     inflight: int = 0  # launched batches holding this request that are not processed yet
     cached_tokens: int | None = None  # prefix-cache hit at first admission (reported to the user)
     finish_reason: str | None = None

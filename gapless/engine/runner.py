@@ -12,6 +12,7 @@ activation peak (`measure_activations`) on a one-page pool, which is dropped bef
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -33,6 +34,7 @@ from gapless.engine.memory_plan import (
     plan_cpu_kv,
     plan_gpu_kv,
 )
+from gapless.engine.spec.device import SpecState
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
 from gapless.model.config import load_model_config
@@ -103,6 +105,7 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them
         self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None] | None = None
+        self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
         graph_bs = self._graph_max_bs(cfg)
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
@@ -113,6 +116,10 @@ class ModelRunner:
         # no request can outgrow what the pool holds by itself
         self.max_context = min(max_context, self.kv_tokens)
         self.req_table = ReqTable(max_rows + 1, self.max_context, self.device)
+        if cfg.speculative_algorithm is not None:
+            self.spec = SpecState(
+                max_rows + 1, self.max_context, cfg.speculative_num_draft_tokens, self.device
+            )
         log.info(
             "KV cache: %d tokens, %.3g GiB, max context %d (%s)",
             self.kv_tokens,
@@ -269,6 +276,8 @@ class ModelRunner:
             out = self._sample(forward, logits, batch.mask)
             out.prompt = prompt
             return out
+        if self.spec is not None:  # a verify's inputs come from what the previous step accepted
+            batch = self.spec.prepare(batch, self.token_buf, self.req_table)
         # before any early return: a first chunk samples nothing but must set its rows up
         if batch.row_params is not None:
             self.sampler.write_rows(batch.row_params)
@@ -297,10 +306,15 @@ class ModelRunner:
         sampling = self.sampler.batch(batch.sample_rows, batch.sample_steps, flags)
         logits = self.sampler.constrain(logits, sampling, mask)
         tokens = self.sampler.sample(logits, sampling)
-        self.token_buf[batch.sample_rows] = tokens
+        if self.spec is None:
+            self.token_buf[batch.sample_rows] = tokens
+            out = tokens
+        else:  # (a verify also returns how many drafts each request accepted)
+            out = self.spec.keep(batch, tokens, self.token_buf)
         if flags.num_logprobs >= 0:
-            return compute_logprobs(logits[:, : self.sampler.vocab_size], tokens, flags.num_logprobs)
-        return SampleOutput(tokens)
+            lp = compute_logprobs(logits[:, : self.sampler.vocab_size], tokens, flags.num_logprobs)
+            return dataclasses.replace(lp, tokens=out)
+        return SampleOutput(out)
 
 
 @torch.inference_mode()

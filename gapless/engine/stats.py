@@ -23,6 +23,10 @@ class EngineStats:
     generated_tokens: int = 0  # output tokens appended to requests
     retractions: int = 0  # running requests sent back to the waiting queue for want of KV
     dropped_tokens: int = 0  # sampled for a request that had finished while the batch was in flight
+    # speculative decoding: request-steps verified, tokens drafted for them, drafts accepted
+    spec_verifies: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # measured by the bubble meter
     steps: int = 0  # scheduler loop iterations (`Scheduler.step` calls)
     device_jobs: int = 0  # batches the device ran and the host processed
@@ -45,6 +49,17 @@ class EngineStats:
         return self.cached_prompt_tokens / looked_up if looked_up else 0.0
 
     @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of drafted tokens the target accepted."""
+        return self.spec_accepted_tokens / self.spec_drafted_tokens if self.spec_drafted_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a request gains per verify step: its accepted drafts plus the one the target adds."""
+        steps = self.spec_verifies
+        return (self.spec_accepted_tokens + steps) / steps if steps else 0.0
+
+    @property
     def device_idle_fraction(self) -> float:
         total = self.device_busy_s + self.device_idle_s
         return self.device_idle_s / total if total > 0 else 0.0
@@ -60,6 +75,8 @@ class EngineStats:
         derived = (
             "prefix_hit_rate",
             "device_idle_fraction",
+            "spec_acceptance_rate",
+            "spec_mean_accepted_length",
             "mean_host_ms_per_step",
             "mean_host_ms_per_prefill_step",
             "mean_host_ms_per_decode_step",

@@ -21,6 +21,10 @@ _ENGINE_GAUGES = {
     "kv_free_tokens": ("kv_free_tokens", "KV tokens free"),
     "prefix_cache_hit_rate": ("prefix_hit_rate", "Share of prompt tokens served from the prefix cache"),
     "device_idle_fraction": ("device_idle_fraction", "Share of wall time the device had no work queued"),
+    "spec_drafted_tokens": ("spec_drafted_tokens", "Tokens drafted by speculative decoding"),
+    "spec_accepted_tokens": ("spec_accepted_tokens", "Drafted tokens the target model accepted"),
+    "spec_acceptance_rate": ("spec_acceptance_rate", "Share of drafted tokens accepted"),
+    "spec_mean_accepted_length": ("spec_mean_accepted_length", "Tokens a request gains per verify step"),
 }
 
 

@@ -422,7 +422,7 @@ class _SchedulerLoop:
         except ValueError as e:
             if self.log_requests:
                 log.info("request %s: refused: %s", msg.rid, e)
-            self.socks.send("api", P.ReqError(msg.rid, str(e), param="prompt"))
+            self.socks.send("api", P.ReqError(msg.rid, str(e), param=getattr(e, "param", "prompt")))
             return
         log.debug("request %s: queued, %d prompt tokens", msg.rid, len(ids))
         if self.log_requests:

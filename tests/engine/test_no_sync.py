@@ -311,3 +311,45 @@ def test_decode_batch_with_table_writes_is_one_buffer():
     assert batch.sample_steps.tolist() == [0, 1, 2] and [r.sampled for r in reqs] == [1, 2, 3]
     assert batch.positions.tolist() == [3, 4, 5] and batch.out_slots.tolist() == [30, 40, 50]
     assert batch.max_seq_len == 6
+
+
+def test_verify_job_never_syncs(ckpt_factory):
+    """Speculative decoding's verify batches (drafts looked up, placed and accepted on the device, slots
+    taken ahead, retraction under a tight pool), the extends that fill the rows' token history and the
+    plain decodes above the switch-off batch size (through the graph runner's buffers): no host sync, and
+    each crosses to the device in one copy."""
+    path = str(ckpt_factory("llama"))
+    with LLM(
+        path,
+        device="cpu",
+        page_size=4,
+        kv_cache_tokens=256,
+        chunked_prefill_size=32,
+        max_running_requests=6,
+        init_new_token_ratio=0.02,
+        min_new_token_ratio=0.02,
+        speculative_algorithm="ngram",
+        speculative_disable_batch_size=3,  # larger decode batches run plain, through the graph runner
+        cuda_graph_max_bs=6,
+        **LOOPS["overlap"],  # (the device job is the same in the plain loop)
+    ) as llm:
+        runner = llm.engine.runner
+        run = runner.run
+        verifies: list[int] = []
+
+        def watched(batch):
+            with forbid_host_syncs():
+                out = run(batch)
+            if batch.reads_future_tokens:
+                verifies.append(_copies(batch))
+            return out
+
+        runner.run = watched
+        prompts, params = _workload(runner.model_config.vocab_size)
+        outs = llm.generate([p * 3 for p in prompts], params, use_tqdm=False)
+        assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
+        stats = llm.get_stats()
+        assert stats["spec_drafted_tokens"] > 0 and stats["retractions"] > 0
+        assert len(verifies) > 5 and max(verifies) == 1
+        assert sum(runner.graphs.runs.values()) > 0
+        llm.check_integrity()

@@ -41,6 +41,8 @@ from gapless.engine.scheduler.kv import KVManager
 from gapless.engine.scheduler.prefill import Prefill
 from gapless.engine.scheduler.queues import Queues
 from gapless.engine.scheduler.results import Results
+from gapless.engine.scheduler.verify import SpecDecode
+from gapless.engine.scheduler.verify_results import VerifyResults
 from gapless.engine.stats import EngineStats
 from gapless.engine.stream import DeviceStream, Pending
 from gapless.memory.allocator import PageAllocator
@@ -58,20 +60,25 @@ class Scheduler:
         info = stream.info
         self.stream = stream
         self.overlap = cfg.overlap
-        self.builder = BatchBuilder(cfg.max_running_requests, info.vocab_size)
+        speculative = cfg.speculative_algorithm is not None
+        self.builder = BatchBuilder(cfg.max_running_requests, info.vocab_size, history=speculative)
         # host-side memory: the request table's mirror, the page allocator and the prefix cache
         self.req_table = ReqTable(cfg.max_running_requests, info.max_context, device=None)
         self.allocator = PageAllocator(info.num_pages, cfg.page_size)
         cache_type = RadixCache if cfg.radix_cache else NoPrefixCache
         self.cache: PrefixCache = cache_type(self.allocator, cfg.page_size)
-        self.kv = KVManager(self.req_table, self.allocator, self.cache)
+        self.kv = KVManager(self.req_table, self.allocator, self.cache, ahead=speculative)
         self.queues = Queues()
         self.stats = EngineStats()
         self.meter = BubbleMeter(keep_trace=cfg.trace_path is not None, stats=self.stats)
         reserve = DecodeReserve(cfg, info.max_context)
         self.prefill = Prefill(cfg, self.queues, self.kv, reserve, self.stats)
-        self.decode = Decode(self.queues, self.kv, reserve, self.stats, info.max_context)
-        self.results = Results(self.queues, self.kv, self.stats, tokenizer, info.max_context)
+        # speculative decoding: every decode is a verify batch (gapless.engine.scheduler.verify)
+        self.spec = SpecDecode(cfg, self.kv, self.builder, info.max_context) if speculative else None
+        alloc = self.kv.alloc_decode if self.spec is None else self.spec.alloc
+        self.decode = Decode(self.queues, self.kv, reserve, self.stats, info.max_context, alloc)
+        results = Results if self.spec is None else VerifyResults
+        self.results = results(self.queues, self.kv, self.stats, tokenizer, info.max_context)
         self.inflight: deque[tuple[ScheduledBatch, Pending]] = deque()
         self._drained: list[Req] = []  # updates of batches processed early (retraction drains)
 
@@ -118,6 +125,8 @@ class Scheduler:
         reqs, slots = decode
         log.debug("decode batch: %d requests", len(reqs))
         # (a drain inside may have queued table writes: they go with this batch)
+        if self.spec is not None:
+            return self.spec.batch(reqs, slots, self.kv.take_table_writes())
         return self.builder.decode(reqs, slots, self.kv.take_table_writes())
 
     def launch(self, batch: ScheduledBatch) -> None:

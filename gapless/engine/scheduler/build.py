@@ -17,12 +17,12 @@ import torch
 from gapless.engine.batch import ForwardBatch
 from gapless.engine.prompt_logprobs import Scored, plan_scores
 from gapless.engine.request import Req
-from gapless.engine.scheduler.kv import DecodeSlots
+from gapless.engine.scheduler.kv import DecodeSlots, TableWrites
 from gapless.engine.scheduler.masks import needs_mask
+from gapless.engine.spec.inputs import HistoryWrites
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
 
-TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _DECODE_ROWS = 6  # a decode batch's buffer: rows, positions, KV slots, ones, 0..n-1, steps
 
 
@@ -38,17 +38,19 @@ class ScheduledBatch:
     samples: list[bool]
     kv_after: list[int]
     scored: Scored = field(default_factory=list)  # requests scoring prompt positions, with their counts
-
     # the sampled rows that need a token mask: (position among them, request, output step)
     masked: list[tuple[int, Req, int]] = field(default_factory=list)
+    # verify batches only (speculative decoding): the drafts each request tries
+    drafts: np.ndarray | None = None
 
 
 class BatchBuilder:
     """Builds the scheduler's batches; keeps the host's side of the per-row sampling state (which stages
     each request-table row needs), set when a request is admitted."""
 
-    def __init__(self, num_rows: int, vocab_size: int) -> None:
+    def __init__(self, num_rows: int, vocab_size: int, history: bool = False) -> None:
         self.vocab_size = vocab_size
+        self.history = history  # speculative decoding: extends enter their tokens in the rows' history
         self.stages = RowStages(num_rows)
 
     def decode(self, reqs: list[Req], slots: DecodeSlots, table_writes: TableWrites | None) -> ScheduledBatch:
@@ -117,6 +119,7 @@ class BatchBuilder:
             r.sampled += 1
         sample_rows = rows[sample_mask]
         admit = (row_params.rows, row_params.ints.reshape(-1)) if row_params is not None else ()
+        hist = self._history(entries, admitted) if self.history else ()
         parts = packed(
             input_ids.to(torch.int64),
             positions,
@@ -131,6 +134,7 @@ class BatchBuilder:
             steps,
             *admit,
             *(table_writes or ()),
+            *hist,
         )
         if row_params is not None:  # its index vectors travel in the batch's one int64 buffer
             row_params.rows, row_params.ints = parts[11], parts[12].view(row_params.ints.shape)
@@ -143,15 +147,27 @@ class BatchBuilder:
             sample_rows=parts[9],
             sample_steps=parts[10],
             sampling=self.stages.flags(sample_rows.numpy()) if sample_reqs else None,
-            table_writes=tuple(parts[11 + len(admit) :]) if table_writes else None,  # type: ignore[arg-type]
+            table_writes=tuple(parts[11 + len(admit) : 14 + len(admit)]) if table_writes else None,  # type: ignore[arg-type]
             penalty_inits=penalty_inits,
             row_params=row_params,
+            spec=HistoryWrites(*parts[-3:]) if hist else None,
         )
         forward.prompt_scores, scored = plan_scores(entries)
         masked = _masked(forward, sample_reqs, step_list)
         return ScheduledBatch(
             reqs, forward, False, samples, [r.kv_len for r in reqs], scored=scored, masked=masked
         )
+
+    @staticmethod
+    def _history(entries: list[tuple[Req, int]], admitted: list[Req]) -> tuple[torch.Tensor, ...]:
+        """(rows, positions, tokens) of the tokens an extend enters in its rows' history: those it
+        computes, and for a request entering its row, its cached prefix too."""
+        new = {id(r) for r in admitted}
+        spans = [(r, 0 if id(r) in new else r.kv_len - n, r.kv_len) for r, n in entries]
+        rows = torch.tensor([r.row for r, a, b in spans for _ in range(a, b)], dtype=torch.int64)
+        positions = torch.tensor([p for _, a, b in spans for p in range(a, b)], dtype=torch.int64)
+        tokens = torch.tensor([t for r, a, b in spans for t in r.fill_ids[a:b]], dtype=torch.int64)
+        return rows, positions, tokens
 
     def _admit(self, admitted: list[Req]) -> RowParams:
         """The sampling values of requests entering their rows (for the device), noting on the host which

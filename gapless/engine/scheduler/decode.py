@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from gapless.engine.request import Req, ReqStatus
 from gapless.engine.scheduler.budget import DecodeReserve
-from gapless.engine.scheduler.kv import DecodeSlots, KVManager
+from gapless.engine.scheduler.kv import KVManager
 from gapless.engine.scheduler.queues import Queues
 from gapless.engine.stats import EngineStats
 
@@ -17,20 +18,30 @@ log = logging.getLogger(__name__)
 
 class Decode:
     def __init__(
-        self, queues: Queues, kv: KVManager, reserve: DecodeReserve, stats: EngineStats, max_context: int
+        self,
+        queues: Queues,
+        kv: KVManager,
+        reserve: DecodeReserve,
+        stats: EngineStats,
+        max_context: int,
+        alloc: Callable[[list[Req]], Any] | None = None,
     ) -> None:
         self.queues, self.kv, self.reserve, self.stats = queues, kv, reserve, stats
         self.max_context = max_context
+        # the KV of one step of `reqs`, or None: a decode's slot each (`KVManager.alloc_decode`), or a
+        # verify's slots for its drafts too (`gapless.engine.scheduler.verify`)
+        self.alloc = alloc or kv.alloc_decode
 
-    def schedule(self, drain: Callable[[], bool]) -> tuple[list[Req], DecodeSlots] | None:
-        """The requests of the next decode batch and their new tokens' KV slots, or None if none needs
+    def schedule(self, drain: Callable[[], bool]) -> tuple[list[Req], Any] | None:
+        """The requests of the next decode batch and what `alloc` took for them (`DecodeSlots`, or a
+        verify's `VerifyPlan`), or None if none needs
         a token. `drain` processes the batches in flight (False if there were none): retraction needs
         every request's exact tokens, so it drains first (rare: a bubble)."""
         while True:
             reqs = self._decodable()
             if not reqs:
                 return None
-            out = self.kv.alloc_decode(reqs)
+            out = self.alloc(reqs)
             if out is not None:
                 self.reserve.decay()
                 return reqs, out

@@ -23,6 +23,8 @@ from gapless.memory.prefix_cache import HeldKV, alloc_pages, cache_finished, cac
 from gapless.memory.radix_cache import MatchResult, PrefixCache, TreeNode
 from gapless.memory.req_table import ReqTable
 
+TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, positions, slots)
+
 
 @dataclass
 class DecodeSlots:
@@ -44,7 +46,12 @@ class KVManager:
     """Takes and gives back KV for requests, over the scheduler's allocator, prefix cache and host
     request table."""
 
-    def __init__(self, req_table: ReqTable, allocator: PageAllocator, cache: PrefixCache) -> None:
+    def __init__(
+        self, req_table: ReqTable, allocator: PageAllocator, cache: PrefixCache, ahead: bool = False
+    ) -> None:
+        # speculative decoding takes slots ahead (`alloc_runs`); only [0, seq_len - 1) of them is surely
+        # written with the request's own tokens when it is released
+        self.ahead = ahead
         self.req_table = req_table
         self.allocator = allocator
         self.cache = cache
@@ -139,6 +146,45 @@ class KVManager:
             r.kv_len += 1
         return DecodeSlots(rows, kv_lens, out)
 
+    def alloc_runs(self, reqs: list[Req], counts: np.ndarray) -> TableWrites | None:
+        """`counts[i]` more slots for each request, positions [kv_len, kv_len + counts[i]) (speculative
+        decoding takes them ahead: the device decides which it writes), in bulk; returns the new (rows,
+        positions, slots) for the device table, or None, taking nothing, if the pool cannot give the
+        pages even by evicting."""
+        ps = self.page_size
+        kv = np.array([r.kv_len for r in reqs], dtype=np.int64)
+        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        ends = kv + counts
+        filled = -(-kv // ps) * ps  # the end of each request's last, partly filled page
+        need = int((-(-ends // ps) - filled // ps).sum())
+        if need > self.allocator.num_free_pages + self.cache.evictable_size // ps:
+            return None
+        pages = self._alloc_pages(need).numpy() if need else np.empty(0, dtype=np.int64)
+        owner = np.repeat(np.arange(len(reqs)), counts)
+        pos = kv[owner] + np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+        in_last = pos < filled[owner]  # continues the last page: one past the slot before it
+        new_page = np.cumsum(~in_last & (pos % ps == 0)) - 1
+        table, token_rows = self._host_table, rows[owner]
+        slots = table[token_rows, np.maximum(kv[owner] - 1, 0)] + pos - kv[owner] + 1
+        fresh = ~in_last
+        slots[fresh] = pages[new_page[fresh]] * ps + pos[fresh] % ps
+        table[token_rows, pos] = slots
+        for r, end in zip(reqs, ends.tolist()):
+            r.kv_len = end
+        return torch.from_numpy(token_rows), torch.from_numpy(pos), torch.from_numpy(slots)
+
+    def trim(self, req: Req, keep: int) -> None:
+        """Give back the request's own pages past position `keep` (slots taken ahead for drafts that were
+        rejected); it keeps [0, keep), the partly used page included."""
+        if keep >= req.kv_len:
+            return
+        ps = self.page_size
+        first = -(-keep // ps) * ps
+        if first < req.kv_len:
+            starts = np.arange(first, req.kv_len, ps)
+            self.allocator.free(torch.from_numpy(self._host_table[req.row, starts] // ps))
+        req.kv_len = keep
+
     # ------------------------------------------------------------------ results
     def cache_chunk(self, req: Req, kv_done: int) -> None:
         """Share the prompt prefix a processed chunk completed (only KV a finished forward wrote)."""
@@ -153,6 +199,8 @@ class KVManager:
 
     def release(self, req: Req) -> None:
         """Give back a request's KV (into the prefix cache where it can be reused) and its table row."""
+        if self.ahead:  # the slots past its last token's position hold no KV of its own tokens
+            self.trim(req, min(req.kv_len, req.seq_len - 1))
         cache_finished(self.cache, self.allocator, self._held(req, req.kv_len))
         self.req_table.free(req.row)
         req.row, req.last_node, req.kv_len, req.cached_len = None, None, 0, 0

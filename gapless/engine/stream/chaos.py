@@ -82,7 +82,7 @@ class FutureCheckingRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
-        if not batch.is_decode:
+        if not batch.reads_future_tokens:
             return super().forward_hidden(batch)
         if bool((self.token_buf[batch.rows] < 0).any()):
             raise RuntimeError(f"decode read an unwritten future-token slot (rows {batch.rows.tolist()})")

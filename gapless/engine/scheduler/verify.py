@@ -1,0 +1,121 @@
+"""Verify batches (speculative decoding): every running request's last token and its drafts, in one
+forward, placed by the device.
+
+Under overlap the host builds step N+1 before it knows how many drafts step N accepted, so it works
+with upper bounds: `Req.sampled` counts every token a launched verify may produce (1 + its drafts), and
+the request holds KV slots for every position those tokens may take (`KVManager.alloc_runs`), so that
+`kv_len == len(prompt_ids) + sampled - 1` for a decoding request. The device reads the true positions
+from what the previous step accepted (`gapless.engine.spec.device`). When a verify is processed
+(`verify_results`), the bound drops to the truth and the slots past it go back (`KVManager.trim`).
+
+A request tries no drafts where speculating cannot pay or would be wrong: in batches larger than
+`speculative_disable_batch_size`, with penalties (their token counts would have to follow each draft),
+near its `max_tokens` or the context limit, or when the pool is short. A batch in which none drafts and
+whose positions the host knows runs as a plain decode batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gapless.config import EngineConfig
+from gapless.engine.batch import ForwardBatch
+from gapless.engine.request import Req
+from gapless.engine.scheduler.build import BatchBuilder, ScheduledBatch
+from gapless.engine.scheduler.kv import DecodeSlots, KVManager, TableWrites
+from gapless.engine.spec.inputs import VerifyInputs
+from gapless.tensors import packed
+
+
+@dataclass
+class VerifyPlan:
+    """The drafts each request of a verify batch tries, and the device-table writes of the slots taken
+    for them."""
+
+    drafts: np.ndarray  # [B] int64
+    writes: TableWrites
+
+
+class SpecDecode:
+    def __init__(self, cfg: EngineConfig, kv: KVManager, builder: BatchBuilder, max_context: int) -> None:
+        self.kv, self.builder, self.max_context = kv, builder, max_context
+        self.num_drafts = cfg.speculative_num_draft_tokens
+        self.ngram = (cfg.ngram_min, cfg.ngram_max)
+        self.max_batch = cfg.speculative_disable_batch_size
+
+    def alloc(self, reqs: list[Req]) -> VerifyPlan | None:
+        """Slots for each request's next verify (with drafts, else without); None, taking nothing, if the
+        pool cannot give even one slot each."""
+        drafts = self._drafts(reqs)
+        writes = self.kv.alloc_runs(reqs, drafts + 1)
+        if writes is None and drafts.any():
+            drafts[:] = 0
+            writes = self.kv.alloc_runs(reqs, drafts + 1)
+        return None if writes is None else VerifyPlan(drafts, writes)
+
+    def _drafts(self, reqs: list[Req]) -> np.ndarray:
+        """Drafts per request: K, within its max_tokens and the context, 0 for penalised requests or past
+        the batch size where speculation stops paying."""
+        if len(reqs) > self.max_batch:
+            return np.zeros(len(reqs), dtype=np.int64)
+        k, ctx = self.num_drafts, self.max_context
+        # a verify yields at most 1 + drafts tokens, and writes positions up to kv_len + drafts (< context)
+        return np.array(
+            [
+                0
+                if r.params.has_penalties
+                else max(0, min(k, r.params.max_tokens - r.sampled - 1, ctx - 2 - r.kv_len))
+                for r in reqs
+            ],
+            dtype=np.int64,
+        )
+
+    def batch(self, reqs: list[Req], plan: VerifyPlan, table_writes: TableWrites | None) -> ScheduledBatch:
+        """The verify batch of `reqs`. Moves state at schedule time: `sampled` counts every token it may
+        yield. Where none drafts and the host knows every position (no verify with drafts in flight), a
+        plain decode batch instead: cheaper, and it runs through the CUDA graphs (it keeps the rows'
+        device state as an extend does, `SpecState.keep`)."""
+        if not plan.drafts.any() and not any(r.unresolved_drafts for r in reqs):
+            rows, positions, slots = (t.numpy() for t in plan.writes)
+            return self.builder.decode(reqs, DecodeSlots(rows, positions, slots), table_writes)
+        ext = plan.drafts + 1
+        n, total = len(reqs), int(ext.sum())
+        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        owner = np.repeat(np.arange(n), ext)
+        q_start = np.cumsum(ext) - ext
+        offsets = np.arange(total) - q_start[owner]
+        token_rows = rows[owner]
+        max_seq = max(r.kv_len for r in reqs)  # kv_len is past every position the batch may take
+        for r, e in zip(reqs, ext.tolist()):
+            r.sampled += e
+            r.unresolved_drafts += e - 1
+        writes = plan.writes
+        if table_writes is not None:  # (a retraction's drain queued some: they go in the same buffer)
+            writes = tuple(torch.cat([a, b]) for a, b in zip(writes, table_writes))  # type: ignore[assignment]
+        host = [torch.from_numpy(a) for a in (rows, ext, q_start, token_rows, owner, offsets)]
+        parts = packed(*host, *writes, torch.arange(total))  # one buffer: the batch moves in one copy
+        rows_t, ext_t, q_start_t, token_rows_t, owner_t, offsets_t, *w, index = parts
+        empty = index[:0]  # filled on the device (`SpecState.prepare`)
+        forward = ForwardBatch(
+            input_ids=empty,
+            positions=empty,
+            out_slots=empty,
+            token_rows=token_rows_t,
+            rows=rows_t,
+            prefix_lens=empty,
+            extend_lens=ext_t,
+            q_start=q_start_t,
+            max_extend_len=int(ext.max()),
+            max_seq_len=max_seq,
+            is_decode=False,
+            sample_index=index,
+            sample_rows=token_rows_t,
+            sample_steps=empty,
+            sampling=self.builder.stages.flags(token_rows),
+            table_writes=(w[0], w[1], w[2]),
+            spec=VerifyInputs(owner_t, offsets_t, int(plan.drafts.max()), *self.ngram),
+        )
+        return ScheduledBatch(reqs, forward, True, [], [], drafts=plan.drafts)
