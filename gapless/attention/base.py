@@ -23,6 +23,8 @@ class AttentionMetadata:
     max_extend_len: int  # host-side maxima, so no kernel launch needs a device->host sync
     max_seq_len: int
     is_decode: bool
+    # max_seq_len is a capacity (a CUDA graph's, fixed at capture), not the longest request's length
+    static: bool = False
 
     @property
     def seq_lens(self) -> torch.Tensor:

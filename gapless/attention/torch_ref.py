@@ -32,6 +32,8 @@ class _State:
     q_pos: torch.Tensor  # [B, Q] absolute position of each query (for sliding windows)
     padding: torch.Tensor  # [B, 1, Q, S] bool: a padding query's one allowed key (key 0)
     decode: bool  # one query per request: the flat batch is the padded one, token b = request b
+    # a lone decode request whose keys are exactly its sequence (S = its length, not a graph's capacity)
+    lone: bool
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, Q, S]
     # (request, query offset) [T] of each flat token; made by the first layer, which knows T
     out_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
@@ -65,6 +67,7 @@ class TorchRefBackend:
             q_pos=q_pos,
             padding=padding.unsqueeze(1),
             decode=meta.is_decode and Q == 1,
+            lone=meta.is_decode and Q == 1 and meta.batch_size == 1 and not meta.static,
         )
 
     @staticmethod
@@ -98,8 +101,8 @@ class TorchRefBackend:
         v = v_cache.index_select(0, state.slots).view(B, S, *v_cache.shape[1:]).transpose(1, 2)
         mask = self._mask(state, window)
         if softcap is None:
-            # a lone decode request's keys are exactly its sequence (S = its length): nothing to mask
-            bare = state.decode and B == 1 and window is None
+            # a lone decode request's keys are exactly its sequence: nothing to mask
+            bare = state.lone and window is None
             out = F.scaled_dot_product_attention(
                 qp, k, v, attn_mask=None if bare else mask, scale=scale, enable_gqa=qp.shape[1] != k.shape[1]
             )

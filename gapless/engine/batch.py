@@ -76,7 +76,12 @@ class ForwardBatch:
     def attention_metadata(self, req_table: torch.Tensor) -> AttentionMetadata:
         """What attention reads of this batch (its fields of the same names), with the device's
         request table."""
-        shared = {f.name: getattr(self, f.name) for f in fields(AttentionMetadata) if f.name != "req_table"}
+        # (a batch's max_seq_len is its longest request's: `static` stays False, as only a graph sets it)
+        shared = {
+            f.name: getattr(self, f.name)
+            for f in fields(AttentionMetadata)
+            if f.name not in ("req_table", "static")
+        }
         return AttentionMetadata(req_table=req_table, **shared)
 
 

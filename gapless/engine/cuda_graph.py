@@ -113,6 +113,7 @@ class GraphRunner:
             max_extend_len=1,
             max_seq_len=self.req_table.max_context,
             is_decode=True,
+            static=True,
         )
         self.hidden[:n].copy_(forward_tokens(self.token_buf[rows], positions, out_slots, meta))
 
