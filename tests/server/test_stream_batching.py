@@ -12,6 +12,7 @@ import httpx
 
 from gapless.server import protocol as P
 from gapless.server.engine_client import Group
+from gapless.server.openai_protocol import CompletionRequest
 from gapless.server.routes.generation import Generation
 from gapless.server.routes.openai import TEXT_COMPLETION, _Completion
 from tests.server.conftest import debug_state, wait_idle_and_clean
@@ -38,7 +39,8 @@ async def _writes(group: Group, *queued: tuple[int, P.ReqDelta | P.ReqError]) ->
         if isinstance(item[1], P.ReqError) or item[1].finish_reason is not None:
             group.open.discard(group.rids[item[0]])
     gen = Generation(_Connected(), group, "cmpl", "m")  # type: ignore[arg-type]
-    response = await gen.stream(_Completion(gen, False).chunks, gen.usage_chunk(TEXT_COMPLETION, True, 1))
+    req = CompletionRequest(prompt="x", n=len(group.rids), stream=True)
+    response = await gen.stream(_Completion(gen, req).chunks, gen.usage_chunk(TEXT_COMPLETION, True, 1))
     return [w async for w in response.body_iterator]  # type: ignore[misc]
 
 
