@@ -21,6 +21,10 @@ MAX_NEW = 20
 SPEC = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
 LOOPS = {"plain": {"overlap": False}, "overlap": {"overlap": True, "cpu_worker": "thread"}}
 RETRACT_EAGERLY = {"init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
+# families whose random-weight model never continues a prompt with one of its own n-grams, so every draft
+# is rejected (verification still runs, its first token checked): accepted runs are exercised by the other
+# families and by the scripted cyclic model
+NEVER_ECHOES = {"gemma3_text"}
 # (page_size, radix, chunked_prefill_size, kv_cache_tokens): every option off-default, then at default
 CORNERS = {"p1-radix-chunk16-smallkv": (1, True, 16, 192), "p16-noradix-chunk2048": (16, False, 2048, 8192)}
 
@@ -74,7 +78,9 @@ def test_greedy_parity_with_speculation(references, arch, corner, loop):
             if note:
                 warnings.warn(f"{arch} prompt {i}: {note}", stacklevel=1)
         stats = llm.get_stats()
-        assert stats["spec_accepted_tokens"] > 0, "no draft was accepted: the runs were not exercised"
+        assert stats["spec_drafted_tokens"] > 0, "nothing was drafted: verification was not exercised"
+        if arch not in NEVER_ECHOES:
+            assert stats["spec_accepted_tokens"] > 0, "no draft was accepted: the runs were not exercised"
         if kv < 1000:
             assert stats["retractions"] > 0, "the small KV pool was meant to force retraction"
         llm.check_integrity()
