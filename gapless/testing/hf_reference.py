@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,3 +78,21 @@ def make_prompts(
         else:
             prompts.append([tok() for _ in range(rng.choice([1, 3, 7, 20, 33, 64, max_len]))])
     return prompts
+
+
+def greedy_references(
+    checkpoint: Callable[[str], Path], prompts_for: Callable[[int], list[list[int]]], max_new_tokens: int
+) -> Callable[[str], tuple[Path, list[list[int]], list[Reference]]]:
+    """`get(arch)`: the checkpoint `checkpoint(arch)`, its prompts (`prompts_for(vocab_size)`) and
+    transformers' greedy reference of each, computed once per arch (a module fixture's cache)."""
+    cache: dict[str, tuple[Path, list[list[int]], list[Reference]]] = {}
+
+    def get(arch: str) -> tuple[Path, list[list[int]], list[Reference]]:
+        if arch not in cache:
+            path = checkpoint(arch)
+            hf = load_hf_model(path)
+            prompts = prompts_for(hf.config.vocab_size)
+            cache[arch] = (path, prompts, [hf_greedy(hf, p, max_new_tokens) for p in prompts])
+        return cache[arch]
+
+    return get

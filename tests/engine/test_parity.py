@@ -14,7 +14,7 @@ import pytest
 
 from gapless import LLM, SamplingParams
 from gapless.testing import ARCHS
-from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+from gapless.testing.hf_reference import check_greedy, greedy_references, make_prompts
 
 MAX_NEW = 24
 SMALL_KV = 192  # < the workload's peak need, > any single request (90 + 24 tokens): forces retraction
@@ -24,17 +24,7 @@ RETRACT_EAGERLY = {"init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
 
 @pytest.fixture(scope="module")
 def references(ckpt_factory):
-    cache = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            path = ckpt_factory(arch)
-            hf = load_hf_model(path)
-            prompts = make_prompts(hf.config.vocab_size)
-            cache[arch] = (path, prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts])
-        return cache[arch]
-
-    return get
+    return greedy_references(ckpt_factory, make_prompts, MAX_NEW)
 
 
 # Families whose difference is inside the layer (fused weights, norms, multipliers, Gemma 3's RoPE bases

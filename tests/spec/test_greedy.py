@@ -13,7 +13,7 @@ import pytest
 from gapless import LLM, SamplingParams
 from gapless.default_model.tokenizer import build_tokenizer
 from gapless.testing import ARCHS
-from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+from gapless.testing.hf_reference import check_greedy, greedy_references, make_prompts
 
 from .conftest import ids
 
@@ -38,17 +38,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(ckpt_factory):
-    cache = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            path = ckpt_factory(arch)
-            hf = load_hf_model(path)
-            prompts = _prompts(hf.config.vocab_size)
-            cache[arch] = (str(path), prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts])
-        return cache[arch]
-
-    return get
+    return greedy_references(ckpt_factory, _prompts, MAX_NEW)
 
 
 # each family runs one corner in one loop; together they run both corners in both loops, twice
