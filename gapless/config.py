@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Protocol
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
+FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused_kernels
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # draft: refused by name for now (gapless.engine.spec)
 
 
@@ -36,6 +37,10 @@ class EngineConfig:
     # auto: triton on CUDA (when it imports), torch on CPU; torch: the reference; triton: the Triton
     # kernels (on CPU only under TRITON_INTERPRET=1, for tests)
     attention_backend: str = "auto"
+    # the decoder's norms, RoPE + KV store and activations: auto: fused Triton kernels on CUDA when they
+    # agree with torch at start-up (else torch, with a logged reason), torch on CPU; torch; triton (on CPU
+    # only under TRITON_INTERPRET=1, for tests). Checked when the model is loaded
+    fused_kernels: str = "auto"
     # decode batches of up to this many requests replay CUDA graphs (padded to a captured size); 0: off;
     # None: 256 on CUDA with a kernel backend, off otherwise. On CPU a positive value runs the same padded
     # static-buffer path eagerly (tests)
@@ -220,6 +225,7 @@ _CHOICES = {
     "schedule_policy": SCHEDULE_POLICIES,
     "cpu_worker": CPU_WORKERS,
     "attention_backend": ATTENTION_BACKENDS,
+    "fused_kernels": FUSED_KERNELS,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
 }
 # the help of options that have no comment in `EngineConfig` (an option's comment is its help)

@@ -39,6 +39,7 @@ from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
 from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext
+from gapless.model.fused import use_fused_kernels
 from gapless.model.loader import load_model, resolve_dtype
 from gapless.sampling.logprobs import PromptScores, score_prompt
 from gapless.sampling.mask import TokenMask
@@ -93,6 +94,7 @@ class ModelRunner:
             mcfg.attn_logit_softcapping,
         )
         self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
+        self.fused_kernels = use_fused_kernels(self.model, cfg.fused_kernels, self.device)  # "triton"/"torch"
 
         self.sampler = Sampler(mcfg.vocab_size, max_rows, self.device)
         # One request-table row and token slot past the scheduler's rows, never handed out: padded decode

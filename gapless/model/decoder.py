@@ -43,6 +43,8 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
+    fused: Any = None  # the fused-kernels module when the model runs them (`gapless.model.fused`)
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -73,10 +75,7 @@ class Attention(nn.Module):
         q = q.view(-1, q.shape[-1] // cfg.head_dim, cfg.head_dim)
         k = k.view(-1, k.shape[-1] // cfg.head_dim, cfg.head_dim)
         v = v.view(-1, v.shape[-1] // cfg.head_dim, cfg.head_dim)
-        if cfg.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(ctx.positions, q, k)
-        ctx.kv_pool.store(self.layer_id, ctx.out_slots, k, v)
+        q = self.rotate_and_store(ctx.positions, q, k, v, ctx.kv_pool, ctx.out_slots)
         out = ctx.backend.forward(
             q,
             ctx.kv_pool.k[self.layer_id],
@@ -87,8 +86,37 @@ class Attention(nn.Module):
         )
         return self.o_proj(out.reshape(out.shape[0], -1))
 
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_pool: KVPool,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """The per-head q/k norm (Qwen3, Gemma 3), RoPE, and the store of k and v into `slots` of this
+        layer's KV: one fused kernel when the model runs them (`gapless.model.fused`), else torch. Returns
+        the rotated q [T, heads, d]."""
+        per_head = self.cfg.qk_norm == "head"
+        if self.fused is not None:
+            norm = None
+            if per_head:
+                norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.kind)
+            k_cache, v_cache = kv_pool.k[self.layer_id], kv_pool.v[self.layer_id]
+            return self.fused.qk_norm_rope_store(
+                positions, q, k, v, self.rope.cos_sin, k_cache, v_cache, slots, norm
+            )
+        if per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        kv_pool.store(self.layer_id, slots, k, v)
+        return q
+
 
 class MLP(nn.Module):
+    fused: Any = None  # the fused-kernels module when the model runs them (`gapless.model.fused`)
+
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         """`intermediate_size`: the width (default: the config's; Qwen2-MoE's shared expert has its own)."""
         super().__init__()
@@ -97,16 +125,24 @@ class MLP(nn.Module):
             cfg.hidden_size, {"gate": inter, "up": inter}, bias=cfg.mlp_bias
         )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = cfg.hidden_act
         self.act_and_mul = GATED_ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        h = self.act_and_mul(h) if self.fused is None else self.fused.act_and_mul(h, self.act)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
     """Attention then MLP, each added to the residual stream, with RMSNorms where the family puts them
     (`NORM_PLACES`): on each sublayer's input (Llama), its output (OLMo 2) or both (Gemma 2). Granite
-    scales each sublayer's output by `residual_multiplier` before the add."""
+    scales each sublayer's output by `residual_multiplier` before the add.
+
+    The residual stream travels beside the sublayer outputs, as in vLLM: a layer takes the previous
+    sublayer's output `x` not yet added to `residual`, and each add is done by the input norm that
+    follows it (`RMSNorm(x, residual)`, one fused pass where the kernels run); the final norm does the
+    last layer's. In torch the adds and norms are the same ops, in the same order, as before."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
@@ -122,12 +158,30 @@ class DecoderLayer(nn.Module):
         name = self.norm_names[place]
         return x if name is None else self.get_submodule(name)(x)
 
-    def _residual(self, h: torch.Tensor) -> torch.Tensor:
+    def _output(self, place: int, h: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream: its output norm, Granite's multiplier."""
+        h = self._norm(place, h)
         return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self._residual(self._norm(1, self.self_attn(self._norm(0, x), ctx)))
-        return x + self._residual(self._norm(3, self.mlp(self._norm(2, x))))
+    def _add_norm(
+        self, place: int, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the input norm at `place` of residual + x, that sum); the first layer's residual is x."""
+        name = self.norm_names[place]
+        if residual is None:
+            return self._norm(place, x), x
+        if name is None:
+            residual = x + residual
+            return residual, residual
+        return self.get_submodule(name)(x, residual)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added)."""
+        h, residual = self._add_norm(0, x, residual)
+        h, residual = self._add_norm(2, self._output(1, self.self_attn(h, ctx)), residual)
+        return self._output(3, self.mlp(h)), residual
 
 
 def _mlp(cfg: ModelConfig, layer_id: int) -> nn.Module:
@@ -162,9 +216,10 @@ class DecoderBody(nn.Module):
             x = x * self.embedding_multiplier
         if self.normalizer is not None:
             x = x * torch.tensor(self.normalizer, dtype=x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, ctx)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
 
 class CausalLM(nn.Module):

@@ -120,14 +120,32 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, as Hugging Face does, then cast back."""
+    """Root-mean-square norm computed in fp32, as Hugging Face does, then cast back.
+
+    `norm(x)` is the norm of x; `norm(x, residual)` adds x to the residual stream first and returns
+    (norm of the sum, the sum): vLLM's shape, which lets the fused kernel do the add and the norm in one
+    pass over the row (`gapless.model.fused`, set in `fused` when chosen; torch otherwise)."""
+
+    kind = "llama"  # the arithmetic's name, a key of `RMS_NORMS` (and of the fused kernel's kinds)
+    fused: Any = None  # the fused-kernels module when the model runs them (`gapless.model.fused`)
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _set_loader(nn.Parameter(torch.ones(dim)), default_weight_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps, self.kind, residual)
+        if residual is None:
+            return self.normalize(x)
+        residual = x + residual
+        return self.normalize(residual), residual
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch reference: the norm of x alone."""
         if x.dtype == torch.float32:  # the same ops without the two no-op casts (each a dispatch on a CPU)
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         x32 = x.float()
@@ -139,7 +157,9 @@ class Fp32ProductRMSNorm(RMSNorm):
     """OLMo 2's RMSNorm: the weight multiplies the fp32 normed values and the product is cast back
     (Llama's casts first, then multiplies), as transformers' OLMo 2 does; the same in fp32, not in bf16."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    kind = "fp32"
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (self._scale() * self._normed(x)).to(x.dtype)
 
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,6 +173,8 @@ class Fp32ProductRMSNorm(RMSNorm):
 class OffsetRMSNorm(Fp32ProductRMSNorm):
     """Gemma's RMSNorm: the checkpoint stores weight - 1, so it scales by (1 + weight), in fp32 before the
     cast back, as transformers' Gemma does."""
+
+    kind = "gemma"
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps)

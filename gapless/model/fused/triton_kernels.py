@@ -1,0 +1,304 @@
+"""Fused elementwise kernels in Triton: what the decoder does between its GEMMs, one kernel per step.
+
+Unfused, a decode step spends as much GPU time in small elementwise kernels as in attention (issue 11's
+H100 profile: RMSNorm as pow/mean/add/rsqrt/mul, RoPE as neg/cat/mul, SiLU·mul, dtype copies, the KV
+store's `index_copy_`), and each of them is a host launch in eager prefill. Here:
+
+- `rms_norm`: the residual add and the RMSNorm in one pass over the row (vLLM's `norm(x, residual) ->
+  (normed, new_residual)`), for the three RMSNorm arithmetics of `gapless.model.layers.RMS_NORMS`.
+- `qk_norm_rope_store`: per token and head, Qwen3/Gemma 3's per-head q/k RMSNorm (when the family has
+  one), RoPE on q and k from the model's cos/sin table, and the store of the rotated k and of v into the
+  KV pool's slots; it returns the rotated q. This is the attention backend's contract (K/V are in the
+  cache when `backend.forward` is called) kept by one kernel instead of the norm, rotate and copy ops.
+- `act_and_mul`: SiLU(gate)·up and GeLU-tanh(gate)·up over the fused gate/up projection's output.
+
+Each rounds where the torch sequence it replaces rounds (a product of two bf16 tensors is computed in
+fp32 and rounded to bf16 before the next op), so in bf16/fp16 they agree with the torch reference to the
+last bit but for the order of the fp32 sum of squares and `rsqrt`'s own rounding; `gapless.model.fused`
+checks them against it at start-up. Launchers take sizes from host ints and never sync the device.
+
+As in `gapless.attention.triton_kernels`, whose notes on Triton's interpreter apply here too, the
+reductions are called through its `_sum` (interpreted copies of `tl.sum` under `TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gapless.attention.triton_kernels import INTERPRET, _sum
+
+__all__ = ["INTERPRET", "KINDS", "ACTIVATIONS", "rms_norm", "qk_norm_rope_store", "act_and_mul"]
+
+# the RMSNorm arithmetics (`gapless.model.layers.RMS_NORMS` keys) by the kernels' KIND constant
+KINDS = {"llama": 0, "fp32": 1, "gemma": 2}
+# the gated activations (`gapless.model.layers.GATED_ACTIVATIONS` keys) by the kernel's ACT constant
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+_ACT_BLOCK = 1024
+_SQRT_2_OVER_PI = 0.7978845608028654
+# Triton's interpreter casts fp32 to bf16 by truncation (round toward zero, also when storing to a bf16
+# pointer); the GPU rounds to nearest even, as torch does. Under the interpreter `_rounded` rounds by hand.
+_ROUND_BY_HAND = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """fp32 `x` rounded to `dtype` (to nearest, ties to even), returned as fp32: what torch's op in `dtype`
+    would have produced, ready for the next op."""
+    if _ROUND_BY_HAND and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _scale(normed, w, KIND: tl.constexpr):
+    """The weight applied to fp32 normed values, in fp32, rounded where the torch reference rounds:
+    llama: weight * normed.to(dtype) (a product in the weight's dtype); fp32 (OLMo 2): weight * normed
+    in fp32; gemma: (1 + weight) * normed in fp32. The caller casts the result to the output dtype."""
+    if KIND == 0:
+        return w.to(tl.float32) * _rounded(normed, w.dtype)
+    elif KIND == 1:
+        return w.to(tl.float32) * normed
+    else:
+        return (1.0 + w.to(tl.float32)) * normed
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X,
+    R,
+    W,
+    Out,
+    ROut,
+    n_cols,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    eps,
+    KIND: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One row: (x + residual, rounded to the dtype and written out as the new residual, when HAS_RES),
+    then its RMSNorm."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
+        x32 = _rounded(x.to(tl.float32) + r.to(tl.float32), ROut.dtype.element_ty)
+        tl.store(ROut + row * stride_ro + offs, x32.to(ROut.dtype.element_ty), mask=mask)
+    else:
+        x32 = x.to(tl.float32)
+    inv = tl.rsqrt(_sum(x32 * x32, 0) / n_cols + eps)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    out = _rounded(_scale(x32 * inv, w, KIND), Out.dtype.element_ty)
+    tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of `x` [T, n] (the last dim contiguous); with `residual`, of `x + residual`, returned with
+    that sum as the new residual (x's dtype)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_out = None
+    if residual is not None:
+        r2 = residual.reshape(-1, n)
+        res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if rows:
+        r_in, r_out = (r2, res_out) if residual is not None else (x2, out)
+        _rms_norm_kernel[(rows,)](
+            x2,
+            r_in,
+            weight,
+            out,
+            r_out,
+            n,
+            x2.stride(0),
+            r_in.stride(0),
+            out.stride(0),
+            r_out.stride(0),
+            eps,
+            KIND=KINDS[kind],
+            HAS_RES=residual is not None,
+            BLOCK=triton.next_power_of_2(n),
+        )
+    if res_out is None:
+        return out.view(x.shape)
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    Q,
+    K,
+    V,
+    Pos,
+    CosSin,
+    QW,
+    KW,
+    QOut,
+    KCache,
+    VCache,
+    Slots,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kct,
+    stride_kch,
+    stride_vct,
+    stride_vch,
+    stride_cs,
+    num_q_heads,
+    head_dim,
+    eps,
+    NORM: tl.constexpr,
+    KIND: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (token t, head h): h < num_q_heads is query head h, written to QOut; the others are kv
+    head h - num_q_heads, whose rotated k and whose v go to the token's KV slot."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < head_dim
+    half = head_dim // 2
+    partner = tl.where(offs < half, offs + half, offs - half)  # rotate-half's source element
+    is_q = h < num_q_heads
+    if is_q:
+        src = Q + t * stride_qt + h * stride_qh
+        w_ptr = QW
+    else:
+        src = K + t * stride_kt + (h - num_q_heads) * stride_kh
+        w_ptr = KW
+    x = tl.load(src + offs, mask=mask, other=0.0)
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # the per-head RMSNorm, rounded to the dtype as its torch module returns it
+        inv = tl.rsqrt(_sum(xf * xf, 0) / head_dim + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        wp = tl.load(w_ptr + partner, mask=mask, other=0.0)
+        xf = _rounded(_scale(xf * inv, w, KIND), dtype)
+        xp = _rounded(_scale(xp * inv, wp, KIND), dtype)
+    pos = tl.load(Pos + t).to(tl.int64)
+    # the table's cos and signed sin, cast to the dtype as the torch reference casts them
+    cos = _rounded(tl.load(CosSin + pos * stride_cs + offs, mask=mask, other=0.0).to(tl.float32), dtype)
+    sin = tl.load(CosSin + pos * stride_cs + head_dim + offs, mask=mask, other=0.0).to(tl.float32)
+    sin = _rounded(sin, dtype)
+    rot = _rounded(_rounded(xf * cos, dtype) + _rounded(xp * sin, dtype), dtype)
+    if is_q:
+        tl.store(QOut + t * stride_ot + h * stride_oh + offs, rot.to(QOut.dtype.element_ty), mask=mask)
+    else:
+        kvh = h - num_q_heads
+        slot = tl.load(Slots + t).to(tl.int64)
+        k_dst = KCache + slot * stride_kct + kvh * stride_kch + offs
+        tl.store(k_dst, rot.to(KCache.dtype.element_ty), mask=mask)
+        v = tl.load(V + t * stride_vt + kvh * stride_vh + offs, mask=mask, other=0.0)
+        v_dst = VCache + slot * stride_vct + kvh * stride_vch + offs
+        tl.store(v_dst, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+def qk_norm_rope_store(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float, str] | None = None,
+) -> torch.Tensor:
+    """Rotated q [T, heads, d] (contiguous); rotated k and v stored into `k_cache`/`v_cache` [slots,
+    kv_heads, d] at `slots` [T]. q, k, v: [T, heads or kv_heads, d], any strides with the last dim
+    contiguous (views of the fused qkv projection's output). `cos_sin`: [positions, 2, d] fp32, cos then
+    rotate-half's signed sin (`gapless.model.layers.RotaryEmbedding`). `norm`: (q weight, k weight, eps,
+    RMSNorm kind) of a per-head q/k norm applied first, or None."""
+    tokens, heads, d = q.shape
+    out = torch.empty((tokens, heads, d), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    q_w, k_w, eps, kind = norm if norm is not None else (cos_sin, cos_sin, 0.0, "llama")
+    _qk_norm_rope_store_kernel[(tokens, heads + k.shape[1])](
+        q,
+        k,
+        v,
+        positions,
+        cos_sin,
+        q_w,
+        k_w,
+        out,
+        k_cache,
+        v_cache,
+        slots,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        cos_sin.stride(0),
+        heads,
+        d,
+        eps,
+        NORM=norm is not None,
+        KIND=KINDS[kind],
+        BLOCK_D=triton.next_power_of_2(d),
+    )
+    return out
+
+
+@triton.jit
+def _act_and_mul_kernel(X, Out, n, stride_x, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of one row: act(gate) * up, with gate = x[:n] and up = x[n:]; act's result is rounded
+    to the dtype before the product, as the two torch ops round."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(X + row * stride_x + n + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))
+    else:  # tanh(y) = 2 sigmoid(2y) - 1; past |y| = 15 tanh is 1.0 in fp32 (and exp would overflow)
+        y = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        y = tl.minimum(tl.maximum(y, -15.0), 15.0)
+        a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * y)) - 1.0))
+    out = _rounded(_rounded(a, gate.dtype) * up.to(tl.float32), gate.dtype)
+    tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
+
+
+def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for x = [gate, up] along the last dim ([T, 2n] -> [T, n]); `act` a key of
+    `ACTIVATIONS`."""
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0] and n:
+        block = min(_ACT_BLOCK, triton.next_power_of_2(n))
+        _act_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2, out, n, x2.stride(0), out.stride(0), ACT=ACTIVATIONS[act], BLOCK=block
+        )
+    return out.view(*x.shape[:-1], n)
