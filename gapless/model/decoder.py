@@ -250,7 +250,11 @@ class CausalLM(nn.Module):
         return self.model(input_ids, ctx)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits of `hidden`'s rows, in the model's dtype, as transformers computes them before
+        it upcasts them. Not upcast here: a greedy batch takes the argmax of these as they are (the same
+        token as of their fp32 copy), and the sampler makes the step's one fp32 copy only where it needs
+        one (`gapless.sampling.sampler`), as logprobs do for themselves."""
         logits = self.lm_head(hidden)
         if self.cfg.logits_scaling != 1.0:  # Granite divides, in the model's dtype, as transformers does
             logits = logits / self.cfg.logits_scaling
-        return softcap(logits, self.cfg.final_logit_softcapping).float()
+        return softcap(logits, self.cfg.final_logit_softcapping)

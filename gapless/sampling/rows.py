@@ -71,14 +71,20 @@ class SampleFlags:
     num_logprobs: int = -1  # top logprobs to return per row (the batch's largest ask); -1: none
     need_bias: bool = False
     need_mask: bool = False  # host side: some row may need a token mask (the batch carries it)
+    # the largest top_k of the rows that filter by it, when the host knows it (0: unknown): top-k alone
+    # then finds each row's k-th largest logit with a partial sort (`torch.topk`) instead of a full one
+    max_top_k: int = 0
 
     @classmethod
-    def of(cls, stages: np.ndarray, logprobs: np.ndarray) -> SampleFlags:
+    def of(cls, stages: np.ndarray, logprobs: np.ndarray, top_k: np.ndarray | None = None) -> SampleFlags:
         """The flags of a batch whose rows need `stages` ([n] uint8, bit i set: `STAGES[i]`) and ask for
-        `logprobs` ([n] int, -1: none)."""
+        `logprobs` ([n] int, -1: none), with their `top_k` ([n]) when known."""
         if not len(stages):
             return cls(False, False, False, False, False, False)
         some, every = int(np.bitwise_or.reduce(stages)), int(np.bitwise_and.reduce(stages))
+        max_top_k = 0
+        if top_k is not None and some & 2:
+            max_top_k = int(top_k[(stages & 2) != 0].max())
         return cls(
             all_greedy=bool(every & 1),
             any_greedy=bool(some & 1),
@@ -89,6 +95,7 @@ class SampleFlags:
             num_logprobs=int(logprobs.max()),
             need_bias=bool(some & 32),
             need_mask=bool(some & 64),
+            max_top_k=max_top_k,
         )
 
 
@@ -134,12 +141,18 @@ class RowStages:
     def __init__(self, num_rows: int) -> None:
         self.stages = np.zeros(num_rows, dtype=np.uint8)  # bit i: the row needs STAGES[i]
         self.logprobs = np.full(num_rows, -1, dtype=np.int64)
+        self.top_k = np.zeros(num_rows, dtype=np.int64)  # the row's top_k (as `RowParams.ints[0]`)
 
-    def set(self, rows: torch.Tensor, stages: np.ndarray, logprobs: np.ndarray) -> None:
+    def set(
+        self, rows: torch.Tensor, stages: np.ndarray, logprobs: np.ndarray, top_k: torch.Tensor | None = None
+    ) -> None:
+        """Keep the stages, logprobs asks and (when given: `RowParams.ints[0]`) top_k of `rows`."""
         r = rows.numpy()
         self.stages[r] = stages
         self.logprobs[r] = logprobs
+        # unknown: as large as can be, so a batch with such a row falls back to the full sort
+        self.top_k[r] = top_k.numpy() if top_k is not None else np.iinfo(np.int64).max
 
     def flags(self, rows: np.ndarray) -> SampleFlags:
         """The flags of a batch sampling for `rows`."""
-        return SampleFlags.of(self.stages[rows], self.logprobs[rows])
+        return SampleFlags.of(self.stages[rows], self.logprobs[rows], self.top_k[rows])

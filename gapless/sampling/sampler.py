@@ -33,6 +33,10 @@ _MUL1 = 0x7FEB352D
 _MUL2 = 0x846CA68B - (1 << 32)
 _GOLDEN = 0x9E3779B9  # odd, so multiplying by it permutes 32-bit values
 _UNIFORM_BITS = 23  # n + 0.5 with n < 2**23 is exact in float32, so u lies strictly inside (0, 1)
+# top-k alone uses a partial sort (`torch.topk`) up to this k; past it a full sort costs about the same.
+# Top-p keeps the full sort: its nucleus is a cumulative sum of the softmax over the sorted vocabulary,
+# and a softmax over fewer columns may round its sum differently, which could change a seeded draw.
+PARTIAL_SORT_MAX_K = 1024
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +153,8 @@ class SamplingBatch(SampleFlags):
         ints = torch.cat([values.ints, torch.tensor([list(steps)], dtype=torch.int64).reshape(1, n)])
         ints = to_device(torch.cat([ints, values.rows[None]]), device)
         floats = to_device(values.floats, device)
-        return cls.of(floats, ints[:3], ints[3], ints[4], SampleFlags.of(stages, logprobs))
+        flags = SampleFlags.of(stages, logprobs, values.ints[0].numpy())
+        return cls.of(floats, ints[:3], ints[3], ints[4], flags)
 
 
 def apply_top_k_top_p(
@@ -174,6 +179,19 @@ def apply_top_k_top_p(
         drop[:, -1] = False
         sorted_logits.masked_fill_(drop, float("-inf"))
     return logits.scatter_(1, order, sorted_logits)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """`apply_top_k_top_p` without top-p, with a partial sort: each row's k-th largest logit is found
+    among the batch's `max_k` largest (`torch.topk`), not by sorting the vocabulary. The same threshold
+    value, so the same tokens are masked (every token tied with the k-th largest is kept); rows with top-k
+    off (k >= vocab) keep everything. ``logits`` is modified in place."""
+    vocab = logits.shape[-1]
+    k = top_k.clamp(1, vocab)
+    largest = logits.topk(min(max_k, vocab), dim=-1).values  # [B, max_k], descending
+    kth = largest.gather(1, (k.clamp(max=largest.shape[1]) - 1).unsqueeze(1))
+    kth.masked_fill_((k >= vocab).unsqueeze(1), float("-inf"))
+    return logits.masked_fill_(logits < kth, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -364,7 +382,9 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
         is_greedy = batch.temperature == 0
         temperature = batch.temperature.masked_fill(is_greedy, 1.0)
-        logits = self.apply_filters(logits.float() / temperature.unsqueeze(1), batch)
+        # the step's float32 [B, V] working copy: the division computes in fp32 whatever the logits' dtype
+        # (as of their fp32 copy), into a new tensor the filters then change in place
+        logits = self.apply_filters(logits / temperature.unsqueeze(1), batch)
         scores = gumbel_noise(_row_keys(batch.seeds, batch.steps), self._column_hashes).add_(logits)
         tokens = scores.argmax(dim=-1)
         if greedy_tokens is not None:
@@ -373,7 +393,9 @@ class Sampler:
 
     def apply_filters(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Apply top-k, top-p and min-p to temperature-scaled logits (in place); masked tokens are -inf."""
-        if batch.need_top_k or batch.need_top_p:
+        if batch.need_top_k and not batch.need_top_p and 0 < batch.max_top_k <= PARTIAL_SORT_MAX_K:
+            logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
+        elif batch.need_top_k or batch.need_top_p:
             logits = apply_top_k_top_p(
                 logits,
                 batch.top_k if batch.need_top_k else None,

@@ -178,7 +178,7 @@ class BatchBuilder:
             [r.seed for r in admitted],
             self.vocab_size,
         )
-        self.stages.set(values.rows, stages, logprobs)
+        self.stages.set(values.rows, stages, logprobs, values.ints[0])
         return values
 
 
