@@ -1,0 +1,262 @@
+"""Microbenchmarks of the decoder's kernels, each against its yardstick measured in the same run.
+
+    python -m gapless.bench.kernels --device cuda [--dtype bfloat16] [--tokens 256] [--batch 256]
+        [--context 1024 4096 8192] [--page-size 1 16]
+
+1. Each fused Triton kernel of `gapless.model.fused` against the torch sequence it replaces (residual
+   add + RMSNorm, q/k norm + RoPE + KV store, SiLU·mul, GeLU·mul), on `--tokens` rows of a model shape
+   (default Qwen3-0.6B's: hidden 1024, 16 heads, 8 kv heads, head dim 128, intermediate 3072): median
+   microseconds of each and the ratio.
+2. Decode attention (`--attention`, default the Triton backend on CUDA, torch elsewhere) at batch
+   `--batch` for each context and page size: the KV bytes a step must read (K and V of every cached
+   token, once) over its median time, against a device-to-device copy of as many bytes in the same run
+   (its bandwidth counts the bytes read and written), so the ratio says how near attention runs to what
+   this device's memory delivers.
+
+On a CPU the Triton columns run only under Triton's interpreter (TRITON_INTERPRET=1, for tests; the
+figures mean nothing there); without it they print "-". Timings use CUDA events on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gapless.attention import make_backend
+from gapless.attention.base import AttentionMetadata
+from gapless.bench import cli
+from gapless.model.layers import GATED_ACTIVATIONS, RotaryEmbedding, make_rms_norm
+
+
+def median_us(fn: Callable[[], object], device: torch.device, args: argparse.Namespace) -> float:
+    """Median microseconds of `fn` over `args.iters` calls after `args.warmup` more."""
+    for _ in range(args.warmup):
+        fn()
+    times = []
+    for _ in range(args.iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times)
+
+
+def _triton_kernels(device: torch.device) -> Any:
+    """The fused kernels module, or None where it cannot run (no Triton; a CPU without the interpreter)."""
+    try:
+        from gapless.model.fused import triton_kernels as fk
+    except ImportError:
+        return None
+    return fk if device.type == "cuda" or fk.INTERPRET else None
+
+
+def fused_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """One row per fused kernel: torch's and Triton's median microseconds."""
+    fk = _triton_kernels(device)
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    T, H, KVH, D = args.tokens, args.heads, args.kv_heads, args.head_dim
+    norm = make_rms_norm(args.hidden, 1e-6, "llama").to(device=device, dtype=dtype)
+    qk_norm = make_rms_norm(D, 1e-6, "llama").to(device=device, dtype=dtype)
+    rope = RotaryEmbedding(D, 32768, 1e6, None).to(device)
+    x, res = rand(T, args.hidden), rand(T, args.hidden)
+    qkv = rand(T, (H + 2 * KVH) * D)
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], -1))
+    pos = torch.randint(0, 4096, (T,), generator=g).to(device)
+    slots = torch.randperm(T, generator=g).to(device)
+    k_cache, v_cache = rand(T, KVH, D), rand(T, KVH, D)
+    gate_up = rand(T, 2 * args.intermediate)
+
+    def torch_rope_store() -> None:
+        qn, kn = rope(pos, qk_norm(q), qk_norm(k))
+        k_cache.index_copy_(0, slots, kn)
+        v_cache.index_copy_(0, slots, v)
+
+    norm_args = (qk_norm.weight, qk_norm.weight, qk_norm.eps, "llama")
+    cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]] = {
+        "add + RMSNorm": (
+            lambda: norm.normalize(x + res),
+            fk and (lambda: fk.rms_norm(x, norm.weight, norm.eps, "llama", res)),
+        ),
+        "q/k norm + RoPE + KV store": (
+            torch_rope_store,
+            fk
+            and (
+                lambda: fk.qk_norm_rope_store(pos, q, k, v, rope.cos_sin, k_cache, v_cache, slots, norm_args)
+            ),
+        ),
+        "SiLU·mul": (
+            lambda: GATED_ACTIVATIONS["silu"](gate_up),
+            fk and (lambda: fk.act_and_mul(gate_up, "silu")),
+        ),
+        "GeLU(tanh)·mul": (
+            lambda: GATED_ACTIVATIONS["gelu_pytorch_tanh"](gate_up),
+            fk and (lambda: fk.act_and_mul(gate_up, "gelu_pytorch_tanh")),
+        ),
+    }
+    rows = []
+    with torch.inference_mode():
+        for name, (ref, fused) in cases.items():
+            t_ref = median_us(ref, device, args)
+            t_fused = median_us(fused, device, args) if fused else None
+            rows.append({"kernel": name, "torch_us": t_ref, "triton_us": t_fused})
+    return rows
+
+
+def decode_metadata(batch: int, context: int, page_size: int, device: torch.device) -> AttentionMetadata:
+    """A decode batch of `batch` requests of `context` tokens each, their pages scattered over the pool
+    (slot 0 and page 0 left free, as the engine keeps them)."""
+    pages_per_req = -(-context // page_size)
+    g = torch.Generator().manual_seed(1)
+    pages = (torch.randperm(batch * pages_per_req, generator=g) + 1).view(batch, pages_per_req)
+    offsets = torch.arange(pages_per_req * page_size) % page_size
+    table = (pages.repeat_interleave(page_size, 1) * page_size + offsets)[:, :context]
+    return AttentionMetadata(
+        rows=torch.arange(batch, device=device),
+        prefix_lens=torch.full((batch,), context - 1, device=device),
+        extend_lens=torch.ones(batch, dtype=torch.int64, device=device),
+        q_start=torch.arange(batch, device=device),
+        req_table=table.to(device=device, dtype=torch.int32),
+        max_extend_len=1,
+        max_seq_len=context,
+        is_decode=True,
+    )
+
+
+def attention_rows(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> list[dict[str, Any]]:
+    """One row per (context, page size): decode attention's achieved KV read bandwidth, and a copy's."""
+    backend = make_backend(args.attention, device)
+    return [
+        _attention_case(args, backend, context, page_size, device, dtype)
+        for context in args.context
+        for page_size in args.page_size
+    ]
+
+
+def _attention_case(
+    args: argparse.Namespace,
+    backend: Any,
+    context: int,
+    page_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    B, H, KVH, D = args.batch, args.heads, args.kv_heads, args.head_dim
+    meta = decode_metadata(B, context, page_size, device)
+    slots = (B * -(-context // page_size) + 1) * page_size
+    k_cache = torch.randn(slots, KVH, D, device=device, dtype=dtype)
+    v_cache = torch.randn(slots, KVH, D, device=device, dtype=dtype)
+    q = torch.randn(B, H, D, device=device, dtype=dtype)
+    kv_bytes = 2 * B * context * KVH * D * k_cache.element_size()
+    src = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    with torch.inference_mode():
+        state = backend.prepare(meta)
+        t_attn = median_us(lambda: backend.forward(q, k_cache, v_cache, state, D**-0.5), device, args)
+        t_copy = median_us(lambda: dst.copy_(src), device, args)
+    attn_tbs, copy_tbs = kv_bytes / t_attn / 1e6, 2 * kv_bytes / t_copy / 1e6
+    return {
+        "context": context,
+        "page_size": page_size,
+        "attention_us": t_attn,
+        "attention_tb_s": attn_tbs,
+        "copy_tb_s": copy_tbs,
+        "ratio": attn_tbs / copy_tbs,
+    }
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def report(res: dict[str, Any]) -> list[str]:
+    lines = [cli.machine_line(res["machine"]), f"dtype {res['dtype']}; command: {res['command']}", ""]
+    lines += cli.markdown_table(
+        ["fused kernel", f"torch µs ({res['tokens']} rows)", "triton µs", "triton / torch"],
+        [
+            [
+                r["kernel"],
+                _fmt(r["torch_us"]),
+                _fmt(r["triton_us"]),
+                "-" if r["triton_us"] is None else f"{r['triton_us'] / r['torch_us']:.2f}x",
+            ]
+            for r in res["fused"]
+        ],
+        "lrrr",
+    )
+    lines += ["", f"decode attention ({res['attention']}), batch {res['batch']}:"]
+    lines += cli.markdown_table(
+        ["context", "page size", "µs", "KV read TB/s", "copy TB/s", "attention / copy"],
+        [
+            [
+                r["context"],
+                r["page_size"],
+                _fmt(r["attention_us"]),
+                f"{r['attention_tb_s']:.3f}",
+                f"{r['copy_tb_s']:.3f}",
+                f"{r['ratio']:.0%}",
+            ]
+            for r in res["attention_rows"]
+        ],
+        "rrrrrr",
+    )
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gapless.bench.kernels", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tokens", type=cli.positive_int, default=256, help="rows of the fused-kernel inputs")
+    p.add_argument("--hidden", type=cli.positive_int, default=1024)
+    p.add_argument("--heads", type=cli.positive_int, default=16)
+    p.add_argument("--kv-heads", type=cli.positive_int, default=8)
+    p.add_argument("--head-dim", type=cli.positive_int, default=128)
+    p.add_argument("--intermediate", type=cli.positive_int, default=3072)
+    p.add_argument("--batch", type=cli.positive_int, default=256, help="decode attention's batch")
+    p.add_argument("--context", type=cli.positive_int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument("--page-size", type=cli.positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--iters", type=cli.positive_int, default=20, help="timed calls (the median is kept)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    res: dict[str, Any] = {
+        "machine": cli.machine(args.device),
+        "command": cli.command_line("gapless.bench.kernels", argv if argv is not None else []),
+        "dtype": args.dtype,
+        "tokens": args.tokens,
+        "batch": args.batch,
+        "attention": args.attention,
+        "fused": fused_rows(args, device, dtype),
+        "attention_rows": attention_rows(args, device, dtype),
+    }
+    print("\n".join(report(res)))
+    if args.json:
+        cli.write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

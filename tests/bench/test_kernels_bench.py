@@ -1,0 +1,37 @@
+"""`python -m gapless.bench.kernels` runs end to end (tiny shapes; on a CPU under Triton's interpreter,
+where its figures mean nothing but every path runs): each fused kernel against torch, and decode attention
+against a copy, for every context and page size asked for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
+
+from gapless.bench import kernels  # noqa: E402
+from gapless.model.fused import triton_kernels as fk  # noqa: E402
+
+if not torch.cuda.is_available() and not fk.INTERPRET:
+    pytest.skip("the kernels were imported before TRITON_INTERPRET was set", allow_module_level=True)
+
+
+def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys):
+    argv = (
+        "--device cpu --dtype float32 --tokens 3 --hidden 37 --heads 2 --kv-heads 1 --head-dim 12 "
+        "--intermediate 20 --batch 2 --context 20 --page-size 1 4 --attention triton --iters 1 --warmup 0"
+    ).split() + ["--json", str(tmp_path / "k.json")]
+    res = kernels.main(argv)
+    assert [r["kernel"] for r in res["fused"]] == [
+        "add + RMSNorm",
+        "q/k norm + RoPE + KV store",
+        "SiLU·mul",
+        "GeLU(tanh)·mul",
+    ]
+    assert all(r["torch_us"] > 0 and r["triton_us"] > 0 for r in res["fused"])
+    cases = [(r["context"], r["page_size"]) for r in res["attention_rows"]]
+    assert cases == [(20, 1), (20, 4)]
+    assert all(r["attention_tb_s"] > 0 and r["copy_tb_s"] > 0 for r in res["attention_rows"])
+    out = capsys.readouterr().out
+    assert "attention / copy" in out and "triton / torch" in out
+    assert (tmp_path / "k.json").exists()
