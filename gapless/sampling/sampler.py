@@ -28,7 +28,8 @@ from gapless.tensors import to_device
 _MASK32 = 0xFFFFFFFF
 # lowbias32 (Chris Wellons' hash prospector): a 32-bit mixer with very low avalanche bias. The second
 # multiplier is >= 2**31, so it is used as its negative twin (same residue mod 2**32): a 32-bit value
-# times a constant of magnitude <= 2**31 always fits in int64, so no product ever overflows.
+# times a constant of magnitude <= 2**31 always fits in int64, so no product ever overflows; held as the
+# bits of int32 values, the products wrap around, which keeps the same low 32 bits.
 _MUL1 = 0x7FEB352D
 _MUL2 = 0x846CA68B - (1 << 32)
 _GOLDEN = 0x9E3779B9  # odd, so multiplying by it permutes 32-bit values
@@ -40,13 +41,28 @@ PARTIAL_SORT_MAX_K = 1024
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
-    """Hash 32-bit values held in an int64 tensor, in place (lowbias32)."""
-    x.bitwise_xor_(x >> 16)
-    x.mul_(_MUL1).bitwise_and_(_MASK32)
-    x.bitwise_xor_(x >> 15)
-    x.mul_(_MUL2).bitwise_and_(_MASK32)
-    x.bitwise_xor_(x >> 16)
-    return x
+    """Hash 32-bit values in place (lowbias32): values in [0, 2**32) held in an int64 tensor, or the
+    values' bits held in an int32 tensor (a quarter of the memory, for the [batch, vocab] hashes)."""
+    wide = x.dtype == torch.int64
+    x.bitwise_xor_(_shr(x, 16))
+    x.mul_(_MUL1)
+    if wide:
+        x.bitwise_and_(_MASK32)
+    x.bitwise_xor_(_shr(x, 15))
+    x.mul_(_MUL2)
+    if wide:
+        x.bitwise_and_(_MASK32)
+    return x.bitwise_xor_(_shr(x, 16))
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """32-bit values shifted right by `n` as unsigned (int32 shifts in the sign bit: masked off)."""
+    return (x >> n).bitwise_and_((1 << (32 - n)) - 1)
+
+
+def _bits_as_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as int32 tensors holding the same 32 bits."""
+    return (x - ((x >> 31) << 32)).to(torch.int32)
 
 
 def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -67,10 +83,16 @@ def gumbel_noise(keys: torch.Tensor, column_hashes: torch.Tensor) -> torch.Tenso
 
     ``argmax(logits + gumbel)`` is a draw from ``softmax(logits)``; it is the same exponential race as
     ``argmax(probs / Exp(1))`` taken in log space, where masked (-inf) tokens simply never win.
+
+    The hashes are int32 (`keys` int64 [B] as `_row_keys` makes them, `column_hashes` int32 [V] as
+    `_bits_as_int32` of `_column_hashes`), and their [B, V] tensor becomes the noise in place, so the noise
+    costs one 4-byte [B, V] buffer (with int64 hashes: two 8-byte ones and the float32 noise).
     """
-    x = _mix32_(keys[:, None] ^ column_hashes[None, :])
-    u = (x >> (32 - _UNIFORM_BITS)).to(torch.float32).add_(0.5).mul_(2.0**-_UNIFORM_BITS)
-    return u.log_().neg_().log_().neg_()
+    x = _mix32_(_bits_as_int32(keys)[:, None] ^ column_hashes[None, :])
+    n = x.bitwise_right_shift_(32 - _UNIFORM_BITS).bitwise_and_((1 << _UNIFORM_BITS) - 1)
+    u = n.view(torch.float32)
+    u.copy_(n)  # int -> float over the same memory, element by element (n < 2**23: exact)
+    return u.add_(0.5).mul_(2.0**-_UNIFORM_BITS).log_().neg_().log_().neg_()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,7 +282,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.max_rows = max_rows
         self.device = torch.device(device)
-        self._column_hashes = _column_hashes(vocab_size, self.device)
+        self._column_hashes = _bits_as_int32(_column_hashes(vocab_size, self.device))
         # per-row sampling values (gapless.sampling.rows' order), written when a request enters a row
         self.row_floats = torch.zeros(len(FLOAT_FIELDS), max_rows, dtype=torch.float32, device=self.device)
         self.row_ints = torch.zeros(len(INT_FIELDS), max_rows, dtype=torch.int64, device=self.device)

@@ -8,6 +8,7 @@ import dataclasses
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gapless.sampling import sampler as sampler_mod
 from gapless.sampling.sampler import Sampler, SamplingBatch
 from gapless.sampling_params import SamplingParams
 
@@ -71,15 +72,16 @@ def test_greedy_step_of_a_bf16_model_makes_no_float32_logits(ckpt_factory):
     assert torch.equal(tokens, logits.float().argmax(-1))
 
 
-def test_sampled_batch_makes_one_float32_working_copy_besides_the_noise():
-    """Temperature + top-k over bf16 logits: the scaled fp32 copy the filters change in place and the
-    Gumbel noise (before: the fp32 upcast, the scaled copy, the sort's sorted copy and the noise)."""
+def test_sampled_batch_makes_one_float32_working_copy():
+    """Temperature + top-k over bf16 logits: one new float32 [B, V], the scaled copy the filters change in
+    place; the Gumbel noise is made in place in an int32 [B, V] hash buffer (before: the fp32 upcast, the
+    scaled copy, the sort's sorted copy and the noise, beside three int64 [B, V] buffers)."""
     logits = torch.randn(4, VOCAB).to(torch.bfloat16)
     batch = _batch([SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.0)] * 2)
     sampler = Sampler(VOCAB, 4, CPU)
     with _Watch((4, VOCAB)) as watch:
         sampler.sample(logits, batch)
-    assert watch.new_fp32 == 2, watch.ops
+    assert watch.new_fp32 == 1, watch.ops
     assert "sort.default" not in watch.ops and "topk.default" in watch.ops
 
 
@@ -110,3 +112,31 @@ def test_top_k_partial_sort_draws_the_full_sorts_tokens():
         assert torch.equal(sampler.sample(logits[rows], small), sampler.sample(logits[rows], full_small))
         full = dataclasses.replace(partial, max_top_k=0)
         assert torch.equal(sampler.sample(logits, partial), sampler.sample(logits, full))
+
+
+def _lowbias32(x: int) -> int:
+    m = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def test_gumbel_noise_is_the_documented_hash_bit_for_bit():
+    """The int32 hashing (products wrapping around) gives the bits of the 32-bit hash the sampler's seeded
+    streams are defined by, computed here on Python ints: the same noise as the int64 hashing gave."""
+    golden, m = 0x9E3779B9, 0xFFFFFFFF
+    seeds = torch.tensor([0, -1, 2**63 - 1, -(2**63), 12345678901234567])
+    steps = torch.tensor([0, 7, 1, 2**31, 99])
+    cols = [0, 1, 2, 150_000, 151_935]
+    keys = sampler_mod._row_keys(seeds, steps)
+    hashes = sampler_mod._bits_as_int32(sampler_mod._column_hashes(151_936, CPU))
+    noise = sampler_mod.gumbel_noise(keys, hashes)[:, cols]
+    want = []
+    for seed, step in zip(seeds.tolist(), steps.tolist()):
+        s = seed % 2**64
+        key = _lowbias32(_lowbias32(_lowbias32((s >> 32) ^ golden) ^ (s & m)) ^ (step & m))
+        want.append([(_lowbias32(key ^ _lowbias32((c * golden + 1) & m)) >> 9) + 0.5 for c in cols])
+    u = torch.tensor(want, dtype=torch.float32).mul_(2.0**-23)
+    assert torch.equal(noise, u.log_().neg_().log_().neg_())
