@@ -12,6 +12,9 @@
    token, once) over its median time, against a device-to-device copy of as many bytes in the same run
    (its bandwidth counts the bytes read and written), so the ratio says how near attention runs to what
    this device's memory delivers.
+3. Extend (prefill) attention over `--extend-tokens` new tokens a batch (requests of `--extend-len`
+   tokens, no cached prefix): causal attention's FLOPs (4 * heads * head_dim * L(L+1)/2 a request) over
+   its median time, against a `--matmul-n` square matmul in the same dtype measured in the same run.
 
 On a CPU the Triton columns run only under Triton's interpreter (TRITON_INTERPRET=1, for tests; the
 figures mean nothing there); without it they print "-". Timings use CUDA events on CUDA.
@@ -179,6 +182,56 @@ def _attention_case(
     }
 
 
+def extend_metadata(tokens: int, req_len: int, device: torch.device) -> AttentionMetadata:
+    """An extend batch of `tokens` new tokens in requests of `req_len` (the last one shorter), no prefix;
+    request b's tokens in slots 1 + b * req_len onwards."""
+    lens = [min(req_len, tokens - start) for start in range(0, tokens, req_len)]
+    ext = torch.tensor(lens)
+    starts = torch.cumsum(ext, 0) - ext
+    table = (starts[:, None] + torch.arange(req_len)[None, :] + 1).clamp(max=tokens)
+    return AttentionMetadata(
+        rows=torch.arange(len(lens), device=device),
+        prefix_lens=torch.zeros(len(lens), dtype=torch.int64, device=device),
+        extend_lens=ext.to(device),
+        q_start=starts.to(device),
+        req_table=table.to(device=device, dtype=torch.int32),
+        max_extend_len=max(lens),
+        max_seq_len=max(lens),
+        is_decode=False,
+    )
+
+
+def extend_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """One row per `--extend-tokens`: extend attention's TFLOP/s, and a square matmul's."""
+    backend = make_backend(args.attention, device)
+    H, KVH, D, n = args.heads, args.kv_heads, args.head_dim, args.matmul_n
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    with torch.inference_mode():
+        matmul_tflops = 2 * n**3 / median_us(lambda: torch.mm(a, b), device, args) / 1e6
+    rows = []
+    for tokens in args.extend_tokens:
+        meta = extend_metadata(tokens, args.extend_len, device)
+        q = torch.randn(tokens, H, D, device=device, dtype=dtype)
+        k_cache = torch.randn(tokens + 1, KVH, D, device=device, dtype=dtype)
+        v_cache = torch.randn(tokens + 1, KVH, D, device=device, dtype=dtype)
+        flops = sum(4 * H * D * L * (L + 1) // 2 for L in meta.extend_lens.tolist())
+        with torch.inference_mode():
+            state = backend.prepare(meta)
+            t = median_us(lambda: backend.forward(q, k_cache, v_cache, state, D**-0.5), device, args)  # noqa: B023
+        tflops = flops / t / 1e6
+        rows.append(
+            {
+                "tokens": tokens,
+                "req_len": args.extend_len,
+                "attention_us": t,
+                "attention_tflop_s": tflops,
+                "matmul_tflop_s": matmul_tflops,
+                "ratio": tflops / matmul_tflops,
+            }
+        )
+    return rows
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
@@ -214,6 +267,21 @@ def report(res: dict[str, Any]) -> list[str]:
         ],
         "rrrrrr",
     )
+    lines += ["", f"extend attention ({res['attention']}), requests of {res['extend_len']} tokens:"]
+    lines += cli.markdown_table(
+        ["tokens", "µs", "attention TFLOP/s", f"matmul {res['matmul_n']}³ TFLOP/s", "attention / matmul"],
+        [
+            [
+                r["tokens"],
+                _fmt(r["attention_us"]),
+                f"{r['attention_tflop_s']:.2f}",
+                f"{r['matmul_tflop_s']:.2f}",
+                f"{r['ratio']:.0%}",
+            ]
+            for r in res["extend_rows"]
+        ],
+        "rrrrr",
+    )
     return lines
 
 
@@ -230,6 +298,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=cli.positive_int, default=256, help="decode attention's batch")
     p.add_argument("--context", type=cli.positive_int, nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--page-size", type=cli.positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--extend-tokens", type=cli.positive_int, nargs="+", default=[2048, 16384])
+    p.add_argument("--extend-len", type=cli.positive_int, default=1024, help="tokens per extend request")
+    p.add_argument("--matmul-n", type=cli.positive_int, default=8192, help="the square matmul's size")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--iters", type=cli.positive_int, default=20, help="timed calls (the median is kept)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
@@ -249,6 +320,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "attention": args.attention,
         "fused": fused_rows(args, device, dtype),
         "attention_rows": attention_rows(args, device, dtype),
+        "extend_len": args.extend_len,
+        "matmul_n": args.matmul_n,
+        "extend_rows": extend_rows(args, device, dtype),
     }
     print("\n".join(report(res)))
     if args.json:

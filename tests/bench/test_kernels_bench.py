@@ -1,6 +1,6 @@
 """`python -m gapless.bench.kernels` runs end to end (tiny shapes; on a CPU under Triton's interpreter,
 where its figures mean nothing but every path runs): each fused kernel against torch, and decode attention
-against a copy, for every context and page size asked for."""
+against a copy, for every context and page size asked for, and extend attention against a matmul."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ if not torch.cuda.is_available() and not fk.INTERPRET:
 def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys):
     argv = (
         "--device cpu --dtype float32 --tokens 3 --hidden 37 --heads 2 --kv-heads 1 --head-dim 12 "
-        "--intermediate 20 --batch 2 --context 20 --page-size 1 4 --attention triton --iters 1 --warmup 0"
+        "--intermediate 20 --batch 2 --context 20 --page-size 1 4 --attention triton --iters 1 --warmup 0 "
+        "--extend-tokens 24 --extend-len 10 --matmul-n 16"
     ).split() + ["--json", str(tmp_path / "k.json")]
     res = kernels.main(argv)
     assert [r["kernel"] for r in res["fused"]] == [
@@ -32,6 +33,8 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
     cases = [(r["context"], r["page_size"]) for r in res["attention_rows"]]
     assert cases == [(20, 1), (20, 4)]
     assert all(r["attention_tb_s"] > 0 and r["copy_tb_s"] > 0 for r in res["attention_rows"])
+    assert [r["tokens"] for r in res["extend_rows"]] == [24]
+    assert all(r["attention_tflop_s"] > 0 and r["matmul_tflop_s"] > 0 for r in res["extend_rows"])
     out = capsys.readouterr().out
-    assert "attention / copy" in out and "triton / torch" in out
+    assert "attention / copy" in out and "triton / torch" in out and "attention / matmul" in out
     assert (tmp_path / "k.json").exists()
