@@ -114,7 +114,7 @@ def rms_norm(
     if residual is not None:
         r2 = residual.reshape(-1, n)
         res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    rows = x2.shape[0]
+    rows, block = x2.shape[0], triton.next_power_of_2(n)
     if rows:
         r_in, r_out = (r2, res_out) if residual is not None else (x2, out)
         _rms_norm_kernel[(rows,)](
@@ -131,7 +131,8 @@ def rms_norm(
             eps,
             KIND=KINDS[kind],
             HAS_RES=residual is not None,
-            BLOCK=triton.next_power_of_2(n),
+            BLOCK=block,
+            num_warps=min(max(block // 256, 1), 16),  # ~8 fp32 values a thread, whatever the width
         )
     if res_out is None:
         return out.view(x.shape)
