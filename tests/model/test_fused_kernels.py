@@ -121,11 +121,12 @@ def test_act_and_mul(dtype, act, rows, n):
 
 
 # qwen3: per-head q/k norm (Llama's arithmetic), SiLU, pre-norms; gemma3_text: per-head Gemma norms, GeGLU,
-# norms on both sides of each sublayer, two RoPE tables
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
-def test_model_greedy_same_with_fused_kernels(ckpt_factory, arch):
+# norms on both sides of each sublayer, two RoPE tables, decoding through the graph runner's padded static
+# buffers (padded rows store into the padding slot, as with torch)
+@pytest.mark.parametrize(("arch", "graph_bs"), [("qwen3", 0), ("gemma3_text", 4)])
+def test_model_greedy_same_with_fused_kernels(ckpt_factory, arch, graph_bs):
     path = ckpt_factory(arch)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9, 8, 7, 6]]  # three: a graph bucket of 4, one padded row
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     hf = load_hf_model(path)
     refs = [hf_greedy(hf, p, 4) for p in prompts]
@@ -139,9 +140,12 @@ def test_model_greedy_same_with_fused_kernels(ckpt_factory, arch):
             fused_kernels=kernels,
             kv_cache_tokens=64,
             overlap=False,
+            cuda_graph_max_bs=graph_bs,
         ) as llm:
             assert llm.engine.runner.fused_kernels == kernels
             tokens[kernels] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            graphs = llm.engine.runner.graphs
+            assert not graph_bs or (graphs is not None and graphs.padded_rows > 0)
             llm.check_integrity()
     assert tokens["triton"] == tokens["torch"]
     for ours, ref in zip(tokens["triton"], refs):
