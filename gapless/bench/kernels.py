@@ -236,6 +236,14 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
 
+def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str, Callable[[Any], str]]]) -> list[str]:
+    """A numbers-only markdown table: one (header, row key, format) a column."""
+    header = [c[0] for c in columns]
+    return cli.markdown_table(
+        header, [[fmt(r[key]) for _, key, fmt in columns] for r in rows], "r" * len(columns)
+    )
+
+
 def report(res: dict[str, Any]) -> list[str]:
     lines = [cli.machine_line(res["machine"]), f"dtype {res['dtype']}; command: {res['command']}", ""]
     lines += cli.markdown_table(
@@ -252,35 +260,27 @@ def report(res: dict[str, Any]) -> list[str]:
         "lrrr",
     )
     lines += ["", f"decode attention ({res['attention']}), batch {res['batch']}:"]
-    lines += cli.markdown_table(
-        ["context", "page size", "µs", "KV read TB/s", "copy TB/s", "attention / copy"],
+    lines += _table(
+        res["attention_rows"],
         [
-            [
-                r["context"],
-                r["page_size"],
-                _fmt(r["attention_us"]),
-                f"{r['attention_tb_s']:.3f}",
-                f"{r['copy_tb_s']:.3f}",
-                f"{r['ratio']:.0%}",
-            ]
-            for r in res["attention_rows"]
+            ("context", "context", str),
+            ("page size", "page_size", str),
+            ("µs", "attention_us", _fmt),
+            ("KV read TB/s", "attention_tb_s", "{:.3f}".format),
+            ("copy TB/s", "copy_tb_s", "{:.3f}".format),
+            ("attention / copy", "ratio", "{:.0%}".format),
         ],
-        "rrrrrr",
     )
     lines += ["", f"extend attention ({res['attention']}), requests of {res['extend_len']} tokens:"]
-    lines += cli.markdown_table(
-        ["tokens", "µs", "attention TFLOP/s", f"matmul {res['matmul_n']}³ TFLOP/s", "attention / matmul"],
+    lines += _table(
+        res["extend_rows"],
         [
-            [
-                r["tokens"],
-                _fmt(r["attention_us"]),
-                f"{r['attention_tflop_s']:.2f}",
-                f"{r['matmul_tflop_s']:.2f}",
-                f"{r['ratio']:.0%}",
-            ]
-            for r in res["extend_rows"]
+            ("tokens", "tokens", str),
+            ("µs", "attention_us", _fmt),
+            ("attention TFLOP/s", "attention_tflop_s", "{:.2f}".format),
+            (f"matmul {res['matmul_n']}³ TFLOP/s", "matmul_tflop_s", "{:.2f}".format),
+            ("attention / matmul", "ratio", "{:.0%}".format),
         ],
-        "rrrrr",
     )
     return lines
 
