@@ -94,7 +94,6 @@ class Attention(nn.Module):
         )
         return self.o_proj(out.reshape(out.shape[0], -1))
 
-
     def _norm_all_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """OLMo 2's q/k norms, over all heads' features at once: under tensor parallelism each rank
         gathers the whole q and k, norms them with the whole weights, and keeps its own heads again."""

@@ -78,14 +78,23 @@ class TPGroup:
         return int(t.item())
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's `data` on every rank (the others pass None): a length, then the bytes."""
+        """Rank 0's `data` on every rank (the others pass None): a length, then the bytes. The others
+        wait for the length as long as it takes (an idle engine sends no job for hours); rank 0's send,
+        and the bytes, wait at most the group's timeout."""
         n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-        self.host_pg.broadcast(n, 0).wait()
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(n), dtype=torch.uint8)
+        if data is None:
+            self.host_pg.broadcast(n, 0, IDLE_WAIT).wait()
+        else:
+            self.host_pg.broadcast(n, 0).wait()
+        if data is not None:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(n), dtype=torch.uint8)
         self.host_pg.broadcast(buf, 0).wait()
         return data if data is not None else buf.numpy().tobytes()
 
 
+IDLE_WAIT = datetime.timedelta(days=365)  # how long a rank other than 0 waits for the next job
 SINGLE = TPGroup()
 _current = SINGLE
 
@@ -109,13 +118,21 @@ def local_address(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
-def connect(addr: str, rank: int, size: int, timeout_s: float, device: torch.device) -> TPGroup:
-    """Join the group whose rank 0 listens at `addr` (host:port; rank 0 hosts the store there): a gloo
-    group for the host and, on CUDA, an NCCL group for the device collectives. Waits at most `timeout_s`
-    for the others, and each later collective as long."""
+def serve_store(addr: str, timeout_s: float) -> dist.TCPStore:
+    """The group's meeting point at `addr` (host:port; port 0: a free one, then `.port`), served by the
+    process that starts rank 0 and outlives every rank: it can still be read when a rank has died."""
     host, port = addr.rsplit(":", 1)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timeout)
+    return dist.TCPStore(host, int(port), None, True, timeout=timeout, wait_for_workers=False)
+
+
+def connect(addr: str, rank: int, size: int, timeout_s: float, device: torch.device) -> TPGroup:
+    """Join the group whose store (`serve_store`) listens at `addr`: a gloo group for the host and, on
+    CUDA, an NCCL group for the device collectives. Waits at most `timeout_s` for the others, and each
+    later collective as long."""
+    host, port = addr.rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host, int(port)))]

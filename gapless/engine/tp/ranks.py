@@ -21,18 +21,13 @@ from multiprocessing.connection import Connection, wait
 
 from gapless.config import EngineConfig
 from gapless.engine.tp.worker import RankSpec
+from gapless.model import parallel
 
 log = logging.getLogger(__name__)
 
 
 class RankFailed(RuntimeError):
     """A tensor-parallel rank died, hung or raised; the message names it."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_ranks(cfg: EngineConfig) -> range:
@@ -46,7 +41,12 @@ class LocalRanks:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.ranks = node_ranks(cfg)
-        addr = cfg.dist_init_addr or f"127.0.0.1:{_free_port()}"
+        self.size = cfg.tensor_parallel_size
+        addr = cfg.dist_init_addr or "127.0.0.1:0"
+        # node 0 serves the group's store (`serve_store`), so it outlives the ranks and tells which hung
+        self.store = parallel.serve_store(addr, cfg.dist_timeout) if cfg.node_rank == 0 else None
+        if self.store is not None:
+            addr = f"{addr.rpartition(':')[0]}:{self.store.port}"
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = cfg.device_threads or max(1, cores // len(self.ranks))
         self.procs: list[subprocess.Popen] = []
@@ -101,6 +101,20 @@ class LocalRanks:
                 raise self._failure(self.conns.index(ready[0]))
             if time.monotonic() >= end:
                 return
+
+    def blame_hung(self, window: float = 1.5) -> None:
+        """Raise `RankFailed` for the first rank of the group (any node) whose heartbeat
+        (`worker._heartbeat`) did not move in `window` seconds: a stopped or stuck process."""
+        if self.store is None:
+            return
+        store, keys = self.store, [f"beat/{r}" for r in range(self.size)]
+        first = [store.get(k) if store.check([k]) else b"" for k in keys]
+        time.sleep(window)
+        # (a rank of this node that has exited, as rank 0 does after reporting the failure, beats no more)
+        gone = {rank for rank, proc in zip(self.ranks, self.procs) if proc.poll() is not None}
+        for rank, (key, was) in enumerate(zip(keys, first)):
+            if rank not in gone and (store.get(key) if store.check([key]) else b"") == was:
+                raise RankFailed(f"tensor-parallel rank {rank} did not answer for {window:g} s (hung)")
 
     def wait_for(self, i: int, poll: float = 0.2) -> None:
         """Until `conns[i]` has a message, raising `RankFailed` if another rank fails first."""

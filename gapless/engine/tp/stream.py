@@ -39,7 +39,9 @@ class TPStream(ProcessStream):
         try:
             return super()._recv()
         except BaseException as e:
-            self.ranks.check(skip=0, grace=2.0)  # a failed collective: another rank's failure first
+            # a failed collective on rank 0: another rank that died, or hung, is the cause to name
+            self.ranks.check(skip=0, grace=2.0)
+            self.ranks.blame_hung()
             raise e
 
     def _stop(self) -> None:

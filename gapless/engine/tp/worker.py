@@ -18,6 +18,8 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -50,7 +52,12 @@ class _Broadcasting:
         self.conn, self.group = conn, group
 
     def recv_bytes(self) -> bytes:
-        return self.group.broadcast_bytes(self.conn.recv_bytes())
+        data = self.conn.recv_bytes()
+        try:
+            return self.group.broadcast_bytes(data)
+        except BaseException as e:  # noqa: BLE001 - a rank is gone: tell the host, end the loop
+            _send_error(self.conn, e)
+            raise EOFError from e
 
     def send_bytes(self, data: bytes) -> None:
         self.conn.send_bytes(data)
@@ -86,10 +93,23 @@ def run_rank(conn: Connection, cfg: EngineConfig, spec: RankSpec) -> None:
         _send_error(conn, e)
         return
     parallel.use(group)
+    threading.Thread(target=_heartbeat, args=(group, spec.rank), name="heartbeat", daemon=True).start()
     if spec.rank == 0:
         _device_main(_Broadcasting(conn, group), cfg, None, None)  # type: ignore[arg-type]
     else:
         _follow(conn, cfg, group)
+
+
+def _heartbeat(group: parallel.TPGroup, rank: int, every: float = 0.5) -> None:
+    """Count up `beat/RANK` in the group's store every `every` seconds while this process runs (a rank
+    waiting in a collective still beats: its wait releases the GIL), so that when a collective fails the
+    engine can name a rank that stopped (`LocalRanks.blame_hung`)."""
+    beat = 0
+    with contextlib.suppress(Exception):  # the store is gone: the group is over
+        while True:
+            beat += 1
+            group.store.set(f"beat/{rank}", str(beat))  # type: ignore[attr-defined]
+            time.sleep(every)
 
 
 def _die_with_parent() -> None:
