@@ -103,7 +103,7 @@ def test_a_rank_that_dies_or_hangs_ends_the_engine_naming_it(ckpt_factory, fault
         if fault == "killed":
             assert "tensor-parallel rank 1 died (exit code -9)" in str(e.value)
         else:  # rank 0's collective timed out (dist_timeout=3): the hung rank is named
-            assert "tensor-parallel rank 1 did not answer for 1.5 s (hung)" in str(e.value), e.value
+            assert "tensor-parallel rank 1 stopped answering" in str(e.value), e.value
         assert time.monotonic() - start < 30
     finally:
         llm.shutdown()  # kills what is left, the stopped rank included

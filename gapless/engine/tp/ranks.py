@@ -114,7 +114,10 @@ class LocalRanks:
         gone = {rank for rank, proc in zip(self.ranks, self.procs) if proc.poll() is not None}
         for rank, (key, was) in enumerate(zip(keys, first)):
             if rank not in gone and (store.get(key) if store.check([key]) else b"") == was:
-                raise RankFailed(f"tensor-parallel rank {rank} did not answer for {window:g} s (hung)")
+                raise RankFailed(
+                    f"tensor-parallel rank {rank} stopped answering: its heartbeat did not move for "
+                    f"{window:g} s (it hung, or died on another node)"
+                )
 
     def wait_for(self, i: int, poll: float = 0.2) -> None:
         """Until `conns[i]` has a message, raising `RankFailed` if another rank fails first."""
