@@ -139,6 +139,7 @@ def connect(addr: str, rank: int, size: int, timeout_s: float, device: torch.dev
     host_pg = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, opts)
     pg = host_pg
     if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL works on the current device
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size, nccl_opts)

@@ -51,12 +51,16 @@ def references(ckpt_factory):
     return greedy_references(ckpt_factory, _prompts, MAX_NEW)
 
 
-def _sampled(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+def _sampled(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float] | None]]:
+    """Seeded samples with logprobs, and a regex-constrained one (its mask is part of the broadcast job)."""
     params = [
-        SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True)
+        SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True, logprobs=1)
         for i in range(len(prompts))
     ]
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    params[0] = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=0, regex="[ab]{3,8}")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert 3 <= len(outs[0].text) <= 8 and set(outs[0].text) <= {"a", "b"}, outs[0].text
+    return [(o.token_ids, o.logprobs and [round(x, 3) for x in o.logprobs]) for o in outs]
 
 
 @pytest.mark.parametrize(("arch", "corner"), COMBOS)

@@ -64,9 +64,11 @@ class _Broadcasting:
 
 
 def rank_config(cfg: EngineConfig, spec: RankSpec) -> EngineConfig:
-    """`cfg` as this rank runs it: on CUDA, on its own GPU (the node's `local_rank`-th)."""
+    """`cfg` as this rank runs it: on CUDA, on its own GPU (the node's `local_rank`-th), and without CUDA
+    graphs unless asked for (capturing NCCL collectives in graphs is untested here)."""
     if pick_device(cfg.device).type == "cuda":
-        return dataclasses.replace(cfg, device=f"cuda:{spec.local_rank}")
+        graphs = 0 if cfg.cuda_graph_max_bs is None else cfg.cuda_graph_max_bs
+        return dataclasses.replace(cfg, device=f"cuda:{spec.local_rank}", cuda_graph_max_bs=graphs)
     return cfg
 
 
