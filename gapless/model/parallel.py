@@ -26,6 +26,18 @@ import torch.distributed as dist
 from gapless.model.config import ModelConfig
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: another rank died, hung, or failed first (the engine looks for
+    that rank before it reports this)."""
+
+
+def _wait(work: Any) -> None:
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise CollectiveError(str(e)) from e
+
+
 @dataclass
 class TPGroup:
     """This process's place in a tensor-parallel group and the collectives the layers need."""
@@ -38,7 +50,7 @@ class TPGroup:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks, in place (every rank gets the same bits)."""
         if self.size > 1:
-            self.pg.allreduce([t]).wait()
+            _wait(self.pg.allreduce([t]))
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -47,7 +59,7 @@ class TPGroup:
             return [t]
         t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self.pg.allgather([out], [t]).wait()
+        _wait(self.pg.allgather([out], [t]))
         return out
 
     def part_index(self, parts: int) -> int:
@@ -74,7 +86,7 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self.host_pg.allreduce([t], opts).wait()
+        _wait(self.host_pg.allreduce([t], opts))
         return int(t.item())
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
@@ -83,14 +95,14 @@ class TPGroup:
         and the bytes, wait at most the group's timeout."""
         n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         if data is None:
-            self.host_pg.broadcast(n, 0, IDLE_WAIT).wait()
+            _wait(self.host_pg.broadcast(n, 0, IDLE_WAIT))
         else:
-            self.host_pg.broadcast(n, 0).wait()
+            _wait(self.host_pg.broadcast(n, 0))
         if data is not None:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
             buf = torch.empty(int(n), dtype=torch.uint8)
-        self.host_pg.broadcast(buf, 0).wait()
+        _wait(self.host_pg.broadcast(buf, 0))
         return data if data is not None else buf.numpy().tobytes()
 
 

@@ -72,7 +72,7 @@ class LocalRanks:
             )
         conn.send_bytes(pickle.dumps((cfg, spec)))
 
-    def _failure(self, i: int) -> RankFailed:
+    def failure(self, i: int) -> RankFailed:
         """Why rank `ranks[i]` is gone: the error it sent, or its exit code."""
         rank, conn = self.ranks[i], self.conns[i]
         with contextlib.suppress(EOFError, OSError):
@@ -95,10 +95,10 @@ class LocalRanks:
             watched = [i for i in range(len(self.procs)) if i != skip]
             for i in watched:
                 if self.procs[i].poll() is not None:
-                    raise self._failure(i)
+                    raise self.failure(i)
             ready = wait([self.conns[i] for i in watched], timeout=max(0.0, min(0.1, end - time.monotonic())))
             if ready:
-                raise self._failure(self.conns.index(ready[0]))
+                raise self.failure(self.conns.index(ready[0]))
             if time.monotonic() >= end:
                 return
 
@@ -154,7 +154,7 @@ def run_node(cfg: EngineConfig) -> int:
             codes = [p.poll() for p in ranks.procs]
             for i, code in enumerate(codes):
                 if code not in (None, 0) or (code is None and ranks.conns[i].poll()):
-                    log.error("%s", ranks._failure(i))
+                    log.error("%s", ranks.failure(i))
                     return 1
             if all(code == 0 for code in codes):
                 return 0

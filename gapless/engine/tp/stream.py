@@ -6,6 +6,7 @@ from __future__ import annotations
 from gapless.config import EngineConfig
 from gapless.engine.stream.process import ProcessStream
 from gapless.engine.tp.ranks import LocalRanks
+from gapless.model.parallel import CollectiveError
 
 
 class TPStream(ProcessStream):
@@ -33,16 +34,24 @@ class TPStream(ProcessStream):
         except BaseException:
             self._stop()
             raise
+        except RuntimeError as e:
+            if isinstance(e.__cause__, (EOFError, OSError)):  # rank 0 itself is gone, saying nothing
+                raise self.ranks.failure(0) from e
+            raise
 
     def _recv(self) -> tuple:
         self.ranks.wait_for(0)
         try:
             return super()._recv()
-        except BaseException as e:
+        except CollectiveError:
             # a failed collective on rank 0: another rank that died, or hung, is the cause to name
             self.ranks.check(skip=0, grace=2.0)
             self.ranks.blame_hung()
-            raise e
+            raise
+        except RuntimeError as e:
+            if isinstance(e.__cause__, (EOFError, OSError)):  # rank 0 itself is gone, saying nothing
+                raise self.ranks.failure(0) from e
+            raise
 
     def _stop(self) -> None:
         super()._stop()  # tells rank 0 to stop, which tells the others
