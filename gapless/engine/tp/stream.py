@@ -12,8 +12,9 @@ from gapless.model.parallel import CollectiveError
 class TPStream(ProcessStream):
     """Jobs go to rank 0 (which broadcasts each to the other ranks and runs it), results come back from
     it, in submission order. While the host waits for rank 0, a rank that dies or reports an error ends
-    the wait with a `RankFailed` naming it; an error rank 0 reports (a collective that failed or timed
-    out because another rank is gone) is raised as the other rank's failure when one is found."""
+    the wait with a `RankFailed` naming it; a failed collective rank 0 reports (`CollectiveError`: another
+    rank is gone or stuck) is raised as that other rank's failure when one is found, and rank 0 ending
+    without a word as its own."""
 
     asynchronous = True
 
@@ -33,10 +34,6 @@ class TPStream(ProcessStream):
             _, self.info = self._recv()
         except BaseException:
             self._stop()
-            raise
-        except RuntimeError as e:
-            if isinstance(e.__cause__, (EOFError, OSError)):  # rank 0 itself is gone, saying nothing
-                raise self.ranks.failure(0) from e
             raise
 
     def _recv(self) -> tuple:
