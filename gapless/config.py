@@ -88,6 +88,16 @@ class EngineConfig:
     ngram_max: int = 4  # longest such suffix (the longest that matches wins, then the latest match)
     # decode batches larger than this run without drafts (verifying K+1 tokens per request stops paying)
     speculative_disable_batch_size: int = 16
+    # tensor parallelism (gapless.engine.tp): the model split over this many ranks, one process each (gloo
+    # on the CPU, NCCL on CUDA: one GPU per rank), the scheduler running once, on rank 0's node
+    tensor_parallel_size: int = 1
+    nnodes: int = 1  # machines the ranks span (each runs tensor_parallel_size / nnodes of them)
+    node_rank: int = 0  # this machine's place: 0 serves (HTTP, scheduler), the others run ranks only
+    # host:port where rank 0 listens for the others (needed with nnodes > 1; default there: torchrun's
+    # MASTER_ADDR:MASTER_PORT); None on one machine: a free local port
+    dist_init_addr: str | None = None
+    # seconds a rank waits for the others (start-up, each collective) before the engine ends with an error
+    dist_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -120,6 +130,30 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
         self._check_speculative(bad)
+        self._check_parallel(bad)
+
+    def _check_parallel(self, bad: Any) -> None:
+        """The tensor-parallel options: sizes in range, ranks spread evenly over the nodes, an address
+        where several nodes must meet (torchrun's MASTER_ADDR/MASTER_PORT when none is given)."""
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", "must be >= 1")
+        if self.nnodes < 1:
+            raise bad("nnodes", "must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise bad("node_rank", f"must be in [0, nnodes) = [0, {self.nnodes})")
+        if self.tensor_parallel_size % self.nnodes:
+            raise bad("nnodes", f"must divide tensor_parallel_size ({self.tensor_parallel_size})")
+        if not self.dist_timeout > 0:
+            raise bad("dist_timeout", "must be > 0")
+        if self.dist_init_addr is None and self.nnodes > 1 and "MASTER_ADDR" in os.environ:
+            self.dist_init_addr = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
+        if self.dist_init_addr is None:
+            if self.nnodes > 1:
+                raise bad("dist_init_addr", "is needed with nnodes > 1: rank 0's host:port")
+            return
+        host, _, port = self.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise bad("dist_init_addr", "must be host:port")
 
     def _check_speculative(self, bad: Any) -> None:
         """The speculative-decoding options: a known algorithm, sizes in range, and no half-built mode."""
@@ -190,11 +224,14 @@ FLAG_ALIASES: dict[str, Alias] = {
     "--speculative-draft-model-path": Alias("speculative_draft_model", "SGLang"),
     "--speculative-ngram-min-match-window-size": Alias("ngram_min", "SGLang"),
     "--speculative-ngram-max-match-window-size": Alias("ngram_max", "SGLang"),
+    "--tp": Alias("tensor_parallel_size", "SGLang"),
+    "--tp-size": Alias("tensor_parallel_size", "SGLang"),
+    "-tp": Alias("tensor_parallel_size", "vLLM"),
 }
 
-# vLLM's and SGLang's parallelism flags: gapless runs on one device, so any size but 1 is refused by name
+# vLLM's and SGLang's parallelism flags gapless does not run (tensor parallelism is an option above), so
+# any size but 1 is refused by name
 _PARALLEL_FLAGS = {
-    "tensor": ("--tensor-parallel-size", "--tp-size", "-tp"),
     "pipeline": ("--pipeline-parallel-size", "--pp-size", "-pp"),
     "data": ("--data-parallel-size", "--dp-size", "-dp"),
 }
@@ -336,9 +373,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             metavar=None if choices else _METAVARS.get(f.name, _METAVARS[kind]),
             help=_help(text, default),
         )
-    parallel = parser.add_argument_group(
-        "parallelism (vLLM's and SGLang's flags; gapless runs on one device)"
-    )
+    parallel = parser.add_argument_group("parallelism (vLLM's and SGLang's flags gapless does not run)")
     for axis, flags in _PARALLEL_FLAGS.items():
         parallel.add_argument(
             *flags, dest=f"{axis}_parallel_size", type=int, default=None, metavar="N", help="only 1"
@@ -358,7 +393,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         size = getattr(args, f"{axis}_parallel_size", None)
         if size not in (None, 1):
             raise ValueError(
-                f"{axis} parallelism is not supported yet ({flags[0]} {size}); gapless runs on one device"
+                f"{axis} parallelism is not supported yet ({flags[0]} {size}); gapless runs tensor "
+                "parallelism only (--tensor-parallel-size)"
             )
     names = {f.name for f in fields(EngineConfig)} - {"model"}
     options = {k: v for k, v in vars(args).items() if k in names and v is not None}

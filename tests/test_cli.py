@@ -103,7 +103,10 @@ def test_vllm_and_sglang_flags_are_aliases():
         "cuda_graph_max_bs": 0,
         "overlap": False,
         "dtype": "float16",
+        "tensor_parallel_size": 1,
     }
+    assert parse_args(["serve", "--tp", "2"]).tensor_parallel_size == 2
+    assert parse_args(["serve", "-tp", "2"]).tensor_parallel_size == 2
     assert engine_options(parse_args(["serve", "--enable-prefix-caching", "--dtype", "float"])) == {
         "radix_cache": True,
         "dtype": "float32",
@@ -175,8 +178,11 @@ def test_serve_refuses_bad_arguments_before_starting_anything(tmp_path, ckpt_fac
     ckpt = str(ckpt_factory("qwen3"))
     assert "page_size=0" in _refused(["serve", "--model", ckpt, "--page-size", "0"], capsys)
     assert "two models given" in _refused(["serve", ckpt, "--model", str(tmp_path)], capsys)
-    err = _refused(["serve", ckpt, "--tp-size", "2"], capsys)
-    assert "tensor parallelism is not supported yet (--tensor-parallel-size 2)" in err
+    err = _refused(["serve", ckpt, "--pp-size", "2"], capsys)
+    assert "pipeline parallelism is not supported yet (--pipeline-parallel-size 2)" in err
+    # the tiny qwen3 has 4 attention heads: 3 ranks cannot split them
+    err = _refused(["serve", ckpt, "--tp-size", "3"], capsys)
+    assert "tensor_parallel_size=3: the model's num_attention_heads (4) is not divisible by it" in err
 
 
 def test_an_unsupported_architecture_is_refused_by_name(tmp_path, ckpt_factory, capsys):

@@ -45,7 +45,27 @@ def check_engine_config(cfg: EngineConfig) -> tuple[EngineConfig, ModelConfig]:
     generation_defaults(cfg.model, cfg.generation_config)  # a checkpoint default no request could set
     check_max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, cfg.model)
     check_device(cfg.device)
+    check_tensor_parallel(cfg, mcfg)
     return cfg, mcfg
+
+
+def check_tensor_parallel(cfg: EngineConfig, mcfg: ModelConfig) -> None:
+    """ValueError when the model does not split over `tensor_parallel_size` ranks, or when a node's
+    CUDA ranks outnumber its GPUs (one GPU a rank: a single GPU cannot run tensor parallelism)."""
+    if cfg.tensor_parallel_size == 1:
+        return
+    import torch
+
+    from gapless.model.parallel import check_shardable
+
+    check_shardable(mcfg, cfg.tensor_parallel_size)
+    per_node = cfg.tensor_parallel_size // cfg.nnodes
+    on_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if on_cuda and per_node > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={cfg.tensor_parallel_size} over {cfg.nnodes} node(s) runs {per_node} "
+            f"ranks here, one GPU each, but this machine has {torch.cuda.device_count()}"
+        )
 
 
 def check_max_model_len(max_model_len: int | None, limit: int, model: str) -> None:

@@ -37,6 +37,7 @@ from gapless.engine.memory_plan import (
 from gapless.engine.spec.device import SpecState
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
+from gapless.model import parallel
 from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.fused import use_fused_kernels
@@ -75,7 +76,8 @@ class ModelRunner:
                 "kv_cache_memory_gib sizes the KV cache on the CPU; on CUDA set mem_fraction_static "
                 "(share of GPU memory for weights + KV) or kv_cache_tokens"
             )
-        mcfg = load_model_config(cfg.model)
+        # this rank's attention and KV heads under tensor parallelism (gapless.engine.tp); the whole model's
+        mcfg = parallel.rank_view(load_model_config(cfg.model), parallel.current())
         # EngineConfig refused a max_model_len past the model's own unless told to allow it
         max_context = cfg.max_model_len or mcfg.max_position_embeddings
         self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
@@ -112,6 +114,7 @@ class ModelRunner:
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
         kv_tokens, plan = self._kv_tokens(cfg, max_context, per_token, graph_bs, allocated_before)
+        kv_tokens = parallel.current().min_over_ranks(kv_tokens)  # every rank's pool holds the same slots
         num_pages = -(-kv_tokens // cfg.page_size) + 1  # +1: page 0 is reserved for padding
         self.kv_pool = self._new_kv_pool(num_pages)
         self.kv_tokens = (num_pages - 1) * cfg.page_size

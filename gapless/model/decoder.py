@@ -20,6 +20,7 @@ from torch import nn
 
 from gapless.attention.base import AttentionBackend, softcap
 from gapless.memory.kv_pool import KVPool
+from gapless.model import parallel
 from gapless.model.config import NORM_PLACES, ModelConfig
 from gapless.model.layers import (
     GATED_ACTIVATIONS,
@@ -49,8 +50,14 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.cfg = cfg
+        self.tp = tp = parallel.current()
+        # KV heads fewer than ranks are replicated: `kv_parts` pieces, each shared by size // parts ranks
+        self.kv_parts = parallel.kv_parts(cfg, tp.size)
         self.qkv_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}, bias=cfg.qkv_bias
+            cfg.hidden_size,
+            {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+            bias=cfg.qkv_bias,
+            shard_parts={"k": self.kv_parts, "v": self.kv_parts},
         )
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # per head (over head_dim) or over all heads' features at once (q_size, kv_size)
@@ -71,7 +78,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         if cfg.qk_norm == "all":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._norm_all_heads(q, k)
         q = q.view(-1, q.shape[-1] // cfg.head_dim, cfg.head_dim)
         k = k.view(-1, k.shape[-1] // cfg.head_dim, cfg.head_dim)
         v = v.view(-1, v.shape[-1] // cfg.head_dim, cfg.head_dim)
@@ -112,6 +119,16 @@ class Attention(nn.Module):
         q, k = self.rope(positions, q, k)
         kv_pool.store(self.layer_id, slots, k, v)
         return q
+
+    def _norm_all_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2's q/k norms, over all heads' features at once: under tensor parallelism each rank
+        gathers the whole q and k, norms them with the whole weights, and keeps its own heads again."""
+        tp = self.tp
+        if tp.size == 1:
+            return self.q_norm(q), self.k_norm(k)
+        q = tp.part(self.q_norm(tp.gather_parts(q, tp.size)), tp.size, dim=-1)
+        k = tp.part(self.k_norm(tp.gather_parts(k, self.kv_parts)), self.kv_parts, dim=-1)
+        return q, k
 
 
 class MLP(nn.Module):

@@ -1,10 +1,11 @@
 """Building blocks of the decoder.
 
-The linear and embedding layers carry the names of their tensor-parallel roles (column-parallel: split by
-output features; row-parallel: split by input features, partial sums all-reduced; vocab-parallel: split
-by vocabulary rows), so the decoder already says where tensor parallelism will shard it. For now they run
-on one rank and hold whole weights; tensor parallelism will give them a rank, shard their weights in
-`load_shard` and add the collectives, without touching the model code. Each parameter carries a
+The linear and embedding layers carry their tensor-parallel roles (column-parallel: split by output
+features; row-parallel: split by input features, partial sums all-reduced; vocab-parallel: split by
+vocabulary rows), so the model code says where tensor parallelism shards it and nothing else. Each takes
+its rank and world size from the process's group (`gapless.model.parallel.current()`) when it is made,
+holds its piece of the weight, and cuts that piece out of the whole checkpoint tensor in `load_shard`.
+With one rank (the default) they hold whole weights and no collective runs. Each parameter carries a
 `weight_loader` that copies it (or its fused shard) out of a checkpoint tensor.
 """
 
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gapless.model import parallel
 
 
 def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:
@@ -58,34 +61,76 @@ class _Linear(nn.Module):
 
 
 class ColumnParallelLinear(_Linear):
-    """A linear layer tensor parallelism will split by output features (W's rows): each rank computes a
-    slice of y, with no communication."""
+    """A linear layer split by output features (W's rows): each rank computes its slice of y, with no
+    communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = parallel.current()
+        super().__init__(in_features, out_features // tp.size, bias)
+        self.tp = tp
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        default_weight_loader(param, self.tp.part(loaded, self.tp.size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one matmul (gate+up, q+k+v).
 
-    `shard_sizes` maps each checkpoint shard name to its output size; the fused weight is the
-    concatenation of the shards, in that order, and each checkpoint tensor is loaded into its place.
+    `shard_sizes` maps each checkpoint shard name to its whole output size; the fused weight is the
+    concatenation of this rank's piece of each shard, in that order, and each checkpoint tensor is cut and
+    loaded into its place. A shard splits into one piece per rank, or into `shard_parts[name]` pieces
+    shared by several ranks (KV heads fewer than ranks: each rank keeps the head its queries read).
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias)
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
-        off = 0
-        for name, size in shard_sizes.items():
-            self.shard_offsets[name] = (off, size)
-            off += size
-        self.output_sizes = list(shard_sizes.values())
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool = False,
+        shard_parts: dict[str, int] | None = None,
+    ) -> None:
+        tp = parallel.current()
+        self.shard_parts = {name: (shard_parts or {}).get(name, tp.size) for name in shard_sizes}
+        local = {name: size // self.shard_parts[name] for name, size in shard_sizes.items()}
+        _Linear.__init__(self, in_features, sum(local.values()), bias)
+        self.tp = tp
+        # where each shard sits in this rank's fused weight, and in a checkpoint tensor that fuses them whole
+        self.shard_offsets = _offsets(local)
+        self.checkpoint_offsets = _offsets(shard_sizes)
+        self.output_sizes = list(local.values())
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         off, n = self.shard_offsets[shard_id]
-        default_weight_loader(param.data.narrow(0, off, n), loaded)
+        default_weight_loader(param.data.narrow(0, off, n), self.tp.part(loaded, self.shard_parts[shard_id]))
+
+
+def _offsets(sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """(offset, size) of each piece of a concatenation of pieces of `sizes`, in order."""
+    offsets, off = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = (off, size)
+        off += size
+    return offsets
 
 
 class RowParallelLinear(_Linear):
-    """A linear layer tensor parallelism will split by input features (W's columns): each rank's partial
-    sums are all-reduced, and the bias is added once, after the reduction."""
+    """A linear layer split by input features (W's columns): each rank's partial sums are all-reduced.
+    The bias is added once: rank 0 holds it, the others a zero bias, so the GEMM call stays the plain
+    layer's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = parallel.current()
+        super().__init__(in_features // tp.size, out_features, bias)
+        self.tp = tp
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if param.dim() == 2:
+            default_weight_loader(param, self.tp.part(loaded, self.tp.size, dim=1))
+        else:
+            default_weight_loader(param, loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
 
 
 class ReplicatedLinear(_Linear):
@@ -94,29 +139,41 @@ class ReplicatedLinear(_Linear):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The embedding table; tensor parallelism will split it by vocabulary rows (out-of-shard ids then
-    contribute zeros before an all-reduce). Rows past the checkpoint's table are zero."""
+    """The embedding table, split by vocabulary rows: each rank holds `ceil(vocab / ranks)` rows, looks up
+    the ids in its rows, gives zeros for the others, and the ranks' lookups are all-reduced. Rows past the
+    checkpoint's table are zero."""
 
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()
+        self.tp = tp = parallel.current()
         self.vocab_size = vocab_size
-        self.weight = _set_loader(nn.Parameter(torch.empty(vocab_size, dim)), self.load_shard)
+        self.rows = -(-vocab_size // tp.size)
+        self.first = tp.rank * self.rows
+        self.weight = _set_loader(nn.Parameter(torch.empty(self.rows, dim)), self.load_shard)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        rows = loaded[: self.vocab_size]
+        rows = loaded[self.first : min(self.first + self.rows, self.vocab_size)]
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0.0))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection to vocabulary logits; tensor parallelism will split it by vocabulary rows and
-    gather the logits across ranks."""
+    """The output projection to vocabulary logits, split by vocabulary rows: each rank projects onto its
+    rows and the logits are gathered, so every rank holds all of them (and samples the same token)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return logits
+        return torch.cat(self.tp.all_gather(logits), dim=-1)[:, : self.vocab_size]
 
 
 class RMSNorm(nn.Module):

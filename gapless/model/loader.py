@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gapless.model import gguf, moe
+from gapless.model import gguf, moe, parallel
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
@@ -84,6 +84,7 @@ def load_model(
     """The checkpoint's model in `dtype` on `device`; `max_positions` as `CausalLM` takes it."""
     path = Path(path)
     cfg = load_model_config(path)
+    parallel.check_shardable(cfg, parallel.current().size)
     with _default_dtype(dtype), torch.device(device):
         model = CausalLM(cfg, max_positions)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -119,10 +120,12 @@ def _place(
     if param is None:
         raise ValueError(f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model")
     loader = getattr(param, "weight_loader", default_weight_loader)
-    offsets = getattr(_owner(model, name), "shard_offsets", None)
+    # where each shard sits in the checkpoint's fused tensor (whole, whatever this rank keeps of it)
+    offsets = getattr(_owner(model, name), "checkpoint_offsets", None)
     if shard is None and offsets:
         if tensor.shape[0] != sum(n for _, n in offsets.values()):
-            raise ValueError(f"fused weight {name!r} has {tensor.shape[0]} rows, the model {param.shape[0]}")
+            whole = sum(n for _, n in offsets.values())
+            raise ValueError(f"fused weight {name!r} has {tensor.shape[0]} rows, the model {whole}")
         for shard_id, (off, n) in offsets.items():
             loader(param, tensor.narrow(0, off, n), shard_id)
         return [f"{name}#{s}" for s in offsets]

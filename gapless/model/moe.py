@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gapless.model import parallel
 from gapless.model.config import ModelConfig
 from gapless.model.layers import GATED_ACTIVATIONS, ReplicatedLinear, set_weight_loader
 
@@ -76,6 +77,10 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__()
+        # tensor parallelism splits every expert by its width, as a dense MLP: each rank holds its piece
+        # of every expert's gate/up rows and down columns, and the experts' output is all-reduced
+        self.tp = parallel.current()
+        inter //= self.tp.size
         self.num_experts, self.inter = num_experts, inter
         self.gate_up_proj = set_weight_loader(
             nn.Parameter(torch.empty(num_experts, 2 * inter, hidden)), self.load_shard
@@ -95,6 +100,7 @@ class Experts(nn.Module):
         target = param.data[expert]
         if proj != "down":
             target = target.narrow(0, 0 if proj == "gate" else self.inter, self.inter)
+        loaded = self.tp.part(loaded, self.tp.size, dim=1 if proj == "down" else 0)
         if target.shape != loaded.shape:
             raise ValueError(
                 f"expert {expert} {proj} weight {tuple(loaded.shape)} does not fit {tuple(target.shape)}"
@@ -106,8 +112,10 @@ class Experts(nn.Module):
         if use_triton:
             from gapless.model.moe_triton import fused_experts
 
-            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
-        return reference_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+            out = fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        else:
+            out = reference_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return self.tp.all_reduce(out)
 
 
 class SparseMoE(nn.Module):

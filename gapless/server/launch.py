@@ -377,6 +377,8 @@ def serve(args: argparse.Namespace) -> int:
         # the model made local (fetched, downloaded) and checked before any worker starts
         cfg, mcfg = check_engine_config(named)
         args.served_model_name = args.served_model_name or served_name(named.model)
+        if cfg.node_rank > 0:  # another node of a tensor-parallel group: its ranks only, no HTTP
+            return _run_node(args, cfg)
         listener = listen(args.host, args.port)
     except ValueError as e:
         print(f"gapless: {e}", file=sys.stderr, flush=True)
@@ -416,6 +418,22 @@ def _run(
                 signal.signal(sig, signal.SIG_IGN)
             workers.stop()
             _reap_children()
+
+
+def _run_node(args: argparse.Namespace, cfg: EngineConfig) -> int:
+    """`--node-rank N` (N > 0): run this node's tensor-parallel ranks until node 0 stops them (status 0)
+    or one fails (status 1); node 0 serves HTTP and runs the scheduler."""
+    from gapless.engine.tp import run_node
+
+    configure_logging(args.log_level)
+    _adopt_orphans()
+    ranks = f"{cfg.tensor_parallel_size // cfg.nnodes} of {cfg.tensor_parallel_size} ranks"
+    where = f"rank 0 at {cfg.dist_init_addr}"
+    print(f"gapless: node {cfg.node_rank} of {cfg.nnodes}: {ranks}, {where}", flush=True)
+    try:
+        return run_node(cfg)
+    finally:
+        _reap_children()
 
 
 def _adopt_orphans() -> None:

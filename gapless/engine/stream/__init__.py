@@ -55,6 +55,10 @@ def make_stream(cfg: EngineConfig) -> tuple[DeviceStream, ModelRunner | None]:
     The device process gets cores of its own: with `cpu_affinity`, this process is pinned to one core
     (`HostPinning`) until the stream closes. An in-process device side runs on this process's threads,
     so `device_threads` sets them here, for good."""
+    if cfg.tensor_parallel_size > 1:  # the ranks' processes (imported here: gapless.engine.tp uses streams)
+        from gapless.engine.tp import TPStream
+
+        return host_side(TPStream(cfg), cfg), None
     worker = cpu_worker(cfg)
     on_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if worker == "process" and not on_cuda:

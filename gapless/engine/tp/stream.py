@@ -1,0 +1,55 @@
+"""The scheduler's device stream under tensor parallelism: `ProcessStream`'s protocol, with rank 0 as
+the device process and every rank of this node watched while the host waits."""
+
+from __future__ import annotations
+
+from gapless.config import EngineConfig
+from gapless.engine.stream.process import ProcessStream
+from gapless.engine.tp.ranks import LocalRanks
+from gapless.model.parallel import CollectiveError
+
+
+class TPStream(ProcessStream):
+    """Jobs go to rank 0 (which broadcasts each to the other ranks and runs it), results come back from
+    it, in submission order. While the host waits for rank 0, a rank that dies or reports an error ends
+    the wait with a `RankFailed` naming it; a failed collective rank 0 reports (`CollectiveError`: another
+    rank is gone or stuck) is raised as that other rank's failure when one is found, and rank 0 ending
+    without a word as its own."""
+
+    asynchronous = True
+
+    def __init__(self, cfg: EngineConfig) -> None:  # (ProcessStream's own start is not used)
+        if cfg.node_rank != 0:
+            raise ValueError(
+                f"node_rank={cfg.node_rank} runs ranks only, no engine: start it with `gapless serve "
+                f"--nnodes {cfg.nnodes} --node-rank {cfg.node_rank} ...`"
+            )
+        self.pinning = None
+        self._next_id = 0
+        self._done = {}
+        self.proc = None
+        self.ranks = LocalRanks(cfg)
+        self.proc, self.conn = self.ranks.procs[0], self.ranks.conns[0]
+        try:
+            _, self.info = self._recv()
+        except BaseException:
+            self._stop()
+            raise
+
+    def _recv(self) -> tuple:
+        self.ranks.wait_for(0)
+        try:
+            return super()._recv()
+        except CollectiveError:
+            # a failed collective on rank 0: another rank that died, or hung, is the cause to name
+            self.ranks.check(skip=0, grace=2.0)
+            self.ranks.blame_hung()
+            raise
+        except RuntimeError as e:
+            if isinstance(e.__cause__, (EOFError, OSError)):  # rank 0 itself is gone, saying nothing
+                raise self.ranks.failure(0) from e
+            raise
+
+    def _stop(self) -> None:
+        super()._stop()  # tells rank 0 to stop, which tells the others
+        self.ranks.stop()
