@@ -6,7 +6,7 @@ here imports from outside ``gapless.memory``.
 """
 
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.integrity import check_integrity
+from gapless.memory.integrity import check_integrity, check_live
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.prefix_cache import (
     HeldKV,
@@ -32,5 +32,6 @@ __all__ = [
     "cache_finished",
     "cache_unfinished",
     "check_integrity",
+    "check_live",
     "release_uncached",
 ]

@@ -16,6 +16,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
@@ -123,12 +124,14 @@ def test_retraction_and_abort_of_requests_that_freed(references, monkeypatch):
         victim, target = reqs[0], reqs[1]
         for _ in range(200):
             eng.step()
+            eng.scheduler.kv.check_live([r for r in reqs if r.row is not None])
             if victim.row is not None and real(eng.scheduler.kv.window, victim.row, victim.cached_len):
                 break
         eng.scheduler.decode._retract(victim)  # as decode does when the pool runs dry
         eng.abort(target.rid)
         while eng.has_unfinished():
             eng.step()
+            eng.scheduler.kv.check_live([r for r in reqs if r.row is not None])
         assert target.finish_reason == "abort"
         for req, ref in zip(reqs, refs):
             if req is not target:
@@ -210,3 +213,36 @@ def test_plan_frees_whole_own_pages_below_the_window(page_size):
     with pytest.raises(RuntimeError):
         win.shared(1, 4, 8)  # a prompt chunk cached after decode freed: a bug
     assert table[1, dead:32].tolist() == list(range(ps + dead, ps + 32))  # pages 1.. in order
+
+
+def test_triton_backend_never_reads_freed_slots(ckpt_factory):
+    """The Triton kernels (under the interpreter without a GPU; slow there, so one run) with decode
+    through the graph runner's static buffers, whose attention spans the whole max context: freed slots
+    poisoned with NaN, greedy tokens still transformers'."""
+    pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
+    from gapless.attention import triton_kernels as tk
+    from gapless.testing.hf_reference import hf_greedy, load_hf_model
+
+    if not torch.cuda.is_available() and not tk.INTERPRET:
+        pytest.fail("triton_kernels was imported before TRITON_INTERPRET was set (tests/conftest.py sets it)")
+    path = ckpt_factory("mistral", sliding_window=WINDOW)
+    hf = load_hf_model(path)
+    prompts = [list(range(40, 54)), [5, 6, 7]]
+    refs = [hf_greedy(hf, p, 16) for p in prompts]
+    with LLM(
+        str(path),
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        dtype="float32",
+        attention_backend="triton",
+        page_size=4,
+        kv_cache_tokens=256,
+        overlap=False,
+        cuda_graph_max_bs=2,
+    ) as llm:
+        poisoned = poison_freed(llm.engine.runner)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        for out, ref in zip(llm.generate(prompts, params, use_tqdm=False), refs, strict=True):
+            check_greedy(out.token_ids, ref)
+        assert poisoned[0] > 0
+        assert llm.engine.runner.graphs.runs[2] > 0
+        llm.check_integrity()

@@ -20,7 +20,7 @@ from gapless.engine.prompt_logprobs import reuse_limit
 from gapless.engine.request import Req
 from gapless.engine.scheduler.window import WindowKV
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.integrity import check_integrity
+from gapless.memory.integrity import check_integrity, check_live
 from gapless.memory.prefix_cache import (
     HeldKV,
     alloc_pages,
@@ -257,6 +257,16 @@ class KVManager:
     def check_integrity(self) -> None:
         """With no request left: every KV page free or in the tree, nothing locked, every row free."""
         check_integrity(self.allocator, self.cache, self.req_table)
+
+    def check_live(self, reqs: list[Req]) -> None:
+        """Between steps, with `reqs` every request holding a row: each page free, in the tree, or one
+        request's own (`gapless.memory.integrity.check_live`)."""
+        owned = []
+        for r in reqs:
+            assert r.row is not None
+            start = r.cached_len if self.window is None else int(self.window.live_from[r.row])
+            owned.append(self.req_table.host_table[r.row, start : r.kv_len].long())
+        check_live(self.allocator, self.cache, owned)
 
     # ------------------------------------------------------------------ internals
     def _held(self, req: Req, n: int) -> HeldKV:
