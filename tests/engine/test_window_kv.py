@@ -103,6 +103,20 @@ def test_greedy_parity_while_freeing(references, page_size, radix, loop, kv):
         llm.check_integrity()
 
 
+def test_device_process_overlap(references):
+    """The overlap loop against a real device process (what a CPU with 4+ cores runs): freeing at
+    schedule time while the process still runs the previous batch keeps tokens exact and leaks nothing."""
+    path, prompts, refs = references("mistral")
+    opts = dict(device="cpu", dtype="float32", page_size=16, radix_cache=False, chunked_prefill_size=16)
+    with LLM(
+        str(path), overlap=True, cpu_worker="process", kv_cache_tokens=SMALL_KV, **RETRACT_EAGERLY, **opts
+    ) as llm:
+        for out, ref in zip(llm.generate(prompts, GREEDY, use_tqdm=False), refs):
+            check_greedy(out.token_ids, ref)
+        assert llm.engine.stats.retractions > 0 and llm.engine.scheduler.kv.window is not None
+        llm.check_integrity()
+
+
 def test_retraction_and_abort_of_requests_that_freed(references, monkeypatch):
     """A request retracted after freeing resumes from its cached prefix by recomputing (its KV does not
     enter the tree); an aborted one gives everything back; the others are unchanged."""
