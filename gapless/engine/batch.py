@@ -110,3 +110,7 @@ class RunnerInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    # the model's sliding window and which layers slide: a request's KV behind the window is freed when
+    # every layer slides (gapless.engine.scheduler.window)
+    sliding_window: int | None = None
+    window_layers: tuple[bool, ...] = ()

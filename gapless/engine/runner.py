@@ -233,6 +233,8 @@ class ModelRunner:
             vocab_size=mc.vocab_size,
             max_position_embeddings=mc.max_position_embeddings,
             eos_token_ids=mc.eos_token_ids,
+            sliding_window=mc.sliding_window,
+            window_layers=mc.window_layers,
         )
 
     def forward_tokens(

@@ -6,9 +6,15 @@ here imports from outside ``gapless.memory``.
 """
 
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.integrity import check_integrity
+from gapless.memory.integrity import check_integrity, check_live
 from gapless.memory.kv_pool import KVPool
-from gapless.memory.prefix_cache import HeldKV, alloc_pages, cache_finished, cache_unfinished
+from gapless.memory.prefix_cache import (
+    HeldKV,
+    alloc_pages,
+    cache_finished,
+    cache_unfinished,
+    release_uncached,
+)
 from gapless.memory.radix_cache import MatchResult, NoPrefixCache, PrefixCache, RadixCache, TreeNode
 from gapless.memory.req_table import ReqTable
 
@@ -26,4 +32,6 @@ __all__ = [
     "cache_finished",
     "cache_unfinished",
     "check_integrity",
+    "check_live",
+    "release_uncached",
 ]

@@ -13,6 +13,33 @@ def _pages(mask: torch.Tensor, limit: int = 16) -> list[int]:
     return mask.nonzero().reshape(-1)[:limit].tolist()
 
 
+def check_live(allocator: PageAllocator, cache: PrefixCache, owned: list[torch.Tensor]) -> None:
+    """Raise AssertionError unless every usable page is exactly one of: free, held (whole) by the cache,
+    or owned by one live request. `owned`: per live request, the slots of its own KV (those not the
+    cache's, nor freed while it ran), a run starting at a page boundary. For checks between steps of a
+    running engine, where `check_integrity` only holds once it drains."""
+    cache.check_invariants()
+    ps = allocator.page_size
+    counts = torch.bincount(cache.all_slots() // ps, minlength=allocator.num_pages)
+    in_cache = counts > 0
+    own = torch.zeros(allocator.num_pages, dtype=torch.int64)
+    for slots in owned:
+        own += torch.bincount(allocator.pages_of(slots), minlength=allocator.num_pages)
+    if bool((own > 1).any()):
+        raise AssertionError(f"pages owned by two requests, or twice by one: {_pages(own > 1)}")
+    free = allocator.is_free_mask
+    owned_mask = own > 0
+    clash = (owned_mask & (free | in_cache)) | (free & in_cache)
+    if bool(clash[0]) or bool(owned_mask[0]) or bool(clash.any()):
+        raise AssertionError(f"pages both owned, free or cached (or page 0 owned): {_pages(clash)}")
+    neither = ~(free | in_cache | owned_mask)
+    neither[0] = False
+    if bool(neither.any()):
+        raise AssertionError(
+            f"{int(neither.sum())} pages leaked (not free, cached or owned): {_pages(neither)}"
+        )
+
+
 def check_integrity(allocator: PageAllocator, cache: PrefixCache, req_table: ReqTable) -> None:
     """Raise AssertionError unless memory is exactly as it should be with no request running.
 

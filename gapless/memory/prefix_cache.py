@@ -60,6 +60,14 @@ def cache_finished(cache: PrefixCache, allocator: PageAllocator, held: HeldKV) -
     cache.unlock(held.node)
 
 
+def release_uncached(cache: PrefixCache, allocator: PageAllocator, node: TreeNode, own: torch.Tensor) -> None:
+    """Release a request whose own KV cannot enter the cache (part of it was freed while it ran, so no
+    prefix of it past its cached one is whole): free its own pages, the slots ``own`` (a run starting at
+    a page boundary), and unlock its cached prefix, which stays in the cache as it was."""
+    allocator.free(allocator.pages_of(own))
+    cache.unlock(node)
+
+
 def cache_unfinished(
     cache: PrefixCache, allocator: PageAllocator, held: HeldKV
 ) -> tuple[torch.Tensor, TreeNode, int]:

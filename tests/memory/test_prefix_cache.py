@@ -187,3 +187,30 @@ def test_check_integrity_reports_each_kind_of_fault() -> None:
     a.free(a.pages_of(c.all_slots()[:4]))  # a cached page also on the free list
     with pytest.raises(AssertionError, match="free"):
         check_integrity(a, c, t)
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_release_uncached_frees_own_pages_and_keeps_the_prefix(ps):
+    """A request that freed the start of its own KV (a sliding window's) while running: its remaining own
+    pages go back, its cached prefix stays cached and unlocked, nothing of it enters the tree; the live
+    check accounts for every page at each stage and catches a leak and a double owner."""
+    from gapless.memory.integrity import check_live
+    from gapless.memory.prefix_cache import release_uncached
+
+    a, c, t = make(ps, num_pages=64)
+    first = Req(a, c, list(range(16)))
+    cache_finished(c, a, first.held())  # the prefix [0, 16) is cached
+    r = Req(a, c, list(range(16)) + list(range(100, 120)))
+    assert r.cached_len == 16
+    own = r.slots[16:]
+    check_live(a, c, [own])
+    a.free(a.pages_of(own[:8]))  # the window moved past [16, 24)
+    live = own[8:]
+    check_live(a, c, [live])
+    with pytest.raises(AssertionError, match="leaked"):
+        check_live(a, c, [live[ps:]])
+    with pytest.raises(AssertionError, match="two requests"):
+        check_live(a, c, [live, live[:ps]])
+    release_uncached(c, a, r.node, live)
+    check_integrity(a, c, t)
+    assert c.match_prefix(list(range(16)) + list(range(100, 120))).length == 16

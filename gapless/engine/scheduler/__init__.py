@@ -43,6 +43,7 @@ from gapless.engine.scheduler.queues import Queues
 from gapless.engine.scheduler.results import Results
 from gapless.engine.scheduler.verify import SpecDecode
 from gapless.engine.scheduler.verify_results import VerifyResults
+from gapless.engine.scheduler.window import freeing_window
 from gapless.engine.stats import EngineStats
 from gapless.engine.stream import DeviceStream, Pending
 from gapless.memory.allocator import PageAllocator
@@ -67,11 +68,14 @@ class Scheduler:
         self.allocator = PageAllocator(info.num_pages, cfg.page_size)
         cache_type = RadixCache if cfg.radix_cache else NoPrefixCache
         self.cache: PrefixCache = cache_type(self.allocator, cfg.page_size)
-        self.kv = KVManager(self.req_table, self.allocator, self.cache, ahead=speculative)
+        window = freeing_window(info.sliding_window, info.window_layers, speculative)
+        self.kv = KVManager(self.req_table, self.allocator, self.cache, ahead=speculative, window=window)
         self.queues = Queues()
         self.stats = EngineStats()
         self.meter = BubbleMeter(keep_trace=cfg.trace_path is not None, stats=self.stats)
-        reserve = DecodeReserve(cfg, info.max_context)
+        reserve = DecodeReserve(
+            cfg, info.max_context, self.kv.window.reserve_cap() if self.kv.window else None
+        )
         self.prefill = Prefill(cfg, self.queues, self.kv, reserve, self.stats)
         # speculative decoding: every decode is a verify batch (gapless.engine.scheduler.verify)
         self.spec = SpecDecode(cfg, self.kv, self.builder, info.max_context) if speculative else None

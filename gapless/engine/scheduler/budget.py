@@ -16,15 +16,18 @@ RETRACT_DECODE_STEPS = 20  # after a retraction, reserve at least this many step
 
 
 class DecodeReserve:
-    def __init__(self, cfg: EngineConfig, max_context: int) -> None:
+    def __init__(self, cfg: EngineConfig, max_context: int, cap: int | None = None) -> None:
+        """`cap`: the most KV a running request can still take, whatever its remaining tokens (its KV
+        behind a sliding window is freed as it decodes: `gapless.engine.scheduler.window`)."""
         self.max_context = max_context
+        self._cap = CLIP_MAX_NEW_TOKENS if cap is None else min(cap, CLIP_MAX_NEW_TOKENS)
         self.ratio = cfg.init_new_token_ratio
         self._min_ratio = cfg.min_new_token_ratio
         self._decay = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / cfg.new_token_ratio_decay_steps
 
     def tokens(self, req: Req) -> int:
         """KV tokens kept back for a running request's future decode steps (estimated, adaptive)."""
-        return int(min(req.remaining_tokens(self.max_context), CLIP_MAX_NEW_TOKENS) * self.ratio)
+        return int(min(req.remaining_tokens(self.max_context), self._cap) * self.ratio)
 
     def decay(self) -> None:
         """A decode batch got its KV: expect a little less of what is left to be used."""

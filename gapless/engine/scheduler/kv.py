@@ -5,7 +5,8 @@ to the radix tree, pinned through `last_node` (see gapless.memory.prefix_cache).
 admission (a matched prefix, then each extend chunk) and per decode step; a processed prefill chunk is
 shared with the tree; a finished or retracted request gives everything back in `release`. The host
 mirror of the request table changes here at once; the device table only through `take_table_writes`,
-in stream order, with the next batch launched.
+in stream order, with the next batch launched. For a model whose every layer slides, decode also gives
+back the request's own KV that left the window (`gapless.engine.scheduler.window`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,16 @@ import torch
 
 from gapless.engine.prompt_logprobs import reuse_limit
 from gapless.engine.request import Req
+from gapless.engine.scheduler.window import WindowKV
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.integrity import check_integrity
-from gapless.memory.prefix_cache import HeldKV, alloc_pages, cache_finished, cache_unfinished
+from gapless.memory.integrity import check_integrity, check_live
+from gapless.memory.prefix_cache import (
+    HeldKV,
+    alloc_pages,
+    cache_finished,
+    cache_unfinished,
+    release_uncached,
+)
 from gapless.memory.radix_cache import MatchResult, PrefixCache, TreeNode
 from gapless.memory.req_table import ReqTable
 
@@ -47,8 +55,15 @@ class KVManager:
     request table."""
 
     def __init__(
-        self, req_table: ReqTable, allocator: PageAllocator, cache: PrefixCache, ahead: bool = False
+        self,
+        req_table: ReqTable,
+        allocator: PageAllocator,
+        cache: PrefixCache,
+        ahead: bool = False,
+        window: int | None = None,
     ) -> None:
+        """`window`: free what a request's decode leaves behind this sliding window (every layer slides;
+        `gapless.engine.scheduler.window.freeing_window`); None keeps all of a request's KV."""
         # speculative decoding takes slots ahead (`alloc_runs`); only [0, seq_len - 1) of them is surely
         # written with the request's own tokens when it is released
         self.ahead = ahead
@@ -58,6 +73,8 @@ class KVManager:
         self.page_size = allocator.page_size
         self._host_table = req_table.host_table.numpy()  # the same memory, for numpy's cheaper indexing
         self._table_writes: list[tuple[int, int, torch.Tensor]] = []  # (row, start, slots) for the next batch
+        self._bulk_writes: list[TableWrites] = []  # (rows, positions, slots) for the next batch
+        self.window = WindowKV(window, allocator, self._host_table) if window is not None else None
 
     # ------------------------------------------------------------------ sizes
     def pages(self, tokens: int) -> int:
@@ -101,6 +118,8 @@ class KVManager:
         req.cached_len = req.kv_len = match.length
         if match.length:
             self._write_table(row, 0, match.slots)
+        if self.window is not None:
+            self.window.admit(row, match.length)
         return row
 
     def alloc_extend(self, req: Req, n: int) -> torch.Tensor:
@@ -126,11 +145,16 @@ class KVManager:
         the pool cannot give the pages even by evicting."""
         ps = self.page_size
         kv_lens = np.array([r.kv_len for r in reqs], dtype=np.int64)
+        rows = np.array([r.row for r in reqs], dtype=np.int64)
         needs_page = kv_lens % ps == 0 if ps > 1 else None
         need = len(reqs) if needs_page is None else int(needs_page.sum())
-        if need > self.allocator.num_free_pages + self.cache.evictable_size // ps:
+        window = self.window
+        behind = window.plan(rows, kv_lens) if window is not None else None
+        freeable = behind.num_pages if behind is not None else 0
+        if need > self.allocator.num_free_pages + self.cache.evictable_size // ps + freeable:
             return None
-        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        if window is not None and behind is not None:  # freed once the step surely runs: writes go with it
+            self._bulk_writes.append(window.free(behind))
         table = self._host_table
         if needs_page is None:  # page size 1: every token starts a page
             out = self._alloc_pages(need).numpy()
@@ -195,31 +219,54 @@ class KVManager:
             new = prefix[req.cached_len : cached_len]
             if not torch.equal(new, held.slots[req.cached_len : cached_len]):
                 self._write_table(req.row, req.cached_len, new)
+        if self.window is not None and req.row is not None:
+            self.window.shared(req.row, req.cached_len, cached_len)
         req.last_node, req.cached_len = node, cached_len
 
     def release(self, req: Req) -> None:
         """Give back a request's KV (into the prefix cache where it can be reused) and its table row."""
         if self.ahead:  # the slots past its last token's position hold no KV of its own tokens
             self.trim(req, min(req.kv_len, req.seq_len - 1))
-        cache_finished(self.cache, self.allocator, self._held(req, req.kv_len))
+        assert req.row is not None and req.last_node is not None
+        if self.window is not None and self.window.has_freed(req.row, req.cached_len):
+            # its early KV is gone, so none of it can enter the tree: the tree keeps what it had
+            own = self.req_table.host_table[req.row, int(self.window.live_from[req.row]) : req.kv_len].long()
+            release_uncached(self.cache, self.allocator, req.last_node, own)
+        else:
+            cache_finished(self.cache, self.allocator, self._held(req, req.kv_len))
         self.req_table.free(req.row)
         req.row, req.last_node, req.kv_len, req.cached_len = None, None, 0, 0
 
     # ------------------------------------------------------------------ device table
     def take_table_writes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(rows, positions, slots) of the row entries the device table still lacks, for the next batch
-        to apply in stream order: matched prefixes, and chunks the tree answered with its own slots."""
+        to apply in stream order: matched prefixes, chunks the tree answered with its own slots, and
+        positions whose KV left the window (slot 0)."""
         writes, self._table_writes = self._table_writes, []
-        if not writes:
+        bulk, self._bulk_writes = self._bulk_writes, []
+        if not writes and not bulk:
             return None
-        rows = torch.cat([torch.full((len(s),), row, dtype=torch.int64) for row, _, s in writes])
-        positions = torch.cat([torch.arange(start, start + len(s)) for _, start, s in writes])
-        return rows, positions, torch.cat([s for _, _, s in writes])
+        if not writes and len(bulk) == 1:
+            return bulk[0]
+        rows = [torch.full((len(s),), row, dtype=torch.int64) for row, _, s in writes] + [b[0] for b in bulk]
+        positions = [torch.arange(start, start + len(s)) for _, start, s in writes] + [b[1] for b in bulk]
+        slots = [s.to(torch.int64) for _, _, s in writes] + [b[2] for b in bulk]
+        return torch.cat(rows), torch.cat(positions), torch.cat(slots)
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
         """With no request left: every KV page free or in the tree, nothing locked, every row free."""
         check_integrity(self.allocator, self.cache, self.req_table)
+
+    def check_live(self, reqs: list[Req]) -> None:
+        """Between steps, with `reqs` every request holding a row: each page free, in the tree, or one
+        request's own (`gapless.memory.integrity.check_live`)."""
+        owned = []
+        for r in reqs:
+            assert r.row is not None
+            start = r.cached_len if self.window is None else int(self.window.live_from[r.row])
+            owned.append(self.req_table.host_table[r.row, start : r.kv_len].long())
+        check_live(self.allocator, self.cache, owned)
 
     # ------------------------------------------------------------------ internals
     def _held(self, req: Req, n: int) -> HeldKV:
