@@ -35,6 +35,7 @@ from gapless.engine.memory_plan import (
     plan_gpu_kv,
 )
 from gapless.engine.spec.device import SpecState
+from gapless.engine.spec.draft import DraftModel
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
 from gapless.model.config import load_model_config
@@ -109,6 +110,13 @@ class ModelRunner:
         graph_bs = self._graph_max_bs(cfg)
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        # a draft model's weights are loaded before the plan, and its KV counted in it (spec.draft)
+        draft = (
+            DraftModel(cfg, self.device, max_context, mcfg.vocab_size)
+            if cfg.speculative_draft_model
+            else None
+        )
+        per_token += draft.bytes_per_token if draft is not None else 0
         kv_tokens, plan = self._kv_tokens(cfg, max_context, per_token, graph_bs, allocated_before)
         num_pages = -(-kv_tokens // cfg.page_size) + 1  # +1: page 0 is reserved for padding
         self.kv_pool = self._new_kv_pool(num_pages)
@@ -116,9 +124,11 @@ class ModelRunner:
         # no request can outgrow what the pool holds by itself
         self.max_context = min(max_context, self.kv_tokens)
         self.req_table = ReqTable(max_rows + 1, self.max_context, self.device)
+        if draft is not None:
+            draft.make_pool(num_pages, cfg.page_size, self.device)
         if cfg.speculative_algorithm is not None:
             self.spec = SpecState(
-                max_rows + 1, self.max_context, cfg.speculative_num_draft_tokens, self.device
+                max_rows + 1, self.max_context, cfg.speculative_num_draft_tokens, self.device, draft
             )
         log.info(
             "KV cache: %d tokens, %.3g GiB, max context %d (%s)",
@@ -141,7 +151,9 @@ class ModelRunner:
     def _graph_max_bs(self, cfg: EngineConfig) -> int:
         """Largest decode batch run through the graph runner; 0: none. By default graphs are on for CUDA
         with a kernel backend: the torch reference would attend over the whole max context in a graph."""
-        if cfg.cuda_graph_max_bs is not None:
+        if cfg.speculative_draft_model is not None:  # graphs would skip the draft's mirror of decodes
+            n = 0
+        elif cfg.cuda_graph_max_bs is not None:
             n = cfg.cuda_graph_max_bs
         elif self.device.type == "cuda" and not isinstance(self.backend, TorchRefBackend):
             n = DEFAULT_MAX_BS
@@ -260,7 +272,10 @@ class ModelRunner:
         meta = batch.attention_metadata(table.device_table)
         # a decode's inputs are its rows' future-token slots
         input_ids = self.token_buf[batch.rows] if batch.is_decode else batch.input_ids
-        return self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
+        hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
+        if self.spec is not None and self.spec.draft is not None:  # the draft sees what the target sees
+            self.spec.draft.mirror(input_ids, batch.positions, batch.out_slots, meta)
+        return hidden
 
     @torch.inference_mode()
     def run(self, batch: DeviceJob) -> SampleOutput:
