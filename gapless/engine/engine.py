@@ -184,12 +184,12 @@ class Engine:
         self.grammars.state(params, ())
 
     def _check_speculation(self, params: SamplingParams) -> None:
-        """A token mask (a grammar, `min_tokens`) is not applied inside a verify batch yet, so with
-        speculative decoding such a request is refused by name rather than sampled unconstrained."""
+        """A grammar's mask is not applied inside a verify batch yet (min_tokens' is), so with speculative
+        decoding such a request is refused by name rather than sampled unconstrained."""
         if self.cfg.speculative_algorithm is None:
             return
         structured = params.structured
-        name = structured[0] if structured else "min_tokens" if params.min_tokens else None
+        name = structured[0] if structured else None
         if name is not None:
             raise RequestRefused(
                 f"{name} is not supported with speculative decoding "

@@ -105,12 +105,11 @@ def test_logprobs_are_the_targets(cyclic):
     [
         ({"regex": "[a-e]+"}, "regex"),
         ({"json_object": True}, "json_object"),
-        ({"min_tokens": 2}, "min_tokens"),
     ],
 )
 def test_token_masks_are_refused_with_speculation(cyclic, fields, named):
-    """A verify batch applies no token mask yet, so a grammar or min_tokens is refused by name (before
-    anything of the call is queued), and the engine goes on serving."""
+    """A verify batch applies no grammar mask yet (min_tokens' it does: test_min_tokens), so a grammar is
+    refused by name (before anything of the call is queued), and the engine goes on serving."""
     with LLM(cyclic, device="cpu", kv_cache_tokens=2048, speculative_algorithm="ngram") as llm:
         params = SamplingParams(max_tokens=4, temperature=0.0, **fields)
         with pytest.raises(ValueError, match=f"{named} is not supported with speculative decoding"):

@@ -8,7 +8,9 @@ the request holds KV slots for every position those tokens may take (`KVManager.
 from what the previous step accepted (`gapless.engine.spec.device`). When a verify is processed
 (`verify_results`), the bound drops to the truth and the slots past it go back (`KVManager.trim`).
 
-A request tries no drafts where speculating cannot pay or would be wrong: in batches larger than
+Below a request's `min_tokens` the stop tokens are masked at the verify positions whose true output step
+(read on the device) is under it (`_under_min_tokens`). A request tries no drafts where speculating cannot
+pay or would be wrong: in batches larger than
 `speculative_disable_batch_size`, with penalties (their token counts would have to follow each draft),
 near its `max_tokens` or the context limit, or when the pool is short. A batch in which none drafts and
 whose positions the host knows runs as a plain decode batch.
@@ -89,15 +91,16 @@ class SpecDecode:
         offsets = np.arange(total) - q_start[owner]
         token_rows = rows[owner]
         max_seq = max(r.kv_len for r in reqs)  # kv_len is past every position the batch may take
+        masked, min_tokens = _under_min_tokens(reqs, ext, q_start)
         for r, e in zip(reqs, ext.tolist()):
             r.sampled += e
             r.unresolved_drafts += e - 1
         writes = plan.writes
         if table_writes is not None:  # (a retraction's drain queued some: they go in the same buffer)
             writes = tuple(torch.cat([a, b]) for a, b in zip(writes, table_writes))  # type: ignore[assignment]
-        host = [torch.from_numpy(a) for a in (rows, ext, q_start, token_rows, owner, offsets)]
+        host = [torch.from_numpy(a) for a in (rows, ext, q_start, token_rows, owner, offsets, min_tokens)]
         parts = packed(*host, *writes, torch.arange(total))  # one buffer: the batch moves in one copy
-        rows_t, ext_t, q_start_t, token_rows_t, owner_t, offsets_t, *w, index = parts
+        rows_t, ext_t, q_start_t, token_rows_t, owner_t, offsets_t, min_t, *w, index = parts
         empty = index[:0]  # filled on the device (`SpecState.prepare`)
         forward = ForwardBatch(
             input_ids=empty,
@@ -116,6 +119,26 @@ class SpecDecode:
             sample_steps=empty,
             sampling=self.builder.stages.flags(token_rows),
             table_writes=(w[0], w[1], w[2]),
-            spec=VerifyInputs(owner_t, offsets_t, int(plan.drafts.max()), *self.ngram),
+            spec=VerifyInputs(
+                owner_t, offsets_t, int(plan.drafts.max()), *self.ngram, min_t if masked else None
+            ),
         )
-        return ScheduledBatch(reqs, forward, True, [], [], drafts=plan.drafts)
+        return ScheduledBatch(reqs, forward, True, [], [], masked=masked, drafts=plan.drafts)
+
+
+def _under_min_tokens(
+    reqs: list[Req], ext: np.ndarray, q_start: np.ndarray
+) -> tuple[list[tuple[int, Req, int]], np.ndarray]:
+    """The positions of a verify batch that may sample below their request's `min_tokens`, for a mask
+    without the stop tokens (`masks.make_mask`), and each position's min_tokens ([T], 0 where none).
+
+    The host knows only bounds of a position's output step: at least the tokens processed so far plus its
+    offset. Every position whose lower bound is under min_tokens gets the mask; the device keeps it only
+    where the true step (`SpecState.prepare`) is under min_tokens, so the tokens are decoding's."""
+    masked, min_tokens = [], np.zeros(int(ext.sum()), dtype=np.int64)
+    for r, e, start in zip(reqs, ext.tolist(), q_start.tolist()):
+        low, need = len(r.output_ids), r.params.min_tokens
+        for o in range(min(e, need - low)):
+            masked.append((start + o, r, low + o))
+            min_tokens[start + o] = need
+    return masked, min_tokens

@@ -59,14 +59,22 @@ class SpecState:
             drafts = self._drafts(batch, kv_lens, input_ids[batch.q_start], spec, req_table)
             drafted = drafts[spec.batch_index, (spec.offsets - 1).clamp(min=0)]
             input_ids = torch.where(spec.offsets > 0, drafted, input_ids)
+        steps = positions + 1 - self.prompt_lens[batch.token_rows]
+        mask = batch.token_mask
+        if mask is not None and spec.min_tokens is not None:  # the stop tokens stay masked only below it
+            under = (steps < spec.min_tokens)[:, None]
+            mask = dataclasses.replace(
+                mask, bits=torch.where(under, mask.bits, torch.full_like(mask.bits, -1))
+            )
         return dataclasses.replace(
             batch,
             input_ids=input_ids,
             positions=positions,
             out_slots=req_table.device_table[batch.token_rows, positions].long(),
             prefix_lens=kv_lens,
-            sample_steps=positions + 1 - self.prompt_lens[batch.token_rows],
+            sample_steps=steps,
             table_writes=None,
+            token_mask=mask,
         )
 
     def _drafts(

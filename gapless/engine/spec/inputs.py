@@ -19,6 +19,9 @@ class VerifyInputs:
     max_drafts: int  # the most drafts any request of the batch tries (columns of the draft grid)
     ngram_min: int
     ngram_max: int
+    # [T] int64: each token's request's min_tokens where the batch masks stop tokens (0 elsewhere); the
+    # device lifts the mask where the true output step reached it. None: no such request in the batch
+    min_tokens: torch.Tensor | None = None
 
 
 @dataclass
