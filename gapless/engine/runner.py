@@ -318,6 +318,8 @@ class ModelRunner:
         """Sample `batch`'s next tokens from its `logits` under `mask` and keep them in the token slots."""
         flags = batch.sampling
         assert flags is not None
+        if self.spec is not None:  # a verify's mask holds only below each position's true step
+            mask = self.spec.verify_mask(batch, mask)
         sampling = self.sampler.batch(batch.sample_rows, batch.sample_steps, flags)
         logits = self.sampler.constrain(logits, sampling, mask)
         tokens = self.sampler.sample(logits, sampling)

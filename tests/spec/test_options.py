@@ -100,27 +100,6 @@ def test_logprobs_are_the_targets(cyclic):
         assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b))
 
 
-@pytest.mark.parametrize(
-    ("fields", "named"),
-    [
-        ({"regex": "[a-e]+"}, "regex"),
-        ({"json_object": True}, "json_object"),
-    ],
-)
-def test_token_masks_are_refused_with_speculation(cyclic, fields, named):
-    """A verify batch applies no grammar mask yet (min_tokens' it does: test_min_tokens), so a grammar is
-    refused by name (before anything of the call is queued), and the engine goes on serving."""
-    with LLM(cyclic, device="cpu", kv_cache_tokens=2048, speculative_algorithm="ngram") as llm:
-        params = SamplingParams(max_tokens=4, temperature=0.0, **fields)
-        with pytest.raises(ValueError, match=f"{named} is not supported with speculative decoding"):
-            llm.generate([ids("xab"), ids("xbc")], [SamplingParams(max_tokens=4), params], use_tqdm=False)
-        with pytest.raises(ValueError, match=named):
-            llm.engine.add_request(ids("xab"), params)
-        out = llm.generate([ids("xab")], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
-        assert out.text == "cdea"
-        llm.check_integrity()
-
-
 @pytest.mark.parametrize("change", ["vocabulary", "eos_token_id"])
 def test_a_draft_with_another_tokenizer_is_refused(cyclic, tmp_path, change):
     """A draft model must tokenize as the target does (its ids are fed to the target as they are): a

@@ -18,6 +18,7 @@ from gapless.engine.spec.draft import DraftModel
 from gapless.engine.spec.inputs import HistoryWrites, VerifyInputs
 from gapless.engine.spec.ngram import ngram_drafts
 from gapless.memory.req_table import ReqTable
+from gapless.sampling.mask import TokenMask
 from gapless.sampling.speculative import accept_lengths
 
 
@@ -59,22 +60,14 @@ class SpecState:
             drafts = self._drafts(batch, kv_lens, input_ids[batch.q_start], spec, req_table)
             drafted = drafts[spec.batch_index, (spec.offsets - 1).clamp(min=0)]
             input_ids = torch.where(spec.offsets > 0, drafted, input_ids)
-        steps = positions + 1 - self.prompt_lens[batch.token_rows]
-        mask = batch.token_mask
-        if mask is not None and spec.min_tokens is not None:  # the stop tokens stay masked only below it
-            under = (steps < spec.min_tokens)[:, None]
-            mask = dataclasses.replace(
-                mask, bits=torch.where(under, mask.bits, torch.full_like(mask.bits, -1))
-            )
         return dataclasses.replace(
             batch,
             input_ids=input_ids,
             positions=positions,
             out_slots=req_table.device_table[batch.token_rows, positions].long(),
             prefix_lens=kv_lens,
-            sample_steps=steps,
+            sample_steps=positions + 1 - self.prompt_lens[batch.token_rows],
             table_writes=None,
-            token_mask=mask,
         )
 
     def _drafts(
@@ -93,6 +86,17 @@ class SpecState:
             )
         window = self.tokens[batch.rows, : min(batch.max_seq_len + 1, self.width)]
         return ngram_drafts(window, kv_lens + 1, spec.max_drafts, spec.ngram_min, spec.ngram_max)
+
+    @staticmethod
+    def verify_mask(batch: ForwardBatch, mask: TokenMask | None) -> TokenMask | None:
+        """A verify's token mask as sampling applies it: each position's mask only where its true output
+        step (`prepare`) is below the step the host made it up to (min_tokens'); the rest allow all. The
+        mask may come with the batch or after it (a `SampleJob`), so this runs at sampling."""
+        spec = batch.spec
+        if mask is None or not isinstance(spec, VerifyInputs) or spec.keep_mask_below is None:
+            return mask
+        under = (batch.sample_steps < spec.keep_mask_below)[:, None]
+        return dataclasses.replace(mask, bits=torch.where(under, mask.bits, torch.full_like(mask.bits, -1)))
 
     def keep(self, batch: ForwardBatch, sampled: torch.Tensor, token_buf: torch.Tensor) -> torch.Tensor:
         """After sampling: keep each row's next input in its future-token slot and advance its state.

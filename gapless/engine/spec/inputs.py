@@ -19,9 +19,10 @@ class VerifyInputs:
     max_drafts: int  # the most drafts any request of the batch tries (columns of the draft grid)
     ngram_min: int
     ngram_max: int
-    # [T] int64: each token's request's min_tokens where the batch masks stop tokens (0 elsewhere); the
-    # device lifts the mask where the true output step reached it. None: no such request in the batch
-    min_tokens: torch.Tensor | None = None
+    # [T] int64: the output step below which each token's mask is kept (its request's min_tokens, int64
+    # max for a grammar's, 0 where none); the device lifts a mask where the true step reached it. None:
+    # no masked token in the batch
+    keep_mask_below: torch.Tensor | None = None
 
 
 @dataclass

@@ -1,6 +1,10 @@
-"""min_tokens with speculation: the stop tokens are masked at exactly the verify positions whose output
-step is under min_tokens (read on the device, as the host knows only bounds under overlap), so the tokens
-are those of decoding without speculation, greedy and seeded, whether EOS is drafted inside a run or not."""
+"""Token masks with speculation: grammars and min_tokens give the tokens of decoding without speculation.
+
+min_tokens: the stop tokens are masked at exactly the verify positions whose output step is under
+min_tokens (read on the device, as the host knows only bounds under overlap), greedy and seeded, whether
+EOS is drafted inside a run or not. Grammars: a request under one drafts nothing, its position in the
+verify batch takes the grammar's mask (filled after the previous step was processed, as a decode's), while
+the requests beside it draft; the masks of both kinds meet in one deferred sampling job."""
 
 from __future__ import annotations
 
@@ -37,6 +41,36 @@ def test_min_tokens_with_speculation_is_decodings(cyclic, algorithm):
     assert [len(t) for t, _ in plain[:5]] == [5] * 5  # EOS at step 4: min_tokens <= 4 does not hold it back
     assert all(t[-1] != eos or len(t) > m for (t, _), m in zip(plain, range(9)))
     assert plain[8][0][:4] == ids("ghij") and plain[8][0][4] != eos  # held back: the runner-up instead
+    for loop in LOOPS.values():
+        spec, stats = _outputs(cyclic, prompts, params, **loop, **_spec(algorithm, cyclic))
+        assert spec == plain
+        assert stats["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_grammars_with_speculation_are_decodings(cyclic, algorithm):
+    """Requests under a regex (which the model's own continuation breaks, so the mask decides), a JSON
+    object and min_tokens run beside requests that draft: every output is plain decoding's, the grammars'
+    outputs match them, and the others still accept drafts."""
+    eos = build_tokenizer().eos_token_id
+    cycle = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [
+        ids("xabcdeab"),
+        ids("xabcdeab"),
+        ids("xbcdea"),
+        ids("fghij") + [eos] + ids("f"),
+        ids("xcdeab"),
+    ]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.0, regex="(ac|bd)+e"),
+        cycle,
+        SamplingParams(max_tokens=24, temperature=0.0, json_object=True),
+        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=7),
+        cycle,
+    ]
+    plain, _ = _outputs(cyclic, prompts, params, overlap=False)
+    text = build_tokenizer().decode(plain[0][0], skip_special_tokens=True)
+    assert text.startswith(("ac", "bd")) and "e" in text and not text.startswith("cde")
     for loop in LOOPS.values():
         spec, stats = _outputs(cyclic, prompts, params, **loop, **_spec(algorithm, cyclic))
         assert spec == plain
