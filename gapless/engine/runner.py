@@ -250,14 +250,9 @@ class ModelRunner:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The decoder over a flat batch whose slots are already in the request table; hidden [T, hidden]."""
-        ctx = ForwardContext(
-            positions=positions,
-            out_slots=out_slots,
-            kv_pool=self.kv_pool,
-            backend=self.backend,
-            attn_state=self.backend.prepare(meta),
+        return self.model(
+            input_ids, ForwardContext.prepared(positions, out_slots, self.kv_pool, self.backend, meta)
         )
-        return self.model(input_ids, ctx)
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:

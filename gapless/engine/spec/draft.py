@@ -25,6 +25,7 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from gapless.attention import Probe, make_backend
@@ -101,35 +102,16 @@ class DraftModel:
             mc.num_layers, num_pages, page_size, mc.num_kv_heads, mc.head_dim, self.dtype, device
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_slots: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, meta: AttentionMetadata) -> Tensor:
         """The draft decoder over a flat batch placed like the target's; hidden states [T, hidden]."""
         assert self.pool is not None
-        ctx = ForwardContext(
-            positions=positions,
-            out_slots=out_slots,
-            kv_pool=self.pool,
-            backend=self.backend,
-            attn_state=self.backend.prepare(meta),
-        )
-        return self.model(input_ids, ctx)
+        return self.model(ids, ForwardContext.prepared(positions, slots, self.pool, self.backend, meta))
 
-    def mirror(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_slots: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
+    def mirror(self, ids: Tensor, positions: Tensor, slots: Tensor, meta: AttentionMetadata) -> None:
         """Run the draft on what the target just ran, so its KV follows the target's token for token. A
         no-op before the pool exists (the target's memory measurement runs dummies then)."""
         if self.pool is not None:
-            self.forward(input_ids, positions, out_slots, meta)
+            self.forward(ids, positions, slots, meta)
 
     def propose(
         self,
