@@ -35,7 +35,7 @@ from gapless.engine.memory_plan import (
     plan_gpu_kv,
 )
 from gapless.engine.spec.device import SpecState
-from gapless.engine.spec.draft import DraftModel
+from gapless.engine.spec.draft import load_draft
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
 from gapless.model.config import load_model_config
@@ -111,11 +111,7 @@ class ModelRunner:
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
         # a draft model's weights are loaded before the plan, and its KV counted in it (spec.draft)
-        draft = (
-            DraftModel(cfg, self.device, max_context, mcfg.vocab_size)
-            if cfg.speculative_draft_model
-            else None
-        )
+        draft = load_draft(cfg, self.device, max_context, mcfg.vocab_size)
         per_token += draft.bytes_per_token if draft is not None else 0
         kv_tokens, plan = self._kv_tokens(cfg, max_context, per_token, graph_bs, allocated_before)
         num_pages = -(-kv_tokens // cfg.page_size) + 1  # +1: page 0 is reserved for padding

@@ -59,6 +59,15 @@ def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedToken
             )
 
 
+def load_draft(
+    cfg: EngineConfig, device: torch.device, max_positions: int, vocab_size: int
+) -> DraftModel | None:
+    """`cfg`'s draft model (weights and backend, no pool yet), or None without one."""
+    if cfg.speculative_draft_model is None:
+        return None
+    return DraftModel(cfg, device, max_positions, vocab_size)
+
+
 class DraftModel:
     """The draft's weights and backend (`load`), then its KV pool (`make_pool`, once the target's plan has
     sized both pools), and the two jobs it does on the device: `mirror` and `propose`."""
