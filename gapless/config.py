@@ -13,7 +13,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
 FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused_kernels
-SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # draft: refused by name for now (gapless.engine.spec)
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
 
 
 @dataclass
@@ -80,10 +80,11 @@ class EngineConfig:
     min_new_token_ratio: float = 0.14
     new_token_ratio_decay_steps: int = 600
     # speculative decoding (gapless.engine.spec): ngram drafts each request's next tokens from its own prompt
-    # and output (prompt lookup) and verifies them in one forward; None: off. draft is refused (not built yet)
+    # and output (prompt lookup); draft runs a small model with the same tokenizer (speculative_draft_model);
+    # both verify the drafts in one forward of the target; None: off
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4  # tokens drafted per request and step (the verify runs one more)
-    speculative_draft_model: str | None = None  # the draft model of speculative_algorithm=draft (refused)
+    speculative_draft_model: str | None = None  # the draft model of speculative_algorithm=draft
     ngram_min: int = 1  # shortest suffix of a request's tokens that ngram matches earlier in them
     ngram_max: int = 4  # longest such suffix (the longest that matches wins, then the latest match)
     # decode batches larger than this run without drafts (verifying K+1 tokens per request stops paying)
@@ -160,11 +161,13 @@ class EngineConfig:
         algo = self.speculative_algorithm
         if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
             raise bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS}")
-        if algo == "draft" or self.speculative_draft_model is not None:
-            raise ValueError(
-                "speculative_algorithm='draft' (--speculative-draft-model) is not supported yet: use "
-                "speculative_algorithm='ngram'"
+        if (algo == "draft") != (self.speculative_draft_model is not None):
+            raise bad(
+                "speculative_draft_model",
+                "is the draft model of speculative_algorithm='draft', which needs one and no other uses",
             )
+        if algo == "draft" and self.cuda_graph_max_bs:
+            raise bad("cuda_graph_max_bs", "CUDA graphs are not supported with a draft model yet: set 0")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise bad("speculative_num_draft_tokens", "must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max:

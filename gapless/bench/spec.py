@@ -1,7 +1,9 @@
-"""Speculative decoding's speed-up: output tok/s with n-gram speculation vs without, same process.
+"""Speculative decoding's speed-up: output tok/s with speculation (n-gram, or a draft model) vs without,
+same process.
 
     python -m gapless.bench.spec                      # SmolLM2-135M-Instruct on the CPU, batch 1
     python -m gapless.bench.spec --batch 32 --device cuda
+    python -m gapless.bench.spec --algorithm draft --draft-model PATH   # a draft with the same tokenizer
 
 The workload is copy-heavy, where prompt lookup pays: chat requests asking the model to repeat a
 passage exactly. Both engines (speculation off and on) are loaded side by side and run the same requests
@@ -53,13 +55,15 @@ def _run(llm: LLM, convs: list, params: SamplingParams, batch: int) -> tuple[lis
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     options = dict(device=args.device, max_running_requests=max(args.batch, 1), **args.engine_options)
+    algo = args.algorithm
     spec = dict(
-        speculative_algorithm="ngram",
+        speculative_algorithm=algo,
         speculative_num_draft_tokens=args.num_draft_tokens,
         speculative_disable_batch_size=max(args.batch, 1),
+        speculative_draft_model=args.draft_model,
     )
-    cli.progress(f"loading {args.model} twice (speculation off and on)")
-    engines = {"off": LLM(args.model, **options), "ngram": LLM(args.model, **options, **spec)}
+    cli.progress(f"loading {args.model} twice (speculation off and {algo})")
+    engines = {"off": LLM(args.model, **options), algo: LLM(args.model, **options, **spec)}
     convs = _messages(max(args.batch, len(PASSAGES)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     totals = {name: [0, 0.0] for name in engines}
@@ -73,7 +77,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             totals[name][0] += sum(len(t) for t in tokens)
             totals[name][1] += seconds
             cli.progress(f"round {r + 1}: {name}: {sum(len(t) for t in tokens) / seconds:.2f} output tok/s")
-    stats = engines["ngram"].get_stats()
+    stats = engines[algo].get_stats()
     for llm in engines.values():
         llm.shutdown()
     tok_s = {name: n / s for name, (n, s) in totals.items()}
@@ -81,14 +85,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         command=cli.command_line("gapless.bench.spec", sys.argv[1:]),
         machine=cli.machine(args.device),
         model=args.model,
+        algorithm=algo,
+        draft_model=args.draft_model,
         batch=args.batch,
         requests=len(convs),
         rounds=args.rounds,
         num_draft_tokens=args.num_draft_tokens,
         output_tokens=totals["off"][0],
         tok_s=tok_s,
-        speedup=tok_s["ngram"] / tok_s["off"],
-        identical=outputs["off"] == outputs["ngram"],
+        speedup=tok_s[algo] / tok_s["off"],
+        identical=outputs["off"] == outputs[algo],
         acceptance_rate=stats["spec_acceptance_rate"],
         mean_accepted_length=stats["spec_mean_accepted_length"],
     )
@@ -97,12 +103,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def report(res: dict[str, Any]) -> list[str]:
     rows = [
         (name, f"{res['tok_s'][name]:.2f}", f"{res['tok_s'][name] / res['tok_s']['off']:.2f}x")
-        for name in ("off", "ngram")
+        for name in ("off", res["algorithm"])
     ]
+    draft = f", drafted by {res['draft_model']}" if res["draft_model"] else ""
     return [
         res["command"],
         cli.machine_line(res["machine"]),
-        f"model {res['model']}, batch {res['batch']}, {res['requests']} copy-heavy requests x "
+        f"model {res['model']}{draft}, batch {res['batch']}, {res['requests']} copy-heavy requests x "
         f"{res['rounds']} rounds, {res['output_tokens']} output tokens per engine, "
         f"K={res['num_draft_tokens']}",
         *cli.markdown_table(["speculation", "output tok/s", "vs off"], rows, "lrr"),
@@ -116,12 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="model (default: the default model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=cli.positive_int, default=1, help="requests run together (default 1)")
+    p.add_argument("--algorithm", choices=("ngram", "draft"), default="ngram", help="default ngram")
+    p.add_argument("--draft-model", help="the draft model of --algorithm draft (the target's tokenizer)")
     p.add_argument("--num-draft-tokens", type=cli.positive_int, default=4, help="K (default 4)")
     p.add_argument("--max-tokens", type=cli.positive_int, default=128)
     p.add_argument("--rounds", type=cli.positive_int, default=2)
     p.add_argument("--json", help="also write the results here")
     cli.add_engine_option_arg(p.add_argument_group("engine"), "e.g. page_size=16")
     args = p.parse_args(argv)
+    if (args.algorithm == "draft") != (args.draft_model is not None):
+        p.error("--draft-model goes with --algorithm draft, which needs it")
     args.engine_options = cli.parse_engine_options(args.engine_option)
     res = measure(args)
     print("\n".join(report(res)))

@@ -31,7 +31,7 @@ from gapless.engine import prompt_logprobs
 from gapless.engine.detokenize import detokenize
 from gapless.engine.grammar import Grammars, check_logit_bias
 from gapless.engine.preflight import check_engine_config
-from gapless.engine.request import Req, RequestRefused
+from gapless.engine.request import Req
 from gapless.engine.runner import ModelRunner
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.stats import EngineStats
@@ -159,7 +159,6 @@ class Engine:
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
         check_logit_bias(params, self.vocab_size)
-        self._check_speculation(params)
         grammar = self.grammars.state(params, stop_ids)  # ValueError naming a field it cannot compile
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Req(
@@ -180,22 +179,7 @@ class Engine:
         """ValueError naming the field if `add_request` would refuse `params` (a logit_bias token outside
         the vocabulary, a grammar that cannot compile; the compiled grammar is kept for it)."""
         check_logit_bias(params, self.vocab_size)
-        self._check_speculation(params)
         self.grammars.state(params, ())
-
-    def _check_speculation(self, params: SamplingParams) -> None:
-        """A token mask (a grammar, `min_tokens`) is not applied inside a verify batch yet, so with
-        speculative decoding such a request is refused by name rather than sampled unconstrained."""
-        if self.cfg.speculative_algorithm is None:
-            return
-        structured = params.structured
-        name = structured[0] if structured else "min_tokens" if params.min_tokens else None
-        if name is not None:
-            raise RequestRefused(
-                f"{name} is not supported with speculative decoding "
-                f"(speculative_algorithm={self.cfg.speculative_algorithm!r}) yet",
-                name,
-            )
 
     def abort(self, rid: str) -> None:
         """Abort a request wherever it is; it is finished (reason "abort") at the next step."""

@@ -35,6 +35,7 @@ from gapless.engine.memory_plan import (
     plan_gpu_kv,
 )
 from gapless.engine.spec.device import SpecState
+from gapless.engine.spec.draft import load_draft
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
 from gapless.model import parallel
@@ -113,6 +114,9 @@ class ModelRunner:
         graph_bs = self._graph_max_bs(cfg)
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        # a draft model's weights are loaded before the plan, and its KV counted in it (spec.draft)
+        draft = load_draft(cfg, self.device, max_context, mcfg.vocab_size)
+        per_token += draft.bytes_per_token if draft is not None else 0
         kv_tokens, plan = self._kv_tokens(cfg, max_context, per_token, graph_bs, allocated_before)
         kv_tokens = parallel.current().min_over_ranks(kv_tokens)  # every rank's pool holds the same slots
         num_pages = -(-kv_tokens // cfg.page_size) + 1  # +1: page 0 is reserved for padding
@@ -121,9 +125,11 @@ class ModelRunner:
         # no request can outgrow what the pool holds by itself
         self.max_context = min(max_context, self.kv_tokens)
         self.req_table = ReqTable(max_rows + 1, self.max_context, self.device)
+        if draft is not None:
+            draft.make_pool(num_pages, cfg.page_size, self.device)
         if cfg.speculative_algorithm is not None:
             self.spec = SpecState(
-                max_rows + 1, self.max_context, cfg.speculative_num_draft_tokens, self.device
+                max_rows + 1, self.max_context, cfg.speculative_num_draft_tokens, self.device, draft
             )
         log.info(
             "KV cache: %d tokens, %.3g GiB, max context %d (%s)",
@@ -146,7 +152,9 @@ class ModelRunner:
     def _graph_max_bs(self, cfg: EngineConfig) -> int:
         """Largest decode batch run through the graph runner; 0: none. By default graphs are on for CUDA
         with a kernel backend: the torch reference would attend over the whole max context in a graph."""
-        if cfg.cuda_graph_max_bs is not None:
+        if cfg.speculative_draft_model is not None:  # graphs would skip the draft's mirror of decodes
+            n = 0
+        elif cfg.cuda_graph_max_bs is not None:
             n = cfg.cuda_graph_max_bs
         elif self.device.type == "cuda" and not isinstance(self.backend, TorchRefBackend):
             n = DEFAULT_MAX_BS
@@ -245,14 +253,9 @@ class ModelRunner:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The decoder over a flat batch whose slots are already in the request table; hidden [T, hidden]."""
-        ctx = ForwardContext(
-            positions=positions,
-            out_slots=out_slots,
-            kv_pool=self.kv_pool,
-            backend=self.backend,
-            attn_state=self.backend.prepare(meta),
+        return self.model(
+            input_ids, ForwardContext.prepared(positions, out_slots, self.kv_pool, self.backend, meta)
         )
-        return self.model(input_ids, ctx)
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
@@ -267,7 +270,10 @@ class ModelRunner:
         meta = batch.attention_metadata(table.device_table)
         # a decode's inputs are its rows' future-token slots
         input_ids = self.token_buf[batch.rows] if batch.is_decode else batch.input_ids
-        return self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
+        hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
+        if self.spec is not None and self.spec.draft is not None:  # the draft sees what the target sees
+            self.spec.draft.mirror(input_ids, batch.positions, batch.out_slots, meta)
+        return hidden
 
     @torch.inference_mode()
     def run(self, batch: DeviceJob) -> SampleOutput:
@@ -310,6 +316,8 @@ class ModelRunner:
         """Sample `batch`'s next tokens from its `logits` under `mask` and keep them in the token slots."""
         flags = batch.sampling
         assert flags is not None
+        if self.spec is not None:  # a verify's mask holds only below each position's true step
+            mask = self.spec.verify_mask(batch, mask)
         sampling = self.sampler.batch(batch.sample_rows, batch.sample_steps, flags)
         logits = self.sampler.constrain(logits, sampling, mask)
         tokens = self.sampler.sample(logits, sampling)

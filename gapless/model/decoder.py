@@ -42,6 +42,19 @@ class ForwardContext:
     backend: AttentionBackend
     attn_state: Any  # backend.prepare(metadata)
 
+    @classmethod
+    def prepared(
+        cls,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        kv_pool: KVPool,
+        backend: AttentionBackend,
+        meta: Any,
+    ) -> ForwardContext:
+        """The context of a flat batch placed by `meta` (`AttentionMetadata`), the backend's per-batch work
+        done: one way to build it for every model that runs on a pool (the target's, a draft's)."""
+        return cls(positions, out_slots, kv_pool, backend, backend.prepare(meta))
+
 
 class Attention(nn.Module):
     fused: Any = None  # the fused-kernels module when the model runs them (`gapless.model.fused`)

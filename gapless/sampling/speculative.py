@@ -11,7 +11,9 @@ min(1, p(d)/q(d)) = p(d) and on rejection draws from (p - q)+ renormalised, whic
 Drawing t ~ p and accepting when t == d does both at once: P(accept) = p(d), and a rejected t is p
 conditioned on t != d. So the target distribution is preserved, and because t is drawn from the same
 counter-based stream as without speculation, a seeded request gives the same tokens either way.
-(A draft model's q is not a point mass; it would need the general rule, which is not built yet.)
+A draft model's drafts are its argmax (`gapless.engine.spec.draft`): deterministic given the tokens before
+them, so their q is a point mass too and the same rule is exact. (Drafts sampled from the draft's own
+distribution would need the general rule and the draft's probabilities: not built.)
 """
 
 from __future__ import annotations

@@ -47,6 +47,38 @@ MATRIX = [(arch, list(CORNERS)[i % 2], list(LOOPS)[i // 2 % 2]) for i, arch in e
 
 @pytest.mark.parametrize(("arch", "corner", "loop"), MATRIX)
 def test_greedy_parity_with_speculation(references, arch, corner, loop):
+    stats = _check_parity(references, arch, corner, loop, SPEC)
+    if arch not in NEVER_ECHOES:
+        assert stats["spec_accepted_tokens"] > 0, "no draft was accepted: the runs were not exercised"
+
+
+# a draft model: the target itself (its drafts are right: runs accepted) or a random model of another
+# family with the same tokenizer (its drafts are wrong: the target's own token every step); each family
+# once, together every draft in both corners and both loops
+DRAFT_MATRIX = [
+    (arch, list(CORNERS)[i // 2 % 2], list(LOOPS)[i % 2], ("self", "other")[i // 4 % 2])
+    for i, arch in enumerate(ARCHS)
+]
+
+
+@pytest.mark.parametrize(("arch", "corner", "loop", "draft"), DRAFT_MATRIX)
+def test_greedy_parity_with_a_draft_model(references, ckpt_factory, arch, corner, loop, draft):
+    path = references(arch)[0]
+    other = ckpt_factory("llama", seed=7, num_hidden_layers=1)
+    spec = {
+        **SPEC,
+        "speculative_algorithm": "draft",
+        "speculative_draft_model": str(path if draft == "self" else other),
+    }
+    stats = _check_parity(references, arch, corner, loop, spec)
+    if draft == "self":
+        assert stats["spec_acceptance_rate"] >= 0.9, stats
+
+
+def _check_parity(references, arch: str, corner: str, loop: str, spec: dict) -> dict:
+    """Run the parity prompts on `arch` in `corner` and `loop` with speculation `spec`: the tokens of
+    transformers' greedy decoding (up to near-ties), verification exercised, retraction forced in the small
+    pool, no KV leaked. Returns the engine's stats."""
     path, prompts, refs = references(arch)
     page, radix, chunk, kv = CORNERS[corner]
     with LLM(
@@ -58,7 +90,7 @@ def test_greedy_parity_with_speculation(references, arch, corner, loop):
         kv_cache_tokens=kv,
         **RETRACT_EAGERLY if kv < 1000 else {},
         **LOOPS[loop],
-        **SPEC,
+        **spec,
     ) as llm:
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
@@ -69,11 +101,10 @@ def test_greedy_parity_with_speculation(references, arch, corner, loop):
                 warnings.warn(f"{arch} prompt {i}: {note}", stacklevel=1)
         stats = llm.get_stats()
         assert stats["spec_drafted_tokens"] > 0, "nothing was drafted: verification was not exercised"
-        if arch not in NEVER_ECHOES:
-            assert stats["spec_accepted_tokens"] > 0, "no draft was accepted: the runs were not exercised"
         if kv < 1000:
             assert stats["retractions"] > 0, "the small KV pool was meant to force retraction"
         llm.check_integrity()
+        return stats
 
 
 def _run(path: str, prompts, params, **options) -> tuple[list, dict]:
@@ -90,10 +121,21 @@ CYCLIC_PROMPTS = {
 }
 
 
+def _spec(algorithm: str, model: str) -> dict:
+    """SPEC with `algorithm`; with "draft", the draft model is `model` itself (its drafts are right)."""
+    return (
+        SPEC
+        if algorithm == "ngram"
+        else {**SPEC, "speculative_algorithm": "draft", "speculative_draft_model": model}
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
 @pytest.mark.parametrize("loop", LOOPS)
-def test_stops_inside_an_accepted_run(cyclic, loop):
-    """EOS, a stop string and max_tokens land inside runs of accepted drafts: the output stops exactly
-    where decoding without speculation stops, and the rest of the run is dropped."""
+def test_stops_inside_an_accepted_run(cyclic, loop, algorithm):
+    """EOS, a stop string and max_tokens land inside runs of accepted drafts (n-gram lookups, or the model
+    drafting for itself): the output stops exactly where decoding without speculation stops, and the rest
+    of the run is dropped."""
     eos = build_tokenizer().eos_token_id
     prompts = [ids(p) for p in CYCLIC_PROMPTS.values()]
     prompts[1] = ids("fghij") + [eos] + ids("f")  # the drafts after f: g h i j EOS
@@ -103,7 +145,7 @@ def test_stops_inside_an_accepted_run(cyclic, loop):
         SamplingParams(max_tokens=30, temperature=0.0, stop=["ea"]),  # a stop string across two drafts
     ]
     plain, _ = _run(cyclic, prompts, params, **LOOPS[loop])
-    spec, stats = _run(cyclic, prompts, params, **LOOPS[loop], **SPEC)
+    spec, stats = _run(cyclic, prompts, params, **LOOPS[loop], **_spec(algorithm, cyclic))
     assert spec == plain
     assert [p[2] for p in plain] == ["length", "stop", "stop"]
     assert plain[1][0][-1] == eos and len(plain[1][0]) == 5
@@ -111,8 +153,11 @@ def test_stops_inside_an_accepted_run(cyclic, loop):
     assert stats["spec_mean_accepted_length"] > 2
 
 
-@pytest.mark.parametrize("chaos_seed", [0, 1, 2])
-def test_chaos_aborts_and_retraction(cyclic, chaos_seed):
+CHAOS = [(0, "ngram"), (1, "ngram"), (2, "ngram"), (0, "draft")]  # (seed, speculative_algorithm)
+
+
+@pytest.mark.parametrize(("chaos_seed", "algorithm"), CHAOS)
+def test_chaos_aborts_and_retraction(cyclic, chaos_seed, algorithm):
     """Overlap with seeded random delays on both sides and the future-slot check on verify batches, a
     small pool that forces retraction, and requests aborted while their verify batches are in flight:
     the others' tokens are those of plain decoding, and no KV is leaked or freed twice."""
@@ -120,7 +165,13 @@ def test_chaos_aborts_and_retraction(cyclic, chaos_seed):
     prompts = [ids("x" + "".join(rng.choice("abcdeq") for _ in range(rng.randint(1, 30)))) for _ in range(8)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     reference, _ = _run(cyclic, prompts, params, overlap=False)
-    options = dict(overlap=True, cpu_worker="thread", chaos_seed=chaos_seed, chunked_prefill_size=16, **SPEC)
+    options = dict(
+        overlap=True,
+        cpu_worker="thread",
+        chaos_seed=chaos_seed,
+        chunked_prefill_size=16,
+        **_spec(algorithm, cyclic),
+    )
     with LLM(cyclic, device="cpu", kv_cache_tokens=160, **RETRACT_EAGERLY, **options) as llm:
         eng = llm.engine
         sched, overlapped = eng.scheduler, []

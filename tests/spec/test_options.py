@@ -1,15 +1,19 @@
-"""Speculation's options: the flags' names (vLLM's and SGLang's), bad values and the refused draft-model
-mode named; the switch-off above a batch size; the figures in get_stats; no host sync in a verify job."""
+"""Speculation's options: the flags' names (vLLM's and SGLang's), bad values named (a draft model whose
+tokenizer differs from the target's too); the switch-off above a batch size; the figures in get_stats; no
+host sync in a verify job."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 
 import pytest
+from transformers import AutoTokenizer
 
 from gapless import LLM, SamplingParams
 from gapless.config import EngineConfig, add_engine_args, config_from_args
 
+from ..engine.test_no_sync import _copies, _workload, forbid_host_syncs
 from .conftest import ids
 
 
@@ -27,6 +31,10 @@ def test_flags():
     ]
     p.add_argument("model_arg")
     cfg = config_from_args(p.parse_args([*argv, "--speculative-ngram-max-match-window-size", "5"]))
+    draft = config_from_args(
+        p.parse_args(["m", "--speculative-algorithm", "draft", "--speculative-draft-model-path", "/d"])
+    )
+    assert (draft.speculative_algorithm, draft.speculative_draft_model) == ("draft", "/d")
     assert (cfg.speculative_algorithm, cfg.speculative_num_draft_tokens, cfg.ngram_min, cfg.ngram_max) == (
         "ngram",
         6,
@@ -39,8 +47,9 @@ def test_flags():
     ("options", "named"),
     [
         ({"speculative_algorithm": "eagle"}, "speculative_algorithm"),
-        ({"speculative_algorithm": "draft"}, "draft"),
-        ({"speculative_algorithm": "ngram", "speculative_draft_model": "/m"}, "draft"),
+        ({"speculative_algorithm": "draft"}, "speculative_draft_model"),  # no draft model
+        ({"speculative_algorithm": "ngram", "speculative_draft_model": "/m"}, "speculative_draft_model"),
+        (dict(speculative_algorithm="draft", speculative_draft_model="/m", cuda_graph_max_bs=8), "graphs"),
         ({"speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens"),
         ({"ngram_min": 3, "ngram_max": 2}, "ngram_min"),
         ({"speculative_disable_batch_size": -1}, "speculative_disable_batch_size"),
@@ -91,23 +100,57 @@ def test_logprobs_are_the_targets(cyclic):
         assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b))
 
 
-@pytest.mark.parametrize(
-    ("fields", "named"),
-    [
-        ({"regex": "[a-e]+"}, "regex"),
-        ({"json_object": True}, "json_object"),
-        ({"min_tokens": 2}, "min_tokens"),
-    ],
-)
-def test_token_masks_are_refused_with_speculation(cyclic, fields, named):
-    """A verify batch applies no token mask yet, so a grammar or min_tokens is refused by name (before
-    anything of the call is queued), and the engine goes on serving."""
-    with LLM(cyclic, device="cpu", kv_cache_tokens=2048, speculative_algorithm="ngram") as llm:
-        params = SamplingParams(max_tokens=4, temperature=0.0, **fields)
-        with pytest.raises(ValueError, match=f"{named} is not supported with speculative decoding"):
-            llm.generate([ids("xab"), ids("xbc")], [SamplingParams(max_tokens=4), params], use_tqdm=False)
-        with pytest.raises(ValueError, match=named):
-            llm.engine.add_request(ids("xab"), params)
-        out = llm.generate([ids("xab")], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
-        assert out.text == "cdea"
+@pytest.mark.parametrize("change", ["vocabulary", "eos_token_id"])
+def test_a_draft_with_another_tokenizer_is_refused(cyclic, tmp_path, change):
+    """A draft model must tokenize as the target does (its ids are fed to the target as they are): a
+    different vocabulary or special id is a ValueError naming the draft model and what differs."""
+    draft = tmp_path / "draft"
+    shutil.copytree(cyclic, draft)
+    tok = AutoTokenizer.from_pretrained(str(draft))
+    if change == "vocabulary":
+        tok.add_tokens(["<not-in-the-target>"])
+    else:
+        tok.eos_token = "a"
+    tok.save_pretrained(str(draft))
+    with pytest.raises(ValueError, match=f"speculative_draft_model='{draft}'.*{change}"):
+        LLM(cyclic, device="cpu", speculative_algorithm="draft", speculative_draft_model=str(draft))
+
+
+def test_draft_model_verify_job_never_syncs(ckpt_factory):
+    """With a draft model the verify job also catches the draft up and runs its K proposal steps, all
+    placed on the device from the rows' state: no host sync in any job (extends, decodes, verifies, under
+    retraction), and each batch still crosses to the device in one copy."""
+    path = str(ckpt_factory("llama"))
+    with LLM(
+        path,
+        device="cpu",
+        page_size=4,
+        kv_cache_tokens=256,
+        chunked_prefill_size=32,
+        max_running_requests=6,
+        init_new_token_ratio=0.02,
+        min_new_token_ratio=0.02,
+        speculative_algorithm="draft",
+        speculative_draft_model=path,
+        overlap=True,
+        cpu_worker="thread",
+    ) as llm:
+        runner = llm.engine.runner
+        run = runner.run
+        verifies: list[int] = []
+
+        def watched(batch):
+            with forbid_host_syncs():
+                out = run(batch)
+            if batch.reads_future_tokens:
+                verifies.append(_copies(batch))
+            return out
+
+        runner.run = watched
+        prompts, params = _workload(runner.model_config.vocab_size)
+        outs = llm.generate([p * 3 for p in prompts], params, use_tqdm=False)
+        assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
+        stats = llm.get_stats()
+        assert stats["spec_accepted_tokens"] > 0 and stats["retractions"] > 0
+        assert len(verifies) > 5 and max(verifies) == 1
         llm.check_integrity()

@@ -65,16 +65,29 @@ def _accept_everything(targets, inputs, batch_index, offsets, batch, max_drafts)
     return torch.zeros(batch, dtype=torch.int64).scatter_reduce(0, batch_index, offsets, "amax")
 
 
-def test_distribution_matches_without_speculation(tiny_vocab, monkeypatch):
+def _spec(algorithm: str, path: str) -> dict:
+    """SPEC with `algorithm`; a draft model is the target itself (its greedy drafts are a point mass, as
+    n-gram drafts are)."""
+    return (
+        SPEC
+        if algorithm == "ngram"
+        else {**SPEC, "speculative_algorithm": "draft", "speculative_draft_model": path}
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_distribution_matches_without_speculation(tiny_vocab, monkeypatch, algorithm):
     plain, _ = _counts(tiny_vocab, seed=1, overlap=False)
-    spec, stats = _counts(tiny_vocab, seed=2, overlap=True, cpu_worker="thread", **SPEC)
+    spec, stats = _counts(
+        tiny_vocab, seed=2, overlap=True, cpu_worker="thread", **_spec(algorithm, tiny_vocab)
+    )
     assert stats["spec_accepted_tokens"] > 100, "too few accepted drafts to test their distribution"
     assert 0.1 < stats["spec_acceptance_rate"] < 0.9, "drafts always or never right: nothing to test"
     stat, critical = _chi_square(plain, spec)
     assert stat < critical, (stat, critical, plain, spec)
     # the test can fail: with drafts accepted unchecked, the distribution is far past the margin
     monkeypatch.setattr(gapless.engine.spec.device, "accept_lengths", _accept_everything)
-    broken, _ = _counts(tiny_vocab, seed=2, overlap=False, **SPEC)
+    broken, _ = _counts(tiny_vocab, seed=2, overlap=False, **_spec(algorithm, tiny_vocab))
     stat, critical = _chi_square(plain, broken)
     assert stat > critical, (stat, critical)
 
@@ -92,6 +105,7 @@ def test_seeded_requests_are_reproducible(tiny_vocab):
         {"overlap": False},
         {"overlap": False, **SPEC},
         {"overlap": True, "cpu_worker": "thread", **SPEC},
+        {"overlap": True, "cpu_worker": "thread", **_spec("draft", tiny_vocab)},
     ):
         with LLM(tiny_vocab, device="cpu", kv_cache_tokens=2048, **options) as llm:
             together = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -99,4 +113,4 @@ def test_seeded_requests_are_reproducible(tiny_vocab):
             assert together == alone
             results.append(together)
             llm.check_integrity()
-    assert results[0] == results[1] == results[2]
+    assert results[0] == results[1] == results[2] == results[3]

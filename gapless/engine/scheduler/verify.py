@@ -9,9 +9,12 @@ from what the previous step accepted (`gapless.engine.spec.device`). When a veri
 (`verify_results`), the bound drops to the truth and the slots past it go back (`KVManager.trim`).
 
 A request tries no drafts where speculating cannot pay or would be wrong: in batches larger than
-`speculative_disable_batch_size`, with penalties (their token counts would have to follow each draft),
-near its `max_tokens` or the context limit, or when the pool is short. A batch in which none drafts and
-whose positions the host knows runs as a plain decode batch.
+`speculative_disable_batch_size`, with penalties or a grammar (their token counts or matcher would have
+to follow each draft), near its `max_tokens` or the context limit, or when the pool is short. A batch in
+which none drafts and whose positions the host knows runs as a plain decode batch. Token masks
+(`_masked`): a grammar request's one position takes the grammar's mask as a decode's would; below a
+request's `min_tokens` the stop tokens are masked at the positions whose true output step (read on the
+device) is under it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from gapless.engine.scheduler.build import BatchBuilder, ScheduledBatch
 from gapless.engine.scheduler.kv import DecodeSlots, KVManager, TableWrites
 from gapless.engine.spec.inputs import VerifyInputs
 from gapless.tensors import packed
+
+KEEP = np.iinfo(np.int64).max  # a mask kept whatever the position's step
 
 
 @dataclass
@@ -57,8 +62,8 @@ class SpecDecode:
         return None if writes is None else VerifyPlan(drafts, writes)
 
     def _drafts(self, reqs: list[Req]) -> np.ndarray:
-        """Drafts per request: K, within its max_tokens and the context, 0 for penalised requests or past
-        the batch size where speculation stops paying."""
+        """Drafts per request: K, within its max_tokens and the context; 0 for penalised requests, under a
+        grammar, or past the batch size where speculation stops paying."""
         if len(reqs) > self.max_batch:
             return np.zeros(len(reqs), dtype=np.int64)
         k, ctx = self.num_drafts, self.max_context
@@ -66,7 +71,7 @@ class SpecDecode:
         return np.array(
             [
                 0
-                if r.params.has_penalties
+                if r.params.has_penalties or r.grammar is not None
                 else max(0, min(k, r.params.max_tokens - r.sampled - 1, ctx - 2 - r.kv_len))
                 for r in reqs
             ],
@@ -89,15 +94,16 @@ class SpecDecode:
         offsets = np.arange(total) - q_start[owner]
         token_rows = rows[owner]
         max_seq = max(r.kv_len for r in reqs)  # kv_len is past every position the batch may take
+        masked, keep_below_np = _masked(reqs, ext, q_start)
         for r, e in zip(reqs, ext.tolist()):
             r.sampled += e
             r.unresolved_drafts += e - 1
         writes = plan.writes
         if table_writes is not None:  # (a retraction's drain queued some: they go in the same buffer)
             writes = tuple(torch.cat([a, b]) for a, b in zip(writes, table_writes))  # type: ignore[assignment]
-        host = [torch.from_numpy(a) for a in (rows, ext, q_start, token_rows, owner, offsets)]
+        host = [torch.from_numpy(a) for a in (rows, ext, q_start, token_rows, owner, offsets, keep_below_np)]
         parts = packed(*host, *writes, torch.arange(total))  # one buffer: the batch moves in one copy
-        rows_t, ext_t, q_start_t, token_rows_t, owner_t, offsets_t, *w, index = parts
+        rows_t, ext_t, q_start_t, token_rows_t, owner_t, offsets_t, keep_below, *w, index = parts
         empty = index[:0]  # filled on the device (`SpecState.prepare`)
         forward = ForwardBatch(
             input_ids=empty,
@@ -116,6 +122,33 @@ class SpecDecode:
             sample_steps=empty,
             sampling=self.builder.stages.flags(token_rows),
             table_writes=(w[0], w[1], w[2]),
-            spec=VerifyInputs(owner_t, offsets_t, int(plan.drafts.max()), *self.ngram),
+            spec=VerifyInputs(
+                owner_t, offsets_t, int(plan.drafts.max()), *self.ngram, keep_below if masked else None
+            ),
         )
-        return ScheduledBatch(reqs, forward, True, [], [], drafts=plan.drafts)
+        return ScheduledBatch(reqs, forward, True, [], [], masked=masked, drafts=plan.drafts)
+
+
+def _masked(
+    reqs: list[Req], ext: np.ndarray, q_start: np.ndarray
+) -> tuple[list[tuple[int, Req, int]], np.ndarray]:
+    """The positions of a verify batch sampled under a token mask (`masks.make_mask`), with the output
+    step the mask is made for; and the step below which the device keeps each position's mask ([T]).
+
+    A grammar request drafts nothing, so its one position's step is exact (`sampled`, as a decode's) and
+    its mask (the grammar's, then min_tokens') is kept whatever the step. For min_tokens alone the host
+    knows only bounds of a position's step: at least the tokens processed so far plus its offset. Every
+    position whose lower bound is under min_tokens gets the mask without the stop tokens, and the device
+    keeps it only where the true step is under min_tokens (`SpecState.verify_mask`), so the tokens are
+    decoding's."""
+    masked, keep_below = [], np.zeros(int(ext.sum()), dtype=np.int64)
+    for r, e, start in zip(reqs, ext.tolist(), q_start.tolist()):
+        if r.grammar is not None:
+            masked.append((start, r, r.sampled))
+            keep_below[start] = KEEP
+            continue
+        low, need = len(r.output_ids), r.params.min_tokens
+        for o in range(min(e, need - low)):
+            masked.append((start + o, r, low + o))
+            keep_below[start + o] = need
+    return masked, keep_below

@@ -14,16 +14,27 @@ import dataclasses
 import torch
 
 from gapless.engine.batch import ForwardBatch
+from gapless.engine.spec.draft import DraftModel
 from gapless.engine.spec.inputs import HistoryWrites, VerifyInputs
 from gapless.engine.spec.ngram import ngram_drafts
 from gapless.memory.req_table import ReqTable
+from gapless.sampling.mask import TokenMask
 from gapless.sampling.speculative import accept_lengths
 
 
 class SpecState:
-    """Per-row token history, committed KV length and prompt length, for rows [0, num_rows)."""
+    """Per-row token history, committed KV length and prompt length, for rows [0, num_rows); and the draft
+    model, when one proposes the drafts (else they are n-gram lookups in the history)."""
 
-    def __init__(self, num_rows: int, max_context: int, max_drafts: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_rows: int,
+        max_context: int,
+        max_drafts: int,
+        device: torch.device,
+        draft: DraftModel | None = None,
+    ) -> None:
+        self.draft = draft
         # room past the context for the tokens a verify samples beyond what it accepts (never read)
         self.width = max_context + max_drafts + 2
         self.tokens = torch.zeros(num_rows, self.width, dtype=torch.int64, device=device)
@@ -46,8 +57,7 @@ class SpecState:
         positions = kv_lens[spec.batch_index] + spec.offsets
         input_ids = token_buf[batch.token_rows]
         if spec.max_drafts:
-            window = self.tokens[batch.rows, : min(batch.max_seq_len + 1, self.width)]
-            drafts = ngram_drafts(window, kv_lens + 1, spec.max_drafts, spec.ngram_min, spec.ngram_max)
+            drafts = self._drafts(batch, kv_lens, input_ids[batch.q_start], spec, req_table)
             drafted = drafts[spec.batch_index, (spec.offsets - 1).clamp(min=0)]
             input_ids = torch.where(spec.offsets > 0, drafted, input_ids)
         return dataclasses.replace(
@@ -59,6 +69,34 @@ class SpecState:
             sample_steps=positions + 1 - self.prompt_lens[batch.token_rows],
             table_writes=None,
         )
+
+    def _drafts(
+        self,
+        batch: ForwardBatch,
+        kv_lens: torch.Tensor,
+        last: torch.Tensor,
+        spec: VerifyInputs,
+        table: ReqTable,
+    ) -> torch.Tensor:
+        """Each request's drafts [B, max_drafts]: the draft model's, or n-gram lookups in its history."""
+        if self.draft is not None:
+            num = batch.extend_lens - 1
+            return self.draft.propose(
+                batch.rows, kv_lens, last, num, spec.max_drafts, table, batch.max_seq_len
+            )
+        window = self.tokens[batch.rows, : min(batch.max_seq_len + 1, self.width)]
+        return ngram_drafts(window, kv_lens + 1, spec.max_drafts, spec.ngram_min, spec.ngram_max)
+
+    @staticmethod
+    def verify_mask(batch: ForwardBatch, mask: TokenMask | None) -> TokenMask | None:
+        """A verify's token mask as sampling applies it: each position's mask only where its true output
+        step (`prepare`) is below the step the host made it up to (min_tokens'); the rest allow all. The
+        mask may come with the batch or after it (a `SampleJob`), so this runs at sampling."""
+        spec = batch.spec
+        if mask is None or not isinstance(spec, VerifyInputs) or spec.keep_mask_below is None:
+            return mask
+        under = (batch.sample_steps < spec.keep_mask_below)[:, None]
+        return dataclasses.replace(mask, bits=torch.where(under, mask.bits, torch.full_like(mask.bits, -1)))
 
     def keep(self, batch: ForwardBatch, sampled: torch.Tensor, token_buf: torch.Tensor) -> torch.Tensor:
         """After sampling: keep each row's next input in its future-token slot and advance its state.

@@ -19,6 +19,10 @@ class VerifyInputs:
     max_drafts: int  # the most drafts any request of the batch tries (columns of the draft grid)
     ngram_min: int
     ngram_max: int
+    # [T] int64: the output step below which each token's mask is kept (its request's min_tokens, int64
+    # max for a grammar's, 0 where none); the device lifts a mask where the true step reached it. None:
+    # no masked token in the batch
+    keep_mask_below: torch.Tensor | None = None
 
 
 @dataclass
