@@ -14,15 +14,6 @@ if TYPE_CHECKING:
     from gapless.engine.grammar import GrammarState
 
 
-class RequestRefused(ValueError):
-    """A request the engine will not run, with the request field to blame (`param`: the server's 400
-    names it)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 class ReqStatus(enum.Enum):
     WAITING = "waiting"  # in the waiting queue (new, or retracted)
     PREFILL = "prefill"  # admitted, prompt being prefilled in chunks
