@@ -3,7 +3,8 @@
 Greedy output equals transformers' for every family of the parity matrix (`tests/engine/test_parity.py`),
 each in one of two corners of the engine's options (overlap on, small chunks, a KV pool small enough to
 force retraction; or overlap off, page 16, one chunk), Mistral's single KV head replicated over both ranks.
-Seeded sampling gives the tokens one rank gives. A rank that dies or hangs ends the engine with an error
+Seeded sampling gives the tokens one rank gives; with n-gram or draft-model speculation on, greedy output
+is unchanged. A rank that dies or hangs ends the engine with an error
 naming it, and no process is left.
 """
 
@@ -40,6 +41,17 @@ CORNERS = {
 # each family in one corner, alternating down ARCHS: both corners see dense and mixture-of-experts models
 COMBOS = [(arch, list(CORNERS)[i % 2]) for i, arch in enumerate(ARCHS)]
 SEEDED = ("qwen3", "mixtral")  # also compare seeded sampling with one rank's
+# families that also speculate (the greedy output must not change): n-gram drafts, and the model drafting
+# for itself (its draft sharded like the target, with its own KV pool slice per rank)
+SPECULATING = {"llama": "ngram", "mistral": "draft"}
+
+
+def _speculation(arch: str, path: object) -> dict[str, object]:
+    algo = SPECULATING.get(arch)
+    if algo is None:
+        return {}
+    draft = {"speculative_draft_model": str(path)} if algo == "draft" else {}
+    return {"speculative_algorithm": algo, **draft}
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -68,12 +80,14 @@ def test_two_ranks_give_transformers_greedy_output(references, arch, corner):
     path, prompts, refs = references(arch)
     before = descendants(os.getpid())
     options = dict(device="cpu", dtype="float32", max_running_requests=64, **CORNERS[corner])
-    with LLM(str(path), tensor_parallel_size=2, **options) as llm:
+    with LLM(str(path), tensor_parallel_size=2, **options, **_speculation(arch, path)) as llm:
         assert len(descendants(os.getpid()) - before) == 2  # one process per rank
         greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
         for i, (out, ref) in enumerate(zip(llm.generate(prompts, greedy, use_tqdm=False), refs)):
             if note := check_greedy(out.token_ids, ref):
                 warnings.warn(f"{arch} prompt {i}: {note}", stacklevel=1)
+        if arch in SPECULATING:
+            assert llm.get_stats()["spec_drafted_tokens"] > 0, "speculation was meant to draft"
         if corner == "overlap+retract":
             assert llm.engine.stats.retractions > 0, "the small KV pool was meant to force retraction"
         llm.check_integrity()

@@ -33,6 +33,7 @@ from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
+from gapless.model import parallel
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.loader import load_model, resolve_dtype
@@ -81,7 +82,8 @@ class DraftModel:
             load_tokenizer(dataclasses.replace(cfg, model=str(path), tokenizer=None)),
             name,
         )
-        self.config: ModelConfig = load_model_config(Path(path))
+        # this rank's heads under tensor parallelism: the draft is sharded like the target, its pool too
+        self.config: ModelConfig = parallel.rank_view(load_model_config(Path(path)), parallel.current())
         self.dtype = resolve_dtype(cfg.dtype, self.config, device)
         self.model: CausalLM = load_model(path, self.dtype, device, max_positions=max_positions)
         mc = self.config
