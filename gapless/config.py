@@ -83,6 +83,9 @@ class EngineConfig:
     ngram_max: int = 4  # longest such suffix (the longest that matches wins, then the latest match)
     # decode batches larger than this run without drafts (verifying K+1 tokens per request stops paying)
     speculative_disable_batch_size: int = 16
+    # data parallelism: engine replicas (a scheduler + model process each, on its own device or CPU cores)
+    # behind one API server, requests routed by --load-balance-method (gapless.server.router); server only
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -115,6 +118,12 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
         self._check_speculative(bad)
+        self._check_parallel(bad)
+
+    def _check_parallel(self, bad: Any) -> None:
+        """The parallelism options: sizes of at least 1."""
+        if self.data_parallel_size < 1:
+            raise bad("data_parallel_size", "must be >= 1")
 
     def _check_speculative(self, bad: Any) -> None:
         """The speculative-decoding options: a known algorithm, sizes in range, and no half-built mode."""
@@ -185,13 +194,17 @@ FLAG_ALIASES: dict[str, Alias] = {
     "--speculative-draft-model-path": Alias("speculative_draft_model", "SGLang"),
     "--speculative-ngram-min-match-window-size": Alias("ngram_min", "SGLang"),
     "--speculative-ngram-max-match-window-size": Alias("ngram_max", "SGLang"),
+    # data parallelism (gapless.server.router): SGLang's names, and vLLM's short one
+    "--dp-size": Alias("data_parallel_size", "SGLang"),
+    "--dp": Alias("data_parallel_size", "SGLang"),
+    "-dp": Alias("data_parallel_size", "vLLM"),
 }
 
-# vLLM's and SGLang's parallelism flags: gapless runs on one device, so any size but 1 is refused by name
+# vLLM's and SGLang's parallelism flags: gapless runs a model on one device, so any size but 1 is refused by
+# name (data parallelism is an `EngineConfig` option: replicas, each on one device)
 _PARALLEL_FLAGS = {
     "tensor": ("--tensor-parallel-size", "--tp-size", "-tp"),
     "pipeline": ("--pipeline-parallel-size", "--pp-size", "-pp"),
-    "data": ("--data-parallel-size", "--dp-size", "-dp"),
 }
 
 # the dtype names the flag takes: torch's, and vLLM's (half, float) for the same types
