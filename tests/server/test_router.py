@@ -127,3 +127,17 @@ def test_combined_stats_sum_counts_and_name_a_failing_replica():
     assert out["prompt_tokens"] == 40 and out["running_requests"] == 1 and out["prefix_hit_rate"] == 0.5
     assert out["integrity"] == "replica 1: failed: leak" and out["replicas"] == [a, b]
     assert combine_stats([a]) is a  # one replica: its stats as they are
+
+
+def test_data_parallel_flags_and_the_offline_refusal():
+    import argparse
+
+    from gapless.config import add_engine_args, engine_options
+    from gapless.llm import LLM
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flags in (["--data-parallel-size", "2"], ["--dp", "2"], ["--dp-size", "2"], ["-dp", "2"]):
+        assert engine_options(parser.parse_args(flags))["data_parallel_size"] == 2, flags
+    with pytest.raises(ValueError, match="data_parallel_size=2: an engine in this process is one replica"):
+        LLM("tiny-random", data_parallel_size=2)  # refused before anything loads
