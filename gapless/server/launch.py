@@ -6,10 +6,10 @@ architecture, weights and tokenizer), the device, and the port (binding the HTTP
 each of those mistakes is one `gapless: ...` line and exit status 2 within a second. Importing this module
 loads neither torch nor the web stack (`serve` does), so the command line's parser stays fast.
 
-The API server runs in this process (uvicorn on an asyncio loop); the scheduler and the tokenizer and
-detokenizer (in a process each, or both in one: `gapless.server.layout`) are child processes forked
-from a fork server that imported torch and transformers once (`preload`), or spawned where the
-platform has no fork server.
+The API server runs in this process (uvicorn on an asyncio loop); the scheduler (one per data-parallel
+replica, `gapless.server.replicas`) and the tokenizer and detokenizer (in a process each, or both in
+one: `gapless.server.layout`) are child processes forked from a fork server that imported torch and
+transformers once (`preload`), or spawned where the platform has no fork server.
 
 Shutdown (SIGINT, SIGTERM, or a worker dying) first ends every open request: a stream gets an error event
 and `data: [DONE]`, a waiting request a 503. Then uvicorn stops, the workers are terminated and waited for
@@ -382,9 +382,9 @@ def _check_replica_devices(cfg: EngineConfig) -> None:
     """ValueError when the data-parallel replicas need more GPUs than this machine has."""
     import torch
 
-    from gapless.server.replicas import check_devices
+    from gapless.server.replicas import check_devices, uses_cuda
 
-    on_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    on_cuda = uses_cuda(cfg)
     check_devices(cfg, on_cuda, torch.cuda.device_count() if on_cuda else 0)
 
 

@@ -16,6 +16,13 @@ from typing import Any
 from gapless.config import EngineConfig
 
 
+def uses_cuda(cfg: EngineConfig) -> bool:
+    """Whether the engines run on CUDA (`auto`: when there is a GPU); imports torch."""
+    import torch
+
+    return cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+
+
 def scheduler_name(replica: int, replicas: int) -> str:
     """The worker's name in logs, errors and `/debug/state`'s `worker_pids`."""
     return "scheduler" if replicas == 1 else f"scheduler-{replica}"

@@ -1,5 +1,8 @@
 """The server's worker processes: tokenizer, scheduler (engine + model runner), detokenizer.
 
+With `--data-parallel-size N` there are N schedulers, one per replica (`gapless.server.replicas`), and the
+tokenizer stage routes each request to one (`gapless.server.router`).
+
 Each is a child process (forked from the server's fork server, see `launch`) with a PULL socket it binds
 and PUSH sockets to the next stage (see `protocol`); the tokenizer and detokenizer stages run in a
 process each or share one (`text_worker_main`, the process layout of `gapless.server.layout`). A worker
@@ -34,7 +37,7 @@ from gapless.server import protocol as P
 from gapless.server.logs import LOG_LEVEL_ENV, StatsLog, configure_logging
 from gapless.server.openai_protocol import prompt_too_long
 from gapless.server.prompt_logprobs import decode_prompt_logprobs, prompt_logprob_fields
-from gapless.server.replicas import replica_config, scheduler_name
+from gapless.server.replicas import replica_config, scheduler_name, uses_cuda
 from gapless.server.router import Router
 from gapless.server.tools import template_message
 
@@ -393,12 +396,9 @@ def scheduler_main(
         push["tokenizer"] = ends.tokenizer
 
     def body(socks: _Sockets) -> None:
-        import torch
-
         from gapless.engine.engine import Engine
 
-        on_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-        engine = Engine(replica_config(cfg, replica, on_cuda))
+        engine = Engine(replica_config(cfg, replica, uses_cuda(cfg)))
         try:
             info = engine.info
             ready = P.SchedulerInfo(
