@@ -99,6 +99,9 @@ class EngineConfig:
     dist_init_addr: str | None = None
     # seconds a rank waits for the others (start-up, each collective) before the engine ends with an error
     dist_timeout: float = 60.0
+    # data parallelism: engine replicas (a scheduler + model process each, on its own device or CPU cores)
+    # behind one API server, requests routed by --load-balance-method (gapless.server.router); server only
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -134,8 +137,11 @@ class EngineConfig:
         self._check_parallel(bad)
 
     def _check_parallel(self, bad: Any) -> None:
-        """The tensor-parallel options: sizes in range, ranks spread evenly over the nodes, an address
-        where several nodes must meet (torchrun's MASTER_ADDR/MASTER_PORT when none is given)."""
+        """The parallelism options: at least one data-parallel replica; for tensor parallelism, sizes in
+        range, ranks spread evenly over the nodes, an address where several nodes must meet (torchrun's
+        MASTER_ADDR/MASTER_PORT when none is given)."""
+        if self.data_parallel_size < 1:
+            raise bad("data_parallel_size", "must be >= 1")
         if self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be >= 1")
         if self.nnodes < 1:
@@ -230,13 +236,16 @@ FLAG_ALIASES: dict[str, Alias] = {
     "--tp": Alias("tensor_parallel_size", "SGLang"),
     "--tp-size": Alias("tensor_parallel_size", "SGLang"),
     "-tp": Alias("tensor_parallel_size", "vLLM"),
+    # data parallelism (gapless.server.router): SGLang's names, and vLLM's short one
+    "--dp-size": Alias("data_parallel_size", "SGLang"),
+    "--dp": Alias("data_parallel_size", "SGLang"),
+    "-dp": Alias("data_parallel_size", "vLLM"),
 }
 
-# vLLM's and SGLang's parallelism flags gapless does not run (tensor parallelism is an option above), so
-# any size but 1 is refused by name
+# vLLM's and SGLang's parallelism flags gapless does not run (tensor and data parallelism are options
+# above), so any size but 1 is refused by name
 _PARALLEL_FLAGS = {
     "pipeline": ("--pipeline-parallel-size", "--pp-size", "-pp"),
-    "data": ("--data-parallel-size", "--dp-size", "-dp"),
 }
 
 # the dtype names the flag takes: torch's, and vLLM's (half, float) for the same types

@@ -49,6 +49,11 @@ class EngineShutDown(RuntimeError):
 
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
+        if cfg.data_parallel_size != 1:  # the server's replicas each get a config of size 1
+            raise ValueError(
+                f"data_parallel_size={cfg.data_parallel_size}: an engine in this process is one replica; "
+                "data parallelism is served: gapless serve --data-parallel-size N"
+            )
         # the model as local files (a path, a built-in name or a Hugging Face id), checked before it loads
         self.cfg = cfg = check_engine_config(cfg)[0]
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)

@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 import uuid
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -22,6 +23,7 @@ from gapless.server import protocol as P
 from gapless.server.health import Health
 from gapless.server.metrics import Metrics, RequestClock
 from gapless.server.openai_protocol import BadRequest, Prompt, Submission
+from gapless.server.replicas import combine_stats
 from gapless.server.workers import Endpoints
 
 log = logging.getLogger(__name__)
@@ -104,9 +106,11 @@ class EngineClient:
         self.to_tokenizer = self._send_ctx.socket(zmq.PUSH)
         self.to_tokenizer.connect(ends.tokenizer)
         self.groups: dict[str, Group] = {}  # engine rid -> its HTTP request's group
-        self.stats_waiters: dict[int, asyncio.Future[P.Stats]] = {}
-        self.last_stats: P.Stats = {}  # the scheduler's last answer, and when it came
-        self.last_stats_at: float | None = None
+        self.replicas = len(ends.schedulers)  # data-parallel replicas: each answers a stats request
+        self.stats_waiters: dict[int, _StatsWait] = {}
+        # each replica's last answer, and when it came
+        self.last_stats: list[P.Stats] = [{} for _ in range(self.replicas)]
+        self.last_stats_at: list[float | None] = [None] * self.replicas
         self._tickets = itertools.count()
         self.hops = {"hop_api_deltas_in": 0, "hop_api_delta_records": 0}  # what the detokenizer sent here
         health.on_fatal(self._fail_open_requests)
@@ -147,10 +151,11 @@ class EngineClient:
                 self._deliver(rid, P.ReqError(rid, msg.message, msg.status, msg.param), now)
         elif isinstance(msg, P.StatsOut):
             stats = {**msg.stats, **self.hops}
-            self.last_stats, self.last_stats_at = stats, time.monotonic()
-            fut = self.stats_waiters.pop(msg.ticket, None)
-            if fut is not None and not fut.done():
-                fut.set_result(stats)
+            replica = int(msg.stats.get("replica", 0))
+            self.last_stats[replica], self.last_stats_at[replica] = stats, time.monotonic()
+            wait = self.stats_waiters.get(msg.ticket)
+            if wait is not None:
+                wait.answer(replica, stats)
         elif isinstance(msg, P.Failed):
             self.health.fail(f"the {msg.worker} worker failed:\n{msg.error}")
 
@@ -202,22 +207,46 @@ class EngineClient:
         group.open.clear()
         self.metrics.ended()
 
-    async def engine_stats(self) -> P.Stats:
-        """The scheduler's counters, with its KV integrity check when idle. The scheduler answers between
-        steps; when it has not within STATS_WAIT_S (a long prefill step holds it), these are the last
+    async def engine_stats(self) -> dict[str, Any]:
+        """The scheduler's counters (`replica_stats`); with several data-parallel replicas, their sums and
+        each replica's own (`combine_stats`)."""
+        return combine_stats(await self.replica_stats())
+
+    async def replica_stats(self) -> list[P.Stats]:
+        """Each replica's counters, with its KV integrity check when idle. A scheduler answers between
+        steps; one that has not within STATS_WAIT_S (a long prefill step holds it) is shown by the last
         counters it sent, with their age in `stats_age_s` and the integrity check marked not run, so that
-        /metrics and /debug/state answer at once whatever the scheduler is doing."""
+        /metrics and /debug/state answer at once whatever the schedulers are doing."""
         ticket = next(self._tickets)
-        fut: asyncio.Future[P.Stats] = asyncio.get_running_loop().create_future()
-        self.stats_waiters[ticket] = fut
+        wait = self.stats_waiters[ticket] = _StatsWait(self.replicas)
         self.send(P.StatsReq(ticket))
         try:
-            return await asyncio.wait_for(fut, STATS_WAIT_S)
+            await asyncio.wait_for(wait.all.wait(), STATS_WAIT_S)
         except asyncio.TimeoutError:
-            stale = dict(self.last_stats)
-            if self.last_stats_at is not None:
-                stale["stats_age_s"] = round(time.monotonic() - self.last_stats_at, 3)
-            stale["integrity"] = "not checked: the scheduler is busy; its last counters"
-            return stale
+            pass
         finally:
             self.stats_waiters.pop(ticket, None)
+        return [wait.answers[r] if r in wait.answers else self._stale_stats(r) for r in range(self.replicas)]
+
+    def _stale_stats(self, replica: int) -> P.Stats:
+        stale = dict(self.last_stats[replica])
+        at = self.last_stats_at[replica]
+        if at is not None:
+            stale["stats_age_s"] = round(time.monotonic() - at, 3)
+        stale["integrity"] = "not checked: the scheduler is busy; its last counters"
+        stale["replica"] = replica
+        return stale
+
+
+class _StatsWait:
+    """The answers to one stats request, one per replica; `all` is set once every replica answered."""
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self.answers: dict[int, P.Stats] = {}
+        self.all = asyncio.Event()
+
+    def answer(self, replica: int, stats: P.Stats) -> None:
+        self.answers[replica] = stats
+        if len(self.answers) == self.replicas:
+            self.all.set()

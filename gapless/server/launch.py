@@ -6,10 +6,10 @@ architecture, weights and tokenizer), the device, and the port (binding the HTTP
 each of those mistakes is one `gapless: ...` line and exit status 2 within a second. Importing this module
 loads neither torch nor the web stack (`serve` does), so the command line's parser stays fast.
 
-The API server runs in this process (uvicorn on an asyncio loop); the scheduler and the tokenizer and
-detokenizer (in a process each, or both in one: `gapless.server.layout`) are child processes forked
-from a fork server that imported torch and transformers once (`preload`), or spawned where the
-platform has no fork server.
+The API server runs in this process (uvicorn on an asyncio loop); the scheduler (one per data-parallel
+replica, `gapless.server.replicas`) and the tokenizer and detokenizer (in a process each, or both in
+one: `gapless.server.layout`) are child processes forked from a fork server that imported torch and
+transformers once (`preload`), or spawned where the platform has no fork server.
 
 Shutdown (SIGINT, SIGTERM, or a worker dying) first ends every open request: a stream gets an error event
 and `data: [DONE]`, a waiting request a 503. Then uvicorn stops, the workers are terminated and waited for
@@ -44,6 +44,8 @@ from gapless.server.health import Health
 from gapless.server.layout import LAYOUTS, MIN_CORES_FOR_SPLIT, worker_stages
 from gapless.server.logs import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
 from gapless.server.reasoning import PARSERS as REASONING_PARSERS
+from gapless.server.replicas import scheduler_name
+from gapless.server.router import LOAD_BALANCE_METHODS
 from gapless.server.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -144,6 +146,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(default: 10)",
     )
     add_engine_args(parser)
+    parser.add_argument(
+        "--load-balance-method",
+        choices=LOAD_BALANCE_METHODS,
+        default="cache_aware",
+        help="which data-parallel replica serves a request (--data-parallel-size > 1): cache_aware (the "
+        "longest cached prompt prefix, unless the loads drift apart), round_robin, shortest_queue "
+        "(default: cache_aware)",
+    )
 
 
 def _port(text: str) -> int:
@@ -186,23 +196,29 @@ def _process_context() -> mp.context.BaseContext:
 
 
 class _Workers:
-    """The worker processes, by name: the scheduler, and the text workers of the process `layout`
-    (`gapless.server.layout`): `tokenizer` and `detokenizer`, or one `tokenizer+detokenizer`."""
+    """The worker processes, by name: the scheduler (one per data-parallel replica: `scheduler-0`, ...,
+    `gapless.server.replicas`), and the text workers of the process `layout` (`gapless.server.layout`):
+    `tokenizer` and `detokenizer`, or one `tokenizer+detokenizer`."""
 
-    def __init__(self, ends: Endpoints, cfg: EngineConfig, logs: SchedulerLogs, layout: str) -> None:
+    def __init__(
+        self, ends: Endpoints, cfg: EngineConfig, logs: SchedulerLogs, layout: str, load_balance_method: str
+    ) -> None:
         from gapless.server.workers import scheduler_main, text_worker_main
 
         ctx = _process_context()
         pid = os.getpid()
-        self.procs = {
-            "scheduler": ctx.Process(
-                target=scheduler_main, args=(ends, cfg, pid, logs), name="gapless-scheduler"
+        self.procs = {}
+        for replica in range(len(ends.schedulers)):
+            name = scheduler_name(replica, len(ends.schedulers))
+            self.procs[name] = ctx.Process(
+                target=scheduler_main, args=(ends, cfg, pid, logs, replica), name=f"gapless-{name}"
             )
-        }
         for stages in worker_stages(layout):
             name = "+".join(stages)
             self.procs[name] = ctx.Process(
-                target=text_worker_main, args=(ends, cfg, pid, stages), name=f"gapless-{name}"
+                target=text_worker_main,
+                args=(ends, cfg, pid, stages, load_balance_method),
+                name=f"gapless-{name}",
             )
         for p in self.procs.values():
             p.start()
@@ -243,7 +259,7 @@ async def _wait_ready(client: EngineClient, workers: _Workers) -> P.SchedulerInf
             raise RuntimeError(f"the {msg.worker} worker failed to start:\n{msg.error}")
         elif (why := workers.dead()) is not None:
             raise RuntimeError(f"{why} during startup")
-    info = ready["scheduler"]
+    info = ready[scheduler_name(0, client.replicas)]
     assert info is not None, "the scheduler's Ready carries its info"
     return info
 
@@ -311,13 +327,17 @@ async def _serve(
                 health.fail(why)
                 return
 
+    dp = cfg.data_parallel_size
+    replicas = f"; {dp} data-parallel replicas, {args.load_balance_method} routing" if dp > 1 else ""
+    each = " each" if dp > 1 else ""
+
     async def announce() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
         host, port = args.host, listener.getsockname()[1]
         print(
             f"gapless: serving {model_name} at http://{f'[{host}]' if ':' in host else host}:{port} "
-            f"(device {info.device}, {info.kv_tokens} KV tokens, context {info.max_context}, "
+            f"(device {info.device}{replicas}, {info.kv_tokens} KV tokens{each}, context {info.max_context}, "
             f"chunked_prefill_size {info.chunked_prefill_size}; "
             f"started in {time.monotonic() - started:.1f} s)",
             flush=True,
@@ -358,6 +378,16 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _check_replica_devices(cfg: EngineConfig) -> None:
+    """ValueError when the data-parallel replicas need more GPUs than this machine has."""
+    import torch
+
+    from gapless.server.replicas import check_devices, uses_cuda
+
+    on_cuda = uses_cuda(cfg)
+    check_devices(cfg, on_cuda, torch.cuda.device_count() if on_cuda else 0)
+
+
 class _Terminated(Exception):
     pass
 
@@ -376,6 +406,7 @@ def serve(args: argparse.Namespace) -> int:
         named = config_from_args(args)
         # the model made local (fetched, downloaded) and checked before any worker starts
         cfg, mcfg = check_engine_config(named)
+        _check_replica_devices(cfg)
         args.served_model_name = args.served_model_name or served_name(named.model)
         if cfg.node_rank > 0:  # another node of a tensor-parallel group: its ranks only, no HTTP
             return _run_node(args, cfg)
@@ -404,8 +435,9 @@ def _run(
     # re-raised (or early) SIGTERM into an exception, so the workers are always stopped below
     signal.signal(signal.SIGTERM, _on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gapless-") as tmp:
-        ends = Endpoints.in_dir(tmp)
-        workers = _Workers(ends, cfg, SchedulerLogs(args.log_stats_interval, args.log_requests), layout)
+        ends = Endpoints.in_dir(tmp, cfg.data_parallel_size)
+        logs = SchedulerLogs(args.log_stats_interval, args.log_requests)
+        workers = _Workers(ends, cfg, logs, layout, args.load_balance_method)
         try:
             return asyncio.run(_serve(args, cfg, ends, workers, listener, started))
         except (KeyboardInterrupt, _Terminated):

@@ -1,5 +1,6 @@
 """Prometheus metrics of the API server: request latencies and token counters it observes itself (from
-the deltas it receives), and gauges of the scheduler's state, refreshed from the scheduler on each scrape."""
+the deltas it receives), and gauges of the scheduler's state, refreshed from the scheduler on each scrape:
+one series per data-parallel replica, labelled `replica="0"`, `replica="1"`, ... (one replica: `"0"`)."""
 
 from __future__ import annotations
 
@@ -56,11 +57,13 @@ class Metrics:
         self.itl = hist("gapless_inter_token_latency_seconds", "Time between output tokens")
         self.e2e = hist("gapless_e2e_request_latency_seconds", "Request latency, arrival to last token")
         self.engine = {
-            name: Gauge(f"gapless_{name}", doc, registry=r) for name, (_, doc) in _ENGINE_GAUGES.items()
+            name: Gauge(f"gapless_{name}", doc, ["replica"], registry=r)
+            for name, (_, doc) in _ENGINE_GAUGES.items()
         }
         self.integrity = Gauge(
             "gapless_integrity_ok",
             "1 if the KV integrity check passed when last idle, 0 if it failed, -1 if not checked (busy)",
+            ["replica"],
             registry=r,
         )
 
@@ -93,13 +96,16 @@ class Metrics:
             self.requests.labels(self.model, d.finish_reason).inc()
             self.e2e.labels(self.model).observe(now - clock.arrival)
 
-    def set_engine(self, stats: Stats) -> None:
-        """Refresh the scheduler's gauges from its stats."""
-        for name, (key, _) in _ENGINE_GAUGES.items():
-            if key in stats:
-                self.engine[name].set(stats[key])
-        integrity = str(stats.get("integrity", ""))
-        self.integrity.set(1 if integrity == "ok" else 0 if integrity.startswith("failed") else -1)
+    def set_engine(self, replicas: list[Stats]) -> None:
+        """Refresh the schedulers' gauges from each replica's stats."""
+        for replica, stats in enumerate(replicas):
+            label = str(replica)
+            for name, (key, _) in _ENGINE_GAUGES.items():
+                if key in stats:
+                    self.engine[name].labels(label).set(stats[key])
+            integrity = str(stats.get("integrity", ""))
+            ok = 1 if integrity == "ok" else 0 if integrity.startswith("failed") else -1
+            self.integrity.labels(label).set(ok)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

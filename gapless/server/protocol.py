@@ -4,6 +4,7 @@
     scheduler --Updates/StatsOut--> detokenizer --Deltas/StatsOut--> API server
     tokenizer --Refused--> API server
     any worker --ReqError/Ready/Failed--> API server
+    scheduler replica --ReplicaReport--> tokenizer (data parallelism: what the router needs to know)
 
 Every control message from the API server travels through the tokenizer, so an abort can never
 overtake the request it aborts. Decoding is typed: a peer can only ever produce these structs (no
@@ -177,6 +178,15 @@ class SchedulerInfo(msgspec.Struct):
     chunked_prefill_size: int  # as chosen for the device (gapless.engine.defaults), for the ready line
 
 
+class ReplicaReport(msgspec.Struct, tag=True):
+    """A data-parallel replica's news for the router in the tokenizer (`gapless.server.router`): its KV
+    size once, when ready, then the requests that left it (finished, or refused when added)."""
+
+    replica: int
+    done: list[str]
+    kv_tokens: int | None = None
+
+
 class Ready(msgspec.Struct, tag=True):
     worker: str
     info: SchedulerInfo | None = None  # the scheduler's; the other workers send none
@@ -191,6 +201,7 @@ Message = (
     (TokenizeReq | SchedReq | Abort | StatsReq | StatsOut | Updates | Deltas | ReqError | Refused)
     | Ready
     | Failed
+    | ReplicaReport
 )
 
 _encoder = msgspec.msgpack.Encoder()

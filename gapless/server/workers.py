@@ -1,5 +1,8 @@
 """The server's worker processes: tokenizer, scheduler (engine + model runner), detokenizer.
 
+With `--data-parallel-size N` there are N schedulers, one per replica (`gapless.server.replicas`), and the
+tokenizer stage routes each request to one (`gapless.server.router`).
+
 Each is a child process (forked from the server's fork server, see `launch`) with a PULL socket it binds
 and PUSH sockets to the next stage (see `protocol`); the tokenizer and detokenizer stages run in a
 process each or share one (`text_worker_main`, the process layout of `gapless.server.layout`). A worker
@@ -34,6 +37,8 @@ from gapless.server import protocol as P
 from gapless.server.logs import LOG_LEVEL_ENV, StatsLog, configure_logging
 from gapless.server.openai_protocol import prompt_too_long
 from gapless.server.prompt_logprobs import decode_prompt_logprobs, prompt_logprob_fields
+from gapless.server.replicas import replica_config, scheduler_name, uses_cuda
+from gapless.server.router import Router
 from gapless.server.tools import template_message
 
 if TYPE_CHECKING:  # imported where they run, so importing this module loads neither torch nor transformers
@@ -55,12 +60,13 @@ class Endpoints:
 
     api: str
     tokenizer: str
-    scheduler: str
+    schedulers: tuple[str, ...]  # one per data-parallel replica
     detokenizer: str
 
     @classmethod
-    def in_dir(cls, path: str) -> Endpoints:
-        return cls(*(f"ipc://{os.path.join(path, name)}" for name in ("api", "tok", "sched", "detok")))
+    def in_dir(cls, path: str, replicas: int = 1) -> Endpoints:
+        at = lambda name: f"ipc://{os.path.join(path, name)}"  # noqa: E731
+        return cls(at("api"), at("tok"), tuple(at(f"sched{i}") for i in range(replicas)), at("detok"))
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -267,17 +273,18 @@ class _Background:
             yield req, out
 
 
-def _send_tokenized(socks: _Sockets, out: list[P.Message]) -> None:
-    for msg in out:
-        socks.send("api" if isinstance(msg, P.Refused) else "scheduler", msg)
+def _replica_socket(replica: int) -> str:
+    return f"scheduler{replica}"
 
 
 class _TokenizerStage:
     """The tokenizer's part of a worker: each `TokenizeReq` becomes its `SchedReq`s (or one `Refused`),
-    long ones on the background thread; aborts and stats requests follow the requests to the scheduler."""
+    long ones on the background thread; aborts and stats requests follow the requests to the scheduler.
+    With data-parallel replicas, `router` picks each request's replica, an abort follows its request
+    there, and a stats request goes to every replica."""
 
-    def __init__(self, tokenizer: _Tokenizer, socks: _Sockets) -> None:
-        self.tokenizer, self.socks = tokenizer, socks
+    def __init__(self, tokenizer: _Tokenizer, socks: _Sockets, router: Router) -> None:
+        self.tokenizer, self.socks, self.router = tokenizer, socks, router
         self.background = _Background(tokenizer.handle)
         self.aborted: set[str] = set()  # rids aborted while their request was in the background
 
@@ -289,17 +296,38 @@ class _TokenizerStage:
         if isinstance(msg, P.TokenizeReq) and _text_chars(msg) > INLINE_CHARS:
             self.background.give(msg)
         elif isinstance(msg, P.TokenizeReq):
-            _send_tokenized(self.socks, self.tokenizer.handle(msg))
-        else:  # Abort, StatsReq: in order behind the requests
-            if isinstance(msg, P.Abort) and msg.rid in self.background.rids:
+            self._send(self.tokenizer.handle(msg))
+        elif isinstance(msg, P.ReplicaReport):
+            self._report(msg)
+        elif isinstance(msg, P.Abort):  # in order behind its request, to its replica
+            if msg.rid in self.background.rids:
                 self.aborted.add(msg.rid)
-            self.socks.send("scheduler", msg)
+            replica = self.router.replica_of(msg.rid)
+            self.router.done(msg.rid)
+            if replica is not None:
+                self.socks.send(_replica_socket(replica), msg)
+        else:  # StatsReq: every replica answers
+            for replica in range(self.router.replicas):
+                self.socks.send(_replica_socket(replica), msg)
+
+    def _send(self, out: list[P.Message]) -> None:
+        for msg in out:
+            if isinstance(msg, P.SchedReq):
+                self.socks.send(_replica_socket(self.router.route(msg.rid, msg.prompt_ids)), msg)
+            else:
+                self.socks.send("api", msg)
+
+    def _report(self, msg: P.ReplicaReport) -> None:
+        if msg.kv_tokens is not None:
+            self.router.set_capacity(msg.replica, msg.kv_tokens)
+        for rid in msg.done:
+            self.router.done(rid)
 
     def drain(self) -> None:
         """Send on what the background thread finished (never what was aborted meanwhile)."""
         for req, out in self.background.take():
             if self.aborted.isdisjoint(req.rids):
-                _send_tokenized(self.socks, out)
+                self._send(out)
             self.aborted.difference_update(req.rids)
 
 
@@ -356,35 +384,53 @@ class SchedulerLogs:
     requests: bool = False
 
 
-def scheduler_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int, logs: SchedulerLogs) -> None:
+def scheduler_main(
+    ends: Endpoints, cfg: EngineConfig, parent_pid: int, logs: SchedulerLogs, replica: int = 0
+) -> None:
+    """Data-parallel replica `replica` of `cfg.data_parallel_size` (`gapless.server.replicas`): with more
+    than one, it tells the router in the tokenizer its KV size and which requests left it."""
+    replicas = cfg.data_parallel_size
+    name = scheduler_name(replica, replicas)
+    push = {"detokenizer": ends.detokenizer, "api": ends.api}
+    if replicas > 1:
+        push["tokenizer"] = ends.tokenizer
+
     def body(socks: _Sockets) -> None:
         from gapless.engine.engine import Engine
 
-        engine = Engine(cfg)
+        engine = Engine(replica_config(cfg, replica, uses_cuda(cfg)))
         try:
             info = engine.info
             ready = P.SchedulerInfo(
                 info.max_context, info.kv_tokens, info.device, info.vocab_size, info.chunked_prefill_size
             )
-            socks.send("api", P.Ready("scheduler", ready))
-            _SchedulerLoop(engine, socks, logs).run()
+            socks.send("api", P.Ready(name, ready))
+            report = None
+            if replicas > 1:
+                socks.send("tokenizer", P.ReplicaReport(replica, [], kv_tokens=info.kv_tokens))
+                report = lambda done: socks.send("tokenizer", P.ReplicaReport(replica, done))  # noqa: E731
+            _SchedulerLoop(engine, socks, logs, replica, report).run()
         finally:
             engine.shutdown()
 
-    _run_worker(
-        "scheduler",
-        parent_pid,
-        lambda: _Sockets((ends.scheduler,), {"detokenizer": ends.detokenizer, "api": ends.api}),
-        body,
-    )
+    _run_worker(name, parent_pid, lambda: _Sockets((ends.schedulers[replica],), push), body)
 
 
 class _SchedulerLoop:
     """The scheduler worker's loop: take every queued message, run a step while there is work, send the
     step's updates on, and log what `SchedulerLogs` asks for."""
 
-    def __init__(self, engine: Engine, socks: _Sockets, logs: SchedulerLogs) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        socks: _Sockets,
+        logs: SchedulerLogs,
+        replica: int = 0,
+        report: Callable[[list[str]], None] | None = None,
+    ) -> None:
         self.engine, self.socks, self.log_requests = engine, socks, logs.requests
+        # data parallelism: this replica's index, and where the requests that left it are reported
+        self.replica, self.report = replica, report
         self.reporter = _Reporter()
         self.stats_log = StatsLog(logs.stats_interval_s)
         self.clocks: dict[str, list[float]] = {}  # with log_requests: rid -> [queued at, first token at]
@@ -412,7 +458,7 @@ class _SchedulerLoop:
             log.debug("request %s: abort", msg.rid)
             self.engine.abort(msg.rid)  # unknown (already finished) ids are ignored
         elif isinstance(msg, P.StatsReq):
-            stats = {**_engine_stats(self.engine), **self.hops}
+            stats = {**_engine_stats(self.engine), **self.hops, "replica": self.replica}
             self.socks.send("detokenizer", P.StatsOut(msg.ticket, stats))
 
     def add(self, msg: P.SchedReq) -> None:
@@ -423,6 +469,8 @@ class _SchedulerLoop:
             if self.log_requests:
                 log.info("request %s: refused: %s", msg.rid, e)
             self.socks.send("api", P.ReqError(msg.rid, str(e), param=getattr(e, "param", "prompt")))
+            if self.report is not None:
+                self.report([msg.rid])
             return
         log.debug("request %s: queued, %d prompt tokens", msg.rid, len(ids))
         if self.log_requests:
@@ -435,6 +483,8 @@ class _SchedulerLoop:
             self.socks.send("detokenizer", P.Updates([self.reporter.update(r) for r in updated]))
             self.hops["hop_scheduler_updates_out"] += 1
             self.hops["hop_scheduler_request_updates"] += len(updated)
+            if self.report is not None and (done := [r.rid for r in updated if r.finished]):
+                self.report(done)
         if self.log_requests:
             now = time.perf_counter()
             for req in updated:
@@ -501,21 +551,31 @@ class _DetokenizerStage:
 _FROM_SCHEDULER = (P.Updates, P.StatsOut)  # what the scheduler sends on: the detokenizer's messages
 
 
-def text_worker_main(ends: Endpoints, cfg: EngineConfig, parent_pid: int, stages: tuple[str, ...]) -> None:
+def text_worker_main(
+    ends: Endpoints,
+    cfg: EngineConfig,
+    parent_pid: int,
+    stages: tuple[str, ...],
+    load_balance_method: str = "cache_aware",
+) -> None:
     """A worker running the tokenizer stage, the detokenizer stage, or both (`stages`, in that order;
     see `gapless.server.layout`). Each stage binds its own address, so the API server and the scheduler
     send the same messages to the same places whatever the layout, and both stages run the same code
-    alone or together; together, a message goes to the stage its type belongs to."""
+    alone or together; together, a message goes to the stage its type belongs to. The tokenizer stage
+    routes each request to a data-parallel replica by `load_balance_method` (`gapless.server.router`)."""
     name = "+".join(stages)
     tokenize, detokenize = "tokenizer" in stages, "detokenizer" in stages
     binds = (ends.tokenizer,) * tokenize + (ends.detokenizer,) * detokenize
-    push = {"api": ends.api, **({"scheduler": ends.scheduler} if tokenize else {})}
+    push = {"api": ends.api}
+    if tokenize:
+        push |= {_replica_socket(i): addr for i, addr in enumerate(ends.schedulers)}
 
     def body(socks: _Sockets) -> None:
         from gapless.model.source import load_tokenizer
 
         hf_tokenizer = load_tokenizer(cfg)
-        tok = _TokenizerStage(_Tokenizer(hf_tokenizer), socks) if tokenize else None
+        router = Router(len(ends.schedulers), load_balance_method)
+        tok = _TokenizerStage(_Tokenizer(hf_tokenizer), socks, router) if tokenize else None
         detok = _DetokenizerStage(hf_tokenizer, socks) if detokenize else None
         socks.send("api", P.Ready(name))
         while True:

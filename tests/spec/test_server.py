@@ -60,5 +60,6 @@ def test_runs_of_tokens_stream_through_the_server(spec_server):
     stopped = client.completions.create(model="x", prompt="xab", max_tokens=40, temperature=0, stop=["ea"])
     assert stopped.choices[0].text == "cd" and stopped.choices[0].finish_reason == "stop"
     metrics = httpx.get(f"{spec_server.url}/metrics").text
-    accepted = [line for line in metrics.splitlines() if line.startswith("gapless_spec_accepted_tokens ")]
+    name = 'gapless_spec_accepted_tokens{replica="0"} '  # the one replica's series
+    accepted = [line for line in metrics.splitlines() if line.startswith(name)]
     assert accepted and float(accepted[0].split()[1]) > 20

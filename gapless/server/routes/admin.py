@@ -36,9 +36,10 @@ async def models(request: Request) -> JSONResponse:
 
 @router.get("/metrics", dependencies=[Depends(require_api_key)])
 async def metrics(request: Request) -> Response:
-    """Prometheus exposition; the scheduler's gauges as fresh as it can answer within half a second."""
+    """Prometheus exposition; the schedulers' gauges (one series per replica) as fresh as they can answer
+    within half a second."""
     state = server_state(request)
-    state.metrics.set_engine(await state.client.engine_stats())
+    state.metrics.set_engine(await state.client.replica_stats())
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
