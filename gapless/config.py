@@ -16,6 +16,15 @@ FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
 
 
+def _on_cuda(device: str) -> bool:
+    """Whether `device` names CUDA (or "auto" picks it here). Imports torch: call only when it matters."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -142,6 +151,12 @@ class EngineConfig:
         MASTER_ADDR/MASTER_PORT when none is given)."""
         if self.data_parallel_size < 1:
             raise bad("data_parallel_size", "must be >= 1")
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1 and _on_cuda(self.device):
+            raise bad(
+                "data_parallel_size",
+                "> 1 with tensor_parallel_size > 1 runs on the CPU only for now: on CUDA every replica's "
+                "ranks would take the same GPUs",
+            )
         if self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be >= 1")
         if self.nnodes < 1:

@@ -141,3 +141,9 @@ def test_data_parallel_flags_and_the_offline_refusal():
         assert engine_options(parser.parse_args(flags))["data_parallel_size"] == 2, flags
     with pytest.raises(ValueError, match="data_parallel_size=2: an engine in this process is one replica"):
         LLM("tiny-random", data_parallel_size=2)  # refused before anything loads
+
+
+def test_tensor_parallel_replicas_are_refused_on_cuda_only():
+    with pytest.raises(ValueError, match="data_parallel_size=2: .* on CUDA every replica's ranks"):
+        EngineConfig(model="m", device="cuda", data_parallel_size=2, tensor_parallel_size=2)
+    assert EngineConfig(model="m", device="cpu", data_parallel_size=2, tensor_parallel_size=2).nnodes == 1
