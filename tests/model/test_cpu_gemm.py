@@ -59,15 +59,14 @@ def test_load_model_packs_every_linear_and_the_lm_head_and_logits_agree(ckpt_fac
     assert packed.lm_head.weight is packed.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["bfloat16", "plain", "no_onednn", "no_ops", "probe_fails"],
-)
+@pytest.mark.parametrize("case", ["float16", "bf16_emulated", "plain", "no_onednn", "no_ops", "probe_fails"])
 def test_plain_path_kept_where_packing_does_not_apply(case: str, monkeypatch, caplog) -> None:
-    """Not float32, turned off, or a torch without oneDNN or its ops (torch builds differ): nothing is
-    packed, the layers still compute, and the log says why."""
-    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
-    if case == "plain":
+    """float16, bfloat16 on a CPU without its instructions, turned off, or a torch without oneDNN or its
+    ops (torch builds differ): nothing is packed, the layers still compute, and the log says why."""
+    dtype = {"float16": torch.float16, "bf16_emulated": torch.bfloat16}.get(case, torch.float32)
+    if case == "bf16_emulated":
+        monkeypatch.setattr(cpu_gemm, "native_bf16", lambda: False)
+    elif case == "plain":
         monkeypatch.setenv(cpu_gemm.ENV, "plain")
     elif case == "no_onednn":
         monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
@@ -83,12 +82,13 @@ def test_plain_path_kept_where_packing_does_not_apply(case: str, monkeypatch, ca
         ColumnParallelLinear(16, 24, bias=True), RowParallelLinear(24, 16), ParallelLMHead(40, 16)
     ).to(dtype)
     for m in model:
-        torch.nn.init.normal_(m.weight)
+        torch.nn.init.normal_(m.weight, std=0.2)  # float16 stays finite
     with caplog.at_level(logging.INFO, logger="gapless.model.cpu_gemm"):
         pack_cpu_gemms(model)
     assert all(m.cpu_gemm is None for m in model)
     reason = {
-        "bfloat16": "dtype torch.bfloat16",
+        "float16": "dtype torch.float16",
+        "bf16_emulated": "without AVX512-BF16 or AMX",
         "plain": "GAPLESS_CPU_GEMM=plain",
         "no_onednn": "without oneDNN",
         "no_ops": "_no_such_op",
@@ -98,3 +98,17 @@ def test_plain_path_kept_where_packing_does_not_apply(case: str, monkeypatch, ca
     x = torch.randn(3, 16, dtype=dtype)
     want = F.linear(F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight), model[2].weight)
     assert torch.equal(model(x), want)
+
+
+@pytest.mark.skipif(not cpu_gemm.native_bf16(), reason="needs a CPU with AVX512-BF16 or AMX")
+def test_bfloat16_is_packed_where_the_cpu_computes_it() -> None:
+    """bfloat16 weights on a CPU with bf16 dot products are packed; the result is the plain GEMM's within
+    bfloat16 rounding of the output (both accumulate in float32)."""
+    torch.manual_seed(3)
+    layer = ColumnParallelLinear(128, 64, bias=True).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    torch.nn.init.normal_(layer.bias)
+    pack_cpu_gemms(torch.nn.Sequential(layer))
+    assert isinstance(layer.cpu_gemm, PackedLinear)
+    x = torch.randn(8, 128, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
