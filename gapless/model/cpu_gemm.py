@@ -1,22 +1,17 @@
 """The CPU's GEMMs with prepacked weights: each linear layer's weight (and the LM head's) reordered once,
-after loading, into oneDNN's blocked layout, and a forward of two rows or more a single oneDNN
-inner-product call on it.
+after loading, into oneDNN's blocked layout, and every forward a single oneDNN inner-product call on it.
 
 Why: on a CPU a small model's decode step is mostly its GEMMs, at 1-32 rows, reading every weight once per
 step. `torch.mm(x, W.t())` on the row-major checkpoint layout is MKL's GEMM with a transposed B, which at
 these row counts reads the weights far below the memory bandwidth; the LM head (49,152 x 576 for
 SmolLM2) is the worst of them. oneDNN's packed weight (`torch.ops.mkldnn._reorder_linear_weight`, the op
 inductor's CPU weight prepacking uses) is laid out for its own kernels. Measured on SmolLM2-135M's shapes
-with `python -m gapless.bench.cpu_gemm` (its 120 linear layers and LM head, cold weights, interleaved
-with the plain path in one run; several runs on a loaded 2-core machine): packed/plain time of the layers
-0.49-0.56x at 4 rows, 0.42-0.7x at 8 and 0.49-0.8x at 32, of the LM head 0.29-0.48x at 8 and 32, with one
-thread and with two; one packing (for a batch of 8) serves every row count.
-One row (a GEMV: a lone request's decode step) stays on the plain path: with one thread packing gained
-0.7-1.05x there, run to run, but with two threads on a loaded machine it was 5-10x slower, since oneDNN
-splits every GEMV across the threads (a parallel region that waits for a descheduled thread), where MKL
-runs these GEMVs on one. A column-major weight (`W^T` contiguous) was also faster at one row (0.69x, head
-0.56x) but slower at 4 rows and more (1.1-1.3x); MKL's packed SGEMM (`torch.ops.mkl._mkl_linear`) was no
-faster than the plain path at 8 and 32 rows.
+(`python -m gapless.bench.cpu_step --compare`, and a microbenchmark over its 120 linear layers and LM
+head, cold weights, one thread, interleaved with the plain path in one run): the layers took 0.71x the
+time at 1 row, 0.49x at 4, 0.6x at 8 and 0.65x at 32, the LM head 0.66x, 0.34x, 0.42x, 0.40x. One packing
+(for a batch of 8) serves every row count. A column-major weight (`W^T` contiguous) was faster at one row
+(0.69x, head 0.56x) but slower at 4 rows and more (1.1-1.3x); MKL's packed SGEMM
+(`torch.ops.mkl._mkl_linear`) was no faster than the plain path at 8 and 32 rows.
 
 The result equals `F.linear` within float32 reassociation (oneDNN sums the products in another order), not
 bit for bit. The packed copy is kept beside the checkpoint-layout parameter, which stays the one the rest
@@ -32,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -47,23 +41,15 @@ _OPS = ("_reorder_linear_weight", "_linear_pointwise")  # in torch.ops.mkldnn
 
 
 class PackedLinear:
-    """y = x W^T + b through oneDNN's inner product on W reordered once into its blocked layout, for two
-    rows or more; one row goes to `plain` (the layer's own GEMM on the loaded weight). Not a module: it
-    holds no parameters of its own (the layer's `weight` stays the loaded one)."""
+    """y = x W^T + b through oneDNN's inner product on W reordered once into its blocked layout. Not a
+    module: it holds no parameters of its own (the layer's `weight` stays the loaded one)."""
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        plain: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
         self.bias = None if bias is None else bias.detach()
-        self.plain = plain
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.numel() == x.shape[-1]:  # one row: a GEMV, see the module doc
-            return self.plain(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -109,6 +95,6 @@ def pack_cpu_gemms(model: nn.Module) -> nn.Module:
             log.info("CPU GEMMs: plain torch.mm, weights not prepacked: %s", why)
         return model
     for layer in layers:
-        layer.cpu_gemm = PackedLinear(layer.weight, getattr(layer, "bias", None), layer.plain_forward)
+        layer.cpu_gemm = PackedLinear(layer.weight, getattr(layer, "bias", None))
     log.info("CPU GEMMs: %d weights prepacked for oneDNN", len(layers))
     return model

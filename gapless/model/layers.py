@@ -52,10 +52,6 @@ class _Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_gemm is not None:
             return self.cpu_gemm(x)
-        return self.plain_forward(x)
-
-    def plain_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The GEMM on the loaded weight (where `cpu_gemm` is not set, or declines the shape)."""
         # the decoder's activations are [tokens, features]: call the GEMM itself, as F.linear does for 2-D
         # input (the same kernel, bit for bit), without its dispatch layers (linear, matmul), which on a
         # CPU cost a share of a small model's decode step
@@ -129,9 +125,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.cpu_gemm is not None:
             return self.cpu_gemm(hidden)
-        return self.plain_forward(hidden)
-
-    def plain_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)
 
 
