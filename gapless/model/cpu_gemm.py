@@ -6,20 +6,31 @@ step. `torch.mm(x, W.t())` on the row-major checkpoint layout is MKL's GEMM with
 these row counts reads the weights far below the memory bandwidth; the LM head (49,152 x 576 for
 SmolLM2) is the worst of them. oneDNN's packed weight (`torch.ops.mkldnn._reorder_linear_weight`, the op
 inductor's CPU weight prepacking uses) is laid out for its own kernels. Measured on SmolLM2-135M's shapes
-(`python -m gapless.bench.cpu_step --compare`, and a microbenchmark over its 120 linear layers and LM
-head, cold weights, one thread, interleaved with the plain path in one run): the layers took 0.71x the
-time at 1 row, 0.49x at 4, 0.6x at 8 and 0.65x at 32, the LM head 0.66x, 0.34x, 0.42x, 0.40x. One packing
-(for a batch of 8) serves every row count. A column-major weight (`W^T` contiguous) was faster at one row
-(0.69x, head 0.56x) but slower at 4 rows and more (1.1-1.3x); MKL's packed SGEMM
-(`torch.ops.mkl._mkl_linear`) was no faster than the plain path at 8 and 32 rows.
+with `python -m gapless.bench.cpu_gemm` and the ad-hoc scripts it grew from (its 120 linear layers and
+LM head, cold weights, interleaved with the plain path in one run; several runs on a loaded 2-core
+machine, logs in `bench/results/cpu_gemm/`), packed/plain time with one thread: the layers 0.71-1.05x at
+1 row, 0.49x at 4, 0.52-0.7x at 8, 0.65-0.8x at 32; the LM head 0.66-0.94x, 0.34x, 0.30-0.48x,
+0.40-0.57x. With two
+threads 0.42-0.51x (layers) and 0.29-0.35x (head) at 8 and 32 rows, but at one row the layers were 5-10x
+slower: oneDNN splits every GEMV across the threads, and on a machine this loaded each such parallel
+region waits for a descheduled thread (MKL runs these GEMVs on one; at 8 rows and more both libraries
+split, and both suffer). That is the busy-machine case the README already answers with
+`--device-threads 1`; one row is packed all the same, because the packed results do not depend on how
+many rows ride together (from two rows on, and at one for most shapes), where MKL's one-row GEMV sums in
+another order than its GEMM: a speculative verify (several rows) then gives the logprobs plain decoding
+(one row) gives, which tests/spec checks to 1e-4 on logits of ~150. One packing (for a batch of 8)
+serves every row count. A column-major weight (`W^T` contiguous) was faster at one row (0.69x, head
+0.56x) but slower at 4 rows and more (1.1-1.3x); MKL's packed SGEMM (`torch.ops.mkl._mkl_linear`) was
+no faster than the plain path at 8 and 32 rows.
 
 The result equals `F.linear` within float32 reassociation (oneDNN sums the products in another order), not
 bit for bit. The packed copy is kept beside the checkpoint-layout parameter, which stays the one the rest
 of the code sees (tied embeddings, tensor-parallel sharding, tests): the linear weights take twice their
 memory on a CPU. float32 is packed, and bfloat16 on a CPU that computes it (AVX512-BF16 or AMX: there the
-same microbenchmark gave 0.59x the layers' time at 1 row, 0.58x at 8, 0.73x at 32); float16 is not (not
-measured: no CPU here has its instructions). Where the ops are missing
-(a torch built without oneDNN) or fail on a probe, nothing is packed and the reason is logged once.
+same microbenchmark gave 0.59-0.69x the layers' time at 1 row, 0.58-0.68x at 8, 0.70-0.73x at 32, one
+thread; the outputs equal to the plain path's in that run, once rounded to bfloat16); float16 is not
+(not measured: no CPU here has its instructions). Where the ops are missing (a torch built without
+oneDNN) or fail on a probe, nothing is packed and the reason is logged once.
 `GAPLESS_CPU_GEMM=plain` turns the packing off (for comparisons: `gapless.bench.cpu_step --compare`).
 """
 
