@@ -81,8 +81,8 @@ def test_plain_path_kept_where_packing_does_not_apply(case: str, monkeypatch, ca
     model = torch.nn.Sequential(
         ColumnParallelLinear(16, 24, bias=True), RowParallelLinear(24, 16), ParallelLMHead(40, 16)
     ).to(dtype)
-    for m in model:
-        torch.nn.init.normal_(m.weight, std=0.2)  # float16 stays finite
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.2)  # the bias too (torch.empty); float16 stays finite
     with caplog.at_level(logging.INFO, logger="gapless.model.cpu_gemm"):
         pack_cpu_gemms(model)
     assert all(m.cpu_gemm is None for m in model)
