@@ -18,9 +18,9 @@ split, and both suffer). That is the busy-machine case the README already answer
 `--device-threads 1`; one row is packed all the same, because the packed results hardly depend on how
 many rows ride together (the same from two rows on, and at one for most shapes), so a speculative verify
 (several rows) gives the logprobs plain decoding (one row) gives, which tests/spec checks to 1e-4 on
-logits of ~150: with one row left on MKL's GEMV and more rows packed, that check failed. One packing (for a batch of 8)
-serves every row count. A column-major weight (`W^T` contiguous) was faster at one row (0.69x, head
-0.56x) but slower at 4 rows and more (1.1-1.3x); MKL's packed SGEMM (`torch.ops.mkl._mkl_linear`) was
+logits of ~150: with one row left on MKL's GEMV and more rows packed, that check failed. One packing
+(for a batch of 8) serves every row count. A column-major weight (`W^T` contiguous) was faster at one
+row (0.69x, head 0.56x) but slower at 4 rows and more (1.1-1.3x); MKL's packed SGEMM (`torch.ops.mkl._mkl_linear`) was
 no faster than the plain path at 8 and 32 rows.
 
 The result equals `F.linear` within float32 reassociation (oneDNN sums the products in another order), not
