@@ -20,8 +20,8 @@ many rows ride together (the same from two rows on, and at one for most shapes),
 (several rows) gives the logprobs plain decoding (one row) gives, which tests/spec checks to 1e-4 on
 logits of ~150: with one row left on MKL's GEMV and more rows packed, that check failed. One packing
 (for a batch of 8) serves every row count. A column-major weight (`W^T` contiguous) was faster at one
-row (0.69x, head 0.56x) but slower at 4 rows and more (1.1-1.3x); MKL's packed SGEMM (`torch.ops.mkl._mkl_linear`) was
-no faster than the plain path at 8 and 32 rows.
+row (0.69x, head 0.56x) but slower at 4 rows and more (1.1-1.3x); MKL's packed SGEMM
+(`torch.ops.mkl._mkl_linear`) was no faster than the plain path at 8 and 32 rows.
 
 The result equals `F.linear` within float32 reassociation (oneDNN sums the products in another order), not
 bit for bit. The packed copy is kept beside the checkpoint-layout parameter, which stays the one the rest
