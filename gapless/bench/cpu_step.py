@@ -3,18 +3,25 @@ batch sizes, to set beside llama.cpp's per-token time (`bench/llamacpp_cpu.sh`) 
 path's profile (`bench/profile_served.sh`).
 
     python -m gapless.bench.cpu_step [--model SmolLM2-135M-Instruct] [--batch 1 8] [--dtype float32]
+        [--threads N] [--compare]
 
 Per batch size B: B prompts of `--prompt-len` random token ids, greedy with `ignore_eos`; a step's time is
 (time of `--steps` + 2 new tokens - time of 2 new tokens) / `--steps`, so the prefill and the first
-decode cancel out, best of `--repeat`. The op count is the number of torch operators (`aten::*`, nested
-ones included) that one decode step dispatches, from the torch profiler: on a CPU each costs a few
-microseconds of dispatch whatever its size, so it is the part of a small model's step that is overhead.
+decode cancel out, best of `--repeat`. `--compare` loads the model twice, once with the CPU's GEMMs on
+plain weights (`GAPLESS_CPU_GEMM=plain`, see `gapless.model.cpu_gemm`) and once by default (prepacked),
+and times them in alternation (plain, default, plain, ...), so that on a shared machine both see the same
+load: it prints each one's step time and default/plain, the ratio to trust. The op count is the number
+of torch operators (`aten::*`, nested ones included) that one decode step dispatches, from the torch
+profiler: on a CPU each costs a few microseconds of dispatch whatever its size, so it is the part of a
+small model's step that is overhead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,6 +58,46 @@ def ops_per_step(llm, prompts: list[list[int]]) -> int:  # noqa: ANN001 (LLM)
     return count(3) - count(2)
 
 
+def _engines(args: argparse.Namespace) -> dict[str, Any]:
+    """label -> LLM: the configured one ("default": the default CPU GEMMs), and under `--compare` first
+    one with plain weights, made while `GAPLESS_CPU_GEMM=plain` is set."""
+    from gapless import LLM
+    from gapless.model import cpu_gemm
+
+    def make() -> Any:
+        return LLM(args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens)
+
+    engines = {}
+    if args.compare:
+        old = os.environ.get(cpu_gemm.ENV)
+        os.environ[cpu_gemm.ENV] = "plain"
+        try:
+            engines["plain"] = make()
+        finally:
+            if old is None:
+                del os.environ[cpu_gemm.ENV]
+            else:
+                os.environ[cpu_gemm.ENV] = old
+    engines["default"] = make()
+    return engines
+
+
+def _measure(engines: dict[str, Any], prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """Each engine's best ms per step, the rounds alternating between the engines."""
+    best = {label: float("inf") for label in engines}
+    for _ in range(args.repeat):
+        for label, llm in engines.items():
+            best[label] = min(best[label], step_ms(llm, prompts, args.steps, 1))
+    row: dict[str, Any] = {"batch": len(prompts)}
+    for label, ms in best.items():
+        row[label] = dict(ms_per_step=ms, tok_s=len(prompts) * 1e3 / ms)
+    for label, llm in engines.items():
+        row[label]["ops_per_step"] = ops_per_step(llm, prompts)
+    if "plain" in best:
+        row["default_over_plain"] = best["default"] / best["plain"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m gapless.bench.cpu_step", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -62,25 +109,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--threads", type=cli.positive_int, help="torch threads (default: torch's, the core count)"
     )
+    p.add_argument("--kv-cache-tokens", type=cli.positive_int, default=16384, help="each engine's KV pool")
+    p.add_argument("--compare", action="store_true", help="also time plain-weight GEMMs, alternating")
     args = p.parse_args(argv)
-    from gapless import LLM
-
     if args.threads:
         torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     rows = []
-    with LLM(args.model, device="cpu", dtype=args.dtype) as llm:
+    engines = _engines(args)
+    try:
         for b in args.batch:
             prompts = [rng.integers(100, 1000, args.prompt_len).tolist() for _ in range(b)]
-            ms = step_ms(llm, prompts, args.steps, args.repeat)
-            rows.append(
-                dict(batch=b, ms_per_step=ms, tok_s=b * 1e3 / ms, ops_per_step=ops_per_step(llm, prompts))
-            )
-            print(
-                f"batch {b}: {ms:.1f} ms per decode step ({b * 1e3 / ms:.1f} tok/s), "
-                f"{rows[-1]['ops_per_step']} torch ops per step, {torch.get_num_threads()} threads",
-                flush=True,
-            )
+            rows.append(_measure(engines, prompts, args))
+            for label in engines:
+                r = rows[-1][label]
+                print(
+                    f"batch {b} {label}: {r['ms_per_step']:.1f} ms per decode step ({r['tok_s']:.1f} tok/s), "
+                    f"{r['ops_per_step']} torch ops per step, {torch.get_num_threads()} threads",
+                    flush=True,
+                )
+            if "default_over_plain" in rows[-1]:
+                ratio = rows[-1]["default_over_plain"]
+                print(f"batch {b}: default / plain step time {ratio:.2f}", flush=True)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
     return rows
 
 

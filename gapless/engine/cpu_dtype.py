@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from gapless.model.cpu_gemm import native_bf16  # the one place that says whether oneDNN has bf16 here
+
 _CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -27,11 +29,6 @@ def _cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.partition(":")[2].split())
     return set()
-
-
-def native_bf16() -> bool:
-    """The CPU has bfloat16 dot products (AVX512-BF16, or AMX tiles), which oneDNN's matmuls use."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def native_fp16() -> bool:

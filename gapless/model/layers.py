@@ -41,6 +41,9 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: A
 class _Linear(nn.Module):
     """y = x W^T + b, with W and b loaded whole from the checkpoint (through `load_shard`)."""
 
+    # the CPU's prepacked GEMM of this layer, set after loading (`gapless.model.cpu_gemm`); None: plain
+    cpu_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _set_loader(nn.Parameter(torch.empty(out_features, in_features)), self.load_shard)
@@ -50,6 +53,8 @@ class _Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_gemm is not None:
+            return self.cpu_gemm(x)
         # the decoder's activations are [tokens, features]: call the GEMM itself, as F.linear does for 2-D
         # input (the same kernel, bit for bit), without its dispatch layers (linear, matmul), which on a
         # CPU cost a share of a small model's decode step
@@ -169,8 +174,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection to vocabulary logits, split by vocabulary rows: each rank projects onto its
     rows and the logits are gathered, so every rank holds all of them (and samples the same token)."""
 
+    cpu_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None  # as `_Linear.cpu_gemm`
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        logits = self.cpu_gemm(hidden) if self.cpu_gemm is not None else F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         return torch.cat(self.tp.all_gather(logits), dim=-1)[:, : self.vocab_size]

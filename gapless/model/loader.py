@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from gapless.model import gguf, moe, parallel
 from gapless.model.config import ModelConfig, load_model_config
+from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
 from gapless.model.layers import default_weight_loader
@@ -98,7 +99,7 @@ def load_model(
     missing = sorted(_expected(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
-    return model.requires_grad_(False).eval()
+    return pack_cpu_gemms(model.requires_grad_(False).eval())
 
 
 def _place(

@@ -1,0 +1,27 @@
+"""Smoke tests of the CPU step benchmarks: `cpu_step --compare` times plain and prepacked GEMMs side by
+side (and the packed step dispatches fewer ops), `cpu_gemm` the GEMMs alone."""
+
+from __future__ import annotations
+
+from gapless.bench import cpu_gemm, cpu_step
+from gapless.testing import cached_checkpoint
+
+
+def test_cpu_step_compare_times_plain_and_packed_and_packing_cuts_ops():
+    model = cached_checkpoint("qwen3")
+    argv = ["--model", str(model), "--batch", "1", "3", "--steps", "2", "--repeat", "1", "--threads", "1"]
+    rows = cpu_step.main([*argv, "--compare", "--kv-cache-tokens", "512"])
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["plain"]["ms_per_step"] > 0 and r["default"]["ms_per_step"] > 0
+        assert r["default_over_plain"] == r["default"]["ms_per_step"] / r["plain"]["ms_per_step"]
+        # each linear layer is one op on packed weights (mm + transpose + views on plain ones)
+        assert r["default"]["ops_per_step"] < r["plain"]["ops_per_step"]
+
+
+def test_cpu_gemm_bench_compares_within_float32():
+    rows = cpu_gemm.main(["--rows", "1", "4", "--layers", "1", "--vocab", "256", "--rounds", "1"])
+    assert [r["rows"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["max_abs_diff"] < 1e-4
+        assert r["layers_packed_over_plain"] > 0 and r["head_packed_over_plain"] > 0
