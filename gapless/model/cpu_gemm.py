@@ -24,9 +24,11 @@ row (0.69x, head 0.56x) but slower at 4 rows and more (1.1-1.3x); MKL's packed S
 (`torch.ops.mkl._mkl_linear`) was no faster than the plain path at 8 and 32 rows.
 
 The result equals `F.linear` within float32 reassociation (oneDNN sums the products in another order), not
-bit for bit. The packed copy is kept beside the checkpoint-layout parameter, which stays the one the rest
-of the code sees (tied embeddings, tensor-parallel sharding, tests): the linear weights take twice their
-memory on a CPU. float32 is packed, and bfloat16 on a CPU that computes it (AVX512-BF16 or AMX: there the
+bit for bit. The packed copy replaces the checkpoint-layout weight, whose storage is freed (the parameter
+stays, empty, so the module's structure is unchanged), except where another module reads the same tensor:
+a tied LM head keeps the embedding table, and packs a copy of it (the one weight held twice). Packing
+happens after loading (and after tensor-parallel sharding), so nothing reads the freed weights.
+float32 is packed, and bfloat16 on a CPU that computes it (AVX512-BF16 or AMX: there the
 same microbenchmark gave 0.59-0.69x the layers' time at 1 row, 0.58-0.68x at 8, 0.70-0.73x at 32, one
 thread; the outputs equal to the plain path's in that run, once rounded to bfloat16); float16 is not
 (not measured: no CPU here has its instructions). Where the ops are missing (a torch built without
@@ -105,7 +107,22 @@ def pack_cpu_gemms(model: nn.Module) -> nn.Module:
         if layers[0].weight.device.type == "cpu":
             log.info("CPU GEMMs: plain torch.mm, weights not prepacked: %s", why)
         return model
+    # a weight another module also reads (a tied LM head's, the embedding table) keeps its storage
+    shared = {
+        id(p)
+        for m in model.modules()
+        if not isinstance(m, (_Linear, ParallelLMHead))
+        for p in m.parameters(recurse=False)
+    }
+    freed = 0
     for layer in layers:
         layer.cpu_gemm = PackedLinear(layer.weight, getattr(layer, "bias", None))
-    log.info("CPU GEMMs: %d weights prepacked for oneDNN", len(layers))
+        if id(layer.weight) not in shared:  # only the packed copy is read from now on: drop the loaded one
+            freed += layer.weight.numel() * layer.weight.element_size()
+            layer.weight.data = layer.weight.data.new_empty(0)
+    log.info(
+        "CPU GEMMs: %d weights prepacked for oneDNN (%.0f MB of checkpoint-layout copies freed)",
+        len(layers),
+        freed / 2**20,
+    )
     return model

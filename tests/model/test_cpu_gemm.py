@@ -26,19 +26,21 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear_at_every_row_count(bias: bool) -> None:
     """One packing (for 8 rows) computes x W^T + b at 0, 1, 3, 8 and 33 rows and on 3-D input, within
-    float32 reassociation of `F.linear` on the loaded weight."""
+    float32 reassociation of `F.linear` on the loaded weight, whose storage the packing frees."""
     torch.manual_seed(0)
     layer = ColumnParallelLinear(96, 80, bias=bias)
     torch.nn.init.normal_(layer.weight)
     if bias:
         torch.nn.init.normal_(layer.bias)
     before = layer(torch.ones(1, 96))  # the plain path, before packing
+    weight = layer.weight.detach().clone()
     pack_cpu_gemms(torch.nn.Sequential(layer))
     assert isinstance(layer.cpu_gemm, PackedLinear)
+    assert layer.weight.numel() == 0  # the packed copy replaced it
     for x in [torch.randn(n, 96) for n in (0, 1, 3, 8, 33)] + [torch.randn(2, 5, 96)]:
         got = layer(x)
         assert got.shape == (*x.shape[:-1], 80)
-        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), **TOL)
+        torch.testing.assert_close(got, F.linear(x, weight, layer.bias), **TOL)
     torch.testing.assert_close(layer(torch.ones(1, 96)), before, **TOL)
 
 
@@ -55,8 +57,10 @@ def test_load_model_packs_every_linear_and_the_lm_head_and_logits_agree(ckpt_fac
     assert all(m.cpu_gemm is None for m in _layers(plain))
     hidden = torch.randn(5, packed.cfg.hidden_size)
     torch.testing.assert_close(packed.logits(hidden), plain.logits(hidden), **TOL)
-    # the checkpoint-layout weights stay what the rest of the code sees (tied head = embedding table)
+    # the packed copy replaces each loaded weight, except the tied head's (it is the embedding table)
     assert packed.lm_head.weight is packed.model.embed_tokens.weight
+    assert packed.model.embed_tokens.weight.numel() == packed.cfg.vocab_size * packed.cfg.hidden_size
+    assert all(m.weight.numel() == 0 for m in layers if m is not packed.lm_head)
 
 
 @pytest.mark.parametrize("case", ["float16", "bf16_emulated", "plain", "no_onednn", "no_ops", "probe_fails"])
@@ -108,7 +112,8 @@ def test_bfloat16_is_packed_where_the_cpu_computes_it() -> None:
     layer = ColumnParallelLinear(128, 64, bias=True).to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.1)
     torch.nn.init.normal_(layer.bias)
+    weight = layer.weight.detach().clone()
     pack_cpu_gemms(torch.nn.Sequential(layer))
     assert isinstance(layer.cpu_gemm, PackedLinear)
     x = torch.randn(8, 128, dtype=torch.bfloat16)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    torch.testing.assert_close(layer(x), F.linear(x, weight, layer.bias))

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gapless.model.config import load_model_config, model_config_from_dict
+from gapless.model.cpu_gemm import ENV
 from gapless.model.loader import load_model
 from gapless.testing import make_checkpoint
 
@@ -70,9 +71,12 @@ def test_unsupported_configs_are_refused_by_name(phi3: Path, patch: dict, messag
     model_config_from_dict(_config(phi3), "config.json")  # the unpatched config is accepted
 
 
-def test_fused_checkpoint_weights_are_split_into_their_shards(phi3: Path, tmp_path: Path) -> None:
+def test_fused_checkpoint_weights_are_split_into_their_shards(
+    phi3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Phi-3's qkv_proj and gate_up_proj load into the same q/k/v and gate/up shards as separate
     tensors would; a fused tensor of the wrong height is refused by name."""
+    monkeypatch.setenv(ENV, "plain")  # the loaded weights themselves, not their CPU-packed copies
     weights = load_file(str(phi3 / "model.safetensors"))
     model = load_model(phi3, torch.float32, torch.device("cpu"))
     cfg = load_model_config(phi3)

@@ -84,12 +84,16 @@ def mixtral(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("mixtral"), "mixtral")
 
 
-def test_experts_load_from_the_per_expert_layout(mixtral: Path, tmp_path: Path) -> None:
+def test_experts_load_from_the_per_expert_layout(
+    mixtral: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Mixtral's `block_sparse_moe.experts.<e>.w1/w3/w2` land in expert e's gate, up and down slices (the
     Qwen/OLMoE names, `mlp.experts.<e>.gate_proj` ..., are in the parity tests); a checkpoint missing one
     expert's tensor is refused, naming it."""
+    from gapless.model.cpu_gemm import ENV
     from gapless.model.loader import load_model
 
+    monkeypatch.setenv(ENV, "plain")  # the loaded weights themselves, not their CPU-packed copies
     weights = load_file(str(mixtral / "model.safetensors"))
     model = load_model(mixtral, torch.float32, torch.device("cpu"))
     moe = model.model.layers[1].mlp
