@@ -27,8 +27,10 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops.append(func.__name__)
-        inputs = {
-            a.untyped_storage().data_ptr() for a in (*args, *(kwargs or {}).values()) if torch.is_tensor(a)
+        inputs = {  # (an opaque input, a CPU-packed oneDNN weight, has no storage to share)
+            a.untyped_storage().data_ptr()
+            for a in (*args, *(kwargs or {}).values())
+            if torch.is_tensor(a) and a.layout == torch.strided
         }
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if torch.is_tensor(t) and t.dtype == torch.float32 and tuple(t.shape) == self.shape:
