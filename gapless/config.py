@@ -421,7 +421,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         if size not in (None, 1):
             raise ValueError(
                 f"{axis} parallelism is not supported yet ({flags[0]} {size}); gapless runs tensor "
-                "parallelism only (--tensor-parallel-size)"
+                "and data parallelism (--tensor-parallel-size, --data-parallel-size)"
             )
     names = {f.name for f in fields(EngineConfig)} - {"model"}
     options = {k: v for k, v in vars(args).items() if k in names and v is not None}
