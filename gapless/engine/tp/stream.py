@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gapless.config import EngineConfig
 from gapless.engine.stream.process import ProcessStream
-from gapless.engine.tp.ranks import LocalRanks
+from gapless.engine.tp.ranks import LocalRanks, RankFailed
 from gapless.model.parallel import CollectiveError
 
 
@@ -25,6 +25,7 @@ class TPStream(ProcessStream):
                 f"--nnodes {cfg.nnodes} --node-rank {cfg.node_rank} ...`"
             )
         self.pinning = None
+        self.failed = False  # a rank failed: stopping kills the rest at once (none will stop cleanly)
         self._next_id = 0
         self._done = {}
         self.proc = None
@@ -37,6 +38,13 @@ class TPStream(ProcessStream):
             raise
 
     def _recv(self) -> tuple:
+        try:
+            return self._recv_from_rank0()
+        except RankFailed:
+            self.failed = True
+            raise
+
+    def _recv_from_rank0(self) -> tuple:
         self.ranks.wait_for(0)
         try:
             return super()._recv()
@@ -51,5 +59,6 @@ class TPStream(ProcessStream):
             raise
 
     def _stop(self) -> None:
-        super()._stop()  # tells rank 0 to stop, which tells the others
-        self.ranks.stop()
+        if not self.failed:
+            super()._stop()  # tells rank 0 to stop, which tells the others
+        self.ranks.stop(0.0 if self.failed else 10.0)  # after a failure: kill what is left at once
