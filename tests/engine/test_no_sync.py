@@ -313,12 +313,18 @@ def test_decode_batch_with_table_writes_is_one_buffer():
     assert batch.max_seq_len == 6
 
 
-def test_verify_job_never_syncs(ckpt_factory):
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_verify_job_never_syncs(ckpt_factory, algorithm):
     """Speculative decoding's verify batches (drafts looked up, placed and accepted on the device, slots
-    taken ahead, retraction under a tight pool), the extends that fill the rows' token history and the
-    plain decodes above the switch-off batch size (through the graph runner's buffers): no host sync, and
-    each crosses to the device in one copy."""
+    taken ahead, retraction under a tight pool), the extends that fill the rows' token history and, with
+    n-gram drafts, the plain decodes above the switch-off batch size (through the graph runner's buffers);
+    with a draft model, the verify job also catches the draft up and runs its K proposal steps, all placed
+    on the device from the rows' state: no host sync, and each crosses to the device in one copy."""
     path = str(ckpt_factory("llama"))
+    if algorithm == "ngram":  # larger decode batches run plain, through the graph runner
+        spec = dict(speculative_disable_batch_size=3, cuda_graph_max_bs=6)
+    else:  # (no graphs with a draft model)
+        spec = dict(speculative_draft_model=path)
     with LLM(
         path,
         device="cpu",
@@ -328,9 +334,8 @@ def test_verify_job_never_syncs(ckpt_factory):
         max_running_requests=6,
         init_new_token_ratio=0.02,
         min_new_token_ratio=0.02,
-        speculative_algorithm="ngram",
-        speculative_disable_batch_size=3,  # larger decode batches run plain, through the graph runner
-        cuda_graph_max_bs=6,
+        speculative_algorithm=algorithm,
+        **spec,
         **LOOPS["overlap"],  # (the device job is the same in the plain loop)
     ) as llm:
         runner = llm.engine.runner
@@ -349,7 +354,9 @@ def test_verify_job_never_syncs(ckpt_factory):
         outs = llm.generate([p * 3 for p in prompts], params, use_tqdm=False)
         assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
         stats = llm.get_stats()
-        assert stats["spec_drafted_tokens"] > 0 and stats["retractions"] > 0
+        drafts = stats["spec_drafted_tokens" if algorithm == "ngram" else "spec_accepted_tokens"]
+        assert drafts > 0 and stats["retractions"] > 0
         assert len(verifies) > 5 and max(verifies) == 1
-        assert sum(runner.graphs.runs.values()) > 0
+        if algorithm == "ngram":
+            assert sum(runner.graphs.runs.values()) > 0
         llm.check_integrity()

@@ -1,6 +1,6 @@
 """Speculation's options: the flags' names (vLLM's and SGLang's), bad values named (a draft model whose
-tokenizer differs from the target's too); the switch-off above a batch size; the figures in get_stats; no
-host sync in a verify job."""
+tokenizer differs from the target's too); the switch-off above a batch size; the figures in get_stats.
+(A verify job's host syncs are watched in tests/engine/test_no_sync.py, for both algorithms.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from transformers import AutoTokenizer
 from gapless import LLM, SamplingParams
 from gapless.config import EngineConfig, add_engine_args, config_from_args
 
-from ..engine.test_no_sync import _copies, _workload, forbid_host_syncs
 from .conftest import ids
 
 
@@ -114,43 +113,3 @@ def test_a_draft_with_another_tokenizer_is_refused(cyclic, tmp_path, change):
     tok.save_pretrained(str(draft))
     with pytest.raises(ValueError, match=f"speculative_draft_model='{draft}'.*{change}"):
         LLM(cyclic, device="cpu", speculative_algorithm="draft", speculative_draft_model=str(draft))
-
-
-def test_draft_model_verify_job_never_syncs(ckpt_factory):
-    """With a draft model the verify job also catches the draft up and runs its K proposal steps, all
-    placed on the device from the rows' state: no host sync in any job (extends, decodes, verifies, under
-    retraction), and each batch still crosses to the device in one copy."""
-    path = str(ckpt_factory("llama"))
-    with LLM(
-        path,
-        device="cpu",
-        page_size=4,
-        kv_cache_tokens=256,
-        chunked_prefill_size=32,
-        max_running_requests=6,
-        init_new_token_ratio=0.02,
-        min_new_token_ratio=0.02,
-        speculative_algorithm="draft",
-        speculative_draft_model=path,
-        overlap=True,
-        cpu_worker="thread",
-    ) as llm:
-        runner = llm.engine.runner
-        run = runner.run
-        verifies: list[int] = []
-
-        def watched(batch):
-            with forbid_host_syncs():
-                out = run(batch)
-            if batch.reads_future_tokens:
-                verifies.append(_copies(batch))
-            return out
-
-        runner.run = watched
-        prompts, params = _workload(runner.model_config.vocab_size)
-        outs = llm.generate([p * 3 for p in prompts], params, use_tqdm=False)
-        assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
-        stats = llm.get_stats()
-        assert stats["spec_accepted_tokens"] > 0 and stats["retractions"] > 0
-        assert len(verifies) > 5 and max(verifies) == 1
-        llm.check_integrity()
