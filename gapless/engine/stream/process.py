@@ -59,6 +59,29 @@ class HostPinning:
             self.pinned = False
 
 
+def start_module(module: str, payload: object) -> tuple[subprocess.Popen, Connection]:
+    """A fresh interpreter running `python -m module FD`, connected to this process by a socketpair (FD
+    is its end), and sent `payload` (pickled) as its first message. A fresh interpreter, not
+    multiprocessing's spawn/forkserver, which re-import the user's main script in the child. Nothing is
+    left running if this raises."""
+    ours, theirs = socket.socketpair()
+    conn = Connection(ours.detach())
+    proc = None
+    try:
+        with theirs:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, str(theirs.fileno())], pass_fds=[theirs.fileno()]
+            )
+        conn.send_bytes(pickle.dumps(payload))
+    except BaseException:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        conn.close()
+        raise
+    return proc, conn
+
+
 class _ProcessPending:
     def __init__(self, stream: ProcessStream, job_id: int, submit: float) -> None:
         self.stream, self.job_id, self.submit = stream, job_id, submit
@@ -80,28 +103,24 @@ class ProcessStream:
         no process left behind). With `pinning` (already applied to this process), the device process
         runs on `pinning.device_cpus`, with no more torch threads than those, and `close()` restores it."""
         self.pinning = pinning
-        threads, device_cpus = cfg.device_threads, None
-        if pinning is not None:
-            device_cpus = pinning.device_cpus
-            threads = min(threads or len(device_cpus), len(device_cpus))
         self._next_id = 0
         self._done: dict[int, tuple[HostSamples, float, float]] = {}
         self.proc: subprocess.Popen | None = None
-        # A fresh interpreter running the device process (not multiprocessing's spawn/forkserver, which
-        # re-import the user's main script in the child), connected by a socketpair.
-        ours, theirs = socket.socketpair()
-        self.conn = Connection(ours.detach())
+        self.conn: Connection | None = None
         try:
-            with theirs:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "gapless.engine.stream", str(theirs.fileno())],
-                    pass_fds=[theirs.fileno()],
-                )
-            self.conn.send_bytes(pickle.dumps((cfg, threads, device_cpus)))
+            self.proc, self.conn = self._start(cfg)
             _, self.info = self._recv()
         except BaseException:
             self._stop()
             raise
+
+    def _start(self, cfg: EngineConfig) -> tuple[subprocess.Popen, Connection]:
+        """The device process and its connection (a subclass may start it otherwise)."""
+        threads, device_cpus = cfg.device_threads, None
+        if self.pinning is not None:
+            device_cpus = self.pinning.device_cpus
+            threads = min(threads or len(device_cpus), len(device_cpus))
+        return start_module("gapless.engine.stream", (cfg, threads, device_cpus))
 
     def _recv(self) -> tuple:
         try:
@@ -153,4 +172,5 @@ class ProcessStream:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.conn.close()
+        if self.conn is not None:
+            self.conn.close()

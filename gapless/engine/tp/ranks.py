@@ -13,13 +13,12 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import subprocess
-import sys
 import time
 from multiprocessing.connection import Connection, wait
 
 from gapless.config import EngineConfig
+from gapless.engine.stream.process import start_module
 from gapless.engine.tp.worker import RankSpec
 from gapless.model import parallel
 
@@ -60,17 +59,9 @@ class LocalRanks:
             raise
 
     def _start(self, cfg: EngineConfig, spec: RankSpec) -> None:
-        ours, theirs = socket.socketpair()
-        conn = Connection(ours.detach())
+        proc, conn = start_module("gapless.engine.tp", (cfg, spec))
+        self.procs.append(proc)
         self.conns.append(conn)
-        with theirs:
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "gapless.engine.tp", str(theirs.fileno())],
-                    pass_fds=[theirs.fileno()],
-                )
-            )
-        conn.send_bytes(pickle.dumps((cfg, spec)))
 
     def failure(self, i: int) -> RankFailed:
         """Why rank `ranks[i]` is gone: the error it sent, or its exit code."""

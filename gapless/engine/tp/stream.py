@@ -3,6 +3,9 @@ the device process and every rank of this node watched while the host waits."""
 
 from __future__ import annotations
 
+import subprocess
+from multiprocessing.connection import Connection
+
 from gapless.config import EngineConfig
 from gapless.engine.stream.process import ProcessStream
 from gapless.engine.tp.ranks import LocalRanks, RankFailed
@@ -18,24 +21,20 @@ class TPStream(ProcessStream):
 
     asynchronous = True
 
-    def __init__(self, cfg: EngineConfig) -> None:  # (ProcessStream's own start is not used)
+    def __init__(self, cfg: EngineConfig) -> None:
         if cfg.node_rank != 0:
             raise ValueError(
                 f"node_rank={cfg.node_rank} runs ranks only, no engine: start it with `gapless serve "
                 f"--nnodes {cfg.nnodes} --node-rank {cfg.node_rank} ...`"
             )
-        self.pinning = None
         self.failed = False  # a rank failed: stopping kills the rest at once (none will stop cleanly)
-        self._next_id = 0
-        self._done = {}
-        self.proc = None
+        self.ranks: LocalRanks | None = None
+        super().__init__(cfg)
+
+    def _start(self, cfg: EngineConfig) -> tuple[subprocess.Popen, Connection]:
+        """Every rank of this node; rank 0 is the device process the scheduler talks to."""
         self.ranks = LocalRanks(cfg)
-        self.proc, self.conn = self.ranks.procs[0], self.ranks.conns[0]
-        try:
-            _, self.info = self._recv()
-        except BaseException:
-            self._stop()
-            raise
+        return self.ranks.procs[0], self.ranks.conns[0]
 
     def _recv(self) -> tuple:
         try:
@@ -61,4 +60,5 @@ class TPStream(ProcessStream):
     def _stop(self) -> None:
         if not self.failed:
             super()._stop()  # tells rank 0 to stop, which tells the others
-        self.ranks.stop(0.0 if self.failed else 10.0)  # after a failure: kill what is left at once
+        if self.ranks is not None:  # (LocalRanks stops what it started if it fails itself)
+            self.ranks.stop(0.0 if self.failed else 10.0)  # after a failure: kill what is left at once
