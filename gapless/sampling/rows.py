@@ -74,6 +74,9 @@ class SampleFlags:
     # the largest top_k of the rows that filter by it, when the host knows it (0: unknown): top-k alone
     # then finds each row's k-th largest logit with a partial sort (`torch.topk`) instead of a full one
     max_top_k: int = 0
+    # the largest top_k of the rows that filter by top-p (those without one: the vocabulary size), when the
+    # host knows it (0: unknown): top-p then finds its nucleus among the top-k candidates (`torch.topk`)
+    max_top_p_k: int = 0
 
     @classmethod
     def of(cls, stages: np.ndarray, logprobs: np.ndarray, top_k: np.ndarray | None = None) -> SampleFlags:
@@ -85,6 +88,7 @@ class SampleFlags:
         max_top_k = 0
         if top_k is not None and some & 2:
             max_top_k = int(top_k[(stages & 2) != 0].max())
+        max_top_p_k = int(top_k[(stages & 4) != 0].max()) if top_k is not None and some & 4 else 0
         return cls(
             all_greedy=bool(every & 1),
             any_greedy=bool(some & 1),
@@ -96,6 +100,7 @@ class SampleFlags:
             need_bias=bool(some & 32),
             need_mask=bool(some & 64),
             max_top_k=max_top_k,
+            max_top_p_k=max_top_p_k,
         )
 
 

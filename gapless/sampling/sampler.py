@@ -34,9 +34,10 @@ _MUL1 = 0x7FEB352D
 _MUL2 = 0x846CA68B - (1 << 32)
 _GOLDEN = 0x9E3779B9  # odd, so multiplying by it permutes 32-bit values
 _UNIFORM_BITS = 23  # n + 0.5 with n < 2**23 is exact in float32, so u lies strictly inside (0, 1)
-# top-k alone uses a partial sort (`torch.topk`) up to this k; past it a full sort costs about the same.
-# Top-p keeps the full sort: its nucleus is a cumulative sum of the softmax over the sorted vocabulary,
-# and a softmax over fewer columns may round its sum differently, which could change a seeded draw.
+# top-k uses a partial sort (`torch.topk`) up to this k; past it a full sort costs about the same. Top-p
+# uses one when each top-p row's top-k is at most this: its nucleus is then computed over the row's this
+# many largest logits, on either path (`apply_top_k_top_p_partial`), so the rounding of the softmax and
+# cumulative sum behind a seeded draw does not depend on which path the row's batch took.
 PARTIAL_SORT_MAX_K = 1024
 
 
@@ -182,25 +183,64 @@ class SamplingBatch(SampleFlags):
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus, by sorting the
+    whole vocabulary: the path for batches with a top-p row whose nucleus may be anywhere (no top-k, or
+    one past PARTIAL_SORT_MAX_K); `apply_top_k_top_p_partial` is the same rule on the largest logits alone.
 
     Same rule as Hugging Face's warpers and vLLM: top-k keeps every token tied with the k-th largest;
     top-p drops tokens whose ascending cumulative probability is <= 1 - p, always keeping the largest.
-    One sort serves both. Rows with k = vocab and p = 1 come out unchanged (up to zero-probability
-    tokens, which could not be drawn anyway). ``logits`` may be modified in place.
+    Both become a per-row floor on the logit (`_nucleus_floor`), so a token tied with the nucleus' smallest
+    is kept too. Rows with k = vocab and p = 1 come out unchanged. ``logits`` is modified in place.
     """
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    ascending = logits.sort(dim=-1, descending=False).values
     vocab = logits.shape[-1]
-    if top_k is not None:
-        kth_index = (vocab - top_k.clamp(1, vocab)).unsqueeze(1)
-        kth = sorted_logits.gather(1, kth_index)
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    floor = _top_k_floor(ascending.flip(-1), top_k, vocab) if top_k is not None else None
+    if floor is not None:
+        ascending.masked_fill_(ascending < floor, float("-inf"))
     if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
-        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return logits.scatter_(1, order, sorted_logits)
+        nucleus = _nucleus_floor(ascending, top_p)
+        if top_k is not None and vocab > PARTIAL_SORT_MAX_K:
+            # a row whose top-k bounds its nucleus computes it over its largest logits alone, exactly as
+            # `apply_top_k_top_p_partial` does, so it keeps the same tokens whichever path its batch takes
+            window = _nucleus_floor(ascending[:, -PARTIAL_SORT_MAX_K:], top_p)
+            nucleus = torch.where((top_k <= PARTIAL_SORT_MAX_K).unsqueeze(1), window, nucleus)
+        floor = nucleus if floor is None else torch.maximum(floor, nucleus)
+    return logits if floor is None else logits.masked_fill_(logits < floor, float("-inf"))
+
+
+def apply_top_k_top_p_partial(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`apply_top_k_top_p` for batches whose top-p rows all have a top-k <= PARTIAL_SORT_MAX_K (and whose
+    other rows' top-k is no larger): their nucleus lies among their k largest logits, so each row's
+    PARTIAL_SORT_MAX_K largest (`torch.topk`, a partial sort) replace the sort of the vocabulary.
+
+    The same tokens as the full sort, not merely the same rule: the nucleus is computed over the same
+    PARTIAL_SORT_MAX_K values in the same order, which the full sort takes from the end of its sorted row
+    for these rows (a fixed width, whatever the batch, so a row's tokens never depend on its batch)."""
+    vocab = logits.shape[-1]
+    largest = logits.topk(min(PARTIAL_SORT_MAX_K, vocab), dim=-1).values  # [B, C], descending
+    floor = _top_k_floor(largest, top_k, vocab)
+    ascending = largest.flip(-1).masked_fill_(largest.flip(-1) < floor, float("-inf"))
+    floor = torch.maximum(floor, _nucleus_floor(ascending, top_p))
+    return logits.masked_fill_(logits < floor, float("-inf"))
+
+
+def _top_k_floor(descending: torch.Tensor, top_k: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, 1]: each row's k-th largest logit, from its largest logits in descending order (all of them or
+    at least its k); -inf where top-k is off (k >= vocab)."""
+    k = top_k.clamp(1, vocab)
+    kth = descending.gather(1, (k.clamp(max=descending.shape[1]) - 1).unsqueeze(1))
+    return kth.masked_fill_((k >= vocab).unsqueeze(1), float("-inf"))
+
+
+def _nucleus_floor(ascending: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: the smallest logit of each row's top-p nucleus (-inf where p >= 1), from logits sorted
+    ascending (a whole row, or its largest ones when they hold the nucleus): tokens are dropped while the
+    ascending cumulative probability is <= 1 - p; the largest is always kept."""
+    cumulative = ascending.softmax(dim=-1).cumsum_(dim=-1)
+    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    floor = ascending.masked_fill(drop, float("inf")).amin(dim=-1, keepdim=True)
+    return floor.masked_fill_((top_p >= 1.0).unsqueeze(1), float("-inf"))
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
@@ -208,12 +248,8 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.
     among the batch's `max_k` largest (`torch.topk`), not by sorting the vocabulary. The same threshold
     value, so the same tokens are masked (every token tied with the k-th largest is kept); rows with top-k
     off (k >= vocab) keep everything. ``logits`` is modified in place."""
-    vocab = logits.shape[-1]
-    k = top_k.clamp(1, vocab)
-    largest = logits.topk(min(max_k, vocab), dim=-1).values  # [B, max_k], descending
-    kth = largest.gather(1, (k.clamp(max=largest.shape[1]) - 1).unsqueeze(1))
-    kth.masked_fill_((k >= vocab).unsqueeze(1), float("-inf"))
-    return logits.masked_fill_(logits < kth, float("-inf"))
+    largest = logits.topk(min(max_k, logits.shape[-1]), dim=-1).values  # [B, max_k], descending
+    return logits.masked_fill_(logits < _top_k_floor(largest, top_k, logits.shape[-1]), float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -414,15 +450,21 @@ class Sampler:
         return tokens
 
     def apply_filters(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Apply top-k, top-p and min-p to temperature-scaled logits (in place); masked tokens are -inf."""
-        if batch.need_top_k and not batch.need_top_p and 0 < batch.max_top_k <= PARTIAL_SORT_MAX_K:
-            logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
-        elif batch.need_top_k or batch.need_top_p:
-            logits = apply_top_k_top_p(
-                logits,
-                batch.top_k if batch.need_top_k else None,
-                batch.top_p if batch.need_top_p else None,
-            )
+        """Apply top-k, top-p and min-p to temperature-scaled logits (in place); masked tokens are -inf.
+        A partial sort (`torch.topk`) where the host knows the batch's k bound what the filters keep."""
+        k_bounded = 0 < batch.max_top_k <= PARTIAL_SORT_MAX_K or not batch.need_top_k
+        top_k = batch.top_k if batch.need_top_k else None
+        if batch.need_top_p:
+            p_bounded = 0 < batch.max_top_p_k <= PARTIAL_SORT_MAX_K < logits.shape[-1]
+            if p_bounded and k_bounded:
+                logits = apply_top_k_top_p_partial(logits, batch.top_k, batch.top_p)
+            else:
+                logits = apply_top_k_top_p(logits, top_k, batch.top_p)
+        elif batch.need_top_k:
+            if k_bounded:
+                logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
+            else:
+                logits = apply_top_k_top_p(logits, top_k, None)
         if batch.need_min_p:
             logits = apply_min_p(logits, batch.min_p)
         return logits

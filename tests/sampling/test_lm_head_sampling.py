@@ -142,3 +142,52 @@ def test_gumbel_noise_is_the_documented_hash_bit_for_bit():
         want.append([(_lowbias32(key ^ _lowbias32((c * golden + 1) & m)) >> 9) + 0.5 for c in cols])
     u = torch.tensor(want, dtype=torch.float32).mul_(2.0**-23)
     assert torch.equal(noise, u.log_().neg_().log_().neg_())
+
+
+def test_top_p_under_a_top_k_skips_the_full_sort_and_keeps_its_tokens():
+    """Top-p rows with a top-k <= PARTIAL_SORT_MAX_K find their nucleus among their largest logits
+    (`torch.topk`, no sort of the vocabulary): the tokens Hugging Face's warpers keep, and seeded draws
+    token for token those of the full sort, in the batch or beside a top-p row without a top-k (which
+    sorts the whole vocabulary for its batch): a row's tokens never depend on which path its batch took."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    vocab = 3 * sampler_mod.PARTIAL_SORT_MAX_K
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, vocab, generator=g) * 3
+    logits[0, 7:12] = logits[0].topk(40).values[-1]  # ties around row 0's nucleus edge
+    params = [
+        SamplingParams(temperature=0.9, top_k=900, top_p=0.6),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.1, top_k=50),  # top-k alone beside top-p
+        SamplingParams(temperature=0.7, top_k=1024, top_p=0.97, min_p=0.01),
+        SamplingParams(temperature=1.5, top_k=3, top_p=0.3),
+    ]
+
+    def batch(ps: list[SamplingParams], step: int, seeds: list[int]) -> SamplingBatch:
+        return SamplingBatch.build(
+            [p.resolved() for p in ps], [step] * len(ps), list(range(len(ps))), seeds, CPU, vocab
+        )
+
+    sampler = Sampler(vocab, 6, CPU)
+    seeds = list(range(100, 105))
+    scaled = logits / torch.tensor([p.temperature or 1.0 for p in params])[:, None]
+    with _Watch((5, vocab)) as watch:
+        kept = sampler.apply_filters(scaled.clone(), batch(params, 0, seeds))
+    assert "sort.default" not in watch.ops and "topk.default" in watch.ops
+    for i in (0, 2, 4):
+        p = params[i]
+        ref = TopKLogitsWarper(p.top_k)(None, TemperatureLogitsWarper(p.temperature)(None, logits[i : i + 1]))
+        ref = TopPLogitsWarper(p.top_p)(None, ref) if p.top_p is not None else ref
+        assert torch.equal(torch.isfinite(kept[i]), torch.isfinite(ref[0])), i
+    assert int(torch.isfinite(kept[0]).sum()) > 5  # the ties are kept together
+    unbounded = SamplingParams(temperature=1.0, top_p=0.9)  # no top-k: the full sort for its batch
+    extra_row = torch.randn(1, vocab, generator=g)
+    for step in range(30):
+        partial = batch(params, step, seeds)
+        assert partial.max_top_p_k == 1024
+        want = sampler.sample(logits, partial)
+        full = dataclasses.replace(partial, max_top_p_k=0)  # 0: unknown, the full sort
+        assert torch.equal(sampler.sample(logits, full), want)
+        mixed = batch([*params, unbounded], step, [*seeds, 7])
+        assert mixed.max_top_p_k == vocab
+        assert torch.equal(sampler.sample(torch.cat([logits, extra_row]), mixed)[:5], want)
