@@ -14,7 +14,7 @@ whichever row it sits in, and after being retracted and resumed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +94,26 @@ def gumbel_noise(keys: torch.Tensor, column_hashes: torch.Tensor) -> torch.Tenso
     u = n.view(torch.float32)
     u.copy_(n)  # int -> float over the same memory, element by element (n < 2**23: exact)
     return u.add_(0.5).mul_(2.0**-_UNIFORM_BITS).log_().neg_().log_().neg_()
+
+
+def gumbel_argmax(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    keys: torch.Tensor,
+    column_hashes: torch.Tensor,
+    scale: bool,
+    any_greedy: bool = True,
+) -> torch.Tensor:
+    """The seeded draw in torch: each row's argmax of ``logits / temperature`` (`scale`; else logits
+    already scaled and filtered) plus its Gumbel noise (`gumbel_noise` of `keys`, `_row_keys` of the
+    rows); rows of temperature 0 take the argmax of `logits` (computed only when `any_greedy`).
+    `gapless.sampling.triton_gumbel.gumbel_argmax` is the same draw in one kernel."""
+    is_greedy = temperature == 0
+    greedy_tokens = logits.argmax(dim=-1) if any_greedy else None
+    if scale:  # the division computes in fp32 whatever the logits' dtype, into a new tensor
+        logits = logits / temperature.masked_fill(is_greedy, 1.0).unsqueeze(1)
+    tokens = gumbel_noise(keys, column_hashes).add_(logits).argmax(dim=-1)
+    return tokens if greedy_tokens is None else torch.where(is_greedy, greedy_tokens, tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,6 +347,11 @@ class Sampler:
         self.prompt_mask: torch.Tensor | None = None  # bool: token occurs in the prompt
         # float32 [max_rows, vocab]: each row's logit_bias (0 elsewhere); allocated when a request has one
         self.logit_bias: torch.Tensor | None = None
+        # the seeded draw as one kernel, `(logits, temperature, keys, scale) -> tokens` as `gumbel_argmax`
+        # takes them (`gapless.sampling.fused.draw_kernel` picks it); None: torch ops
+        self.draw_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = (
+            None
+        )
 
     def write_rows(self, values: RowParams) -> None:
         """Keep the sampling values of requests entering `values.rows` (on this device)."""
@@ -436,18 +461,19 @@ class Sampler:
         return logits
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Sample the non-greedy rows; greedy rows in a mixed batch get their plain argmax."""
-        greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
-        is_greedy = batch.temperature == 0
-        temperature = batch.temperature.masked_fill(is_greedy, 1.0)
-        # the step's float32 [B, V] working copy: the division computes in fp32 whatever the logits' dtype
-        # (as of their fp32 copy), into a new tensor the filters then change in place
-        logits = self.apply_filters(logits / temperature.unsqueeze(1), batch)
-        scores = gumbel_noise(_row_keys(batch.seeds, batch.steps), self._column_hashes).add_(logits)
-        tokens = scores.argmax(dim=-1)
-        if greedy_tokens is not None:
-            tokens = torch.where(is_greedy, greedy_tokens, tokens)
-        return tokens
+        """Sample the non-greedy rows; greedy rows in a mixed batch get their plain argmax. Without filters
+        the temperature is left to the draw (`gumbel_argmax`, or the fused `draw_kernel`), which then
+        reads the logits as they come."""
+        keys = _row_keys(batch.seeds, batch.steps)
+        scale = not (batch.need_top_k or batch.need_top_p or batch.need_min_p)
+        if not scale:
+            temperature = batch.temperature.masked_fill(batch.temperature == 0, 1.0)
+            # the step's float32 [B, V] working copy: the division computes in fp32 whatever the logits'
+            # dtype (as of their fp32 copy), into a new tensor the filters then change in place
+            logits = self.apply_filters(logits / temperature.unsqueeze(1), batch)
+        if self.draw_kernel is not None:
+            return self.draw_kernel(logits, batch.temperature, keys, scale)
+        return gumbel_argmax(logits, batch.temperature, keys, self._column_hashes, scale, batch.any_greedy)
 
     def apply_filters(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Apply top-k, top-p and min-p to temperature-scaled logits (in place); masked tokens are -inf.
