@@ -8,6 +8,7 @@ models with the kernels forced on give the same greedy tokens as with torch, and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 
@@ -128,6 +129,7 @@ def test_model_greedy_same_with_fused_kernels(ckpt_factory, arch, graph_bs):
     path = ckpt_factory(arch)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9, 8, 7, 6]]  # three: a graph bucket of 4, one padded row
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=4, temperature=0.9, top_k=20, seed=3, ignore_eos=True)
     hf = load_hf_model(path)
     refs = [hf_greedy(hf, p, 4) for p in prompts]
     tokens = {}
@@ -143,11 +145,16 @@ def test_model_greedy_same_with_fused_kernels(ckpt_factory, arch, graph_bs):
             cuda_graph_max_bs=graph_bs,
         ) as llm:
             assert llm.engine.runner.fused_kernels == kernels
+            # the sampler's seeded draw follows the same choice (`gapless.sampling.fused`)
+            assert (llm.engine.runner.sampler.draw_kernel is not None) == (kernels == "triton")
             tokens[kernels] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            drawn = llm.generate(prompts[:1] * 2, [sampled, dataclasses.replace(sampled, top_k=-1)], False)
+            tokens[kernels + " sampled"] = [o.token_ids for o in drawn]
             graphs = llm.engine.runner.graphs
             assert not graph_bs or (graphs is not None and graphs.padded_rows > 0)
             llm.check_integrity()
     assert tokens["triton"] == tokens["torch"]
+    assert tokens["triton sampled"] == tokens["torch sampled"]
     for ours, ref in zip(tokens["triton"], refs):
         check_greedy(ours, ref)
 
