@@ -33,12 +33,14 @@ class _State:
 
 
 class TritonBackend:
-    def __init__(self, num_splits: int | None = None) -> None:
-        """`num_splits` fixes the decode split count (tests); by default it follows the batch."""
+    def __init__(self, num_splits: int | None = None, decode_tuning: Any = None) -> None:
+        """`num_splits` fixes the decode split count (tests); by default it follows the batch.
+        `decode_tuning`: the decode kernel's knobs (`triton_kernels.DecodeTuning`; None: its defaults)."""
         import gapless.attention.triton_kernels as triton_kernels
 
         self._k = triton_kernels
         self.num_splits = num_splits
+        self.decode_tuning = decode_tuning if decode_tuning is not None else triton_kernels.DEFAULT_DECODE
         self._sms: dict[torch.device, int] = {}
 
     @property
@@ -77,7 +79,17 @@ class TritonBackend:
             return self._k.extend_attention(q, k_cache, v_cache, state.meta, scale, window, softcap)
         splits, mid_o, mid_lse = self._decode_scratch(state, q, k_cache)
         return self._k.decode_attention(
-            q, k_cache, v_cache, state.meta, splits, scale, mid_o, mid_lse, window, softcap
+            q,
+            k_cache,
+            v_cache,
+            state.meta,
+            splits,
+            scale,
+            mid_o,
+            mid_lse,
+            window,
+            softcap,
+            self.decode_tuning,
         )
 
     def _decode_scratch(
@@ -88,7 +100,7 @@ class TritonBackend:
         key = (heads, k_cache.shape[1], d, q.device)
         if key not in state.scratch:
             splits = self.num_splits or self._k.decode_num_splits(
-                batch, k_cache.shape[1], state.meta.max_seq_len, self._num_sms(q.device)
+                batch, k_cache.shape[1], state.meta.max_seq_len, self._num_sms(q.device), self.decode_tuning
             )
             splits = max(1, min(splits, self._k.MAX_SPLITS))
             mid_o = torch.empty(batch, heads, splits, d, dtype=torch.float32, device=q.device)

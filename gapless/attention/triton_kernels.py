@@ -36,6 +36,7 @@ the interpreter.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -50,6 +51,42 @@ MAX_SPLITS = 64
 MIN_SPLIT_LEN = 128  # keys; shorter splits cost more in stage 2 and launch overhead than they save
 _DECODE_BLOCK_N = 64
 _NO_WINDOW = 2**30  # the window of a layer without one: past any context, so it masks nothing
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """The split-KV decode kernel's knobs, for `python -m gapless.bench.kernels` to sweep on a GPU and for
+    `TritonBackend(decode_tuning=...)` to set. Any values compute the same attention (the CPU suite checks
+    every kernel variant against the torch reference); they change only the speed. Under Triton's
+    interpreter `num_warps` and `num_stages` do nothing: they shape the GPU code alone.
+
+    - `block_n`: keys a program loads per step (a power of two >= 16; None: 64, 32 past head dim 128).
+    - `num_warps`, `num_stages`: the launch's warps and software-pipelining depth (Triton's meanings).
+    - `programs_per_sm`: the split count aims at this many programs per SM (`decode_num_splits`).
+    - `min_split_len`: no split shorter than this many keys (each split costs stage 2 a merge).
+    """
+
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 2
+    min_split_len: int = MIN_SPLIT_LEN
+
+    def __post_init__(self) -> None:
+        if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
+            raise ValueError(f"decode block_n={self.block_n}: must be a power of two >= 16")
+        for name in ("num_warps", "num_stages", "programs_per_sm", "min_split_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"decode {name}={getattr(self, name)}: must be >= 1")
+
+    def keys_per_block(self, head_dim: int) -> int:
+        """`block_n`, or its default for `head_dim`."""
+        if self.block_n is not None:
+            return self.block_n
+        return _DECODE_BLOCK_N if _block_d(head_dim) <= 128 else 32
+
+
+DEFAULT_DECODE = DecodeTuning()
 
 if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction
@@ -479,11 +516,15 @@ def extend_attention(
     return out
 
 
-def decode_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per request for decode: enough programs to cover the SMs about twice, no split shorter than
-    MIN_SPLIT_LEN keys, at most MAX_SPLITS. Host arithmetic only."""
-    by_len = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_LEN)
-    by_occupancy = triton.cdiv(2 * num_sms, max(batch * kv_heads, 1))
+def decode_num_splits(
+    batch: int, kv_heads: int, max_seq_len: int, num_sms: int, tuning: DecodeTuning = DEFAULT_DECODE
+) -> int:
+    """Splits per request for decode, from the batch's (request, kv head) programs against the SMs: enough
+    splits for `tuning.programs_per_sm` programs per SM (a batch of 256 requests x 8 kv heads already
+    has 2048 programs for an H100's 132 SMs: one split), no split shorter than `tuning.min_split_len`
+    keys, at most MAX_SPLITS. Host arithmetic only."""
+    by_len = triton.cdiv(max(max_seq_len, 1), tuning.min_split_len)
+    by_occupancy = triton.cdiv(tuning.programs_per_sm * num_sms, max(batch * kv_heads, 1))
     return max(1, min(by_len, by_occupancy, MAX_SPLITS))
 
 
@@ -498,9 +539,11 @@ def decode_attention(
     mid_lse: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    tuning: DecodeTuning = DEFAULT_DECODE,
 ) -> torch.Tensor:
     """One new token per request (`extend_lens` all 1) attending to all `prefix_lens[b] + 1` keys (the
-    last `window` of them, with a window; `softcap` as `AttentionBackend.forward` takes it).
+    last `window` of them, with a window; `softcap` as `AttentionBackend.forward` takes it), launched
+    as `tuning` says.
 
     `mid_o` [B, heads, >=num_splits, d] and `mid_lse` [B, heads, >=num_splits] fp32 are scratch; pass
     them to reuse one allocation across layers."""
@@ -518,7 +561,7 @@ def decode_attention(
         mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     group = heads // kv_heads
     block_d = _block_d(d)
-    block_n = _DECODE_BLOCK_N if block_d <= 128 else 32
+    block_n = tuning.keys_per_block(d)
     mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         *args,
@@ -531,8 +574,8 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         SOFTCAP=bool(softcap),
-        num_warps=4,
-        num_stages=2,
+        num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
         **_dot_flags(q.dtype),
     )
     _decode_reduce_kernel[(batch, heads)](

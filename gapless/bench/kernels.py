@@ -141,45 +141,82 @@ def decode_metadata(batch: int, context: int, page_size: int, device: torch.devi
 def attention_rows(
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype
 ) -> list[dict[str, Any]]:
-    """One row per (context, page size): decode attention's achieved KV read bandwidth, and a copy's."""
+    """One row per (batch, context, page size, decode tuning): decode attention's achieved KV read
+    bandwidth, and a copy's of as many bytes."""
     backend = make_backend(args.attention, device)
     return [
-        _attention_case(args, backend, context, page_size, device, dtype)
+        row
+        for batch in args.batch
         for context in args.context
         for page_size in args.page_size
+        for row in _attention_case(args, backend, batch, context, page_size, device, dtype)
     ]
+
+
+def decode_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
+    """The decode kernel variants to time (`--decode-block-n/-warps/-stages`, every combination) when the
+    backend is Triton's; [None] (the backend as it is) otherwise."""
+    if not hasattr(backend, "decode_tuning"):
+        return [None]
+    from gapless.attention.triton_kernels import DecodeTuning
+
+    return [
+        DecodeTuning(block_n=n or None, num_warps=w, num_stages=st)
+        for n in args.decode_block_n
+        for w in args.decode_warps
+        for st in args.decode_stages
+    ]
+
+
+def copy_tb_s(nbytes: int, device: torch.device, args: argparse.Namespace) -> float:
+    """A device-to-device copy's bandwidth over `nbytes` (bytes read and written), its buffers freed after."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_us(lambda: dst.copy_(src), device, args) / 1e6
 
 
 def _attention_case(
     args: argparse.Namespace,
     backend: Any,
+    batch: int,
     context: int,
     page_size: int,
     device: torch.device,
     dtype: torch.dtype,
-) -> dict[str, Any]:
-    B, H, KVH, D = args.batch, args.heads, args.kv_heads, args.head_dim
+) -> list[dict[str, Any]]:
+    B, H, KVH, D = batch, args.heads, args.kv_heads, args.head_dim
     meta = decode_metadata(B, context, page_size, device)
     slots = (B * -(-context // page_size) + 1) * page_size
     k_cache = torch.randn(slots, KVH, D, device=device, dtype=dtype)
     v_cache = torch.randn(slots, KVH, D, device=device, dtype=dtype)
     q = torch.randn(B, H, D, device=device, dtype=dtype)
     kv_bytes = 2 * B * context * KVH * D * k_cache.element_size()
-    src = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    with torch.inference_mode():
-        state = backend.prepare(meta)
-        t_attn = median_us(lambda: backend.forward(q, k_cache, v_cache, state, D**-0.5), device, args)
-        t_copy = median_us(lambda: dst.copy_(src), device, args)
-    attn_tbs, copy_tbs = kv_bytes / t_attn / 1e6, 2 * kv_bytes / t_copy / 1e6
-    return {
-        "context": context,
-        "page_size": page_size,
-        "attention_us": t_attn,
-        "attention_tb_s": attn_tbs,
-        "copy_tb_s": copy_tbs,
-        "ratio": attn_tbs / copy_tbs,
-    }
+    copy_tbs = copy_tb_s(kv_bytes, device, args)
+    rows = []
+    for tuning in decode_tunings(args, backend):
+        if tuning is not None:
+            backend.decode_tuning = tuning
+        with torch.inference_mode():
+            state = backend.prepare(meta)
+            t_attn = median_us(lambda: backend.forward(q, k_cache, v_cache, state, D**-0.5), device, args)  # noqa: B023
+        attn_tbs = kv_bytes / t_attn / 1e6
+        splits = [s[0] for s in getattr(state, "scratch", {}).values()]
+        rows.append(
+            {
+                "batch": B,
+                "context": context,
+                "page_size": page_size,
+                "block_n": tuning.keys_per_block(D) if tuning is not None else None,
+                "num_warps": tuning.num_warps if tuning is not None else None,
+                "num_stages": tuning.num_stages if tuning is not None else None,
+                "splits": splits[0] if splits else None,
+                "attention_us": t_attn,
+                "attention_tb_s": attn_tbs,
+                "copy_tb_s": copy_tbs,
+                "ratio": attn_tbs / copy_tbs,
+            }
+        )
+    return rows
 
 
 def extend_metadata(tokens: int, req_len: int, device: torch.device) -> AttentionMetadata:
@@ -236,6 +273,10 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
 
+def _opt(x: int | None) -> str:
+    return "-" if x is None else str(x)
+
+
 def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str, Callable[[Any], str]]]) -> list[str]:
     """A numbers-only markdown table: one (header, row key, format) a column."""
     header = [c[0] for c in columns]
@@ -259,12 +300,17 @@ def report(res: dict[str, Any]) -> list[str]:
         ],
         "lrrr",
     )
-    lines += ["", f"decode attention ({res['attention']}), batch {res['batch']}:"]
+    lines += ["", f"decode attention ({res['attention']}):"]
     lines += _table(
         res["attention_rows"],
         [
+            ("batch", "batch", str),
             ("context", "context", str),
             ("page size", "page_size", str),
+            ("block n", "block_n", _opt),
+            ("warps", "num_warps", _opt),
+            ("stages", "num_stages", _opt),
+            ("splits", "splits", _opt),
             ("µs", "attention_us", _fmt),
             ("KV read TB/s", "attention_tb_s", "{:.3f}".format),
             ("copy TB/s", "copy_tb_s", "{:.3f}".format),
@@ -295,9 +341,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=cli.positive_int, default=8)
     p.add_argument("--head-dim", type=cli.positive_int, default=128)
     p.add_argument("--intermediate", type=cli.positive_int, default=3072)
-    p.add_argument("--batch", type=cli.positive_int, default=256, help="decode attention's batch")
+    p.add_argument(
+        "--batch", type=cli.positive_int, nargs="+", default=[1, 64, 256], help="decode attention's batches"
+    )
     p.add_argument("--context", type=cli.positive_int, nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--page-size", type=cli.positive_int, nargs="+", default=[1, 16])
+    tune = "decode kernel variants to time, every combination (Triton backend)"
+    p.add_argument("--decode-block-n", type=int, nargs="+", default=[0], help=f"{tune}; 0: its default")
+    p.add_argument("--decode-warps", type=cli.positive_int, nargs="+", default=[4], help=tune)
+    p.add_argument("--decode-stages", type=cli.positive_int, nargs="+", default=[2], help=tune)
     p.add_argument("--extend-tokens", type=cli.positive_int, nargs="+", default=[2048, 16384])
     p.add_argument("--extend-len", type=cli.positive_int, default=1024, help="tokens per extend request")
     p.add_argument("--matmul-n", type=cli.positive_int, default=8192, help="the square matmul's size")

@@ -173,6 +173,47 @@ def test_decode_split_counts(num_splits):
         assert splits > 1
 
 
+# the decode kernel's knobs (`DecodeTuning`), page sizes 1 and 16: key blocks of 16 to 128 (more than the
+# 6- and 1-key contexts, several for the 301-key one), warps/stages (GPU-only knobs: still checked to
+# launch), and a split heuristic pushed to many short splits
+TUNINGS = [
+    pytest.param(tk.DecodeTuning(block_n=16, num_warps=2, num_stages=1), 1, torch.float32, id="n16-page1"),
+    pytest.param(tk.DecodeTuning(block_n=32, num_warps=8, num_stages=3), 16, torch.float32, id="n32-page16"),
+    pytest.param(tk.DecodeTuning(block_n=128), 16, torch.bfloat16, id="n128-page16-bf16"),
+    pytest.param(
+        tk.DecodeTuning(programs_per_sm=16, min_split_len=16), 1, torch.float16, id="splits-page1-fp16"
+    ),
+]
+
+
+@pytest.mark.parametrize(("tuning", "page_size", "dtype"), TUNINGS)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 1), (6, 2)], ids=["group8", "group3"])
+def test_decode_tunings_match_reference(tuning, page_size, dtype, heads, kv_heads):
+    """Every tuning computes the same attention: a whole GQA group (8, or 3 padded to 16 rows) in one
+    program per kv head, NaN outside the contexts never read."""
+    q, k, v, meta, clean = make_batch(
+        5, heads=heads, kv_heads=kv_heads, d=24, page_size=page_size, dtype=dtype, garbage=True, **DECODE
+    )
+    backend = TritonBackend(decode_tuning=tuning)
+    state = backend.prepare(meta)
+    out = backend.forward(q, k, v, state, 24**-0.5)
+    check(out, reference(q, clean, meta, 24**-0.5), dtype)
+    ((splits, _, _),) = state.scratch.values()
+    assert splits == tk.decode_num_splits(4, kv_heads, 301, backend._num_sms(DEVICE), tuning)
+
+
+def test_decode_tuning_is_checked():
+    with pytest.raises(ValueError, match="block_n=24: must be a power of two >= 16"):
+        tk.DecodeTuning(block_n=24)
+    with pytest.raises(ValueError, match="num_warps=0: must be >= 1"):
+        tk.DecodeTuning(num_warps=0)
+    assert tk.DecodeTuning().keys_per_block(128) == 64 and tk.DecodeTuning().keys_per_block(256) == 32
+    # the split heuristic follows the occupancy target: 4 programs per SM of 132 over 1 x 8 programs
+    assert tk.decode_num_splits(1, 8, 32768, 132, tk.DecodeTuning(programs_per_sm=4)) == 64
+    assert tk.decode_num_splits(1, 8, 32768, 132, tk.DecodeTuning(programs_per_sm=1)) == 17
+    assert tk.decode_num_splits(1, 8, 1000, 132, tk.DecodeTuning(min_split_len=500)) == 2
+
+
 def test_decode_scratch_is_reused_across_layers():
     """A second layer with other caches reuses the first's split buffers and still gets its own answer."""
     q, k, v, meta, clean = make_batch(3, heads=4, kv_heads=2, d=16, page_size=1, **DECODE)
