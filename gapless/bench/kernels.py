@@ -1,20 +1,25 @@
 """Microbenchmarks of the decoder's kernels, each against its yardstick measured in the same run.
 
-    python -m gapless.bench.kernels --device cuda [--dtype bfloat16] [--tokens 256] [--batch 256]
-        [--context 1024 4096 8192] [--page-size 1 16]
+    python -m gapless.bench.kernels --device cuda [--dtype bfloat16] [--tokens 256] [--batch 1 64 256]
+        [--context 1024 4096 8192] [--page-size 1 16] [--decode-block-n 0 32 64 128] [--decode-warps 4 8]
+        [--decode-stages 2 3] [--sample-batch 256] [--vocab 151936] [--json FILE]
 
 1. Each fused Triton kernel of `gapless.model.fused` against the torch sequence it replaces (residual
    add + RMSNorm, q/k norm + RoPE + KV store, SiLU·mul, GeLU·mul), on `--tokens` rows of a model shape
    (default Qwen3-0.6B's: hidden 1024, 16 heads, 8 kv heads, head dim 128, intermediate 3072): median
    microseconds of each and the ratio.
-2. Decode attention (`--attention`, default the Triton backend on CUDA, torch elsewhere) at batch
-   `--batch` for each context and page size: the KV bytes a step must read (K and V of every cached
+2. Decode attention (`--attention`, default the Triton backend on CUDA, torch elsewhere) for each batch
+   of `--batch`, context and page size, and with Triton for each decode kernel variant (every
+   combination of `--decode-block-n` (0: the default), `--decode-warps`, `--decode-stages`; the row
+   shows the split count the heuristic chose): the KV bytes a step must read (K and V of every cached
    token, once) over its median time, against a device-to-device copy of as many bytes in the same run
    (its bandwidth counts the bytes read and written), so the ratio says how near attention runs to what
    this device's memory delivers.
 3. Extend (prefill) attention over `--extend-tokens` new tokens a batch (requests of `--extend-len`
    tokens, no cached prefix): causal attention's FLOPs (4 * heads * head_dim * L(L+1)/2 a request) over
    its median time, against a `--matmul-n` square matmul in the same dtype measured in the same run.
+4. Sampling on `--sample-batch` rows of `--vocab` logits: the seeded draw by torch ops against the fused
+   Triton draw, and top-k 50 + top-p 0.95 by the full sort of the vocabulary against the partial one.
 
 On a CPU the Triton columns run only under Triton's interpreter (TRITON_INTERPRET=1, for tests; the
 figures mean nothing there); without it they print "-". Timings use CUDA events on CUDA.
@@ -23,6 +28,7 @@ figures mean nothing there); without it they print "-". Timings use CUDA events 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -269,6 +275,52 @@ def extend_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     return rows
 
 
+def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """The sampler on `--sample-batch` rows of `--vocab` logits in `dtype`: the seeded draw by torch ops
+    against the fused Triton draw (`gapless.sampling.triton_gumbel`), and top-k + top-p by the full sort
+    against the partial one (`apply_top_k_top_p_partial`)."""
+    from gapless.sampling import fused
+    from gapless.sampling.sampler import Sampler, SamplingBatch
+    from gapless.sampling_params import SamplingParams
+
+    B, V = args.sample_batch, args.vocab
+    logits = (torch.randn(B, V, device=device) * 3).to(dtype)
+    torch_sampler, fused_sampler = Sampler(V, B, device), Sampler(V, B, device)
+    if _triton_kernels(device) is not None:
+        fused_sampler.draw_kernel = fused.draw_kernel("triton", V, device)
+
+    def batch(p: SamplingParams) -> SamplingBatch:
+        return SamplingBatch.build([p.resolved()] * B, [0] * B, list(range(B)), list(range(B)), device, V)
+
+    draw, nucleus = batch(SamplingParams(temperature=0.8)), batch(SamplingParams(top_k=50, top_p=0.95))
+    full = dataclasses.replace(nucleus, max_top_p_k=0)  # 0: unknown, the full sort
+    cases = {
+        "seeded draw (temperature only)": (
+            "triton draw",
+            lambda: torch_sampler.sample(logits, draw),
+            fused_sampler.draw_kernel and (lambda: fused_sampler.sample(logits, draw)),
+        ),
+        "top-k 50 + top-p 0.95": (
+            "partial sort",
+            lambda: torch_sampler.sample(logits, full),
+            lambda: torch_sampler.sample(logits, nucleus),
+        ),
+    }
+    rows = []
+    with torch.inference_mode():
+        for name, (faster, ref, new) in cases.items():
+            t_ref = median_us(ref, device, args)
+            rows.append(
+                {
+                    "case": name,
+                    "torch_us": t_ref,
+                    "path": faster,
+                    "path_us": new and median_us(new, device, args),
+                }
+            )
+    return rows
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
@@ -317,6 +369,21 @@ def report(res: dict[str, Any]) -> list[str]:
             ("attention / copy", "ratio", "{:.0%}".format),
         ],
     )
+    lines += ["", f"sampling, {res['sample_batch']} rows x {res['vocab']} logits:"]
+    lines += cli.markdown_table(
+        ["case", "torch µs", "faster path", "its µs", "path / torch"],
+        [
+            [
+                r["case"],
+                _fmt(r["torch_us"]),
+                r["path"],
+                _fmt(r["path_us"]),
+                "-" if r["path_us"] is None else f"{r['path_us'] / r['torch_us']:.2f}x",
+            ]
+            for r in res["sampling"]
+        ],
+        "lrlrr",
+    )
     lines += ["", f"extend attention ({res['attention']}), requests of {res['extend_len']} tokens:"]
     lines += _table(
         res["extend_rows"],
@@ -354,6 +421,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extend-len", type=cli.positive_int, default=1024, help="tokens per extend request")
     p.add_argument("--matmul-n", type=cli.positive_int, default=8192, help="the square matmul's size")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--sample-batch", type=cli.positive_int, default=256, help="the sampler's rows")
+    p.add_argument("--vocab", type=cli.positive_int, default=151936, help="the sampler's logits per row")
     p.add_argument("--iters", type=cli.positive_int, default=20, help="timed calls (the median is kept)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     p.add_argument("--json", default=None, help="also write the figures here")
@@ -375,6 +444,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "extend_len": args.extend_len,
         "matmul_n": args.matmul_n,
         "extend_rows": extend_rows(args, device, dtype),
+        "sample_batch": args.sample_batch,
+        "vocab": args.vocab,
+        "sampling": sampling_rows(args, device, dtype),
     }
     print("\n".join(report(res)))
     if args.json:

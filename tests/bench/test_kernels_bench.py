@@ -1,6 +1,7 @@
 """`python -m gapless.bench.kernels` runs end to end (tiny shapes; on a CPU under Triton's interpreter,
 where its figures mean nothing but every path runs): each fused kernel against torch, and decode attention
-against a copy, for every context and page size asked for, and extend attention against a matmul."""
+against a copy, for every batch, context, page size and decode kernel variant asked for, extend attention
+against a matmul, and the sampler's torch paths against the fused draw and the partial sort."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
         "--device cpu --dtype float32 --tokens 3 --hidden 37 --heads 2 --kv-heads 1 --head-dim 12 "
         "--intermediate 20 --batch 2 3 --context 20 --page-size 1 4 --attention triton --iters 1 --warmup 0 "
         "--decode-block-n 0 16 "
-        "--extend-tokens 24 --extend-len 10 --matmul-n 16"
+        "--extend-tokens 24 --extend-len 10 --matmul-n 16 --sample-batch 2 --vocab 1100"
     ).split() + ["--json", str(tmp_path / "k.json")]
     res = kernels.main(argv)
     assert [r["kernel"] for r in res["fused"]] == [
@@ -37,6 +38,12 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
     assert all(r["attention_tb_s"] > 0 and r["copy_tb_s"] > 0 for r in res["attention_rows"])
     assert [r["tokens"] for r in res["extend_rows"]] == [24]
     assert all(r["attention_tflop_s"] > 0 and r["matmul_tflop_s"] > 0 for r in res["extend_rows"])
+    assert [(r["case"], r["path"]) for r in res["sampling"]] == [
+        ("seeded draw (temperature only)", "triton draw"),
+        ("top-k 50 + top-p 0.95", "partial sort"),
+    ]
+    assert all(r["torch_us"] > 0 and r["path_us"] > 0 for r in res["sampling"])
     out = capsys.readouterr().out
     assert "attention / copy" in out and "triton / torch" in out and "attention / matmul" in out
+    assert "path / torch" in out
     assert (tmp_path / "k.json").exists()
