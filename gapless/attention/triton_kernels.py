@@ -11,8 +11,10 @@ time, so the cache layout (page size, fragmentation, a prefix that ends mid-page
   split); the program handles all query heads that share the kv head (GQA/MQA, one `tl.dot` of
   [group, d] x [d, block]) over its split of the context and writes the split's normalised output and
   log-sum-exp. Stage 2 merges the splits of each (request, head). The number of splits is a host int
-  chosen from `max_seq_len` and the batch size, so a long context is spread over many programs even when
-  the batch is small.
+  chosen from `max_seq_len` and the batch's (request, kv head) programs against the SMs, so a long
+  context is spread over many programs when the batch is small, and a large batch (256 x 8 kv heads on
+  an H100's 132 SMs) runs one split a request, each KV page read once. `DecodeTuning` holds the knobs
+  (keys per block, warps, stages, the split heuristic's targets) for `gapless.bench.kernels` to sweep.
 
 Launchers read grid sizes from host ints (`max_extend_len`, `max_seq_len`, shapes) and never sync the
 device. Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale). Head dims need not be powers

@@ -18,6 +18,8 @@ torch path at start-up on CUDA. Launchers read sizes from host ints and never sy
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -87,6 +89,14 @@ def _gumbel_argmax_kernel(
     tl.store(BestIndex + b * tl.num_programs(1) + c, best_i)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """The device's SMs (asked once per device: a host query each step would cost microseconds)."""
+    if device.type != "cuda":
+        return _CPU_SM_STANDIN
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def gumbel_argmax(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -104,9 +114,8 @@ def gumbel_argmax(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if num_sms is None:
-        is_cuda = logits.device.type == "cuda"
-        num_sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if is_cuda else 0
-    programs = triton.cdiv(PROGRAMS_PER_SM * (num_sms or _CPU_SM_STANDIN), batch)
+        num_sms = _num_sms(logits.device)
+    programs = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch)
     programs = max(1, min(programs, triton.cdiv(vocab, BLOCK_V)))
     chunk = triton.cdiv(triton.cdiv(vocab, programs), BLOCK_V) * BLOCK_V  # whole blocks a program
     programs = triton.cdiv(vocab, chunk)
