@@ -259,7 +259,10 @@ def _nucleus_floor(ascending: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor
     cumulative = ascending.softmax(dim=-1).cumsum_(dim=-1)
     drop = cumulative <= (1.0 - top_p).unsqueeze(1)
     drop[:, -1] = False
-    floor = ascending.masked_fill(drop, float("inf")).amin(dim=-1, keepdim=True)
+    # the first kept position holds the smallest kept logit (argmax: the first 1 of a uint8 view, no new
+    # float [B, V] tensor; the first even if rounding made the dropped positions no prefix)
+    first = drop.logical_not_().view(torch.uint8).argmax(dim=-1, keepdim=True)
+    floor = ascending.gather(1, first)
     return floor.masked_fill_((top_p >= 1.0).unsqueeze(1), float("-inf"))
 
 

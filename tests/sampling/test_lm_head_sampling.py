@@ -174,6 +174,10 @@ def test_top_p_under_a_top_k_skips_the_full_sort_and_keeps_its_tokens():
     with _Watch((5, vocab)) as watch:
         kept = sampler.apply_filters(scaled.clone(), batch(params, 0, seeds))
     assert "sort.default" not in watch.ops and "topk.default" in watch.ops
+    nucleus = [SamplingParams(temperature=0.9, top_k=900, top_p=0.6), SamplingParams(temperature=0.0)] * 2
+    with _Watch((4, vocab)) as watch:  # bf16 logits: one float32 [B, V], the scaled copy, and no sort
+        sampler.sample(logits[:4].to(torch.bfloat16), batch(nucleus, 0, seeds[:4]))
+    assert watch.new_fp32 == 1 and "sort.default" not in watch.ops, watch.ops
     for i in (0, 2, 4):
         p = params[i]
         ref = TopKLogitsWarper(p.top_k)(None, TemperatureLogitsWarper(p.temperature)(None, logits[i : i + 1]))
