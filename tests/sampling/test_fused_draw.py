@@ -106,13 +106,14 @@ def test_sampler_draws_the_same_tokens_with_the_kernel(rows: list[int]) -> None:
 
 
 def test_draw_kernel_choice(caplog: pytest.LogCaptureFixture) -> None:
-    """'torch' and 'auto' off CUDA: torch ops; 'triton': the kernel; the start-up check passes the kernel
-    and refuses one that draws other tokens, so 'auto' would fall back to torch with the reason."""
+    """'torch' and 'auto' off CUDA: torch ops; 'triton': the kernel (on CUDA, or the CPU under the
+    interpreter); the start-up check passes the kernel and refuses one that draws other tokens or fails,
+    and 'auto' on CUDA then falls back to torch with the reason."""
     cpu = torch.device("cpu")
     assert fused.draw_kernel("torch", 100, cpu) is None
     assert fused.draw_kernel("auto", 100, cpu) is None
-    kernel = fused.draw_kernel("triton", 100, cpu)
-    assert kernel is not None and fused.disagreement(kernel, 100, cpu) is None
+    kernel = fused.draw_kernel("triton", 100, DEVICE)
+    assert kernel is not None and fused.disagreement(kernel, 100, DEVICE) is None
     wrong = lambda logits, *_: torch.zeros(logits.shape[0], dtype=torch.int64)  # noqa: E731
     assert "drew [0, 0, 0, 0]" in fused.disagreement(wrong, 100, cpu)
 
