@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 
+from gapless.config import FUSED_KERNELS
 from gapless.sampling.sampler import _bits_as_int32, _column_hashes, _row_keys, gumbel_argmax
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ DrawKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Te
 
 def draw_kernel(name: str, vocab_size: int, device: torch.device) -> DrawKernel | None:
     """The fused draw for `Sampler.draw_kernel` under `fused_kernels=name`, or None for torch ops."""
+    if name not in FUSED_KERNELS:
+        raise ValueError(f"fused_kernels={name!r}: must be one of {FUSED_KERNELS}")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return None
     try:

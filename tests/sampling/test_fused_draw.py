@@ -110,6 +110,8 @@ def test_draw_kernel_choice(caplog: pytest.LogCaptureFixture) -> None:
     interpreter); the start-up check passes the kernel and refuses one that draws other tokens or fails,
     and 'auto' on CUDA then falls back to torch with the reason."""
     cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="fused_kernels='fast': must be one of"):
+        fused.draw_kernel("fast", 100, cpu)
     assert fused.draw_kernel("torch", 100, cpu) is None
     assert fused.draw_kernel("auto", 100, cpu) is None
     kernel = fused.draw_kernel("triton", 100, DEVICE)
