@@ -17,9 +17,12 @@ if not torch.cuda.is_available() and not fk.INTERPRET:
     pytest.skip("the kernels were imported before TRITON_INTERPRET was set", allow_module_level=True)
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels under the interpreter
+
+
 def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys):
     argv = (
-        "--device cpu --dtype float32 --tokens 3 --hidden 37 --heads 2 --kv-heads 1 --head-dim 12 "
+        f"--device {DEVICE} --dtype float32 --tokens 3 --hidden 37 --heads 2 --kv-heads 1 --head-dim 12 "
         "--intermediate 20 --batch 2 3 --context 20 --page-size 1 4 --attention triton --iters 1 --warmup 0 "
         "--decode-block-n 0 16 "
         "--extend-tokens 24 --extend-len 10 --matmul-n 16 --sample-batch 2 --vocab 1100"
