@@ -214,7 +214,7 @@ def apply_top_k_top_p(
     """
     ascending = logits.sort(dim=-1, descending=False).values
     vocab = logits.shape[-1]
-    floor = _top_k_floor(ascending.flip(-1), top_k, vocab) if top_k is not None else None
+    floor = _top_k_floor(ascending, top_k, vocab, ascending=True) if top_k is not None else None
     if floor is not None:
         ascending.masked_fill_(ascending < floor, float("-inf"))
     if top_p is not None:
@@ -239,16 +239,21 @@ def apply_top_k_top_p_partial(logits: torch.Tensor, top_k: torch.Tensor, top_p: 
     vocab = logits.shape[-1]
     largest = logits.topk(min(PARTIAL_SORT_MAX_K, vocab), dim=-1).values  # [B, C], descending
     floor = _top_k_floor(largest, top_k, vocab)
-    ascending = largest.flip(-1).masked_fill_(largest.flip(-1) < floor, float("-inf"))
+    ascending = largest.flip(-1)
+    ascending.masked_fill_(ascending < floor, float("-inf"))
     floor = torch.maximum(floor, _nucleus_floor(ascending, top_p))
     return logits.masked_fill_(logits < floor, float("-inf"))
 
 
-def _top_k_floor(descending: torch.Tensor, top_k: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, 1]: each row's k-th largest logit, from its largest logits in descending order (all of them or
-    at least its k); -inf where top-k is off (k >= vocab)."""
+def _top_k_floor(
+    sorted_logits: torch.Tensor, top_k: torch.Tensor, vocab: int, ascending: bool = False
+) -> torch.Tensor:
+    """[B, 1]: each row's k-th largest logit, from its largest logits in descending order (at least its
+    k of them), or with `ascending` from the whole row sorted ascending; -inf where top-k is off (k >=
+    vocab)."""
     k = top_k.clamp(1, vocab)
-    kth = descending.gather(1, (k.clamp(max=descending.shape[1]) - 1).unsqueeze(1))
+    index = vocab - k if ascending else k.clamp(max=sorted_logits.shape[1]) - 1
+    kth = sorted_logits.gather(1, index.unsqueeze(1))
     return kth.masked_fill_((k >= vocab).unsqueeze(1), float("-inf"))
 
 
