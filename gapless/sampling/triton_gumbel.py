@@ -64,8 +64,9 @@ def _gumbel_argmax_kernel(
     key = tl.load(Keys + b).to(tl.uint32, bitcast=True)
     noisy = t > 0.0
     t_safe = tl.where(noisy, t, 1.0)
-    best = float("-inf")
-    best_i = vocab  # past any column: a chunk with nothing in it loses every comparison
+    # loop-carried scalars typed up front (fp32, int32), so the GPU compiler sees one type per variable
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int32) + vocab  # past any column: marks "nothing seen yet"
     start = c * chunk
     end = tl.minimum(start + chunk, vocab)
     for v0 in range(start, end, BLOCK):
