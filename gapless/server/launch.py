@@ -1,10 +1,12 @@
 """`gapless serve`: check what can be checked, start the workers, wait until each is ready, serve HTTP, and
 take it all down.
 
-Before any process starts or a weight loads, `serve` checks the engine options, the checkpoint (its
+Before any worker starts or a weight loads, `serve` checks the engine options, the checkpoint (its
 architecture, weights and tokenizer), the device, and the port (binding the HTTP socket there and then), so
-each of those mistakes is one `gapless: ...` line and exit status 2 within a second. Importing this module
-loads neither torch nor the web stack (`serve` does), so the command line's parser stays fast.
+each of those mistakes is one `gapless: ...` line and exit status 2 within seconds. Only the workers' fork
+server starts first, so that its imports overlap this process's; a refused start ends it again.
+Importing this module loads neither torch nor the web stack (`serve` does), so the command line's parser
+stays fast.
 
 The API server runs in this process (uvicorn on an asyncio loop); the scheduler (one per data-parallel
 replica, `gapless.server.replicas`) and the tokenizer and detokenizer (in a process each, or both in
@@ -13,9 +15,10 @@ transformers once (`preload`), or spawned where the platform has no fork server.
 
 Shutdown (SIGINT, SIGTERM, or a worker dying) first ends every open request: a stream gets an error event
 and `data: [DONE]`, a waiting request a 503. Then uvicorn stops, the workers are terminated and waited for
-(killed if they hang), and so are multiprocessing's fork server and resource tracker and any process
-orphaned below this one (it is their subreaper): when the server's exit status is seen, none of its
-processes is left. The exit status is 1 when a worker failed, 2 for a refused start, else 0.
+(killed if they hang), and so are multiprocessing's fork server (killed: it has nothing left to do) and
+resource tracker and any process orphaned below this one (it is their subreaper): when the server's exit
+status is seen, none of its processes is left. The exit status is 1 when a worker failed, 2 for a
+refused start, else 0.
 """
 
 from __future__ import annotations
@@ -183,6 +186,21 @@ def _positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
     return value
+
+
+def _start_fork_server() -> list[object]:
+    """Start the workers' fork server before this process imports torch and transformers itself: on a
+    machine with cores to spare both import at once, which takes seconds off the start-up. Returns the
+    helpers this started (the fork server, and multiprocessing's resource tracker unless it ran already),
+    for `_stop_helper` to end if the start is refused."""
+    if not isinstance(_process_context(), mp.context.ForkServerContext):
+        return []
+    from multiprocessing import forkserver, resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    tracker_ran = getattr(tracker, "_pid", None) is not None
+    forkserver.ensure_running()
+    return [forkserver._forkserver] + ([] if tracker_ran else [tracker])  # type: ignore[attr-defined]
 
 
 def _process_context() -> mp.context.BaseContext:
@@ -398,10 +416,25 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Run `gapless serve` for parsed `args` until it is stopped; returns the exit status."""
+    started = time.monotonic()
+    # the workers' log level: they inherit the fork server's environment, so it is set before that starts
+    os.environ[LOG_LEVEL_ENV] = args.log_level
+    # node 0 forks its workers from the fork server: start it now (`_start_fork_server`)
+    helpers = _start_fork_server() if not args.node_rank else []
+    try:
+        return _serve_checked(args, started)
+    finally:  # where the configuration was refused; after a run `_reap_children` stopped them already
+        for helper in helpers:
+            _stop_helper(helper)
+
+
+def _serve_checked(args: argparse.Namespace, started: float) -> int:
+    """`serve` once the fork server is starting: check the configuration (importing torch and
+    transformers, which the fork server imports at the same time), then run node 0's server or another
+    node's ranks."""
     from gapless.engine.preflight import check_engine_config
     from gapless.model.source import served_name
 
-    started = time.monotonic()
     try:
         named = config_from_args(args)
         # the model made local (fetched, downloaded) and checked before any worker starts
@@ -425,7 +458,6 @@ def _run(
     from gapless.server.workers import Endpoints, SchedulerLogs
 
     configure_logging(args.log_level)
-    os.environ[LOG_LEVEL_ENV] = args.log_level  # the workers' level (they inherit the environment)
     mp.current_process().name = "gapless-api"
     _adopt_orphans()
     layout = choose_layout(args.process_layout)
@@ -510,7 +542,14 @@ def _reap_children(timeout_s: float = TERMINATE_GRACE_S) -> None:
 
 
 def _stop_helper(helper: object) -> None:
-    """Stop one of multiprocessing's helper processes and wait for it (`_stop`: in CPython since 3.8)."""
+    """Stop one of multiprocessing's helper processes and wait for it (`_stop`: in CPython since 3.8).
+    The fork server is killed first: it only ever forked the workers (ended before this), and letting it
+    exit would spend a second in its interpreter's teardown of torch and transformers."""
+    from multiprocessing import forkserver
+
+    if isinstance(helper, forkserver.ForkServer) and helper._forkserver_pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(helper._forkserver_pid, signal.SIGKILL)
     stop = getattr(helper, "_stop", None)
     if stop is not None:
         with contextlib.suppress(OSError, ChildProcessError):

@@ -58,12 +58,17 @@ def _send_error(conn: Connection, e: BaseException) -> None:
 
 def _device_process_entry(fd: int) -> None:
     """`python -m gapless.engine.stream FD`: the device process. It ignores SIGINT (the host
-    decides when to stop it) and exits when told to or when the host's end of the pipe closes."""
+    decides when to stop it) and exits (status 0) when told to, after sending an error, or when the host's
+    end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     cfg, threads, cpus = pickle.loads(conn.recv_bytes())
     with contextlib.suppress(EOFError, OSError):  # the host went away: end quietly
         _device_main(conn, cfg, threads, cpus)
+    # without the interpreter's teardown of torch (a second or two the host would wait for)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
