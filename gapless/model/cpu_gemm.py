@@ -74,7 +74,7 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1:
+        if x.dim() == 2 and x.shape[0] == 1 and ONE_ROW_AS > 1:
             # `cat` and `as_strided`: one op each, where an `expand` would be two plus the contiguous copy
             # oneDNN makes of it, and `[:1]` two (a visible cost at 121 GEMMs a step)
             out = self.direct(torch.cat([x] * ONE_ROW_AS))
