@@ -62,11 +62,12 @@ class PackedLinear:
 
     A lone row (a one-request decode step) goes in as `ONE_ROW_AS` copies of itself, for two reasons:
     oneDNN's one-row kernel on the packed layout was slower than its kernel for four rows, though the
-    weights are read once either way (measured on SmolLM2-135M's GEMMs and decode step, one thread,
-    interleaved on a loaded machine: 0.76-0.96x the GEMMs' time, 0.83-0.91x the step's; README, "Serving
-    on a CPU"); and the row's result is then exactly the one it gets among other rows, for every shape
-    (oneDNN's one-row kernel sums in another order for some, SmolLM2's down projection among them), so a
-    one-row decode and a several-row speculative verify give the same logits bit for bit."""
+    weights are read once either way (SmolLM2-135M, one thread, interleaved on a loaded machine, two runs:
+    0.61-0.96x the linear layers' time, 0.44-0.94x the LM head's, 0.78-0.81x the one-request decode
+    step's; two threads unmeasured there; README, "Serving on a CPU"); and the row's result is then
+    exactly the one it gets among other rows, for every shape (oneDNN's one-row kernel sums in another
+    order for some, SmolLM2's down projection among them), so a one-row decode and a several-row
+    speculative verify get the same GEMM results, bit for bit."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = weight.shape[0]
