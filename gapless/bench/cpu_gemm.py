@@ -7,7 +7,9 @@ The shapes default to SmolLM2-135M's (hidden 576, intermediate 1536, q/k/v 960, 
 layers), random weights, each layer its own (so that, as in a decode step, the weights come from memory,
 not from a warm cache). Per row count: the time of one pass over every layer and of the LM head, median
 of `--rounds` rounds in which plain and packed alternate, and packed/plain, the ratio to trust on a shared
-machine. It also prints the largest difference between the two (float32 reassociation).
+machine; and packed against `packed_direct`, oneDNN's call on a lone row as it is, which `PackedLinear`
+replaces by a call on copies of the row (the same call from 2 rows on). It also prints the largest
+difference between plain and packed (float32 reassociation).
 """
 
 from __future__ import annotations
@@ -53,9 +55,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     h, i = args.hidden, args.intermediate
     shapes = [(args.qkv, h), (h, h), (2 * i, h), (h, i)] * args.layers + [(args.vocab, h)]
     weights = [(torch.randn(o, k, generator=g) * 0.05).to(dtype) for o, k in shapes]
+    packed = [PackedLinear(w, None) for w in weights]
     variants: dict[str, list[Gemm]] = {
         "plain": [lambda x, w=w: torch.mm(x, w.t()) for w in weights],
-        "packed": [PackedLinear(w, None) for w in weights],
+        "packed": packed,
+        # oneDNN's own one-row kernel, without `PackedLinear`'s lone row as copies (the same at 2+ rows)
+        "packed_direct": [g.direct for g in packed],
     }
     rows = []
     for n in args.rows:
@@ -74,12 +79,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row[v] = dict(layers_ms=layers_ms, head_ms=head_ms)
         row["layers_packed_over_plain"] = med["packed"][0] / med["plain"][0]
         row["head_packed_over_plain"] = med["packed"][1] / med["plain"][1]
+        row["layers_packed_over_direct"] = med["packed"][0] / med["packed_direct"][0]
+        row["head_packed_over_direct"] = med["packed"][1] / med["packed_direct"][1]
         rows.append(row)
         print(
             f"rows {n}, {args.threads} threads, {args.dtype}: layers {med['plain'][0]:.1f} -> "
-            f"{med['packed'][0]:.1f} ms ({row['layers_packed_over_plain']:.2f}x), LM head "
-            f"{med['plain'][1]:.1f} -> {med['packed'][1]:.1f} ms ({row['head_packed_over_plain']:.2f}x), "
-            f"max |diff| {diff:.1e}",
+            f"{med['packed'][0]:.1f} ms ({row['layers_packed_over_plain']:.2f}x; "
+            f"{row['layers_packed_over_direct']:.2f}x oneDNN's direct call), LM head "
+            f"{med['plain'][1]:.1f} -> {med['packed'][1]:.1f} ms ({row['head_packed_over_plain']:.2f}x; "
+            f"{row['head_packed_over_direct']:.2f}x direct), max |diff| {diff:.1e}",
             flush=True,
         )
     return rows

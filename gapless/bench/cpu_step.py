@@ -3,14 +3,17 @@ batch sizes, to set beside llama.cpp's per-token time (`bench/llamacpp_cpu.sh`) 
 path's profile (`bench/profile_served.sh`).
 
     python -m gapless.bench.cpu_step [--model SmolLM2-135M-Instruct] [--batch 1 8] [--dtype float32]
-        [--threads N] [--compare]
+        [--threads N] [--compare] [--compare-one-row]
 
 Per batch size B: B prompts of `--prompt-len` random token ids, greedy with `ignore_eos`; a step's time is
 (time of `--steps` + 2 new tokens - time of 2 new tokens) / `--steps`, so the prefill and the first
 decode cancel out, best of `--repeat`. `--compare` loads the model twice, once with the CPU's GEMMs on
 plain weights (`GAPLESS_CPU_GEMM=plain`, see `gapless.model.cpu_gemm`) and once by default (prepacked),
 and times them in alternation (plain, default, plain, ...), so that on a shared machine both see the same
-load: it prints each one's step time and default/plain, the ratio to trust. The op count is the number
+load: it prints each one's step time and default/plain, the ratio to trust. `--compare-one-row` times the
+default engine also with `gapless.model.cpu_gemm.ONE_ROW_AS = 1` (oneDNN's one-row kernel called on a
+lone row as it is, where the default computes it as copies of itself), alternating in the same way, and
+prints default/one_row_direct (the same at 2 rows and more). The op count is the number
 of torch operators (`aten::*`, nested ones included) that one decode step dispatches, from the torch
 profiler: on a CPU each costs a few microseconds of dispatch whatever its size, so it is the part of a
 small model's step that is overhead.
@@ -27,6 +30,9 @@ import numpy as np
 import torch
 
 from gapless.bench import cli
+from gapless.model import cpu_gemm
+
+DEFAULT_ONE_ROW_AS = cpu_gemm.ONE_ROW_AS
 
 
 def step_ms(llm, prompts: list[list[int]], steps: int, repeat: int) -> float:  # noqa: ANN001 (LLM)
@@ -62,7 +68,6 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
     """label -> LLM: the configured one ("default": the default CPU GEMMs), and under `--compare` first
     one with plain weights, made while `GAPLESS_CPU_GEMM=plain` is set."""
     from gapless import LLM
-    from gapless.model import cpu_gemm
 
     def make() -> Any:
         return LLM(args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens)
@@ -79,7 +84,14 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 os.environ[cpu_gemm.ENV] = old
     engines["default"] = make()
+    if args.compare_one_row:
+        engines["one_row_direct"] = engines["default"]
     return engines
+
+
+def _one_row_as(label: str) -> int:
+    """`cpu_gemm.ONE_ROW_AS` for timing the engine labelled `label`."""
+    return 1 if label == "one_row_direct" else DEFAULT_ONE_ROW_AS
 
 
 def _measure(engines: dict[str, Any], prompts: list[list[int]], args: argparse.Namespace) -> dict:
@@ -87,14 +99,18 @@ def _measure(engines: dict[str, Any], prompts: list[list[int]], args: argparse.N
     best = {label: float("inf") for label in engines}
     for _ in range(args.repeat):
         for label, llm in engines.items():
+            cpu_gemm.ONE_ROW_AS = _one_row_as(label)
             best[label] = min(best[label], step_ms(llm, prompts, args.steps, 1))
     row: dict[str, Any] = {"batch": len(prompts)}
     for label, ms in best.items():
         row[label] = dict(ms_per_step=ms, tok_s=len(prompts) * 1e3 / ms)
     for label, llm in engines.items():
+        cpu_gemm.ONE_ROW_AS = _one_row_as(label)
         row[label]["ops_per_step"] = ops_per_step(llm, prompts)
-    if "plain" in best:
-        row["default_over_plain"] = best["default"] / best["plain"]
+    cpu_gemm.ONE_ROW_AS = DEFAULT_ONE_ROW_AS
+    for other in ("plain", "one_row_direct"):
+        if other in best:
+            row[f"default_over_{other}"] = best["default"] / best[other]
     return row
 
 
@@ -111,6 +127,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     p.add_argument("--kv-cache-tokens", type=cli.positive_int, default=16384, help="each engine's KV pool")
     p.add_argument("--compare", action="store_true", help="also time plain-weight GEMMs, alternating")
+    p.add_argument(
+        "--compare-one-row", action="store_true", help="also time oneDNN's one-row kernel, alternating"
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,11 +147,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"{r['ops_per_step']} torch ops per step, {torch.get_num_threads()} threads",
                     flush=True,
                 )
-            if "default_over_plain" in rows[-1]:
-                ratio = rows[-1]["default_over_plain"]
-                print(f"batch {b}: default / plain step time {ratio:.2f}", flush=True)
+            for other in ("plain", "one_row_direct"):
+                if f"default_over_{other}" in rows[-1]:
+                    ratio = rows[-1][f"default_over_{other}"]
+                    print(f"batch {b}: default / {other} step time {ratio:.2f}", flush=True)
     finally:
-        for llm in engines.values():
+        for llm in {id(llm): llm for llm in engines.values()}.values():  # one_row_direct is default's
             llm.shutdown()
     return rows
 

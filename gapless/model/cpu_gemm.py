@@ -50,12 +50,24 @@ log = logging.getLogger(__name__)
 
 ENV = "GAPLESS_CPU_GEMM"  # "plain": leave the weights unpacked (the default is "onednn")
 PACK_FOR_ROWS = 8  # the batch oneDNN chooses the blocked layout for; the measured best for 1-32 rows
+# a lone row is computed as this many copies of itself (a few hundred bytes copied), its first output
+# row kept: see `PackedLinear`
+ONE_ROW_AS = 4
 _OPS = ("_reorder_linear_weight", "_linear_pointwise")  # in torch.ops.mkldnn
 
 
 class PackedLinear:
     """y = x W^T + b through oneDNN's inner product on W reordered once into its blocked layout. Not a
-    module: it holds no parameters of its own (the layer's `weight` stays the loaded one)."""
+    module: it holds no parameters of its own (the layer's `weight` stays the loaded one).
+
+    A lone row (a one-request decode step) goes in as `ONE_ROW_AS` copies of itself, for two reasons:
+    oneDNN's one-row kernel on the packed layout was slower than its kernel for four rows, though the
+    weights are read once either way (SmolLM2-135M, one thread, interleaved on a loaded machine, two runs:
+    0.61-0.96x the linear layers' time, 0.44-0.94x the LM head's, 0.78-0.81x the one-request decode
+    step's; two threads unmeasured there; README, "Serving on a CPU"); and the row's result is then
+    exactly the one it gets among other rows, for every shape (oneDNN's one-row kernel sums in another
+    order for some, SmolLM2's down projection among them), so a one-row decode and a several-row
+    speculative verify get the same GEMM results, bit for bit."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = weight.shape[0]
@@ -63,6 +75,15 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1 and ONE_ROW_AS > 1:
+            # `cat` and `as_strided`: one op each, where an `expand` would be two plus the contiguous copy
+            # oneDNN makes of it, and `[:1]` two (a visible cost at 121 GEMMs a step)
+            out = self.direct(torch.cat([x] * ONE_ROW_AS))
+            return out.as_strided((1, out.shape[1]), out.stride())
+        return self.direct(x)
+
+    def direct(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's inner product on `x` as it is (a lone row too: `gapless.bench.cpu_gemm` compares)."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -10,11 +10,13 @@ from gapless.testing import cached_checkpoint
 def test_cpu_step_compare_times_plain_and_packed_and_packing_cuts_ops():
     model = cached_checkpoint("qwen3")
     argv = ["--model", str(model), "--batch", "1", "3", "--steps", "2", "--repeat", "1", "--threads", "1"]
-    rows = cpu_step.main([*argv, "--compare", "--kv-cache-tokens", "512"])
+    rows = cpu_step.main([*argv, "--compare", "--compare-one-row", "--kv-cache-tokens", "512"])
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:
         assert r["plain"]["ms_per_step"] > 0 and r["default"]["ms_per_step"] > 0
         assert r["default_over_plain"] == r["default"]["ms_per_step"] / r["plain"]["ms_per_step"]
+        direct = r["one_row_direct"]["ms_per_step"]
+        assert r["default_over_one_row_direct"] == r["default"]["ms_per_step"] / direct
         # each linear layer is one op on packed weights (mm + transpose + views on plain ones)
         assert r["default"]["ops_per_step"] < r["plain"]["ops_per_step"]
 
@@ -25,3 +27,4 @@ def test_cpu_gemm_bench_compares_within_float32():
     for r in rows:
         assert r["max_abs_diff"] < 1e-4
         assert r["layers_packed_over_plain"] > 0 and r["head_packed_over_plain"] > 0
+        assert r["layers_packed_over_direct"] > 0 and r["head_packed_over_direct"] > 0

@@ -44,6 +44,27 @@ def test_packed_linear_equals_f_linear_at_every_row_count(bias: bool) -> None:
     torch.testing.assert_close(layer(torch.ones(1, 96)), before, **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_lone_row_gets_its_result_among_other_rows_bit_for_bit(dtype: torch.dtype, bias: bool) -> None:
+    """A one-row GEMM (a one-request decode) equals that row's result in a batch of 2, 5 or 33 rows (a
+    speculative verify, a decode batch), bit for bit, on SmolLM2's down-projection shape, where oneDNN's
+    own one-row kernel sums in another order: a lone row goes in as copies of itself."""
+    if dtype == torch.bfloat16 and not cpu_gemm.native_bf16():
+        dtype = torch.float32  # bfloat16 is not packed there (the plain path is tested above)
+    torch.manual_seed(4)
+    layer = RowParallelLinear(1536, 576, bias=bias).to(dtype)
+    torch.nn.init.normal_(layer.weight, std=0.02)
+    if bias:
+        torch.nn.init.normal_(layer.bias)
+    pack_cpu_gemms(torch.nn.Sequential(layer))
+    x = torch.randn(33, 1536, dtype=dtype)
+    for rows in (2, 5, 33):
+        batch = layer(x[:rows])
+        for r in range(rows):
+            assert torch.equal(layer(x[r : r + 1]), batch[r : r + 1])
+
+
 def test_load_model_packs_every_linear_and_the_lm_head_and_logits_agree(ckpt_factory, monkeypatch) -> None:
     """A tiny Qwen2 (q/k/v biases, tied head) loaded on the CPU in float32 has every projection and its LM
     head packed; its logits equal the plain-weight model's (`GAPLESS_CPU_GEMM=plain`) within float32."""
