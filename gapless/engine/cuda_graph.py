@@ -218,14 +218,24 @@ class GraphRunner:
         self.inputs[:, :b].copy_(torch.stack((batch.rows, batch.positions, batch.out_slots)))
         if n > b:  # columns a larger batch left behind name live rows: point them back at the padding
             self.inputs[:, b:n].copy_(self.pad[:, b:n])
-        graph = self.graphs.get(n)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._body(n, forward_tokens)
+        self._replay(self.graphs, self._body, n, forward_tokens)
         self.runs[n] += 1
         self.padded_rows += n - b
         return self.hidden[:b]
+
+    @staticmethod
+    def _replay(
+        graphs: dict[int, torch.cuda.CUDAGraph],
+        body: Callable[[int, ForwardTokens], None],
+        n: int,
+        forward_tokens: ForwardTokens,
+    ) -> None:
+        """Bucket `n`'s graph, or where none was captured (the CPU) the body it would have recorded."""
+        graph = graphs.get(n)
+        if graph is not None:
+            graph.replay()
+        else:
+            body(n, forward_tokens)
 
     def _run_verify(self, batch: ForwardBatch, n: int, forward_tokens: ForwardTokens) -> torch.Tensor:
         """A verify batch (placed by `SpecState.prepare`) through bucket `n`: its requests and tokens
@@ -241,11 +251,7 @@ class GraphRunner:
         columns = spec.batch_index * w + spec.offsets  # each real token's column
         placed = torch.stack((batch.input_ids, batch.positions, batch.out_slots, batch.token_rows))
         tokens.index_copy_(1, columns, placed)
-        graph = self.verify_graphs.get(n)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._verify_body(n, forward_tokens)
+        self._replay(self.verify_graphs, self._verify_body, n, forward_tokens)
         self.verify_runs[n] += 1
         self.padded_rows += n - b
         self.padded_tokens += n * w - batch.token_rows.shape[0]
