@@ -103,3 +103,19 @@ def test_grammar_requests_draft_up_to_the_first_draft_the_grammar_refuses(cyclic
         assert spec == plain
         assert stats["spec_accepted_tokens"] >= 15, stats
         assert stats["spec_drafted_tokens"] > stats["spec_accepted_tokens"], "no draft was refused"
+
+
+def test_seeded_grammar_requests_draft_and_keep_their_tokens(ckpt_factory):
+    """Sampled, seeded requests under a grammar on a random-weight model: with n-gram drafts (some
+    accepted) each gets the tokens it gets without speculation, and every output is complete and matches
+    its regex."""
+    path = str(ckpt_factory("qwen3"))
+    prompts = [ids("xabcdeab")] * 3
+    params = [SamplingParams(max_tokens=23, temperature=1.0, seed=s, regex="(ab|c)+") for s in (1, 2, 3)]
+    plain, _ = _outputs(path, prompts, params, overlap=False)
+    tok = build_tokenizer()
+    for tokens, reason in plain:
+        assert reason == "stop" and re.fullmatch("(ab|c)+", tok.decode(tokens, skip_special_tokens=True))
+    spec, stats = _outputs(path, prompts, params, **LOOPS["overlap"], **_spec("ngram", path))
+    assert spec == plain
+    assert stats["spec_accepted_tokens"] > 0
