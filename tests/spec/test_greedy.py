@@ -211,4 +211,6 @@ def test_chaos_aborts_and_retraction(cyclic, chaos_seed, algorithm, graphs):
         assert eng.stats.retractions > 0
         assert eng.stats.spec_accepted_tokens > 0
         assert sum(overlapped) > 10, "verify N+1 should be launched before verify N is processed"
+        if graphs:
+            assert sum(eng.runner.graphs.verify_runs.values()) > 0, "no verify ran through the graph runner"
         llm.check_integrity()
