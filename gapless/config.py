@@ -187,8 +187,6 @@ class EngineConfig:
                 "speculative_draft_model",
                 "is the draft model of speculative_algorithm='draft', which needs one and no other uses",
             )
-        if algo == "draft" and self.cuda_graph_max_bs:
-            raise bad("cuda_graph_max_bs", "CUDA graphs are not supported with a draft model yet: set 0")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise bad("speculative_num_draft_tokens", "must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -18,6 +18,19 @@ A graph replays fixed shapes at fixed addresses, so:
 - the graph ends at the final hidden states; the LM head of the real rows and sampling run eagerly
   after it (sampling's stages depend on the batch's params, a host-side choice per step).
 
+Verify batches of speculative decoding (`verify_width` = 1 + K tokens per request) have graphs of their
+own, bucketed by request count like decodes: request b of a bucket owns the token columns
+[b * width, (b + 1) * width), and a request that tries fewer drafts than K fills the rest of its columns
+with padding tokens (the reserved row, position 0, KV slot 0). Attention reads each request's real
+extend and prefix lengths from the static buffers, so the padded tokens are neither queries nor keys of
+any request; `max_extend_len` is the width, fixed at capture. What the verify reads is placed on the
+device before the replay (`SpecState.prepare`: positions, slots and drafts from what the previous step
+accepted), and scattered into the static buffers by the batch's token offsets, so a verify too is
+launched before the host knows the previous step's outcome. The drafting itself (the n-gram lookup, or
+the draft model's K proposal steps) runs eagerly before the replay, and a draft model's mirror of the
+target's forward eagerly after it: their shapes follow the batch's own `max_drafts` and length, a
+host-side choice per step, and the draft model is small next to the target, whose forward is the graph.
+
 On the CPU nothing is captured: `run` executes the same body eagerly on the same padded buffers, so the
 bucket, padding and static-buffer logic is tested without a GPU (`cuda_graph_max_bs` > 0 on CPU).
 """
@@ -34,6 +47,7 @@ import torch
 
 from gapless.attention.base import AttentionMetadata
 from gapless.engine.batch import ForwardBatch
+from gapless.engine.spec.inputs import VerifyInputs
 from gapless.memory.req_table import ReqTable
 
 # the runner's decoder over a flat batch: (input_ids, positions, out_slots, metadata) -> hidden [T, hidden]
@@ -67,10 +81,12 @@ class GraphRunner:
         pad_row: int,
         hidden_size: int,
         dtype: torch.dtype,
+        verify_width: int = 0,
     ) -> None:
         """`req_table` and `token_buf` (the future-token slots) are the device state a decode reads (the
         table's width bounds every request's length); `pad_row` is the reserved request-table row padded
-        columns use (its token slot must hold a valid id).
+        columns use (its token slot must hold a valid id). `verify_width`: 1 + the drafts per request of
+        speculative decoding, whose verify batches get graphs too; 0 without speculation.
 
         The decoder itself (`ForwardTokens`, the runner's bound method) is passed to `capture` and `run`
         rather than kept: a graph runner holding its runner's method while the runner holds it would be a
@@ -90,14 +106,34 @@ class GraphRunner:
         self.inputs.copy_(self.pad)
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
         self.q_start = torch.arange(max_bs, dtype=torch.int64, device=dev)
-        self.hidden = torch.empty(max_bs, hidden_size, dtype=dtype, device=dev)
+        self.verify_width = w = verify_width
+        # a verify's columns: per request its row, committed KV length and tokens run; per token (`w` per
+        # request) its input id, position, KV slot and row. Padding: an empty request (the reserved row,
+        # one token at position 0) and a padding token (id 0 at position 0 of the reserved row, slot 0)
+        self.verify_reqs = torch.empty(3, max_bs, dtype=torch.int64, device=dev)
+        self.verify_tokens = torch.empty(4, max_bs * w, dtype=torch.int64, device=dev)
+        pad_req = torch.tensor([pad_row, 0, 1], dtype=torch.int64, device=dev)
+        self.pad_req = pad_req[:, None].expand(3, max_bs).contiguous()
+        pad_token = torch.tensor([0, 0, 0, pad_row], dtype=torch.int64, device=dev)
+        self.pad_token = pad_token[:, None].expand(4, max_bs * w).contiguous()
+        self.verify_reqs.copy_(self.pad_req)
+        self.verify_tokens.copy_(self.pad_token)
+        self.hidden = torch.empty(max_bs * max(w, 1), hidden_size, dtype=dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # host-side counters for tests and logs: runs per bucket, padded rows run
+        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # host-side counters for tests and logs: runs per bucket, padded rows run (decode and verify), and
+        # padding tokens run by verifies (padded requests' and those of requests drafting fewer than K)
         self.runs: Counter[int] = Counter()
+        self.verify_runs: Counter[int] = Counter()
         self.padded_rows = 0
+        self.padded_tokens = 0
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and batch.rows.shape[0] <= self.max_bs
+        """Whether `batch` fits a bucket: a decode, or a verify of at most K drafts per request."""
+        if batch.rows.shape[0] > self.max_bs:
+            return False
+        spec = batch.spec
+        return batch.is_decode or (isinstance(spec, VerifyInputs) and spec.max_drafts < self.verify_width)
 
     def _body(self, n: int, forward_tokens: ForwardTokens) -> None:
         """The captured work for bucket `n`: table writes, embedding of the future tokens, the decoder;
@@ -117,6 +153,26 @@ class GraphRunner:
         )
         self.hidden[:n].copy_(forward_tokens(self.token_buf[rows], positions, out_slots, meta))
 
+    def _verify_body(self, n: int, forward_tokens: ForwardTokens) -> None:
+        """The captured work of a verify of `n` requests, `verify_width` tokens each: table writes and the
+        decoder over the placed tokens; the final hidden states land in `self.hidden[:n * width]`."""
+        w = self.verify_width
+        rows, prefix_lens, extend_lens = self.verify_reqs[:, :n].unbind(0)
+        ids, positions, out_slots, token_rows = self.verify_tokens[:, : n * w].unbind(0)
+        self.req_table.apply_writes(token_rows, positions, out_slots)
+        meta = AttentionMetadata(
+            rows=rows,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            q_start=self.q_start[:n] * w,
+            req_table=self.req_table.device_table,
+            max_extend_len=w,
+            max_seq_len=self.req_table.max_context,
+            is_decode=False,
+            static=True,
+        )
+        self.hidden[: n * w].copy_(forward_tokens(ids, positions, out_slots, meta))
+
     @torch.inference_mode()
     def capture(self, forward_tokens: ForwardTokens) -> None:
         """Record one graph per bucket (largest first, so the smaller ones share its memory pool) of
@@ -129,38 +185,74 @@ class GraphRunner:
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         pool = None
-        for n in reversed(self.buckets):
-            with torch.cuda.stream(stream):
-                for _ in range(WARMUP_RUNS):
-                    self._body(n, forward_tokens)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._body(n, forward_tokens)
-            pool = graph.pool()
-            self.graphs[n] = graph
+        # verifies first: the largest graphs, whose pool the decodes' then share
+        bodies = [(self.verify_graphs, self._verify_body)] if self.verify_width else []
+        for graphs, body in [*bodies, (self.graphs, self._body)]:
+            for n in reversed(self.buckets):
+                with torch.cuda.stream(stream):
+                    for _ in range(WARMUP_RUNS):
+                        body(n, forward_tokens)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    body(n, forward_tokens)
+                pool = graph.pool()
+                graphs[n] = graph
         torch.cuda.synchronize(dev)
         log.info(
-            "CUDA graphs: %d decode batch sizes up to %d captured in %.1f s",
+            "CUDA graphs: %d batch sizes up to %d captured for decode%s in %.1f s",
             len(self.buckets),
             self.max_bs,
+            f" and verify ({self.verify_width} tokens per request)" if self.verify_width else "",
             time.perf_counter() - t0,
         )
 
     def run(self, batch: ForwardBatch, forward_tokens: ForwardTokens) -> torch.Tensor:
-        """Decode `batch` (on the device, `can_run`) through its bucket: its graph's replay, or
+        """Run `batch` (on the device, `can_run`) through its bucket: its graph's replay, or
         `forward_tokens` (the decoder the graph was captured from) where none was captured (the CPU).
-        Returns its rows' final hidden states [B, hidden], a view of the static output (read it before
-        the next decode runs)."""
+        Returns its tokens' final hidden states [T, hidden]; for a decode a view of the static output
+        (read it before the next batch runs)."""
         b = batch.rows.shape[0]
         n = self.buckets[bisect.bisect_left(self.buckets, b)]
+        if not batch.is_decode:
+            return self._run_verify(batch, n, forward_tokens)
         self.inputs[:, :b].copy_(torch.stack((batch.rows, batch.positions, batch.out_slots)))
         if n > b:  # columns a larger batch left behind name live rows: point them back at the padding
             self.inputs[:, b:n].copy_(self.pad[:, b:n])
-        graph = self.graphs.get(n)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._body(n, forward_tokens)
+        self._replay(self.graphs, self._body, n, forward_tokens)
         self.runs[n] += 1
         self.padded_rows += n - b
         return self.hidden[:b]
+
+    @staticmethod
+    def _replay(
+        graphs: dict[int, torch.cuda.CUDAGraph],
+        body: Callable[[int, ForwardTokens], None],
+        n: int,
+        forward_tokens: ForwardTokens,
+    ) -> None:
+        """Bucket `n`'s graph, or where none was captured (the CPU) the body it would have recorded."""
+        graph = graphs.get(n)
+        if graph is not None:
+            graph.replay()
+        else:
+            body(n, forward_tokens)
+
+    def _run_verify(self, batch: ForwardBatch, n: int, forward_tokens: ForwardTokens) -> torch.Tensor:
+        """A verify batch (placed by `SpecState.prepare`) through bucket `n`: its requests and tokens
+        scattered into the static columns, every other column of the bucket padding."""
+        spec = batch.spec
+        assert isinstance(spec, VerifyInputs)
+        b, w = batch.rows.shape[0], self.verify_width
+        self.verify_reqs[:, :b].copy_(torch.stack((batch.rows, batch.prefix_lens, batch.extend_lens)))
+        if n > b:
+            self.verify_reqs[:, b:n].copy_(self.pad_req[:, b:n])
+        tokens = self.verify_tokens[:, : n * w]
+        tokens.copy_(self.pad_token[:, : n * w])
+        columns = spec.batch_index * w + spec.offsets  # each real token's column
+        placed = torch.stack((batch.input_ids, batch.positions, batch.out_slots, batch.token_rows))
+        tokens.index_copy_(1, columns, placed)
+        self._replay(self.verify_graphs, self._verify_body, n, forward_tokens)
+        self.verify_runs[n] += 1
+        self.padded_rows += n - b
+        self.padded_tokens += n * w - batch.token_rows.shape[0]
+        return self.hidden[columns]

@@ -113,6 +113,8 @@ class GrammarState:
         # `grammar_after` as bytes, and each token's bytes: until the output holds them, the grammar waits
         # (its tokens are free); matched on text, since a tokenizer may spell "</think>" several ways
         self.after, self.vocab, self.tail = after or None, vocab or [], b""
+        # (ngram_min, ngram_max) once the request drafts under its grammar (gapless.engine.spec.grammar)
+        self.ngram: tuple[int, int] | None = None
 
     def advance(self, token: int) -> bool:
         """Accept `token`; True when the grammar has ended, so the request must stop. A token the grammar
@@ -131,6 +133,25 @@ class GrammarState:
         """Row `index` of `bits` (int32 [m, words], all allowed) = the tokens the grammar allows next."""
         if not self.ended and self.after is None:
             self.matcher.fill_next_token_bitmask(bits, index)
+
+    def fill_run(self, bits: torch.Tensor, index: int, drafts: list[int]) -> None:
+        """Rows `index`, `index + 1`, ... of `bits`: the tokens allowed at each position of a verify whose
+        inputs after the first are `drafts` (row o: after drafts[:o]); the rows after a draft the grammar
+        refuses or ends on stay all allowed (`gapless.engine.spec.grammar`). The matcher is rolled back:
+        it keeps only the processed tokens `advance` took."""
+        self.fill(bits, index)
+        if self.ended or self.after is not None:
+            return
+        taken = 0
+        for o, token in enumerate(drafts, 1):
+            if not self.matcher.accept_token(token):
+                break
+            taken += 1
+            if self.matcher.is_terminated():
+                break
+            self.matcher.fill_next_token_bitmask(bits, index + o)
+        if taken:
+            self.matcher.rollback(taken)
 
 
 class Grammars:

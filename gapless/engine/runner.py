@@ -148,15 +148,14 @@ class ModelRunner:
                 pad_row=self.pad_row,
                 hidden_size=mcfg.hidden_size,
                 dtype=self.dtype,
+                verify_width=cfg.speculative_num_draft_tokens + 1 if self.spec is not None else 0,
             )
             self.graphs.capture(self.forward_tokens)
 
     def _graph_max_bs(self, cfg: EngineConfig) -> int:
         """Largest decode batch run through the graph runner; 0: none. By default graphs are on for CUDA
         with a kernel backend: the torch reference would attend over the whole max context in a graph."""
-        if cfg.speculative_draft_model is not None:  # graphs would skip the draft's mirror of decodes
-            n = 0
-        elif cfg.cuda_graph_max_bs is not None:
+        if cfg.cuda_graph_max_bs is not None:
             n = cfg.cuda_graph_max_bs
         elif self.device.type == "cuda" and not isinstance(self.backend, TorchRefBackend):
             n = DEFAULT_MAX_BS
@@ -202,6 +201,7 @@ class ModelRunner:
             ReqTable(self.max_running_requests + 1, min(max_context, self.chunked_prefill_size), self.device),
             self.chunked_prefill_size,
             graph_bs,
+            verify_width=cfg.speculative_num_draft_tokens + 1 if cfg.speculative_algorithm else 0,
         )
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -266,15 +266,21 @@ class ModelRunner:
         table = self.req_table
         if batch.table_writes is not None:
             table.apply_writes(*batch.table_writes)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch, self.forward_tokens)
-        table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
+        draft = self.spec.draft if self.spec is not None else None
+        graphs = self.graphs if self.graphs is not None and self.graphs.can_run(batch) else None
+        if graphs is not None:
+            hidden = graphs.run(batch, self.forward_tokens)
+            if draft is None:
+                return hidden
+        else:
+            table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
         meta = batch.attention_metadata(table.device_table)
         # a decode's inputs are its rows' future-token slots
         input_ids = self.token_buf[batch.rows] if batch.is_decode else batch.input_ids
-        hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
-        if self.spec is not None and self.spec.draft is not None:  # the draft sees what the target sees
-            self.spec.draft.mirror(input_ids, batch.positions, batch.out_slots, meta)
+        if graphs is None:
+            hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
+        if draft is not None:  # the draft sees what the target sees (eagerly, after a graph too)
+            draft.mirror(input_ids, batch.positions, batch.out_slots, meta)
         return hidden
 
     @torch.inference_mode()
@@ -336,11 +342,18 @@ class ModelRunner:
 
 @torch.inference_mode()
 def measure_activations(
-    runner: ModelRunner, kv_pool: KVPool, req_table: ReqTable, prefill_tokens: int, graph_bs: int
+    runner: ModelRunner,
+    kv_pool: KVPool,
+    req_table: ReqTable,
+    prefill_tokens: int,
+    graph_bs: int,
+    verify_width: int = 0,
 ) -> tuple[int, int]:
     """Bytes above what stays allocated: (the peak of a dummy prefill of `prefill_tokens` tokens and a
     dummy decode of `max_running_requests` rows, sampling with every stage on; the peak of a decode
-    forward of `graph_bs` rows, which is about what the graphs' shared memory pool keeps).
+    forward of `graph_bs` rows, or with speculation (`verify_width` tokens per request) of an extend
+    forward of `graph_bs * verify_width` tokens if larger, which is about what the graphs' shared memory
+    pool keeps).
 
     Runs `runner`'s weights and sampler on `kv_pool` and `req_table` (writing only the padding row and KV
     slot 0), and leaves its token slots and sampler state as new. Each dummy runs once unmeasured first,
@@ -361,6 +374,12 @@ def measure_activations(
     if graph_bs:
         fwd = dataclass_to_device(dummy_decode(graph_bs, pad, max_rows, vocab), runner.device)
         graph_bytes = _peak_bytes(runner.device, lambda: scratch.forward_hidden(fwd))
+    if graph_bs and verify_width:  # the largest verify graph: graph_bs requests of verify_width tokens
+        tokens = graph_bs * verify_width
+        ext = dataclass_to_device(
+            dummy_prefill(tokens, req_table.max_context, pad, max_rows, vocab), runner.device
+        )
+        graph_bytes = max(graph_bytes, _peak_bytes(runner.device, lambda: scratch.forward_hidden(ext)))
     runner.token_buf.fill_(-1)
     runner.token_buf[runner.pad_row] = 0
     runner.sampler.reset()

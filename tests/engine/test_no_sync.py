@@ -317,14 +317,15 @@ def test_decode_batch_with_table_writes_is_one_buffer():
 def test_verify_job_never_syncs(ckpt_factory, algorithm):
     """Speculative decoding's verify batches (drafts looked up, placed and accepted on the device, slots
     taken ahead, retraction under a tight pool), the extends that fill the rows' token history and, with
-    n-gram drafts, the plain decodes above the switch-off batch size (through the graph runner's buffers);
-    with a draft model, the verify job also catches the draft up and runs its K proposal steps, all placed
-    on the device from the rows' state: no host sync, and each crosses to the device in one copy."""
+    n-gram drafts, the plain decodes above the switch-off batch size; verifies and decodes through the
+    graph runner's buffers; with a draft model, the verify job also catches the draft up and runs its K
+    proposal steps, all placed on the device from the rows' state: no host sync, and each crosses to the
+    device in one copy."""
     path = str(ckpt_factory("llama"))
     if algorithm == "ngram":  # larger decode batches run plain, through the graph runner
         spec = dict(speculative_disable_batch_size=3, cuda_graph_max_bs=6)
-    else:  # (no graphs with a draft model)
-        spec = dict(speculative_draft_model=path)
+    else:
+        spec = dict(speculative_draft_model=path, cuda_graph_max_bs=6)
     with LLM(
         path,
         device="cpu",
@@ -359,4 +360,5 @@ def test_verify_job_never_syncs(ckpt_factory, algorithm):
         assert len(verifies) > 5 and max(verifies) == 1
         if algorithm == "ngram":
             assert sum(runner.graphs.runs.values()) > 0
+        assert sum(runner.graphs.verify_runs.values()) > 0
         llm.check_integrity()

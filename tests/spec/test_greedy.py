@@ -153,23 +153,31 @@ def test_stops_inside_an_accepted_run(cyclic, loop, algorithm):
     assert stats["spec_mean_accepted_length"] > 2
 
 
-CHAOS = [(0, "ngram"), (1, "ngram"), (2, "ngram"), (0, "draft")]  # (seed, speculative_algorithm)
+# (seed, speculative_algorithm, cuda_graph_max_bs: verifies through the graph runner's padded buffers)
+CHAOS = [(0, "ngram", 0), (1, "ngram", 0), (2, "ngram", 4), (0, "draft", 4)]
+GUIDED = {2: "(cdeaq){20}", 5: "[a-e]{50}"}  # requests under a regex, drafting n-grams under it
 
 
-@pytest.mark.parametrize(("chaos_seed", "algorithm"), CHAOS)
-def test_chaos_aborts_and_retraction(cyclic, chaos_seed, algorithm):
+@pytest.mark.parametrize(("chaos_seed", "algorithm", "graphs"), CHAOS)
+def test_chaos_aborts_and_retraction(cyclic, chaos_seed, algorithm, graphs):
     """Overlap with seeded random delays on both sides and the future-slot check on verify batches, a
-    small pool that forces retraction, and requests aborted while their verify batches are in flight:
-    the others' tokens are those of plain decoding, and no KV is leaked or freed twice."""
+    small pool that forces retraction, requests aborted while their verify batches are in flight, and
+    (with n-gram drafts) two under a grammar: the others' tokens are those of plain decoding, and no KV is
+    leaked or freed twice."""
     rng = random.Random(chaos_seed)
     prompts = [ids("x" + "".join(rng.choice("abcdeq") for _ in range(rng.randint(1, 30)))) for _ in range(8)]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    # (under a draft model, whose grammar requests draft nothing, none is guided: the test watches verifies)
+    guided = GUIDED if algorithm == "ngram" else {}
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, regex=guided.get(i)) for i in range(8)
+    ]
     reference, _ = _run(cyclic, prompts, params, overlap=False)
     options = dict(
         overlap=True,
         cpu_worker="thread",
         chaos_seed=chaos_seed,
         chunked_prefill_size=16,
+        cuda_graph_max_bs=graphs,
         **_spec(algorithm, cyclic),
     )
     with LLM(cyclic, device="cpu", kv_cache_tokens=160, **RETRACT_EAGERLY, **options) as llm:
@@ -184,7 +192,7 @@ def test_chaos_aborts_and_retraction(cyclic, chaos_seed, algorithm):
             return process()
 
         sched._process_oldest = watched
-        reqs = [eng.add_request(p, params) for p in prompts]
+        reqs = [eng.add_request(p, q) for p, q in zip(prompts, params)]
         aborted = {reqs[1].rid, reqs[4].rid}
         for step in range(2000):
             if not eng.has_unfinished():
@@ -203,4 +211,6 @@ def test_chaos_aborts_and_retraction(cyclic, chaos_seed, algorithm):
         assert eng.stats.retractions > 0
         assert eng.stats.spec_accepted_tokens > 0
         assert sum(overlapped) > 10, "verify N+1 should be launched before verify N is processed"
+        if graphs:
+            assert sum(eng.runner.graphs.verify_runs.values()) > 0, "no verify ran through the graph runner"
         llm.check_integrity()

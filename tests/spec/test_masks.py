@@ -2,11 +2,14 @@
 
 min_tokens: the stop tokens are masked at exactly the verify positions whose output step is under
 min_tokens (read on the device, as the host knows only bounds under overlap), greedy and seeded, whether
-EOS is drafted inside a run or not. Grammars: a request under one drafts nothing, its position in the
-verify batch takes the grammar's mask (filled after the previous step was processed, as a decode's), while
-the requests beside it draft; the masks of both kinds meet in one deferred sampling job."""
+EOS is drafted inside a run or not. Grammars: under n-gram speculation a request under one drafts, each
+verify position masked with the grammar's state after the drafts before it (filled after the previous step
+was processed, as a decode's, from the same lookup repeated on the host); under a draft model it drafts
+nothing; the masks of both kinds meet in one deferred sampling job."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -75,3 +78,44 @@ def test_grammars_with_speculation_are_decodings(cyclic, algorithm):
         spec, stats = _outputs(cyclic, prompts, params, **loop, **_spec(algorithm, cyclic))
         assert spec == plain
         assert stats["spec_accepted_tokens"] > 0
+
+
+# regexes over the cyclic model's continuation of "xabcdeab" (c d e a b c ...): one it follows (every
+# draft allowed) to its end, and two that turn it off its script each lap (the first lap's drafts refused
+# past the turn, later laps' drafts looked up in the grammar's own output), cut by max_tokens: the
+# outputs, as plain decoding gives them; and a JSON object
+GUIDED = {"(cdeab){3}": "cdeab" * 3, "(cdeaq){9}": ("cdeaq" * 5)[:23], "(cd){12}": ("cd" * 12)[:23]}
+
+
+def test_grammar_requests_draft_up_to_the_first_draft_the_grammar_refuses(cyclic):
+    """Requests under a grammar only: with n-gram speculation they draft (drafts accepted and refused), and
+    their tokens are plain decoding's under the grammar, in both loops."""
+    prompts = [ids("xabcdeab")] * (len(GUIDED) + 1)
+    params = [SamplingParams(max_tokens=23, temperature=0.0, regex=r) for r in GUIDED]
+    params.append(SamplingParams(max_tokens=20, temperature=0.0, json_object=True))
+    plain, _ = _outputs(cyclic, prompts, params, overlap=False)
+    tok = build_tokenizer()
+    texts = [tok.decode(tokens, skip_special_tokens=True) for tokens, _ in plain[:3]]
+    assert texts == list(GUIDED.values())
+    assert re.fullmatch(next(iter(GUIDED)), texts[0]) and plain[0][1] == "stop"  # the grammar ended it
+    for loop in LOOPS.values():
+        spec, stats = _outputs(cyclic, prompts, params, **loop, **_spec("ngram", cyclic))
+        assert spec == plain
+        assert stats["spec_accepted_tokens"] >= 15, stats
+        assert stats["spec_drafted_tokens"] > stats["spec_accepted_tokens"], "no draft was refused"
+
+
+def test_seeded_grammar_requests_draft_and_keep_their_tokens(ckpt_factory):
+    """Sampled, seeded requests under a grammar on a random-weight model: with n-gram drafts (some
+    accepted) each gets the tokens it gets without speculation, and every output is complete and matches
+    its regex."""
+    path = str(ckpt_factory("qwen3"))
+    prompts = [ids("xabcdeab")] * 3
+    params = [SamplingParams(max_tokens=23, temperature=1.0, seed=s, regex="(ab|c)+") for s in (1, 2, 3)]
+    plain, _ = _outputs(path, prompts, params, overlap=False)
+    tok = build_tokenizer()
+    for tokens, reason in plain:
+        assert reason == "stop" and re.fullmatch("(ab|c)+", tok.decode(tokens, skip_special_tokens=True))
+    spec, stats = _outputs(path, prompts, params, **LOOPS["overlap"], **_spec("ngram", path))
+    assert spec == plain
+    assert stats["spec_accepted_tokens"] > 0

@@ -48,7 +48,6 @@ def test_flags():
         ({"speculative_algorithm": "eagle"}, "speculative_algorithm"),
         ({"speculative_algorithm": "draft"}, "speculative_draft_model"),  # no draft model
         ({"speculative_algorithm": "ngram", "speculative_draft_model": "/m"}, "speculative_draft_model"),
-        (dict(speculative_algorithm="draft", speculative_draft_model="/m", cuda_graph_max_bs=8), "graphs"),
         ({"speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens"),
         ({"ngram_min": 3, "ngram_max": 2}, "ngram_min"),
         ({"speculative_disable_batch_size": -1}, "speculative_disable_batch_size"),

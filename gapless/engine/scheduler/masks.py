@@ -28,6 +28,7 @@ import torch
 
 from gapless.engine.batch import ForwardBatch, SampleJob
 from gapless.engine.request import Req
+from gapless.engine.spec.grammar import fill_grammars
 from gapless.engine.stream import DeviceStream, JobTiming, Pending
 from gapless.sampling.mask import TokenMask, mask_words
 from gapless.sampling.sampler import HostSamples
@@ -46,11 +47,10 @@ def make_mask(masked: Masked, num_rows: int, vocab_size: int) -> TokenMask:
     below min_tokens; every other row allows all."""
     bits = torch.full((num_rows, mask_words(vocab_size)), -1, dtype=torch.int32)
     words = bits.numpy().view(np.uint32)
+    fill_grammars(bits, masked)  # (a verify's grammar rows: after each draft, gapless.engine.spec.grammar)
     for i, req, step in masked:
         if req.finished:
             continue
-        if req.grammar is not None:
-            req.grammar.fill(bits, i)
         if step < req.params.min_tokens:
             for t in req.stop_ids:
                 if t < vocab_size:

@@ -9,10 +9,11 @@ from what the previous step accepted (`gapless.engine.spec.device`). When a veri
 (`verify_results`), the bound drops to the truth and the slots past it go back (`KVManager.trim`).
 
 A request tries no drafts where speculating cannot pay or would be wrong: in batches larger than
-`speculative_disable_batch_size`, with penalties or a grammar (their token counts or matcher would have
-to follow each draft), near its `max_tokens` or the context limit, or when the pool is short. A batch in
-which none drafts and whose positions the host knows runs as a plain decode batch. Token masks
-(`_masked`): a grammar request's one position takes the grammar's mask as a decode's would; below a
+`speculative_disable_batch_size`, with penalties (their token counts would have to follow each draft),
+under a grammar unless it drafts n-grams (`gapless.engine.spec.grammar.can_draft`), near its
+`max_tokens` or the context limit, or when the pool is short. A batch in which none drafts and whose
+positions the host knows runs as a plain decode batch. Token masks (`_masked`): a grammar request's
+positions take the grammar's state after the drafts before each (`gapless.engine.spec.grammar`); below a
 request's `min_tokens` the stop tokens are masked at the positions whose true output step (read on the
 device) is under it.
 """
@@ -29,6 +30,7 @@ from gapless.engine.batch import ForwardBatch
 from gapless.engine.request import Req
 from gapless.engine.scheduler.build import BatchBuilder, ScheduledBatch
 from gapless.engine.scheduler.kv import DecodeSlots, KVManager, TableWrites
+from gapless.engine.spec.grammar import can_draft
 from gapless.engine.spec.inputs import VerifyInputs
 from gapless.tensors import packed
 
@@ -50,6 +52,7 @@ class SpecDecode:
         self.num_drafts = cfg.speculative_num_draft_tokens
         self.ngram = (cfg.ngram_min, cfg.ngram_max)
         self.max_batch = cfg.speculative_disable_batch_size
+        self.grammar_drafts = cfg.speculative_algorithm == "ngram"  # repeated on the host (spec.grammar)
 
     def alloc(self, reqs: list[Req]) -> VerifyPlan | None:
         """Slots for each request's next verify (with drafts, else without); None, taking nothing, if the
@@ -71,12 +74,20 @@ class SpecDecode:
         return np.array(
             [
                 0
-                if r.params.has_penalties or r.grammar is not None
+                if r.params.has_penalties or (r.grammar is not None and not self._grammar_drafts(r))
                 else max(0, min(k, r.params.max_tokens - r.sampled - 1, ctx - 2 - r.kv_len))
                 for r in reqs
             ],
             dtype=np.int64,
         )
+
+    def _grammar_drafts(self, r: Req) -> bool:
+        """Whether grammar request `r` drafts (n-grams, repeated on the host for its masks)."""
+        if not (self.grammar_drafts and can_draft(r)):
+            return False
+        assert r.grammar is not None
+        r.grammar.ngram = self.ngram
+        return True
 
     def batch(self, reqs: list[Req], plan: VerifyPlan, table_writes: TableWrites | None) -> ScheduledBatch:
         """The verify batch of `reqs`. Moves state at schedule time: `sampled` counts every token it may
@@ -135,17 +146,18 @@ def _masked(
     """The positions of a verify batch sampled under a token mask (`masks.make_mask`), with the output
     step the mask is made for; and the step below which the device keeps each position's mask ([T]).
 
-    A grammar request drafts nothing, so its one position's step is exact (`sampled`, as a decode's) and
-    its mask (the grammar's, then min_tokens') is kept whatever the step. For min_tokens alone the host
+    A grammar request's positions take its grammar's masks (made after the drafts before each), kept
+    whatever the step (it drafts only without min_tokens; a request that drafts nothing has one position,
+    whose step is exact, `sampled`, as a decode's, for min_tokens' part). For min_tokens alone the host
     knows only bounds of a position's step: at least the tokens processed so far plus its offset. Every
     position whose lower bound is under min_tokens gets the mask without the stop tokens, and the device
     keeps it only where the true step is under min_tokens (`SpecState.verify_mask`), so the tokens are
     decoding's."""
     masked, keep_below = [], np.zeros(int(ext.sum()), dtype=np.int64)
     for r, e, start in zip(reqs, ext.tolist(), q_start.tolist()):
-        if r.grammar is not None:
-            masked.append((start, r, r.sampled))
-            keep_below[start] = KEEP
+        if r.grammar is not None:  # each position: the grammar's state after the drafts before it
+            masked.extend((start + o, r, r.sampled + o) for o in range(e))
+            keep_below[start : start + e] = KEEP
             continue
         low, need = len(r.output_ids), r.params.min_tokens
         for o in range(min(e, need - low)):

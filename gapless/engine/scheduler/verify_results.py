@@ -59,7 +59,7 @@ class VerifyResults(Results):
                 if reason is not None:
                     self._finish(req, reason)
                     return True
-            if req.grammar is not None and req.grammar.advance(tok):  # complete (a grammar drafts nothing)
+            if req.grammar is not None and req.grammar.advance(tok):  # complete: the rest is dropped
                 self._finish(req, "stop")
                 return True
         return False

@@ -15,5 +15,8 @@ With `speculative_algorithm="draft"` a smaller model with the target's tokenizer
 it runs every forward the target runs, so its KV is caught up when a verify starts, and proposes K greedy
 tokens per row from the row's committed position, read on the device like the rest.
 
+`grammar`: a request under a grammar drafts n-grams too, each verify position masked with the grammar's
+state after the drafts before it (the lookup repeated on the host when the mask is made).
+
 `inputs` holds the batch fields (it imports nothing of the engine, so `engine.batch` can import it).
 """
