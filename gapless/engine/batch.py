@@ -8,6 +8,7 @@ This module imports nothing of the engine, so every side can import it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -83,6 +84,67 @@ class ForwardBatch:
             if f.name not in ("req_table", "static")
         }
         return AttentionMetadata(req_table=req_table, **shared)
+
+
+DECODE_VECTORS = 6  # a decode batch's index vectors: rows, positions, KV slots, ones, 0..n-1, steps
+
+
+def decode_batch(
+    vectors: Sequence[torch.Tensor],
+    max_seq_len: int,
+    sampling: SampleFlags | None,
+    table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> ForwardBatch:
+    """The decode batch whose `DECODE_VECTORS` index vectors are `vectors` (in that order): the one place
+    that says which field each vector is, for the scheduler that builds a decode and for the device
+    process that rebuilds one from the bytes of its buffer (`decode_from_bytes`)."""
+    rows, positions, out_slots, ones, ar, steps = vectors
+    return ForwardBatch(
+        input_ids=ar[:0],  # the device reads each row's future-token slot
+        positions=positions,
+        out_slots=out_slots,
+        token_rows=rows,
+        rows=rows,
+        prefix_lens=positions,
+        extend_lens=ones,
+        q_start=ar,
+        max_extend_len=1,
+        max_seq_len=max_seq_len,
+        is_decode=True,
+        sample_index=ar,
+        sample_rows=rows,
+        sample_steps=steps,
+        sampling=sampling,
+        table_writes=table_writes,
+    )
+
+
+def plain_decode_buffer(batch: ForwardBatch) -> torch.Tensor | None:
+    """The [DECODE_VECTORS, B] buffer whose rows are the index vectors of `batch`, when `batch` is a plain
+    decode made by `decode_batch` from one such buffer and nothing else rides with it (no table writes, no
+    mask, no new rows, no speculative inputs); else None. Such a batch travels to the device process as
+    its buffer's bytes and three scalars' worth of header (`gapless.engine.stream.process`) instead of a
+    pickled dataclass of views: the launch's largest cost at 256 rows."""
+    if not batch.is_decode or batch.spec is not None or batch.defer_sampling:
+        return None
+    if batch.table_writes is not None or batch.row_params is not None or batch.token_mask is not None:
+        return None
+    if batch.penalty_inits or batch.prompt_scores is not None:
+        return None
+    rows, n = batch.rows, batch.rows.shape[0]
+    storage = rows.untyped_storage()
+    if rows.device.type != "cpu" or rows.storage_offset() != 0 or storage.nbytes() != DECODE_VECTORS * n * 8:
+        return None
+    buf = torch.empty(0, dtype=torch.int64).set_(storage, 0, (DECODE_VECTORS, n))
+    if batch.sample_steps.data_ptr() != buf[DECODE_VECTORS - 1].data_ptr():  # not decode_batch's layout
+        return None
+    return buf
+
+
+def decode_from_bytes(data: bytes, max_seq_len: int, sampling: SampleFlags | None) -> ForwardBatch:
+    """The decode batch `plain_decode_buffer` found, from its buffer's bytes (a writable copy)."""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.int64).view(DECODE_VECTORS, -1)
+    return decode_batch(buf.unbind(0), max_seq_len, sampling)
 
 
 @dataclass

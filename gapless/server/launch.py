@@ -8,10 +8,11 @@ server starts first, so that its imports overlap this process's; a refused start
 Importing this module loads neither torch nor the web stack (`serve` does), so the command line's parser
 stays fast.
 
-The API server runs in this process (uvicorn on an asyncio loop); the scheduler (one per data-parallel
-replica, `gapless.server.replicas`) and the tokenizer and detokenizer (in a process each, or both in
-one: `gapless.server.layout`) are child processes forked from a fork server that imported torch and
-transformers once (`preload`), or spawned where the platform has no fork server.
+The API server runs in this process (uvicorn on an asyncio loop, uvloop's when installed); the
+scheduler (one per data-parallel replica, `gapless.server.replicas`) and the tokenizer and detokenizer
+(in a process each, or both in one: `gapless.server.layout`) are child processes forked from a fork
+server that imported torch and transformers once (`preload`), or spawned where the platform has no fork
+server.
 
 Shutdown (SIGINT, SIGTERM, or a worker dying) first ends every open request: a stream gets an error event
 and `data: [DONE]`, a waiting request a 503. Then uvicorn stops, the workers are terminated and waited for
@@ -36,7 +37,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -295,6 +296,30 @@ def _http_server(config: uvicorn.Config, on_shutdown: Callable[[], None]) -> uvi
     return Server(config)
 
 
+def event_loop_factory() -> tuple[Callable[[], asyncio.AbstractEventLoop] | None, str]:
+    """The API server's event loop: uvloop's when it is installed (libuv's loop spends less time per
+    socket event than asyncio's, and the API server's loop carries every stream's writes), else asyncio's
+    (None: its default). Python 3.10 has no `asyncio.Runner(loop_factory=)`: asyncio's loop there.
+    Returns the factory and the loop's name for the start-up line."""
+    if sys.version_info < (3, 11):
+        return None, "asyncio (uvloop needs Python 3.11 here)"
+    try:
+        import uvloop
+    except ImportError:
+        return None, "asyncio (uvloop not installed)"
+    return uvloop.new_event_loop, f"uvloop {uvloop.__version__}"
+
+
+def run_event_loop(main: Coroutine[object, object, int]) -> int:
+    """Run the API server's `main` to its end on `event_loop_factory()`'s loop, saying which it is."""
+    factory, name = event_loop_factory()
+    print(f"gapless: event loop {name}", flush=True)
+    if factory is None:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=factory) as runner:  # type: ignore[attr-defined]
+        return runner.run(main)
+
+
 async def _serve(
     args: argparse.Namespace,
     cfg: EngineConfig,
@@ -471,7 +496,7 @@ def _run(
         logs = SchedulerLogs(args.log_stats_interval, args.log_requests)
         workers = _Workers(ends, cfg, logs, layout, args.load_balance_method)
         try:
-            return asyncio.run(_serve(args, cfg, ends, workers, listener, started))
+            return run_event_loop(_serve(args, cfg, ends, workers, listener, started))
         except (KeyboardInterrupt, _Terminated):
             return 0
         except RuntimeError as e:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import pickle
 from collections.abc import Iterator
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import gapless.engine.stream.process
 import gapless.sampling.sampler
 from gapless import LLM, SamplingParams
 from gapless.engine.request import Req
@@ -311,6 +313,40 @@ def test_decode_batch_with_table_writes_is_one_buffer():
     assert batch.sample_steps.tolist() == [0, 1, 2] and [r.sampled for r in reqs] == [1, 2, 3]
     assert batch.positions.tolist() == [3, 4, 5] and batch.out_slots.tolist() == [30, 40, 50]
     assert batch.max_seq_len == 6
+
+
+def _same_batch(a, b) -> None:
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), f.name
+        elif isinstance(x, tuple) and x and isinstance(x[0], torch.Tensor):
+            assert all(torch.equal(u, v) for u, v in zip(x, y, strict=True)), f.name
+        else:
+            assert x == y, f.name
+
+
+def test_plain_decode_crosses_the_pipe_as_its_buffer(monkeypatch):
+    """A plain decode (nearly every step) goes to the device process as its buffer's bytes, not through
+    the tensor pickler (its cost dominated the overlap loop's launch at 256 rows), and arrives as the same
+    batch, its vectors again views of one writable buffer; a decode carrying table writes still takes
+    the general path."""
+    reqs = [Req(str(i), [1, 2, 3], SamplingParams(), seed=i, arrival=i, row=i, sampled=i) for i in range(3)]
+    slots = DecodeSlots(np.array([0, 1, 2]), np.array([3, 4, 5]), np.array([30, 40, 50]))
+    plain = BatchBuilder(4, 100).decode(reqs, slots, None).forward
+    writes = (torch.tensor([1, 1]), torch.tensor([0, 1]), torch.tensor([7, 8]))
+    with_writes = BatchBuilder(4, 100).decode(reqs, slots, writes).forward
+    general: list[object] = []
+    dumps = gapless.engine.stream.process.dumps
+    monkeypatch.setattr(gapless.engine.stream.process, "dumps", lambda obj: general.append(obj) or dumps(obj))
+    for batch, pickled in ((plain, 0), (with_writes, 1)):
+        general.clear()
+        kind, job_id, got = pickle.loads(gapless.engine.stream.process._job_message(7, batch))
+        assert (kind, job_id, len(general)) == ("run", 7, pickled)
+        _same_batch(batch, got)
+        assert _copies(got) == 1
+        got.positions[0] = 99  # writable, and its own memory: the host's batch is untouched
+        assert batch.positions[0] == 3
 
 
 @pytest.mark.parametrize("algorithm", ["ngram", "draft"])

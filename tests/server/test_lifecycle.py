@@ -108,3 +108,32 @@ def test_dead_worker_makes_the_server_exit_with_an_error(ckpt_factory, worker, l
         assert srv.wait(SHUTDOWN_S) != 0
     assert f"the {worker} worker exited" in srv.output
     assert not _left(workers), "processes outlived the server"
+
+
+def test_api_server_runs_on_uvloop_when_installed(monkeypatch, capsys):
+    """The API server's loop is uvloop's when `import uvloop` works (a stand-in module here, whose
+    factory makes a plain asyncio loop it can recognise), asyncio's otherwise; the start-up says which."""
+    import asyncio
+    import sys
+    import types
+
+    from gapless.server import launch
+
+    made: list[asyncio.AbstractEventLoop] = []
+
+    def new_event_loop() -> asyncio.AbstractEventLoop:
+        made.append(asyncio.new_event_loop())
+        return made[-1]
+
+    async def main() -> int:
+        return 7 if asyncio.get_running_loop() in made else 0
+
+    fake = types.SimpleNamespace(new_event_loop=new_event_loop, __version__="9.9")
+    monkeypatch.setitem(sys.modules, "uvloop", fake)
+    assert launch.run_event_loop(main()) == (7 if sys.version_info >= (3, 11) else 0)
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` fails
+    made.clear()
+    assert launch.run_event_loop(main()) == 0
+    out = capsys.readouterr().out.splitlines()
+    if sys.version_info >= (3, 11):
+        assert out == ["gapless: event loop uvloop 9.9", "gapless: event loop asyncio (uvloop not installed)"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gapless.engine.batch import ForwardBatch
+from gapless.engine.batch import DECODE_VECTORS, ForwardBatch, decode_batch
 from gapless.engine.prompt_logprobs import Scored, plan_scores
 from gapless.engine.request import Req
 from gapless.engine.scheduler.kv import DecodeSlots, TableWrites
@@ -22,8 +22,6 @@ from gapless.engine.scheduler.masks import needs_mask
 from gapless.engine.spec.inputs import HistoryWrites
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
-
-_DECODE_ROWS = 6  # a decode batch's buffer: rows, positions, KV slots, ones, 0..n-1, steps
 
 
 @dataclass
@@ -57,7 +55,7 @@ class BatchBuilder:
         """The decode batch of `reqs`, whose new tokens' KV slots `slots` holds. Moves state at schedule
         time: each request's `sampled` counts this batch's token."""
         n = len(reqs)
-        buf = np.empty((_DECODE_ROWS, n), dtype=np.int64)
+        buf = np.empty((DECODE_VECTORS, n), dtype=np.int64)
         buf[0], buf[1], buf[2], buf[3] = slots.rows, slots.positions, slots.out, 1
         buf[4] = np.arange(n)
         buf[5] = steps = [r.sampled for r in reqs]
@@ -65,28 +63,11 @@ class BatchBuilder:
             r.sampled += 1
         writes = None
         if table_writes is None:
-            rows, positions, out_slots, ones, ar, steps = torch.from_numpy(buf).unbind(0)
+            vectors = torch.from_numpy(buf).unbind(0)
         else:  # (after a retraction's drain) in the same buffer, to keep one copy
-            rows, positions, out_slots, ones, ar, steps, *w = packed(*torch.from_numpy(buf), *table_writes)
-            writes = (w[0], w[1], w[2])
-        forward = ForwardBatch(
-            input_ids=ar[:0],  # the device reads each row's future-token slot
-            positions=positions,
-            out_slots=out_slots,
-            token_rows=rows,
-            rows=rows,
-            prefix_lens=positions,
-            extend_lens=ones,
-            q_start=ar,
-            max_extend_len=1,
-            max_seq_len=int(slots.positions.max()) + 1,
-            is_decode=True,
-            sample_index=ar,
-            sample_rows=rows,
-            sample_steps=steps,
-            sampling=self.stages.flags(slots.rows),
-            table_writes=writes,
-        )
+            *vectors, w0, w1, w2 = packed(*torch.from_numpy(buf), *table_writes)
+            writes = (w0, w1, w2)
+        forward = decode_batch(vectors, int(slots.positions.max()) + 1, self.stages.flags(slots.rows), writes)
         return ScheduledBatch(reqs, forward, True, [], [], masked=_masked(forward, reqs, steps))
 
     def extend(

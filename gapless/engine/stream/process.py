@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from gapless.config import EngineConfig
-from gapless.engine.batch import ForwardBatch
+from gapless.engine.batch import ForwardBatch, decode_from_bytes, plain_decode_buffer
 from gapless.engine.stream.base import JobTiming, Pending
 from gapless.sampling.sampler import HostSamples
 from gapless.tensors import dumps
@@ -80,6 +80,29 @@ def start_module(module: str, payload: object) -> tuple[subprocess.Popen, Connec
         conn.close()
         raise
     return proc, conn
+
+
+class _DecodeOnWire:
+    """A plain decode batch as it crosses the pipe: its buffer's bytes, its longest sequence and its
+    sampling flags. Unpickled, it is the `ForwardBatch` again (`decode_from_bytes`), so every reader of
+    the pipe (the device process, a tensor-parallel rank) gets the batch it always got."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, buf: torch.Tensor, batch: ForwardBatch) -> None:
+        self.args = (buf.numpy().tobytes(), batch.max_seq_len, batch.sampling)
+
+    def __reduce__(self) -> tuple:
+        return decode_from_bytes, self.args
+
+
+def _job_message(job_id: int, batch: ForwardBatch) -> bytes:
+    """The pipe's message for a job: a plain decode (nearly every step) as `_DecodeOnWire`, which costs a
+    fraction of pickling its dataclass of tensor views; anything else through `gapless.tensors.dumps`."""
+    buf = plain_decode_buffer(batch) if isinstance(batch, ForwardBatch) else None
+    if buf is None:
+        return dumps(("run", job_id, batch))
+    return pickle.dumps(("run", job_id, _DecodeOnWire(buf, batch)), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class _ProcessPending:
@@ -139,7 +162,7 @@ class ProcessStream:
         job_id = self._next_id
         self._next_id += 1
         try:
-            self.conn.send_bytes(dumps(("run", job_id, batch)))
+            self.conn.send_bytes(_job_message(job_id, batch))
         except OSError as e:
             raise RuntimeError(f"device process died (exit code {self._exit_code()})") from e
         return _ProcessPending(self, job_id, time.perf_counter())
