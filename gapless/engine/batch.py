@@ -9,7 +9,7 @@ This module imports nothing of the engine, so every side can import it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
@@ -119,17 +119,23 @@ def decode_batch(
     )
 
 
+# every field of a `ForwardBatch` that has a default (what rides with a batch only sometimes), with it:
+# a batch that carries none of them is a plain decode's, whatever fields are added later
+_OPTIONAL_FIELDS = [
+    (f, f.default_factory() if f.default is MISSING else f.default)  # type: ignore[misc]
+    for f in fields(ForwardBatch)
+    if f.default is not MISSING or f.default_factory is not MISSING
+]
+
+
 def plain_decode_buffer(batch: ForwardBatch) -> torch.Tensor | None:
     """The [DECODE_VECTORS, B] buffer whose rows are the index vectors of `batch`, when `batch` is a plain
-    decode made by `decode_batch` from one such buffer and nothing else rides with it (no table writes, no
-    mask, no new rows, no speculative inputs); else None. Such a batch travels to the device process as
-    its buffer's bytes and three scalars' worth of header (`gapless.engine.stream.process`) instead of a
-    pickled dataclass of views: the launch's largest cost at 256 rows."""
-    if not batch.is_decode or batch.spec is not None or batch.defer_sampling:
-        return None
-    if batch.table_writes is not None or batch.row_params is not None or batch.token_mask is not None:
-        return None
-    if batch.penalty_inits or batch.prompt_scores is not None:
+    decode made by `decode_batch` from one such buffer and nothing else rides with it (every optional
+    field at its default: no table writes, mask, new rows or speculative inputs); else None. Such a
+    batch travels to the device process as its buffer's bytes and three scalars' worth of header
+    (`gapless.engine.stream.process`) instead of a pickled dataclass of views: the launch's largest cost
+    at 256 rows."""
+    if not batch.is_decode or any(getattr(batch, f.name) != default for f, default in _OPTIONAL_FIELDS):
         return None
     rows, n = batch.rows, batch.rows.shape[0]
     storage = rows.untyped_storage()
