@@ -329,26 +329,31 @@ def _opt(x: int | None) -> str:
     return "-" if x is None else str(x)
 
 
-def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str, Callable[[Any], str]]]) -> list[str]:
-    """A numbers-only markdown table: one (header, row key, format) a column."""
+def _table(
+    rows: list[dict[str, Any]], columns: list[tuple[str, str, Callable[[Any], str]]], align: str = ""
+) -> list[str]:
+    """A markdown table: one (header, row key, format) a column; right-aligned (numbers) unless `align`
+    says otherwise."""
     header = [c[0] for c in columns]
     return cli.markdown_table(
-        header, [[fmt(r[key]) for _, key, fmt in columns] for r in rows], "r" * len(columns)
+        header, [[fmt(r[key]) for _, key, fmt in columns] for r in rows], align or "r" * len(columns)
     )
+
+
+def _versus_torch(rows: list[dict[str, Any]], other: str) -> list[dict[str, Any]]:
+    """`rows` with "vs_torch": the time of their `other` key over their torch time ("-" where unmeasured)."""
+    return [{**r, "vs_torch": "-" if r[other] is None else f"{r[other] / r['torch_us']:.2f}x"} for r in rows]
 
 
 def report(res: dict[str, Any]) -> list[str]:
     lines = [cli.machine_line(res["machine"]), f"dtype {res['dtype']}; command: {res['command']}", ""]
-    lines += cli.markdown_table(
-        ["fused kernel", f"torch µs ({res['tokens']} rows)", "triton µs", "triton / torch"],
+    lines += _table(
+        _versus_torch(res["fused"], "triton_us"),
         [
-            [
-                r["kernel"],
-                _fmt(r["torch_us"]),
-                _fmt(r["triton_us"]),
-                "-" if r["triton_us"] is None else f"{r['triton_us'] / r['torch_us']:.2f}x",
-            ]
-            for r in res["fused"]
+            ("fused kernel", "kernel", str),
+            (f"torch µs ({res['tokens']} rows)", "torch_us", _fmt),
+            ("triton µs", "triton_us", _fmt),
+            ("triton / torch", "vs_torch", str),
         ],
         "lrrr",
     )
@@ -370,17 +375,14 @@ def report(res: dict[str, Any]) -> list[str]:
         ],
     )
     lines += ["", f"sampling, {res['sample_batch']} rows x {res['vocab']} logits:"]
-    lines += cli.markdown_table(
-        ["case", "torch µs", "faster path", "its µs", "path / torch"],
+    lines += _table(
+        _versus_torch(res["sampling"], "path_us"),
         [
-            [
-                r["case"],
-                _fmt(r["torch_us"]),
-                r["path"],
-                _fmt(r["path_us"]),
-                "-" if r["path_us"] is None else f"{r['path_us'] / r['torch_us']:.2f}x",
-            ]
-            for r in res["sampling"]
+            ("case", "case", str),
+            ("torch µs", "torch_us", _fmt),
+            ("faster path", "path", str),
+            ("its µs", "path_us", _fmt),
+            ("path / torch", "vs_torch", str),
         ],
         "lrlrr",
     )

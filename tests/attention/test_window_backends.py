@@ -4,22 +4,16 @@ model and "auto" checks the kernels on the model's own window and cap at start-u
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from gapless.attention import Probe, make_backend
 from gapless.attention.selfcheck import disagreement
+from gapless.testing.triton import import_kernels_or_skip
 
-pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
+tk = import_kernels_or_skip("gapless.attention.triton_kernels")
 
-from gapless.attention import triton_kernels as tk  # noqa: E402
 from gapless.attention.triton_backend import TritonBackend  # noqa: E402
 
-if not torch.cuda.is_available() and not tk.INTERPRET:
-    pytest.skip(
-        "triton_kernels was imported before TRITON_INTERPRET was set, so it cannot run on CPU",
-        allow_module_level=True,
-    )
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

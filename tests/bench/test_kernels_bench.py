@@ -5,17 +5,13 @@ against a matmul, and the sampler's torch paths against the fused draw and the p
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
+from gapless.testing.triton import import_kernels_or_skip
+
+fk = import_kernels_or_skip("gapless.model.fused.triton_kernels")
 
 from gapless.bench import kernels  # noqa: E402
-from gapless.model.fused import triton_kernels as fk  # noqa: E402
-
-if not torch.cuda.is_available() and not fk.INTERPRET:
-    pytest.skip("the kernels were imported before TRITON_INTERPRET was set", allow_module_level=True)
-
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels under the interpreter
 

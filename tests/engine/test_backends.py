@@ -15,17 +15,11 @@ import torch
 
 from gapless import LLM, SamplingParams
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model
+from gapless.testing.triton import import_kernels_or_skip
 
-pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
+tk = import_kernels_or_skip("gapless.attention.triton_kernels")
 
-from gapless.attention import triton_kernels as tk  # noqa: E402
 from gapless.attention.triton_backend import TritonBackend  # noqa: E402
-
-if not torch.cuda.is_available() and not tk.INTERPRET:
-    pytest.skip(
-        "triton_kernels was imported before TRITON_INTERPRET was set, so it cannot run on CPU",
-        allow_module_level=True,
-    )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_NEW = 6

@@ -18,17 +18,11 @@ import torch
 from gapless import LLM, SamplingParams
 from gapless.model.layers import GATED_ACTIVATIONS, RotaryEmbedding, make_rms_norm
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model
+from gapless.testing.triton import import_kernels_or_skip
 
-pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
+fk = import_kernels_or_skip("gapless.model.fused.triton_kernels")
 
 from gapless.model import fused  # noqa: E402
-from gapless.model.fused import triton_kernels as fk  # noqa: E402
-
-if not torch.cuda.is_available() and not fk.INTERPRET:
-    pytest.skip(
-        "the kernels were imported before TRITON_INTERPRET was set, so they cannot run on CPU",
-        allow_module_level=True,
-    )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

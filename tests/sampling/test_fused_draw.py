@@ -14,17 +14,11 @@ import torch
 from gapless.sampling import sampler as sampler_mod
 from gapless.sampling.sampler import Sampler, SamplingBatch
 from gapless.sampling_params import SamplingParams
+from gapless.testing.triton import import_kernels_or_skip
 
-pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
+tg = import_kernels_or_skip("gapless.sampling.triton_gumbel")
 
 from gapless.sampling import fused  # noqa: E402
-from gapless.sampling import triton_gumbel as tg  # noqa: E402
-
-if not torch.cuda.is_available() and not tg.INTERPRET:
-    pytest.skip(
-        "the kernels were imported before TRITON_INTERPRET was set, so they cannot run on CPU",
-        allow_module_level=True,
-    )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
