@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Every GPU measurement the open issues ask for, in parts that each fit one call of the device tool (at
+# most 10 minutes a command, 30 minutes of device time a session), so a session lent a GPU spends its time
+# measuring, not composing commands. Run from the repository root on the device:
+#
+#   run(command="bash bench/gpu_session.sh tests", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/gpu_session.sh bench", timeout_s=600)        # = bench/gpu_bench.sh
+#   run(command="bash bench/gpu_session.sh serve", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/gpu_session.sh suite", carry=[".whl"], timeout_s=600)
+#
+# Parts (each writes $OUT/<part>/, with env.log: the commit, the device, the versions):
+#   tests   the CUDA tests (tests/engine/test_cuda.py and every CUDA/Triton/graph case elsewhere), then the
+#           kernel microbenchmark (`gapless.bench.kernels`: fused kernels, sampling, decode attention in
+#           TB/s against a copy, extend attention in TFLOP/s against a matmul) and its decode-tuning sweep
+#           at batch 256, contexts 1k-8k, page sizes 1 and 16 (issue 11's 80%-of-bandwidth check)
+#   bench   bench/gpu_bench.sh: nano-vllm's workload, overlap on and off, transformers beside it
+#           (issues 10 and 11: tok/s, GPU idle, host and device ms per step)
+#   serve   the host step at 256 running requests (`gapless.bench.host`, issue 10's <= 1.5 ms per decode
+#           step), served vs offline throughput of one workload (`gapless.bench.served_vs_offline`,
+#           >= 0.9), and the scoring path (`gapless.bench.scoring`)
+#   suite   the whole test suite on the GPU machine, 8 workers (pytest-xdist is installed there), with
+#           CUDA present: the parity, overlap and server suites on the device they are meant for
+# The device has torch, triton and transformers but no package index: `serve` and the server tests need
+# the wheels `bench/gpu_wheels.sh` downloads here into .whl/ (run it first; ~7 MB), carried with
+# carry=[".whl"]; they are installed into /tmp/gapless-site for the part. Each step has its own timeout,
+# so a slow step leaves the later ones their time and everything finished is in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-}
+case "$part" in tests | bench | serve | suite) ;; *) sed -n 2,27p "$0"; exit 2 ;; esac
+OUT=${OUT:-bench/results/gpu_session}
+dir="$OUT/$part"
+mkdir -p "$dir"
+PY=${PY:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gapless-site \
+    .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gapless-site"
+fi
+
+{
+  echo "== date: $(date -u +%FT%TZ)"
+  echo "== commit: $(git rev-parse HEAD 2>/dev/null || echo '(no git here)')"
+  git status --short 2>/dev/null | head -20
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+  "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+  for m in fastapi uvicorn zmq msgspec xgrammar flashinfer; do
+    "$PY" -c "import $m; print('$m', getattr($m, '__version__', 'ok'))" 2>/dev/null || echo "$m: missing"
+  done
+} 2>&1 | tee "$dir/env.log"
+
+step() {  # $1: seconds, $2: log name, the rest: the command
+  local limit=$1 name=$2
+  shift 2
+  echo "== $(date -u +%T) $name: $*" | tee -a "$dir/steps.log"
+  timeout -k 15 -s INT "$limit" "$@" >"$dir/$name.log" 2>&1
+  local rc=$?
+  echo "== $(date -u +%T) $name: exit $rc" | tee -a "$dir/steps.log"
+  tail -5 "$dir/$name.log"
+}
+
+case "$part" in
+  tests)
+    step 300 cuda_tests "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/test_cuda.py tests/attention \
+      tests/sampling tests/model/test_moe.py tests/model/test_fused_kernels.py tests/engine/test_window_kv.py \
+      tests/spec/test_graphs.py tests/distributed -k "nccl or cuda or triton or graph"
+    step 120 kernels "$PY" -m gapless.bench.kernels --device cuda --json "$dir/kernels.json"
+    step 150 decode_sweep "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 8192 \
+      --page-size 1 16 --decode-block-n 0 32 128 --decode-warps 4 8 --decode-stages 2 3 \
+      --json "$dir/decode_sweep.json"
+    ;;
+  bench)
+    OUT="$dir" GPU_BENCH_TIMEOUT=${GPU_BENCH_TIMEOUT:-560} bash bench/gpu_bench.sh
+    ;;
+  serve)
+    step 200 host "$PY" -m gapless.bench.host --rounds 3 --engine-option device=cuda --json "$dir/host.json"
+    step 240 served_vs_offline "$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 \
+      --size bench --json "$dir/served_vs_offline.json"
+    step 120 scoring "$PY" -m gapless.bench.scoring --device cuda --out "$dir/scoring.json"
+    ;;
+  suite)
+    step 540 suite "$PY" -m pytest -q -n 8 -p no:cacheprovider tests
+    ;;
+esac
+echo "gpu_session $part: files in $dir"
+ls -l "$dir"
