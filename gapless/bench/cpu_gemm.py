@@ -8,8 +8,10 @@ layers), random weights, each layer its own (so that, as in a decode step, the w
 not from a warm cache). Per row count: the time of one pass over every layer and of the LM head, median
 of `--rounds` rounds in which plain and packed alternate, and packed/plain, the ratio to trust on a shared
 machine; and packed against `packed_direct`, oneDNN's call on a lone row as it is, which `PackedLinear`
-replaces by a call on copies of the row (the same call from 2 rows on). It also prints the largest
-difference between plain and packed (float32 reassociation).
+replaces by a call on copies of the row (the same call from 2 rows on); and `read`, a `sum` over each
+checkpoint-layout weight: one pass reading the same bytes, the memory's floor for a GEMM of few rows,
+measured in the same rounds. It also prints the largest difference between plain and packed (float32
+reassociation).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "packed": packed,
         # oneDNN's own one-row kernel, without `PackedLinear`'s lone row as copies (the same at 2+ rows)
         "packed_direct": [g.direct for g in packed],
+        # the floor: the same weights read once, no arithmetic to speak of
+        "read": [lambda x, w=w: w.sum() for w in weights],
     }
     rows = []
     for n in args.rows:
@@ -81,13 +85,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row["head_packed_over_plain"] = med["packed"][1] / med["plain"][1]
         row["layers_packed_over_direct"] = med["packed"][0] / med["packed_direct"][0]
         row["head_packed_over_direct"] = med["packed"][1] / med["packed_direct"][1]
+        row["layers_packed_over_read"] = med["packed"][0] / med["read"][0]
+        row["head_packed_over_read"] = med["packed"][1] / med["read"][1]
         rows.append(row)
         print(
             f"rows {n}, {args.threads} threads, {args.dtype}: layers {med['plain'][0]:.1f} -> "
             f"{med['packed'][0]:.1f} ms ({row['layers_packed_over_plain']:.2f}x; "
             f"{row['layers_packed_over_direct']:.2f}x oneDNN's direct call), LM head "
             f"{med['plain'][1]:.1f} -> {med['packed'][1]:.1f} ms ({row['head_packed_over_plain']:.2f}x; "
-            f"{row['head_packed_over_direct']:.2f}x direct), max |diff| {diff:.1e}",
+            f"{row['head_packed_over_direct']:.2f}x direct), max |diff| {diff:.1e}; reading the weights "
+            f"once: layers {med['read'][0]:.1f} ms (packed {row['layers_packed_over_read']:.2f}x that), "
+            f"LM head {med['read'][1]:.1f} ms ({row['head_packed_over_read']:.2f}x)",
             flush=True,
         )
     return rows

@@ -13,7 +13,11 @@ and times them in alternation (plain, default, plain, ...), so that on a shared 
 load: it prints each one's step time and default/plain, the ratio to trust. `--compare-one-row` times the
 default engine also with `gapless.model.cpu_gemm.ONE_ROW_AS = 1` (oneDNN's one-row kernel called on a
 lone row as it is, where the default computes it as copies of itself), alternating in the same way, and
-prints default/one_row_direct (the same at 2 rows and more). The op count is the number
+prints default/one_row_direct (the same at 2 rows and more). `--compare-without-gemms` times the default
+engine also with every prepacked GEMM (the linear layers and the LM head) replaced by a cached zero
+result of its shape, alternating in the same way: what a step costs besides its GEMMs (the attention,
+norms, RoPE, sampling, the host), the floor that no GEMM kernel lowers; it prints
+without_gemms/default, the share of the step outside the GEMMs. The op count is the number
 of torch operators (`aten::*`, nested ones included) that one decode step dispatches, from the torch
 profiler: on a CPU each costs a few microseconds of dispatch whatever its size, so it is the part of a
 small model's step that is overhead.
@@ -22,8 +26,10 @@ small model's step that is overhead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -84,14 +90,40 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 os.environ[cpu_gemm.ENV] = old
     engines["default"] = make()
-    if args.compare_one_row:
-        engines["one_row_direct"] = engines["default"]
+    # variants of the default engine, told apart by `_variant` while they run
+    for label, wanted in (
+        ("one_row_direct", args.compare_one_row),
+        ("without_gemms", args.compare_without_gemms),
+    ):
+        if wanted:
+            engines[label] = engines["default"]
     return engines
 
 
-def _one_row_as(label: str) -> int:
-    """`cpu_gemm.ONE_ROW_AS` for timing the engine labelled `label`."""
-    return 1 if label == "one_row_direct" else DEFAULT_ONE_ROW_AS
+_ZEROS: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # the stand-in GEMMs' results, by shape
+
+
+def _zero_gemm(self: cpu_gemm.PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """A prepacked GEMM's stand-in: a cached zero result of its shape (one dict lookup, no arithmetic)."""
+    key = (x.shape[0], self.out_features, x.dtype)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros(x.shape[0], self.out_features, dtype=x.dtype)
+    return _ZEROS[key]
+
+
+@contextlib.contextmanager
+def _variant(label: str) -> Iterator[None]:
+    """The GEMMs as the engine labelled `label` runs them: oneDNN's one-row call on a lone row as it is
+    (`one_row_direct`), no GEMMs at all (`without_gemms`), or as the engine was made."""
+    call = cpu_gemm.PackedLinear.__call__
+    cpu_gemm.ONE_ROW_AS = 1 if label == "one_row_direct" else DEFAULT_ONE_ROW_AS
+    if label == "without_gemms":
+        cpu_gemm.PackedLinear.__call__ = _zero_gemm  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cpu_gemm.PackedLinear.__call__ = call  # type: ignore[method-assign]
+        cpu_gemm.ONE_ROW_AS = DEFAULT_ONE_ROW_AS
 
 
 def _measure(engines: dict[str, Any], prompts: list[list[int]], args: argparse.Namespace) -> dict:
@@ -99,18 +131,19 @@ def _measure(engines: dict[str, Any], prompts: list[list[int]], args: argparse.N
     best = {label: float("inf") for label in engines}
     for _ in range(args.repeat):
         for label, llm in engines.items():
-            cpu_gemm.ONE_ROW_AS = _one_row_as(label)
-            best[label] = min(best[label], step_ms(llm, prompts, args.steps, 1))
+            with _variant(label):
+                best[label] = min(best[label], step_ms(llm, prompts, args.steps, 1))
     row: dict[str, Any] = {"batch": len(prompts)}
     for label, ms in best.items():
         row[label] = dict(ms_per_step=ms, tok_s=len(prompts) * 1e3 / ms)
     for label, llm in engines.items():
-        cpu_gemm.ONE_ROW_AS = _one_row_as(label)
-        row[label]["ops_per_step"] = ops_per_step(llm, prompts)
-    cpu_gemm.ONE_ROW_AS = DEFAULT_ONE_ROW_AS
+        with _variant(label):
+            row[label]["ops_per_step"] = ops_per_step(llm, prompts)
     for other in ("plain", "one_row_direct"):
         if other in best:
             row[f"default_over_{other}"] = best["default"] / best[other]
+    if "without_gemms" in best:
+        row["without_gemms_over_default"] = best["without_gemms"] / best["default"]
     return row
 
 
@@ -129,6 +162,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--compare", action="store_true", help="also time plain-weight GEMMs, alternating")
     p.add_argument(
         "--compare-one-row", action="store_true", help="also time oneDNN's one-row kernel, alternating"
+    )
+    p.add_argument(
+        "--compare-without-gemms",
+        action="store_true",
+        help="also time the step with every GEMM replaced by a cached zero result, alternating",
     )
     args = p.parse_args(argv)
     if args.threads:
@@ -151,8 +189,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if f"default_over_{other}" in rows[-1]:
                     ratio = rows[-1][f"default_over_{other}"]
                     print(f"batch {b}: default / {other} step time {ratio:.2f}", flush=True)
+            if "without_gemms_over_default" in rows[-1]:
+                share = rows[-1]["without_gemms_over_default"]
+                print(f"batch {b}: the step besides its GEMMs is {share:.2f} of it", flush=True)
     finally:
-        for llm in {id(llm): llm for llm in engines.values()}.values():  # one_row_direct is default's
+        for llm in {id(llm): llm for llm in engines.values()}.values():  # variants share default's
             llm.shutdown()
     return rows
 
