@@ -11,7 +11,10 @@
 # dequantized, its default model). Further GGUFs (F16, Q4_1) run after it, each as its own engine.
 # Environment: GAPLESS_DTYPES (default "float32"; e.g. "float32 bfloat16"), CONCURRENCY (default "1 8 32"),
 # THREADS (llama-server -t, default the core count), NUM_PROMPTS (default 64; fewer for a quick check),
-# OUT (default bench/results/llamacpp_cpu), PY.
+# OUT (default bench/results/llamacpp_cpu), PY; GAPLESS_ARGS and LLAMA_ARGS: more options for each server
+# (e.g. GAPLESS_ARGS="--speculative-algorithm ngram" LLAMA_ARGS="--spec-type ngram-simple": both engines'
+# n-gram speculation). The tables name the engines alone, so give such a run its own OUT; machine.txt
+# records the options.
 # Writes per engine and concurrency C: <engine>_cC.summary.json and .log, the servers' logs, and
 # comparison.md (gapless.bench.compare: the ratio table). Every process it starts is stopped on exit.
 set -euo pipefail
@@ -42,10 +45,12 @@ measure() {  # $1: engine label, $2: base URL, $3: concurrency
     --summary-json "$OUT/$1_c$3.summary.json" | tee "$OUT/$1_c$3.log"
 }
 
-echo "$(date -u) load: $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores" | tee "$OUT/machine.txt"
+echo "$(date -u) load: $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores; commit $(git rev-parse --short HEAD);" \
+  "gapless options: ${GAPLESS_ARGS:-(defaults)}; llama-server options: ${LLAMA_ARGS:-(defaults)}" | tee "$OUT/machine.txt"
 for dtype in ${GAPLESS_DTYPES:-float32}; do
   log="$OUT/server_gapless-$dtype.log"
-  "$PY" -m gapless serve --port 0 --device cpu --dtype "$dtype" >"$log" 2>&1 &
+  # shellcheck disable=SC2086  # GAPLESS_ARGS: several words on purpose
+  "$PY" -m gapless serve --port 0 --device cpu --dtype "$dtype" ${GAPLESS_ARGS:-} >"$log" 2>&1 &
   server=$!
   wait_ready "$log" "grep -q 'serving .* at http' '$log'"
   url=$(grep -o "http://[0-9.:]*" "$log" | tail -1)
@@ -57,8 +62,9 @@ for gguf in "$@"; do
   engine="llama.cpp-$(basename "$gguf" .gguf | grep -o '[^.]*$')"
   for c in $CONCURRENCY; do
     log="$OUT/server_${engine}_c$c.log"
+    # shellcheck disable=SC2086  # LLAMA_ARGS: several words on purpose
     "$LLAMA_SERVER" -m "$gguf" -t "$THREADS" -np "$c" -c $((c * 256)) --host 127.0.0.1 --port "$port" \
-      >"$log" 2>&1 &
+      ${LLAMA_ARGS:-} >"$log" 2>&1 &
     server=$!
     wait_ready "$log" "curl -sf http://127.0.0.1:$port/health"  # 503 while the model loads
     measure "$engine" "http://127.0.0.1:$port" "$c"
