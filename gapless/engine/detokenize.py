@@ -19,6 +19,11 @@ must:
    decoded one token at a time, however many arrive together, since the rule is per token; the
    settled text goes through a `StopMatcher`, which holds back a tail that could begin a stop string.
 
+A server step brings new tokens for every running request at once. `update_many` is `update` over all of
+them, its decodes made together: one call into the tokenizer's Rust decoder for the step's windows
+(`Decoder.many`), not one Python-wrapped `tokenizer.decode` per request. Requests with stop strings go
+token by token through `update`, as their rule requires.
+
 The concatenation of every delta `update` and `finish` return is `tokenizer.decode(all_ids,
 skip_special_tokens=...)`, cut as the stop rule says (OpenAI semantics: the stop string itself is not
 returned); without stop strings, exactly the one-shot decode.
@@ -34,8 +39,8 @@ same ids, one token at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 from weakref import WeakKeyDictionary
 
 from gapless.engine.request import Req
@@ -61,6 +66,75 @@ class TokenDecoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+class Decoder:
+    """`tokenizer.decode`, one id list at a time (`one`) or many in one call (`many`).
+
+    A Hugging Face fast tokenizer's `decode` is its Rust decoder behind a layer of Python (argument
+    conversion, keyword handling, an optional clean-up of spaces), which costs more than the decode of a
+    few tokens itself. Where that layer changes nothing (the tokenizer's class keeps transformers' own
+    `decode`, and `clean_up_tokenization_spaces` is off, as for Llama 3, Qwen and byte-level BPE
+    tokenizers generally), this calls the Rust decoder directly, and `many` decodes a whole list in one
+    call (`tokenizers.Tokenizer.decode_batch`). A sample of ids is decoded both ways first; any
+    difference, or any other tokenizer, keeps `tokenizer.decode`. `Decoder.of` keeps one per tokenizer.
+    """
+
+    _made: WeakKeyDictionary[Any, Decoder] = WeakKeyDictionary()
+
+    def __init__(self, tokenizer: TokenDecoder) -> None:
+        self.tokenizer = tokenizer
+        self.backend = _rust_decoder(tokenizer)
+
+    @classmethod
+    def of(cls, tokenizer: TokenDecoder) -> Decoder:
+        """The decoder of `tokenizer`, made once (a tokenizer that cannot be weakly referenced gets a new
+        one each call)."""
+        try:
+            decoder = cls._made.get(tokenizer)
+        except TypeError:
+            return cls(tokenizer)
+        if decoder is None:
+            decoder = cls._made[tokenizer] = cls(tokenizer)
+        return decoder
+
+    def one(self, ids: list[int], skip_special_tokens: bool) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def many(self, seqs: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        if self.backend is not None:
+            return self.backend.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+        return [self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in seqs]
+
+
+def _rust_decoder(tokenizer: TokenDecoder) -> Any:
+    """The `tokenizers.Tokenizer` whose `decode` gives exactly `tokenizer.decode`'s text, or None."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        return None
+    backend = tokenizer.backend_tokenizer
+    # every id of a small vocabulary, else a spread of it, special tokens included, in short runs
+    n = len(tokenizer)
+    ids = sorted({*range(min(n, 512)), *range(0, n, max(1, n // 512)), *tokenizer.all_special_ids})
+    sample = [ids[i : i + 3] for i in range(0, len(ids), 3)]
+    for skip in (True, False):
+        if backend.decode_batch(sample, skip_special_tokens=skip) != [
+            tokenizer.decode(s, skip_special_tokens=skip) for s in sample
+        ]:
+            return None
+    return backend
+
+
 class IncrementalDetokenizer:
     """Streams the text of one request's output tokens, `update` by `update`, then `finish`.
 
@@ -75,6 +149,7 @@ class IncrementalDetokenizer:
         stop: str | Iterable[str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.decoder = Decoder.of(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.matcher = StopMatcher(stop)
         # all output ids seen (decodes only ever read a bounded tail of it)
@@ -84,6 +159,8 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = 0
         self._settled = 0
+        # the window is long and decodes cleanly: move it up (`_advance`) before the next decode
+        self._advance_due = False
         self._text_parts: list[str] = []
         self.finished = False
 
@@ -133,11 +210,18 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ decoding
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
+        return self.decoder.one(self._ids[start:end], self.skip_special_tokens)
 
     def _decode_step(self, *, final: bool) -> str:
         """Decoded text that became final since the last call (all of it when `final`)."""
-        full = self._decode(self._prefix)
+        out = self._settle(self._decode(self._prefix), final=final)
+        if self._advance_due:
+            self._advance()
+        return out
+
+    def _settle(self, full: str, *, final: bool) -> str:
+        """`_decode_step` given `full`, the window's decode (`ids[_prefix:]`), but for moving the window
+        up, which it leaves due (`_advance_due`)."""
         end = len(full) if final else len(full.rstrip(REPLACEMENT))
         out = full[self._settled : end]
         self._settled = max(self._settled, end)
@@ -145,17 +229,23 @@ class IncrementalDetokenizer:
             return out
         if end == len(full):  # all of the window is final
             self._read = len(self._ids)
-            if self._read - self._prefix > WINDOW_TOKENS:
-                self._advance()
+            self._advance_due = self._read - self._prefix > WINDOW_TOKENS
         elif len(self._ids) - self._read > MAX_PENDING_TOKENS:
             out += self._force_advance(full)
         return out
 
-    def _advance(self) -> None:
-        """The window is long and all of it final: start it a few tokens of context before the end."""
+    def _advance_window(self) -> list[int]:
+        """The ids whose decode `_advance` starts from."""
+        return self._ids[len(self._ids) - CONTEXT_TOKENS :]
+
+    def _advance(self, text: str | None = None) -> None:
+        """The window is long and all of it final: start it a few tokens of context before the end.
+        `text`: the decode of `_advance_window()`, when the caller made it."""
+        self._advance_due = False
         end = len(self._ids)
         start = end - CONTEXT_TOKENS
-        text = self._decode(start, end)
+        if text is None:
+            text = self._decode(start, end)
         # Prefer a context that starts on a character, not inside one (a byte-fallback decoder would
         # read the stray continuation bytes differently once more bytes follow). A character starts at
         # most 3 tokens back (4 bytes); byte-level decoding is right either way.
@@ -194,6 +284,46 @@ def detokenize(
     go through one at a time); without, the one-shot decode."""
     det = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens, stop=stop)
     return det.update(ids) + det.finish()
+
+
+def update_many(dets: Sequence[IncrementalDetokenizer], new_ids: Sequence[Sequence[int]]) -> list[str]:
+    """`[det.update(ids) for det, ids in zip(dets, new_ids)]`: one step's new ids for many requests, with
+    their decodes made together. Every detokenizer without stop strings decodes its window in one call
+    per tokenizer and `skip_special_tokens` setting (`Decoder.many`), and those whose window then moves
+    up decode its new start in one more; those with stop strings run `update` (token by token, as the
+    stop rule requires). The deltas are exactly `update`'s."""
+    out = [""] * len(dets)
+    batched: list[int] = []
+    for i, (det, ids) in enumerate(zip(dets, new_ids, strict=True)):
+        if det.matcher.stops or det.finished:
+            out[i] = det.update(ids)  # per token (stop strings), or the error update() raises
+        elif ids:
+            det._ids.extend(int(t) for t in ids)
+            batched.append(i)
+    windows = _decode_grouped(dets, batched, lambda det: det._ids[det._prefix :])
+    for i in batched:
+        out[i] = dets[i]._append(dets[i]._settle(windows[i], final=False))
+    due = [i for i in batched if dets[i]._advance_due]
+    for i, text in _decode_grouped(dets, due, IncrementalDetokenizer._advance_window).items():
+        dets[i]._advance(text)
+    return out
+
+
+def _decode_grouped(
+    dets: Sequence[IncrementalDetokenizer],
+    which: list[int],
+    window: Callable[[IncrementalDetokenizer], list[int]],
+) -> dict[int, str]:
+    """The decode of `window(dets[i])` for each i in `which`: one `Decoder.many` call per decoder and
+    `skip_special_tokens` setting (a server has one tokenizer, so one or two calls)."""
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i in which:
+        groups.setdefault((id(dets[i].decoder), dets[i].skip_special_tokens), []).append(i)
+    texts: dict[int, str] = {}
+    for (_, skip), members in groups.items():
+        decoded = dets[members[0]].decoder.many([window(dets[i]) for i in members], skip)
+        texts.update(zip(members, decoded, strict=True))
+    return texts
 
 
 class StopStrings:

@@ -7,6 +7,7 @@ Imports nothing heavy: the API server imports the workers' module without torch 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gapless.server import protocol as P
@@ -31,17 +32,13 @@ def prompt_logprob_fields(req: Req) -> dict[str, Any]:
     }
 
 
-def decode_prompt_logprobs(tokenizer: PreTrainedTokenizerBase, u: P.ReqUpdate) -> P.PromptLogprobs | None:
-    """The update's prompt logprobs with every token's text (each distinct id decoded once), or None."""
+def decode_prompt_logprobs(
+    tokenizer: PreTrainedTokenizerBase, piece: Callable[[int], str], u: P.ReqUpdate
+) -> P.PromptLogprobs | None:
+    """The update's prompt logprobs with every token's text (`piece`: a token's own text, which the
+    detokenizer decodes once per id), or None."""
     if u.prompt_ids is None or u.prompt_logprobs is None:
         return None
-    texts: dict[int, str] = {}
-
-    def piece(t: int) -> str:
-        if t not in texts:
-            texts[t] = tokenizer.decode([t])
-        return texts[t]
-
     return P.PromptLogprobs(
         text=tokenizer.decode(u.prompt_ids),
         ids=u.prompt_ids,

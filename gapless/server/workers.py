@@ -514,14 +514,16 @@ class _SchedulerLoop:
 
 
 # ----------------------------------------------------------------------------------------- detokenizer
-class _DetokenizerStage:
+class DetokenizerStage:
     """The detokenizer's part of a worker: each step's `Updates` (every request's new tokens) become one
-    `Deltas` to the API server; anything else from the scheduler (`StatsOut`) passes on, with this hop's
-    message counts added."""
+    `Deltas` to the API server, the step's text decoded for all its requests at once
+    (`gapless.engine.detokenize.update_many`); anything else from the scheduler (`StatsOut`) passes on,
+    with this hop's message counts added."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, socks: _Sockets) -> None:
         self.tokenizer, self.socks = tokenizer, socks
         self.states: dict[str, _DetokState] = {}
+        self.pieces = _TokenPieces(tokenizer)
         self.hops = {"hop_detokenizer_updates_in": 0, "hop_detokenizer_deltas_out": 0}
 
     def take(self, msg: P.Message) -> None:
@@ -530,22 +532,46 @@ class _DetokenizerStage:
         if not isinstance(msg, P.Updates):
             self.socks.send("api", msg)
             return
-        from gapless.engine.detokenize import IncrementalDetokenizer
+        self.socks.send("api", P.Deltas(self.deltas(msg.updates)))
+        self.hops["hop_detokenizer_updates_in"] += 1
+        self.hops["hop_detokenizer_deltas_out"] += 1
 
-        deltas = []
-        for u in msg.updates:
+    def deltas(self, updates: list[P.ReqUpdate]) -> list[P.ReqDelta]:
+        """One step's deltas: every request's new text (decoded together), usage and logprobs."""
+        from gapless.engine.detokenize import IncrementalDetokenizer, update_many
+
+        states = []
+        for u in updates:
             state = self.states.get(u.rid)
             if state is None:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, skip_special_tokens=u.skip_special_tokens, stop=u.stop or []
                 )
                 state = self.states[u.rid] = _DetokState(detok)
-            deltas.append(state.delta(self.tokenizer, u))
+            states.append(state)
+        texts = update_many([s.detok for s in states], [u.token_ids for u in updates])
+        deltas = []
+        for u, state, text in zip(updates, states, texts, strict=True):
             if u.finish_reason is not None:
+                text += state.detok.finish()
                 del self.states[u.rid]
-        self.socks.send("api", P.Deltas(deltas))
-        self.hops["hop_detokenizer_updates_in"] += 1
-        self.hops["hop_detokenizer_deltas_out"] += 1
+            deltas.append(state.delta(self.tokenizer, self.pieces, u, text))
+        return deltas
+
+
+class _TokenPieces:
+    """Each token's own text (`tokenizer.decode([id])`), as logprobs show it, decoded once per id: a
+    request with top logprobs names 1 + k tokens a step."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.texts: dict[int, str] = {}  # at most the vocabulary's size
+
+    def __call__(self, token: int) -> str:
+        text = self.texts.get(token)
+        if text is None:
+            text = self.texts[token] = self.tokenizer.decode([token])
+        return text
 
 
 _FROM_SCHEDULER = (P.Updates, P.StatsOut)  # what the scheduler sends on: the detokenizer's messages
@@ -576,7 +602,7 @@ def text_worker_main(
         hf_tokenizer = load_tokenizer(cfg)
         router = Router(len(ends.schedulers), load_balance_method)
         tok = _TokenizerStage(_Tokenizer(hf_tokenizer), socks, router) if tokenize else None
-        detok = _DetokenizerStage(hf_tokenizer, socks) if detokenize else None
+        detok = DetokenizerStage(hf_tokenizer, socks) if detokenize else None
         socks.send("api", P.Ready(name))
         while True:
             msg = socks.poll(tok.poll_ms() if tok is not None else IDLE_POLL_MS)
@@ -599,14 +625,13 @@ class _DetokState:
         self.detok = detok
         self.completion_tokens = 0
 
-    def delta(self, tokenizer: PreTrainedTokenizerBase, u: P.ReqUpdate) -> P.ReqDelta:
-        text = self.detok.update(u.token_ids) if u.token_ids else ""
-        if u.finish_reason is not None:
-            text += self.detok.finish()
+    def delta(
+        self, tokenizer: PreTrainedTokenizerBase, piece: Callable[[int], str], u: P.ReqUpdate, text: str
+    ) -> P.ReqDelta:
+        """The delta of update `u`, whose new `text` the detokenizer has made."""
         self.completion_tokens += len(u.token_ids)
         logprobs = None
         if u.logprobs is not None and u.top_logprobs is not None:
-            piece = lambda t: tokenizer.decode([t])  # noqa: E731
             logprobs = [
                 P.TokenLogprob(piece(t), lp, [(piece(i), i, v) for i, v in top])
                 for t, lp, top in zip(u.token_ids, u.logprobs, u.top_logprobs)
@@ -620,5 +645,5 @@ class _DetokState:
             cached_tokens=u.cached_tokens,
             logprobs=logprobs,
             finish_reason=u.finish_reason,
-            prompt=decode_prompt_logprobs(tokenizer, u),
+            prompt=decode_prompt_logprobs(tokenizer, piece, u),
         )

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from gapless.engine.detokenize import MAX_PENDING_TOKENS, IncrementalDetokenizer
+from gapless.engine.detokenize import MAX_PENDING_TOKENS, Decoder, IncrementalDetokenizer, update_many
 from gapless.engine.stop import find_stop
 from gapless.testing import build_tokenizer
 
@@ -241,3 +241,94 @@ def test_random_sequences_against_one_shot_decode(tok, byte_ids):
         chunks = [rng.randint(1, 6) for _ in range(rng.randint(1, 4))]
         deltas, last, _ = stream(tok, ids, chunks, stop, skip)
         assert "".join(deltas) + last == expected(tok, ids, stop, skip), (ids, stop, skip, chunks)
+
+
+# ---------------------------------------------------------------------- a whole step at once
+
+
+class CountingBackend:
+    """Counts the calls into a Rust decoder (and the windows they carry)."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.batches, self.singles = backend, [], 0
+
+    def decode(self, ids, skip_special_tokens):
+        self.singles += 1
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, seqs, skip_special_tokens):
+        self.batches.append(len(seqs))
+        return self.backend.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+
+
+def test_update_many_gives_each_requests_update_deltas(tok, byte_ids):
+    """Many requests stepped together (`update_many`, as the server's detokenizer does) get exactly the
+    deltas `update` gives each alone: random streams of text, split characters, invalid bytes and special
+    tokens; with and without stop strings and special tokens; chunks of 0-4 tokens; requests that finish
+    at different steps. The step's windows are decoded in one batch call per skip setting, and the windows
+    that move up in one more."""
+    rng = random.Random(7)
+    pieces = (
+        [tok.encode(s) for s in TEXTS]
+        + [spell(byte_ids, s.encode()) for s in MULTIBYTE]
+        + [spell(byte_ids, b"\x80" * 11), spell(byte_ids, b"\xe2\x82")]
+        + [[i] for i in range(len(tok))]
+    )
+    n = 24
+    streams = [[t for _ in range(rng.randint(0, 60)) for t in rng.choice(pieces)] for _ in range(n)]
+    opts = [
+        {"skip_special_tokens": rng.random() < 0.5, "stop": rng.sample(STOPS, 2) if i % 4 == 0 else None}
+        for i in range(n)
+    ]
+    alone = [IncrementalDetokenizer(tok, **o) for o in opts]
+    together = [IncrementalDetokenizer(tok, **o) for o in opts]
+    counting = CountingBackend(together[0].decoder.backend)
+    for det in together:  # every detokenizer of this tokenizer shares one Decoder
+        assert det.decoder is together[0].decoder
+    together[0].decoder.backend = counting
+    try:
+        pos, want, got, calls = [0] * n, [""] * n, [""] * n, 0
+        live = list(range(n))
+        while live:
+            chunks = {i: rng.randint(0, 4) for i in live}
+            new = [streams[i][pos[i] : pos[i] + chunks[i]] for i in live]
+            counting.batches.clear()
+            deltas = update_many([together[i] for i in live], new)
+            assert len(counting.batches) <= 4  # windows, and windows moving up, per skip setting
+            calls += len(counting.batches)
+            for i, ids, delta in zip(live, new, deltas):
+                want[i] += alone[i].update(ids)
+                got[i] += delta
+                pos[i] += len(ids)
+            for i in [i for i in live if pos[i] >= len(streams[i])]:
+                want[i] += alone[i].finish()
+                got[i] += together[i].finish()
+                live.remove(i)
+            assert got == want
+        assert calls > 0
+    finally:
+        together[0].decoder.backend = counting.backend
+    for i in range(n):
+        assert got[i] == expected(tok, streams[i], opts[i]["stop"] or (), opts[i]["skip_special_tokens"])
+    with pytest.raises(RuntimeError, match="after finish"):
+        update_many(together[:1], [[1]])
+
+
+def test_decoder_calls_the_rust_decoder_where_it_is_the_same(tok, tmp_path):
+    """The test tokenizer (byte-level BPE, no clean-up of spaces) decodes through its Rust decoder, with
+    the same text as `tokenizer.decode`; a tokenizer whose decode cleans up spaces, and one that is no
+    Hugging Face tokenizer, keep their own `decode`."""
+    decoder = Decoder.of(tok)
+    assert decoder.backend is tok.backend_tokenizer and Decoder.of(tok) is decoder
+    seqs = [tok.encode(s) for s in TEXTS] + [[0, 1, 2], []]
+    for skip in (True, False):
+        assert decoder.many(seqs, skip) == [tok.decode(s, skip_special_tokens=skip) for s in seqs]
+        assert [decoder.one(s, skip) for s in seqs] == decoder.many(seqs, skip)
+
+    build_tokenizer(save_dir=tmp_path)
+    cleaning = AutoTokenizer.from_pretrained(str(tmp_path), clean_up_tokenization_spaces=True)
+    assert cleaning.clean_up_tokenization_spaces and Decoder.of(cleaning).backend is None
+    counting = CountingTokenizer(tok)
+    assert Decoder.of(counting).backend is None
+    assert Decoder.of(counting).many(seqs[:2], True) == [tok.decode(s) for s in seqs[:2]]
+    assert counting.sizes == [len(seqs[0]), len(seqs[1])]
