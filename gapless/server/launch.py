@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from gapless.model.config import ModelConfig
     from gapless.server import protocol as P
     from gapless.server.engine_client import EngineClient
-    from gapless.server.workers import Endpoints, SchedulerLogs
+    from gapless.server.workers import Endpoints, SchedulerOptions
 
 log = logging.getLogger("gapless.server")
 
@@ -107,6 +107,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="stop a request still running after this long and answer 504 (default: no limit)",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="a running request's new tokens go out (streamed, or collected for a whole answer) once it "
+        "has N of them; its first token and its end go out at once. Larger: less work per token in the "
+        "detokenizer, the API server and the client, choppier streams (SGLang's and vLLM's flag; default: 1)",
     )
     parser.add_argument(
         "--process-layout",
@@ -220,7 +229,12 @@ class _Workers:
     `tokenizer` and `detokenizer`, or one `tokenizer+detokenizer`."""
 
     def __init__(
-        self, ends: Endpoints, cfg: EngineConfig, logs: SchedulerLogs, layout: str, load_balance_method: str
+        self,
+        ends: Endpoints,
+        cfg: EngineConfig,
+        opts: SchedulerOptions,
+        layout: str,
+        load_balance_method: str,
     ) -> None:
         from gapless.server.workers import scheduler_main, text_worker_main
 
@@ -230,7 +244,7 @@ class _Workers:
         for replica in range(len(ends.schedulers)):
             name = scheduler_name(replica, len(ends.schedulers))
             self.procs[name] = ctx.Process(
-                target=scheduler_main, args=(ends, cfg, pid, logs, replica), name=f"gapless-{name}"
+                target=scheduler_main, args=(ends, cfg, pid, opts, replica), name=f"gapless-{name}"
             )
         for stages in worker_stages(layout):
             name = "+".join(stages)
@@ -480,7 +494,7 @@ def _run(
     args: argparse.Namespace, cfg: EngineConfig, mcfg: ModelConfig, listener: socket.socket, started: float
 ) -> int:
     from gapless.server.layout import choose_layout, describe
-    from gapless.server.workers import Endpoints, SchedulerLogs
+    from gapless.server.workers import Endpoints, SchedulerOptions
 
     configure_logging(args.log_level)
     mp.current_process().name = "gapless-api"
@@ -493,8 +507,8 @@ def _run(
     signal.signal(signal.SIGTERM, _on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gapless-") as tmp:
         ends = Endpoints.in_dir(tmp, cfg.data_parallel_size)
-        logs = SchedulerLogs(args.log_stats_interval, args.log_requests)
-        workers = _Workers(ends, cfg, logs, layout, args.load_balance_method)
+        opts = SchedulerOptions(args.log_stats_interval, args.log_requests, args.stream_interval)
+        workers = _Workers(ends, cfg, opts, layout, args.load_balance_method)
         try:
             return run_event_loop(_serve(args, cfg, ends, workers, listener, started))
         except (KeyboardInterrupt, _Terminated):

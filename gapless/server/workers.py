@@ -333,10 +333,18 @@ class _TokenizerStage:
 
 # ----------------------------------------------------------------------------------------- scheduler
 class _Reporter:
-    """Turns the requests a step updated into `ReqUpdate`s holding only what is new since the last one."""
+    """Turns the requests a step updated into `ReqUpdate`s holding only what is new since the last one,
+    for each request that is `due` one."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream_interval: int = 1) -> None:
+        self.stream_interval = stream_interval
         self.sent: dict[str, int] = {}  # rid -> output tokens already reported
+
+    def due(self, req: Req) -> bool:
+        """Report `req` now: its first update (first token, or an end before one), its end, or a running
+        request with `stream_interval` new tokens."""
+        sent = self.sent.get(req.rid)
+        return sent is None or req.finished or len(req.output_ids) - sent >= self.stream_interval
 
     def update(self, req: Req) -> P.ReqUpdate:
         first = req.rid not in self.sent
@@ -376,16 +384,20 @@ def _engine_stats(engine: Engine) -> P.Stats:
 
 
 @dataclass(frozen=True)
-class SchedulerLogs:
-    """What the scheduler worker logs as it runs: a stats line every `stats_interval_s` seconds while it
-    has work (0: never), and with `requests` a line per finished or refused request."""
+class SchedulerOptions:
+    """The scheduler worker's server options. What it logs as it runs: a stats line every
+    `log_stats_interval_s` seconds while it has work (0: never), and with `log_requests` a line per
+    finished or refused request. What it streams: a running request's new tokens once it has
+    `stream_interval` of them (SGLang's and vLLM's `--stream-interval`), its first token and its end at
+    once; fewer, larger updates cost every later hop (detokenizer, API server, client) less per token."""
 
-    stats_interval_s: float = 10.0
-    requests: bool = False
+    log_stats_interval_s: float = 10.0
+    log_requests: bool = False
+    stream_interval: int = 1
 
 
 def scheduler_main(
-    ends: Endpoints, cfg: EngineConfig, parent_pid: int, logs: SchedulerLogs, replica: int = 0
+    ends: Endpoints, cfg: EngineConfig, parent_pid: int, opts: SchedulerOptions, replica: int = 0
 ) -> None:
     """Data-parallel replica `replica` of `cfg.data_parallel_size` (`gapless.server.replicas`): with more
     than one, it tells the router in the tokenizer its KV size and which requests left it."""
@@ -409,7 +421,7 @@ def scheduler_main(
             if replicas > 1:
                 socks.send("tokenizer", P.ReplicaReport(replica, [], kv_tokens=info.kv_tokens))
                 report = lambda done: socks.send("tokenizer", P.ReplicaReport(replica, done))  # noqa: E731
-            _SchedulerLoop(engine, socks, logs, replica, report).run()
+            _SchedulerLoop(engine, socks, opts, replica, report).run()
         finally:
             engine.shutdown()
 
@@ -418,21 +430,21 @@ def scheduler_main(
 
 class _SchedulerLoop:
     """The scheduler worker's loop: take every queued message, run a step while there is work, send the
-    step's updates on, and log what `SchedulerLogs` asks for."""
+    step's updates on (`SchedulerOptions.stream_interval`), and log what `SchedulerOptions` asks for."""
 
     def __init__(
         self,
         engine: Engine,
         socks: _Sockets,
-        logs: SchedulerLogs,
+        opts: SchedulerOptions,
         replica: int = 0,
         report: Callable[[list[str]], None] | None = None,
     ) -> None:
-        self.engine, self.socks, self.log_requests = engine, socks, logs.requests
+        self.engine, self.socks, self.log_requests = engine, socks, opts.log_requests
         # data parallelism: this replica's index, and where the requests that left it are reported
         self.replica, self.report = replica, report
-        self.reporter = _Reporter()
-        self.stats_log = StatsLog(logs.stats_interval_s)
+        self.reporter = _Reporter(opts.stream_interval)
+        self.stats_log = StatsLog(opts.log_stats_interval_s)
         self.clocks: dict[str, list[float]] = {}  # with log_requests: rid -> [queued at, first token at]
         # what this hop sent: one Updates per step that produced output, whatever the number of requests
         self.hops = dict.fromkeys(
@@ -479,12 +491,13 @@ class _SchedulerLoop:
     def step(self) -> None:
         updated = self.engine.step()
         self.hops["hop_scheduler_steps"] += 1
-        if updated:
-            self.socks.send("detokenizer", P.Updates([self.reporter.update(r) for r in updated]))
+        reporter = self.reporter
+        if updates := [reporter.update(r) for r in updated if reporter.due(r)]:
+            self.socks.send("detokenizer", P.Updates(updates))
             self.hops["hop_scheduler_updates_out"] += 1
-            self.hops["hop_scheduler_request_updates"] += len(updated)
-            if self.report is not None and (done := [r.rid for r in updated if r.finished]):
-                self.report(done)
+            self.hops["hop_scheduler_request_updates"] += len(updates)
+        if self.report is not None and (done := [r.rid for r in updated if r.finished]):
+            self.report(done)
         if self.log_requests:
             now = time.perf_counter()
             for req in updated:

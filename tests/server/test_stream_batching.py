@@ -119,3 +119,35 @@ def test_each_hop_sends_one_message_per_step_for_all_streams(server, client):
     assert d["hop_scheduler_request_updates"] == 12 * 12, d  # 12 requests, 12 steps each
     # the n=8 request's choices run together: far fewer messages than request updates
     assert updates <= 12 * 5, d
+
+
+def test_stream_interval_sends_a_requests_tokens_in_groups_with_the_same_text(ckpt_factory, server, client):
+    """`--stream-interval 4` (SGLang's and vLLM's flag): a request's first token goes out at once, then
+    its tokens four at a time, its end at once; every hop carries a quarter of the updates, and the
+    streamed and whole texts are those the default server (interval 1) gives."""
+    from gapless.testing.server import ServerProcess
+
+    request = {"prompt": [9, 4, 7], "max_tokens": 13, "temperature": 0, "ignore_eos": True}
+    want = client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+    srv = ServerProcess(
+        "--device", "cpu", "--model", str(ckpt_factory("qwen3")), "--max-model-len", "512",
+        "--stream-interval", "4",
+    )  # fmt: skip
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            before = _hops(c)
+            assert c.post("/v1/completions", json=request).json()["choices"][0]["text"] == want
+            with c.stream("POST", "/v1/completions", json={**request, "stream": True}) as r:
+                texts = [
+                    json.loads(line[6:])["choices"][0]["text"]
+                    for line in r.iter_lines()
+                    if line.startswith("data: {")
+                ]
+            assert "".join(texts) == want
+            wait_idle_and_clean(c)
+            d = {k: v - before[k] for k, v in _hops(c).items()}
+        # per request: the first token, then at 5, 9 and 13 tokens (the end)
+        assert d["hop_scheduler_request_updates"] == 2 * 4, d
+        assert d["hop_api_delta_records"] == 2 * 4, d
+    finally:
+        assert srv.stop() == 0, srv.output
