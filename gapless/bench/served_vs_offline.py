@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -64,6 +65,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="process layouts to serve with, in turn (default split,merged)",
     )
     s.add_argument(
+        "--stream-interval",
+        type=cli.positive_int,
+        default=1,
+        help="the server's --stream-interval: a request's tokens go out N at a time (default 1)",
+    )
+    s.add_argument(
         "--max-concurrency",
         default="0",
         help="requests in flight, comma-separated; 0: all at once (default 0)",
@@ -99,9 +106,39 @@ async def _drive(url: str, work: Workload, concurrency: int) -> dict[str, Any]:
     return serving.summarize(records, duration)
 
 
-def _hops(url: str) -> dict[str, int]:
-    state = httpx.get(f"{url}/debug/state", timeout=30, trust_env=False).json()
+def _state(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/debug/state", timeout=30, trust_env=False).json()
+
+
+def _hops(state: dict[str, Any]) -> dict[str, int]:
     return {k: v for k, v in state.items() if k.startswith("hop_")}
+
+
+def process_cpu_s(api_pid: int, state: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds (user + system) each server process has used: the API server's own, and each worker's
+    (`/debug/state`'s `worker_pids`) with its children's (a scheduler's device process or ranks). Linux
+    only (`/proc`); empty elsewhere."""
+    if not Path("/proc/self/stat").exists():
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def own(pid: int) -> float:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime: fields 14 and 15 of stat
+
+    def tree(pid: int) -> float:
+        children = []
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                children += [int(c) for c in task.read_text().split()]
+            except OSError:
+                pass
+        return own(pid) + sum(tree(c) for c in children)
+
+    return {"api": own(api_pid), **{name: tree(pid) for name, pid in state.get("worker_pids", {}).items()}}
 
 
 def run_served(
@@ -117,11 +154,14 @@ def run_served(
     try:
         asyncio.run(_drive(srv.url, WARMUP, 0))
         for c in concurrency:
-            before = _hops(srv.url)
+            state = _state(srv.url)
+            before, cpu_before = _hops(state), process_cpu_s(srv.proc.pid, state)
             summary = asyncio.run(_drive(srv.url, work, c))
             if summary["failed"] or summary["wrong_length_requests"]:
                 raise RuntimeError(f"served run failed: {json.dumps(summary['errors'])}\n{srv.output}")
-            hops = {k: v - before.get(k, 0) for k, v in _hops(srv.url).items()}
+            state = _state(srv.url)
+            hops = {k: v - before.get(k, 0) for k, v in _hops(state).items()}
+            cpu = {k: v - cpu_before.get(k, 0.0) for k, v in process_cpu_s(srv.proc.pid, state).items()}
             out.append(
                 dict(
                     layout=layout,
@@ -132,6 +172,7 @@ def run_served(
                     ttft_p50_ms=summary["ttft_ms"]["p50"],
                     tpot_p50_ms=summary["tpot_ms"]["p50"],
                     hops=hops,
+                    cpu_us_per_token={k: v * 1e6 / summary["output_tokens"] for k, v in cpu.items()},
                 )
             )
     finally:
@@ -170,6 +211,13 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 hops[-1].get("hop_scheduler_request_updates", 0),
             )
             row["request_updates_per_message"] = updates / msgs if msgs else None
+            per_token = [
+                r.get("cpu_us_per_token", {}) for r in runs if r["mode"] == mode and r.get("concurrency") == c
+            ]
+            row["cpu_us_per_token"] = {
+                name: _median([p[name] for p in per_token if name in p])
+                for name in dict.fromkeys(k for p in per_token for k in p)
+            }
         rows.append(row)
     return rows
 
@@ -197,7 +245,24 @@ def format_report(rows: list[dict[str, Any]], first_layout: str) -> str:
         )
         for r in rows
     ]
-    return "\n".join(cli.markdown_table(header, table, "llrrrr"))
+    lines = cli.markdown_table(header, table, "llrrrr")
+    served = [r for r in rows if r.get("cpu_us_per_token")]
+    names = list(dict.fromkeys(k for r in served for k in r["cpu_us_per_token"]))
+    if names:  # what each server process spends per output token: on a GPU machine, the share of a core
+        lines += ["", "CPU µs per output token, by process (the scheduler's includes the model on a CPU):"]
+        lines += cli.markdown_table(
+            ("mode", "max concurrency", *names),
+            [
+                (
+                    r["mode"],
+                    r["concurrency"] or "all",
+                    *(num(r["cpu_us_per_token"].get(n), ".1f") for n in names),
+                )
+                for r in served
+            ],
+            "ll" + "r" * len(names),
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -227,7 +292,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         for layout in args.layouts:
             cli.progress(f"round {k + 1}: served, layout {layout}")
-            for r in run_served(path, work, layout, args.concurrency, engine):
+            served = [*engine, f"--stream-interval={args.stream_interval}"]
+            for r in run_served(path, work, layout, args.concurrency, served):
                 runs.append(dict(r, round=k, mode=layout))
     rows = summarize(runs)
     report = format_report(rows, args.layouts[0])
