@@ -319,10 +319,14 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below ``min_p`` times the row's top probability (in place)."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True).mul_(min_p.unsqueeze(1))
-    return logits.masked_fill_(probs < threshold, float("-inf"))
+    """Mask tokens whose probability is below ``min_p`` times the row's top probability (in place).
+
+    Decided in log space, ``p / p_max = exp(logit - max_logit)``: a token is kept when ``logit >= max_logit
+    + log(min_p)``, which needs a bool [B, V] mask and no float one (the softmax made one). It can differ
+    from the rule on probabilities only where rounding puts a token at the threshold. Rows with min_p 0
+    (log: -inf) keep everything; so does a row of -inf logits (-inf + -inf is -inf: no NaN)."""
+    floor = logits.amax(dim=-1, keepdim=True).add_(min_p.log().unsqueeze(1))
+    return logits.masked_fill_(logits < floor, float("-inf"))
 
 
 @dataclass
@@ -472,7 +476,9 @@ class Sampler:
         if mask is not None:
             logits = apply_token_mask(logits, mask)
         if batch.need_bias and self.logit_bias is not None:
-            logits = logits.float() + self.logit_bias.index_select(0, batch.rows)
+            # the rows' bias is a fresh float32 copy: adding the logits into it (a bf16 operand widens
+            # exactly; IEEE addition commutes) gives `logits.float() + bias` bit for bit with one [B, V]
+            logits = self.logit_bias.index_select(0, batch.rows).add_(logits)
         return logits
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -304,3 +304,73 @@ def test_penalised_step_with_the_kernel_makes_one_float32_copy():
         watch, tokens = _penalised_step(sampler, params)
         assert watch.new_fp32 == 1, watch.ops
         assert torch.equal(tokens, _penalised_step(_OldSampler(VOCAB, 8, CPU), params)[1])
+
+
+def test_logit_bias_adds_into_the_gathered_bias_bit_for_bit():
+    """`constrain` adds the logits into the rows' gathered bias: the bits of `logits.float() + bias`, for
+    fp32, bf16 and fp16 logits, with one new float32 [B, V] (the old sum made three from bf16)."""
+    params = [
+        SamplingParams(logit_bias={3: 5.0, 10: -100.0, 299: 0.3}),
+        SamplingParams(),
+        SamplingParams(logit_bias={0: -0.7, 3: 1e-3}),
+    ]
+    sampler = Sampler(VOCAB, 6, CPU)
+    rows = [4, 1, 2]
+    values, _, _ = sampler_mod.RowParams.build([p.resolved() for p in params], rows, [0, 0, 0], VOCAB)
+    sampler.write_rows(values)
+    batch = SamplingBatch.build([p.resolved() for p in params], [0] * 3, rows, [0] * 3, CPU, VOCAB)
+    assert batch.need_bias
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = (torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+        with _Watch((3, VOCAB)) as watch:
+            got = sampler.constrain(logits, batch, None)
+        with _Watch((3, VOCAB)) as old:
+            want = logits.float() + sampler.logit_bias.index_select(0, batch.rows)
+        assert got.dtype == torch.float32 and torch.equal(got, want), dtype
+        assert watch.new_fp32 == 1 and old.new_fp32 > watch.new_fp32, (watch.ops, old.ops)
+        assert got[0, 10] < logits[0, 10].float() - 99 and torch.equal(got[1], logits[1].float())
+
+
+def test_min_p_in_log_space_keeps_transformers_tokens_with_no_float_copy():
+    """min-p decided as ``logit >= max + log(min_p)``: the kept sets of transformers' `MinPLogitsWarper`
+    (which compares probabilities) on random rows, ties at the max included; no new float32 [B, V] tensor
+    (the softmax made one); rows with min_p 0 (rows without min-p, greedy ones among them) untouched, and
+    a row of -inf logits (masked earlier) stays -inf without a NaN."""
+    from transformers import MinPLogitsWarper
+
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(8, VOCAB, generator=g)
+    logits[2, [5, 50, 120]] = logits[2].max() + 1.0  # three tokens tied at the max
+    logits[3, :] = 0.5  # all tied
+    logits[4, ::2] = float("-inf")  # masked by an earlier filter
+    min_ps = [0.01, 0.1, 0.5, 1.0, 0.1, 0.05, 0.5, 0.2]
+    for i, m in enumerate(min_ps):
+        want = torch.isfinite(MinPLogitsWarper(m)(None, logits[i : i + 1].clone()))[0]
+        got = sampler_mod.apply_min_p(logits[i : i + 1].clone(), torch.tensor([m]))
+        assert torch.equal(torch.isfinite(got[0]), want), (i, m)
+        assert torch.equal(got[0][want], logits[i][want])  # kept tokens keep their logits
+    assert int(torch.isfinite(sampler_mod.apply_min_p(logits[2:3].clone(), torch.tensor([1.0]))).sum()) == 3
+    kept = [
+        int(torch.isfinite(sampler_mod.apply_min_p(logits[:1].clone(), torch.tensor([m]))).sum())
+        for m in min_ps
+    ]
+    assert kept[0] > kept[1] > kept[2] > 1  # the threshold moves with min_p
+
+    # in a batch: min_p 0 rows (as `rows.row_values` gives rows without min-p, and greedy ones) untouched
+    params = [
+        SamplingParams(min_p=0.3),
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+        SamplingParams(min_p=0.9),
+    ]
+    batch = _batch(params)
+    assert batch.min_p.tolist()[1:3] == [0.0, 0.0] and batch.need_min_p
+    x = logits[[0, 1, 2, 5]].clone()
+    x[1, :7] = float("-inf")
+    x[2] = float("-inf")
+    before = x.clone()
+    with _Watch((4, VOCAB)) as watch:
+        out = sampler_mod.apply_min_p(x, batch.min_p)
+    assert watch.new_fp32 == 0, watch.ops
+    assert torch.equal(out[1:3], before[1:3]) and not out.isnan().any()
+    assert torch.isinf(out[0]).sum() > torch.isinf(before[0]).sum() and torch.isinf(out[3]).sum() > 0
