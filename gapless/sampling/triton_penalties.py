@@ -5,7 +5,8 @@ The torch path (`gapless.sampling.sampler.apply_penalties`) gathers the batch's 
 float32 and changes that copy in several passes, with a float32 [batch, vocab] buffer for the factors.
 `apply_penalties` here reads the logits once, in their own dtype, and each row's state where it lies (by
 its request-table row), and writes the penalised float32 [batch, vocab] logits in one pass: the one float32
-[batch, vocab] tensor a penalised step needs (the draw then scales it in place).
+[batch, vocab] tensor a penalised step needs (the temperature then scales it in place, or the fused draw
+reads it and scales in registers).
 
 Bit for bit the torch path: every step is one IEEE-rounded fp32 operation in the same order, ``x * rep``
 or ``x / rep`` (``div_rn``: Triton's plain ``/`` may be an approximate division on the GPU), then
