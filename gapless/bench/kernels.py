@@ -277,8 +277,10 @@ def extend_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
 
 def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     """The sampler on `--sample-batch` rows of `--vocab` logits in `dtype`: the seeded draw by torch ops
-    against the fused Triton draw (`gapless.sampling.triton_gumbel`), and top-k + top-p by the full sort
-    against the partial one (`apply_top_k_top_p_partial`)."""
+    against the fused Triton draw (`gapless.sampling.triton_gumbel`), the penalties (repetition, frequency
+    and presence, into the step's float32 copy) by torch ops against the fused Triton penalties
+    (`gapless.sampling.triton_penalties`), and top-k + top-p by the full sort against the partial one
+    (`apply_top_k_top_p_partial`)."""
     from gapless.sampling import fused
     from gapless.sampling.sampler import Sampler, SamplingBatch
     from gapless.sampling_params import SamplingParams
@@ -288,17 +290,30 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
     torch_sampler, fused_sampler = Sampler(V, B, device), Sampler(V, B, device)
     if _triton_kernels(device) is not None:
         fused_sampler.draw_kernel = fused.draw_kernel("triton", V, device)
+        fused_sampler.penalty_kernel = fused.penalty_kernel("triton", V, device)
+    for s in (torch_sampler, fused_sampler):  # each row's prompt and a few outputs, as a running request
+        s.init_rows(
+            list(range(B)),
+            [list(range(i, V, 7)) for i in range(B)],
+            [list(range(i, V, 13)) for i in range(B)],
+        )
 
     def batch(p: SamplingParams) -> SamplingBatch:
         return SamplingBatch.build([p.resolved()] * B, [0] * B, list(range(B)), list(range(B)), device, V)
 
     draw, nucleus = batch(SamplingParams(temperature=0.8)), batch(SamplingParams(top_k=50, top_p=0.95))
+    penalised = batch(SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.5))
     full = dataclasses.replace(nucleus, max_top_p_k=0)  # 0: unknown, the full sort
     cases = {
         "seeded draw (temperature only)": (
             "triton draw",
             lambda: torch_sampler.sample(logits, draw),
             fused_sampler.draw_kernel and (lambda: fused_sampler.sample(logits, draw)),
+        ),
+        "penalties (repetition, frequency, presence)": (
+            "triton penalties",
+            lambda: torch_sampler.apply_penalties(logits, penalised),
+            fused_sampler.penalty_kernel and (lambda: fused_sampler.apply_penalties(logits, penalised)),
         ),
         "top-k 50 + top-p 0.95": (
             "partial sort",

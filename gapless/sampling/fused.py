@@ -1,38 +1,59 @@
-"""Which implementation of the seeded draw a sampler runs: the fused Triton kernel or torch ops.
+"""Which implementations of the sampler's fused stages run: the Triton kernels or torch ops.
 
-`draw_kernel` follows the engine's `fused_kernels` choice ("auto", "torch", "triton", as
-`gapless.model.fused.use_fused_kernels` validates it): "auto" takes the kernel
-(`gapless.sampling.triton_gumbel`) on CUDA only after it draws the same tokens as the torch path
-(`gapless.sampling.sampler.gumbel_argmax`) on a fixed batch of this vocabulary's size, in both of its modes
-(logits scaled by the kernel, and scaled and filtered before it) and with greedy rows among them; on any
-error or disagreement it logs why and returns None (torch). Nothing here imports Triton before a choice
-needs it.
+`draw_kernel` (the seeded draw) and `penalty_kernel` (the penalties) follow the engine's `fused_kernels`
+choice ("auto", "torch", "triton", as `gapless.model.fused.use_fused_kernels` validates it), through one
+chooser (`_choose`): "auto" takes a kernel on CUDA only after it agrees with its torch path on a fixed
+batch of this vocabulary's size (`disagreement`: the draw (`gapless.sampling.triton_gumbel`) draws the
+tokens of `gapless.sampling.sampler.gumbel_argmax`, in both of its modes (logits scaled by the kernel, and
+scaled and filtered before it) and with greedy rows among them; `penalty_disagreement`: the penalties
+(`gapless.sampling.triton_penalties`) are bit for bit those of `gapless.sampling.sampler.apply_penalties`);
+on any error or disagreement it logs why and returns None (torch). Nothing here imports Triton before a
+choice needs it.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from functools import partial
+from types import ModuleType
+from typing import TypeVar
 
 import torch
 
 from gapless.config import FUSED_KERNELS
-from gapless.sampling.sampler import _bits_as_int32, _column_hashes, _row_keys, gumbel_argmax
+from gapless.sampling.sampler import (
+    PenaltyKernel,
+    _bits_as_int32,
+    _column_hashes,
+    _row_keys,
+    apply_penalties,
+    gumbel_argmax,
+)
 
 log = logging.getLogger(__name__)
 
 DrawKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+K = TypeVar("K")
 
 
-def draw_kernel(name: str, vocab_size: int, device: torch.device) -> DrawKernel | None:
-    """The fused draw for `Sampler.draw_kernel` under `fused_kernels=name`, or None for torch ops."""
+def _choose(
+    name: str,
+    device: torch.device,
+    module: str,
+    make: Callable[[ModuleType], K],
+    check: Callable[[K], str | None],
+) -> K | None:
+    """The kernel `make` builds from the Triton module `module` under `fused_kernels=name`, or None for
+    torch ops: "torch" never, "triton" always (on CPU only under Triton's interpreter), "auto" on CUDA once
+    `check` (None: agrees with torch; else why not) passes it."""
     if name not in FUSED_KERNELS:
         raise ValueError(f"fused_kernels={name!r}: must be one of {FUSED_KERNELS}")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return None
     try:
-        from gapless.sampling import triton_gumbel
+        kernels = importlib.import_module(module)
     except ImportError as e:
         if name == "triton":
             raise RuntimeError(
@@ -40,19 +61,41 @@ def draw_kernel(name: str, vocab_size: int, device: torch.device) -> DrawKernel 
             ) from e
         log.warning("fused sampling: triton does not import (%s); using torch", e)
         return None
-    kernel = partial(_fused_draw, triton_gumbel.gumbel_argmax)
+    kernel = make(kernels)
     if name == "triton":
-        if device.type == "cpu" and not triton_gumbel.INTERPRET:
+        if device.type == "cpu" and not kernels.INTERPRET:
             raise RuntimeError(
                 "fused_kernels='triton' runs on CUDA devices; on CPU it needs Triton's interpreter (set "
                 "TRITON_INTERPRET=1 before Triton is first imported, slow, meant for tests) - or use 'torch'"
             )
         return kernel
-    why = disagreement(kernel, vocab_size, device)
+    why = check(kernel)
     if why is not None:
         log.warning("fused sampling: %s; using torch", why)
         return None
     return kernel
+
+
+def draw_kernel(name: str, vocab_size: int, device: torch.device) -> DrawKernel | None:
+    """The fused draw for `Sampler.draw_kernel` under `fused_kernels=name`, or None for torch ops."""
+    return _choose(
+        name,
+        device,
+        "gapless.sampling.triton_gumbel",
+        lambda kernels: partial(_fused_draw, kernels.gumbel_argmax),
+        lambda kernel: disagreement(kernel, vocab_size, device),
+    )
+
+
+def penalty_kernel(name: str, vocab_size: int, device: torch.device) -> PenaltyKernel | None:
+    """The fused penalties for `Sampler.penalty_kernel` under `fused_kernels=name`, or None for torch."""
+    return _choose(
+        name,
+        device,
+        "gapless.sampling.triton_penalties",
+        lambda kernels: kernels.apply_penalties,
+        lambda kernel: penalty_disagreement(kernel, vocab_size, device),
+    )
 
 
 def _fused_draw(
@@ -88,4 +131,33 @@ def disagreement(kernel: DrawKernel, vocab_size: int, device: torch.device) -> s
                     )
     except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
         return f"the Triton draw failed: {type(e).__name__}: {e}"
+    return None
+
+
+def penalty_disagreement(kernel: PenaltyKernel, vocab_size: int, device: torch.device) -> str | None:
+    """None if `kernel` gives the torch path's penalised logits bit for bit on a fixed bf16 batch of
+    `vocab_size` columns (rows out of order in the state; repetition alone, frequency and presence alone,
+    all three, and a neutral row); else why not."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        logits = (torch.randn(4, vocab_size, generator=g) * 4).to(device=device, dtype=torch.bfloat16)
+        counts = torch.randint(0, 3, (6, vocab_size), generator=g, dtype=torch.int32).to(device)
+        prompt_mask = (torch.rand(6, vocab_size, generator=g) < 0.3).to(device)
+        rows = torch.tensor([5, 0, 3, 2], device=device)
+        repetition = torch.tensor([1.3, 1.0, 0.8, 1.0], device=device)
+        frequency = torch.tensor([0.0, 0.4, -0.3, 0.0], device=device)
+        presence = torch.tensor([0.0, 0.7, 0.25, 0.0], device=device)
+        args = (counts, prompt_mask, rows, repetition, frequency, presence)
+        want = apply_penalties(logits, *args)
+        got = kernel(logits, *args)
+        if got.dtype != torch.float32 or got.shape != want.shape:
+            return f"the Triton penalties gave {got.dtype} {tuple(got.shape)}, torch {tuple(want.shape)}"
+        if not torch.equal(got, want):
+            differ = (got != want).nonzero()[0].tolist()
+            return (
+                f"the Triton penalties differ from torch's at {differ}: "
+                f"{got[tuple(differ)].item()!r} vs {want[tuple(differ)].item()!r}"
+            )
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
+        return f"the Triton penalties failed: {type(e).__name__}: {e}"
     return None

@@ -39,6 +39,11 @@ _UNIFORM_BITS = 23  # n + 0.5 with n < 2**23 is exact in float32, so u lies stri
 # many largest logits, on either path (`apply_top_k_top_p_partial`), so the rounding of the softmax and
 # cumulative sum behind a seeded draw does not depend on which path the row's batch took.
 PARTIAL_SORT_MAX_K = 1024
+# `apply_penalties`' signature: (logits, counts, prompt_mask, rows, repetition, frequency, presence)
+PenaltyKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -114,6 +119,39 @@ def gumbel_argmax(
         logits = logits / temperature.masked_fill(is_greedy, 1.0).unsqueeze(1)
     tokens = gumbel_noise(keys, column_hashes).add_(logits).argmax(dim=-1)
     return tokens if greedy_tokens is None else torch.where(is_greedy, greedy_tokens, tokens)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    rows: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """The penalised logits in torch: a new float32 [B, V] tensor, `logits` [B, V] (any float dtype) left
+    as they are. Row i reads the state of request-table row ``rows[i]`` (`counts` int32 and `prompt_mask`
+    bool, both [max_rows, V]) and its penalties ([B] float32 each).
+
+    Repetition (Hugging Face, over prompt + output tokens): ``x * rep`` where x < 0, else ``x / rep``; then
+    ``x - frequency * count`` and ``x - presence * (count > 0)`` (OpenAI, output tokens only), each op
+    rounded on its own. Neutral rows (1, 0, 0) come out bit-identical. The repetition is applied as a
+    multiplication then a division by a factor that is 1 where the row does not take that branch (x * 1 and
+    x / 1 are exact): the same bits as choosing between ``x * rep`` and ``x / rep``, with one float32 [B, V]
+    buffer, reused for every factor, beside the result. `gapless.sampling.triton_penalties` makes the same
+    bits in one pass."""
+    out = logits.to(torch.float32, copy=True)
+    counts = counts.index_select(0, rows)
+    in_output = counts > 0
+    seen = prompt_mask.index_select(0, rows).logical_or_(in_output)
+    negative = out < 0
+    rep, one = repetition.unsqueeze(1), repetition.new_ones(())
+    factor = torch.where(seen & negative, rep, one)
+    out.mul_(factor)
+    out.div_(torch.where(seen.logical_and_(negative.logical_not_()), rep, one, out=factor))
+    out.sub_(torch.mul(counts, frequency.unsqueeze(1), out=factor))
+    return out.sub_(torch.mul(in_output, presence.unsqueeze(1), out=factor))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,10 +319,14 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below ``min_p`` times the row's top probability (in place)."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True).mul_(min_p.unsqueeze(1))
-    return logits.masked_fill_(probs < threshold, float("-inf"))
+    """Mask tokens whose probability is below ``min_p`` times the row's top probability (in place).
+
+    Decided in log space, ``p / p_max = exp(logit - max_logit)``: a token is kept when ``logit >= max_logit
+    + log(min_p)``, which needs a bool [B, V] mask and no float one (the softmax made one). It can differ
+    from the rule on probabilities only where rounding puts a token at the threshold. Rows with min_p 0
+    (log: -inf) keep everything; so does a row of -inf logits (-inf + -inf is -inf: no NaN)."""
+    floor = logits.amax(dim=-1, keepdim=True).add_(min_p.log().unsqueeze(1))
+    return logits.masked_fill_(logits < floor, float("-inf"))
 
 
 @dataclass
@@ -360,6 +402,9 @@ class Sampler:
         self.draw_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = (
             None
         )
+        # the penalties as one kernel, with `apply_penalties`' signature and bits
+        # (`gapless.sampling.fused.penalty_kernel` picks it); None: torch ops
+        self.penalty_kernel: PenaltyKernel | None = None
 
     def write_rows(self, values: RowParams) -> None:
         """Keep the sampling values of requests entering `values.rows` (on this device)."""
@@ -431,7 +476,9 @@ class Sampler:
         if mask is not None:
             logits = apply_token_mask(logits, mask)
         if batch.need_bias and self.logit_bias is not None:
-            logits = logits.float() + self.logit_bias.index_select(0, batch.rows)
+            # the rows' bias is a fresh float32 copy: adding the logits into it (a bf16 operand widens
+            # exactly; IEEE addition commutes) gives `logits.float() + bias` bit for bit with one [B, V]
+            logits = self.logit_bias.index_select(0, batch.rows).add_(logits)
         return logits
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -443,42 +490,52 @@ class Sampler:
         if logits.shape[-1] > self.vocab_size:  # padded lm_head: the extra columns are not tokens
             logits = logits[:, : self.vocab_size]
         if batch.need_penalties:
-            logits = self.apply_penalties(logits.float(), batch)
+            logits = self.apply_penalties(logits, batch)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._draw(logits, batch)
+        else:  # the penalised logits are a fresh float32 copy of the sampler's own: the draw may change it
+            tokens = self._draw(logits, batch, owned=batch.need_penalties)
         if batch.need_penalties:
             counts, _ = self._penalty_state()
             counts.index_put_((batch.rows, tokens), batch.penalised, accumulate=True)
         return tokens
 
     def apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Repetition penalty (HF: over prompt + output) then presence/frequency (OpenAI: output only).
+        """Repetition penalty (HF: over prompt + output) then presence/frequency (OpenAI: output only), into
+        a new float32 [B, V] tensor (`logits`, any float dtype, are left as they are): the fused
+        `penalty_kernel` when set, else torch ops (`apply_penalties`), the same bits either way.
 
         Rows without penalties carry neutral values (1, 0, 0), which leave their logits bit-identical.
         """
-        counts_all, prompt_all = self._penalty_state()
-        counts = counts_all.index_select(0, batch.rows)
-        in_output = counts > 0
-        seen = prompt_all.index_select(0, batch.rows).logical_or_(in_output)
-        rep = batch.repetition_penalty.unsqueeze(1)
-        logits = torch.where(seen, torch.where(logits < 0, logits * rep, logits / rep), logits)
-        logits -= batch.frequency_penalty.unsqueeze(1) * counts
-        logits -= batch.presence_penalty.unsqueeze(1) * in_output
-        return logits
+        counts, prompt_mask = self._penalty_state()
+        penalise = self.penalty_kernel if self.penalty_kernel is not None else apply_penalties
+        return penalise(
+            logits,
+            counts,
+            prompt_mask,
+            batch.rows,
+            batch.repetition_penalty,
+            batch.frequency_penalty,
+            batch.presence_penalty,
+        )
 
-    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, owned: bool = False) -> torch.Tensor:
         """Sample the non-greedy rows; greedy rows in a mixed batch get their plain argmax. Without filters
         the temperature is left to the draw (`gumbel_argmax`, or the fused `draw_kernel`), which then
-        reads the logits as they come."""
+        reads the logits as they come. `owned`: `logits` is a float32 copy the sampler made this step (the
+        penalised logits), which may be scaled in place rather than copied again; never the caller's."""
         keys = _row_keys(batch.seeds, batch.steps)
-        scale = not (batch.need_top_k or batch.need_top_p or batch.need_min_p)
-        if not scale:
-            temperature = batch.temperature.masked_fill(batch.temperature == 0, 1.0)
+        filters = batch.need_top_k or batch.need_top_p or batch.need_min_p
+        scale = True  # the draw divides by the temperature (the kernel in registers, torch into a copy)
+        if filters or (owned and self.draw_kernel is None):
+            temperature = batch.temperature.masked_fill(batch.temperature == 0, 1.0).unsqueeze(1)
             # the step's float32 [B, V] working copy: the division computes in fp32 whatever the logits'
-            # dtype (as of their fp32 copy), into a new tensor the filters then change in place
-            logits = self.apply_filters(logits / temperature.unsqueeze(1), batch)
+            # dtype, into a new tensor (or in place on an owned copy) the filters then change in place;
+            # `x / t` either way, so the same bits as the draw's own scaling
+            logits = logits.div_(temperature) if owned else logits / temperature
+            scale = False
+            if filters:
+                logits = self.apply_filters(logits, batch)
         if self.draw_kernel is not None:
             return self.draw_kernel(logits, batch.temperature, keys, scale)
         return gumbel_argmax(logits, batch.temperature, keys, self._column_hashes, scale, batch.any_greedy)

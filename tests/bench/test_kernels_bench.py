@@ -1,7 +1,8 @@
 """`python -m gapless.bench.kernels` runs end to end (tiny shapes; on a CPU under Triton's interpreter,
 where its figures mean nothing but every path runs): each fused kernel against torch, and decode attention
 against a copy, for every batch, context, page size and decode kernel variant asked for, extend attention
-against a matmul, and the sampler's torch paths against the fused draw and the partial sort."""
+against a matmul, and the sampler's torch paths against the fused draw, the fused penalties and the partial
+sort."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
     assert all(r["attention_tflop_s"] > 0 and r["matmul_tflop_s"] > 0 for r in res["extend_rows"])
     assert [(r["case"], r["path"]) for r in res["sampling"]] == [
         ("seeded draw (temperature only)", "triton draw"),
+        ("penalties (repetition, frequency, presence)", "triton penalties"),
         ("top-k 50 + top-p 0.95", "partial sort"),
     ]
     assert all(r["torch_us"] > 0 and r["path_us"] > 0 for r in res["sampling"])

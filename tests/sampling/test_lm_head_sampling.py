@@ -195,3 +195,182 @@ def test_top_p_under_a_top_k_skips_the_full_sort_and_keeps_its_tokens():
         mixed = batch([*params, unbounded], step, [*seeds, 7])
         assert mixed.max_top_p_k == vocab
         assert torch.equal(sampler.sample(torch.cat([logits, extra_row]), mixed)[:5], want)
+
+
+class _OldSampler(Sampler):
+    """The sampler's penalties and scaling as they were before the step kept to one float32 [B, V] copy
+    (`torch.where` over two float32 branches, then a second copy for the temperature): the reference the
+    seeded draws must keep matching, and the count the new code must beat."""
+
+    def apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits.float()
+        counts_all, prompt_all = self._penalty_state()
+        counts = counts_all.index_select(0, batch.rows)
+        in_output = counts > 0
+        seen = prompt_all.index_select(0, batch.rows).logical_or_(in_output)
+        rep = batch.repetition_penalty.unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits < 0, logits * rep, logits / rep), logits)
+        logits -= batch.frequency_penalty.unsqueeze(1) * counts
+        logits -= batch.presence_penalty.unsqueeze(1) * in_output
+        return logits
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, owned: bool = False) -> torch.Tensor:
+        keys = sampler_mod._row_keys(batch.seeds, batch.steps)
+        scale = not (batch.need_top_k or batch.need_top_p or batch.need_min_p)
+        if not scale:
+            temperature = batch.temperature.masked_fill(batch.temperature == 0, 1.0)
+            logits = self.apply_filters(logits / temperature.unsqueeze(1), batch)
+        hashes = self._column_hashes
+        return sampler_mod.gumbel_argmax(logits, batch.temperature, keys, hashes, scale, batch.any_greedy)
+
+
+PENALISED = [
+    SamplingParams(temperature=0.8, repetition_penalty=1.3, top_k=30),
+    SamplingParams(temperature=0.0, frequency_penalty=0.4),  # greedy, penalised
+    SamplingParams(temperature=1.1, top_p=0.9, presence_penalty=0.6, frequency_penalty=-0.2),
+    SamplingParams(temperature=0.7),  # no penalties beside penalised rows: neutral (1, 0, 0)
+    SamplingParams(temperature=1.4, repetition_penalty=0.8, presence_penalty=0.3, frequency_penalty=0.3),
+]
+# top-k alone (no full sort, whose sorted copy is a float32 [B, V] of its own): what the counts measure
+PENALISED_TOP_K = [*PENALISED[:2], dataclasses.replace(PENALISED[2], top_p=1.0, top_k=50), *PENALISED[3:]]
+UNFILTERED = [  # no filter: the draw scales; an owned (penalised) copy is scaled in place first
+    SamplingParams(temperature=0.9, repetition_penalty=1.2, frequency_penalty=0.5),
+    SamplingParams(temperature=0.0, presence_penalty=1.0),
+    SamplingParams(temperature=1.3),
+]
+
+
+def _seeded_penalised_runs(make: type[Sampler], params: list[SamplingParams], steps: int, dtype: torch.dtype):
+    """`steps` tokens of each row of a `make` sampler whose rows start with prompts, over fresh logits each
+    step; asserts the caller's logits come back unchanged."""
+    n = len(params)
+    sampler = make(VOCAB, n + 2, CPU)
+    rows = list(range(n + 1, 0, -1))[:n]  # request-table rows out of batch order
+    sampler.init_rows(rows, [[1, 2, 3, 3, 7 * i] for i in range(n)], [[]] * n)
+    g = torch.Generator().manual_seed(11)
+    resolved = [p.resolved() for p in params]
+    out = []
+    for step in range(steps):
+        logits = (torch.randn(n, VOCAB, generator=g) * 3).to(dtype)
+        before = logits.clone()
+        seeds = [1000 + i for i in range(n)]
+        batch = SamplingBatch.build(resolved, [step] * n, rows, seeds, CPU, VOCAB)
+        out.append(sampler.sample(logits, batch))
+        assert torch.equal(logits, before)
+    return torch.stack(out)
+
+
+def test_penalised_seeded_draws_are_the_old_samplers():
+    """Penalties (torch path) + temperature + top-k/top-p, and without filters (the penalised copy scaled in
+    place): over 30 steps, in fp32 and bf16, each row's tokens are those the old sampler drew."""
+    for params in (PENALISED, UNFILTERED):
+        for dtype in (torch.float32, torch.bfloat16):
+            want = _seeded_penalised_runs(_OldSampler, params, 30, dtype)
+            got = _seeded_penalised_runs(Sampler, params, 30, dtype)
+            assert torch.equal(got, want), (params, dtype)
+            assert len(set(want[:, 0].tolist())) > 5  # the draws are not degenerate
+
+
+def _penalised_step(sampler: Sampler, params: list[SamplingParams]) -> tuple[_Watch, torch.Tensor]:
+    n = len(params)
+    sampler.init_rows(list(range(n)), [[1, 2, 3]] * n, [[4, 4, 5]] * n)
+    logits = (torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
+    with _Watch((n, VOCAB)) as watch:
+        tokens = sampler.sample(logits, _batch(params, steps=3))
+    return watch, tokens
+
+
+def test_penalised_step_makes_fewer_float32_copies():
+    """A penalised sampled step over bf16 logits, torch path: the penalised copy and one buffer for the
+    penalties' factors (top-k and the draw work in place on the copy); the old code made more."""
+    for params in (PENALISED_TOP_K, UNFILTERED):
+        old, old_tokens = _penalised_step(_OldSampler(VOCAB, 8, CPU), params)
+        new, tokens = _penalised_step(Sampler(VOCAB, 8, CPU), params)
+        assert torch.equal(tokens, old_tokens)
+        assert new.new_fp32 == 2, new.ops
+        assert old.new_fp32 > new.new_fp32
+
+
+def test_penalised_step_with_the_kernel_makes_one_float32_copy():
+    """With the fused penalties (Triton, under the interpreter on CPU) a penalised sampled step over bf16
+    logits makes exactly one float32 [B, V]: the kernel's output, which temperature and filters change in
+    place."""
+    from gapless.testing.triton import import_kernels_or_skip
+
+    kernels = import_kernels_or_skip("gapless.sampling.triton_penalties")
+    for params in (PENALISED_TOP_K, UNFILTERED):
+        sampler = Sampler(VOCAB, 8, CPU)
+        sampler.penalty_kernel = kernels.apply_penalties
+        watch, tokens = _penalised_step(sampler, params)
+        assert watch.new_fp32 == 1, watch.ops
+        assert torch.equal(tokens, _penalised_step(_OldSampler(VOCAB, 8, CPU), params)[1])
+
+
+def test_logit_bias_adds_into_the_gathered_bias_bit_for_bit():
+    """`constrain` adds the logits into the rows' gathered bias: the bits of `logits.float() + bias`, for
+    fp32, bf16 and fp16 logits, with one new float32 [B, V] (the old sum made three from bf16)."""
+    params = [
+        SamplingParams(logit_bias={3: 5.0, 10: -100.0, 299: 0.3}),
+        SamplingParams(),
+        SamplingParams(logit_bias={0: -0.7, 3: 1e-3}),
+    ]
+    sampler = Sampler(VOCAB, 6, CPU)
+    rows = [4, 1, 2]
+    values, _, _ = sampler_mod.RowParams.build([p.resolved() for p in params], rows, [0, 0, 0], VOCAB)
+    sampler.write_rows(values)
+    batch = SamplingBatch.build([p.resolved() for p in params], [0] * 3, rows, [0] * 3, CPU, VOCAB)
+    assert batch.need_bias
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = (torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+        with _Watch((3, VOCAB)) as watch:
+            got = sampler.constrain(logits, batch, None)
+        with _Watch((3, VOCAB)) as old:
+            want = logits.float() + sampler.logit_bias.index_select(0, batch.rows)
+        assert got.dtype == torch.float32 and torch.equal(got, want), dtype
+        assert watch.new_fp32 == 1 and old.new_fp32 > watch.new_fp32, (watch.ops, old.ops)
+        assert got[0, 10] < logits[0, 10].float() - 99 and torch.equal(got[1], logits[1].float())
+
+
+def test_min_p_in_log_space_keeps_transformers_tokens_with_no_float_copy():
+    """min-p decided as ``logit >= max + log(min_p)``: the kept sets of transformers' `MinPLogitsWarper`
+    (which compares probabilities) on random rows, ties at the max included; no new float32 [B, V] tensor
+    (the softmax made one); rows with min_p 0 (rows without min-p, greedy ones among them) untouched, and
+    a row of -inf logits (masked earlier) stays -inf without a NaN."""
+    from transformers import MinPLogitsWarper
+
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(8, VOCAB, generator=g)
+    logits[2, [5, 50, 120]] = logits[2].max() + 1.0  # three tokens tied at the max
+    logits[3, :] = 0.5  # all tied
+    logits[4, ::2] = float("-inf")  # masked by an earlier filter
+    min_ps = [0.01, 0.1, 0.5, 1.0, 0.1, 0.05, 0.5, 0.2]
+    for i, m in enumerate(min_ps):
+        want = torch.isfinite(MinPLogitsWarper(m)(None, logits[i : i + 1].clone()))[0]
+        got = sampler_mod.apply_min_p(logits[i : i + 1].clone(), torch.tensor([m]))
+        assert torch.equal(torch.isfinite(got[0]), want), (i, m)
+        assert torch.equal(got[0][want], logits[i][want])  # kept tokens keep their logits
+    assert int(torch.isfinite(sampler_mod.apply_min_p(logits[2:3].clone(), torch.tensor([1.0]))).sum()) == 3
+    kept = [
+        int(torch.isfinite(sampler_mod.apply_min_p(logits[:1].clone(), torch.tensor([m]))).sum())
+        for m in min_ps
+    ]
+    assert kept[0] > kept[1] > kept[2] > 1  # the threshold moves with min_p
+
+    # in a batch: min_p 0 rows (as `rows.row_values` gives rows without min-p, and greedy ones) untouched
+    params = [
+        SamplingParams(min_p=0.3),
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+        SamplingParams(min_p=0.9),
+    ]
+    batch = _batch(params)
+    assert batch.min_p.tolist()[1:3] == [0.0, 0.0] and batch.need_min_p
+    x = logits[[0, 1, 2, 5]].clone()
+    x[1, :7] = float("-inf")
+    x[2] = float("-inf")
+    before = x.clone()
+    with _Watch((4, VOCAB)) as watch:
+        out = sampler_mod.apply_min_p(x, batch.min_p)
+    assert watch.new_fp32 == 0, watch.ops
+    assert torch.equal(out[1:3], before[1:3]) and not out.isnan().any()
+    assert torch.isinf(out[0]).sum() > torch.isinf(before[0]).sum() and torch.isinf(out[3]).sum() > 0
