@@ -17,7 +17,8 @@
 #           (issues 10 and 11: tok/s, GPU idle, host and device ms per step)
 #   serve   the host step at 256 running requests (`gapless.bench.host`, issue 10's <= 1.5 ms per decode
 #           step), served vs offline throughput of one workload (`gapless.bench.served_vs_offline`,
-#           >= 0.9), and the scoring path (`gapless.bench.scoring`)
+#           >= 0.9, with each server process's CPU per output token), the scoring path
+#           (`gapless.bench.scoring`) and the detokenizer per step (`gapless.bench.detokenize`)
 #   suite   the whole test suite on the GPU machine, 8 workers (pytest-xdist is installed there), with
 #           CUDA present: the parity, overlap and server suites on the device they are meant for
 # The device has torch, triton and transformers but no package index: `serve` and the server tests need
@@ -79,6 +80,7 @@ case "$part" in
     step 240 served_vs_offline "$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 \
       --size bench --json "$dir/served_vs_offline.json"
     step 120 scoring "$PY" -m gapless.bench.scoring --device cuda --out "$dir/scoring.json"
+    step 20 detokenize "$PY" -m gapless.bench.detokenize --rounds 3 --json "$dir/detokenize.json"
     ;;
   suite)
     step 540 suite "$PY" -m pytest -q -n 8 -p no:cacheprovider tests
