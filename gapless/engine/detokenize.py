@@ -80,18 +80,18 @@ class Decoder:
 
     _made: WeakKeyDictionary[Any, Decoder] = WeakKeyDictionary()
 
-    def __init__(self, tokenizer: TokenDecoder) -> None:
+    def __init__(self, tokenizer: TokenDecoder, rust: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.backend = _rust_decoder(tokenizer)
+        self.backend = _rust_decoder(tokenizer) if rust else None
 
     @classmethod
     def of(cls, tokenizer: TokenDecoder) -> Decoder:
-        """The decoder of `tokenizer`, made once (a tokenizer that cannot be weakly referenced gets a new
-        one each call)."""
+        """The decoder of `tokenizer`, made once (its check decodes a sample); a tokenizer that cannot be
+        weakly referenced keeps its own `decode`, without the check."""
         try:
             decoder = cls._made.get(tokenizer)
         except TypeError:
-            return cls(tokenizer)
+            return cls(tokenizer, rust=False)
         if decoder is None:
             decoder = cls._made[tokenizer] = cls(tokenizer)
         return decoder

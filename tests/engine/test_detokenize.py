@@ -332,3 +332,9 @@ def test_decoder_calls_the_rust_decoder_where_it_is_the_same(tok, tmp_path):
     assert Decoder.of(counting).backend is None
     assert Decoder.of(counting).many(seqs[:2], True) == [tok.decode(s) for s in seqs[:2]]
     assert counting.sizes == [len(seqs[0]), len(seqs[1])]
+
+    class Unhashable(CountingTokenizer):
+        __hash__ = None  # type: ignore[assignment]  # cannot key the weak cache
+
+    det = IncrementalDetokenizer(Unhashable(tok))
+    assert det.decoder.backend is None and det.update(tok.encode("café")) + det.finish() == "café"
