@@ -60,6 +60,11 @@ class Metrics:
             name: Gauge(f"gapless_{name}", doc, ["replica"], registry=r)
             for name, (_, doc) in _ENGINE_GAUGES.items()
         }
+        # the one model's series, bound once: `labels()` looks its child up under a lock on every call,
+        # and `observe` runs for every delta
+        self._ttft, self._itl, self._e2e = (h.labels(model) for h in (self.ttft, self.itl, self.e2e))
+        self._generation_tokens = self.generation_tokens.labels(model)
+        self._prompt_tokens = self.prompt_tokens.labels(model)
         self.integrity = Gauge(
             "gapless_integrity_ok",
             "1 if the KV integrity check passed when last idle, 0 if it failed, -1 if not checked (busy)",
@@ -85,16 +90,17 @@ class Metrics:
         if n:
             last = clock.last_token.get(d.rid)
             if last is None:
-                self.ttft.labels(self.model).observe(now - clock.arrival)
+                self._ttft.observe(now - clock.arrival)
             else:
+                itl = (now - last) / n
                 for _ in range(n):
-                    self.itl.labels(self.model).observe((now - last) / n)
+                    self._itl.observe(itl)
             clock.last_token[d.rid] = now
-            self.generation_tokens.labels(self.model).inc(n)
+            self._generation_tokens.inc(n)
         if d.finish_reason is not None:
-            self.prompt_tokens.labels(self.model).inc(d.prompt_tokens)
+            self._prompt_tokens.inc(d.prompt_tokens)
             self.requests.labels(self.model, d.finish_reason).inc()
-            self.e2e.labels(self.model).observe(now - clock.arrival)
+            self._e2e.observe(now - clock.arrival)
 
     def set_engine(self, replicas: list[Stats]) -> None:
         """Refresh the schedulers' gauges from each replica's stats."""
