@@ -13,7 +13,9 @@ offset), in four ways, alternating for `--rounds` rounds (the table shows median
 - `whole step + deltas`: what the server's detokenizer stage does per step: `update_many`, the deltas
   built and the message encoded (msgpack), less the socket.
 
-`--tokenizer` takes a Hugging Face tokenizer (a path or id); the default is the built-in byte-level BPE.
+`--tokenizer` takes a model's tokenizer, named as `gapless serve --model` names one (a checkpoint, a GGUF
+file, a built-in name such as `SmolLM2-135M-Instruct`, a Hugging Face id); the default is the built-in
+byte-level BPE.
 """
 
 from __future__ import annotations
@@ -109,10 +111,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from gapless.testing import build_tokenizer
 
         tokenizer, name = build_tokenizer(), "built-in byte-level BPE"
-    else:
-        from transformers import AutoTokenizer
+    else:  # whatever `gapless serve --model` takes, as the server loads its tokenizer
+        from gapless.config import EngineConfig
+        from gapless.model.source import load_tokenizer, localize
 
-        tokenizer, name = AutoTokenizer.from_pretrained(args.tokenizer), args.tokenizer
+        tokenizer, name = load_tokenizer(localize(EngineConfig(model=args.tokenizer))), args.tokenizer
     ids = streams(tokenizer, args.requests, args.steps * args.tokens_per_step)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     texts: dict[str, list[str]] = {}
