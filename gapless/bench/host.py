@@ -13,6 +13,13 @@ launch span includes shipping the batch through the pipe, as a GPU's includes th
 copies). Each prints host ms per step, per prefill step and per decode step next to the device's ms
 per job, and how many cores other processes kept busy meanwhile (the host figures are wall time: on a
 shared machine they grow with its load). `--profile DIR` writes a cProfile of each mode's last run.
+
+The same meter answers whether prefill launches cost less than the GPU work they launch (issue 10): a
+model of Qwen3-0.6B's shape (`--size qwen3-0.6b`), prompts of 1,024 tokens and one output token each, so
+nearly every step is a prefill, e.g. `--size qwen3-0.6b --num-seqs 64 --input-len 1024 --output-len 1
+--modes overlap --engine-option device=cuda --engine-option dtype=bfloat16 --engine-option
+chunked_prefill_size=16384`: host ms per prefill step beside device ms per job (and 2048 for the small
+chunks' case).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 from gapless.bench import cli
 from gapless.bench.runs import run_gapless
 from gapless.bench.workload import random_workload
+from gapless.testing.checkpoints import SIZES
 
 MODES: dict[str, dict[str, Any]] = {
     "plain": {"overlap": False, "cpu_worker": "inline"},
@@ -64,8 +72,19 @@ FIGURES = (
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF checkpoint dir (default: a random-weight qwen3, tiny shape, built)")
-    ap.add_argument("--layers", type=cli.positive_int, default=1, help="layers of the built model")
+    ap.add_argument("--model", help="HF checkpoint dir (default: a random-weight qwen3 of --size, built)")
+    ap.add_argument(
+        "--size",
+        choices=SIZES,
+        default="tiny",
+        help="shape of the built model (default tiny; qwen3-0.6b: the real one's, for prefill launches)",
+    )
+    ap.add_argument(
+        "--layers",
+        type=cli.positive_int,
+        default=None,
+        help="layers of the built model (default: 1 at size tiny, else the shape's)",
+    )
     ap.add_argument("--num-seqs", type=cli.positive_int, default=256, help="requests, all running at once")
     ap.add_argument("--input-len", type=cli.positive_int, default=16, help="prompt tokens per request")
     ap.add_argument("--output-len", type=cli.positive_int, default=128, help="output tokens per request")
@@ -88,7 +107,8 @@ def _model(args: argparse.Namespace) -> Path:
         return Path(args.model)
     from gapless.testing import cached_checkpoint
 
-    return cached_checkpoint("qwen3", size="tiny", num_hidden_layers=args.layers)
+    layers = args.layers or (1 if args.size == "tiny" else None)
+    return cached_checkpoint("qwen3", size=args.size, **({"num_hidden_layers": layers} if layers else {}))
 
 
 def run_mode(path: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:

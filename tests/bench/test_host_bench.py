@@ -49,3 +49,14 @@ def test_get_stats_has_host_ms_per_prefill_and_decode_step(ckpt_factory):
         s = llm.get_stats()
     assert s["prefill_steps"] >= 1 and s["decode_steps"] >= 3
     assert s["mean_host_ms_per_prefill_step"] > 0 and s["mean_host_ms_per_decode_step"] > 0
+
+
+def test_host_bench_prefill_workload_on_another_shape():
+    """The prefill-launch measurement: prompts and one output token each, so every step is a prefill, on a
+    shape other than the default (`--size`, its own layer count unless `--layers`), chunked as asked."""
+    argv = ["--size", "overlap", "--num-seqs", "4", "--input-len", "64", "--output-len", "1", "--rounds", "1"]
+    rows = host.main([*argv, "--modes", "plain", "--engine-option", "chunked_prefill_size=128"])
+    (r,) = rows
+    assert (r["prefill_steps"], r["decode_steps"]) == (2, 0)  # 256 prompt tokens in chunks of 128
+    assert r["host_ms_per_prefill_step"] > 0
+    assert host._model(host._parse_args(["--size", "overlap"])).name.startswith("qwen3-overlap-")
