@@ -21,8 +21,9 @@ must:
 
 A server step brings new tokens for every running request at once. `update_many` is `update` over all of
 them, its decodes made together: one call into the tokenizer's Rust decoder for the step's windows
-(`Decoder.many`), not one Python-wrapped `tokenizer.decode` per request. Requests with stop strings go
-token by token through `update`, as their rule requires.
+(`Decoder.many`), not one Python-wrapped `tokenizer.decode` per request; requests with stop strings take
+one token a round, as their rule requires. (`update` keeps its own loop: one request's update through
+`update_many` costs twice as much, and the scheduler's stop-string check runs it per token.)
 
 The concatenation of every delta `update` and `finish` return is `tokenizer.decode(all_ids,
 skip_special_tokens=...)`, cut as the stop rule says (OpenAI semantics: the stop string itself is not
@@ -194,7 +195,9 @@ class IncrementalDetokenizer:
         for i in range(0, len(new_token_ids), step):
             self._ids.extend(int(t) for t in new_token_ids[i : i + step])
             if not self.stopped:  # after a stop, ids are kept but never decoded
-                out.append(self.matcher.feed(self._decode_step(final=False)))
+                out.append(self.matcher.feed(self._settle(self._decode(self._prefix), final=False)))
+                if self._advance_due:
+                    self._advance()
         return self._append("".join(out))
 
     def finish(self) -> str:
@@ -206,22 +209,16 @@ class IncrementalDetokenizer:
         self.finished = True
         if self.stopped:
             return ""
-        return self._append(self.matcher.flush(self._decode_step(final=True)))
+        return self._append(self.matcher.flush(self._settle(self._decode(self._prefix), final=True)))
 
     # ------------------------------------------------------------------ decoding
     def _decode(self, start: int, end: int | None = None) -> str:
         return self.decoder.one(self._ids[start:end], self.skip_special_tokens)
 
-    def _decode_step(self, *, final: bool) -> str:
-        """Decoded text that became final since the last call (all of it when `final`)."""
-        out = self._settle(self._decode(self._prefix), final=final)
-        if self._advance_due:
-            self._advance()
-        return out
-
     def _settle(self, full: str, *, final: bool) -> str:
-        """`_decode_step` given `full`, the window's decode (`ids[_prefix:]`), but for moving the window
-        up, which it leaves due (`_advance_due`)."""
+        """The text of `full`, the window's decode (`ids[_prefix:]`), that became final since the last call
+        (all of it when `final`). Moving the window up, when it is long and decodes cleanly, is left due
+        (`_advance_due`) for the caller, who may decode the new window's start with other requests'."""
         end = len(full) if final else len(full.rstrip(REPLACEMENT))
         out = full[self._settled : end]
         self._settled = max(self._settled, end)
@@ -287,26 +284,37 @@ def detokenize(
 
 
 def update_many(dets: Sequence[IncrementalDetokenizer], new_ids: Sequence[Sequence[int]]) -> list[str]:
-    """`[det.update(ids) for det, ids in zip(dets, new_ids)]`: one step's new ids for many requests, with
-    their decodes made together. Every detokenizer without stop strings decodes its window in one call
-    per tokenizer and `skip_special_tokens` setting (`Decoder.many`), and those whose window then moves
-    up decode its new start in one more; those with stop strings run `update` (token by token, as the
-    stop rule requires). The deltas are exactly `update`'s."""
-    out = [""] * len(dets)
-    batched: list[int] = []
+    """`det.update(ids)` for each detokenizer and its new ids (one step's, for many requests), with their
+    decodes made together: the ids go in rounds, all of a request's at once without stop strings and one
+    a round with them (the stop rule is per token), and each round decodes every window in one call per
+    tokenizer and `skip_special_tokens` setting (`Decoder.many`), then the windows that move up in one
+    more. A request's ids after a stop string are kept but never decoded."""
+    todo: list[tuple[int, Sequence[int]]] = []
     for i, (det, ids) in enumerate(zip(dets, new_ids, strict=True)):
-        if det.matcher.stops or det.finished:
-            out[i] = det.update(ids)  # per token (stop strings), or the error update() raises
-        elif ids:
+        if det.finished:
+            raise RuntimeError("update() after finish()")
+        if len(ids):
+            todo.append((i, ids))
+    out = [""] * len(dets)
+    while todo:
+        decode, later = [], []
+        for i, ids in todo:
+            det = dets[i]
+            if det.matcher.stops and not det.stopped and len(ids) > 1:  # one token this round
+                later.append((i, ids[1:]))
+                ids = ids[:1]
             det._ids.extend(int(t) for t in ids)
-            batched.append(i)
-    windows = _decode_grouped(dets, batched, lambda det: det._ids[det._prefix :])
-    for i in batched:
-        out[i] = dets[i]._append(dets[i]._settle(windows[i], final=False))
-    due = [i for i in batched if dets[i]._advance_due]
-    for i, text in _decode_grouped(dets, due, IncrementalDetokenizer._advance_window).items():
-        dets[i]._advance(text)
-    return out
+            if not det.stopped:
+                decode.append(i)
+        windows = _decode_grouped(dets, decode, lambda det: det._ids[det._prefix :])
+        for i in decode:
+            det = dets[i]
+            out[i] += det.matcher.feed(det._settle(windows[i], final=False))
+        due = [i for i in decode if dets[i]._advance_due]
+        for i, text in _decode_grouped(dets, due, IncrementalDetokenizer._advance_window).items():
+            dets[i]._advance(text)
+        todo = later
+    return [det._append(text) for det, text in zip(dets, out)]
 
 
 def _decode_grouped(
