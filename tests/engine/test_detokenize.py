@@ -342,3 +342,32 @@ def test_decoder_calls_the_rust_decoder_where_it_is_the_same(tok, tmp_path):
 
     det = IncrementalDetokenizer(Unhashable(tok))
     assert det.decoder.backend is None and det.update(tok.encode("café")) + det.finish() == "café"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_update_many_is_update_for_any_streams(tok, byte_ids, data):
+    """Three requests stepped together give, step by step, the deltas `update` gives each alone, for the
+    property test's streams (stop strings taken from the text, split and invalid bytes, chunks of 1-4)."""
+    n = 3
+    streams, opts = [], []
+    for _ in range(n):
+        ids = [t for seg in data.draw(st.lists(_segments(tok, byte_ids), max_size=8)) for t in seg]
+        stop = data.draw(st.lists(st.sampled_from(STOPS), max_size=2))
+        full = tok.decode(ids)
+        if full and data.draw(st.booleans()):
+            i = data.draw(st.integers(0, len(full) - 1))
+            stop.append(full[i : i + data.draw(st.integers(1, 4))])
+        streams.append(ids)
+        opts.append({"skip_special_tokens": data.draw(st.booleans()), "stop": stop})
+    alone = [IncrementalDetokenizer(tok, **o) for o in opts]
+    together = [IncrementalDetokenizer(tok, **o) for o in opts]
+    pos = [0] * n
+    while any(p < len(s) for p, s in zip(pos, streams)):
+        new = []
+        for i in range(n):
+            k = data.draw(st.integers(1, 4))
+            new.append(streams[i][pos[i] : pos[i] + k])
+            pos[i] += k
+        assert update_many(together, new) == [det.update(ids) for det, ids in zip(alone, new)]
+    assert [d.finish() for d in together] == [d.finish() for d in alone]
