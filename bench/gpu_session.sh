@@ -87,7 +87,12 @@ case "$part" in
     step 240 served_vs_offline "$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 \
       --size bench --json "$dir/served_vs_offline.json"
     step 120 scoring "$PY" -m gapless.bench.scoring --device cuda --out "$dir/scoring.json"
-    step 20 detokenize "$PY" -m gapless.bench.detokenize --rounds 3 --json "$dir/detokenize.json"
+    # the tokenizers library decodes a batch on all cores by default (the server's detokenizer does); on
+    # 2 cores one thread was faster: both, to choose
+    for par in true false; do
+      step 20 "detokenize_parallel_$par" env TOKENIZERS_PARALLELISM=$par "$PY" -m gapless.bench.detokenize \
+        --rounds 3 --json "$dir/detokenize_parallel_$par.json"
+    done
     ;;
   prefill)
     for chunk in 16384 2048; do
