@@ -3,6 +3,11 @@ over offline at full concurrency only; each layout over the first), and its argu
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
 from gapless.bench import served_vs_offline as bench
@@ -45,3 +50,39 @@ def test_bad_arguments_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench._parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_cpu_per_token_is_the_median_per_process_and_reported():
+    runs = [
+        dict(_run(0, "split", 90.0, 0), cpu_us_per_token={"api": 40.0, "scheduler": 100.0}),
+        dict(_run(1, "split", 80.0, 0), cpu_us_per_token={"api": 50.0, "scheduler": 120.0}),
+        dict(_run(2, "split", 70.0, 0), cpu_us_per_token={"api": 45.0, "scheduler": 90.0}),
+    ]
+    (row,) = bench.summarize(runs)
+    assert row["cpu_us_per_token"] == {"api": 45.0, "scheduler": 100.0}
+    report = bench.format_report([row], "split")
+    assert (
+        "| mode | max concurrency | api | scheduler |" in report
+        and "| split | all | 45.0 | 100.0 |" in report
+    )
+
+
+def test_process_cpu_reads_a_process_tree_from_proc():
+    """The API server's own CPU time, and each worker's with its children's: here this test process as the
+    API server and as a worker whose child burns CPU (counted in the worker's figure only)."""
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("needs Linux's /proc")
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ninput()"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        state = {"worker_pids": {"worker": os.getpid()}}
+        while True:
+            cpu = bench.process_cpu_s(os.getpid(), state)
+            if cpu["worker"] - cpu["api"] >= 0.25 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert set(cpu) == {"api", "worker"}
+        assert cpu["api"] > 0 and cpu["worker"] - cpu["api"] >= 0.25  # the child's 0.3 s, in the worker's
+    finally:
+        child.communicate(b"\n", timeout=30)
