@@ -231,6 +231,10 @@ class IncrementalDetokenizer:
             out += self._force_advance(full)
         return out
 
+    def _window(self) -> list[int]:
+        """The ids whose decode `_settle` takes: the window, `ids[_prefix:]`."""
+        return self._ids[self._prefix :]
+
     def _advance_window(self) -> list[int]:
         """The ids whose decode `_advance` starts from."""
         return self._ids[len(self._ids) - CONTEXT_TOKENS :]
@@ -306,7 +310,7 @@ def update_many(dets: Sequence[IncrementalDetokenizer], new_ids: Sequence[Sequen
             det._ids.extend(int(t) for t in ids)
             if not det.stopped:
                 decode.append(i)
-        windows = _decode_grouped(dets, decode, lambda det: det._ids[det._prefix :])
+        windows = _decode_grouped(dets, decode, IncrementalDetokenizer._window)
         for i in decode:
             det = dets[i]
             out[i] += det.matcher.feed(det._settle(windows[i], final=False))
