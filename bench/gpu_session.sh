@@ -23,9 +23,11 @@
 #           step), served vs offline throughput of one workload (`gapless.bench.served_vs_offline`,
 #           >= 0.9, with each server process's CPU per output token), the scoring path
 #           (`gapless.bench.scoring`) and the detokenizer per step (`gapless.bench.detokenize`)
-#   prefill whether prefill launches cost less than the GPU work they launch (issue 10 item 2): the host
-#           bench on Qwen3-0.6B's shape with 1,024-token prompts and one output token, chunks of 16,384 and
-#           2,048 tokens: host ms per prefill step beside device ms per job
+#   prefill whether prefill launches cost less than the GPU work they launch (issue 10 item 2): one
+#           forward's launch time against its GPU work and a CUDA graph's (`gapless.bench.prefill_launch`,
+#           Qwen3-0.6B's shape, 512 to 16,384 tokens, fused kernels on and off), then the host bench with
+#           1,024-token prompts and one output token, chunks of 16,384 and 2,048 tokens: host ms per
+#           prefill step beside device ms per job
 #   suite   the whole test suite on the GPU machine, 8 workers (pytest-xdist is installed there), with
 #           CUDA present: the parity, overlap and server suites on the device they are meant for
 # The device has torch, triton and transformers but no package index: `serve` and the server tests need
@@ -95,8 +97,14 @@ case "$part" in
     done
     ;;
   prefill)
+    # one prefill forward's launch against its GPU work, with the fused kernels and without (decisive:
+    # the meter below cannot tell a launch-bound job from a GPU-bound one), then the engine's own meter
+    for fused in auto torch; do
+      step 150 "prefill_launch_$fused" "$PY" -m gapless.bench.prefill_launch --size qwen3-0.6b --dtype bfloat16 \
+        --tokens 512 2048 16384 --engine-option fused_kernels=$fused --json "$dir/prefill_launch_$fused.json"
+    done
     for chunk in 16384 2048; do
-      step 270 "prefill_$chunk" "$PY" -m gapless.bench.host --size qwen3-0.6b --num-seqs 64 --input-len 1024 \
+      step 140 "prefill_$chunk" "$PY" -m gapless.bench.host --size qwen3-0.6b --num-seqs 64 --input-len 1024 \
         --output-len 1 --modes overlap plain --rounds 1 --engine-option device=cuda \
         --engine-option dtype=bfloat16 --engine-option chunked_prefill_size=$chunk --json "$dir/prefill_$chunk.json"
     done

@@ -14,7 +14,8 @@ copies). Each prints host ms per step, per prefill step and per decode step next
 per job, and how many cores other processes kept busy meanwhile (the host figures are wall time: on a
 shared machine they grow with its load). `--profile DIR` writes a cProfile of each mode's last run.
 
-The same meter answers whether prefill launches cost less than the GPU work they launch (issue 10): a
+The same meter shows the host's time per prefill step against the device's per job (issue 10; whether
+the launches or the GPU set a launch-bound job's pace is `gapless.bench.prefill_launch`'s to say): a
 model of Qwen3-0.6B's shape (`--size qwen3-0.6b`), prompts of 1,024 tokens and one output token each, so
 nearly every step is a prefill, e.g. `--size qwen3-0.6b --num-seqs 64 --input-len 1024 --output-len 1
 --modes overlap --engine-option device=cuda --engine-option dtype=bfloat16 --engine-option
