@@ -2,7 +2,8 @@
 
     python -m gapless.bench.kernels --device cuda [--dtype bfloat16] [--tokens 256] [--batch 1 64 256]
         [--context 1024 4096 8192] [--page-size 1 16] [--decode-block-n 0 32 64 128] [--decode-warps 4 8]
-        [--decode-stages 2 3] [--sample-batch 256] [--vocab 151936] [--json FILE]
+        [--decode-stages 2 3] [--decode-programs-per-sm 2 32] [--sample-batch 256] [--vocab 151936]
+        [--json FILE]
 
 1. Each fused Triton kernel of `gapless.model.fused` against the torch sequence it replaces (residual
    add + RMSNorm, q/k norm + RoPE + KV store, SiLU·mul, GeLU·mul), on `--tokens` rows of a model shape
@@ -10,11 +11,11 @@
    microseconds of each and the ratio.
 2. Decode attention (`--attention`, default the Triton backend on CUDA, torch elsewhere) for each batch
    of `--batch`, context and page size, and with Triton for each decode kernel variant (every
-   combination of `--decode-block-n` (0: the default), `--decode-warps`, `--decode-stages`; the row
-   shows the split count the heuristic chose): the KV bytes a step must read (K and V of every cached
-   token, once) over its median time, against a device-to-device copy of as many bytes in the same run
-   (its bandwidth counts the bytes read and written), so the ratio says how near attention runs to what
-   this device's memory delivers.
+   combination of `--decode-block-n` (0: the default), `--decode-warps`, `--decode-stages` and
+   `--decode-programs-per-sm`, the split heuristic's target; the row shows the split count it chose):
+   the KV bytes a step must read (K and V of every cached token, once) over its median time, against a
+   device-to-device copy of as many bytes in the same run (its bandwidth counts the bytes read and
+   written), so the ratio says how near attention runs to what this device's memory delivers.
 3. Extend (prefill) attention over `--extend-tokens` new tokens a batch (requests of `--extend-len`
    tokens, no cached prefix): causal attention's FLOPs (4 * heads * head_dim * L(L+1)/2 a request) over
    its median time, against a `--matmul-n` square matmul in the same dtype measured in the same run.
@@ -160,17 +161,18 @@ def attention_rows(
 
 
 def decode_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
-    """The decode kernel variants to time (`--decode-block-n/-warps/-stages`, every combination) when the
-    backend is Triton's; [None] (the backend as it is) otherwise."""
+    """The decode kernel variants to time (`--decode-block-n/-warps/-stages/-programs-per-sm`, every
+    combination) when the backend is Triton's; [None] (the backend as it is) otherwise."""
     if not hasattr(backend, "decode_tuning"):
         return [None]
     from gapless.attention.triton_kernels import DecodeTuning
 
     return [
-        DecodeTuning(block_n=n or None, num_warps=w, num_stages=st)
+        DecodeTuning(block_n=n or None, num_warps=w, num_stages=st, programs_per_sm=pps)
         for n in args.decode_block_n
         for w in args.decode_warps
         for st in args.decode_stages
+        for pps in args.decode_programs_per_sm
     ]
 
 
@@ -215,6 +217,7 @@ def _attention_case(
                 "block_n": tuning.keys_per_block(D) if tuning is not None else None,
                 "num_warps": tuning.num_warps if tuning is not None else None,
                 "num_stages": tuning.num_stages if tuning is not None else None,
+                "programs_per_sm": tuning.programs_per_sm if tuning is not None else None,
                 "splits": splits[0] if splits else None,
                 "attention_us": t_attn,
                 "attention_tb_s": attn_tbs,
@@ -382,6 +385,7 @@ def report(res: dict[str, Any]) -> list[str]:
             ("block n", "block_n", _opt),
             ("warps", "num_warps", _opt),
             ("stages", "num_stages", _opt),
+            ("programs/SM", "programs_per_sm", _opt),
             ("splits", "splits", _opt),
             ("µs", "attention_us", _fmt),
             ("KV read TB/s", "attention_tb_s", "{:.3f}".format),
@@ -434,6 +438,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-block-n", type=int, nargs="+", default=[0], help=f"{tune}; 0: its default")
     p.add_argument("--decode-warps", type=cli.positive_int, nargs="+", default=[4], help=tune)
     p.add_argument("--decode-stages", type=cli.positive_int, nargs="+", default=[2], help=tune)
+    p.add_argument(
+        "--decode-programs-per-sm",
+        type=cli.positive_int,
+        nargs="+",
+        default=[2],
+        help=f"{tune}: the split count aims at this many programs per SM",
+    )
     p.add_argument("--extend-tokens", type=cli.positive_int, nargs="+", default=[2048, 16384])
     p.add_argument("--extend-len", type=cli.positive_int, default=1024, help="tokens per extend request")
     p.add_argument("--matmul-n", type=cli.positive_int, default=8192, help="the square matmul's size")

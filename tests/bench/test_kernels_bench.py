@@ -21,7 +21,7 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
     argv = (
         f"--device {DEVICE} --dtype float32 --tokens 3 --hidden 37 --heads 2 --kv-heads 1 --head-dim 12 "
         "--intermediate 20 --batch 2 3 --context 20 --page-size 1 4 --attention triton --iters 1 --warmup 0 "
-        "--decode-block-n 0 16 "
+        "--decode-block-n 0 16 --decode-programs-per-sm 2 32 "
         "--extend-tokens 24 --extend-len 10 --matmul-n 16 --sample-batch 2 --vocab 1100"
     ).split() + ["--json", str(tmp_path / "k.json")]
     res = kernels.main(argv)
@@ -32,8 +32,13 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
         "GeLU(tanh)·mul",
     ]
     assert all(r["torch_us"] > 0 and r["triton_us"] > 0 for r in res["fused"])
-    cases = [(r["batch"], r["context"], r["page_size"], r["block_n"]) for r in res["attention_rows"]]
-    assert cases == [(b, 20, p, n) for b in (2, 3) for p in (1, 4) for n in (64, 16)]  # 0: the default, 64
+    cases = [
+        (r["batch"], r["context"], r["page_size"], r["block_n"], r["programs_per_sm"])
+        for r in res["attention_rows"]
+    ]
+    assert cases == [  # block n 0: the default, 64
+        (b, 20, p, n, pps) for b in (2, 3) for p in (1, 4) for n in (64, 16) for pps in (2, 32)
+    ]
     assert all(r["splits"] >= 1 and r["num_warps"] == 4 for r in res["attention_rows"])
     assert all(r["attention_tb_s"] > 0 and r["copy_tb_s"] > 0 for r in res["attention_rows"])
     assert [r["tokens"] for r in res["extend_rows"]] == [24]
