@@ -312,6 +312,31 @@ def test_max_running_requests_is_respected_and_reached(qwen3, overlap):
         llm.check_integrity()
 
 
+def test_a_full_engine_plans_no_admission_while_requests_wait(qwen3, monkeypatch):
+    """At max_running_requests with more waiting, a step does none of an admission's work per request (the
+    running requests' reservation summed, the waiting queue ordered): it could admit none. Once a row is
+    free again, it does, and the waiting requests still all finish."""
+    from gapless.engine.scheduler.prefill import Prefill
+
+    orders = []
+    order = Prefill._order_waiting
+    monkeypatch.setattr(Prefill, "_order_waiting", lambda self: orders.append(1) or order(self))
+    params = dataclasses.replace(GREEDY, max_tokens=6)
+    with LLM(qwen3, device="cpu", kv_cache_tokens=4096, max_running_requests=2, overlap=False) as llm:
+        eng = llm.engine
+        for i in range(5):
+            eng.add_request([5 + i, 6, 7], params)
+        eng.step()  # admits 2
+        assert len(orders) == 1
+        for _ in range(4):  # decodes while 3 wait: none can be admitted
+            eng.step()
+        assert len(orders) == 1 and len(eng.scheduler.queues.waiting) == 3
+        while eng.has_unfinished():
+            eng.step()
+        assert len(orders) > 1  # the waiting ones were admitted as rows freed
+        llm.check_integrity()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_interrupt_mid_step_leaves_an_engine_that_only_shuts_down(qwen3, monkeypatch, overlap):
     """Ctrl-C can land anywhere inside a step, e.g. after a batch's host state moved but before it was

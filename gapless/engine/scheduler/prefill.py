@@ -55,7 +55,7 @@ class Prefill:
     def schedule(self) -> ExtendPlan | None:
         """The next extend batch, or None if nothing can be prefilled now."""
         q = self.queues
-        if q.chunked is None and not q.waiting:
+        if q.chunked is None and not self._may_admit():
             return None
         plan = ExtendPlan(self.cfg.chunked_prefill_size, sum(self.reserve.tokens(r) for r in q.running))
         if q.chunked is not None:
@@ -74,6 +74,18 @@ class Prefill:
         if n == rest:
             self.queues.chunked = None
             self.queues.start_decoding(req)
+
+    def _may_admit(self) -> bool:
+        """Whether a waiting request could take a row now: one waits, and the running set and the request
+        table have room. Checked before the work per request of planning an admission (the running
+        requests' reservation summed, the queue ordered), which an engine running its most requests
+        with more waiting would otherwise redo every step to admit none."""
+        q = self.queues
+        return (
+            bool(q.waiting)
+            and q.num_active() < self.cfg.max_running_requests
+            and self.kv.req_table.num_free > 0
+        )
 
     def _admit_waiting(self, plan: ExtendPlan) -> None:
         q = self.queues
