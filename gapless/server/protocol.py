@@ -81,7 +81,8 @@ class ReqUpdate(msgspec.Struct):
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
-    # set on a request's first update only: what the detokenizer needs to know of it
+    # set on a request's first update only (later ones keep the defaults): what the detokenizer needs to
+    # know of it
     stop: list[str] | None = None
     skip_special_tokens: bool = True
     # with prompt_logprobs, on the request's first update: the prompt, the first scored position, and per

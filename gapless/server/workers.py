@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -340,6 +340,24 @@ class _Reporter:
         self.stream_interval = stream_interval
         self.sent: dict[str, int] = {}  # rid -> output tokens already reported
 
+    def updates(self, reqs: Iterable[Req]) -> list[P.ReqUpdate]:
+        """The updates of `reqs` (a step's) that are `due` one. Nearly all of a step's are running
+        requests without logprobs that reported before: theirs are their new tokens and counts alone, built
+        here inline (a third of `update`'s cost, which at 256 running requests is ~0.17 ms a step of the
+        scheduler's); the others' first, last and logprob updates are `update`'s."""
+        sent, interval, out = self.sent, self.stream_interval, []
+        for req in reqs:
+            start = sent.get(req.rid)
+            if start is None or req.finished or req.params.logprobs is not None:
+                if self.due(req):
+                    out.append(self.update(req))
+                continue
+            ids = req.output_ids
+            if len(ids) - start >= interval:
+                sent[req.rid] = len(ids)
+                out.append(P.ReqUpdate(req.rid, ids[start:], len(req.prompt_ids), req.cached_tokens or 0))
+        return out
+
     def due(self, req: Req) -> bool:
         """Report `req` now: its first update (first token, or an end before one), its end, or a running
         request with `stream_interval` new tokens."""
@@ -364,7 +382,7 @@ class _Reporter:
             top_logprobs=req.output_top_logprobs[start:end] if with_lp else None,
             finish_reason=req.finish_reason if req.finished else None,
             stop=list(req.params.stop) if first else None,
-            skip_special_tokens=req.params.skip_special_tokens,
+            skip_special_tokens=req.params.skip_special_tokens if first else True,
             **(prompt_logprob_fields(req) if first else {}),
         )
 
@@ -491,8 +509,7 @@ class _SchedulerLoop:
     def step(self) -> None:
         updated = self.engine.step()
         self.hops["hop_scheduler_steps"] += 1
-        reporter = self.reporter
-        if updates := [reporter.update(r) for r in updated if reporter.due(r)]:
+        if updates := self.reporter.updates(updated):
             self.socks.send("detokenizer", P.Updates(updates))
             self.hops["hop_scheduler_updates_out"] += 1
             self.hops["hop_scheduler_request_updates"] += len(updates)

@@ -151,3 +151,58 @@ def test_stream_interval_sends_a_requests_tokens_in_groups_with_the_same_text(ck
         assert d["hop_api_delta_records"] == 2 * 4, d
     finally:
         assert srv.stop() == 0, srv.output
+
+
+def test_reporter_updates_are_each_requests_update_whatever_the_path():
+    """`_Reporter.updates` builds the common update (a running request's new tokens) inline: for every kind
+    of request in a step (its first update, running, finished, with logprobs, prompt logprobs, its own
+    skip_special_tokens and stop strings, steps without a token) and at stream intervals 1 and 3, it sends
+    exactly what `update` sends for the requests `due` one, step after step."""
+    from gapless.engine.request import Req, ReqStatus
+    from gapless.sampling.logprobs import PromptLogprobState
+    from gapless.sampling_params import SamplingParams
+    from gapless.server.workers import _Reporter
+
+    kinds = [
+        SamplingParams(max_tokens=50),
+        SamplingParams(max_tokens=50, logprobs=2),
+        SamplingParams(max_tokens=50, skip_special_tokens=False, stop=["xy"]),
+        SamplingParams(max_tokens=50, prompt_logprobs=1),
+    ]
+    seen = set()  # which kinds of update the steps made
+    for interval in (1, 3):
+        fast, slow = _Reporter(interval), _Reporter(interval)
+        reqs = []
+        for i in range(12):
+            params = kinds[i % len(kinds)]
+            req = Req(f"r{i}", [1, 2, 3], params, seed=0, arrival=i, cached_tokens=i % 2)
+            if params.prompt_logprobs is not None:
+                req.prompt_lp = PromptLogprobState(top_k=1, start=1, next=3, values=[(-0.5, 1, [(2, -0.5)])])
+            reqs.append(req)
+        for step in range(10):
+            stepped = []
+            for i, req in enumerate(reqs):
+                if req.finished or (i + step) % 4 == 0:  # some requests make no token this step
+                    continue
+                req.output_ids.append(100 + step)
+                if req.params.logprobs is not None:
+                    req.output_logprobs.append(-1.0)
+                    req.output_top_logprobs.append([(100 + step, -1.0)])
+                if step == 3 + i % 5:
+                    req.status, req.finish_reason = ReqStatus.FINISHED, "stop"
+                stepped.append(req)
+            want = [slow.update(r) for r in stepped if slow.due(r)]
+            assert fast.updates(stepped) == want, (interval, step)
+            assert fast.sent == slow.sent
+            for u in want:
+                seen |= {
+                    "first" if u.stop is not None else "later",
+                    *(["finished"] * (u.finish_reason is not None)),
+                    *(["logprobs"] * (u.logprobs is not None)),
+                    *(["prompt logprobs"] * (u.prompt_logprobs is not None)),
+                    *(["keeps special tokens"] * (not u.skip_special_tokens)),
+                    *(["several tokens"] * (len(u.token_ids) > 1)),
+                }
+    assert seen == {
+        "first", "later", "finished", "logprobs", "prompt logprobs", "keeps special tokens", "several tokens"
+    }  # fmt: skip
