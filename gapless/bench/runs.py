@@ -131,6 +131,7 @@ _METER = (
     "device_idle_fraction",
     "prefill_steps",
     "decode_steps",
+    "decode_host_s",
 )
 
 

@@ -114,6 +114,22 @@ def _hops(state: dict[str, Any]) -> dict[str, int]:
     return {k: v for k, v in state.items() if k.startswith("hop_")}
 
 
+METER_COUNTERS = ("decode_host_s", "decode_steps", "device_busy_s", "device_idle_s")
+
+
+def meter_figures(counters: dict[str, Any]) -> dict[str, float | None]:
+    """The scheduler's host ms per decode step and the device's idle share (gaps between jobs while
+    requests were pending), from the engine meter's counters over a run (`METER_COUNTERS`; None where
+    the run had none). Served and offline side by side, they say whether serving slows the host's step
+    (and so leaves the device waiting) or only the hops after it."""
+    steps = counters.get("decode_steps", 0)
+    busy, idle = counters.get("device_busy_s", 0.0), counters.get("device_idle_s", 0.0)
+    return dict(
+        host_ms_per_decode_step=1e3 * counters.get("decode_host_s", 0.0) / steps if steps else None,
+        device_idle=idle / (busy + idle) if busy + idle > 0 else None,
+    )
+
+
 def process_cpu_s(api_pid: int, state: dict[str, Any]) -> dict[str, float]:
     """CPU seconds (user + system) each server process has used: the API server's own, and each worker's
     (`/debug/state`'s `worker_pids`) with its children's (a scheduler's device process or ranks). Linux
@@ -156,12 +172,14 @@ def run_served(
         for c in concurrency:
             state = _state(srv.url)
             before, cpu_before = _hops(state), process_cpu_s(srv.proc.pid, state)
+            meter_before = {k: state.get(k, 0) for k in METER_COUNTERS}
             summary = asyncio.run(_drive(srv.url, work, c))
             if summary["failed"] or summary["wrong_length_requests"]:
                 raise RuntimeError(f"served run failed: {json.dumps(summary['errors'])}\n{srv.output}")
             state = _state(srv.url)
             hops = {k: v - before.get(k, 0) for k, v in _hops(state).items()}
             cpu = {k: v - cpu_before.get(k, 0.0) for k, v in process_cpu_s(srv.proc.pid, state).items()}
+            meter = meter_figures({k: state.get(k, 0) - meter_before[k] for k in METER_COUNTERS})
             out.append(
                 dict(
                     layout=layout,
@@ -172,6 +190,7 @@ def run_served(
                     ttft_p50_ms=summary["ttft_ms"]["p50"],
                     tpot_p50_ms=summary["tpot_ms"]["p50"],
                     hops=hops,
+                    **meter,
                     cpu_us_per_token={k: v * 1e6 / summary["output_tokens"] for k, v in cpu.items()},
                 )
             )
@@ -200,6 +219,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for mode, c in modes:
         tok_s = [x for k in rounds if (x := rate(mode, c, k)) is not None]
         row: dict[str, Any] = dict(mode=mode, concurrency=c, output_tokens_per_s=_median(tok_s))
+        for figure in ("host_ms_per_decode_step", "device_idle"):
+            values = [r.get(figure) for r in runs if r["mode"] == mode and r.get("concurrency") == c]
+            row[figure] = _median([v for v in values if v is not None])
         if mode != "offline":
             off = [x / o for k in rounds if (x := rate(mode, c, k)) and (o := rate("offline", None, k))]
             row["served_over_offline"] = _median(off) if c == 0 else None
@@ -233,6 +255,8 @@ def format_report(rows: list[dict[str, Any]], first_layout: str) -> str:
         "served/offline",
         f"/{first_layout}",
         "updates/message",
+        "host ms/decode step",
+        "device idle",
     )
     table = [
         (
@@ -242,10 +266,12 @@ def format_report(rows: list[dict[str, Any]], first_layout: str) -> str:
             num(r.get("served_over_offline"), ".3f"),
             num(r.get(f"over_{first_layout}"), ".3f"),
             num(r.get("request_updates_per_message"), ".1f"),
+            num(r.get("host_ms_per_decode_step"), ".3f"),
+            num(r.get("device_idle"), ".1%"),
         )
         for r in rows
     ]
-    lines = cli.markdown_table(header, table, "llrrrr")
+    lines = cli.markdown_table(header, table, "llrrrrrr")
     served = [r for r in rows if r.get("cpu_us_per_token")]
     names = list(dict.fromkeys(k for r in served for k in r["cpu_us_per_token"]))
     if names:  # what each server process spends per output token: on a GPU machine, the share of a core
@@ -287,7 +313,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             runs.append(
                 dict(
-                    round=k, mode="offline", output_tokens_per_s=g["output_tokens_per_s"], wall_s=g["wall_s"]
+                    round=k,
+                    mode="offline",
+                    output_tokens_per_s=g["output_tokens_per_s"],
+                    wall_s=g["wall_s"],
+                    **meter_figures(g["meter"]),
                 )
             )
         for layout in args.layouts:
