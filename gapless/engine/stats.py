@@ -33,7 +33,9 @@ class EngineStats:
     device_busy_s: float = 0.0  # device time in those jobs
     device_idle_s: float = 0.0  # gaps between consecutive jobs while requests were pending
     # host time in the loop's schedule, launch and process spans: device waits excluded, but for the
-    # rare drain a retraction needs, which lands in the schedule span
+    # rare drain a retraction needs, which lands in the schedule span. In the server's scheduler worker
+    # also its receive and report spans (messages taken in before a step, updates sent after one; the
+    # latter counts in the next step)
     host_s: float = 0.0
     # the same host time split by what the step launched: an extend (prefill) batch or a decode batch
     # (a step that launched nothing counts in neither); their costs differ by orders of magnitude on a GPU

@@ -470,16 +470,26 @@ class _SchedulerLoop:
         )
 
     def run(self) -> None:
-        engine = self.engine
+        """Serve until the process ends."""
         while True:
-            # take every queued message; wait for one only when there is nothing to run
-            timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
-            while (msg := self.socks.poll(timeout)) is not None:
-                timeout = 0
-                self.take(msg)
-            if engine.has_unfinished():
-                self.step()
-            self.stats_log.tick(engine)
+            self.turn()
+
+    def turn(self) -> None:
+        """Take every queued message (waiting for one only when there is nothing to run), then run a step
+        if there is work. What this does around the engine's step while there is work (taking the messages
+        in, sending the updates out) is host time the device may wait on, so it is metered beside the
+        step's own spans, as "receive" and "report"."""
+        engine = self.engine
+        timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
+        t0 = time.perf_counter()
+        while (msg := self.socks.poll(timeout)) is not None:
+            if timeout:  # waited for it, idle: the work starts now
+                t0, timeout = time.perf_counter(), 0
+            self.take(msg)
+        if engine.has_unfinished():
+            engine.scheduler.meter.host_span("receive", t0, time.perf_counter())
+            self.step()
+        self.stats_log.tick(engine)
 
     def take(self, msg: P.Message) -> None:
         if isinstance(msg, P.SchedReq):
@@ -508,11 +518,13 @@ class _SchedulerLoop:
 
     def step(self) -> None:
         updated = self.engine.step()
+        t0 = time.perf_counter()
         self.hops["hop_scheduler_steps"] += 1
         if updates := self.reporter.updates(updated):
             self.socks.send("detokenizer", P.Updates(updates))
             self.hops["hop_scheduler_updates_out"] += 1
             self.hops["hop_scheduler_request_updates"] += len(updates)
+        self.engine.scheduler.meter.host_span("report", t0, time.perf_counter())
         if self.report is not None and (done := [r.rid for r in updated if r.finished]):
             self.report(done)
         if self.log_requests:

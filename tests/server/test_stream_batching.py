@@ -9,6 +9,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from gapless.server import protocol as P
 from gapless.server.engine_client import Group
@@ -206,3 +207,41 @@ def test_reporter_updates_are_each_requests_update_whatever_the_path():
     assert seen == {
         "first", "later", "finished", "logprobs", "prompt logprobs", "keeps special tokens", "several tokens"
     }  # fmt: skip
+
+
+def test_the_scheduler_workers_own_host_work_is_metered_with_its_steps(ckpt_factory):
+    """Taking messages in and sending each step's updates out is host time the device may wait on: the
+    scheduler worker's loop adds it to the engine's meter (as "receive" and "report" spans), so a served
+    engine's host ms per step counts it, and only while there is work."""
+    from gapless import LLM, SamplingParams
+    from gapless.server.workers import SchedulerOptions, _SchedulerLoop
+
+    class Socks:
+        def __init__(self) -> None:
+            self.inbox: list[P.Message] = []
+            self.sent: list[tuple[str, P.Message]] = []
+
+        def poll(self, timeout_ms: int) -> P.Message | None:
+            return self.inbox.pop(0) if self.inbox else None
+
+        def send(self, to: str, msg: P.Message) -> None:
+            self.sent.append((to, msg))
+
+    with LLM(str(ckpt_factory("qwen3")), device="cpu", kv_cache_tokens=256) as llm:
+        engine = llm.engine
+        meter = engine.scheduler.meter
+        meter.keep_trace = True
+        socks = Socks()
+        loop = _SchedulerLoop(engine, socks, SchedulerOptions(0.0, False, 1))  # type: ignore[arg-type]
+        loop.turn()  # idle, nothing queued: nothing metered
+        assert meter.spans == [] and engine.stats.host_s == 0
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        socks.inbox += [P.SchedReq("a", [1, 2, 3], params), P.SchedReq("b", [4, 5], params)]
+        while socks.inbox or engine.has_unfinished():
+            loop.turn()
+        names = [name for track, name, _, _ in meter.spans if track == "host"]
+        assert names.count("receive") == names.count("report") == engine.stats.steps
+        assert {"schedule", "process"} <= set(names)
+        host = sum(end - start for track, _, start, end in meter.spans if track == "host")
+        assert engine.stats.host_s == pytest.approx(host)
+        assert [to for to, _ in socks.sent] == ["detokenizer"] * 3  # one Updates per step with tokens
