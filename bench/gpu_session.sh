@@ -77,10 +77,10 @@ case "$part" in
       tests/sampling tests/model/test_moe.py tests/model/test_fused_kernels.py tests/engine/test_window_kv.py \
       tests/spec/test_graphs.py tests/distributed -k "nccl or cuda or triton or graph"
     step 100 kernels "$PY" -m gapless.bench.kernels --device cuda --json "$dir/kernels.json"
-    # programs per SM 2: one split a request at batch 256 (the default); 32: 3-5 shorter splits, even load
+    # programs per SM 2: one split a request at batch 256 (the default); 32, 64: 3 and 5 shorter splits
     step 180 decode_sweep "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 8192 \
       --page-size 1 16 --decode-block-n 0 32 128 --decode-warps 4 8 --decode-stages 2 3 \
-      --decode-programs-per-sm 2 32 --json "$dir/decode_sweep.json"
+      --decode-programs-per-sm 2 32 64 --json "$dir/decode_sweep.json"
     ;;
   bench)
     OUT="$dir" GPU_BENCH_TIMEOUT=${GPU_BENCH_TIMEOUT:-560} bash bench/gpu_bench.sh
