@@ -107,14 +107,21 @@ def finish_args(
     p: argparse.ArgumentParser, args: argparse.Namespace, defaults: dict[str, int], quick: dict[str, int]
 ) -> None:
     """Fill the workload sizes left unset (from `quick` under --quick, else `defaults`) and parse the
-    `--engine-option` items into `args.engine_options` (a bad one is a usage error)."""
+    `--engine-option` items (`take_engine_options`)."""
     for name, value in (quick if args.quick else defaults).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    take_engine_options(p, args)
+
+
+def take_engine_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with its `--engine-option` items parsed into `args.engine_options`; a bad one is a usage
+    error of `p`."""
     try:
         args.engine_options = parse_engine_options(args.engine_option)
     except ValueError as e:
         p.error(str(e))
+    return args
 
 
 def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:

@@ -95,12 +95,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile", help="directory for a cProfile of each mode's timed run")
     ap.add_argument("--json", help="write the results here")
     cli.add_engine_option_arg(ap.add_argument_group("engine"), "e.g. --engine-option page_size=16")
-    args = ap.parse_args(argv)
-    try:
-        args.engine_options = cli.parse_engine_options(args.engine_option)
-    except ValueError as e:
-        ap.error(str(e))
-    return args
+    return cli.take_engine_options(ap, ap.parse_args(argv))
 
 
 def _model(args: argparse.Namespace) -> Path:

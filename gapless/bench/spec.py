@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.algorithm == "draft") != (args.draft_model is not None):
         p.error("--draft-model goes with --algorithm draft, which needs it")
-    args.engine_options = cli.parse_engine_options(args.engine_option)
+    cli.take_engine_options(p, args)
     res = measure(args)
     print("\n".join(report(res)))
     if args.json:
