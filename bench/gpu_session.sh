@@ -15,8 +15,9 @@
 # Parts (each writes $OUT/<part>/, with env.log: the commit, the device, the versions):
 #   tests   the CUDA tests (tests/engine/test_cuda.py and every CUDA/Triton/graph case elsewhere), then the
 #           kernel microbenchmark (`gapless.bench.kernels`: fused kernels, sampling, decode attention in
-#           TB/s against a copy, extend attention in TFLOP/s against a matmul) and its decode-tuning sweep
-#           at batch 256, contexts 1k-8k, page sizes 1 and 16 (issue 11's 80%-of-bandwidth check)
+#           TB/s against a copy, extend attention in TFLOP/s against a matmul) and its sweep of the decode
+#           kernel's tunings at batch 256, contexts 1k-8k, page sizes 1 and 16 (issue 11's 80%-of-bandwidth
+#           check) and of the extend kernel's at 2k and 16k tokens
 #   bench   bench/gpu_bench.sh: nano-vllm's workload, overlap on and off, transformers beside it
 #           (issues 10 and 11: tok/s, GPU idle, host and device ms per step)
 #   serve   the host step at 256 running requests (`gapless.bench.host`, issue 10's <= 1.5 ms per decode
@@ -73,14 +74,16 @@ step() {  # $1: seconds, $2: log name, the rest: the command
 
 case "$part" in
   tests)
-    step 300 cuda_tests "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/test_cuda.py tests/attention \
+    step 240 cuda_tests "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/test_cuda.py tests/attention \
       tests/sampling tests/model/test_moe.py tests/model/test_fused_kernels.py tests/engine/test_window_kv.py \
       tests/spec/test_graphs.py tests/distributed -k "nccl or cuda or triton or graph"
-    step 100 kernels "$PY" -m gapless.bench.kernels --device cuda --json "$dir/kernels.json"
-    # programs per SM 2: one split a request at batch 256 (the default); 32, 64: 3 and 5 shorter splits
-    step 180 decode_sweep "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 8192 \
+    step 90 kernels "$PY" -m gapless.bench.kernels --device cuda --json "$dir/kernels.json"
+    # decode: programs per SM 2 is one split a request at batch 256 (the default), 32 and 64 are 3 and 5
+    # shorter splits; extend: blocks of 64 x 64 (the default) against 128 queries and 32 keys
+    step 240 kernel_sweep "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 8192 \
       --page-size 1 16 --decode-block-n 0 32 128 --decode-warps 4 8 --decode-stages 2 3 \
-      --decode-programs-per-sm 2 32 64 --json "$dir/decode_sweep.json"
+      --decode-programs-per-sm 2 32 64 --extend-block-m 0 128 --extend-block-n 0 32 --extend-warps 4 8 \
+      --extend-stages 2 3 --json "$dir/kernel_sweep.json"
     ;;
   bench)
     OUT="$dir" GPU_BENCH_TIMEOUT=${GPU_BENCH_TIMEOUT:-560} bash bench/gpu_bench.sh

@@ -33,14 +33,18 @@ class _State:
 
 
 class TritonBackend:
-    def __init__(self, num_splits: int | None = None, decode_tuning: Any = None) -> None:
+    def __init__(
+        self, num_splits: int | None = None, decode_tuning: Any = None, extend_tuning: Any = None
+    ) -> None:
         """`num_splits` fixes the decode split count (tests); by default it follows the batch.
-        `decode_tuning`: the decode kernel's knobs (`triton_kernels.DecodeTuning`; None: its defaults)."""
+        `decode_tuning`, `extend_tuning`: the kernels' knobs (`triton_kernels.DecodeTuning`,
+        `ExtendTuning`; None: their defaults)."""
         import gapless.attention.triton_kernels as triton_kernels
 
         self._k = triton_kernels
         self.num_splits = num_splits
         self.decode_tuning = decode_tuning if decode_tuning is not None else triton_kernels.DEFAULT_DECODE
+        self.extend_tuning = extend_tuning if extend_tuning is not None else triton_kernels.DEFAULT_EXTEND
         self._sms: dict[torch.device, int] = {}
 
     @property
@@ -76,7 +80,9 @@ class TritonBackend:
                 "TRITON_INTERPRET=1 before gapless.attention.triton_kernels is first imported"
             )
         if not state.meta.is_decode:
-            return self._k.extend_attention(q, k_cache, v_cache, state.meta, scale, window, softcap)
+            return self._k.extend_attention(
+                q, k_cache, v_cache, state.meta, scale, window, softcap, self.extend_tuning
+            )
         splits, mid_o, mid_lse = self._decode_scratch(state, q, k_cache)
         return self._k.decode_attention(
             q,

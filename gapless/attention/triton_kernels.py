@@ -6,7 +6,9 @@ time, so the cache layout (page size, fragmentation, a prefix that ends mid-page
 
 - `extend_attention`: one program per (query block, request, query head). Each loops over its request's
   keys up to the last position any of its queries may see, with an online softmax in fp32 (running max,
-  running sum, rescaled accumulator). The causal mask is `key_pos <= prefix_len + query_offset`.
+  running sum, rescaled accumulator). The causal mask is `key_pos <= prefix_len + query_offset`. The key
+  blocks every query of the block sees whole (most of a long context) run first and without a mask; only
+  the causal diagonal and a sliding window's edge are masked, as flash attention does.
 - `decode_attention`: one query per request, two stages. Stage 1 runs one program per (request, kv head,
   split); the program handles all query heads that share the kv head (GQA/MQA, one `tl.dot` of
   [group, d] x [d, block]) over its split of the context and writes the split's normalised output and
@@ -75,11 +77,9 @@ class DecodeTuning:
     min_split_len: int = MIN_SPLIT_LEN
 
     def __post_init__(self) -> None:
-        if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
-            raise ValueError(f"decode block_n={self.block_n}: must be a power of two >= 16")
-        for name in ("num_warps", "num_stages", "programs_per_sm", "min_split_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"decode {name}={getattr(self, name)}: must be >= 1")
+        _check_tuning(
+            self, "decode", ("block_n",), ("num_warps", "num_stages", "programs_per_sm", "min_split_len")
+        )
 
     def keys_per_block(self, head_dim: int) -> int:
         """`block_n`, or its default for `head_dim`."""
@@ -88,7 +88,50 @@ class DecodeTuning:
         return _DECODE_BLOCK_N if _block_d(head_dim) <= 128 else 32
 
 
+@dataclass(frozen=True)
+class ExtendTuning:
+    """The extend kernel's knobs, as `DecodeTuning` is the decode kernel's
+    (`TritonBackend(extend_tuning=...)`, swept by `python -m gapless.bench.kernels`): any values compute
+    the same attention; they change only the speed.
+
+    - `block_m`, `block_n`: queries a program takes and keys it loads per step (powers of two >= 16;
+      None: 64 and 64 up to head dim 128, where fp32 keys go by 32; 32 and 32 past it).
+    - `num_warps`, `num_stages`: the launch's warps and software-pipelining depth.
+    """
+
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        _check_tuning(self, "extend", ("block_m", "block_n"), ("num_warps", "num_stages"))
+
+    def blocks(self, head_dim: int, element_size: int) -> tuple[int, int]:
+        """(block_m, block_n), their defaults for `head_dim` and the element size where unset."""
+        block_d = _block_d(head_dim)
+        if block_d <= 64:
+            m, n = 64, 64
+        elif block_d <= 128:
+            m, n = 64, 64 if element_size <= 2 else 32
+        else:
+            m, n = 32, 32
+        return self.block_m or m, self.block_n or n
+
+
+def _check_tuning(tuning: object, kernel: str, blocks: tuple[str, ...], counts: tuple[str, ...]) -> None:
+    """Refuse knobs no launch can take, naming the kernel and the knob."""
+    for name in blocks:
+        value = getattr(tuning, name)
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{kernel} {name}={value}: must be a power of two >= 16")
+    for name in counts:
+        if getattr(tuning, name) < 1:
+            raise ValueError(f"{kernel} {name}={getattr(tuning, name)}: must be >= 1")
+
+
 DEFAULT_DECODE = DecodeTuning()
+DEFAULT_EXTEND = ExtendTuning()
 
 if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction
@@ -125,16 +168,20 @@ def _attend_block(
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     """One block of keys of the online softmax, for both kernels: scores of `q` [M, BLOCK_D] against the
     keys in `slots` [BLOCK_N] where `visible` [M or 1, BLOCK_N] (others -inf), then the running max `m_i`,
     sum `l_i` and accumulator `acc` rescaled and updated with the block's values. Returns them.
     SOFTCAP: scores s * scale become cap * tanh(s * scale / cap) (`cap_in` = scale / cap, `cap_out` =
-    cap * log2(e)) before the mask, as Gemma 2 caps them."""
+    cap * log2(e)) before the mask, as Gemma 2 caps them. MASK False: every key of the block exists
+    (`kv_mask` all true) and every query sees it (`visible` all true), so neither is applied."""
+    if MASK:
+        k_mask = kv_mask[None, :] & d_mask[:, None]
+    else:
+        k_mask = d_mask[:, None]
     k = tl.load(
-        K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-        mask=kv_mask[None, :] & d_mask[:, None],
-        other=0.0,
+        K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=k_mask, other=0.0
     )  # [BLOCK_D, BLOCK_N]
     # the dot's variants are spelt out, not a helper each: nested @jit calls are slow under the interpreter
     if UPCAST:
@@ -147,17 +194,20 @@ def _attend_block(
         s = (1.0 - 2.0 / (tl.exp2(s * cap_in * (2.0 * 1.4426950408889634)) + 1.0)) * cap_out
     else:
         s = s * scale_log2
-    s = tl.where(visible, s, float("-inf"))
+    if MASK:
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, _max(s, 1))
     # a row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids (-inf) - (-inf)
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_sub)
     p = tl.exp2(s - m_sub[:, None])
     l_i = l_i * alpha + _sum(p, 1)
+    if MASK:
+        v_mask = kv_mask[:, None] & d_mask[None, :]
+    else:
+        v_mask = d_mask[None, :]
     v = tl.load(
-        V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-        mask=kv_mask[:, None] & d_mask[None, :],
-        other=0.0,
+        V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=v_mask, other=0.0
     )  # [BLOCK_N, BLOCK_D]
     p = p.to(V.dtype.element_ty)  # P @ V in the input dtype, as flash attention does
     if UPCAST:
@@ -236,19 +286,35 @@ def _extend_kernel(
     table_row = Table + row * stride_table
     # keys before the first query's window are masked for every row: start at its block
     kv_start = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(kv_start, kv_end, BLOCK_N):
+    # The blocks [free_lo, free_hi) every query of the block sees whole: past the last query's window
+    # start, and up to the first query's own position. They run without a mask, the blocks before them
+    # (a window's edge) and after them (the causal diagonal) with one.
+    q_last = prefix + tl.minimum(m0 + BLOCK_M, ext) - 1
+    free_lo = tl.minimum(
+        tl.maximum((tl.maximum(q_last - window + 1, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, kv_start), kv_end
+    )
+    free_hi = tl.maximum((prefix + m0 + 1) // BLOCK_N * BLOCK_N, free_lo)
+    for n0 in range(free_lo, free_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        slots = tl.load(table_row + offs_n).to(tl.int64)
+        m_i, l_i, acc = _attend_block(
+            q, K, V, slots, None, None, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
+            scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, False,
+        )  # fmt: skip
+    # the masked blocks: [kv_start, free_lo), then [free_hi, kv_end), in one loop
+    before = (free_lo - kv_start + BLOCK_N - 1) // BLOCK_N
+    masked = before + (kv_end - free_hi + BLOCK_N - 1) // BLOCK_N
+    for i in range(0, masked):
+        n0 = tl.where(i < before, kv_start + i * BLOCK_N, free_hi + (i - before) * BLOCK_N)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
         # causal, and within the last `window` positions
-        visible = (
-            n_mask[None, :]
-            & (offs_n[None, :] <= q_pos[:, None])
-            & (offs_n[None, :] > q_pos[:, None] - window)
-        )
+        causal = offs_n[None, :] <= q_pos[:, None]
+        visible = n_mask[None, :] & causal & (offs_n[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _attend_block(
             q, K, V, slots, visible, n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
-            scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST,
+            scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, True,
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -340,7 +406,7 @@ def _decode_split_kernel(
         slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_block(
             q, K, V, slots, n_mask[None, :], n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt,
-            stride_vh, scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST,
+            stride_vh, scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, True,
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -481,6 +547,7 @@ def extend_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    tuning: ExtendTuning = DEFAULT_EXTEND,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens to its cached prefix and to each other.
 
@@ -493,12 +560,7 @@ def extend_attention(
     if T == 0 or meta.batch_size == 0 or meta.max_extend_len == 0:
         return out
     block_d = _block_d(d)
-    if block_d <= 64:
-        block_m, block_n = 64, 64
-    elif block_d <= 128:
-        block_m, block_n = 64, 64 if q.element_size() <= 2 else 32
-    else:
-        block_m, block_n = 32, 32
+    block_m, block_n = tuning.blocks(d, q.element_size())
     grid = (triton.cdiv(meta.max_extend_len, block_m), meta.batch_size, heads)
     _extend_kernel[grid](
         *args,
@@ -511,8 +573,8 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         SOFTCAP=bool(softcap),
-        num_warps=4,
-        num_stages=2,
+        num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
         **_dot_flags(q.dtype),
     )
     return out

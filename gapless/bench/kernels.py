@@ -2,8 +2,9 @@
 
     python -m gapless.bench.kernels --device cuda [--dtype bfloat16] [--tokens 256] [--batch 1 64 256]
         [--context 1024 4096 8192] [--page-size 1 16] [--decode-block-n 0 32 64 128] [--decode-warps 4 8]
-        [--decode-stages 2 3] [--decode-programs-per-sm 2 32] [--sample-batch 256] [--vocab 151936]
-        [--json FILE]
+        [--decode-stages 2 3] [--decode-programs-per-sm 2 32] [--extend-block-m 0 128]
+        [--extend-block-n 0 32] [--extend-warps 4 8] [--extend-stages 2 3] [--sample-batch 256]
+        [--vocab 151936] [--json FILE]
 
 1. Each fused Triton kernel of `gapless.model.fused` against the torch sequence it replaces (residual
    add + RMSNorm, q/k norm + RoPE + KV store, SiLU·mul, GeLU·mul), on `--tokens` rows of a model shape
@@ -18,7 +19,9 @@
    written), so the ratio says how near attention runs to what this device's memory delivers.
 3. Extend (prefill) attention over `--extend-tokens` new tokens a batch (requests of `--extend-len`
    tokens, no cached prefix): causal attention's FLOPs (4 * heads * head_dim * L(L+1)/2 a request) over
-   its median time, against a `--matmul-n` square matmul in the same dtype measured in the same run.
+   its median time, against a `--matmul-n` square matmul in the same dtype measured in the same run; with
+   Triton for each extend kernel variant (every combination of `--extend-block-m`, `--extend-block-n` (0:
+   the default), `--extend-warps` and `--extend-stages`).
 4. Sampling on `--sample-batch` rows of `--vocab` logits: the seeded draw by torch ops against the fused
    Triton draw, and top-k 50 + top-p 0.95 by the full sort of the vocabulary against the partial one.
 
@@ -176,6 +179,22 @@ def decode_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
     ]
 
 
+def extend_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
+    """The extend kernel variants to time (`--extend-block-m/-block-n/-warps/-stages`, every combination)
+    when the backend is Triton's; [None] (the backend as it is) otherwise."""
+    if not hasattr(backend, "extend_tuning"):
+        return [None]
+    from gapless.attention.triton_kernels import ExtendTuning
+
+    return [
+        ExtendTuning(block_m=m or None, block_n=n or None, num_warps=w, num_stages=st)
+        for m in args.extend_block_m
+        for n in args.extend_block_n
+        for w in args.extend_warps
+        for st in args.extend_stages
+    ]
+
+
 def copy_tb_s(nbytes: int, device: torch.device, args: argparse.Namespace) -> float:
     """A device-to-device copy's bandwidth over `nbytes` (bytes read and written), its buffers freed after."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -261,20 +280,28 @@ def extend_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         k_cache = torch.randn(tokens + 1, KVH, D, device=device, dtype=dtype)
         v_cache = torch.randn(tokens + 1, KVH, D, device=device, dtype=dtype)
         flops = sum(4 * H * D * L * (L + 1) // 2 for L in meta.extend_lens.tolist())
-        with torch.inference_mode():
-            state = backend.prepare(meta)
-            t = median_us(lambda: backend.forward(q, k_cache, v_cache, state, D**-0.5), device, args)  # noqa: B023
-        tflops = flops / t / 1e6
-        rows.append(
-            {
-                "tokens": tokens,
-                "req_len": args.extend_len,
-                "attention_us": t,
-                "attention_tflop_s": tflops,
-                "matmul_tflop_s": matmul_tflops,
-                "ratio": tflops / matmul_tflops,
-            }
-        )
+        for tuning in extend_tunings(args, backend):
+            if tuning is not None:
+                backend.extend_tuning = tuning
+            with torch.inference_mode():
+                state = backend.prepare(meta)
+                t = median_us(lambda: backend.forward(q, k_cache, v_cache, state, D**-0.5), device, args)  # noqa: B023
+            tflops = flops / t / 1e6
+            blocks = tuning.blocks(D, q.element_size()) if tuning is not None else (None, None)
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "req_len": args.extend_len,
+                    "block_m": blocks[0],
+                    "block_n": blocks[1],
+                    "num_warps": tuning.num_warps if tuning is not None else None,
+                    "num_stages": tuning.num_stages if tuning is not None else None,
+                    "attention_us": t,
+                    "attention_tflop_s": tflops,
+                    "matmul_tflop_s": matmul_tflops,
+                    "ratio": tflops / matmul_tflops,
+                }
+            )
     return rows
 
 
@@ -410,6 +437,10 @@ def report(res: dict[str, Any]) -> list[str]:
         res["extend_rows"],
         [
             ("tokens", "tokens", str),
+            ("block m", "block_m", _opt),
+            ("block n", "block_n", _opt),
+            ("warps", "num_warps", _opt),
+            ("stages", "num_stages", _opt),
             ("µs", "attention_us", _fmt),
             ("attention TFLOP/s", "attention_tflop_s", "{:.2f}".format),
             (f"matmul {res['matmul_n']}³ TFLOP/s", "matmul_tflop_s", "{:.2f}".format),
@@ -447,6 +478,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--extend-tokens", type=cli.positive_int, nargs="+", default=[2048, 16384])
     p.add_argument("--extend-len", type=cli.positive_int, default=1024, help="tokens per extend request")
+    tune = "extend kernel variants to time, every combination (Triton backend)"
+    p.add_argument("--extend-block-m", type=int, nargs="+", default=[0], help=f"{tune}; 0: its default")
+    p.add_argument("--extend-block-n", type=int, nargs="+", default=[0], help=f"{tune}; 0: its default")
+    p.add_argument("--extend-warps", type=cli.positive_int, nargs="+", default=[4], help=tune)
+    p.add_argument("--extend-stages", type=cli.positive_int, nargs="+", default=[2], help=tune)
     p.add_argument("--matmul-n", type=cli.positive_int, default=8192, help="the square matmul's size")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--sample-batch", type=cli.positive_int, default=256, help="the sampler's rows")

@@ -159,6 +159,22 @@ def test_sliding_window_and_softcap_match_reference(mode, window, softcap):
         assert (out - plain).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("window", [None, 100, 150, 64])
+def test_extend_blocks_every_query_sees_whole_run_unmasked_and_no_others(window):
+    """The extend kernel runs the key blocks every query of a query block sees whole without a mask, and
+    the window's edge and the causal diagonal with one. Contexts of several key blocks (64 keys here) with
+    and without a window, chunks after long prefixes and one from 0 spanning several query blocks: each
+    query block has blocks of every kind, and NaN outside the contexts shows if an unmasked block read
+    past one; the window changes the answer, so matching the reference checks its edge."""
+    lens = dict(prefix_lens=[300, 0, 150, 64], extend_lens=[40, 200, 90, 1])
+    q, k, v, meta, clean = make_batch(11, heads=4, kv_heads=2, d=16, page_size=16, garbage=True, **lens)
+    backend = TritonBackend()
+    out = backend.forward(q, k, v, backend.prepare(meta), 0.5, window=window)
+    check(out, reference(q, clean, meta, 0.5, window=window), torch.float32)
+    if window is not None:
+        assert (out - reference(q, clean, meta, 0.5)).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("num_splits", [None, 1, tk.MAX_SPLITS])
 def test_decode_split_counts(num_splits):
     """Any split count gives the same answer; the default picks several for a long context."""
@@ -212,6 +228,43 @@ def test_decode_tuning_is_checked():
     assert tk.decode_num_splits(1, 8, 32768, 132, tk.DecodeTuning(programs_per_sm=4)) == 64
     assert tk.decode_num_splits(1, 8, 32768, 132, tk.DecodeTuning(programs_per_sm=1)) == 17
     assert tk.decode_num_splits(1, 8, 1000, 132, tk.DecodeTuning(min_split_len=500)) == 2
+
+
+@pytest.mark.parametrize(
+    ("tuning", "dtype"),
+    [
+        pytest.param(
+            tk.ExtendTuning(block_m=16, block_n=16, num_warps=2, num_stages=1), torch.float32, id="m16n16"
+        ),
+        pytest.param(
+            tk.ExtendTuning(block_m=128, block_n=32, num_warps=8, num_stages=3), torch.float32, id="m128n32"
+        ),
+        pytest.param(tk.ExtendTuning(block_m=32, block_n=128), torch.bfloat16, id="m32n128-bf16"),
+    ],
+)
+@pytest.mark.parametrize("window", [None, 40])
+def test_extend_tunings_match_reference(tuning, dtype, window):
+    """Every extend tuning computes the same attention, a window's edge and the diagonal included: query
+    blocks smaller and larger than the chunks, key blocks smaller and larger than the prefixes."""
+    lens = dict(prefix_lens=[0, 13, 150], extend_lens=[70, 1, 90])
+    q, k, v, meta, clean = make_batch(
+        5, heads=4, kv_heads=2, d=32, page_size=16, dtype=dtype, garbage=True, **lens
+    )
+    backend = TritonBackend(extend_tuning=tuning)
+    out = backend.forward(q, k, v, backend.prepare(meta), 0.3, window=window)
+    check(out, reference(q, clean, meta, 0.3, window=window), dtype)
+
+
+def test_extend_tuning_is_checked():
+    with pytest.raises(ValueError, match="extend block_m=48: must be a power of two >= 16"):
+        tk.ExtendTuning(block_m=48)
+    with pytest.raises(ValueError, match="extend num_stages=0: must be >= 1"):
+        tk.ExtendTuning(num_stages=0)
+    assert tk.ExtendTuning().blocks(128, 2) == (64, 64) and tk.ExtendTuning().blocks(128, 4) == (64, 32)
+    assert tk.ExtendTuning().blocks(256, 2) == (32, 32) and tk.ExtendTuning(block_n=128).blocks(64, 4) == (
+        64,
+        128,
+    )
 
 
 def test_decode_scratch_is_reused_across_layers():

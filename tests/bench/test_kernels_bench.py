@@ -22,7 +22,8 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
         f"--device {DEVICE} --dtype float32 --tokens 3 --hidden 37 --heads 2 --kv-heads 1 --head-dim 12 "
         "--intermediate 20 --batch 2 3 --context 20 --page-size 1 4 --attention triton --iters 1 --warmup 0 "
         "--decode-block-n 0 16 --decode-programs-per-sm 2 32 "
-        "--extend-tokens 24 --extend-len 10 --matmul-n 16 --sample-batch 2 --vocab 1100"
+        "--extend-tokens 24 --extend-len 10 --extend-block-m 0 16 --extend-stages 1 2 "
+        "--matmul-n 16 --sample-batch 2 --vocab 1100"
     ).split() + ["--json", str(tmp_path / "k.json")]
     res = kernels.main(argv)
     assert [r["kernel"] for r in res["fused"]] == [
@@ -41,7 +42,8 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
     ]
     assert all(r["splits"] >= 1 and r["num_warps"] == 4 for r in res["attention_rows"])
     assert all(r["attention_tb_s"] > 0 and r["copy_tb_s"] > 0 for r in res["attention_rows"])
-    assert [r["tokens"] for r in res["extend_rows"]] == [24]
+    variants = [(r["tokens"], r["block_m"], r["block_n"], r["num_stages"]) for r in res["extend_rows"]]
+    assert variants == [(24, m, 64, st) for m in (64, 16) for st in (1, 2)]  # block n: the default, 64
     assert all(r["attention_tflop_s"] > 0 and r["matmul_tflop_s"] > 0 for r in res["extend_rows"])
     assert [(r["case"], r["path"]) for r in res["sampling"]] == [
         ("seeded draw (temperature only)", "triton draw"),
