@@ -53,6 +53,9 @@ class Req:
     stop_str_hit: str | None = None  # the stop string that ended it, if any
     aborted: bool = False
     grammar: GrammarState | None = None  # structured output's matcher (gapless.engine.grammar)
+    # while waiting: (length, key), the tokens the prefix cache may supply, as the cache's key, kept while
+    # that length holds, since the waiting queue is ordered by cached prefix every step (`KVManager`)
+    match_key: tuple[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def seq_len(self) -> int:

@@ -337,6 +337,32 @@ def test_a_full_engine_plans_no_admission_while_requests_wait(qwen3, monkeypatch
         llm.check_integrity()
 
 
+def test_a_waiting_requests_prefix_key_is_built_once_while_it_waits(qwen3):
+    """Ordering the waiting queue by cached prefix (lpm) looks up every waiting prompt each step: its key
+    (its tokens as the prefix cache's tuple) is built once while it waits, a new one when its tokens the
+    cache may supply change (a retracted request's outputs), and none kept once it is admitted."""
+    from gapless.engine.scheduler.kv import _match_key
+
+    params = dataclasses.replace(GREEDY, max_tokens=4)
+    with LLM(qwen3, device="cpu", kv_cache_tokens=4096, max_running_requests=1) as llm:
+        eng = llm.engine
+        first, waiting = eng.add_request([5, 6, 7, 8], params), eng.add_request([9, 10, 11], params)
+        eng.step()
+        key = _match_key(waiting)
+        assert key == (9, 10) and _match_key(waiting) is key
+        eng.step()
+        assert waiting.match_key is not None and waiting.match_key[1] is key  # still waiting: kept
+        waiting.output_ids.append(12)  # as a retracted request comes back with its outputs
+        assert _match_key(waiting) == (9, 10, 11)
+        waiting.output_ids.pop()
+        while first in eng.scheduler.queues.running or waiting.row is None:
+            eng.step()
+        assert waiting.match_key is None
+        while eng.has_unfinished():
+            eng.step()
+        llm.check_integrity()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_interrupt_mid_step_leaves_an_engine_that_only_shuts_down(qwen3, monkeypatch, overlap):
     """Ctrl-C can land anywhere inside a step, e.g. after a batch's host state moved but before it was

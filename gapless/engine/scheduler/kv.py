@@ -44,10 +44,16 @@ class DecodeSlots:
     out: np.ndarray  # [B] int64
 
 
-def _match_key(req: Req) -> list[int]:
+def _match_key(req: Req) -> tuple[int, ...]:
+    """The tokens the prefix cache may supply to `req`, as a tuple (what the cache keys by): built once per
+    length and kept on the request, as ordering the waiting queue asks for it every step. Tokens are
+    only ever appended, so a kept key of the same length is still the request's."""
     # the last token is always computed, so its logits exist to sample from; a request scoring its
     # prompt computes every position it scores (gapless.engine.prompt_logprobs)
-    return req.fill_ids[: reuse_limit(req)]
+    limit = reuse_limit(req)
+    if req.match_key is None or req.match_key[0] != limit:
+        req.match_key = (limit, tuple(req.fill_ids[:limit]))
+    return req.match_key[1]
 
 
 class KVManager:
@@ -116,6 +122,7 @@ class KVManager:
         assert row is not None
         req.row, req.last_node = row, match.node
         req.cached_len = req.kv_len = match.length
+        req.match_key = None  # kept for the waiting queue's order only
         if match.length:
             self._write_table(row, 0, match.slots)
         if self.window is not None:
