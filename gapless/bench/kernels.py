@@ -309,8 +309,8 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
     """The sampler on `--sample-batch` rows of `--vocab` logits in `dtype`: the seeded draw by torch ops
     against the fused Triton draw (`gapless.sampling.triton_gumbel`), the penalties (repetition, frequency
     and presence, into the step's float32 copy) by torch ops against the fused Triton penalties
-    (`gapless.sampling.triton_penalties`), and top-k + top-p by the full sort against the partial one
-    (`apply_top_k_top_p_partial`)."""
+    (`gapless.sampling.triton_penalties`), top-k + top-p by the full sort against the partial one
+    (`apply_top_k_top_p_partial`), and top-p without top-k, which only the full sort can take."""
     from gapless.sampling import fused
     from gapless.sampling.sampler import Sampler, SamplingBatch
     from gapless.sampling_params import SamplingParams
@@ -334,6 +334,8 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
     draw, nucleus = batch(SamplingParams(temperature=0.8)), batch(SamplingParams(top_k=50, top_p=0.95))
     penalised = batch(SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.5))
     full = dataclasses.replace(nucleus, max_top_p_k=0)  # 0: unknown, the full sort
+    # top-p without top-k (Llama 3 Instruct's generation defaults) has no bound: always the full sort
+    top_p_only = batch(SamplingParams(temperature=0.6, top_p=0.9))
     cases = {
         "seeded draw (temperature only)": (
             "triton draw",
@@ -349,6 +351,11 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
             "partial sort",
             lambda: torch_sampler.sample(logits, full),
             lambda: torch_sampler.sample(logits, nucleus),
+        ),
+        "temperature 0.6 + top-p 0.9 (no top-k: full sort)": (
+            "none",
+            lambda: torch_sampler.sample(logits, top_p_only),
+            None,
         ),
     }
     rows = []
