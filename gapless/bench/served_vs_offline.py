@@ -17,7 +17,9 @@ Each process layout in `--layouts` (`gapless.server.layout`) is served in turn, 
 `--max-concurrency` values each is run at each (`0` = everything at once, the only one the ratio to
 offline is taken at); `--rounds` repeats the lot, alternating, so the machine's drift hits every mode
 alike. Besides tokens/s each served run reports what its hops sent (`/debug/state`'s `hop_*` counters):
-messages per hop and request updates per message.
+messages per hop and request updates per message; and every run, offline too, the scheduler's host ms per
+decode step and the device's idle share, from the engine meter's counters around the run
+(`meter_figures`), and each server process's CPU per output token (`process_cpu_s`).
 """
 
 from __future__ import annotations

@@ -343,8 +343,8 @@ class _Reporter:
     def updates(self, reqs: Iterable[Req]) -> list[P.ReqUpdate]:
         """The updates of `reqs` (a step's) that are `due` one. Nearly all of a step's are running
         requests without logprobs that reported before: theirs are their new tokens and counts alone, built
-        here inline (a third of `update`'s cost, which at 256 running requests is ~0.17 ms a step of the
-        scheduler's); the others' first, last and logprob updates are `update`'s."""
+        here inline (0.10 ms a step of the scheduler's at 256 running requests, against 0.27 through
+        `update`); the others' first, last and logprob updates are `update`'s."""
         sent, interval, out = self.sent, self.stream_interval, []
         for req in reqs:
             start = sent.get(req.rid)
