@@ -346,7 +346,8 @@ def test_a_waiting_requests_prefix_key_is_built_once_while_it_waits(qwen3):
     params = dataclasses.replace(GREEDY, max_tokens=4)
     with LLM(qwen3, device="cpu", kv_cache_tokens=4096, max_running_requests=1) as llm:
         eng = llm.engine
-        first, waiting = eng.add_request([5, 6, 7, 8], params), eng.add_request([9, 10, 11], params)
+        eng.add_request([5, 6, 7, 8], params)  # runs first, in the one row
+        waiting = eng.add_request([9, 10, 11], params)
         eng.step()
         key = _match_key(waiting)
         assert key == (9, 10) and _match_key(waiting) is key
