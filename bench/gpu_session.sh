@@ -26,9 +26,9 @@
 #           (`gapless.bench.scoring`) and the detokenizer per step (`gapless.bench.detokenize`)
 #   prefill whether prefill launches cost less than the GPU work they launch (issue 10 item 2): one
 #           forward's launch time against its GPU work and a CUDA graph's (`gapless.bench.prefill_launch`,
-#           Qwen3-0.6B's shape, 512 to 16,384 tokens, fused kernels on and off), then the host bench with
-#           1,024-token prompts and one output token, chunks of 16,384 and 2,048 tokens: host ms per
-#           prefill step beside device ms per job
+#           Qwen3-0.6B's shape, 128 to 16,384 tokens: fused kernels, the piecewise prefill graphs up to
+#           512 tokens, torch ops), then the host bench with 1,024-token prompts and one output token,
+#           chunks of 16,384 and 2,048 tokens: host ms per prefill step beside device ms per job
 #   suite   the whole test suite on the GPU machine, 8 workers (pytest-xdist is installed there), with
 #           CUDA present: the parity, overlap and server suites on the device they are meant for
 # The device has torch, triton and transformers but no package index: `serve` and the server tests need
@@ -101,14 +101,18 @@ case "$part" in
     done
     ;;
   prefill)
-    # one prefill forward's launch against its GPU work, with the fused kernels and without (decisive:
-    # the meter below cannot tell a launch-bound job from a GPU-bound one), then the engine's own meter
-    for fused in auto torch; do
-      step 150 "prefill_launch_$fused" "$PY" -m gapless.bench.prefill_launch --size qwen3-0.6b --dtype bfloat16 \
-        --tokens 512 2048 16384 --engine-option fused_kernels=$fused --json "$dir/prefill_launch_$fused.json"
-    done
+    # one prefill forward's launch against its GPU work (decisive: the meter below cannot tell a
+    # launch-bound job from a GPU-bound one): the fused kernels (this first step also builds the model),
+    # the piecewise prefill graphs up to 512 tokens, the torch ops; then the engine's own meter at chunks
+    # of 16,384 and 2,048 tokens
+    launch=("$PY" -m gapless.bench.prefill_launch --size qwen3-0.6b --dtype bfloat16 --tokens 128 512 2048 16384)
+    step 180 prefill_launch_fused "${launch[@]}" --json "$dir/prefill_launch_fused.json"
+    step 100 prefill_launch_pieces "${launch[@]}" --engine-option piecewise_cuda_graph_max_tokens=512 \
+      --json "$dir/prefill_launch_pieces.json"
+    step 80 prefill_launch_torch "${launch[@]}" --engine-option fused_kernels=torch \
+      --json "$dir/prefill_launch_torch.json"
     for chunk in 16384 2048; do
-      step 140 "prefill_$chunk" "$PY" -m gapless.bench.host --size qwen3-0.6b --num-seqs 64 --input-len 1024 \
+      step 110 "prefill_$chunk" "$PY" -m gapless.bench.host --size qwen3-0.6b --num-seqs 64 --input-len 1024 \
         --output-len 1 --modes overlap plain --rounds 1 --engine-option device=cuda \
         --engine-option dtype=bfloat16 --engine-option chunked_prefill_size=$chunk --json "$dir/prefill_$chunk.json"
     done

@@ -54,6 +54,10 @@ class EngineConfig:
     # None: 256 on CUDA with a kernel backend, off otherwise. On CPU a positive value runs the same padded
     # static-buffer path eagerly (tests)
     cuda_graph_max_bs: int | None = None
+    # extend (prefill) batches of up to this many tokens run through piecewise CUDA graphs (the decoder
+    # captured between its attentions, `gapless.engine.piecewise_graph`; SGLang's flag); 0: off, the default
+    # until a GPU run has measured them. On CPU a positive value runs the same padded pieces eagerly (tests)
+    piecewise_cuda_graph_max_tokens: int = 0
     schedule_policy: str = "lpm"
     # context length; None: the model's max_position_embeddings. More than that is refused unless
     # GAPLESS_ALLOW_LONG_MAX_MODEL_LEN=1 (then with a warning)
@@ -130,8 +134,7 @@ class EngineConfig:
             raise bad("mem_fraction_static", "must be in (0, 1)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
-            raise bad("cuda_graph_max_bs", "must be >= 0 (0 turns CUDA graphs off)")
+        self._check_graphs(bad)
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -144,6 +147,14 @@ class EngineConfig:
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
         self._check_speculative(bad)
         self._check_parallel(bad)
+
+    def _check_graphs(self, bad: Any) -> None:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
+            raise bad("cuda_graph_max_bs", "must be >= 0 (0 turns CUDA graphs off)")
+        if self.piecewise_cuda_graph_max_tokens < 0:
+            raise bad("piecewise_cuda_graph_max_tokens", "must be >= 0 (0 turns them off)")
+        if self.piecewise_cuda_graph_max_tokens and self.tensor_parallel_size > 1:
+            raise bad("piecewise_cuda_graph_max_tokens", "runs with tensor_parallel_size 1 only for now")
 
     def _check_parallel(self, bad: Any) -> None:
         """The parallelism options: at least one data-parallel replica; for tensor parallelism, sizes in

@@ -22,6 +22,10 @@ writes and decoder; no LM head or sampling, which run once per request whatever 
 - graph: the same batch captured as one CUDA graph, its replay's launch and GPU work the same two ways:
   what any capture could reach at best.
 
+With `--engine-option piecewise_cuda_graph_max_tokens=N` the forwards of up to N tokens take the
+piecewise prefill graphs (`gapless.engine.piecewise_graph`; "pieces" in the path column), so the two runs,
+with and without, give what the pieces save against the eager forward and the whole-forward graph.
+
 A forward whose launches fill the device's launch queue (about a thousand kernels) makes the host wait
 on the device before its last launch whatever the sleep: its GPU work shows as "-", and its launch time
 then includes device time.
@@ -51,6 +55,7 @@ from gapless.testing.checkpoints import SIZES
 HEADER = (
     "tokens",
     "requests x len",
+    "path",
     "launch ms",
     "GPU work ms",
     "launch/work",
@@ -165,9 +170,12 @@ def measure(runner: ModelRunner, tokens: int, prompt_len: int, iters: int, warmu
     row: dict[str, Any] = dict(tokens=requests * plen, requests=requests, prompt_len=plen)
     row["launch_ms"] = _median(lambda: launch_ms(forward, device), iters)
     row.update(gpu_work_ms=None, graph_launch_ms=None, graph_gpu_ms=None)
+    row["piecewise"] = runner.piecewise is not None and runner.piecewise.can_run(batch)
     if device.type == "cuda":
         cycles = sleep_cycles_per_ms(device)
         row["gpu_work_ms"] = _median(lambda: gpu_work_ms(forward, device, cycles, row["launch_ms"]), iters)
+        if row["piecewise"]:  # the forward replays graphs of its own: not captured again
+            return row
         with torch.inference_mode():
             graph = _capture(forward, device)
         row["graph_launch_ms"] = _median(lambda: launch_ms(graph.replay, device), iters)
@@ -186,6 +194,7 @@ def report(rows: list[dict[str, Any]]) -> str:
         (
             f"{r['tokens']:,}",
             f"{r['requests']} x {r['prompt_len']}",
+            "pieces" if r["piecewise"] else "eager",
             num(r["launch_ms"]),
             num(r["gpu_work_ms"]),
             "-" if r["gpu_work_ms"] is None else f"{r['launch_ms'] / r['gpu_work_ms']:.2f}",
@@ -194,7 +203,7 @@ def report(rows: list[dict[str, Any]]) -> str:
         )
         for r in rows
     ]
-    return "\n".join(cli.markdown_table(HEADER, table, "rlrrrrr"))
+    return "\n".join(cli.markdown_table(HEADER, table, "rllrrrrr"))
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

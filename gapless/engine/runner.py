@@ -34,6 +34,7 @@ from gapless.engine.memory_plan import (
     plan_cpu_kv,
     plan_gpu_kv,
 )
+from gapless.engine.piecewise_graph import PiecewiseGraphs
 from gapless.engine.spec.device import SpecState
 from gapless.engine.spec.draft import load_draft
 from gapless.memory.kv_pool import KVPool
@@ -111,6 +112,7 @@ class ModelRunner:
         self.token_buf = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=self.device)
         self.token_buf[self.pad_row] = 0
         self.graphs: GraphRunner | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # small prefills' pieces, when on
         # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them
         self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None] | None = None
         self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
@@ -152,6 +154,11 @@ class ModelRunner:
                 verify_width=cfg.speculative_num_draft_tokens + 1 if self.spec is not None else 0,
             )
             self.graphs.capture(self.forward_tokens)
+        if cfg.piecewise_cuda_graph_max_tokens:
+            self.piecewise = PiecewiseGraphs(
+                cfg.piecewise_cuda_graph_max_tokens, self.model, self.kv_pool, self.backend, self.dtype
+            )
+            self.piecewise.capture()
 
     def _graph_max_bs(self, cfg: EngineConfig) -> int:
         """Largest decode batch run through the graph runner; 0: none. By default graphs are on for CUDA
@@ -203,6 +210,7 @@ class ModelRunner:
             self.chunked_prefill_size,
             graph_bs,
             verify_width=cfg.speculative_num_draft_tokens + 1 if cfg.speculative_algorithm else 0,
+            piecewise_tokens=cfg.piecewise_cuda_graph_max_tokens,
         )
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -228,7 +236,7 @@ class ModelRunner:
         `kv_pool` and reading `req_table`, without graphs: for measuring memory before the real pool
         exists. This runner is left as it is."""
         other = copy.copy(self)
-        other.kv_pool, other.req_table, other.graphs = kv_pool, req_table, None
+        other.kv_pool, other.req_table, other.graphs, other.piecewise = kv_pool, req_table, None, None
         return other
 
     @property
@@ -262,8 +270,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
-        """Apply the batch's table writes and run the decoder (through the graph runner when it takes the
-        batch); returns hidden states [T, hidden]. `batch` must already be on this device."""
+        """Apply the batch's table writes and run the decoder (through the decode graphs or the prefill
+        pieces when they take the batch); returns hidden states [T, hidden]. `batch` must already be on
+        this device."""
         table = self.req_table
         if batch.table_writes is not None:
             table.apply_writes(*batch.table_writes)
@@ -278,7 +287,9 @@ class ModelRunner:
         meta = batch.attention_metadata(table.device_table)
         # a decode's inputs are its rows' future-token slots
         input_ids = self.token_buf[batch.rows] if batch.is_decode else batch.input_ids
-        if graphs is None:
+        if graphs is None and self.piecewise is not None and self.piecewise.can_run(batch):
+            hidden = self.piecewise.run(batch, meta)
+        elif graphs is None:
             hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
         if draft is not None:  # the draft sees what the target sees (eagerly, after a graph too)
             draft.mirror(input_ids, batch.positions, batch.out_slots, meta)
@@ -349,12 +360,14 @@ def measure_activations(
     prefill_tokens: int,
     graph_bs: int,
     verify_width: int = 0,
+    piecewise_tokens: int = 0,
 ) -> tuple[int, int]:
     """Bytes above what stays allocated: (the peak of a dummy prefill of `prefill_tokens` tokens and a
     dummy decode of `max_running_requests` rows, sampling with every stage on; the peak of a decode
     forward of `graph_bs` rows, or with speculation (`verify_width` tokens per request) of an extend
     forward of `graph_bs * verify_width` tokens if larger, which is about what the graphs' shared memory
-    pool keeps).
+    pool keeps, plus with piecewise prefill graphs of up to `piecewise_tokens` tokens their static
+    buffers and the peak of their pieces on the largest bucket, which their own pool keeps).
 
     Runs `runner`'s weights and sampler on `kv_pool` and `req_table` (writing only the padding row and KV
     slot 0), and leaves its token slots and sampler state as new. Each dummy runs once unmeasured first,
@@ -381,6 +394,14 @@ def measure_activations(
             dummy_prefill(tokens, req_table.max_context, pad, max_rows, vocab), runner.device
         )
         graph_bytes = max(graph_bytes, _peak_bytes(runner.device, lambda: scratch.forward_hidden(ext)))
+    if piecewise_tokens:
+
+        def pieces() -> None:
+            graphs = PiecewiseGraphs(piecewise_tokens, runner.model, kv_pool, runner.backend, runner.dtype)
+            for i in range(graphs.num_pieces):  # on padding: token 0 at position 0, into KV slot 0
+                graphs.piece(graphs.max_tokens, i)
+
+        graph_bytes += _peak_bytes(runner.device, pieces)
     runner.token_buf.fill_(-1)
     runner.token_buf[runner.pad_row] = 0
     runner.sampler.reset()

@@ -88,6 +88,11 @@ class Attention(nn.Module):
             self.extra["softcap"] = cfg.attn_logit_softcapping
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.output(self.attend(self.project(x, ctx), ctx))
+
+    def project(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The queries of `x` [T, heads, d], its keys and values stored in this layer's KV: the part before
+        the attention itself, which reads only `ctx`'s positions, slots and pool."""
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         if cfg.qk_norm == "all":
@@ -95,8 +100,11 @@ class Attention(nn.Module):
         q = q.view(-1, q.shape[-1] // cfg.head_dim, cfg.head_dim)
         k = k.view(-1, k.shape[-1] // cfg.head_dim, cfg.head_dim)
         v = v.view(-1, v.shape[-1] // cfg.head_dim, cfg.head_dim)
-        q = self.rotate_and_store(ctx.positions, q, k, v, ctx.kv_pool, ctx.out_slots)
-        out = ctx.backend.forward(
+        return self.rotate_and_store(ctx.positions, q, k, v, ctx.kv_pool, ctx.out_slots)
+
+    def attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The attention of queries `q` [T, heads, d] over this layer's KV, placed by `ctx`'s batch."""
+        return ctx.backend.forward(
             q,
             ctx.kv_pool.k[self.layer_id],
             ctx.kv_pool.v[self.layer_id],
@@ -104,6 +112,9 @@ class Attention(nn.Module):
             self.scale,
             **self.extra,
         )
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention's `out` ([T, heads, d] or [T, heads * d])."""
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def rotate_and_store(
@@ -209,8 +220,23 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it is added)."""
+        q, residual = self.before_attention(x, residual, ctx)
+        return self.after_attention(self.self_attn.attend(q, ctx), residual)
+
+    def before_attention(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its attention: (the queries, the residual stream), its K/V stored. With
+        `after_attention`, what `forward` runs around the attention (`gapless.engine.piecewise_graph`
+        captures each side, the attention between them runs as it comes)."""
         h, residual = self._add_norm(0, x, residual)
-        h, residual = self._add_norm(2, self._output(1, self.self_attn(h, ctx)), residual)
+        return self.self_attn.project(h, ctx), residual
+
+    def after_attention(
+        self, attn: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its attention's output `attn` on: (its MLP output, the residual stream)."""
+        h, residual = self._add_norm(2, self._output(1, self.self_attn.output(attn)), residual)
         return self._output(3, self.mlp(h)), residual
 
 
@@ -241,14 +267,22 @@ class DecoderBody(nn.Module):
         self.normalizer = cfg.hidden_size**0.5 if cfg.embedding_normalizer else None
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, ctx)
+        return self.finish(x, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, scaled as the family scales them."""
         x = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         if self.normalizer is not None:
             x = x * torch.tensor(self.normalizer, dtype=x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, ctx)
+        return x
+
+    def finish(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The final hidden states: the last layer's output added to the residual stream, normed."""
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
 

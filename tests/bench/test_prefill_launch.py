@@ -42,7 +42,7 @@ def test_prefill_launch_bench_runs_on_cpu(tmp_path, capsys):
         assert r["launch_ms"] > 0
         assert r["gpu_work_ms"] is None and r["graph_gpu_ms"] is None  # CUDA only
     printed = capsys.readouterr().out
-    assert "| 48 | 3 x 16 |" in printed and "launch/work" in printed
+    assert "| 48 | 3 x 16 | eager |" in printed and "launch/work" in printed
     assert len(json.loads(out.read_text())["rows"]) == 2
 
 
@@ -51,3 +51,12 @@ def test_prefill_launch_bench_measures_gpu_work_on_cuda():
     (r,) = prefill_launch.main(["--tokens", "256", "--prompt-len", "128", "--iters", "3"])
     assert r["gpu_work_ms"] is not None and r["gpu_work_ms"] > 0
     assert r["graph_launch_ms"] is not None and r["graph_gpu_ms"] is not None and r["graph_gpu_ms"] > 0
+
+
+def test_prefill_launch_bench_takes_the_piecewise_graphs_up_to_their_size(capsys):
+    rows = prefill_launch.main(
+        ["--tokens", "16", "48", "--prompt-len", "16", "--iters", "1", "--warmup", "0"]
+        + ["--engine-option", "piecewise_cuda_graph_max_tokens=32"]
+    )
+    assert [r["piecewise"] for r in rows] == [True, False]  # 48 tokens: past the largest bucket, eager
+    assert "| 16 | 1 x 16 | pieces |" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """The CUDA path: CudaStream (forward stream, pinned copies, events) with the overlap loop; the Triton
-backend and decode CUDA graphs (on and off agree, bf16 parity); no synchronising call in the step loop;
+backend and decode CUDA graphs (on and off agree, bf16 parity); the piecewise prefill graphs; no
+synchronising call in the step loop;
 the KV pool sized from GPU memory.
 
 Skipped without a GPU; the same scheduler and future-token code runs on the CPU in test_parity.py and
@@ -105,6 +106,33 @@ def test_cuda_graphs_bf16_parity(ckpt_factory):
     assert sum(runs.values()) > 0
     for out, ref in zip(outs, refs):
         check_greedy(out, ref, tol=0.1)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-3), ("bfloat16", 0.1)])
+def test_cuda_piecewise_prefill_graphs_give_the_reference_tokens(ckpt_factory, dtype, tol):
+    """Prefills of up to 48 tokens replay their captured pieces (attention between them as it comes), with
+    prefix hits and chunks; the tokens are transformers' (bf16: within its error), and K/V stays whole."""
+    path = ckpt_factory("qwen3")
+    hf = load_hf_model(path)
+    prompts = make_prompts(hf.config.vocab_size, n=8, seed=6, shared_prefix=20, max_len=70)
+    refs = [hf_greedy(hf, p, 6) for p in prompts]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(path),
+        device="cuda",
+        dtype=dtype,
+        kv_cache_tokens=4096,
+        chunked_prefill_size=64,
+        max_running_requests=3,
+        piecewise_cuda_graph_max_tokens=48,
+    ) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        pieces = llm.engine.runner.piecewise
+        assert pieces is not None and sorted(pieces.graphs) == [16, 32, 48]
+        assert sum(pieces.runs.values()) > 0 and pieces.padded_tokens > 0
+        llm.check_integrity()
+    for out, ref in zip(outs, refs):
+        check_greedy(out.token_ids, ref, tol=tol)
 
 
 def test_cuda_defaults_triton_backend_and_every_bucket_captured(ckpt_factory):
