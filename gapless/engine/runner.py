@@ -3,7 +3,8 @@
 `ModelRunner.run(batch)` is the one job the scheduler submits to the device stream per step: apply the
 batch's request-table writes, run the model, sample. Everything it touches is device state; the
 scheduler only ever hands it a `ForwardBatch` built from host state. Decode batches go through CUDA
-graphs (`gapless.engine.cuda_graph`) when they are on.
+graphs (`gapless.engine.cuda_graph`) when they are on, small prefills through the piecewise prefill graphs
+(`gapless.engine.piecewise_graph`) when those are.
 
 The KV pool's size comes from `gapless.engine.memory_plan`; on CUDA the runner first measures its own
 activation peak (`measure_activations`) on a one-page pool, which is dropped before the real one is made.
