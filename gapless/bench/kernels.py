@@ -195,6 +195,28 @@ def extend_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
     ]
 
 
+def _time_attention(
+    backend: Any,
+    knob: str,
+    tuning: Any,
+    meta: AttentionMetadata,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    args: argparse.Namespace,
+) -> tuple[float, Any]:
+    """Median µs of `backend`'s attention over `meta`'s batch with `tuning` set as its `knob`
+    ("decode_tuning" or "extend_tuning"; None: the backend as it is), and the batch's prepared state
+    (where the decode split count shows)."""
+    if tuning is not None:
+        setattr(backend, knob, tuning)
+    scale = q.shape[-1] ** -0.5
+    with torch.inference_mode():
+        state = backend.prepare(meta)
+        us = median_us(lambda: backend.forward(q, k_cache, v_cache, state, scale), q.device, args)
+    return us, state
+
+
 def copy_tb_s(nbytes: int, device: torch.device, args: argparse.Namespace) -> float:
     """A device-to-device copy's bandwidth over `nbytes` (bytes read and written), its buffers freed after."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -221,11 +243,7 @@ def _attention_case(
     copy_tbs = copy_tb_s(kv_bytes, device, args)
     rows = []
     for tuning in decode_tunings(args, backend):
-        if tuning is not None:
-            backend.decode_tuning = tuning
-        with torch.inference_mode():
-            state = backend.prepare(meta)
-            t_attn = median_us(lambda: backend.forward(q, k_cache, v_cache, state, D**-0.5), device, args)  # noqa: B023
+        t_attn, state = _time_attention(backend, "decode_tuning", tuning, meta, q, k_cache, v_cache, args)
         attn_tbs = kv_bytes / t_attn / 1e6
         splits = [s[0] for s in getattr(state, "scratch", {}).values()]
         rows.append(
@@ -281,11 +299,7 @@ def extend_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         v_cache = torch.randn(tokens + 1, KVH, D, device=device, dtype=dtype)
         flops = sum(4 * H * D * L * (L + 1) // 2 for L in meta.extend_lens.tolist())
         for tuning in extend_tunings(args, backend):
-            if tuning is not None:
-                backend.extend_tuning = tuning
-            with torch.inference_mode():
-                state = backend.prepare(meta)
-                t = median_us(lambda: backend.forward(q, k_cache, v_cache, state, D**-0.5), device, args)  # noqa: B023
+            t, _ = _time_attention(backend, "extend_tuning", tuning, meta, q, k_cache, v_cache, args)
             tflops = flops / t / 1e6
             blocks = tuning.blocks(D, q.element_size()) if tuning is not None else (None, None)
             rows.append(
