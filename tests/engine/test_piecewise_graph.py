@@ -63,14 +63,17 @@ def test_prefill_pieces_match_reference(workload, loop):
         llm.check_integrity()
 
 
-def test_pieces_give_the_eager_forwards_hidden_states(ckpt_factory):
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "olmo2", "granite", "qwen2_moe"])
+def test_pieces_give_the_eager_forwards_hidden_states(ckpt_factory, arch):
     """Extend batches through the pieces and eagerly give the same hidden states and the same K/V in the
     pool: three requests of 9 tokens (27 in bucket 32), then two of 5 (10 in bucket 16, whose padded
-    tail still holds the first batch's tokens and slots in the static buffers until it is reset)."""
+    tail still holds the first batch's tokens and slots in the static buffers until it is reset). Families
+    whose layers differ around the attention: Gemma 2's norms after each sublayer, window and soft-cap,
+    OLMo 2's q/k norm over all heads and output norms, Granite's multipliers, Qwen2-MoE's experts."""
     from gapless.bench.prefill_launch import extend_batch
 
     cfg = dict(device="cpu", kv_cache_tokens=256, page_size=4)
-    path = str(ckpt_factory("qwen3"))
+    path = str(ckpt_factory(arch))
     eager = ModelRunner(EngineConfig(model=path, **cfg))
     pieces = ModelRunner(EngineConfig(model=path, piecewise_cuda_graph_max_tokens=32, **cfg))
     for requests, length in ((3, 9), (2, 5)):
