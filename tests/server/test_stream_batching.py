@@ -227,7 +227,7 @@ def test_the_scheduler_workers_own_host_work_is_metered_with_its_steps(ckpt_fact
         def send(self, to: str, msg: P.Message) -> None:
             self.sent.append((to, msg))
 
-    with LLM(str(ckpt_factory("qwen3")), device="cpu", kv_cache_tokens=256) as llm:
+    with LLM(str(ckpt_factory("qwen3")), device="cpu", kv_cache_tokens=256, overlap=False) as llm:
         engine = llm.engine
         meter = engine.scheduler.meter
         meter.keep_trace = True
