@@ -344,7 +344,7 @@ def test_a_waiting_requests_prefix_key_is_built_once_while_it_waits(qwen3):
     from gapless.engine.scheduler.kv import _match_key
 
     params = dataclasses.replace(GREEDY, max_tokens=4)
-    with LLM(qwen3, device="cpu", kv_cache_tokens=4096, max_running_requests=1) as llm:
+    with LLM(qwen3, device="cpu", kv_cache_tokens=4096, max_running_requests=1, overlap=False) as llm:
         eng = llm.engine
         eng.add_request([5, 6, 7, 8], params)  # runs first, in the one row
         waiting = eng.add_request([9, 10, 11], params)
