@@ -252,6 +252,7 @@ FLAG_ALIASES: dict[str, Alias] = {
     "--disable-overlap-schedule": Alias("overlap", "SGLang", False),
     "--enforce-eager": Alias("cuda_graph_max_bs", "vLLM", 0),
     "--disable-cuda-graph": Alias("cuda_graph_max_bs", "SGLang", 0),
+    "--disable-piecewise-cuda-graph": Alias("piecewise_cuda_graph_max_tokens", "SGLang", 0),
     "--enable-log-requests": Alias("log_requests", "vLLM", True),
     "--disable-log-stats": Alias("log_stats_interval", "vLLM", 0.0),
     "--speculative-draft-model-path": Alias("speculative_draft_model", "SGLang"),

@@ -114,6 +114,9 @@ def test_vllm_and_sglang_flags_are_aliases():
     assert parse_args(["serve", "--model-path", "/a"]).model == "/a"
     assert parse_args(["serve", "--enable-log-requests"]).log_requests is True
     assert parse_args(["chat", "/a", "--disable-cuda-graph"]).cuda_graph_max_bs == 0
+    pieces = parse_args(["serve", "--piecewise-cuda-graph-max-tokens", "512"])
+    assert engine_options(pieces) == {"piecewise_cuda_graph_max_tokens": 512}
+    assert parse_args(["serve", "--disable-piecewise-cuda-graph"]).piecewise_cuda_graph_max_tokens == 0
 
 
 @pytest.mark.parametrize(
