@@ -82,7 +82,18 @@ def _free_port() -> int:
 
 def test_two_nodes_serve_one_tp2_model_and_a_killed_rank_ends_both(ckpt_factory, expected):
     model = str(ckpt_factory("qwen3"))
-    nodes = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{_free_port()}")
+    # a collective with a dead peer fails at once when its sockets close, else after --dist-timeout (the
+    # heartbeat then names the rank): 30 s keeps that slower path inside the 60 s the request may take
+    nodes = (
+        "--tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        f"127.0.0.1:{_free_port()}",
+        "--dist-timeout",
+        "30",
+    )
     node1 = subprocess.Popen(
         [sys.executable, "-m", "gapless", "serve", "--model", model, *SERVE, *nodes, "--node-rank", "1"],
         stdout=subprocess.PIPE,
