@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +78,16 @@ def make_prompts(
         else:
             prompts.append([tok() for _ in range(rng.choice([1, 3, 7, 20, 33, 64, max_len]))])
     return prompts
+
+
+def prompts_and_references(
+    path: str | Path, max_new_tokens: Sequence[int], **prompt_kw: int
+) -> tuple[list[list[int]], list[Reference]]:
+    """One prompt per entry of `max_new_tokens` (`make_prompts` over the checkpoint's vocabulary, with
+    `prompt_kw`) and transformers' greedy reference of each, to its own length."""
+    hf = load_hf_model(path)
+    prompts = make_prompts(hf.config.vocab_size, n=len(max_new_tokens), **prompt_kw)
+    return prompts, [hf_greedy(hf, p, n) for p, n in zip(prompts, max_new_tokens, strict=True)]
 
 
 def greedy_references(

@@ -18,7 +18,13 @@ import pytest
 import torch
 
 from gapless import LLM, SamplingParams
-from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+from gapless.testing.hf_reference import (
+    check_greedy,
+    hf_greedy,
+    load_hf_model,
+    make_prompts,
+    prompts_and_references,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU streams are tested elsewhere)"
@@ -113,9 +119,7 @@ def test_cuda_piecewise_prefill_graphs_give_the_reference_tokens(ckpt_factory, d
     """Prefills of up to 48 tokens replay their captured pieces (attention between them as it comes), with
     prefix hits and chunks; the tokens are transformers' (bf16: within its error), and K/V stays whole."""
     path = ckpt_factory("qwen3")
-    hf = load_hf_model(path)
-    prompts = make_prompts(hf.config.vocab_size, n=8, seed=6, shared_prefix=20, max_len=70)
-    refs = [hf_greedy(hf, p, 6) for p in prompts]
+    prompts, refs = prompts_and_references(path, [6] * 8, seed=6, shared_prefix=20, max_len=70)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     with LLM(
         str(path),

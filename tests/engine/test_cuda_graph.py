@@ -15,7 +15,7 @@ from gapless.config import EngineConfig
 from gapless.engine.cuda_graph import batch_size_buckets
 from gapless.engine.memory_plan import dummy_prefill, plan_gpu_kv
 from gapless.engine.runner import measure_activations
-from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+from gapless.testing.hf_reference import check_greedy, prompts_and_references
 
 # More requests than rows, with different lengths: decode batches shrink (4 -> 3 -> ...) as requests
 # finish, freed rows are reused by later requests, and prompts share a prefix (radix cache hits), so a
@@ -28,9 +28,7 @@ GRAPH_BS = 4  # buckets 1, 2, 4: batches of 5-6 run eagerly, 3 is padded to 4
 @pytest.fixture(scope="module")
 def workload(ckpt_factory):
     path = ckpt_factory("qwen3")
-    hf = load_hf_model(path)
-    prompts = make_prompts(hf.config.vocab_size, n=len(MAX_TOKENS), seed=3, shared_prefix=24, max_len=40)
-    refs = [hf_greedy(hf, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    prompts, refs = prompts_and_references(path, MAX_TOKENS, seed=3, shared_prefix=24, max_len=40)
     return str(path), prompts, refs
 
 

@@ -13,7 +13,7 @@ from gapless import LLM, SamplingParams
 from gapless.config import EngineConfig
 from gapless.engine.piecewise_graph import token_buckets
 from gapless.engine.runner import ModelRunner
-from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+from gapless.testing.hf_reference import check_greedy, prompts_and_references
 
 MAX_TOKENS = [3, 9, 5, 16, 7, 10, 4, 8]
 LOOPS = {"plain": {"overlap": False}, "overlap": {"overlap": True, "cpu_worker": "thread", "chaos_seed": 1}}
@@ -22,10 +22,8 @@ LOOPS = {"plain": {"overlap": False}, "overlap": {"overlap": True, "cpu_worker":
 @pytest.fixture(scope="module")
 def workload(ckpt_factory):
     path = ckpt_factory("qwen3")
-    hf = load_hf_model(path)
     # prompts sharing a prefix (cache hits: extends after a prefix) of lengths up to 70 (chunks of 48)
-    prompts = make_prompts(hf.config.vocab_size, n=len(MAX_TOKENS), seed=5, shared_prefix=20, max_len=70)
-    refs = [hf_greedy(hf, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    prompts, refs = prompts_and_references(path, MAX_TOKENS, seed=5, shared_prefix=20, max_len=70)
     return str(path), prompts, refs
 
 
