@@ -50,7 +50,7 @@ from gapless.config import EngineConfig
 from gapless.engine.batch import ForwardBatch
 from gapless.engine.runner import ModelRunner
 from gapless.tensors import dataclass_to_device
-from gapless.testing.checkpoints import SIZES
+from gapless.testing.checkpoints import SIZES, cached_checkpoint
 
 HEADER = (
     "tokens",
@@ -223,17 +223,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return cli.take_engine_options(ap, ap.parse_args(argv))
 
 
-def _model(args: argparse.Namespace) -> Path:
-    if args.model:
-        return Path(args.model)
-    from gapless.testing import cached_checkpoint
-
-    return cached_checkpoint("qwen3", size=args.size)
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = _parse_args(argv)
-    path = _model(args)
+    path = Path(args.model) if args.model else cached_checkpoint("qwen3", size=args.size)
     most = max(args.tokens)
     options: dict[str, Any] = dict(
         device=args.device,
