@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from gapless.config import EngineConfig
 from gapless.engine.chat_template import Message, render_chat
 from gapless.engine.engine import Engine, EngineShutDown
+from gapless.engine.heap import frozen_heap
 from gapless.engine.prompt_logprobs import Logprob, prompt_logprobs_output
 from gapless.engine.request import Req
 from gapless.sampling_params import SamplingParams
@@ -123,12 +124,17 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        """Queue the validated prompts and step the engine until all of them are finished."""
+        """Queue the validated prompts and step the engine until all of them are finished. The heap the
+        caller's process held before is frozen meanwhile (`frozen_heap`): the collections the run's own
+        objects set off do not walk it."""
         for p in params:  # a grammar that cannot compile refuses the call before any of it is queued
             self.engine.check_params(p)
         reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, params)]
         try:
-            with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm, unit="req") as bar:
+            with (
+                frozen_heap(),
+                tqdm(total=len(reqs), desc="generate", disable=not use_tqdm, unit="req") as bar,
+            ):
                 while self.engine.has_unfinished():
                     done = sum(r.finished for r in self.engine.step())
                     bar.update(done)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from gapless.bench.workload import Workload
+from gapless.engine.heap import gc_pauses
 
 # The warm-up both engines get by default: two short prompts, four tokens each.
 WARMUP = Workload([[1, 2, 3], [4, 5, 6, 7, 8]], [4, 4])
@@ -199,6 +200,7 @@ def run_gapless(
         before = dataclasses.replace(llm.engine.stats)
         prof = cProfile.Profile() if profile else None
         gc.collect()
+        gc_before = gc_pauses().pause_s
         _sync(llm.engine.info.device)
         with OtherLoad() as others:
             t0 = time.perf_counter()
@@ -211,6 +213,7 @@ def run_gapless(
             wall = time.perf_counter() - t0
         stats = _stats_delta(llm.engine.stats, before)
         meter = _meter(llm)
+        meter["gc_pause_s"] = gc_pauses().pause_s - gc_before  # this process's collections meanwhile
         info = dataclasses.asdict(llm.engine.info)
         runner = llm.engine.runner  # None when the device side runs in its own process
         backend = type(getattr(runner, "backend", None)).__name__ if runner is not None else None

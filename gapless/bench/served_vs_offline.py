@@ -18,7 +18,7 @@ Each process layout in `--layouts` (`gapless.server.layout`) is served in turn, 
 offline is taken at); `--rounds` repeats the lot, alternating, so the machine's drift hits every mode
 alike. Besides tokens/s each served run reports what its hops sent (`/debug/state`'s `hop_*` counters):
 messages per hop and request updates per message; and every run, offline too, the scheduler's host ms per
-decode step and the device's idle share, from the engine meter's counters around the run
+decode step, the device's idle share and the cycle collector's pauses, from the counters around the run
 (`meter_figures`), and each server process's CPU per output token (`process_cpu_s`).
 """
 
@@ -116,19 +116,29 @@ def _hops(state: dict[str, Any]) -> dict[str, int]:
     return {k: v for k, v in state.items() if k.startswith("hop_")}
 
 
-METER_COUNTERS = ("decode_host_s", "decode_steps", "device_busy_s", "device_idle_s")
+METER_COUNTERS = (
+    "decode_host_s",
+    "decode_steps",
+    "device_busy_s",
+    "device_idle_s",
+    "gc_pause_s",
+    "api_gc_pause_s",
+)
 
 
 def meter_figures(counters: dict[str, Any]) -> dict[str, float | None]:
-    """The scheduler's host ms per decode step and the device's idle share (gaps between jobs while
-    requests were pending), from the engine meter's counters over a run (`METER_COUNTERS`; None where
-    the run had none). Served and offline side by side, they say whether serving slows the host's step
-    (and so leaves the device waiting) or only the hops after it."""
+    """The scheduler's host ms per decode step, the device's idle share (gaps between jobs while
+    requests were pending) and the time the cycle collector stopped the scheduler's process and the API
+    server (`gapless.engine.heap`), from the counters over a run (`METER_COUNTERS`; None where the run had
+    none: offline has no API server). Served and offline side by side, they say whether serving slows the
+    host's step (and so leaves the device waiting) or only the hops after it."""
     steps = counters.get("decode_steps", 0)
     busy, idle = counters.get("device_busy_s", 0.0), counters.get("device_idle_s", 0.0)
     return dict(
         host_ms_per_decode_step=1e3 * counters.get("decode_host_s", 0.0) / steps if steps else None,
         device_idle=idle / (busy + idle) if busy + idle > 0 else None,
+        gc_pause_s=counters.get("gc_pause_s"),
+        api_gc_pause_s=counters.get("api_gc_pause_s"),
     )
 
 
@@ -221,7 +231,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for mode, c in modes:
         tok_s = [x for k in rounds if (x := rate(mode, c, k)) is not None]
         row: dict[str, Any] = dict(mode=mode, concurrency=c, output_tokens_per_s=_median(tok_s))
-        for figure in ("host_ms_per_decode_step", "device_idle"):
+        for figure in ("host_ms_per_decode_step", "device_idle", "gc_pause_s", "api_gc_pause_s"):
             values = [r.get(figure) for r in runs if r["mode"] == mode and r.get("concurrency") == c]
             row[figure] = _median([v for v in values if v is not None])
         if mode != "offline":
@@ -259,6 +269,8 @@ def format_report(rows: list[dict[str, Any]], first_layout: str) -> str:
         "updates/message",
         "host ms/decode step",
         "device idle",
+        "GC pause s: scheduler",
+        "API",
     )
     table = [
         (
@@ -270,10 +282,12 @@ def format_report(rows: list[dict[str, Any]], first_layout: str) -> str:
             num(r.get("request_updates_per_message"), ".1f"),
             num(r.get("host_ms_per_decode_step"), ".3f"),
             num(r.get("device_idle"), ".1%"),
+            num(r.get("gc_pause_s"), ".3f"),
+            num(r.get("api_gc_pause_s"), ".3f"),
         )
         for r in rows
     ]
-    lines = cli.markdown_table(header, table, "llrrrrrr")
+    lines = cli.markdown_table(header, table, "llrrrrrrrr")
     served = [r for r in rows if r.get("cpu_us_per_token")]
     names = list(dict.fromkeys(k for r in served for k in r["cpu_us_per_token"]))
     if names:  # what each server process spends per output token: on a GPU machine, the share of a core

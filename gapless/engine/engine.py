@@ -30,6 +30,7 @@ from gapless.config import EngineConfig
 from gapless.engine import prompt_logprobs
 from gapless.engine.detokenize import detokenize
 from gapless.engine.grammar import Grammars, check_logit_bias
+from gapless.engine.heap import gc_pauses
 from gapless.engine.preflight import check_engine_config
 from gapless.engine.request import Req
 from gapless.engine.runner import ModelRunner
@@ -56,6 +57,7 @@ class Engine:
             )
         # the model as local files (a path, a built-in name or a Hugging Face id), checked before it loads
         self.cfg = cfg = check_engine_config(cfg)[0]
+        gc_pauses()  # counting from here
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)
         # what a request's unset sampling knobs take (`add_request`): the checkpoint's, unless
         # generation_config says otherwise
@@ -229,13 +231,15 @@ class Engine:
 
     def get_stats(self) -> dict[str, float | int]:
         """Every `EngineStats` figure under its own name (tokens, batches, steps, device busy and idle
-        time, ...), with the queue and KV pool as they are now."""
+        time, ...), with the queue and KV pool as they are now, and this process's cycle-collector pauses
+        (`gc_*`, `gapless.engine.heap`: counted from the first engine on)."""
         sched = self.scheduler
         return {
             "running_requests": sched.queues.num_active(),
             "waiting_requests": len(sched.queues.waiting),
             **sched.kv.usage(),
             **sched.stats.as_dict(),
+            **gc_pauses().figures(),
         }
 
     def check_integrity(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from gapless.engine.heap import gc_pauses
 from gapless.server import protocol as P
 from gapless.server.health import Health
 from gapless.server.metrics import Metrics, RequestClock
@@ -113,6 +114,7 @@ class EngineClient:
         self.last_stats_at: list[float | None] = [None] * self.replicas
         self._tickets = itertools.count()
         self.hops = {"hop_api_deltas_in": 0, "hop_api_delta_records": 0}  # what the detokenizer sent here
+        gc_pauses()  # counting from here
         health.on_fatal(self._fail_open_requests)
 
     def send(self, msg: P.Message) -> None:
@@ -150,7 +152,8 @@ class EngineClient:
             for rid in msg.rids:
                 self._deliver(rid, P.ReqError(rid, msg.message, msg.status, msg.param), now)
         elif isinstance(msg, P.StatsOut):
-            stats = {**msg.stats, **self.hops}
+            # this process's figures beside the replica's: what the detokenizer sent, what collections cost
+            stats = {**msg.stats, **self.hops, **gc_pauses().figures("api_")}
             replica = int(msg.stats.get("replica", 0))
             self.last_stats[replica], self.last_stats_at[replica] = stats, time.monotonic()
             wait = self.stats_waiters.get(msg.ticket)

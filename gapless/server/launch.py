@@ -43,6 +43,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from gapless.config import EngineConfig, add_engine_args, add_model_args, add_option, config_from_args
+from gapless.engine.heap import frozen_heap
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.health import Health
 from gapless.server.layout import LAYOUTS, MIN_CORES_FOR_SPLIT, worker_stages
@@ -402,7 +403,8 @@ async def _serve(
 
     tasks = [asyncio.create_task(t) for t in (client.receive_loop(), watchdog(), announce())]
     try:
-        await server.serve(sockets=[listener])
+        with frozen_heap(collect=True):  # what start-up built lives as long as the process
+            await server.serve(sockets=[listener])
     finally:
         for t in tasks:
             t.cancel()

@@ -33,6 +33,7 @@ import msgspec
 import zmq
 
 from gapless.config import EngineConfig
+from gapless.engine.heap import frozen_heap
 from gapless.server import protocol as P
 from gapless.server.logs import LOG_LEVEL_ENV, StatsLog, configure_logging
 from gapless.server.openai_protocol import prompt_too_long
@@ -434,12 +435,14 @@ def scheduler_main(
             ready = P.SchedulerInfo(
                 info.max_context, info.kv_tokens, info.device, info.vocab_size, info.chunked_prefill_size
             )
-            socks.send("api", P.Ready(name, ready))
             report = None
             if replicas > 1:
-                socks.send("tokenizer", P.ReplicaReport(replica, [], kv_tokens=info.kv_tokens))
                 report = lambda done: socks.send("tokenizer", P.ReplicaReport(replica, done))  # noqa: E731
-            _SchedulerLoop(engine, socks, opts, replica, report).run()
+            with frozen_heap(collect=True):  # what start-up built lives as long as the process
+                socks.send("api", P.Ready(name, ready))
+                if replicas > 1:
+                    socks.send("tokenizer", P.ReplicaReport(replica, [], kv_tokens=info.kv_tokens))
+                _SchedulerLoop(engine, socks, opts, replica, report).run()
         finally:
             engine.shutdown()
 
@@ -645,17 +648,18 @@ def text_worker_main(
         router = Router(len(ends.schedulers), load_balance_method)
         tok = _TokenizerStage(_Tokenizer(hf_tokenizer), socks, router) if tokenize else None
         detok = DetokenizerStage(hf_tokenizer, socks) if detokenize else None
-        socks.send("api", P.Ready(name))
-        while True:
-            msg = socks.poll(tok.poll_ms() if tok is not None else IDLE_POLL_MS)
-            if msg is not None:
-                if detok is not None and (tok is None or isinstance(msg, _FROM_SCHEDULER)):
-                    detok.take(msg)
-                else:
-                    assert tok is not None
-                    tok.take(msg)
-            if tok is not None:
-                tok.drain()
+        with frozen_heap(collect=True):  # what start-up built lives as long as the process
+            socks.send("api", P.Ready(name))
+            while True:
+                msg = socks.poll(tok.poll_ms() if tok is not None else IDLE_POLL_MS)
+                if msg is not None:
+                    if detok is not None and (tok is None or isinstance(msg, _FROM_SCHEDULER)):
+                        detok.take(msg)
+                    else:
+                        assert tok is not None
+                        tok.take(msg)
+                if tok is not None:
+                    tok.drain()
 
     _run_worker(name, parent_pid, lambda: _Sockets(binds, push), body)
 

@@ -42,27 +42,49 @@ def test_ratios_are_per_round_then_the_median():
     assert "| merged | all | 72.0 | 0.945 | 1.113 | 8.0 | - | - |" in report, report
 
 
-def test_host_step_and_device_idle_come_from_the_meters_counters_over_each_run():
-    """Served runs take the difference of /debug/state's meter counters around the run, offline ones the
-    meter of their own engine; the table shows each mode's median over the rounds beside its tokens/s."""
+def test_host_step_device_idle_and_gc_pauses_come_from_the_counters_over_each_run():
+    """Served runs take the difference of /debug/state's counters around the run, offline ones the meter
+    of their own engine; the table shows each mode's median over the rounds beside its tokens/s."""
     figures = bench.meter_figures(
-        {"decode_host_s": 0.05, "decode_steps": 100, "device_busy_s": 0.9, "device_idle_s": 0.1}
+        {
+            "decode_host_s": 0.05,
+            "decode_steps": 100,
+            "device_busy_s": 0.9,
+            "device_idle_s": 0.1,
+            "gc_pause_s": 0.25,
+            "api_gc_pause_s": 0.5,
+        }
     )
-    assert figures == pytest.approx({"host_ms_per_decode_step": 0.5, "device_idle": 0.1})
-    assert bench.meter_figures({}) == {"host_ms_per_decode_step": None, "device_idle": None}
+    assert figures == pytest.approx(
+        {"host_ms_per_decode_step": 0.5, "device_idle": 0.1, "gc_pause_s": 0.25, "api_gc_pause_s": 0.5}
+    )
+    assert bench.meter_figures({}) == dict.fromkeys(figures)
     runs = [
-        dict(_run(0, "offline", 100.0), host_ms_per_decode_step=0.4, device_idle=0.02),
-        dict(_run(0, "merged", 80.0, 0), host_ms_per_decode_step=0.6, device_idle=0.2),
-        dict(_run(1, "offline", 100.0), host_ms_per_decode_step=0.5, device_idle=0.04),
-        dict(_run(1, "merged", 80.0, 0), host_ms_per_decode_step=0.9, device_idle=None),
+        dict(_run(0, "offline", 100.0), host_ms_per_decode_step=0.4, device_idle=0.02, gc_pause_s=0.1),
+        dict(
+            _run(0, "merged", 80.0, 0),
+            host_ms_per_decode_step=0.6,
+            device_idle=0.2,
+            gc_pause_s=0.0,
+            api_gc_pause_s=0.3,
+        ),
+        dict(_run(1, "offline", 100.0), host_ms_per_decode_step=0.5, device_idle=0.04, gc_pause_s=0.2),
+        dict(
+            _run(1, "merged", 80.0, 0),
+            host_ms_per_decode_step=0.9,
+            device_idle=None,
+            gc_pause_s=0.02,
+            api_gc_pause_s=0.5,
+        ),
     ]
     rows = {r["mode"]: r for r in bench.summarize(runs)}
     assert rows["offline"]["host_ms_per_decode_step"] == pytest.approx(0.45)
     assert rows["merged"]["host_ms_per_decode_step"] == pytest.approx(0.75)
     assert rows["merged"]["device_idle"] == pytest.approx(0.2)  # a run without the figure is left out
+    assert rows["merged"]["api_gc_pause_s"] == pytest.approx(0.4)
     report = bench.format_report(list(rows.values()), "merged")
-    assert "| offline | - | 100.0 | - | - | - | 0.450 | 3.0% |" in report, report
-    assert "| merged | all | 80.0 | 0.800 | 1.000 | 8.0 | 0.750 | 20.0% |" in report, report
+    assert "| offline | - | 100.0 | - | - | - | 0.450 | 3.0% | 0.150 | - |" in report, report
+    assert "| merged | all | 80.0 | 0.800 | 1.000 | 8.0 | 0.750 | 20.0% | 0.010 | 0.400 |" in report, report
 
 
 @pytest.mark.parametrize(

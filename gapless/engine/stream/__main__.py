@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from gapless.config import EngineConfig
+from gapless.engine.heap import frozen_heap
 from gapless.engine.stream.chaos import device_side, make_runner
 from gapless.engine.stream.inline import InlineStream
 
@@ -32,18 +33,19 @@ def _device_main(conn: Connection, cfg: EngineConfig, threads: int | None, cpus:
     except BaseException as e:  # noqa: BLE001
         _send_error(conn, e)
         return
-    conn.send_bytes(pickle.dumps(("ready", jobs.info)))
-    while True:
-        msg = pickle.loads(conn.recv_bytes())  # EOF when the host is gone: the process ends
-        if msg[0] == "stop":
-            return
-        _, job_id, batch = msg
-        try:
-            tokens, timing = jobs.submit(batch).result()
-            conn.send_bytes(pickle.dumps(("done", job_id, tokens, timing.start, timing.end)))
-        except BaseException as e:  # noqa: BLE001
-            _send_error(conn, e)
-            return
+    with frozen_heap(collect=True):  # what start-up built lives as long as the process
+        conn.send_bytes(pickle.dumps(("ready", jobs.info)))
+        while True:
+            msg = pickle.loads(conn.recv_bytes())  # EOF when the host is gone: the process ends
+            if msg[0] == "stop":
+                return
+            _, job_id, batch = msg
+            try:
+                tokens, timing = jobs.submit(batch).result()
+                conn.send_bytes(pickle.dumps(("done", job_id, tokens, timing.start, timing.end)))
+            except BaseException as e:  # noqa: BLE001
+                _send_error(conn, e)
+                return
 
 
 def _send_error(conn: Connection, e: BaseException) -> None:

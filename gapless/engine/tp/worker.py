@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from gapless.config import EngineConfig
+from gapless.engine.heap import frozen_heap
 from gapless.engine.runner import pick_device
 from gapless.engine.stream.__main__ import _device_main, _send_error
 from gapless.engine.stream.chaos import make_runner
@@ -76,11 +77,12 @@ def _follow(conn: Connection, cfg: EngineConfig, group: parallel.TPGroup) -> Non
     """A rank other than 0: build the runner, then run each broadcast job until the stop."""
     try:
         runner = make_runner(cfg)
-        while True:
-            msg = pickle.loads(group.broadcast_bytes(None))
-            if msg[0] == "stop":
-                return
-            runner.run(msg[2])
+        with frozen_heap(collect=True):  # what start-up built lives as long as the process
+            while True:
+                msg = pickle.loads(group.broadcast_bytes(None))
+                if msg[0] == "stop":
+                    return
+                runner.run(msg[2])
     except BaseException as e:  # noqa: BLE001 - handed to the process that started this rank
         _send_error(conn, e)
 
