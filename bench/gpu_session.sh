@@ -22,33 +22,43 @@
 #           (issues 10 and 11: tok/s, GPU idle, host and device ms per step)
 #   serve   the host step at 256 running requests (`gapless.bench.host`, issue 10's <= 1.5 ms per decode
 #           step), served vs offline throughput of one workload (`gapless.bench.served_vs_offline`,
-#           >= 0.9, with each server process's CPU per output token), the scoring path
-#           (`gapless.bench.scoring`) and the detokenizer per step (`gapless.bench.detokenize`)
+#           >= 0.9: nano-vllm's lengths, 512 requests at once, a small model whose steps are short, with
+#           each server process's CPU per output token and the collector's pauses) with uvloop and
+#           httptools (.whl/fast) and again served without them, and the detokenizer per step
+#           (`gapless.bench.detokenize`)
 #   prefill whether prefill launches cost less than the GPU work they launch (issue 10 item 2): one
 #           forward's launch time against its GPU work and a CUDA graph's (`gapless.bench.prefill_launch`,
 #           Qwen3-0.6B's shape, 128 to 16,384 tokens: fused kernels, the piecewise prefill graphs up to
 #           512 tokens, torch ops), then the host bench with 1,024-token prompts and one output token,
 #           chunks of 16,384 and 2,048 tokens: host ms per prefill step beside device ms per job
 #   suite   the whole test suite on the GPU machine, 8 workers (pytest-xdist is installed there), with
-#           CUDA present: the parity, overlap and server suites on the device they are meant for
+#           CUDA present: the parity, overlap and server suites on the device they are meant for; then the
+#           scoring path (`gapless.bench.scoring`)
 # The device has torch, triton and transformers but no package index: `serve` and the server tests need
-# the wheels `bench/gpu_wheels.sh` downloads here into .whl/ (run it first; ~7 MB), carried with
-# carry=[".whl"]; they are installed into /tmp/gapless-site for the part. Each step has its own timeout,
+# the wheels `bench/gpu_wheels.sh` downloads here into .whl/ (run it first; ~12 MB), carried with
+# carry=[".whl"]; they are installed into /tmp/gapless-site for the part (.whl/fast/ into
+# /tmp/gapless-fast, for the one step that asks for it). Each step has its own timeout,
 # so a slow step leaves the later ones their time and everything finished is in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in tests | bench | serve | prefill | suite) ;; *) sed -n 2,34p "$0"; exit 2 ;; esac
+case "$part" in tests | bench | serve | prefill | suite) ;; *) sed -n 2,41p "$0"; exit 2 ;; esac
 OUT=${OUT:-bench/results/gpu_session}
 dir="$OUT/$part"
 mkdir -p "$dir"
 PY=${PY:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
+install() {  # $1: a target directory, the rest: wheels
+  local target=$1
+  shift
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$@"
+}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gapless-site \
-    .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gapless-site"
+  install /tmp/gapless-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gapless-site"
 fi
+FAST=  # uvloop and httptools, on PYTHONPATH only where a step asks for them
+if ls .whl/fast/*.whl >/dev/null 2>&1 && install /tmp/gapless-fast .whl/fast/*.whl; then FAST=/tmp/gapless-fast; fi
 
 {
   echo "== date: $(date -u +%FT%TZ)"
@@ -60,6 +70,7 @@ fi
   for m in fastapi uvicorn zmq msgspec xgrammar flashinfer; do
     "$PY" -c "import $m; print('$m', getattr($m, '__version__', 'ok'))" 2>/dev/null || echo "$m: missing"
   done
+  echo "uvloop and httptools for the serve part: ${FAST:-missing (bash bench/gpu_wheels.sh, carry .whl)}"
 } 2>&1 | tee "$dir/env.log"
 
 step() {  # $1: seconds, $2: log name, the rest: the command
@@ -89,10 +100,14 @@ case "$part" in
     OUT="$dir" GPU_BENCH_TIMEOUT=${GPU_BENCH_TIMEOUT:-560} bash bench/gpu_bench.sh
     ;;
   serve)
-    step 200 host "$PY" -m gapless.bench.host --rounds 3 --engine-option device=cuda --json "$dir/host.json"
-    step 240 served_vs_offline "$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 \
-      --size bench --json "$dir/served_vs_offline.json"
-    step 120 scoring "$PY" -m gapless.bench.scoring --device cuda --out "$dir/scoring.json"
+    step 170 host "$PY" -m gapless.bench.host --rounds 3 --engine-option device=cuda --json "$dir/host.json"
+    served=("$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 --size bench --layouts auto
+      --num-seqs 512 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024)
+    # the server as vLLM and SGLang users run it (uvloop and httptools), with the offline run for the ratio;
+    # then without them, served only (to compare its tok/s and the API server's CPU per token)
+    step 220 served_vs_offline env PYTHONPATH="$PYTHONPATH${FAST:+:$FAST}" "${served[@]}" \
+      --json "$dir/served_vs_offline.json"
+    step 150 served_asyncio_h11 "${served[@]}" --skip-offline --json "$dir/served_asyncio_h11.json"
     # the tokenizers library decodes a batch on all cores by default (the server's detokenizer does); on
     # 2 cores one thread was faster: both, to choose
     for par in true false; do
@@ -118,7 +133,8 @@ case "$part" in
     done
     ;;
   suite)
-    step 540 suite "$PY" -m pytest -q -n 8 -p no:cacheprovider tests
+    step 470 suite "$PY" -m pytest -q -n 8 -p no:cacheprovider tests
+    step 110 scoring "$PY" -m gapless.bench.scoring --device cuda --out "$dir/scoring.json"
     ;;
 esac
 echo "gpu_session $part: files in $dir"

@@ -4,7 +4,9 @@
 # `bench/gpu_session.sh` (carry=[".whl"]) can install them there: the server's stack (fastapi, uvicorn,
 # pyzmq, msgspec, pydantic, opentelemetry-api, which fastapi 0.165 imports), the `openai` client the
 # server tests drive it with, gguf and prometheus-client. The pins are the versions the CPU suite runs
-# with. ~7 MB, under the device tool's 64 MiB carry limit; .whl/ is kept out of git (.git/info/exclude).
+# with. Apart, in .whl/fast/: uvloop and httptools, which uvicorn uses when they are installed (vLLM and
+# SGLang install them), for `gpu_session.sh serve` to serve with and without. ~12 MB, under the device
+# tool's 64 MiB carry limit; .whl/ is kept out of git (.git/info/exclude).
 #
 #   bash bench/gpu_wheels.sh [EXTRA==VERSION ...]     # e.g. xgrammar==0.2.8 for the grammar tests
 set -euo pipefail
@@ -22,5 +24,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manyl
   typing-inspection==0.4.5 uvicorn==0.54.0 pyzmq==27.3.0 msgspec==0.22.0 opentelemetry-api==1.45.2 \
   importlib-metadata==10.2.0 zipp==4.1.2 openai==3.54.0 jiter==0.19.0 distro==1.9.0 gguf==0.19.0 \
   prometheus-client==0.26.0 "$@"
-ls .whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" -d .whl/fast uvloop==0.23.0 httptools==0.9.0
+ls .whl .whl/fast
 du -sh .whl
