@@ -93,7 +93,7 @@ def run_mode(
     return ms, ["".join(parts) for parts in texts]
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=cli.positive_int, default=256, help="streams per step")
     ap.add_argument("--steps", type=cli.positive_int, default=256, help="steps per run")
@@ -105,7 +105,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--tokenizer", default=None, help="a Hugging Face tokenizer (path or id); default: built-in"
     )
     ap.add_argument("--json", default=None, help="write the figures here")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = _parse_args(argv)
 
     if args.tokenizer is None:
         from gapless.testing import build_tokenizer
