@@ -23,9 +23,9 @@
 #   serve   the host step at 256 running requests (`gapless.bench.host`, issue 10's <= 1.5 ms per decode
 #           step), served vs offline throughput of one workload (`gapless.bench.served_vs_offline`,
 #           >= 0.9: nano-vllm's lengths, 512 requests at once, a small model whose steps are short, with
-#           each server process's CPU per output token and the collector's pauses) with uvloop and
-#           httptools (.whl/fast) and again served without them, and the detokenizer per step
-#           (`gapless.bench.detokenize`)
+#           each server process's CPU per output token and the collector's pauses), served again with
+#           uvloop and httptools hidden (asyncio and h11: what they save on this machine), and the
+#           detokenizer per step (`gapless.bench.detokenize`)
 #   prefill whether prefill launches cost less than the GPU work they launch (issue 10 item 2): one
 #           forward's launch time against its GPU work and a CUDA graph's (`gapless.bench.prefill_launch`,
 #           Qwen3-0.6B's shape, 128 to 16,384 tokens: fused kernels, the piecewise prefill graphs up to
@@ -36,13 +36,12 @@
 #           scoring path (`gapless.bench.scoring`)
 # The device has torch, triton and transformers but no package index: `serve` and the server tests need
 # the wheels `bench/gpu_wheels.sh` downloads here into .whl/ (run it first; ~12 MB), carried with
-# carry=[".whl"]; they are installed into /tmp/gapless-site for the part (.whl/fast/ into
-# /tmp/gapless-fast, for the one step that asks for it). Each step has its own timeout,
+# carry=[".whl"]; they are installed into /tmp/gapless-site for the part. Each step has its own timeout,
 # so a slow step leaves the later ones their time and everything finished is in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in tests | bench | serve | prefill | suite) ;; *) sed -n 2,41p "$0"; exit 2 ;; esac
+case "$part" in tests | bench | serve | prefill | suite) ;; *) sed -n 2,40p "$0"; exit 2 ;; esac
 OUT=${OUT:-bench/results/gpu_session}
 dir="$OUT/$part"
 mkdir -p "$dir"
@@ -57,8 +56,11 @@ install() {  # $1: a target directory, the rest: wheels
 if ls .whl/*.whl >/dev/null 2>&1; then
   install /tmp/gapless-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gapless-site"
 fi
-FAST=  # uvloop and httptools, on PYTHONPATH only where a step asks for them
-if ls .whl/fast/*.whl >/dev/null 2>&1 && install /tmp/gapless-fast .whl/fast/*.whl; then FAST=/tmp/gapless-fast; fi
+# a directory that hides uvloop and httptools when put first on PYTHONPATH (their import fails, as where
+# they are not installed): for the serve part's run on asyncio and h11
+HIDE=/tmp/gapless-hide
+mkdir -p "$HIDE"
+for m in uvloop httptools; do echo "raise ImportError('hidden by gpu_session.sh')" >"$HIDE/$m.py"; done
 
 {
   echo "== date: $(date -u +%FT%TZ)"
@@ -70,7 +72,9 @@ if ls .whl/fast/*.whl >/dev/null 2>&1 && install /tmp/gapless-fast .whl/fast/*.w
   for m in fastapi uvicorn zmq msgspec xgrammar flashinfer; do
     "$PY" -c "import $m; print('$m', getattr($m, '__version__', 'ok'))" 2>/dev/null || echo "$m: missing"
   done
-  echo "uvloop and httptools for the serve part: ${FAST:-missing (bash bench/gpu_wheels.sh, carry .whl)}"
+  for m in uvloop httptools; do
+    "$PY" -c "import $m; print('$m', getattr($m, '__version__', 'ok'))" 2>/dev/null || echo "$m: missing"
+  done
 } 2>&1 | tee "$dir/env.log"
 
 step() {  # $1: seconds, $2: log name, the rest: the command
@@ -103,11 +107,11 @@ case "$part" in
     step 170 host "$PY" -m gapless.bench.host --rounds 3 --engine-option device=cuda --json "$dir/host.json"
     served=("$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 --size bench --layouts auto
       --num-seqs 512 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024)
-    # the server as vLLM and SGLang users run it (uvloop and httptools), with the offline run for the ratio;
-    # then without them, served only (to compare its tok/s and the API server's CPU per token)
-    step 220 served_vs_offline env PYTHONPATH="$PYTHONPATH${FAST:+:$FAST}" "${served[@]}" \
-      --json "$dir/served_vs_offline.json"
-    step 150 served_asyncio_h11 "${served[@]}" --skip-offline --json "$dir/served_asyncio_h11.json"
+    # the server as installed (uvloop and httptools), with the offline run for the ratio; then with them
+    # hidden, served only (to compare its tok/s and the API server's CPU per token)
+    step 220 served_vs_offline "${served[@]}" --json "$dir/served_vs_offline.json"
+    step 150 served_asyncio_h11 env PYTHONPATH="$HIDE:$PYTHONPATH" "${served[@]}" --skip-offline \
+      --json "$dir/served_asyncio_h11.json"
     # the tokenizers library decodes a batch on all cores by default (the server's detokenizer does); on
     # 2 cores one thread was faster: both, to choose
     for par in true false; do

@@ -3,10 +3,9 @@
 # httpx and no package index), downloaded here into .whl/ for Python 3.12 on x86-64 Linux, so that
 # `bench/gpu_session.sh` (carry=[".whl"]) can install them there: the server's stack (fastapi, uvicorn,
 # pyzmq, msgspec, pydantic, opentelemetry-api, which fastapi 0.165 imports), the `openai` client the
-# server tests drive it with, gguf and prometheus-client. The pins are the versions the CPU suite runs
-# with. Apart, in .whl/fast/: uvloop and httptools, which uvicorn uses when they are installed (vLLM and
-# SGLang install them), for `gpu_session.sh serve` to serve with and without. ~12 MB, under the device
-# tool's 64 MiB carry limit; .whl/ is kept out of git (.git/info/exclude).
+# server tests drive it with, gguf and prometheus-client, uvloop and httptools. The pins are the versions
+# the CPU suite runs with. ~12 MB, under the device tool's 64 MiB carry limit; .whl/ is kept out of git
+# (.git/info/exclude).
 #
 #   bash bench/gpu_wheels.sh [EXTRA==VERSION ...]     # e.g. xgrammar==0.2.8 for the grammar tests
 set -euo pipefail
@@ -23,8 +22,6 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manyl
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 \
   typing-inspection==0.4.5 uvicorn==0.54.0 pyzmq==27.3.0 msgspec==0.22.0 opentelemetry-api==1.45.2 \
   importlib-metadata==10.2.0 zipp==4.1.2 openai==3.54.0 jiter==0.19.0 distro==1.9.0 gguf==0.19.0 \
-  prometheus-client==0.26.0 "$@"
-"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d .whl/fast uvloop==0.23.0 httptools==0.9.0
-ls .whl .whl/fast
+  prometheus-client==0.26.0 uvloop==0.23.0 httptools==0.9.0 "$@"
+ls .whl
 du -sh .whl
