@@ -19,7 +19,8 @@ offline is taken at); `--rounds` repeats the lot, alternating, so the machine's 
 alike. Besides tokens/s each served run reports what its hops sent (`/debug/state`'s `hop_*` counters):
 messages per hop and request updates per message; and every run, offline too, the scheduler's host ms per
 decode step, the device's idle share and the cycle collector's pauses, from the counters around the run
-(`meter_figures`), and each server process's CPU per output token (`process_cpu_s`).
+(`meter_figures`), and each server process's CPU per output token and share of a core over the run
+(`process_cpu_s`): a process near a whole core is what the others wait on.
 """
 
 from __future__ import annotations
@@ -204,6 +205,7 @@ def run_served(
                     hops=hops,
                     **meter,
                     cpu_us_per_token={k: v * 1e6 / summary["output_tokens"] for k, v in cpu.items()},
+                    cores_busy={k: v / summary["duration_s"] for k, v in cpu.items()},
                 )
             )
     finally:
@@ -245,13 +247,12 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 hops[-1].get("hop_scheduler_request_updates", 0),
             )
             row["request_updates_per_message"] = updates / msgs if msgs else None
-            per_token = [
-                r.get("cpu_us_per_token", {}) for r in runs if r["mode"] == mode and r.get("concurrency") == c
-            ]
-            row["cpu_us_per_token"] = {
-                name: _median([p[name] for p in per_token if name in p])
-                for name in dict.fromkeys(k for p in per_token for k in p)
-            }
+            for figure in ("cpu_us_per_token", "cores_busy"):  # per process: the median of the rounds
+                per_run = [r.get(figure, {}) for r in runs if r["mode"] == mode and r.get("concurrency") == c]
+                row[figure] = {
+                    name: _median([p[name] for p in per_run if name in p])
+                    for name in dict.fromkeys(k for p in per_run for k in p)
+                }
         rows.append(row)
     return rows
 
@@ -288,22 +289,28 @@ def format_report(rows: list[dict[str, Any]], first_layout: str) -> str:
         for r in rows
     ]
     lines = cli.markdown_table(header, table, "llrrrrrrrr")
-    served = [r for r in rows if r.get("cpu_us_per_token")]
-    names = list(dict.fromkeys(k for r in served for k in r["cpu_us_per_token"]))
-    if names:  # what each server process spends per output token: on a GPU machine, the share of a core
-        lines += ["", "CPU µs per output token, by process (the scheduler's includes the model on a CPU):"]
-        lines += cli.markdown_table(
-            ("mode", "max concurrency", *names),
-            [
-                (
-                    r["mode"],
-                    r["concurrency"] or "all",
-                    *(num(r["cpu_us_per_token"].get(n), ".1f") for n in names),
-                )
-                for r in served
-            ],
-            "ll" + "r" * len(names),
-        )
+    titles = {
+        "cpu_us_per_token": (
+            "CPU µs per output token, by process (the scheduler's includes the model on a CPU):",
+            ".1f",
+        ),
+        # a process near 1.00 kept its core busy all run: what the others wait on, where the machine has
+        # a core per process (the GPU machine; on 2 cores they share them)
+        "cores_busy": ("Cores kept busy over the run, by process (CPU seconds / wall seconds):", ".2f"),
+    }
+    for figure, (title, fmt) in titles.items():
+        served = [r for r in rows if r.get(figure)]
+        names = list(dict.fromkeys(k for r in served for k in r[figure]))
+        if names:
+            lines += ["", title]
+            lines += cli.markdown_table(
+                ("mode", "max concurrency", *names),
+                [
+                    (r["mode"], r["concurrency"] or "all", *(num(r[figure].get(n), fmt) for n in names))
+                    for r in served
+                ],
+                "ll" + "r" * len(names),
+            )
     return "\n".join(lines)
 
 

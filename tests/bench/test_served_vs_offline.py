@@ -97,19 +97,31 @@ def test_bad_arguments_are_refused_by_name(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_cpu_per_token_is_the_median_per_process_and_reported():
+def test_cpu_per_token_and_cores_busy_are_the_median_per_process_and_reported():
     runs = [
-        dict(_run(0, "split", 90.0, 0), cpu_us_per_token={"api": 40.0, "scheduler": 100.0}),
-        dict(_run(1, "split", 80.0, 0), cpu_us_per_token={"api": 50.0, "scheduler": 120.0}),
-        dict(_run(2, "split", 70.0, 0), cpu_us_per_token={"api": 45.0, "scheduler": 90.0}),
+        dict(
+            _run(0, "split", 90.0, 0),
+            cpu_us_per_token={"api": 40.0, "scheduler": 100.0},
+            cores_busy={"api": 0.5, "scheduler": 0.9},
+        ),
+        dict(
+            _run(1, "split", 80.0, 0),
+            cpu_us_per_token={"api": 50.0, "scheduler": 120.0},
+            cores_busy={"api": 0.7, "scheduler": 1.0},
+        ),
+        dict(
+            _run(2, "split", 70.0, 0),
+            cpu_us_per_token={"api": 45.0, "scheduler": 90.0},
+            cores_busy={"api": 0.6, "scheduler": 0.8},
+        ),
     ]
     (row,) = bench.summarize(runs)
     assert row["cpu_us_per_token"] == {"api": 45.0, "scheduler": 100.0}
+    assert row["cores_busy"] == pytest.approx({"api": 0.6, "scheduler": 0.9})
     report = bench.format_report([row], "split")
-    assert (
-        "| mode | max concurrency | api | scheduler |" in report
-        and "| split | all | 45.0 | 100.0 |" in report
-    )
+    assert "| mode | max concurrency | api | scheduler |" in report
+    assert "| split | all | 45.0 | 100.0 |" in report
+    assert "| split | all | 0.60 | 0.90 |" in report
 
 
 def test_process_cpu_reads_a_process_tree_from_proc():
