@@ -56,6 +56,20 @@ def test_collect_first_freezes_no_garbage(unfrozen):
         assert dead() is None
 
 
+def test_the_start_up_freeze_is_counted_once_and_a_runs_not_at_all(unfrozen):
+    """`gc.get_freeze_count` walks every frozen object: the stats report the count taken when the start-up
+    freeze was made, not a new walk per stats request; a run's freeze (no collection) reports none."""
+    pauses = gc_pauses()
+    with frozen_heap(collect=True):
+        counted = pauses.figures()["gc_frozen_objects"]
+        assert counted >= gc.get_freeze_count() > 1000  # frozen objects may die since, none join
+        _kept = [_Node() for _ in range(10)]  # made after the freeze: not frozen, the count stands
+        assert pauses.figures()["gc_frozen_objects"] == counted
+    assert pauses.figures()["gc_frozen_objects"] == 0
+    with frozen_heap():
+        assert pauses.figures()["gc_frozen_objects"] == 0
+
+
 def test_nested_scopes_unfreeze_once_and_an_error_still_unfreezes(unfrozen):
     with pytest.raises(RuntimeError, match="boom"):
         with frozen_heap():
