@@ -45,7 +45,7 @@ from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.fused import use_fused_kernels
 from gapless.model.loader import load_model, resolve_dtype
-from gapless.sampling.fused import draw_kernel, penalty_kernel
+from gapless.sampling.fused import draw_kernel, nucleus_kernel, penalty_kernel
 from gapless.sampling.logprobs import PromptScores, score_prompt
 from gapless.sampling.mask import TokenMask
 from gapless.sampling.sampler import SampleOutput, Sampler, compute_logprobs
@@ -105,6 +105,7 @@ class ModelRunner:
         self.sampler = Sampler(mcfg.vocab_size, max_rows, self.device)
         self.sampler.draw_kernel = draw_kernel(cfg.fused_kernels, mcfg.vocab_size, self.device)
         self.sampler.penalty_kernel = penalty_kernel(cfg.fused_kernels, mcfg.vocab_size, self.device)
+        self.sampler.nucleus_kernel = nucleus_kernel(cfg.fused_kernels, mcfg.vocab_size, self.device)
         # One request-table row and token slot past the scheduler's rows, never handed out: padded decode
         # rows (CUDA graphs) and memory-measuring dummies use it. Its token slot always holds a valid id.
         self.pad_row = max_rows

@@ -1,14 +1,16 @@
 """Which implementations of the sampler's fused stages run: the Triton kernels or torch ops.
 
-`draw_kernel` (the seeded draw) and `penalty_kernel` (the penalties) follow the engine's `fused_kernels`
-choice ("auto", "torch", "triton", as `gapless.model.fused.use_fused_kernels` validates it), through one
-chooser (`_choose`): "auto" takes a kernel on CUDA only after it agrees with its torch path on a fixed
-batch of this vocabulary's size (`disagreement`: the draw (`gapless.sampling.triton_gumbel`) draws the
-tokens of `gapless.sampling.sampler.gumbel_argmax`, in both of its modes (logits scaled by the kernel, and
-scaled and filtered before it) and with greedy rows among them; `penalty_disagreement`: the penalties
-(`gapless.sampling.triton_penalties`) are bit for bit those of `gapless.sampling.sampler.apply_penalties`);
-on any error or disagreement it logs why and returns None (torch). Nothing here imports Triton before a
-choice needs it.
+`draw_kernel` (the seeded draw), `penalty_kernel` (the penalties) and `nucleus_kernel` (top-p without a
+sort) follow the engine's `fused_kernels` choice ("auto", "torch", "triton", as
+`gapless.model.fused.use_fused_kernels` validates it), through one chooser (`_choose`): "auto" takes a
+kernel on CUDA only after it agrees with its torch path on a fixed batch of this vocabulary's size
+(`disagreement`: the draw (`gapless.sampling.triton_gumbel`) draws the tokens of
+`gapless.sampling.sampler.gumbel_argmax`, in both of its modes (logits scaled by the kernel, and scaled and
+filtered before it) and with greedy rows among them; `penalty_disagreement`: the penalties
+(`gapless.sampling.triton_penalties`) are bit for bit those of `gapless.sampling.sampler.apply_penalties`;
+`nucleus_disagreement`: the nucleus floors (`gapless.sampling.triton_nucleus`) are the sort's on rows
+whose boundaries lie clear of rounding); on any error or disagreement it logs why and returns None
+(torch). Nothing here imports Triton before a choice needs it.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import torch
 
 from gapless.config import FUSED_KERNELS
 from gapless.sampling.sampler import (
+    NucleusKernel,
     PenaltyKernel,
     _bits_as_int32,
     _column_hashes,
+    _nucleus_floor,
     _row_keys,
     apply_penalties,
     gumbel_argmax,
@@ -98,6 +102,18 @@ def penalty_kernel(name: str, vocab_size: int, device: torch.device) -> PenaltyK
     )
 
 
+def nucleus_kernel(name: str, vocab_size: int, device: torch.device) -> NucleusKernel | None:
+    """The sort-free top-p floor for `Sampler.nucleus_kernel` under `fused_kernels=name`, or None (the
+    sort)."""
+    return _choose(
+        name,
+        device,
+        "gapless.sampling.triton_nucleus",
+        lambda kernels: kernels.nucleus_floor,
+        lambda kernel: nucleus_disagreement(kernel, vocab_size, device),
+    )
+
+
 def _fused_draw(
     kernel: Callable[..., torch.Tensor],
     logits: torch.Tensor,
@@ -160,4 +176,37 @@ def penalty_disagreement(kernel: PenaltyKernel, vocab_size: int, device: torch.d
             )
     except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
         return f"the Triton penalties failed: {type(e).__name__}: {e}"
+    return None
+
+
+def nucleus_rows(vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [6, vocab_size] and top_p [6] whose nuclei lie clear of rounding: each row's ten likeliest
+    tokens (at columns of its own) hold 0.99 x 1/2, 1/4, ... of the mass, the rest share what is left
+    (tied; every seventh masked to -inf), and each top_p falls mid-way between two cumulative sums, or past
+    the ten (the tied rest kept whole), or is 1 (no nucleus)."""
+    g = torch.Generator().manual_seed(0)
+    head = 0.99 * 0.5 ** torch.arange(1, 11, dtype=torch.float64)
+    rows = []
+    for _ in range(6):
+        probs = torch.full((vocab_size,), (1 - head.sum().item()) / (vocab_size - 10), dtype=torch.float64)
+        cols = torch.randperm(vocab_size, generator=g)
+        probs[cols[:10]] = head
+        logits = probs.log().float() + 3.0  # any shift: the rule reads probabilities
+        logits[cols[10::7]] = float("-inf")
+        rows.append(logits)
+    top_p = torch.tensor([0.3, 0.6, 0.8, 0.95, 0.999, 1.0])
+    return torch.stack(rows).to(device), top_p.to(device)
+
+
+def nucleus_disagreement(kernel: NucleusKernel, vocab_size: int, device: torch.device) -> str | None:
+    """None if `kernel` finds the sort's nucleus floor on `nucleus_rows`; else why not."""
+    try:
+        logits, top_p = nucleus_rows(vocab_size, device)
+        want = _nucleus_floor(logits.sort(dim=-1).values, top_p)
+        got = kernel(logits, top_p)
+        if not torch.equal(got, want):
+            got_list, want_list = got.flatten().tolist(), want.flatten().tolist()
+            return f"the Triton nucleus floors {got_list} differ from the sort's {want_list}"
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
+        return f"the Triton nucleus failed: {type(e).__name__}: {e}"
     return None

@@ -39,6 +39,8 @@ _UNIFORM_BITS = 23  # n + 0.5 with n < 2**23 is exact in float32, so u lies stri
 # many largest logits, on either path (`apply_top_k_top_p_partial`), so the rounding of the softmax and
 # cumulative sum behind a seeded draw does not depend on which path the row's batch took.
 PARTIAL_SORT_MAX_K = 1024
+# `triton_nucleus.nucleus_floor`'s signature: (logits [B, V], top_p [B]) -> each row's nucleus floor [B, 1]
+NucleusKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # `apply_penalties`' signature: (logits, counts, prompt_mask, rows, repetition, frequency, presence)
 PenaltyKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -283,6 +285,35 @@ def apply_top_k_top_p_partial(logits: torch.Tensor, top_k: torch.Tensor, top_p: 
     return logits.masked_fill_(logits < floor, float("-inf"))
 
 
+def apply_top_k_top_p_searched(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor,
+    max_top_k: int,
+    nucleus: NucleusKernel,
+) -> torch.Tensor:
+    """`apply_top_k_top_p` without sorting the vocabulary, where the nucleus kernel runs
+    (`gapless.sampling.triton_nucleus`; vocabularies past PARTIAL_SORT_MAX_K). With `top_k` (None: no row
+    filters by it), each row's k-th largest logit comes from a partial sort of the batch's `max_top_k`
+    largest (at least PARTIAL_SORT_MAX_K), and a row whose top-k is at most PARTIAL_SORT_MAX_K takes its
+    nucleus from those largest logits as `apply_top_k_top_p_partial` does, so it keeps the same tokens
+    whichever path its batch takes. Every other row's nucleus comes from the kernel, over the tokens its
+    top-k kept: the sort's rule, rounded as the kernel rounds (so, on a device with the kernel, always
+    the same way for that row too). ``logits`` is modified in place."""
+    if top_k is None:
+        return logits.masked_fill_(logits < nucleus(logits, top_p), float("-inf"))
+    vocab = logits.shape[-1]
+    largest = logits.topk(min(max(max_top_k, PARTIAL_SORT_MAX_K), vocab), dim=-1).values  # descending
+    floor = _top_k_floor(largest, top_k, vocab)
+    window = largest[:, :PARTIAL_SORT_MAX_K].flip(-1)
+    window.masked_fill_(window < floor, float("-inf"))
+    logits.masked_fill_(logits < floor, float("-inf"))  # the kernel sums the kept tokens' mass alone
+    in_window = (top_k <= PARTIAL_SORT_MAX_K).unsqueeze(1)
+    searched = nucleus(logits, top_p.masked_fill(in_window.squeeze(1), 1.0))  # (1: no search)
+    floor = torch.maximum(floor, torch.where(in_window, _nucleus_floor(window, top_p), searched))
+    return logits.masked_fill_(logits < floor, float("-inf"))
+
+
 def _top_k_floor(
     sorted_logits: torch.Tensor, top_k: torch.Tensor, vocab: int, ascending: bool = False
 ) -> torch.Tensor:
@@ -405,6 +436,9 @@ class Sampler:
         # the penalties as one kernel, with `apply_penalties`' signature and bits
         # (`gapless.sampling.fused.penalty_kernel` picks it); None: torch ops
         self.penalty_kernel: PenaltyKernel | None = None
+        # each row's top-p floor without a sort (`gapless.sampling.fused.nucleus_kernel` picks it); None:
+        # top-p that no top-k bounds sorts the vocabulary
+        self.nucleus_kernel: NucleusKernel | None = None
 
     def write_rows(self, values: RowParams) -> None:
         """Keep the sampling values of requests entering `values.rows` (on this device)."""
@@ -542,13 +576,20 @@ class Sampler:
 
     def apply_filters(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Apply top-k, top-p and min-p to temperature-scaled logits (in place); masked tokens are -inf.
-        A partial sort (`torch.topk`) where the host knows the batch's k bound what the filters keep."""
+        A partial sort (`torch.topk`) where the host knows the batch's k bound what the filters keep; the
+        nucleus kernel where they are not (and the host knows the batch's largest top-k); else the sort."""
         k_bounded = 0 < batch.max_top_k <= PARTIAL_SORT_MAX_K or not batch.need_top_k
         top_k = batch.top_k if batch.need_top_k else None
+        vocab = logits.shape[-1]
         if batch.need_top_p:
-            p_bounded = 0 < batch.max_top_p_k <= PARTIAL_SORT_MAX_K < logits.shape[-1]
+            p_bounded = 0 < batch.max_top_p_k <= PARTIAL_SORT_MAX_K < vocab
+            k_known = batch.max_top_k > 0 or not batch.need_top_k
             if p_bounded and k_bounded:
                 logits = apply_top_k_top_p_partial(logits, batch.top_k, batch.top_p)
+            elif self.nucleus_kernel is not None and k_known and vocab > PARTIAL_SORT_MAX_K:
+                logits = apply_top_k_top_p_searched(
+                    logits, top_k, batch.top_p, batch.max_top_k, self.nucleus_kernel
+                )
             else:
                 logits = apply_top_k_top_p(logits, top_k, batch.top_p)
         elif batch.need_top_k:
