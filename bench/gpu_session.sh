@@ -13,7 +13,8 @@
 # order (the open issues' targets first) and leave `suite` to the next session lent a GPU.
 #
 # Parts (each writes $OUT/<part>/, with env.log: the commit, the device, the versions):
-#   tests   the CUDA tests (tests/engine/test_cuda.py and every CUDA/Triton/graph case elsewhere), then the
+#   tests   the CUDA tests (tests/engine/test_cuda.py and every CUDA/Triton/graph case elsewhere, and the
+#           fused kernels' tests, which run on the GPU where there is one), then the
 #           kernel microbenchmark (`gapless.bench.kernels`: fused kernels, sampling, decode attention in
 #           TB/s against a copy, extend attention in TFLOP/s against a matmul) and its sweep of the decode
 #           kernel's tunings at batch 256, contexts 1k-8k, page sizes 1 and 16 (issue 11's 80%-of-bandwidth
@@ -41,7 +42,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in tests | bench | serve | prefill | suite) ;; *) sed -n 2,40p "$0"; exit 2 ;; esac
+case "$part" in tests | bench | serve | prefill | suite) ;; *) sed -n 2,41p "$0"; exit 2 ;; esac
 OUT=${OUT:-bench/results/gpu_session}
 dir="$OUT/$part"
 mkdir -p "$dir"
@@ -92,6 +93,9 @@ case "$part" in
     step 240 cuda_tests "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/test_cuda.py tests/attention \
       tests/sampling tests/model/test_moe.py tests/model/test_fused_kernels.py tests/engine/test_window_kv.py \
       tests/spec/test_graphs.py tests/distributed -k "nccl or cuda or triton or graph"
+    # the fused kernels' own tests, whole (their names do not say cuda): on the GPU they compile for it
+    step 120 fused_tests "$PY" -m pytest -q -p no:cacheprovider tests/model/test_fused_kernels.py \
+      tests/sampling/test_fused_draw.py tests/sampling/test_fused_penalties.py tests/sampling/test_fused_nucleus.py
     step 90 kernels "$PY" -m gapless.bench.kernels --device cuda --json "$dir/kernels.json"
     # decode: programs per SM 2 is one split a request at batch 256 (the default), 32 and 64 are 3 and 5
     # shorter splits; extend: blocks of 64 x 64 (the default) against 128 queries and 32 keys

@@ -22,8 +22,9 @@
    its median time, against a `--matmul-n` square matmul in the same dtype measured in the same run; with
    Triton for each extend kernel variant (every combination of `--extend-block-m`, `--extend-block-n` (0:
    the default), `--extend-warps` and `--extend-stages`).
-4. Sampling on `--sample-batch` rows of `--vocab` logits: the seeded draw by torch ops against the fused
-   Triton draw, and top-k 50 + top-p 0.95 by the full sort of the vocabulary against the partial one.
+4. Sampling on `--sample-batch` rows of `--vocab` logits: the seeded draw and the penalties by torch ops
+   against the fused Triton kernels, top-k 50 + top-p 0.95 by the full sort of the vocabulary against the
+   partial one, and top-p without top-k by the full sort against the sort-free nucleus kernel.
 
 On a CPU the Triton columns run only under Triton's interpreter (TRITON_INTERPRET=1, for tests; the
 figures mean nothing there); without it they print "-". Timings use CUDA events on CUDA.
@@ -324,7 +325,8 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
     against the fused Triton draw (`gapless.sampling.triton_gumbel`), the penalties (repetition, frequency
     and presence, into the step's float32 copy) by torch ops against the fused Triton penalties
     (`gapless.sampling.triton_penalties`), top-k + top-p by the full sort against the partial one
-    (`apply_top_k_top_p_partial`), and top-p without top-k, which only the full sort can take."""
+    (`apply_top_k_top_p_partial`), and top-p without top-k by the full sort against the sort-free nucleus
+    kernel (`gapless.sampling.triton_nucleus`)."""
     from gapless.sampling import fused
     from gapless.sampling.sampler import Sampler, SamplingBatch
     from gapless.sampling_params import SamplingParams
@@ -332,9 +334,11 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
     B, V = args.sample_batch, args.vocab
     logits = (torch.randn(B, V, device=device) * 3).to(dtype)
     torch_sampler, fused_sampler = Sampler(V, B, device), Sampler(V, B, device)
+    nucleus_sampler = Sampler(V, B, device)  # torch ops but for the nucleus
     if _triton_kernels(device) is not None:
         fused_sampler.draw_kernel = fused.draw_kernel("triton", V, device)
         fused_sampler.penalty_kernel = fused.penalty_kernel("triton", V, device)
+        nucleus_sampler.nucleus_kernel = fused.nucleus_kernel("triton", V, device)
     for s in (torch_sampler, fused_sampler):  # each row's prompt and a few outputs, as a running request
         s.init_rows(
             list(range(B)),
@@ -348,7 +352,7 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
     draw, nucleus = batch(SamplingParams(temperature=0.8)), batch(SamplingParams(top_k=50, top_p=0.95))
     penalised = batch(SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.5))
     full = dataclasses.replace(nucleus, max_top_p_k=0)  # 0: unknown, the full sort
-    # top-p without top-k (Llama 3 Instruct's generation defaults) has no bound: always the full sort
+    # top-p without top-k (Llama 3 Instruct's generation defaults) has no bound: the full sort, or the kernel
     top_p_only = batch(SamplingParams(temperature=0.6, top_p=0.9))
     cases = {
         "seeded draw (temperature only)": (
@@ -366,10 +370,10 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
             lambda: torch_sampler.sample(logits, full),
             lambda: torch_sampler.sample(logits, nucleus),
         ),
-        "temperature 0.6 + top-p 0.9 (no top-k: full sort)": (
-            "none",
+        "temperature 0.6 + top-p 0.9 (no top-k)": (
+            "triton nucleus",
             lambda: torch_sampler.sample(logits, top_p_only),
-            None,
+            nucleus_sampler.nucleus_kernel and (lambda: nucleus_sampler.sample(logits, top_p_only)),
         ),
     }
     rows = []

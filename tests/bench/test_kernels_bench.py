@@ -49,10 +49,9 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
         ("seeded draw (temperature only)", "triton draw"),
         ("penalties (repetition, frequency, presence)", "triton penalties"),
         ("top-k 50 + top-p 0.95", "partial sort"),
-        ("temperature 0.6 + top-p 0.9 (no top-k: full sort)", "none"),
+        ("temperature 0.6 + top-p 0.9 (no top-k)", "triton nucleus"),  # (vocab 1100: past the window)
     ]
-    assert all(r["torch_us"] > 0 for r in res["sampling"])
-    assert [r["path_us"] is not None and r["path_us"] > 0 for r in res["sampling"]] == [True] * 3 + [False]
+    assert all(r["torch_us"] > 0 and r["path_us"] > 0 for r in res["sampling"])
     out = capsys.readouterr().out
     assert "attention / copy" in out and "triton / torch" in out and "attention / matmul" in out
     assert "path / torch" in out
