@@ -34,8 +34,9 @@ from gapless.attention.triton_kernels import INTERPRET
 
 BLOCK_V = 512
 PROBES = 16  # thresholds a pass tests: each pass narrows the range of keys about 17-fold
-_KEY_MAX = 2147483647
-_KEY_MIN = -2147483647  # below every float's key (-inf's is -2139095041)
+# (constexpr: a jitted function may read no other globals on the GPU)
+_KEY_MAX = tl.constexpr(2147483647)
+_KEY_MIN = tl.constexpr(-2147483647)  # below every float's key (-inf's is -2139095041)
 
 
 @triton.jit

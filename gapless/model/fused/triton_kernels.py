@@ -36,7 +36,7 @@ KINDS = {"llama": 0, "fp32": 1, "gemma": 2}
 # the gated activations (`gapless.model.layers.GATED_ACTIVATIONS` keys) by the kernel's ACT constant
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 _ACT_BLOCK = 1024
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # (constexpr: a jitted function reads no other globals)
 # Triton's interpreter casts fp32 to bf16 by truncation (round toward zero, also when storing to a bf16
 # pointer); the GPU rounds to nearest even, as torch does. Under the interpreter `_rounded` rounds by hand.
 _ROUND_BY_HAND = tl.constexpr(INTERPRET)
