@@ -18,6 +18,8 @@ from gapless.attention.torch_ref import TorchRefBackend
 
 # relative error bound of the output (max abs error / max abs reference): bf16/fp16 keep ~3 digits
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+# the batches checked: name -> (prefix lens, extend lens); a decode long enough for several splits
+CASES = {"extend": ([0, 5, 37], [4, 1, 9]), "decode": ([1, 40, 700], [1, 1, 1])}
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,12 @@ class Probe:
     window: int | None = None  # the model's sliding window, if any layer has one: checked with it
     softcap: float | None = None  # the model's attention soft-capping, if any: checked with it
 
+    def layer(self) -> dict[str, float | int]:
+        """The options a layer passes `AttentionBackend.forward`, as the decoder does: only those it has."""
+        return {n: x for n, x in (("window", self.window), ("softcap", self.softcap)) if x is not None}
 
-def _batch(
+
+def batch(
     probe: Probe, prefix_lens: list[int], extend_lens: list[int], device: torch.device, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     g = torch.Generator().manual_seed(seed)
@@ -66,14 +72,9 @@ def disagreement(backend: AttentionBackend, probe: Probe, device: torch.device) 
     """None if `backend` matches the torch reference on an extend and a decode batch; else why not."""
     reference = TorchRefBackend()
     scale = probe.head_dim**-0.5
-    cases = {
-        "extend": ([0, 5, 37], [4, 1, 9]),
-        "decode": ([1, 40, 700], [1, 1, 1]),
-    }
-    for seed, (name, (prefix_lens, extend_lens)) in enumerate(cases.items()):
-        q, k, v, meta = _batch(probe, prefix_lens, extend_lens, device, seed)
-        # as the decoder asks: a layer's options only where it has them
-        layer = {n: x for n, x in (("window", probe.window), ("softcap", probe.softcap)) if x is not None}
+    for seed, (name, (prefix_lens, extend_lens)) in enumerate(CASES.items()):
+        q, k, v, meta = batch(probe, prefix_lens, extend_lens, device, seed)
+        layer = probe.layer()
         try:
             out = backend.forward(q, k, v, backend.prepare(meta), scale, **layer)
         except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer

@@ -1,0 +1,232 @@
+"""Compile every Triton kernel of the engine for a GPU, on a machine without one:
+`python -m gapless.testing.triton_compile [--arch 90]`.
+
+Triton compiles for whatever target it is told (its ptxas comes with it), so a CPU machine can take each
+kernel down to the GPU's binary and find what a GPU session would otherwise find first: a kernel that runs
+under the interpreter but does not compile (a non-constexpr global, a type the compiler refuses, a
+constexpr-gated None argument). A stand-in for Triton's driver reports the target and turns every launch
+into a compile (Triton's `warmup`), so the engine's own launchers run as on the GPU, with CPU tensors and
+no kernel executing: their outputs are garbage, and only compile errors count.
+
+What it launches: the start-up self-checks' own probes. Attention (`gapless.attention.selfcheck`: an
+extend and a split decode batch) in fp32, bf16 and fp16, with and without a sliding window and
+soft-capping, at head dims 64 and 128; the fused model kernels (`gapless.model.fused.disagreement`) on the
+tiny models of families whose kernels differ (RMSNorm arithmetic, q/k norms, activations) in bf16 and
+fp16; the sampling kernels (`gapless.sampling.fused`); the MoE grouped GEMM. Exit status 1, naming each
+kernel and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter takes
+the compiler's place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+# arch -> one (family, dtype) set of probes; every kernel appears in at least one
+FAMILIES = ("llama", "qwen3", "gemma2", "olmo2")
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+class _Driver:
+    """Triton's active driver as the launchers and `JITFunction.run` ask it: a device, a stream and the
+    target to compile for; nothing launches."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+class Compiler:
+    """While installed (`with`): every Triton launch compiles its kernel for `arch` and returns without
+    running it; `compiled` names each kernel and specialization built, `failed` each that did not."""
+
+    def __init__(self, arch: int) -> None:
+        self.arch = arch
+        self.compiled: list[tuple[str, int]] = []  # (kernel, cubin bytes)
+        self.failed: list[tuple[str, str]] = []  # (kernel, error)
+
+    def __enter__(self) -> Compiler:
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime import driver
+        from triton.runtime.jit import JITFunction
+
+        self._driver, self._run = driver, JITFunction.run
+        self._active = getattr(driver, "_active", None)  # None: none chosen yet (none can be, here)
+        compiler, run = self, JITFunction.run
+
+        def compile_only(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            try:
+                kernel = run(fn, *args, grid=grid, warmup=True, **kwargs)
+            except Exception as e:
+                compiler.failed.append((fn.fn.__name__, f"{type(e).__name__}: {e}"))
+                raise
+            compiler.compiled.append((fn.fn.__name__, len(kernel.asm["cubin"])))
+            return kernel
+
+        JITFunction.run = compile_only  # type: ignore[method-assign]
+        driver.set_active(_Driver(GPUTarget("cuda", self.arch, 32)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from triton.runtime.jit import JITFunction
+
+        JITFunction.run = self._run  # type: ignore[method-assign]
+        self._driver._active = self._active  # (reset_active would look for a GPU driver)
+
+
+def _attention() -> dict[str, Callable[[], object]]:
+    from gapless.attention import selfcheck
+    from gapless.attention.triton_backend import TritonBackend
+
+    # the backend refuses CPU tensors unless built for the interpreter; here they only carry shapes
+    backend = type("CompileOnly", (TritonBackend,), {"interpreted": True})()
+
+    def run(probe: selfcheck.Probe) -> None:
+        for prefix_lens, extend_lens in selfcheck.CASES.values():
+            q, k, v, meta = selfcheck.batch(probe, prefix_lens, extend_lens, torch.device("cpu"), 0)
+            backend.forward(q, k, v, backend.prepare(meta), probe.head_dim**-0.5, **probe.layer())
+
+    probes = [
+        selfcheck.Probe(8, 2, head_dim, dtype, window, softcap)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for head_dim in (64, 128)
+        for window, softcap in ((None, None), (24, 30.0))
+    ]
+    return {f"attention {p}": partial(run, p) for p in probes}
+
+
+def _model_kernels() -> dict[str, Callable[[], object]]:
+    from gapless.config import EngineConfig
+    from gapless.engine.runner import ModelRunner
+    from gapless.model import fused
+    from gapless.model.fused import triton_kernels
+    from gapless.testing.checkpoints import cached_checkpoint
+
+    def run(family: str, dtype: torch.dtype) -> None:
+        cfg = EngineConfig(
+            model=str(cached_checkpoint(family)),
+            device="cpu",
+            dtype=str(dtype).removeprefix("torch."),
+            fused_kernels="torch",
+            attention_backend="torch",
+            kv_cache_tokens=64,
+        )
+        model = ModelRunner(cfg).model
+        fused.set_fused(model, triton_kernels)  # the start-up check's probes, each through the kernels
+        for probe in fused._probes(model, torch.device("cpu")).values():
+            probe()
+
+    return {
+        f"model kernels {family} {dtype}": lambda f=family, d=dtype: run(f, d)
+        for family in FAMILIES
+        for dtype in DTYPES
+    }
+
+
+def _sampling() -> dict[str, Callable[[], object]]:
+    from gapless.sampling import triton_gumbel, triton_nucleus, triton_penalties
+
+    g = torch.Generator().manual_seed(0)
+    batch, vocab = 3, 2000
+    logits = torch.randn(batch, vocab, generator=g)
+    temperature, keys = torch.tensor([0.7, 0.0, 1.2]), torch.tensor([1, 2, 3], dtype=torch.int32)
+    counts = torch.randint(0, 3, (4, vocab), generator=g, dtype=torch.int32)
+    prompt, rows, factors = (
+        torch.rand(4, vocab, generator=g) < 0.3,
+        torch.tensor([3, 0, 1]),
+        torch.ones(batch),
+    )
+    return {
+        **{
+            f"sampling draw {dtype} scale {scale}": (
+                lambda d=dtype, s=scale: triton_gumbel.gumbel_argmax(logits.to(d), temperature, keys, s)
+            )
+            for dtype in (torch.float32, *DTYPES)
+            for scale in (True, False)
+        },
+        **{
+            f"sampling penalties {dtype}": (
+                lambda d=dtype: triton_penalties.apply_penalties(
+                    logits.to(d), counts, prompt, rows, factors, factors, factors
+                )
+            )
+            for dtype in (torch.float32, *DTYPES)
+        },
+        "sampling nucleus": lambda: triton_nucleus.nucleus_floor(logits, torch.tensor([0.9, 0.5, 1.0])),
+    }
+
+
+def _moe() -> dict[str, Callable[[], object]]:
+    from gapless.model import moe_triton
+
+    def run(dtype: torch.dtype) -> object:
+        g = torch.Generator().manual_seed(0)
+        tokens, hidden, inter, experts, top_k = 5, 64, 48, 4, 2
+        x = torch.randn(tokens, hidden, generator=g).to(dtype)
+        w13 = torch.randn(experts, 2 * inter, hidden, generator=g).to(dtype)
+        w2 = torch.randn(experts, hidden, inter, generator=g).to(dtype)
+        weights = torch.rand(tokens, top_k, generator=g)
+        ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+        return moe_triton.fused_experts(x, w13, w2, weights, ids)
+
+    return {f"moe {dtype}": partial(run, dtype) for dtype in DTYPES}
+
+
+def compile_all(arch: int) -> Compiler:
+    """Launch every case under a `Compiler` for `arch`; the compiler's record of what built and what not."""
+    with Compiler(arch) as compiler, torch.inference_mode():
+        for group in (_attention, _model_kernels, _sampling, _moe):
+            for name, case in group().items():
+                before = len(compiler.failed)
+                try:
+                    case()
+                except Exception:  # noqa: BLE001 - a compile error is recorded; anything else is named
+                    if len(compiler.failed) == before:
+                        compiler.failed.append((name, traceback.format_exc(limit=3)))
+    return compiler
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gapless.testing.triton_compile", description=__doc__)
+    p.add_argument(
+        "--arch", type=int, default=90, help="the GPU's compute capability x 10 (default 90: H100)"
+    )
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+        print(
+            "triton_compile: unset TRITON_INTERPRET (the interpreter replaces the compiler)", file=sys.stderr
+        )
+        return 2
+    compiler = compile_all(args.arch)
+    kernels: dict[str, int] = {}
+    for name, _ in compiler.compiled:
+        kernels[name] = kernels.get(name, 0) + 1
+    print(f"compiled for sm_{args.arch}: " + ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items())))
+    for name, error in compiler.failed:
+        print(f"FAILED {name}: {error}")
+    return 1 if compiler.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
