@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-# arch -> one (family, dtype) set of probes; every kernel appears in at least one
+# families whose fused kernels differ: RMSNorm arithmetic (Llama, Gemma, OLMo 2), q/k norms (Qwen3,
+# OLMo 2), activations (SiLU; GeLU(tanh) in Gemma); each in both half-precision dtypes
 FAMILIES = ("llama", "qwen3", "gemma2", "olmo2")
 DTYPES = (torch.bfloat16, torch.float16)
 
