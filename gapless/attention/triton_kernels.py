@@ -68,6 +68,9 @@ class DecodeTuning:
     - `num_warps`, `num_stages`: the launch's warps and software-pipelining depth (Triton's meanings).
     - `programs_per_sm`: the split count aims at this many programs per SM (`decode_num_splits`).
     - `min_split_len`: no split shorter than this many keys (each split costs stage 2 a merge).
+    - `heads_first`: launch a request's kv heads next to each other (its programs run at the same time,
+      and each token's K/V row of all heads, contiguous in the pool, is read at once) rather than each kv
+      head's requests (the default; the GPU sweep says which reads faster).
     """
 
     block_n: int | None = None
@@ -75,6 +78,7 @@ class DecodeTuning:
     num_stages: int = 2
     programs_per_sm: int = 2
     min_split_len: int = MIN_SPLIT_LEN
+    heads_first: bool = False
 
     def __post_init__(self) -> None:
         _check_tuning(
@@ -368,9 +372,14 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:  # grid (kv heads, batch, splits): a request's heads launch side by side
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:  # grid (batch, kv heads, splits)
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(PrefixLens + b) + tl.load(ExtendLens + b)
     # the query at seq_len - 1 sees keys [first, seq_len): the splits share out those alone
@@ -627,7 +636,8 @@ def decode_attention(
     block_d = _block_d(d)
     block_n = tuning.keys_per_block(d)
     mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
+    grid = (kv_heads, batch, num_splits) if tuning.heads_first else (batch, kv_heads, num_splits)
+    _decode_split_kernel[grid](
         *args,
         mid_o,
         mid_lse,
@@ -638,6 +648,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         SOFTCAP=bool(softcap),
+        HEADS_FIRST=tuning.heads_first,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
         **_dot_flags(q.dtype),

@@ -199,6 +199,12 @@ TUNINGS = [
     pytest.param(
         tk.DecodeTuning(programs_per_sm=16, min_split_len=16), 1, torch.float16, id="splits-page1-fp16"
     ),
+    pytest.param(
+        tk.DecodeTuning(programs_per_sm=16, min_split_len=16, heads_first=True),
+        16,
+        torch.bfloat16,
+        id="heads-first-splits-page16-bf16",
+    ),
 ]
 
 
