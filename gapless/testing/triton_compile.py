@@ -15,13 +15,20 @@ tiny models of families whose kernels differ (RMSNorm arithmetic, q/k norms, act
 fp16; the sampling kernels (`gapless.sampling.fused`); the MoE grouped GEMM. Exit status 1, naming each
 kernel and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter takes
 the compiler's place).
+
+With `--resources`, each specialization's registers, spills and shared memory per program, as the
+compiled binary records them (`cuobjdump --dump-resource-usage`, which comes with Triton): what decides
+how many programs an SM holds, for reading a tuning sweep without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from functools import partial
@@ -64,7 +71,7 @@ class Compiler:
 
     def __init__(self, arch: int) -> None:
         self.arch = arch
-        self.compiled: list[tuple[str, int]] = []  # (kernel, cubin bytes)
+        self.compiled: list[tuple[str, Any]] = []  # (kernel, its compiled specialization)
         self.failed: list[tuple[str, str]] = []  # (kernel, error)
 
     def __enter__(self) -> Compiler:
@@ -82,7 +89,7 @@ class Compiler:
             except Exception as e:
                 compiler.failed.append((fn.fn.__name__, f"{type(e).__name__}: {e}"))
                 raise
-            compiler.compiled.append((fn.fn.__name__, len(kernel.asm["cubin"])))
+            compiler.compiled.append((fn.fn.__name__, kernel))
             return kernel
 
         JITFunction.run = compile_only  # type: ignore[method-assign]
@@ -208,10 +215,34 @@ def compile_all(arch: int) -> Compiler:
     return compiler
 
 
+def resources(kernel: Any) -> dict[str, int]:
+    """A compiled kernel's registers, spill bytes ("local") and shared memory (static and Triton's dynamic)
+    per program, from its binary; empty if cuobjdump is missing."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", out))
+    return {
+        "registers": int(fields.get("REG", 0)),
+        "spill_bytes": int(fields.get("LOCAL", 0)),
+        "shared_bytes": int(fields.get("SHARED", 0)) + int(kernel.metadata.shared),
+        "warps": int(kernel.metadata.num_warps),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gapless.testing.triton_compile", description=__doc__)
     p.add_argument(
         "--arch", type=int, default=90, help="the GPU's compute capability x 10 (default 90: H100)"
+    )
+    p.add_argument(
+        "--resources", action="store_true", help="each specialization's registers, spills and shared memory"
     )
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
@@ -224,6 +255,19 @@ def main(argv: list[str] | None = None) -> int:
     for name, _ in compiler.compiled:
         kernels[name] = kernels.get(name, 0) + 1
     print(f"compiled for sm_{args.arch}: " + ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items())))
+    if args.resources:
+        seen = set()
+        for name, kernel in compiler.compiled:
+            if kernel.hash in seen:  # the same specialization, launched again
+                continue
+            seen.add(kernel.hash)
+            names = kernel.src.fn.arg_names
+            constants = {  # the launch's constexpr arguments, by name (block sizes, flags)
+                names[path[0]]: value
+                for path, value in kernel.src.constants.items()
+                if len(path) == 1 and isinstance(value, (int, bool))
+            }
+            print(name, resources(kernel), constants)
     for name, error in compiler.failed:
         print(f"FAILED {name}: {error}")
     return 1 if compiler.failed else 0

@@ -46,10 +46,16 @@ def nvidia_backend() -> None:
 
 
 def test_every_kernel_compiles_for_sm90(nvidia_backend) -> None:
-    r = _run(["-m", "gapless.testing.triton_compile", "--arch", "90"], ROOT)
+    """Every kernel builds, and `--resources` reads each specialization's registers and shared memory
+    from its binary (the attention kernels' block sizes beside them)."""
+    r = _run(["-m", "gapless.testing.triton_compile", "--arch", "90", "--resources"], ROOT)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("compiled for sm_90: "))
     assert set(re.findall(r"(_\w+_kernel) x\d+", line)) == KERNELS, line
+    split = [x for x in r.stdout.splitlines() if x.startswith("_decode_split_kernel {")]
+    assert split and all("'BLOCK_N': " in x for x in split), split
+    registers = [int(n) for x in split for n in re.findall(r"'registers': (\d+)", x)]
+    assert len(registers) == len(split) and all(0 < n <= 255 for n in registers), split
 
 
 def test_a_kernel_the_compiler_refuses_is_reported(nvidia_backend, tmp_path) -> None:
