@@ -100,7 +100,7 @@ case "$part" in
     # decode: programs per SM 2 is one split a request at batch 256 (the default), 32 and 64 are 3 and 5
     # shorter splits; extend: blocks of 64 x 64 (the default) against 128 queries and 32 keys
     # (sm_90 resources, from the compiled binaries here: block n 64 takes 75 registers and 39 KB of shared
-    # memory a program, 128 takes 160 registers and 74 KB: too few programs an SM, so it is not swept)
+    # memory a program, 128 takes 160 registers and 73 KB: too few programs an SM, so it is not swept)
     step 240 kernel_sweep "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 8192 \
       --page-size 1 16 --decode-block-n 0 32 --decode-warps 4 8 --decode-stages 2 3 \
       --decode-programs-per-sm 2 32 64 --decode-heads-first 0 1 --extend-block-m 0 128 --extend-block-n 0 32 \
