@@ -308,9 +308,9 @@ def apply_top_k_top_p_searched(
     window = largest[:, :PARTIAL_SORT_MAX_K].flip(-1)
     window.masked_fill_(window < floor, float("-inf"))
     logits.masked_fill_(logits < floor, float("-inf"))  # the kernel sums the kept tokens' mass alone
-    in_window = (top_k <= PARTIAL_SORT_MAX_K).unsqueeze(1)
-    searched = nucleus(logits, top_p.masked_fill(in_window.squeeze(1), 1.0))  # (1: no search)
-    floor = torch.maximum(floor, torch.where(in_window, _nucleus_floor(window, top_p), searched))
+    in_window = top_k <= PARTIAL_SORT_MAX_K
+    searched = nucleus(logits, top_p.masked_fill(in_window, 1.0))  # (top-p 1: no search)
+    floor = torch.maximum(floor, torch.where(in_window.unsqueeze(1), _nucleus_floor(window, top_p), searched))
     return logits.masked_fill_(logits < floor, float("-inf"))
 
 
