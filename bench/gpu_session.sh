@@ -24,7 +24,8 @@
 #   serve   the host step at 256 running requests (`gapless.bench.host`, issue 10's <= 1.5 ms per decode
 #           step), served vs offline throughput of one workload (`gapless.bench.served_vs_offline`,
 #           >= 0.9: nano-vllm's lengths, 512 requests at once, a small model whose steps are short, with
-#           each server process's CPU per output token and the collector's pauses), served again with
+#           each server process's CPU per output token and the collector's pauses; one API server
+#           process and two, `--api-server-count`), served again with
 #           uvloop and httptools hidden (asyncio and h11: what they save on this machine), and the
 #           detokenizer per step (`gapless.bench.detokenize`)
 #   prefill whether prefill launches cost less than the GPU work they launch (issue 10 item 2): one
@@ -113,9 +114,10 @@ case "$part" in
     step 170 host "$PY" -m gapless.bench.host --rounds 3 --engine-option device=cuda --json "$dir/host.json"
     served=("$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 --size bench --layouts auto
       --num-seqs 512 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024)
-    # the server as installed (uvloop and httptools), with the offline run for the ratio; then with them
-    # hidden, served only (to compare its tok/s and the API server's CPU per token)
-    step 220 served_vs_offline "${served[@]}" --json "$dir/served_vs_offline.json"
+    # the server as installed (uvloop and httptools), with the offline run for the ratio, with one API
+    # server process and with two (`--api-server-count`: whether one API server's core holds it back);
+    # then with uvloop and httptools hidden, served only (its tok/s and the API server's CPU per token)
+    step 300 served_vs_offline "${served[@]}" --api-server-counts 1,2 --json "$dir/served_vs_offline.json"
     step 150 served_asyncio_h11 env PYTHONPATH="$HIDE:$PYTHONPATH" "${served[@]}" --skip-offline \
       --json "$dir/served_asyncio_h11.json"
     # the tokenizers library decodes a batch on all cores by default (the server's detokenizer does); on

@@ -13,14 +13,17 @@ the whole workload at once by the serving benchmark's client (`gapless.bench.ser
 /v1/completions with token-id prompts, `ignore_eos`, temperature 0, tokens counted from `usage`). Both
 throughputs are output tokens over the wall time of the run, so the ratio is what serving costs.
 
-Each process layout in `--layouts` (`gapless.server.layout`) is served in turn, and with several
+Each process layout in `--layouts` (`gapless.server.layout`) is served in turn, with each count of API
+server processes in `--api-server-counts` (the server's `--api-server-count`; a mode `split x2 API` when
+more than one), and with several
 `--max-concurrency` values each is run at each (`0` = everything at once, the only one the ratio to
 offline is taken at); `--rounds` repeats the lot, alternating, so the machine's drift hits every mode
 alike. Besides tokens/s each served run reports what its hops sent (`/debug/state`'s `hop_*` counters):
 messages per hop and request updates per message; and every run, offline too, the scheduler's host ms per
 decode step, the device's idle share and the cycle collector's pauses, from the counters around the run
 (`meter_figures`), and each server process's CPU per output token and share of a core over the run
-(`process_cpu_s`): a process near a whole core is what the others wait on.
+(`process_cpu_s`): a process near a whole core is what the others wait on. With several API servers,
+the API's collector pauses are those of the one that answered `/debug/state`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="process layouts to serve with, in turn (default split,merged)",
     )
     s.add_argument(
+        "--api-server-counts",
+        default="1",
+        help="the server's --api-server-count, comma-separated: each is served with each layout (default 1)",
+    )
+    s.add_argument(
         "--stream-interval",
         type=cli.positive_int,
         default=1,
@@ -89,11 +97,19 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--layouts takes split, merged, auto; got {args.layouts}")
     try:
         args.concurrency = [int(x) for x in args.max_concurrency.split(",")]
+        args.api_servers = [int(x) for x in args.api_server_counts.split(",")]
     except ValueError:
-        p.error(f"--max-concurrency takes whole numbers, got {args.max_concurrency!r}")
+        p.error(f"--max-concurrency and --api-server-counts take whole numbers, got {argv}")
     if any(c < 0 for c in args.concurrency):
         p.error("--max-concurrency values must be >= 0")
+    if any(c < 1 for c in args.api_servers):
+        p.error("--api-server-counts values must be >= 1")
     return args
+
+
+def served_mode(layout: str, api_servers: int) -> str:
+    """A served run's mode: its layout, and its count of API server processes when more than one."""
+    return layout if api_servers == 1 else f"{layout} x{api_servers} API"
 
 
 async def _drive(url: str, work: Workload, concurrency: int) -> dict[str, Any]:
@@ -344,12 +360,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
             )
         for layout in args.layouts:
-            cli.progress(f"round {k + 1}: served, layout {layout}")
-            served = [*engine, f"--stream-interval={args.stream_interval}"]
-            for r in run_served(path, work, layout, args.concurrency, served):
-                runs.append(dict(r, round=k, mode=layout))
+            for apis in args.api_servers:
+                mode = served_mode(layout, apis)
+                cli.progress(f"round {k + 1}: served, {mode}")
+                served = [*engine, f"--stream-interval={args.stream_interval}", f"--api-server-count={apis}"]
+                for r in run_served(path, work, layout, args.concurrency, served):
+                    runs.append(dict(r, round=k, mode=mode))
     rows = summarize(runs)
-    report = format_report(rows, args.layouts[0])
+    report = format_report(rows, served_mode(args.layouts[0], args.api_servers[0]))
     print(cli.machine_line(cli.machine(args.device, args.threads)))
     print(cli.workload_line(cli.workload_summary(args, work)))
     print(report)

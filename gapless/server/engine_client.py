@@ -98,11 +98,13 @@ def _prompt_in(prompt: Prompt) -> P.PromptIn:
 class EngineClient:
     """Submits requests to the tokenizer, routes what comes back to their groups, and asks for stats."""
 
-    def __init__(self, ends: Endpoints, metrics: Metrics, health: Health) -> None:
-        self.metrics, self.health = metrics, health
+    def __init__(self, ends: Endpoints, metrics: Metrics, health: Health, api_server: int = 0) -> None:
+        """`api_server`: this process's index among the API server processes (`--api-server-count`): its
+        requests' ids and stats tickets name it, so that the workers answer here."""
+        self.metrics, self.health, self.api_server = metrics, health, api_server
         self.ctx = zmq.asyncio.Context()
         self.recv = self.ctx.socket(zmq.PULL)
-        self.recv.bind(ends.api)
+        self.recv.bind(ends.apis[api_server])
         self._send_ctx = zmq.Context()
         self.to_tokenizer = self._send_ctx.socket(zmq.PUSH)
         self.to_tokenizer.connect(ends.tokenizer)
@@ -184,7 +186,7 @@ class EngineClient:
         the group. The message is encoded before anything is registered, so a failure leaves no trace."""
         if self.health.fatal:
             raise BadRequest(f"server is shutting down: {self.health.fatal}", status=503)
-        base = uuid.uuid4().hex
+        base = P.request_id(self.api_server, uuid.uuid4().hex)
         rids = [f"{base}-{i}" for i in range(len(sub.prompts) * len(sub.choices))]
         prompts = [_prompt_in(p) for p in sub.prompts]
         frame = P.encode(
@@ -222,7 +224,7 @@ class EngineClient:
         /metrics and /debug/state answer at once whatever the schedulers are doing."""
         ticket = next(self._tickets)
         wait = self.stats_waiters[ticket] = _StatsWait(self.replicas)
-        self.send(P.StatsReq(ticket))
+        self.send(P.StatsReq(ticket, self.api_server))
         try:
             await asyncio.wait_for(wait.all.wait(), STATS_WAIT_S)
         except asyncio.TimeoutError:
@@ -230,6 +232,13 @@ class EngineClient:
         finally:
             self.stats_waiters.pop(ticket, None)
         return [wait.answers[r] if r in wait.answers else self._stale_stats(r) for r in range(self.replicas)]
+
+    def close(self) -> None:
+        """Close the sockets, dropping what was not sent (the process is ending)."""
+        self.recv.close(linger=0)
+        self.to_tokenizer.close(linger=0)
+        self.ctx.term()
+        self._send_ctx.term()
 
     def _stale_stats(self, replica: int) -> P.Stats:
         stale = dict(self.last_stats[replica])

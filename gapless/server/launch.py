@@ -8,14 +8,16 @@ server starts first, so that its imports overlap this process's; a refused start
 Importing this module loads neither torch nor the web stack (`serve` does), so the command line's parser
 stays fast.
 
-The API server runs in this process (uvicorn on an asyncio loop, uvloop's when installed); the
-scheduler (one per data-parallel replica, `gapless.server.replicas`) and the tokenizer and detokenizer
+The API server runs in this process (uvicorn on an asyncio loop, uvloop's when installed:
+`gapless.server.api_process`), and with `--api-server-count N` N-1 more API servers in child processes;
+the scheduler (one per data-parallel replica, `gapless.server.replicas`) and the tokenizer and detokenizer
 (in a process each, or both in one: `gapless.server.layout`) are child processes forked from a fork
 server that imported torch and transformers once (`preload`), or spawned where the platform has no fork
 server.
 
 Shutdown (SIGINT, SIGTERM, or a worker dying) first ends every open request: a stream gets an error event
-and `data: [DONE]`, a waiting request a 503. Then uvicorn stops, the workers are terminated and waited for
+and `data: [DONE]`, a waiting request a 503 (the other API servers do the same when they are terminated).
+Then uvicorn stops, the workers are terminated and waited for
 (killed if they hang), and so are multiprocessing's fork server (killed: it has nothing left to do) and
 resource tracker and any process orphaned below this one (it is their subreaper): when the server's exit
 status is seen, none of its processes is left. The exit status is 1 when a worker failed, 2 for a
@@ -37,15 +39,15 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gapless.config import EngineConfig, add_engine_args, add_model_args, add_option, config_from_args
 from gapless.engine.heap import frozen_heap
 from gapless.sampling_params import MAX_LOGPROBS
-from gapless.server.health import Health
+from gapless.server.api_process import api_server_name, http_server, pipeline_client, run_event_loop
 from gapless.server.layout import LAYOUTS, MIN_CORES_FOR_SPLIT, worker_stages
 from gapless.server.logs import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
 from gapless.server.reasoning import PARSERS as REASONING_PARSERS
@@ -54,8 +56,6 @@ from gapless.server.router import LOAD_BALANCE_METHODS
 from gapless.server.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
-    import uvicorn
-
     from gapless.model.config import ModelConfig
     from gapless.server import protocol as P
     from gapless.server.engine_client import EngineClient
@@ -66,7 +66,6 @@ log = logging.getLogger("gapless.server")
 STARTUP_TIMEOUT_S = 600.0
 WATCHDOG_S = 0.5
 TERMINATE_GRACE_S = 5.0
-GRACEFUL_SHUTDOWN_S = 2  # open responses get this long to end after they were told the server stops
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -124,6 +123,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="split: tokenizer and detokenizer in a process each; merged: one process for both; auto: "
         f"merged below {MIN_CORES_FOR_SPLIT} usable cores, else split (default: auto)",
+    )
+    parser.add_argument(
+        "--api-server-count",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="API server processes, all accepting connections on the port, each streaming the requests it "
+        "took: for when one API server's core is the bottleneck (`python -m gapless.bench.served_vs_offline` "
+        "shows each process's share of a core). vLLM's flag; default: 1",
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -225,9 +233,11 @@ def _process_context() -> mp.context.BaseContext:
 
 
 class _Workers:
-    """The worker processes, by name: the scheduler (one per data-parallel replica: `scheduler-0`, ...,
+    """The worker processes, by name: the other API servers (`api-1`, ... with `--api-server-count`,
+    `gapless.server.api_process`), the scheduler (one per data-parallel replica: `scheduler-0`, ...,
     `gapless.server.replicas`), and the text workers of the process `layout` (`gapless.server.layout`):
-    `tokenizer` and `detokenizer`, or one `tokenizer+detokenizer`."""
+    `tokenizer` and `detokenizer`, or one `tokenizer+detokenizer`. The API servers come first, so they
+    are the first told to stop: their open streams end while the pipeline still runs."""
 
     def __init__(
         self,
@@ -235,25 +245,29 @@ class _Workers:
         cfg: EngineConfig,
         opts: SchedulerOptions,
         layout: str,
-        load_balance_method: str,
+        args: argparse.Namespace,
+        listener: socket.socket,
+        metrics_dir: str | None,
     ) -> None:
+        from gapless.server.api_process import api_server_main
         from gapless.server.workers import scheduler_main, text_worker_main
 
-        ctx = _process_context()
         pid = os.getpid()
-        self.procs = {}
+        targets: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {}
+        for k in range(1, len(ends.apis)):
+            targets[api_server_name(k)] = (api_server_main, (args, cfg, ends, k, listener, metrics_dir, pid))
         for replica in range(len(ends.schedulers)):
-            name = scheduler_name(replica, len(ends.schedulers))
-            self.procs[name] = ctx.Process(
-                target=scheduler_main, args=(ends, cfg, pid, opts, replica), name=f"gapless-{name}"
+            targets[scheduler_name(replica, len(ends.schedulers))] = (
+                scheduler_main,
+                (ends, cfg, pid, opts, replica),
             )
         for stages in worker_stages(layout):
-            name = "+".join(stages)
-            self.procs[name] = ctx.Process(
-                target=text_worker_main,
-                args=(ends, cfg, pid, stages, load_balance_method),
-                name=f"gapless-{name}",
-            )
+            targets["+".join(stages)] = (text_worker_main, (ends, cfg, pid, stages, args.load_balance_method))
+        ctx = _process_context()
+        self.procs = {
+            name: ctx.Process(target=target, args=targs, name=f"gapless-{name}")
+            for name, (target, targs) in targets.items()
+        }
         for p in self.procs.values():
             p.start()
 
@@ -298,41 +312,22 @@ async def _wait_ready(client: EngineClient, workers: _Workers) -> P.SchedulerInf
     return info
 
 
-def _http_server(config: uvicorn.Config, on_shutdown: Callable[[], None]) -> uvicorn.Server:
-    """A uvicorn server that calls `on_shutdown` when it begins to shut down, before it waits for the
-    open responses: they are told to end (an error event for a stream) instead of being cut."""
-    import uvicorn
+def _tell_api_servers(ends: Endpoints, info: P.SchedulerInfo, worker_pids: dict[str, int]) -> None:
+    """Tell the other API servers (each has bound its socket: it said it is ready) to serve."""
+    import zmq
 
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            on_shutdown()
-            await super().shutdown(sockets)
+    from gapless.server import protocol as P
 
-    return Server(config)
-
-
-def event_loop_factory() -> tuple[Callable[[], asyncio.AbstractEventLoop] | None, str]:
-    """The API server's event loop: uvloop's when it is installed (libuv's loop spends less time per
-    socket event than asyncio's, and the API server's loop carries every stream's writes), else asyncio's
-    (None: its default). Python 3.10 has no `asyncio.Runner(loop_factory=)`: asyncio's loop there.
-    Returns the factory and the loop's name for the start-up line."""
-    if sys.version_info < (3, 11):
-        return None, "asyncio (uvloop needs Python 3.11 here)"
+    frame = P.encode(P.Serve(info, worker_pids))
+    ctx = zmq.Context()
     try:
-        import uvloop
-    except ImportError:
-        return None, "asyncio (uvloop not installed)"
-    return uvloop.new_event_loop, f"uvloop {uvloop.__version__}"
-
-
-def run_event_loop(main: Coroutine[object, object, int]) -> int:
-    """Run the API server's `main` to its end on `event_loop_factory()`'s loop, saying which it is."""
-    factory, name = event_loop_factory()
-    print(f"gapless: event loop {name}", flush=True)
-    if factory is None:
-        return asyncio.run(main)
-    with asyncio.Runner(loop_factory=factory) as runner:  # type: ignore[attr-defined]
-        return runner.run(main)
+        for addr in ends.apis[1:]:
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(addr)
+            sock.send(frame)
+            sock.close(linger=int(STARTUP_TIMEOUT_S * 1000))  # delivered before this returns
+    finally:
+        ctx.term()
 
 
 async def _serve(
@@ -341,42 +336,14 @@ async def _serve(
     ends: Endpoints,
     workers: _Workers,
     listener: socket.socket,
+    metrics_dir: str | None,
     started: float,
 ) -> int:
-    import uvicorn
-
-    from gapless.server.api import create_app
-    from gapless.server.engine_client import EngineClient
-    from gapless.server.metrics import Metrics
-    from gapless.server.state import ServerState, Settings
-
-    model_name = args.served_model_name or Path(cfg.model).name
-    health, metrics = Health(), Metrics(model_name)
-    client = EngineClient(ends, metrics, health)
+    health, metrics, client = pipeline_client(args, cfg, ends, 0, metrics_dir)
     info = await _wait_ready(client, workers)
     health.worker_pids = {name: p.pid for name, p in workers.procs.items() if p.pid is not None}
-    settings = Settings(
-        model_name,
-        cfg.model,
-        info,
-        args.api_key,
-        args.max_request_bytes,
-        args.max_tokens_default,
-        args.request_timeout,
-        max_logprobs=args.max_logprobs,
-        engine_config=cfg,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-    )
-    app = create_app(ServerState(settings, client, health, metrics))
-    config = uvicorn.Config(
-        app,
-        log_level=args.log_level,
-        access_log=args.log_requests,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    server = _http_server(config, on_shutdown=health.stop)
-    health.on_fatal(lambda why: setattr(server, "should_exit", True))
+    _tell_api_servers(ends, info, health.worker_pids)
+    server = http_server(args, cfg, info, client, health, metrics)
 
     async def watchdog() -> None:
         while True:
@@ -385,8 +352,9 @@ async def _serve(
                 health.fail(why)
                 return
 
-    dp = cfg.data_parallel_size
-    replicas = f"; {dp} data-parallel replicas, {args.load_balance_method} routing" if dp > 1 else ""
+    dp, apis = cfg.data_parallel_size, len(ends.apis)
+    more = f"; {dp} data-parallel replicas, {args.load_balance_method} routing" if dp > 1 else ""
+    more += f"; {apis} API server processes" if apis > 1 else ""
     each = " each" if dp > 1 else ""
 
     async def announce() -> None:
@@ -394,8 +362,8 @@ async def _serve(
             await asyncio.sleep(0.05)
         host, port = args.host, listener.getsockname()[1]
         print(
-            f"gapless: serving {model_name} at http://{f'[{host}]' if ':' in host else host}:{port} "
-            f"(device {info.device}{replicas}, {info.kv_tokens} KV tokens{each}, context {info.max_context}, "
+            f"gapless: serving {metrics.model} at http://{f'[{host}]' if ':' in host else host}:{port} "
+            f"(device {info.device}{more}, {info.kv_tokens} KV tokens{each}, context {info.max_context}, "
             f"chunked_prefill_size {info.chunked_prefill_size}; "
             f"started in {time.monotonic() - started:.1f} s)",
             flush=True,
@@ -508,11 +476,15 @@ def _run(
     # re-raised (or early) SIGTERM into an exception, so the workers are always stopped below
     signal.signal(signal.SIGTERM, _on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gapless-") as tmp:
-        ends = Endpoints.in_dir(tmp, cfg.data_parallel_size)
+        ends = Endpoints.in_dir(tmp, cfg.data_parallel_size, args.api_server_count)
+        metrics_dir = None
+        if args.api_server_count > 1:  # the API servers' metrics, summed by whichever is scraped
+            metrics_dir = os.path.join(tmp, "metrics")
+            os.mkdir(metrics_dir)
         opts = SchedulerOptions(args.log_stats_interval, args.log_requests, args.stream_interval)
-        workers = _Workers(ends, cfg, opts, layout, args.load_balance_method)
+        workers = _Workers(ends, cfg, opts, layout, args, listener, metrics_dir)
         try:
-            return run_event_loop(_serve(args, cfg, ends, workers, listener, started))
+            return run_event_loop(_serve(args, cfg, ends, workers, listener, metrics_dir, started))
         except (KeyboardInterrupt, _Terminated):
             return 0
         except RuntimeError as e:

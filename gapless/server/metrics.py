@@ -1,12 +1,19 @@
 """Prometheus metrics of the API server: request latencies and token counters it observes itself (from
 the deltas it receives), and gauges of the scheduler's state, refreshed from the scheduler on each scrape:
-one series per data-parallel replica, labelled `replica="0"`, `replica="1"`, ... (one replica: `"0"`)."""
+one series per data-parallel replica, labelled `replica="0"`, `replica="1"`, ... (one replica: `"0"`).
+
+With several API server processes (`--api-server-count`), a scrape reaches one of them, so each keeps its
+metrics in files of a directory they share (prometheus_client's multiprocess mode: `Metrics(shared_dir=)`),
+and every one answers with the sums over all: counters and histograms added up, requests in flight summed over
+the live processes, the scheduler's gauges as most recently refreshed by any of them."""
 
 from __future__ import annotations
 
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from gapless.server.protocol import ReqDelta, Stats
 
@@ -29,6 +36,9 @@ _ENGINE_GAUGES = {
 }
 
 
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own variable
+
+
 class RequestClock:
     """When one HTTP request arrived, and when each of its engine requests last produced tokens."""
 
@@ -40,7 +50,15 @@ class RequestClock:
 class Metrics:
     """The server's Prometheus registry, and the one place that observes requests into it."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, api_server: int = 0, shared_dir: str | None = None) -> None:
+        """`api_server`: this process's index among the API server processes. `shared_dir`: keep the
+        values in files there, where every API server process keeps its own, and render the sums over all
+        of them; this turns prometheus_client's multiprocess mode on for the whole process, so it is given
+        to the process's only `Metrics`, before any other metric is made."""
+        if shared_dir is not None:
+            os.environ[MULTIPROC_DIR_ENV] = shared_dir
+            values.ValueClass = values.get_value_class()  # read when a metric is made
+        self.shared_dir = shared_dir
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model"]
         self.model = model
@@ -51,13 +69,24 @@ class Metrics:
         self.requests = Counter(
             "gapless_requests", "Finished requests by reason", ["model", "finish_reason"], registry=r
         )
-        self.in_flight = Gauge("gapless_api_requests_in_flight", "Requests the API server awaits", registry=r)
+        self.in_flight = Gauge(
+            "gapless_api_requests_in_flight",
+            "Requests the API server awaits",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self._submitted = Counter(
+            "gapless_api_server_requests",
+            "HTTP requests submitted to the engine, by the API server process that took them",
+            ["api_server"],
+            registry=r,
+        ).labels(str(api_server))
         hist = lambda name, doc: Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r)  # noqa: E731
         self.ttft = hist("gapless_time_to_first_token_seconds", "Time to first token")
         self.itl = hist("gapless_inter_token_latency_seconds", "Time between output tokens")
         self.e2e = hist("gapless_e2e_request_latency_seconds", "Request latency, arrival to last token")
         self.engine = {
-            name: Gauge(f"gapless_{name}", doc, ["replica"], registry=r)
+            name: Gauge(f"gapless_{name}", doc, ["replica"], registry=r, multiprocess_mode="mostrecent")
             for name, (_, doc) in _ENGINE_GAUGES.items()
         }
         # the one model's series, bound once: `labels()` looks its child up under a lock on every call,
@@ -70,11 +99,13 @@ class Metrics:
             "1 if the KV integrity check passed when last idle, 0 if it failed, -1 if not checked (busy)",
             ["replica"],
             registry=r,
+            multiprocess_mode="mostrecent",
         )
 
     def started(self) -> None:
         """An HTTP request was submitted."""
         self.in_flight.inc()
+        self._submitted.inc()
 
     def ended(self) -> None:
         """An HTTP request is done (answered, failed, or its client gone)."""
@@ -114,4 +145,9 @@ class Metrics:
             self.integrity.labels(label).set(ok)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition: this process's metrics, or with `share_metrics` every API server's, summed."""
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, self.shared_dir)
+        return generate_latest(merged)

@@ -5,10 +5,14 @@
     tokenizer --Refused--> API server
     any worker --ReqError/Ready/Failed--> API server
     scheduler replica --ReplicaReport--> tokenizer (data parallelism: what the router needs to know)
+    API server 0 --Serve--> API server k (`--api-server-count`: start serving HTTP)
 
 Every control message from the API server travels through the tokenizer, so an abort can never
-overtake the request it aborts. Decoding is typed: a peer can only ever produce these structs (no
-pickle, no arbitrary objects), and a malformed frame raises `msgspec.DecodeError`.
+overtake the request it aborts. With several API server processes (`--api-server-count N`), what goes
+back to "the API server" goes to the one that submitted the request (`api_server_of`, `to_api_servers`);
+`Ready` and `Failed` go to API server 0, the one that started the others. Decoding is typed: a peer can
+only ever produce these structs (no pickle, no arbitrary objects), and a malformed frame raises
+`msgspec.DecodeError`.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class Abort(msgspec.Struct, tag=True):
 
 class StatsReq(msgspec.Struct, tag=True):
     ticket: int
+    api_server: int = 0  # the API server process that asked: its answer goes back there
 
 
 Stats = dict[str, float | int | str]  # the engine's counters (`Engine.get_stats`) and the integrity check
@@ -69,6 +74,7 @@ Stats = dict[str, float | int | str]  # the engine's counters (`Engine.get_stats
 class StatsOut(msgspec.Struct, tag=True):
     ticket: int
     stats: Stats
+    api_server: int = 0  # the asking StatsReq's
 
 
 class ReqUpdate(msgspec.Struct):
@@ -198,12 +204,55 @@ class Failed(msgspec.Struct, tag=True):
     error: str
 
 
+class Serve(msgspec.Struct, tag=True):
+    """API server 0 to another API server process, once every worker is ready: serve HTTP, with what the
+    scheduler reported and every process's pid (for `/debug/state`)."""
+
+    info: SchedulerInfo
+    worker_pids: dict[str, int]
+
+
 Message = (
     (TokenizeReq | SchedReq | Abort | StatsReq | StatsOut | Updates | Deltas | ReqError | Refused)
     | Ready
     | Failed
     | ReplicaReport
+    | Serve
 )
+
+
+def request_id(api_server: int, base: str) -> str:
+    """The rid prefix of an HTTP request's engine requests, from the API server process that submits it:
+    `base` for API server 0, `k.base` for API server k (`base` has no dot)."""
+    return f"{api_server}.{base}" if api_server else base
+
+
+def api_server_of(rid: str) -> int:
+    """The API server process that submitted engine request `rid` (`request_id`)."""
+    head, dot, _ = rid.partition(".")
+    return int(head) if dot else 0
+
+
+def to_api_servers(msg: Message, count: int) -> list[tuple[int, Message]]:
+    """Where a worker's message to "the API server" goes when there are `count` API server processes:
+    (index, message) pairs. A `Deltas` is split by the requests' API servers (one message to each that
+    has deltas in it, in their order); a refusal, an error or stats go to the one that asked; `Ready` and
+    `Failed` to API server 0."""
+    if count == 1:
+        return [(0, msg)]
+    if isinstance(msg, Deltas):
+        split: dict[int, list[ReqDelta]] = {}
+        for d in msg.deltas:
+            split.setdefault(api_server_of(d.rid), []).append(d)
+        return [(k, Deltas(deltas)) for k, deltas in split.items()]
+    if isinstance(msg, ReqError):
+        return [(api_server_of(msg.rid), msg)]
+    if isinstance(msg, Refused):  # one HTTP request's rids: one API server's
+        return [(api_server_of(msg.rids[0]) if msg.rids else 0, msg)]
+    if isinstance(msg, StatsOut):
+        return [(msg.api_server, msg)]
+    return [(0, msg)]
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

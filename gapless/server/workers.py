@@ -59,15 +59,16 @@ IDLE_POLL_MS = 500  # an idle worker wakes this often (to notice its parent is g
 class Endpoints:
     """ZeroMQ addresses of the PULL socket each process binds."""
 
-    api: str
+    apis: tuple[str, ...]  # one per API server process (`--api-server-count`); 0 started the others
     tokenizer: str
     schedulers: tuple[str, ...]  # one per data-parallel replica
     detokenizer: str
 
     @classmethod
-    def in_dir(cls, path: str, replicas: int = 1) -> Endpoints:
+    def in_dir(cls, path: str, replicas: int = 1, api_servers: int = 1) -> Endpoints:
         at = lambda name: f"ipc://{os.path.join(path, name)}"  # noqa: E731
-        return cls(at("api"), at("tok"), tuple(at(f"sched{i}") for i in range(replicas)), at("detok"))
+        apis = tuple(at(f"api{k}") for k in range(api_servers))
+        return cls(apis, at("tok"), tuple(at(f"sched{i}") for i in range(replicas)), at("detok"))
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -84,7 +85,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _setup_child(parent_pid: int) -> None:
+def setup_child(parent_pid: int) -> None:
     """Die with the parent, leave Ctrl-C to it, exit cleanly (finally blocks run) on SIGTERM, and log
     at the server's level.
 
@@ -103,25 +104,34 @@ def _setup_child(parent_pid: int) -> None:
 
 
 class _Sockets:
-    """A worker's PULL socket and its PUSH sockets to the next stages, by name.
+    """A worker's PULL socket and its PUSH sockets to the next stages, by name, and to the API servers.
 
     The PULL socket binds every address in `binds`: one stage's, or both the tokenizer's and the
     detokenizer's when one process runs the two (the merged layout). ZeroMQ queues each peer's messages
-    in order and takes from the peers in turn, so an abort still follows its request."""
+    in order and takes from the peers in turn, so an abort still follows its request. What is sent to
+    "api" goes to the API server process it belongs to (`protocol.to_api_servers`)."""
 
-    def __init__(self, binds: tuple[str, ...], push: dict[str, str]) -> None:
+    def __init__(self, binds: tuple[str, ...], push: dict[str, str], apis: tuple[str, ...]) -> None:
         self.ctx = zmq.Context()
         self.recv = self.ctx.socket(zmq.PULL)
         for addr in binds:
             self.recv.bind(addr)
         self.push: dict[str, zmq.Socket] = {}
         for name, addr in push.items():
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.connect(addr)
-            self.push[name] = sock
+            self.push[name] = self._connect(addr)
+        self.apis = [self._connect(addr) for addr in apis]
+
+    def _connect(self, addr: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.connect(addr)
+        return sock
 
     def send(self, to: str, msg: P.Message) -> None:
-        self.push[to].send(P.encode(msg))
+        if to != "api":
+            self.push[to].send(P.encode(msg))
+            return
+        for k, part in P.to_api_servers(msg, len(self.apis)):
+            self.apis[k].send(P.encode(part))
 
     def poll(self, timeout_ms: int) -> P.Message | None:
         if self.recv.poll(timeout_ms):
@@ -129,7 +139,7 @@ class _Sockets:
         return None
 
     def close(self) -> None:
-        for sock in (self.recv, *self.push.values()):
+        for sock in (self.recv, *self.push.values(), *self.apis):
             sock.close(linger=0)
         self.ctx.term()
 
@@ -138,7 +148,7 @@ def _run_worker(
     name: str, parent_pid: int, sockets: Callable[[], _Sockets], body: Callable[[_Sockets], None]
 ) -> None:
     """Run a worker's `body` on its sockets; report a failure to the API server, then die with it."""
-    _setup_child(parent_pid)
+    setup_child(parent_pid)
     socks = sockets()
     try:
         body(socks)
@@ -422,7 +432,7 @@ def scheduler_main(
     than one, it tells the router in the tokenizer its KV size and which requests left it."""
     replicas = cfg.data_parallel_size
     name = scheduler_name(replica, replicas)
-    push = {"detokenizer": ends.detokenizer, "api": ends.api}
+    push = {"detokenizer": ends.detokenizer}
     if replicas > 1:
         push["tokenizer"] = ends.tokenizer
 
@@ -446,7 +456,7 @@ def scheduler_main(
         finally:
             engine.shutdown()
 
-    _run_worker(name, parent_pid, lambda: _Sockets((ends.schedulers[replica],), push), body)
+    _run_worker(name, parent_pid, lambda: _Sockets((ends.schedulers[replica],), push, ends.apis), body)
 
 
 class _SchedulerLoop:
@@ -502,7 +512,7 @@ class _SchedulerLoop:
             self.engine.abort(msg.rid)  # unknown (already finished) ids are ignored
         elif isinstance(msg, P.StatsReq):
             stats = {**_engine_stats(self.engine), **self.hops, "replica": self.replica}
-            self.socks.send("detokenizer", P.StatsOut(msg.ticket, stats))
+            self.socks.send("detokenizer", P.StatsOut(msg.ticket, stats, msg.api_server))
 
     def add(self, msg: P.SchedReq) -> None:
         try:
@@ -573,7 +583,7 @@ class DetokenizerStage:
 
     def take(self, msg: P.Message) -> None:
         if isinstance(msg, P.StatsOut):
-            msg = P.StatsOut(msg.ticket, {**msg.stats, **self.hops})
+            msg = P.StatsOut(msg.ticket, {**msg.stats, **self.hops}, msg.api_server)
         if not isinstance(msg, P.Updates):
             self.socks.send("api", msg)
             return
@@ -637,9 +647,7 @@ def text_worker_main(
     name = "+".join(stages)
     tokenize, detokenize = "tokenizer" in stages, "detokenizer" in stages
     binds = (ends.tokenizer,) * tokenize + (ends.detokenizer,) * detokenize
-    push = {"api": ends.api}
-    if tokenize:
-        push |= {_replica_socket(i): addr for i, addr in enumerate(ends.schedulers)}
+    push = {_replica_socket(i): addr for i, addr in enumerate(ends.schedulers)} if tokenize else {}
 
     def body(socks: _Sockets) -> None:
         from gapless.model.source import load_tokenizer
@@ -661,7 +669,7 @@ def text_worker_main(
                 if tok is not None:
                     tok.drain()
 
-    _run_worker(name, parent_pid, lambda: _Sockets(binds, push), body)
+    _run_worker(name, parent_pid, lambda: _Sockets(binds, push, ends.apis), body)
 
 
 class _DetokState:

@@ -89,12 +89,24 @@ def test_host_step_device_idle_and_gc_pauses_come_from_the_counters_over_each_ru
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--layouts", "single"], "--layouts takes"), (["--max-concurrency", "1,x"], "whole numbers")],
+    [
+        (["--layouts", "single"], "--layouts takes"),
+        (["--max-concurrency", "1,x"], "whole numbers"),
+        (["--api-server-counts", "1,two"], "whole numbers"),
+        (["--api-server-counts", "0"], "--api-server-counts values must be >= 1"),
+    ],
 )
 def test_bad_arguments_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench._parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_each_layout_is_served_with_each_count_of_api_servers():
+    args = bench._parse_args(["--layouts", "split,merged", "--api-server-counts", "1,2"])
+    assert args.api_servers == [1, 2]
+    modes = [bench.served_mode(layout, n) for layout in args.layouts for n in args.api_servers]
+    assert modes == ["split", "split x2 API", "merged", "merged x2 API"]
 
 
 def test_cpu_per_token_and_cores_busy_are_the_median_per_process_and_reported():

@@ -117,7 +117,7 @@ def test_api_server_runs_on_uvloop_when_installed(monkeypatch, capsys):
     import sys
     import types
 
-    from gapless.server import launch
+    from gapless.server import api_process
 
     made: list[asyncio.AbstractEventLoop] = []
 
@@ -130,10 +130,10 @@ def test_api_server_runs_on_uvloop_when_installed(monkeypatch, capsys):
 
     fake = types.SimpleNamespace(new_event_loop=new_event_loop, __version__="9.9")
     monkeypatch.setitem(sys.modules, "uvloop", fake)
-    assert launch.run_event_loop(main()) == (7 if sys.version_info >= (3, 11) else 0)
+    assert api_process.run_event_loop(main()) == (7 if sys.version_info >= (3, 11) else 0)
     monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` fails
     made.clear()
-    assert launch.run_event_loop(main()) == 0
+    assert api_process.run_event_loop(main()) == 0
     out = capsys.readouterr().out.splitlines()
     if sys.version_info >= (3, 11):
         assert out == ["gapless: event loop uvloop 9.9", "gapless: event loop asyncio (uvloop not installed)"]

@@ -46,10 +46,16 @@ async def metrics(request: Request) -> Response:
 @router.get("/debug/state", dependencies=[Depends(require_api_key)])
 async def debug_state(request: Request) -> JSONResponse:
     """The scheduler's counters and, when idle, its KV integrity check (its last counters, with their age
-    in `stats_age_s`, while a long step keeps it from answering); and the API's open requests."""
+    in `stats_age_s`, while a long step keeps it from answering); and the open requests and collector
+    pauses (`api_*`) of the API server process that answers (`api_server`, with `--api-server-count`)."""
     state = server_state(request)
     stats = await state.client.engine_stats()
     open_requests = len(state.client.groups)
     return JSONResponse(
-        {**stats, "api_open_requests": open_requests, "worker_pids": state.health.worker_pids}
+        {
+            **stats,
+            "api_server": state.client.api_server,
+            "api_open_requests": open_requests,
+            "worker_pids": state.health.worker_pids,
+        }
     )
