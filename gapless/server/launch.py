@@ -325,7 +325,9 @@ def _tell_api_servers(ends: Endpoints, info: P.SchedulerInfo, worker_pids: dict[
             sock = ctx.socket(zmq.PUSH)
             sock.connect(addr)
             sock.send(frame)
-            sock.close(linger=int(STARTUP_TIMEOUT_S * 1000))  # delivered before this returns
+            # delivered before this returns (at once: it is bound); one that died since it said it was
+            # ready holds this up for the grace period, then the watchdog names it
+            sock.close(linger=int(TERMINATE_GRACE_S * 1000))
     finally:
         ctx.term()
 
