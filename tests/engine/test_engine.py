@@ -337,6 +337,32 @@ def test_a_full_engine_plans_no_admission_while_requests_wait(qwen3, monkeypatch
         llm.check_integrity()
 
 
+def test_the_running_requests_reservation_sum_is_each_ones_summed():
+    """`DecodeReserve.total` (admission's sum over the running requests, written out for speed) is
+    `tokens` summed: at every ratio, with requests near max_tokens, past it, near the context's end and
+    above the per-request cap."""
+    import random
+
+    from gapless.config import EngineConfig
+    from gapless.engine.request import Req
+    from gapless.engine.scheduler.budget import CLIP_MAX_NEW_TOKENS, DecodeReserve
+
+    rng = random.Random(0)
+    reserve = DecodeReserve(EngineConfig("m"), max_context=5000)
+    reqs = []
+    for i in range(300):
+        params = dataclasses.replace(GREEDY, max_tokens=rng.choice([1, 7, 300, CLIP_MAX_NEW_TOKENS + 900]))
+        out = rng.randrange(0, min(params.max_tokens + 3, 5000))
+        reqs.append(Req(str(i), [1] * rng.randrange(1, 1000), params, 0, i, output_ids=[2] * out))
+    for ratio in (1.0, 0.7, 0.333, 0.05):
+        reserve.ratio = ratio
+        assert reserve.total(reqs) == sum(reserve.tokens(r) for r in reqs)
+        assert reserve.total(reqs[:1]) == reserve.tokens(reqs[0]) and reserve.total([]) == 0
+    assert any(r.remaining_tokens(5000) == 0 for r in reqs) and any(
+        r.remaining_tokens(5000) > CLIP_MAX_NEW_TOKENS for r in reqs
+    )
+
+
 def test_a_waiting_requests_prefix_key_is_built_once_while_it_waits(qwen3):
     """Ordering the waiting queue by cached prefix (lpm) looks up every waiting prompt each step: its key
     (its tokens as the prefix cache's tuple) is built once while it waits, a new one when its tokens the

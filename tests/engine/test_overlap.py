@@ -226,6 +226,24 @@ def test_trace_has_host_and_device_spans(tmp_path, qwen3):
     assert all(e["dur"] >= 0 for e in spans)
 
 
+def test_a_retraction_drain_is_metered_once_and_never_its_wait(tmp_path, qwen3):
+    """A retraction drains the batch in flight inside the step's scheduling: the meter counts the drain's
+    processing once (as "process") and its wait for the device as none of the host's, so the host's
+    spans of a run with retractions never overlap (they did: "schedule" held the drain's "process")."""
+    trace = tmp_path / "trace.json"
+    prompts = [[10 + i, 20 + i, 30 + i] * 4 for i in range(8)]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    with LLM(qwen3, device="cpu", overlap=True, kv_cache_tokens=256, trace_path=str(trace)) as llm:
+        llm.generate(prompts, params, use_tqdm=False)
+        assert llm.get_stats()["retractions"] > 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    host = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e["ph"] == "X" and e["tid"] == 1
+    )
+    overlaps = [(a, b) for a, b in zip(host, host[1:]) if b[0] < a[1] - 1e-3]  # µs, rounding aside
+    assert not overlaps, overlaps[:3]
+
+
 def test_batches_share_no_memory_with_host_state(qwen3):
     """The device side must never read an object the scheduler goes on mutating (SGLang #8056): every
     tensor a batch carries is its own, never a view of the host request table or of radix-tree slots."""

@@ -85,15 +85,16 @@ class Scheduler:
         self.results = results(self.queues, self.kv, self.stats, tokenizer, info.max_context)
         self.inflight: deque[tuple[ScheduledBatch, Pending]] = deque()
         self._drained: list[Req] = []  # updates of batches processed early (retraction drains)
+        self._schedule_from = 0.0  # where the step's schedule span (re)started: a drain splits it
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Req]:
         """One iteration of the loop; returns the requests that got a token or finished."""
-        t0 = time.perf_counter()
+        self._schedule_from = time.perf_counter()
         updated = self.results.abort_pending()
-        batch = self.schedule()  # (a retraction's drain, rare, lands in this span too)
+        batch = self.schedule()  # (a retraction's drain inside waits for the device outside this span)
         t1 = time.perf_counter()
-        self.meter.host_span("schedule", t0, t1)
+        self.meter.host_span("schedule", self._schedule_from, t1)
         if batch is not None:
             self.launch(batch)
             if self.stream.asynchronous:  # an inline stream's launch is the device job itself
@@ -151,11 +152,16 @@ class Scheduler:
 
     def drain(self) -> bool:
         """Process every launched batch now (their updates are returned by the current step); False if
-        none was in flight."""
-        drained = bool(self.inflight)
+        none was in flight. Called while the step schedules: the schedule span stops here and goes on
+        after, so the meter counts the wait for the device as none of the host's and the processing
+        once, as "process"."""
+        if not self.inflight:
+            return False
+        self.meter.host_span("schedule", self._schedule_from, time.perf_counter())
         while self.inflight:
             self._drained += self._process_oldest()
-        return drained
+        self._schedule_from = time.perf_counter()
+        return True
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:

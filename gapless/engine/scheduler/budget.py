@@ -8,6 +8,8 @@ adaptive ratio: it decays step by step while decoding goes well, and jumps back 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from gapless.config import EngineConfig
 from gapless.engine.request import Req
 
@@ -28,6 +30,18 @@ class DecodeReserve:
     def tokens(self, req: Req) -> int:
         """KV tokens kept back for a running request's future decode steps (estimated, adaptive)."""
         return int(min(req.remaining_tokens(self.max_context), self._cap) * self.ratio)
+
+    def total(self, reqs: Collection[Req]) -> int:
+        """`tokens` summed over `reqs`, with `Req.remaining_tokens` written out: admission sums every
+        running request's each step it may admit (170 against 70 µs for 384 requests on this CPU)."""
+        cap, ratio, context = self._cap, self.ratio, self.max_context
+        total = 0
+        for r in reqs:
+            out = len(r.output_ids)
+            left = min(r.params.max_tokens - out, context - len(r.prompt_ids) - out, cap)
+            if left > 0:
+                total += int(left * ratio)
+        return total
 
     def decay(self) -> None:
         """A decode batch got its KV: expect a little less of what is left to be used."""

@@ -57,7 +57,7 @@ class Prefill:
         q = self.queues
         if q.chunked is None and not self._may_admit():
             return None
-        plan = ExtendPlan(self.cfg.chunked_prefill_size, sum(self.reserve.tokens(r) for r in q.running))
+        plan = ExtendPlan(self.cfg.chunked_prefill_size, self.reserve.total(q.running))
         if q.chunked is not None:
             self._continue_chunked(plan, q.chunked)
         if q.chunked is None and not plan.entries:
