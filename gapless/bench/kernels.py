@@ -4,7 +4,7 @@
         [--context 1024 4096 8192] [--page-size 1 16] [--decode-block-n 0 32 64 128] [--decode-warps 4 8]
         [--decode-stages 2 3] [--decode-programs-per-sm 2 32] [--decode-heads-first 0 1]
         [--extend-block-m 0 128]
-        [--extend-block-n 0 32] [--extend-warps 4 8] [--extend-stages 2 3] [--sample-batch 256]
+        [--extend-block-n 0 32] [--extend-warps 4 8] [--extend-stages 2 3] [--sample-batch 1 8 64 256]
         [--vocab 151936] [--json FILE]
 
 1. Each fused Triton kernel of `gapless.model.fused` against the torch sequence it replaces (residual
@@ -24,7 +24,8 @@
    its median time, against a `--matmul-n` square matmul in the same dtype measured in the same run; with
    Triton for each extend kernel variant (every combination of `--extend-block-m`, `--extend-block-n` (0:
    the default), `--extend-warps` and `--extend-stages`).
-4. Sampling on `--sample-batch` rows of `--vocab` logits: the seeded draw and the penalties by torch ops
+4. Sampling on each `--sample-batch` count of rows of `--vocab` logits (a kernel of one program per row
+   may lose to torch's at a few rows): the seeded draw and the penalties by torch ops
    against the fused Triton kernels, top-k 50 + top-p 0.95 by the full sort of the vocabulary against the
    partial one, and top-p without top-k by the full sort against the sort-free nucleus kernel.
 
@@ -325,7 +326,14 @@ def extend_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
 
 
 def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """The sampler on `--sample-batch` rows of `--vocab` logits in `dtype`: the seeded draw by torch ops
+    """`sampling_cases` at each `--sample-batch` count of rows."""
+    return [row for rows in args.sample_batch for row in sampling_cases(args, rows, device, dtype)]
+
+
+def sampling_cases(
+    args: argparse.Namespace, rows: int, device: torch.device, dtype: torch.dtype
+) -> list[dict[str, Any]]:
+    """The sampler on `rows` rows of `--vocab` logits in `dtype`: the seeded draw by torch ops
     against the fused Triton draw (`gapless.sampling.triton_gumbel`), the penalties (repetition, frequency
     and presence, into the step's float32 copy) by torch ops against the fused Triton penalties
     (`gapless.sampling.triton_penalties`), top-k + top-p by the full sort against the partial one
@@ -335,7 +343,7 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
     from gapless.sampling.sampler import Sampler, SamplingBatch
     from gapless.sampling_params import SamplingParams
 
-    B, V = args.sample_batch, args.vocab
+    B, V = rows, args.vocab
     logits = (torch.randn(B, V, device=device) * 3).to(dtype)
     torch_sampler, fused_sampler = Sampler(V, B, device), Sampler(V, B, device)
     nucleus_sampler = Sampler(V, B, device)  # torch ops but for the nucleus
@@ -380,19 +388,20 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
             nucleus_sampler.nucleus_kernel and (lambda: nucleus_sampler.sample(logits, top_p_only)),
         ),
     }
-    rows = []
+    out = []
     with torch.inference_mode():
         for name, (faster, ref, new) in cases.items():
             t_ref = median_us(ref, device, args)
-            rows.append(
+            out.append(
                 {
+                    "rows": B,
                     "case": name,
                     "torch_us": t_ref,
                     "path": faster,
                     "path_us": new and median_us(new, device, args),
                 }
             )
-    return rows
+    return out
 
 
 def _fmt(x: float | None) -> str:
@@ -450,17 +459,18 @@ def report(res: dict[str, Any]) -> list[str]:
             ("attention / copy", "ratio", "{:.0%}".format),
         ],
     )
-    lines += ["", f"sampling, {res['sample_batch']} rows x {res['vocab']} logits:"]
+    lines += ["", f"sampling, rows of {res['vocab']} logits:"]
     lines += _table(
         _versus_torch(res["sampling"], "path_us"),
         [
+            ("rows", "rows", str),
             ("case", "case", str),
             ("torch µs", "torch_us", _fmt),
             ("faster path", "path", str),
             ("its µs", "path_us", _fmt),
             ("path / torch", "vs_torch", str),
         ],
-        "lrlrr",
+        "rlrlrr",
     )
     lines += ["", f"extend attention ({res['attention']}), requests of {res['extend_len']} tokens:"]
     lines += _table(
@@ -523,7 +533,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extend-stages", type=cli.positive_int, nargs="+", default=[2], help=tune)
     p.add_argument("--matmul-n", type=cli.positive_int, default=8192, help="the square matmul's size")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--sample-batch", type=cli.positive_int, default=256, help="the sampler's rows")
+    p.add_argument(
+        "--sample-batch",
+        type=cli.positive_int,
+        nargs="+",
+        default=[1, 8, 64, 256],
+        help="the sampler's rows, each count in turn",
+    )
     p.add_argument("--vocab", type=cli.positive_int, default=151936, help="the sampler's logits per row")
     p.add_argument("--iters", type=cli.positive_int, default=20, help="timed calls (the median is kept)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first")

@@ -23,7 +23,7 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
         "--intermediate 20 --batch 2 3 --context 20 --page-size 1 4 --attention triton --iters 1 --warmup 0 "
         "--decode-block-n 0 16 --decode-programs-per-sm 2 32 "
         "--extend-tokens 24 --extend-len 10 --extend-block-m 0 16 --extend-stages 1 2 "
-        "--matmul-n 16 --sample-batch 2 --vocab 1100"
+        "--matmul-n 16 --sample-batch 1 2 --vocab 1100"
     ).split() + ["--json", str(tmp_path / "k.json")]
     res = kernels.main(argv)
     assert [r["kernel"] for r in res["fused"]] == [
@@ -45,11 +45,15 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
     variants = [(r["tokens"], r["block_m"], r["block_n"], r["num_stages"]) for r in res["extend_rows"]]
     assert variants == [(24, m, 64, st) for m in (64, 16) for st in (1, 2)]  # block n: the default, 64
     assert all(r["attention_tflop_s"] > 0 and r["matmul_tflop_s"] > 0 for r in res["extend_rows"])
-    assert [(r["case"], r["path"]) for r in res["sampling"]] == [
-        ("seeded draw (temperature only)", "triton draw"),
-        ("penalties (repetition, frequency, presence)", "triton penalties"),
-        ("top-k 50 + top-p 0.95", "partial sort"),
-        ("temperature 0.6 + top-p 0.9 (no top-k)", "triton nucleus"),  # (vocab 1100: past the window)
+    assert [(r["rows"], r["case"], r["path"]) for r in res["sampling"]] == [
+        (rows, case, path)
+        for rows in (1, 2)
+        for case, path in (
+            ("seeded draw (temperature only)", "triton draw"),
+            ("penalties (repetition, frequency, presence)", "triton penalties"),
+            ("top-k 50 + top-p 0.95", "partial sort"),
+            ("temperature 0.6 + top-p 0.9 (no top-k)", "triton nucleus"),  # (vocab 1100: past the window)
+        )
     ]
     assert all(r["torch_us"] > 0 and r["path_us"] > 0 for r in res["sampling"])
     out = capsys.readouterr().out
