@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import multiprocessing as mp
 import socket
 import sys
 import traceback
@@ -154,12 +153,11 @@ def api_server_main(
     parent_pid: int,
 ) -> None:
     """API server process `api_server` (> 0) of `--api-server-count`: ready once its socket is bound, it
-    serves from API server 0's `Serve` until it is terminated (exit status 0) or fails (1, reported to API
-    server 0 as `Failed` when it fails before serving)."""
+    serves from API server 0's `Serve` until it is terminated (exit status 0) or fails (status 1; an
+    exception is also reported to API server 0 as `Failed`, with its traceback)."""
     from gapless.server.workers import setup_child
 
     setup_child(parent_pid)
-    mp.current_process().name = f"gapless-{api_server_name(api_server)}"
     status = run_event_loop(_serve(args, cfg, ends, api_server, listener, metrics_dir), announce=False)
     if status:
         raise SystemExit(status)
