@@ -265,6 +265,7 @@ FLAG_ALIASES: dict[str, Alias] = {
     "--dp-size": Alias("data_parallel_size", "SGLang"),
     "--dp": Alias("data_parallel_size", "SGLang"),
     "-dp": Alias("data_parallel_size", "vLLM"),
+    "-asc": Alias("api_server_count", "vLLM"),  # a server option (gapless.server.launch)
 }
 
 # vLLM's and SGLang's parallelism flags gapless does not run (tensor and data parallelism are options

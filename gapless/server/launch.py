@@ -124,8 +124,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="split: tokenizer and detokenizer in a process each; merged: one process for both; auto: "
         f"merged below {MIN_CORES_FOR_SPLIT} usable cores, else split (default: auto)",
     )
-    parser.add_argument(
-        "--api-server-count",
+    add_option(
+        parser,
+        "api_server_count",
         type=_positive_int,
         default=1,
         metavar="N",

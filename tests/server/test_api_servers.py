@@ -48,6 +48,20 @@ def test_workers_send_each_message_to_the_api_server_that_asked():
     assert stats == P.StatsReq(3, 1)  # the asking API server survives the socket
 
 
+def test_the_count_is_a_whole_number_from_one_under_either_name():
+    import argparse
+
+    from gapless.server.launch import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(["m"]).api_server_count == 1
+    assert parser.parse_args(["m", "-asc", "3"]).api_server_count == 3  # vLLM's short flag
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["m", "--api-server-count", bad])
+
+
 def _options(server: ServerProcess) -> list[str]:
     """The session server's model and options, as given (so that both answer alike)."""
     return server.proc.args[server.proc.args.index("--port") + 2 :]
