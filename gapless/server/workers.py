@@ -126,12 +126,16 @@ class _Sockets:
         sock.connect(addr)
         return sock
 
-    def send(self, to: str, msg: P.Message) -> None:
+    def send(self, to: str, msg: P.Message) -> int:
+        """Send `msg` on; returns the messages that took (more than one: a step's deltas for several API
+        servers)."""
         if to != "api":
             self.push[to].send(P.encode(msg))
-            return
-        for k, part in P.to_api_servers(msg, len(self.apis)):
+            return 1
+        parts = P.to_api_servers(msg, len(self.apis))
+        for k, part in parts:
             self.apis[k].send(P.encode(part))
+        return len(parts)
 
     def poll(self, timeout_ms: int) -> P.Message | None:
         if self.recv.poll(timeout_ms):
@@ -587,9 +591,9 @@ class DetokenizerStage:
         if not isinstance(msg, P.Updates):
             self.socks.send("api", msg)
             return
-        self.socks.send("api", P.Deltas(self.deltas(msg.updates)))
+        sent = self.socks.send("api", P.Deltas(self.deltas(msg.updates)))
         self.hops["hop_detokenizer_updates_in"] += 1
-        self.hops["hop_detokenizer_deltas_out"] += 1
+        self.hops["hop_detokenizer_deltas_out"] += sent  # one per API server with deltas in it
 
     def deltas(self, updates: list[P.ReqUpdate]) -> list[P.ReqDelta]:
         """One step's deltas: every request's new text (decoded together), usage and logprobs."""

@@ -48,6 +48,49 @@ def test_workers_send_each_message_to_the_api_server_that_asked():
     assert stats == P.StatsReq(3, 1)  # the asking API server survives the socket
 
 
+def test_the_detokenizer_sends_each_api_server_its_own_deltas_and_stats(tmp_path):
+    """Over real sockets: one step's updates for requests of API servers 0 and 1 reach each as a `Deltas`
+    of its own requests alone (decoded, counted as two messages out), and a stats answer reaches the API
+    server that asked."""
+    import zmq
+
+    from gapless.default_model.tokenizer import build_tokenizer
+    from gapless.server.workers import DetokenizerStage, Endpoints, _Sockets
+
+    ends = Endpoints.in_dir(str(tmp_path), api_servers=2)
+    ctx = zmq.Context()
+    pulls = [ctx.socket(zmq.PULL) for _ in ends.apis]
+    for pull, addr in zip(pulls, ends.apis):
+        pull.bind(addr)
+    socks = _Sockets((), {}, ends.apis)
+    try:
+        tok = build_tokenizer()
+        stage = DetokenizerStage(tok, socks)
+        rids = [f"{P.request_id(k, 'ab')}-0" for k in (0, 1)]
+        ids = [tok.encode("hello", add_special_tokens=False), tok.encode(" world", add_special_tokens=False)]
+        done = {"finish_reason": "length", "stop": []}
+        stage.take(P.Updates([P.ReqUpdate(rid, t, 2, 0, **done) for rid, t in zip(rids, ids)]))
+        for k, pull in enumerate(pulls):
+            assert pull.poll(5000)
+            msg = P.decode(pull.recv())
+            assert isinstance(msg, P.Deltas) and [d.rid for d in msg.deltas] == [rids[k]]
+            assert msg.deltas[0].text == tok.decode(ids[k])
+        assert stage.hops == {"hop_detokenizer_updates_in": 1, "hop_detokenizer_deltas_out": 2}
+        stage.take(P.StatsOut(5, {"running_requests": 0}, api_server=1))
+        assert pulls[1].poll(5000) and not pulls[0].poll(100)
+        stats = P.decode(pulls[1].recv())
+        assert (
+            isinstance(stats, P.StatsOut)
+            and stats.ticket == 5
+            and stats.stats["hop_detokenizer_deltas_out"] == 2
+        )
+    finally:
+        socks.close()
+        for pull in pulls:
+            pull.close(linger=0)
+        ctx.term()
+
+
 def test_the_count_is_a_whole_number_from_one_under_either_name():
     import argparse
 
