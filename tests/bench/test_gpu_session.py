@@ -1,11 +1,13 @@
 """`bench/gpu_session.sh` is run only when a session is lent a GPU, for at most 30 minutes: a misspelt flag
-there costs a part. Each part runs here with a stand-in for Python that checks instead of running: a
-benchmark's command line goes through that benchmark's own argument parser, a pytest command collects
-its tests (and must select some), pip installs nothing; anything else runs as it is. Every step must
-exit 0. (A parser is asked with CUDA reported available, as on the GPU machine.)"""
+there costs a part. Each part runs here with a stand-in for Python that records each command line instead
+of running it; then every benchmark's command line goes through that benchmark's own argument parser, in
+this process (with CUDA reported available, as on the GPU machine, which a parser may ask), and every
+pytest command collects its tests, which must select some."""
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import re
 import shutil
@@ -15,82 +17,105 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("tests", "bench", "serve", "prefill", "suite")
-
-CHECKER = textwrap.dedent(
+RECORDER = textwrap.dedent(
     """\
-    import importlib, os, subprocess, sys
-    args = sys.argv[1:]
-    if args[:1] == ["-m"] and args[1].startswith("gapless.bench."):
-        import torch
-        torch.cuda.is_available = lambda: True  # parsed as on the GPU machine, which a parser may ask
-        module = importlib.import_module(args[1])
-        parse = getattr(module, "parse_args", None) or getattr(module, "_parse_args")
-        parse(args[2:])  # exits 2 with argparse's message on a bad flag
-        print("parsed", args[1])
-        sys.exit(0)
-    if args[:2] == ["-m", "pytest"]:
-        rest, skip = [], False
-        for a in args[2:]:  # pytest-xdist's -n N: not installed here, and beside the point
-            if skip or a == "-n":
-                skip = not skip
-                continue
-            rest.append(a)
-        sys.exit(subprocess.call([sys.executable, "-m", "pytest", "--collect-only", "-q", *rest]))
-    if args[:2] == ["-m", "pip"]:
-        sys.exit(0)
-    os.execv(sys.executable, [sys.executable, *args])
+    import json, os, sys
+    with open(os.environ["GPU_SESSION_COMMANDS"], "a") as f:
+        f.write(json.dumps(sys.argv[1:]) + "\\n")
+    """
+)
+# each pytest command's collection, in one process per part: exits with the first failing command's status
+COLLECTOR = textwrap.dedent(
+    """\
+    import json, subprocess, sys
+    for args in json.loads(sys.argv[1]):
+        rc = subprocess.call([sys.executable, "-m", "pytest", "--collect-only", "-q", *args])
+        if rc:
+            print("collecting failed:", args)
+            sys.exit(rc)
     """
 )
 
 
-@pytest.mark.parametrize("part", PARTS)
-def test_every_step_of_the_part_takes_its_arguments(part, tmp_path):
-    checker = tmp_path / "python"
-    checker.write_text(f"#!{sys.executable}\n{CHECKER}")
-    checker.chmod(0o755)
-    out = tmp_path / "out"
-    env = {**os.environ, "PY": str(checker), "OUT": str(out), "GPU_BENCH_TIMEOUT": "120"}
+def _run_part(script: Path, part: str, tmp_path: Path, cwd: Path) -> list[list[str]]:
+    """Run `script`'s part with the recorder as Python; the command lines it ran Python with."""
+    recorder = tmp_path / "python"
+    recorder.write_text(f"#!{sys.executable}\n{RECORDER}")
+    recorder.chmod(0o755)
+    commands = tmp_path / "commands.jsonl"
+    env = {
+        **os.environ,
+        "PY": str(recorder),
+        "OUT": str(tmp_path / "out"),
+        "GPU_SESSION_COMMANDS": str(commands),
+        "PYTHONPATH": str(ROOT),
+    }
     r = subprocess.run(
-        ["bash", "bench/gpu_session.sh", part],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ["bash", str(script), part], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    steps = (out / part / "steps.log").read_text() if part != "bench" else ""
-    ends = re.findall(r": exit (\d+)$", steps, flags=re.M)
-    if part != "bench":
-        assert ends and set(ends) == {"0"}, "\n".join(
-            f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((out / part).glob("*.log"))
+    return [json.loads(line) for line in commands.read_text().splitlines()]
+
+
+def _parse_bench(args: list[str], monkeypatch) -> None:
+    """`python -m gapless.bench.X ARGS` through X's own parser; SystemExit (argparse's 2) on a bad flag."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    module = importlib.import_module(args[1])
+    parse = getattr(module, "parse_args", None) or module._parse_args
+    parse(args[2:])
+
+
+def _pytest_args(args: list[str]) -> list[str]:
+    """A pytest command's arguments without pytest-xdist's `-n N` (not installed here, and beside the
+    point)."""
+    rest, skip = [], False
+    for a in args[2:]:
+        if skip or a == "-n":
+            skip = not skip
+            continue
+        rest.append(a)
+    return rest
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch):
+    commands = _run_part(ROOT / "bench/gpu_session.sh", part, tmp_path, ROOT)
+    benches = [c for c in commands if c[:1] == ["-m"] and c[1].startswith("gapless.bench.")]
+    tests = [_pytest_args(c) for c in commands if c[:2] == ["-m", "pytest"]]
+    assert benches or tests, commands
+    for args in benches:
+        try:
+            _parse_bench(args, monkeypatch)
+        except SystemExit as e:
+            pytest.fail(f"{' '.join(args)}: the parser refused it (exit {e.code})")
+    if part == "bench":  # gpu_bench.sh: its one benchmark
+        assert [c[1] for c in benches] == ["gapless.bench.gpu"]
+    if tests:
+        r = subprocess.run(
+            [sys.executable, "-c", COLLECTOR, json.dumps(tests)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
-    else:  # gpu_bench.sh: its one benchmark command, parsed
-        assert "parsed gapless.bench.gpu" in (out / part / "gpu_bench.log").read_text()
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = (tmp_path / "out" / part / "steps.log").read_text() if part != "bench" else ""
+    assert set(re.findall(r": exit (\d+)$", steps, flags=re.M)) <= {"0"}, steps
 
 
-def test_a_bad_flag_fails_its_step(tmp_path):
-    """The check is not vacuous: a flag the benchmark does not take makes its step exit 2."""
-    script = tmp_path / "gpu_session.sh"
+def test_a_bad_flag_is_refused(tmp_path, monkeypatch, capsys):
+    """The check is not vacuous: a flag the benchmark does not take is refused by its parser."""
+    (tmp_path / "bench").mkdir()
+    script = tmp_path / "bench/gpu_session.sh"
     text = (ROOT / "bench/gpu_session.sh").read_text()
     script.write_text(text.replace("--rounds 3 --engine-option device=cuda", "--roundz 3", 1))
-    (tmp_path / "bench").mkdir()
-    shutil.copy(script, tmp_path / "bench/gpu_session.sh")
-    checker = tmp_path / "python"
-    checker.write_text(f"#!{sys.executable}\n{CHECKER}")
-    checker.chmod(0o755)
-    out = tmp_path / "out"
-    env = {**os.environ, "PY": str(checker), "OUT": str(out), "PYTHONPATH": str(ROOT)}
-    subprocess.run(
-        ["bash", str(tmp_path / "bench/gpu_session.sh"), "serve"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    steps = (out / "serve/steps.log").read_text()
-    assert re.search(r"host: exit 2$", steps, flags=re.M), steps
+    shutil.copy(ROOT / "bench/gpu_bench.sh", tmp_path / "bench/gpu_bench.sh")
+    commands = _run_part(script, "serve", tmp_path, tmp_path)
+    (host,) = [c for c in commands if c[:2] == ["-m", "gapless.bench.host"] and "--roundz" in c]
+    with pytest.raises(SystemExit) as e:
+        _parse_bench(host, monkeypatch)
+    assert e.value.code == 2 and "--roundz" in capsys.readouterr().err
