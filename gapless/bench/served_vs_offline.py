@@ -95,11 +95,14 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     if not set(args.layouts) <= {"split", "merged", "auto"} or not args.layouts:
         p.error(f"--layouts takes split, merged, auto; got {args.layouts}")
-    try:
-        args.concurrency = [int(x) for x in args.max_concurrency.split(",")]
-        args.api_servers = [int(x) for x in args.api_server_counts.split(",")]
-    except ValueError:
-        p.error(f"--max-concurrency and --api-server-counts take whole numbers, got {argv}")
+    for flag, text in (
+        ("--max-concurrency", args.max_concurrency),
+        ("--api-server-counts", args.api_server_counts),
+    ):
+        if not all(x.strip().lstrip("-").isdigit() for x in text.split(",")):
+            p.error(f"{flag} takes whole numbers, comma-separated; got {text!r}")
+    args.concurrency = [int(x) for x in args.max_concurrency.split(",")]
+    args.api_servers = [int(x) for x in args.api_server_counts.split(",")]
     if any(c < 0 for c in args.concurrency):
         p.error("--max-concurrency values must be >= 0")
     if any(c < 1 for c in args.api_servers):
