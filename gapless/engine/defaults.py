@@ -8,8 +8,8 @@ of a larger activation peak (the KV planner measures that peak with the chosen v
 to make room for it). The rule follows SGLang's `ServerArgs._handle_gpu_memory_settings`, which scales
 the budget with the GPU's memory (2,048 tokens under 35 GiB, 4,096 under 60 GiB); from 60 GiB up it
 takes 16,384, where SGLang takes 8,192 up to 160 GiB: on an H100 80GB gapless measured 11,610 output
-tok/s at 16,384 against 8,755 at 2,048 on the nano-vllm workload (Qwen3-0.6B's shape;
-`shared/measurements/h100-2026-11-22/var_chunked_prefill_size_16384.json`). On the CPU 2,048 stays: a
+tok/s at 16,384 against 8,755 at 2,048 on the nano-vllm workload (Qwen3-0.6B's shape; the commands
+and runs in docs/benchmarks.md, "On a GPU"). On the CPU 2,048 stays: a
 CPU runs a forward in time proportional to its tokens, so a larger budget only delays the decode steps
 that wait behind it.
 
