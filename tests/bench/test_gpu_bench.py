@@ -136,7 +136,8 @@ def test_gpu_bench_script_writes_its_files(tmp_path):
     """`bench/gpu_bench.sh`, the one command a GPU session runs, on the CPU: the same files in $OUT."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OUT=str(tmp_path), PY=sys.executable, GPU_BENCH_TIMEOUT="300")
-    argv = ["--quick", "--size", "tiny", "--device", "cpu", "--dtype", "float32", "--runs", "sampled", "--skip-hf"]
+    argv = ["--quick", "--size", "tiny", "--device", "cpu", "--dtype", "float32", "--skip-hf"]
+    argv += ["--runs", "sampled"]
     proc = subprocess.run(
         ["bash", str(root / "bench" / "gpu_bench.sh"), *argv],
         env=env,
