@@ -58,6 +58,8 @@ QUICK_HF_NUM_SEQS = 4
 WARMUP_SEQS = 64
 WARMUP_OUTPUT = (4, 48)
 QUICK_WARMUP = (4, (2, 8))
+
+
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m gapless.bench.gpu",
