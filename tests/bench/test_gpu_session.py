@@ -162,3 +162,26 @@ def test_a_bad_flag_is_refused(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         _parse_bench(bad, monkeypatch)
     assert e.value.code == 2 and "--concurrencyy" in capsys.readouterr().err
+
+
+def test_the_freeze_guard_names_the_test_that_leaves_the_heap_frozen(tmp_path):
+    """The `suite` part's plugin: a test that freezes and does not unfreeze is named (once: it unfreezes),
+    on stdout and in the log file; the tests around it are not."""
+    (tmp_path / "test_leak.py").write_text(
+        "import gc\n\ndef test_before():\n    pass\n\ndef test_leaks():\n    gc.freeze()\n\n"
+        "def test_after():\n    assert gc.get_freeze_count() == 0\n"
+    )
+    log = tmp_path / "frozen.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests/bench"), GAPLESS_FREEZE_LOG=str(log))
+    plugins = ["-p", "no:cacheprovider", "-p", "freeze_guard"]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", *plugins, "test_leak.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = log.read_text().splitlines()
+    assert line.startswith("FROZEN after test_leak.py::test_leaks: ") and line in r.stdout
