@@ -93,9 +93,23 @@ pack() {  # the tarball and the summary, in $OUT
   tar -czf "$OUT/gpu_session_$part.tar.gz" -C "$WORK" . 2>/dev/null
 }
 
+gpu_free() {  # wait (at most 30 s) until no process holds the GPU: a server an earlier step stopped may
+  # still be exiting with its KV pool allocated (test_cuda_too_little_memory_for_any_kv_is_a_clear_error
+  # failed once right after the served benchmark, and passed in a fresh run)
+  command -v nvidia-smi >/dev/null || return 0
+  local waited=0
+  while [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && [ $waited -lt 30 ]; do
+    sleep 1
+    waited=$(( waited + 1 ))
+  done
+  [ $waited -gt 0 ] && echo "(waited $waited s for the GPU's other processes to exit)" >>"$WORK/steps.log"
+  return 0
+}
+
 step() {  # $1: seconds at most, $2: log name, the rest: the command. Cut to what the budget leaves.
   local limit=$1 name=$2
   shift 2
+  gpu_free
   local left=$(( BUDGET - (SECONDS - T0) - GRACE - PACK ))
   if [ "$left" -lt 20 ]; then
     echo "$name: skipped, $(( SECONDS - T0 )) s of $BUDGET gone" >>"$WORK/steps.log"
