@@ -66,9 +66,14 @@ fi
   echo "cpus: $(nproc)"
   "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
-  for m in fastapi uvicorn zmq msgspec xgrammar jsonschema httpx2 openai uvloop httptools xdist; do
-    "$PY" -c "import $m; print('$m', getattr($m, '__version__', 'ok'))" 2>/dev/null || echo "$m: missing"
-  done
+  "$PY" - <<'EOF'
+import importlib
+for m in "fastapi uvicorn zmq msgspec xgrammar jsonschema httpx2 openai uvloop httptools xdist".split():
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "ok"))
+    except Exception as e:  # missing, or broken: either way the steps that need it will say
+        print(f"{m}: missing ({type(e).__name__}: {e})")
+EOF
 } >"$WORK/env.log" 2>&1
 
 pack() {  # the tarball and the summary, in $OUT

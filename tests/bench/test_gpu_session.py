@@ -137,15 +137,15 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
 
 def test_the_all_part_keeps_its_budget(tmp_path):
     """Each step is cut to what the budget leaves (the SIGINT grace and the packing kept), and a step with
-    under 20 s left is skipped: in a 49 s budget the first step gets at most 49 - 15 - 10 = 24 s, and after
-    it took 6 s every later step is skipped; what ran is still packed."""
+    under 20 s left is skipped: in a 55 s budget the first step gets at most 55 - 15 - 10 = 30 s (less the
+    start-up's seconds), and after it took 10 s every later step is skipped; what ran is still packed."""
     t0 = time.monotonic()
-    _run_part(ROOT / "bench/gpu_session.sh", "all", tmp_path, ROOT, SESSION_BUDGET_S="49", STAND_IN_SLEEP="6")
-    assert time.monotonic() - t0 < 49
+    _run_part(ROOT / "bench/gpu_session.sh", "all", tmp_path, ROOT, SESSION_BUDGET_S="55", STAND_IN_SLEEP="10")
+    assert time.monotonic() - t0 < 55
     steps = (tmp_path / "work" / "steps.log").read_text()
     limits = re.findall(r"^(\S+): exit 0 in \d+ s \(limit (\d+) s\)", steps, flags=re.M)
-    assert [name for name, _ in limits] == ALL_STEPS[:1]
-    assert 20 <= int(limits[0][1]) <= 24  # (the start-up's seconds come off it)
+    assert [name for name, _ in limits] == ALL_STEPS[:1], steps
+    assert 20 <= int(limits[0][1]) <= 30
     assert all(f"{name}: skipped" in steps for name in ALL_STEPS[1:])
     assert (tmp_path / "out" / "gpu_session_all.tar.gz").exists()
 
