@@ -140,7 +140,8 @@ def test_the_all_part_keeps_its_budget(tmp_path):
     under 20 s left is skipped: in a 55 s budget the first step gets at most 55 - 15 - 10 = 30 s (less the
     start-up's seconds), and after it took 10 s every later step is skipped; what ran is still packed."""
     t0 = time.monotonic()
-    _run_part(ROOT / "bench/gpu_session.sh", "all", tmp_path, ROOT, SESSION_BUDGET_S="55", STAND_IN_SLEEP="10")
+    budget = dict(SESSION_BUDGET_S="55", STAND_IN_SLEEP="10")
+    _run_part(ROOT / "bench/gpu_session.sh", "all", tmp_path, ROOT, **budget)
     assert time.monotonic() - t0 < 55
     steps = (tmp_path / "work" / "steps.log").read_text()
     limits = re.findall(r"^(\S+): exit 0 in \d+ s \(limit (\d+) s\)", steps, flags=re.M)
