@@ -27,6 +27,11 @@
 #                         it), with the time left
 #   suite   the whole test suite on the GPU machine (`pytest -n 8 tests`, cut at 480 s), with a plugin
 #           that names any test leaving the heap frozen (tests/bench/freeze_guard.py); then nothing else
+#   serve   the host step at 256 running requests (`gapless.bench.host`), served vs offline with one and
+#           two API server processes, served on asyncio and h11 (uvloop and httptools hidden), and the
+#           detokenizer per step with the tokenizers library's threads on and off
+#   prefill whether prefill launches cost less than the GPU work they launch (`gapless.bench.prefill_launch`,
+#           fused kernels, piecewise graphs, torch ops), and the host bench at 1,024-token prompts
 #   sweep   the decode and extend kernels' tunings (what `kernels` times at the defaults), for a session
 #           with time to spare
 #
@@ -38,7 +43,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in all | suite | sweep) ;; *) sed -n 2,38p "$0"; exit 2 ;; esac
+case "$part" in all | suite | serve | prefill | sweep) ;; *) sed -n 2,44p "$0"; exit 2 ;; esac
 OUT=${OUT:-bench/results/gpu_session}
 WORK=${WORK:-${TMPDIR:-/tmp}/gpu_session/$part}
 BUDGET=${SESSION_BUDGET_S:-530}
@@ -48,6 +53,11 @@ T0=$SECONDS
 rm -rf "$WORK"
 mkdir -p "$WORK" "$OUT"
 PY=${PY:-python3}
+# a directory that hides uvloop and httptools when put first on PYTHONPATH (their import fails, as where
+# they are not installed): for the serve part's run on asyncio and h11
+HIDE=${TMPDIR:-/tmp}/gapless-hide
+mkdir -p "$HIDE"
+for m in uvloop httptools; do echo "raise ImportError('hidden by gpu_session.sh')" >"$HIDE/$m.py"; done
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 # The device has torch, triton and transformers but no package index: the wheels bench/gpu_wheels.sh
@@ -83,7 +93,8 @@ pack() {  # the tarball and the summary, in $OUT
     grep -E '^torch |^cpus|missing' "$WORK/env.log"
     cat "$WORK/steps.log" 2>/dev/null
     for f in bench/gpu_bench.log latency.log served.log kernels.log cuda_tests.log suite.log frozen.log \
-      quant/gpu_quant.log; do
+      quant/gpu_quant.log host.log served_vs_offline.log served_asyncio_h11.log prefill_launch_fused.log \
+      prefill_launch_pieces.log prefill_launch_torch.log; do
       [ -f "$WORK/$f" ] || continue
       echo
       echo "## $f"
@@ -158,6 +169,37 @@ case "$part" in
     # not fail every later heap test)
     step 480 suite env PYTHONPATH="$PYTHONPATH:$PWD/tests/bench" GAPLESS_FREEZE_LOG="$WORK/frozen.log" \
       "$PY" -m pytest -q -n 8 -p no:cacheprovider -p freeze_guard --durations=25 tests
+    ;;
+  serve)
+    step 120 host "$PY" -m gapless.bench.host --rounds 3 --engine-option device=cuda --json "$WORK/host.json"
+    served=("$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 --size bench --layouts auto
+      --num-seqs 512 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024)
+    # one API server process and two (`--api-server-count`: whether one API server's core holds it back);
+    # then with uvloop and httptools hidden (asyncio and h11), served only
+    step 200 served_vs_offline "${served[@]}" --api-server-counts 1,2 --json "$WORK/served_vs_offline.json"
+    step 120 served_asyncio_h11 env PYTHONPATH="$HIDE:$PYTHONPATH" "${served[@]}" --skip-offline \
+      --json "$WORK/served_asyncio_h11.json"
+    # the tokenizers library decodes a batch on all cores by default (the server's detokenizer does)
+    for par in true false; do
+      step 20 "detokenize_parallel_$par" env TOKENIZERS_PARALLELISM=$par "$PY" bench/experiments/detokenize.py \
+        --rounds 3 --json "$WORK/detokenize_parallel_$par.json"
+    done
+    ;;
+  prefill)
+    # one prefill forward's launch against its GPU work: the fused kernels (this first step also builds the
+    # model), the piecewise prefill graphs up to 512 tokens, the torch ops; then the engine's own meter at
+    # chunks of 16,384 and 2,048 tokens
+    launch=("$PY" -m gapless.bench.prefill_launch --size qwen3-0.6b --dtype bfloat16 --tokens 128 512 2048 16384)
+    step 150 prefill_launch_fused "${launch[@]}" --json "$WORK/prefill_launch_fused.json"
+    step 90 prefill_launch_pieces "${launch[@]}" --engine-option piecewise_cuda_graph_max_tokens=512 \
+      --json "$WORK/prefill_launch_pieces.json"
+    step 70 prefill_launch_torch "${launch[@]}" --engine-option fused_kernels=torch \
+      --json "$WORK/prefill_launch_torch.json"
+    for chunk in 16384 2048; do
+      step 100 "prefill_$chunk" "$PY" -m gapless.bench.host --size qwen3-0.6b --num-seqs 64 --input-len 1024 \
+        --output-len 1 --modes overlap plain --rounds 1 --engine-option device=cuda \
+        --engine-option dtype=bfloat16 --engine-option chunked_prefill_size=$chunk --json "$WORK/prefill_$chunk.json"
+    done
     ;;
   sweep)
     # decode: programs per SM 2 is one split a request at batch 256 (the default), 32 and 64 are 3 and 5

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("all", "suite", "sweep")
+PARTS = ("all", "suite", "serve", "prefill", "sweep")
 # the `all` part's steps, most important first (issue 34 item 6)
 ALL_STEPS = ["bench/run", "kernels", "latency", "served", "cuda_tests"]
 RECORDER = textwrap.dedent(
