@@ -99,7 +99,7 @@ pack() {  # the tarball and the summary, in $OUT
       echo
       echo "## $f"
       case "$f" in
-        kernels.log) grep -E '^\| |^[a-z].*:$' "$WORK/$f" | head -80 ;;
+        kernels.log) grep -E '^\| |^[a-z].*:$' "$WORK/$f" | head -130 ;;
         *test*.log | suite.log) grep -E '(passed|failed|error)s? in |^(FAILED|ERROR) |FROZEN' "$WORK/$f" | tail -40 ;;
         frozen.log) cat "$WORK/$f" ;;
         *) grep -E '^\| |\*\*|target|WARNING|FAILED' "$WORK/$f" | head -40 ;;
