@@ -126,15 +126,15 @@ step() {  # $1: seconds at most, $2: log name, the rest: the command. Cut to wha
   local limit=$1 name=$2
   shift 2
   gpu_free
-  local left=$(( BUDGET - (SECONDS - T0) - GRACE - PACK ))
+  local start=$SECONDS
+  local left=$(( BUDGET - (start - T0) - GRACE - PACK ))
   if [ "$left" -lt 20 ]; then
-    echo "$name: skipped, $(( SECONDS - T0 )) s of $BUDGET gone" >>"$WORK/steps.log"
+    echo "$name: skipped, $(( start - T0 )) s of $BUDGET gone" >>"$WORK/steps.log"
     return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
-  local start=$SECONDS
   mkdir -p "$(dirname "$WORK/$name.log")"
-  echo "== $(date -u +%T) $name (limit $limit s): $*" >>"$WORK/steps.log"
+  echo "== $(date -u +%T) +$(( start - T0 )) s $name (limit $limit s): $*" >>"$WORK/steps.log"
   timeout -k "$GRACE" -s INT "$limit" "$@" >"$WORK/$name.log" 2>&1
   local rc=$?
   echo "$name: exit $rc in $(( SECONDS - start )) s (limit $limit s)" >>"$WORK/steps.log"
