@@ -81,3 +81,16 @@ def test_detokenize_bench_streams_are_real_text():
     assert [len(s) for s in ids] == [100] * 3 and ids[0] != ids[1]
     _, texts = detokenize.run_mode("whole step", tok, ids, 4)
     assert texts[0] and texts[0] in tok.decode(ids[0])
+
+
+def test_spy_names_the_process_and_counts_self_and_inclusive_samples(tmp_path):
+    spy = _experiment("spy")
+    raw = tmp_path / "c1_pid7.txt"
+    raw.write_text(
+        "main (server/workers.py:10);scheduler_main (server/workers.py:431);step (engine/engine.py:205) 30\n"
+        "main (server/workers.py:10);scheduler_main (server/workers.py:431) 10\n"
+    )
+    table = spy.summarize(raw, possible=200.0)
+    assert table.startswith("== scheduler (c1_pid7.txt): 40 samples, on a core 20.0% of the run")
+    assert "75.0%  step (engine/engine.py)" in table  # self: the leaf's 30 of 40
+    assert "100.0%  scheduler_main (server/workers.py)" in table  # inclusive: on every stack
