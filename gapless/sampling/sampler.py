@@ -320,8 +320,8 @@ class Sampler:
         # the penalties as one kernel, with `apply_penalties`' signature and bits
         # (`gapless.sampling.fused.penalty_kernel` picks it); None: torch ops
         self.penalty_kernel: PenaltyKernel | None = None
-        # each row's top-p floor without a sort (`gapless.sampling.fused.nucleus_kernel` picks it); None:
-        # top-p that no top-k bounds sorts the vocabulary
+        # each row's top-p floor without a sort, for the torch draw (the draw kernel needs none)
+        # (`gapless.sampling.fused.nucleus_kernel` picks it); None: top-p no top-k bounds sorts the vocabulary
         self.nucleus_kernel: NucleusKernel | None = None
 
     def write_rows(self, values: RowParams) -> None:

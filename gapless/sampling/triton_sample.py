@@ -398,9 +398,3 @@ def kept(
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     floor = found.keys[:, 0].where(top_p >= 1.0, torch.maximum(found.keys[:, 0], found.keys[:, 2]))
     return (key >= floor[:, None]) & (y >= found.row_max[:, None] + min_p.log()[:, None])
-
-
-def launches(need: tuple[bool, bool, bool]) -> int:
-    """Kernel launches `draw` makes for a batch needing (top-k, top-p, min-p), beside its memsets."""
-    need_top_k, need_top_p, need_min_p = need
-    return 1 + (need_top_k or need_top_p or need_min_p) + SEARCH_PASSES * (need_top_k + need_top_p)
