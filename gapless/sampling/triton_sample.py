@@ -28,6 +28,13 @@ The noise is `gapless.sampling.sampler.gumbel_noise`'s (the same lowbias32 bits 
 torch path's but where Triton's ``log`` rounds differently from torch's. The floors are the sort path's
 rule rounded differently (sums in chunk order), so a boundary token whose mass lies within float32
 rounding of p may be kept by one and not the other.
+
+Cost, by design (not yet measured on a GPU): temperature alone is one launch reading the logits once;
+min-p adds one; top-k or top-p adds SEARCH_PASSES (8) more, both 16, each reading the rows still
+searching (a 16-probe compare per element). The host launches a fixed count, so a step needs no sync and
+can be captured in a CUDA graph. The arrival pattern (release increment after a barrier, L2 loads in the
+combining program) is the classic "last block" reduction; `gapless.sampling.fused` checks the tokens
+against the torch path at start-up on CUDA.
 """
 
 from __future__ import annotations
@@ -186,17 +193,17 @@ def _search_kernel(
     probe = tl.arange(0, PROBES)
     thresholds = (lo.to(tl.int64) + span * (probe + 1).to(tl.int64) // (PROBES + 1)).to(tl.int32)
     cols = c * CHUNK + tl.arange(0, CHUNK)
-    # a row that is done reads nothing: every column past the vocabulary (-inf, below every threshold)
-    y = _scaled(Logits, stride_l, Temperature, b, tl.where(lo < hi, cols, vocab), vocab)
-    key = _key(y)
-    over = key[:, None] > thresholds[None, :]
-    part = (b * chunks + c) * PROBES + probe
-    if COUNT:
-        tl.store(PartC + part, tl.sum(over.to(tl.int32), axis=0))
-    else:
-        e = tl.where(key >= k_floor, tl.exp(y - tl.load(RowF + b)), 0.0)
-        tl.store(PartF + part, tl.sum(tl.where(over, e[:, None], 0.0), axis=0))
-        tl.store(PartF + chunks * PROBES * tl.num_programs(0) + b * chunks + c, tl.sum(e, axis=0))
+    if lo < hi:  # a row that is done (or needs no search) reads and sums nothing
+        y = _scaled(Logits, stride_l, Temperature, b, cols, vocab)
+        key = _key(y)
+        over = key[:, None] > thresholds[None, :]
+        part = (b * chunks + c) * PROBES + probe
+        if COUNT:
+            tl.store(PartC + part, tl.sum(over.to(tl.int32), axis=0))
+        else:
+            e = tl.where(key >= k_floor, tl.exp(y - tl.load(RowF + b)), 0.0)
+            tl.store(PartF + part, tl.sum(tl.where(over, e[:, None], 0.0), axis=0))
+            tl.store(PartF + chunks * PROBES * tl.num_programs(0) + b * chunks + c, tl.sum(e, axis=0))
     if _arrive(Counter, b, chunks):
         i = tl.arange(0, CHUNKS_P2)
         here = i < chunks
@@ -314,7 +321,8 @@ def floors(
         return out
     counter, part_f, part_i = _scratch(batch, chunks, device)
     args = (logits, logits.stride(0), temperature, top_k, top_p, counter, part_f, part_i, out.row_max)
-    common = dict(CHUNK=chunk, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=4)
+    # (the combining tile is at least 2 wide: a 1-wide one is a corner case of the compiler)
+    common = dict(CHUNK=chunk, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=4)
     _bounds_kernel[(batch, chunks)](*args, out.keys, vocab, **common)
     for count in [True] * (SEARCH_PASSES * need[0]) + [False] * (SEARCH_PASSES * need[1]):
         _search_kernel[(batch, chunks)](*args, out.keys, vocab, PROBES=PROBES, COUNT=count, **common)
@@ -356,7 +364,7 @@ def draw_with(
         tokens,
         vocab,
         CHUNK=chunk,
-        CHUNKS_P2=triton.next_power_of_2(chunks),
+        CHUNKS_P2=max(2, triton.next_power_of_2(chunks)),
         FILTER=found is not None,
         num_warps=4,
     )
