@@ -64,15 +64,19 @@ def test_unfiltered_draw_is_the_torch_draw(dtype: torch.dtype, vocab: int, chunk
 
 def test_256_rows_of_flat_logits_draw_the_noise_column_by_column() -> None:
     """Flat logits: each token is the argmax of the noise alone, so 256 rows check the in-kernel row keys
-    (`_row_keys` of each row's seed and step) and the column hashes against torch's."""
+    (`_row_keys` of each row's seed and step) and the column hashes against torch's, with and without
+    a filter's passes."""
     rows, vocab = 256, 23
     flat = torch.zeros(rows, vocab, device=DEVICE)
     seeds = torch.arange(rows, device=DEVICE) * 7919 - 100
     steps = torch.arange(rows, device=DEVICE) % 5
     ones = torch.ones(rows, device=DEVICE)
-    got = ts.draw(flat, ones, torch.full((rows,), vocab), ones, ones * 0, seeds, steps, OFF, 32)
+    off = torch.full((rows,), vocab)
+    got = ts.draw(flat, ones, off, ones, ones * 0, seeds, steps, OFF, 32)
     assert torch.equal(got, _torch_draw(flat, ones, seeds, steps))
     assert len(set(got.tolist())) == vocab  # the draws spread over the vocabulary
+    # min-p on flat rows keeps every token: the bounds pass over 256 rows changes nothing
+    assert torch.equal(ts.draw(flat, ones, off, ones, ones / 2, seeds, steps, (False, False, True), 32), got)
 
 
 def _edge_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
