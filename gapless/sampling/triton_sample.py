@@ -258,7 +258,11 @@ def _draw_kernel(
         # top-k's floor (the lowest finite key where it is off), top-p's where it is on, min-p's
         floor = tl.load(RowK + b * 4)
         floor = tl.maximum(floor, tl.where(tl.load(TopP + b) < 1.0, tl.load(RowK + b * 4 + 2), _KEY_MIN))
-        keep = (key >= floor) & (y >= tl.load(RowF + b) + tl.log(tl.load(MinP + b)))
+        min_p = tl.load(MinP + b)
+        min_p_floor = tl.where(
+            min_p > 0.0, tl.load(RowF + b) + tl.log(tl.maximum(min_p, 1e-30)), float("-inf")
+        )
+        keep = (key >= floor) & (y >= min_p_floor)
         y = tl.where(keep, y, float("-inf"))
     row_key = _row_key(tl.load(Seeds + b), tl.load(Steps + b))
     col_hash = _lowbias32(cols.to(tl.uint32) * 0x9E3779B9 + 1)

@@ -53,7 +53,11 @@ def test_unfiltered_draw_is_the_torch_draw(dtype: torch.dtype, vocab: int, chunk
     logits[5] = float("-inf")
     temperature = torch.tensor([0.7, 0.0, 1.3, 1.0, 2.5, 1.0], device=DEVICE)
     seeds = torch.tensor([1, 2, 3, -5, 2**40, 9], device=DEVICE)
-    ones, zeros, off = torch.ones(6, device=DEVICE), torch.zeros(6, device=DEVICE), torch.full((6,), vocab)
+    ones, zeros, off = (
+        torch.ones(6, device=DEVICE),
+        torch.zeros(6, device=DEVICE),
+        torch.full((6,), vocab, device=DEVICE),
+    )
     for step in range(2):
         steps = torch.full((6,), step, device=DEVICE)
         got = ts.draw(logits, temperature, off, ones, zeros, seeds, steps, OFF, chunk)
@@ -71,7 +75,7 @@ def test_256_rows_of_flat_logits_draw_the_noise_column_by_column() -> None:
     seeds = torch.arange(rows, device=DEVICE) * 7919 - 100
     steps = torch.arange(rows, device=DEVICE) % 5
     ones = torch.ones(rows, device=DEVICE)
-    off = torch.full((rows,), vocab)
+    off = torch.full((rows,), vocab, device=DEVICE)
     got = ts.draw(flat, ones, off, ones, ones * 0, seeds, steps, OFF, 32)
     assert torch.equal(got, _torch_draw(flat, ones, seeds, steps))
     assert len(set(got.tolist())) == vocab  # the draws spread over the vocabulary
