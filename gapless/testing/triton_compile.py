@@ -153,25 +153,27 @@ def _model_kernels() -> dict[str, Callable[[], object]]:
 
 
 def _sampling() -> dict[str, Callable[[], object]]:
-    from gapless.sampling import triton_gumbel, triton_nucleus, triton_penalties
+    from gapless.sampling import triton_nucleus, triton_penalties, triton_sample
 
     g = torch.Generator().manual_seed(0)
     batch, vocab = 3, 2000
     logits = torch.randn(batch, vocab, generator=g)
-    temperature, keys = torch.tensor([0.7, 0.0, 1.2]), torch.tensor([1, 2, 3], dtype=torch.int32)
+    temperature, top_p, min_p = torch.tensor([0.7, 0.0, 1.2]), torch.tensor([0.9, 1.0, 0.5]), torch.zeros(3)
+    top_k, seeds, steps = torch.tensor([5, vocab, 40]), torch.tensor([1, 2, -3]), torch.tensor([0, 4, 9])
     counts = torch.randint(0, 3, (4, vocab), generator=g, dtype=torch.int32)
     prompt, rows, factors = (
         torch.rand(4, vocab, generator=g) < 0.3,
         torch.tensor([3, 0, 1]),
         torch.ones(batch),
     )
+    draw_args = (temperature, top_k, top_p, min_p, seeds, steps)
     return {
         **{
-            f"sampling draw {dtype} scale {scale}": (
-                lambda d=dtype, s=scale: triton_gumbel.gumbel_argmax(logits.to(d), temperature, keys, s)
+            f"sampling draw {dtype} filters {need}": (
+                lambda d=dtype, n=need: triton_sample.draw(logits.to(d), *draw_args, n)
             )
             for dtype in (torch.float32, *DTYPES)
-            for scale in (True, False)
+            for need in ((False, False, False), (True, True, True))
         },
         **{
             f"sampling penalties {dtype}": (

@@ -24,7 +24,9 @@ KERNELS = {
     "_qk_norm_rope_store_kernel",
     "_act_and_mul_kernel",
     "_grouped_gemm_kernel",
-    "_gumbel_argmax_kernel",
+    "_bounds_kernel",
+    "_search_kernel",
+    "_draw_kernel",
     "_penalties_kernel",
     "_nucleus_floor_kernel",
 }
