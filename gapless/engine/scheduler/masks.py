@@ -9,11 +9,12 @@ made at launch and travels with the batch: one job, as usual.
 
 Otherwise (the overlap loop's steady state: batch N+1 is launched while N's tokens are unknown) the batch
 is launched with `defer_sampling`: the device runs its forward and keeps the logits. The host goes on
-processing batch N (`Results.process`, which advances the matchers), then `release` fills the masks and
-submits a `SampleJob` that samples the kept logits under them. So the mask fill overlaps the forward, the
-host never waits on the device for it, and the device only waits (a bubble, measured: the job's `idle`)
-when the host's processing plus fill outlasts the forward. Stream order keeps the future-token rule: the
-sample job is submitted before the next batch's forward, which reads the tokens it writes.
+processing batch N (`ResultProcessor.process`, which advances the matchers), then `release` fills the
+masks and submits a `SampleJob` that samples the kept logits under them. So the mask fill overlaps the
+forward, the host never waits on the device for it, and the device only waits (a bubble, measured: the
+job's `idle`) when the host's processing plus fill outlasts the forward. Stream order keeps the
+future-token rule: the sample job is submitted before the next batch's forward, which reads the tokens it
+writes.
 
 `release` runs for the oldest batch in flight only, once every batch before it was processed: the
 scheduler calls it after processing a batch, and `result()` calls it (the plain loop, a drain).
@@ -22,6 +23,7 @@ scheduler calls it after processing a batch, and `result()` calls it (the plain 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,11 +31,19 @@ import torch
 from gapless.engine.batch import ForwardBatch, SampleJob
 from gapless.engine.request import Req
 from gapless.engine.spec.grammar import fill_grammars
-from gapless.engine.stream import DeviceStream, JobTiming, Pending
+from gapless.engine.stream import DeviceStream, JobResult, JobTiming, Pending
 from gapless.sampling.mask import TokenMask, mask_words
-from gapless.sampling.sampler import HostSamples
 
-Masked = Sequence[tuple[int, Req, int]]  # (position among the batch's sampled rows, request, output step)
+
+class MaskedRow(NamedTuple):
+    """A sampled row of a batch that needs a token mask."""
+
+    index: int  # its position among the batch's sampled rows
+    req: Req
+    step: int  # the output step it samples
+
+
+Masked = Sequence[MaskedRow]
 
 
 def needs_mask(req: Req, step: int) -> bool:
@@ -71,13 +81,13 @@ class DeferredSample:
         if self.sample is None:
             self.sample = self.stream.submit(SampleJob(make_mask(self.masked, self.rows, self.vocab)))
 
-    def result(self) -> tuple[HostSamples, JobTiming]:
+    def result(self) -> JobResult:
         self.release()
         assert self.sample is not None
         _, first = self.forward.result()
         samples, second = self.sample.result()
         idle = max(0.0, second.start - first.end)  # the device waited for the mask
-        return samples, JobTiming(first.submit, first.start, second.end, idle)
+        return JobResult(samples, JobTiming(first.submit, first.start, second.end, idle))
 
 
 def launch(stream: DeviceStream, forward: ForwardBatch, masked: Masked, vocab_size: int) -> Pending:

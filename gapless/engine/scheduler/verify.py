@@ -26,10 +26,11 @@ import numpy as np
 import torch
 
 from gapless.config import EngineConfig
-from gapless.engine.batch import ForwardBatch
+from gapless.engine.batch import ForwardBatch, TableWrites
 from gapless.engine.request import Req
 from gapless.engine.scheduler.build import BatchBuilder, ScheduledBatch
-from gapless.engine.scheduler.kv import DecodeSlots, KVManager, TableWrites
+from gapless.engine.scheduler.kv import DecodeSlots, KVManager
+from gapless.engine.scheduler.masks import MaskedRow
 from gapless.engine.spec.grammar import can_draft
 from gapless.engine.spec.inputs import VerifyInputs
 from gapless.tensors import packed
@@ -111,7 +112,7 @@ class SpecDecode:
             r.unresolved_drafts += e - 1
         writes = plan.writes
         if table_writes is not None:  # (a retraction's drain queued some: they go in the same buffer)
-            writes = tuple(torch.cat([a, b]) for a, b in zip(writes, table_writes))  # type: ignore[assignment]
+            writes = TableWrites(*(torch.cat([a, b]) for a, b in zip(writes, table_writes)))
         host = [torch.from_numpy(a) for a in (rows, ext, q_start, token_rows, owner, offsets, keep_below_np)]
         parts = packed(*host, *writes, torch.arange(total))  # one buffer: the batch moves in one copy
         rows_t, ext_t, q_start_t, token_rows_t, owner_t, offsets_t, keep_below, *w, index = parts
@@ -132,7 +133,7 @@ class SpecDecode:
             sample_rows=token_rows_t,
             sample_steps=empty,
             sampling=self.builder.stages.flags(token_rows),
-            table_writes=(w[0], w[1], w[2]),
+            table_writes=TableWrites(*w),
             spec=VerifyInputs(
                 owner_t, offsets_t, int(plan.drafts.max()), *self.ngram, keep_below if masked else None
             ),
@@ -140,9 +141,7 @@ class SpecDecode:
         return ScheduledBatch(reqs, forward, True, [], [], masked=masked, drafts=plan.drafts)
 
 
-def _masked(
-    reqs: list[Req], ext: np.ndarray, q_start: np.ndarray
-) -> tuple[list[tuple[int, Req, int]], np.ndarray]:
+def _masked(reqs: list[Req], ext: np.ndarray, q_start: np.ndarray) -> tuple[list[MaskedRow], np.ndarray]:
     """The positions of a verify batch sampled under a token mask (`masks.make_mask`), with the output
     step the mask is made for; and the step below which the device keeps each position's mask ([T]).
 
@@ -153,14 +152,15 @@ def _masked(
     position whose lower bound is under min_tokens gets the mask without the stop tokens, and the device
     keeps it only where the true step is under min_tokens (`SpecState.verify_mask`), so the tokens are
     decoding's."""
-    masked, keep_below = [], np.zeros(int(ext.sum()), dtype=np.int64)
+    masked: list[MaskedRow] = []
+    keep_below = np.zeros(int(ext.sum()), dtype=np.int64)
     for r, e, start in zip(reqs, ext.tolist(), q_start.tolist()):
         if r.grammar is not None:  # each position: the grammar's state after the drafts before it
-            masked.extend((start + o, r, r.sampled + o) for o in range(e))
+            masked.extend(MaskedRow(start + o, r, r.sampled + o) for o in range(e))
             keep_below[start : start + e] = KEEP
             continue
         low, need = len(r.output_ids), r.params.min_tokens
         for o in range(min(e, need - low)):
-            masked.append((start + o, r, low + o))
+            masked.append(MaskedRow(start + o, r, low + o))
             keep_below[start + o] = need
     return masked, keep_below

@@ -1,6 +1,6 @@
 """The device stream: where forward jobs run, in submission order, while the host goes on.
 
-One interface (`base.DeviceStream`): `submit(batch) -> Pending`, `Pending.result() -> (samples, timing)`.
+One interface (`base.DeviceStream`): `submit(batch) -> Pending`, `Pending.result() -> JobResult`.
 The scheduler runs the same code on every stream; it reads `asynchronous` only to know whether the time
 `submit` took is host time (a launch) or the device job itself (the inline stream). The streams:
 
@@ -25,14 +25,14 @@ import torch
 
 from gapless.config import EngineConfig
 from gapless.engine.runner import ModelRunner
-from gapless.engine.stream.base import DeviceStream, JobTiming, Pending
+from gapless.engine.stream.base import DeviceStream, JobResult, JobTiming, Pending
 from gapless.engine.stream.chaos import device_side, host_side, make_runner
 from gapless.engine.stream.cuda import CudaStream
 from gapless.engine.stream.inline import InlineStream
 from gapless.engine.stream.process import HostPinning, ProcessStream
 from gapless.engine.stream.thread import ThreadStream
 
-__all__ = ["DeviceStream", "JobTiming", "Pending", "make_stream"]
+__all__ = ["DeviceStream", "JobResult", "JobTiming", "Pending", "make_stream"]
 
 MIN_CORES_FOR_DEVICE_PROCESS = 4
 

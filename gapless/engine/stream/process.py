@@ -23,9 +23,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from gapless.config import EngineConfig
-from gapless.engine.batch import ForwardBatch, decode_from_bytes, plain_decode_buffer
-from gapless.engine.stream.base import JobTiming, Pending
-from gapless.sampling.sampler import HostSamples
+from gapless.engine.batch import ForwardBatch, HostSamples, decode_from_bytes, plain_decode_buffer
+from gapless.engine.stream.base import JobResult, JobTiming, Pending
 from gapless.tensors import dumps
 
 
@@ -109,9 +108,9 @@ class _ProcessPending:
     def __init__(self, stream: ProcessStream, job_id: int, submit: float) -> None:
         self.stream, self.job_id, self.submit = stream, job_id, submit
 
-    def result(self) -> tuple[HostSamples, JobTiming]:
-        tokens, start, end = self.stream._wait(self.job_id)
-        return tokens, JobTiming(self.submit, start, end)
+    def result(self) -> JobResult:
+        samples, start, end = self.stream._wait(self.job_id)
+        return JobResult(samples, JobTiming(self.submit, start, end))
 
 
 class ProcessStream:
