@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from gapless.memory.radix_cache import TreeNode
+from gapless.memory.cache_base import TreeNode
 from gapless.sampling.logprobs import PromptLogprobState
 from gapless.sampling_params import SamplingParams
 

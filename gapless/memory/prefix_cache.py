@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.radix_cache import PrefixCache, TreeNode
+from gapless.memory.cache_base import PrefixCache, TreeNode
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from gapless.engine.scheduler.kv import DecodeSlots
 from gapless.engine.scheduler.prefill import PrefillPlanner
 from gapless.engine.scheduler.queues import Queues
 from gapless.engine.stats import EngineStats
-from gapless.memory.radix_cache import MatchResult
+from gapless.memory.cache_base import MatchResult
 from gapless.sampling_params import SamplingParams
 
 CONTEXT = 1000

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from gapless.memory.allocator import PageAllocator
+from gapless.memory.cache_base import NoPrefixCache, PrefixCache, TreeNode
 from gapless.memory.integrity import check_integrity
 from gapless.memory.prefix_cache import HeldKV, alloc_pages, cache_finished, cache_unfinished
-from gapless.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache, TreeNode
+from gapless.memory.radix_cache import RadixCache
 from gapless.memory.req_table import ReqTable
 
 

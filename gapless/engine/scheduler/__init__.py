@@ -46,7 +46,8 @@ from gapless.engine.scheduler.window import freeing_window
 from gapless.engine.stats import EngineStats
 from gapless.engine.stream import DeviceStream, Pending
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from gapless.memory.cache_base import NoPrefixCache, PrefixCache
+from gapless.memory.radix_cache import RadixCache
 from gapless.memory.req_table import ReqTable
 
 __all__ = ["EngineStats", "ScheduledBatch", "Scheduler"]

@@ -21,6 +21,7 @@ from gapless.engine.prompt_logprobs import reuse_limit
 from gapless.engine.request import Req
 from gapless.engine.scheduler.window import WindowKV
 from gapless.memory.allocator import PageAllocator
+from gapless.memory.cache_base import MatchResult, PrefixCache, TreeNode
 from gapless.memory.integrity import check_integrity, check_live
 from gapless.memory.prefix_cache import (
     HeldKV,
@@ -29,7 +30,6 @@ from gapless.memory.prefix_cache import (
     cache_unfinished,
     release_uncached,
 )
-from gapless.memory.radix_cache import MatchResult, PrefixCache, TreeNode
 from gapless.memory.req_table import ReqTable
 
 

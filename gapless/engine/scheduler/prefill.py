@@ -19,7 +19,7 @@ from gapless.engine.scheduler.budget import DecodeReserve
 from gapless.engine.scheduler.kv import KVManager
 from gapless.engine.scheduler.queues import Queues
 from gapless.engine.stats import EngineStats
-from gapless.memory.radix_cache import MatchResult
+from gapless.memory.cache_base import MatchResult
 
 LPM_MAX_QUEUE = 128  # beyond this, matching every waiting prompt costs more than it saves: fall back to fcfs
 
