@@ -120,7 +120,7 @@ class DecodeVectors(NamedTuple, Generic[V]):
     positions: V  # each new token's position: its request's kv_len before the step
     out_slots: V  # its KV slot
     ones: V  # every request extends by one token
-    index: V  # 0..B-1: each request's token and sampled row
+    token_index: V  # 0..B-1: each request's one token, and its sampled row
     steps: V  # output tokens each request had before this one (its random stream)
 
 
@@ -136,18 +136,18 @@ def decode_batch(
     """The decode batch of `vectors`."""
     v = vectors
     return ForwardBatch(
-        input_ids=v.index[:0],  # the device reads each row's future-token slot
+        input_ids=v.token_index[:0],  # the device reads each row's future-token slot
         positions=v.positions,
         out_slots=v.out_slots,
         token_rows=v.rows,
         rows=v.rows,
         prefix_lens=v.positions,
         extend_lens=v.ones,
-        q_start=v.index,
+        q_start=v.token_index,
         max_extend_len=1,
         max_seq_len=max_seq_len,
         is_decode=True,
-        sample_index=v.index,
+        sample_index=v.token_index,
         sample_rows=v.rows,
         sample_steps=v.steps,
         sampling=sampling,

@@ -57,7 +57,7 @@ class Engine:
                 "data parallelism is served: gapless serve --data-parallel-size N"
             )
         # the model as local files (a path, a built-in name or a Hugging Face id), checked before it loads
-        self.cfg = cfg = check_engine_config(cfg)[0]
+        self.cfg = cfg = check_engine_config(cfg).cfg
         gc_pauses()  # counting from here
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)
         # what a request's unset sampling knobs take (`add_request`): the checkpoint's, unless

@@ -23,7 +23,15 @@ from gapless.engine.request import Extend, Req
 from gapless.sampling.logprobs import PromptLogprob, PromptLogprobState, PromptScoreAsk
 from gapless.sampling_params import SamplingParams
 
-Scored = list[tuple[Req, int]]  # an extend batch's scoring requests, with how many positions each scores
+
+class ScoredReq(NamedTuple):
+    """A request that scores prompt positions in an extend batch, and how many."""
+
+    req: Req
+    positions: int
+
+
+Scored = list[ScoredReq]  # an extend batch's scoring requests
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,7 @@ def plan_scores(entries: list[Extend]) -> ScorePlan:
                 assert lo >= first, "a scored position's hidden state came from the cache"
                 index.append(torch.arange(flat + lo - first, flat + hi - first))
                 targets += req.prompt_ids[lo + 1 : hi + 1]
-                scored.append((req, hi - lo))
+                scored.append(ScoredReq(req, hi - lo))
                 state.next = hi + 1
                 top_k = max(top_k, state.top_k)
         flat += n

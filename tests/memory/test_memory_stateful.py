@@ -204,7 +204,8 @@ class MemoryMachine(RuleBasedStateMachine):
         aligned = len(req.tokens) // self.ps * self.ps
         expected_present = self.model.insert(req.tokens[:aligned], req.slots[:aligned]) if self.radix else 0
         free_before = self.a.num_free_pages
-        prefix, node, cached = cache_unfinished(self.c, self.a, req.held())
+        m = cache_unfinished(self.c, self.a, req.held())
+        prefix, node, cached = m.slots, m.node, m.length
         if self.a.num_free_pages > free_before:
             event("commit freed a duplicate prefix")
         assert cached == (aligned if self.radix else 0)

@@ -4,7 +4,7 @@ per request, none per token), and the host's view of the launched batch.
 Every index vector of a batch is a view of one host buffer, so the stream moves a batch in one copy (two
 when it admits requests: their sampling values are floats). The vectors travel in named groups
 (`DecodeVectors`, `ExtendVectors`, `TableWrites`, ...) and come back from the buffer as the same groups
-(`_pack`). A request's sampling settings are turned into values once, when it is admitted
+(`pack_groups`). A request's sampling settings are turned into values once, when it is admitted
 (`gapless.sampling.rows`); a decode batch carries only its rows, positions, KV slots and step counts.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,8 +26,6 @@ from gapless.engine.scheduler.masks import MaskedRow, needs_mask
 from gapless.engine.spec.inputs import HistoryWrites
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
-
-G = TypeVar("G", bound=tuple)
 
 
 @dataclass
@@ -83,7 +81,7 @@ class HistoryVectors(NamedTuple):
     tokens: torch.Tensor
 
 
-def _pack(*groups: tuple) -> Iterator[tuple]:
+def pack_groups(*groups: tuple) -> Iterator[Any]:
     """Named groups of 1-D int64 tensors, each rebuilt (same type, same order) with every vector a view of
     one new buffer (`gapless.tensors.packed`): the batch moves in one copy."""
     views = iter(packed(*chain.from_iterable(groups)))
@@ -108,13 +106,13 @@ class BatchBuilder:
         host = DecodeVectors(*buf)  # views of the buffer's rows, by name
         host.rows[:], host.positions[:], host.out_slots[:] = slots.rows, slots.positions, slots.out
         host.ones[:] = 1
-        host.index[:] = np.arange(n)
+        host.token_index[:] = np.arange(n)
         host.steps[:] = steps = [r.sampled for r in reqs]
         for r in reqs:
             r.sampled += 1
         vectors = DecodeVectors(*torch.from_numpy(buf).unbind(0))
         if table_writes is not None:  # (after a retraction's drain) in the same buffer, to keep one copy
-            vectors, table_writes = _pack(vectors, table_writes)  # type: ignore[assignment]
+            vectors, table_writes = pack_groups(vectors, table_writes)
         flags = self.stages.flags(slots.rows)
         forward = decode_batch(vectors, int(slots.positions.max()) + 1, flags, table_writes)
         return ScheduledBatch(reqs, forward, True, [], [], masked=_masked(forward, reqs, steps))
@@ -165,14 +163,21 @@ class BatchBuilder:
             groups.append(table_writes)
         if self.enters_history:
             groups.append(_history(entries, admitted))
-        views = {type(g): g for g in _pack(*groups)}
-        vec: ExtendVectors = views[ExtendVectors]  # type: ignore[assignment]
+        views = {type(g): g for g in pack_groups(*groups)}
+        vec: ExtendVectors = views[ExtendVectors]
         if row_params is not None:
             admit = views[AdmitVectors]
             row_params.rows, row_params.ints = admit.rows, admit.ints.view(row_params.ints.shape)
         hist = views.get(HistoryVectors)
         forward = ForwardBatch(
-            *vec[:8],
+            input_ids=vec.input_ids,
+            positions=vec.positions,
+            out_slots=vec.out_slots,
+            token_rows=vec.token_rows,
+            rows=vec.rows,
+            prefix_lens=vec.prefix_lens,
+            extend_lens=vec.extend_lens,
+            q_start=vec.q_start,
             max_extend_len=int(ext.max()),
             max_seq_len=int((pre + ext).max()),
             is_decode=False,
@@ -180,7 +185,7 @@ class BatchBuilder:
             sample_rows=vec.sample_rows,
             sample_steps=vec.sample_steps,
             sampling=self.stages.flags(sample_rows.numpy()) if sample_reqs else None,
-            table_writes=views.get(TableWrites),  # type: ignore[arg-type]
+            table_writes=views.get(TableWrites),
             penalty_inits=penalty_inits,
             row_params=row_params,
             spec=HistoryWrites(*hist) if hist is not None else None,

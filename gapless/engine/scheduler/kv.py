@@ -219,7 +219,8 @@ class KVManager:
     def cache_chunk(self, req: Req, kv_done: int) -> None:
         """Share the prompt prefix a processed chunk completed (only KV a finished forward wrote)."""
         held = self._held(req, kv_done)
-        prefix, node, cached_len = cache_unfinished(self.cache, self.allocator, held)
+        match = cache_unfinished(self.cache, self.allocator, held)
+        prefix, node, cached_len = match.slots, match.node, match.length
         if cached_len > req.cached_len:
             # the tree may hold other slots for this span (another request inserted it first): read those
             new = prefix[req.cached_len : cached_len]

@@ -38,7 +38,7 @@ from gapless.sampling.mask import TokenMask, mask_words
 class MaskedRow(NamedTuple):
     """A sampled row of a batch that needs a token mask."""
 
-    index: int  # its position among the batch's sampled rows
+    position: int  # among the batch's sampled rows
     req: Req
     step: int  # the output step it samples
 
@@ -65,7 +65,7 @@ def make_mask(masked: Masked, num_rows: int, vocab_size: int) -> TokenMask:
             for t in req.stop_ids:
                 if t < vocab_size:
                     words[i, t // 32] &= ~np.uint32(1 << (t % 32))
-    return TokenMask([j for j, _, _ in masked], bits)
+    return TokenMask([m.position for m in masked], bits)
 
 
 class DeferredSample:
@@ -96,7 +96,7 @@ def launch(stream: DeviceStream, forward: ForwardBatch, masked: Masked, vocab_si
     if not masked:
         return stream.submit(forward)
     rows = len(forward.sample_rows)
-    if any(req.grammar is not None and req.inflight > 0 for _, req, _ in masked):
+    if any(m.req.grammar is not None and m.req.inflight > 0 for m in masked):
         forward.defer_sampling = True
         return DeferredSample(stream, stream.submit(forward), masked, rows, vocab_size)
     forward.token_mask = make_mask(masked, rows, vocab_size)

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 import torch
 
@@ -58,7 +59,14 @@ class HostPinning:
             self.pinned = False
 
 
-def start_module(module: str, payload: object) -> tuple[subprocess.Popen, Connection]:
+class Child(NamedTuple):
+    """A process this one started (`start_module`), and its end of the socketpair to it."""
+
+    proc: subprocess.Popen
+    conn: Connection
+
+
+def start_module(module: str, payload: object) -> Child:
     """A fresh interpreter running `python -m module FD`, connected to this process by a socketpair (FD
     is its end), and sent `payload` (pickled) as its first message. A fresh interpreter, not
     multiprocessing's spawn/forkserver, which re-import the user's main script in the child. Nothing is
@@ -78,7 +86,7 @@ def start_module(module: str, payload: object) -> tuple[subprocess.Popen, Connec
             proc.wait()
         conn.close()
         raise
-    return proc, conn
+    return Child(proc, conn)
 
 
 class _DecodeOnWire:
