@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import NamedTuple
 
 import torch
 
@@ -53,6 +54,13 @@ from gapless.memory.req_table import ReqTable
 __all__ = ["EngineStats", "ScheduledBatch", "Scheduler"]
 
 log = logging.getLogger(__name__)  # at debug: each batch it schedules
+
+
+class Launched(NamedTuple):
+    """A batch in flight: the host's view of it, and the device job's result to come."""
+
+    batch: ScheduledBatch
+    pending: Pending
 
 
 class Scheduler:
@@ -86,7 +94,7 @@ class Scheduler:
         self.decode_planner = DecodePlanner(self.queues, self.kv, reserve, self.stats, max_context, alloc)
         processor = ResultProcessor if self.spec is None else VerifyResultProcessor
         self.results = processor(self.queues, self.kv, self.stats, tokenizer, info.max_context)
-        self.inflight: deque[tuple[ScheduledBatch, Pending]] = deque()
+        self.inflight: deque[Launched] = deque()
         self._drained: list[Req] = []  # updates of batches processed early (retraction drains)
 
     # ------------------------------------------------------------------ the loop
@@ -133,7 +141,7 @@ class Scheduler:
         pending = masks.launch(self.stream, batch.forward, batch.masked, self.builder.vocab_size)
         for req in batch.reqs:
             req.inflight += 1
-        self.inflight.append((batch, pending))
+        self.inflight.append(Launched(batch, pending))
 
     def _process_oldest(self) -> list[Req]:
         batch, pending = self.inflight.popleft()
@@ -141,7 +149,8 @@ class Scheduler:
         with self.meter.span("process"):
             self.meter.job(batch.kind, timing.start, timing.end, timing.idle)
             updated = self.results.process(batch, samples)
-            masks.release_oldest(self.inflight)  # the next batch's grammar masks can be filled now
+            if self.inflight:  # the next batch's grammar masks can be filled now
+                masks.release(self.inflight[0].pending)
         return updated
 
     def drain(self) -> bool:

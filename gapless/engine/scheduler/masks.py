@@ -103,7 +103,7 @@ def launch(stream: DeviceStream, forward: ForwardBatch, masked: Masked, vocab_si
     return stream.submit(forward)
 
 
-def release_oldest(inflight: Sequence[tuple[object, Pending]]) -> None:
-    """The batches before the oldest in flight are processed: release it if it waits for its mask."""
-    if inflight and isinstance(inflight[0][1], DeferredSample):
-        inflight[0][1].release()
+def release(pending: Pending) -> None:
+    """Every batch before `pending`'s is processed: release it if it waits for its mask."""
+    if isinstance(pending, DeferredSample):
+        pending.release()
