@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from gapless.config import EngineConfig
 from gapless.model.config import ModelConfig, load_model_config
@@ -28,7 +29,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "GAPLESS_ALLOW_LONG_MAX_MODEL_LEN"
 
 
-def check_engine_config(cfg: EngineConfig) -> tuple[EngineConfig, ModelConfig]:
+class CheckedConfig(NamedTuple):
+    """An engine config found usable, and its model's config."""
+
+    cfg: EngineConfig  # with its model made local
+    model: ModelConfig
+
+
+def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     """`cfg` with its model made local (see `gapless.model.source.localize`: fetched or downloaded when
     it names a built-in model or a Hugging Face id) and the model's config, once the checkpoint, the
     context length and the device are known to be usable; ValueError (one line, naming what is wrong)
@@ -46,7 +54,7 @@ def check_engine_config(cfg: EngineConfig) -> tuple[EngineConfig, ModelConfig]:
     check_max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, cfg.model)
     check_device(cfg.device)
     check_tensor_parallel(cfg, mcfg)
-    return cfg, mcfg
+    return CheckedConfig(cfg, mcfg)
 
 
 def check_tensor_parallel(cfg: EngineConfig, mcfg: ModelConfig) -> None:

@@ -28,7 +28,7 @@ from gapless.sampling.filters import (
     apply_top_k_top_p_partial,
     apply_top_k_top_p_searched,
 )
-from gapless.sampling.logprobs import PromptLogprob, PromptScores, host_scores
+from gapless.sampling.logprobs import PromptScores
 from gapless.sampling.mask import TokenMask, apply_token_mask
 from gapless.sampling.rows import FLOAT_FIELDS, INT_FIELDS, RowParams, SampleFlags
 from gapless.sampling_params import SamplingParams
@@ -259,29 +259,6 @@ class SampleOutput:
     def tensors(self) -> list[torch.Tensor]:
         own = [t for t in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if t is not None]
         return own + (self.prompt.tensors() if self.prompt is not None else [])
-
-
-@dataclass
-class HostSamples:
-    """`SampleOutput` on the host, as lists: what the scheduler folds into request state."""
-
-    tokens: list[int]
-    logprobs: list[float] | None = None
-    top: list[list[tuple[int, float]]] | None = None  # per row: (token, logprob), most likely first
-    prompt: list[PromptLogprob] | None = None  # per scored prompt position (gapless.sampling.logprobs)
-
-    @classmethod
-    def from_tensors(cls, out: SampleOutput, host: list[torch.Tensor] | None = None) -> HostSamples:
-        """Convert, reading `host` (copies of `out.tensors()`, same order) when given."""
-        tensors = host if host is not None else out.tensors()
-        own = 1 if out.logprobs is None else 4
-        prompt = host_scores(tensors[own:]) if out.prompt is not None else None
-        tokens = tensors[0].tolist()
-        if out.logprobs is None:
-            return cls(tokens, prompt=prompt)
-        logprobs, top_ids, top_lps = (t.tolist() for t in tensors[1:4])
-        top = [list(zip(ids, lps)) for ids, lps in zip(top_ids, top_lps)]
-        return cls(tokens, logprobs, top, prompt)
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleOutput:
