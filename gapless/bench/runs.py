@@ -193,7 +193,7 @@ def run_gapless(
         llm.generate(warmup.prompts, warm, use_tqdm=False)
         warmup_s = time.perf_counter() - t0
         params = [SamplingParams(max_tokens=n, ignore_eos=True, **extra) for n in work.output_lens]
-        llm.engine.scheduler.meter.reset()  # before the snapshot: it zeroes the meter's figures in place
+        llm.engine.meter.reset()  # before the snapshot: it zeroes the meter's figures in place
         before = dataclasses.replace(llm.engine.stats)
         prof = cProfile.Profile() if profile else None
         gc.collect()
