@@ -23,10 +23,10 @@ A graph replays fixed shapes at fixed addresses, so:
   slot, as one launch. Its stages are fixed by the batch's `SampleFlags` (its "shape"), so there is one
   such graph per bucket and shape: greedy and plain temperature are captured at start-up (the anchors'
   workloads), any other shape (top-k, top-p, min-p) on its first use, at most `MAX_LAZY_CAPTURES` times
-  (a capture waits for the device once). Each row's settings are gathered inside the graph from the
-  sampler's per-row state by the static `rows`, its random stream by the static `steps`; a padded
-  column samples as the reserved row (greedy), and its token lands in the reserved row's slot, which
-  the graph then sets back to 0.
+  (with no device synchronisation: the step that captures runs its body three times). Each row's
+  settings are gathered inside the graph from the sampler's per-row state by the static `rows`, its
+  random stream by the static `steps`; a padded column samples as the reserved row (greedy), and its
+  token lands in the reserved row's slot, which the graph then sets back to 0.
 
 Verify batches of speculative decoding (`verify_width` = 1 + K tokens per request) have graphs of their
 own, bucketed by request count like decodes: request b of a bucket owns the token columns
@@ -53,6 +53,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -151,7 +152,7 @@ class GraphRunner:
         self.sampled_graphs: dict[tuple[int, SampleFlags], torch.cuda.CUDAGraph] = {}
         self.refused: set[tuple[int, SampleFlags]] = set()  # sampled graphs whose capture failed
         self.lazy_captures = 0
-        self._pool: object = None  # the graphs' shared memory pool, once one is captured
+        self._pool: Any = None  # the graphs' shared memory pool, once one is captured
         # host-side counters for tests and logs: decode runs per bucket (sampled or not) and sampled ones
         # per (bucket, shape), padded rows run (decode and verify), and padding tokens run by verifies
         # (padded requests' and those of requests drafting fewer than K)
@@ -224,17 +225,32 @@ class GraphRunner:
         key: object,
         body: Callable[[], None],
         stream: torch.cuda.Stream,
-        error_mode: str = "global",
+        lazy: bool = False,
     ) -> None:
-        """Warm `body` up and capture it as `graphs[key]`, on `stream`, in the shared memory pool; the
-        inputs are the padding while it runs."""
-        with torch.cuda.stream(stream):
-            self.inputs.copy_(self.pad)
-            for _ in range(WARMUP_RUNS):
-                body()
+        """Warm `body` up and capture it as `graphs[key]`, on `stream` (after the current stream's work),
+        in the shared memory pool; the inputs are the padding while it runs. `lazy`: mid-run, so without
+        `torch.cuda.graph`'s device synchronisation, and in thread-local mode (another thread's CUDA
+        calls meanwhile do not break the capture); the current stream then waits for `stream`."""
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode=error_mode):
-            body()
+        try:
+            with torch.cuda.stream(stream):
+                self.inputs.copy_(self.pad)
+                for _ in range(WARMUP_RUNS):
+                    body()
+            if lazy:
+                with torch.cuda.stream(stream):
+                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        body()
+                    finally:
+                        graph.capture_end()
+            else:
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    body()
+        finally:
+            current.wait_stream(stream)
         self._pool = graph.pool()
         graphs[key] = graph
 
@@ -249,24 +265,24 @@ class GraphRunner:
             return
         t0 = time.perf_counter()
         stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
         # verifies first: the largest graphs, whose pool the decodes' then share
         bodies = [(self.verify_graphs, self._verify_body)] if self.verify_width else []
         for graphs, body in [*bodies, (self.graphs, self._body)]:
             for n in reversed(self.buckets):
                 self._record(graphs, n, partial(body, n, forward_tokens), stream)
         sampled = [n for n in reversed(self.buckets) if n <= self.sampled_max_bs] if sample_tokens else []
-        for n in sampled:
-            for flags in SAMPLED_SHAPES:
-                body = partial(self._sampled_body, n, flags, forward_tokens, sample_tokens)
-                self._record(self.sampled_graphs, (n, flags), body, stream)
+        if sample_tokens is not None:
+            for n in sampled:
+                for flags in SAMPLED_SHAPES:
+                    body = partial(self._sampled_body, n, flags, forward_tokens, sample_tokens)
+                    self._record(self.sampled_graphs, (n, flags), body, stream)
         torch.cuda.synchronize(dev)
         log.info(
             "CUDA graphs: %d batch sizes up to %d captured for decode%s%s in %.1f s",
             len(self.buckets),
             self.max_bs,
             f" and verify ({self.verify_width} tokens per request)" if self.verify_width else "",
-            f", greedy and temperature sampling in those up to {sampled[0]}" if sampled else "",
+            f", greedy and temperature sampling up to {sampled[0]}" if sampled else "",
             time.perf_counter() - t0,
         )
 
@@ -303,20 +319,15 @@ class GraphRunner:
         if key in self.refused or self.lazy_captures >= MAX_LAZY_CAPTURES:
             return False
         self.lazy_captures += 1
-        stream = torch.cuda.Stream(self.device)
-        current = torch.cuda.current_stream(self.device)
-        stream.wait_stream(current)
         body = partial(self._sampled_body, key[0], flags, forward_tokens, sample_tokens)
-        try:  # thread-local: another thread's CUDA calls meanwhile do not break the capture
-            self._record(self.sampled_graphs, key, body, stream, error_mode="thread_local")
+        try:
+            self._record(self.sampled_graphs, key, body, torch.cuda.Stream(self.device), lazy=True)
         except Exception:  # noqa: BLE001 - the batch samples eagerly instead; say why once
             log.warning(
                 "CUDA graphs: sampling %s at %d rows cannot be captured", flags, key[0], exc_info=True
             )
             self.refused.add(key)
             return False
-        finally:
-            current.wait_stream(stream)
         log.info("CUDA graphs: captured sampling %s at %d rows on first use", flags, key[0])
         return True
 
