@@ -9,14 +9,17 @@ time, so the cache layout (page size, fragmentation, a prefix that ends mid-page
   running sum, rescaled accumulator). The causal mask is `key_pos <= prefix_len + query_offset`. The key
   blocks every query of the block sees whole (most of a long context) run first and without a mask; only
   the causal diagonal and a sliding window's edge are masked, as flash attention does.
-- `decode_attention`: one query per request, two stages. Stage 1 runs one program per (request, kv head,
-  split); the program handles all query heads that share the kv head (GQA/MQA, one `tl.dot` of
-  [group, d] x [d, block]) over its split of the context and writes the split's normalised output and
-  log-sum-exp. Stage 2 merges the splits of each (request, head). The number of splits is a host int
-  chosen from `max_seq_len` and the batch's (request, kv head) programs against the SMs, so a long
-  context is spread over many programs when the batch is small, and a large batch (256 x 8 kv heads on
-  an H100's 132 SMs) runs one split a request, each KV page read once. `DecodeTuning` holds the knobs
-  (keys per block, warps, stages, the split heuristic's targets) for `gapless.bench.kernels` to sweep.
+- `decode_attention`: one query per request, one launch. A program per (request, kv head, split)
+  handles all query heads that share the kv head (GQA/MQA, one `tl.dot` of [group, d] x [d, block])
+  over its split of the context. A request whose context fits one split (always, with one split) gets
+  its output written by that program; otherwise each split writes its normalised output and log-sum-exp
+  to scratch and counts itself in an arrival counter, and the last split of the (request, kv head) to
+  arrive merges them all, in the same launch (no second kernel, and nothing merged at a large batch).
+  The number of splits is a host int chosen from `max_seq_len` and the batch's (request, kv head)
+  programs against the SMs, so a long context is spread over many programs when the batch is small (a
+  lone request's 4k context over 33 x 8 programs on 132 SMs), and a large batch (256 x 8 kv heads) runs
+  one split a request, each KV page read once. `DecodeTuning` holds the knobs (keys per block, warps,
+  stages, the split heuristic's targets) for `gapless.bench.kernels` to sweep.
 
 Launchers read grid sizes from host ints (`max_extend_len`, `max_seq_len`, shapes) and never sync the
 device. Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale). Head dims need not be powers
@@ -69,7 +72,7 @@ class DecodeTuning:
     - `block_n`: keys a program loads per step (a power of two >= 16; None: 64, 32 past head dim 128).
     - `num_warps`, `num_stages`: the launch's warps and software-pipelining depth (Triton's meanings).
     - `programs_per_sm`: the split count aims at this many programs per SM (`decode_num_splits`).
-    - `min_split_len`: no split shorter than this many keys (each split costs stage 2 a merge).
+    - `min_split_len`: no split shorter than this many keys (each split costs the merge a row).
     - `heads_first`: launch a request's kv heads next to each other (its programs run at the same time,
       and each token's K/V row of all heads, contiguous in the pool, is read at once) rather than each kv
       head's requests (the default; the GPU sweep says which reads faster).
