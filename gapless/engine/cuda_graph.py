@@ -19,14 +19,14 @@ A graph replays fixed shapes at fixed addresses, so:
   eagerly after it (sampling's stages depend on the batch's params, a host-side choice per step).
 - a decode whose sampling takes no per-step host input (no token mask, logit bias, penalties or logprobs:
   `sampling_shape`) of at most `sampled_max_bs` rows replays a *sampled* graph instead: the decoder, the
-  LM head, the sampler's draw for every column and the write of each row's token into its future-token
-  slot, as one launch. Its stages are fixed by the batch's `SampleFlags` (its "shape"), so there is one
-  such graph per bucket and shape: greedy and plain temperature are captured at start-up (the anchors'
-  workloads), any other shape (top-k, top-p, min-p) on its first use, at most `MAX_LAZY_CAPTURES` times
-  (with no device synchronisation: the step that captures runs its body three times). Each row's
-  settings are gathered inside the graph from the sampler's per-row state by the static `rows`, its
-  random stream by the static `steps`; a padded column samples as the reserved row (greedy), and its
-  token lands in the reserved row's slot, which the graph then sets back to 0.
+  LM head and the sampler's draw for every column, as one launch (the runner then keeps the real rows'
+  tokens in their future-token slots, one small launch, as after an eager draw). Its stages are fixed
+  by the batch's `SampleFlags` (its "shape"), so there is one such graph per bucket and shape: greedy
+  and plain temperature are captured at start-up (the anchors' workloads), any other shape (top-k,
+  top-p, min-p) on its first use, at most `MAX_LAZY_CAPTURES` times (with no device synchronisation:
+  the step that captures runs its body three times). Each row's settings are gathered inside the graph
+  from the sampler's per-row state by the static `rows`, its random stream by the static `steps`; a
+  padded column samples as the reserved row (greedy), and its token goes nowhere.
 
 Verify batches of speculative decoding (`verify_width` = 1 + K tokens per request) have graphs of their
 own, bucketed by request count like decodes: request b of a bucket owns the token columns
@@ -142,7 +142,6 @@ class GraphRunner:
         self.verify_reqs.copy_(self.pad_req)
         self.verify_tokens.copy_(self.pad_token)
         self.hidden = torch.empty(max_bs * max(w, 1), hidden_size, dtype=dtype, device=dev)
-        self.pad_row = pad_row
         # sampled graphs: each column's output step (its random stream) in, its sampled token out
         self.sampled_max_bs = min(sampled_max_bs, max_bs)
         self.steps = torch.zeros(max_bs, dtype=torch.int64, device=dev)
@@ -157,6 +156,7 @@ class GraphRunner:
         # per (bucket, shape), padded rows run (decode and verify), and padding tokens run by verifies
         # (padded requests' and those of requests drafting fewer than K)
         self.runs: Counter[int] = Counter()
+        self.sampled: torch.Tensor | None = None  # the tokens the last run sampled in its graph
         self.sampled_runs: Counter[tuple[int, SampleFlags]] = Counter()
         self.verify_runs: Counter[int] = Counter()
         self.padded_rows = 0
@@ -211,13 +211,9 @@ class GraphRunner:
         self, n: int, flags: SampleFlags, forward_tokens: ForwardTokens, sample_tokens: SampleTokens
     ) -> None:
         """The captured work of a sampled decode of bucket `n`: `_body`, then the LM head and the draw
-        (`sample_tokens` under `flags`) of every column into `self.tokens[:n]`, each token kept in its
-        row's future-token slot; the padded columns' token (the reserved row's slot) is set back to 0."""
+        (`sample_tokens` under `flags`) of every column into `self.tokens[:n]`."""
         self._body(n, forward_tokens)
-        rows = self.rows[:n]
-        self.tokens[:n].copy_(sample_tokens(self.hidden[:n], rows, self.steps[:n], flags))
-        self.token_buf[rows] = self.tokens[:n]
-        self.token_buf[self.pad_row] = 0
+        self.tokens[:n].copy_(sample_tokens(self.hidden[:n], self.rows[:n], self.steps[:n], flags))
 
     def _record(
         self,
@@ -308,7 +304,7 @@ class GraphRunner:
         forward_tokens: ForwardTokens,
         sample_tokens: SampleTokens,
     ) -> bool:
-        """Whether `batch` (with its `sampling_shape`, `flags`) can replay a sampled graph: one is
+        """Whether `batch` (with its `sampling_shape`, `flags`) can run a sampled graph: one is
         captured, or is now (its first use, while `MAX_LAZY_CAPTURES` allow; a failed capture is logged
         and not tried again); always on the CPU, where the same body runs eagerly."""
         if self.device.type != "cuda":
@@ -331,30 +327,6 @@ class GraphRunner:
         log.info("CUDA graphs: captured sampling %s at %d rows on first use", flags, key[0])
         return True
 
-    def run_sampled(
-        self,
-        batch: ForwardBatch,
-        flags: SampleFlags,
-        forward_tokens: ForwardTokens,
-        sample_tokens: SampleTokens,
-    ) -> torch.Tensor:
-        """Run `batch` (`has_sampled` said yes) through its bucket's sampled graph, or on the CPU its
-        body. Returns the sampled token of each row [B] (on the device), also kept in the rows'
-        future-token slots."""
-        b = batch.rows.shape[0]
-        n = self.buckets[bisect.bisect_left(self.buckets, b)]
-        self._place(batch, b, n)
-        self.steps[:b].copy_(batch.sample_steps)
-        graph = self.sampled_graphs.get((n, flags))
-        if graph is not None:
-            graph.replay()
-        else:
-            self._sampled_body(n, flags, forward_tokens, sample_tokens)
-        self.runs[n] += 1
-        self.sampled_runs[n, flags] += 1
-        self.padded_rows += n - b
-        return self.tokens[:b].clone()  # the next replay overwrites the static buffer
-
     def _place(self, batch: ForwardBatch, b: int, n: int) -> None:
         """A decode's rows, positions and KV slots into the first `b` static columns, the padding into the
         rest of bucket `n`'s."""
@@ -362,20 +334,45 @@ class GraphRunner:
         if n > b:  # columns a larger batch left behind name live rows: point them back at the padding
             self.inputs[:, b:n].copy_(self.pad[:, b:n])
 
-    def run(self, batch: ForwardBatch, forward_tokens: ForwardTokens) -> torch.Tensor:
+    def run(
+        self,
+        batch: ForwardBatch,
+        forward_tokens: ForwardTokens,
+        sampling: tuple[SampleFlags, SampleTokens] | None = None,
+    ) -> torch.Tensor:
         """Run `batch` (on the device, `can_run`) through its bucket: its graph's replay, or
         `forward_tokens` (the decoder the graph was captured from) where none was captured (the CPU).
         Returns its tokens' final hidden states [T, hidden]; for a decode a view of the static output
-        (read it before the next batch runs)."""
+        (read it before the next batch runs). `sampling`: the decode's `sampling_shape` (for which
+        `has_sampled` said yes) and the runner's LM head and draw: its sampled graph runs, and its tokens
+        wait in `sampled` (`take_sampled`) for the runner to keep; else `sampled` is None."""
         b = batch.rows.shape[0]
         n = self.buckets[bisect.bisect_left(self.buckets, b)]
+        self.sampled = None
         if not batch.is_decode:
             return self._run_verify(batch, n, forward_tokens)
         self._place(batch, b, n)
-        self._replay(self.graphs, self._body, n, forward_tokens)
+        if sampling is None:
+            self._replay(self.graphs, self._body, n, forward_tokens)
+        else:
+            flags, sample_tokens = sampling
+            self.steps[:b].copy_(batch.sample_steps)
+            graph = self.sampled_graphs.get((n, flags))
+            if graph is not None:
+                graph.replay()
+            else:
+                self._sampled_body(n, flags, forward_tokens, sample_tokens)
+            self.sampled_runs[n, flags] += 1
+            self.sampled = self.tokens[:b].clone()  # the next replay overwrites the static buffer
         self.runs[n] += 1
         self.padded_rows += n - b
         return self.hidden[:b]
+
+    def take_sampled(self) -> torch.Tensor | None:
+        """The tokens [B] (on the device) the last `run` sampled inside its graph, once; None if it
+        sampled nothing."""
+        tokens, self.sampled = self.sampled, None
+        return tokens
 
     @staticmethod
     def _replay(

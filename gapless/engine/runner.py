@@ -24,7 +24,7 @@ from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
 from gapless.engine.batch import DeviceJob, ForwardBatch, RunnerInfo, SampleJob
 from gapless.engine.cpu_dtype import slow_dtype_warning
-from gapless.engine.cuda_graph import DEFAULT_MAX_BS, SAMPLED_MAX_BS, GraphRunner
+from gapless.engine.cuda_graph import DEFAULT_MAX_BS, SAMPLED_MAX_BS, GraphRunner, SampleTokens
 from gapless.engine.defaults import apply_device_defaults, device_memory
 from gapless.engine.memory_plan import (
     CpuKVPlan,
@@ -282,14 +282,15 @@ class ModelRunner:
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Apply the batch's table writes and run the decoder (through the decode graphs or the prefill
         pieces when they take the batch); returns hidden states [T, hidden]. `batch` must already be on
-        this device."""
+        this device. A decode whose sampling its graph takes (`_graph_sampling`) runs its sampled graph,
+        which draws its tokens too: `run` takes them (`GraphRunner.take_sampled`) instead of sampling."""
         table = self.req_table
         if batch.table_writes is not None:
             table.apply_writes(*batch.table_writes)
         draft = self.spec.draft if self.spec is not None else None
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(batch) else None
         if graphs is not None:
-            hidden = graphs.run(batch, self.forward_tokens)
+            hidden = graphs.run(batch, self.forward_tokens, self._graph_sampling(batch))
             if draft is None:
                 return hidden
         else:
@@ -327,14 +328,15 @@ class ModelRunner:
         if batch.penalty_inits:
             rows, prompts, outputs = zip(*batch.penalty_inits)
             self.sampler.init_rows(list(rows), list(prompts), list(outputs))
-        sampled = self._sampled_in_graph(batch)
-        if sampled is not None:
-            return sampled
         hidden = self.forward_hidden(batch)
         prompt = None
         if batch.prompt_scores is not None:  # prompt logprobs: in bounded pieces (gapless.sampling.logprobs)
             prompt = score_prompt(hidden, self.model.logits, batch.prompt_scores, self.sampler.vocab_size)
-        if batch.sampling is None:
+        sampled = self.graphs.take_sampled() if self.graphs is not None else None
+        if sampled is not None:  # its graph sampled it
+            self.token_buf[batch.sample_rows] = sampled
+            out = SampleOutput(sampled)
+        elif batch.sampling is None:
             out = SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
         else:
             logits = self.model.logits(hidden[batch.sample_index])
@@ -345,19 +347,17 @@ class ModelRunner:
         out.prompt = prompt
         return out
 
-    def _sampled_in_graph(self, batch: ForwardBatch) -> SampleOutput | None:
-        """A decode whose sampling its graph can take (`GraphRunner.sampling_shape`), run as one sampled
-        graph: forward, LM head, draw and token slots (on the CPU the same body, eagerly); None for any
-        other batch, and under speculative decoding, which verifies what it samples."""
+    def _graph_sampling(self, batch: ForwardBatch) -> tuple[SampleFlags, SampleTokens] | None:
+        """For a decode whose sampling its graph can take (`GraphRunner.sampling_shape`, `has_sampled`):
+        its flags and the LM head and draw for the graph to run; None for any other batch, and under
+        speculative decoding, which verifies what it samples."""
         graphs = self.graphs
         if graphs is None or self.spec is not None or not graphs.can_run(batch):
             return None
         flags = graphs.sampling_shape(batch)
         if flags is None or not graphs.has_sampled(batch, flags, self.forward_tokens, self.sample_tokens):
             return None
-        if batch.table_writes is not None:
-            self.req_table.apply_writes(*batch.table_writes)
-        return SampleOutput(graphs.run_sampled(batch, flags, self.forward_tokens, self.sample_tokens))
+        return flags, self.sample_tokens
 
     def sample_tokens(
         self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, flags: SampleFlags
