@@ -378,6 +378,28 @@ def test_decode_of_one_request_over_many_splits(heads, kv_heads, d, page_size, w
     assert splits == tk.MAX_SPLITS
 
 
+@pytest.mark.skipif(
+    DEVICE.type != "cuda", reason="races between programs need a GPU (the CPU runs them in turn)"
+)
+def test_cuda_merge_by_the_last_split_is_race_free():
+    """On the GPU the splits run at once and any of them may arrive last: 200 launches (bf16, a group of
+    8, 64 splits of 64 keys, many requests so programs of several (request, kv head) interleave) give
+    the same bits every time (the merge reads the splits in their order, whoever does it), and match the
+    reference; a merge that read a split before it was written would show as a difference."""
+    lens = dict(prefix_lens=[4095, 3000, 4095, 17, 2500, 4095], extend_lens=[1] * 6)
+    q, k, v, meta, clean = make_batch(
+        10, heads=16, kv_heads=2, d=128, page_size=16, dtype=torch.bfloat16, **lens
+    )
+    backend = TritonBackend(num_splits=tk.MAX_SPLITS)
+    state = backend.prepare(meta)
+    first = backend.forward(q, k, v, state, 128**-0.5)
+    check(first, reference(q, clean, meta, 128**-0.5), torch.bfloat16)
+    for _ in range(200):
+        assert torch.equal(backend.forward(q, k, v, state, 128**-0.5), first)
+    ((*_, arrivals),) = state.scratch.values()
+    assert not arrivals.any()
+
+
 def test_one_split_writes_the_output_without_scratch():
     """A batch whose split count is 1 (a full GPU) runs the kernel without the merge: its scratch is a
     token buffer, never read, and the answer is the reference's."""
