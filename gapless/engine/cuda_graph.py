@@ -152,6 +152,8 @@ class GraphRunner:
         self.refused: set[tuple[int, SampleFlags]] = set()  # sampled graphs whose capture failed
         self.lazy_captures = 0
         self._pool: Any = None  # the graphs' shared memory pool, once one is captured
+        # every capture's stream: the allocator reuses a pool's free blocks on the stream that made them
+        self._capture_stream: Any = None
         # host-side counters for tests and logs: decode runs per bucket (sampled or not) and sampled ones
         # per (bucket, shape), padded rows run (decode and verify), and padding tokens run by verifies
         # (padded requests' and those of requests drafting fewer than K)
@@ -260,7 +262,7 @@ class GraphRunner:
         if dev.type != "cuda":
             return
         t0 = time.perf_counter()
-        stream = torch.cuda.Stream(dev)
+        stream = self._capture_stream = torch.cuda.Stream(dev)
         # verifies first: the largest graphs, whose pool the decodes' then share
         bodies = [(self.verify_graphs, self._verify_body)] if self.verify_width else []
         for graphs, body in [*bodies, (self.graphs, self._body)]:
@@ -312,12 +314,12 @@ class GraphRunner:
         key = (self.buckets[bisect.bisect_left(self.buckets, batch.rows.shape[0])], flags)
         if key in self.sampled_graphs:
             return True
-        if key in self.refused or self.lazy_captures >= MAX_LAZY_CAPTURES:
+        if key in self.refused or self.lazy_captures >= MAX_LAZY_CAPTURES or self._capture_stream is None:
             return False
         self.lazy_captures += 1
         body = partial(self._sampled_body, key[0], flags, forward_tokens, sample_tokens)
         try:
-            self._record(self.sampled_graphs, key, body, torch.cuda.Stream(self.device), lazy=True)
+            self._record(self.sampled_graphs, key, body, self._capture_stream, lazy=True)
         except Exception:  # noqa: BLE001 - the batch samples eagerly instead; say why once
             log.warning(
                 "CUDA graphs: sampling %s at %d rows cannot be captured", flags, key[0], exc_info=True
