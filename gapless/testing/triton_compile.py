@@ -9,12 +9,12 @@ into a compile (Triton's `warmup`), so the engine's own launchers run as on the 
 no kernel executing: their outputs are garbage, and only compile errors count.
 
 What it launches: the start-up self-checks' own probes. Attention (`gapless.attention.selfcheck`: an
-extend and a split decode batch) in fp32, bf16 and fp16, with and without a sliding window and
-soft-capping, at head dims 64 and 128; the fused model kernels (`gapless.model.fused.disagreement`) on the
-tiny models of families whose kernels differ (RMSNorm arithmetic, q/k norms, activations) in bf16 and
-fp16; the sampling kernels (`gapless.sampling.fused`); the MoE grouped GEMM. Exit status 1, naming each
-kernel and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter takes
-the compiler's place).
+extend batch, and a decode batch split over several programs and in one) in fp32, bf16 and fp16, with
+and without a sliding window and soft-capping, at head dims 64 and 128; the fused model kernels
+(`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
+arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
+the MoE grouped GEMM. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
+without TRITON_INTERPRET (the interpreter takes the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
 compiled binary records them (`cuobjdump --dump-resource-usage`, which comes with Triton): what decides
@@ -108,12 +108,15 @@ def _attention() -> dict[str, Callable[[], object]]:
     from gapless.attention.triton_backend import TritonBackend
 
     # the backend refuses CPU tensors unless built for the interpreter; here they only carry shapes
-    backend = type("CompileOnly", (TritonBackend,), {"interpreted": True})()
+    compile_only = type("CompileOnly", (TritonBackend,), {"interpreted": True})
+    # the decode kernel twice: split (the probe's long context; the last split merges) and whole (one split)
+    backends = (compile_only(), compile_only(num_splits=1))
 
     def run(probe: selfcheck.Probe) -> None:
-        for prefix_lens, extend_lens in selfcheck.CASES.values():
+        for name, (prefix_lens, extend_lens) in selfcheck.CASES.items():
             q, k, v, meta = selfcheck.batch(probe, prefix_lens, extend_lens, torch.device("cpu"), 0)
-            backend.forward(q, k, v, backend.prepare(meta), probe.head_dim**-0.5, **probe.layer())
+            for backend in backends if name == "decode" else backends[:1]:
+                backend.forward(q, k, v, backend.prepare(meta), probe.head_dim**-0.5, **probe.layer())
 
     probes = [
         selfcheck.Probe(8, 2, head_dim, dtype, window, softcap)

@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {
     "_extend_kernel",
     "_decode_split_kernel",
-    "_decode_reduce_kernel",
     "_rms_norm_kernel",
     "_qk_norm_rope_store_kernel",
     "_act_and_mul_kernel",
