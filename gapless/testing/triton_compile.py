@@ -92,14 +92,14 @@ class Compiler:
             compiler.compiled.append((fn.fn.__name__, kernel))
             return kernel
 
-        JITFunction.run = compile_only  # type: ignore[method-assign]
+        JITFunction.run = compile_only
         driver.set_active(_Driver(GPUTarget("cuda", self.arch, 32)))
         return self
 
     def __exit__(self, *exc: object) -> None:
         from triton.runtime.jit import JITFunction
 
-        JITFunction.run = self._run  # type: ignore[method-assign]
+        JITFunction.run = self._run
         self._driver._active = self._active  # (reset_active would look for a GPU driver)
 
 
@@ -146,7 +146,7 @@ def _model_kernels() -> dict[str, Callable[[], object]]:
             probe()
 
     return {
-        f"model kernels {family} {dtype}": lambda f=family, d=dtype: run(f, d)
+        f"model kernels {family} {dtype}": partial(run, family, dtype)
         for family in FAMILIES
         for dtype in DTYPES
     }
@@ -165,22 +165,22 @@ def _sampling() -> dict[str, Callable[[], object]]:
         torch.tensor([3, 0, 1]),
         torch.ones(batch),
     )
+
+    def draw(dtype: torch.dtype, scale: bool) -> object:
+        return triton_gumbel.gumbel_argmax(logits.to(dtype), temperature, keys, scale)
+
+    def penalties(dtype: torch.dtype) -> object:
+        return triton_penalties.apply_penalties(
+            logits.to(dtype), counts, prompt, rows, factors, factors, factors
+        )
+
     return {
         **{
-            f"sampling draw {dtype} scale {scale}": (
-                lambda d=dtype, s=scale: triton_gumbel.gumbel_argmax(logits.to(d), temperature, keys, s)
-            )
+            f"sampling draw {dtype} scale {scale}": partial(draw, dtype, scale)
             for dtype in (torch.float32, *DTYPES)
             for scale in (True, False)
         },
-        **{
-            f"sampling penalties {dtype}": (
-                lambda d=dtype: triton_penalties.apply_penalties(
-                    logits.to(d), counts, prompt, rows, factors, factors, factors
-                )
-            )
-            for dtype in (torch.float32, *DTYPES)
-        },
+        **{f"sampling penalties {dtype}": partial(penalties, dtype) for dtype in (torch.float32, *DTYPES)},
         "sampling nucleus": lambda: triton_nucleus.nucleus_floor(logits, torch.tensor([0.9, 0.5, 1.0])),
     }
 
