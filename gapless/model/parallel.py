@@ -156,9 +156,7 @@ def connect(addr: str, rank: int, size: int, timeout_s: float, device: torch.dev
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size, nccl_opts)
-    group = TPGroup(rank, size, pg, host_pg)
-    group.store = store
-    return group
+    return TPGroup(rank, size, pg, host_pg, store)
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
