@@ -156,7 +156,7 @@ def write_checkpoint(
     path = Path(path)
     model = _uninitialised_model(config, seed)  # float32: init and cast happen after
     _spread_init(model, seed)
-    model = model.to(dtype).eval()
+    model = model.to(dtype).eval()  # type: ignore[arg-type]  # transformers wraps `to` so mypy sees it unbound
 
     max_shard_size: int | str = "50GB"
     if shards > 1:

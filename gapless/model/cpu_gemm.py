@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -47,6 +48,7 @@ from torch import nn
 from gapless.model.layers import ParallelLMHead, _Linear
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=nn.Module)
 
 ENV = "GAPLESS_CPU_GEMM"  # "plain": leave the weights unpacked (the default is "onednn")
 PACK_FOR_ROWS = 8  # the batch oneDNN chooses the blocked layout for; the measured best for 1-32 rows
@@ -116,7 +118,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def pack_cpu_gemms(model: nn.Module) -> nn.Module:
+def pack_cpu_gemms(model: M) -> M:
     """`model`, its linear layers and LM head given a packed weight (`cpu_gemm`) when on a CPU in float32
     or natively computed bfloat16 (see the module's docstring); unchanged elsewhere. Call once, after the
     weights are loaded."""

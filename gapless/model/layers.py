@@ -23,7 +23,7 @@ from gapless.model import parallel
 
 
 def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:
-    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.weight_loader = loader  # type: ignore[attr-defined]  # an attribute torch's Parameter lacks
     return param
 
 
@@ -176,7 +176,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     cpu_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None  # as `_Linear.cpu_gemm`
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.cpu_gemm(hidden) if self.cpu_gemm is not None else F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
@@ -287,6 +287,8 @@ class RotaryEmbedding(nn.Module):
     share of a decode step. The table keeps sin with the sign of rotate-half folded in (`-sin` on the
     first half), so `x * cos + swap_halves(x) * sin` is bit for bit `x * cos + rotate_half(x) * sin`
     (negation is exact, in every dtype)."""
+
+    cos_sin: torch.Tensor  # a buffer (register_buffer), which nn.Module's attribute typing cannot see
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None

@@ -92,14 +92,14 @@ class Compiler:
             compiler.compiled.append((fn.fn.__name__, kernel))
             return kernel
 
-        JITFunction.run = compile_only  # type: ignore[method-assign]
+        JITFunction.run = compile_only
         driver.set_active(_Driver(GPUTarget("cuda", self.arch, 32)))
         return self
 
     def __exit__(self, *exc: object) -> None:
         from triton.runtime.jit import JITFunction
 
-        JITFunction.run = self._run  # type: ignore[method-assign]
+        JITFunction.run = self._run
         self._driver._active = self._active  # (reset_active would look for a GPU driver)
 
 
@@ -149,7 +149,7 @@ def _model_kernels() -> dict[str, Callable[[], object]]:
             probe()
 
     return {
-        f"model kernels {family} {dtype}": lambda f=family, d=dtype: run(f, d)
+        f"model kernels {family} {dtype}": partial(run, family, dtype)
         for family in FAMILIES
         for dtype in DTYPES
     }
@@ -170,22 +170,22 @@ def _sampling() -> dict[str, Callable[[], object]]:
         torch.ones(batch),
     )
     draw_args = (temperature, top_k, top_p, min_p, seeds, steps)
+
+    def draw(dtype: torch.dtype, need: tuple[bool, bool, bool]) -> object:
+        return triton_sample.draw(logits.to(dtype), *draw_args, need)
+
+    def penalties(dtype: torch.dtype) -> object:
+        return triton_penalties.apply_penalties(
+            logits.to(dtype), counts, prompt, rows, factors, factors, factors
+        )
+
     return {
         **{
-            f"sampling draw {dtype} filters {need}": (
-                lambda d=dtype, n=need: triton_sample.draw(logits.to(d), *draw_args, n)
-            )
+            f"sampling draw {dtype} filters {need}": partial(draw, dtype, need)
             for dtype in (torch.float32, *DTYPES)
             for need in ((False, False, False), (True, True, True))
         },
-        **{
-            f"sampling penalties {dtype}": (
-                lambda d=dtype: triton_penalties.apply_penalties(
-                    logits.to(d), counts, prompt, rows, factors, factors, factors
-                )
-            )
-            for dtype in (torch.float32, *DTYPES)
-        },
+        **{f"sampling penalties {dtype}": partial(penalties, dtype) for dtype in (torch.float32, *DTYPES)},
         "sampling nucleus": lambda: triton_nucleus.nucleus_floor(logits, torch.tensor([0.9, 0.5, 1.0])),
     }
 
