@@ -39,16 +39,16 @@ the interpreter.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from gapless import env
 from gapless.attention.base import AttentionMetadata
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+INTERPRET = env.TRITON_INTERPRET.get()
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
