@@ -59,7 +59,8 @@ if TYPE_CHECKING:
     from gapless.model.config import ModelConfig
     from gapless.server import protocol as P
     from gapless.server.engine_client import EngineClient
-    from gapless.server.workers import Endpoints, SchedulerOptions
+    from gapless.server.workers.scheduler_loop import SchedulerOptions
+    from gapless.server.workers.sockets import Endpoints
 
 log = logging.getLogger("gapless.server")
 
@@ -251,7 +252,8 @@ class _Workers:
         metrics_dir: str | None,
     ) -> None:
         from gapless.server.api_process import api_server_main
-        from gapless.server.workers import scheduler_main, text_worker_main
+        from gapless.server.workers.scheduler_loop import scheduler_main
+        from gapless.server.workers.text_worker import text_worker_main
 
         pid = os.getpid()
         targets: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {}
@@ -467,7 +469,8 @@ def _run(
     args: argparse.Namespace, cfg: EngineConfig, mcfg: ModelConfig, listener: socket.socket, started: float
 ) -> int:
     from gapless.server.layout import choose_layout, describe
-    from gapless.server.workers import Endpoints, SchedulerOptions
+    from gapless.server.workers.scheduler_loop import SchedulerOptions
+    from gapless.server.workers.sockets import Endpoints
 
     configure_logging(args.log_level)
     mp.current_process().name = "gapless-api"
