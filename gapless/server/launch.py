@@ -44,12 +44,14 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from gapless.config import EngineConfig, add_engine_args, add_model_args, add_option, config_from_args
+from gapless import env
+from gapless.cli import add_engine_args, add_model_args, add_option, config_from_args
+from gapless.config import EngineConfig
 from gapless.engine.heap import frozen_heap
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.api_process import api_server_name, http_server, pipeline_client, run_event_loop
 from gapless.server.layout import LAYOUTS, MIN_CORES_FOR_SPLIT, worker_stages
-from gapless.server.logs import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
+from gapless.server.logs import configure_logging
 from gapless.server.reasoning import PARSERS as REASONING_PARSERS
 from gapless.server.replicas import scheduler_name
 from gapless.server.router import LOAD_BALANCE_METHODS
@@ -76,7 +78,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=_port, default=8000, help="0 picks a free port (default: 8000)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("GAPLESS_API_KEY"),
+        default=env.API_KEY.get(),
         help="require `Authorization: Bearer KEY` (all but /health); prefer GAPLESS_API_KEY: ps shows flags",
     )
     parser.add_argument(
@@ -150,9 +152,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     logs = parser.add_argument_group("logging")
     logs.add_argument(
         "--log-level",
-        default=os.environ.get(LOG_LEVEL_ENV, "info"),
-        choices=LOG_LEVELS,
-        help=f"in every process; debug shows each scheduler step (default: ${LOG_LEVEL_ENV} or info)",
+        default=None,
+        choices=env.LOG_LEVELS,
+        help=f"in every process; debug shows each scheduler step (default: ${env.LOG_LEVEL.name} or info)",
     )
     add_option(
         logs,
@@ -431,8 +433,13 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Run `gapless serve` for parsed `args` until it is stopped; returns the exit status."""
     started = time.monotonic()
+    try:
+        args.log_level = args.log_level or env.LOG_LEVEL.get()
+    except ValueError as e:  # a bad $GAPLESS_LOG_LEVEL
+        print(f"gapless: {e}", file=sys.stderr, flush=True)
+        return 2
     # the workers' log level: they inherit the fork server's environment, so it is set before that starts
-    os.environ[LOG_LEVEL_ENV] = args.log_level
+    os.environ[env.LOG_LEVEL.name] = args.log_level
     # node 0 forks its workers from the fork server: start it now (`_start_fork_server`)
     helpers = _start_fork_server() if not args.node_rank else []
     try:
