@@ -95,7 +95,7 @@ def test_the_detokenizer_sends_each_api_server_its_own_deltas_and_stats(tmp_path
 def test_the_count_is_a_whole_number_from_one_under_either_name():
     import argparse
 
-    from gapless.server.launch import add_serve_args
+    from gapless.server.serve_args import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
