@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gapless.server import protocol as P
-from gapless.server.openai_protocol import prompt_too_long
+from gapless.server.errors import prompt_too_long
 from gapless.server.router import Router
 from gapless.server.tools import template_message
 from gapless.server.workers.replica_report import apply_report
