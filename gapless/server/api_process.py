@@ -11,8 +11,8 @@ server starts serving when API server 0 tells it to (`Serve`, once every worker 
 terminated it ends its open requests first, as API server 0 does. They keep their metrics in one
 directory, so that any of them answers `/metrics` for all (`Metrics(shared_dir=)`).
 
-Importing this module loads neither torch nor the web stack: the command line's parser imports `launch`,
-which imports this.
+Importing this module loads neither torch nor the web stack (`launch` imports it; the functions here
+import what they run).
 """
 
 from __future__ import annotations
