@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from gapless.config import add_engine_args, add_model_args, config_from_args
+from gapless.cli import add_engine_args, add_model_args, config_from_args
 from gapless.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gapless"
 
 LAYERS: list[set[str]] = [
-    {"config", "sampling_params", "tensors", "default_model"},
+    {"config", "cli", "env", "sampling_params", "tensors", "default_model"},
     {"memory"},
     {"attention", "sampling"},
     {"model"},

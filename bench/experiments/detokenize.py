@@ -31,7 +31,7 @@ from typing import Any
 from gapless.bench import cli
 from gapless.engine.detokenize import IncrementalDetokenizer, update_many
 from gapless.server import protocol as P
-from gapless.server.workers import DetokenizerStage
+from gapless.server.workers.detokenizer import DetokenizerStage
 
 MODES = ("per request, tokenizer.decode", "per request, Rust decoder", "whole step", "whole step + deltas")
 

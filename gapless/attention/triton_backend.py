@@ -10,12 +10,12 @@ without it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from gapless import env
 from gapless.attention.base import AttentionMetadata
 from gapless.tensors import map_tensors
 
@@ -23,7 +23,7 @@ _CPU_SM_STANDIN = 8  # for the interpreter's split heuristic: a few splits, not 
 
 
 def interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return env.TRITON_INTERPRET.get()
 
 
 @dataclass

@@ -42,7 +42,6 @@ the interpreter.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -50,9 +49,10 @@ import torch
 import triton
 import triton.language as tl
 
+from gapless import env
 from gapless.attention.base import AttentionMetadata
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+INTERPRET = env.TRITON_INTERPRET.get()
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64

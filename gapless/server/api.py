@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gapless.server.openai_protocol import BadRequest
+from gapless.server.errors import BadRequest
 from gapless.server.routes import admin, native, openai, schema, scoring
 from gapless.server.routes.common import ExchangeScope, error_response
 from gapless.server.state import ServerState

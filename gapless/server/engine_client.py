@@ -21,11 +21,12 @@ import zmq.asyncio
 
 from gapless.engine.heap import gc_pauses
 from gapless.server import protocol as P
+from gapless.server.errors import BadRequest
 from gapless.server.health import Health
 from gapless.server.metrics import Metrics, RequestClock
-from gapless.server.openai_protocol import BadRequest, Prompt, Submission
+from gapless.server.openai_protocol import Prompt, Submission
 from gapless.server.replicas import combine_stats
-from gapless.server.workers import Endpoints
+from gapless.server.workers.sockets import Endpoints
 
 log = logging.getLogger(__name__)
 

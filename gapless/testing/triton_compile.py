@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from gapless import env
+
 # families whose fused kernels differ: RMSNorm arithmetic (Llama, Gemma, OLMo 2), q/k norms (Qwen3,
 # OLMo 2), activations (SiLU; GeLU(tanh) in Gemma); each in both half-precision dtypes
 FAMILIES = ("llama", "qwen3", "gemma2", "olmo2")
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "--resources", action="store_true", help="each specialization's registers, spills and shared memory"
     )
     args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+    if env.TRITON_INTERPRET.get():
         print(
             "triton_compile: unset TRITON_INTERPRET (the interpreter replaces the compiler)", file=sys.stderr
         )

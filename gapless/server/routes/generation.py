@@ -24,7 +24,8 @@ from fastapi.responses import StreamingResponse
 
 from gapless.server import protocol as P
 from gapless.server.engine_client import Group
-from gapless.server.openai_protocol import BadRequest, GenerationRequest, error_body, parse_request
+from gapless.server.errors import BadRequest, error_body
+from gapless.server.openai_protocol import GenerationRequest, parse_request
 from gapless.server.routes.common import owned_by_exchange, read_json_body, server_state
 
 log = logging.getLogger(__name__)
