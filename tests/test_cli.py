@@ -185,10 +185,10 @@ def test_flag_help_needs_no_source(tmp_path):
     assert with_help == options > 40
 
 
-def test_readme_names_every_alias():
-    readme = (ROOT / "README.md").read_text()
+def test_the_serving_docs_name_every_alias():
+    readme = (ROOT / "docs" / "serving.md").read_text()
     flags = [*FLAG_ALIASES, *(flag for names in _PARALLEL_FLAGS.values() for flag in names)]
-    assert not [f for f in flags if f"`{f}`" not in readme], "README's alias table lacks some flags"
+    assert not [f for f in flags if f"`{f}`" not in readme], "docs/serving.md's alias table lacks some flags"
 
 
 def _refused(argv: list[str], capsys) -> str:
