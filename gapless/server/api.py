@@ -29,9 +29,14 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _bad_request(request: Request, e: BadRequest) -> JSONResponse:
+# Starlette types every handler as taking an Exception; each is registered for its own class only
+
+
+async def _bad_request(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, BadRequest)
     return error_response(e.status, str(e), e.param)
 
 
-async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, StarletteHTTPException)
     return error_response(e.status_code, str(e.detail))

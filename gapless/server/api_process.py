@@ -49,13 +49,13 @@ def event_loop_factory() -> tuple[Callable[[], asyncio.AbstractEventLoop] | None
     socket event than asyncio's, and the API server's loop carries every stream's writes), else asyncio's
     (None: its default). Python 3.10 has no `asyncio.Runner(loop_factory=)`: asyncio's loop there.
     Returns the factory and the loop's name for the start-up line."""
-    if sys.version_info < (3, 11):
-        return None, "asyncio (uvloop needs Python 3.11 here)"
-    try:
-        import uvloop
-    except ImportError:
-        return None, "asyncio (uvloop not installed)"
-    return uvloop.new_event_loop, f"uvloop {uvloop.__version__}"
+    if sys.version_info >= (3, 11):
+        try:
+            import uvloop
+        except ImportError:
+            return None, "asyncio (uvloop not installed)"
+        return uvloop.new_event_loop, f"uvloop {uvloop.__version__}"
+    return None, "asyncio (uvloop needs Python 3.11 here)"
 
 
 def run_event_loop(main: Coroutine[object, object, int], announce: bool = True) -> int:
@@ -66,7 +66,7 @@ def run_event_loop(main: Coroutine[object, object, int], announce: bool = True) 
         print(f"gapless: event loop {name}", flush=True)
     if factory is None:
         return asyncio.run(main)
-    with asyncio.Runner(loop_factory=factory) as runner:  # type: ignore[attr-defined]
+    with asyncio.Runner(loop_factory=factory) as runner:  # type: ignore[attr-defined]  # 3.11+; mypy checks as 3.10
         return runner.run(main)
 
 

@@ -77,13 +77,13 @@ def _start_fork_server() -> list[object]:
         return []
     from multiprocessing import forkserver, resource_tracker
 
-    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    tracker = resource_tracker._resource_tracker
     tracker_ran = getattr(tracker, "_pid", None) is not None
     forkserver.ensure_running()
-    return [forkserver._forkserver] + ([] if tracker_ran else [tracker])  # type: ignore[attr-defined]
+    return [forkserver._forkserver] + ([] if tracker_ran else [tracker])
 
 
-def _process_context() -> mp.context.BaseContext:
+def _process_context() -> mp.context.SpawnContext | mp.context.ForkServerContext:
     """Workers fork from a fork server that imported torch and transformers once (seconds saved per
     worker) and never ran anything: safe to fork, unlike this process. Spawn where there is none."""
     if "forkserver" not in mp.get_all_start_methods():
@@ -410,8 +410,8 @@ def _reap_children(timeout_s: float = TERMINATE_GRACE_S) -> None:
     tracker (it ends once every process that used it has)."""
     from multiprocessing import forkserver, resource_tracker
 
-    _stop_helper(forkserver._forkserver)  # type: ignore[attr-defined]
-    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    _stop_helper(forkserver._forkserver)
+    tracker = resource_tracker._resource_tracker
     deadline, signalled = time.monotonic() + timeout_s, set()
     while left := _children() - {getattr(tracker, "_pid", None)}:
         late = time.monotonic() > deadline
@@ -430,9 +430,10 @@ def _stop_helper(helper: object) -> None:
     exit would spend a second in its interpreter's teardown of torch and transformers."""
     from multiprocessing import forkserver
 
-    if isinstance(helper, forkserver.ForkServer) and helper._forkserver_pid is not None:
+    pid = getattr(helper, "_forkserver_pid", None)  # (private: not in typeshed's ForkServer)
+    if isinstance(helper, forkserver.ForkServer) and pid is not None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(helper._forkserver_pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
     stop = getattr(helper, "_stop", None)
     if stop is not None:
         with contextlib.suppress(OSError, ChildProcessError):

@@ -43,7 +43,7 @@ class StatsLog:
         """Log the line if `interval_s` passed since the last one (cheap otherwise: call it every step)."""
         if self.interval_s <= 0 or time.monotonic() - self.since < self.interval_s:
             return
-        now, stats = time.monotonic(), dict(engine.get_stats())
+        now, stats = time.monotonic(), dict[str, float | int | str](engine.get_stats())
         line = stats_line(stats, self.last, now - self.since)
         self.since, self.last = now, stats
         if line is not None:

@@ -355,7 +355,7 @@ def _int64_inside(tp: Any) -> Any:
         return Int64
     args = typing.get_args(tp)
     if typing.get_origin(tp) is list:
-        return list[_int64_inside(args[0])]  # type: ignore[misc]
+        return list[_int64_inside(args[0])]  # type: ignore[misc]  # a type made at run time
     if args and typing.get_origin(tp) in (Union, types.UnionType):
         return functools.reduce(operator.or_, [_int64_inside(a) for a in args])
     return tp
@@ -382,7 +382,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None  # token ids, or a list of them (checked in `submission`)
-    sampling_params: SamplingParamsIn = msgspec.field(default_factory=SamplingParamsIn)  # type: ignore[valid-type]
+    sampling_params: SamplingParamsIn = msgspec.field(default_factory=SamplingParamsIn)  # type: ignore[valid-type]  # made at run time
     stream: bool = False
     # SGLang's logprob options: with return_logprob, meta_info carries the output tokens' logprobs and the
     # prompt's from position logprob_start_len (-1: none), each with the top_logprobs_num most likely

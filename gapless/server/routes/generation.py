@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -90,7 +90,7 @@ _encode_json = msgspec.json.Encoder().encode  # UTF-8 as is, like json.dumps(ens
 DONE = b"data: [DONE]\n\n"
 
 
-def _sse(obj: Json) -> bytes:
+def _sse(obj: Mapping[str, object]) -> bytes:
     return b"data: " + _encode_json(obj) + b"\n\n"
 
 

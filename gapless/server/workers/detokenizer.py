@@ -5,7 +5,7 @@ servers, every request of the step decoded at once. It runs in the process of
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gapless.server import protocol as P
 from gapless.server.prompt_logprobs import decode_prompt_logprobs
@@ -73,7 +73,7 @@ class _TokenPieces:
     def __call__(self, token: int) -> str:
         text = self.texts.get(token)
         if text is None:
-            text = self.texts[token] = self.tokenizer.decode([token])
+            text = self.texts[token] = cast(str, self.tokenizer.decode([token]))  # typed str | list[str]
         return text
 
 

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gapless.config import EngineConfig
 from gapless.engine.heap import frozen_heap
@@ -77,7 +77,7 @@ class UpdateReporter:
             logprobs=req.output_logprobs[start:end] if with_lp else None,
             top_logprobs=req.output_top_logprobs[start:end] if with_lp else None,
             finish_reason=req.finish_reason if req.finished else None,
-            stop=list(req.params.stop) if first else None,
+            stop=list(cast(list[str], req.params.stop)) if first else None,  # a list once checked
             skip_special_tokens=req.params.skip_special_tokens if first else True,
             **(prompt_logprob_fields(req) if first else {}),
         )
