@@ -89,9 +89,9 @@ def run_method(args: argparse.Namespace, method: str, work: Workload) -> dict[st
     flags += ["--load-balance-method", method, "--log-stats-interval", "0"]
     cli.progress(f"{method}: starting {args.dp} replicas")
     srv = ServerProcess(args.model, *flags, startup_timeout=600)
-    url = srv.url
-    assert url is not None, "a ServerProcess that started has its URL"
     try:
+        url = srv.url
+        assert url is not None, "a ServerProcess that started has its URL"
         before = replica_counts(url)
         summary = asyncio.run(_send(url, work, args.max_concurrency))
         if summary["failed"] or summary["wrong_length_requests"]:

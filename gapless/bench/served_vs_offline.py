@@ -199,9 +199,9 @@ def run_served(
     flags = [*engine, "--log-stats-interval", "0"]
     srv = ServerProcess(str(path), *flags, "--process-layout", layout, startup_timeout=600)
     out = []
-    url = srv.url
-    assert url is not None, "a ServerProcess that started has its URL"
     try:
+        url = srv.url
+        assert url is not None, "a ServerProcess that started has its URL"
         asyncio.run(_drive(url, WARMUP, 0))
         for c in concurrency:
             state = _state(url)
