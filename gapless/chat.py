@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from gapless.cli import add_engine_args, add_model_args, config_from_args
 from gapless.sampling_params import SamplingParams
@@ -108,15 +108,14 @@ class ChatSession:
     def send(self, user_text: str, write: Callable[[str], Any] = lambda s: None) -> Turn:
         """Add a user message, stream the reply through `write` delta by delta, and keep both in the
         history. Raises ValueError (history unchanged) when the conversation no longer fits."""
-        from gapless.engine.detokenize import IncrementalDetokenizer, TokenDecoder
+        from gapless.engine.detokenize import IncrementalDetokenizer
 
         messages = [*self.messages, {"role": "user", "content": user_text}]
         ids = self.prompt_ids(messages)
         engine = self.engine
         req = engine.add_request(ids, self.params)
-        tokenizer = cast(TokenDecoder, engine.tokenizer)  # transformers types its decode as str | list[str]
         detok = IncrementalDetokenizer(
-            tokenizer, skip_special_tokens=self.params.skip_special_tokens, stop=self.params.stop
+            engine.tokenizer, skip_special_tokens=self.params.skip_special_tokens, stop=self.params.stop
         )
         seen = 0
         with _ctrl_c_as_flag() as interrupted:

@@ -126,8 +126,8 @@ def take_engine_options(p: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
     """The random workload the workload flags describe."""
-    sizes = [getattr(args, name) for name in WORKLOAD_SIZES]
-    return random_workload(*sizes, vocab_size=vocab_size, seed=args.seed)
+    sizes = {name: getattr(args, name) for name in WORKLOAD_SIZES}  # random_workload's own parameter names
+    return random_workload(**sizes, vocab_size=vocab_size, seed=args.seed)
 
 
 def workload_summary(args: argparse.Namespace, work: Workload) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -197,7 +198,7 @@ def _time_attention(
     scale = q.shape[-1] ** -0.5
     with torch.inference_mode():
         state = backend.prepare(meta)
-        calls = [lambda k=k, v=v: backend.forward(q, k, v, state, scale) for k, v in caches]
+        calls = [partial(backend.forward, q, k, v, state, scale) for k, v in caches]
         us = median_us(cycling(calls), q.device, args)
     return us, state
 

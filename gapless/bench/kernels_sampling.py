@@ -66,6 +66,13 @@ def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
     return [row for rows in args.sample_batch for row in sampling_cases(args, rows, device, dtype)]
 
 
+def _engine_call(sampler: Any, logits: torch.Tensor, batch: Any, penalties: bool) -> Callable[[], object]:
+    """The engine's sampling of `batch` (its penalties applied first when `penalties`), as one call."""
+    if penalties:
+        return lambda: sampler.sample(sampler.apply_penalties(logits, batch), batch)
+    return lambda: sampler.sample(logits, batch)
+
+
 def _batch(params: dict[str, Any], rows: int, device: torch.device, vocab: int) -> Any:
     from gapless.sampling.sampler import SamplingBatch
     from gapless.sampling_params import SamplingParams
@@ -87,10 +94,7 @@ def sampling_cases(
     cases: dict[str, tuple[str, Callable[[], object], Callable[[], object] | None]] = {}
     for mode, params in MODES.items():
         batch = _batch(params, B, device, V)
-        if "penalties" in mode:
-            cases[mode] = ("engine", lambda b=batch: fast.sample(fast.apply_penalties(logits, b), b), None)
-        else:
-            cases[mode] = ("engine", lambda b=batch: fast.sample(logits, b), None)
+        cases[mode] = ("engine", _engine_call(fast, logits, batch, "penalties" in mode), None)
     draw = _batch(dict(temperature=0.8), B, device, V)
     nucleus = _batch(dict(top_k=50, top_p=0.95), B, device, V)
     penalised = _batch(MODES["penalties (repetition, frequency, presence)"], B, device, V)

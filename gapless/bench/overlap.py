@@ -134,9 +134,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     path, _ = cli.model_path(args)
     machine = cli.machine()  # before the runs change torch's threads
-    work = random_workload(
-        args.num_seqs, *args.input, *args.output, vocab_size=cli.model_info(path)["vocab_size"], seed=0
-    )
+    (min_input, max_input), (min_output, max_output) = args.input, args.output
+    vocab_size = cli.model_info(path)["vocab_size"]
+    work = random_workload(args.num_seqs, min_input, max_input, min_output, max_output, vocab_size, seed=0)
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)

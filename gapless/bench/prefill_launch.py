@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -140,7 +141,8 @@ def _sync(device: torch.device) -> None:
 def _median(fn: Callable[[], float | None], iters: int) -> float | None:
     """The median of `iters` runs of `fn`; None if any run measured nothing."""
     runs = [fn() for _ in range(iters)]
-    return None if None in runs else statistics.median(runs)  # type: ignore[type-var]
+    measured = [r for r in runs if r is not None]
+    return statistics.median(measured) if len(measured) == len(runs) else None
 
 
 def _capture(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
@@ -246,7 +248,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         cli.write_json(
             args.json,
             dict(
-                command=cli.command_line("gapless.bench.prefill_launch", argv),
+                command=cli.command_line(
+                    "gapless.bench.prefill_launch", sys.argv[1:] if argv is None else argv
+                ),
                 machine=cli.machine(args.device, torch.get_num_threads()),
                 model=str(path),
                 rows=rows,

@@ -90,11 +90,13 @@ def run_method(args: argparse.Namespace, method: str, work: Workload) -> dict[st
     cli.progress(f"{method}: starting {args.dp} replicas")
     srv = ServerProcess(args.model, *flags, startup_timeout=600)
     try:
-        before = replica_counts(srv.url)
-        summary = asyncio.run(_send(srv.url, work, args.max_concurrency))
+        url = srv.url
+        assert url is not None, "a ServerProcess that started has its URL"
+        before = replica_counts(url)
+        summary = asyncio.run(_send(url, work, args.max_concurrency))
         if summary["failed"] or summary["wrong_length_requests"]:
             raise RuntimeError(f"{method}: requests failed: {json.dumps(summary['errors'])}\n{srv.output}")
-        rate, shares = hit_rate(before, replica_counts(srv.url))
+        rate, shares = hit_rate(before, replica_counts(url))
     finally:
         srv.stop()
     return dict(
@@ -167,7 +169,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.seed,
     )
     rows = [run_method(args, method, work) for method in args.methods]
-    res = {"command": command, "machine": cli.machine(args.device), "config": vars(args), "results": rows}
+    res: dict[str, Any] = {
+        "command": command,
+        "machine": cli.machine(args.device),
+        "config": vars(args),
+        "results": rows,
+    }
     print(f"$ {command}\n{cli.machine_line(res['machine'])}")
     print(
         f"{len(work)} requests: {args.prefixes} prefixes x {args.requests_per_prefix}, {args.prefix_len} + "

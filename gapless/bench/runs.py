@@ -216,7 +216,7 @@ def run_gapless(
         backend = type(getattr(runner, "backend", None)).__name__ if runner is not None else None
     finally:
         llm.shutdown()
-    if prof is not None:
+    if prof is not None and profile:  # (there is a profiler only with a path)
         prof.dump_stats(profile)
     generated = sum(len(o.token_ids) for o in outputs)
     return dict(
@@ -284,7 +284,7 @@ def run_transformers(
         dtype = getattr(torch, dtype)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapped `to` types as unbound
     load_s = time.perf_counter() - t0
     pad = model.generation_config.pad_token_id
     if pad is None:

@@ -83,7 +83,8 @@ def run_transformers(
     """The same with transformers: padded batches through `forward`, then log-softmax, gather and top k."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapped `to` types as unbound
 
     def score(group: list[list[int]]) -> list:
         longest = max(map(len, group))

@@ -200,15 +200,17 @@ def run_served(
     srv = ServerProcess(str(path), *flags, "--process-layout", layout, startup_timeout=600)
     out = []
     try:
-        asyncio.run(_drive(srv.url, WARMUP, 0))
+        url = srv.url
+        assert url is not None, "a ServerProcess that started has its URL"
+        asyncio.run(_drive(url, WARMUP, 0))
         for c in concurrency:
-            state = _state(srv.url)
+            state = _state(url)
             before, cpu_before = _hops(state), process_cpu_s(srv.proc.pid, state)
             meter_before = {k: state.get(k, 0) for k in METER_COUNTERS}
-            summary = asyncio.run(_drive(srv.url, work, c))
+            summary = asyncio.run(_drive(url, work, c))
             if summary["failed"] or summary["wrong_length_requests"]:
                 raise RuntimeError(f"served run failed: {json.dumps(summary['errors'])}\n{srv.output}")
-            state = _state(srv.url)
+            state = _state(url)
             hops = {k: v - before.get(k, 0) for k, v in _hops(state).items()}
             cpu = {k: v - cpu_before.get(k, 0.0) for k, v in process_cpu_s(srv.proc.pid, state).items()}
             meter = meter_figures({k: state.get(k, 0) - meter_before[k] for k in METER_COUNTERS})
@@ -255,7 +257,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for figure in ("host_ms_per_decode_step", "device_idle", "gc_pause_s", "api_gc_pause_s"):
             values = [r.get(figure) for r in runs if r["mode"] == mode and r.get("concurrency") == c]
             row[figure] = _median([v for v in values if v is not None])
-        if mode != "offline":
+        if mode != "offline" and first_layout is not None:  # (there is a layout when a mode is not offline)
             off = [x / o for k in rounds if (x := rate(mode, c, k)) and (o := rate("offline", None, k))]
             row["served_over_offline"] = _median(off) if c == 0 else None
             base = [x / b for k in rounds if (x := rate(mode, c, k)) and (b := rate(first_layout, c, k))]

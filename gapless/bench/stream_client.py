@@ -127,7 +127,7 @@ def stats(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
     if not values:
         return dict.fromkeys(keys)
     a = np.asarray(values, dtype=np.float64) * scale
-    out = dict(mean=float(a.mean()), std=float(a.std()))
+    out: dict[str, float | None] = dict(mean=float(a.mean()), std=float(a.std()))
     out.update({f"p{p}": float(v) for p, v in zip(PERCENTILES, np.percentile(a, PERCENTILES))})
     return out
 
@@ -151,10 +151,10 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]
         input_throughput=per_s(input_tokens),
         output_throughput=per_s(output_tokens),
         total_token_throughput=per_s(input_tokens + output_tokens),
-        ttft_ms=stats([r.ttft_s for r in ok], 1e3),
+        ttft_ms=stats([r.ttft_s for r in ok if r.ttft_s is not None], 1e3),
         itl_ms=stats([x for r in ok for x in r.itl_s], 1e3),
         tpot_ms=stats([r.tpot_s for r in ok if r.tpot_s is not None], 1e3),
-        e2e_ms=stats([r.e2e_s for r in ok], 1e3),
+        e2e_ms=stats([r.e2e_s for r in ok if r.e2e_s is not None], 1e3),
         errors=dict(Counter(r.error for r in failed).most_common()),
     )
 

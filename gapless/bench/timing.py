@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -65,7 +66,7 @@ def cold_copies(nbytes: int, device: torch.device) -> int:
     return max(1, -(-4 * l2 // max(nbytes, 1)))
 
 
-def cycling(fns: list[Callable[[], object]]) -> Callable[[], object]:
+def cycling(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
     """A callable that runs `fns` in turn, one per call (a captured graph records the sequence)."""
     turn = [0]
 
@@ -85,5 +86,5 @@ def copy_tb_s(nbytes: int, device: torch.device, args: argparse.Namespace) -> fl
         )
         for _ in range(cold_copies(2 * nbytes, device))
     ]
-    copy = cycling([lambda src=src, dst=dst: dst.copy_(src) for src, dst in pairs])
+    copy = cycling([partial(dst.copy_, src) for src, dst in pairs])
     return 2 * nbytes / median_us(copy, device, args) / 1e6

@@ -158,7 +158,7 @@ def decode_batch(
 # every field of a `ForwardBatch` that has a default (what rides with a batch only sometimes), with it:
 # a batch that carries none of them is a plain decode's, whatever fields are added later
 _OPTIONAL_FIELDS = [
-    (f, f.default_factory() if f.default is MISSING else f.default)  # type: ignore[misc]
+    (f, f.default if f.default_factory is MISSING else f.default_factory())
     for f in fields(ForwardBatch)
     if f.default is not MISSING or f.default_factory is not MISSING
 ]
@@ -177,7 +177,7 @@ def plain_decode_buffer(batch: ForwardBatch) -> torch.Tensor | None:
     storage = rows.untyped_storage()
     if rows.device.type != "cpu" or rows.storage_offset() != 0 or storage.nbytes() != DECODE_VECTORS * n * 8:
         return None
-    buf = torch.empty(0, dtype=torch.int64).set_(storage, 0, (DECODE_VECTORS, n))
+    buf = torch.empty(0, dtype=torch.int64).set_(storage, 0, (DECODE_VECTORS, n), (n, 1))
     if batch.sample_steps.data_ptr() != buf[DECODE_VECTORS - 1].data_ptr():  # not decode_batch's layout
         return None
     return buf

@@ -39,13 +39,16 @@ def chat_text(
             "the model's tokenizer has no chat template, so it cannot render chat messages: prompt it with "
             "plain text (LLM.generate, /v1/completions) or pass a chat_template"
         )
-    return tokenizer.apply_chat_template(
+    text = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         add_generation_prompt=add_generation_prompt,
         chat_template=chat_template,
         tokenize=False,
         **dict(chat_template_kwargs or {}),
     )
+    if not isinstance(text, str):  # tokenize=False renders one conversation to its text
+        raise TypeError(f"the chat template rendered {type(text).__name__}, not the prompt text")
+    return text
 
 
 class RenderedChat(NamedTuple):

@@ -176,12 +176,14 @@ class GraphRunner:
         the final hidden states land in `self.hidden[:n]`."""
         rows, positions, out_slots = self.rows[:n], self.positions[:n], self.out_slots[:n]
         self.req_table.apply_writes(rows, positions, out_slots)
+        table = self.req_table.device_table
+        assert table is not None, "a graph runner's request table lives on its device"
         meta = AttentionMetadata(
             rows=rows,
             prefix_lens=positions,  # a decode token's position is the number of tokens before it
             extend_lens=self.extend_lens[:n],
             q_start=self.q_start[:n],
-            req_table=self.req_table.device_table,
+            req_table=table,
             max_extend_len=1,
             max_seq_len=self.req_table.max_context,
             is_decode=True,
@@ -196,12 +198,14 @@ class GraphRunner:
         rows, prefix_lens, extend_lens = self.verify_reqs[:, :n].unbind(0)
         ids, positions, out_slots, token_rows = self.verify_tokens[:, : n * w].unbind(0)
         self.req_table.apply_writes(token_rows, positions, out_slots)
+        table = self.req_table.device_table
+        assert table is not None, "a graph runner's request table lives on its device"
         meta = AttentionMetadata(
             rows=rows,
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             q_start=self.q_start[:n] * w,
-            req_table=self.req_table.device_table,
+            req_table=table,
             max_extend_len=w,
             max_seq_len=self.req_table.max_context,
             is_decode=False,

@@ -64,7 +64,15 @@ MAX_PENDING_TOKENS = 8
 class TokenDecoder(Protocol):
     """What the detokenizer needs of a tokenizer (a Hugging Face tokenizer is one)."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    # transformers declares `str | list[str]` (a list for a batch of id lists); one id list decodes to a str
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
+def _text(decoded: str | list[str]) -> str:
+    """The text of one id list's decode (`TokenDecoder.decode` of a flat list is a str)."""
+    if not isinstance(decoded, str):
+        raise TypeError(f"decoding one list of token ids gave {type(decoded).__name__}, not str")
+    return decoded
 
 
 class Decoder:
@@ -100,12 +108,12 @@ class Decoder:
     def one(self, ids: list[int], skip_special_tokens: bool) -> str:
         if self.backend is not None:
             return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _text(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def many(self, seqs: list[list[int]], skip_special_tokens: bool) -> list[str]:
         if self.backend is not None:
             return self.backend.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
-        return [self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in seqs]
+        return [_text(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)) for ids in seqs]
 
 
 def _rust_decoder(tokenizer: TokenDecoder) -> Any:
@@ -115,10 +123,11 @@ def _rust_decoder(tokenizer: TokenDecoder) -> Any:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     except ImportError:
         return None
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        return None
     cls = type(tokenizer)
     if not (
-        isinstance(tokenizer, PreTrainedTokenizerFast)
-        and cls.decode is PreTrainedTokenizerBase.decode
+        cls.decode is PreTrainedTokenizerBase.decode
         and cls._decode is PreTrainedTokenizerFast._decode
         and not tokenizer.clean_up_tokenization_spaces
     ):

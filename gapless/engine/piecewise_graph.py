@@ -31,13 +31,15 @@ import bisect
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 
 from gapless.attention.base import AttentionBackend, AttentionMetadata
 from gapless.engine.batch import ForwardBatch
 from gapless.memory.kv_pool import KVPool
-from gapless.model.decoder import CausalLM, ForwardContext
+from gapless.model.decoder import CausalLM, DecoderLayer, ForwardContext
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,8 @@ class PiecewiseGraphs:
         self.buckets = token_buckets(max_tokens)
         self.max_tokens = max_tokens
         self.model, self.kv_pool, self.backend = model, kv_pool, backend
-        self.layers = model.model.layers
+        # nn.ModuleList is not generic: its items type as nn.Module, though the body holds DecoderLayers
+        self.layers = cast("Sequence[DecoderLayer]", model.model.layers)
         cfg = model.cfg
         self.device = dev = kv_pool.device
         # per token: input id, position, KV slot; zeros are what a padded token holds

@@ -278,6 +278,14 @@ class ModelRunner:
             input_ids, ForwardContext.prepared(positions, out_slots, self.kv_pool, self.backend, meta)
         )
 
+    def _eager_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The input ids of `batch` outside a decode graph (a decode's are its rows' future-token slots)
+        and its attention metadata over the device's request table."""
+        table = self.req_table.device_table
+        assert table is not None, "the runner's request table lives on its device"
+        input_ids = self.token_buf[batch.rows] if batch.is_decode else batch.input_ids
+        return input_ids, batch.attention_metadata(table)
+
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Apply the batch's table writes and run the decoder (through the decode graphs or the prefill
@@ -293,15 +301,14 @@ class ModelRunner:
             hidden = graphs.run(batch, self.forward_tokens, self._graph_sampling(batch))
             if draft is None:
                 return hidden
+            input_ids, meta = self._eager_inputs(batch)
         else:
             table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
-        meta = batch.attention_metadata(table.device_table)
-        # a decode's inputs are its rows' future-token slots
-        input_ids = self.token_buf[batch.rows] if batch.is_decode else batch.input_ids
-        if graphs is None and self.piecewise is not None and self.piecewise.can_run(batch):
-            hidden = self.piecewise.run(batch, meta)
-        elif graphs is None:
-            hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
+            input_ids, meta = self._eager_inputs(batch)
+            if self.piecewise is not None and self.piecewise.can_run(batch):
+                hidden = self.piecewise.run(batch, meta)
+            else:
+                hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
         if draft is not None:  # the draft sees what the target sees (eagerly, after a graph too)
             draft.mirror(input_ids, batch.positions, batch.out_slots, meta)
         return hidden

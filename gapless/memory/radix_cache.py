@@ -138,7 +138,9 @@ class RadixCache:
                 self._protected_size += len(node.key)
                 self._leaves.discard(node)
             node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+            parent = node.parent
+            assert parent is not None, "an attached node's parents lead to the root"
+            node = parent
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one ``lock(node)``; RuntimeError if that would take a lock count below zero."""
@@ -154,7 +156,9 @@ class RadixCache:
                 self._protected_size -= len(node.key)
                 if not node.children:
                     self._add_leaf(node)
-            node = node.parent  # type: ignore[assignment]
+            parent = node.parent
+            assert parent is not None, "an attached node's parents lead to the root"
+            node = parent
 
     # ---- eviction ----
 

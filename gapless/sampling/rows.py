@@ -44,16 +44,27 @@ def row_values(p: SamplingParams, seed: int, k_off: int) -> tuple[list[float], l
     A greedy row carries temperature 0 and neutral filter settings, so the device can tell it apart
     without another value and its settings never switch a stage on; `k_off` is the top_k that means
     "disabled" (the vocabulary size), so a top_k at or above it forces no sort."""
-    penalties = [p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+    temperature, top_p, top_k, min_p, repetition = (
+        p.temperature,
+        p.top_p,
+        p.top_k,
+        p.min_p,
+        p.repetition_penalty,
+    )
+    if temperature is None or top_p is None or top_k is None or min_p is None or repetition is None:
+        raise ValueError(
+            f"row_values takes resolved SamplingParams (SamplingParams.resolved); unset: {p.unset}"
+        )
+    penalties = [repetition, p.presence_penalty, p.frequency_penalty]
     penalised = p.has_penalties
     extra = [p.logit_bias is not None, p.structured is not None or p.min_tokens > 0]
     if p.greedy:
         floats, k = [0.0, 1.0, 0.0, *penalties], k_off
         stages = [True, False, False, False, penalised, *extra]
     else:
-        floats = [p.temperature, p.top_p, p.min_p, *penalties]
-        k = k_off if p.top_k == -1 else min(p.top_k, k_off)
-        stages = [False, k < k_off, p.top_p < 1.0, p.min_p > 0.0, penalised, *extra]
+        floats = [temperature, top_p, min_p, *penalties]
+        k = k_off if top_k == -1 else min(top_k, k_off)
+        stages = [False, k < k_off, top_p < 1.0, min_p > 0.0, penalised, *extra]
     return floats, [k, as_int64(seed), int(penalised)], stages
 
 

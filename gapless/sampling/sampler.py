@@ -186,7 +186,7 @@ class SamplingBatch(SampleFlags):
         return self.temperature.shape[0]
 
     @classmethod
-    def of(
+    def from_values(
         cls,
         floats: torch.Tensor,
         ints: torch.Tensor,
@@ -239,7 +239,7 @@ class SamplingBatch(SampleFlags):
         ints = to_device(torch.cat([ints, values.rows[None]]), device)
         floats = to_device(values.floats, device)
         flags = SampleFlags.of(stages, logprobs, values.ints[0].numpy())
-        return cls.of(floats, ints[:3], ints[3], ints[4], flags)
+        return cls.from_values(floats, ints[:3], ints[3], ints[4], flags)
 
 
 # the sampler's whole draw as kernels (`gapless.sampling.triton_sample` through `gapless.sampling.fused`)
@@ -305,24 +305,25 @@ class Sampler:
         """Keep the sampling values of requests entering `values.rows` (on this device)."""
         self.row_floats[:, values.rows] = values.floats
         self.row_ints[:, values.rows] = values.ints
-        if values.logit_bias and self.logit_bias is None:
-            self.logit_bias = torch.zeros(
+        table = self.logit_bias
+        if values.logit_bias and table is None:
+            table = self.logit_bias = torch.zeros(
                 self.max_rows, self.vocab_size, dtype=torch.float32, device=self.device
             )
-        if self.logit_bias is not None:  # a row's bias is its own request's, or none
-            self.logit_bias.index_fill_(0, values.rows, 0.0)
-        if values.logit_bias:
+        if table is not None:  # a row's bias is its own request's, or none
+            table.index_fill_(0, values.rows, 0.0)
+        if values.logit_bias and table is not None:
             entries = [
                 (r, t, b) for r, bias in values.logit_bias for t, b in bias.items() if t < self.vocab_size
             ]
             rows, toks, vals = zip(*entries) if entries else ((), (), ())
             index = to_device(torch.tensor([rows, toks], dtype=torch.int64).reshape(2, -1), self.device)
             vals_t = to_device(torch.tensor(vals, dtype=torch.float32), self.device)
-            self.logit_bias.index_put_((index[0], index[1]), vals_t)  # type: ignore[union-attr]
+            table.index_put_((index[0], index[1]), vals_t)
 
     def batch(self, rows: torch.Tensor, steps: torch.Tensor, flags: SampleFlags) -> SamplingBatch:
         """The `SamplingBatch` of `rows` (each at output step `steps`), gathered from the per-row state."""
-        return SamplingBatch.of(self.row_floats[:, rows], self.row_ints[:, rows], steps, rows, flags)
+        return SamplingBatch.from_values(self.row_floats[:, rows], self.row_ints[:, rows], steps, rows, flags)
 
     def reset(self) -> None:
         """Every row's values and penalty state as new (after memory-measuring dummies used them)."""

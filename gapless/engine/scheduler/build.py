@@ -85,7 +85,7 @@ def pack_groups(*groups: tuple) -> Iterator[Any]:
     """Named groups of 1-D int64 tensors, each rebuilt (same type, same order) with every vector a view of
     one new buffer (`gapless.tensors.packed`): the batch moves in one copy."""
     views = iter(packed(*chain.from_iterable(groups)))
-    return (type(g)._make(next(views) for _ in g) for g in groups)  # type: ignore[attr-defined]
+    return (type(g)._make(next(views) for _ in g) for g in groups)  # type: ignore[attr-defined]  # groups are NamedTuples: `tuple` has no _make
 
 
 class BatchBuilder:
@@ -199,7 +199,7 @@ class BatchBuilder:
         stages each row needs."""
         values, stages, logprobs = RowParams.build(
             [r.params for r in admitted],
-            [r.row for r in admitted],  # type: ignore[misc]
+            [r.row for r in admitted],  # type: ignore[misc]  # admitted requests hold rows (KVManager.admit)
             [r.seed for r in admitted],
             self.vocab_size,
         )

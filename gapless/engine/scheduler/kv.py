@@ -130,6 +130,7 @@ class KVManager:
 
     def alloc_extend(self, req: Req, n: int) -> torch.Tensor:
         """Slots for positions [kv_len, kv_len + n) of `req`, written to its row's host mirror."""
+        assert req.row is not None, "an extend of a request without a row"
         start, ps = req.kv_len, self.page_size
         parts = []
         in_page = min(n, (-start) % ps)  # room left in the request's last, partly filled page
@@ -225,6 +226,7 @@ class KVManager:
             # the tree may hold other slots for this span (another request inserted it first): read those
             new = prefix[req.cached_len : cached_len]
             if not torch.equal(new, held.slots[req.cached_len : cached_len]):
+                assert req.row is not None  # `_held` checked it
                 self._write_table(req.row, req.cached_len, new)
         if self.window is not None and req.row is not None:
             self.window.shared(req.row, req.cached_len, cached_len)

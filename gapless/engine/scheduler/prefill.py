@@ -59,7 +59,9 @@ class PrefillPlanner:
         q = self.queues
         if q.chunked is None and not self._may_admit():
             return None
-        plan = ExtendPlan(self.cfg.chunked_prefill_size, self.reserve.total(q.running))
+        budget = self.cfg.chunked_prefill_size
+        assert budget is not None, "the engine sets the prefill budget (its device's) before scheduling"
+        plan = ExtendPlan(budget, self.reserve.total(q.running))
         if q.chunked is not None:
             self._continue_chunked(plan, q.chunked)
         if q.chunked is None and not plan.entries:

@@ -38,7 +38,7 @@ class ResultProcessor:
             chunks = [(r, kv) for r, s, kv in zip(batch.reqs, batch.samples_token, batch.kv_after) if not s]
         touched: list[Req] = []
         touch, finished = touched.append, ReqStatus.FINISHED  # (locals: this loop runs per token)
-        logprobs, max_context = samples.logprobs is not None, self.max_context
+        logprobs, top, max_context = samples.logprobs, samples.top, self.max_context
         for i, (req, tok) in enumerate(zip(reqs, samples.tokens, strict=True)):
             req.inflight -= 1
             if req.status is finished:
@@ -48,9 +48,9 @@ class ResultProcessor:
             out, p = req.output_ids, req.params
             out.append(tok)
             touch(req)
-            if logprobs and p.logprobs is not None:
-                req.output_logprobs.append(samples.logprobs[i])  # type: ignore[index]
-                req.output_top_logprobs.append(samples.top[i][: p.logprobs])  # type: ignore[index]
+            if logprobs is not None and top is not None and p.logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
+                req.output_top_logprobs.append(top[i][: p.logprobs])
             # the common case costs four comparisons: no stop string, no stop token, below both limits
             n = len(out)
             if p.stop or tok in req.stop_ids or n >= p.max_tokens or n + len(req.prompt_ids) >= max_context:

@@ -45,9 +45,9 @@ class VerifyResultProcessor(ResultProcessor):
             tok = tokens[j]
             out.append(tok)
             self.stats.generated_tokens += 1
-            if samples.logprobs is not None and p.logprobs is not None:
+            if samples.logprobs is not None and samples.top is not None and p.logprobs is not None:
                 req.output_logprobs.append(samples.logprobs[j])
-                req.output_top_logprobs.append(samples.top[j][: p.logprobs])  # type: ignore[index]
+                req.output_top_logprobs.append(samples.top[j][: p.logprobs])
             n = len(out)
             if (
                 p.stop

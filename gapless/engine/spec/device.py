@@ -53,6 +53,8 @@ class SpecState:
             return batch
         if batch.table_writes is not None:  # the slots taken for this step, read just below
             req_table.apply_writes(*batch.table_writes)
+        table = req_table.device_table
+        assert table is not None, "a verify reads the request table on its device"
         kv_lens = self.kv_lens[batch.rows]
         positions = kv_lens[spec.batch_index] + spec.offsets
         input_ids = token_buf[batch.token_rows]
@@ -64,7 +66,7 @@ class SpecState:
             batch,
             input_ids=input_ids,
             positions=positions,
-            out_slots=req_table.device_table[batch.token_rows, positions].long(),
+            out_slots=table[batch.token_rows, positions].long(),
             prefix_lens=kv_lens,
             sample_steps=positions + 1 - self.prompt_lens[batch.token_rows],
             table_writes=None,

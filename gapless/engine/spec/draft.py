@@ -142,13 +142,15 @@ class DraftModel:
         ones = torch.ones(b, dtype=torch.int64, device=rows.device)
         q_start = torch.arange(b, dtype=torch.int64, device=rows.device)
         token, out = first, []
+        device_table = table.device_table
+        assert device_table is not None, "the draft's request table lives on its device"
         for i in range(k):
             live = num_drafts > i
             positions = torch.where(live, starts + i, 0)
-            slots = torch.where(live, table.device_table[rows, positions].long(), 0)
+            slots = torch.where(live, device_table[rows, positions].long(), 0)
             # max_seq_len bounds every row's length (the host knows no row's own): a capacity, `static`
             meta = AttentionMetadata(
-                rows, positions, ones, q_start, table.device_table, 1, max_seq_len, True, static=True
+                rows, positions, ones, q_start, device_table, 1, max_seq_len, True, static=True
             )
             hidden = self.forward(token, positions, slots, meta)
             token = self.model.logits(hidden)[:, : self.vocab].argmax(dim=-1)

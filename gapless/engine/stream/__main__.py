@@ -13,6 +13,7 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from typing import Protocol
 
 import torch
 
@@ -22,7 +23,16 @@ from gapless.engine.stream.chaos import device_side, make_runner
 from gapless.engine.stream.inline import InlineStream
 
 
-def _device_main(conn: Connection, cfg: EngineConfig, threads: int | None, cpus: set[int] | None) -> None:
+class HostPipe(Protocol):
+    """What the device loop needs of its pipe to the host: a `Connection`, or rank 0's broadcasting one
+    (`gapless.engine.tp.worker`)."""
+
+    def recv_bytes(self) -> bytes: ...
+
+    def send_bytes(self, data: bytes, /) -> None: ...
+
+
+def _device_main(conn: HostPipe, cfg: EngineConfig, threads: int | None, cpus: set[int] | None) -> None:
     """The device process: builds the runner, then runs jobs from the pipe until told to stop."""
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -48,7 +58,7 @@ def _device_main(conn: Connection, cfg: EngineConfig, threads: int | None, cpus:
                 return
 
 
-def _send_error(conn: Connection, e: BaseException) -> None:
+def _send_error(conn: HostPipe, e: BaseException) -> None:
     """Hand the exception itself to the host (re-raised there), with the device-side traceback."""
     tb = traceback.format_exc()
     try:

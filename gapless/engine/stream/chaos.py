@@ -21,7 +21,7 @@ import time
 import torch
 
 from gapless.config import EngineConfig
-from gapless.engine.batch import ForwardBatch
+from gapless.engine.batch import DeviceJob, ForwardBatch
 from gapless.engine.runner import ModelRunner
 from gapless.engine.stream.base import DeviceStream, JobResult, Pending
 
@@ -56,7 +56,7 @@ class ChaosStream:
         self.stream, self.chaos = stream, Chaos(seed)
         self.info, self.asynchronous = stream.info, stream.asynchronous
 
-    def submit(self, batch: ForwardBatch) -> Pending:
+    def submit(self, batch: DeviceJob) -> Pending:
         self.chaos.delay()
         return _ChaosPending(self.stream.submit(batch), self.chaos)
 

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from gapless.engine.batch import ForwardBatch, HostSamples
+from gapless.engine.batch import DeviceJob, HostSamples
 from gapless.engine.runner import ModelRunner
 from gapless.engine.stream.base import JobResult, JobTiming, Pending
 from gapless.sampling.sampler import SampleOutput
@@ -46,7 +46,7 @@ class CudaStream:
         self.schedule_stream = torch.cuda.current_stream(runner.device)
         self.forward_stream = torch.cuda.Stream(runner.device)
 
-    def submit(self, batch: ForwardBatch) -> Pending:
+    def submit(self, batch: DeviceJob) -> Pending:
         submit = time.perf_counter()
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.forward_stream):

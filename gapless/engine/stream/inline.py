@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from gapless.engine.batch import ForwardBatch, HostSamples
+from gapless.engine.batch import DeviceJob, HostSamples
 from gapless.engine.runner import ModelRunner
 from gapless.engine.stream.base import Done, JobTiming, Pending
 
@@ -20,7 +20,7 @@ class InlineStream:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner, self.info = runner, runner.info
 
-    def submit(self, batch: ForwardBatch) -> Pending:
+    def submit(self, batch: DeviceJob) -> Pending:
         start = time.perf_counter()
         samples = HostSamples.from_tensors(self.runner.run(batch))
         return Done(samples, JobTiming(start, start, time.perf_counter()))

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from gapless.config import EngineConfig
-from gapless.engine.batch import ForwardBatch, HostSamples, decode_from_bytes, plain_decode_buffer
+from gapless.engine.batch import DeviceJob, ForwardBatch, HostSamples, decode_from_bytes, plain_decode_buffer
 from gapless.engine.stream.base import JobResult, JobTiming, Pending
 from gapless.tensors import dumps
 
@@ -103,13 +103,12 @@ class _DecodeOnWire:
         return decode_from_bytes, self.args
 
 
-def _job_message(job_id: int, batch: ForwardBatch) -> bytes:
+def _job_message(job_id: int, batch: DeviceJob) -> bytes:
     """The pipe's message for a job: a plain decode (nearly every step) as `_DecodeOnWire`, which costs a
     fraction of pickling its dataclass of tensor views; anything else through `gapless.tensors.dumps`."""
-    buf = plain_decode_buffer(batch) if isinstance(batch, ForwardBatch) else None
-    if buf is None:
-        return dumps(("run", job_id, batch))
-    return pickle.dumps(("run", job_id, _DecodeOnWire(buf, batch)), protocol=pickle.HIGHEST_PROTOCOL)
+    if isinstance(batch, ForwardBatch) and (buf := plain_decode_buffer(batch)) is not None:
+        return pickle.dumps(("run", job_id, _DecodeOnWire(buf, batch)), protocol=pickle.HIGHEST_PROTOCOL)
+    return dumps(("run", job_id, batch))
 
 
 class _ProcessPending:
@@ -152,9 +151,16 @@ class ProcessStream:
             threads = min(threads or len(device_cpus), len(device_cpus))
         return start_module("gapless.engine.stream", (cfg, threads, device_cpus))
 
+    @property
+    def _pipe(self) -> Connection:
+        """The connection to the device process (set with it, in `__init__`)."""
+        if self.conn is None:
+            raise RuntimeError("the device process was never started")
+        return self.conn
+
     def _recv(self) -> tuple:
         try:
-            msg = pickle.loads(self.conn.recv_bytes())
+            msg = pickle.loads(self._pipe.recv_bytes())
         except (EOFError, OSError) as e:
             raise RuntimeError(f"device process died (exit code {self._exit_code()})") from e
         if msg[0] == "error":
@@ -165,11 +171,11 @@ class ProcessStream:
             raise exc
         return msg
 
-    def submit(self, batch: ForwardBatch) -> Pending:
+    def submit(self, batch: DeviceJob) -> Pending:
         job_id = self._next_id
         self._next_id += 1
         try:
-            self.conn.send_bytes(_job_message(job_id, batch))
+            self._pipe.send_bytes(_job_message(job_id, batch))
         except OSError as e:
             raise RuntimeError(f"device process died (exit code {self._exit_code()})") from e
         return _ProcessPending(self, job_id, time.perf_counter())
@@ -196,7 +202,7 @@ class ProcessStream:
     def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(OSError):
-                self.conn.send_bytes(pickle.dumps(("stop",)))
+                self._pipe.send_bytes(pickle.dumps(("stop",)))
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

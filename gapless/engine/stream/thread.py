@@ -7,7 +7,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from gapless.engine.batch import ForwardBatch
+from gapless.engine.batch import DeviceJob
 from gapless.engine.stream.base import DeviceStream, JobResult, JobTiming, Pending
 
 
@@ -29,7 +29,7 @@ class ThreadStream:
 
     def __init__(self, jobs: DeviceStream) -> None:
         self.jobs, self.info = jobs, jobs.info
-        self._queue: queue.SimpleQueue[tuple[ForwardBatch, Future] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[DeviceJob, Future] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="gapless-device", daemon=True)
         self.thread.start()
 
@@ -41,7 +41,7 @@ class ThreadStream:
             except BaseException as e:  # noqa: BLE001 - handed to the host through the future
                 fut.set_exception(e)
 
-    def submit(self, batch: ForwardBatch) -> Pending:
+    def submit(self, batch: DeviceJob) -> Pending:
         fut: Future[JobResult] = Future()
         self._queue.put((batch, fut))
         return _FuturePending(fut, time.perf_counter())

@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import subprocess
+import sys
 import time
 from multiprocessing.connection import Connection, wait
 
@@ -71,7 +72,8 @@ class LocalRanks:
                 msg = pickle.loads(conn.recv_bytes())
                 if msg[0] == "error":
                     err = RankFailed(f"tensor-parallel rank {rank} failed: {msg[1]!r}")
-                    err.add_note(f"raised in rank {rank}:\n{msg[2]}")
+                    if sys.version_info >= (3, 11):  # notes are Python 3.11's
+                        err.add_note(f"raised in rank {rank}:\n{msg[2]}")
                     return err
         code = None
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -89,7 +91,7 @@ class LocalRanks:
                     raise self.failure(i)
             ready = wait([self.conns[i] for i in watched], timeout=max(0.0, min(0.1, end - time.monotonic())))
             if ready:
-                raise self.failure(self.conns.index(ready[0]))
+                raise self.failure(next(i for i in watched if self.conns[i] is ready[0]))
             if time.monotonic() >= end:
                 return
 

@@ -44,17 +44,19 @@ class TPStream(ProcessStream):
             raise
 
     def _recv_from_rank0(self) -> tuple:
-        self.ranks.wait_for(0)
+        ranks = self.ranks
+        assert ranks is not None, "the ranks start (`_start`) before anything is received"
+        ranks.wait_for(0)
         try:
             return super()._recv()
         except CollectiveError:
             # a failed collective on rank 0: another rank that died, or hung, is the cause to name
-            self.ranks.check(skip=0, grace=2.0)
-            self.ranks.blame_hung()
+            ranks.check(skip=0, grace=2.0)
+            ranks.blame_hung()
             raise
         except RuntimeError as e:
             if isinstance(e.__cause__, (EOFError, OSError)):  # rank 0 itself is gone, saying nothing
-                raise self.ranks.failure(0) from e
+                raise ranks.failure(0) from e
             raise
 
     def _stop(self) -> None:

@@ -99,7 +99,7 @@ def run_rank(conn: Connection, cfg: EngineConfig, spec: RankSpec) -> None:
     parallel.use(group)
     threading.Thread(target=_heartbeat, args=(group, spec.rank), name="heartbeat", daemon=True).start()
     if spec.rank == 0:
-        _device_main(_Broadcasting(conn, group), cfg, None, None)  # type: ignore[arg-type]
+        _device_main(_Broadcasting(conn, group), cfg, None, None)
     else:
         _follow(conn, cfg, group)
 
@@ -112,7 +112,7 @@ def _heartbeat(group: parallel.TPGroup, rank: int, every: float = 0.5) -> None:
     with contextlib.suppress(Exception):  # the store is gone: the group is over
         while True:
             beat += 1
-            group.store.set(f"beat/{rank}", str(beat))  # type: ignore[attr-defined]
+            group.store.set(f"beat/{rank}", str(beat))
             time.sleep(every)
 
 
