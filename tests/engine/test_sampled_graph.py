@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gapless import LLM, SamplingParams
-from gapless.engine.batch import decode_batch
+from gapless.engine.batch import DecodeVectors, decode_batch
 from gapless.engine.cuda_graph import GREEDY, SAMPLED_SHAPES, TEMPERATURE
 from gapless.sampling.rows import SampleFlags
 from gapless.testing.hf_reference import make_prompts
@@ -116,7 +116,7 @@ def test_sampling_shape(path):
         assert graphs.sampled_max_bs == GRAPH_BS
 
         def shape(n: int, flags: SampleFlags):
-            vectors = [torch.arange(n)] * 6
+            vectors = DecodeVectors(*[torch.arange(n)] * len(DecodeVectors._fields))
             return graphs.sampling_shape(decode_batch(vectors, 16, flags))
 
         filters = SampleFlags(False, True, True, True, True, False, max_top_k=20, max_top_p_k=20)
