@@ -1,0 +1,72 @@
+"""The rounding the quantized CPU layouts take, measured on the default model (SmolLM2-135M-Instruct,
+Q4_1 with a Q8_0 embedding table): perplexity of a fixed text, and greedy agreement over 64 new tokens
+of a few prompts, kept-quantized against the same file dequantized to float32. Run as
+
+    PYTHONPATH=. .venv/bin/python bench/results/gguf_cpu/quality.py [FILE.gguf]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from gapless import LLM, SamplingParams
+from gapless.default_model.smollm2 import smollm2_path
+
+TEXT = (
+    "The river starts in the hills above the town, where snow melts in spring and runs down through the "
+    "pine woods into a narrow valley. For most of the year it is shallow enough to cross on foot, but "
+    "after heavy rain it rises quickly and has flooded the lower streets more than once. The old stone "
+    "bridge was built in the eighteenth century by the owners of the mill, who needed a way to bring "
+    "grain from the farms on the far bank. Today the mill is a museum, and the bridge carries only "
+    "walkers and cyclists. In the summer, children swim in the pool below the weir, and anglers wait "
+    "along the banks for trout. The town council has argued for years about whether to build a second "
+    "bridge for cars, since the nearest crossing is twelve kilometres downstream. Supporters say it "
+    "would bring trade and shorten journeys to the hospital; opponents fear more traffic, noise and "
+    "the loss of the meadow where the market is held each autumn."
+)
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "Explain why the sky is blue in two sentences.",
+    "List three uses of copper:",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "Translate to French: Good morning, how are you?",
+]
+
+
+def run(path: str) -> tuple[float, list[list[int]]]:
+    with LLM(path, device="cpu", dtype="float32", kv_cache_tokens=4096, overlap=False) as llm:
+        ids = llm.tokenizer.encode(TEXT)
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        nll = [-lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:])]
+        greedy = llm.generate(
+            PROMPTS, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )
+    return math.exp(sum(nll) / len(nll)), [o.token_ids for o in greedy]
+
+
+def main() -> None:
+    path = sys.argv[1] if len(sys.argv) > 1 else str(smollm2_path())
+    os.environ["GAPLESS_GGUF_WEIGHTS"] = "dequantize"
+    ppl_f, toks_f = run(path)
+    os.environ["GAPLESS_GGUF_WEIGHTS"] = "quantized"
+    ppl_q, toks_q = run(path)
+    first = [next((i for i, (a, b) in enumerate(zip(q, f)) if a != b), None) for q, f in zip(toks_q, toks_f)]
+    equal = sum(a == b for q, f in zip(toks_q, toks_f) for a, b in zip(q, f))
+    total = sum(len(f) for f in toks_f)
+    print(f"file {path}")
+    print(
+        f"perplexity of the fixed text ({len(TEXT)} chars): dequantized f32 {ppl_f:.4f}, kept quantized {ppl_q:.4f}"
+    )
+    print(
+        f"greedy, {len(PROMPTS)} prompts x 64 tokens: prompts identical {first.count(None)}/{len(PROMPTS)}; "
+    )
+    print(f"first divergence step per prompt (None: identical): {first}; positions equal {equal}/{total}")
+
+
+if __name__ == "__main__":
+    main()
