@@ -159,7 +159,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quantized_rows is not None:
-            return self.quantized_rows.lookup(ids)
+            return self.quantized_rows.lookup(ids, self.weight.dtype)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.first

@@ -169,9 +169,9 @@ class Int8Rows:
         q, scale = zip(*(int8_rows(p) for p in parts))
         self.q, self.scale = torch.cat(q), torch.cat(scale)
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` as float32."""
-        return self.q[ids].float() * self.scale[ids].float().unsqueeze(-1)
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` in `dtype` (computed in float32)."""
+        return (self.q[ids].float() * self.scale[ids].float().unsqueeze(-1)).to(dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.q, self.scale]
