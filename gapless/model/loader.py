@@ -22,7 +22,7 @@ from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
-from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, default_weight_loader
+from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
 from gapless.model.quant import gguf_cpu, weights_summary
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 
@@ -146,8 +146,10 @@ def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFB
                     if gguf_cpu.is_int4(parts)
                     else gguf_cpu.Int8LinearMethod(module.quantized_rows, None)
                 )
-        else:
+        elif isinstance(module, (_Linear, ParallelLMHead)):
             module.linear_method = gguf_cpu.linear_method(parts, getattr(module, "bias", None))
+        else:
+            raise ValueError(f"{module_name} ({type(module).__name__}) has no quantized form")
         module.weight.data = module.weight.data.new_empty(0)
 
 
