@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -49,18 +50,13 @@ def main() -> None:
         for rows in (1, 8):
             x = torch.randn(rows, k)
             xb = x.bfloat16()
+            i8, i4 = torch.ops.aten._weight_int8pack_mm, torch.ops.aten._weight_int4pack_mm_for_cpu
             r = {
-                "f32 oneDNN packed": per_call_us(lambda: packed(x)),
-                "int8 f32-act": per_call_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8), 3),
-                "int4 f32-act": per_call_us(
-                    lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p4, 32, sz), 3
-                ),
-                "int8 bf16-act": per_call_us(
-                    lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q8, s8.bfloat16()).float()
-                ),
-                "int4 bf16-act": per_call_us(
-                    lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p4, 32, sz.bfloat16()).float()
-                ),
+                "f32 oneDNN packed": per_call_us(partial(packed, x)),
+                "int8 f32-act": per_call_us(partial(i8, x, q8, s8), 3),
+                "int4 f32-act": per_call_us(partial(i4, x, p4, 32, sz), 3),
+                "int8 bf16-act": per_call_us(partial(i8, xb, q8, s8.bfloat16())),
+                "int4 bf16-act": per_call_us(partial(i4, xb, p4, 32, sz.bfloat16())),
             }
             print(
                 f"{name:8} {n}x{k} rows {rows}: " + ", ".join(f"{key} {v:.0f}" for key, v in r.items()),

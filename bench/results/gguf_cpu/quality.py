@@ -38,34 +38,34 @@ PROMPTS = [
 ]
 
 
-def run(path: str) -> tuple[float, list[list[int]]]:
+def run(path: str) -> tuple[float, list[list[int]], list[list[list[tuple[int, float]]]]]:
     with LLM(path, device="cpu", dtype="float32", kv_cache_tokens=4096, overlap=False) as llm:
         ids = llm.tokenizer.encode(TEXT)
         out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
         nll = [-lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:])]
         greedy = llm.generate(
-            PROMPTS, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), use_tqdm=False
+            PROMPTS,
+            SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=2),
+            use_tqdm=False,
         )
-    return math.exp(sum(nll) / len(nll)), [o.token_ids for o in greedy]
+    top = [o.top_logprobs or [] for o in greedy]
+    return math.exp(sum(nll) / len(nll)), [o.token_ids for o in greedy], top
 
 
 def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else str(smollm2_path())
     os.environ["GAPLESS_GGUF_WEIGHTS"] = "dequantize"
-    ppl_f, toks_f = run(path)
+    ppl_f, toks_f, top_f = run(path)
     os.environ["GAPLESS_GGUF_WEIGHTS"] = "quantized"
-    ppl_q, toks_q = run(path)
+    ppl_q, toks_q, _ = run(path)
     first = [next((i for i, (a, b) in enumerate(zip(q, f)) if a != b), None) for q, f in zip(toks_q, toks_f)]
-    equal = sum(a == b for q, f in zip(toks_q, toks_f) for a, b in zip(q, f))
-    total = sum(len(f) for f in toks_f)
+    # the float model's top-2 logprob gap (= logit gap) where the quantized model first chose otherwise
+    gaps = [None if i is None else round(t[i][0][1] - t[i][1][1], 3) for i, t in zip(first, top_f)]
     print(f"file {path}")
-    print(
-        f"perplexity of the fixed text ({len(TEXT)} chars): dequantized f32 {ppl_f:.4f}, kept quantized {ppl_q:.4f}"
-    )
-    print(
-        f"greedy, {len(PROMPTS)} prompts x 64 tokens: prompts identical {first.count(None)}/{len(PROMPTS)}; "
-    )
-    print(f"first divergence step per prompt (None: identical): {first}; positions equal {equal}/{total}")
+    print(f"perplexity of the fixed text ({len(TEXT)} chars): float32 {ppl_f:.4f}, quantized {ppl_q:.4f}")
+    print(f"greedy, {len(PROMPTS)} prompts x 64 tokens: identical {first.count(None)}/{len(PROMPTS)}")
+    print(f"first divergence step per prompt (None: identical): {first}")
+    print(f"the float model's top-2 logit gap there: {gaps}")
 
 
 if __name__ == "__main__":
