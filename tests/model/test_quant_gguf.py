@@ -208,3 +208,10 @@ def test_a_file_with_a_type_gapless_does_not_read_is_refused_by_name(ckpt_factor
     path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "iq.gguf", "IQ4_NL")
     with pytest.raises(ValueError, match=r"GGUF tensor type IQ4_NL \(e\.g\. .*\) in .* is not supported"):
         load_model_config(path)
+
+
+def test_q8_0_rows_dequantize_as_gguf_does():
+    from gapless.model.quant.gguf_cpu import dequantize_rows
+
+    b = _random_blocks("Q8_0", 24, 256)
+    torch.testing.assert_close(dequantize_rows(b, 3, 20), _dequantized(b)[3:20], rtol=0, atol=0)

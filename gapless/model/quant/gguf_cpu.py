@@ -103,8 +103,14 @@ def int4_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def dequantize_rows(b: GGUFBlocks, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) as float32 (the `gguf` package's dequantization)."""
+    """Rows [start, stop) as float32 (the `gguf` package's dequantization; Q8_0's `q * d` in torch, the
+    same products, several times faster)."""
     from gguf import GGMLQuantizationType, quants
+
+    if b.qtype == "Q8_0":
+        blk = b.data[start:stop].reshape(stop - start, -1, 34)
+        q = torch.from_numpy(np.ascontiguousarray(blk[..., 2:]).view(np.int8))
+        return (q.float() * _f16(blk[..., 0:2])[..., None]).reshape(stop - start, b.cols)
 
     w = quants.dequantize(b.data[start:stop], GGMLQuantizationType[b.qtype])
     return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(stop - start, b.cols))
