@@ -15,7 +15,7 @@ import torch
 from gapless import LLM, SamplingParams
 from gapless.model import loader
 from gapless.model.config import load_model_config
-from gapless.model.quant import weights_held
+from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.gguf_cpu import (
     INT4_TYPES,
     QUANTIZED_TYPES,
@@ -175,11 +175,17 @@ def test_quantized_gguf_greedy_equals_the_dequantized_model(ckpt_factory, tmp_pa
     assert len(ties) <= len(prompts) // 2
 
 
-def test_dequantize_env_keeps_the_float_path(ckpt_factory, tmp_path, monkeypatch):
+def test_dequantize_env_keeps_the_float_path_and_start_up_names_each(ckpt_factory, tmp_path, monkeypatch):
+    """The start-up line (`weights_summary`) names the format and the bytes; dequantized, the same file
+    holds about 6x the bytes (float32 against 5 bits a weight, the embedding and norms aside)."""
     path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "q.gguf", "Q4_1")
+    quantized = loader.load_model(path, torch.float32, torch.device("cpu"))
     monkeypatch.setenv(loader.GGUF_ENV, "dequantize")
-    formats, _ = weights_held(loader.load_model(path, torch.float32, torch.device("cpu")))
-    assert set(formats) == {"float32"}
+    dequantized = loader.load_model(path, torch.float32, torch.device("cpu"))
+    assert set(weights_held(dequantized)[0]) == {"float32"}
+    assert weights_held(quantized)[1] < weights_held(dequantized)[1] / 3
+    line = weights_summary(quantized)
+    assert line.startswith("weights: ") and " MB (" in line and "Q4_1 as int4 g32" in line, line
 
 
 def test_default_model_weights_fit_in_its_file_size():

@@ -38,7 +38,10 @@ PROMPTS = [
 ]
 
 
-def run(path: str) -> tuple[float, list[list[int]], list[list[list[tuple[int, float]]]]]:
+Top = list[list[list[tuple[int, float]]]]  # per prompt, per step, the top (token, logprob) pairs
+
+
+def run(path: str) -> tuple[float, list[list[int]], Top, list[list[float]]]:
     with LLM(path, device="cpu", dtype="float32", kv_cache_tokens=4096, overlap=False) as llm:
         ids = llm.tokenizer.encode(TEXT)
         out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
@@ -49,15 +52,16 @@ def run(path: str) -> tuple[float, list[list[int]], list[list[list[tuple[int, fl
             use_tqdm=False,
         )
     top = [o.top_logprobs or [] for o in greedy]
-    return math.exp(sum(nll) / len(nll)), [o.token_ids for o in greedy], top
+    chosen = [o.logprobs or [] for o in greedy]
+    return math.exp(sum(nll) / len(nll)), [o.token_ids for o in greedy], top, chosen
 
 
 def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else str(smollm2_path())
     os.environ["GAPLESS_GGUF_WEIGHTS"] = "dequantize"
-    ppl_f, toks_f, top_f = run(path)
+    ppl_f, toks_f, top_f, lp_f = run(path)
     os.environ["GAPLESS_GGUF_WEIGHTS"] = "quantized"
-    ppl_q, toks_q, _ = run(path)
+    ppl_q, toks_q, _, lp_q = run(path)
     first = [next((i for i, (a, b) in enumerate(zip(q, f)) if a != b), None) for q, f in zip(toks_q, toks_f)]
     # the float model's top-2 logprob gap (= logit gap) where the quantized model first chose otherwise
     gaps = [None if i is None else round(t[i][0][1] - t[i][1][1], 3) for i, t in zip(first, top_f)]
@@ -66,6 +70,10 @@ def main() -> None:
     print(f"greedy, {len(PROMPTS)} prompts x 64 tokens: identical {first.count(None)}/{len(PROMPTS)}")
     print(f"first divergence step per prompt (None: identical): {first}")
     print(f"the float model's top-2 logit gap there: {gaps}")
+    # how far the quantized model's logprobs move, on the tokens both chose before they diverged
+    moved = [abs(a - b) for q, f, i in zip(lp_q, lp_f, first) for a, b in zip(q[:i], f[:i])]
+    mean = sum(moved) / len(moved)
+    print(f"|logprob change| of the chosen token before divergence: max {max(moved):.3f}, mean {mean:.3f}")
 
 
 if __name__ == "__main__":
