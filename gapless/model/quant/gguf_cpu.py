@@ -138,6 +138,19 @@ def _label(parts: list[GGUFBlocks]) -> str:
     return "+".join(sorted({p.qtype for p in parts}))
 
 
+# the kernels' overloads, looked up once (a decode step calls them ~120 times, and on a CPU each Python-side
+# lookup through `torch.ops` is a visible cost)
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+
+
+def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's bfloat16 result `y` plus the float32 bias, in `dtype`: one op where it can be."""
+    if bias is not None:
+        y = torch.add(bias, y)  # float32
+    return y if y.dtype == dtype else y.to(dtype)
+
+
 class Int4LinearMethod:
     """Weight-only int4 GEMM, groups of 32 (see the module's docstring). `parts`: the matrices whose rows
     the layer's weight stacks (a fused q/k/v or gate/up), each of an int4 type."""
@@ -156,12 +169,12 @@ class Int4LinearMethod:
         self.bias = None if bias is None else bias.detach().float()
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
+        if x.dim() != 2:
+            return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        y = _INT4_MM(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
         if self.padded:
             y = y[:, : self.out_features]
-        y = y.to(x.dtype) if self.bias is None else torch.add(self.bias, y).to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return _finish(y, self.bias, x.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed, self.scales_zeros]
@@ -193,10 +206,9 @@ class Int8LinearMethod:
         self.bias = None if bias is None else bias.detach().float()
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.rows.q, self.rows.scale)
-        y = y.to(x.dtype) if self.bias is None else torch.add(self.bias, y).to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        if x.dim() != 2:
+            return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        return _finish(_INT8_MM(x.to(torch.bfloat16), self.rows.q, self.rows.scale), self.bias, x.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.rows.tensors()
