@@ -140,14 +140,15 @@ def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFB
         if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
             module.quantized_rows = gguf_cpu.Int8Rows(parts)
             head = model.lm_head
-            if head.weight is module.weight:  # tied: an int8 table is the head's weight as it is
+            if head.weight is module.weight:  # tied: the int8 table is the head's weight as it is
                 head.linear_method = (
                     gguf_cpu.Int4LinearMethod(parts, None)
-                    if gguf_cpu.is_int4(parts)
+                    if gguf_cpu.is_int4(parts) and gguf_cpu.int4_for("lm_head")
                     else gguf_cpu.Int8LinearMethod(module.quantized_rows, None)
                 )
         elif isinstance(module, (_Linear, ParallelLMHead)):
-            module.linear_method = gguf_cpu.linear_method(parts, getattr(module, "bias", None))
+            int4 = gguf_cpu.int4_for(module_name)
+            module.linear_method = gguf_cpu.linear_method(parts, getattr(module, "bias", None), int4)
         else:
             raise ValueError(f"{module_name} ({type(module).__name__}) has no quantized form")
         module.weight.data = module.weight.data.new_empty(0)

