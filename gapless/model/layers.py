@@ -175,7 +175,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     cpu_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None  # as `_Linear.cpu_gemm`
     linear_method: LinearMethod = UNQUANTIZED  # as `_Linear.linear_method`
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.linear_method.apply(self, hidden)
         if self.tp.size == 1:
             return logits
