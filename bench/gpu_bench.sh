@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The GPU benchmark of the issue, in one command: nano-vllm's offline workload (256 requests, prompt and
 # output lengths uniform in [100, 1024], ignore_eos, seed 0) on Qwen3-0.6B's shape with random bf16 weights,
-# gapless with overlap on, then off, then transformers batched generate on the first 64 requests, in one
-# process (`python -m gapless.bench.gpu`). Everything goes to $OUT (the device tool copies it back) and to
+# gapless at temperature 0.6 (as nano-vllm's and Mini-SGLang's bench.py sample), greedy, with Qwen3's
+# generation defaults (temperature 0.6, top-k 20, top-p 0.95), greedy without overlap, then transformers
+# batched greedy generate on the first 64 requests, in one process (`python -m gapless.bench.gpu`; each row:
+# tok/s, GPU idle, host and device ms per step, decode bytes read per second against a device copy
+# measured in the same run). Everything goes to $OUT (the device tool copies it back) and to
 # stdout:
 #   gpu_env.log     nvidia-smi, python/torch/triton/transformers versions, the commit
 #   gpu_bench.log   the run's progress, the engine's log lines and the markdown table for the README
 #   gpu_bench.json  every number (rewritten after each run, so a run cut short keeps what finished)
 #   gpu_util.csv    nvidia-smi's utilization.gpu every 200 ms beside the run: a check of the idle fraction
-# Extra arguments go to the benchmark (e.g. --engine-option cuda_graph_max_bs=0, --quick, --skip-hf).
+# Extra arguments go to the benchmark (e.g. --engine-option cuda_graph_max_bs=0, --quick, --skip-hf,
+# --runs sampled greedy).
 #
 #   OUT=/some/dir bash bench/gpu_bench.sh        # on the device: run(command="bash bench/gpu_bench.sh",
 #                                                 #   timeout_s=600); $OUT is set there
@@ -16,7 +20,8 @@
 # Runtime on an H100, estimated (not yet measured): about 4 minutes, at most ~7.
 #   ~10 s   versions, imports
 #   ~10 s   building the 1.2 GB random checkpoint on the CPU (9 s measured on the 2-core dev machine)
-#   2 x gapless: ~10-30 s engine start (weights, a ~31 GiB KV pool for the whole workload, CUDA graphs
+# Measured on an H200 (2026-11-25, greedy runs): ~10 s a gapless run, ~30 s in all before transformers.
+#   4 x gapless: ~10-30 s engine start (weights, a ~31 GiB KV pool for the whole workload, CUDA graphs
 #           when on), ~5 s warm-up (64 requests), and the timed run: 144k output tokens, ~7 s at the
 #           20k tok/s target, ~70 s at 2k tok/s; up to ~2 min each if the engine is much slower than that
 #   transformers: ~10 s load, then one batch of 64 decoding ~1,000 steps at ~25-40 ms: ~30-40 s

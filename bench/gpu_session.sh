@@ -1,153 +1,216 @@
 #!/usr/bin/env bash
-# Every GPU measurement the open issues ask for, in parts that each fit one call of the device tool (at
-# most 10 minutes a command, 30 minutes of device time a session), so a session lent a GPU spends its time
-# measuring, not composing commands. Run from the repository root on the device:
+# Every GPU measurement the open issues ask for, in parts that each fit one call of the device tool in
+# 9 minutes (the tool's limit is 10 minutes a command; a session may be lent ~15 minutes of device time in
+# all), so a session lent a GPU spends its time measuring, not composing commands. From the repository
+# root on the device, after `bash bench/gpu_wheels.sh` here (the server's wheels, carried in .whl/):
 #
-#   run(command="bash bench/gpu_session.sh tests", carry=[".whl"], timeout_s=600)
-#   run(command="bash bench/gpu_session.sh bench", timeout_s=600)        # = bench/gpu_bench.sh
-#   run(command="bash bench/gpu_session.sh serve", carry=[".whl"], timeout_s=600)
-#   run(command="bash bench/gpu_session.sh prefill", timeout_s=600)
-#   run(command="bash bench/gpu_session.sh suite", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/gpu_session.sh all", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/gpu_session.sh suite", carry=[".whl"], timeout_s=600)     # another session
 #
-# Five parts of up to 10 minutes each exceed one session's 30 minutes of device time: take them in this
-# order (the open issues' targets first) and leave `suite` to the next session lent a GPU.
+# Parts:
+#   all     most important first, each step with its own time limit, cut short so that the part ends
+#           within $SESSION_BUDGET_S (default 530 s) even when a step runs to its limit:
+#           1. bench      bench/gpu_bench.sh --skip-hf: nano-vllm's workload at temperature 0.6 (as its
+#                         bench.py samples), greedy, with Qwen3's defaults (t 0.6, top-k 20, top-p 0.95),
+#                         greedy without overlap: tok/s, GPU idle, host and device ms per step, decode
+#                         bytes read per second against a copy measured in the same run
+#           2. kernels    `gapless.bench.kernels`: the fused kernels against torch, decode attention against
+#                         a copy (batch 1, 8, 64, 256; contexts 1k-8k), every sampling mode at 1, 8, 64 and
+#                         256 rows of 151,936 logits, extend attention against a matmul
+#           3. latency    `gapless.bench.latency`: TTFT (512-token prompt) and TPOT at concurrency 1, 4, 16,
+#                         offline and served
+#           4. served     `gapless.bench.served_vs_offline`: the same 256-request workload offline and
+#                         through one API server, and each process's CPU per output token
+#           5. cuda_tests the CUDA tests (tests/engine/test_cuda.py, the fused kernels', the sampler's, the
+#                         attention kernels', every CUDA/Triton/graph case elsewhere), on 4 workers
+#           6. quant      the quantized-checkpoint runs: bench/gpu_quant.sh when it exists (its issue adds
+#                         it), with the time left
+#   suite   the whole test suite on the GPU machine (`pytest -n 8 tests`, cut at 480 s), with a plugin
+#           that names any test leaving the heap frozen (tests/bench/freeze_guard.py); then nothing else
+#   serve   the host step at 256 running requests (`gapless.bench.host`), served vs offline with one and
+#           two API server processes, served on asyncio and h11 (uvloop and httptools hidden), and the
+#           detokenizer per step with the tokenizers library's threads on and off
+#   prefill whether prefill launches cost less than the GPU work they launch (`gapless.bench.prefill_launch`,
+#           fused kernels, piecewise graphs, torch ops), and the host bench at 1,024-token prompts
+#   sweep   the decode and extend kernels' tunings (what `kernels` times at the defaults), for a session
+#           with time to spare
 #
-# Parts (each writes $OUT/<part>/, with env.log: the commit, the device, the versions):
-#   tests   the CUDA tests (tests/engine/test_cuda.py and every CUDA/Triton/graph case elsewhere, and the
-#           fused kernels' tests, which run on the GPU where there is one), then the
-#           kernel microbenchmark (`gapless.bench.kernels`: fused kernels, sampling, decode attention in
-#           TB/s against a copy, extend attention in TFLOP/s against a matmul) and its sweep of the decode
-#           kernel's tunings at batch 256, contexts 1k-8k, page sizes 1 and 16 (issue 11's 80%-of-bandwidth
-#           check) and of the extend kernel's at 2k and 16k tokens
-#   bench   bench/gpu_bench.sh: nano-vllm's workload, overlap on and off, transformers beside it
-#           (issues 10 and 11: tok/s, GPU idle, host and device ms per step)
-#   serve   the host step at 256 running requests (`gapless.bench.host`, issue 10's <= 1.5 ms per decode
-#           step), served vs offline throughput of one workload (`gapless.bench.served_vs_offline`,
-#           >= 0.9: nano-vllm's lengths, 512 requests at once, a small model whose steps are short, with
-#           each server process's CPU per output token and the collector's pauses; one API server
-#           process and two, `--api-server-count`), served again with
-#           uvloop and httptools hidden (asyncio and h11: what they save on this machine), and the
-#           detokenizer per step (`gapless.bench.detokenize`)
-#   prefill whether prefill launches cost less than the GPU work they launch (issue 10 item 2): one
-#           forward's launch time against its GPU work and a CUDA graph's (`gapless.bench.prefill_launch`,
-#           Qwen3-0.6B's shape, 128 to 16,384 tokens: fused kernels, the piecewise prefill graphs up to
-#           512 tokens, torch ops), then the host bench with 1,024-token prompts and one output token,
-#           chunks of 16,384 and 2,048 tokens: host ms per prefill step beside device ms per job
-#   suite   the whole test suite on the GPU machine, 8 workers (pytest-xdist is installed there), with
-#           CUDA present: the parity, overlap and server suites on the device they are meant for; then the
-#           scoring path (`gapless.bench.scoring`)
-# The device has torch, triton and transformers but no package index: `serve` and the server tests need
-# the wheels `bench/gpu_wheels.sh` downloads here into .whl/ (run it first; ~12 MB), carried with
-# carry=[".whl"]; they are installed into /tmp/gapless-site for the part. Each step has its own timeout,
-# so a slow step leaves the later ones their time and everything finished is in $OUT.
+# The device tool returns at most 8 files from $OUT: a part works in $WORK (default
+# ${TMPDIR:-/tmp}/gpu_session/<part>) and leaves in $OUT two files, rewritten after every step so a call
+# cut short still returns what finished: gpu_session_<part>.tar.gz (every log and JSON, env.log with the
+# commit, device and versions, steps.log with each step's limit, exit status and seconds) and
+# gpu_session_<part>.txt (the summary: steps, then each benchmark's table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in tests | bench | serve | prefill | suite) ;; *) sed -n 2,41p "$0"; exit 2 ;; esac
+case "$part" in all | suite | serve | prefill | sweep) ;; *) sed -n 2,44p "$0"; exit 2 ;; esac
 OUT=${OUT:-bench/results/gpu_session}
-dir="$OUT/$part"
-mkdir -p "$dir"
+WORK=${WORK:-${TMPDIR:-/tmp}/gpu_session/$part}
+BUDGET=${SESSION_BUDGET_S:-530}
+GRACE=15  # seconds `timeout` waits after SIGINT before SIGKILL
+PACK=10   # seconds kept for packing at the end
+T0=$SECONDS
+rm -rf "$WORK"
+mkdir -p "$WORK" "$OUT"
 PY=${PY:-python3}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-
-install() {  # $1: a target directory, the rest: wheels
-  local target=$1
-  shift
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$@"
-}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  install /tmp/gapless-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gapless-site"
-fi
 # a directory that hides uvloop and httptools when put first on PYTHONPATH (their import fails, as where
 # they are not installed): for the serve part's run on asyncio and h11
-HIDE=/tmp/gapless-hide
+HIDE=${TMPDIR:-/tmp}/gapless-hide
 mkdir -p "$HIDE"
 for m in uvloop httptools; do echo "raise ImportError('hidden by gpu_session.sh')" >"$HIDE/$m.py"; done
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+# The device has torch, triton and transformers but no package index: the wheels bench/gpu_wheels.sh
+# downloads (carried in .whl/) go into a directory of their own on PYTHONPATH.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  site=${TMPDIR:-/tmp}/gapless-site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    .whl/*.whl >"$WORK/pip.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:$site"
+fi
 
 {
   echo "== date: $(date -u +%FT%TZ)"
   echo "== commit: $(git rev-parse HEAD 2>/dev/null || echo '(no git here)')"
   git status --short 2>/dev/null | head -20
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+  echo "cpus: $(nproc)"
   "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
-  for m in fastapi uvicorn zmq msgspec xgrammar flashinfer; do
-    "$PY" -c "import $m; print('$m', getattr($m, '__version__', 'ok'))" 2>/dev/null || echo "$m: missing"
-  done
-  for m in uvloop httptools; do
-    "$PY" -c "import $m; print('$m', getattr($m, '__version__', 'ok'))" 2>/dev/null || echo "$m: missing"
-  done
-} 2>&1 | tee "$dir/env.log"
+  "$PY" - <<'EOF'
+import importlib
+for m in "fastapi uvicorn zmq msgspec xgrammar jsonschema httpx2 openai uvloop httptools xdist".split():
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "ok"))
+    except Exception as e:  # missing, or broken: either way the steps that need it will say
+        print(f"{m}: missing ({type(e).__name__}: {e})")
+EOF
+} >"$WORK/env.log" 2>&1
 
-step() {  # $1: seconds, $2: log name, the rest: the command
-  local limit=$1 name=$2
-  shift 2
-  echo "== $(date -u +%T) $name: $*" | tee -a "$dir/steps.log"
-  timeout -k 15 -s INT "$limit" "$@" >"$dir/$name.log" 2>&1
-  local rc=$?
-  echo "== $(date -u +%T) $name: exit $rc" | tee -a "$dir/steps.log"
-  tail -5 "$dir/$name.log"
+pack() {  # the tarball and the summary, in $OUT
+  {
+    echo "gpu_session $part: $(( SECONDS - T0 )) s; commit $(git rev-parse --short HEAD 2>/dev/null)"
+    grep -m1 -A1 '^name' "$WORK/env.log" | tail -1  # the GPU, from nvidia-smi
+    grep -E '^torch |^cpus|missing' "$WORK/env.log"
+    cat "$WORK/steps.log" 2>/dev/null
+    for f in bench/gpu_bench.log latency.log served.log kernels.log cuda_tests.log suite.log frozen.log \
+      quant/gpu_quant.log host.log served_vs_offline.log served_asyncio_h11.log prefill_launch_fused.log \
+      prefill_launch_pieces.log prefill_launch_torch.log; do
+      [ -f "$WORK/$f" ] || continue
+      echo
+      echo "## $f"
+      case "$f" in
+        kernels.log) grep -E '^\| |^[a-z].*:$' "$WORK/$f" | head -130 ;;
+        *test*.log | suite.log) grep -E '(passed|failed|error)s? in |^(FAILED|ERROR) |FROZEN' "$WORK/$f" | tail -40 ;;
+        frozen.log) cat "$WORK/$f" ;;
+        *) grep -E '^\| |\*\*|target|WARNING|FAILED' "$WORK/$f" | head -40 ;;
+      esac
+    done
+  } >"$OUT/gpu_session_$part.txt" 2>&1
+  tar -czf "$OUT/gpu_session_$part.tar.gz" -C "$WORK" . 2>/dev/null
 }
 
+gpu_free() {  # wait (at most 30 s) until no process holds the GPU: a server an earlier step stopped may
+  # still be exiting with its KV pool allocated (test_cuda_too_little_memory_for_any_kv_is_a_clear_error
+  # failed once right after the served benchmark, and passed in a fresh run)
+  command -v nvidia-smi >/dev/null || return 0
+  local waited=0
+  while [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && [ $waited -lt 30 ]; do
+    sleep 1
+    waited=$(( waited + 1 ))
+  done
+  [ $waited -gt 0 ] && echo "(waited $waited s for the GPU's other processes to exit)" >>"$WORK/steps.log"
+  return 0
+}
+
+step() {  # $1: seconds at most, $2: log name, the rest: the command. Cut to what the budget leaves.
+  local limit=$1 name=$2
+  shift 2
+  gpu_free
+  local start=$SECONDS
+  local left=$(( BUDGET - (start - T0) - GRACE - PACK ))
+  if [ "$left" -lt 20 ]; then
+    echo "$name: skipped, $(( start - T0 )) s of $BUDGET gone" >>"$WORK/steps.log"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  mkdir -p "$(dirname "$WORK/$name.log")"
+  echo "== $(date -u +%T) +$(( start - T0 )) s $name (limit $limit s): $*" >>"$WORK/steps.log"
+  timeout -k "$GRACE" -s INT "$limit" "$@" >"$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $(( SECONDS - start )) s (limit $limit s)" >>"$WORK/steps.log"
+  tail -3 "$WORK/$name.log"
+  pack
+}
+
+cuda_tests=(tests/engine/test_cuda.py tests/attention tests/sampling tests/model/test_moe.py
+  tests/model/test_fused_kernels.py tests/engine/test_window_kv.py tests/spec/test_graphs.py tests/distributed)
+
 case "$part" in
-  tests)
-    step 240 cuda_tests "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/test_cuda.py tests/attention \
-      tests/sampling tests/model/test_moe.py tests/model/test_fused_kernels.py tests/engine/test_window_kv.py \
-      tests/spec/test_graphs.py tests/distributed -k "nccl or cuda or triton or graph"
-    # the fused kernels' own tests, whole (their names do not say cuda): on the GPU they compile for it
-    step 120 fused_tests "$PY" -m pytest -q -p no:cacheprovider tests/model/test_fused_kernels.py \
-      tests/sampling/test_fused_draw.py tests/sampling/test_fused_penalties.py tests/sampling/test_fused_nucleus.py
-    step 90 kernels "$PY" -m gapless.bench.kernels --device cuda --json "$dir/kernels.json"
-    # decode: programs per SM 2 is one split a request at batch 256 (the default), 32 and 64 are 3 and 5
-    # shorter splits; extend: blocks of 64 x 64 (the default) against 128 queries and 32 keys
-    # (sm_90 resources, from the compiled binaries here: block n 64 takes 75 registers and 39 KB of shared
-    # memory a program, 128 takes 160 registers and 73 KB: too few programs an SM, so it is not swept)
-    step 240 kernel_sweep "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 8192 \
-      --page-size 1 16 --decode-block-n 0 32 --decode-warps 4 8 --decode-stages 2 3 \
-      --decode-programs-per-sm 2 32 64 --decode-heads-first 0 1 --extend-block-m 0 128 --extend-block-n 0 32 \
-      --extend-warps 4 8 --extend-stages 2 3 --json "$dir/kernel_sweep.json"
+  all)
+    mkdir -p "$WORK/bench"
+    step 140 bench/run env OUT="$WORK/bench" GPU_BENCH_TIMEOUT=125 PY="$PY" bash bench/gpu_bench.sh --skip-hf
+    step 75 kernels "$PY" -m gapless.bench.kernels --device cuda --batch 1 8 64 256 --json "$WORK/kernels.json"
+    step 100 latency "$PY" -m gapless.bench.latency --device cuda --dtype bfloat16 --size qwen3-0.6b \
+      --concurrency 1 4 16 --prompt-len 512 --output-len 128 --json "$WORK/latency.json"
+    # one API server process (the issue's 0.825); `--api-server-counts 1,2` also measures two
+    step 100 served "$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 --size bench \
+      --layouts auto --num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \
+      --json "$WORK/served.json"
+    step 95 cuda_tests "$PY" -m pytest -q -n 4 -p no:cacheprovider "${cuda_tests[@]}" \
+      -k "nccl or cuda or triton or graph or fused or kernel"
+    if [ -f bench/gpu_quant.sh ]; then  # the quantized-checkpoint runs, when their issue adds them
+      step 120 quant env OUT="$WORK/quant" PY="$PY" bash bench/gpu_quant.sh
+    else
+      echo "quant: bench/gpu_quant.sh not there yet" >>"$WORK/steps.log"
+    fi
     ;;
-  bench)
-    OUT="$dir" GPU_BENCH_TIMEOUT=${GPU_BENCH_TIMEOUT:-560} bash bench/gpu_bench.sh
+  suite)
+    # the plugin names each test after which the heap is left frozen (and unfreezes it, so one leak does
+    # not fail every later heap test)
+    step 480 suite env PYTHONPATH="$PYTHONPATH:$PWD/tests/bench" GAPLESS_FREEZE_LOG="$WORK/frozen.log" \
+      "$PY" -m pytest -q -n 8 -p no:cacheprovider -p freeze_guard --durations=25 tests
     ;;
   serve)
-    step 170 host "$PY" -m gapless.bench.host --rounds 3 --engine-option device=cuda --json "$dir/host.json"
+    step 120 host "$PY" -m gapless.bench.host --rounds 3 --engine-option device=cuda --json "$WORK/host.json"
     served=("$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 --size bench --layouts auto
       --num-seqs 512 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024)
-    # the server as installed (uvloop and httptools), with the offline run for the ratio, with one API
-    # server process and with two (`--api-server-count`: whether one API server's core holds it back);
-    # then with uvloop and httptools hidden, served only (its tok/s and the API server's CPU per token)
-    step 300 served_vs_offline "${served[@]}" --api-server-counts 1,2 --json "$dir/served_vs_offline.json"
-    step 150 served_asyncio_h11 env PYTHONPATH="$HIDE:$PYTHONPATH" "${served[@]}" --skip-offline \
-      --json "$dir/served_asyncio_h11.json"
-    # the tokenizers library decodes a batch on all cores by default (the server's detokenizer does); on
-    # 2 cores one thread was faster: both, to choose
+    # one API server process and two (`--api-server-count`: whether one API server's core holds it back);
+    # then with uvloop and httptools hidden (asyncio and h11), served only
+    step 200 served_vs_offline "${served[@]}" --api-server-counts 1,2 --json "$WORK/served_vs_offline.json"
+    step 120 served_asyncio_h11 env PYTHONPATH="$HIDE:$PYTHONPATH" "${served[@]}" --skip-offline \
+      --json "$WORK/served_asyncio_h11.json"
+    # the tokenizers library decodes a batch on all cores by default (the server's detokenizer does)
     for par in true false; do
-      step 20 "detokenize_parallel_$par" env TOKENIZERS_PARALLELISM=$par "$PY" -m gapless.bench.detokenize \
-        --rounds 3 --json "$dir/detokenize_parallel_$par.json"
+      step 20 "detokenize_parallel_$par" env TOKENIZERS_PARALLELISM=$par "$PY" bench/experiments/detokenize.py \
+        --rounds 3 --json "$WORK/detokenize_parallel_$par.json"
     done
     ;;
   prefill)
-    # one prefill forward's launch against its GPU work (decisive: the meter below cannot tell a
-    # launch-bound job from a GPU-bound one): the fused kernels (this first step also builds the model),
-    # the piecewise prefill graphs up to 512 tokens, the torch ops; then the engine's own meter at chunks
-    # of 16,384 and 2,048 tokens
+    # one prefill forward's launch against its GPU work: the fused kernels (this first step also builds the
+    # model), the piecewise prefill graphs up to 512 tokens, the torch ops; then the engine's own meter at
+    # chunks of 16,384 and 2,048 tokens
     launch=("$PY" -m gapless.bench.prefill_launch --size qwen3-0.6b --dtype bfloat16 --tokens 128 512 2048 16384)
-    step 180 prefill_launch_fused "${launch[@]}" --json "$dir/prefill_launch_fused.json"
-    step 100 prefill_launch_pieces "${launch[@]}" --engine-option piecewise_cuda_graph_max_tokens=512 \
-      --json "$dir/prefill_launch_pieces.json"
-    step 80 prefill_launch_torch "${launch[@]}" --engine-option fused_kernels=torch \
-      --json "$dir/prefill_launch_torch.json"
+    step 150 prefill_launch_fused "${launch[@]}" --json "$WORK/prefill_launch_fused.json"
+    step 90 prefill_launch_pieces "${launch[@]}" --engine-option piecewise_cuda_graph_max_tokens=512 \
+      --json "$WORK/prefill_launch_pieces.json"
+    step 70 prefill_launch_torch "${launch[@]}" --engine-option fused_kernels=torch \
+      --json "$WORK/prefill_launch_torch.json"
     for chunk in 16384 2048; do
-      step 110 "prefill_$chunk" "$PY" -m gapless.bench.host --size qwen3-0.6b --num-seqs 64 --input-len 1024 \
+      step 100 "prefill_$chunk" "$PY" -m gapless.bench.host --size qwen3-0.6b --num-seqs 64 --input-len 1024 \
         --output-len 1 --modes overlap plain --rounds 1 --engine-option device=cuda \
-        --engine-option dtype=bfloat16 --engine-option chunked_prefill_size=$chunk --json "$dir/prefill_$chunk.json"
+        --engine-option dtype=bfloat16 --engine-option chunked_prefill_size=$chunk --json "$WORK/prefill_$chunk.json"
     done
     ;;
-  suite)
-    step 470 suite "$PY" -m pytest -q -n 8 -p no:cacheprovider tests
-    step 110 scoring "$PY" -m gapless.bench.scoring --device cuda --out "$dir/scoring.json"
+  sweep)
+    # decode: programs per SM 2 is one split a request at batch 256 (the default), 32 and 64 are 3 and 5
+    # shorter splits; extend: blocks of 64 x 64 (the default) against 128 queries and 32 keys
+    step 300 kernel_sweep "$PY" -m gapless.bench.kernels --device cuda --batch 1 8 256 --context 1024 4096 8192 \
+      --page-size 1 16 --decode-block-n 0 32 --decode-warps 4 8 --decode-stages 2 3 \
+      --decode-programs-per-sm 2 32 64 --decode-heads-first 0 1 --extend-block-m 0 128 --extend-block-n 0 32 \
+      --extend-warps 4 8 --extend-stages 2 3 --sample-batch 1 256 --json "$WORK/kernel_sweep.json"
     ;;
 esac
-echo "gpu_session $part: files in $dir"
-ls -l "$dir"
+pack
+echo "gpu_session $part: $(( SECONDS - T0 )) s; in $OUT:"
+ls -l "$OUT"
+cat "$OUT/gpu_session_$part.txt"

@@ -35,5 +35,5 @@ for c in 1 8; do
   seconds=$(echo "$(date +%s.%N) - $start + 2" | bc)
   for s in "${spies[@]}"; do kill -INT "$s"; done
   for s in "${spies[@]}"; do wait "$s" || true; done
-  "$PY" -m gapless.bench.spy --rate 200 --seconds "$seconds" "$OUT"/c${c}_pid*.txt | tee "$OUT/c${c}_summary.txt"
+  "$PY" bench/experiments/spy.py --rate 200 --seconds "$seconds" "$OUT"/c${c}_pid*.txt | tee "$OUT/c${c}_summary.txt"
 done

@@ -15,7 +15,7 @@ import os
 import sys
 
 from gapless.chat import add_chat_args
-from gapless.server.launch import add_serve_args
+from gapless.server.serve_args import add_serve_args
 
 SUBCOMMANDS = {
     "serve": "OpenAI-compatible HTTP server (default model: SmolLM2-135M-Instruct)",

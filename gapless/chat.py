@@ -19,9 +19,9 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from gapless.config import add_engine_args, add_model_args, config_from_args
+from gapless.cli import add_engine_args, add_model_args, config_from_args
 from gapless.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -88,11 +88,10 @@ class ChatSession:
     def __post_init__(self) -> None:
         if not getattr(self.engine.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; chat needs one")
-        extra = [t for t in end_of_turn_ids(self.engine.tokenizer) if t not in self.params.stop_token_ids]
+        stop_ids = self.params.stop_token_ids or []  # (a list already: SamplingParams normalises it)
+        extra = [t for t in end_of_turn_ids(self.engine.tokenizer) if t not in stop_ids]
         if extra:  # a copy: the caller's params stay as they were
-            self.params = dataclasses.replace(
-                self.params, stop_token_ids=[*self.params.stop_token_ids, *extra]
-            )
+            self.params = dataclasses.replace(self.params, stop_token_ids=[*stop_ids, *extra])
         self.reset()
 
     def reset(self) -> None:
@@ -109,14 +108,15 @@ class ChatSession:
     def send(self, user_text: str, write: Callable[[str], Any] = lambda s: None) -> Turn:
         """Add a user message, stream the reply through `write` delta by delta, and keep both in the
         history. Raises ValueError (history unchanged) when the conversation no longer fits."""
-        from gapless.engine.detokenize import IncrementalDetokenizer
+        from gapless.engine.detokenize import IncrementalDetokenizer, TokenDecoder
 
         messages = [*self.messages, {"role": "user", "content": user_text}]
         ids = self.prompt_ids(messages)
         engine = self.engine
         req = engine.add_request(ids, self.params)
+        tokenizer = cast(TokenDecoder, engine.tokenizer)  # transformers types its decode as str | list[str]
         detok = IncrementalDetokenizer(
-            engine.tokenizer, skip_special_tokens=self.params.skip_special_tokens, stop=self.params.stop
+            tokenizer, skip_special_tokens=self.params.skip_special_tokens, stop=self.params.stop
         )
         seen = 0
         with _ctrl_c_as_flag() as interrupted:

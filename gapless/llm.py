@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -59,7 +59,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
@@ -72,12 +72,13 @@ class LLM:
         propagates; one that cuts a step short leaves the engine `broken`, to be shut down."""
         engine = self._live_engine()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
-        params = _params_per_prompt(sampling_params, len(prompts), "prompts")
+            batch = [cast(Prompt, prompts)]  # one prompt, text or token ids
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
+        params = _params_per_prompt(sampling_params, len(batch), "prompts")
         # validate everything before queueing anything, so a bad prompt leaves the engine untouched
-        token_ids = [engine.tokenize(p) for p in prompts]
-        return self._run(prompts, token_ids, params, use_tqdm)
+        token_ids = [engine.tokenize(p) for p in batch]
+        return self._run(batch, token_ids, params, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request that sets no sampling knob samples with, as vLLM's method of this name: the
@@ -102,13 +103,16 @@ class LLM:
         conversation, its `prompt` the rendered text. Raises ValueError when the model's tokenizer has
         no chat template; like `generate`, it checks every conversation before queueing any."""
         engine = self._live_engine()
-        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        if messages and isinstance(messages[0], Mapping):
+            convs = [cast(Sequence[Message], messages)]  # one conversation
+        else:
+            convs = list(cast(Sequence[Sequence[Message]], messages))
         params = _params_per_prompt(sampling_params, len(convs), "conversations")
         texts, token_ids = [], []
         for conv in convs:
             text, ids = render_chat(
                 self.tokenizer,
-                conv,  # type: ignore[arg-type]
+                conv,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 chat_template_kwargs=chat_template_kwargs,
@@ -158,8 +162,12 @@ class LLM:
             cached_tokens=req.cached_tokens or 0,
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             top_logprobs=list(req.output_top_logprobs) if req.params.logprobs is not None else None,
-            prompt_logprobs=prompt_logprobs_output(req, lambda t: self.tokenizer.decode([t])),
+            prompt_logprobs=prompt_logprobs_output(req, self._decode_token),
         )
+
+    def _decode_token(self, token_id: int) -> str:
+        # transformers types `decode` as str | list[str]; one list of ids decodes to one str
+        return cast(str, self.tokenizer.decode([token_id]))
 
     def get_stats(self) -> dict[str, float | int]:
         """Steps, tokens, device idle fraction, mean host time per step, ... since the engine started."""

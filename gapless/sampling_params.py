@@ -295,7 +295,8 @@ class SamplingParams:
         if not unset:
             return self
         defaults = defaults or {}
-        return replace(self, **{name: defaults.get(name, LIBRARY_DEFAULTS[name]) for name in unset})
+        filled: dict[str, Any] = {name: defaults.get(name, LIBRARY_DEFAULTS[name]) for name in unset}
+        return replace(self, **filled)
 
     def _value(self, name: str) -> float | int:
         """The knob's value as the request will sample with it if the checkpoint sets no default."""

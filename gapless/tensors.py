@@ -13,12 +13,15 @@ import dataclasses
 import io
 import pickle
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 _SLACK_BYTES = 1 << 16
 
@@ -45,7 +48,7 @@ def map_tensors(obj: T, fn: Callable[[Any], Any], kind: type = torch.Tensor) -> 
             return tuple(conv(x) for x in v)
         return v
 
-    return dataclasses.replace(obj, **{f.name: conv(getattr(obj, f.name)) for f in dataclasses.fields(obj)})  # type: ignore[arg-type]
+    return dataclasses.replace(obj, **{f.name: conv(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
 
 
 def packed(*parts: torch.Tensor) -> list[torch.Tensor]:

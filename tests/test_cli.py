@@ -4,6 +4,7 @@ line and status 2 before any process starts (the server itself runs as a process
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -19,14 +20,8 @@ import pytest
 
 import gapless
 from gapless.__main__ import build_parser, main, parse_args
-from gapless.config import (
-    _FLAG_HELP,
-    _PARALLEL_FLAGS,
-    FLAG_ALIASES,
-    EngineConfig,
-    engine_options,
-    option_comments,
-)
+from gapless.cli import _PARALLEL_FLAGS, FLAG_ALIASES, engine_options
+from gapless.config import EngineConfig
 from gapless.testing.server import descendants
 
 ROOT = Path(gapless.__file__).resolve().parents[1]
@@ -146,23 +141,54 @@ def test_argument_errors_show_the_subcommands_usage_and_one_line(argv, said, cap
     assert error.startswith(f"gapless {argv[0]}: error: ") and said in error, error
 
 
-def test_every_flag_has_help_and_each_option_one_source_of_it():
+def test_every_flag_has_help_and_each_option_its_own():
+    """Every flag of both subcommands has help; an engine option's is its field's `metadata["help"]`."""
     _, subs = build_parser()
     for name, parser in subs.items():
         bare = [a.option_strings or [a.dest] for a in parser._actions if not a.help]
         assert not bare, f"gapless {name}: flags without help: {bare}"
-    comments, options = option_comments(), {f.name for f in fields(EngineConfig)} - {"model"}
-    assert set(comments) | set(_FLAG_HELP) >= options
-    assert not set(comments) & set(_FLAG_HELP), (
-        "an option's help is its comment in EngineConfig, or else here"
+    actions: dict[str, argparse.Action] = {}
+    for a in subs["serve"]._actions:
+        actions.setdefault(a.dest, a)  # the option's own flag, before its aliases
+    for f in fields(EngineConfig):
+        assert f.metadata.get("help"), f"EngineConfig.{f.name} has no help"
+        if f.name != "model":
+            shown = (actions[f.name].help or "").replace("%%", "%")
+            assert f.metadata["help"] in shown, f.name
+    assert (actions["seed"].help or "").startswith("draws the seeds of requests")
+
+
+def test_flag_help_needs_no_source(tmp_path):
+    """The help comes from the options' metadata, not from reading their source: with the package's
+    config-level modules shipped as bytecode alone, every engine flag still prints its help."""
+    import compileall
+
+    pkg = tmp_path / "gapless"
+    pkg.mkdir()
+    for name in ("__init__.py", "config.py", "cli.py", "env.py"):
+        shutil.copy(ROOT / "gapless" / name, pkg / name)
+    assert compileall.compile_dir(str(pkg), quiet=1, legacy=True)
+    for source in pkg.glob("*.py"):
+        source.unlink()
+    code = (
+        "import argparse, dataclasses, gapless.cli as c, gapless.config as g\n"
+        "assert g.__file__.endswith('.pyc') and c.__file__.endswith('.pyc')\n"
+        "p = argparse.ArgumentParser(); c.add_engine_args(p)\n"
+        "helps = {a.dest: a.help for a in reversed(p._actions)}\n"
+        "names = [f.name for f in dataclasses.fields(g.EngineConfig) if f.name != 'model']\n"
+        "print(sum(bool(helps[n]) for n in names), len(names))\n"
     )
-    assert comments["seed"].startswith("draws the seeds of requests")  # the comment on the option's line
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    with_help, options = map(int, out.stdout.split())
+    assert with_help == options > 40
 
 
-def test_readme_names_every_alias():
-    readme = (ROOT / "README.md").read_text()
+def test_the_serving_docs_name_every_alias():
+    readme = (ROOT / "docs" / "serving.md").read_text()
     flags = [*FLAG_ALIASES, *(flag for names in _PARALLEL_FLAGS.values() for flag in names)]
-    assert not [f for f in flags if f"`{f}`" not in readme], "README's alias table lacks some flags"
+    assert not [f for f in flags if f"`{f}`" not in readme], "docs/serving.md's alias table lacks some flags"
 
 
 def _refused(argv: list[str], capsys) -> str:
@@ -179,6 +205,7 @@ def _refused(argv: list[str], capsys) -> str:
 def test_serve_refuses_bad_arguments_before_starting_anything(tmp_path, ckpt_factory, capsys):
     assert "no config.json" in _refused(["serve", str(tmp_path)], capsys)
     ckpt = str(ckpt_factory("qwen3"))
+    capsys.readouterr()  # the checkpoint's making may have written a progress bar
     assert "page_size=0" in _refused(["serve", "--model", ckpt, "--page-size", "0"], capsys)
     assert "two models given" in _refused(["serve", ckpt, "--model", str(tmp_path)], capsys)
     err = _refused(["serve", ckpt, "--pp-size", "2"], capsys)
@@ -186,6 +213,16 @@ def test_serve_refuses_bad_arguments_before_starting_anything(tmp_path, ckpt_fac
     # the tiny qwen3 has 4 attention heads: 3 ranks cannot split them
     err = _refused(["serve", ckpt, "--tp-size", "3"], capsys)
     assert "tensor_parallel_size=3: the model's num_attention_heads (4) is not divisible by it" in err
+
+
+def test_serve_refuses_a_bad_environment_variable_by_name(ckpt_factory, capsys, monkeypatch):
+    ckpt = str(ckpt_factory("qwen3"))
+    capsys.readouterr()  # the checkpoint's making may have written a progress bar
+    monkeypatch.setenv("GAPLESS_LOG_LEVEL", "loud")
+    assert "GAPLESS_LOG_LEVEL='loud': not one of" in _refused(["serve", ckpt], capsys)
+    monkeypatch.delenv("GAPLESS_LOG_LEVEL")
+    monkeypatch.setenv("GAPLESS_DISABLE_OVERLAP", "maybe")
+    assert "GAPLESS_DISABLE_OVERLAP='maybe': not a boolean" in _refused(["serve", ckpt], capsys)
 
 
 def test_an_unsupported_architecture_is_refused_by_name(tmp_path, ckpt_factory, capsys):

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gapless"
 
 LAYERS: list[set[str]] = [
-    {"config", "sampling_params", "tensors", "default_model"},
+    {"config", "cli", "env", "sampling_params", "tensors", "default_model"},
     {"memory"},
     {"attention", "sampling"},
     {"model"},
@@ -142,3 +142,26 @@ def test_lint_clean_with_complexity_limit():
         text=True,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+MAX_LINES = 500
+# Triton kernels stay whole: a kernel, its launcher and its tuning read best in one file
+KERNEL_MODULES = {"gapless.attention.triton_kernels"}
+
+
+def _too_long(modules: dict[str, Path]) -> list[str]:
+    sizes = {m: len(p.read_text().splitlines()) for m, p in modules.items() if m not in KERNEL_MODULES}
+    return [f"{m}: {n} lines" for m, n in sorted(sizes.items()) if n > MAX_LINES]
+
+
+def test_no_module_over_500_lines_except_kernels():
+    assert not _too_long(MODULES), f"split these along a real seam (<= {MAX_LINES} lines):\n" + "\n".join(
+        _too_long(MODULES)
+    )
+
+
+def test_the_length_check_finds_a_long_module(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    assert _too_long({"gapless.long": long}) == [f"gapless.long: {MAX_LINES + 1} lines"]
+    assert _too_long({"gapless.attention.triton_kernels": long}) == []

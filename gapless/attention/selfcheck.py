@@ -10,6 +10,7 @@ on any error or disagreement, "auto" falls back to the reference backend and log
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -20,6 +21,13 @@ from gapless.attention.torch_ref import TorchRefBackend
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 # the batches checked: name -> (prefix lens, extend lens); a decode long enough for several splits
 CASES = {"extend": ([0, 5, 37], [4, 1, 9]), "decode": ([1, 40, 700], [1, 1, 1])}
+
+
+class LayerOptions(TypedDict, total=False):
+    """The per-layer options of `AttentionBackend.forward` a layer passes: only those it has."""
+
+    window: int
+    softcap: float
 
 
 @dataclass(frozen=True)
@@ -33,9 +41,14 @@ class Probe:
     window: int | None = None  # the model's sliding window, if any layer has one: checked with it
     softcap: float | None = None  # the model's attention soft-capping, if any: checked with it
 
-    def layer(self) -> dict[str, float | int]:
+    def layer(self) -> LayerOptions:
         """The options a layer passes `AttentionBackend.forward`, as the decoder does: only those it has."""
-        return {n: x for n, x in (("window", self.window), ("softcap", self.softcap)) if x is not None}
+        options = LayerOptions()
+        if self.window is not None:
+            options["window"] = self.window
+        if self.softcap is not None:
+            options["softcap"] = self.softcap
+        return options
 
 
 def batch(

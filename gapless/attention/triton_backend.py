@@ -1,8 +1,8 @@
 """The Triton attention backend: `gapless.attention.triton_kernels` behind the `AttentionBackend` protocol.
 
 The kernels read the metadata tensors directly, so `prepare` only makes them contiguous, once per batch;
-the decode split count and its fp32 scratch buffers are settled by the first layer's `forward` and
-reused by the rest, since every layer of a batch has the same shapes.
+the decode split count and its scratch (the splits' fp32 outputs, their arrival counters) are settled by
+the first layer's `forward` and reused by the rest, since every layer of a batch has the same shapes.
 
 Triton itself is imported only when a `TritonBackend` is made, so importing `gapless.attention` works
 without it.
@@ -10,12 +10,12 @@ without it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from gapless import env
 from gapless.attention.base import AttentionMetadata
 from gapless.tensors import map_tensors
 
@@ -23,13 +23,13 @@ _CPU_SM_STANDIN = 8  # for the interpreter's split heuristic: a few splits, not 
 
 
 def interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return env.TRITON_INTERPRET.get()
 
 
 @dataclass
 class _State:
     meta: AttentionMetadata  # with contiguous tensors, as the kernels index them
-    scratch: dict[tuple, Any] = field(default_factory=dict)  # decode: (splits, mid_o, mid_lse) by shape
+    scratch: dict[tuple, Any] = field(default_factory=dict)  # decode: `DecodeScratch` by shape
 
 
 class TritonBackend:
@@ -83,33 +83,30 @@ class TritonBackend:
             return self._k.extend_attention(
                 q, k_cache, v_cache, state.meta, scale, window, softcap, self.extend_tuning
             )
-        splits, mid_o, mid_lse = self._decode_scratch(state, q, k_cache)
+        scratch = self._decode_scratch(state, q, k_cache)
         return self._k.decode_attention(
             q,
             k_cache,
             v_cache,
             state.meta,
-            splits,
+            scratch.splits,
             scale,
-            mid_o,
-            mid_lse,
+            scratch,
             window,
             softcap,
             self.decode_tuning,
         )
 
-    def _decode_scratch(
-        self, state: _State, q: torch.Tensor, k_cache: torch.Tensor
-    ) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """The batch's decode split count and fp32 split buffers, made by its first layer."""
+    def _decode_scratch(self, state: _State, q: torch.Tensor, k_cache: torch.Tensor) -> Any:
+        """The batch's decode split count and scratch (`triton_kernels.DecodeScratch`), made by its first
+        layer and shared by the rest."""
         batch, heads, d = state.meta.batch_size, q.shape[1], q.shape[2]
         key = (heads, k_cache.shape[1], d, q.device)
         if key not in state.scratch:
             splits = self.num_splits or self._k.decode_num_splits(
                 batch, k_cache.shape[1], state.meta.max_seq_len, self._num_sms(q.device), self.decode_tuning
             )
-            splits = max(1, min(splits, self._k.MAX_SPLITS))
-            mid_o = torch.empty(batch, heads, splits, d, dtype=torch.float32, device=q.device)
-            mid_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-            state.scratch[key] = (splits, mid_o, mid_lse)
+            state.scratch[key] = self._k.DecodeScratch.make(
+                batch, heads, k_cache.shape[1], d, splits, q.device
+            )
         return state.scratch[key]

@@ -9,14 +9,17 @@ time, so the cache layout (page size, fragmentation, a prefix that ends mid-page
   running sum, rescaled accumulator). The causal mask is `key_pos <= prefix_len + query_offset`. The key
   blocks every query of the block sees whole (most of a long context) run first and without a mask; only
   the causal diagonal and a sliding window's edge are masked, as flash attention does.
-- `decode_attention`: one query per request, two stages. Stage 1 runs one program per (request, kv head,
-  split); the program handles all query heads that share the kv head (GQA/MQA, one `tl.dot` of
-  [group, d] x [d, block]) over its split of the context and writes the split's normalised output and
-  log-sum-exp. Stage 2 merges the splits of each (request, head). The number of splits is a host int
-  chosen from `max_seq_len` and the batch's (request, kv head) programs against the SMs, so a long
-  context is spread over many programs when the batch is small, and a large batch (256 x 8 kv heads on
-  an H100's 132 SMs) runs one split a request, each KV page read once. `DecodeTuning` holds the knobs
-  (keys per block, warps, stages, the split heuristic's targets) for `gapless.bench.kernels` to sweep.
+- `decode_attention`: one query per request, one launch. A program per (request, kv head, split)
+  handles all query heads that share the kv head (GQA/MQA, one `tl.dot` of [group, d] x [d, block])
+  over its split of the context. A request whose context fits one split (always, with one split) gets
+  its output written by that program; otherwise each split writes its normalised output and log-sum-exp
+  to scratch and counts itself in an arrival counter, and the last split of the (request, kv head) to
+  arrive merges them all, in the same launch (no second kernel, and nothing merged at a large batch).
+  The number of splits is a host int chosen from `max_seq_len` and the batch's (request, kv head)
+  programs against the SMs, so a long context is spread over many programs when the batch is small (a
+  lone request's 4k context over 33 x 8 programs on 132 SMs), and a large batch (256 x 8 kv heads) runs
+  one split a request, each KV page read once. `DecodeTuning` holds the knobs (keys per block, warps,
+  stages, the split heuristic's targets) for `gapless.bench.kernels` to sweep.
 
 Launchers read grid sizes from host ints (`max_extend_len`, `max_seq_len`, shapes) and never sync the
 device. Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale). Head dims need not be powers
@@ -39,20 +42,22 @@ the interpreter.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from gapless import env
 from gapless.attention.base import AttentionMetadata
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+INTERPRET = env.TRITON_INTERPRET.get()
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
-MIN_SPLIT_LEN = 128  # keys; shorter splits cost more in stage 2 and launch overhead than they save
+MIN_SPLIT_LEN = 64  # keys: one default key block; a shorter split would only add a merge
+_MERGE_TILE = 8192  # fp32 elements of split outputs the merging program reads at a time
 _DECODE_BLOCK_N = 64
 _NO_WINDOW = 2**30  # the window of a layer without one: past any context, so it masks nothing
 
@@ -67,7 +72,7 @@ class DecodeTuning:
     - `block_n`: keys a program loads per step (a power of two >= 16; None: 64, 32 past head dim 128).
     - `num_warps`, `num_stages`: the launch's warps and software-pipelining depth (Triton's meanings).
     - `programs_per_sm`: the split count aims at this many programs per SM (`decode_num_splits`).
-    - `min_split_len`: no split shorter than this many keys (each split costs stage 2 a merge).
+    - `min_split_len`: no split shorter than this many keys (each split costs the merge a row).
     - `heads_first`: launch a request's kv heads next to each other (its programs run at the same time,
       and each token's K/V row of all heads, contiguous in the pool, is read at once) rather than each kv
       head's requests (the default; the GPU sweep says which reads faster).
@@ -330,13 +335,6 @@ def _extend_kernel(
 
 
 @triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    # whole blocks per split, so only a split's last block is partial; shared by both decode stages
-    per_split = (seq_len + num_splits - 1) // num_splits
-    return (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-
-
-@triton.jit
 def _decode_split_kernel(
     Q,
     K,
@@ -357,8 +355,12 @@ def _decode_split_kernel(
     stride_vt,
     stride_vh,
     stride_table,
+    Out,
+    stride_ot,
+    stride_oh,
     MidO,
     MidLse,
+    Arrivals,
     stride_mo_b,
     stride_mo_h,
     stride_mo_s,
@@ -373,20 +375,33 @@ def _decode_split_kernel(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (kv heads, batch, splits): a request's heads launch side by side
         kvh = tl.program_id(0)
         b = tl.program_id(1)
+        kv_heads = tl.num_programs(0)
     else:  # grid (batch, kv heads, splits)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
+        kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     seq_len = tl.load(PrefixLens + b) + tl.load(ExtendLens + b)
-    # the query at seq_len - 1 sees keys [first, seq_len): the splits share out those alone
+    # the query at seq_len - 1 sees keys [first, seq_len): the splits share out those alone, whole key
+    # blocks each (only a split's last block is partial), so `active` splits are not empty
     first = tl.maximum(seq_len - window, 0)
-    chunk = _split_len(seq_len - first, tl.num_programs(2), BLOCK_N)
+    span = seq_len - first
+    if SPLIT:
+        per_split = (span + tl.num_programs(2) - 1) // tl.num_programs(2)
+        chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    else:
+        chunk = span
+    active = (span + chunk - 1) // chunk
     start = first + split * chunk
-    if start >= seq_len:  # stage 2 skips empty splits by the same arithmetic
+    if start >= seq_len:
         return
     end = tl.minimum(start + chunk, seq_len)
     row = tl.load(Rows + b).to(tl.int64)
@@ -419,25 +434,38 @@ def _decode_split_kernel(
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
-    tl.store(
-        MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
-        acc / l_safe[:, None],
-        mask=h_mask[:, None] & d_mask[None, :],
-    )
-    tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
+    hd_mask = h_mask[:, None] & d_mask[None, :]
+    if active == 1:  # the whole context in one program (always, without SPLIT): the answer itself
+        out_ptrs = Out + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=hd_mask)
+        return
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
+        mo = MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :]
+        tl.store(mo, acc / l_safe[:, None], mask=hd_mask)
+        tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
+        # Every thread's stores are issued before the count goes up (the barrier), and the count's
+        # release/acquire orders them before the last arrival's loads, which skip L1 (.cg): the last of
+        # the request's `active` splits for this kv head merges them, in this same launch.
+        tl.debug_barrier()
+        arrivals = Arrivals + b * kv_heads + kvh
+        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == active - 1:
+            tl.store(arrivals, 0)  # for the next launch (the next layer), which starts after this one ends
+            _merge_splits(
+                MidO, MidLse, Out, b, kvh, q_row, active, stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b,
+                stride_ml_h, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_S, BLOCK_C,
+            )  # fmt: skip
 
 
 @triton.jit
-def _decode_reduce_kernel(
+def _merge_splits(
     MidO,
     MidLse,
     Out,
-    PrefixLens,
-    ExtendLens,
-    QStart,
-    num_splits,
-    window,
+    b,
+    kvh,
+    q_row,
+    active,
     stride_mo_b,
     stride_mo_h,
     stride_mo_s,
@@ -445,34 +473,54 @@ def _decode_reduce_kernel(
     stride_ml_h,
     stride_ot,
     stride_oh,
+    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(PrefixLens + b) + tl.load(ExtendLens + b)
-    span = seq_len - tl.maximum(seq_len - window, 0)  # the keys the query sees, as stage 1 splits them
-    chunk = _split_len(span, num_splits, BLOCK_N)
-    offs_s = tl.arange(0, BLOCK_S)
+    """The output of kv head `kvh`'s query heads of request `b` from its `active` splits' normalised
+    outputs and log-sum-exps: weights 2^(lse - max) over their sum. The splits are read BLOCK_C at a time
+    (a [BLOCK_G, BLOCK_C, BLOCK_D] tile), bypassing L1 (other programs wrote them in this launch)."""
+    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    # splits that start past the context were never written: their memory is garbage
-    s_mask = (offs_s < num_splits) & (offs_s * chunk < span)
+    g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b * stride_ml_b + h * stride_ml_h + offs_s, mask=s_mask, other=float("-inf"))
-    o = tl.load(
-        MidO + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    m = _max(lse, 0)
+    heads = kvh * GROUP + offs_g
+    lse_row = MidLse + b * stride_ml_b + heads[:, None] * stride_ml_h
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(
+        lse_row + offs_s[None, :],
+        mask=g_mask[:, None] & (offs_s[None, :] < active),
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )  # [BLOCK_G, BLOCK_S]
+    m = _max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    w_sum = _sum(w, 0)
-    out = _sum(w[:, None] * o, 0) / tl.where(w_sum > 0, w_sum, 1.0)
-    q_row = tl.load(QStart + b).to(tl.int64)
-    tl.store(Out + q_row * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+    total = _sum(tl.exp2(lse - m[:, None]), 1)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    mo_row = MidO + b * stride_mo_b + heads[:, None, None] * stride_mo_h + offs_d[None, None, :]
+    for c0 in range(0, active, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        gc_mask = g_mask[:, None] & (offs_c[None, :] < active)
+        w = tl.exp2(
+            tl.load(lse_row + offs_c[None, :], mask=gc_mask, other=float("-inf"), cache_modifier=".cg")
+            - m[:, None]
+        )  # [BLOCK_G, BLOCK_C]
+        o = tl.load(
+            mo_row + offs_c[None, :, None] * stride_mo_s,
+            mask=gc_mask[:, :, None] & d_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [BLOCK_G, BLOCK_C, BLOCK_D]
+        acc += _sum(w[:, :, None] * o, 1)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(
+        Out + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
 
 
 def _block_d(head_dim: int) -> int:
@@ -601,6 +649,30 @@ def decode_num_splits(
     return max(1, min(by_len, by_occupancy, MAX_SPLITS))
 
 
+class DecodeScratch(NamedTuple):
+    """What the decode kernel of a split count needs besides its inputs, made once per batch and shared
+    by its layers (every layer of a batch has the same shapes): the splits' normalised outputs `mid_o`
+    [B, heads, splits, d] and base-2 log-sum-exps `mid_lse` [B, heads, splits] (fp32), and `arrivals`
+    [B * kv_heads] int32, zero between launches, counting the splits of each (request, kv head) done."""
+
+    splits: int
+    mid_o: torch.Tensor
+    mid_lse: torch.Tensor
+    arrivals: torch.Tensor
+
+    @staticmethod
+    def make(
+        batch: int, heads: int, kv_heads: int, d: int, splits: int, device: torch.device
+    ) -> DecodeScratch:
+        splits = max(1, min(splits, MAX_SPLITS))
+        if splits == 1:  # nothing is merged: the kernel writes the output itself and reads none of it
+            batch = heads = kv_heads = d = 1  # (a real buffer still: a launch takes no null pointer)
+        mid_o = torch.empty(batch, heads, splits, d, dtype=torch.float32, device=device)
+        mid_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=device)
+        arrivals = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+        return DecodeScratch(splits, mid_o, mid_lse, arrivals)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -608,18 +680,17 @@ def decode_attention(
     meta: AttentionMetadata,
     num_splits: int,
     scale: float,
-    mid_o: torch.Tensor | None = None,
-    mid_lse: torch.Tensor | None = None,
+    scratch: DecodeScratch | None = None,
     window: int | None = None,
     softcap: float | None = None,
     tuning: DecodeTuning = DEFAULT_DECODE,
 ) -> torch.Tensor:
     """One new token per request (`extend_lens` all 1) attending to all `prefix_lens[b] + 1` keys (the
     last `window` of them, with a window; `softcap` as `AttentionBackend.forward` takes it), launched
-    as `tuning` says.
+    as `tuning` says: one launch, the last split of each (request, kv head) merging them all.
 
-    `mid_o` [B, heads, >=num_splits, d] and `mid_lse` [B, heads, >=num_splits] fp32 are scratch; pass
-    them to reuse one allocation across layers."""
+    `scratch`: `DecodeScratch.make` for this batch and `num_splits` (its split count wins); pass one to
+    reuse it across layers, else it is made here."""
     args = _paged_args(q, k_cache, v_cache, meta, scale, window, softcap)
     T, heads, d = q.shape
     kv_heads = k_cache.shape[1]
@@ -627,48 +698,37 @@ def decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or batch == 0:
         return out
-    num_splits = max(1, min(num_splits, MAX_SPLITS))
-    if mid_o is None:
-        mid_o = torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
-    if mid_lse is None:
-        mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    if scratch is None:
+        scratch = DecodeScratch.make(batch, heads, kv_heads, d, num_splits, q.device)
+    splits, mid_o, mid_lse, arrivals = scratch
     group = heads // kv_heads
     block_d = _block_d(d)
-    block_n = tuning.keys_per_block(d)
-    mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
-    grid = (kv_heads, batch, num_splits) if tuning.heads_first else (batch, kv_heads, num_splits)
+    block_g = max(2, triton.next_power_of_2(group))
+    block_s = max(2, triton.next_power_of_2(splits))
+    grid = (kv_heads, batch, splits) if tuning.heads_first else (batch, kv_heads, splits)
     _decode_split_kernel[grid](
         *args,
+        out,
+        out.stride(0),
+        out.stride(1),
         mid_o,
         mid_lse,
-        *mid_strides,
+        arrivals,
+        *mid_o.stride()[:3],
+        *mid_lse.stride()[:2],
         GROUP=group,
         HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
         BLOCK_D=block_d,
-        BLOCK_N=block_n,
+        BLOCK_N=tuning.keys_per_block(d),
         SOFTCAP=bool(softcap),
         HEADS_FIRST=tuning.heads_first,
+        SPLIT=splits > 1,
+        BLOCK_G=block_g,
+        BLOCK_S=block_s,
+        BLOCK_C=max(1, min(block_s, _MERGE_TILE // (block_g * block_d))),
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
         **_dot_flags(q.dtype),
-    )
-    _decode_reduce_kernel[(batch, heads)](
-        mid_o,
-        mid_lse,
-        out,
-        meta.prefix_lens,
-        meta.extend_lens,
-        meta.q_start,
-        num_splits,
-        _window_arg(window),
-        *mid_strides,
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=d,
-        BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        BLOCK_N=block_n,
-        num_warps=2,
     )
     return out

@@ -1,4 +1,4 @@
-"""Offline throughput on a GPU: nano-vllm's workload on Qwen3-0.6B's shape, overlap on vs off vs transformers.
+"""Offline throughput on a GPU: nano-vllm's workload on Qwen3-0.6B's shape, sampled as its bench.py samples.
 
     python -m gapless.bench.gpu --json out.json      # the full run (bench/gpu_bench.sh runs this)
     python -m gapless.bench.gpu --quick              # a small workload, to check that it runs
@@ -10,13 +10,16 @@ has Qwen3-0.6B's config (`gapless.testing.checkpoints`, size "qwen3-0.6b") and r
 built here (no hub download), so only the shape matters: decode then reads ~14 TB of KV cache (112 KiB a
 token; 14.0 TB for seed 0) and ~1.2 TB of weights (1.19 GB a decode step).
 
-One process runs, each after an untimed warm-up in its own engine: gapless with overlap scheduling,
-gapless without it, and transformers batched `generate` on the first `--hf-num-seqs` requests (a slice:
-it computes every batch to its longest output). For gapless it reports output tokens/s, wall time, the
-GPU's idle fraction (the engine's bubble meter: `device_idle_s / (device_busy_s + device_idle_s)`, gaps
-between forward jobs while requests were pending), host and device ms per step, the KV pool and any
-retraction; then overlap/no-overlap and gapless/transformers ratios, and the machine. It prints a markdown
-table for the README and rewrites `--json` after every run, so a run cut short keeps what finished.
+One process runs, each after an untimed warm-up in its own engine (`gapless.bench.gpu_report.RUNS`,
+`--runs`): gapless at temperature 0.6 (nano-vllm's and Mini-SGLang's bench.py), greedy, with Qwen3's
+generation defaults (temperature 0.6, top-k 20, top-p 0.95), greedy without overlap scheduling, then
+transformers batched greedy `generate` on the first `--hf-num-seqs` requests (a slice: it computes every
+batch to its longest output). For gapless it reports output tokens/s, wall time, the GPU's idle fraction
+(the engine's bubble meter: `device_idle_s / (device_busy_s + device_idle_s)`, gaps between forward jobs
+while requests were pending), host and device ms per step, the bytes decode read per second against a
+device copy measured in the same run, the KV pool and any retraction; then the ratios and the machine.
+It prints a markdown table for the README and rewrites `--json` after every run, so a run cut short
+keeps what finished.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from typing import Any
 import torch
 
 from gapless.bench import cli
+from gapless.bench.gpu_report import RUNS, derive, format_report, pct, ratios
 from gapless.bench.runs import run_gapless, run_transformers
+from gapless.bench.timing import copy_tb_s
 from gapless.bench.workload import Workload, random_workload
 
 # nano-vllm's bench.py: 256 seqs, input and output lengths uniform in [100, 1024].
@@ -53,17 +58,6 @@ QUICK_HF_NUM_SEQS = 4
 WARMUP_SEQS = 64
 WARMUP_OUTPUT = (4, 48)
 QUICK_WARMUP = (4, (2, 8))
-# Published anchors the issue compares with (nano-vllm's README, A800): and the target on an H100.
-ANCHORS = "vLLM 0.10.2 8,588 tok/s and nano-vllm's Triton variant 10,009 tok/s on an A800"
-TARGET_TOK_S = 20_000
-TARGET_IDLE = 0.02
-
-RUNS = {"overlap": True, "plain": False}  # result key -> the engine's `overlap` option
-LABELS = {
-    "overlap": "gapless, overlap",
-    "plain": "gapless, no overlap",
-    "transformers": "transformers generate",
-}
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -98,7 +92,14 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "extra LLM option for both gapless runs, repeatable (e.g. cuda_graph_max_bs=0, "
         "attention_backend=torch, page_size=16); not overlap, which the runs set",
     )
-    g.add_argument("--skip-plain", action="store_true", help="run gapless with overlap only")
+    g.add_argument(
+        "--runs",
+        nargs="+",
+        choices=tuple(RUNS),
+        default=list(RUNS),
+        help=f"the gapless runs, in this order (default all: {' '.join(RUNS)})",
+    )
+    g.add_argument("--skip-plain", action="store_true", help="leave out the run without overlap (plain)")
     h = p.add_argument_group("transformers")
     h.add_argument("--skip-hf", action="store_true", help="run gapless only")
     h.add_argument(
@@ -132,7 +133,7 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags, if anything."""
     if "overlap" in args.engine_options:
-        return "--engine-option overlap=... : the benchmark runs both modes (use --skip-plain for one)"
+        return "--engine-option overlap=... : the runs set it (--runs picks them)"
     if not 1 <= args.hf_num_seqs <= args.num_seqs:
         return f"--hf-num-seqs must be in [1, {args.num_seqs}]"
     if args.hf_batch_size < 1:
@@ -175,172 +176,11 @@ def _peak_gib(device: str) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
 
 
-def _gapless_derived(g: dict[str, Any], info: dict[str, Any], kv_read_tokens: int) -> None:
-    """Idle fraction, per-step times and the bytes decode read, added to a `run_gapless` result."""
-    busy, idle, host = g.get("device_busy_s"), g.get("device_idle_s"), g.get("host_s")
-    steps = g.get("steps") or 0
-    # The meter's idle: gaps between consecutive jobs while requests were pending. On CUDA each job's
-    # duration comes from its events (exact), placed on the host clock where the host's wait returned, so
-    # the gaps lean on when the host looked; busy / wall needs no placement (jobs run one at a time on the
-    # forward stream) and bounds the idle share from above (it also counts the first launch and last wait).
-    g["busy_fraction_of_wall"] = busy / g["wall_s"] if busy is not None and g["wall_s"] else None
-    g["device_idle_fraction"] = (
-        idle / (busy + idle) if busy is not None and idle is not None and busy + idle else None
-    )
-    g["host_ms_per_step"] = 1e3 * host / steps if host is not None and steps else None
-    g["device_ms_per_step"] = 1e3 * busy / steps if busy is not None and steps else None
-    g["kv_pool_gib"] = round(g["kv_pool_tokens"] * info["kv_bytes_per_token"] / 2**30, 2)
-    read = kv_read_tokens * info["kv_bytes_per_token"] + g["decode_batches"] * info["weight_bytes"]
-    g["decode_bytes_read"] = read
-    g["decode_read_tb_per_s"] = read / 1e12 / g["wall_s"]  # a lower bound: the wall time includes prefill
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.2f}%"
-
-
-def _sub1(x: float | None) -> float | None:
-    return None if x is None else 1 - x
-
-
-def _num(x: float | None, fmt: str) -> str:
-    return "n/a" if x is None else format(x, fmt)
-
-
-def _failed_row(key: str, r: dict[str, Any]) -> list[str]:
-    return [LABELS[key], *[""] * 8, f"FAILED: {r['error_line']}"]
-
-
-def _gapless_row(key: str, g: dict[str, Any]) -> list[str]:
-    notes = (
-        f"attention {g['attention_backend'] or '?'}; KV pool {g['kv_pool_tokens']:,} tokens "
-        f"({g['kv_pool_gib']} GiB); {g['retractions']} retractions; decode read "
-        f"{g['decode_bytes_read'] / 1e12:.1f} TB, {g['decode_read_tb_per_s']:.2f} TB/s"
-    )
-    if g.get("peak_gib") is not None:
-        notes += f"; peak {g['peak_gib']} GiB"
-    return [
-        LABELS[key],
-        str(g["requests"]),
-        f"{g['output_tokens']:,}",
-        f"{g['wall_s']:.2f}",
-        f"{g['output_tokens_per_s']:,.0f}",
-        f"{_pct(g['device_idle_fraction'])} ({_pct(_sub1(g['busy_fraction_of_wall']))})",
-        _num(g["host_ms_per_step"], ".2f"),
-        _num(g["device_ms_per_step"], ".2f"),
-        f"{g['steps']} ({g['prefill_batches']} + {g['decode_batches']})",
-        notes,
-    ]
-
-
-def _transformers_row(h: dict[str, Any]) -> list[str]:
-    return [
-        LABELS["transformers"],
-        f"{h['requests']} (the first {h['requests']})",
-        f"{h['output_tokens']:,}",
-        f"{h['wall_s']:.2f}",
-        f"{h['output_tokens_per_s']:,.0f}",
-        *["n/a"] * 4,
-        f"sdpa, {h['dtype']}; {h['batches']} left-padded static batch(es) of {h['batch_size']}; "
-        f"{h['wasted_output_fraction']:.0%} of decoded tokens past their request's length",
-    ]
-
-
-def _rows(res: dict[str, Any]) -> list[list[str]]:
-    """The table's rows: each gapless run and transformers, or the error that stopped one."""
-    rows = []
-    for key in (*RUNS, "transformers"):
-        r = res.get(key)
-        if r is None:
-            continue
-        if "error" in r:
-            rows.append(_failed_row(key, r))
-        else:
-            rows.append(_transformers_row(r) if key == "transformers" else _gapless_row(key, r))
-    return rows
-
-
-def _verdict(res: dict[str, Any]) -> list[str]:
-    """The ratios, the target check and any wrong-length warning, under the table."""
-    lines = []
-    r = res["ratios"]
-    if r.get("overlap_vs_plain") is not None:
-        lines.append(f"**overlap / no overlap: {r['overlap_vs_plain']:.2f}x** output tokens/s")
-    if r.get("gapless_vs_transformers") is not None:
-        lines.append(
-            f"**gapless (overlap) / transformers: {r['gapless_vs_transformers']:.1f}x** output tokens/s "
-            "(transformers on its slice)"
-        )
-    g = res.get("overlap")
-    if g is not None and "error" not in g:
-        idle = g["device_idle_fraction"]
-        met = g["output_tokens_per_s"] >= TARGET_TOK_S and idle is not None and idle < TARGET_IDLE
-        lines.append(
-            f"\nanchors: {ANCHORS}; target on an H100: >= {TARGET_TOK_S:,} tok/s with GPU idle < "
-            f"{TARGET_IDLE:.0%} in overlap mode: {'met' if met else 'NOT met'} here "
-            f"({g['output_tokens_per_s']:,.0f} tok/s, {_pct(idle)} idle)"
-        )
-    for key in RUNS:
-        g = res.get(key)
-        if g is not None and "error" not in g and g["wrong_length_requests"]:
-            lines.append(
-                f"\nWARNING ({key}): {g['wrong_length_requests']} requests did not get their length "
-                f"({g['output_tokens']} tokens generated, {g['requested_output_tokens']} requested)"
-            )
-    return lines
-
-
-def format_report(res: dict[str, Any]) -> str:
-    """The markdown the command prints, ready for the README."""
-    w, mi = res["workload"], res["model_info"]
-    on_gpu = "gpu" in res["machine"]
-    idle_name = "GPU idle" if on_gpu else "device idle"
-    header = (
-        "engine",
-        "requests",
-        "output tokens",
-        "wall s",
-        "output tok/s",
-        f"{idle_name} (1 - busy/wall)",
-        "host ms/step",
-        "device ms/step",
-        "steps (prefill + decode)",
-        "notes",
-    )
-    lines = [
-        f"## Offline throughput{' on the GPU' if on_gpu else ''}: nano-vllm's workload (greedy, ignore_eos)",
-        "",
-        f"command: `{res['command']}`",
-        cli.machine_line(res["machine"]),
-        f"model: {res['model_name']}: {mi['num_hidden_layers']} layers, hidden {mi['hidden_size']}, "
-        f"{mi['num_attention_heads']} q / {mi['num_key_value_heads']} kv heads x {mi['head_dim']}, vocab "
-        f"{mi['vocab_size']}; {mi['params'] / 1e6:.0f}M parameters, random weights, {mi['dtype']} "
-        f"({mi['weight_bytes'] / 1e9:.2f} GB, {mi['kv_bytes_per_token'] / 1024:.0f} KiB of KV per token)",
-        f"{cli.workload_line(w)}; decode reads "
-        f"{w['decode_kv_tokens_read'] * mi['kv_bytes_per_token'] / 1e12:.2f} TB of KV",
-        "",
-        *cli.markdown_table(header, _rows(res), "lrrrrrrrll"),
-        "",
-        f"{idle_name}: the engine's bubble meter, gaps between forward jobs while requests were pending over "
-        "busy + gaps; in brackets 1 - (summed job time / wall), which also counts the first launch and the "
-        "last wait. host ms/step: scheduling, batch building and result processing, waits excluded.",
-        "",
-        *_verdict(res),
-    ]
-    return "\n".join(lines)
-
-
-def _ratios(res: dict[str, Any]) -> dict[str, float | None]:
-    def tok_s(key: str) -> float | None:
-        r = res.get(key)
-        return None if r is None or "error" in r else r["output_tokens_per_s"]
-
-    o, p, h = tok_s("overlap"), tok_s("plain"), tok_s("transformers")
-    return dict(
-        overlap_vs_plain=o / p if o and p else None,
-        gapless_vs_transformers=o / h if o and h else None,
-        plain_vs_transformers=p / h if p and h else None,
-    )
+def _copy_tb_s(device: str) -> float | None:
+    """A device copy's bandwidth (bytes read and written) over 1 GiB, on CUDA; None elsewhere."""
+    if torch.device(device).type != "cuda":
+        return None
+    return copy_tb_s(2**30, torch.device(device), argparse.Namespace(iters=20, warmup=3))
 
 
 def _interrupted(e: BaseException | None) -> bool:
@@ -424,7 +264,8 @@ class _Bench:
                 hf_num_seqs=len(self.hf_work),
                 hf_output_tokens=self.hf_work.output_tokens,
             ),
-            sampling="greedy (temperature 0), ignore_eos",
+            sampling={k: RUNS[k].sampling for k in args.runs},
+            copy_tb_s=_copy_tb_s(args.device),
             kv_cache_tokens=kv,
             engine_options=args.engine_options,
             errors=[],
@@ -432,7 +273,7 @@ class _Bench:
 
     def save(self) -> None:
         """Rewrite the JSON with what has finished (so a run cut short keeps it)."""
-        self.res["ratios"] = _ratios(self.res)
+        self.res["ratios"] = ratios(self.res)
         if self.args.json:
             cli.write_json(self.args.json, self.res)
 
@@ -442,10 +283,10 @@ class _Bench:
         still reported and saved."""
         args, res = self.args, self.res
         stop = False
-        for key, overlap in RUNS.items():
+        for key in args.runs:
             if stop or (key == "plain" and args.skip_plain):
                 continue
-            stop = self._record(key, functools.partial(self._gapless, overlap))
+            stop = self._record(key, functools.partial(self._gapless, key))
         if not args.skip_hf and not stop:
             self._record("transformers", self._transformers)
             _free_device(args.device)
@@ -471,25 +312,24 @@ class _Bench:
         self.save()
         return bool(r.get("interrupted"))
 
-    def _gapless(self, overlap: bool) -> dict[str, Any]:
-        args, work = self.args, self.work
-        cli.progress(
-            f"gapless, overlap={overlap}: {len(work)} requests, {work.output_tokens} output tokens ..."
-        )
+    def _gapless(self, key: str) -> dict[str, Any]:
+        args, work, run = self.args, self.work, RUNS[key]
+        cli.progress(f"{run.label}: {len(work)} requests, {work.output_tokens} output tokens ...")
         g = run_gapless(
             self.path,
             work,
             kv_cache_tokens=self.res["kv_cache_tokens"],
-            options={**args.engine_options, "overlap": overlap},
+            options={**args.engine_options, "overlap": run.overlap},
             device=args.device,
             dtype=args.dtype,
             warmup=self.warm,
+            sampling=run.sampling,
         )
-        _gapless_derived(g, self.info, self.kv_read)
+        derive(g, self.info, self.kv_read, self.res["copy_tb_s"])
         cli.progress(
-            f"gapless, overlap={overlap}: {g['output_tokens_per_s']:.0f} tok/s in {g['wall_s']:.2f} s "
+            f"{run.label}: {g['output_tokens_per_s']:.0f} tok/s in {g['wall_s']:.2f} s "
             f"(load {g['load_s']:.1f} s, warm-up {g['warmup_s']:.1f} s), "
-            f"idle {_pct(g['device_idle_fraction'])}, {g['retractions']} retractions"
+            f"idle {pct(g['device_idle_fraction'])}, {g['retractions']} retractions"
         )
         return g
 

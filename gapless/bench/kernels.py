@@ -24,21 +24,19 @@
    its median time, against a `--matmul-n` square matmul in the same dtype measured in the same run; with
    Triton for each extend kernel variant (every combination of `--extend-block-m`, `--extend-block-n` (0:
    the default), `--extend-warps` and `--extend-stages`).
-4. Sampling on each `--sample-batch` count of rows of `--vocab` logits (a kernel of one program per row
-   may lose to torch's at a few rows): the seeded draw and the penalties by torch ops
-   against the fused Triton kernels, top-k 50 + top-p 0.95 by the full sort of the vocabulary against the
-   partial one, and top-p without top-k by the full sort against the sort-free nucleus kernel.
+4. Sampling on each `--sample-batch` count of rows of `--vocab` logits (`gapless.bench.kernels_sampling`):
+   each sampling mode on the engine's sampler, then the torch paths against the fused kernels; beside each
+   row, the time a read of its logits takes at the copy bandwidth of the same run.
 
 On a CPU the Triton columns run only under Triton's interpreter (TRITON_INTERPRET=1, for tests; the
-figures mean nothing there); without it they print "-". Timings use CUDA events on CUDA.
+figures mean nothing there); without it they print "-". On CUDA each figure is device time: `--iters`
+calls captured in a CUDA graph, its replays timed with events (`median_us`), each call reading memory
+rather than L2 where its working set is small (`cold_copies`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,27 +45,9 @@ import torch
 from gapless.attention import make_backend
 from gapless.attention.base import AttentionMetadata
 from gapless.bench import cli
+from gapless.bench.kernels_sampling import sampling_rows
+from gapless.bench.timing import cold_copies, copy_tb_s, cycling, median_us
 from gapless.model.layers import GATED_ACTIVATIONS, RotaryEmbedding, make_rms_norm
-
-
-def median_us(fn: Callable[[], object], device: torch.device, args: argparse.Namespace) -> float:
-    """Median microseconds of `fn` over `args.iters` calls after `args.warmup` more."""
-    for _ in range(args.warmup):
-        fn()
-    times = []
-    for _ in range(args.iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(times)
 
 
 def _triton_kernels(device: torch.device) -> Any:
@@ -206,8 +186,7 @@ def _time_attention(
     tuning: Any,
     meta: AttentionMetadata,
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
     args: argparse.Namespace,
 ) -> tuple[float, Any]:
     """Median µs of `backend`'s attention over `meta`'s batch with `tuning` set as its `knob`
@@ -218,15 +197,9 @@ def _time_attention(
     scale = q.shape[-1] ** -0.5
     with torch.inference_mode():
         state = backend.prepare(meta)
-        us = median_us(lambda: backend.forward(q, k_cache, v_cache, state, scale), q.device, args)
+        calls = [lambda k=k, v=v: backend.forward(q, k, v, state, scale) for k, v in caches]
+        us = median_us(cycling(calls), q.device, args)
     return us, state
-
-
-def copy_tb_s(nbytes: int, device: torch.device, args: argparse.Namespace) -> float:
-    """A device-to-device copy's bandwidth over `nbytes` (bytes read and written), its buffers freed after."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / median_us(lambda: dst.copy_(src), device, args) / 1e6
 
 
 def _attention_case(
@@ -241,14 +214,20 @@ def _attention_case(
     B, H, KVH, D = batch, args.heads, args.kv_heads, args.head_dim
     meta = decode_metadata(B, context, page_size, device)
     slots = (B * -(-context // page_size) + 1) * page_size
-    k_cache = torch.randn(slots, KVH, D, device=device, dtype=dtype)
-    v_cache = torch.randn(slots, KVH, D, device=device, dtype=dtype)
+    kv_bytes = 2 * B * context * KVH * D * dtype.itemsize
+    # as many caches as keep each call's KV out of L2 (a lone request's 4k context fits an H100's)
+    caches = [
+        (
+            torch.randn(slots, KVH, D, device=device, dtype=dtype),
+            torch.randn(slots, KVH, D, device=device, dtype=dtype),
+        )
+        for _ in range(cold_copies(kv_bytes, device))
+    ]
     q = torch.randn(B, H, D, device=device, dtype=dtype)
-    kv_bytes = 2 * B * context * KVH * D * k_cache.element_size()
     copy_tbs = copy_tb_s(kv_bytes, device, args)
     rows = []
     for tuning in decode_tunings(args, backend):
-        t_attn, state = _time_attention(backend, "decode_tuning", tuning, meta, q, k_cache, v_cache, args)
+        t_attn, state = _time_attention(backend, "decode_tuning", tuning, meta, q, caches, args)
         attn_tbs = kv_bytes / t_attn / 1e6
         splits = [s[0] for s in getattr(state, "scratch", {}).values()]
         rows.append(
@@ -305,7 +284,7 @@ def extend_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         v_cache = torch.randn(tokens + 1, KVH, D, device=device, dtype=dtype)
         flops = sum(4 * H * D * L * (L + 1) // 2 for L in meta.extend_lens.tolist())
         for tuning in extend_tunings(args, backend):
-            t, _ = _time_attention(backend, "extend_tuning", tuning, meta, q, k_cache, v_cache, args)
+            t, _ = _time_attention(backend, "extend_tuning", tuning, meta, q, [(k_cache, v_cache)], args)
             tflops = flops / t / 1e6
             blocks = tuning.blocks(D, q.element_size()) if tuning is not None else (None, None)
             rows.append(
@@ -323,85 +302,6 @@ def extend_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                 }
             )
     return rows
-
-
-def sampling_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """`sampling_cases` at each `--sample-batch` count of rows."""
-    return [row for rows in args.sample_batch for row in sampling_cases(args, rows, device, dtype)]
-
-
-def sampling_cases(
-    args: argparse.Namespace, rows: int, device: torch.device, dtype: torch.dtype
-) -> list[dict[str, Any]]:
-    """The sampler on `rows` rows of `--vocab` logits in `dtype`: the seeded draw by torch ops
-    against the fused Triton draw (`gapless.sampling.triton_gumbel`), the penalties (repetition, frequency
-    and presence, into the step's float32 copy) by torch ops against the fused Triton penalties
-    (`gapless.sampling.triton_penalties`), top-k + top-p by the full sort against the partial one
-    (`apply_top_k_top_p_partial`), and top-p without top-k by the full sort against the sort-free nucleus
-    kernel (`gapless.sampling.triton_nucleus`)."""
-    from gapless.sampling import fused
-    from gapless.sampling.sampler import Sampler, SamplingBatch
-    from gapless.sampling_params import SamplingParams
-
-    B, V = rows, args.vocab
-    logits = (torch.randn(B, V, device=device) * 3).to(dtype)
-    torch_sampler, fused_sampler = Sampler(V, B, device), Sampler(V, B, device)
-    nucleus_sampler = Sampler(V, B, device)  # torch ops but for the nucleus
-    if _triton_kernels(device) is not None:
-        fused_sampler.draw_kernel = fused.draw_kernel("triton", V, device)
-        fused_sampler.penalty_kernel = fused.penalty_kernel("triton", V, device)
-        nucleus_sampler.nucleus_kernel = fused.nucleus_kernel("triton", V, device)
-    for s in (torch_sampler, fused_sampler):  # each row's prompt and a few outputs, as a running request
-        s.init_rows(
-            list(range(B)),
-            [list(range(i, V, 7)) for i in range(B)],
-            [list(range(i, V, 13)) for i in range(B)],
-        )
-
-    def batch(p: SamplingParams) -> SamplingBatch:
-        return SamplingBatch.build([p.resolved()] * B, [0] * B, list(range(B)), list(range(B)), device, V)
-
-    draw, nucleus = batch(SamplingParams(temperature=0.8)), batch(SamplingParams(top_k=50, top_p=0.95))
-    penalised = batch(SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.5))
-    full = dataclasses.replace(nucleus, max_top_p_k=0)  # 0: unknown, the full sort
-    # top-p without top-k (Llama 3 Instruct's generation defaults) has no bound: the full sort, or the kernel
-    top_p_only = batch(SamplingParams(temperature=0.6, top_p=0.9))
-    cases = {
-        "seeded draw (temperature only)": (
-            "triton draw",
-            lambda: torch_sampler.sample(logits, draw),
-            fused_sampler.draw_kernel and (lambda: fused_sampler.sample(logits, draw)),
-        ),
-        "penalties (repetition, frequency, presence)": (
-            "triton penalties",
-            lambda: torch_sampler.apply_penalties(logits, penalised),
-            fused_sampler.penalty_kernel and (lambda: fused_sampler.apply_penalties(logits, penalised)),
-        ),
-        "top-k 50 + top-p 0.95": (
-            "partial sort",
-            lambda: torch_sampler.sample(logits, full),
-            lambda: torch_sampler.sample(logits, nucleus),
-        ),
-        "temperature 0.6 + top-p 0.9 (no top-k)": (
-            "triton nucleus",
-            lambda: torch_sampler.sample(logits, top_p_only),
-            nucleus_sampler.nucleus_kernel and (lambda: nucleus_sampler.sample(logits, top_p_only)),
-        ),
-    }
-    out = []
-    with torch.inference_mode():
-        for name, (faster, ref, new) in cases.items():
-            t_ref = median_us(ref, device, args)
-            out.append(
-                {
-                    "rows": B,
-                    "case": name,
-                    "torch_us": t_ref,
-                    "path": faster,
-                    "path_us": new and median_us(new, device, args),
-                }
-            )
-    return out
 
 
 def _fmt(x: float | None) -> str:
@@ -425,7 +325,11 @@ def _table(
 
 def _versus_torch(rows: list[dict[str, Any]], other: str) -> list[dict[str, Any]]:
     """`rows` with "vs_torch": the time of their `other` key over their torch time ("-" where unmeasured)."""
-    return [{**r, "vs_torch": "-" if r[other] is None else f"{r[other] / r['torch_us']:.2f}x"} for r in rows]
+
+    def ratio(r: dict[str, Any]) -> str:
+        return "-" if r[other] is None or not r["torch_us"] else f"{r[other] / r['torch_us']:.2f}x"
+
+    return [{**r, "vs_torch": ratio(r)} for r in rows]
 
 
 def report(res: dict[str, Any]) -> list[str]:
@@ -466,11 +370,12 @@ def report(res: dict[str, Any]) -> list[str]:
             ("rows", "rows", str),
             ("case", "case", str),
             ("torch µs", "torch_us", _fmt),
-            ("faster path", "path", str),
+            ("path", "path", str),
             ("its µs", "path_us", _fmt),
             ("path / torch", "vs_torch", str),
+            ("logits read once µs", "logits_read_us", "{:.1f}".format),
         ],
-        "rlrlrr",
+        "rlrlrrr",
     )
     lines += ["", f"extend attention ({res['attention']}), requests of {res['extend_len']} tokens:"]
     lines += _table(

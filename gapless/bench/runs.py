@@ -161,8 +161,8 @@ def run_gapless(
     warmup: Workload = WARMUP,
     sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One `LLM.generate` over the whole workload, greedy, each request to exactly its output length
-    (`sampling`: more `SamplingParams` fields for the timed requests, e.g. a grammar).
+    """One `LLM.generate` over the whole workload, each request to exactly its output length, greedy
+    unless `sampling` says otherwise (more `SamplingParams` fields: a temperature, top-k, a grammar).
 
     `threads` goes to the engine's device side (on a CPU it may run in its own process, which does not
     inherit this process's `torch.set_num_threads`); `options` are further `LLM` options (they win over
@@ -185,18 +185,15 @@ def run_gapless(
     load_s = time.perf_counter() - t0
     try:
         # Warm-up (not timed): first calls allocate, pick kernels and fault in the weights.
-        extra = sampling or {}  # the warm-up also compiles a grammar the timed requests share
-        warm = [
-            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra)
-            for n in warmup.output_lens
-        ]
+        # greedy unless `sampling` says otherwise; the warm-up samples as the timed run does (it also
+        # compiles a grammar the timed requests share, and the sampler's kernels)
+        extra = {"temperature": 0.0, **(sampling or {})}
+        warm = [SamplingParams(max_tokens=n, ignore_eos=True, **extra) for n in warmup.output_lens]
         t0 = time.perf_counter()
         llm.generate(warmup.prompts, warm, use_tqdm=False)
         warmup_s = time.perf_counter() - t0
-        params = [
-            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra) for n in work.output_lens
-        ]
-        llm.engine.scheduler.meter.reset()  # before the snapshot: it zeroes the meter's figures in place
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, **extra) for n in work.output_lens]
+        llm.engine.meter.reset()  # before the snapshot: it zeroes the meter's figures in place
         before = dataclasses.replace(llm.engine.stats)
         prof = cProfile.Profile() if profile else None
         gc.collect()

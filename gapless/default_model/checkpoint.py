@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
+from gapless import env
 from gapless.default_model.tokenizer import FILLER_TEXT, build_tokenizer, trained_tokenizer_json
 
 # RoPE goes in as `rope_theta` / `rope_scaling`: transformers 5 folds them into `rope_parameters`
@@ -156,7 +157,7 @@ def write_checkpoint(
     path = Path(path)
     model = _uninitialised_model(config, seed)  # float32: init and cast happen after
     _spread_init(model, seed)
-    model = model.to(dtype).eval()
+    model = model.to(dtype).eval()  # type: ignore[arg-type]  # transformers wraps `to` so mypy sees it unbound
 
     max_shard_size: int | str = "50GB"
     if shards > 1:
@@ -178,7 +179,7 @@ def write_checkpoint(
 
 def cache_dir() -> Path:
     """Root of the on-disk cache: `$GAPLESS_CACHE` or `~/.cache/gapless`."""
-    root = os.environ.get("GAPLESS_CACHE")
+    root = env.CACHE.get()
     return Path(root) if root else Path.home() / ".cache" / "gapless"
 
 

@@ -2,22 +2,46 @@
 to know of the device side.
 
 The scheduler builds a `ForwardBatch` from host state; the device stream moves it to the device; the
-model runner and the CUDA graph runner read it. `RunnerInfo` travels the other way, once, at start-up.
-This module imports nothing of the engine, so every side can import it.
+model runner and the CUDA graph runner read it. `HostSamples` (a batch's sampled tokens, as lists) and
+`RunnerInfo` (once, at start-up) travel the other way. This module imports nothing of the engine but the
+speculative inputs, and not the device sampler, so every side can import it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import torch
 
 from gapless.attention.base import AttentionMetadata
 from gapless.engine.spec.inputs import HistoryWrites, VerifyInputs
-from gapless.sampling.logprobs import PromptScoreAsk
+from gapless.sampling.logprobs import PromptLogprob, PromptScoreAsk, host_scores
 from gapless.sampling.mask import TokenMask
 from gapless.sampling.rows import RowParams, SampleFlags
+
+if TYPE_CHECKING:
+    from gapless.sampling.sampler import SampleOutput
+
+V = TypeVar("V")  # a vector: a host numpy array or a tensor
+
+
+class TableWrites(NamedTuple):
+    """Request-table entries a batch writes on the device before its forward: `slots[i]` at
+    (`rows[i]`, `positions[i]`)."""
+
+    rows: torch.Tensor  # int64
+    positions: torch.Tensor  # int64
+    slots: torch.Tensor  # int64
+
+
+class PenaltyInit(NamedTuple):
+    """A row whose sampler penalty state is (re)built from its tokens before the batch samples (copies:
+    the device side must never read lists the host goes on mutating)."""
+
+    row: int
+    prompt_ids: list[int]
+    output_ids: list[int]
 
 
 @dataclass
@@ -52,11 +76,11 @@ class ForwardBatch:
     sampling: SampleFlags | None  # the sampling stages the batch needs; None: it samples nothing
     # sampling values of the requests this batch admits, kept per row by the sampler from now on
     row_params: RowParams | None = None
-    # (rows, positions, slots) request-table entries the batch needs besides its own new tokens:
-    # prefixes matched in the radix cache
-    table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # (row, prompt_ids, output_ids) whose sampler penalty state is (re)built before sampling
-    penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    # request-table entries the batch needs besides its own new tokens: prefixes matched in the radix
+    # cache, slots taken ahead
+    table_writes: TableWrites | None = None
+    # rows whose sampler penalty state is (re)built before sampling
+    penalty_inits: list[PenaltyInit] = field(default_factory=list)
     # prompt positions whose logprobs the batch returns (requests with prompt_logprobs), else None
     prompt_scores: PromptScoreAsk | None = None
 
@@ -86,34 +110,46 @@ class ForwardBatch:
         return AttentionMetadata(req_table=req_table, **shared)
 
 
-DECODE_VECTORS = 6  # a decode batch's index vectors: rows, positions, KV slots, ones, 0..n-1, steps
+class DecodeVectors(NamedTuple, Generic[V]):
+    """A decode batch's index vectors ([B] int64 each), in the order of the rows of the one buffer they
+    are views of: the one place that says which field each is, for the scheduler that builds a decode
+    (as numpy rows, then tensors) and for the device process that rebuilds one from the bytes of its
+    buffer (`decode_from_bytes`)."""
+
+    rows: V
+    positions: V  # each new token's position: its request's kv_len before the step
+    out_slots: V  # its KV slot
+    ones: V  # every request extends by one token
+    token_index: V  # 0..B-1: each request's one token, and its sampled row
+    steps: V  # output tokens each request had before this one (its random stream)
+
+
+DECODE_VECTORS = len(DecodeVectors._fields)
 
 
 def decode_batch(
-    vectors: Sequence[torch.Tensor],
+    vectors: DecodeVectors[torch.Tensor],
     max_seq_len: int,
     sampling: SampleFlags | None,
-    table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    table_writes: TableWrites | None = None,
 ) -> ForwardBatch:
-    """The decode batch whose `DECODE_VECTORS` index vectors are `vectors` (in that order): the one place
-    that says which field each vector is, for the scheduler that builds a decode and for the device
-    process that rebuilds one from the bytes of its buffer (`decode_from_bytes`)."""
-    rows, positions, out_slots, ones, ar, steps = vectors
+    """The decode batch of `vectors`."""
+    v = vectors
     return ForwardBatch(
-        input_ids=ar[:0],  # the device reads each row's future-token slot
-        positions=positions,
-        out_slots=out_slots,
-        token_rows=rows,
-        rows=rows,
-        prefix_lens=positions,
-        extend_lens=ones,
-        q_start=ar,
+        input_ids=v.token_index[:0],  # the device reads each row's future-token slot
+        positions=v.positions,
+        out_slots=v.out_slots,
+        token_rows=v.rows,
+        rows=v.rows,
+        prefix_lens=v.positions,
+        extend_lens=v.ones,
+        q_start=v.token_index,
         max_extend_len=1,
         max_seq_len=max_seq_len,
         is_decode=True,
-        sample_index=ar,
-        sample_rows=rows,
-        sample_steps=steps,
+        sample_index=v.token_index,
+        sample_rows=v.rows,
+        sample_steps=v.steps,
         sampling=sampling,
         table_writes=table_writes,
     )
@@ -150,7 +186,7 @@ def plain_decode_buffer(batch: ForwardBatch) -> torch.Tensor | None:
 def decode_from_bytes(data: bytes, max_seq_len: int, sampling: SampleFlags | None) -> ForwardBatch:
     """The decode batch `plain_decode_buffer` found, from its buffer's bytes (a writable copy)."""
     buf = torch.frombuffer(bytearray(data), dtype=torch.int64).view(DECODE_VECTORS, -1)
-    return decode_batch(buf.unbind(0), max_seq_len, sampling)
+    return decode_batch(DecodeVectors(*buf.unbind(0)), max_seq_len, sampling)
 
 
 @dataclass
@@ -163,6 +199,29 @@ class SampleJob:
 
 
 DeviceJob = ForwardBatch | SampleJob  # what a device stream runs
+
+
+@dataclass
+class HostSamples:
+    """A batch's `SampleOutput` on the host, as lists: what the scheduler folds into request state."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None  # per row: (token, logprob), most likely first
+    prompt: list[PromptLogprob] | None = None  # per scored prompt position (gapless.sampling.logprobs)
+
+    @classmethod
+    def from_tensors(cls, out: SampleOutput, host: list[torch.Tensor] | None = None) -> HostSamples:
+        """Convert, reading `host` (copies of `out.tensors()`, same order) when given."""
+        tensors = host if host is not None else out.tensors()
+        own = 1 if out.logprobs is None else 4
+        prompt = host_scores(tensors[own:]) if out.prompt is not None else None
+        tokens = tensors[0].tolist()
+        if out.logprobs is None:
+            return cls(tokens, prompt=prompt)
+        logprobs, top_ids, top_lps = (t.tolist() for t in tensors[1:4])
+        top = [list(zip(ids, lps)) for ids, lps in zip(top_ids, top_lps)]
+        return cls(tokens, logprobs, top, prompt)
 
 
 @dataclass(frozen=True)

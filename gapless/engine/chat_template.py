@@ -8,7 +8,7 @@ would give a chat model a prompt it was never trained on.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
@@ -48,10 +48,17 @@ def chat_text(
     )
 
 
+class RenderedChat(NamedTuple):
+    """A conversation through the chat template: the prompt text and its token ids."""
+
+    text: str
+    ids: list[int]
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], **options: Any
-) -> tuple[str, list[int]]:
+) -> RenderedChat:
     """`chat_text` (same options) and its token ids: encoded without added special tokens, since the
     template writes its own."""
     text = chat_text(tokenizer, messages, **options)
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return RenderedChat(text, tokenizer.encode(text, add_special_tokens=False))

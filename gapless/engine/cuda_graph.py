@@ -15,8 +15,18 @@ A graph replays fixed shapes at fixed addresses, so:
 - attention metadata is graph-safe: the graph is captured with `max_seq_len` = the runner's max context
   (a request's real length is read from device tensors at run time), so the Triton decode kernel's split
   count, a host int chosen from that maximum and the bucket size, is fixed at capture;
-- the graph ends at the final hidden states; the LM head of the real rows and sampling run eagerly
-  after it (sampling's stages depend on the batch's params, a host-side choice per step).
+- the plain decode graph ends at the final hidden states; the LM head of the real rows and sampling run
+  eagerly after it (sampling's stages depend on the batch's params, a host-side choice per step).
+- a decode whose sampling takes no per-step host input (no token mask, logit bias, penalties or logprobs:
+  `sampling_shape`) of at most `sampled_max_bs` rows replays a *sampled* graph instead: the decoder, the
+  LM head and the sampler's draw for every column, as one launch (the runner then keeps the real rows'
+  tokens in their future-token slots, one small launch, as after an eager draw). Its stages are fixed
+  by the batch's `SampleFlags` (its "shape"), so there is one such graph per bucket and shape: greedy
+  and plain temperature are captured at start-up (the anchors' workloads), any other shape (top-k,
+  top-p, min-p) on its first use, at most `MAX_LAZY_CAPTURES` times (with no device synchronisation:
+  the step that captures runs its body three times). Each row's settings are gathered inside the graph
+  from the sampler's per-row state by the static `rows`, its random stream by the static `steps`; a
+  padded column samples as the reserved row (greedy), and its token goes nowhere.
 
 Verify batches of speculative decoding (`verify_width` = 1 + K tokens per request) have graphs of their
 own, bucketed by request count like decodes: request b of a bucket owns the token columns
@@ -42,6 +52,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -49,14 +61,23 @@ from gapless.attention.base import AttentionMetadata
 from gapless.engine.batch import ForwardBatch
 from gapless.engine.spec.inputs import VerifyInputs
 from gapless.memory.req_table import ReqTable
+from gapless.sampling.rows import SampleFlags
 
 # the runner's decoder over a flat batch: (input_ids, positions, out_slots, metadata) -> hidden [T, hidden]
 ForwardTokens = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# the runner's LM head and draw of decode rows: (hidden [n, hidden], rows [n], steps [n], flags) -> tokens
+SampleTokens = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SampleFlags], torch.Tensor]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BS = 256
 WARMUP_RUNS = 2  # before capture: Triton compiles its kernels, cuBLAS settles on its algorithms
+SAMPLED_MAX_BS = 32  # buckets up to this size get sampled graphs: where a step's launches cost the most
+# the sampling shapes captured at start-up: greedy, and temperature alone (no greedy row, no filter)
+GREEDY = SampleFlags(True, True, False, False, False, False)
+TEMPERATURE = SampleFlags(False, False, False, False, False, False)
+SAMPLED_SHAPES = (GREEDY, TEMPERATURE)
+MAX_LAZY_CAPTURES = 16  # sampled graphs captured on first use, over the runner's life
 
 
 def batch_size_buckets(max_bs: int) -> list[int]:
@@ -82,11 +103,13 @@ class GraphRunner:
         hidden_size: int,
         dtype: torch.dtype,
         verify_width: int = 0,
+        sampled_max_bs: int = SAMPLED_MAX_BS,
     ) -> None:
         """`req_table` and `token_buf` (the future-token slots) are the device state a decode reads (the
         table's width bounds every request's length); `pad_row` is the reserved request-table row padded
         columns use (its token slot must hold a valid id). `verify_width`: 1 + the drafts per request of
         speculative decoding, whose verify batches get graphs too; 0 without speculation.
+        `sampled_max_bs`: decodes of up to this many rows may sample inside their graph (0: none do).
 
         The decoder itself (`ForwardTokens`, the runner's bound method) is passed to `capture` and `run`
         rather than kept: a graph runner holding its runner's method while the runner holds it would be a
@@ -119,11 +142,24 @@ class GraphRunner:
         self.verify_reqs.copy_(self.pad_req)
         self.verify_tokens.copy_(self.pad_token)
         self.hidden = torch.empty(max_bs * max(w, 1), hidden_size, dtype=dtype, device=dev)
+        # sampled graphs: each column's output step (its random stream) in, its sampled token out
+        self.sampled_max_bs = min(sampled_max_bs, max_bs)
+        self.steps = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # host-side counters for tests and logs: runs per bucket, padded rows run (decode and verify), and
-        # padding tokens run by verifies (padded requests' and those of requests drafting fewer than K)
+        self.sampled_graphs: dict[tuple[int, SampleFlags], torch.cuda.CUDAGraph] = {}
+        self.refused: set[tuple[int, SampleFlags]] = set()  # sampled graphs whose capture failed
+        self.lazy_captures = 0
+        self._pool: Any = None  # the graphs' shared memory pool, once one is captured
+        # every capture's stream: the allocator reuses a pool's free blocks on the stream that made them
+        self._capture_stream: Any = None
+        # host-side counters for tests and logs: decode runs per bucket (sampled or not) and sampled ones
+        # per (bucket, shape), padded rows run (decode and verify), and padding tokens run by verifies
+        # (padded requests' and those of requests drafting fewer than K)
         self.runs: Counter[int] = Counter()
+        self.sampled: torch.Tensor | None = None  # the tokens the last run sampled in its graph
+        self.sampled_runs: Counter[tuple[int, SampleFlags]] = Counter()
         self.verify_runs: Counter[int] = Counter()
         self.padded_rows = 0
         self.padded_tokens = 0
@@ -173,55 +209,172 @@ class GraphRunner:
         )
         self.hidden[: n * w].copy_(forward_tokens(ids, positions, out_slots, meta))
 
+    def _sampled_body(
+        self, n: int, flags: SampleFlags, forward_tokens: ForwardTokens, sample_tokens: SampleTokens
+    ) -> None:
+        """The captured work of a sampled decode of bucket `n`: `_body`, then the LM head and the draw
+        (`sample_tokens` under `flags`) of every column into `self.tokens[:n]`."""
+        self._body(n, forward_tokens)
+        self.tokens[:n].copy_(sample_tokens(self.hidden[:n], self.rows[:n], self.steps[:n], flags))
+
+    def _record(
+        self,
+        graphs: dict,
+        key: object,
+        body: Callable[[], None],
+        stream: torch.cuda.Stream,
+        lazy: bool = False,
+    ) -> None:
+        """Warm `body` up and capture it as `graphs[key]`, on `stream` (after the current stream's work),
+        in the shared memory pool; the inputs are the padding while it runs. `lazy`: mid-run, so without
+        `torch.cuda.graph`'s device synchronisation, and in thread-local mode (another thread's CUDA
+        calls meanwhile do not break the capture); the current stream then waits for `stream`."""
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                self.inputs.copy_(self.pad)
+                for _ in range(WARMUP_RUNS):
+                    body()
+            if lazy:
+                with torch.cuda.stream(stream):
+                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        body()
+                    finally:
+                        graph.capture_end()
+            else:
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    body()
+        finally:
+            current.wait_stream(stream)
+        self._pool = graph.pool()
+        graphs[key] = graph
+
     @torch.inference_mode()
-    def capture(self, forward_tokens: ForwardTokens) -> None:
+    def capture(self, forward_tokens: ForwardTokens, sample_tokens: SampleTokens | None = None) -> None:
         """Record one graph per bucket (largest first, so the smaller ones share its memory pool) of
-        `forward_tokens`, the runner's decoder. On the CPU there is nothing to capture."""
+        `forward_tokens`, the runner's decoder, and with `sample_tokens` (the runner's LM head and draw)
+        the sampled graphs of `SAMPLED_SHAPES` for the buckets up to `sampled_max_bs`. On the CPU there
+        is nothing to capture."""
         dev = self.device
         if dev.type != "cuda":
             return
         t0 = time.perf_counter()
-        self.inputs.copy_(self.pad)  # warm-up and capture run on padding only
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        pool = None
+        stream = self._capture_stream = torch.cuda.Stream(dev)
         # verifies first: the largest graphs, whose pool the decodes' then share
         bodies = [(self.verify_graphs, self._verify_body)] if self.verify_width else []
         for graphs, body in [*bodies, (self.graphs, self._body)]:
             for n in reversed(self.buckets):
-                with torch.cuda.stream(stream):
-                    for _ in range(WARMUP_RUNS):
-                        body(n, forward_tokens)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    body(n, forward_tokens)
-                pool = graph.pool()
-                graphs[n] = graph
+                self._record(graphs, n, partial(body, n, forward_tokens), stream)
+        sampled = [n for n in reversed(self.buckets) if n <= self.sampled_max_bs] if sample_tokens else []
+        if sample_tokens is not None:
+            for n in sampled:
+                for flags in SAMPLED_SHAPES:
+                    body = partial(self._sampled_body, n, flags, forward_tokens, sample_tokens)
+                    self._record(self.sampled_graphs, (n, flags), body, stream)
         torch.cuda.synchronize(dev)
         log.info(
-            "CUDA graphs: %d batch sizes up to %d captured for decode%s in %.1f s",
+            "CUDA graphs: %d batch sizes up to %d captured for decode%s%s in %.1f s",
             len(self.buckets),
             self.max_bs,
             f" and verify ({self.verify_width} tokens per request)" if self.verify_width else "",
+            f", greedy and temperature sampling up to {sampled[0]}" if sampled else "",
             time.perf_counter() - t0,
         )
 
-    def run(self, batch: ForwardBatch, forward_tokens: ForwardTokens) -> torch.Tensor:
-        """Run `batch` (on the device, `can_run`) through its bucket: its graph's replay, or
-        `forward_tokens` (the decoder the graph was captured from) where none was captured (the CPU).
-        Returns its tokens' final hidden states [T, hidden]; for a decode a view of the static output
-        (read it before the next batch runs)."""
-        b = batch.rows.shape[0]
-        n = self.buckets[bisect.bisect_left(self.buckets, b)]
-        if not batch.is_decode:
-            return self._run_verify(batch, n, forward_tokens)
+    def sampling_shape(self, batch: ForwardBatch) -> SampleFlags | None:
+        """The flags a sampled graph of `batch` is keyed by, where its sampling can run inside one: a
+        decode of at most `sampled_max_bs` rows whose stages need nothing the host gives per step (a
+        token mask), change state (penalties) or return more than the tokens (logprobs), without logit
+        bias; else None (the batch samples eagerly after its decode graph)."""
+        flags = batch.sampling
+        if flags is None or not batch.is_decode or batch.rows.shape[0] > self.sampled_max_bs:
+            return None
+        if batch.token_mask is not None or batch.defer_sampling or batch.prompt_scores is not None:
+            return None
+        if flags.need_penalties or flags.need_bias or flags.need_mask or flags.num_logprobs >= 0:
+            return None
+        return flags
+
+    @torch.inference_mode()
+    def has_sampled(
+        self,
+        batch: ForwardBatch,
+        flags: SampleFlags,
+        forward_tokens: ForwardTokens,
+        sample_tokens: SampleTokens,
+    ) -> bool:
+        """Whether `batch` (with its `sampling_shape`, `flags`) can run a sampled graph: one is
+        captured, or is now (its first use, while `MAX_LAZY_CAPTURES` allow; a failed capture is logged
+        and not tried again); always on the CPU, where the same body runs eagerly."""
+        if self.device.type != "cuda":
+            return True
+        key = (self.buckets[bisect.bisect_left(self.buckets, batch.rows.shape[0])], flags)
+        if key in self.sampled_graphs:
+            return True
+        if key in self.refused or self.lazy_captures >= MAX_LAZY_CAPTURES or self._capture_stream is None:
+            return False
+        self.lazy_captures += 1
+        body = partial(self._sampled_body, key[0], flags, forward_tokens, sample_tokens)
+        try:
+            self._record(self.sampled_graphs, key, body, self._capture_stream, lazy=True)
+        except Exception:  # noqa: BLE001 - the batch samples eagerly instead; say why once
+            log.warning(
+                "CUDA graphs: sampling %s at %d rows cannot be captured", flags, key[0], exc_info=True
+            )
+            self.refused.add(key)
+            return False
+        log.info("CUDA graphs: captured sampling %s at %d rows on first use", flags, key[0])
+        return True
+
+    def _place(self, batch: ForwardBatch, b: int, n: int) -> None:
+        """A decode's rows, positions and KV slots into the first `b` static columns, the padding into the
+        rest of bucket `n`'s."""
         self.inputs[:, :b].copy_(torch.stack((batch.rows, batch.positions, batch.out_slots)))
         if n > b:  # columns a larger batch left behind name live rows: point them back at the padding
             self.inputs[:, b:n].copy_(self.pad[:, b:n])
-        self._replay(self.graphs, self._body, n, forward_tokens)
+
+    def run(
+        self,
+        batch: ForwardBatch,
+        forward_tokens: ForwardTokens,
+        sampling: tuple[SampleFlags, SampleTokens] | None = None,
+    ) -> torch.Tensor:
+        """Run `batch` (on the device, `can_run`) through its bucket: its graph's replay, or
+        `forward_tokens` (the decoder the graph was captured from) where none was captured (the CPU).
+        Returns its tokens' final hidden states [T, hidden]; for a decode a view of the static output
+        (read it before the next batch runs). `sampling`: the decode's `sampling_shape` (for which
+        `has_sampled` said yes) and the runner's LM head and draw: its sampled graph runs, and its tokens
+        wait in `sampled` (`take_sampled`) for the runner to keep; else `sampled` is None."""
+        b = batch.rows.shape[0]
+        n = self.buckets[bisect.bisect_left(self.buckets, b)]
+        self.sampled = None
+        if not batch.is_decode:
+            return self._run_verify(batch, n, forward_tokens)
+        self._place(batch, b, n)
+        if sampling is None:
+            self._replay(self.graphs, self._body, n, forward_tokens)
+        else:
+            flags, sample_tokens = sampling
+            self.steps[:b].copy_(batch.sample_steps)
+            graph = self.sampled_graphs.get((n, flags))
+            if graph is not None:
+                graph.replay()
+            else:
+                self._sampled_body(n, flags, forward_tokens, sample_tokens)
+            self.sampled_runs[n, flags] += 1
+            self.sampled = self.tokens[:b].clone()  # the next replay overwrites the static buffer
         self.runs[n] += 1
         self.padded_rows += n - b
         return self.hidden[:b]
+
+    def take_sampled(self) -> torch.Tensor | None:
+        """The tokens [B] (on the device) the last `run` sampled inside its graph, once; None if it
+        sampled nothing."""
+        tokens, self.sampled = self.sampled, None
+        return tokens
 
     @staticmethod
     def _replay(

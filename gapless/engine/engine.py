@@ -31,6 +31,7 @@ from gapless.engine import prompt_logprobs
 from gapless.engine.detokenize import detokenize
 from gapless.engine.grammar import Grammars, check_logit_bias
 from gapless.engine.heap import gc_pauses
+from gapless.engine.meter import BubbleMeter
 from gapless.engine.preflight import check_engine_config
 from gapless.engine.request import Req
 from gapless.engine.runner import ModelRunner
@@ -56,7 +57,7 @@ class Engine:
                 "data parallelism is served: gapless serve --data-parallel-size N"
             )
         # the model as local files (a path, a built-in name or a Hugging Face id), checked before it loads
-        self.cfg = cfg = check_engine_config(cfg)[0]
+        self.cfg = cfg = check_engine_config(cfg).cfg
         gc_pauses()  # counting from here
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)
         # what a request's unset sampling knobs take (`add_request`): the checkpoint's, unless
@@ -130,6 +131,12 @@ class Engine:
     def stats(self) -> EngineStats:
         """The live counters and bubble-meter figures (`get_stats` adds the queue and KV gauges)."""
         return self.scheduler.stats
+
+    @property
+    def meter(self) -> BubbleMeter:
+        """The bubble meter behind `stats`' time figures: a loop around `step` meters its own host work
+        beside the step's spans (`BubbleMeter.span`, or `host_span`), and a benchmark `reset`s it."""
+        return self.scheduler.meter
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt, validated: non-empty, in the vocabulary, leaving room for one new token."""
@@ -258,7 +265,7 @@ class Engine:
             while self.has_unfinished():
                 self.step()
             if self.cfg.trace_path:
-                self.scheduler.meter.write_trace(self.cfg.trace_path)
+                self.meter.write_trace(self.cfg.trace_path)
         finally:
             self._release()
 

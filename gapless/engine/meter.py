@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from gapless.engine.stats import EngineStats
 
 
 class BubbleMeter:
     """Fills the time figures of an `EngineStats` (`steps`, `device_jobs`, `device_busy_s`,
-    `device_idle_s`, `host_s` and its prefill/decode split); the scheduler calls it around each span of
-    its loop, and at the end of a step says what the step launched."""
+    `device_idle_s`, `host_s` and its prefill/decode split). The scheduler wraps each host span of its
+    loop in `span` (and the part of one that is not its own in `paused`), reports each device job
+    (`job`), and at the end of a step says what the step launched (`step_done`)."""
 
     def __init__(self, keep_trace: bool = False, stats: EngineStats | None = None) -> None:
         self.keep_trace = keep_trace
@@ -28,6 +32,32 @@ class BubbleMeter:
         self._step_host = 0.0  # host time of the step under way
         self._last_end: float | None = None
         self.spans: list[tuple[str, str, float, float]] = []  # (track, name, start, end)
+        self._open: list | None = None  # [name, start] of the innermost span under way
+
+    @contextmanager
+    def span(self, name: str, record: bool = True) -> Iterator[None]:
+        """Meter the block as host span `name` (unless not `record`), less any part of it `paused`."""
+        outer, self._open = self._open, [name, time.perf_counter()]
+        try:
+            yield
+        finally:
+            name, start = self._open
+            if record:
+                self.host_span(name, start, time.perf_counter())
+            self._open = outer
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside a span, a block that is not its time (a wait for the device, and spans of its own): the
+        span's part so far is metered now, and it goes on after the block."""
+        if self._open is None:
+            yield
+            return
+        self.host_span(self._open[0], self._open[1], time.perf_counter())
+        try:
+            yield
+        finally:
+            self._open[1] = time.perf_counter()
 
     def stats(self) -> EngineStats:
         """The figures this meter writes into."""
@@ -39,8 +69,9 @@ class BubbleMeter:
         if self.keep_trace:
             self.spans.append(("host", name, start, end))
 
-    def step_done(self, launched: str | None = None) -> None:
-        """The step is over; it launched a batch of kind `launched` ("extend" or "decode"), or none."""
+    def step_done(self, launched: str | None = None, idle: bool = False) -> None:
+        """The step is over; it launched a batch of kind `launched` ("extend" or "decode"), or none. `idle`:
+        no requests are pending after it (`went_idle`)."""
         st = self._stats
         st.steps += 1
         if launched == "extend":
@@ -50,6 +81,8 @@ class BubbleMeter:
             st.decode_steps += 1
             st.decode_host_s += self._step_host
         self._step_host = 0.0
+        if idle:
+            self.went_idle()
 
     def job(self, name: str, start: float, end: float, idle: float = 0.0) -> None:
         """A device job ran [start, end], waiting `idle` of it (a sampling deferred for its mask); the gap

@@ -11,9 +11,10 @@ the device check imports torch, and only for a CUDA device.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
+from typing import NamedTuple
 
+from gapless import env
 from gapless.config import EngineConfig
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.generation_config import generation_defaults
@@ -25,10 +26,17 @@ log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # set to 1 to accept a max_model_len above the model's max_position_embeddings (as vLLM's
 # VLLM_ALLOW_LONG_MAX_MODEL_LEN): RoPE then runs on positions the model never saw in training
-ALLOW_LONG_MAX_MODEL_LEN_ENV = "GAPLESS_ALLOW_LONG_MAX_MODEL_LEN"
+ALLOW_LONG_MAX_MODEL_LEN_ENV = env.ALLOW_LONG_MAX_MODEL_LEN.name
 
 
-def check_engine_config(cfg: EngineConfig) -> tuple[EngineConfig, ModelConfig]:
+class CheckedConfig(NamedTuple):
+    """An engine config found usable, and its model's config."""
+
+    cfg: EngineConfig  # with its model made local
+    model: ModelConfig
+
+
+def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     """`cfg` with its model made local (see `gapless.model.source.localize`: fetched or downloaded when
     it names a built-in model or a Hugging Face id) and the model's config, once the checkpoint, the
     context length and the device are known to be usable; ValueError (one line, naming what is wrong)
@@ -46,7 +54,7 @@ def check_engine_config(cfg: EngineConfig) -> tuple[EngineConfig, ModelConfig]:
     check_max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, cfg.model)
     check_device(cfg.device)
     check_tensor_parallel(cfg, mcfg)
-    return cfg, mcfg
+    return CheckedConfig(cfg, mcfg)
 
 
 def check_tensor_parallel(cfg: EngineConfig, mcfg: ModelConfig) -> None:
@@ -77,7 +85,7 @@ def check_max_model_len(max_model_len: int | None, limit: int, model: str) -> No
         f"max_model_len={max_model_len} is more than the model's context length "
         f"(max_position_embeddings={limit} in {model})"
     )
-    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0") in ("", "0"):
+    if not env.ALLOW_LONG_MAX_MODEL_LEN.get():
         raise ValueError(
             f"{what}; lower it, or set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to run past it anyway (outputs "
             "beyond the trained length may be wrong)"

@@ -15,14 +15,23 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from gapless.engine.request import Req
+from gapless.engine.request import Extend, Req
 from gapless.sampling.logprobs import PromptLogprob, PromptLogprobState, PromptScoreAsk
 from gapless.sampling_params import SamplingParams
 
-Scored = list[tuple[Req, int]]  # an extend batch's scoring requests, with how many positions each scores
+
+class ScoredReq(NamedTuple):
+    """A request that scores prompt positions in an extend batch, and how many."""
+
+    req: Req
+    positions: int
+
+
+Scored = list[ScoredReq]  # an extend batch's scoring requests
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,14 @@ def reuse_limit(req: Req) -> int:
     return limit
 
 
-def plan_scores(entries: list[tuple[Req, int]]) -> tuple[PromptScoreAsk | None, Scored]:
+class ScorePlan(NamedTuple):
+    """The prompt positions an extend batch scores: what the device computes, and per request how many."""
+
+    ask: PromptScoreAsk | None  # None: the batch scores none
+    scored: Scored
+
+
+def plan_scores(entries: list[Extend]) -> ScorePlan:
     """What an extend batch of `entries` (request, tokens it computes; `kv_len` already advanced)
     scores: the flat indices and target tokens of the prompt positions its requests still need, and per
     scoring request how many. Advances each request's `next` (state moves at schedule time)."""
@@ -71,14 +87,14 @@ def plan_scores(entries: list[tuple[Req, int]]) -> tuple[PromptScoreAsk | None, 
                 assert lo >= first, "a scored position's hidden state came from the cache"
                 index.append(torch.arange(flat + lo - first, flat + hi - first))
                 targets += req.prompt_ids[lo + 1 : hi + 1]
-                scored.append((req, hi - lo))
+                scored.append(ScoredReq(req, hi - lo))
                 state.next = hi + 1
                 top_k = max(top_k, state.top_k)
         flat += n
     if not scored:
-        return None, []
+        return ScorePlan(None, [])
     ask = PromptScoreAsk(torch.cat(index), torch.tensor(targets, dtype=torch.int64), top_k)
-    return ask, scored
+    return ScorePlan(ask, scored)
 
 
 def fold_scores(scored: Scored, values: list[PromptLogprob] | None) -> None:

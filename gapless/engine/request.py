@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from gapless.memory.radix_cache import TreeNode
+from gapless.memory.cache_base import TreeNode
 from gapless.sampling.logprobs import PromptLogprobState
 from gapless.sampling_params import SamplingParams
 
@@ -72,3 +72,11 @@ class Req:
 
     def remaining_tokens(self, max_context: int) -> int:
         return max(0, min(self.params.max_tokens - len(self.output_ids), max_context - self.seq_len))
+
+
+class Extend(NamedTuple):
+    """A request's part of an extend batch: the tokens it computes there (its last `tokens` positions
+    once its `kv_len` has advanced past them)."""
+
+    req: Req
+    tokens: int

@@ -24,7 +24,7 @@ from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
 from gapless.engine.batch import DeviceJob, ForwardBatch, RunnerInfo, SampleJob
 from gapless.engine.cpu_dtype import slow_dtype_warning
-from gapless.engine.cuda_graph import DEFAULT_MAX_BS, GraphRunner
+from gapless.engine.cuda_graph import DEFAULT_MAX_BS, SAMPLED_MAX_BS, GraphRunner, SampleTokens
 from gapless.engine.defaults import apply_device_defaults, device_memory
 from gapless.engine.memory_plan import (
     CpuKVPlan,
@@ -48,7 +48,9 @@ from gapless.model.loader import load_model, resolve_dtype
 from gapless.sampling.fused import draw_kernel, nucleus_kernel, penalty_kernel
 from gapless.sampling.logprobs import PromptScores, score_prompt
 from gapless.sampling.mask import TokenMask
+from gapless.sampling.rows import RowParams, SampleFlags
 from gapless.sampling.sampler import SampleOutput, Sampler, compute_logprobs
+from gapless.sampling_params import SamplingParams
 from gapless.tensors import dataclass_to_device
 
 log = logging.getLogger(__name__)
@@ -102,7 +104,8 @@ class ModelRunner:
         self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
         self.fused_kernels = use_fused_kernels(self.model, cfg.fused_kernels, self.device)  # "triton"/"torch"
 
-        self.sampler = Sampler(mcfg.vocab_size, max_rows, self.device)
+        # (a state row for the reserved row too, which the padded columns of a sampled graph read)
+        self.sampler = Sampler(mcfg.vocab_size, max_rows + 1, self.device)
         self.sampler.draw_kernel = draw_kernel(cfg.fused_kernels, mcfg.vocab_size, self.device)
         self.sampler.penalty_kernel = penalty_kernel(cfg.fused_kernels, mcfg.vocab_size, self.device)
         self.sampler.nucleus_kernel = nucleus_kernel(cfg.fused_kernels, mcfg.vocab_size, self.device)
@@ -155,7 +158,12 @@ class ModelRunner:
                 dtype=self.dtype,
                 verify_width=cfg.speculative_num_draft_tokens + 1 if self.spec is not None else 0,
             )
-            self.graphs.capture(self.forward_tokens)
+            # padded columns of a sampled graph draw as the reserved row: a greedy row's neutral values
+            pad_values, _, _ = RowParams.build(
+                [SamplingParams(temperature=0.0).resolved()], [self.pad_row], [0], mcfg.vocab_size
+            )
+            self.sampler.write_rows(dataclass_to_device(pad_values, self.device))
+            self.graphs.capture(self.forward_tokens, self.sample_tokens)
         if cfg.piecewise_cuda_graph_max_tokens:
             self.piecewise = PiecewiseGraphs(
                 cfg.piecewise_cuda_graph_max_tokens, self.model, self.kv_pool, self.backend, self.dtype
@@ -274,14 +282,15 @@ class ModelRunner:
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Apply the batch's table writes and run the decoder (through the decode graphs or the prefill
         pieces when they take the batch); returns hidden states [T, hidden]. `batch` must already be on
-        this device."""
+        this device. A decode whose sampling its graph takes (`_graph_sampling`) runs its sampled graph,
+        which draws its tokens too: `run` takes them (`GraphRunner.take_sampled`) instead of sampling."""
         table = self.req_table
         if batch.table_writes is not None:
             table.apply_writes(*batch.table_writes)
         draft = self.spec.draft if self.spec is not None else None
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(batch) else None
         if graphs is not None:
-            hidden = graphs.run(batch, self.forward_tokens)
+            hidden = graphs.run(batch, self.forward_tokens, self._graph_sampling(batch))
             if draft is None:
                 return hidden
         else:
@@ -323,7 +332,11 @@ class ModelRunner:
         prompt = None
         if batch.prompt_scores is not None:  # prompt logprobs: in bounded pieces (gapless.sampling.logprobs)
             prompt = score_prompt(hidden, self.model.logits, batch.prompt_scores, self.sampler.vocab_size)
-        if batch.sampling is None:
+        sampled = self.graphs.take_sampled() if self.graphs is not None else None
+        if sampled is not None:  # its graph sampled it
+            self.token_buf[batch.sample_rows] = sampled
+            out = SampleOutput(sampled)
+        elif batch.sampling is None:
             out = SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
         else:
             logits = self.model.logits(hidden[batch.sample_index])
@@ -333,6 +346,26 @@ class ModelRunner:
             out = self._sample(batch, logits, batch.token_mask)
         out.prompt = prompt
         return out
+
+    def _graph_sampling(self, batch: ForwardBatch) -> tuple[SampleFlags, SampleTokens] | None:
+        """For a decode whose sampling its graph can take (`GraphRunner.sampling_shape`, `has_sampled`):
+        its flags and the LM head and draw for the graph to run; None for any other batch, and under
+        speculative decoding, which verifies what it samples."""
+        graphs = self.graphs
+        if graphs is None or self.spec is not None or not graphs.can_run(batch):
+            return None
+        flags = graphs.sampling_shape(batch)
+        if flags is None or not graphs.has_sampled(batch, flags, self.forward_tokens, self.sample_tokens):
+            return None
+        return flags, self.sample_tokens
+
+    def sample_tokens(
+        self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, flags: SampleFlags
+    ) -> torch.Tensor:
+        """The LM head and draw of decode rows whose sampling needs no mask, bias, penalties or logprobs:
+        what a sampled decode graph records after the decoder (`GraphRunner.SampleTokens`)."""
+        logits = self.model.logits(hidden)
+        return self.sampler.sample(logits, self.sampler.batch(rows, steps, flags))
 
     def _sample(self, batch: ForwardBatch, logits: torch.Tensor, mask: TokenMask | None) -> SampleOutput:
         """Sample `batch`'s next tokens from its `logits` under `mask` and keep them in the token slots."""
@@ -366,7 +399,8 @@ def measure_activations(
 ) -> tuple[int, int]:
     """Bytes above what stays allocated: (the peak of a dummy prefill of `prefill_tokens` tokens and a
     dummy decode of `max_running_requests` rows, sampling with every stage on; the peak of a decode
-    forward of `graph_bs` rows, or with speculation (`verify_width` tokens per request) of an extend
+    forward of `graph_bs` rows, or of a decode of the largest sampled graph's rows with its sampling
+    (every stage on), or with speculation (`verify_width` tokens per request) of an extend
     forward of `graph_bs * verify_width` tokens if larger, which is about what the graphs' shared memory
     pool keeps, plus with piecewise prefill graphs of up to `piecewise_tokens` tokens their static
     buffers and the peak of their pieces on the largest bucket, which their own pool keeps).
@@ -390,6 +424,10 @@ def measure_activations(
     if graph_bs:
         fwd = dataclass_to_device(dummy_decode(graph_bs, pad, max_rows, vocab), runner.device)
         graph_bytes = _peak_bytes(runner.device, lambda: scratch.forward_hidden(fwd))
+        # a sampled graph keeps its LM head's and sampler's buffers too: bounded by a decode of its size
+        # sampling with every stage on
+        sampled = dummy_decode(min(graph_bs, SAMPLED_MAX_BS), pad, max_rows, vocab)
+        graph_bytes = max(graph_bytes, _peak_bytes(runner.device, lambda: scratch.run(sampled)))
     if graph_bs and verify_width:  # the largest verify graph: graph_bs requests of verify_width tokens
         tokens = graph_bs * verify_width
         ext = dataclass_to_device(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.radix_cache import PrefixCache
+from gapless.memory.cache_base import PrefixCache
 from gapless.memory.req_table import ReqTable
 
 

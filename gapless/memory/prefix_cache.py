@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.radix_cache import PrefixCache, TreeNode
+from gapless.memory.cache_base import MatchResult, PrefixCache, TreeNode
 
 
 @dataclass(frozen=True)
@@ -68,19 +68,17 @@ def release_uncached(cache: PrefixCache, allocator: PageAllocator, node: TreeNod
     cache.unlock(node)
 
 
-def cache_unfinished(
-    cache: PrefixCache, allocator: PageAllocator, held: HeldKV
-) -> tuple[torch.Tensor, TreeNode, int]:
+def cache_unfinished(cache: PrefixCache, allocator: PageAllocator, held: HeldKV) -> MatchResult:
     """Share a running request's computed prefix (after a prefill chunk) and re-pin it.
 
     Inserts the page-aligned part ``[0, A)``, re-matches it and moves the request's lock from
-    ``held.node`` to the new match. Returns ``(prefix_slots, new_node, new_cached_len)``: the engine
-    rewrites its request-table row ``[0, new_cached_len)`` with ``prefix_slots`` (the tree's slots).
+    ``held.node`` to the new match, which it returns: the engine rewrites its request-table row
+    ``[0, match.length)`` with ``match.slots`` (the tree's slots), and the request now holds ``match.node``.
     The request's own pages in ``[cached_len, new_cached_len)`` that the tree did not adopt (the
     duplicates of a prefix someone else cached first) are freed, since the row no longer points at
     them. The unaligned tail ``[A, len)`` and its partial page stay the request's: it keeps writing
-    into that page. With :class:`NoPrefixCache` nothing changes hands and ``([], root, 0)`` is
-    returned.
+    into that page. With :class:`NoPrefixCache` nothing changes hands and the match is the root's, of
+    length 0.
     """
     slots, aligned, _ = _insert_aligned(cache, held)
     cached_len = held.cached_len
@@ -94,7 +92,7 @@ def cache_unfinished(
     allocator.free(own[own != tree])
     cache.lock(match.node)  # lock the new path before unlocking the old, shared part never dips to 0
     cache.unlock(held.node)
-    return match.slots, match.node, new_len
+    return match
 
 
 def alloc_pages(allocator: PageAllocator, cache: PrefixCache, n: int) -> torch.Tensor | None:

@@ -1,13 +1,6 @@
-"""Prefix caches: a radix tree from token prefixes to KV slots (SGLang's RadixCache), and a null cache.
-
-Ownership model. Every usable KV page is, at any time, exactly one of: free in the allocator, owned by
-the tree (it holds KV for a cached prefix and is freed only by ``evict``), or owned by one live request
-(KV the request computed that the tree has not adopted). A request that matched a prefix *reads* the
-tree's pages for it and holds a lock on the matched node so they cannot be evicted under it.
-
-Both caches implement :class:`PrefixCache`; the engine never branches on which one it has, because it
-only calls ``prefix_len`` to order waiting requests, ``match_prefix``/``lock`` at admission and the
-helpers in ``prefix_cache`` afterwards.
+"""The radix tree prefix cache (SGLang's RadixCache): token prefixes to the KV slots that hold them,
+in whole pages, with LRU eviction of unlocked leaves. What a prefix cache owns and promises, and the null
+cache beside it, are in `gapless.memory.cache_base`.
 """
 
 from __future__ import annotations
@@ -15,91 +8,23 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from gapless.memory.allocator import PageAllocator
-
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class TreeNode:
-    """One edge of the radix tree: a run of whole pages of tokens and the slots holding their KV.
-
-    ``lock_ref`` counts the locks held on this node or any descendant (locks are applied along the
-    path to the root), so a node with ``lock_ref > 0`` is pinned.
-    """
-
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access")
-
-    def __init__(self, id: int, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None) -> None:
-        self.id = id  # creation order; also the LRU tie-break, so eviction order is deterministic
-        self.key = key  # token ids, len a multiple of page_size
-        self.value = value  # int64 CPU slots, same length as key
-        self.parent = parent  # None for the root and for evicted nodes
-        self.children: dict[object, TreeNode] = {}
-        self.lock_ref = 0
-        self.last_access = 0  # logical clock, not wall time, so tests are deterministic
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    """Longest cached page-aligned prefix: its slots (int64 CPU), deepest node (root if none), length."""
-
-    slots: torch.Tensor
-    node: TreeNode
-    length: int
-
-
-class PrefixCache(Protocol):
-    """What the engine and the helpers in ``prefix_cache`` need from a prefix cache."""
-
-    page_size: int
-
-    def prefix_len(self, tokens: Sequence[int]) -> int: ...
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult: ...
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int: ...
-    def lock(self, node: TreeNode) -> None: ...
-    def unlock(self, node: TreeNode) -> None: ...
-    def evict(self, num_tokens: int) -> int: ...
-    @property
-    def evictable_size(self) -> int: ...
-    @property
-    def protected_size(self) -> int: ...
-    @property
-    def total_size(self) -> int: ...
-    @property
-    def active_locks(self) -> int: ...
-    def all_slots(self) -> torch.Tensor: ...
-    def reset(self) -> None: ...
-    def check_invariants(self) -> None: ...
-
-
-def _as_tuple(tokens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
-    if isinstance(tokens, torch.Tensor):
-        return tuple(tokens.reshape(-1).tolist())
-    return tuple(tokens)
+from gapless.memory.cache_base import (
+    EMPTY_SLOTS,
+    MatchResult,
+    TreeNode,
+    as_tuple,
+    host_slots,
+    validate_insert,
+)
 
 
 def _whole_pages(tokens: Sequence[int] | torch.Tensor, page_size: int) -> tuple[int, ...]:
-    toks = _as_tuple(tokens)
+    toks = as_tuple(tokens)
     return toks[: len(toks) // page_size * page_size]
-
-
-def _host_slots(slots: torch.Tensor) -> torch.Tensor:
-    return slots.reshape(-1).to(device="cpu", dtype=torch.int64)
-
-
-def _validate_insert(tokens: tuple[int, ...], slots: torch.Tensor, page_size: int) -> None:
-    if len(tokens) != slots.numel():
-        raise ValueError(f"insert: {len(tokens)} tokens but {slots.numel()} slots")
-    if len(tokens) % page_size:
-        raise ValueError(f"insert: length {len(tokens)} is not a multiple of page_size {page_size}")
 
 
 def _fail(msg: str) -> None:
@@ -133,7 +58,7 @@ class RadixCache:
         """
         self._ids = itertools.count()
         self._clock = 0
-        self.root = TreeNode(next(self._ids), (), _EMPTY, None)
+        self.root = TreeNode(next(self._ids), (), EMPTY_SLOTS, None)
         self._evictable_size = 0
         self._protected_size = 0
         self._active_locks = 0
@@ -176,7 +101,7 @@ class RadixCache:
         ``length`` (locking it then pins exactly the matched prefix). Touches the path for LRU.
         """
         node, length, values = self._descend(_whole_pages(tokens, self.page_size), self._tick())
-        slots = torch.cat(values) if values else _EMPTY.clone()
+        slots = torch.cat(values) if values else EMPTY_SLOTS.clone()
         return MatchResult(slots=slots, node=node, length=length)
 
     def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
@@ -187,9 +112,9 @@ class RadixCache:
         caller's job); the tree adopts ``slots[P:]`` and will free them when it evicts them.
         ``len(tokens) == len(slots)`` and a multiple of ``page_size``, else ValueError.
         """
-        toks = _as_tuple(tokens)
-        slots = _host_slots(slots)
-        _validate_insert(toks, slots, self.page_size)
+        toks = as_tuple(tokens)
+        slots = host_slots(slots)
+        validate_insert(toks, slots, self.page_size)
         tick = self._tick()
         node, present, _ = self._descend(toks, tick)
         if present < len(toks):
@@ -264,7 +189,7 @@ class RadixCache:
     def all_slots(self) -> torch.Tensor:
         """Every slot the tree owns (int64 CPU), in no particular order."""
         values = [n.value for n in self._nodes()]
-        return torch.cat(values) if values else _EMPTY.clone()
+        return torch.cat(values) if values else EMPTY_SLOTS.clone()
 
     def check_invariants(self) -> None:
         """Walk the tree and raise AssertionError on any broken invariant.
@@ -445,71 +370,3 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
-
-
-class NoPrefixCache:
-    """The prefix cache when prefix caching is off: it never holds anything.
-
-    Contract, chosen so the ``prefix_cache`` helpers and the engine run the same code for both
-    caches: ``prefix_len`` is always 0 and ``match_prefix`` always matches 0 tokens at the root;
-    ``insert`` adopts nothing and returns ``len(tokens)``, i.e. by the ``insert`` contract the caller
-    keeps ownership of every slot it passed; ``lock``/``unlock`` only count (so leaks and double
-    unlocks are still caught); ``evict`` frees nothing. With it, ``cache_finished`` frees everything
-    the request holds and ``cache_unfinished`` leaves the request owning all of its slots.
-    """
-
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
-        if page_size != allocator.page_size:
-            raise ValueError(f"page_size {page_size} != allocator.page_size {allocator.page_size}")
-        self.allocator = allocator
-        self.page_size = page_size
-        self.root = TreeNode(0, (), _EMPTY, None)
-        self._active_locks = 0
-
-    def reset(self) -> None:
-        self._active_locks = 0
-
-    @property
-    def evictable_size(self) -> int:
-        return 0
-
-    @property
-    def protected_size(self) -> int:
-        return 0
-
-    @property
-    def total_size(self) -> int:
-        return 0
-
-    @property
-    def active_locks(self) -> int:
-        return self._active_locks
-
-    def prefix_len(self, tokens: Sequence[int]) -> int:
-        return 0
-
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
-        return MatchResult(slots=_EMPTY.clone(), node=self.root, length=0)
-
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
-        toks = _as_tuple(tokens)
-        _validate_insert(toks, _host_slots(slots), self.page_size)
-        return len(toks)
-
-    def lock(self, node: TreeNode) -> None:
-        self._active_locks += 1
-
-    def unlock(self, node: TreeNode) -> None:
-        if self._active_locks == 0:
-            raise RuntimeError("unlock without a matching lock")
-        self._active_locks -= 1
-
-    def evict(self, num_tokens: int) -> int:
-        return 0
-
-    def all_slots(self) -> torch.Tensor:
-        return _EMPTY.clone()
-
-    def check_invariants(self) -> None:
-        if self._active_locks < 0:
-            _fail("negative lock count")

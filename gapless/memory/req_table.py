@@ -75,6 +75,7 @@ class ReqTable:
         stream order, before the batch that needs them. Tensors already on the device are used as they
         are (no copy, no host sync).
         """
+        assert self.device_table is not None, "a host-only request table (device=None) has no device table"
         rows = rows.to(self.device, torch.int64, non_blocking=True)
         positions = positions.to(self.device, torch.int64, non_blocking=True)
         slots = slots.to(self.device, torch.int32, non_blocking=True)

@@ -39,16 +39,18 @@ oneDNN) or fail on a probe, nothing is packed and the reason is logged once.
 from __future__ import annotations
 
 import logging
-import os
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from gapless import env
 from gapless.model.layers import ParallelLMHead, _Linear
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=nn.Module)
 
-ENV = "GAPLESS_CPU_GEMM"  # "plain": leave the weights unpacked (the default is "onednn")
+ENV = env.CPU_GEMM.name  # "plain": leave the weights unpacked (the default is "onednn")
 PACK_FOR_ROWS = 8  # the batch oneDNN chooses the blocked layout for; the measured best for 1-32 rows
 # a lone row is computed as this many copies of itself (a few hundred bytes copied), its first output
 # row kept: see `PackedLinear`
@@ -100,7 +102,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
         return "bfloat16 on a CPU without AVX512-BF16 or AMX"
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} (only float32 and bfloat16 were measured faster)"
-    if os.environ.get(ENV, "onednn") == "plain":
+    if env.CPU_GEMM.get() == "plain":
         return f"{ENV}=plain"
     if not torch.backends.mkldnn.is_available():
         return "this torch is built without oneDNN"
@@ -116,7 +118,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def pack_cpu_gemms(model: nn.Module) -> nn.Module:
+def pack_cpu_gemms(model: M) -> M:
     """`model`, its linear layers and LM head given a packed weight (`cpu_gemm`) when on a CPU in float32
     or natively computed bfloat16 (see the module's docstring); unchanged elsewhere. Call once, after the
     weights are loaded."""

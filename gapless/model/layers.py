@@ -24,7 +24,7 @@ from gapless.model.quant.base import UNQUANTIZED, LinearMethod
 
 
 def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:
-    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.weight_loader = loader  # type: ignore[attr-defined]  # an attribute torch's Parameter lacks
     return param
 
 
@@ -286,6 +286,8 @@ class RotaryEmbedding(nn.Module):
     share of a decode step. The table keeps sin with the sign of rotate-half folded in (`-sin` on the
     first half), so `x * cos + swap_halves(x) * sin` is bit for bit `x * cos + rotate_half(x) * sin`
     (negation is exact, in every dtype)."""
+
+    cos_sin: torch.Tensor  # a buffer (register_buffer), which nn.Module's attribute typing cannot see
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None

@@ -196,7 +196,7 @@ def _expected(model: CausalLM) -> set[str]:
     expected = set()
     for name, _ in model.named_parameters():
         owner = _owner(model, name)
-        if hasattr(owner, "checkpoint_shards"):
+        if isinstance(owner, moe.Experts):
             shards = owner.checkpoint_shards(name.rsplit(".", 1)[1])
         else:
             shards = list(getattr(owner, "shard_offsets", None) or ())

@@ -16,15 +16,15 @@ builtins only (`tl.full`, `tl.exp`), so the interpreter never calls a helper bui
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from gapless import env
+
 # the interpreter multiplies the raw bits of bf16 `tl.dot` operands (triton-lang/triton#11584): there the
 # operands go in as fp32 (same values), as `gapless.attention.triton_kernels` does it
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+INTERPRET = env.TRITON_INTERPRET.get()
 
 
 @triton.jit

@@ -46,6 +46,7 @@ class TPGroup:
     size: int = 1
     pg: Any = None  # the device collectives' process group (gloo or NCCL); None for one rank
     host_pg: Any = None  # gloo, for the per-step batch broadcast (bytes on the host)
+    store: Any = None  # the store the groups were made over (`connect`'s), kept alive as long as the group
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks, in place (every rank gets the same bits)."""
@@ -85,7 +86,7 @@ class TPGroup:
             return value
         t = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch's stub: MIN is a RedOpType
         _wait(self.host_pg.allreduce([t], opts))
         return int(t.item())
 
@@ -145,19 +146,17 @@ def connect(addr: str, rank: int, size: int, timeout_s: float, device: torch.dev
     host, port = addr.rsplit(":", 1)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, not in torch's stubs
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host, int(port)))]
     host_pg = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, opts)
-    pg = host_pg
+    pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL = host_pg
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL works on the current device
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size, nccl_opts)
-    group = TPGroup(rank, size, pg, host_pg)
-    group.store = store  # type: ignore[attr-defined]  # kept alive as long as the group
-    return group
+    return TPGroup(rank, size, pg, host_pg, store)
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from gapless import env
 from gapless.config import EngineConfig
 from gapless.default_model import DEFAULT_MODEL, TINY_RANDOM, builtin_model_path
 from gapless.default_model.checkpoint import build_atomically, cache_dir
@@ -31,7 +31,6 @@ from gapless.model.gguf import is_gguf_file
 
 # What a checkpoint needs from a Hugging Face repository (not its other weight formats, nor its GGUFs)
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
-_TRUE = ("1", "on", "yes", "true")
 
 
 class ModelSourceError(ValueError):
@@ -56,7 +55,7 @@ def _local(path: Path, *, tokenizer: bool = False) -> Path:
 
 
 def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+    return env.HF_HUB_OFFLINE.get()
 
 
 def _hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> Path:

@@ -4,12 +4,12 @@
 sort) follow the engine's `fused_kernels` choice ("auto", "torch", "triton", as
 `gapless.model.fused.use_fused_kernels` validates it), through one chooser (`_choose`): "auto" takes a
 kernel on CUDA only after it agrees with its torch path on a fixed batch of this vocabulary's size
-(`disagreement`: the draw (`gapless.sampling.triton_gumbel`) draws the tokens of
-`gapless.sampling.sampler.gumbel_argmax`, in both of its modes (logits scaled by the kernel, and scaled and
-filtered before it) and with greedy rows among them; `penalty_disagreement`: the penalties
-(`gapless.sampling.triton_penalties`) are bit for bit those of `gapless.sampling.sampler.apply_penalties`;
-`nucleus_disagreement`: the nucleus floors (`gapless.sampling.triton_nucleus`) are the sort's on rows
-whose boundaries lie clear of rounding); on any error or disagreement it logs why and returns None
+(`disagreement`: the draw (`gapless.sampling.triton_sample`) draws the torch Sampler's tokens on rows
+whose kept sets lie clear of rounding, in every filter mode and with greedy rows among them;
+`penalty_disagreement`: the penalties (`gapless.sampling.triton_penalties`) are bit for bit those of
+`gapless.sampling.sampler.apply_penalties`; `nucleus_disagreement`: the nucleus floors
+(`gapless.sampling.triton_nucleus`, for the torch draw) are the sort's on rows whose boundaries lie clear
+of rounding); on any error or disagreement it logs why and returns None
 (torch). Nothing here imports Triton before a choice needs it.
 """
 
@@ -25,21 +25,22 @@ from typing import TypeVar
 import torch
 
 from gapless.config import FUSED_KERNELS
-from gapless.sampling.sampler import (
-    NucleusKernel,
-    PenaltyKernel,
-    _bits_as_int32,
-    _column_hashes,
-    _nucleus_floor,
-    _row_keys,
-    apply_penalties,
-    gumbel_argmax,
-)
+from gapless.sampling.filters import NucleusKernel, _nucleus_floor
+from gapless.sampling.sampler import DrawKernel, PenaltyKernel, Sampler, SamplingBatch, apply_penalties
+from gapless.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DrawKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 K = TypeVar("K")
+# `nucleus_rows`' six rows under filters whose kept sets lie clear of rounding (and a greedy row)
+FILTERED = [
+    SamplingParams(top_p=0.6),
+    SamplingParams(top_k=3, temperature=0.5),
+    SamplingParams(top_k=5, top_p=0.8),
+    SamplingParams(min_p=0.1),
+    SamplingParams(top_p=0.999, temperature=1.0),
+    SamplingParams(temperature=0),
+]
 
 
 def _choose(
@@ -81,12 +82,12 @@ def _choose(
 
 
 def draw_kernel(name: str, vocab_size: int, device: torch.device) -> DrawKernel | None:
-    """The fused draw for `Sampler.draw_kernel` under `fused_kernels=name`, or None for torch ops."""
+    """The sort-free draw for `Sampler.draw_kernel` under `fused_kernels=name`, or None for torch ops."""
     return _choose(
         name,
         device,
-        "gapless.sampling.triton_gumbel",
-        lambda kernels: partial(_fused_draw, kernels.gumbel_argmax),
+        "gapless.sampling.triton_sample",
+        lambda kernels: partial(_fused_draw, kernels.draw),
         lambda kernel: disagreement(kernel, vocab_size, device),
     )
 
@@ -115,33 +116,37 @@ def nucleus_kernel(name: str, vocab_size: int, device: torch.device) -> NucleusK
 
 
 def _fused_draw(
-    kernel: Callable[..., torch.Tensor],
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    keys: torch.Tensor,
-    scale: bool,
+    kernel: Callable[..., torch.Tensor], logits: torch.Tensor, batch: SamplingBatch
 ) -> torch.Tensor:
-    """`Sampler.draw_kernel`'s signature over the kernel, which takes the keys' 32 bits as int32."""
-    return kernel(logits, temperature, _bits_as_int32(keys), scale)
+    """`Sampler.draw_kernel`'s signature over `gapless.sampling.triton_sample.draw`."""
+    need = (batch.need_top_k, batch.need_top_p, batch.need_min_p)
+    args = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.steps)
+    return kernel(logits, *args, need)
 
 
 def disagreement(kernel: DrawKernel, vocab_size: int, device: torch.device) -> str | None:
-    """None if `kernel` draws the torch path's tokens on a fixed bf16 batch of `vocab_size` columns (three
-    sampled rows and a greedy one, several steps, both modes); else why not."""
+    """None if `kernel` draws the torch path's tokens over several steps on two fixed batches of
+    `vocab_size` columns: bf16 logits at several temperatures with a greedy row (the same noise, so the
+    same tokens), and `nucleus_rows` (float32) under top-p, top-k, both, min-p, and greedy (their kept
+    sets clear of rounding, so the same tokens); else why not."""
     try:
         g = torch.Generator().manual_seed(0)
-        logits = (torch.randn(4, vocab_size, generator=g) * 4).to(device=device, dtype=torch.bfloat16)
-        temperature = torch.tensor([0.7, 1.0, 0.0, 1.6], device=device)
-        hashes = _bits_as_int32(_column_hashes(vocab_size, device))
-        seeds = torch.tensor([0, 1, 2, -(2**40)], device=device)
-        scaled = logits / temperature.masked_fill(temperature == 0, 1.0)[:, None]
-        for step in range(4):
-            keys = _row_keys(seeds, torch.full((4,), step, device=device))
-            for scale, x in ((True, logits), (False, scaled)):
-                want = gumbel_argmax(x, temperature, keys, hashes, scale)
-                got = kernel(x, temperature, keys, scale)
+        plain = (torch.randn(4, vocab_size, generator=g) * 4).to(device=device, dtype=torch.bfloat16)
+        temperatures = [0.7, 1.0, 0.0, 1.6]
+        cases = {
+            "temperature": (plain, [SamplingParams(temperature=t) for t in temperatures]),
+            "filters": (nucleus_rows(vocab_size, device)[0], FILTERED),
+        }
+        torch_sampler = Sampler(vocab_size, 6, device)
+        for mode, (logits, params) in cases.items():
+            n = len(params)
+            seeds = [0, 1, 2, -(2**40), 5, 6][:n]
+            for step in range(3):
+                resolved = [p.resolved() for p in params]
+                batch = SamplingBatch.build(resolved, [step] * n, list(range(n)), seeds, device, vocab_size)
+                want = torch_sampler.sample(logits, batch)
+                got = kernel(logits, batch)
                 if not torch.equal(got, want):
-                    mode = "scaling" if scale else "on scaled logits"
                     return (
                         f"the Triton draw ({mode}) drew {got.tolist()}, torch {want.tolist()} at step {step}"
                     )

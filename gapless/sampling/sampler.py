@@ -19,7 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-from gapless.sampling.logprobs import PromptLogprob, PromptScores, host_scores
+from gapless.sampling.filters import (
+    PARTIAL_SORT_MAX_K,
+    NucleusKernel,
+    apply_min_p,
+    apply_top_k,
+    apply_top_k_top_p,
+    apply_top_k_top_p_partial,
+    apply_top_k_top_p_searched,
+)
+from gapless.sampling.logprobs import PromptScores
 from gapless.sampling.mask import TokenMask, apply_token_mask
 from gapless.sampling.rows import FLOAT_FIELDS, INT_FIELDS, RowParams, SampleFlags
 from gapless.sampling_params import SamplingParams
@@ -34,13 +43,6 @@ _MUL1 = 0x7FEB352D
 _MUL2 = 0x846CA68B - (1 << 32)
 _GOLDEN = 0x9E3779B9  # odd, so multiplying by it permutes 32-bit values
 _UNIFORM_BITS = 23  # n + 0.5 with n < 2**23 is exact in float32, so u lies strictly inside (0, 1)
-# top-k uses a partial sort (`torch.topk`) up to this k; past it a full sort costs about the same. Top-p
-# uses one when each top-p row's top-k is at most this: its nucleus is then computed over the row's this
-# many largest logits, on either path (`apply_top_k_top_p_partial`), so the rounding of the softmax and
-# cumulative sum behind a seeded draw does not depend on which path the row's batch took.
-PARTIAL_SORT_MAX_K = 1024
-# `triton_nucleus.nucleus_floor`'s signature: (logits [B, V], top_p [B]) -> each row's nucleus floor [B, 1]
-NucleusKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # `apply_penalties`' signature: (logits, counts, prompt_mask, rows, repetition, frequency, presence)
 PenaltyKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -114,7 +116,7 @@ def gumbel_argmax(
     """The seeded draw in torch: each row's argmax of ``logits / temperature`` (`scale`; else logits
     already scaled and filtered) plus its Gumbel noise (`gumbel_noise` of `keys`, `_row_keys` of the
     rows); rows of temperature 0 take the argmax of `logits` (computed only when `any_greedy`).
-    `gapless.sampling.triton_gumbel.gumbel_argmax` is the same draw in one kernel."""
+    `gapless.sampling.triton_sample.draw` hashes the same noise in its kernel."""
     is_greedy = temperature == 0
     greedy_tokens = logits.argmax(dim=-1) if any_greedy else None
     if scale:  # the division computes in fp32 whatever the logits' dtype, into a new tensor
@@ -240,124 +242,8 @@ class SamplingBatch(SampleFlags):
         return cls.of(floats, ints[:3], ints[3], ints[4], flags)
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus, by sorting the
-    whole vocabulary: the path for batches with a top-p row whose nucleus may be anywhere (no top-k, or
-    one past PARTIAL_SORT_MAX_K); `apply_top_k_top_p_partial` is the same rule on the largest logits alone.
-
-    Same rule as Hugging Face's warpers and vLLM: top-k keeps every token tied with the k-th largest;
-    top-p drops tokens whose ascending cumulative probability is <= 1 - p, always keeping the largest.
-    Both become a per-row floor on the logit (`_nucleus_floor`), so a token tied with the nucleus' smallest
-    is kept too. Rows with k = vocab and p = 1 come out unchanged. ``logits`` is modified in place.
-    """
-    ascending = logits.sort(dim=-1, descending=False).values
-    vocab = logits.shape[-1]
-    floor = _top_k_floor(ascending, top_k, vocab, ascending=True) if top_k is not None else None
-    if floor is not None:
-        ascending.masked_fill_(ascending < floor, float("-inf"))
-    if top_p is not None:
-        nucleus = _nucleus_floor(ascending, top_p)
-        if top_k is not None and vocab > PARTIAL_SORT_MAX_K:
-            # a row whose top-k bounds its nucleus computes it over its largest logits alone, exactly as
-            # `apply_top_k_top_p_partial` does, so it keeps the same tokens whichever path its batch takes
-            window = _nucleus_floor(ascending[:, -PARTIAL_SORT_MAX_K:], top_p)
-            nucleus = torch.where((top_k <= PARTIAL_SORT_MAX_K).unsqueeze(1), window, nucleus)
-        floor = nucleus if floor is None else torch.maximum(floor, nucleus)
-    return logits if floor is None else logits.masked_fill_(logits < floor, float("-inf"))
-
-
-def apply_top_k_top_p_partial(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """`apply_top_k_top_p` for batches whose top-p rows all have a top-k <= PARTIAL_SORT_MAX_K (and whose
-    other rows' top-k is no larger): their nucleus lies among their k largest logits, so each row's
-    PARTIAL_SORT_MAX_K largest (`torch.topk`, a partial sort) replace the sort of the vocabulary.
-
-    The same tokens as the full sort, not merely the same rule: the nucleus is computed over the same
-    PARTIAL_SORT_MAX_K values in the same order, which the full sort takes from the end of its sorted row
-    for these rows (a fixed width, whatever the batch, so a row's tokens never depend on its batch)."""
-    vocab = logits.shape[-1]
-    largest = logits.topk(min(PARTIAL_SORT_MAX_K, vocab), dim=-1).values  # [B, C], descending
-    floor = _top_k_floor(largest, top_k, vocab)
-    ascending = largest.flip(-1)
-    ascending.masked_fill_(ascending < floor, float("-inf"))
-    floor = torch.maximum(floor, _nucleus_floor(ascending, top_p))
-    return logits.masked_fill_(logits < floor, float("-inf"))
-
-
-def apply_top_k_top_p_searched(
-    logits: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor,
-    max_top_k: int,
-    nucleus: NucleusKernel,
-) -> torch.Tensor:
-    """`apply_top_k_top_p` without sorting the vocabulary, where the nucleus kernel runs
-    (`gapless.sampling.triton_nucleus`; vocabularies past PARTIAL_SORT_MAX_K). With `top_k` (None: no row
-    filters by it), each row's k-th largest logit comes from a partial sort of the batch's `max_top_k`
-    largest (at least PARTIAL_SORT_MAX_K), and a row whose top-k is at most PARTIAL_SORT_MAX_K takes its
-    nucleus from those largest logits as `apply_top_k_top_p_partial` does, so it keeps the same tokens
-    whichever path its batch takes. Every other row's nucleus comes from the kernel, over the tokens its
-    top-k kept: the sort's rule, rounded as the kernel rounds (so, on a device with the kernel, always
-    the same way for that row too). ``logits`` is modified in place."""
-    if top_k is None:
-        return logits.masked_fill_(logits < nucleus(logits, top_p), float("-inf"))
-    vocab = logits.shape[-1]
-    largest = logits.topk(min(max(max_top_k, PARTIAL_SORT_MAX_K), vocab), dim=-1).values  # descending
-    floor = _top_k_floor(largest, top_k, vocab)
-    window = largest[:, :PARTIAL_SORT_MAX_K].flip(-1)
-    window.masked_fill_(window < floor, float("-inf"))
-    logits.masked_fill_(logits < floor, float("-inf"))  # the kernel sums the kept tokens' mass alone
-    in_window = top_k <= PARTIAL_SORT_MAX_K
-    searched = nucleus(logits, top_p.masked_fill(in_window, 1.0))  # (top-p 1: no search)
-    floor = torch.maximum(floor, torch.where(in_window.unsqueeze(1), _nucleus_floor(window, top_p), searched))
-    return logits.masked_fill_(logits < floor, float("-inf"))
-
-
-def _top_k_floor(
-    sorted_logits: torch.Tensor, top_k: torch.Tensor, vocab: int, ascending: bool = False
-) -> torch.Tensor:
-    """[B, 1]: each row's k-th largest logit, from its largest logits in descending order (at least its
-    k of them), or with `ascending` from the whole row sorted ascending; -inf where top-k is off (k >=
-    vocab)."""
-    k = top_k.clamp(1, vocab)
-    index = vocab - k if ascending else k.clamp(max=sorted_logits.shape[1]) - 1
-    kth = sorted_logits.gather(1, index.unsqueeze(1))
-    return kth.masked_fill_((k >= vocab).unsqueeze(1), float("-inf"))
-
-
-def _nucleus_floor(ascending: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[B, 1]: the smallest logit of each row's top-p nucleus (-inf where p >= 1), from logits sorted
-    ascending (a whole row, or its largest ones when they hold the nucleus): tokens are dropped while the
-    ascending cumulative probability is <= 1 - p; the largest is always kept."""
-    cumulative = ascending.softmax(dim=-1).cumsum_(dim=-1)
-    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
-    drop[:, -1] = False
-    # the first kept position holds the smallest kept logit (argmax: the first 1 of a uint8 view, no new
-    # float [B, V] tensor; the first even if rounding made the dropped positions no prefix)
-    first = drop.logical_not_().view(torch.uint8).argmax(dim=-1, keepdim=True)
-    floor = ascending.gather(1, first)
-    return floor.masked_fill_((top_p >= 1.0).unsqueeze(1), float("-inf"))
-
-
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
-    """`apply_top_k_top_p` without top-p, with a partial sort: each row's k-th largest logit is found
-    among the batch's `max_k` largest (`torch.topk`), not by sorting the vocabulary. The same threshold
-    value, so the same tokens are masked (every token tied with the k-th largest is kept); rows with top-k
-    off (k >= vocab) keep everything. ``logits`` is modified in place."""
-    largest = logits.topk(min(max_k, logits.shape[-1]), dim=-1).values  # [B, max_k], descending
-    return logits.masked_fill_(logits < _top_k_floor(largest, top_k, logits.shape[-1]), float("-inf"))
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below ``min_p`` times the row's top probability (in place).
-
-    Decided in log space, ``p / p_max = exp(logit - max_logit)``: a token is kept when ``logit >= max_logit
-    + log(min_p)``, which needs a bool [B, V] mask and no float one (the softmax made one). It can differ
-    from the rule on probabilities only where rounding puts a token at the threshold. Rows with min_p 0
-    (log: -inf) keep everything; so does a row of -inf logits (-inf + -inf is -inf: no NaN)."""
-    floor = logits.amax(dim=-1, keepdim=True).add_(min_p.log().unsqueeze(1))
-    return logits.masked_fill_(logits < floor, float("-inf"))
+# the sampler's whole draw as kernels (`gapless.sampling.triton_sample` through `gapless.sampling.fused`)
+DrawKernel = Callable[[torch.Tensor, SamplingBatch], torch.Tensor]
 
 
 @dataclass
@@ -373,29 +259,6 @@ class SampleOutput:
     def tensors(self) -> list[torch.Tensor]:
         own = [t for t in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if t is not None]
         return own + (self.prompt.tensors() if self.prompt is not None else [])
-
-
-@dataclass
-class HostSamples:
-    """`SampleOutput` on the host, as lists: what the scheduler folds into request state."""
-
-    tokens: list[int]
-    logprobs: list[float] | None = None
-    top: list[list[tuple[int, float]]] | None = None  # per row: (token, logprob), most likely first
-    prompt: list[PromptLogprob] | None = None  # per scored prompt position (gapless.sampling.logprobs)
-
-    @classmethod
-    def from_tensors(cls, out: SampleOutput, host: list[torch.Tensor] | None = None) -> HostSamples:
-        """Convert, reading `host` (copies of `out.tensors()`, same order) when given."""
-        tensors = host if host is not None else out.tensors()
-        own = 1 if out.logprobs is None else 4
-        prompt = host_scores(tensors[own:]) if out.prompt is not None else None
-        tokens = tensors[0].tolist()
-        if out.logprobs is None:
-            return cls(tokens, prompt=prompt)
-        logprobs, top_ids, top_lps = (t.tolist() for t in tensors[1:4])
-        top = [list(zip(ids, lps)) for ids, lps in zip(top_ids, top_lps)]
-        return cls(tokens, logprobs, top, prompt)
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleOutput:
@@ -428,16 +291,14 @@ class Sampler:
         self.prompt_mask: torch.Tensor | None = None  # bool: token occurs in the prompt
         # float32 [max_rows, vocab]: each row's logit_bias (0 elsewhere); allocated when a request has one
         self.logit_bias: torch.Tensor | None = None
-        # the seeded draw as one kernel, `(logits, temperature, keys, scale) -> tokens` as `gumbel_argmax`
-        # takes them (`gapless.sampling.fused.draw_kernel` picks it); None: torch ops
-        self.draw_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = (
-            None
-        )
+        # the whole seeded draw of a batch (temperature, top-k, top-p, min-p, noise; no sort) as a few
+        # kernels, `(logits, batch) -> tokens` (`gapless.sampling.fused.draw_kernel` picks it); None: torch
+        self.draw_kernel: DrawKernel | None = None
         # the penalties as one kernel, with `apply_penalties`' signature and bits
         # (`gapless.sampling.fused.penalty_kernel` picks it); None: torch ops
         self.penalty_kernel: PenaltyKernel | None = None
-        # each row's top-p floor without a sort (`gapless.sampling.fused.nucleus_kernel` picks it); None:
-        # top-p that no top-k bounds sorts the vocabulary
+        # each row's top-p floor without a sort, for the torch draw (the draw kernel needs none)
+        # (`gapless.sampling.fused.nucleus_kernel` picks it); None: top-p no top-k bounds sorts the vocabulary
         self.nucleus_kernel: NucleusKernel | None = None
 
     def write_rows(self, values: RowParams) -> None:
@@ -554,14 +415,16 @@ class Sampler:
         )
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, owned: bool = False) -> torch.Tensor:
-        """Sample the non-greedy rows; greedy rows in a mixed batch get their plain argmax. Without filters
-        the temperature is left to the draw (`gumbel_argmax`, or the fused `draw_kernel`), which then
-        reads the logits as they come. `owned`: `logits` is a float32 copy the sampler made this step (the
-        penalised logits), which may be scaled in place rather than copied again; never the caller's."""
+        """Sample the non-greedy rows; greedy rows in a mixed batch get their plain argmax. The draw kernel
+        when set: it reads the logits as they come and does every step itself. Else torch ops: without
+        filters the temperature is left to `gumbel_argmax`. `owned`: `logits` is a float32 copy the
+        sampler made this step (the penalised logits), which may be scaled in place; never the caller's."""
+        if self.draw_kernel is not None:
+            return self.draw_kernel(logits, batch)
         keys = _row_keys(batch.seeds, batch.steps)
         filters = batch.need_top_k or batch.need_top_p or batch.need_min_p
-        scale = True  # the draw divides by the temperature (the kernel in registers, torch into a copy)
-        if filters or (owned and self.draw_kernel is None):
+        scale = True  # the draw divides by the temperature (into a copy)
+        if filters or owned:
             temperature = batch.temperature.masked_fill(batch.temperature == 0, 1.0).unsqueeze(1)
             # the step's float32 [B, V] working copy: the division computes in fp32 whatever the logits'
             # dtype, into a new tensor (or in place on an owned copy) the filters then change in place;
@@ -570,8 +433,6 @@ class Sampler:
             scale = False
             if filters:
                 logits = self.apply_filters(logits, batch)
-        if self.draw_kernel is not None:
-            return self.draw_kernel(logits, batch.temperature, keys, scale)
         return gumbel_argmax(logits, batch.temperature, keys, self._column_hashes, scale, batch.any_greedy)
 
     def apply_filters(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gapless.server.openai_protocol import BadRequest
+from gapless.server.errors import BadRequest
 from gapless.server.routes import admin, native, openai, schema, scoring
 from gapless.server.routes.common import ExchangeScope, error_response
 from gapless.server.state import ServerState
@@ -29,9 +29,14 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _bad_request(request: Request, e: BadRequest) -> JSONResponse:
+# Starlette types every handler as taking an Exception; each is registered for its own class only
+
+
+async def _bad_request(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, BadRequest)
     return error_response(e.status, str(e), e.param)
 
 
-async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, StarletteHTTPException)
     return error_response(e.status_code, str(e.detail))

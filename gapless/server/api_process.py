@@ -11,8 +11,8 @@ server starts serving when API server 0 tells it to (`Serve`, once every worker 
 terminated it ends its open requests first, as API server 0 does. They keep their metrics in one
 directory, so that any of them answers `/metrics` for all (`Metrics(shared_dir=)`).
 
-Importing this module loads neither torch nor the web stack: the command line's parser imports `launch`,
-which imports this.
+Importing this module loads neither torch nor the web stack (`launch` imports it; the functions here
+import what they run).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from gapless.server import protocol as P
     from gapless.server.engine_client import EngineClient
     from gapless.server.metrics import Metrics
-    from gapless.server.workers import Endpoints
+    from gapless.server.workers.sockets import Endpoints
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +49,13 @@ def event_loop_factory() -> tuple[Callable[[], asyncio.AbstractEventLoop] | None
     socket event than asyncio's, and the API server's loop carries every stream's writes), else asyncio's
     (None: its default). Python 3.10 has no `asyncio.Runner(loop_factory=)`: asyncio's loop there.
     Returns the factory and the loop's name for the start-up line."""
-    if sys.version_info < (3, 11):
-        return None, "asyncio (uvloop needs Python 3.11 here)"
-    try:
-        import uvloop
-    except ImportError:
-        return None, "asyncio (uvloop not installed)"
-    return uvloop.new_event_loop, f"uvloop {uvloop.__version__}"
+    if sys.version_info >= (3, 11):
+        try:
+            import uvloop
+        except ImportError:
+            return None, "asyncio (uvloop not installed)"
+        return uvloop.new_event_loop, f"uvloop {uvloop.__version__}"
+    return None, "asyncio (uvloop needs Python 3.11 here)"
 
 
 def run_event_loop(main: Coroutine[object, object, int], announce: bool = True) -> int:
@@ -66,7 +66,7 @@ def run_event_loop(main: Coroutine[object, object, int], announce: bool = True) 
         print(f"gapless: event loop {name}", flush=True)
     if factory is None:
         return asyncio.run(main)
-    with asyncio.Runner(loop_factory=factory) as runner:  # type: ignore[attr-defined]
+    with asyncio.Runner(loop_factory=factory) as runner:  # type: ignore[attr-defined]  # 3.11+; mypy checks as 3.10
         return runner.run(main)
 
 
@@ -155,7 +155,7 @@ def api_server_main(
     """API server process `api_server` (> 0) of `--api-server-count`: ready once its socket is bound, it
     serves from API server 0's `Serve` until it is terminated (exit status 0) or fails (status 1; an
     exception is also reported to API server 0 as `Failed`, with its traceback)."""
-    from gapless.server.workers import setup_child
+    from gapless.server.workers.child import setup_child
 
     setup_child(parent_pid)
     status = run_event_loop(_serve(args, cfg, ends, api_server, listener, metrics_dir), announce=False)

@@ -14,18 +14,19 @@ import itertools
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 import zmq.asyncio
 
 from gapless.engine.heap import gc_pauses
 from gapless.server import protocol as P
+from gapless.server.errors import BadRequest
 from gapless.server.health import Health
 from gapless.server.metrics import Metrics, RequestClock
-from gapless.server.openai_protocol import BadRequest, Prompt, Submission
+from gapless.server.openai_protocol import Prompt, Submission
 from gapless.server.replicas import combine_stats
-from gapless.server.workers import Endpoints
+from gapless.server.workers.sockets import Endpoints
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class Group:
         self.released = False
         self._error: P.ReqError | None = None  # a refusal taken from the queue behind deltas, raised next
 
-    def _raise(self, msg: P.ReqError) -> None:
+    def _raise(self, msg: P.ReqError) -> NoReturn:
         raise BadRequest(msg.message, msg.param, msg.status)
 
     @property
@@ -70,7 +71,7 @@ class Group:
             ) from None
         if isinstance(msg, P.ReqError):
             self._raise(msg)
-        return index, msg  # type: ignore[return-value]
+        return index, msg
 
     async def next_deltas(self) -> list[tuple[int, P.ReqDelta]]:
         """The next delta and every one already queued behind it, merged per request (`merge_deltas`):
@@ -91,8 +92,8 @@ def _prompt_in(prompt: Prompt) -> P.PromptIn:
     if isinstance(prompt, str):
         return P.PromptIn(text=prompt)
     if prompt and isinstance(prompt[0], P.ChatMessage):
-        return P.PromptIn(messages=prompt)  # type: ignore[arg-type]
-    return P.PromptIn(token_ids=prompt)  # type: ignore[arg-type]
+        return P.PromptIn(messages=prompt)
+    return P.PromptIn(token_ids=prompt)  # type: ignore[arg-type]  # list[int]: text and chat returned above
 
 
 class EngineClient:

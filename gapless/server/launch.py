@@ -5,8 +5,8 @@ Before any worker starts or a weight loads, `serve` checks the engine options, t
 architecture, weights and tokenizer), the device, and the port (binding the HTTP socket there and then), so
 each of those mistakes is one `gapless: ...` line and exit status 2 within seconds. Only the workers' fork
 server starts first, so that its imports overlap this process's; a refused start ends it again.
-Importing this module loads neither torch nor the web stack (`serve` does), so the command line's parser
-stays fast.
+Importing this module loads neither torch nor the web stack (`serve` does); its command line is
+`gapless.server.serve_args`.
 
 The API server runs in this process (uvicorn on an asyncio loop, uvloop's when installed:
 `gapless.server.api_process`), and with `--api-server-count N` N-1 more API servers in child processes;
@@ -44,22 +44,21 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from gapless.config import EngineConfig, add_engine_args, add_model_args, add_option, config_from_args
+from gapless import env
+from gapless.cli import config_from_args
+from gapless.config import EngineConfig
 from gapless.engine.heap import frozen_heap
-from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.api_process import api_server_name, http_server, pipeline_client, run_event_loop
-from gapless.server.layout import LAYOUTS, MIN_CORES_FOR_SPLIT, worker_stages
-from gapless.server.logs import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging
-from gapless.server.reasoning import PARSERS as REASONING_PARSERS
+from gapless.server.layout import worker_stages
+from gapless.server.logs import configure_logging
 from gapless.server.replicas import scheduler_name
-from gapless.server.router import LOAD_BALANCE_METHODS
-from gapless.server.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     from gapless.model.config import ModelConfig
     from gapless.server import protocol as P
     from gapless.server.engine_client import EngineClient
-    from gapless.server.workers import Endpoints, SchedulerOptions
+    from gapless.server.workers.scheduler_loop import SchedulerOptions
+    from gapless.server.workers.sockets import Endpoints
 
 log = logging.getLogger("gapless.server")
 
@@ -67,145 +66,6 @@ STARTUP_TIMEOUT_S = 600.0
 WATCHDOG_S = 0.5
 TERMINATE_GRACE_S = 5.0
 _PR_SET_CHILD_SUBREAPER = 36
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0: every interface")
-    parser.add_argument("--port", type=_port, default=8000, help="0 picks a free port (default: 8000)")
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("GAPLESS_API_KEY"),
-        help="require `Authorization: Bearer KEY` (all but /health); prefer GAPLESS_API_KEY: ps shows flags",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id in the API (default: the model as named; a path's last part)",
-    )
-    parser.add_argument(
-        "--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413 (default: 32 MiB)"
-    )
-    parser.add_argument(
-        "--max-tokens-default",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="max_tokens of a request that sets none (default: the rest of the context)",
-    )
-    parser.add_argument(
-        "--max-logprobs",
-        type=_max_logprobs,
-        default=MAX_LOGPROBS,
-        metavar="K",
-        help=f"the most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs; "
-        f"at most {MAX_LOGPROBS}, the default)",
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=_positive_float,
-        default=None,
-        metavar="SECONDS",
-        help="stop a request still running after this long and answer 504 (default: no limit)",
-    )
-    parser.add_argument(
-        "--stream-interval",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="a running request's new tokens go out (streamed, or collected for a whole answer) once it "
-        "has N of them; its first token and its end go out at once. Larger: less work per token in the "
-        "detokenizer, the API server and the client, choppier streams (SGLang's and vLLM's flag; default: 1)",
-    )
-    parser.add_argument(
-        "--process-layout",
-        choices=LAYOUTS,
-        default="auto",
-        help="split: tokenizer and detokenizer in a process each; merged: one process for both; auto: "
-        f"merged below {MIN_CORES_FOR_SPLIT} usable cores, else split (default: auto)",
-    )
-    add_option(
-        parser,
-        "api_server_count",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="API server processes, all accepting connections on the port, each streaming the requests it "
-        "took: for when one API server's core is the bottleneck (`python -m gapless.bench.served_vs_offline` "
-        "shows each process's share of a core). vLLM's flag; default: 1",
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        choices=TOOL_PARSERS,
-        default=None,
-        help="how the model writes tool calls, for tool_choice auto (vLLM's names; default: none)",
-    )
-    parser.add_argument(
-        "--reasoning-parser",
-        choices=REASONING_PARSERS,
-        default=None,
-        help="split <think>...</think> into reasoning_content (default: none, all is content)",
-    )
-    logs = parser.add_argument_group("logging")
-    logs.add_argument(
-        "--log-level",
-        default=os.environ.get(LOG_LEVEL_ENV, "info"),
-        choices=LOG_LEVELS,
-        help=f"in every process; debug shows each scheduler step (default: ${LOG_LEVEL_ENV} or info)",
-    )
-    add_option(
-        logs,
-        "log_requests",
-        action="store_true",
-        help="a line per request: HTTP access, and the scheduler's tokens, finish reason and latency",
-    )
-    add_option(
-        logs,
-        "log_stats_interval",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="seconds between stats lines (throughput, queues, KV, prefix hits) while busy; 0: none "
-        "(default: 10)",
-    )
-    add_engine_args(parser)
-    parser.add_argument(
-        "--load-balance-method",
-        choices=LOAD_BALANCE_METHODS,
-        default="cache_aware",
-        help="which data-parallel replica serves a request (--data-parallel-size > 1): cache_aware (the "
-        "longest cached prompt prefix, unless the loads drift apart), round_robin, shortest_queue "
-        "(default: cache_aware)",
-    )
-
-
-def _port(text: str) -> int:
-    """A TCP port number (the socket layer would silently take 70000 as 4464)."""
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)")
-    return int(text)
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return int(text)
-
-
-def _max_logprobs(text: str) -> int:
-    if not text.isdigit() or int(text) > MAX_LOGPROBS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number in [0, {MAX_LOGPROBS}]")
-    return int(text)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
-    return value
 
 
 def _start_fork_server() -> list[object]:
@@ -217,13 +77,13 @@ def _start_fork_server() -> list[object]:
         return []
     from multiprocessing import forkserver, resource_tracker
 
-    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    tracker = resource_tracker._resource_tracker
     tracker_ran = getattr(tracker, "_pid", None) is not None
     forkserver.ensure_running()
-    return [forkserver._forkserver] + ([] if tracker_ran else [tracker])  # type: ignore[attr-defined]
+    return [forkserver._forkserver] + ([] if tracker_ran else [tracker])
 
 
-def _process_context() -> mp.context.BaseContext:
+def _process_context() -> mp.context.SpawnContext | mp.context.ForkServerContext:
     """Workers fork from a fork server that imported torch and transformers once (seconds saved per
     worker) and never ran anything: safe to fork, unlike this process. Spawn where there is none."""
     if "forkserver" not in mp.get_all_start_methods():
@@ -251,7 +111,8 @@ class _Workers:
         metrics_dir: str | None,
     ) -> None:
         from gapless.server.api_process import api_server_main
-        from gapless.server.workers import scheduler_main, text_worker_main
+        from gapless.server.workers.scheduler_loop import scheduler_main
+        from gapless.server.workers.text_worker import text_worker_main
 
         pid = os.getpid()
         targets: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {}
@@ -429,8 +290,13 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Run `gapless serve` for parsed `args` until it is stopped; returns the exit status."""
     started = time.monotonic()
+    try:
+        args.log_level = args.log_level or env.LOG_LEVEL.get()
+    except ValueError as e:  # a bad $GAPLESS_LOG_LEVEL
+        print(f"gapless: {e}", file=sys.stderr, flush=True)
+        return 2
     # the workers' log level: they inherit the fork server's environment, so it is set before that starts
-    os.environ[LOG_LEVEL_ENV] = args.log_level
+    os.environ[env.LOG_LEVEL.name] = args.log_level
     # node 0 forks its workers from the fork server: start it now (`_start_fork_server`)
     helpers = _start_fork_server() if not args.node_rank else []
     try:
@@ -467,7 +333,8 @@ def _run(
     args: argparse.Namespace, cfg: EngineConfig, mcfg: ModelConfig, listener: socket.socket, started: float
 ) -> int:
     from gapless.server.layout import choose_layout, describe
-    from gapless.server.workers import Endpoints, SchedulerOptions
+    from gapless.server.workers.scheduler_loop import SchedulerOptions
+    from gapless.server.workers.sockets import Endpoints
 
     configure_logging(args.log_level)
     mp.current_process().name = "gapless-api"
@@ -543,8 +410,8 @@ def _reap_children(timeout_s: float = TERMINATE_GRACE_S) -> None:
     tracker (it ends once every process that used it has)."""
     from multiprocessing import forkserver, resource_tracker
 
-    _stop_helper(forkserver._forkserver)  # type: ignore[attr-defined]
-    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    _stop_helper(forkserver._forkserver)
+    tracker = resource_tracker._resource_tracker
     deadline, signalled = time.monotonic() + timeout_s, set()
     while left := _children() - {getattr(tracker, "_pid", None)}:
         late = time.monotonic() > deadline
@@ -563,9 +430,10 @@ def _stop_helper(helper: object) -> None:
     exit would spend a second in its interpreter's teardown of torch and transformers."""
     from multiprocessing import forkserver
 
-    if isinstance(helper, forkserver.ForkServer) and helper._forkserver_pid is not None:
+    pid = getattr(helper, "_forkserver_pid", None)  # (private: not in typeshed's ForkServer)
+    if isinstance(helper, forkserver.ForkServer) and pid is not None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(helper._forkserver_pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
     stop = getattr(helper, "_stop", None)
     if stop is not None:
         with contextlib.suppress(OSError, ChildProcessError):

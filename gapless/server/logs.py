@@ -2,7 +2,7 @@
 periodic stats line of the scheduler worker.
 
 The API server configures its logging from `--log-level` and passes the level to the workers it starts
-through `GAPLESS_LOG_LEVEL` (which also serves as the flag's default).
+through `GAPLESS_LOG_LEVEL` (`gapless.env.LOG_LEVEL`, which also serves as the flag's default).
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(processName)s %(levelname)s %(message)s"
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-LOG_LEVEL_ENV = "GAPLESS_LOG_LEVEL"
 
 Stats = dict[str, float | int | str]  # `Engine.get_stats()`
 
@@ -45,7 +43,7 @@ class StatsLog:
         """Log the line if `interval_s` passed since the last one (cheap otherwise: call it every step)."""
         if self.interval_s <= 0 or time.monotonic() - self.since < self.interval_s:
             return
-        now, stats = time.monotonic(), dict(engine.get_stats())
+        now, stats = time.monotonic(), dict[str, float | int | str](engine.get_stats())
         line = stats_line(stats, self.last, now - self.since)
         self.since, self.last = now, stats
         if line is not None:

@@ -139,7 +139,7 @@ class Metrics:
             label = str(replica)
             for name, (key, _) in _ENGINE_GAUGES.items():
                 if key in stats:
-                    self.engine[name].labels(label).set(stats[key])
+                    self.engine[name].labels(label).set(float(stats[key]))
             integrity = str(stats.get("integrity", ""))
             ok = 1 if integrity == "ok" else 0 if integrity.startswith("failed") else -1
             self.integrity.labels(label).set(ok)

@@ -1,5 +1,6 @@
 """HTTP request bodies (OpenAI's, with the vLLM/SGLang extensions), their validation and conversion to
-engine requests, and OpenAI's error object.
+engine requests. What they are checked against is `served_model.ServedModel`; a refusal is an
+`errors.BadRequest`.
 
 `parse_request` is the one place a body becomes engine requests, and it checks everything it can before
 anything is submitted: msgspec decodes the body straight into these structs (a body that is not JSON, not
@@ -20,7 +21,6 @@ import dataclasses
 import functools
 import logging
 import operator
-import os
 import types
 import typing
 from collections.abc import Iterable
@@ -29,15 +29,16 @@ from typing import Annotated, Any, Literal, TypeGuard, TypeVar, Union
 
 import msgspec
 
-from gapless.sampling_params import MAX_LOGPROBS, STRUCTURED_FIELDS, SamplingParams
+from gapless.sampling_params import STRUCTURED_FIELDS, SamplingParams
+from gapless.server.errors import BadRequest, prompt_too_long
 from gapless.server.protocol import ChatMessage
 from gapless.server.reasoning import END as THINK_END
+from gapless.server.served_model import ServedModel
 from gapless.server.structured import StructuredError, check_compiles, structured_fields
 from gapless.server.tools import ToolError, ToolPlan, plan_tools
 
 log = logging.getLogger(__name__)
 
-RUN_TO_CONTEXT_END = 2**31 - 1  # no max_tokens and no server default: generate until the context is full
 MAX_N = 128  # choices per prompt
 
 # Every integer a request carries must fit in 64 bits: the wire between the processes (msgpack) and the
@@ -47,98 +48,6 @@ Choices = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 
 Prompt = str | list[int] | list[ChatMessage]  # text, token ids, or a chat to render with the template
 EngineRequest = tuple[Prompt, SamplingParams]  # one prompt and choice
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    500: "server_error",
-    503: "server_error",
-    504: "timeout_error",
-}
-
-
-class BadRequest(ValueError):
-    """An invalid request: answered with `status` and an OpenAI-style error naming `param`."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: int | None = None
-) -> dict[str, dict[str, str | int | None]]:
-    """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
-    kind = _ERROR_TYPES.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def prompt_too_long(tokens: int, max_prompt_tokens: int) -> str:
-    """The refusal of a prompt of `tokens` tokens, worded the same wherever it is measured."""
-    return (
-        f"prompt is {tokens} tokens but this server takes at most {max_prompt_tokens} "
-        f"(its context of {max_prompt_tokens + 1} tokens must hold the prompt and one generated token)"
-    )
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What requests are checked against before anything is submitted: the names the model answers to,
-    the scheduler's vocabulary and context, and the server's default length of a reply."""
-
-    name: str  # the model's id in the API; a request that names no model gets this one
-    aliases: frozenset[str]  # also accepted as `model` (the checkpoint path)
-    vocab_size: int
-    max_context: int  # a prompt plus at least one generated token must fit
-    max_tokens_default: int | None = None  # max_tokens of a request that sets none (None: the context's end)
-    max_logprobs: int = MAX_LOGPROBS  # the most top logprobs a request may ask for (--max-logprobs)
-    tool_call_parser: str | None = None  # --tool-call-parser (gapless.server.tools)
-    reasoning_parser: str | None = None  # --reasoning-parser (gapless.server.reasoning)
-
-    @classmethod
-    def of_checkpoint(
-        cls,
-        name: str,
-        path: str,
-        vocab_size: int,
-        max_context: int,
-        max_tokens_default: int | None = None,
-        max_logprobs: int = MAX_LOGPROBS,
-    ) -> ServedModel:
-        """The model served as `name` from `path`: the path as given, without a trailing slash and
-        resolved are accepted names too, so a client may name the checkpoint it knows."""
-        aliases = frozenset({path, path.rstrip("/") or path, os.path.realpath(path)}) - {name}
-        return cls(name, aliases, vocab_size, max_context, max_tokens_default, max_logprobs)
-
-    def check_logprobs(self, value: int | None, field: str) -> None:
-        """A number of top logprobs: None, or an integer in [0, --max-logprobs] (a 400 naming `field`)."""
-        if value is not None and not 0 <= value <= self.max_logprobs:
-            raise BadRequest(
-                f"{field} must be in [0, {self.max_logprobs}] (this server's --max-logprobs), got {value}",
-                field,
-            )
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        return self.max_context - 1
-
-    def check_model(self, model: str | None) -> None:
-        names = (model, model.rstrip("/")) if model is not None else ()
-        if model is not None and self.name not in names and self.aliases.isdisjoint(names):
-            raise BadRequest(
-                f"The model `{model[:200]}` does not exist; this server serves `{self.name}`.", "model", 404
-            )
-
-    def default_max_tokens(self, max_tokens: int | None) -> int:
-        """A request's max_tokens: its own, else the server's default, else the rest of the context."""
-        if max_tokens is not None:
-            return max_tokens
-        return self.max_tokens_default if self.max_tokens_default is not None else RUN_TO_CONTEXT_END
 
 
 @dataclass(frozen=True)
@@ -446,7 +355,7 @@ def _int64_inside(tp: Any) -> Any:
         return Int64
     args = typing.get_args(tp)
     if typing.get_origin(tp) is list:
-        return list[_int64_inside(args[0])]  # type: ignore[misc]
+        return list[_int64_inside(args[0])]  # type: ignore[misc]  # a type made at run time
     if args and typing.get_origin(tp) in (Union, types.UnionType):
         return functools.reduce(operator.or_, [_int64_inside(a) for a in args])
     return tp
@@ -473,7 +382,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None  # token ids, or a list of them (checked in `submission`)
-    sampling_params: SamplingParamsIn = msgspec.field(default_factory=SamplingParamsIn)  # type: ignore[valid-type]
+    sampling_params: SamplingParamsIn = msgspec.field(default_factory=SamplingParamsIn)  # type: ignore[valid-type]  # made at run time
     stream: bool = False
     # SGLang's logprob options: with return_logprob, meta_info carries the output tokens' logprobs and the
     # prompt's from position logprob_start_len (-1: none), each with the top_logprobs_num most likely

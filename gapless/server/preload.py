@@ -7,4 +7,5 @@ from transformers import AutoTokenizer  # noqa: F401
 
 import gapless.engine.detokenize  # noqa: F401
 import gapless.engine.engine  # noqa: F401
-import gapless.server.workers  # noqa: F401
+import gapless.server.workers.scheduler_loop  # noqa: F401
+import gapless.server.workers.text_worker  # noqa: F401

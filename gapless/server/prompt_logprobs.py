@@ -8,7 +8,7 @@ Imports nothing heavy: the API server imports the workers' module without torch 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from gapless.server import protocol as P
 
@@ -40,7 +40,7 @@ def decode_prompt_logprobs(
     if u.prompt_ids is None or u.prompt_logprobs is None:
         return None
     return P.PromptLogprobs(
-        text=tokenizer.decode(u.prompt_ids),
+        text=cast(str, tokenizer.decode(u.prompt_ids)),  # transformers types it str | list[str]
         ids=u.prompt_ids,
         tokens=[piece(t) for t in u.prompt_ids],
         start=u.prompt_logprobs_start,

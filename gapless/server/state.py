@@ -12,8 +12,8 @@ from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.engine_client import EngineClient
 from gapless.server.health import Health
 from gapless.server.metrics import Metrics
-from gapless.server.openai_protocol import ServedModel
 from gapless.server.protocol import SchedulerInfo
+from gapless.server.served_model import ServedModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -139,16 +139,25 @@ def parse_tool_calls(parser: str, text: str) -> tuple[str, list[ToolCall]]:
             items = json.loads(text[start + len("[TOOL_CALLS]") :])
         except json.JSONDecodeError:
             return text, []
-        calls = [_call(c, "arguments") for c in (items if isinstance(items, list) else [items])]
-        return (text, []) if None in calls else (text[:start], calls)  # type: ignore[return-value]
+        return _all_or_none(text, text[:start], [_call(c, "arguments") for c in _as_list(items)])
     body = text.strip().removeprefix("<|python_tag|>").strip()  # llama3
     if not body.startswith("{"):
         return text, []
     try:
-        calls = [_call(json.loads(part), "parameters") for part in body.split(";")]
+        parsed = [_call(json.loads(part), "parameters") for part in body.split(";")]
     except json.JSONDecodeError:
         return text, []
-    return (text, []) if None in calls else ("", calls)  # type: ignore[return-value]
+    return _all_or_none(text, "", parsed)
+
+
+def _as_list(items: Any) -> list[Any]:
+    return items if isinstance(items, list) else [items]
+
+
+def _all_or_none(text: str, rest: str, calls: list[ToolCall | None]) -> tuple[str, list[ToolCall]]:
+    """`rest` and the calls when every one parsed; else the text as it was and no call."""
+    found = [c for c in calls if c is not None]
+    return (rest, found) if len(found) == len(calls) else (text, [])
 
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -6,13 +6,17 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 TIE_TOLERANCE = 1e-3  # a greedy divergence is accepted only where the reference's top-2 logits are this close
 
 
-def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()

@@ -12,7 +12,7 @@ dimension, so it wins whenever the current token has no script.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,7 +44,7 @@ def byte_token_ids(data: bytes) -> list[int]:
     table = _byte_to_unicode()
     ids = [tok.convert_tokens_to_ids(table[b]) for b in data]
     assert all(isinstance(i, int) and i != tok.unk_token_id for i in ids), f"missing byte tokens for {data!r}"
-    return ids
+    return cast(list[int], ids)  # (one token each: ints, as just asserted)
 
 
 def make_scripted_checkpoint(

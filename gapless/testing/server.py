@@ -27,7 +27,8 @@ def descendants(pid: int) -> set[int]:
         except OSError:
             continue
         parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
+    found: set[int] = set()
+    frontier = {pid}
     while frontier:
         frontier = {p for p, pp in parents.items() if pp in frontier} - found
         found |= frontier

@@ -9,12 +9,12 @@ into a compile (Triton's `warmup`), so the engine's own launchers run as on the 
 no kernel executing: their outputs are garbage, and only compile errors count.
 
 What it launches: the start-up self-checks' own probes. Attention (`gapless.attention.selfcheck`: an
-extend and a split decode batch) in fp32, bf16 and fp16, with and without a sliding window and
-soft-capping, at head dims 64 and 128; the fused model kernels (`gapless.model.fused.disagreement`) on the
-tiny models of families whose kernels differ (RMSNorm arithmetic, q/k norms, activations) in bf16 and
-fp16; the sampling kernels (`gapless.sampling.fused`); the MoE grouped GEMM. Exit status 1, naming each
-kernel and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter takes
-the compiler's place).
+extend batch, and a decode batch split over several programs and in one) in fp32, bf16 and fp16, with
+and without a sliding window and soft-capping, at head dims 64 and 128; the fused model kernels
+(`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
+arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
+the MoE grouped GEMM. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
+without TRITON_INTERPRET (the interpreter takes the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
 compiled binary records them (`cuobjdump --dump-resource-usage`, which comes with Triton): what decides
@@ -35,6 +35,8 @@ from functools import partial
 from typing import Any
 
 import torch
+
+from gapless import env
 
 # families whose fused kernels differ: RMSNorm arithmetic (Llama, Gemma, OLMo 2), q/k norms (Qwen3,
 # OLMo 2), activations (SiLU; GeLU(tanh) in Gemma); each in both half-precision dtypes
@@ -92,14 +94,14 @@ class Compiler:
             compiler.compiled.append((fn.fn.__name__, kernel))
             return kernel
 
-        JITFunction.run = compile_only  # type: ignore[method-assign]
+        JITFunction.run = compile_only
         driver.set_active(_Driver(GPUTarget("cuda", self.arch, 32)))
         return self
 
     def __exit__(self, *exc: object) -> None:
         from triton.runtime.jit import JITFunction
 
-        JITFunction.run = self._run  # type: ignore[method-assign]
+        JITFunction.run = self._run
         self._driver._active = self._active  # (reset_active would look for a GPU driver)
 
 
@@ -108,12 +110,15 @@ def _attention() -> dict[str, Callable[[], object]]:
     from gapless.attention.triton_backend import TritonBackend
 
     # the backend refuses CPU tensors unless built for the interpreter; here they only carry shapes
-    backend = type("CompileOnly", (TritonBackend,), {"interpreted": True})()
+    compile_only = type("CompileOnly", (TritonBackend,), {"interpreted": True})
+    # the decode kernel twice: split (the probe's long context; the last split merges) and whole (one split)
+    backends = (compile_only(), compile_only(num_splits=1))
 
     def run(probe: selfcheck.Probe) -> None:
-        for prefix_lens, extend_lens in selfcheck.CASES.values():
+        for name, (prefix_lens, extend_lens) in selfcheck.CASES.items():
             q, k, v, meta = selfcheck.batch(probe, prefix_lens, extend_lens, torch.device("cpu"), 0)
-            backend.forward(q, k, v, backend.prepare(meta), probe.head_dim**-0.5, **probe.layer())
+            for backend in backends if name == "decode" else backends[:1]:
+                backend.forward(q, k, v, backend.prepare(meta), probe.head_dim**-0.5, **probe.layer())
 
     probes = [
         selfcheck.Probe(8, 2, head_dim, dtype, window, softcap)
@@ -146,41 +151,43 @@ def _model_kernels() -> dict[str, Callable[[], object]]:
             probe()
 
     return {
-        f"model kernels {family} {dtype}": lambda f=family, d=dtype: run(f, d)
+        f"model kernels {family} {dtype}": partial(run, family, dtype)
         for family in FAMILIES
         for dtype in DTYPES
     }
 
 
 def _sampling() -> dict[str, Callable[[], object]]:
-    from gapless.sampling import triton_gumbel, triton_nucleus, triton_penalties
+    from gapless.sampling import triton_nucleus, triton_penalties, triton_sample
 
     g = torch.Generator().manual_seed(0)
     batch, vocab = 3, 2000
     logits = torch.randn(batch, vocab, generator=g)
-    temperature, keys = torch.tensor([0.7, 0.0, 1.2]), torch.tensor([1, 2, 3], dtype=torch.int32)
+    temperature, top_p, min_p = torch.tensor([0.7, 0.0, 1.2]), torch.tensor([0.9, 1.0, 0.5]), torch.zeros(3)
+    top_k, seeds, steps = torch.tensor([5, vocab, 40]), torch.tensor([1, 2, -3]), torch.tensor([0, 4, 9])
     counts = torch.randint(0, 3, (4, vocab), generator=g, dtype=torch.int32)
     prompt, rows, factors = (
         torch.rand(4, vocab, generator=g) < 0.3,
         torch.tensor([3, 0, 1]),
         torch.ones(batch),
     )
+    draw_args = (temperature, top_k, top_p, min_p, seeds, steps)
+
+    def draw(dtype: torch.dtype, need: tuple[bool, bool, bool]) -> object:
+        return triton_sample.draw(logits.to(dtype), *draw_args, need)
+
+    def penalties(dtype: torch.dtype) -> object:
+        return triton_penalties.apply_penalties(
+            logits.to(dtype), counts, prompt, rows, factors, factors, factors
+        )
+
     return {
         **{
-            f"sampling draw {dtype} scale {scale}": (
-                lambda d=dtype, s=scale: triton_gumbel.gumbel_argmax(logits.to(d), temperature, keys, s)
-            )
+            f"sampling draw {dtype} filters {need}": partial(draw, dtype, need)
             for dtype in (torch.float32, *DTYPES)
-            for scale in (True, False)
+            for need in ((False, False, False), (True, True, True))
         },
-        **{
-            f"sampling penalties {dtype}": (
-                lambda d=dtype: triton_penalties.apply_penalties(
-                    logits.to(d), counts, prompt, rows, factors, factors, factors
-                )
-            )
-            for dtype in (torch.float32, *DTYPES)
-        },
+        **{f"sampling penalties {dtype}": partial(penalties, dtype) for dtype in (torch.float32, *DTYPES)},
         "sampling nucleus": lambda: triton_nucleus.nucleus_floor(logits, torch.tensor([0.9, 0.5, 1.0])),
     }
 
@@ -245,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "--resources", action="store_true", help="each specialization's registers, spills and shared memory"
     )
     args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+    if env.TRITON_INTERPRET.get():
         print(
             "triton_compile: unset TRITON_INTERPRET (the interpreter replaces the compiler)", file=sys.stderr
         )

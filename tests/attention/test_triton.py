@@ -183,7 +183,7 @@ def test_decode_split_counts(num_splits):
     state = backend.prepare(meta)
     out = backend.forward(q, k, v, state, 0.2)
     check(out, reference(q, clean, meta, 0.2), torch.float32)
-    ((splits, _, _),) = state.scratch.values()
+    ((splits, *_),) = state.scratch.values()
     assert splits == (num_splits or tk.decode_num_splits(4, 1, 301, backend._num_sms(DEVICE)))
     if num_splits is None:
         assert splits > 1
@@ -220,7 +220,7 @@ def test_decode_tunings_match_reference(tuning, page_size, dtype, heads, kv_head
     state = backend.prepare(meta)
     out = backend.forward(q, k, v, state, 24**-0.5)
     check(out, reference(q, clean, meta, 24**-0.5), dtype)
-    ((splits, _, _),) = state.scratch.values()
+    ((splits, *_),) = state.scratch.values()
     assert splits == tk.decode_num_splits(4, kv_heads, 301, backend._num_sms(DEVICE), tuning)
 
 
@@ -281,6 +281,9 @@ def test_decode_scratch_is_reused_across_layers():
     out1 = backend.forward(q, k, v, state, 0.25)
     out2 = backend.forward(q, -2 * k, v.flip(-1), state, 0.25)
     assert len(state.scratch) == 1
+    # the last split of each (request, kv head) set its arrival counter back to zero for the next layer
+    ((*_, arrivals),) = state.scratch.values()
+    assert arrivals.shape == (4 * 2,) and not arrivals.any()
     check(out1, reference(q, clean, meta, 0.25), torch.float32)
     check(out2, reference(q, (-2 * clean[0], clean[1].flip(-1)), meta, 0.25), torch.float32)
     assert not torch.allclose(out1, out2)
@@ -338,8 +341,75 @@ def test_decode_num_splits():
     long_small = tk.decode_num_splits(batch=1, kv_heads=8, max_seq_len=32768, num_sms=132)
     assert 1 < long_small <= tk.MAX_SPLITS and long_small * 8 >= 132  # every SM gets a program
     assert tk.decode_num_splits(batch=256, kv_heads=8, max_seq_len=32768, num_sms=132) == 1  # grid is full
-    assert tk.decode_num_splits(batch=1, kv_heads=1, max_seq_len=100, num_sms=132) == 1  # too short to split
+    assert tk.decode_num_splits(batch=1, kv_heads=1, max_seq_len=60, num_sms=132) == 1  # too short to split
     assert tk.decode_num_splits(batch=1, kv_heads=1, max_seq_len=10**6, num_sms=132) == tk.MAX_SPLITS
+
+
+def test_decode_num_splits_fill_the_gpu_for_few_requests():
+    """A lone request's context is spread over enough programs for every SM of an H100/H200, in splits of
+    at least one 64-key block: 16 x 8 kv heads = 128 programs at 1k, 33 x 8 at 4k (2 per SM)."""
+    assert tk.decode_num_splits(1, 8, 1024, 132) == 16
+    assert tk.decode_num_splits(1, 8, 4096, 132) == 33
+    assert tk.decode_num_splits(8, 8, 4096, 132) == 5
+    assert tk.decode_num_splits(64, 8, 4096, 132) == 1
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "page_size", "window", "softcap"),
+    [
+        pytest.param(8, 1, 72, 1, None, None, id="group8-d72-page1"),
+        pytest.param(6, 2, 40, 16, 500, 5.0, id="group3-d40-page16-window-softcap"),
+    ],
+)
+def test_decode_of_one_request_over_many_splits(heads, kv_heads, d, page_size, window, softcap):
+    """One request, 64 splits of 16 keys: the last split merges them a tile at a time (more splits than
+    one merge tile holds), with a window and soft-capping where given; a second call (the next layer)
+    finds the arrival counters at zero again and gives the same answer."""
+    q, k, v, meta, clean = make_batch(
+        8, heads=heads, kv_heads=kv_heads, d=d, page_size=page_size, prefix_lens=[1023], extend_lens=[1]
+    )
+    backend = TritonBackend(num_splits=tk.MAX_SPLITS, decode_tuning=tk.DecodeTuning(block_n=16))
+    state = backend.prepare(meta)
+    layer = {"window": window, "softcap": softcap}
+    out = backend.forward(q, k, v, state, d**-0.5, **layer)
+    check(out, reference(q, clean, meta, d**-0.5, **layer), torch.float32)
+    torch.testing.assert_close(backend.forward(q, k, v, state, d**-0.5, **layer), out, atol=0, rtol=0)
+    ((splits, *_),) = state.scratch.values()
+    assert splits == tk.MAX_SPLITS
+
+
+@pytest.mark.skipif(
+    DEVICE.type != "cuda", reason="races between programs need a GPU (the CPU runs them in turn)"
+)
+def test_cuda_merge_by_the_last_split_is_race_free():
+    """On the GPU the splits run at once and any of them may arrive last: 200 launches (bf16, a group of
+    8, 64 splits of 64 keys, many requests so programs of several (request, kv head) interleave) give
+    the same bits every time (the merge reads the splits in their order, whoever does it), and match the
+    reference; a merge that read a split before it was written would show as a difference."""
+    lens = dict(prefix_lens=[4095, 3000, 4095, 17, 2500, 4095], extend_lens=[1] * 6)
+    q, k, v, meta, clean = make_batch(
+        10, heads=16, kv_heads=2, d=128, page_size=16, dtype=torch.bfloat16, **lens
+    )
+    backend = TritonBackend(num_splits=tk.MAX_SPLITS)
+    state = backend.prepare(meta)
+    first = backend.forward(q, k, v, state, 128**-0.5)
+    check(first, reference(q, clean, meta, 128**-0.5), torch.bfloat16)
+    for _ in range(200):
+        assert torch.equal(backend.forward(q, k, v, state, 128**-0.5), first)
+    ((*_, arrivals),) = state.scratch.values()
+    assert not arrivals.any()
+
+
+def test_one_split_writes_the_output_without_scratch():
+    """A batch whose split count is 1 (a full GPU) runs the kernel without the merge: its scratch is a
+    token buffer, never read, and the answer is the reference's."""
+    q, k, v, meta, clean = make_batch(9, heads=4, kv_heads=2, d=48, page_size=16, **DECODE)
+    backend = TritonBackend(num_splits=1)
+    state = backend.prepare(meta)
+    out = backend.forward(q, k, v, state, 0.2)
+    check(out, reference(q, clean, meta, 0.2), torch.float32)
+    ((splits, mid_o, mid_lse, arrivals),) = state.scratch.values()
+    assert splits == 1 and mid_o.numel() == mid_lse.numel() == arrivals.numel() == 1
 
 
 def test_make_backend_choices(monkeypatch):

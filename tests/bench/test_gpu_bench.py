@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gapless.bench import cli, gpu
+from gapless.bench import cli, gpu, gpu_report
 from gapless.bench.workload import Workload, random_workload
 from gapless.testing import cached_checkpoint
 
@@ -29,10 +29,11 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     vocab = json.loads((cached_checkpoint("qwen3") / "config.json").read_text())["vocab_size"]
     work = random_workload(**gpu.QUICK, vocab_size=vocab, seed=0)
     assert res["workload"]["output_tokens"] == work.output_tokens
-    for key, overlap in gpu.RUNS.items():
+    for key, run in gpu.RUNS.items():
         g = res[key]
         # the engine really ran with the mode asked for, and the pass-through option reached it
-        assert g["engine_options"]["overlap"] is overlap
+        assert g["engine_options"]["overlap"] is run.overlap
+        assert g["decode_read_vs_copy"] is None  # no copy measured off CUDA
         assert g["engine_options"]["page_size"] == 4
         assert (g["device"], g["engine_options"]["dtype"]) == ("cpu", "float32")
         # every request got exactly its own length
@@ -45,7 +46,9 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
         assert 0.0 < g["busy_fraction_of_wall"] <= 1.0
         assert g["decode_batches"] + g["prefill_batches"] == g["steps"] > 0
         assert g["warmup_requests"] == gpu.QUICK_WARMUP[0]
-    assert res["overlap"]["engine_options"]["overlap"] != res["plain"]["engine_options"]["overlap"]
+    assert res["greedy"]["engine_options"]["overlap"] != res["plain"]["engine_options"]["overlap"]
+    assert res["sampling"]["qwen3"] == dict(temperature=0.6, top_k=20, top_p=0.95)
+    assert res["sampling"]["sampled"] == dict(temperature=0.6) and res["copy_tb_s"] is None
 
     h = res["transformers"]
     assert h["requests"] == 3 and h["batches"] == 2 and h["batch_size"] == 2
@@ -53,14 +56,16 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert h["computed_output_tokens"] >= h["output_tokens"] and h["output_tokens_per_s"] > 0
 
     r = res["ratios"]
-    assert (
-        r["overlap_vs_plain"] == res["overlap"]["output_tokens_per_s"] / res["plain"]["output_tokens_per_s"]
-    )
-    assert r["gapless_vs_transformers"] == res["overlap"]["output_tokens_per_s"] / h["output_tokens_per_s"]
+    tok_s = {k: res[k]["output_tokens_per_s"] for k in gpu.RUNS}
+    assert r["overlap_vs_plain"] == tok_s["greedy"] / tok_s["plain"]
+    assert r["sampled_vs_greedy"] == tok_s["sampled"] / tok_s["greedy"]
+    assert r["qwen3_vs_greedy"] == tok_s["qwen3"] / tok_s["greedy"]
+    assert r["gapless_vs_transformers"] == tok_s["greedy"] / h["output_tokens_per_s"]
     saved = json.loads(out.read_text())
-    assert saved["overlap"]["output_tokens"] == work.output_tokens and saved["report"] == res["report"]
-    for row in ("| gapless, overlap |", "| gapless, no overlap |", "| transformers generate |"):
-        assert row in res["report"]
+    assert saved["sampled"]["output_tokens"] == work.output_tokens and saved["report"] == res["report"]
+    for run in gpu.RUNS.values():
+        assert f"| {run.label} |" in res["report"]
+    assert "| transformers generate (greedy) |" in res["report"]
 
     # the report's GPU and failure branches, which only a GPU session reaches for real
     fake = copy.deepcopy(res)
@@ -69,11 +74,16 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     )
     fake["machine"]["nvidia_smi"] = {"driver_version": "580.159.04"}
     fake["transformers"] = {"error": "Traceback ...", "error_line": "OutOfMemoryError: CUDA out of memory"}
-    fake["ratios"] = gpu._ratios(fake)
+    fake["ratios"] = gpu_report.ratios(fake)
+    fake["copy_tb_s"] = 3.0
+    for key in gpu.RUNS:
+        gpu_report.derive(fake[key], fake["model_info"], fake["workload"]["decode_kv_tokens_read"], 3.0)
+        assert fake[key]["decode_read_vs_copy"] == fake[key]["decode_read_tb_per_s"] / 3.0
     report = gpu.format_report(fake)
     assert "NVIDIA H100 80GB HBM3 (79.2 GiB, 132 SMs, sm_90, driver 580.159.04), CUDA 13.0" in report
-    assert "GPU idle" in report and "FAILED: OutOfMemoryError" in report
+    assert "GPU idle" in report and "FAILED: OutOfMemoryError" in report and "3.00 TB/s" in report
     assert fake["ratios"]["gapless_vs_transformers"] is None and "overlap / no overlap" in report
+    assert ">= 20,000 tok/s, NOT met" in report and "of copy)" in report  # the H100's target
 
 
 def test_decode_kv_reads_match_a_step_by_step_count():
@@ -126,7 +136,8 @@ def test_gpu_bench_script_writes_its_files(tmp_path):
     """`bench/gpu_bench.sh`, the one command a GPU session runs, on the CPU: the same files in $OUT."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OUT=str(tmp_path), PY=sys.executable, GPU_BENCH_TIMEOUT="300")
-    argv = ["--quick", "--size", "tiny", "--device", "cpu", "--dtype", "float32", "--skip-plain", "--skip-hf"]
+    argv = ["--quick", "--size", "tiny", "--device", "cpu", "--dtype", "float32", "--skip-hf"]
+    argv += ["--runs", "sampled"]
     proc = subprocess.run(
         ["bash", str(root / "bench" / "gpu_bench.sh"), *argv],
         env=env,
@@ -137,6 +148,6 @@ def test_gpu_bench_script_writes_its_files(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gapless imports ok" in (tmp_path / "gpu_env.log").read_text()
     res = json.loads((tmp_path / "gpu_bench.json").read_text())
-    assert res["errors"] == [] and "plain" not in res and "transformers" not in res
-    assert res["overlap"]["output_tokens"] == res["workload"]["output_tokens"]
+    assert res["errors"] == [] and not {"greedy", "qwen3", "plain", "transformers"} & set(res)
+    assert res["sampled"]["output_tokens"] == res["workload"]["output_tokens"]
     assert res["report"] in (tmp_path / "gpu_bench.log").read_text()

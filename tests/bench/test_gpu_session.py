@@ -1,8 +1,9 @@
-"""`bench/gpu_session.sh` is run only when a session is lent a GPU, for at most 30 minutes: a misspelt flag
+"""`bench/gpu_session.sh` is run only when a session is lent a GPU, for a few minutes: a misspelt flag
 there costs a part. Each part runs here with a stand-in for Python that records each command line instead
 of running it; then every benchmark's command line goes through that benchmark's own argument parser, in
 this process (with CUDA reported available, as on the GPU machine, which a parser may ask), and every
-pytest command collects its tests, which must select some."""
+pytest command collects its tests, which must select some. The `all` part's plan is checked too: its
+steps in order of importance, one tarball and one summary in $OUT, and its time budget kept."""
 
 from __future__ import annotations
 
@@ -13,19 +14,25 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("tests", "bench", "serve", "prefill", "suite")
+PARTS = ("all", "suite", "serve", "prefill", "sweep")
+# the `all` part's steps, most important first (issue 34 item 6)
+ALL_STEPS = ["bench/run", "kernels", "latency", "served", "cuda_tests"]
 RECORDER = textwrap.dedent(
     """\
-    import json, os, sys
+    import json, os, sys, time
     with open(os.environ["GPU_SESSION_COMMANDS"], "a") as f:
         f.write(json.dumps(sys.argv[1:]) + "\\n")
+    if sys.argv[1:2] == ["-m"]:
+        time.sleep(float(os.environ.get("STAND_IN_SLEEP", "0")))
     """
 )
 # each pytest command's collection, in one process per part: exits with the first failing command's status
@@ -41,7 +48,7 @@ COLLECTOR = textwrap.dedent(
 )
 
 
-def _run_part(script: Path, part: str, tmp_path: Path, cwd: Path) -> list[list[str]]:
+def _run_part(script: Path, part: str, tmp_path: Path, cwd: Path, **env_extra: str) -> list[list[str]]:
     """Run `script`'s part with the recorder as Python; the command lines it ran Python with."""
     recorder = tmp_path / "python"
     recorder.write_text(f"#!{sys.executable}\n{RECORDER}")
@@ -53,6 +60,8 @@ def _run_part(script: Path, part: str, tmp_path: Path, cwd: Path) -> list[list[s
         "OUT": str(tmp_path / "out"),
         "GPU_SESSION_COMMANDS": str(commands),
         "PYTHONPATH": str(ROOT),
+        "WORK": str(tmp_path / "work"),
+        **env_extra,
     }
     r = subprocess.run(
         ["bash", str(script), part], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
@@ -92,19 +101,67 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             _parse_bench(args, monkeypatch)
         except SystemExit as e:
             pytest.fail(f"{' '.join(args)}: the parser refused it (exit {e.code})")
-    if part == "bench":  # gpu_bench.sh: its one benchmark
-        assert [c[1] for c in benches] == ["gapless.bench.gpu"]
+    if part == "all":  # gpu_bench.sh's one benchmark first, then the others in order of importance
+        assert [c[1] for c in benches] == [
+            "gapless.bench.gpu",
+            "gapless.bench.kernels",
+            "gapless.bench.latency",
+            "gapless.bench.served_vs_offline",
+        ]
     if tests:
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests/bench'}")  # freeze_guard
         r = subprocess.run(
             [sys.executable, "-c", COLLECTOR, json.dumps(tests)],
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=600,
+            env=env,
         )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    steps = (tmp_path / "out" / part / "steps.log").read_text() if part != "bench" else ""
-    assert set(re.findall(r": exit (\d+)$", steps, flags=re.M)) <= {"0"}, steps
+    steps = (tmp_path / "work" / "steps.log").read_text()
+    assert set(re.findall(r": exit (\d+) in", steps)) == {"0"}, steps
+    # what the device tool brings back: one tarball of everything and the summary, no more
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [f"gpu_session_{part}.tar.gz", f"gpu_session_{part}.txt"]
+    with tarfile.open(out / f"gpu_session_{part}.tar.gz") as tar:
+        names = {n.removeprefix("./") for n in tar.getnames()}
+    assert {"env.log", "steps.log"} <= names
+    ran = re.findall(r"^(\S+): exit 0 in", steps, flags=re.M)
+    assert {f"{n}.log" for n in ran} <= names
+    summary = (out / f"gpu_session_{part}.txt").read_text()
+    assert all(f"{n}: exit 0" in summary for n in ran)
+    if part == "all":
+        assert ran == ALL_STEPS and "quant: bench/gpu_quant.sh not there yet" in steps
+
+
+# the `all` part's steps' own limits (bench/gpu_session.sh)
+ALL_LIMITS = {"bench/run": 140, "kernels": 75, "latency": 100, "served": 100, "cuda_tests": 95}
+
+
+def test_the_all_part_keeps_its_budget(tmp_path):
+    """Each step is cut to what the budget leaves when it starts (less the SIGINT grace, 15 s, and the
+    packing, 10 s), a step with under 20 s left is skipped, and the part ends within its budget: with
+    steps of 12 s in a 60 s budget, whatever this machine's start-up takes, a step is skipped."""
+    budget = 60
+    t0 = time.monotonic()
+    _run_part(
+        ROOT / "bench/gpu_session.sh",
+        "all",
+        tmp_path,
+        ROOT,
+        SESSION_BUDGET_S=str(budget),
+        STAND_IN_SLEEP="12",
+    )
+    assert time.monotonic() - t0 < budget
+    steps = (tmp_path / "work" / "steps.log").read_text()
+    started = re.findall(r"^== \S+ \+(\d+) s (\S+) \(limit (\d+) s\)", steps, flags=re.M)
+    for at, name, limit in started:
+        assert int(limit) == min(ALL_LIMITS[name], budget - int(at) - 25) >= 20, steps
+    skipped = re.findall(r"^(\S+): skipped, (\d+) s of 60 gone", steps, flags=re.M)
+    assert skipped and all(budget - int(at) - 25 < 20 for _, at in skipped), steps
+    assert [name for _, name, _ in started] + [name for name, _ in skipped] == ALL_STEPS
+    assert (tmp_path / "out" / "gpu_session_all.tar.gz").exists()
 
 
 def test_a_bad_flag_is_refused(tmp_path, monkeypatch, capsys):
@@ -112,10 +169,33 @@ def test_a_bad_flag_is_refused(tmp_path, monkeypatch, capsys):
     (tmp_path / "bench").mkdir()
     script = tmp_path / "bench/gpu_session.sh"
     text = (ROOT / "bench/gpu_session.sh").read_text()
-    script.write_text(text.replace("--rounds 3 --engine-option device=cuda", "--roundz 3", 1))
+    script.write_text(text.replace("--concurrency 1 4 16", "--concurrencyy 1 4 16", 1))
     shutil.copy(ROOT / "bench/gpu_bench.sh", tmp_path / "bench/gpu_bench.sh")
-    commands = _run_part(script, "serve", tmp_path, tmp_path)
-    (host,) = [c for c in commands if c[:2] == ["-m", "gapless.bench.host"] and "--roundz" in c]
+    commands = _run_part(script, "all", tmp_path, tmp_path)
+    (bad,) = [c for c in commands if c[:2] == ["-m", "gapless.bench.latency"] and "--concurrencyy" in c]
     with pytest.raises(SystemExit) as e:
-        _parse_bench(host, monkeypatch)
-    assert e.value.code == 2 and "--roundz" in capsys.readouterr().err
+        _parse_bench(bad, monkeypatch)
+    assert e.value.code == 2 and "--concurrencyy" in capsys.readouterr().err
+
+
+def test_the_freeze_guard_names_the_test_that_leaves_the_heap_frozen(tmp_path):
+    """The `suite` part's plugin: a test that freezes and does not unfreeze is named (once: it unfreezes),
+    on stdout and in the log file; the tests around it are not."""
+    (tmp_path / "test_leak.py").write_text(
+        "import gc\n\ndef test_before():\n    pass\n\ndef test_leaks():\n    gc.freeze()\n\n"
+        "def test_after():\n    assert gc.get_freeze_count() == 0\n"
+    )
+    log = tmp_path / "frozen.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests/bench"), GAPLESS_FREEZE_LOG=str(log))
+    plugins = ["-p", "no:cacheprovider", "-p", "freeze_guard"]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", *plugins, "test_leak.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = log.read_text().splitlines()
+    assert line.startswith("FROZEN after test_leak.py::test_leaks: ") and line in r.stdout

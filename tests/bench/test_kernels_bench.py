@@ -12,7 +12,7 @@ from gapless.testing.triton import import_kernels_or_skip
 
 fk = import_kernels_or_skip("gapless.model.fused.triton_kernels")
 
-from gapless.bench import kernels  # noqa: E402
+from gapless.bench import kernels, kernels_sampling  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels under the interpreter
 
@@ -45,17 +45,18 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
     variants = [(r["tokens"], r["block_m"], r["block_n"], r["num_stages"]) for r in res["extend_rows"]]
     assert variants == [(24, m, 64, st) for m in (64, 16) for st in (1, 2)]  # block n: the default, 64
     assert all(r["attention_tflop_s"] > 0 and r["matmul_tflop_s"] > 0 for r in res["extend_rows"])
-    assert [(r["rows"], r["case"], r["path"]) for r in res["sampling"]] == [
-        (rows, case, path)
-        for rows in (1, 2)
-        for case, path in (
-            ("seeded draw (temperature only)", "triton draw"),
-            ("penalties (repetition, frequency, presence)", "triton penalties"),
-            ("top-k 50 + top-p 0.95", "partial sort"),
-            ("temperature 0.6 + top-p 0.9 (no top-k)", "triton nucleus"),  # (vocab 1100: past the window)
-        )
+    modes = [(m, "engine") for m in kernels_sampling.MODES]
+    comparisons = [
+        ("seeded draw (temperature only)", "triton draw"),
+        ("torch penalties vs triton", "triton penalties"),
+        ("top-k 50 + top-p 0.95, full sort vs partial", "partial sort"),
+        ("top-p 0.9, full sort vs nucleus", "triton nucleus"),  # (vocab 1100: past the window)
     ]
-    assert all(r["torch_us"] > 0 and r["path_us"] > 0 for r in res["sampling"])
+    got = [(r["rows"], r["case"], r["path"]) for r in res["sampling"]]
+    assert got == [(rows, case, path) for rows in (1, 2) for case, path in (*modes, *comparisons)]
+    assert all(r["path_us"] > 0 and r["logits_read_us"] > 0 for r in res["sampling"])
+    assert all((r["torch_us"] is None) == (r["path"] == "engine") for r in res["sampling"])
+    assert all(r["torch_us"] > 0 for r in res["sampling"] if r["path"] != "engine")
     out = capsys.readouterr().out
     assert "attention / copy" in out and "triton / torch" in out and "attention / matmul" in out
     assert "path / torch" in out

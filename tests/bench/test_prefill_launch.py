@@ -36,6 +36,7 @@ def test_prefill_launch_bench_runs_on_cpu(tmp_path, capsys):
     out = tmp_path / "prefill.json"
     rows = prefill_launch.main(
         ["--tokens", "16", "48", "--prompt-len", "16", "--iters", "2", "--warmup", "1", "--json", str(out)]
+        + ["--device", "cpu"]  # the CPU's columns on any machine (a GPU machine defaults to CUDA)
     )
     assert [(r["tokens"], r["requests"], r["prompt_len"]) for r in rows] == [(16, 1, 16), (48, 3, 16)]
     for r in rows:

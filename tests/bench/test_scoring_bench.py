@@ -21,6 +21,10 @@ def test_quick_scoring_bench(tmp_path, capsys):
         "2",
         "--threads",
         "1",
+        "--device",  # the float32 path on every machine: a GPU machine's default is bfloat16 on CUDA
+        "cpu",
+        "--dtype",
+        "float32",
         "--out",
         str(out),
     ]

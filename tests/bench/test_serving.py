@@ -25,11 +25,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gapless.bench import serving
-from gapless.bench.serving import (
+from gapless.bench.serving import arrival_times
+from gapless.bench.stream_client import (
     RequestRecord,
     SSEDecoder,
     StreamError,
-    arrival_times,
     is_content_chunk,
     parse_chunk,
     request_metrics,

@@ -144,8 +144,10 @@ def test_a_single_rank_gloo_group_runs_every_collective():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_single_rank_nccl_group_runs_every_collective():
+    """A rank joins with its own GPU, indexed, as `tp.worker.rank_config` gives it (`cuda:LOCAL_RANK`):
+    `torch.cuda.set_device` refuses a device without an index."""
     store = parallel.serve_store("127.0.0.1:0", 10.0)
-    group = parallel.connect(f"127.0.0.1:{store.port}", 0, 1, 10.0, torch.device("cuda"))
+    group = parallel.connect(f"127.0.0.1:{store.port}", 0, 1, 10.0, torch.device("cuda", 0))
     assert group.pg.name() == "nccl"
     _check_collectives(group, torch.device("cuda"))
 

@@ -100,7 +100,7 @@ def test_config_checks_the_new_options():
 def test_cli_flags_for_the_new_options():
     import argparse
 
-    from gapless.config import add_engine_args, engine_options
+    from gapless.cli import add_engine_args, engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -316,11 +316,11 @@ def test_a_full_engine_plans_no_admission_while_requests_wait(qwen3, monkeypatch
     """At max_running_requests with more waiting, a step does none of an admission's work per request (the
     running requests' reservation summed, the waiting queue ordered): it could admit none. Once a row is
     free again, it does, and the waiting requests still all finish."""
-    from gapless.engine.scheduler.prefill import Prefill
+    from gapless.engine.scheduler.prefill import PrefillPlanner
 
     orders = []
-    order = Prefill._order_waiting
-    monkeypatch.setattr(Prefill, "_order_waiting", lambda self: orders.append(1) or order(self))
+    order = PrefillPlanner._order_waiting
+    monkeypatch.setattr(PrefillPlanner, "_order_waiting", lambda self: orders.append(1) or order(self))
     params = dataclasses.replace(GREEDY, max_tokens=6)
     with LLM(qwen3, device="cpu", kv_cache_tokens=4096, max_running_requests=2, overlap=False) as llm:
         eng = llm.engine

@@ -5,6 +5,7 @@ unfrozen after it (nothing stays frozen, no garbage is lost), and the collector'
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -20,8 +21,15 @@ class _Node:
 
 @pytest.fixture()
 def unfrozen():
+    """A heap nothing froze, and the test leaves it so. A freeze an earlier test in this process left
+    behind (the permanent generation is one per process, and `frozen_heap` rightly leaves a freeze it did
+    not make alone) is undone first, with a warning that says so, rather than failing these tests for
+    another's leak: `bench/gpu_session.sh suite` runs the suite with tests/bench/freeze_guard.py, which
+    names the test that leaked."""
     gc.collect()
-    assert gc.get_freeze_count() == 0, "a test before this one left the heap frozen"
+    if leftover := gc.get_freeze_count():
+        warnings.warn(f"a test before this one left {leftover} objects frozen; unfrozen here", stacklevel=1)
+        gc.unfreeze()
     yield
     assert gc.get_freeze_count() == 0, "the heap stayed frozen"
 
@@ -119,3 +127,14 @@ def test_generate_steps_with_the_heap_frozen(ckpt_factory, unfrozen):
         assert gc.get_freeze_count() == 0
         stats = llm.get_stats()
         assert stats["gc_collections"] >= 0 and stats["gc_frozen_objects"] == 0
+
+
+def test_a_freeze_left_by_an_earlier_test_is_undone_with_a_warning(request):
+    """The fixture's own recovery: a leftover freeze is undone, and said so, before the test runs."""
+    gc.freeze()
+    try:
+        with pytest.warns(UserWarning, match="objects frozen; unfrozen here"):
+            request.getfixturevalue("unfrozen")
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()

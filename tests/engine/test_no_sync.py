@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gapless.engine.stream.process
 import gapless.sampling.sampler
 from gapless import LLM, SamplingParams
+from gapless.engine.batch import TableWrites
 from gapless.engine.request import Req
 from gapless.engine.scheduler.build import BatchBuilder
 from gapless.engine.scheduler.kv import DecodeSlots
@@ -306,7 +307,7 @@ def test_decode_batch_with_table_writes_is_one_buffer():
     its one buffer."""
     reqs = [Req(str(i), [1, 2, 3], SamplingParams(), seed=i, arrival=i, row=i, sampled=i) for i in range(3)]
     slots = DecodeSlots(np.array([0, 1, 2]), np.array([3, 4, 5]), np.array([30, 40, 50]))
-    writes = (torch.tensor([1, 1]), torch.tensor([0, 1]), torch.tensor([7, 8]))
+    writes = TableWrites(torch.tensor([1, 1]), torch.tensor([0, 1]), torch.tensor([7, 8]))
     batch = BatchBuilder(4, 100).decode(reqs, slots, writes).forward
     assert _copies(batch) == 1
     assert [t.tolist() for t in batch.table_writes] == [[1, 1], [0, 1], [7, 8]]
@@ -334,7 +335,7 @@ def test_plain_decode_crosses_the_pipe_as_its_buffer(monkeypatch):
     reqs = [Req(str(i), [1, 2, 3], SamplingParams(), seed=i, arrival=i, row=i, sampled=i) for i in range(3)]
     slots = DecodeSlots(np.array([0, 1, 2]), np.array([3, 4, 5]), np.array([30, 40, 50]))
     plain = BatchBuilder(4, 100).decode(reqs, slots, None).forward
-    writes = (torch.tensor([1, 1]), torch.tensor([0, 1]), torch.tensor([7, 8]))
+    writes = TableWrites(torch.tensor([1, 1]), torch.tensor([0, 1]), torch.tensor([7, 8]))
     with_writes = BatchBuilder(4, 100).decode(reqs, slots, writes).forward
     general: list[object] = []
     dumps = gapless.engine.stream.process.dumps

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -213,6 +214,37 @@ def test_bubble_meter_counts_gaps_only_while_work_is_pending():
     assert st.device_idle_s == pytest.approx(0.5)
     assert st.device_idle_fraction == pytest.approx(0.5 / 3.5)
     assert st.mean_host_ms_per_step == pytest.approx(200.0)
+
+
+def test_a_paused_span_is_metered_in_two_parts_around_what_it_holds():
+    """`span` meters a block as one host span; `paused` inside it leaves out what it holds (a drain's wait)
+    while that block's own spans count, once; `record=False` meters nothing (an inline launch)."""
+    m = BubbleMeter(keep_trace=True)
+    with m.span("schedule"):
+        with m.paused():
+            with m.span("process"):
+                pass
+            time.sleep(0.02)  # the wait for the device: no span's
+    with m.span("launch", record=False):
+        pass
+    m.step_done("decode")
+    names = [name for _, name, _, _ in m.spans]
+    assert names == ["schedule", "process", "schedule"]
+    (_, _, s0, e0), (_, _, p0, p1), (_, _, s1, e1) = m.spans
+    assert s0 <= e0 <= p0 <= p1 < s1 <= e1 and s1 - p1 >= 0.02
+    st = m.stats()
+    assert st.host_s == pytest.approx((e0 - s0) + (p1 - p0) + (e1 - s1)) and st.host_s < 0.02
+    assert st.decode_steps == 1 and st.decode_host_s == pytest.approx(st.host_s)
+
+
+def test_the_engine_exposes_its_meter(qwen3):
+    with LLM(qwen3, device="cpu", overlap=False) as llm:
+        engine = llm.engine
+        assert engine.meter is engine.scheduler.meter  # (the old path keeps working)
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        assert engine.meter.stats() is engine.stats and engine.stats.host_s > 0
+        engine.meter.reset()
+        assert engine.stats.steps == 0 and engine.stats.host_s == 0
 
 
 def test_trace_has_host_and_device_spans(tmp_path, qwen3):

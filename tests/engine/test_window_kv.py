@@ -141,7 +141,7 @@ def test_retraction_and_abort_of_requests_that_freed(references, monkeypatch):
             eng.scheduler.kv.check_live([r for r in reqs if r.row is not None])
             if victim.row is not None and real(eng.scheduler.kv.window, victim.row, victim.cached_len):
                 break
-        eng.scheduler.decode._retract(victim)  # as decode does when the pool runs dry
+        eng.scheduler.decode_planner._retract(victim)  # as decode does when the pool runs dry
         eng.abort(target.rid)
         while eng.has_unfinished():
             eng.step()

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gapless.memory.allocator import PageAllocator
+from gapless.memory.cache_base import NoPrefixCache, PrefixCache, TreeNode
 from gapless.memory.integrity import check_integrity
 from gapless.memory.prefix_cache import HeldKV, alloc_pages, cache_finished, cache_unfinished
-from gapless.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache, TreeNode
+from gapless.memory.radix_cache import RadixCache
 from gapless.memory.req_table import ReqTable
 
 MAX_CONTEXT = 48
@@ -203,7 +204,8 @@ class MemoryMachine(RuleBasedStateMachine):
         aligned = len(req.tokens) // self.ps * self.ps
         expected_present = self.model.insert(req.tokens[:aligned], req.slots[:aligned]) if self.radix else 0
         free_before = self.a.num_free_pages
-        prefix, node, cached = cache_unfinished(self.c, self.a, req.held())
+        m = cache_unfinished(self.c, self.a, req.held())
+        prefix, node, cached = m.slots, m.node, m.length
         if self.a.num_free_pages > free_before:
             event("commit freed a duplicate prefix")
         assert cached == (aligned if self.radix else 0)

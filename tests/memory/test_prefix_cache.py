@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from gapless.memory.allocator import PageAllocator
+from gapless.memory.cache_base import NoPrefixCache, PrefixCache, TreeNode
 from gapless.memory.integrity import check_integrity
 from gapless.memory.prefix_cache import HeldKV, alloc_pages, cache_finished, cache_unfinished
-from gapless.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache, TreeNode
+from gapless.memory.radix_cache import RadixCache
 from gapless.memory.req_table import ReqTable
 
 
@@ -80,7 +81,8 @@ def test_unfinished_shares_the_prefix_and_keeps_the_partial_page() -> None:
     toks = list(range(2 * ps + 1))  # two whole pages and one token into a third
     r = Req(a, c, toks)
     tail_page = int(a.pages_of(r.slots[2 * ps :])[0])
-    prefix, node, cached = cache_unfinished(c, a, r.held())
+    m = cache_unfinished(c, a, r.held())
+    prefix, node, cached = m.slots, m.node, m.length
     assert cached == 2 * ps and torch.equal(prefix, r.slots[: 2 * ps])  # tree adopted the request's slots
     assert c.protected_size == 2 * ps and c.active_locks == 1 and node.lock_ref == 1
     assert tail_page not in free_pages(a)  # still being written by the request
@@ -92,7 +94,8 @@ def test_unfinished_shares_the_prefix_and_keeps_the_partial_page() -> None:
     more = torch.cat([a.page_slots(torch.tensor([tail_page]))[1:], a.page_slots(next_page)[:2]])
     r.tokens = toks + list(range(100, 105))
     r.slots = torch.cat([r.slots, more])
-    prefix, node, cached = cache_unfinished(c, a, r.held())
+    m = cache_unfinished(c, a, r.held())
+    prefix, node, cached = m.slots, m.node, m.length
     assert cached == 3 * ps and torch.equal(prefix, r.slots[: 3 * ps]) and c.protected_size == 3 * ps
     cache_finished(c, a, HeldKV(r.tokens, r.slots, node, cached))
     assert c.total_size == 3 * ps
@@ -102,7 +105,8 @@ def test_unfinished_shares_the_prefix_and_keeps_the_partial_page() -> None:
 def test_unfinished_with_page_size_1_adopts_everything() -> None:
     a, c, t = make(1)
     r = Req(a, c, [4, 5, 6])
-    prefix, node, cached = cache_unfinished(c, a, r.held())
+    m = cache_unfinished(c, a, r.held())
+    prefix, node, cached = m.slots, m.node, m.length
     assert cached == 3 and torch.equal(prefix, r.slots) and c.protected_size == 3
     assert a.num_free_pages == a.num_usable_pages - 3
     cache_finished(c, a, HeldKV(r.tokens, r.slots, node, cached))
@@ -116,7 +120,8 @@ def test_unfinished_switches_a_duplicate_to_the_tree_copy(ps: int) -> None:
     r1, r2 = Req(a, c, toks), Req(a, c, toks + [5] * ps)
     cache_finished(c, a, r1.held())
     dup = set(a.pages_of(r2.slots[: 2 * ps]).tolist())
-    prefix, node, cached = cache_unfinished(c, a, r2.held())
+    m = cache_unfinished(c, a, r2.held())
+    prefix, node, cached = m.slots, m.node, m.length
     assert cached == 3 * ps
     assert torch.equal(prefix, torch.cat([r1.slots, r2.slots[2 * ps :]]))
     assert dup <= free_pages(a)  # r2's copy of the shared prefix is freed: its row now points at r1's
@@ -132,7 +137,8 @@ def test_no_prefix_cache_frees_everything_on_finish_and_nothing_before(ps: int) 
     r = Req(a, c, list(range(3 * ps + 1)))
     held = set(r.own_pages(a).tolist())
     assert r.cached_len == 0 and c.active_locks == 1
-    prefix, node, cached = cache_unfinished(c, a, r.held())
+    m = cache_unfinished(c, a, r.held())
+    prefix, node, cached = m.slots, m.node, m.length
     assert prefix.numel() == 0 and node is c.root and cached == 0
     assert not held & free_pages(a) and c.active_locks == 1
     cache_finished(c, a, HeldKV(r.tokens, r.slots, node, cached))

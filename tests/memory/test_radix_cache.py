@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.radix_cache import NoPrefixCache, RadixCache
+from gapless.memory.cache_base import NoPrefixCache
+from gapless.memory.radix_cache import RadixCache
 
 
 def make(page_size: int, num_pages: int = 64) -> tuple[PageAllocator, RadixCache]:

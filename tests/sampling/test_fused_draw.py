@@ -1,102 +1,254 @@
-"""The fused seeded draw (`gapless.sampling.triton_gumbel`: temperature, Gumbel noise and argmax in one
-Triton kernel) against the torch path (`gapless.sampling.sampler.gumbel_argmax`), under Triton's
-interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET before anything imports Triton): the same
-tokens for the same seeds, in fp32/bf16/fp16, odd vocabularies, several programs a row, greedy rows, empty
-batches; and how `gapless.sampling.fused.draw_kernel` chooses it."""
+"""The sort-free draw (`gapless.sampling.triton_sample`: temperature, top-k, top-p, min-p, Gumbel noise and
+the argmax, each launch split across the vocabulary) under Triton's interpreter on CPU (tests/conftest.py
+sets TRITON_INTERPRET before anything imports Triton), against the torch path: the same tokens where no
+filter runs; the sort path's kept set for every filter and their mixes, with the edge cases (top-k 1,
+tiny top-p, rows masked but for one token, ties at the threshold); draws that follow the exact filtered
+softmax (chi-square); a seeded row's token in any batch; the sampler's stages before it (penalties,
+logit bias, token masks); and how `gapless.sampling.fused.draw_kernel` chooses it. Small vocabularies
+and small chunks, so a row still spans several programs: the interpreter runs one program at a time."""
 
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
 
 from gapless.sampling import sampler as sampler_mod
+from gapless.sampling.filters import apply_min_p, apply_top_k_top_p
 from gapless.sampling.sampler import Sampler, SamplingBatch
 from gapless.sampling_params import SamplingParams
 from gapless.testing.triton import import_kernels_or_skip
 
-tg = import_kernels_or_skip("gapless.sampling.triton_gumbel")
+ts = import_kernels_or_skip("gapless.sampling.triton_sample")
 
 from gapless.sampling import fused  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+OFF = (False, False, False)
 
 
-def _draws(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, step: int, scale: bool):
-    keys = sampler_mod._row_keys(seeds, torch.full_like(seeds, step))
+def _torch_draw(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor):
+    keys = sampler_mod._row_keys(seeds, steps)
     hashes = sampler_mod._bits_as_int32(sampler_mod._column_hashes(logits.shape[1], logits.device))
-    want = sampler_mod.gumbel_argmax(logits, temperature, keys, hashes, scale)
-    got = tg.gumbel_argmax(logits, temperature, sampler_mod._bits_as_int32(keys), scale)
-    return got, want
+    return sampler_mod.gumbel_argmax(logits, temperature, keys, hashes, True)
 
 
 @pytest.mark.parametrize(
-    ("dtype", "vocab"),
+    ("dtype", "vocab", "chunk"),
     [
-        (torch.float32, 1),
-        (torch.float32, 37),
-        (torch.float16, 37),
-        (torch.bfloat16, 37),
-        (torch.bfloat16, 2500),
+        (torch.float32, 1, 16),
+        (torch.float32, 37, 8),
+        (torch.float16, 37, 16),
+        (torch.bfloat16, 37, 64),
+        (torch.bfloat16, 2500, ts.CHUNK),
     ],
 )
-def test_fused_draw_is_the_torch_draw(dtype: torch.dtype, vocab: int) -> None:
-    """Scaled by the kernel and already scaled; greedy rows (temperature 0) and an all -inf row among
-    sampled ones; 2500 columns make several programs a row (the second stage picks among them)."""
+def test_unfiltered_draw_is_the_torch_draw(dtype: torch.dtype, vocab: int, chunk: int) -> None:
+    """Temperatures, greedy rows (temperature 0) and an all -inf row; chunks that split each row over
+    several programs (the last to finish picks the row's token) or one."""
     g = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(6, vocab, generator=g) * 3).to(device=DEVICE, dtype=dtype)
     logits[5] = float("-inf")
     temperature = torch.tensor([0.7, 0.0, 1.3, 1.0, 2.5, 1.0], device=DEVICE)
     seeds = torch.tensor([1, 2, 3, -5, 2**40, 9], device=DEVICE)
+    ones, zeros, off = (
+        torch.ones(6, device=DEVICE),
+        torch.zeros(6, device=DEVICE),
+        torch.full((6,), vocab, device=DEVICE),
+    )
     for step in range(2):
-        for scale in (True, False):
-            x = logits if scale else logits.float() / temperature.masked_fill(temperature == 0, 1)[:, None]
-            got, want = _draws(x, temperature, seeds, step, scale)
-            assert got.dtype == torch.int64 and torch.equal(got, want), (step, scale)
-
-
-def test_fused_draw_orders_the_noise_as_torch_does() -> None:
-    """Flat logits: each token is the argmax of the noise alone, so 24 rows x 2 steps of equal tokens
-    check the hash and the noise column by column, across program boundaries; and an empty batch."""
-    vocab = 3000
-    seeds = torch.arange(24, device=DEVICE) * 7919 - 100
-    flat = torch.zeros(24, vocab, device=DEVICE)
-    temperature = torch.ones(24, device=DEVICE)
-    for step in range(2):
-        got, want = _draws(flat, temperature, seeds, step, True)
-        assert torch.equal(got, want)
-    assert len(set(want.tolist())) > 20  # the draws spread over the vocabulary
-    empty = tg.gumbel_argmax(flat[:0], temperature[:0], seeds[:0].int(), True)
+        steps = torch.full((6,), step, device=DEVICE)
+        got = ts.draw(logits, temperature, off, ones, zeros, seeds, steps, OFF, chunk)
+        assert got.dtype == torch.int64 and torch.equal(got, _torch_draw(logits, temperature, seeds, steps))
+    empty = ts.draw(logits[:0], temperature[:0], off[:0], ones[:0], zeros[:0], seeds[:0], seeds[:0], OFF)
     assert empty.shape == (0,) and empty.dtype == torch.int64
 
 
-PARAMS = [
-    SamplingParams(temperature=0.8),
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=1.2, top_k=40),
-    SamplingParams(temperature=0.6, top_p=0.9),
-    SamplingParams(temperature=1.0, min_p=0.05),
-]
+def test_256_rows_of_flat_logits_draw_the_noise_column_by_column() -> None:
+    """Flat logits: each token is the argmax of the noise alone, so 256 rows check the in-kernel row keys
+    (`_row_keys` of each row's seed and step) and the column hashes against torch's, with and without
+    a filter's passes."""
+    rows, vocab = 256, 23
+    flat = torch.zeros(rows, vocab, device=DEVICE)
+    seeds = torch.arange(rows, device=DEVICE) * 7919 - 100
+    steps = torch.arange(rows, device=DEVICE) % 5
+    ones = torch.ones(rows, device=DEVICE)
+    off = torch.full((rows,), vocab, device=DEVICE)
+    got = ts.draw(flat, ones, off, ones, ones * 0, seeds, steps, OFF, 32)
+    assert torch.equal(got, _torch_draw(flat, ones, seeds, steps))
+    assert len(set(got.tolist())) == vocab  # the draws spread over the vocabulary
+    # min-p on flat rows keeps every token: the bounds pass over 256 rows changes nothing
+    assert torch.equal(ts.draw(flat, ones, off, ones, ones / 2, seeds, steps, (False, False, True), 32), got)
 
 
-@pytest.mark.parametrize("rows", [[0, 1], [0, 1, 2, 3, 4]], ids=["no-filters", "filters"])
-def test_sampler_draws_the_same_tokens_with_the_kernel(rows: list[int]) -> None:
-    """A Sampler with the fused draw gives the torch Sampler's tokens, seeded rows over many steps, with
-    and without filters (the kernel then scales the logits itself, reading them in their bf16)."""
-    vocab = 1500
-    params = [PARAMS[i].resolved() for i in rows]
-    logits = (torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(2)) * 2).to(DEVICE)
-    logits = logits.to(torch.bfloat16)
-    plain, with_kernel = Sampler(vocab, 8, DEVICE), Sampler(vocab, 8, DEVICE)
+def _edge_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
+    """Rows and settings covering every filter, their mixes and the edge cases."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(14, vocab, generator=g) * 2
+    logits[4] = logits[4].clamp(max=2.0)
+    logits[4, 5:12] = 2.5  # ties at the top-k threshold: all kept
+    logits[6] = float("-inf")  # masked but for one token
+    logits[6, vocab - 2] = 0.3
+    logits[7, 3:9] = 9.0  # a tied head holds the nucleus: every tie kept
+    logits[8, ::3] = float("-inf")
+    params = [
+        SamplingParams(top_k=1),
+        SamplingParams(top_k=5, temperature=0.7),
+        SamplingParams(top_p=1e-6),  # tiny top-p: the largest alone
+        SamplingParams(top_p=0.6, temperature=1.3),
+        SamplingParams(top_k=3),
+        SamplingParams(min_p=0.1),
+        SamplingParams(top_k=4, top_p=0.5, min_p=0.2),
+        SamplingParams(top_p=0.3),
+        SamplingParams(top_k=7, top_p=0.9),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=vocab + 5, top_p=0.95),
+        SamplingParams(top_k=2, min_p=0.5, temperature=0.5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(top_p=0.999, min_p=0.01),
+    ]
+    return logits.to(DEVICE), params
+
+
+def _batch(params: list[SamplingParams], vocab: int, steps: list[int] | None = None) -> SamplingBatch:
+    n = len(params)
+    return SamplingBatch.build(
+        [p.resolved() for p in params],
+        steps or [0] * n,
+        list(range(n)),
+        [17 * i for i in range(n)],
+        DEVICE,
+        vocab,
+    )
+
+
+def _reference_kept(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The sort path's kept set (float32, as the torch sampler rounds) of temperature-scaled logits."""
+    t = batch.temperature.masked_fill(batch.temperature == 0, 1.0)[:, None]
+    y = apply_top_k_top_p(logits.float() / t, batch.top_k, batch.top_p)
+    return torch.isfinite(apply_min_p(y, batch.min_p))
+
+
+def _args(batch: SamplingBatch) -> tuple[torch.Tensor, ...]:
+    return (batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+
+
+def test_floors_keep_the_sort_paths_tokens() -> None:
+    """Every filter, their mixes and the edge cases, 37 columns in five chunks: the searched floors keep
+    exactly the sort's tokens (top-k 1 is greedy: `SamplingParams` resolves it so)."""
+    vocab = 37
+    logits, params = _edge_rows(vocab)
+    batch = _batch(params, vocab)
+    temperature, top_k, top_p, min_p = _args(batch)
+    found = ts.floors(logits, temperature, top_k, top_p, (True, True), chunk=8)
+    got = ts.kept(logits, temperature, top_p, min_p, found)
+    want = _reference_kept(logits, batch)
+    for i, p in enumerate(params):
+        assert torch.equal(got[i], want[i]), (i, p, got[i].nonzero().flatten(), want[i].nonzero().flatten())
+    assert batch.temperature[0] == 0 and got[2].sum() == 1 and got[6].sum() == 1
+    assert got[4].sum() == 7 and got[7].sum() == 6
+
+
+def _critical(df: int, z: float = 3.7) -> float:
+    """The chi-square statistic exceeded with probability about 1e-4 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_draws_follow_the_exact_filtered_softmax() -> None:
+    """Top-k, top-p, min-p, all three, and temperature alone, in one batch: each row's floors searched
+    once, then drawn from by 160 seeds: every draw is a kept token, and the counts fit the exact
+    filtered softmax (float64 over the sort path's kept set) by chi-square."""
+    vocab, draws = 11, 160
+    logits = _edge_rows(vocab)[0][[1, 3, 5, 8, 12]]
+    params = [
+        SamplingParams(top_k=5, temperature=0.7),
+        SamplingParams(top_p=0.8, temperature=1.3),
+        SamplingParams(min_p=0.1),
+        SamplingParams(top_k=5, top_p=0.95, min_p=0.05, temperature=1.5),
+        SamplingParams(temperature=1.0),
+    ]
+    batch = _batch(params, vocab)
+    temperature, top_k, top_p, min_p = _args(batch)
+    found = ts.floors(logits, temperature, top_k, top_p, (True, True), chunk=8)
+    n = len(params)
+    rep = torch.arange(n, device=DEVICE).repeat(draws)  # row i of each copy: params[i], its own seed
+    seeds = torch.arange(n * draws, device=DEVICE) * 104729 + 3
+    floors = ts.Floors(found.row_max[rep], found.keys[rep])
+    args = (temperature[rep], top_p[rep], min_p[rep], seeds, torch.zeros_like(seeds), floors)
+    tokens = ts.draw_with(logits[rep], *args, chunk=16).view(draws, n)
+    kept = _reference_kept(logits, batch)
+    probs = (logits.double() / temperature.double()[:, None]).masked_fill(~kept, float("-inf")).softmax(-1)
+    for i, p in enumerate(params):
+        drawn = tokens[:, i]
+        assert kept[i, drawn].all(), (i, p)
+        observed = torch.bincount(drawn, minlength=vocab).double()
+        expected = probs[i] * draws
+        big = expected >= 5  # bins expected under 5 pooled into one
+        obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+        exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+        obs, exp = obs[exp > 0], exp[exp > 0]
+        assert len(exp) >= 2, (i, p)  # something to test: the filters leave a choice
+        stat = float(((obs - exp) ** 2 / exp).sum())
+        assert stat < _critical(len(exp) - 1), (i, p, observed.tolist(), expected.tolist())
+
+
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch() -> None:
+    """Top-k + top-p (both searches) with other rows of every mode before or after it: the same token,
+    step by step, as when it is alone (its chunks and sums do not depend on the batch)."""
+    vocab = 45
+    logits, params = _edge_rows(vocab)
+    target = SamplingParams(top_k=9, top_p=0.8, temperature=0.9, seed=4)
+    others = [params[i] for i in (1, 3, 5, 9, 11)]
+    for step in range(2):
+
+        def token(position: int, size: int, step: int = step) -> int:
+            rest = others[: size - 1]
+            mix = rest[:position] + [target] + rest[position:]
+            rows = torch.cat([logits[: size - 1][:position], logits[13:14], logits[: size - 1][position:]])
+            batch = _batch(mix, vocab, [step if i == position else step + i for i in range(size)])
+            seeds = batch.seeds.clone()
+            seeds[position] = 4
+            args = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, seeds, batch.steps)
+            return int(ts.draw(rows, *args, (True, True, True), 16)[position])
+
+        alone = token(0, 1)
+        assert token(2, 3) == alone
+
+
+def test_sampler_with_the_kernel_samples_after_its_stages() -> None:
+    """Penalties, logit bias and a token mask (as `constrain` applies a grammar's) run before the
+    kernel: the sampler's tokens are the kernel's on the logits those stages make, and every one is
+    allowed by the mask and the filters."""
+    vocab, n = 50, 4
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(n, vocab, generator=g) * 2).to(DEVICE, torch.bfloat16)
+    params = [
+        SamplingParams(temperature=0.8, top_k=6, repetition_penalty=1.3, seed=1),
+        SamplingParams(top_p=0.7, logit_bias={3: 5.0, 7: -100.0}, seed=2),
+        SamplingParams(min_p=0.2, frequency_penalty=0.5, presence_penalty=0.3, seed=3),
+        SamplingParams(temperature=0.0),
+    ]
+    with_kernel = Sampler(vocab, n, DEVICE)
     with_kernel.draw_kernel = fused.draw_kernel("triton", vocab, DEVICE)
-    assert with_kernel.draw_kernel is not None
-    for step in range(8):
-        n = len(rows)
-        batch = SamplingBatch.build(
-            params, [step] * n, list(range(n)), [11 * i for i in range(n)], DEVICE, vocab
-        )
-        assert torch.equal(with_kernel.sample(logits, batch), plain.sample(logits, batch))
+    allowed = torch.rand(n, vocab, generator=g) < 0.6
+    allowed[:, 3] = True
+    with_kernel.init_rows(list(range(n)), [[1, 2, 3]] * n, [[4, 4, 5]] * n)
+    for step in range(3):
+        batch = _batch(params, vocab, [step] * n)
+        resolved = [p.resolved() for p in params]
+        values, _, _ = sampler_mod.RowParams.build(resolved, list(range(n)), [1, 2, 3, 0], vocab)
+        with_kernel.write_rows(values)
+        # a grammar's mask as `constrain` applies it: forbidden tokens at -inf in a float32 copy
+        masked = logits.float().masked_fill(~allowed.to(DEVICE), float("-inf"))
+        constrained = with_kernel.constrain(masked, batch, None)
+        staged = with_kernel.apply_penalties(constrained, batch)  # (before `sample` counts its tokens)
+        got = with_kernel.sample(constrained, batch)
+        args = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.steps)
+        assert torch.equal(got, ts.draw(staged, *args, (True, True, True)))
+        assert allowed[torch.arange(n), got.cpu()].all()
+        assert got[1] != 7 and got[3] == staged[3].argmax()
 
 
 def test_draw_kernel_choice(caplog: pytest.LogCaptureFixture) -> None:
@@ -111,13 +263,17 @@ def test_draw_kernel_choice(caplog: pytest.LogCaptureFixture) -> None:
     kernel = fused.draw_kernel("triton", 100, DEVICE)
     assert kernel is not None and fused.disagreement(kernel, 100, DEVICE) is None
     wrong = lambda logits, *_: torch.zeros(logits.shape[0], dtype=torch.int64)  # noqa: E731
-    assert "drew [0, 0, 0, 0]" in fused.disagreement(wrong, 100, cpu)
+    assert "(temperature) drew [0, 0, 0, 0]" in fused.disagreement(wrong, 100, cpu)
+
+    def filters_wrong(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        return logits.argmax(dim=-1) if batch.need_top_p else kernel(logits, batch)
+
+    assert "(filters) drew" in fused.disagreement(filters_wrong, 100, cpu)
 
     def broken(*_: object) -> torch.Tensor:
         raise RuntimeError("no kernel image")
 
     assert "failed: RuntimeError: no kernel image" in fused.disagreement(broken, 100, cpu)
-    # on CUDA, "auto" runs the check and falls back to torch, saying why
     with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.WARNING):
         mp.setattr(fused, "disagreement", lambda *_: "the Triton draw drew [1], torch [2] at step 0")
         assert fused.draw_kernel("auto", 100, torch.device("cuda")) is None

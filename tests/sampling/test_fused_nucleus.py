@@ -14,12 +14,8 @@ import logging
 import pytest
 import torch
 
-from gapless.sampling.sampler import (
-    PARTIAL_SORT_MAX_K,
-    Sampler,
-    SamplingBatch,
-    _nucleus_floor,
-)
+from gapless.sampling.filters import PARTIAL_SORT_MAX_K, _nucleus_floor
+from gapless.sampling.sampler import Sampler, SamplingBatch
 from gapless.sampling_params import SamplingParams
 from gapless.testing.triton import import_kernels_or_skip
 

@@ -55,14 +55,15 @@ def test_the_detokenizer_sends_each_api_server_its_own_deltas_and_stats(tmp_path
     import zmq
 
     from gapless.default_model.tokenizer import build_tokenizer
-    from gapless.server.workers import DetokenizerStage, Endpoints, _Sockets
+    from gapless.server.workers.detokenizer import DetokenizerStage
+    from gapless.server.workers.sockets import Endpoints, Sockets
 
     ends = Endpoints.in_dir(str(tmp_path), api_servers=2)
     ctx = zmq.Context()
     pulls = [ctx.socket(zmq.PULL) for _ in ends.apis]
     for pull, addr in zip(pulls, ends.apis):
         pull.bind(addr)
-    socks = _Sockets((), {}, ends.apis)
+    socks = Sockets((), {}, ends.apis)
     try:
         tok = build_tokenizer()
         stage = DetokenizerStage(tok, socks)
@@ -94,7 +95,7 @@ def test_the_detokenizer_sends_each_api_server_its_own_deltas_and_stats(tmp_path
 def test_the_count_is_a_whole_number_from_one_under_either_name():
     import argparse
 
-    from gapless.server.launch import add_serve_args
+    from gapless.server.serve_args import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

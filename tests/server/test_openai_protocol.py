@@ -9,17 +9,16 @@ import logging
 import pytest
 
 from gapless.sampling_params import SamplingParams
+from gapless.server.errors import BadRequest
 from gapless.server.health import Health
 from gapless.server.openai_protocol import (
-    RUN_TO_CONTEXT_END,
-    BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
-    ServedModel,
     parse_request,
 )
 from gapless.server.protocol import ChatMessage
+from gapless.server.served_model import RUN_TO_CONTEXT_END, ServedModel
 
 SERVED = ServedModel.of_checkpoint("tiny", "/models/tiny", vocab_size=1000, max_context=64)
 

@@ -132,7 +132,7 @@ def test_combined_stats_sum_counts_and_name_a_failing_replica():
 def test_data_parallel_flags_and_the_offline_refusal():
     import argparse
 
-    from gapless.config import add_engine_args, engine_options
+    from gapless.cli import add_engine_args, engine_options
     from gapless.llm import LLM
 
     parser = argparse.ArgumentParser()

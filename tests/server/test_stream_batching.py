@@ -155,14 +155,14 @@ def test_stream_interval_sends_a_requests_tokens_in_groups_with_the_same_text(ck
 
 
 def test_reporter_updates_are_each_requests_update_whatever_the_path():
-    """`_Reporter.updates` builds the common update (a running request's new tokens) inline: for every kind
-    of request in a step (its first update, running, finished, with logprobs, prompt logprobs, its own
-    skip_special_tokens and stop strings, steps without a token) and at stream intervals 1 and 3, it sends
-    exactly what `update` sends for the requests `due` one, step after step."""
+    """`UpdateReporter.updates` builds the common update (a running request's new tokens) inline: for
+    every kind of request in a step (its first update, running, finished, with logprobs, prompt logprobs,
+    its own skip_special_tokens and stop strings, steps without a token) and at stream intervals 1 and 3,
+    it sends exactly what `update` sends for the requests `due` one, step after step."""
     from gapless.engine.request import Req, ReqStatus
     from gapless.sampling.logprobs import PromptLogprobState
     from gapless.sampling_params import SamplingParams
-    from gapless.server.workers import _Reporter
+    from gapless.server.workers.scheduler_loop import UpdateReporter
 
     kinds = [
         SamplingParams(max_tokens=50),
@@ -172,7 +172,7 @@ def test_reporter_updates_are_each_requests_update_whatever_the_path():
     ]
     seen = set()  # which kinds of update the steps made
     for interval in (1, 3):
-        fast, slow = _Reporter(interval), _Reporter(interval)
+        fast, slow = UpdateReporter(interval), UpdateReporter(interval)
         reqs = []
         for i in range(12):
             params = kinds[i % len(kinds)]
@@ -214,7 +214,7 @@ def test_the_scheduler_workers_own_host_work_is_metered_with_its_steps(ckpt_fact
     scheduler worker's loop adds it to the engine's meter (as "receive" and "report" spans), so a served
     engine's host ms per step counts it, and only while there is work."""
     from gapless import LLM, SamplingParams
-    from gapless.server.workers import SchedulerOptions, _SchedulerLoop
+    from gapless.server.workers.scheduler_loop import SchedulerLoop, SchedulerOptions
 
     class Socks:
         def __init__(self) -> None:
@@ -229,10 +229,10 @@ def test_the_scheduler_workers_own_host_work_is_metered_with_its_steps(ckpt_fact
 
     with LLM(str(ckpt_factory("qwen3")), device="cpu", kv_cache_tokens=256, overlap=False) as llm:
         engine = llm.engine
-        meter = engine.scheduler.meter
+        meter = engine.meter
         meter.keep_trace = True
         socks = Socks()
-        loop = _SchedulerLoop(engine, socks, SchedulerOptions(0.0, False, 1))  # type: ignore[arg-type]
+        loop = SchedulerLoop(engine, socks, SchedulerOptions(0.0, False, 1))  # type: ignore[arg-type]
         loop.turn()  # idle, nothing queued: nothing metered
         assert meter.spans == [] and engine.stats.host_s == 0
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

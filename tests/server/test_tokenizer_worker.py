@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from gapless.sampling_params import SamplingParams
 from gapless.server import protocol as P
-from gapless.server.workers import _Tokenizer
+from gapless.server.workers.tokenizer import PromptTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def path(ckpt_factory):
 
 @pytest.fixture(scope="module")
 def worker(path):
-    return _Tokenizer(AutoTokenizer.from_pretrained(path))
+    return PromptTokenizer(AutoTokenizer.from_pretrained(path))
 
 
 def request(*prompts: P.PromptIn, n: int = 1, max_prompt_tokens: int = 50, kwargs=None) -> P.TokenizeReq:
@@ -52,7 +52,7 @@ def test_one_bad_prompt_refuses_the_whole_request(worker, bad):
 
 
 def test_text_that_cannot_fit_is_refused_without_being_tokenized(path, monkeypatch):
-    worker = _Tokenizer(AutoTokenizer.from_pretrained(path))
+    worker = PromptTokenizer(AutoTokenizer.from_pretrained(path))
     longest = max(worker.tokenizer.get_vocab(), key=len)
     assert worker.max_token_chars == len(longest)
     # the bound refuses nothing that fits: the longest token repeated up to the limit is tokenized
@@ -70,7 +70,7 @@ def test_text_that_cannot_fit_is_refused_without_being_tokenized(path, monkeypat
 def test_a_chat_to_a_model_without_a_chat_template_is_refused_by_name(path):
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = None
-    [refused] = _Tokenizer(tokenizer).handle(request(chat("hi")))
+    [refused] = PromptTokenizer(tokenizer).handle(request(chat("hi")))
     assert isinstance(refused, P.Refused) and refused.param == "messages"
     assert "no chat template" in refused.message and "/v1/completions" in refused.message
 

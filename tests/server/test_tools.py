@@ -17,7 +17,7 @@ from gapless.default_model.tokenizer import build_tokenizer
 from gapless.server import protocol as P
 from gapless.server.reasoning import split_reasoning
 from gapless.server.tools import ToolPlan, parse_tool_calls
-from gapless.server.workers import _Tokenizer
+from gapless.server.workers.tokenizer import PromptTokenizer
 from gapless.testing.scripted import _byte_to_unicode, make_scripted_checkpoint
 from gapless.testing.server import ServerProcess
 from tests.server.conftest import API_KEY
@@ -154,7 +154,7 @@ def test_tool_messages_reach_the_chat_template(ckpt_factory):
         P.ChatMessage("assistant", "", tool_calls=[call]),
         P.ChatMessage("tool", "12C", tool_call_id="call_1"),
     ]
-    text = _Tokenizer(tok)._render(msgs, {"tools": [WEATHER]})
+    text = PromptTokenizer(tok)._render(msgs, {"tools": [WEATHER]})
     assert text == (
         "[tool get_weather]<user>weather?<assistant>(call get_weather Oslo)<tool>12C(result of call_1)"
     )

@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from gapless import LLM, SamplingParams
-from gapless.config import EngineConfig, add_engine_args, config_from_args
+from gapless.cli import add_engine_args, config_from_args
+from gapless.config import EngineConfig
 
 from .conftest import ids
 

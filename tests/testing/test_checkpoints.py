@@ -261,7 +261,8 @@ def test_default_model_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_the_server_and_the_engine_do_not_import_the_test_machinery() -> None:
     code = (
-        "import sys, gapless.server.launch, gapless.server.workers, gapless.default_model, gapless.chat, "
+        "import sys, gapless.server.launch, gapless.server.workers.scheduler_loop, "
+        "gapless.server.workers.text_worker, gapless.default_model, gapless.chat, "
         "gapless.llm; print(sorted(m for m in sys.modules if m.startswith('gapless.testing')))"
     )
     root = str(Path(gapless.__file__).parents[1])  # this checkout's gapless, whatever is installed

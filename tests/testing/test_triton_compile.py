@@ -19,12 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {
     "_extend_kernel",
     "_decode_split_kernel",
-    "_decode_reduce_kernel",
     "_rms_norm_kernel",
     "_qk_norm_rope_store_kernel",
     "_act_and_mul_kernel",
     "_grouped_gemm_kernel",
-    "_gumbel_argmax_kernel",
+    "_bounds_kernel",
+    "_search_kernel",
+    "_draw_kernel",
     "_penalties_kernel",
     "_nucleus_floor_kernel",
 }

@@ -24,8 +24,8 @@ Split by job: `prefill` (admission, budgets, chunking), `decode` (decode batches
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
+from typing import NamedTuple
 
 import torch
 
@@ -36,23 +36,31 @@ from gapless.engine.request import Req
 from gapless.engine.scheduler import masks
 from gapless.engine.scheduler.budget import DecodeReserve
 from gapless.engine.scheduler.build import BatchBuilder, ScheduledBatch
-from gapless.engine.scheduler.decode import Decode
+from gapless.engine.scheduler.decode import DecodePlanner
 from gapless.engine.scheduler.kv import KVManager
-from gapless.engine.scheduler.prefill import Prefill
+from gapless.engine.scheduler.prefill import PrefillPlanner
 from gapless.engine.scheduler.queues import Queues
-from gapless.engine.scheduler.results import Results
+from gapless.engine.scheduler.results import ResultProcessor
 from gapless.engine.scheduler.verify import SpecDecode
-from gapless.engine.scheduler.verify_results import VerifyResults
+from gapless.engine.scheduler.verify_results import VerifyResultProcessor
 from gapless.engine.scheduler.window import freeing_window
 from gapless.engine.stats import EngineStats
 from gapless.engine.stream import DeviceStream, Pending
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from gapless.memory.cache_base import NoPrefixCache, PrefixCache
+from gapless.memory.radix_cache import RadixCache
 from gapless.memory.req_table import ReqTable
 
 __all__ = ["EngineStats", "ScheduledBatch", "Scheduler"]
 
 log = logging.getLogger(__name__)  # at debug: each batch it schedules
+
+
+class Launched(NamedTuple):
+    """A batch in flight: the host's view of it, and the device job's result to come."""
+
+    batch: ScheduledBatch
+    pending: Pending
 
 
 class Scheduler:
@@ -62,56 +70,52 @@ class Scheduler:
         self.stream = stream
         self.overlap = cfg.overlap
         speculative = cfg.speculative_algorithm is not None
-        self.builder = BatchBuilder(cfg.max_running_requests, info.vocab_size, history=speculative)
+        self.builder = BatchBuilder(cfg.max_running_requests, info.vocab_size, enters_history=speculative)
         # host-side memory: the request table's mirror, the page allocator and the prefix cache
         self.req_table = ReqTable(cfg.max_running_requests, info.max_context, device=None)
         self.allocator = PageAllocator(info.num_pages, cfg.page_size)
         cache_type = RadixCache if cfg.radix_cache else NoPrefixCache
         self.cache: PrefixCache = cache_type(self.allocator, cfg.page_size)
         window = freeing_window(info.sliding_window, info.window_layers, speculative)
-        self.kv = KVManager(self.req_table, self.allocator, self.cache, ahead=speculative, window=window)
+        self.kv = KVManager(
+            self.req_table, self.allocator, self.cache, takes_slots_ahead=speculative, window=window
+        )
         self.queues = Queues()
         self.stats = EngineStats()
         self.meter = BubbleMeter(keep_trace=cfg.trace_path is not None, stats=self.stats)
         reserve = DecodeReserve(
             cfg, info.max_context, self.kv.window.reserve_cap() if self.kv.window else None
         )
-        self.prefill = Prefill(cfg, self.queues, self.kv, reserve, self.stats)
+        self.prefill_planner = PrefillPlanner(cfg, self.queues, self.kv, reserve, self.stats)
         # speculative decoding: every decode is a verify batch (gapless.engine.scheduler.verify)
         self.spec = SpecDecode(cfg, self.kv, self.builder, info.max_context) if speculative else None
         alloc = self.kv.alloc_decode if self.spec is None else self.spec.alloc
-        self.decode = Decode(self.queues, self.kv, reserve, self.stats, info.max_context, alloc)
-        results = Results if self.spec is None else VerifyResults
-        self.results = results(self.queues, self.kv, self.stats, tokenizer, info.max_context)
-        self.inflight: deque[tuple[ScheduledBatch, Pending]] = deque()
+        max_context = info.max_context
+        self.decode_planner = DecodePlanner(self.queues, self.kv, reserve, self.stats, max_context, alloc)
+        processor = ResultProcessor if self.spec is None else VerifyResultProcessor
+        self.results = processor(self.queues, self.kv, self.stats, tokenizer, info.max_context)
+        self.inflight: deque[Launched] = deque()
         self._drained: list[Req] = []  # updates of batches processed early (retraction drains)
-        self._schedule_from = 0.0  # where the step's schedule span (re)started: a drain splits it
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Req]:
         """One iteration of the loop; returns the requests that got a token or finished."""
-        self._schedule_from = time.perf_counter()
-        updated = self.results.abort_pending()
-        batch = self.schedule()  # (a retraction's drain inside waits for the device outside this span)
-        t1 = time.perf_counter()
-        self.meter.host_span("schedule", self._schedule_from, t1)
-        if batch is not None:
-            self.launch(batch)
-            if self.stream.asynchronous:  # an inline stream's launch is the device job itself
-                self.meter.host_span("launch", t1, time.perf_counter())
+        with self.meter.span("schedule"):  # (a retraction's drain inside is `paused` out of it)
+            updated = self.results.abort_pending()
+            batch = self.schedule()
+        if batch is not None:  # (an inline stream's launch is the device job itself: not host time)
+            with self.meter.span("launch", record=self.stream.asynchronous):
+                self.launch(batch)
         keep = 1 if self.overlap and batch is not None else 0
         while len(self.inflight) > keep:
             updated += self._process_oldest()
-        updated += self._drained
-        self._drained = []
-        self.meter.step_done(None if batch is None else "decode" if batch.is_decode else "extend")
-        if not self.has_work():
-            self.meter.went_idle()
+        updated, self._drained = updated + self._drained, []
+        self.meter.step_done(None if batch is None else batch.kind, idle=not self.has_work())
         return updated
 
     def schedule(self) -> ScheduledBatch | None:
         """The next batch: prefill/extend first, else decode; None if nothing can run now."""
-        extend = self.prefill.schedule()
+        extend = self.prefill_planner.schedule()
         if extend is not None:
             self.stats.prefill_batches += 1
             self.stats.prompt_tokens += extend.num_tokens
@@ -123,31 +127,30 @@ class Scheduler:
             )
             slots, writes = torch.cat(extend.slots), self.kv.take_table_writes()
             return self.builder.extend(extend.entries, slots, writes, extend.admitted, extend.penalty_inits)
-        decode = self.decode.schedule(self.drain) if self.queues.running else None
+        decode = self.decode_planner.schedule(self.drain) if self.queues.running else None
         if decode is None:
             return None
         self.stats.decode_batches += 1
-        reqs, slots = decode
-        log.debug("decode batch: %d requests", len(reqs))
+        log.debug("decode batch: %d requests", len(decode.reqs))
         # (a drain inside may have queued table writes: they go with this batch)
         if self.spec is not None:
-            return self.spec.batch(reqs, slots, self.kv.take_table_writes())
-        return self.builder.decode(reqs, slots, self.kv.take_table_writes())
+            return self.spec.batch(decode.reqs, decode.slots, self.kv.take_table_writes())
+        return self.builder.decode(decode.reqs, decode.slots, self.kv.take_table_writes())
 
     def launch(self, batch: ScheduledBatch) -> None:
         pending = masks.launch(self.stream, batch.forward, batch.masked, self.builder.vocab_size)
         for req in batch.reqs:
             req.inflight += 1
-        self.inflight.append((batch, pending))
+        self.inflight.append(Launched(batch, pending))
 
     def _process_oldest(self) -> list[Req]:
         batch, pending = self.inflight.popleft()
-        tokens, timing = pending.result()
-        t0 = time.perf_counter()
-        self.meter.job("decode" if batch.is_decode else "extend", timing.start, timing.end, timing.idle)
-        updated = self.results.process(batch, tokens)
-        masks.release_oldest(self.inflight)  # the next batch's grammar masks can be filled now
-        self.meter.host_span("process", t0, time.perf_counter())
+        samples, timing = pending.result()  # the wait for the device: no span's
+        with self.meter.span("process"):
+            self.meter.job(batch.kind, timing.start, timing.end, timing.idle)
+            updated = self.results.process(batch, samples)
+            if self.inflight:  # the next batch's grammar masks can be filled now
+                masks.release(self.inflight[0].pending)
         return updated
 
     def drain(self) -> bool:
@@ -157,10 +160,9 @@ class Scheduler:
         once, as "process"."""
         if not self.inflight:
             return False
-        self.meter.host_span("schedule", self._schedule_from, time.perf_counter())
-        while self.inflight:
-            self._drained += self._process_oldest()
-        self._schedule_from = time.perf_counter()
+        with self.meter.paused():
+            while self.inflight:
+                self._drained += self._process_oldest()
         return True
 
     # ------------------------------------------------------------------ queue

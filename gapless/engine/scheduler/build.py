@@ -1,24 +1,28 @@
-"""From scheduled requests to a `ForwardBatch`: the device inputs, built in bulk from host state (no
-per-token Python), and the host's view of the launched batch.
+"""From scheduled requests to a `ForwardBatch`: the device inputs, built in bulk from host state (Python
+per request, none per token), and the host's view of the launched batch.
 
 Every index vector of a batch is a view of one host buffer, so the stream moves a batch in one copy (two
-when it admits requests: their sampling values are floats). A request's sampling settings are turned
-into values once, when it is admitted (`gapless.sampling.rows`); a decode batch carries only its rows,
-positions, KV slots and step counts.
+when it admits requests: their sampling values are floats). The vectors travel in named groups
+(`DecodeVectors`, `ExtendVectors`, `TableWrites`, ...) and come back from the buffer as the same groups
+(`pack_groups`). A request's sampling settings are turned into values once, when it is admitted
+(`gapless.sampling.rows`); a decode batch carries only its rows, positions, KV slots and step counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from gapless.engine.batch import DECODE_VECTORS, ForwardBatch, decode_batch
+from gapless.engine.batch import DecodeVectors, ForwardBatch, PenaltyInit, TableWrites, decode_batch
 from gapless.engine.prompt_logprobs import Scored, plan_scores
-from gapless.engine.request import Req
-from gapless.engine.scheduler.kv import DecodeSlots, TableWrites
-from gapless.engine.scheduler.masks import needs_mask
+from gapless.engine.request import Extend, Req
+from gapless.engine.scheduler.kv import DecodeSlots
+from gapless.engine.scheduler.masks import MaskedRow, needs_mask
 from gapless.engine.spec.inputs import HistoryWrites
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
@@ -31,124 +35,164 @@ class ScheduledBatch:
     reqs: list[Req]
     forward: ForwardBatch
     is_decode: bool
-    # extend batches only (a decode's requests each sample one token): per request, whether it samples
-    # (False for a non-final chunk of a chunked prefill) and its kv_len once this batch has run
-    samples: list[bool]
+    # extend batches only (a decode's requests each sample one token): per request, whether it samples a
+    # token (False for a non-final chunk of a chunked prefill) and its kv_len once this batch has run
+    samples_token: list[bool]
     kv_after: list[int]
     scored: Scored = field(default_factory=list)  # requests scoring prompt positions, with their counts
-    # the sampled rows that need a token mask: (position among them, request, output step)
-    masked: list[tuple[int, Req, int]] = field(default_factory=list)
+    masked: list[MaskedRow] = field(default_factory=list)  # the sampled rows that need a token mask
     # verify batches only (speculative decoding): the drafts each request tries
     drafts: np.ndarray | None = None
+
+    @property
+    def kind(self) -> str:
+        """The kind of batch, as the meter counts it: "decode" (a verify too) or "extend"."""
+        return "decode" if self.is_decode else "extend"
+
+
+class ExtendVectors(NamedTuple):
+    """An extend batch's index vectors (int64): [T] per token, [B] per request, [S] per sampled row."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T]
+    token_rows: torch.Tensor  # [T]
+    rows: torch.Tensor  # [B]
+    prefix_lens: torch.Tensor  # [B]
+    extend_lens: torch.Tensor  # [B]
+    q_start: torch.Tensor  # [B]
+    sample_index: torch.Tensor  # [S]
+    sample_rows: torch.Tensor  # [S]
+    sample_steps: torch.Tensor  # [S]
+
+
+class AdmitVectors(NamedTuple):
+    """The int64 part of the sampling values of the requests a batch admits (`RowParams`)."""
+
+    rows: torch.Tensor
+    ints: torch.Tensor  # `RowParams.ints`, flattened
+
+
+class HistoryVectors(NamedTuple):
+    """`HistoryWrites`'s vectors."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    tokens: torch.Tensor
+
+
+def pack_groups(*groups: tuple) -> Iterator[Any]:
+    """Named groups of 1-D int64 tensors, each rebuilt (same type, same order) with every vector a view of
+    one new buffer (`gapless.tensors.packed`): the batch moves in one copy."""
+    views = iter(packed(*chain.from_iterable(groups)))
+    return (type(g)._make(next(views) for _ in g) for g in groups)  # type: ignore[attr-defined]
 
 
 class BatchBuilder:
     """Builds the scheduler's batches; keeps the host's side of the per-row sampling state (which stages
     each request-table row needs), set when a request is admitted."""
 
-    def __init__(self, num_rows: int, vocab_size: int, history: bool = False) -> None:
+    def __init__(self, num_rows: int, vocab_size: int, enters_history: bool = False) -> None:
         self.vocab_size = vocab_size
-        self.history = history  # speculative decoding: extends enter their tokens in the rows' history
+        # speculative decoding: extends enter their tokens in the rows' token history, to draft from
+        self.enters_history = enters_history
         self.stages = RowStages(num_rows)
 
     def decode(self, reqs: list[Req], slots: DecodeSlots, table_writes: TableWrites | None) -> ScheduledBatch:
         """The decode batch of `reqs`, whose new tokens' KV slots `slots` holds. Moves state at schedule
         time: each request's `sampled` counts this batch's token."""
         n = len(reqs)
-        buf = np.empty((DECODE_VECTORS, n), dtype=np.int64)
-        buf[0], buf[1], buf[2], buf[3] = slots.rows, slots.positions, slots.out, 1
-        buf[4] = np.arange(n)
-        buf[5] = steps = [r.sampled for r in reqs]
+        buf = np.empty((len(DecodeVectors._fields), n), dtype=np.int64)
+        host = DecodeVectors(*buf)  # views of the buffer's rows, by name
+        host.rows[:], host.positions[:], host.out_slots[:] = slots.rows, slots.positions, slots.out
+        host.ones[:] = 1
+        host.token_index[:] = np.arange(n)
+        host.steps[:] = steps = [r.sampled for r in reqs]
         for r in reqs:
             r.sampled += 1
-        writes = None
-        if table_writes is None:
-            vectors = torch.from_numpy(buf).unbind(0)
-        else:  # (after a retraction's drain) in the same buffer, to keep one copy
-            *vectors, w0, w1, w2 = packed(*torch.from_numpy(buf), *table_writes)
-            writes = (w0, w1, w2)
-        forward = decode_batch(vectors, int(slots.positions.max()) + 1, self.stages.flags(slots.rows), writes)
+        vectors = DecodeVectors(*torch.from_numpy(buf).unbind(0))
+        if table_writes is not None:  # (after a retraction's drain) in the same buffer, to keep one copy
+            vectors, table_writes = pack_groups(vectors, table_writes)
+        flags = self.stages.flags(slots.rows)
+        forward = decode_batch(vectors, int(slots.positions.max()) + 1, flags, table_writes)
         return ScheduledBatch(reqs, forward, True, [], [], masked=_masked(forward, reqs, steps))
 
     def extend(
         self,
-        entries: list[tuple[Req, int]],
+        entries: list[Extend],
         out_slots: torch.Tensor,
         table_writes: TableWrites | None,
         admitted: list[Req],
-        penalty_inits: list[tuple[int, list[int], list[int]]],
+        penalty_inits: list[PenaltyInit],
     ) -> ScheduledBatch:
         """The extend batch of `entries` (request, tokens it computes; KV already allocated, `kv_len`
         already advanced); `admitted` are the requests that entered their rows in it. Moves state at
         schedule time: each sampling request's `sampled` counts this batch's token."""
-        reqs = [r for r, _ in entries]
-        row_params = self._admit(admitted) if admitted else None
-        ext = torch.tensor([n for _, n in entries], dtype=torch.int64)
-        pre = torch.tensor([r.kv_len - n for r, n in entries], dtype=torch.int64)
+        reqs = [e.req for e in entries]
+        ext = torch.tensor([e.tokens for e in entries], dtype=torch.int64)
+        kv_after = [r.kv_len for r in reqs]
+        pre = torch.tensor(kv_after, dtype=torch.int64) - ext
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
         q_start = torch.cumsum(ext, 0) - ext
-        input_ids = torch.tensor([t for r, n in entries for t in r.fill_ids[r.kv_len - n : r.kv_len]])
-        token_rows = torch.repeat_interleave(rows, ext)
-        positions = torch.arange(int(ext.sum())) - torch.repeat_interleave(q_start - pre, ext)
         # the whole sequence is in KV once this batch runs: sample its next token
-        samples = [r.kv_len == len(r.prompt_ids) + r.sampled for r in reqs]
-        sample_mask = torch.tensor(samples, dtype=torch.bool)
-        sample_reqs = [r for r, s in zip(reqs, samples) if s]
+        samples_token = [r.kv_len == len(r.prompt_ids) + r.sampled for r in reqs]
+        sample_mask = torch.tensor(samples_token, dtype=torch.bool)
+        sample_reqs = [r for r, s in zip(reqs, samples_token) if s]
         step_list = [r.sampled for r in sample_reqs]
-        steps = torch.tensor(step_list, dtype=torch.int64)
         for r in sample_reqs:
             r.sampled += 1
         sample_rows = rows[sample_mask]
-        admit = (row_params.rows, row_params.ints.reshape(-1)) if row_params is not None else ()
-        hist = self._history(entries, admitted) if self.history else ()
-        parts = packed(
-            input_ids.to(torch.int64),
-            positions,
-            out_slots,
-            token_rows,
-            rows,
-            pre,
-            ext,
-            q_start,
-            (q_start + ext - 1)[sample_mask],
-            sample_rows,
-            steps,
-            *admit,
-            *(table_writes or ()),
-            *hist,
+        host = ExtendVectors(
+            input_ids=_tokens(entries),
+            positions=torch.arange(int(ext.sum())) - torch.repeat_interleave(q_start - pre, ext),
+            out_slots=out_slots,
+            token_rows=torch.repeat_interleave(rows, ext),
+            rows=rows,
+            prefix_lens=pre,
+            extend_lens=ext,
+            q_start=q_start,
+            sample_index=(q_start + ext - 1)[sample_mask],
+            sample_rows=sample_rows,
+            sample_steps=torch.tensor(step_list, dtype=torch.int64),
         )
+        row_params = self._admit(admitted) if admitted else None
+        groups: list[tuple] = [host]
         if row_params is not None:  # its index vectors travel in the batch's one int64 buffer
-            row_params.rows, row_params.ints = parts[11], parts[12].view(row_params.ints.shape)
+            groups.append(AdmitVectors(row_params.rows, row_params.ints.reshape(-1)))
+        if table_writes is not None:
+            groups.append(table_writes)
+        if self.enters_history:
+            groups.append(_history(entries, admitted))
+        views = {type(g): g for g in pack_groups(*groups)}
+        vec: ExtendVectors = views[ExtendVectors]
+        if row_params is not None:
+            admit = views[AdmitVectors]
+            row_params.rows, row_params.ints = admit.rows, admit.ints.view(row_params.ints.shape)
+        hist = views.get(HistoryVectors)
         forward = ForwardBatch(
-            *parts[:8],
+            input_ids=vec.input_ids,
+            positions=vec.positions,
+            out_slots=vec.out_slots,
+            token_rows=vec.token_rows,
+            rows=vec.rows,
+            prefix_lens=vec.prefix_lens,
+            extend_lens=vec.extend_lens,
+            q_start=vec.q_start,
             max_extend_len=int(ext.max()),
             max_seq_len=int((pre + ext).max()),
             is_decode=False,
-            sample_index=parts[8],
-            sample_rows=parts[9],
-            sample_steps=parts[10],
+            sample_index=vec.sample_index,
+            sample_rows=vec.sample_rows,
+            sample_steps=vec.sample_steps,
             sampling=self.stages.flags(sample_rows.numpy()) if sample_reqs else None,
-            table_writes=tuple(parts[11 + len(admit) : 14 + len(admit)]) if table_writes else None,  # type: ignore[arg-type]
+            table_writes=views.get(TableWrites),
             penalty_inits=penalty_inits,
             row_params=row_params,
-            spec=HistoryWrites(*parts[-3:]) if hist else None,
+            spec=HistoryWrites(*hist) if hist is not None else None,
         )
         forward.prompt_scores, scored = plan_scores(entries)
         masked = _masked(forward, sample_reqs, step_list)
-        return ScheduledBatch(
-            reqs, forward, False, samples, [r.kv_len for r in reqs], scored=scored, masked=masked
-        )
-
-    @staticmethod
-    def _history(entries: list[tuple[Req, int]], admitted: list[Req]) -> tuple[torch.Tensor, ...]:
-        """(rows, positions, tokens) of the tokens an extend enters in its rows' history: those it
-        computes, and for a request entering its row, its cached prefix too."""
-        new = {id(r) for r in admitted}
-        spans = [(r, 0 if id(r) in new else r.kv_len - n, r.kv_len) for r, n in entries]
-        rows = torch.tensor([r.row for r, a, b in spans for _ in range(a, b)], dtype=torch.int64)
-        positions = torch.tensor([p for _, a, b in spans for p in range(a, b)], dtype=torch.int64)
-        tokens = torch.tensor([t for r, a, b in spans for t in r.fill_ids[a:b]], dtype=torch.int64)
-        return rows, positions, tokens
+        return ScheduledBatch(reqs, forward, False, samples_token, kv_after, scored=scored, masked=masked)
 
     def _admit(self, admitted: list[Req]) -> RowParams:
         """The sampling values of requests entering their rows (for the device), noting on the host which
@@ -163,9 +207,30 @@ class BatchBuilder:
         return values
 
 
-def _masked(forward: ForwardBatch, reqs: list[Req], steps: list[int]) -> list[tuple[int, Req, int]]:
+def _tokens(entries: list[Extend]) -> torch.Tensor:
+    """The input ids of an extend: the tokens each request computes, concatenated."""
+    spans = (e.req.fill_ids[e.req.kv_len - e.tokens : e.req.kv_len] for e in entries)
+    return torch.tensor(list(chain.from_iterable(spans)), dtype=torch.int64)
+
+
+def _history(entries: list[Extend], admitted: list[Req]) -> HistoryVectors:
+    """The tokens an extend enters in its rows' history: those it computes, and for a request entering
+    its row, its cached prefix too."""
+    new = {id(r) for r in admitted}
+    reqs = [e.req for e in entries]
+    ends = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+    starts = torch.tensor([0 if id(e.req) in new else e.req.kv_len - e.tokens for e in entries])
+    counts = ends - starts
+    rows = torch.repeat_interleave(torch.tensor([r.row for r in reqs], dtype=torch.int64), counts)
+    offsets = torch.cumsum(counts, 0) - counts - starts  # flat index minus position, per request
+    positions = torch.arange(int(counts.sum())) - torch.repeat_interleave(offsets, counts)
+    spans = (r.fill_ids[a:b] for r, a, b in zip(reqs, starts.tolist(), ends.tolist()))
+    return HistoryVectors(rows, positions, torch.tensor(list(chain.from_iterable(spans)), dtype=torch.int64))
+
+
+def _masked(forward: ForwardBatch, reqs: list[Req], steps: list[int]) -> list[MaskedRow]:
     """The sampled rows of `forward` (requests `reqs` at output `steps`) that need a token mask; looked
     for only when a row's stages say one may (`SampleFlags.need_mask`)."""
     if forward.sampling is None or not forward.sampling.need_mask:
         return []
-    return [(i, r, s) for i, (r, s) in enumerate(zip(reqs, steps)) if needs_mask(r, s)]
+    return [MaskedRow(i, r, s) for i, (r, s) in enumerate(zip(reqs, steps)) if needs_mask(r, s)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from gapless.engine.request import Req, ReqStatus
 from gapless.engine.scheduler.budget import DecodeReserve
@@ -16,7 +16,16 @@ from gapless.engine.stats import EngineStats
 log = logging.getLogger(__name__)
 
 
-class Decode:
+class DecodePlan(NamedTuple):
+    """A decode batch to build: its requests, and the KV `DecodePlanner.alloc` took for them."""
+
+    reqs: list[Req]
+    slots: Any  # `DecodeSlots`, or a verify's `VerifyPlan`
+
+
+class DecodePlanner:
+    """Plans decode batches: which running requests decode, and which to retract when KV runs out."""
+
     def __init__(
         self,
         queues: Queues,
@@ -32,9 +41,8 @@ class Decode:
         # verify's slots for its drafts too (`gapless.engine.scheduler.verify`)
         self.alloc = alloc or kv.alloc_decode
 
-    def schedule(self, drain: Callable[[], bool]) -> tuple[list[Req], Any] | None:
-        """The requests of the next decode batch and what `alloc` took for them (`DecodeSlots`, or a
-        verify's `VerifyPlan`), or None if none needs
+    def schedule(self, drain: Callable[[], bool]) -> DecodePlan | None:
+        """The requests of the next decode batch and what `alloc` took for them, or None if none needs
         a token. `drain` processes the batches in flight (False if there were none): retraction needs
         every request's exact tokens, so it drains first (rare: a bubble)."""
         while True:
@@ -44,7 +52,7 @@ class Decode:
             out = self.alloc(reqs)
             if out is not None:
                 self.reserve.decay()
-                return reqs, out
+                return DecodePlan(reqs, out)
             if not drain():
                 self._retract(self._victim())
 

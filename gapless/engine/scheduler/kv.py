@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gapless.engine.batch import TableWrites
 from gapless.engine.prompt_logprobs import reuse_limit
 from gapless.engine.request import Req
 from gapless.engine.scheduler.window import WindowKV
 from gapless.memory.allocator import PageAllocator
+from gapless.memory.cache_base import MatchResult, PrefixCache, TreeNode
 from gapless.memory.integrity import check_integrity, check_live
 from gapless.memory.prefix_cache import (
     HeldKV,
@@ -28,10 +30,7 @@ from gapless.memory.prefix_cache import (
     cache_unfinished,
     release_uncached,
 )
-from gapless.memory.radix_cache import MatchResult, PrefixCache, TreeNode
 from gapless.memory.req_table import ReqTable
-
-TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, positions, slots)
 
 
 @dataclass
@@ -65,14 +64,14 @@ class KVManager:
         req_table: ReqTable,
         allocator: PageAllocator,
         cache: PrefixCache,
-        ahead: bool = False,
+        takes_slots_ahead: bool = False,
         window: int | None = None,
     ) -> None:
         """`window`: free what a request's decode leaves behind this sliding window (every layer slides;
         `gapless.engine.scheduler.window.freeing_window`); None keeps all of a request's KV."""
         # speculative decoding takes slots ahead (`alloc_runs`); only [0, seq_len - 1) of them is surely
         # written with the request's own tokens when it is released
-        self.ahead = ahead
+        self.takes_slots_ahead = takes_slots_ahead
         self.req_table = req_table
         self.allocator = allocator
         self.cache = cache
@@ -202,7 +201,7 @@ class KVManager:
         table[token_rows, pos] = slots
         for r, end in zip(reqs, ends.tolist()):
             r.kv_len = end
-        return torch.from_numpy(token_rows), torch.from_numpy(pos), torch.from_numpy(slots)
+        return TableWrites(torch.from_numpy(token_rows), torch.from_numpy(pos), torch.from_numpy(slots))
 
     def trim(self, req: Req, keep: int) -> None:
         """Give back the request's own pages past position `keep` (slots taken ahead for drafts that were
@@ -220,7 +219,8 @@ class KVManager:
     def cache_chunk(self, req: Req, kv_done: int) -> None:
         """Share the prompt prefix a processed chunk completed (only KV a finished forward wrote)."""
         held = self._held(req, kv_done)
-        prefix, node, cached_len = cache_unfinished(self.cache, self.allocator, held)
+        match = cache_unfinished(self.cache, self.allocator, held)
+        prefix, node, cached_len = match.slots, match.node, match.length
         if cached_len > req.cached_len:
             # the tree may hold other slots for this span (another request inserted it first): read those
             new = prefix[req.cached_len : cached_len]
@@ -232,7 +232,7 @@ class KVManager:
 
     def release(self, req: Req) -> None:
         """Give back a request's KV (into the prefix cache where it can be reused) and its table row."""
-        if self.ahead:  # the slots past its last token's position hold no KV of its own tokens
+        if self.takes_slots_ahead:  # the slots past its last token's position hold no KV of its own tokens
             self.trim(req, min(req.kv_len, req.seq_len - 1))
         assert req.row is not None and req.last_node is not None
         if self.window is not None and self.window.has_freed(req.row, req.cached_len):
@@ -245,8 +245,8 @@ class KVManager:
         req.row, req.last_node, req.kv_len, req.cached_len = None, None, 0, 0
 
     # ------------------------------------------------------------------ device table
-    def take_table_writes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(rows, positions, slots) of the row entries the device table still lacks, for the next batch
+    def take_table_writes(self) -> TableWrites | None:
+        """The row entries the device table still lacks, for the next batch
         to apply in stream order: matched prefixes, chunks the tree answered with its own slots, and
         positions whose KV left the window (slot 0)."""
         writes, self._table_writes = self._table_writes, []
@@ -255,10 +255,14 @@ class KVManager:
             return None
         if not writes and len(bulk) == 1:
             return bulk[0]
-        rows = [torch.full((len(s),), row, dtype=torch.int64) for row, _, s in writes] + [b[0] for b in bulk]
-        positions = [torch.arange(start, start + len(s)) for _, start, s in writes] + [b[1] for b in bulk]
-        slots = [s.to(torch.int64) for _, _, s in writes] + [b[2] for b in bulk]
-        return torch.cat(rows), torch.cat(positions), torch.cat(slots)
+        rows = [torch.full((len(s),), row, dtype=torch.int64) for row, _, s in writes] + [
+            b.rows for b in bulk
+        ]
+        positions = [torch.arange(start, start + len(s)) for _, start, s in writes] + [
+            b.positions for b in bulk
+        ]
+        slots = [s.to(torch.int64) for _, _, s in writes] + [b.slots for b in bulk]
+        return TableWrites(torch.cat(rows), torch.cat(positions), torch.cat(slots))
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:

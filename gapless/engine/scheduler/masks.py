@@ -9,11 +9,12 @@ made at launch and travels with the batch: one job, as usual.
 
 Otherwise (the overlap loop's steady state: batch N+1 is launched while N's tokens are unknown) the batch
 is launched with `defer_sampling`: the device runs its forward and keeps the logits. The host goes on
-processing batch N (`Results.process`, which advances the matchers), then `release` fills the masks and
-submits a `SampleJob` that samples the kept logits under them. So the mask fill overlaps the forward, the
-host never waits on the device for it, and the device only waits (a bubble, measured: the job's `idle`)
-when the host's processing plus fill outlasts the forward. Stream order keeps the future-token rule: the
-sample job is submitted before the next batch's forward, which reads the tokens it writes.
+processing batch N (`ResultProcessor.process`, which advances the matchers), then `release` fills the
+masks and submits a `SampleJob` that samples the kept logits under them. So the mask fill overlaps the
+forward, the host never waits on the device for it, and the device only waits (a bubble, measured: the
+job's `idle`) when the host's processing plus fill outlasts the forward. Stream order keeps the
+future-token rule: the sample job is submitted before the next batch's forward, which reads the tokens it
+writes.
 
 `release` runs for the oldest batch in flight only, once every batch before it was processed: the
 scheduler calls it after processing a batch, and `result()` calls it (the plain loop, a drain).
@@ -22,6 +23,7 @@ scheduler calls it after processing a batch, and `result()` calls it (the plain 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,11 +31,19 @@ import torch
 from gapless.engine.batch import ForwardBatch, SampleJob
 from gapless.engine.request import Req
 from gapless.engine.spec.grammar import fill_grammars
-from gapless.engine.stream import DeviceStream, JobTiming, Pending
+from gapless.engine.stream import DeviceStream, JobResult, JobTiming, Pending
 from gapless.sampling.mask import TokenMask, mask_words
-from gapless.sampling.sampler import HostSamples
 
-Masked = Sequence[tuple[int, Req, int]]  # (position among the batch's sampled rows, request, output step)
+
+class MaskedRow(NamedTuple):
+    """A sampled row of a batch that needs a token mask."""
+
+    position: int  # among the batch's sampled rows
+    req: Req
+    step: int  # the output step it samples
+
+
+Masked = Sequence[MaskedRow]
 
 
 def needs_mask(req: Req, step: int) -> bool:
@@ -55,7 +65,7 @@ def make_mask(masked: Masked, num_rows: int, vocab_size: int) -> TokenMask:
             for t in req.stop_ids:
                 if t < vocab_size:
                     words[i, t // 32] &= ~np.uint32(1 << (t % 32))
-    return TokenMask([j for j, _, _ in masked], bits)
+    return TokenMask([m.position for m in masked], bits)
 
 
 class DeferredSample:
@@ -71,13 +81,13 @@ class DeferredSample:
         if self.sample is None:
             self.sample = self.stream.submit(SampleJob(make_mask(self.masked, self.rows, self.vocab)))
 
-    def result(self) -> tuple[HostSamples, JobTiming]:
+    def result(self) -> JobResult:
         self.release()
         assert self.sample is not None
         _, first = self.forward.result()
         samples, second = self.sample.result()
         idle = max(0.0, second.start - first.end)  # the device waited for the mask
-        return samples, JobTiming(first.submit, first.start, second.end, idle)
+        return JobResult(samples, JobTiming(first.submit, first.start, second.end, idle))
 
 
 def launch(stream: DeviceStream, forward: ForwardBatch, masked: Masked, vocab_size: int) -> Pending:
@@ -86,14 +96,14 @@ def launch(stream: DeviceStream, forward: ForwardBatch, masked: Masked, vocab_si
     if not masked:
         return stream.submit(forward)
     rows = len(forward.sample_rows)
-    if any(req.grammar is not None and req.inflight > 0 for _, req, _ in masked):
+    if any(m.req.grammar is not None and m.req.inflight > 0 for m in masked):
         forward.defer_sampling = True
         return DeferredSample(stream, stream.submit(forward), masked, rows, vocab_size)
     forward.token_mask = make_mask(masked, rows, vocab_size)
     return stream.submit(forward)
 
 
-def release_oldest(inflight: Sequence[tuple[object, Pending]]) -> None:
-    """The batches before the oldest in flight are processed: release it if it waits for its mask."""
-    if inflight and isinstance(inflight[0][1], DeferredSample):
-        inflight[0][1].release()
+def release(pending: Pending) -> None:
+    """Every batch before `pending`'s is processed: release it if it waits for its mask."""
+    if isinstance(pending, DeferredSample):
+        pending.release()

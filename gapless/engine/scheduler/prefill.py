@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from gapless.config import EngineConfig
-from gapless.engine.request import Req, ReqStatus
+from gapless.engine.batch import PenaltyInit
+from gapless.engine.request import Extend, Req, ReqStatus
 from gapless.engine.scheduler.budget import DecodeReserve
 from gapless.engine.scheduler.kv import KVManager
 from gapless.engine.scheduler.queues import Queues
 from gapless.engine.stats import EngineStats
-from gapless.memory.radix_cache import MatchResult
+from gapless.memory.cache_base import MatchResult
 
 LPM_MAX_QUEUE = 128  # beyond this, matching every waiting prompt costs more than it saves: fall back to fcfs
 
@@ -29,24 +30,25 @@ class ExtendPlan:
 
     token_budget: int
     reserved: int  # KV kept back for the decode steps of the running requests
-    entries: list[tuple[Req, int]] = field(default_factory=list)  # (request, tokens it computes)
+    entries: list[Extend] = field(default_factory=list)  # (request, tokens it computes)
     slots: list[torch.Tensor] = field(default_factory=list)  # their new tokens' KV slots
-    # (row, prompt_ids, output_ids) of admitted requests with penalties: their sampler state is built
-    # before this batch samples (copies: the device side must never read lists the host goes on mutating)
-    penalty_inits: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    # admitted requests with penalties: their sampler state is built before this batch samples
+    penalty_inits: list[PenaltyInit] = field(default_factory=list)
     admitted: list[Req] = field(default_factory=list)  # requests that enter their rows in this batch
 
     def add(self, req: Req, slots: torch.Tensor) -> None:
-        self.entries.append((req, len(slots)))
+        self.entries.append(Extend(req, len(slots)))
         self.slots.append(slots)
         self.token_budget -= len(slots)
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.entries)
+        return sum(e.tokens for e in self.entries)
 
 
-class Prefill:
+class PrefillPlanner:
+    """Plans extend batches: the chunked request's next chunk, else admissions, under the budgets."""
+
     def __init__(
         self, cfg: EngineConfig, queues: Queues, kv: KVManager, reserve: DecodeReserve, stats: EngineStats
     ) -> None:
@@ -135,4 +137,4 @@ class Prefill:
             req.cached_tokens = match.length
             self.stats.cached_prompt_tokens += match.length
         if req.params.has_penalties:
-            plan.penalty_inits.append((row, list(req.prompt_ids), list(req.output_ids)))
+            plan.penalty_inits.append(PenaltyInit(row, list(req.prompt_ids), list(req.output_ids)))

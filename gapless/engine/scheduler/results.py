@@ -3,6 +3,7 @@ a request (finished or aborted), whose KV goes back once no launched batch still
 
 from __future__ import annotations
 
+from gapless.engine.batch import HostSamples
 from gapless.engine.detokenize import StopStrings, TokenDecoder
 from gapless.engine.prompt_logprobs import fold_scores
 from gapless.engine.request import Req, ReqStatus
@@ -10,10 +11,11 @@ from gapless.engine.scheduler.build import ScheduledBatch
 from gapless.engine.scheduler.kv import KVManager
 from gapless.engine.scheduler.queues import Queues
 from gapless.engine.stats import EngineStats
-from gapless.sampling.sampler import HostSamples
 
 
-class Results:
+class ResultProcessor:
+    """Folds processed batches into request state and ends requests."""
+
     def __init__(
         self,
         queues: Queues,
@@ -32,8 +34,8 @@ class Results:
         reqs, chunks = batch.reqs, []
         fold_scores(batch.scored, samples.prompt)  # before a finish below: its scores are all in
         if not batch.is_decode:  # a decode's requests all sampled; an extend's non-final chunks did not
-            reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
-            chunks = [(r, kv) for r, s, kv in zip(batch.reqs, batch.samples, batch.kv_after) if not s]
+            reqs = [r for r, s in zip(batch.reqs, batch.samples_token) if s]
+            chunks = [(r, kv) for r, s, kv in zip(batch.reqs, batch.samples_token, batch.kv_after) if not s]
         touched: list[Req] = []
         touch, finished = touched.append, ReqStatus.FINISHED  # (locals: this loop runs per token)
         logprobs, max_context = samples.logprobs is not None, self.max_context

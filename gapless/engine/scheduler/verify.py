@@ -21,18 +21,19 @@ device) is under it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from gapless.config import EngineConfig
-from gapless.engine.batch import ForwardBatch
+from gapless.engine.batch import ForwardBatch, TableWrites
 from gapless.engine.request import Req
-from gapless.engine.scheduler.build import BatchBuilder, ScheduledBatch
-from gapless.engine.scheduler.kv import DecodeSlots, KVManager, TableWrites
+from gapless.engine.scheduler.build import BatchBuilder, ScheduledBatch, pack_groups
+from gapless.engine.scheduler.kv import DecodeSlots, KVManager
+from gapless.engine.scheduler.masks import MaskedRow
 from gapless.engine.spec.grammar import can_draft
 from gapless.engine.spec.inputs import VerifyInputs
-from gapless.tensors import packed
 
 KEEP = np.iinfo(np.int64).max  # a mask kept whatever the position's step
 
@@ -111,38 +112,54 @@ class SpecDecode:
             r.unresolved_drafts += e - 1
         writes = plan.writes
         if table_writes is not None:  # (a retraction's drain queued some: they go in the same buffer)
-            writes = tuple(torch.cat([a, b]) for a, b in zip(writes, table_writes))  # type: ignore[assignment]
-        host = [torch.from_numpy(a) for a in (rows, ext, q_start, token_rows, owner, offsets, keep_below_np)]
-        parts = packed(*host, *writes, torch.arange(total))  # one buffer: the batch moves in one copy
-        rows_t, ext_t, q_start_t, token_rows_t, owner_t, offsets_t, keep_below, *w, index = parts
-        empty = index[:0]  # filled on the device (`SpecState.prepare`)
+            writes = TableWrites(*(torch.cat([a, b]) for a, b in zip(writes, table_writes)))
+        arrays = (rows, ext, q_start, token_rows, owner, offsets, keep_below_np, np.arange(total))
+        host = VerifyVectors(*(torch.from_numpy(a) for a in arrays))
+        vec: VerifyVectors
+        vec, writes = pack_groups(host, writes)  # one buffer: the batch moves in one copy
+        empty = vec.sample_index[:0]  # filled on the device (`SpecState.prepare`)
         forward = ForwardBatch(
             input_ids=empty,
             positions=empty,
             out_slots=empty,
-            token_rows=token_rows_t,
-            rows=rows_t,
+            token_rows=vec.token_rows,
+            rows=vec.rows,
             prefix_lens=empty,
-            extend_lens=ext_t,
-            q_start=q_start_t,
+            extend_lens=vec.extend_lens,
+            q_start=vec.q_start,
             max_extend_len=int(ext.max()),
             max_seq_len=max_seq,
             is_decode=False,
-            sample_index=index,
-            sample_rows=token_rows_t,
+            sample_index=vec.sample_index,
+            sample_rows=vec.token_rows,
             sample_steps=empty,
             sampling=self.builder.stages.flags(token_rows),
-            table_writes=(w[0], w[1], w[2]),
+            table_writes=writes,
             spec=VerifyInputs(
-                owner_t, offsets_t, int(plan.drafts.max()), *self.ngram, keep_below if masked else None
+                vec.batch_index,
+                vec.offsets,
+                int(plan.drafts.max()),
+                *self.ngram,
+                vec.keep_mask_below if masked else None,
             ),
         )
         return ScheduledBatch(reqs, forward, True, [], [], masked=masked, drafts=plan.drafts)
 
 
-def _masked(
-    reqs: list[Req], ext: np.ndarray, q_start: np.ndarray
-) -> tuple[list[tuple[int, Req, int]], np.ndarray]:
+class VerifyVectors(NamedTuple):
+    """A verify batch's index vectors (int64): [B] per request, [T] per token."""
+
+    rows: torch.Tensor  # [B]
+    extend_lens: torch.Tensor  # [B] 1 + its drafts
+    q_start: torch.Tensor  # [B]
+    token_rows: torch.Tensor  # [T]
+    batch_index: torch.Tensor  # [T] its request's index in the batch
+    offsets: torch.Tensor  # [T] its offset among its request's tokens
+    keep_mask_below: torch.Tensor  # [T] (`VerifyInputs.keep_mask_below`)
+    sample_index: torch.Tensor  # [T] 0..T-1: every token samples
+
+
+def _masked(reqs: list[Req], ext: np.ndarray, q_start: np.ndarray) -> tuple[list[MaskedRow], np.ndarray]:
     """The positions of a verify batch sampled under a token mask (`masks.make_mask`), with the output
     step the mask is made for; and the step below which the device keeps each position's mask ([T]).
 
@@ -153,14 +170,15 @@ def _masked(
     position whose lower bound is under min_tokens gets the mask without the stop tokens, and the device
     keeps it only where the true step is under min_tokens (`SpecState.verify_mask`), so the tokens are
     decoding's."""
-    masked, keep_below = [], np.zeros(int(ext.sum()), dtype=np.int64)
+    masked: list[MaskedRow] = []
+    keep_below = np.zeros(int(ext.sum()), dtype=np.int64)
     for r, e, start in zip(reqs, ext.tolist(), q_start.tolist()):
         if r.grammar is not None:  # each position: the grammar's state after the drafts before it
-            masked.extend((start + o, r, r.sampled + o) for o in range(e))
+            masked.extend(MaskedRow(start + o, r, r.sampled + o) for o in range(e))
             keep_below[start : start + e] = KEEP
             continue
         low, need = len(r.output_ids), r.params.min_tokens
         for o in range(min(e, need - low)):
-            masked.append((start + o, r, low + o))
+            masked.append(MaskedRow(start + o, r, low + o))
             keep_below[start + o] = need
     return masked, keep_below

@@ -4,14 +4,14 @@ its upper bound back to the truth and the slots taken for rejected drafts given 
 
 from __future__ import annotations
 
+from gapless.engine.batch import HostSamples
 from gapless.engine.request import Req
 from gapless.engine.scheduler.build import ScheduledBatch
-from gapless.engine.scheduler.results import Results
-from gapless.sampling.sampler import HostSamples
+from gapless.engine.scheduler.results import ResultProcessor
 
 
-class VerifyResults(Results):
-    """`Results`, also for verify batches (speculative decoding)."""
+class VerifyResultProcessor(ResultProcessor):
+    """`ResultProcessor`, also for verify batches (speculative decoding)."""
 
     def process(self, batch: ScheduledBatch, samples: HostSamples) -> list[Req]:
         drafts = batch.drafts

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gapless.engine.batch import TableWrites
 from gapless.memory.allocator import PageAllocator
 
 
@@ -115,13 +116,15 @@ class WindowKV:
         some = counts > 0
         return FreePlan(page_rows, page_pos, pages, rows[some], dead[some])
 
-    def free(self, plan: FreePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def free(self, plan: FreePlan) -> TableWrites:
         """Give `plan`'s pages back and point their positions at slot 0 in the host table; returns the
-        same (rows, positions, slots) for the device table, to go with the next batch."""
+        same entries for the device table, to go with the next batch."""
         ps = self.page_size
         self.allocator.free(torch.from_numpy(plan.pages))
         self.live_from[plan.rows] = plan.live_from
         rows = np.repeat(plan.page_rows, ps)
         positions = (plan.page_pos[:, None] + np.arange(ps)).reshape(-1)
         self._table[rows, positions] = 0
-        return torch.from_numpy(rows), torch.from_numpy(positions), torch.zeros(len(rows), dtype=torch.int64)
+        return TableWrites(
+            torch.from_numpy(rows), torch.from_numpy(positions), torch.zeros(len(rows), dtype=torch.int64)
+        )

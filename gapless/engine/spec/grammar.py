@@ -29,6 +29,7 @@ from gapless.engine.spec.ngram import ngram_drafts
 
 if TYPE_CHECKING:
     from gapless.engine.request import Req
+    from gapless.engine.scheduler.masks import MaskedRow
 
 
 def can_draft(req: Req) -> bool:
@@ -48,7 +49,7 @@ def host_drafts(req: Req, k: int) -> list[int]:
     return ngram_drafts(history, lens, k, *ngram)[0].tolist()
 
 
-def fill_grammars(bits: torch.Tensor, masked: Sequence[tuple[int, Req, int]]) -> None:
+def fill_grammars(bits: torch.Tensor, masked: Sequence[MaskedRow]) -> None:
     """Fill the grammar rows of a batch's mask `bits` (int32 [rows, words], all allowed): a request's one
     sampled position gets its grammar's next tokens; the consecutive positions of a verify with drafts
     get the grammar's state after each draft (see the module). `masked`: the batch's masked positions, in

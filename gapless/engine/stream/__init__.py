@@ -1,6 +1,6 @@
 """The device stream: where forward jobs run, in submission order, while the host goes on.
 
-One interface (`base.DeviceStream`): `submit(batch) -> Pending`, `Pending.result() -> (samples, timing)`.
+One interface (`base.DeviceStream`): `submit(batch) -> Pending`, `Pending.result() -> JobResult`.
 The scheduler runs the same code on every stream; it reads `asynchronous` only to know whether the time
 `submit` took is host time (a launch) or the device job itself (the inline stream). The streams:
 
@@ -20,19 +20,20 @@ Test support (chaos.py): with `chaos_seed` set, `make_stream` wraps the streams 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
 from gapless.config import EngineConfig
 from gapless.engine.runner import ModelRunner
-from gapless.engine.stream.base import DeviceStream, JobTiming, Pending
+from gapless.engine.stream.base import DeviceStream, JobResult, JobTiming, Pending
 from gapless.engine.stream.chaos import device_side, host_side, make_runner
 from gapless.engine.stream.cuda import CudaStream
 from gapless.engine.stream.inline import InlineStream
 from gapless.engine.stream.process import HostPinning, ProcessStream
 from gapless.engine.stream.thread import ThreadStream
 
-__all__ = ["DeviceStream", "JobTiming", "Pending", "make_stream"]
+__all__ = ["DeviceSide", "DeviceStream", "JobResult", "JobTiming", "Pending", "make_stream"]
 
 MIN_CORES_FOR_DEVICE_PROCESS = 4
 
@@ -48,7 +49,14 @@ def cpu_worker(cfg: EngineConfig) -> str:
     return "process" if cfg.overlap and cores >= MIN_CORES_FOR_DEVICE_PROCESS else "inline"
 
 
-def make_stream(cfg: EngineConfig) -> tuple[DeviceStream, ModelRunner | None]:
+class DeviceSide(NamedTuple):
+    """Where the device side of an engine runs: its stream, and the in-process runner when there is one."""
+
+    stream: DeviceStream
+    runner: ModelRunner | None  # None: it lives in a device process (or the tensor-parallel ranks)
+
+
+def make_stream(cfg: EngineConfig) -> DeviceSide:
     """The stream this config asks for; also the in-process runner, when there is one (None: it lives in
     the device process). On CUDA it is always `CudaStream`; on the CPU, see `cpu_worker`.
 
@@ -58,11 +66,11 @@ def make_stream(cfg: EngineConfig) -> tuple[DeviceStream, ModelRunner | None]:
     if cfg.tensor_parallel_size > 1:  # the ranks' processes (imported here: gapless.engine.tp uses streams)
         from gapless.engine.tp import TPStream
 
-        return host_side(TPStream(cfg), cfg), None
+        return DeviceSide(host_side(TPStream(cfg), cfg), None)
     worker = cpu_worker(cfg)
     on_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if worker == "process" and not on_cuda:
-        return host_side(_device_process(cfg), cfg), None
+        return DeviceSide(host_side(_device_process(cfg), cfg), None)
     if cfg.device_threads:
         torch.set_num_threads(cfg.device_threads)
     runner = make_runner(cfg)
@@ -72,7 +80,7 @@ def make_stream(cfg: EngineConfig) -> tuple[DeviceStream, ModelRunner | None]:
         stream = ThreadStream(device_side(InlineStream(runner), cfg))
     else:
         stream = InlineStream(runner)
-    return host_side(stream, cfg), runner
+    return DeviceSide(host_side(stream, cfg), runner)
 
 
 def _device_process(cfg: EngineConfig) -> ProcessStream:

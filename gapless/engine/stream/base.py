@@ -1,12 +1,12 @@
-"""What every device stream offers the scheduler: `submit(batch) -> Pending`, then `Pending.result()`."""
+"""What every device stream offers the scheduler: `submit(batch) -> Pending`, then `Pending.result()`, a
+`JobResult`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-from gapless.engine.batch import DeviceJob, RunnerInfo
-from gapless.sampling.sampler import HostSamples
+from gapless.engine.batch import DeviceJob, HostSamples, RunnerInfo
 
 
 @dataclass
@@ -19,8 +19,15 @@ class JobTiming:
     idle: float = 0.0  # of [start, end], the time the device waited inside the job (a deferred mask)
 
 
+class JobResult(NamedTuple):
+    """What a finished job gives the host: its sampled tokens, and when it ran."""
+
+    samples: HostSamples
+    timing: JobTiming
+
+
 class Pending(Protocol):
-    def result(self) -> tuple[HostSamples, JobTiming]:
+    def result(self) -> JobResult:
         """Wait for the job (the one deliberate host wait of the step loop); its sampled tokens."""
 
 
@@ -36,8 +43,8 @@ class DeviceStream(Protocol):
 class Done:
     """The `Pending` of a job that has already run."""
 
-    def __init__(self, tokens: HostSamples, timing: JobTiming) -> None:
-        self._value = (tokens, timing)
+    def __init__(self, samples: HostSamples, timing: JobTiming) -> None:
+        self._value = JobResult(samples, timing)
 
-    def result(self) -> tuple[HostSamples, JobTiming]:
+    def result(self) -> JobResult:
         return self._value

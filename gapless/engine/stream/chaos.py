@@ -23,8 +23,7 @@ import torch
 from gapless.config import EngineConfig
 from gapless.engine.batch import ForwardBatch
 from gapless.engine.runner import ModelRunner
-from gapless.engine.stream.base import DeviceStream, JobTiming, Pending
-from gapless.sampling.sampler import HostSamples
+from gapless.engine.stream.base import DeviceStream, JobResult, Pending
 
 
 class Chaos:
@@ -44,7 +43,7 @@ class _ChaosPending:
     def __init__(self, pending: Pending, chaos: Chaos) -> None:
         self.pending, self.chaos = pending, chaos
 
-    def result(self) -> tuple[HostSamples, JobTiming]:
+    def result(self) -> JobResult:
         self.chaos.delay()
         return self.pending.result()
 

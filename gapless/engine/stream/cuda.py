@@ -6,10 +6,10 @@ import time
 
 import torch
 
-from gapless.engine.batch import ForwardBatch
+from gapless.engine.batch import ForwardBatch, HostSamples
 from gapless.engine.runner import ModelRunner
-from gapless.engine.stream.base import JobTiming, Pending
-from gapless.sampling.sampler import HostSamples, SampleOutput
+from gapless.engine.stream.base import JobResult, JobTiming, Pending
+from gapless.sampling.sampler import SampleOutput
 from gapless.tensors import dataclass_to_device
 
 
@@ -24,12 +24,14 @@ class _CudaPending:
     ) -> None:
         self.out, self.host, self.start, self.done, self.submit = out, host, start, done, submit
 
-    def result(self) -> tuple[HostSamples, JobTiming]:
+    def result(self) -> JobResult:
         self.done.synchronize()
         # device times from events, placed on the host clock by the wait's end
         end = time.perf_counter()
         dur = self.start.elapsed_time(self.done) / 1e3
-        return HostSamples.from_tensors(self.out, self.host), JobTiming(self.submit, end - dur, end)
+        return JobResult(
+            HostSamples.from_tensors(self.out, self.host), JobTiming(self.submit, end - dur, end)
+        )
 
 
 class CudaStream:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-from gapless.engine.batch import ForwardBatch
+from gapless.engine.batch import ForwardBatch, HostSamples
 from gapless.engine.runner import ModelRunner
 from gapless.engine.stream.base import Done, JobTiming, Pending
-from gapless.sampling.sampler import HostSamples
 
 
 class InlineStream:
@@ -23,8 +22,8 @@ class InlineStream:
 
     def submit(self, batch: ForwardBatch) -> Pending:
         start = time.perf_counter()
-        tokens = HostSamples.from_tensors(self.runner.run(batch))
-        return Done(tokens, JobTiming(start, start, time.perf_counter()))
+        samples = HostSamples.from_tensors(self.runner.run(batch))
+        return Done(samples, JobTiming(start, start, time.perf_counter()))
 
     def close(self) -> None:
         pass

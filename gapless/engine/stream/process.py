@@ -19,13 +19,13 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 import torch
 
 from gapless.config import EngineConfig
-from gapless.engine.batch import ForwardBatch, decode_from_bytes, plain_decode_buffer
-from gapless.engine.stream.base import JobTiming, Pending
-from gapless.sampling.sampler import HostSamples
+from gapless.engine.batch import ForwardBatch, HostSamples, decode_from_bytes, plain_decode_buffer
+from gapless.engine.stream.base import JobResult, JobTiming, Pending
 from gapless.tensors import dumps
 
 
@@ -59,7 +59,14 @@ class HostPinning:
             self.pinned = False
 
 
-def start_module(module: str, payload: object) -> tuple[subprocess.Popen, Connection]:
+class Child(NamedTuple):
+    """A process this one started (`start_module`), and its end of the socketpair to it."""
+
+    proc: subprocess.Popen
+    conn: Connection
+
+
+def start_module(module: str, payload: object) -> Child:
     """A fresh interpreter running `python -m module FD`, connected to this process by a socketpair (FD
     is its end), and sent `payload` (pickled) as its first message. A fresh interpreter, not
     multiprocessing's spawn/forkserver, which re-import the user's main script in the child. Nothing is
@@ -79,7 +86,7 @@ def start_module(module: str, payload: object) -> tuple[subprocess.Popen, Connec
             proc.wait()
         conn.close()
         raise
-    return proc, conn
+    return Child(proc, conn)
 
 
 class _DecodeOnWire:
@@ -109,9 +116,9 @@ class _ProcessPending:
     def __init__(self, stream: ProcessStream, job_id: int, submit: float) -> None:
         self.stream, self.job_id, self.submit = stream, job_id, submit
 
-    def result(self) -> tuple[HostSamples, JobTiming]:
-        tokens, start, end = self.stream._wait(self.job_id)
-        return tokens, JobTiming(self.submit, start, end)
+    def result(self) -> JobResult:
+        samples, start, end = self.stream._wait(self.job_id)
+        return JobResult(samples, JobTiming(self.submit, start, end))
 
 
 class ProcessStream:

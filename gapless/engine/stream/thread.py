@@ -8,17 +8,16 @@ import time
 from concurrent.futures import Future
 
 from gapless.engine.batch import ForwardBatch
-from gapless.engine.stream.base import DeviceStream, JobTiming, Pending
-from gapless.sampling.sampler import HostSamples
+from gapless.engine.stream.base import DeviceStream, JobResult, JobTiming, Pending
 
 
 class _FuturePending:
-    def __init__(self, fut: Future[tuple[HostSamples, JobTiming]], submit: float) -> None:
+    def __init__(self, fut: Future[JobResult], submit: float) -> None:
         self.fut, self.submit = fut, submit
 
-    def result(self) -> tuple[HostSamples, JobTiming]:
-        tokens, timing = self.fut.result()
-        return tokens, JobTiming(self.submit, timing.start, timing.end)
+    def result(self) -> JobResult:
+        samples, timing = self.fut.result()
+        return JobResult(samples, JobTiming(self.submit, timing.start, timing.end))
 
 
 class ThreadStream:
@@ -43,7 +42,7 @@ class ThreadStream:
                 fut.set_exception(e)
 
     def submit(self, batch: ForwardBatch) -> Pending:
-        fut: Future[tuple[HostSamples, JobTiming]] = Future()
+        fut: Future[JobResult] = Future()
         self._queue.put((batch, fut))
         return _FuturePending(fut, time.perf_counter())
 

@@ -15,7 +15,9 @@ Nothing here imports Triton before a choice needs it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import ModuleType
+from typing import cast
 
 import torch
 
@@ -114,7 +116,7 @@ def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor]) -> st
     return None
 
 
-def _probes(model: CausalLM, device: torch.device) -> dict[str, object]:
+def _probes(model: CausalLM, device: torch.device) -> dict[str, Callable[[], list[torch.Tensor]]]:
     """name -> a function running one step on fixed random inputs, returning its outputs."""
     cfg, body = model.cfg, model.model
     dtype = body.norm.weight.dtype
@@ -122,7 +124,7 @@ def _probes(model: CausalLM, device: torch.device) -> dict[str, object]:
     tokens = 7
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
     x, residual = rand(tokens, cfg.hidden_size), rand(tokens, cfg.hidden_size)
-    attn: Attention = body.layers[0].self_attn
+    attn = cast(Attention, body.layers[0].self_attn)  # (nn.ModuleList's items are typed as any Module)
     qkv = rand(tokens, cfg.q_size + 2 * cfg.kv_size)
     positions = torch.tensor([0, 1, 2, 9, 33, 100, 511], device=device) % attn.rope.cos_sin.shape[0]
     slots = torch.randperm(tokens, generator=g).add_(1).to(device)

@@ -111,12 +111,12 @@ def rms_norm(
     x2 = x.reshape(-1, n)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = None
+    r_in, r_out = x2, out  # without a residual the kernel reads neither (HAS_RES=False)
     if residual is not None:
-        r2 = residual.reshape(-1, n)
-        res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        r_in = residual.reshape(-1, n)
+        res_out = r_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     rows, block = x2.shape[0], triton.next_power_of_2(n)
     if rows:
-        r_in, r_out = (r2, res_out) if residual is not None else (x2, out)
         _rms_norm_kernel[(rows,)](
             x2,
             r_in,

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gapless.server.engine_client import Group
-from gapless.server.openai_protocol import BadRequest, error_body
+from gapless.server.errors import BadRequest, error_body
 from gapless.server.state import ServerState
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -24,7 +24,8 @@ from fastapi.responses import StreamingResponse
 
 from gapless.server import protocol as P
 from gapless.server.engine_client import Group
-from gapless.server.openai_protocol import BadRequest, GenerationRequest, error_body, parse_request
+from gapless.server.errors import BadRequest, error_body
+from gapless.server.openai_protocol import GenerationRequest, parse_request
 from gapless.server.routes.common import owned_by_exchange, read_json_body, server_state
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ _encode_json = msgspec.json.Encoder().encode  # UTF-8 as is, like json.dumps(ens
 DONE = b"data: [DONE]\n\n"
 
 
-def _sse(obj: Json) -> bytes:
+def _sse(obj: Mapping[str, object]) -> bytes:
     return b"data: " + _encode_json(obj) + b"\n\n"
 
 

@@ -30,20 +30,13 @@ async def generate(request: Request) -> Response:
 
 
 def _result(req: GenerateRequest, group: Group, index: int, c: Choice, text: str, ids: list[int]) -> Json:
-    out = {
-        "index": index,
-        "text": text,
-        "output_ids": ids,
-        "meta_info": {
-            "id": group.rids[index],
-            "prompt_tokens": c.prompt_tokens,
-            "completion_tokens": c.completion_tokens,
-            "cached_tokens": c.cached_tokens,
-            "finish_reason": c.finish_reason,
-        },
+    meta: Json = {
+        "id": group.rids[index],
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": c.completion_tokens,
+        "cached_tokens": c.cached_tokens,
+        "finish_reason": c.finish_reason,
     }
     if req.return_logprob:  # SGLang's logprob fields (gapless.server.routes.scoring), so far
-        out["meta_info"].update(
-            sglang_logprobs(c.logprobs, c.token_ids, c.prompt, req.return_text_in_logprobs)
-        )  # type: ignore[union-attr]
-    return out
+        meta.update(sglang_logprobs(c.logprobs, c.token_ids, c.prompt, req.return_text_in_logprobs))
+    return {"index": index, "text": text, "output_ids": ids, "meta_info": meta}

@@ -98,7 +98,7 @@ class _Completion:
         if quiet and d.finish_reason is None and not (first and self.echo):
             return []
         out = self.choice(index, d.text, d.logprobs, c.finish_reason, d.prompt, self.offsets[index], first)
-        self.offsets[index] += len(out["text"])  # type: ignore[arg-type]
+        self.offsets[index] += len(out["text"])  # type: ignore[arg-type]  # choice() puts a str there
         return [self.gen.envelope(TEXT_COMPLETION, [out])]
 
     def scored(self, choices: list[Choice]) -> list[Choice]:

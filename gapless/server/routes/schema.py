@@ -15,11 +15,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from gapless import __version__
+from gapless.server.errors import error_body
 from gapless.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
-    error_body,
 )
 from gapless.server.routes.common import require_api_key, server_state
 

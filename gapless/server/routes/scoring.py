@@ -20,8 +20,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from gapless.server import protocol as P
-from gapless.server.openai_protocol import BadRequest, ChatMessage, Int64, Message, ServedModel, decode_body
+from gapless.server.errors import BadRequest
+from gapless.server.openai_protocol import ChatMessage, Int64, Message, decode_body
 from gapless.server.routes.common import read_json_body, require_api_key, server_state
+from gapless.server.served_model import ServedModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -1,4 +1,4 @@
-"""The server's detokenizer, one step of many streams at a time: `python -m gapless.bench.detokenize`.
+"""The server's detokenizer, one step of many streams at a time: `python bench/experiments/detokenize.py`.
 
 Each engine step sends the detokenizer every running request's new tokens; it must turn them into text
 deltas faster than the engine makes steps, or the streams fall behind. This measures its time per step
@@ -21,6 +21,7 @@ byte-level BPE.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -30,7 +31,7 @@ from typing import Any
 from gapless.bench import cli
 from gapless.engine.detokenize import IncrementalDetokenizer, update_many
 from gapless.server import protocol as P
-from gapless.server.workers import DetokenizerStage
+from gapless.server.workers.detokenizer import DetokenizerStage
 
 MODES = ("per request, tokenizer.decode", "per request, Rust decoder", "whole step", "whole step + deltas")
 
@@ -131,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     same = all(t == texts[MODES[0]] for t in texts.values())
     medians = {m: statistics.median(t) for m, t in times.items()}
     rows = [(m, f"{ms:.3f}", f"{medians[MODES[0]] / ms:.2f}x") for m, ms in medians.items()]
-    print(cli.command_line("gapless.bench.detokenize", sys.argv[1:] if argv is None else argv))
+    args_given = sys.argv[1:] if argv is None else argv
+    print(shlex.join(["python", "bench/experiments/detokenize.py", *args_given]))
     print(cli.machine_line(cli.machine()))
     print(
         f"tokenizer: {name}; {args.requests} streams, {args.tokens_per_step} token(s) a step, {args.steps} "

@@ -1,4 +1,4 @@
-"""Device idle time with and without grammars, in one run: `python -m gapless.bench.grammar`.
+"""Device idle time with and without grammars, in one run: `python bench/experiments/grammar.py`.
 
 The overlap benchmark's workload and model (random-weight Qwen3 of size `overlap`, 128 requests running
 at once), run free and with every request constrained by a regex (`[a-z ]{4000}`: it cannot end within

@@ -1,7 +1,7 @@
 """Summarize py-spy's collapsed stacks (`py-spy record --format raw`) of a served run, one file per process,
 so a profile of the server's processes reads as a short table (`bench/profile_served.sh`).
 
-    python -m gapless.bench.spy --rate 200 --seconds 60 bench/results/cpu_profile/c1_pid*.txt
+    python bench/experiments/spy.py --rate 200 --seconds 60 bench/results/cpu_profile/c1_pid*.txt
 
 Each line of a raw file is `frame;frame;...;leaf COUNT`, a frame `function (file:line)`. Without `--idle`,
 py-spy keeps only the samples where a thread was running (by its OS state), so samples / (rate x
@@ -76,7 +76,7 @@ def summarize(path: Path, possible: float, top: int = 12) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m gapless.bench.spy", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python bench/experiments/spy.py", description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, required=True, help="py-spy's --rate (samples/s)")
     p.add_argument("--seconds", type=float, required=True, help="how long py-spy recorded")
     p.add_argument("files", nargs="+", type=Path)

@@ -2,7 +2,7 @@
 batch sizes, to set beside llama.cpp's per-token time (`bench/llamacpp_cpu.sh`) and beside the served
 path's profile (`bench/profile_served.sh`).
 
-    python -m gapless.bench.cpu_step [--model SmolLM2-135M-Instruct] [--batch 1 8] [--dtype float32]
+    python bench/experiments/cpu_step.py [--model SmolLM2-135M-Instruct] [--batch 1 8] [--dtype float32]
         [--threads N] [--compare] [--compare-one-row]
 
 Per batch size B: B prompts of `--prompt-len` random token ids, greedy with `ignore_eos`; a step's time is
@@ -76,7 +76,10 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
     from gapless import LLM
 
     def make() -> Any:
-        return LLM(args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens)
+        # the device side in this process (not the device process a machine of 4 cores or more gets by
+        # default): its ops are counted and its GEMMs swapped here, the same on every machine
+        kv = args.kv_cache_tokens
+        return LLM(args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=kv, cpu_worker="inline")
 
     engines = {}
     if args.compare:
@@ -148,7 +151,9 @@ def _measure(engines: dict[str, Any], prompts: list[list[int]], args: argparse.N
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m gapless.bench.cpu_step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python bench/experiments/cpu_step.py", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--batch", type=cli.positive_int, nargs="+", default=[1, 8])

@@ -1,7 +1,7 @@
 """The CPU's GEMMs alone: a model's linear layers and LM head at a few row counts, plain `torch.mm` on the
 checkpoint layout against the prepacked weights of `gapless.model.cpu_gemm`, interleaved in one run.
 
-    python -m gapless.bench.cpu_gemm [--rows 1 8 32] [--threads 1] [--dtype float32]
+    python bench/experiments/cpu_gemm.py [--rows 1 8 32] [--threads 1] [--dtype float32]
 
 The shapes default to SmolLM2-135M's (hidden 576, intermediate 1536, q/k/v 960, vocab 49,152, 30
 layers), random weights, each layer its own (so that, as in a decode step, the weights come from memory,
@@ -40,7 +40,9 @@ def _passes(fns: list[Gemm], xs: list[torch.Tensor]) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m gapless.bench.cpu_gemm", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python bench/experiments/cpu_gemm.py", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("--rows", type=cli.positive_int, nargs="+", default=[1, 8, 32])
     p.add_argument("--threads", type=cli.positive_int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

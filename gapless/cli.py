@@ -1,0 +1,208 @@
+"""The command line's engine options: a flag for every `EngineConfig` option (`add_engine_args`), its help
+the option's own (`metadata["help"]`, so it is there wherever the package is installed from), and vLLM's
+and SGLang's names for the same settings as aliases (`FLAG_ALIASES`), so a command line written for
+either runs here. `gapless serve` and `gapless chat` build their parsers from it; it imports nothing
+heavy."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from typing import Any, NamedTuple, Protocol
+
+from gapless.config import (
+    ATTENTION_BACKENDS,
+    CPU_WORKERS,
+    FUSED_KERNELS,
+    SCHEDULE_POLICIES,
+    SPECULATIVE_ALGORITHMS,
+    EngineConfig,
+)
+
+
+class _ArgumentAdder(Protocol):
+    """A parser or an argument group."""
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action: ...
+
+
+class Alias(NamedTuple):
+    """Another server's flag for one of gapless's settings."""
+
+    option: str  # the option it sets (an `EngineConfig` field, or a server option such as log_requests)
+    source: str  # whose flag it is
+    const: object = None  # a switch sets this value; None: the flag takes the option's value
+
+
+# vLLM's and SGLang's flags for gapless's settings, so a command line written for either runs here. The
+# flags they share with gapless (--max-model-len, --max-running-requests, --chunked-prefill-size,
+# --mem-fraction-static, --disable-radix-cache, --dtype, --seed, --served-model-name, ...) need no entry.
+FLAG_ALIASES: dict[str, Alias] = {
+    "--model-path": Alias("model", "SGLang"),
+    "--max-num-seqs": Alias("max_running_requests", "vLLM"),
+    "--max-num-batched-tokens": Alias("chunked_prefill_size", "vLLM"),
+    "--gpu-memory-utilization": Alias("mem_fraction_static", "vLLM"),
+    "--context-length": Alias("max_model_len", "SGLang"),
+    "--max-total-tokens": Alias("kv_cache_tokens", "SGLang"),
+    "--block-size": Alias("page_size", "vLLM"),
+    "--random-seed": Alias("seed", "SGLang"),
+    "--enable-prefix-caching": Alias("radix_cache", "vLLM", True),
+    "--no-enable-prefix-caching": Alias("radix_cache", "vLLM", False),
+    "--disable-overlap-schedule": Alias("overlap", "SGLang", False),
+    "--enforce-eager": Alias("cuda_graph_max_bs", "vLLM", 0),
+    "--disable-cuda-graph": Alias("cuda_graph_max_bs", "SGLang", 0),
+    "--disable-piecewise-cuda-graph": Alias("piecewise_cuda_graph_max_tokens", "SGLang", 0),
+    "--enable-log-requests": Alias("log_requests", "vLLM", True),
+    "--disable-log-stats": Alias("log_stats_interval", "vLLM", 0.0),
+    "--speculative-draft-model-path": Alias("speculative_draft_model", "SGLang"),
+    "--speculative-ngram-min-match-window-size": Alias("ngram_min", "SGLang"),
+    "--speculative-ngram-max-match-window-size": Alias("ngram_max", "SGLang"),
+    "--tp": Alias("tensor_parallel_size", "SGLang"),
+    "--tp-size": Alias("tensor_parallel_size", "SGLang"),
+    "-tp": Alias("tensor_parallel_size", "vLLM"),
+    # data parallelism (gapless.server.router): SGLang's names, and vLLM's short one
+    "--dp-size": Alias("data_parallel_size", "SGLang"),
+    "--dp": Alias("data_parallel_size", "SGLang"),
+    "-dp": Alias("data_parallel_size", "vLLM"),
+    "-asc": Alias("api_server_count", "vLLM"),  # a server option (gapless.server.launch)
+}
+
+# vLLM's and SGLang's parallelism flags gapless does not run (tensor and data parallelism are options
+# above), so any size but 1 is refused by name
+_PARALLEL_FLAGS = {
+    "pipeline": ("--pipeline-parallel-size", "--pp-size", "-pp"),
+}
+
+# the dtype names the flag takes: torch's, and vLLM's (half, float) for the same types
+DTYPE_NAMES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+}
+
+# bool options whose command-line flag reads better negated (default on)
+_NEGATED_FLAGS = {"overlap": "--disable-overlap", "radix_cache": "--disable-radix-cache"}
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+_METAVARS = {
+    "int": "N",
+    "float": "X",
+    "str": "S",
+    "device": "{auto,cpu,cuda,cuda:N}",
+    "trace_path": "PATH",
+    "generation_config": "{auto,vllm,DIR}",
+    "speculative_draft_model": "PATH",
+}
+_CHOICES = {
+    "schedule_policy": SCHEDULE_POLICIES,
+    "cpu_worker": CPU_WORKERS,
+    "attention_backend": ATTENTION_BACKENDS,
+    "fused_kernels": FUSED_KERNELS,
+    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+}
+
+
+def add_option(group: _ArgumentAdder, option: str, *flags: str, **kwargs: Any) -> None:
+    """Add `option`'s flags: its own (`flags`; default `--option-name`), the other servers' names for it
+    that take its value, and their switches that set it to a value (`FLAG_ALIASES`)."""
+    own = flags or ("--" + option.replace("_", "-"),)
+    aliases = [(flag, a) for flag, a in FLAG_ALIASES.items() if a.option == option]
+    group.add_argument(*own, *(flag for flag, a in aliases if a.const is None), dest=option, **kwargs)
+    for flag, a in aliases:
+        if a.const is not None:
+            help_text = f"{a.source}'s flag: sets {option} to {a.const}"
+            group.add_argument(
+                flag, dest=option, action="store_const", const=a.const, default=None, help=help_text
+            )
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint to run: as the first argument (as `vllm serve MODEL`), or `--model` / `--model-path`."""
+    help_text = (
+        "a checkpoint directory, a GGUF file, org/name on Hugging Face, or tiny-random (the built-in tiny "
+        "random-weight model) (default: SmolLM2-135M-Instruct, fetched on first use)"
+    )
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL", default=None, help=help_text)
+    add_option(parser, "model", default=None, metavar="MODEL", help="the same, as a flag")
+
+
+def chosen_model(args: argparse.Namespace) -> str | None:
+    """The model `add_model_args` read; None when none was named. ValueError when two differ."""
+    first, flag = getattr(args, "model_arg", None), getattr(args, "model", None)
+    if first is not None and flag is not None and first != flag:
+        raise ValueError(f"two models given: {first!r} and --model {flag!r}")
+    return first if first is not None else flag
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` option (but `model`): `--page-size`, `--disable-overlap`, ..., with
+    their aliases; and the parallelism flags, refused unless 1. Flags left out keep the config's default
+    (so GAPLESS_DISABLE_OVERLAP still applies)."""
+    group = parser.add_argument_group("engine options")
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        kind = str(f.type).replace(" | None", "")
+        text = f.metadata["help"]
+        # a default made by a factory (read from the environment) is not shown: building the parser
+        # reads no variable, so a bad one is refused when the options are, not by `--help`
+        default = None if f.default is MISSING else f.default
+        if kind == "bool":
+            if f.name in _NEGATED_FLAGS:
+                flag, text = _NEGATED_FLAGS[f.name], f"turn off {f.name}: {text}"
+                add_option(group, f.name, flag, action="store_false", default=None, help=_help(text))
+            else:
+                add_option(group, f.name, action=argparse.BooleanOptionalAction, help=_help(text, default))
+            continue
+        choices: tuple[str, ...] | None = tuple(DTYPE_NAMES) if f.name == "dtype" else _CHOICES.get(f.name)
+        add_option(
+            group,
+            f.name,
+            type=_FLAG_TYPES[kind],
+            default=None,
+            choices=choices,
+            metavar=None if choices else _METAVARS.get(f.name, _METAVARS[kind]),
+            help=_help(text, default),
+        )
+    parallel = parser.add_argument_group("parallelism (vLLM's and SGLang's flags gapless does not run)")
+    for axis, flags in _PARALLEL_FLAGS.items():
+        parallel.add_argument(
+            *flags, dest=f"{axis}_parallel_size", type=int, default=None, metavar="N", help="only 1"
+        )
+
+
+def _help(text: str, default: object = None) -> str:
+    """argparse help: `text` (its % escaped) and the default, if any."""
+    text = text.replace("%", "%%")
+    return f"{text} (default: {default})" if default is not None else text
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (those left out keep their defaults), dtype names
+    made torch's; ValueError for a parallelism size other than 1."""
+    for axis, flags in _PARALLEL_FLAGS.items():
+        size = getattr(args, f"{axis}_parallel_size", None)
+        if size not in (None, 1):
+            raise ValueError(
+                f"{axis} parallelism is not supported yet ({flags[0]} {size}); gapless runs tensor "
+                "and data parallelism (--tensor-parallel-size, --data-parallel-size)"
+            )
+    names = {f.name for f in fields(EngineConfig)} - {"model"}
+    options = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if "dtype" in options:
+        options["dtype"] = DTYPE_NAMES[options["dtype"]]
+    return options
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine config a command line asks for: its model (the default model when it names none) and
+    the options it gives; ValueError for a bad one. The model is named as given: `check_engine_config`
+    makes it local."""
+    options, model = engine_options(args), chosen_model(args)
+    if model is None:
+        from gapless.default_model.smollm2 import NAME as DEFAULT_MODEL
+
+        model = DEFAULT_MODEL
+    return EngineConfig.from_kwargs(model, **options)

@@ -1,0 +1,130 @@
+"""Every environment variable gapless reads, typed, in one place (`docs/environment.md` is their table).
+
+Read one with `env.NAME.get()`: the variable's value, parsed, when it is set, else its default. Booleans
+follow one rule: `1`, `true`, `yes` are on; `0`, `false`, `no` and the empty string are off (any case,
+spaces around ignored); anything else is a `ValueError` that names the variable, as is any value its
+type refuses. Values are read when asked for, not when this module is imported, so a test or a parent
+process that sets a variable is seen by the next read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+_ON = ("1", "true", "yes")
+_OFF = ("0", "false", "no", "")
+
+
+def parse_bool(raw: str) -> bool:
+    """gapless's one rule for a boolean variable (see the module's docstring)."""
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"not a boolean: use one of {', '.join(_ON)} (on) or {', '.join(_OFF[:-1])}, '' (off)")
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _optional_str(raw: str) -> str | None:
+    return raw or None  # set but empty: as if unset
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One environment variable: its `name`, the `default` when it is unset, how its text is parsed, and
+    what `kind` of value and `meaning` the docs' table gives it."""
+
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    kind: str
+    meaning: str
+
+    def get(self) -> T:
+        """The variable's value now; a `ValueError` naming it if its text is not a value of its kind."""
+        raw = os.environ.get(self.name)
+        if raw is None:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"environment variable {self.name}={raw!r}: {e}") from None
+
+
+VARIABLES: dict[str, EnvVar] = {}  # every variable gapless reads, by name
+
+
+def _var(name: str, default: T, parse: Callable[[str], T], kind: str, meaning: str) -> EnvVar[T]:
+    assert name not in VARIABLES, name
+    var = VARIABLES[name] = EnvVar(name, default, parse, kind, meaning)
+    return var
+
+
+def _bool(name: str, meaning: str) -> EnvVar[bool]:
+    return _var(name, False, parse_bool, "boolean", meaning)
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+# gapless's own
+DISABLE_OVERLAP = _bool(
+    "GAPLESS_DISABLE_OVERLAP", "the default of `overlap` (`--disable-overlap`): on turns the overlap loop off"
+)
+ALLOW_LONG_MAX_MODEL_LEN = _bool(
+    "GAPLESS_ALLOW_LONG_MAX_MODEL_LEN",
+    "allow a `--max-model-len` past the model's trained context (outputs beyond it may be wrong)",
+)
+CACHE = _var(
+    "GAPLESS_CACHE",
+    None,
+    _optional_str,
+    "path",
+    "root of gapless's on-disk cache (default `~/.cache/gapless`)",
+)
+CPU_GEMM = _var(
+    "GAPLESS_CPU_GEMM",
+    "onednn",
+    _one_of("onednn", "plain"),
+    "`onednn` or `plain`",
+    "CPU linear layers: `onednn` packs their weights for oneDNN, `plain` leaves them as loaded (comparisons)",
+)
+API_KEY = _var("GAPLESS_API_KEY", None, _optional_str, "string", "the default of `gapless serve --api-key`")
+LOG_LEVEL = _var(
+    "GAPLESS_LOG_LEVEL",
+    "info",
+    _one_of(*LOG_LEVELS),
+    " / ".join(LOG_LEVELS),
+    "the default of `gapless serve --log-level`; the server sets it for the workers it starts",
+)
+
+# other libraries' variables that gapless reads too
+TRITON_INTERPRET = _bool(
+    "TRITON_INTERPRET",
+    "Triton's interpreter: gapless builds its Triton kernels for CPU tensors (read when they are imported)",
+)
+HF_HUB_OFFLINE = _bool(
+    "HF_HUB_OFFLINE", "Hugging Face's offline mode: a hub model must already be in the local cache"
+)
+MASTER_ADDR = _var(
+    "MASTER_ADDR",
+    None,
+    _optional_str,
+    "host",
+    "torch.distributed's rendezvous host: the default of `--dist-init-addr` with `--nnodes` > 1",
+)
+MASTER_PORT = _var("MASTER_PORT", 29500, int, "integer", "its port, with `MASTER_ADDR`")

@@ -1,0 +1,155 @@
+"""`gapless serve`'s command line: the server's own flags (address, API key, limits, logging, the process
+layout and data parallelism) beside the engine's (`gapless.cli`). Imports nothing heavy, so
+`gapless --help` and every argument error answer at once."""
+
+from __future__ import annotations
+
+import argparse
+
+from gapless import env
+from gapless.cli import add_engine_args, add_model_args, add_option
+from gapless.sampling_params import MAX_LOGPROBS
+from gapless.server.layout import LAYOUTS, MIN_CORES_FOR_SPLIT
+from gapless.server.reasoning import PARSERS as REASONING_PARSERS
+from gapless.server.router import LOAD_BALANCE_METHODS
+from gapless.server.tools import PARSERS as TOOL_PARSERS
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Every flag of `gapless serve`: the model, the server's own, then the engine's."""
+    add_model_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0: every interface")
+    parser.add_argument("--port", type=_port, default=8000, help="0 picks a free port (default: 8000)")
+    parser.add_argument(
+        "--api-key",
+        default=env.API_KEY.get(),
+        help="require `Authorization: Bearer KEY` (all but /health); prefer GAPLESS_API_KEY: ps shows flags",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id in the API (default: the model as named; a path's last part)",
+    )
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413 (default: 32 MiB)"
+    )
+    parser.add_argument(
+        "--max-tokens-default",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="max_tokens of a request that sets none (default: the rest of the context)",
+    )
+    parser.add_argument(
+        "--max-logprobs",
+        type=_max_logprobs,
+        default=MAX_LOGPROBS,
+        metavar="K",
+        help=f"the most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs; "
+        f"at most {MAX_LOGPROBS}, the default)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="stop a request still running after this long and answer 504 (default: no limit)",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="a running request's new tokens go out (streamed, or collected for a whole answer) once it "
+        "has N of them; its first token and its end go out at once. Larger: less work per token in the "
+        "detokenizer, the API server and the client, choppier streams (SGLang's and vLLM's flag; default: 1)",
+    )
+    parser.add_argument(
+        "--process-layout",
+        choices=LAYOUTS,
+        default="auto",
+        help="split: tokenizer and detokenizer in a process each; merged: one process for both; auto: "
+        f"merged below {MIN_CORES_FOR_SPLIT} usable cores, else split (default: auto)",
+    )
+    add_option(
+        parser,
+        "api_server_count",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="API server processes, all accepting connections on the port, each streaming the requests it "
+        "took: for when one API server's core is the bottleneck (`python -m gapless.bench.served_vs_offline` "
+        "shows each process's share of a core). vLLM's flag; default: 1",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default=None,
+        help="how the model writes tool calls, for tool_choice auto (vLLM's names; default: none)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split <think>...</think> into reasoning_content (default: none, all is content)",
+    )
+    logs = parser.add_argument_group("logging")
+    logs.add_argument(
+        "--log-level",
+        default=None,
+        choices=env.LOG_LEVELS,
+        help=f"in every process; debug shows each scheduler step (default: ${env.LOG_LEVEL.name} or info)",
+    )
+    add_option(
+        logs,
+        "log_requests",
+        action="store_true",
+        help="a line per request: HTTP access, and the scheduler's tokens, finish reason and latency",
+    )
+    add_option(
+        logs,
+        "log_stats_interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between stats lines (throughput, queues, KV, prefix hits) while busy; 0: none "
+        "(default: 10)",
+    )
+    add_engine_args(parser)
+    parser.add_argument(
+        "--load-balance-method",
+        choices=LOAD_BALANCE_METHODS,
+        default="cache_aware",
+        help="which data-parallel replica serves a request (--data-parallel-size > 1): cache_aware (the "
+        "longest cached prompt prefix, unless the loads drift apart), round_robin, shortest_queue "
+        "(default: cache_aware)",
+    )
+
+
+def _port(text: str) -> int:
+    """A TCP port number (the socket layer would silently take 70000 as 4464)."""
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)")
+    return int(text)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
+
+
+def _max_logprobs(text: str) -> int:
+    if not text.isdigit() or int(text) > MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number in [0, {MAX_LOGPROBS}]")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value

@@ -1,0 +1,96 @@
+"""Smoke tests of the experiments in bench/experiments/ (scripts outside the package, whose results are
+recorded under bench/results/): `cpu_step --compare` times plain and prepacked GEMMs side by side (and
+the packed step dispatches fewer ops), `cpu_gemm` the GEMMs alone, `detokenize` the server's detokenizer
+per step, `spy` py-spy's stacks as a table."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from gapless.testing import cached_checkpoint
+
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "bench" / "experiments"
+
+
+def _experiment(name: str) -> ModuleType:
+    """bench/experiments/NAME.py, imported as a module (it is run as a script)."""
+    spec = importlib.util.spec_from_file_location(f"experiment_{name}", EXPERIMENTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+cpu_gemm, cpu_step, detokenize = (_experiment(n) for n in ("cpu_gemm", "cpu_step", "detokenize"))
+
+
+def test_cpu_step_compare_times_plain_packed_and_without_gemms_and_packing_cuts_ops():
+    model = cached_checkpoint("qwen3")
+    argv = ["--model", str(model), "--batch", "1", "3", "--steps", "2", "--repeat", "1", "--threads", "1"]
+    rows = cpu_step.main(
+        [*argv, "--compare", "--compare-one-row", "--compare-without-gemms", "--kv-cache-tokens", "512"]
+    )
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["plain"]["ms_per_step"] > 0 and r["default"]["ms_per_step"] > 0
+        assert r["default_over_plain"] == r["default"]["ms_per_step"] / r["plain"]["ms_per_step"]
+        direct = r["one_row_direct"]["ms_per_step"]
+        assert r["default_over_one_row_direct"] == r["default"]["ms_per_step"] / direct
+        # each linear layer is one op on packed weights (mm + transpose + views on plain ones); the device
+        # side runs in this process on any machine (cpu_worker="inline"), so its ops are the ones counted
+        assert r["default"]["ops_per_step"] < r["plain"]["ops_per_step"]
+        # without its GEMMs a step dispatches one op fewer per GEMM (the oneDNN call; a lone row's copies
+        # too), and the stand-in is gone again afterwards (the default engine's later runs computed)
+        without = r["without_gemms"]
+        assert without["ops_per_step"] < r["default"]["ops_per_step"]
+        assert r["without_gemms_over_default"] == without["ms_per_step"] / r["default"]["ms_per_step"]
+    assert cpu_step.cpu_gemm.PackedLinear.__call__ is not cpu_step._zero_gemm
+
+
+def test_cpu_gemm_bench_compares_within_float32():
+    rows = cpu_gemm.main(["--rows", "1", "4", "--layers", "1", "--vocab", "256", "--rounds", "1"])
+    assert [r["rows"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["max_abs_diff"] < 1e-4
+        assert r["layers_packed_over_plain"] > 0 and r["head_packed_over_plain"] > 0
+        assert r["layers_packed_over_direct"] > 0 and r["head_packed_over_direct"] > 0
+        assert r["read"]["layers_ms"] > 0 and r["layers_packed_over_read"] > 0
+
+
+def test_detokenize_bench_times_every_mode_and_their_texts_agree(capsys):
+    res = detokenize.main(["--requests", "5", "--steps", "40", "--tokens-per-step", "2", "--rounds", "1"])
+    assert res["texts_identical"]
+    assert set(res["median_ms_per_step"]) == set(detokenize.MODES)
+    assert all(ms > 0 for ms in res["median_ms_per_step"].values())
+    out = capsys.readouterr().out
+    assert "texts identical in every mode" in out and "python bench/experiments/detokenize.py" in out
+    for mode in detokenize.MODES:
+        assert f"| {mode} |" in out
+
+
+def test_detokenize_bench_streams_are_real_text():
+    """Each stream is text from its own offset, long enough for the steps asked for."""
+    from gapless.testing import build_tokenizer
+
+    tok = build_tokenizer()
+    ids = detokenize.streams(tok, 3, 100)
+    assert [len(s) for s in ids] == [100] * 3 and ids[0] != ids[1]
+    _, texts = detokenize.run_mode("whole step", tok, ids, 4)
+    assert texts[0] and texts[0] in tok.decode(ids[0])
+
+
+def test_spy_names_the_process_and_counts_self_and_inclusive_samples(tmp_path):
+    spy = _experiment("spy")
+    raw = tmp_path / "c1_pid7.txt"
+    raw.write_text(
+        "main (server/workers.py:10);scheduler_main (server/workers.py:431);step (engine/engine.py:205) 30\n"
+        "main (server/workers.py:10);scheduler_main (server/workers.py:431) 10\n"
+    )
+    table = spy.summarize(raw, possible=200.0)
+    assert table.startswith("== scheduler (c1_pid7.txt): 40 samples, on a core 20.0% of the run")
+    assert "75.0%  step (engine/engine.py)" in table  # self: the leaf's 30 of 40
+    assert "100.0%  scheduler_main (server/workers.py)" in table  # inclusive: on every stack
