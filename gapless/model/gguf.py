@@ -3,9 +3,12 @@
 A GGUF file carries the config, the tokenizer and the weights in one file. This module turns each into
 what the safetensors path already has: the metadata into a Hugging Face style `config.json` dict (which
 `gapless.model.config` validates with the same rules as a checkpoint directory's), and the tensors into
-Hugging Face names and layouts, dequantized to float32 (the loader casts them to the engine's dtype).
-Every tensor type `gguf.quants.dequantize` knows is read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-and the K-quants. The tokenizer and chat template are built by transformers from the same file
+Hugging Face names and layouts: dequantized to float32 (the loader casts them to the engine's dtype), or,
+where the loader keeps them quantized (`gapless.model.quant.gguf_cpu`), quantized matrices as their blocks.
+The tensor types read are F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K-Q6_K; a file
+holding another (IQ*, TQ*, ...) is refused by name with its config.
+
+The tokenizer and chat template are built by transformers from the same file
 (`gapless.model.source.load_tokenizer`); sampling defaults, where the file has them (`general.sampling.*`,
 written by newer llama.cpp converters from generation_config.json), are read back under their Hugging Face
 names (`gapless.model.generation_config`).
@@ -24,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from gapless.model.quant.gguf_cpu import FLOAT_TYPES, QUANTIZED_TYPES, GGUFBlocks
 
 # general.architecture -> the Hugging Face architecture the one decoder runs it as. llama.cpp writes
 # Mistral models as `llama` (same tensors; gapless refuses a real sliding window either way).
@@ -121,6 +126,7 @@ def config_dict(path: str | Path) -> dict[str, Any]:
     Raises ValueError naming the architecture when it is not one gapless runs, and for mixture-of-experts.
     """
     meta, names = metadata(path), tensor_names(path)
+    _check_types(path)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(
@@ -155,6 +161,22 @@ def config_dict(path: str | Path) -> dict[str, Any]:
     }
 
 
+def tensor_types(path: str | Path) -> dict[str, str]:
+    """Each tensor's type name (F32, Q4_1, ...), by llama.cpp tensor name."""
+    return {t.name: t.tensor_type.name for t in _reader(str(path)).tensors}
+
+
+def _check_types(path: str | Path) -> None:
+    """Refuse, by name, tensor types gapless does not read."""
+    known = FLOAT_TYPES + QUANTIZED_TYPES
+    bad = {kind: name for name, kind in tensor_types(path).items() if kind not in known}
+    if bad:
+        kinds = ", ".join(f"{kind} (e.g. {name})" for kind, name in sorted(bad.items()))
+        raise ValueError(
+            f"GGUF tensor type {kinds} in {path} is not supported; gapless reads {', '.join(known)}"
+        )
+
+
 def generation_config_dict(path: str | Path) -> dict[str, Any]:
     """The file's sampling defaults under their `generation_config.json` names; {} when it has none."""
     meta = metadata(path)
@@ -186,8 +208,11 @@ def dequantize(tensor: Any) -> np.ndarray:
     return quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
 
 
-def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for each tensor the model uses, q/k rows unpermuted."""
+def iter_weights(
+    path: str | Path, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """(Hugging Face name, float32 tensor) for each tensor the model uses, q/k rows unpermuted; with
+    `keep_quantized`, a quantized matrix comes as its blocks (`GGUFBlocks`, rows in the same order)."""
     meta = metadata(path)
     arch = meta["general.architecture"]
     heads = int(meta[f"{arch}.attention.head_count"])
@@ -196,9 +221,15 @@ def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         name = hf_name(tensor.name)
         if name is None:
             continue
-        w = dequantize(tensor)
+        kind = tensor.tensor_type.name
+        blocks = keep_quantized and kind in QUANTIZED_TYPES and len(tensor.shape) == 2
+        # the blocks of a row are its bytes: as [rows, bytes per row] they permute like the weights
+        w = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1) if blocks else dequantize(tensor)
         if arch in _PERMUTED_QK and ".attn_q." in tensor.name:
             w = _unpermute(w, heads)
         elif arch in _PERMUTED_QK and ".attn_k." in tensor.name:
             w = _unpermute(w, kv_heads)
+        if blocks:
+            yield name, GGUFBlocks(kind, int(tensor.shape[0]), np.array(w))  # plain array, not a memmap
+            continue
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable))

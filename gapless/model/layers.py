@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gapless.model import parallel
+from gapless.model.quant.base import UNQUANTIZED, LinearMethod
 
 
 def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:
@@ -39,10 +40,12 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: A
 
 
 class _Linear(nn.Module):
-    """y = x W^T + b, with W and b loaded whole from the checkpoint (through `load_shard`)."""
+    """y = x W^T + b, with W and b loaded whole from the checkpoint (through `load_shard`), computed by the
+    layer's `linear_method` (`gapless.model.quant`; the float weight unless the loader chose another)."""
 
     # the CPU's prepacked GEMM of this layer, set after loading (`gapless.model.cpu_gemm`); None: plain
     cpu_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    linear_method: LinearMethod = UNQUANTIZED
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -53,16 +56,7 @@ class _Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_gemm is not None:
-            return self.cpu_gemm(x)
-        # the decoder's activations are [tokens, features]: call the GEMM itself, as F.linear does for 2-D
-        # input (the same kernel, bit for bit), without its dispatch layers (linear, matmul), which on a
-        # CPU cost a share of a small model's decode step
-        if x.dim() == 2:
-            if self.bias is None:
-                return torch.mm(x, self.weight.t())
-            return torch.addmm(self.bias, x, self.weight.t())
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_method.apply(self, x)
 
 
 class ColumnParallelLinear(_Linear):
@@ -155,6 +149,8 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = -(-vocab_size // tp.size)
         self.first = tp.rank * self.rows
         self.weight = _set_loader(nn.Parameter(torch.empty(self.rows, dim)), self.load_shard)
+        # the table kept quantized, when the loader chose so (one rank): `lookup(ids)` gives float rows
+        self.quantized_rows: Any = None
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         rows = loaded[self.first : min(self.first + self.rows, self.vocab_size)]
@@ -162,6 +158,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: rows.shape[0]].copy_(rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_rows is not None:
+            return self.quantized_rows.lookup(ids, self.weight.dtype)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.first
@@ -175,9 +173,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     rows and the logits are gathered, so every rank holds all of them (and samples the same token)."""
 
     cpu_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None  # as `_Linear.cpu_gemm`
+    linear_method: LinearMethod = UNQUANTIZED  # as `_Linear.linear_method`
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.cpu_gemm(hidden) if self.cpu_gemm is not None else F.linear(hidden, self.weight)
+        logits = self.linear_method.apply(self, hidden)
         if self.tp.size == 1:
             return logits
         return torch.cat(self.tp.all_gather(logits), dim=-1)[:, : self.vocab_size]

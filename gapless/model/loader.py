@@ -1,11 +1,15 @@
 """Load a model: a Hugging Face checkpoint directory (config.json + single or sharded *.safetensors) or a
-GGUF file (dequantized by `gapless.model.gguf`). Both yield Hugging Face names and layouts, so one loop
-places either."""
+GGUF file (read by `gapless.model.gguf`). Both yield Hugging Face names and layouts, so one loop places
+either. A GGUF file's quantized matrices stay quantized on a CPU with one rank
+(`gapless.model.quant.gguf_cpu`; `GAPLESS_GGUF_WEIGHTS=dequantize` dequantizes them to the model's dtype,
+as happens on a GPU and with tensor parallelism until those have quantized kernels)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +22,12 @@ from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
-from gapless.model.layers import default_weight_loader
+from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
+from gapless.model.quant import gguf_cpu, weights_summary
+from gapless.model.quant.gguf_cpu import GGUFBlocks
+
+log = logging.getLogger(__name__)
+GGUF_ENV = "GAPLESS_GGUF_WEIGHTS"  # "dequantize": GGUF matrices as float weights; default "quantized"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -47,12 +56,19 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def keeps_gguf_quantized(path: Path, device: torch.device) -> bool:
+    """Whether a load of `path` keeps its quantized matrices quantized: a GGUF file on a CPU, one rank."""
+    if not is_gguf_file(path) or device.type != "cpu" or parallel.current().size != 1:
+        return False
+    return os.environ.get(GGUF_ENV, "quantized") != "dequantize"
+
+
+def iter_weights(path: Path, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Each weight of a checkpoint directory or a GGUF file, under its Hugging Face name; a checkpoint's
     with a progress bar on stderr (by bytes read: a big model loads for minutes, and the bar shows it
-    moving)."""
+    moving). With `keep_quantized`, a GGUF file's quantized matrices come as their blocks."""
     if is_gguf_file(path):
-        yield from gguf.iter_weights(path)
+        yield from gguf.iter_weights(path, keep_quantized)
         return
     files = safetensors_files(path)
     with tqdm(
@@ -90,16 +106,52 @@ def load_model(
         model = CausalLM(cfg, max_positions)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for name, tensor in iter_weights(path):
+    blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
+    for name, tensor in iter_weights(path, keeps_gguf_quantized(path, device)):
         if "rotary_emb" in name:
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
+        if isinstance(tensor, GGUFBlocks):
+            name, shard = _target(name)
+            blocks.setdefault(name.rsplit(".", 1)[0], {})[shard] = tensor
+            loaded.add(name if shard is None else f"{name}#{shard}")
+            continue
         loaded.update(_place(model, params, name, tensor.to(dtype)))
     missing = sorted(_expected(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
-    return pack_cpu_gemms(model.requires_grad_(False).eval())
+    model.requires_grad_(False).eval()
+    if blocks:
+        _install_quantized(model, blocks)  # the other layers keep torch's GEMM on their float weight
+    else:
+        pack_cpu_gemms(model)
+    log.info("%s", weights_summary(model))
+    return model
+
+
+def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFBlocks]]) -> None:
+    """Give each module whose weight came as GGUF blocks its quantized form, and free its float weight.
+    A tied LM head computes with the embedding table's form (shared where the table is int8 rows)."""
+    for module_name, shards in blocks.items():
+        module = model.get_submodule(module_name)
+        order = list(getattr(module, "shard_offsets", None) or [None])
+        parts = [shards[s] for s in order]
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+            module.quantized_rows = gguf_cpu.Int8Rows(parts)
+            head = model.lm_head
+            if head.weight is module.weight:  # tied: the int8 table is the head's weight as it is
+                head.linear_method = (
+                    gguf_cpu.Int4LinearMethod(parts, None)
+                    if gguf_cpu.is_int4(parts) and gguf_cpu.int4_for("lm_head")
+                    else gguf_cpu.Int8LinearMethod(module.quantized_rows, None)
+                )
+        elif isinstance(module, (_Linear, ParallelLMHead)):
+            int4 = gguf_cpu.int4_for(module_name)
+            module.linear_method = gguf_cpu.linear_method(parts, getattr(module, "bias", None), int4)
+        else:
+            raise ValueError(f"{module_name} ({type(module).__name__}) has no quantized form")
+        module.weight.data = module.weight.data.new_empty(0)
 
 
 def _place(
@@ -109,14 +161,7 @@ def _place(
 
     A separate q/k/v or gate/up tensor goes into its shard of the fused parameter; a tensor the checkpoint
     already fuses (Phi-3's `qkv_proj`, `gate_up_proj`) is split along its rows into every shard."""
-    shard = None
-    target = moe.checkpoint_target(name)  # one expert's projection, or Mixtral's router
-    if target is not None:
-        name, shard = target
-    for frag, (fused, shard_id) in CausalLM.fused_weights.items():
-        if target is None and frag in name:
-            name, shard = name.replace(frag, fused), shard_id
-            break
+    name, shard = _target(name)
     param = params.get(name)
     if param is None:
         raise ValueError(f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model")
@@ -132,6 +177,17 @@ def _place(
         return [f"{name}#{s}" for s in offsets]
     loader(param, tensor, shard)
     return [name if shard is None else f"{name}#{shard}"]
+
+
+def _target(name: str) -> tuple[str, str | None]:
+    """(the parameter, the shard of it) a checkpoint tensor `name` fills; shard None: the whole of it."""
+    target = moe.checkpoint_target(name)  # one expert's projection, or Mixtral's router
+    if target is not None:
+        return target
+    for frag, (fused, shard_id) in CausalLM.fused_weights.items():
+        if frag in name:
+            return name.replace(frag, fused), shard_id
+    return name, None
 
 
 def _expected(model: CausalLM) -> set[str]:

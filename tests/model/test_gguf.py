@@ -1,6 +1,8 @@
 """GGUF files, written here with the `gguf` package from the tiny random checkpoints: gapless's greedy
 tokens equal transformers reading the same file (fp32, CPU), in every tensor type gguf-py can write, and
-what gapless cannot run is refused by name before a worker starts."""
+what gapless cannot run is refused by name before a worker starts. These check the reader, so the
+matrices are dequantized to float32 as transformers does (`GAPLESS_GGUF_WEIGHTS=dequantize`); the
+quantized CPU path is tests/model/test_quant_gguf.py's."""
 
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ from gapless.testing.gguf_files import TYPES, write_gguf
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 
 MAX_NEW = 8
+
+
+@pytest.fixture(autouse=True)
+def _dequantized(monkeypatch):
+    monkeypatch.setenv("GAPLESS_GGUF_WEIGHTS", "dequantize")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,80 @@
+"""The linear-method interface and its default, the unquantized method."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod(Protocol):
+    """What a linear layer (or the LM head) computes its output with."""
+
+    name: str  # the weight format, as start-up prints it (e.g. "float32", "Q4_1 as int4 g32")
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """`x W^T + b` for `layer`'s weight and bias, x of shape [..., in_features]."""
+        ...
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this method holds beyond the layer's parameters (its quantized weight, scales)."""
+        ...
+
+
+class UnquantizedLinearMethod:
+    """The layer's own float `weight` (and `bias`): the CPU's prepacked GEMM where `gapless.model.cpu_gemm`
+    set one, else torch's GEMM. Stateless: one instance serves every layer."""
+
+    name = "unquantized"
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if layer.cpu_gemm is not None:
+            return layer.cpu_gemm(x)
+        bias = getattr(layer, "bias", None)
+        # the decoder's activations are [tokens, features]: call the GEMM itself, as F.linear does for 2-D
+        # input (the same kernel, bit for bit), without its dispatch layers (linear, matmul), which on a
+        # CPU cost a share of a small model's decode step
+        if x.dim() == 2:
+            if bias is None:
+                return torch.mm(x, layer.weight.t())
+            return torch.addmm(bias, x, layer.weight.t())
+        return F.linear(x, layer.weight, bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []  # the layer's own weight (and the prepacked copy `cpu_gemm` holds)
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
+def weights_held(model: nn.Module) -> tuple[dict[str, int], int]:
+    """(weight format -> how many layers hold it, bytes of all the weights the model holds): parameters,
+    prepacked and quantized forms, a tensor two modules share counted once."""
+    formats: dict[str, int] = {}
+    held: dict[int, int] = {}  # storage (or opaque tensor) -> bytes
+    for module in model.modules():
+        tensors = [p for p in module.parameters(recurse=False) if p.numel()]
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            label = method.name if method is not UNQUANTIZED else str(module.weight.dtype).split(".")[-1]
+            formats[label] = formats.get(label, 0) + 1
+            tensors += method.tensors()
+            packed = getattr(getattr(module, "cpu_gemm", None), "packed", None)
+            tensors += [packed] if packed is not None else []
+        rows = getattr(module, "quantized_rows", None)
+        tensors += rows.tensors() if rows is not None else []
+        for t in tensors:
+            if t.is_mkldnn:  # oneDNN's packed weight: no storage to share
+                held[id(t)] = t.numel() * t.element_size()
+            else:
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return formats, sum(held.values())
+
+
+def weights_summary(model: nn.Module) -> str:
+    """One line for start-up: the bytes of weights and the format of the layers."""
+    formats, total = weights_held(model)
+    kinds = ", ".join(f"{n} {label}" for label, n in sorted(formats.items()))
+    return f"weights: {total / 1e6:.1f} MB ({kinds})"

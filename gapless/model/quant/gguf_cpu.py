@@ -1,0 +1,254 @@
+"""GGUF's quantized matrices kept quantized on the CPU, through torch's weight-only kernels.
+
+A matrix is read from the file as its blocks (`GGUFBlocks`, the bytes as stored, rows in Hugging Face
+order) and converted, without a float copy of the whole weight, into one of two layouts (which layer takes
+which: `int4_for`; by default int4 for the gate/up projections of int4 types, int8 rows for the rest):
+
+- **int4, groups of 32** (`Int4LinearMethod`, `torch.ops.aten._weight_int4pack_mm_for_cpu`): Q4_0, Q4_1
+  and Q4_K, whose blocks are all `w = q * scale + offset` over 32 weights with a 4-bit q, which is the
+  kernel's `w = (q - 8) * scale + zero` with `zero = offset + 8 * scale`. The 4-bit values are exact; the
+  kernel takes its scales and zeros in bfloat16, so each group's scale and zero are rounded to bfloat16
+  (f16 in the file: 3 bits of mantissa lost, <= 2^-9 relative).
+- **int8, one scale per row** (`Int8LinearMethod`, `torch.ops.aten._weight_int8pack_mm`): every other
+  type (Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K), which have no exact image in a 4-bit layout and whose
+  per-block scales the int8 kernel (one scale per output row) cannot hold, and the int4 types' layers
+  that `int4_for` runs faster as int8. Each row is dequantized (in
+  chunks of rows) and requantized to `round(w / s)` with `s` its largest |w| / 127 rounded up to bfloat16:
+  a rounding of at most s/2 per weight, against the file's own step (Q8_0: its block's max / 127).
+
+Both kernels are vectorized on x86 for bfloat16 activations only (float32 runs a scalar loop ~10x slower,
+measured in `bench/results/gguf_cpu/`), so the activations go in as bfloat16 and the result, computed in
+float32 inside the kernel and returned as bfloat16, comes back as float32: the rounding llama.cpp takes
+too (it quantizes activations to 8 bits). Tests compare against the dequantized float model
+(tests/model/test_quant_gguf.py), greedy tokens equal or diverging at near-ties only.
+
+Embedding tables are kept as int8 rows with one scale per row (`Int8Rows`); a tied LM head whose table is
+in an int8 type shares those tensors, so the table is held once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+LAYOUT_ENV = "GAPLESS_GGUF_LAYOUT"  # "mixed" (default) or "int4": see `int4_for`
+GROUP = 32  # the int4 kernel's group: a Q4_0/Q4_1 block, a Q4_K sub-block
+_ROW_MULTIPLE = 16  # the int4 packing's N must be a multiple of this; other shapes are padded with zero rows
+_CHUNK_ROWS = 1024  # rows dequantized at a time on the way to int8
+
+# types the int4 layout holds exactly, and those requantized to int8 rows
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
+QUANTIZED_TYPES = INT4_TYPES + INT8_TYPES
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """One quantized matrix as the file stores it: `data[r]` is row r's blocks (`qtype` names the type)."""
+
+    qtype: str
+    cols: int
+    data: np.ndarray  # uint8 [rows, bytes per row]
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+
+def _f16(raw: np.ndarray) -> torch.Tensor:
+    """Little-endian f16 fields (last axis: 2 bytes each) as float32."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).astype(np.float32)).squeeze(-1)
+
+
+def _nibbles(qs: np.ndarray) -> torch.Tensor:
+    """32 weights from 16 bytes each (last axis): low nibbles are weights 0-15, high ones 16-31."""
+    qs = np.asarray(qs)
+    return torch.from_numpy(np.concatenate([qs & 15, qs >> 4], axis=-1))
+
+
+def _k_scales(scales: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 8 six-bit (scale, min) pairs per super-block, packed in 12 bytes (llama.cpp's
+    `get_scale_min_k4`)."""
+    s = torch.from_numpy(np.ascontiguousarray(scales)).to(torch.int32)
+    lo, hi = s[..., 0:4], s[..., 4:8]
+    sc = torch.cat([lo & 63, (s[..., 8:12] & 15) | ((lo >> 6) << 4)], dim=-1)
+    mn = torch.cat([hi & 63, (s[..., 8:12] >> 4) | ((hi >> 6) << 4)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def int4_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [rows, cols] in 0..15, scale and zero float32 [rows, cols / 32]) with
+    `w = (q - 8) * scale + zero` exactly the file's weights (Q4_0, Q4_1, Q4_K)."""
+    rows = b.rows
+    if b.qtype == "Q4_0":
+        blk = b.data.reshape(rows, -1, 18)
+        scale = _f16(blk[..., 0:2])
+        return _nibbles(blk[..., 2:]).reshape(rows, -1), scale, torch.zeros_like(scale)
+    if b.qtype == "Q4_1":
+        blk = b.data.reshape(rows, -1, 20)
+        scale, offset = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
+        return _nibbles(blk[..., 4:]).reshape(rows, -1), scale, offset + 8 * scale
+    if b.qtype == "Q4_K":
+        blk = b.data.reshape(rows, -1, 144)
+        d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
+        sc, mn = _k_scales(blk[..., 4:16])
+        qs = np.asarray(blk[..., 16:]).reshape(rows, -1, 4, 32)
+        q = torch.from_numpy(
+            np.stack([qs & 15, qs >> 4], axis=3)
+        )  # [rows, super-blocks, 4, 2 (sub-block), 32]
+        scale, offset = (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
+        return q.reshape(rows, -1), scale, offset + 8 * scale
+    raise ValueError(f"{b.qtype} has no int4 layout; the int4 types are {', '.join(INT4_TYPES)}")
+
+
+def dequantize_rows(b: GGUFBlocks, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) as float32 (the `gguf` package's dequantization; Q8_0's `q * d` in torch, the
+    same products, several times faster)."""
+    from gguf import GGMLQuantizationType, quants
+
+    if b.qtype == "Q8_0":
+        blk = b.data[start:stop].reshape(stop - start, -1, 34)
+        q = torch.from_numpy(np.ascontiguousarray(blk[..., 2:]).view(np.int8))
+        return (q.float() * _f16(blk[..., 0:2])[..., None]).reshape(stop - start, b.cols)
+
+    w = quants.dequantize(b.data[start:stop], GGMLQuantizationType[b.qtype])
+    return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(stop - start, b.cols))
+
+
+def int8_rows(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [rows, cols], scale bfloat16 [rows]): each row requantized as `q * scale`, with
+    `scale >= max|w| / 127` the nearest bfloat16 at or above it, so |q| <= 127."""
+    q = torch.empty(b.rows, b.cols, dtype=torch.int8)
+    scale = torch.empty(b.rows, dtype=torch.bfloat16)
+    for start in range(0, b.rows, _CHUNK_ROWS):
+        stop = min(start + _CHUNK_ROWS, b.rows)
+        w = dequantize_rows(b, start, stop)
+        s = (w.abs().amax(dim=1) / 127).clamp_min(1e-30)
+        s16 = s.bfloat16()
+        s16 = torch.where(
+            s16.float() < s, torch.nextafter(s16, torch.tensor(float("inf"), dtype=s16.dtype)), s16
+        )
+        q[start:stop] = torch.round(w / s16.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        scale[start:stop] = s16
+    return q, scale
+
+
+def _label(parts: list[GGUFBlocks]) -> str:
+    return "+".join(sorted({p.qtype for p in parts}))
+
+
+# the kernels' overloads, looked up once (a decode step calls them ~120 times, and on a CPU each Python-side
+# lookup through `torch.ops` is a visible cost)
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+
+
+def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's bfloat16 result `y` plus the float32 bias, in `dtype`: one op where it can be."""
+    if bias is not None:
+        y = torch.add(bias, y)  # float32
+    return y if y.dtype == dtype else y.to(dtype)
+
+
+class Int4LinearMethod:
+    """Weight-only int4 GEMM, groups of 32 (see the module's docstring). `parts`: the matrices whose rows
+    the layer's weight stacks (a fused q/k/v or gate/up), each of an int4 type."""
+
+    def __init__(self, parts: list[GGUFBlocks], bias: torch.Tensor | None) -> None:
+        self.name = f"{_label(parts)} as int4 g{GROUP}"
+        q, scale, zero = (torch.cat(t) for t in zip(*(int4_parts(p) for p in parts)))
+        self.out_features = n = q.shape[0]
+        pad = -n % _ROW_MULTIPLE
+        if pad:
+            q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype)])
+            scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.padded = bool(pad)
+        self.bias = None if bias is None else bias.detach().float()
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        y = _INT4_MM(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
+        if self.padded:
+            y = y[:, : self.out_features]
+        return _finish(y, self.bias, x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales_zeros]
+
+
+class Int8Rows:
+    """int8 rows with one bfloat16 scale each: an embedding table's lookup, and the int8 GEMM's weight."""
+
+    def __init__(self, parts: list[GGUFBlocks]) -> None:
+        self.qtype = _label(parts)
+        q, scale = zip(*(int8_rows(p) for p in parts))
+        self.q, self.scale = torch.cat(q), torch.cat(scale)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` in `dtype` (computed in float32)."""
+        return (self.q[ids].float() * self.scale[ids].float().unsqueeze(-1)).to(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.scale]
+
+
+class Int8LinearMethod:
+    """Weight-only int8 GEMM, one scale per output row (see the module's docstring)."""
+
+    def __init__(self, rows: Int8Rows, bias: torch.Tensor | None) -> None:
+        self.name = f"{rows.qtype} as int8 per-row"
+        self.rows = rows
+        self.out_features = rows.q.shape[0]
+        self.bias = None if bias is None else bias.detach().float()
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        return _finish(_INT8_MM(x.to(torch.bfloat16), self.rows.q, self.rows.scale), self.bias, x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.rows.tensors()
+
+
+def is_int4(parts: list[GGUFBlocks]) -> bool:
+    """Every part is of a type the int4 layout holds exactly."""
+    return all(p.qtype in INT4_TYPES for p in parts)
+
+
+def linear_method(
+    parts: list[GGUFBlocks], bias: torch.Tensor | None, int4: bool = True
+) -> Int4LinearMethod | Int8LinearMethod:
+    """The method a weight stacked from GGUF matrices runs with: int4 where every part is of an int4 type
+    (exact) and `int4` allows it, else int8 rows."""
+    unknown = sorted({p.qtype for p in parts} - set(QUANTIZED_TYPES))
+    if unknown:
+        raise ValueError(
+            f"GGUF type {', '.join(unknown)} is not run quantized; types: {', '.join(QUANTIZED_TYPES)}"
+        )
+    if int4 and is_int4(parts):
+        return Int4LinearMethod(parts, bias)
+    return Int8LinearMethod(Int8Rows(parts), bias)
+
+
+def int4_for(module_name: str) -> bool:
+    """Whether a layer whose GGUF matrices are of an int4 type keeps the int4 layout (`LAYOUT_ENV`).
+
+    At one row, the int8 kernel was 1.7-3.8x faster than the int4 one on every linear shape of the default
+    model (`bench/results/gguf_cpu/kernels.log`), and a decode step is mostly its GEMMs: the default
+    ("mixed") keeps int4 only for the fused gate/up projections, the largest matrices (half a layer's
+    weights), so the weights stay within 1.2x the file's size (issue 35's bound; int8 rows take 1 byte a
+    weight against int4's 0.625 with its scales), and runs the rest as int8 rows, a rounding of the file's
+    4-bit weights to per-row 8-bit ones (measured in `quality.log`). "int4" keeps int4 wherever it is
+    exact (the fewest bytes: 0.96x the default model's file)."""
+    layout = os.environ.get(LAYOUT_ENV, "mixed")
+    if layout not in ("mixed", "int4"):
+        raise ValueError(f"{LAYOUT_ENV}={layout!r}: use mixed or int4")
+    return layout == "int4" or module_name.endswith("gate_up_proj")
