@@ -103,6 +103,22 @@ CPU_GEMM = _var(
     "`onednn` or `plain`",
     "CPU linear layers: `onednn` packs their weights for oneDNN, `plain` leaves them as loaded (comparisons)",
 )
+GGUF_WEIGHTS = _var(
+    "GAPLESS_GGUF_WEIGHTS",
+    "quantized",
+    _one_of("quantized", "dequantize"),
+    "`quantized` or `dequantize`",
+    "a GGUF file's quantized matrices on a one-rank CPU: kept quantized, or loaded as float weights "
+    "(comparisons)",
+)
+GGUF_LAYOUT = _var(
+    "GAPLESS_GGUF_LAYOUT",
+    "mixed",
+    _one_of("mixed", "int4"),
+    "`mixed` or `int4`",
+    "kept-quantized GGUF layers of int4 types: gate/up as int4 and the rest as int8 rows (faster), or int4 "
+    "wherever exact (fewest bytes)",
+)
 API_KEY = _var("GAPLESS_API_KEY", None, _optional_str, "string", "the default of `gapless serve --api-key`")
 LOG_LEVEL = _var(
     "GAPLESS_LOG_LEVEL",

@@ -241,3 +241,4 @@ class RunnerInfo:
     # every layer slides (gapless.engine.scheduler.window)
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] = ()
+    weights: str = ""  # the weights' format and bytes, for the start-up line (gapless.model.quant)

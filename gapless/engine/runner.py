@@ -45,6 +45,7 @@ from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.fused import use_fused_kernels
 from gapless.model.loader import load_model, resolve_dtype
+from gapless.model.quant import weights_summary
 from gapless.sampling.fused import draw_kernel, nucleus_kernel, penalty_kernel
 from gapless.sampling.logprobs import PromptScores, score_prompt
 from gapless.sampling.mask import TokenMask
@@ -264,6 +265,7 @@ class ModelRunner:
             eos_token_ids=mc.eos_token_ids,
             sliding_window=mc.sliding_window,
             window_layers=mc.window_layers,
+            weights=weights_summary(self.model),
         )
 
     def forward_tokens(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from gapless import env
 from gapless.model import gguf, moe, parallel
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.cpu_gemm import pack_cpu_gemms
@@ -27,7 +27,7 @@ from gapless.model.quant import gguf_cpu, weights_summary
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 
 log = logging.getLogger(__name__)
-GGUF_ENV = "GAPLESS_GGUF_WEIGHTS"  # "dequantize": GGUF matrices as float weights; default "quantized"
+GGUF_ENV = env.GGUF_WEIGHTS.name  # "dequantize": GGUF matrices as float weights; default "quantized"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -60,7 +60,7 @@ def keeps_gguf_quantized(path: Path, device: torch.device) -> bool:
     """Whether a load of `path` keeps its quantized matrices quantized: a GGUF file on a CPU, one rank."""
     if not is_gguf_file(path) or device.type != "cpu" or parallel.current().size != 1:
         return False
-    return os.environ.get(GGUF_ENV, "quantized") != "dequantize"
+    return env.GGUF_WEIGHTS.get() != "dequantize"
 
 
 def iter_weights(path: Path, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:

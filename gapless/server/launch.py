@@ -228,7 +228,7 @@ async def _serve(
         print(
             f"gapless: serving {metrics.model} at http://{f'[{host}]' if ':' in host else host}:{port} "
             f"(device {info.device}{more}, {info.kv_tokens} KV tokens{each}, context {info.max_context}, "
-            f"chunked_prefill_size {info.chunked_prefill_size}; "
+            f"chunked_prefill_size {info.chunked_prefill_size}; {info.weights}; "
             f"started in {time.monotonic() - started:.1f} s)",
             flush=True,
         )

@@ -183,6 +183,7 @@ class SchedulerInfo(msgspec.Struct):
     device: str
     vocab_size: int
     chunked_prefill_size: int  # as chosen for the device (gapless.engine.defaults), for the ready line
+    weights: str = ""  # the weights' format and bytes (gapless.model.quant.weights_summary)
 
 
 class ReplicaReport(msgspec.Struct, tag=True):

@@ -28,14 +28,15 @@ in an int8 type shares those tensors, so the table is held once.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-LAYOUT_ENV = "GAPLESS_GGUF_LAYOUT"  # "mixed" (default) or "int4": see `int4_for`
+from gapless import env
+
+LAYOUT_ENV = env.GGUF_LAYOUT.name  # "mixed" (default) or "int4": see `int4_for`
 GROUP = 32  # the int4 kernel's group: a Q4_0/Q4_1 block, a Q4_K sub-block
 _ROW_MULTIPLE = 16  # the int4 packing's N must be a multiple of this; other shapes are padded with zero rows
 _CHUNK_ROWS = 1024  # rows dequantized at a time on the way to int8
@@ -248,7 +249,4 @@ def int4_for(module_name: str) -> bool:
     weight against int4's 0.625 with its scales), and runs the rest as int8 rows, a rounding of the file's
     4-bit weights to per-row 8-bit ones (measured in `quality.log`). "int4" keeps int4 wherever it is
     exact (the fewest bytes: 0.96x the default model's file)."""
-    layout = os.environ.get(LAYOUT_ENV, "mixed")
-    if layout not in ("mixed", "int4"):
-        raise ValueError(f"{LAYOUT_ENV}={layout!r}: use mixed or int4")
-    return layout == "int4" or module_name.endswith("gate_up_proj")
+    return env.GGUF_LAYOUT.get() == "int4" or module_name.endswith("gate_up_proj")

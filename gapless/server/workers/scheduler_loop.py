@@ -128,7 +128,12 @@ def scheduler_main(
         try:
             info = engine.info
             ready = P.SchedulerInfo(
-                info.max_context, info.kv_tokens, info.device, info.vocab_size, info.chunked_prefill_size
+                info.max_context,
+                info.kv_tokens,
+                info.device,
+                info.vocab_size,
+                info.chunked_prefill_size,
+                info.weights,
             )
             reports = ReplicaReports(socks, replica) if replicas > 1 else None
             with frozen_heap(collect=True):  # what start-up built lives as long as the process

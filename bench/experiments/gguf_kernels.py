@@ -4,7 +4,7 @@ head 49152x576), at 1 and 8 rows, one thread, microseconds per call (median of 5
 `_dyn_quant_matmul_4bit` is not timed: on x86 its packing stores the weight dequantized to float32 (it is
 KleidiAI's on Arm), and it refused a bias-less call. Run as
 
-    PYTHONPATH=. .venv/bin/python bench/results/gguf_cpu/kernels.py
+    PYTHONPATH=. .venv/bin/python bench/experiments/gguf_kernels.py
 """
 
 from __future__ import annotations

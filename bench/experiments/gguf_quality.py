@@ -2,7 +2,7 @@
 Q4_1 with a Q8_0 embedding table): perplexity of a fixed text, and greedy agreement over 64 new tokens
 of a few prompts, kept-quantized against the same file dequantized to float32. Run as
 
-    PYTHONPATH=. .venv/bin/python bench/results/gguf_cpu/quality.py [FILE.gguf]
+    PYTHONPATH=. .venv/bin/python bench/experiments/gguf_quality.py [FILE.gguf]
 """
 
 from __future__ import annotations

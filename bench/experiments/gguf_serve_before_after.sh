@@ -3,9 +3,9 @@
 # matrices dequantized to float32, GAPLESS_GGUF_WEIGHTS=dequantize) and after (kept quantized, the default),
 # one server at a time, the same client as bench/llamacpp_cpu.sh (`python -m gapless.bench.serving`:
 # /v1/completions, greedy, ignore_eos, 64 new tokens, prompts of 34 token ids, the same for both).
-#   bench/results/gguf_cpu/serve_before_after.sh        (env: CONCURRENCY, default "1"; NUM_PROMPTS, default 16)
+#   bench/experiments/gguf_serve_before_after.sh        (env: CONCURRENCY, default "1"; NUM_PROMPTS, default 16)
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench/results/gguf_cpu}
 CONCURRENCY=${CONCURRENCY:-1}
