@@ -28,6 +28,8 @@ bench: install
 
 lint: install
 	$(VENV)/bin/ruff check gapless tests
+	$(VENV)/bin/ruff format --check gapless tests
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
