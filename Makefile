@@ -32,4 +32,4 @@ lint: install
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache
