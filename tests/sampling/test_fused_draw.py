@@ -19,6 +19,7 @@ from gapless.sampling import sampler as sampler_mod
 from gapless.sampling.filters import apply_min_p, apply_top_k_top_p
 from gapless.sampling.sampler import Sampler, SamplingBatch
 from gapless.sampling_params import SamplingParams
+from gapless.tensors import dataclass_to_device
 from gapless.testing.triton import import_kernels_or_skip
 
 ts = import_kernels_or_skip("gapless.sampling.triton_sample")
@@ -239,7 +240,7 @@ def test_sampler_with_the_kernel_samples_after_its_stages() -> None:
         batch = _batch(params, vocab, [step] * n)
         resolved = [p.resolved() for p in params]
         values, _, _ = sampler_mod.RowParams.build(resolved, list(range(n)), [1, 2, 3, 0], vocab)
-        with_kernel.write_rows(values)
+        with_kernel.write_rows(dataclass_to_device(values, DEVICE))
         # a grammar's mask as `constrain` applies it: forbidden tokens at -inf in a float32 copy
         masked = logits.float().masked_fill(~allowed.to(DEVICE), float("-inf"))
         constrained = with_kernel.constrain(masked, batch, None)
@@ -268,7 +269,7 @@ def test_draw_kernel_choice(caplog: pytest.LogCaptureFixture) -> None:
     def filters_wrong(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return logits.argmax(dim=-1) if batch.need_top_p else kernel(logits, batch)
 
-    assert "(filters) drew" in fused.disagreement(filters_wrong, 100, cpu)
+    assert "(filters) drew" in fused.disagreement(filters_wrong, 100, DEVICE)
 
     def broken(*_: object) -> torch.Tensor:
         raise RuntimeError("no kernel image")
