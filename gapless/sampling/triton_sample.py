@@ -29,9 +29,19 @@ torch path's but where Triton's ``log`` rounds differently from torch's. The flo
 rule rounded differently (sums in chunk order), so a boundary token whose mass lies within float32
 rounding of p may be kept by one and not the other.
 
-Cost, by design (not yet measured on a GPU): temperature alone is one launch reading the logits once;
-min-p adds one; top-k or top-p adds SEARCH_PASSES (8) more, both 16, each reading the rows still
-searching (a 16-probe compare per element). The host launches a fixed count, so a step needs no sync and
+A row with top-k of at most WINDOW (Qwen3's 20, Hugging Face's 50) over half-precision logits skips both
+searches: its top-k floor is the k-th of its WINDOW largest logits (`torch.topk`, a partial sort; scaling
+by the temperature keeps the order, so it is the search's key exactly), and its nucleus lies among the
+tokens top-k kept: those in the window and the ties of the k-th beyond it, counted (`_window_floors`, the
+same rule summed in another order). Which rows take the window depends on their own settings and the
+logits' dtype, never on the batch (fp32 logits divided by a temperature can round two logits to one,
+which the count in logit space would miss: they always search).
+
+Cost (H200, 151,936 columns, `bench/results/h200-2026-11-26/kernels.log`, before the window): temperature
+alone is one launch reading the logits once (6 us at 1 row, 150 us at 256); min-p adds one; a search
+adds SEARCH_PASSES (8) launches, each reading the rows still searching (a 16-probe compare per element):
+top-k 20 + top-p 0.95 took 274 us at 1 row and 14.4 ms at 256, which the window replaces with a partial
+sort and a few [B, WINDOW] ops. The host launches a fixed count, so a step needs no sync and
 can be captured in a CUDA graph. The arrival pattern (release increment after a barrier, L2 loads in the
 combining program) is the classic "last block" reduction; `gapless.sampling.fused` checks the tokens
 against the torch path at start-up on CUDA.
@@ -49,6 +59,8 @@ from gapless.attention.triton_kernels import INTERPRET as INTERPRET
 from gapless.attention.triton_kernels import _max
 
 CHUNK = 1024  # columns a program reads (152k columns: 149 programs a row)
+WINDOW = 64  # a row whose top-k is at most this takes its floors from its WINDOW largest logits
+HALF = (torch.bfloat16, torch.float16)  # the logits' dtypes the window serves
 PROBES = 16  # keys a search launch tests: each narrows a row's range about 17-fold
 _KEY_MAX = tl.constexpr(2147483647)
 _KEY_MIN = tl.constexpr(-2147483647)  # below every float's key (-inf's is -2139095041)
@@ -311,9 +323,12 @@ def floors(
     top_p: torch.Tensor,
     need: tuple[bool, bool] = (True, True),
     chunk: int = CHUNK,
+    largest_k: tuple[int, int] = (0, 0),
+    window: int = WINDOW,
 ) -> Floors:
     """Each row's largest scaled logit and its top-k and top-p floors as int32 keys (`draw`'s arguments;
-    `need`: whether any row has top-k, top-p: the other search is skipped)."""
+    `need`: whether any row has top-k, top-p: the other search is skipped; `largest_k`: the largest top-k
+    of the rows with top-k, and of those with top-p (0: not known), so a search no row needs is skipped)."""
     batch, vocab = logits.shape
     device = logits.device
     chunks = triton.cdiv(vocab, chunk)
@@ -328,9 +343,50 @@ def floors(
     # (the combining tile is at least 2 wide: a 1-wide one is a corner case of the compiler)
     common = dict(CHUNK=chunk, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=4)
     _bounds_kernel[(batch, chunks)](*args, out.keys, vocab, **common)
-    for count in [True] * (SEARCH_PASSES * need[0]) + [False] * (SEARCH_PASSES * need[1]):
+    windowed = need[0] and logits.dtype in HALF
+    if windowed:
+        _window_floors(logits, temperature, top_k, top_p, out.keys, min(window, vocab - 1))
+    # a search runs unless every row that needs it took the window (the others' searches read nothing)
+    searched = [need[i] and not (windowed and 0 < largest_k[i] <= min(window, vocab - 1)) for i in (0, 1)]
+    for count in [True] * (SEARCH_PASSES * searched[0]) + [False] * (SEARCH_PASSES * searched[1]):
         _search_kernel[(batch, chunks)](*args, out.keys, vocab, PROBES=PROBES, COUNT=count, **common)
     return out
+
+
+def _window_floors(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    keys: torch.Tensor,
+    w: int,
+) -> None:
+    """Set in `keys` the top-k and top-p floors of the sampled rows whose top-k is at most `w` (< vocab),
+    from their `w` largest logits, as `_search_kernel` finds them: top-k's is the k-th largest scaled
+    logit (not below the lowest finite one); top-p's the smallest kept value whose mass above (tokens of
+    larger value) is under p times the kept mass (the window's tokens above the k-th, and every token
+    tied with it, counted over the whole row). Nothing syncs."""
+    x = logits.topk(w, dim=-1).values  # [B, w], descending
+    k = top_k.clamp(1, w).unsqueeze(1) - 1  # each row's k-th largest, at its place in the window
+    kth = x.gather(1, k)
+    y = x.float() / temperature.masked_fill(temperature <= 0, 1.0).unsqueeze(1)  # the kernels' division
+    e = torch.exp(y - y[:, :1])
+    ties = (logits >= kth).sum(-1, keepdim=True) - (x > kth).sum(-1, keepdim=True)
+    total = e.masked_fill(x <= kth, 0.0).sum(-1, keepdim=True) + ties * e.gather(1, k)
+    above = (e.unsqueeze(1) * (y.unsqueeze(1) > y.unsqueeze(2))).sum(-1)  # [B, w]: the mass over each value
+    passing = (x >= kth) & (above < top_p.unsqueeze(1) * total)
+    nucleus = _keys(y.masked_fill(~passing, float("inf")).amin(-1))
+    rows = (temperature > 0) & (top_k <= w)
+    k_floor = torch.maximum(_keys(y.gather(1, k).squeeze(1)), keys[:, 0])
+    p_rows = rows & (top_p < 1.0)
+    keys[:, :2] = torch.where(rows.unsqueeze(1), k_floor.unsqueeze(1), keys[:, :2])
+    keys[:, 2:] = torch.where(p_rows.unsqueeze(1), nucleus.unsqueeze(1), keys[:, 2:])
+
+
+def _keys(y: torch.Tensor) -> torch.Tensor:
+    """`_key` by torch ops: float32 -> int32 in the floats' order."""
+    bits = (y + 0.0).view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def draw_with(
@@ -385,17 +441,22 @@ def draw(
     steps: torch.Tensor,
     need: tuple[bool, bool, bool] = (True, True, True),
     chunk: int = CHUNK,
+    largest_k: tuple[int, int] = (0, 0),
+    window: int = WINDOW,
 ) -> torch.Tensor:
     """Each row's token (int64 [B]): the seeded draw from ``softmax(logits / temperature)`` after its
     top-k, top-p (over what top-k kept) and min-p; the argmax of `logits` where temperature is 0.
     `logits` [B, V] fp32/bf16/fp16; `temperature`, `top_p`, `min_p` [B] float32; `top_k` [B] int64
     (>= V: off); `seeds`, `steps` [B] int64. `need` (top-k, top-p, min-p): which filters any row uses (host
     flags: the launches of the others are skipped). `chunk`: columns a program reads (a power of two;
-    tests use small ones to split small vocabularies). Reads sizes from host ints; never syncs."""
+    tests use small ones to split small vocabularies); `largest_k` and `window`: `floors`'. Reads sizes
+    from host ints; never syncs."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     temperature, top_p, min_p = temperature.contiguous(), top_p.contiguous(), min_p.contiguous()
-    found = floors(logits, temperature, top_k.contiguous(), top_p, need[:2], chunk) if any(need) else None
+    found = None
+    if any(need):
+        found = floors(logits, temperature, top_k.contiguous(), top_p, need[:2], chunk, largest_k, window)
     return draw_with(logits, temperature, top_p, min_p, seeds.contiguous(), steps.contiguous(), found, chunk)
 
 
@@ -406,7 +467,6 @@ def kept(
     kernels' check)."""
     t = temperature.masked_fill(temperature == 0, 1.0)[:, None]
     y = logits.float() / t
-    bits = (y + 0.0).view(torch.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = _keys(y)
     floor = found.keys[:, 0].where(top_p >= 1.0, torch.maximum(found.keys[:, 0], found.keys[:, 2]))
     return (key >= floor[:, None]) & (y >= found.row_max[:, None] + min_p.log()[:, None])
