@@ -199,3 +199,13 @@ def test_the_freeze_guard_names_the_test_that_leaves_the_heap_frozen(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     (line,) = log.read_text().splitlines()
     assert line.startswith("FROZEN after test_leak.py::test_leaks: ") and line in r.stdout
+
+
+def test_skip_leaves_the_named_steps_out(tmp_path):
+    """SKIP="latency served": the all part runs every other step, and says which it skipped."""
+    commands = _run_part(ROOT / "bench/gpu_session.sh", "all", tmp_path, ROOT, SKIP="latency served")
+    steps = (tmp_path / "work" / "steps.log").read_text()
+    assert "latency: skipped (SKIP)" in steps and "served: skipped (SKIP)" in steps
+    ran = re.findall(r"^== \S+ \+\d+ s (\S+) ", steps, flags=re.M)
+    assert ran == [name for name in ALL_STEPS if name not in ("latency", "served")], steps
+    assert not any("gapless.bench.latency" in c for cmd in commands for c in cmd)
