@@ -32,10 +32,12 @@ rounding of p may be kept by one and not the other.
 A row with top-k of at most WINDOW (Qwen3's 20, Hugging Face's 50) over half-precision logits skips both
 searches: its top-k floor is the k-th of its WINDOW largest logits (`torch.topk`, a partial sort; scaling
 by the temperature keeps the order, so it is the search's key exactly), and its nucleus lies among the
-tokens top-k kept: those in the window and the ties of the k-th beyond it, counted (`_window_floors`, the
-same rule summed in another order). Which rows take the window depends on their own settings and the
-logits' dtype, never on the batch (fp32 logits divided by a temperature can round two logits to one,
-which the count in logit space would miss: they always search).
+tokens top-k kept: those in the window and the ties of the k-th beyond it, counted. A top-p row without
+top-k whose window already holds p of its mass (the bounds launch sums it) takes its nucleus from the
+window too. Both are `gapless.sampling.draw_floors`, the search's rule summed in another order. Which
+rows take the window depends on their own settings, logits and dtype, never on the batch (fp32 logits
+divided by a temperature can round two logits to one, which the count in logit space would miss: they
+always search).
 
 Cost (H200, 151,936 columns, `bench/results/h200-2026-11-26/kernels.log`, before the window): temperature
 alone is one launch reading the logits once (6 us at 1 row, 150 us at 256); min-p adds one; a search
@@ -49,18 +51,17 @@ against the torch path at start-up on CUDA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from gapless.attention.triton_kernels import INTERPRET as INTERPRET
 from gapless.attention.triton_kernels import _max
+from gapless.sampling.draw_floors import HALF, WINDOW, Floors, kept, window_floors
+
+__all__ = ["CHUNK", "SEARCH_PASSES", "WINDOW", "Floors", "draw", "draw_with", "floors", "kept"]
 
 CHUNK = 1024  # columns a program reads (152k columns: 149 programs a row)
-WINDOW = 64  # a row whose top-k is at most this takes its floors from its WINDOW largest logits
-HALF = (torch.bfloat16, torch.float16)  # the logits' dtypes the window serves
 PROBES = 16  # keys a search launch tests: each narrows a row's range about 17-fold
 _KEY_MAX = tl.constexpr(2147483647)
 _KEY_MIN = tl.constexpr(-2147483647)  # below every float's key (-inf's is -2139095041)
@@ -136,12 +137,15 @@ def _bounds_kernel(
     PartK,
     RowF,
     RowK,
+    RowS,
     vocab,
     CHUNK: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
+    MASS: tl.constexpr,
 ):
-    """Row b's largest scaled logit (RowF[b, 0]) and the range each search starts from (RowK[b]: top-k's
-    lo, hi, then top-p's; a search a row does not need starts done, lo == hi)."""
+    """Row b's largest scaled logit (RowF[b]), the range each search starts from (RowK[b]: top-k's lo,
+    hi, then top-p's; a search a row does not need starts done, lo == hi), and with MASS the row's mass
+    (RowS[b]: ``exp(y - m)`` summed, each chunk's sum taken at its own largest and rescaled)."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -150,13 +154,28 @@ def _bounds_kernel(
     finite = y > float("-inf")
     key = _key(y)
     part = (b * chunks + c) * 2
-    tl.store(PartF + b * chunks + c, _max(y, 0))
+    chunk_max = _max(y, 0)
+    tl.store(PartF + b * chunks + c, chunk_max)
+    if MASS:
+        chunk_sums = PartF + tl.num_programs(0) * chunks
+        shift = tl.where(chunk_max > float("-inf"), chunk_max, 0.0)  # (a masked chunk: no -inf - -inf)
+        tl.store(chunk_sums + b * chunks + c, tl.sum(tl.where(finite, tl.exp(y - shift), 0.0), 0))
     tl.store(PartK + part, tl.min(tl.where(finite, key, _KEY_MAX), 0))
     tl.store(PartK + part + 1, tl.max(tl.where(finite, key, _KEY_MIN), 0))
     if _arrive(Counter, b, chunks):
         i = tl.arange(0, CHUNKS_P2)
         here = i < chunks
-        m = _max(tl.load(PartF + b * chunks + i, mask=here, other=float("-inf"), cache_modifier=".cg"), 0)
+        maxes = tl.load(PartF + b * chunks + i, mask=here, other=float("-inf"), cache_modifier=".cg")
+        m = _max(maxes, 0)
+        if MASS:
+            sums = tl.load(
+                PartF + tl.num_programs(0) * chunks + b * chunks + i,
+                mask=here,
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            scale = tl.exp(maxes - tl.where(m > float("-inf"), m, 0.0))
+            tl.store(RowS + b, tl.sum(tl.where(sums > 0.0, sums * scale, 0.0), 0))
         lo = tl.min(tl.load(PartK + (b * chunks + i) * 2, mask=here, other=_KEY_MAX, cache_modifier=".cg"), 0)
         hi = tl.max(
             tl.load(PartK + (b * chunks + i) * 2 + 1, mask=here, other=_KEY_MIN, cache_modifier=".cg"), 0
@@ -297,14 +316,6 @@ def _draw_kernel(
         tl.store(Tokens + b, tl.min(tl.where(scores == top, index, vocab), 0).to(tl.int64))
 
 
-@dataclass(frozen=True)
-class Floors:
-    """Each row's filters as `floors` leaves them, on the device: what `draw_with` keeps."""
-
-    row_max: torch.Tensor  # [B] float32: the row's largest scaled logit (min-p's floor is relative to it)
-    keys: torch.Tensor  # [B, 4] int32: top-k's range (lo, hi), then top-p's; once searched, lo == hi
-
-
 def _scratch(
     batch: int, chunks: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -332,9 +343,11 @@ def floors(
     batch, vocab = logits.shape
     device = logits.device
     chunks = triton.cdiv(vocab, chunk)
+    half = logits.dtype in HALF
     out = Floors(
         torch.empty(batch, dtype=torch.float32, device=device),
         torch.empty(batch, 4, dtype=torch.int32, device=device),
+        torch.empty(batch, dtype=torch.float32, device=device) if half and need[1] else None,
     )
     if batch == 0:
         return out
@@ -342,51 +355,16 @@ def floors(
     args = (logits, logits.stride(0), temperature, top_k, top_p, counter, part_f, part_i, out.row_max)
     # (the combining tile is at least 2 wide: a 1-wide one is a corner case of the compiler)
     common = dict(CHUNK=chunk, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=4)
-    _bounds_kernel[(batch, chunks)](*args, out.keys, vocab, **common)
-    windowed = need[0] and logits.dtype in HALF
-    if windowed:
-        _window_floors(logits, temperature, top_k, top_p, out.keys, min(window, vocab - 1))
+    row_mass = out.row_mass if out.row_mass is not None else out.row_max  # (no MASS: never written)
+    _bounds_kernel[(batch, chunks)](*args, out.keys, row_mass, vocab, MASS=out.row_mass is not None, **common)
+    w = min(window, vocab - 1)
+    if half and any(need):
+        window_floors(logits, temperature, top_k, top_p, out, w)
     # a search runs unless every row that needs it took the window (the others' searches read nothing)
-    searched = [need[i] and not (windowed and 0 < largest_k[i] <= min(window, vocab - 1)) for i in (0, 1)]
+    searched = [need[i] and not (half and 0 < largest_k[i] <= w) for i in (0, 1)]
     for count in [True] * (SEARCH_PASSES * searched[0]) + [False] * (SEARCH_PASSES * searched[1]):
         _search_kernel[(batch, chunks)](*args, out.keys, vocab, PROBES=PROBES, COUNT=count, **common)
     return out
-
-
-def _window_floors(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    keys: torch.Tensor,
-    w: int,
-) -> None:
-    """Set in `keys` the top-k and top-p floors of the sampled rows whose top-k is at most `w` (< vocab),
-    from their `w` largest logits, as `_search_kernel` finds them: top-k's is the k-th largest scaled
-    logit (not below the lowest finite one); top-p's the smallest kept value whose mass above (tokens of
-    larger value) is under p times the kept mass (the window's tokens above the k-th, and every token
-    tied with it, counted over the whole row). Nothing syncs."""
-    x = logits.topk(w, dim=-1).values  # [B, w], descending
-    k = top_k.clamp(1, w).unsqueeze(1) - 1  # each row's k-th largest, at its place in the window
-    kth = x.gather(1, k)
-    y = x.float() / temperature.masked_fill(temperature <= 0, 1.0).unsqueeze(1)  # the kernels' division
-    e = torch.exp(y - y[:, :1])
-    ties = (logits >= kth).sum(-1, keepdim=True) - (x > kth).sum(-1, keepdim=True)
-    total = e.masked_fill(x <= kth, 0.0).sum(-1, keepdim=True) + ties * e.gather(1, k)
-    above = (e.unsqueeze(1) * (y.unsqueeze(1) > y.unsqueeze(2))).sum(-1)  # [B, w]: the mass over each value
-    passing = (x >= kth) & (above < top_p.unsqueeze(1) * total)
-    nucleus = _keys(y.masked_fill(~passing, float("inf")).amin(-1))
-    rows = (temperature > 0) & (top_k <= w)
-    k_floor = torch.maximum(_keys(y.gather(1, k).squeeze(1)), keys[:, 0])
-    p_rows = rows & (top_p < 1.0)
-    keys[:, :2] = torch.where(rows.unsqueeze(1), k_floor.unsqueeze(1), keys[:, :2])
-    keys[:, 2:] = torch.where(p_rows.unsqueeze(1), nucleus.unsqueeze(1), keys[:, 2:])
-
-
-def _keys(y: torch.Tensor) -> torch.Tensor:
-    """`_key` by torch ops: float32 -> int32 in the floats' order."""
-    bits = (y + 0.0).view(torch.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def draw_with(
@@ -458,15 +436,3 @@ def draw(
     if any(need):
         found = floors(logits, temperature, top_k.contiguous(), top_p, need[:2], chunk, largest_k, window)
     return draw_with(logits, temperature, top_p, min_p, seeds.contiguous(), steps.contiguous(), found, chunk)
-
-
-def kept(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, found: Floors
-) -> torch.Tensor:
-    """bool [B, V]: the tokens `draw_with` keeps under `found`, by torch ops on the same numbers (the
-    kernels' check)."""
-    t = temperature.masked_fill(temperature == 0, 1.0)[:, None]
-    y = logits.float() / t
-    key = _keys(y)
-    floor = found.keys[:, 0].where(top_p >= 1.0, torch.maximum(found.keys[:, 0], found.keys[:, 2]))
-    return (key >= floor[:, None]) & (y >= found.row_max[:, None] + min_p.log()[:, None])

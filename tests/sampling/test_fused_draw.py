@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from gapless.sampling import draw_floors
 from gapless.sampling import sampler as sampler_mod
 from gapless.sampling.filters import apply_min_p, apply_top_k_top_p
 from gapless.sampling.sampler import Sampler, SamplingBatch
@@ -195,6 +196,32 @@ def test_the_window_skips_the_searches_no_row_needs() -> None:
     tokens = ts.draw(logits, *args, (True, True, True), 64, largest_k=(50, 20))
     assert torch.equal(tokens, ts.draw(logits, *args, (True, True, True), 64))
     assert kept[torch.arange(n), tokens.cpu()].all()
+
+
+def test_a_top_p_row_takes_the_window_when_it_holds_the_nucleus() -> None:
+    """Top-p without top-k in bf16: a peaked row (its 64 largest hold over p of the mass) gets its floor
+    from the window, a flat one (they hold under p) is left to the search; both keep the sort's tokens,
+    and the peaked row's floor is the search's (float32 logits of the same values always search)."""
+    vocab, n = 2000, 2
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(n, vocab, generator=g)
+    logits[0, :5] += 12.0  # peaked: five tokens hold nearly all the mass
+    logits = logits.to(DEVICE, torch.bfloat16)
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.9)]
+    batch = _batch(params, vocab)
+    temperature, top_k, top_p, min_p = _args(batch)
+    windowed = ts.floors(logits, temperature, top_k, top_p, (False, True), 256)
+    searched = ts.floors(logits.float(), temperature, top_k, top_p, (False, True), 256)
+    assert windowed.row_mass is not None and searched.row_mass is None
+    y = logits.float() / temperature[:, None]
+    mass = (y - y.amax(-1, keepdim=True)).exp().sum(-1)
+    torch.testing.assert_close(windowed.row_mass, mass, rtol=1e-5, atol=0)
+    assert torch.equal(windowed.keys, searched.keys)
+    assert torch.equal(ts.kept(logits, temperature, top_p, min_p, windowed), _reference_kept(logits, batch))
+    # which rows the window served: with every key made a sentinel, only the peaked row's top-p changes
+    sentinel = ts.Floors(windowed.row_max, torch.full_like(windowed.keys, -7), windowed.row_mass)
+    draw_floors.window_floors(logits, temperature, top_k, top_p, sentinel, ts.WINDOW)
+    assert sentinel.keys[0, 2] == searched.keys[0, 2] and (sentinel.keys[1] == -7).all()
 
 
 def _critical(df: int, z: float = 3.7) -> float:
