@@ -45,6 +45,13 @@ class EngineConfig:
     )
     device: str = option("auto", "auto: cuda when available, else cpu")
     dtype: str = option("auto", "auto: checkpoint dtype on GPU, float32 on CPU")
+    quantization: str | None = option(
+        None,
+        "the weights' quantized format (vLLM's names): fp8 quantizes a float checkpoint's linear layers "
+        "to fp8 e4m3 at load (one scale per output row; activations per token); None: the checkpoint's "
+        "own (config.json's quantization_config: fp8, compressed-tensors), else float. A format the "
+        "device cannot run is refused before any weight loads (gapless.model.quant.formats)",
+    )
     page_size: int = option(1, "tokens per KV cache page; the prefix cache shares whole pages")
     radix_cache: bool = option(True, "reuse the KV cache of shared prompt prefixes (a radix tree)")
     chunked_prefill_size: int | None = option(

@@ -90,7 +90,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
         if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
             log.warning(why)
-        self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
+        self.model: CausalLM = load_model(
+            cfg.model, self.dtype, self.device, max_positions=max_context, quantization=cfg.quantization
+        )
         self.model_config = mcfg
         self.page_size = cfg.page_size
         self.max_running_requests = max_rows = cfg.max_running_requests
