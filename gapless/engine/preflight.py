@@ -85,7 +85,9 @@ def check_quantization(cfg: EngineConfig, path: Path) -> None:
     if qcfg is None and cfg.quantization is None:
         return
     if cfg.quantization is not None and not path.is_dir():
-        raise ValueError(f"--quantization {cfg.quantization} applies to a safetensors checkpoint, not a GGUF file")
+        raise ValueError(
+            f"--quantization {cfg.quantization} applies to a safetensors checkpoint, not a GGUF file"
+        )
     import torch
 
     auto = "cuda" if torch.cuda.is_available() else "cpu"

@@ -153,7 +153,9 @@ _SKIPPED = (".input_scale",)  # a checkpoint's static activation scales: activat
 def quant_spec(path: Path, quantization: str | None, device: torch.device | str) -> QuantSpec | None:
     """The quantized format a load of `path` runs (None: float weights), or a one-line QuantFormatError."""
     if quantization is not None and is_gguf_file(path):
-        raise QuantFormatError(f"--quantization {quantization} applies to a safetensors checkpoint, not a GGUF file")
+        raise QuantFormatError(
+            f"--quantization {quantization} applies to a safetensors checkpoint, not a GGUF file"
+        )
     return formats.resolve(formats.checkpoint_quantization(path), quantization, device)
 
 

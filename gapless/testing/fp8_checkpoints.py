@@ -27,9 +27,7 @@ def _ct_config(strategy: str, block: tuple[int, int] | None) -> dict:
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}
-        },
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
         "ignore": ["lm_head"],
         "kv_cache_scheme": None,
     }

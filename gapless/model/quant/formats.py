@@ -66,7 +66,11 @@ def _fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
         raise QuantFormatError(f"quantization fp8: weight_block_size={block!r} is not [rows, columns]")
     ignore = tuple(qcfg.get("modules_to_not_convert") or ()) + tuple(qcfg.get("ignored_layers") or ())
     return QuantSpec(
-        "fp8", "fp8", f"fp8 e4m3 block {block[0]}x{block[1]}", weight_block=(block[0], block[1]), ignore=ignore
+        "fp8",
+        "fp8",
+        f"fp8 e4m3 block {block[0]}x{block[1]}",
+        weight_block=(block[0], block[1]),
+        ignore=ignore,
     )
 
 
@@ -109,7 +113,9 @@ CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
 
 def _compressed_tensors(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     if online:
-        raise QuantFormatError("quantization compressed-tensors is a checkpoint's format, not one applied at load")
+        raise QuantFormatError(
+            "quantization compressed-tensors is a checkpoint's format, not one applied at load"
+        )
     fmt = qcfg.get("format")
     if fmt not in CT_FORMATS:
         raise QuantFormatError(
@@ -118,7 +124,8 @@ def _compressed_tensors(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     groups = list((qcfg.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise QuantFormatError(
-            f"quantization compressed-tensors: {len(groups)} config groups (one is run: a scheme for every layer)"
+            f"quantization compressed-tensors: {len(groups)} config groups "
+            "(one is run: a scheme for every layer)"
         )
     if qcfg.get("sparsity_config"):
         raise QuantFormatError("quantization compressed-tensors: sparsity_config is not run")
@@ -148,10 +155,13 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
     method = None if qcfg is None else str(qcfg.get("quant_method", "")).lower()
     if qcfg is not None and method not in FORMATS:
         raise QuantFormatError(
-            f"quantization {method or '(no quant_method)'!r} in config.json is not run; runs: {', '.join(FORMATS)}"
+            f"quantization {method or '(no quant_method)'!r} in config.json is not run; "
+            f"runs: {', '.join(FORMATS)}"
         )
     if flag is not None and flag not in FORMATS:
-        raise QuantFormatError(f"--quantization {flag!r} is not a known format; formats: {', '.join(FORMATS)}")
+        raise QuantFormatError(
+            f"--quantization {flag!r} is not a known format; formats: {', '.join(FORMATS)}"
+        )
     if qcfg is not None and flag is not None and flag != method:
         raise QuantFormatError(f"--quantization {flag} but the checkpoint is quantized as {method}")
     if qcfg is None and flag is None:

@@ -49,6 +49,12 @@ ACT_GROUP = 128  # activation columns per dynamic scale where the weight has no 
 SCALE_NAMES = ("weight_scale_inv", "weight_scale")  # a checkpoint's weight scale (fp8's, compressed-tensors')
 
 
+def activation_group(k: int, k_group: int) -> int:
+    """Columns per dynamic activation scale of a layer with `k` inputs: the weight's block width (k_group;
+    0: none, then `ACT_GROUP`), at most K rounded up to a power of two (>= 16, the kernel's smallest step)."""
+    return min(k_group or ACT_GROUP, max(16, 1 << (k - 1).bit_length()))
+
+
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as e4m3 q and float32 scales [M, ceil(K / group)], x ~ q * scale per row and `group`
     columns, scale = the group's largest |x| / 448 (the kernel's rounding, in torch)."""
@@ -86,7 +92,9 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     return q.view(wp.shape)[:n, :k].contiguous(), scale
 
 
-def reference_linear(x: torch.Tensor, w: torch.Tensor, act_group: int, bias: torch.Tensor | None) -> torch.Tensor:
+def reference_linear(
+    x: torch.Tensor, w: torch.Tensor, act_group: int, bias: torch.Tensor | None
+) -> torch.Tensor:
     """The CPU path: x rounded as the kernel rounds it, times the dequantized float32 weight `w`."""
     q, s = quantize_groups(x.reshape(-1, x.shape[-1]), act_group)
     xd = dequantize(q, s, 1, act_group)
@@ -115,7 +123,9 @@ class Fp8LinearMethod:
         from gapless.model.quant.fp8_kernel import fp8_gemm
 
         x2 = x.reshape(-1, x.shape[-1])
-        y = fp8_gemm(x2, layer.weight, layer.weight_scale, self.rows_per_scale, self.k_group, self.act_group, bias)
+        y = fp8_gemm(
+            x2, layer.weight, layer.weight_scale, self.rows_per_scale, self.k_group, self.act_group, bias
+        )
         return y.view(*x.shape[:-1], self.out_features)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -123,10 +133,15 @@ class Fp8LinearMethod:
 
 
 def _whole_shape(layer: _Linear, shard: Any) -> tuple[int, int]:
-    """(rows, columns) of the checkpoint weight `shard` of `layer` fills, before tensor parallelism cuts it."""
+    """(rows, columns) of the checkpoint weight that `shard` of `layer` fills, before tensor parallelism
+    cuts it."""
     n, k = layer.weight.shape
     if isinstance(layer, MergedColumnParallelLinear):
-        n = layer.checkpoint_offsets[shard][1] if shard is not None else sum(layer.output_sizes) * layer.tp.size
+        n = (
+            layer.checkpoint_offsets[shard][1]
+            if shard is not None
+            else sum(layer.output_sizes) * layer.tp.size
+        )
     elif isinstance(layer, ColumnParallelLinear):
         n *= layer.tp.size
     elif isinstance(layer, RowParallelLinear):
@@ -134,7 +149,9 @@ def _whole_shape(layer: _Linear, shard: Any) -> tuple[int, int]:
     return n, k
 
 
-def _expand_scale(layer: _Linear, spec: QuantSpec, name: str, loaded: torch.Tensor, shard: Any) -> torch.Tensor:
+def _expand_scale(
+    layer: _Linear, spec: QuantSpec, name: str, loaded: torch.Tensor, shard: Any
+) -> torch.Tensor:
     """A checkpoint scale as [rows of its weight, column groups] float32, or a one-line error."""
     n, k = _whole_shape(layer, shard)
     if spec.weight_block is None:
@@ -142,21 +159,29 @@ def _expand_scale(layer: _Linear, spec: QuantSpec, name: str, loaded: torch.Tens
         if s.shape[0] == 1:
             return s.expand(n, 1).contiguous()
         if s.shape[0] != n:
-            raise QuantFormatError(f"{name}: scale of shape {tuple(loaded.shape)} fits no per-row or per-tensor scale of a {n}x{k} weight")
+            raise QuantFormatError(
+                f"{name}: scale of shape {tuple(loaded.shape)} fits no per-row or per-tensor scale "
+                f"of a {n}x{k} weight"
+            )
         return s
     br, bc = spec.weight_block
     want = (-(-n // br), -(-k // bc))
     if tuple(loaded.shape) != want:
-        raise QuantFormatError(f"{name}: scale of shape {tuple(loaded.shape)}, expected {want} for a {n}x{k} weight in {br}x{bc} blocks")
+        raise QuantFormatError(
+            f"{name}: scale of shape {tuple(loaded.shape)}, expected {want} for a {n}x{k} weight "
+            f"in {br}x{bc} blocks"
+        )
     return loaded.float().repeat_interleave(br, 0)[:n].contiguous()
 
 
 def _scale_param(layer: _Linear, spec: QuantSpec, module_name: str) -> nn.Parameter:
     n, k = layer.weight.shape
     cols = 1 if spec.weight_block is None else -(-k // spec.weight_block[1])
-    param = nn.Parameter(torch.empty(n, cols, dtype=torch.float32, device=layer.weight.device), requires_grad=False)
+    param = nn.Parameter(
+        torch.empty(n, cols, dtype=torch.float32, device=layer.weight.device), requires_grad=False
+    )
 
-    def load(p: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+    def load(p: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
         full = _expand_scale(layer, spec, f"{module_name}.weight_scale", loaded, shard)
         if isinstance(layer, RowParallelLinear) and spec.weight_block is None:
             default_weight_loader(p, full)  # one scale per output row: every rank holds all rows
@@ -175,13 +200,21 @@ def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> l
     if any(isinstance(m, Experts) for m in model.modules()):
         raise QuantFormatError(f"quantization {spec.name}: mixture-of-experts models are not run in fp8 yet")
     if spec.online:
-        return [name for name, m in model.named_modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
+        return [
+            name
+            for name, m in model.named_modules()
+            if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)
+        ]
     for name in sorted(targets):
         module = model.get_submodule(name)
         if isinstance(module, ParallelLMHead) or not isinstance(module, _Linear):
-            raise QuantFormatError(f"quantization {spec.name}: {name} ({type(module).__name__}) in fp8 is not run")
+            raise QuantFormatError(
+                f"quantization {spec.name}: {name} ({type(module).__name__}) in fp8 is not run"
+            )
     if not targets:
-        raise QuantFormatError(f"quantization {spec.name}: the checkpoint has no weight scales ({', '.join(SCALE_NAMES)})")
+        raise QuantFormatError(
+            f"quantization {spec.name}: the checkpoint has no weight scales ({', '.join(SCALE_NAMES)})"
+        )
     return sorted(targets)
 
 
@@ -189,7 +222,7 @@ def prepare(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
     """Before loading: give each module of `modules` an e4m3 weight and a float32 `weight_scale`
     parameter, each loaded by the layer's rules (an online load keeps its float weight until `finish`)."""
     for name in modules:
-        layer = model.get_submodule(name)
+        layer: Any = model.get_submodule(name)
         if spec.online:
             continue
         n, k = layer.weight.shape
@@ -197,10 +230,13 @@ def prepare(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
             bc = spec.weight_block[1]
             if isinstance(layer, RowParallelLinear) and layer.tp.size > 1 and k % bc:
                 raise QuantFormatError(
-                    f"quantization {spec.name}: {name}'s {k} input columns per rank split its {bc}-wide scale blocks"
+                    f"quantization {spec.name}: {name}'s {k} input columns per rank split its "
+                    f"{bc}-wide scale blocks"
                 )
             if bc & (bc - 1) or bc < 16:
-                raise QuantFormatError(f"quantization {spec.name}: block width {bc} is not a power of two >= 16")
+                raise QuantFormatError(
+                    f"quantization {spec.name}: block width {bc} is not a power of two >= 16"
+                )
         weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=layer.weight.device), requires_grad=False)
         layer.weight = set_weight_loader(weight, layer.load_shard)
         layer.weight_scale = _scale_param(layer, spec, name)
@@ -210,22 +246,20 @@ def finish(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
     """After loading: quantize an online load's float weights by rows, store block scales per block where
     their rows repeat, and install `Fp8LinearMethod` on each module."""
     for name in modules:
-        layer = model.get_submodule(name)
+        layer: Any = model.get_submodule(name)
         if spec.online:
             q, s = quantize_rows(layer.weight.data)
             layer.weight = nn.Parameter(q, requires_grad=False)
             layer.weight_scale = nn.Parameter(s, requires_grad=False)
         rows_per_scale, k_group = 1, 0
-        act_group = ACT_GROUP
         if spec.weight_block is not None:
             br, bc = spec.weight_block
-            k_group = act_group = bc
+            k_group = bc
             s = layer.weight_scale.data
             n = s.shape[0]
             if n % br == 0 and torch.equal(s.view(n // br, br, -1), s[::br, None].expand(n // br, br, -1)):
                 layer.weight_scale = nn.Parameter(s[::br].contiguous(), requires_grad=False)
                 rows_per_scale = br
-        k = layer.weight.shape[1]
-        act_group = min(act_group, max(16, 1 << (k - 1).bit_length()))
+        act_group = activation_group(layer.weight.shape[1], k_group)
         layer.linear_method = Fp8LinearMethod(layer, spec.label, rows_per_scale, k_group, act_group)
     log.info("fp8 weights (%s) in %d layers", spec.label, len(modules))
