@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from gapless import LLM, SamplingParams
 from gapless.model import loader, parallel
-from gapless.model.quant import formats, weights_held, weights_summary
+from gapless.model.quant import formats, quantization, weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.fp8 import (
     FP8,
@@ -245,6 +245,7 @@ def test_fp8_greedy_equals_the_dequantized_float32_model(ckpt_factory, tmp_path,
     loaded = loader.load_model(model, torch.float32, CPU, **kw)
     held = weights_held(loaded)[0]
     assert sum(n for f, n in held.items() if "fp8 e4m3" in f) == 8, held  # 4 projections x 2 layers
+    assert quantization(loaded) == ("compressed-tensors" if layout.startswith("ct-") else "fp8")
     prompts = make_prompts(1000, n=4, max_len=40, shared_prefix=8)
     ours = _greedy(model, prompts, **kw)
     hf = load_hf_model(ref)

@@ -108,8 +108,10 @@ class Fp8LinearMethod:
     """`y = x W^T + b` with the layer's e4m3 `weight` and float32 `weight_scale` (see the module's
     docstring); the Triton kernel on CUDA, the reference on the CPU."""
 
-    def __init__(self, layer: Any, label: str, rows_per_scale: int, k_group: int, act_group: int) -> None:
-        self.name = label
+    def __init__(
+        self, layer: Any, spec: QuantSpec, rows_per_scale: int, k_group: int, act_group: int
+    ) -> None:
+        self.name, self.quant_method = spec.label, spec.name
         self.rows_per_scale, self.k_group, self.act_group = rows_per_scale, k_group, act_group
         self.out_features = layer.weight.shape[0]
         self.dequantized: torch.Tensor | None = None
@@ -261,5 +263,5 @@ def finish(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
                 layer.weight_scale = nn.Parameter(s[::br].contiguous(), requires_grad=False)
                 rows_per_scale = br
         act_group = activation_group(layer.weight.shape[1], k_group)
-        layer.linear_method = Fp8LinearMethod(layer, spec.label, rows_per_scale, k_group, act_group)
+        layer.linear_method = Fp8LinearMethod(layer, spec, rows_per_scale, k_group, act_group)
     log.info("fp8 weights (%s) in %d layers", spec.label, len(modules))
