@@ -91,7 +91,12 @@ class ModelRunner:
         if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
             log.warning(why)
         self.model: CausalLM = load_model(
-            cfg.model, self.dtype, self.device, max_positions=max_context, quantization=cfg.quantization
+            cfg.model,
+            self.dtype,
+            self.device,
+            max_positions=max_context,
+            quantization=cfg.quantization,
+            dummy=cfg.load_format == "dummy",
         )
         self.model_config = mcfg
         self.page_size = cfg.page_size

@@ -104,11 +104,12 @@ def load_model(
     device: torch.device,
     max_positions: int | None = None,
     quantization: str | None = None,
+    dummy: bool = False,
 ) -> CausalLM:
     """The checkpoint's model in `dtype` on `device`; `max_positions` as `CausalLM` takes it. A quantized
     checkpoint (its config.json's `quantization_config`) or `quantization` (`--quantization`) loads its
     layers in that format (`gapless.model.quant.formats`), refused in one line before any weight loads
-    where it cannot run."""
+    where it cannot run. `dummy`: random weights, none read (`--load-format dummy`, for benchmarks)."""
     path = Path(path)
     cfg = load_model_config(path)
     parallel.check_shardable(cfg, parallel.current().size)
@@ -119,7 +120,7 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
-    for name, tensor in iter_weights(path, keeps_gguf_quantized(path, device)):
+    for name, tensor in [] if dummy else iter_weights(path, keeps_gguf_quantized(path, device)):
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -133,7 +134,9 @@ def load_model(
             name = name[: -len("_inv")]  # fp8's scale is a multiplier, as compressed-tensors' weight_scale
         keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
         loaded.update(_place(model, params, name, tensor if keep else tensor.to(dtype)))
-    missing = sorted(_expected(model) - loaded)
+    missing = [] if dummy else sorted(_expected(model) - loaded)
+    if dummy:
+        _random_weights(model)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
     model.requires_grad_(False).eval()
@@ -145,6 +148,15 @@ def load_model(
         pack_cpu_gemms(model)
     log.info("%s", weights_summary(model))
     return model
+
+
+def _random_weights(model: CausalLM) -> None:
+    """Every parameter random (normal, std 0.02; e4m3 weights alike), norms and scales 1."""
+    for name, p in model.named_parameters():
+        if "norm" in name or name.endswith("weight_scale"):
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, device=p.device) * 0.02)
 
 
 _SKIPPED = (".input_scale",)  # a checkpoint's static activation scales: activations are scaled per token
