@@ -7,7 +7,8 @@ Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton 
 (`gapless.model.quant.fp8_kernel`: activation quantization inside it) with per-channel and with
 [128, 128] block scales; `torch._scaled_mm` with rowwise scales (bf16 out; its activation quantization,
 a separate torch step, timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's block recipes
-(x per 1x128, w per 128x128; where this torch has it, else the cell says why). Whichever is faster at 1 row is the decode path to keep.
+(x per 1x128, w per 128x128; where this torch has it, else the cell says why). Whichever is faster at
+1 row is the decode path to keep.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
     fsmm = _us(block_scaled_mm)
     best = min(chan, block)
     return (
-        f"| {model} | {name} | {n} x {k} | {m} | {bf16:.1f} | {chan:.1f} | {block:.1f} | {smm:.1f} | {fsmm:.1f} "
+        f"| {model} | {name} | {n} x {k} | {m} | {bf16:.1f} | {chan:.1f} | {block:.1f} | {smm:.1f} "
+        f"| {fsmm:.1f} "
         f"| {2 * n * k / bf16 / 1e3:.0f} | {n * k / best / 1e3:.0f} |"
     )
 
