@@ -312,3 +312,18 @@ def test_tensor_parallel_ranks_hold_their_weights_scales(ckpt_factory, tmp_path,
             pieces = [w[off : off + n] for off, n in layer.shard_offsets.values()]
             mine = [torch.cat([p.chunk(2)[r] for p in pieces]) for r in range(2)]
             torch.testing.assert_close(torch.cat(parts), torch.cat(mine), rtol=0, atol=0)
+
+
+def test_dummy_load_format_reads_no_weights_and_quantizes_at_load(ckpt_factory, tmp_path):
+    """`load_format="dummy"`: a directory with a config and a tokenizer only runs, its random weights
+    quantized by `quantization="fp8"` (what bench/gpu_quant.sh does on the 8B shape)."""
+    import shutil
+
+    src = ckpt_factory("qwen3")
+    shutil.copytree(src, tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors*"))
+    opts = dict(device="cpu", kv_cache_tokens=256, overlap=False, load_format="dummy", quantization="fp8")
+    with LLM(str(tmp_path / "m"), **opts) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].token_ids) == 3
+        assert llm.engine.info.quantization == "fp8"
+        assert dict(llm.engine.info.weight_formats)["fp8 e4m3 per-channel (quantized at load)"] == 8
