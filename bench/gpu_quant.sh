@@ -10,7 +10,8 @@
 #
 #   run(command="bash bench/gpu_quant.sh", timeout_s=300)      # on the device tool; $OUT is set there
 #
-# Each step has its own time limit (`timeout`), so one that hangs leaves the others their time.
+# Each step has its own time limit (`timeout`), so one that hangs leaves the others their time; the GEMM
+# table gets what is left of $QUANT_BUDGET_S (default 150) seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-bench/results/gpu_quant}}
@@ -50,7 +51,7 @@ tpot 50 qwen3-8b fp8 --engine-option quantization=fp8
 say ""
 "$PY" -m gapless.bench.quant report "${runs[@]}" 2>&1 | tee -a "$LOG"
 
-left=$(( 150 - (SECONDS - T0) ))
+left=$(( ${QUANT_BUDGET_S:-150} - (SECONDS - T0) ))
 if [ "$left" -gt 15 ]; then
   timeout -k 5 -s INT "$left" "$PY" bench/experiments/fp8_gemm.py --rows 1 128 >"$OUT/fp8_gemm.log" 2>&1
   rc=$?
