@@ -5,8 +5,17 @@ Face's names); `--quantization` (`EngineConfig.quantization`) names one for a fl
 quantized at load (`fp8`), or repeats the checkpoint's own. `resolve` turns the two into a `QuantSpec` and
 refuses, in one line naming the format, one that is unknown, malformed, or cannot run on the device in
 use. One entry of `FORMATS` per `quant_method` (compressed-tensors: one per its own `format`, in
-`CT_FORMATS`): a parser of the config into a spec. The loader hands the spec to its method's module
-(`spec.scheme`, e.g. `gapless.model.quant.fp8`), which places the weights and installs the linear methods.
+`CT_FORMATS`): a parser of the config into a spec. The loader (`gapless.model.loader`) hands the spec to
+the module `gapless.model.quant.<spec.scheme>`, which provides:
+
+- `SCALE_NAMES`: the checkpoint tensor names (last part) that mark a layer as quantized (the loader reads
+  them from the safetensors headers, before loading: a layer with one is quantized);
+- `quantized_modules(model, spec, targets) -> list[str]`: the modules to quantize (`targets`: those the
+  checkpoint marks), or a one-line QuantFormatError;
+- `prepare(model, spec, modules)`: before loading, give those modules the parameters their checkpoint
+  tensors load into (each with its `weight_loader`, cutting it as tensor parallelism and fused shards do);
+- `finish(model, spec, modules)`: after loading, install each module's `linear_method` (whose
+  `quant_method` is `spec.name`).
 """
 
 from __future__ import annotations
@@ -30,8 +39,8 @@ class QuantSpec:
     `name`: the `quant_method` (vLLM's name); `scheme`: the module of `gapless.model.quant` that runs it
     ("fp8"); `label`: how the start-up line, `/v1/models` and `/metrics` name it; `online`: the checkpoint
     holds float weights that are quantized at load; `weight_block`: (rows, columns) a weight scale covers
-    (None: one scale per output row, or per tensor: `per_tensor`); `ignore`: module names (or `re:`
-    patterns) the checkpoint keeps unquantized, as its config lists them."""
+    (None: one scale per output row, or per tensor: `per_tensor`). Which layers are quantized is read
+    from the checkpoint itself (the weights that come with scales), not from its config's ignore lists."""
 
     name: str
     scheme: str
@@ -39,7 +48,6 @@ class QuantSpec:
     online: bool = False
     weight_block: tuple[int, int] | None = None
     per_tensor: bool = False
-    ignore: tuple[str, ...] = ()
     min_capability: tuple[int, int] = FP8_MIN_CAPABILITY
 
 
@@ -64,13 +72,11 @@ def _fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
         raise QuantFormatError("quantization fp8: a checkpoint without weight_block_size is not run")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise QuantFormatError(f"quantization fp8: weight_block_size={block!r} is not [rows, columns]")
-    ignore = tuple(qcfg.get("modules_to_not_convert") or ()) + tuple(qcfg.get("ignored_layers") or ())
     return QuantSpec(
         "fp8",
         "fp8",
         f"fp8 e4m3 block {block[0]}x{block[1]}",
         weight_block=(block[0], block[1]),
-        ignore=ignore,
     )
 
 
@@ -85,12 +91,11 @@ def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
             "are not run (float8 only)"
         )
     strategy = w.get("strategy")
-    ignore = tuple(qcfg.get("ignore") or ())
     base = "compressed-tensors fp8 e4m3"
     if strategy == "tensor":
-        return QuantSpec("compressed-tensors", "fp8", f"{base} per-tensor", per_tensor=True, ignore=ignore)
+        return QuantSpec("compressed-tensors", "fp8", f"{base} per-tensor", per_tensor=True)
     if strategy == "channel":
-        return QuantSpec("compressed-tensors", "fp8", f"{base} per-channel", ignore=ignore)
+        return QuantSpec("compressed-tensors", "fp8", f"{base} per-channel")
     if strategy == "block":
         block = w.get("block_structure") or []
         if not (len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
@@ -98,7 +103,7 @@ def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
                 f"quantization compressed-tensors: block_structure={block!r} is not [rows, columns]"
             )
         label = f"{base} block {block[0]}x{block[1]}"
-        return QuantSpec("compressed-tensors", "fp8", label, weight_block=(block[0], block[1]), ignore=ignore)
+        return QuantSpec("compressed-tensors", "fp8", label, weight_block=(block[0], block[1]))
     raise QuantFormatError(
         f"quantization compressed-tensors float-quantized: weight strategy {strategy!r} is not run "
         "(tensor, channel, block)"
