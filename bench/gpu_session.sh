@@ -163,7 +163,7 @@ case "$part" in
     step 95 cuda_tests "$PY" -m pytest -q -n 4 -p no:cacheprovider "${cuda_tests[@]}" \
       -k "nccl or cuda or triton or graph or fused or kernel"
     if [ -f bench/gpu_quant.sh ]; then  # the quantized-checkpoint runs, when their issue adds them
-      step 120 quant env OUT="$WORK/quant" PY="$PY" bash bench/gpu_quant.sh
+      step 150 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=140 bash bench/gpu_quant.sh
     else
       echo "quant: bench/gpu_quant.sh not there yet" >>"$WORK/steps.log"
     fi

@@ -45,7 +45,7 @@ from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.fused import use_fused_kernels
 from gapless.model.loader import load_model, resolve_dtype
-from gapless.model.quant import weights_summary
+from gapless.model.quant import quantization, weights_held, weights_summary
 from gapless.sampling.fused import draw_kernel, nucleus_kernel, penalty_kernel
 from gapless.sampling.logprobs import PromptScores, score_prompt
 from gapless.sampling.mask import TokenMask
@@ -90,7 +90,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
         if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
             log.warning(why)
-        self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
+        self.model: CausalLM = load_model(
+            cfg.model,
+            self.dtype,
+            self.device,
+            max_positions=max_context,
+            quantization=cfg.quantization,
+            dummy=cfg.load_format == "dummy",
+        )
         self.model_config = mcfg
         self.page_size = cfg.page_size
         self.max_running_requests = max_rows = cfg.max_running_requests
@@ -266,6 +273,8 @@ class ModelRunner:
             sliding_window=mc.sliding_window,
             window_layers=mc.window_layers,
             weights=weights_summary(self.model),
+            quantization=quantization(self.model),
+            weight_formats=tuple(sorted(weights_held(self.model)[0].items())),
         )
 
     def forward_tokens(
