@@ -114,7 +114,7 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gapless.bench.quant", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("make").add_argument("dir", type=Path)
@@ -129,10 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     sub.add_parser("report").add_argument("json", type=Path, nargs="+")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.cmd == "run":
+        cli.take_engine_options(r, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.cmd == "make":
         print("\n".join(str(x) for x in make(args.dir)))
     elif args.cmd == "run":
-        cli.take_engine_options(r, args)
         res = run(args.path, args.engine_options, args.tokens, args.repeats, args.device)
         print(
             f"{res['shape']} {res['quantization'] or 'bf16'}: TPOT {res['tpot_ms']:.3f} ms; {res['weights']}"
