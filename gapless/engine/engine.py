@@ -168,7 +168,7 @@ class Engine:
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
         params = params.resolved(self.sampling_defaults)
         if self.pooling is not None:  # prefill only: the one token its last chunk samples is dropped
-            params = dataclasses.replace(params, max_tokens=1, temperature=0.0)
+            params = dataclasses.replace(params, max_tokens=1, temperature=0.0, ignore_eos=True, stop=[])
         n = next(self._ids)
         rid = rid if rid is not None else str(n)
         if rid in self.reqs:
