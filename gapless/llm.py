@@ -114,7 +114,10 @@ class LLM:
         queries, docs = score_pairs(text_1, text_2)
         if spec.task == "score":
             template = score_template(self.engine.cfg)
-            return [_pooled(r)[0] for r in self._pool([format_pair(template, q, d) for q, d in zip(queries, docs)], use_tqdm)]
+            return [
+                _pooled(r)[0]
+                for r in self._pool([format_pair(template, q, d) for q, d in zip(queries, docs)], use_tqdm)
+            ]
         vecs = [_pooled(r) for r in self._pool(list(queries) + list(docs), use_tqdm)]
         return [cosine(a, b) for a, b in zip(vecs[: len(queries)], vecs[len(queries) :])]
 
@@ -122,7 +125,9 @@ class LLM:
         spec = self._live_engine().pooling
         if spec is None or (what == "embed" and spec.task != "embed"):
             task = spec.task if spec is not None else "generate"
-            raise ValueError(f"{what} needs a model run with task {tasks} (task=...); this one's task is {task}")
+            raise ValueError(
+                f"{what} needs a model run with task {tasks} (task=...); this one's task is {task}"
+            )
         return spec
 
     def _pool(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool) -> list[Req]:
@@ -192,7 +197,9 @@ class LLM:
         reqs = self._requests(token_ids, params, use_tqdm)
         return [self._output(r, p) for r, p in zip(reqs, prompts)]
 
-    def _requests(self, token_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[Req]:
+    def _requests(
+        self, token_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[Req]:
         """Queue the validated prompts and step the engine until all of them are finished. The heap the
         caller's process held before is frozen meanwhile (`frozen_heap`): the collections the run's own
         objects set off do not walk it."""

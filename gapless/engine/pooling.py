@@ -34,7 +34,6 @@ if TYPE_CHECKING:  # (types only: the device side imports this module for `PoolA
     from gapless.config import EngineConfig
     from gapless.engine.request import Extend, Req
 
-from gapless.config import POOLING_TYPES
 
 TASKS = ("embed", "score")  # what a pooling model answers (`PoolingSpec.task`)
 
@@ -177,7 +176,11 @@ def fold_pooled(pooled: list[PooledReq], values: list[list[float]] | None) -> No
 
 # ------------------------------------------------------------------------------- the model's pooling
 # sentence-transformers' pooling modes gapless runs, by the key of its 1_Pooling/config.json
-_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_ST_MODES = {
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+}
 _ST_MODULE = "sentence_transformers.models."
 
 

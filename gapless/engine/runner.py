@@ -121,9 +121,9 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         self.piecewise: PiecewiseGraphs | None = None  # small prefills' pieces, when on
         # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them
-        self._deferred: (
-            tuple[ForwardBatch, torch.Tensor, PromptScores | None, torch.Tensor | None] | None
-        ) = None
+        self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None, torch.Tensor | None] | None = (
+            None
+        )
         self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
         graph_bs = self._graph_max_bs(cfg)
 

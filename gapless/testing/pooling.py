@@ -12,7 +12,11 @@ import torch
 
 from gapless.testing.checkpoints import make_checkpoint
 
-_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+_MODES = {
+    "last": "pooling_mode_lasttoken",
+    "mean": "pooling_mode_mean_tokens",
+    "cls": "pooling_mode_cls_token",
+}
 
 
 def sentence_transformers_checkpoint(
@@ -28,14 +32,18 @@ def sentence_transformers_checkpoint(
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
         (root / "2_Normalize").mkdir()
     (root / "modules.json").write_text(json.dumps(modules))
     (root / "1_Pooling").mkdir()
     config = {"word_embedding_dimension": hidden, **{key: mode == pooling for mode, key in _MODES.items()}}
     config |= {"pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}
     (root / "1_Pooling" / "config.json").write_text(json.dumps(config))
-    (root / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256, "do_lower_case": False}))
+    (root / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 256, "do_lower_case": False})
+    )
     return root
 
 
@@ -47,7 +55,9 @@ def sentence_transformers_embeddings(path: str | Path, texts: Sequence[str]) -> 
     return torch.stack([torch.as_tensor(model.encode([t], convert_to_tensor=True)[0]) for t in texts]).float()
 
 
-def score_token_reference(path: str | Path, prompts: Sequence[str], true_id: int, false_id: int | None) -> list[float]:
+def score_token_reference(
+    path: str | Path, prompts: Sequence[str], true_id: int, false_id: int | None
+) -> list[float]:
     """transformers' score of each prompt as a causal-LM reranker: the last position's logits of the true
     token (and the false one), sigmoid(true - false), as Qwen3-Reranker's model card computes it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -141,7 +141,9 @@ def test_many_concurrent_embeddings_batch_and_match(embed_server, reference):
 
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(lambda t: client.embeddings.create(model=str(embed_server.path), input=t), TEXTS * 4))
+        outs = list(
+            pool.map(lambda t: client.embeddings.create(model=str(embed_server.path), input=t), TEXTS * 4)
+        )
     assert time.monotonic() - start < 60
     got = torch.tensor([o.data[0].embedding for o in outs])
     assert torch.nn.functional.cosine_similarity(got, reference.repeat(4, 1), dim=1).min() >= 0.9999

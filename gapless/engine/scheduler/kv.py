@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gapless.engine.batch import TableWrites
 from gapless.engine import pooling
+from gapless.engine.batch import TableWrites
 from gapless.engine.prompt_logprobs import reuse_limit
 from gapless.engine.request import Req
 from gapless.engine.scheduler.window import WindowKV

@@ -104,7 +104,9 @@ async def embeddings(request: Request) -> Response:
     req: EmbeddingRequest = await _read(request, EmbeddingRequest, ("embed",))
     served = server_state(request).settings.served
     if req.encoding_format not in ("float", "base64"):
-        raise BadRequest(f"encoding_format must be float or base64, got {req.encoding_format!r}", "encoding_format")
+        raise BadRequest(
+            f"encoding_format must be float or base64, got {req.encoding_format!r}", "encoding_format"
+        )
     if req.dimensions is not None and req.dimensions < 1:
         raise BadRequest(f"dimensions must be >= 1, got {req.dimensions}", "dimensions")
     prompts = prompt_list(req.input, "input", served)
@@ -118,7 +120,11 @@ async def embeddings(request: Request) -> Response:
             vec = vec[: req.dimensions]
             if served.normalize:  # as vLLM: the kept values normalized again
                 vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
-        value: Any = base64.b64encode(vec.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" else vec.tolist()
+        value: Any = (
+            base64.b64encode(vec.astype("<f4").tobytes()).decode()
+            if req.encoding_format == "base64"
+            else vec.tolist()
+        )
         data.append({"object": "embedding", "index": i, "embedding": value})
     return JSONResponse(
         {
