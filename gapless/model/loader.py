@@ -126,7 +126,8 @@ def load_model(
         loaded.update(_place(model, params, name, tensor.to(dtype)))
     missing = sorted(_expected(model) - loaded)
     if missing == ["lm_head.weight"] and (path / "modules.json").is_file():
-        missing = []  # a sentence-transformers embedding model's: it pools hidden states, no head runs
+        missing = []  # a sentence-transformers embedding model's: it pools hidden states, and the
+        model.lm_head.weight.data.zero_()  # one token its requests sample (and drop) comes from zeros
         log.info("%s has no lm_head: loaded for embeddings only", path)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")

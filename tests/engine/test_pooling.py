@@ -121,3 +121,27 @@ def test_a_bare_decoder_without_its_head_loads_for_embeddings(tmp_path):
     with LLM(str(path), **SMALL) as llm:
         got = torch.tensor([o.embedding for o in llm.embed(TEXTS[:2])])
     assert torch.nn.functional.cosine_similarity(got, ref, dim=1).min() >= 0.9999
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU tests above run the same path")
+def test_embed_and_score_on_cuda_equal_the_references(tmp_path, ckpt_factory):
+    """The same checks on the GPU: Triton attention, the fused kernels, prompts in chunks, float32."""
+    pytest.importorskip("sentence_transformers", reason="the reference is sentence-transformers")
+    from gapless.testing.pooling import sentence_transformers_embeddings
+
+    path = sentence_transformers_checkpoint(tmp_path / "st", "qwen3", pooling="mean")
+    ref = sentence_transformers_embeddings(path, TEXTS)
+    with LLM(
+        str(path), device="cuda", kv_cache_tokens=2048, max_model_len=128, chunked_prefill_size=4
+    ) as llm:
+        got = torch.tensor([o.embedding for o in llm.embed(TEXTS)])
+    assert torch.nn.functional.cosine_similarity(got, ref, dim=1).min() >= 0.9999
+    chat = ckpt_factory("qwen3")
+    true, false = _single_tokens(chat, 2)
+    docs = ["a cat sat", "the station", "cats and dogs"]
+    want = score_token_reference(chat, ["the cat" + d for d in docs], _id(chat, true), _id(chat, false))
+    options = {"score_token": true, "score_false_token": false}
+    with LLM(
+        str(chat), device="cuda", kv_cache_tokens=2048, max_model_len=128, task="score", **options
+    ) as llm:
+        assert llm.score("the cat", docs) == pytest.approx(want, abs=1e-4)

@@ -147,3 +147,11 @@ def test_many_concurrent_embeddings_batch_and_match(embed_server, reference):
     assert time.monotonic() - start < 60
     got = torch.tensor([o.data[0].embedding for o in outs])
     assert torch.nn.functional.cosine_similarity(got, reference.repeat(4, 1), dim=1).min() >= 0.9999
+
+
+def test_openapi_publishes_the_pooling_requests(http):
+    doc = http.get("/openapi.json").json()
+    assert {"/v1/embeddings", "/v1/score", "/v1/rerank"} <= set(doc["paths"])
+    assert {"input", "encoding_format", "dimensions"} <= set(
+        doc["components"]["schemas"]["EmbeddingRequest"]["properties"]
+    )
