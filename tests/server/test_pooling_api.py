@@ -155,3 +155,48 @@ def test_openapi_publishes_the_pooling_requests(http):
     assert {"input", "encoding_format", "dimensions"} <= set(
         doc["components"]["schemas"]["EmbeddingRequest"]["properties"]
     )
+
+
+def test_causal_lm_reranker_scores_and_ranks_as_transformers(ckpt_factory, tmp_path):
+    """`--task score`: each pair's prompt from `--score-template` (a file), scored by the true token against
+    the false one at its end; /v1/rerank's order and /v1/score's values are transformers'."""
+    from transformers import AutoTokenizer
+
+    from gapless.testing.pooling import score_token_reference
+
+    path = ckpt_factory("qwen3")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    true, false = [t for t in ("a", "b", "x", "y") if len(tok.encode(t, add_special_tokens=False)) == 1][:2]
+    template = tmp_path / "template.txt"
+    template.write_text("Query: {query}\nDocument: {document}\nRelevant:")
+    query, docs = "the cat", ["a cat sat", "the station", "cats and dogs", "x"]
+    ids = [tok.encode(t, add_special_tokens=False)[0] for t in (true, false)]
+    prompts = [template.read_text().format(query=query, document=d) for d in docs]
+    want = score_token_reference(path, prompts, *ids)
+    args = ["--model", str(path), "--device", "cpu", "--kv-cache-tokens", "4096", "--max-model-len", "128"]
+    args += ["--runner", "pooling", "--score-token", true, "--score-false-token", false]
+    srv = ServerProcess(*args, "--score-template", str(template))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            r = http.post("/v1/rerank", json={"query": query, "documents": docs, "return_documents": False})
+            assert r.status_code == 200, r.text
+            results = r.json()["results"]
+            assert [x["index"] for x in results] == sorted(range(4), key=lambda i: -want[i])
+            assert [x["relevance_score"] for x in results] == pytest.approx(
+                sorted(want, reverse=True), abs=1e-5
+            )
+            assert "document" not in results[0]
+            scores = http.post("/v1/score", json={"text_1": query, "text_2": docs}).json()["data"]
+            assert [d["score"] for d in scores] == pytest.approx(want, abs=1e-5)
+            for path_, body in [
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                ("/v1/embeddings", {"input": "hi"}),
+            ]:
+                r = http.post(path_, json=body)
+                assert r.status_code == 400, r.text
+            assert (
+                "--task generate"
+                in http.post("/v1/completions", json={"prompt": "hi"}).json()["error"]["message"]
+            )
+    finally:
+        assert srv.stop() == 0, srv.output
