@@ -40,7 +40,7 @@ TASKS = ("embed", "score")  # what a pooling model answers (`PoolingSpec.task`)
 
 @dataclass(frozen=True)
 class PoolingSpec:
-    """How a pooling model makes its one vector per prompt (resolved once: `gapless.model.pooler`)."""
+    """How a pooling model makes its one vector per prompt (resolved once, by `pooling_spec`)."""
 
     task: str  # "embed": the pooled hidden state; "score": the score tokens' logits at the last token
     pooling: str  # one of POOLING_TYPES
