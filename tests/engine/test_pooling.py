@@ -19,16 +19,17 @@ SMALL = {"device": "cpu", "kv_cache_tokens": 2048, "max_model_len": 128}
 
 
 @pytest.mark.parametrize(
-    "arch, pooling, normalize", [("qwen3", "last", True), ("llama", "mean", True), ("qwen2", "cls", False)]
+    "arch, pooling, normalize, overlap",
+    [("qwen3", "last", True, True), ("llama", "mean", True, True), ("qwen2", "cls", False, False)],
 )
-def test_embed_equals_sentence_transformers(tmp_path, arch, pooling, normalize):
+def test_embed_equals_sentence_transformers(tmp_path, arch, pooling, normalize, overlap):
     pytest.importorskip("sentence_transformers", reason="the reference is sentence-transformers")
     from gapless.testing.pooling import sentence_transformers_embeddings
 
     path = sentence_transformers_checkpoint(tmp_path / "st", arch, pooling=pooling, normalize=normalize)
     ref = sentence_transformers_embeddings(path, TEXTS)
     # chunks of 4 tokens: every prompt but the shortest pools across chunks
-    with LLM(str(path), **SMALL, chunked_prefill_size=4) as llm:
+    with LLM(str(path), **SMALL, chunked_prefill_size=4, overlap=overlap) as llm:
         assert llm.engine.pooling is not None and llm.engine.pooling.pooling == pooling
         first = torch.tensor([o.embedding for o in llm.embed(TEXTS)])
         again = torch.tensor([o.embedding for o in llm.embed(TEXTS[::-1])]).flip(0)  # prefixes cached now
