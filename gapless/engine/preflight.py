@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from gapless import env
 from gapless.config import EngineConfig
+from gapless.engine.pooling import pooling_spec
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.generation_config import generation_defaults
 from gapless.model.quant import formats
@@ -58,6 +59,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     check_device(cfg.device)
     check_quantization(cfg, path)
     check_tensor_parallel(cfg, mcfg)
+    pooling_spec(cfg)  # a sentence-transformers config gapless cannot run
     return CheckedConfig(cfg, mcfg)
 
 

@@ -36,6 +36,7 @@ from gapless.engine.memory_plan import (
     plan_gpu_kv,
 )
 from gapless.engine.piecewise_graph import PiecewiseGraphs
+from gapless.engine.pooling import pool_hidden
 from gapless.engine.spec.device import SpecState
 from gapless.engine.spec.draft import load_draft
 from gapless.memory.kv_pool import KVPool
@@ -127,7 +128,9 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         self.piecewise: PiecewiseGraphs | None = None  # small prefills' pieces, when on
         # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them
-        self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None] | None = None
+        self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None, torch.Tensor | None] | None = (
+            None
+        )
         self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
         graph_bs = self._graph_max_bs(cfg)
 
@@ -334,9 +337,9 @@ class ModelRunner:
         batch = dataclass_to_device(batch, self.device)
         if isinstance(batch, SampleJob):
             assert self._deferred is not None, "a SampleJob without a deferred batch before it"
-            (forward, logits, prompt), self._deferred = self._deferred, None
+            (forward, logits, prompt, pooled), self._deferred = self._deferred, None
             out = self._sample(forward, logits, batch.mask)
-            out.prompt = prompt
+            out.prompt, out.pooled = prompt, pooled
             return out
         if self.spec is not None:  # a verify's inputs come from what the previous step accepted
             batch = self.spec.prepare(batch, self.token_buf, self.req_table)
@@ -350,6 +353,7 @@ class ModelRunner:
         prompt = None
         if batch.prompt_scores is not None:  # prompt logprobs: in bounded pieces (gapless.sampling.logprobs)
             prompt = score_prompt(hidden, self.model.logits, batch.prompt_scores, self.sampler.vocab_size)
+        pooled = pool_hidden(hidden, batch.pool, self.model.logits) if batch.pool is not None else None
         sampled = self.graphs.take_sampled() if self.graphs is not None else None
         if sampled is not None:  # its graph sampled it
             self.token_buf[batch.sample_rows] = sampled
@@ -359,10 +363,10 @@ class ModelRunner:
         else:
             logits = self.model.logits(hidden[batch.sample_index])
             if batch.defer_sampling:
-                self._deferred = (batch, logits, prompt)
+                self._deferred = (batch, logits, prompt, pooled)
                 return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
             out = self._sample(batch, logits, batch.token_mask)
-        out.prompt = prompt
+        out.prompt, out.pooled = prompt, pooled
         return out
 
     def _graph_sampling(self, batch: ForwardBatch) -> tuple[SampleFlags, SampleTokens] | None:

@@ -30,6 +30,10 @@ from gapless.model.quant.formats import QuantFormatError, QuantSpec
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 
 log = logging.getLogger(__name__)
+
+# the first part of a bare decoder body's weight names (a checkpoint saved from `Qwen3Model`, not from
+# `Qwen3ForCausalLM`); gapless's are under `model.`
+_BODY_PARTS = frozenset({"embed_tokens", "layers", "norm"})
 GGUF_ENV = env.GGUF_WEIGHTS.name  # "dequantize": GGUF matrices as float weights; default "quantized"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -123,6 +127,8 @@ def load_model(
     for name, tensor in [] if dummy else iter_weights(path, keeps_gguf_quantized(path, device)):
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
+        if name.split(".", 1)[0] in _BODY_PARTS:  # a bare decoder's (an embedding model saved without
+            name = f"model.{name}"  # its head, e.g. Qwen3-Embedding): the body's names, unprefixed
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
         if isinstance(tensor, GGUFBlocks):
@@ -137,6 +143,10 @@ def load_model(
     missing = [] if dummy else sorted(_expected(model) - loaded)
     if dummy:
         _random_weights(model)
+    if missing == ["lm_head.weight"] and (path / "modules.json").is_file():
+        missing = []  # a sentence-transformers embedding model's: it pools hidden states, and the
+        model.lm_head.weight.data.zero_()  # one token its requests sample (and drop) comes from zeros
+        log.info("%s has no lm_head: loaded for embeddings only", path)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
     model.requires_grad_(False).eval()

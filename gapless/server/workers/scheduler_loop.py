@@ -80,6 +80,7 @@ class UpdateReporter:
             stop=list(cast(list[str], req.params.stop)) if first else None,  # a list once checked
             skip_special_tokens=req.params.skip_special_tokens if first else True,
             **(prompt_logprob_fields(req) if first else {}),
+            pooled=req.pool.result() if req.pool is not None and req.finished and not req.aborted else None,
         )
 
 
@@ -136,6 +137,11 @@ def scheduler_main(
                 info.weights,
                 info.quantization,
                 dict(info.weight_formats),
+                *(
+                    (engine.pooling.task, engine.pooling.normalize, engine.pooling.describe())
+                    if engine.pooling is not None
+                    else ()
+                ),
             )
             reports = ReplicaReports(socks, replica) if replicas > 1 else None
             with frozen_heap(collect=True):  # what start-up built lives as long as the process
