@@ -23,7 +23,7 @@ from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
-from gapless.model.quant import gguf_cpu, weights_summary
+from gapless.model.quant import gguf_cpu, int4, weights_summary
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ def load_model(
     path = Path(path)
     cfg = load_model_config(path)
     parallel.check_shardable(cfg, parallel.current().size)
+    spec = int4_spec(path, cfg)  # refuses an unsupported scheme here, before any weight is read
+    quantized: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> its quantized tensors
     with _default_dtype(dtype), torch.device(device):
         model = CausalLM(cfg, max_positions)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -112,22 +114,64 @@ def load_model(
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
+        hit = int4.split_name(name, spec) if spec is not None else None
+        if hit is not None:
+            quantized.setdefault(hit[0], {})[hit[1]] = tensor  # as stored: packed ints, scales
+            continue
         if isinstance(tensor, GGUFBlocks):
             name, shard = _target(name)
             blocks.setdefault(name.rsplit(".", 1)[0], {})[shard] = tensor
             loaded.add(name if shard is None else f"{name}#{shard}")
             continue
         loaded.update(_place(model, params, name, tensor.to(dtype)))
+    if quantized:
+        assert spec is not None
+        loaded.update(_install_int4(model, quantized, spec, dtype))
     missing = sorted(_expected(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
     model.requires_grad_(False).eval()
     if blocks:
         _install_quantized(model, blocks)  # the other layers keep torch's GEMM on their float weight
-    else:
+    elif not quantized:
         pack_cpu_gemms(model)
     log.info("%s", weights_summary(model))
     return model
+
+
+def int4_spec(path: Path, cfg: ModelConfig) -> int4.Int4Spec | None:
+    """The weight-only int4/int8 scheme of a checkpoint directory's `quantization_config` (None: none);
+    one refused (`int4.QuantFormatError`) names what it is before anything loads."""
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    spec = int4.int4_spec_from_config(json.loads(config.read_text()).get("quantization_config"))
+    if spec is not None and cfg.num_experts:
+        raise int4.QuantFormatError(f"{path}: {spec.label} mixture-of-experts weights are not built")
+    return spec
+
+
+def _install_int4(
+    model: CausalLM, quantized: dict[str, dict[str, torch.Tensor]], spec: int4.Int4Spec, dtype: torch.dtype
+) -> list[str]:
+    """Give each layer whose weight came quantized its `Int4LinearMethod`; the names it filled."""
+    per_layer: dict[str, dict[str | None, int4.Unpacked]] = {}
+    filled, modules = [], dict(model.named_modules())
+    for module, parts in quantized.items():
+        name, shard = _target(f"{module}.weight")
+        layer_name = name.rsplit(".", 1)[0]
+        if layer_name not in modules:
+            raise ValueError(
+                f"checkpoint module {module!r} has no place in the {model.cfg.architecture} model"
+            )
+        w = int4.unpack(spec, parts, module)
+        offsets = getattr(model.get_submodule(layer_name), "checkpoint_offsets", None)
+        shards = int4.split_rows(w, offsets) if shard is None and offsets else {shard: w}
+        per_layer.setdefault(layer_name, {}).update(shards)
+        filled += [name if s is None else f"{name}#{s}" for s in shards]
+    for layer_name, shards in per_layer.items():
+        int4.install(model.get_submodule(layer_name), shards, spec, dtype, layer_name)
+    return filled
 
 
 def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFBlocks]]) -> None:
