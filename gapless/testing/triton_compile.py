@@ -13,7 +13,7 @@ extend batch, and a decode batch split over several programs and in one) in fp32
 and without a sliding window and soft-capping, at head dims 64 and 128; the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
-the MoE grouped GEMM. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
+the MoE grouped GEMM; the int4/int8 weight-only GEMM. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
 without TRITON_INTERPRET (the interpreter takes the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
@@ -208,10 +208,28 @@ def _moe() -> dict[str, Callable[[], object]]:
     return {f"moe {dtype}": partial(run, dtype) for dtype in DTYPES}
 
 
+def _int4() -> dict[str, Callable[[], object]]:
+    from gapless.model.quant.int4_triton import w4a16_matmul
+
+    def run(dtype: torch.dtype, bits: int, m: int) -> object:
+        k, n, group = 512, 256, 128
+        x = torch.zeros(m, k, dtype=dtype)
+        qweight = torch.zeros(k * bits // 32, n, dtype=torch.int32)
+        scales = torch.zeros(k // group, n, dtype=dtype)
+        return w4a16_matmul(x, qweight, scales, scales, group, bits)
+
+    # decode (16-row tiles, K split) and prefill tiles, 4 and 8 bits, both half-precision dtypes
+    return {
+        f"int{bits} gemm {dtype} m={m}": partial(run, dtype, bits, m)
+        for dtype in DTYPES
+        for bits, m in ((4, 1), (4, 256), (8, 1))
+    }
+
+
 def compile_all(arch: int) -> Compiler:
     """Launch every case under a `Compiler` for `arch`; the compiler's record of what built and what not."""
     with Compiler(arch) as compiler, torch.inference_mode():
-        for group in (_attention, _model_kernels, _sampling, _moe):
+        for group in (_attention, _model_kernels, _sampling, _moe, _int4):
             for name, case in group().items():
                 before = len(compiler.failed)
                 try:

@@ -28,6 +28,7 @@ KERNELS = {
     "_draw_kernel",
     "_penalties_kernel",
     "_nucleus_floor_kernel",
+    "_w4a16_kernel",
 }
 
 

@@ -8,9 +8,10 @@ The weight is held in one layout whatever checkpoint it came from (`gapless.mode
   g = k // G (G the group size; G = K is one group per output channel).
 
 Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its
-[BLOCK_K, BLOCK_N] packed tile (the P rows of one int32 read from the same address, served by the cache),
-shifts and masks out the values, subtracts the group's zero, scales, and feeds the tile to `tl.dot`. A
-K block never crosses a group (BLOCK_K divides G), so each block loads one row of scales and zeros.
+[BLOCK_K / P, BLOCK_N] tile of int32 words (each word read once), shifts and masks out the P values of
+each word and lays them out as the [BLOCK_K, BLOCK_N] tile, subtracts the group's zero, scales, and
+feeds the tile to `tl.dot`. A K block never crosses a group (BLOCK_K divides G and K), so each block
+loads one row of scales and zeros.
 
 Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
 is split among programs, each writing float32 partial sums into its own slice of a [SPLIT, M, N] buffer,
@@ -75,20 +76,24 @@ def _w4a16_kernel(
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
+        # each int32 read once: [BLOCK_K / P, BLOCK_N] words, spread to [BLOCK_K / P, P, BLOCK_N] values,
+        # then laid out as [BLOCK_K, BLOCK_N] (k = P * row + j: the packing's order)
+        offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
         packed = tl.load(
-            Qw + (offs_k // (32 // BITS))[:, None].to(tl.int64) * N + offs_n[None, :],
-            mask=k_mask[:, None] & n_mask[None, :],
+            Qw + offs_w[:, None].to(tl.int64) * N + offs_n[None, :],
+            mask=(offs_w < k_stop // (32 // BITS))[:, None] & n_mask[None, :],
             other=0,
         )
-        q = (packed >> ((offs_k % (32 // BITS)) * BITS)[:, None]) & ((1 << BITS) - 1)
+        shifts = tl.arange(0, 32 // BITS) * BITS
+        q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
         g = k0 // GROUP
         s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
         z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
-        # (q - z) is a small integer, exact in every float dtype: one rounding, at the product
-        w = (q.to(s.dtype) - z[None, :]) * s[None, :]
+        # in fp32, then one rounding to the activations' dtype (as the reference path's weight)
+        w = (q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
         if AS_FP32:
             x = x.to(tl.float32)
-            w = w.to(tl.float32)
         else:
             w = w.to(x.dtype)
         if IEEE:
@@ -154,8 +159,8 @@ def w4a16_matmul(
             f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not fit group {group}"
         )
     cfg = config or choose_config(m, n, k, group)
-    if group % cfg.block_k or cfg.block_k & (cfg.block_k - 1):
-        raise ValueError(f"BLOCK_K {cfg.block_k} must be a power of two dividing the group {group}")
+    if group % cfg.block_k or k % cfg.block_k or cfg.block_k & (cfg.block_k - 1):
+        raise ValueError(f"BLOCK_K {cfg.block_k} must be a power of two dividing the group {group} and K {k}")
     x = x.contiguous()
     k_blocks = triton.cdiv(k, cfg.block_k)
     k_per_split = triton.cdiv(k_blocks, cfg.split_k) * cfg.block_k
