@@ -2,7 +2,10 @@
 GGUF file (read by `gapless.model.gguf`). Both yield Hugging Face names and layouts, so one loop places
 either. A GGUF file's quantized matrices stay quantized on a CPU with one rank
 (`gapless.model.quant.gguf_cpu`; `GAPLESS_GGUF_WEIGHTS=dequantize` dequantizes them to the model's dtype,
-as happens on a GPU and with tensor parallelism until those have quantized kernels)."""
+as happens on a GPU and with tensor parallelism until those have quantized kernels). A checkpoint whose
+`quantization_config` names AWQ, GPTQ or compressed-tensors `pack-quantized` keeps its int4/int8
+projections quantized on every device and with tensor parallelism (`gapless.model.quant.int4`); a scheme
+it does not run is refused before any weight is read."""
 
 from __future__ import annotations
 
@@ -115,7 +118,7 @@ def load_model(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
         hit = int4.split_name(name, spec) if spec is not None else None
-        if hit is not None:
+        if hit is not None and isinstance(tensor, torch.Tensor):
             quantized.setdefault(hit[0], {})[hit[1]] = tensor  # as stored: packed ints, scales
             continue
         if isinstance(tensor, GGUFBlocks):

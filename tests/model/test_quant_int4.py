@@ -25,8 +25,8 @@ from gapless.model.quant.int4 import (
     Int4LinearMethod,
     Int4Spec,
     QuantFormatError,
-    int4_spec_from_config,
     install,
+    int4_spec_from_config,
     unpack,
 )
 from gapless.model.quant.int4_triton import GemmConfig, choose_config, w4a16_matmul
@@ -246,7 +246,9 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("qc,says", REFUSED, ids=[s for _, s in REFUSED])
-def test_unsupported_schemes_are_refused_before_any_weight_loads(ckpt_factory, tmp_path, monkeypatch, qc, says):
+def test_unsupported_schemes_are_refused_before_any_weight_loads(
+    ckpt_factory, tmp_path, monkeypatch, qc, says
+):
     qdir, _ = write_quantized(ckpt_factory("llama"), tmp_path, "gptq")
     config = json.loads((qdir / "config.json").read_text())
     (qdir / "config.json").write_text(json.dumps(dict(config, quantization_config=qc)))
