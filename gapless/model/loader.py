@@ -127,7 +127,8 @@ def load_model(
             loaded.add(name if shard is None else f"{name}#{shard}")
             continue
         loaded.update(_place(model, params, name, tensor.to(dtype)))
-    if quantized:
+    int4_layers = bool(quantized)
+    if int4_layers:
         assert spec is not None
         loaded.update(_install_int4(model, quantized, spec, dtype))
     missing = sorted(_expected(model) - loaded)
@@ -136,7 +137,7 @@ def load_model(
     model.requires_grad_(False).eval()
     if blocks:
         _install_quantized(model, blocks)  # the other layers keep torch's GEMM on their float weight
-    elif not quantized:
+    elif not int4_layers:  # the float layers beside int4 ones keep torch's GEMM
         pack_cpu_gemms(model)
     log.info("%s", weights_summary(model))
     return model
@@ -157,23 +158,31 @@ def int4_spec(path: Path, cfg: ModelConfig) -> int4.Int4Spec | None:
 def _install_int4(
     model: CausalLM, quantized: dict[str, dict[str, torch.Tensor]], spec: int4.Int4Spec, dtype: torch.dtype
 ) -> list[str]:
-    """Give each layer whose weight came quantized its `Int4LinearMethod`; the names it filled."""
-    per_layer: dict[str, dict[str | None, int4.Unpacked]] = {}
-    filled, modules = [], dict(model.named_modules())
-    for module, parts in quantized.items():
+    """Give each layer whose weight came quantized its `Int4LinearMethod`; the names it filled. A layer at
+    a time, on its device: its checkpoint modules unpacked, cut and packed, its float weight freed, before
+    the next (so at most one layer's unpacked form is held beside the packed checkpoint)."""
+    per_layer: dict[str, list[tuple[str, str, str | None]]] = {}  # layer -> (ckpt module, param, shard)
+    modules = dict(model.named_modules())
+    for module in quantized:
         name, shard = _target(f"{module}.weight")
         layer_name = name.rsplit(".", 1)[0]
         if layer_name not in modules:
             raise ValueError(
                 f"checkpoint module {module!r} has no place in the {model.cfg.architecture} model"
             )
-        w = int4.unpack(spec, parts, module)
-        offsets = getattr(model.get_submodule(layer_name), "checkpoint_offsets", None)
-        shards = int4.split_rows(w, offsets) if shard is None and offsets else {shard: w}
-        per_layer.setdefault(layer_name, {}).update(shards)
-        filled += [name if s is None else f"{name}#{s}" for s in shards]
-    for layer_name, shards in per_layer.items():
-        int4.install(model.get_submodule(layer_name), shards, spec, dtype, layer_name)
+        per_layer.setdefault(layer_name, []).append((module, name, shard))
+    filled = []
+    for layer_name, sources in per_layer.items():
+        layer = modules[layer_name]
+        offsets = getattr(layer, "checkpoint_offsets", None)
+        shards: dict[str | None, int4.Unpacked] = {}
+        for module, name, shard in sources:
+            parts = {k: t.to(layer.weight.device) for k, t in quantized.pop(module).items()}
+            w = int4.unpack(spec, parts, module)
+            pieces = int4.split_rows(w, offsets) if shard is None and offsets else {shard: w}
+            shards.update(pieces)
+            filled += [name if s is None else f"{name}#{s}" for s in pieces]
+        int4.install(layer, shards, spec, dtype, layer_name)
     return filled
 
 

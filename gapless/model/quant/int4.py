@@ -218,9 +218,7 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
 def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
     """One checkpoint module's tensors (`TENSORS[spec.method]` by suffix) as `Unpacked`; `where` names
     the module in errors."""
-    need = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales")}.get(
-        spec.method, ("weight_packed", "weight_scale")
-    )
+    need = TENSORS[spec.method][: 2 if spec.method == "compressed-tensors" else 3]  # the rest optional
     missing = [n for n in need if n not in parts]
     if missing:
         raise QuantFormatError(f"{where}: the {spec.method} checkpoint lacks {', '.join(missing)}")
@@ -286,7 +284,7 @@ class Int4LinearMethod:
         """W [N, K] in `dtype` (the reference path's weight)."""
         q = unpack_int32(self.qweight, self.bits, dim=0)  # [K, N]
         zero, scale = (t.repeat_interleave(self.group, dim=0) for t in (self.zeros, self.scales))
-        return ((q.to(scale.dtype) - zero) * scale).t().to(dtype)
+        return ((q.float() - zero.float()) * scale.float()).t().to(dtype)  # as the GEMM: fp32, one rounding
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
