@@ -2,11 +2,13 @@
 layer shapes, at decode's row counts.
 
     python -m gapless.bench.int4_gemm --device cuda [--m 1 16] [--shapes 4096:28672 14336:4096 ...]
-        [--bits 4] [--group 128] [--block-n 0 32 128] [--split-k 0 1 4 8] [--json FILE]
+        [--bits 4] [--group 128] [--block-n 0 32 128] [--split-k 0 1 4 8] [--block-k 0 64]
+        [--warps 0 8] [--json FILE]
 
 For each layer shape IN:OUT (default: Llama-3-8B's fused q/k/v 4096:6144, o 4096:4096, fused gate/up
 4096:28672, down 14336:4096) and each row count M: the median device time of `torch.mm` on a bf16 weight,
-and of the quantized GEMM for each tile variant (`--block-n`, `--split-k`; 0: the heuristic's choice), its
+and of the quantized GEMM for each tile variant (every combination of `--block-n`, `--split-k`,
+`--block-k`, `--warps`; 0: the heuristic's choice), its
 weight bytes read per microsecond (packed weight + scales + zeros), and the ratio to bf16. Device time is
 `gapless.bench.timing.median_us`: `--iters` calls captured in a CUDA graph and replayed, each call reading
 a weight from memory, not L2 (`cold_copies`). A row also carries the largest difference from the bf16
@@ -18,6 +20,7 @@ figures mean nothing there).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from functools import partial
 from typing import Any
@@ -27,7 +30,7 @@ import torch
 from gapless.bench import cli
 from gapless.bench.timing import cold_copies, cycling, median_us
 from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec
-from gapless.model.quant.int4_triton import INTERPRET, choose_config, w4a16_matmul
+from gapless.model.quant.int4_triton import INTERPRET, GemmConfig, choose_config, w4a16_matmul
 from gapless.testing.quant_checkpoints import quantize
 
 LLAMA3_8B = ["4096:6144", "4096:4096", "4096:28672", "14336:4096"]
@@ -43,9 +46,46 @@ def _shape(text: str) -> tuple[int, int]:
 
 def _layer(k: int, n: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
     gen = torch.Generator().manual_seed(0)
-    w = quantize(torch.randn(n, k, generator=gen) * 0.02, args.bits, args.group, sym=False)
+    w = quantize((torch.randn(n, k, generator=gen) * 0.02).to(device), args.bits, args.group, sym=False)
     spec = Int4Spec("gptq", args.bits, args.group, False)
     return Int4LinearMethod(w, spec, dtype, device), w.dequantize().to(dtype).to(device)
+
+
+def _configs(chosen: GemmConfig, args: argparse.Namespace) -> list[GemmConfig]:
+    """Every combination of the tile options asked for (0: the heuristic's choice, `chosen`)."""
+    return [
+        chosen._replace(
+            block_n=bn or chosen.block_n,
+            split_k=split or chosen.split_k,
+            block_k=bk or chosen.block_k,
+            num_warps=warps or chosen.num_warps,
+        )
+        for bn, split, bk, warps in itertools.product(args.block_n, args.split_k, args.block_k, args.warps)
+    ]
+
+
+def _timed(
+    x: torch.Tensor,
+    ref: torch.Tensor,
+    method: Int4LinearMethod,
+    q_set: list[list[torch.Tensor]],
+    cfg: GemmConfig,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One variant's row: its median time over the cold copies, bandwidth, and error against `ref`."""
+    call = partial(w4a16_matmul, x, group=method.group, bits=method.bits, config=cfg)
+    err = (call(*method.tensors()).float() - ref.float()).abs().max().item()
+    us = median_us(cycling([partial(call, *ts) for ts in q_set]), torch.device(args.device), args)
+    q_bytes = sum(t.numel() * t.element_size() for t in method.tensors())
+    return dict(
+        block_n=cfg.block_n,
+        split_k=cfg.split_k,
+        block_k=cfg.block_k,
+        warps=cfg.num_warps,
+        us=us,
+        gb_s=q_bytes / us / 1e3,
+        rel_err=err / max(ref.abs().max().item(), 1e-30),
+    )
 
 
 def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -67,24 +107,12 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                 cycling([partial(torch.mm, x, d.t()) for d in dense_set]), device, args
             )
             chosen = choose_config(m, n, k, method.group)
-            variants = []
-            for block_n in args.block_n if triton_runs else []:
-                for split in args.split_k:
-                    cfg = chosen._replace(block_n=block_n or chosen.block_n, split_k=split or chosen.split_k)
-                    call = partial(w4a16_matmul, x, group=method.group, bits=method.bits, config=cfg)
-                    err = (call(*method.tensors()).float() - ref.float()).abs().max().item()
-                    us = median_us(cycling([partial(call, *ts) for ts in q_set]), device, args)
-                    variants.append(
-                        dict(
-                            block_n=cfg.block_n,
-                            split_k=cfg.split_k,
-                            us=us,
-                            gb_s=q_bytes / us / 1e3,
-                            vs_bf16=us / row["bf16_us"],
-                            rel_err=err / max(ref.abs().max().item(), 1e-30),
-                        )
-                    )
-            row["variants"] = variants
+            row["variants"] = [
+                _timed(x, ref, method, q_set, cfg, args)
+                for cfg in (_configs(chosen, args) if triton_runs else [])
+            ]
+            for v in row["variants"]:
+                v["vs_bf16"] = v["us"] / row["bf16_us"]
             out.append(row)
     return out
 
@@ -99,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group", type=cli.positive_int, default=128)
     p.add_argument("--block-n", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--split-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
+    p.add_argument("--block-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
+    p.add_argument("--warps", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--iters", type=cli.positive_int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None, help="also write the rows to this file")
@@ -110,13 +140,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"int{args.bits} g{args.group} weight-only GEMM vs torch.mm {args.dtype} on {name}")
-    head = ("IN:OUT", "M", "bf16 us", "BN", "split", "int us", "GB/s", "x bf16")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (12, 3, 9, 4, 5, 8, 7, 7))))
+    head = ("IN:OUT", "M", "bf16 us", "BN", "split", "BK", "warps", "int us", "GB/s", "x bf16")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (12, 3, 9, 4, 5, 4, 5, 8, 7, 7))))
     result = rows(args)
     for r in result:
-        for v in r["variants"] or [dict(block_n="-", split_k="-", us=float("nan"), gb_s=0.0, vs_bf16=0.0)]:
+        none = dict(block_n="-", split_k="-", block_k="-", warps="-", us=float("nan"), gb_s=0.0, vs_bf16=0.0)
+        for v in r["variants"] or [none]:
             print(
                 f"{r['shape']:>12} {r['m']:>3} {r['bf16_us']:>9.1f} {v['block_n']:>4} {v['split_k']:>5} "
+                f"{v['block_k']:>4} {v['warps']:>5} "
                 f"{v['us']:>8.1f} {v['gb_s']:>7.0f} {v['vs_bf16']:>7.2f}"
                 + (f"  (rel err {v['rel_err']:.1e})" if "rel_err" in v else "")
             )
