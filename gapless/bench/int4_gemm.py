@@ -2,13 +2,13 @@
 layer shapes, at decode's row counts.
 
     python -m gapless.bench.int4_gemm --device cuda [--m 1 16] [--shapes 4096:28672 14336:4096 ...]
-        [--bits 4] [--group 128] [--block-n 0 32 128] [--split-k 0 1 4 8] [--block-k 0 64]
+        [--bits 4] [--group 128] [--block-m 0 1] [--block-n 0 32 128] [--split-k 0 1 4 8] [--block-k 0 64]
         [--warps 0 8] [--json FILE]
 
 For each layer shape IN:OUT (default: Llama-3-8B's fused q/k/v 4096:6144, o 4096:4096, fused gate/up
 4096:28672, down 14336:4096) and each row count M: the median device time of `torch.mm` on a bf16 weight,
-and of the quantized GEMM for each tile variant (every combination of `--block-n`, `--split-k`,
-`--block-k`, `--warps`; 0: the heuristic's choice), its
+and of the quantized GEMM for each tile variant (every combination of `--block-m` (1: the
+GEMV variant), `--block-n`, `--split-k`, `--block-k`, `--warps`; 0: the heuristic's choice), its
 weight bytes read per microsecond (packed weight + scales + zeros), and the ratio to bf16. Device time is
 `gapless.bench.timing.median_us`: `--iters` calls captured in a CUDA graph and replayed, each call reading
 a weight from memory, not L2 (`cold_copies`). A row also carries the largest difference from the bf16
@@ -55,12 +55,15 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace) -> list[GemmConfig]:
     """Every combination of the tile options asked for (0: the heuristic's choice, `chosen`)."""
     return [
         chosen._replace(
+            block_m=bm or chosen.block_m,
             block_n=bn or chosen.block_n,
             split_k=split or chosen.split_k,
             block_k=bk or chosen.block_k,
             num_warps=warps or chosen.num_warps,
         )
-        for bn, split, bk, warps in itertools.product(args.block_n, args.split_k, args.block_k, args.warps)
+        for bm, bn, split, bk, warps in itertools.product(
+            args.block_m, args.block_n, args.split_k, args.block_k, args.warps
+        )
     ]
 
 
@@ -78,6 +81,7 @@ def _timed(
     us = median_us(cycling([partial(call, *ts) for ts in q_set]), torch.device(args.device), args)
     q_bytes = sum(t.numel() * t.element_size() for t in method.tensors())
     return dict(
+        block_m=cfg.block_m,
         block_n=cfg.block_n,
         split_k=cfg.split_k,
         block_k=cfg.block_k,
@@ -125,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", type=_shape, nargs="+", default=[_shape(s) for s in LLAMA3_8B])
     p.add_argument("--bits", type=int, choices=[4, 8], default=4)
     p.add_argument("--group", type=cli.positive_int, default=128)
+    p.add_argument("--block-m", type=int, nargs="+", default=[0], help="0: the heuristic's; 1: GEMV")
     p.add_argument("--block-n", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--split-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--block-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
@@ -140,15 +145,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"int{args.bits} g{args.group} weight-only GEMM vs torch.mm {args.dtype} on {name}")
-    head = ("IN:OUT", "M", "bf16 us", "BN", "split", "BK", "warps", "int us", "GB/s", "x bf16")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (12, 3, 9, 4, 5, 4, 5, 8, 7, 7))))
+    head = ("IN:OUT", "M", "bf16 us", "BM", "BN", "split", "BK", "warps", "int us", "GB/s", "x bf16")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (12, 3, 9, 3, 4, 5, 4, 5, 8, 7, 7))))
     result = rows(args)
     for r in result:
-        none = dict(block_n="-", split_k="-", block_k="-", warps="-", us=float("nan"), gb_s=0.0, vs_bf16=0.0)
+        none = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-", us=float("nan"))
+        none.update(gb_s=0.0, vs_bf16=0.0)
         for v in r["variants"] or [none]:
             print(
-                f"{r['shape']:>12} {r['m']:>3} {r['bf16_us']:>9.1f} {v['block_n']:>4} {v['split_k']:>5} "
-                f"{v['block_k']:>4} {v['warps']:>5} "
+                f"{r['shape']:>12} {r['m']:>3} {r['bf16_us']:>9.1f} {v['block_m']:>3} {v['block_n']:>4} "
+                f"{v['split_k']:>5} {v['block_k']:>4} {v['warps']:>5} "
                 f"{v['us']:>8.1f} {v['gb_s']:>7.0f} {v['vs_bf16']:>7.2f}"
                 + (f"  (rel err {v['rel_err']:.1e})" if "rel_err" in v else "")
             )

@@ -209,20 +209,22 @@ def _moe() -> dict[str, Callable[[], object]]:
 
 
 def _int4() -> dict[str, Callable[[], object]]:
-    from gapless.model.quant.int4_triton import w4a16_matmul
+    from gapless.model.quant.int4_triton import choose_config, w4a16_matmul
 
-    def run(dtype: torch.dtype, bits: int, m: int) -> object:
+    def run(dtype: torch.dtype, bits: int, m: int, gemv: bool) -> object:
         k, n, group = 512, 256, 128
         x = torch.zeros(m, k, dtype=dtype)
         qweight = torch.zeros(k * bits // 32, n, dtype=torch.int32)
         scales = torch.zeros(k // group, n, dtype=dtype)
-        return w4a16_matmul(x, qweight, scales, scales, group, bits)
+        config = choose_config(m, n, k, group)._replace(block_m=1) if gemv else None
+        return w4a16_matmul(x, qweight, scales, scales, group, bits, config)
 
-    # decode (16-row tiles, K split) and prefill tiles, 4 and 8 bits, both half-precision dtypes
+    # decode (16-row tiles, K split; and the one-row GEMV) and prefill tiles, 4 and 8 bits, both
+    # half-precision dtypes
     return {
-        f"int{bits} gemm {dtype} m={m}": partial(run, dtype, bits, m)
+        f"int{bits} gemm {dtype} m={m}{' gemv' if gemv else ''}": partial(run, dtype, bits, m, gemv)
         for dtype in DTYPES
-        for bits, m in ((4, 1), (4, 256), (8, 1))
+        for bits, m, gemv in ((4, 1, False), (4, 1, True), (4, 256, False), (8, 1, False))
     }
 
 

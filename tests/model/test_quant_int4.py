@@ -100,8 +100,9 @@ def test_unpacked_layout_equals_the_writers_formula(layout, bits, group, sym):
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
-    """Under the interpreter: the chosen tiles, and a split of K into 4 with narrow tiles (partial sums
-    over the split summed), in fp32; and bf16 activations and scales within bf16's rounding."""
+    """Under the interpreter: the chosen tiles, a split of K into 4 with narrow tiles (partial sums over
+    the split summed), and the one-row GEMV tiles (a program a row), in fp32; and bf16 activations and
+    scales within bf16's rounding."""
     n, k = 96, 256
     gen = torch.Generator().manual_seed(m)
     w = quantize(torch.randn(n, k, generator=gen), bits, group, sym=False)
@@ -109,7 +110,7 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     ref = x.double() @ w.dequantize().double().t()
     method = Int4LinearMethod(w, Int4Spec("gptq", bits, group, False), torch.float32, torch.device("cpu"))
     args = (method.qweight, method.scales, method.zeros, group, bits)
-    for cfg in (None, GemmConfig(16, 32, 32, 4, 4, 3)):
+    for cfg in (None, GemmConfig(16, 32, 32, 4, 4, 3), GemmConfig(1, 32, 32, 2, 4, 3)):
         y = w4a16_matmul(x, *args, config=cfg)
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
     half = Int4LinearMethod(w, Int4Spec("gptq", bits, group, False), torch.bfloat16, torch.device("cpu"))

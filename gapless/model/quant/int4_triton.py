@@ -13,6 +13,9 @@ each word and lays them out as the [BLOCK_K, BLOCK_N] tile, subtracts the group'
 feeds the tile to `tl.dot`. A K block never crosses a group (BLOCK_K divides G and K), so each block
 loads one row of scales and zeros.
 
+`BLOCK_M = 1` (a tile option for one row, `gapless.bench.int4_gemm --block-m 1`) multiplies on the CUDA
+cores instead (broadcast and sum over K), with no 16-row dot tile of which 15 rows are padding.
+
 Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
 is split among programs, each writing float32 partial sums into its own slice of a [SPLIT, M, N] buffer,
 summed by torch afterwards (deterministic, no atomics). Every size comes from host ints (the shapes), so
@@ -92,14 +95,19 @@ def _w4a16_kernel(
         z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
         # in fp32, then one rounding to the activations' dtype (as the reference path's weight)
         w = (q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
-        if AS_FP32:
-            x = x.to(tl.float32)
+        if BLOCK_M == 1:  # one row: a GEMV on the CUDA cores, no dot tile to fill
+            if not AS_FP32:
+                w = w.to(x.dtype).to(tl.float32)
+            acc += tl.sum(tl.trans(x.to(tl.float32)) * w, axis=0)[None, :]
         else:
-            w = w.to(x.dtype)
-        if IEEE:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+            if AS_FP32:
+                x = x.to(tl.float32)
+            else:
+                w = w.to(x.dtype)
+            if IEEE:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
     out = Out + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
