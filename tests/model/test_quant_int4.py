@@ -35,6 +35,8 @@ from gapless.testing.quant_checkpoints import layout_tensors, quantization_confi
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW = 8
+# the Triton GEMM runs on CUDA where there is one, else under the interpreter (tests/conftest.py sets it)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _u32(word: int) -> int:
@@ -100,23 +102,25 @@ def test_unpacked_layout_equals_the_writers_formula(layout, bits, group, sym):
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
-    """Under the interpreter: the chosen tiles, a split of K into 4 with narrow tiles (partial sums over
-    the split summed), and the one-row GEMV tiles (a program a row), in fp32; and bf16 activations and
-    scales within bf16's rounding."""
+    """The chosen tiles, a split of K into 4 with narrow tiles (partial sums over the split summed), and
+    the one-row GEMV tiles (a program a row), in fp32; and bf16 activations and scales within bf16's
+    rounding."""
     n, k = 96, 256
     gen = torch.Generator().manual_seed(m)
     w = quantize(torch.randn(n, k, generator=gen), bits, group, sym=False)
     x = torch.randn(m, k, generator=gen)
     ref = x.double() @ w.dequantize().double().t()
-    method = Int4LinearMethod(w, Int4Spec("gptq", bits, group, False), torch.float32, torch.device("cpu"))
+    x = x.to(DEVICE)
+    method = Int4LinearMethod(w, Int4Spec("gptq", bits, group, False), torch.float32, DEVICE)
     args = (method.qweight, method.scales, method.zeros, group, bits)
     for cfg in (None, GemmConfig(16, 32, 32, 4, 4, 3), GemmConfig(1, 32, 32, 2, 4, 3)):
         y = w4a16_matmul(x, *args, config=cfg)
-        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
-    half = Int4LinearMethod(w, Int4Spec("gptq", bits, group, False), torch.bfloat16, torch.device("cpu"))
+        torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-4)
+    half = Int4LinearMethod(w, Int4Spec("gptq", bits, group, False), torch.bfloat16, DEVICE)
     y = w4a16_matmul(x.bfloat16(), half.qweight, half.scales, half.zeros, group, bits)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.double(), ref, rtol=2e-2, atol=x.abs().sum().item() * 2e-2 / k**0.5)
+    tol = x.abs().sum().item() * 2e-2 / k**0.5
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=2e-2, atol=tol)
 
 
 def test_decode_tiles_split_k_on_an_8b_layer():
@@ -187,8 +191,10 @@ def test_tensor_parallel_pieces_make_the_whole_layer(kind):
             torch.testing.assert_close(out, want)
 
 
-def _greedy(model: Path, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
-    with LLM(str(model), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
+def _greedy(
+    model: Path, prompts: list[list[int]], max_new: int = MAX_NEW, device: str = "cpu"
+) -> list[list[int]]:
+    with LLM(str(model), device=device, dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True), use_tqdm=False
         )
@@ -306,8 +312,8 @@ def test_act_order_g_idx_and_moe_are_refused_by_name(ckpt_factory, tmp_path):
 def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(
     ckpt_factory, tmp_path, monkeypatch
 ):
-    """The GPU's path, every projection through the Triton GEMM (under the interpreter), in a served
-    model: the same greedy tokens as the CPU's dequantizing path."""
+    """The GPU's path, every projection through the Triton GEMM (on CUDA where there is one, else under
+    the interpreter), in a served model: the same greedy tokens as the CPU's dequantizing path."""
     from gapless.model.quant import int4
 
     qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, "gptq", group=32)
@@ -318,8 +324,8 @@ def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(
     calls = []
     gemm = int4_triton.w4a16_matmul
     monkeypatch.setattr(int4_triton, "w4a16_matmul", lambda *a, **k: calls.append(1) or gemm(*a, **k))
-    monkeypatch.setattr(int4, "TRITON_ON_CPU", True)
-    assert _greedy(qdir, prompts, max_new=3) == reference
+    monkeypatch.setattr(int4, "TRITON_ON_CPU", DEVICE.type == "cpu")
+    assert _greedy(qdir, prompts, max_new=3, device=DEVICE.type) == reference
     assert len(calls) >= 3 * 2 * 4  # forwards x layers x projections (q/k/v, o, gate/up, down)
 
 
