@@ -2,7 +2,10 @@
 GGUF file (read by `gapless.model.gguf`). Both yield Hugging Face names and layouts, so one loop places
 either. A GGUF file's quantized matrices stay quantized on a CPU with one rank
 (`gapless.model.quant.gguf_cpu`; `GAPLESS_GGUF_WEIGHTS=dequantize` dequantizes them to the model's dtype,
-as happens on a GPU and with tensor parallelism until those have quantized kernels)."""
+as happens on a GPU and with tensor parallelism until those have quantized kernels). A checkpoint whose
+`quantization_config` names AWQ, GPTQ or compressed-tensors `pack-quantized` keeps its int4/int8
+projections quantized on every device and with tensor parallelism (`gapless.model.quant.int4`); a scheme
+it does not run is refused before any weight is read."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
-from gapless.model.quant import formats, gguf_cpu, weights_summary
+from gapless.model.quant import formats, gguf_cpu, int4, weights_summary
 from gapless.model.quant.formats import QuantFormatError, QuantSpec
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 
@@ -118,6 +121,10 @@ def load_model(
     cfg = load_model_config(path)
     parallel.check_shardable(cfg, parallel.current().size)
     spec = quant_spec(path, quantization, device)
+    if spec is not None and spec.scheme == "int4" and cfg.num_experts:
+        raise QuantFormatError(f"{path}: {spec.label} mixture-of-experts weights are not built")
+    int4_spec = spec.weight_only if spec is not None else None
+    int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> its packed tensors
     with _default_dtype(dtype), torch.device(device):
         model = CausalLM(cfg, max_positions)
     scheme, quantized = _prepare_quantized(model, spec, path)
@@ -131,6 +138,10 @@ def load_model(
             name = f"model.{name}"  # its head, e.g. Qwen3-Embedding): the body's names, unprefixed
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
+        hit = int4.split_name(name, int4_spec) if int4_spec is not None else None
+        if hit is not None and isinstance(tensor, torch.Tensor):
+            int4_parts.setdefault(hit[0], {})[hit[1]] = tensor  # as stored: packed ints, scales
+            continue
         if isinstance(tensor, GGUFBlocks):
             name, shard = _target(name)
             blocks.setdefault(name.rsplit(".", 1)[0], {})[shard] = tensor
@@ -140,24 +151,36 @@ def load_model(
             name = name[: -len("_inv")]  # fp8's scale is a multiplier, as compressed-tensors' weight_scale
         keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
         loaded.update(_place(model, params, name, tensor if keep else tensor.to(dtype)))
-    missing = [] if dummy else sorted(_expected(model) - loaded)
+    if int4_parts:
+        assert int4_spec is not None
+        loaded.update(_install_int4(model, int4_parts, int4_spec, dtype))
     if dummy:
         _random_weights(model)
-    if missing == ["lm_head.weight"] and (path / "modules.json").is_file():
-        missing = []  # a sentence-transformers embedding model's: it pools hidden states, and the
-        model.lm_head.weight.data.zero_()  # one token its requests sample (and drop) comes from zeros
-        log.info("%s has no lm_head: loaded for embeddings only", path)
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
+    else:
+        _check_complete(model, path, loaded)
     model.requires_grad_(False).eval()
-    if spec is not None:
+    if scheme is not None:
+        assert spec is not None
         scheme.finish(model, spec, quantized)
     if blocks:
         _install_quantized(model, blocks)  # the other layers keep torch's GEMM on their float weight
-    else:
+    elif int4_spec is None:  # (the float layers beside int4 ones keep torch's GEMM)
         pack_cpu_gemms(model)
     log.info("%s", weights_summary(model))
     return model
+
+
+def _check_complete(model: CausalLM, path: Path, loaded: set[str]) -> None:
+    """Refuse a checkpoint that lacks weights the model has; a sentence-transformers embedding model may
+    lack its head (it pools hidden states, and the one token its requests sample, and drop, comes from
+    zeros)."""
+    missing = sorted(_expected(model) - loaded)
+    if missing == ["lm_head.weight"] and (path / "modules.json").is_file():
+        model.lm_head.weight.data.zero_()
+        log.info("%s has no lm_head: loaded for embeddings only", path)
+        return
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
 
 
 def _random_weights(model: CausalLM) -> None:
@@ -183,7 +206,7 @@ def quant_spec(path: Path, quantization: str | None, device: torch.device | str)
 
 def _prepare_quantized(model: CausalLM, spec: QuantSpec | None, path: Path) -> tuple[Any, list[str]]:
     """(the format's module, the modules it quantizes), their parameters made ready for its tensors."""
-    if spec is None:
+    if spec is None or spec.scheme == "int4":  # int4's layers take their method after loading
         return None, []
     scheme = importlib.import_module(f"gapless.model.quant.{spec.scheme}")
     targets: set[str] = set()
@@ -198,6 +221,37 @@ def _prepare_quantized(model: CausalLM, spec: QuantSpec | None, path: Path) -> t
     quantized = scheme.quantized_modules(model, spec, targets)
     scheme.prepare(model, spec, quantized)
     return scheme, quantized
+
+
+def _install_int4(
+    model: CausalLM, quantized: dict[str, dict[str, torch.Tensor]], spec: int4.Int4Spec, dtype: torch.dtype
+) -> list[str]:
+    """Give each layer whose weight came quantized its `Int4LinearMethod`; the names it filled. A layer at
+    a time, on its device: its checkpoint modules unpacked, cut and packed, its float weight freed, before
+    the next (so at most one layer's unpacked form is held beside the packed checkpoint)."""
+    per_layer: dict[str, list[tuple[str, str, str | None]]] = {}  # layer -> (ckpt module, param, shard)
+    modules = dict(model.named_modules())
+    for module in quantized:
+        name, shard = _target(f"{module}.weight")
+        layer_name = name.rsplit(".", 1)[0]
+        if layer_name not in modules:
+            raise ValueError(
+                f"checkpoint module {module!r} has no place in the {model.cfg.architecture} model"
+            )
+        per_layer.setdefault(layer_name, []).append((module, name, shard))
+    filled = []
+    for layer_name, sources in per_layer.items():
+        layer = modules[layer_name]
+        offsets = getattr(layer, "checkpoint_offsets", None)
+        shards: dict[str | None, int4.Unpacked] = {}
+        for module, name, shard in sources:
+            parts = {k: t.to(layer.weight.device) for k, t in quantized.pop(module).items()}
+            w = int4.unpack(spec, parts, module)
+            pieces = int4.split_rows(w, offsets) if shard is None and offsets else {shard: w}
+            shards.update(pieces)
+            filled += [name if s is None else f"{name}#{s}" for s in pieces]
+        int4.install(layer, shards, spec, dtype, layer_name)
+    return filled
 
 
 def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFBlocks]]) -> None:

@@ -29,6 +29,7 @@ KERNELS = {
     "_penalties_kernel",
     "_nucleus_floor_kernel",
     "_fp8_gemm_kernel",
+    "_w4a16_kernel",
 }
 
 

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from gapless.model.quant.int4 import Int4Spec
+
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores
 
 
@@ -40,7 +42,9 @@ class QuantSpec:
     ("fp8"); `label`: how the start-up line, `/v1/models` and `/metrics` name it; `online`: the checkpoint
     holds float weights that are quantized at load; `weight_block`: (rows, columns) a weight scale covers
     (None: one scale per output row, or per tensor: `per_tensor`). Which layers are quantized is read
-    from the checkpoint itself (the weights that come with scales), not from its config's ignore lists."""
+    from the checkpoint itself (the weights that come with scales), not from its config's ignore lists;
+    `weight_only`: an int4/int8 checkpoint's layout (`gapless.model.quant.int4`, which loads its layers
+    itself after the float weights, not through `prepare`/`finish`)."""
 
     name: str
     scheme: str
@@ -49,6 +53,7 @@ class QuantSpec:
     weight_block: tuple[int, int] | None = None
     per_tensor: bool = False
     min_capability: tuple[int, int] = FP8_MIN_CAPABILITY
+    weight_only: Int4Spec | None = None  # scheme "int4": the bits, groups and zeros of the layout
 
 
 class QuantFormatError(ValueError):
@@ -110,9 +115,23 @@ def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
     )
 
 
+def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
+    """AWQ, GPTQ and compressed-tensors `pack-quantized`: int4/int8 weights with group-wise scales and
+    zeros, activations in the model's dtype (`gapless.model.quant.int4` reads and refuses the layouts)."""
+    from gapless.model.quant import int4
+
+    method = str(qcfg.get("quant_method", "")).lower()
+    if online:
+        raise QuantFormatError(f"quantization {method} is a checkpoint's format, not one applied at load")
+    spec = int4.int4_spec_from_config(qcfg)
+    assert spec is not None  # (its methods are these; another compressed-tensors format never gets here)
+    return QuantSpec(method, "int4", spec.label, min_capability=(8, 0), weight_only=spec)
+
+
 # compressed-tensors' own `format` -> its parser (the quantization_config and its one config group)
 CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "float-quantized": _ct_float,
+    "pack-quantized": lambda qcfg, group: _int4(qcfg),
 }
 
 
@@ -141,6 +160,8 @@ def _compressed_tensors(qcfg: dict[str, Any], online: bool) -> QuantSpec:
 FORMATS: dict[str, Parser] = {
     "fp8": _fp8,
     "compressed-tensors": _compressed_tensors,
+    "awq": _int4,
+    "gptq": _int4,
 }
 
 
