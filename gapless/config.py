@@ -17,6 +17,32 @@ FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
 
 
+DEFAULT_MAX_IMAGES = 8  # images per prompt (limit_mm_per_prompt)
+DEFAULT_MAX_PIXELS = 4096 * 4096  # pixels per image (max_image_pixels)
+
+
+def parse_limit_mm(text: str) -> int:
+    """Images per prompt from vLLM's `--limit-mm-per-prompt` syntax: `image=N` or `{"image": N}`; other
+    modalities are refused by name."""
+    import json
+
+    text = text.strip()
+    try:
+        pairs = json.loads(text) if text.startswith("{") else dict(p.split("=", 1) for p in text.split(","))
+    except ValueError:
+        raise ValueError(f"{text!r}: expected image=N or a JSON object such as {{\"image\": N}}") from None
+    unknown = sorted(set(pairs) - {"image"})
+    if unknown:
+        raise ValueError(f"{text!r}: only images are taken (not {', '.join(unknown)})")
+    try:
+        n = int(pairs.get("image", DEFAULT_MAX_IMAGES))
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r}: the image count must be an integer") from None
+    if n < 0:
+        raise ValueError(f"{text!r}: the image count must be >= 0")
+    return n
+
+
 def option(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:  # noqa: A002
     """An `EngineConfig` field: its `default` (or a `factory` making it) and its `help`, one sentence or
     two that the command line prints for its flag (`field.metadata["help"]`)."""
@@ -187,6 +213,14 @@ class EngineConfig:
         "seconds a rank waits for the others (start-up, each collective) before the engine ends with "
         "an error",
     )
+    limit_mm_per_prompt: str = option(
+        f"image={DEFAULT_MAX_IMAGES}",
+        "images one prompt may bring (a vision-language model), in vLLM's syntax: image=N or "
+        '{"image": N}',
+    )
+    max_image_pixels: int = option(
+        DEFAULT_MAX_PIXELS, "the most pixels (width x height) an image may have, checked before it is decoded"
+    )
     data_parallel_size: int = option(
         1,
         "data parallelism: engine replicas (a scheduler + model process each, on its own device or "
@@ -225,6 +259,12 @@ class EngineConfig:
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
         self._check_speculative(bad)
         self._check_parallel(bad)
+        if self.max_image_pixels < 1:
+            raise bad("max_image_pixels", "must be >= 1")
+        try:
+            parse_limit_mm(self.limit_mm_per_prompt)
+        except ValueError as e:
+            raise bad("limit_mm_per_prompt", str(e)) from None
 
     def _check_graphs(self, bad: Any) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:

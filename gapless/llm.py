@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from gapless.config import EngineConfig
 from gapless.engine.chat_template import Message, render_chat
+from gapless.engine.images import PromptImage, split_chat
 from gapless.engine.engine import Engine, EngineShutDown
 from gapless.engine.heap import frozen_heap
 from gapless.engine.prompt_logprobs import Logprob, prompt_logprobs_output
@@ -108,6 +109,8 @@ class LLM:
         else:
             convs = list(cast(Sequence[Sequence[Message]], messages))
         params = _params_per_prompt(sampling_params, len(convs), "conversations")
+        if engine.vision is not None:  # a vision-language model: its processor renders and expands
+            return self._chat_images(convs, params, use_tqdm, chat_template_kwargs)
         texts, token_ids = [], []
         for conv in convs:
             text, ids = render_chat(
@@ -121,19 +124,40 @@ class LLM:
             token_ids.append(engine.tokenize(ids))
         return self._run(texts, token_ids, params, use_tqdm)
 
+    def _chat_images(
+        self,
+        convs: list[Sequence[Message]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> list[RequestOutput]:
+        """`chat` for a vision-language model: messages may hold image parts (`{"type": "image", "image":
+        a PIL image or a path}`, or OpenAI's `image_url` with a data: URL), each checked against the
+        limits before anything is queued."""
+        prompter = self.engine.image_prompter()
+        token_ids, images = [], []
+        for conv in convs:
+            chat, opened = split_chat([dict(m) for m in conv], prompter.limits)
+            ids, prompt_images = prompter.render(chat, opened, dict(template_kwargs or {}))
+            token_ids.append(self.engine.tokenize(ids))
+            images.append(prompt_images)
+        return self._run([None] * len(convs), token_ids, params, use_tqdm, images)
+
     def _run(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[Prompt | None],
         token_ids: list[list[int]],
         params: list[SamplingParams],
         use_tqdm: bool,
+        images: list[tuple[PromptImage, ...]] | None = None,
     ) -> list[RequestOutput]:
         """Queue the validated prompts and step the engine until all of them are finished. The heap the
         caller's process held before is frozen meanwhile (`frozen_heap`): the collections the run's own
         objects set off do not walk it."""
         for p in params:  # a grammar that cannot compile refuses the call before any of it is queued
             self.engine.check_params(p)
-        reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, params)]
+        images = images or [()] * len(token_ids)
+        reqs = [self.engine.add_request(ids, p, images=im) for ids, p, im in zip(token_ids, params, images)]
         try:
             with (
                 frozen_heap(),
@@ -151,7 +175,7 @@ class LLM:
             raise
         return [self._output(r, p) for r, p in zip(reqs, prompts)]
 
-    def _output(self, req: Req, prompt: Prompt) -> RequestOutput:
+    def _output(self, req: Req, prompt: Prompt | None) -> RequestOutput:
         return RequestOutput(
             request_id=req.rid,
             prompt=prompt if isinstance(prompt, str) else None,

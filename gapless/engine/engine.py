@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gapless.config import EngineConfig
 from gapless.engine import prompt_logprobs
+from gapless.engine.images import ImageLimits, ImagePrompter, PromptImage
 from gapless.engine.detokenize import detokenize
 from gapless.engine.grammar import Grammars, check_logit_bias
 from gapless.engine.heap import gc_pauses
@@ -57,7 +58,11 @@ class Engine:
                 "data parallelism is served: gapless serve --data-parallel-size N"
             )
         # the model as local files (a path, a built-in name or a Hugging Face id), checked before it loads
-        self.cfg = cfg = check_engine_config(cfg).cfg
+        checked = check_engine_config(cfg)
+        self.cfg = cfg = checked.cfg
+        # a vision-language model's chats with images go through its processor (`image_prompter`)
+        self.vision = checked.model.vision
+        self._prompter: ImagePrompter | None = None
         gc_pauses()  # counting from here
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)
         # what a request's unset sampling knobs take (`add_request`): the checkpoint's, unless
@@ -158,12 +163,21 @@ class Engine:
             )
         return ids
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Req:
-        """Queue an already validated prompt (see `tokenize`). The one place a request's unset sampling
-        knobs are filled (`SamplingParams.resolved`: the checkpoint's defaults, else the library's), for
-        `LLM`, `gapless chat` and the server alike; the queued `Req` holds the resolved params."""
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        images: tuple[PromptImage, ...] = (),
+    ) -> Req:
+        """Queue an already validated prompt (see `tokenize`) and its images (`image_prompter`). The one
+        place a request's unset sampling knobs are filled (`SamplingParams.resolved`: the checkpoint's
+        defaults, else the library's), for `LLM`, `gapless chat` and the server alike; the queued `Req`
+        holds the resolved params."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        if images and (self.vision is None or any(im.start + im.length > len(prompt_ids) for im in images)):
+            raise ValueError("images for a model without a vision encoder, or past the prompt's end")
         params = params.resolved(self.sampling_defaults)
         n = next(self._ids)
         rid = rid if rid is not None else str(n)
@@ -184,10 +198,19 @@ class Engine:
             stop_ids=frozenset(stop_ids),
             prompt_lp=prompt_logprobs.new_state(params, len(prompt_ids)),
             grammar=grammar,
+            images=tuple(images),
         )
         self.reqs[rid] = req
         self.scheduler.add(req)
         return req
+
+    def image_prompter(self) -> ImagePrompter:
+        """The model's processor, for chats with images (made on first use); ValueError for a text model."""
+        if self.vision is None:
+            raise ValueError(f"{self.cfg.model} is a text model: it takes no images")
+        if self._prompter is None:
+            self._prompter = ImagePrompter(self.cfg.model, self.vision.image_token_id, ImageLimits.of(self.cfg))
+        return self._prompter
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError naming the field if `add_request` would refuse `params` (a logit_bias token outside

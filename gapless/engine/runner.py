@@ -38,11 +38,12 @@ from gapless.engine.memory_plan import (
 from gapless.engine.piecewise_graph import PiecewiseGraphs
 from gapless.engine.spec.device import SpecState
 from gapless.engine.spec.draft import load_draft
+from gapless.engine.vision import EncoderCache
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
 from gapless.model import parallel
 from gapless.model.config import load_model_config
-from gapless.model.decoder import CausalLM, ForwardContext
+from gapless.model.decoder import CausalLM, ForwardContext, ImageRows
 from gapless.model.fused import use_fused_kernels
 from gapless.model.loader import load_model, resolve_dtype
 from gapless.model.quant import weights_summary
@@ -92,6 +93,8 @@ class ModelRunner:
             log.warning(why)
         self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
         self.model_config = mcfg
+        vision = self.model.vision  # a vision-language model's encoder, and the images it keeps per row
+        self.encoder_cache = EncoderCache(vision) if vision is not None else None
         self.page_size = cfg.page_size
         self.max_running_requests = max_rows = cfg.max_running_requests
         probe = Probe(
@@ -274,11 +277,13 @@ class ModelRunner:
         positions: torch.Tensor,
         out_slots: torch.Tensor,
         meta: AttentionMetadata,
+        images: ImageRows | None = None,
     ) -> torch.Tensor:
-        """The decoder over a flat batch whose slots are already in the request table; hidden [T, hidden]."""
-        return self.model(
-            input_ids, ForwardContext.prepared(positions, out_slots, self.kv_pool, self.backend, meta)
-        )
+        """The decoder over a flat batch whose slots are already in the request table; hidden [T, hidden].
+        `images`: encoder rows that replace the embeddings of image tokens."""
+        ctx = ForwardContext.prepared(positions, out_slots, self.kv_pool, self.backend, meta)
+        ctx.images = images
+        return self.model(input_ids, ctx)
 
     def _eager_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionMetadata]:
         """The input ids of `batch` outside a decode graph (a decode's are its rows' future-token slots)
@@ -307,7 +312,11 @@ class ModelRunner:
         else:
             table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
             input_ids, meta = self._eager_inputs(batch)
-            if self.piecewise is not None and self.piecewise.can_run(batch):
+            if batch.images is not None:  # the encoder's rows go in (gapless.engine.vision), eagerly
+                assert self.encoder_cache is not None, "image tokens for a model without a vision encoder"
+                images = self.encoder_cache.rows(batch.images, self.device)
+                hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta, images)
+            elif self.piecewise is not None and self.piecewise.can_run(batch):
                 hidden = self.piecewise.run(batch, meta)
             else:
                 hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)

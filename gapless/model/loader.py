@@ -23,6 +23,7 @@ from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
+from gapless.model.vision import new_encoder, text_weight_name
 from gapless.model.quant import gguf_cpu, weights_summary
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 
@@ -107,9 +108,14 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
+    encoder = new_encoder(cfg.vision, cfg.hidden_size, dtype, device) if cfg.vision is not None else None
     for name, tensor in iter_weights(path, keeps_gguf_quantized(path, device)):
         if "rotary_emb" in name:
             continue
+        if encoder is not None:  # a vision-language checkpoint: its encoder's weights, the decoder's renamed
+            if isinstance(tensor, torch.Tensor) and encoder.load_weight(name, tensor.to(dtype)):
+                continue
+            name = text_weight_name(name)
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
         if isinstance(tensor, GGUFBlocks):
@@ -119,6 +125,7 @@ def load_model(
             continue
         loaded.update(_place(model, params, name, tensor.to(dtype)))
     missing = sorted(_expected(model) - loaded)
+    missing += encoder.missing_weights() if encoder is not None else []
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
     model.requires_grad_(False).eval()
@@ -127,6 +134,7 @@ def load_model(
     else:
         pack_cpu_gemms(model)
     log.info("%s", weights_summary(model))
+    model.vision = encoder  # (after the decoder's GEMMs are packed: the encoder keeps torch's)
     return model
 
 
