@@ -30,7 +30,7 @@ def parse_limit_mm(text: str) -> int:
     try:
         pairs = json.loads(text) if text.startswith("{") else dict(p.split("=", 1) for p in text.split(","))
     except ValueError:
-        raise ValueError(f"{text!r}: expected image=N or a JSON object such as {{\"image\": N}}") from None
+        raise ValueError(f'{text!r}: expected image=N or a JSON object such as {{"image": N}}') from None
     unknown = sorted(set(pairs) - {"image"})
     if unknown:
         raise ValueError(f"{text!r}: only images are taken (not {', '.join(unknown)})")
@@ -215,8 +215,7 @@ class EngineConfig:
     )
     limit_mm_per_prompt: str = option(
         f"image={DEFAULT_MAX_IMAGES}",
-        "images one prompt may bring (a vision-language model), in vLLM's syntax: image=N or "
-        '{"image": N}',
+        'images one prompt may bring (a vision-language model), in vLLM\'s syntax: image=N or {"image": N}',
     )
     max_image_pixels: int = option(
         DEFAULT_MAX_PIXELS, "the most pixels (width x height) an image may have, checked before it is decoded"
@@ -259,6 +258,9 @@ class EngineConfig:
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
         self._check_speculative(bad)
         self._check_parallel(bad)
+        self._check_images(bad)
+
+    def _check_images(self, bad: Any) -> None:
         if self.max_image_pixels < 1:
             raise bad("max_image_pixels", "must be >= 1")
         try:

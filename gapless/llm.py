@@ -14,9 +14,10 @@ from tqdm.auto import tqdm
 
 from gapless.config import EngineConfig
 from gapless.engine.chat_template import Message, render_chat
-from gapless.engine.images import PromptImage, split_chat
 from gapless.engine.engine import Engine, EngineShutDown
 from gapless.engine.heap import frozen_heap
+from gapless.engine.image_io import split_chat
+from gapless.engine.images import PromptImage
 from gapless.engine.prompt_logprobs import Logprob, prompt_logprobs_output
 from gapless.engine.request import Req
 from gapless.sampling_params import SamplingParams

@@ -73,7 +73,9 @@ class Req:
         ids = self.fill_ids[:n]
         for im in self.images:
             if im.start < n:
-                ids[im.start : min(n, im.start + im.length)] = [im.key] * (min(n, im.start + im.length) - im.start)
+                ids[im.start : min(n, im.start + im.length)] = [im.key] * (
+                    min(n, im.start + im.length) - im.start
+                )
         return ids
 
     @property

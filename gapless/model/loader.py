@@ -23,9 +23,9 @@ from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
-from gapless.model.vision import new_encoder, text_weight_name
 from gapless.model.quant import gguf_cpu, weights_summary
 from gapless.model.quant.gguf_cpu import GGUFBlocks
+from gapless.model.vision import new_encoder, text_weight_name
 
 log = logging.getLogger(__name__)
 GGUF_ENV = env.GGUF_WEIGHTS.name  # "dequantize": GGUF matrices as float weights; default "quantized"

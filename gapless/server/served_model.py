@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from gapless.engine.image_io import ImageLimits
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.errors import BadRequest
 
@@ -25,6 +26,7 @@ class ServedModel:
     max_logprobs: int = MAX_LOGPROBS  # the most top logprobs a request may ask for (--max-logprobs)
     tool_call_parser: str | None = None  # --tool-call-parser (gapless.server.tools)
     reasoning_parser: str | None = None  # --reasoning-parser (gapless.server.reasoning)
+    images: ImageLimits | None = None  # a vision-language model's image limits; None: it takes no images
 
     @classmethod
     def of_checkpoint(

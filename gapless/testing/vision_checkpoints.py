@@ -69,7 +69,9 @@ def tiny_llava_config(image_size: int = 56, vocab_size: int | None = None) -> Ll
 
 def _tokenizer():  # type: ignore[no-untyped-def]  # transformers' tokenizer type
     tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]}, replace_extra_special_tokens=False)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [IMAGE_TOKEN]}, replace_extra_special_tokens=False
+    )
     return tokenizer
 
 

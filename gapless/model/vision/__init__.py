@@ -36,7 +36,8 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     kind = text.get("model_type", "llama")
     if kind not in _TEXT_ARCHS:
         raise ValueError(
-            f"{cfg['architectures'][0]} over a {kind!r} decoder is not supported (supported: {sorted(_TEXT_ARCHS)})"
+            f"{cfg['architectures'][0]} over a {kind!r} decoder is not supported "
+            f"(supported: {sorted(_TEXT_ARCHS)})"
         )
     text["architectures"] = [_TEXT_ARCHS[kind]]
     for key in ("eos_token_id", "torch_dtype", "dtype"):
@@ -47,13 +48,19 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 def text_weight_name(name: str) -> str:
     """A vision-language checkpoint's decoder weight under the decoder's own name: `language_model.model.x`
     (and 5.x's `model.language_model.x`) is `model.x`; `language_model.lm_head.x` is `lm_head.x`."""
-    for old, new in (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.", "")):
+    for old, new in (
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.", ""),
+    ):
         if name.startswith(old):
             return new + name.removeprefix(old)
     return name
 
 
-def new_encoder(spec: VisionSpec, text_hidden: int, dtype: torch.dtype, device: torch.device) -> VisionEncoder:
+def new_encoder(
+    spec: VisionSpec, text_hidden: int, dtype: torch.dtype, device: torch.device
+) -> VisionEncoder:
     """The family's encoder, its weights to be loaded (`VisionEncoder.load_weight`)."""
     cls = _FAMILIES[spec.config["architectures"][0]][1]
     with torch.device(device):

@@ -29,7 +29,9 @@ class _Layer(nn.Module):
         self.heads = heads
         self.layer_norm1 = nn.LayerNorm(hidden, eps=eps)
         self.layer_norm2 = nn.LayerNorm(hidden, eps=eps)
-        self.self_attn = nn.ModuleDict({n: nn.Linear(hidden, hidden) for n in ("q_proj", "k_proj", "v_proj", "out_proj")})
+        self.self_attn = nn.ModuleDict(
+            {n: nn.Linear(hidden, hidden) for n in ("q_proj", "k_proj", "v_proj", "out_proj")}
+        )
         self.mlp = nn.ModuleDict({"fc1": nn.Linear(hidden, inter), "fc2": nn.Linear(inter, hidden)})
         self.act = activation(act)
 
@@ -62,7 +64,11 @@ class ClipVisionTower(nn.Module):
         self.layers = nn.ModuleList(_Layer(hidden, inter, heads, eps, act) for _ in range(layers))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
+        x = (
+            self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
+            .flatten(2)
+            .transpose(1, 2)
+        )
         if x.shape[1] != self.num_patches:
             raise ValueError(f"an image of {x.shape[1]} patches; the tower takes {self.num_patches}")
         cls = self.class_embedding.expand(x.shape[0], 1, -1)

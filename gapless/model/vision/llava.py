@@ -76,7 +76,10 @@ class LlavaEncoder(VisionEncoder):
 
     def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
         t, hidden = self.spec.tokens_per_image, self.projector["linear_2"].out_features
-        return self.tower.activation_bytes(images, dtype) + images * t * hidden * 3 * torch.finfo(dtype).bits // 8
+        return (
+            self.tower.activation_bytes(images, dtype)
+            + images * t * hidden * 3 * torch.finfo(dtype).bits // 8
+        )
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         own = _vision_name(name)
@@ -87,7 +90,9 @@ class LlavaEncoder(VisionEncoder):
             return True
         param = params[own]
         if param.shape != tensor.shape:
-            raise ValueError(f"checkpoint weight {name!r} is {tuple(tensor.shape)}; expected {tuple(param.shape)}")
+            raise ValueError(
+                f"checkpoint weight {name!r} is {tuple(tensor.shape)}; expected {tuple(param.shape)}"
+            )
         param.data.copy_(tensor)
         self._loaded.add(own)
         return True
