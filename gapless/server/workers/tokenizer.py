@@ -72,7 +72,10 @@ class PromptTokenizer:
         except Exception as e:  # noqa: BLE001 - a template or tokenizer error is the request's
             return [P.Refused(req.rids, f"could not tokenize the prompt: {e}", param="prompt")]
         n = len(req.params)
-        return [P.SchedReq(rid, *made[k // n], params=req.params[k % n]) for k, rid in enumerate(req.rids)]
+        return [
+            P.SchedReq(rid, made[k // n][0], req.params[k % n], made[k // n][1])
+            for k, rid in enumerate(req.rids)
+        ]
 
     def prompt(self, prompt: P.PromptIn, req: P.TokenizeReq) -> tuple[list[int], list[P.ImageIn] | None]:
         """A prompt's token ids (`prompt_ids`), or a chat with images through the model's processor, its
