@@ -37,9 +37,9 @@ from gapless.model.vision.base import VisionEncoder
 
 class ImageRows(NamedTuple):
     """Rows of a vision encoder's output that stand for tokens of the batch: `rows[i]` is the input
-    embedding of flat token `index[i]` (`gapless.engine.vision`)."""
+    embedding of flat token `flat[i]` (`gapless.engine.vision`)."""
 
-    index: torch.Tensor  # [N] int64
+    flat: torch.Tensor  # [N] int64
     rows: torch.Tensor  # [N, hidden]
 
 
@@ -279,7 +279,7 @@ class DecoderBody(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
         if ctx.images is not None:  # (after the family's scaling: transformers scatters them unscaled)
-            x = x.index_copy(0, ctx.images.index, ctx.images.rows.to(x.dtype))
+            x = x.index_copy(0, ctx.images.flat, ctx.images.rows.to(x.dtype))
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.finish(x, residual)

@@ -292,7 +292,7 @@ class Message(msgspec.Struct):
         """A message with images: its text and image parts in order, each image checked and its bytes
         appended to `images`."""
         out = []
-        for j, part in enumerate(self.content or ()):
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
             field = f"{where}.content[{j}]"
             if part.type == "image_url":
                 images.append(check_image_url(part.image_url, field, served.images))
@@ -327,7 +327,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         constraint = {"json_schema": plan.schema} if plan is not None and plan.schema is not None else None
         choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs, served, constraint)
-        chat, images = [], []
+        chat: list[ChatMessage] = []
+        images: list[bytes] = []
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list) and any(p.type == "image_url" for p in m.content):
                 parts = m.parts(f"messages[{i}]", served, images)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -67,7 +68,7 @@ def tiny_llava_config(image_size: int = 56, vocab_size: int | None = None) -> Ll
     )
 
 
-def _tokenizer():  # type: ignore[no-untyped-def]  # transformers' tokenizer type
+def _tokenizer() -> Any:
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens(
         {"additional_special_tokens": [IMAGE_TOKEN]}, replace_extra_special_tokens=False

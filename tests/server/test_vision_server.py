@@ -104,10 +104,8 @@ def test_text_model_refuses_images(ckpt_factory):
     from gapless.server.served_model import ServedModel
 
     served = ServedModel.of_checkpoint("m", str(ckpt_factory("qwen3")), 1000, 256)
-    body = decode_body(
-        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}',
-        ChatCompletionRequest,
-    )
+    part = b'{"type": "image_url", "image_url": {"url": "data:,"}}'
+    body = decode_body(b'{"messages": [{"role": "user", "content": [' + part + b"]}]}", ChatCompletionRequest)
     with pytest.raises(BadRequest, match="takes no images") as e:
         body.submission(served)
     assert e.value.param == "messages[0].content[0]"

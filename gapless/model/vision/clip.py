@@ -61,6 +61,7 @@ class ClipVisionTower(nn.Module):
         self.pre_layrnorm = nn.LayerNorm(hidden, eps=eps)
         act = str(cfg.get("hidden_act", "quick_gelu"))
         inter, heads = int(cfg["intermediate_size"]), int(cfg["num_attention_heads"])
+        self.hidden, self.inter, self.heads = hidden, inter, heads
         self.layers = nn.ModuleList(_Layer(hidden, inter, heads, eps, act) for _ in range(layers))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -81,9 +82,6 @@ class ClipVisionTower(nn.Module):
     def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
         """About the peak of `forward` over `images` images: a few [tokens, hidden] and [tokens, inter]
         buffers alive at once, and one attention score matrix per head."""
-        first = self.layers[0] if len(self.layers) else None
-        t, d = self.num_patches + 1, self.class_embedding.shape[0]
-        inter = first.mlp["fc1"].out_features if first is not None else d
-        heads = first.heads if first is not None else 1
+        t, d, inter, heads = self.num_patches + 1, self.hidden, self.inter, self.heads
         per_image = t * (6 * d + 2 * inter) + heads * t * t
         return images * per_image * torch.finfo(dtype).bits // 8

@@ -53,6 +53,7 @@ class LlavaEncoder(VisionEncoder):
         n = int(vision["num_hidden_layers"])
         layer = int(cfg.get("vision_feature_layer", -2))
         self.spec = spec
+        self.text_hidden = text_hidden
         self.tower = ClipVisionTower(vision, layer if layer >= 0 else n + 1 + layer)
         self.drop_cls = cfg.get("vision_feature_select_strategy", "default") == "default"
         bias = bool(cfg.get("multimodal_projector_bias", True))
@@ -75,7 +76,7 @@ class LlavaEncoder(VisionEncoder):
         return list(out.unbind(0))
 
     def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
-        t, hidden = self.spec.tokens_per_image, self.projector["linear_2"].out_features
+        t, hidden = self.spec.tokens_per_image, self.text_hidden
         return (
             self.tower.activation_bytes(images, dtype)
             + images * t * hidden * 3 * torch.finfo(dtype).bits // 8
