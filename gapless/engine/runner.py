@@ -32,6 +32,8 @@ from gapless.engine.memory_plan import (
     available_ram,
     dummy_decode,
     dummy_prefill,
+    encoder_bytes,
+    encoder_images,
     plan_cpu_kv,
     plan_gpu_kv,
 )
@@ -94,7 +96,9 @@ class ModelRunner:
         self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
         self.model_config = mcfg
         vision = self.model.vision  # a vision-language model's encoder, and the images it keeps per row
-        self.encoder_cache = EncoderCache(vision) if vision is not None else None
+        self.encoder_cache: EncoderCache | None = None
+        if vision is not None:
+            self.encoder_cache = EncoderCache(vision, encoder_images(cfg, vision.spec.tokens_per_image))
         self.page_size = cfg.page_size
         self.max_running_requests = max_rows = cfg.max_running_requests
         probe = Probe(
@@ -237,6 +241,7 @@ class ModelRunner:
             graph_bytes=graph_bytes,
             mem_fraction_static=cfg.mem_fraction_static,
             bytes_per_token=per_token,
+            encoder_bytes=encoder_bytes(self.model.vision, cfg, self.dtype),
         )
         if plan.tokens < cfg.page_size:
             raise RuntimeError(

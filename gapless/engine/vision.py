@@ -60,13 +60,14 @@ def image_batch(entries: list[Extend], q_start: list[int]) -> ImageBatch | None:
 class EncoderCache:
     """The device's encoded images: per request-table row, the image whose run a chunk left unfinished."""
 
-    def __init__(self, encoder: VisionEncoder) -> None:
-        self.encoder = encoder
+    def __init__(self, encoder: VisionEncoder, max_batch: int) -> None:
+        """`max_batch`: the most images one encoder call takes (the memory plan's `encoder_images`)."""
+        self.encoder, self.max_batch = encoder, max_batch
         self.kept: dict[int, tuple[int, torch.Tensor]] = {}  # row -> (image key, its rows)
         self.encoded = 0  # images encoded so far (the tests' and stats' count)
 
     def rows(self, batch: ImageBatch, device: torch.device) -> ImageRows:
-        """The encoder's rows for `batch`'s image tokens, encoding (in one call) each image not kept."""
+        """The encoder's rows for `batch`'s image tokens, encoding the images not kept, `max_batch` a call."""
         todo = {}
         for s in batch.spans:
             kept = self.kept.get(s.row)
@@ -75,7 +76,8 @@ class EncoderCache:
         fresh = {}
         if todo:
             images = [tuple(t.to(device, non_blocking=True) for t in inputs) for inputs in todo.values()]
-            out = self.encoder.encode(images)
+            step = self.max_batch
+            out = [r for i in range(0, len(images), step) for r in self.encoder.encode(images[i : i + step])]
             fresh = dict(zip(todo, out))
             self.encoded += len(out)
         parts, index = [], []

@@ -190,3 +190,64 @@ def test_limit_syntax():
             parse_limit_mm(bad)
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         LLM("unused", limit_mm_per_prompt="audio=1")
+
+
+class _FakeEncoder:
+    """Each image's rows: its first input's value, repeated; counts its calls."""
+
+    spec = None
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def encode(self, images):
+        self.calls.append(len(images))
+        return [im[0].expand(4, 2).clone() for im in images]
+
+
+def test_encoder_cache_keeps_a_cut_image_and_batches_calls():
+    from gapless.engine.vision import EncoderCache, ImageBatch, ImageSpan
+
+    enc = _FakeEncoder()
+    cache = EncoderCache(enc, max_batch=2)  # type: ignore[arg-type]
+    val = lambda v: (torch.tensor([float(v)]),)  # noqa: E731
+    # row 0: image 7's rows 0..1 (cut: kept); row 1: image 8 whole, then image 9's first row
+    first = ImageBatch(
+        (
+            ImageSpan(0, 7, 0, 0, 2, False, val(7)),
+            ImageSpan(1, 8, 2, 0, 4, True, val(8)),
+            ImageSpan(1, 9, 6, 0, 1, False, val(9)),
+        )
+    )
+    out = cache.rows(first, torch.device("cpu"))
+    assert enc.calls == [2, 1]  # three images, two a call
+    assert out.flat.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert out.rows[:, 0].tolist() == [7, 7, 8, 8, 8, 8, 9]
+    assert sorted(cache.kept) == [0, 1] and cache.encoded == 3
+    # the next chunk finishes both cut images without encoding them again
+    second = ImageBatch((ImageSpan(0, 7, 0, 2, 2, True, val(7)), ImageSpan(1, 9, 2, 1, 3, True, val(9))))
+    out = cache.rows(second, torch.device("cpu"))
+    assert enc.calls == [2, 1] and out.rows[:, 0].tolist() == [7, 7, 9, 9, 9]
+    assert cache.kept == {}
+
+
+def test_memory_plan_counts_the_encoder(ckpt):
+    from gapless.config import EngineConfig
+    from gapless.engine.memory_plan import encoder_images, plan_gpu_kv
+    from gapless.model.config import load_model_config
+    from gapless.model.vision import new_encoder
+
+    cfg = EngineConfig(model="m", chunked_prefill_size=100, max_running_requests=4, limit_mm_per_prompt="image=2")
+    assert encoder_images(cfg, 16) == 8  # 100 // 16 + 2 = 8 = 4 rows x 2 images
+    cfg.limit_mm_per_prompt = "image=1"
+    assert encoder_images(cfg, 16) == 4  # every row's prompts bring no more
+    spec = load_model_config(ckpt).vision
+    enc = new_encoder(spec, 64, torch.float32, torch.device("cpu"))
+    one, four = enc.activation_bytes(1, torch.float32), enc.activation_bytes(4, torch.float32)
+    out = enc.encode([(torch.zeros(3, 56, 56),)])[0]
+    assert four == 4 * one and one > out.numel() * 4  # at least its output rows
+    kw = dict(total=10 << 30, free=8 << 30, allocated=1 << 30, activation_peak=0, graph_bytes=0)
+    plain = plan_gpu_kv(**kw, mem_fraction_static=0.9, bytes_per_token=1024)
+    vision = plan_gpu_kv(**kw, mem_fraction_static=0.9, bytes_per_token=1024, encoder_bytes=1 << 30)
+    assert plain.tokens - vision.tokens == (1 << 30) // 1024
+    assert "vision encoder 1.00 GiB" in vision.describe()
