@@ -237,7 +237,8 @@ def test_memory_plan_counts_the_encoder(ckpt):
     from gapless.model.config import load_model_config
     from gapless.model.vision import new_encoder
 
-    cfg = EngineConfig(model="m", chunked_prefill_size=100, max_running_requests=4, limit_mm_per_prompt="image=2")
+    cfg = EngineConfig(model="m", chunked_prefill_size=100, max_running_requests=4)
+    cfg.limit_mm_per_prompt = "image=2"
     assert encoder_images(cfg, 16) == 8  # 100 // 16 + 2 = 8 = 4 rows x 2 images
     cfg.limit_mm_per_prompt = "image=1"
     assert encoder_images(cfg, 16) == 4  # every row's prompts bring no more
