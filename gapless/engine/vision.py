@@ -86,9 +86,9 @@ class EncoderCache:
             if rows is None:
                 rows = self.kept[s.row][1]
             parts.append(rows[s.offset : s.offset + s.length])
-            index.append(torch.arange(s.flat, s.flat + s.length))
+            index.append(torch.arange(s.flat, s.flat + s.length, device=device))
             if s.last:
                 self.kept.pop(s.row, None)
             else:
                 self.kept[s.row] = (s.key, rows)
-        return ImageRows(torch.cat(index).to(device, non_blocking=True), torch.cat(parts))
+        return ImageRows(torch.cat(index), torch.cat(parts))

@@ -21,7 +21,7 @@ from transformers import (
     LlavaProcessor,
 )
 
-from gapless.default_model.checkpoint import TINY, random_config
+from gapless.default_model.checkpoint import TINY, random_config, shape
 from gapless.default_model.tokenizer import build_tokenizer
 
 IMAGE_TOKEN = "<image>"
@@ -42,21 +42,27 @@ LLAVA_CHAT_TEMPLATE = (
 )
 
 
-def tiny_llava_config(image_size: int = 56, vocab_size: int | None = None) -> LlavaConfig:
-    """A LLaVA-1.5 config: CLIP (2 layers, width 32, `image_size` / 14 patches a side) feeding the
-    tiny Llama shape through the gelu projector, the penultimate layer's patches (CLS dropped)."""
+# the vision tower and decoder shapes per size: "tiny" for tests (16 image tokens), "bench" for
+# `gapless.bench.vision` (CLIP at 224 px: 256 image tokens, a 6-layer tower of width 256, the bench decoder)
+_VISION = {
+    "tiny": dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=56
+    ),
+    "bench": dict(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4, image_size=224
+    ),
+}
+_TEXT = {"tiny": TINY, "bench": shape(512, 1536, 8, 8, 4, head_dim=64, max_position_embeddings=4096)}
+
+
+def tiny_llava_config(size: str = "tiny") -> LlavaConfig:
+    """A LLaVA-1.5 config: CLIP (`_VISION[size]`, 14-px patches) feeding a Llama decoder (`_TEXT[size]`)
+    through the gelu projector, the penultimate layer's patches (CLS dropped)."""
     tokenizer = _tokenizer()
-    text = random_config(LlamaConfig, dict(TINY, tie_word_embeddings=False), {"vocab_size": len(tokenizer)})
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        image_size=image_size,
-        patch_size=PATCH,
-        projection_dim=32,
-        hidden_act="quick_gelu",
+    text = random_config(
+        LlamaConfig, dict(_TEXT[size], tie_word_embeddings=False), {"vocab_size": len(tokenizer)}
     )
+    vision = CLIPVisionConfig(**_VISION[size], patch_size=PATCH, projection_dim=32, hidden_act="quick_gelu")
     return LlavaConfig(
         vision_config=vision,
         text_config=text,
@@ -64,7 +70,7 @@ def tiny_llava_config(image_size: int = 56, vocab_size: int | None = None) -> Ll
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
-        image_seq_length=(image_size // PATCH) ** 2,
+        image_seq_length=(vision.image_size // PATCH) ** 2,
     )
 
 
@@ -95,11 +101,12 @@ def _init(model: torch.nn.Module, seed: int) -> None:
             p.copy_(noise * 1.5 / math.sqrt(p[0].numel()))
 
 
-def make_llava_checkpoint(path: str | Path, seed: int = 0, image_size: int = 56) -> Path:
+def make_llava_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -> Path:
     """Write a random tiny LLaVA-1.5 checkpoint with its processor (tokenizer, image processor, chat
     template) to `path`."""
     path = Path(path)
-    config = tiny_llava_config(image_size)
+    config = tiny_llava_config(size)
+    image_size = config.vision_config.image_size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlavaForConditionalGeneration(config)

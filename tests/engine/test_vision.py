@@ -75,9 +75,9 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     [
         dict(page_size=1, chunked_prefill_size=10),  # overlap on; chunks of 10 cut through every image
         dict(page_size=16, overlap=False),  # whole prompts in one batch, the plain loop
-        dict(page_size=16, chunked_prefill_size=7, cpu_worker="thread"),  # overlap on a worker thread
+        dict(page_size=16, chunked_prefill_size=7, cpu_worker="process"),  # in the device process
     ],
-    ids=["page1-chunk10", "page16-plain", "page16-chunk7-thread"],
+    ids=["page1-chunk10", "page16-plain", "page16-chunk7-process"],
 )
 def test_greedy_equals_transformers(ckpt, reference, options):
     with LLM(str(ckpt), device="cpu", **options) as llm:
