@@ -77,7 +77,7 @@ class ImagePrompter:
         made = []
         for i, (start, length) in enumerate(runs):
             assert pixels is not None
-            inputs = (pixels[i].contiguous(),)
+            inputs = (pixels[i].clone(),)  # its own memory, not a view of the batch's
             made.append(PromptImage(start, length, inputs, image_key(inputs)))
         return ids, tuple(made)
 

@@ -76,11 +76,17 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
         dict(page_size=1, chunked_prefill_size=10),  # overlap on; chunks of 10 cut through every image
         dict(page_size=16, overlap=False),  # whole prompts in one batch, the plain loop
         dict(page_size=16, chunked_prefill_size=7, cpu_worker="process"),  # in the device process
+        pytest.param(
+            dict(device="cuda", dtype="float32", page_size=16, chunked_prefill_size=10),
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs CUDA (the CPU cases cover it)"
+            ),
+        ),
     ],
-    ids=["page1-chunk10", "page16-plain", "page16-chunk7-process"],
+    ids=["page1-chunk10", "page16-plain", "page16-chunk7-process", "cuda-page16-chunk10"],
 )
 def test_greedy_equals_transformers(ckpt, reference, options):
-    with LLM(str(ckpt), device="cpu", **options) as llm:
+    with LLM(str(ckpt), **{"device": "cpu", **options}) as llm:
         outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outs] == reference[:3]
         runner = llm.engine._runner
