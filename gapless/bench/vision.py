@@ -56,7 +56,8 @@ def _hf_prefill(path: str, chats: list, batch: int, device: str) -> Any:
 
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "left"
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = model.to(device)
 
     texts = [processor.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
     images = [c[0]["content"][1]["image"] for c in chats]
@@ -103,7 +104,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(0, len(chats), args.batch):
             llm.chat(chats[i : i + args.batch], one, use_tqdm=False)
 
-    hf(), gapless_prefill()  # warm-up
+    hf()  # warm-up, both
+    gapless_prefill()
     prefill = {"transformers": float("inf"), "gapless": float("inf")}
     for _ in range(args.rounds):  # alternating, so a shared machine's load hits both alike
         prefill["transformers"] = min(prefill["transformers"], _best(hf, 1))

@@ -44,7 +44,7 @@ LLAVA_CHAT_TEMPLATE = (
 
 # the vision tower and decoder shapes per size: "tiny" for tests (16 image tokens), "bench" for
 # `gapless.bench.vision` (CLIP at 224 px: 256 image tokens, a 6-layer tower of width 256, the bench decoder)
-_VISION = {
+_VISION: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=56
     ),
@@ -52,7 +52,10 @@ _VISION = {
         hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4, image_size=224
     ),
 }
-_TEXT = {"tiny": TINY, "bench": shape(512, 1536, 8, 8, 4, head_dim=64, max_position_embeddings=4096)}
+_TEXT: dict[str, dict[str, Any]] = {
+    "tiny": TINY,
+    "bench": shape(512, 1536, 8, 8, 4, head_dim=64, max_position_embeddings=4096),
+}
 
 
 def tiny_llava_config(size: str = "tiny") -> LlavaConfig:
@@ -70,7 +73,7 @@ def tiny_llava_config(size: str = "tiny") -> LlavaConfig:
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
-        image_seq_length=(vision.image_size // PATCH) ** 2,
+        image_seq_length=(_VISION[size]["image_size"] // PATCH) ** 2,
     )
 
 
@@ -106,7 +109,7 @@ def make_llava_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -
     template) to `path`."""
     path = Path(path)
     config = tiny_llava_config(size)
-    image_size = config.vision_config.image_size
+    image_size = _VISION[size]["image_size"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlavaForConditionalGeneration(config)
