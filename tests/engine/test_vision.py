@@ -126,20 +126,14 @@ def _url_chat(url: str) -> list[dict]:
     ]
 
 
-def test_data_url_equals_pil_image(ckpt, reference):
+def test_data_url_and_path_equal_pil_image(ckpt, reference, tmp_path):
+    IM_A.save(tmp_path / "a.png")
+    as_url = {"type": "image_url", "image_url": {"url": _data_url(IM_A), "detail": "high"}}
+    as_path = {"type": "image", "image": str(tmp_path / "a.png")}
+    text = [{"type": "text", "text": "Describe"}, {"type": "text", "text": "briefly please"}]
+    convs = [[{"role": "user", "content": [text[0], part, text[1]]}] for part in (as_url, as_path)]
     with LLM(str(ckpt), device="cpu") as llm:
-        url = [{"type": "image_url", "image_url": {"url": _data_url(IM_A), "detail": "high"}}]
-        conv = [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "Describe"},
-                    *url,
-                    {"type": "text", "text": "briefly please"},
-                ],
-            }
-        ]
-        assert llm.chat(conv, GREEDY, use_tqdm=False)[0].token_ids == reference[0]
+        assert [o.token_ids for o in llm.chat(convs, GREEDY, use_tqdm=False)] == [reference[0]] * 2
 
 
 @pytest.mark.parametrize(
