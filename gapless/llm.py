@@ -111,7 +111,10 @@ class LLM:
             convs = list(cast(Sequence[Sequence[Message]], messages))
         params = _params_per_prompt(sampling_params, len(convs), "conversations")
         if engine.vision is not None:  # a vision-language model: its processor renders and expands
-            return self._chat_images(convs, params, use_tqdm, chat_template_kwargs)
+            how = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
+            if chat_template is not None:
+                how["chat_template"] = chat_template
+            return self._chat_images(convs, params, use_tqdm, how)
         texts, token_ids = [], []
         for conv in convs:
             text, ids = render_chat(
@@ -130,7 +133,7 @@ class LLM:
         convs: list[Sequence[Message]],
         params: list[SamplingParams],
         use_tqdm: bool,
-        template_kwargs: Mapping[str, Any] | None,
+        template_kwargs: dict[str, Any],
     ) -> list[RequestOutput]:
         """`chat` for a vision-language model: messages may hold image parts (`{"type": "image", "image":
         a PIL image or a path}`, or OpenAI's `image_url` with a data: URL), each checked against the
@@ -139,7 +142,7 @@ class LLM:
         token_ids, images = [], []
         for conv in convs:
             chat, opened = split_chat([dict(m) for m in conv], prompter.limits)
-            ids, prompt_images = prompter.render(chat, opened, dict(template_kwargs or {}))
+            ids, prompt_images = prompter.render(chat, opened, template_kwargs)
             token_ids.append(self.engine.tokenize(ids))
             images.append(prompt_images)
         return self._run([None] * len(convs), token_ids, params, use_tqdm, images)

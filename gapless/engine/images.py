@@ -61,10 +61,10 @@ class ImagePrompter:
         self, chat: list[dict[str, Any]], images: list[Any], template_kwargs: dict[str, Any] | None = None
     ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """The prompt ids of `chat` (image parts as `{"type": "image"}`) with each image's placeholder
-        expanded as the processor expands it, and its images."""
-        text = self.processor.apply_chat_template(
-            chat, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
-        )
+        expanded as the processor expands it, and its images. `template_kwargs`: the template's variables
+        (and `chat_template`, `add_generation_prompt`: an assistant turn opened unless it is False)."""
+        kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+        text = self.processor.apply_chat_template(chat, tokenize=False, **kwargs)
         # special tokens as the processor's own apply_chat_template adds them: unless the text has the BOS
         bos = self.processor.tokenizer.bos_token
         special = not (bos is not None and text.startswith(bos))

@@ -86,6 +86,9 @@ class PromptTokenizer:
             raise _Refusal("this model takes no images (a text model)", "messages")
         from gapless.engine.image_io import open_image
 
+        clash = sorted(set(req.chat_template_kwargs or ()) & self.reserved)
+        if clash:
+            raise _Refusal(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
         chat = []
         for m in prompt.messages or ():
             msg = template_message(msgspec.structs.asdict(m))
