@@ -41,6 +41,8 @@ CONVS = [
     _chat("Describe", IM_A, "briefly please"),  # text before and after one image
     _chat("First", IM_A, "then", IM_B, "compare them"),  # two images of different sizes, text between
     _chat(IM_B, "what now"),  # an image first
+    # images in two messages of one conversation
+    [*_chat("See", IM_B), {"role": "assistant", "content": "A picture."}, *_chat(IM_A, "and this one?")],
 ]
 
 
@@ -88,10 +90,10 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 def test_greedy_equals_transformers(ckpt, reference, options):
     with LLM(str(ckpt), **{"device": "cpu", **options}) as llm:
         outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in outs] == reference[:3]
+        assert [o.token_ids for o in outs] == reference[:4]
         runner = llm.engine._runner
         if runner is not None:  # (in this process) each image encoded once per request, chunked or not
-            assert runner.encoder_cache.encoded == 4
+            assert runner.encoder_cache.encoded == 6
             assert runner.encoder_cache.kept == {}
         llm.check_integrity()
 
@@ -105,9 +107,9 @@ def test_prefix_cache_keys_images_by_content(ckpt, reference):
         assert again.token_ids == reference[0]
         assert again.cached_tokens >= end  # the image's KV reused: a hit past its run
         other = llm.chat(_chat("Describe", IM_C, "briefly please"), GREEDY, use_tqdm=False)[0]
+        assert other.token_ids == reference[4]
         assert other.prompt_token_ids == first.prompt_token_ids  # the same ids: only the pixels differ
         assert other.cached_tokens <= start  # a miss from the image on
-        assert other.token_ids == reference[3]
         llm.check_integrity()
 
 
