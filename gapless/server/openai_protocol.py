@@ -263,6 +263,15 @@ class ContentPart(msgspec.Struct):
     image_url: dict[str, Any] | str | None = None  # {"url": a data: URL, "detail": accepted, unused}
 
 
+def _part_text(part: ContentPart, field: str) -> str:
+    """A text part's text; a 400 naming `field` for any other part, or one without its text."""
+    if part.type != "text":
+        raise BadRequest(f"{field}: content of type {part.type!r} is not supported", field)
+    if part.text is None:
+        raise BadRequest(f"{field}.text is missing: a text content part needs its text", f"{field}.text")
+    return part.text
+
+
 class Message(msgspec.Struct):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
@@ -276,17 +285,7 @@ class Message(msgspec.Struct):
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for j, part in enumerate(self.content):
-            field = f"{where}.content[{j}]"
-            if part.type != "text":
-                raise BadRequest(f"{field}: content of type {part.type!r} is not supported", field)
-            if part.text is None:
-                raise BadRequest(
-                    f"{field}.text is missing: a text content part needs its text", f"{field}.text"
-                )
-            parts.append(part.text)
-        return "".join(parts)
+        return "".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(self.content))
 
     def parts(self, where: str, served: ServedModel, images: list[bytes]) -> list[dict[str, str]]:
         """A message with images: its text and image parts in order, each image checked and its bytes
@@ -298,7 +297,7 @@ class Message(msgspec.Struct):
                 images.append(check_image_url(part.image_url, field, served.images))
                 out.append({"type": "image"})
             else:
-                out.append({"type": "text", "text": Message(self.role, [part]).text(where)})
+                out.append({"type": "text", "text": _part_text(part, field)})
         return out
 
 

@@ -5,7 +5,9 @@ on; a text model refuses image parts by name."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
+import json
 
 import httpx
 import numpy as np
@@ -109,3 +111,23 @@ def test_text_model_refuses_images(ckpt_factory):
     with pytest.raises(BadRequest, match="takes no images") as e:
         body.submission(served)
     assert e.value.param == "messages[0].content[0]"
+
+
+def test_each_part_is_named_by_its_index(ckpt_factory):
+    from gapless.engine.image_io import ImageLimits
+    from gapless.server.errors import BadRequest
+    from gapless.server.openai_protocol import ChatCompletionRequest, decode_body
+    from gapless.server.served_model import ServedModel
+
+    served = ServedModel.of_checkpoint("m", str(ckpt_factory("qwen3")), 1000, 256)
+    served = dataclasses.replace(served, images=ImageLimits())
+    url = _data_url(8, 8, 0)
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {"messages": [{"role": "user", "content": [*parts, {"type": "input_audio"}]}]}
+    with pytest.raises(BadRequest, match="type 'input_audio' is not supported") as e:
+        decode_body(json.dumps(body).encode(), ChatCompletionRequest).submission(served)
+    assert e.value.param == "messages[0].content[2]"
+    body["messages"][0]["content"] = parts * 2  # two images in a message, checked and kept in order
+    sub = decode_body(json.dumps(body).encode(), ChatCompletionRequest).submission(served)
+    chat = sub.prompts[0]
+    assert len(chat.images) == 2 and [p["type"] for p in chat.messages[0].parts] == ["text", "image"] * 2
