@@ -14,6 +14,7 @@ from gapless.config import (
     ATTENTION_BACKENDS,
     CPU_WORKERS,
     FUSED_KERNELS,
+    LOAD_FORMATS,
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
     EngineConfig,
@@ -101,6 +102,7 @@ _CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "fused_kernels": FUSED_KERNELS,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+    "load_format": LOAD_FORMATS,
 }
 
 

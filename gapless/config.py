@@ -15,6 +15,7 @@ CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
 FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused_kernels
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
+LOAD_FORMATS = ("auto", "dummy")  # see gapless.model.loader.load_model
 
 
 DEFAULT_MAX_IMAGES = 8  # images per prompt (limit_mm_per_prompt)
@@ -71,6 +72,18 @@ class EngineConfig:
     )
     device: str = option("auto", "auto: cuda when available, else cpu")
     dtype: str = option("auto", "auto: checkpoint dtype on GPU, float32 on CPU")
+    quantization: str | None = option(
+        None,
+        "the weights' quantized format (vLLM's names): fp8 quantizes a float checkpoint's linear layers "
+        "to fp8 e4m3 at load (one scale per output row; activations per token); None: the checkpoint's "
+        "own (config.json's quantization_config: fp8, compressed-tensors), else float. A format the "
+        "device cannot run is refused before any weight loads (gapless.model.quant.formats)",
+    )
+    load_format: str = option(
+        "auto",
+        "auto: the checkpoint's weights; dummy: random weights in the checkpoint's shape, none read (as "
+        "vLLM's --load-format dummy: for benchmarks, with a config.json and a tokenizer only)",
+    )
     page_size: int = option(1, "tokens per KV cache page; the prefix cache shares whole pages")
     radix_cache: bool = option(True, "reuse the KV cache of shared prompt prefixes (a radix tree)")
     chunked_prefill_size: int | None = option(
@@ -243,6 +256,8 @@ class EngineConfig:
             raise bad("kv_cache_memory_gib", "must be > 0")
         if not 0 < self.mem_fraction_static < 1:
             raise bad("mem_fraction_static", "must be in (0, 1)")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         self._check_graphs(bad)

@@ -246,3 +246,5 @@ class RunnerInfo:
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] = ()
     weights: str = ""  # the weights' format and bytes, for the start-up line (gapless.model.quant)
+    quantization: str | None = None  # the layers' quantized format(s), vLLM's names; None: float
+    weight_formats: tuple[tuple[str, int], ...] = ()  # (format, layers holding it), for /v1/models, /metrics

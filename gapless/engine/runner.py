@@ -48,7 +48,7 @@ from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext, ImageRows
 from gapless.model.fused import use_fused_kernels
 from gapless.model.loader import load_model, resolve_dtype
-from gapless.model.quant import weights_summary
+from gapless.model.quant import quantization, weights_held, weights_summary
 from gapless.sampling.fused import draw_kernel, nucleus_kernel, penalty_kernel
 from gapless.sampling.logprobs import PromptScores, score_prompt
 from gapless.sampling.mask import TokenMask
@@ -93,7 +93,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
         if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
             log.warning(why)
-        self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
+        self.model: CausalLM = load_model(
+            cfg.model,
+            self.dtype,
+            self.device,
+            max_positions=max_context,
+            quantization=cfg.quantization,
+            dummy=cfg.load_format == "dummy",
+        )
         self.model_config = mcfg
         vision = self.model.vision  # a vision-language model's encoder, and the images it keeps per row
         self.encoder_cache: EncoderCache | None = None
@@ -274,6 +281,8 @@ class ModelRunner:
             sliding_window=mc.sliding_window,
             window_layers=mc.window_layers,
             weights=weights_summary(self.model),
+            quantization=quantization(self.model),
+            weight_formats=tuple(sorted(weights_held(self.model)[0].items())),
         )
 
     def forward_tokens(

@@ -7,10 +7,12 @@ as happens on a GPU and with tensor parallelism until those have quantized kerne
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -23,7 +25,8 @@ from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
-from gapless.model.quant import gguf_cpu, weights_summary
+from gapless.model.quant import formats, gguf_cpu, weights_summary
+from gapless.model.quant.formats import QuantFormatError, QuantSpec
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 from gapless.model.vision import new_encoder, text_weight_name
 
@@ -97,20 +100,30 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+    quantization: str | None = None,
+    dummy: bool = False,
 ) -> CausalLM:
-    """The checkpoint's model in `dtype` on `device`; `max_positions` as `CausalLM` takes it."""
+    """The checkpoint's model in `dtype` on `device`; `max_positions` as `CausalLM` takes it. A quantized
+    checkpoint (its config.json's `quantization_config`) or `quantization` (`--quantization`) loads its
+    layers in that format (`gapless.model.quant.formats`), refused in one line before any weight loads
+    where it cannot run. `dummy`: random weights, none read (`--load-format dummy`, for benchmarks)."""
     path = Path(path)
     cfg = load_model_config(path)
     parallel.check_shardable(cfg, parallel.current().size)
+    spec = quant_spec(path, quantization, device)
     with _default_dtype(dtype), torch.device(device):
         model = CausalLM(cfg, max_positions)
+    scheme, quantized = _prepare_quantized(model, spec, path)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
     encoder = new_encoder(cfg.vision, cfg.hidden_size, dtype, device) if cfg.vision is not None else None
-    for name, tensor in iter_weights(path, keeps_gguf_quantized(path, device)):
-        if "rotary_emb" in name:
+    for name, tensor in [] if dummy else iter_weights(path, keeps_gguf_quantized(path, device)):
+        if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
         if encoder is not None:  # a vision-language checkpoint: its encoder's weights, the decoder's renamed
             if isinstance(tensor, torch.Tensor) and encoder.load_weight(name, tensor.to(dtype)):
@@ -123,12 +136,19 @@ def load_model(
             blocks.setdefault(name.rsplit(".", 1)[0], {})[shard] = tensor
             loaded.add(name if shard is None else f"{name}#{shard}")
             continue
-        loaded.update(_place(model, params, name, tensor.to(dtype)))
-    missing = sorted(_expected(model) - loaded)
-    missing += encoder.missing_weights() if encoder is not None else []
+        if name.endswith(".weight_scale_inv"):
+            name = name[: -len("_inv")]  # fp8's scale is a multiplier, as compressed-tensors' weight_scale
+        keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
+        loaded.update(_place(model, params, name, tensor if keep else tensor.to(dtype)))
+    missing = [] if dummy else sorted(_expected(model) - loaded)
+    missing += encoder.missing_weights() if encoder is not None and not dummy else []
+    if dummy:
+        _random_weights(model)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
     model.requires_grad_(False).eval()
+    if spec is not None:
+        scheme.finish(model, spec, quantized)
     if blocks:
         _install_quantized(model, blocks)  # the other layers keep torch's GEMM on their float weight
     else:
@@ -136,6 +156,46 @@ def load_model(
     log.info("%s", weights_summary(model))
     model.vision = encoder  # (after the decoder's GEMMs are packed: the encoder keeps torch's)
     return model
+
+
+def _random_weights(model: CausalLM) -> None:
+    """Every parameter random (normal, std 0.02; e4m3 weights alike), norms and scales 1."""
+    for name, p in model.named_parameters():
+        if "norm" in name or name.endswith("weight_scale"):
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, device=p.device) * 0.02)
+
+
+_SKIPPED = (".input_scale",)  # a checkpoint's static activation scales: activations are scaled per token
+
+
+def quant_spec(path: Path, quantization: str | None, device: torch.device | str) -> QuantSpec | None:
+    """The quantized format a load of `path` runs (None: float weights), or a one-line QuantFormatError."""
+    if quantization is not None and is_gguf_file(path):
+        raise QuantFormatError(
+            f"--quantization {quantization} applies to a safetensors checkpoint, not a GGUF file"
+        )
+    return formats.resolve(formats.checkpoint_quantization(path), quantization, device)
+
+
+def _prepare_quantized(model: CausalLM, spec: QuantSpec | None, path: Path) -> tuple[Any, list[str]]:
+    """(the format's module, the modules it quantizes), their parameters made ready for its tensors."""
+    if spec is None:
+        return None, []
+    scheme = importlib.import_module(f"gapless.model.quant.{spec.scheme}")
+    targets: set[str] = set()
+    if not spec.online:
+        for file in safetensors_files(path):
+            with safe_open(str(file), framework="pt") as f:
+                names = list(f.keys())
+            for name in names:
+                for suffix in scheme.SCALE_NAMES:
+                    if name.endswith(f".{suffix}"):
+                        targets.add(_target(f"{name[: -len(suffix)]}weight")[0].rsplit(".", 1)[0])
+    quantized = scheme.quantized_modules(model, spec, targets)
+    scheme.prepare(model, spec, quantized)
+    return scheme, quantized
 
 
 def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFBlocks]]) -> None:

@@ -212,6 +212,8 @@ class SchedulerInfo(msgspec.Struct):
     vocab_size: int
     chunked_prefill_size: int  # as chosen for the device (gapless.engine.defaults), for the ready line
     weights: str = ""  # the weights' format and bytes (gapless.model.quant.weights_summary)
+    quantization: str | None = None  # the layers' quantized format(s) (RunnerInfo's)
+    weight_formats: dict[str, int] = msgspec.field(default_factory=dict)  # format -> layers holding it
     # a vision-language model: images per prompt and pixels per image it takes; (0, 0): a text model
     image_limits: tuple[int, int] = (0, 0)
 

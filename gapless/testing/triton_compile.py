@@ -13,8 +13,8 @@ extend batch, and a decode batch split over several programs and in one) in fp32
 and without a sliding window and soft-capping, at head dims 64 and 128; the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
-the MoE grouped GEMM. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
-without TRITON_INTERPRET (the interpreter takes the compiler's place).
+the MoE grouped GEMM; the FP8 GEMM. Exit status 1, naming each kernel and its error, when any fails to
+compile. Run it without TRITON_INTERPRET (the interpreter takes the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
 compiled binary records them (`cuobjdump --dump-resource-usage`, which comes with Triton): what decides
@@ -208,10 +208,28 @@ def _moe() -> dict[str, Callable[[], object]]:
     return {f"moe {dtype}": partial(run, dtype) for dtype in DTYPES}
 
 
+def _fp8() -> dict[str, Callable[[], object]]:
+    from gapless.model.quant.fp8_kernel import fp8_gemm
+
+    def run(rows: int, dtype: torch.dtype, block: bool) -> object:
+        n, k = 96, 256
+        w = torch.zeros(n, k).to(torch.float8_e4m3fn)
+        scale = torch.ones(1, 2) if block else torch.ones(n, 1)
+        x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
+        return fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
+
+    return {
+        f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
+        for rows in (1, 40, 200)  # each tile shape (`fp8_kernel._tiles`)
+        for dtype in DTYPES
+        for block in (False, True)
+    }
+
+
 def compile_all(arch: int) -> Compiler:
     """Launch every case under a `Compiler` for `arch`; the compiler's record of what built and what not."""
     with Compiler(arch) as compiler, torch.inference_mode():
-        for group in (_attention, _model_kernels, _sampling, _moe):
+        for group in (_attention, _model_kernels, _sampling, _moe, _fp8):
             for name, case in group().items():
                 before = len(compiler.failed)
                 try:

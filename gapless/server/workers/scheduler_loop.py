@@ -136,6 +136,8 @@ def scheduler_main(
                 info.vocab_size,
                 info.chunked_prefill_size,
                 info.weights,
+                info.quantization,
+                dict(info.weight_formats),
                 (ImageLimits.of(engine.cfg) if engine.vision is not None else ImageLimits(0, 0)),
             )
             reports = ReplicaReports(socks, replica) if replicas > 1 else None
