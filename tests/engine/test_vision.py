@@ -254,3 +254,16 @@ def test_memory_plan_counts_the_encoder(ckpt):
     vision = plan_gpu_kv(**kw, mem_fraction_static=0.9, bytes_per_token=1024, encoder_bytes=1 << 30)
     assert plain.tokens - vision.tokens == (1 << 30) // 1024
     assert "vision encoder 1.00 GiB" in vision.describe()
+
+
+def test_retraction_re_encodes_and_keeps_the_tokens(ckpt, reference):
+    """A KV pool too small for every conversation at once: requests are retracted mid-decode and resume
+    (their image KV recomputed, or found in the radix cache), under overlap with chaos delays; the tokens
+    stay transformers'."""
+    eager = {"init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
+    options = dict(kv_cache_tokens=120, cpu_worker="thread", chaos_seed=3, chunked_prefill_size=16, **eager)
+    with LLM(str(ckpt), device="cpu", **options) as llm:
+        outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == reference[:4]
+        assert llm.engine.stats.retractions > 0
+        llm.check_integrity()
