@@ -30,6 +30,32 @@ TASK_NAMES = {
 POOLING_TYPES = ("last", "mean", "cls")
 
 
+DEFAULT_MAX_IMAGES = 8  # images per prompt (limit_mm_per_prompt)
+DEFAULT_MAX_PIXELS = 4096 * 4096  # pixels per image (max_image_pixels)
+
+
+def parse_limit_mm(text: str) -> int:
+    """Images per prompt from vLLM's `--limit-mm-per-prompt` syntax: `image=N` or `{"image": N}`; other
+    modalities are refused by name."""
+    import json
+
+    text = text.strip()
+    try:
+        pairs = json.loads(text) if text.startswith("{") else dict(p.split("=", 1) for p in text.split(","))
+    except ValueError:
+        raise ValueError(f'{text!r}: expected image=N or a JSON object such as {{"image": N}}') from None
+    unknown = sorted(set(pairs) - {"image"})
+    if unknown:
+        raise ValueError(f"{text!r}: only images are taken (not {', '.join(unknown)})")
+    try:
+        n = int(pairs.get("image", DEFAULT_MAX_IMAGES))
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r}: the image count must be an integer") from None
+    if n < 0:
+        raise ValueError(f"{text!r}: the image count must be >= 0")
+    return n
+
+
 def option(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:  # noqa: A002
     """An `EngineConfig` field: its `default` (or a `factory` making it) and its `help`, one sentence or
     two that the command line prints for its flag (`field.metadata["help"]`)."""
@@ -243,6 +269,13 @@ class EngineConfig:
         "seconds a rank waits for the others (start-up, each collective) before the engine ends with "
         "an error",
     )
+    limit_mm_per_prompt: str = option(
+        f"image={DEFAULT_MAX_IMAGES}",
+        'images one prompt may bring (a vision-language model), in vLLM\'s syntax: image=N or {"image": N}',
+    )
+    max_image_pixels: int = option(
+        DEFAULT_MAX_PIXELS, "the most pixels (width x height) an image may have, checked before it is decoded"
+    )
     data_parallel_size: int = option(
         1,
         "data parallelism: engine replicas (a scheduler + model process each, on its own device or "
@@ -284,6 +317,7 @@ class EngineConfig:
         self._check_speculative(bad)
         self._check_parallel(bad)
         self._check_task(bad)
+        self._check_images(bad)
 
     def _check_task(self, bad: Any) -> None:
         """The pooling options (gapless.engine.pooling): a known task and pooling type (each name made
@@ -303,6 +337,14 @@ class EngineConfig:
             raise bad("score_token", "is for task score (a causal-LM reranker)")
         if self.task in ("embed", "score", "pooling") and self.speculative_algorithm is not None:
             raise bad("speculative_algorithm", f"does not apply to a pooling model (task {self.task})")
+
+    def _check_images(self, bad: Any) -> None:
+        if self.max_image_pixels < 1:
+            raise bad("max_image_pixels", "must be >= 1")
+        try:
+            parse_limit_mm(self.limit_mm_per_prompt)
+        except ValueError as e:
+            raise bad("limit_mm_per_prompt", str(e)) from None
 
     def _check_graphs(self, bad: Any) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:

@@ -16,6 +16,8 @@ from gapless.config import EngineConfig
 from gapless.engine.chat_template import Message, render_chat
 from gapless.engine.engine import Engine, EngineShutDown
 from gapless.engine.heap import frozen_heap
+from gapless.engine.image_io import split_chat
+from gapless.engine.images import PromptImage
 from gapless.engine.pooling import PoolingSpec, cosine, format_pair, score_pairs, score_template
 from gapless.engine.prompt_logprobs import Logprob, prompt_logprobs_output
 from gapless.engine.request import Req
@@ -168,6 +170,11 @@ class LLM:
         else:
             convs = list(cast(Sequence[Sequence[Message]], messages))
         params = _params_per_prompt(sampling_params, len(convs), "conversations")
+        if engine.vision is not None:  # a vision-language model: its processor renders and expands
+            how = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
+            if chat_template is not None:
+                how["chat_template"] = chat_template
+            return self._chat_images(convs, params, use_tqdm, how)
         texts, token_ids = [], []
         for conv in convs:
             text, ids = render_chat(
@@ -181,12 +188,32 @@ class LLM:
             token_ids.append(engine.tokenize(ids))
         return self._run(texts, token_ids, params, use_tqdm)
 
+    def _chat_images(
+        self,
+        convs: list[Sequence[Message]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        template_kwargs: dict[str, Any],
+    ) -> list[RequestOutput]:
+        """`chat` for a vision-language model: messages may hold image parts (`{"type": "image", "image":
+        a PIL image or a path}`, or OpenAI's `image_url` with a data: URL), each checked against the
+        limits before anything is queued."""
+        prompter = self.engine.image_prompter()
+        token_ids, images = [], []
+        for conv in convs:
+            chat, opened = split_chat([dict(m) for m in conv], prompter.limits)
+            ids, prompt_images = prompter.render(chat, opened, template_kwargs)
+            token_ids.append(self.engine.tokenize(ids))
+            images.append(prompt_images)
+        return self._run([None] * len(convs), token_ids, params, use_tqdm, images)
+
     def _run(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[Prompt | None],
         token_ids: list[list[int]],
         params: list[SamplingParams],
         use_tqdm: bool,
+        images: list[tuple[PromptImage, ...]] | None = None,
     ) -> list[RequestOutput]:
         """Generate for the validated prompts (a pooling model refuses: it does not generate)."""
         if self.engine.pooling is not None:
@@ -194,18 +221,23 @@ class LLM:
                 f"this model runs task {self.engine.pooling.task} (a pooling model): it does not generate; "
                 "use LLM.embed or LLM.score, or load it with task='generate'"
             )
-        reqs = self._requests(token_ids, params, use_tqdm)
+        reqs = self._requests(token_ids, params, use_tqdm, images)
         return [self._output(r, p) for r, p in zip(reqs, prompts)]
 
     def _requests(
-        self, token_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
+        self,
+        token_ids: list[list[int]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        images: list[tuple[PromptImage, ...]] | None = None,
     ) -> list[Req]:
         """Queue the validated prompts and step the engine until all of them are finished. The heap the
         caller's process held before is frozen meanwhile (`frozen_heap`): the collections the run's own
         objects set off do not walk it."""
         for p in params:  # a grammar that cannot compile refuses the call before any of it is queued
             self.engine.check_params(p)
-        reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, params)]
+        images = images or [()] * len(token_ids)
+        reqs = [self.engine.add_request(ids, p, images=im) for ids, p, im in zip(token_ids, params, images)]
         try:
             with (
                 frozen_heap(),
@@ -223,7 +255,7 @@ class LLM:
             raise
         return reqs
 
-    def _output(self, req: Req, prompt: Prompt) -> RequestOutput:
+    def _output(self, req: Req, prompt: Prompt | None) -> RequestOutput:
         return RequestOutput(
             request_id=req.rid,
             prompt=prompt if isinstance(prompt, str) else None,

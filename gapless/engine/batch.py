@@ -22,6 +22,7 @@ from gapless.sampling.mask import TokenMask
 from gapless.sampling.rows import RowParams, SampleFlags
 
 if TYPE_CHECKING:
+    from gapless.engine.vision import ImageBatch
     from gapless.sampling.sampler import SampleOutput
 
 V = TypeVar("V")  # a vector: a host numpy array or a tensor
@@ -95,6 +96,9 @@ class ForwardBatch:
 
     # speculative decoding (gapless.engine.spec): a verify batch's inputs, or an extend's token history
     spec: VerifyInputs | HistoryWrites | None = None
+
+    # a vision-language model's image tokens in this extend: the encoder's rows replace their embeddings
+    images: ImageBatch | None = None
 
     @property
     def reads_future_tokens(self) -> bool:

@@ -31,6 +31,8 @@ from gapless.engine import pooling, prompt_logprobs
 from gapless.engine.detokenize import detokenize
 from gapless.engine.grammar import Grammars, check_logit_bias
 from gapless.engine.heap import gc_pauses
+from gapless.engine.image_io import ImageLimits
+from gapless.engine.images import ImagePrompter, PromptImage
 from gapless.engine.meter import BubbleMeter
 from gapless.engine.preflight import check_engine_config
 from gapless.engine.request import Req
@@ -57,7 +59,11 @@ class Engine:
                 "data parallelism is served: gapless serve --data-parallel-size N"
             )
         # the model as local files (a path, a built-in name or a Hugging Face id), checked before it loads
-        self.cfg = cfg = check_engine_config(cfg).cfg
+        checked = check_engine_config(cfg)
+        self.cfg = cfg = checked.cfg
+        # a vision-language model's chats with images go through its processor (`image_prompter`)
+        self.vision = checked.model.vision
+        self._prompter: ImagePrompter | None = None
         gc_pauses()  # counting from here
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)
         # a pooling model's (embed, score: gapless.engine.pooling), else None: every request pools
@@ -160,12 +166,21 @@ class Engine:
             )
         return ids
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Req:
-        """Queue an already validated prompt (see `tokenize`). The one place a request's unset sampling
-        knobs are filled (`SamplingParams.resolved`: the checkpoint's defaults, else the library's), for
-        `LLM`, `gapless chat` and the server alike; the queued `Req` holds the resolved params."""
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        images: tuple[PromptImage, ...] = (),
+    ) -> Req:
+        """Queue an already validated prompt (see `tokenize`) and its images (`image_prompter`). The one
+        place a request's unset sampling knobs are filled (`SamplingParams.resolved`: the checkpoint's
+        defaults, else the library's), for `LLM`, `gapless chat` and the server alike; the queued `Req`
+        holds the resolved params."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        if images and (self.vision is None or any(im.start + im.length > len(prompt_ids) for im in images)):
+            raise ValueError("images for a model without a vision encoder, or past the prompt's end")
         params = params.resolved(self.sampling_defaults)
         if self.pooling is not None:  # prefill only: the one token its last chunk samples is dropped
             params = dataclasses.replace(params, max_tokens=1, temperature=0.0, ignore_eos=True, stop=[])
@@ -189,10 +204,21 @@ class Engine:
             prompt_lp=prompt_logprobs.new_state(params, len(prompt_ids)),
             pool=pooling.new_state(self.pooling, len(prompt_ids)),
             grammar=grammar,
+            images=tuple(images),
         )
         self.reqs[rid] = req
         self.scheduler.add(req)
         return req
+
+    def image_prompter(self) -> ImagePrompter:
+        """The model's processor, for chats with images (made on first use); ValueError for a text model."""
+        if self.vision is None:
+            raise ValueError(f"{self.cfg.model} is a text model: it takes no images")
+        if self._prompter is None:
+            self._prompter = ImagePrompter(
+                self.cfg.model, self.vision.image_token_id, ImageLimits.of(self.cfg)
+            )
+        return self._prompter
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError naming the field if `add_request` would refuse `params` (a logit_bias token outside

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from gapless.engine.images import PromptImage
 from gapless.memory.cache_base import TreeNode
 from gapless.sampling.logprobs import PromptLogprobState
 from gapless.sampling_params import SamplingParams
@@ -59,6 +60,7 @@ class Req:
     # while waiting: (length, key), the tokens the prefix cache may supply, as the cache's key, kept while
     # that length holds, since the waiting queue is ordered by cached prefix every step (`KVManager`)
     match_key: tuple[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
+    images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (gapless.engine.images)
 
     @property
     def seq_len(self) -> int:
@@ -68,6 +70,16 @@ class Req:
     def fill_ids(self) -> list[int]:
         """All tokens whose KV the request needs: the prompt and what it generated so far."""
         return self.prompt_ids + self.output_ids
+
+    def cache_ids(self, n: int) -> list[int]:
+        """The first `n` of `fill_ids` as the radix cache keys them: each image's run by its key."""
+        ids = self.fill_ids[:n]
+        for im in self.images:
+            if im.start < n:
+                ids[im.start : min(n, im.start + im.length)] = [im.key] * (
+                    min(n, im.start + im.length) - im.start
+                )
+        return ids
 
     @property
     def finished(self) -> bool:

@@ -1,10 +1,9 @@
 """The device side of a step: owns the weights, the KV pool, the device request table and the sampler.
 
-`ModelRunner.run(batch)` is the one job the scheduler submits to the device stream per step: apply the
-batch's request-table writes, run the model, sample. Everything it touches is device state; the
-scheduler only ever hands it a `ForwardBatch` built from host state. Decode batches go through CUDA
-graphs (`gapless.engine.cuda_graph`) when they are on, small prefills through the piecewise prefill graphs
-(`gapless.engine.piecewise_graph`) when those are.
+`ModelRunner.run(batch)` is the one job the scheduler submits to the device stream per step: apply the batch's
+request-table writes, run the model, sample. Everything it touches is device state; the scheduler only ever
+hands it a `ForwardBatch` built from host state. Decodes run through CUDA graphs (`gapless.engine.cuda_graph`)
+when on, small prefills through piecewise ones (`gapless.engine.piecewise_graph`).
 
 The KV pool's size comes from `gapless.engine.memory_plan`; on CUDA the runner first measures its own
 activation peak (`measure_activations`) on a one-page pool, which is dropped before the real one is made.
@@ -32,6 +31,8 @@ from gapless.engine.memory_plan import (
     available_ram,
     dummy_decode,
     dummy_prefill,
+    encoder_bytes,
+    encoder_images,
     plan_cpu_kv,
     plan_gpu_kv,
 )
@@ -39,11 +40,12 @@ from gapless.engine.piecewise_graph import PiecewiseGraphs
 from gapless.engine.pooling import pool_hidden
 from gapless.engine.spec.device import SpecState
 from gapless.engine.spec.draft import load_draft
+from gapless.engine.vision import EncoderCache
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
 from gapless.model import parallel
 from gapless.model.config import load_model_config
-from gapless.model.decoder import CausalLM, ForwardContext
+from gapless.model.decoder import CausalLM, ForwardContext, ImageRows
 from gapless.model.fused import use_fused_kernels
 from gapless.model.loader import load_model, resolve_dtype
 from gapless.model.quant import quantization, weights_held, weights_summary
@@ -100,6 +102,9 @@ class ModelRunner:
             dummy=cfg.load_format == "dummy",
         )
         self.model_config = mcfg
+        vision = self.model.vision  # a vision-language model's encoder, and the images it keeps per row
+        per_call = encoder_images(cfg, vision.spec.tokens_per_image) if vision is not None else 0
+        self.encoder_cache = EncoderCache(vision, per_call) if vision is not None else None
         self.page_size = cfg.page_size
         self.max_running_requests = max_rows = cfg.max_running_requests
         probe = Probe(
@@ -244,6 +249,7 @@ class ModelRunner:
             graph_bytes=graph_bytes,
             mem_fraction_static=cfg.mem_fraction_static,
             bytes_per_token=per_token,
+            encoder_bytes=encoder_bytes(self.model.vision, cfg, self.dtype),
         )
         if plan.tokens < cfg.page_size:
             raise RuntimeError(
@@ -286,11 +292,13 @@ class ModelRunner:
         positions: torch.Tensor,
         out_slots: torch.Tensor,
         meta: AttentionMetadata,
+        images: ImageRows | None = None,
     ) -> torch.Tensor:
-        """The decoder over a flat batch whose slots are already in the request table; hidden [T, hidden]."""
-        return self.model(
-            input_ids, ForwardContext.prepared(positions, out_slots, self.kv_pool, self.backend, meta)
-        )
+        """The decoder over a flat batch whose slots are already in the request table; hidden [T, hidden].
+        `images`: encoder rows that replace the embeddings of image tokens."""
+        ctx = ForwardContext.prepared(positions, out_slots, self.kv_pool, self.backend, meta)
+        ctx.images = images
+        return self.model(input_ids, ctx)
 
     def _eager_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionMetadata]:
         """The input ids of `batch` outside a decode graph (a decode's are its rows' future-token slots)
@@ -319,7 +327,11 @@ class ModelRunner:
         else:
             table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
             input_ids, meta = self._eager_inputs(batch)
-            if self.piecewise is not None and self.piecewise.can_run(batch):
+            if batch.images is not None:  # the encoder's rows go in (gapless.engine.vision), eagerly
+                assert self.encoder_cache is not None, "image tokens for a model without a vision encoder"
+                images = self.encoder_cache.rows(batch.images, self.device)
+                hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta, images)
+            elif self.piecewise is not None and self.piecewise.can_run(batch):
                 hidden = self.piecewise.run(batch, meta)
             else:
                 hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)

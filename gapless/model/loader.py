@@ -31,6 +31,7 @@ from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear
 from gapless.model.quant import formats, gguf_cpu, int4, weights_summary
 from gapless.model.quant.formats import QuantFormatError, QuantSpec
 from gapless.model.quant.gguf_cpu import GGUFBlocks
+from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +132,14 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
+    encoder = new_encoder(cfg.vision, cfg.hidden_size, dtype, device) if cfg.vision is not None else None
     for name, tensor in [] if dummy else iter_weights(path, keeps_gguf_quantized(path, device)):
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
-        if name.split(".", 1)[0] in _BODY_PARTS:  # a bare decoder's (an embedding model saved without
-            name = f"model.{name}"  # its head, e.g. Qwen3-Embedding): the body's names, unprefixed
+        decoder_name = _decoder_name(name, tensor, encoder, dtype)
+        if decoder_name is None:
+            continue  # the vision encoder's
+        name = decoder_name
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
         hit = int4.split_name(name, int4_spec) if int4_spec is not None else None
@@ -157,7 +161,7 @@ def load_model(
     if dummy:
         _random_weights(model)
     else:
-        _check_complete(model, path, loaded)
+        _check_complete(model, path, loaded, encoder.missing_weights() if encoder is not None else [])
     model.requires_grad_(False).eval()
     if scheme is not None:
         assert spec is not None
@@ -167,14 +171,27 @@ def load_model(
     elif int4_spec is None:  # (the float layers beside int4 ones keep torch's GEMM)
         pack_cpu_gemms(model)
     log.info("%s", weights_summary(model))
+    model.vision = encoder  # (after the decoder's GEMMs are packed: the encoder keeps torch's)
     return model
 
 
-def _check_complete(model: CausalLM, path: Path, loaded: set[str]) -> None:
-    """Refuse a checkpoint that lacks weights the model has; a sentence-transformers embedding model may
-    lack its head (it pools hidden states, and the one token its requests sample, and drop, comes from
-    zeros)."""
-    missing = sorted(_expected(model) - loaded)
+def _decoder_name(name: str, tensor: object, encoder: VisionEncoder | None, dtype: torch.dtype) -> str | None:
+    """The decoder's name of a checkpoint tensor, or None where the vision encoder took it (a
+    vision-language checkpoint: its encoder's weights, the decoder's renamed)."""
+    if encoder is not None:
+        if isinstance(tensor, torch.Tensor) and encoder.load_weight(name, tensor.to(dtype)):
+            return None
+        name = text_weight_name(name)
+    if name.split(".", 1)[0] in _BODY_PARTS:  # a bare decoder's (an embedding model saved without its
+        name = f"model.{name}"  # head, e.g. Qwen3-Embedding): the body's names, unprefixed
+    return name
+
+
+def _check_complete(model: CausalLM, path: Path, loaded: set[str], encoder_missing: list[str]) -> None:
+    """Refuse a checkpoint that lacks weights the model (or its vision encoder: `encoder_missing`) has; a
+    sentence-transformers embedding model may lack its head (it pools hidden states, and the one token its
+    requests sample, and drop, comes from zeros)."""
+    missing = sorted(_expected(model) - loaded) + encoder_missing
     if missing == ["lm_head.weight"] and (path / "modules.json").is_file():
         model.lm_head.weight.data.zero_()
         log.info("%s has no lm_head: loaded for embeddings only", path)

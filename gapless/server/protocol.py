@@ -31,14 +31,41 @@ class ChatMessage(msgspec.Struct):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # a message with images: its parts in order, text ({"type": "text", "text": ...}) and {"type": "image"}
+    parts: list[dict[str, str]] | None = None
+
+
+class ImageChat(msgspec.Struct):
+    """A chat with images: its messages (image parts in `ChatMessage.parts`) and the images' encoded
+    bytes, in order, checked by the API server (`gapless.engine.image_io`)."""
+
+    messages: list[ChatMessage]
+    images: list[bytes]
 
 
 class PromptIn(msgspec.Struct):
-    """One prompt as the client gave it: text, token ids, or a chat to render with the chat template."""
+    """One prompt as the client gave it: text, token ids, or a chat to render with the chat template
+    (with `images`: a vision-language model's, through its processor)."""
 
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    images: list[bytes] | None = None
+
+
+class TensorBytes(msgspec.Struct):
+    dtype: str  # torch's name without "torch."
+    shape: list[int]
+    data: bytes
+
+
+class ImageIn(msgspec.Struct):
+    """One image of a prompt, processed (`gapless.engine.images.PromptImage`)."""
+
+    start: int
+    length: int
+    key: int
+    inputs: list[TensorBytes]
 
 
 class TokenizeReq(msgspec.Struct, tag=True):
@@ -57,6 +84,7 @@ class SchedReq(msgspec.Struct, tag=True):
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    images: list[ImageIn] | None = None
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -194,6 +222,8 @@ class SchedulerInfo(msgspec.Struct):
     task: str = "generate"
     normalize: bool = False
     pooling: str = ""
+    # a vision-language model: images per prompt and pixels per image it takes; (0, 0): a text model
+    image_limits: tuple[int, int] = (0, 0)
 
 
 class ReplicaReport(msgspec.Struct, tag=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from gapless.engine.image_io import ImageLimits
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.errors import BadRequest
 
@@ -27,6 +28,8 @@ class ServedModel:
     reasoning_parser: str | None = None  # --reasoning-parser (gapless.server.reasoning)
     task: str = "generate"  # generate, or a pooling model's embed or score (gapless.engine.pooling)
     normalize: bool = False  # a pooling model's vectors are L2-normalized
+
+    images: ImageLimits | None = None  # a vision-language model's image limits; None: it takes no images
 
     def check_task(self, endpoint: str, tasks: tuple[str, ...]) -> None:
         """A 400 when `endpoint` is not for this model's task: a generative model asked for embeddings, an

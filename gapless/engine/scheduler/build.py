@@ -25,6 +25,7 @@ from gapless.engine.request import Extend, Req
 from gapless.engine.scheduler.kv import DecodeSlots
 from gapless.engine.scheduler.masks import MaskedRow, needs_mask
 from gapless.engine.spec.inputs import HistoryWrites
+from gapless.engine.vision import image_batch
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
 
@@ -191,6 +192,7 @@ class BatchBuilder:
             penalty_inits=penalty_inits,
             row_params=row_params,
             spec=HistoryWrites(*hist) if hist is not None else None,
+            images=image_batch(entries, q_start.tolist()),
         )
         forward.prompt_scores, scored = plan_scores(entries)
         forward.pool, pooled = plan_pool(entries)

@@ -53,7 +53,7 @@ def _match_key(req: Req) -> tuple[int, ...]:
     # position it pools (gapless.engine.pooling)
     limit = pooling.reuse_limit(req, reuse_limit(req))
     if req.match_key is None or req.match_key[0] != limit:
-        req.match_key = (limit, tuple(req.fill_ids[:limit]))
+        req.match_key = (limit, tuple(req.cache_ids(limit)))
     return req.match_key[1]
 
 
@@ -288,7 +288,7 @@ class KVManager:
         """What `req` holds for its first `n` positions (host slots, copied out of the table)."""
         assert req.row is not None and req.last_node is not None
         slots = self.req_table.host_table[req.row, :n].long()
-        return HeldKV(req.fill_ids[:n], slots, req.last_node, req.cached_len)
+        return HeldKV(req.cache_ids(n), slots, req.last_node, req.cached_len)
 
     def _write_table(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Host mirror now; the device table in stream order, with the next launched batch."""

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, cast
 
 from gapless.config import EngineConfig
 from gapless.engine.heap import frozen_heap
+from gapless.engine.image_io import ImageLimits
 from gapless.server import protocol as P
+from gapless.server.images import from_wire
 from gapless.server.logs import StatsLog
 from gapless.server.prompt_logprobs import prompt_logprob_fields
 from gapless.server.replicas import replica_config, scheduler_name, uses_cuda
@@ -140,8 +142,9 @@ def scheduler_main(
                 *(
                     (engine.pooling.task, engine.pooling.normalize, engine.pooling.describe())
                     if engine.pooling is not None
-                    else ()
+                    else ("generate", False, "")
                 ),
+                (ImageLimits.of(engine.cfg) if engine.vision is not None else ImageLimits(0, 0)),
             )
             reports = ReplicaReports(socks, replica) if replicas > 1 else None
             with frozen_heap(collect=True):  # what start-up built lives as long as the process
@@ -214,7 +217,8 @@ class SchedulerLoop:
     def add(self, msg: P.SchedReq) -> None:
         try:
             ids = self.engine.tokenize(msg.prompt_ids)  # validates ids and length
-            self.engine.add_request(ids, msg.params, rid=msg.rid)
+            images = from_wire(msg.images) if msg.images else ()
+            self.engine.add_request(ids, msg.params, rid=msg.rid, images=images)
         except ValueError as e:
             if self.request_log is not None:
                 self.request_log.refused(msg.rid, e)
