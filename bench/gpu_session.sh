@@ -47,7 +47,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in all | suite | serve | prefill | sweep) ;; *) sed -n 2,45p "$0"; exit 2 ;; esac
+case "$part" in all | suite | serve | prefill | sweep) ;; *) sed -n 2,46p "$0"; exit 2 ;; esac
 OUT=${OUT:-bench/results/gpu_session}
 WORK=${WORK:-${TMPDIR:-/tmp}/gpu_session/$part}
 BUDGET=${SESSION_BUDGET_S:-530}
