@@ -15,6 +15,7 @@ CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
 FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused_kernels
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; see gapless.memory.kv_pool.kv_cache_dtype
 
 
 def option(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:  # noqa: A002
@@ -45,6 +46,12 @@ class EngineConfig:
     )
     device: str = option("auto", "auto: cuda when available, else cpu")
     dtype: str = option("auto", "auto: checkpoint dtype on GPU, float32 on CPU")
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's element type (vLLM's flag): auto: the model's dtype; fp8 or fp8_e4m3: "
+        "float8 e4m3 with per-layer k/v scales from the checkpoint (else 1.0), twice the tokens per "
+        "byte",
+    )
     page_size: int = option(1, "tokens per KV cache page; the prefix cache shares whole pages")
     radix_cache: bool = option(True, "reuse the KV cache of shared prompt prefixes (a radix tree)")
     chunked_prefill_size: int | None = option(
@@ -212,6 +219,10 @@ class EngineConfig:
             raise bad("mem_fraction_static", "must be in (0, 1)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise bad("kv_cache_dtype", "float8 e5m2 KV is not built; use fp8 (e4m3)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
         self._check_graphs(bad)
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}")

@@ -242,3 +242,4 @@ class RunnerInfo:
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] = ()
     weights: str = ""  # the weights' format and bytes, for the start-up line (gapless.model.quant)
+    kv_cache: str = ""  # the KV cache's element type and bytes per token, for the start-up line

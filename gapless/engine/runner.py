@@ -38,7 +38,7 @@ from gapless.engine.memory_plan import (
 from gapless.engine.piecewise_graph import PiecewiseGraphs
 from gapless.engine.spec.device import SpecState
 from gapless.engine.spec.draft import load_draft
-from gapless.memory.kv_pool import KVPool
+from gapless.memory.kv_pool import KVPool, kv_cache_dtype
 from gapless.memory.req_table import ReqTable
 from gapless.model import parallel
 from gapless.model.config import load_model_config
@@ -90,6 +90,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
         if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
             log.warning(why)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
         self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
         self.model_config = mcfg
         self.page_size = cfg.page_size
@@ -101,6 +102,7 @@ class ModelRunner:
             self.dtype,
             mcfg.sliding_window,
             mcfg.attn_logit_softcapping,
+            self.kv_dtype,
         )
         self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
         self.fused_kernels = use_fused_kernels(self.model, cfg.fused_kernels, self.device)  # "triton"/"torch"
@@ -124,7 +126,8 @@ class ModelRunner:
         self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
         graph_bs = self._graph_max_bs(cfg)
 
-        per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.kv_dtype)
+        self.kv_bytes_per_token = per_token
         # a draft model's weights are loaded before the plan, and its KV counted in it (spec.draft)
         draft = load_draft(cfg, self.device, max_context, mcfg.vocab_size)
         per_token += draft.bytes_per_token if draft is not None else 0
@@ -143,7 +146,8 @@ class ModelRunner:
                 max_rows + 1, self.max_context, cfg.speculative_num_draft_tokens, self.device, draft
             )
         log.info(
-            "KV cache: %d tokens, %.3g GiB, max context %d (%s)",
+            "KV cache: %s, %d tokens, %.3g GiB, max context %d (%s)",
+            self.kv_summary,
             self.kv_tokens,
             self.kv_tokens * per_token / 2**30,
             self.max_context,
@@ -184,15 +188,20 @@ class ModelRunner:
 
     def _new_kv_pool(self, num_pages: int) -> KVPool:
         mcfg = self.model_config
-        return KVPool(
+        pool = KVPool(
             mcfg.num_layers,
             num_pages,
             self.page_size,
             mcfg.num_kv_heads,
             mcfg.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
+        if pool.quantized:
+            scales = self.model.kv_cache_scales
+            if scales is not None:
+                pool.set_scales(scales.k, scales.v)
+        return pool
 
     def _kv_tokens(
         self, cfg: EngineConfig, max_context: int, per_token: int, graph_bs: int, allocated_before: int
@@ -251,6 +260,13 @@ class ModelRunner:
         return other
 
     @property
+    def kv_summary(self) -> str:
+        """The KV cache's element type and bytes per token (all layers, K and V, the target model alone),
+        for the start-up lines."""
+        name = "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch.")
+        return f"KV {name}, {self.kv_bytes_per_token} B/token"
+
+    @property
     def info(self) -> RunnerInfo:
         mc = self.model_config
         return RunnerInfo(
@@ -266,6 +282,7 @@ class ModelRunner:
             sliding_window=mc.sliding_window,
             window_layers=mc.window_layers,
             weights=weights_summary(self.model),
+            kv_cache=self.kv_summary,
         )
 
     def forward_tokens(

@@ -22,6 +22,7 @@ from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
+from gapless.model.kv_scales import KVScaleReader
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
 from gapless.model.quant import gguf_cpu, weights_summary
 from gapless.model.quant.gguf_cpu import GGUFBlocks
@@ -107,6 +108,7 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
+    kv_scales = KVScaleReader()  # an FP8 KV cache's scales, where the checkpoint has them
     for name, tensor in iter_weights(path, keeps_gguf_quantized(path, device)):
         if "rotary_emb" in name:
             continue
@@ -117,10 +119,13 @@ def load_model(
             blocks.setdefault(name.rsplit(".", 1)[0], {})[shard] = tensor
             loaded.add(name if shard is None else f"{name}#{shard}")
             continue
+        if kv_scales.take(name, tensor):
+            continue
         loaded.update(_place(model, params, name, tensor.to(dtype)))
     missing = sorted(_expected(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
+    model.kv_cache_scales = kv_scales.scales(cfg.num_layers)
     model.requires_grad_(False).eval()
     if blocks:
         _install_quantized(model, blocks)  # the other layers keep torch's GEMM on their float weight

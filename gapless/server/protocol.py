@@ -184,6 +184,7 @@ class SchedulerInfo(msgspec.Struct):
     vocab_size: int
     chunked_prefill_size: int  # as chosen for the device (gapless.engine.defaults), for the ready line
     weights: str = ""  # the weights' format and bytes (gapless.model.quant.weights_summary)
+    kv_cache: str = ""  # the KV cache's element type and bytes per token (ModelRunner.kv_summary)
 
 
 class ReplicaReport(msgspec.Struct, tag=True):

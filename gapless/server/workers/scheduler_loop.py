@@ -134,6 +134,7 @@ def scheduler_main(
                 info.vocab_size,
                 info.chunked_prefill_size,
                 info.weights,
+                info.kv_cache,
             )
             reports = ReplicaReports(socks, replica) if replicas > 1 else None
             with frozen_heap(collect=True):  # what start-up built lives as long as the process
