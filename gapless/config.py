@@ -219,10 +219,7 @@ class EngineConfig:
             raise bad("mem_fraction_static", "must be in (0, 1)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
-        if self.kv_cache_dtype == "fp8_e5m2":
-            raise bad("kv_cache_dtype", "float8 e5m2 KV is not built; use fp8 (e4m3)")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
+        self._check_kv_cache_dtype(bad)
         self._check_graphs(bad)
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}")
@@ -236,6 +233,12 @@ class EngineConfig:
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
         self._check_speculative(bad)
         self._check_parallel(bad)
+
+    def _check_kv_cache_dtype(self, bad: Any) -> None:
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise bad("kv_cache_dtype", "float8 e5m2 KV is not built; use fp8 (e4m3)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
 
     def _check_graphs(self, bad: Any) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:

@@ -573,9 +573,12 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scales: KVScaleArgs) -> None:
     if k_cache.dtype == FP8 and v_cache.dtype == FP8:
-        if scales[0] is None or scales[1] is None:
+        k_scale, v_scale = scales
+        if k_scale is None or v_scale is None:
             raise ValueError("an fp8 KV cache needs its k_scale and v_scale")
-        if any(s.dtype != torch.float32 or s.numel() != 1 or s.device != q.device for s in scales):
+        if any(
+            s.dtype != torch.float32 or s.numel() != 1 or s.device != q.device for s in (k_scale, v_scale)
+        ):
             raise ValueError(f"k_scale and v_scale must be one fp32 element each on {q.device}")
     elif q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
         raise TypeError(

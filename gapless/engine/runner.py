@@ -263,7 +263,9 @@ class ModelRunner:
     def kv_summary(self) -> str:
         """The KV cache's element type and bytes per token (all layers, K and V, the target model alone),
         for the start-up lines."""
-        name = "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch.")
+        name = (
+            "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch.")
+        )
         return f"KV {name}, {self.kv_bytes_per_token} B/token"
 
     @property

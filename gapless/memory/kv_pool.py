@@ -88,12 +88,12 @@ class KVPool:
                 raise ValueError(f"{name}: scales must be positive and finite, got {bad[0]}")
         self.scales.copy_(torch.tensor([k_scales, v_scales], dtype=torch.float32).unsqueeze(-1))
 
-    def attention_scales(self, layer: int) -> dict[str, torch.Tensor]:
-        """What an attention backend's `forward` takes besides the caches to read `layer`: its k/v scales
-        when the pool is fp8, else nothing."""
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`layer`'s (k_scale, v_scale) as the store kernel and attention backends take them: an fp8
+        pool's, else (None, None)."""
         if not self.quantized:
-            return {}
-        return {"k_scale": self.k_scale[layer], "v_scale": self.v_scale[layer]}
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

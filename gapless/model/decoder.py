@@ -106,6 +106,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The attention of queries `q` [T, heads, d] over this layer's KV, placed by `ctx`'s batch (an
         fp8 pool's k/v scales passed along)."""
+        k_scale, v_scale = ctx.kv_pool.layer_scales(self.layer_id)
         return ctx.backend.forward(
             q,
             ctx.kv_pool.k[self.layer_id],
@@ -113,7 +114,8 @@ class Attention(nn.Module):
             ctx.attn_state,
             self.scale,
             **self.extra,
-            **ctx.kv_pool.attention_scales(self.layer_id),
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
@@ -140,7 +142,7 @@ class Attention(nn.Module):
             k_cache, v_cache = kv_pool.k[self.layer_id], kv_pool.v[self.layer_id]
             return self.fused.qk_norm_rope_store(
                 positions, q, k, v, self.rope.cos_sin, k_cache, v_cache, slots, norm,
-                **kv_pool.attention_scales(self.layer_id),
+                *kv_pool.layer_scales(self.layer_id),
             )  # fmt: skip
         if per_head:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -66,7 +66,9 @@ class KVScaleReader:
         """The scales found, 1.0 for the layers without; a layer past `num_layers` is refused."""
         extra = sorted({layer for layer, _ in self._found if layer >= num_layers})
         if extra:
-            raise ValueError(f"checkpoint has KV-cache scales for layer {extra[0]} of a {num_layers}-layer model")
+            raise ValueError(
+                f"checkpoint has KV-cache scales for layer {extra[0]} of a {num_layers}-layer model"
+            )
         k = tuple(self._found.get((i, "k"), 1.0) for i in range(num_layers))
         v = tuple(self._found.get((i, "v"), 1.0) for i in range(num_layers))
         return KVScales(k, v, len({layer for layer, _ in self._found}))

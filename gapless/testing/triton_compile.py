@@ -10,8 +10,8 @@ no kernel executing: their outputs are garbage, and only compile errors count.
 
 What it launches: the start-up self-checks' own probes. Attention (`gapless.attention.selfcheck`: an
 extend batch, and a decode batch split over several programs and in one) in fp32, bf16 and fp16, with
-and without a sliding window and soft-capping, at head dims 64 and 128, over a cache in the same dtype
-and over an fp8 (e4m3) one; the fused model kernels
+and without a sliding window and soft-capping, at head dims 64 and 128, and over an fp8 (e4m3) cache
+(bf16 and fp16 queries); the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
 the MoE grouped GEMM. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
@@ -120,15 +120,21 @@ def _attention() -> dict[str, Callable[[], object]]:
             q, k, v, meta = selfcheck.batch(probe, prefix_lens, extend_lens, torch.device("cpu"), 0)
             for backend in backends if name == "decode" else backends[:1]:
                 scales = probe.kv_scales(torch.device("cpu"))
-                backend.forward(q, k, v, backend.prepare(meta), probe.head_dim**-0.5, **probe.layer(), **scales)
+                backend.forward(
+                    q, k, v, backend.prepare(meta), probe.head_dim**-0.5, **probe.layer(), **scales
+                )
 
     probes = [
-        selfcheck.Probe(8, 2, head_dim, dtype, window, softcap, kv_dtype)
+        selfcheck.Probe(8, 2, head_dim, dtype, window, softcap)
         for dtype in (torch.float32, torch.bfloat16, torch.float16)
         for head_dim in (64, 128)
         for window, softcap in ((None, None), (24, 30.0))
-        for kv_dtype in (None, torch.float8_e4m3fn)
-        if kv_dtype is None or dtype == torch.bfloat16 or (window, softcap) == (None, None)
+    ]
+    fp8 = torch.float8_e4m3fn  # an fp8 KV cache under bf16 and fp16 queries, plain and windowed + capped
+    probes += [
+        selfcheck.Probe(8, 2, 64, torch.bfloat16, kv_dtype=fp8),
+        selfcheck.Probe(8, 2, 128, torch.bfloat16, 24, 30.0, fp8),
+        selfcheck.Probe(8, 2, 128, torch.float16, kv_dtype=fp8),
     ]
     return {f"attention {p}": partial(run, p) for p in probes}
 

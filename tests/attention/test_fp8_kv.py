@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.attention.test_triton import DECODE, DEVICE, EXTEND, make_batch
-
 from gapless.attention import TorchRefBackend  # noqa: E402
 from gapless.attention.triton_backend import TritonBackend  # noqa: E402
 from gapless.memory.kv_pool import FP8, FP8_MAX, quantize_fp8  # noqa: E402
+from tests.attention.test_triton import DECODE, DEVICE, EXTEND, make_batch
 
 # a verify batch: each request's K+1 = 4 positions after its accepted prefix, run by the extend kernel
 VERIFY = dict(prefix_lens=[7, 40, 129], extend_lens=[4, 4, 4])

@@ -73,7 +73,9 @@ def test_triton_kernels_over_fp8_kv_give_the_torch_tokens(qwen3):
     prompts = make_prompts(1000, n=1, seed=4, max_len=20, shared_prefix=8)  # the interpreter is slow
     short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     want = _greedy(qwen3, prompts, short, kv_cache_dtype="fp8")
-    got = _greedy(qwen3, prompts, short, kv_cache_dtype="fp8", attention_backend="triton", fused_kernels="triton")
+    got = _greedy(
+        qwen3, prompts, short, kv_cache_dtype="fp8", attention_backend="triton", fused_kernels="triton"
+    )
     assert got == want
 
 

@@ -108,6 +108,36 @@ def test_qk_norm_rope_store(dtype, head_dim, norm_kind, scaling, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_qk_norm_rope_store_into_fp8_cache(dtype):
+    """Into an fp8 (e4m3) cache the kernel stores, bit for bit, `KVPool.store`'s quantization of what it
+    stores into a cache of the model's dtype: k / k_scale and v / v_scale in fp32, saturated at +-448
+    (the small scales here saturate some), rounded to nearest even."""
+    from gapless.memory.kv_pool import FP8, quantize_fp8
+
+    tokens, heads, kv_heads, head_dim, slots_n = 5, 4, 2, 16, 11
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE)
+    q, k, v = (
+        _rand(tokens, n, head_dim, dtype=dtype, seed=9 + i) for i, n in enumerate((heads, kv_heads, kv_heads))
+    )
+    positions = torch.tensor([0, 3, 9, 40, 63], device=DEVICE)
+    slots = torch.tensor([2, 7, 1, 10, 4], device=DEVICE)
+    norms = [make_rms_norm(head_dim, 1e-6, "llama").to(device=DEVICE, dtype=dtype) for _ in range(2)]
+    norm = (norms[0].weight, norms[1].weight, norms[0].eps, "llama")
+    plain = [torch.zeros(slots_n, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+    fp8 = [torch.zeros(slots_n, kv_heads, head_dim, dtype=FP8, device=DEVICE) for _ in range(2)]
+    scales = torch.tensor([0.004], device=DEVICE), torch.tensor([0.0031], device=DEVICE)
+    q_plain = fk.qk_norm_rope_store(positions, q, k, v, rope.cos_sin, *plain, slots, norm)
+    q_fp8 = fk.qk_norm_rope_store(positions, q, k, v, rope.cos_sin, *fp8, slots, norm, *scales)
+    assert torch.equal(q_fp8, q_plain)
+    for got, want, scale in zip(fp8, plain, scales):
+        assert torch.equal(got.view(torch.uint8), quantize_fp8(want, scale).view(torch.uint8))
+        assert (got.float().abs() == 448).any(), "some values saturate"
+    with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
+        fk.qk_norm_rope_store(positions, q, k, v, rope.cos_sin, *fp8, slots, norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize(("rows", "n"), [(0, 37), (3, 37), (2, 1030)])
 def test_act_and_mul(dtype, act, rows, n):

@@ -62,11 +62,12 @@ def _e4m3_grid(x, scale):
     a carry into the exponent wrongly (7.9 becomes 4). The grid's step is 2^(e - 3) for a value of
     exponent e (3 mantissa bits; subnormals from e = -6), and adding then subtracting 2^(e + 20), whose
     fp32 ulp is that step, rounds to it (to nearest even, as fp32 addition does)."""
-    y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
-    e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)  # IEEE division, as torch
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     big = ((e + 147) << 23).to(tl.float32, bitcast=True)  # 2^(e + 20)
     r = (tl.abs(y) + big) - big
-    return tl.where(y < 0, -r, r)
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # y's sign
 
 
 @triton.jit
