@@ -146,9 +146,9 @@ class ModelRunner:
                 max_rows + 1, self.max_context, cfg.speculative_num_draft_tokens, self.device, draft
             )
         log.info(
-            "KV cache: %s, %d tokens, %.3g GiB, max context %d (%s)",
-            self.kv_summary,
+            "KV cache: %d tokens (%s), %.3g GiB, max context %d (%s)",
             self.kv_tokens,
+            self.kv_summary,
             self.kv_tokens * per_token / 2**30,
             self.max_context,
             plan.describe() if plan is not None else f"kv_cache_tokens={cfg.kv_cache_tokens}",
@@ -266,7 +266,7 @@ class ModelRunner:
         name = (
             "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch.")
         )
-        return f"KV {name}, {self.kv_bytes_per_token} B/token"
+        return f"{name}, {self.kv_bytes_per_token} B/token"
 
     @property
     def info(self) -> RunnerInfo:

@@ -89,7 +89,8 @@ def test_pool_holds_twice_the_tokens_of_bf16(qwen3):
             assert runner.kv_pool.k_buffer.dtype == (FP8 if kv == "fp8" else torch.bfloat16)
     assert abs(sizes["fp8"] - 2 * sizes["auto"]) <= 2, sizes  # (each rounded down to whole pages)
     per_token = [int(s.split(", ")[1].split()[0]) for s in (summaries["auto"], summaries["fp8"])]
-    assert per_token[0] == 2 * per_token[1] and summaries["fp8"].startswith("KV fp8_e4m3, "), summaries
+    assert summaries["auto"].startswith("bfloat16, ")
+    assert per_token[0] == 2 * per_token[1] and summaries["fp8"].startswith("fp8_e4m3, "), summaries
 
 
 def test_prefix_cache_and_retraction_stay_exact_with_fp8_kv(qwen3):
