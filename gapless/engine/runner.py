@@ -105,7 +105,9 @@ class ModelRunner:
             self.kv_dtype,
         )
         self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
-        self.fused_kernels = use_fused_kernels(self.model, cfg.fused_kernels, self.device)  # "triton"/"torch"
+        self.fused_kernels = use_fused_kernels(
+            self.model, cfg.fused_kernels, self.device, self.kv_dtype
+        )  # "triton"/"torch"
 
         # (a state row for the reserved row too, which the padded columns of a sampled graph read)
         self.sampler = Sampler(mcfg.vocab_size, max_rows + 1, self.device)

@@ -159,6 +159,8 @@ def _model_kernels() -> dict[str, Callable[[], object]]:
         fused.set_fused(model, triton_kernels)  # the start-up check's probes, each through the kernels
         for probe in fused._probes(model, torch.device("cpu")).values():
             probe()
+        if family == "qwen3" and dtype == torch.bfloat16:  # the store into an fp8 (e4m3) cache
+            fused._probes(model, torch.device("cpu"), torch.float8_e4m3fn)["qk_norm_rope_store"]()
 
     return {
         f"model kernels {family} {dtype}": partial(run, family, dtype)

@@ -89,3 +89,21 @@ def test_quantize_saturates_and_rounds_to_nearest_even():
     got = quantize_fp8(x, torch.tensor([1.0])).float()
     assert got.tolist() == [FP8_MAX, -FP8_MAX, 448.0, 1.0, 1.25, 0.0]
     assert quantize_fp8(x, torch.tensor([4.0])).dtype == FP8
+
+
+def test_start_up_self_check_runs_an_fp8_probe():
+    """`attention_backend="auto"`'s self-check with the model's fp8 cache: the kernels pass; a backend
+    that reads the cache without its v scale is caught."""
+    from gapless.attention.selfcheck import Probe, disagreement
+
+    probe = Probe(4, 2, 32, torch.bfloat16, kv_dtype=FP8)
+    assert probe.kv_scales(DEVICE)["k_scale"].device.type == DEVICE.type
+    assert disagreement(TritonBackend(), probe, DEVICE) is None
+    assert disagreement(TorchRefBackend(), probe, DEVICE) is None
+
+    class NoVScale(TritonBackend):
+        def forward(self, *args, v_scale=None, **kw):
+            return super().forward(*args, v_scale=torch.ones_like(v_scale), **kw)
+
+    why = disagreement(NoVScale(), probe, DEVICE)
+    assert why is not None and "relative error" in why, why

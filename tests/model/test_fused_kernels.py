@@ -202,6 +202,21 @@ def test_start_up_check_falls_back_to_torch_with_reason(ckpt_factory, caplog):
     assert "rms_norm failed: ZeroDivisionError" in fused.disagreement(model, broken, torch.device(DEVICE))
 
 
+def test_start_up_check_covers_the_store_into_an_fp8_cache(ckpt_factory):
+    """With an fp8 KV cache the start-up check compares the store into one (scales not 1): the kernels
+    pass it, and a store that forgets the scales does not."""
+    from gapless.memory.kv_pool import FP8
+    from gapless.model.loader import load_model
+
+    model = load_model(ckpt_factory("qwen3"), torch.bfloat16, torch.device(DEVICE))
+    assert fused.disagreement(model, fk, torch.device(DEVICE), FP8) is None
+    broken = types.SimpleNamespace(**{n: getattr(fk, n) for n in fk.__all__})
+    # the scales read as 1.0 (the decoder passes them after the norm: positional arguments 9 and 10)
+    broken.qk_norm_rope_store = lambda *a: fk.qk_norm_rope_store(*a[:9], *map(torch.ones_like, a[9:]))
+    why = fused.disagreement(model, broken, torch.device(DEVICE), FP8)
+    assert why is not None and why.startswith("qk_norm_rope_store: relative error"), why
+
+
 def test_bad_choice_is_refused(ckpt_factory):
     with pytest.raises(ValueError, match="fused_kernels='fast': must be one of"):
         LLM(str(ckpt_factory("qwen3")), device="cpu", fused_kernels="fast", kv_cache_tokens=64)
