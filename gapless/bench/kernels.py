@@ -225,10 +225,8 @@ def _attention_case(
     one = torch.ones(1, device=device)  # an fp8 cache's scales (its values are randn, as the others')
     scales = {"k_scale": one, "v_scale": one} if kv_dtype == FP8 else {}
     # as many caches as keep each call's KV out of L2 (a lone request's 4k context fits an H100's)
-    caches = [
-        tuple(torch.randn(slots, KVH, D, device=device, dtype=dtype).to(kv_dtype) for _ in "kv")
-        for _ in range(cold_copies(kv_bytes, device))
-    ]
+    cache = lambda: torch.randn(slots, KVH, D, device=device, dtype=dtype).to(kv_dtype)  # noqa: E731
+    caches = [(cache(), cache()) for _ in range(cold_copies(kv_bytes, device))]
     q = torch.randn(B, H, D, device=device, dtype=dtype)
     copy_tbs = copy_tb_s(kv_bytes, device, args)
     rows = []
