@@ -30,6 +30,7 @@ async def models(request: Request) -> JSONResponse:
         "created": int(time.time()),
         "owned_by": "gapless",
         "max_model_len": settings.info.max_context,
+        "kv_cache": settings.info.kv_cache,  # its dtype and bytes per token: "fp8_e4m3, 57344 B/token"
     }
     return JSONResponse({"object": "list", "data": [card]})
 
