@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from gapless.config import EngineConfig
-from gapless.engine import prompt_logprobs
+from gapless.engine import pooling, prompt_logprobs
 from gapless.engine.detokenize import detokenize
 from gapless.engine.grammar import Grammars, check_logit_bias
 from gapless.engine.heap import gc_pauses
@@ -60,6 +60,8 @@ class Engine:
         self.cfg = cfg = check_engine_config(cfg).cfg
         gc_pauses()  # counting from here
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)
+        # a pooling model's (embed, score: gapless.engine.pooling), else None: every request pools
+        self.pooling = pooling.pooling_spec(cfg, self.tokenizer)
         # what a request's unset sampling knobs take (`add_request`): the checkpoint's, unless
         # generation_config says otherwise
         self.sampling_defaults = generation_defaults(cfg.model, cfg.generation_config)
@@ -165,6 +167,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
         params = params.resolved(self.sampling_defaults)
+        if self.pooling is not None:  # prefill only: the one token its last chunk samples is dropped
+            params = dataclasses.replace(params, max_tokens=1, temperature=0.0, ignore_eos=True, stop=[])
         n = next(self._ids)
         rid = rid if rid is not None else str(n)
         if rid in self.reqs:
@@ -183,6 +187,7 @@ class Engine:
             arrival=n,
             stop_ids=frozenset(stop_ids),
             prompt_lp=prompt_logprobs.new_state(params, len(prompt_ids)),
+            pool=pooling.new_state(self.pooling, len(prompt_ids)),
             grammar=grammar,
         )
         self.reqs[rid] = req

@@ -12,6 +12,7 @@ from gapless.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from gapless.engine.grammar import GrammarState
+    from gapless.engine.pooling import PoolState
 
 
 class ReqStatus(enum.Enum):
@@ -35,6 +36,8 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # with params.prompt_logprobs set: the prompt positions scored so far (gapless.engine.prompt_logprobs)
     prompt_lp: PromptLogprobState | None = None
+    # a pooling model's request (embed, score): its pooled vector so far (gapless.engine.pooling)
+    pool: PoolState | None = None
     status: ReqStatus = ReqStatus.WAITING
     # KV ownership: positions [0, kv_len) have slots in the request-table row; [0, cached_len) of them
     # belong to the radix tree and are pinned through `last_node`.

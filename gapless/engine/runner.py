@@ -36,6 +36,7 @@ from gapless.engine.memory_plan import (
     plan_gpu_kv,
 )
 from gapless.engine.piecewise_graph import PiecewiseGraphs
+from gapless.engine.pooling import pool_hidden
 from gapless.engine.spec.device import SpecState
 from gapless.engine.spec.draft import load_draft
 from gapless.memory.kv_pool import KVPool, kv_cache_dtype
@@ -45,7 +46,7 @@ from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext
 from gapless.model.fused import use_fused_kernels
 from gapless.model.loader import load_model, resolve_dtype
-from gapless.model.quant import weights_summary
+from gapless.model.quant import quantization, weights_held, weights_summary
 from gapless.sampling.fused import draw_kernel, nucleus_kernel, penalty_kernel
 from gapless.sampling.logprobs import PromptScores, score_prompt
 from gapless.sampling.mask import TokenMask
@@ -91,7 +92,14 @@ class ModelRunner:
         if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
             log.warning(why)
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
-        self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
+        self.model: CausalLM = load_model(
+            cfg.model,
+            self.dtype,
+            self.device,
+            max_positions=max_context,
+            quantization=cfg.quantization,
+            dummy=cfg.load_format == "dummy",
+        )
         self.model_config = mcfg
         self.page_size = cfg.page_size
         self.max_running_requests = max_rows = cfg.max_running_requests
@@ -105,9 +113,7 @@ class ModelRunner:
             self.kv_dtype,
         )
         self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
-        self.fused_kernels = use_fused_kernels(
-            self.model, cfg.fused_kernels, self.device, self.kv_dtype
-        )  # "triton"/"torch"
+        self.fused_kernels = use_fused_kernels(self.model, cfg.fused_kernels, self.device, self.kv_dtype)
 
         # (a state row for the reserved row too, which the padded columns of a sampled graph read)
         self.sampler = Sampler(mcfg.vocab_size, max_rows + 1, self.device)
@@ -124,12 +130,13 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         self.piecewise: PiecewiseGraphs | None = None  # small prefills' pieces, when on
         # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them
-        self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None] | None = None
+        self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None, torch.Tensor | None] | None = (
+            None
+        )
         self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
         graph_bs = self._graph_max_bs(cfg)
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.kv_dtype)
-        self.kv_bytes_per_token = per_token
         # a draft model's weights are loaded before the plan, and its KV counted in it (spec.draft)
         draft = load_draft(cfg, self.device, max_context, mcfg.vocab_size)
         per_token += draft.bytes_per_token if draft is not None else 0
@@ -150,7 +157,7 @@ class ModelRunner:
         log.info(
             "KV cache: %d tokens (%s), %.3g GiB, max context %d (%s)",
             self.kv_tokens,
-            self.kv_summary,
+            self.kv_pool.summary(),
             self.kv_tokens * per_token / 2**30,
             self.max_context,
             plan.describe() if plan is not None else f"kv_cache_tokens={cfg.kv_cache_tokens}",
@@ -199,10 +206,8 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
         )
-        if pool.quantized:
-            scales = self.model.kv_cache_scales
-            if scales is not None:
-                pool.set_scales(scales.k, scales.v)
+        if pool.quantized and (scales := self.model.kv_cache_scales) is not None:
+            pool.set_scales(scales.k, scales.v)
         return pool
 
     def _kv_tokens(
@@ -262,15 +267,6 @@ class ModelRunner:
         return other
 
     @property
-    def kv_summary(self) -> str:
-        """The KV cache's element type and bytes per token (all layers, K and V, the target model alone),
-        for the start-up lines."""
-        name = (
-            "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch.")
-        )
-        return f"{name}, {self.kv_bytes_per_token} B/token"
-
-    @property
     def info(self) -> RunnerInfo:
         mc = self.model_config
         return RunnerInfo(
@@ -286,7 +282,9 @@ class ModelRunner:
             sliding_window=mc.sliding_window,
             window_layers=mc.window_layers,
             weights=weights_summary(self.model),
-            kv_cache=self.kv_summary,
+            quantization=quantization(self.model),
+            weight_formats=tuple(sorted(weights_held(self.model)[0].items())),
+            kv_cache=self.kv_pool.summary(),
         )
 
     def forward_tokens(
@@ -346,9 +344,9 @@ class ModelRunner:
         batch = dataclass_to_device(batch, self.device)
         if isinstance(batch, SampleJob):
             assert self._deferred is not None, "a SampleJob without a deferred batch before it"
-            (forward, logits, prompt), self._deferred = self._deferred, None
+            (forward, logits, prompt, pooled), self._deferred = self._deferred, None
             out = self._sample(forward, logits, batch.mask)
-            out.prompt = prompt
+            out.prompt, out.pooled = prompt, pooled
             return out
         if self.spec is not None:  # a verify's inputs come from what the previous step accepted
             batch = self.spec.prepare(batch, self.token_buf, self.req_table)
@@ -362,6 +360,7 @@ class ModelRunner:
         prompt = None
         if batch.prompt_scores is not None:  # prompt logprobs: in bounded pieces (gapless.sampling.logprobs)
             prompt = score_prompt(hidden, self.model.logits, batch.prompt_scores, self.sampler.vocab_size)
+        pooled = pool_hidden(hidden, batch.pool, self.model.logits) if batch.pool is not None else None
         sampled = self.graphs.take_sampled() if self.graphs is not None else None
         if sampled is not None:  # its graph sampled it
             self.token_buf[batch.sample_rows] = sampled
@@ -371,10 +370,10 @@ class ModelRunner:
         else:
             logits = self.model.logits(hidden[batch.sample_index])
             if batch.defer_sampling:
-                self._deferred = (batch, logits, prompt)
+                self._deferred = (batch, logits, prompt, pooled)
                 return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
             out = self._sample(batch, logits, batch.token_mask)
-        out.prompt = prompt
+        out.prompt, out.pooled = prompt, pooled
         return out
 
     def _graph_sampling(self, batch: ForwardBatch) -> tuple[SampleFlags, SampleTokens] | None:

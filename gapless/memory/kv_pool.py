@@ -95,6 +95,13 @@ class KVPool:
             return None, None
         return self.k_scale[layer], self.v_scale[layer]
 
+    def summary(self) -> str:
+        """The pool's element type and bytes per token (all layers, K and V), for the start-up lines:
+        "fp8_e4m3, 57344 B/token"."""
+        name = "fp8_e4m3" if self.quantized else str(self.dtype).removeprefix("torch.")
+        per_token = self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return f"{name}, {per_token} B/token"
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """KV bytes one token costs across all layers (K and V), for sizing the pool from free memory."""

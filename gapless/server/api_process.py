@@ -120,6 +120,7 @@ def http_server(
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
     )
+    metrics.set_weights(info.weight_formats)
     app = create_app(ServerState(settings, client, health, metrics))
     config = uvicorn.Config(
         app,

@@ -230,6 +230,7 @@ async def _serve(
             f"(device {info.device}{more}, {info.kv_tokens} KV tokens{each} ({info.kv_cache}), "
             f"context {info.max_context}, "
             f"chunked_prefill_size {info.chunked_prefill_size}; {info.weights}; "
+            f"{info.pooling + '; ' if info.pooling else ''}"
             f"started in {time.monotonic() - started:.1f} s)",
             flush=True,
         )

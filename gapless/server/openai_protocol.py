@@ -85,7 +85,7 @@ def _check_ids(ids: list[int], param: str, served: ServedModel) -> None:
         raise BadRequest(f"{param} token id {bad} is outside the vocabulary [0, {served.vocab_size})", param)
 
 
-def _prompt_list(p: object, param: str, served: ServedModel, text: bool = True) -> list[Prompt]:
+def prompt_list(p: object, param: str, served: ServedModel, text: bool = True) -> list[Prompt]:
     """One prompt or a list of them: strings (if `text`) or token-id lists; each non-empty, and token
     ids checked against the vocabulary and the context."""
     prompts: list[str | list[int]]
@@ -247,7 +247,7 @@ class CompletionRequest(_Sampling, kw_only=True):
             # the prompt's logprobs come with it, from the same top k (gapless.server.routes.scoring)
             k = max(self.logprobs or 0, self.prompt_logprobs or 0)
             choices = [replace(c, prompt_logprobs=k) for c in choices]
-        return Submission(_prompt_list(self.prompt, "prompt", served), choices)
+        return Submission(prompt_list(self.prompt, "prompt", served), choices)
 
     @property
     def scores_only(self) -> bool:
@@ -414,8 +414,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
         if (self.text is None) == (self.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         if self.text is not None:
-            return Submission(_prompt_list(self.text, "text", served), [params])
-        return Submission(_prompt_list(self.input_ids, "input_ids", served, text=False), [params])
+            return Submission(prompt_list(self.text, "text", served), [params])
+        return Submission(prompt_list(self.input_ids, "input_ids", served, text=False), [params])
 
 
 GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest, GenerateRequest)

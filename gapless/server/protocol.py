@@ -96,6 +96,8 @@ class ReqUpdate(msgspec.Struct):
     prompt_ids: list[int] | None = None
     prompt_logprobs_start: int = 1
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    # a pooling model's request, on its last update: its embedding or [score] (gapless.engine.pooling)
+    pooled: list[float] | None = None
 
 
 class Updates(msgspec.Struct, tag=True):
@@ -132,6 +134,7 @@ class ReqDelta(msgspec.Struct):
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     prompt: PromptLogprobs | None = None  # on the first delta, when the request asked for prompt logprobs
+    pooled: list[float] | None = None  # a pooling model's request, on its last delta: embedding or [score]
 
 
 # What accumulates when deltas are merged: a field added to ReqDelta that grows token by token belongs here
@@ -184,7 +187,14 @@ class SchedulerInfo(msgspec.Struct):
     vocab_size: int
     chunked_prefill_size: int  # as chosen for the device (gapless.engine.defaults), for the ready line
     weights: str = ""  # the weights' format and bytes (gapless.model.quant.weights_summary)
-    kv_cache: str = ""  # the KV cache's element type and bytes per token (ModelRunner.kv_summary)
+    quantization: str | None = None  # the layers' quantized format(s) (RunnerInfo's)
+    weight_formats: dict[str, int] = msgspec.field(default_factory=dict)  # format -> layers holding it
+    # a pooling model's (gapless.engine.pooling): its task (embed, score) and whether vectors are
+    # normalized, and a phrase for the ready line; "generate" for a generative model
+    task: str = "generate"
+    normalize: bool = False
+    pooling: str = ""
+    kv_cache: str = ""  # the KV cache's element type and bytes per token (KVPool.summary)
 
 
 class ReplicaReport(msgspec.Struct, tag=True):

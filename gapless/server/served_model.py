@@ -25,6 +25,23 @@ class ServedModel:
     max_logprobs: int = MAX_LOGPROBS  # the most top logprobs a request may ask for (--max-logprobs)
     tool_call_parser: str | None = None  # --tool-call-parser (gapless.server.tools)
     reasoning_parser: str | None = None  # --reasoning-parser (gapless.server.reasoning)
+    task: str = "generate"  # generate, or a pooling model's embed or score (gapless.engine.pooling)
+    normalize: bool = False  # a pooling model's vectors are L2-normalized
+
+    def check_task(self, endpoint: str, tasks: tuple[str, ...]) -> None:
+        """A 400 when `endpoint` is not for this model's task: a generative model asked for embeddings, an
+        embedding model asked to chat, ..., naming the flag that serves the other kind."""
+        if self.task in tasks:
+            return
+        if self.task == "generate":
+            how = "start the server with --task embed (or --task score --score-token TOKEN for a reranker)"
+        else:
+            how = "start the server with --task generate" if "generate" in tasks else "it needs --task embed"
+        raise BadRequest(
+            f"{endpoint} is not served for this model: it runs task {self.task!r}, and {endpoint} needs "
+            f"{' or '.join(tasks)}; {how}",
+            "model",
+        )
 
     @classmethod
     def of_checkpoint(

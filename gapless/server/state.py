@@ -48,7 +48,11 @@ class Settings:
             self.max_logprobs,
         )
         return dataclasses.replace(
-            served, tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser
+            served,
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
+            task=info.task,
+            normalize=info.normalize,
         )
 
     @functools.cached_property

@@ -85,7 +85,7 @@ def test_pool_holds_twice_the_tokens_of_bf16(qwen3):
     for kv in ("auto", "fp8"):
         with LLM(qwen3, device="cpu", dtype="bfloat16", kv_cache_memory_gib=0.002, kv_cache_dtype=kv) as llm:
             runner = llm.engine.runner
-            sizes[kv], summaries[kv] = llm.engine.info.kv_tokens, runner.kv_summary
+            sizes[kv], summaries[kv] = llm.engine.info.kv_tokens, runner.kv_pool.summary()
             assert runner.kv_pool.k_buffer.dtype == (FP8 if kv == "fp8" else torch.bfloat16)
     assert abs(sizes["fp8"] - 2 * sizes["auto"]) <= 2, sizes  # (each rounded down to whole pages)
     per_token = [int(s.split(", ")[1].split()[0]) for s in (summaries["auto"], summaries["fp8"])]

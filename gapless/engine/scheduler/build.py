@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from gapless.engine.batch import DecodeVectors, ForwardBatch, PenaltyInit, TableWrites, decode_batch
+from gapless.engine.pooling import PooledReq, plan_pool
 from gapless.engine.prompt_logprobs import Scored, plan_scores
 from gapless.engine.request import Extend, Req
 from gapless.engine.scheduler.kv import DecodeSlots
@@ -40,6 +41,7 @@ class ScheduledBatch:
     samples_token: list[bool]
     kv_after: list[int]
     scored: Scored = field(default_factory=list)  # requests scoring prompt positions, with their counts
+    pooled: list[PooledReq] = field(default_factory=list)  # requests pooling positions (embed, score)
     masked: list[MaskedRow] = field(default_factory=list)  # the sampled rows that need a token mask
     # verify batches only (speculative decoding): the drafts each request tries
     drafts: np.ndarray | None = None
@@ -191,8 +193,11 @@ class BatchBuilder:
             spec=HistoryWrites(*hist) if hist is not None else None,
         )
         forward.prompt_scores, scored = plan_scores(entries)
+        forward.pool, pooled = plan_pool(entries)
         masked = _masked(forward, sample_reqs, step_list)
-        return ScheduledBatch(reqs, forward, False, samples_token, kv_after, scored=scored, masked=masked)
+        return ScheduledBatch(
+            reqs, forward, False, samples_token, kv_after, scored=scored, pooled=pooled, masked=masked
+        )
 
     def _admit(self, admitted: list[Req]) -> RowParams:
         """The sampling values of requests entering their rows (for the device), noting on the host which

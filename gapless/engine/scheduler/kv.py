@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gapless.engine import pooling
 from gapless.engine.batch import TableWrites
 from gapless.engine.prompt_logprobs import reuse_limit
 from gapless.engine.request import Req
@@ -48,8 +49,9 @@ def _match_key(req: Req) -> tuple[int, ...]:
     length and kept on the request, as ordering the waiting queue asks for it every step. Tokens are
     only ever appended, so a kept key of the same length is still the request's."""
     # the last token is always computed, so its logits exist to sample from; a request scoring its
-    # prompt computes every position it scores (gapless.engine.prompt_logprobs)
-    limit = reuse_limit(req)
+    # prompt computes every position it scores (gapless.engine.prompt_logprobs), a pooling one every
+    # position it pools (gapless.engine.pooling)
+    limit = pooling.reuse_limit(req, reuse_limit(req))
     if req.match_key is None or req.match_key[0] != limit:
         req.match_key = (limit, tuple(req.fill_ids[:limit]))
     return req.match_key[1]

@@ -80,6 +80,7 @@ class UpdateReporter:
             stop=list(cast(list[str], req.params.stop)) if first else None,  # a list once checked
             skip_special_tokens=req.params.skip_special_tokens if first else True,
             **(prompt_logprob_fields(req) if first else {}),
+            pooled=req.pool.result() if req.pool is not None and req.finished and not req.aborted else None,
         )
 
 
@@ -134,8 +135,15 @@ def scheduler_main(
                 info.vocab_size,
                 info.chunked_prefill_size,
                 info.weights,
-                info.kv_cache,
+                info.quantization,
+                dict(info.weight_formats),
+                *(
+                    (engine.pooling.task, engine.pooling.normalize, engine.pooling.describe())
+                    if engine.pooling is not None
+                    else ()
+                ),
             )
+            ready.kv_cache = info.kv_cache  # (after the pooling fields, which a generative model leaves out)
             reports = ReplicaReports(socks, replica) if replicas > 1 else None
             with frozen_heap(collect=True):  # what start-up built lives as long as the process
                 socks.send("api", P.Ready(name, ready))
