@@ -15,6 +15,7 @@ CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
 FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused_kernels
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; see gapless.memory.kv_pool.kv_cache_dtype
 LOAD_FORMATS = ("auto", "dummy")  # see gapless.model.loader.load_model
 # --task's names (vLLM's and SGLang's too) and the task each means (gapless.engine.pooling)
 TASK_NAMES = {
@@ -84,6 +85,12 @@ class EngineConfig:
     )
     device: str = option("auto", "auto: cuda when available, else cpu")
     dtype: str = option("auto", "auto: checkpoint dtype on GPU, float32 on CPU")
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's element type (vLLM's flag): auto: the model's dtype; fp8 or fp8_e4m3: "
+        "float8 e4m3 with per-layer k/v scales from the checkpoint (else 1.0), twice the tokens per "
+        "byte",
+    )
     quantization: str | None = option(
         None,
         "the weights' quantized format (vLLM's names): fp8 quantizes a float checkpoint's linear layers "
@@ -303,6 +310,7 @@ class EngineConfig:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        self._check_kv_cache_dtype(bad)
         self._check_graphs(bad)
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}")
@@ -345,6 +353,12 @@ class EngineConfig:
             parse_limit_mm(self.limit_mm_per_prompt)
         except ValueError as e:
             raise bad("limit_mm_per_prompt", str(e)) from None
+
+    def _check_kv_cache_dtype(self, bad: Any) -> None:
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise bad("kv_cache_dtype", "float8 e5m2 KV is not built; use fp8 (e4m3)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
 
     def _check_graphs(self, bad: Any) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:

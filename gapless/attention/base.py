@@ -48,12 +48,15 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, heads, d]; caches: [slots, kv_heads, d]; returns [T, heads, d]. The new tokens' K/V are
-        already stored in the cache when this is called. `window`: a query at position p attends only to
-        keys at positions > p - window (a sliding-window layer); `softcap`: scores s become
-        softcap * tanh(s / softcap) before the mask and softmax (Gemma 2). A backend that lacks either
-        raises NotImplementedError naming it."""
+        already stored in the cache when this is called. An fp8 (e4m3) cache comes with `k_scale` and
+        `v_scale` ([1] fp32 device tensors): key j is `k_cache[j] * k_scale`, and so for values.
+        `window`: a query at position p attends only to keys at positions > p - window (a sliding-window
+        layer); `softcap`: scores s become softcap * tanh(s / softcap) before the mask and softmax
+        (Gemma 2). A backend that lacks either raises NotImplementedError naming it."""
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

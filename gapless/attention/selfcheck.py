@@ -16,10 +16,13 @@ import torch
 
 from gapless.attention.base import AttentionBackend, AttentionMetadata
 from gapless.attention.torch_ref import TorchRefBackend
+from gapless.memory.kv_pool import FP8, quantize_fp8
 
 # relative error bound of the output (max abs error / max abs reference): bf16/fp16 keep ~3 digits
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 # the batches checked: name -> (prefix lens, extend lens); a decode long enough for several splits
+# an fp8 probe's k scale (v: 0.75 of it): randn / scale stays inside e4m3's range (448)
+_FP8_SCALE = torch.tensor([2.0**-5])
 CASES = {"extend": ([0, 5, 37], [4, 1, 9]), "decode": ([1, 40, 700], [1, 1, 1])}
 
 
@@ -40,6 +43,7 @@ class Probe:
     dtype: torch.dtype
     window: int | None = None  # the model's sliding window, if any layer has one: checked with it
     softcap: float | None = None  # the model's attention soft-capping, if any: checked with it
+    kv_dtype: torch.dtype | None = None  # the KV cache's, where not `dtype` (an fp8 cache): checked in it
 
     def layer(self) -> LayerOptions:
         """The options a layer passes `AttentionBackend.forward`, as the decoder does: only those it has."""
@@ -49,6 +53,12 @@ class Probe:
         if self.softcap is not None:
             options["softcap"] = self.softcap
         return options
+
+    def kv_scales(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The k/v scales `batch` quantizes an fp8 cache with, as `forward` takes them; {} for another."""
+        if self.kv_dtype != FP8:
+            return {}
+        return {"k_scale": _FP8_SCALE.to(device), "v_scale": (_FP8_SCALE * 0.75).to(device)}
 
 
 def batch(
@@ -78,7 +88,17 @@ def batch(
         is_decode=all(e == 1 for e in extend_lens),
     )
     to = lambda t: t.to(device=device, dtype=probe.dtype)  # noqa: E731
+    scales = probe.kv_scales(torch.device("cpu"))
+    if scales:  # as the KV pool stores them: k / scale in e4m3
+        k8, v8 = quantize_fp8(k, scales["k_scale"]), quantize_fp8(v, scales["v_scale"])
+        return to(q), k8.to(device), v8.to(device), meta
     return to(q), to(k), to(v), meta
+
+
+def dequantized(probe: Probe, cache: torch.Tensor, name: str) -> torch.Tensor:
+    """A cache of `batch`'s in fp32: an fp8 one times its scale (`name`: k_scale or v_scale)."""
+    scales = probe.kv_scales(cache.device)
+    return cache.float() * scales[name] if scales else cache.float()
 
 
 def disagreement(backend: AttentionBackend, probe: Probe, device: torch.device) -> str | None:
@@ -89,10 +109,11 @@ def disagreement(backend: AttentionBackend, probe: Probe, device: torch.device) 
         q, k, v, meta = batch(probe, prefix_lens, extend_lens, device, seed)
         layer = probe.layer()
         try:
-            out = backend.forward(q, k, v, backend.prepare(meta), scale, **layer)
+            out = backend.forward(q, k, v, backend.prepare(meta), scale, **layer, **probe.kv_scales(device))
         except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
             return f"{name} batch failed: {type(e).__name__}: {e}"
-        want = reference.forward(q.float(), k.float(), v.float(), reference.prepare(meta), scale, **layer)
+        k32, v32 = dequantized(probe, k, "k_scale"), dequantized(probe, v, "v_scale")
+        want = reference.forward(q.float(), k32, v32, reference.prepare(meta), scale, **layer)
         if out.shape != want.shape:
             return f"{name} batch: output shape {tuple(out.shape)}, reference {tuple(want.shape)}"
         if not bool(torch.isfinite(out).all()):

@@ -91,6 +91,8 @@ class TorchRefBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, S = state.batch, state.seq
         qp = q.unsqueeze(2) if state.decode else q[state.q_index].transpose(1, 2)  # [B, H, Q, d]
@@ -99,6 +101,8 @@ class TorchRefBackend:
             k_cache.index_select(0, state.slots).view(B, S, *k_cache.shape[1:]).transpose(1, 2)
         )  # [B, KVH, S, d]
         v = v_cache.index_select(0, state.slots).view(B, S, *v_cache.shape[1:]).transpose(1, 2)
+        if k.dtype != q.dtype:  # an fp8 cache: the gathered keys and values dequantized, in fp32
+            k, v = _dequantize(k, k_scale, q.dtype), _dequantize(v, v_scale, q.dtype)
         mask = self._mask(state, window)
         if softcap is None:
             # a lone decode request's keys are exactly its sequence: nothing to mask
@@ -114,6 +118,13 @@ class TorchRefBackend:
             state.out_index = _token_coords(state.q_start, q.shape[0])
         # integer gather, not a `[q_valid]` mask: boolean-mask indexing counts the mask on the host (a sync)
         return out.transpose(1, 2)[state.out_index]  # [T, H, d]
+
+
+def _dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """An fp8 cache's `x` times its `scale` ([1] fp32, on the device: no sync), in `dtype`."""
+    if scale is None:
+        raise ValueError(f"a {x.dtype} KV cache needs its k_scale and v_scale")
+    return (x.float() * scale).to(dtype)
 
 
 def _softcapped_attention(

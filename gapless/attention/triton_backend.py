@@ -72,8 +72,11 @@ class TritonBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`AttentionBackend.forward`: sliding windows and soft-capping included."""
+        """`AttentionBackend.forward`: sliding windows, soft-capping and fp8 caches included."""
+        scales = (k_scale, v_scale)
         if q.device.type == "cpu" and not self.interpreted:
             raise RuntimeError(
                 "Triton kernels got CPU tensors but were not built for the interpreter: set "
@@ -81,7 +84,7 @@ class TritonBackend:
             )
         if not state.meta.is_decode:
             return self._k.extend_attention(
-                q, k_cache, v_cache, state.meta, scale, window, softcap, self.extend_tuning
+                q, k_cache, v_cache, state.meta, scale, window, softcap, self.extend_tuning, scales
             )
         scratch = self._decode_scratch(state, q, k_cache)
         return self._k.decode_attention(
@@ -95,6 +98,7 @@ class TritonBackend:
             window,
             softcap,
             self.decode_tuning,
+            scales,
         )
 
     def _decode_scratch(self, state: _State, q: torch.Tensor, k_cache: torch.Tensor) -> Any:

@@ -21,6 +21,11 @@ time, so the cache layout (page size, fragmentation, a prefix that ends mid-page
   one split a request, each KV page read once. `DecodeTuning` holds the knobs (keys per block, warps,
   stages, the split heuristic's targets) for `gapless.bench.kernels` to sweep.
 
+An fp8 (e4m3) KV cache (`--kv-cache-dtype fp8`) is read by the same kernels, compiled apart (`KV_FP8`, a
+constexpr: the bf16 kernels are unchanged): keys and values are widened to q's dtype as they are loaded,
+the per-tensor k scale is folded into the score scale and the v scale applied to the output once, both
+read from device tensors (so CUDA graphs replay them as they are set, and nothing syncs).
+
 Launchers read grid sizes from host ints (`max_extend_len`, `max_seq_len`, shapes) and never sync the
 device. Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale). Head dims need not be powers
 of two: the head dimension is padded to a power of two >= 16 and masked.
@@ -51,6 +56,7 @@ import triton.language as tl
 
 from gapless import env
 from gapless.attention.base import AttentionMetadata
+from gapless.memory.kv_pool import FP8
 
 INTERPRET = env.TRITON_INTERPRET.get()
 
@@ -60,6 +66,7 @@ MIN_SPLIT_LEN = 64  # keys: one default key block; a shorter split would only ad
 _MERGE_TILE = 8192  # fp32 elements of split outputs the merging program reads at a time
 _DECODE_BLOCK_N = 64
 _NO_WINDOW = 2**30  # the window of a layer without one: past any context, so it masks nothing
+KVScaleArgs = tuple[torch.Tensor | None, torch.Tensor | None]  # an fp8 cache's (k_scale, v_scale)
 
 
 @dataclass(frozen=True)
@@ -178,13 +185,16 @@ def _attend_block(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     MASK: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One block of keys of the online softmax, for both kernels: scores of `q` [M, BLOCK_D] against the
     keys in `slots` [BLOCK_N] where `visible` [M or 1, BLOCK_N] (others -inf), then the running max `m_i`,
     sum `l_i` and accumulator `acc` rescaled and updated with the block's values. Returns them.
     SOFTCAP: scores s * scale become cap * tanh(s * scale / cap) (`cap_in` = scale / cap, `cap_out` =
     cap * log2(e)) before the mask, as Gemma 2 caps them. MASK False: every key of the block exists
-    (`kv_mask` all true) and every query sees it (`visible` all true), so neither is applied."""
+    (`kv_mask` all true) and every query sees it (`visible` all true), so neither is applied. KV_FP8:
+    the cache holds e4m3, widened to q's dtype here; its scales are the callers' (the k scale folded into
+    `scale_log2`/`cap_in`, the v scale applied to the output)."""
     if MASK:
         k_mask = kv_mask[None, :] & d_mask[:, None]
     else:
@@ -192,6 +202,8 @@ def _attend_block(
     k = tl.load(
         K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=k_mask, other=0.0
     )  # [BLOCK_D, BLOCK_N]
+    if KV_FP8:
+        k = k.to(q.dtype)
     # the dot's variants are spelt out, not a helper each: nested @jit calls are slow under the interpreter
     if UPCAST:
         k = k.to(tl.float32)
@@ -218,7 +230,10 @@ def _attend_block(
     v = tl.load(
         V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=v_mask, other=0.0
     )  # [BLOCK_N, BLOCK_D]
-    p = p.to(V.dtype.element_ty)  # P @ V in the input dtype, as flash attention does
+    if KV_FP8:  # P @ V in q's dtype, the values widened to it
+        p, v = p.to(q.dtype), v.to(q.dtype)
+    else:
+        p = p.to(V.dtype.element_ty)  # P @ V in the input dtype, as flash attention does
     if UPCAST:
         p, v = p.to(tl.float32), v.to(tl.float32)
     if IEEE:
@@ -249,6 +264,8 @@ def _extend_kernel(
     stride_vt,
     stride_vh,
     stride_table,
+    KScale,
+    VScale,
     Out,
     stride_ot,
     stride_oh,
@@ -260,6 +277,7 @@ def _extend_kernel(
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -285,6 +303,9 @@ def _extend_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    if KV_FP8:  # scores of e4m3 keys times the k scale: folded into the score scale
+        k_scale = tl.load(KScale)
+        scale_log2, cap_in = scale_log2 * k_scale, cap_in * k_scale
     q_pos = prefix + offs_m
     # keys past the last query of this block are masked for every row: don't visit them
     kv_end = prefix + tl.minimum(m0 + BLOCK_M, ext)
@@ -308,7 +329,7 @@ def _extend_kernel(
         slots = tl.load(table_row + offs_n).to(tl.int64)
         m_i, l_i, acc = _attend_block(
             q, K, V, slots, None, None, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
-            scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, False,
+            scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, False, KV_FP8,
         )  # fmt: skip
     # the masked blocks: [kv_start, free_lo), then [free_hi, kv_end), in one loop
     before = (free_lo - kv_start + BLOCK_N - 1) // BLOCK_N
@@ -323,9 +344,11 @@ def _extend_kernel(
         visible = n_mask[None, :] & causal & (offs_n[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _attend_block(
             q, K, V, slots, visible, n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
-            scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, True,
+            scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, True, KV_FP8,
         )  # fmt: skip
 
+    if KV_FP8:
+        acc = acc * tl.load(VScale)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -355,6 +378,8 @@ def _decode_split_kernel(
     stride_vt,
     stride_vh,
     stride_table,
+    KScale,
+    VScale,
     Out,
     stride_ot,
     stride_oh,
@@ -374,6 +399,7 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -419,6 +445,9 @@ def _decode_split_kernel(
     )  # [BLOCK_H, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
+    if KV_FP8:  # scores of e4m3 keys times the k scale: folded into the score scale
+        k_scale = tl.load(KScale)
+        scale_log2, cap_in = scale_log2 * k_scale, cap_in * k_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
@@ -430,8 +459,10 @@ def _decode_split_kernel(
         slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_block(
             q, K, V, slots, n_mask[None, :], n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt,
-            stride_vh, scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, True,
+            stride_vh, scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, True, KV_FP8,
         )  # fmt: skip
+    if KV_FP8:  # before the split's output is written or merged: merging is linear in it
+        acc = acc * tl.load(VScale)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     hd_mask = h_mask[:, None] & d_mask[None, :]
@@ -527,11 +558,12 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _dot_flags(dtype: torch.dtype) -> dict[str, bool]:
+def _dot_flags(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, bool]:
+    """The kernels' dtype constexprs for queries of `dtype` over a cache of `kv_dtype`."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"attention kernels take fp32, bf16 or fp16, not {dtype}")
     upcast = INTERPRET and dtype == torch.bfloat16
-    return {"IEEE": dtype == torch.float32 or upcast, "UPCAST": upcast}
+    return {"IEEE": dtype == torch.float32 or upcast, "UPCAST": upcast, "KV_FP8": kv_dtype == FP8}
 
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -539,10 +571,19 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scales: KVScaleArgs) -> None:
+    if k_cache.dtype == FP8 and v_cache.dtype == FP8:
+        k_scale, v_scale = scales
+        if k_scale is None or v_scale is None:
+            raise ValueError("an fp8 KV cache needs its k_scale and v_scale")
+        if any(
+            s.dtype != torch.float32 or s.numel() != 1 or s.device != q.device for s in (k_scale, v_scale)
+        ):
+            raise ValueError(f"k_scale and v_scale must be one fp32 element each on {q.device}")
+    elif q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
         raise TypeError(
-            f"q, k_cache and v_cache must share a dtype, got {q.dtype}/{k_cache.dtype}/{v_cache.dtype}"
+            f"q, k_cache and v_cache must share a dtype (or the caches be fp8 e4m3), got "
+            f"{q.dtype}/{k_cache.dtype}/{v_cache.dtype}"
         )
     if q.shape[2] != k_cache.shape[2] or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -564,14 +605,16 @@ def _paged_args(
     scale: float,
     window: int | None,
     softcap: float | None,
+    scales: KVScaleArgs,
 ) -> tuple:
     """The arguments both attention kernels start with: q, the caches, the batch's metadata, the scale
-    (base 2), the soft-cap factors and the window (`_NO_WINDOW` for none), and the strides. q and the
-    caches are checked and made last-dim contiguous here; `meta`'s tensors must already be contiguous
-    (`TritonBackend.prepare` makes them so, once per batch)."""
+    (base 2), the soft-cap factors and the window (`_NO_WINDOW` for none), the strides, and an fp8
+    cache's k/v scales (device pointers: nothing read on the host; another cache passes q, never read).
+    q and the caches are checked and made last-dim contiguous here; `meta`'s tensors must already be
+    contiguous (`TritonBackend.prepare` makes them so, once per batch)."""
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be >= 1")
-    _check(q, k_cache, v_cache)
+    _check(q, k_cache, v_cache, scales)
     q, k_cache, v_cache = map(last_dim_contiguous, (q, k_cache, v_cache))
     return (
         q,
@@ -593,6 +636,8 @@ def _paged_args(
         v_cache.stride(0),
         v_cache.stride(1),
         meta.req_table.stride(0),
+        q if scales[0] is None else scales[0],
+        q if scales[1] is None else scales[1],
     )
 
 
@@ -605,13 +650,15 @@ def extend_attention(
     window: int | None = None,
     softcap: float | None = None,
     tuning: ExtendTuning = DEFAULT_EXTEND,
+    kv_scales: KVScaleArgs = (None, None),
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens to its cached prefix and to each other.
 
     q: [T, heads, d] (flat, request b's tokens at `meta.q_start[b]`); caches: [slots, kv_heads, d]; the
     new tokens' K/V must already be in the cache. `window`, `softcap`: as `AttentionBackend.forward`
-    takes them. Returns [T, heads, d] in q's dtype."""
-    args = _paged_args(q, k_cache, v_cache, meta, scale, window, softcap)
+    takes them; `kv_scales`: an fp8 cache's (k_scale, v_scale), [1] fp32 device tensors. Returns
+    [T, heads, d] in q's dtype."""
+    args = _paged_args(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
     T, heads, d = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or meta.batch_size == 0 or meta.max_extend_len == 0:
@@ -632,7 +679,7 @@ def extend_attention(
         SOFTCAP=bool(softcap),
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
-        **_dot_flags(q.dtype),
+        **_dot_flags(q.dtype, k_cache.dtype),
     )
     return out
 
@@ -684,14 +731,15 @@ def decode_attention(
     window: int | None = None,
     softcap: float | None = None,
     tuning: DecodeTuning = DEFAULT_DECODE,
+    kv_scales: KVScaleArgs = (None, None),
 ) -> torch.Tensor:
     """One new token per request (`extend_lens` all 1) attending to all `prefix_lens[b] + 1` keys (the
     last `window` of them, with a window; `softcap` as `AttentionBackend.forward` takes it), launched
     as `tuning` says: one launch, the last split of each (request, kv head) merging them all.
 
     `scratch`: `DecodeScratch.make` for this batch and `num_splits` (its split count wins); pass one to
-    reuse it across layers, else it is made here."""
-    args = _paged_args(q, k_cache, v_cache, meta, scale, window, softcap)
+    reuse it across layers, else it is made here. `kv_scales`: as `extend_attention` takes them."""
+    args = _paged_args(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
     T, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     batch = meta.batch_size
@@ -729,6 +777,6 @@ def decode_attention(
         BLOCK_C=max(1, min(block_s, _MERGE_TILE // (block_g * block_d))),
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
-        **_dot_flags(q.dtype),
+        **_dot_flags(q.dtype, k_cache.dtype),
     )
     return out

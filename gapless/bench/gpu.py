@@ -87,6 +87,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="KV pool size (default: every token of the workload and the warm-up, plus slack, so nothing "
         "is retracted; ~31 GiB for the default workload)",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        help="the KV cache's dtype in both gapless runs (the engine's option): auto, the model's; fp8, e4m3",
+    )
     cli.add_engine_option_arg(
         g,
         "extra LLM option for both gapless runs, repeatable (e.g. cuda_graph_max_bs=0, "
@@ -134,6 +140,8 @@ def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags, if anything."""
     if "overlap" in args.engine_options:
         return "--engine-option overlap=... : the runs set it (--runs picks them)"
+    if "kv_cache_dtype" in args.engine_options:
+        return "--engine-option kv_cache_dtype=... : use --kv-cache-dtype (the report counts its bytes)"
     if not 1 <= args.hf_num_seqs <= args.num_seqs:
         return f"--hf-num-seqs must be in [1, {args.num_seqs}]"
     if args.hf_batch_size < 1:
@@ -233,6 +241,12 @@ class _Bench:
         cli.progress(f"model: {what} ...")
         self.path, build_s = cli.model_path(args, args.dtype)
         self.info = cli.model_info(self.path, args.dtype)
+        if args.kv_cache_dtype != "auto":  # fp8: one byte an element, in the reads the report counts
+            args.engine_options["kv_cache_dtype"] = args.kv_cache_dtype
+            self.info["kv_bytes_per_token"] //= torch.empty(
+                0, dtype=getattr(torch, args.dtype)
+            ).element_size()
+        self.info["kv_cache_dtype"] = "fp8_e4m3" if args.kv_cache_dtype != "auto" else args.dtype
         cli.progress(
             f"model at {self.path} (built in {build_s:.1f} s): {self.info['params'] / 1e6:.0f}M params"
         )

@@ -210,7 +210,8 @@ def format_report(res: dict[str, Any]) -> str:
         f"model: {res['model_name']}: {mi['num_hidden_layers']} layers, hidden {mi['hidden_size']}, "
         f"{mi['num_attention_heads']} q / {mi['num_key_value_heads']} kv heads x {mi['head_dim']}, vocab "
         f"{mi['vocab_size']}; {mi['params'] / 1e6:.0f}M parameters, random weights, {mi['dtype']} "
-        f"({mi['weight_bytes'] / 1e9:.2f} GB, {mi['kv_bytes_per_token'] / 1024:.0f} KiB of KV per token)",
+        f"({mi['weight_bytes'] / 1e9:.2f} GB, {mi['kv_bytes_per_token'] / 1024:.0f} KiB of "
+        f"{mi.get('kv_cache_dtype', mi['dtype'])} KV per token)",
         f"{cli.workload_line(w)}; decode reads "
         f"{w['decode_kv_tokens_read'] * mi['kv_bytes_per_token'] / 1e12:.2f} TB of KV"
         + ("" if copy is None else f"; a device copy in this run: {copy:.2f} TB/s (read + written)"),

@@ -1,7 +1,8 @@
 """Microbenchmarks of the decoder's kernels, each against its yardstick measured in the same run.
 
     python -m gapless.bench.kernels --device cuda [--dtype bfloat16] [--tokens 256] [--batch 1 64 256]
-        [--context 1024 4096 8192] [--page-size 1 16] [--decode-block-n 0 32 64 128] [--decode-warps 4 8]
+        [--context 1024 4096 8192] [--page-size 1 16] [--kv-cache-dtype auto fp8]
+        [--decode-block-n 0 32 64 128] [--decode-warps 4 8]
         [--decode-stages 2 3] [--decode-programs-per-sm 2 32] [--decode-heads-first 0 1]
         [--extend-block-m 0 128]
         [--extend-block-n 0 32] [--extend-warps 4 8] [--extend-stages 2 3] [--sample-batch 1 8 64 256]
@@ -11,14 +12,14 @@
    add + RMSNorm, q/k norm + RoPE + KV store, SiLU·mul, GeLU·mul), on `--tokens` rows of a model shape
    (default Qwen3-0.6B's: hidden 1024, 16 heads, 8 kv heads, head dim 128, intermediate 3072): median
    microseconds of each and the ratio.
-2. Decode attention (`--attention`, default the Triton backend on CUDA, torch elsewhere) for each batch
-   of `--batch`, context and page size, and with Triton for each decode kernel variant (every
-   combination of `--decode-block-n` (0: the default), `--decode-warps`, `--decode-stages`,
-   `--decode-programs-per-sm`, the split heuristic's target (the row shows the split count it chose), and
-   `--decode-heads-first`, the grid's order):
-   the KV bytes a step must read (K and V of every cached token, once) over its median time, against a
-   device-to-device copy of as many bytes in the same run (its bandwidth counts the bytes read and
-   written), so the ratio says how near attention runs to what this device's memory delivers.
+2. Decode attention (`--attention`, default the Triton backend on CUDA, torch elsewhere) for each batch of
+   `--batch`, context, page size and KV dtype (`--kv-cache-dtype`: fp8 reads 1 byte an element), and with
+   Triton for each decode kernel variant (every combination of `--decode-block-n` (0: the default),
+   `--decode-warps`, `--decode-stages`, `--decode-programs-per-sm`, the split heuristic's target (the row
+   shows the split count it chose), and `--decode-heads-first`, the grid's order): the KV bytes a step
+   must read (K and V of every cached token, once) over its median time, against a device-to-device copy
+   of as many bytes in the same run (its bandwidth counts the bytes read and written), so the ratio says
+   how near attention runs to what this device's memory delivers.
 3. Extend (prefill) attention over `--extend-tokens` new tokens a batch (requests of `--extend-len`
    tokens, no cached prefix): causal attention's FLOPs (4 * heads * head_dim * L(L+1)/2 a request) over
    its median time, against a `--matmul-n` square matmul in the same dtype measured in the same run; with
@@ -48,6 +49,7 @@ from gapless.attention.base import AttentionMetadata
 from gapless.bench import cli
 from gapless.bench.kernels_sampling import sampling_rows
 from gapless.bench.timing import cold_copies, copy_tb_s, cycling, median_us
+from gapless.memory.kv_pool import FP8, kv_cache_dtype
 from gapless.model.layers import GATED_ACTIVATIONS, RotaryEmbedding, make_rms_norm
 
 
@@ -144,7 +146,8 @@ def attention_rows(
         for batch in args.batch
         for context in args.context
         for page_size in args.page_size
-        for row in _attention_case(args, backend, batch, context, page_size, device, dtype)
+        for kv in args.kv_cache_dtype
+        for row in _attention_case(args, backend, batch, context, page_size, device, dtype, kv)
     ]
 
 
@@ -189,16 +192,17 @@ def _time_attention(
     q: torch.Tensor,
     caches: list[tuple[torch.Tensor, torch.Tensor]],
     args: argparse.Namespace,
+    **scales: torch.Tensor,
 ) -> tuple[float, Any]:
     """Median µs of `backend`'s attention over `meta`'s batch with `tuning` set as its `knob`
     ("decode_tuning" or "extend_tuning"; None: the backend as it is), and the batch's prepared state
-    (where the decode split count shows)."""
+    (where the decode split count shows). `scales`: an fp8 cache's k_scale and v_scale."""
     if tuning is not None:
         setattr(backend, knob, tuning)
     scale = q.shape[-1] ** -0.5
     with torch.inference_mode():
         state = backend.prepare(meta)
-        calls = [partial(backend.forward, q, k, v, state, scale) for k, v in caches]
+        calls = [partial(backend.forward, q, k, v, state, scale, **scales) for k, v in caches]
         us = median_us(cycling(calls), q.device, args)
     return us, state
 
@@ -211,24 +215,23 @@ def _attention_case(
     page_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    kv: str = "auto",
 ) -> list[dict[str, Any]]:
     B, H, KVH, D = batch, args.heads, args.kv_heads, args.head_dim
     meta = decode_metadata(B, context, page_size, device)
     slots = (B * -(-context // page_size) + 1) * page_size
-    kv_bytes = 2 * B * context * KVH * D * dtype.itemsize
+    kv_dtype = kv_cache_dtype(kv, dtype)
+    kv_bytes = 2 * B * context * KVH * D * kv_dtype.itemsize
+    one = torch.ones(1, device=device)  # an fp8 cache's scales (its values are randn, as the others')
+    scales = {"k_scale": one, "v_scale": one} if kv_dtype == FP8 else {}
     # as many caches as keep each call's KV out of L2 (a lone request's 4k context fits an H100's)
-    caches = [
-        (
-            torch.randn(slots, KVH, D, device=device, dtype=dtype),
-            torch.randn(slots, KVH, D, device=device, dtype=dtype),
-        )
-        for _ in range(cold_copies(kv_bytes, device))
-    ]
+    cache = lambda: torch.randn(slots, KVH, D, device=device, dtype=dtype).to(kv_dtype)  # noqa: E731
+    caches = [(cache(), cache()) for _ in range(cold_copies(kv_bytes, device))]
     q = torch.randn(B, H, D, device=device, dtype=dtype)
     copy_tbs = copy_tb_s(kv_bytes, device, args)
     rows = []
     for tuning in decode_tunings(args, backend):
-        t_attn, state = _time_attention(backend, "decode_tuning", tuning, meta, q, caches, args)
+        t_attn, state = _time_attention(backend, "decode_tuning", tuning, meta, q, caches, args, **scales)
         attn_tbs = kv_bytes / t_attn / 1e6
         splits = [s[0] for s in getattr(state, "scratch", {}).values()]
         rows.append(
@@ -236,6 +239,7 @@ def _attention_case(
                 "batch": B,
                 "context": context,
                 "page_size": page_size,
+                "kv_dtype": kv,
                 "block_n": tuning.keys_per_block(D) if tuning is not None else None,
                 "num_warps": tuning.num_warps if tuning is not None else None,
                 "num_stages": tuning.num_stages if tuning is not None else None,
@@ -352,6 +356,7 @@ def report(res: dict[str, Any]) -> list[str]:
             ("batch", "batch", str),
             ("context", "context", str),
             ("page size", "page_size", str),
+            ("KV", "kv_dtype", str),
             ("block n", "block_n", _opt),
             ("warps", "num_warps", _opt),
             ("stages", "num_stages", _opt),
@@ -411,6 +416,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--context", type=cli.positive_int, nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--page-size", type=cli.positive_int, nargs="+", default=[1, 16])
+    p.add_argument(
+        "--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"], help="decode's KV"
+    )
     tune = "decode kernel variants to time, every combination (Triton backend)"
     p.add_argument("--decode-block-n", type=int, nargs="+", default=[0], help=f"{tune}; 0: its default")
     p.add_argument("--decode-warps", type=cli.positive_int, nargs="+", default=[4], help=tune)

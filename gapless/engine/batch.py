@@ -256,3 +256,4 @@ class RunnerInfo:
     weights: str = ""  # the weights' format and bytes, for the start-up line (gapless.model.quant)
     quantization: str | None = None  # the layers' quantized format(s), vLLM's names; None: float
     weight_formats: tuple[tuple[str, int], ...] = ()  # (format, layers holding it), for /v1/models, /metrics
+    kv_cache: str = ""  # the KV cache's element type and bytes per token, for the start-up line

@@ -41,7 +41,7 @@ from gapless.engine.pooling import pool_hidden
 from gapless.engine.spec.device import SpecState
 from gapless.engine.spec.draft import load_draft
 from gapless.engine.vision import EncoderCache
-from gapless.memory.kv_pool import KVPool
+from gapless.memory.kv_pool import KVPool, kv_cache_dtype
 from gapless.memory.req_table import ReqTable
 from gapless.model import parallel
 from gapless.model.config import load_model_config
@@ -93,6 +93,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
         if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
             log.warning(why)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
         self.model: CausalLM = load_model(
             cfg.model,
             self.dtype,
@@ -114,9 +115,10 @@ class ModelRunner:
             self.dtype,
             mcfg.sliding_window,
             mcfg.attn_logit_softcapping,
+            self.kv_dtype,
         )
         self.backend: AttentionBackend = make_backend(cfg.attention_backend, self.device, probe)
-        self.fused_kernels = use_fused_kernels(self.model, cfg.fused_kernels, self.device)  # "triton"/"torch"
+        self.fused_kernels = use_fused_kernels(self.model, cfg.fused_kernels, self.device, self.kv_dtype)
 
         # (a state row for the reserved row too, which the padded columns of a sampled graph read)
         self.sampler = Sampler(mcfg.vocab_size, max_rows + 1, self.device)
@@ -139,7 +141,7 @@ class ModelRunner:
         self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
         graph_bs = self._graph_max_bs(cfg)
 
-        per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.kv_dtype)
         # a draft model's weights are loaded before the plan, and its KV counted in it (spec.draft)
         draft = load_draft(cfg, self.device, max_context, mcfg.vocab_size)
         per_token += draft.bytes_per_token if draft is not None else 0
@@ -158,8 +160,9 @@ class ModelRunner:
                 max_rows + 1, self.max_context, cfg.speculative_num_draft_tokens, self.device, draft
             )
         log.info(
-            "KV cache: %d tokens, %.3g GiB, max context %d (%s)",
+            "KV cache: %d tokens (%s), %.3g GiB, max context %d (%s)",
             self.kv_tokens,
+            self.kv_pool.summary(),
             self.kv_tokens * per_token / 2**30,
             self.max_context,
             plan.describe() if plan is not None else f"kv_cache_tokens={cfg.kv_cache_tokens}",
@@ -198,15 +201,9 @@ class ModelRunner:
         return min(n, cfg.max_running_requests)
 
     def _new_kv_pool(self, num_pages: int) -> KVPool:
-        mcfg = self.model_config
-        return KVPool(
-            mcfg.num_layers,
-            num_pages,
-            self.page_size,
-            mcfg.num_kv_heads,
-            mcfg.head_dim,
-            self.dtype,
-            self.device,
+        scales = self.model.kv_cache_scales
+        return KVPool.for_model(
+            self.model_config, num_pages, self.page_size, self.kv_dtype, self.device, scales
         )
 
     def _kv_tokens(
@@ -284,6 +281,7 @@ class ModelRunner:
             weights=weights_summary(self.model),
             quantization=quantization(self.model),
             weight_formats=tuple(sorted(weights_held(self.model)[0].items())),
+            kv_cache=self.kv_pool.summary(),
         )
 
     def forward_tokens(

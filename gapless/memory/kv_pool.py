@@ -1,8 +1,57 @@
-"""The physical KV cache: per layer, one K and one V tensor indexed directly by slot id."""
+"""The physical KV cache: per layer, one K and one V tensor indexed directly by slot id.
+
+The cache holds the model's dtype, or float8 e4m3 (`--kv-cache-dtype fp8`, as vLLM's): then each layer
+has a per-tensor k and v scale (fp32 device tensors, 1.0 unless the checkpoint brings them), the store
+writes `saturate(x / scale)` in e4m3 and every reader multiplies back by the scale. One byte an element,
+so the same memory holds twice the tokens of bf16.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value: the store saturates there
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for `--kv-cache-dtype` `name` (vLLM's names): "auto" is the model's dtype,
+    "fp8"/"fp8_e4m3" float8 e4m3; anything else is refused by name."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return FP8
+    if name == "fp8_e5m2":
+        raise ValueError("kv_cache_dtype='fp8_e5m2': float8 e5m2 KV is not built; use fp8 (e4m3)")
+    raise ValueError(f"kv_cache_dtype={name!r}: must be auto, fp8 or fp8_e4m3")
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x / scale` (in fp32), saturated to e4m3's range and rounded to nearest even, as e4m3."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+class AttentionShape(Protocol):
+    """What a pool's shape comes from (a model's config: `gapless.model.config.ModelConfig`)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+class Scales(Protocol):
+    """Each layer's k and v scale (a checkpoint's: `gapless.model.kv_scales.KVScales`)."""
+
+    @property
+    def k(self) -> Sequence[float]: ...
+    @property
+    def v(self) -> Sequence[float]: ...
 
 
 class KVPool:
@@ -11,8 +60,26 @@ class KVPool:
     Slot ids (``page * page_size + offset``) index the first dimension directly, so attention
     kernels gather with the request table and never translate addresses. Each side is one
     allocation (``k_buffer``/``v_buffer``, ``[num_layers, slots, kvh, hd]``); ``k[layer]`` and
-    ``v[layer]`` are views of it, for kernels that want a single base pointer.
+    ``v[layer]`` are views of it, for kernels that want a single base pointer. ``k_scale[layer]`` and
+    ``v_scale[layer]`` ([1] fp32 views of one device tensor each) are an fp8 pool's dequantization
+    scales, set in place (`set_scales`) so captured CUDA graphs read the new values.
     """
+
+    @classmethod
+    def for_model(
+        cls,
+        cfg: AttentionShape,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        scales: Scales | None = None,
+    ) -> KVPool:
+        """A pool for `cfg`'s attention layers; an fp8 one takes the checkpoint's `scales` if it has them."""
+        pool = cls(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        if pool.quantized and scales is not None:
+            pool.set_scales(scales.k, scales.v)
+        return pool
 
     def __init__(
         self,
@@ -39,6 +106,38 @@ class KVPool:
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k: list[torch.Tensor] = list(self.k_buffer.unbind(0))
         self.v: list[torch.Tensor] = list(self.v_buffer.unbind(0))
+        self.scales = torch.ones(2, num_layers, 1, dtype=torch.float32, device=self.device)
+        self.k_scale: list[torch.Tensor] = list(self.scales[0].unbind(0))
+        self.v_scale: list[torch.Tensor] = list(self.scales[1].unbind(0))
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pool stores fp8 (scaled) rather than the model's dtype."""
+        return self.dtype == FP8
+
+    def set_scales(self, k_scales: Sequence[float], v_scales: Sequence[float]) -> None:
+        """Each layer's k and v dequantization scale (positive and finite), copied in place."""
+        for name, values in (("k_scale", k_scales), ("v_scale", v_scales)):
+            if len(values) != self.num_layers:
+                raise ValueError(f"{name}: {len(values)} values for {self.num_layers} layers")
+            bad = [s for s in values if not 0 < s < float("inf")]
+            if bad:
+                raise ValueError(f"{name}: scales must be positive and finite, got {bad[0]}")
+        self.scales.copy_(torch.tensor([k_scales, v_scales], dtype=torch.float32).unsqueeze(-1))
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`layer`'s (k_scale, v_scale) as the store kernel and attention backends take them: an fp8
+        pool's, else (None, None)."""
+        if not self.quantized:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def summary(self) -> str:
+        """The pool's element type and bytes per token (all layers, K and V), for the start-up lines:
+        "fp8_e4m3, 57344 B/token"."""
+        name = "fp8_e4m3" if self.quantized else str(self.dtype).removeprefix("torch.")
+        per_token = self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return f"{name}, {per_token} B/token"
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -47,9 +146,16 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k``/``v`` (``[n, kvh, hd]``) into ``slots`` (int64 ``[n]``, on the pool's device) in place.
+        """Write ``k``/``v`` (``[n, kvh, hd]``) into ``slots`` (int64 ``[n]``, on the pool's device) in place,
+        quantized with the layer's scales in an fp8 pool.
 
         Enqueued in stream order like any kernel, so a forward already in flight never sees it.
         """
-        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+        if not self.quantized:
+            self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+            self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+            return
+        # through uint8 views: torch has no fp8 index_copy on CPU; the bytes are the same
+        k8, v8 = quantize_fp8(k, self.k_scale[layer]), quantize_fp8(v, self.v_scale[layer])
+        self.k[layer].view(torch.uint8).index_copy_(0, slots, k8.view(torch.uint8))
+        self.v[layer].view(torch.uint8).index_copy_(0, slots, v8.view(torch.uint8))

@@ -22,6 +22,7 @@ from gapless.attention.base import AttentionBackend, softcap
 from gapless.memory.kv_pool import KVPool
 from gapless.model import parallel
 from gapless.model.config import NORM_PLACES, ModelConfig
+from gapless.model.kv_scales import KVScales
 from gapless.model.layers import (
     GATED_ACTIVATIONS,
     MergedColumnParallelLinear,
@@ -113,7 +114,9 @@ class Attention(nn.Module):
         return self.rotate_and_store(ctx.positions, q, k, v, ctx.kv_pool, ctx.out_slots)
 
     def attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The attention of queries `q` [T, heads, d] over this layer's KV, placed by `ctx`'s batch."""
+        """The attention of queries `q` [T, heads, d] over this layer's KV, placed by `ctx`'s batch (an
+        fp8 pool's k/v scales passed along)."""
+        k_scale, v_scale = ctx.kv_pool.layer_scales(self.layer_id)
         return ctx.backend.forward(
             q,
             ctx.kv_pool.k[self.layer_id],
@@ -121,6 +124,8 @@ class Attention(nn.Module):
             ctx.attn_state,
             self.scale,
             **self.extra,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
@@ -146,8 +151,9 @@ class Attention(nn.Module):
                 norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.kind)
             k_cache, v_cache = kv_pool.k[self.layer_id], kv_pool.v[self.layer_id]
             return self.fused.qk_norm_rope_store(
-                positions, q, k, v, self.rope.cos_sin, k_cache, v_cache, slots, norm
-            )
+                positions, q, k, v, self.rope.cos_sin, k_cache, v_cache, slots, norm,
+                *kv_pool.layer_scales(self.layer_id),
+            )  # fmt: skip
         if per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
@@ -311,6 +317,8 @@ class CausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", "gate"),
         ".up_proj.": (".gate_up_proj.", "up"),
     }
+    # an FP8 KV cache's per-layer scales from the checkpoint (1.0 where none), set by the loader
+    kv_cache_scales: KVScales | None = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         """`max_positions`: the positions RoPE's table covers (default: the model's

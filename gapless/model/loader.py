@@ -27,6 +27,7 @@ from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
+from gapless.model.kv_scales import KVScaleReader
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
 from gapless.model.quant import formats, gguf_cpu, int4, weights_summary
 from gapless.model.quant.formats import QuantFormatError, QuantSpec
@@ -133,6 +134,7 @@ def load_model(
     loaded: set[str] = set()
     blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
     encoder = new_encoder(cfg.vision, cfg.hidden_size, dtype, device) if cfg.vision is not None else None
+    kv_scales = KVScaleReader()  # an FP8 KV cache's scales, where the checkpoint has them
     for name, tensor in [] if dummy else iter_weights(path, keeps_gguf_quantized(path, device)):
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
@@ -151,6 +153,8 @@ def load_model(
             blocks.setdefault(name.rsplit(".", 1)[0], {})[shard] = tensor
             loaded.add(name if shard is None else f"{name}#{shard}")
             continue
+        if kv_scales.take(name, tensor):
+            continue
         if name.endswith(".weight_scale_inv"):
             name = name[: -len("_inv")]  # fp8's scale is a multiplier, as compressed-tensors' weight_scale
         keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
@@ -162,6 +166,7 @@ def load_model(
         _random_weights(model)
     else:
         _check_complete(model, path, loaded, encoder.missing_weights() if encoder is not None else [])
+    model.kv_cache_scales = kv_scales.scales(cfg.num_layers)
     model.requires_grad_(False).eval()
     if scheme is not None:
         assert spec is not None

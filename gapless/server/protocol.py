@@ -224,6 +224,7 @@ class SchedulerInfo(msgspec.Struct):
     pooling: str = ""
     # a vision-language model: images per prompt and pixels per image it takes; (0, 0): a text model
     image_limits: tuple[int, int] = (0, 0)
+    kv_cache: str = ""  # the KV cache's element type and bytes per token (KVPool.summary)
 
 
 class ReplicaReport(msgspec.Struct, tag=True):

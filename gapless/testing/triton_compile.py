@@ -10,7 +10,8 @@ no kernel executing: their outputs are garbage, and only compile errors count.
 
 What it launches: the start-up self-checks' own probes. Attention (`gapless.attention.selfcheck`: an
 extend batch, and a decode batch split over several programs and in one) in fp32, bf16 and fp16, with
-and without a sliding window and soft-capping, at head dims 64 and 128; the fused model kernels
+and without a sliding window and soft-capping, at head dims 64 and 128, and over an fp8 (e4m3) cache
+(bf16 and fp16 queries); the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
 the MoE grouped GEMM; the FP8 GEMM; the int4/int8 weight-only GEMM. Exit status 1, naming each
@@ -119,13 +120,22 @@ def _attention() -> dict[str, Callable[[], object]]:
         for name, (prefix_lens, extend_lens) in selfcheck.CASES.items():
             q, k, v, meta = selfcheck.batch(probe, prefix_lens, extend_lens, torch.device("cpu"), 0)
             for backend in backends if name == "decode" else backends[:1]:
-                backend.forward(q, k, v, backend.prepare(meta), probe.head_dim**-0.5, **probe.layer())
+                scales = probe.kv_scales(torch.device("cpu"))
+                backend.forward(
+                    q, k, v, backend.prepare(meta), probe.head_dim**-0.5, **probe.layer(), **scales
+                )
 
     probes = [
         selfcheck.Probe(8, 2, head_dim, dtype, window, softcap)
         for dtype in (torch.float32, torch.bfloat16, torch.float16)
         for head_dim in (64, 128)
         for window, softcap in ((None, None), (24, 30.0))
+    ]
+    fp8 = torch.float8_e4m3fn  # an fp8 KV cache under bf16 and fp16 queries, plain and windowed + capped
+    probes += [
+        selfcheck.Probe(8, 2, 64, torch.bfloat16, kv_dtype=fp8),
+        selfcheck.Probe(8, 2, 128, torch.bfloat16, 24, 30.0, fp8),
+        selfcheck.Probe(8, 2, 128, torch.float16, kv_dtype=fp8),
     ]
     return {f"attention {p}": partial(run, p) for p in probes}
 
@@ -150,6 +160,8 @@ def _model_kernels() -> dict[str, Callable[[], object]]:
         fused.set_fused(model, triton_kernels)  # the start-up check's probes, each through the kernels
         for probe in fused._probes(model, torch.device("cpu")).values():
             probe()
+        if family == "qwen3" and dtype == torch.bfloat16:  # the store into an fp8 (e4m3) cache
+            fused._probes(model, torch.device("cpu"), torch.float8_e4m3fn)["qk_norm_rope_store"]()
 
     return {
         f"model kernels {family} {dtype}": partial(run, family, dtype)

@@ -61,3 +61,17 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
     assert "attention / copy" in out and "triton / torch" in out and "attention / matmul" in out
     assert "path / torch" in out
     assert (tmp_path / "k.json").exists()
+
+
+def test_decode_attention_rows_over_an_fp8_cache():
+    """`--kv-cache-dtype auto fp8`: each case once per KV dtype, the fp8 one counting 1 byte an element
+    (so its KV read bandwidth is half bf16's at the same time)."""
+    args = kernels.parse_args(
+        f"--device {DEVICE} --dtype bfloat16 --heads 2 --kv-heads 1 --head-dim 16 --batch 2 --context 20 "
+        "--page-size 4 --attention triton --iters 1 --warmup 0 --kv-cache-dtype auto fp8".split()
+    )
+    rows = kernels.attention_rows(args, torch.device(DEVICE), torch.bfloat16)
+    assert [r["kv_dtype"] for r in rows] == ["auto", "fp8"]
+    assert all(r["attention_us"] > 0 for r in rows)
+    read = [r["attention_tb_s"] * r["attention_us"] for r in rows]  # bytes / 1e6
+    assert abs(read[0] - 2 * read[1]) < 1e-9 * read[0]

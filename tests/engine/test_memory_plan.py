@@ -111,8 +111,8 @@ def test_cpu_pool_size_and_why_are_logged_and_checked(qwen3, monkeypatch, caplog
     with LLM(qwen3, device="cpu", max_running_requests=4, max_model_len=512) as llm:
         assert llm.engine.info.kv_tokens == 4 * 512
     assert (
-        "KV cache: 2048 tokens, 0.00195 GiB, max context 512 (kv_cache_memory_gib=4 (the default), capped at "
-        "what max_running_requests rows of the max context can use)"
+        "KV cache: 2048 tokens (float32, 1024 B/token), 0.00195 GiB, max context 512 (kv_cache_memory_gib=4 "
+        "(the default), capped at what max_running_requests rows of the max context can use)"
     ) in caplog.messages
     # the default does not fit in 0.2 GiB: it is cut, with a warning
     monkeypatch.setattr(runner_module, "available_ram", lambda: GiB // 5)

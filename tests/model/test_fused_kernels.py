@@ -108,6 +108,36 @@ def test_qk_norm_rope_store(dtype, head_dim, norm_kind, scaling, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_qk_norm_rope_store_into_fp8_cache(dtype):
+    """Into an fp8 (e4m3) cache the kernel stores, bit for bit, `KVPool.store`'s quantization of what it
+    stores into a cache of the model's dtype: k / k_scale and v / v_scale in fp32, saturated at +-448
+    (the small scales here saturate some), rounded to nearest even."""
+    from gapless.memory.kv_pool import FP8, quantize_fp8
+
+    tokens, heads, kv_heads, head_dim, slots_n = 5, 4, 2, 16, 11
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE)
+    q, k, v = (
+        _rand(tokens, n, head_dim, dtype=dtype, seed=9 + i) for i, n in enumerate((heads, kv_heads, kv_heads))
+    )
+    positions = torch.tensor([0, 3, 9, 40, 63], device=DEVICE)
+    slots = torch.tensor([2, 7, 1, 10, 4], device=DEVICE)
+    norms = [make_rms_norm(head_dim, 1e-6, "llama").to(device=DEVICE, dtype=dtype) for _ in range(2)]
+    norm = (norms[0].weight, norms[1].weight, norms[0].eps, "llama")
+    plain = [torch.zeros(slots_n, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+    fp8 = [torch.zeros(slots_n, kv_heads, head_dim, dtype=FP8, device=DEVICE) for _ in range(2)]
+    scales = torch.tensor([0.004], device=DEVICE), torch.tensor([0.0031], device=DEVICE)
+    q_plain = fk.qk_norm_rope_store(positions, q, k, v, rope.cos_sin, *plain, slots, norm)
+    q_fp8 = fk.qk_norm_rope_store(positions, q, k, v, rope.cos_sin, *fp8, slots, norm, *scales)
+    assert torch.equal(q_fp8, q_plain)
+    for got, want, scale in zip(fp8, plain, scales):
+        assert torch.equal(got.view(torch.uint8), quantize_fp8(want, scale).view(torch.uint8))
+        assert (got.float().abs() == 448).any(), "some values saturate"
+    with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
+        fk.qk_norm_rope_store(positions, q, k, v, rope.cos_sin, *fp8, slots, norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize(("rows", "n"), [(0, 37), (3, 37), (2, 1030)])
 def test_act_and_mul(dtype, act, rows, n):
@@ -170,6 +200,21 @@ def test_start_up_check_falls_back_to_torch_with_reason(ckpt_factory, caplog):
 
     broken.rms_norm = lambda *a: 1 / 0
     assert "rms_norm failed: ZeroDivisionError" in fused.disagreement(model, broken, torch.device(DEVICE))
+
+
+def test_start_up_check_covers_the_store_into_an_fp8_cache(ckpt_factory):
+    """With an fp8 KV cache the start-up check compares the store into one (scales not 1): the kernels
+    pass it, and a store that forgets the scales does not."""
+    from gapless.memory.kv_pool import FP8
+    from gapless.model.loader import load_model
+
+    model = load_model(ckpt_factory("qwen3"), torch.bfloat16, torch.device(DEVICE))
+    assert fused.disagreement(model, fk, torch.device(DEVICE), FP8) is None
+    broken = types.SimpleNamespace(**{n: getattr(fk, n) for n in fk.__all__})
+    # the scales read as 1.0 (the decoder passes them after the norm: positional arguments 9 and 10)
+    broken.qk_norm_rope_store = lambda *a: fk.qk_norm_rope_store(*a[:9], *map(torch.ones_like, a[9:]))
+    why = fused.disagreement(model, broken, torch.device(DEVICE), FP8)
+    assert why is not None and why.startswith("qk_norm_rope_store: relative error"), why
 
 
 def test_bad_choice_is_refused(ckpt_factory):

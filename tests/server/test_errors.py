@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import re
 
 import httpx
 import pytest
@@ -83,6 +84,11 @@ def test_bad_key_is_401_on_every_endpoint_but_health(server, model):
             ):
                 error_of(c.request(method, path, json={"model": model, "prompt": "x"}), 401)
             assert c.get("/health").status_code == 200
+
+
+def test_models_card_names_the_kv_cache(client):
+    card = client.get("/v1/models").json()["data"][0]
+    assert re.fullmatch(r"(float32|bfloat16|float16|fp8_e4m3), \d+ B/token", card["kv_cache"]), card
 
 
 def test_unknown_model_is_404(client, model):

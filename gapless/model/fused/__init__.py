@@ -21,7 +21,7 @@ from typing import cast
 
 import torch
 
-from gapless.memory.kv_pool import KVPool
+from gapless.memory.kv_pool import FP8, KVPool
 from gapless.model.decoder import MLP, Attention, CausalLM
 from gapless.model.layers import GATED_ACTIVATIONS, RMSNorm
 
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 FUSED_KERNELS = ("auto", "torch", "triton")
 # relative error bound (max abs error / max abs reference): one rounding step of the dtype, with room
-_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+# (an fp8 cache: one e4m3 step, where a rotated k one rounding apart lands on the other side of a step)
+_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3, FP8: 7e-2}
 
 
 def _kernels() -> ModuleType:
@@ -45,9 +46,12 @@ def set_fused(model: CausalLM, kernels: ModuleType | None) -> None:
             module.fused = kernels
 
 
-def use_fused_kernels(model: CausalLM, name: str, device: torch.device) -> str:
+def use_fused_kernels(
+    model: CausalLM, name: str, device: torch.device, kv_dtype: torch.dtype | None = None
+) -> str:
     """Choose the implementation `name` asks for ("auto", "torch" or "triton", as
-    `gapless.attention.make_backend` chooses attention), set it on `model`, and return which one runs."""
+    `gapless.attention.make_backend` chooses attention), set it on `model`, and return which one runs.
+    `kv_dtype`: the KV pool's, where not the model's (fp8): "auto" checks the store into it."""
     if name not in FUSED_KERNELS:
         raise ValueError(f"fused_kernels={name!r}: must be one of {FUSED_KERNELS}")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
@@ -69,13 +73,15 @@ def use_fused_kernels(model: CausalLM, name: str, device: torch.device) -> str:
             )
         set_fused(model, kernels)
         return "triton"
-    return checked(model, kernels, device)
+    return checked(model, kernels, device, kv_dtype)
 
 
-def checked(model: CausalLM, kernels: ModuleType, device: torch.device) -> str:
+def checked(
+    model: CausalLM, kernels: ModuleType, device: torch.device, kv_dtype: torch.dtype | None = None
+) -> str:
     """Set `kernels` on `model` if they agree with torch on its shapes (`disagreement`), else torch with
     a warning saying why; return which one runs."""
-    why = disagreement(model, kernels, device)
+    why = disagreement(model, kernels, device, kv_dtype)
     if why is not None:
         log.warning("fused kernels: %s; using torch", why)
         return "torch"
@@ -83,13 +89,15 @@ def checked(model: CausalLM, kernels: ModuleType, device: torch.device) -> str:
     return "triton"
 
 
-def disagreement(model: CausalLM, kernels: ModuleType, device: torch.device) -> str | None:
-    """None if `kernels` match torch on `model`'s own modules (a few ragged rows of its shapes); else why
-    not. Leaves `model` on torch."""
+def disagreement(
+    model: CausalLM, kernels: ModuleType, device: torch.device, kv_dtype: torch.dtype | None = None
+) -> str | None:
+    """None if `kernels` match torch on `model`'s own modules (a few ragged rows of its shapes, the KV
+    store into a pool of `kv_dtype`); else why not. Leaves `model` on torch."""
     set_fused(model, None)
     name = "setting up the check"
     try:
-        for name, run in _probes(model, device).items():
+        for name, run in _probes(model, device, kv_dtype).items():
             want = run()
             set_fused(model, kernels)
             try:
@@ -108,7 +116,7 @@ def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor]) -> st
     for g, w in zip(got, want, strict=True):
         if g.shape != w.shape or g.dtype != w.dtype:
             return f"{name}: {tuple(g.shape)} {g.dtype}, torch {tuple(w.shape)} {w.dtype}"
-        if not bool(torch.isfinite(g).all()):
+        if not bool(torch.isfinite(g.float()).all()):  # (float: no isfinite for fp8)
             return f"{name}: non-finite output"
         err = float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-6))
         if err > _TOLERANCE.get(w.dtype, 2e-2):
@@ -116,8 +124,11 @@ def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor]) -> st
     return None
 
 
-def _probes(model: CausalLM, device: torch.device) -> dict[str, Callable[[], list[torch.Tensor]]]:
-    """name -> a function running one step on fixed random inputs, returning its outputs."""
+def _probes(
+    model: CausalLM, device: torch.device, kv_dtype: torch.dtype | None = None
+) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    """name -> a function running one step on fixed random inputs, returning its outputs (the KV store
+    into a pool of `kv_dtype`, default the model's dtype; an fp8 one with scales not 1)."""
     cfg, body = model.cfg, model.model
     dtype = body.norm.weight.dtype
     g = torch.Generator().manual_seed(0)
@@ -131,7 +142,10 @@ def _probes(model: CausalLM, device: torch.device) -> dict[str, Callable[[], lis
     gate_up = rand(tokens, 2 * cfg.intermediate_size)
 
     def rope_store() -> list[torch.Tensor]:
-        pool = KVPool(attn.layer_id + 1, tokens + 1, 1, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        pool = KVPool(
+            attn.layer_id + 1, tokens + 1, 1, cfg.num_kv_heads, cfg.head_dim, kv_dtype or dtype, device
+        )
+        pool.set_scales([0.5] * pool.num_layers, [0.25] * pool.num_layers)
         q, k, v = (t.view(tokens, -1, cfg.head_dim) for t in qkv.split(attn.qkv_proj.output_sizes, dim=-1))
         q = attn.rotate_and_store(positions, q, k, v, pool, slots)
         return [q, pool.k[attn.layer_id], pool.v[attn.layer_id]]

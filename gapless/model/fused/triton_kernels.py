@@ -55,6 +55,22 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_grid(x, scale):
+    """fp32 `x / scale` saturated to e4m3's range (+-448) and rounded to nearest even on e4m3's grid, as
+    fp32, so its cast to e4m3 is exact: what torch's `(x / scale).clamp(-448, 448).to(float8_e4m3fn)`
+    stores (`gapless.memory.kv_pool.quantize_fp8`). By hand, on every target: Triton's interpreter rounds
+    a carry into the exponent wrongly (7.9 becomes 4). The grid's step is 2^(e - 3) for a value of
+    exponent e (3 mantissa bits; subnormals from e = -6), and adding then subtracting 2^(e + 20), whose
+    fp32 ulp is that step, rounds to it (to nearest even, as fp32 addition does)."""
+    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)  # IEEE division, as torch
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    big = ((e + 147) << 23).to(tl.float32, bitcast=True)  # 2^(e + 20)
+    r = (tl.abs(y) + big) - big
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # y's sign
+
+
+@triton.jit
 def _scale(normed, w, KIND: tl.constexpr):
     """The weight applied to fp32 normed values, in fp32, rounded where the torch reference rounds:
     llama: weight * normed.to(dtype) (a product in the weight's dtype); fp32 (OLMo 2): weight * normed
@@ -152,6 +168,8 @@ def _qk_norm_rope_store_kernel(
     KCache,
     VCache,
     Slots,
+    KScale,
+    VScale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -171,9 +189,11 @@ def _qk_norm_rope_store_kernel(
     NORM: tl.constexpr,
     KIND: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Program (token t, head h): h < num_q_heads is query head h, written to QOut; the others are kv
-    head h - num_q_heads, whose rotated k and whose v go to the token's KV slot."""
+    head h - num_q_heads, whose rotated k and whose v go to the token's KV slot (KV_FP8: divided by the
+    layer's scale, saturated and rounded to e4m3)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -209,9 +229,12 @@ def _qk_norm_rope_store_kernel(
         kvh = h - num_q_heads
         slot = tl.load(Slots + t).to(tl.int64)
         k_dst = KCache + slot * stride_kct + kvh * stride_kch + offs
-        tl.store(k_dst, rot.to(KCache.dtype.element_ty), mask=mask)
         v = tl.load(V + t * stride_vt + kvh * stride_vh + offs, mask=mask, other=0.0)
         v_dst = VCache + slot * stride_vct + kvh * stride_vch + offs
+        if KV_FP8:
+            rot = _e4m3_grid(rot, tl.load(KScale))
+            v = _e4m3_grid(v.to(tl.float32), tl.load(VScale))
+        tl.store(k_dst, rot.to(KCache.dtype.element_ty), mask=mask)
         tl.store(v_dst, v.to(VCache.dtype.element_ty), mask=mask)
 
 
@@ -225,16 +248,21 @@ def qk_norm_rope_store(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
     norm: tuple[torch.Tensor, torch.Tensor, float, str] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotated q [T, heads, d] (contiguous); rotated k and v stored into `k_cache`/`v_cache` [slots,
     kv_heads, d] at `slots` [T]. q, k, v: [T, heads or kv_heads, d], any strides with the last dim
     contiguous (views of the fused qkv projection's output). `cos_sin`: [positions, 2, d] fp32, cos then
     rotate-half's signed sin (`gapless.model.layers.RotaryEmbedding`). `norm`: (q weight, k weight, eps,
-    RMSNorm kind) of a per-head q/k norm applied first, or None."""
+    RMSNorm kind) of a per-head q/k norm applied first, or None. An fp8 (e4m3) cache comes with its
+    `k_scale`/`v_scale` ([1] fp32 device tensors): it stores x / scale, saturated, as `KVPool.store`."""
     tokens, heads, d = q.shape
     out = torch.empty((tokens, heads, d), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
+    if k_cache.dtype == torch.float8_e4m3fn and (k_scale is None or v_scale is None):
+        raise ValueError("an fp8 KV cache needs its k_scale and v_scale")
     q_w, k_w, eps, kind = norm if norm is not None else (cos_sin, cos_sin, 0.0, "llama")
     _qk_norm_rope_store_kernel[(tokens, heads + k.shape[1])](
         q,
@@ -248,6 +276,8 @@ def qk_norm_rope_store(
         k_cache,
         v_cache,
         slots,
+        k_scale if k_scale is not None else cos_sin,  # (not read without KV_FP8)
+        v_scale if v_scale is not None else cos_sin,
         *q.stride()[:2],
         *out.stride()[:2],
         *k.stride()[:2],
@@ -259,6 +289,7 @@ def qk_norm_rope_store(
         d,
         eps,
         NORM=norm is not None,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         KIND=KINDS[kind],
         BLOCK_D=triton.next_power_of_2(d),
     )

@@ -32,6 +32,7 @@ async def models(request: Request) -> JSONResponse:
         "max_model_len": settings.info.max_context,
         "quantization": settings.info.quantization,  # e.g. "fp8"; None: float weights
         "weight_formats": settings.info.weight_formats,  # each format and how many layers hold it
+        "kv_cache": settings.info.kv_cache,  # its dtype and bytes per token: "fp8_e4m3, 57344 B/token"
     }
     return JSONResponse({"object": "list", "data": [card]})
 

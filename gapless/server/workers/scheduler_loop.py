@@ -130,21 +130,21 @@ def scheduler_main(
         engine = Engine(replica_config(cfg, replica, uses_cuda(cfg)))
         try:
             info = engine.info
+            pool = engine.pooling
             ready = P.SchedulerInfo(
                 info.max_context,
                 info.kv_tokens,
                 info.device,
                 info.vocab_size,
                 info.chunked_prefill_size,
-                info.weights,
-                info.quantization,
-                dict(info.weight_formats),
-                *(
-                    (engine.pooling.task, engine.pooling.normalize, engine.pooling.describe())
-                    if engine.pooling is not None
-                    else ("generate", False, "")
-                ),
-                (ImageLimits.of(engine.cfg) if engine.vision is not None else ImageLimits(0, 0)),
+                weights=info.weights,
+                quantization=info.quantization,
+                weight_formats=dict(info.weight_formats),
+                task=pool.task if pool is not None else "generate",
+                normalize=pool.normalize if pool is not None else False,
+                pooling=pool.describe() if pool is not None else "",
+                image_limits=ImageLimits.of(engine.cfg) if engine.vision is not None else ImageLimits(0, 0),
+                kv_cache=info.kv_cache,
             )
             reports = ReplicaReports(socks, replica) if replicas > 1 else None
             with frozen_heap(collect=True):  # what start-up built lives as long as the process

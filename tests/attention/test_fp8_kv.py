@@ -1,0 +1,109 @@
+"""An fp8 (e4m3) KV cache read by the Triton kernels: decode, extend and verify-shaped extend batches over
+the same fp8 cache as the torch reference, pages of 1 and 16 slots, with the per-tensor scales applied
+(k folded into the scores, v into the output). Under Triton's interpreter without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gapless.attention import TorchRefBackend  # noqa: E402
+from gapless.attention.triton_backend import TritonBackend  # noqa: E402
+from gapless.memory.kv_pool import FP8, FP8_MAX, quantize_fp8  # noqa: E402
+from tests.attention.test_triton import DECODE, DEVICE, EXTEND, make_batch
+
+# a verify batch: each request's K+1 = 4 positions after its accepted prefix, run by the extend kernel
+VERIFY = dict(prefix_lens=[7, 40, 129], extend_lens=[4, 4, 4])
+LENS = {"extend": EXTEND, "decode": DECODE, "verify": VERIFY}
+K_SCALE, V_SCALE = 2.0**-5, 0.011  # randn / scale well inside e4m3's range; one not a power of two
+
+
+def fp8_batch(seed, mode, page_size, dtype, d=32, garbage=True):
+    """`make_batch`'s batch with its caches stored as the KV pool stores them (e4m3 of x / scale); the
+    scales as `forward` takes them, and the clean caches (unused slots zero) in fp8 too."""
+    q, k, v, meta, clean = make_batch(
+        seed, heads=4, kv_heads=2, d=d, page_size=page_size, dtype=dtype, garbage=garbage, **LENS[mode]
+    )
+    ks, vs = torch.tensor([K_SCALE], device=DEVICE), torch.tensor([V_SCALE], device=DEVICE)
+    k8, v8 = quantize_fp8(k, ks), quantize_fp8(v, vs)
+    clean8 = (quantize_fp8(clean[0], ks), quantize_fp8(clean[1], vs))
+    return q, k8, v8, meta, clean8, {"k_scale": ks, "v_scale": vs}
+
+
+def torch_ref(q, caches, meta, scale, scales, **layer):
+    ref = TorchRefBackend()
+    return ref.forward(q, caches[0], caches[1], ref.prepare(meta), scale, **layer, **scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", ["extend", "decode", "verify"])
+def test_kernels_over_fp8_cache_match_reference(mode, page_size, dtype):
+    """Each kernel over an fp8 cache equals the torch reference over the same cache (NaN in every slot
+    outside the contexts stays unread); the decode merges 3 splits, each scaled by v before merging."""
+    q, k8, v8, meta, clean8, scales = fp8_batch(3, mode, page_size, dtype)
+    backend = TritonBackend(num_splits=3)
+    out = backend.forward(q, k8, v8, backend.prepare(meta), 0.3, **scales)
+    want = torch_ref(q.float(), clean8, meta, 0.3, scales)
+    assert out.dtype == dtype and out.shape == want.shape and torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = float((out.float() - want).abs().max() / want.abs().max())
+    assert err < tol, f"{mode}: relative error {err:.3g}"
+    # the scales matter: read as if 1.0, the answer is another
+    ones = {n: torch.ones_like(s) for n, s in scales.items()}
+    assert (backend.forward(q, k8, v8, backend.prepare(meta), 0.3, **ones).float() - want).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_fp8_cache_with_window_and_softcap(mode):
+    """The k scale folded into a soft-capped layer's scores, and a sliding window, as the reference."""
+    q, k8, v8, meta, clean8, scales = fp8_batch(5, mode, 16, torch.float32)
+    layer = {"window": 24, "softcap": 2.0}
+    backend = TritonBackend(num_splits=2)
+    out = backend.forward(q, k8, v8, backend.prepare(meta), 0.5, **layer, **scales)
+    torch.testing.assert_close(out, torch_ref(q, clean8, meta, 0.5, scales, **layer), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_dequantizes_as_scale_times_fp8():
+    """The torch reference over an fp8 cache is attention over `fp8 * scale` in q's dtype."""
+    q, k8, v8, meta, clean8, scales = fp8_batch(7, "extend", 1, torch.float32, garbage=False)
+    deq = (clean8[0].float() * K_SCALE, clean8[1].float() * V_SCALE)
+    torch.testing.assert_close(torch_ref(q, clean8, meta, 0.3, scales), torch_ref(q, deq, meta, 0.3, {}))
+    # within e4m3's rounding of the original: half a step, 2^-4 of the value (subnormals: 2^-10 * scale)
+    x = make_batch(7, heads=4, kv_heads=2, d=32, page_size=1, **EXTEND)[4][0]
+    assert ((deq[0] - x).abs() <= x.abs() / 16 + K_SCALE * 2**-10).all()
+
+
+def test_fp8_cache_without_scales_is_refused():
+    q, k8, v8, meta, _, _ = fp8_batch(1, "decode", 16, torch.bfloat16)
+    backend = TritonBackend()
+    with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
+        backend.forward(q, k8, v8, backend.prepare(meta), 0.3)
+    ref = TorchRefBackend()
+    with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
+        ref.forward(q, k8, v8, ref.prepare(meta), 0.3)
+
+
+def test_quantize_saturates_and_rounds_to_nearest_even():
+    x = torch.tensor([1e6, -1e6, 448.0, 1.0625, 1.1875, 0.0])  # 1.0625: a tie between 1.0 and 1.125
+    got = quantize_fp8(x, torch.tensor([1.0])).float()
+    assert got.tolist() == [FP8_MAX, -FP8_MAX, 448.0, 1.0, 1.25, 0.0]
+    assert quantize_fp8(x, torch.tensor([4.0])).dtype == FP8
+
+
+def test_start_up_self_check_runs_an_fp8_probe():
+    """`attention_backend="auto"`'s self-check with the model's fp8 cache: the kernels pass; a backend
+    that reads the cache without its v scale is caught."""
+    from gapless.attention.selfcheck import Probe, disagreement
+
+    probe = Probe(4, 2, 32, torch.bfloat16, kv_dtype=FP8)
+    assert probe.kv_scales(DEVICE)["k_scale"].device.type == DEVICE.type
+    assert disagreement(TritonBackend(), probe, DEVICE) is None
+    assert disagreement(TorchRefBackend(), probe, DEVICE) is None
+
+    class NoVScale(TritonBackend):
+        def forward(self, *args, v_scale=None, **kw):
+            return super().forward(*args, v_scale=torch.ones_like(v_scale), **kw)
+
+    why = disagreement(NoVScale(), probe, DEVICE)
+    assert why is not None and "relative error" in why, why

@@ -1,0 +1,199 @@
+"""An fp8 (e4m3) KV cache end to end (`kv_cache_dtype="fp8"`): the engine's tokens are those of attention
+over the e4m3-rounded cache, exactly; against float32 KV (transformers) they diverge only at near-ties,
+counted; the pool holds twice bf16's tokens; the prefix cache and retraction stay exact; bad values are
+refused; a checkpoint's k/v scales are read and used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gapless import LLM, SamplingParams
+from gapless.__main__ import parse_args
+from gapless.cli import engine_options
+from gapless.config import EngineConfig
+from gapless.memory.kv_pool import FP8, KVPool, quantize_fp8
+from gapless.model.kv_scales import KVScaleReader
+from gapless.testing import make_checkpoint
+from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+# The tiny random models' logits (std ~2 over 1000 tokens) have a median top-2 gap of ~0.5, and e4m3
+# keeps 3 mantissa bits (K and V within 2^-4 relative), which moves these logits by up to a few tenths:
+# a divergence is accepted where the float32 reference's top-2 logits are this close.
+FP8_NEAR_TIE = 0.3
+
+
+@pytest.fixture(scope="module")
+def qwen3(ckpt_factory):
+    return str(ckpt_factory("qwen3"))
+
+
+def _greedy(model: str, prompts, params: SamplingParams = GREEDY, **kw) -> list[list[int]]:
+    opts = dict(device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False, attention_backend="torch")
+    with LLM(model, **{**opts, **kw}) as llm:
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_fp8_kv_is_attention_over_the_rounded_cache(qwen3, monkeypatch):
+    """Token for token, the fp8 engine equals a float32-KV engine whose store rounds K and V through e4m3
+    (scale 1.0): every reader dequantizes what the store wrote, and nothing else changes."""
+    prompts = make_prompts(1000, n=6, seed=2, max_len=40, shared_prefix=10)
+    fp8 = _greedy(qwen3, prompts, kv_cache_dtype="fp8")
+    store = KVPool.store
+
+    def rounded_store(self, layer, slots, k, v):
+        one = torch.ones(1)
+        store(self, layer, slots, quantize_fp8(k, one).float(), quantize_fp8(v, one).float())
+
+    monkeypatch.setattr(KVPool, "store", rounded_store)
+    assert _greedy(qwen3, prompts) == fp8
+    monkeypatch.undo()
+    assert _greedy(qwen3, prompts) != fp8  # the rounding does change these tokens: the check has teeth
+
+
+def test_fp8_kv_greedy_diverges_from_float32_only_at_near_ties(qwen3):
+    """Against transformers in float32 (float32 KV), each prompt's tokens are equal or first differ where
+    the reference's top-2 logits are within FP8_NEAR_TIE; the count is printed (pytest -s) and bounded."""
+    hf = load_hf_model(qwen3)
+    prompts = make_prompts(hf.config.vocab_size, n=8, seed=1, max_len=60, shared_prefix=20)
+    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    ours = _greedy(qwen3, prompts, kv_cache_dtype="fp8")
+    notes = [check_greedy(o, r, tol=FP8_NEAR_TIE) for o, r in zip(ours, refs)]
+    ties = [n for n in notes if n is not None]
+    print(f"fp8 KV: {len(ties)} of {len(prompts)} prompts diverged at a near-tie: {ties}")
+    assert len(ties) < len(prompts), "every prompt diverged"
+
+
+def test_triton_kernels_over_fp8_kv_give_the_torch_tokens(qwen3):
+    """The Triton attention kernels and the fused store (interpreted) over an fp8 cache: the tokens of
+    the torch path (the store is bit-exact, attention equal to fp32 rounding)."""
+    prompts = make_prompts(1000, n=1, seed=4, max_len=20, shared_prefix=8)  # the interpreter is slow
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = _greedy(qwen3, prompts, short, kv_cache_dtype="fp8")
+    got = _greedy(
+        qwen3, prompts, short, kv_cache_dtype="fp8", attention_backend="triton", fused_kernels="triton"
+    )
+    assert got == want
+
+
+def test_pool_holds_twice_the_tokens_of_bf16(qwen3):
+    """The same KV memory holds 2x bf16's tokens (1 byte an element); the start-up summary says so."""
+    sizes, summaries = {}, {}
+    for kv in ("auto", "fp8"):
+        with LLM(qwen3, device="cpu", dtype="bfloat16", kv_cache_memory_gib=0.002, kv_cache_dtype=kv) as llm:
+            runner = llm.engine.runner
+            sizes[kv], summaries[kv] = llm.engine.info.kv_tokens, runner.kv_pool.summary()
+            assert runner.kv_pool.k_buffer.dtype == (FP8 if kv == "fp8" else torch.bfloat16)
+    assert abs(sizes["fp8"] - 2 * sizes["auto"]) <= 2, sizes  # (each rounded down to whole pages)
+    per_token = [int(s.split(", ")[1].split()[0]) for s in (summaries["auto"], summaries["fp8"])]
+    assert summaries["auto"].startswith("bfloat16, ")
+    assert per_token[0] == 2 * per_token[1] and summaries["fp8"].startswith("fp8_e4m3, "), summaries
+
+
+def test_prefix_cache_and_retraction_stay_exact_with_fp8_kv(qwen3):
+    """With an fp8 cache, a prefix hit and a retraction (prefix recomputed, requeued) give the tokens of
+    fp8 KV without a cache and with room to spare, and the integrity checks pass."""
+    prompts = make_prompts(1000, n=10, seed=5, max_len=60, shared_prefix=30)
+    want = _greedy(qwen3, prompts, kv_cache_dtype="fp8", radix_cache=False, kv_cache_tokens=4096)
+    with LLM(qwen3, device="cpu", dtype="float32", kv_cache_tokens=2048, kv_cache_dtype="fp8") as llm:
+        first = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        again = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert sum(o.cached_tokens for o in again) > 0
+        assert first == want and [o.token_ids for o in again] == want
+        llm.check_integrity()
+    with LLM(
+        qwen3,
+        device="cpu",
+        dtype="float32",
+        kv_cache_dtype="fp8",
+        kv_cache_tokens=160,
+        page_size=4,
+        chunked_prefill_size=16,
+        init_new_token_ratio=0.02,
+        min_new_token_ratio=0.02,
+    ) as tight:
+        got = [o.token_ids for o in tight.generate(prompts, GREEDY, use_tqdm=False)]
+        assert tight.engine.stats.retractions > 0
+        tight.check_integrity()
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("fp8_e5m2", "e5m2 KV is not built; use fp8"), ("int8", "must be one of"), ("FP8", "must be one of")],
+)
+def test_bad_kv_cache_dtype_is_refused_by_name(value, message):
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{value}': .*{message}"):
+        EngineConfig(model="m", kv_cache_dtype=value)
+
+
+def test_kv_cache_dtype_flag_takes_vllm_values():
+    for value in ("auto", "fp8", "fp8_e4m3"):
+        args = parse_args(["serve", "m", "--kv-cache-dtype", value])
+        assert engine_options(args)["kv_cache_dtype"] == value
+        EngineConfig(model="m", kv_cache_dtype=value)
+
+
+def _with_scales(src, dst, extra: dict[str, torch.Tensor]):
+    """A copy of checkpoint `src` in `dst` with `extra` tensors added to its weights file."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    save_file({**weights, **extra}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_checkpoint_kv_scales_are_read_and_used(tmp_path):
+    """A checkpoint's per-layer scales (llm-compressor's `self_attn.k_scale`, compressed-tensors'
+    `k_proj.output_scale`) reach the fp8 pool; a layer without gets 1.0; a bf16 cache loads the same file
+    and ignores them; and the scales are used: huge ones round every K/V to zero and change the tokens."""
+    base = make_checkpoint(tmp_path / "base", "qwen3", num_hidden_layers=3)
+    scales = {
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+        "model.layers.0.self_attn.v_scale": torch.tensor(0.25),
+        "model.layers.1.self_attn.k_proj.output_scale": torch.tensor([0.125]),
+        "model.layers.1.self_attn.v_proj.output_scale": torch.tensor([2.0]),
+        "model.layers.0.self_attn.q_scale": torch.tensor(3.0),  # FP8 attention's: ignored
+    }
+    path = _with_scales(base, tmp_path / "scaled", scales)
+    prompts = make_prompts(1000, n=3, seed=6, max_len=30, shared_prefix=5)
+    with LLM(path, device="cpu", dtype="float32", kv_cache_tokens=512, kv_cache_dtype="fp8") as llm:
+        pool = llm.engine.runner.kv_pool
+        assert pool.scales[0].flatten().tolist() == [0.5, 0.125, 1.0]
+        assert pool.scales[1].flatten().tolist() == [0.25, 2.0, 1.0]
+        scaled = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert len(_greedy(path, prompts)) == 3  # float32 KV: the scales are read and left aside
+    huge = {f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(1e9) for i in range(3) for n in "kv"}
+    zeroed = _greedy(_with_scales(base, tmp_path / "huge", huge), prompts, kv_cache_dtype="fp8")
+    assert zeroed != scaled
+
+
+def test_kv_scale_names_and_bad_scales():
+    reader = KVScaleReader()
+    assert reader.take("model.layers.1.self_attn.kv_scale", torch.tensor(0.5))  # AutoFP8: both
+    assert reader.take("model.layers.2.self_attn.v_proj.v_scale", torch.tensor([0.75]))  # ModelOpt
+    assert not reader.take("model.layers.2.self_attn.k_proj.weight", torch.ones(2, 2))
+    assert not reader.take("model.layers.2.self_attn.k_proj.v_scale", torch.tensor(1.0))
+    got = reader.scales(3)
+    assert got.k == (1.0, 0.5, 1.0) and got.v == (1.0, 0.5, 0.75) and got.from_checkpoint == 2
+    with pytest.raises(ValueError, match="has 4 elements; only per-tensor"):
+        reader.take("model.layers.0.self_attn.k_scale", torch.ones(4))
+    with pytest.raises(ValueError, match="must be positive and finite"):
+        reader.take("model.layers.0.self_attn.v_scale", torch.tensor(0.0))
+    with pytest.raises(ValueError, match="layer 2 of a 2-layer model"):
+        reader.scales(2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs over an fp8 cache")
+def test_fp8_kv_on_cuda_graphs_replay_the_eager_tokens(qwen3):
+    """On a GPU: the Triton kernels and fused store over an fp8 cache, decode replayed from CUDA graphs
+    (the scales read from device tensors inside them), give the eager run's tokens."""
+    prompts = make_prompts(1000, n=6, seed=8, max_len=60, shared_prefix=20)
+    opts = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", attention_backend="auto")
+    graphs = _greedy(qwen3, prompts, **opts)
+    eager = _greedy(qwen3, prompts, cuda_graph_max_bs=0, **opts)
+    assert graphs == eager
