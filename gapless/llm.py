@@ -18,6 +18,7 @@ from gapless.engine.engine import Engine, EngineShutDown
 from gapless.engine.heap import frozen_heap
 from gapless.engine.prompt_logprobs import Logprob, prompt_logprobs_output
 from gapless.engine.request import Req
+from gapless.lora.request import LoRARequest
 from gapless.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -62,8 +63,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids) and return the outputs in the prompts' order.
+
+        `lora_request`: the LoRA adapter (engine option `enable_lora`) all prompts run with, or one per
+        prompt (None: the base model), as vLLM's.
 
         `sampling_params` is one for all prompts or one per prompt (None: `SamplingParams()`); the knobs
         they leave unset take the checkpoint's sampling defaults (`get_default_sampling_params`). Every
@@ -78,7 +83,11 @@ class LLM:
         params = _params_per_prompt(sampling_params, len(batch), "prompts")
         # validate everything before queueing anything, so a bad prompt leaves the engine untouched
         token_ids = [engine.tokenize(p) for p in batch]
-        return self._run(batch, token_ids, params, use_tqdm)
+        loras = _loras_per_prompt(lora_request, len(batch))
+        for lora in loras:
+            if lora is not None:
+                engine.add_lora(lora)  # checked (and refused by name) before anything is queued
+        return self._run(batch, token_ids, params, use_tqdm, loras)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request that sets no sampling knob samples with, as vLLM's method of this name: the
@@ -127,13 +136,17 @@ class LLM:
         token_ids: list[list[int]],
         params: list[SamplingParams],
         use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Queue the validated prompts and step the engine until all of them are finished. The heap the
         caller's process held before is frozen meanwhile (`frozen_heap`): the collections the run's own
         objects set off do not walk it."""
         for p in params:  # a grammar that cannot compile refuses the call before any of it is queued
             self.engine.check_params(p)
-        reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, params)]
+        loras = loras if loras is not None else [None] * len(params)
+        reqs = [
+            self.engine.add_request(ids, p, lora_request=lo) for ids, p, lo in zip(token_ids, params, loras)
+        ]
         try:
             with (
                 frozen_heap(),
@@ -202,3 +215,15 @@ def _params_per_prompt(
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(p).__name__}")
     return params
+
+
+def _loras_per_prompt(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: the same one for all, or the list given (checked)."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora requests for {n} prompts")
+    return loras

@@ -38,6 +38,9 @@ from gapless.engine.runner import ModelRunner
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.stats import EngineStats
 from gapless.engine.stream import DeviceStream, make_stream
+from gapless.lora.registry import AdapterRegistry
+from gapless.lora.request import LoRARequest
+from gapless.model.config import load_model_config
 from gapless.model.generation_config import describe, generation_defaults
 from gapless.model.source import load_tokenizer
 from gapless.sampling_params import SamplingParams
@@ -93,6 +96,8 @@ class Engine:
         self._seeds = random.Random(cfg.seed)
         self._ids = itertools.count()
         self.reqs: dict[str, Req] = {}
+        # the LoRA adapters requests may name (gapless.lora), each checked against the model once
+        self.loras = AdapterRegistry(load_model_config(cfg.model), cfg.max_lora_rank) if cfg.enable_lora else None
 
     @property
     def closed(self) -> bool:
@@ -158,12 +163,20 @@ class Engine:
             )
         return ids
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Req:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> Req:
         """Queue an already validated prompt (see `tokenize`). The one place a request's unset sampling
         knobs are filled (`SamplingParams.resolved`: the checkpoint's defaults, else the library's), for
-        `LLM`, `gapless chat` and the server alike; the queued `Req` holds the resolved params."""
+        `LLM`, `gapless chat` and the server alike; the queued `Req` holds the resolved params.
+        `lora_request`: the LoRA adapter it runs with (checked, once per adapter: `add_lora`)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        lora = self.add_lora(lora_request) if lora_request is not None else None
         params = params.resolved(self.sampling_defaults)
         n = next(self._ids)
         rid = rid if rid is not None else str(n)
@@ -184,10 +197,19 @@ class Engine:
             stop_ids=frozenset(stop_ids),
             prompt_lp=prompt_logprobs.new_state(params, len(prompt_ids)),
             grammar=grammar,
+            lora=lora,
         )
         self.reqs[rid] = req
         self.scheduler.add(req)
         return req
+
+    def add_lora(self, lora: LoRARequest) -> LoRARequest:
+        """`lora`, checked against the model (a `LoRAError` naming what is wrong) and known from now on."""
+        if not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, not {type(lora).__name__}")
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is off; start with enable_lora=True (--enable-lora)")
+        return self.loras.add(lora)
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError naming the field if `add_request` would refuse `params` (a logit_bias token outside

@@ -38,6 +38,7 @@ from gapless.engine.memory_plan import (
 from gapless.engine.piecewise_graph import PiecewiseGraphs
 from gapless.engine.spec.device import SpecState
 from gapless.engine.spec.draft import load_draft
+from gapless.lora.table import make_lora_table
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
 from gapless.model import parallel
@@ -122,6 +123,8 @@ class ModelRunner:
         # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them
         self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None] | None = None
         self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
+        # the resident LoRA adapters, when on: made before the KV plan, which counts them as weights
+        self.lora = make_lora_table(cfg, self.model, mcfg, self.dtype, self.device)
         graph_bs = self._graph_max_bs(cfg)
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
@@ -297,6 +300,8 @@ class ModelRunner:
         table = self.req_table
         if batch.table_writes is not None:
             table.apply_writes(*batch.table_writes)
+        if self.lora is not None:
+            self.lora.prepare(batch.lora_loads, batch.lora_slots)
         draft = self.spec.draft if self.spec is not None else None
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(batch) else None
         if graphs is not None:

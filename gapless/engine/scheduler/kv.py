@@ -21,7 +21,7 @@ from gapless.engine.prompt_logprobs import reuse_limit
 from gapless.engine.request import Req
 from gapless.engine.scheduler.window import WindowKV
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.cache_base import MatchResult, PrefixCache, TreeNode
+from gapless.memory.cache_base import MatchResult, PrefixCache, TreeNode, adapter_key
 from gapless.memory.integrity import check_integrity, check_live
 from gapless.memory.prefix_cache import (
     HeldKV,
@@ -51,8 +51,13 @@ def _match_key(req: Req) -> tuple[int, ...]:
     # prompt computes every position it scores (gapless.engine.prompt_logprobs)
     limit = reuse_limit(req)
     if req.match_key is None or req.match_key[0] != limit:
-        req.match_key = (limit, tuple(req.fill_ids[:limit]))
+        req.match_key = (limit, tuple(adapter_key(req.fill_ids[:limit], _adapter(req))))
     return req.match_key[1]
+
+
+def _adapter(req: Req) -> int:
+    """The LoRA adapter `req` runs with, as the prefix cache keys it (0: the base model)."""
+    return 0 if req.lora is None else req.lora.lora_int_id
 
 
 class KVManager:
@@ -286,7 +291,7 @@ class KVManager:
         """What `req` holds for its first `n` positions (host slots, copied out of the table)."""
         assert req.row is not None and req.last_node is not None
         slots = self.req_table.host_table[req.row, :n].long()
-        return HeldKV(req.fill_ids[:n], slots, req.last_node, req.cached_len)
+        return HeldKV(adapter_key(req.fill_ids[:n], _adapter(req)), slots, req.last_node, req.cached_len)
 
     def _write_table(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Host mirror now; the device table in stream order, with the next launched batch."""
