@@ -68,6 +68,7 @@ class LoRATable:
         self.active = self.kernel
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.resident: list[int | None] = [None] * max_loras  # the adapter id in each slot
+        self.loads = 0  # adapters put into slots so far
         self.cpu: OrderedDict[str, AdapterWeights] = OrderedDict()  # path -> read adapter, LRU last
         self.layers: dict[tuple[int, str], LoRALayer] = {}
         shapes = layer_shapes(cfg)
@@ -111,6 +112,7 @@ class LoRATable:
             lora.a[s, cols].copy_(d.a)
             lora.b[s, d.row : d.row + d.b.shape[0], cols].copy_(d.b)
         self.resident[s] = load.lora_id
+        self.loads += 1
 
     def prepare(self, loads: list[LoRALoad], token_slots: torch.Tensor | None) -> None:
         """Before a forward: fill the slots it loads, and set the per-token slot vector (None: every row

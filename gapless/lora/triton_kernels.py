@@ -11,6 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from gapless import env
+
+
+def interpreted() -> bool:
+    """Whether Triton runs under its interpreter (CPU tensors welcome)."""
+    return bool(env.TRITON_INTERPRET.get())
+
 
 @triton.jit
 def _lora_shrink_kernel(

@@ -13,7 +13,7 @@ extend batch, and a decode batch split over several programs and in one) in fp32
 and without a sliding window and soft-capping, at head dims 64 and 128; the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
-the MoE grouped GEMM. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
+the MoE grouped GEMM; the LoRA kernels. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
 without TRITON_INTERPRET (the interpreter takes the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
@@ -208,10 +208,33 @@ def _moe() -> dict[str, Callable[[], object]]:
     return {f"moe {dtype}": partial(run, dtype) for dtype in DTYPES}
 
 
+def _lora() -> dict[str, Callable[[], object]]:
+    from gapless.lora import triton_kernels
+
+    def run(dtype: torch.dtype) -> object:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, 96, generator=g).to(dtype)
+        a, b = torch.randn(3, 24, 64, generator=g).to(dtype), torch.randn(3, 96, 24, generator=g).to(dtype)
+        return triton_kernels.add_lora(y, x, a, b, torch.tensor([0, -1, 2, 1, 0]))
+
+    return {f"lora {dtype}": partial(run, dtype) for dtype in DTYPES}
+
+
+def compile_lora(arch: int) -> None:
+    """Compile the LoRA kernels alone for `arch` and print what built; exit status 1 on a failure."""
+    with Compiler(arch) as compiler, torch.inference_mode():
+        for case in _lora().values():
+            case()
+    print("compiled:", ", ".join(sorted({name for name, _ in compiler.compiled})))
+    if compiler.failed:
+        print(compiler.failed)
+        sys.exit(1)
+
+
 def compile_all(arch: int) -> Compiler:
     """Launch every case under a `Compiler` for `arch`; the compiler's record of what built and what not."""
     with Compiler(arch) as compiler, torch.inference_mode():
-        for group in (_attention, _model_kernels, _sampling, _moe):
+        for group in (_attention, _model_kernels, _sampling, _moe, _lora):
             for name, case in group().items():
                 before = len(compiler.failed)
                 try:
