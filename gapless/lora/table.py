@@ -69,7 +69,7 @@ class LoRATable:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.resident: list[int | None] = [None] * max_loras  # the adapter id in each slot
         self.loads = 0  # adapters put into slots so far
-        self.cpu: OrderedDict[str, AdapterWeights] = OrderedDict()  # path -> read adapter, LRU last
+        self.cpu: OrderedDict[tuple[int, str], AdapterWeights] = OrderedDict()  # (id, path) -> read, LRU last
         self.layers: dict[tuple[int, str], LoRALayer] = {}
         shapes = layer_shapes(cfg)
         for i, layer in enumerate(model.model.layers):
@@ -90,11 +90,12 @@ class LoRATable:
 
     def read(self, load: LoRALoad) -> AdapterWeights:
         """The adapter's weights from the CPU cache, or read (and checked) from its path."""
-        if load.path in self.cpu:
-            self.cpu.move_to_end(load.path)
-            return self.cpu[load.path]
+        key = (load.lora_id, load.path)
+        if key in self.cpu:
+            self.cpu.move_to_end(key)
+            return self.cpu[key]
         weights = load_adapter(load.name, load.path, self.cfg, self.max_rank)
-        self.cpu[load.path] = weights
+        self.cpu[key] = weights
         while len(self.cpu) > self.max_cpu_loras:
             self.cpu.popitem(last=False)
         return weights

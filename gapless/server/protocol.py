@@ -41,6 +41,14 @@ class PromptIn(msgspec.Struct):
     messages: list[ChatMessage] | None = None
 
 
+class LoRAIn(msgspec.Struct):
+    """The LoRA adapter a request runs with (`gapless.lora.LoRARequest`'s fields)."""
+
+    name: str
+    id: int
+    path: str
+
+
 class TokenizeReq(msgspec.Struct, tag=True):
     """One HTTP request's engine requests, tokenized together so that all of them reach the scheduler or
     none does. Engine request `rids[i * n + j]` is prompt i's choice j, sampled with `params[j]`
@@ -51,12 +59,14 @@ class TokenizeReq(msgspec.Struct, tag=True):
     params: list[SamplingParams]
     max_prompt_tokens: int  # the longest prompt the scheduler takes (its context holds one more token)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    lora: LoRAIn | None = None  # the adapter every one of them runs with; None: the base model
 
 
 class SchedReq(msgspec.Struct, tag=True):
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    lora: LoRAIn | None = None
 
 
 class Abort(msgspec.Struct, tag=True):

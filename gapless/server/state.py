@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gapless.config import EngineConfig
+    from gapless.lora.registry import AdapterRegistry
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Settings:
     engine_config: EngineConfig | None = None  # the workers' config: /tokenize loads the same tokenizer
     tool_call_parser: str | None = None  # --tool-call-parser
     reasoning_parser: str | None = None  # --reasoning-parser
+    loras: AdapterRegistry | None = None  # the LoRA adapters served (--enable-lora), None: LoRA off
 
     @functools.cached_property
     def served(self) -> ServedModel:
@@ -48,7 +50,10 @@ class Settings:
             self.max_logprobs,
         )
         return dataclasses.replace(
-            served, tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser
+            served,
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
+            loras=self.loras,
         )
 
     @functools.cached_property

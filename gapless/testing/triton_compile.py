@@ -220,17 +220,6 @@ def _lora() -> dict[str, Callable[[], object]]:
     return {f"lora {dtype}": partial(run, dtype) for dtype in DTYPES}
 
 
-def compile_lora(arch: int) -> None:
-    """Compile the LoRA kernels alone for `arch` and print what built; exit status 1 on a failure."""
-    with Compiler(arch) as compiler, torch.inference_mode():
-        for case in _lora().values():
-            case()
-    print("compiled:", ", ".join(sorted({name for name, _ in compiler.compiled})))
-    if compiler.failed:
-        print(compiler.failed)
-        sys.exit(1)
-
-
 def compile_all(arch: int) -> Compiler:
     """Launch every case under a `Compiler` for `arch`; the compiler's record of what built and what not."""
     with Compiler(arch) as compiler, torch.inference_mode():

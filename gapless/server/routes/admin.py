@@ -23,6 +23,7 @@ async def health(request: Request) -> Response:
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])
 async def models(request: Request) -> JSONResponse:
+    """The served model, and each LoRA adapter served beside it with the model as its `parent`."""
     settings = server_state(request).settings
     card = {
         "id": settings.served_model,
@@ -31,7 +32,11 @@ async def models(request: Request) -> JSONResponse:
         "owned_by": "gapless",
         "max_model_len": settings.info.max_context,
     }
-    return JSONResponse({"object": "list", "data": [card]})
+    adapters = settings.loras.by_name.values() if settings.loras is not None else ()
+    cards = [card] + [
+        {**card, "id": lo.lora_name, "root": lo.lora_path, "parent": settings.served_model} for lo in adapters
+    ]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/metrics", dependencies=[Depends(require_api_key)])

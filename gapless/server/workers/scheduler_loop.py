@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 from gapless.config import EngineConfig
 from gapless.engine.heap import frozen_heap
+from gapless.lora.request import LoRARequest
 from gapless.server import protocol as P
 from gapless.server.logs import StatsLog
 from gapless.server.prompt_logprobs import prompt_logprob_fields
@@ -206,7 +207,8 @@ class SchedulerLoop:
     def add(self, msg: P.SchedReq) -> None:
         try:
             ids = self.engine.tokenize(msg.prompt_ids)  # validates ids and length
-            self.engine.add_request(ids, msg.params, rid=msg.rid)
+            lora = LoRARequest(msg.lora.name, msg.lora.id, msg.lora.path) if msg.lora is not None else None
+            self.engine.add_request(ids, msg.params, rid=msg.rid, lora_request=lora)
         except ValueError as e:
             if self.request_log is not None:
                 self.request_log.refused(msg.rid, e)

@@ -67,7 +67,7 @@ class PromptTokenizer:
         except Exception as e:  # noqa: BLE001 - a template or tokenizer error is the request's
             return [P.Refused(req.rids, f"could not tokenize the prompt: {e}", param="prompt")]
         n = len(req.params)
-        return [P.SchedReq(rid, ids[k // n], req.params[k % n]) for k, rid in enumerate(req.rids)]
+        return [P.SchedReq(rid, ids[k // n], req.params[k % n], req.lora) for k, rid in enumerate(req.rids)]
 
     def prompt_ids(self, prompt: P.PromptIn, req: P.TokenizeReq) -> list[int]:
         """A prompt's token ids: given (the API server checked them), a chat rendered with the template,
