@@ -97,7 +97,9 @@ class Engine:
         self._ids = itertools.count()
         self.reqs: dict[str, Req] = {}
         # the LoRA adapters requests may name (gapless.lora), each checked against the model once
-        self.loras = AdapterRegistry(load_model_config(cfg.model), cfg.max_lora_rank) if cfg.enable_lora else None
+        self.loras = (
+            AdapterRegistry(load_model_config(cfg.model), cfg.max_lora_rank) if cfg.enable_lora else None
+        )
 
     @property
     def closed(self) -> bool:
@@ -208,7 +210,9 @@ class Engine:
         if not isinstance(lora, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, not {type(lora).__name__}")
         if self.loras is None:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is off; start with enable_lora=True (--enable-lora)")
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r}: LoRA is off; start with enable_lora=True (--enable-lora)"
+            )
         return self.loras.add(lora)
 
     def check_params(self, params: SamplingParams) -> None:

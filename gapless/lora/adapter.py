@@ -139,11 +139,16 @@ def _scaling(name: str, cfg: dict, max_rank: int) -> tuple[int, float]:
             raise LoRAError(f"LoRA adapter {name!r}: {what} ({key} in {CONFIG_FILE}) is not supported")
     if cfg.get("bias", "none") != "none":
         raise LoRAError(f"LoRA adapter {name!r}: bias={cfg['bias']!r} is not supported (only 'none')")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    r = cfg.get("r")
     if not isinstance(r, int) or r < 1:
         raise LoRAError(f"LoRA adapter {name!r}: r={r!r} in {CONFIG_FILE} must be an int >= 1")
+    alpha = cfg.get("lora_alpha", r)
+    if not isinstance(alpha, (int, float)):
+        raise LoRAError(f"LoRA adapter {name!r}: lora_alpha={alpha!r} in {CONFIG_FILE} must be a number")
     if r > max_rank:
-        raise LoRAError(f"LoRA adapter {name!r}: rank {r} is above max_lora_rank={max_rank} (--max-lora-rank)")
+        raise LoRAError(
+            f"LoRA adapter {name!r}: rank {r} is above max_lora_rank={max_rank} (--max-lora-rank)"
+        )
     return r, float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
 
 
@@ -177,7 +182,9 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
                 )
             layer, module = int(m.group(1)), m.group(3)
             if layer >= cfg.num_layers:
-                raise LoRAError(f"LoRA adapter {name!r}: {key!r} adapts layer {layer}; the model has {cfg.num_layers}")
+                raise LoRAError(
+                    f"LoRA adapter {name!r}: {key!r} adapts layer {layer}; the model has {cfg.num_layers}"
+                )
             if SLICES[module].layer in MLP_LAYERS and cfg.moe_layers[layer]:
                 raise LoRAError(
                     f"LoRA adapter {name!r}: {key!r} adapts the MLP of layer {layer}, a mixture of experts "

@@ -27,7 +27,11 @@ def parse_lora_modules(words: list[str]) -> list[LoRAModule]:
                 obj = json.loads(word)
             except json.JSONDecodeError as e:
                 raise ValueError(f"--lora-modules {word!r}: not valid JSON ({e})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
+            if (
+                not isinstance(obj, dict)
+                or not isinstance(obj.get("name"), str)
+                or not isinstance(obj.get("path"), str)
+            ):
                 raise ValueError(f"--lora-modules {word!r}: the JSON form needs string fields name and path")
             base = obj.get("base_model_name")
             module = LoRAModule(obj["name"], obj["path"], base if isinstance(base, str) else None)

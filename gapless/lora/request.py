@@ -19,4 +19,6 @@ class LoRARequest:
         if not self.lora_name:
             raise ValueError("lora_name must be non-empty")
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id={self.lora_int_id!r}: must be an int >= 1 (0 and -1 mean the base model)")
+            raise ValueError(
+                f"lora_int_id={self.lora_int_id!r}: must be an int >= 1 (0 and -1 mean the base model)"
+            )

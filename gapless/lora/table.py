@@ -15,12 +15,12 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from gapless.config import EngineConfig
 from gapless.lora.adapter import BLOCKS, MLP_LAYERS, AdapterWeights, layer_shapes, load_adapter
-from gapless.lora.ops import add_lora
+from gapless.lora.ops import SlotGroup, add_lora_torch, slot_groups
 from gapless.model.config import ModelConfig
+from gapless.model.decoder import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,12 @@ class LoRALayer:
         self.a, self.b = a, b
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if not self.table.active:
-            return y
-        slots = self.table.token_slots[: x.shape[0]]
-        return add_lora(y, x, self.a, self.b, slots, self.table.kernel)
+        table = self.table
+        if table.kernel:
+            from gapless.lora import triton_kernels
+
+            return triton_kernels.add_lora(y, x, self.a, self.b, table.token_slots[: x.shape[0]])
+        return add_lora_torch(y, x, self.a, self.b, table.groups) if table.groups else y
 
 
 class LoRATable:
@@ -53,7 +55,7 @@ class LoRATable:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         cfg: ModelConfig,
         max_loras: int,
         max_rank: int,
@@ -63,9 +65,10 @@ class LoRATable:
         device: torch.device,
     ) -> None:
         self.cfg, self.max_rank, self.max_cpu_loras = cfg, max_rank, max_cpu_loras
+        # CUDA: the gathered kernels read the slot vector on the device (a graph captures them; slot -1
+        # rows skip); elsewhere torch runs the batch's tokens grouped by slot, found once per batch
         self.kernel = device.type == "cuda"
-        # on CUDA always on (a graph captures the kernels; slot -1 rows skip); elsewhere per batch
-        self.active = self.kernel
+        self.groups: list[SlotGroup] = []
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.resident: list[int | None] = [None] * max_loras  # the adapter id in each slot
         self.loads = 0  # adapters put into slots so far
@@ -126,11 +129,11 @@ class LoRATable:
         if token_slots is not None:
             self.token_slots[:n].copy_(token_slots)
         if not self.kernel:
-            self.active = token_slots is not None
+            self.groups = slot_groups(token_slots) if token_slots is not None else []
 
 
 def make_lora_table(
-    cfg: EngineConfig, model: nn.Module, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    cfg: EngineConfig, model: CausalLM, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> LoRATable | None:
     """The device's LoRA slots when `cfg.enable_lora`, sized for the largest batch (a prefill chunk, a
     decode, a prefill graph's piece)."""

@@ -21,7 +21,18 @@ def interpreted() -> bool:
 
 @triton.jit
 def _lora_shrink_kernel(
-    X, A, Slots, V, K, R, stride_x, stride_as, stride_ar, stride_v, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+    X,
+    A,
+    Slots,
+    V,
+    K,
+    R,
+    stride_x,
+    stride_as,
+    stride_ar,
+    stride_v,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -39,7 +50,18 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _lora_expand_kernel(
-    V, B, Slots, Y, N, R, stride_v, stride_bs, stride_bn, stride_y, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr
+    V,
+    B,
+    Slots,
+    Y,
+    N,
+    R,
+    stride_v,
+    stride_bs,
+    stride_bn,
+    stride_y,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,7 +78,9 @@ def _lora_expand_kernel(
         tl.store(Y + t * stride_y + n, (y + acc).to(Y.dtype.element_ty), mask=n < N)
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def add_lora(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
     """y [T, N] += B[slots] (A[slots] x) per token, in place; a [S, R, K], b [S, N, R], slots [T] int64."""
     t, k = x.shape
     r, n = a.shape[1], b.shape[1]
@@ -70,7 +94,18 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     )
     block_n = 64
     _lora_expand_kernel[(t, triton.cdiv(n, block_n))](
-        v, b, slots, y_, n, r, v.stride(0), b.stride(0), b.stride(1), y_.stride(0), BLOCK_N=block_n, BLOCK_R=block_r
+        v,
+        b,
+        slots,
+        y_,
+        n,
+        r,
+        v.stride(0),
+        b.stride(0),
+        b.stride(1),
+        y_.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
     )
     if y_ is not y:
         y.copy_(y_)

@@ -13,8 +13,9 @@ extend batch, and a decode batch split over several programs and in one) in fp32
 and without a sliding window and soft-capping, at head dims 64 and 128; the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
-the MoE grouped GEMM; the LoRA kernels. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
-without TRITON_INTERPRET (the interpreter takes the compiler's place).
+the MoE grouped GEMM; the LoRA kernels (`gapless.lora.triton_kernels`). Exit status 1, naming each kernel
+and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter takes the
+compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
 compiled binary records them (`cuobjdump --dump-resource-usage`, which comes with Triton): what decides

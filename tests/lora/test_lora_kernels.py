@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gapless.lora.ops import add_lora_torch
+from gapless.lora.ops import add_lora_torch, slot_groups
 
 triton = pytest.importorskip("triton", reason="the kernels are Triton's")
 
@@ -29,7 +29,7 @@ def test_kernel_equals_torch(dtype):
     if not torch.cuda.is_available() and not triton_kernels.interpreted():
         pytest.skip("no GPU and TRITON_INTERPRET unset")
     y, x, a, b, idx = _case(dtype)
-    want = add_lora_torch(y.float().clone(), x.float(), a.float(), b.float(), idx)
+    want = add_lora_torch(y.float().clone(), x.float(), a.float(), b.float(), slot_groups(idx))
     got = triton_kernels.add_lora(y.clone(), x, a, b, idx)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
@@ -40,8 +40,9 @@ def test_kernel_equals_torch(dtype):
 
 def test_torch_path_one_adapter_and_none():
     y, x, a, b, _ = _case(torch.float32)
-    same = torch.full((7,), 1, dtype=torch.int64)
-    want = y + (x @ a[1].t()) @ b[1].t()
-    torch.testing.assert_close(add_lora_torch(y.clone(), x, a, b, same), want)
-    none = torch.full((7,), -1, dtype=torch.int64)
-    assert torch.equal(add_lora_torch(y.clone(), x, a, b, none), y)
+    same = slot_groups(torch.full((7,), 1, dtype=torch.int64))
+    assert same == [(1, None)]
+    torch.testing.assert_close(add_lora_torch(y.clone(), x, a, b, same), y + (x @ a[1].t()) @ b[1].t())
+    assert slot_groups(torch.full((7,), -1, dtype=torch.int64)) == []
+    mixed = slot_groups(torch.tensor([2, -1, 2, 0]))
+    assert [(g.slot, g.index.tolist()) for g in mixed] == [(0, [3]), (2, [0, 2])]

@@ -51,7 +51,9 @@ def family(ckpt_factory, tmp_path_factory):
 
 def _generate(llm: LLM, prompts, loras, names, **sp):
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, **sp)
-    return llm.generate(prompts, params, use_tqdm=False, lora_request=[loras[n] if n else None for n in names])
+    return llm.generate(
+        prompts, params, use_tqdm=False, lora_request=[loras[n] if n else None for n in names]
+    )
 
 
 def _check(outs, refs, names) -> None:
@@ -118,7 +120,9 @@ def test_seeded_sampling_is_batch_invariant(family):
         alone = llm.generate([prompts[1]], params, use_tqdm=False, lora_request=loras["qv"])[0].token_ids
         names = ["all", "qv", None, "odown"]
         batch = [prompts[0], prompts[1], prompts[2], prompts[3]]
-        mixed = llm.generate(batch, params, use_tqdm=False, lora_request=[loras[n] if n else None for n in names])
+        mixed = llm.generate(
+            batch, params, use_tqdm=False, lora_request=[loras[n] if n else None for n in names]
+        )
         base_row = llm.generate([prompts[1]], params, use_tqdm=False)[0].token_ids
     assert mixed[1].token_ids == alone
     assert base_row != alone, "the adapter was meant to change the sampled tokens"

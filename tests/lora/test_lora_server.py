@@ -59,7 +59,9 @@ def test_served_adapters(setup):
     oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0)
     models = {m.id: m for m in oai.models.list().data}
     assert set(models) == {"base", "alpha", "beta"}
-    assert models["alpha"].model_extra["parent"] == "base" and models["alpha"].model_extra["root"] == str(paths["alpha"])
+    assert models["alpha"].model_extra["parent"] == "base" and models["alpha"].model_extra["root"] == str(
+        paths["alpha"]
+    )
     tok = AutoTokenizer.from_pretrained(str(srv.base))
     for name, ref in (("alpha", refs["alpha"]), ("beta", refs["beta"]), ("base", refs[None])):
         assert _complete(oai, name) == tok.decode(ref, skip_special_tokens=True), name
@@ -67,7 +69,10 @@ def test_served_adapters(setup):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         _complete(oai, "nope")
     http = httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-    assert httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "g", "lora_path": "x"}).status_code == 401
+    assert (
+        httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "g", "lora_path": "x"}).status_code
+        == 401
+    )
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(paths["gamma"])})
     assert r.status_code == 200, r.text
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "wide", "lora_path": str(paths["wide"])})
