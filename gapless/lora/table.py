@@ -18,7 +18,7 @@ import torch
 
 from gapless.config import EngineConfig
 from gapless.lora.adapter import BLOCKS, MLP_LAYERS, AdapterWeights, layer_shapes, load_adapter
-from gapless.lora.ops import SlotGroup, add_lora_torch, slot_groups
+from gapless.lora.ops import Segments, add_lora_torch, segments
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import CausalLM
 
@@ -47,7 +47,7 @@ class LoRALayer:
             from gapless.lora import triton_kernels
 
             return triton_kernels.add_lora(y, x, self.a, self.b, table.token_slots[: x.shape[0]])
-        return add_lora_torch(y, x, self.a, self.b, table.groups) if table.groups else y
+        return add_lora_torch(y, x, self.a, self.b, table.segments) if table.segments is not None else y
 
 
 class LoRATable:
@@ -66,9 +66,9 @@ class LoRATable:
     ) -> None:
         self.cfg, self.max_rank, self.max_cpu_loras = cfg, max_rank, max_cpu_loras
         # CUDA: the gathered kernels read the slot vector on the device (a graph captures them; slot -1
-        # rows skip); elsewhere torch runs the batch's tokens grouped by slot, found once per batch
+        # rows skip); elsewhere torch runs the batch's tokens sorted by slot, once per batch
         self.kernel = device.type == "cuda"
-        self.groups: list[SlotGroup] = []
+        self.segments: Segments | None = None
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.resident: list[int | None] = [None] * max_loras  # the adapter id in each slot
         self.loads = 0  # adapters put into slots so far
@@ -129,7 +129,7 @@ class LoRATable:
         if token_slots is not None:
             self.token_slots[:n].copy_(token_slots)
         if not self.kernel:
-            self.groups = slot_groups(token_slots) if token_slots is not None else []
+            self.segments = segments(token_slots) if token_slots is not None else None
 
 
 def make_lora_table(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gapless.lora.ops import add_lora_torch, slot_groups
+from gapless.lora.ops import Segments, add_lora_torch, segments
 
 triton = pytest.importorskip("triton", reason="the kernels are Triton's")
 
@@ -29,8 +29,9 @@ def test_kernel_equals_torch(dtype):
     if not torch.cuda.is_available() and not triton_kernels.interpreted():
         pytest.skip("no GPU and TRITON_INTERPRET unset")
     y, x, a, b, idx = _case(dtype)
-    want = add_lora_torch(y.float().clone(), x.float(), a.float(), b.float(), slot_groups(idx))
-    got = triton_kernels.add_lora(y.clone(), x, a, b, idx)
+    want = add_lora_torch(y.float().clone(), x.float(), a.float(), b.float(), segments(idx))
+    dev = "cpu" if triton_kernels.interpreted() else "cuda"
+    got = triton_kernels.add_lora(*(t.to(dev) for t in (y.clone(), x, a, b, idx))).cpu()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     base_rows = idx < 0
@@ -38,11 +39,16 @@ def test_kernel_equals_torch(dtype):
     assert not torch.allclose(got[~base_rows].float(), y[~base_rows].float())
 
 
-def test_torch_path_one_adapter_and_none():
-    y, x, a, b, _ = _case(torch.float32)
-    same = slot_groups(torch.full((7,), 1, dtype=torch.int64))
-    assert same == [(1, None)]
+def test_torch_path_segments():
+    y, x, a, b, idx = _case(torch.float32)
+    same = segments(torch.full((7,), 1, dtype=torch.int64))
+    assert same == Segments(None, [(1, 0, 7)])
     torch.testing.assert_close(add_lora_torch(y.clone(), x, a, b, same), y + (x @ a[1].t()) @ b[1].t())
-    assert slot_groups(torch.full((7,), -1, dtype=torch.int64)) == []
-    mixed = slot_groups(torch.tensor([2, -1, 2, 0]))
-    assert [(g.slot, g.index.tolist()) for g in mixed] == [(0, [3]), (2, [0, 2])]
+    assert segments(torch.full((7,), -1, dtype=torch.int64)) is None
+    mixed = segments(torch.tensor([2, -1, 2, 0]))
+    assert mixed.order.tolist() == [3, 0, 2] and mixed.spans == [(0, 0, 1), (2, 1, 3)]
+    want = y.clone()
+    for t, s in enumerate(idx.tolist()):  # token by token
+        if s >= 0:
+            want[t] += b[s] @ (a[s] @ x[t])
+    torch.testing.assert_close(add_lora_torch(y.clone(), x, a, b, segments(idx)), want)

@@ -7,6 +7,7 @@ prefix cache never gives one adapter's KV to another."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gapless import LLM, LoRARequest, SamplingParams
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
@@ -65,25 +66,34 @@ def _names(n: int) -> list[str | None]:
     return [NAMES[i % len(NAMES)] for i in range(n)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+# the device process for one family: the adapters' loads travel to it with the batches
+WORKERS = {"llama": "process", "qwen3": "auto", "phi3": "auto"}
+
+
+@pytest.mark.parametrize("arch", list(WORKERS))
 def test_mixed_adapters_equal_peft(family, arch):
     """Every row of a batch of three adapters and the base equals PEFT's unmerged forward of its own."""
     base, loras, prompts, refs = family(arch)
-    with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, kv_cache_tokens=4096) as llm:
+    options = dict(device="cpu", dtype="float32", enable_lora=True, kv_cache_tokens=4096)
+    with LLM(str(base), cpu_worker=WORKERS[arch], **options) as llm:
         names = _names(len(prompts))
         _check(_generate(llm, prompts, loras, names), refs, names)
         llm.check_integrity()
 
 
 LOOPS = {"plain": {"overlap": False}, "overlap": {"overlap": True, "cpu_worker": "thread"}}
+# a KV pool too small for the workload, and admission that reserves almost nothing: decode retracts
+RETRACT = {"kv_cache_tokens": 192, "init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_options_and_slot_reuse(family, loop, page_size):
-    """Overlap on and off, page sizes 1 and 16, prefill in chunks of 16, and two device slots for three
-    adapters: rows wait for a slot, slots are reloaded, and every row still equals PEFT."""
+    """Overlap on and off, page sizes 1 and 16, prefill in chunks of 16, two device slots for three
+    adapters (rows wait for a slot, slots are reloaded) and, at page size 1, retraction: every row still
+    equals PEFT."""
     base, loras, prompts, refs = family("llama")
+    memory = RETRACT if page_size == 1 else {"kv_cache_tokens": 4096}
     with LLM(
         str(base),
         device="cpu",
@@ -92,12 +102,13 @@ def test_options_and_slot_reuse(family, loop, page_size):
         max_loras=2,
         page_size=page_size,
         chunked_prefill_size=16,
-        kv_cache_tokens=4096,
+        **memory,
         **LOOPS[loop],
     ) as llm:
         names = _names(len(prompts))[::-1]
         _check(_generate(llm, prompts, loras, names), refs, names)
         llm.check_integrity()
+        assert (llm.engine.stats.retractions > 0) == (memory is RETRACT)
         table = llm.engine.runner.lora
         assert table.loads >= 3 and len(table.resident) == 2  # three adapters through two slots
 
@@ -143,3 +154,15 @@ def test_prefix_cache_is_per_adapter(family):
     assert again.cached_tokens > 0
     for out, name in ((first, "all"), (other, "qv"), (base_run, None), (again, "all")):
         check_greedy(out.token_ids, refs[name][0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton LoRA kernels need a GPU")
+def test_cuda_graphs_and_kernels(family):
+    """On a GPU: decode CUDA graphs replay the gathered kernels with the slot vector as a static buffer;
+    every row of three adapters and the base still equals PEFT (fp32)."""
+    base, loras, prompts, refs = family("llama")
+    with LLM(str(base), device="cuda", dtype="float32", enable_lora=True, kv_cache_tokens=4096) as llm:
+        assert llm.engine.runner is None or llm.engine.runner.graphs is not None
+        names = _names(len(prompts))
+        _check(_generate(llm, prompts, loras, names), refs, names)
+        llm.check_integrity()
