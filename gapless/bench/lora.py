@@ -65,7 +65,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         loras = make_adapters(path, Path(tmp), max(ADAPTER_COUNTS), args.rank)
         llm = LLM(str(path), **options)
         vocab = llm.engine.vocab_size
-        prompts = [torch.randint(3, vocab, (args.input_len,), generator=g).tolist() for _ in range(args.batch)]
+        prompts = [
+            torch.randint(3, vocab, (args.input_len,), generator=g).tolist() for _ in range(args.batch)
+        ]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         modes: dict[str, list] = {"base": [None] * args.batch}
         modes |= {f"{n} adapters": [loras[i % n] for i in range(args.batch)] for n in ADAPTER_COUNTS}
