@@ -83,11 +83,17 @@ class LLM:
         params = _params_per_prompt(sampling_params, len(batch), "prompts")
         # validate everything before queueing anything, so a bad prompt leaves the engine untouched
         token_ids = [engine.tokenize(p) for p in batch]
-        loras = _loras_per_prompt(lora_request, len(batch))
-        for lora in loras:
-            if lora is not None:
-                engine.add_lora(lora)  # checked (and refused by name) before anything is queued
-        return self._run(batch, token_ids, params, use_tqdm, loras)
+        return self._run(batch, token_ids, params, use_tqdm, self._loras(lora_request, len(batch)))
+
+    def _loras(
+        self, lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each checked (and refused by name) before anything is queued."""
+        loras = _loras_per_prompt(lora, n)
+        for lo in loras:
+            if lo is not None:
+                self._live_engine().add_lora(lo)
+        return loras
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request that sets no sampling knob samples with, as vLLM's method of this name: the
@@ -104,13 +110,15 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of
         them, as vLLM's `LLM.chat` does: each is rendered with the tokenizer's chat template (or
         `chat_template`), `chat_template_kwargs` passed to it (e.g. `{"enable_thinking": False}` for
-        Qwen3), and an assistant turn opened (`add_generation_prompt`). Returns one `RequestOutput` per
-        conversation, its `prompt` the rendered text. Raises ValueError when the model's tokenizer has
-        no chat template; like `generate`, it checks every conversation before queueing any."""
+        Qwen3), and an assistant turn opened (`add_generation_prompt`); `lora_request` as `generate`'s.
+        Returns one `RequestOutput` per conversation, its `prompt` the rendered text. Raises ValueError
+        when the model's tokenizer has no chat template; like `generate`, it checks every conversation
+        before queueing any."""
         engine = self._live_engine()
         if messages and isinstance(messages[0], Mapping):
             convs = [cast(Sequence[Message], messages)]  # one conversation
@@ -128,7 +136,7 @@ class LLM:
             )
             texts.append(text)
             token_ids.append(engine.tokenize(ids))
-        return self._run(texts, token_ids, params, use_tqdm)
+        return self._run(texts, token_ids, params, use_tqdm, self._loras(lora_request, len(convs)))
 
     def _run(
         self,

@@ -76,9 +76,3 @@ class SlotAssigner:
                 del self.slot_of[owner]
                 return s
         raise RuntimeError("no LoRA slot to reuse")  # (admission keeps a batch's adapters <= max_loras)
-
-    def forget(self, lora_id: int) -> None:
-        """An unloaded adapter: its slot is free (a later adapter of the same id is read again)."""
-        slot = self.slot_of.pop(lora_id, None)
-        if slot is not None and slot in self.used:
-            self.used.remove(slot)

@@ -168,3 +168,17 @@ def test_cuda_graphs_and_kernels(family):
         names = _names(len(prompts))
         _check(_generate(llm, prompts, loras, names), refs, names)
         llm.check_integrity()
+
+
+def test_mixture_of_experts_attention_adapter(ckpt_factory, tmp_path):
+    """On a mixture of experts (Qwen3-MoE), an adapter of the attention projections, beside the base."""
+    base = ckpt_factory("qwen3_moe")
+    lora = LoRARequest("attn", 1, str(make_adapter(base, tmp_path / "attn", ATTENTION, r=8, seed=5)))
+    prompts = make_prompts(500, n=2, shared_prefix=4, max_len=20)
+    refs = [hf_greedy(peft_model(base, lora.lora_path), p, MAX_NEW) for p in prompts]
+    refs.append(hf_greedy(peft_model(base, None), prompts[0], MAX_NEW))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, kv_cache_tokens=1024) as llm:
+        outs = llm.generate([*prompts, prompts[0]], params, use_tqdm=False, lora_request=[lora, lora, None])
+    for out, ref in zip(outs, refs):
+        check_greedy(out.token_ids, ref)
