@@ -35,6 +35,9 @@
 #   sweep   the decode and extend kernels' tunings (what `kernels` times at the defaults), for a session
 #           with time to spare
 #
+# SKIP="latency served" leaves those steps out (names as in steps.log, a folder's first part: "bench" for
+# bench/run), for a session rechecking what changed with the device time it has left.
+#
 # The device tool returns at most 8 files from $OUT: a part works in $WORK (default
 # ${TMPDIR:-/tmp}/gpu_session/<part>) and leaves in $OUT two files, rewritten after every step so a call
 # cut short still returns what finished: gpu_session_<part>.tar.gz (every log and JSON, env.log with the
@@ -43,7 +46,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in all | suite | serve | prefill | sweep) ;; *) sed -n 2,44p "$0"; exit 2 ;; esac
+case "$part" in all | suite | serve | prefill | sweep) ;; *) sed -n 2,45p "$0"; exit 2 ;; esac
 OUT=${OUT:-bench/results/gpu_session}
 WORK=${WORK:-${TMPDIR:-/tmp}/gpu_session/$part}
 BUDGET=${SESSION_BUDGET_S:-530}
@@ -125,6 +128,7 @@ gpu_free() {  # wait (at most 30 s) until no process holds the GPU: a server an 
 step() {  # $1: seconds at most, $2: log name, the rest: the command. Cut to what the budget leaves.
   local limit=$1 name=$2
   shift 2
+  case " ${SKIP:-} " in *" ${name%%/*} "*) echo "$name: skipped (SKIP)" >>"$WORK/steps.log"; return ;; esac
   gpu_free
   local start=$SECONDS
   local left=$(( BUDGET - (start - T0) - GRACE - PACK ))
@@ -159,7 +163,7 @@ case "$part" in
     step 95 cuda_tests "$PY" -m pytest -q -n 4 -p no:cacheprovider "${cuda_tests[@]}" \
       -k "nccl or cuda or triton or graph or fused or kernel"
     if [ -f bench/gpu_quant.sh ]; then  # the quantized-checkpoint runs, when their issue adds them
-      step 120 quant env OUT="$WORK/quant" PY="$PY" bash bench/gpu_quant.sh
+      step 150 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=140 bash bench/gpu_quant.sh
     else
       echo "quant: bench/gpu_quant.sh not there yet" >>"$WORK/steps.log"
     fi

@@ -14,8 +14,11 @@ from gapless.config import (
     ATTENTION_BACKENDS,
     CPU_WORKERS,
     FUSED_KERNELS,
+    LOAD_FORMATS,
+    POOLING_TYPES,
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
+    TASK_NAMES,
     EngineConfig,
 )
 
@@ -65,6 +68,8 @@ FLAG_ALIASES: dict[str, Alias] = {
     "--dp": Alias("data_parallel_size", "SGLang"),
     "-dp": Alias("data_parallel_size", "vLLM"),
     "-asc": Alias("api_server_count", "vLLM"),  # a server option (gapless.server.launch)
+    "--runner": Alias("task", "vLLM"),  # auto, generate, pooling
+    "--convert": Alias("task", "vLLM"),  # embed, classify
 }
 
 # vLLM's and SGLang's parallelism flags gapless does not run (tensor and data parallelism are options
@@ -101,6 +106,9 @@ _CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "fused_kernels": FUSED_KERNELS,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+    "load_format": LOAD_FORMATS,
+    "task": tuple(TASK_NAMES),
+    "pooling_type": POOLING_TYPES + tuple(t.upper() for t in POOLING_TYPES),
 }
 
 

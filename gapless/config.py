@@ -15,6 +15,45 @@ CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
 FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused_kernels
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
+LOAD_FORMATS = ("auto", "dummy")  # see gapless.model.loader.load_model
+# --task's names (vLLM's and SGLang's too) and the task each means (gapless.engine.pooling)
+TASK_NAMES = {
+    "auto": "auto",
+    "generate": "generate",
+    "embed": "embed",
+    "embedding": "embed",
+    "score": "score",
+    "rerank": "score",
+    "classify": "score",
+    "pooling": "pooling",
+}
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+DEFAULT_MAX_IMAGES = 8  # images per prompt (limit_mm_per_prompt)
+DEFAULT_MAX_PIXELS = 4096 * 4096  # pixels per image (max_image_pixels)
+
+
+def parse_limit_mm(text: str) -> int:
+    """Images per prompt from vLLM's `--limit-mm-per-prompt` syntax: `image=N` or `{"image": N}`; other
+    modalities are refused by name."""
+    import json
+
+    text = text.strip()
+    try:
+        pairs = json.loads(text) if text.startswith("{") else dict(p.split("=", 1) for p in text.split(","))
+    except ValueError:
+        raise ValueError(f'{text!r}: expected image=N or a JSON object such as {{"image": N}}') from None
+    unknown = sorted(set(pairs) - {"image"})
+    if unknown:
+        raise ValueError(f"{text!r}: only images are taken (not {', '.join(unknown)})")
+    try:
+        n = int(pairs.get("image", DEFAULT_MAX_IMAGES))
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r}: the image count must be an integer") from None
+    if n < 0:
+        raise ValueError(f"{text!r}: the image count must be >= 0")
+    return n
 
 
 def option(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:  # noqa: A002
@@ -45,6 +84,18 @@ class EngineConfig:
     )
     device: str = option("auto", "auto: cuda when available, else cpu")
     dtype: str = option("auto", "auto: checkpoint dtype on GPU, float32 on CPU")
+    quantization: str | None = option(
+        None,
+        "the weights' quantized format (vLLM's names): fp8 quantizes a float checkpoint's linear layers "
+        "to fp8 e4m3 at load (one scale per output row; activations per token); None: the checkpoint's "
+        "own (config.json's quantization_config: fp8, compressed-tensors), else float. A format the "
+        "device cannot run is refused before any weight loads (gapless.model.quant.formats)",
+    )
+    load_format: str = option(
+        "auto",
+        "auto: the checkpoint's weights; dummy: random weights in the checkpoint's shape, none read (as "
+        "vLLM's --load-format dummy: for benchmarks, with a config.json and a tokenizer only)",
+    )
     page_size: int = option(1, "tokens per KV cache page; the prefix cache shares whole pages")
     radix_cache: bool = option(True, "reuse the KV cache of shared prompt prefixes (a radix tree)")
     chunked_prefill_size: int | None = option(
@@ -147,6 +198,37 @@ class EngineConfig:
         "metadata); vllm: none (the library's defaults, as vLLM's --generation-config vllm); or a "
         "folder holding a generation_config.json",
     )
+    task: str = option(
+        "auto",
+        "what the model serves: generate (text); embed (/v1/embeddings, and cosine /v1/score and "
+        "/v1/rerank); score (a causal-LM reranker scored by score_token's logit: /v1/score, /v1/rerank); "
+        "pooling (vLLM's --runner pooling): score with a score_token, else embed; auto: embed for a "
+        "sentence-transformers checkpoint (modules.json), else generate. embedding, rerank and classify "
+        "are names for embed, score, score",
+    )
+    pooling_type: str | None = option(
+        None,
+        "embed: which hidden states make the vector: last (the last token's), mean or cls (the first "
+        "token's); None: the sentence-transformers pooling config's, else last",
+    )
+    normalize: bool | None = option(
+        None,
+        "embed: divide each vector by its L2 norm; None: as the sentence-transformers checkpoint says "
+        "(a Normalize module), else on",
+    )
+    score_token: str | None = option(
+        None, "score: the token whose logit at a pair's last token scores it, e.g. yes (its sigmoid)"
+    )
+    score_false_token: str | None = option(
+        None,
+        "score: a second token, e.g. no: the score is then the first's probability against it, "
+        "sigmoid(logit(true) - logit(false)), as Qwen3-Reranker's",
+    )
+    score_template: str | None = option(
+        None,
+        "score: a file or the template itself, with {query} and {document}, that makes a pair's prompt; "
+        "None: the checkpoint's score_template.txt, else the query then the document",
+    )
     init_new_token_ratio: float = option(
         0.7,
         "scheduler tuning (SGLang's defaults): the expected share of max_tokens a request will really use",
@@ -187,6 +269,13 @@ class EngineConfig:
         "seconds a rank waits for the others (start-up, each collective) before the engine ends with "
         "an error",
     )
+    limit_mm_per_prompt: str = option(
+        f"image={DEFAULT_MAX_IMAGES}",
+        'images one prompt may bring (a vision-language model), in vLLM\'s syntax: image=N or {"image": N}',
+    )
+    max_image_pixels: int = option(
+        DEFAULT_MAX_PIXELS, "the most pixels (width x height) an image may have, checked before it is decoded"
+    )
     data_parallel_size: int = option(
         1,
         "data parallelism: engine replicas (a scheduler + model process each, on its own device or "
@@ -217,6 +306,8 @@ class EngineConfig:
             raise bad("kv_cache_memory_gib", "must be > 0")
         if not 0 < self.mem_fraction_static < 1:
             raise bad("mem_fraction_static", "must be in (0, 1)")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         self._check_graphs(bad)
@@ -246,6 +337,35 @@ class EngineConfig:
             raise bad("speculative_algorithm", "does not run with enable_lora (LoRA) yet")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise bad("tensor_parallel_size", "must be 1 with enable_lora (LoRA runs on one rank for now)")
+        self._check_task(bad)
+        self._check_images(bad)
+
+    def _check_task(self, bad: Any) -> None:
+        """The pooling options (gapless.engine.pooling): a known task and pooling type (each name made
+        gapless's), score tokens with the score task only, no speculative decoding for a pooling model."""
+        if self.task not in TASK_NAMES:
+            raise bad("task", f"must be one of {tuple(TASK_NAMES)}")
+        self.task = TASK_NAMES[self.task]
+        if self.pooling_type is not None:
+            if self.pooling_type.lower() not in POOLING_TYPES:
+                raise bad("pooling_type", f"must be one of {POOLING_TYPES}")
+            self.pooling_type = self.pooling_type.lower()
+        if self.task == "score" and self.score_token is None:
+            raise bad("task", "score needs score_token (--score-token yes): the token whose logit scores")
+        if self.score_token is None and self.score_false_token is not None:
+            raise bad("score_false_token", "needs score_token, the true token")
+        if self.score_token is not None and self.task not in ("score", "pooling", "auto"):
+            raise bad("score_token", "is for task score (a causal-LM reranker)")
+        if self.task in ("embed", "score", "pooling") and self.speculative_algorithm is not None:
+            raise bad("speculative_algorithm", f"does not apply to a pooling model (task {self.task})")
+
+    def _check_images(self, bad: Any) -> None:
+        if self.max_image_pixels < 1:
+            raise bad("max_image_pixels", "must be >= 1")
+        try:
+            parse_limit_mm(self.limit_mm_per_prompt)
+        except ValueError as e:
+            raise bad("limit_mm_per_prompt", str(e)) from None
 
     def _check_graphs(self, bad: Any) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:

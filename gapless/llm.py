@@ -16,6 +16,9 @@ from gapless.config import EngineConfig
 from gapless.engine.chat_template import Message, render_chat
 from gapless.engine.engine import Engine, EngineShutDown
 from gapless.engine.heap import frozen_heap
+from gapless.engine.image_io import split_chat
+from gapless.engine.images import PromptImage
+from gapless.engine.pooling import PoolingSpec, cosine, format_pair, score_pairs, score_template
 from gapless.engine.prompt_logprobs import Logprob, prompt_logprobs_output
 from gapless.engine.request import Req
 from gapless.lora.request import LoRARequest
@@ -41,6 +44,20 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: per prompt position, None (the first, or before
     # prompt_logprobs_start) or {token id: Logprob(logprob, rank, decoded_token)}, as vLLM's
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (`LLM.embed`)."""
+
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+
+def _pooled(req: Req) -> list[float]:
+    if req.pool is None or req.finish_reason == "abort":
+        raise RuntimeError(f"request {req.rid} was aborted before it was pooled")
+    return req.pool.result()
 
 
 class LLM:
@@ -83,7 +100,7 @@ class LLM:
         params = _params_per_prompt(sampling_params, len(batch), "prompts")
         # validate everything before queueing anything, so a bad prompt leaves the engine untouched
         token_ids = [engine.tokenize(p) for p in batch]
-        return self._run(batch, token_ids, params, use_tqdm, self._loras(lora_request, len(batch)))
+        return self._run(batch, token_ids, params, use_tqdm, loras=self._loras(lora_request, len(batch)))
 
     def _loras(
         self, lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
@@ -94,6 +111,51 @@ class LLM:
             if lo is not None:
                 self._live_engine().add_lora(lo)
         return loras
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False) -> list[EmbeddingOutput]:
+        """The embedding of each prompt (text or token ids), in order, from a model served with task
+        embed (`task="embed"`, or a sentence-transformers checkpoint): its pooled final hidden states,
+        normalized unless the model says otherwise (gapless.engine.pooling)."""
+        self._pooling("embed", "embed")
+        outs = self._pool(prompts, use_tqdm)
+        return [EmbeddingOutput(r.prompt_ids, _pooled(r)) for r in outs]
+
+    def score(
+        self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = False
+    ) -> list[float]:
+        """One score per pair, as vLLM's `LLM.score`: `text_1` one text (scored against each of `text_2`)
+        or as many as `text_2` (pairwise). An embedding model scores by the cosine of the two
+        embeddings; a causal-LM reranker (task score) by its score tokens at the end of the pair's prompt
+        (`score_template`)."""
+        spec = self._pooling("score", "embed or score")
+        queries, docs = score_pairs(text_1, text_2)
+        if spec.task == "score":
+            template = score_template(self.engine.cfg)
+            return [
+                _pooled(r)[0]
+                for r in self._pool([format_pair(template, q, d) for q, d in zip(queries, docs)], use_tqdm)
+            ]
+        vecs = [_pooled(r) for r in self._pool(list(queries) + list(docs), use_tqdm)]
+        return [cosine(a, b) for a, b in zip(vecs[: len(queries)], vecs[len(queries) :])]
+
+    def _pooling(self, what: str, tasks: str) -> PoolingSpec:
+        spec = self._live_engine().pooling
+        if spec is None or (what == "embed" and spec.task != "embed"):
+            task = spec.task if spec is not None else "generate"
+            raise ValueError(
+                f"{what} needs a model run with task {tasks} (task=...); this one's task is {task}"
+            )
+        return spec
+
+    def _pool(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool) -> list[Req]:
+        """Run each prompt as a pooling request; the finished requests, in order."""
+        engine = self._live_engine()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            batch = [cast(Prompt, prompts)]
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
+        token_ids = [engine.tokenize(p) for p in batch]
+        return self._requests(token_ids, [SamplingParams(max_tokens=1)] * len(batch), use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request that sets no sampling knob samples with, as vLLM's method of this name: the
@@ -125,6 +187,11 @@ class LLM:
         else:
             convs = list(cast(Sequence[Sequence[Message]], messages))
         params = _params_per_prompt(sampling_params, len(convs), "conversations")
+        if engine.vision is not None:  # a vision-language model: its processor renders and expands
+            how = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
+            if chat_template is not None:
+                how["chat_template"] = chat_template
+            return self._chat_images(convs, params, use_tqdm, how, self._loras(lora_request, len(convs)))
         texts, token_ids = [], []
         for conv in convs:
             text, ids = render_chat(
@@ -136,24 +203,64 @@ class LLM:
             )
             texts.append(text)
             token_ids.append(engine.tokenize(ids))
-        return self._run(texts, token_ids, params, use_tqdm, self._loras(lora_request, len(convs)))
+        return self._run(texts, token_ids, params, use_tqdm, loras=self._loras(lora_request, len(convs)))
+
+    def _chat_images(
+        self,
+        convs: list[Sequence[Message]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        template_kwargs: dict[str, Any],
+        loras: list[LoRARequest | None],
+    ) -> list[RequestOutput]:
+        """`chat` for a vision-language model: messages may hold image parts (`{"type": "image", "image":
+        a PIL image or a path}`, or OpenAI's `image_url` with a data: URL), each checked against the
+        limits before anything is queued."""
+        prompter = self.engine.image_prompter()
+        token_ids, images = [], []
+        for conv in convs:
+            chat, opened = split_chat([dict(m) for m in conv], prompter.limits)
+            ids, prompt_images = prompter.render(chat, opened, template_kwargs)
+            token_ids.append(self.engine.tokenize(ids))
+            images.append(prompt_images)
+        return self._run([None] * len(convs), token_ids, params, use_tqdm, images, loras)
 
     def _run(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[Prompt | None],
         token_ids: list[list[int]],
         params: list[SamplingParams],
         use_tqdm: bool,
+        images: list[tuple[PromptImage, ...]] | None = None,
         loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """Generate for the validated prompts (a pooling model refuses: it does not generate)."""
+        if self.engine.pooling is not None:
+            raise ValueError(
+                f"this model runs task {self.engine.pooling.task} (a pooling model): it does not generate; "
+                "use LLM.embed or LLM.score, or load it with task='generate'"
+            )
+        reqs = self._requests(token_ids, params, use_tqdm, images, loras)
+        return [self._output(r, p) for r, p in zip(reqs, prompts)]
+
+    def _requests(
+        self,
+        token_ids: list[list[int]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        images: list[tuple[PromptImage, ...]] | None = None,
+        loras: Sequence[LoRARequest | None] | None = None,
+    ) -> list[Req]:
         """Queue the validated prompts and step the engine until all of them are finished. The heap the
         caller's process held before is frozen meanwhile (`frozen_heap`): the collections the run's own
         objects set off do not walk it."""
         for p in params:  # a grammar that cannot compile refuses the call before any of it is queued
             self.engine.check_params(p)
+        images = images or [()] * len(token_ids)
         loras = loras if loras is not None else [None] * len(params)
         reqs = [
-            self.engine.add_request(ids, p, lora_request=lo) for ids, p, lo in zip(token_ids, params, loras)
+            self.engine.add_request(ids, p, images=im, lora_request=lo)
+            for ids, p, im, lo in zip(token_ids, params, images, loras)
         ]
         try:
             with (
@@ -170,9 +277,9 @@ class LLM:
                 while self.engine.has_unfinished():
                     self.engine.step()
             raise
-        return [self._output(r, p) for r, p in zip(reqs, prompts)]
+        return reqs
 
-    def _output(self, req: Req, prompt: Prompt) -> RequestOutput:
+    def _output(self, req: Req, prompt: Prompt | None) -> RequestOutput:
         return RequestOutput(
             request_id=req.rid,
             prompt=prompt if isinstance(prompt, str) else None,

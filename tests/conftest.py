@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -40,3 +44,36 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "whole_gpu: sizes things from the GPU's free memory, so runs with no other test on the GPU"
+    )
+
+
+@contextlib.contextmanager
+def _gpu_turn(root: Path, exclusive: bool) -> Iterator[None]:
+    """A readers-writer lock across pytest-xdist's workers: any number of tests share the GPU, a
+    `whole_gpu` test has it alone. A writer holds the gate while it waits, so readers cannot starve it."""
+    with open(root / "gpu.gate", "a") as gate, open(root / "gpu.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if not exclusive:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            yield
+            return
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _share_the_gpu(request, tmp_path_factory):
+    """On a GPU under pytest-xdist (`-n`), `whole_gpu` tests wait for the others and run alone; elsewhere
+    (no GPU, or one process) nothing changes."""
+    if not torch.cuda.is_available() or "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    root = tmp_path_factory.getbasetemp().parent  # one folder every worker of the run shares
+    with _gpu_turn(root, request.node.get_closest_marker("whole_gpu") is not None):
+        yield

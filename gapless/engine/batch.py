@@ -4,7 +4,7 @@ to know of the device side.
 The scheduler builds a `ForwardBatch` from host state; the device stream moves it to the device; the
 model runner and the CUDA graph runner read it. `HostSamples` (a batch's sampled tokens, as lists) and
 `RunnerInfo` (once, at start-up) travel the other way. This module imports nothing of the engine but the
-speculative inputs, and not the device sampler, so every side can import it.
+speculative inputs and the pooling ask, and not the device sampler, so every side can import it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 import torch
 
 from gapless.attention.base import AttentionMetadata
+from gapless.engine.pooling import PoolAsk
 from gapless.engine.spec.inputs import HistoryWrites, VerifyInputs
 from gapless.sampling.logprobs import PromptLogprob, PromptScoreAsk, host_scores
 from gapless.sampling.mask import TokenMask
 from gapless.sampling.rows import RowParams, SampleFlags
 
 if TYPE_CHECKING:
+    from gapless.engine.vision import ImageBatch
     from gapless.lora.table import LoRALoad
     from gapless.sampling.sampler import SampleOutput
 
@@ -84,6 +86,8 @@ class ForwardBatch:
     penalty_inits: list[PenaltyInit] = field(default_factory=list)
     # prompt positions whose logprobs the batch returns (requests with prompt_logprobs), else None
     prompt_scores: PromptScoreAsk | None = None
+    # positions a pooling model's requests pool (embed, score: gapless.engine.pooling), else None
+    pool: PoolAsk | None = None
 
     # allowed tokens of the rows a grammar or min_tokens constrains (`gapless.engine.grammar`)
     token_mask: TokenMask | None = None
@@ -98,6 +102,8 @@ class ForwardBatch:
     # the base), and the adapters the device puts into their slots before the forward
     lora_slots: torch.Tensor | None = None
     lora_loads: list[LoRALoad] = field(default_factory=list)
+    # a vision-language model's image tokens in this extend: the encoder's rows replace their embeddings
+    images: ImageBatch | None = None
 
     @property
     def reads_future_tokens(self) -> bool:
@@ -215,19 +221,24 @@ class HostSamples:
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None  # per row: (token, logprob), most likely first
     prompt: list[PromptLogprob] | None = None  # per scored prompt position (gapless.sampling.logprobs)
+    pooled: list[list[float]] | None = None  # per pooled request of the batch (gapless.engine.pooling)
 
     @classmethod
     def from_tensors(cls, out: SampleOutput, host: list[torch.Tensor] | None = None) -> HostSamples:
         """Convert, reading `host` (copies of `out.tensors()`, same order) when given."""
         tensors = host if host is not None else out.tensors()
+        if out.pooled is not None:  # the last tensor, after the prompt scores
+            pooled, tensors = tensors[-1].tolist(), tensors[:-1]
+        else:
+            pooled = None
         own = 1 if out.logprobs is None else 4
         prompt = host_scores(tensors[own:]) if out.prompt is not None else None
         tokens = tensors[0].tolist()
         if out.logprobs is None:
-            return cls(tokens, prompt=prompt)
+            return cls(tokens, prompt=prompt, pooled=pooled)
         logprobs, top_ids, top_lps = (t.tolist() for t in tensors[1:4])
         top = [list(zip(ids, lps)) for ids, lps in zip(top_ids, top_lps)]
-        return cls(tokens, logprobs, top, prompt)
+        return cls(tokens, logprobs, top, prompt, pooled)
 
 
 @dataclass(frozen=True)
@@ -248,3 +259,5 @@ class RunnerInfo:
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] = ()
     weights: str = ""  # the weights' format and bytes, for the start-up line (gapless.model.quant)
+    quantization: str | None = None  # the layers' quantized format(s), vLLM's names; None: float
+    weight_formats: tuple[tuple[str, int], ...] = ()  # (format, layers holding it), for /v1/models, /metrics

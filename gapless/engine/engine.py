@@ -27,10 +27,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from gapless.config import EngineConfig
-from gapless.engine import prompt_logprobs
+from gapless.engine import pooling, prompt_logprobs
 from gapless.engine.detokenize import detokenize
 from gapless.engine.grammar import Grammars, check_logit_bias
 from gapless.engine.heap import gc_pauses
+from gapless.engine.image_io import ImageLimits
+from gapless.engine.images import ImagePrompter, PromptImage
 from gapless.engine.meter import BubbleMeter
 from gapless.engine.preflight import check_engine_config
 from gapless.engine.request import Req
@@ -60,9 +62,15 @@ class Engine:
                 "data parallelism is served: gapless serve --data-parallel-size N"
             )
         # the model as local files (a path, a built-in name or a Hugging Face id), checked before it loads
-        self.cfg = cfg = check_engine_config(cfg).cfg
+        checked = check_engine_config(cfg)
+        self.cfg = cfg = checked.cfg
+        # a vision-language model's chats with images go through its processor (`image_prompter`)
+        self.vision = checked.model.vision
+        self._prompter: ImagePrompter | None = None
         gc_pauses()  # counting from here
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(cfg)
+        # a pooling model's (embed, score: gapless.engine.pooling), else None: every request pools
+        self.pooling = pooling.pooling_spec(cfg, self.tokenizer)
         # what a request's unset sampling knobs take (`add_request`): the checkpoint's, unless
         # generation_config says otherwise
         self.sampling_defaults = generation_defaults(cfg.model, cfg.generation_config)
@@ -170,16 +178,22 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams,
         rid: str | None = None,
+        images: tuple[PromptImage, ...] = (),
         lora_request: LoRARequest | None = None,
     ) -> Req:
-        """Queue an already validated prompt (see `tokenize`). The one place a request's unset sampling
-        knobs are filled (`SamplingParams.resolved`: the checkpoint's defaults, else the library's), for
-        `LLM`, `gapless chat` and the server alike; the queued `Req` holds the resolved params.
-        `lora_request`: the LoRA adapter it runs with (checked, once per adapter: `add_lora`)."""
+        """Queue an already validated prompt (see `tokenize`) and its images (`image_prompter`). The one
+        place a request's unset sampling knobs are filled (`SamplingParams.resolved`: the checkpoint's
+        defaults, else the library's), for `LLM`, `gapless chat` and the server alike; the queued `Req`
+        holds the resolved params. `lora_request`: the LoRA adapter it runs with (checked, once per
+        adapter: `add_lora`)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        if images and (self.vision is None or any(im.start + im.length > len(prompt_ids) for im in images)):
+            raise ValueError("images for a model without a vision encoder, or past the prompt's end")
         lora = self.add_lora(lora_request) if lora_request is not None else None
         params = params.resolved(self.sampling_defaults)
+        if self.pooling is not None:  # prefill only: the one token its last chunk samples is dropped
+            params = dataclasses.replace(params, max_tokens=1, temperature=0.0, ignore_eos=True, stop=[])
         n = next(self._ids)
         rid = rid if rid is not None else str(n)
         if rid in self.reqs:
@@ -198,8 +212,10 @@ class Engine:
             arrival=n,
             stop_ids=frozenset(stop_ids),
             prompt_lp=prompt_logprobs.new_state(params, len(prompt_ids)),
+            pool=pooling.new_state(self.pooling, len(prompt_ids)),
             grammar=grammar,
             lora=lora,
+            images=tuple(images),
         )
         self.reqs[rid] = req
         self.scheduler.add(req)
@@ -214,6 +230,16 @@ class Engine:
                 f"LoRA adapter {lora.lora_name!r}: LoRA is off; start with enable_lora=True (--enable-lora)"
             )
         return self.loras.add(lora)
+
+    def image_prompter(self) -> ImagePrompter:
+        """The model's processor, for chats with images (made on first use); ValueError for a text model."""
+        if self.vision is None:
+            raise ValueError(f"{self.cfg.model} is a text model: it takes no images")
+        if self._prompter is None:
+            self._prompter = ImagePrompter(
+                self.cfg.model, self.vision.image_token_id, ImageLimits.of(self.cfg)
+            )
+        return self._prompter
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError naming the field if `add_request` would refuse `params` (a logit_bias token outside

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from gapless.config import EngineConfig, parse_limit_mm
 from gapless.engine.batch import ForwardBatch
+from gapless.model.vision.base import VisionEncoder
 from gapless.sampling.rows import RowParams, SampleFlags
 from gapless.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -103,6 +106,7 @@ class GpuKVPlan:
     graph_bytes: int
     mem_fraction_static: float
     reserve: int
+    encoder_bytes: int = 0  # a vision encoder's activations for the largest image batch (`encoder_images`)
 
     @property
     def static_limit(self) -> int:
@@ -112,7 +116,7 @@ class GpuKVPlan:
     @property
     def free_limit(self) -> int:
         """Bytes the free memory leaves the pool once the activations, graphs and reserve are set aside."""
-        return self.free - self.activation_peak - self.graph_bytes - self.reserve
+        return self.free - self.activation_peak - self.encoder_bytes - self.graph_bytes - self.reserve
 
     def describe(self) -> str:
         bound = "mem_fraction_static" if self.static_limit <= self.free_limit else "free memory"
@@ -121,7 +125,9 @@ class GpuKVPlan:
             f"limited by {bound}: mem_fraction_static={self.mem_fraction_static} of {self.total / _GIB:.1f} "
             f"GiB less {self.resident / _GIB:.2f} GiB gapless holds{foreign} leaves "
             f"{self.static_limit / _GIB:.2f} GiB; {self.free / _GIB:.1f} GiB free less activation peak "
-            f"{self.activation_peak / _GIB:.2f} GiB, CUDA graphs {self.graph_bytes / _GIB:.2f} GiB and "
+            f"{self.activation_peak / _GIB:.2f} GiB, "
+            + (f"vision encoder {self.encoder_bytes / _GIB:.2f} GiB, " if self.encoder_bytes else "")
+            + f"CUDA graphs {self.graph_bytes / _GIB:.2f} GiB and "
             f"reserve {self.reserve / _GIB:.2f} GiB leaves {self.free_limit / _GIB:.2f} GiB"
         )
 
@@ -137,6 +143,7 @@ def plan_gpu_kv(
     mem_fraction_static: float,
     bytes_per_token: int,
     reserve: int = GPU_RESERVE_BYTES,
+    encoder_bytes: int = 0,
 ) -> GpuKVPlan:
     """KV tokens the pool may hold on a GPU: its bytes are the tighter of two limits.
 
@@ -146,7 +153,8 @@ def plan_gpu_kv(
     - What is `free` now must still hold the activation peak of the largest step, the CUDA graphs'
       memory pool and a `reserve`. Memory held by anything else (another process, or another tensor or
       engine of this process: `allocated_before`) is simply not free: it shrinks this limit, not the
-      static share, so a foreign allocation costs the pool what it takes and no more.
+      static share, so a foreign allocation costs the pool what it takes and no more. A vision-language
+      model's encoder adds its activations for the largest image batch (`encoder_bytes`) beside them.
     """
     plan = GpuKVPlan(
         tokens=0,
@@ -158,9 +166,27 @@ def plan_gpu_kv(
         graph_bytes=graph_bytes,
         mem_fraction_static=mem_fraction_static,
         reserve=reserve,
+        encoder_bytes=encoder_bytes,
     )
     tokens = max(0, min(plan.static_limit, plan.free_limit)) // bytes_per_token
     return dataclasses.replace(plan, tokens=tokens)
+
+
+def encoder_images(cfg: EngineConfig, tokens_per_image: int) -> int:
+    """The most images the encoder takes in one call (`gapless.engine.vision.EncoderCache`): as many as a
+    prefill chunk holds whole, plus one cut at each end, never more than every row's prompts may bring
+    (`limit_mm_per_prompt`). A batch with more encodes them in several calls."""
+    assert cfg.chunked_prefill_size is not None, "the device's prefill budget is set before this"
+    most = cfg.max_running_requests * parse_limit_mm(cfg.limit_mm_per_prompt)
+    return max(1, min(most, cfg.chunked_prefill_size // tokens_per_image + 2))
+
+
+def encoder_bytes(encoder: VisionEncoder | None, cfg: EngineConfig, dtype: torch.dtype) -> int:
+    """A vision encoder's activations (an estimate, `VisionEncoder.activation_bytes`) for the largest image
+    batch it takes (`encoder_images`); 0 for a text model."""
+    if encoder is None:
+        return 0
+    return encoder.activation_bytes(encoder_images(cfg, encoder.spec.tokens_per_image), dtype)
 
 
 # every sampling stage on, and logprobs, so a dummy step allocates what the largest real one does
@@ -221,3 +247,21 @@ def dummy_decode(batch_size: int, pad_row: int, max_rows: int, vocab_size: int) 
     """A decode batch of `batch_size` requests, all on `pad_row` at position 0 and KV slot 0, sampling
     with every stage on. For measuring memory."""
     return _dummy_batch([1] * batch_size, True, pad_row, max_rows, vocab_size)
+
+
+def allocated_bytes(device: torch.device) -> int:
+    """Bytes of live tensors on `device` (CUDA's caching allocator), 0 off CUDA."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def peak_bytes(device: torch.device, fn: Callable[[], object]) -> int:
+    """Peak bytes `fn` allocates above what was allocated before it (0 off CUDA, where `fn` just runs)."""
+    if device.type != "cuda":
+        fn()
+        return 0
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - base)

@@ -16,8 +16,10 @@ from typing import NamedTuple
 
 from gapless import env
 from gapless.config import EngineConfig
+from gapless.engine.pooling import pooling_spec
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.generation_config import generation_defaults
+from gapless.model.quant import formats
 from gapless.model.source import localize
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,9 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     path = Path(cfg.model)
     mcfg = load_model_config(path)
     if path.is_dir():  # a GGUF file carries its weights and tokenizer
-        if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
+        if cfg.load_format == "dummy":
+            pass  # random weights: none are read
+        elif not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
             raise ValueError(f"{cfg.model!r} has no *.safetensors weights (nor is it a GGUF file)")
         tokenizer = Path(cfg.tokenizer) if cfg.tokenizer is not None else path
         if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
@@ -53,7 +57,9 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     generation_defaults(cfg.model, cfg.generation_config)  # a checkpoint default no request could set
     check_max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, cfg.model)
     check_device(cfg.device)
+    check_quantization(cfg, path)
     check_tensor_parallel(cfg, mcfg)
+    pooling_spec(cfg)  # a sentence-transformers config gapless cannot run
     return CheckedConfig(cfg, mcfg)
 
 
@@ -74,6 +80,22 @@ def check_tensor_parallel(cfg: EngineConfig, mcfg: ModelConfig) -> None:
             f"tensor_parallel_size={cfg.tensor_parallel_size} over {cfg.nnodes} node(s) runs {per_node} "
             f"ranks here, one GPU each, but this machine has {torch.cuda.device_count()}"
         )
+
+
+def check_quantization(cfg: EngineConfig, path: Path) -> None:
+    """QuantFormatError (a ValueError, one line naming the format) for a quantized format that is unknown
+    or that the device cannot run (`gapless.model.quant.formats`); imports torch only when there is one."""
+    qcfg = formats.checkpoint_quantization(path)
+    if qcfg is None and cfg.quantization is None:
+        return
+    if cfg.quantization is not None and not path.is_dir():
+        raise ValueError(
+            f"--quantization {cfg.quantization} applies to a safetensors checkpoint, not a GGUF file"
+        )
+    import torch
+
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    formats.resolve(qcfg, cfg.quantization, auto if cfg.device == "auto" else cfg.device)
 
 
 def check_max_model_len(max_model_len: int | None, limit: int, model: str) -> None:

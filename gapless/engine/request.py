@@ -6,12 +6,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from gapless.engine.images import PromptImage
 from gapless.memory.cache_base import TreeNode
 from gapless.sampling.logprobs import PromptLogprobState
 from gapless.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from gapless.engine.grammar import GrammarState
+    from gapless.engine.pooling import PoolState
     from gapless.lora.request import LoRARequest
 
 
@@ -36,6 +38,8 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # with params.prompt_logprobs set: the prompt positions scored so far (gapless.engine.prompt_logprobs)
     prompt_lp: PromptLogprobState | None = None
+    # a pooling model's request (embed, score): its pooled vector so far (gapless.engine.pooling)
+    pool: PoolState | None = None
     status: ReqStatus = ReqStatus.WAITING
     # KV ownership: positions [0, kv_len) have slots in the request-table row; [0, cached_len) of them
     # belong to the radix tree and are pinned through `last_node`.
@@ -58,6 +62,7 @@ class Req:
     # while waiting: (length, key), the tokens the prefix cache may supply, as the cache's key, kept while
     # that length holds, since the waiting queue is ordered by cached prefix every step (`KVManager`)
     match_key: tuple[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
+    images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (gapless.engine.images)
 
     @property
     def seq_len(self) -> int:
@@ -67,6 +72,16 @@ class Req:
     def fill_ids(self) -> list[int]:
         """All tokens whose KV the request needs: the prompt and what it generated so far."""
         return self.prompt_ids + self.output_ids
+
+    def cache_ids(self, n: int) -> list[int]:
+        """The first `n` of `fill_ids` as the radix cache keys them: each image's run by its key."""
+        ids = self.fill_ids[:n]
+        for im in self.images:
+            if im.start < n:
+                ids[im.start : min(n, im.start + im.length)] = [im.key] * (
+                    min(n, im.start + im.length) - im.start
+                )
+        return ids
 
     @property
     def finished(self) -> bool:

@@ -1,10 +1,9 @@
 """The device side of a step: owns the weights, the KV pool, the device request table and the sampler.
 
-`ModelRunner.run(batch)` is the one job the scheduler submits to the device stream per step: apply the
-batch's request-table writes, run the model, sample. Everything it touches is device state; the
-scheduler only ever hands it a `ForwardBatch` built from host state. Decode batches go through CUDA
-graphs (`gapless.engine.cuda_graph`) when they are on, small prefills through the piecewise prefill graphs
-(`gapless.engine.piecewise_graph`) when those are.
+`ModelRunner.run(batch)` is the one job the scheduler submits to the device stream per step: apply the batch's
+request-table writes, run the model, sample. Everything it touches is device state; the scheduler only ever
+hands it a `ForwardBatch` built from host state. Decodes run through CUDA graphs (`gapless.engine.cuda_graph`)
+when on, small prefills through piecewise ones (`gapless.engine.piecewise_graph`).
 
 The KV pool's size comes from `gapless.engine.memory_plan`; on CUDA the runner first measures its own
 activation peak (`measure_activations`) on a one-page pool, which is dropped before the real one is made.
@@ -15,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -29,24 +27,30 @@ from gapless.engine.defaults import apply_device_defaults, device_memory
 from gapless.engine.memory_plan import (
     CpuKVPlan,
     GpuKVPlan,
+    allocated_bytes,
     available_ram,
     dummy_decode,
     dummy_prefill,
+    encoder_bytes,
+    encoder_images,
+    peak_bytes,
     plan_cpu_kv,
     plan_gpu_kv,
 )
 from gapless.engine.piecewise_graph import PiecewiseGraphs
+from gapless.engine.pooling import pool_hidden
 from gapless.engine.spec.device import SpecState
 from gapless.engine.spec.draft import load_draft
+from gapless.engine.vision import EncoderCache
 from gapless.lora.table import make_lora_table
 from gapless.memory.kv_pool import KVPool
 from gapless.memory.req_table import ReqTable
 from gapless.model import parallel
 from gapless.model.config import load_model_config
-from gapless.model.decoder import CausalLM, ForwardContext
+from gapless.model.decoder import CausalLM, ForwardContext, ImageRows
 from gapless.model.fused import use_fused_kernels
 from gapless.model.loader import load_model, resolve_dtype
-from gapless.model.quant import weights_summary
+from gapless.model.quant import quantization, weights_held, weights_summary
 from gapless.sampling.fused import draw_kernel, nucleus_kernel, penalty_kernel
 from gapless.sampling.logprobs import PromptScores, score_prompt
 from gapless.sampling.mask import TokenMask
@@ -78,7 +82,7 @@ class ModelRunner:
         self.chunked_prefill_size: int = cfg.chunked_prefill_size
         # what the process held before this runner: other tensors, other engines. The KV plan counts only
         # what the runner adds on top as its own (see `plan_gpu_kv`)
-        allocated_before = _allocated(self.device)
+        allocated_before = allocated_bytes(self.device)
         if self.device.type == "cuda" and cfg.kv_cache_memory_gib is not None:
             raise ValueError(
                 "kv_cache_memory_gib sizes the KV cache on the CPU; on CUDA set mem_fraction_static "
@@ -91,8 +95,18 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
         if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
             log.warning(why)
-        self.model: CausalLM = load_model(cfg.model, self.dtype, self.device, max_positions=max_context)
+        self.model: CausalLM = load_model(
+            cfg.model,
+            self.dtype,
+            self.device,
+            max_positions=max_context,
+            quantization=cfg.quantization,
+            dummy=cfg.load_format == "dummy",
+        )
         self.model_config = mcfg
+        vision = self.model.vision  # a vision-language model's encoder, and the images it keeps per row
+        per_call = encoder_images(cfg, vision.spec.tokens_per_image) if vision is not None else 0
+        self.encoder_cache = EncoderCache(vision, per_call) if vision is not None else None
         self.page_size = cfg.page_size
         self.max_running_requests = max_rows = cfg.max_running_requests
         probe = Probe(
@@ -121,7 +135,9 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         self.piecewise: PiecewiseGraphs | None = None  # small prefills' pieces, when on
         # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them
-        self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None] | None = None
+        self._deferred: tuple[ForwardBatch, torch.Tensor, PromptScores | None, torch.Tensor | None] | None = (
+            None
+        )
         self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
         # the resident LoRA adapters, when on: made before the KV plan, which counts them as weights
         self.lora = make_lora_table(cfg, self.model, mcfg, self.dtype, self.device)
@@ -231,12 +247,13 @@ class ModelRunner:
         plan = plan_gpu_kv(
             total=total,
             free=free,
-            allocated=_allocated(self.device),
+            allocated=allocated_bytes(self.device),
             allocated_before=allocated_before,
             activation_peak=peak,
             graph_bytes=graph_bytes,
             mem_fraction_static=cfg.mem_fraction_static,
             bytes_per_token=per_token,
+            encoder_bytes=encoder_bytes(self.model.vision, cfg, self.dtype),
         )
         if plan.tokens < cfg.page_size:
             raise RuntimeError(
@@ -269,6 +286,8 @@ class ModelRunner:
             sliding_window=mc.sliding_window,
             window_layers=mc.window_layers,
             weights=weights_summary(self.model),
+            quantization=quantization(self.model),
+            weight_formats=tuple(sorted(weights_held(self.model)[0].items())),
         )
 
     def forward_tokens(
@@ -277,11 +296,13 @@ class ModelRunner:
         positions: torch.Tensor,
         out_slots: torch.Tensor,
         meta: AttentionMetadata,
+        images: ImageRows | None = None,
     ) -> torch.Tensor:
-        """The decoder over a flat batch whose slots are already in the request table; hidden [T, hidden]."""
-        return self.model(
-            input_ids, ForwardContext.prepared(positions, out_slots, self.kv_pool, self.backend, meta)
-        )
+        """The decoder over a flat batch whose slots are already in the request table; hidden [T, hidden].
+        `images`: encoder rows that replace the embeddings of image tokens."""
+        ctx = ForwardContext.prepared(positions, out_slots, self.kv_pool, self.backend, meta)
+        ctx.images = images
+        return self.model(input_ids, ctx)
 
     def _eager_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionMetadata]:
         """The input ids of `batch` outside a decode graph (a decode's are its rows' future-token slots)
@@ -312,7 +333,11 @@ class ModelRunner:
         else:
             table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
             input_ids, meta = self._eager_inputs(batch)
-            if self.piecewise is not None and self.piecewise.can_run(batch):
+            if batch.images is not None:  # the encoder's rows go in (gapless.engine.vision), eagerly
+                assert self.encoder_cache is not None, "image tokens for a model without a vision encoder"
+                images = self.encoder_cache.rows(batch.images, self.device)
+                hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta, images)
+            elif self.piecewise is not None and self.piecewise.can_run(batch):
                 hidden = self.piecewise.run(batch, meta)
             else:
                 hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
@@ -330,9 +355,9 @@ class ModelRunner:
         batch = dataclass_to_device(batch, self.device)
         if isinstance(batch, SampleJob):
             assert self._deferred is not None, "a SampleJob without a deferred batch before it"
-            (forward, logits, prompt), self._deferred = self._deferred, None
+            (forward, logits, prompt, pooled), self._deferred = self._deferred, None
             out = self._sample(forward, logits, batch.mask)
-            out.prompt = prompt
+            out.prompt, out.pooled = prompt, pooled
             return out
         if self.spec is not None:  # a verify's inputs come from what the previous step accepted
             batch = self.spec.prepare(batch, self.token_buf, self.req_table)
@@ -346,6 +371,7 @@ class ModelRunner:
         prompt = None
         if batch.prompt_scores is not None:  # prompt logprobs: in bounded pieces (gapless.sampling.logprobs)
             prompt = score_prompt(hidden, self.model.logits, batch.prompt_scores, self.sampler.vocab_size)
+        pooled = pool_hidden(hidden, batch.pool, self.model.logits) if batch.pool is not None else None
         sampled = self.graphs.take_sampled() if self.graphs is not None else None
         if sampled is not None:  # its graph sampled it
             self.token_buf[batch.sample_rows] = sampled
@@ -355,10 +381,10 @@ class ModelRunner:
         else:
             logits = self.model.logits(hidden[batch.sample_index])
             if batch.defer_sampling:
-                self._deferred = (batch, logits, prompt)
+                self._deferred = (batch, logits, prompt, pooled)
                 return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device))
             out = self._sample(batch, logits, batch.token_mask)
-        out.prompt = prompt
+        out.prompt, out.pooled = prompt, pooled
         return out
 
     def _graph_sampling(self, batch: ForwardBatch) -> tuple[SampleFlags, SampleTokens] | None:
@@ -433,21 +459,21 @@ def measure_activations(
         scratch.run(decode)
 
     step()
-    peak = _peak_bytes(runner.device, step)
+    peak = peak_bytes(runner.device, step)
     graph_bytes = 0
     if graph_bs:
         fwd = dataclass_to_device(dummy_decode(graph_bs, pad, max_rows, vocab), runner.device)
-        graph_bytes = _peak_bytes(runner.device, lambda: scratch.forward_hidden(fwd))
+        graph_bytes = peak_bytes(runner.device, lambda: scratch.forward_hidden(fwd))
         # a sampled graph keeps its LM head's and sampler's buffers too: bounded by a decode of its size
         # sampling with every stage on
         sampled = dummy_decode(min(graph_bs, SAMPLED_MAX_BS), pad, max_rows, vocab)
-        graph_bytes = max(graph_bytes, _peak_bytes(runner.device, lambda: scratch.run(sampled)))
+        graph_bytes = max(graph_bytes, peak_bytes(runner.device, lambda: scratch.run(sampled)))
     if graph_bs and verify_width:  # the largest verify graph: graph_bs requests of verify_width tokens
         tokens = graph_bs * verify_width
         ext = dataclass_to_device(
             dummy_prefill(tokens, req_table.max_context, pad, max_rows, vocab), runner.device
         )
-        graph_bytes = max(graph_bytes, _peak_bytes(runner.device, lambda: scratch.forward_hidden(ext)))
+        graph_bytes = max(graph_bytes, peak_bytes(runner.device, lambda: scratch.forward_hidden(ext)))
     if piecewise_tokens:
 
         def pieces() -> None:
@@ -455,26 +481,8 @@ def measure_activations(
             for i in range(graphs.num_pieces):  # on padding: token 0 at position 0, into KV slot 0
                 graphs.piece(graphs.max_tokens, i)
 
-        graph_bytes += _peak_bytes(runner.device, pieces)
+        graph_bytes += peak_bytes(runner.device, pieces)
     runner.token_buf.fill_(-1)
     runner.token_buf[runner.pad_row] = 0
     runner.sampler.reset()
     return peak, graph_bytes
-
-
-def _allocated(device: torch.device) -> int:
-    """Bytes of live tensors on `device` (CUDA's caching allocator), 0 off CUDA."""
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-
-
-def _peak_bytes(device: torch.device, fn: Callable[[], object]) -> int:
-    """Peak bytes `fn` allocates above what was allocated before it (0 off CUDA, where `fn` just runs)."""
-    if device.type != "cuda":
-        fn()
-        return 0
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return max(0, torch.cuda.max_memory_allocated(device) - base)

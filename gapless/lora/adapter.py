@@ -175,7 +175,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118  # safe_open is no mapping: keys() is its listing
             m = _KEY.search(key)
-            if m is None or m.group(3) not in SLICES:
+            if m is None or m.group(3) not in SLICES or "vision" in key or "projector" in key:
                 raise LoRAError(
                     f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a module the "
                     f"model has (gapless adapts {sorted(SLICES)} of each layer)"

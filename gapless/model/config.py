@@ -8,6 +8,7 @@ is refused here, at load, with an error that names it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from gapless.model.generation_config import read_generation_config
 from gapless.model.gguf import config_dict as gguf_config_dict
 from gapless.model.gguf import is_gguf_file
+from gapless.model.vision import VISION_ARCHITECTURES, VisionSpec, is_vision_config, text_config, vision_spec
 
 # architecture -> per-family switches of the one decoder implementation:
 #   qkv_bias: bias on q/k/v (None: the config's `attention_bias`, which then also puts one on o_proj)
@@ -121,6 +123,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int  # Qwen2-MoE: an always-on expert behind a sigmoid gate; 0: none
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    vision: VisionSpec | None = None  # a vision-language checkpoint's vision side (gapless.model.vision)
 
     @property
     def q_size(self) -> int:
@@ -168,7 +171,7 @@ def _architecture(cfg: dict[str, Any], where: str) -> str:
         what = f" (multimodal: {', '.join(multimodal)}; gapless runs text only)" if multimodal else ""
         raise ValueError(
             f"unsupported architecture {arch!r} in {where}{what}; "
-            f"gapless runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"gapless runs {', '.join(SUPPORTED_ARCHITECTURES + VISION_ARCHITECTURES)}"
         )
     fam = _FAMILIES[arch]
     for moe_key in ("num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts"):
@@ -253,6 +256,9 @@ def _rope(
 
 def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None) -> ModelConfig:
     """Validate a `config.json` dict (from `where`, for messages); `gen_eos`: generation config's EOS ids."""
+    if is_vision_config(cfg):  # the decoder runs its text_config; the vision side rides along
+        text = model_config_from_dict(text_config(cfg), where, gen_eos)
+        return dataclasses.replace(text, vision=vision_spec(cfg))
     arch = _architecture(cfg, where)
     fam = _FAMILIES[arch]
     theta, scaling = _rope(cfg, arch)

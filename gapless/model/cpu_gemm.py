@@ -46,6 +46,7 @@ from torch import nn
 
 from gapless import env
 from gapless.model.layers import ParallelLMHead, _Linear
+from gapless.model.quant.base import UNQUANTIZED
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
@@ -122,7 +123,11 @@ def pack_cpu_gemms(model: M) -> M:
     """`model`, its linear layers and LM head given a packed weight (`cpu_gemm`) when on a CPU in float32
     or natively computed bfloat16 (see the module's docstring); unchanged elsewhere. Call once, after the
     weights are loaded."""
-    layers = [m for m in model.modules() if isinstance(m, (_Linear, ParallelLMHead))]
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, (_Linear, ParallelLMHead)) and m.linear_method is UNQUANTIZED  # fp8's keep theirs
+    ]
     if not layers:
         return model
     why = unavailable_reason(layers[0].weight.device, layers[0].weight.dtype)

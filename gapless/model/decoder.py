@@ -13,7 +13,7 @@ Module names mirror Hugging Face's so checkpoint names map one to one (q/k/v and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -32,6 +32,15 @@ from gapless.model.layers import (
     make_rms_norm,
 )
 from gapless.model.moe import SparseMoE
+from gapless.model.vision.base import VisionEncoder
+
+
+class ImageRows(NamedTuple):
+    """Rows of a vision encoder's output that stand for tokens of the batch: `rows[i]` is the input
+    embedding of flat token `flat[i]` (`gapless.engine.vision`)."""
+
+    flat: torch.Tensor  # [N] int64
+    rows: torch.Tensor  # [N, hidden]
 
 
 @dataclass
@@ -41,6 +50,7 @@ class ForwardContext:
     kv_pool: KVPool
     backend: AttentionBackend
     attn_state: Any  # backend.prepare(metadata)
+    images: ImageRows | None = None  # image embeddings that replace tokens' (vision-language models)
 
     @classmethod
     def prepared(
@@ -268,6 +278,8 @@ class DecoderBody(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
+        if ctx.images is not None:  # (after the family's scaling: transformers scatters them unscaled)
+            x = x.index_copy(0, ctx.images.flat, ctx.images.rows.to(x.dtype))
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.finish(x, residual)
@@ -307,6 +319,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.model = DecoderBody(cfg, max_positions or cfg.max_position_embeddings)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.vision: VisionEncoder | None = None  # a vision-language model's encoder (set by the loader)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -2,15 +2,20 @@
 GGUF file (read by `gapless.model.gguf`). Both yield Hugging Face names and layouts, so one loop places
 either. A GGUF file's quantized matrices stay quantized on a CPU with one rank
 (`gapless.model.quant.gguf_cpu`; `GAPLESS_GGUF_WEIGHTS=dequantize` dequantizes them to the model's dtype,
-as happens on a GPU and with tensor parallelism until those have quantized kernels)."""
+as happens on a GPU and with tensor parallelism until those have quantized kernels). A checkpoint whose
+`quantization_config` names AWQ, GPTQ or compressed-tensors `pack-quantized` keeps its int4/int8
+projections quantized on every device and with tensor parallelism (`gapless.model.quant.int4`); a scheme
+it does not run is refused before any weight is read."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -23,10 +28,16 @@ from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
-from gapless.model.quant import gguf_cpu, weights_summary
+from gapless.model.quant import formats, gguf_cpu, int4, weights_summary
+from gapless.model.quant.formats import QuantFormatError, QuantSpec
 from gapless.model.quant.gguf_cpu import GGUFBlocks
+from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
 
 log = logging.getLogger(__name__)
+
+# the first part of a bare decoder body's weight names (a checkpoint saved from `Qwen3Model`, not from
+# `Qwen3ForCausalLM`); gapless's are under `model.`
+_BODY_PARTS = frozenset({"embed_tokens", "layers", "norm"})
 GGUF_ENV = env.GGUF_WEIGHTS.name  # "dequantize": GGUF matrices as float weights; default "quantized"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -96,38 +107,168 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+    quantization: str | None = None,
+    dummy: bool = False,
 ) -> CausalLM:
-    """The checkpoint's model in `dtype` on `device`; `max_positions` as `CausalLM` takes it."""
+    """The checkpoint's model in `dtype` on `device`; `max_positions` as `CausalLM` takes it. A quantized
+    checkpoint (its config.json's `quantization_config`) or `quantization` (`--quantization`) loads its
+    layers in that format (`gapless.model.quant.formats`), refused in one line before any weight loads
+    where it cannot run. `dummy`: random weights, none read (`--load-format dummy`, for benchmarks)."""
     path = Path(path)
     cfg = load_model_config(path)
     parallel.check_shardable(cfg, parallel.current().size)
+    spec = quant_spec(path, quantization, device)
+    if spec is not None and spec.scheme == "int4" and cfg.num_experts:
+        raise QuantFormatError(f"{path}: {spec.label} mixture-of-experts weights are not built")
+    int4_spec = spec.weight_only if spec is not None else None
+    int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> its packed tensors
     with _default_dtype(dtype), torch.device(device):
         model = CausalLM(cfg, max_positions)
+    scheme, quantized = _prepare_quantized(model, spec, path)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
-    for name, tensor in iter_weights(path, keeps_gguf_quantized(path, device)):
-        if "rotary_emb" in name:
+    encoder = new_encoder(cfg.vision, cfg.hidden_size, dtype, device) if cfg.vision is not None else None
+    for name, tensor in [] if dummy else iter_weights(path, keeps_gguf_quantized(path, device)):
+        if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
+        decoder_name = _decoder_name(name, tensor, encoder, dtype)
+        if decoder_name is None:
+            continue  # the vision encoder's
+        name = decoder_name
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
+        hit = int4.split_name(name, int4_spec) if int4_spec is not None else None
+        if hit is not None and isinstance(tensor, torch.Tensor):
+            int4_parts.setdefault(hit[0], {})[hit[1]] = tensor  # as stored: packed ints, scales
+            continue
         if isinstance(tensor, GGUFBlocks):
             name, shard = _target(name)
             blocks.setdefault(name.rsplit(".", 1)[0], {})[shard] = tensor
             loaded.add(name if shard is None else f"{name}#{shard}")
             continue
-        loaded.update(_place(model, params, name, tensor.to(dtype)))
-    missing = sorted(_expected(model) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
+        if name.endswith(".weight_scale_inv"):
+            name = name[: -len("_inv")]  # fp8's scale is a multiplier, as compressed-tensors' weight_scale
+        keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
+        loaded.update(_place(model, params, name, tensor if keep else tensor.to(dtype)))
+    if int4_parts:
+        assert int4_spec is not None
+        loaded.update(_install_int4(model, int4_parts, int4_spec, dtype))
+    if dummy:
+        _random_weights(model)
+    else:
+        _check_complete(model, path, loaded, encoder.missing_weights() if encoder is not None else [])
     model.requires_grad_(False).eval()
+    if scheme is not None:
+        assert spec is not None
+        scheme.finish(model, spec, quantized)
     if blocks:
         _install_quantized(model, blocks)  # the other layers keep torch's GEMM on their float weight
-    else:
+    elif int4_spec is None:  # (the float layers beside int4 ones keep torch's GEMM)
         pack_cpu_gemms(model)
     log.info("%s", weights_summary(model))
+    model.vision = encoder  # (after the decoder's GEMMs are packed: the encoder keeps torch's)
     return model
+
+
+def _decoder_name(name: str, tensor: object, encoder: VisionEncoder | None, dtype: torch.dtype) -> str | None:
+    """The decoder's name of a checkpoint tensor, or None where the vision encoder took it (a
+    vision-language checkpoint: its encoder's weights, the decoder's renamed)."""
+    if encoder is not None:
+        if isinstance(tensor, torch.Tensor) and encoder.load_weight(name, tensor.to(dtype)):
+            return None
+        name = text_weight_name(name)
+    if name.split(".", 1)[0] in _BODY_PARTS:  # a bare decoder's (an embedding model saved without its
+        name = f"model.{name}"  # head, e.g. Qwen3-Embedding): the body's names, unprefixed
+    return name
+
+
+def _check_complete(model: CausalLM, path: Path, loaded: set[str], encoder_missing: list[str]) -> None:
+    """Refuse a checkpoint that lacks weights the model (or its vision encoder: `encoder_missing`) has; a
+    sentence-transformers embedding model may lack its head (it pools hidden states, and the one token its
+    requests sample, and drop, comes from zeros)."""
+    missing = sorted(_expected(model) - loaded) + encoder_missing
+    if missing == ["lm_head.weight"] and (path / "modules.json").is_file():
+        model.lm_head.weight.data.zero_()
+        log.info("%s has no lm_head: loaded for embeddings only", path)
+        return
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
+
+
+def _random_weights(model: CausalLM) -> None:
+    """Every parameter random (normal, std 0.02; e4m3 weights alike), norms and scales 1."""
+    for name, p in model.named_parameters():
+        if "norm" in name or name.endswith("weight_scale"):
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, device=p.device) * 0.02)
+
+
+_SKIPPED = (".input_scale",)  # a checkpoint's static activation scales: activations are scaled per token
+
+
+def quant_spec(path: Path, quantization: str | None, device: torch.device | str) -> QuantSpec | None:
+    """The quantized format a load of `path` runs (None: float weights), or a one-line QuantFormatError."""
+    if quantization is not None and is_gguf_file(path):
+        raise QuantFormatError(
+            f"--quantization {quantization} applies to a safetensors checkpoint, not a GGUF file"
+        )
+    return formats.resolve(formats.checkpoint_quantization(path), quantization, device)
+
+
+def _prepare_quantized(model: CausalLM, spec: QuantSpec | None, path: Path) -> tuple[Any, list[str]]:
+    """(the format's module, the modules it quantizes), their parameters made ready for its tensors."""
+    if spec is None or spec.scheme == "int4":  # int4's layers take their method after loading
+        return None, []
+    scheme = importlib.import_module(f"gapless.model.quant.{spec.scheme}")
+    targets: set[str] = set()
+    if not spec.online:
+        for file in safetensors_files(path):
+            with safe_open(str(file), framework="pt") as f:
+                names = list(f.keys())
+            for name in names:
+                for suffix in scheme.SCALE_NAMES:
+                    if name.endswith(f".{suffix}"):
+                        targets.add(_target(f"{name[: -len(suffix)]}weight")[0].rsplit(".", 1)[0])
+    quantized = scheme.quantized_modules(model, spec, targets)
+    scheme.prepare(model, spec, quantized)
+    return scheme, quantized
+
+
+def _install_int4(
+    model: CausalLM, quantized: dict[str, dict[str, torch.Tensor]], spec: int4.Int4Spec, dtype: torch.dtype
+) -> list[str]:
+    """Give each layer whose weight came quantized its `Int4LinearMethod`; the names it filled. A layer at
+    a time, on its device: its checkpoint modules unpacked, cut and packed, its float weight freed, before
+    the next (so at most one layer's unpacked form is held beside the packed checkpoint)."""
+    per_layer: dict[str, list[tuple[str, str, str | None]]] = {}  # layer -> (ckpt module, param, shard)
+    modules = dict(model.named_modules())
+    for module in quantized:
+        name, shard = _target(f"{module}.weight")
+        layer_name = name.rsplit(".", 1)[0]
+        if layer_name not in modules:
+            raise ValueError(
+                f"checkpoint module {module!r} has no place in the {model.cfg.architecture} model"
+            )
+        per_layer.setdefault(layer_name, []).append((module, name, shard))
+    filled = []
+    for layer_name, sources in per_layer.items():
+        layer = modules[layer_name]
+        offsets = getattr(layer, "checkpoint_offsets", None)
+        shards: dict[str | None, int4.Unpacked] = {}
+        for module, name, shard in sources:
+            parts = {k: t.to(layer.weight.device) for k, t in quantized.pop(module).items()}
+            w = int4.unpack(spec, parts, module)
+            pieces = int4.split_rows(w, offsets) if shard is None and offsets else {shard: w}
+            shards.update(pieces)
+            filled += [name if s is None else f"{name}#{s}" for s in pieces]
+        int4.install(layer, shards, spec, dtype, layer_name)
+    return filled
 
 
 def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFBlocks]]) -> None:

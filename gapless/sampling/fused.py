@@ -121,21 +121,24 @@ def _fused_draw(
     """`Sampler.draw_kernel`'s signature over `gapless.sampling.triton_sample.draw`."""
     need = (batch.need_top_k, batch.need_top_p, batch.need_min_p)
     args = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.steps)
-    return kernel(logits, *args, need)
+    return kernel(logits, *args, need, largest_k=(batch.max_top_k, batch.max_top_p_k))
 
 
 def disagreement(kernel: DrawKernel, vocab_size: int, device: torch.device) -> str | None:
     """None if `kernel` draws the torch path's tokens over several steps on two fixed batches of
     `vocab_size` columns: bf16 logits at several temperatures with a greedy row (the same noise, so the
-    same tokens), and `nucleus_rows` (float32) under top-p, top-k, both, min-p, and greedy (their kept
-    sets clear of rounding, so the same tokens); else why not."""
+    same tokens), and `nucleus_rows` (float32, and in bf16) under top-p, top-k, both, min-p, and greedy
+    (their kept sets clear of rounding, so the same tokens); else why not."""
     try:
         g = torch.Generator().manual_seed(0)
         plain = (torch.randn(4, vocab_size, generator=g) * 4).to(device=device, dtype=torch.bfloat16)
         temperatures = [0.7, 1.0, 0.0, 1.6]
+        filtered = nucleus_rows(vocab_size, device)[0]
         cases = {
             "temperature": (plain, [SamplingParams(temperature=t) for t in temperatures]),
-            "filters": (nucleus_rows(vocab_size, device)[0], FILTERED),
+            "filters": (filtered, FILTERED),
+            # half-precision logits, as models give them: small top-k takes the window, not the search
+            "filters, bf16": (filtered.to(torch.bfloat16), FILTERED),
         }
         torch_sampler = Sampler(vocab_size, 6, device)
         for mode, (logits, params) in cases.items():

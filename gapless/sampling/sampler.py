@@ -255,10 +255,12 @@ class SampleOutput:
     top_ids: torch.Tensor | None = None  # [S, k] int64: the k most likely tokens, most likely first
     top_logprobs: torch.Tensor | None = None  # [S, k] float32
     prompt: PromptScores | None = None  # prompt logprobs, when the batch scores prompt positions
+    pooled: torch.Tensor | None = None  # [pooled requests, H or K] float32 (gapless.engine.pooling)
 
     def tensors(self) -> list[torch.Tensor]:
         own = [t for t in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if t is not None]
-        return own + (self.prompt.tensors() if self.prompt is not None else [])
+        pooled = [self.pooled] if self.pooled is not None else []
+        return own + (self.prompt.tensors() if self.prompt is not None else []) + pooled
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleOutput:

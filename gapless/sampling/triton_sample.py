@@ -29,9 +29,21 @@ torch path's but where Triton's ``log`` rounds differently from torch's. The flo
 rule rounded differently (sums in chunk order), so a boundary token whose mass lies within float32
 rounding of p may be kept by one and not the other.
 
-Cost, by design (not yet measured on a GPU): temperature alone is one launch reading the logits once;
-min-p adds one; top-k or top-p adds SEARCH_PASSES (8) more, both 16, each reading the rows still
-searching (a 16-probe compare per element). The host launches a fixed count, so a step needs no sync and
+A row with top-k of at most WINDOW (Qwen3's 20, Hugging Face's 50) over half-precision logits skips both
+searches: its top-k floor is the k-th of its WINDOW largest logits (`torch.topk`, a partial sort; scaling
+by the temperature keeps the order, so it is the search's key exactly), and its nucleus lies among the
+tokens top-k kept: those in the window and the ties of the k-th beyond it, counted. A top-p row without
+top-k whose window already holds p of its mass (the bounds launch sums it) takes its nucleus from the
+window too. Both are `gapless.sampling.draw_floors`, the search's rule summed in another order. Which
+rows take the window depends on their own settings, logits and dtype, never on the batch (fp32 logits
+divided by a temperature can round two logits to one, which the count in logit space would miss: they
+always search).
+
+Cost (H200, 151,936 columns, `bench/results/h200-2026-11-26/kernels.log`, before the window): temperature
+alone is one launch reading the logits once (6 us at 1 row, 150 us at 256); min-p adds one; a search
+adds SEARCH_PASSES (8) launches, each reading the rows still searching (a 16-probe compare per element):
+top-k 20 + top-p 0.95 took 274 us at 1 row and 14.4 ms at 256, which the window replaces with a partial
+sort and a few [B, WINDOW] ops. The host launches a fixed count, so a step needs no sync and
 can be captured in a CUDA graph. The arrival pattern (release increment after a barrier, L2 loads in the
 combining program) is the classic "last block" reduction; `gapless.sampling.fused` checks the tokens
 against the torch path at start-up on CUDA.
@@ -39,14 +51,15 @@ against the torch path at start-up on CUDA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from gapless.attention.triton_kernels import INTERPRET as INTERPRET
 from gapless.attention.triton_kernels import _max
+from gapless.sampling.draw_floors import HALF, WINDOW, Floors, kept, window_floors
+
+__all__ = ["CHUNK", "SEARCH_PASSES", "WINDOW", "Floors", "draw", "draw_with", "floors", "kept"]
 
 CHUNK = 1024  # columns a program reads (152k columns: 149 programs a row)
 PROBES = 16  # keys a search launch tests: each narrows a row's range about 17-fold
@@ -124,12 +137,15 @@ def _bounds_kernel(
     PartK,
     RowF,
     RowK,
+    RowS,
     vocab,
     CHUNK: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
+    MASS: tl.constexpr,
 ):
-    """Row b's largest scaled logit (RowF[b, 0]) and the range each search starts from (RowK[b]: top-k's
-    lo, hi, then top-p's; a search a row does not need starts done, lo == hi)."""
+    """Row b's largest scaled logit (RowF[b]), the range each search starts from (RowK[b]: top-k's lo,
+    hi, then top-p's; a search a row does not need starts done, lo == hi), and with MASS the row's mass
+    (RowS[b]: ``exp(y - m)`` summed, each chunk's sum taken at its own largest and rescaled)."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -138,13 +154,28 @@ def _bounds_kernel(
     finite = y > float("-inf")
     key = _key(y)
     part = (b * chunks + c) * 2
-    tl.store(PartF + b * chunks + c, _max(y, 0))
+    chunk_max = _max(y, 0)
+    tl.store(PartF + b * chunks + c, chunk_max)
+    if MASS:
+        chunk_sums = PartF + tl.num_programs(0) * chunks
+        shift = tl.where(chunk_max > float("-inf"), chunk_max, 0.0)  # (a masked chunk: no -inf - -inf)
+        tl.store(chunk_sums + b * chunks + c, tl.sum(tl.where(finite, tl.exp(y - shift), 0.0), 0))
     tl.store(PartK + part, tl.min(tl.where(finite, key, _KEY_MAX), 0))
     tl.store(PartK + part + 1, tl.max(tl.where(finite, key, _KEY_MIN), 0))
     if _arrive(Counter, b, chunks):
         i = tl.arange(0, CHUNKS_P2)
         here = i < chunks
-        m = _max(tl.load(PartF + b * chunks + i, mask=here, other=float("-inf"), cache_modifier=".cg"), 0)
+        maxes = tl.load(PartF + b * chunks + i, mask=here, other=float("-inf"), cache_modifier=".cg")
+        m = _max(maxes, 0)
+        if MASS:
+            sums = tl.load(
+                PartF + tl.num_programs(0) * chunks + b * chunks + i,
+                mask=here,
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            scale = tl.exp(maxes - tl.where(m > float("-inf"), m, 0.0))
+            tl.store(RowS + b, tl.sum(tl.where(sums > 0.0, sums * scale, 0.0), 0))
         lo = tl.min(tl.load(PartK + (b * chunks + i) * 2, mask=here, other=_KEY_MAX, cache_modifier=".cg"), 0)
         hi = tl.max(
             tl.load(PartK + (b * chunks + i) * 2 + 1, mask=here, other=_KEY_MIN, cache_modifier=".cg"), 0
@@ -285,14 +316,6 @@ def _draw_kernel(
         tl.store(Tokens + b, tl.min(tl.where(scores == top, index, vocab), 0).to(tl.int64))
 
 
-@dataclass(frozen=True)
-class Floors:
-    """Each row's filters as `floors` leaves them, on the device: what `draw_with` keeps."""
-
-    row_max: torch.Tensor  # [B] float32: the row's largest scaled logit (min-p's floor is relative to it)
-    keys: torch.Tensor  # [B, 4] int32: top-k's range (lo, hi), then top-p's; once searched, lo == hi
-
-
 def _scratch(
     batch: int, chunks: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -311,15 +334,20 @@ def floors(
     top_p: torch.Tensor,
     need: tuple[bool, bool] = (True, True),
     chunk: int = CHUNK,
+    largest_k: tuple[int, int] = (0, 0),
+    window: int = WINDOW,
 ) -> Floors:
     """Each row's largest scaled logit and its top-k and top-p floors as int32 keys (`draw`'s arguments;
-    `need`: whether any row has top-k, top-p: the other search is skipped)."""
+    `need`: whether any row has top-k, top-p: the other search is skipped; `largest_k`: the largest top-k
+    of the rows with top-k, and of those with top-p (0: not known), so a search no row needs is skipped)."""
     batch, vocab = logits.shape
     device = logits.device
     chunks = triton.cdiv(vocab, chunk)
+    half = logits.dtype in HALF
     out = Floors(
         torch.empty(batch, dtype=torch.float32, device=device),
         torch.empty(batch, 4, dtype=torch.int32, device=device),
+        torch.empty(batch, dtype=torch.float32, device=device) if half and need[1] else None,
     )
     if batch == 0:
         return out
@@ -327,8 +355,14 @@ def floors(
     args = (logits, logits.stride(0), temperature, top_k, top_p, counter, part_f, part_i, out.row_max)
     # (the combining tile is at least 2 wide: a 1-wide one is a corner case of the compiler)
     common = dict(CHUNK=chunk, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=4)
-    _bounds_kernel[(batch, chunks)](*args, out.keys, vocab, **common)
-    for count in [True] * (SEARCH_PASSES * need[0]) + [False] * (SEARCH_PASSES * need[1]):
+    row_mass = out.row_mass if out.row_mass is not None else out.row_max  # (no MASS: never written)
+    _bounds_kernel[(batch, chunks)](*args, out.keys, row_mass, vocab, MASS=out.row_mass is not None, **common)
+    w = min(window, vocab - 1)
+    if half and any(need):
+        window_floors(logits, temperature, top_k, top_p, out, w)
+    # a search runs unless every row that needs it took the window (the others' searches read nothing)
+    searched = [need[i] and not (half and 0 < largest_k[i] <= w) for i in (0, 1)]
+    for count in [True] * (SEARCH_PASSES * searched[0]) + [False] * (SEARCH_PASSES * searched[1]):
         _search_kernel[(batch, chunks)](*args, out.keys, vocab, PROBES=PROBES, COUNT=count, **common)
     return out
 
@@ -385,28 +419,20 @@ def draw(
     steps: torch.Tensor,
     need: tuple[bool, bool, bool] = (True, True, True),
     chunk: int = CHUNK,
+    largest_k: tuple[int, int] = (0, 0),
+    window: int = WINDOW,
 ) -> torch.Tensor:
     """Each row's token (int64 [B]): the seeded draw from ``softmax(logits / temperature)`` after its
     top-k, top-p (over what top-k kept) and min-p; the argmax of `logits` where temperature is 0.
     `logits` [B, V] fp32/bf16/fp16; `temperature`, `top_p`, `min_p` [B] float32; `top_k` [B] int64
     (>= V: off); `seeds`, `steps` [B] int64. `need` (top-k, top-p, min-p): which filters any row uses (host
     flags: the launches of the others are skipped). `chunk`: columns a program reads (a power of two;
-    tests use small ones to split small vocabularies). Reads sizes from host ints; never syncs."""
+    tests use small ones to split small vocabularies); `largest_k` and `window`: `floors`'. Reads sizes
+    from host ints; never syncs."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     temperature, top_p, min_p = temperature.contiguous(), top_p.contiguous(), min_p.contiguous()
-    found = floors(logits, temperature, top_k.contiguous(), top_p, need[:2], chunk) if any(need) else None
+    found = None
+    if any(need):
+        found = floors(logits, temperature, top_k.contiguous(), top_p, need[:2], chunk, largest_k, window)
     return draw_with(logits, temperature, top_p, min_p, seeds.contiguous(), steps.contiguous(), found, chunk)
-
-
-def kept(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, found: Floors
-) -> torch.Tensor:
-    """bool [B, V]: the tokens `draw_with` keeps under `found`, by torch ops on the same numbers (the
-    kernels' check)."""
-    t = temperature.masked_fill(temperature == 0, 1.0)[:, None]
-    y = logits.float() / t
-    bits = (y + 0.0).view(torch.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    floor = found.keys[:, 0].where(top_p >= 1.0, torch.maximum(found.keys[:, 0], found.keys[:, 2]))
-    return (key >= floor[:, None]) & (y >= found.row_max[:, None] + min_p.log()[:, None])

@@ -127,6 +127,7 @@ def http_server(
         reasoning_parser=args.reasoning_parser,
         loras=loras,
     )
+    metrics.set_weights(info.weight_formats)
     app = create_app(ServerState(settings, client, health, metrics))
     config = uvicorn.Config(
         app,

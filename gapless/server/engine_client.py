@@ -91,6 +91,8 @@ class Group:
 def _prompt_in(prompt: Prompt) -> P.PromptIn:
     if isinstance(prompt, str):
         return P.PromptIn(text=prompt)
+    if isinstance(prompt, P.ImageChat):
+        return P.PromptIn(messages=prompt.messages, images=prompt.images)
     if prompt and isinstance(prompt[0], P.ChatMessage):
         return P.PromptIn(messages=prompt)
     return P.PromptIn(token_ids=prompt)  # type: ignore[arg-type]  # list[int]: text and chat returned above

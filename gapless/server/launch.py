@@ -229,6 +229,7 @@ async def _serve(
             f"gapless: serving {metrics.model} at http://{f'[{host}]' if ':' in host else host}:{port} "
             f"(device {info.device}{more}, {info.kv_tokens} KV tokens{each}, context {info.max_context}, "
             f"chunked_prefill_size {info.chunked_prefill_size}; {info.weights}; "
+            f"{info.pooling + '; ' if info.pooling else ''}"
             f"started in {time.monotonic() - started:.1f} s)",
             flush=True,
         )

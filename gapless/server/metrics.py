@@ -94,6 +94,13 @@ class Metrics:
         self._ttft, self._itl, self._e2e = (h.labels(model) for h in (self.ttft, self.itl, self.e2e))
         self._generation_tokens = self.generation_tokens.labels(model)
         self._prompt_tokens = self.prompt_tokens.labels(model)
+        self.weight_formats = Gauge(
+            "gapless_weight_format_layers",
+            "Layers whose weights are held in each format (fp8, GGUF types, float dtypes)",
+            ["model", "format"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.integrity = Gauge(
             "gapless_integrity_ok",
             "1 if the KV integrity check passed when last idle, 0 if it failed, -1 if not checked (busy)",
@@ -101,6 +108,11 @@ class Metrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+
+    def set_weights(self, formats: dict[str, int]) -> None:
+        """The weights' formats, once at start-up: layers holding each (e.g. "fp8 e4m3 block 128x128")."""
+        for label, layers in formats.items():
+            self.weight_formats.labels(self.model, label).set(layers)
 
     def started(self) -> None:
         """An HTTP request was submitted."""

@@ -31,7 +31,8 @@ import msgspec
 
 from gapless.sampling_params import STRUCTURED_FIELDS, SamplingParams
 from gapless.server.errors import BadRequest, prompt_too_long
-from gapless.server.protocol import ChatMessage, LoRAIn
+from gapless.server.images import check_image_count, check_image_url
+from gapless.server.protocol import ChatMessage, ImageChat, LoRAIn
 from gapless.server.reasoning import END as THINK_END
 from gapless.server.served_model import ServedModel
 from gapless.server.structured import StructuredError, check_compiles, structured_fields
@@ -46,7 +47,8 @@ MAX_N = 128  # choices per prompt
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Choices = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 
-Prompt = str | list[int] | list[ChatMessage]  # text, token ids, or a chat to render with the template
+# text, token ids, or a chat to render with the template (with images: a vision-language model's)
+Prompt = str | list[int] | list[ChatMessage] | ImageChat
 EngineRequest = tuple[Prompt, SamplingParams]  # one prompt and choice
 
 
@@ -86,7 +88,7 @@ def _check_ids(ids: list[int], param: str, served: ServedModel) -> None:
         raise BadRequest(f"{param} token id {bad} is outside the vocabulary [0, {served.vocab_size})", param)
 
 
-def _prompt_list(p: object, param: str, served: ServedModel, text: bool = True) -> list[Prompt]:
+def prompt_list(p: object, param: str, served: ServedModel, text: bool = True) -> list[Prompt]:
     """One prompt or a list of them: strings (if `text`) or token-id lists; each non-empty, and token
     ids checked against the vocabulary and the context."""
     prompts: list[str | list[int]]
@@ -248,7 +250,7 @@ class CompletionRequest(_Sampling, kw_only=True):
             # the prompt's logprobs come with it, from the same top k (gapless.server.routes.scoring)
             k = max(self.logprobs or 0, self.prompt_logprobs or 0)
             choices = [replace(c, prompt_logprobs=k) for c in choices]
-        return Submission(_prompt_list(self.prompt, "prompt", served), choices)
+        return Submission(prompt_list(self.prompt, "prompt", served), choices)
 
     @property
     def scores_only(self) -> bool:
@@ -259,6 +261,16 @@ class CompletionRequest(_Sampling, kw_only=True):
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None  # {"url": a data: URL, "detail": accepted, unused}
+
+
+def _part_text(part: ContentPart, field: str) -> str:
+    """A text part's text; a 400 naming `field` for any other part, or one without its text."""
+    if part.type != "text":
+        raise BadRequest(f"{field}: content of type {part.type!r} is not supported", field)
+    if part.text is None:
+        raise BadRequest(f"{field}.text is missing: a text content part needs its text", f"{field}.text")
+    return part.text
 
 
 class Message(msgspec.Struct):
@@ -274,17 +286,20 @@ class Message(msgspec.Struct):
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for j, part in enumerate(self.content):
+        return "".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(self.content))
+
+    def parts(self, where: str, served: ServedModel, images: list[bytes]) -> list[dict[str, str]]:
+        """A message with images: its text and image parts in order, each image checked and its bytes
+        appended to `images`."""
+        out = []
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
             field = f"{where}.content[{j}]"
-            if part.type != "text":
-                raise BadRequest(f"{field}: content of type {part.type!r} is not supported", field)
-            if part.text is None:
-                raise BadRequest(
-                    f"{field}.text is missing: a text content part needs its text", f"{field}.text"
-                )
-            parts.append(part.text)
-        return "".join(parts)
+            if part.type == "image_url":
+                images.append(check_image_url(part.image_url, field, served.images))
+                out.append({"type": "image"})
+            else:
+                out.append({"type": "text", "text": _part_text(part, field)})
+        return out
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -312,10 +327,17 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         constraint = {"json_schema": plan.schema} if plan is not None and plan.schema is not None else None
         choices = self.sampling_params(served.default_max_tokens(max_tokens), logprobs, served, constraint)
-        chat = [
-            ChatMessage(m.role, m.text(f"messages[{i}]"), m.tool_calls, m.tool_call_id, m.name)
-            for i, m in enumerate(self.messages)
-        ]
+        chat: list[ChatMessage] = []
+        images: list[bytes] = []
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list) and any(p.type == "image_url" for p in m.content):
+                parts = m.parts(f"messages[{i}]", served, images)
+                chat.append(ChatMessage(m.role, "", m.tool_calls, m.tool_call_id, m.name, parts=parts))
+            else:
+                chat.append(
+                    ChatMessage(m.role, m.text(f"messages[{i}]"), m.tool_calls, m.tool_call_id, m.name)
+                )
+        check_image_count(len(images), served.images)
         # any JSON: its integers must fit in 64 bits too, to reach the template
         _fits_the_wire(self.chat_template_kwargs, "chat_template_kwargs")
         _fits_the_wire(self.tools, "tools")
@@ -324,7 +346,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         kwargs = self.chat_template_kwargs
         if plan is not None:
             kwargs = {**(kwargs or {}), "tools": plan.tools}
-        return Submission([chat], choices, kwargs)
+        return Submission([ImageChat(chat, images) if images else chat], choices, kwargs)
 
     def grammar_after(self, served: ServedModel) -> str | None:
         """With a reasoning parser the constraint waits for the end of the reasoning (`</think>`), unless
@@ -415,8 +437,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
         if (self.text is None) == (self.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         if self.text is not None:
-            return Submission(_prompt_list(self.text, "text", served), [params])
-        return Submission(_prompt_list(self.input_ids, "input_ids", served, text=False), [params])
+            return Submission(prompt_list(self.text, "text", served), [params])
+        return Submission(prompt_list(self.input_ids, "input_ids", served, text=False), [params])
 
 
 GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest, GenerateRequest)

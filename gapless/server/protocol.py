@@ -31,14 +31,41 @@ class ChatMessage(msgspec.Struct):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # a message with images: its parts in order, text ({"type": "text", "text": ...}) and {"type": "image"}
+    parts: list[dict[str, str]] | None = None
+
+
+class ImageChat(msgspec.Struct):
+    """A chat with images: its messages (image parts in `ChatMessage.parts`) and the images' encoded
+    bytes, in order, checked by the API server (`gapless.engine.image_io`)."""
+
+    messages: list[ChatMessage]
+    images: list[bytes]
 
 
 class PromptIn(msgspec.Struct):
-    """One prompt as the client gave it: text, token ids, or a chat to render with the chat template."""
+    """One prompt as the client gave it: text, token ids, or a chat to render with the chat template
+    (with `images`: a vision-language model's, through its processor)."""
 
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    images: list[bytes] | None = None
+
+
+class TensorBytes(msgspec.Struct):
+    dtype: str  # torch's name without "torch."
+    shape: list[int]
+    data: bytes
+
+
+class ImageIn(msgspec.Struct):
+    """One image of a prompt, processed (`gapless.engine.images.PromptImage`)."""
+
+    start: int
+    length: int
+    key: int
+    inputs: list[TensorBytes]
 
 
 class LoRAIn(msgspec.Struct):
@@ -66,6 +93,7 @@ class SchedReq(msgspec.Struct, tag=True):
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    images: list[ImageIn] | None = None
     lora: LoRAIn | None = None
 
 
@@ -106,6 +134,8 @@ class ReqUpdate(msgspec.Struct):
     prompt_ids: list[int] | None = None
     prompt_logprobs_start: int = 1
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    # a pooling model's request, on its last update: its embedding or [score] (gapless.engine.pooling)
+    pooled: list[float] | None = None
 
 
 class Updates(msgspec.Struct, tag=True):
@@ -142,6 +172,7 @@ class ReqDelta(msgspec.Struct):
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     prompt: PromptLogprobs | None = None  # on the first delta, when the request asked for prompt logprobs
+    pooled: list[float] | None = None  # a pooling model's request, on its last delta: embedding or [score]
 
 
 # What accumulates when deltas are merged: a field added to ReqDelta that grows token by token belongs here
@@ -194,6 +225,15 @@ class SchedulerInfo(msgspec.Struct):
     vocab_size: int
     chunked_prefill_size: int  # as chosen for the device (gapless.engine.defaults), for the ready line
     weights: str = ""  # the weights' format and bytes (gapless.model.quant.weights_summary)
+    quantization: str | None = None  # the layers' quantized format(s) (RunnerInfo's)
+    weight_formats: dict[str, int] = msgspec.field(default_factory=dict)  # format -> layers holding it
+    # a pooling model's (gapless.engine.pooling): its task (embed, score) and whether vectors are
+    # normalized, and a phrase for the ready line; "generate" for a generative model
+    task: str = "generate"
+    normalize: bool = False
+    pooling: str = ""
+    # a vision-language model: images per prompt and pixels per image it takes; (0, 0): a text model
+    image_limits: tuple[int, int] = (0, 0)
 
 
 class ReplicaReport(msgspec.Struct, tag=True):

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gapless.engine.image_io import ImageLimits
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.errors import BadRequest
 
@@ -32,6 +33,25 @@ class ServedModel:
     reasoning_parser: str | None = None  # --reasoning-parser (gapless.server.reasoning)
     # the LoRA adapters served beside the model (--enable-lora; loaded and unloaded while it serves)
     loras: AdapterRegistry | None = None
+    task: str = "generate"  # generate, or a pooling model's embed or score (gapless.engine.pooling)
+    normalize: bool = False  # a pooling model's vectors are L2-normalized
+
+    images: ImageLimits | None = None  # a vision-language model's image limits; None: it takes no images
+
+    def check_task(self, endpoint: str, tasks: tuple[str, ...]) -> None:
+        """A 400 when `endpoint` is not for this model's task: a generative model asked for embeddings, an
+        embedding model asked to chat, ..., naming the flag that serves the other kind."""
+        if self.task in tasks:
+            return
+        if self.task == "generate":
+            how = "start the server with --task embed (or --task score --score-token TOKEN for a reranker)"
+        else:
+            how = "start the server with --task generate" if "generate" in tasks else "it needs --task embed"
+        raise BadRequest(
+            f"{endpoint} is not served for this model: it runs task {self.task!r}, and {endpoint} needs "
+            f"{' or '.join(tasks)}; {how}",
+            "model",
+        )
 
     @classmethod
     def of_checkpoint(

@@ -8,6 +8,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gapless.engine.image_io import ImageLimits
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.engine_client import EngineClient
 from gapless.server.health import Health
@@ -49,11 +50,15 @@ class Settings:
             self.max_tokens_default,
             self.max_logprobs,
         )
+        images = ImageLimits(*info.image_limits) if info.image_limits != (0, 0) else None
         return dataclasses.replace(
             served,
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
             loras=self.loras,
+            task=info.task,
+            normalize=info.normalize,
+            images=images,
         )
 
     @functools.cached_property

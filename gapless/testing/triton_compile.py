@@ -13,9 +13,9 @@ extend batch, and a decode batch split over several programs and in one) in fp32
 and without a sliding window and soft-capping, at head dims 64 and 128; the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
-the MoE grouped GEMM; the LoRA kernels (`gapless.lora.triton_kernels`). Exit status 1, naming each kernel
-and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter takes the
-compiler's place).
+the MoE grouped GEMM; the FP8 GEMM; the int4/int8 weight-only GEMM; the LoRA kernels. Exit status 1, naming
+each kernel and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter
+takes the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
 compiled binary records them (`cuobjdump --dump-resource-usage`, which comes with Triton): what decides
@@ -221,10 +221,48 @@ def _lora() -> dict[str, Callable[[], object]]:
     return {f"lora {dtype}": partial(run, dtype) for dtype in DTYPES}
 
 
+def _fp8() -> dict[str, Callable[[], object]]:
+    from gapless.model.quant.fp8_kernel import fp8_gemm
+
+    def run(rows: int, dtype: torch.dtype, block: bool) -> object:
+        n, k = 96, 256
+        w = torch.zeros(n, k).to(torch.float8_e4m3fn)
+        scale = torch.ones(1, 2) if block else torch.ones(n, 1)
+        x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
+        return fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
+
+    return {
+        f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
+        for rows in (1, 40, 200)  # each tile shape (`fp8_kernel._tiles`)
+        for dtype in DTYPES
+        for block in (False, True)
+    }
+
+
+def _int4() -> dict[str, Callable[[], object]]:
+    from gapless.model.quant.int4_triton import choose_config, w4a16_matmul
+
+    def run(dtype: torch.dtype, bits: int, m: int, gemv: bool) -> object:
+        k, n, group = 512, 256, 128
+        x = torch.zeros(m, k, dtype=dtype)
+        qweight = torch.zeros(k * bits // 32, n, dtype=torch.int32)
+        scales = torch.zeros(k // group, n, dtype=dtype)
+        config = choose_config(m, n, k, group)._replace(block_m=1) if gemv else None
+        return w4a16_matmul(x, qweight, scales, scales, group, bits, config)
+
+    # decode (16-row tiles, K split; and the one-row GEMV) and prefill tiles, 4 and 8 bits, both
+    # half-precision dtypes
+    return {
+        f"int{bits} gemm {dtype} m={m}{' gemv' if gemv else ''}": partial(run, dtype, bits, m, gemv)
+        for dtype in DTYPES
+        for bits, m, gemv in ((4, 1, False), (4, 1, True), (4, 256, False), (8, 1, False))
+    }
+
+
 def compile_all(arch: int) -> Compiler:
     """Launch every case under a `Compiler` for `arch`; the compiler's record of what built and what not."""
     with Compiler(arch) as compiler, torch.inference_mode():
-        for group in (_attention, _model_kernels, _sampling, _moe, _lora):
+        for group in (_attention, _model_kernels, _sampling, _moe, _fp8, _int4, _lora):
             for name, case in group().items():
                 before = len(compiler.failed)
                 try:

@@ -1,7 +1,7 @@
 """Smoke tests of the experiments in bench/experiments/ (scripts outside the package, whose results are
 recorded under bench/results/): `cpu_step --compare` times plain and prepacked GEMMs side by side (and
 the packed step dispatches fewer ops), `cpu_gemm` the GEMMs alone, `detokenize` the server's detokenizer
-per step, `spy` py-spy's stacks as a table."""
+per step, `spy` py-spy's stacks as a table, `embed` embeddings against sentence-transformers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 from gapless.testing import cached_checkpoint
 
@@ -26,6 +28,13 @@ def _experiment(name: str) -> ModuleType:
 
 
 cpu_gemm, cpu_step, detokenize = (_experiment(n) for n in ("cpu_gemm", "cpu_step", "detokenize"))
+
+
+def test_embed_times_both_and_agrees():
+    pytest.importorskip("sentence_transformers", reason="the experiment compares with sentence-transformers")
+    out = _experiment("embed").main(["--size", "tiny", "--texts", "3", "--words", "2", "5", "--batch", "2"])
+    assert out["gapless_texts_per_s"] > 0 and out["sentence_transformers_texts_per_s"] > 0
+    assert out["min_cosine"] >= 0.9999
 
 
 def test_cpu_step_compare_times_plain_packed_and_without_gemms_and_packing_cuts_ops():

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("all", "suite", "serve", "prefill", "sweep")
 # the `all` part's steps, most important first (issue 34 item 6)
-ALL_STEPS = ["bench/run", "kernels", "latency", "served", "cuda_tests"]
+ALL_STEPS = ["bench/run", "kernels", "latency", "served", "cuda_tests", "quant"]
 RECORDER = textwrap.dedent(
     """\
     import json, os, sys, time
@@ -107,6 +107,7 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             "gapless.bench.kernels",
             "gapless.bench.latency",
             "gapless.bench.served_vs_offline",
+            *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, four runs, report
         ]
     if tests:
         env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests/bench'}")  # freeze_guard
@@ -132,11 +133,11 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
     summary = (out / f"gpu_session_{part}.txt").read_text()
     assert all(f"{n}: exit 0" in summary for n in ran)
     if part == "all":
-        assert ran == ALL_STEPS and "quant: bench/gpu_quant.sh not there yet" in steps
+        assert ran == ALL_STEPS
 
 
 # the `all` part's steps' own limits (bench/gpu_session.sh)
-ALL_LIMITS = {"bench/run": 140, "kernels": 75, "latency": 100, "served": 100, "cuda_tests": 95}
+ALL_LIMITS = {"bench/run": 140, "kernels": 75, "latency": 100, "served": 100, "cuda_tests": 95, "quant": 150}
 
 
 def test_the_all_part_keeps_its_budget(tmp_path):
@@ -199,3 +200,13 @@ def test_the_freeze_guard_names_the_test_that_leaves_the_heap_frozen(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     (line,) = log.read_text().splitlines()
     assert line.startswith("FROZEN after test_leak.py::test_leaks: ") and line in r.stdout
+
+
+def test_skip_leaves_the_named_steps_out(tmp_path):
+    """SKIP="latency served": the all part runs every other step, and says which it skipped."""
+    commands = _run_part(ROOT / "bench/gpu_session.sh", "all", tmp_path, ROOT, SKIP="latency served")
+    steps = (tmp_path / "work" / "steps.log").read_text()
+    assert "latency: skipped (SKIP)" in steps and "served: skipped (SKIP)" in steps
+    ran = re.findall(r"^== \S+ \+\d+ s (\S+) ", steps, flags=re.M)
+    assert ran == [name for name in ALL_STEPS if name not in ("latency", "served")], steps
+    assert not any("gapless.bench.latency" in c for cmd in commands for c in cmd)

@@ -182,6 +182,7 @@ def test_cuda_kv_cache_memory_gib_is_for_the_cpu(ckpt_factory):
 GiB = 2**30
 
 
+@pytest.mark.whole_gpu
 def test_cuda_kv_pool_sized_from_free_memory_fits(ckpt_factory):
     """With all but ~3 GiB of the GPU taken, the pool is sized from what is left after the measured
     activation peak and the graphs, and the largest steps (a full prefill chunk, a full decode batch
@@ -211,6 +212,7 @@ def test_cuda_too_little_memory_for_any_kv_is_a_clear_error(ckpt_factory):
         LLM(str(ckpt_factory("llama", size="bench")), device="cuda", mem_fraction_static=1e-4)
 
 
+@pytest.mark.whole_gpu
 def test_cuda_leaving_llm_gives_the_memory_back_at_once(ckpt_factory):
     """With the garbage collector off, leaving `with LLM(...)` (default pool: most of the GPU, CUDA graphs
     on) returns the allocated memory to its baseline and the cached blocks to the device; so a second

@@ -15,10 +15,12 @@ import math
 import pytest
 import torch
 
+from gapless.sampling import draw_floors
 from gapless.sampling import sampler as sampler_mod
 from gapless.sampling.filters import apply_min_p, apply_top_k_top_p
 from gapless.sampling.sampler import Sampler, SamplingBatch
 from gapless.sampling_params import SamplingParams
+from gapless.tensors import dataclass_to_device
 from gapless.testing.triton import import_kernels_or_skip
 
 ts = import_kernels_or_skip("gapless.sampling.triton_sample")
@@ -135,20 +137,91 @@ def _args(batch: SamplingBatch) -> tuple[torch.Tensor, ...]:
     return (batch.temperature, batch.top_k, batch.top_p, batch.min_p)
 
 
-def test_floors_keep_the_sort_paths_tokens() -> None:
-    """Every filter, their mixes and the edge cases, 37 columns in five chunks: the searched floors keep
-    exactly the sort's tokens (top-k 1 is greedy: `SamplingParams` resolves it so)."""
+@pytest.mark.parametrize(
+    ("dtype", "window"), [(torch.float32, ts.WINDOW), (torch.bfloat16, ts.WINDOW), (torch.bfloat16, 4)]
+)
+def test_floors_keep_the_sort_paths_tokens(dtype: torch.dtype, window: int) -> None:
+    """Every filter, their mixes and the edge cases, 37 columns in five chunks: the floors keep exactly
+    the sort's tokens (top-k 1 is greedy: `SamplingParams` resolves it so): searched (float32), from the
+    window for every top-k row (bf16, a window past the vocabulary), or mixed (a window of 4: top-k 3
+    with ties of its third beyond the window, top-k 5 and 7 searched)."""
     vocab = 37
     logits, params = _edge_rows(vocab)
+    logits = logits.to(dtype)
     batch = _batch(params, vocab)
     temperature, top_k, top_p, min_p = _args(batch)
-    found = ts.floors(logits, temperature, top_k, top_p, (True, True), chunk=8)
+    found = ts.floors(logits, temperature, top_k, top_p, (True, True), chunk=8, window=window)
     got = ts.kept(logits, temperature, top_p, min_p, found)
     want = _reference_kept(logits, batch)
     for i, p in enumerate(params):
         assert torch.equal(got[i], want[i]), (i, p, got[i].nonzero().flatten(), want[i].nonzero().flatten())
     assert batch.temperature[0] == 0 and got[2].sum() == 1 and got[6].sum() == 1
     assert got[4].sum() == 7 and got[7].sum() == 6
+
+
+def test_the_window_skips_the_searches_no_row_needs() -> None:
+    """Qwen3's defaults and other small top-k rows in bf16: every row takes the window, so with the
+    batch's largest top-k given the searches are skipped, and the floors and tokens stay the same (and
+    the sort's kept sets)."""
+    vocab, n = 300, 4
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(n, vocab, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    logits[1, 10:40] = 15.0  # a tied head past the window: all in top-k, all in the nucleus
+    params = [
+        SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.5),
+        SamplingParams(top_k=50, min_p=0.05),
+        SamplingParams(temperature=0.0),
+    ]
+    batch = _batch(params, vocab)
+    temperature, top_k, top_p, min_p = _args(batch)
+    assert (batch.max_top_k, batch.max_top_p_k) == (50, 20)
+    with pytest.MonkeyPatch.context() as mp:
+        launches: list[bool] = []
+        real = ts._search_kernel
+        mp.setattr(
+            ts,
+            "_search_kernel",
+            type("Spy", (), {"__getitem__": lambda _, grid: launches.append(1) or real[grid]})(),
+        )
+        skipped = ts.floors(logits, temperature, top_k, top_p, (True, True), 64, (50, 20))
+        assert not launches
+        searched = ts.floors(logits, temperature, top_k, top_p, (True, True), 64)
+        assert len(launches) == 2 * ts.SEARCH_PASSES
+    assert torch.equal(skipped.keys, searched.keys) and torch.equal(skipped.row_max, searched.row_max)
+    kept = ts.kept(logits, temperature, top_p, min_p, skipped)
+    assert torch.equal(kept, _reference_kept(logits, batch))
+    assert kept[1].sum() == 30
+    args = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.steps)
+    tokens = ts.draw(logits, *args, (True, True, True), 64, largest_k=(50, 20))
+    assert torch.equal(tokens, ts.draw(logits, *args, (True, True, True), 64))
+    assert kept[torch.arange(n), tokens.cpu()].all()
+
+
+def test_a_top_p_row_takes_the_window_when_it_holds_the_nucleus() -> None:
+    """Top-p without top-k in bf16: a peaked row (its 64 largest hold over p of the mass) gets its floor
+    from the window, a flat one (they hold under p) is left to the search; both keep the sort's tokens,
+    and the peaked row's floor is the search's (float32 logits of the same values always search)."""
+    vocab, n = 2000, 2
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(n, vocab, generator=g)
+    logits[0, :5] += 12.0  # peaked: five tokens hold nearly all the mass
+    logits = logits.to(DEVICE, torch.bfloat16)
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.9)]
+    batch = _batch(params, vocab)
+    temperature, top_k, top_p, min_p = _args(batch)
+    windowed = ts.floors(logits, temperature, top_k, top_p, (False, True), 256)
+    searched = ts.floors(logits.float(), temperature, top_k, top_p, (False, True), 256)
+    assert windowed.row_mass is not None and searched.row_mass is None
+    y = logits.float() / temperature[:, None]
+    mass = (y - y.amax(-1, keepdim=True)).exp().sum(-1)
+    torch.testing.assert_close(windowed.row_mass, mass, rtol=1e-5, atol=0)
+    assert torch.equal(windowed.keys, searched.keys)
+    assert torch.equal(ts.kept(logits, temperature, top_p, min_p, windowed), _reference_kept(logits, batch))
+    # which rows the window served: with every key made a sentinel, only the peaked row's top-p changes
+    sentinel = ts.Floors(windowed.row_max, torch.full_like(windowed.keys, -7), windowed.row_mass)
+    draw_floors.window_floors(logits, temperature, top_k, top_p, sentinel, ts.WINDOW)
+    assert sentinel.keys[0, 2] == searched.keys[0, 2] and (sentinel.keys[1] == -7).all()
 
 
 def _critical(df: int, z: float = 3.7) -> float:
@@ -194,11 +267,14 @@ def test_draws_follow_the_exact_filtered_softmax() -> None:
         assert stat < _critical(len(exp) - 1), (i, p, observed.tolist(), expected.tolist())
 
 
-def test_a_seeded_row_draws_the_same_alone_and_in_any_batch() -> None:
-    """Top-k + top-p (both searches) with other rows of every mode before or after it: the same token,
-    step by step, as when it is alone (its chunks and sums do not depend on the batch)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(dtype: torch.dtype) -> None:
+    """Top-k + top-p (both searches in float32, the window in bf16) with other rows of every mode before
+    or after it: the same token, step by step, as when it is alone (its chunks and sums do not depend on
+    the batch)."""
     vocab = 45
     logits, params = _edge_rows(vocab)
+    logits = logits.to(dtype)
     target = SamplingParams(top_k=9, top_p=0.8, temperature=0.9, seed=4)
     others = [params[i] for i in (1, 3, 5, 9, 11)]
     for step in range(2):
@@ -239,7 +315,7 @@ def test_sampler_with_the_kernel_samples_after_its_stages() -> None:
         batch = _batch(params, vocab, [step] * n)
         resolved = [p.resolved() for p in params]
         values, _, _ = sampler_mod.RowParams.build(resolved, list(range(n)), [1, 2, 3, 0], vocab)
-        with_kernel.write_rows(values)
+        with_kernel.write_rows(dataclass_to_device(values, DEVICE))
         # a grammar's mask as `constrain` applies it: forbidden tokens at -inf in a float32 copy
         masked = logits.float().masked_fill(~allowed.to(DEVICE), float("-inf"))
         constrained = with_kernel.constrain(masked, batch, None)
@@ -268,7 +344,7 @@ def test_draw_kernel_choice(caplog: pytest.LogCaptureFixture) -> None:
     def filters_wrong(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return logits.argmax(dim=-1) if batch.need_top_p else kernel(logits, batch)
 
-    assert "(filters) drew" in fused.disagreement(filters_wrong, 100, cpu)
+    assert "(filters) drew" in fused.disagreement(filters_wrong, 100, DEVICE)
 
     def broken(*_: object) -> torch.Tensor:
         raise RuntimeError("no kernel image")

@@ -199,7 +199,7 @@ def test_nucleus_kernel_choice(caplog: pytest.LogCaptureFixture) -> None:
         below = logits.masked_fill(logits >= floor, NEG_INF).amax(dim=-1, keepdim=True)
         return torch.where(floor > NEG_INF, below, floor)
 
-    assert "differ from the sort's" in fused.nucleus_disagreement(one_more, 2000, cpu)
+    assert "differ from the sort's" in fused.nucleus_disagreement(one_more, 2000, DEVICE)
 
     def broken(*_: object) -> torch.Tensor:
         raise RuntimeError("no kernel image")

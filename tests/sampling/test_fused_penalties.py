@@ -145,11 +145,11 @@ def test_penalty_kernel_choice(caplog: pytest.LogCaptureFixture) -> None:
 
     def off_by_an_ulp(logits: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         out = tp.apply_penalties(logits, *args)
-        out[1, 7] = torch.nextafter(out[1, 7], torch.tensor(float("inf")))
+        out[1, 7] = torch.nextafter(out[1, 7], torch.tensor(float("inf"), device=out.device))
         return out
 
     assert "the Triton penalties differ from torch's at [1, 7]" in fused.penalty_disagreement(
-        off_by_an_ulp, 100, cpu
+        off_by_an_ulp, 100, DEVICE
     )
     bf16 = lambda logits, *_: logits.clone()  # noqa: E731 - the wrong dtype
     assert "gave torch.bfloat16" in fused.penalty_disagreement(bf16, 100, cpu)

@@ -38,10 +38,11 @@ class _Watch(TorchDispatchMode):
         return out
 
 
-def _batch(params: list[SamplingParams], steps: int = 0) -> SamplingBatch:
+def _batch(params: list[SamplingParams], steps: int = 0, device: torch.device = CPU) -> SamplingBatch:
     n = len(params)
     resolved = [p.resolved() for p in params]  # as the engine queues them: no knob unset
-    return SamplingBatch.build(resolved, [steps] * n, list(range(n)), list(range(100, 100 + n)), CPU, VOCAB)
+    seeds = list(range(100, 100 + n))
+    return SamplingBatch.build(resolved, [steps] * n, list(range(n)), seeds, device, VOCAB)
 
 
 def test_greedy_batch_takes_the_argmax_of_the_model_dtype_logits():
@@ -275,9 +276,10 @@ def _penalised_step(sampler: Sampler, params: list[SamplingParams]) -> tuple[_Wa
     n = len(params)
     sampler.init_rows(list(range(n)), [[1, 2, 3]] * n, [[4, 4, 5]] * n)
     logits = (torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
+    logits = logits.to(sampler.device)
     with _Watch((n, VOCAB)) as watch:
-        tokens = sampler.sample(logits, _batch(params, steps=3))
-    return watch, tokens
+        tokens = sampler.sample(logits, _batch(params, steps=3, device=sampler.device))
+    return watch, tokens.cpu()
 
 
 def test_penalised_step_makes_fewer_float32_copies():
@@ -292,14 +294,15 @@ def test_penalised_step_makes_fewer_float32_copies():
 
 
 def test_penalised_step_with_the_kernel_makes_one_float32_copy():
-    """With the fused penalties (Triton, under the interpreter on CPU) a penalised sampled step over bf16
-    logits makes exactly one float32 [B, V]: the kernel's output, which temperature and filters change in
-    place."""
+    """With the fused penalties (Triton: on the GPU where there is one, else under the interpreter) a
+    penalised sampled step over bf16 logits makes exactly one float32 [B, V]: the kernel's output, which
+    temperature and filters change in place."""
     from gapless.testing.triton import import_kernels_or_skip
 
     kernels = import_kernels_or_skip("gapless.sampling.triton_penalties")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for params in (PENALISED_TOP_K, UNFILTERED):
-        sampler = Sampler(VOCAB, 8, CPU)
+        sampler = Sampler(VOCAB, 8, device)
         sampler.penalty_kernel = kernels.apply_penalties
         watch, tokens = _penalised_step(sampler, params)
         assert watch.new_fp32 == 1, watch.ops

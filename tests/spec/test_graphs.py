@@ -80,6 +80,9 @@ def test_verify_batches_through_the_graph_runner_are_eager_ones(ckpt_factory, al
     assert graphs.padded_tokens > 0, "no request drafted fewer than K"
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's run; on a GPU test_graphs_cuda runs the kernel"
+)
 def test_triton_extend_kernel_reads_the_padded_verify_layout(ckpt_factory):
     """The Triton backend (its extend kernel under the interpreter, as a GPU graph would run it) on the
     padded verify columns gives the torch backend's eager tokens and logprobs. Three requests: a verify

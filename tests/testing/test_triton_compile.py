@@ -30,6 +30,8 @@ KERNELS = {
     "_nucleus_floor_kernel",
     "_lora_shrink_kernel",
     "_lora_expand_kernel",
+    "_fp8_gemm_kernel",
+    "_w4a16_kernel",
 }
 
 

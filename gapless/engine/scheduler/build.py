@@ -19,11 +19,13 @@ import numpy as np
 import torch
 
 from gapless.engine.batch import DecodeVectors, ForwardBatch, PenaltyInit, TableWrites, decode_batch
+from gapless.engine.pooling import PooledReq, plan_pool
 from gapless.engine.prompt_logprobs import Scored, plan_scores
 from gapless.engine.request import Extend, Req
 from gapless.engine.scheduler.kv import DecodeSlots
 from gapless.engine.scheduler.masks import MaskedRow, needs_mask
 from gapless.engine.spec.inputs import HistoryWrites
+from gapless.engine.vision import image_batch
 from gapless.lora.slots import SlotAssigner
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
@@ -41,6 +43,7 @@ class ScheduledBatch:
     samples_token: list[bool]
     kv_after: list[int]
     scored: Scored = field(default_factory=list)  # requests scoring prompt positions, with their counts
+    pooled: list[PooledReq] = field(default_factory=list)  # requests pooling positions (embed, score)
     masked: list[MaskedRow] = field(default_factory=list)  # the sampled rows that need a token mask
     # verify batches only (speculative decoding): the drafts each request tries
     drafts: np.ndarray | None = None
@@ -194,11 +197,15 @@ class BatchBuilder:
             penalty_inits=penalty_inits,
             row_params=row_params,
             spec=HistoryWrites(*hist) if hist is not None else None,
+            images=image_batch(entries, q_start.tolist()),
         )
         forward.prompt_scores, scored = plan_scores(entries)
         self._lora(forward, reqs, [e.tokens for e in entries])
+        forward.pool, pooled = plan_pool(entries)
         masked = _masked(forward, sample_reqs, step_list)
-        return ScheduledBatch(reqs, forward, False, samples_token, kv_after, scored=scored, masked=masked)
+        return ScheduledBatch(
+            reqs, forward, False, samples_token, kv_after, scored=scored, pooled=pooled, masked=masked
+        )
 
     def _lora(self, forward: ForwardBatch, reqs: list[Req], tokens: list[int]) -> None:
         """The batch's LoRA slot per token and the adapters it loads first, when any row runs one."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gapless.engine import pooling
 from gapless.engine.batch import TableWrites
 from gapless.engine.prompt_logprobs import reuse_limit
 from gapless.engine.request import Req
@@ -48,10 +49,11 @@ def _match_key(req: Req) -> tuple[int, ...]:
     length and kept on the request, as ordering the waiting queue asks for it every step. Tokens are
     only ever appended, so a kept key of the same length is still the request's."""
     # the last token is always computed, so its logits exist to sample from; a request scoring its
-    # prompt computes every position it scores (gapless.engine.prompt_logprobs)
-    limit = reuse_limit(req)
+    # prompt computes every position it scores (gapless.engine.prompt_logprobs), a pooling one every
+    # position it pools (gapless.engine.pooling)
+    limit = pooling.reuse_limit(req, reuse_limit(req))
     if req.match_key is None or req.match_key[0] != limit:
-        req.match_key = (limit, tuple(adapter_key(req.fill_ids[:limit], _adapter(req))))
+        req.match_key = (limit, tuple(adapter_key(req.cache_ids(limit), _adapter(req))))
     return req.match_key[1]
 
 
@@ -291,7 +293,7 @@ class KVManager:
         """What `req` holds for its first `n` positions (host slots, copied out of the table)."""
         assert req.row is not None and req.last_node is not None
         slots = self.req_table.host_table[req.row, :n].long()
-        return HeldKV(adapter_key(req.fill_ids[:n], _adapter(req)), slots, req.last_node, req.cached_len)
+        return HeldKV(adapter_key(req.cache_ids(n), _adapter(req)), slots, req.last_node, req.cached_len)
 
     def _write_table(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Host mirror now; the device table in stream order, with the next launched batch."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gapless.engine.batch import HostSamples
 from gapless.engine.detokenize import StopStrings, TokenDecoder
+from gapless.engine.pooling import fold_pooled
 from gapless.engine.prompt_logprobs import fold_scores
 from gapless.engine.request import Req, ReqStatus
 from gapless.engine.scheduler.build import ScheduledBatch
@@ -33,6 +34,7 @@ class ResultProcessor:
         token or finished. A request that finished while the batch was in flight gets no token from it."""
         reqs, chunks = batch.reqs, []
         fold_scores(batch.scored, samples.prompt)  # before a finish below: its scores are all in
+        fold_pooled(batch.pooled, samples.pooled)
         if not batch.is_decode:  # a decode's requests all sampled; an extend's non-final chunks did not
             reqs = [r for r, s in zip(batch.reqs, batch.samples_token) if s]
             chunks = [(r, kv) for r, s, kv in zip(batch.reqs, batch.samples_token, batch.kv_after) if not s]

@@ -13,6 +13,7 @@ class LinearMethod(Protocol):
     """What a linear layer (or the LM head) computes its output with."""
 
     name: str  # the weight format, as start-up prints it (e.g. "float32", "Q4_1 as int4 g32")
+    quant_method: str  # the format's family, vLLM's name where it has one ("fp8", "gguf", "unquantized")
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """`x W^T + b` for `layer`'s weight and bias, x of shape [..., in_features]."""
@@ -27,7 +28,7 @@ class UnquantizedLinearMethod:
     """The layer's own float `weight` (and `bias`): the CPU's prepacked GEMM where `gapless.model.cpu_gemm`
     set one, else torch's GEMM. Stateless: one instance serves every layer."""
 
-    name = "unquantized"
+    name = quant_method = "unquantized"
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if layer.cpu_gemm is not None:
@@ -71,6 +72,13 @@ def weights_held(model: nn.Module) -> tuple[dict[str, int], int]:
             else:
                 held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return formats, sum(held.values())
+
+
+def quantization(model: nn.Module) -> str | None:
+    """The quantized formats the model's layers run (their `quant_method`s, joined by "+"); None: none."""
+    methods = {getattr(m, "linear_method", UNQUANTIZED).quant_method for m in model.modules()}
+    methods.discard(UNQUANTIZED.quant_method)
+    return "+".join(sorted(methods)) or None
 
 
 def weights_summary(model: nn.Module) -> str:

@@ -160,6 +160,8 @@ class Int4LinearMethod:
     """Weight-only int4 GEMM, groups of 32 (see the module's docstring). `parts`: the matrices whose rows
     the layer's weight stacks (a fused q/k/v or gate/up), each of an int4 type."""
 
+    quant_method = "gguf"
+
     def __init__(self, parts: list[GGUFBlocks], bias: torch.Tensor | None) -> None:
         self.name = f"{_label(parts)} as int4 g{GROUP}"
         q, scale, zero = (torch.cat(t) for t in zip(*(int4_parts(p) for p in parts)))
@@ -203,6 +205,8 @@ class Int8Rows:
 
 class Int8LinearMethod:
     """Weight-only int8 GEMM, one scale per output row (see the module's docstring)."""
+
+    quant_method = "gguf"
 
     def __init__(self, rows: Int8Rows, bias: torch.Tensor | None) -> None:
         self.name = f"{rows.qtype} as int8 per-row"

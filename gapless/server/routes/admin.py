@@ -31,6 +31,8 @@ async def models(request: Request) -> JSONResponse:
         "created": int(time.time()),
         "owned_by": "gapless",
         "max_model_len": settings.info.max_context,
+        "quantization": settings.info.quantization,  # e.g. "fp8"; None: float weights
+        "weight_formats": settings.info.weight_formats,  # each format and how many layers hold it
     }
     adapters = settings.loras.by_name.values() if settings.loras is not None else ()
     cards = [card] + [

@@ -46,10 +46,12 @@ class Choice:
     cached_tokens: int = 0
     finish_reason: str | None = None
     prompt: P.PromptLogprobs | None = None  # the prompt's logprobs, when asked for (first delta)
+    pooled: list[float] | None = None  # a pooling model's embedding or [score] (last delta)
 
     def fold(self, d: P.ReqDelta) -> None:
         """Add a delta: its text, tokens and logprobs, the latest counts, and how it finished."""
         self.prompt = d.prompt or self.prompt
+        self.pooled = d.pooled if d.pooled is not None else self.pooled
         self.text.append(d.text)
         self.token_ids += d.token_ids
         if d.logprobs:
@@ -77,6 +79,7 @@ async def submit(request: Request, kind: type[GenerationRequest]) -> tuple[Gener
     """Read the body, check and convert it (`parse_request`: everything is checked before anything is
     submitted), and submit its engine requests as a group the HTTP exchange owns."""
     settings = server_state(request).settings
+    settings.served.check_task(request.url.path, ("generate",))
     body = await read_json_body(request, settings.max_request_bytes)
     req, sub = parse_request(body, kind, settings.served)
     group = server_state(request).client.submit(

@@ -22,6 +22,7 @@ from gapless.server.openai_protocol import (
     GenerateRequest,
 )
 from gapless.server.routes.common import require_api_key, server_state
+from gapless.server.routes.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 
 router = APIRouter()
 
@@ -44,9 +45,11 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _generation(kind: type[msgspec.Struct], summary: str) -> dict[str, Any]:
+def _generation(
+    kind: type[msgspec.Struct], summary: str, answer: str = "The answer, or an SSE stream with `stream: true`"
+) -> dict[str, Any]:
     error = {"$ref": _REF.format(name="Error")}
-    responses = {"200": _json({"type": "object"}, "The answer, or an SSE stream with `stream: true`")}
+    responses = {"200": _json({"type": "object"}, answer)}
     responses |= {status: _json(error, why) for status, why in _ERRORS.items()}
     body = {
         "required": True,
@@ -71,7 +74,15 @@ def _post(summary: str) -> dict[str, Any]:
 def openapi_document(with_key: bool) -> dict[str, Any]:
     """The OpenAPI 3.1 document of every endpoint (built once), saying whether a Bearer key is required."""
     _, schemas = msgspec.json.schema_components(
-        (CompletionRequest, ChatCompletionRequest, GenerateRequest), ref_template=_REF
+        (
+            CompletionRequest,
+            ChatCompletionRequest,
+            GenerateRequest,
+            EmbeddingRequest,
+            ScoreRequest,
+            RerankRequest,
+        ),
+        ref_template=_REF,
     )
     sample = error_body(400, "what is wrong", "the field")["error"]
     schemas["Error"] = {
@@ -83,6 +94,11 @@ def openapi_document(with_key: bool) -> dict[str, Any]:
         "/v1/completions": _generation(CompletionRequest, "Text completion (OpenAI)"),
         "/v1/chat/completions": _generation(ChatCompletionRequest, "Chat completion (OpenAI)"),
         "/generate": _generation(GenerateRequest, "Native generation (SGLang's shape)"),
+        "/v1/embeddings": _generation(
+            EmbeddingRequest, "Embeddings (OpenAI); a pooling model's", "The answer"
+        ),
+        "/v1/score": _generation(ScoreRequest, "Pair scores (vLLM); a pooling model's", "The answer"),
+        "/v1/rerank": _generation(RerankRequest, "Rerank (Jina, Cohere); a pooling model's", "The answer"),
         "/v1/models": _get("The served model and its LoRA adapters"),
         "/v1/load_lora_adapter": _post("Load a LoRA adapter: {lora_name, lora_path} (--enable-lora)"),
         "/v1/unload_lora_adapter": _post("Unload a LoRA adapter: {lora_name} (--enable-lora)"),

@@ -105,4 +105,5 @@ class _DetokState:
             logprobs=logprobs,
             finish_reason=u.finish_reason,
             prompt=decode_prompt_logprobs(tokenizer, piece, u),
+            pooled=u.pooled,
         )

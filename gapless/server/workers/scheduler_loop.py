@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, cast
 
 from gapless.config import EngineConfig
 from gapless.engine.heap import frozen_heap
+from gapless.engine.image_io import ImageLimits
 from gapless.lora.request import LoRARequest
 from gapless.server import protocol as P
+from gapless.server.images import from_wire
 from gapless.server.logs import StatsLog
 from gapless.server.prompt_logprobs import prompt_logprob_fields
 from gapless.server.replicas import replica_config, scheduler_name, uses_cuda
@@ -81,6 +83,7 @@ class UpdateReporter:
             stop=list(cast(list[str], req.params.stop)) if first else None,  # a list once checked
             skip_special_tokens=req.params.skip_special_tokens if first else True,
             **(prompt_logprob_fields(req) if first else {}),
+            pooled=req.pool.result() if req.pool is not None and req.finished and not req.aborted else None,
         )
 
 
@@ -135,6 +138,14 @@ def scheduler_main(
                 info.vocab_size,
                 info.chunked_prefill_size,
                 info.weights,
+                info.quantization,
+                dict(info.weight_formats),
+                *(
+                    (engine.pooling.task, engine.pooling.normalize, engine.pooling.describe())
+                    if engine.pooling is not None
+                    else ("generate", False, "")
+                ),
+                (ImageLimits.of(engine.cfg) if engine.vision is not None else ImageLimits(0, 0)),
             )
             reports = ReplicaReports(socks, replica) if replicas > 1 else None
             with frozen_heap(collect=True):  # what start-up built lives as long as the process
@@ -208,7 +219,8 @@ class SchedulerLoop:
         try:
             ids = self.engine.tokenize(msg.prompt_ids)  # validates ids and length
             lora = LoRARequest(msg.lora.name, msg.lora.id, msg.lora.path) if msg.lora is not None else None
-            self.engine.add_request(ids, msg.params, rid=msg.rid, lora_request=lora)
+            images = from_wire(msg.images) if msg.images else ()
+            self.engine.add_request(ids, msg.params, rid=msg.rid, images=images, lora_request=lora)
         except ValueError as e:
             if self.request_log is not None:
                 self.request_log.refused(msg.rid, e)

@@ -33,11 +33,13 @@ def text_worker_main(
     push = {replica_socket(i): addr for i, addr in enumerate(ends.schedulers)} if tokenize else {}
 
     def body(socks: Sockets) -> None:
+        from gapless.engine.images import image_prompter
         from gapless.model.source import load_tokenizer
 
         hf_tokenizer = load_tokenizer(cfg)
         router = Router(len(ends.schedulers), load_balance_method)
-        tok = TokenizerStage(PromptTokenizer(hf_tokenizer), socks, router) if tokenize else None
+        prompter = image_prompter(cfg) if tokenize else None  # a vision-language model's processor
+        tok = TokenizerStage(PromptTokenizer(hf_tokenizer, prompter), socks, router) if tokenize else None
         detok = DetokenizerStage(hf_tokenizer, socks) if detokenize else None
         with frozen_heap(collect=True):  # what start-up built lives as long as the process
             socks.send("api", P.Ready(name))

@@ -15,6 +15,7 @@ import msgspec
 
 from gapless.server import protocol as P
 from gapless.server.errors import prompt_too_long
+from gapless.server.images import to_wire
 from gapless.server.router import Router
 from gapless.server.tools import template_message
 from gapless.server.workers.replica_report import apply_report
@@ -22,6 +23,8 @@ from gapless.server.workers.sockets import IDLE_POLL_MS, Sockets, replica_socket
 
 if TYPE_CHECKING:  # imported where it runs, so importing this module loads no transformers
     from transformers import PreTrainedTokenizerBase
+
+    from gapless.engine.images import ImagePrompter
 
 INLINE_CHARS = 16_384  # a request with more text than this is tokenized on the background thread
 NFC_MERGE = 4  # NFC composes at most this many code points into one (the longest canonical decomposition)
@@ -47,8 +50,10 @@ class PromptTokenizer:
     at most NFC_MERGE characters into one: so a text longer than max_prompt_tokens * max_token_chars *
     NFC_MERGE characters needs more tokens than the context holds."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompter: ImagePrompter | None = None) -> None:
+        """`prompter`: a vision-language model's processor, for chats with images."""
         self.tokenizer = tokenizer
+        self.prompter = prompter
         self.max_token_chars = max(len(token) for token in tokenizer.get_vocab())
         # apply_chat_template's own arguments: chat_template_kwargs must not set them (tokenize=True, ...)
         # (but `tools`: the request's tools travel there, gapless.server.tools)
@@ -61,13 +66,41 @@ class PromptTokenizer:
     def handle(self, req: P.TokenizeReq) -> list[P.Message]:
         """The request's `SchedReq`s (engine request i * n + j: prompt i, choice j), or one `Refused`."""
         try:
-            ids = [self.prompt_ids(prompt, req) for prompt in req.prompts]
+            made = [self.prompt(prompt, req) for prompt in req.prompts]
         except _Refusal as e:
             return [P.Refused(req.rids, str(e), param=e.param)]
         except Exception as e:  # noqa: BLE001 - a template or tokenizer error is the request's
             return [P.Refused(req.rids, f"could not tokenize the prompt: {e}", param="prompt")]
         n = len(req.params)
-        return [P.SchedReq(rid, ids[k // n], req.params[k % n], req.lora) for k, rid in enumerate(req.rids)]
+        return [
+            P.SchedReq(rid, made[k // n][0], req.params[k % n], made[k // n][1], req.lora)
+            for k, rid in enumerate(req.rids)
+        ]
+
+    def prompt(self, prompt: P.PromptIn, req: P.TokenizeReq) -> tuple[list[int], list[P.ImageIn] | None]:
+        """A prompt's token ids (`prompt_ids`), or a chat with images through the model's processor, its
+        placeholders expanded, and its images."""
+        if prompt.images is None:
+            return self.prompt_ids(prompt, req), None
+        if self.prompter is None:
+            raise _Refusal("this model takes no images (a text model)", "messages")
+        from gapless.engine.image_io import open_image
+
+        clash = sorted(set(req.chat_template_kwargs or ()) & self.reserved)
+        if clash:
+            raise _Refusal(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
+        chat = []
+        for m in prompt.messages or ():
+            msg = template_message(msgspec.structs.asdict(m))
+            if m.parts is not None:
+                msg["content"] = msg.pop("parts")
+            chat.append(msg)
+        limits = self.prompter.limits
+        images = [open_image(b, f"messages (image {i})", limits) for i, b in enumerate(prompt.images)]
+        ids, made = self.prompter.render(chat, images, req.chat_template_kwargs)
+        if len(ids) > req.max_prompt_tokens:
+            raise _Refusal(prompt_too_long(len(ids), req.max_prompt_tokens), "messages")
+        return ids, to_wire(made)
 
     def prompt_ids(self, prompt: P.PromptIn, req: P.TokenizeReq) -> list[int]:
         """A prompt's token ids: given (the API server checked them), a chat rendered with the template,

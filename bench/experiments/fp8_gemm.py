@@ -1,0 +1,94 @@
+"""The FP8 W8A8 GEMM against bf16 and against torch._scaled_mm, on the linear shapes of Qwen3-0.6B and
+Qwen3-8B: microseconds a call (CUDA graphs: launch cost excluded) and the weight bytes read per second.
+
+    python bench/experiments/fp8_gemm.py [--rows 1 16 128 2048]        # on a GPU of sm_89 or newer
+
+Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton kernel
+(`gapless.model.quant.fp8_kernel`: activation quantization inside it) with per-channel and with
+[128, 128] block scales; `torch._scaled_mm` with rowwise scales (bf16 out; its activation quantization,
+a separate torch step, timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's block recipes
+(x per 1x128, w per 128x128; where this torch has it, else the cell says why). Whichever is faster at
+1 row is the decode path to keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+
+from gapless.model.quant.fp8 import quantize_blocks, quantize_groups, quantize_rows
+from gapless.model.quant.fp8_kernel import fp8_gemm
+
+# (name, N, K) of each model's linear layers (fused q/k/v and gate/up as the engine runs them)
+SHAPES = {
+    "qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)],
+    "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)],
+}
+
+
+def _us(fn) -> float:
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+    except Exception as e:  # noqa: BLE001 - a path this torch lacks is a cell, not a crash
+        print(f"  ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        return float("nan")
+
+
+HEADER = (
+    "| model | layer | N x K | rows | bf16 us | fp8 channel us | fp8 block us | _scaled_mm us "
+    "| F.scaled_mm block us | bf16 GB/s | fp8 GB/s |"
+)
+
+
+def row(model: str, name: str, n: int, k: int, m: int) -> str:
+    """One shape at `m` rows: each path's microseconds, and the weight bytes per second of bf16 and fp8."""
+    dev = torch.device("cuda")
+    w = torch.randn(n, k, device=dev) * 0.02
+    wb = w.bfloat16()
+    qc, sc = quantize_rows(w)
+    qb, sb = quantize_blocks(w, (128, 128))
+    sc_row = sc.t().contiguous()  # _scaled_mm's rowwise scale of b: [1, N]
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+
+    def scaled_mm() -> torch.Tensor:
+        xq, xs = quantize_groups(x, k)  # one scale per row
+        return torch._scaled_mm(xq, qc.t(), scale_a=xs, scale_b=sc_row, out_dtype=torch.bfloat16)
+
+    def block_scaled_mm() -> torch.Tensor:
+        # torch >= 2.10's recipes (DeepSeek's layout): x per 1x128, w per 128x128; scales of x K-major
+        f = torch.nn.functional
+        xq, xs = quantize_groups(x, 128)
+        xs = xs.t().contiguous().t()  # [M, K/128], column-major as cuBLAS wants it
+        st = f.ScalingType
+        return f.scaled_mm(xq, qb.t(), xs, st.BlockWise1x128, sb, st.BlockWise128x128)
+
+    bf16 = _us(lambda: torch.mm(x, wb.t()))
+    chan = _us(lambda: fp8_gemm(x, qc, sc, 1, 0, 128, None))
+    block = _us(lambda: fp8_gemm(x, qb, sb, 128, 128, 128, None))
+    smm = _us(scaled_mm)
+    fsmm = _us(block_scaled_mm)
+    best = min(chan, block)
+    return (
+        f"| {model} | {name} | {n} x {k} | {m} | {bf16:.1f} | {chan:.1f} | {block:.1f} | {smm:.1f} "
+        f"| {fsmm:.1f} "
+        f"| {2 * n * k / bf16 / 1e3:.0f} | {n * k / best / 1e3:.0f} |"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128, 2048])
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    print(HEADER)
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for model, layers in SHAPES.items():
+        for name, n, k in layers:
+            for m in args.rows:
+                print(row(model, name, n, k, m), flush=True)
+
+
+if __name__ == "__main__":
+    main()

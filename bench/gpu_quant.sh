@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The quantized-weights runs of issue 36 on a GPU (sm_89+), in at most ~150 s on an H200:
+#   1. TPOT at batch 1, FP8 weights against bf16, on Qwen3-0.6B's shape and Qwen3-8B's (random weights,
+#      `load_format=dummy`: nothing written or read; `gapless.bench.quant`), each run in its own process;
+#      the table gives each TPOT and its ratio to bf16's (the issue's target: <= 0.6)
+#   2. the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows
+#      (bench/experiments/fp8_gemm.py)
+# Logs go to $1, else $OUT, else bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each
+# run), fp8_gemm.log. bench/gpu_session.sh's `all` part calls it (step `quant`, OUT=$WORK/quant).
+#
+#   run(command="bash bench/gpu_quant.sh", timeout_s=300)      # on the device tool; $OUT is set there
+#
+# Each step has its own time limit (`timeout`), so one that hangs leaves the others their time; the GEMM
+# table gets what is left of $QUANT_BUDGET_S (default 150) seconds.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-${OUT:-bench/results/gpu_quant}}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+LOG="$OUT/gpu_quant.log"
+SHAPES="${TMPDIR:-/tmp}/gapless-quant-shapes"
+T0=$SECONDS
+
+say() { echo "$*" | tee -a "$LOG"; }
+: >"$LOG"
+say "== gpu_quant $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+"$PY" -m gapless.bench.quant make "$SHAPES" >>"$LOG" 2>&1 || { say "FAILED: making the shapes"; exit 1; }
+
+runs=()
+tpot() {  # $1: limit (s), $2: shape, $3: run name, the rest: --engine-option items
+  local limit=$1 shape=$2 name=$3
+  shift 3
+  local json="$OUT/quant_${shape}_${name}.json"
+  timeout -k 10 -s INT "$limit" "$PY" -m gapless.bench.quant run "$SHAPES/$shape" --json "$json" "$@" \
+    >"$OUT/quant_${shape}_${name}.log" 2>&1
+  local rc=$?
+  say "$shape $name: exit $rc at +$(( SECONDS - T0 )) s; $(tail -1 "$OUT/quant_${shape}_${name}.log")"
+  runs+=("$json")
+}
+
+tpot 40 qwen3-0.6b bf16
+tpot 40 qwen3-0.6b fp8 --engine-option quantization=fp8
+tpot 50 qwen3-8b bf16
+tpot 50 qwen3-8b fp8 --engine-option quantization=fp8
+# slots for the other quantized runs of issue 36, when they land:
+# tpot 50 qwen3-8b int4 --engine-option quantization=awq     # int4 w4a16 (needs an AWQ layout for dummy)
+# FP8 KV cache on the nano-vllm workload, against bf16 KV (>= 1.3x tok/s):
+#   timeout 120 "$PY" -m gapless.bench.gpu --skip-hf --runs greedy --engine-option kv_cache_dtype=fp8 ...
+say ""
+"$PY" -m gapless.bench.quant report "${runs[@]}" 2>&1 | tee -a "$LOG"
+
+left=$(( ${QUANT_BUDGET_S:-150} - (SECONDS - T0) ))
+if [ "$left" -gt 15 ]; then
+  timeout -k 5 -s INT "$left" "$PY" bench/experiments/fp8_gemm.py --rows 1 128 >"$OUT/fp8_gemm.log" 2>&1
+  rc=$?
+  say ""
+  say "fp8_gemm: exit $rc at +$(( SECONDS - T0 )) s"
+  grep -E '^\|' "$OUT/fp8_gemm.log" | tee -a "$LOG"
+else
+  say "fp8_gemm: skipped, $(( SECONDS - T0 )) s gone"
+fi
+say "gpu_quant: $(( SECONDS - T0 )) s"

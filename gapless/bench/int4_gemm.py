@@ -1,0 +1,168 @@
+"""The int4/int8 weight-only GEMM (`gapless.model.quant.int4_triton`) against torch's bf16 GEMM on the same
+layer shapes, at decode's row counts.
+
+    python -m gapless.bench.int4_gemm --device cuda [--m 1 16] [--shapes 4096:28672 14336:4096 ...]
+        [--bits 4] [--group 128] [--block-m 0 1] [--block-n 0 32 128] [--split-k 0 1 4 8] [--block-k 0 64]
+        [--warps 0 8] [--json FILE]
+
+For each layer shape IN:OUT (default: Llama-3-8B's fused q/k/v 4096:6144, o 4096:4096, fused gate/up
+4096:28672, down 14336:4096) and each row count M: the median device time of `torch.mm` on a bf16 weight,
+and of the quantized GEMM for each tile variant (every combination of `--block-m` (1: the
+GEMV variant), `--block-n`, `--split-k`, `--block-k`, `--warps`; 0: the heuristic's choice), its
+weight bytes read per microsecond (packed weight + scales + zeros), and the ratio to bf16. Device time is
+`gapless.bench.timing.median_us`: `--iters` calls captured in a CUDA graph and replayed, each call reading
+a weight from memory, not L2 (`cold_copies`). A row also carries the largest difference from the bf16
+matmul of the dequantized weight, relative to that output's largest value (a check the kernel computed
+the product it is timed on). On a CPU the Triton column runs only under the interpreter (for tests; the
+figures mean nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from functools import partial
+from typing import Any
+
+import torch
+
+from gapless.bench import cli
+from gapless.bench.timing import cold_copies, cycling, median_us
+from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec
+from gapless.model.quant.int4_triton import INTERPRET, GemmConfig, choose_config, w4a16_matmul
+from gapless.testing.quant_checkpoints import quantize
+
+LLAMA3_8B = ["4096:6144", "4096:4096", "4096:28672", "14336:4096"]
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in text.split(":"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not IN:OUT (e.g. 4096:14336)") from e
+    return k, n
+
+
+def _layer(k: int, n: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
+    gen = torch.Generator().manual_seed(0)
+    w = quantize((torch.randn(n, k, generator=gen) * 0.02).to(device), args.bits, args.group, sym=False)
+    spec = Int4Spec("gptq", args.bits, args.group, False)
+    return Int4LinearMethod(w, spec, dtype, device), w.dequantize().to(dtype).to(device)
+
+
+def _configs(chosen: GemmConfig, args: argparse.Namespace) -> list[GemmConfig]:
+    """Every combination of the tile options asked for (0: the heuristic's choice, `chosen`)."""
+    return [
+        chosen._replace(
+            block_m=bm or chosen.block_m,
+            block_n=bn or chosen.block_n,
+            split_k=split or chosen.split_k,
+            block_k=bk or chosen.block_k,
+            num_warps=warps or chosen.num_warps,
+        )
+        for bm, bn, split, bk, warps in itertools.product(
+            args.block_m, args.block_n, args.split_k, args.block_k, args.warps
+        )
+    ]
+
+
+def _timed(
+    x: torch.Tensor,
+    ref: torch.Tensor,
+    method: Int4LinearMethod,
+    q_set: list[list[torch.Tensor]],
+    cfg: GemmConfig,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One variant's row: its median time over the cold copies, bandwidth, and error against `ref`."""
+    call = partial(w4a16_matmul, x, group=method.group, bits=method.bits, config=cfg)
+    err = (call(*method.tensors()).float() - ref.float()).abs().max().item()
+    us = median_us(cycling([partial(call, *ts) for ts in q_set]), torch.device(args.device), args)
+    q_bytes = sum(t.numel() * t.element_size() for t in method.tensors())
+    return dict(
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+        split_k=cfg.split_k,
+        block_k=cfg.block_k,
+        warps=cfg.num_warps,
+        us=us,
+        gb_s=q_bytes / us / 1e3,
+        rel_err=err / max(ref.abs().max().item(), 1e-30),
+    )
+
+
+def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    triton_runs = device.type == "cuda" or INTERPRET
+    out = []
+    for k, n in args.shapes:
+        method, dense = _layer(k, n, args, device, dtype)
+        q_bytes = sum(t.numel() * t.element_size() for t in method.tensors())
+        dense_set = [dense] + [dense.clone() for _ in range(cold_copies(dense.numel() * 2, device) - 1)]
+        q_set = [method.tensors()] + [
+            [t.clone() for t in method.tensors()] for _ in range(cold_copies(q_bytes, device) - 1)
+        ]
+        for m in args.m:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(device)
+            ref = x @ dense.t()
+            row: dict[str, Any] = dict(shape=f"{k}:{n}", m=m)
+            row["bf16_us"] = median_us(
+                cycling([partial(torch.mm, x, d.t()) for d in dense_set]), device, args
+            )
+            chosen = choose_config(m, n, k, method.group)
+            row["variants"] = [
+                _timed(x, ref, method, q_set, cfg, args)
+                for cfg in (_configs(chosen, args) if triton_runs else [])
+            ]
+            for v in row["variants"]:
+                v["vs_bf16"] = v["us"] / row["bf16_us"]
+            out.append(row)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gapless.bench.int4_gemm", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--m", type=cli.positive_int, nargs="+", default=[1, 16], help="rows (tokens) per call")
+    p.add_argument("--shapes", type=_shape, nargs="+", default=[_shape(s) for s in LLAMA3_8B])
+    p.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    p.add_argument("--group", type=cli.positive_int, default=128)
+    p.add_argument("--block-m", type=int, nargs="+", default=[0], help="0: the heuristic's; 1: GEMV")
+    p.add_argument("--block-n", type=int, nargs="+", default=[0], help="0: the heuristic's")
+    p.add_argument("--split-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
+    p.add_argument("--block-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
+    p.add_argument("--warps", type=int, nargs="+", default=[0], help="0: the heuristic's")
+    p.add_argument("--iters", type=cli.positive_int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"int{args.bits} g{args.group} weight-only GEMM vs torch.mm {args.dtype} on {name}")
+    head = ("IN:OUT", "M", "bf16 us", "BM", "BN", "split", "BK", "warps", "int us", "GB/s", "x bf16")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (12, 3, 9, 3, 4, 5, 4, 5, 8, 7, 7))))
+    result = rows(args)
+    for r in result:
+        none = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-", us=float("nan"))
+        none.update(gb_s=0.0, vs_bf16=0.0)
+        for v in r["variants"] or [none]:
+            print(
+                f"{r['shape']:>12} {r['m']:>3} {r['bf16_us']:>9.1f} {v['block_m']:>3} {v['block_n']:>4} "
+                f"{v['split_k']:>5} {v['block_k']:>4} {v['warps']:>5} "
+                f"{v['us']:>8.1f} {v['gb_s']:>7.0f} {v['vs_bf16']:>7.2f}"
+                + (f"  (rel err {v['rel_err']:.1e})" if "rel_err" in v else "")
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, bits=args.bits, group=args.group, rows=result), f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

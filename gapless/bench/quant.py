@@ -1,0 +1,153 @@
+"""TPOT at batch 1 of quantized weights against bf16, on a model's shape with random weights.
+
+    python -m gapless.bench.quant make DIR                 # DIR/qwen3-0.6b, DIR/qwen3-8b: config + tokenizer
+    python -m gapless.bench.quant run DIR/qwen3-8b --engine-option quantization=fp8 --json r.json
+    python -m gapless.bench.quant report r1.json r2.json ...   # each run's TPOT and its ratio to bf16's
+
+`make` writes each shape's config.json (Qwen3-0.6B's and Qwen3-8B's published values) and the built-in
+tokenizer, no weights: `run` loads it with `load_format=dummy` (random weights made on the device, none
+read: a 16 GB checkpoint is neither built nor read) in bfloat16, on CUDA graphs at batch 1, and times one
+request at a time: a 128-token prompt generating 1 token (its prefill) and generating 1 + `--tokens`
+(default 64); TPOT = the difference / `--tokens`, the median of `--repeats` (default 3) after a warm-up.
+`--engine-option` adds an engine option (quantization=fp8: the bf16 weights quantized at load, one scale
+per row). Each run in its own process, so the GPU holds one model at a time (bench/gpu_quant.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gapless.bench import cli
+
+# Qwen/Qwen3-8B's config.json (hidden 4096, 36 layers, 32 q / 8 kv heads of 128, MLP 12288, untied head)
+QWEN3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+SHAPES: dict[str, dict[str, Any]] = {"qwen3-0.6b": {}, "qwen3-8b": QWEN3_8B}
+PROMPT_LEN = 128
+
+
+def make(out: Path) -> list[Path]:
+    """Each shape's weightless checkpoint directory under `out`."""
+    from gapless.default_model.tokenizer import build_tokenizer
+    from gapless.testing.checkpoints import model_config
+
+    made = []
+    for name, overrides in SHAPES.items():
+        path = out / name
+        path.mkdir(parents=True, exist_ok=True)
+        cfg = model_config("qwen3", "qwen3-0.6b", **overrides)
+        cfg.architectures = ["Qwen3ForCausalLM"]  # (a model's save_pretrained writes it)
+        cfg.save_pretrained(path)
+        build_tokenizer().save_pretrained(path)
+        made.append(path)
+    return made
+
+
+def run(
+    path: Path, options: dict[str, Any], tokens: int, repeats: int, device: str = "cuda"
+) -> dict[str, Any]:
+    """One engine on `path`'s shape with random weights: its TPOT at batch 1 (see the module's docstring)."""
+    from gapless import LLM, SamplingParams
+
+    opts: dict[str, Any] = dict(
+        device=device,
+        dtype="bfloat16" if device.startswith("cuda") else "float32",
+        load_format="dummy",
+        cuda_graph_max_bs=1,
+        max_model_len=1024,
+        kv_cache_tokens=4096,
+        radix_cache=False,
+    )
+    opts.update(options)
+    prompt = [[(7 * i + 3) % 1000 + 10 for i in range(PROMPT_LEN)]]
+
+    def timed(n: int) -> float:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    with LLM(str(path), **opts) as llm:
+        timed(1 + tokens)  # warm-up: kernels compiled, graphs replayed once
+        tpots = [(timed(1 + tokens) - timed(1)) / tokens for _ in range(repeats)]
+        info = llm.engine.info
+    return dict(
+        shape=path.name,
+        options=options,
+        weights=info.weights,
+        quantization=info.quantization,
+        tpot_ms=statistics.median(tpots) * 1e3,
+        tpot_ms_all=[t * 1e3 for t in tpots],
+        machine=cli.machine(device),
+    )
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """A table of each run's TPOT, and its ratio to the bf16 run of the same shape."""
+    base = {r["shape"]: r["tpot_ms"] for r in results if not r["quantization"]}
+    rows = []
+    for r in results:
+        ref = base.get(r["shape"])
+        ratio = f"{r['tpot_ms'] / ref:.2f}" if ref else "n/a"
+        rows.append((r["shape"], r["quantization"] or "bf16", f"{r['tpot_ms']:.3f}", ratio, r["weights"]))
+    header = ("shape", "weights", "TPOT ms (batch 1)", "ratio to bf16", "start-up line")
+    lines = cli.markdown_table(header, rows, "llrrl")
+    if results:
+        lines.insert(0, cli.machine_line(results[0]["machine"]))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gapless.bench.quant", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("make").add_argument("dir", type=Path)
+    r = sub.add_parser("run")
+    r.add_argument("path", type=Path)
+    r.add_argument("--tokens", type=cli.positive_int, default=64)
+    r.add_argument("--repeats", type=cli.positive_int, default=3)
+    r.add_argument("--json", type=Path)
+    r.add_argument("--device", default="cuda", help="cuda (cpu: float32, a smoke test of the command)")
+    cli.add_engine_option_arg(
+        r.add_argument_group("engine"), "extra LLM option, repeatable (quantization=fp8)"
+    )
+    sub.add_parser("report").add_argument("json", type=Path, nargs="+")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.cmd == "run":
+        cli.take_engine_options(r, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.cmd == "make":
+        print("\n".join(str(x) for x in make(args.dir)))
+    elif args.cmd == "run":
+        res = run(args.path, args.engine_options, args.tokens, args.repeats, args.device)
+        print(
+            f"{res['shape']} {res['quantization'] or 'bf16'}: TPOT {res['tpot_ms']:.3f} ms; {res['weights']}"
+        )
+        if args.json:
+            cli.write_json(args.json, res)
+    else:
+        print(report([json.loads(f.read_text()) for f in args.json if f.is_file()]))
+
+
+if __name__ == "__main__":
+    main()

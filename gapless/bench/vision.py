@@ -1,0 +1,178 @@
+"""Images through prefill, gapless against transformers on the same LLaVA-1.5 model, and the decode speed
+of image conversations against text-only ones of the same length.
+
+    python -m gapless.bench.vision                      # a random "bench"-size LLaVA on the CPU
+    python -m gapless.bench.vision --device cuda --images 64 --batch 16
+
+Prefill: `--images` one-image chats, `--batch` at a time, one output token each (the processor, the
+encoder and the prompt's prefill): images/s for gapless's `LLM.chat` and for transformers'
+`LlavaForConditionalGeneration` forward over the processor's padded batch (processor included in both).
+Decode: `--batch` of the chats and as many text-only prompts of the same token counts, `--max-tokens`
+greedy tokens each with EOS ignored, run together; decode tok/s counts the steps after every request has
+its first token. The rounds alternate between the sides, and the best round of each counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from gapless import LLM, SamplingParams
+from gapless.bench import cli
+from gapless.engine.image_io import split_chat
+from gapless.testing.vision_checkpoints import make_llava_checkpoint
+
+
+def _chats(n: int) -> list[list[dict[str, Any]]]:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    chats = []
+    for i in range(n):
+        h, w = (int(x) for x in rng.integers(64, 400, 2))
+        image = Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+        parts = [{"type": "text", "text": f"Picture {i}:"}, {"type": "image", "image": image}]
+        chats.append([{"role": "user", "content": [*parts, {"type": "text", "text": "What is in it?"}]}])
+    return chats
+
+
+def _best(fn: Any, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _hf_prefill(path: str, chats: list, batch: int, device: str) -> Any:
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(path)
+    processor.tokenizer.padding_side = "left"
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = model.to(device)
+
+    texts = [processor.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    images = [c[0]["content"][1]["image"] for c in chats]
+
+    def run() -> None:
+        for i in range(0, len(chats), batch):
+            inputs = processor(
+                text=texts[i : i + batch], images=images[i : i + batch], padding=True, return_tensors="pt"
+            ).to(device)
+            with torch.inference_mode():
+                model(**inputs, logits_to_keep=1)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    return run
+
+
+def _decode_tok_s(llm: LLM, prompts: list[tuple[list[int], tuple]], max_tokens: int) -> float:
+    """Output tok/s of `prompts` (ids, images) run together, from the step after the last one's first
+    token to the end: decode alone."""
+    engine, params = llm.engine, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(ids, params, images=images) for ids, images in prompts]
+    while any(not r.output_ids for r in reqs):
+        engine.step()
+    start, t0 = sum(len(r.output_ids) for r in reqs), time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return (sum(len(r.output_ids) for r in reqs) - start) / (time.perf_counter() - t0)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = tempfile.mkdtemp(prefix="gapless-vision-bench-")
+    cli.progress("writing a random bench-size LLaVA checkpoint")
+    path = str(make_llava_checkpoint(tmp, size="bench"))
+    chats = _chats(args.images)
+    hf = _hf_prefill(path, chats, args.batch, args.device)
+    options = dict(
+        device=args.device, max_running_requests=args.batch, dtype="float32", **args.engine_options
+    )
+    llm = LLM(path, **options)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def gapless_prefill() -> None:
+        for i in range(0, len(chats), args.batch):
+            llm.chat(chats[i : i + args.batch], one, use_tqdm=False)
+
+    hf()  # warm-up, both
+    gapless_prefill()
+    prefill = {"transformers": float("inf"), "gapless": float("inf")}
+    for _ in range(args.rounds):  # alternating, so a shared machine's load hits both alike
+        prefill["transformers"] = min(prefill["transformers"], _best(hf, 1))
+        prefill["gapless"] = min(prefill["gapless"], _best(gapless_prefill, 1))
+    # text-only prompts of the same token counts: the chats' ids with their image tokens made text tokens
+    prompter = llm.engine.image_prompter()
+    made = [prompter.render(*split_chat(c, prompter.limits)) for c in chats]
+    token = prompter.image_token_id
+    text = [([t if t != token else 300 + k % 200 for k, t in enumerate(ids)], ()) for ids, _ in made]
+    decode = {"image": 0.0, "text": 0.0}
+    for _ in range(args.rounds):
+        for name, prompts in (("image", made), ("text", text)):
+            decode[name] = max(decode[name], _decode_tok_s(llm, prompts[: args.batch], args.max_tokens))
+    llm.shutdown()
+    ips = {name: len(chats) / t for name, t in prefill.items()}
+    return dict(
+        command=cli.command_line("gapless.bench.vision", sys.argv[1:]),
+        machine=cli.machine(args.device),
+        images=len(chats),
+        batch=args.batch,
+        image_tokens=made[0][1][0].length,
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+        images_per_s=ips,
+        prefill_ratio=ips["gapless"] / ips["transformers"],
+        decode_tok_s=decode,
+        decode_ratio=decode["image"] / decode["text"],
+    )
+
+
+def report(res: dict[str, Any]) -> list[str]:
+    ips, dec = res["images_per_s"], res["decode_tok_s"]
+    return [
+        res["command"],
+        cli.machine_line(res["machine"]),
+        f"bench-size LLaVA (CLIP 224 px, {res['image_tokens']} image tokens), {res['images']} one-image "
+        f"chats, batch {res['batch']}, best of {res['rounds']} rounds",
+        *cli.markdown_table(
+            ["prefill", "images/s", "vs transformers"],
+            [
+                (n, f"{ips[n]:.2f}", f"{ips[n] / ips['transformers']:.2f}x")
+                for n in ("transformers", "gapless")
+            ],
+            "lrr",
+        ),
+        f"decode ({res['max_tokens']} tokens): image chats {dec['image']:.1f} tok/s, text-only "
+        f"{dec['text']:.1f} tok/s, ratio {res['decode_ratio']:.3f}",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--images", type=cli.positive_int, default=16)
+    p.add_argument("--batch", type=cli.positive_int, default=8, help="chats run together (default 8)")
+    p.add_argument("--max-tokens", type=cli.positive_int, default=32, help="decode length (default 32)")
+    p.add_argument("--rounds", type=cli.positive_int, default=2)
+    p.add_argument("--json", help="also write the results here")
+    cli.add_engine_option_arg(p.add_argument_group("engine"), "e.g. page_size=16")
+    args = p.parse_args(argv)
+    cli.take_engine_options(p, args)
+    res = measure(args)
+    print("\n".join(report(res)))
+    if args.json:
+        cli.write_json(args.json, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Images in prompts, on the host: a chat with images turned into prompt ids and `PromptImage`s by the
+model's own processor (transformers' `AutoProcessor`: gapless resizes and normalises nothing itself).
+Reading and checking the images is `gapless.engine.image_io`'s.
+
+Each `PromptImage` is a run of image tokens in the prompt, the processor's inputs for it, and a key drawn
+from a hash of those inputs. The radix cache sees the key in place of the run's token ids
+(`Req.cache_ids`), so a repeated image reuses its KV and a different one never does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gapless.config import EngineConfig
+from gapless.engine.image_io import ImageLimits
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt: its run of tokens [start, start + length), the processor's inputs for it (in
+    the encoder's `input_names` order) and its key, a negative id drawn from a hash of those inputs."""
+
+    start: int
+    length: int
+    inputs: tuple[torch.Tensor, ...]
+    key: int
+
+
+def image_key(inputs: tuple[torch.Tensor, ...]) -> int:
+    """A negative id from a hash of an image's processed inputs: never a token id, equal for equal images."""
+    h = hashlib.sha256()
+    for t in inputs:
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return -1 - int.from_bytes(h.digest()[:7], "little")
+
+
+def image_prompter(cfg: EngineConfig) -> ImagePrompter | None:
+    """The processor of `cfg`'s model (its model made local) when it is a vision-language model, else None."""
+    from gapless.model.config import load_model_config
+
+    spec = load_model_config(cfg.model).vision
+    return ImagePrompter(cfg.model, spec.image_token_id, ImageLimits.of(cfg)) if spec is not None else None
+
+
+class ImagePrompter:
+    """A vision-language model's chats to prompt ids and images, through its processor."""
+
+    def __init__(self, model_path: str, image_token_id: int, limits: ImageLimits) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_path)
+        self.image_token_id = image_token_id
+        self.limits = limits
+
+    def render(
+        self, chat: list[dict[str, Any]], images: list[Any], template_kwargs: dict[str, Any] | None = None
+    ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """The prompt ids of `chat` (image parts as `{"type": "image"}`) with each image's placeholder
+        expanded as the processor expands it, and its images. `template_kwargs`: the template's variables
+        (and `chat_template`, `add_generation_prompt`: an assistant turn opened unless it is False)."""
+        kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+        text = self.processor.apply_chat_template(chat, tokenize=False, **kwargs)
+        # special tokens as the processor's own apply_chat_template adds them: unless the text has the BOS
+        bos = self.processor.tokenizer.bos_token
+        special = not (bos is not None and text.startswith(bos))
+        out = self.processor(
+            text=text, images=images or None, return_tensors="pt", add_special_tokens=special
+        )
+        ids: list[int] = out["input_ids"][0].tolist()
+        pixels = out["pixel_values"] if images else None
+        runs = _runs(ids, self.image_token_id, len(images))
+        made = []
+        for i, (start, length) in enumerate(runs):
+            assert pixels is not None
+            inputs = (pixels[i].clone(),)  # its own memory, not a view of the batch's
+            made.append(PromptImage(start, length, inputs, image_key(inputs)))
+        return ids, tuple(made)
+
+
+def _runs(ids: list[int], token: int, images: int) -> list[tuple[int, int]]:
+    """(start, length) of each image's run of `token` in `ids`: the runs split evenly (adjacent images'
+    runs touch), as many as there are images."""
+    pos = [i for i, t in enumerate(ids) if t == token]
+    if not images:
+        if pos:
+            raise ValueError("the prompt holds image tokens but no image was given")
+        return []
+    if len(pos) % images:
+        raise ValueError(f"{len(pos)} image tokens for {images} images")
+    n = len(pos) // images
+    runs = [(pos[k * n], n) for k in range(images)]
+    for start, length in runs:
+        if pos[pos.index(start) + length - 1] != start + length - 1:
+            raise ValueError("an image's tokens are not one run")
+    return runs

@@ -1,0 +1,213 @@
+"""Which quantized format a checkpoint's weights are in, read before any weight loads.
+
+A checkpoint says it in its `config.json`'s `quantization_config` (`quant_method`, vLLM's and Hugging
+Face's names); `--quantization` (`EngineConfig.quantization`) names one for a float checkpoint to be
+quantized at load (`fp8`), or repeats the checkpoint's own. `resolve` turns the two into a `QuantSpec` and
+refuses, in one line naming the format, one that is unknown, malformed, or cannot run on the device in
+use. One entry of `FORMATS` per `quant_method` (compressed-tensors: one per its own `format`, in
+`CT_FORMATS`): a parser of the config into a spec. The loader (`gapless.model.loader`) hands the spec to
+the module `gapless.model.quant.<spec.scheme>`, which provides:
+
+- `SCALE_NAMES`: the checkpoint tensor names (last part) that mark a layer as quantized (the loader reads
+  them from the safetensors headers, before loading: a layer with one is quantized);
+- `quantized_modules(model, spec, targets) -> list[str]`: the modules to quantize (`targets`: those the
+  checkpoint marks), or a one-line QuantFormatError;
+- `prepare(model, spec, modules)`: before loading, give those modules the parameters their checkpoint
+  tensors load into (each with its `weight_loader`, cutting it as tensor parallelism and fused shards do);
+- `finish(model, spec, modules)`: after loading, install each module's `linear_method` (whose
+  `quant_method` is `spec.name`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from gapless.model.quant.int4 import Int4Spec
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A quantized weight format as the loader needs it.
+
+    `name`: the `quant_method` (vLLM's name); `scheme`: the module of `gapless.model.quant` that runs it
+    ("fp8"); `label`: how the start-up line, `/v1/models` and `/metrics` name it; `online`: the checkpoint
+    holds float weights that are quantized at load; `weight_block`: (rows, columns) a weight scale covers
+    (None: one scale per output row, or per tensor: `per_tensor`). Which layers are quantized is read
+    from the checkpoint itself (the weights that come with scales), not from its config's ignore lists;
+    `weight_only`: an int4/int8 checkpoint's layout (`gapless.model.quant.int4`, which loads its layers
+    itself after the float weights, not through `prepare`/`finish`)."""
+
+    name: str
+    scheme: str
+    label: str
+    online: bool = False
+    weight_block: tuple[int, int] | None = None
+    per_tensor: bool = False
+    min_capability: tuple[int, int] = FP8_MIN_CAPABILITY
+    weight_only: Int4Spec | None = None  # scheme "int4": the bits, groups and zeros of the layout
+
+
+class QuantFormatError(ValueError):
+    """A quantized format gapless cannot run here (one line, naming it)."""
+
+
+Parser = Callable[[dict[str, Any], bool], QuantSpec]  # (quantization_config, online) -> spec
+
+
+def _fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
+    """`quant_method: fp8`: Hugging Face's FineGrainedFP8 / DeepSeek layout (Qwen's `*-FP8` repositories):
+    e4m3 weights, `weight_scale_inv` per `weight_block_size` block; or, `online`, a float checkpoint
+    quantized at load with one scale per output row."""
+    if online:
+        return QuantSpec("fp8", "fp8", "fp8 e4m3 per-channel (quantized at load)", online=True)
+    fmt = qcfg.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise QuantFormatError(f"quantization fp8: fmt={fmt!r} is not run (e4m3 only)")
+    block = qcfg.get("weight_block_size")
+    if block is None:
+        raise QuantFormatError("quantization fp8: a checkpoint without weight_block_size is not run")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise QuantFormatError(f"quantization fp8: weight_block_size={block!r} is not [rows, columns]")
+    return QuantSpec(
+        "fp8",
+        "fp8",
+        f"fp8 e4m3 block {block[0]}x{block[1]}",
+        weight_block=(block[0], block[1]),
+    )
+
+
+def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
+    """compressed-tensors `float-quantized`: e4m3 weights with `weight_scale` per tensor, per output row
+    (`channel`) or per `block_structure` block; activations quantized per token at run time (a static
+    `input_scale` in the checkpoint is not used: see docs/models.md)."""
+    w = group.get("weights") or {}
+    if (w.get("type"), w.get("num_bits")) != ("float", 8):
+        raise QuantFormatError(
+            f"quantization compressed-tensors float-quantized: weights {w.get('type')}{w.get('num_bits')} "
+            "are not run (float8 only)"
+        )
+    strategy = w.get("strategy")
+    base = "compressed-tensors fp8 e4m3"
+    if strategy == "tensor":
+        return QuantSpec("compressed-tensors", "fp8", f"{base} per-tensor", per_tensor=True)
+    if strategy == "channel":
+        return QuantSpec("compressed-tensors", "fp8", f"{base} per-channel")
+    if strategy == "block":
+        block = w.get("block_structure") or []
+        if not (len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise QuantFormatError(
+                f"quantization compressed-tensors: block_structure={block!r} is not [rows, columns]"
+            )
+        label = f"{base} block {block[0]}x{block[1]}"
+        return QuantSpec("compressed-tensors", "fp8", label, weight_block=(block[0], block[1]))
+    raise QuantFormatError(
+        f"quantization compressed-tensors float-quantized: weight strategy {strategy!r} is not run "
+        "(tensor, channel, block)"
+    )
+
+
+def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
+    """AWQ, GPTQ and compressed-tensors `pack-quantized`: int4/int8 weights with group-wise scales and
+    zeros, activations in the model's dtype (`gapless.model.quant.int4` reads and refuses the layouts)."""
+    from gapless.model.quant import int4
+
+    method = str(qcfg.get("quant_method", "")).lower()
+    if online:
+        raise QuantFormatError(f"quantization {method} is a checkpoint's format, not one applied at load")
+    spec = int4.int4_spec_from_config(qcfg)
+    assert spec is not None  # (its methods are these; another compressed-tensors format never gets here)
+    return QuantSpec(method, "int4", spec.label, min_capability=(8, 0), weight_only=spec)
+
+
+# compressed-tensors' own `format` -> its parser (the quantization_config and its one config group)
+CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
+    "float-quantized": _ct_float,
+    "pack-quantized": lambda qcfg, group: _int4(qcfg),
+}
+
+
+def _compressed_tensors(qcfg: dict[str, Any], online: bool) -> QuantSpec:
+    if online:
+        raise QuantFormatError(
+            "quantization compressed-tensors is a checkpoint's format, not one applied at load"
+        )
+    fmt = qcfg.get("format")
+    if fmt not in CT_FORMATS:
+        raise QuantFormatError(
+            f"quantization compressed-tensors: format {fmt!r} is not run (runs: {', '.join(CT_FORMATS)})"
+        )
+    groups = list((qcfg.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise QuantFormatError(
+            f"quantization compressed-tensors: {len(groups)} config groups "
+            "(one is run: a scheme for every layer)"
+        )
+    if qcfg.get("sparsity_config"):
+        raise QuantFormatError("quantization compressed-tensors: sparsity_config is not run")
+    return CT_FORMATS[fmt](qcfg, groups[0])
+
+
+# `quant_method` (or `--quantization`) -> its parser; the one place a new format is added
+FORMATS: dict[str, Parser] = {
+    "fp8": _fp8,
+    "compressed-tensors": _compressed_tensors,
+    "awq": _int4,
+    "gptq": _int4,
+}
+
+
+def checkpoint_quantization(path: Path) -> dict[str, Any] | None:
+    """The `quantization_config` of a checkpoint directory's config.json (None: none, or a GGUF file)."""
+    cfg_file = path / "config.json"
+    if not path.is_dir() or not cfg_file.is_file():
+        return None
+    qcfg = json.loads(cfg_file.read_text()).get("quantization_config")
+    return dict(qcfg) if qcfg else None
+
+
+def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device | str) -> QuantSpec | None:
+    """The format a load runs: the checkpoint's (`qcfg`), or `flag` applied at load to a float checkpoint;
+    None: float weights. QuantFormatError (one line) for an unknown format, a flag that contradicts the
+    checkpoint, a malformed config, or a device that cannot run it."""
+    method = None if qcfg is None else str(qcfg.get("quant_method", "")).lower()
+    if qcfg is not None and method not in FORMATS:
+        raise QuantFormatError(
+            f"quantization {method or '(no quant_method)'!r} in config.json is not run; "
+            f"runs: {', '.join(FORMATS)}"
+        )
+    if flag is not None and flag not in FORMATS:
+        raise QuantFormatError(
+            f"--quantization {flag!r} is not a known format; formats: {', '.join(FORMATS)}"
+        )
+    if qcfg is not None and flag is not None and flag != method:
+        raise QuantFormatError(f"--quantization {flag} but the checkpoint is quantized as {method}")
+    if qcfg is None and flag is None:
+        return None
+    spec = FORMATS[method](qcfg, False) if qcfg is not None and method else FORMATS[str(flag)]({}, True)
+    check_device(spec, device)
+    return spec
+
+
+def check_device(spec: QuantSpec, device: torch.device | str) -> None:
+    """Refuse `spec` on a CUDA device older than its kernels need (the CPU runs a reference path)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < spec.min_capability:
+        need = "sm_{}{}".format(*spec.min_capability)
+        raise QuantFormatError(
+            f"quantization {spec.name} ({spec.label}) needs a GPU of {need} or newer; "
+            f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}"
+        )

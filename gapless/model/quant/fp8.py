@@ -1,0 +1,267 @@
+"""FP8 e4m3 weights, W8A8: the layers' linear method and how their weights and scales load.
+
+Three layouts come in (`gapless.model.quant.formats` names them), all held as one: the layer's `weight`
+in e4m3 [N, K] and a float32 `weight_scale` [N / rows_per_scale, K / k_group], w = q * scale:
+
+- `quant_method: fp8` (Hugging Face's FineGrainedFP8, DeepSeek's and Qwen's `*-FP8` layout): a
+  `weight_scale_inv` per [128, 128] block (the name notwithstanding, a multiplier);
+- compressed-tensors `float-quantized`: `weight_scale` per tensor ([1] or a scalar), per output row
+  ([N, 1]) or per `block_structure` block;
+- `--quantization fp8` of a float checkpoint: each row quantized at load, its scale its largest |w| / 448.
+
+While loading, a scale's rows are expanded to one per weight row, so tensor parallelism and the fused
+q/k/v and gate/up projections cut and place it exactly as its weight (the layer's own `load_shard`); a
+per-tensor scale of a fused projection's shard becomes that shard's rows' scale. Once loaded, block scales
+whose rows repeat per block are stored per block again (`Fp8LinearMethod`).
+
+Activations are quantized at run time, per token and per `act_group` columns (the weight's block width,
+else 128): a dynamic scale finer than per token. On CUDA (sm_89+) one Triton kernel does that and the GEMM
+(`gapless.model.quant.fp8_kernel`). On the CPU, the reference (`reference_linear`): the same rounding of
+x, times the weight dequantized once at load to float32 (a path for parity tests, not a saving: it holds
+the float weight beside the e4m3 one). A static `input_scale` of a checkpoint is not read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from gapless.model.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    ReplicatedLinear,
+    RowParallelLinear,
+    _Linear,
+    default_weight_loader,
+    set_weight_loader,
+)
+from gapless.model.quant.formats import QuantFormatError, QuantSpec
+from gapless.model.quant.fp8_kernel import FP8_MAX
+
+log = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+ACT_GROUP = 128  # activation columns per dynamic scale where the weight has no block width
+SCALE_NAMES = ("weight_scale_inv", "weight_scale")  # a checkpoint's weight scale (fp8's, compressed-tensors')
+
+
+def activation_group(k: int, k_group: int) -> int:
+    """Columns per dynamic activation scale of a layer with `k` inputs: the weight's block width (k_group;
+    0: none, then `ACT_GROUP`), at most K rounded up to a power of two (>= 16, the kernel's smallest step)."""
+    return min(k_group or ACT_GROUP, max(16, 1 << (k - 1).bit_length()))
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as e4m3 q and float32 scales [M, ceil(K / group)], x ~ q * scale per row and `group`
+    columns, scale = the group's largest |x| / 448 (the kernel's rounding, in torch)."""
+    m, k = x.shape
+    pad = -k % group
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, group)
+    scale = (xf.abs().amax(dim=-1).clamp_min(1e-12)) / FP8_MAX
+    q = (xf / scale[..., None]).to(FP8).view(m, -1)[:, :k]
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, rows_per_scale: int, k_group: int) -> torch.Tensor:
+    """The float32 weight of e4m3 `q` [N, K] and its `scale` (k_group 0: one column of scales for all K)."""
+    n, k = q.shape
+    s = scale.float().repeat_interleave(rows_per_scale, 0)[:n]
+    s = s.expand(n, k) if k_group == 0 else s.repeat_interleave(k_group, 1)[:, :k]
+    return q.float() * s
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] as e4m3 and one float32 scale per row [N, 1] (its largest |w| / 448)."""
+    scale = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] as e4m3 and one float32 scale per `block` [ceil(N / rows), ceil(K / cols)]
+    (a checkpoint's layout, for tests and benchmarks)."""
+    n, k = w.shape
+    br, bc = block
+    wp = torch.nn.functional.pad(w.float(), (0, -k % bc, 0, -n % br))
+    tiles = wp.view(wp.shape[0] // br, br, wp.shape[1] // bc, bc)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(wp.shape)[:n, :k].contiguous(), scale
+
+
+def reference_linear(
+    x: torch.Tensor, w: torch.Tensor, act_group: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The CPU path: x rounded as the kernel rounds it, times the dequantized float32 weight `w`."""
+    q, s = quantize_groups(x.reshape(-1, x.shape[-1]), act_group)
+    xd = dequantize(q, s, 1, act_group)
+    y = xd @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+class Fp8LinearMethod:
+    """`y = x W^T + b` with the layer's e4m3 `weight` and float32 `weight_scale` (see the module's
+    docstring); the Triton kernel on CUDA, the reference on the CPU."""
+
+    def __init__(
+        self, layer: Any, spec: QuantSpec, rows_per_scale: int, k_group: int, act_group: int
+    ) -> None:
+        self.name, self.quant_method = spec.label, spec.name
+        self.rows_per_scale, self.k_group, self.act_group = rows_per_scale, k_group, act_group
+        self.out_features = layer.weight.shape[0]
+        self.dequantized: torch.Tensor | None = None
+        if layer.weight.device.type == "cpu":
+            self.dequantized = dequantize(layer.weight, layer.weight_scale, rows_per_scale, k_group)
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        bias = getattr(layer, "bias", None)
+        if self.dequantized is not None:
+            return reference_linear(x, self.dequantized, self.act_group, bias)
+        from gapless.model.quant.fp8_kernel import fp8_gemm
+
+        x2 = x.reshape(-1, x.shape[-1])
+        y = fp8_gemm(
+            x2, layer.weight, layer.weight_scale, self.rows_per_scale, self.k_group, self.act_group, bias
+        )
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.dequantized is None else [self.dequantized]  # weight and scale are parameters
+
+
+def _whole_shape(layer: _Linear, shard: Any) -> tuple[int, int]:
+    """(rows, columns) of the checkpoint weight that `shard` of `layer` fills, before tensor parallelism
+    cuts it."""
+    n, k = layer.weight.shape
+    if isinstance(layer, MergedColumnParallelLinear):
+        n = (
+            layer.checkpoint_offsets[shard][1]
+            if shard is not None
+            else sum(layer.output_sizes) * layer.tp.size
+        )
+    elif isinstance(layer, ColumnParallelLinear):
+        n *= layer.tp.size
+    elif isinstance(layer, RowParallelLinear):
+        k *= layer.tp.size
+    return n, k
+
+
+def _expand_scale(
+    layer: _Linear, spec: QuantSpec, name: str, loaded: torch.Tensor, shard: Any
+) -> torch.Tensor:
+    """A checkpoint scale as [rows of its weight, column groups] float32, or a one-line error."""
+    n, k = _whole_shape(layer, shard)
+    if spec.weight_block is None:
+        s = loaded.float().reshape(-1, 1)
+        if s.shape[0] == 1:
+            return s.expand(n, 1).contiguous()
+        if s.shape[0] != n:
+            raise QuantFormatError(
+                f"{name}: scale of shape {tuple(loaded.shape)} fits no per-row or per-tensor scale "
+                f"of a {n}x{k} weight"
+            )
+        return s
+    br, bc = spec.weight_block
+    want = (-(-n // br), -(-k // bc))
+    if tuple(loaded.shape) != want:
+        raise QuantFormatError(
+            f"{name}: scale of shape {tuple(loaded.shape)}, expected {want} for a {n}x{k} weight "
+            f"in {br}x{bc} blocks"
+        )
+    return loaded.float().repeat_interleave(br, 0)[:n].contiguous()
+
+
+def _scale_param(layer: _Linear, spec: QuantSpec, module_name: str) -> nn.Parameter:
+    n, k = layer.weight.shape
+    cols = 1 if spec.weight_block is None else -(-k // spec.weight_block[1])
+    param = nn.Parameter(
+        torch.empty(n, cols, dtype=torch.float32, device=layer.weight.device), requires_grad=False
+    )
+
+    def load(p: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
+        full = _expand_scale(layer, spec, f"{module_name}.weight_scale", loaded, shard)
+        if isinstance(layer, RowParallelLinear) and spec.weight_block is None:
+            default_weight_loader(p, full)  # one scale per output row: every rank holds all rows
+        else:
+            layer.load_shard(p, full, shard)
+
+    return set_weight_loader(param, load)
+
+
+def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> list[str]:
+    """The modules whose weights the load keeps in fp8: those the checkpoint gives scales for (`targets`,
+    module names), or with `online` every linear layer but the routers (the LM head stays float, as in
+    vLLM). One line refuses a mixture-of-experts model and a quantized LM head or embedding."""
+    from gapless.model.moe import Experts
+
+    if any(isinstance(m, Experts) for m in model.modules()):
+        raise QuantFormatError(f"quantization {spec.name}: mixture-of-experts models are not run in fp8 yet")
+    if spec.online:
+        return [
+            name
+            for name, m in model.named_modules()
+            if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)
+        ]
+    for name in sorted(targets):
+        module = model.get_submodule(name)
+        if isinstance(module, ParallelLMHead) or not isinstance(module, _Linear):
+            raise QuantFormatError(
+                f"quantization {spec.name}: {name} ({type(module).__name__}) in fp8 is not run"
+            )
+    if not targets:
+        raise QuantFormatError(
+            f"quantization {spec.name}: the checkpoint has no weight scales ({', '.join(SCALE_NAMES)})"
+        )
+    return sorted(targets)
+
+
+def prepare(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
+    """Before loading: give each module of `modules` an e4m3 weight and a float32 `weight_scale`
+    parameter, each loaded by the layer's rules (an online load keeps its float weight until `finish`)."""
+    for name in modules:
+        layer: Any = model.get_submodule(name)
+        if spec.online:
+            continue
+        n, k = layer.weight.shape
+        if spec.weight_block is not None:
+            bc = spec.weight_block[1]
+            if isinstance(layer, RowParallelLinear) and layer.tp.size > 1 and k % bc:
+                raise QuantFormatError(
+                    f"quantization {spec.name}: {name}'s {k} input columns per rank split its "
+                    f"{bc}-wide scale blocks"
+                )
+            if bc & (bc - 1) or bc < 16:
+                raise QuantFormatError(
+                    f"quantization {spec.name}: block width {bc} is not a power of two >= 16"
+                )
+        weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=layer.weight.device), requires_grad=False)
+        layer.weight = set_weight_loader(weight, layer.load_shard)
+        layer.weight_scale = _scale_param(layer, spec, name)
+
+
+def finish(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
+    """After loading: quantize an online load's float weights by rows, store block scales per block where
+    their rows repeat, and install `Fp8LinearMethod` on each module."""
+    for name in modules:
+        layer: Any = model.get_submodule(name)
+        if spec.online:
+            q, s = quantize_rows(layer.weight.data)
+            layer.weight = nn.Parameter(q, requires_grad=False)
+            layer.weight_scale = nn.Parameter(s, requires_grad=False)
+        rows_per_scale, k_group = 1, 0
+        if spec.weight_block is not None:
+            br, bc = spec.weight_block
+            k_group = bc
+            s = layer.weight_scale.data
+            n = s.shape[0]
+            if n % br == 0 and torch.equal(s.view(n // br, br, -1), s[::br, None].expand(n // br, br, -1)):
+                layer.weight_scale = nn.Parameter(s[::br].contiguous(), requires_grad=False)
+                rows_per_scale = br
+        act_group = activation_group(layer.weight.shape[1], k_group)
+        layer.linear_method = Fp8LinearMethod(layer, spec, rows_per_scale, k_group, act_group)
+    log.info("fp8 weights (%s) in %d layers", spec.label, len(modules))

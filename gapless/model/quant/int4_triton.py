@@ -1,0 +1,203 @@
+"""The weight-only int4/int8 GEMM (w4a16, w8a16) on CUDA: `y = x W^T`, W dequantized inside the loop.
+
+The weight is held in one layout whatever checkpoint it came from (`gapless.model.quant.int4`):
+
+- `qweight` int32 [K / P, N], P = 32 / bits values per int32 packed along K: value k of column n is
+  `(qweight[k // P, n] >> (bits * (k % P))) & (2^bits - 1)`, unsigned;
+- `scales`, `zeros` [K / G, N] in the activations' dtype: `W[n, k] = (q - zeros[g, n]) * scales[g, n]`,
+  g = k // G (G the group size; G = K is one group per output channel).
+
+Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its
+[BLOCK_K / P, BLOCK_N] tile of int32 words (each word read once), shifts and masks out the P values of
+each word and lays them out as the [BLOCK_K, BLOCK_N] tile, subtracts the group's zero, scales, and
+feeds the tile to `tl.dot`. A K block never crosses a group (BLOCK_K divides G and K), so each block
+loads one row of scales and zeros.
+
+`BLOCK_M = 1` (a tile option for one row, `gapless.bench.int4_gemm --block-m 1`) multiplies on the CUDA
+cores instead (broadcast and sum over K), with no 16-row dot tile of which 15 rows are padding.
+
+Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
+is split among programs, each writing float32 partial sums into its own slice of a [SPLIT, M, N] buffer,
+summed by torch afterwards (deterministic, no atomics). Every size comes from host ints (the shapes), so
+nothing here syncs with the device and a CUDA graph captures it.
+
+As in `gapless.model.moe_triton`, fp32 dots use `input_precision="ieee"`, and under the interpreter the
+dot's operands go in as fp32 (the interpreter multiplies bf16 operands' raw bits, triton-lang/triton#11584).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from gapless import env
+
+INTERPRET = env.TRITON_INTERPRET.get()
+_TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs): what split-K aims for
+_MAX_SPLIT = 16
+
+
+@triton.jit
+def _w4a16_kernel(
+    X,
+    Qw,
+    Scales,
+    Zeros,
+    Out,
+    M,
+    N,
+    K,
+    stride_xm,
+    k_per_split,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    AS_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Out[pid_k, m, n] = sum over this program's share of K of X[m, k] * W[n, k] (see the module)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_stop
+        x = tl.load(
+            X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        # each int32 read once: [BLOCK_K / P, BLOCK_N] words, spread to [BLOCK_K / P, P, BLOCK_N] values,
+        # then laid out as [BLOCK_K, BLOCK_N] (k = P * row + j: the packing's order)
+        offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
+        packed = tl.load(
+            Qw + offs_w[:, None].to(tl.int64) * N + offs_n[None, :],
+            mask=(offs_w < k_stop // (32 // BITS))[:, None] & n_mask[None, :],
+            other=0,
+        )
+        shifts = tl.arange(0, 32 // BITS) * BITS
+        q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+        g = k0 // GROUP
+        s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
+        z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
+        # in fp32, then one rounding to the activations' dtype (as the reference path's weight)
+        w = (q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+        if BLOCK_M == 1:  # one row: a GEMV on the CUDA cores, no dot tile to fill
+            if not AS_FP32:
+                w = w.to(x.dtype).to(tl.float32)
+            acc += tl.sum(tl.trans(x.to(tl.float32)) * w, axis=0)[None, :]
+        else:
+            if AS_FP32:
+                x = x.to(tl.float32)
+            else:
+                w = w.to(x.dtype)
+            if IEEE:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
+    out = Out + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+class GemmConfig(NamedTuple):
+    """One launch's tile sizes and K split (`choose_config`)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _block_k(group: int, k: int, most: int) -> int:
+    """The largest power of two <= `most` that divides the group (so a K block stays in one group)."""
+    bk = most
+    while bk > 16 and (group % bk or k % bk):
+        bk //= 2
+    return bk
+
+
+def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
+    """Tiles by the row count: decode (M <= 16) takes 16-row tiles and splits K until about
+    `_TARGET_PROGRAMS` programs run; larger M takes larger tiles and fewer splits."""
+    if m <= 16:
+        bm, bn, bk, warps = 16, 64, _block_k(group, k, 128), 4
+    elif m <= 64:
+        bm, bn, bk, warps = 32 if m <= 32 else 64, 64, _block_k(group, k, 64), 4
+    else:
+        bm, bn, bk, warps = 64, 128, _block_k(group, k, 64), 8
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_blocks = triton.cdiv(k, bk)
+    split = 1
+    while split * 2 <= _MAX_SPLIT and tiles * split * 2 <= _TARGET_PROGRAMS and k_blocks >= split * 2 * 4:
+        split *= 2
+    return GemmConfig(bm, bn, bk, split, warps, 3)
+
+
+def w4a16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    bits: int,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """`x @ W^T` for x [M, K] (the activations' dtype, that of `scales`), W in the layout the module
+    describes; the result [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if qweight.shape[0] * (32 // bits) != k or scales.shape != (k // group, n) or zeros.shape != scales.shape:
+        raise ValueError(
+            f"int{bits} GEMM: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
+            f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not fit group {group}"
+        )
+    cfg = config or choose_config(m, n, k, group)
+    if group % cfg.block_k or k % cfg.block_k or cfg.block_k & (cfg.block_k - 1):
+        raise ValueError(f"BLOCK_K {cfg.block_k} must be a power of two dividing the group {group} and K {k}")
+    x = x.contiguous()
+    k_blocks = triton.cdiv(k, cfg.block_k)
+    k_per_split = triton.cdiv(k_blocks, cfg.split_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    out = torch.empty(
+        (split, m, n) if split > 1 else (m, n),
+        dtype=torch.float32 if split > 1 else x.dtype,
+        device=x.device,
+    )
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    _w4a16_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        k_per_split,
+        GROUP=group,
+        BITS=bits,
+        IEEE=x.dtype == torch.float32,
+        AS_FP32=INTERPRET or x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out.sum(0).to(x.dtype) if split > 1 else out

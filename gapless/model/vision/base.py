@@ -1,0 +1,55 @@
+"""What every vision family gives the engine: a `VisionEncoder` (pixels to rows of the decoder's
+embedding width, on the device) and, on the host, where its image tokens sit in a processed prompt.
+
+A family's processor (transformers' own `AutoProcessor`) turns a chat's images into `pixel_values` and
+expands each image's placeholder into its run of image tokens; the engine writes the encoder's rows for
+an image over the embeddings of that run. Families differ in what one image's inputs are (LLaVA-1.5: one
+[3, H, W] tensor; Qwen2.5-VL: patches and a grid; Gemma 3: crops), so the inputs travel as a
+tuple of tensors per image (`VisionEncoder.input_names`: which of the processor's outputs, in order) and
+only the family's encoder reads them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A checkpoint's vision side, as its config says: the family, the token id each image's run is made
+    of, and its encoder's input size (for the memory plan's estimate)."""
+
+    family: str  # "llava"
+    image_token_id: int
+    image_size: int  # pixels a side of the encoder's input
+    tokens_per_image: int  # rows the encoder gives one image (the run's length)
+    config: dict  # the checkpoint's config.json, for the family's encoder
+
+
+class VisionEncoder(nn.Module, ABC):
+    """Images to embedding rows: each image's inputs (the processor's outputs for one image, named by
+    `input_names`) to its [tokens, text hidden] rows, batched over the images given."""
+
+    spec: VisionSpec
+    input_names: tuple[str, ...] = ("pixel_values",)
+
+    @abstractmethod
+    def encode(self, images: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        """One [tokens_i, hidden] tensor per image, in order, on the encoder's device and dtype."""
+
+    @abstractmethod
+    def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
+        """An upper estimate of the activations encoding `images` images at once takes (the memory plan)."""
+
+    @abstractmethod
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Place one checkpoint tensor (named as the checkpoint names it) if it is the encoder's; False when
+        it is not (the decoder's, or a layer the encoder never runs)."""
+
+    @abstractmethod
+    def missing_weights(self) -> list[str]:
+        """The encoder's parameters no `load_weight` filled."""

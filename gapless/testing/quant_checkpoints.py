@@ -1,0 +1,134 @@
+"""Tiny weight-only int4/int8 checkpoints for tests: a float checkpoint's decoder projections quantized
+group-wise and written in AWQ's, GPTQ's or compressed-tensors' `pack-quantized` layout (as described in
+`gapless.model.quant.int4`), beside a float checkpoint holding the same weights dequantized (the
+reference a quantized model must equal)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gapless.model.quant.int4 import AWQ_ORDER, Unpacked, pack_int32
+
+LAYOUTS = ("awq", "gptq", "gptq_v2", "compressed-tensors")
+_PROJ = re.compile(r"model\.layers\.\d+\..*_proj\.weight$")
+
+
+def quantize(w: torch.Tensor, bits: int, group: int, sym: bool) -> Unpacked:
+    """`w` [N, K] rounded to `bits`-bit integers in groups of `group` inputs (-1: the whole row), with
+    float16 scales (as the checkpoints store them): asymmetric min/max, or symmetric with zero 2^(bits-1)."""
+    n, k = w.shape
+    g = k if group < 0 else group
+    wg = w.float().reshape(n, k // g, g)
+    top = (1 << bits) - 1
+    if sym:
+        scale = wg.abs().amax(-1) / ((1 << (bits - 1)) - 1)
+        zero = torch.full_like(scale, float(1 << (bits - 1)))
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        scale = (hi - lo) / top
+        zero = torch.round(-lo / scale.clamp_min(1e-8)).clamp(1, top)  # >= 1: GPTQ v1 stores zero - 1
+    scale = scale.clamp_min(1e-6).half().float()
+    q = torch.clamp(torch.round(wg / scale[..., None]) + zero[..., None], 0, top)
+    return Unpacked(q.reshape(n, k).to(torch.int16), scale, zero)
+
+
+def _awq_pack(v: torch.Tensor) -> torch.Tensor:
+    """[R, C] nibbles -> AWQ's [R, C / 8] int32s, nibble i of a word holding column AWQ_ORDER[i]."""
+    return pack_int32(v.reshape(v.shape[0], -1, 8)[..., list(AWQ_ORDER)].reshape(v.shape), 4, dim=1)
+
+
+def layout_tensors(w: Unpacked, layout: str, bits: int, group: int) -> dict[str, torch.Tensor]:
+    """One projection's tensors (by suffix) in `layout` (one of LAYOUTS)."""
+    n, k = w.q.shape
+    mask = (1 << bits) - 1
+    if layout == "awq":
+        return {
+            "qweight": _awq_pack(w.q.t()),
+            "qzeros": _awq_pack(w.zero.t().to(torch.int16)),
+            "scales": w.scale.t().half().contiguous(),
+        }
+    if layout in ("gptq", "gptq_v2"):
+        stored = w.zero.to(torch.int64) - (1 if layout == "gptq" else 0)
+        return {
+            "qweight": pack_int32(w.q.t(), bits, dim=0),
+            "qzeros": pack_int32((stored & mask).t(), bits, dim=1),
+            "scales": w.scale.t().half().contiguous(),
+            "g_idx": torch.arange(k, dtype=torch.int32) // (k if group < 0 else group),
+        }
+    out = {
+        "weight_packed": pack_int32(w.q, bits, dim=1),
+        "weight_scale": w.scale.half(),
+        "weight_shape": torch.tensor([n, k]),
+    }
+    if not bool((w.zero == (1 << (bits - 1))).all()):
+        out["weight_zero_point"] = pack_int32(w.zero, bits, dim=0)
+    return out
+
+
+def quantization_config(layout: str, bits: int, group: int, sym: bool) -> dict[str, Any]:
+    """The `quantization_config` a checkpoint of `layout` carries in its config.json."""
+    if layout == "awq":
+        return dict(quant_method="awq", bits=bits, group_size=group, zero_point=True, version="gemm")
+    if layout in ("gptq", "gptq_v2"):
+        return dict(
+            quant_method="gptq",
+            bits=bits,
+            group_size=group,
+            desc_act=False,
+            sym=sym,
+            checkpoint_format=layout,
+        )
+    weights = dict(
+        num_bits=bits,
+        type="int",
+        symmetric=sym,
+        strategy="group" if group > 0 else "channel",
+        group_size=group if group > 0 else None,
+        actorder=None,
+        dynamic=False,
+    )
+    return dict(
+        quant_method="compressed-tensors",
+        format="pack-quantized",
+        config_groups={"group_0": dict(targets=["Linear"], weights=weights, input_activations=None)},
+        ignore=["lm_head"],
+        quantization_status="compressed",
+    )
+
+
+def write_quantized(
+    src: Path, dst: Path, layout: str, *, bits: int = 4, group: int = 32, sym: bool = False
+) -> tuple[Path, Path]:
+    """(the quantized checkpoint, its float32 reference) written under `dst` from the one-file float
+    checkpoint `src`: every decoder projection quantized, everything else (embeddings, norms, LM head,
+    biases) kept in float."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+    qdir, refdir = dst / layout, dst / f"{layout}-reference"
+    for d in (qdir, refdir):
+        shutil.copytree(src, d, dirs_exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    quantized: dict[str, torch.Tensor] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not _PROJ.match(name):
+            quantized[name] = reference[name] = t
+            continue
+        w = quantize(t, bits, group, sym)
+        prefix = name.removesuffix(".weight")
+        for suffix, packed in layout_tensors(w, layout, bits, group).items():
+            quantized[f"{prefix}.{suffix}"] = packed.contiguous()
+        reference[name] = w.dequantize().to(t.dtype)
+    save_file(quantized, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(reference, str(refdir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(layout, bits, group, sym)
+    (qdir / "config.json").write_text(json.dumps(config, indent=2))
+    return qdir, refdir

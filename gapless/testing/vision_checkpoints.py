@@ -1,0 +1,140 @@
+"""Tiny random-weight vision-language checkpoints for tests and benchmarks, written with transformers' own
+classes: a LLaVA-1.5-style model (CLIP vision tower, two-layer projector, tiny Llama decoder) and its
+`LlavaProcessor` (the built-in tokenizer with an `<image>` token, a `CLIPImageProcessor`), all made
+locally, nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    GenerationConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+)
+
+from gapless.default_model.checkpoint import TINY, random_config, shape
+from gapless.default_model.tokenizer import build_tokenizer
+
+IMAGE_TOKEN = "<image>"
+PATCH = 14
+
+# Images are laid out as the processor says: `{% for part in content %}` an image part is `<image>`.
+LLAVA_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<image>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+# the vision tower and decoder shapes per size: "tiny" for tests (16 image tokens), "bench" for
+# `gapless.bench.vision` (CLIP at 224 px: 256 image tokens, a 6-layer tower of width 256, the bench decoder)
+_VISION: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=56
+    ),
+    "bench": dict(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4, image_size=224
+    ),
+}
+_TEXT: dict[str, dict[str, Any]] = {
+    "tiny": TINY,
+    "bench": shape(512, 1536, 8, 8, 4, head_dim=64, max_position_embeddings=4096),
+}
+
+
+def tiny_llava_config(size: str = "tiny") -> LlavaConfig:
+    """A LLaVA-1.5 config: CLIP (`_VISION[size]`, 14-px patches) feeding a Llama decoder (`_TEXT[size]`)
+    through the gelu projector, the penultimate layer's patches (CLS dropped)."""
+    tokenizer = _tokenizer()
+    text = random_config(
+        LlamaConfig, dict(_TEXT[size], tie_word_embeddings=False), {"vocab_size": len(tokenizer)}
+    )
+    vision = CLIPVisionConfig(**_VISION[size], patch_size=PATCH, projection_dim=32, hidden_act="quick_gelu")
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        image_seq_length=(_VISION[size]["image_size"] // PATCH) ** 2,
+    )
+
+
+def _tokenizer() -> Any:
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [IMAGE_TOKEN]}, replace_extra_special_tokens=False
+    )
+    return tokenizer
+
+
+@torch.no_grad()
+def _init(model: torch.nn.Module, seed: int) -> None:
+    """Weights spread so greedy decoding has clear winners and every vision weight matters: linears
+    variance-preserving (x1.5), norms 1 + noise, biases and embeddings noise, the LM head's logits std 2."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        if "norm" in name and name.endswith("weight"):
+            p.copy_(1.0 + 0.1 * noise)
+        elif name.endswith("bias"):
+            p.copy_(0.1 * noise)
+        elif "lm_head" in name:
+            p.copy_(noise * 2.0 / math.sqrt(p.shape[-1]))
+        elif "embed" in name or p.dim() == 1:
+            p.copy_(noise)
+        else:  # a linear's [out, in], the patch conv's [out, c, k, k]
+            p.copy_(noise * 1.5 / math.sqrt(p[0].numel()))
+
+
+def make_llava_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -> Path:
+    """Write a random tiny LLaVA-1.5 checkpoint with its processor (tokenizer, image processor, chat
+    template) to `path`."""
+    path = Path(path)
+    config = tiny_llava_config(size)
+    image_size = _VISION[size]["image_size"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config)
+    _init(model, seed)
+    model.eval().save_pretrained(str(path))
+    tokenizer = _tokenizer()
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(str(path))
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(str(path))
+    return path

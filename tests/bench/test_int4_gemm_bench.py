@@ -1,0 +1,24 @@
+"""`python -m gapless.bench.int4_gemm` runs end to end (a tiny shape; on a CPU under Triton's interpreter,
+where its times mean nothing but every path runs): torch's GEMM and each tile variant of the int4 GEMM,
+the variant's product checked against the dequantized weight's."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from gapless.bench import int4_gemm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel under the interpreter
+
+
+def test_int4_gemm_bench_times_each_variant_and_checks_its_product(tmp_path):
+    out = tmp_path / "int4.json"
+    argv = f"--device {DEVICE} --dtype float32 --shapes 128:64 --m 1 3 --group 32 --block-n 0 32 --iters 1"
+    res = int4_gemm.main(argv.split() + ["--warmup", "0", "--json", str(out)])
+    assert [(r["shape"], r["m"]) for r in res] == [("128:64", 1), ("128:64", 3)]
+    for r in res:
+        assert r["bf16_us"] > 0 and [v["block_n"] for v in r["variants"]] == [64, 32]
+        assert all(v["us"] > 0 and v["rel_err"] < 1e-5 for v in r["variants"])
+    assert json.loads(out.read_text())["rows"] == res

@@ -1,0 +1,329 @@
+"""FP8 e4m3 weights (`gapless.model.quant.fp8`) and the format dispatch (`gapless.model.quant.formats`).
+
+Tiny random checkpoints are quantized here into each layout (`gapless.testing.fp8_checkpoints`): Hugging
+Face's `quant_method: fp8` with block scales, compressed-tensors `float-quantized` per tensor, per channel
+and per block, and `--quantization fp8` of the float checkpoint. Each one's greedy tokens are compared with
+transformers running a float32 checkpoint of the same weights dequantized: the difference is the rounding
+of the activations to e4m3, so tokens are equal or diverge at a near-tie only (counted). The Triton GEMM
+runs under the interpreter on activations that e4m3 holds exactly after scaling (the interpreter's own
+e4m3 rounding is wrong, see `fp8_kernel`), and with real rounding on a GPU when there is one."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gapless import LLM, SamplingParams
+from gapless.model import loader, parallel
+from gapless.model.quant import formats, quantization, weights_held, weights_summary
+from gapless.model.quant.formats import QuantFormatError
+from gapless.model.quant.fp8 import (
+    FP8,
+    activation_group,
+    dequantize,
+    quantize_blocks,
+    quantize_groups,
+    quantize_rows,
+    reference_linear,
+)
+from gapless.model.quant.fp8_kernel import FP8_MAX, fp8_gemm
+from gapless.testing.fp8_checkpoints import quant_config, write_fp8_checkpoint
+from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+
+MAX_NEW = 8
+# e4m3 activations (3 mantissa bits: a relative rounding of up to 2^-4 per value) move these tiny models'
+# logits (std ~2) by up to 1.2 at a position, median 0.6 (measured on the qwen3 tiny model: transformers
+# with each linear's input rounded as the kernel rounds it, against without). A greedy divergence is
+# accepted where the reference's logit of our token is within that of its top one, and counted.
+NEAR_TIE = 1.2
+CPU = torch.device("cpu")
+
+
+# --- the format dispatch ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "label"),
+    [
+        ("fp8", "fp8 e4m3 block 128x128"),
+        ("ct-tensor", "compressed-tensors fp8 e4m3 per-tensor"),
+        ("ct-channel", "compressed-tensors fp8 e4m3 per-channel"),
+        ("ct-block", "compressed-tensors fp8 e4m3 block 128x128"),
+    ],
+)
+def test_each_layouts_config_names_its_format(layout, label):
+    spec = formats.resolve(quant_config(layout, (128, 128)), None, "cpu")
+    assert spec is not None and spec.scheme == "fp8" and spec.label == label
+    assert formats.resolve(None, "fp8", "cpu").online  # --quantization fp8 of a float checkpoint
+    assert formats.resolve(None, None, "cpu") is None
+
+
+def _one_line(excinfo, *words):
+    msg = str(excinfo.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize(
+    ("qcfg", "flag", "words"),
+    [
+        ({"quant_method": "bitsandbytes"}, None, ["'bitsandbytes'", "is not run"]),
+        (None, "frobnicate", ["--quantization 'frobnicate'", "not a known format"]),
+        (quant_config("fp8", (128, 128)), "compressed-tensors", ["quantized as fp8"]),
+        ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, None, ["e5m2"]),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, None, ["weight_block_size=[128]"]),
+        ({"quant_method": "compressed-tensors", "format": "int-quantized"}, None, ["'int-quantized'"]),
+        (
+            {**quant_config("ct-channel", (1, 1)), "sparsity_config": {"format": "sparse-24"}},
+            None,
+            ["sparsity"],
+        ),
+    ],
+)
+def test_an_unknown_or_malformed_format_is_refused_in_one_line(qcfg, flag, words):
+    with pytest.raises(QuantFormatError) as e:
+        formats.resolve(qcfg, flag, "cpu")
+    _one_line(e, *words)
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(QuantFormatError) as e:
+        formats.resolve(None, "fp8", "cuda")
+    _one_line(e, "quantization fp8", "sm_89", "NVIDIA A100 is sm_80")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert formats.resolve(quant_config("fp8", (128, 128)), None, "cuda") is not None
+
+
+def test_refused_before_any_weight_loads(ckpt_factory, tmp_path, monkeypatch):
+    """The engine's pre-flight and the loader refuse before reading a tensor."""
+    from gapless.config import EngineConfig
+    from gapless.engine.preflight import check_engine_config
+
+    src = ckpt_factory("qwen3")
+    dst, _ = write_fp8_checkpoint(src, tmp_path / "q", "fp8")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "hqq"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(loader, "iter_weights", lambda *a: pytest.fail("a weight was read"))
+    with pytest.raises(ValueError) as e:
+        loader.load_model(dst, torch.float32, CPU)
+    _one_line(e, "'hqq'")
+    with pytest.raises(ValueError) as e:
+        check_engine_config(EngineConfig(model=str(dst), device="cpu"))
+    _one_line(e, "'hqq'")
+
+
+def test_a_scale_of_the_wrong_shape_is_refused_by_name(ckpt_factory, tmp_path):
+    dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "fp8", block=(32, 32))
+    tensors = load_file(str(dst / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:, :1].contiguous()
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(QuantFormatError) as e:
+        loader.load_model(dst, torch.float32, CPU)
+    _one_line(e, "model.layers.1.mlp.down_proj.weight_scale", "expected (2, 4)")
+
+
+def test_a_mixture_of_experts_model_is_refused_in_fp8(ckpt_factory):
+    with pytest.raises(QuantFormatError) as e:
+        loader.load_model(ckpt_factory("qwen3_moe"), torch.float32, CPU, quantization="fp8")
+    _one_line(e, "mixture-of-experts")
+
+
+# --- the layouts' arithmetic and the kernel ------------------------------------------------------------
+
+
+def test_quantized_layouts_round_trip():
+    w = torch.randn(70, 200)
+    for q, s, rows, group in (
+        (*quantize_rows(w), 1, 0),
+        (*quantize_blocks(w, (32, 64)), 32, 64),
+    ):
+        assert q.dtype == FP8 and q.float().abs().max() <= FP8_MAX
+        back = dequantize(q, s, rows, group)
+        # e4m3's step near |w| is at most 2^-3 |w| (relative 2^-4 rounding), scaled per row or block
+        assert ((back - w).abs() <= 2**-4 * w.abs() + 2**-9 * w.abs().max()).all()
+
+
+def _exact_activations(m: int, k: int, group: int, seed: int = 0) -> torch.Tensor:
+    """x whose every `group` columns of a row are e4m3 values times a power of two with one value at +-448:
+    the kernel's scale is that power of two and x / scale is exact, so no e4m3 rounding happens."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(m, k, generator=g) * 60).clamp(-400, 400).to(FP8).float()
+    q[:, ::group] = 448.0
+    powers = 2.0 ** torch.randint(-12, -4, (m, -(-k // group)), generator=g).float()
+    return q * powers.repeat_interleave(group, 1)[:, :k]
+
+
+@pytest.mark.parametrize("rows", [3, 20])
+@pytest.mark.parametrize("block", [None, (32, 64)])
+def test_triton_gemm_matches_the_reference_under_the_interpreter(rows, block):
+    n, k = 48, 192
+    w = torch.randn(n, k) * 0.05
+    q, s = quantize_rows(w) if block is None else quantize_blocks(w, block)
+    rps, group = (1, 0) if block is None else block
+    act = 64
+    x, bias = _exact_activations(rows, k, act), torch.randn(n)
+    y = fp8_gemm(x, q, s, rps, group, act, bias)
+    ref = reference_linear(x, dequantize(q, s, rps, group), act, bias)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_89+)")
+def test_triton_gemm_matches_the_reference_on_the_gpu():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm_89+")
+    dev = torch.device("cuda")
+    for rows in (1, 40, 300):
+        w = torch.randn(512, 1024) * 0.05
+        q, s = quantize_blocks(w, (128, 128))
+        x = torch.randn(rows, 1024, dtype=torch.bfloat16)
+        y = fp8_gemm(x.to(dev), q.to(dev), s.to(dev), 128, 128, 128, None).float().cpu()
+        ref = reference_linear(x.float(), dequantize(q, s, 128, 128), 128, None)
+        # e4m3 roundings at a tie may differ; bf16 output: relative 2^-8
+        assert (y - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+# --- whole models -------------------------------------------------------------------------------------------
+
+
+def _greedy(model, prompts, **kw):
+    with LLM(str(model), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False, **kw) as llm:
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )
+    return [o.token_ids for o in outs]
+
+
+@contextlib.contextmanager
+def _activations_rounded(hf, k_group):
+    """transformers' decoder projections with their inputs rounded to e4m3 as the kernel rounds them."""
+    plain = torch.nn.Linear.forward
+
+    def forward(self, x):
+        if "lm_head" in self.name:
+            return plain(self, x)
+        group = activation_group(self.in_features, k_group)
+        q, s = quantize_groups(x.reshape(-1, x.shape[-1]), group)
+        return plain(self, dequantize(q, s, 1, group).view(x.shape))
+
+    for name, m in hf.named_modules():
+        m.name = name
+    torch.nn.Linear.forward = forward
+    try:
+        yield
+    finally:
+        torch.nn.Linear.forward = plain
+
+
+@pytest.mark.parametrize(
+    ("layout", "block"),
+    [
+        ("fp8", (32, 32)),
+        ("fp8", (128, 128)),
+        ("ct-tensor", None),
+        ("ct-channel", None),
+        ("ct-block", (16, 32)),
+        ("online", None),
+    ],
+)
+def test_fp8_greedy_equals_the_dequantized_float32_model(ckpt_factory, tmp_path, layout, block):
+    """Qwen3 (fused q/k/v and gate/up, whose shards' scales are placed as their weights) in each layout;
+    [128, 128] blocks on a 64-wide model are ragged (one partial block). Against transformers on the
+    dequantized weights with its activations rounded as ours are: the same tokens but for float32
+    summation-order near-ties. Against it with float activations (the issue's accuracy check): near-ties
+    of the e4m3 activations' size, counted."""
+    src = ckpt_factory("qwen3")
+    written = "ct-channel" if layout == "online" else layout  # at load, rows are scaled as ct-channel's
+    dst, ref = write_fp8_checkpoint(src, tmp_path / layout, written, block or (128, 128))
+    model, kw = (src, {"quantization": "fp8"}) if layout == "online" else (dst, {})
+    loaded = loader.load_model(model, torch.float32, CPU, **kw)
+    held = weights_held(loaded)[0]
+    assert sum(n for f, n in held.items() if "fp8 e4m3" in f) == 8, held  # 4 projections x 2 layers
+    assert quantization(loaded) == ("compressed-tensors" if layout.startswith("ct-") else "fp8")
+    prompts = make_prompts(1000, n=4, max_len=40, shared_prefix=8)
+    ours = _greedy(model, prompts, **kw)
+    hf = load_hf_model(ref)
+    with _activations_rounded(hf, block[1] if block else 0):
+        same = [check_greedy(o, hf_greedy(hf, p, MAX_NEW), tol=1e-3) for o, p in zip(ours, prompts)]
+    notes = [check_greedy(out, hf_greedy(hf, p, MAX_NEW), tol=NEAR_TIE) for out, p in zip(ours, prompts)]
+    ties = [n for n in notes if n is not None]
+    print(
+        f"{layout} {block}: {len(ties)} of {len(prompts)} prompts diverged from float activations at a "
+        f"near-tie: {ties}; with them rounded: {same}"
+    )
+
+
+def test_start_up_line_names_fp8(ckpt_factory, tmp_path):
+    dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "fp8", block=(32, 32))
+    line = weights_summary(loader.load_model(dst, torch.float32, CPU))
+    assert "8 fp8 e4m3 block 32x32" in line and "1 float32" in line, line  # the tied LM head stays float
+
+
+def test_transformers_reads_the_tiny_fp8_checkpoint_as_we_do(ckpt_factory, tmp_path):
+    """transformers' FineGrainedFP8 (dequantizing on a CPU) reads our `quant_method: fp8` file: its
+    weights are the same dequantized weights our reference checkpoint holds."""
+    dst, ref = write_fp8_checkpoint(ckpt_factory("llama"), tmp_path / "q", "fp8", block=(32, 32))
+    try:
+        theirs = load_hf_model(dst)
+    except Exception as e:  # noqa: BLE001 - a transformers without FP8 on this device is a skip
+        pytest.skip(f"transformers does not load quant_method=fp8 here: {type(e).__name__}: {e}")
+    ours = load_file(str(ref / "model.safetensors"))
+    for name, w in theirs.state_dict().items():
+        if name in ours:
+            torch.testing.assert_close(w.float(), ours[name], rtol=2**-8, atol=0, msg=name)
+
+
+class _Rank(parallel.TPGroup):
+    """Rank `rank` of `size`, for building layers: no collective runs."""
+
+
+@pytest.mark.parametrize("layout", ["fp8", "ct-tensor"])
+def test_tensor_parallel_ranks_hold_their_weights_scales(ckpt_factory, tmp_path, monkeypatch, layout):
+    """Built as rank r of 2, each fused and row-parallel layer holds the rows (or columns) of its weight
+    and of its scales that rank 0 of 1 holds at the same places: scales are sharded with their weights."""
+    src = ckpt_factory("llama", hidden_size=128, intermediate_size=256, head_dim=32)
+    dst, _ = write_fp8_checkpoint(src, tmp_path / layout, layout, block=(32, 32))
+    whole = loader.load_model(dst, torch.float32, CPU)
+    ranks = []
+    for rank in range(2):
+        monkeypatch.setattr(parallel, "_current", _Rank(rank=rank, size=2))
+        ranks.append(loader.load_model(dst, torch.float32, CPU))
+    monkeypatch.setattr(parallel, "_current", parallel.SINGLE)
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        full = whole.get_submodule(f"model.layers.0.{name}")
+        w = dequantize(
+            full.weight, full.weight_scale, full.linear_method.rows_per_scale, full.linear_method.k_group
+        )
+        parts = []
+        for model in ranks:
+            layer = model.get_submodule(f"model.layers.0.{name}")
+            m = layer.linear_method
+            parts.append(dequantize(layer.weight, layer.weight_scale, m.rows_per_scale, m.k_group))
+        if name.endswith(("o_proj", "down_proj")):
+            torch.testing.assert_close(torch.cat(parts, dim=1), w, rtol=0, atol=0)
+        else:  # fused: each shard's rows split over the ranks
+            layer = whole.get_submodule(f"model.layers.0.{name}")
+            pieces = [w[off : off + n] for off, n in layer.shard_offsets.values()]
+            mine = [torch.cat([p.chunk(2)[r] for p in pieces]) for r in range(2)]
+            torch.testing.assert_close(torch.cat(parts), torch.cat(mine), rtol=0, atol=0)
+
+
+def test_dummy_load_format_reads_no_weights_and_quantizes_at_load(ckpt_factory, tmp_path):
+    """`load_format="dummy"`: a directory with a config and a tokenizer only runs, its random weights
+    quantized by `quantization="fp8"` (what bench/gpu_quant.sh does on the 8B shape)."""
+    import shutil
+
+    src = ckpt_factory("qwen3")
+    shutil.copytree(src, tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors*"))
+    opts = dict(device="cpu", kv_cache_tokens=256, overlap=False, load_format="dummy", quantization="fp8")
+    with LLM(str(tmp_path / "m"), **opts) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].token_ids) == 3
+        assert llm.engine.info.quantization == "fp8"
+        assert dict(llm.engine.info.weight_formats)["fp8 e4m3 per-channel (quantized at load)"] == 8

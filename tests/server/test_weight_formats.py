@@ -1,0 +1,42 @@
+"""`/v1/models` and `/metrics` say which weight formats the served model's layers are held in (what the
+scheduler reported at start-up: `SchedulerInfo.quantization` and `weight_formats`)."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from gapless.server.api import create_app
+from gapless.server.health import Health
+from gapless.server.metrics import Metrics
+from gapless.server.protocol import SchedulerInfo
+from gapless.server.state import ServerState, Settings
+
+
+class _Client:
+    """Stands in for the engine client: no replica reports gauges."""
+
+    async def replica_stats(self) -> list:
+        return []
+
+
+def _app(info: SchedulerInfo):
+    metrics = Metrics("m")
+    metrics.set_weights(info.weight_formats)
+    return create_app(ServerState(Settings("m", "/models/m", info), _Client(), Health(), metrics))  # type: ignore[arg-type]  # the stand-in client
+
+
+def test_models_and_metrics_name_the_weight_formats():
+    formats = {"bfloat16": 1, "fp8 e4m3 block 128x128": 196}
+    info = SchedulerInfo(64, 64, "cuda:0", 100, 2048, "weights: 9.1 GB", "fp8", formats)
+    with TestClient(_app(info)) as http:
+        card = http.get("/v1/models").json()["data"][0]
+        assert card["quantization"] == "fp8" and card["weight_formats"] == formats
+        text = http.get("/metrics").text
+    assert 'gapless_weight_format_layers{format="fp8 e4m3 block 128x128",model="m"} 196.0' in text, text
+    assert 'gapless_weight_format_layers{format="bfloat16",model="m"} 1.0' in text
+
+
+def test_a_float_model_says_no_quantization():
+    with TestClient(_app(SchedulerInfo(64, 64, "cpu", 100, 2048, "", None, {"float32": 15}))) as http:
+        card = http.get("/v1/models").json()["data"][0]
+    assert card["quantization"] is None and card["weight_formats"] == {"float32": 15}
