@@ -100,3 +100,30 @@ def test_parse_lora_modules():
         parse_lora_modules(["a=/x", "a=/y"])
     with pytest.raises(ValueError, match="needs string fields name and path"):
         parse_lora_modules(['{"name": "a"}'])
+
+
+def test_start_up_refusals(ckpt_factory, tmp_path):
+    """`gapless serve`'s checks before anything loads: adapters without --enable-lora, several API
+    servers, a bad adapter named by --lora-modules."""
+    import argparse
+
+    from gapless.config import EngineConfig
+    from gapless.model.config import load_model_config
+    from gapless.server.launch import _check_loras
+
+    base = ckpt_factory("qwen3")
+    mcfg = load_model_config(base)
+    on = EngineConfig(model=str(base), enable_lora=True, max_lora_rank=4)
+    with pytest.raises(ValueError, match="add --enable-lora"):
+        _check_loras(
+            argparse.Namespace(lora_modules=["a=/x"], api_server_count=1), EngineConfig(model=str(base)), mcfg
+        )
+    with pytest.raises(ValueError, match="one API server process"):
+        _check_loras(argparse.Namespace(lora_modules=None, api_server_count=2), on, mcfg)
+    with pytest.raises(ValueError, match=r"LoRA adapter 'a': .* is not a directory"):
+        _check_loras(
+            argparse.Namespace(lora_modules=[f"a={tmp_path / 'none'}"], api_server_count=1), on, mcfg
+        )
+    wide = make_adapter(base, tmp_path / "wide", ["q_proj"], r=8)
+    with pytest.raises(ValueError, match="rank 8 is above max_lora_rank=4"):
+        _check_loras(argparse.Namespace(lora_modules=[f"w={wide}"], api_server_count=1), on, mcfg)
