@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The quantized-weights runs of issue 36 on a GPU (sm_89+), in at most ~150 s on an H200:
+# The quantized-weights runs of issue 36 on a GPU (sm_89+), in at most ~200 s on an H200:
 #   1. TPOT at batch 1, FP8 weights against bf16, on Qwen3-0.6B's shape and Qwen3-8B's (random weights,
 #      `load_format=dummy`: nothing written or read; `gapless.bench.quant`), each run in its own process;
 #      the table gives each TPOT and its ratio to bf16's (the issue's target: <= 0.6)
-#   2. the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows
+#   2. the int4 GEMM alone against bf16 on Llama-3-8B's layers (`gapless.bench.int4_gemm`), then
+#   3. the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows
 #      (bench/experiments/fp8_gemm.py)
 # Logs go to $1, else $OUT, else bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each
 # run), fp8_gemm.log. bench/gpu_session.sh's `all` part calls it (step `quant`, OUT=$WORK/quant).
@@ -11,7 +12,7 @@
 #   run(command="bash bench/gpu_quant.sh", timeout_s=300)      # on the device tool; $OUT is set there
 #
 # Each step has its own time limit (`timeout`), so one that hangs leaves the others their time; the GEMM
-# table gets what is left of $QUANT_BUDGET_S (default 150) seconds.
+# table gets what is left of $QUANT_BUDGET_S (default 200) seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-bench/results/gpu_quant}}
@@ -45,13 +46,20 @@ tpot 40 qwen3-0.6b fp8 --engine-option quantization=fp8
 tpot 50 qwen3-8b bf16
 tpot 50 qwen3-8b fp8 --engine-option quantization=fp8
 # slots for the other quantized runs of issue 36, when they land:
-# tpot 50 qwen3-8b int4 --engine-option quantization=awq     # int4 w4a16 (needs an AWQ layout for dummy)
 # FP8 KV cache on the nano-vllm workload, against bf16 KV (>= 1.3x tok/s):
 #   timeout 120 "$PY" -m gapless.bench.gpu --skip-hf --runs greedy --engine-option kv_cache_dtype=fp8 ...
 say ""
 "$PY" -m gapless.bench.quant report "${runs[@]}" 2>&1 | tee -a "$LOG"
 
-left=$(( ${QUANT_BUDGET_S:-150} - (SECONDS - T0) ))
+# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, at 1 and 16 rows, the heuristic's
+# tiles and the one-row GEMV variant (the issue's TPOT target needs an int4 checkpoint of that shape)
+timeout -k 5 -s INT 45 "$PY" -m gapless.bench.int4_gemm --device cuda --block-m 0 1 \
+  --json "$OUT/int4_gemm.json" >"$OUT/int4_gemm.log" 2>&1
+say ""
+say "int4_gemm: exit $? at +$(( SECONDS - T0 )) s"
+grep -E '^\|' "$OUT/int4_gemm.log" | tee -a "$LOG"
+
+left=$(( ${QUANT_BUDGET_S:-200} - (SECONDS - T0) ))
 if [ "$left" -gt 15 ]; then
   timeout -k 5 -s INT "$left" "$PY" bench/experiments/fp8_gemm.py --rows 1 128 >"$OUT/fp8_gemm.log" 2>&1
   rc=$?

@@ -22,7 +22,8 @@
 #           4. served     `gapless.bench.served_vs_offline`: the same 256-request workload offline and
 #                         through one API server, and each process's CPU per output token
 #           5. cuda_tests the CUDA tests (tests/engine/test_cuda.py, the fused kernels', the sampler's, the
-#                         attention kernels', every CUDA/Triton/graph case elsewhere), on 4 workers
+#                         attention kernels', the quantized formats', pooling's and vision's, every
+#                         CUDA/Triton/graph case elsewhere), on 4 workers
 #           6. quant      the quantized-checkpoint runs: bench/gpu_quant.sh when it exists (its issue adds
 #                         it), with the time left
 #   suite   the whole test suite on the GPU machine (`pytest -n 8 tests`, cut at 480 s), with a plugin
@@ -46,7 +47,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in all | suite | serve | prefill | sweep) ;; *) sed -n 2,45p "$0"; exit 2 ;; esac
+case "$part" in all | suite | serve | prefill | sweep) ;; *) sed -n 2,46p "$0"; exit 2 ;; esac
 OUT=${OUT:-bench/results/gpu_session}
 WORK=${WORK:-${TMPDIR:-/tmp}/gpu_session/$part}
 BUDGET=${SESSION_BUDGET_S:-530}
@@ -147,7 +148,9 @@ step() {  # $1: seconds at most, $2: log name, the rest: the command. Cut to wha
 }
 
 cuda_tests=(tests/engine/test_cuda.py tests/attention tests/sampling tests/model/test_moe.py
-  tests/model/test_fused_kernels.py tests/engine/test_window_kv.py tests/spec/test_graphs.py tests/distributed)
+  tests/model/test_fused_kernels.py tests/engine/test_window_kv.py tests/spec/test_graphs.py tests/distributed
+  tests/model/test_quant_fp8.py tests/model/test_quant_int4.py tests/engine/test_pooling.py
+  tests/engine/test_vision.py)
 
 case "$part" in
   all)
@@ -160,10 +163,10 @@ case "$part" in
     step 100 served "$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 --size bench \
       --layouts auto --num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \
       --json "$WORK/served.json"
-    step 95 cuda_tests "$PY" -m pytest -q -n 4 -p no:cacheprovider "${cuda_tests[@]}" \
-      -k "nccl or cuda or triton or graph or fused or kernel"
+    step 130 cuda_tests "$PY" -m pytest -q -n 4 -p no:cacheprovider "${cuda_tests[@]}" \
+      -k "(nccl or cuda or gpu or triton or graph or fused or kernel) and not sm90"
     if [ -f bench/gpu_quant.sh ]; then  # the quantized-checkpoint runs, when their issue adds them
-      step 150 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=140 bash bench/gpu_quant.sh
+      step 200 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=190 bash bench/gpu_quant.sh
     else
       echo "quant: bench/gpu_quant.sh not there yet" >>"$WORK/steps.log"
     fi
