@@ -2,7 +2,7 @@
 
 from typing import Any
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 
@@ -16,4 +16,8 @@ def __getattr__(name: str) -> Any:
         from gapless.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from gapless.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

@@ -290,6 +290,13 @@ class EngineConfig:
         "(gapless.server.router); server only",
     )
 
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT) beside the base model (gapless.lora)")
+    max_loras: int = option(4, "LoRA adapters resident on the device at once (their rows share a batch)")
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept read in host memory, least recently used out; None: max_loras"
+    )
+    max_lora_rank: int = option(64, "the highest LoRA rank an adapter may have (the device table's width)")
+
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r}: {why}")
@@ -324,6 +331,20 @@ class EngineConfig:
             raise bad("device", "must be auto, cpu, cuda or cuda:N")
         self._check_speculative(bad)
         self._check_parallel(bad)
+        self._check_lora(bad)
+
+    def _check_lora(self, bad: Any) -> None:
+        """The LoRA options: sizes in range, and no mode LoRA does not run with yet."""
+        if self.max_loras < 1:
+            raise bad("max_loras", "must be >= 1")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise bad("max_lora_rank", "must be in [1, 512]")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise bad("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.speculative_algorithm is not None:
+            raise bad("speculative_algorithm", "does not run with enable_lora (LoRA) yet")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise bad("tensor_parallel_size", "must be 1 with enable_lora (LoRA runs on one rank for now)")
         self._check_task(bad)
         self._check_images(bad)
 

@@ -21,6 +21,7 @@ from gapless.engine.images import PromptImage
 from gapless.engine.pooling import PoolingSpec, cosine, format_pair, score_pairs, score_template
 from gapless.engine.prompt_logprobs import Logprob, prompt_logprobs_output
 from gapless.engine.request import Req
+from gapless.lora.request import LoRARequest
 from gapless.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -79,8 +80,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids) and return the outputs in the prompts' order.
+
+        `lora_request`: the LoRA adapter (engine option `enable_lora`) all prompts run with, or one per
+        prompt (None: the base model), as vLLM's.
 
         `sampling_params` is one for all prompts or one per prompt (None: `SamplingParams()`); the knobs
         they leave unset take the checkpoint's sampling defaults (`get_default_sampling_params`). Every
@@ -95,7 +100,17 @@ class LLM:
         params = _params_per_prompt(sampling_params, len(batch), "prompts")
         # validate everything before queueing anything, so a bad prompt leaves the engine untouched
         token_ids = [engine.tokenize(p) for p in batch]
-        return self._run(batch, token_ids, params, use_tqdm)
+        return self._run(batch, token_ids, params, use_tqdm, loras=self._loras(lora_request, len(batch)))
+
+    def _loras(
+        self, lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each checked (and refused by name) before anything is queued."""
+        loras = _loras_per_prompt(lora, n)
+        for lo in loras:
+            if lo is not None:
+                self._live_engine().add_lora(lo)
+        return loras
 
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False) -> list[EmbeddingOutput]:
         """The embedding of each prompt (text or token ids), in order, from a model served with task
@@ -157,13 +172,15 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of
         them, as vLLM's `LLM.chat` does: each is rendered with the tokenizer's chat template (or
         `chat_template`), `chat_template_kwargs` passed to it (e.g. `{"enable_thinking": False}` for
-        Qwen3), and an assistant turn opened (`add_generation_prompt`). Returns one `RequestOutput` per
-        conversation, its `prompt` the rendered text. Raises ValueError when the model's tokenizer has
-        no chat template; like `generate`, it checks every conversation before queueing any."""
+        Qwen3), and an assistant turn opened (`add_generation_prompt`); `lora_request` as `generate`'s.
+        Returns one `RequestOutput` per conversation, its `prompt` the rendered text. Raises ValueError
+        when the model's tokenizer has no chat template; like `generate`, it checks every conversation
+        before queueing any."""
         engine = self._live_engine()
         if messages and isinstance(messages[0], Mapping):
             convs = [cast(Sequence[Message], messages)]  # one conversation
@@ -174,7 +191,7 @@ class LLM:
             how = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
             if chat_template is not None:
                 how["chat_template"] = chat_template
-            return self._chat_images(convs, params, use_tqdm, how)
+            return self._chat_images(convs, params, use_tqdm, how, self._loras(lora_request, len(convs)))
         texts, token_ids = [], []
         for conv in convs:
             text, ids = render_chat(
@@ -186,7 +203,7 @@ class LLM:
             )
             texts.append(text)
             token_ids.append(engine.tokenize(ids))
-        return self._run(texts, token_ids, params, use_tqdm)
+        return self._run(texts, token_ids, params, use_tqdm, loras=self._loras(lora_request, len(convs)))
 
     def _chat_images(
         self,
@@ -194,6 +211,7 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         template_kwargs: dict[str, Any],
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         """`chat` for a vision-language model: messages may hold image parts (`{"type": "image", "image":
         a PIL image or a path}`, or OpenAI's `image_url` with a data: URL), each checked against the
@@ -205,7 +223,7 @@ class LLM:
             ids, prompt_images = prompter.render(chat, opened, template_kwargs)
             token_ids.append(self.engine.tokenize(ids))
             images.append(prompt_images)
-        return self._run([None] * len(convs), token_ids, params, use_tqdm, images)
+        return self._run([None] * len(convs), token_ids, params, use_tqdm, images, loras)
 
     def _run(
         self,
@@ -214,6 +232,7 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         images: list[tuple[PromptImage, ...]] | None = None,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for the validated prompts (a pooling model refuses: it does not generate)."""
         if self.engine.pooling is not None:
@@ -221,7 +240,7 @@ class LLM:
                 f"this model runs task {self.engine.pooling.task} (a pooling model): it does not generate; "
                 "use LLM.embed or LLM.score, or load it with task='generate'"
             )
-        reqs = self._requests(token_ids, params, use_tqdm, images)
+        reqs = self._requests(token_ids, params, use_tqdm, images, loras)
         return [self._output(r, p) for r, p in zip(reqs, prompts)]
 
     def _requests(
@@ -230,6 +249,7 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         images: list[tuple[PromptImage, ...]] | None = None,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[Req]:
         """Queue the validated prompts and step the engine until all of them are finished. The heap the
         caller's process held before is frozen meanwhile (`frozen_heap`): the collections the run's own
@@ -237,7 +257,11 @@ class LLM:
         for p in params:  # a grammar that cannot compile refuses the call before any of it is queued
             self.engine.check_params(p)
         images = images or [()] * len(token_ids)
-        reqs = [self.engine.add_request(ids, p, images=im) for ids, p, im in zip(token_ids, params, images)]
+        loras = loras if loras is not None else [None] * len(params)
+        reqs = [
+            self.engine.add_request(ids, p, images=im, lora_request=lo)
+            for ids, p, im, lo in zip(token_ids, params, images, loras)
+        ]
         try:
             with (
                 frozen_heap(),
@@ -306,3 +330,15 @@ def _params_per_prompt(
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(p).__name__}")
     return params
+
+
+def _loras_per_prompt(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: the same one for all, or the list given (checked)."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora requests for {n} prompts")
+    return loras

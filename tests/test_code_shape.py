@@ -2,9 +2,10 @@
 way, with no circle.
 
 The layers, bottom to top (docs/design.md, "Layers"): plain option types and the default model's
-maker; memory; attention and sampling; the model; the engine; the server and the offline `LLM`; the
-programs and test support on top. A module may import its own layer and the layers below it, never one
-above: so the device side never reaches back into the scheduler, nor the engine into the server.
+maker; memory; attention and sampling; the model; LoRA adapters on it; the engine; the server and the
+offline `LLM`; the programs and test support on top. A module may import its own layer and the layers
+below it, never one above: so the device side never reaches back into the scheduler, nor the engine into
+the server.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"memory"},
     {"attention", "sampling"},
     {"model"},
+    {"lora"},
     {"engine"},
     {"server", "llm"},
     {"chat", "__main__", "bench", "testing"},

@@ -23,6 +23,7 @@ from gapless.sampling.rows import RowParams, SampleFlags
 
 if TYPE_CHECKING:
     from gapless.engine.vision import ImageBatch
+    from gapless.lora.table import LoRALoad
     from gapless.sampling.sampler import SampleOutput
 
 V = TypeVar("V")  # a vector: a host numpy array or a tensor
@@ -97,6 +98,10 @@ class ForwardBatch:
     # speculative decoding (gapless.engine.spec): a verify batch's inputs, or an extend's token history
     spec: VerifyInputs | HistoryWrites | None = None
 
+    # LoRA (gapless.lora): each token's adapter slot ([T] int64, -1: the base model; None: every row runs
+    # the base), and the adapters the device puts into their slots before the forward
+    lora_slots: torch.Tensor | None = None
+    lora_loads: list[LoRALoad] = field(default_factory=list)
     # a vision-language model's image tokens in this extend: the encoder's rows replace their embeddings
     images: ImageBatch | None = None
 

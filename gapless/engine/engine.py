@@ -40,6 +40,9 @@ from gapless.engine.runner import ModelRunner
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.stats import EngineStats
 from gapless.engine.stream import DeviceStream, make_stream
+from gapless.lora.registry import AdapterRegistry
+from gapless.lora.request import LoRARequest
+from gapless.model.config import load_model_config
 from gapless.model.generation_config import describe, generation_defaults
 from gapless.model.source import load_tokenizer
 from gapless.sampling_params import SamplingParams
@@ -101,6 +104,10 @@ class Engine:
         self._seeds = random.Random(cfg.seed)
         self._ids = itertools.count()
         self.reqs: dict[str, Req] = {}
+        # the LoRA adapters requests may name (gapless.lora), each checked against the model once
+        self.loras = (
+            AdapterRegistry(load_model_config(cfg.model), cfg.max_lora_rank) if cfg.enable_lora else None
+        )
 
     @property
     def closed(self) -> bool:
@@ -172,15 +179,18 @@ class Engine:
         params: SamplingParams,
         rid: str | None = None,
         images: tuple[PromptImage, ...] = (),
+        lora_request: LoRARequest | None = None,
     ) -> Req:
         """Queue an already validated prompt (see `tokenize`) and its images (`image_prompter`). The one
         place a request's unset sampling knobs are filled (`SamplingParams.resolved`: the checkpoint's
         defaults, else the library's), for `LLM`, `gapless chat` and the server alike; the queued `Req`
-        holds the resolved params."""
+        holds the resolved params. `lora_request`: the LoRA adapter it runs with (checked, once per
+        adapter: `add_lora`)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
         if images and (self.vision is None or any(im.start + im.length > len(prompt_ids) for im in images)):
             raise ValueError("images for a model without a vision encoder, or past the prompt's end")
+        lora = self.add_lora(lora_request) if lora_request is not None else None
         params = params.resolved(self.sampling_defaults)
         if self.pooling is not None:  # prefill only: the one token its last chunk samples is dropped
             params = dataclasses.replace(params, max_tokens=1, temperature=0.0, ignore_eos=True, stop=[])
@@ -204,11 +214,22 @@ class Engine:
             prompt_lp=prompt_logprobs.new_state(params, len(prompt_ids)),
             pool=pooling.new_state(self.pooling, len(prompt_ids)),
             grammar=grammar,
+            lora=lora,
             images=tuple(images),
         )
         self.reqs[rid] = req
         self.scheduler.add(req)
         return req
+
+    def add_lora(self, lora: LoRARequest) -> LoRARequest:
+        """`lora`, checked against the model (a `LoRAError` naming what is wrong) and known from now on."""
+        if not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, not {type(lora).__name__}")
+        if self.loras is None:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r}: LoRA is off; start with enable_lora=True (--enable-lora)"
+            )
+        return self.loras.add(lora)
 
     def image_prompter(self) -> ImagePrompter:
         """The model's processor, for chats with images (made on first use); ValueError for a text model."""

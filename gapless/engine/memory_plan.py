@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -246,3 +247,21 @@ def dummy_decode(batch_size: int, pad_row: int, max_rows: int, vocab_size: int) 
     """A decode batch of `batch_size` requests, all on `pad_row` at position 0 and KV slot 0, sampling
     with every stage on. For measuring memory."""
     return _dummy_batch([1] * batch_size, True, pad_row, max_rows, vocab_size)
+
+
+def allocated_bytes(device: torch.device) -> int:
+    """Bytes of live tensors on `device` (CUDA's caching allocator), 0 off CUDA."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def peak_bytes(device: torch.device, fn: Callable[[], object]) -> int:
+    """Peak bytes `fn` allocates above what was allocated before it (0 off CUDA, where `fn` just runs)."""
+    if device.type != "cuda":
+        fn()
+        return 0
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - base)

@@ -14,6 +14,7 @@ from gapless.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from gapless.engine.grammar import GrammarState
     from gapless.engine.pooling import PoolState
+    from gapless.lora.request import LoRARequest
 
 
 class ReqStatus(enum.Enum):
@@ -57,6 +58,7 @@ class Req:
     stop_str_hit: str | None = None  # the stop string that ended it, if any
     aborted: bool = False
     grammar: GrammarState | None = None  # structured output's matcher (gapless.engine.grammar)
+    lora: LoRARequest | None = None  # the adapter it runs with (gapless.lora); None: the base model
     # while waiting: (length, key), the tokens the prefix cache may supply, as the cache's key, kept while
     # that length holds, since the waiting queue is ordered by cached prefix every step (`KVManager`)
     match_key: tuple[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)

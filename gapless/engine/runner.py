@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -28,11 +27,13 @@ from gapless.engine.defaults import apply_device_defaults, device_memory
 from gapless.engine.memory_plan import (
     CpuKVPlan,
     GpuKVPlan,
+    allocated_bytes,
     available_ram,
     dummy_decode,
     dummy_prefill,
     encoder_bytes,
     encoder_images,
+    peak_bytes,
     plan_cpu_kv,
     plan_gpu_kv,
 )
@@ -41,6 +42,7 @@ from gapless.engine.pooling import pool_hidden
 from gapless.engine.spec.device import SpecState
 from gapless.engine.spec.draft import load_draft
 from gapless.engine.vision import EncoderCache
+from gapless.lora.table import make_lora_table
 from gapless.memory.kv_pool import KVPool, kv_cache_dtype
 from gapless.memory.req_table import ReqTable
 from gapless.model import parallel
@@ -80,7 +82,7 @@ class ModelRunner:
         self.chunked_prefill_size: int = cfg.chunked_prefill_size
         # what the process held before this runner: other tensors, other engines. The KV plan counts only
         # what the runner adds on top as its own (see `plan_gpu_kv`)
-        allocated_before = _allocated(self.device)
+        allocated_before = allocated_bytes(self.device)
         if self.device.type == "cuda" and cfg.kv_cache_memory_gib is not None:
             raise ValueError(
                 "kv_cache_memory_gib sizes the KV cache on the CPU; on CUDA set mem_fraction_static "
@@ -139,6 +141,8 @@ class ModelRunner:
             None
         )
         self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
+        # the resident LoRA adapters, when on: made before the KV plan, which counts them as weights
+        self.lora = make_lora_table(cfg, self.model, mcfg, self.dtype, self.device)
         graph_bs = self._graph_max_bs(cfg)
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.kv_dtype)
@@ -240,7 +244,7 @@ class ModelRunner:
         plan = plan_gpu_kv(
             total=total,
             free=free,
-            allocated=_allocated(self.device),
+            allocated=allocated_bytes(self.device),
             allocated_before=allocated_before,
             activation_peak=peak,
             graph_bytes=graph_bytes,
@@ -315,6 +319,8 @@ class ModelRunner:
         table = self.req_table
         if batch.table_writes is not None:
             table.apply_writes(*batch.table_writes)
+        if self.lora is not None:
+            self.lora.prepare(batch.lora_loads, batch.lora_slots)
         draft = self.spec.draft if self.spec is not None else None
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(batch) else None
         if graphs is not None:
@@ -451,21 +457,21 @@ def measure_activations(
         scratch.run(decode)
 
     step()
-    peak = _peak_bytes(runner.device, step)
+    peak = peak_bytes(runner.device, step)
     graph_bytes = 0
     if graph_bs:
         fwd = dataclass_to_device(dummy_decode(graph_bs, pad, max_rows, vocab), runner.device)
-        graph_bytes = _peak_bytes(runner.device, lambda: scratch.forward_hidden(fwd))
+        graph_bytes = peak_bytes(runner.device, lambda: scratch.forward_hidden(fwd))
         # a sampled graph keeps its LM head's and sampler's buffers too: bounded by a decode of its size
         # sampling with every stage on
         sampled = dummy_decode(min(graph_bs, SAMPLED_MAX_BS), pad, max_rows, vocab)
-        graph_bytes = max(graph_bytes, _peak_bytes(runner.device, lambda: scratch.run(sampled)))
+        graph_bytes = max(graph_bytes, peak_bytes(runner.device, lambda: scratch.run(sampled)))
     if graph_bs and verify_width:  # the largest verify graph: graph_bs requests of verify_width tokens
         tokens = graph_bs * verify_width
         ext = dataclass_to_device(
             dummy_prefill(tokens, req_table.max_context, pad, max_rows, vocab), runner.device
         )
-        graph_bytes = max(graph_bytes, _peak_bytes(runner.device, lambda: scratch.forward_hidden(ext)))
+        graph_bytes = max(graph_bytes, peak_bytes(runner.device, lambda: scratch.forward_hidden(ext)))
     if piecewise_tokens:
 
         def pieces() -> None:
@@ -473,26 +479,8 @@ def measure_activations(
             for i in range(graphs.num_pieces):  # on padding: token 0 at position 0, into KV slot 0
                 graphs.piece(graphs.max_tokens, i)
 
-        graph_bytes += _peak_bytes(runner.device, pieces)
+        graph_bytes += peak_bytes(runner.device, pieces)
     runner.token_buf.fill_(-1)
     runner.token_buf[runner.pad_row] = 0
     runner.sampler.reset()
     return peak, graph_bytes
-
-
-def _allocated(device: torch.device) -> int:
-    """Bytes of live tensors on `device` (CUDA's caching allocator), 0 off CUDA."""
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-
-
-def _peak_bytes(device: torch.device, fn: Callable[[], object]) -> int:
-    """Peak bytes `fn` allocates above what was allocated before it (0 off CUDA, where `fn` just runs)."""
-    if device.type != "cuda":
-        fn()
-        return 0
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return max(0, torch.cuda.max_memory_allocated(device) - base)

@@ -85,6 +85,16 @@ def as_tuple(tokens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     return tuple(tokens)
 
 
+def adapter_key(tokens: Sequence[int], adapter: int) -> Sequence[int]:
+    """The prefix cache's key of `tokens` run under LoRA adapter `adapter` (0: the base model): each id
+    moved into a range of the adapter's own, so no prefix is ever shared across adapters (their KV
+    differs) while the tree keys, pages and matches as it does for the base model."""
+    if not adapter:
+        return tokens
+    offset = adapter << 32  # above every token id
+    return tuple(t + offset for t in tokens)
+
+
 def host_slots(slots: torch.Tensor) -> torch.Tensor:
     return slots.reshape(-1).to(device="cpu", dtype=torch.int64)
 

@@ -46,6 +46,9 @@ class _Linear(nn.Module):
     # the CPU's prepacked GEMM of this layer, set after loading (`gapless.model.cpu_gemm`); None: plain
     cpu_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
     linear_method: LinearMethod = UNQUANTIZED
+    # the layer's resident LoRA adapters (`gapless.lora.table.LoRALayer`), whose delta is added to the
+    # output; None: no adapters
+    lora: Any = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -56,7 +59,8 @@ class _Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x)
+        y = self.linear_method.apply(self, x)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class ColumnParallelLinear(_Linear):

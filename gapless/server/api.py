@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gapless.server.errors import BadRequest
-from gapless.server.routes import admin, native, openai, pooling, schema, scoring
+from gapless.server.routes import admin, lora, native, openai, pooling, schema, scoring
 from gapless.server.routes.common import ExchangeScope, error_response
 from gapless.server.state import ServerState
 
@@ -24,7 +24,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(BadRequest, _bad_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(ExchangeScope)
-    for routes in (admin, openai, native, schema, scoring, pooling):
+    for routes in (admin, openai, native, schema, scoring, pooling, lora):
         app.include_router(routes.router)
     return app
 

@@ -107,6 +107,12 @@ def http_server(
     from gapless.server.api import create_app
     from gapless.server.state import ServerState, Settings
 
+    loras = None
+    if cfg.enable_lora:  # (checked at start-up: `launch._check_loras`)
+        from gapless.lora.modules import served_adapters
+        from gapless.model.config import load_model_config
+
+        loras = served_adapters(args.lora_modules, load_model_config(cfg.model), cfg.max_lora_rank)
     settings = Settings(
         model_name(args, cfg),
         cfg.model,
@@ -119,6 +125,7 @@ def http_server(
         engine_config=cfg,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        loras=loras,
     )
     metrics.set_weights(info.weight_formats)
     app = create_app(ServerState(settings, client, health, metrics))

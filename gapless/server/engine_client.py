@@ -193,7 +193,7 @@ class EngineClient:
         rids = [f"{base}-{i}" for i in range(len(sub.prompts) * len(sub.choices))]
         prompts = [_prompt_in(p) for p in sub.prompts]
         frame = P.encode(
-            P.TokenizeReq(rids, prompts, sub.choices, max_prompt_tokens, sub.chat_template_kwargs)
+            P.TokenizeReq(rids, prompts, sub.choices, max_prompt_tokens, sub.chat_template_kwargs, sub.lora)
         )
         group = Group(rids, timeout_s)
         for rid in rids:

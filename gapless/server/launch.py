@@ -289,6 +289,18 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise _Terminated
 
 
+def _check_loras(args: argparse.Namespace, cfg: EngineConfig, mcfg: ModelConfig) -> None:
+    """`--lora-modules` and the LoRA options, each adapter checked against the model (ValueError)."""
+    from gapless.lora.modules import served_adapters
+
+    if args.lora_modules and not cfg.enable_lora:
+        raise ValueError("--lora-modules serves LoRA adapters: add --enable-lora")
+    if cfg.enable_lora and args.api_server_count > 1:
+        raise ValueError("--enable-lora runs with one API server process (--api-server-count 1) for now")
+    if cfg.enable_lora:
+        served_adapters(args.lora_modules, mcfg, cfg.max_lora_rank)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run `gapless serve` for parsed `args` until it is stopped; returns the exit status."""
     started = time.monotonic()
@@ -320,6 +332,7 @@ def _serve_checked(args: argparse.Namespace, started: float) -> int:
         # the model made local (fetched, downloaded) and checked before any worker starts
         cfg, mcfg = check_engine_config(named)
         _check_replica_devices(cfg)
+        _check_loras(args, cfg, mcfg)
         args.served_model_name = args.served_model_name or served_name(named.model)
         if cfg.node_rank > 0:  # another node of a tensor-parallel group: its ranks only, no HTTP
             return _run_node(args, cfg)

@@ -32,7 +32,7 @@ import msgspec
 from gapless.sampling_params import STRUCTURED_FIELDS, SamplingParams
 from gapless.server.errors import BadRequest, prompt_too_long
 from gapless.server.images import check_image_count, check_image_url
-from gapless.server.protocol import ChatMessage, ImageChat
+from gapless.server.protocol import ChatMessage, ImageChat, LoRAIn
 from gapless.server.reasoning import END as THINK_END
 from gapless.server.served_model import ServedModel
 from gapless.server.structured import StructuredError, check_compiles, structured_fields
@@ -61,6 +61,7 @@ class Submission:
     prompts: list[Prompt]
     choices: list[SamplingParams]
     chat_template_kwargs: dict[str, Any] | None = None
+    lora: LoRAIn | None = None  # the LoRA adapter the request's `model` names; None: the base model
 
     def engine_requests(self) -> list[EngineRequest]:
         return [(prompt, params) for prompt in self.prompts for params in self.choices]
@@ -453,9 +454,12 @@ def parse_request(
     Malformed JSON is a 422, a wrong shape or type a 400 naming the field, a model this server does not
     serve a 404, and an invalid value (or one it cannot honour) a 400 naming the field."""
     req = decode_body(body, kind)
-    served.check_model(getattr(req, "model", None))  # the native endpoint names none
+    lora = served.check_model(getattr(req, "model", None))  # the native endpoint names none
     _log_ignored_fields(body, kind)
-    return req, req.submission(served)
+    sub = req.submission(served)
+    if lora is not None:
+        sub = replace(sub, lora=LoRAIn(lora.lora_name, lora.lora_int_id, lora.lora_path))
+    return req, sub
 
 
 def decode_body(body: bytes, kind: type[S]) -> S:

@@ -68,6 +68,14 @@ class ImageIn(msgspec.Struct):
     inputs: list[TensorBytes]
 
 
+class LoRAIn(msgspec.Struct):
+    """The LoRA adapter a request runs with (`gapless.lora.LoRARequest`'s fields)."""
+
+    name: str
+    id: int
+    path: str
+
+
 class TokenizeReq(msgspec.Struct, tag=True):
     """One HTTP request's engine requests, tokenized together so that all of them reach the scheduler or
     none does. Engine request `rids[i * n + j]` is prompt i's choice j, sampled with `params[j]`
@@ -78,6 +86,7 @@ class TokenizeReq(msgspec.Struct, tag=True):
     params: list[SamplingParams]
     max_prompt_tokens: int  # the longest prompt the scheduler takes (its context holds one more token)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    lora: LoRAIn | None = None  # the adapter every one of them runs with; None: the base model
 
 
 class SchedReq(msgspec.Struct, tag=True):
@@ -85,6 +94,7 @@ class SchedReq(msgspec.Struct, tag=True):
     prompt_ids: list[int]
     params: SamplingParams
     images: list[ImageIn] | None = None
+    lora: LoRAIn | None = None
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -31,6 +31,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="model id in the API (default: the model as named; a path's last part)",
     )
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='LoRA adapters to serve (with --enable-lora), each name=path or JSON {"name": ..., "path": ..., '
+        '"base_model_name": ...}; a request\'s model names one',
+    )
+    parser.add_argument(
         "--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413 (default: 32 MiB)"
     )
     parser.add_argument(

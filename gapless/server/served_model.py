@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gapless.engine.image_io import ImageLimits
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.errors import BadRequest
+
+if TYPE_CHECKING:
+    from gapless.lora.registry import AdapterRegistry
+    from gapless.lora.request import LoRARequest
 
 RUN_TO_CONTEXT_END = 2**31 - 1  # no max_tokens and no server default: generate until the context is full
 
@@ -26,6 +31,8 @@ class ServedModel:
     max_logprobs: int = MAX_LOGPROBS  # the most top logprobs a request may ask for (--max-logprobs)
     tool_call_parser: str | None = None  # --tool-call-parser (gapless.server.tools)
     reasoning_parser: str | None = None  # --reasoning-parser (gapless.server.reasoning)
+    # the LoRA adapters served beside the model (--enable-lora; loaded and unloaded while it serves)
+    loras: AdapterRegistry | None = None
     task: str = "generate"  # generate, or a pooling model's embed or score (gapless.engine.pooling)
     normalize: bool = False  # a pooling model's vectors are L2-normalized
 
@@ -73,12 +80,17 @@ class ServedModel:
     def max_prompt_tokens(self) -> int:
         return self.max_context - 1
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model, which naming none is too); a 404 for a
+        model this server does not serve."""
+        if self.loras is not None and model in self.loras.by_name:
+            return self.loras.by_name[model]
         names = (model, model.rstrip("/")) if model is not None else ()
         if model is not None and self.name not in names and self.aliases.isdisjoint(names):
             raise BadRequest(
                 f"The model `{model[:200]}` does not exist; this server serves `{self.name}`.", "model", 404
             )
+        return None
 
     def default_max_tokens(self, max_tokens: int | None) -> int:
         """A request's max_tokens: its own, else the server's default, else the rest of the context."""

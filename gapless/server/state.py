@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gapless.config import EngineConfig
+    from gapless.lora.registry import AdapterRegistry
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Settings:
     engine_config: EngineConfig | None = None  # the workers' config: /tokenize loads the same tokenizer
     tool_call_parser: str | None = None  # --tool-call-parser
     reasoning_parser: str | None = None  # --reasoning-parser
+    loras: AdapterRegistry | None = None  # the LoRA adapters served (--enable-lora), None: LoRA off
 
     @functools.cached_property
     def served(self) -> ServedModel:
@@ -53,6 +55,7 @@ class Settings:
             served,
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
+            loras=self.loras,
             task=info.task,
             normalize=info.normalize,
             images=images,

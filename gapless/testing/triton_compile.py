@@ -14,8 +14,8 @@ and without a sliding window and soft-capping, at head dims 64 and 128, and over
 (bf16 and fp16 queries); the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
-the MoE grouped GEMM; the FP8 GEMM; the int4/int8 weight-only GEMM. Exit status 1, naming each
-kernel and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter
+the MoE grouped GEMM; the FP8 GEMM; the int4/int8 weight-only GEMM; the LoRA kernels. Exit status 1, naming
+each kernel and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter
 takes the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
@@ -221,6 +221,18 @@ def _moe() -> dict[str, Callable[[], object]]:
     return {f"moe {dtype}": partial(run, dtype) for dtype in DTYPES}
 
 
+def _lora() -> dict[str, Callable[[], object]]:
+    from gapless.lora import triton_kernels
+
+    def run(dtype: torch.dtype) -> object:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, 96, generator=g).to(dtype)
+        a, b = torch.randn(3, 24, 64, generator=g).to(dtype), torch.randn(3, 96, 24, generator=g).to(dtype)
+        return triton_kernels.add_lora(y, x, a, b, torch.tensor([0, -1, 2, 1, 0]))
+
+    return {f"lora {dtype}": partial(run, dtype) for dtype in DTYPES}
+
+
 def _fp8() -> dict[str, Callable[[], object]]:
     from gapless.model.quant.fp8_kernel import fp8_gemm
 
@@ -262,7 +274,7 @@ def _int4() -> dict[str, Callable[[], object]]:
 def compile_all(arch: int) -> Compiler:
     """Launch every case under a `Compiler` for `arch`; the compiler's record of what built and what not."""
     with Compiler(arch) as compiler, torch.inference_mode():
-        for group in (_attention, _model_kernels, _sampling, _moe, _fp8, _int4):
+        for group in (_attention, _model_kernels, _sampling, _moe, _fp8, _int4, _lora):
             for name, case in group().items():
                 before = len(compiler.failed)
                 try:

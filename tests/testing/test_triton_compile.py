@@ -28,6 +28,8 @@ KERNELS = {
     "_draw_kernel",
     "_penalties_kernel",
     "_nucleus_floor_kernel",
+    "_lora_shrink_kernel",
+    "_lora_expand_kernel",
     "_fp8_gemm_kernel",
     "_w4a16_kernel",
 }

@@ -46,6 +46,7 @@ from gapless.engine.scheduler.verify_results import VerifyResultProcessor
 from gapless.engine.scheduler.window import freeing_window
 from gapless.engine.stats import EngineStats
 from gapless.engine.stream import DeviceStream, Pending
+from gapless.lora.slots import SlotAssigner
 from gapless.memory.allocator import PageAllocator
 from gapless.memory.cache_base import NoPrefixCache, PrefixCache
 from gapless.memory.radix_cache import RadixCache
@@ -70,7 +71,10 @@ class Scheduler:
         self.stream = stream
         self.overlap = cfg.overlap
         speculative = cfg.speculative_algorithm is not None
-        self.builder = BatchBuilder(cfg.max_running_requests, info.vocab_size, enters_history=speculative)
+        lora = SlotAssigner(cfg.max_loras) if cfg.enable_lora else None
+        self.builder = BatchBuilder(
+            cfg.max_running_requests, info.vocab_size, enters_history=speculative, lora=lora
+        )
         # host-side memory: the request table's mirror, the page allocator and the prefix cache
         self.req_table = ReqTable(cfg.max_running_requests, info.max_context, device=None)
         self.allocator = PageAllocator(info.num_pages, cfg.page_size)
@@ -86,7 +90,7 @@ class Scheduler:
         reserve = DecodeReserve(
             cfg, info.max_context, self.kv.window.reserve_cap() if self.kv.window else None
         )
-        self.prefill_planner = PrefillPlanner(cfg, self.queues, self.kv, reserve, self.stats)
+        self.prefill_planner = PrefillPlanner(cfg, self.queues, self.kv, reserve, self.stats, lora)
         # speculative decoding: every decode is a verify batch (gapless.engine.scheduler.verify)
         self.spec = SpecDecode(cfg, self.kv, self.builder, info.max_context) if speculative else None
         alloc = self.kv.alloc_decode if self.spec is None else self.spec.alloc

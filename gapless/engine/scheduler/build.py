@@ -26,6 +26,7 @@ from gapless.engine.scheduler.kv import DecodeSlots
 from gapless.engine.scheduler.masks import MaskedRow, needs_mask
 from gapless.engine.spec.inputs import HistoryWrites
 from gapless.engine.vision import image_batch
+from gapless.lora.slots import SlotAssigner
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
 
@@ -95,8 +96,11 @@ class BatchBuilder:
     """Builds the scheduler's batches; keeps the host's side of the per-row sampling state (which stages
     each request-table row needs), set when a request is admitted."""
 
-    def __init__(self, num_rows: int, vocab_size: int, enters_history: bool = False) -> None:
+    def __init__(
+        self, num_rows: int, vocab_size: int, enters_history: bool = False, lora: SlotAssigner | None = None
+    ) -> None:
         self.vocab_size = vocab_size
+        self.lora = lora  # the resident adapters' slots, when LoRA is on
         # speculative decoding: extends enter their tokens in the rows' token history, to draft from
         self.enters_history = enters_history
         self.stages = RowStages(num_rows)
@@ -118,6 +122,7 @@ class BatchBuilder:
             vectors, table_writes = pack_groups(vectors, table_writes)
         flags = self.stages.flags(slots.rows)
         forward = decode_batch(vectors, int(slots.positions.max()) + 1, flags, table_writes)
+        self._lora(forward, reqs, [1] * n)
         return ScheduledBatch(reqs, forward, True, [], [], masked=_masked(forward, reqs, steps))
 
     def extend(
@@ -195,11 +200,20 @@ class BatchBuilder:
             images=image_batch(entries, q_start.tolist()),
         )
         forward.prompt_scores, scored = plan_scores(entries)
+        self._lora(forward, reqs, [e.tokens for e in entries])
         forward.pool, pooled = plan_pool(entries)
         masked = _masked(forward, sample_reqs, step_list)
         return ScheduledBatch(
             reqs, forward, False, samples_token, kv_after, scored=scored, pooled=pooled, masked=masked
         )
+
+    def _lora(self, forward: ForwardBatch, reqs: list[Req], tokens: list[int]) -> None:
+        """The batch's LoRA slot per token and the adapters it loads first, when any row runs one."""
+        if self.lora is None:
+            return
+        batch = self.lora.assign([r.lora for r in reqs], tokens)
+        if batch is not None:
+            forward.lora_slots, forward.lora_loads = batch
 
     def _admit(self, admitted: list[Req]) -> RowParams:
         """The sampling values of requests entering their rows (for the device), noting on the host which

@@ -22,7 +22,7 @@ from gapless.engine.prompt_logprobs import reuse_limit
 from gapless.engine.request import Req
 from gapless.engine.scheduler.window import WindowKV
 from gapless.memory.allocator import PageAllocator
-from gapless.memory.cache_base import MatchResult, PrefixCache, TreeNode
+from gapless.memory.cache_base import MatchResult, PrefixCache, TreeNode, adapter_key
 from gapless.memory.integrity import check_integrity, check_live
 from gapless.memory.prefix_cache import (
     HeldKV,
@@ -53,8 +53,13 @@ def _match_key(req: Req) -> tuple[int, ...]:
     # position it pools (gapless.engine.pooling)
     limit = pooling.reuse_limit(req, reuse_limit(req))
     if req.match_key is None or req.match_key[0] != limit:
-        req.match_key = (limit, tuple(req.cache_ids(limit)))
+        req.match_key = (limit, tuple(adapter_key(req.cache_ids(limit), _adapter(req))))
     return req.match_key[1]
+
+
+def _adapter(req: Req) -> int:
+    """The LoRA adapter `req` runs with, as the prefix cache keys it (0: the base model)."""
+    return 0 if req.lora is None else req.lora.lora_int_id
 
 
 class KVManager:
@@ -288,7 +293,7 @@ class KVManager:
         """What `req` holds for its first `n` positions (host slots, copied out of the table)."""
         assert req.row is not None and req.last_node is not None
         slots = self.req_table.host_table[req.row, :n].long()
-        return HeldKV(req.cache_ids(n), slots, req.last_node, req.cached_len)
+        return HeldKV(adapter_key(req.cache_ids(n), _adapter(req)), slots, req.last_node, req.cached_len)
 
     def _write_table(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Host mirror now; the device table in stream order, with the next launched batch."""

@@ -19,6 +19,7 @@ from gapless.engine.scheduler.budget import DecodeReserve
 from gapless.engine.scheduler.kv import KVManager
 from gapless.engine.scheduler.queues import Queues
 from gapless.engine.stats import EngineStats
+from gapless.lora.slots import SlotAssigner
 from gapless.memory.cache_base import MatchResult
 
 LPM_MAX_QUEUE = 128  # beyond this, matching every waiting prompt costs more than it saves: fall back to fcfs
@@ -50,9 +51,16 @@ class PrefillPlanner:
     """Plans extend batches: the chunked request's next chunk, else admissions, under the budgets."""
 
     def __init__(
-        self, cfg: EngineConfig, queues: Queues, kv: KVManager, reserve: DecodeReserve, stats: EngineStats
+        self,
+        cfg: EngineConfig,
+        queues: Queues,
+        kv: KVManager,
+        reserve: DecodeReserve,
+        stats: EngineStats,
+        lora: SlotAssigner | None = None,
     ) -> None:
         self.cfg, self.queues, self.kv, self.reserve, self.stats = cfg, queues, kv, reserve, stats
+        self.lora = lora  # LoRA: admit no more distinct adapters than the device holds at once
 
     def schedule(self) -> ExtendPlan | None:
         """The next extend batch, or None if nothing can be prefilled now."""
@@ -99,6 +107,8 @@ class PrefillPlanner:
                 break
             if self.kv.req_table.num_free == 0:
                 break
+            if self.lora is not None and not self.lora.admits(req.lora, self._active_loras()):
+                continue  # its adapter waits for a slot; requests of resident adapters go first
             match = self.kv.lock_prefix(req)
             ext = req.seq_len - match.length
             n = min(ext, plan.token_budget)
@@ -115,6 +125,11 @@ class PrefillPlanner:
                 break
             q.start_decoding(req)
             plan.reserved += own_reserve
+
+    def _active_loras(self) -> list:
+        """The adapters of the requests that hold rows."""
+        q = self.queues
+        return [r.lora for r in q.running] + ([q.chunked.lora] if q.chunked is not None else [])
 
     def _order_waiting(self) -> list[Req]:
         waiting = self.queues.waiting

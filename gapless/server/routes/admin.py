@@ -23,6 +23,7 @@ async def health(request: Request) -> Response:
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])
 async def models(request: Request) -> JSONResponse:
+    """The served model, and each LoRA adapter served beside it with the model as its `parent`."""
     settings = server_state(request).settings
     card = {
         "id": settings.served_model,
@@ -34,7 +35,11 @@ async def models(request: Request) -> JSONResponse:
         "weight_formats": settings.info.weight_formats,  # each format and how many layers hold it
         "kv_cache": settings.info.kv_cache,  # its dtype and bytes per token: "fp8_e4m3, 57344 B/token"
     }
-    return JSONResponse({"object": "list", "data": [card]})
+    adapters = settings.loras.by_name.values() if settings.loras is not None else ()
+    cards = [card] + [
+        {**card, "id": lo.lora_name, "root": lo.lora_path, "parent": settings.served_model} for lo in adapters
+    ]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/metrics", dependencies=[Depends(require_api_key)])

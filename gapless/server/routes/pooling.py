@@ -68,7 +68,10 @@ async def _read(request: Request, kind: type[Any], tasks: tuple[str, ...]) -> An
     settings = server_state(request).settings
     settings.served.check_task(request.url.path, tasks)
     req = decode_body(await read_json_body(request, settings.max_request_bytes), kind)
-    settings.served.check_model(req.model)
+    if settings.served.check_model(req.model) is not None:
+        raise BadRequest(
+            f"{req.model!r} is a LoRA adapter; this endpoint serves the base model only", "model"
+        )
     return req
 
 

@@ -64,6 +64,12 @@ def _get(summary: str, media: str = "application/json") -> dict[str, Any]:
     }
 
 
+def _post(summary: str) -> dict[str, Any]:
+    body = {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
+    ok = {"description": summary, "content": {"text/plain": {}}}
+    return {"post": {"summary": summary, "requestBody": body, "responses": {"200": ok}}}
+
+
 @functools.cache
 def openapi_document(with_key: bool) -> dict[str, Any]:
     """The OpenAPI 3.1 document of every endpoint (built once), saying whether a Bearer key is required."""
@@ -93,7 +99,9 @@ def openapi_document(with_key: bool) -> dict[str, Any]:
         ),
         "/v1/score": _generation(ScoreRequest, "Pair scores (vLLM); a pooling model's", "The answer"),
         "/v1/rerank": _generation(RerankRequest, "Rerank (Jina, Cohere); a pooling model's", "The answer"),
-        "/v1/models": _get("The served model"),
+        "/v1/models": _get("The served model and its LoRA adapters"),
+        "/v1/load_lora_adapter": _post("Load a LoRA adapter: {lora_name, lora_path} (--enable-lora)"),
+        "/v1/unload_lora_adapter": _post("Unload a LoRA adapter: {lora_name} (--enable-lora)"),
         "/health": _get("Liveness: 200, or 503 once a worker failed (no key needed)"),
         "/metrics": _get("Prometheus metrics", "text/plain"),
         "/debug/state": _get("The scheduler's counters, the KV integrity check when idle, the worker pids"),

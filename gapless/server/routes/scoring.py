@@ -141,7 +141,10 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 def _decode_body(body: bytes, kind: type[Any], served: ServedModel) -> Any:
     req = decode_body(body, kind)
-    served.check_model(req.model)
+    if served.check_model(req.model) is not None:
+        raise BadRequest(
+            f"{req.model!r} is a LoRA adapter; this endpoint serves the base model only", "model"
+        )
     return req
 
 

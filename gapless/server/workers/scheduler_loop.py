@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, cast
 from gapless.config import EngineConfig
 from gapless.engine.heap import frozen_heap
 from gapless.engine.image_io import ImageLimits
+from gapless.lora.request import LoRARequest
 from gapless.server import protocol as P
 from gapless.server.images import from_wire
 from gapless.server.logs import StatsLog
@@ -217,8 +218,9 @@ class SchedulerLoop:
     def add(self, msg: P.SchedReq) -> None:
         try:
             ids = self.engine.tokenize(msg.prompt_ids)  # validates ids and length
+            lora = LoRARequest(msg.lora.name, msg.lora.id, msg.lora.path) if msg.lora is not None else None
             images = from_wire(msg.images) if msg.images else ()
-            self.engine.add_request(ids, msg.params, rid=msg.rid, images=images)
+            self.engine.add_request(ids, msg.params, rid=msg.rid, images=images, lora_request=lora)
         except ValueError as e:
             if self.request_log is not None:
                 self.request_log.refused(msg.rid, e)

@@ -73,7 +73,7 @@ class PromptTokenizer:
             return [P.Refused(req.rids, f"could not tokenize the prompt: {e}", param="prompt")]
         n = len(req.params)
         return [
-            P.SchedReq(rid, made[k // n][0], req.params[k % n], made[k // n][1])
+            P.SchedReq(rid, made[k // n][0], req.params[k % n], made[k // n][1], req.lora)
             for k, rid in enumerate(req.rids)
         ]
 

@@ -1,0 +1,147 @@
+"""The device's resident adapters: per adapted layer, A [slots, blocks * max_rank, in] and B [slots, out,
+blocks * max_rank] stacked, one slot per adapter (`max_loras`), zero where an adapter has nothing; and the
+per-token slot vector every layer reads (a static buffer: a CUDA graph replays whatever the runner copied
+into it). Each adapted linear layer gets a `LoRALayer` as its `lora`, which adds the delta after the
+layer's own output, so LoRA composes with any linear method.
+
+Slots are filled in stream order, by the batch that first needs them (`ForwardBatch.lora_loads`); the
+adapters' weights come from a CPU cache of `max_cpu_loras` read adapters, least recently used out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import NamedTuple
+
+import torch
+
+from gapless.config import EngineConfig
+from gapless.lora.adapter import BLOCKS, MLP_LAYERS, AdapterWeights, layer_shapes, load_adapter
+from gapless.lora.ops import Segments, add_lora_torch, segments
+from gapless.model.config import ModelConfig
+from gapless.model.decoder import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+class LoRALoad(NamedTuple):
+    """Put adapter `lora_id` (read from `path`) into device slot `slot` before a batch's forward."""
+
+    slot: int
+    lora_id: int
+    name: str
+    path: str
+
+
+class LoRALayer:
+    """One layer's stacked adapters, and the delta it adds: `y + B[slot] A[slot] x` per token."""
+
+    def __init__(self, table: LoRATable, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.table = table
+        self.a, self.b = a, b
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        if table.kernel:
+            from gapless.lora import triton_kernels
+
+            return triton_kernels.add_lora(y, x, self.a, self.b, table.token_slots[: x.shape[0]])
+        return add_lora_torch(y, x, self.a, self.b, table.segments) if table.segments is not None else y
+
+
+class LoRATable:
+    """Every adapted layer's slots, the slot vector, and the adapters read so far (on the CPU)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cfg: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        max_cpu_loras: int,
+        max_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.cfg, self.max_rank, self.max_cpu_loras = cfg, max_rank, max_cpu_loras
+        # CUDA: the gathered kernels read the slot vector on the device (a graph captures them; slot -1
+        # rows skip); elsewhere torch runs the batch's tokens sorted by slot, once per batch
+        self.kernel = device.type == "cuda"
+        self.segments: Segments | None = None
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.resident: list[int | None] = [None] * max_loras  # the adapter id in each slot
+        self.loads = 0  # adapters put into slots so far
+        self.cpu: OrderedDict[tuple[int, str], AdapterWeights] = OrderedDict()  # (id, path) -> read, LRU last
+        self.layers: dict[tuple[int, str], LoRALayer] = {}
+        shapes = layer_shapes(cfg)
+        for i, layer in enumerate(model.model.layers):
+            for name, shape in shapes.items():
+                if name in MLP_LAYERS and cfg.moe_layers[i]:
+                    continue
+                parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
+                rank = BLOCKS[name] * max_rank
+                a = torch.zeros(max_loras, rank, shape.in_features, dtype=dtype, device=device)
+                b = torch.zeros(max_loras, shape.out_features, rank, dtype=dtype, device=device)
+                lora = LoRALayer(self, a, b)
+                getattr(parent, name).lora = lora
+                self.layers[(i, name)] = lora
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lo.a.nbytes + lo.b.nbytes for lo in self.layers.values())
+
+    def read(self, load: LoRALoad) -> AdapterWeights:
+        """The adapter's weights from the CPU cache, or read (and checked) from its path."""
+        key = (load.lora_id, load.path)
+        if key in self.cpu:
+            self.cpu.move_to_end(key)
+            return self.cpu[key]
+        weights = load_adapter(load.name, load.path, self.cfg, self.max_rank)
+        self.cpu[key] = weights
+        while len(self.cpu) > self.max_cpu_loras:
+            self.cpu.popitem(last=False)
+        return weights
+
+    def load(self, load: LoRALoad) -> None:
+        """Put an adapter into its slot (zeroing what the slot held)."""
+        weights = self.read(load)
+        s, r = load.slot, self.max_rank
+        for lora in self.layers.values():
+            lora.a[s].zero_()
+            lora.b[s].zero_()
+        for d in weights.deltas:
+            lora = self.layers[(d.layer, d.name)]
+            cols = slice(d.block * r, d.block * r + d.a.shape[0])
+            lora.a[s, cols].copy_(d.a)
+            lora.b[s, d.row : d.row + d.b.shape[0], cols].copy_(d.b)
+        self.resident[s] = load.lora_id
+        self.loads += 1
+
+    def prepare(self, loads: list[LoRALoad], token_slots: torch.Tensor | None) -> None:
+        """Before a forward: fill the slots it loads, and set the per-token slot vector (None: every row
+        runs the base model)."""
+        for load in loads:
+            self.load(load)
+        n = 0 if token_slots is None else token_slots.shape[0]
+        if self.kernel:  # the tail beyond this batch (a graph's padding) must read -1
+            self.token_slots[n:].fill_(-1)
+        if token_slots is not None:
+            self.token_slots[:n].copy_(token_slots)
+        if not self.kernel:
+            self.segments = segments(token_slots) if token_slots is not None else None
+
+
+def make_lora_table(
+    cfg: EngineConfig, model: CausalLM, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> LoRATable | None:
+    """The device's LoRA slots when `cfg.enable_lora`, sized for the largest batch (a prefill chunk, a
+    decode, a prefill graph's piece)."""
+    if not cfg.enable_lora:
+        return None
+    assert cfg.chunked_prefill_size is not None, "the runner sets the prefill budget first"
+    tokens = max(cfg.chunked_prefill_size, cfg.max_running_requests + 1, cfg.piecewise_cuda_graph_max_tokens)
+    cpu_loras = cfg.max_cpu_loras or cfg.max_loras
+    table = LoRATable(model, mcfg, cfg.max_loras, cfg.max_lora_rank, cpu_loras, tokens, dtype, device)
+    log.info("LoRA: %d slots of rank <= %d, %.3g GiB", cfg.max_loras, cfg.max_lora_rank, table.nbytes / 2**30)
+    return table
