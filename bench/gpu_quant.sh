@@ -3,8 +3,9 @@
 #   1. TPOT at batch 1, FP8 weights against bf16, on Qwen3-0.6B's shape and Qwen3-8B's (random weights,
 #      `load_format=dummy`: nothing written or read; `gapless.bench.quant`), each run in its own process;
 #      the table gives each TPOT and its ratio to bf16's (the issue's target: <= 0.6)
-#   2. the int4 GEMM alone against bf16 on Llama-3-8B's layers (`gapless.bench.int4_gemm`), then
-#   3. the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows
+#   2. the FP8 KV cache on nano-vllm's workload, greedy (the issue's target: >= 1.3x bf16 KV's tok/s)
+#   3. the int4 GEMM alone against bf16 on Llama-3-8B's layers (`gapless.bench.int4_gemm`), then
+#   4. the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows
 #      (bench/experiments/fp8_gemm.py)
 # Logs go to $1, else $OUT, else bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each
 # run), fp8_gemm.log. bench/gpu_session.sh's `all` part calls it (step `quant`, OUT=$WORK/quant).
@@ -46,10 +47,16 @@ tpot 40 qwen3-0.6b fp8 --engine-option quantization=fp8
 tpot 50 qwen3-8b bf16
 tpot 50 qwen3-8b fp8 --engine-option quantization=fp8
 # slots for the other quantized runs of issue 36, when they land:
-# FP8 KV cache on the nano-vllm workload, against bf16 KV (>= 1.3x tok/s):
-#   timeout 120 "$PY" -m gapless.bench.gpu --skip-hf --runs greedy --engine-option kv_cache_dtype=fp8 ...
 say ""
 "$PY" -m gapless.bench.quant report "${runs[@]}" 2>&1 | tee -a "$LOG"
+
+# the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`); the bf16
+# figure it compares with is the same run's greedy row (bench/gpu_session.sh's bench step, same machine)
+timeout -k 5 -s INT 55 env OUT="$OUT/kv_fp8" GPU_BENCH_TIMEOUT=50 PY="$PY" bash bench/gpu_bench.sh --skip-hf \
+  --runs greedy --kv-cache-dtype fp8 >"$OUT/kv_fp8.log" 2>&1
+say ""
+say "kv_fp8: exit $? at +$(( SECONDS - T0 )) s"
+grep -E '^\| gapless' "$OUT/kv_fp8/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
 
 # the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, at 1 and 16 rows, the heuristic's
 # tiles and the one-row GEMV variant (the issue's TPOT target needs an int4 checkpoint of that shape)

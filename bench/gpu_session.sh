@@ -22,7 +22,7 @@
 #           4. served     `gapless.bench.served_vs_offline`: the same 256-request workload offline and
 #                         through one API server, and each process's CPU per output token
 #           5. cuda_tests the CUDA tests (tests/engine/test_cuda.py, the fused kernels', the sampler's, the
-#                         attention kernels', the quantized formats', pooling's and vision's, every
+#                         attention kernels', the quantized formats', FP8 KV's, LoRA's, pooling's, vision's, every
 #                         CUDA/Triton/graph case elsewhere), on 4 workers
 #           6. quant      the quantized-checkpoint runs: bench/gpu_quant.sh when it exists (its issue adds
 #                         it), with the time left
@@ -82,7 +82,7 @@ fi
 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
   "$PY" - <<'EOF'
 import importlib
-for m in "fastapi uvicorn zmq msgspec xgrammar jsonschema httpx2 openai uvloop httptools xdist".split():
+for m in "fastapi uvicorn zmq msgspec xgrammar jsonschema httpx2 openai uvloop httptools xdist peft PIL".split():
     try:
         print(m, getattr(importlib.import_module(m), "__version__", "ok"))
     except Exception as e:  # missing, or broken: either way the steps that need it will say
@@ -150,7 +150,7 @@ step() {  # $1: seconds at most, $2: log name, the rest: the command. Cut to wha
 cuda_tests=(tests/engine/test_cuda.py tests/attention tests/sampling tests/model/test_moe.py
   tests/model/test_fused_kernels.py tests/engine/test_window_kv.py tests/spec/test_graphs.py tests/distributed
   tests/model/test_quant_fp8.py tests/model/test_quant_int4.py tests/engine/test_pooling.py
-  tests/engine/test_vision.py)
+  tests/engine/test_vision.py tests/engine/test_fp8_kv.py tests/lora)
 
 case "$part" in
   all)

@@ -3,9 +3,10 @@
 # httpx and no package index), downloaded here into .whl/ for Python 3.12 on x86-64 Linux, so that
 # `bench/gpu_session.sh` (carry=[".whl"]) can install them there: the server's stack (fastapi, uvicorn,
 # pyzmq, msgspec, pydantic, opentelemetry-api, which fastapi 0.165 imports), the `openai` client the
-# server tests drive it with (and sniffio, which it imports) and httpx2 (which openai 3.54 and starlette's test client import), gguf and
-# prometheus-client, uvloop and httptools, xgrammar (structured output) and jsonschema (the structured
-# output and tool tests check outputs with it), each with what it needs that the machine lacks. The pins
+# server tests drive it with (and sniffio, which it imports) and httpx2 (which openai 3.54 and starlette's
+# test client import), gguf and prometheus-client, uvloop and httptools, xgrammar (structured output) and
+# jsonschema (the structured output and tool tests check outputs with it), peft (the LoRA tests' reference,
+# with accelerate and psutil) and Pillow (images), each with what it needs that the machine lacks. The pins
 # are the versions the CPU suite runs with. Under the device tool's 64 MiB carry limit (the script prints
 # the size); .whl/ is kept out of git (.git/info/exclude).
 #
@@ -28,6 +29,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manyl
   httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
   xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 \
+  peft==0.21.2 accelerate==1.15.0 psutil==7.2.2 pillow==13.0.0 \
   "$@"
 ls .whl
 du -sh .whl

@@ -107,8 +107,9 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             "gapless.bench.kernels",
             "gapless.bench.latency",
             "gapless.bench.served_vs_offline",
-            *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, four runs, report
-            "gapless.bench.int4_gemm",
+            *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, four runs, report,
+            "gapless.bench.gpu",  # the FP8 KV cache's run,
+            "gapless.bench.int4_gemm",  # the int4 GEMM
         ]
     if tests:
         env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests/bench'}")  # freeze_guard
