@@ -34,18 +34,22 @@ def _profile(llm: LLM, prompt: list[int], n: int) -> tuple[float, dict[str, list
     return wall, ops
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
+    """Prints the table; returns op -> (self CPU us, calls) per decode step."""
     p = argparse.ArgumentParser(prog="python bench/experiments/cpu_profile.py")
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--steps", type=cli.positive_int, default=32)
     p.add_argument("--threads", type=cli.positive_int)
     p.add_argument("--top", type=cli.positive_int, default=25)
+    p.add_argument("--kv-cache-tokens", type=cli.positive_int, default=4096)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     prompt = np.random.default_rng(0).integers(100, 1000, 34).tolist()
-    with LLM(args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=4096, cpu_worker="inline") as llm:
+    with LLM(
+        args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, cpu_worker="inline"
+    ) as llm:
         llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
         w0, base = _profile(llm, prompt, 2)
         w1, full = _profile(llm, prompt, args.steps + 2)
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'op':<48} {'us/step':>9} {'share':>6} {'calls/step':>10}")
     for k, (us, calls) in sorted(per.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{k[:48]:<48} {us:9.1f} {us / total:6.1%} {calls:10.1f}")
+    return per
 
 
 if __name__ == "__main__":
