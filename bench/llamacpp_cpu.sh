@@ -13,7 +13,7 @@
 # file name's last dotted part (`SmolLM2-135M-Instruct.Q8_0.gguf` -> gapless-Q8_0, llama.cpp-Q8_0).
 # Environment: GAPLESS_DTYPES (default "float32": the activations' dtype gapless serves each file with;
 # others are labelled gapless-<FILE>-<dtype>), CONCURRENCY (default "1 8 32"), THREADS (llama-server -t,
-# default the core count), NUM_PROMPTS (default 64; fewer for a quick check), OUT (default
+# default the core count), NUM_PROMPTS (default: 8 at 1 request, C at C: one wave; one number for every C), OUT (default
 # bench/results/llamacpp_gguf), PY; GAPLESS_ARGS and LLAMA_ARGS: more options for each server (e.g.
 # GAPLESS_ARGS="--speculative-algorithm ngram" LLAMA_ARGS="--spec-type ngram-simple"); machine.txt records them.
 # Writes per engine and concurrency C: <engine>_cC.summary.json and .log, the servers' logs, and
@@ -29,7 +29,7 @@ OUT=${OUT:-bench/results/llamacpp_gguf}
 THREADS=${THREADS:-$(nproc)}
 CONCURRENCY=${CONCURRENCY:-1 8 32}
 mkdir -p "$OUT"
-CLIENT=(--num-prompts "${NUM_PROMPTS:-64}" --input-len 34 --output-len 64 --range-ratio 0 --seed 0 --disable-tqdm)
+CLIENT=(--input-len 34 --output-len 64 --range-ratio 0 --seed 0 --disable-tqdm)
 server=
 stop() { [ -n "$server" ] && { kill -INT "$server" 2>/dev/null; wait "$server" 2>/dev/null || true; }; server=; }
 trap stop EXIT
@@ -45,7 +45,8 @@ wait_ready() {  # $1: log, $2: command that succeeds once the server is up
 
 measure() {  # $1: engine label, $2: base URL, $3: concurrency
   echo "$(date -u +%T) $1 c=$3, load $(cut -d' ' -f1 /proc/loadavg)" | tee -a "$OUT/order.txt"
-  "$PY" -m gapless.bench.serving --base-url "$2" "${CLIENT[@]}" --max-concurrency "$3" \
+  local n=$(($3 == 1 ? 8 : $3))
+  "$PY" -m gapless.bench.serving --base-url "$2" "${CLIENT[@]}" --num-prompts "${NUM_PROMPTS:-$n}" --max-concurrency "$3" \
     --summary-json "$OUT/$1_c$3.summary.json" | tee "$OUT/$1_c$3.log"
 }
 
