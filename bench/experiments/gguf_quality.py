@@ -56,6 +56,16 @@ def run(path: str) -> tuple[float, list[list[int]], Top, list[list[float]]]:
     return math.exp(sum(nll) / len(nll)), [o.token_ids for o in greedy], top, chosen
 
 
+def file_types(path: str) -> str:
+    """The file's matrices by tensor type, e.g. "Q4_1 x210, Q8_0 x1" (norms, 1-D, left out)."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    kinds = Counter(t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) == 2)
+    return ", ".join(f"{k} x{n}" for k, n in kinds.most_common())
+
+
 def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else str(smollm2_path())
     os.environ["GAPLESS_GGUF_WEIGHTS"] = "dequantize"
@@ -65,7 +75,7 @@ def main() -> None:
     first = [next((i for i, (a, b) in enumerate(zip(q, f)) if a != b), None) for q, f in zip(toks_q, toks_f)]
     # the float model's top-2 logprob gap (= logit gap) where the quantized model first chose otherwise
     gaps = [None if i is None else round(t[i][0][1] - t[i][1][1], 3) for i, t in zip(first, top_f)]
-    print(f"file {path}")
+    print(f"file {path}: {file_types(path)}")
     print(f"perplexity of the fixed text ({len(TEXT)} chars): float32 {ppl_f:.4f}, quantized {ppl_q:.4f}")
     print(f"greedy, {len(PROMPTS)} prompts x 64 tokens: identical {first.count(None)}/{len(PROMPTS)}")
     print(f"first divergence step per prompt (None: identical): {first}")

@@ -5,7 +5,9 @@
 
 `serving --compare-base-url URL` prints the same table for one concurrency; `bench/llamacpp_cpu.sh`
 writes the files this reads. The first engine named (gapless, when present) is the numerator of every
-ratio: above 1.0 it serves more output tokens per second than the other.
+ratio: above 1.0 it serves more output tokens per second than the other. Engines named
+`gapless-<FILE>` and `llama.cpp-<FILE>` (the same GGUF file served by each) are also set side by side,
+one row per file, one column per concurrency: `same_file_table`.
 """
 
 from __future__ import annotations
@@ -65,13 +67,45 @@ def load_dir(path: Path) -> dict[int, dict[str, dict[str, Any]]]:
     return dict(sorted(found.items()))
 
 
+_GAPLESS, _LLAMA = "gapless-", "llama.cpp-"
+
+
+def same_file_table(found: dict[int, dict[str, dict[str, Any]]]) -> str:
+    """One row per file that both engines served (engines `gapless-<FILE>[-<dtype>]` and
+    `llama.cpp-<FILE>`), one column per concurrency: "gapless vs llama.cpp tok/s = ratio"; "" if none."""
+    cs = list(found)
+    rows = sorted({e for by in found.values() for e in by if e.startswith(_GAPLESS)})
+    lines = []
+    for g in rows:
+        other = _LLAMA + g[len(_GAPLESS) :].split("-")[0]
+        cells = []
+        for c in cs:
+            a, b = found[c].get(g), found[c].get(other)
+            if a is None or b is None:
+                cells.append("-")
+                continue
+            x, y = a["output_throughput"], b["output_throughput"]
+            cells.append(f"{_fmt(x, '.1f')} vs {_fmt(y, '.1f')} = {_fmt(x / y if x and y else None, '.2f')}x")
+        if any(cell != "-" for cell in cells):
+            lines.append(f"| {g} vs {other} | " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    head = "| same file: gapless vs llama.cpp, output tok/s | "
+    head += " | ".join(f"{c} requests" for c in cs) + " |"
+    return "\n".join([head, "|---|" + "---:|" * len(cs), *lines])
+
+
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(prog="python -m gapless.bench.compare", description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path, help="folder of <engine>_c<C>.summary.json files")
     args = p.parse_args(argv)
     lines = []
-    for c, summaries in load_dir(args.dir).items():
+    found = load_dir(args.dir)
+    for c, summaries in found.items():
         lines += [f"concurrency {c}", ratio_table(summaries), ""]
+    pairs = same_file_table(found)
+    if pairs:
+        lines += [pairs, ""]
     out = "\n".join(lines)
     print(out)
     return out

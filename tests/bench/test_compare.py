@@ -55,3 +55,16 @@ def test_compare_reads_a_folder_of_runs(tmp_path):
     assert c1.index("| gapless |") < c1.index("| llama.cpp-F32 |")
     assert "| llama.cpp-F32 | 4/4 | 40.0 | 10 | 10.0 | 0.90x |" in c1
     assert "| llama.cpp-F32 | 0/0 | 0.0 | 10 | 10.0 | -x |" in c8
+
+
+def test_compare_sets_each_file_beside_llamacpp_on_the_same_file(tmp_path):
+    runs = [("gapless-Q4_1", 1, 60.0), ("llama.cpp-Q4_1", 1, 120.0), ("gapless-Q4_1", 8, 300.0)]
+    runs += [("llama.cpp-Q4_1", 8, 200.0), ("gapless-F32", 1, 50.0), ("llama.cpp-Q8_0", 1, 100.0)]
+    for engine, c, tput in runs:
+        (tmp_path / f"{engine}_c{c}.summary.json").write_text(json.dumps({"summary": _summary(tput)}))
+    out = compare.main([str(tmp_path)])
+    table = out[out.index("| same file") :]
+    assert "| 1 requests | 8 requests |" in table
+    assert "| gapless-Q4_1 vs llama.cpp-Q4_1 | 60.0 vs 120.0 = 0.50x | 300.0 vs 200.0 = 1.50x |" in table
+    # a file only one engine served has no row
+    assert "gapless-F32" not in table and "Q8_0" not in table

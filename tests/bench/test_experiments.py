@@ -103,3 +103,16 @@ def test_spy_names_the_process_and_counts_self_and_inclusive_samples(tmp_path):
     assert table.startswith("== scheduler (c1_pid7.txt): 40 samples, on a core 20.0% of the run")
     assert "75.0%  step (engine/engine.py)" in table  # self: the leaf's 30 of 40
     assert "100.0%  scheduler_main (server/workers.py)" in table  # inclusive: on every stack
+
+
+def test_cpu_profile_counts_one_decode_steps_ops(capsys):
+    cpu_profile = _experiment("cpu_profile")
+    model = cached_checkpoint("qwen3")
+    argv = ["--model", str(model), "--steps", "3", "--threads", "1", "--top", "5"]
+    per = cpu_profile.main([*argv, "--kv-cache-tokens", "512"])
+    # a decode step runs each layer's 4 GEMMs (qkv, o, gate/up, down; oneDNN's prepacked linear on a float
+    # checkpoint) and the LM head's: per step, counted as the difference of two profiles
+    layers = 2
+    assert per["mkldnn::_linear_pointwise"][1] == 4 * layers + 1
+    out = capsys.readouterr().out
+    assert "ms per step under the profiler" in out and len(out.splitlines()) == 2 + 5
