@@ -394,6 +394,18 @@ class GraphRunner:
         else:
             body(n, forward_tokens)
 
+    def verify_columns(self, spec: VerifyInputs) -> torch.Tensor:
+        """Each real token's column in a verify graph's static buffers ([T]: request b's at b * width)."""
+        return spec.batch_index * self.verify_width + spec.offsets
+
+    def verify_layout(self, batch: ForwardBatch, values: torch.Tensor, pad: int) -> torch.Tensor:
+        """Per-token `values` [T] of a verify batch (`can_run`) laid out as its graph's columns (its bucket
+        times the width), every padding column `pad`: what a per-token static input (LoRA's slots) holds."""
+        assert isinstance(batch.spec, VerifyInputs)
+        n = self.buckets[bisect.bisect_left(self.buckets, batch.rows.shape[0])]
+        out = torch.full((n * self.verify_width,), pad, dtype=values.dtype, device=values.device)
+        return out.index_copy_(0, self.verify_columns(batch.spec), values)
+
     def _run_verify(self, batch: ForwardBatch, n: int, forward_tokens: ForwardTokens) -> torch.Tensor:
         """A verify batch (placed by `SpecState.prepare`) through bucket `n`: its requests and tokens
         scattered into the static columns, every other column of the bucket padding."""
@@ -405,7 +417,7 @@ class GraphRunner:
             self.verify_reqs[:, b:n].copy_(self.pad_req[:, b:n])
         tokens = self.verify_tokens[:, : n * w]
         tokens.copy_(self.pad_token[:, : n * w])
-        columns = spec.batch_index * w + spec.offsets  # each real token's column
+        columns = self.verify_columns(spec)
         placed = torch.stack((batch.input_ids, batch.positions, batch.out_slots, batch.token_rows))
         tokens.index_copy_(1, columns, placed)
         self._replay(self.verify_graphs, self._verify_body, n, forward_tokens)

@@ -319,10 +319,13 @@ class ModelRunner:
         table = self.req_table
         if batch.table_writes is not None:
             table.apply_writes(*batch.table_writes)
-        if self.lora is not None:
-            self.lora.prepare(batch.lora_loads, batch.lora_slots)
         draft = self.spec.draft if self.spec is not None else None
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(batch) else None
+        if self.lora is not None:  # (a verify graph's tokens sit in its padded columns: so do their slots)
+            slots = batch.lora_slots
+            if graphs is not None and slots is not None and not batch.is_decode:
+                slots = graphs.verify_layout(batch, slots, -1)
+            self.lora.prepare(batch.lora_loads, slots)
         if graphs is not None:
             hidden = graphs.run(batch, self.forward_tokens, self._graph_sampling(batch))
             if draft is None:

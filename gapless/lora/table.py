@@ -136,11 +136,13 @@ def make_lora_table(
     cfg: EngineConfig, model: CausalLM, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> LoRATable | None:
     """The device's LoRA slots when `cfg.enable_lora`, sized for the largest batch (a prefill chunk, a
-    decode, a prefill graph's piece)."""
+    decode, a verify, a prefill graph's piece)."""
     if not cfg.enable_lora:
         return None
     assert cfg.chunked_prefill_size is not None, "the runner sets the prefill budget first"
     tokens = max(cfg.chunked_prefill_size, cfg.max_running_requests + 1, cfg.piecewise_cuda_graph_max_tokens)
+    if cfg.speculative_algorithm is not None:  # a verify: every request's token and drafts (a graph's too)
+        tokens = max(tokens, (cfg.max_running_requests + 1) * (cfg.speculative_num_draft_tokens + 1))
     cpu_loras = cfg.max_cpu_loras or cfg.max_loras
     table = LoRATable(model, mcfg, cfg.max_loras, cfg.max_lora_rank, cpu_loras, tokens, dtype, device)
     log.info("LoRA: %d slots of rank <= %d, %.3g GiB", cfg.max_loras, cfg.max_lora_rank, table.nbytes / 2**30)

@@ -117,8 +117,6 @@ def test_engine_refuses_before_queueing(llama, tmp_path):
         assert not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="lora_int_id=0"):
         LoRARequest("x", 0, str(path))
-    with pytest.raises(ValueError, match="speculative_algorithm='ngram': does not run with enable_lora"):
-        LLM(str(base), device="cpu", enable_lora=True, speculative_algorithm="ngram")
 
 
 def test_slot_assigner_lru():

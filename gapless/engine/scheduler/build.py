@@ -122,7 +122,7 @@ class BatchBuilder:
             vectors, table_writes = pack_groups(vectors, table_writes)
         flags = self.stages.flags(slots.rows)
         forward = decode_batch(vectors, int(slots.positions.max()) + 1, flags, table_writes)
-        self._lora(forward, reqs, [1] * n)
+        self.lora_batch(forward, reqs, [1] * n)
         return ScheduledBatch(reqs, forward, True, [], [], masked=_masked(forward, reqs, steps))
 
     def extend(
@@ -200,15 +200,16 @@ class BatchBuilder:
             images=image_batch(entries, q_start.tolist()),
         )
         forward.prompt_scores, scored = plan_scores(entries)
-        self._lora(forward, reqs, [e.tokens for e in entries])
+        self.lora_batch(forward, reqs, [e.tokens for e in entries])
         forward.pool, pooled = plan_pool(entries)
         masked = _masked(forward, sample_reqs, step_list)
         return ScheduledBatch(
             reqs, forward, False, samples_token, kv_after, scored=scored, pooled=pooled, masked=masked
         )
 
-    def _lora(self, forward: ForwardBatch, reqs: list[Req], tokens: list[int]) -> None:
-        """The batch's LoRA slot per token and the adapters it loads first, when any row runs one."""
+    def lora_batch(self, forward: ForwardBatch, reqs: list[Req], tokens: list[int]) -> None:
+        """The batch's LoRA slot per token (`tokens[i]` of request i, in the batch's token order) and the
+        adapters it loads first, when any row runs one."""
         if self.lora is None:
             return
         batch = self.lora.assign([r.lora for r in reqs], tokens)

@@ -143,6 +143,8 @@ class SpecDecode:
                 vec.keep_mask_below if masked else None,
             ),
         )
+        # each token runs its request's adapter: the target verifies with it (the drafter never does)
+        self.builder.lora_batch(forward, reqs, ext.tolist())
         return ScheduledBatch(reqs, forward, True, [], [], masked=masked, drafts=plan.drafts)
 
 
