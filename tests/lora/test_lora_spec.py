@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from gapless import LLM, LoRARequest, SamplingParams
 from gapless.config import EngineConfig
@@ -44,7 +45,8 @@ def setup(ckpt_factory, tmp_path_factory):
     models = {n: peft_model(base, loras[n].lora_path if n else None) for n in NAMES}
     refs = [hf_greedy(models[n], p, MAX_NEW) for p, n in zip(prompts, names)]
     base_refs = [hf_greedy(models[None], p, MAX_NEW) for p in prompts]
-    assert any(r.tokens != b.tokens for r, b, n in zip(refs, base_refs, names) if n), "adapters change nothing"
+    changed = [r.tokens != b.tokens for r, b, n in zip(refs, base_refs, names) if n]
+    assert any(changed), "the adapters were meant to change the greedy tokens"
     plain, _ = _run(base, loras, prompts, names, {})
     return base, loras, prompts, names, refs, plain
 
@@ -53,7 +55,7 @@ def _run(base, loras, prompts, names, options: dict) -> tuple[list[list[int]], d
     """Each row's tokens, and what the run did: the engine's stats, LoRA loads, verifies through the graph
     runner, and whether a draft model's layers hold any LoRA."""
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    with LLM(str(base), **BASE, max_running_requests=4, **options) as llm:
+    with LLM(str(base), **{**BASE, **options}, max_running_requests=4) as llm:
         outs = llm.generate(
             prompts, params, use_tqdm=False, lora_request=[loras[n] if n else None for n in names]
         )
@@ -88,6 +90,23 @@ def test_speculation_with_adapters_equals_peft(setup, algorithm, loop, graphs):
     assert did["spec_drafted_tokens"] > 0 and did["spec_accepted_tokens"] > 0, did
     assert did["lora_loads"] >= 2 and not did["draft_lora"]  # the draft model drafts with base weights
     assert (did["graph_verifies"] > 0) == bool(graphs), "verifies were to run through the graph runner"
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="captured verify graphs and the LoRA kernels need a GPU"
+)
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_captured_verify_graphs_with_adapters(setup, algorithm):
+    """On a GPU: captured verify graphs replay the gathered LoRA kernels over the static slot vector laid
+    out as their columns; every row still equals PEFT (fp32)."""
+    base, loras, prompts, names, refs, plain = setup
+    draft = {"speculative_draft_model": str(base)} if algorithm == "draft" else {}
+    spec = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 3, **draft}
+    tokens, did = _run(base, loras, prompts, names, {**spec, "device": "cuda", "cuda_graph_max_bs": 4})
+    for ours, ref in zip(tokens, refs):
+        check_greedy(ours, ref)
+    assert did["graph_verifies"] > 0 and did["spec_accepted_tokens"] > 0, did
+
 
 def test_config_takes_lora_with_speculation():
     """LoRA and speculative decoding start together (once refused at start-up)."""
