@@ -343,8 +343,6 @@ class EngineConfig:
             raise bad("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
         if self.enable_lora and self.speculative_algorithm is not None:
             raise bad("speculative_algorithm", "does not run with enable_lora (LoRA) yet")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise bad("tensor_parallel_size", "must be 1 with enable_lora (LoRA runs on one rank for now)")
         self._check_task(bad)
         self._check_images(bad)
 
