@@ -140,7 +140,7 @@ class LoRATable:
 
 
 def make_lora_table(
-    cfg: EngineConfig, model: CausalLM, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    cfg: EngineConfig, model: CausalLM, dtype: torch.dtype, device: torch.device
 ) -> LoRATable | None:
     """The device's LoRA slots when `cfg.enable_lora`, sized for the largest batch (a prefill chunk, a
     decode, a prefill graph's piece)."""
@@ -149,8 +149,8 @@ def make_lora_table(
     assert cfg.chunked_prefill_size is not None, "the runner sets the prefill budget first"
     tokens = max(cfg.chunked_prefill_size, cfg.max_running_requests + 1, cfg.piecewise_cuda_graph_max_tokens)
     cpu_loras = cfg.max_cpu_loras or cfg.max_loras
-    # the whole model's config (`mcfg` is this rank's view under tensor parallelism): adapters are read
-    # and checked whole, then cut for the rank
+    # the whole model's config (not a tensor-parallel rank's view of it): adapters are read and checked
+    # whole, then cut for the rank
     table = LoRATable(model, model.cfg, cfg.max_loras, cfg.max_lora_rank, cpu_loras, tokens, dtype, device)
     log.info("LoRA: %d slots of rank <= %d, %.3g GiB", cfg.max_loras, cfg.max_lora_rank, table.nbytes / 2**30)
     return table
