@@ -332,19 +332,17 @@ class EngineConfig:
         self._check_speculative(bad)
         self._check_parallel(bad)
         self._check_lora(bad)
+        self._check_task(bad)
+        self._check_images(bad)
 
     def _check_lora(self, bad: Any) -> None:
-        """The LoRA options: sizes in range, and no mode LoRA does not run with yet."""
+        """The LoRA options' sizes in range."""
         if self.max_loras < 1:
             raise bad("max_loras", "must be >= 1")
         if not 1 <= self.max_lora_rank <= 512:
             raise bad("max_lora_rank", "must be in [1, 512]")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise bad("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise bad("tensor_parallel_size", "must be 1 with enable_lora (LoRA runs on one rank for now)")
-        self._check_task(bad)
-        self._check_images(bad)
 
     def _check_task(self, bad: Any) -> None:
         """The pooling options (gapless.engine.pooling): a known task and pooling type (each name made

@@ -142,7 +142,7 @@ class ModelRunner:
         )
         self.spec: SpecState | None = None  # speculative decoding's per-row state (made with the table)
         # the resident LoRA adapters, when on: made before the KV plan, which counts them as weights
-        self.lora = make_lora_table(cfg, self.model, mcfg, self.dtype, self.device)
+        self.lora = make_lora_table(cfg, self.model, self.dtype, self.device)
         graph_bs = self._graph_max_bs(cfg)
 
         per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, self.kv_dtype)

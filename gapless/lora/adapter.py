@@ -67,7 +67,7 @@ class LayerShape(NamedTuple):
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, LayerShape]:
-    """The adapted layers' shapes for a model (one rank: LoRA runs without tensor parallelism)."""
+    """The adapted layers' whole shapes for a model (a rank's piece: `gapless.lora.shard`)."""
     q, kv, h, inter = cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size
     return {
         "qkv_proj": LayerShape(h, {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}),

@@ -19,6 +19,7 @@ import torch
 from gapless.config import EngineConfig
 from gapless.lora.adapter import BLOCKS, MLP_LAYERS, AdapterWeights, layer_shapes, load_adapter
 from gapless.lora.ops import Segments, add_lora_torch, segments
+from gapless.lora.shard import rank_adapter, rank_shape
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import CausalLM
 
@@ -74,30 +75,36 @@ class LoRATable:
         self.loads = 0  # adapters put into slots so far
         self.cpu: OrderedDict[tuple[int, str], AdapterWeights] = OrderedDict()  # (id, path) -> read, LRU last
         self.layers: dict[tuple[int, str], LoRALayer] = {}
+        # each adapted layer's module: this rank's piece of it, which an adapter is cut like (`shard`)
+        self.linears: dict[tuple[int, str], object] = {}
         shapes = layer_shapes(cfg)
         for i, layer in enumerate(model.model.layers):
             for name, shape in shapes.items():
                 if name in MLP_LAYERS and cfg.moe_layers[i]:
                     continue
                 parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
+                linear = getattr(parent, name)
+                local = rank_shape(shape, linear)
                 rank = BLOCKS[name] * max_rank
-                a = torch.zeros(max_loras, rank, shape.in_features, dtype=dtype, device=device)
-                b = torch.zeros(max_loras, shape.out_features, rank, dtype=dtype, device=device)
+                a = torch.zeros(max_loras, rank, local.in_features, dtype=dtype, device=device)
+                b = torch.zeros(max_loras, local.out_features, rank, dtype=dtype, device=device)
                 lora = LoRALayer(self, a, b)
-                getattr(parent, name).lora = lora
+                linear.lora = lora
                 self.layers[(i, name)] = lora
+                self.linears[(i, name)] = linear
 
     @property
     def nbytes(self) -> int:
         return sum(lo.a.nbytes + lo.b.nbytes for lo in self.layers.values())
 
     def read(self, load: LoRALoad) -> AdapterWeights:
-        """The adapter's weights from the CPU cache, or read (and checked) from its path."""
+        """The adapter's weights, cut for this rank, from the CPU cache, or read (and checked against the
+        whole model) from its path."""
         key = (load.lora_id, load.path)
         if key in self.cpu:
             self.cpu.move_to_end(key)
             return self.cpu[key]
-        weights = load_adapter(load.name, load.path, self.cfg, self.max_rank)
+        weights = rank_adapter(load_adapter(load.name, load.path, self.cfg, self.max_rank), self.linears)
         self.cpu[key] = weights
         while len(self.cpu) > self.max_cpu_loras:
             self.cpu.popitem(last=False)
@@ -133,7 +140,7 @@ class LoRATable:
 
 
 def make_lora_table(
-    cfg: EngineConfig, model: CausalLM, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    cfg: EngineConfig, model: CausalLM, dtype: torch.dtype, device: torch.device
 ) -> LoRATable | None:
     """The device's LoRA slots when `cfg.enable_lora`, sized for the largest batch (a prefill chunk, a
     decode, a verify, a prefill graph's piece)."""
@@ -144,6 +151,8 @@ def make_lora_table(
     if cfg.speculative_algorithm is not None:  # a verify: every request's token and drafts (a graph's too)
         tokens = max(tokens, (cfg.max_running_requests + 1) * (cfg.speculative_num_draft_tokens + 1))
     cpu_loras = cfg.max_cpu_loras or cfg.max_loras
-    table = LoRATable(model, mcfg, cfg.max_loras, cfg.max_lora_rank, cpu_loras, tokens, dtype, device)
+    # the whole model's config (not a tensor-parallel rank's view of it): adapters are read and checked
+    # whole, then cut for the rank
+    table = LoRATable(model, model.cfg, cfg.max_loras, cfg.max_lora_rank, cpu_loras, tokens, dtype, device)
     log.info("LoRA: %d slots of rank <= %d, %.3g GiB", cfg.max_loras, cfg.max_lora_rank, table.nbytes / 2**30)
     return table
