@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # pull the newest CUDA build (several GB). The package's own range is satisfied by it.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install serve test bench lint clean
+.PHONY: install serve test test-slow bench lint clean
 
 install: $(VENV)/.installed
 
@@ -20,8 +20,13 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(PY) -m gapless serve $(ARGS)
 
+# the suite but its slow tier (tests marked `slow`: multi-process tensor parallelism, the GPU kit's script
+# checks, the real model's download, ...), which CI runs after it (.ci/run)
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
 
 bench: install
 	$(PY) -m gapless.bench.offline

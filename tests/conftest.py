@@ -48,6 +48,9 @@ def _one_torch_thread():
 
 def pytest_configure(config):
     config.addinivalue_line(
+        "markers", "slow: over ~10 s on 2 cores; `make test` leaves it out, `make test-slow` (CI) runs it"
+    )
+    config.addinivalue_line(
         "markers", "whole_gpu: sizes things from the GPU's free memory, so runs with no other test on the GPU"
     )
 

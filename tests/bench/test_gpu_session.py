@@ -90,6 +90,7 @@ def _pytest_args(args: list[str]) -> list[str]:
     return rest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", PARTS)
 def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch):
     commands = _run_part(ROOT / "bench/gpu_session.sh", part, tmp_path, ROOT)
@@ -142,6 +143,7 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
 ALL_LIMITS = {"bench/run": 140, "kernels": 75, "latency": 100, "served": 100, "cuda_tests": 130, "quant": 200}
 
 
+@pytest.mark.slow
 def test_the_all_part_keeps_its_budget(tmp_path):
     """Each step is cut to what the budget leaves when it starts (less the SIGINT grace, 15 s, and the
     packing, 10 s), a step with under 20 s left is skipped, and the part ends within its budget: with

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from PIL import Image
 
 from gapless.bench import overlap, timeline
 
 
+@pytest.mark.slow
 def test_overlap_bench_smoke(tmp_path):
     res = overlap.main(
         [

@@ -75,6 +75,7 @@ def _sampled(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[f
     return [(o.token_ids, o.logprobs and [round(x, 3) for x in o.logprobs]) for o in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "corner"), COMBOS)
 def test_two_ranks_give_transformers_greedy_output(references, arch, corner):
     path, prompts, refs = references(arch)
@@ -104,6 +105,7 @@ def _rank_pids(before: set[int]) -> list[int]:
     return sorted(descendants(os.getpid()) - before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fault", "rank"), [("killed", 0), ("killed", 1), ("hung", 1)])
 def test_a_rank_that_dies_or_hangs_ends_the_engine_naming_it(ckpt_factory, fault, rank):
     before = descendants(os.getpid())

@@ -57,6 +57,7 @@ def _ranks(pids: set[int]) -> list[int]:
     return sorted(found)
 
 
+@pytest.mark.slow
 def test_tp2_server_serves_the_openai_client(ckpt_factory, expected):
     srv = ServerProcess("--model", str(ckpt_factory("qwen3")), *SERVE, "--tp", "2")
     try:
@@ -82,6 +83,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_serve_one_tp2_model_and_a_killed_rank_ends_both(ckpt_factory, expected):
     model = str(ckpt_factory("qwen3"))
     # a collective with a dead peer fails at once when its sockets close, else after --dist-timeout (the

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from gapless.testing import cached_checkpoint
 
 PROMPT_TOKENS = 8192
@@ -50,6 +52,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_8k_prompt_logprobs_stay_within_the_bound():
     # the smallest shape that still is a model: the time goes to the 8k x 152k logits, not to the layers.
     # Kept in gapless's cache: its 151,936-entry tokenizer takes a while to build, once per machine

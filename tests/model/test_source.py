@@ -156,6 +156,7 @@ def _index_reachable() -> bool:
     return done.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_default_model_downloads_loads_and_answers_a_chat():
     """The real default model through `gapless serve` (no --model) and the openai client. It stays in the

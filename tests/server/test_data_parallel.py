@@ -136,6 +136,7 @@ def _serve_workload(url: str) -> tuple[float, list[float]]:
     return hit_rate(before, replica_counts(url, HEADERS))
 
 
+@pytest.mark.slow
 def test_cache_aware_routing_hits_more_than_round_robin_and_both_replicas_serve(dp, rr):
     aware, shares = _serve_workload(dp.url)
     robin, robin_shares = _serve_workload(rr.url)
