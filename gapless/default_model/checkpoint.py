@@ -168,13 +168,18 @@ def write_checkpoint(
     # every id of the model's vocabulary decodes to text, however far past the trained tokenizer's it goes
     tokenizer = build_tokenizer(vocab_size=config.vocab_size)
     tokenizer.model_max_length = config.max_position_embeddings
+    save_tokenizer(tokenizer, path)
+    return path
+
+
+def save_tokenizer(tokenizer: Any, path: Path) -> None:
+    """Write `tokenizer` into the checkpoint at `path`, and a generation config of its special tokens."""
     tokenizer.save_pretrained(str(path))
     GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     ).save_pretrained(str(path))
-    return path
 
 
 def cache_dir() -> Path:

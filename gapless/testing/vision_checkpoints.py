@@ -14,14 +14,13 @@ import torch
 from transformers import (
     CLIPImageProcessor,
     CLIPVisionConfig,
-    GenerationConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
     LlavaProcessor,
 )
 
-from gapless.default_model.checkpoint import TINY, random_config, shape
+from gapless.default_model.checkpoint import TINY, random_config, save_tokenizer, shape
 from gapless.default_model.tokenizer import build_tokenizer
 
 IMAGE_TOKEN = "<image>"
@@ -131,10 +130,5 @@ def make_llava_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -
     )
     processor.save_pretrained(str(path))
     tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(path))
-    GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    ).save_pretrained(str(path))
+    save_tokenizer(tokenizer, path)
     return path
