@@ -47,9 +47,8 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     path = Path(cfg.model)
     mcfg = load_model_config(path)
     if path.is_dir():  # a GGUF file carries its weights and tokenizer
-        if cfg.load_format == "dummy":
-            pass  # random weights: none are read
-        elif not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
+        weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
+        if not weights and cfg.load_format != "dummy":  # (dummy: random weights, none are read)
             raise ValueError(f"{cfg.model!r} has no *.safetensors weights (nor is it a GGUF file)")
         tokenizer = Path(cfg.tokenizer) if cfg.tokenizer is not None else path
         if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
