@@ -4,7 +4,9 @@ Drives an in-process `Engine` one step at a time, so each step's new tokens are 
 are sampled (through `IncrementalDetokenizer`: whole characters only, stop strings cut). The
 conversation is kept as chat messages and re-rendered with the tokenizer's chat template every turn;
 the engine's prefix cache makes the repeated history cheap. `/reset` forgets the history, `/exit`,
-`/quit` or end of input (Ctrl-D) quits, and Ctrl-C while a reply streams stops that reply.
+`/quit` or end of input (Ctrl-D) quits, and Ctrl-C while a reply streams stops that reply. With a
+vision-language model, `--image FILE` (repeatable) sends images with the first message (and again with the
+first after `/reset`); the prefix cache keys them by content, so the history's images are not re-run.
 
 The engine is imported where it is used, so the command line's parser (`add_chat_args`) loads no torch.
 """
@@ -25,7 +27,9 @@ from gapless.cli import add_engine_args, add_model_args, config_from_args
 from gapless.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from gapless.config import EngineConfig
     from gapless.engine.engine import Engine
+    from gapless.engine.images import PromptImage
 
 EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
@@ -78,16 +82,23 @@ class Turn:
 
 @dataclass
 class ChatSession:
-    """A conversation with an engine: the message history and how to extend it by one reply."""
+    """A conversation with an engine: the message history and how to extend it by one reply. `images`
+    (PIL images or paths, a vision-language model's) go with the conversation's first user message."""
 
     engine: Engine
     params: SamplingParams = field(default_factory=SamplingParams)
     system: str | None = None
-    messages: list[dict[str, str]] = field(default_factory=list, init=False)
+    images: list[Any] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if not getattr(self.engine.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; chat needs one")
+        if self.images:
+            from gapless.engine.image_io import open_image
+
+            limits = self.engine.image_prompter().limits  # (a ValueError for a text model)
+            self.images = [open_image(im, f"--image {im}", limits) for im in self.images]
         stop_ids = self.params.stop_token_ids or []  # (a list already: SamplingParams normalises it)
         extra = [t for t in end_of_turn_ids(self.engine.tokenizer) if t not in stop_ids]
         if extra:  # a copy: the caller's params stay as they were
@@ -98,22 +109,39 @@ class ChatSession:
         """Forget the conversation (the system prompt stays)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
-    def prompt_ids(self, messages: list[dict[str, str]] | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, Any]] | None = None) -> list[int]:
         """The token ids of the conversation so far, ending with an open assistant turn."""
-        from gapless.engine.chat_template import render_chat
+        return self.prompt(self.messages if messages is None else messages)[0]
 
-        _, ids = render_chat(self.engine.tokenizer, self.messages if messages is None else messages)
-        return self.engine.tokenize(ids)
+    def prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """`messages`' token ids, ending with an open assistant turn, and their images (a vision-language
+        model's processor renders them)."""
+        if self.engine.vision is None:
+            from gapless.engine.chat_template import render_chat
+
+            return self.engine.tokenize(render_chat(self.engine.tokenizer, messages)[1]), ()
+        from gapless.engine.image_io import split_chat
+
+        prompter = self.engine.image_prompter()
+        ids, images = prompter.render(*split_chat(messages, prompter.limits))
+        return self.engine.tokenize(ids), images
+
+    def user_message(self, text: str) -> dict[str, Any]:
+        """The next user message: with the session's images if it is the conversation's first."""
+        if not self.images or any(m["role"] == "user" for m in self.messages):
+            return {"role": "user", "content": text}
+        parts = [{"type": "image", "image": im} for im in self.images]
+        return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
 
     def send(self, user_text: str, write: Callable[[str], Any] = lambda s: None) -> Turn:
         """Add a user message, stream the reply through `write` delta by delta, and keep both in the
         history. Raises ValueError (history unchanged) when the conversation no longer fits."""
         from gapless.engine.detokenize import IncrementalDetokenizer
 
-        messages = [*self.messages, {"role": "user", "content": user_text}]
-        ids = self.prompt_ids(messages)
+        messages = [*self.messages, self.user_message(user_text)]
+        ids, images = self.prompt(messages)
         engine = self.engine
-        req = engine.add_request(ids, self.params)
+        req = engine.add_request(ids, self.params, images=images)
         detok = IncrementalDetokenizer(
             engine.tokenizer, skip_special_tokens=self.params.skip_special_tokens, stop=self.params.stop
         )
@@ -144,16 +172,17 @@ def run_chat(
     flush: Callable[[], Any] | None = None,
     system: str | None = None,
     prompt: str = ">>> ",
+    images: list[Any] | None = None,
 ) -> ChatSession:
     """The read-reply loop until `/exit`, `/quit` or end of input; returns the session (its history).
 
     `input_fn(prompt)` reads a line (raises EOFError at the end), `write` shows text (default: stdout,
     flushed), `flush` (if given) is called after every delta so the reply streams through buffered
-    output too.
+    output too. `images` go with the first message (`ChatSession`).
     """
     if write is None:
         write, flush = sys.stdout.write, sys.stdout.flush
-    session = ChatSession(engine, params or SamplingParams(max_tokens=512), system)
+    session = ChatSession(engine, params or SamplingParams(max_tokens=512), system, list(images or ()))
 
     def show(text: str) -> None:
         write(text)
@@ -198,6 +227,13 @@ def add_chat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     them (`--device`, `--disable-overlap`, `--max-model-len`, `--seed`, ...)."""
     add_model_args(parser)
     parser.add_argument("--system", default=None, help="system prompt")
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="an image sent with the first message (repeatable; a vision-language model's)",
+    )
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument(
         "--max-tokens", type=int, default=512, help="longest reply, in tokens (default: 512)"
@@ -231,8 +267,8 @@ def chat_main(
     write: Callable[[str], Any] | None = None,
 ) -> int:
     """Run `gapless chat` for parsed `args`; returns the exit status: 2 for bad arguments, a checkpoint
-    that cannot run or a device that is not there, found before anything loads. The engine is shut
-    down after."""
+    that cannot run, a device that is not there or an `--image` that cannot be sent, found before
+    anything loads. The engine is shut down after."""
     from gapless.engine.engine import Engine
     from gapless.engine.preflight import check_engine_config
 
@@ -240,16 +276,33 @@ def chat_main(
         params = sampling_from_args(args)
         # the model made local (fetched, downloaded) and checked: a model that cannot be is a ValueError
         cfg, _ = check_engine_config(config_from_args(args))
+        images = _open_images(getattr(args, "image", None) or [], cfg)
     except ValueError as e:
         print(f"gapless chat: {e}", file=sys.stderr)
         return 2
     engine = Engine(cfg)
     try:
         (write or sys.stdout.write)(f"gapless chat: {engine.cfg.model} ({HELP_TEXT.rstrip()})\n")
-        run_chat(engine, params, input_fn=input_fn, write=write, system=args.system)
+        run_chat(engine, params, input_fn=input_fn, write=write, system=args.system, images=images)
     finally:
         engine.shutdown()
     return 0
+
+
+def _open_images(paths: list[str], cfg: EngineConfig) -> list[Any]:
+    """`--image` files opened and checked against the limits (`ImageError`, a ValueError, naming the
+    flag); a ValueError if there are some and the model takes no images."""
+    if not paths:
+        return []
+    from gapless.engine.image_io import ImageLimits, check_count, open_image
+    from gapless.model.config import load_model_config
+
+    if load_model_config(cfg.model).vision is None:
+        raise ValueError(f"--image: {cfg.model} is a text model, it takes no images")
+    limits = ImageLimits.of(cfg)
+    images = [open_image(p, f"--image {p}", limits) for p in paths]
+    check_count(len(images), limits, "--image")
+    return images
 
 
 def main(argv: list[str] | None = None) -> int:

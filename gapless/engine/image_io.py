@@ -35,10 +35,12 @@ class ImageLimits(NamedTuple):
 
 
 def image_bytes(url: str, param: str) -> bytes:
-    """The bytes of an `image_url`: a base64 `data:` URL. Remote URLs are refused: gapless fetches
-    nothing on a client's behalf."""
+    """The bytes of an `image_url`: a base64 `data:` URL. Remote URLs are refused here, offline: only the
+    server fetches them, when told to (`gapless.server.media`)."""
     if url.startswith(("http://", "https://")):
-        raise ImageError("remote image URLs are not fetched; send the image as a data: URL (base64)", param)
+        raise ImageError(
+            "remote image URLs are not fetched offline; pass a path, a PIL image or a data: URL", param
+        )
     if not url.startswith("data:"):
         raise ImageError("an image URL must be a data: URL (data:image/png;base64,...)", param)
     head, sep, data = url.partition(",")

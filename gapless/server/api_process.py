@@ -105,6 +105,7 @@ def http_server(
     import uvicorn
 
     from gapless.server.api import create_app
+    from gapless.server.media import MediaPolicy
     from gapless.server.state import ServerState, Settings
 
     loras = None
@@ -126,6 +127,7 @@ def http_server(
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         loras=loras,
+        media=MediaPolicy.of_args(args),
     )
     metrics.set_weights(info.weight_formats)
     app = create_app(ServerState(settings, client, health, metrics))

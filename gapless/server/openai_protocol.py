@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import operator
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeGuard, TypeVar, Union
 
@@ -34,11 +33,10 @@ from gapless.server.errors import BadRequest, prompt_too_long
 from gapless.server.images import check_image_count, check_image_url
 from gapless.server.protocol import ChatMessage, ImageChat, LoRAIn
 from gapless.server.reasoning import END as THINK_END
+from gapless.server.request_body import decode_body, log_ignored_fields
 from gapless.server.served_model import ServedModel
 from gapless.server.structured import StructuredError, check_compiles, structured_fields
 from gapless.server.tools import ToolError, ToolPlan, plan_tools
-
-log = logging.getLogger(__name__)
 
 MAX_N = 128  # choices per prompt
 
@@ -261,7 +259,7 @@ class CompletionRequest(_Sampling, kw_only=True):
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
-    image_url: dict[str, Any] | str | None = None  # {"url": a data: URL, "detail": accepted, unused}
+    image_url: dict[str, Any] | str | None = None  # {"url": data: or http(s), "detail": accepted, unused}
 
 
 def _part_text(part: ContentPart, field: str) -> str:
@@ -288,14 +286,16 @@ class Message(msgspec.Struct):
             return self.content
         return "".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(self.content))
 
-    def parts(self, where: str, served: ServedModel, images: list[bytes]) -> list[dict[str, str]]:
+    def parts(
+        self, where: str, served: ServedModel, images: list[bytes], fetched: Mapping[str, bytes] | None
+    ) -> list[dict[str, str]]:
         """A message with images: its text and image parts in order, each image checked and its bytes
-        appended to `images`."""
+        (a remote URL's from `fetched`) appended to `images`."""
         out = []
         for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
             field = f"{where}.content[{j}]"
             if part.type == "image_url":
-                images.append(check_image_url(part.image_url, field, served.images))
+                images.append(check_image_url(part.image_url, field, served.images, fetched))
                 out.append({"type": "image"})
             else:
                 out.append({"type": "text", "text": _part_text(part, field)})
@@ -315,7 +315,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
 
-    def submission(self, served: ServedModel) -> Submission:
+    def submission(self, served: ServedModel, fetched: Mapping[str, bytes] | None = None) -> Submission:
+        """The chat's work; `fetched`: its remote images' bytes by URL (`gapless.server.media`)."""
         if not self.messages:
             raise BadRequest("messages is empty", "messages")
         plan = self.tool_plan(served)
@@ -331,7 +332,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         images: list[bytes] = []
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list) and any(p.type == "image_url" for p in m.content):
-                parts = m.parts(f"messages[{i}]", served, images)
+                parts = m.parts(f"messages[{i}]", served, images, fetched)
                 chat.append(ChatMessage(m.role, "", m.tool_calls, m.tool_call_id, m.name, parts=parts))
             else:
                 chat.append(
@@ -442,54 +443,40 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
 
 GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest, GenerateRequest)
-S = TypeVar("S", bound=msgspec.Struct)
 REQUEST_TYPES = (CompletionRequest, ChatCompletionRequest, GenerateRequest)
 
 
 def parse_request(
-    body: bytes, kind: type[GenerationRequest], served: ServedModel
+    body: bytes,
+    kind: type[GenerationRequest],
+    served: ServedModel,
+    fetched: Mapping[str, bytes] | None = None,
 ) -> tuple[GenerationRequest, Submission]:
     """The request in `body` and its work for the engine, or BadRequest: the one place a request is checked.
-
     Malformed JSON is a 422, a wrong shape or type a 400 naming the field, a model this server does not
-    serve a 404, and an invalid value (or one it cannot honour) a 400 naming the field."""
+    serve a 404, and an invalid value (or one it cannot honour) a 400 naming the field. The route reads
+    it in two halves, fetching a chat's remote images between them (`gapless.server.media`)."""
+    req = read_request(body, kind, served)
+    return req, submission(req, served, fetched)
+
+
+def read_request(body: bytes, kind: type[GenerationRequest], served: ServedModel) -> GenerationRequest:
+    """`body` decoded into `kind`, for a model this server serves (else a 404)."""
     req = decode_body(body, kind)
-    lora = served.check_model(getattr(req, "model", None))  # the native endpoint names none
-    _log_ignored_fields(body, kind)
-    sub = req.submission(served)
+    served.check_model(getattr(req, "model", None))  # the native endpoint names none
+    log_ignored_fields(body, kind)
+    return req
+
+
+def submission(
+    req: GenerationRequest, served: ServedModel, fetched: Mapping[str, bytes] | None
+) -> Submission:
+    """A read request's work; `fetched`: a chat's remote images' bytes by URL."""
+    if isinstance(req, ChatCompletionRequest):
+        sub = req.submission(served, fetched)
+    else:
+        sub = req.submission(served)
+    lora = served.check_model(getattr(req, "model", None))
     if lora is not None:
         sub = replace(sub, lora=LoRAIn(lora.lora_name, lora.lora_int_id, lora.lora_path))
-    return req, sub
-
-
-def decode_body(body: bytes, kind: type[S]) -> S:
-    """`body` decoded into `kind`, or BadRequest: 422 for what is not JSON, 400 naming a wrong field."""
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        message = str(e)
-        param = message.rsplit("`$.", 1)[-1].rstrip("`") if "`$." in message else None
-        raise BadRequest(message, param) from None
-    except msgspec.DecodeError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}", None, status=422) from None
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"request body is not valid UTF-8: {e}", None, status=422) from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply", None, status=422) from None
-
-
-_IGNORED_LOGGED: set[tuple[str, str]] = set()  # (request type, field) pairs logged so far
-_MAX_IGNORED_LOGGED = 256  # field names are the client's choice: remember (and log) only so many
-
-
-def _log_ignored_fields(body: bytes, kind: type[msgspec.Struct]) -> None:
-    """Log, once per endpoint and name and at debug level, the top-level fields a request gave that
-    gapless ignores (an OpenAI field it has no use for, or a misspelt one)."""
-    if not log.isEnabledFor(logging.DEBUG) or len(_IGNORED_LOGGED) >= _MAX_IGNORED_LOGGED:
-        return
-    given: Iterable[str] = msgspec.json.decode(body, type=dict[str, msgspec.Raw]).keys()
-    for name in sorted(set(given) - set(kind.__struct_fields__)):
-        key = (kind.__name__, name)
-        if key not in _IGNORED_LOGGED and len(_IGNORED_LOGGED) < _MAX_IGNORED_LOGGED:
-            _IGNORED_LOGGED.add(key)
-            log.debug("%s: ignoring the field %r, which gapless does not use", kind.__name__, name[:80])
+    return sub

@@ -10,6 +10,7 @@ from gapless import env
 from gapless.cli import add_engine_args, add_model_args, add_option
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.layout import LAYOUTS, MIN_CORES_FOR_SPLIT
+from gapless.server.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_MEDIA_BYTES, MAX_REDIRECTS
 from gapless.server.reasoning import PARSERS as REASONING_PARSERS
 from gapless.server.router import LOAD_BALANCE_METHODS
 from gapless.server.tools import PARSERS as TOOL_PARSERS
@@ -101,6 +102,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="split <think>...</think> into reasoning_content (default: none, all is content)",
     )
+    _add_media_args(parser.add_argument_group("remote images (http(s) image_url parts; off by default)"))
     logs = parser.add_argument_group("logging")
     logs.add_argument(
         "--log-level",
@@ -131,6 +133,38 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="which data-parallel replica serves a request (--data-parallel-size > 1): cache_aware (the "
         "longest cached prompt prefix, unless the loads drift apart), round_robin, shortest_queue "
         "(default: cache_aware)",
+    )
+
+
+def _add_media_args(media: argparse._ArgumentGroup) -> None:
+    """The flags of `gapless.server.media`: which remote image URLs the server fetches, and its limits."""
+    media.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="fetch http(s) image URLs from any public host (never a private, loopback or link-local "
+        "address, redirects included)",
+    )
+    media.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="fetch http(s) image URLs from these hosts only (exact names; vLLM's flag)",
+    )
+    media.add_argument(
+        "--max-media-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_MEDIA_BYTES,
+        metavar="N",
+        help=f"the largest image a fetch reads (default: {DEFAULT_MAX_MEDIA_BYTES >> 20} MiB)",
+    )
+    media.add_argument(
+        "--media-fetch-timeout",
+        type=_positive_float,
+        default=DEFAULT_FETCH_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"one image's fetch in all, up to {MAX_REDIRECTS} redirects included "
+        f"(default: {DEFAULT_FETCH_TIMEOUT_S:g})",
     )
 
 

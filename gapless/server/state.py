@@ -12,6 +12,7 @@ from gapless.engine.image_io import ImageLimits
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.engine_client import EngineClient
 from gapless.server.health import Health
+from gapless.server.media import MediaPolicy
 from gapless.server.metrics import Metrics
 from gapless.server.protocol import SchedulerInfo
 from gapless.server.served_model import ServedModel
@@ -37,6 +38,7 @@ class Settings:
     tool_call_parser: str | None = None  # --tool-call-parser
     reasoning_parser: str | None = None  # --reasoning-parser
     loras: AdapterRegistry | None = None  # the LoRA adapters served (--enable-lora), None: LoRA off
+    media: MediaPolicy = MediaPolicy()  # which remote image URLs are fetched (--allow-remote-media, ...)
 
     @functools.cached_property
     def served(self) -> ServedModel:

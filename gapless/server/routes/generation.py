@@ -25,7 +25,9 @@ from fastapi.responses import StreamingResponse
 from gapless.server import protocol as P
 from gapless.server.engine_client import Group
 from gapless.server.errors import BadRequest, error_body
-from gapless.server.openai_protocol import GenerationRequest, parse_request
+from gapless.server.images import remote_images
+from gapless.server.media import fetch_images
+from gapless.server.openai_protocol import ChatCompletionRequest, GenerationRequest, read_request, submission
 from gapless.server.routes.common import owned_by_exchange, read_json_body, server_state
 
 log = logging.getLogger(__name__)
@@ -76,15 +78,19 @@ def count_usage(choices: list[Choice], n: int) -> Json:
 
 
 async def submit(request: Request, kind: type[GenerationRequest]) -> tuple[GenerationRequest, Group]:
-    """Read the body, check and convert it (`parse_request`: everything is checked before anything is
-    submitted), and submit its engine requests as a group the HTTP exchange owns."""
+    """Read the body, check and convert it (`parse_request`'s halves: everything is checked before anything
+    is submitted, a chat's remote images fetched between them), and submit its engine requests as a group
+    the HTTP exchange owns."""
     settings = server_state(request).settings
-    settings.served.check_task(request.url.path, ("generate",))
+    served = settings.served
+    served.check_task(request.url.path, ("generate",))
     body = await read_json_body(request, settings.max_request_bytes)
-    req, sub = parse_request(body, kind, settings.served)
-    group = server_state(request).client.submit(
-        sub, settings.served.max_prompt_tokens, settings.request_timeout_s
-    )
+    req = read_request(body, kind, served)
+    fetched = None
+    if isinstance(req, ChatCompletionRequest):
+        fetched = await fetch_images(remote_images(req.messages, served.images), settings.media)
+    sub = submission(req, served, fetched)
+    group = server_state(request).client.submit(sub, served.max_prompt_tokens, settings.request_timeout_s)
     owned_by_exchange(request, group)
     return req, group
 
