@@ -173,8 +173,9 @@ def _get(url: str, policy: MediaPolicy, deadline: float) -> tuple[int, str | Non
             raise FetchError(_too_large(f"{int(length)} bytes", policy))
         body = bytearray()
         while True:
-            sock.settimeout(_remaining(deadline, policy))
-            chunk = response.read(_CHUNK)
+            if not response.isclosed():  # (once the body is read, the response may close the socket)
+                sock.settimeout(_remaining(deadline, policy))
+            chunk = response.read1(_CHUNK)  # what one receive brings: the deadline is checked between
             if not chunk:
                 return 200, None, bytes(body)
             body += chunk
