@@ -218,3 +218,47 @@ def test_ctrl_c_stops_the_reply_between_steps_and_the_chat_goes_on(model, overla
         engine.check_integrity()
     finally:
         engine.shutdown()
+
+
+def test_images_go_with_the_first_message_and_again_after_reset(tmp_path, model, capsys):
+    """`gapless chat --image A --image B` on a tiny LLaVA: both images go with the first message and stay
+    in the history (the second turn reuses their KV from the prefix cache), the reply equals `LLM.chat`'s
+    for the same message, and /reset sends them again; a missing file or a text model exits 2 at once."""
+    import numpy as np
+    from PIL import Image
+
+    from gapless import LLM
+    from gapless.testing.vision_checkpoints import make_llava_checkpoint
+
+    ckpt = str(make_llava_checkpoint(tmp_path / "llava"))
+    paths = []
+    for seed, (h, w) in enumerate([(40, 70), (90, 30)]):
+        pixels = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
+        paths.append(str(tmp_path / f"im{seed}.png"))
+        Image.fromarray(pixels).save(paths[-1])
+    engine = make_engine(ckpt)
+    queued, add = [], engine.add_request
+    engine.add_request = lambda *a, **kw: queued.append(add(*a, **kw)) or queued[-1]
+    try:
+        s = Script(["Describe", "more?", "/reset", "Describe"], queued)
+        session = run_chat(engine, GREEDY, input_fn=s.input, write=s.write, images=paths)
+        first, second, third = s.reqs
+        assert len(first.images) == len(second.images) == len(third.images) == 2
+        assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+        assert second.cached_tokens >= first.images[1].start + first.images[1].length  # both images hit
+        assert third.prompt_ids == first.prompt_ids and third.output_ids == first.output_ids
+        assert [p["type"] for p in session.messages[0]["content"]] == ["image", "image", "text"]
+        reply = engine.output_text(first)
+    finally:
+        engine.shutdown()
+    parts = [{"type": "image", "image": p} for p in paths] + [{"type": "text", "text": "Describe"}]
+    with LLM(ckpt, device="cpu", kv_cache_tokens=2048) as llm:
+        assert llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0].text == reply
+
+    parser = add_chat_args(argparse.ArgumentParser())
+    for argv, said in [
+        ([ckpt, "--image", paths[0], "--image", str(tmp_path / "none.png")], "none.png: cannot read"),
+        ([model, "--image", paths[0]], "is a text model, it takes no images"),
+    ]:
+        assert chat_main(parser.parse_args([*argv, "--device", "cpu"]), input_fn=input) == 2
+        assert said in capsys.readouterr().err

@@ -62,17 +62,15 @@ def test_openai_client_matches_offline_chat(server, ckpt):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     urls = [_data_url(40, 70, 0), _data_url(90, 30, 1)]
     kw = dict(max_tokens=8, temperature=0.0)
+    # one image, two in a message, and one in each of two user messages of a conversation
+    convs = [_messages(urls[0]), _messages(*urls)]
+    convs.append([*_messages(urls[1]), {"role": "assistant", "content": "Seen."}, *_messages(urls[0])])
     served = [
-        client.chat.completions.create(model=str(ckpt), messages=_messages(*urls[:n]), **kw)
-        .choices[0]
-        .message.content
-        for n in (1, 2)
+        client.chat.completions.create(model=str(ckpt), messages=conv, **kw).choices[0].message.content
+        for conv in convs
     ]
     with LLM(str(ckpt), device="cpu") as llm:
-        offline = [
-            o.text
-            for o in llm.chat([_messages(*urls[:n]) for n in (1, 2)], SamplingParams(**kw), use_tqdm=False)
-        ]
+        offline = [o.text for o in llm.chat(convs, SamplingParams(**kw), use_tqdm=False)]
     assert served == offline and all(served)
 
 
@@ -84,7 +82,7 @@ def test_openai_client_matches_offline_chat(server, ckpt):
             "cannot be decoded",
             "messages[0].content[1]",
         ),
-        (["http://10.0.0.1/x.png"], "remote image URLs are not fetched", "messages[0].content[1]"),
+        (["http://10.0.0.1/x.png"], "start it with --allow-remote-media", "messages[0].content[1]"),
         ([_data_url(8, 8, 3, "TIFF")], "format TIFF is not supported", "messages[0].content[1]"),
         ([_data_url(100, 100, 3)], "more than the limit 9000", "messages[0].content[1]"),
         ([_data_url(20, 20, k) for k in range(3)], "3 images in one prompt", "messages"),
@@ -131,3 +129,12 @@ def test_each_part_is_named_by_its_index(ckpt_factory):
     sub = decode_body(json.dumps(body).encode(), ChatCompletionRequest).submission(served)
     chat = sub.prompts[0]
     assert len(chat.images) == 2 and [p["type"] for p in chat.messages[0].parts] == ["text", "image"] * 2
+    # `detail`: OpenAI's values accepted, another refused by name
+    for detail in ("auto", "low", "high"):
+        parts[1]["image_url"]["detail"] = detail
+        body["messages"][0]["content"] = parts
+        assert decode_body(json.dumps(body).encode(), ChatCompletionRequest).submission(served).prompts
+    parts[1]["image_url"]["detail"] = "ultra"
+    with pytest.raises(BadRequest, match="detail must be one of auto, low, high, not 'ultra'") as e:
+        decode_body(json.dumps(body).encode(), ChatCompletionRequest).submission(served)
+    assert e.value.param == "messages[0].content[1]"
