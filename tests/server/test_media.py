@@ -249,3 +249,20 @@ def test_the_chat_route_fetches_before_submitting(site):
     r = post(OPEN, f"{site}/img.png", f"{site}/img.png", data)  # 3 images, limit 2: before any fetch
     assert r.status_code == 400 and "3 images in one prompt" in r.json()["error"]["message"]
     assert len(client.subs) == 1
+
+
+def test_the_flags_make_the_policy():
+    from gapless.__main__ import parse_args
+
+    assert MediaPolicy.of_args(parse_args(["serve"])) == MediaPolicy()  # off
+    args = parse_args(["serve", "--allowed-media-domains", "Images.Example.org", "cdn.example.com."])
+    policy = MediaPolicy.of_args(args)
+    assert policy.enabled and not policy.allow_remote and not policy.allow_private
+    assert policy.domains == {"images.example.org", "cdn.example.com"}
+    args = parse_args(
+        ["serve", "--allow-remote-media", "--max-media-bytes", "4096", "--media-fetch-timeout", "2"]
+    )
+    assert MediaPolicy.of_args(args) == MediaPolicy(True, None, 4096, 2.0)
+    for bad in (["--max-media-bytes", "0"], ["--media-fetch-timeout", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(["serve", *bad])

@@ -118,7 +118,7 @@ def test_token_ids_are_checked_in_every_prompt_before_anything_else_happens():
 
 
 def test_ignored_fields_are_logged_once_at_debug_level(caplog):
-    caplog.set_level(logging.DEBUG, logger="gapless.server.openai_protocol")
+    caplog.set_level(logging.DEBUG, logger="gapless.server.request_body")
     for _ in range(3):
         parse(CompletionRequest, prompt="x", frobnicate=1, user_tag_for_test="me")
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
