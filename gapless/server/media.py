@@ -91,6 +91,10 @@ def check_url(url: str, policy: MediaPolicy) -> tuple[str, str, int]:
         raise FetchError(f"only http and https image URLs with a host are fetched, not {url[:80]!r}")
     if parts.username is not None or parts.password is not None:
         raise FetchError("an image URL with credentials (user@host) is not fetched")
+    try:
+        host = host.encode("idna").decode("ascii")  # an international name as DNS and HTTP carry it
+    except UnicodeError:
+        raise FetchError(f"the image URL's host {host[:80]!r} is not a valid host name") from None
     if policy.domains is not None and host not in policy.domains:
         raise FetchError(f"the host {host!r} is not in this server's --allowed-media-domains")
     return scheme, host, port or (443 if scheme == "https" else 80)
@@ -130,7 +134,11 @@ def _connection(
 
     sock = socket.create_connection((address, port), timeout=timeout)
     if scheme == "https":
-        sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+        try:
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+        except BaseException:
+            sock.close()
+            raise
     conn = (http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection)(
         host, port, timeout=timeout
     )
@@ -163,7 +171,8 @@ def _get(url: str, policy: MediaPolicy, deadline: float) -> tuple[int, str | Non
     else:
         raise FetchError(f"cannot connect to {host!r} ({error})")
     try:
-        path = urlsplit(url)._replace(scheme="", netloc="", fragment="").geturl() or "/"
+        parts = urlsplit(url)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         conn.request("GET", path, headers={"Accept": "image/*", "User-Agent": "gapless"})
         response = conn.getresponse()
         if response.status != 200:

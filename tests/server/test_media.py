@@ -48,8 +48,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         self.hits.append(self.path)
-        port = self.server.server_address[1]
-        if self.path == "/img.png":
+        port, path = self.server.server_address[1], self.path.split("?")[0]
+        if path == "/img.png":
             self._send(200, PNG, {"Content-Type": "image/png", "Content-Length": str(len(PNG))})
         elif self.path == "/big":  # a Content-Length past the limit
             self._send(200, b"x" * 5000, {"Content-Length": "5000"})
@@ -109,6 +109,8 @@ def test_fetches_an_image_each_url_once(site):
     assert _fetch([url, url], OPEN) == {url: PNG}
     assert _Handler.hits == ["/img.png"]
     assert _fetch([f"{site}/redirect"], OPEN) == {f"{site}/redirect": PNG}  # a redirect followed
+    assert _fetch([f"{site}/img.png?v=2#part"], OPEN)
+    assert _Handler.hits[-1] == "/img.png?v=2"  # the query sent, the fragment not
 
 
 def test_off_unless_a_flag_says_so(site):
