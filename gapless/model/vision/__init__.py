@@ -9,16 +9,19 @@ from typing import Any
 import torch
 
 from gapless.model.vision.base import VisionEncoder, VisionSpec
+from gapless.model.vision.gemma3 import Gemma3Encoder, gemma3_spec
 from gapless.model.vision.llava import LlavaEncoder, llava_spec
 
 # architecture -> (its VisionSpec from config.json, its encoder class)
 _FAMILIES: dict[str, Any] = {"LlavaForConditionalGeneration": (llava_spec, LlavaEncoder)}
+_FAMILIES["Gemma3ForConditionalGeneration"] = (gemma3_spec, Gemma3Encoder)
 # a multimodal config's text_config `model_type` -> the decoder architecture that runs it
 _TEXT_ARCHS = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+_TEXT_ARCHS["gemma3_text"] = "Gemma3ForCausalLM"
 VISION_ARCHITECTURES = tuple(_FAMILIES)
 
 
