@@ -1,0 +1,148 @@
+"""Gemma 3 vision-language end to end, offline: greedy tokens equal transformers'
+`Gemma3ForConditionalGeneration` on a tiny random checkpoint (one and two images, text before, between and
+after; a sliding-window layer), whose decoder lets an image's tokens attend to each other both ways. So
+the prefill attends over each image both ways too (`AttentionMetadata.q_limits`), in the torch reference
+and the Triton extend kernel, and a prefill chunk never ends inside an image (`images.chunk_tokens`);
+with page sizes 1 and 16, overlap on and off, and the radix cache keyed by image content (a repeated image
+hits, a different image of the same size misses)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from gapless import LLM, SamplingParams
+from gapless.engine.images import PromptImage, chunk_tokens
+from gapless.testing.gemma3_checkpoint import TOKENS_PER_IMAGE, make_gemma3_checkpoint
+
+MAX_TOKENS = 8
+
+
+def _image(h: int, w: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+IM_A, IM_B, IM_C = _image(40, 70, 0), _image(90, 30, 1), _image(40, 70, 2)  # A and C: the same size
+
+
+def _chat(*parts: object) -> list[dict]:
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts
+    ]
+    return [{"role": "user", "content": content}]
+
+
+CONVS = [
+    _chat("Describe", IM_A, "briefly please"),  # text before and after one image
+    _chat("First", IM_A, "then", IM_B, "compare them"),  # two images, text between
+    _chat(IM_B, "what now"),  # an image first
+]
+OTHER = _chat("Describe", IM_C, "briefly please")  # CONVS[0] with a different image of the same size
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """transformers' greedy tokens for each conversation of CONVS, then OTHER; and CONVS[1]'s prompt
+    logprobs (each prompt token's under the logits before it), with the decoder attending over images both
+    ways and, without token_type_ids, causally."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(ckpt)
+    model = Gemma3ForConditionalGeneration.from_pretrained(ckpt).eval()
+
+    def inputs(conv: list[dict]) -> dict:
+        return processor.apply_chat_template(
+            conv, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+
+    def generate(conv: list[dict]) -> list[int]:
+        with torch.no_grad():
+            ids = model.generate(**inputs(conv), max_new_tokens=MAX_TOKENS, do_sample=False)
+        return ids[0, inputs(conv)["input_ids"].shape[1] :].tolist()
+
+    def prompt_logprobs(conv: list[dict], bidirectional: bool) -> torch.Tensor:
+        x = inputs(conv)
+        if not bidirectional:
+            x.pop("token_type_ids")
+        with torch.no_grad():
+            logp = torch.log_softmax(model(**x).logits[0, :-1].float(), -1)
+        return logp.gather(1, x["input_ids"][0, 1:, None])[:, 0]
+
+    tokens = [generate(c) for c in [*CONVS, OTHER]]
+    return tokens, prompt_logprobs(CONVS[1], True), prompt_logprobs(CONVS[1], False)
+
+
+def test_prompt_logprobs_attend_over_images_both_ways(ckpt, reference):
+    """Every prompt position's logprob equals transformers' with the bidirectional image mask, and the
+    causal mask's differ (so this checks the mask, which greedy tokens of a tiny model may not show)."""
+    _, both, causal = reference
+    with LLM(str(ckpt), device="cpu", page_size=16, overlap=False) as llm:
+        out = llm.chat(CONVS[1], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    got = torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+    torch.testing.assert_close(got, both, atol=1e-4, rtol=1e-4)
+    assert (causal - both).abs().max() > 0.1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(page_size=1, chunked_prefill_size=10),  # overlap on; chunks of 10 end before or after images
+        dict(page_size=16, overlap=False),  # whole prompts in one batch, the plain loop
+        dict(page_size=16, chunked_prefill_size=24, attention_backend="triton"),  # the extend kernel
+        pytest.param(
+            dict(device="cuda", dtype="float32", page_size=16, chunked_prefill_size=10),
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs CUDA (the CPU cases cover it)"
+            ),
+        ),
+    ],
+    ids=["page1-chunk10", "page16-plain", "page16-chunk24-triton", "cuda-page16-chunk10"],
+)
+def test_greedy_equals_transformers(ckpt, reference, options):
+    if options.get("attention_backend") == "triton":
+        pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
+    with LLM(str(ckpt), **{"device": "cpu", **options}) as llm:
+        outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == reference[0][:3]
+        runner = llm.engine._runner
+        assert runner is not None and runner.encoder_cache is not None
+        assert runner.encoder_cache.encoded == 4 and runner.encoder_cache.kept == {}  # never cut
+        llm.check_integrity()
+
+
+def test_prefix_cache_keys_images_by_content(ckpt, reference):
+    tokens = reference[0]
+    with LLM(str(ckpt), device="cpu", page_size=1) as llm:
+        first = llm.chat(CONVS[0], GREEDY, use_tqdm=False)[0]
+        start = first.prompt_token_ids.index(llm.engine.vision.image_token_id)
+        end = start + TOKENS_PER_IMAGE
+        again = llm.chat(CONVS[0], GREEDY, use_tqdm=False)[0]
+        assert again.token_ids == tokens[0]
+        assert again.cached_tokens >= end  # the image's KV reused: a hit past its run
+        other = llm.chat(OTHER, GREEDY, use_tqdm=False)[0]
+        assert other.token_ids == tokens[3]
+        assert other.prompt_token_ids == first.prompt_token_ids  # the same ids: only the pixels differ
+        assert other.cached_tokens <= start  # a miss from the image on
+        llm.check_integrity()
+
+
+def test_chunks_never_end_inside_an_image_that_attends_both_ways():
+    both = PromptImage(10, 16, (), -5, bidirectional=True)
+    causal = PromptImage(40, 16, (), -6)
+    images = (both, causal)
+    assert chunk_tokens(images, 0, 8) == 8  # ends before the image
+    assert chunk_tokens(images, 0, 10) == 10  # ends at its start
+    assert chunk_tokens(images, 0, 15) == 10  # would end inside: ends before it
+    assert chunk_tokens(images, 10, 5) == 16  # starts at it: the whole image, past the budget
+    assert chunk_tokens(images, 14, 5) == 12  # starts inside it (a prefix hit): to its end
+    assert chunk_tokens(images, 0, 26) == 26  # ends at its end
+    assert chunk_tokens(images, 30, 15) == 15  # a causal image may be cut
