@@ -146,3 +146,75 @@ def test_chunks_never_end_inside_an_image_that_attends_both_ways():
     assert chunk_tokens(images, 14, 5) == 12  # starts inside it (a prefix hit): to its end
     assert chunk_tokens(images, 0, 26) == 26  # ends at its end
     assert chunk_tokens(images, 30, 15) == 15  # a causal image may be cut
+
+
+# google/gemma-3-4b-it's config.json as the Hub has it: its text_config keeps only what differs from
+# Gemma3TextConfig's defaults (no heads, no vocabulary), with v4's rope_scaling
+HUB_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+
+def test_a_hub_config_is_filled_as_transformers_fills_it():
+    from transformers import Gemma3Config
+
+    from gapless.model.config import model_config_from_dict
+
+    cfg = model_config_from_dict(HUB_4B, "config.json")
+    ref = Gemma3Config(**HUB_4B).text_config
+    assert (
+        (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        == (8, 4, 256)
+        == (
+            ref.num_attention_heads,
+            ref.num_key_value_heads,
+            ref.head_dim,
+        )
+    )
+    assert cfg.vocab_size == ref.vocab_size == 262208 and cfg.sliding_window == 1024
+    assert cfg.window_layers == tuple((i + 1) % 6 != 0 for i in range(34))
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling["factor"] == 8.0 and cfg.local_rope_theta == 1e4
+    spec = cfg.vision
+    assert spec is not None and spec.bidirectional
+    assert (spec.image_token_id, spec.image_size, spec.tokens_per_image) == (262144, 896, 256)
+    assert spec.config["vision_config"]["layer_norm_eps"] == 1e-6  # SigLIP's default, filled in
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"mm_tokens_per_image": 200}, "does not pool a 64 x 64 patch grid evenly"),
+        ({"image_token_index": 300000}, "outside the text vocabulary"),
+        ({"vision_config": {"model_type": "clip_vision_model"}}, "'clip_vision_model' vision tower"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(change, message):
+    from gapless.model.config import model_config_from_dict
+
+    with pytest.raises(ValueError, match=message):
+        model_config_from_dict({**HUB_4B, **change}, "config.json")

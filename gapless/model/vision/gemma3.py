@@ -16,12 +16,28 @@ from gapless.model.vision.base import VisionEncoder, VisionSpec
 from gapless.model.vision.siglip import SiglipVisionTower
 
 
+def gemma3_text_config(text: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 `text_config` filled and normalised as transformers loads it: the Hub's configs keep only
+    what differs from `Gemma3TextConfig`'s defaults (the 4B's names no heads), and v4's `rope_scaling` /
+    `rope_local_base_freq` become `rope_parameters`."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**text).to_dict()
+
+
 def gemma3_spec(cfg: dict[str, Any]) -> VisionSpec:
-    """The vision side of a Gemma 3 config, refused by name where its shapes do not pool evenly."""
+    """The vision side of a Gemma 3 config (its `vision_config` filled with SigLIP's defaults, as
+    transformers fills it), refused by name where its shapes do not pool evenly."""
+    from transformers import SiglipVisionConfig
+
     vision = cfg.get("vision_config") or {}
     if vision.get("model_type", "siglip_vision_model") != "siglip_vision_model":
-        raise ValueError(f"Gemma 3 with a {vision.get('model_type')!r} vision tower is not supported (SigLIP is)")
-    size, patch = int(vision.get("image_size", 896)), int(vision.get("patch_size", 14))
+        raise ValueError(
+            f"Gemma 3 with a {vision.get('model_type')!r} vision tower is not supported (SigLIP is)"
+        )
+    vision = SiglipVisionConfig(**vision).to_dict()
+    cfg = {**cfg, "vision_config": vision}
+    size, patch = int(vision["image_size"]), int(vision["patch_size"])
     tokens = int(cfg.get("mm_tokens_per_image", 256))
     side, per_side = size // patch, round(tokens**0.5)
     if per_side * per_side != tokens or side % per_side:
@@ -30,8 +46,8 @@ def gemma3_spec(cfg: dict[str, Any]) -> VisionSpec:
             "(a square number whose side divides the grid's)"
         )
     token_id = int(cfg.get("image_token_index", cfg.get("image_token_id", 262144)))
-    vocab = (cfg.get("text_config") or {}).get("vocab_size")
-    if vocab is not None and token_id >= int(vocab):
+    vocab = gemma3_text_config(dict(cfg.get("text_config") or {}))["vocab_size"]
+    if token_id >= int(vocab):
         raise ValueError(f"image_token_index {token_id} is outside the text vocabulary ({vocab})")
     return VisionSpec("gemma3", token_id, size, tokens, cfg, bidirectional=True)
 
