@@ -40,6 +40,10 @@ CONVS = [
     _chat(IM_B, "what now"),  # an image first
 ]
 OTHER = _chat("Describe", IM_C, "briefly please")  # CONVS[0] with a different image of the same size
+# two prompts that share an image and differ after it: with pages of 16 the second's cache hit (40 shared
+# tokens, rounded down to 32) ends inside the image's run [21, 37)
+FIRST = _chat("Describe this picture", IM_A, "briefly please")
+SEQUEL = _chat("Describe this picture", IM_A, "in a word")
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
@@ -76,14 +80,17 @@ def reference(ckpt):
             logp = torch.log_softmax(model(**x).logits[0, :-1].float(), -1)
         return logp.gather(1, x["input_ids"][0, 1:, None])[:, 0]
 
-    tokens = [generate(c) for c in [*CONVS, OTHER]]
-    return tokens, prompt_logprobs(CONVS[1], True), prompt_logprobs(CONVS[1], False)
+    tokens = [generate(c) for c in [*CONVS, OTHER, SEQUEL]]
+    logprobs = {
+        (i, both): prompt_logprobs(c, both) for i, c in ((1, CONVS[1]), (5, SEQUEL)) for both in (1, 0)
+    }
+    return tokens, logprobs
 
 
 def test_prompt_logprobs_attend_over_images_both_ways(ckpt, reference):
     """Every prompt position's logprob equals transformers' with the bidirectional image mask, and the
     causal mask's differ (so this checks the mask, which greedy tokens of a tiny model may not show)."""
-    _, both, causal = reference
+    both, causal = reference[1][1, 1], reference[1][1, 0]
     with LLM(str(ckpt), device="cpu", page_size=16, overlap=False) as llm:
         out = llm.chat(CONVS[1], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     ids = out.prompt_token_ids
@@ -132,6 +139,44 @@ def test_prefix_cache_keys_images_by_content(ckpt, reference):
         assert other.token_ids == tokens[3]
         assert other.prompt_token_ids == first.prompt_token_ids  # the same ids: only the pixels differ
         assert other.cached_tokens <= start  # a miss from the image on
+        llm.check_integrity()
+
+
+def test_a_prefix_hit_inside_an_image(ckpt, reference):
+    """Pages of 16: a prompt sharing an earlier prompt's image but not its text after it hits the cache up
+    to a page boundary inside the image's run; the image's other tokens are computed seeing the whole
+    image (its cached tokens were, since a chunk never ends inside it)."""
+    tokens = reference[0]
+    with LLM(str(ckpt), device="cpu", page_size=16) as llm:
+        first = llm.chat(FIRST, GREEDY, use_tqdm=False)[0]
+        start = first.prompt_token_ids.index(llm.engine.vision.image_token_id)
+        # the logprobs of the positions after the hit: from the image's uncached tokens on
+        scored = SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.0, prompt_logprobs=0, prompt_logprobs_start=34
+        )
+        sequel = llm.chat(SEQUEL, scored, use_tqdm=False)[0]
+        assert start < sequel.cached_tokens < start + TOKENS_PER_IMAGE  # the hit ends inside the image
+        assert sequel.token_ids == tokens[4]
+        ids = sequel.prompt_token_ids
+        got = torch.tensor([sequel.prompt_logprobs[i][ids[i]].logprob for i in range(34, len(ids))])
+        both, causal = reference[1][5, 1][33:], reference[1][5, 0][33:]
+        torch.testing.assert_close(got, both, atol=1e-4, rtol=1e-4)
+        assert (
+            causal[: start + TOKENS_PER_IMAGE - 33] - both[: start + TOKENS_PER_IMAGE - 33]
+        ).abs().max() > 0.1
+        llm.check_integrity()
+
+
+def test_retraction_resumes_with_whole_images(ckpt, reference):
+    """A KV pool too small for every conversation at once: requests are retracted mid-decode and resume
+    (their prefix found in the radix cache, possibly ending inside an image, or recomputed), under overlap
+    with chaos delays; the tokens stay transformers'."""
+    eager = {"init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
+    options = dict(kv_cache_tokens=110, cpu_worker="thread", chaos_seed=3, chunked_prefill_size=16, **eager)
+    with LLM(str(ckpt), device="cpu", page_size=1, **options) as llm:
+        outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == reference[0][:3]
+        assert llm.engine.stats.retractions > 0
         llm.check_integrity()
 
 
