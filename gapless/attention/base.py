@@ -2,7 +2,8 @@
 
 A batch is ragged: request b contributes `extend_lens[b]` new tokens (1 in decode) that attend, causally,
 to its `prefix_lens[b]` cached tokens and to each other. Keys and values are read through the request
-table: token j of request b lives in KV slot `req_table[rows[b], j]`.
+table: token j of request b lives in KV slot `req_table[rows[b], j]`. With `q_limits`, a query may see
+past itself, up to a bound of its own (an image's tokens in Gemma 3, which see their whole image).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class AttentionMetadata:
     is_decode: bool
     # max_seq_len is a capacity (a CUDA graph's, fixed at capture), not the longest request's length
     static: bool = False
+    # [T] int64 or None (causal): per flat token, the last position it attends to (>= its own, within its
+    # request's new tokens): an image's tokens in a decoder that attends over images both ways see the
+    # image's last token. An extend's alone; a sliding window still counts back from the token's own position
+    q_limits: torch.Tensor | None = None
 
     @property
     def seq_lens(self) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 `attention_backend="auto"` picks the Triton kernels on CUDA. Should they fail to compile on this GPU or
 Triton version, or compute something else than the reference, serving with them would be wrong or
-would not start. So before "auto" commits to them, one small ragged extend batch (with prefixes,
-unaligned to pages) and one decode batch long enough to use several splits run through both backends;
+would not start. So before "auto" commits to them, two small ragged extend batches (with prefixes,
+unaligned to pages; one with image spans that see ahead, `SPANS`) and one decode batch long enough to
+use several splits run through both backends;
 on any error or disagreement, "auto" falls back to the reference backend and logs why.
 """
 
@@ -23,7 +24,9 @@ _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 # the batches checked: name -> (prefix lens, extend lens); a decode long enough for several splits
 # an fp8 probe's k scale (v: 0.75 of it): randn / scale stays inside e4m3's range (448)
 _FP8_SCALE = torch.tensor([2.0**-5])
-CASES = {"extend": ([0, 5, 37], [4, 1, 9]), "decode": ([1, 40, 700], [1, 1, 1])}
+CASES = {"extend": ([0, 5, 37], [4, 1, 9]), "image": ([0, 6], [12, 9]), "decode": ([1, 40, 700], [1, 1, 1])}
+# a case's flat token spans whose tokens see the span's last (`AttentionMetadata.q_limits`: Gemma 3's images)
+SPANS = {"image": ((2, 8), (13, 5))}
 
 
 class LayerOptions(TypedDict, total=False):
@@ -62,8 +65,14 @@ class Probe:
 
 
 def batch(
-    probe: Probe, prefix_lens: list[int], extend_lens: list[int], device: torch.device, seed: int
+    probe: Probe,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    device: torch.device,
+    seed: int,
+    spans: tuple[tuple[int, int], ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A random batch; `spans`: (flat start, length) runs whose tokens each see the run's last."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     slots_needed = sum(seq_lens)
@@ -87,6 +96,12 @@ def batch(
         max_seq_len=max(seq_lens),
         is_decode=all(e == 1 for e in extend_lens),
     )
+    if spans:
+        pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)])
+        limits = pos.clone()
+        for start, n in spans:
+            limits[start : start + n] = pos[start + n - 1]
+        meta.q_limits = limits.to(device)
     to = lambda t: t.to(device=device, dtype=probe.dtype)  # noqa: E731
     scales = probe.kv_scales(torch.device("cpu"))
     if scales:  # as the KV pool stores them: k / scale in e4m3
@@ -106,7 +121,7 @@ def disagreement(backend: AttentionBackend, probe: Probe, device: torch.device) 
     reference = TorchRefBackend()
     scale = probe.head_dim**-0.5
     for seed, (name, (prefix_lens, extend_lens)) in enumerate(CASES.items()):
-        q, k, v, meta = batch(probe, prefix_lens, extend_lens, device, seed)
+        q, k, v, meta = batch(probe, prefix_lens, extend_lens, device, seed, SPANS.get(name, ()))
         layer = probe.layer()
         try:
             out = backend.forward(q, k, v, backend.prepare(meta), scale, **layer, **probe.kv_scales(device))

@@ -3,7 +3,8 @@
 The ragged batch is padded to `[B, max_extend_len]` queries and `[B, max_seq_len]` keys gathered from the
 KV pool through the request table, then one `scaled_dot_product_attention` call per layer handles all
 requests, extend and decode alike. The index tensors and the mask are built once per batch (a
-sliding-window layer's mask once per window size). A decode batch (one query per request, so the flat
+sliding-window layer's mask once per window size); a query with a bound (`AttentionMetadata.q_limits`)
+sees the keys up to it rather than up to itself. A decode batch (one query per request, so the flat
 batch is already `[B, 1]`) skips the two gathers that pad queries and unpad outputs, and a lone decode
 request, whose keys are all valid, attends without a mask: on a CPU, where a small model's decode step is
 many small ops, those are a visible share of the step. Soft-capped scores (Gemma 2) cannot go through
@@ -49,7 +50,9 @@ class TorchRefBackend:
         q_valid = q_off[None, :] < meta.extend_lens[:, None]
         q_index = torch.where(q_valid, meta.q_start[:, None] + q_off[None, :], 0)
         q_pos = meta.prefix_lens[:, None] + q_off[None, :]  # absolute position of each query
-        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
+        # the last key each query sees: itself (causal), or its bound (`q_limits`: an image's last token)
+        limit = q_pos if meta.q_limits is None else torch.where(q_valid, meta.q_limits[q_index], q_pos)
+        mask = (key_pos[None, None, :] <= limit[:, :, None]) & (
             key_pos[None, None, :] < seq_lens[:, None, None]
         )
         # padding queries attend to key 0 only, so softmax never sees an all-masked row (NaN)

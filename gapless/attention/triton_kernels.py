@@ -6,7 +6,9 @@ time, so the cache layout (page size, fragmentation, a prefix that ends mid-page
 
 - `extend_attention`: one program per (query block, request, query head). Each loops over its request's
   keys up to the last position any of its queries may see, with an online softmax in fp32 (running max,
-  running sum, rescaled accumulator). The causal mask is `key_pos <= prefix_len + query_offset`. The key
+  running sum, rescaled accumulator). The causal mask is `key_pos <= prefix_len + query_offset`, or
+  `key_pos <= q_limits[token]` where the batch gives bounds (`LIMITS`, compiled apart: an image's tokens
+  that see their whole image, Gemma 3). The key
   blocks every query of the block sees whole (most of a long context) run first and without a mask; only
   the causal diagonal and a sliding window's edge are masked, as flash attention does.
 - `decode_attention`: one query per request, one launch. A program per (request, kv head, split)
@@ -266,6 +268,7 @@ def _extend_kernel(
     stride_table,
     KScale,
     VScale,
+    QLimits,
     Out,
     stride_ot,
     stride_oh,
@@ -278,6 +281,7 @@ def _extend_kernel(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
+    LIMITS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -309,6 +313,11 @@ def _extend_kernel(
     q_pos = prefix + offs_m
     # keys past the last query of this block are masked for every row: don't visit them
     kv_end = prefix + tl.minimum(m0 + BLOCK_M, ext)
+    if LIMITS:  # each query sees up to its own bound (>= itself): visit keys up to the largest
+        q_lim = tl.maximum(tl.load(QLimits + q_rows, mask=m_mask, other=0), q_pos)
+        kv_end = tl.minimum(tl.maximum(kv_end, _max(tl.where(m_mask, q_lim, 0), 0) + 1), prefix + ext)
+    else:
+        q_lim = q_pos
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -339,8 +348,8 @@ def _extend_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
-        # causal, and within the last `window` positions
-        causal = offs_n[None, :] <= q_pos[:, None]
+        # causal (or up to the query's bound), and within the last `window` positions
+        causal = offs_n[None, :] <= q_lim[:, None]
         visible = n_mask[None, :] & causal & (offs_n[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _attend_block(
             q, K, V, slots, visible, n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -652,13 +661,15 @@ def extend_attention(
     tuning: ExtendTuning = DEFAULT_EXTEND,
     kv_scales: KVScaleArgs = (None, None),
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens to its cached prefix and to each other.
+    """Causal attention of each request's new tokens to its cached prefix and to each other (a token
+    with a bound in `meta.q_limits` sees up to it).
 
     q: [T, heads, d] (flat, request b's tokens at `meta.q_start[b]`); caches: [slots, kv_heads, d]; the
     new tokens' K/V must already be in the cache. `window`, `softcap`: as `AttentionBackend.forward`
     takes them; `kv_scales`: an fp8 cache's (k_scale, v_scale), [1] fp32 device tensors. Returns
     [T, heads, d] in q's dtype."""
     args = _paged_args(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
+    limits = meta.q_limits
     T, heads, d = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or meta.batch_size == 0 or meta.max_extend_len == 0:
@@ -668,6 +679,7 @@ def extend_attention(
     grid = (triton.cdiv(meta.max_extend_len, block_m), meta.batch_size, heads)
     _extend_kernel[grid](
         *args,
+        q if limits is None else limits,  # (never read without LIMITS)
         out,
         out.stride(0),
         out.stride(1),
@@ -677,6 +689,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         SOFTCAP=bool(softcap),
+        LIMITS=limits is not None,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
         **_dot_flags(q.dtype, k_cache.dtype),

@@ -104,6 +104,9 @@ class ForwardBatch:
     lora_loads: list[LoRALoad] = field(default_factory=list)
     # a vision-language model's image tokens in this extend: the encoder's rows replace their embeddings
     images: ImageBatch | None = None
+    # [T] int64: each token's last visible position where an image attends both ways (Gemma 3), else None
+    # (`AttentionMetadata.q_limits`, `gapless.engine.vision.image_limits`)
+    q_limits: torch.Tensor | None = None
 
     @property
     def reads_future_tokens(self) -> bool:

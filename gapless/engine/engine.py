@@ -190,6 +190,8 @@ class Engine:
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
         if images and (self.vision is None or any(im.start + im.length > len(prompt_ids) for im in images)):
             raise ValueError("images for a model without a vision encoder, or past the prompt's end")
+        if images and self.vision is not None and self.vision.bidirectional:  # (Gemma 3)
+            images = tuple(dataclasses.replace(im, bidirectional=True) for im in images)
         lora = self.add_lora(lora_request) if lora_request is not None else None
         params = params.resolved(self.sampling_defaults)
         if self.pooling is not None:  # prefill only: the one token its last chunk samples is dropped

@@ -28,6 +28,21 @@ class PromptImage:
     length: int
     inputs: tuple[torch.Tensor, ...]
     key: int
+    # its tokens attend to each other both ways (`VisionSpec.bidirectional`, set by `Engine.add_request`):
+    # its run is prefilled in one chunk (`chunk_tokens`), each token seeing the run's last
+    bidirectional: bool = False
+
+
+def chunk_tokens(images: tuple[PromptImage, ...], start: int, n: int) -> int:
+    """How many of the `n` tokens from position `start` a prefill chunk computes so that it never ends
+    inside an image prefilled whole (`PromptImage.bidirectional`): `n`, or fewer to end before such an
+    image, or - where the chunk starts at or inside it - more, to end at its end (a budget overrun of at
+    most one image's tokens)."""
+    end = start + n
+    for im in images:
+        if im.bidirectional and im.start < end < im.start + im.length:
+            return im.start - start if im.start > start else im.start + im.length - start
+    return n
 
 
 def image_key(inputs: tuple[torch.Tensor, ...]) -> int:

@@ -57,6 +57,23 @@ def image_batch(entries: list[Extend], q_start: list[int]) -> ImageBatch | None:
     return ImageBatch(tuple(spans)) if spans else None
 
 
+def image_limits(entries: list[Extend], q_start: list[int], positions: torch.Tensor) -> torch.Tensor | None:
+    """Each flat token's last visible position (`AttentionMetadata.q_limits`) where the batch computes an
+    image whose tokens attend both ways (`PromptImage.bidirectional`): its tokens see the run's last, the
+    others themselves; None when there is none. Such a run is never cut (`images.chunk_tokens`)."""
+    limits = None
+    for e, q in zip(entries, q_start):
+        req = e.req
+        lo, hi = req.kv_len - e.tokens, req.kv_len
+        for im in req.images:
+            end = im.start + im.length
+            if im.bidirectional and max(lo, im.start) < min(hi, end):
+                assert hi >= end, "a prefill chunk ends inside an image that attends both ways"
+                limits = positions.clone() if limits is None else limits
+                limits[q + max(lo, im.start) - lo : q + end - lo] = end - 1
+    return limits
+
+
 class EncoderCache:
     """The device's encoded images: per request-table row, the image whose run a chunk left unfinished."""
 

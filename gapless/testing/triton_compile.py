@@ -118,7 +118,8 @@ def _attention() -> dict[str, Callable[[], object]]:
 
     def run(probe: selfcheck.Probe) -> None:
         for name, (prefix_lens, extend_lens) in selfcheck.CASES.items():
-            q, k, v, meta = selfcheck.batch(probe, prefix_lens, extend_lens, torch.device("cpu"), 0)
+            spans = selfcheck.SPANS.get(name, ())
+            q, k, v, meta = selfcheck.batch(probe, prefix_lens, extend_lens, torch.device("cpu"), 0, spans)
             for backend in backends if name == "decode" else backends[:1]:
                 scales = probe.kv_scales(torch.device("cpu"))
                 backend.forward(

@@ -175,6 +175,28 @@ def test_extend_blocks_every_query_sees_whole_run_unmasked_and_no_others(window)
         assert (out - reference(q, clean, meta, 0.5)).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize(("window", "page_size"), [(None, 16), (24, 1)])
+def test_extend_query_limits_match_reference(window, page_size):
+    """Queries that see past themselves up to a bound (`q_limits`: an image's tokens seeing their whole
+    image, Gemma 3): spans inside a query block, across query blocks, after a prefix and at a request's
+    end, with and without a window; the bounds change the answer, so matching the reference checks them."""
+    lens = dict(prefix_lens=[0, 40, 7], extend_lens=[90, 30, 5])
+    q, k, v, meta, clean = make_batch(5, heads=4, kv_heads=2, d=16, page_size=page_size, garbage=True, **lens)
+    pos = torch.cat([torch.arange(p, p + e) for p, e in zip(lens["prefix_lens"], lens["extend_lens"])])
+    limits = pos.clone()
+    for start, n in [(3, 10), (20, 60), (95, 20), (121, 4)]:  # flat spans, each inside one request
+        limits[start : start + n] = pos[start + n - 1]
+    causal = reference(q, clean, meta, 0.5, window=window)
+    meta.q_limits = limits.to(DEVICE)
+    backend = TritonBackend()
+    out = backend.forward(q, k, v, backend.prepare(meta), 0.5, window=window)
+    want = reference(q, clean, meta, 0.5, window=window)
+    check(out, want, torch.float32)
+    outside = limits == pos  # tokens with no bound past themselves attend as before
+    torch.testing.assert_close(want[outside.to(DEVICE)], causal[outside.to(DEVICE)])
+    assert (want - causal).abs().amax(dim=(1, 2))[~outside.to(DEVICE)].min() > 1e-3
+
+
 @pytest.mark.parametrize("num_splits", [None, 1, tk.MAX_SPLITS])
 def test_decode_split_counts(num_splits):
     """Any split count gives the same answer; the default picks several for a long context."""

@@ -47,8 +47,8 @@ _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": 
         ),
         ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
         (
-            {"architectures": ["Gemma3ForConditionalGeneration"], "vision_config": {"hidden_size": 8}},
-            r"Gemma3ForConditionalGeneration'.*multimodal: vision_config; gapless runs text only",
+            {"architectures": ["Idefics3ForConditionalGeneration"], "vision_config": {"hidden_size": 8}},
+            r"Idefics3ForConditionalGeneration'.*multimodal: vision_config; gapless runs text only",
         ),
         ({"architectures": ["DeepseekV2ForCausalLM"]}, "unsupported architecture 'DeepseekV2ForCausalLM'"),
         ({"architectures": ["Gemma3nForCausalLM"]}, "unsupported architecture 'Gemma3nForCausalLM'"),

@@ -2,8 +2,9 @@
 
 An extend batch continues the chunked request first, else admits waiting requests in policy order
 (`lpm`: longest cached prefix first; `fcfs`), under two budgets: a token budget per batch
-(`chunked_prefill_size`; a longer prompt is prefilled in chunks, one chunked request at a time) and a
-KV budget that keeps back the running requests' decode reservation (`DecodeReserve`).
+(`chunked_prefill_size`; a longer prompt is prefilled in chunks, one chunked request at a time, never
+ending a chunk inside an image whose tokens attend both ways: `images.chunk_tokens`) and a KV budget
+that keeps back the running requests' decode reservation (`DecodeReserve`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from gapless.config import EngineConfig
 from gapless.engine.batch import PenaltyInit
+from gapless.engine.images import chunk_tokens
 from gapless.engine.request import Extend, Req, ReqStatus
 from gapless.engine.scheduler.budget import DecodeReserve
 from gapless.engine.scheduler.kv import KVManager
@@ -78,7 +80,7 @@ class PrefillPlanner:
 
     def _continue_chunked(self, plan: ExtendPlan, req: Req) -> None:
         rest = req.seq_len - req.kv_len
-        n = min(rest, plan.token_budget)
+        n = chunk_tokens(req.images, req.kv_len, min(rest, plan.token_budget))
         own_reserve = self.reserve.tokens(req) if n == rest else 0
         if not self._fits(n, own_reserve, plan.reserved, alone=not self.queues.running):
             return
@@ -111,7 +113,7 @@ class PrefillPlanner:
                 continue  # its adapter waits for a slot; requests of resident adapters go first
             match = self.kv.lock_prefix(req)
             ext = req.seq_len - match.length
-            n = min(ext, plan.token_budget)
+            n = chunk_tokens(req.images, match.length, min(ext, plan.token_budget))
             own_reserve = self.reserve.tokens(req) if n == ext else 0
             if not self._fits(n, own_reserve, plan.reserved, alone=not plan.entries and not q.running):
                 self.kv.unlock(match.node)

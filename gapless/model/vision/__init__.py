@@ -9,16 +9,21 @@ from typing import Any
 import torch
 
 from gapless.model.vision.base import VisionEncoder, VisionSpec
+from gapless.model.vision.gemma3 import Gemma3Encoder, gemma3_spec, gemma3_text_config
 from gapless.model.vision.llava import LlavaEncoder, llava_spec
 
 # architecture -> (its VisionSpec from config.json, its encoder class)
 _FAMILIES: dict[str, Any] = {"LlavaForConditionalGeneration": (llava_spec, LlavaEncoder)}
+_FAMILIES["Gemma3ForConditionalGeneration"] = (gemma3_spec, Gemma3Encoder)
 # a multimodal config's text_config `model_type` -> the decoder architecture that runs it
 _TEXT_ARCHS = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+_TEXT_ARCHS["gemma3_text"] = "Gemma3ForCausalLM"
+# a text_config `model_type` -> how its config is filled first, where checkpoints save only non-defaults
+_TEXT_FILL = {"gemma3_text": gemma3_text_config}
 VISION_ARCHITECTURES = tuple(_FAMILIES)
 
 
@@ -34,6 +39,8 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The decoder's config of a vision-language config: its `text_config`, named as the decoder runs it."""
     text = dict(cfg.get("text_config") or {})
     kind = text.get("model_type", "llama")
+    if kind in _TEXT_FILL:
+        text = _TEXT_FILL[kind](text)
     if kind not in _TEXT_ARCHS:
         raise ValueError(
             f"{cfg['architectures'][0]} over a {kind!r} decoder is not supported "

@@ -21,13 +21,17 @@ from torch import nn
 @dataclass(frozen=True)
 class VisionSpec:
     """A checkpoint's vision side, as its config says: the family, the token id each image's run is made
-    of, and its encoder's input size (for the memory plan's estimate)."""
+    of, its encoder's input size (for the memory plan's estimate), and how the decoder attends over an
+    image's run."""
 
-    family: str  # "llava"
+    family: str  # "llava", "gemma3"
     image_token_id: int
     image_size: int  # pixels a side of the encoder's input
     tokens_per_image: int  # rows the encoder gives one image (the run's length)
     config: dict  # the checkpoint's config.json, for the family's encoder
+    # an image's tokens attend to each other both ways in the decoder's prefill (Gemma 3), not causally:
+    # each image's run is prefilled in one chunk (`gapless.engine.images.PromptImage.bidirectional`)
+    bidirectional: bool = False
 
 
 class VisionEncoder(nn.Module, ABC):

@@ -23,7 +23,9 @@ def activation(name: str) -> Any:
     return _ACTS[name]
 
 
-class _Layer(nn.Module):
+class EncoderLayer(nn.Module):
+    """A pre-norm transformer encoder layer with full attention (CLIP's and SigLIP's, the same names)."""
+
     def __init__(self, hidden: int, inter: int, heads: int, eps: float, act: str) -> None:
         super().__init__()
         self.heads = heads
@@ -62,7 +64,7 @@ class ClipVisionTower(nn.Module):
         act = str(cfg.get("hidden_act", "quick_gelu"))
         inter, heads = int(cfg["intermediate_size"]), int(cfg["num_attention_heads"])
         self.hidden, self.inter, self.heads = hidden, inter, heads
-        self.layers = nn.ModuleList(_Layer(hidden, inter, heads, eps, act) for _ in range(layers))
+        self.layers = nn.ModuleList(EncoderLayer(hidden, inter, heads, eps, act) for _ in range(layers))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = (
