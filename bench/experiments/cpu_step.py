@@ -83,15 +83,12 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
 
     engines = {}
     if args.compare:
-        old = os.environ.get(cpu_gemm.ENV)
-        os.environ[cpu_gemm.ENV] = "plain"
-        try:
+        with _env(cpu_gemm.ENV, "plain"):
             engines["plain"] = make()
-        finally:
-            if old is None:
-                del os.environ[cpu_gemm.ENV]
-            else:
-                os.environ[cpu_gemm.ENV] = old
+    for setting in args.compare_env or []:
+        name, _, value = setting.partition("=")
+        with _env(name, value):
+            engines[setting] = make()
     engines["default"] = make()
     # variants of the default engine, told apart by `_variant` while they run
     for label, wanted in (
@@ -101,6 +98,20 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
         if wanted:
             engines[label] = engines["default"]
     return engines
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """Environment variable `name` set to `value` while an engine is made (it is read at load)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 _ZEROS: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # the stand-in GEMMs' results, by shape
@@ -172,6 +183,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--compare-without-gemms",
         action="store_true",
         help="also time the step with every GEMM replaced by a cached zero result, alternating",
+    )
+    p.add_argument(
+        "--compare-env",
+        nargs="+",
+        metavar="NAME=VALUE",
+        help="also time the model loaded with each environment setting (read at load), alternating",
     )
     args = p.parse_args(argv)
     if args.threads:
