@@ -114,10 +114,18 @@ GGUF_WEIGHTS = _var(
 GGUF_LAYOUT = _var(
     "GAPLESS_GGUF_LAYOUT",
     "mixed",
-    _one_of("mixed", "int4"),
-    "`mixed` or `int4`",
-    "kept-quantized GGUF layers of int4 types: gate/up as int4 and the rest as int8 rows (faster), or int4 "
-    "wherever exact (fewest bytes)",
+    _one_of("mixed", "int4", "int8"),
+    "`mixed`, `int4` or `int8`",
+    "kept-quantized GGUF layers of int4 types: gate/up as int4 and the rest as int8 rows, int4 wherever "
+    "exact (fewest bytes), or int8 rows everywhere (fastest)",
+)
+GGUF_ACTIVATIONS = _var(
+    "GAPLESS_GGUF_ACTIVATIONS",
+    "int8",
+    _one_of("int8", "bfloat16"),
+    "`int8` or `bfloat16`",
+    "kept-quantized GGUF layers held as int8 rows: their activations quantized to int8 per row (fbgemm's "
+    "int8 GEMM, faster) or given as bfloat16 (the weight-only kernel)",
 )
 API_KEY = _var("GAPLESS_API_KEY", None, _optional_str, "string", "the default of `gapless serve --api-key`")
 LOG_LEVEL = _var(

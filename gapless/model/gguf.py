@@ -230,6 +230,9 @@ def iter_weights(
         elif arch in _PERMUTED_QK and ".attn_k." in tensor.name:
             w = _unpermute(w, kv_heads)
         if blocks:
-            yield name, GGUFBlocks(kind, int(tensor.shape[0]), np.array(w))  # plain array, not a memmap
+            # a plain array, the memory map left behind; but an embedding table is read where it lies
+            # (`gguf_cpu.FileRows`: a lookup reads its rows only)
+            data = w if name.endswith("embed_tokens.weight") else np.array(w)
+            yield name, GGUFBlocks(kind, int(tensor.shape[0]), data)
             continue
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable))

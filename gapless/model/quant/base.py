@@ -62,6 +62,8 @@ def weights_held(model: nn.Module) -> tuple[dict[str, int], int]:
             label = method.name if method is not UNQUANTIZED else str(module.weight.dtype).split(".")[-1]
             formats[label] = formats.get(label, 0) + 1
             tensors += method.tensors()
+            if getattr(method, "opaque_bytes", 0):  # a kernel's own packed form, no tensor
+                held[id(method)] = method.opaque_bytes
             packed = getattr(getattr(module, "cpu_gemm", None), "packed", None)
             tensors += [packed] if packed is not None else []
         rows = getattr(module, "quantized_rows", None)

@@ -1,4 +1,4 @@
-"""GGUF's quantized matrices kept quantized on the CPU, through torch's weight-only kernels.
+"""GGUF's quantized matrices kept quantized on the CPU, through torch's quantized kernels.
 
 A matrix is read from the file as its blocks (`GGUFBlocks`, the bytes as stored, rows in Hugging Face
 order) and converted, without a float copy of the whole weight, into one of two layouts (which layer takes
@@ -8,26 +8,35 @@ which: `int4_for`; by default int4 for the gate/up projections of int4 types, in
   and Q4_K, whose blocks are all `w = q * scale + offset` over 32 weights with a 4-bit q, which is the
   kernel's `w = (q - 8) * scale + zero` with `zero = offset + 8 * scale`. The 4-bit values are exact; the
   kernel takes its scales and zeros in bfloat16, so each group's scale and zero are rounded to bfloat16
-  (f16 in the file: 3 bits of mantissa lost, <= 2^-9 relative).
-- **int8, one scale per row** (`Int8LinearMethod`, `torch.ops.aten._weight_int8pack_mm`): every other
-  type (Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K), which have no exact image in a 4-bit layout and whose
-  per-block scales the int8 kernel (one scale per output row) cannot hold, and the int4 types' layers
-  that `int4_for` runs faster as int8. Each row is dequantized (in
-  chunks of rows) and requantized to `round(w / s)` with `s` its largest |w| / 127 rounded up to bfloat16:
-  a rounding of at most s/2 per weight, against the file's own step (Q8_0: its block's max / 127).
+  (f16 in the file: 3 bits of mantissa lost, <= 2^-9 relative). The activations go in as bfloat16.
+- **int8, one scale per row** (`Int8Rows`): every other type (Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K),
+  which have no exact image in a 4-bit layout and whose per-block scales no int8 kernel here (one scale
+  per output row) can hold, and the int4 types' layers that `int4_for` runs faster as int8. Each row is
+  dequantized (in chunks of rows) and requantized to `round(w / s)` with `s` its largest |w| / 127
+  rounded up to bfloat16: a rounding of at most s/2 per weight, against the file's own step (Q8_0: its
+  block's max / 127). Two kernels run it (`GAPLESS_GGUF_ACTIVATIONS`):
+  - `int8` (default, `Int8DynamicLinearMethod`): fbgemm's int8 x int8 GEMM
+    (`torch.ops.quantized.linear_dynamic`), 2-5x faster than the weight-only kernel at 8 rows and more
+    (`bench/results/gguf_cpu/`), as llama.cpp quantizes activations to 8 bits. fbgemm quantizes its input
+    with one range for the whole batch and, on AVX2, to 7 bits; taken as it is that cost the default
+    model 7-170% perplexity. So each row is scaled to its own range, pinned to [-1, 1] by one extra row,
+    and split into its 7-bit value and the remainder, both rows of the same GEMM: per row, ~14 bits, and
+    a row's result does not depend on the other rows of its batch.
+  - `bfloat16` (`Int8LinearMethod`): `torch.ops.aten._weight_int8pack_mm`, the activations as bfloat16.
 
-Both kernels are vectorized on x86 for bfloat16 activations only (float32 runs a scalar loop ~10x slower,
-measured in `bench/results/gguf_cpu/`), so the activations go in as bfloat16 and the result, computed in
-float32 inside the kernel and returned as bfloat16, comes back as float32: the rounding llama.cpp takes
-too (it quantizes activations to 8 bits). Tests compare against the dequantized float model
+Both weight-only kernels are vectorized on x86 for bfloat16 activations only (float32 runs a scalar loop
+~10x slower), so the activations go in as bfloat16 and the result, computed in float32 inside the kernel
+and returned as bfloat16, comes back as float32. Tests compare against the dequantized float model
 (tests/model/test_quant_gguf.py), greedy tokens equal or diverging at near-ties only.
 
-Embedding tables are kept as int8 rows with one scale per row (`Int8Rows`); a tied LM head whose table is
-in an int8 type shares those tensors, so the table is held once.
+Embedding tables are read from the file where they lie (`FileRows`: the blocks memory-mapped, as llama.cpp
+reads them, each lookup dequantizing its rows), so a tied LM head's own layout holds the table's weights
+once.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +46,7 @@ import torch
 from gapless import env
 
 LAYOUT_ENV = env.GGUF_LAYOUT.name  # "mixed" (default) or "int4": see `int4_for`
+ACTIVATIONS_ENV = env.GGUF_ACTIVATIONS.name  # "int8" (default) or "bfloat16": the int8 rows' kernel
 GROUP = 32  # the int4 kernel's group: a Q4_0/Q4_1 block, a Q4_K sub-block
 _ROW_MULTIPLE = 16  # the int4 packing's N must be a multiple of this; other shapes are padded with zero rows
 _CHUNK_ROWS = 1024  # rows dequantized at a time on the way to int8
@@ -188,16 +198,12 @@ class Int4LinearMethod:
 
 
 class Int8Rows:
-    """int8 rows with one bfloat16 scale each: an embedding table's lookup, and the int8 GEMM's weight."""
+    """int8 rows with one bfloat16 scale each: the int8 GEMMs' weight."""
 
     def __init__(self, parts: list[GGUFBlocks]) -> None:
         self.qtype = _label(parts)
         q, scale = zip(*(int8_rows(p) for p in parts))
         self.q, self.scale = torch.cat(q), torch.cat(scale)
-
-    def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows `ids` in `dtype` (computed in float32)."""
-        return (self.q[ids].float() * self.scale[ids].float().unsqueeze(-1)).to(dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.q, self.scale]
@@ -223,16 +229,93 @@ class Int8LinearMethod:
         return self.rows.tensors()
 
 
+class FileRows:
+    """An embedding table read from its GGUF blocks where they lie (a memory-mapped file): a lookup
+    dequantizes the rows it asks for (`dequantize_rows`)."""
+
+    def __init__(self, blocks: GGUFBlocks) -> None:
+        self.qtype, self.blocks = blocks.qtype, blocks
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` in `dtype` (computed in float32)."""
+        b = self.blocks
+        picked = GGUFBlocks(b.qtype, b.cols, b.data[ids.reshape(-1).cpu().numpy()])
+        return dequantize_rows(picked, 0, picked.rows).view(*ids.shape, b.cols).to(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []  # the file's pages, not held
+
+
+def has_int8_gemm() -> bool:
+    """Whether this torch has fbgemm's int8 GEMM (x86 builds); elsewhere int8 rows take bfloat16
+    activations."""
+    engines = torch.backends.quantized.supported_engines
+    return ("fbgemm" in engines or "x86" in engines) and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+_DYN_MM: Any = torch.ops.quantized.linear_dynamic.default if has_int8_gemm() else None
+_PINS: dict[int, torch.Tensor] = {}  # width -> the row that pins fbgemm's input range to [-1, 1]
+_Q = 63.5  # fbgemm's 7-bit input grid over [-1, 1]: q / 63.5 for integers q in [-64, 63]
+_C_SPAN, _C_Q, _C_HI, _C_2 = (torch.tensor(c) for c in (1.01, _Q, 1 / _Q, 2.0))
+
+
+def _pin(cols: int) -> torch.Tensor:
+    if cols not in _PINS:
+        _PINS[cols] = torch.zeros(1, cols)
+        _PINS[cols][0, :2] = torch.tensor([1.0, -1.0])
+    return _PINS[cols]
+
+
+class Int8DynamicLinearMethod:
+    """int8 weights (one scale per output row) times int8 activations: fbgemm's dynamic-quantized linear,
+    each row over its own range and in two parts (see the module's docstring)."""
+
+    quant_method = "gguf"
+
+    def __init__(self, rows: Int8Rows, bias: torch.Tensor | None) -> None:
+        self.name = f"{rows.qtype} as int8 per-row, int8 activations"
+        n = self.out_features = rows.q.shape[0]
+        with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; this is the way in
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch._make_per_channel_quantized_tensor(
+                rows.q, rows.scale.double(), torch.zeros(n, dtype=torch.long), 0
+            )
+        self.packed = torch.ops.quantized.linear_prepack(qw, None)  # fbgemm's own layout, ~1 byte a weight
+        self.opaque_bytes = rows.q.numel() + 8 * n
+        self.bias = None if bias is None else bias.detach().float()
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        n = x.shape[0]
+        x32 = x if x.dtype == torch.float32 else x.float()
+        # each row over its own span: t = x * 63.5 / span lies within (-63.5, 63.5), so that its rounding
+        # r is on fbgemm's grid (exact there) and the remainder t - r, doubled, fills [-1, 1] in turn
+        # (the constants are tensors: a Python float costs a conversion op per use)
+        span = torch.linalg.vector_norm(x32, float("inf"), -1, True).clamp_min_(1e-30).mul_(_C_SPAN)
+        t = x32 * torch.div(_C_Q, span)
+        r = torch.round(t)
+        y = _DYN_MM(torch.cat([r * _C_HI, (t - r).mul_(_C_2), _pin(x.shape[1])]), self.packed, True)
+        y = torch.add(y[:n], y[n : 2 * n], alpha=1 / (2 * _Q)).mul_(span)
+        if self.bias is not None:
+            y += self.bias
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []  # fbgemm's packed weight is no tensor: `opaque_bytes` counts it
+
+
 def is_int4(parts: list[GGUFBlocks]) -> bool:
     """Every part is of a type the int4 layout holds exactly."""
     return all(p.qtype in INT4_TYPES for p in parts)
 
 
-def linear_method(
-    parts: list[GGUFBlocks], bias: torch.Tensor | None, int4: bool = True
-) -> Int4LinearMethod | Int8LinearMethod:
+LinearMethod = Int4LinearMethod | Int8LinearMethod | Int8DynamicLinearMethod
+
+
+def linear_method(parts: list[GGUFBlocks], bias: torch.Tensor | None, int4: bool = True) -> LinearMethod:
     """The method a weight stacked from GGUF matrices runs with: int4 where every part is of an int4 type
-    (exact) and `int4` allows it, else int8 rows."""
+    (exact) and `int4` allows it, else int8 rows, with int8 or bfloat16 activations (`ACTIVATIONS_ENV`)."""
     unknown = sorted({p.qtype for p in parts} - set(QUANTIZED_TYPES))
     if unknown:
         raise ValueError(
@@ -240,17 +323,20 @@ def linear_method(
         )
     if int4 and is_int4(parts):
         return Int4LinearMethod(parts, bias)
+    if env.GGUF_ACTIVATIONS.get() == "int8" and has_int8_gemm():
+        return Int8DynamicLinearMethod(Int8Rows(parts), bias)
     return Int8LinearMethod(Int8Rows(parts), bias)
 
 
 def int4_for(module_name: str) -> bool:
     """Whether a layer whose GGUF matrices are of an int4 type keeps the int4 layout (`LAYOUT_ENV`).
 
-    At one row, the int8 kernel was 1.7-3.8x faster than the int4 one on every linear shape of the default
-    model (`bench/results/gguf_cpu/kernels.log`), and a decode step is mostly its GEMMs: the default
-    ("mixed") keeps int4 only for the fused gate/up projections, the largest matrices (half a layer's
-    weights), so the weights stay within 1.2x the file's size (issue 35's bound; int8 rows take 1 byte a
-    weight against int4's 0.625 with its scales), and runs the rest as int8 rows, a rounding of the file's
-    4-bit weights to per-row 8-bit ones (measured in `quality.log`). "int4" keeps int4 wherever it is
-    exact (the fewest bytes: 0.96x the default model's file)."""
-    return env.GGUF_LAYOUT.get() == "int4" or module_name.endswith("gate_up_proj")
+    "mixed" (the default) keeps int4 for the fused gate/up projections only, the largest matrices (half a
+    layer's weights), so the weights stay within 1.2x the file's size (issue 35's bound; int8 rows take 1
+    byte a weight against int4's 0.625 with its scales), and runs the rest as int8 rows, a rounding of the
+    file's 4-bit weights to per-row 8-bit ones (`bench/results/gguf_cpu/quality_mixed.log`), faster at one
+    row already (1.7-3.8x the int4 kernel, `bench/results/gguf_cpu/kernels.log`). "int8" makes every layer
+    int8 rows (the fastest with int8 activations, about 1.4x the file's bytes); "int4" keeps int4 wherever
+    it is exact (the fewest bytes: 0.96x the default model's file)."""
+    layout = env.GGUF_LAYOUT.get()
+    return layout == "int4" or (layout == "mixed" and module_name.endswith("gate_up_proj"))
