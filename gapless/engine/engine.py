@@ -192,7 +192,7 @@ class Engine:
             raise ValueError("images for a model without a vision encoder, or past the prompt's end")
         lora = self.add_lora(lora_request) if lora_request is not None else None
         params = params.resolved(self.sampling_defaults)
-        if self.pooling is not None:  # prefill only: the one token its last chunk samples is dropped
+        if self.pooling is not None:  # prefill only: it samples nothing and ends after its last chunk
             params = dataclasses.replace(params, max_tokens=1, temperature=0.0, ignore_eos=True, stop=[])
         n = next(self._ids)
         rid = rid if rid is not None else str(n)
