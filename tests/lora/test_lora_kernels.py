@@ -69,3 +69,22 @@ def test_torch_path_equals_token_by_token(slots, layout):
     gaps = segments(torch.tensor([0, 3, -1]))
     assert gaps is not None and isinstance(gaps.slots, torch.Tensor)  # slots 0 and 3: a gather
     assert gaps.slots.tolist() == [0, 3]
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [2, -1, 0, 0, 1, -1, 2], [3, 1], [1] * 5])
+def test_block_diagonal_expand_equals_the_whole(slots):
+    """A fused layer's B while block-diagonal (rank block j writes only its shard's rows), each block's
+    B stored apart: expanding each block alone adds what the whole B does."""
+    from gapless.lora.ops import Block
+
+    t, r, shards = len(slots), 8, [(0, 40), (40, 16), (56, 16)]
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(t, 32, generator=g), torch.randn(t, 72, generator=g)
+    a, b = torch.randn(4, 3 * r, 32, generator=g), torch.zeros(4, 72, 3 * r)
+    blocks = [Block(off, n, torch.randn(4, n, r, generator=g)) for off, n in shards]
+    for j, blk in enumerate(blocks):
+        b[:, blk.row : blk.row + blk.rows, j * r : (j + 1) * r] = blk.b
+    seg = segments(torch.tensor(slots))
+    assert seg is not None
+    want = add_lora_torch(y.clone(), x, a, b, seg)
+    torch.testing.assert_close(add_lora_torch(y.clone(), x, a, b, seg, blocks), want, rtol=1e-5, atol=1e-5)

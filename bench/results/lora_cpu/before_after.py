@@ -30,7 +30,11 @@ args = p.parse_args()
 spec = importlib.util.spec_from_file_location("old_ops", args.old_ops)
 old_ops = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(old_ops)
-paths = {"old": old_ops, "new": new_ops}
+# the old function has no `blocks` argument (each fused layer's B apart): it expands the whole B
+impls = {
+    "old": (lambda y, x, a, b, seg, blocks=None: old_ops.add_lora_torch(y, x, a, b, seg), old_ops.segments),
+    "new": (new_ops.add_lora_torch, new_ops.segments),
+}
 torch.set_num_threads(1)
 margs = argparse.ArgumentParser()
 cli.add_model_args(margs, "bench", ("tiny", "bench", "qwen3-0.6b"))
@@ -46,11 +50,11 @@ with tempfile.TemporaryDirectory() as tmp:
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     modes = {"base": [None] * 16, "1 adapter": [loras[0]] * 16, "4 adapters": [loras[i % 4] for i in range(16)],
              "16 adapters": [loras[i] for i in range(16)]}
-    totals = {(impl, m): [0, 0.0] for impl in paths for m in modes}
+    totals = {(impl, m): [0, 0.0] for impl in impls for m in modes}
     outs = {}
     for r in range(args.rounds + 1):  # round 0: warm-up, not counted
-        for impl, ops in paths.items():
-            table.add_lora_torch, table.segments = ops.add_lora_torch, ops.segments
+        for impl, (add, segments) in impls.items():
+            table.add_lora_torch, table.segments = add, segments
             for m, mode in modes.items():
                 t = time.perf_counter()
                 o = llm.generate(prompts, params, use_tqdm=False, lora_request=mode)
