@@ -5,8 +5,9 @@ adapter tokens are laid out sorted by slot on a grid of [adapters, longest run] 
 adapter has as many tokens, as in a decode of one row per adapter), and then every layer runs one
 shrink and one expand as two batched GEMMs over the batch's adapters (`torch.bmm`, `baddbmm`), reading
 each adapter's A and B once (a fused layer's B from its blocks stored apart, `Block`, while it is
-block-diagonal: one expand per block, of its rows only); the base model's rows are skipped. A batch whose runs are too uneven for
-the grid (a long prefill beside one-token decodes) runs one GEMM pair per adapter on its run instead."""
+block-diagonal: one expand per block, of its rows only); the base model's rows are skipped. A batch
+whose runs are too uneven for the grid (a long prefill beside one-token decodes) runs one GEMM pair per
+adapter on its run instead."""
 
 from __future__ import annotations
 
