@@ -194,7 +194,7 @@ class Engine:
             images = tuple(dataclasses.replace(im, bidirectional=True) for im in images)
         lora = self.add_lora(lora_request) if lora_request is not None else None
         params = params.resolved(self.sampling_defaults)
-        if self.pooling is not None:  # prefill only: the one token its last chunk samples is dropped
+        if self.pooling is not None:  # prefill only: it samples nothing and ends after its last chunk
             params = dataclasses.replace(params, max_tokens=1, temperature=0.0, ignore_eos=True, stop=[])
         n = next(self._ids)
         rid = rid if rid is not None else str(n)

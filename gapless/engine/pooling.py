@@ -2,8 +2,9 @@
 states (after the final norm) instead of generated text.
 
 Such a request is a prefill-only request through the same scheduler: its prompt is prefilled (chunked
-like any other), the one token its last chunk samples is dropped, and it finishes with it (max_tokens
-1), so it never decodes and its KV goes back (or into the radix cache) at once. Each extend batch carries
+like any other), no chunk samples a token, and it finishes when its last chunk is processed (status
+`POOLING` while that chunk is in flight), so it never decodes, never joins the running requests nor
+their decode reservation, and its KV goes back (or into the radix cache) at once. Each extend batch carries
 a `PoolAsk`: the flat indices of the positions it pools and, per index, which of the batch's pooled
 requests it belongs to. On the device `pool_hidden` sums those hidden states per request (float32), or,
 for a scoring model, takes the LM head's logits of the score tokens at them; the sums reach the host with

@@ -21,6 +21,7 @@ class ReqStatus(enum.Enum):
     WAITING = "waiting"  # in the waiting queue (new, or retracted)
     PREFILL = "prefill"  # admitted, prompt being prefilled in chunks
     RUNNING = "running"  # decoding
+    POOLING = "pooling"  # a pooling request's last prompt chunk is in flight: it ends when that is processed
     FINISHED = "finished"
 
 

@@ -53,6 +53,14 @@ BLOCKS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 MLP_LAYERS = ("gate_up_proj", "down_proj")
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# a mixture of experts' expert weights, however PEFT names them: per expert (`mlp.experts.3.gate_proj`,
+# Mixtral's `block_sparse_moe.experts.3.w1`), Qwen2-MoE's `mlp.shared_expert.*`, or the stacked 3D
+# parameters (`mlp.experts.lora_A`, from `target_parameters`)
+_EXPERT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts|shared_expert)\b")
+EXPERTS_REFUSED = (
+    "LoRA on mixture-of-experts experts is not supported (gapless adapts a MoE model's attention "
+    "and its dense MLP layers)"
+)
 
 
 class LayerShape(NamedTuple):
@@ -121,14 +129,14 @@ def _scaling(name: str, cfg: dict, max_rank: int) -> tuple[int, float]:
     """(rank, scaling) of the adapter's config, or a refusal of what gapless does not run."""
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    unsupported = {
+    unsupported = {  # (target_parameters first: PEFT adds rank/alpha patterns for the experts it targets)
+        "target_parameters": "LoRA on parameters (a mixture's stacked experts)",
         "use_dora": "DoRA",
         "rank_pattern": "rank_pattern",
         "alpha_pattern": "alpha_pattern",
         "modules_to_save": "modules_to_save",
         "layer_replication": "layer_replication",
         "lora_bias": "a LoRA bias",
-        "target_parameters": "target_parameters",
         "trainable_token_indices": "trainable_token_indices",
         "alora_invocation_tokens": "activated LoRA",
         "use_qalora": "QA-LoRA",
@@ -152,10 +160,12 @@ def _scaling(name: str, cfg: dict, max_rank: int) -> tuple[int, float]:
     return r, float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
 
 
-def _check_targets(name: str, cfg: dict) -> None:
+def _check_targets(name: str, cfg: dict, moe: bool) -> None:
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         missing = sorted(t.rsplit(".", 1)[-1] for t in targets if t.rsplit(".", 1)[-1] not in SLICES)
+        if moe and set(missing) & {"w1", "w2", "w3"}:  # Mixtral's expert projections
+            raise LoRAError(f"LoRA adapter {name!r}: target modules {missing} are experts: {EXPERTS_REFUSED}")
         if missing:
             raise LoRAError(
                 f"LoRA adapter {name!r}: target modules {missing} are not in the model "
@@ -169,11 +179,17 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     path = Path(path)
     acfg = _read_config(name, path)
     rank, scaling = _scaling(name, acfg, max_rank)
-    _check_targets(name, acfg)
+    _check_targets(name, acfg, any(cfg.moe_layers))
     shapes = layer_shapes(cfg)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118  # safe_open is no mapping: keys() is its listing
+            expert = _EXPERT_KEY.search(key)
+            if expert is not None:
+                raise LoRAError(
+                    f"LoRA adapter {name!r}: {key!r} adapts the {expert.group(2).replace('_', ' ')} of "
+                    f"layer {expert.group(1)}: {EXPERTS_REFUSED}"
+                )
             m = _KEY.search(key)
             if m is None or m.group(3) not in SLICES or "vision" in key or "projector" in key:
                 raise LoRAError(
@@ -187,8 +203,8 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
                 )
             if SLICES[module].layer in MLP_LAYERS and cfg.moe_layers[layer]:
                 raise LoRAError(
-                    f"LoRA adapter {name!r}: {key!r} adapts the MLP of layer {layer}, a mixture of experts "
-                    "(LoRA on experts is not supported)"
+                    f"LoRA adapter {name!r}: {key!r} adapts the MLP of layer {layer}, a mixture of experts: "
+                    f"{EXPERTS_REFUSED}"
                 )
             pairs.setdefault((layer, module), {})[m.group(4)] = f.get_tensor(key).float()
     if not pairs:

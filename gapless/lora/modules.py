@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from gapless.lora.registry import AdapterRegistry
+from gapless.lora.registry import AdapterRegistry, SharedAdapterRegistry
 from gapless.model.config import ModelConfig
 
 
@@ -46,10 +46,18 @@ def parse_lora_modules(words: list[str]) -> list[LoRAModule]:
     return out
 
 
-def served_adapters(words: list[str] | None, cfg: ModelConfig, max_rank: int) -> AdapterRegistry:
+def served_adapters(
+    words: list[str] | None, cfg: ModelConfig, max_rank: int, shared: str | None = None
+) -> AdapterRegistry:
     """A server's adapters at start-up: those `--lora-modules` names, each checked against the model
-    (ValueError naming a bad word or a bad adapter); more are loaded and unloaded while it serves."""
+    (ValueError naming a bad word or a bad adapter); more are loaded and unloaded while it serves.
+    `shared`: the file through which several API server processes serve the same adapters."""
+    modules = parse_lora_modules(words or [])
+    if shared is not None:
+        common = SharedAdapterRegistry(cfg, max_rank, shared)
+        common.start([(m.name, m.path, m.base_model_name) for m in modules])
+        return common
     registry = AdapterRegistry(cfg, max_rank, unique_names=True)
-    for m in parse_lora_modules(words or []):
+    for m in modules:
         registry.add_path(m.name, m.path, m.base_model_name)
     return registry

@@ -18,7 +18,7 @@ import torch
 
 from gapless.config import EngineConfig
 from gapless.lora.adapter import BLOCKS, MLP_LAYERS, AdapterWeights, layer_shapes, load_adapter
-from gapless.lora.ops import Segments, add_lora_torch, segments
+from gapless.lora.ops import Block, Segments, add_lora_torch, segments
 from gapless.lora.shard import rank_adapter, rank_shape
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import CausalLM
@@ -38,9 +38,15 @@ class LoRALoad(NamedTuple):
 class LoRALayer:
     """One layer's stacked adapters, and the delta it adds: `y + B[slot] A[slot] x` per token."""
 
-    def __init__(self, table: LoRATable, a: torch.Tensor, b: torch.Tensor) -> None:
+    def __init__(
+        self, table: LoRATable, a: torch.Tensor, b: torch.Tensor, blocks: list[Block] | None = None
+    ) -> None:
         self.table = table
         self.a, self.b = a, b
+        # torch path, fused layer (q/k/v, gate/up): each rank block's B apart, kept while every adapter
+        # put in a slot writes only its block's rows; None from the first that writes more (a fused
+        # checkpoint name: Phi-3's `qkv_proj`)
+        self.blocks = blocks
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         table = self.table
@@ -48,7 +54,9 @@ class LoRALayer:
             from gapless.lora import triton_kernels
 
             return triton_kernels.add_lora(y, x, self.a, self.b, table.token_slots[: x.shape[0]])
-        return add_lora_torch(y, x, self.a, self.b, table.segments) if table.segments is not None else y
+        if table.segments is None:
+            return y
+        return add_lora_torch(y, x, self.a, self.b, table.segments, self.blocks)
 
 
 class LoRATable:
@@ -69,6 +77,7 @@ class LoRATable:
         # CUDA: the gathered kernels read the slot vector on the device (a graph captures them; slot -1
         # rows skip); elsewhere torch runs the batch's tokens sorted by slot, once per batch
         self.kernel = device.type == "cuda"
+        self.dtype, self.device = dtype, device
         self.segments: Segments | None = None
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.resident: list[int | None] = [None] * max_loras  # the adapter id in each slot
@@ -88,14 +97,26 @@ class LoRATable:
                 rank = BLOCKS[name] * max_rank
                 a = torch.zeros(max_loras, rank, local.in_features, dtype=dtype, device=device)
                 b = torch.zeros(max_loras, local.out_features, rank, dtype=dtype, device=device)
-                lora = LoRALayer(self, a, b)
+                lora = LoRALayer(self, a, b, self._blocks(linear, BLOCKS[name], max_loras, max_rank))
                 linear.lora = lora
                 self.layers[(i, name)] = lora
                 self.linears[(i, name)] = linear
 
+    def _blocks(self, linear: object, count: int, slots: int, max_rank: int) -> list[Block] | None:
+        """The torch path's block-diagonal B of a fused layer of `count` rank blocks (None on CUDA, or for
+        a layer of one block)."""
+        offsets = getattr(linear, "shard_offsets", {})
+        if self.kernel or count == 1 or len(offsets) != count:
+            return None
+        return [
+            Block(row, n, torch.zeros(slots, n, max_rank, dtype=self.dtype, device=self.device))
+            for row, n in offsets.values()
+        ]
+
     @property
     def nbytes(self) -> int:
-        return sum(lo.a.nbytes + lo.b.nbytes for lo in self.layers.values())
+        blocks = [blk.b for lo in self.layers.values() for blk in lo.blocks or ()]
+        return sum(lo.a.nbytes + lo.b.nbytes for lo in self.layers.values()) + sum(b.nbytes for b in blocks)
 
     def read(self, load: LoRALoad) -> AdapterWeights:
         """The adapter's weights, cut for this rank, from the CPU cache, or read (and checked against the
@@ -117,11 +138,19 @@ class LoRATable:
         for lora in self.layers.values():
             lora.a[s].zero_()
             lora.b[s].zero_()
+            for blk in lora.blocks or ():
+                blk.b[s].zero_()
         for d in weights.deltas:
             lora = self.layers[(d.layer, d.name)]
             cols = slice(d.block * r, d.block * r + d.a.shape[0])
             lora.a[s, cols].copy_(d.a)
             lora.b[s, d.row : d.row + d.b.shape[0], cols].copy_(d.b)
+            if lora.blocks is not None:
+                blk = lora.blocks[d.block]
+                if (blk.row, blk.rows) == (d.row, d.b.shape[0]):
+                    blk.b[s, :, : d.a.shape[0]].copy_(d.b)
+                else:  # B is no longer block-diagonal: expanded whole from now on
+                    lora.blocks = None
         self.resident[s] = load.lora_id
         self.loads += 1
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
 import traceback
@@ -113,7 +114,10 @@ def http_server(
         from gapless.lora.modules import served_adapters
         from gapless.model.config import load_model_config
 
-        loras = served_adapters(args.lora_modules, load_model_config(cfg.model), cfg.max_lora_rank)
+        # several API servers serve the same adapters, through a file in the directory they share
+        shared = os.path.join(metrics.shared_dir, "loras.json") if metrics.shared_dir is not None else None
+        mcfg = load_model_config(cfg.model)
+        loras = served_adapters(args.lora_modules, mcfg, cfg.max_lora_rank, shared)
     settings = Settings(
         model_name(args, cfg),
         cfg.model,

@@ -295,8 +295,6 @@ def _check_loras(args: argparse.Namespace, cfg: EngineConfig, mcfg: ModelConfig)
 
     if args.lora_modules and not cfg.enable_lora:
         raise ValueError("--lora-modules serves LoRA adapters: add --enable-lora")
-    if cfg.enable_lora and args.api_server_count > 1:
-        raise ValueError("--enable-lora runs with one API server process (--api-server-count 1) for now")
     if cfg.enable_lora:
         served_adapters(args.lora_modules, mcfg, cfg.max_lora_rank)
 
@@ -363,7 +361,7 @@ def _run(
     with tempfile.TemporaryDirectory(prefix="gapless-") as tmp:
         ends = Endpoints.in_dir(tmp, cfg.data_parallel_size, args.api_server_count)
         metrics_dir = None
-        if args.api_server_count > 1:  # the API servers' metrics, summed by whichever is scraped
+        if args.api_server_count > 1:  # the API servers' metrics (and LoRA adapters), shared
             metrics_dir = os.path.join(tmp, "metrics")
             os.mkdir(metrics_dir)
         opts = SchedulerOptions(args.log_stats_interval, args.log_requests, args.stream_interval)

@@ -83,8 +83,9 @@ class ServedModel:
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter `model` names (None: the base model, which naming none is too); a 404 for a
         model this server does not serve."""
-        if self.loras is not None and model in self.loras.by_name:
-            return self.loras.by_name[model]
+        lora = self.loras.lookup(model) if self.loras is not None else None
+        if lora is not None:
+            return lora
         names = (model, model.rstrip("/")) if model is not None else ()
         if model is not None and self.name not in names and self.aliases.isdisjoint(names):
             raise BadRequest(

@@ -34,6 +34,10 @@ def test_embed_equals_sentence_transformers(tmp_path, arch, pooling, normalize, 
         first = torch.tensor([o.embedding for o in llm.embed(TEXTS)])
         again = torch.tensor([o.embedding for o in llm.embed(TEXTS[::-1])]).flip(0)  # prefixes cached now
         llm.check_integrity()
+        stats = llm.get_stats()
+    # prefill only: no token sampled (nor dropped), no decode batch
+    assert stats["generated_tokens"] == stats["dropped_tokens"] == stats["decode_batches"] == 0, stats
+    assert stats["prefill_batches"] > len(TEXTS)  # (in chunks)
     cos = torch.nn.functional.cosine_similarity(first, ref, dim=1)
     assert cos.min() >= 0.9999, cos
     assert torch.allclose(first.norm(dim=1), ref.norm(dim=1), rtol=1e-4)  # normalized or not, as ST
@@ -146,3 +150,22 @@ def test_embed_and_score_on_cuda_equal_the_references(tmp_path, ckpt_factory):
         str(chat), device="cuda", kv_cache_tokens=2048, max_model_len=128, task="score", **options
     ) as llm:
         assert llm.score("the cat", docs) == pytest.approx(want, abs=1e-4)
+
+
+def test_a_pooling_request_aborted_while_its_last_chunk_runs_ends_once(tmp_path):
+    """Overlap keeps the last chunk in flight after its step: the request is in no queue then (status
+    POOLING), so the abort takes effect when that batch is processed, and the KV goes back once."""
+    from gapless.engine.request import ReqStatus
+    from gapless.sampling_params import SamplingParams
+
+    path = sentence_transformers_checkpoint(tmp_path / "st", "qwen3", pooling="last")
+    with LLM(str(path), **SMALL, overlap=True) as llm:
+        engine = llm.engine
+        req = engine.add_request(engine.tokenize("hello world"), SamplingParams())
+        assert engine.step() == [] and req.status is ReqStatus.POOLING and req.inflight == 1
+        engine.abort(req.rid)
+        while engine.has_unfinished():
+            engine.step()
+        assert req.finish_reason == "abort" and req.output_ids == []
+        engine.check_integrity()
+        assert len(llm.embed(["hello world"])[0].embedding) == 64  # and it goes on

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gapless.lora.ops import Segments, add_lora_torch, segments
+from gapless.lora.ops import add_lora_torch, segments
 
 triton = pytest.importorskip("triton", reason="the kernels are Triton's")
 
@@ -39,16 +39,52 @@ def test_kernel_equals_torch(dtype):
     assert not torch.allclose(got[~base_rows].float(), y[~base_rows].float())
 
 
-def test_torch_path_segments():
-    y, x, a, b, idx = _case(torch.float32)
-    same = segments(torch.full((7,), 1, dtype=torch.int64))
-    assert same == Segments(None, [(1, 0, 7)])
-    torch.testing.assert_close(add_lora_torch(y.clone(), x, a, b, same), y + (x @ a[1].t()) @ b[1].t())
-    assert segments(torch.full((7,), -1, dtype=torch.int64)) is None
-    mixed = segments(torch.tensor([2, -1, 2, 0]))
-    assert mixed.order.tolist() == [3, 0, 2] and mixed.spans == [(0, 0, 1), (2, 1, 3)]
+@pytest.mark.parametrize(
+    "slots, layout",
+    [
+        ([1] * 7, (True, False, False)),  # one adapter: its rows are the grid, expanded into y in place
+        ([2, -1, 0, 0, 1, -1, 2], (False, True, False)),  # gathered, uneven runs on a padded grid
+        ([0, 1, 2, 3], (True, False, False)),  # a decode of one row per adapter: no copy
+        ([-1, -1, 0, 2, 2, -1], (True, True, False)),  # consecutive rows, uneven runs
+        ([2, 1, 0, -1], (False, False, False)),  # gathered, even runs
+        ([0] * 12 + [1, 2], (True, True, True)),  # too uneven for the grid: a GEMM pair per adapter
+    ],
+)
+def test_torch_path_equals_token_by_token(slots, layout):
+    """Every layout of the torch path adds, for each adapter token, B[s] A[s] x, and nothing to the base
+    model's rows; consecutive slots are a view of the table, others a gather."""
+    t = len(slots)
+    g = torch.Generator().manual_seed(t)
+    x, y = torch.randn(t, 80, generator=g), torch.randn(t, 72, generator=g)
+    a, b = torch.randn(4, 24, 80, generator=g) * 0.2, torch.randn(4, 72, 24, generator=g) * 0.2
+    idx = torch.tensor(slots)
+    seg = segments(idx)
+    assert seg is not None and (seg.order is None, seg.grid is not None, seg.uneven) == layout
     want = y.clone()
-    for t, s in enumerate(idx.tolist()):  # token by token
+    for i, s in enumerate(slots):  # token by token
         if s >= 0:
-            want[t] += b[s] @ (a[s] @ x[t])
-    torch.testing.assert_close(add_lora_torch(y.clone(), x, a, b, segments(idx)), want)
+            want[i] += b[s] @ (a[s] @ x[i])
+    torch.testing.assert_close(add_lora_torch(y.clone(), x, a, b, seg), want, rtol=1e-5, atol=1e-5)
+    assert segments(torch.full((3,), -1, dtype=torch.int64)) is None
+    gaps = segments(torch.tensor([0, 3, -1]))
+    assert gaps is not None and isinstance(gaps.slots, torch.Tensor)  # slots 0 and 3: a gather
+    assert gaps.slots.tolist() == [0, 3]
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [2, -1, 0, 0, 1, -1, 2], [3, 1], [1] * 5])
+def test_block_diagonal_expand_equals_the_whole(slots):
+    """A fused layer's B while block-diagonal (rank block j writes only its shard's rows), each block's
+    B stored apart: expanding each block alone adds what the whole B does."""
+    from gapless.lora.ops import Block
+
+    t, r, shards = len(slots), 8, [(0, 40), (40, 16), (56, 16)]
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(t, 32, generator=g), torch.randn(t, 72, generator=g)
+    a, b = torch.randn(4, 3 * r, 32, generator=g), torch.zeros(4, 72, 3 * r)
+    blocks = [Block(off, n, torch.randn(4, n, r, generator=g)) for off, n in shards]
+    for j, blk in enumerate(blocks):
+        b[:, blk.row : blk.row + blk.rows, j * r : (j + 1) * r] = blk.b
+    seg = segments(torch.tensor(slots))
+    assert seg is not None
+    want = add_lora_torch(y.clone(), x, a, b, seg)
+    torch.testing.assert_close(add_lora_torch(y.clone(), x, a, b, seg, blocks), want, rtol=1e-5, atol=1e-5)

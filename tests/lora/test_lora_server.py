@@ -103,8 +103,8 @@ def test_parse_lora_modules():
 
 
 def test_start_up_refusals(ckpt_factory, tmp_path):
-    """`gapless serve`'s checks before anything loads: adapters without --enable-lora, several API
-    servers, a bad adapter named by --lora-modules."""
+    """`gapless serve`'s checks before anything loads: adapters without --enable-lora, a bad adapter
+    named by --lora-modules."""
     import argparse
 
     from gapless.config import EngineConfig
@@ -118,8 +118,7 @@ def test_start_up_refusals(ckpt_factory, tmp_path):
         _check_loras(
             argparse.Namespace(lora_modules=["a=/x"], api_server_count=1), EngineConfig(model=str(base)), mcfg
         )
-    with pytest.raises(ValueError, match="one API server process"):
-        _check_loras(argparse.Namespace(lora_modules=None, api_server_count=2), on, mcfg)
+    _check_loras(argparse.Namespace(lora_modules=None, api_server_count=2), on, mcfg)  # (served alike)
     with pytest.raises(ValueError, match=r"LoRA adapter 'a': .* is not a directory"):
         _check_loras(
             argparse.Namespace(lora_modules=[f"a={tmp_path / 'none'}"], api_server_count=1), on, mcfg
@@ -127,3 +126,98 @@ def test_start_up_refusals(ckpt_factory, tmp_path):
     wide = make_adapter(base, tmp_path / "wide", ["q_proj"], r=8)
     with pytest.raises(ValueError, match="rank 8 is above max_lora_rank=4"):
         _check_loras(argparse.Namespace(lora_modules=[f"w={wide}"], api_server_count=1), on, mcfg)
+
+
+def test_api_servers_share_one_registry(ckpt_factory, tmp_path):
+    """Two processes' registries on one file: ids never collide, and a load or unload through either
+    is what the other serves at its next lookup."""
+    from gapless.lora.adapter import LoRAError
+    from gapless.lora.modules import served_adapters
+    from gapless.model.config import load_model_config
+
+    base = ckpt_factory("qwen3")
+    mcfg = load_model_config(base)
+    a, b = (make_adapter(base, tmp_path / n, ["q_proj"], r=4, seed=i) for i, n in enumerate("ab"))
+    shared = str(tmp_path / "loras.json")
+    first = served_adapters([f"a={a}"], mcfg, 8, shared)
+    second = served_adapters([f"a={a}"], mcfg, 8, shared)  # starts later: reads, adds nothing
+    assert [lo.lora_int_id for lo in second.served()] == [1]
+    assert second.add_path("b", b).lora_int_id == 2
+    found = first.lookup("b")
+    assert found is not None and found.lora_int_id == 2
+    with pytest.raises(LoRAError, match="already loaded"):
+        first.add_path("b", a)
+    first.remove("b")
+    assert second.lookup("b") is None and {lo.lora_name for lo in second.served()} == {"a"}
+    assert second.add_path("b", b).lora_int_id == 3  # unloaded and loaded again: a new adapter
+    found = first.lookup("b")
+    assert found is not None and found.lora_int_id == 3
+
+
+def _pinned_clients(url: str, count: int) -> dict[int, httpx.Client]:
+    """One keep-alive connection to each of `count` API server processes (which one took a connection:
+    its /debug/state)."""
+    found: dict[int, httpx.Client] = {}
+    for _ in range(200):
+        c = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        k = c.get("/debug/state").json()["api_server"]
+        if k in found:
+            c.close()
+        else:
+            found[k] = c
+        if len(found) == count:
+            return found
+    raise AssertionError(f"connections reached API servers {sorted(found)} only")
+
+
+def test_adapters_loaded_through_any_api_server_are_served_by_all(setup):
+    """`--api-server-count 2`: an adapter loaded through one API server process is listed and answered
+    (as transformers + peft) by the other, and one unloaded through either is gone from both."""
+    first, paths, refs = setup
+    base = first.base
+    srv = ServerProcess(
+        "--model", str(base), "--device", "cpu", "--kv-cache-tokens", "4096", "--served-model-name", "base",
+        "--api-key", KEY, "--enable-lora", "--max-lora-rank", "8", "--api-server-count", "2",
+        "--lora-modules", f"alpha={paths['alpha']}",
+    )  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(str(base))
+    body = {"prompt": PROMPT, "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
+    try:
+        clients = _pinned_clients(srv.url, 2)
+
+        def models(k: int) -> set[str]:
+            return {m["id"] for m in clients[k].get("/v1/models").json()["data"]}
+
+        def complete(k: int, model: str) -> httpx.Response:
+            return clients[k].post("/v1/completions", json={**body, "model": model})
+
+        assert models(0) == models(1) == {"base", "alpha"}
+        r = clients[1].post(
+            "/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(paths["gamma"])}
+        )
+        assert r.status_code == 200, r.text
+        assert "gamma" in models(0)
+        for k, name in ((0, "gamma"), (1, "gamma"), (1, "alpha")):
+            r = complete(k, name)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == tok.decode(refs[name], skip_special_tokens=True), (
+                k,
+                name,
+            )
+        r = clients[0].post(
+            "/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(paths["beta"])}
+        )
+        assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
+        assert clients[0].post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
+        assert "gamma" not in models(1) and complete(1, "gamma").status_code == 404
+        # the name again, another adapter: a new id, so no slot or cached prefix of the old one is used
+        r = clients[1].post(
+            "/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(paths["beta"])}
+        )
+        assert r.status_code == 200, r.text
+        text = complete(0, "gamma").json()["choices"][0]["text"]
+        assert text == tok.decode(refs["beta"], skip_special_tokens=True)
+        for c in clients.values():
+            c.close()
+    finally:
+        srv.stop()

@@ -28,7 +28,10 @@ class DecodeReserve:
         self._decay = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / cfg.new_token_ratio_decay_steps
 
     def tokens(self, req: Req) -> int:
-        """KV tokens kept back for a running request's future decode steps (estimated, adaptive)."""
+        """KV tokens kept back for a running request's future decode steps (estimated, adaptive); none
+        for a pooling request, which never decodes."""
+        if req.pool is not None:
+            return 0
         return int(min(req.remaining_tokens(self.max_context), self._cap) * self.ratio)
 
     def total(self, reqs: Collection[Req]) -> int:

@@ -39,7 +39,8 @@ class ScheduledBatch:
     forward: ForwardBatch
     is_decode: bool
     # extend batches only (a decode's requests each sample one token): per request, whether it samples a
-    # token (False for a non-final chunk of a chunked prefill) and its kv_len once this batch has run
+    # token (False for a non-final chunk of a chunked prefill, and for a pooling request's every chunk)
+    # and its kv_len once this batch has run
     samples_token: list[bool]
     kv_after: list[int]
     scored: Scored = field(default_factory=list)  # requests scoring prompt positions, with their counts
@@ -142,8 +143,9 @@ class BatchBuilder:
         pre = torch.tensor(kv_after, dtype=torch.int64) - ext
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
         q_start = torch.cumsum(ext, 0) - ext
-        # the whole sequence is in KV once this batch runs: sample its next token
-        samples_token = [r.kv_len == len(r.prompt_ids) + r.sampled for r in reqs]
+        # the whole sequence is in KV once this batch runs: sample its next token (a pooling request,
+        # prefill only, never samples)
+        samples_token = [r.kv_len == len(r.prompt_ids) + r.sampled and r.pool is None for r in reqs]
         sample_mask = torch.tensor(samples_token, dtype=torch.bool)
         sample_reqs = [r for r, s in zip(reqs, samples_token) if s]
         step_list = [r.sampled for r in sample_reqs]

@@ -87,7 +87,7 @@ class PrefillPlanner:
         plan.add(req, self.kv.alloc_extend(req, n))
         if n == rest:
             self.queues.chunked = None
-            self.queues.start_decoding(req)
+            self.queues.prompt_scheduled(req)
 
     def _may_admit(self) -> bool:
         """Whether a waiting request could take a row now: one waits, and the running set and the request
@@ -125,7 +125,7 @@ class PrefillPlanner:
                 req.status = ReqStatus.PREFILL
                 q.chunked = req
                 break
-            q.start_decoding(req)
+            q.prompt_scheduled(req)
             plan.reserved += own_reserve
 
     def _active_loras(self) -> list:

@@ -10,7 +10,8 @@ from gapless.engine.request import Req, ReqStatus
 @dataclass
 class Queues:
     """The scheduler's requests: waiting for admission (new or retracted), running (decoding), or the
-    one whose prompt is being prefilled in chunks. A request's `status` says which."""
+    one whose prompt is being prefilled in chunks. A request's `status` says which; a pooling request
+    whose last chunk is in flight (`POOLING`) is in none: only that batch holds it."""
 
     waiting: list[Req] = field(default_factory=list)
     running: list[Req] = field(default_factory=list)
@@ -20,9 +21,13 @@ class Queues:
         """Admitted requests: those that hold a request-table row."""
         return len(self.running) + (self.chunked is not None)
 
-    def start_decoding(self, req: Req) -> None:
+    def prompt_scheduled(self, req: Req) -> None:
         """Its prompt is fully scheduled: it decodes from the next batch on, reading its first token
-        from the future-token slot that this batch's sampler fills."""
+        from the future-token slot that this batch's sampler fills; a pooling request (prefill only)
+        samples nothing and ends when this batch is processed."""
+        if req.pool is not None:
+            req.status = ReqStatus.POOLING
+            return
         req.status = ReqStatus.RUNNING
         self.running.append(req)
 

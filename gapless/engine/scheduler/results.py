@@ -61,13 +61,17 @@ class ResultProcessor:
                     self._finish(req, reason)
             if req.grammar is not None and not req.finished and req.grammar.advance(tok):
                 self._finish(req, "stop")  # the grammar is complete (gapless.engine.grammar)
+        self.stats.generated_tokens += len(touched)
         for req, kv_after in chunks:
             req.inflight -= 1
             if req.finished:
                 self._maybe_release(req)
+            elif req.status is ReqStatus.POOLING and kv_after == len(req.prompt_ids):
+                # a pooling request's last chunk: its vector is whole; it ends without a token
+                self._finish(req, "abort" if req.aborted else "stop")
+                touch(req)
             else:  # a non-final chunk: its KV enters the cache now that the forward wrote it
                 self.kv.cache_chunk(req, kv_after)
-        self.stats.generated_tokens += len(touched)
         return touched
 
     def abort_pending(self) -> list[Req]:

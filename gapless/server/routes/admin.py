@@ -35,7 +35,7 @@ async def models(request: Request) -> JSONResponse:
         "weight_formats": settings.info.weight_formats,  # each format and how many layers hold it
         "kv_cache": settings.info.kv_cache,  # its dtype and bytes per token: "fp8_e4m3, 57344 B/token"
     }
-    adapters = settings.loras.by_name.values() if settings.loras is not None else ()
+    adapters = settings.loras.served() if settings.loras is not None else []
     cards = [card] + [
         {**card, "id": lo.lora_name, "root": lo.lora_path, "parent": settings.served_model} for lo in adapters
     ]
