@@ -22,7 +22,7 @@ from gapless.sampling.mask import TokenMask
 from gapless.sampling.rows import RowParams, SampleFlags
 
 if TYPE_CHECKING:
-    from gapless.engine.vision import ImageBatch
+    from gapless.engine.vision import ImageBatch, RopeBatch
     from gapless.lora.table import LoRALoad
     from gapless.sampling.sampler import SampleOutput
 
@@ -104,6 +104,8 @@ class ForwardBatch:
     lora_loads: list[LoRALoad] = field(default_factory=list)
     # a vision-language model's image tokens in this extend: the encoder's rows replace their embeddings
     images: ImageBatch | None = None
+    # an M-RoPE model's extend of prompts with images: its positions over time, height and width
+    rope: RopeBatch | None = None
 
     @property
     def reads_future_tokens(self) -> bool:

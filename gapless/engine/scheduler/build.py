@@ -25,7 +25,7 @@ from gapless.engine.request import Extend, Req
 from gapless.engine.scheduler.kv import DecodeSlots
 from gapless.engine.scheduler.masks import MaskedRow, needs_mask
 from gapless.engine.spec.inputs import HistoryWrites
-from gapless.engine.vision import image_batch
+from gapless.engine.vision import image_batch, rope_batch
 from gapless.lora.slots import SlotAssigner
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
@@ -198,6 +198,7 @@ class BatchBuilder:
             row_params=row_params,
             spec=HistoryWrites(*hist) if hist is not None else None,
             images=image_batch(entries, q_start.tolist()),
+            rope=rope_batch(entries),
         )
         forward.prompt_scores, scored = plan_scores(entries)
         self.lora_batch(forward, reqs, [e.tokens for e in entries])

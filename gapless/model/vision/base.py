@@ -23,11 +23,14 @@ class VisionSpec:
     """A checkpoint's vision side, as its config says: the family, the token id each image's run is made
     of, and its encoder's input size (for the memory plan's estimate)."""
 
-    family: str  # "llava"
+    family: str  # "llava", "qwen2_5_vl"
     image_token_id: int
     image_size: int  # pixels a side of the encoder's input
     tokens_per_image: int  # rows the encoder gives one image (the run's length)
     config: dict  # the checkpoint's config.json, for the family's encoder
+    # M-RoPE families (Qwen2.5-VL): the patches a side merged into one row; an image's rows take
+    # positions over time, height and width (`gapless.model.vision.mrope`). None: 1-D positions
+    mrope_merge: int | None = None
 
 
 class VisionEncoder(nn.Module, ABC):

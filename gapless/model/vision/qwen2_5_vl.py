@@ -1,0 +1,241 @@
+"""Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`), as transformers computes it: a vision transformer
+over 14-px patches (a 3-D patch convolution over two repeated frames), 2-D rotary positions (height,
+width), window attention in every layer but `fullatt_block_indexes` (which attend over the whole image),
+and a merger that takes each 2x2 block of patches to one row of the decoder's width. Its decoder is
+Qwen2's with M-RoPE (`gapless.model.layers.MRotaryEmbedding`; the prompt's positions:
+`gapless.model.vision.mrope`).
+
+One image's inputs are its patches [h * w, 3 * 2 * 14 * 14] and its grid [3] = (1, h, w) in patches, as
+the image processor gives them; images of different sizes give different numbers of rows. The processor
+is transformers' image processor and the checkpoint's tokenizer (`QwenVLProcessor`): transformers' own
+`Qwen2_5_VLProcessor` also builds a video processor, which needs torchvision.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gapless.model.vision.base import VisionEncoder, VisionSpec
+from gapless.model.vision.clip import activation
+
+# the image processor's default pixel ceiling (`max_pixels`): the largest image's rows, for the memory plan
+_MAX_PIXELS = 12845056
+
+
+def qwen2_5_vl_spec(cfg: dict[str, Any]) -> VisionSpec:
+    vision = cfg.get("vision_config") or {}
+    token_id = cfg.get("image_token_id", cfg.get("image_token_index"))
+    if token_id is None:
+        raise ValueError("the Qwen2.5-VL config names no image_token_id")
+    patch, merge = int(vision.get("patch_size", 14)), int(vision.get("spatial_merge_size", 2))
+    side = int(_MAX_PIXELS**0.5) // (patch * merge) * (patch * merge)
+    tokens = (side // (patch * merge)) ** 2
+    return VisionSpec("qwen2_5_vl", int(token_id), side, tokens, cfg, mrope_merge=merge)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Qwen2.5-VL's RMSNorm: in fp32, cast back, then times the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, inter: int, heads: int, act: str) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.Parameter(torch.ones(hidden))
+        self.norm2 = nn.Parameter(torch.ones(hidden))
+        self.attn = nn.ModuleDict({"qkv": nn.Linear(hidden, 3 * hidden), "proj": nn.Linear(hidden, hidden)})
+        self.mlp = nn.ModuleDict(
+            {
+                "gate_proj": nn.Linear(hidden, inter),
+                "up_proj": nn.Linear(hidden, inter),
+                "down_proj": nn.Linear(inter, hidden),
+            }
+        )
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
+        """`x` [N, hidden]: attention within each run of `lengths` rows (a window, or a whole image)."""
+        n = x.shape[0]
+        q, k, v = self.attn["qkv"](_rms_norm(x, self.norm1)).view(n, 3, self.heads, -1).unbind(1)
+        cos, sin = cos_sin
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        outs = [
+            F.scaled_dot_product_attention(a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1)).transpose(0, 1)
+            for a, b, c in zip(q.split(lengths), k.split(lengths), v.split(lengths))
+        ]
+        x = x + self.attn["proj"](torch.cat(outs).reshape(n, -1))
+        m = self.mlp
+        h = _rms_norm(x, self.norm2)
+        return x + m["down_proj"](self.act(m["gate_proj"](h)) * m["up_proj"](h))
+
+
+def _image_layout(
+    grid: tuple[int, int, int], merge: int, window: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """One image's (t, h, w) grid in patches: each patch's (h, w) position [h * w * t, 2] in the
+    processor's order (2x2 merge blocks, row-major), the order of its merge blocks window by window
+    (`window` blocks a side), and each window's patch count."""
+    t, h, w = grid
+    hs, ws = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    shape = (h // merge, merge, w // merge, merge)
+    pos = torch.stack([p.reshape(shape).transpose(1, 2).flatten() for p in (hs, ws)], dim=-1).repeat(t, 1)
+    gh, gw = h // merge, w // merge
+    index = torch.arange(t * gh * gw).view(t, gh, gw)
+    order, lengths = [], []
+    for frame in index:
+        for r in range(0, gh, window):
+            for c in range(0, gw, window):
+                cell = frame[r : r + window, c : c + window].flatten()
+                order.append(cell)
+                lengths.append(cell.numel() * merge * merge)
+    return pos, torch.cat(order), lengths
+
+
+class Qwen25VLEncoder(VisionEncoder):
+    input_names = ("pixel_values", "image_grid_thw")
+
+    def __init__(self, spec: VisionSpec, text_hidden: int) -> None:
+        super().__init__()
+        self.spec = spec
+        v = spec.config["vision_config"]
+        hidden, heads = int(v["hidden_size"]), int(v["num_heads"])
+        self.hidden, self.heads, self.inter = hidden, heads, int(v["intermediate_size"])
+        self.patch, self.merge = int(v.get("patch_size", 14)), int(v.get("spatial_merge_size", 2))
+        self.frames, channels = int(v.get("temporal_patch_size", 2)), int(v.get("in_channels", 3))
+        self.window = int(v.get("window_size", 112)) // self.merge // self.patch
+        self.full = set(int(i) for i in v.get("fullatt_block_indexes", ()))
+        theta = float((v.get("rope_parameters") or {}).get("rope_theta", v.get("rope_theta", 10000.0)))
+        spatial = hidden // heads // 2
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+        kernel = (self.frames, self.patch, self.patch)
+        self.patch_embed = nn.ModuleDict({"proj": nn.Conv3d(channels, hidden, kernel, kernel, bias=False)})
+        act = str(v.get("hidden_act", "silu"))
+        self.blocks = nn.ModuleList(_Block(hidden, self.inter, heads, act) for _ in range(int(v["depth"])))
+        wide = hidden * self.merge**2
+        out = int(v.get("out_hidden_size", text_hidden))
+        if out != text_hidden:
+            raise ValueError(f"the vision merger's out_hidden_size {out} is not the decoder's {text_hidden}")
+        self.merger = nn.ModuleDict(
+            {
+                "ln_q": nn.ParameterDict({"weight": nn.Parameter(torch.ones(hidden))}),
+                "mlp": nn.ModuleList([nn.Linear(wide, wide), nn.GELU(), nn.Linear(wide, out)]),
+            }
+        )
+        self._loaded: set[str] = set()
+
+    def encode(self, images: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        dev = self.merger["ln_q"]["weight"].device
+        unit = self.merge**2
+        positions, orders, windows, wholes, rows = [], [], [], [], []
+        start = 0  # merge blocks before this image
+        for _, grid in images:
+            t, h, w = (int(n) for n in grid.tolist())
+            pos, order, lengths = _image_layout((t, h, w), self.merge, self.window)
+            positions.append(pos)
+            orders.append(order + start)
+            windows += lengths
+            wholes.append(t * h * w)
+            rows.append(t * h * w // unit)
+            start += t * h * w // unit
+        order = torch.cat(orders).to(dev)
+        x = torch.cat([p for p, _ in images]).to(dev)
+        conv = self.patch_embed["proj"]
+        x = conv(x.view(-1, conv.in_channels, self.frames, self.patch, self.patch).to(conv.weight.dtype))
+        x = x.view(-1, self.hidden)
+        x = x.view(-1, unit, self.hidden)[order].view(-1, self.hidden)  # window by window
+        freqs = torch.cat(positions).to(dev)[..., None].float() * self.inv_freq.to(dev)  # [N, 2, d / 4]
+        emb = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        emb = torch.cat([emb, emb], dim=-1).view(-1, unit, emb.shape[-1] * 2)[order].flatten(0, 1)
+        cos_sin = (emb.cos()[:, None], emb.sin()[:, None])
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos_sin, wholes if i in self.full else windows)
+        m = self.merger
+        h = _rms_norm(x, m["ln_q"]["weight"]).view(-1, self.hidden * unit)
+        h = m["mlp"][2](m["mlp"][1](m["mlp"][0](h)))
+        h = h[torch.argsort(order)]
+        return list(h.split(rows))
+
+    def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
+        """About the peak of `encode` over `images` of the largest size: a few [patches, hidden] and
+        [patches, inter] buffers and the fp32 rotary tables; attention runs one window or image at a time
+        (its scores never all at once on a fused kernel)."""
+        patches = self.spec.tokens_per_image * self.merge**2
+        per_image = patches * (8 * self.hidden + 3 * self.inter) * torch.finfo(dtype).bits // 8
+        return images * (per_image + patches * self.hidden * 2 * 4)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        name = name.removeprefix("model.")
+        if not name.startswith("visual."):
+            return False
+        own = name.removeprefix("visual.")
+        own = own.replace(".norm1.weight", ".norm1").replace(".norm2.weight", ".norm2")
+        params = dict(self.named_parameters())
+        if own not in params:
+            raise ValueError(f"checkpoint weight {name!r} is not one of Qwen2.5-VL's vision encoder")
+        param = params[own]
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint weight {name!r} is {tuple(tensor.shape)}; expected {tuple(param.shape)}"
+            )
+        param.data.copy_(tensor)
+        self._loaded.add(own)
+        return True
+
+    def missing_weights(self) -> list[str]:
+        return sorted(n for n, _ in self.named_parameters() if n not in self._loaded)
+
+
+class QwenVLProcessor:
+    """Qwen2.5-VL's processor from its parts: transformers' image processor (`AutoImageProcessor`: every
+    resize and normalisation is its) and the checkpoint's tokenizer and chat template; each image's
+    `<|image_pad|>` expanded to its rows, one per merged 2x2 block, as `Qwen2_5_VLProcessor` does."""
+
+    image_token = "<|image_pad|>"
+
+    def __init__(self, model_path: str | Path) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.chat_template = self.tokenizer.chat_template
+        path = Path(model_path) / "chat_template.json"
+        if self.chat_template is None and path.is_file():
+            self.chat_template = json.loads(path.read_text())["chat_template"]
+        if self.chat_template is None and (Path(model_path) / "chat_template.jinja").is_file():
+            self.chat_template = (Path(model_path) / "chat_template.jinja").read_text()
+
+    def apply_chat_template(self, chat: list[dict[str, Any]], tokenize: bool = False, **kwargs: Any) -> str:
+        assert not tokenize, "the prompter tokenizes the expanded text itself"
+        kwargs.setdefault("chat_template", self.chat_template)
+        return self.tokenizer.apply_chat_template(chat, tokenize=False, **kwargs)
+
+    def __call__(
+        self, text: str, images: list[Any] | None, return_tensors: str = "pt", add_special_tokens: bool = True
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if images:
+            out = dict(self.image_processor(images=images, return_tensors=return_tensors))
+            merge = int(self.image_processor.merge_size) ** 2
+            counts = [int(g.prod()) // merge for g in out["image_grid_thw"]]
+            parts = text.split(self.image_token)
+            if len(parts) != len(counts) + 1:
+                raise ValueError(f"{len(parts) - 1} image placeholders for {len(counts)} images")
+            text = parts[0] + "".join(self.image_token * n + p for n, p in zip(counts, parts[1:]))
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens, return_tensors=return_tensors)
+        out["input_ids"] = ids["input_ids"]
+        return out
