@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from gapless.engine.images import PromptImage
-from gapless.model.vision.mrope import PromptRope
 from gapless.memory.cache_base import TreeNode
+from gapless.model.vision.mrope import PromptRope
 from gapless.sampling.logprobs import PromptLogprobState
 from gapless.sampling_params import SamplingParams
 

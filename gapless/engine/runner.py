@@ -135,9 +135,9 @@ class ModelRunner:
         self.token_buf = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=self.device)
         self.token_buf[self.pad_row] = 0
         # an M-RoPE model's (Qwen2.5-VL) per row: what its decode positions add (`gapless.model.vision.mrope`)
-        self.rope_deltas: torch.Tensor | None = torch.zeros(max_rows + 1, dtype=torch.int64, device=self.device)
-        if mcfg.mrope_section is None:
-            self.rope_deltas = None
+        self.rope_deltas: torch.Tensor | None = None
+        if mcfg.mrope_section is not None:
+            self.rope_deltas = torch.zeros(max_rows + 1, dtype=torch.int64, device=self.device)
         self.graphs: GraphRunner | None = None
         self.piecewise: PiecewiseGraphs | None = None  # small prefills' pieces, when on
         # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them

@@ -79,7 +79,6 @@ def tiny_qwen_vl_config() -> Qwen2_5_VLConfig:
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
 
@@ -87,7 +86,11 @@ def tiny_qwen_vl_config() -> Qwen2_5_VLConfig:
 def image_processor(max_pixels: int = 28 * 28 * 64) -> Qwen2VLImageProcessorPil:
     """transformers' Qwen2-VL image processor (its PIL backend: no torchvision), tiny images' bounds."""
     return Qwen2VLImageProcessorPil(
-        min_pixels=28 * 28 * 4, max_pixels=max_pixels, patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2
+        min_pixels=28 * 28 * 4,
+        max_pixels=max_pixels,
+        patch_size=PATCH,
+        merge_size=MERGE,
+        temporal_patch_size=2,
     )
 
 

@@ -53,5 +53,5 @@ def rope_rows(rope: PromptRope | None, lo: int, hi: int) -> torch.Tensor:
     if rope is None:
         return torch.arange(lo, hi).expand(3, -1)
     n = rope.positions.shape[1]
-    tail = torch.arange(max(lo, n), hi).expand(3, -1) + rope.delta
+    tail = torch.arange(max(lo, n), max(hi, n)).expand(3, -1) + rope.delta
     return torch.cat([rope.positions[:, min(lo, n) : min(hi, n)], tail], dim=1)

@@ -51,12 +51,46 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class _Norm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.weight)
+
+
+class _PatchEmbed(nn.Module):
+    """The 3-D patch convolution (two frames of 14 x 14 pixels, a still image's frame repeated)."""
+
+    def __init__(self, channels: int, hidden: int, frames: int, patch: int) -> None:
+        super().__init__()
+        self.shape = (channels, frames, patch, patch)
+        self.proj = nn.Conv3d(channels, hidden, self.shape[1:], self.shape[1:], bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        x = self.proj(patches.view(-1, *self.shape).to(self.proj.weight.dtype))
+        return x.view(x.shape[0], -1)
+
+
+class _Merger(nn.Module):
+    """Each 2x2 block of patches (their normed rows side by side) through a two-layer GELU MLP."""
+
+    def __init__(self, hidden: int, unit: int, out: int) -> None:
+        super().__init__()
+        self.wide = hidden * unit
+        self.ln_q = _Norm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(self.wide, self.wide), nn.GELU(), nn.Linear(self.wide, out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.wide))
+
+
 class _Block(nn.Module):
     def __init__(self, hidden: int, inter: int, heads: int, act: str) -> None:
         super().__init__()
         self.heads = heads
-        self.norm1 = nn.Parameter(torch.ones(hidden))
-        self.norm2 = nn.Parameter(torch.ones(hidden))
+        self.norm1, self.norm2 = _Norm(hidden), _Norm(hidden)
         self.attn = nn.ModuleDict({"qkv": nn.Linear(hidden, 3 * hidden), "proj": nn.Linear(hidden, hidden)})
         self.mlp = nn.ModuleDict(
             {
@@ -67,20 +101,23 @@ class _Block(nn.Module):
         )
         self.act = activation(act)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], lengths: list[int]
+    ) -> torch.Tensor:
         """`x` [N, hidden]: attention within each run of `lengths` rows (a window, or a whole image)."""
         n = x.shape[0]
-        q, k, v = self.attn["qkv"](_rms_norm(x, self.norm1)).view(n, 3, self.heads, -1).unbind(1)
+        q, k, v = self.attn["qkv"](self.norm1(x)).view(n, 3, self.heads, -1).unbind(1)
         cos, sin = cos_sin
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        heads_first = [t.transpose(0, 1) for t in (q, k, v)]  # [heads, N, d]
         outs = [
-            F.scaled_dot_product_attention(a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1)).transpose(0, 1)
-            for a, b, c in zip(q.split(lengths), k.split(lengths), v.split(lengths))
+            F.scaled_dot_product_attention(a, b, c).transpose(0, 1)
+            for a, b, c in zip(*(t.split(lengths, dim=1) for t in heads_first))
         ]
         x = x + self.attn["proj"](torch.cat(outs).reshape(n, -1))
         m = self.mlp
-        h = _rms_norm(x, self.norm2)
+        h = self.norm2(x)
         return x + m["down_proj"](self.act(m["gate_proj"](h)) * m["up_proj"](h))
 
 
@@ -122,24 +159,17 @@ class Qwen25VLEncoder(VisionEncoder):
         theta = float((v.get("rope_parameters") or {}).get("rope_theta", v.get("rope_theta", 10000.0)))
         spatial = hidden // heads // 2
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
-        kernel = (self.frames, self.patch, self.patch)
-        self.patch_embed = nn.ModuleDict({"proj": nn.Conv3d(channels, hidden, kernel, kernel, bias=False)})
+        self.patch_embed = _PatchEmbed(channels, hidden, self.frames, self.patch)
         act = str(v.get("hidden_act", "silu"))
         self.blocks = nn.ModuleList(_Block(hidden, self.inter, heads, act) for _ in range(int(v["depth"])))
-        wide = hidden * self.merge**2
         out = int(v.get("out_hidden_size", text_hidden))
         if out != text_hidden:
             raise ValueError(f"the vision merger's out_hidden_size {out} is not the decoder's {text_hidden}")
-        self.merger = nn.ModuleDict(
-            {
-                "ln_q": nn.ParameterDict({"weight": nn.Parameter(torch.ones(hidden))}),
-                "mlp": nn.ModuleList([nn.Linear(wide, wide), nn.GELU(), nn.Linear(wide, out)]),
-            }
-        )
+        self.merger = _Merger(hidden, self.merge**2, out)
         self._loaded: set[str] = set()
 
     def encode(self, images: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-        dev = self.merger["ln_q"]["weight"].device
+        dev = self.merger.ln_q.weight.device
         unit = self.merge**2
         positions, orders, windows, wholes, rows = [], [], [], [], []
         start = 0  # merge blocks before this image
@@ -154,9 +184,7 @@ class Qwen25VLEncoder(VisionEncoder):
             start += t * h * w // unit
         order = torch.cat(orders).to(dev)
         x = torch.cat([p for p, _ in images]).to(dev)
-        conv = self.patch_embed["proj"]
-        x = conv(x.view(-1, conv.in_channels, self.frames, self.patch, self.patch).to(conv.weight.dtype))
-        x = x.view(-1, self.hidden)
+        x = self.patch_embed(x)
         x = x.view(-1, unit, self.hidden)[order].view(-1, self.hidden)  # window by window
         freqs = torch.cat(positions).to(dev)[..., None].float() * self.inv_freq.to(dev)  # [N, 2, d / 4]
         emb = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
@@ -164,11 +192,8 @@ class Qwen25VLEncoder(VisionEncoder):
         cos_sin = (emb.cos()[:, None], emb.sin()[:, None])
         for i, block in enumerate(self.blocks):
             x = block(x, cos_sin, wholes if i in self.full else windows)
-        m = self.merger
-        h = _rms_norm(x, m["ln_q"]["weight"]).view(-1, self.hidden * unit)
-        h = m["mlp"][2](m["mlp"][1](m["mlp"][0](h)))
-        h = h[torch.argsort(order)]
-        return list(h.split(rows))
+        merged = self.merger(x)[torch.argsort(order)]  # back in the processor's order
+        return list(merged.split(rows))
 
     def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
         """About the peak of `encode` over `images` of the largest size: a few [patches, hidden] and
@@ -183,7 +208,6 @@ class Qwen25VLEncoder(VisionEncoder):
         if not name.startswith("visual."):
             return False
         own = name.removeprefix("visual.")
-        own = own.replace(".norm1.weight", ".norm1").replace(".norm2.weight", ".norm2")
         params = dict(self.named_parameters())
         if own not in params:
             raise ValueError(f"checkpoint weight {name!r} is not one of Qwen2.5-VL's vision encoder")
@@ -222,7 +246,7 @@ class QwenVLProcessor:
     def apply_chat_template(self, chat: list[dict[str, Any]], tokenize: bool = False, **kwargs: Any) -> str:
         assert not tokenize, "the prompter tokenizes the expanded text itself"
         kwargs.setdefault("chat_template", self.chat_template)
-        return self.tokenizer.apply_chat_template(chat, tokenize=False, **kwargs)
+        return str(self.tokenizer.apply_chat_template(chat, tokenize=False, **kwargs))
 
     def __call__(
         self, text: str, images: list[Any] | None, return_tensors: str = "pt", add_special_tokens: bool = True
