@@ -174,3 +174,22 @@ def test_mrope_of_one_position_is_plain_rope():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="mrope_section"):
         MRotaryEmbedding(16, 64, 1e4, None, (2, 3, 2))
+
+
+def test_v4_flat_config_reads_the_same(ckpt):
+    """transformers v4 wrote Qwen2.5-VL's text fields at the top, with `rope_scaling` {"type": "mrope"}:
+    it reads as 5's `text_config` does."""
+    import dataclasses
+    import json
+
+    from gapless.model.config import load_model_config, model_config_from_dict
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**text, **cfg, "model_type": "qwen2_5_vl", "rope_theta": rope["rope_theta"]}
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    old, new = model_config_from_dict(flat, "v4"), load_model_config(ckpt)
+    assert old.mrope_section == (2, 3, 3) and old.rope_scaling is None
+    assert dataclasses.replace(old, vision=None) == dataclasses.replace(new, vision=None)
+    assert dataclasses.replace(old.vision, config={}) == dataclasses.replace(new.vision, config={})
