@@ -110,10 +110,10 @@ class _Block(nn.Module):
         cos, sin = cos_sin
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        heads_first = [t.transpose(0, 1) for t in (q, k, v)]  # [heads, N, d]
+        heads_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, N, d]: torch's fused kernel
         outs = [
-            F.scaled_dot_product_attention(a, b, c).transpose(0, 1)
-            for a, b, c in zip(*(t.split(lengths, dim=1) for t in heads_first))
+            F.scaled_dot_product_attention(a, b, c)[0].transpose(0, 1)
+            for a, b, c in zip(*(t.split(lengths, dim=2) for t in heads_first))
         ]
         x = x + self.attn["proj"](torch.cat(outs).reshape(n, -1))
         m = self.mlp
