@@ -17,7 +17,7 @@ from transformers import (
     Qwen2VLImageProcessorPil,
 )
 
-from gapless.default_model.checkpoint import COMMON, TINY, save_tokenizer
+from gapless.default_model.checkpoint import COMMON, TINY, save_tokenizer, shape
 from gapless.default_model.tokenizer import build_tokenizer
 from gapless.testing.vision_checkpoints import _init
 
@@ -47,30 +47,51 @@ def _tokenizer() -> Any:
     return tokenizer
 
 
-def tiny_qwen_vl_config() -> Qwen2_5_VLConfig:
-    """A Qwen2.5-VL config: a 3-block vision transformer of width 32 (block 1 full attention, the others
-    windows of 2x2 merged blocks) over the tiny Qwen2 decoder (head_dim 16: M-RoPE sections 2, 3, 3)."""
+# per size: the vision transformer, the decoder, its M-RoPE sections (summing to head_dim / 2) and the
+# image processor's pixel ceiling. "tiny" for tests: 3 blocks of width 32 (block 1 full attention, the others
+# windows of 2x2 merged blocks), the tiny Qwen2 decoder (head_dim 16); "bench" for `gapless.bench.vision`:
+# 6 blocks of width 256 (windows of 4x4 merged blocks, as Qwen2.5-VL's 112 px), the bench decoder, images
+# up to 448 x 448 px (256 rows)
+_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vision=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=[1]),
+        text=TINY,
+        mrope=[2, 3, 3],
+        window=2,
+        max_pixels=28 * 28 * 64,
+    ),
+    "bench": dict(
+        vision=dict(
+            depth=6, hidden_size=256, intermediate_size=704, num_heads=4, fullatt_block_indexes=[2, 5]
+        ),
+        text=shape(512, 1536, 8, 8, 4, head_dim=64, max_position_embeddings=4096),
+        mrope=[8, 12, 12],
+        window=4,
+        max_pixels=448 * 448,
+    ),
+}
+
+
+def tiny_qwen_vl_config(size: str = "tiny") -> Qwen2_5_VLConfig:
+    """A Qwen2.5-VL config of `_SIZES[size]`: its vision transformer over a Qwen2 decoder with M-RoPE."""
     tokenizer = _tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    shape_of = _SIZES[size]
     text = dict(
         COMMON,
-        **TINY,
+        **shape_of["text"],
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]},
+        rope_scaling={"rope_type": "default", "mrope_section": shape_of["mrope"]},
     )
     vision = dict(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=TINY["hidden_size"],
+        shape_of["vision"],
+        out_hidden_size=shape_of["text"]["hidden_size"],
         patch_size=PATCH,
         spatial_merge_size=MERGE,
         temporal_patch_size=2,
-        window_size=2 * MERGE * PATCH,
-        fullatt_block_indexes=[1],
+        window_size=shape_of["window"] * MERGE * PATCH,
     )
     return Qwen2_5_VLConfig(
         text_config=text,
@@ -94,15 +115,16 @@ def image_processor(max_pixels: int = 28 * 28 * 64) -> Qwen2VLImageProcessorPil:
     )
 
 
-def make_qwen_vl_checkpoint(path: str | Path, seed: int = 0) -> Path:
-    """Write a random tiny Qwen2.5-VL checkpoint with its image processor, tokenizer and chat template."""
+def make_qwen_vl_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -> Path:
+    """Write a random Qwen2.5-VL checkpoint (`_SIZES[size]`) with its image processor, tokenizer and chat
+    template to `path`."""
     path = Path(path)
-    config = tiny_qwen_vl_config()
+    config = tiny_qwen_vl_config(size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config)
     _init(model, seed)
     model.eval().save_pretrained(str(path))
-    image_processor().save_pretrained(str(path))
+    image_processor(_SIZES[size]["max_pixels"]).save_pretrained(str(path))
     save_tokenizer(_tokenizer(), path)
     return path
