@@ -173,8 +173,9 @@ class Qwen25VLEncoder(VisionEncoder):
         unit = self.merge**2
         positions, orders, windows, wholes, rows = [], [], [], [], []
         start = 0  # merge blocks before this image
-        for _, grid in images:
-            t, h, w = (int(n) for n in grid.tolist())
+        # the grids on the host, in one read (on a GPU: the call's one sync, before its kernels are queued)
+        grids: list[list[int]] = torch.stack([grid for _, grid in images]).tolist()
+        for t, h, w in grids:
             pos, order, lengths = _image_layout((t, h, w), self.merge, self.window)
             positions.append(pos)
             orders.append(order + start)
