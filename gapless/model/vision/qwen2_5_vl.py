@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +86,32 @@ class _Merger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.wide))
 
 
+class _Runs(NamedTuple):
+    """Runs of rows that attend only among themselves, all of one length: their rows (run after run; None:
+    every row, in order) and how many."""
+
+    rows: torch.Tensor | None
+    count: int
+    length: int
+
+
+def _runs(lengths: list[int], device: torch.device) -> list[_Runs]:
+    """Consecutive runs of `lengths` rows grouped by length, so that attention takes each group in one
+    call (a large image's windows are mostly of one size) rather than one call a run."""
+    starts: dict[int, list[int]] = {}
+    at = 0
+    for length in lengths:
+        starts.setdefault(length, []).append(at)
+        at += length
+    if len(starts) == 1:
+        ((length, first),) = starts.items()
+        return [_Runs(None, len(first), length)]
+    return [
+        _Runs((torch.tensor(s)[:, None] + torch.arange(length)).flatten().to(device), len(s), length)
+        for length, s in starts.items()
+    ]
+
+
 class _Block(nn.Module):
     def __init__(self, hidden: int, inter: int, heads: int, act: str) -> None:
         super().__init__()
@@ -102,20 +128,26 @@ class _Block(nn.Module):
         self.act = activation(act)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], lengths: list[int]
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], runs: list[_Runs]
     ) -> torch.Tensor:
-        """`x` [N, hidden]: attention within each run of `lengths` rows (a window, or a whole image)."""
+        """`x` [N, hidden]: attention within each run of rows (a window, or a whole image; `_runs`)."""
         n = x.shape[0]
         q, k, v = self.attn["qkv"](self.norm1(x)).view(n, 3, self.heads, -1).unbind(1)
         cos, sin = cos_sin
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        heads_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, N, d]: torch's fused kernel
-        outs = [
-            F.scaled_dot_product_attention(a, b, c)[0].transpose(0, 1)
-            for a, b, c in zip(*(t.split(lengths, dim=2) for t in heads_first))
-        ]
-        x = x + self.attn["proj"](torch.cat(outs).reshape(n, -1))
+        out = q if len(runs) == 1 and runs[0].rows is None else torch.empty_like(q)
+        for group in runs:  # the runs of one length at once: [runs, heads, length, d]
+            a, b, c = (t if group.rows is None else t[group.rows] for t in (q, k, v))
+            a, b, c = (
+                t.reshape(group.count, group.length, self.heads, -1).transpose(1, 2) for t in (a, b, c)
+            )
+            o = F.scaled_dot_product_attention(a, b, c).transpose(1, 2).reshape(-1, self.heads, q.shape[-1])
+            if group.rows is None:
+                out = o
+            else:
+                out[group.rows] = o
+        x = x + self.attn["proj"](out.reshape(n, -1))
         m = self.mlp
         h = self.norm2(x)
         return x + m["down_proj"](self.act(m["gate_proj"](h)) * m["up_proj"](h))
@@ -191,8 +223,9 @@ class Qwen25VLEncoder(VisionEncoder):
         emb = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
         emb = torch.cat([emb, emb], dim=-1).view(-1, unit, emb.shape[-1] * 2)[order].flatten(0, 1)
         cos_sin = (emb.cos()[:, None], emb.sin()[:, None])
+        by_window, by_image = _runs(windows, dev), _runs(wholes, dev)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos_sin, wholes if i in self.full else windows)
+            x = block(x, cos_sin, by_image if i in self.full else by_window)
         merged = self.merger(x)[torch.argsort(order)]  # back in the processor's order
         return list(merged.split(rows))
 
