@@ -91,7 +91,7 @@ class _Runs(NamedTuple):
     every row, in order) and how many."""
 
     rows: torch.Tensor | None
-    count: int
+    number: int
     length: int
 
 
@@ -140,7 +140,7 @@ class _Block(nn.Module):
         for group in runs:  # the runs of one length at once: [runs, heads, length, d]
             a, b, c = (t if group.rows is None else t[group.rows] for t in (q, k, v))
             a, b, c = (
-                t.reshape(group.count, group.length, self.heads, -1).transpose(1, 2) for t in (a, b, c)
+                t.reshape(group.number, group.length, self.heads, -1).transpose(1, 2) for t in (a, b, c)
             )
             o = F.scaled_dot_product_attention(a, b, c).transpose(1, 2).reshape(-1, self.heads, q.shape[-1])
             if group.rows is None:
