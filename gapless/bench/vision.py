@@ -1,12 +1,14 @@
-"""Images through prefill, gapless against transformers on the same LLaVA-1.5 model, and the decode speed
-of image conversations against text-only ones of the same length.
+"""Images through prefill, gapless against transformers on the same LLaVA-1.5 or Qwen2.5-VL model, and the
+decode speed of image conversations against text-only ones of the same length.
 
     python -m gapless.bench.vision                      # a random "bench"-size LLaVA on the CPU
     python -m gapless.bench.vision --device cuda --images 64 --batch 16
+    python -m gapless.bench.vision --family qwen2_5_vl  # Qwen2.5-VL: windowed ViT, M-RoPE decoder
 
 Prefill: `--images` one-image chats, `--batch` at a time, one output token each (the processor, the
 encoder and the prompt's prefill): images/s for gapless's `LLM.chat` and for transformers'
-`LlavaForConditionalGeneration` forward over the processor's padded batch (processor included in both).
+`LlavaForConditionalGeneration` (or `Qwen2_5_VLForConditionalGeneration`) forward over the processor's
+padded batch (processor included in both).
 Decode: `--batch` of the chats and as many text-only prompts of the same token counts, `--max-tokens`
 greedy tokens each with EOS ignored, run together; decode tok/s counts the steps after every request has
 its first token. The rounds alternate between the sides, and the best round of each counts.
@@ -26,7 +28,14 @@ import torch
 from gapless import LLM, SamplingParams
 from gapless.bench import cli
 from gapless.engine.image_io import split_chat
+from gapless.testing.qwen_vl_checkpoints import make_qwen_vl_checkpoint
 from gapless.testing.vision_checkpoints import make_llava_checkpoint
+
+# family -> (its bench checkpoint's writer, what the report calls it)
+_FAMILIES = {
+    "llava": (make_llava_checkpoint, "bench-size LLaVA (CLIP 224 px"),
+    "qwen2_5_vl": (make_qwen_vl_checkpoint, "bench-size Qwen2.5-VL (6-block ViT, images <= 448 px"),
+}
 
 
 def _chats(n: int) -> list[list[dict[str, Any]]]:
@@ -75,6 +84,50 @@ def _hf_prefill(path: str, chats: list, batch: int, device: str) -> Any:
     return run
 
 
+def _hf_qwen_prefill(path: str, chats: list, batch: int, device: str) -> Any:
+    """transformers' Qwen2.5-VL prefill of `chats`, `batch` at a time: gapless's processor from parts (the
+    image processor and tokenizer; `Qwen2_5_VLProcessor` needs torchvision), prompts left-padded, and the
+    image-token types `get_rope_index` reads."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from gapless.model.vision.qwen2_5_vl import QwenVLProcessor
+
+    processor = QwenVLProcessor(path)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = model.to(device)
+    token, pad = model.config.image_token_id, processor.tokenizer.pad_token_id
+
+    def run() -> None:
+        for i in range(0, len(chats), batch):
+            group = chats[i : i + batch]
+            outs = [
+                processor(
+                    processor.apply_chat_template(c, add_generation_prompt=True),
+                    [c[0]["content"][1]["image"]],
+                )
+                for c in group
+            ]
+            n = max(o["input_ids"].shape[1] for o in outs)
+            ids = torch.full((len(outs), n), pad, dtype=torch.int64)
+            mask = torch.zeros_like(ids)
+            for row, o in enumerate(outs):
+                ids[row, n - o["input_ids"].shape[1] :] = o["input_ids"][0]
+                mask[row, n - o["input_ids"].shape[1] :] = 1
+            inputs = dict(
+                input_ids=ids,
+                attention_mask=mask,
+                mm_token_type_ids=(ids == token).int(),
+                pixel_values=torch.cat([o["pixel_values"] for o in outs]),
+                image_grid_thw=torch.cat([o["image_grid_thw"] for o in outs]),
+            )
+            with torch.inference_mode():
+                model(**{k: v.to(device) for k, v in inputs.items()}, logits_to_keep=1)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    return run
+
+
 def _decode_tok_s(llm: LLM, prompts: list[tuple[list[int], tuple]], max_tokens: int) -> float:
     """Output tok/s of `prompts` (ids, images) run together, from the step after the last one's first
     token to the end: decode alone."""
@@ -90,13 +143,15 @@ def _decode_tok_s(llm: LLM, prompts: list[tuple[list[int], tuple]], max_tokens: 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="gapless-vision-bench-")
-    cli.progress("writing a random bench-size LLaVA checkpoint")
-    path = str(make_llava_checkpoint(tmp, size="bench"))
+    cli.progress(f"writing a random bench-size {args.family} checkpoint")
+    path = str(_FAMILIES[args.family][0](tmp, size="bench"))
     chats = _chats(args.images)
-    hf = _hf_prefill(path, chats, args.batch, args.device)
-    options = dict(
-        device=args.device, max_running_requests=args.batch, dtype="float32", **args.engine_options
-    )
+    prefill_of = _hf_qwen_prefill if args.family == "qwen2_5_vl" else _hf_prefill
+    hf = prefill_of(path, chats, args.batch, args.device)
+    # no prefix cache: every round sends the same chats, whose image KV a cache would hand back
+    # (transformers recomputes them), so the rounds after the first would time no encoder at all
+    defaults = dict(device=args.device, max_running_requests=args.batch, dtype="float32", radix_cache=False)
+    options = {**defaults, **args.engine_options}
     llm = LLM(path, **options)
     one = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -124,9 +179,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         command=cli.command_line("gapless.bench.vision", sys.argv[1:]),
         machine=cli.machine(args.device),
+        family=args.family,
         images=len(chats),
         batch=args.batch,
-        image_tokens=made[0][1][0].length,
+        image_tokens=max(im.length for _, ims in made for im in ims),
         max_tokens=args.max_tokens,
         rounds=args.rounds,
         images_per_s=ips,
@@ -141,7 +197,8 @@ def report(res: dict[str, Any]) -> list[str]:
     return [
         res["command"],
         cli.machine_line(res["machine"]),
-        f"bench-size LLaVA (CLIP 224 px, {res['image_tokens']} image tokens), {res['images']} one-image "
+        f"{_FAMILIES[res.get('family', 'llava')][1]}, {res['image_tokens']} image tokens at most), "
+        f"{res['images']} one-image "
         f"chats, batch {res['batch']}, best of {res['rounds']} rounds",
         *cli.markdown_table(
             ["prefill", "images/s", "vs transformers"],
@@ -159,6 +216,7 @@ def report(res: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--family", choices=sorted(_FAMILIES), default="llava", help="the model's (default llava)")
     p.add_argument("--images", type=cli.positive_int, default=16)
     p.add_argument("--batch", type=cli.positive_int, default=8, help="chats run together (default 8)")
     p.add_argument("--max-tokens", type=cli.positive_int, default=32, help="decode length (default 32)")

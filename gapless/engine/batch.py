@@ -22,7 +22,7 @@ from gapless.sampling.mask import TokenMask
 from gapless.sampling.rows import RowParams, SampleFlags
 
 if TYPE_CHECKING:
-    from gapless.engine.vision import ImageBatch
+    from gapless.engine.vision import ImageBatch, RopeBatch
     from gapless.lora.table import LoRALoad
     from gapless.sampling.sampler import SampleOutput
 
@@ -107,6 +107,8 @@ class ForwardBatch:
     # [T] int64: each token's last visible position where an image attends both ways (Gemma 3), else None
     # (`AttentionMetadata.q_limits`, `gapless.engine.vision.image_limits`)
     q_limits: torch.Tensor | None = None
+    # an M-RoPE model's extend of prompts with images: its positions over time, height and width
+    rope: RopeBatch | None = None
 
     @property
     def reads_future_tokens(self) -> bool:

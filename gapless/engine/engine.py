@@ -45,6 +45,7 @@ from gapless.lora.request import LoRARequest
 from gapless.model.config import load_model_config
 from gapless.model.generation_config import describe, generation_defaults
 from gapless.model.source import load_tokenizer
+from gapless.model.vision.mrope import PromptRope, prompt_rope
 from gapless.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -218,10 +219,18 @@ class Engine:
             grammar=grammar,
             lora=lora,
             images=tuple(images),
+            rope=self._prompt_rope(len(prompt_ids), images),
         )
         self.reqs[rid] = req
         self.scheduler.add(req)
         return req
+
+    def _prompt_rope(self, length: int, images: tuple[PromptImage, ...]) -> PromptRope | None:
+        """An M-RoPE model's positions of a prompt with images (each image's grid its last input)."""
+        merge = self.vision.mrope_merge if self.vision is not None else None
+        if not images or merge is None:
+            return None
+        return prompt_rope(length, [(im.start, im.length, im.inputs[-1]) for im in images], merge)
 
     def add_lora(self, lora: LoRARequest) -> LoRARequest:
         """`lora`, checked against the model (a `LoRAError` naming what is wrong) and known from now on."""

@@ -66,9 +66,9 @@ class ImagePrompter:
     """A vision-language model's chats to prompt ids and images, through its processor."""
 
     def __init__(self, model_path: str, image_token_id: int, limits: ImageLimits) -> None:
-        from transformers import AutoProcessor
+        from gapless.model.vision import new_processor
 
-        self.processor = AutoProcessor.from_pretrained(model_path)
+        self.processor = new_processor(model_path)
         self.image_token_id = image_token_id
         self.limits = limits
 
@@ -87,29 +87,49 @@ class ImagePrompter:
             text=text, images=images or None, return_tensors="pt", add_special_tokens=special
         )
         ids: list[int] = out["input_ids"][0].tolist()
-        pixels = out["pixel_values"] if images else None
-        runs = _runs(ids, self.image_token_id, len(images))
-        made = []
-        for i, (start, length) in enumerate(runs):
-            assert pixels is not None
-            inputs = (pixels[i].clone(),)  # its own memory, not a view of the batch's
-            made.append(PromptImage(start, length, inputs, image_key(inputs)))
+        per_image, lengths = _per_image(out, len(images), self.processor)
+        runs = _runs(ids, self.image_token_id, len(images), lengths)
+        made = [
+            PromptImage(start, length, inputs, image_key(inputs))
+            for (start, length), inputs in zip(runs, per_image)
+        ]
         return ids, tuple(made)
 
 
-def _runs(ids: list[int], token: int, images: int) -> list[tuple[int, int]]:
-    """(start, length) of each image's run of `token` in `ids`: the runs split evenly (adjacent images'
-    runs touch), as many as there are images."""
+def _per_image(out: Any, n: int, processor: Any) -> tuple[list[tuple[torch.Tensor, ...]], list[int] | None]:
+    """Each image's inputs from the processor's outputs for `n` images (each its own memory, not a view of
+    the batch's) and, where images differ in size, each one's run length (else None: runs of one length).
+    Qwen2.5-VL's patches of every image come as one tensor, cut by each image's grid."""
+    if not n:
+        return [], None
+    if "image_grid_thw" in out:
+        grids = out["image_grid_thw"]
+        sizes = [int(g.prod()) for g in grids]
+        merge = int(processor.image_processor.merge_size) ** 2
+        patches = out["pixel_values"].split(sizes)
+        return [(p.clone(), g.clone()) for p, g in zip(patches, grids)], [s // merge for s in sizes]
+    return [(out["pixel_values"][i].clone(),) for i in range(n)], None
+
+
+def _runs(ids: list[int], token: int, images: int, lengths: list[int] | None) -> list[tuple[int, int]]:
+    """(start, length) of each image's run of `token` in `ids`, in order: of `lengths`, else split evenly
+    (adjacent images' runs touch), as many as there are images."""
     pos = [i for i, t in enumerate(ids) if t == token]
     if not images:
         if pos:
             raise ValueError("the prompt holds image tokens but no image was given")
         return []
-    if len(pos) % images:
-        raise ValueError(f"{len(pos)} image tokens for {images} images")
-    n = len(pos) // images
-    runs = [(pos[k * n], n) for k in range(images)]
-    for start, length in runs:
-        if pos[pos.index(start) + length - 1] != start + length - 1:
+    if lengths is None:
+        if len(pos) % images:
+            raise ValueError(f"{len(pos)} image tokens for {images} images")
+        lengths = [len(pos) // images] * images
+    if len(pos) != sum(lengths):
+        raise ValueError(f"{len(pos)} image tokens for images of {sum(lengths)} rows")
+    runs, k = [], 0
+    for length in lengths:
+        start = pos[k]
+        if pos[k + length - 1] != start + length - 1:
             raise ValueError("an image's tokens are not one run")
+        runs.append((start, length))
+        k += length
     return runs

@@ -59,6 +59,8 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     check_quantization(cfg, path)
     check_tensor_parallel(cfg, mcfg)
     pooling_spec(cfg)  # a sentence-transformers config gapless cannot run
+    if mcfg.mrope_section is not None and cfg.speculative_algorithm is not None:  # (verify: 1-D positions)
+        raise ValueError("speculative decoding of an M-RoPE model (Qwen2.5-VL) is not supported")
     return CheckedConfig(cfg, mcfg)
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from gapless.engine.images import PromptImage
 from gapless.memory.cache_base import TreeNode
+from gapless.model.vision.mrope import PromptRope
 from gapless.sampling.logprobs import PromptLogprobState
 from gapless.sampling_params import SamplingParams
 
@@ -64,6 +65,7 @@ class Req:
     # that length holds, since the waiting queue is ordered by cached prefix every step (`KVManager`)
     match_key: tuple[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
     images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (gapless.engine.images)
+    rope: PromptRope | None = None  # an M-RoPE model's prompt with images: its positions (Qwen2.5-VL)
 
     @property
     def seq_len(self) -> int:

@@ -134,6 +134,10 @@ class ModelRunner:
         # chaos_seed also read already, see stream/chaos.py)
         self.token_buf = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=self.device)
         self.token_buf[self.pad_row] = 0
+        # an M-RoPE model's (Qwen2.5-VL) per row: what its decode positions add (`gapless.model.vision.mrope`)
+        self.rope_deltas: torch.Tensor | None = None
+        if mcfg.mrope_section is not None:
+            self.rope_deltas = torch.zeros(max_rows + 1, dtype=torch.int64, device=self.device)
         self.graphs: GraphRunner | None = None
         self.piecewise: PiecewiseGraphs | None = None  # small prefills' pieces, when on
         # a `defer_sampling` batch and its logits, until its `SampleJob` (the next job) samples them
@@ -298,6 +302,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The decoder over a flat batch whose slots are already in the request table; hidden [T, hidden].
         `images`: encoder rows that replace the embeddings of image tokens."""
+        if self.rope_deltas is not None and meta.is_decode:  # one token a row: its M-RoPE delta added
+            positions = positions + self.rope_deltas[meta.rows]
         ctx = ForwardContext.prepared(positions, out_slots, self.kv_pool, self.backend, meta)
         ctx.images = images
         return self.model(input_ids, ctx)
@@ -334,14 +340,16 @@ class ModelRunner:
         else:
             table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
             input_ids, meta = self._eager_inputs(batch)
+            # rotary positions: an M-RoPE extend's over time, height and width, eagerly
+            rope = batch.rope.positions if batch.rope is not None else batch.positions
             if batch.images is not None:  # the encoder's rows go in (gapless.engine.vision), eagerly
                 assert self.encoder_cache is not None, "image tokens for a model without a vision encoder"
                 images = self.encoder_cache.rows(batch.images, self.device)
-                hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta, images)
-            elif self.piecewise is not None and self.piecewise.can_run(batch):
+                hidden = self.forward_tokens(input_ids, rope, batch.out_slots, meta, images)
+            elif batch.rope is None and self.piecewise is not None and self.piecewise.can_run(batch):
                 hidden = self.piecewise.run(batch, meta)
             else:
-                hidden = self.forward_tokens(input_ids, batch.positions, batch.out_slots, meta)
+                hidden = self.forward_tokens(input_ids, rope, batch.out_slots, meta)
         if draft is not None:  # the draft sees what the target sees (eagerly, after a graph too)
             draft.mirror(input_ids, batch.positions, batch.out_slots, meta)
         return hidden
@@ -368,6 +376,8 @@ class ModelRunner:
         if batch.penalty_inits:
             rows, prompts, outputs = zip(*batch.penalty_inits)
             self.sampler.init_rows(list(rows), list(prompts), list(outputs))
+        if self.rope_deltas is not None and not batch.reads_future_tokens:  # an extend: its rows' deltas
+            self.rope_deltas[batch.rows] = batch.rope.deltas if batch.rope is not None else 0
         hidden = self.forward_hidden(batch)
         prompt = None
         if batch.prompt_scores is not None:  # prompt logprobs: in bounded pieces (gapless.sampling.logprobs)

@@ -1,5 +1,6 @@
 """Images through the forward: which image tokens an extend batch computes (`image_batch`, on the
-host) and, on the device, the encoder's rows for them (`EncoderCache.rows`).
+host), their M-RoPE positions where the model has them (`rope_batch`), and, on the device, the encoder's
+rows for them (`EncoderCache.rows`).
 
 An extend batch carries, per image run it cuts (`ImageSpan`), where the run's tokens sit in the batch,
 which of the image's rows they are, and the image's inputs. The device encodes the images it has not
@@ -18,6 +19,7 @@ import torch
 from gapless.engine.request import Extend
 from gapless.model.decoder import ImageRows
 from gapless.model.vision.base import VisionEncoder
+from gapless.model.vision.mrope import rope_rows
 
 
 @dataclass
@@ -72,6 +74,26 @@ def image_limits(entries: list[Extend], q_start: list[int], positions: torch.Ten
                 limits = positions.clone() if limits is None else limits
                 limits[q + max(lo, im.start) - lo : q + end - lo] = end - 1
     return limits
+
+
+@dataclass
+class RopeBatch:
+    """An M-RoPE model's extend whose requests' prompts hold images: each token's positions over time,
+    height and width, and each request's delta (the rest of its positions: `gapless.model.vision.mrope`),
+    which its row keeps for its decodes."""
+
+    positions: torch.Tensor  # [3, T] int64
+    deltas: torch.Tensor  # [B] int64, in the batch's rows order
+
+
+def rope_batch(entries: list[Extend]) -> RopeBatch | None:
+    """The M-RoPE positions of an extend batch (`kv_len` already advanced past its tokens); None when no
+    request of it has images (every position its index, every delta 0)."""
+    if all(e.req.rope is None for e in entries):
+        return None
+    rows = [rope_rows(e.req.rope, e.req.kv_len - e.tokens, e.req.kv_len) for e in entries]
+    deltas = [e.req.rope.delta if e.req.rope is not None else 0 for e in entries]
+    return RopeBatch(torch.cat(rows, dim=1).contiguous(), torch.tensor(deltas, dtype=torch.int64))
 
 
 class EncoderCache:

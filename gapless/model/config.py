@@ -124,6 +124,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     vision: VisionSpec | None = None  # a vision-language checkpoint's vision side (gapless.model.vision)
+    # Qwen2.5-VL's M-RoPE: the rotary frequencies' sections rotated by time, height and width positions
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def q_size(self) -> int:
@@ -242,7 +244,9 @@ def _rope(
     if partial != 1.0:
         raise ValueError(f"{arch}: partial_rotary_factor={partial} is not supported")
     scaling = rope or dict(cfg.get("rope_scaling") or {})
+    scaling.pop("mrope_section", None)  # M-RoPE's (`_mrope_section`), over unscaled frequencies
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = "default" if rope_type == "mrope" else rope_type
     if rope_type in ("longrope", "su"):
         # Phi-3's LongRoPE switches short/long factors by sequence length, which a batch of requests of
         # different lengths cannot follow token-exactly
@@ -252,6 +256,15 @@ def _rope(
             f"{arch}: rope scaling type {rope_type!r} is not supported (supported: {_ROPE_TYPES})"
         )
     return theta, ({**scaling, "rope_type": rope_type} if rope_type != "default" else None)
+
+
+def _mrope_section(cfg: dict[str, Any]) -> tuple[int, ...] | None:
+    """Qwen2.5-VL's `mrope_section` (in `rope_parameters` or v4's `rope_scaling`), else None."""
+    for key in ("rope_parameters", "rope_scaling"):
+        section = (cfg.get(key) or {}).get("mrope_section")
+        if section is not None:
+            return tuple(int(n) for n in section)
+    return None
 
 
 def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None) -> ModelConfig:
@@ -316,6 +329,7 @@ def model_config_from_dict(cfg: dict[str, Any], where: str, gen_eos: Any = None)
         eos_token_ids=_eos_ids(gen_eos, cfg.get("eos_token_id")),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         **_moe_fields(cfg, fam["moe"], num_layers),
+        mrope_section=_mrope_section(cfg),
     )
 
 

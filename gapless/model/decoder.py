@@ -26,6 +26,7 @@ from gapless.model.kv_scales import KVScales
 from gapless.model.layers import (
     GATED_ACTIVATIONS,
     MergedColumnParallelLinear,
+    MRotaryEmbedding,
     ParallelLMHead,
     RotaryEmbedding,
     RowParallelLinear,
@@ -46,7 +47,7 @@ class ImageRows(NamedTuple):
 
 @dataclass
 class ForwardContext:
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 (M-RoPE: [3, T] in an extend with images)
     out_slots: torch.Tensor  # [T] int64: KV slot of each new token
     kv_pool: KVPool
     backend: AttentionBackend
@@ -145,7 +146,7 @@ class Attention(nn.Module):
         layer's KV: one fused kernel when the model runs them (`gapless.model.fused`), else torch. Returns
         the rotated q [T, heads, d]."""
         per_head = self.cfg.qk_norm == "head"
-        if self.fused is not None:
+        if self.fused is not None and positions.dim() == 1:  # (M-RoPE's [3, T] positions: torch's)
             norm = None
             if per_head:
                 norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.kind)
@@ -269,6 +270,10 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        if cfg.mrope_section is not None:  # Qwen2.5-VL's positions over time, height and width
+            rope = MRotaryEmbedding(
+                cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section
+            )
         local_rope = rope  # Gemma 3's window layers rotate with a base of their own
         if cfg.local_rope_theta is not None:
             local_rope = RotaryEmbedding(

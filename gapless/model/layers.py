@@ -309,10 +309,48 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, d], k: [T, kv_heads, d]; positions: [T]."""
-        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(2).unbind(1)  # each [T, 1, d]
+        return self.rotate(self.cos_sin[positions], q, k)
+
+    def rotate(
+        self, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated by each token's row of the table (`cos_sin`: [T, 2, d])."""
+        cos, sin = cos_sin.to(q.dtype).unsqueeze(2).unbind(1)  # each [T, 1, d]
         qk = torch.cat([q, k], dim=1)
         out = qk * cos + _swap_halves(qk) * sin
         return out.split([q.shape[1], k.shape[1]], dim=1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal RoPE (M-RoPE): the frequencies split into sections (`mrope_section`, cycled
+    over time, height and width), each section rotated by its own position. Positions [3, T] (an extend
+    whose prompt holds images: `gapless.model.vision.mrope`) or [T] (every section at the same
+    position: plain RoPE, as in a decode)."""
+
+    section: torch.Tensor  # a buffer: per column of the table, the row of the positions it takes
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        sections: tuple[int, ...],
+    ) -> None:
+        super().__init__(head_dim, max_positions, theta, scaling)
+        if sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section {list(sections)} does not sum to head_dim / 2 = {head_dim // 2}")
+        half = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(sections)])
+        self.register_buffer("section", torch.cat([half, half]), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        table = self.cos_sin[positions]  # [3, T, 2, d]: each section's rows, then column by column
+        index = self.section.expand(1, *table.shape[1:])
+        return self.rotate(table.gather(0, index).squeeze(0), q, k)
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from gapless.engine.request import Extend, Req
 from gapless.engine.scheduler.kv import DecodeSlots
 from gapless.engine.scheduler.masks import MaskedRow, needs_mask
 from gapless.engine.spec.inputs import HistoryWrites
-from gapless.engine.vision import image_batch, image_limits
+from gapless.engine.vision import image_batch, image_limits, rope_batch
 from gapless.lora.slots import SlotAssigner
 from gapless.sampling.rows import RowParams, RowStages
 from gapless.tensors import packed
@@ -201,6 +201,7 @@ class BatchBuilder:
             spec=HistoryWrites(*hist) if hist is not None else None,
             images=image_batch(entries, q_start.tolist()),
             q_limits=image_limits(entries, q_start.tolist(), vec.positions),
+            rope=rope_batch(entries),
         )
         forward.prompt_scores, scored = plan_scores(entries)
         self.lora_batch(forward, reqs, [e.tokens for e in entries])

@@ -1,6 +1,7 @@
 """Vision-language checkpoints: per family, how its config splits into the decoder's and the vision
-side's, how its weight names do, and its encoder (`base.VisionEncoder`). LLaVA-1.5 is built
-(`llava.py`); a family is added by one module and a line in `_FAMILIES`."""
+side's, how its weight names do, and its encoder (`base.VisionEncoder`). LLaVA-1.5 (`llava.py`), Gemma 3
+(`gemma3.py`) and Qwen2.5-VL (`qwen2_5_vl.py`) are built; a family is added by one module and a line in
+`_FAMILIES`."""
 
 from __future__ import annotations
 
@@ -11,17 +12,25 @@ import torch
 from gapless.model.vision.base import VisionEncoder, VisionSpec
 from gapless.model.vision.gemma3 import Gemma3Encoder, gemma3_spec, gemma3_text_config
 from gapless.model.vision.llava import LlavaEncoder, llava_spec
+from gapless.model.vision.qwen2_5_vl import Qwen25VLEncoder, QwenVLProcessor, qwen2_5_vl_spec
 
 # architecture -> (its VisionSpec from config.json, its encoder class)
-_FAMILIES: dict[str, Any] = {"LlavaForConditionalGeneration": (llava_spec, LlavaEncoder)}
-_FAMILIES["Gemma3ForConditionalGeneration"] = (gemma3_spec, Gemma3Encoder)
+_FAMILIES: dict[str, Any] = {
+    "LlavaForConditionalGeneration": (llava_spec, LlavaEncoder),
+    "Gemma3ForConditionalGeneration": (gemma3_spec, Gemma3Encoder),
+    "Qwen2_5_VLForConditionalGeneration": (qwen2_5_vl_spec, Qwen25VLEncoder),
+}
+# families whose processor is not transformers' `AutoProcessor` -> the class that builds it from a path
+_PROCESSORS: dict[str, Any] = {"Qwen2_5_VLForConditionalGeneration": QwenVLProcessor}
 # a multimodal config's text_config `model_type` -> the decoder architecture that runs it
 _TEXT_ARCHS = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",  # with M-RoPE (`ModelConfig.mrope_section`)
+    "qwen2_5_vl": "Qwen2ForCausalLM",  # (v4's flat config: the text fields at the top)
+    "gemma3_text": "Gemma3ForCausalLM",
 }
-_TEXT_ARCHS["gemma3_text"] = "Gemma3ForCausalLM"
 # a text_config `model_type` -> how its config is filled first, where checkpoints save only non-defaults
 _TEXT_FILL = {"gemma3_text": gemma3_text_config}
 VISION_ARCHITECTURES = tuple(_FAMILIES)
@@ -38,6 +47,8 @@ def vision_spec(cfg: dict[str, Any]) -> VisionSpec:
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The decoder's config of a vision-language config: its `text_config`, named as the decoder runs it."""
     text = dict(cfg.get("text_config") or {})
+    if not text and cfg.get("model_type") == "qwen2_5_vl":  # v4 wrote Qwen2.5-VL's text fields flat
+        text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures")}
     kind = text.get("model_type", "llama")
     if kind in _TEXT_FILL:
         text = _TEXT_FILL[kind](text)
@@ -74,4 +85,24 @@ def new_encoder(
         return cls(spec, text_hidden).to(dtype).eval()
 
 
-__all__ = ["VISION_ARCHITECTURES", "VisionEncoder", "VisionSpec", "new_encoder", "text_config", "vision_spec"]
+def new_processor(model_path: str) -> Any:
+    """The processor of the (local) vision-language checkpoint at `model_path`: the family's own
+    (`_PROCESSORS`), else transformers' `AutoProcessor`."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoProcessor
+
+    arch = (json.loads((Path(model_path) / "config.json").read_text()).get("architectures") or [""])[0]
+    return _PROCESSORS.get(arch, AutoProcessor.from_pretrained)(model_path)
+
+
+__all__ = [
+    "VISION_ARCHITECTURES",
+    "VisionEncoder",
+    "VisionSpec",
+    "new_encoder",
+    "new_processor",
+    "text_config",
+    "vision_spec",
+]

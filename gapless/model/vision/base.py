@@ -24,7 +24,7 @@ class VisionSpec:
     of, its encoder's input size (for the memory plan's estimate), and how the decoder attends over an
     image's run."""
 
-    family: str  # "llava", "gemma3"
+    family: str  # "llava", "gemma3", "qwen2_5_vl"
     image_token_id: int
     image_size: int  # pixels a side of the encoder's input
     tokens_per_image: int  # rows the encoder gives one image (the run's length)
@@ -32,6 +32,9 @@ class VisionSpec:
     # an image's tokens attend to each other both ways in the decoder's prefill (Gemma 3), not causally:
     # each image's run is prefilled in one chunk (`gapless.engine.images.PromptImage.bidirectional`)
     bidirectional: bool = False
+    # M-RoPE families (Qwen2.5-VL): the patches a side merged into one row; an image's rows take
+    # positions over time, height and width (`gapless.model.vision.mrope`). None: 1-D positions
+    mrope_merge: int | None = None
 
 
 class VisionEncoder(nn.Module, ABC):

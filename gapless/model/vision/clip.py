@@ -14,6 +14,7 @@ _ACTS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,  # (Qwen2.5-VL's vision MLP)
 }
 
 
