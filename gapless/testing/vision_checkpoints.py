@@ -1,7 +1,8 @@
 """Tiny random-weight vision-language checkpoints for tests and benchmarks, written with transformers' own
 classes: a LLaVA-1.5-style model (CLIP vision tower, two-layer projector, tiny Llama decoder) and its
-`LlavaProcessor` (the built-in tokenizer with an `<image>` token, a `CLIPImageProcessor`), all made
-locally, nothing downloaded.
+`LlavaProcessor` (the built-in tokenizer with an `<image>` token, a `CLIPImageProcessor`), and a
+LLaVA-NeXT one (the same parts over any-resolution tiles, its `LlavaNextProcessor` with the PIL
+`LlavaNextImageProcessorPil`), all made locally, nothing downloaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextImageProcessorPil,
+    LlavaNextProcessor,
     LlavaProcessor,
 )
 
@@ -123,6 +128,52 @@ def make_llava_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(str(path))
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    save_tokenizer(tokenizer, path)
+    return path
+
+
+# LLaVA-NeXT's tiny shapes: 28-px crops of 7-px patches (4 x 4 a crop), grids of up to 2 x 2 or 3 x 1 tiles
+NEXT_TILE, NEXT_PATCH = 28, 7
+NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+
+
+def make_llava_next_checkpoint(path: str | Path, seed: int = 0) -> Path:
+    """Write a random tiny LLaVA-NeXT checkpoint (CLIP over `NEXT_TILE`-px crops, `NEXT_PINPOINTS` grids,
+    the tiny Llama decoder) with its processor to `path`."""
+    path = Path(path)
+    tokenizer = _tokenizer()
+    text = random_config(LlamaConfig, dict(TINY, tie_word_embeddings=False), {"vocab_size": len(tokenizer)})
+    vision = CLIPVisionConfig(
+        **dict(_VISION["tiny"], image_size=NEXT_TILE), patch_size=NEXT_PATCH, projection_dim=32
+    )
+    config = LlavaNextConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_grid_pinpoints=NEXT_PINPOINTS,
+        image_seq_length=(NEXT_TILE // NEXT_PATCH) ** 2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaNextForConditionalGeneration(config)
+    _init(model, seed)
+    model.eval().save_pretrained(str(path))
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": NEXT_TILE},
+        crop_size={"height": NEXT_TILE, "width": NEXT_TILE},
+        image_grid_pinpoints=NEXT_PINPOINTS,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=NEXT_PATCH,
         vision_feature_select_strategy="default",
         chat_template=LLAVA_CHAT_TEMPLATE,
         image_token=IMAGE_TOKEN,

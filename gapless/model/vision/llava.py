@@ -67,13 +67,15 @@ class LlavaEncoder(VisionEncoder):
         self._loaded: set[str] = set()
 
     def encode(self, images: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-        pixels = torch.stack([im[0] for im in images])  # one size: the processor's crop
+        return list(self.project(torch.stack([im[0] for im in images])).unbind(0))  # one size: the crop
+
+    def project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[N, 3, S, S] crops to their [N, tokens, text hidden] rows: the tower's chosen layer, projected."""
         h = self.tower(pixels)
         if self.drop_cls:
             h = h[:, 1:]
         p = self.projector
-        out = p["linear_2"](self.act(p["linear_1"](h)))
-        return list(out.unbind(0))
+        return p["linear_2"](self.act(p["linear_1"](h)))
 
     def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
         t, hidden = self.spec.tokens_per_image, self.text_hidden
