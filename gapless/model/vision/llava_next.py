@@ -14,9 +14,11 @@ tiles; `anyres_inputs` cuts each image's own) and its size [2] = (height, width)
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gapless.model.vision.base import VisionSpec
@@ -27,14 +29,17 @@ _PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 
 
 class AnyresLayout(NamedTuple):
-    """Where one image's rows come from: its grid of tiles (down, across), and the patch rows and columns
-    of the grid's picture that survive unpadding ([top, bottom) x [left, right))."""
+    """Where one image's rows come from: its grid of tiles (down, across; (0, 0): its base crop alone, as
+    LLaVA-OneVision takes each image of a prompt with several), the patch rows and columns of the grid's
+    picture that survive unpadding ([top, bottom) x [left, right)), and the size that part is
+    interpolated down to where it holds too many patches (OneVision's `anyres_max`; None: kept)."""
 
     tiles: tuple[int, int]
     top: int
     bottom: int
     left: int
     right: int
+    fit: tuple[int, int] | None = None
 
     @property
     def crops(self) -> int:
@@ -42,15 +47,24 @@ class AnyresLayout(NamedTuple):
         return 1 + self.tiles[0] * self.tiles[1]
 
     def rows(self, side: int) -> int:
-        """The image's rows: the base crop's `side` x `side` patches, then each kept row of the grid's
-        patches with its newline."""
-        return side * side + (self.bottom - self.top) * (self.right - self.left + 1)
+        """The image's rows: the base crop's `side` x `side` patches, then each row of the grid's patches
+        with its newline (the base crop's alone: one newline)."""
+        if not self.tiles[0]:
+            return side * side + 1
+        h, w = self.fit or (self.bottom - self.top, self.right - self.left)
+        return side * side + h * (w + 1)
 
 
-def anyres_layout(size: tuple[int, int], pinpoints: list[list[int]], tile: int, side: int) -> AnyresLayout:
+BASE_ONLY = AnyresLayout((0, 0), 0, 0, 0, 0)
+
+
+def anyres_layout(
+    size: tuple[int, int], pinpoints: list[list[int]], tile: int, side: int, max_patches: int | None = None
+) -> AnyresLayout:
     """The layout of an image of `size` (height, width) pixels, tiled by `tile`-pixel crops of `side` x
     `side` patches each: the grid the image processor picks (transformers' `select_best_resolution`, the
-    processor's own choice) and the unpadded part of its patches (`unpad_image`'s arithmetic)."""
+    processor's own choice), the unpadded part of its patches (`unpad_image`'s arithmetic) and, past
+    `max_patches` crops' worth of patches by more than 10% (`anyres_max_N`), the size it is scaled to."""
     from transformers.image_processing_utils import select_best_resolution
 
     height, width = int(size[0]), int(size[1])
@@ -59,9 +73,16 @@ def anyres_layout(size: tuple[int, int], pinpoints: list[list[int]], tile: int, 
     cur_h, cur_w = tiles[0] * side, tiles[1] * side
     if width / height > cur_w / cur_h:  # wider than the grid: padded above and below
         pad = (cur_h - int(round(height * (cur_w / width), 7))) // 2
-        return AnyresLayout(tiles, pad, cur_h - pad, 0, cur_w)
-    pad = (cur_w - int(round(width * (cur_h / height), 7))) // 2
-    return AnyresLayout(tiles, 0, cur_h, pad, cur_w - pad)
+        top, bottom, left, right = pad, cur_h - pad, 0, cur_w
+    else:
+        pad = (cur_w - int(round(width * (cur_h / height), 7))) // 2
+        top, bottom, left, right = 0, cur_h, pad, cur_w - pad
+    fit = None
+    if max_patches is not None:
+        h, w = bottom - top, right - left
+        ratio = math.sqrt(h * w / (max_patches * side**2))
+        fit = (int(h // ratio), int(w // ratio)) if ratio > 1.1 else None
+    return AnyresLayout(tiles, top, bottom, left, right, fit)
 
 
 def llava_next_spec(cfg: dict[str, Any]) -> VisionSpec:
@@ -86,16 +107,24 @@ def llava_next_spec(cfg: dict[str, Any]) -> VisionSpec:
 
 
 def anyres_inputs(out: Any, n: int, processor: Any) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
-    """Each of `n` images' inputs from a LLaVA-NeXT processor's outputs (its own crops, the batch's padding
-    crops dropped, and its size) and its run's length, as the processor expands its placeholder."""
+    """Each of `n` images' inputs from a LLaVA-NeXT or -OneVision processor's outputs (its own crops, the
+    batch's padding crops dropped, and its size) and its run's length, as the processor expands its
+    placeholder. OneVision's processor sets `max_patches` (`anyres_max_N`) and, for a prompt with several
+    images (`batch_num_images`), gives each image its base crop alone."""
     pinpoints = processor.image_processor.image_grid_pinpoints
     tile = int(out["pixel_values"].shape[-1])
     side = tile // int(processor.patch_size)
+    max_patches = getattr(processor, "max_patches", None)
+    several = "batch_num_images" in out and int(out["batch_num_images"][0]) != 1
     inputs: list[tuple[torch.Tensor, ...]] = []
     lengths: list[int] = []
     for i in range(n):
         size = out["image_sizes"][i]
-        layout = anyres_layout((int(size[0]), int(size[1])), pinpoints, tile, side)
+        layout = (
+            BASE_ONLY
+            if several
+            else anyres_layout((int(size[0]), int(size[1])), pinpoints, tile, side, max_patches)
+        )
         inputs.append((out["pixel_values"][i][: layout.crops].clone(), size.clone()))
         lengths.append(layout.rows(side))
     return inputs, lengths
@@ -103,33 +132,47 @@ def anyres_inputs(out: Any, n: int, processor: Any) -> tuple[list[tuple[torch.Te
 
 class LlavaNextEncoder(LlavaEncoder):
     input_names = ("pixel_values", "image_sizes")
+    # an image of one crop is its base crop alone (OneVision's, in a prompt of several images)
+    base_only = False
 
     def __init__(self, spec: VisionSpec, text_hidden: int) -> None:
         super().__init__(spec, text_hidden)
         self.tile = spec.image_size
         self.side = self.tile // int(spec.config["vision_config"].get("patch_size", 32))
         self.pinpoints = spec.config["image_grid_pinpoints"]
+        self.max_patches: int | None = None  # OneVision's `anyres_max_N`
         self.image_newline = nn.Parameter(torch.empty(text_hidden))
+
+    def layout(self, image: tuple[torch.Tensor, ...]) -> AnyresLayout:
+        """An image's layout from its inputs (its size; its crops checked against it)."""
+        if self.base_only and image[0].shape[0] == 1:
+            return BASE_ONLY
+        size = tuple(image[1].tolist())
+        lay = anyres_layout(size, self.pinpoints, self.tile, self.side, self.max_patches)
+        if image[0].shape[0] != lay.crops:
+            raise ValueError(f"an image of {image[0].shape[0]} crops; its size takes {lay.crops}")
+        return lay
 
     def encode(self, images: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         """Every image's crops through the tower and projector at once, then each image's rows packed."""
-        layouts = [
-            anyres_layout(tuple(im[1].tolist()), self.pinpoints, self.tile, self.side) for im in images
-        ]
-        for im, lay in zip(images, layouts):
-            if im[0].shape[0] != lay.crops:
-                raise ValueError(f"an image of {im[0].shape[0]} crops; its size takes {lay.crops}")
+        layouts = [self.layout(im) for im in images]
         feats = self.project(torch.cat([im[0] for im in images]))  # [crops, side * side, hidden]
         return [self._pack(f, lay) for f, lay in zip(feats.split([lay.crops for lay in layouts]), layouts)]
 
     def _pack(self, feats: torch.Tensor, lay: AnyresLayout) -> torch.Tensor:
         """One image's rows from its crops' features: the base crop's, then the tiles' as one grid of
-        patches, unpadded, each row closed by the newline."""
+        patches, unpadded (and scaled down, `AnyresLayout.fit`), each row closed by the newline."""
         s, (down, across), d = self.side, lay.tiles, feats.shape[-1]
+        newline = self.image_newline.to(feats.dtype)
+        if not down:
+            return torch.cat([feats[0], newline[None]])
         grid = feats[1:].view(down, across, s, s, d).permute(0, 2, 1, 3, 4).reshape(down * s, across * s, d)
         grid = grid[lay.top : lay.bottom, lay.left : lay.right]
-        newline = self.image_newline.to(grid.dtype).expand(grid.shape[0], 1, d)
-        return torch.cat([feats[0], torch.cat([grid, newline], dim=1).flatten(0, 1)])
+        if lay.fit is not None:  # as transformers: bilinear over a [1, hidden, h, w] picture
+            picture = grid.permute(2, 0, 1).contiguous()[None]
+            grid = F.interpolate(picture, list(lay.fit), mode="bilinear")[0].permute(1, 2, 0)
+        rows = torch.cat([grid, newline.expand(grid.shape[0], 1, d)], dim=1).flatten(0, 1)
+        return torch.cat([feats[0], rows])
 
     def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
         """The tower's over every crop of the largest grid, and a few projected rows per crop."""
