@@ -2,7 +2,8 @@
 classes: a LLaVA-1.5-style model (CLIP vision tower, two-layer projector, tiny Llama decoder) and its
 `LlavaProcessor` (the built-in tokenizer with an `<image>` token, a `CLIPImageProcessor`), and a
 LLaVA-NeXT one (the same parts over any-resolution tiles, its `LlavaNextProcessor` with the PIL
-`LlavaNextImageProcessorPil`), all made locally, nothing downloaded.
+`LlavaNextImageProcessorPil`) and a LLaVA-OneVision one (a SigLIP tower over tiles; no processor class is
+saved, `gapless.model.vision.llava_onevision`), all made locally, nothing downloaded.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from transformers import (
     LlavaNextForConditionalGeneration,
     LlavaNextImageProcessorPil,
     LlavaNextProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionImageProcessorPil,
     LlavaProcessor,
+    SiglipVisionConfig,
 )
 
 from gapless.default_model.checkpoint import TINY, random_config, save_tokenizer, shape
@@ -180,6 +185,39 @@ def make_llava_next_checkpoint(path: str | Path, seed: int = 0) -> Path:
         num_additional_image_tokens=1,
     )
     processor.save_pretrained(str(path))
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    save_tokenizer(tokenizer, path)
+    return path
+
+
+# LLaVA-OneVision's tiny shapes: SigLIP over 28-px crops of 7-px patches, grids up to 3 x 3 tiles, and
+# grids over 2 crops' worth of patches (by 10%) scaled down (`anyres_max_2`)
+OV_PINPOINTS = [[28 * i, 28 * j] for i in range(1, 4) for j in range(1, 4)]
+
+
+def make_llava_onevision_checkpoint(path: str | Path, seed: int = 0) -> Path:
+    """Write a random tiny LLaVA-OneVision checkpoint (SigLIP over `NEXT_TILE`-px crops, `OV_PINPOINTS`
+    grids, `anyres_max_2`, the tiny Llama decoder) with its image processor and tokenizer to `path`."""
+    path = Path(path)
+    tokenizer = _tokenizer()
+    text = random_config(LlamaConfig, dict(TINY, tie_word_embeddings=False), {"vocab_size": len(tokenizer)})
+    vision = SiglipVisionConfig(**dict(_VISION["tiny"], image_size=NEXT_TILE), patch_size=NEXT_PATCH)
+    config = LlavaOnevisionConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_grid_pinpoints=OV_PINPOINTS,
+        vision_aspect_ratio="anyres_max_2",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaOnevisionForConditionalGeneration(config)
+    _init(model, seed)
+    model.eval().save_pretrained(str(path))
+    image_processor = LlavaOnevisionImageProcessorPil(
+        size={"height": NEXT_TILE, "width": NEXT_TILE}, image_grid_pinpoints=OV_PINPOINTS
+    )
+    image_processor.save_pretrained(str(path))
     tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
     save_tokenizer(tokenizer, path)
     return path
