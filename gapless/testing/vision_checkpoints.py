@@ -147,23 +147,27 @@ def make_llava_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -
 # LLaVA-NeXT's tiny shapes: 28-px crops of 7-px patches (4 x 4 a crop), grids of up to 2 x 2 or 3 x 1 tiles
 NEXT_TILE, NEXT_PATCH = 28, 7
 NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+# (tile, patch) per size: "bench" is LLaVA-1.5's bench tower at 224 px, 256 rows a crop, grids as above
+_NEXT = {"tiny": (NEXT_TILE, NEXT_PATCH), "bench": (224, PATCH)}
 
 
-def make_llava_next_checkpoint(path: str | Path, seed: int = 0) -> Path:
-    """Write a random tiny LLaVA-NeXT checkpoint (CLIP over `NEXT_TILE`-px crops, `NEXT_PINPOINTS` grids,
-    the tiny Llama decoder) with its processor to `path`."""
+def make_llava_next_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -> Path:
+    """Write a random LLaVA-NeXT checkpoint (CLIP over `_NEXT[size]` crops, `NEXT_PINPOINTS` grids scaled to
+    that tile, the `_TEXT[size]` Llama decoder) with its processor to `path`."""
     path = Path(path)
+    tile, patch = _NEXT[size]
+    pinpoints = [[h * tile // NEXT_TILE, w * tile // NEXT_TILE] for h, w in NEXT_PINPOINTS]
     tokenizer = _tokenizer()
-    text = random_config(LlamaConfig, dict(TINY, tie_word_embeddings=False), {"vocab_size": len(tokenizer)})
-    vision = CLIPVisionConfig(
-        **dict(_VISION["tiny"], image_size=NEXT_TILE), patch_size=NEXT_PATCH, projection_dim=32
+    text = random_config(
+        LlamaConfig, dict(_TEXT[size], tie_word_embeddings=False), {"vocab_size": len(tokenizer)}
     )
+    vision = CLIPVisionConfig(**dict(_VISION[size], image_size=tile), patch_size=patch, projection_dim=32)
     config = LlavaNextConfig(
         vision_config=vision,
         text_config=text,
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        image_grid_pinpoints=NEXT_PINPOINTS,
-        image_seq_length=(NEXT_TILE // NEXT_PATCH) ** 2,
+        image_grid_pinpoints=pinpoints,
+        image_seq_length=(tile // patch) ** 2,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -171,14 +175,14 @@ def make_llava_next_checkpoint(path: str | Path, seed: int = 0) -> Path:
     _init(model, seed)
     model.eval().save_pretrained(str(path))
     image_processor = LlavaNextImageProcessorPil(
-        size={"shortest_edge": NEXT_TILE},
-        crop_size={"height": NEXT_TILE, "width": NEXT_TILE},
-        image_grid_pinpoints=NEXT_PINPOINTS,
+        size={"shortest_edge": tile},
+        crop_size={"height": tile, "width": tile},
+        image_grid_pinpoints=pinpoints,
     )
     processor = LlavaNextProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        patch_size=NEXT_PATCH,
+        patch_size=patch,
         vision_feature_select_strategy="default",
         chat_template=LLAVA_CHAT_TEMPLATE,
         image_token=IMAGE_TOKEN,
