@@ -160,3 +160,11 @@ def test_configs_refused_by_name(ckpt):
         llava_next_spec({**cfg, "image_grid_pinpoints": [[28, 50]]})
     with pytest.raises(ValueError, match="expected \\[height, width\\] pairs"):
         llava_next_spec({**cfg, "image_grid_pinpoints": [28, 56]})
+    from types import SimpleNamespace
+
+    from gapless.model.vision.llava_next import anyres_inputs
+
+    unnamed = SimpleNamespace(patch_size=None, image_processor=SimpleNamespace(image_grid_pinpoints=[]))
+    out = {"pixel_values": torch.zeros(1, 5, 3, 28, 28), "image_sizes": torch.tensor([[40, 70]])}
+    with pytest.raises(ValueError, match="names no patch_size"):
+        anyres_inputs(out, 1, unnamed)

@@ -113,6 +113,8 @@ def anyres_inputs(out: Any, n: int, processor: Any) -> tuple[list[tuple[torch.Te
     images (`batch_num_images`), gives each image its base crop alone."""
     pinpoints = processor.image_processor.image_grid_pinpoints
     tile = int(out["pixel_values"].shape[-1])
+    if getattr(processor, "patch_size", None) is None:
+        raise ValueError("the checkpoint's processor names no patch_size (processor_config.json)")
     side = tile // int(processor.patch_size)
     max_patches = getattr(processor, "max_patches", None)
     several = "batch_num_images" in out and int(out["batch_num_images"][0]) != 1
