@@ -145,19 +145,20 @@ class LlavaNextEncoder(LlavaEncoder):
         self.max_patches: int | None = None  # OneVision's `anyres_max_N`
         self.image_newline = nn.Parameter(torch.empty(text_hidden))
 
-    def layout(self, image: tuple[torch.Tensor, ...]) -> AnyresLayout:
-        """An image's layout from its inputs (its size; its crops checked against it)."""
-        if self.base_only and image[0].shape[0] == 1:
+    def layout(self, crops: int, size: tuple[int, int]) -> AnyresLayout:
+        """An image's layout from its size (height, width), its number of crops checked against it."""
+        if self.base_only and crops == 1:
             return BASE_ONLY
-        size = tuple(image[1].tolist())
         lay = anyres_layout(size, self.pinpoints, self.tile, self.side, self.max_patches)
-        if image[0].shape[0] != lay.crops:
-            raise ValueError(f"an image of {image[0].shape[0]} crops; its size takes {lay.crops}")
+        if crops != lay.crops:
+            raise ValueError(f"an image of {crops} crops; its size takes {lay.crops}")
         return lay
 
     def encode(self, images: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-        """Every image's crops through the tower and projector at once, then each image's rows packed."""
-        layouts = [self.layout(im) for im in images]
+        """Every image's crops through the tower and projector at once, then each image's rows packed. The
+        images' sizes are read on the host, all at once (on a GPU the call's one sync)."""
+        sizes = torch.stack([im[1] for im in images]).tolist()
+        layouts = [self.layout(im[0].shape[0], (h, w)) for im, (h, w) in zip(images, sizes)]
         feats = self.project(torch.cat([im[0] for im in images]))  # [crops, side * side, hidden]
         return [self._pack(f, lay) for f, lay in zip(feats.split([lay.crops for lay in layouts]), layouts)]
 
