@@ -90,6 +90,8 @@ def test_encoder_equals_transformers(ckpt, hf, processor):
     for name, tensor in hf.state_dict().items():
         encoder.load_weight(name, tensor)
     assert encoder.missing_weights() == []
+    one, two = (encoder.activation_bytes(n, torch.float32) for n in (1, 2))
+    assert 0 < one < two  # the memory plan's estimate grows with the images of a call
     inputs, lengths = anyres_inputs(out, 3, processor)
     assert lengths == [ROWS["A"], ROWS["B"], ROWS["D"]]
     assert int((out["input_ids"] == spec.image_token_id).sum()) == sum(lengths)
