@@ -1,14 +1,16 @@
-"""Images through prefill, gapless against transformers on the same LLaVA-1.5 or Qwen2.5-VL model, and the
-decode speed of image conversations against text-only ones of the same length.
+"""Images through prefill, gapless against transformers on the same LLaVA-1.5, LLaVA-NeXT or Qwen2.5-VL
+model, and the decode speed of image conversations against text-only ones of the same length.
 
     python -m gapless.bench.vision                      # a random "bench"-size LLaVA on the CPU
     python -m gapless.bench.vision --device cuda --images 64 --batch 16
     python -m gapless.bench.vision --family qwen2_5_vl  # Qwen2.5-VL: windowed ViT, M-RoPE decoder
+    python -m gapless.bench.vision --family llava_next  # LLaVA-NeXT: 224-px tiles, up to 5 crops an image
 
 Prefill: `--images` one-image chats, `--batch` at a time, one output token each (the processor, the
 encoder and the prompt's prefill): images/s for gapless's `LLM.chat` and for transformers'
-`LlavaForConditionalGeneration` (or `Qwen2_5_VLForConditionalGeneration`) forward over the processor's
-padded batch (processor included in both).
+`LlavaForConditionalGeneration` (`LlavaNextForConditionalGeneration`,
+`Qwen2_5_VLForConditionalGeneration`) forward over the processor's padded batch (processor included in
+both).
 Decode: `--batch` of the chats and as many text-only prompts of the same token counts, `--max-tokens`
 greedy tokens each with EOS ignored, run together; decode tok/s counts the steps after every request has
 its first token. The rounds alternate between the sides, and the best round of each counts.
@@ -29,11 +31,12 @@ from gapless import LLM, SamplingParams
 from gapless.bench import cli
 from gapless.engine.image_io import split_chat
 from gapless.testing.qwen_vl_checkpoints import make_qwen_vl_checkpoint
-from gapless.testing.vision_checkpoints import make_llava_checkpoint
+from gapless.testing.vision_checkpoints import make_llava_checkpoint, make_llava_next_checkpoint
 
 # family -> (its bench checkpoint's writer, what the report calls it)
 _FAMILIES = {
     "llava": (make_llava_checkpoint, "bench-size LLaVA (CLIP 224 px"),
+    "llava_next": (make_llava_next_checkpoint, "bench-size LLaVA-NeXT (CLIP over 224-px tiles"),
     "qwen2_5_vl": (make_qwen_vl_checkpoint, "bench-size Qwen2.5-VL (6-block ViT, images <= 448 px"),
 }
 
@@ -61,11 +64,11 @@ def _best(fn: Any, rounds: int) -> float:
 
 
 def _hf_prefill(path: str, chats: list, batch: int, device: str) -> Any:
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "left"
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     model = model.to(device)
 
     texts = [processor.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]

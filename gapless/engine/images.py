@@ -99,9 +99,14 @@ class ImagePrompter:
 def _per_image(out: Any, n: int, processor: Any) -> tuple[list[tuple[torch.Tensor, ...]], list[int] | None]:
     """Each image's inputs from the processor's outputs for `n` images (each its own memory, not a view of
     the batch's) and, where images differ in size, each one's run length (else None: runs of one length).
-    Qwen2.5-VL's patches of every image come as one tensor, cut by each image's grid."""
+    Qwen2.5-VL's patches of every image come as one tensor, cut by each image's grid; LLaVA-NeXT's crops
+    are padded to the batch's most, cut by each image's tiles."""
     if not n:
         return [], None
+    if "image_sizes" in out:  # LLaVA-NeXT's tiles: each image's own crops and size
+        from gapless.model.vision.llava_next import anyres_inputs
+
+        return anyres_inputs(out, n, processor)
     if "image_grid_thw" in out:
         grids = out["image_grid_thw"]
         sizes = [int(g.prod()) for g in grids]

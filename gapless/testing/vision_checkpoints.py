@@ -1,7 +1,9 @@
 """Tiny random-weight vision-language checkpoints for tests and benchmarks, written with transformers' own
 classes: a LLaVA-1.5-style model (CLIP vision tower, two-layer projector, tiny Llama decoder) and its
-`LlavaProcessor` (the built-in tokenizer with an `<image>` token, a `CLIPImageProcessor`), all made
-locally, nothing downloaded.
+`LlavaProcessor` (the built-in tokenizer with an `<image>` token, a `CLIPImageProcessor`), and a
+LLaVA-NeXT one (the same parts over any-resolution tiles, its `LlavaNextProcessor` with the PIL
+`LlavaNextImageProcessorPil`) and a LLaVA-OneVision one (a SigLIP tower over tiles; no processor class is
+saved, `gapless.model.vision.llava_onevision`), all made locally, nothing downloaded.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextImageProcessorPil,
+    LlavaNextProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionImageProcessorPil,
     LlavaProcessor,
+    SiglipVisionConfig,
 )
 
 from gapless.default_model.checkpoint import TINY, random_config, save_tokenizer, shape
@@ -129,6 +139,89 @@ def make_llava_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -
         num_additional_image_tokens=1,
     )
     processor.save_pretrained(str(path))
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    save_tokenizer(tokenizer, path)
+    return path
+
+
+# LLaVA-NeXT's tiny shapes: 28-px crops of 7-px patches (4 x 4 a crop), grids of up to 2 x 2 or 3 x 1 tiles
+NEXT_TILE, NEXT_PATCH = 28, 7
+NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+# (tile, patch) per size: "bench" is LLaVA-1.5's bench tower at 224 px, 256 rows a crop, grids as above
+_NEXT = {"tiny": (NEXT_TILE, NEXT_PATCH), "bench": (224, PATCH)}
+
+
+def make_llava_next_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -> Path:
+    """Write a random LLaVA-NeXT checkpoint (CLIP over `_NEXT[size]` crops, `NEXT_PINPOINTS` grids scaled to
+    that tile, the `_TEXT[size]` Llama decoder) with its processor to `path`."""
+    path = Path(path)
+    tile, patch = _NEXT[size]
+    pinpoints = [[h * tile // NEXT_TILE, w * tile // NEXT_TILE] for h, w in NEXT_PINPOINTS]
+    tokenizer = _tokenizer()
+    text = random_config(
+        LlamaConfig, dict(_TEXT[size], tie_word_embeddings=False), {"vocab_size": len(tokenizer)}
+    )
+    vision = CLIPVisionConfig(**dict(_VISION[size], image_size=tile), patch_size=patch, projection_dim=32)
+    config = LlavaNextConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_grid_pinpoints=pinpoints,
+        image_seq_length=(tile // patch) ** 2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaNextForConditionalGeneration(config)
+    _init(model, seed)
+    model.eval().save_pretrained(str(path))
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": tile},
+        crop_size={"height": tile, "width": tile},
+        image_grid_pinpoints=pinpoints,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(str(path))
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    save_tokenizer(tokenizer, path)
+    return path
+
+
+# LLaVA-OneVision's tiny shapes: SigLIP over 28-px crops of 7-px patches, grids up to 3 x 3 tiles, and
+# grids over 2 crops' worth of patches (by 10%) scaled down (`anyres_max_2`)
+OV_PINPOINTS = [[28 * i, 28 * j] for i in range(1, 4) for j in range(1, 4)]
+
+
+def make_llava_onevision_checkpoint(path: str | Path, seed: int = 0) -> Path:
+    """Write a random tiny LLaVA-OneVision checkpoint (SigLIP over `NEXT_TILE`-px crops, `OV_PINPOINTS`
+    grids, `anyres_max_2`, the tiny Llama decoder) with its image processor and tokenizer to `path`."""
+    path = Path(path)
+    tokenizer = _tokenizer()
+    text = random_config(LlamaConfig, dict(TINY, tie_word_embeddings=False), {"vocab_size": len(tokenizer)})
+    vision = SiglipVisionConfig(**dict(_VISION["tiny"], image_size=NEXT_TILE), patch_size=NEXT_PATCH)
+    config = LlavaOnevisionConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_grid_pinpoints=OV_PINPOINTS,
+        vision_aspect_ratio="anyres_max_2",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaOnevisionForConditionalGeneration(config)
+    _init(model, seed)
+    model.eval().save_pretrained(str(path))
+    image_processor = LlavaOnevisionImageProcessorPil(
+        size={"height": NEXT_TILE, "width": NEXT_TILE}, image_grid_pinpoints=OV_PINPOINTS
+    )
+    image_processor.save_pretrained(str(path))
     tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
     save_tokenizer(tokenizer, path)
     return path

@@ -1,7 +1,7 @@
 """Vision-language checkpoints: per family, how its config splits into the decoder's and the vision
-side's, how its weight names do, and its encoder (`base.VisionEncoder`). LLaVA-1.5 (`llava.py`), Gemma 3
-(`gemma3.py`) and Qwen2.5-VL (`qwen2_5_vl.py`) are built; a family is added by one module and a line in
-`_FAMILIES`."""
+side's, how its weight names do, and its encoder (`base.VisionEncoder`). LLaVA-1.5 (`llava.py`),
+LLaVA-NeXT (`llava_next.py`), LLaVA-OneVision (`llava_onevision.py`), Gemma 3 (`gemma3.py`) and
+Qwen2.5-VL (`qwen2_5_vl.py`) are built; a family is added by one module and a line in `_FAMILIES`."""
 
 from __future__ import annotations
 
@@ -12,16 +12,27 @@ import torch
 from gapless.model.vision.base import VisionEncoder, VisionSpec
 from gapless.model.vision.gemma3 import Gemma3Encoder, gemma3_spec, gemma3_text_config
 from gapless.model.vision.llava import LlavaEncoder, llava_spec
+from gapless.model.vision.llava_next import LlavaNextEncoder, llava_next_spec
+from gapless.model.vision.llava_onevision import (
+    LlavaOnevisionEncoder,
+    OnevisionProcessor,
+    llava_onevision_spec,
+)
 from gapless.model.vision.qwen2_5_vl import Qwen25VLEncoder, QwenVLProcessor, qwen2_5_vl_spec
 
 # architecture -> (its VisionSpec from config.json, its encoder class)
 _FAMILIES: dict[str, Any] = {
     "LlavaForConditionalGeneration": (llava_spec, LlavaEncoder),
+    "LlavaNextForConditionalGeneration": (llava_next_spec, LlavaNextEncoder),
+    "LlavaOnevisionForConditionalGeneration": (llava_onevision_spec, LlavaOnevisionEncoder),
     "Gemma3ForConditionalGeneration": (gemma3_spec, Gemma3Encoder),
     "Qwen2_5_VLForConditionalGeneration": (qwen2_5_vl_spec, Qwen25VLEncoder),
 }
 # families whose processor is not transformers' `AutoProcessor` -> the class that builds it from a path
-_PROCESSORS: dict[str, Any] = {"Qwen2_5_VLForConditionalGeneration": QwenVLProcessor}
+_PROCESSORS: dict[str, Any] = {
+    "Qwen2_5_VLForConditionalGeneration": QwenVLProcessor,
+    "LlavaOnevisionForConditionalGeneration": OnevisionProcessor,
+}
 # a multimodal config's text_config `model_type` -> the decoder architecture that runs it
 _TEXT_ARCHS = {
     "llama": "LlamaForCausalLM",

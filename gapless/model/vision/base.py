@@ -24,7 +24,7 @@ class VisionSpec:
     of, its encoder's input size (for the memory plan's estimate), and how the decoder attends over an
     image's run."""
 
-    family: str  # "llava", "gemma3", "qwen2_5_vl"
+    family: str  # "llava", "llava_next", "gemma3", "qwen2_5_vl"
     image_token_id: int
     image_size: int  # pixels a side of the encoder's input
     tokens_per_image: int  # rows the encoder gives one image (the run's length)

@@ -54,7 +54,7 @@ class LlavaEncoder(VisionEncoder):
         layer = int(cfg.get("vision_feature_layer", -2))
         self.spec = spec
         self.text_hidden = text_hidden
-        self.tower = ClipVisionTower(vision, layer if layer >= 0 else n + 1 + layer)
+        self.tower = self.new_tower(vision, layer if layer >= 0 else n + 1 + layer)
         self.drop_cls = cfg.get("vision_feature_select_strategy", "default") == "default"
         bias = bool(cfg.get("multimodal_projector_bias", True))
         self.projector = nn.ModuleDict(
@@ -66,14 +66,20 @@ class LlavaEncoder(VisionEncoder):
         self.act = activation(str(cfg.get("projector_hidden_act", "gelu")))
         self._loaded: set[str] = set()
 
+    def new_tower(self, vision: dict[str, Any], layers: int) -> Any:
+        """The tower up to the chosen layer (CLIP's; LLaVA-OneVision's is SigLIP)."""
+        return ClipVisionTower(vision, layers)
+
     def encode(self, images: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-        pixels = torch.stack([im[0] for im in images])  # one size: the processor's crop
+        return list(self.project(torch.stack([im[0] for im in images])).unbind(0))  # one size: the crop
+
+    def project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[N, 3, S, S] crops to their [N, tokens, text hidden] rows: the tower's chosen layer, projected."""
         h = self.tower(pixels)
         if self.drop_cls:
             h = h[:, 1:]
         p = self.projector
-        out = p["linear_2"](self.act(p["linear_1"](h)))
-        return list(out.unbind(0))
+        return p["linear_2"](self.act(p["linear_1"](h)))
 
     def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
         t, hidden = self.spec.tokens_per_image, self.text_hidden

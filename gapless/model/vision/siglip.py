@@ -1,6 +1,7 @@
 """SigLIP's vision transformer (Gemma 3's tower), as transformers' `SiglipVisionModel` computes it without
 its pooling head: a patch convolution (with bias) plus learned positions, no class token, pre-norm encoder
-layers with full attention (CLIP's layer), then a post-norm. `forward` returns `last_hidden_state`."""
+layers with full attention (CLIP's layer), then a post-norm. `forward` returns `last_hidden_state` (or a
+chosen layer's states, before the post-norm)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from gapless.model.vision.clip import EncoderLayer
 
 
 class SiglipVisionTower(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    """`layers`: run only that many encoder layers and skip the post-norm, returning transformers'
+    `hidden_states[layers]` (LLaVA-OneVision's chosen layer); None: every layer and the post-norm."""
+
+    def __init__(self, cfg: dict[str, Any], layers: int | None = None) -> None:
         super().__init__()
         hidden, patch, size = int(cfg["hidden_size"]), int(cfg["patch_size"]), int(cfg["image_size"])
         self.num_patches = (size // patch) ** 2
@@ -23,9 +27,9 @@ class SiglipVisionTower(nn.Module):
         act = str(cfg.get("hidden_act", "gelu_pytorch_tanh"))
         inter, heads = int(cfg["intermediate_size"]), int(cfg["num_attention_heads"])
         self.hidden, self.inter, self.heads = hidden, inter, heads
-        layers = int(cfg["num_hidden_layers"])
-        self.layers = nn.ModuleList(EncoderLayer(hidden, inter, heads, eps, act) for _ in range(layers))
-        self.post_layernorm = nn.LayerNorm(hidden, eps=eps)
+        n = int(cfg["num_hidden_layers"]) if layers is None else layers
+        self.layers = nn.ModuleList(EncoderLayer(hidden, inter, heads, eps, act) for _ in range(n))
+        self.post_layernorm = nn.LayerNorm(hidden, eps=eps) if layers is None else None
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] pixels to [N, patches, hidden] states."""
@@ -36,7 +40,7 @@ class SiglipVisionTower(nn.Module):
         x = x + self.position_embedding.weight
         for layer in self.layers:
             x = layer(x)
-        return self.post_layernorm(x)
+        return x if self.post_layernorm is None else self.post_layernorm(x)
 
     def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
         """About the peak of `forward` over `images` images (as `ClipVisionTower.activation_bytes`)."""
