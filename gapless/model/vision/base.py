@@ -44,6 +44,10 @@ class VisionEncoder(nn.Module, ABC):
     spec: VisionSpec
     input_names: tuple[str, ...] = ("pixel_values",)
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: set[str] = set()  # the parameters `place` filled
+
     @abstractmethod
     def encode(self, images: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         """One [tokens_i, hidden] tensor per image, in order, on the encoder's device and dtype."""
@@ -57,6 +61,16 @@ class VisionEncoder(nn.Module, ABC):
         """Place one checkpoint tensor (named as the checkpoint names it) if it is the encoder's; False when
         it is not (the decoder's, or a layer the encoder never runs)."""
 
-    @abstractmethod
+    def place(self, own: str, name: str, tensor: torch.Tensor) -> None:
+        """Copy checkpoint tensor `name` into the encoder's parameter `own`, its shape checked."""
+        param = self.get_parameter(own)
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint weight {name!r} is {tuple(tensor.shape)}; expected {tuple(param.shape)}"
+            )
+        param.data.copy_(tensor)
+        self.loaded.add(own)
+
     def missing_weights(self) -> list[str]:
         """The encoder's parameters no `load_weight` filled."""
+        return sorted(n for n, _ in self.named_parameters() if n not in self.loaded)

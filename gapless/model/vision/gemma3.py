@@ -79,7 +79,6 @@ class Gemma3Encoder(VisionEncoder):
         # named as the checkpoint's `multi_modal_projector.` tensors, dots made underscores
         self.projector_mm_soft_emb_norm_weight = nn.Parameter(torch.zeros(hidden))
         self.projector_mm_input_projection_weight = nn.Parameter(torch.zeros(hidden, text_hidden))
-        self._loaded: set[str] = set()
 
     def encode(self, images: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         h = self.tower(torch.stack([im[0] for im in images]))  # [N, side * side, hidden]
@@ -107,14 +106,5 @@ class Gemma3Encoder(VisionEncoder):
         params = dict(self.named_parameters())
         if own not in params:  # SigLIP's pooling head, which Gemma 3 never runs
             return True
-        param = params[own]
-        if param.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint weight {name!r} is {tuple(tensor.shape)}; expected {tuple(param.shape)}"
-            )
-        param.data.copy_(tensor)
-        self._loaded.add(own)
+        self.place(own, name, tensor)
         return True
-
-    def missing_weights(self) -> list[str]:
-        return sorted(n for n, _ in self.named_parameters() if n not in self._loaded)

@@ -64,7 +64,6 @@ class LlavaEncoder(VisionEncoder):
             }
         )
         self.act = activation(str(cfg.get("projector_hidden_act", "gelu")))
-        self._loaded: set[str] = set()
 
     def new_tower(self, vision: dict[str, Any], layers: int) -> Any:
         """The tower up to the chosen layer (CLIP's; LLaVA-OneVision's is SigLIP)."""
@@ -95,14 +94,5 @@ class LlavaEncoder(VisionEncoder):
         params = dict(self.named_parameters())
         if own not in params:  # a layer past the one the model reads, or the unused post-norm
             return True
-        param = params[own]
-        if param.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint weight {name!r} is {tuple(tensor.shape)}; expected {tuple(param.shape)}"
-            )
-        param.data.copy_(tensor)
-        self._loaded.add(own)
+        self.place(own, name, tensor)
         return True
-
-    def missing_weights(self) -> list[str]:
-        return sorted(n for n, _ in self.named_parameters() if n not in self._loaded)

@@ -187,12 +187,6 @@ class LlavaNextEncoder(LlavaEncoder):
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         if name.removeprefix("model.") == "image_newline":
-            if tensor.shape != self.image_newline.shape:
-                raise ValueError(
-                    f"checkpoint weight {name!r} is {tuple(tensor.shape)}; "
-                    f"expected {tuple(self.image_newline.shape)}"
-                )
-            self.image_newline.data.copy_(tensor)
-            self._loaded.add("image_newline")
+            self.place("image_newline", name, tensor)
             return True
         return super().load_weight(name, tensor)

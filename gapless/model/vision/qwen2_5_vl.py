@@ -198,7 +198,6 @@ class Qwen25VLEncoder(VisionEncoder):
         if out != text_hidden:
             raise ValueError(f"the vision merger's out_hidden_size {out} is not the decoder's {text_hidden}")
         self.merger = _Merger(hidden, self.merge**2, out)
-        self._loaded: set[str] = set()
 
     def encode(self, images: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         dev = self.merger.ln_q.weight.device
@@ -245,17 +244,8 @@ class Qwen25VLEncoder(VisionEncoder):
         params = dict(self.named_parameters())
         if own not in params:
             raise ValueError(f"checkpoint weight {name!r} is not one of Qwen2.5-VL's vision encoder")
-        param = params[own]
-        if param.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint weight {name!r} is {tuple(tensor.shape)}; expected {tuple(param.shape)}"
-            )
-        param.data.copy_(tensor)
-        self._loaded.add(own)
+        self.place(own, name, tensor)
         return True
-
-    def missing_weights(self) -> list[str]:
-        return sorted(n for n, _ in self.named_parameters() if n not in self._loaded)
 
 
 class QwenVLProcessor:
