@@ -27,6 +27,7 @@ from transformers import (
     LlavaOnevisionForConditionalGeneration,
     LlavaOnevisionImageProcessorPil,
     LlavaProcessor,
+    PretrainedConfig,
     SiglipVisionConfig,
 )
 
@@ -101,7 +102,7 @@ def _tokenizer() -> Any:
     return tokenizer_with([IMAGE_TOKEN])
 
 
-def _llama(size: str, tokenizer: Any) -> LlamaConfig:
+def _llama(size: str, tokenizer: Any) -> PretrainedConfig:
     """The `_TEXT[size]` Llama decoder, untied, over `tokenizer`'s vocabulary."""
     return random_config(
         LlamaConfig, dict(_TEXT[size], tie_word_embeddings=False), {"vocab_size": len(tokenizer)}
