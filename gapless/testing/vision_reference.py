@@ -78,18 +78,25 @@ def hf_encoder(ckpt: str | Path, hf: torch.nn.Module) -> VisionEncoder:
     return encoder
 
 
-def greedy_cases(chunk: int, third_id: str, third: dict[str, Any]) -> list[Any]:
+_THIRD = {"process": {"cpu_worker": "process"}, "triton": {"attention_backend": "triton"}}
+
+
+def greedy_cases(chunk: int, third_chunk: int, third: str = "process") -> list[Any]:
     """The engine options each family's greedy test runs under, with their test ids: pages of 1 with
     overlap and prefill chunks of `chunk` (they cut through, or must stop before, the images); pages of 16
-    with whole prompts in one batch on the plain loop; the family's `third` case; on CUDA, fp32 pages of 16
-    in chunks of `chunk`."""
+    with whole prompts in one batch on the plain loop; pages of 16 in chunks of `third_chunk` in the
+    device process (`third="process"`) or on the Triton extend kernel (`"triton"`); on CUDA, fp32 pages of
+    16 in chunks of `chunk`."""
     import pytest
 
     cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU cases cover it)")
     return [
         pytest.param(dict(page_size=1, chunked_prefill_size=chunk), id=f"page1-chunk{chunk}"),
         pytest.param(dict(page_size=16, overlap=False), id="page16-plain"),
-        pytest.param(third, id=third_id),
+        pytest.param(
+            dict(page_size=16, chunked_prefill_size=third_chunk, **_THIRD[third]),
+            id=f"page16-chunk{third_chunk}-{third}",
+        ),
         pytest.param(
             dict(device="cuda", dtype="float32", page_size=16, chunked_prefill_size=chunk),
             marks=cuda,

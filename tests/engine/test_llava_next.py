@@ -92,12 +92,7 @@ def test_encoder_equals_transformers(ckpt, hf, processor):
         encoder.encode([(inputs[0][0][:4], inputs[0][1])])
 
 
-@pytest.mark.parametrize(
-    "options",
-    greedy_cases(
-        23, "page16-chunk40-process", dict(page_size=16, chunked_prefill_size=40, cpu_worker="process")
-    ),
-)
+@pytest.mark.parametrize("options", greedy_cases(23, 40))
 def test_greedy_equals_transformers(ckpt, reference, options):
     """Overlap on with chunks of 23 cutting through every image, the plain loop, the device process."""
     check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[:3], encoded=4, image_rows=[52, 52 + 76, 72])

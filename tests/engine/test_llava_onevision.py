@@ -94,12 +94,7 @@ def test_encoder_equals_transformers(ckpt, hf, images, rows):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "options",
-    greedy_cases(
-        13, "page16-chunk30-process", dict(page_size=16, chunked_prefill_size=30, cpu_worker="process")
-    ),
-)
+@pytest.mark.parametrize("options", greedy_cases(13, 30))
 def test_greedy_equals_transformers(ckpt, reference, options):
     """Overlap on with chunks of 13 cutting through every image, the plain loop, the device process."""
     check_greedy_chats(

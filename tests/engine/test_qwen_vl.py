@@ -98,12 +98,7 @@ def test_encoder_and_positions_equal_transformers(ckpt, hf):
     assert rope_rows(rope, n - 2, n + 2).tolist() == [[n - 2 + rope.delta + i for i in range(4)]] * 3
 
 
-@pytest.mark.parametrize(
-    "options",
-    greedy_cases(
-        9, "page16-chunk13-process", dict(page_size=16, chunked_prefill_size=13, cpu_worker="process")
-    ),
-)
+@pytest.mark.parametrize("options", greedy_cases(9, 13))
 def test_greedy_equals_transformers(ckpt, reference, options):
     """Overlap on with chunks of 9 cutting through every image, the plain loop, the device process."""
     check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[:4], encoded=6)

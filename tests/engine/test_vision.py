@@ -64,12 +64,7 @@ def reference(ckpt):
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
-@pytest.mark.parametrize(
-    "options",
-    greedy_cases(
-        10, "page16-chunk7-process", dict(page_size=16, chunked_prefill_size=7, cpu_worker="process")
-    ),
-)
+@pytest.mark.parametrize("options", greedy_cases(10, 7))
 def test_greedy_equals_transformers(ckpt, reference, options):
     """Overlap on with chunks of 10 cutting through every image, the plain loop, the device process."""
     check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[:4], encoded=6)

@@ -90,12 +90,7 @@ def test_prompt_logprobs_attend_over_images_both_ways(ckpt, reference):
     assert (causal - both).abs().max() > 0.1
 
 
-@pytest.mark.parametrize(
-    "options",
-    greedy_cases(
-        10, "page16-chunk24-triton", dict(page_size=16, chunked_prefill_size=24, attention_backend="triton")
-    ),
-)
+@pytest.mark.parametrize("options", greedy_cases(10, 24, "triton"))
 def test_greedy_equals_transformers(ckpt, reference, options):
     """Overlap on with chunks of 10 (they end before or after images), the plain loop, the extend kernel."""
     if options.get("attention_backend") == "triton":
