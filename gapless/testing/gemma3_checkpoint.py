@@ -9,44 +9,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessorPil,
     Gemma3Processor,
-    Gemma3TextConfig,
     SiglipVisionConfig,
 )
 
-from gapless.default_model.checkpoint import TINY, random_config, save_tokenizer
-from gapless.default_model.tokenizer import build_tokenizer
-from gapless.testing.vision_checkpoints import _init
+from gapless.testing.checkpoints import model_config
+from gapless.testing.vision_checkpoints import chat_template, save_model, save_processor, tokenizer_with
 
 BOI, EOI, IMAGE = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 IMAGE_SIZE, PATCH, TOKENS_PER_IMAGE = 32, 4, 16  # 8 x 8 patches, pooled 2 x 2 into 4 x 4 tokens
 
 # Gemma 3's layout: an image part is `<start_of_image>`, which the processor expands into the image's run
-GEMMA3_CHAT_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' %}{{- '<start_of_image>' }}"
-    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+GEMMA3_CHAT_TEMPLATE = chat_template(BOI, bos=True)
 
 
 def _tokenizer() -> Any:
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": [BOI, EOI, IMAGE]}, replace_extra_special_tokens=False
-    )
+    tokenizer = tokenizer_with([BOI, EOI, IMAGE])
     # the names Gemma3Processor reads (`tokenizer.boi_token`, `.image_token_id`, ...), as Gemma's
     # tokenizer_config.json names them (saved with the tokenizer); transformers has no public setter
     tokenizer._set_model_specific_special_tokens({"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE})
@@ -57,22 +39,13 @@ def tiny_gemma3_config() -> Gemma3Config:
     """SigLIP (32 px, 4-px patches, 3 layers) into a 2-layer Gemma 3 decoder whose first layer slides over
     24 tokens, 16 tokens an image."""
     tokenizer = _tokenizer()
-    text = random_config(
-        Gemma3TextConfig,
-        dict(
-            TINY,
-            head_dim=16,
-            sliding_window=24,
-            query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention"],
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
-            },
-            hidden_activation="gelu_pytorch_tanh",
-            tie_word_embeddings=False,  # tied, the scaled embedding would predict its own token
-        ),
-        {"vocab_size": len(tokenizer)},
+    # the text-only tests' tiny Gemma 3 decoder (its sliding and global RoPE), with Gemma 3 VLM's activation
+    # and no logit soft-cap
+    text = model_config(
+        "gemma3_text",
+        final_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh",
+        vocab_size=len(tokenizer),
     )
     vision = SiglipVisionConfig(
         hidden_size=32,
@@ -98,11 +71,7 @@ def tiny_gemma3_config() -> Gemma3Config:
 def make_gemma3_checkpoint(path: str | Path, seed: int = 0) -> Path:
     """Write a random tiny Gemma 3 vision-language checkpoint with its processor to `path`."""
     path = Path(path)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Gemma3ForConditionalGeneration(tiny_gemma3_config())
-    _init(model, seed)
-    model.eval().save_pretrained(str(path))
+    save_model(path, Gemma3ForConditionalGeneration, tiny_gemma3_config(), seed)
     tokenizer = _tokenizer()
     image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = Gemma3Processor(
@@ -111,7 +80,4 @@ def make_gemma3_checkpoint(path: str | Path, seed: int = 0) -> Path:
         chat_template=GEMMA3_CHAT_TEMPLATE,
         image_seq_length=TOKENS_PER_IMAGE,
     )
-    processor.save_pretrained(str(path))
-    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
-    save_tokenizer(tokenizer, path)
-    return path
+    return save_processor(path, processor, tokenizer, GEMMA3_CHAT_TEMPLATE)

@@ -10,39 +10,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
 )
 
-from gapless.default_model.checkpoint import COMMON, TINY, save_tokenizer, shape
-from gapless.default_model.tokenizer import build_tokenizer
-from gapless.testing.vision_checkpoints import _init
+from gapless.default_model.checkpoint import COMMON, TINY, shape
+from gapless.testing.vision_checkpoints import chat_template, save_model, save_processor, tokenizer_with
 
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 PATCH, MERGE = 14, 2
 # an image part is `<|vision_start|><|image_pad|><|vision_end|>`, as Qwen2.5-VL's own template writes it
-QWEN_VL_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+QWEN_VL_CHAT_TEMPLATE = chat_template("".join(VISION_TOKENS[:3]))
 
 
 def _tokenizer() -> Any:
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": VISION_TOKENS}, replace_extra_special_tokens=False
-    )
+    tokenizer = tokenizer_with(VISION_TOKENS)
     tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
     return tokenizer
 
@@ -120,11 +104,7 @@ def make_qwen_vl_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny")
     template to `path`."""
     path = Path(path)
     config = tiny_qwen_vl_config(size)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    _init(model, seed)
-    model.eval().save_pretrained(str(path))
-    image_processor(_SIZES[size]["max_pixels"]).save_pretrained(str(path))
-    save_tokenizer(_tokenizer(), path)
-    return path
+    save_model(path, Qwen2_5_VLForConditionalGeneration, config, seed)
+    return save_processor(
+        path, image_processor(_SIZES[size]["max_pixels"]), _tokenizer(), QWEN_VL_CHAT_TEMPLATE
+    )

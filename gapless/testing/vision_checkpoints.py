@@ -27,6 +27,7 @@ from transformers import (
     LlavaOnevisionForConditionalGeneration,
     LlavaOnevisionImageProcessorPil,
     LlavaProcessor,
+    PretrainedConfig,
     SiglipVisionConfig,
 )
 
@@ -36,19 +37,25 @@ from gapless.default_model.tokenizer import build_tokenizer
 IMAGE_TOKEN = "<image>"
 PATCH = 14
 
-# Images are laid out as the processor says: `{% for part in content %}` an image part is `<image>`.
-LLAVA_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' %}{{- '<image>' }}"
-    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+
+def chat_template(image_part: str, bos: bool = False) -> str:
+    """The tiny checkpoints' ChatML template: `{% for part in content %}` an image part is `image_part` (the
+    family's placeholder, which its processor expands), a text part its text; `bos` opens with `bos_token`."""
+    return (
+        ("{{- bos_token }}" if bos else "") + "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string %}{{- message['content'] }}"
+        "{%- else %}{%- for part in message['content'] %}"
+        "{%- if part['type'] == 'image' %}{{- '" + image_part + "' }}"
+        "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+        "{%- endfor %}{%- endif %}"
+        "{{- '<|im_end|>' + '\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+LLAVA_CHAT_TEMPLATE = chat_template(IMAGE_TOKEN)
 
 
 # the vision tower and decoder shapes per size: "tiny" for tests (16 image tokens), "bench" for
@@ -71,9 +78,7 @@ def tiny_llava_config(size: str = "tiny") -> LlavaConfig:
     """A LLaVA-1.5 config: CLIP (`_VISION[size]`, 14-px patches) feeding a Llama decoder (`_TEXT[size]`)
     through the gelu projector, the penultimate layer's patches (CLS dropped)."""
     tokenizer = _tokenizer()
-    text = random_config(
-        LlamaConfig, dict(_TEXT[size], tie_word_embeddings=False), {"vocab_size": len(tokenizer)}
-    )
+    text = _llama(size, tokenizer)
     vision = CLIPVisionConfig(**_VISION[size], patch_size=PATCH, projection_dim=32, hidden_act="quick_gelu")
     return LlavaConfig(
         vision_config=vision,
@@ -86,12 +91,53 @@ def tiny_llava_config(size: str = "tiny") -> LlavaConfig:
     )
 
 
-def _tokenizer() -> Any:
+def tokenizer_with(tokens: list[str]) -> Any:
+    """The built-in tokenizer with a family's image `tokens` added as special tokens."""
     tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": [IMAGE_TOKEN]}, replace_extra_special_tokens=False
-    )
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens}, replace_extra_special_tokens=False)
     return tokenizer
+
+
+def _tokenizer() -> Any:
+    return tokenizer_with([IMAGE_TOKEN])
+
+
+def _llama(size: str, tokenizer: Any) -> PretrainedConfig:
+    """The `_TEXT[size]` Llama decoder, untied, over `tokenizer`'s vocabulary."""
+    return random_config(
+        LlamaConfig, dict(_TEXT[size], tie_word_embeddings=False), {"vocab_size": len(tokenizer)}
+    )
+
+
+def save_model(path: Path, model_class: Any, config: Any, seed: int) -> None:
+    """Build `model_class(config)` under `seed` (the global RNG left as it was), spread its weights
+    (`_init`) and save it to `path`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    _init(model, seed)
+    model.eval().save_pretrained(str(path))
+
+
+def save_processor(path: Path, processor: Any, tokenizer: Any, template: str) -> Path:
+    """Save `processor` (or an image processor) and `tokenizer` with the chat `template` to `path`."""
+    processor.save_pretrained(str(path))
+    tokenizer.chat_template = template
+    save_tokenizer(tokenizer, path)
+    return path
+
+
+def _llava_processor(processor_class: Any, image_processor: Any, tokenizer: Any, patch: int) -> Any:
+    """LLaVA-1.5's or NeXT's processor: `<image>` expanded to its patches (the class token dropped)."""
+    return processor_class(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+    )
 
 
 @torch.no_grad()
@@ -119,29 +165,14 @@ def make_llava_checkpoint(path: str | Path, seed: int = 0, size: str = "tiny") -
     path = Path(path)
     config = tiny_llava_config(size)
     image_size = _VISION[size]["image_size"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(config)
-    _init(model, seed)
-    model.eval().save_pretrained(str(path))
+    save_model(path, LlavaForConditionalGeneration, config, seed)
     tokenizer = _tokenizer()
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": image_size},
         crop_size={"height": image_size, "width": image_size},
     )
-    processor = LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=PATCH,
-        vision_feature_select_strategy="default",
-        chat_template=LLAVA_CHAT_TEMPLATE,
-        image_token=IMAGE_TOKEN,
-        num_additional_image_tokens=1,
-    )
-    processor.save_pretrained(str(path))
-    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
-    save_tokenizer(tokenizer, path)
-    return path
+    processor = _llava_processor(LlavaProcessor, image_processor, tokenizer, PATCH)
+    return save_processor(path, processor, tokenizer, LLAVA_CHAT_TEMPLATE)
 
 
 # LLaVA-NeXT's tiny shapes: 28-px crops of 7-px patches (4 x 4 a crop), grids of up to 2 x 2 or 3 x 1 tiles
@@ -158,9 +189,7 @@ def make_llava_next_checkpoint(path: str | Path, seed: int = 0, size: str = "tin
     tile, patch = _NEXT[size]
     pinpoints = [[h * tile // NEXT_TILE, w * tile // NEXT_TILE] for h, w in NEXT_PINPOINTS]
     tokenizer = _tokenizer()
-    text = random_config(
-        LlamaConfig, dict(_TEXT[size], tie_word_embeddings=False), {"vocab_size": len(tokenizer)}
-    )
+    text = _llama(size, tokenizer)
     vision = CLIPVisionConfig(**dict(_VISION[size], image_size=tile), patch_size=patch, projection_dim=32)
     config = LlavaNextConfig(
         vision_config=vision,
@@ -169,29 +198,14 @@ def make_llava_next_checkpoint(path: str | Path, seed: int = 0, size: str = "tin
         image_grid_pinpoints=pinpoints,
         image_seq_length=(tile // patch) ** 2,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlavaNextForConditionalGeneration(config)
-    _init(model, seed)
-    model.eval().save_pretrained(str(path))
+    save_model(path, LlavaNextForConditionalGeneration, config, seed)
     image_processor = LlavaNextImageProcessorPil(
         size={"shortest_edge": tile},
         crop_size={"height": tile, "width": tile},
         image_grid_pinpoints=pinpoints,
     )
-    processor = LlavaNextProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=patch,
-        vision_feature_select_strategy="default",
-        chat_template=LLAVA_CHAT_TEMPLATE,
-        image_token=IMAGE_TOKEN,
-        num_additional_image_tokens=1,
-    )
-    processor.save_pretrained(str(path))
-    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
-    save_tokenizer(tokenizer, path)
-    return path
+    processor = _llava_processor(LlavaNextProcessor, image_processor, tokenizer, patch)
+    return save_processor(path, processor, tokenizer, LLAVA_CHAT_TEMPLATE)
 
 
 # LLaVA-OneVision's tiny shapes: SigLIP over 28-px crops of 7-px patches, grids up to 3 x 3 tiles, and
@@ -204,7 +218,7 @@ def make_llava_onevision_checkpoint(path: str | Path, seed: int = 0) -> Path:
     grids, `anyres_max_2`, the tiny Llama decoder) with its image processor and tokenizer to `path`."""
     path = Path(path)
     tokenizer = _tokenizer()
-    text = random_config(LlamaConfig, dict(TINY, tie_word_embeddings=False), {"vocab_size": len(tokenizer)})
+    text = _llama("tiny", tokenizer)
     vision = SiglipVisionConfig(**dict(_VISION["tiny"], image_size=NEXT_TILE), patch_size=NEXT_PATCH)
     config = LlavaOnevisionConfig(
         vision_config=vision,
@@ -213,15 +227,8 @@ def make_llava_onevision_checkpoint(path: str | Path, seed: int = 0) -> Path:
         image_grid_pinpoints=OV_PINPOINTS,
         vision_aspect_ratio="anyres_max_2",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlavaOnevisionForConditionalGeneration(config)
-    _init(model, seed)
-    model.eval().save_pretrained(str(path))
+    save_model(path, LlavaOnevisionForConditionalGeneration, config, seed)
     image_processor = LlavaOnevisionImageProcessorPil(
         size={"height": NEXT_TILE, "width": NEXT_TILE}, image_grid_pinpoints=OV_PINPOINTS
     )
-    image_processor.save_pretrained(str(path))
-    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
-    save_tokenizer(tokenizer, path)
-    return path
+    return save_processor(path, image_processor, tokenizer, LLAVA_CHAT_TEMPLATE)

@@ -6,38 +6,37 @@ after, chunks that cut through an image, page sizes 1 and 16; the radix cache ke
 
 from __future__ import annotations
 
-import numpy as np
+from functools import partial
+
 import pytest
 import torch
-from PIL import Image
 
-from gapless import LLM, SamplingParams
+from gapless import SamplingParams
 from gapless.testing.vision_checkpoints import make_llava_next_checkpoint
+from gapless.testing.vision_reference import (
+    chat,
+    chat_inputs,
+    check_greedy_chats,
+    check_prefix_cache_keys_images,
+    greedy_cases,
+    hf_chat_greedy,
+    hf_encoder,
+    image,
+)
 
 MAX_TOKENS = 10
 
 
-def _image(h: int, w: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8))
-
-
 # A: a 2 x 2 grid cut above and below (52 rows); B: 3 x 1 tiles, nothing cut (76 rows); D: 2 x 2 cut
 # left and right (72 rows); C: A's size, other pixels
-IM_A, IM_B, IM_C, IM_D = _image(40, 70, 0), _image(90, 30, 1), _image(40, 70, 2), _image(60, 40, 3)
+IM_A, IM_B, IM_C, IM_D = image(40, 70, 0), image(90, 30, 1), image(40, 70, 2), image(60, 40, 3)
 ROWS = {"A": 52, "B": 76, "D": 72}
 
 
-def _chat(*parts: object) -> list[dict]:
-    content = [
-        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts
-    ]
-    return [{"role": "user", "content": content}]
-
-
 CONVS = [
-    _chat("Describe", IM_A, "briefly please"),  # text before and after one image
-    _chat("First", IM_A, "then", IM_B, "compare them"),  # two images, different grids, text between
-    _chat(IM_D, "what now"),  # an image first
+    chat("Describe", IM_A, "briefly please"),  # text before and after one image
+    chat("First", IM_A, "then", IM_B, "compare them"),  # two images, different grids, text between
+    chat(IM_D, "what now"),  # an image first
 ]
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
@@ -64,32 +63,20 @@ def processor(ckpt):
 @pytest.fixture(scope="module")
 def reference(hf, processor):
     """transformers' greedy tokens for each conversation of CONVS (and the first with image C)."""
-    out = []
-    for conv in [*CONVS, _chat("Describe", IM_C, "briefly please")]:
-        inputs = processor.apply_chat_template(
-            conv, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
-        )
-        with torch.no_grad():
-            ids = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        out.append(ids[0, inputs["input_ids"].shape[1] :].tolist())
-    return out
+    convs = [*CONVS, chat("Describe", IM_C, "briefly please")]
+    return hf_chat_greedy(hf, partial(chat_inputs, processor), convs, MAX_TOKENS)
 
 
 def test_encoder_equals_transformers(ckpt, hf, processor):
     """Three images of three layouts in one call (the processor pads their crops to the most; each
     image's own are cut): each image's rows are transformers', and its run is as long as the processor
     expanded its placeholder."""
-    from gapless.model.config import load_model_config
-    from gapless.model.vision import new_encoder
     from gapless.model.vision.llava_next import anyres_inputs
 
     out = processor(text="a<image>b<image>c<image>", images=[IM_A, IM_B, IM_D], return_tensors="pt")
-    spec = load_model_config(ckpt).vision
+    encoder = hf_encoder(ckpt, hf)
+    spec = encoder.spec
     assert spec.family == "llava_next" and spec.tokens_per_image == 88  # a whole 2 x 2 grid's rows
-    encoder = new_encoder(spec, 64, torch.float32, torch.device("cpu"))
-    for name, tensor in hf.state_dict().items():
-        encoder.load_weight(name, tensor)
-    assert encoder.missing_weights() == []
     one, two = (encoder.activation_bytes(n, torch.float32) for n in (1, 2))
     assert 0 < one < two  # the memory plan's estimate grows with the images of a call
     inputs, lengths = anyres_inputs(out, 3, processor)
@@ -105,49 +92,15 @@ def test_encoder_equals_transformers(ckpt, hf, processor):
         encoder.encode([(inputs[0][0][:4], inputs[0][1])])
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        dict(page_size=1, chunked_prefill_size=23),  # overlap on; chunks of 23 cut through every image
-        dict(page_size=16, overlap=False),  # whole prompts in one batch, the plain loop
-        dict(page_size=16, chunked_prefill_size=40, cpu_worker="process"),  # in the device process
-        pytest.param(
-            dict(device="cuda", dtype="float32", page_size=16, chunked_prefill_size=23),
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="needs CUDA (the CPU cases cover it)"
-            ),
-        ),
-    ],
-    ids=["page1-chunk23", "page16-plain", "page16-chunk40-process", "cuda-page16-chunk23"],
-)
+@pytest.mark.parametrize("options", greedy_cases(23, 40))
 def test_greedy_equals_transformers(ckpt, reference, options):
-    with LLM(str(ckpt), **{"device": "cpu", **options}) as llm:
-        outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in outs] == reference[:3]
-        token = llm.engine.vision.image_token_id
-        assert [o.prompt_token_ids.count(token) for o in outs] == [52, 52 + 76, 72]
-        runner = llm.engine._runner
-        if runner is not None:  # (in this process) each image encoded once per request, chunked or not
-            assert runner.encoder_cache.encoded == 4
-            assert runner.encoder_cache.kept == {}
-        llm.check_integrity()
+    """Overlap on with chunks of 23 cutting through every image, the plain loop, the device process."""
+    check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[:3], encoded=4, image_rows=[52, 52 + 76, 72])
 
 
 def test_prefix_cache_keys_images_by_content(ckpt, reference):
-    with LLM(str(ckpt), device="cpu", page_size=1) as llm:
-        first = llm.chat(CONVS[0], GREEDY, use_tqdm=False)[0]
-        ids = first.prompt_token_ids
-        token = llm.engine.vision.image_token_id
-        start, end = ids.index(token), len(ids) - ids[::-1].index(token)
-        assert end - start == ROWS["A"]
-        again = llm.chat(CONVS[0], GREEDY, use_tqdm=False)[0]
-        assert again.token_ids == reference[0]
-        assert again.cached_tokens >= end  # the image's KV reused: a hit past its run
-        other = llm.chat(_chat("Describe", IM_C, "briefly please"), GREEDY, use_tqdm=False)[0]
-        assert other.token_ids == reference[3]
-        assert other.prompt_token_ids == ids  # the same ids: only the pixels differ
-        assert other.cached_tokens <= start  # a miss from the image on
-        llm.check_integrity()
+    other = chat("Describe", IM_C, "briefly please")
+    check_prefix_cache_keys_images(ckpt, CONVS[0], other, GREEDY, reference[0], reference[3], rows=ROWS["A"])
 
 
 def test_configs_refused_by_name(ckpt):

@@ -7,44 +7,43 @@ sides take `OnevisionProcessor`'s inputs; transformers checks each image's run h
 
 from __future__ import annotations
 
-import numpy as np
+from functools import partial
+
 import pytest
 import torch
-from PIL import Image
 
-from gapless import LLM, SamplingParams
+from gapless import SamplingParams
 from gapless.testing.vision_checkpoints import make_llava_onevision_checkpoint
+from gapless.testing.vision_reference import (
+    chat,
+    check_greedy_chats,
+    check_prefix_cache_keys_images,
+    greedy_cases,
+    hf_chat_greedy,
+    hf_encoder,
+    image,
+    processor_inputs,
+)
 
 MAX_TOKENS = 10
-
-
-def _image(h: int, w: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8))
 
 
 # alone: A a 2 x 3 grid, unpadded and scaled to 4 x 8 patches (52 rows); E a 1 x 2 grid kept (52 rows,
 # none scaled); D a 3 x 2 grid scaled to 6 x 4 (46 rows). Together, each image is its base crop (17 rows)
 IM_A, IM_B, IM_C, IM_D, IM_E = (
-    _image(40, 70, 0),
-    _image(90, 30, 1),
-    _image(40, 70, 2),
-    _image(60, 40, 3),
-    _image(20, 40, 5),
+    image(40, 70, 0),
+    image(90, 30, 1),
+    image(40, 70, 2),
+    image(60, 40, 3),
+    image(20, 40, 5),
 )
 
 
-def _chat(*parts: object) -> list[dict]:
-    content = [
-        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts
-    ]
-    return [{"role": "user", "content": content}]
-
-
 CONVS = [
-    _chat("Describe", IM_A, "briefly please"),  # text before and after one image
-    _chat("First", IM_A, "then", IM_B, "compare them"),  # two images (base crops), text between
-    _chat(IM_E, "what now"),  # an image first
-    _chat("And", IM_D),  # an image last
+    chat("Describe", IM_A, "briefly please"),  # text before and after one image
+    chat("First", IM_A, "then", IM_B, "compare them"),  # two images (base crops), text between
+    chat(IM_E, "what now"),  # an image first
+    chat("And", IM_D),  # an image last
 ]
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
@@ -61,26 +60,13 @@ def hf(ckpt):
     return LlavaOnevisionForConditionalGeneration.from_pretrained(ckpt).eval()
 
 
-def _inputs(ckpt, conv: list[dict]) -> dict:
-    from gapless.engine.image_io import ImageLimits, split_chat
-    from gapless.model.vision.llava_onevision import OnevisionProcessor
-
-    chat, images = split_chat(conv, ImageLimits())
-    processor = OnevisionProcessor(ckpt)
-    out = processor(processor.apply_chat_template(chat, add_generation_prompt=True), images)
-    return dict(out, attention_mask=torch.ones_like(out["input_ids"]))
-
-
 @pytest.fixture(scope="module")
 def reference(ckpt, hf):
     """transformers' greedy tokens for each conversation of CONVS (and the first with image C)."""
-    out = []
-    for conv in [*CONVS, _chat("Describe", IM_C, "briefly please")]:
-        inputs = _inputs(ckpt, conv)
-        with torch.no_grad():
-            ids = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        out.append(ids[0, inputs["input_ids"].shape[1] :].tolist())
-    return out
+    from gapless.model.vision.llava_onevision import OnevisionProcessor
+
+    convs = [*CONVS, chat("Describe", IM_C, "briefly please")]
+    return hf_chat_greedy(hf, partial(processor_inputs, OnevisionProcessor(ckpt)), convs, MAX_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -89,18 +75,13 @@ def reference(ckpt, hf):
     ids=["scaled", "kept", "scaled-tall", "several"],
 )
 def test_encoder_equals_transformers(ckpt, hf, images, rows):
-    from gapless.model.config import load_model_config
-    from gapless.model.vision import new_encoder
     from gapless.model.vision.llava_next import anyres_inputs
     from gapless.model.vision.llava_onevision import OnevisionProcessor
 
     processor = OnevisionProcessor(ckpt)
     out = processor("x<image>" * len(images), images)
-    spec = load_model_config(ckpt).vision
-    encoder = new_encoder(spec, 64, torch.float32, torch.device("cpu"))
-    for name, tensor in hf.state_dict().items():
-        encoder.load_weight(name, tensor)
-    assert encoder.missing_weights() == []
+    encoder = hf_encoder(ckpt, hf)
+    spec = encoder.spec
     inputs, lengths = anyres_inputs(out, len(images), processor)
     assert lengths == rows and int((out["input_ids"] == spec.image_token_id).sum()) == sum(rows)
     with torch.no_grad():
@@ -113,48 +94,17 @@ def test_encoder_equals_transformers(ckpt, hf, images, rows):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        dict(page_size=1, chunked_prefill_size=13),  # overlap on; chunks of 13 cut through every image
-        dict(page_size=16, overlap=False),  # whole prompts in one batch, the plain loop
-        dict(page_size=16, chunked_prefill_size=30, cpu_worker="process"),  # in the device process
-        pytest.param(
-            dict(device="cuda", dtype="float32", page_size=16, chunked_prefill_size=13),
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="needs CUDA (the CPU cases cover it)"
-            ),
-        ),
-    ],
-    ids=["page1-chunk13", "page16-plain", "page16-chunk30-process", "cuda-page16-chunk13"],
-)
+@pytest.mark.parametrize("options", greedy_cases(13, 30))
 def test_greedy_equals_transformers(ckpt, reference, options):
-    with LLM(str(ckpt), **{"device": "cpu", **options}) as llm:
-        outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in outs] == reference[:4]
-        token = llm.engine.vision.image_token_id
-        assert [o.prompt_token_ids.count(token) for o in outs] == [52, 17 + 17, 52, 46]
-        runner = llm.engine._runner
-        if runner is not None:  # (in this process) each image encoded once per request, chunked or not
-            assert runner.encoder_cache.encoded == 5
-            assert runner.encoder_cache.kept == {}
-        llm.check_integrity()
+    """Overlap on with chunks of 13 cutting through every image, the plain loop, the device process."""
+    check_greedy_chats(
+        ckpt, options, CONVS, GREEDY, reference[:4], encoded=5, image_rows=[52, 17 + 17, 52, 46]
+    )
 
 
 def test_prefix_cache_keys_images_by_content(ckpt, reference):
-    with LLM(str(ckpt), device="cpu", page_size=1) as llm:
-        first = llm.chat(CONVS[0], GREEDY, use_tqdm=False)[0]
-        ids = first.prompt_token_ids
-        token = llm.engine.vision.image_token_id
-        start, end = ids.index(token), len(ids) - ids[::-1].index(token)
-        again = llm.chat(CONVS[0], GREEDY, use_tqdm=False)[0]
-        assert again.token_ids == reference[0]
-        assert again.cached_tokens >= end  # the image's KV reused: a hit past its run
-        other = llm.chat(_chat("Describe", IM_C, "briefly please"), GREEDY, use_tqdm=False)[0]
-        assert other.token_ids == reference[4]
-        assert other.prompt_token_ids == ids  # the same ids: only the pixels differ
-        assert other.cached_tokens <= start  # a miss from the image on
-        llm.check_integrity()
+    other = chat("Describe", IM_C, "briefly please")
+    check_prefix_cache_keys_images(ckpt, CONVS[0], other, GREEDY, reference[0], reference[4], rows=52)
 
 
 def test_configs_refused_by_name(ckpt):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import base64
 import io
+from functools import partial
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -18,31 +18,30 @@ from gapless import LLM, SamplingParams
 from gapless.config import parse_limit_mm
 from gapless.engine.image_io import ImageError
 from gapless.testing.vision_checkpoints import make_llava_checkpoint
+from gapless.testing.vision_reference import (
+    chat,
+    chat_inputs,
+    check_greedy_chats,
+    check_prefix_cache_keys_images,
+    check_retraction,
+    greedy_cases,
+    hf_chat_greedy,
+    image,
+)
 
 MAX_TOKENS = 10
 TOKENS_PER_IMAGE = 16  # (56 / 14) ** 2
 
 
-def _image(h: int, w: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8))
-
-
-IM_A, IM_B, IM_C = _image(40, 70, 0), _image(90, 30, 1), _image(40, 70, 2)  # A and C: the same size
-
-
-def _chat(*parts: object) -> list[dict]:
-    content = [
-        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts
-    ]
-    return [{"role": "user", "content": content}]
+IM_A, IM_B, IM_C = image(40, 70, 0), image(90, 30, 1), image(40, 70, 2)  # A and C: the same size
 
 
 CONVS = [
-    _chat("Describe", IM_A, "briefly please"),  # text before and after one image
-    _chat("First", IM_A, "then", IM_B, "compare them"),  # two images of different sizes, text between
-    _chat(IM_B, "what now"),  # an image first
+    chat("Describe", IM_A, "briefly please"),  # text before and after one image
+    chat("First", IM_A, "then", IM_B, "compare them"),  # two images of different sizes, text between
+    chat(IM_B, "what now"),  # an image first
     # images in two messages of one conversation
-    [*_chat("See", IM_B), {"role": "assistant", "content": "A picture."}, *_chat(IM_A, "and this one?")],
+    [*chat("See", IM_B), {"role": "assistant", "content": "A picture."}, *chat(IM_A, "and this one?")],
 ]
 
 
@@ -58,59 +57,24 @@ def reference(ckpt):
 
     processor = AutoProcessor.from_pretrained(ckpt)
     model = LlavaForConditionalGeneration.from_pretrained(ckpt).eval()
-    out = []
-    for conv in [*CONVS, _chat("Describe", IM_C, "briefly please")]:
-        inputs = processor.apply_chat_template(
-            conv, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
-        )
-        with torch.no_grad():
-            ids = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        out.append(ids[0, inputs["input_ids"].shape[1] :].tolist())
-    return out
+    convs = [*CONVS, chat("Describe", IM_C, "briefly please")]
+    return hf_chat_greedy(model, partial(chat_inputs, processor), convs, MAX_TOKENS)
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        dict(page_size=1, chunked_prefill_size=10),  # overlap on; chunks of 10 cut through every image
-        dict(page_size=16, overlap=False),  # whole prompts in one batch, the plain loop
-        dict(page_size=16, chunked_prefill_size=7, cpu_worker="process"),  # in the device process
-        pytest.param(
-            dict(device="cuda", dtype="float32", page_size=16, chunked_prefill_size=10),
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="needs CUDA (the CPU cases cover it)"
-            ),
-        ),
-    ],
-    ids=["page1-chunk10", "page16-plain", "page16-chunk7-process", "cuda-page16-chunk10"],
-)
+@pytest.mark.parametrize("options", greedy_cases(10, 7))
 def test_greedy_equals_transformers(ckpt, reference, options):
-    with LLM(str(ckpt), **{"device": "cpu", **options}) as llm:
-        outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in outs] == reference[:4]
-        runner = llm.engine._runner
-        if runner is not None:  # (in this process) each image encoded once per request, chunked or not
-            assert runner.encoder_cache.encoded == 6
-            assert runner.encoder_cache.kept == {}
-        llm.check_integrity()
+    """Overlap on with chunks of 10 cutting through every image, the plain loop, the device process."""
+    check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[:4], encoded=6)
 
 
 def test_prefix_cache_keys_images_by_content(ckpt, reference):
-    with LLM(str(ckpt), device="cpu", page_size=1) as llm:
-        first = llm.chat(CONVS[0], GREEDY, use_tqdm=False)[0]
-        start = first.prompt_token_ids.index(llm.engine.vision.image_token_id)
-        end = start + TOKENS_PER_IMAGE
-        again = llm.chat(CONVS[0], GREEDY, use_tqdm=False)[0]
-        assert again.token_ids == reference[0]
-        assert again.cached_tokens >= end  # the image's KV reused: a hit past its run
-        other = llm.chat(_chat("Describe", IM_C, "briefly please"), GREEDY, use_tqdm=False)[0]
-        assert other.token_ids == reference[4]
-        assert other.prompt_token_ids == first.prompt_token_ids  # the same ids: only the pixels differ
-        assert other.cached_tokens <= start  # a miss from the image on
-        llm.check_integrity()
+    other = chat("Describe", IM_C, "briefly please")
+    check_prefix_cache_keys_images(
+        ckpt, CONVS[0], other, GREEDY, reference[0], reference[4], rows=TOKENS_PER_IMAGE
+    )
 
 
 def _data_url(image: Image.Image, fmt: str = "PNG") -> str:
@@ -147,9 +111,9 @@ def test_data_url_and_path_equal_pil_image(ckpt, reference, tmp_path):
         ),
         (_url_chat("data:image/png;base64,@@@"), "not valid base64"),
         (_url_chat("https://example.com/cat.png"), "remote image URLs are not fetched"),
-        (_url_chat(_data_url(_image(8, 8, 3), "TIFF")), "format TIFF is not supported"),
-        (_url_chat(_data_url(_image(100, 100, 3))), "more than the limit 5000"),  # pixels
-        (_chat("a", IM_A, IM_A, IM_A), "3 images in one prompt, more than the limit 2"),
+        (_url_chat(_data_url(image(8, 8, 3), "TIFF")), "format TIFF is not supported"),
+        (_url_chat(_data_url(image(100, 100, 3))), "more than the limit 5000"),  # pixels
+        (chat("a", IM_A, IM_A, IM_A), "3 images in one prompt, more than the limit 2"),
         ([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}], "type 'audio' is not supported"),
     ],
     ids=["broken", "base64", "remote", "format", "pixels", "count", "kind"],
@@ -257,13 +221,5 @@ def test_memory_plan_counts_the_encoder(ckpt):
 
 
 def test_retraction_re_encodes_and_keeps_the_tokens(ckpt, reference):
-    """A KV pool too small for every conversation at once: requests are retracted mid-decode and resume
-    (their image KV recomputed, or found in the radix cache), under overlap with chaos delays; the tokens
-    stay transformers'."""
-    eager = {"init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
-    options = dict(kv_cache_tokens=120, cpu_worker="thread", chaos_seed=3, chunked_prefill_size=16, **eager)
-    with LLM(str(ckpt), device="cpu", **options) as llm:
-        outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in outs] == reference[:4]
-        assert llm.engine.stats.retractions > 0
-        llm.check_integrity()
+    """Requests retracted mid-decode resume (their image KV recomputed, or found in the radix cache)."""
+    check_retraction(ckpt, CONVS, GREEDY, reference[:4], kv_cache_tokens=120)

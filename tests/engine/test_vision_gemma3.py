@@ -8,42 +8,41 @@ hits, a different image of the same size misses)."""
 
 from __future__ import annotations
 
-import numpy as np
+from functools import partial
+
 import pytest
 import torch
-from PIL import Image
 
 from gapless import LLM, SamplingParams
 from gapless.engine.images import PromptImage, chunk_tokens
 from gapless.testing.gemma3_checkpoint import TOKENS_PER_IMAGE, make_gemma3_checkpoint
+from gapless.testing.vision_reference import (
+    chat,
+    chat_inputs,
+    check_greedy_chats,
+    check_prefix_cache_keys_images,
+    check_retraction,
+    greedy_cases,
+    hf_chat_greedy,
+    image,
+)
 
 MAX_TOKENS = 8
 
 
-def _image(h: int, w: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8))
-
-
-IM_A, IM_B, IM_C = _image(40, 70, 0), _image(90, 30, 1), _image(40, 70, 2)  # A and C: the same size
-
-
-def _chat(*parts: object) -> list[dict]:
-    content = [
-        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts
-    ]
-    return [{"role": "user", "content": content}]
+IM_A, IM_B, IM_C = image(40, 70, 0), image(90, 30, 1), image(40, 70, 2)  # A and C: the same size
 
 
 CONVS = [
-    _chat("Describe", IM_A, "briefly please"),  # text before and after one image
-    _chat("First", IM_A, "then", IM_B, "compare them"),  # two images, text between
-    _chat(IM_B, "what now"),  # an image first
+    chat("Describe", IM_A, "briefly please"),  # text before and after one image
+    chat("First", IM_A, "then", IM_B, "compare them"),  # two images, text between
+    chat(IM_B, "what now"),  # an image first
 ]
-OTHER = _chat("Describe", IM_C, "briefly please")  # CONVS[0] with a different image of the same size
+OTHER = chat("Describe", IM_C, "briefly please")  # CONVS[0] with a different image of the same size
 # two prompts that share an image and differ after it: with pages of 16 the second's cache hit (40 shared
 # tokens, rounded down to 32) ends inside the image's run [21, 37)
-FIRST = _chat("Describe this picture", IM_A, "briefly please")
-SEQUEL = _chat("Describe this picture", IM_A, "in a word")
+FIRST = chat("Describe this picture", IM_A, "briefly please")
+SEQUEL = chat("Describe this picture", IM_A, "in a word")
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
@@ -62,15 +61,7 @@ def reference(ckpt):
     processor = AutoProcessor.from_pretrained(ckpt)
     model = Gemma3ForConditionalGeneration.from_pretrained(ckpt).eval()
 
-    def inputs(conv: list[dict]) -> dict:
-        return processor.apply_chat_template(
-            conv, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
-        )
-
-    def generate(conv: list[dict]) -> list[int]:
-        with torch.no_grad():
-            ids = model.generate(**inputs(conv), max_new_tokens=MAX_TOKENS, do_sample=False)
-        return ids[0, inputs(conv)["input_ids"].shape[1] :].tolist()
+    inputs = partial(chat_inputs, processor)
 
     def prompt_logprobs(conv: list[dict], bidirectional: bool) -> torch.Tensor:
         x = inputs(conv)
@@ -80,7 +71,7 @@ def reference(ckpt):
             logp = torch.log_softmax(model(**x).logits[0, :-1].float(), -1)
         return logp.gather(1, x["input_ids"][0, 1:, None])[:, 0]
 
-    tokens = [generate(c) for c in [*CONVS, OTHER, SEQUEL]]
+    tokens = hf_chat_greedy(model, inputs, [*CONVS, OTHER, SEQUEL], MAX_TOKENS)
     logprobs = {
         (i, both): prompt_logprobs(c, both) for i, c in ((1, CONVS[1]), (5, SEQUEL)) for both in (1, 0)
     }
@@ -99,47 +90,17 @@ def test_prompt_logprobs_attend_over_images_both_ways(ckpt, reference):
     assert (causal - both).abs().max() > 0.1
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        dict(page_size=1, chunked_prefill_size=10),  # overlap on; chunks of 10 end before or after images
-        dict(page_size=16, overlap=False),  # whole prompts in one batch, the plain loop
-        dict(page_size=16, chunked_prefill_size=24, attention_backend="triton"),  # the extend kernel
-        pytest.param(
-            dict(device="cuda", dtype="float32", page_size=16, chunked_prefill_size=10),
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="needs CUDA (the CPU cases cover it)"
-            ),
-        ),
-    ],
-    ids=["page1-chunk10", "page16-plain", "page16-chunk24-triton", "cuda-page16-chunk10"],
-)
+@pytest.mark.parametrize("options", greedy_cases(10, 24, "triton"))
 def test_greedy_equals_transformers(ckpt, reference, options):
+    """Overlap on with chunks of 10 (they end before or after images), the plain loop, the extend kernel."""
     if options.get("attention_backend") == "triton":
         pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
-    with LLM(str(ckpt), **{"device": "cpu", **options}) as llm:
-        outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in outs] == reference[0][:3]
-        runner = llm.engine._runner
-        assert runner is not None and runner.encoder_cache is not None
-        assert runner.encoder_cache.encoded == 4 and runner.encoder_cache.kept == {}  # never cut
-        llm.check_integrity()
+    check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[0][:3], encoded=4)  # never cut
 
 
 def test_prefix_cache_keys_images_by_content(ckpt, reference):
     tokens = reference[0]
-    with LLM(str(ckpt), device="cpu", page_size=1) as llm:
-        first = llm.chat(CONVS[0], GREEDY, use_tqdm=False)[0]
-        start = first.prompt_token_ids.index(llm.engine.vision.image_token_id)
-        end = start + TOKENS_PER_IMAGE
-        again = llm.chat(CONVS[0], GREEDY, use_tqdm=False)[0]
-        assert again.token_ids == tokens[0]
-        assert again.cached_tokens >= end  # the image's KV reused: a hit past its run
-        other = llm.chat(OTHER, GREEDY, use_tqdm=False)[0]
-        assert other.token_ids == tokens[3]
-        assert other.prompt_token_ids == first.prompt_token_ids  # the same ids: only the pixels differ
-        assert other.cached_tokens <= start  # a miss from the image on
-        llm.check_integrity()
+    check_prefix_cache_keys_images(ckpt, CONVS[0], OTHER, GREEDY, tokens[0], tokens[3], rows=TOKENS_PER_IMAGE)
 
 
 def test_a_prefix_hit_inside_an_image(ckpt, reference):
@@ -168,16 +129,9 @@ def test_a_prefix_hit_inside_an_image(ckpt, reference):
 
 
 def test_retraction_resumes_with_whole_images(ckpt, reference):
-    """A KV pool too small for every conversation at once: requests are retracted mid-decode and resume
-    (their prefix found in the radix cache, possibly ending inside an image, or recomputed), under overlap
-    with chaos delays; the tokens stay transformers'."""
-    eager = {"init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
-    options = dict(kv_cache_tokens=110, cpu_worker="thread", chaos_seed=3, chunked_prefill_size=16, **eager)
-    with LLM(str(ckpt), device="cpu", page_size=1, **options) as llm:
-        outs = llm.chat(CONVS, GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in outs] == reference[0][:3]
-        assert llm.engine.stats.retractions > 0
-        llm.check_integrity()
+    """Requests retracted mid-decode resume (their prefix found in the radix cache, possibly ending inside
+    an image, or recomputed) with pages of 1."""
+    check_retraction(ckpt, CONVS, GREEDY, reference[0][:3], kv_cache_tokens=110, page_size=1)
 
 
 def test_chunks_never_end_inside_an_image_that_attends_both_ways():

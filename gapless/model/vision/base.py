@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,3 +75,33 @@ class VisionEncoder(nn.Module, ABC):
     def missing_weights(self) -> list[str]:
         """The encoder's parameters no `load_weight` filled."""
         return sorted(n for n, _ in self.named_parameters() if n not in self.loaded)
+
+
+class TowerEncoder(VisionEncoder):
+    """An encoder of a vision `tower` and a projector into the decoder's `text_hidden` width (LLaVA's,
+    Gemma 3's), its checkpoint tensors named by `vision_name` (None: not the encoder's)."""
+
+    tower: Any
+    text_hidden: int
+
+    @abstractmethod
+    def vision_name(self, name: str) -> str | None:
+        """The encoder's own name of checkpoint tensor `name`, else None."""
+
+    def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
+        """The tower's, and a few projected rows of every image's tokens."""
+        t, hidden = self.spec.tokens_per_image, self.text_hidden
+        return (
+            self.tower.activation_bytes(images, dtype)
+            + images * t * hidden * 3 * torch.finfo(dtype).bits // 8
+        )
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        own = self.vision_name(name)
+        if own is None:
+            return False
+        params = dict(self.named_parameters())
+        if own not in params:  # the tower's, never run: a layer past the one read, a post-norm, a head
+            return True
+        self.place(own, name, tensor)
+        return True

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gapless.model.vision.base import VisionEncoder, VisionSpec
+from gapless.model.vision.base import TowerEncoder, VisionSpec
 from gapless.model.vision.siglip import SiglipVisionTower
 
 
@@ -64,7 +64,7 @@ def _vision_name(name: str) -> str | None:
     return None
 
 
-class Gemma3Encoder(VisionEncoder):
+class Gemma3Encoder(TowerEncoder):
     def __init__(self, spec: VisionSpec, text_hidden: int) -> None:
         super().__init__()
         cfg = spec.config
@@ -92,19 +92,5 @@ class Gemma3Encoder(VisionEncoder):
         out = torch.matmul(x, self.projector_mm_input_projection_weight).type_as(h)
         return list(out.unbind(0))
 
-    def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
-        t, hidden = self.spec.tokens_per_image, self.text_hidden
-        return (
-            self.tower.activation_bytes(images, dtype)
-            + images * t * hidden * 3 * torch.finfo(dtype).bits // 8
-        )
-
-    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
-        own = _vision_name(name)
-        if own is None:
-            return False
-        params = dict(self.named_parameters())
-        if own not in params:  # SigLIP's pooling head, which Gemma 3 never runs
-            return True
-        self.place(own, name, tensor)
-        return True
+    def vision_name(self, name: str) -> str | None:
+        return _vision_name(name)

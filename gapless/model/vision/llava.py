@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gapless.model.vision.base import VisionEncoder, VisionSpec
+from gapless.model.vision.base import TowerEncoder, VisionSpec
 from gapless.model.vision.clip import ClipVisionTower, activation
 
 
@@ -45,7 +45,7 @@ def _vision_name(name: str) -> str | None:
     return None
 
 
-class LlavaEncoder(VisionEncoder):
+class LlavaEncoder(TowerEncoder):
     def __init__(self, spec: VisionSpec, text_hidden: int) -> None:
         super().__init__()
         cfg = spec.config
@@ -80,19 +80,5 @@ class LlavaEncoder(VisionEncoder):
         p = self.projector
         return p["linear_2"](self.act(p["linear_1"](h)))
 
-    def activation_bytes(self, images: int, dtype: torch.dtype) -> int:
-        t, hidden = self.spec.tokens_per_image, self.text_hidden
-        return (
-            self.tower.activation_bytes(images, dtype)
-            + images * t * hidden * 3 * torch.finfo(dtype).bits // 8
-        )
-
-    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
-        own = _vision_name(name)
-        if own is None:
-            return False
-        params = dict(self.named_parameters())
-        if own not in params:  # a layer past the one the model reads, or the unused post-norm
-            return True
-        self.place(own, name, tensor)
-        return True
+    def vision_name(self, name: str) -> str | None:
+        return _vision_name(name)

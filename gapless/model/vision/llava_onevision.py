@@ -18,7 +18,7 @@ from typing import Any
 
 from gapless.model.vision.base import VisionSpec
 from gapless.model.vision.llava_next import LlavaNextEncoder, anyres_inputs, anyres_layout
-from gapless.model.vision.qwen2_5_vl import QwenVLProcessor
+from gapless.model.vision.qwen2_5_vl import ProcessedImages, QwenVLProcessor
 from gapless.model.vision.siglip import SiglipVisionTower
 
 # transformers' `LlavaOnevisionConfig` default: every grid of 1 to 6 x 1 to 6 tiles of 384 px
@@ -97,18 +97,8 @@ class OnevisionProcessor(QwenVLProcessor):
         self.patch_size = int(vision["patch_size"])
         self.max_patches = _max_patches(spec.config)  # read by `anyres_inputs`
 
-    def __call__(
-        self, text: str, images: list[Any] | None, return_tensors: str = "pt", add_special_tokens: bool = True
-    ) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if images:
-            # one prompt's images, nested so the image processor counts them (`batch_num_images`)
-            out = dict(self.image_processor(images=[list(images)], return_tensors=return_tensors))
-            _, counts = anyres_inputs(out, len(images), self)
-            parts = text.split(self.image_token)
-            if len(parts) != len(counts) + 1:
-                raise ValueError(f"{len(parts) - 1} image placeholders for {len(counts)} images")
-            text = parts[0] + "".join(self.image_token * n + p for n, p in zip(counts, parts[1:]))
-        ids = self.tokenizer(text, add_special_tokens=add_special_tokens, return_tensors=return_tensors)
-        out["input_ids"] = ids["input_ids"]
-        return out
+    def process_images(self, images: list[Any], return_tensors: str) -> ProcessedImages:
+        """One prompt's `images` processed together, each image's rows as `anyres_inputs` counts them."""
+        # nested as one prompt's, so the image processor counts them (`batch_num_images`)
+        out = dict(self.image_processor(images=[list(images)], return_tensors=return_tensors))
+        return ProcessedImages(out, anyres_inputs(out, len(images), self)[1])

@@ -248,6 +248,13 @@ class Qwen25VLEncoder(VisionEncoder):
         return True
 
 
+class ProcessedImages(NamedTuple):
+    """One prompt's images through a processor's image processor."""
+
+    inputs: dict[str, Any]  # the image processor's output (pixel values, grids or sizes)
+    rows: list[int]  # each image's run of image tokens
+
+
 class QwenVLProcessor:
     """Qwen2.5-VL's processor from its parts: transformers' image processor (`AutoImageProcessor`: every
     resize and normalisation is its) and the checkpoint's tokenizer and chat template; each image's
@@ -272,14 +279,20 @@ class QwenVLProcessor:
         kwargs.setdefault("chat_template", self.chat_template)
         return str(self.tokenizer.apply_chat_template(chat, tokenize=False, **kwargs))
 
+    def process_images(self, images: list[Any], return_tensors: str) -> ProcessedImages:
+        """One prompt's `images` processed, each image's rows one per merged block of its grid."""
+        out = dict(self.image_processor(images=images, return_tensors=return_tensors))
+        merge = int(self.image_processor.merge_size) ** 2
+        return ProcessedImages(out, [int(g.prod()) // merge for g in out["image_grid_thw"]])
+
     def __call__(
         self, text: str, images: list[Any] | None, return_tensors: str = "pt", add_special_tokens: bool = True
     ) -> dict[str, Any]:
+        """The prompt's ids with each image's `image_token` expanded to its rows (`process_images`), and the
+        images' processed inputs."""
         out: dict[str, Any] = {}
         if images:
-            out = dict(self.image_processor(images=images, return_tensors=return_tensors))
-            merge = int(self.image_processor.merge_size) ** 2
-            counts = [int(g.prod()) // merge for g in out["image_grid_thw"]]
+            out, counts = self.process_images(images, return_tensors)
             parts = text.split(self.image_token)
             if len(parts) != len(counts) + 1:
                 raise ValueError(f"{len(parts) - 1} image placeholders for {len(counts)} images")
