@@ -33,6 +33,17 @@ def chat(*parts: object) -> Chat:
     return [{"role": "user", "content": content}]
 
 
+def image_count(convs: Sequence[Chat]) -> int:
+    """The image parts of `convs` (each encoded once per request)."""
+    return sum(
+        part.get("type") == "image"
+        for conv in convs
+        for message in conv
+        if isinstance(message["content"], list)
+        for part in message["content"]
+    )
+
+
 def chat_inputs(processor: Any, conv: Chat) -> dict[str, Any]:
     """A transformers processor's model inputs for `conv`, as its chat template lays it out."""
     return processor.apply_chat_template(

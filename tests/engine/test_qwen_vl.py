@@ -22,6 +22,7 @@ from gapless.testing.vision_reference import (
     hf_chat_greedy,
     hf_encoder,
     image,
+    image_count,
     processor_inputs,
 )
 
@@ -36,6 +37,7 @@ CONVS = [
     chat("Describe", IM_A, "briefly please"),  # text before and after one image
     chat("First", IM_A, "then", IM_B, "compare them"),  # two images of different sizes, text between
     chat(IM_B, "what now"),  # an image first
+    chat("Three", IM_B, "one", IM_A, "two", image(60, 90, 3), "three"),  # three images of three sizes
     [*chat("See", IM_B), {"role": "assistant", "content": "A picture."}, *chat(IM_A, "and this one?")],
 ]
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -101,18 +103,19 @@ def test_encoder_and_positions_equal_transformers(ckpt, hf):
 @pytest.mark.parametrize("options", greedy_cases(9, 13))
 def test_greedy_equals_transformers(ckpt, reference, options):
     """Overlap on with chunks of 9 cutting through every image, the plain loop, the device process."""
-    check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[:4], encoded=6)
+    check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[: len(CONVS)], encoded=image_count(CONVS))
 
 
 def test_prefix_cache_keys_images_by_content(ckpt, reference):
     other = chat("Describe", IM_C, "briefly please")
-    check_prefix_cache_keys_images(ckpt, CONVS[0], other, GREEDY, reference[0], reference[4], rows=20)
+    ref_other = reference[len(CONVS)]
+    check_prefix_cache_keys_images(ckpt, CONVS[0], other, GREEDY, reference[0], ref_other, rows=20)
 
 
 def test_retraction_keeps_the_positions(ckpt, reference):
     """Requests retracted mid-decode resume, their prompt and generated tokens recomputed at their M-RoPE
     positions (the delta past the prompt)."""
-    check_retraction(ckpt, CONVS, GREEDY, reference[:4], kv_cache_tokens=120)
+    check_retraction(ckpt, CONVS, GREEDY, reference[: len(CONVS)], kv_cache_tokens=120)
 
 
 def test_mrope_of_one_position_is_plain_rope():

@@ -1,5 +1,5 @@
 """LLaVA-1.5 end to end, offline: greedy tokens equal transformers' `LlavaForConditionalGeneration` on a
-tiny random checkpoint (one and two images of different sizes, text before, between and after), with
+tiny random checkpoint (one, two and three images of different sizes, text before, between and after), with
 overlap on and off, chunks that cut through an image, page sizes 1 and 16; the radix cache keyed by
 image content (a repeated image hits, a different image of the same size misses); each image encoded
 once per request; and every image limit refused before anything is queued."""
@@ -27,6 +27,7 @@ from gapless.testing.vision_reference import (
     greedy_cases,
     hf_chat_greedy,
     image,
+    image_count,
 )
 
 MAX_TOKENS = 10
@@ -40,6 +41,7 @@ CONVS = [
     chat("Describe", IM_A, "briefly please"),  # text before and after one image
     chat("First", IM_A, "then", IM_B, "compare them"),  # two images of different sizes, text between
     chat(IM_B, "what now"),  # an image first
+    chat("Three", IM_B, "one", IM_A, "two", image(60, 50, 3), "three"),  # three images of three sizes
     # images in two messages of one conversation
     [*chat("See", IM_B), {"role": "assistant", "content": "A picture."}, *chat(IM_A, "and this one?")],
 ]
@@ -67,13 +69,13 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 @pytest.mark.parametrize("options", greedy_cases(10, 7))
 def test_greedy_equals_transformers(ckpt, reference, options):
     """Overlap on with chunks of 10 cutting through every image, the plain loop, the device process."""
-    check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[:4], encoded=6)
+    check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[: len(CONVS)], encoded=image_count(CONVS))
 
 
 def test_prefix_cache_keys_images_by_content(ckpt, reference):
     other = chat("Describe", IM_C, "briefly please")
     check_prefix_cache_keys_images(
-        ckpt, CONVS[0], other, GREEDY, reference[0], reference[4], rows=TOKENS_PER_IMAGE
+        ckpt, CONVS[0], other, GREEDY, reference[0], reference[len(CONVS)], rows=TOKENS_PER_IMAGE
     )
 
 
@@ -222,4 +224,4 @@ def test_memory_plan_counts_the_encoder(ckpt):
 
 def test_retraction_re_encodes_and_keeps_the_tokens(ckpt, reference):
     """Requests retracted mid-decode resume (their image KV recomputed, or found in the radix cache)."""
-    check_retraction(ckpt, CONVS, GREEDY, reference[:4], kv_cache_tokens=120)
+    check_retraction(ckpt, CONVS, GREEDY, reference[: len(CONVS)], kv_cache_tokens=120)

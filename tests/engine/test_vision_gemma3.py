@@ -25,6 +25,7 @@ from gapless.testing.vision_reference import (
     greedy_cases,
     hf_chat_greedy,
     image,
+    image_count,
 )
 
 MAX_TOKENS = 8
@@ -37,6 +38,7 @@ CONVS = [
     chat("Describe", IM_A, "briefly please"),  # text before and after one image
     chat("First", IM_A, "then", IM_B, "compare them"),  # two images, text between
     chat(IM_B, "what now"),  # an image first
+    chat("Three", IM_B, "one", IM_A, "two", image(60, 50, 3), "three"),  # three images of three sizes
 ]
 OTHER = chat("Describe", IM_C, "briefly please")  # CONVS[0] with a different image of the same size
 # two prompts that share an image and differ after it: with pages of 16 the second's cache hit (40 shared
@@ -95,12 +97,14 @@ def test_greedy_equals_transformers(ckpt, reference, options):
     """Overlap on with chunks of 10 (they end before or after images), the plain loop, the extend kernel."""
     if options.get("attention_backend") == "triton":
         pytest.importorskip("triton", reason="triton is not installed (or does not import here)")
-    check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[0][:3], encoded=4)  # never cut
+    n = len(CONVS)  # (chunks never cut an image)
+    check_greedy_chats(ckpt, options, CONVS, GREEDY, reference[0][:n], encoded=image_count(CONVS))
 
 
 def test_prefix_cache_keys_images_by_content(ckpt, reference):
     tokens = reference[0]
-    check_prefix_cache_keys_images(ckpt, CONVS[0], OTHER, GREEDY, tokens[0], tokens[3], rows=TOKENS_PER_IMAGE)
+    other = tokens[len(CONVS)]
+    check_prefix_cache_keys_images(ckpt, CONVS[0], OTHER, GREEDY, tokens[0], other, rows=TOKENS_PER_IMAGE)
 
 
 def test_a_prefix_hit_inside_an_image(ckpt, reference):
@@ -117,7 +121,7 @@ def test_a_prefix_hit_inside_an_image(ckpt, reference):
         )
         sequel = llm.chat(SEQUEL, scored, use_tqdm=False)[0]
         assert start < sequel.cached_tokens < start + TOKENS_PER_IMAGE  # the hit ends inside the image
-        assert sequel.token_ids == tokens[4]
+        assert sequel.token_ids == tokens[len(CONVS) + 1]
         ids = sequel.prompt_token_ids
         got = torch.tensor([sequel.prompt_logprobs[i][ids[i]].logprob for i in range(34, len(ids))])
         both, causal = reference[1][5, 1][33:], reference[1][5, 0][33:]
@@ -131,7 +135,7 @@ def test_a_prefix_hit_inside_an_image(ckpt, reference):
 def test_retraction_resumes_with_whole_images(ckpt, reference):
     """Requests retracted mid-decode resume (their prefix found in the radix cache, possibly ending inside
     an image, or recomputed) with pages of 1."""
-    check_retraction(ckpt, CONVS, GREEDY, reference[0][:3], kv_cache_tokens=110, page_size=1)
+    check_retraction(ckpt, CONVS, GREEDY, reference[0][: len(CONVS)], kv_cache_tokens=110, page_size=1)
 
 
 def test_chunks_never_end_inside_an_image_that_attends_both_ways():
