@@ -341,7 +341,7 @@ class ModelRunner:
             table.apply_writes(batch.token_rows, batch.positions, batch.out_slots)
             input_ids, meta = self._eager_inputs(batch)
             # rotary positions: an M-RoPE extend's over time, height and width, eagerly
-            rope = batch.rope.positions if batch.rope is not None else batch.positions
+            rope = batch.rope.positions.to(self.device) if batch.rope is not None else batch.positions
             if batch.images is not None:  # the encoder's rows go in (gapless.engine.vision), eagerly
                 assert self.encoder_cache is not None, "image tokens for a model without a vision encoder"
                 images = self.encoder_cache.rows(batch.images, self.device)
@@ -377,7 +377,8 @@ class ModelRunner:
             rows, prompts, outputs = zip(*batch.penalty_inits)
             self.sampler.init_rows(list(rows), list(prompts), list(outputs))
         if self.rope_deltas is not None and not batch.reads_future_tokens:  # an extend: its rows' deltas
-            self.rope_deltas[batch.rows] = batch.rope.deltas if batch.rope is not None else 0
+            deltas = batch.rope.deltas.to(self.device) if batch.rope is not None else 0  # (built on the host)
+            self.rope_deltas[batch.rows] = deltas
         hidden = self.forward_hidden(batch)
         prompt = None
         if batch.prompt_scores is not None:  # prompt logprobs: in bounded pieces (gapless.sampling.logprobs)
