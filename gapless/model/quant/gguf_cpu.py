@@ -16,12 +16,15 @@ which: `int4_for`; by default int4 for the gate/up projections of int4 types, in
   rounded up to bfloat16: a rounding of at most s/2 per weight, against the file's own step (Q8_0: its
   block's max / 127). Two kernels run it (`GAPLESS_GGUF_ACTIVATIONS`):
   - `int8` (default, `Int8DynamicLinearMethod`): fbgemm's int8 x int8 GEMM
-    (`torch.ops.quantized.linear_dynamic`), 2-5x faster than the weight-only kernel at 8 rows and more
-    (`bench/results/gguf_cpu/`), as llama.cpp quantizes activations to 8 bits. fbgemm quantizes its input
-    with one range for the whole batch and, on AVX2, to 7 bits; taken as it is that cost the default
-    model 7-170% perplexity. So each row is scaled to its own range, pinned to [-1, 1] by one extra row,
-    and split into its 7-bit value and the remainder, both rows of the same GEMM: per row, ~14 bits, and
-    a row's result does not depend on the other rows of its batch.
+    (`torch.ops.quantized.linear_dynamic`), as llama.cpp quantizes activations to 8 bits: a decode step
+    of 32 rows 1.28x (1.46x with every layer int8 rows) the weight-only kernels', of one row 0.9x
+    (`bench/results/gguf_int8_act/step_layouts.log`). fbgemm quantizes its input over one range for the
+    whole batch and, on AVX2, to 7 bits; taken as it is, that raised the default model's perplexity from
+    29.7 to 79.8, and over one range per row to 31.9 (prototypes of this class, their logs not kept). So
+    each row is scaled to its own range, pinned to [-1, 1] by one extra row, and split into its 7-bit
+    value and the remainder, both rows of the same GEMM: per row, ~14 bits (29.77:
+    `bench/results/gguf_int8_act/quality_mixed.log`), and a row's result does not depend on the other
+    rows of its batch.
   - `bfloat16` (`Int8LinearMethod`): `torch.ops.aten._weight_int8pack_mm`, the activations as bfloat16.
 
 Both weight-only kernels are vectorized on x86 for bfloat16 activations only (float32 runs a scalar loop
