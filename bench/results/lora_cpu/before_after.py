@@ -43,13 +43,29 @@ print(" ".join(["python", *sys.argv]))
 print(cli.machine_line(cli.machine("cpu")))
 with tempfile.TemporaryDirectory() as tmp:
     loras = make_adapters(path, Path(tmp), 16, 16)
-    llm = LLM(str(path), device="cpu", dtype="float32", enable_lora=True, max_running_requests=16,
-              max_loras=16, max_lora_rank=16, cpu_worker="inline", overlap=False, device_threads=1)
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        enable_lora=True,
+        max_running_requests=16,
+        max_loras=16,
+        max_lora_rank=16,
+        cpu_worker="inline",
+        overlap=False,
+        device_threads=1,
+    )
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, llm.engine.vocab_size, (args.tokens,), generator=g).tolist() for _ in range(16)]
+    prompts = [
+        torch.randint(3, llm.engine.vocab_size, (args.tokens,), generator=g).tolist() for _ in range(16)
+    ]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    modes = {"base": [None] * 16, "1 adapter": [loras[0]] * 16, "4 adapters": [loras[i % 4] for i in range(16)],
-             "16 adapters": [loras[i] for i in range(16)]}
+    modes = {
+        "base": [None] * 16,
+        "1 adapter": [loras[0]] * 16,
+        "4 adapters": [loras[i % 4] for i in range(16)],
+        "16 adapters": [loras[i] for i in range(16)],
+    }
     totals = {(impl, m): [0, 0.0] for impl in impls for m in modes}
     outs = {}
     for r in range(args.rounds + 1):  # round 0: warm-up, not counted
@@ -65,10 +81,13 @@ with tempfile.TemporaryDirectory() as tmp:
                     totals[(impl, m)][1] += dt
         assert all(v["old"] == v["new"] for v in outs.values()), "old and new paths differ"
         if r:
-            print(f"round {r}: " + ", ".join(f"{i} {m} {totals[(i, m)][0] / totals[(i, m)][1]:.1f}" for i, m in totals))
+            rates = (f"{i} {m} {totals[(i, m)][0] / totals[(i, m)][1]:.1f}" for i, m in totals)
+            print(f"round {r}: " + ", ".join(rates))
     llm.shutdown()
-print(f"batch 16 x {args.tokens} prompt tokens, {args.tokens} output tokens each, rank 16 on q/k/v/o and "
-      f"gate/up/down, bench-size random qwen3, float32, inline, no overlap, 1 thread, {args.rounds} rounds")
+print(
+    f"batch 16 x {args.tokens} prompt tokens, {args.tokens} output tokens each, rank 16 on q/k/v/o and "
+    f"gate/up/down, bench-size random qwen3, float32, inline, no overlap, 1 thread, {args.rounds} rounds"
+)
 print("| rows run | old tok/s | old vs base | new tok/s | new vs base |")
 print("|---|---:|---:|---:|---:|")
 for m in modes:
