@@ -24,7 +24,9 @@
 #           5. cuda_tests the CUDA tests (tests/engine/test_cuda.py, the fused kernels', the sampler's, the
 #                         attention kernels', the quantized formats', FP8 KV's, LoRA's, pooling's, vision's, every
 #                         CUDA/Triton/graph case elsewhere), on 4 workers
-#           6. quant      the quantized-checkpoint runs: bench/gpu_quant.sh when it exists (its issue adds
+#           6. lora       `gapless.bench.lora`: 1, 4 and 16 distinct adapters in a batch of 64 against the base
+#           7. vision     `gapless.bench.vision`: Qwen2.5-VL images through prefill against transformers
+#           8. quant      the quantized-checkpoint runs: bench/gpu_quant.sh when it exists (its issue adds
 #                         it), with the time left
 #   suite   the whole test suite on the GPU machine (`pytest -n 8 tests`, cut at 480 s), with a plugin
 #           that names any test leaving the heap frozen (tests/bench/freeze_guard.py); then nothing else
@@ -96,7 +98,7 @@ pack() {  # the tarball and the summary, in $OUT
     grep -m1 -A1 '^name' "$WORK/env.log" | tail -1  # the GPU, from nvidia-smi
     grep -E '^torch |^cpus|missing' "$WORK/env.log"
     cat "$WORK/steps.log" 2>/dev/null
-    for f in bench/gpu_bench.log latency.log served.log kernels.log cuda_tests.log suite.log frozen.log \
+    for f in bench/gpu_bench.log latency.log served.log kernels.log cuda_tests.log lora.log vision.log suite.log frozen.log \
       quant/gpu_quant.log host.log served_vs_offline.log served_asyncio_h11.log prefill_launch_fused.log \
       prefill_launch_pieces.log prefill_launch_torch.log; do
       [ -f "$WORK/$f" ] || continue
@@ -150,7 +152,8 @@ step() {  # $1: seconds at most, $2: log name, the rest: the command. Cut to wha
 cuda_tests=(tests/engine/test_cuda.py tests/attention tests/sampling tests/model/test_moe.py
   tests/model/test_fused_kernels.py tests/engine/test_window_kv.py tests/spec/test_graphs.py tests/distributed
   tests/model/test_quant_fp8.py tests/model/test_quant_int4.py tests/engine/test_pooling.py
-  tests/engine/test_vision.py tests/engine/test_fp8_kv.py tests/lora)
+  tests/engine/test_vision.py tests/engine/test_vision_gemma3.py tests/engine/test_qwen_vl.py
+  tests/engine/test_llava_next.py tests/engine/test_llava_onevision.py tests/engine/test_fp8_kv.py tests/lora)
 
 case "$part" in
   all)
@@ -163,8 +166,14 @@ case "$part" in
     step 100 served "$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 --size bench \
       --layouts auto --num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \
       --json "$WORK/served.json"
-    step 130 cuda_tests "$PY" -m pytest -q -n 4 -p no:cacheprovider "${cuda_tests[@]}" \
+    step 150 cuda_tests "$PY" -m pytest -q -n 6 -p no:cacheprovider "${cuda_tests[@]}" \
       -k "(nccl or cuda or gpu or triton or graph or fused or kernel) and not sm90"
+    # issue 37's and 38's benchmarks: 1, 4 and 16 adapters in a batch against the base; images through
+    # prefill against transformers, and image chats' decode against text-only ones
+    step 70 lora "$PY" -m gapless.bench.lora --device cuda --dtype bfloat16 --size qwen3-0.6b --batch 64 \
+      --input-len 128 --max-tokens 128 --json "$WORK/lora.json"
+    step 90 vision "$PY" -m gapless.bench.vision --device cuda --family qwen2_5_vl --images 64 --batch 16 \
+      --json "$WORK/vision.json"
     if [ -f bench/gpu_quant.sh ]; then  # the quantized-checkpoint runs, when their issue adds them
       step 200 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=190 bash bench/gpu_quant.sh
     else
