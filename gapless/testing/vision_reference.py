@@ -89,7 +89,10 @@ def hf_encoder(ckpt: str | Path, hf: torch.nn.Module) -> VisionEncoder:
     return encoder
 
 
-_THIRD = {"process": {"cpu_worker": "process"}, "triton": {"attention_backend": "triton"}}
+# the Triton extend kernel runs under the interpreter on a CPU-only machine; where a GPU is, on the GPU
+# (without TRITON_INTERPRET the engine refuses the Triton backend on a CPU)
+_TRITON_DEVICE = {"device": "cuda", "dtype": "float32"} if torch.cuda.is_available() else {}
+_THIRD = {"process": {"cpu_worker": "process"}, "triton": {"attention_backend": "triton", **_TRITON_DEVICE}}
 
 
 def greedy_cases(chunk: int, third_chunk: int, third: str = "process") -> list[Any]:
@@ -128,7 +131,9 @@ def check_greedy_chats(
     """`convs` chatted on an engine of `options` (on the CPU unless they say): the tokens are `reference`;
     each prompt holds `image_rows` image tokens (where given); in this process (not `cpu_worker="process"`)
     the encoder ran `encoded` images, each once per request, chunked or not, and kept no cut one."""
-    with LLM(str(ckpt), **{"device": "cpu", **options}) as llm:
+    # in this process unless `options` say otherwise (cpu_worker "auto" picks the device process on a
+    # machine of 4 cores or more)
+    with LLM(str(ckpt), **{"device": "cpu", "cpu_worker": "inline", **options}) as llm:
         outs = llm.chat(list(convs), params, use_tqdm=False)
         assert [o.token_ids for o in outs] == reference
         if image_rows is not None:

@@ -47,7 +47,8 @@ def setup(ckpt_factory, tmp_path_factory):
     base_refs = [hf_greedy(models[None], p, MAX_NEW) for p in prompts]
     changed = [r.tokens != b.tokens for r, b, n in zip(refs, base_refs, names) if n]
     assert any(changed), "the adapters were meant to change the greedy tokens"
-    plain, _ = _run(base, loras, prompts, names, {})
+    # in this process (cpu_worker "auto" picks a device process on 4 cores or more)
+    plain, _ = _run(base, loras, prompts, names, {"cpu_worker": "inline"})
     return base, loras, prompts, names, refs, plain
 
 
