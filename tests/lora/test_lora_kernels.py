@@ -22,13 +22,17 @@ def _case(dtype: torch.dtype, t: int = 7, k: int = 80, r: int = 24, n: int = 72,
     return y, x, a, b, idx
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_torch(dtype):
+@pytest.mark.parametrize(
+    "dtype, k",
+    [(torch.float32, 80), (torch.bfloat16, 80), (torch.float32, 600)],  # 600: three shrink splits, one cut
+)
+def test_kernel_equals_torch(dtype, k):
     from gapless.lora import triton_kernels
 
     if not torch.cuda.is_available() and not triton_kernels.interpreted():
         pytest.skip("no GPU and TRITON_INTERPRET unset")
-    y, x, a, b, idx = _case(dtype)
+    assert (k > 2 * triton_kernels.SPLIT_K) == (k == 600)
+    y, x, a, b, idx = _case(dtype, k=k)
     want = add_lora_torch(y.float().clone(), x.float(), a.float(), b.float(), segments(idx))
     dev = "cpu" if triton_kernels.interpreted() else "cuda"
     got = triton_kernels.add_lora(*(t.to(dev) for t in (y.clone(), x, a, b, idx))).cpu()
