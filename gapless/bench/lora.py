@@ -80,6 +80,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 totals[name][0] += tokens
                 totals[name][1] += seconds
                 cli.progress(f"round {r + 1}: {name}: {tokens / seconds:.1f} output tok/s")
+        profiles = {name: _profile(llm, prompts, params, modes[name], args.device) for name in args.profile}
         llm.shutdown()
     tok_s = {name: n / s for name, (n, s) in totals.items()}
     return dict(
@@ -94,7 +95,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         rounds=args.rounds,
         tok_s=tok_s,
         vs_base={name: v / tok_s["base"] for name, v in tok_s.items()},
+        profiles=profiles,
     )
+
+
+def _profile(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, mode: list, device: str
+) -> list[tuple[str, float, int]]:
+    """One more round of `mode` under torch.profiler: its 15 costliest ops by self device time (CPU time
+    on a CPU), as (name, ms, calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        _round(llm, prompts, params, mode)
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:15]
+    return [(e.key[:90], getattr(e, attr) / 1e3, e.count) for e in events]
 
 
 def report(res: dict[str, Any]) -> list[str]:
@@ -106,10 +123,18 @@ def report(res: dict[str, Any]) -> list[str]:
         f"{res['max_tokens']} output tokens each, LoRA rank {res['rank']} on q/k/v/o and gate/up/down, "
         f"{res['rounds']} rounds",
         *cli.markdown_table(["rows run", "output tok/s", "vs base"], rows, "lrr"),
+        *(
+            line
+            for name, top in res["profiles"].items()
+            for line in (
+                f"\n{name}, one round profiled, costliest ops:",
+                *cli.markdown_table(["op", "ms", "calls"], [(k, f"{ms:.2f}", n) for k, ms, n in top], "lrr"),
+            )
+        ),
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     cli.add_model_args(p, "bench", ("tiny", "bench", "qwen3-0.6b"))
     p.add_argument("--device", default="cpu")
@@ -119,10 +144,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=cli.positive_int, default=64, help="output tokens (default 64)")
     p.add_argument("--rank", type=cli.positive_int, default=16, help="the adapters' rank (default 16)")
     p.add_argument("--rounds", type=cli.positive_int, default=2)
+    p.add_argument(
+        "--profile",
+        nargs="*",
+        default=[],
+        metavar="MODE",
+        help='after the rounds, profile one more of each mode named ("base", "16 adapters")',
+    )
     p.add_argument("--json", help="also write the results here")
     cli.add_engine_option_arg(p.add_argument_group("engine"), "e.g. page_size=16")
     args = p.parse_args(argv)
+    modes = ["base", *(f"{n} adapters" for n in ADAPTER_COUNTS)]
+    if bad := [m for m in args.profile if m not in modes]:
+        p.error(f"--profile: unknown mode(s) {bad}; the modes are {modes}")
     cli.take_engine_options(p, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     res = measure(args)
     print("\n".join(report(res)))
     if args.json:

@@ -216,7 +216,7 @@ def report(res: dict[str, Any]) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--family", choices=sorted(_FAMILIES), default="llava", help="the model's (default llava)")
@@ -228,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_engine_option_arg(p.add_argument_group("engine"), "e.g. page_size=16")
     args = p.parse_args(argv)
     cli.take_engine_options(p, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     res = measure(args)
     print("\n".join(report(res)))
     if args.json:

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("all", "suite", "serve", "prefill", "sweep")
 # the `all` part's steps, most important first (issue 34 item 6)
-ALL_STEPS = ["bench/run", "kernels", "latency", "served", "cuda_tests", "quant"]
+ALL_STEPS = ["bench/run", "kernels", "latency", "served", "cuda_tests", "lora", "vision", "quant"]
 RECORDER = textwrap.dedent(
     """\
     import json, os, sys, time
@@ -108,6 +108,8 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             "gapless.bench.kernels",
             "gapless.bench.latency",
             "gapless.bench.served_vs_offline",
+            "gapless.bench.lora",
+            "gapless.bench.vision",
             *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, four runs, report,
             "gapless.bench.gpu",  # the FP8 KV cache's run,
             "gapless.bench.int4_gemm",  # the int4 GEMM
@@ -140,7 +142,16 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
 
 
 # the `all` part's steps' own limits (bench/gpu_session.sh)
-ALL_LIMITS = {"bench/run": 140, "kernels": 75, "latency": 100, "served": 100, "cuda_tests": 130, "quant": 200}
+ALL_LIMITS = {
+    "bench/run": 140,
+    "kernels": 75,
+    "latency": 100,
+    "served": 100,
+    "cuda_tests": 150,
+    "lora": 70,
+    "vision": 90,
+    "quant": 200,
+}
 
 
 @pytest.mark.slow
