@@ -177,6 +177,29 @@ def test_triton_gemm_matches_the_reference_under_the_interpreter(rows, block):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
+)
+def test_decode_rows_split_k_and_leave_the_counters_at_rest(monkeypatch):
+    """At decode sizes K is cut over several programs per tile, the last to arrive adding the partial
+    tiles: the same result as one program per tile (to fp32 rounding), and every counter back at 0."""
+    from gapless.model.quant import fp8_kernel
+
+    n, k, act = 48, 448, 64  # 7 steps of 64: splits of 1 step each
+    w = torch.randn(n, k) * 0.05
+    q, s = quantize_blocks(w, (16, 64))
+    x, bias = _exact_activations(3, k, act, seed=1), torch.randn(n)
+    assert fp8_kernel._splits(3, 2, 7, x.device) == 7
+    split = fp8_gemm(x, q, s, 16, 64, act, bias)
+    assert int(fp8_kernel._LOCKS[x.device].abs().sum()) == 0
+    monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 1)
+    assert fp8_kernel._splits(3, 2, 7, x.device) == 1
+    whole = fp8_gemm(x, q, s, 16, 64, act, bias)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    ref = reference_linear(x, dequantize(q, s, 16, 64), act, bias)
+    torch.testing.assert_close(split, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_89+)")
 def test_triton_gemm_matches_the_reference_on_the_gpu():
     if torch.cuda.get_device_capability() < (8, 9):
@@ -186,10 +209,16 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
         w = torch.randn(512, 1024) * 0.05
         q, s = quantize_blocks(w, (128, 128))
         x = torch.randn(rows, 1024, dtype=torch.bfloat16)
-        y = fp8_gemm(x.to(dev), q.to(dev), s.to(dev), 128, 128, 128, None).float().cpu()
+        args = (x.to(dev), q.to(dev), s.to(dev), 128, 128, 128, None)
+        y = fp8_gemm(*args)
         ref = reference_linear(x.float(), dequantize(q, s, 128, 128), 128, None)
         # e4m3 roundings at a tie may differ; bf16 output: relative 2^-8
-        assert (y - ref).abs().max() <= 0.02 * ref.abs().max()
+        assert (y.float().cpu() - ref).abs().max() <= 0.02 * ref.abs().max()
+        # one row: K split over 8 programs a tile, added in a fixed order (the same bits every call)
+        assert torch.equal(fp8_gemm(*args), y)
+    from gapless.model.quant import fp8_kernel
+
+    assert int(fp8_kernel._LOCKS[y.device].abs().sum()) == 0  # every split tile's counter back at 0
 
 
 # --- whole models -------------------------------------------------------------------------------------------

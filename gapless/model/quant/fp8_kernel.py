@@ -30,6 +30,8 @@ def _fp8_gemm_kernel(
     s_ptr,
     b_ptr,
     y_ptr,
+    p_ptr,
+    lock_ptr,
     M,
     N,
     K,
@@ -40,13 +42,16 @@ def _fp8_gemm_kernel(
     stride_ym,
     rows_per_scale,
     k_group,
+    split_k,
     HAS_BIAS: tl.constexpr,
+    SPLITS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -54,7 +59,8 @@ def _fp8_gemm_kernel(
     n_ok = offs_n < N
     s_row = s_ptr + (offs_n // rows_per_scale) * stride_sn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    k_start = pid_s * split_k
+    for k0 in range(k_start, tl.minimum(k_start + split_k, K), BK):
         k_ok = (k0 + offs_k) < K
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
@@ -70,13 +76,30 @@ def _fp8_gemm_kernel(
         )
         w_scale = tl.load(s_row + (k0 // k_group) * stride_sk, mask=n_ok, other=0.0)
         acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLITS > 1:
+        # each split's partial tile to its own slice; the tile's last split to arrive adds them up in
+        # split order (the same sum whatever the arrival order) and resets the tile's counter
+        tl.store(p_ptr + pid_s * M * N + tile, acc, mask=ok)
+        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
+        tl.debug_barrier()  # every thread's stores issued before the (releasing) count
+        if tl.atomic_add(lock, 1, sem="acq_rel") == SPLITS - 1:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for sp in range(SPLITS):
+                acc += tl.load(p_ptr + sp * M * N + tile, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(lock, 0)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(
+                y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok
+            )
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok
+        )
 
 
 def _tiles(m: int) -> tuple[int, int, int, int]:
@@ -90,6 +113,28 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
+SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
+_LOCKS: dict[torch.device, torch.Tensor] = {}  # per device: the split tiles' arrival counters, all 0 at rest
+
+
+def _splits(m: int, n_tiles: int, k_steps: int, device: torch.device) -> int:
+    """How many parts K is cut into: 1 (each program runs the whole of K) unless the rows are a decode's
+    (<= 16) and the tiles too few to keep every SM reading; then enough parts for `SPLIT_PROGRAMS`
+    programs, each at least one BK step, the counters' buffer grown to `n_tiles` (never while a CUDA
+    graph is being captured: then 1)."""
+    if m > 16:
+        return 1
+    splits = min(k_steps, -(-SPLIT_PROGRAMS // n_tiles))
+    if splits <= 1:
+        return 1
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < n_tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return 1
+        _LOCKS[device] = torch.zeros(max(n_tiles, 4096), dtype=torch.int32, device=device)
+    return splits
+
+
 def fp8_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -101,19 +146,25 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """x [M, K] (float) times w [N, K] (e4m3)^T with w's float32 `scale` [N / rows_per_scale, K / k_group]
     (k_group 0: one scale per row for all of K), x quantized per row and `act_group` columns; [M, N] in
-    x's dtype."""
+    x's dtype. At decode sizes K may be split over several programs per tile (`_splits`)."""
     m, k = x.shape
     n = w.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, warps, stages = _tiles(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _fp8_gemm_kernel[grid](
+    tiles_m, tiles_n, k_steps = triton.cdiv(m, bm), triton.cdiv(n, bn), triton.cdiv(k, act_group)
+    splits = _splits(m, tiles_m * tiles_n, k_steps, x.device)
+    steps = triton.cdiv(k_steps, splits)
+    splits = triton.cdiv(k_steps, steps)  # no split left without a step
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    _fp8_gemm_kernel[(tiles_m, tiles_n, splits)](
         x,
         w,
         scale,
         bias if bias is not None else scale,
         y,
+        partial,
+        _LOCKS[x.device] if splits > 1 else y,
         m,
         n,
         k,
@@ -124,7 +175,9 @@ def fp8_gemm(
         y.stride(0),
         rows_per_scale,
         k_group or k,
+        steps * act_group,
         HAS_BIAS=bias is not None,
+        SPLITS=splits,
         BM=bm,
         BN=bn,
         BK=act_group,
