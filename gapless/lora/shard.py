@@ -4,16 +4,19 @@ A column-parallel layer (q/k/v, gate/up: output split over the ranks) keeps A wh
 own output pieces, each fused shard cut as the layer cuts its weight (KV heads fewer than ranks: the piece
 its queries read, shared). A row-parallel layer (o, down: input split) keeps A's columns for its input
 piece and B whole: each rank's delta B (A_rank x_rank) is a partial sum, added before the layer's
-all-reduce, which sums it with the other ranks' exactly once. With one rank nothing is cut.
+all-reduce, which sums it with the other ranks' exactly once. A mixture's experts are cut by their width
+(each rank holds its piece of every expert's gate/up rows and down columns): their gate/up LoRA keeps A
+whole and B's rows of this rank's gate and up pieces, their down LoRA A's columns of its piece and B
+whole, summed by the experts' all-reduce. With one rank nothing is cut.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from gapless.lora.adapter import AdapterWeights, LayerShape, ModuleDelta
+from gapless.lora.adapter import AdapterWeights, ExpertDelta, LayerShape, ModuleDelta
 from gapless.model.layers import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -56,7 +59,34 @@ def rank_delta(d: ModuleDelta, layer: object) -> ModuleDelta:
     return d
 
 
-def rank_adapter(weights: AdapterWeights, linears: dict[tuple[int, str], object]) -> AdapterWeights:
-    """`weights` cut for this rank: each module's delta as `rank_delta` cuts it for its layer."""
+def expert_rank_shape(shape: LayerShape, name: str, experts: Any) -> RankShape:
+    """One expert's widths of stacked parameter `name` (gate_up_proj, down_proj) on the rank of `experts`."""
+    size = experts.tp.size
+    if name == "down_proj":
+        return RankShape(shape.in_features // size, shape.out_features)
+    return RankShape(shape.in_features, shape.out_features // size)
+
+
+def rank_expert_delta(d: ExpertDelta, experts: Any) -> ExpertDelta:
+    """`d` (every expert's A and B of the whole layer) cut to `experts`' rank: down's A columns, or gate/up
+    B's rows of the gate and up pieces it writes, placed where the rank holds them."""
+    tp = experts.tp
+    if tp.size == 1:
+        return d
+    if d.name == "down_proj":
+        return d._replace(a=tp.part(d.a, tp.size, dim=2).contiguous())
+    inter, local = experts.inter * tp.size, experts.inter  # the whole width, this rank's
+    pieces = []
+    for off in range(d.row, d.row + d.b.shape[1], inter):  # its gate rows, its up rows (or one of them)
+        pieces.append(tp.part(d.b[:, off - d.row : off - d.row + inter], tp.size, dim=1))
+    return d._replace(row=d.row // inter * local, b=torch.cat(pieces, dim=1).contiguous())
+
+
+def rank_adapter(
+    weights: AdapterWeights, linears: dict[tuple[int, str], object], experts: dict[int, Any]
+) -> AdapterWeights:
+    """`weights` cut for this rank: each module's delta as `rank_delta` cuts it for its layer, each
+    mixture layer's experts as `rank_expert_delta` cuts them."""
     deltas = [rank_delta(d, linears[(d.layer, d.name)]) for d in weights.deltas]
-    return weights._replace(deltas=deltas)
+    stacked = [rank_expert_delta(x, experts[x.layer]) for x in weights.experts]
+    return weights._replace(deltas=deltas, experts=stacked)

@@ -4,6 +4,10 @@ per-token slot vector every layer reads (a static buffer: a CUDA graph replays w
 into it). Each adapted linear layer gets a `LoRALayer` as its `lora`, which adds the delta after the
 layer's own output, so LoRA composes with any linear method.
 
+A mixture's experts get an `ExpertLoRA` on their `Experts` module: A [slots, E, blocks * max_rank, in]
+and B [slots, E, out, blocks * max_rank] per stacked parameter, read per (token, expert) entry through the
+flat index slot * E + expert, by the same gathered kernels (CUDA) or segmented torch path (elsewhere).
+
 Slots are filled in stream order, by the batch that first needs them (`ForwardBatch.lora_loads`); the
 adapters' weights come from a CPU cache of `max_cpu_loras` read adapters, least recently used out.
 """
@@ -12,14 +16,21 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from gapless.config import EngineConfig
-from gapless.lora.adapter import BLOCKS, MLP_LAYERS, AdapterWeights, layer_shapes, load_adapter
+from gapless.lora.adapter import (
+    BLOCKS,
+    MLP_LAYERS,
+    AdapterWeights,
+    expert_shapes,
+    layer_shapes,
+    load_adapter,
+)
 from gapless.lora.ops import Block, Segments, add_lora_torch, segments
-from gapless.lora.shard import rank_adapter, rank_shape
+from gapless.lora.shard import expert_rank_shape, rank_adapter, rank_shape
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import CausalLM
 
@@ -59,6 +70,36 @@ class LoRALayer:
         return add_lora_torch(y, x, self.a, self.b, table.segments, self.blocks)
 
 
+class ExpertLoRA:
+    """One mixture layer's stacked adapters of its experts: per stacked parameter (gate_up_proj,
+    down_proj) A [S, E, R, in] and B [S, E, out, R]; each (token, expert) entry reads slot * E + expert."""
+
+    def __init__(self, table: LoRATable, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.table, self.weights = table, weights
+        self.num_experts = next(iter(weights.values()))[0].shape[1]
+
+    def entry_slots(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The flat adapter index of each (token, expert) entry of `ids` [T, top_k] (-1: the base model's
+        rows), in entry order; None on the CPU when no row runs an adapter. Device ops only."""
+        table = self.table
+        if not table.kernel and table.segments is None:
+            return None
+        slots = table.token_slots[: ids.shape[0], None]
+        return torch.where(slots >= 0, slots * self.num_experts + ids, -1).reshape(-1)
+
+    def add(self, param: str, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """y [n, out] += B[slot] A[slot] x per entry of stacked parameter `param`, in place; `slots` [n]
+        from `entry_slots` (or a subset of its entries, in the same order as x and y's rows)."""
+        a, b = self.weights[param]
+        a, b = a.flatten(0, 1), b.flatten(0, 1)  # [S E, R, in], [S E, out, R]: views
+        if self.table.kernel:
+            from gapless.lora import triton_kernels
+
+            return triton_kernels.add_lora(y, x, a, b, slots)
+        seg = segments(slots)
+        return y if seg is None else add_lora_torch(y, x, a, b, seg)
+
+
 class LoRATable:
     """Every adapted layer's slots, the slot vector, and the adapters read so far (on the CPU)."""
 
@@ -87,6 +128,24 @@ class LoRATable:
         # each adapted layer's module: this rank's piece of it, which an adapter is cut like (`shard`)
         self.linears: dict[tuple[int, str], object] = {}
         shapes = layer_shapes(cfg)
+        # a mixture layer's experts: gate_up A of two rank blocks (an adapter of one module per expert
+        # writes gate and up apart), down of one
+        self.experts: dict[int, ExpertLoRA] = {}
+        self.expert_modules: dict[int, object] = {}
+        for i, layer in enumerate(model.model.layers):
+            if not cfg.moe_layers[i]:
+                continue
+            experts: Any = layer.mlp.experts  # type: ignore[union-attr]
+            tables = {}
+            for name, shape in expert_shapes(cfg).items():
+                local = expert_rank_shape(shape, name, experts)
+                rank = (2 if name == "gate_up_proj" else 1) * max_rank
+                e = experts.num_experts
+                a = torch.zeros(max_loras, e, rank, local.in_features, dtype=dtype, device=device)
+                b = torch.zeros(max_loras, e, local.out_features, rank, dtype=dtype, device=device)
+                tables[name] = (a, b)
+            experts.lora = self.experts[i] = ExpertLoRA(self, tables)
+            self.expert_modules[i] = experts
         for i, layer in enumerate(model.model.layers):
             for name, shape in shapes.items():
                 if name in MLP_LAYERS and cfg.moe_layers[i]:
@@ -116,7 +175,9 @@ class LoRATable:
     @property
     def nbytes(self) -> int:
         blocks = [blk.b for lo in self.layers.values() for blk in lo.blocks or ()]
-        return sum(lo.a.nbytes + lo.b.nbytes for lo in self.layers.values()) + sum(b.nbytes for b in blocks)
+        stacked = [t for ex in self.experts.values() for ab in ex.weights.values() for t in ab]
+        tensors = [*(t for lo in self.layers.values() for t in (lo.a, lo.b)), *blocks, *stacked]
+        return sum(t.nbytes for t in tensors)
 
     def read(self, load: LoRALoad) -> AdapterWeights:
         """The adapter's weights, cut for this rank, from the CPU cache, or read (and checked against the
@@ -125,7 +186,8 @@ class LoRATable:
         if key in self.cpu:
             self.cpu.move_to_end(key)
             return self.cpu[key]
-        weights = rank_adapter(load_adapter(load.name, load.path, self.cfg, self.max_rank), self.linears)
+        whole = load_adapter(load.name, load.path, self.cfg, self.max_rank)
+        weights = rank_adapter(whole, self.linears, self.expert_modules)
         self.cpu[key] = weights
         while len(self.cpu) > self.max_cpu_loras:
             self.cpu.popitem(last=False)
@@ -140,6 +202,15 @@ class LoRATable:
             lora.b[s].zero_()
             for blk in lora.blocks or ():
                 blk.b[s].zero_()
+        for ex in self.experts.values():
+            for a, b in ex.weights.values():
+                a[s].zero_()
+                b[s].zero_()
+        for x in weights.experts:
+            a, b = self.experts[x.layer].weights[x.name]
+            cols = slice(x.block * r, x.block * r + x.a.shape[1])
+            a[s, :, cols].copy_(x.a)
+            b[s, :, x.row : x.row + x.b.shape[1], cols].copy_(x.b)
         for d in weights.deltas:
             lora = self.layers[(d.layer, d.name)]
             cols = slice(d.block * r, d.block * r + d.a.shape[0])

@@ -58,16 +58,31 @@ def route(
 
 
 def reference_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    lora: Any = None,
 ) -> torch.Tensor:
     """The experts as transformers runs them: for each expert with tokens, in order, its MLP on its
-    tokens, times their routing weights, added into the output in the model's dtype."""
+    tokens, times their routing weights, added into the output in the model's dtype. `lora`: the layer's
+    resident adapters (`gapless.lora.table.ExpertLoRA`), each projection's delta added to its output."""
     out = torch.zeros_like(x)
     act = GATED_ACTIVATIONS["silu"]
+    entry_slots = lora.entry_slots(ids) if lora is not None else None
     for expert in ids.unique().tolist():
         token, slot = torch.where(ids == expert)
-        h = F.linear(act(F.linear(x[token], w13[expert])), w2[expert])
-        out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+        xe = x[token]
+        slots = entry_slots[token * ids.shape[1] + slot] if entry_slots is not None else None
+        gate_up = F.linear(xe, w13[expert])
+        if slots is not None:
+            gate_up = lora.add("gate_up_proj", gate_up, xe, slots)
+        h = act(gate_up)
+        y = F.linear(h, w2[expert])
+        if slots is not None:
+            y = lora.add("down_proj", y, h, slots)
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
     return out
 
 
@@ -89,6 +104,8 @@ class Experts(nn.Module):
             nn.Parameter(torch.empty(num_experts, hidden, inter)), self.load_shard
         )
         self.use_triton: bool | None = None  # None: by device (CUDA: fused Triton); tests force either
+        # the experts' resident LoRA adapters (`gapless.lora.table.ExpertLoRA`), when LoRA is enabled
+        self.lora: Any = None
 
     def checkpoint_shards(self, param: str) -> list[tuple[int, str]]:
         """The shard ids that together fill `param` (the loader checks that none is missing)."""
@@ -112,9 +129,9 @@ class Experts(nn.Module):
         if use_triton:
             from gapless.model.moe_triton import fused_experts
 
-            out = fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+            out = fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.lora)
         else:
-            out = reference_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+            out = reference_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.lora)
         return self.tp.all_reduce(out)
 
 

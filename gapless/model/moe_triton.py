@@ -16,6 +16,8 @@ builtins only (`tl.full`, `tl.exp`), so the interpreter never calls a helper bui
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -124,53 +126,104 @@ def align(
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    lora: Any = None,
 ) -> torch.Tensor:
     """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k].
 
-    x: [T, H]; w13: [E, 2I, H] (gate rows, then up); w2: [E, H, I]; weights, ids: [T, top_k]."""
+    x: [T, H]; w13: [E, 2I, H] (gate rows, then up); w2: [E, H, I]; weights, ids: [T, top_k]. `lora`: the
+    layer's resident adapters (`gapless.lora.table.ExpertLoRA`): then each GEMM's output is kept whole
+    (gate/up before the activation, down before the routing weight) for its delta to be added."""
     if INTERPRET and x.dtype != torch.float32:
-        return fused_experts(x.float(), w13.float(), w2.float(), weights, ids).to(x.dtype)
+        out = fused_experts(x.float(), w13.float(), w2.float(), weights, ids, lora)
+        return out.to(x.dtype)
     tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
     top_k = ids.shape[1]
     n = tokens * top_k
     block_m = 16 if n <= 512 else 64
-    sorted_ids, block_expert, num_padded = align(ids, num_experts, block_m)
+    aligned = (*align(ids, w13.shape[0], block_m), block_m)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = weights.reshape(-1).contiguous()
-    h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-    ieee = x.dtype == torch.float32
-    blocks = sorted_ids.numel() // block_m
-    for a, w, out, rows_per_a, gated, n_out, k_in in (
-        (x, w13, h, top_k, True, inter, hidden),
-        (h, w2, y, 1, False, hidden, inter),
-    ):
-        block_n = min(64, max(16, triton.next_power_of_2(n_out)))
-        block_k = min(64, max(16, triton.next_power_of_2(k_in)))
-        _grouped_gemm_kernel[(blocks, triton.cdiv(n_out, block_n))](
-            a,
-            w,
-            out,
-            sorted_ids,
-            block_expert,
-            num_padded,
-            weights,
-            n,
-            n_out,
-            k_in,
-            a.stride(0),
-            w.stride(0),
-            w.stride(1),
-            out.stride(0),
-            ROWS_PER_A=rows_per_a,
-            GATED=gated,
-            WEIGHTED=not gated,
-            IEEE=ieee,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-        )
+    if lora is None:
+        h = torch.empty(n, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+        y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
+        _grouped_gemm(x, w13, h, aligned, weights, top_k, gated=True, weighted=False)
+        _grouped_gemm(h, w2, y, aligned, weights, 1, gated=False, weighted=True)
+    else:
+        y = _entries_with_lora(x, w13, w2, aligned, weights, ids, lora)
     return y.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+    weights: torch.Tensor,
+    rows_per_a: int,
+    gated: bool,
+    weighted: bool,
+) -> None:
+    """One launch of the grouped GEMM over the sorted entries `aligned` (`align`'s, and its block size):
+    out[entry] = a[entry // rows_per_a] W[expert]^T (silu(gate) * up when `gated`, times the entry's
+    routing weight when `weighted`)."""
+    sorted_ids, block_expert, num_padded, block_m = aligned
+    n_out, k_in = out.shape[1], a.shape[1]
+    block_n = min(64, max(16, triton.next_power_of_2(n_out)))
+    block_k = min(64, max(16, triton.next_power_of_2(k_in)))
+    _grouped_gemm_kernel[(sorted_ids.numel() // block_m, triton.cdiv(n_out, block_n))](
+        a,
+        w,
+        out,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        weights,
+        weights.numel(),
+        n_out,
+        k_in,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        ROWS_PER_A=rows_per_a,
+        GATED=gated,
+        WEIGHTED=weighted,
+        IEEE=a.dtype == torch.float32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+
+
+def _entries_with_lora(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    lora: Any,
+) -> torch.Tensor:
+    """Each (token, expert) entry's output [T k, H] (fp32, routing-weighted) with its adapter's deltas:
+    gate/up [T k, 2I] whole, its delta, the activation; down [T k, H] whole, its delta, the weight. The
+    deltas read each entry's flat adapter index (slot * E + expert: `ExpertLoRA.entry_slots`) on the
+    device."""
+    top_k = ids.shape[1]
+    n = weights.numel()
+    slots = lora.entry_slots(ids)
+    gate_up = torch.empty(n, w13.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, aligned, weights, top_k, gated=False, weighted=False)
+    if slots is not None:
+        lora.add("gate_up_proj", gate_up, x.repeat_interleave(top_k, 0), slots)
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = (torch.nn.functional.silu(gate) * up).contiguous()
+    y = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(h, w2, y, aligned, weights, 1, gated=False, weighted=False)
+    if slots is not None:
+        lora.add("down_proj", y, h, slots)
+    return y.float() * weights[:, None].float()

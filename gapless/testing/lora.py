@@ -34,15 +34,24 @@ def make_adapter(
     seed: int = 0,
     rslora: bool = False,
     scale: float = 0.3,
+    parameters: list[str] | None = None,
 ) -> Path:
-    """A PEFT LoRA adapter of `base` on `targets` (PEFT module names), its A and B random (B nonzero),
-    saved to `out` (`adapter_config.json`, `adapter_model.safetensors`)."""
+    """A PEFT LoRA adapter of `base` on `targets` (PEFT module names) and `parameters` (PEFT's
+    `target_parameters`: a mixture's stacked experts, `mlp.experts.gate_up_proj`), its A and B random (B
+    nonzero), saved to `out` (`adapter_config.json`, `adapter_model.safetensors`)."""
     from peft import LoraConfig, get_peft_model
 
     model = load_hf_model(base)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     targets = sorted({t if t in names else FUSED.get(t, t) for t in targets})
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets,
+        target_parameters=parameters,
+        use_rslora=rslora,
+        lora_dropout=0.0,
+    )
     peft = get_peft_model(model, config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

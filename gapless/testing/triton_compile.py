@@ -209,17 +209,34 @@ def _sampling() -> dict[str, Callable[[], object]]:
 def _moe() -> dict[str, Callable[[], object]]:
     from gapless.model import moe_triton
 
-    def run(dtype: torch.dtype) -> object:
+    def run(dtype: torch.dtype, lora: bool) -> object:
+        from types import SimpleNamespace
+
+        from gapless.lora.table import ExpertLoRA
+
         g = torch.Generator().manual_seed(0)
-        tokens, hidden, inter, experts, top_k = 5, 64, 48, 4, 2
+        tokens, hidden, inter, experts, top_k, rank = 5, 64, 48, 4, 2, 16
         x = torch.randn(tokens, hidden, generator=g).to(dtype)
         w13 = torch.randn(experts, 2 * inter, hidden, generator=g).to(dtype)
         w2 = torch.randn(experts, hidden, inter, generator=g).to(dtype)
         weights = torch.rand(tokens, top_k, generator=g)
         ids = torch.randint(0, experts, (tokens, top_k), generator=g)
-        return moe_triton.fused_experts(x, w13, w2, weights, ids)
+        adapters = None
+        if lora:  # the experts' LoRA path: each GEMM's output kept whole, the gathered kernels' deltas
+            shapes = {"gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
+            tables = {
+                k: (torch.zeros(2, experts, rank, i).to(dtype), torch.zeros(2, experts, o, rank).to(dtype))
+                for k, (i, o) in shapes.items()
+            }
+            table = SimpleNamespace(kernel=True, token_slots=torch.tensor([0, -1, 1, 0, -1]))
+            adapters = ExpertLoRA(table, tables)  # type: ignore[arg-type]
+        return moe_triton.fused_experts(x, w13, w2, weights, ids, adapters)
 
-    return {f"moe {dtype}": partial(run, dtype) for dtype in DTYPES}
+    return {
+        f"moe {dtype}{' lora' if lora else ''}": partial(run, dtype, lora)
+        for dtype in DTYPES
+        for lora in (False, True)
+    }
 
 
 def _lora() -> dict[str, Callable[[], object]]:

@@ -45,6 +45,18 @@ def _cut_like_weight(linear, whole: torch.Tensor, local_shape: tuple[int, int]) 
     return local
 
 
+def _rank_table(cfg, rank: int, size: int, path) -> LoRATable:
+    """Rank `rank` of `size`'s model and its LoRA table, adapter `path` loaded into slot 1."""
+    parallel.use(parallel.TPGroup(rank, size))
+    try:
+        model = CausalLM(cfg)
+    finally:
+        parallel.use(parallel.SINGLE)
+    table = LoRATable(model, cfg, 2, 8, 2, 4, torch.float32, torch.device("cpu"))
+    table.load(LoRALoad(1, 7, "a", str(path)))
+    return table
+
+
 @pytest.mark.parametrize(("arch", "size"), [("qwen3", 2), ("mistral", 2), ("llama", 4), ("phi3", 2)])
 def test_each_ranks_slices_are_the_adapter_cut_like_the_layer(ckpt_factory, tmp_path, arch, size):
     """For every rank, B_rank A_rank of every adapted layer equals the whole adapter's delta cut by that
@@ -58,13 +70,7 @@ def test_each_ranks_slices_are_the_adapter_cut_like_the_layer(ckpt_factory, tmp_
     shapes = layer_shapes(cfg)
     sums: dict[tuple[int, str], torch.Tensor] = {}
     for rank in range(size):
-        parallel.use(parallel.TPGroup(rank, size))
-        try:
-            model = CausalLM(cfg)
-        finally:
-            parallel.use(parallel.SINGLE)
-        table = LoRATable(model, cfg, 2, 8, 2, 4, torch.float32, torch.device("cpu"))
-        table.load(LoRALoad(1, 7, "a", str(path)))
+        table = _rank_table(cfg, rank, size, path)
         for (i, name), lora in table.layers.items():
             got = lora.b[1] @ lora.a[1]
             delta = _whole_delta(whole, i, name, shapes[name])
@@ -100,3 +106,40 @@ def test_two_ranks_mixed_adapters_equal_peft(family):  # noqa: F811  # the impor
         names = names[::-1]
         _check(_generate(llm, prompts, loras, names), refs, names)
         llm.check_integrity()
+
+
+def test_each_ranks_expert_slices_are_the_adapter_cut_like_the_experts(ckpt_factory, tmp_path):
+    """A mixture's experts on two ranks: every expert's gate/up B_rank A_rank equals the whole adapter's
+    delta cut by the experts' own weight loader (gate and up rows by width), and the down deltas' partial
+    sums over the ranks give the whole."""
+    base = ckpt_factory("qwen3_moe")
+    path = make_adapter(
+        base, tmp_path / "a", ["q_proj"], r=4, seed=3, parameters=["gate_up_proj", "down_proj"]
+    )
+    cfg = load_model_config(str(base))
+    whole = {
+        (x.layer, x.name): torch.einsum("eor,eri->eoi", x.b, x.a)
+        for x in load_adapter("a", path, cfg, 8).experts
+    }
+    assert {name for _, name in whole} == {"gate_up_proj", "down_proj"}
+    size, sums = 2, {}
+    for rank in range(size):
+        tp, table = parallel.TPGroup(rank, size), _rank_table(cfg, rank, size, path)
+        for i, lora in table.experts.items():
+            experts = table.expert_modules[i]
+            a, b = (t[1] for t in lora.weights["gate_up_proj"])
+            got = torch.einsum("eor,eri->eoi", b, a)
+            want = torch.nn.Parameter(torch.zeros_like(got))
+            delta, inter = whole[(i, "gate_up_proj")], cfg.moe_intermediate_size
+            for e in range(cfg.num_experts):
+                experts.load_shard(want, delta[e, :inter], (e, "gate"))
+                experts.load_shard(want, delta[e, inter:], (e, "up"))
+            torch.testing.assert_close(got, want.data, rtol=1e-5, atol=1e-6, msg=f"rank {rank} layer {i}")
+            a, b = (t[1] for t in lora.weights["down_proj"])
+            x = torch.randn(cfg.num_experts, inter, generator=torch.Generator().manual_seed(i))
+            part = torch.einsum("eor,eri,ei->eo", b, a, tp.part(x, size, dim=1))
+            sums[i] = sums.get(i, 0) + part
+            if rank == size - 1:
+                want_down = torch.einsum("eoi,ei->eo", whole[(i, "down_proj")], x)
+                torch.testing.assert_close(sums[i], want_down, rtol=1e-4, atol=1e-5)
+    assert sums, "the experts were meant to be adapted"
