@@ -296,6 +296,12 @@ class EngineConfig:
         None, "LoRA adapters kept read in host memory, least recently used out; None: max_loras"
     )
     max_lora_rank: int = option(64, "the highest LoRA rank an adapter may have (the device table's width)")
+    lora_experts: bool = option(
+        True,
+        "a mixture of experts: hold LoRA slots for its experts too (max_loras x experts x both ranks of "
+        "each projection: tens of GB on a 30B mixture at the defaults); off: adapters of the experts are "
+        "refused by name, attention and dense layers still adapt",
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:

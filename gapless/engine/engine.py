@@ -107,7 +107,9 @@ class Engine:
         self.reqs: dict[str, Req] = {}
         # the LoRA adapters requests may name (gapless.lora), each checked against the model once
         self.loras = (
-            AdapterRegistry(load_model_config(cfg.model), cfg.max_lora_rank) if cfg.enable_lora else None
+            AdapterRegistry(load_model_config(cfg.model), cfg.max_lora_rank, experts=cfg.lora_experts)
+            if cfg.enable_lora
+            else None
         )
 
     @property

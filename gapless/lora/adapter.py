@@ -238,9 +238,12 @@ def _check_targets(name: str, cfg: dict, moe: bool) -> list[str]:
     return stacked
 
 
-def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> AdapterWeights:
+def load_adapter(
+    name: str, path: str | Path, cfg: ModelConfig, max_rank: int, experts: bool = True
+) -> AdapterWeights:
     """The adapter at `path` checked against the model `cfg` (rank <= `max_rank`, modules the model has,
-    the model's shapes), its weights laid out on gapless's layers; `LoRAError` naming what is wrong."""
+    the model's shapes; a mixture's experts only where `experts`), its weights laid out on gapless's
+    layers; `LoRAError` naming what is wrong."""
     path = Path(path)
     acfg = _read_config(name, path)
     rank, scaling = _scaling(name, acfg, max_rank)
@@ -248,14 +251,14 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     shapes = layer_shapes(cfg)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     groups: dict[tuple[int, str], str] = {}  # self_attn or mlp
-    experts = _ExpertReader(name, cfg, stacked)
+    expert_reader = _ExpertReader(name, cfg, stacked, experts)
     with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118  # safe_open is no mapping: keys() is its listing
             if (shared := _SHARED_KEY.search(key)) is not None:
                 raise LoRAError(
                     f"LoRA adapter {name!r}: {key!r} adapts layer {shared.group(1)}: {SHARED_REFUSED}"
                 )
-            if experts.take(key, f):
+            if expert_reader.take(key, f):
                 continue
             m = _KEY.search(key)
             if m is None or m.group(3) not in SLICES or "vision" in key or "projector" in key:
@@ -275,7 +278,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
                 )
             pairs.setdefault((layer, module), {})[m.group(4)] = f.get_tensor(key).float()
             groups[(layer, module)] = m.group(2)
-    expert_deltas = experts.deltas(scaling, max_rank)
+    expert_deltas = expert_reader.deltas(scaling, max_rank)
     if not pairs and not expert_deltas:
         raise LoRAError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     deltas = []
@@ -304,8 +307,8 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
 class _ExpertReader:
     """An adapter's expert tensors, gathered while its file is read, then checked and stacked."""
 
-    def __init__(self, adapter: str, cfg: ModelConfig, stacked: list[str]) -> None:
-        self.adapter, self.cfg, self.stacked = adapter, cfg, stacked
+    def __init__(self, adapter: str, cfg: ModelConfig, stacked: list[str], allowed: bool) -> None:
+        self.adapter, self.cfg, self.stacked, self.allowed = adapter, cfg, stacked, allowed
         self.shapes = expert_shapes(cfg)
         # (layer, module, expert, A|B); a stacked parameter's: (layer, its wrapper depth, -1, A|B)
         self.tensors: dict[tuple[int, str, int, str], torch.Tensor] = {}
@@ -331,6 +334,11 @@ class _ExpertReader:
             module, expert, ab = m.group(3), int(m.group(2)), m.group(4)
         else:
             return False
+        if not self.allowed:
+            raise LoRAError(
+                f"LoRA adapter {self.adapter!r}: {key!r} adapts the experts, and this engine holds no LoRA "
+                "slots for them (lora_experts off: --lora-experts)"
+            )
         layer = int(m.group(1))
         if layer >= self.cfg.num_layers or not self.cfg.moe_layers[layer]:
             raise LoRAError(

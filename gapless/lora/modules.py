@@ -47,17 +47,18 @@ def parse_lora_modules(words: list[str]) -> list[LoRAModule]:
 
 
 def served_adapters(
-    words: list[str] | None, cfg: ModelConfig, max_rank: int, shared: str | None = None
+    words: list[str] | None, cfg: ModelConfig, max_rank: int, shared: str | None = None, experts: bool = True
 ) -> AdapterRegistry:
     """A server's adapters at start-up: those `--lora-modules` names, each checked against the model
     (ValueError naming a bad word or a bad adapter); more are loaded and unloaded while it serves.
-    `shared`: the file through which several API server processes serve the same adapters."""
+    `shared`: the file through which several API server processes serve the same adapters; `experts`:
+    whether a mixture's experts may be adapted."""
     modules = parse_lora_modules(words or [])
     if shared is not None:
-        common = SharedAdapterRegistry(cfg, max_rank, shared)
+        common = SharedAdapterRegistry(cfg, max_rank, shared, experts)
         common.start([(m.name, m.path, m.base_model_name) for m in modules])
         return common
-    registry = AdapterRegistry(cfg, max_rank, unique_names=True)
+    registry = AdapterRegistry(cfg, max_rank, unique_names=True, experts=experts)
     for m in modules:
         registry.add_path(m.name, m.path, m.base_model_name)
     return registry

@@ -25,8 +25,11 @@ from gapless.model.config import ModelConfig
 class AdapterRegistry:
     """Checked adapters by name and by id."""
 
-    def __init__(self, cfg: ModelConfig, max_rank: int, unique_names: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_rank: int, unique_names: bool = False, experts: bool = True
+    ) -> None:
         self.cfg, self.max_rank, self.unique_names = cfg, max_rank, unique_names
+        self.experts = experts  # whether a mixture's experts may be adapted (`load_adapter`)
         self.by_name: dict[str, LoRARequest] = {}
         self.by_id: dict[int, LoRARequest] = {}
         self._last_id = 0
@@ -52,7 +55,7 @@ class AdapterRegistry:
             )
         if self.unique_names and lora.lora_name in self.by_name:
             raise LoRAError(f"LoRA adapter {lora.lora_name!r} is already loaded (unload it first)")
-        load_adapter(lora.lora_name, lora.lora_path, self.cfg, self.max_rank)
+        load_adapter(lora.lora_name, lora.lora_path, self.cfg, self.max_rank, self.experts)
         self.by_name[lora.lora_name] = self.by_id[lora.lora_int_id] = lora
         self._last_id = max(self._last_id, lora.lora_int_id)
         return lora
@@ -74,8 +77,8 @@ class SharedAdapterRegistry(AdapterRegistry):
     """An `AdapterRegistry` that processes share through the JSON file `path` (a server's adapters,
     `unique_names`): ids, names and paths; the adapter that adds one checks it first."""
 
-    def __init__(self, cfg: ModelConfig, max_rank: int, path: str | Path) -> None:
-        super().__init__(cfg, max_rank, unique_names=True)
+    def __init__(self, cfg: ModelConfig, max_rank: int, path: str | Path, experts: bool = True) -> None:
+        super().__init__(cfg, max_rank, unique_names=True, experts=experts)
         self.path = Path(path)
         self._seen: tuple[int, int, int] | None = None  # (inode, mtime ns, size) of the file last read
 

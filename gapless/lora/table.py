@@ -113,8 +113,10 @@ class LoRATable:
         max_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        hold_experts: bool = True,
     ) -> None:
         self.cfg, self.max_rank, self.max_cpu_loras = cfg, max_rank, max_cpu_loras
+        self.hold_experts = hold_experts  # slots for a mixture's experts (`lora_experts`)
         # CUDA: the gathered kernels read the slot vector on the device (a graph captures them; slot -1
         # rows skip); elsewhere torch runs the batch's tokens sorted by slot, once per batch
         self.kernel = device.type == "cuda"
@@ -133,7 +135,7 @@ class LoRATable:
         self.experts: dict[int, ExpertLoRA] = {}
         self.expert_modules: dict[int, object] = {}
         for i, layer in enumerate(model.model.layers):
-            if not cfg.moe_layers[i]:
+            if not cfg.moe_layers[i] or not hold_experts:
                 continue
             experts: Any = layer.mlp.experts  # type: ignore[union-attr]
             tables = {}
@@ -175,9 +177,13 @@ class LoRATable:
     @property
     def nbytes(self) -> int:
         blocks = [blk.b for lo in self.layers.values() for blk in lo.blocks or ()]
-        stacked = [t for ex in self.experts.values() for ab in ex.weights.values() for t in ab]
-        tensors = [*(t for lo in self.layers.values() for t in (lo.a, lo.b)), *blocks, *stacked]
-        return sum(t.nbytes for t in tensors)
+        tensors = [*(t for lo in self.layers.values() for t in (lo.a, lo.b)), *blocks]
+        return sum(t.nbytes for t in tensors) + self.expert_nbytes
+
+    @property
+    def expert_nbytes(self) -> int:
+        """The bytes of the experts' slots (0 without a mixture, or with `lora_experts` off)."""
+        return sum(t.nbytes for ex in self.experts.values() for ab in ex.weights.values() for t in ab)
 
     def read(self, load: LoRALoad) -> AdapterWeights:
         """The adapter's weights, cut for this rank, from the CPU cache, or read (and checked against the
@@ -186,7 +192,7 @@ class LoRATable:
         if key in self.cpu:
             self.cpu.move_to_end(key)
             return self.cpu[key]
-        whole = load_adapter(load.name, load.path, self.cfg, self.max_rank)
+        whole = load_adapter(load.name, load.path, self.cfg, self.max_rank, self.hold_experts)
         weights = rank_adapter(whole, self.linears, self.expert_modules)
         self.cpu[key] = weights
         while len(self.cpu) > self.max_cpu_loras:
@@ -253,6 +259,15 @@ def make_lora_table(
     cpu_loras = cfg.max_cpu_loras or cfg.max_loras
     # the whole model's config (not a tensor-parallel rank's view of it): adapters are read and checked
     # whole, then cut for the rank
-    table = LoRATable(model, model.cfg, cfg.max_loras, cfg.max_lora_rank, cpu_loras, tokens, dtype, device)
-    log.info("LoRA: %d slots of rank <= %d, %.3g GiB", cfg.max_loras, cfg.max_lora_rank, table.nbytes / 2**30)
+    table = LoRATable(
+        model, model.cfg, cfg.max_loras, cfg.max_lora_rank, cpu_loras, tokens, dtype, device, cfg.lora_experts
+    )
+    experts = table.expert_nbytes
+    log.info(
+        "LoRA: %d slots of rank <= %d, %.3g GiB%s",
+        cfg.max_loras,
+        cfg.max_lora_rank,
+        table.nbytes / 2**30,
+        f" ({experts / 2**30:.3g} GiB of them the experts'; --no-lora-experts holds none)" if experts else "",
+    )
     return table

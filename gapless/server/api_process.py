@@ -117,7 +117,7 @@ def http_server(
         # several API servers serve the same adapters, through a file in the directory they share
         shared = os.path.join(metrics.shared_dir, "loras.json") if metrics.shared_dir is not None else None
         mcfg = load_model_config(cfg.model)
-        loras = served_adapters(args.lora_modules, mcfg, cfg.max_lora_rank, shared)
+        loras = served_adapters(args.lora_modules, mcfg, cfg.max_lora_rank, shared, cfg.lora_experts)
     settings = Settings(
         model_name(args, cfg),
         cfg.model,

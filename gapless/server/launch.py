@@ -296,7 +296,7 @@ def _check_loras(args: argparse.Namespace, cfg: EngineConfig, mcfg: ModelConfig)
     if args.lora_modules and not cfg.enable_lora:
         raise ValueError("--lora-modules serves LoRA adapters: add --enable-lora")
     if cfg.enable_lora:
-        served_adapters(args.lora_modules, mcfg, cfg.max_lora_rank)
+        served_adapters(args.lora_modules, mcfg, cfg.max_lora_rank, experts=cfg.lora_experts)
 
 
 def serve(args: argparse.Namespace) -> int:

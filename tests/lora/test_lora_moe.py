@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -219,3 +220,21 @@ def test_what_is_not_adapted_is_refused_by_name(ckpt_factory, tmp_path):
     dense = ckpt_factory("llama")
     with pytest.raises(LoRAError, match=r"target_parameters .* \(the model has no experts\)"):
         load_adapter("bad", variant("dense", {}), load_model_config(dense), 64)
+
+
+def test_without_expert_slots_expert_adapters_are_refused(moe):
+    """`lora_experts=False` (--no-lora-experts): no slots for the experts, an adapter of them refused by
+    name before anything is queued, one of attention alone still served."""
+    base, requests, prompts, refs = moe
+    engine = dict(device="cpu", dtype="float32", enable_lora=True, kv_cache_tokens=1024, lora_experts=False)
+    engine["cpu_worker"] = "inline"  # the runner in this process (auto: a device process on 4+ cores)
+    attn = LoRARequest(
+        "attn", 9, str(make_adapter(base, Path(requests["down"].lora_path).parent / "attn", ["q_proj"], r=4))
+    )
+    with LLM(str(base), **engine) as llm:
+        assert llm.engine.runner.lora.experts == {}
+        with pytest.raises(LoRAError, match=r"adapts the experts.*lora_experts off: --lora-experts"):
+            llm.generate(prompts[:1], PARAMS, use_tqdm=False, lora_request=requests["experts"])
+        plain = llm.generate(prompts[:1], PARAMS, use_tqdm=False)[0].token_ids
+        assert llm.generate(prompts[:1], PARAMS, use_tqdm=False, lora_request=attn)[0].token_ids != plain
+        llm.check_integrity()
