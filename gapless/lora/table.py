@@ -137,7 +137,7 @@ class LoRATable:
         for i, layer in enumerate(model.model.layers):
             if not cfg.moe_layers[i] or not hold_experts:
                 continue
-            experts: Any = layer.mlp.experts  # type: ignore[union-attr]
+            experts: Any = layer.mlp.experts  # type: ignore[union-attr]  # a mixture layer's mlp is a SparseMoE
             tables = {}
             for name, shape in expert_shapes(cfg).items():
                 local = expert_rank_shape(shape, name, experts)

@@ -229,7 +229,7 @@ def _moe() -> dict[str, Callable[[], object]]:
                 for k, (i, o) in shapes.items()
             }
             table = SimpleNamespace(kernel=True, token_slots=torch.tensor([0, -1, 1, 0, -1]))
-            adapters = ExpertLoRA(table, tables)  # type: ignore[arg-type]
+            adapters = ExpertLoRA(table, tables)  # type: ignore[arg-type]  # a stand-in for LoRATable
         return moe_triton.fused_experts(x, w13, w2, weights, ids, adapters)
 
     return {

@@ -114,24 +114,25 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
 
 
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
-_LOCKS: dict[torch.device, torch.Tensor] = {}  # per device: the split tiles' arrival counters, all 0 at rest
+# per device: the split tiles' arrival counters, all 0 at rest; one buffer for good (a CUDA graph keeps
+# its address), of SPLIT_PROGRAMS counters: a GEMM splits only when it has fewer tiles than that
+_LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
 def _splits(m: int, n_tiles: int, k_steps: int, device: torch.device) -> int:
     """How many parts K is cut into: 1 (each program runs the whole of K) unless the rows are a decode's
     (<= 16) and the tiles too few to keep every SM reading; then enough parts for `SPLIT_PROGRAMS`
-    programs, each at least one BK step, the counters' buffer grown to `n_tiles` (never while a CUDA
-    graph is being captured: then 1)."""
+    programs, each at least one BK step. 1 also while a CUDA graph is being captured before the device
+    has its counters."""
     if m > 16:
         return 1
     splits = min(k_steps, -(-SPLIT_PROGRAMS // n_tiles))
     if splits <= 1:
         return 1
-    locks = _LOCKS.get(device)
-    if locks is None or locks.numel() < n_tiles:
+    if device not in _LOCKS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return 1
-        _LOCKS[device] = torch.zeros(max(n_tiles, 4096), dtype=torch.int32, device=device)
+        _LOCKS[device] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
     return splits
 
 
