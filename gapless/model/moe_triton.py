@@ -38,6 +38,7 @@ def _grouped_gemm_kernel(
     BlockExpert,
     NumPadded,
     RouteWeights,
+    Scales,
     num_entries,
     N,
     K,
@@ -45,9 +46,11 @@ def _grouped_gemm_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_se,
     ROWS_PER_A: tl.constexpr,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    SCALED: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -57,7 +60,9 @@ def _grouped_gemm_kernel(
 
     A row of `A` is entry // ROWS_PER_A (the token, for the first GEMM; the entry itself for the second).
     GATED: `W[e]` holds gate rows [0, N) then up rows [N, 2N), and the result is silu(gate) * up.
-    WEIGHTED: the result is multiplied by the entry's routing weight."""
+    WEIGHTED: the result is multiplied by the entry's routing weight. SCALED: `W` is e4m3 with one float32
+    scale per expert row (`Scales[e, row]`): each tile is widened (exactly) to A's type for the dot, and
+    the row's scale multiplies the sum."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
@@ -80,16 +85,25 @@ def _grouped_gemm_kernel(
         )
         w_mask = k_mask[:, None] & n_mask[None, :]
         w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+        if SCALED:
+            w = w.to(a.dtype)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
         if GATED:
             u = tl.load(w_base + (offs_n + N)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+            if SCALED:
+                u = u.to(a.dtype)
             if IEEE:
                 acc_up += tl.dot(a, u, input_precision="ieee")
             else:
                 acc_up += tl.dot(a, u)
+    if SCALED:
+        s_base = Scales + expert * stride_se
+        acc = acc * tl.load(s_base + offs_n, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(s_base + N + offs_n, mask=n_mask, other=0.0)[None, :]
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if WEIGHTED:
@@ -132,15 +146,18 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     lora: Any = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k].
 
     x: [T, H]; w13: [E, 2I, H] (gate rows, then up); w2: [E, H, I]; weights, ids: [T, top_k]. `lora`: the
     layer's resident adapters (`gapless.lora.table.ExpertLoRA`): then each GEMM's output is kept whole
-    (gate/up before the activation, down before the routing weight) for its delta to be added."""
+    (gate/up before the activation, down before the routing weight) for its delta to be added. `scales`:
+    w13 and w2 are e4m3, with these float32 scales per expert row ([E, 2I], [E, H])."""
     if INTERPRET and x.dtype != torch.float32:
-        out = fused_experts(x.float(), w13.float(), w2.float(), weights, ids, lora)
-        return out.to(x.dtype)
+        w13, w2 = (w if scales is not None else w.float() for w in (w13, w2))
+        return fused_experts(x.float(), w13, w2, weights, ids, lora, scales).to(x.dtype)
+    s13, s2 = scales if scales is not None else (None, None)
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     n = tokens * top_k
@@ -151,16 +168,17 @@ def fused_experts(
     if lora is None:
         h = torch.empty(n, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
         y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-        _grouped_gemm(x, w13, h, aligned, weights, top_k, gated=True, weighted=False)
-        _grouped_gemm(h, w2, y, aligned, weights, 1, gated=False, weighted=True)
+        _grouped_gemm(x, w13, s13, h, aligned, weights, top_k, gated=True, weighted=False)
+        _grouped_gemm(h, w2, s2, y, aligned, weights, 1, gated=False, weighted=True)
     else:
-        y = _entries_with_lora(x, w13, w2, aligned, weights, ids, lora)
+        y = _entries_with_lora(x, (w13, s13), (w2, s2), aligned, weights, ids, lora)
     return y.view(tokens, top_k, hidden).sum(1).to(x.dtype)
 
 
 def _grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
+    scale: torch.Tensor | None,
     out: torch.Tensor,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
     weights: torch.Tensor,
@@ -170,7 +188,7 @@ def _grouped_gemm(
 ) -> None:
     """One launch of the grouped GEMM over the sorted entries `aligned` (`align`'s, and its block size):
     out[entry] = a[entry // rows_per_a] W[expert]^T (silu(gate) * up when `gated`, times the entry's
-    routing weight when `weighted`)."""
+    routing weight when `weighted`); `scale`: W is e4m3 with this float32 scale per expert row."""
     sorted_ids, block_expert, num_padded, block_m = aligned
     n_out, k_in = out.shape[1], a.shape[1]
     block_n = min(64, max(16, triton.next_power_of_2(n_out)))
@@ -183,6 +201,7 @@ def _grouped_gemm(
         block_expert,
         num_padded,
         weights,
+        scale if scale is not None else weights,
         weights.numel(),
         n_out,
         k_in,
@@ -190,9 +209,11 @@ def _grouped_gemm(
         w.stride(0),
         w.stride(1),
         out.stride(0),
+        scale.stride(0) if scale is not None else 0,
         ROWS_PER_A=rows_per_a,
         GATED=gated,
         WEIGHTED=weighted,
+        SCALED=scale is not None,
         IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -202,28 +223,29 @@ def _grouped_gemm(
 
 def _entries_with_lora(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: tuple[torch.Tensor, torch.Tensor | None],
+    w2: tuple[torch.Tensor, torch.Tensor | None],
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
     weights: torch.Tensor,
     ids: torch.Tensor,
     lora: Any,
 ) -> torch.Tensor:
-    """Each (token, expert) entry's output [T k, H] (fp32, routing-weighted) with its adapter's deltas:
+    """Each (token, expert) entry's output [T k, H] (fp32, routing-weighted) with its adapter's deltas
+    (w13, w2: each weight and its e4m3 scales, or None):
     gate/up [T k, 2I] whole, its delta, the activation; down [T k, H] whole, its delta, the weight. The
     deltas read each entry's flat adapter index (slot * E + expert: `ExpertLoRA.entry_slots`) on the
     device."""
     top_k = ids.shape[1]
     n = weights.numel()
     slots = lora.entry_slots(ids)
-    gate_up = torch.empty(n, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, aligned, weights, top_k, gated=False, weighted=False)
+    gate_up = torch.empty(n, w13[0].shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, *w13, gate_up, aligned, weights, top_k, gated=False, weighted=False)
     if slots is not None:
         lora.add("gate_up_proj", gate_up, x.repeat_interleave(top_k, 0), slots)
     gate, up = gate_up.chunk(2, dim=-1)
     h = (torch.nn.functional.silu(gate) * up).contiguous()
     y = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, w2, y, aligned, weights, 1, gated=False, weighted=False)
+    _grouped_gemm(h, *w2, y, aligned, weights, 1, gated=False, weighted=False)
     if slots is not None:
         lora.add("down_proj", y, h, slots)
     return y.float() * weights[:, None].float()

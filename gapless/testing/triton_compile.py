@@ -209,7 +209,7 @@ def _sampling() -> dict[str, Callable[[], object]]:
 def _moe() -> dict[str, Callable[[], object]]:
     from gapless.model import moe_triton
 
-    def run(dtype: torch.dtype, lora: bool) -> object:
+    def run(dtype: torch.dtype, lora: bool, fp8: bool = False) -> object:
         from types import SimpleNamespace
 
         from gapless.lora.table import ExpertLoRA
@@ -230,12 +230,17 @@ def _moe() -> dict[str, Callable[[], object]]:
             }
             table = SimpleNamespace(kernel=True, token_slots=torch.tensor([0, -1, 1, 0, -1]))
             adapters = ExpertLoRA(table, tables)  # type: ignore[arg-type]  # a stand-in for LoRATable
-        return moe_triton.fused_experts(x, w13, w2, weights, ids, adapters)
+        scales = None
+        if fp8:  # `--quantization fp8`'s experts: e4m3 weights, a float32 scale per expert row
+            w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+            scales = (torch.ones(experts, 2 * inter), torch.ones(experts, hidden))
+        return moe_triton.fused_experts(x, w13, w2, weights, ids, adapters, scales)
 
+    cases = [(lora, fp8) for lora in (False, True) for fp8 in (False, True) if not (lora and fp8)]
     return {
-        f"moe {dtype}{' lora' if lora else ''}": partial(run, dtype, lora)
+        f"moe {dtype}{' lora' if lora else ''}{' fp8' if fp8 else ''}": partial(run, dtype, lora, fp8)
         for dtype in DTYPES
-        for lora in (False, True)
+        for lora, fp8 in cases
     }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 
 import pytest
 import torch
@@ -129,10 +130,83 @@ def test_a_scale_of_the_wrong_shape_is_refused_by_name(ckpt_factory, tmp_path):
     _one_line(e, "model.layers.1.mlp.down_proj.weight_scale", "expected (2, 4)")
 
 
-def test_a_mixture_of_experts_model_is_refused_in_fp8(ckpt_factory):
+def test_an_fp8_checkpoint_of_a_mixture_of_experts_is_refused(ckpt_factory, tmp_path):
+    """`--quantization fp8` of a mixture's float checkpoint runs (below); an fp8 checkpoint of one is
+    refused in one line, naming what does run."""
+    src = ckpt_factory("qwen3_moe")
+    dst = tmp_path / "moe-fp8"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(
+        json.dumps({**cfg, "quantization_config": quant_config("fp8", (128, 128))})
+    )
     with pytest.raises(QuantFormatError) as e:
-        loader.load_model(ckpt_factory("qwen3_moe"), torch.float32, CPU, quantization="fp8")
-    _one_line(e, "mixture-of-experts")
+        loader.load_model(dst, torch.float32, CPU)
+    _one_line(e, "fp8 checkpoints of a mixture of experts are not read yet (--quantization fp8")
+
+
+def _rows_rounded(w: torch.Tensor) -> torch.Tensor:
+    """w with each row (of its last dimension) through e4m3 and back, as `--quantization fp8` holds it."""
+    q, s = quantize_rows(w.reshape(-1, w.shape[-1]))
+    return (q.float() * s).view(w.shape).to(w.dtype)
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU cases check the same)")
+
+
+@pytest.mark.parametrize(
+    ("arch", "device"),
+    [
+        ("qwen3_moe", "cpu"),
+        ("mixtral", "cpu"),
+        pytest.param("qwen3_moe", "cuda", marks=_CUDA, id="qwen3_moe-cuda"),
+    ],
+)
+def test_online_fp8_mixture_equals_its_rounded_weights(ckpt_factory, arch, device):
+    """`--quantization fp8` of a mixture: attention and the experts in e4m3 (the experts W8A16: their
+    activations unrounded), the router float. Greedy tokens equal transformers' on the same rounded
+    weights, attention's inputs rounded as ours are (on CUDA: the fused experts' e4m3 grouped GEMM)."""
+    src = ckpt_factory(arch)
+    loaded = loader.load_model(src, torch.float32, CPU, quantization="fp8")
+    held = weights_held(loaded)[0]
+    experts = [m for m in loaded.modules() if type(m).__name__ == "Experts"]
+    assert experts and all(m.gate_up_proj.dtype == FP8 and m.down_proj.dtype == FP8 for m in experts)
+    assert any("fp8" in f for f in held), held
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=6)
+    ours = _greedy(src, prompts, quantization="fp8", device=device)
+    hf = load_hf_model(src)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            # every projection (attention, dense MLP layers, the experts' stacked ones), not the router
+            if name.startswith("model.layers.") and (name.endswith("_proj.weight") or name.endswith("_proj")):
+                p.copy_(_rows_rounded(p))
+    with _activations_rounded(hf, 0):
+        for out, p in zip(ours, prompts):
+            check_greedy(out, hf_greedy(hf, p, MAX_NEW), tol=1e-3)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's run; on a GPU test_moe's CUDA cases run the kernel"
+)
+def test_fused_experts_over_fp8_weights_equal_the_dequantized_reference():
+    """The grouped GEMM over e4m3 experts (each tile widened, each row's sum scaled) equals the per-expert
+    torch path over the dequantized weights, with and without an adapter path's whole outputs."""
+    from gapless.model.moe import reference_experts, route
+    from gapless.model.moe_triton import fused_experts
+
+    g = torch.Generator().manual_seed(0)
+    tokens, e, h, inter = 9, 4, 32, 48
+    x = torch.randn(tokens, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * inter, h, generator=g) * 0.1, torch.randn(e, h, inter, generator=g) * 0.1
+    weights, ids = route(torch.randn(tokens, e, generator=g), 2, True, False)
+    q13, s13 = quantize_rows(w13.reshape(-1, h))
+    q2, s2 = quantize_rows(w2.reshape(-1, inter))
+    q13, q2 = q13.view(w13.shape), q2.view(w2.shape)
+    scales = (s13.view(e, 2 * inter), s2.view(e, h))
+    want = reference_experts(x, _rows_rounded(w13), _rows_rounded(w2), weights, ids)
+    got = fused_experts(x, q13, q2, weights, ids, scales=scales)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(want, reference_experts(x, w13, w2, weights, ids), atol=1e-5)
 
 
 # --- the layouts' arithmetic and the kernel ------------------------------------------------------------
@@ -225,7 +299,8 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
 
 
 def _greedy(model, prompts, **kw):
-    with LLM(str(model), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False, **kw) as llm:
+    engine = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "overlap": False, **kw}
+    with LLM(str(model), **engine) as llm:
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
         )

@@ -196,11 +196,15 @@ def _scale_param(layer: _Linear, spec: QuantSpec, module_name: str) -> nn.Parame
 def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> list[str]:
     """The modules whose weights the load keeps in fp8: those the checkpoint gives scales for (`targets`,
     module names), or with `online` every linear layer but the routers (the LM head stays float, as in
-    vLLM). One line refuses a mixture-of-experts model and a quantized LM head or embedding."""
+    vLLM); a mixture's experts are quantized by `finish` (`Experts.quantize_fp8`). One line refuses a
+    checkpoint's fp8 mixture of experts and a quantized LM head or embedding."""
     from gapless.model.moe import Experts
 
-    if any(isinstance(m, Experts) for m in model.modules()):
-        raise QuantFormatError(f"quantization {spec.name}: mixture-of-experts models are not run in fp8 yet")
+    if not spec.online and any(isinstance(m, Experts) for m in model.modules()):
+        raise QuantFormatError(
+            f"quantization {spec.name}: fp8 checkpoints of a mixture of experts are not read yet "
+            "(--quantization fp8 of its float checkpoint is)"
+        )
     if spec.online:
         return [
             name
@@ -264,4 +268,9 @@ def finish(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
                 rows_per_scale = br
         act_group = activation_group(layer.weight.shape[1], k_group)
         layer.linear_method = Fp8LinearMethod(layer, spec, rows_per_scale, k_group, act_group)
-    log.info("fp8 weights (%s) in %d layers", spec.label, len(modules))
+    from gapless.model.moe import Experts
+
+    experts = [m for m in model.modules() if isinstance(m, Experts)] if spec.online else []
+    for m in experts:
+        m.quantize_fp8()
+    log.info("fp8 weights (%s) in %d layers and %d experts' layers", spec.label, len(modules), len(experts))
