@@ -175,7 +175,7 @@ case "$part" in
     step 90 vision "$PY" -m gapless.bench.vision --device cuda --family qwen2_5_vl --images 64 --batch 16 \
       --json "$WORK/vision.json"
     if [ -f bench/gpu_quant.sh ]; then  # the quantized-checkpoint runs, when their issue adds them
-      step 200 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=190 bash bench/gpu_quant.sh
+      step 260 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=250 bash bench/gpu_quant.sh
     else
       echo "quant: bench/gpu_quant.sh not there yet" >>"$WORK/steps.log"
     fi

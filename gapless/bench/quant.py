@@ -1,10 +1,11 @@
 """TPOT at batch 1 of quantized weights against bf16, on a model's shape with random weights.
 
-    python -m gapless.bench.quant make DIR                 # DIR/qwen3-0.6b, DIR/qwen3-8b: config + tokenizer
+    python -m gapless.bench.quant make DIR      # DIR/qwen3-0.6b, qwen3-8b, qwen3-30b-a3b: config + tokenizer
     python -m gapless.bench.quant run DIR/qwen3-8b --engine-option quantization=fp8 --json r.json
     python -m gapless.bench.quant report r1.json r2.json ...   # each run's TPOT and its ratio to bf16's
 
-`make` writes each shape's config.json (Qwen3-0.6B's and Qwen3-8B's published values) and the built-in
+`make` writes each shape's config.json (Qwen3-0.6B's, Qwen3-8B's and the mixture Qwen3-30B-A3B's
+published values) and the built-in
 tokenizer, no weights: `run` loads it with `load_format=dummy` (random weights made on the device, none
 read: a 16 GB checkpoint is neither built nor read) in bfloat16, on CUDA graphs at batch 1, and times one
 request at a time: a 128-token prompt generating 1 token (its prefill) and generating 1 + `--tokens`
@@ -39,7 +40,33 @@ QWEN3_8B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-SHAPES: dict[str, dict[str, Any]] = {"qwen3-0.6b": {}, "qwen3-8b": QWEN3_8B}
+# Qwen/Qwen3-30B-A3B's (hidden 2048, 48 layers of 128 experts, 8 routed a token, expert MLP 768; ~61 GB
+# in bf16: an H200, or an H100 for fp8 and barely for bf16)
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    mlp_only_layers=[],
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+# shape -> (architecture, its config's values over the qwen3-0.6b size)
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-0.6b": ("qwen3", {}),
+    "qwen3-8b": ("qwen3", QWEN3_8B),
+    "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B),
+}
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 PROMPT_LEN = 128
 
 
@@ -49,11 +76,11 @@ def make(out: Path) -> list[Path]:
     from gapless.testing.checkpoints import model_config
 
     made = []
-    for name, overrides in SHAPES.items():
+    for name, (arch, overrides) in SHAPES.items():
         path = out / name
         path.mkdir(parents=True, exist_ok=True)
-        cfg = model_config("qwen3", "qwen3-0.6b", **overrides)
-        cfg.architectures = ["Qwen3ForCausalLM"]  # (a model's save_pretrained writes it)
+        cfg = model_config(arch, "qwen3-0.6b", **overrides)
+        cfg.architectures = [_ARCHITECTURES[arch]]  # (a model's save_pretrained writes it)
         cfg.save_pretrained(path)
         build_tokenizer().save_pretrained(path)
         made.append(path)

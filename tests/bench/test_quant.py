@@ -12,7 +12,10 @@ from gapless.model.config import load_model_config
 
 def test_make_writes_each_shape_without_weights(tmp_path):
     paths = quant.make(tmp_path)
-    assert [p.name for p in paths] == ["qwen3-0.6b", "qwen3-8b"]
+    assert [p.name for p in paths] == ["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"]
+    moe = load_model_config(tmp_path / "qwen3-30b-a3b")  # every layer a mixture of 128 experts, 8 routed
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
+    assert all(moe.moe_layers) and moe.num_layers == 48
     cfg = load_model_config(tmp_path / "qwen3-8b")
     assert (cfg.hidden_size, cfg.num_layers, cfg.intermediate_size, cfg.num_kv_heads) == (4096, 36, 12288, 8)
     assert not cfg.tie_word_embeddings and load_model_config(tmp_path / "qwen3-0.6b").tie_word_embeddings
