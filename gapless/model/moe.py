@@ -28,8 +28,9 @@ from gapless.model.config import ModelConfig
 from gapless.model.layers import GATED_ACTIVATIONS, ReplicatedLinear, set_weight_loader
 
 # per-expert checkpoint tensors: `...mlp.experts.3.gate_proj.weight` (Qwen, OLMoE) or
-# `...block_sparse_moe.experts.3.w1.weight` (Mixtral: w1 gate, w3 up, w2 down)
-_EXPERT_NAME = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+# `...block_sparse_moe.experts.3.w1.weight` (Mixtral: w1 gate, w3 up, w2 down), and an fp8 checkpoint's
+# `weight_scale` beside each (the loader renames fp8's `weight_scale_inv` so)
+_EXPERT_NAME = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale)$")
 _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
@@ -39,7 +40,7 @@ def checkpoint_target(name: str) -> tuple[str, Any] | None:
     m = _EXPERT_NAME.match(name)
     if m and m.group(3) in _PROJ:
         prefix, expert, proj = m.group(1), int(m.group(2)), _PROJ[m.group(3)]
-        param = "down_proj" if proj == "down" else "gate_up_proj"
+        param = ("down" if proj == "down" else "gate_up") + ("_proj" if m.group(4) == "weight" else "_scale")
         return f"{prefix}.mlp.experts.{param}", (expert, proj)
     if ".block_sparse_moe." in name:
         return name.replace(".block_sparse_moe.", ".mlp."), None
@@ -106,15 +107,20 @@ class Experts(nn.Module):
         self.use_triton: bool | None = None  # None: by device (CUDA: fused Triton); tests force either
         # the experts' resident LoRA adapters (`gapless.lora.table.ExpertLoRA`), when LoRA is enabled
         self.lora: Any = None
-        # `quantize_fp8`: e4m3 weights' float32 scales per expert row, and (on the CPU) the float weights
-        # the reference path multiplies with
+        # fp8 (`quantize_fp8`, `prepare_fp8`): e4m3 weights' float32 scales, [E, rows, column blocks]
+        # (one block of all K: per row) with the blocks' width, and (on the CPU) the float weights the
+        # reference path multiplies with
         self.gate_up_scale: nn.Parameter | None = None
         self.down_scale: nn.Parameter | None = None
+        self.scale_cols = (0, 0)  # gate_up's, down's columns per scale block
+        self.scale_block: tuple[int, int] | None = None  # a checkpoint's [rows, cols] scale blocks
+        self.float_dtype = self.gate_up_proj.dtype  # the model's, which the CPU reference computes in
+        self.fp8_label = ""
         self.dequantized: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def checkpoint_shards(self, param: str) -> list[tuple[int, str]]:
         """The shard ids that together fill `param` (the loader checks that none is missing)."""
-        projs = ("down",) if param == "down_proj" else ("gate", "up")
+        projs = ("down",) if param.startswith("down") else ("gate", "up")
         return [(e, p) for e in range(self.num_experts) for p in projs]
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
@@ -122,6 +128,8 @@ class Experts(nn.Module):
         target = param.data[expert]
         if proj != "down":
             target = target.narrow(0, 0 if proj == "gate" else self.inter, self.inter)
+        if param is self.gate_up_scale or param is self.down_scale:
+            loaded = self._scale_rows(loaded, proj, target.shape)
         loaded = self.tp.part(loaded, self.tp.size, dim=1 if proj == "down" else 0)
         if target.shape != loaded.shape:
             raise ValueError(
@@ -129,30 +137,92 @@ class Experts(nn.Module):
             )
         target.copy_(loaded)
 
+    def _scale_rows(self, loaded: torch.Tensor, proj: str, local: torch.Size) -> torch.Tensor:
+        """A checkpoint scale of one expert's projection as one row per weight row of the whole
+        projection, [rows, column blocks] float32 (a per-tensor scale repeated; a block scale's rows
+        repeated per block), for the rank's cut; a one-line error where its shape fits nothing."""
+        from gapless.model.quant.formats import QuantFormatError
+
+        rows = local[0] * (1 if proj == "down" else self.tp.size)
+        cols = local[1] * (self.tp.size if proj == "down" else 1)
+        s = loaded.float().reshape(loaded.shape[0] if loaded.dim() else 1, -1)
+        if self.scale_block is None and (s.numel() == 1 or s.shape == (rows, 1)):
+            return s.expand(rows, cols).contiguous()  # per tensor, per row: one column block
+        br = self.scale_block[0] if self.scale_block is not None else 0
+        if not br or s.shape != (-(-rows // br), cols):
+            raise QuantFormatError(
+                f"expert {proj} scale of shape {tuple(loaded.shape)} fits no per-tensor, per-row or block "
+                f"scale of this model's {rows}-row expert weights"
+            )
+        return s.repeat_interleave(br, 0)[:rows].contiguous()
+
+    def prepare_fp8(self, block: tuple[int, int] | None, label: str) -> None:
+        """Before an fp8 checkpoint loads: e4m3 weight parameters and their scales', [E, rows, column
+        blocks] (`block` [rows, cols]: each block's scale repeated over its rows; None: one per row or
+        tensor), loaded per expert as the weights are. Refuses, in one line, blocks that tensor
+        parallelism's cut would split."""
+        from gapless.model.quant.formats import QuantFormatError
+
+        e, hidden, inter = self.num_experts, self.gate_up_proj.shape[2], self.inter
+        bc = block[1] if block is not None else 0
+        if bc and (bc & (bc - 1) or bc < 16):
+            raise QuantFormatError(f"fp8 experts: block width {bc} is not a power of two >= 16")
+        if block is not None and self.tp.size > 1 and (inter % block[0] or inter % bc):
+            raise QuantFormatError(
+                f"fp8 experts: {inter} columns per rank split the checkpoint's {block[0]}x{bc} scale blocks"
+            )
+        dev, self.float_dtype, self.scale_block = self.gate_up_proj.device, self.gate_up_proj.dtype, block
+        for name, (rows, k) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
+            weight = nn.Parameter(
+                torch.empty(e, rows, k, dtype=torch.float8_e4m3fn, device=dev), requires_grad=False
+            )
+            setattr(self, f"{name}_proj", set_weight_loader(weight, self.load_shard))
+            cols = -(-k // bc) if bc else 1
+            scale = nn.Parameter(
+                torch.empty(e, rows, cols, dtype=torch.float32, device=dev), requires_grad=False
+            )
+            setattr(self, f"{name}_scale", set_weight_loader(scale, self.load_shard))
+        self.scale_cols = (bc or hidden, bc or inter)
+        self.fp8_label = f"{label} experts"
+
+    def finish_fp8(self) -> None:
+        """After the e4m3 weights are in: on the CPU, the dequantized weights the reference path
+        multiplies with."""
+        if self.gate_up_proj.device.type != "cpu":
+            return
+        assert self.gate_up_scale is not None and self.down_scale is not None
+        pairs = (
+            (self.gate_up_proj, self.gate_up_scale, self.scale_cols[0]),
+            (self.down_proj, self.down_scale, self.scale_cols[1]),
+        )
+        dq = []
+        for w, s, bc in pairs:
+            full = s.repeat_interleave(bc, 2)[..., : w.shape[2]]
+            dq.append((w.float() * full).to(self.float_dtype))
+        self.dequantized = (dq[0], dq[1])
+
     @property
     def weight_format(self) -> str | None:
         """The experts' weight format for the start-up line when it is not the model's dtype."""
-        return "fp8 e4m3 per-row experts (quantized at load)" if self.gate_up_scale is not None else None
+        return self.fp8_label or None
 
-    def quantize_fp8(self) -> None:
+    def quantize_fp8(self, label: str) -> None:
         """Hold the weights in e4m3 with one float32 scale per expert row (`--quantization fp8` at load,
         after tensor parallelism's cut: each rank scales its own rows), half the bytes of bf16. The fused
         kernel widens each tile exactly and scales the row's sum (W8A16: activations stay as they are);
         on the CPU the reference path multiplies with the dequantized weights, kept beside."""
         from gapless.model.quant.fp8 import quantize_rows
 
-        scales, dtype = [], self.gate_up_proj.dtype
+        scales, self.float_dtype = [], self.gate_up_proj.dtype
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(self, name).data
             q, s = quantize_rows(w.reshape(-1, w.shape[-1]))
             setattr(self, name, nn.Parameter(q.view(w.shape), requires_grad=False))
-            scales.append(nn.Parameter(s.view(w.shape[:2]), requires_grad=False))
+            scales.append(nn.Parameter(s.view(*w.shape[:2], 1), requires_grad=False))
         self.gate_up_scale, self.down_scale = scales
-        if self.gate_up_proj.device.type == "cpu":
-            self.dequantized = (
-                (self.gate_up_proj.float() * self.gate_up_scale[..., None]).to(dtype),
-                (self.down_proj.float() * self.down_scale[..., None]).to(dtype),
-            )
+        self.scale_cols = (self.gate_up_proj.shape[2], self.down_proj.shape[2])
+        self.fp8_label = f"{label} experts"
+        self.finish_fp8()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         use_triton = x.is_cuda if self.use_triton is None else self.use_triton
@@ -161,7 +231,7 @@ class Experts(nn.Module):
 
             scales = None
             if self.gate_up_scale is not None and self.down_scale is not None:
-                scales = (self.gate_up_scale, self.down_scale)
+                scales = ((self.gate_up_scale, self.scale_cols[0]), (self.down_scale, self.scale_cols[1]))
             out = fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.lora, scales)
         else:
             w13, w2 = self.dequantized or (self.gate_up_proj, self.down_proj)

@@ -47,6 +47,8 @@ def _grouped_gemm_kernel(
     stride_wn,
     stride_om,
     stride_se,
+    stride_sn,
+    scale_cols,
     ROWS_PER_A: tl.constexpr,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
@@ -60,9 +62,9 @@ def _grouped_gemm_kernel(
 
     A row of `A` is entry // ROWS_PER_A (the token, for the first GEMM; the entry itself for the second).
     GATED: `W[e]` holds gate rows [0, N) then up rows [N, 2N), and the result is silu(gate) * up.
-    WEIGHTED: the result is multiplied by the entry's routing weight. SCALED: `W` is e4m3 with one float32
-    scale per expert row (`Scales[e, row]`): each tile is widened (exactly) to A's type for the dot, and
-    the row's scale multiplies the sum."""
+    WEIGHTED: the result is multiplied by the entry's routing weight. SCALED: `W` is e4m3 with float32
+    scales `Scales[e, row, k // scale_cols]` (one column block of all K: per row): each tile is widened
+    (exactly) to A's type for the dot, and each K step's product is scaled by its block's scale."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
@@ -75,6 +77,8 @@ def _grouped_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_base = W + expert * stride_we
+    s_gate = Scales + expert * stride_se + offs_n * stride_sn  # (SCALED only)
+    s_up = s_gate + N * stride_sn
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -88,22 +92,23 @@ def _grouped_gemm_kernel(
         if SCALED:
             w = w.to(a.dtype)
         if IEEE:
-            acc += tl.dot(a, w, input_precision="ieee")
+            part = tl.dot(a, w, input_precision="ieee")
         else:
-            acc += tl.dot(a, w)
+            part = tl.dot(a, w)
+        if SCALED:
+            part = part * tl.load(s_gate + k0 // scale_cols, mask=n_mask, other=0.0)[None, :]
+        acc += part
         if GATED:
             u = tl.load(w_base + (offs_n + N)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
             if SCALED:
                 u = u.to(a.dtype)
             if IEEE:
-                acc_up += tl.dot(a, u, input_precision="ieee")
+                part_up = tl.dot(a, u, input_precision="ieee")
             else:
-                acc_up += tl.dot(a, u)
-    if SCALED:
-        s_base = Scales + expert * stride_se
-        acc = acc * tl.load(s_base + offs_n, mask=n_mask, other=0.0)[None, :]
-        if GATED:
-            acc_up = acc_up * tl.load(s_base + N + offs_n, mask=n_mask, other=0.0)[None, :]
+                part_up = tl.dot(a, u)
+            if SCALED:
+                part_up = part_up * tl.load(s_up + k0 // scale_cols, mask=n_mask, other=0.0)[None, :]
+            acc_up += part_up
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if WEIGHTED:
@@ -146,14 +151,14 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     lora: Any = None,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scales: tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]] | None = None,
 ) -> torch.Tensor:
     """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k].
 
     x: [T, H]; w13: [E, 2I, H] (gate rows, then up); w2: [E, H, I]; weights, ids: [T, top_k]. `lora`: the
     layer's resident adapters (`gapless.lora.table.ExpertLoRA`): then each GEMM's output is kept whole
     (gate/up before the activation, down before the routing weight) for its delta to be added. `scales`:
-    w13 and w2 are e4m3, with these float32 scales per expert row ([E, 2I], [E, H])."""
+    w13 and w2 are e4m3, with these float32 scales [E, rows, column blocks] and each block's width."""
     if INTERPRET and x.dtype != torch.float32:
         w13, w2 = (w if scales is not None else w.float() for w in (w13, w2))
         return fused_experts(x.float(), w13, w2, weights, ids, lora, scales).to(x.dtype)
@@ -178,7 +183,7 @@ def fused_experts(
 def _grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
-    scale: torch.Tensor | None,
+    scale: tuple[torch.Tensor, int] | None,
     out: torch.Tensor,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
     weights: torch.Tensor,
@@ -188,11 +193,14 @@ def _grouped_gemm(
 ) -> None:
     """One launch of the grouped GEMM over the sorted entries `aligned` (`align`'s, and its block size):
     out[entry] = a[entry // rows_per_a] W[expert]^T (silu(gate) * up when `gated`, times the entry's
-    routing weight when `weighted`); `scale`: W is e4m3 with this float32 scale per expert row."""
+    routing weight when `weighted`); `scale`: W is e4m3 with these float32 scales [E, rows, column
+    blocks] and each block's width."""
     sorted_ids, block_expert, num_padded, block_m = aligned
     n_out, k_in = out.shape[1], a.shape[1]
     block_n = min(64, max(16, triton.next_power_of_2(n_out)))
     block_k = min(64, max(16, triton.next_power_of_2(k_in)))
+    if scale is not None and scale[1] < k_in:  # a K step never crosses a scale block (a power of two)
+        block_k = min(block_k, scale[1])
     _grouped_gemm_kernel[(sorted_ids.numel() // block_m, triton.cdiv(n_out, block_n))](
         a,
         w,
@@ -201,7 +209,7 @@ def _grouped_gemm(
         block_expert,
         num_padded,
         weights,
-        scale if scale is not None else weights,
+        scale[0] if scale is not None else weights,
         weights.numel(),
         n_out,
         k_in,
@@ -209,7 +217,9 @@ def _grouped_gemm(
         w.stride(0),
         w.stride(1),
         out.stride(0),
-        scale.stride(0) if scale is not None else 0,
+        scale[0].stride(0) if scale is not None else 0,
+        scale[0].stride(1) if scale is not None else 0,
+        scale[1] if scale is not None else 1,
         ROWS_PER_A=rows_per_a,
         GATED=gated,
         WEIGHTED=weighted,
@@ -223,8 +233,8 @@ def _grouped_gemm(
 
 def _entries_with_lora(
     x: torch.Tensor,
-    w13: tuple[torch.Tensor, torch.Tensor | None],
-    w2: tuple[torch.Tensor, torch.Tensor | None],
+    w13: tuple[torch.Tensor, tuple[torch.Tensor, int] | None],
+    w2: tuple[torch.Tensor, tuple[torch.Tensor, int] | None],
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
     weights: torch.Tensor,
     ids: torch.Tensor,

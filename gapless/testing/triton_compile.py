@@ -233,7 +233,7 @@ def _moe() -> dict[str, Callable[[], object]]:
         scales = None
         if fp8:  # `--quantization fp8`'s experts: e4m3 weights, a float32 scale per expert row
             w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
-            scales = (torch.ones(experts, 2 * inter), torch.ones(experts, hidden))
+            scales = ((torch.ones(experts, 2 * inter, 1), hidden), (torch.ones(experts, hidden, 1), inter))
         return moe_triton.fused_experts(x, w13, w2, weights, ids, adapters, scales)
 
     cases = [(lora, fp8) for lora in (False, True) for fp8 in (False, True) if not (lora and fp8)]

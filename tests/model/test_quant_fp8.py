@@ -130,28 +130,55 @@ def test_a_scale_of_the_wrong_shape_is_refused_by_name(ckpt_factory, tmp_path):
     _one_line(e, "model.layers.1.mlp.down_proj.weight_scale", "expected (2, 4)")
 
 
-def test_an_fp8_checkpoint_of_a_mixture_of_experts_is_refused(ckpt_factory, tmp_path):
-    """`--quantization fp8` of a mixture's float checkpoint runs (below); an fp8 checkpoint of one is
-    refused in one line, naming what does run."""
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU cases check the same)")
+
+
+@pytest.mark.parametrize(
+    ("layout", "block", "device"),
+    [
+        ("fp8", (32, 32), "cpu"),
+        ("ct-channel", None, "cpu"),
+        ("ct-tensor", None, "cpu"),
+        pytest.param("fp8", (32, 32), "cuda", marks=_CUDA, id="fp8-cuda"),
+    ],
+)
+def test_fp8_checkpoint_of_a_mixture_equals_its_dequantized_weights(
+    ckpt_factory, tmp_path, layout, block, device
+):
+    """A mixture's fp8 checkpoint (each expert's projections quantized with their scales, as Qwen's
+    `*-FP8` mixtures are): the experts load in e4m3 with their scales, per row or per block, and greedy
+    tokens equal transformers' on the dequantized weights (attention's inputs rounded as ours are, the
+    experts' W8A16 not)."""
     src = ckpt_factory("qwen3_moe")
-    dst = tmp_path / "moe-fp8"
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(
-        json.dumps({**cfg, "quantization_config": quant_config("fp8", (128, 128))})
-    )
+    dst, ref = write_fp8_checkpoint(src, tmp_path / layout, layout, block or (128, 128))
+    loaded = loader.load_model(dst, torch.float32, CPU)
+    experts = [m for m in loaded.modules() if type(m).__name__ == "Experts"]
+    assert experts and all(m.gate_up_proj.dtype == FP8 and m.dequantized is not None for m in experts)
+    assert any(f.endswith("experts") for f in weights_held(loaded)[0]), weights_held(loaded)
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=6)
+    ours = _greedy(dst, prompts, device=device)
+    hf = load_hf_model(ref)
+    with _activations_rounded(hf, block[1] if block else 0):
+        for out, p in zip(ours, prompts):
+            check_greedy(out, hf_greedy(hf, p, MAX_NEW), tol=1e-3)
+
+
+def test_a_mixtures_bad_expert_scale_is_refused_in_one_line(ckpt_factory, tmp_path):
+    src = ckpt_factory("qwen3_moe")
+    dst, _ = write_fp8_checkpoint(src, tmp_path / "bad", "fp8", (32, 32))
+    tensors = load_file(str(dst / "model.safetensors"))
+    key = next(k for k in tensors if ".experts.0.down_proj.weight_scale" in k)
+    tensors[key] = torch.ones(5, 5)
+    save_file(tensors, str(dst / "model.safetensors"))
     with pytest.raises(QuantFormatError) as e:
         loader.load_model(dst, torch.float32, CPU)
-    _one_line(e, "fp8 checkpoints of a mixture of experts are not read yet (--quantization fp8")
+    _one_line(e, "expert down scale of shape (5, 5) fits no per-tensor, per-row or block scale")
 
 
 def _rows_rounded(w: torch.Tensor) -> torch.Tensor:
     """w with each row (of its last dimension) through e4m3 and back, as `--quantization fp8` holds it."""
     q, s = quantize_rows(w.reshape(-1, w.shape[-1]))
     return (q.float() * s).view(w.shape).to(w.dtype)
-
-
-_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU cases check the same)")
 
 
 @pytest.mark.parametrize(
@@ -202,7 +229,7 @@ def test_fused_experts_over_fp8_weights_equal_the_dequantized_reference():
     q13, s13 = quantize_rows(w13.reshape(-1, h))
     q2, s2 = quantize_rows(w2.reshape(-1, inter))
     q13, q2 = q13.view(w13.shape), q2.view(w2.shape)
-    scales = (s13.view(e, 2 * inter), s2.view(e, h))
+    scales = ((s13.view(e, 2 * inter, 1), h), (s2.view(e, h, 1), inter))
     want = reference_experts(x, _rows_rounded(w13), _rows_rounded(w2), weights, ids)
     got = fused_experts(x, q13, q2, weights, ids, scales=scales)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -424,7 +451,6 @@ def test_tensor_parallel_ranks_hold_their_weights_scales(ckpt_factory, tmp_path,
 def test_dummy_load_format_reads_no_weights_and_quantizes_at_load(ckpt_factory, tmp_path):
     """`load_format="dummy"`: a directory with a config and a tokenizer only runs, its random weights
     quantized by `quantization="fp8"` (what bench/gpu_quant.sh does on the 8B shape)."""
-    import shutil
 
     src = ckpt_factory("qwen3")
     shutil.copytree(src, tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors*"))

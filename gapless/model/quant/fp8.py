@@ -195,41 +195,47 @@ def _scale_param(layer: _Linear, spec: QuantSpec, module_name: str) -> nn.Parame
 
 def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> list[str]:
     """The modules whose weights the load keeps in fp8: those the checkpoint gives scales for (`targets`,
-    module names), or with `online` every linear layer but the routers (the LM head stays float, as in
-    vLLM); a mixture's experts are quantized by `finish` (`Experts.quantize_fp8`). One line refuses a
-    checkpoint's fp8 mixture of experts and a quantized LM head or embedding."""
+    module names; a mixture's experts, `...experts.3.gate_proj`, as their layer's `Experts`), or with
+    `online` every linear layer but the routers and every mixture's experts (the LM head stays float, as
+    in vLLM). One line refuses a quantized LM head or embedding."""
     from gapless.model.moe import Experts
 
-    if not spec.online and any(isinstance(m, Experts) for m in model.modules()):
-        raise QuantFormatError(
-            f"quantization {spec.name}: fp8 checkpoints of a mixture of experts are not read yet "
-            "(--quantization fp8 of its float checkpoint is)"
-        )
+    experts = [name for name, m in model.named_modules() if isinstance(m, Experts)]
     if spec.online:
-        return [
+        linears = [
             name
             for name, m in model.named_modules()
             if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)
         ]
+        return linears + experts
+    # the checkpoint's experts' scales: each mixture layer's experts, all of them, in fp8
+    expert_targets = {t for t in targets if t in experts or ".experts." in t}
+    targets = targets - expert_targets
     for name in sorted(targets):
         module = model.get_submodule(name)
         if isinstance(module, ParallelLMHead) or not isinstance(module, _Linear):
             raise QuantFormatError(
                 f"quantization {spec.name}: {name} ({type(module).__name__}) in fp8 is not run"
             )
-    if not targets:
+    if not targets and not expert_targets:
         raise QuantFormatError(
             f"quantization {spec.name}: the checkpoint has no weight scales ({', '.join(SCALE_NAMES)})"
         )
-    return sorted(targets)
+    return sorted(targets) + (experts if expert_targets else [])
 
 
 def prepare(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
     """Before loading: give each module of `modules` an e4m3 weight and a float32 `weight_scale`
-    parameter, each loaded by the layer's rules (an online load keeps its float weight until `finish`)."""
+    parameter, each loaded by the layer's rules (an online load keeps its float weight until `finish`);
+    a mixture's experts theirs (`Experts.prepare_fp8`)."""
+    from gapless.model.moe import Experts
+
     for name in modules:
         layer: Any = model.get_submodule(name)
         if spec.online:
+            continue
+        if isinstance(layer, Experts):
+            layer.prepare_fp8(spec.weight_block, spec.label)
             continue
         n, k = layer.weight.shape
         if spec.weight_block is not None:
@@ -250,9 +256,20 @@ def prepare(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
 
 def finish(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
     """After loading: quantize an online load's float weights by rows, store block scales per block where
-    their rows repeat, and install `Fp8LinearMethod` on each module."""
+    their rows repeat, and install `Fp8LinearMethod` on each module; a mixture's experts quantized by
+    rows (online) or given their CPU reference's float weights."""
+    from gapless.model.moe import Experts
+
+    experts = 0
     for name in modules:
         layer: Any = model.get_submodule(name)
+        if isinstance(layer, Experts):
+            if spec.online:
+                layer.quantize_fp8(spec.label)
+            else:
+                layer.finish_fp8()
+            experts += 1
+            continue
         if spec.online:
             q, s = quantize_rows(layer.weight.data)
             layer.weight = nn.Parameter(q, requires_grad=False)
@@ -268,9 +285,6 @@ def finish(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
                 rows_per_scale = br
         act_group = activation_group(layer.weight.shape[1], k_group)
         layer.linear_method = Fp8LinearMethod(layer, spec, rows_per_scale, k_group, act_group)
-    from gapless.model.moe import Experts
-
-    experts = [m for m in model.modules() if isinstance(m, Experts)] if spec.online else []
-    for m in experts:
-        m.quantize_fp8()
-    log.info("fp8 weights (%s) in %d layers and %d experts' layers", spec.label, len(modules), len(experts))
+    log.info(
+        "fp8 weights (%s) in %d layers and %d experts' layers", spec.label, len(modules) - experts, experts
+    )
