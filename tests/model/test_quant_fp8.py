@@ -448,6 +448,27 @@ def test_tensor_parallel_ranks_hold_their_weights_scales(ckpt_factory, tmp_path,
             torch.testing.assert_close(torch.cat(parts), torch.cat(mine), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("layout", "block"), [("fp8", (16, 16)), ("ct-channel", None)])
+def test_tensor_parallel_ranks_hold_their_experts_scales(ckpt_factory, tmp_path, monkeypatch, layout, block):
+    """A mixture's fp8 checkpoint built as rank r of 2: each rank's experts, dequantized with their scales,
+    are its gate/up rows and down columns of the whole model's."""
+    src = ckpt_factory("qwen3_moe", moe_intermediate_size=64)
+    dst, _ = write_fp8_checkpoint(src, tmp_path / layout, layout, block=block or (128, 128))
+    whole = loader.load_model(dst, torch.float32, CPU).model.layers[0].mlp.experts
+    ranks = []
+    for rank in range(2):
+        monkeypatch.setattr(parallel, "_current", _Rank(rank=rank, size=2))
+        ranks.append(loader.load_model(dst, torch.float32, CPU).model.layers[0].mlp.experts)
+    monkeypatch.setattr(parallel, "_current", parallel.SINGLE)
+    w13, w2 = whole.dequantized
+    inter = w13.shape[1] // 2
+    gate, up = w13[:, :inter], w13[:, inter:]
+    for r, part in enumerate(ranks):
+        mine = torch.cat([gate.chunk(2, dim=1)[r], up.chunk(2, dim=1)[r]], dim=1)
+        torch.testing.assert_close(part.dequantized[0], mine, rtol=0, atol=0)
+        torch.testing.assert_close(part.dequantized[1], w2.chunk(2, dim=2)[r], rtol=0, atol=0)
+
+
 def test_dummy_load_format_reads_no_weights_and_quantizes_at_load(ckpt_factory, tmp_path):
     """`load_format="dummy"`: a directory with a config and a tokenizer only runs, its random weights
     quantized by `quantization="fp8"` (what bench/gpu_quant.sh does on the 8B shape)."""
