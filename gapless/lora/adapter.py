@@ -6,9 +6,10 @@ PEFT module maps onto its slice of a fused layer: its A into that slice's block 
 dimension, its B into that slice's output rows (`ModuleDelta`). A mixture's experts come stacked
 (`ExpertDelta`: A [E, r, in], B [E, rows, r] per layer and projection), from either of PEFT's layouts:
 `target_parameters` on the stacked 3D parameters of transformers 5 (`mlp.experts.gate_up_proj`,
-`down_proj`: A [r E, in] and B [out, r E], wrappers nested in the list's order), or one module per expert
-(`mlp.experts.3.gate_proj`, Mixtral's `block_sparse_moe.experts.3.w1`, as transformers 4 named them).
-The scaling is folded into B here. Every refusal is a `LoRAError` naming the adapter and what is wrong.
+`down_proj`: A [r E, in] and B [out, r E], which nested wrapper adapts which read from its shapes), or
+one module per expert (`mlp.experts.3.gate_proj`, Mixtral's `block_sparse_moe.experts.3.w1`, as
+transformers 4 named them). The scaling is folded into B here. Every refusal is a `LoRAError` naming the
+adapter and what is wrong.
 """
 
 from __future__ import annotations
@@ -164,9 +165,10 @@ def _read_config(name: str, path: Path) -> dict:
 
 
 class Scaling(NamedTuple):
-    """An adapter's scaling rule: alpha / r (alpha / sqrt(r) with rslora), alpha and r per module from
-    `alpha_pattern` / `rank_pattern` where one matches (PEFT writes them for the stacked experts it
-    converts: gate and up as one `gate_up_proj` of twice the rank)."""
+    """An adapter's scaling rule: alpha / r (alpha / sqrt(r) with rslora), r each module's own (its
+    tensors' shape: what `rank_pattern` gave it) and alpha from `alpha_pattern` where one matches (PEFT
+    writes both for the stacked experts it converts: gate and up as one `gate_up_proj` of twice the
+    rank)."""
 
     alpha: float
     rslora: bool
@@ -216,8 +218,8 @@ def _scaling(name: str, cfg: dict, max_rank: int) -> tuple[int, Scaling]:
 
 
 def _check_targets(name: str, cfg: dict, moe: bool) -> list[str]:
-    """The stacked expert parameters `target_parameters` names, in its order (PEFT's wrapping order);
-    a refusal of target modules or parameters the model lacks."""
+    """The stacked expert parameters `target_parameters` names (gate_up_proj, down_proj); a refusal of
+    target modules or parameters the model lacks."""
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         known = {*SLICES, *(EXPERT_SLICES if moe else ())}
