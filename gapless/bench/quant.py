@@ -26,13 +26,8 @@ from typing import Any
 
 from gapless.bench import cli
 
-# Qwen/Qwen3-8B's config.json (hidden 4096, 36 layers, 32 q / 8 kv heads of 128, MLP 12288, untied head)
-QWEN3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
+# what Qwen3's published configs share (head dim, vocabulary, RoPE, norm epsilon, an untied head)
+_QWEN3 = dict(
     head_dim=128,
     vocab_size=151936,
     max_position_embeddings=40960,
@@ -40,9 +35,19 @@ QWEN3_8B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+# Qwen/Qwen3-8B's config.json (hidden 4096, 36 layers, 32 q / 8 kv heads of 128, MLP 12288, untied head)
+QWEN3_8B = dict(
+    _QWEN3,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+)
 # Qwen/Qwen3-30B-A3B's (hidden 2048, 48 layers of 128 experts, 8 routed a token, expert MLP 768; ~61 GB
 # in bf16: an H200, or an H100 for fp8 and barely for bf16)
 QWEN3_30B_A3B = dict(
+    _QWEN3,
     hidden_size=2048,
     intermediate_size=6144,
     moe_intermediate_size=768,
@@ -53,12 +58,6 @@ QWEN3_30B_A3B = dict(
     num_hidden_layers=48,
     num_attention_heads=32,
     num_key_value_heads=4,
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
 )
 # shape -> (architecture, its config's values over the qwen3-0.6b size)
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {

@@ -132,10 +132,6 @@ def test_one_module_per_expert_reads_as_the_stacked_adapter(moe, tmp_path):
             check_greedy(ours, ref)
 
 
-class _Table(SimpleNamespace):
-    """The parts of a `LoRATable` an `ExpertLoRA` reads."""
-
-
 @pytest.mark.parametrize("tokens", [5, 40])
 def test_fused_experts_with_lora_equal_the_torch_path(tokens):
     """The fused Triton experts with adapters (the interpreter's run; on CUDA the kernels') equal the
@@ -165,8 +161,8 @@ def test_fused_experts_with_lora_equal_the_torch_path(tokens):
     }
     token_slots = torch.tensor([i % 4 - 1 for i in range(tokens)])  # -1 (base), 0, 1, 2, ...
     tables = {k: (a.to(dev), b.to(dev)) for k, (a, b) in tables.items()}
-    fused = ExpertLoRA(_Table(kernel=True, token_slots=token_slots.to(dev)), tables)
-    torch_path = ExpertLoRA(_Table(kernel=False, token_slots=token_slots, segments=object()), tables)
+    fused = ExpertLoRA(SimpleNamespace(kernel=True, token_slots=token_slots.to(dev)), tables)
+    torch_path = ExpertLoRA(SimpleNamespace(kernel=False, token_slots=token_slots, segments=object()), tables)
     got = fused_experts(x.to(dev), w13.to(dev), w2.to(dev), weights.to(dev), ids.to(dev), fused).cpu()
     want = reference_experts(x, w13, w2, weights, ids, torch_path)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
