@@ -1,7 +1,7 @@
 """LoRA serving equals `transformers` + `peft`: greedy tokens of rows running three adapters and the base
-model mixed in one batch, for three families (Phi-3's fused checkpoint names among them), the adapter
-unmerged and merged; under overlap on and off, page sizes 1 and 16, chunked prefill and fewer device slots
-than adapters (least recently used out). Seeded sampling is batch-invariant across adapters, and the
+model mixed in one batch, for three families (Phi-3's fused checkpoint names among them; every other
+family with one adapter beside the base), the adapter unmerged and merged; under overlap on and off, page
+sizes 1 and 16, chunked prefill and fewer device slots than adapters (least recently used out). Seeded sampling is batch-invariant across adapters, and the
 prefix cache never gives one adapter's KV to another."""
 
 from __future__ import annotations
@@ -184,5 +184,40 @@ def test_mixture_of_experts_peft_adapter(ckpt_factory, tmp_path, arch):
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, kv_cache_tokens=1024) as llm:
         outs = llm.generate([*prompts, prompts[0]], params, use_tqdm=False, lora_request=[lora, lora, None])
+    for out, ref in zip(outs, refs):
+        check_greedy(out.token_ids, ref)
+
+
+# the families the tests above leave out; a mixture's MLP targets are its stacked experts (Qwen2-MoE's
+# shared expert is a dense MLP those names would match too: its experts through target_parameters)
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+OTHER_FAMILIES = {
+    "qwen2": (ATTENTION + MLP, None),
+    "mistral": (ATTENTION + MLP, None),
+    "olmo2": (ATTENTION + MLP, None),
+    "granite": (ATTENTION + MLP, None),
+    "gemma2": (ATTENTION + MLP, None),
+    "gemma3_text": (ATTENTION + MLP, None),
+    "qwen2_moe": (ATTENTION, EXPERT_PARAMETERS),
+    "olmoe": (ATTENTION + MLP, None),
+}
+
+
+@pytest.mark.parametrize("arch", list(OTHER_FAMILIES))
+def test_every_other_family(ckpt_factory, tmp_path, arch):
+    """Every other family gapless serves: an adapter of its attention and MLP beside the base in one batch
+    equals PEFT's unmerged forward, row by row."""
+    base = ckpt_factory(arch)
+    targets, parameters = OTHER_FAMILIES[arch]
+    adapter = make_adapter(base, tmp_path / "a", targets, r=8, seed=11, parameters=parameters)
+    lora = LoRARequest("a", 1, str(adapter))
+    prompts = make_prompts(500, n=3, shared_prefix=4, max_len=24)
+    names: list[str | None] = ["a", None, "a"]
+    adapted, plain = peft_model(base, adapter), peft_model(base, None)
+    refs = [hf_greedy(adapted if n else plain, p, MAX_NEW) for p, n in zip(prompts, names)]
+    assert refs[0].tokens != hf_greedy(plain, prompts[0], MAX_NEW).tokens, "an adapter that changes nothing"
+    with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, kv_cache_tokens=1024) as llm:
+        outs = _generate(llm, prompts, {"a": lora}, names)
+        llm.check_integrity()
     for out, ref in zip(outs, refs):
         check_greedy(out.token_ids, ref)
