@@ -1,8 +1,8 @@
 """LoRA serving equals `transformers` + `peft`: greedy tokens of rows running three adapters and the base
 model mixed in one batch, for three families (Phi-3's fused checkpoint names among them; every other
 family with one adapter beside the base), the adapter unmerged and merged; under overlap on and off, page
-sizes 1 and 16, chunked prefill and fewer device slots than adapters (least recently used out). Seeded sampling is batch-invariant across adapters, and the
-prefix cache never gives one adapter's KV to another."""
+sizes 1 and 16, chunked prefill and fewer device slots than adapters (least recently used out). Seeded
+sampling is batch-invariant across adapters, and the prefix cache never gives one adapter's KV to another."""
 
 from __future__ import annotations
 
