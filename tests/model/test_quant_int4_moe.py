@@ -72,7 +72,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     model = loader.load_model(qdir, torch.float32, CPU)
     experts = _experts(model)
     assert experts and all(m.gate_up_proj.dtype == torch.int32 and m.int_quant is not None for m in experts)
-    assert all(m.int_quant[0].bits == bits for m in experts)  # type: ignore[index]  # (asserted not None)
+    assert all(m.int_quant is not None and m.int_quant[0].bits == bits for m in experts)
     g = "channel" if group < 0 else f"g{group}"
     label = f"{layout.split('_')[0]} w{bits}a16 {g} experts"
     assert weights_held(model)[0].get(label) == len(experts), weights_summary(model)
@@ -109,6 +109,25 @@ def _packed_experts(
     return packed, WeightQuant(scales, gsize, zeros, bits), torch.stack([w.dequantize() for w in ws])
 
 
+def _held_in(quant: WeightQuant, dtype: torch.dtype) -> WeightQuant:
+    """`quant` with its scales and zeros in `dtype` (as a model of that dtype holds them)."""
+    assert quant.zeros is not None
+    return quant._replace(scales=quant.scales.to(dtype), zeros=quant.zeros.to(dtype))
+
+
+def _dequantize(packed: torch.Tensor, quant: WeightQuant, bits: int) -> torch.Tensor:
+    """Stacked packed experts [E, K / P, rows] as float32 weights [E, rows, K], by the layout's formula."""
+    from gapless.model.quant.int4 import unpack_int32
+
+    assert quant.zeros is not None
+    out = []
+    for e in range(packed.shape[0]):
+        q = unpack_int32(packed[e], bits, dim=0).float()  # [K, rows]
+        s, z = (t[e].float().repeat_interleave(quant.group, dim=0) for t in (quant.scales, quant.zeros))
+        out.append(((q - z) * s).t())
+    return torch.stack(out)
+
+
 def _zero_adapters(experts: int, hidden: int, inter: int) -> object:
     """An `ExpertLoRA` whose adapters are all zero (so the adapter path's result is the plain one's), as
     `gapless.testing.triton_compile` builds it."""
@@ -142,6 +161,14 @@ def test_fused_experts_over_int_weights_equal_the_dequantized_reference(bits, gr
     torch.testing.assert_close(fused_experts(x, q13, q2, weights, ids, scales=(s13, s2)), want)
     lora = _zero_adapters(e, h, inter)
     torch.testing.assert_close(fused_experts(x, q13, q2, weights, ids, lora, (s13, s2)), want)
+    # bf16 activations, scales and zeros held in bf16 (as a bf16 model holds them): the reference's
+    # weights from the same rounded scales, the sums within bf16's rounding
+    half = [_held_in(s, torch.bfloat16) for s in (s13, s2)]
+    w13h, w2h = (_dequantize(q, s, bits) for q, s in ((q13, half[0]), (q2, half[1])))
+    got = fused_experts(x.bfloat16(), q13, q2, weights.bfloat16(), ids, scales=(half[0], half[1]))
+    assert got.dtype == torch.bfloat16
+    want = reference_experts(x, w13h, w2h, weights, ids)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
 class _Rank(parallel.TPGroup):
