@@ -123,8 +123,6 @@ def load_model(
     cfg = load_model_config(path)
     parallel.check_shardable(cfg, parallel.current().size)
     spec = quant_spec(path, quantization, device)
-    if spec is not None and spec.scheme == "int4" and cfg.num_experts:
-        raise QuantFormatError(f"{path}: {spec.label} mixture-of-experts weights are not built")
     int4_spec = spec.weight_only if spec is not None else None
     int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> its packed tensors
     with _default_dtype(dtype), torch.device(device):
@@ -248,9 +246,11 @@ def _prepare_quantized(model: CausalLM, spec: QuantSpec | None, path: Path) -> t
 def _install_int4(
     model: CausalLM, quantized: dict[str, dict[str, torch.Tensor]], spec: int4.Int4Spec, dtype: torch.dtype
 ) -> list[str]:
-    """Give each layer whose weight came quantized its `Int4LinearMethod`; the names it filled. A layer at
-    a time, on its device: its checkpoint modules unpacked, cut and packed, its float weight freed, before
-    the next (so at most one layer's unpacked form is held beside the packed checkpoint)."""
+    """Give each layer whose weight came quantized its `Int4LinearMethod` (a mixture's experts: their
+    stacked packed weights, `int4.install_experts`); the names it filled. A layer at a time, on its
+    device: its checkpoint modules unpacked, cut and packed, its float weight freed, before the next (so
+    at most one layer's unpacked form, a mixture layer's every expert, is held beside the packed
+    checkpoint)."""
     per_layer: dict[str, list[tuple[str, str, str | None]]] = {}  # layer -> (ckpt module, param, shard)
     modules = dict(model.named_modules())
     for module in quantized:
@@ -265,14 +265,19 @@ def _install_int4(
     for layer_name, sources in per_layer.items():
         layer = modules[layer_name]
         offsets = getattr(layer, "checkpoint_offsets", None)
-        shards: dict[str | None, int4.Unpacked] = {}
+        shards: dict[Any, int4.Unpacked] = {}
+        experts = isinstance(layer, moe.Experts)
+        device = layer.gate_up_proj.device if experts else layer.weight.device
         for module, name, shard in sources:
-            parts = {k: t.to(layer.weight.device) for k, t in quantized.pop(module).items()}
+            parts = {k: t.to(device) for k, t in quantized.pop(module).items()}
             w = int4.unpack(spec, parts, module)
             pieces = int4.split_rows(w, offsets) if shard is None and offsets else {shard: w}
             shards.update(pieces)
             filled += [name if s is None else f"{name}#{s}" for s in pieces]
-        int4.install(layer, shards, spec, dtype, layer_name)
+        if experts:  # a mixture's experts: every expert's projections stacked
+            int4.install_experts(layer, shards, spec, dtype, layer_name)
+        else:
+            int4.install(layer, shards, spec, dtype, layer_name)
     return filled
 
 

@@ -12,12 +12,17 @@ checkpoint's per-expert tensors):
   expert's tokens with host-side indices, which on a GPU would wait for the device);
 - `gapless.model.moe_triton.fused_experts`: tokens sorted by expert and one grouped-GEMM Triton kernel,
   with no host reads, on CUDA.
+
+Quantized experts (`WeightQuant`): fp8 (e4m3 with float32 scales, a checkpoint's or `--quantization fp8`)
+and int4/int8 weight-only (an AWQ, GPTQ or compressed-tensors checkpoint's, packed as
+`gapless.model.quant.int4.install_experts` stacks them); the grouped GEMM dequantizes each tile, and on
+the CPU the reference loop multiplies with the weights dequantized once at load.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +37,19 @@ from gapless.model.layers import GATED_ACTIVATIONS, ReplicatedLinear, set_weight
 # `weight_scale` beside each (the loader renames fp8's `weight_scale_inv` so)
 _EXPERT_NAME = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale)$")
 _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+class WeightQuant(NamedTuple):
+    """How one stacked expert weight is quantized, as the grouped GEMM reads it. e4m3 (bits 0): W [E, rows,
+    K] with float32 `scales` [E, rows, column blocks] of `group` columns (group K: per row). int4/int8
+    (`bits`): W [E, K / P, rows] int32 words, P = 32 / bits values packed along K (value k at bits
+    `bits * (k % P)`), `scales` and `zeros` [E, K / group, rows] in the model's dtype, W[e, row, k] =
+    (q - zero) * scale: each expert as `gapless.model.quant.int4_triton`'s layout."""
+
+    scales: torch.Tensor
+    group: int
+    zeros: torch.Tensor | None = None
+    bits: int = 0
 
 
 def checkpoint_target(name: str) -> tuple[str, Any] | None:
@@ -88,8 +106,9 @@ def reference_experts(
 
 
 class Experts(nn.Module):
-    """All experts' weights of one layer, stacked: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I].
-    Each checkpoint tensor of expert e loads into its slice (shard id (e, "gate" | "up" | "down"))."""
+    """All experts' weights of one layer, stacked: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]
+    (int4/int8: packed, `WeightQuant`'s layout). Each checkpoint tensor of expert e loads into its slice
+    (shard id (e, "gate" | "up" | "down"))."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__()
@@ -115,8 +134,10 @@ class Experts(nn.Module):
         self.scale_cols = (0, 0)  # gate_up's, down's columns per scale block
         self.scale_block: tuple[int, int] | None = None  # a checkpoint's [rows, cols] scale blocks
         self.float_dtype = self.gate_up_proj.dtype  # the model's, which the CPU reference computes in
-        self.fp8_label = ""
+        self.quant_label = ""
         self.dequantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        # int4/int8 (`hold_int`): gate/up's and down's quantization, the parameters then packed words
+        self.int_quant: tuple[WeightQuant, WeightQuant] | None = None
 
     def checkpoint_shards(self, param: str) -> list[tuple[int, str]]:
         """The shard ids that together fill `param` (the loader checks that none is missing)."""
@@ -183,7 +204,7 @@ class Experts(nn.Module):
             )
             setattr(self, f"{name}_scale", set_weight_loader(scale, self.load_shard))
         self.scale_cols = (bc or hidden, bc or inter)
-        self.fp8_label = f"{label} experts"
+        self.quant_label = f"{label} experts"
 
     def finish_fp8(self) -> None:
         """After the e4m3 weights are in: on the CPU, the dequantized weights the reference path
@@ -201,10 +222,28 @@ class Experts(nn.Module):
             dq.append((w.float() * full).to(self.float_dtype))
         self.dequantized = (dq[0], dq[1])
 
+    def hold_int(
+        self,
+        packed: tuple[torch.Tensor, torch.Tensor],
+        quant: tuple[WeightQuant, WeightQuant],
+        dequantized: tuple[torch.Tensor, torch.Tensor] | None,
+        label: str,
+    ) -> None:
+        """Hold int4/int8 experts (`gapless.model.quant.int4.install_experts` makes them): gate/up's and
+        down's packed words (`WeightQuant`'s layout) in place of the float weights, and on the CPU the
+        `dequantized` float weights the reference path multiplies with."""
+        self.gate_up_proj, self.down_proj = (nn.Parameter(w, requires_grad=False) for w in packed)
+        self.int_quant, self.dequantized, self.quant_label = quant, dequantized, f"{label} experts"
+
     @property
     def weight_format(self) -> str | None:
         """The experts' weight format for the start-up line when it is not the model's dtype."""
-        return self.fp8_label or None
+        return self.quant_label or None
+
+    def side_tensors(self) -> list[torch.Tensor]:
+        """The tensors held beside the parameters: int scales and zeros, the CPU's dequantized weights."""
+        quant = [t for q in self.int_quant or () for t in (q.scales, q.zeros) if t is not None]
+        return quant + list(self.dequantized or ())
 
     def quantize_fp8(self, label: str) -> None:
         """Hold the weights in e4m3 with one float32 scale per expert row (`--quantization fp8` at load,
@@ -221,7 +260,7 @@ class Experts(nn.Module):
             scales.append(nn.Parameter(s.view(*w.shape[:2], 1), requires_grad=False))
         self.gate_up_scale, self.down_scale = scales
         self.scale_cols = (self.gate_up_proj.shape[2], self.down_proj.shape[2])
-        self.fp8_label = f"{label} experts"
+        self.quant_label = f"{label} experts"
         self.finish_fp8()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -229,9 +268,12 @@ class Experts(nn.Module):
         if use_triton:
             from gapless.model.moe_triton import fused_experts
 
-            scales = None
+            scales = self.int_quant
             if self.gate_up_scale is not None and self.down_scale is not None:
-                scales = ((self.gate_up_scale, self.scale_cols[0]), (self.down_scale, self.scale_cols[1]))
+                scales = (
+                    WeightQuant(self.gate_up_scale, self.scale_cols[0]),
+                    WeightQuant(self.down_scale, self.scale_cols[1]),
+                )
             out = fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.lora, scales)
         else:
             w13, w2 = self.dequantized or (self.gate_up_proj, self.down_proj)

@@ -23,10 +23,40 @@ import triton
 import triton.language as tl
 
 from gapless import env
+from gapless.model.moe import WeightQuant
 
 # the interpreter multiplies the raw bits of bf16 `tl.dot` operands (triton-lang/triton#11584): there the
 # operands go in as fp32 (same values), as `gapless.attention.triton_kernels` does it
 INTERPRET = env.TRITON_INTERPRET.get()
+
+
+@triton.jit
+def _int_tile(
+    W,
+    Scales,
+    Zeros,
+    rows,
+    row_mask,
+    k0,
+    stride_wk,
+    stride_sg,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One expert's packed weight `W` (`_grouped_gemm_kernel`'s BITS layout; `Scales`, `Zeros` its own) at
+    inputs k0 .. k0 + BLOCK_K and `rows`, dequantized in fp32 as [BLOCK_K, BLOCK_N]; the K step stays in
+    one group (BLOCK_K divides GROUP). Strides: W's per word row, the scales' and zeros' per group."""
+    offs_p = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
+    words = tl.load(W + offs_p[:, None] * stride_wk + rows[None, :], mask=row_mask[None, :], other=0)
+    shifts = tl.arange(0, 32 // BITS) * BITS
+    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # value k = P * word row + j
+    q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+    at = (k0 // GROUP) * stride_sg + rows
+    s = tl.load(Scales + at, mask=row_mask, other=0.0).to(tl.float32)
+    z = tl.load(Zeros + at, mask=row_mask, other=0.0).to(tl.float32)
+    return (q.to(tl.float32) - z[None, :]) * s[None, :]
 
 
 @triton.jit
@@ -39,6 +69,7 @@ def _grouped_gemm_kernel(
     NumPadded,
     RouteWeights,
     Scales,
+    Zeros,
     num_entries,
     N,
     K,
@@ -53,6 +84,8 @@ def _grouped_gemm_kernel(
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     SCALED: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -64,7 +97,10 @@ def _grouped_gemm_kernel(
     GATED: `W[e]` holds gate rows [0, N) then up rows [N, 2N), and the result is silu(gate) * up.
     WEIGHTED: the result is multiplied by the entry's routing weight. SCALED: `W` is e4m3 with float32
     scales `Scales[e, row, k // scale_cols]` (one column block of all K: per row): each tile is widened
-    (exactly) to A's type for the dot, and each K step's product is scaled by its block's scale."""
+    (exactly) to A's type for the dot, and each K step's product is scaled by its block's scale. BITS (4
+    or 8; 0: not packed): `W[e]` is [K / P, rows] int32 words, P = 32 / BITS values each packed along K
+    (value k at bits BITS * (k % P)), with `Scales`, `Zeros` [e, k // GROUP, row]: each tile is
+    unpacked and dequantized, (q - zero) * scale in fp32, then rounded once to A's type for the dot."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
@@ -79,6 +115,7 @@ def _grouped_gemm_kernel(
     w_base = W + expert * stride_we
     s_gate = Scales + expert * stride_se + offs_n * stride_sn  # (SCALED only)
     s_up = s_gate + N * stride_sn
+    s_base, z_base = Scales + expert * stride_se, Zeros + expert * stride_se  # (BITS only)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -88,7 +125,24 @@ def _grouped_gemm_kernel(
             A + a_row[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0
         )
         w_mask = k_mask[:, None] & n_mask[None, :]
-        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+        if BITS:
+            w = _int_tile(
+                w_base,
+                s_base,
+                z_base,
+                offs_n,
+                n_mask,
+                k0,
+                stride_wn,
+                stride_sn,
+                BITS,
+                GROUP,
+                BLOCK_K,
+                BLOCK_N,
+            )
+            w = w.to(a.dtype)
+        else:
+            w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
         if SCALED:
             w = w.to(a.dtype)
         if IEEE:
@@ -99,7 +153,26 @@ def _grouped_gemm_kernel(
             part = part * tl.load(s_gate + k0 // scale_cols, mask=n_mask, other=0.0)[None, :]
         acc += part
         if GATED:
-            u = tl.load(w_base + (offs_n + N)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+            if BITS:
+                u = _int_tile(
+                    w_base,
+                    s_base,
+                    z_base,
+                    offs_n + N,
+                    n_mask,
+                    k0,
+                    stride_wn,
+                    stride_sn,
+                    BITS,
+                    GROUP,
+                    BLOCK_K,
+                    BLOCK_N,
+                )
+                u = u.to(a.dtype)
+            else:
+                u = tl.load(
+                    w_base + (offs_n + N)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0
+                )
             if SCALED:
                 u = u.to(a.dtype)
             if IEEE:
@@ -118,6 +191,11 @@ def _grouped_gemm_kernel(
         acc.to(Out.dtype.element_ty),
         mask=valid[:, None] & n_mask[None, :],
     )
+
+
+def _rows(w: torch.Tensor, quant: WeightQuant | None) -> int:
+    """The output rows of stacked expert weight `w`."""
+    return w.shape[2] if quant is not None and quant.bits else w.shape[1]
 
 
 def align(
@@ -151,18 +229,19 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     lora: Any = None,
-    scales: tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]] | None = None,
+    scales: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None,
 ) -> torch.Tensor:
     """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k].
 
     x: [T, H]; w13: [E, 2I, H] (gate rows, then up); w2: [E, H, I]; weights, ids: [T, top_k]. `lora`: the
     layer's resident adapters (`gapless.lora.table.ExpertLoRA`): then each GEMM's output is kept whole
     (gate/up before the activation, down before the routing weight) for its delta to be added. `scales`:
-    w13 and w2 are e4m3, with these float32 scales [E, rows, column blocks] and each block's width."""
+    w13's and w2's `WeightQuant` (or its fields as a tuple): e4m3 weights with float32 scales, or int4/int8
+    ones packed, w13 [E, H / P, 2I] and w2 [E, I / P, H]."""
     if INTERPRET and x.dtype != torch.float32:
         w13, w2 = (w if scales is not None else w.float() for w in (w13, w2))
         return fused_experts(x.float(), w13, w2, weights, ids, lora, scales).to(x.dtype)
-    s13, s2 = scales if scales is not None else (None, None)
+    s13, s2 = (WeightQuant(*s) for s in scales) if scales is not None else (None, None)
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     n = tokens * top_k
@@ -171,7 +250,7 @@ def fused_experts(
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = weights.reshape(-1).contiguous()
     if lora is None:
-        h = torch.empty(n, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+        h = torch.empty(n, _rows(w13, s13) // 2, dtype=x.dtype, device=x.device)
         y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
         _grouped_gemm(x, w13, s13, h, aligned, weights, top_k, gated=True, weighted=False)
         _grouped_gemm(h, w2, s2, y, aligned, weights, 1, gated=False, weighted=True)
@@ -183,7 +262,7 @@ def fused_experts(
 def _grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
-    scale: tuple[torch.Tensor, int] | None,
+    quant: WeightQuant | None,
     out: torch.Tensor,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
     weights: torch.Tensor,
@@ -193,14 +272,19 @@ def _grouped_gemm(
 ) -> None:
     """One launch of the grouped GEMM over the sorted entries `aligned` (`align`'s, and its block size):
     out[entry] = a[entry // rows_per_a] W[expert]^T (silu(gate) * up when `gated`, times the entry's
-    routing weight when `weighted`); `scale`: W is e4m3 with these float32 scales [E, rows, column
-    blocks] and each block's width."""
+    routing weight when `weighted`); `quant`: W's quantization (`WeightQuant`), None for a float W."""
     sorted_ids, block_expert, num_padded, block_m = aligned
     n_out, k_in = out.shape[1], a.shape[1]
+    q = quant if quant is not None else WeightQuant(weights, 1)  # (a float W: its fields unread)
+    bits = q.bits
     block_n = min(64, max(16, triton.next_power_of_2(n_out)))
     block_k = min(64, max(16, triton.next_power_of_2(k_in)))
-    if scale is not None and scale[1] < k_in:  # a K step never crosses a scale block (a power of two)
-        block_k = min(block_k, scale[1])
+    if quant is not None and q.group < k_in:  # a K step never crosses a scale block (a power of two)
+        block_k = min(block_k, q.group)
+    if bits:  # and is whole words and groups: the largest power of two dividing both, at most 64
+        block_k = min(64, q.group & -q.group, k_in & -k_in)
+        if block_k < 16 or w.shape[1] * (32 // bits) != k_in:
+            raise ValueError(f"int{bits} experts: packed {tuple(w.shape)} for {k_in} inputs, group {q.group}")
     _grouped_gemm_kernel[(sorted_ids.numel() // block_m, triton.cdiv(n_out, block_n))](
         a,
         w,
@@ -209,7 +293,8 @@ def _grouped_gemm(
         block_expert,
         num_padded,
         weights,
-        scale[0] if scale is not None else weights,
+        q.scales,
+        q.zeros if q.zeros is not None else weights,
         weights.numel(),
         n_out,
         k_in,
@@ -217,13 +302,15 @@ def _grouped_gemm(
         w.stride(0),
         w.stride(1),
         out.stride(0),
-        scale[0].stride(0) if scale is not None else 0,
-        scale[0].stride(1) if scale is not None else 0,
-        scale[1] if scale is not None else 1,
+        q.scales.stride(0) if quant is not None else 0,
+        q.scales.stride(1) if quant is not None else 0,
+        q.group,
         ROWS_PER_A=rows_per_a,
         GATED=gated,
         WEIGHTED=weighted,
-        SCALED=scale is not None,
+        SCALED=quant is not None and not bits,
+        BITS=bits,
+        GROUP=q.group if bits else 1,
         IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -233,22 +320,22 @@ def _grouped_gemm(
 
 def _entries_with_lora(
     x: torch.Tensor,
-    w13: tuple[torch.Tensor, tuple[torch.Tensor, int] | None],
-    w2: tuple[torch.Tensor, tuple[torch.Tensor, int] | None],
+    w13: tuple[torch.Tensor, WeightQuant | None],
+    w2: tuple[torch.Tensor, WeightQuant | None],
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
     weights: torch.Tensor,
     ids: torch.Tensor,
     lora: Any,
 ) -> torch.Tensor:
     """Each (token, expert) entry's output [T k, H] (fp32, routing-weighted) with its adapter's deltas
-    (w13, w2: each weight and its e4m3 scales, or None):
+    (w13, w2: each weight and its quantization, or None):
     gate/up [T k, 2I] whole, its delta, the activation; down [T k, H] whole, its delta, the weight. The
     deltas read each entry's flat adapter index (slot * E + expert: `ExpertLoRA.entry_slots`) on the
     device."""
     top_k = ids.shape[1]
     n = weights.numel()
     slots = lora.entry_slots(ids)
-    gate_up = torch.empty(n, w13[0].shape[1], dtype=x.dtype, device=x.device)
+    gate_up = torch.empty(n, _rows(*w13), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, *w13, gate_up, aligned, weights, top_k, gated=False, weighted=False)
     if slots is not None:
         lora.add("gate_up_proj", gate_up, x.repeat_interleave(top_k, 0), slots)

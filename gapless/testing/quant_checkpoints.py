@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from gapless.model.quant.int4 import AWQ_ORDER, Unpacked, pack_int32
 
 LAYOUTS = ("awq", "gptq", "gptq_v2", "compressed-tensors")
-_PROJ = re.compile(r"model\.layers\.\d+\..*_proj\.weight$")
+# every decoder projection: attention's, dense MLPs' (a shared expert's too), each expert's (Mixtral: w1/2/3)
+_PROJ = re.compile(r"model\.layers\.\d+\..*(_proj|\.experts\.\d+\.w[123])\.weight$")
 
 
 def quantize(w: torch.Tensor, bits: int, group: int, sym: bool) -> Unpacked:

@@ -14,9 +14,9 @@ and without a sliding window and soft-capping, at head dims 64 and 128, and over
 (bf16 and fp16 queries); the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
-the MoE grouped GEMM; the FP8 GEMM; the int4/int8 weight-only GEMM; the LoRA kernels. Exit status 1, naming
-each kernel and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter
-takes the compiler's place).
+the MoE grouped GEMM (float, e4m3 and int4/int8 experts); the FP8 GEMM; the int4/int8 weight-only GEMM;
+the LoRA kernels. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
+without TRITON_INTERPRET (the interpreter takes the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
 compiled binary records them (`cuobjdump --dump-resource-usage`, which comes with Triton): what decides
@@ -208,8 +208,9 @@ def _sampling() -> dict[str, Callable[[], object]]:
 
 def _moe() -> dict[str, Callable[[], object]]:
     from gapless.model import moe_triton
+    from gapless.model.moe import WeightQuant
 
-    def run(dtype: torch.dtype, lora: bool, fp8: bool = False) -> object:
+    def run(dtype: torch.dtype, lora: bool, quant: str = "") -> object:
         from types import SimpleNamespace
 
         from gapless.lora.table import ExpertLoRA
@@ -230,17 +231,25 @@ def _moe() -> dict[str, Callable[[], object]]:
             }
             table = SimpleNamespace(kernel=True, token_slots=torch.tensor([0, -1, 1, 0, -1]))
             adapters = ExpertLoRA(table, tables)  # type: ignore[arg-type]  # a stand-in for LoRATable
-        scales = None
-        if fp8:  # `--quantization fp8`'s experts: e4m3 weights, a float32 scale per expert row
+        scales: Any = None
+        if quant == "fp8":  # `--quantization fp8`'s experts: e4m3 weights, a float32 scale per expert row
             w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
             scales = ((torch.ones(experts, 2 * inter, 1), hidden), (torch.ones(experts, hidden, 1), inter))
+        elif quant:  # an int4/int8 checkpoint's experts: packed words, group-wise scales and zeros of 16
+            bits = int(quant[3:])
+            w13 = torch.zeros(experts, hidden * bits // 32, 2 * inter, dtype=torch.int32)
+            w2 = torch.zeros(experts, inter * bits // 32, hidden, dtype=torch.int32)
+            s13, s2 = torch.ones(experts, hidden // 16, 2 * inter), torch.ones(experts, inter // 16, hidden)
+            scales = tuple(WeightQuant(s.to(dtype), 16, s.to(dtype), bits) for s in (s13, s2))
         return moe_triton.fused_experts(x, w13, w2, weights, ids, adapters, scales)
 
-    cases = [(lora, fp8) for lora in (False, True) for fp8 in (False, True) if not (lora and fp8)]
+    cases = [(False, q) for q in ("", "fp8", "int4", "int8")] + [(True, ""), (True, "int4")]
     return {
-        f"moe {dtype}{' lora' if lora else ''}{' fp8' if fp8 else ''}": partial(run, dtype, lora, fp8)
+        f"moe {dtype}{' lora' if lora else ''}{' ' + quant if quant else ''}": partial(
+            run, dtype, lora, quant
+        )
         for dtype in DTYPES
-        for lora, fp8 in cases
+        for lora, quant in cases
     }
 
 

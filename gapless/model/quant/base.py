@@ -70,7 +70,7 @@ def weights_held(model: nn.Module) -> tuple[dict[str, int], int]:
         tensors += rows.tensors() if rows is not None else []
         if (label := getattr(module, "weight_format", None)) is not None:  # a mixture's stacked experts
             formats[label] = formats.get(label, 0) + 1
-            tensors += list(getattr(module, "dequantized", None) or ())
+            tensors += getattr(module, "side_tensors", list)()  # (`Experts.side_tensors`)
         for t in tensors:
             if t.is_mkldnn:  # oneDNN's packed weight: no storage to share
                 held[id(t)] = t.numel() * t.element_size()

@@ -24,6 +24,10 @@ On CUDA the layer runs the Triton GEMM. Elsewhere (the CPU) `apply` is a referen
 the whole weight to the activations' dtype on every call and multiplies with torch, so the quantized
 checkpoint is exact against a float model holding the same dequantized weights (tests), at a float GEMM's
 cost plus the dequantization: for parity, not speed.
+
+A mixture's experts (`...experts.3.gate_proj.qweight`, Mixtral's `w1`/`w3`/`w2`) are unpacked the same way
+and stacked by `install_experts` into the layer's `Experts`, each expert in the GEMM's layout; the grouped
+GEMM (`gapless.model.moe_triton`) unpacks them on CUDA, the CPU multiplies with them dequantized at load.
 """
 
 from __future__ import annotations
@@ -361,3 +365,67 @@ def install(
     layer.linear_method = method
     layer.weight.data = layer.weight.data.new_empty(0)
     return method
+
+
+def install_experts(
+    experts: Any, shards: dict[Any, Unpacked], spec: Int4Spec, dtype: torch.dtype, where: str
+) -> None:
+    """Give a mixture's `Experts` its quantized weights from each expert's projections (shard id
+    (expert, "gate" | "up" | "down") -> whole unpacked weight): cut for this rank as the float experts are
+    (gate/up by rows, down by columns: whole groups per rank), stacked, packed (`moe.WeightQuant`'s
+    layout), and on the CPU dequantized beside for the reference path."""
+    from gapless.model.moe import WeightQuant
+
+    tp, e_count, inter = experts.tp, experts.num_experts, experts.inter
+    hidden = experts.gate_up_proj.shape[2]
+    want = [s for p in ("gate_up_proj", "down_proj") for s in experts.checkpoint_shards(p)]
+    missing = [s for s in want if s not in shards]
+    if missing:
+        raise QuantFormatError(
+            f"{where}: the checkpoint quantizes only some experts' projections: {missing[:4]}"
+        )
+    if hidden % 16 or inter % 16:
+        raise QuantFormatError(
+            f"{where}: {spec.label} experts of {hidden} x {inter} inputs: not multiples of 16"
+        )
+
+    def mine(e: int, proj: str) -> Unpacked:
+        w = shards[(e, proj)]
+        if tp.size > 1 and proj == "down":
+            groups = w.scale.shape[1]
+            if groups % tp.size:
+                raise QuantFormatError(
+                    f"{where}: expert {e} down's {groups} groups of {w.q.shape[1] // groups} inputs do not "
+                    f"split over {tp.size} ranks"
+                )
+            return Unpacked(*(tp.part(t, tp.size, dim=1) for t in w))
+        return Unpacked(*(tp.part(t, tp.size) for t in w)) if tp.size > 1 else w
+
+    cpu = experts.gate_up_proj.device.type == "cpu"
+    packed, quants, dequantized = [], [], []
+    for projs, shape in ((("gate", "up"), (2 * inter, hidden)), (("down",), (hidden, inter))):
+        qs, scales, zeros, floats = [], [], [], []
+        for e in range(e_count):
+            w = Unpacked(*(torch.cat(ts) for ts in zip(*(mine(e, p) for p in projs))))
+            if w.q.shape != shape:
+                raise QuantFormatError(
+                    f"{where}: expert {e} {'/'.join(projs)} weight {tuple(w.q.shape)} does not fit {shape}"
+                )
+            # scales and zeros as held (the model's dtype), so the CPU's weights are the kernel's
+            held = Unpacked(w.q, w.scale.to(dtype), w.zero.to(dtype))
+            qs.append(pack_int32(w.q.t(), spec.bits, dim=0))
+            scales.append(held.scale.t().contiguous())
+            zeros.append(held.zero.t().contiguous())
+            if cpu:
+                floats.append(Unpacked(w.q, held.scale.float(), held.zero.float()).dequantize().to(dtype))
+        packed.append(torch.stack(qs))
+        group = shape[1] // scales[0].shape[0]
+        quants.append(WeightQuant(torch.stack(scales), group, torch.stack(zeros), spec.bits))
+        if cpu:
+            dequantized.append(torch.stack(floats))
+    experts.hold_int(
+        (packed[0], packed[1]),
+        (quants[0], quants[1]),
+        (dequantized[0], dequantized[1]) if cpu else None,
+        spec.label,
+    )
