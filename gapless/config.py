@@ -173,6 +173,12 @@ class EngineConfig:
         "process); auto: the device process when overlapping on a machine with at least 4 cores, else"
         " inline",
     )
+    cpu_compile: bool = option(
+        False,
+        "CPU: compile the decode step's decoder layers with torch.compile (inductor's C++ kernels) at "
+        "start-up, a few fused kernels a layer instead of hundreds of small torch ops; minutes the first "
+        "time, cached on disk after (gapless.engine.cpu_compile)",
+    )
     device_threads: int | None = option(
         None,
         "torch threads of the device side; None: torch's default (a pinned device process: one per "
@@ -388,6 +394,8 @@ class EngineConfig:
             raise bad("cuda_graph_max_bs", "must be >= 0 (0 turns CUDA graphs off)")
         if self.piecewise_cuda_graph_max_tokens < 0:
             raise bad("piecewise_cuda_graph_max_tokens", "must be >= 0 (0 turns them off)")
+        if self.cpu_compile and (self.enable_lora or self.tensor_parallel_size > 1):
+            raise bad("cpu_compile", "runs without LoRA and with tensor_parallel_size 1 only for now")
         if self.piecewise_cuda_graph_max_tokens and self.tensor_parallel_size > 1:
             raise bad("piecewise_cuda_graph_max_tokens", "runs with tensor_parallel_size 1 only for now")
 

@@ -13,7 +13,9 @@ and times them in alternation (plain, default, plain, ...), so that on a shared 
 load: it prints each one's step time and default/plain, the ratio to trust. `--compare-one-row` times the
 default engine also with `gapless.model.cpu_gemm.ONE_ROW_AS = 1` (oneDNN's one-row kernel called on a
 lone row as it is, where the default computes it as copies of itself), alternating in the same way, and
-prints default/one_row_direct (the same at 2 rows and more). `--compare-without-gemms` times the default
+prints default/one_row_direct (the same at 2 rows and more). `--compare-compile` loads the engine
+a second time with `cpu_compile=True` (its decode layers compiled: `gapless.engine.cpu_compile`) and
+prints default/compiled, the compiled step's speed-up. `--compare-without-gemms` times the default
 engine also with every prepacked GEMM (the linear layers and the LM head) replaced by a cached zero
 result of its shape, alternating in the same way: what a step costs besides its GEMMs (the attention,
 norms, RoPE, sampling, the host), the floor that no GEMM kernel lowers; it prints
@@ -75,11 +77,13 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
     one with plain weights, made while `GAPLESS_CPU_GEMM=plain` is set."""
     from gapless import LLM
 
-    def make() -> Any:
+    def make(**options: Any) -> Any:
         # the device side in this process (not the device process a machine of 4 cores or more gets by
         # default): its ops are counted and its GEMMs swapped here, the same on every machine
         kv = args.kv_cache_tokens
-        return LLM(args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=kv, cpu_worker="inline")
+        return LLM(
+            args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=kv, cpu_worker="inline", **options
+        )
 
     engines = {}
     if args.compare:
@@ -90,6 +94,8 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
         with _env(name, value):
             engines[setting] = make()
     engines["default"] = make()
+    if args.compare_compile:
+        engines["compiled"] = make(cpu_compile=True)
     # variants of the default engine, told apart by `_variant` while they run
     for label, wanted in (
         ("one_row_direct", args.compare_one_row),
@@ -153,6 +159,8 @@ def _measure(engines: dict[str, Any], prompts: list[list[int]], args: argparse.N
     for label, llm in engines.items():
         with _variant(label):
             row[label]["ops_per_step"] = ops_per_step(llm, prompts)
+    if "compiled" in best:
+        row["default_over_compiled"] = best["default"] / best["compiled"]
     for other in ("plain", "one_row_direct"):
         if other in best:
             row[f"default_over_{other}"] = best["default"] / best[other]
@@ -185,6 +193,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="also time the step with every GEMM replaced by a cached zero result, alternating",
     )
     p.add_argument(
+        "--compare-compile",
+        action="store_true",
+        help="also time the engine with --cpu-compile (its decode layers compiled), alternating",
+    )
+    p.add_argument(
         "--compare-env",
         nargs="+",
         metavar="NAME=VALUE",
@@ -207,6 +220,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"{r['ops_per_step']} torch ops per step, {torch.get_num_threads()} threads",
                     flush=True,
                 )
+            if "default_over_compiled" in rows[-1]:
+                speedup = rows[-1]["default_over_compiled"]
+                print(f"batch {b}: compiled speed-up (default / compiled step time) {speedup:.2f}")
             for other in ("plain", "one_row_direct"):
                 if f"default_over_{other}" in rows[-1]:
                     ratio = rows[-1][f"default_over_{other}"]

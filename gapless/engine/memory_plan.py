@@ -204,10 +204,11 @@ _ALL_STAGES = SamplingParams(
 
 
 def _dummy_batch(
-    lens: list[int], is_decode: bool, pad_row: int, max_rows: int, vocab_size: int
+    lens: list[int], is_decode: bool, pad_row: int, max_rows: int, vocab_size: int, start: int = 0
 ) -> ForwardBatch:
-    """Requests of `lens` token-0 tokens at positions 0.., all on `pad_row` and KV slot 0, each sampling
-    its next token with every stage on."""
+    """Requests of `lens` token-0 tokens at positions `start`.. (after `start` cached ones: the row's
+    table reads slot 0 there), all on `pad_row` and KV slot 0, each sampling its next token with every
+    stage on."""
     n, num_tokens = len(lens), sum(lens)
     extend_lens = torch.tensor(lens)
     q_start = torch.cumsum(extend_lens, 0) - extend_lens
@@ -216,15 +217,15 @@ def _dummy_batch(
     values, stages, logprobs = RowParams.build([_ALL_STAGES] * n, sampler_rows, [0] * n, vocab_size)
     return ForwardBatch(
         input_ids=torch.zeros(0 if is_decode else num_tokens, dtype=torch.int64),  # decode: from the slots
-        positions=torch.cat([torch.arange(length) for length in lens]),
+        positions=torch.cat([torch.arange(start, start + length) for length in lens]),
         out_slots=torch.zeros(num_tokens, dtype=torch.int64),
         token_rows=torch.full((num_tokens,), pad_row, dtype=torch.int64),
         rows=rows,
-        prefix_lens=torch.zeros(n, dtype=torch.int64),
+        prefix_lens=torch.full((n,), start, dtype=torch.int64),
         extend_lens=extend_lens,
         q_start=q_start,
         max_extend_len=max(lens),
-        max_seq_len=max(lens),
+        max_seq_len=start + max(lens),
         is_decode=is_decode,
         sample_index=q_start + extend_lens - 1,
         sample_rows=values.rows,
@@ -243,10 +244,12 @@ def dummy_prefill(
     return _dummy_batch(lens, False, pad_row, max_rows, vocab_size)
 
 
-def dummy_decode(batch_size: int, pad_row: int, max_rows: int, vocab_size: int) -> ForwardBatch:
-    """A decode batch of `batch_size` requests, all on `pad_row` at position 0 and KV slot 0, sampling
-    with every stage on. For measuring memory."""
-    return _dummy_batch([1] * batch_size, True, pad_row, max_rows, vocab_size)
+def dummy_decode(
+    batch_size: int, pad_row: int, max_rows: int, vocab_size: int, position: int = 0
+) -> ForwardBatch:
+    """A decode batch of `batch_size` requests, all on `pad_row` at `position` and KV slot 0, sampling
+    with every stage on. For measuring memory (and compiling: `gapless.engine.cpu_compile`)."""
+    return _dummy_batch([1] * batch_size, True, pad_row, max_rows, vocab_size, position)
 
 
 def allocated_bytes(device: torch.device) -> int:

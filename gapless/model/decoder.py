@@ -12,6 +12,7 @@ Module names mirror Hugging Face's so checkpoint names map one to one (q/k/v and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -36,6 +37,9 @@ from gapless.model.layers import (
 from gapless.model.moe import SparseMoE
 from gapless.model.vision.base import VisionEncoder
 
+# `DecoderBody.compiled_layers` (`gapless.engine.cpu_compile.CompiledLayers`): (body, x, ctx) -> hidden
+LayersCall = Callable[["DecoderBody", torch.Tensor, "ForwardContext"], torch.Tensor]
+
 
 class ImageRows(NamedTuple):
     """Rows of a vision encoder's output that stand for tokens of the batch: `rows[i]` is the input
@@ -53,6 +57,7 @@ class ForwardContext:
     backend: AttentionBackend
     attn_state: Any  # backend.prepare(metadata)
     images: ImageRows | None = None  # image embeddings that replace tokens' (vision-language models)
+    is_decode: bool = False  # one new token a request (the compiled CPU decode takes only these)
 
     @classmethod
     def prepared(
@@ -65,7 +70,7 @@ class ForwardContext:
     ) -> ForwardContext:
         """The context of a flat batch placed by `meta` (`AttentionMetadata`), the backend's per-batch work
         done: one way to build it for every model that runs on a pool (the target's, a draft's)."""
-        return cls(positions, out_slots, kv_pool, backend, backend.prepare(meta))
+        return cls(positions, out_slots, kv_pool, backend, backend.prepare(meta), is_decode=meta.is_decode)
 
 
 class Attention(nn.Module):
@@ -286,11 +291,21 @@ class DecoderBody(nn.Module):
         self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1.0 elsewhere
         # Gemma's sqrt(hidden), which transformers rounds to the model's dtype before multiplying
         self.normalizer = cfg.hidden_size**0.5 if cfg.embedding_normalizer else None
+        # `run_layers` compiled for decode batches (`--cpu-compile`, `gapless.engine.cpu_compile`), called
+        # with this body as its first argument (so it holds no reference to it)
+        self.compiled_layers: LayersCall | None = None
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None
+        x = self.embed(input_ids)
         if ctx.images is not None:  # (after the family's scaling: transformers scatters them unscaled)
             x = x.index_copy(0, ctx.images.flat, ctx.images.rows.to(x.dtype))
+        if ctx.is_decode and self.compiled_layers is not None:
+            return self.compiled_layers(self, x, ctx)
+        return self.run_layers(x, ctx)
+
+    def run_layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The layers and the final norm over the embedded batch `x`."""
+        residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.finish(x, residual)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from gapless import env
+from gapless.model import opaque_gemm
 
 LAYOUT_ENV = env.GGUF_LAYOUT.name  # "mixed" (default) or "int4": see `int4_for`
 ACTIVATIONS_ENV = env.GGUF_ACTIVATIONS.name  # "int8" (default) or "bfloat16": the int8 rows' kernel
@@ -286,6 +287,7 @@ class Int8DynamicLinearMethod:
         self.packed = torch.ops.quantized.linear_prepack(qw, None)  # fbgemm's own layout, ~1 byte a weight
         self.opaque_bytes = rows.q.numel() + 8 * n
         self.bias = None if bias is None else bias.detach().float()
+        self.handle = opaque_gemm.register(self)
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -298,11 +300,15 @@ class Int8DynamicLinearMethod:
         span = torch.linalg.vector_norm(x32, float("inf"), -1, True).clamp_min_(1e-30).mul_(_C_SPAN)
         t = x32 * torch.div(_C_Q, span)
         r = torch.round(t)
-        y = _DYN_MM(torch.cat([r * _C_HI, (t - r).mul_(_C_2), _pin(x.shape[1])]), self.packed, True)
+        y = opaque_gemm.call(self, torch.cat([r * _C_HI, (t - r).mul_(_C_2), _pin(x.shape[1])]))
         y = torch.add(y[:n], y[n : 2 * n], alpha=1 / (2 * _Q)).mul_(span)
         if self.bias is not None:
             y += self.bias
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """fbgemm's GEMM of rows `x` on its 7-bit grid (`apply` makes them): float32 [M, out_features]."""
+        return _DYN_MM(x, self.packed, True)
 
     def tensors(self) -> list[torch.Tensor]:
         return []  # fbgemm's packed weight is no tensor: `opaque_bytes` counts it
