@@ -4,6 +4,10 @@ engine's process (`cpu_worker="inline"`), the ops' self CPU time summed over `--
 and first steps excluded (the difference of two profiles, `--steps` + 2 and 2 new tokens).
 
     PYTHONPATH=. python bench/experiments/cpu_profile.py [--model M] [--steps 32] [--threads N] [--top 25]
+        [--cpu-compile]
+
+`--cpu-compile`: the engine's decode layers compiled (`gapless.engine.cpu_compile`); the load's seconds,
+the compile's included, are printed.
 """
 
 from __future__ import annotations
@@ -43,13 +47,21 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     p.add_argument("--threads", type=cli.positive_int)
     p.add_argument("--top", type=cli.positive_int, default=25)
     p.add_argument("--kv-cache-tokens", type=cli.positive_int, default=4096)
+    p.add_argument("--cpu-compile", action="store_true", help="the decode layers compiled")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     prompt = np.random.default_rng(0).integers(100, 1000, 34).tolist()
+    start = time.perf_counter()
     with LLM(
-        args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, cpu_worker="inline"
+        args.model,
+        device="cpu",
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        cpu_worker="inline",
+        cpu_compile=args.cpu_compile,
     ) as llm:
+        print(f"loaded in {time.perf_counter() - start:.1f} s", flush=True)
         llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
         w0, base = _profile(llm, prompt, 2)
         w1, full = _profile(llm, prompt, args.steps + 2)

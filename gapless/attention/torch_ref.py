@@ -97,8 +97,10 @@ class TorchRefBackend:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        B, S = state.batch, state.seq
         qp = q.unsqueeze(2) if state.decode else q[state.q_index].transpose(1, 2)  # [B, H, Q, d]
+        # a decode's batch read off its tensor (a token a request), so that a compiled decode
+        # (`gapless.engine.cpu_compile`) keeps it a symbol rather than a constant it must recompile for
+        B, S = qp.shape[0] if state.decode else state.batch, state.seq
         # index_select on a flat index: ~3x faster than advanced indexing with a [B, S] index on CPU
         k = (
             k_cache.index_select(0, state.slots).view(B, S, *k_cache.shape[1:]).transpose(1, 2)

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from gapless.engine.memory_plan import dummy_decode
 from gapless.tensors import dataclass_to_device
@@ -36,6 +37,11 @@ if TYPE_CHECKING:  # (types only: the runner imports this module)
 log = logging.getLogger(__name__)
 
 WARM_POSITION = 3  # the dummy decodes' position: a context of 4 keys, not 1 (which dynamo would specialize)
+
+
+# sizes are not unified by value while tracing ("duck shaping"): a warm-up batch of 2 rows would share its
+# symbol with a model of 2 KV heads, and the graph then holds only batches of 2
+_NO_DUCK_SHAPES = fx_config.patch(use_duck_shape=False)
 
 
 def _run_layers(body: DecoderBody, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -54,7 +60,8 @@ class CompiledLayers:
     def __call__(self, body: DecoderBody, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.failed is None:
             try:
-                out = self.compiled(body, x, ctx)
+                with _NO_DUCK_SHAPES:
+                    out = self.compiled(body, x, ctx)
                 self.runs += 1
                 return out
             except Exception as e:  # (whatever inductor raises: its errors share no base class)

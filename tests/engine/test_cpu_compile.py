@@ -31,17 +31,49 @@ def test_compiled_decode_equals_transformers(ckpt_factory, arch):
     prompts = make_prompts(500, n=4, shared_prefix=0, max_len=24)
     hf = load_hf_model(path)
     refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    outs = _compiled_greedy(path, prompts)
+    ties = [check_greedy(o, r) for o, r in zip(outs, [refs[0], *refs])]
+    assert sum(t is not None for t in ties) <= 1, ties
+
+
+def _compiled_greedy(path, prompts) -> list[list[int]]:
+    """Greedy tokens of `prompts[0]` alone, then of all `prompts` at once, with the decode compiled;
+    checks that every decode step ran the compiled layers and that nothing compiled after the warm-up
+    (a request may not wait for a compile)."""
+    from torch._dynamo.utils import counters
+
     with _llm(path, cpu_compile=True) as llm:
         compiled = llm.engine.runner.compiled
         assert compiled is not None and compiled.failed is None, "the warm-up did not compile"
-        after_warm_up = compiled.runs
+        runs, graphs = compiled.runs, counters["stats"]["unique_graphs"]
         outs = llm.generate(prompts[:1], PARAMS, use_tqdm=False) + llm.generate(
             prompts, PARAMS, use_tqdm=False
         )
         llm.check_integrity()
         # every decode step of both calls (MAX_NEW - 1 per call: the first token comes from the prefill)
-        assert compiled.runs - after_warm_up == 2 * (MAX_NEW - 1)
-    ties = [check_greedy(o.token_ids, r) for o, r in zip(outs, [refs[0], *refs])]
+        assert compiled.runs - runs == 2 * (MAX_NEW - 1)
+        assert counters["stats"]["unique_graphs"] == graphs, "a decode compiled again after the warm-up"
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.slow
+def test_a_quantized_gguf_compiles_once_and_equals_transformers(ckpt_factory, tmp_path):
+    """GGUF layers kept quantized (int4 gate/up, int8 rows with int8 activations through fbgemm's packed
+    weight): the compiled decode reads the same file as transformers does (near-ties counted) and
+    compiles nothing after its warm-up."""
+    from transformers import AutoModelForCausalLM
+
+    from gapless.testing.gguf_files import write_gguf
+
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "llama.Q4_1.gguf", "Q4_1")
+    prompts = make_prompts(502, n=4, shared_prefix=0, max_len=24)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    refs = [hf_greedy(ref, p, MAX_NEW) for p in prompts]
+    outs = _compiled_greedy(path, prompts)
+    # the int8 rows' rounding moves logits by up to ~0.15 (tests/model/test_quant_gguf.py)
+    ties = [check_greedy(o, r, tol=0.3) for o, r in zip(outs, [refs[0], *refs])]
     assert sum(t is not None for t in ties) <= 1, ties
 
 

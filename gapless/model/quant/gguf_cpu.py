@@ -288,6 +288,8 @@ class Int8DynamicLinearMethod:
         self.opaque_bytes = rows.q.numel() + 8 * n
         self.bias = None if bias is None else bias.detach().float()
         self.handle = opaque_gemm.register(self)
+        # made here, not at the first call: a compiled graph traced before it existed would be traced again
+        self.pin = _pin(rows.q.shape[1])
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -300,7 +302,7 @@ class Int8DynamicLinearMethod:
         span = torch.linalg.vector_norm(x32, float("inf"), -1, True).clamp_min_(1e-30).mul_(_C_SPAN)
         t = x32 * torch.div(_C_Q, span)
         r = torch.round(t)
-        y = opaque_gemm.call(self, torch.cat([r * _C_HI, (t - r).mul_(_C_2), _pin(x.shape[1])]))
+        y = opaque_gemm.call(self, torch.cat([r * _C_HI, (t - r).mul_(_C_2), self.pin]))
         y = torch.add(y[:n], y[n : 2 * n], alpha=1 / (2 * _Q)).mul_(span)
         if self.bias is not None:
             y += self.bias
