@@ -12,6 +12,8 @@ prefills are few and large, where dispatch does not count.
 - **Bounded and cached**: dynamo's recompile limit bounds the graphs (past it a call runs eagerly);
   inductor keeps its compiled kernels on disk (`TORCHINDUCTOR_CACHE_DIR`, by default under the system's
   temporary directory), so a later start with the same model and torch skips most of the compile.
+- **No compile after the warm-up** (the tests assert it), as long as the process keeps the torch thread
+  count it started with: dynamo guards on it, and a change recompiles.
 - **Fallback**: any error from the compiler (no C++ compiler, an op inductor cannot lower) is logged
   once and the engine decodes eagerly from then on; the eager path is always the same code.
 - **Exactness**: the fused loops round differently from the eager ops (a norm's sum in another
