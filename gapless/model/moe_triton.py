@@ -60,6 +60,49 @@ def _int_tile(
 
 
 @triton.jit
+def _weight_tile(
+    W,
+    Scales,
+    Zeros,
+    rows,
+    row_mask,
+    offs_k,
+    k_mask,
+    k0,
+    stride_wn,
+    stride_sn,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One expert's weight `W` at inputs `offs_k` (from `k0`) and `rows`, [BLOCK_K, BLOCK_N]: as stored (a
+    float or e4m3 W, `stride_wn` apart per row), or unpacked and dequantized in fp32 (BITS: `_int_tile`)."""
+    if BITS:
+        w = _int_tile(
+            W,
+            Scales,
+            Zeros,
+            rows,
+            row_mask,
+            k0,
+            stride_wn,
+            stride_sn,
+            BITS,
+            GROUP,
+            BLOCK_K,
+            BLOCK_N,
+        )
+    else:
+        w = tl.load(
+            W + rows[None, :] * stride_wn + offs_k[:, None],
+            mask=k_mask[:, None] & row_mask[None, :],
+            other=0.0,
+        )
+    return w
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     A,
     W,
@@ -124,27 +167,22 @@ def _grouped_gemm_kernel(
         a = tl.load(
             A + a_row[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0
         )
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        if BITS:
-            w = _int_tile(
-                w_base,
-                s_base,
-                z_base,
-                offs_n,
-                n_mask,
-                k0,
-                stride_wn,
-                stride_sn,
-                BITS,
-                GROUP,
-                BLOCK_K,
-                BLOCK_N,
-            )
-            w = w.to(a.dtype)
-        else:
-            w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-        if SCALED:
-            w = w.to(a.dtype)
+        w = _weight_tile(
+            w_base,
+            s_base,
+            z_base,
+            offs_n,
+            n_mask,
+            offs_k,
+            k_mask,
+            k0,
+            stride_wn,
+            stride_sn,
+            BITS,
+            GROUP,
+            BLOCK_K,
+            BLOCK_N,
+        ).to(a.dtype)  # (e4m3 and int tiles widened; a float tile is A's type already)
         if IEEE:
             part = tl.dot(a, w, input_precision="ieee")
         else:
@@ -153,28 +191,22 @@ def _grouped_gemm_kernel(
             part = part * tl.load(s_gate + k0 // scale_cols, mask=n_mask, other=0.0)[None, :]
         acc += part
         if GATED:
-            if BITS:
-                u = _int_tile(
-                    w_base,
-                    s_base,
-                    z_base,
-                    offs_n + N,
-                    n_mask,
-                    k0,
-                    stride_wn,
-                    stride_sn,
-                    BITS,
-                    GROUP,
-                    BLOCK_K,
-                    BLOCK_N,
-                )
-                u = u.to(a.dtype)
-            else:
-                u = tl.load(
-                    w_base + (offs_n + N)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0
-                )
-            if SCALED:
-                u = u.to(a.dtype)
+            u = _weight_tile(
+                w_base,
+                s_base,
+                z_base,
+                offs_n + N,
+                n_mask,
+                offs_k,
+                k_mask,
+                k0,
+                stride_wn,
+                stride_sn,
+                BITS,
+                GROUP,
+                BLOCK_K,
+                BLOCK_N,
+            ).to(a.dtype)
             if IEEE:
                 part_up = tl.dot(a, u, input_precision="ieee")
             else:

@@ -26,6 +26,7 @@ how many programs an SM holds, for reading a tuning sweep without a GPU.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -34,7 +35,8 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -315,6 +317,41 @@ def compile_all(arch: int) -> Compiler:
                     if len(compiler.failed) == before:
                         compiler.failed.append((name, traceback.format_exc(limit=3)))
     return compiler
+
+
+class Built(NamedTuple):
+    """What `compile_cases` compiled: the kernels by name, the compilations, the cases that failed."""
+
+    kernels: list[str]
+    count: int
+    failed: list[str]
+
+
+def compile_cases(group: str, name_has: str, arch: int = 90) -> Built | None:
+    """Compile for `arch`, in a fresh process without TRITON_INTERPRET, the cases of the harness's group
+    `group` ("moe", "int4", ...) whose names hold `name_has`: a family's own test of its kernels (the
+    whole harness: tests/testing/test_triton_compile.py). None where this Triton has no NVIDIA backend."""
+    script = (
+        f"import json\nfrom gapless.testing.triton_compile import Compiler, _{group}\n"
+        f"with Compiler({arch}) as c:\n"
+        f"    for name, case in _{group}().items():\n"
+        f"        if {name_has!r} in name:\n"
+        "            case()\n"
+        "print(json.dumps([sorted({n for n, _ in c.compiled}), len(c.compiled), [n for n, _ in c.failed]]))"
+    )
+    child_env = {k: v for k, v in os.environ.items() if k != env.TRITON_INTERPRET.name}
+    root = str(Path(__file__).resolve().parents[2])
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
+    probe = "from triton.backends.nvidia.compiler import CUDABackend"
+    if subprocess.run([sys.executable, "-c", probe], env=child_env, capture_output=True).returncode:
+        return None
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=child_env, capture_output=True, text=True, timeout=600
+    )
+    if r.returncode:
+        raise RuntimeError(f"compiling the {group} cases failed:\n{r.stderr[-3000:]}")
+    kernels, count, failed = json.loads(r.stdout.strip().splitlines()[-1])
+    return Built(kernels, count, failed)
 
 
 def resources(kernel: Any) -> dict[str, int]:

@@ -8,10 +8,6 @@ are checked at load."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,8 +22,8 @@ from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.int4 import QuantFormatError, pack_int32
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
 from gapless.testing.quant_checkpoints import quantize, write_quantized
+from gapless.testing.triton_compile import compile_cases
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW = 8
 CPU = torch.device("cpu")
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU cases check the same)")
@@ -242,22 +238,8 @@ def test_int_experts_compile_for_sm90():
     """The grouped GEMM's int4 and int8 variants (plain and adapter paths, both half-precision dtypes:
     20 specializations with the adapters' own kernels) compile for sm_90 (`gapless.testing.triton_compile`),
     none failing."""
-    script = textwrap.dedent(
-        """\
-        from gapless.testing.triton_compile import Compiler, _moe
-        with Compiler(90) as c:
-            for name, case in _moe().items():
-                if " int" in name:
-                    case()
-        print(sorted({name for name, _ in c.compiled}), len(c.compiled), c.failed)
-        """
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    probe = "from triton.backends.nvidia.compiler import CUDABackend"
-    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode:
+    built = compile_cases("moe", " int")
+    if built is None:
         pytest.skip("this triton has no NVIDIA backend to compile with")
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout.strip()
-    assert out.startswith("['_grouped_gemm_kernel', '_lora_expand_kernel'") and out.endswith(" 20 []"), out
+    assert built.kernels[:2] == ["_grouped_gemm_kernel", "_lora_expand_kernel"], built
+    assert built.count == 20 and not built.failed, built
