@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
         cpu_worker="inline",
         cpu_compile=args.cpu_compile,
     ) as llm:
-        print(f"loaded in {time.perf_counter() - start:.1f} s", flush=True)
+        if args.cpu_compile:
+            print(f"loaded and compiled in {time.perf_counter() - start:.1f} s", flush=True)
         llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
         w0, base = _profile(llm, prompt, 2)
         w1, full = _profile(llm, prompt, args.steps + 2)

@@ -43,7 +43,7 @@ WARM_POSITION = 3  # the dummy decodes' position: a context of 4 keys, not 1 (wh
 
 # sizes are not unified by value while tracing ("duck shaping"): a warm-up batch of 2 rows would share its
 # symbol with a model of 2 KV heads, and the graph then holds only batches of 2
-_NO_DUCK_SHAPES = fx_config.patch(use_duck_shape=False)
+_NO_DUCK_SHAPES = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]  # (a config module's)
 
 
 def _run_layers(body: DecoderBody, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -21,7 +21,6 @@ from gapless.attention import AttentionBackend, Probe, TorchRefBackend, make_bac
 from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
 from gapless.engine.batch import DeviceJob, ForwardBatch, RunnerInfo, SampleJob
-from gapless.engine.cpu_compile import CompiledLayers, warm_up
 from gapless.engine.cpu_dtype import slow_dtype_warning
 from gapless.engine.cuda_graph import DEFAULT_MAX_BS, SAMPLED_MAX_BS, GraphRunner, SampleTokens
 from gapless.engine.defaults import apply_device_defaults, device_memory
@@ -192,9 +191,6 @@ class ModelRunner:
             )
             self.sampler.write_rows(dataclass_to_device(pad_values, self.device))
             self.graphs.capture(self.forward_tokens, self.sample_tokens)
-        self.compiled: CompiledLayers | None = None  # `--cpu-compile`'s decode layers, when on
-        if cfg.cpu_compile and self.device.type == "cpu":
-            self.compiled = warm_up(self)
         if cfg.piecewise_cuda_graph_max_tokens:
             self.piecewise = PiecewiseGraphs(
                 cfg.piecewise_cuda_graph_max_tokens, self.model, self.kv_pool, self.backend, self.dtype

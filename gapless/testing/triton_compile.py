@@ -323,7 +323,7 @@ class Built(NamedTuple):
     """What `compile_cases` compiled: the kernels by name, the compilations, the cases that failed."""
 
     kernels: list[str]
-    count: int
+    compilations: int
     failed: list[str]
 
 
@@ -339,7 +339,8 @@ def compile_cases(group: str, name_has: str, arch: int = 90) -> Built | None:
         "            case()\n"
         "print(json.dumps([sorted({n for n, _ in c.compiled}), len(c.compiled), [n for n, _ in c.failed]]))"
     )
-    child_env = {k: v for k, v in os.environ.items() if k != env.TRITON_INTERPRET.name}
+    child_env = {**os.environ}  # (handed on, less the interpreter's switch)
+    child_env.pop(env.TRITON_INTERPRET.name, None)
     root = str(Path(__file__).resolve().parents[2])
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
     probe = "from triton.backends.nvidia.compiler import CUDABackend"
@@ -350,8 +351,8 @@ def compile_cases(group: str, name_has: str, arch: int = 90) -> Built | None:
     )
     if r.returncode:
         raise RuntimeError(f"compiling the {group} cases failed:\n{r.stderr[-3000:]}")
-    kernels, count, failed = json.loads(r.stdout.strip().splitlines()[-1])
-    return Built(kernels, count, failed)
+    kernels, compilations, failed = json.loads(r.stdout.strip().splitlines()[-1])
+    return Built(kernels, compilations, failed)
 
 
 def resources(kernel: Any) -> dict[str, int]:

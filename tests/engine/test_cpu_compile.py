@@ -43,7 +43,7 @@ def _compiled_greedy(path, prompts) -> list[list[int]]:
     from torch._dynamo.utils import counters
 
     with _llm(path, cpu_compile=True) as llm:
-        compiled = llm.engine.runner.compiled
+        compiled = llm.engine.runner.model.model.compiled_layers
         assert compiled is not None and compiled.failed is None, "the warm-up did not compile"
         runs, graphs = compiled.runs, counters["stats"]["unique_graphs"]
         outs = llm.generate(prompts[:1], PARAMS, use_tqdm=False) + llm.generate(
@@ -93,7 +93,7 @@ def test_a_compiler_error_falls_back_to_the_eager_layers(ckpt_factory, monkeypat
     with _llm(path) as llm:
         want = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     with caplog.at_level(logging.WARNING, logger=cpu_compile.__name__), _llm(path, cpu_compile=True) as llm:
-        compiled = llm.engine.runner.compiled
+        compiled = llm.engine.runner.model.model.compiled_layers
         assert compiled is not None and compiled.failed is not None and "C++ compiler" in compiled.failed
         got = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
         assert compiled.runs == 0

@@ -22,6 +22,7 @@ import torch
 
 from gapless.config import EngineConfig
 from gapless.engine.batch import DeviceJob, ForwardBatch
+from gapless.engine.cpu_compile import warm_up
 from gapless.engine.runner import ModelRunner
 from gapless.engine.stream.base import DeviceStream, JobResult, Pending
 
@@ -91,5 +92,9 @@ class FutureCheckingRunner(ModelRunner):
 
 
 def make_runner(cfg: EngineConfig) -> ModelRunner:
-    """The model runner for `cfg`: the checking one when `cfg.chaos_seed` is set."""
-    return ModelRunner(cfg) if cfg.chaos_seed is None else FutureCheckingRunner(cfg)
+    """The model runner for `cfg`: the checking one when `cfg.chaos_seed` is set; with `cpu_compile` on
+    the CPU, its decode layers compiled before it runs anything (`gapless.engine.cpu_compile`)."""
+    runner = ModelRunner(cfg) if cfg.chaos_seed is None else FutureCheckingRunner(cfg)
+    if cfg.cpu_compile and runner.device.type == "cpu":
+        warm_up(runner)
+    return runner
