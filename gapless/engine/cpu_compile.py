@@ -11,7 +11,8 @@ prefills are few and large, where dispatch does not count.
   shapes over the batch and the context length).
 - **Bounded and cached**: dynamo's recompile limit bounds the graphs (past it a call runs eagerly);
   inductor keeps its compiled kernels on disk (`TORCHINDUCTOR_CACHE_DIR`, by default under the system's
-  temporary directory), so a later start with the same model and torch skips most of the compile.
+  temporary directory), so a later start with the same model and torch compiles in about half the time
+  (dynamo still traces the layers: 316 s, then 155 s for the default model on a 2-core machine).
 - **No compile after the warm-up** (the tests assert it), as long as the process keeps the torch thread
   count it started with: dynamo guards on it, and a change recompiles.
 - **Fallback**: any error from the compiler (no C++ compiler, an op inductor cannot lower) is logged
@@ -32,7 +33,7 @@ import torch.fx.experimental._config as fx_config
 from gapless.engine.memory_plan import dummy_decode
 from gapless.tensors import dataclass_to_device
 
-if TYPE_CHECKING:  # (types only: the runner imports this module)
+if TYPE_CHECKING:  # (types only)
     from gapless.engine.runner import ModelRunner
     from gapless.model.decoder import DecoderBody, ForwardContext
 
