@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gapless import LLM, SamplingParams
-from gapless.model import loader, parallel
+from gapless.model import loader
 from gapless.model.quant import formats, quantization, weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.fp8 import (
@@ -34,6 +34,7 @@ from gapless.model.quant.fp8 import (
 from gapless.model.quant.fp8_kernel import FP8_MAX, fp8_gemm
 from gapless.testing.fp8_checkpoints import quant_config, write_fp8_checkpoint
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 
 MAX_NEW = 8
 # e4m3 activations (3 mantissa bits: a relative rounding of up to 2^-4 per value) move these tiny models'
@@ -413,22 +414,13 @@ def test_transformers_reads_the_tiny_fp8_checkpoint_as_we_do(ckpt_factory, tmp_p
             torch.testing.assert_close(w.float(), ours[name], rtol=2**-8, atol=0, msg=name)
 
 
-class _Rank(parallel.TPGroup):
-    """Rank `rank` of `size`, for building layers: no collective runs."""
-
-
 @pytest.mark.parametrize("layout", ["fp8", "ct-tensor"])
-def test_tensor_parallel_ranks_hold_their_weights_scales(ckpt_factory, tmp_path, monkeypatch, layout):
+def test_tensor_parallel_ranks_hold_their_weights_scales(ckpt_factory, tmp_path, layout):
     """Built as rank r of 2, each fused and row-parallel layer holds the rows (or columns) of its weight
     and of its scales that rank 0 of 1 holds at the same places: scales are sharded with their weights."""
     src = ckpt_factory("llama", hidden_size=128, intermediate_size=256, head_dim=32)
     dst, _ = write_fp8_checkpoint(src, tmp_path / layout, layout, block=(32, 32))
-    whole = loader.load_model(dst, torch.float32, CPU)
-    ranks = []
-    for rank in range(2):
-        monkeypatch.setattr(parallel, "_current", _Rank(rank=rank, size=2))
-        ranks.append(loader.load_model(dst, torch.float32, CPU))
-    monkeypatch.setattr(parallel, "_current", parallel.SINGLE)
+    whole, ranks = load_as_ranks(dst)
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         full = whole.get_submodule(f"model.layers.0.{name}")
         w = dequantize(
@@ -449,24 +441,14 @@ def test_tensor_parallel_ranks_hold_their_weights_scales(ckpt_factory, tmp_path,
 
 
 @pytest.mark.parametrize(("layout", "block"), [("fp8", (16, 16)), ("ct-channel", None)])
-def test_tensor_parallel_ranks_hold_their_experts_scales(ckpt_factory, tmp_path, monkeypatch, layout, block):
+def test_tensor_parallel_ranks_hold_their_experts_scales(ckpt_factory, tmp_path, layout, block):
     """A mixture's fp8 checkpoint built as rank r of 2: each rank's experts, dequantized with their scales,
     are its gate/up rows and down columns of the whole model's."""
     src = ckpt_factory("qwen3_moe", moe_intermediate_size=64)
     dst, _ = write_fp8_checkpoint(src, tmp_path / layout, layout, block=block or (128, 128))
-    whole = loader.load_model(dst, torch.float32, CPU).model.layers[0].mlp.experts
-    ranks = []
-    for rank in range(2):
-        monkeypatch.setattr(parallel, "_current", _Rank(rank=rank, size=2))
-        ranks.append(loader.load_model(dst, torch.float32, CPU).model.layers[0].mlp.experts)
-    monkeypatch.setattr(parallel, "_current", parallel.SINGLE)
-    w13, w2 = whole.dequantized
-    inter = w13.shape[1] // 2
-    gate, up = w13[:, :inter], w13[:, inter:]
-    for r, part in enumerate(ranks):
-        mine = torch.cat([gate.chunk(2, dim=1)[r], up.chunk(2, dim=1)[r]], dim=1)
-        torch.testing.assert_close(part.dequantized[0], mine, rtol=0, atol=0)
-        torch.testing.assert_close(part.dequantized[1], w2.chunk(2, dim=2)[r], rtol=0, atol=0)
+    whole, ranks = load_as_ranks(dst)
+    experts = [m.model.layers[0].mlp.experts for m in ranks]
+    assert_experts_cut(whole.model.layers[0].mlp.experts, experts)
 
 
 def test_dummy_load_format_reads_no_weights_and_quantizes_at_load(ckpt_factory, tmp_path):

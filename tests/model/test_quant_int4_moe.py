@@ -22,6 +22,7 @@ from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.int4 import QuantFormatError, pack_int32
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
 from gapless.testing.quant_checkpoints import quantize, write_quantized
+from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 from gapless.testing.triton_compile import compile_cases
 
 MAX_NEW = 8
@@ -167,37 +168,23 @@ def test_fused_experts_over_int_weights_equal_the_dequantized_reference(bits, gr
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-class _Rank(parallel.TPGroup):
-    """Rank `rank` of `size`, for building layers: no collective runs."""
-
-
 @pytest.mark.parametrize("layout", ["gptq", "awq", "compressed-tensors"])
-def test_tensor_parallel_ranks_hold_their_experts_pieces(ckpt_factory, tmp_path, monkeypatch, layout):
+def test_tensor_parallel_ranks_hold_their_experts_pieces(ckpt_factory, tmp_path, layout):
     """A mixture's int4 checkpoint built as rank r of 2: each rank's experts, dequantized, are its gate/up
     rows and down columns (whole groups) of the whole model's."""
     src = ckpt_factory("qwen3_moe", moe_intermediate_size=64)
     qdir, _ = write_quantized(src, tmp_path, layout, bits=4, group=16, sym=False)
-    whole = loader.load_model(qdir, torch.float32, CPU).model.layers[0].mlp.experts
-    ranks = []
-    for rank in range(2):
-        monkeypatch.setattr(parallel, "_current", _Rank(rank=rank, size=2))
-        ranks.append(loader.load_model(qdir, torch.float32, CPU).model.layers[0].mlp.experts)
-    monkeypatch.setattr(parallel, "_current", parallel.SINGLE)
-    assert whole.dequantized is not None
-    w13, w2 = whole.dequantized
-    gate, up = w13[:, :64], w13[:, 64:]
-    for r, part in enumerate(ranks):
-        assert part.dequantized is not None and part.gate_up_proj.shape == (8, 64 // 8, 64)
-        mine = torch.cat([gate.chunk(2, dim=1)[r], up.chunk(2, dim=1)[r]], dim=1)
-        torch.testing.assert_close(part.dequantized[0], mine, rtol=0, atol=0)
-        torch.testing.assert_close(part.dequantized[1], w2.chunk(2, dim=2)[r], rtol=0, atol=0)
+    whole, ranks = load_as_ranks(qdir)
+    experts = [m.model.layers[0].mlp.experts for m in ranks]
+    assert all(e.gate_up_proj.shape == (8, 64 // 8, 64) for e in experts)  # (each rank's packed words)
+    assert_experts_cut(whole.model.layers[0].mlp.experts, experts)
 
 
 def test_a_group_a_ranks_cut_would_split_is_refused_in_one_line(ckpt_factory, tmp_path, monkeypatch):
     """32 inputs of each expert's down projection in one group of 32: two ranks cannot each hold whole
     groups."""
     qdir, _ = write_quantized(ckpt_factory("qwen3_moe"), tmp_path, "gptq", bits=4, group=32, sym=False)
-    monkeypatch.setattr(parallel, "_current", _Rank(rank=0, size=2))
+    monkeypatch.setattr(parallel, "_current", parallel.TPGroup(rank=0, size=2))
     with pytest.raises(QuantFormatError) as e:
         loader.load_model(qdir, torch.float32, CPU)
     msg = str(e.value)
