@@ -26,15 +26,9 @@ from typing import Any
 
 from gapless.bench import cli
 
-# what Qwen3's published configs share (head dim, vocabulary, RoPE, norm epsilon, an untied head)
-_QWEN3 = dict(
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+# over the qwen3-0.6b size (`gapless.testing.checkpoints`, which holds what Qwen3's published configs
+# share: head dim, vocabulary, RoPE, norm epsilon), the larger models' untied head
+_QWEN3 = dict(tie_word_embeddings=False)
 # Qwen/Qwen3-8B's config.json (hidden 4096, 36 layers, 32 q / 8 kv heads of 128, MLP 12288, untied head)
 QWEN3_8B = dict(
     _QWEN3,
