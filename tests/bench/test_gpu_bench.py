@@ -132,6 +132,7 @@ def test_model_info_counts_parameters_and_bytes():
     assert info["weight_bytes"] == 2 * info["params"]
 
 
+@pytest.mark.slow  # (the GPU kit's script, ~10 s on the CPU)
 def test_gpu_bench_script_writes_its_files(tmp_path):
     """`bench/gpu_bench.sh`, the one command a GPU session runs, on the CPU: the same files in $OUT."""
     root = Path(__file__).resolve().parents[2]

@@ -68,6 +68,7 @@ def test_unfiltered_draw_is_the_torch_draw(dtype: torch.dtype, vocab: int, chunk
     assert empty.shape == (0,) and empty.dtype == torch.int64
 
 
+@pytest.mark.slow  # (over 10 s under the interpreter)
 def test_256_rows_of_flat_logits_draw_the_noise_column_by_column() -> None:
     """Flat logits: each token is the argmax of the noise alone, so 256 rows check the in-kernel row keys
     (`_row_keys` of each row's seed and step) and the column hashes against torch's, with and without
@@ -229,6 +230,7 @@ def _critical(df: int, z: float = 3.7) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.slow  # (over 10 s under the interpreter)
 def test_draws_follow_the_exact_filtered_softmax() -> None:
     """Top-k, top-p, min-p, all three, and temperature alone, in one batch: each row's floors searched
     once, then drawn from by 160 seeds: every draw is a kept token, and the counts fit the exact

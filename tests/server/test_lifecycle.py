@@ -97,7 +97,12 @@ def _check_logs(out: str) -> None:
 
 @pytest.mark.parametrize(
     ("worker", "layout"),
-    [("scheduler", "split"), ("detokenizer", "split"), ("tokenizer+detokenizer", "merged")],
+    [
+        ("scheduler", "split"),
+        # (the same split layout as the scheduler's case, another worker: the slow tier)
+        pytest.param("detokenizer", "split", marks=pytest.mark.slow),
+        ("tokenizer+detokenizer", "merged"),
+    ],
 )
 def test_dead_worker_makes_the_server_exit_with_an_error(ckpt_factory, worker, layout):
     srv, workers = _start(ckpt_factory, "--process-layout", layout)
