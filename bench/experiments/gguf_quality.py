@@ -41,8 +41,10 @@ PROMPTS = [
 Top = list[list[list[tuple[int, float]]]]  # per prompt, per step, the top (token, logprob) pairs
 
 
-def run(path: str) -> tuple[float, list[list[int]], Top, list[list[float]]]:
-    with LLM(path, device="cpu", dtype="float32", kv_cache_tokens=4096, overlap=False) as llm:
+def run(path: str, **options: object) -> tuple[float, list[list[int]], Top, list[list[float]]]:
+    """(perplexity of TEXT, greedy tokens of PROMPTS, their top-2 and chosen logprobs) of `path` on the CPU
+    in float32, with the engine's `options`."""
+    with LLM(path, device="cpu", dtype="float32", kv_cache_tokens=4096, overlap=False, **options) as llm:
         ids = llm.tokenizer.encode(TEXT)
         out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
         nll = [-lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:])]

@@ -1,0 +1,87 @@
+"""What the GPU's quantized formats (issue 36) cost in accuracy, on a real model, measured on the CPU: the
+default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantized to a float32 checkpoint by transformers)
+against itself quantized in each format gapless serves, and with an FP8 KV cache.
+
+    PYTHONPATH=. .venv/bin/python bench/experiments/quant_accuracy.py [--work DIR]
+
+Each row is one engine on the CPU (float32 activations), scored as `gguf_quality.py` scores a GGUF type:
+perplexity of its fixed text, and greedy agreement over 64 new tokens of its 8 prompts against the float32
+model (the first divergence per prompt, and the float model's top-2 logit gap there: small is a near-tie).
+The CPU runs each format's reference path: FP8 W8A8 rounds the activations as the CUDA kernel does and
+multiplies by the dequantized weight; int4/int8 run the dequantized weights (their rounding is the
+checkpoint's own, here round-to-nearest by `gapless.testing.quant_checkpoints`, not GPTQ's or AWQ's
+calibrated one, so it is the worst case of each layout). The FP8 KV cache stores e4m3 keys and values with
+scales 1.0 (the checkpoint has none). lm-evaluation-harness's tasks need their datasets, which this machine
+cannot download: the perplexity stands in for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from gguf_quality import PROMPTS, TEXT, run  # (the script beside this one)
+from safetensors.torch import save_file
+
+from gapless.default_model.smollm2 import smollm2_path
+from gapless.testing.fp8_checkpoints import write_fp8_checkpoint
+from gapless.testing.quant_checkpoints import write_quantized
+
+
+def float_checkpoint(dst: Path) -> Path:
+    """The default model's GGUF dequantized by transformers, written as a float32 safetensors checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tied = model.config.tie_word_embeddings
+    tensors = {
+        k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")
+    }
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)  # (transformers' record of the GGUF it read)
+    cfg |= {"torch_dtype": "float32", "architectures": ["LlamaForCausalLM"]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(dst))
+    return dst
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python bench/experiments/quant_accuracy.py")
+    p.add_argument("--work", help="where the checkpoints are written (default: a temporary directory)")
+    args = p.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="quant_accuracy-"))
+    base = float_checkpoint(work / "float32")
+    rows: dict[str, tuple[Path, dict[str, object]]] = {
+        "float32": (base, {}),
+        "fp8 per-channel (--quantization fp8)": (base, {"quantization": "fp8"}),
+        "fp8 KV cache (float32 weights)": (base, {"kv_cache_dtype": "fp8"}),
+    }
+    for layout, label in (("fp8", "fp8 block 128x128"), ("ct-tensor", "compressed-tensors fp8 per-tensor")):
+        rows[label] = (write_fp8_checkpoint(base, work / layout, layout)[0], {})
+    for layout, bits, group, sym in (("gptq", 4, 64, True), ("awq", 4, 64, False), ("gptq", 8, 64, True)):
+        out = write_quantized(base, work / f"{layout}{bits}", layout, bits=bits, group=group, sym=sym)[0]
+        rows[f"{layout} int{bits} g{group} ({'sym' if sym else 'asym'}, round-to-nearest)"] = (out, {})
+    print(f"the default model's Q4_1 GGUF dequantized to float32 ({base}); the fixed text: {len(TEXT)} chars")
+    ref_ppl, ref_tokens, ref_top, _ = run(str(base))
+    for label, (path, options) in rows.items():
+        ppl, tokens = (ref_ppl, ref_tokens) if label == "float32" else run(str(path), **options)[:2]
+        first = [
+            next((i for i, (a, b) in enumerate(zip(q, f)) if a != b), None)
+            for q, f in zip(tokens, ref_tokens)
+        ]
+        gaps = [None if i is None else round(t[i][0][1] - t[i][1][1], 3) for i, t in zip(first, ref_top)]
+        print(
+            f"{label}: perplexity {ppl:.4f} ({(ppl / ref_ppl - 1) * 100:+.2f}%), greedy identical "
+            f"{first.count(None)}/{len(PROMPTS)}, first divergence {first}, float's top-2 gap there {gaps}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
