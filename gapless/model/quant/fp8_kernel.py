@@ -1,12 +1,15 @@
 """The FP8 W8A8 GEMM on CUDA (sm_89+), in Triton: `y = x W^T (+ b)` with W in e4m3 and its scales, and x
-quantized to e4m3 inside the kernel, per token and per `BK` columns (its dynamic scale: the group's
-largest |x| / 448), so one launch does the activation quantization and the GEMM (no host sync, no buffer
-between them: CUDA graphs capture it as any other kernel).
+quantized to e4m3 per token and per `BK` columns (its dynamic scale: the group's largest |x| / 448),
+inside the GEMM or, at decode sizes, by a launch just before it (no host sync either way: CUDA graphs
+capture both as any other kernel).
 
 Each program computes a [BM, BN] tile of y: for each BK-wide step along K it loads x's tile, takes each
 row's scale, rounds x / scale to e4m3, loads W's e4m3 tile, and adds `dot(xq, wq) * x_scale * w_scale`
-(the fp8 tensor-core product, accumulated in float32). W's scale is looked up at (row // rows_per_scale,
-k // k_group): one per row and whole K (per-channel, `stride_sk` 0), or one per [rows, k_group] block.
+(the fp8 tensor-core product, accumulated in float32). At decode sizes (<= `PREQUANT_ROWS` rows) every
+program would round the same few rows again, so one small launch rounds them first (`_fp8_quant_kernel`,
+the same arithmetic: the same bits) and the GEMM's programs load the e4m3 rows and their scales. W's
+scale is looked up at (row // rows_per_scale, k // k_group): one per row and whole K (per-channel,
+`stride_sk` 0), or one per [rows, k_group] block.
 
 The Triton interpreter rounds some values to e4m3 wrongly (a carry into the next binade is lost:
 31.4 -> 16 instead of 32; triton 3.9), so the CPU tests feed it activations that are exact in e4m3 after
@@ -24,8 +27,23 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 
 
 @triton.jit
+def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr):
+    """Row `program_id(0)`'s columns [g * BK, (g + 1) * BK) (g = `program_id(1)`) as e4m3 and their scale,
+    rounded exactly as `_fp8_gemm_kernel` rounds them in its loop."""
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    offs = g * BK + tl.arange(0, BK)
+    ok = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+    tl.store(q_ptr + row * K + offs, (x / scale).to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + row * tl.num_programs(1) + g, scale)
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
     s_ptr,
     b_ptr,
@@ -44,6 +62,7 @@ def _fp8_gemm_kernel(
     k_group,
     split_k,
     HAS_BIAS: tl.constexpr,
+    PREQUANT: tl.constexpr,
     SPLITS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -62,13 +81,14 @@ def _fp8_gemm_kernel(
     k_start = pid_s * split_k
     for k0 in range(k_start, tl.minimum(k_start + split_k, K), BK):
         k_ok = (k0 + offs_k) < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-        xq = (x / x_scale[:, None]).to(tl.float8e4nv)
+        x_tile = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+        if PREQUANT:  # x already e4m3 (`_fp8_quant_kernel`), its scales [M, K / BK] at xs_ptr
+            xq = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x_scale = tl.load(xs_ptr + offs_m * tl.cdiv(K, BK) + k0 // BK, mask=m_ok, other=0.0)
+        else:
+            x = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+            xq = (x / x_scale[:, None]).to(tl.float8e4nv)
         w = tl.load(
             w_ptr + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
             mask=n_ok[None, :] & k_ok[:, None],
@@ -113,6 +133,7 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
+PREQUANT_ROWS = 16  # at most this many rows, x is rounded to e4m3 once before the GEMM (0: never)
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
 # per device: the split tiles' arrival counters, all 0 at rest; one buffer for good (a CUDA graph keeps
 # its address), of SPLIT_PROGRAMS counters: a GEMM splits only when it has fewer tiles than that
@@ -158,8 +179,16 @@ def fp8_gemm(
     steps = triton.cdiv(k_steps, splits)
     splits = triton.cdiv(k_steps, steps)  # no split left without a step
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    prequant = m <= PREQUANT_ROWS
+    xs = y  # (unread unless prequant)
+    if prequant:
+        xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+        xs = torch.empty(m, k_steps, dtype=torch.float32, device=x.device)
+        _fp8_quant_kernel[(m, k_steps)](x, xq, xs, k, x.stride(0), BK=act_group)
+        x = xq
     _fp8_gemm_kernel[(tiles_m, tiles_n, splits)](
         x,
+        xs,
         w,
         scale,
         bias if bias is not None else scale,
@@ -178,6 +207,7 @@ def fp8_gemm(
         k_group or k,
         steps * act_group,
         HAS_BIAS=bias is not None,
+        PREQUANT=prequant,
         SPLITS=splits,
         BM=bm,
         BN=bn,
