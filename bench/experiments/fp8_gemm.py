@@ -4,9 +4,9 @@ Qwen3-8B: microseconds a call (CUDA graphs: launch cost excluded) and the weight
     python bench/experiments/fp8_gemm.py [--rows 1 16 128 2048]        # on a GPU of sm_89 or newer
 
 Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton kernel
-(`gapless.model.quant.fp8_kernel`: activation quantization inside it, or at <= `PREQUANT_ROWS` rows in
-a launch before it) with per-channel and with [128, 128] block scales, and per-channel with the rounding
-in the GEMM's loop at every row count (`PREQUANT_ROWS = 0`: the kernel before that launch existed);
+(`gapless.model.quant.fp8_kernel`: activation quantization inside it) with per-channel and with
+[128, 128] block scales, and per-channel with x rounded by a launch before the GEMM
+(`PREQUANT_ROWS = 16`, off by default until this column says whether it pays);
 `torch._scaled_mm` with rowwise scales (bf16 out; its activation quantization, a separate torch step,
 timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's block recipes (x per 1x128, w per
 128x128; where this torch has it, else the cell says why). Whichever is faster at 1 row is the decode
@@ -40,8 +40,8 @@ def _us(fn) -> float:
 
 
 HEADER = (
-    "| model | layer | N x K | rows | bf16 us | fp8 channel us | fp8 block us | fp8 channel in-loop us "
-    "| _scaled_mm us "
+    "| model | layer | N x K | rows | bf16 us | fp8 channel us | fp8 block us "
+    "| fp8 channel x rounded first us | _scaled_mm us "
     "| F.scaled_mm block us | bf16 GB/s | fp8 GB/s |"
 )
 
@@ -71,14 +71,14 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
     bf16 = _us(lambda: torch.mm(x, wb.t()))
     chan = _us(lambda: fp8_gemm(x, qc, sc, 1, 0, 128, None))
     block = _us(lambda: fp8_gemm(x, qb, sb, 128, 128, 128, None))
-    rows_before, fp8_kernel.PREQUANT_ROWS = fp8_kernel.PREQUANT_ROWS, 0
-    in_loop = _us(lambda: fp8_gemm(x, qc, sc, 1, 0, 128, None))
+    rows_before, fp8_kernel.PREQUANT_ROWS = fp8_kernel.PREQUANT_ROWS, 16
+    rounded_first = _us(lambda: fp8_gemm(x, qc, sc, 1, 0, 128, None))
     fp8_kernel.PREQUANT_ROWS = rows_before
     smm = _us(scaled_mm)
     fsmm = _us(block_scaled_mm)
     best = min(chan, block)
     return (
-        f"| {model} | {name} | {n} x {k} | {m} | {bf16:.1f} | {chan:.1f} | {block:.1f} | {in_loop:.1f} "
+        f"| {model} | {name} | {n} x {k} | {m} | {bf16:.1f} | {chan:.1f} | {block:.1f} | {rounded_first:.1f} "
         f"| {smm:.1f} "
         f"| {fsmm:.1f} "
         f"| {2 * n * k / bf16 / 1e3:.0f} | {n * k / best / 1e3:.0f} |"

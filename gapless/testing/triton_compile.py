@@ -268,21 +268,28 @@ def _lora() -> dict[str, Callable[[], object]]:
 
 
 def _fp8() -> dict[str, Callable[[], object]]:
-    from gapless.model.quant.fp8_kernel import fp8_gemm
+    from gapless.model.quant import fp8_kernel
 
-    def run(rows: int, dtype: torch.dtype, block: bool) -> object:
+    def run(rows: int, dtype: torch.dtype, block: bool, prequant: int = 0) -> object:
         n, k = 96, 256
         w = torch.zeros(n, k).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
         x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
-        return fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
+        before, fp8_kernel.PREQUANT_ROWS = fp8_kernel.PREQUANT_ROWS, prequant
+        try:
+            return fp8_kernel.fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
+        finally:
+            fp8_kernel.PREQUANT_ROWS = before
 
-    return {
+    cases = {
         f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
         for rows in (1, 40, 200)  # each tile shape (`fp8_kernel._tiles`)
         for dtype in DTYPES
         for block in (False, True)
     }
+    for dtype in DTYPES:  # x rounded by its own launch first (`fp8_kernel.PREQUANT_ROWS`)
+        cases[f"fp8 gemm 1 rows {dtype} channel, x rounded first"] = partial(run, 1, dtype, False, 16)
+    return cases
 
 
 def _int4() -> dict[str, Callable[[], object]]:

@@ -1,13 +1,14 @@
 """The FP8 W8A8 GEMM on CUDA (sm_89+), in Triton: `y = x W^T (+ b)` with W in e4m3 and its scales, and x
 quantized to e4m3 per token and per `BK` columns (its dynamic scale: the group's largest |x| / 448),
-inside the GEMM or, at decode sizes, by a launch just before it (no host sync either way: CUDA graphs
-capture both as any other kernel).
+inside the GEMM (or, optionally at decode sizes, by a launch just before it; no host sync either way:
+CUDA graphs capture it as any other kernel).
 
 Each program computes a [BM, BN] tile of y: for each BK-wide step along K it loads x's tile, takes each
 row's scale, rounds x / scale to e4m3, loads W's e4m3 tile, and adds `dot(xq, wq) * x_scale * w_scale`
-(the fp8 tensor-core product, accumulated in float32). At decode sizes (<= `PREQUANT_ROWS` rows) every
-program would round the same few rows again, so one small launch rounds them first (`_fp8_quant_kernel`,
-the same arithmetic: the same bits) and the GEMM's programs load the e4m3 rows and their scales. W's
+(the fp8 tensor-core product, accumulated in float32). At decode sizes every program rounds the same few
+rows again; with `PREQUANT_ROWS` set (off until measured on a GPU), one small launch rounds them first
+(`_fp8_quant_kernel`, the same arithmetic: the same bits) and the GEMM's programs load the e4m3 rows and
+their scales. W's
 scale is looked up at (row // rows_per_scale, k // k_group): one per row and whole K (per-channel,
 `stride_sk` 0), or one per [rows, k_group] block.
 
@@ -133,7 +134,10 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
-PREQUANT_ROWS = 16  # at most this many rows, x is rounded to e4m3 once before the GEMM (0: never)
+# at most this many rows, x is rounded to e4m3 once before the GEMM (0: never, the default until a GPU
+# measures it: the launch it adds may cost more than the rounding it saves on small layers;
+# bench/experiments/fp8_gemm.py times both)
+PREQUANT_ROWS = 0
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
 # per device: the split tiles' arrival counters, all 0 at rest; one buffer for good (a CUDA graph keeps
 # its address), of SPLIT_PROGRAMS counters: a GEMM splits only when it has fewer tiles than that
