@@ -281,7 +281,7 @@ def _fp8() -> dict[str, Callable[[], object]]:
         finally:
             fp8_kernel.PREQUANT_ROWS = before
 
-    cases = {
+    cases: dict[str, Callable[[], object]] = {
         f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
         for rows in (1, 40, 200)  # each tile shape (`fp8_kernel._tiles`)
         for dtype in DTYPES
