@@ -341,6 +341,17 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
         assert torch.equal(fp8_gemm(*args), y)
     from gapless.model.quant import fp8_kernel
 
+    # x rounded by its own launch before the GEMM (`PREQUANT_ROWS`): the in-loop rounding's bits
+    x = torch.randn(3, 1024, dtype=torch.bfloat16, device=dev)
+    args = (x, q.to(dev), s.to(dev), 128, 128, 128, None)
+    before, fp8_kernel.PREQUANT_ROWS = fp8_kernel.PREQUANT_ROWS, 0
+    try:
+        in_loop = fp8_gemm(*args)
+        fp8_kernel.PREQUANT_ROWS = 16
+        assert torch.equal(fp8_gemm(*args), in_loop)
+    finally:
+        fp8_kernel.PREQUANT_ROWS = before
+
     assert int(fp8_kernel._LOCKS[y.device].abs().sum()) == 0  # every split tile's counter back at 0
 
 

@@ -8,9 +8,8 @@ row's scale, rounds x / scale to e4m3, loads W's e4m3 tile, and adds `dot(xq, wq
 (the fp8 tensor-core product, accumulated in float32). At decode sizes every program rounds the same few
 rows again; with `PREQUANT_ROWS` set (off until measured on a GPU), one small launch rounds them first
 (`_fp8_quant_kernel`, the same arithmetic: the same bits) and the GEMM's programs load the e4m3 rows and
-their scales. W's
-scale is looked up at (row // rows_per_scale, k // k_group): one per row and whole K (per-channel,
-`stride_sk` 0), or one per [rows, k_group] block.
+their scales. W's scale is looked up at (row // rows_per_scale, k // k_group): one per row and whole K
+(per-channel, `stride_sk` 0), or one per [rows, k_group] block.
 
 The Triton interpreter rounds some values to e4m3 wrongly (a carry into the next binade is lost:
 31.4 -> 16 instead of 32; triton 3.9), so the CPU tests feed it activations that are exact in e4m3 after
