@@ -21,7 +21,8 @@ serve: install
 	$(PY) -m gapless serve $(ARGS)
 
 # the suite but its slow tier (tests marked `slow`: multi-process tensor parallelism, the GPU kit's script
-# checks, the real model's download, ...), which CI runs after it (.ci/run)
+# checks, the real model's download, mypy, the sm_90 compile of every kernel, ...), which CI runs after it
+# (.ci/run)
 test: install
 	$(PY) -m pytest -q -m "not slow"
 

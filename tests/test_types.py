@@ -28,6 +28,7 @@ def _no_module_exempt() -> list[str]:
     return [str(o["module"]) for o in config.get("overrides", []) if o.get("ignore_errors")]
 
 
+@pytest.mark.slow  # (~60 s with a cold mypy cache, as on a clean checkout)
 def test_mypy_clean():
     pytest.importorskip("mypy", reason="the type check needs mypy (the `test` extra installs it)")
     done = subprocess.run(

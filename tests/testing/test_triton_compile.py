@@ -51,6 +51,9 @@ def nvidia_backend() -> None:
         pytest.skip(f"this triton has no NVIDIA backend to compile with: {r.stderr.strip()[-200:]}")
 
 
+# (~230 s with a cold Triton cache, as on a clean machine; the int4, MoE and refused-kernel compiles stay in
+# `make test`)
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(nvidia_backend) -> None:
     """Every kernel builds, and `--resources` reads each specialization's registers and shared memory
     from its binary (the attention kernels' block sizes beside them)."""
