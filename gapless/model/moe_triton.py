@@ -60,7 +60,8 @@ def _int_tile(
 
 
 @triton.jit
-def _weight_tile(
+def _tile_product(
+    a,
     W,
     Scales,
     Zeros,
@@ -71,13 +72,19 @@ def _weight_tile(
     k0,
     stride_wn,
     stride_sn,
+    s_row,
+    scale_cols,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
-    """One expert's weight `W` at inputs `offs_k` (from `k0`) and `rows`, [BLOCK_K, BLOCK_N]: as stored (a
-    float or e4m3 W, `stride_wn` apart per row), or unpacked and dequantized in fp32 (BITS: `_int_tile`)."""
+    """`a` [BLOCK_M, BLOCK_K] times one expert's weight `W` at inputs `offs_k` (from `k0`) and `rows`
+    [BLOCK_K, BLOCK_N], in fp32: W as stored (a float or e4m3 W, `stride_wn` apart per row) or unpacked and
+    dequantized (BITS: `_int_tile`), widened to A's type; SCALED: the product times the rows' scales of
+    this K step (`s_row`, one per `scale_cols` inputs)."""
     if BITS:
         w = _int_tile(
             W,
@@ -99,7 +106,14 @@ def _weight_tile(
             mask=k_mask[:, None] & row_mask[None, :],
             other=0.0,
         )
-    return w
+    w = w.to(a.dtype)  # (e4m3 and int tiles widened; a float tile is A's type already)
+    if IEEE:
+        part = tl.dot(a, w, input_precision="ieee")
+    else:
+        part = tl.dot(a, w)
+    if SCALED:
+        part = part * tl.load(s_row + k0 // scale_cols, mask=row_mask, other=0.0)[None, :]
+    return part
 
 
 @triton.jit
@@ -167,7 +181,8 @@ def _grouped_gemm_kernel(
         a = tl.load(
             A + a_row[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0
         )
-        w = _weight_tile(
+        acc += _tile_product(
+            a,
             w_base,
             s_base,
             z_base,
@@ -178,20 +193,18 @@ def _grouped_gemm_kernel(
             k0,
             stride_wn,
             stride_sn,
+            s_gate,
+            scale_cols,
             BITS,
             GROUP,
             BLOCK_K,
             BLOCK_N,
-        ).to(a.dtype)  # (e4m3 and int tiles widened; a float tile is A's type already)
-        if IEEE:
-            part = tl.dot(a, w, input_precision="ieee")
-        else:
-            part = tl.dot(a, w)
-        if SCALED:
-            part = part * tl.load(s_gate + k0 // scale_cols, mask=n_mask, other=0.0)[None, :]
-        acc += part
+            IEEE,
+            SCALED,
+        )
         if GATED:
-            u = _weight_tile(
+            acc_up += _tile_product(
+                a,
                 w_base,
                 s_base,
                 z_base,
@@ -202,18 +215,15 @@ def _grouped_gemm_kernel(
                 k0,
                 stride_wn,
                 stride_sn,
+                s_up,
+                scale_cols,
                 BITS,
                 GROUP,
                 BLOCK_K,
                 BLOCK_N,
-            ).to(a.dtype)
-            if IEEE:
-                part_up = tl.dot(a, u, input_precision="ieee")
-            else:
-                part_up = tl.dot(a, u)
-            if SCALED:
-                part_up = part_up * tl.load(s_up + k0 // scale_cols, mask=n_mask, other=0.0)[None, :]
-            acc_up += part_up
+                IEEE,
+                SCALED,
+            )
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if WEIGHTED:
