@@ -127,6 +127,14 @@ GGUF_ACTIVATIONS = _var(
     "kept-quantized GGUF layers held as int8 rows: their activations quantized to int8 per row (fbgemm's "
     "int8 GEMM, faster) or given as bfloat16 (the weight-only kernel)",
 )
+INT4_KERNEL = _var(
+    "GAPLESS_INT4_KERNEL",
+    "triton",
+    _one_of("triton", "tinygemm", "gemlite"),
+    "`triton`, `tinygemm` or `gemlite`",
+    "int4/int8 weight-only layers on CUDA: gapless's Triton GEMM, torch's own int4 GEMM "
+    "(`_weight_int4pack_mm`) or gemlite's kernels (comparisons; `gapless.model.quant.int4_kernels`)",
+)
 API_KEY = _var("GAPLESS_API_KEY", None, _optional_str, "string", "the default of `gapless serve --api-key`")
 LOG_LEVEL = _var(
     "GAPLESS_LOG_LEVEL",

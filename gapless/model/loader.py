@@ -162,6 +162,8 @@ def load_model(
         loaded.update(_install_int4(model, int4_parts, int4_spec, dtype))
     if dummy:
         _random_weights(model)
+        if int4_spec is not None:  # the layers an int4/int8 checkpoint quantizes, random in its form
+            int4.install_random(model, int4_spec, dtype)
     else:
         _check_complete(model, path, loaded, encoder.missing_weights() if encoder is not None else [])
     model.kv_cache_scales = kv_scales.scales(cfg.num_layers)

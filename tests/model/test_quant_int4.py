@@ -16,6 +16,7 @@ import torch
 
 from gapless import LLM, SamplingParams
 from gapless.model import layers, loader, parallel
+from gapless.model.moe import Experts
 from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.int4 import (
     AWQ_ORDER,
@@ -318,3 +319,35 @@ def test_two_ranks_give_the_dequantized_models_tokens(ckpt_factory, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(str(refdir), dtype=torch.float32).eval()
     notes = [check_greedy(o, hf_greedy(ref, p, MAX_NEW)) for o, p in zip(ours, prompts)]
     assert sum(n is not None for n in notes) <= 1, notes
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch):
+    """`load_format="dummy"` of an int4 checkpoint's config (`gapless.bench.quant`'s int4 shapes): the
+    layers such a checkpoint quantizes (every linear but the routers, the experts) hold random int4
+    weights of the dummy floats' spread, the LM head stays float, and the engine generates."""
+    src = ckpt_factory(arch)
+    dst = tmp_path / "m"
+    dst.mkdir()
+    for f in src.iterdir():
+        if not f.name.endswith(".safetensors") and f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config("awq", 4, 32, False)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    opts = dict(device="cpu", kv_cache_tokens=256, overlap=False, load_format="dummy")
+    with LLM(str(dst), **opts) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].token_ids) == 3
+        model = llm.engine.runner.model
+        formats = dict(llm.engine.info.weight_formats)
+    linears = [m for m in model.modules() if isinstance(m, layers._Linear)]
+    int4s = [m.linear_method for m in linears if isinstance(m.linear_method, Int4LinearMethod)]
+    routers = [m for m in linears if isinstance(m, layers.ReplicatedLinear)]
+    assert formats["awq w4a16 g32"] == len(int4s) == len(linears) - len(routers) > 0
+    assert not isinstance(model.lm_head.linear_method, Int4LinearMethod)
+    assert int4s[0].dequantized(torch.float32).std().item() == pytest.approx(0.02, rel=0.1)
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert bool(experts) == (arch == "qwen3_moe")
+    assert len(experts) == formats.get("awq w4a16 g32 experts", 0)
+    assert all(m.int_quant is not None for m in experts)

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gapless.model.quant import int4_kernels
 from gapless.model.quant.formats import QuantFormatError  # (every format's one error)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i]
@@ -269,15 +270,23 @@ def _check_g_idx(g_idx: torch.Tensor, k: int, group: int, where: str) -> None:
 
 class Int4LinearMethod:
     """`x W^T + b` with W held packed (`int4_triton`'s layout): the Triton GEMM on CUDA, the dequantizing
-    reference path elsewhere (the module's docstring). `tensors()`: the packed weight, scales, zeros."""
+    reference path elsewhere (the module's docstring); on CUDA with `GAPLESS_INT4_KERNEL` naming a library
+    (`int4_kernels`), that library's GEMM on the weight in its layout instead. `tensors()`: the weight
+    and its scales and zeros, as held."""
 
     def __init__(self, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, device: torch.device) -> None:
         n, k = w.q.shape
         self.name, self.quant_method = spec.label, spec.method
         self.bits, self.group = spec.bits, k // w.scale.shape[1]
-        self.out_features, self.in_features = n, k
+        self.out_features, self.in_features, self.dtype = n, k, dtype
         if k % (32 // spec.bits):
             raise QuantFormatError(f"{spec.label}: in_features {k} is not a multiple of {32 // spec.bits}")
+        kernel = int4_kernels.chosen() if device.type == "cuda" else "triton"
+        self.library = None
+        if kernel != "triton":
+            self.library = int4_kernels.library_kernel(kernel, w, spec.bits, dtype, device, spec.label)
+            self.name = f"{spec.label} ({kernel})"
+            return
         self.qweight = pack_int32(w.q.t(), spec.bits, dim=0).to(device)
         self.scales = w.scale.t().to(dtype).contiguous().to(device)
         self.zeros = w.zero.t().to(dtype).contiguous().to(device)
@@ -291,7 +300,9 @@ class Int4LinearMethod:
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-        if x.is_cuda or TRITON_ON_CPU:
+        if self.library is not None:
+            y = self.library(x.to(self.dtype)).to(x.dtype)
+        elif x.is_cuda or TRITON_ON_CPU:
             from gapless.model.quant.int4_triton import w4a16_matmul
 
             y = w4a16_matmul(
@@ -304,6 +315,8 @@ class Int4LinearMethod:
         return y if bias is None else y + bias
 
     def tensors(self) -> list[torch.Tensor]:
+        if self.library is not None:
+            return self.library.tensors()
         return [self.qweight, self.scales, self.zeros]
 
 
@@ -361,6 +374,11 @@ def install(
             f"{where}: quantized weight {tuple(w.q.shape)} does not fit the layer's "
             f"{tuple(layer.weight.shape)}"
         )
+    return _hold(layer, w, spec, dtype)
+
+
+def _hold(layer: Any, w: Unpacked, spec: Int4Spec, dtype: torch.dtype) -> Int4LinearMethod:
+    """`layer`'s method from its (this rank's) whole weight `w`; its float weight freed."""
     method = Int4LinearMethod(w, spec, dtype, layer.weight.device)
     layer.linear_method = method
     layer.weight.data = layer.weight.data.new_empty(0)
@@ -429,3 +447,39 @@ def install_experts(
         (dequantized[0], dequantized[1]) if cpu else None,
         spec.label,
     )
+
+
+def random_unpacked(n: int, k: int, spec: Int4Spec, device: torch.device) -> Unpacked:
+    """A random [N, K] weight in the scheme's form: values uniform over the 2^bits levels, zero at the
+    middle, one scale per group such that W's standard deviation is 0.02 (as `--load-format dummy`'s float
+    weights)."""
+    group, levels = spec.group_for(k), 1 << spec.bits
+    if k % group:
+        raise QuantFormatError(f"{spec.label}: {k} inputs are not whole groups of {group}")
+    q = torch.randint(0, levels, (n, k), dtype=torch.int16, device=device)
+    scale = torch.full((n, k // group), 0.02 * 12**0.5 / levels, device=device)
+    return Unpacked(q, scale, torch.full_like(scale, levels / 2))
+
+
+def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype) -> None:
+    """A `--load-format dummy` load of a checkpoint of this scheme: random weights in its form
+    (`random_unpacked`) for the layers such a checkpoint quantizes, every linear layer but the routers
+    (and the LM head, which is not one) and every mixture's experts, cut for this rank as a loaded
+    checkpoint is. For benchmarks of shapes no quantized checkpoint is written for."""
+    from gapless.model import layers
+    from gapless.model.moe import Experts
+
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            device, tp = module.gate_up_proj.device, module.tp
+            hidden, inter = module.gate_up_proj.shape[2], module.inter * tp.size
+            shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+            shards = {
+                (e, p): random_unpacked(*shapes[p], spec, device)
+                for e in range(module.num_experts)
+                for p in shapes
+            }
+            install_experts(module, shards, spec, dtype, name)
+        elif isinstance(module, layers._Linear) and not isinstance(module, layers.ReplicatedLinear):
+            n, k = module.weight.shape
+            _hold(module, random_unpacked(n, k, spec, module.weight.device), spec, dtype)

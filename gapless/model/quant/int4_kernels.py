@@ -1,0 +1,135 @@
+"""Which GEMM an int4/int8 weight-only layer runs on CUDA (`GAPLESS_INT4_KERNEL`), each holding the weight
+in its own layout, built from the one unpacked form `W = (q - zero) * scale` (`int4.Unpacked`):
+
+- `triton` (the default): gapless's Triton GEMM (`int4_triton`), every bit width, group and dtype.
+- `tinygemm`: torch's own int4 GEMM (`torch.ops.aten._weight_int4pack_mm`, sm_80+), 4 bits, bfloat16,
+  groups of 32, 64, 128 or 256. It computes `(q - 8) * scale + offset` per group, so the zero is held as
+  `offset = (8 - zero) * scale`, rounded to bfloat16: within half a bfloat16 step of that product of the
+  exact weight (the Triton GEMM's weight is the exact one, rounded once).
+- `gemlite`: gemlite's Triton kernels (`pip install gemlite`; GEMV kernels at one row, split-K ones at a
+  few), 4 or 8 bits, fed the same `(q - zero) * scale` form unchanged (`fma_mode=False`). Its split-K
+  kernels add their partial sums with atomics: the last bits of a product may differ between runs.
+
+The libraries are not the default until a GPU measures them against the Triton GEMM at decode sizes
+(`python -m gapless.bench.int4_gemm --kernels triton tinygemm gemlite`, and the TPOT runs of
+bench/gpu_quant.sh). A kernel that cannot take a layer (bits, dtype, group, shape) is refused in one
+line naming what, at load.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gapless import env
+from gapless.model.quant.formats import QuantFormatError
+
+if TYPE_CHECKING:
+    from gapless.model.quant.int4 import Unpacked
+
+KERNELS = ("triton", "tinygemm", "gemlite")  # (`env.INT4_KERNEL`'s choices)
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+
+
+def chosen() -> str:
+    """The kernel `GAPLESS_INT4_KERNEL` names (default `triton`)."""
+    return env.INT4_KERNEL.get()
+
+
+def _refuse(kernel: str, label: str, what: str) -> QuantFormatError:
+    return QuantFormatError(f"GAPLESS_INT4_KERNEL={kernel}: {label} {what}; unset it for the Triton GEMM")
+
+
+def tinygemm_form(w: Unpacked, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q's nibbles two to a byte, [N, K / 2] uint8, even k in the high nibble: what
+    `_convert_weight_to_int4pack` takes; scales and offsets [K / G, N, 2] in `dtype`)."""
+    q = w.q.to(torch.uint8)
+    nibbles = (q[:, ::2] << 4) | q[:, 1::2]
+    scale = w.scale.to(dtype).float()  # (as the Triton GEMM holds it)
+    offset = (8.0 - w.zero) * scale
+    return nibbles, torch.stack([scale.t(), offset.t()], dim=2).to(dtype).contiguous()
+
+
+def tinygemm_dequantized(w: Unpacked, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] as tinygemm computes it from `tinygemm_form`'s scales and offsets, in float32."""
+    _, sz = tinygemm_form(w, dtype)
+    group = w.q.shape[1] // w.scale.shape[1]
+    scale, offset = (sz[..., i].float().t().repeat_interleave(group, dim=1) for i in (0, 1))
+    return (w.q.float() - 8.0) * scale + offset
+
+
+class TinyGemm:
+    """A layer's weight for torch's `_weight_int4pack_mm` (the module's docstring)."""
+
+    def __init__(self, w: Unpacked, bits: int, dtype: torch.dtype, device: torch.device, label: str) -> None:
+        n, k = w.q.shape
+        group = k // w.scale.shape[1]
+        if bits != 4 or dtype != torch.bfloat16:
+            raise _refuse("tinygemm", label, f"in {dtype}: tinygemm runs 4 bits in bfloat16 only")
+        if group not in TINYGEMM_GROUPS or n % 8 or k % 32:
+            raise _refuse(
+                "tinygemm",
+                label,
+                f"weight [{n}, {k}] in groups of {group}: it takes groups of "
+                f"{', '.join(map(str, TINYGEMM_GROUPS))}, N a multiple of 8 and K of 32",
+            )
+        inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+        nibbles, self.scales_zeros = tinygemm_form(w, dtype)
+        self.scales_zeros = self.scales_zeros.to(device)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), inner_k_tiles)
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales_zeros)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales_zeros]
+
+
+class GemLite:
+    """A layer's weight for gemlite's `GemLiteLinearTriton` (the module's docstring)."""
+
+    def __init__(self, w: Unpacked, bits: int, dtype: torch.dtype, device: torch.device, label: str) -> None:
+        try:
+            import gemlite
+        except ImportError as e:
+            raise _refuse("gemlite", label, f"needs the gemlite package ({e})") from None
+        dtypes = {torch.bfloat16: gemlite.DType.BF16, torch.float16: gemlite.DType.FP16}
+        n, k = w.q.shape
+        group = k // w.scale.shape[1]
+        if dtype not in dtypes or k % 32 or group < 32:
+            raise _refuse(
+                "gemlite",
+                label,
+                f"weight [{n}, {k}] in groups of {group}, {dtype}: it takes bfloat16 or "
+                "float16, K a multiple of 32 and groups of at least 32",
+            )
+        self.layer: Any = gemlite.GemLiteLinearTriton(
+            bits,
+            group_size=group,
+            in_features=k,
+            out_features=n,
+            input_dtype=dtypes[dtype],
+            output_dtype=dtypes[dtype],
+        )
+        self.layer.pack(
+            w.q.to(torch.uint8).to(device),
+            w.scale.to(dtype).to(device),
+            w.zero.to(dtype).to(device),
+            bias=None,
+            fma_mode=False,
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.layer.W_q, self.layer.scales, self.layer.zeros]
+
+
+def library_kernel(
+    kernel: str, w: Unpacked, bits: int, dtype: torch.dtype, device: torch.device, label: str
+) -> TinyGemm | GemLite:
+    """The library `kernel`'s form of one layer's weight `w` (`tinygemm` or `gemlite`)."""
+    return (TinyGemm if kernel == "tinygemm" else GemLite)(w, bits, dtype, device, label)

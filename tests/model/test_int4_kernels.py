@@ -1,0 +1,133 @@
+"""The libraries' int4 GEMMs `GAPLESS_INT4_KERNEL` can name (`gapless.model.quant.int4_kernels`): on the CPU,
+tinygemm's form of a weight (nibble order, scales and offsets) against the unpacked weight, the refusals
+of what a library cannot take, and the CPU's reference path whatever the variable says; on CUDA, each
+library's product against the dequantized matmul and a whole model's greedy tokens against the Triton
+GEMM's."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from gapless import LLM, SamplingParams, env
+from gapless.model.quant import int4_kernels
+from gapless.model.quant.formats import QuantFormatError
+from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec
+from gapless.model.quant.int4_kernels import GemLite, TinyGemm, tinygemm_dequantized, tinygemm_form
+from gapless.testing.quant_checkpoints import quantize, write_quantized
+
+CUDA = torch.cuda.is_available()
+SPEC = Int4Spec("awq", 4, 32, sym=False)
+
+
+def _weight(n: int = 64, k: int = 128, group: int = 32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(n, k, generator=gen) * 0.02, 4, group, sym=False)
+
+
+def test_env_names_the_kernel(monkeypatch):
+    assert env.INT4_KERNEL.get() == "triton" and int4_kernels.chosen() == "triton"
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "TinyGemm")
+    assert int4_kernels.chosen() == "tinygemm"
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "marlin")
+    with pytest.raises(
+        ValueError, match="GAPLESS_INT4_KERNEL='marlin': not one of triton, tinygemm, gemlite"
+    ):
+        int4_kernels.chosen()
+    assert all(env.INT4_KERNEL.parse(k) == k for k in int4_kernels.KERNELS)  # the module's choices
+
+
+def test_tinygemm_form_packs_nibbles_in_order_and_offsets_the_zero():
+    """Byte j of row n holds q[n, 2j] in its high nibble and q[n, 2j + 1] in its low one; the scales and
+    offsets give (q - zero) * scale (the scale in bfloat16, as the Triton GEMM holds it) to within the
+    offset's one bfloat16 rounding."""
+    w = _weight()
+    nibbles, sz = tinygemm_form(w, torch.bfloat16)
+    assert nibbles.dtype == torch.uint8 and nibbles.shape == (64, 64)
+    assert torch.equal((nibbles >> 4).to(torch.int16), w.q[:, ::2])
+    assert torch.equal((nibbles & 15).to(torch.int16), w.q[:, 1::2])
+    assert sz.shape == (128 // 32, 64, 2) and sz.dtype == torch.bfloat16
+    exact = (w.q.float() - w.zero.repeat_interleave(32, 1)) * w.scale.bfloat16().float().repeat_interleave(
+        32, 1
+    )
+    offset = sz[..., 1].float().t().repeat_interleave(32, 1)
+    err = (tinygemm_dequantized(w, torch.bfloat16) - exact).abs()
+    assert (err <= offset.abs() * 2**-8 + 1e-12).all()
+    assert err.max() > 0  # the offset is rounded: not the exact weight
+    # a zero off by one would be a whole step: far outside that bound
+    shifted = (
+        w.q.float() - 1 - w.zero.repeat_interleave(32, 1)
+    ) * w.scale.bfloat16().float().repeat_interleave(32, 1)
+    assert not ((tinygemm_dequantized(w, torch.bfloat16) - shifted).abs() <= offset.abs() * 2**-8).all()
+
+
+@pytest.mark.parametrize(
+    ("bits", "dtype", "n", "k", "group", "what"),
+    [
+        (8, torch.bfloat16, 64, 128, 32, "4 bits in bfloat16 only"),
+        (4, torch.float16, 64, 128, 32, "4 bits in bfloat16 only"),
+        (4, torch.bfloat16, 64, 128, 16, "groups of 32, 64, 128, 256"),
+        (4, torch.bfloat16, 60, 128, 32, "N a multiple of 8"),
+    ],
+)
+def test_tinygemm_refuses_what_it_cannot_run(bits, dtype, n, k, group, what):
+    w = _weight(n, k, group)
+    with pytest.raises(QuantFormatError, match=f"GAPLESS_INT4_KERNEL=tinygemm: awq.*{what}"):
+        TinyGemm(w, bits, dtype, torch.device("cpu"), "awq w4a16 g32")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemlite") is not None, reason="gemlite is installed")
+def test_gemlite_refused_by_name_where_not_installed():
+    with pytest.raises(QuantFormatError, match="GAPLESS_INT4_KERNEL=gemlite: .*needs the gemlite package"):
+        GemLite(_weight(), 4, torch.bfloat16, torch.device("cpu"), "awq w4a16 g32")
+
+
+def test_the_cpu_keeps_its_reference_path(monkeypatch):
+    """The variable names a CUDA kernel: a CPU layer still holds the Triton layout and dequantizes."""
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "tinygemm")
+    w = _weight()
+    method = Int4LinearMethod(w, SPEC, torch.float32, torch.device("cpu"))
+    assert method.library is None and method.name == "awq w4a16 g32"
+    x = torch.randn(3, 128)
+    layer = torch.nn.Module()
+    torch.testing.assert_close(method.apply(layer, x), x @ w.dequantize().t(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not CUDA, reason="the libraries' kernels run on CUDA; their forms are checked above")
+@pytest.mark.parametrize("kernel", ["tinygemm", "gemlite"])
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_cuda_library_kernel_computes_the_product(kernel, m, monkeypatch):
+    if kernel == "gemlite" and importlib.util.find_spec("gemlite") is None:
+        pytest.skip("gemlite is not installed (the `gemlite` extra)")
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", kernel)
+    w = _weight(256, 512, 128)
+    dev = torch.device("cuda")
+    method = Int4LinearMethod(w, Int4Spec("awq", 4, 128, sym=False), torch.bfloat16, dev)
+    assert method.library is not None and method.name.endswith(f"({kernel})")
+    x = torch.randn(m, 512, device=dev).bfloat16()
+    ref = x.float() @ w.dequantize().to(dev).bfloat16().float().t()
+    got = method.apply(torch.nn.Module(), x).float()
+    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+@pytest.mark.skipif(not CUDA, reason="the libraries' kernels run on CUDA; their forms are checked above")
+def test_cuda_tinygemm_model_gives_the_triton_gemms_greedy_tokens(ckpt_factory, tmp_path, monkeypatch):
+    """A whole AWQ model in bfloat16 on tinygemm: the Triton GEMM's greedy tokens, or a first divergence
+    where the Triton run's top two tokens lie within bfloat16's noise (0.05 in logprob)."""
+    src = ckpt_factory("qwen3", hidden_size=128, intermediate_size=256)
+    path = write_quantized(src, tmp_path / "awq", "awq", bits=4, group=32, sym=False)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    outs = {}
+    for kernel in ("triton", "tinygemm"):
+        monkeypatch.setenv("GAPLESS_INT4_KERNEL", kernel)
+        with LLM(str(path), device="cuda", dtype="bfloat16", kv_cache_tokens=512) as llm:
+            outs[kernel] = llm.generate(prompts, params, use_tqdm=False)
+            assert any(kernel in f for f, _ in llm.engine.info.weight_formats) == (kernel != "triton")
+    for ours, ref in zip(outs["tinygemm"], outs["triton"], strict=True):
+        step = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref.token_ids)) if a != b), None)
+        if step is not None:
+            (_, first), (_, second) = ref.top_logprobs[step][:2]
+            assert first - second <= 0.05, (step, ours.token_ids, ref.token_ids)
