@@ -10,24 +10,25 @@
 # Parts:
 #   all     most important first, each step with its own time limit, cut short so that the part ends
 #           within $SESSION_BUDGET_S (default 530 s) even when a step runs to its limit:
-#           1. bench      bench/gpu_bench.sh --skip-hf: nano-vllm's workload at temperature 0.6 (as its
+#           1. quant      the quantized-checkpoint runs of issue 36 (bench/gpu_quant.sh): FP8 and int4
+#                         TPOT at batch 1 against bf16, the FP8 KV cache on nano-vllm's workload, the FP8
+#                         and int4 GEMMs alone, the mixture's shape in each format
+#           2. cuda_tests the CUDA tests (tests/engine/test_cuda.py, the fused kernels', the sampler's, the
+#                         attention kernels', the quantized formats', FP8 KV's, LoRA's, pooling's, vision's, every
+#                         CUDA/Triton/graph case elsewhere), on 4 workers
+#           3. bench      bench/gpu_bench.sh --skip-hf: nano-vllm's workload at temperature 0.6 (as its
 #                         bench.py samples), greedy, with Qwen3's defaults (t 0.6, top-k 20, top-p 0.95),
 #                         greedy without overlap: tok/s, GPU idle, host and device ms per step, decode
 #                         bytes read per second against a copy measured in the same run
-#           2. kernels    `gapless.bench.kernels`: the fused kernels against torch, decode attention against
+#           4. kernels    `gapless.bench.kernels`: the fused kernels against torch, decode attention against
 #                         a copy (batch 1, 8, 64, 256; contexts 1k-8k), every sampling mode at 1, 8, 64 and
 #                         256 rows of 151,936 logits, extend attention against a matmul
-#           3. latency    `gapless.bench.latency`: TTFT (512-token prompt) and TPOT at concurrency 1, 4, 16,
+#           5. latency    `gapless.bench.latency`: TTFT (512-token prompt) and TPOT at concurrency 1, 4, 16,
 #                         offline and served
-#           4. served     `gapless.bench.served_vs_offline`: the same 256-request workload offline and
+#           6. served     `gapless.bench.served_vs_offline`: the same 256-request workload offline and
 #                         through one API server, and each process's CPU per output token
-#           5. cuda_tests the CUDA tests (tests/engine/test_cuda.py, the fused kernels', the sampler's, the
-#                         attention kernels', the quantized formats', FP8 KV's, LoRA's, pooling's, vision's, every
-#                         CUDA/Triton/graph case elsewhere), on 4 workers
-#           6. lora       `gapless.bench.lora`: 1, 4 and 16 distinct adapters in a batch of 64 against the base
-#           7. vision     `gapless.bench.vision`: Qwen2.5-VL images through prefill against transformers
-#           8. quant      the quantized-checkpoint runs: bench/gpu_quant.sh when it exists (its issue adds
-#                         it), with the time left
+#           7. lora       `gapless.bench.lora`: 1, 4 and 16 distinct adapters in a batch of 64 against the base
+#           8. vision     `gapless.bench.vision`: Qwen2.5-VL images through prefill against transformers
 #   suite   the whole test suite on the GPU machine (`pytest -n 8 tests`, cut at 480 s), with a plugin
 #           that names any test leaving the heap frozen (tests/bench/freeze_guard.py); then nothing else
 #   serve   the host step at 256 running requests (`gapless.bench.host`), served vs offline with one and
@@ -84,7 +85,7 @@ fi
 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
   "$PY" - <<'EOF'
 import importlib
-for m in "fastapi uvicorn zmq msgspec xgrammar jsonschema httpx2 openai uvloop httptools xdist peft PIL".split():
+for m in "fastapi uvicorn zmq msgspec xgrammar jsonschema httpx2 openai uvloop httptools xdist peft PIL gemlite".split():
     try:
         print(m, getattr(importlib.import_module(m), "__version__", "ok"))
     except Exception as e:  # missing, or broken: either way the steps that need it will say
@@ -98,8 +99,8 @@ pack() {  # the tarball and the summary, in $OUT
     grep -m1 -A1 '^name' "$WORK/env.log" | tail -1  # the GPU, from nvidia-smi
     grep -E '^torch |^cpus|missing' "$WORK/env.log"
     cat "$WORK/steps.log" 2>/dev/null
-    for f in bench/gpu_bench.log latency.log served.log kernels.log cuda_tests.log lora.log vision.log suite.log frozen.log \
-      quant/gpu_quant.log host.log served_vs_offline.log served_asyncio_h11.log prefill_launch_fused.log \
+    for f in quant/gpu_quant.log bench/gpu_bench.log latency.log served.log kernels.log cuda_tests.log lora.log \
+      vision.log suite.log frozen.log host.log served_vs_offline.log served_asyncio_h11.log prefill_launch_fused.log \
       prefill_launch_pieces.log prefill_launch_torch.log; do
       [ -f "$WORK/$f" ] || continue
       echo
@@ -107,7 +108,7 @@ pack() {  # the tarball and the summary, in $OUT
       case "$f" in
         kernels.log) grep -E '^\| |^[a-z].*:$' "$WORK/$f" | head -130 ;;
         *test*.log | suite.log) grep -E '(passed|failed|error)s? in |^(FAILED|ERROR) |FROZEN' "$WORK/$f" | tail -40 ;;
-        frozen.log) cat "$WORK/$f" ;;
+        frozen.log | quant/gpu_quant.log) cat "$WORK/$f" ;;  # (gpu_quant.log: its own summary)
         *) grep -E '^\| |\*\*|target|WARNING|FAILED' "$WORK/$f" | head -40 ;;
       esac
     done
@@ -151,13 +152,18 @@ step() {  # $1: seconds at most, $2: log name, the rest: the command. Cut to wha
 
 cuda_tests=(tests/engine/test_cuda.py tests/attention tests/sampling tests/model/test_moe.py
   tests/model/test_fused_kernels.py tests/engine/test_window_kv.py tests/spec/test_graphs.py tests/distributed
-  tests/model/test_quant_fp8.py tests/model/test_quant_int4.py tests/engine/test_pooling.py
+  tests/model/test_quant_fp8.py tests/model/test_quant_int4.py tests/model/test_int4_kernels.py
+  tests/engine/test_pooling.py
   tests/engine/test_vision.py tests/engine/test_vision_gemma3.py tests/engine/test_qwen_vl.py
   tests/engine/test_llava_next.py tests/engine/test_llava_onevision.py tests/engine/test_fp8_kv.py tests/lora)
 
 case "$part" in
   all)
     mkdir -p "$WORK/bench"
+    # the quantized-checkpoint runs first: the one open issue whose figures need a GPU (36)
+    step 330 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=320 bash bench/gpu_quant.sh
+    step 150 cuda_tests "$PY" -m pytest -q -n 6 -p no:cacheprovider "${cuda_tests[@]}" \
+      -k "(nccl or cuda or gpu or triton or graph or fused or kernel) and not sm90"
     step 140 bench/run env OUT="$WORK/bench" GPU_BENCH_TIMEOUT=125 PY="$PY" bash bench/gpu_bench.sh --skip-hf
     step 75 kernels "$PY" -m gapless.bench.kernels --device cuda --batch 1 8 64 256 --json "$WORK/kernels.json"
     step 100 latency "$PY" -m gapless.bench.latency --device cuda --dtype bfloat16 --size qwen3-0.6b \
@@ -166,19 +172,12 @@ case "$part" in
     step 100 served "$PY" -m gapless.bench.served_vs_offline --device cuda --dtype bfloat16 --size bench \
       --layouts auto --num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \
       --json "$WORK/served.json"
-    step 150 cuda_tests "$PY" -m pytest -q -n 6 -p no:cacheprovider "${cuda_tests[@]}" \
-      -k "(nccl or cuda or gpu or triton or graph or fused or kernel) and not sm90"
     # issue 37's and 38's benchmarks: 1, 4 and 16 adapters in a batch against the base; images through
     # prefill against transformers, and image chats' decode against text-only ones
     step 70 lora "$PY" -m gapless.bench.lora --device cuda --dtype bfloat16 --size qwen3-0.6b --batch 64 \
       --input-len 128 --max-tokens 128 --json "$WORK/lora.json"
     step 90 vision "$PY" -m gapless.bench.vision --device cuda --family qwen2_5_vl --images 64 --batch 16 \
       --json "$WORK/vision.json"
-    if [ -f bench/gpu_quant.sh ]; then  # the quantized-checkpoint runs, when their issue adds them
-      step 260 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=250 bash bench/gpu_quant.sh
-    else
-      echo "quant: bench/gpu_quant.sh not there yet" >>"$WORK/steps.log"
-    fi
     ;;
   suite)
     # the plugin names each test after which the heap is left frozen (and unfreezes it, so one leak does

@@ -6,7 +6,8 @@
 # server tests drive it with (and sniffio, which it imports) and httpx2 (which openai 3.54 and starlette's
 # test client import), gguf and prometheus-client, uvloop and httptools, xgrammar (structured output) and
 # jsonschema (the structured output and tool tests check outputs with it), peft (the LoRA tests' reference,
-# with accelerate and psutil) and Pillow (images), each with what it needs that the machine lacks. The pins
+# with accelerate and psutil), Pillow (images) and gemlite (int4 GEMMs, built from its source archive), each
+# with what it needs that the machine lacks. The pins
 # are the versions the CPU suite runs with. Under the device tool's 64 MiB carry limit (the script prints
 # the size); .whl/ is kept out of git (.git/info/exclude).
 #
@@ -31,5 +32,8 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manyl
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 \
   peft==0.21.2 accelerate==1.15.0 psutil==7.2.2 pillow==13.0.0 \
   "$@"
+# gemlite (an int4 kernel GAPLESS_INT4_KERNEL can name) is published as a source archive only: pure
+# Python and Triton, built here into a wheel for any platform
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl gemlite==0.6.0.post2
 ls .whl
 du -sh .whl

@@ -3,7 +3,7 @@ layer shapes, at decode's row counts.
 
     python -m gapless.bench.int4_gemm --device cuda [--m 1 16] [--shapes 4096:28672 14336:4096 ...]
         [--bits 4] [--group 128] [--block-m 0 1] [--block-n 0 32 128] [--split-k 0 1 4 8] [--block-k 0 64]
-        [--warps 0 8] [--json FILE]
+        [--warps 0 8] [--kernels triton tinygemm gemlite] [--json FILE]
 
 For each layer shape IN:OUT (default: Llama-3-8B's fused q/k/v 4096:6144, o 4096:4096, fused gate/up
 4096:28672, down 14336:4096) and each row count M: the median device time of `torch.mm` on a bf16 weight,
@@ -13,8 +13,10 @@ weight bytes read per microsecond (packed weight + scales + zeros), and the rati
 `gapless.bench.timing.median_us`: `--iters` calls captured in a CUDA graph and replayed, each call reading
 a weight from memory, not L2 (`cold_copies`). A row also carries the largest difference from the bf16
 matmul of the dequantized weight, relative to that output's largest value (a check the kernel computed
-the product it is timed on). On a CPU the Triton column runs only under the interpreter (for tests; the
-figures mean nothing there).
+the product it is timed on). `--kernels` adds the libraries' int4 GEMMs `GAPLESS_INT4_KERNEL` can name
+(`gapless.model.quant.int4_kernels`: torch's tinygemm, gemlite), each a row of its own (tile columns "-"),
+or a line saying why it cannot run (gemlite not installed, a shape it refuses). On a CPU the Triton column
+runs only under the interpreter (for tests; the figures mean nothing there), the libraries not at all.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import torch
 
 from gapless.bench import cli
 from gapless.bench.timing import cold_copies, cycling, median_us
-from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec
+from gapless.model.quant.formats import QuantFormatError
+from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec, Unpacked
+from gapless.model.quant.int4_kernels import KERNELS, library_kernel
 from gapless.model.quant.int4_triton import INTERPRET, GemmConfig, choose_config, w4a16_matmul
 from gapless.testing.quant_checkpoints import quantize
 
@@ -48,7 +52,30 @@ def _layer(k: int, n: int, args: argparse.Namespace, device: torch.device, dtype
     gen = torch.Generator().manual_seed(0)
     w = quantize((torch.randn(n, k, generator=gen) * 0.02).to(device), args.bits, args.group, sym=False)
     spec = Int4Spec("gptq", args.bits, args.group, False)
-    return Int4LinearMethod(w, spec, dtype, device), w.dequantize().to(dtype).to(device)
+    return w, Int4LinearMethod(w, spec, dtype, device), w.dequantize().to(dtype).to(device)
+
+
+def _library(
+    kernel: str, w: Unpacked, x: torch.Tensor, ref: torch.Tensor, args: argparse.Namespace
+) -> dict[str, Any]:
+    """A library kernel's row (`--kernels`): as `_timed`'s, over copies of its own form of the weight; or
+    the reason it cannot run."""
+    tiles = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-")
+    device = torch.device(args.device)
+
+    def make() -> Any:
+        return library_kernel(kernel, w, args.bits, x.dtype, device, f"int{args.bits} g{args.group}")
+
+    try:
+        first = make()
+    except (QuantFormatError, RuntimeError, NotImplementedError) as e:
+        return dict(kernel=kernel, error=str(e).splitlines()[0], **tiles)
+    q_bytes = sum(t.numel() * t.element_size() for t in first.tensors())
+    copies = [first] + [make() for _ in range(cold_copies(q_bytes, device) - 1)]
+    err = (first(x).float() - ref.float()).abs().max().item()
+    us = median_us(cycling([partial(c, x) for c in copies]), device, args)
+    rel = err / max(ref.abs().max().item(), 1e-30)
+    return dict(kernel=kernel, us=us, gb_s=q_bytes / us / 1e3, rel_err=rel, **tiles)
 
 
 def _configs(chosen: GemmConfig, args: argparse.Namespace) -> list[GemmConfig]:
@@ -81,6 +108,7 @@ def _timed(
     us = median_us(cycling([partial(call, *ts) for ts in q_set]), torch.device(args.device), args)
     q_bytes = sum(t.numel() * t.element_size() for t in method.tensors())
     return dict(
+        kernel="triton",
         block_m=cfg.block_m,
         block_n=cfg.block_n,
         split_k=cfg.split_k,
@@ -97,7 +125,7 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     triton_runs = device.type == "cuda" or INTERPRET
     out = []
     for k, n in args.shapes:
-        method, dense = _layer(k, n, args, device, dtype)
+        w, method, dense = _layer(k, n, args, device, dtype)
         q_bytes = sum(t.numel() * t.element_size() for t in method.tensors())
         dense_set = [dense] + [dense.clone() for _ in range(cold_copies(dense.numel() * 2, device) - 1)]
         q_set = [method.tensors()] + [
@@ -113,10 +141,12 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             chosen = choose_config(m, n, k, method.group)
             row["variants"] = [
                 _timed(x, ref, method, q_set, cfg, args)
-                for cfg in (_configs(chosen, args) if triton_runs else [])
+                for cfg in (_configs(chosen, args) if triton_runs and "triton" in args.kernels else [])
             ]
+            if device.type == "cuda":
+                row["variants"] += [_library(kn, w, x, ref, args) for kn in args.kernels if kn != "triton"]
             for v in row["variants"]:
-                v["vs_bf16"] = v["us"] / row["bf16_us"]
+                v["vs_bf16"] = v["us"] / row["bf16_us"] if "us" in v else float("nan")
             out.append(row)
     return out
 
@@ -134,6 +164,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--block-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--warps", type=int, nargs="+", default=[0], help="0: the heuristic's")
+    p.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=KERNELS,
+        default=["triton"],
+        help="the GEMMs timed (GAPLESS_INT4_KERNEL's)",
+    )
     p.add_argument("--iters", type=cli.positive_int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None, help="also write the rows to this file")
@@ -145,17 +182,35 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"int{args.bits} g{args.group} weight-only GEMM vs torch.mm {args.dtype} on {name}")
-    head = ("IN:OUT", "M", "bf16 us", "BM", "BN", "split", "BK", "warps", "int us", "GB/s", "x bf16")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (12, 3, 9, 3, 4, 5, 4, 5, 8, 7, 7))))
+    head = (
+        "IN:OUT",
+        "M",
+        "bf16 us",
+        "kernel",
+        "BM",
+        "BN",
+        "split",
+        "BK",
+        "warps",
+        "int us",
+        "GB/s",
+        "x bf16",
+    )
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (12, 3, 9, 8, 3, 4, 5, 4, 5, 8, 7, 7))))
     result = rows(args)
     for r in result:
-        none = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-", us=float("nan"))
-        none.update(gb_s=0.0, vs_bf16=0.0)
+        none = dict(kernel="-", block_m="-", block_n="-", split_k="-", block_k="-", warps="-")
         for v in r["variants"] or [none]:
+            line = (
+                f"{r['shape']:>12} {r['m']:>3} {r['bf16_us']:>9.1f} {v['kernel']:>8} {v['block_m']:>3} "
+                f"{v['block_n']:>4} {v['split_k']:>5} {v['block_k']:>4} {v['warps']:>5} "
+            )
+            if "us" not in v:
+                print(line + f"  cannot run: {v.get('error', 'no kernel here')}")
+                continue
             print(
-                f"{r['shape']:>12} {r['m']:>3} {r['bf16_us']:>9.1f} {v['block_m']:>3} {v['block_n']:>4} "
-                f"{v['split_k']:>5} {v['block_k']:>4} {v['warps']:>5} "
-                f"{v['us']:>8.1f} {v['gb_s']:>7.0f} {v['vs_bf16']:>7.2f}"
+                line
+                + f"{v['us']:>8.1f} {v['gb_s']:>7.0f} {v['vs_bf16']:>7.2f}"
                 + (f"  (rel err {v['rel_err']:.1e})" if "rel_err" in v else "")
             )
     if args.json:

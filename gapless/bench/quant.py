@@ -1,13 +1,16 @@
 """TPOT at batch 1 of quantized weights against bf16, on a model's shape with random weights.
 
-    python -m gapless.bench.quant make DIR      # DIR/qwen3-0.6b, qwen3-8b, qwen3-30b-a3b: config + tokenizer
+    python -m gapless.bench.quant make DIR      # DIR/qwen3-0.6b, qwen3-8b, ...: config + tokenizer
     python -m gapless.bench.quant run DIR/qwen3-8b --engine-option quantization=fp8 --json r.json
+    python -m gapless.bench.quant run DIR/qwen3-8b-awq --json r.json       # int4 w4a16, AWQ g128
     python -m gapless.bench.quant report r1.json r2.json ...   # each run's TPOT and its ratio to bf16's
 
 `make` writes each shape's config.json (Qwen3-0.6B's, Qwen3-8B's and the mixture Qwen3-30B-A3B's
-published values) and the built-in
-tokenizer, no weights: `run` loads it with `load_format=dummy` (random weights made on the device, none
-read: a 16 GB checkpoint is neither built nor read) in bfloat16, on CUDA graphs at batch 1, and times one
+published values) and the built-in tokenizer, no weights, and for the two larger shapes a `-awq` twin
+whose config carries an AWQ int4 g128 `quantization_config` (the common int4 layout; every int4/int8
+layout runs the same GEMM). `run` loads it with `load_format=dummy` (random weights made on the device,
+in the int4 form where the config says so, none read: a 16 GB checkpoint is neither built nor read) in
+bfloat16, on CUDA graphs at batch 1, and times one
 request at a time: a 128-token prompt generating 1 token (its prefill) and generating 1 + `--tokens`
 (default 64); TPOT = the difference / `--tokens`, the median of `--repeats` (default 3) after a warm-up.
 `--engine-option` adds an engine option (quantization=fp8: the bf16 weights quantized at load, one scale
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -60,6 +64,10 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B),
 }
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# the int4 twins' quantization_config: AutoAWQ's GEMM layout, 4 bits, groups of 128, zero points
+AWQ_SUFFIX = "-awq"
+AWQ_G128 = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
+AWQ_SHAPES = ("qwen3-8b", "qwen3-30b-a3b")
 PROMPT_LEN = 128
 
 
@@ -77,6 +85,12 @@ def make(out: Path) -> list[Path]:
         cfg.save_pretrained(path)
         build_tokenizer().save_pretrained(path)
         made.append(path)
+        if name in AWQ_SHAPES:
+            twin = out / f"{name}{AWQ_SUFFIX}"
+            shutil.copytree(path, twin, dirs_exist_ok=True)
+            config = json.loads((path / "config.json").read_text()) | {"quantization_config": AWQ_G128}
+            (twin / "config.json").write_text(json.dumps(config, indent=2))
+            made.append(twin)
     return made
 
 
@@ -109,7 +123,7 @@ def run(
         tpots = [(timed(1 + tokens) - timed(1)) / tokens for _ in range(repeats)]
         info = llm.engine.info
     return dict(
-        shape=path.name,
+        shape=path.name.removesuffix(AWQ_SUFFIX),  # (the int4 twin's ratio is to its bf16 shape's)
         options=options,
         weights=info.weights,
         quantization=info.quantization,

@@ -1,5 +1,6 @@
 """`gapless.bench.quant` (bench/gpu_quant.sh's TPOT runs): the shapes it writes are the models' (config and
-tokenizer, no weights) and its report gives each run's ratio to the bf16 run of the same shape."""
+tokenizer, no weights; the larger ones' int4 twins an AWQ config) and its report gives each run's ratio to
+the bf16 run of the same shape."""
 
 from __future__ import annotations
 
@@ -8,11 +9,24 @@ import json
 from gapless.bench import quant
 from gapless.bench.cli import machine as this_machine
 from gapless.model.config import load_model_config
+from gapless.model.quant.int4 import Int4Spec, int4_spec_from_config
 
 
 def test_make_writes_each_shape_without_weights(tmp_path):
     paths = quant.make(tmp_path)
-    assert [p.name for p in paths] == ["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"]
+    assert [p.name for p in paths] == [
+        "qwen3-0.6b",
+        "qwen3-8b",
+        "qwen3-8b-awq",
+        "qwen3-30b-a3b",
+        "qwen3-30b-a3b-awq",
+    ]
+    for name in ("qwen3-8b", "qwen3-30b-a3b"):  # the int4 twin: the same model, an AWQ g128 config
+        twin = load_model_config(tmp_path / f"{name}-awq")
+        assert twin == load_model_config(tmp_path / name)
+        qc = json.loads((tmp_path / f"{name}-awq" / "config.json").read_text())["quantization_config"]
+        assert int4_spec_from_config(qc) == Int4Spec("awq", 4, 128, sym=False)
+        assert "quantization_config" not in json.loads((tmp_path / name / "config.json").read_text())
     moe = load_model_config(tmp_path / "qwen3-30b-a3b")  # every layer a mixture of 128 experts, 8 routed
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
     assert all(moe.moe_layers) and moe.num_layers == 48
