@@ -6,7 +6,7 @@
 #      and Qwen3-8B's shapes (the issue's target: <= 0.6), int4 w4a16 (AWQ g128) on Qwen3-8B's (target:
 #      <= 0.4) through the Triton GEMM, torch's tinygemm and gemlite (`GAPLESS_INT4_KERNEL`)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
-#      tok/s)
+#      tok/s), then decode attention alone over each cache (`gapless.bench.kernels`)
 #   3. the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows,
 #      with x rounded in the GEMM's loop and before it (bench/experiments/fp8_gemm.py: whether to set
 #      `fp8_kernel.PREQUANT_ROWS`)
@@ -83,6 +83,14 @@ for kv in auto fp8; do
     --runs greedy --kv-cache-dtype "$kv"
   grep -E '^\| gapless' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
 done
+
+# decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 41% of a copy's bandwidth
+# on the H200 where bf16 read at 93%): batch 1, 64 and 256 at 1k and 4k contexts, the default key block and
+# 128 (`gapless.bench.kernels`; its other tables cut to their smallest)
+other 45 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 1 64 256 --context 1024 4096 \
+  --page-size 16 --kv-cache-dtype auto fp8 --decode-block-n 0 128 --tokens 16 --extend-tokens 2048 \
+  --sample-batch 1 --json "$OUT/kv_attention.json"
+awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 
 other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
 grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
