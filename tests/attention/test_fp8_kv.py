@@ -107,3 +107,54 @@ def test_start_up_self_check_runs_an_fp8_probe():
 
     why = disagreement(NoVScale(), probe, DEVICE)
     assert why is not None and "relative error" in why, why
+
+
+def test_a_bfloat16_query_past_float16s_range_stays_finite():
+    """Over an fp8 cache a bfloat16 query runs the dots in float16 (`_fp16_query`): a component past
+    float16's range is clamped to it, not turned to inf (and the scores' NaN); the softmax it peaks is the
+    reference's."""
+    q, k8, v8, meta, clean8, scales = fp8_batch(3, "decode", 16, torch.bfloat16)
+    q[:, 0, 0] = torch.where(q[:, 0, 0] >= 0, 1e5, -1e5).to(q.dtype)
+    backend = TritonBackend(num_splits=3)
+    out = backend.forward(q, k8, v8, backend.prepare(meta), 0.3, **scales)
+    want = torch_ref(q.float(), clean8, meta, 0.3, scales)
+    assert torch.isfinite(out).all()
+    assert float((out.float() - want).abs().max() / want.abs().max()) < 2e-2
+
+
+@pytest.mark.slow  # (a compile over a cold Triton cache: ~10 s)
+def test_fp8_keys_widen_to_float16_in_the_compiled_kernel():
+    """Compiled for sm_90 (the harness's stand-in driver, in a child process without the interpreter): the
+    decode kernel over an fp8 cache under a bfloat16 query widens e4m3 with the pairwise hardware
+    conversion and never goes on to bfloat16 (three more instructions a pair on sm_90)."""
+    import os
+    import subprocess
+    import sys
+
+    from gapless import env
+
+    script = (
+        "import torch\n"
+        "from gapless.attention import selfcheck\n"
+        "from gapless.attention.triton_backend import TritonBackend\n"
+        "from gapless.testing.triton_compile import Compiler\n"
+        "backend = type('C', (TritonBackend,), {'interpreted': True})(num_splits=1)\n"
+        "probe = selfcheck.Probe(8, 2, 128, torch.bfloat16, kv_dtype=torch.float8_e4m3fn)\n"
+        "cpu = torch.device('cpu')\n"
+        "with Compiler(90) as c, torch.inference_mode():\n"
+        "    q, k, v, meta = selfcheck.batch(probe, *selfcheck.CASES['decode'], cpu, 0, ())\n"
+        "    backend.forward(q, k, v, backend.prepare(meta), 0.1, **probe.layer(), **probe.kv_scales(cpu))\n"
+        "ptx = [kern.asm['ptx'] for name, kern in c.compiled if 'decode' in name]\n"
+        "count = lambda op: sum(op in p for p in ptx)\n"
+        "print(len(ptx), count('cvt.rn.f16x2.e4m3x2'), count('cvt.bf16.f16'))\n"
+    )
+    child_env = {k: v for k, v in os.environ.items() if k != env.TRITON_INTERPRET.name}
+    probe = "from triton.backends.nvidia.compiler import CUDABackend"
+    if subprocess.run([sys.executable, "-c", probe], env=child_env, capture_output=True).returncode:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=child_env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    kernels, widened, through_bf16 = map(int, r.stdout.split()[-3:])
+    assert kernels >= 1 and widened == kernels and through_bf16 == 0, r.stdout
