@@ -161,7 +161,7 @@ case "$part" in
   all)
     mkdir -p "$WORK/bench"
     # the quantized-checkpoint runs first: the one open issue whose figures need a GPU (36)
-    step 330 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=320 bash bench/gpu_quant.sh
+    step 380 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=370 bash bench/gpu_quant.sh
     step 150 cuda_tests "$PY" -m pytest -q -n 6 -p no:cacheprovider "${cuda_tests[@]}" \
       -k "(nccl or cuda or gpu or triton or graph or fused or kernel) and not sm90"
     step 140 bench/run env OUT="$WORK/bench" GPU_BENCH_TIMEOUT=125 PY="$PY" bash bench/gpu_bench.sh --skip-hf

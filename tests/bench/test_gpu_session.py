@@ -145,7 +145,7 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
 
 # the `all` part's steps' own limits (bench/gpu_session.sh)
 ALL_LIMITS = {
-    "quant": 330,
+    "quant": 380,
     "cuda_tests": 150,
     "bench/run": 140,
     "kernels": 75,
