@@ -29,7 +29,7 @@ from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
 from gapless.model.kv_scales import KVScaleReader
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
-from gapless.model.quant import formats, gguf_cpu, int4, weights_summary
+from gapless.model.quant import formats, gguf_cpu, int4, int4_kernels, weights_summary
 from gapless.model.quant.formats import QuantFormatError, QuantSpec
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
@@ -124,6 +124,7 @@ def load_model(
     parallel.check_shardable(cfg, parallel.current().size)
     spec = quant_spec(path, quantization, device)
     int4_spec = spec.weight_only if spec is not None else None
+    int4_kernels.check_load(int4_spec, dtype, device)  # (GAPLESS_INT4_KERNEL's library, if it names one)
     int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> its packed tensors
     with _default_dtype(dtype), torch.device(device):
         model = CausalLM(cfg, max_positions)

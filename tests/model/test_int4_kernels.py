@@ -68,7 +68,7 @@ def test_tinygemm_form_packs_nibbles_in_order_and_offsets_the_zero():
     [
         (8, torch.bfloat16, 64, 128, 32, "4 bits in bfloat16 only"),
         (4, torch.float16, 64, 128, 32, "4 bits in bfloat16 only"),
-        (4, torch.bfloat16, 64, 128, 16, "groups of 32, 64, 128, 256"),
+        (4, torch.bfloat16, 64, 128, 16, "groups of 16: it takes 32, 64, 128, 256"),
         (4, torch.bfloat16, 60, 128, 32, "N a multiple of 8"),
     ],
 )
@@ -82,6 +82,24 @@ def test_tinygemm_refuses_what_it_cannot_run(bits, dtype, n, k, group, what):
 def test_gemlite_refused_by_name_where_not_installed():
     with pytest.raises(QuantFormatError, match="GAPLESS_INT4_KERNEL=gemlite: .*needs the gemlite package"):
         GemLite(_weight(), 4, torch.bfloat16, torch.device("cpu"), "awq w4a16 g32")
+
+
+@pytest.mark.parametrize(
+    ("kernel", "bits", "group", "dtype", "what"),
+    [
+        ("tinygemm", 8, 128, torch.bfloat16, "4 bits in bfloat16 only"),
+        ("tinygemm", 4, -1, torch.bfloat16, "groups of -1"),
+        ("tinygemm", 4, 512, torch.bfloat16, "groups of 512"),
+        ("gemlite", 4, 16, torch.float16, "groups of >= 32|needs the gemlite package"),
+        ("gemlite", 4, 128, torch.float32, "bfloat16 or float16|needs the gemlite package"),
+    ],
+)
+def test_a_scheme_the_kernel_cannot_run_is_refused_before_any_layer(kernel, bits, group, dtype, what):
+    """`check`, which the loader calls before any weight loads when the variable names a library."""
+    with pytest.raises(QuantFormatError, match=f"GAPLESS_INT4_KERNEL={kernel}: gptq.*({what})"):
+        int4_kernels.check(kernel, bits, group, dtype, "gptq w4a16")
+    for ok in ((4, 128, torch.bfloat16), (4, 32, torch.bfloat16)):
+        int4_kernels.check("tinygemm", *ok, "gptq w4a16")  # what it takes passes
 
 
 def test_the_cpu_keeps_its_reference_path(monkeypatch):
@@ -131,3 +149,11 @@ def test_cuda_tinygemm_model_gives_the_triton_gemms_greedy_tokens(ckpt_factory, 
         if step is not None:
             (_, first), (_, second) = ref.top_logprobs[step][:2]
             assert first - second <= 0.05, (step, ours.token_ids, ref.token_ids)
+
+
+@pytest.mark.skipif(not CUDA, reason="the loader checks the kernel only for a CUDA load")
+def test_cuda_load_refuses_the_kernels_unrunnable_scheme_before_loading(ckpt_factory, tmp_path, monkeypatch):
+    path = write_quantized(ckpt_factory("qwen3"), tmp_path / "gptq", "gptq", bits=8, group=32, sym=True)[0]
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "tinygemm")
+    with pytest.raises(QuantFormatError, match="tinygemm runs 4 bits in bfloat16 only"):
+        LLM(str(path), device="cuda", dtype="bfloat16", kv_cache_tokens=256)

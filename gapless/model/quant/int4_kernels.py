@@ -12,12 +12,13 @@ in its own layout, built from the one unpacked form `W = (q - zero) * scale` (`i
 
 The libraries are not the default until a GPU measures them against the Triton GEMM at decode sizes
 (`python -m gapless.bench.int4_gemm --kernels triton tinygemm gemlite`, and the TPOT runs of
-bench/gpu_quant.sh). A kernel that cannot take a layer (bits, dtype, group, shape) is refused in one
-line naming what, at load.
+bench/gpu_quant.sh). A kernel that cannot run the checkpoint's scheme (bits, dtype, group; `check`) is
+refused in one line before any weight loads, one that cannot take a layer's shape as the layer is built.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,7 @@ from gapless import env
 from gapless.model.quant.formats import QuantFormatError
 
 if TYPE_CHECKING:
-    from gapless.model.quant.int4 import Unpacked
+    from gapless.model.quant.int4 import Int4Spec, Unpacked
 
 KERNELS = ("triton", "tinygemm", "gemlite")  # (`env.INT4_KERNEL`'s choices)
 TINYGEMM_GROUPS = (32, 64, 128, 256)
@@ -39,6 +40,31 @@ def chosen() -> str:
 
 def _refuse(kernel: str, label: str, what: str) -> QuantFormatError:
     return QuantFormatError(f"GAPLESS_INT4_KERNEL={kernel}: {label} {what}; unset it for the Triton GEMM")
+
+
+def check(kernel: str, bits: int, group: int, dtype: torch.dtype, label: str) -> None:
+    """Refuse, in one line, a scheme `kernel` cannot run whatever the layer's shape (`group` -1: one group
+    a row, which tinygemm does not take); a layer's shape is checked as it is built."""
+    if kernel == "tinygemm":
+        if bits != 4 or dtype != torch.bfloat16:
+            raise _refuse(kernel, label, f"in {dtype}: tinygemm runs 4 bits in bfloat16 only")
+        if group not in TINYGEMM_GROUPS:
+            raise _refuse(
+                kernel, label, f"groups of {group}: it takes {', '.join(map(str, TINYGEMM_GROUPS))}"
+            )
+    elif kernel == "gemlite":
+        if importlib.util.find_spec("gemlite") is None:
+            raise _refuse(kernel, label, "needs the gemlite package (the `gemlite` extra)")
+        if dtype not in (torch.bfloat16, torch.float16) or 0 < group < 32:
+            raise _refuse(kernel, label, f"in {dtype}: gemlite takes bfloat16 or float16, groups of >= 32")
+
+
+def check_load(spec: Int4Spec | None, dtype: torch.dtype, device: torch.device | str) -> None:
+    """`check` for a load of `spec` (None: not an int4/int8 checkpoint) in `dtype` on `device`, where the
+    variable names a library and the device is CUDA (the CPU keeps its reference path)."""
+    kernel = chosen()
+    if spec is not None and kernel != "triton" and torch.device(device).type == "cuda":
+        check(kernel, spec.bits, spec.group_size, dtype, spec.label)
 
 
 def tinygemm_form(w: Unpacked, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,15 +91,9 @@ class TinyGemm:
     def __init__(self, w: Unpacked, bits: int, dtype: torch.dtype, device: torch.device, label: str) -> None:
         n, k = w.q.shape
         group = k // w.scale.shape[1]
-        if bits != 4 or dtype != torch.bfloat16:
-            raise _refuse("tinygemm", label, f"in {dtype}: tinygemm runs 4 bits in bfloat16 only")
-        if group not in TINYGEMM_GROUPS or n % 8 or k % 32:
-            raise _refuse(
-                "tinygemm",
-                label,
-                f"weight [{n}, {k}] in groups of {group}: it takes groups of "
-                f"{', '.join(map(str, TINYGEMM_GROUPS))}, N a multiple of 8 and K of 32",
-            )
+        check("tinygemm", bits, group, dtype, label)
+        if n % 8 or k % 32:
+            raise _refuse("tinygemm", label, f"weight [{n}, {k}]: it takes N a multiple of 8 and K of 32")
         inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
         nibbles, self.scales_zeros = tinygemm_form(w, dtype)
         self.scales_zeros = self.scales_zeros.to(device)
@@ -91,20 +111,14 @@ class GemLite:
     """A layer's weight for gemlite's `GemLiteLinearTriton` (the module's docstring)."""
 
     def __init__(self, w: Unpacked, bits: int, dtype: torch.dtype, device: torch.device, label: str) -> None:
-        try:
-            import gemlite
-        except ImportError as e:
-            raise _refuse("gemlite", label, f"needs the gemlite package ({e})") from None
-        dtypes = {torch.bfloat16: gemlite.DType.BF16, torch.float16: gemlite.DType.FP16}
         n, k = w.q.shape
+        check("gemlite", bits, k // w.scale.shape[1], dtype, label)
+        if k % 32:
+            raise _refuse("gemlite", label, f"weight [{n}, {k}]: it takes K a multiple of 32")
+        import gemlite
+
+        dtypes = {torch.bfloat16: gemlite.DType.BF16, torch.float16: gemlite.DType.FP16}
         group = k // w.scale.shape[1]
-        if dtype not in dtypes or k % 32 or group < 32:
-            raise _refuse(
-                "gemlite",
-                label,
-                f"weight [{n}, {k}] in groups of {group}, {dtype}: it takes bfloat16 or "
-                "float16, K a multiple of 32 and groups of at least 32",
-            )
         self.layer: Any = gemlite.GemLiteLinearTriton(
             bits,
             group_size=group,
