@@ -98,8 +98,10 @@ other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 25
 awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 
 # the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, at 1 and 16 rows, the heuristic's
-# tiles and the one-row GEMV variant
-other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --block-m 0 1 --kernels triton tinygemm gemlite \
+# tiles and the one-row GEMV variant, a dot per value of the words (the default) and one reshaped tile (the
+# kernel before it), and the libraries' GEMMs
+other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --block-m 0 1 --nibble-dots 1 0 \
+  --kernels triton tinygemm gemlite \
   --json "$OUT/int4_gemm.json"
 grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
 

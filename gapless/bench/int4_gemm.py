@@ -3,12 +3,13 @@ layer shapes, at decode's row counts.
 
     python -m gapless.bench.int4_gemm --device cuda [--m 1 16] [--shapes 4096:28672 14336:4096 ...]
         [--bits 4] [--group 128] [--block-m 0 1] [--block-n 0 32 128] [--split-k 0 1 4 8] [--block-k 0 64]
-        [--warps 0 8] [--kernels triton tinygemm gemlite] [--json FILE]
+        [--warps 0 8] [--nibble-dots 1 0] [--kernels triton tinygemm gemlite] [--json FILE]
 
 For each layer shape IN:OUT (default: Llama-3-8B's fused q/k/v 4096:6144, o 4096:4096, fused gate/up
 4096:28672, down 14336:4096) and each row count M: the median device time of `torch.mm` on a bf16 weight,
 and of the quantized GEMM for each tile variant (every combination of `--block-m` (1: the
-GEMV variant), `--block-n`, `--split-k`, `--block-k`, `--warps`; 0: the heuristic's choice), its
+GEMV variant), `--block-n`, `--split-k`, `--block-k`, `--warps`; 0: the heuristic's choice; and
+`--nibble-dots`: a dot per value of the words, or one reshaped tile, `int4_triton`'s docstring), its
 weight bytes read per microsecond (packed weight + scales + zeros), and the ratio to bf16. Device time is
 `gapless.bench.timing.median_us`: `--iters` calls captured in a CUDA graph and replayed, each call reading
 a weight from memory, not L2 (`cold_copies`). A row also carries the largest difference from the bf16
@@ -34,7 +35,7 @@ from gapless.bench.timing import cold_copies, cycling, median_us
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec, Unpacked
 from gapless.model.quant.int4_kernels import KERNELS, library_kernel
-from gapless.model.quant.int4_triton import INTERPRET, GemmConfig, choose_config, w4a16_matmul
+from gapless.model.quant.int4_triton import INTERPRET, GemmConfig, choose_config, nibble_dots, w4a16_matmul
 from gapless.testing.quant_checkpoints import quantize
 
 LLAMA3_8B = ["4096:6144", "4096:4096", "4096:28672", "14336:4096"]
@@ -60,7 +61,7 @@ def _library(
 ) -> dict[str, Any]:
     """A library kernel's row (`--kernels`): as `_timed`'s, over copies of its own form of the weight; or
     the reason it cannot run."""
-    tiles = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-")
+    tiles = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-", nibble_dots="-")
     device = torch.device(args.device)
 
     def make() -> Any:
@@ -87,9 +88,10 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace) -> list[GemmConfig]:
             split_k=split or chosen.split_k,
             block_k=bk or chosen.block_k,
             num_warps=warps or chosen.num_warps,
+            nibble_dots=bool(nibble),
         )
-        for bm, bn, split, bk, warps in itertools.product(
-            args.block_m, args.block_n, args.split_k, args.block_k, args.warps
+        for bm, bn, split, bk, warps, nibble in itertools.product(
+            args.block_m, args.block_n, args.split_k, args.block_k, args.warps, args.nibble_dots
         )
     ]
 
@@ -114,6 +116,7 @@ def _timed(
         split_k=cfg.split_k,
         block_k=cfg.block_k,
         warps=cfg.num_warps,
+        nibble_dots=nibble_dots(cfg, method.bits),
         us=us,
         gb_s=q_bytes / us / 1e3,
         rel_err=err / max(ref.abs().max().item(), 1e-30),
@@ -151,6 +154,11 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+def _dots(nibble: object) -> str:
+    """The dots column: P (a dot per value of the words), 1 (one reshaped tile), - (not this kernel)."""
+    return "-" if nibble == "-" else ("P" if nibble else "1")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gapless.bench.int4_gemm", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -164,6 +172,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--block-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--warps", type=int, nargs="+", default=[0], help="0: the heuristic's")
+    p.add_argument(
+        "--nibble-dots",
+        type=int,
+        nargs="+",
+        choices=(0, 1),
+        default=[1],
+        help="1: a dot per value of the words where the tiles allow (the default); 0: one reshaped tile",
+    )
     p.add_argument(
         "--kernels",
         nargs="+",
@@ -182,28 +198,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"int{args.bits} g{args.group} weight-only GEMM vs torch.mm {args.dtype} on {name}")
-    head = (
-        "IN:OUT",
-        "M",
-        "bf16 us",
-        "kernel",
-        "BM",
-        "BN",
-        "split",
-        "BK",
-        "warps",
-        "int us",
-        "GB/s",
-        "x bf16",
-    )
-    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (12, 3, 9, 8, 3, 4, 5, 4, 5, 8, 7, 7))))
+    cols = ("IN:OUT", "M", "bf16 us", "kernel", "BM", "BN", "split", "BK", "warps", "dots", "int us", "GB/s")
+    widths = (12, 3, 9, 8, 3, 4, 5, 4, 5, 4, 8, 7, 7)
+    print(" ".join(f"{h:>{w}}" for h, w in zip((*cols, "x bf16"), widths)))
     result = rows(args)
     for r in result:
-        none = dict(kernel="-", block_m="-", block_n="-", split_k="-", block_k="-", warps="-")
+        none = dict(
+            kernel="-", block_m="-", block_n="-", split_k="-", block_k="-", warps="-", nibble_dots="-"
+        )
         for v in r["variants"] or [none]:
             line = (
                 f"{r['shape']:>12} {r['m']:>3} {r['bf16_us']:>9.1f} {v['kernel']:>8} {v['block_m']:>3} "
                 f"{v['block_n']:>4} {v['split_k']:>5} {v['block_k']:>4} {v['warps']:>5} "
+                f"{_dots(v['nibble_dots']):>4} "
             )
             if "us" not in v:
                 print(line + f"  cannot run: {v.get('error', 'no kernel here')}")

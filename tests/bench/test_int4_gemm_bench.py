@@ -1,6 +1,7 @@
 """`python -m gapless.bench.int4_gemm` runs end to end (a tiny shape; on a CPU under Triton's interpreter,
-where its times mean nothing but every path runs): torch's GEMM and each tile variant of the int4 GEMM,
-the variant's product checked against the dequantized weight's."""
+where its times mean nothing but every path runs): torch's GEMM and each tile variant of the int4 GEMM
+(a dot per value of the words and one reshaped tile), the variant's product checked against the
+dequantized weight's."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kern
 
 def test_int4_gemm_bench_times_each_variant_and_checks_its_product(tmp_path):
     out = tmp_path / "int4.json"
-    argv = f"--device {DEVICE} --dtype float32 --shapes 128:64 --m 1 3 --group 32 --block-n 0 32 --iters 1"
-    argv += " --kernels triton tinygemm"  # (tinygemm: CUDA only, and there refuses float32, saying so)
+    argv = f"--device {DEVICE} --dtype float32 --shapes 256:64 --m 1 3 --group 128 --block-n 0 32 --iters 1"
+    argv += " --nibble-dots 1 0 --kernels triton tinygemm"  # (tinygemm: CUDA only; it refuses float32)
     res = int4_gemm.main(argv.split() + ["--warmup", "0", "--json", str(out)])
-    assert [(r["shape"], r["m"]) for r in res] == [("128:64", 1), ("128:64", 3)]
+    assert [(r["shape"], r["m"]) for r in res] == [("256:64", 1), ("256:64", 3)]
     for r in res:
         triton = [v for v in r["variants"] if v["kernel"] == "triton"]
-        assert r["bf16_us"] > 0 and [v["block_n"] for v in triton] == [64, 32]
+        assert r["bf16_us"] > 0 and [v["block_n"] for v in triton] == [64, 64, 32, 32]
+        assert [v["nibble_dots"] for v in triton] == [True, False, True, False]
         assert all(v["us"] > 0 and v["rel_err"] < 1e-5 for v in triton)
         library = [v for v in r["variants"] if v["kernel"] != "triton"]
         if DEVICE == "cuda":

@@ -27,7 +27,7 @@ from gapless.model.quant.int4 import (
     int4_spec_from_config,
     unpack,
 )
-from gapless.model.quant.int4_triton import GemmConfig, choose_config, w4a16_matmul
+from gapless.model.quant.int4_triton import GemmConfig, choose_config, nibble_dots, w4a16_matmul
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 from gapless.testing.quant_checkpoints import layout_tensors, quantization_config, quantize, write_quantized
 from gapless.testing.triton_compile import compile_cases
@@ -97,12 +97,13 @@ def test_unpacked_layout_equals_the_writers_formula(layout, bits, group, sym):
     torch.testing.assert_close(got, w.dequantize(), rtol=0, atol=0)  # and the quantizer's own weights
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
-    """The chosen tiles, a split of K into 4 with narrow tiles (partial sums over the split summed), and
-    the one-row GEMV tiles (a program a row), in fp32; and bf16 activations and scales within bf16's
-    rounding."""
+    """The chosen tiles, a split of K into 4 with narrow tiles (partial sums over the split summed), the
+    decode tiles with a dot per value of the words and with one reshaped tile (`nibble_dots`, where the
+    group allows a 128-wide K block), and the one-row GEMV tiles (a program a row), in fp32; and bf16
+    activations and scales within bf16's rounding."""
     n, k = 96, 256
     gen = torch.Generator().manual_seed(m)
     w = quantize(torch.randn(n, k, generator=gen), bits, group, sym=False)
@@ -112,7 +113,12 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     method = Int4LinearMethod(w, Int4Spec("gptq", bits, group, False), torch.float32, DEVICE)
     args = (method.qweight, method.scales, method.zeros, group, bits)
     gemv = [GemmConfig(1, 32, 32, 2, 4, 3)] if m <= 5 else []  # a program a row: slow interpreted
-    for cfg in [None, GemmConfig(16, 32, 32, 4, 4, 3), *gemv]:
+    bk = 16 * (32 // bits)  # the narrowest K block a dot per value takes: 16 words' rows
+    wide = [GemmConfig(16, 32, bk, 2, 4, 3, nibble) for nibble in (True, False)] if group % bk == 0 else []
+    assert [nibble_dots(c, bits) for c in wide] == ([True, False] if wide else [])
+    if m <= 16:  # decode's tiles take it wherever the group allows its K block
+        assert nibble_dots(choose_config(m, n, k, group), bits) == (group % bk == 0)
+    for cfg in [None, GemmConfig(16, 32, 32, 4, 4, 3), *gemv, *wide]:
         y = w4a16_matmul(x, *args, config=cfg)
         torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-4)
     half = Int4LinearMethod(w, Int4Spec("gptq", bits, group, False), torch.bfloat16, DEVICE)

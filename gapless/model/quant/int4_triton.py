@@ -8,10 +8,14 @@ The weight is held in one layout whatever checkpoint it came from (`gapless.mode
   g = k // G (G the group size; G = K is one group per output channel).
 
 Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its
-[BLOCK_K / P, BLOCK_N] tile of int32 words (each word read once), shifts and masks out the P values of
-each word and lays them out as the [BLOCK_K, BLOCK_N] tile, subtracts the group's zero, scales, and
-feeds the tile to `tl.dot`. A K block never crosses a group (BLOCK_K divides G and K), so each block
-loads one row of scales and zeros.
+[BLOCK_K / P, BLOCK_N] tile of int32 words (each word read once) and one row of scales and zeros (a K
+block never crosses a group: BLOCK_K divides G and K). Then, where the tiles allow (`nibble_dots`, 16-row
+tiles with BLOCK_K / P >= 16: decode's), for each j < P it shifts value j out of every word, subtracts
+the zero, scales, and adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns k0 + P * r + j;
+otherwise it lays the P values of each word out as one [BLOCK_K, BLOCK_N] tile for one dot. The first
+keeps each value where it was unpacked: compiled for sm_90 at one row (bf16, 4 bits), 56 registers and
+10 KB of shared memory a program against the second's 128 and 34 KB, which spends 64 shared-memory stores
+a step on the reshape.
 
 `BLOCK_M = 1` (a tile option for one row, `gapless.bench.int4_gemm --block-m 1`) multiplies on the CUDA
 cores instead (broadcast and sum over K), with no 16-row dot tile of which 15 rows are padding.
@@ -41,6 +45,19 @@ _MAX_SPLIT = 16
 
 
 @triton.jit
+def _accumulate(acc, x, w, IEEE: tl.constexpr, AS_FP32: tl.constexpr):
+    """acc + x @ w, w the fp32 dequantized tile: rounded once to x's dtype for the dot (fp32 operands
+    with `AS_FP32`), fp32 dots in IEEE precision."""
+    if AS_FP32:
+        x = x.to(tl.float32)
+    else:
+        w = w.to(x.dtype)
+    if IEEE:
+        return acc + tl.dot(x, w, input_precision="ieee")
+    return acc + tl.dot(x, w)
+
+
+@triton.jit
 def _w4a16_kernel(
     X,
     Qw,
@@ -59,6 +76,7 @@ def _w4a16_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NIBBLE_DOTS: tl.constexpr,
 ):
     """Out[pid_k, m, n] = sum over this program's share of K of X[m, k] * W[n, k] (see the module)."""
     pid_m = tl.program_id(0)
@@ -72,42 +90,46 @@ def _w4a16_kernel(
     k_stop = tl.minimum(k_start + k_per_split, K)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_stop
-        x = tl.load(
-            X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        # each int32 read once: [BLOCK_K / P, BLOCK_N] words, spread to [BLOCK_K / P, P, BLOCK_N] values,
-        # then laid out as [BLOCK_K, BLOCK_N] (k = P * row + j: the packing's order)
+        g = k0 // GROUP
+        # each int32 read once: [BLOCK_K / P, BLOCK_N] words (row r holds k = k0 + P * r + j at bits BITS * j)
         offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
         packed = tl.load(
             Qw + offs_w[:, None].to(tl.int64) * N + offs_n[None, :],
             mask=(offs_w < k_stop // (32 // BITS))[:, None] & n_mask[None, :],
             other=0,
         )
-        shifts = tl.arange(0, 32 // BITS) * BITS
-        q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
-        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-        g = k0 // GROUP
-        s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
-        z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
-        # in fp32, then one rounding to the activations' dtype (as the reference path's weight)
-        w = (q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
-        if BLOCK_M == 1:  # one row: a GEMV on the CUDA cores, no dot tile to fill
-            if not AS_FP32:
-                w = w.to(x.dtype).to(tl.float32)
-            acc += tl.sum(tl.trans(x.to(tl.float32)) * w, axis=0)[None, :]
-        else:
-            if AS_FP32:
-                x = x.to(tl.float32)
+        if NIBBLE_DOTS:  # value j of every word at once: a [BLOCK_K / P, BLOCK_N] tile and its own dot
+            s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            for j in tl.static_range(32 // BITS):
+                w = (((packed >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) - z[None, :]) * s[None, :]
+                offs_k = offs_w * (32 // BITS) + j  # x's columns for value j: every P-th from j
+                x = tl.load(
+                    X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & (offs_k < k_stop)[None, :],
+                    other=0.0,
+                )
+                acc = _accumulate(acc, x, w, IEEE, AS_FP32)
+        else:  # the P values of each word laid out as the [BLOCK_K, BLOCK_N] tile, one dot
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                mask=m_mask[:, None] & (offs_k < k_stop)[None, :],
+                other=0.0,
+            )
+            shifts = tl.arange(0, 32 // BITS) * BITS
+            q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+            q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+            s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
+            z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
+            # in fp32, then one rounding to the activations' dtype (as the reference path's weight)
+            w = (q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+            if BLOCK_M == 1:  # one row: a GEMV on the CUDA cores, no dot tile to fill
+                if not AS_FP32:
+                    w = w.to(x.dtype).to(tl.float32)
+                acc += tl.sum(tl.trans(x.to(tl.float32)) * w, axis=0)[None, :]
             else:
-                w = w.to(x.dtype)
-            if IEEE:
-                acc += tl.dot(x, w, input_precision="ieee")
-            else:
-                acc += tl.dot(x, w)
+                acc = _accumulate(acc, x, w, IEEE, AS_FP32)
     out = Out + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -121,6 +143,7 @@ class GemmConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    nibble_dots: bool = True  # a dot per value of the words where the tiles allow (the module's docstring)
 
 
 def _block_k(group: int, k: int, most: int) -> int:
@@ -129,6 +152,12 @@ def _block_k(group: int, k: int, most: int) -> int:
     while bk > 16 and (group % bk or k % bk):
         bk //= 2
     return bk
+
+
+def nibble_dots(cfg: GemmConfig, bits: int) -> bool:
+    """Whether a launch with `cfg` takes a dot per value of the words: asked for, and its tiles allow it
+    (16 rows or more, BLOCK_K / P >= 16: each dot's K at least the tensor cores' 16)."""
+    return cfg.nibble_dots and cfg.block_m >= 16 and cfg.block_k // (32 // bits) >= 16
 
 
 def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
@@ -197,6 +226,7 @@ def w4a16_matmul(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        NIBBLE_DOTS=nibble_dots(cfg, bits),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
