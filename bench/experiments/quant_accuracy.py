@@ -51,11 +51,8 @@ def float_checkpoint(dst: Path) -> Path:
     return dst
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python bench/experiments/quant_accuracy.py")
-    p.add_argument("--work", help="where the checkpoints are written (default: a temporary directory)")
-    args = p.parse_args()
-    work = Path(args.work or tempfile.mkdtemp(prefix="quant_accuracy-"))
+def formats(work: Path) -> dict[str, tuple[Path, dict[str, object]]]:
+    """Each row's label -> (its checkpoint, written under `work`, and its engine options); float32 first."""
     base = float_checkpoint(work / "float32")
     rows: dict[str, tuple[Path, dict[str, object]]] = {
         "float32": (base, {}),
@@ -67,6 +64,15 @@ def main() -> None:
     for layout, bits, group, sym in (("gptq", 4, 64, True), ("awq", 4, 64, False), ("gptq", 8, 64, True)):
         out = write_quantized(base, work / f"{layout}{bits}", layout, bits=bits, group=group, sym=sym)[0]
         rows[f"{layout} int{bits} g{group} ({'sym' if sym else 'asym'}, round-to-nearest)"] = (out, {})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python bench/experiments/quant_accuracy.py")
+    p.add_argument("--work", help="where the checkpoints are written (default: a temporary directory)")
+    args = p.parse_args()
+    rows = formats(Path(args.work or tempfile.mkdtemp(prefix="quant_accuracy-")))
+    base = rows["float32"][0]
     print(f"the default model's Q4_1 GGUF dequantized to float32 ({base}); the fixed text: {len(TEXT)} chars")
     ref_ppl, ref_tokens, ref_top, _ = run(str(base))
     for label, (path, options) in rows.items():
