@@ -39,6 +39,8 @@ from gapless.model.quant.int4_triton import INTERPRET, GemmConfig, choose_config
 from gapless.testing.quant_checkpoints import quantize
 
 LLAMA3_8B = ["4096:6144", "4096:4096", "4096:28672", "14336:4096"]
+# a row's tile columns where no Triton tile applies (a library's row, or no kernel at all)
+_NO_TILES = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-", nibble_dots="-")
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -61,7 +63,6 @@ def _library(
 ) -> dict[str, Any]:
     """A library kernel's row (`--kernels`): as `_timed`'s, over copies of its own form of the weight; or
     the reason it cannot run."""
-    tiles = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-", nibble_dots="-")
     device = torch.device(args.device)
 
     def make() -> Any:
@@ -70,13 +71,13 @@ def _library(
     try:
         first = make()
     except (QuantFormatError, RuntimeError, NotImplementedError) as e:
-        return dict(kernel=kernel, error=str(e).splitlines()[0], **tiles)
+        return dict(kernel=kernel, error=str(e).splitlines()[0], **_NO_TILES)
     q_bytes = sum(t.numel() * t.element_size() for t in first.tensors())
     copies = [first] + [make() for _ in range(cold_copies(q_bytes, device) - 1)]
     err = (first(x).float() - ref.float()).abs().max().item()
     us = median_us(cycling([partial(c, x) for c in copies]), device, args)
     rel = err / max(ref.abs().max().item(), 1e-30)
-    return dict(kernel=kernel, us=us, gb_s=q_bytes / us / 1e3, rel_err=rel, **tiles)
+    return dict(kernel=kernel, us=us, gb_s=q_bytes / us / 1e3, rel_err=rel, **_NO_TILES)
 
 
 def _configs(chosen: GemmConfig, args: argparse.Namespace) -> list[GemmConfig]:
@@ -203,10 +204,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(" ".join(f"{h:>{w}}" for h, w in zip((*cols, "x bf16"), widths)))
     result = rows(args)
     for r in result:
-        none = dict(
-            kernel="-", block_m="-", block_n="-", split_k="-", block_k="-", warps="-", nibble_dots="-"
-        )
-        for v in r["variants"] or [none]:
+        for v in r["variants"] or [dict(kernel="-", **_NO_TILES)]:
             line = (
                 f"{r['shape']:>12} {r['m']:>3} {r['bf16_us']:>9.1f} {v['kernel']:>8} {v['block_m']:>3} "
                 f"{v['block_n']:>4} {v['split_k']:>5} {v['block_k']:>4} {v['warps']:>5} "

@@ -10,9 +10,9 @@ published values) and the built-in tokenizer, no weights, and for the two larger
 whose config carries an AWQ int4 g128 `quantization_config` (the common int4 layout; every int4/int8
 layout runs the same GEMM). `run` loads it with `load_format=dummy` (random weights made on the device,
 in the int4 form where the config says so, none read: a 16 GB checkpoint is neither built nor read) in
-bfloat16, on CUDA graphs at batch 1, and times one
-request at a time: a 128-token prompt generating 1 token (its prefill) and generating 1 + `--tokens`
-(default 64); TPOT = the difference / `--tokens`, the median of `--repeats` (default 3) after a warm-up.
+bfloat16, on CUDA graphs at batch 1, and times one request at a time: a 128-token prompt generating 1
+token (its prefill) and generating 1 + `--tokens` (default 64); TPOT = the difference / `--tokens`, the
+median of `--repeats` (default 3) after a warm-up.
 `--engine-option` adds an engine option (quantization=fp8: the bf16 weights quantized at load, one scale
 per row). Each run in its own process, so the GPU holds one model at a time (bench/gpu_quant.sh).
 """

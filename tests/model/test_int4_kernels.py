@@ -14,8 +14,8 @@ import torch
 from gapless import LLM, SamplingParams, env
 from gapless.model.quant import int4_kernels
 from gapless.model.quant.formats import QuantFormatError
-from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec
-from gapless.model.quant.int4_kernels import GemLite, TinyGemm, tinygemm_dequantized, tinygemm_form
+from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec, Unpacked
+from gapless.model.quant.int4_kernels import GemLite, TinyGemm, tinygemm_form
 from gapless.testing.quant_checkpoints import quantize, write_quantized
 
 CUDA = torch.cuda.is_available()
@@ -25,6 +25,14 @@ SPEC = Int4Spec("awq", 4, 32, sym=False)
 def _weight(n: int = 64, k: int = 128, group: int = 32, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     return quantize(torch.randn(n, k, generator=gen) * 0.02, 4, group, sym=False)
+
+
+def tinygemm_dequantized(w: Unpacked, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] as tinygemm computes it from `tinygemm_form`'s scales and offsets, in float32."""
+    _, sz = tinygemm_form(w, dtype)
+    group = w.q.shape[1] // w.scale.shape[1]
+    scale, offset = (sz[..., i].float().t().repeat_interleave(group, dim=1) for i in (0, 1))
+    return (w.q.float() - 8.0) * scale + offset
 
 
 def test_env_names_the_kernel(monkeypatch):

@@ -77,14 +77,6 @@ def tinygemm_form(w: Unpacked, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return nibbles, torch.stack([scale.t(), offset.t()], dim=2).to(dtype).contiguous()
 
 
-def tinygemm_dequantized(w: Unpacked, dtype: torch.dtype) -> torch.Tensor:
-    """W [N, K] as tinygemm computes it from `tinygemm_form`'s scales and offsets, in float32."""
-    _, sz = tinygemm_form(w, dtype)
-    group = w.q.shape[1] // w.scale.shape[1]
-    scale, offset = (sz[..., i].float().t().repeat_interleave(group, dim=1) for i in (0, 1))
-    return (w.q.float() - 8.0) * scale + offset
-
-
 class TinyGemm:
     """A layer's weight for torch's `_weight_int4pack_mm` (the module's docstring)."""
 
