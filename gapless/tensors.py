@@ -38,17 +38,21 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def map_tensors(obj: T, fn: Callable[[Any], Any], kind: type = torch.Tensor) -> T:
     """A copy of a dataclass with `fn` applied to every field of type `kind`, also inside nested
     dataclasses and tuples."""
+    return dataclasses.replace(
+        obj, **{f.name: _map_value(getattr(obj, f.name), fn, kind) for f in dataclasses.fields(obj)}
+    )
 
-    def conv(v: Any) -> Any:
-        if isinstance(v, kind):
-            return fn(v)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return map_tensors(v, fn, kind)
-        if isinstance(v, tuple):
-            return tuple(conv(x) for x in v)
-        return v
 
-    return dataclasses.replace(obj, **{f.name: conv(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+def _map_value(v: Any, fn: Callable[[Any], Any], kind: type) -> Any:
+    # (a module function, not a closure calling itself: that would be a reference cycle per call, keeping
+    # `fn` and what it holds, such as the device copies of a batch, until the garbage collector runs)
+    if isinstance(v, kind):
+        return fn(v)
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return map_tensors(v, fn, kind)
+    if isinstance(v, tuple):
+        return tuple(_map_value(x, fn, kind) for x in v)
+    return v
 
 
 def packed(*parts: torch.Tensor) -> list[torch.Tensor]:

@@ -61,10 +61,13 @@ def test_leaving_with_releases_everything_without_a_gc(qwen3, no_gc, options):
         }
         if options.get("cuda_graph_max_bs"):
             alive["graphs"] = weakref.ref(runner.graphs)
+        # each weight too: a layer's loader bound on its own parameter was a cycle the model's death missed
+        weights = {name: weakref.ref(p) for name, p in runner.model.named_parameters()}
         thread = getattr(getattr(stream, "stream", stream), "thread", None)
         del runner, stream
     # `llm` is still held here, as a user's variable would be
     assert [name for name, ref in alive.items() if ref() is not None] == []
+    assert [name for name, ref in weights.items() if ref() is not None] == []
     assert thread is None or not thread.is_alive()
 
 

@@ -178,7 +178,16 @@ def load_model(
         pack_cpu_gemms(model)
     log.info("%s", weights_summary(model))
     model.vision = encoder  # (after the decoder's GEMMs are packed: the encoder keeps torch's)
+    _drop_loaders(model)
     return model
+
+
+def _drop_loaders(model: torch.nn.Module) -> None:
+    """Remove each parameter's `weight_loader` once loading is over: a layer's bound `load_shard` on its
+    own parameter is a reference cycle, which would keep the weights alive after the engine lets go of
+    the model until the garbage collector runs (leaving `with LLM(...)` frees them at once)."""
+    for param in model.parameters():
+        param.__dict__.pop("weight_loader", None)
 
 
 def _decoder_name(name: str, tensor: object, encoder: VisionEncoder | None, dtype: torch.dtype) -> str | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import pickle
 from collections.abc import Iterator
 
@@ -314,6 +315,24 @@ def test_decode_batch_with_table_writes_is_one_buffer():
     assert batch.sample_steps.tolist() == [0, 1, 2] and [r.sampled for r in reqs] == [1, 2, 3]
     assert batch.positions.tolist() == [3, 4, 5] and batch.out_slots.tolist() == [30, 40, 50]
     assert batch.max_seq_len == 6
+
+
+def test_moving_a_batch_leaves_no_cycle():
+    """`dataclass_to_device` (each step's batch, nested tuples included) makes no reference cycle: one
+    would keep the device copies it made (in its closure) until a garbage collection."""
+    reqs = [Req(str(i), [1, 2, 3], SamplingParams(), seed=i, arrival=i, row=i, sampled=i) for i in range(3)]
+    slots = DecodeSlots(np.array([0, 1, 2]), np.array([3, 4, 5]), np.array([30, 40, 50]))
+    writes = TableWrites(torch.tensor([1, 1]), torch.tensor([0, 1]), torch.tensor([7, 8]))
+    batch = BatchBuilder(4, 100).decode(reqs, slots, writes).forward
+    gc.collect()
+    gc.disable()
+    try:
+        moved = dataclass_to_device(batch, torch.device("meta"))
+        assert moved.positions.device.type == "meta" and moved.table_writes[0].device.type == "meta"
+        del moved
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
 
 
 def _same_batch(a, b) -> None:
