@@ -4,15 +4,17 @@
 #   1. TPOT at batch 1 against bf16 (`gapless.bench.quant`; random weights, `load_format=dummy`: nothing
 #      written or read), each run in its own process: FP8 weights (`--quantization fp8`) on Qwen3-0.6B's
 #      and Qwen3-8B's shapes (the issue's target: <= 0.6), int4 w4a16 (AWQ g128) on Qwen3-8B's (target:
-#      <= 0.4) through the Triton GEMM, torch's tinygemm and gemlite (`GAPLESS_INT4_KERNEL`)
+#      <= 0.4) through the default (`auto`: torch's tinygemm on these layers), the Triton GEMM and
+#      gemlite (`GAPLESS_INT4_KERNEL`)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
-#      tok/s), then decode attention alone over each cache (`gapless.bench.kernels`)
+#      tok/s)
 #   3. the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows,
-#      with x rounded in the GEMM's loop and before it (bench/experiments/fp8_gemm.py: whether to set
-#      `fp8_kernel.PREQUANT_ROWS`)
-#   4. the int4 GEMMs alone (Triton, tinygemm, gemlite) against bf16 on Llama-3-8B's layers
-#      (`gapless.bench.int4_gemm`)
+#      with x rounded in the GEMM's loop and before it (bench/experiments/fp8_gemm.py; the default rounds
+#      it before, `fp8_kernel.PREQUANT_ROWS`), then its decode tiles and K splits at one row (`--sweep`)
+#   4. the int4 GEMMs alone (Triton, tinygemm, gemlite) against bf16 on Llama-3-8B's layers, from decode
+#      to prefill sizes (`gapless.bench.int4_gemm`)
 #   5. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
+#   6. decode attention alone over each KV cache, key blocks and warps swept (`gapless.bench.kernels`)
 # then the table of every TPOT run. Logs go to $1, else $OUT, else bench/results/gpu_quant: gpu_quant.log
 # (the tables), quant_*.json (each run), fp8_gemm.log, int4_gemm.log. bench/gpu_session.sh's `all` part
 # calls it first (step `quant`, OUT=$WORK/quant).
@@ -71,9 +73,9 @@ tpot 40 qwen3-0.6b bf16
 tpot 40 qwen3-0.6b fp8 --engine-option quantization=fp8
 tpot 50 qwen3-8b bf16
 tpot 50 qwen3-8b fp8 --engine-option quantization=fp8
-tpot 50 qwen3-8b-awq int4  # (its config's quantization_config: AWQ int4 g128), the Triton GEMM
-# the libraries' int4 GEMMs (`gapless.model.quant.int4_kernels`): torch's tinygemm, gemlite (its wheel)
-GAPLESS_INT4_KERNEL=tinygemm tpot 50 qwen3-8b-awq int4_tinygemm
+tpot 50 qwen3-8b-awq int4  # (its config's quantization_config: AWQ int4 g128), the default GEMM
+# the other int4 GEMMs (`gapless.model.quant.int4_kernels`): gapless's Triton GEMM, gemlite (its wheel)
+GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 GAPLESS_INT4_KERNEL=gemlite tpot 60 qwen3-8b-awq int4_gemlite
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
@@ -86,6 +88,20 @@ done
 
 other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
 grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
+other 45 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1
+grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
+
+# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
+# prefill's 256 and 2048 (`auto` holds tinygemm's layout whatever the rows: this says what a prefill pays)
+other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 \
+  --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
+grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
+
+# the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4
+say ""
+tpot 70 qwen3-30b-a3b bf16
+tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
+tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
 
 # decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 41% of a copy's bandwidth
 # on the H200 where bf16 read at 93%): batch 64 and 256 at 1k and 4k contexts, key blocks of 64 (the
@@ -96,20 +112,6 @@ other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 25
   --page-size 16 --kv-cache-dtype auto fp8 --decode-block-n 0 32 16 --decode-warps 4 8 --tokens 16 \
   --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
 awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
-
-# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, at 1 and 16 rows, the heuristic's
-# tiles and the one-row GEMV variant, a dot per value of the words (the default) and one reshaped tile (the
-# kernel before it), and the libraries' GEMMs
-other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --block-m 0 1 --nibble-dots 1 0 \
-  --kernels triton tinygemm gemlite \
-  --json "$OUT/int4_gemm.json"
-grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
-
-# the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4
-say ""
-tpot 70 qwen3-30b-a3b bf16
-tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
-tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
 
 say ""
 "$PY" -m gapless.bench.quant report "${runs[@]}" 2>&1 | tee -a "$LOG"

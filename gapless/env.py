@@ -129,11 +129,12 @@ GGUF_ACTIVATIONS = _var(
 )
 INT4_KERNEL = _var(
     "GAPLESS_INT4_KERNEL",
-    "triton",
-    _one_of("triton", "tinygemm", "gemlite"),
-    "`triton`, `tinygemm` or `gemlite`",
-    "int4/int8 weight-only layers on CUDA: gapless's Triton GEMM, torch's own int4 GEMM "
-    "(`_weight_int4pack_mm`) or gemlite's kernels (comparisons; `gapless.model.quant.int4_kernels`)",
+    "auto",
+    _one_of("auto", "triton", "tinygemm", "gemlite"),
+    "`auto`, `triton`, `tinygemm` or `gemlite`",
+    "int4/int8 weight-only layers on CUDA: `auto` runs torch's own int4 GEMM (`_weight_int4pack_mm`) where "
+    "it fits a layer, else gapless's Triton GEMM; or one of them, or gemlite's kernels, for every layer "
+    "(`gapless.model.quant.int4_kernels`)",
 )
 API_KEY = _var("GAPLESS_API_KEY", None, _optional_str, "string", "the default of `gapless serve --api-key`")
 LOG_LEVEL = _var(

@@ -2,11 +2,12 @@
 Qwen3-8B: microseconds a call (CUDA graphs: launch cost excluded) and the weight bytes read per second.
 
     python bench/experiments/fp8_gemm.py [--rows 1 16 128 2048]        # on a GPU of sm_89 or newer
+    python bench/experiments/fp8_gemm.py --sweep [--rows 1]            # decode tiles x K splits
 
 Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton kernel
 (`gapless.model.quant.fp8_kernel`: activation quantization inside it) with per-channel and with
 [128, 128] block scales, and per-channel with x rounded by a launch before the GEMM
-(`PREQUANT_ROWS = 16`, off by default until this column says whether it pays);
+(`PREQUANT_ROWS = 16`, the default since an H100 measured it; the other column sets it to 0);
 `torch._scaled_mm` with rowwise scales (bf16 out; its activation quantization, a separate torch step,
 timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's block recipes (x per 1x128, w per
 128x128; where this torch has it, else the cell says why). Whichever is faster at 1 row is the decode
@@ -16,6 +17,7 @@ path to keep.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton.testing
@@ -69,9 +71,10 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
         return f.scaled_mm(xq, qb.t(), xs, st.BlockWise1x128, sb, st.BlockWise128x128)
 
     bf16 = _us(lambda: torch.mm(x, wb.t()))
-    chan = _us(lambda: fp8_gemm(x, qc, sc, 1, 0, 128, None))
     block = _us(lambda: fp8_gemm(x, qb, sb, 128, 128, 128, None))
-    rows_before, fp8_kernel.PREQUANT_ROWS = fp8_kernel.PREQUANT_ROWS, 16
+    rows_before, fp8_kernel.PREQUANT_ROWS = fp8_kernel.PREQUANT_ROWS, 0
+    chan = _us(lambda: fp8_gemm(x, qc, sc, 1, 0, 128, None))
+    fp8_kernel.PREQUANT_ROWS = 16
     rounded_first = _us(lambda: fp8_gemm(x, qc, sc, 1, 0, 128, None))
     fp8_kernel.PREQUANT_ROWS = rows_before
     smm = _us(scaled_mm)
@@ -85,11 +88,50 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
     )
 
 
+# the decode tiles (BM, BN, warps, stages) and split targets `--sweep` times (`fp8_kernel.DECODE_TILES`,
+# `fp8_kernel.SPLIT_PROGRAMS`)
+SWEEP_TILES = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4)]
+SWEEP_SPLITS = [512, 1024]
+
+
+def sweep(rows: list[int]) -> None:
+    """Per-channel FP8 on Qwen3-8B's layers at each decode tile and split target: us a call, the weight's
+    GB/s, the fastest marked."""
+    dev = torch.device("cuda")
+    print("| layer | N x K | rows | tiles (BM, BN, warps, stages) | split programs | us | fp8 GB/s |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    saved = fp8_kernel.DECODE_TILES, fp8_kernel.SPLIT_PROGRAMS
+    try:
+        for name, n, k in SHAPES["qwen3-8b"]:
+            qc, sc = quantize_rows(torch.randn(n, k, device=dev) * 0.02)
+            for m in rows:
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                call = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
+                times = {}
+                for tiles in SWEEP_TILES:
+                    for programs in SWEEP_SPLITS:
+                        fp8_kernel.DECODE_TILES, fp8_kernel.SPLIT_PROGRAMS = tiles, programs
+                        fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
+                        times[tiles, programs] = _us(call)
+                best = min(times, key=lambda c: times[c])
+                for (tiles, programs), us in times.items():
+                    mark = " (best)" if (tiles, programs) == best else ""
+                    gbs = n * k / us / 1e3
+                    print(f"| {name} | {n} x {k} | {m} | {tiles} | {programs} | {us:.1f}{mark} | {gbs:.0f} |")
+    finally:
+        fp8_kernel.DECODE_TILES, fp8_kernel.SPLIT_PROGRAMS = saved
+        fp8_kernel._LOCKS.clear()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128, 2048])
+    p.add_argument("--sweep", action="store_true", help="the decode tiles and K splits instead")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    if args.sweep:
+        sweep(args.rows)
+        return
     print(HEADER)
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model, layers in SHAPES.items():

@@ -36,15 +36,34 @@ def tinygemm_dequantized(w: Unpacked, dtype: torch.dtype) -> torch.Tensor:
 
 
 def test_env_names_the_kernel(monkeypatch):
-    assert env.INT4_KERNEL.get() == "triton" and int4_kernels.chosen() == "triton"
+    assert env.INT4_KERNEL.get() == "auto" and int4_kernels.chosen() == "auto"
     monkeypatch.setenv("GAPLESS_INT4_KERNEL", "TinyGemm")
     assert int4_kernels.chosen() == "tinygemm"
     monkeypatch.setenv("GAPLESS_INT4_KERNEL", "marlin")
     with pytest.raises(
-        ValueError, match="GAPLESS_INT4_KERNEL='marlin': not one of triton, tinygemm, gemlite"
+        ValueError, match="GAPLESS_INT4_KERNEL='marlin': not one of auto, triton, tinygemm, gemlite"
     ):
         int4_kernels.chosen()
     assert all(env.INT4_KERNEL.parse(k) == k for k in int4_kernels.KERNELS)  # the module's choices
+
+
+@pytest.mark.parametrize(
+    "bits,group,dtype,n,k,kernel",
+    [
+        (4, 128, torch.bfloat16, 4096, 4096, "tinygemm"),
+        (4, 32, torch.bfloat16, 64, 128, "tinygemm"),
+        (8, 128, torch.bfloat16, 4096, 4096, "triton"),  # tinygemm: 4 bits only
+        (4, 128, torch.float16, 4096, 4096, "triton"),  # bfloat16 only
+        (4, 4096, torch.bfloat16, 4096, 4096, "triton"),  # a group a row
+        (4, 16, torch.bfloat16, 4096, 4096, "triton"),
+        (4, 128, torch.bfloat16, 4100, 4096, "triton"),  # N not a multiple of 8
+    ],
+)
+def test_auto_takes_tinygemm_where_it_runs_the_layer(bits, group, dtype, n, k, kernel, monkeypatch):
+    assert int4_kernels.for_layer(bits, group, dtype, n, k) == kernel
+    for named in ("triton", "tinygemm", "gemlite"):  # a named kernel is every layer's (refused if it cannot)
+        monkeypatch.setenv("GAPLESS_INT4_KERNEL", named)
+        assert int4_kernels.for_layer(bits, group, dtype, n, k) == named
 
 
 def test_tinygemm_form_packs_nibbles_in_order_and_offsets_the_zero():
@@ -140,19 +159,21 @@ def test_cuda_library_kernel_computes_the_product(kernel, m, monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="the libraries' kernels run on CUDA; their forms are checked above")
 def test_cuda_tinygemm_model_gives_the_triton_gemms_greedy_tokens(ckpt_factory, tmp_path, monkeypatch):
-    """A whole AWQ model in bfloat16 on tinygemm: the Triton GEMM's greedy tokens, or a first divergence
-    where the Triton run's top two tokens lie within bfloat16's noise (0.05 in logprob)."""
+    """A whole AWQ model in bfloat16 on tinygemm (the default `auto` takes it for every layer): the Triton
+    GEMM's greedy tokens, or a first divergence where the Triton run's top two tokens lie within
+    bfloat16's noise (0.05 in logprob)."""
     src = ckpt_factory("qwen3", hidden_size=128, intermediate_size=256)
     path = write_quantized(src, tmp_path / "awq", "awq", bits=4, group=32, sym=False)[0]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     outs = {}
-    for kernel in ("triton", "tinygemm"):
+    for kernel in ("triton", "auto"):
         monkeypatch.setenv("GAPLESS_INT4_KERNEL", kernel)
         with LLM(str(path), device="cuda", dtype="bfloat16", kv_cache_tokens=512) as llm:
             outs[kernel] = llm.generate(prompts, params, use_tqdm=False)
-            assert any(kernel in f for f, _ in llm.engine.info.weight_formats) == (kernel != "triton")
-    for ours, ref in zip(outs["tinygemm"], outs["triton"], strict=True):
+            formats = [f for f, _ in llm.engine.info.weight_formats if "awq" in f]
+            assert formats and all(("tinygemm" in f) == (kernel == "auto") for f in formats), formats
+    for ours, ref in zip(outs["auto"], outs["triton"], strict=True):
         step = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref.token_ids)) if a != b), None)
         if step is not None:
             (_, first), (_, second) = ref.top_logprobs[step][:2]

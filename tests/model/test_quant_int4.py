@@ -99,11 +99,12 @@ def test_unpacked_layout_equals_the_writers_formula(layout, bits, group, sym):
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
 @pytest.mark.parametrize("m", [1, 5, 33])
-def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
+def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m, monkeypatch):
     """The chosen tiles, a split of K into 4 with narrow tiles (partial sums over the split summed), the
     decode tiles with a dot per value of the words and with one reshaped tile (`nibble_dots`, where the
     group allows a 128-wide K block), and the one-row GEMV tiles (a program a row), in fp32; and bf16
     activations and scales within bf16's rounding."""
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")  # (on CUDA, bf16 4-bit layers take tinygemm else)
     n, k = 96, 256
     gen = torch.Generator().manual_seed(m)
     w = quantize(torch.randn(n, k, generator=gen), bits, group, sym=False)
@@ -308,6 +309,7 @@ def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(
     gemm = int4_triton.w4a16_matmul
     monkeypatch.setattr(int4_triton, "w4a16_matmul", lambda *a, **k: calls.append(1) or gemm(*a, **k))
     monkeypatch.setattr(int4, "TRITON_ON_CPU", DEVICE.type == "cpu")
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")
     assert _greedy(qdir, prompts, max_new=3, device=DEVICE.type) == reference
     assert len(calls) >= 3 * 2 * 4  # forwards x layers x projections (q/k/v, o, gate/up, down)
 

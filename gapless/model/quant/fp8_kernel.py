@@ -1,12 +1,12 @@
 """The FP8 W8A8 GEMM on CUDA (sm_89+), in Triton: `y = x W^T (+ b)` with W in e4m3 and its scales, and x
 quantized to e4m3 per token and per `BK` columns (its dynamic scale: the group's largest |x| / 448),
-inside the GEMM (or, optionally at decode sizes, by a launch just before it; no host sync either way:
+inside the GEMM (or, at decode sizes, by a launch just before it; no host sync either way:
 CUDA graphs capture it as any other kernel).
 
 Each program computes a [BM, BN] tile of y: for each BK-wide step along K it loads x's tile, takes each
 row's scale, rounds x / scale to e4m3, loads W's e4m3 tile, and adds `dot(xq, wq) * x_scale * w_scale`
 (the fp8 tensor-core product, accumulated in float32). At decode sizes every program rounds the same few
-rows again; with `PREQUANT_ROWS` set (off until measured on a GPU), one small launch rounds them first
+rows again; so up to `PREQUANT_ROWS` rows (a decode's), one small launch rounds them first
 (`_fp8_quant_kernel`, the same arithmetic: the same bits) and the GEMM's programs load the e4m3 rows and
 their scales. W's scale is looked up at (row // rows_per_scale, k // k_group): one per row and whole K
 (per-channel, `stride_sk` 0), or one per [rows, k_group] block.
@@ -127,16 +127,18 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     more programs (the GEMM reads every weight once: bandwidth wants every SM busy); larger tiles from 64
     rows up, where the tensor cores' work is the cost."""
     if m <= 16:
-        return 16, 32, 4, 4
+        return DECODE_TILES
     if m <= 64:
         return 64, 64, 4, 3
     return 128, 128, 8, 3
 
 
-# at most this many rows, x is rounded to e4m3 once before the GEMM (0: never, the default until a GPU
-# measures it: the launch it adds may cost more than the rounding it saves on small layers;
-# bench/experiments/fp8_gemm.py times both)
-PREQUANT_ROWS = 0
+# at most this many rows, x is rounded to e4m3 once before the GEMM (0: never). On an H100 at one row it
+# saved 11-21% of the GEMM's time on Qwen3-8B's layers (qkv 16.3 -> 12.9 us, gate/up 48.9 -> 40.5) and
+# cost 0.5-1 us on Qwen3-0.6B's, where the launch it adds is a large share
+# (bench/results/h100-2026-11-26/quant/fp8_gemm.log; bench/experiments/fp8_gemm.py times both)
+PREQUANT_ROWS = 16
+DECODE_TILES = (16, 32, 4, 4)  # (BM, BN, warps, stages) at decode sizes (`_tiles`; the bench's sweep sets it)
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
 # per device: the split tiles' arrival counters, all 0 at rest; one buffer for good (a CUDA graph keeps
 # its address), of SPLIT_PROGRAMS counters: a GEMM splits only when it has fewer tiles than that

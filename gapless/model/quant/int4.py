@@ -270,9 +270,9 @@ def _check_g_idx(g_idx: torch.Tensor, k: int, group: int, where: str) -> None:
 
 class Int4LinearMethod:
     """`x W^T + b` with W held packed (`int4_triton`'s layout): the Triton GEMM on CUDA, the dequantizing
-    reference path elsewhere (the module's docstring); on CUDA with `GAPLESS_INT4_KERNEL` naming a library
-    (`int4_kernels`), that library's GEMM on the weight in its layout instead. `tensors()`: the weight
-    and its scales and zeros, as held."""
+    reference path elsewhere (the module's docstring); on CUDA where `GAPLESS_INT4_KERNEL` gives the layer
+    a library's (`int4_kernels.for_layer`: tinygemm by default where it fits), that library's GEMM on the
+    weight in its layout instead. `tensors()`: the weight and its scales and zeros, as held."""
 
     def __init__(self, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, device: torch.device) -> None:
         n, k = w.q.shape
@@ -281,7 +281,9 @@ class Int4LinearMethod:
         self.out_features, self.in_features, self.dtype = n, k, dtype
         if k % (32 // spec.bits):
             raise QuantFormatError(f"{spec.label}: in_features {k} is not a multiple of {32 // spec.bits}")
-        kernel = int4_kernels.chosen() if device.type == "cuda" else "triton"
+        kernel = "triton"  # (the CPU's reference path: the Triton GEMM's layout)
+        if device.type == "cuda":
+            kernel = int4_kernels.for_layer(spec.bits, self.group, dtype, n, k)
         self.library = None
         if kernel != "triton":
             self.library = int4_kernels.library_kernel(kernel, w, spec.bits, dtype, device, spec.label)

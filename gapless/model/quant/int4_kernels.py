@@ -1,19 +1,23 @@
 """Which GEMM an int4/int8 weight-only layer runs on CUDA (`GAPLESS_INT4_KERNEL`), each holding the weight
 in its own layout, built from the one unpacked form `W = (q - zero) * scale` (`int4.Unpacked`):
 
-- `triton` (the default): gapless's Triton GEMM (`int4_triton`), every bit width, group and dtype.
+- `auto` (the default): `tinygemm` for each layer it can run, else `triton`.
+- `triton`: gapless's Triton GEMM (`int4_triton`), every bit width, group and dtype.
 - `tinygemm`: torch's own int4 GEMM (`torch.ops.aten._weight_int4pack_mm`, sm_80+), 4 bits, bfloat16,
-  groups of 32, 64, 128 or 256. It computes `(q - 8) * scale + offset` per group, so the zero is held as
-  `offset = (8 - zero) * scale`, rounded to bfloat16: within half a bfloat16 step of that product of the
-  exact weight (the Triton GEMM's weight is the exact one, rounded once).
+  groups of 32, 64, 128 or 256, N a multiple of 8 and K of 32. It computes `(q - 8) * scale + offset`
+  per group, so the zero is held as `offset = (8 - zero) * scale`, rounded to bfloat16: within half a
+  bfloat16 step of that product of the exact weight (the Triton GEMM's weight is the exact one, rounded
+  once).
 - `gemlite`: gemlite's Triton kernels (`pip install gemlite`; GEMV kernels at one row, split-K ones at a
   few), 4 or 8 bits, fed the same `(q - zero) * scale` form unchanged (`fma_mode=False`). Its split-K
   kernels add their partial sums with atomics: the last bits of a product may differ between runs.
 
-The libraries are not the default until a GPU measures them against the Triton GEMM at decode sizes
-(`python -m gapless.bench.int4_gemm --kernels triton tinygemm gemlite`, and the TPOT runs of
-bench/gpu_quant.sh). A kernel that cannot run the checkpoint's scheme (bits, dtype, group; `check`) is
-refused in one line before any weight loads, one that cannot take a layer's shape as the layer is built.
+Measured on an H100 (bench/results/h100-2026-11-26/quant): Qwen3-8B's TPOT at batch 1 with AWQ int4
+weights is 0.50x bf16's on tinygemm, 0.59x on gemlite, 0.89x on the Triton GEMM; at one row tinygemm
+reads the weights at 1.3-1.9 TB/s, the Triton GEMM at 0.5-1.0 (`python -m gapless.bench.int4_gemm
+--kernels triton tinygemm gemlite`). A kernel named that cannot run the checkpoint's scheme (bits, dtype,
+group; `check`) is refused in one line before any weight loads, one that cannot take a layer's shape as
+the layer is built.
 """
 
 from __future__ import annotations
@@ -29,13 +33,24 @@ from gapless.model.quant.formats import QuantFormatError
 if TYPE_CHECKING:
     from gapless.model.quant.int4 import Int4Spec, Unpacked
 
-KERNELS = ("triton", "tinygemm", "gemlite")  # (`env.INT4_KERNEL`'s choices)
+KERNELS = ("auto", "triton", "tinygemm", "gemlite")  # (`env.INT4_KERNEL`'s choices)
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 
 
 def chosen() -> str:
-    """The kernel `GAPLESS_INT4_KERNEL` names (default `triton`)."""
+    """The kernel `GAPLESS_INT4_KERNEL` names (default `auto`)."""
     return env.INT4_KERNEL.get()
+
+
+def for_layer(bits: int, group: int, dtype: torch.dtype, n: int, k: int) -> str:
+    """The kernel a CUDA layer of `bits`, `group` and weight [n, k] in `dtype` runs: the one named, or
+    under `auto` tinygemm where it runs the layer (the faster at decode), else the Triton GEMM."""
+    kernel = chosen()
+    if kernel != "auto":
+        return kernel
+    fits = bits == 4 and dtype == torch.bfloat16 and group in TINYGEMM_GROUPS  # (K: groups, so 32s)
+    fits = fits and n % 8 == 0 and k % group == 0
+    return "tinygemm" if fits else "triton"
 
 
 def _refuse(kernel: str, label: str, what: str) -> QuantFormatError:
@@ -63,7 +78,7 @@ def check_load(spec: Int4Spec | None, dtype: torch.dtype, device: torch.device |
     """`check` for a load of `spec` (None: not an int4/int8 checkpoint) in `dtype` on `device`, where the
     variable names a library and the device is CUDA (the CPU keeps its reference path)."""
     kernel = chosen()
-    if spec is not None and kernel != "triton" and torch.device(device).type == "cuda":
+    if spec is not None and kernel not in ("auto", "triton") and torch.device(device).type == "cuda":
         check(kernel, spec.bits, spec.group_size, dtype, spec.label)
 
 
