@@ -55,7 +55,8 @@ def _layer(k: int, n: int, args: argparse.Namespace, device: torch.device, dtype
     gen = torch.Generator().manual_seed(0)
     w = quantize((torch.randn(n, k, generator=gen) * 0.02).to(device), args.bits, args.group, sym=False)
     spec = Int4Spec("gptq", args.bits, args.group, False)
-    return w, Int4LinearMethod(w, spec, dtype, device), w.dequantize().to(dtype).to(device)
+    triton = Int4LinearMethod(w, spec, dtype, device, kernel="triton")  # (whatever `auto` would give it)
+    return w, triton, w.dequantize().to(dtype).to(device)
 
 
 def _library(

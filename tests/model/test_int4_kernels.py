@@ -60,10 +60,25 @@ def test_env_names_the_kernel(monkeypatch):
     ],
 )
 def test_auto_takes_tinygemm_where_it_runs_the_layer(bits, group, dtype, n, k, kernel, monkeypatch):
-    assert int4_kernels.for_layer(bits, group, dtype, n, k) == kernel
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert int4_kernels.for_layer(bits, group, dtype, n, k, cuda) == kernel
+    assert int4_kernels.for_layer(bits, group, dtype, n, k, cpu) == "triton"  # the reference path's layout
     for named in ("triton", "tinygemm", "gemlite"):  # a named kernel is every layer's (refused if it cannot)
         monkeypatch.setenv("GAPLESS_INT4_KERNEL", named)
-        assert int4_kernels.for_layer(bits, group, dtype, n, k) == named
+        assert int4_kernels.for_layer(bits, group, dtype, n, k, cuda) == named
+
+
+def test_the_int4_bench_times_the_triton_gemm_on_its_own_layout(monkeypatch):
+    """`gapless.bench.int4_gemm`'s Triton rows hold the Triton layout whatever kernel the layer would get
+    (on CUDA, `auto` gives a bf16 4-bit layer tinygemm: the bench then failed on tinygemm's tensors)."""
+    import argparse
+
+    from gapless.bench import int4_gemm
+
+    monkeypatch.setattr(int4_kernels, "for_layer", lambda *a: "tinygemm")  # as on CUDA
+    args = argparse.Namespace(bits=4, group=32)
+    _, method, _ = int4_gemm._layer(128, 64, args, torch.device("cpu"), torch.bfloat16)
+    assert method.library is None and [t.shape for t in method.tensors()] == [(16, 64), (4, 64), (4, 64)]
 
 
 def test_tinygemm_form_packs_nibbles_in_order_and_offsets_the_zero():

@@ -99,30 +99,30 @@ def test_unpacked_layout_equals_the_writers_formula(layout, bits, group, sym):
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
 @pytest.mark.parametrize("m", [1, 5, 33])
-def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m, monkeypatch):
+def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     """The chosen tiles, a split of K into 4 with narrow tiles (partial sums over the split summed), the
     decode tiles with a dot per value of the words and with one reshaped tile (`nibble_dots`, where the
     group allows a 128-wide K block), and the one-row GEMV tiles (a program a row), in fp32; and bf16
     activations and scales within bf16's rounding."""
-    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")  # (on CUDA, bf16 4-bit layers take tinygemm else)
     n, k = 96, 256
     gen = torch.Generator().manual_seed(m)
     w = quantize(torch.randn(n, k, generator=gen), bits, group, sym=False)
     x = torch.randn(m, k, generator=gen)
     ref = x.double() @ w.dequantize().double().t()
     x = x.to(DEVICE)
-    method = Int4LinearMethod(w, Int4Spec("gptq", bits, group, False), torch.float32, DEVICE)
+    spec = Int4Spec("gptq", bits, group, False)
+    method = Int4LinearMethod(w, spec, torch.float32, DEVICE, kernel="triton")
     args = (method.qweight, method.scales, method.zeros, group, bits)
     gemv = [GemmConfig(1, 32, 32, 2, 4, 3)] if m <= 5 else []  # a program a row: slow interpreted
     bk = 16 * (32 // bits)  # the narrowest K block a dot per value takes: 16 words' rows
     wide = [GemmConfig(16, 32, bk, 2, 4, 3, nibble) for nibble in (True, False)] if group % bk == 0 else []
     assert [nibble_dots(c, bits) for c in wide] == ([True, False] if wide else [])
-    if m <= 16:  # decode's tiles take it wherever the group allows its K block
-        assert nibble_dots(choose_config(m, n, k, group), bits) == (group % bk == 0)
+    if m <= 16:  # decode's tiles take it at one row, wherever the group allows its K block
+        assert nibble_dots(choose_config(m, n, k, group), bits) == (m == 1 and group % bk == 0)
     for cfg in [None, GemmConfig(16, 32, 32, 4, 4, 3), *gemv, *wide]:
         y = w4a16_matmul(x, *args, config=cfg)
         torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-4)
-    half = Int4LinearMethod(w, Int4Spec("gptq", bits, group, False), torch.bfloat16, DEVICE)
+    half = Int4LinearMethod(w, spec, torch.bfloat16, DEVICE, kernel="triton")  # (not tinygemm on CUDA)
     y = w4a16_matmul(x.bfloat16(), half.qweight, half.scales, half.zeros, group, bits)
     assert y.dtype == torch.bfloat16
     tol = x.abs().sum().item() * 2e-2 / k**0.5

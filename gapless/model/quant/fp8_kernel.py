@@ -124,8 +124,8 @@ def _fp8_gemm_kernel(
 
 def _tiles(m: int) -> tuple[int, int, int, int]:
     """(BM, BN, warps, stages) for M rows: at decode sizes a narrow N tile, so a weight's rows spread over
-    more programs (the GEMM reads every weight once: bandwidth wants every SM busy); larger tiles from 64
-    rows up, where the tensor cores' work is the cost."""
+    more programs (the GEMM reads every weight once: bandwidth wants every SM busy; K is split too); larger
+    tiles from 64 rows up, where the tensor cores' work is the cost."""
     if m <= 16:
         return DECODE_TILES
     if m <= 64:
@@ -138,7 +138,10 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
 # cost 0.5-1 us on Qwen3-0.6B's, where the launch it adds is a large share
 # (bench/results/h100-2026-11-26/quant/fp8_gemm.log; bench/experiments/fp8_gemm.py times both)
 PREQUANT_ROWS = 16
-DECODE_TILES = (16, 32, 4, 4)  # (BM, BN, warps, stages) at decode sizes (`_tiles`; the bench's sweep sets it)
+# (BM, BN, warps, stages) at decode sizes (`_tiles`): on an H200 at one row, the fastest on each of Qwen3-8B's
+# layers of BN 32, 64, 128 and 512 or 1024 split programs (70.1 us the four against 78.6 at BN 32;
+# bench/results/h200-2026-11-26/run3/fp8_sweep.log, `bench/experiments/fp8_gemm.py --sweep`)
+DECODE_TILES = (16, 64, 4, 4)
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
 # per device: the split tiles' arrival counters, all 0 at rest; one buffer for good (a CUDA graph keeps
 # its address), of SPLIT_PROGRAMS counters: a GEMM splits only when it has fewer tiles than that

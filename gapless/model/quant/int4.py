@@ -272,18 +272,19 @@ class Int4LinearMethod:
     """`x W^T + b` with W held packed (`int4_triton`'s layout): the Triton GEMM on CUDA, the dequantizing
     reference path elsewhere (the module's docstring); on CUDA where `GAPLESS_INT4_KERNEL` gives the layer
     a library's (`int4_kernels.for_layer`: tinygemm by default where it fits), that library's GEMM on the
-    weight in its layout instead. `tensors()`: the weight and its scales and zeros, as held."""
+    weight in its layout instead (`kernel`: that choice made by the caller). `tensors()`: the weight and
+    its scales and zeros, as held."""
 
-    def __init__(self, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, device: torch.device, kernel: str | None = None
+    ) -> None:
         n, k = w.q.shape
         self.name, self.quant_method = spec.label, spec.method
         self.bits, self.group = spec.bits, k // w.scale.shape[1]
         self.out_features, self.in_features, self.dtype = n, k, dtype
         if k % (32 // spec.bits):
             raise QuantFormatError(f"{spec.label}: in_features {k} is not a multiple of {32 // spec.bits}")
-        kernel = "triton"  # (the CPU's reference path: the Triton GEMM's layout)
-        if device.type == "cuda":
-            kernel = int4_kernels.for_layer(spec.bits, self.group, dtype, n, k)
+        kernel = kernel or int4_kernels.for_layer(spec.bits, self.group, dtype, n, k, device)
         self.library = None
         if kernel != "triton":
             self.library = int4_kernels.library_kernel(kernel, w, spec.bits, dtype, device, spec.label)

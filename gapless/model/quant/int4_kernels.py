@@ -42,10 +42,13 @@ def chosen() -> str:
     return env.INT4_KERNEL.get()
 
 
-def for_layer(bits: int, group: int, dtype: torch.dtype, n: int, k: int) -> str:
-    """The kernel a CUDA layer of `bits`, `group` and weight [n, k] in `dtype` runs: the one named, or
-    under `auto` tinygemm where it runs the layer (the faster at decode), else the Triton GEMM."""
+def for_layer(bits: int, group: int, dtype: torch.dtype, n: int, k: int, device: torch.device) -> str:
+    """The kernel a layer of `bits`, `group` and weight [n, k] in `dtype` runs on `device`: on CUDA the one
+    named, or under `auto` tinygemm where it runs the layer (the faster at decode), else the Triton GEMM;
+    elsewhere `triton` (the reference path, which dequantizes the Triton GEMM's layout)."""
     kernel = chosen()
+    if device.type != "cuda":
+        return "triton"
     if kernel != "auto":
         return kernel
     fits = bits == 4 and dtype == torch.bfloat16 and group in TINYGEMM_GROUPS  # (K: groups, so 32s)

@@ -9,13 +9,13 @@ The weight is held in one layout whatever checkpoint it came from (`gapless.mode
 
 Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its
 [BLOCK_K / P, BLOCK_N] tile of int32 words (each word read once) and one row of scales and zeros (a K
-block never crosses a group: BLOCK_K divides G and K). Then, where the tiles allow (`nibble_dots`, 16-row
-tiles with BLOCK_K / P >= 16: decode's), for each j < P it shifts value j out of every word, subtracts
-the zero, scales, and adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns k0 + P * r + j;
-otherwise it lays the P values of each word out as one [BLOCK_K, BLOCK_N] tile for one dot. The first
-keeps each value where it was unpacked: compiled for sm_90 at one row (bf16, 4 bits), 56 registers and
-10 KB of shared memory a program against the second's 128 and 34 KB, which spends 64 shared-memory stores
-a step on the reshape.
+block never crosses a group: BLOCK_K divides G and K). Then, where the tiles allow (`nibble_dots`,
+16-row tiles with BLOCK_K / P >= 16, chosen at one row), for each j < P it shifts value j out of every
+word, subtracts the zero, scales, and adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns
+k0 + P * r + j; otherwise it lays the P values of each word out as one [BLOCK_K, BLOCK_N] tile for one
+dot. The first keeps each value where it was unpacked: compiled for sm_90 at one row (bf16, 4 bits), 56
+registers and 10 KB of shared memory a program against the second's 128 and 34 KB, which spends 64
+shared-memory stores a step on the reshape.
 
 `BLOCK_M = 1` (a tile option for one row, `gapless.bench.int4_gemm --block-m 1`) multiplies on the CUDA
 cores instead (broadcast and sum over K), with no 16-row dot tile of which 15 rows are padding.
@@ -162,7 +162,10 @@ def nibble_dots(cfg: GemmConfig, bits: int) -> bool:
 
 def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     """Tiles by the row count: decode (M <= 16) takes 16-row tiles and splits K until about
-    `_TARGET_PROGRAMS` programs run; larger M takes larger tiles and fewer splits."""
+    `_TARGET_PROGRAMS` programs run; larger M takes larger tiles and fewer splits. A dot per value of the
+    words at one row only: on an H100 it took 0.83-0.96x the reshaped tile's time at one row on Llama-3-8B's
+    layers, 1.25-1.45x at 16, where each dot loads 16 rows of x strided (bench/results/h100-2026-11-26/
+    quant/run2/int4_gemm.log)."""
     if m <= 16:
         bm, bn, bk, warps = 16, 64, _block_k(group, k, 128), 4
     elif m <= 64:
@@ -174,7 +177,7 @@ def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     split = 1
     while split * 2 <= _MAX_SPLIT and tiles * split * 2 <= _TARGET_PROGRAMS and k_blocks >= split * 2 * 4:
         split *= 2
-    return GemmConfig(bm, bn, bk, split, warps, 3)
+    return GemmConfig(bm, bn, bk, split, warps, 3, nibble_dots=m == 1)
 
 
 def w4a16_matmul(
