@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# The quantized-weights runs of issue 36 on a GPU (sm_89+), in at most ~370 s on an H200, the issue's
-# targets first:
+# The quantized-weights runs of issue 36 on a GPU (sm_89+), within $QUANT_BUDGET_S seconds (default 370),
+# the issue's targets first:
 #   1. TPOT at batch 1 against bf16 (`gapless.bench.quant`; random weights, `load_format=dummy`: nothing
 #      written or read), each run in its own process: FP8 weights (`--quantization fp8`) on Qwen3-0.6B's
 #      and Qwen3-8B's shapes (the issue's target: <= 0.6), int4 w4a16 (AWQ g128) on Qwen3-8B's (target:
-#      <= 0.4) through the default (`auto`: torch's tinygemm on these layers), the Triton GEMM and
-#      gemlite (`GAPLESS_INT4_KERNEL`)
-#   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
-#      tok/s)
-#   3. the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows,
-#      with x rounded in the GEMM's loop and before it (bench/experiments/fp8_gemm.py; the default rounds
-#      it before, `fp8_kernel.PREQUANT_ROWS`), then its decode tiles and K splits at one row (`--sweep`)
-#   4. the int4 GEMMs alone (Triton, tinygemm, gemlite) against bf16 on Llama-3-8B's layers, from decode
+#      <= 0.4) through the default (`auto`: torch's tinygemm on these layers) and the Triton GEMM
+#      (`GAPLESS_INT4_KERNEL`)
+#   2. the int4 GEMMs alone (Triton, tinygemm, gemlite) against bf16 on Llama-3-8B's layers, from decode
 #      to prefill sizes (`gapless.bench.int4_gemm`)
-#   5. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
-#   6. decode attention alone over each KV cache, key blocks and warps swept (`gapless.bench.kernels`)
+#   3. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
+#      tok/s)
+#   4. the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows,
+#      with x rounded in the GEMM's loop and before it (bench/experiments/fp8_gemm.py; the default rounds
+#      it before, `fp8_kernel.PREQUANT_ROWS`)
+#   5. Qwen3-8B's int4 TPOT on gemlite; the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its
+#      experts in the fused grouped GEMM)
+#   6. the FP8 GEMM's decode tiles and K splits at one row (`fp8_gemm.py --sweep`); decode attention alone
+#      over each KV cache, key blocks and warps swept (`gapless.bench.kernels`)
 # then the table of every TPOT run. Logs go to $1, else $OUT, else bench/results/gpu_quant: gpu_quant.log
-# (the tables), quant_*.json (each run), fp8_gemm.log, int4_gemm.log. bench/gpu_session.sh's `all` part
+# (the tables), quant_*.json (each run), int4_gemm.log, fp8_gemm.log, fp8_sweep.log, kv_attention.log. bench/gpu_session.sh's `all` part
 # calls it first (step `quant`, OUT=$WORK/quant).
 #
 #   run(command="bash bench/gpu_quant.sh", timeout_s=360)      # on the device tool; $OUT is set there
@@ -74,9 +76,14 @@ tpot 40 qwen3-0.6b fp8 --engine-option quantization=fp8
 tpot 50 qwen3-8b bf16
 tpot 50 qwen3-8b fp8 --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4  # (its config's quantization_config: AWQ int4 g128), the default GEMM
-# the other int4 GEMMs (`gapless.model.quant.int4_kernels`): gapless's Triton GEMM, gemlite (its wheel)
+# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes later)
 GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
-GAPLESS_INT4_KERNEL=gemlite tpot 60 qwen3-8b-awq int4_gemlite
+
+# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
+# prefill's 256 and 2048 (`auto` holds tinygemm's layout whatever the rows: this says what a prefill pays)
+other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 \
+  --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
+grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
 # the bf16 KV cache's run just before it on the same machine
@@ -88,26 +95,28 @@ done
 
 other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
 grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
-other 45 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1
-grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
 
-# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
-# prefill's 256 and 2048 (`auto` holds tinygemm's layout whatever the rows: this says what a prefill pays)
-other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 \
-  --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
-grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
+# gemlite's int4 GEMMs (its wheel; its first call tunes for a minute, so after the rest)
+say ""
+GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite
 
 # the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4
-say ""
 tpot 70 qwen3-30b-a3b bf16
 tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
 tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
 
-# decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 41% of a copy's bandwidth
-# on the H200 where bf16 read at 93%): batch 64 and 256 at 1k and 4k contexts, key blocks of 64 (the
+# the FP8 GEMM's decode tiles and K splits at one row (the default, 16x64 at ~512 programs, was the
+# fastest of these on an H200: bench/results/h200-2026-11-26/run3)
+other 45 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1
+grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
+
+# decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 52% of a copy's bandwidth
+# on an H100 where bf16 read at 83%): batch 64 and 256 at 1k and 4k contexts, key blocks of 64 (the
 # default), 32 and 16 and 4 or 8 warps (compiled for sm_90 here, the fp8 kernel at the default holds 143
 # registers a thread against bf16's 79: 3 programs an SM against 5; at 16 keys, 100 and 5)
 # (`gapless.bench.kernels`; its other tables cut to their smallest)
+# (on an H100 the default, 64 keys and 4 warps, was the fastest at batch 256: bench/results/h100-2026-11-26/
+# quant/run2)
 other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 256 --context 1024 4096 \
   --page-size 16 --kv-cache-dtype auto fp8 --decode-block-n 0 32 16 --decode-warps 4 8 --tokens 16 \
   --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
