@@ -15,11 +15,11 @@
 #      it before, `fp8_kernel.PREQUANT_ROWS`)
 #   5. Qwen3-8B's int4 TPOT on gemlite; the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its
 #      experts in the fused grouped GEMM)
-#   6. the FP8 GEMM's decode tiles and K splits at one row (`fp8_gemm.py --sweep`); decode attention alone
+#   6. the FP8 GEMM's tiles and K splits at 1 and 128 rows (`fp8_gemm.py --sweep`); decode attention alone
 #      over each KV cache, key blocks and warps swept (`gapless.bench.kernels`)
 # then the table of every TPOT run. Logs go to $1, else $OUT, else bench/results/gpu_quant: gpu_quant.log
-# (the tables), quant_*.json (each run), int4_gemm.log, fp8_gemm.log, fp8_sweep.log, kv_attention.log. bench/gpu_session.sh's `all` part
-# calls it first (step `quant`, OUT=$WORK/quant).
+# (the tables), quant_*.json (each run), int4_gemm.log, fp8_gemm.log, fp8_sweep.log, kv_attention.log.
+# bench/gpu_session.sh's `all` part calls it first (step `quant`, OUT=$WORK/quant).
 #
 #   run(command="bash bench/gpu_quant.sh", timeout_s=360)      # on the device tool; $OUT is set there
 #
@@ -105,9 +105,10 @@ tpot 70 qwen3-30b-a3b bf16
 tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
 tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
 
-# the FP8 GEMM's decode tiles and K splits at one row (the default, 16x64 at ~512 programs, was the
-# fastest of these on an H200: bench/results/h200-2026-11-26/run3)
-other 45 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1
+# the FP8 GEMM's tiles and K splits at one row (the default, 16x64 at ~512 programs, was the fastest of
+# these on an H200: bench/results/h200-2026-11-26/run3) and at 128 rows (unsplit 128x128 tiles, the
+# default there, took 2.8-4.5x bf16's time on an H100; `fp8_kernel.SPLIT_ROWS`)
+other 70 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 128
 grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
 
 # decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 52% of a copy's bandwidth

@@ -2,7 +2,7 @@
 Qwen3-8B: microseconds a call (CUDA graphs: launch cost excluded) and the weight bytes read per second.
 
     python bench/experiments/fp8_gemm.py [--rows 1 16 128 2048]        # on a GPU of sm_89 or newer
-    python bench/experiments/fp8_gemm.py --sweep [--rows 1]            # decode tiles x K splits
+    python bench/experiments/fp8_gemm.py --sweep [--rows 1 128]        # tiles x K splits
 
 Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton kernel
 (`gapless.model.quant.fp8_kernel`: activation quantization inside it) with per-channel and with
@@ -88,19 +88,28 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
     )
 
 
-# the decode tiles (BM, BN, warps, stages) and split targets `--sweep` times (`fp8_kernel.DECODE_TILES`,
-# `fp8_kernel.SPLIT_PROGRAMS`)
+# the tiles (BM, BN, warps, stages) and split targets `--sweep` times: at decode sizes (<= 16 rows,
+# `fp8_kernel.DECODE_TILES`) the K split on, at more rows (`fp8_kernel._tiles`'s others) with the K split
+# off (the default) and on (`fp8_kernel.SPLIT_ROWS` raised); 0 programs: no split
 SWEEP_TILES = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4)]
 SWEEP_SPLITS = [512, 1024]
+SWEEP_TILES_MORE = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
+SWEEP_SPLITS_MORE = [0, 264, 512]
+
+
+def _sweep_configs(m: int) -> list[tuple[tuple[int, int, int, int], int]]:
+    if m <= 16:
+        return [(t, p) for t in SWEEP_TILES for p in SWEEP_SPLITS]
+    return [(t, p) for t in SWEEP_TILES_MORE for p in SWEEP_SPLITS_MORE]
 
 
 def sweep(rows: list[int]) -> None:
-    """Per-channel FP8 on Qwen3-8B's layers at each decode tile and split target: us a call, the weight's
-    GB/s, the fastest marked."""
+    """Per-channel FP8 on Qwen3-8B's layers at each tile and split target: us a call, the weight's GB/s,
+    the fastest marked."""
     dev = torch.device("cuda")
     print("| layer | N x K | rows | tiles (BM, BN, warps, stages) | split programs | us | fp8 GB/s |")
     print("|---|---|---:|---|---:|---:|---:|")
-    saved = fp8_kernel.DECODE_TILES, fp8_kernel.SPLIT_PROGRAMS
+    saved = fp8_kernel._tiles, fp8_kernel.SPLIT_PROGRAMS, fp8_kernel.SPLIT_ROWS
     try:
         for name, n, k in SHAPES["qwen3-8b"]:
             qc, sc = quantize_rows(torch.randn(n, k, device=dev) * 0.02)
@@ -108,25 +117,26 @@ def sweep(rows: list[int]) -> None:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 call = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
                 times = {}
-                for tiles in SWEEP_TILES:
-                    for programs in SWEEP_SPLITS:
-                        fp8_kernel.DECODE_TILES, fp8_kernel.SPLIT_PROGRAMS = tiles, programs
-                        fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
-                        times[tiles, programs] = _us(call)
+                for tiles, programs in _sweep_configs(m):
+                    fp8_kernel._tiles = functools.partial(lambda t, _m: t, tiles)
+                    fp8_kernel.SPLIT_PROGRAMS = programs or saved[1]
+                    fp8_kernel.SPLIT_ROWS = max(m, 16) if programs else 0
+                    fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
+                    times[tiles, programs] = _us(call)
                 best = min(times, key=lambda c: times[c])
                 for (tiles, programs), us in times.items():
                     mark = " (best)" if (tiles, programs) == best else ""
                     gbs = n * k / us / 1e3
                     print(f"| {name} | {n} x {k} | {m} | {tiles} | {programs} | {us:.1f}{mark} | {gbs:.0f} |")
     finally:
-        fp8_kernel.DECODE_TILES, fp8_kernel.SPLIT_PROGRAMS = saved
+        fp8_kernel._tiles, fp8_kernel.SPLIT_PROGRAMS, fp8_kernel.SPLIT_ROWS = saved
         fp8_kernel._LOCKS.clear()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128, 2048])
-    p.add_argument("--sweep", action="store_true", help="the decode tiles and K splits instead")
+    p.add_argument("--sweep", action="store_true", help="tiles x K splits on Qwen3-8B's layers instead")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     if args.sweep:

@@ -282,20 +282,24 @@ def test_triton_gemm_matches_the_reference_under_the_interpreter(rows, block):
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
 )
-def test_decode_rows_split_k_and_leave_the_counters_at_rest(monkeypatch):
+@pytest.mark.parametrize("rows", [3, 33])
+def test_decode_rows_split_k_and_leave_the_counters_at_rest(monkeypatch, rows):
     """At decode sizes K is cut over several programs per tile, the last to arrive adding the partial
-    tiles: the same result as one program per tile (to fp32 rounding), and every counter back at 0."""
+    tiles: the same result as one program per tile (to fp32 rounding), and every counter back at 0; at 33
+    rows too, in 64-row tiles, where `SPLIT_ROWS` lets it (the sweep's option)."""
     from gapless.model.quant import fp8_kernel
 
     n, k, act = 48, 448, 64  # 7 steps of 64: splits of 1 step each
     w = torch.randn(n, k) * 0.05
     q, s = quantize_blocks(w, (16, 64))
-    x, bias = _exact_activations(3, k, act, seed=1), torch.randn(n)
-    assert fp8_kernel._splits(3, 2, 7, x.device) == 7
+    x, bias = _exact_activations(rows, k, act, seed=1), torch.randn(n)
+    assert fp8_kernel._splits(rows, 2, 7, x.device) == (7 if rows <= 16 else 1)
+    monkeypatch.setattr(fp8_kernel, "SPLIT_ROWS", 64)
+    assert fp8_kernel._splits(rows, 2, 7, x.device) == 7
     split = fp8_gemm(x, q, s, 16, 64, act, bias)
     assert int(fp8_kernel._LOCKS[x.device].abs().sum()) == 0
     monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 1)
-    assert fp8_kernel._splits(3, 2, 7, x.device) == 1
+    assert fp8_kernel._splits(rows, 2, 7, x.device) == 1
     whole = fp8_gemm(x, q, s, 16, 64, act, bias)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
     ref = reference_linear(x, dequantize(q, s, 16, 64), act, bias)

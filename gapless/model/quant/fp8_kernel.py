@@ -143,6 +143,10 @@ PREQUANT_ROWS = 16
 # bench/results/h200-2026-11-26/run3/fp8_sweep.log, `bench/experiments/fp8_gemm.py --sweep`)
 DECODE_TILES = (16, 64, 4, 4)
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
+# K is split at this many rows or fewer (more: at 128 rows the 128 x 128 tiles are 32-192 programs on 132
+# SMs, 2.8-4.5x bf16's time on Qwen3-8B's layers on an H100; `fp8_gemm.py --sweep --rows 128` times the
+# split there, not yet run on a GPU)
+SPLIT_ROWS = 16
 # per device: the split tiles' arrival counters, all 0 at rest; one buffer for good (a CUDA graph keeps
 # its address), of SPLIT_PROGRAMS counters: a GEMM splits only when it has fewer tiles than that
 _LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -150,10 +154,10 @@ _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 def _splits(m: int, n_tiles: int, k_steps: int, device: torch.device) -> int:
     """How many parts K is cut into: 1 (each program runs the whole of K) unless the rows are a decode's
-    (<= 16) and the tiles too few to keep every SM reading; then enough parts for `SPLIT_PROGRAMS`
-    programs, each at least one BK step. 1 also while a CUDA graph is being captured before the device
-    has its counters."""
-    if m > 16:
+    (<= `SPLIT_ROWS`) and the tiles too few to keep every SM reading; then enough parts for
+    `SPLIT_PROGRAMS` programs, each at least one BK step. 1 also while a CUDA graph is being captured
+    before the device has its counters."""
+    if m > SPLIT_ROWS:
         return 1
     splits = min(k_steps, -(-SPLIT_PROGRAMS // n_tiles))
     if splits <= 1:
