@@ -4,7 +4,7 @@
 #   1. TPOT at batch 1 against bf16 (`gapless.bench.quant`; random weights, `load_format=dummy`: nothing
 #      written or read), each run in its own process: FP8 weights (`--quantization fp8`) on Qwen3-0.6B's
 #      and Qwen3-8B's shapes (the issue's target: <= 0.6), int4 w4a16 (AWQ g128) on Qwen3-8B's (target:
-#      <= 0.4) through the default (`auto`: torch's tinygemm on these layers) and the Triton GEMM
+#      <= 0.4) through the default (`auto`: torch's tinygemm at decode rows) and the Triton GEMM alone
 #      (`GAPLESS_INT4_KERNEL`)
 #   2. the int4 GEMMs alone (Triton, tinygemm, gemlite) against bf16 on Llama-3-8B's layers, from decode
 #      to prefill sizes (`gapless.bench.int4_gemm`)
@@ -80,7 +80,8 @@ tpot 50 qwen3-8b-awq int4  # (its config's quantization_config: AWQ int4 g128), 
 GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 
 # the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
-# prefill's 256 and 2048 (`auto` holds tinygemm's layout whatever the rows: this says what a prefill pays)
+# prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
+# GEMM's above: this checks where they cross)
 other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 \
   --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
 grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"

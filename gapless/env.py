@@ -132,9 +132,9 @@ INT4_KERNEL = _var(
     "auto",
     _one_of("auto", "triton", "tinygemm", "gemlite"),
     "`auto`, `triton`, `tinygemm` or `gemlite`",
-    "int4/int8 weight-only layers on CUDA: `auto` runs torch's own int4 GEMM (`_weight_int4pack_mm`) where "
-    "it fits a layer, else gapless's Triton GEMM; or one of them, or gemlite's kernels, for every layer "
-    "(`gapless.model.quant.int4_kernels`)",
+    "int4/int8 weight-only layers on CUDA: `auto` holds torch's own int4 GEMM (`_weight_int4pack_mm`) for "
+    "decode rows beside gapless's Triton GEMM for more, where tinygemm fits a layer and the GPU has room; "
+    "or the one named, for every layer (`gapless.model.quant.int4_kernels`)",
 )
 API_KEY = _var("GAPLESS_API_KEY", None, _optional_str, "string", "the default of `gapless serve --api-key`")
 LOG_LEVEL = _var(

@@ -158,13 +158,15 @@ def load_model(
             name = name[: -len("_inv")]  # fp8's scale is a multiplier, as compressed-tensors' weight_scale
         keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
         loaded.update(_place(model, params, name, tensor if keep else tensor.to(dtype)))
+    # (which int4 GEMMs: GAPLESS_INT4_KERNEL, with `auto`'s second copies if the GPU has room for them)
+    int4_kernel = int4_kernels.for_model(model, int4_spec.bits, device) if int4_spec is not None else ""
     if int4_parts:
         assert int4_spec is not None
-        loaded.update(_install_int4(model, int4_parts, int4_spec, dtype))
+        loaded.update(_install_int4(model, int4_parts, int4_spec, dtype, int4_kernel))
     if dummy:
         _random_weights(model)
         if int4_spec is not None:  # the layers an int4/int8 checkpoint quantizes, random in its form
-            int4.install_random(model, int4_spec, dtype)
+            int4.install_random(model, int4_spec, dtype, int4_kernel)
     else:
         _check_complete(model, path, loaded, encoder.missing_weights() if encoder is not None else [])
     model.kv_cache_scales = kv_scales.scales(cfg.num_layers)
@@ -256,7 +258,11 @@ def _prepare_quantized(model: CausalLM, spec: QuantSpec | None, path: Path) -> t
 
 
 def _install_int4(
-    model: CausalLM, quantized: dict[str, dict[str, torch.Tensor]], spec: int4.Int4Spec, dtype: torch.dtype
+    model: CausalLM,
+    quantized: dict[str, dict[str, torch.Tensor]],
+    spec: int4.Int4Spec,
+    dtype: torch.dtype,
+    kernel: str,
 ) -> list[str]:
     """Give each layer whose weight came quantized its `Int4LinearMethod` (a mixture's experts: their
     stacked packed weights, `int4.install_experts`); the names it filled. A layer at a time, on its
@@ -289,7 +295,7 @@ def _install_int4(
         if experts:  # a mixture's experts: every expert's projections stacked
             int4.install_experts(layer, shards, spec, dtype, layer_name)
         else:
-            int4.install(layer, shards, spec, dtype, layer_name)
+            int4.install(layer, shards, spec, dtype, layer_name, kernel)
     return filled
 
 

@@ -50,8 +50,8 @@ def test_env_names_the_kernel(monkeypatch):
 @pytest.mark.parametrize(
     "bits,group,dtype,n,k,kernel",
     [
-        (4, 128, torch.bfloat16, 4096, 4096, "tinygemm"),
-        (4, 32, torch.bfloat16, 64, 128, "tinygemm"),
+        (4, 128, torch.bfloat16, 4096, 4096, "tinygemm+triton"),
+        (4, 32, torch.bfloat16, 64, 128, "tinygemm+triton"),
         (8, 128, torch.bfloat16, 4096, 4096, "triton"),  # tinygemm: 4 bits only
         (4, 128, torch.float16, 4096, 4096, "triton"),  # bfloat16 only
         (4, 4096, torch.bfloat16, 4096, 4096, "triton"),  # a group a row
@@ -59,23 +59,86 @@ def test_env_names_the_kernel(monkeypatch):
         (4, 128, torch.bfloat16, 4100, 4096, "triton"),  # N not a multiple of 8
     ],
 )
-def test_auto_takes_tinygemm_where_it_runs_the_layer(bits, group, dtype, n, k, kernel, monkeypatch):
+def test_auto_takes_tinygemm_where_it_runs_the_layer(bits, group, dtype, n, k, kernel):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert int4_kernels.for_layer(bits, group, dtype, n, k, cuda) == kernel
-    assert int4_kernels.for_layer(bits, group, dtype, n, k, cpu) == "triton"  # the reference path's layout
+    assert int4_kernels.for_layer("auto", bits, group, dtype, n, k, cuda) == kernel
+    assert int4_kernels.for_layer("auto", bits, group, dtype, n, k, cpu) == "triton"  # the reference's layout
     for named in ("triton", "tinygemm", "gemlite"):  # a named kernel is every layer's (refused if it cannot)
-        monkeypatch.setenv("GAPLESS_INT4_KERNEL", named)
-        assert int4_kernels.for_layer(bits, group, dtype, n, k, cuda) == named
+        assert int4_kernels.for_layer(named, bits, group, dtype, n, k, cuda) == named
+
+
+class _FakeLibrary:
+    """A library kernel's stand-in on the CPU: the product, and a record of the rows it was called on."""
+
+    def __init__(self, w: Unpacked) -> None:
+        self.w, self.rows = w.dequantize().bfloat16(), []
+        self.held = [torch.zeros(7)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return x @ self.w.t()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.held
+
+
+def test_auto_runs_its_tinygemm_copy_at_decode_rows_and_the_triton_gemm_above(monkeypatch):
+    """Under `auto` a layer holds both copies: up to TINYGEMM_ROWS rows the library's, above them the
+    Triton layout's path (here the CPU's reference path on it); `tensors()` counts both."""
+    fakes = []
+    monkeypatch.setattr(int4_kernels, "for_layer", lambda *a: "tinygemm+triton")
+    monkeypatch.setattr(
+        int4_kernels, "library_kernel", lambda kernel, w, *a: fakes.append(_FakeLibrary(w)) or fakes[-1]
+    )
+    w = _weight()
+    method = Int4LinearMethod(w, SPEC, torch.bfloat16, torch.device("cpu"), "auto")
+    assert method.name == f"awq w4a16 g32 (tinygemm to {int4_kernels.TINYGEMM_ROWS} rows, triton above)"
+    assert [t.shape for t in method.tensors()] == [(7,), (16, 64), (4, 64), (4, 64)]  # library's, then ours
+    for m in (1, int4_kernels.TINYGEMM_ROWS, int4_kernels.TINYGEMM_ROWS + 1, 40):
+        x = torch.randn(m, 128).bfloat16()
+        y = method.apply(torch.nn.Module(), x)
+        torch.testing.assert_close(y.float(), x.float() @ w.dequantize().t(), rtol=2e-2, atol=2e-2)
+    assert fakes[0].rows == [1, int4_kernels.TINYGEMM_ROWS]
+
+
+def test_auto_holds_one_copy_where_the_second_would_crowd_the_gpu(ckpt_factory, monkeypatch, caplog):
+    """`for_model`: `auto` unless the second copies (the linear layers at `bits`) would take more than
+    SECOND_COPY_SHARE of the GPU's memory, then `triton`, said in the log; a named kernel stays."""
+    from gapless.model.loader import load_model
+
+    model = load_model(ckpt_factory("qwen3"), torch.float32, torch.device("cpu"))
+    from gapless.model import layers
+
+    numel = sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, layers._Linear) and not isinstance(m, layers.ReplicatedLinear)
+    )
+    cuda = torch.device("cuda")
+    for total, expected in ((numel // 2 * 5, "auto"), (numel // 2 * 5 - 8, "triton")):
+        props = type("Props", (), {"total_memory": total})()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, p=props: p)
+        with caplog.at_level("WARNING", logger="gapless.model.quant.int4_kernels"):
+            assert int4_kernels.for_model(model, 4, cuda) == expected
+        assert ("tinygemm's for decode would take" in caplog.text) == (expected == "triton")
+        caplog.clear()
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "tinygemm")
+    assert int4_kernels.for_model(model, 4, cuda) == "tinygemm"
+    monkeypatch.delenv("GAPLESS_INT4_KERNEL")
+    assert int4_kernels.for_model(model, 4, torch.device("cpu")) == "auto"  # (the CPU: for_layer's triton)
 
 
 def test_the_int4_bench_times_the_triton_gemm_on_its_own_layout(monkeypatch):
-    """`gapless.bench.int4_gemm`'s Triton rows hold the Triton layout whatever kernel the layer would get
-    (on CUDA, `auto` gives a bf16 4-bit layer tinygemm: the bench then failed on tinygemm's tensors)."""
+    """`gapless.bench.int4_gemm`'s Triton rows hold the Triton layout alone whatever kernel the layer would
+    get (on CUDA, `auto` gives a bf16 4-bit layer tinygemm's too: the bench then failed on its tensors)."""
     import argparse
 
     from gapless.bench import int4_gemm
 
-    monkeypatch.setattr(int4_kernels, "for_layer", lambda *a: "tinygemm")  # as on CUDA
+    # as on CUDA: a kernel named stays, `auto` gives a bf16 4-bit layer both copies
+    monkeypatch.setattr(
+        int4_kernels, "for_layer", lambda choice, *a: "tinygemm+triton" if choice == "auto" else choice
+    )
     args = argparse.Namespace(bits=4, group=32)
     _, method, _ = int4_gemm._layer(128, 64, args, torch.device("cpu"), torch.bfloat16)
     assert method.library is None and [t.shape for t in method.tensors()] == [(16, 64), (4, 64), (4, 64)]
@@ -156,16 +219,18 @@ def test_the_cpu_keeps_its_reference_path(monkeypatch):
 
 
 @pytest.mark.skipif(not CUDA, reason="the libraries' kernels run on CUDA; their forms are checked above")
-@pytest.mark.parametrize("kernel", ["tinygemm", "gemlite"])
+@pytest.mark.parametrize("kernel", ["tinygemm", "gemlite", "auto"])
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_cuda_library_kernel_computes_the_product(kernel, m, monkeypatch):
+    """Each library's product; `auto`'s tinygemm copy at 1 and 5 rows, its Triton GEMM at 33."""
     if kernel == "gemlite" and importlib.util.find_spec("gemlite") is None:
         pytest.skip("gemlite is not installed (the `gemlite` extra)")
     monkeypatch.setenv("GAPLESS_INT4_KERNEL", kernel)
     w = _weight(256, 512, 128)
     dev = torch.device("cuda")
     method = Int4LinearMethod(w, Int4Spec("awq", 4, 128, sym=False), torch.bfloat16, dev)
-    assert method.library is not None and method.name.endswith(f"({kernel})")
+    label = {"auto": f"tinygemm to {int4_kernels.TINYGEMM_ROWS} rows, triton above"}.get(kernel, kernel)
+    assert method.library is not None and method.name.endswith(f"({label})")
     x = torch.randn(m, 512, device=dev).bfloat16()
     ref = x.float() @ w.dequantize().to(dev).bfloat16().float().t()
     got = method.apply(torch.nn.Module(), x).float()

@@ -169,7 +169,7 @@ def test_tensor_parallel_pieces_make_the_whole_layer(kind):
             }[kind]()
         finally:
             parallel.use(parallel.SINGLE)
-        install(layer, shards, spec, torch.float32, kind)
+        install(layer, shards, spec, torch.float32, kind, "triton")
         outs.append(layer.linear_method.apply(layer, x.chunk(2, 1)[rank] if kind == "row" else x))
     if kind == "row":
         whole = x @ shards[None].dequantize().t()

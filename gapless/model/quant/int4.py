@@ -270,10 +270,10 @@ def _check_g_idx(g_idx: torch.Tensor, k: int, group: int, where: str) -> None:
 
 class Int4LinearMethod:
     """`x W^T + b` with W held packed (`int4_triton`'s layout): the Triton GEMM on CUDA, the dequantizing
-    reference path elsewhere (the module's docstring); on CUDA where `GAPLESS_INT4_KERNEL` gives the layer
-    a library's (`int4_kernels.for_layer`: tinygemm by default where it fits), that library's GEMM on the
-    weight in its layout instead (`kernel`: that choice made by the caller). `tensors()`: the weight and
-    its scales and zeros, as held."""
+    reference path elsewhere (the module's docstring); on CUDA where the model's kernel choice gives the
+    layer a library's GEMM (`int4_kernels.for_layer`; `kernel`: that choice, default the variable's), the
+    weight in that library's layout too, or instead: `auto` runs tinygemm's copy up to
+    `int4_kernels.TINYGEMM_ROWS` rows and the Triton GEMM above. `tensors()`: what is held."""
 
     def __init__(
         self, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, device: torch.device, kernel: str | None = None
@@ -284,11 +284,17 @@ class Int4LinearMethod:
         self.out_features, self.in_features, self.dtype = n, k, dtype
         if k % (32 // spec.bits):
             raise QuantFormatError(f"{spec.label}: in_features {k} is not a multiple of {32 // spec.bits}")
-        kernel = kernel or int4_kernels.for_layer(spec.bits, self.group, dtype, n, k, device)
-        self.library = None
-        if kernel != "triton":
-            self.library = int4_kernels.library_kernel(kernel, w, spec.bits, dtype, device, spec.label)
-            self.name = f"{spec.label} ({kernel})"
+        choice = kernel or int4_kernels.chosen()
+        library, _, also = int4_kernels.for_layer(
+            choice, spec.bits, self.group, dtype, n, k, device
+        ).partition("+")
+        self.library, self.library_rows = None, int4_kernels.TINYGEMM_ROWS if also else None
+        self.triton_held = library == "triton" or also == "triton"  # (the Triton GEMM's layout held)
+        if library != "triton":
+            self.library = int4_kernels.library_kernel(library, w, spec.bits, dtype, device, spec.label)
+            rows = f" to {self.library_rows} rows, triton above" if also else ""
+            self.name = f"{spec.label} ({library}{rows})"
+        if not self.triton_held:
             return
         self.qweight = pack_int32(w.q.t(), spec.bits, dim=0).to(device)
         self.scales = w.scale.t().to(dtype).contiguous().to(device)
@@ -303,7 +309,7 @@ class Int4LinearMethod:
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-        if self.library is not None:
+        if self.library is not None and (self.library_rows is None or x.shape[0] <= self.library_rows):
             y = self.library(x.to(self.dtype)).to(x.dtype)
         elif x.is_cuda or TRITON_ON_CPU:
             from gapless.model.quant.int4_triton import w4a16_matmul
@@ -318,9 +324,8 @@ class Int4LinearMethod:
         return y if bias is None else y + bias
 
     def tensors(self) -> list[torch.Tensor]:
-        if self.library is not None:
-            return self.library.tensors()
-        return [self.qweight, self.scales, self.zeros]
+        held = self.library.tensors() if self.library is not None else []
+        return held + ([self.qweight, self.scales, self.zeros] if self.triton_held else [])
 
 
 def split_name(name: str, spec: Int4Spec) -> tuple[str, str] | None:
@@ -356,10 +361,11 @@ def shard_for_rank(w: Unpacked, layer: Any, shard: Any, where: str) -> Unpacked:
 
 
 def install(
-    layer: Any, shards: dict[Any, Unpacked], spec: Int4Spec, dtype: torch.dtype, where: str
+    layer: Any, shards: dict[Any, Unpacked], spec: Int4Spec, dtype: torch.dtype, where: str, kernel: str
 ) -> Int4LinearMethod:
     """Give `layer` (a `_Linear`) its quantized weight from its shards (checkpoint shard id -> whole
-    unpacked weight), cut for this rank and stacked in the layer's shard order; its float weight freed."""
+    unpacked weight), cut for this rank and stacked in the layer's shard order, for the model's `kernel`
+    choice (`int4_kernels.for_model`); its float weight freed."""
     from gapless.model import layers
 
     if not isinstance(layer, layers._Linear):
@@ -377,12 +383,12 @@ def install(
             f"{where}: quantized weight {tuple(w.q.shape)} does not fit the layer's "
             f"{tuple(layer.weight.shape)}"
         )
-    return _hold(layer, w, spec, dtype)
+    return _hold(layer, w, spec, dtype, kernel)
 
 
-def _hold(layer: Any, w: Unpacked, spec: Int4Spec, dtype: torch.dtype) -> Int4LinearMethod:
+def _hold(layer: Any, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, kernel: str) -> Int4LinearMethod:
     """`layer`'s method from its (this rank's) whole weight `w`; its float weight freed."""
-    method = Int4LinearMethod(w, spec, dtype, layer.weight.device)
+    method = Int4LinearMethod(w, spec, dtype, layer.weight.device, kernel)
     layer.linear_method = method
     layer.weight.data = layer.weight.data.new_empty(0)
     return method
@@ -464,7 +470,7 @@ def random_unpacked(n: int, k: int, spec: Int4Spec, device: torch.device) -> Unp
     return Unpacked(q, scale, torch.full_like(scale, levels / 2))
 
 
-def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype) -> None:
+def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) -> None:
     """A `--load-format dummy` load of a checkpoint of this scheme: random weights in its form
     (`random_unpacked`) for the layers such a checkpoint quantizes, every linear layer but the routers
     (and the LM head, which is not one) and every mixture's experts, cut for this rank as a loaded
@@ -485,4 +491,4 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype) -> None:
             install_experts(module, shards, spec, dtype, name)
         elif isinstance(module, layers._Linear) and not isinstance(module, layers.ReplicatedLinear):
             n, k = module.weight.shape
-            _hold(module, random_unpacked(n, k, spec, module.weight.device), spec, dtype)
+            _hold(module, random_unpacked(n, k, spec, module.weight.device), spec, dtype, kernel)

@@ -1,7 +1,10 @@
 """Which GEMM an int4/int8 weight-only layer runs on CUDA (`GAPLESS_INT4_KERNEL`), each holding the weight
 in its own layout, built from the one unpacked form `W = (q - zero) * scale` (`int4.Unpacked`):
 
-- `auto` (the default): `tinygemm` for each layer it can run, else `triton`.
+- `auto` (the default): a layer tinygemm can run holds two copies of its weight, tinygemm's for up to
+  `TINYGEMM_ROWS` rows (decode) and the Triton GEMM's for more (prefill, larger batches), as long as the
+  second copies take at most `SECOND_COPY_SHARE` of the GPU's memory (`for_model`); else, and for every
+  layer tinygemm cannot run, the Triton GEMM alone.
 - `triton`: gapless's Triton GEMM (`int4_triton`), every bit width, group and dtype.
 - `tinygemm`: torch's own int4 GEMM (`torch.ops.aten._weight_int4pack_mm`, sm_80+), 4 bits, bfloat16,
   groups of 32, 64, 128 or 256, N a multiple of 8 and K of 32. It computes `(q - 8) * scale + offset`
@@ -13,16 +16,18 @@ in its own layout, built from the one unpacked form `W = (q - zero) * scale` (`i
   kernels add their partial sums with atomics: the last bits of a product may differ between runs.
 
 Measured on an H100 (bench/results/h100-2026-11-26/quant): Qwen3-8B's TPOT at batch 1 with AWQ int4
-weights is 0.50x bf16's on tinygemm, 0.59x on gemlite, 0.89x on the Triton GEMM; at one row tinygemm
-reads the weights at 1.3-1.9 TB/s, the Triton GEMM at 0.5-1.0 (`python -m gapless.bench.int4_gemm
---kernels triton tinygemm gemlite`). A kernel named that cannot run the checkpoint's scheme (bits, dtype,
-group; `check`) is refused in one line before any weight loads, one that cannot take a layer's shape as
-the layer is built.
+weights is 0.50x bf16's on tinygemm, 0.59x on gemlite, 0.89x on the Triton GEMM; at one row tinygemm takes
+0.38-0.53x the Triton GEMM's time on Llama-3-8B's layers, at 16 rows 1.3-1.8x (`python -m
+gapless.bench.int4_gemm --kernels triton tinygemm gemlite`), and torchao reports tinygemm 6-13x slower
+than fp16 in batched serving (pytorch/ao#3496): so one copy each way, each where it is the faster. A
+kernel named that cannot run the checkpoint's scheme (bits, dtype, group; `check`) is refused in one line
+before any weight loads, one that cannot take a layer's shape as the layer is built.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,8 +38,14 @@ from gapless.model.quant.formats import QuantFormatError
 if TYPE_CHECKING:
     from gapless.model.quant.int4 import Int4Spec, Unpacked
 
+log = logging.getLogger(__name__)
+
 KERNELS = ("auto", "triton", "tinygemm", "gemlite")  # (`env.INT4_KERNEL`'s choices)
 TINYGEMM_GROUPS = (32, 64, 128, 256)
+# under `auto`, the rows up to which a layer runs its tinygemm copy: where the H100's times at 1 and 16
+# rows cross, taken as linear between (6-11 rows on Llama-3-8B's layers)
+TINYGEMM_ROWS = 8
+SECOND_COPY_SHARE = 0.2  # under `auto`, the most of the GPU's memory the tinygemm copies may take
 
 
 def chosen() -> str:
@@ -42,18 +53,46 @@ def chosen() -> str:
     return env.INT4_KERNEL.get()
 
 
-def for_layer(bits: int, group: int, dtype: torch.dtype, n: int, k: int, device: torch.device) -> str:
-    """The kernel a layer of `bits`, `group` and weight [n, k] in `dtype` runs on `device`: on CUDA the one
-    named, or under `auto` tinygemm where it runs the layer (the faster at decode), else the Triton GEMM;
-    elsewhere `triton` (the reference path, which dequantizes the Triton GEMM's layout)."""
-    kernel = chosen()
+def for_layer(
+    choice: str, bits: int, group: int, dtype: torch.dtype, n: int, k: int, device: torch.device
+) -> str:
+    """What a layer of `bits`, `group` and weight [n, k] in `dtype` runs on `device` under the model's
+    `choice` (`for_model`): on CUDA the kernel named, or under `auto` `tinygemm+triton` (both copies)
+    where tinygemm runs the layer, else `triton`; elsewhere `triton` (the reference path, which
+    dequantizes the Triton GEMM's layout)."""
     if device.type != "cuda":
         return "triton"
-    if kernel != "auto":
-        return kernel
+    if choice != "auto":
+        return choice
     fits = bits == 4 and dtype == torch.bfloat16 and group in TINYGEMM_GROUPS  # (K: groups, so 32s)
     fits = fits and n % 8 == 0 and k % group == 0
-    return "tinygemm" if fits else "triton"
+    return "tinygemm+triton" if fits else "triton"
+
+
+def for_model(model: torch.nn.Module, bits: int, device: torch.device) -> str:
+    """The model's choice (`GAPLESS_INT4_KERNEL`), where `auto` falls to `triton` (logged) if the second
+    copies of its int4 linear layers (not a mixture's experts, which keep one) would take more than
+    `SECOND_COPY_SHARE` of the GPU's memory: a large model's KV cache comes first."""
+    from gapless.model import layers
+
+    kernel = chosen()
+    if kernel != "auto" or device.type != "cuda":
+        return kernel
+    numel = sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, layers._Linear) and not isinstance(m, layers.ReplicatedLinear)
+    )
+    copy, total = numel * bits // 8, torch.cuda.get_device_properties(device).total_memory
+    if copy <= SECOND_COPY_SHARE * total:
+        return kernel
+    log.warning(
+        "int4: one copy of the weights, the Triton GEMM's: tinygemm's for decode would take %.1f GB more, "
+        "over %.0f%% of the GPU (GAPLESS_INT4_KERNEL=tinygemm holds tinygemm's alone)",
+        copy / 1e9,
+        100 * SECOND_COPY_SHARE,
+    )
+    return "triton"
 
 
 def _refuse(kernel: str, label: str, what: str) -> QuantFormatError:
