@@ -4,6 +4,7 @@ was shut down, two LLMs in a row both work; and `LLM.chat` renders conversations
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import shutil
 import weakref
@@ -35,6 +36,14 @@ def no_gc() -> Iterator[None]:
 
 
 def _rss_mib() -> float:
+    """The process's resident memory, after a collection (an earlier test's garbage, freed later, would
+    offset what is measured) and glibc handing its free heap pages back (`malloc_trim`: else pages an
+    earlier test freed may serve a new allocation, and the resident size would not show it)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # (not glibc)
+        pass
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
 
