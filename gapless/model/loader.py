@@ -159,7 +159,7 @@ def load_model(
         keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
         loaded.update(_place(model, params, name, tensor if keep else tensor.to(dtype)))
     # (which int4 GEMMs: GAPLESS_INT4_KERNEL, with `auto`'s second copies if the GPU has room for them)
-    int4_kernel = int4_kernels.for_model(model, int4_spec.bits, device) if int4_spec is not None else ""
+    int4_kernel = "" if int4_spec is None else int4_kernels.for_model(model, int4_spec.bits, dtype, device)
     if int4_parts:
         assert int4_spec is not None
         loaded.update(_install_int4(model, int4_parts, int4_spec, dtype, int4_kernel))

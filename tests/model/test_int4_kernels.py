@@ -119,13 +119,18 @@ def test_auto_holds_one_copy_where_the_second_would_crowd_the_gpu(ckpt_factory, 
         props = type("Props", (), {"total_memory": total})()
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, p=props: p)
         with caplog.at_level("WARNING", logger="gapless.model.quant.int4_kernels"):
-            assert int4_kernels.for_model(model, 4, cuda) == expected
+            assert int4_kernels.for_model(model, 4, torch.bfloat16, cuda) == expected
         assert ("tinygemm's for decode would take" in caplog.text) == (expected == "triton")
         caplog.clear()
+        # no layer of 8 bits or in float16 gets a second copy: nothing to weigh
+        assert int4_kernels.for_model(model, 8, torch.bfloat16, cuda) == "auto"
+        assert int4_kernels.for_model(model, 4, torch.float16, cuda) == "auto"
     monkeypatch.setenv("GAPLESS_INT4_KERNEL", "tinygemm")
-    assert int4_kernels.for_model(model, 4, cuda) == "tinygemm"
+    assert int4_kernels.for_model(model, 4, torch.bfloat16, cuda) == "tinygemm"
     monkeypatch.delenv("GAPLESS_INT4_KERNEL")
-    assert int4_kernels.for_model(model, 4, torch.device("cpu")) == "auto"  # (the CPU: for_layer's triton)
+    assert (
+        int4_kernels.for_model(model, 4, torch.bfloat16, torch.device("cpu")) == "auto"
+    )  # (for_layer: triton)
 
 
 def test_the_int4_bench_times_the_triton_gemm_on_its_own_layout(monkeypatch):
