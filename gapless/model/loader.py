@@ -158,8 +158,7 @@ def load_model(
             name = name[: -len("_inv")]  # fp8's scale is a multiplier, as compressed-tensors' weight_scale
         keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
         loaded.update(_place(model, params, name, tensor if keep else tensor.to(dtype)))
-    # (which int4 GEMMs: GAPLESS_INT4_KERNEL, with `auto`'s second copies if the GPU has room for them)
-    int4_kernel = "" if int4_spec is None else int4_kernels.for_model(model, int4_spec.bits, dtype, device)
+    int4_kernel = _int4_kernel(model, int4_spec, dtype, device) if int4_spec is not None else ""
     if int4_parts:
         assert int4_spec is not None
         loaded.update(_install_int4(model, int4_parts, int4_spec, dtype, int4_kernel))
@@ -255,6 +254,15 @@ def _prepare_quantized(model: CausalLM, spec: QuantSpec | None, path: Path) -> t
     quantized = scheme.quantized_modules(model, spec, targets)
     scheme.prepare(model, spec, quantized)
     return scheme, quantized
+
+
+def _int4_kernel(model: CausalLM, spec: int4.Int4Spec, dtype: torch.dtype, device: torch.device) -> str:
+    """Which int4 GEMMs the model's layers run: GAPLESS_INT4_KERNEL, with `auto`'s second copies if the
+    GPU has room for them (`int4_kernels.for_model`, weighed on the float layers before they are packed)."""
+    numel = sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, _Linear) and int4.is_quantized_linear(m)
+    )
+    return int4_kernels.for_model(numel, spec.bits, dtype, device)
 
 
 def _install_int4(

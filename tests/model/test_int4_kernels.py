@@ -104,29 +104,27 @@ def test_auto_runs_its_tinygemm_copy_at_decode_rows_and_the_triton_gemm_above(mo
 def test_auto_holds_one_copy_where_the_second_would_crowd_the_gpu(ckpt_factory, monkeypatch, caplog):
     """`for_model`: `auto` unless the second copies (the linear layers at `bits`) would take more than
     SECOND_COPY_SHARE of the GPU's memory, then `triton`, said in the log; a named kernel stays."""
-    from gapless.model import layers
-    from gapless.model.loader import load_model
+    from gapless.model.config import load_model_config
+    from gapless.model.decoder import CausalLM
+    from gapless.model.quant.int4 import is_quantized_linear
 
-    model = load_model(ckpt_factory("qwen3"), torch.float32, torch.device("cpu"))
-    numel = sum(
-        m.weight.numel()
-        for m in model.modules()
-        if isinstance(m, layers._Linear) and not isinstance(m, layers.ReplicatedLinear)
-    )
+    model = CausalLM(load_model_config(ckpt_factory("qwen3")))  # (as the loader weighs it: before packing)
+    numel = sum(m.weight.numel() for m in model.modules() if is_quantized_linear(m))
+    assert 0 < numel < sum(p.numel() for p in model.parameters())  # (not the embedding, not the head)
     cuda = torch.device("cuda")
     for total, expected in ((numel // 2 * 5, "auto"), (numel // 2 * 5 - 8, "triton")):
         props = type("Props", (), {"total_memory": total})()
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, p=props: p)
         with caplog.at_level("WARNING", logger="gapless.model.quant.int4_kernels"):
-            assert int4_kernels.for_model(model, 4, torch.bfloat16, cuda) == expected
+            assert int4_kernels.for_model(numel, 4, torch.bfloat16, cuda) == expected
         assert ("tinygemm's for decode would take" in caplog.text) == (expected == "triton")
         caplog.clear()
     # (the GPU still too small) no layer of 8 bits or in float16 gets a second copy: nothing to weigh
-    assert int4_kernels.for_model(model, 8, torch.bfloat16, cuda) == "auto"
-    assert int4_kernels.for_model(model, 4, torch.float16, cuda) == "auto"
-    assert int4_kernels.for_model(model, 4, torch.bfloat16, torch.device("cpu")) == "auto"
+    assert int4_kernels.for_model(numel, 8, torch.bfloat16, cuda) == "auto"
+    assert int4_kernels.for_model(numel, 4, torch.float16, cuda) == "auto"
+    assert int4_kernels.for_model(numel, 4, torch.bfloat16, torch.device("cpu")) == "auto"
     monkeypatch.setenv("GAPLESS_INT4_KERNEL", "tinygemm")
-    assert int4_kernels.for_model(model, 4, torch.bfloat16, cuda) == "tinygemm"
+    assert int4_kernels.for_model(numel, 4, torch.bfloat16, cuda) == "tinygemm"
 
 
 def test_the_int4_bench_times_the_triton_gemm_on_its_own_layout(monkeypatch):

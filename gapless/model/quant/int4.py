@@ -470,12 +470,18 @@ def random_unpacked(n: int, k: int, spec: Int4Spec, device: torch.device) -> Unp
     return Unpacked(q, scale, torch.full_like(scale, levels / 2))
 
 
+def is_quantized_linear(module: Any) -> bool:
+    """Whether an int4/int8 checkpoint quantizes `module`: a linear layer but a router (not the head)."""
+    from gapless.model import layers
+
+    return isinstance(module, layers._Linear) and not isinstance(module, layers.ReplicatedLinear)
+
+
 def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) -> None:
     """A `--load-format dummy` load of a checkpoint of this scheme: random weights in its form
     (`random_unpacked`) for the layers such a checkpoint quantizes, every linear layer but the routers
     (and the LM head, which is not one) and every mixture's experts, cut for this rank as a loaded
     checkpoint is. For benchmarks of shapes no quantized checkpoint is written for."""
-    from gapless.model import layers
     from gapless.model.moe import Experts
 
     for name, module in model.named_modules():
@@ -489,6 +495,6 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) 
                 for p in shapes
             }
             install_experts(module, shards, spec, dtype, name)
-        elif isinstance(module, layers._Linear) and not isinstance(module, layers.ReplicatedLinear):
+        elif is_quantized_linear(module):
             n, k = module.weight.shape
             _hold(module, random_unpacked(n, k, spec, module.weight.device), spec, dtype, kernel)

@@ -69,20 +69,13 @@ def for_layer(
     return "tinygemm+triton" if fits else "triton"
 
 
-def for_model(model: torch.nn.Module, bits: int, dtype: torch.dtype, device: torch.device) -> str:
+def for_model(numel: int, bits: int, dtype: torch.dtype, device: torch.device) -> str:
     """The model's choice (`GAPLESS_INT4_KERNEL`), where `auto` falls to `triton` (logged) if the second
-    copies of its int4 linear layers (not a mixture's experts, which keep one) would take more than
-    `SECOND_COPY_SHARE` of the GPU's memory: a large model's KV cache comes first."""
-    from gapless.model import layers
-
+    copies of its `numel` int4 linear weights (`int4.is_quantized_linear`; a mixture's experts keep one)
+    would take more than `SECOND_COPY_SHARE` of the GPU's memory: a large model's KV cache comes first."""
     kernel = chosen()
     if kernel != "auto" or device.type != "cuda" or bits != 4 or dtype != torch.bfloat16:
         return kernel  # (`auto` gives no layer a second copy but a 4-bit bfloat16 one: `for_layer`)
-    numel = sum(
-        m.weight.numel()
-        for m in model.modules()
-        if isinstance(m, layers._Linear) and not isinstance(m, layers.ReplicatedLinear)
-    )
     copy, total = numel * bits // 8, torch.cuda.get_device_properties(device).total_memory
     if copy <= SECOND_COPY_SHARE * total:
         return kernel
