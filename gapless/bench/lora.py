@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gapless import LLM, LoRARequest, SamplingParams
-from gapless.bench import cli
+from gapless.bench import cli, timing
 
 ADAPTER_COUNTS = (1, 4, 16)
 
@@ -104,14 +104,9 @@ def _profile(
 ) -> list[tuple[str, float, int]]:
     """One more round of `mode` under torch.profiler: its 15 costliest ops by self device time (CPU time
     on a CPU), as (name, ms, calls)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.startswith("cuda")
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        _round(llm, prompts, params, mode)
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:15]
-    return [(e.key[:90], getattr(e, attr) / 1e3, e.count) for e in events]
+    ops = timing.op_times(lambda: _round(llm, prompts, params, mode), device)
+    top = sorted(ops.items(), key=lambda kv: kv[1][0], reverse=True)[:15]
+    return [(name[:90], us / 1e3, calls) for name, (us, calls) in top]
 
 
 def report(res: dict[str, Any]) -> list[str]:

@@ -12,7 +12,9 @@ layout runs the same GEMM). `run` loads it with `load_format=dummy` (random weig
 in the int4 form where the config says so, none read: a 16 GB checkpoint is neither built nor read) in
 bfloat16, on CUDA graphs at batch 1, and times one request at a time: a 128-token prompt generating 1
 token (its prefill) and generating 1 + `--tokens` (default 64); TPOT = the difference / `--tokens`, the
-median of `--repeats` (default 3) after a warm-up.
+median of `--repeats` (default 3) after a warm-up. `--profile` then runs both once more under torch.profiler:
+each kernel's device time a token (the same difference over `--tokens`), and their sum against TPOT (the
+rest: the device idle between kernels, or the host behind it).
 `--engine-option` adds an engine option (quantization=fp8: the bf16 weights quantized at load, one scale
 per row). Each run in its own process, so the GPU holds one model at a time (bench/gpu_quant.sh).
 """
@@ -25,10 +27,11 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gapless.bench import cli
+from gapless.bench import cli, timing
 
 # over the qwen3-0.6b size (`gapless.testing.checkpoints`, which holds what Qwen3's published configs
 # share: head dim, vocabulary, RoPE, norm epsilon), the larger models' untied head
@@ -69,6 +72,7 @@ AWQ_SUFFIX = "-awq"
 AWQ_G128 = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
 AWQ_SHAPES = ("qwen3-8b", "qwen3-30b-a3b")
 PROMPT_LEN = 128
+PROFILE_TOP = 12  # kernels a profile lists by name (the rest summed)
 
 
 def make(out: Path) -> list[Path]:
@@ -94,10 +98,34 @@ def make(out: Path) -> list[Path]:
     return made
 
 
+def decode_profile(timed: Callable[[int], object], tokens: int, device: str) -> dict[str, Any]:
+    """What a decode token costs kernel by kernel: `timed(1 + tokens)` and `timed(1)` (a request of that
+    many output tokens) under torch.profiler, each kernel's time and calls in the second taken from the
+    first's, over `tokens`, as TPOT is. `us_per_token`: the sum; `ops`: the `PROFILE_TOP` costliest
+    [name, us, calls] a token; `other_us`: the rest's sum."""
+    long = timing.op_times(lambda: timed(1 + tokens), device)
+    short = timing.op_times(lambda: timed(1), device)
+    per_token: dict[str, tuple[float, float]] = {}
+    for name, (us, calls) in long.items():
+        us0, calls0 = short.get(name, (0.0, 0))
+        if us > us0:
+            per_token[name] = ((us - us0) / tokens, (calls - calls0) / tokens)
+    ranked = sorted(per_token.items(), key=lambda kv: kv[1][0], reverse=True)
+    top = [(name[:90], us, calls) for name, (us, calls) in ranked[:PROFILE_TOP]]
+    total = sum(us for us, _ in per_token.values())
+    return dict(us_per_token=total, ops=top, other_us=total - sum(us for _, us, _ in top))
+
+
 def run(
-    path: Path, options: dict[str, Any], tokens: int, repeats: int, device: str = "cuda"
+    path: Path,
+    options: dict[str, Any],
+    tokens: int,
+    repeats: int,
+    device: str = "cuda",
+    profile: bool = False,
 ) -> dict[str, Any]:
-    """One engine on `path`'s shape with random weights: its TPOT at batch 1 (see the module's docstring)."""
+    """One engine on `path`'s shape with random weights: its TPOT at batch 1, and with `profile` its
+    `decode_profile` (see the module's docstring)."""
     from gapless import LLM, SamplingParams
 
     opts: dict[str, Any] = dict(
@@ -122,6 +150,7 @@ def run(
         timed(1 + tokens)  # warm-up: kernels compiled, graphs replayed once
         tpots = [(timed(1 + tokens) - timed(1)) / tokens for _ in range(repeats)]
         info = llm.engine.info
+        prof = decode_profile(timed, tokens, device) if profile else None
     return dict(
         shape=path.name.removesuffix(AWQ_SUFFIX),  # (the int4 twin's ratio is to its bf16 shape's)
         options=options,
@@ -130,6 +159,7 @@ def run(
         tpot_ms=statistics.median(tpots) * 1e3,
         tpot_ms_all=[t * 1e3 for t in tpots],
         machine=cli.machine(device),
+        profile=prof,
     )
 
 
@@ -145,7 +175,26 @@ def report(results: list[dict[str, Any]]) -> str:
     lines = cli.markdown_table(header, rows, "llrrl")
     if results:
         lines.insert(0, cli.machine_line(results[0]["machine"]))
+    for r in results:
+        lines += _profile_lines(r)
     return "\n".join(lines)
+
+
+def _profile_lines(r: dict[str, Any]) -> list[str]:
+    """A run's `decode_profile` as a table, under a line of its kernels' sum against TPOT."""
+    prof = r.get("profile")
+    if not prof:
+        return []
+    tpot_us = r["tpot_ms"] * 1e3
+    busy = prof["us_per_token"]
+    rows = [(name, f"{us:.1f}", f"{calls:g}") for name, us, calls in prof["ops"]]
+    rows.append(("(the rest)", f"{prof['other_us']:.1f}", ""))
+    name = f"{r['shape']} {r['quantization'] or 'bf16'}"
+    return [
+        f"\n{name}: kernels {busy:.0f} us a token of TPOT's {tpot_us:.0f} ({busy / tpot_us:.0%}; the rest "
+        "idle between kernels or waiting on the host)",
+        *cli.markdown_table(("kernel", "us a token", "calls a token"), rows, "lrr"),
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -158,6 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--repeats", type=cli.positive_int, default=3)
     r.add_argument("--json", type=Path)
     r.add_argument("--device", default="cuda", help="cuda (cpu: float32, a smoke test of the command)")
+    r.add_argument("--profile", action="store_true", help="then each kernel's time a token (torch.profiler)")
     cli.add_engine_option_arg(
         r.add_argument_group("engine"), "extra LLM option, repeatable (quantization=fp8)"
     )
@@ -173,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "make":
         print("\n".join(str(x) for x in make(args.dir)))
     elif args.cmd == "run":
-        res = run(args.path, args.engine_options, args.tokens, args.repeats, args.device)
+        res = run(args.path, args.engine_options, args.tokens, args.repeats, args.device, args.profile)
         print(
             f"{res['shape']} {res['quantization'] or 'bf16'}: TPOT {res['tpot_ms']:.3f} ms; {res['weights']}"
         )

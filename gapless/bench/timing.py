@@ -88,3 +88,16 @@ def copy_tb_s(nbytes: int, device: torch.device, args: argparse.Namespace) -> fl
     ]
     copy = cycling([partial(dst.copy_, src) for src, dst in pairs])
     return 2 * nbytes / median_us(copy, device, args) / 1e6
+
+
+def op_times(fn: Callable[[], object], device: str) -> dict[str, tuple[float, int]]:
+    """Each op's (self microseconds, calls) while `fn` runs, under torch.profiler: on CUDA the device
+    time of each kernel (those a CUDA graph replays included, by their kernel names), elsewhere the
+    self CPU time of each torch op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return {e.key: (float(getattr(e, attr)), e.count) for e in prof.key_averages() if getattr(e, attr) > 0}

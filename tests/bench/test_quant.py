@@ -47,3 +47,26 @@ def test_report_gives_the_ratio_to_bf16():
     ]
     text = quant.report(runs)
     assert "| qwen3-8b | fp8 | 5.500 | 0.55 |" in text and "| qwen3-8b | bf16 | 10.000 | 1.00 |" in text
+
+
+def test_run_profiles_a_decode_token_on_the_cpu():
+    """`run --profile` on a tiny model: each op's time a decode token, from the difference of two profiled
+    requests (a longer one's ops outnumber a one-token one's), and the report's table of them."""
+    from gapless.testing.checkpoints import cached_checkpoint
+
+    res = quant.run(cached_checkpoint("qwen3"), {}, tokens=4, repeats=1, device="cpu", profile=True)
+    prof = res["profile"]
+    assert 0 < len(prof["ops"]) <= quant.PROFILE_TOP and prof["us_per_token"] > 0
+    times = [us for _, us, _ in prof["ops"]]
+    assert times == sorted(times, reverse=True) and all(t > 0 for t in times)
+    assert abs(sum(times) + prof["other_us"] - prof["us_per_token"]) < 1e-6 * prof["us_per_token"]
+    # a decode token runs the model's matmuls: at least one a token
+    assert any("mm" in name or "linear" in name for name, _, calls in prof["ops"] if calls >= 1)
+    text = quant.report([res])
+    assert f"| {prof['ops'][0][0]} | {prof['ops'][0][1]:.1f} |" in text and "of TPOT's" in text
+
+
+def test_the_report_leaves_out_runs_without_a_profile():
+    machine = this_machine("cpu")
+    run = dict(shape="qwen3-8b", quantization=None, tpot_ms=10.0, weights="w", machine=machine, profile=None)
+    assert "of TPOT's" not in quant.report([run])
