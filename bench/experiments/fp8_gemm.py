@@ -2,22 +2,28 @@
 Qwen3-8B: microseconds a call (CUDA graphs: launch cost excluded) and the weight bytes read per second.
 
     python bench/experiments/fp8_gemm.py [--rows 1 16 128 2048]        # on a GPU of sm_89 or newer
-    python bench/experiments/fp8_gemm.py --sweep [--rows 1 128]        # tiles x K splits
+    python bench/experiments/fp8_gemm.py --sweep [--rows 1 128]        # tiles x K splits x x's rounding
 
 Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton kernel
-(`gapless.model.quant.fp8_kernel`: activation quantization inside it) with per-channel and with
-[128, 128] block scales, and per-channel with x rounded by a launch before the GEMM
-(`PREQUANT_ROWS = 16`, the default since an H100 measured it; the other column sets it to 0);
-`torch._scaled_mm` with rowwise scales (bf16 out; its activation quantization, a separate torch step,
-timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's block recipes (x per 1x128, w per
-128x128; where this torch has it, else the cell says why). Whichever is faster at 1 row is the decode
-path to keep.
+(`gapless.model.quant.fp8_kernel`) with per-channel and with [128, 128] block scales, x rounded in the
+GEMM's loop; per-channel with x rounded before the loop (`PREQUANT_ROWS = 16`) by a launch before the GEMM
+(`PREQUANT_BY = "launch"`, the default since an H100 measured it) and by each program for its share of K
+("program": no launch, not yet timed); `torch._scaled_mm` with rowwise scales (bf16 out; its activation
+quantization, a separate torch step, timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's
+block recipes (x per 1x128, w per 128x128; where this torch has it, else the cell says why). Whichever is
+faster at 1 row is the decode path to keep.
+
+`--sweep` times per-channel FP8 on Qwen3-8B's layers at each decode tile (16-row tiles run an fp16 dot on
+the weights widened in registers; 64-row tiles, fp8's own wgmma, compiled for sm_90 here: QGMMA, no
+widening), each way of rounding x, and at 128 rows the larger tiles with K split and not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import triton.testing
@@ -43,9 +49,22 @@ def _us(fn) -> float:
 
 HEADER = (
     "| model | layer | N x K | rows | bf16 us | fp8 channel us | fp8 block us "
-    "| fp8 channel x rounded first us | _scaled_mm us "
+    "| fp8 channel x rounded first us | fp8 channel x rounded by each program us | _scaled_mm us "
     "| F.scaled_mm block us | bf16 GB/s | fp8 GB/s |"
 )
+
+
+@contextlib.contextmanager
+def _kernel_settings(**values: object) -> Iterator[None]:
+    """`fp8_kernel`'s module settings (PREQUANT_ROWS, PREQUANT_BY, ...) set to `values` for the block."""
+    saved = {name: getattr(fp8_kernel, name) for name in values}
+    for name, v in values.items():
+        setattr(fp8_kernel, name, v)
+    try:
+        yield
+    finally:
+        for name, v in saved.items():
+            setattr(fp8_kernel, name, v)
 
 
 def row(model: str, name: str, n: int, k: int, m: int) -> str:
@@ -70,80 +89,87 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
         st = f.ScalingType
         return f.scaled_mm(xq, qb.t(), xs, st.BlockWise1x128, sb, st.BlockWise128x128)
 
+    channel = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
     bf16 = _us(lambda: torch.mm(x, wb.t()))
-    block = _us(lambda: fp8_gemm(x, qb, sb, 128, 128, 128, None))
-    rows_before, fp8_kernel.PREQUANT_ROWS = fp8_kernel.PREQUANT_ROWS, 0
-    chan = _us(lambda: fp8_gemm(x, qc, sc, 1, 0, 128, None))
-    fp8_kernel.PREQUANT_ROWS = 16
-    rounded_first = _us(lambda: fp8_gemm(x, qc, sc, 1, 0, 128, None))
-    fp8_kernel.PREQUANT_ROWS = rows_before
+    with _kernel_settings(PREQUANT_ROWS=0):
+        block = _us(lambda: fp8_gemm(x, qb, sb, 128, 128, 128, None))
+        chan = _us(channel)
+    with _kernel_settings(PREQUANT_ROWS=16, PREQUANT_BY="launch"):
+        by_launch = _us(channel)
+    with _kernel_settings(PREQUANT_ROWS=16, PREQUANT_BY="program"):
+        by_program = _us(channel)
     smm = _us(scaled_mm)
     fsmm = _us(block_scaled_mm)
-    best = min(chan, block)
+    best = min(chan, by_launch, by_program)
     return (
-        f"| {model} | {name} | {n} x {k} | {m} | {bf16:.1f} | {chan:.1f} | {block:.1f} | {rounded_first:.1f} "
-        f"| {smm:.1f} "
-        f"| {fsmm:.1f} "
+        f"| {model} | {name} | {n} x {k} | {m} | {bf16:.1f} | {chan:.1f} | {block:.1f} | {by_launch:.1f} "
+        f"| {by_program:.1f} | {smm:.1f} | {fsmm:.1f} "
         f"| {2 * n * k / bf16 / 1e3:.0f} | {n * k / best / 1e3:.0f} |"
     )
 
 
-# the tiles (BM, BN, warps, stages) and split targets `--sweep` times: at decode sizes (<= 16 rows,
-# `fp8_kernel.DECODE_TILES`) the K split on, at more rows (`fp8_kernel._tiles`'s others) with the K split
-# off (the default) and on (`fp8_kernel.SPLIT_ROWS` raised); 0 programs: no split
-SWEEP_TILES = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4)]
-SWEEP_SPLITS = [512, 1024]
+# what `--sweep` times: at decode sizes (<= 16 rows, `fp8_kernel.DECODE_TILES`) each tile (BM, BN, warps,
+# stages) with K split to about 512 programs (16 x 32 and 16 x 128 tiles, and 1024 programs, were slower on
+# every layer on an H200: bench/results/h200-2026-11-26/run3) and x rounded by a launch or by each program;
+# at more rows (`fp8_kernel._tiles`'s others) with the K split off (the default) and on (`SPLIT_ROWS`
+# raised); 0 programs: no split
+SWEEP_TILES = [(16, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4)]
+SWEEP_ROUNDING = ["launch", "program"]
 SWEEP_TILES_MORE = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
 SWEEP_SPLITS_MORE = [0, 264, 512]
 
 
-def _sweep_configs(m: int) -> list[tuple[tuple[int, int, int, int], int]]:
+def _sweep_configs(m: int) -> list[tuple[tuple[int, int, int, int], int, str]]:
+    """(tiles, split programs, x's rounding) for `m` rows."""
     if m <= 16:
-        return [(t, p) for t in SWEEP_TILES for p in SWEEP_SPLITS]
-    return [(t, p) for t in SWEEP_TILES_MORE for p in SWEEP_SPLITS_MORE]
+        return [(t, 512, by) for t in SWEEP_TILES for by in SWEEP_ROUNDING]
+    return [(t, p, "launch") for t in SWEEP_TILES_MORE for p in SWEEP_SPLITS_MORE]
 
 
 def sweep(rows: list[int]) -> None:
-    """Per-channel FP8 on Qwen3-8B's layers at each tile and split target: us a call, the weight's GB/s,
-    the fastest marked."""
+    """Per-channel FP8 on Qwen3-8B's layers at each tile, split target and rounding of x: us a call, the
+    weight's GB/s, the fastest marked."""
     dev = torch.device("cuda")
-    print("| layer | N x K | rows | tiles (BM, BN, warps, stages) | split programs | us | fp8 GB/s |")
-    print("|---|---|---:|---|---:|---:|---:|")
-    saved = fp8_kernel._tiles, fp8_kernel.SPLIT_PROGRAMS, fp8_kernel.SPLIT_ROWS
-    try:
-        for name, n, k in SHAPES["qwen3-8b"]:
-            qc, sc = quantize_rows(torch.randn(n, k, device=dev) * 0.02)
-            for m in rows:
-                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                call = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
-                times = {}
-                for tiles, programs in _sweep_configs(m):
-                    fp8_kernel._tiles = functools.partial(lambda t, _m: t, tiles)
-                    fp8_kernel.SPLIT_PROGRAMS = programs or saved[1]
-                    fp8_kernel.SPLIT_ROWS = max(m, 16) if programs else 0
-                    fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
-                    times[tiles, programs] = _us(call)
-                best = min(times, key=lambda c: times[c])
-                for (tiles, programs), us in times.items():
-                    mark = " (best)" if (tiles, programs) == best else ""
-                    gbs = n * k / us / 1e3
-                    print(f"| {name} | {n} x {k} | {m} | {tiles} | {programs} | {us:.1f}{mark} | {gbs:.0f} |")
-    finally:
-        fp8_kernel._tiles, fp8_kernel.SPLIT_PROGRAMS, fp8_kernel.SPLIT_ROWS = saved
-        fp8_kernel._LOCKS.clear()
+    print(
+        "| layer | N x K | rows | tiles (BM, BN, warps, stages) | split programs | x rounded by | us | GB/s |"
+    )
+    print("|---|---|---:|---|---:|---|---:|---:|")
+    for name, n, k in SHAPES["qwen3-8b"]:
+        qc, sc = quantize_rows(torch.randn(n, k, device=dev) * 0.02)
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            call = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
+            times = {}
+            for tiles, programs, by in _sweep_configs(m):
+                fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
+                with _kernel_settings(
+                    _tiles=functools.partial(lambda t, _m: t, tiles),
+                    SPLIT_PROGRAMS=programs or fp8_kernel.SPLIT_PROGRAMS,
+                    SPLIT_ROWS=max(m, 16) if programs else 0,
+                    PREQUANT_BY=by,
+                ):
+                    times[tiles, programs, by] = _us(call)
+            fp8_kernel._LOCKS.clear()
+            best = min(times, key=lambda c: times[c])
+            for (tiles, programs, by), us in times.items():
+                mark = " (best)" if (tiles, programs, by) == best else ""
+                gbs = n * k / us / 1e3
+                rounding = by if m <= fp8_kernel.PREQUANT_ROWS else "the loop"
+                cells = (name, f"{n} x {k}", m, tiles, programs, rounding, f"{us:.1f}{mark}", f"{gbs:.0f}")
+                print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128, 2048])
-    p.add_argument("--sweep", action="store_true", help="tiles x K splits on Qwen3-8B's layers instead")
+    p.add_argument("--sweep", action="store_true", help="tiles x K splits x rounding on Qwen3-8B's layers")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     if args.sweep:
         sweep(args.rows)
         return
     print(HEADER)
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model, layers in SHAPES.items():
         for name, n, k in layers:
             for m in args.rows:

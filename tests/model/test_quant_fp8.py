@@ -309,11 +309,13 @@ def test_decode_rows_split_k_and_leave_the_counters_at_rest(monkeypatch, rows):
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
 )
+@pytest.mark.parametrize("by", ["launch", "program"])
 @pytest.mark.parametrize("block", [None, (16, 64)])
-def test_decode_rows_rounded_before_the_gemm_give_the_same_bits(monkeypatch, block):
-    """At decode sizes x may be rounded to e4m3 by its own launch before the GEMM: the bits the GEMM's own
-    rounding gives (so a row's result does not depend on how many rows ride with it), here on activations
-    that are not exact in e4m3."""
+def test_decode_rows_rounded_before_the_gemm_give_the_same_bits(monkeypatch, block, by):
+    """At decode sizes x may be rounded to e4m3 before the GEMM's loop, by its own launch or by each
+    program for its share of K (`PREQUANT_BY`): the bits the loop's own rounding gives (so a row's result
+    does not depend on how many rows ride with it), here on activations that are not exact in e4m3, K
+    split over several programs a tile."""
     from gapless.model.quant import fp8_kernel
 
     n, k, act = 48, 200, 64  # K not a multiple of the group: a partial last group
@@ -321,10 +323,35 @@ def test_decode_rows_rounded_before_the_gemm_give_the_same_bits(monkeypatch, blo
     q, s = quantize_rows(w) if block is None else quantize_blocks(w, block)
     rps, group = (1, 0) if block is None else block
     x, bias = torch.randn(5, k), torch.randn(n)
+    monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 2)  # (one 16 x 64 tile, 4 groups: 2 splits of 2)
+    monkeypatch.setattr(fp8_kernel, "_LOCKS", {})  # (counters for 2 programs: this test's alone)
+    assert fp8_kernel._splits(5, 1, 4, x.device) == 2
     monkeypatch.setattr(fp8_kernel, "PREQUANT_ROWS", 0)
     in_loop = fp8_gemm(x, q, s, rps, group, act, bias)
     monkeypatch.setattr(fp8_kernel, "PREQUANT_ROWS", 16)
+    monkeypatch.setattr(fp8_kernel, "PREQUANT_BY", by)
     assert torch.equal(fp8_gemm(x, q, s, rps, group, act, bias), in_loop)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
+)
+@pytest.mark.parametrize("tiles", [(64, 32, 4, 4), (64, 64, 4, 4)])
+def test_decode_rows_in_the_sweeps_64_row_tiles_match_the_reference(monkeypatch, tiles):
+    """The 64-row decode tiles `bench/experiments/fp8_gemm.py --sweep` times (fp8's own wgmma on sm_90)
+    give the reference's result at 1 and 5 rows, x rounded before the loop either way, K split."""
+    from gapless.model.quant import fp8_kernel
+
+    n, k, act = 80, 256, 64
+    w = torch.randn(n, k) * 0.05
+    q, s = quantize_rows(w)
+    monkeypatch.setattr(fp8_kernel, "_tiles", lambda m: tiles)
+    for rows in (1, 5):
+        x, bias = _exact_activations(rows, k, act, seed=rows), torch.randn(n)
+        ref = reference_linear(x, dequantize(q, s, 1, 0), act, bias)
+        for by in ("launch", "program"):
+            monkeypatch.setattr(fp8_kernel, "PREQUANT_BY", by)
+            torch.testing.assert_close(fp8_gemm(x, q, s, 1, 0, act, bias), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_89+)")
@@ -345,16 +372,19 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
         assert torch.equal(fp8_gemm(*args), y)
     from gapless.model.quant import fp8_kernel
 
-    # x rounded by its own launch before the GEMM (`PREQUANT_ROWS`): the in-loop rounding's bits
+    # x rounded before the loop (`PREQUANT_ROWS`), by its own launch or by each program: the in-loop bits
     x = torch.randn(3, 1024, dtype=torch.bfloat16, device=dev)
     args = (x, q.to(dev), s.to(dev), 128, 128, 128, None)
-    before, fp8_kernel.PREQUANT_ROWS = fp8_kernel.PREQUANT_ROWS, 0
+    before = fp8_kernel.PREQUANT_ROWS, fp8_kernel.PREQUANT_BY
     try:
+        fp8_kernel.PREQUANT_ROWS = 0
         in_loop = fp8_gemm(*args)
         fp8_kernel.PREQUANT_ROWS = 16
-        assert torch.equal(fp8_gemm(*args), in_loop)
+        for by in ("launch", "program"):
+            fp8_kernel.PREQUANT_BY = by
+            assert torch.equal(fp8_gemm(*args), in_loop), by
     finally:
-        fp8_kernel.PREQUANT_ROWS = before
+        fp8_kernel.PREQUANT_ROWS, fp8_kernel.PREQUANT_BY = before
 
     assert int(fp8_kernel._LOCKS[y.device].abs().sum()) == 0  # every split tile's counter back at 0
 

@@ -1,15 +1,17 @@
 """The FP8 W8A8 GEMM on CUDA (sm_89+), in Triton: `y = x W^T (+ b)` with W in e4m3 and its scales, and x
 quantized to e4m3 per token and per `BK` columns (its dynamic scale: the group's largest |x| / 448),
-inside the GEMM (or, at decode sizes, by a launch just before it; no host sync either way:
-CUDA graphs capture it as any other kernel).
+inside the GEMM (no host sync: CUDA graphs capture it as any other kernel).
 
 Each program computes a [BM, BN] tile of y: for each BK-wide step along K it loads x's tile, takes each
 row's scale, rounds x / scale to e4m3, loads W's e4m3 tile, and adds `dot(xq, wq) * x_scale * w_scale`
 (the fp8 tensor-core product, accumulated in float32). At decode sizes every program rounds the same few
-rows again; so up to `PREQUANT_ROWS` rows (a decode's), one small launch rounds them first
-(`_fp8_quant_kernel`, the same arithmetic: the same bits) and the GEMM's programs load the e4m3 rows and
-their scales. W's scale is looked up at (row // rows_per_scale, k // k_group): one per row and whole K
-(per-channel, `stride_sk` 0), or one per [rows, k_group] block.
+rows again, in its loop, where the rounding waits on x's loads; so up to `PREQUANT_ROWS` rows (a
+decode's), x is rounded before the loop (`PREQUANT_BY`): by one small launch before the GEMM
+(`_fp8_quant_kernel`), or by each program for its own share of K before its loop, into the same buffer
+(the programs of one share write the same bytes), with no launch. Either way the same arithmetic
+(`_round_rows`: the same bits), and the loop loads the e4m3 rows and their scales. W's scale is looked
+up at (row // rows_per_scale, k // k_group): one per row and whole K (per-channel, `stride_sk` 0), or one
+per [rows, k_group] block.
 
 The Triton interpreter rounds some values to e4m3 wrongly (a carry into the next binade is lost:
 31.4 -> 16 instead of 32; triton 3.9), so the CPU tests feed it activations that are exact in e4m3 after
@@ -27,22 +29,30 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 
 
 @triton.jit
+def _round_rows(x):
+    """x (float32, [rows, BK]: one group of columns a row) as e4m3 and each row's scale (the group's
+    largest |x| / 448): the one rounding of x every path takes."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    return (x / scale[:, None]).to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr):
-    """Row `program_id(0)`'s columns [g * BK, (g + 1) * BK) (g = `program_id(1)`) as e4m3 and their scale,
-    rounded exactly as `_fp8_gemm_kernel` rounds them in its loop."""
+    """Row `program_id(0)`'s columns [g * BK, (g + 1) * BK) (g = `program_id(1)`) as e4m3 and their scale."""
     row = tl.program_id(0)
     g = tl.program_id(1)
     offs = g * BK + tl.arange(0, BK)
     ok = offs < K
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
-    tl.store(q_ptr + row * K + offs, (x / scale).to(tl.float8e4nv), mask=ok)
-    tl.store(s_ptr + row * tl.num_programs(1) + g, scale)
+    x = tl.load(x_ptr + row * stride_xm + offs[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+    q, scale = _round_rows(x)
+    tl.store(q_ptr + row * K + offs[None, :], q, mask=ok[None, :])
+    tl.store(s_ptr + row * tl.num_programs(1) + g + tl.arange(0, 1), scale)
 
 
 @triton.jit
 def _fp8_gemm_kernel(
     x_ptr,
+    xq_ptr,
     xs_ptr,
     w_ptr,
     s_ptr,
@@ -62,7 +72,7 @@ def _fp8_gemm_kernel(
     k_group,
     split_k,
     HAS_BIAS: tl.constexpr,
-    PREQUANT: tl.constexpr,
+    ROUND: tl.constexpr,
     SPLITS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -79,16 +89,28 @@ def _fp8_gemm_kernel(
     s_row = s_ptr + (offs_n // rows_per_scale) * stride_sn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_start = pid_s * split_k
-    for k0 in range(k_start, tl.minimum(k_start + split_k, K), BK):
+    k_stop = tl.minimum(k_start + split_k, K)
+    if ROUND == 2:  # this program's share of x rounded first, into xq / xs (`_fp8_quant_kernel`'s layout)
+        for k0 in range(k_start, k_stop, BK):
+            ok = m_ok[:, None] & ((k0 + offs_k) < K)[None, :]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=ok, other=0.0)
+            q, scale = _round_rows(x.to(tl.float32))
+            tl.store(xq_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :], q, mask=ok)
+            tl.store(xs_ptr + offs_m * tl.cdiv(K, BK) + k0 // BK, scale, mask=m_ok)
+        tl.debug_barrier()  # (every thread's stores before any thread's loads below)
+    for k0 in range(k_start, k_stop, BK):
         k_ok = (k0 + offs_k) < K
-        x_tile = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
-        if PREQUANT:  # x already e4m3 (`_fp8_quant_kernel`), its scales [M, K / BK] at xs_ptr
-            xq = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if ROUND > 0:  # x already e4m3 in xq [M, K], its scales [M, K / BK] in xs
+            xq = tl.load(
+                xq_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :],
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
             x_scale = tl.load(xs_ptr + offs_m * tl.cdiv(K, BK) + k0 // BK, mask=m_ok, other=0.0)
         else:
-            x = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-            xq = (x / x_scale[:, None]).to(tl.float8e4nv)
+            x_tile = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+            x = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            xq, x_scale = _round_rows(x.to(tl.float32))
         w = tl.load(
             w_ptr + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
             mask=n_ok[None, :] & k_ok[:, None],
@@ -133,11 +155,14 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
-# at most this many rows, x is rounded to e4m3 once before the GEMM (0: never). On an H100 at one row it
-# saved 11-21% of the GEMM's time on Qwen3-8B's layers (qkv 16.3 -> 12.9 us, gate/up 48.9 -> 40.5) and
-# cost 0.5-1 us on Qwen3-0.6B's, where the launch it adds is a large share
+# at most this many rows, x is rounded to e4m3 before the GEMM's loop (0: never). By a launch before the
+# GEMM, on an H100 at one row it saved 11-21% of the GEMM's time on Qwen3-8B's layers (qkv 16.3 -> 12.9 us,
+# gate/up 48.9 -> 40.5) and cost 0.5-1 us on Qwen3-0.6B's, where the launch it adds is a large share
 # (bench/results/h100-2026-11-26/quant/fp8_gemm.log; bench/experiments/fp8_gemm.py times both)
 PREQUANT_ROWS = 16
+# how: "launch" (`_fp8_quant_kernel`, measured above) or "program" (each program its own share of K before
+# its loop: no launch; compiled for sm_90, not yet timed: `fp8_gemm.py`'s "x rounded by each program")
+PREQUANT_BY = "launch"
 # (BM, BN, warps, stages) at decode sizes (`_tiles`): on an H200 at one row, the fastest on each of Qwen3-8B's
 # layers of BN 32, 64, 128 and 512 or 1024 split programs (70.1 us the four against 78.6 at BN 32;
 # bench/results/h200-2026-11-26/run3/fp8_sweep.log, `bench/experiments/fp8_gemm.py --sweep`)
@@ -191,15 +216,16 @@ def fp8_gemm(
     steps = triton.cdiv(k_steps, splits)
     splits = triton.cdiv(k_steps, steps)  # no split left without a step
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
-    prequant = m <= PREQUANT_ROWS
-    xs = y  # (unread unless prequant)
-    if prequant:
+    rounding = 0 if m > PREQUANT_ROWS else 1 if PREQUANT_BY == "launch" else 2
+    xq, xs = y, y  # (unread unless x is rounded before the loop)
+    if rounding:
         xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
         xs = torch.empty(m, k_steps, dtype=torch.float32, device=x.device)
+    if rounding == 1:
         _fp8_quant_kernel[(m, k_steps)](x, xq, xs, k, x.stride(0), BK=act_group)
-        x = xq
     _fp8_gemm_kernel[(tiles_m, tiles_n, splits)](
         x,
+        xq,
         xs,
         w,
         scale,
@@ -219,7 +245,7 @@ def fp8_gemm(
         k_group or k,
         steps * act_group,
         HAS_BIAS=bias is not None,
-        PREQUANT=prequant,
+        ROUND=rounding,
         SPLITS=splits,
         BM=bm,
         BN=bn,
