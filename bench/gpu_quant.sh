@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
 # The quantized-weights runs of issue 36 on a GPU (sm_89+), within $QUANT_BUDGET_S seconds (default 370),
-# the issue's targets first:
+# in two phases ($QUANT_PHASES, default "targets tables"), the issue's targets first:
+#   targets
 #   1. TPOT at batch 1 against bf16 (`gapless.bench.quant`; random weights, `load_format=dummy`: nothing
-#      written or read), each run in its own process: FP8 weights (`--quantization fp8`) on Qwen3-0.6B's
-#      and Qwen3-8B's shapes (the issue's target: <= 0.6), int4 w4a16 (AWQ g128) on Qwen3-8B's (target:
-#      <= 0.4) through the default (`auto`: torch's tinygemm at decode rows) and the Triton GEMM alone
-#      (`GAPLESS_INT4_KERNEL`)
-#   2. the int4 GEMMs alone (Triton, tinygemm, gemlite) against bf16 on Llama-3-8B's layers, from decode
-#      to prefill sizes (`gapless.bench.int4_gemm`)
-#   3. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
+#      written or read), each run in its own process and profiled: FP8 weights (`--quantization fp8`) on
+#      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6), int4 w4a16 (AWQ g128) on
+#      Qwen3-8B's (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
+#   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
 #      tok/s)
-#   4. the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows,
-#      with x rounded in the GEMM's loop and before it (bench/experiments/fp8_gemm.py; the default rounds
-#      it before, `fp8_kernel.PREQUANT_ROWS`)
-#   5. Qwen3-8B's int4 TPOT on gemlite; the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its
+#   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
+#   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
+#   3. the FP8 GEMM's decode tiles and ways of rounding x, and its K split at 128 rows (`fp8_gemm.py
+#      --sweep`); the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and
+#      128 rows, x rounded in the GEMM's loop and before it (bench/experiments/fp8_gemm.py)
+#   4. int4 TPOT through the Triton GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no
+#      ratio); the int4 GEMMs alone (Triton, tinygemm, gemlite) against bf16 on Llama-3-8B's layers, from
+#      decode to prefill sizes (`gapless.bench.int4_gemm`)
+#   5. decode attention alone over each KV cache, key blocks and warps swept (`gapless.bench.kernels`)
+#   6. Qwen3-8B's int4 TPOT on gemlite; the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its
 #      experts in the fused grouped GEMM)
-#   6. the FP8 GEMM's tiles and K splits at 1 and 128 rows (`fp8_gemm.py --sweep`); decode attention alone
-#      over each KV cache, key blocks and warps swept (`gapless.bench.kernels`)
-# then the table of every TPOT run. Logs go to $1, else $OUT, else bench/results/gpu_quant: gpu_quant.log
-# (the tables), quant_*.json (each run), int4_gemm.log, fp8_gemm.log, fp8_sweep.log, kv_attention.log.
-# bench/gpu_session.sh's `all` part calls it first (step `quant`, OUT=$WORK/quant).
+# then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
+# bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each run), fp8_sweep.log,
+# fp8_gemm.log, int4_gemm.log, kv_attention.log. bench/gpu_session.sh's `all` part calls it first (step
+# `quant`, OUT=$WORK/quant).
 #
 #   run(command="bash bench/gpu_quant.sh", timeout_s=360)      # on the device tool; $OUT is set there
 #
@@ -71,20 +74,16 @@ other() {  # $1: limit (s), $2: name (its log $OUT/$2.log), the rest: the comman
   say "$name: exit $? at +$(( SECONDS - T0 )) s"
 }
 
-tpot 40 qwen3-0.6b bf16
-tpot 40 qwen3-0.6b fp8 --engine-option quantization=fp8
-tpot 50 qwen3-8b bf16
-tpot 50 qwen3-8b fp8 --engine-option quantization=fp8
-tpot 50 qwen3-8b-awq int4  # (its config's quantization_config: AWQ int4 g128), the default GEMM
-# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes later)
-GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
+phase() { [[ " ${QUANT_PHASES:-targets tables} " == *" $1 "* ]]; }
 
-# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
-# prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
-# GEMM's above: this checks where they cross)
-other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 \
-  --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
-grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
+if phase targets; then
+# each TPOT run of the issue's targets profiled after it is timed (`--profile`: each kernel's device time a
+# token, and their sum against TPOT: how much of a token is the GEMMs, the other kernels, the gaps)
+tpot 45 qwen3-0.6b bf16 --profile  # (first: a cold machine's start-up falls on the smallest model)
+tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
+tpot 50 qwen3-8b bf16 --profile
+tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
+tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
 # the bf16 KV cache's run just before it on the same machine
@@ -93,24 +92,31 @@ for kv in auto fp8; do
     --runs greedy --kv-cache-dtype "$kv"
   grep -E '^\| gapless' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
 done
+fi
 
+if phase tables; then
+# the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs was the fastest of
+# the 16-row tiles on an H200: bench/results/h200-2026-11-26/run3; the 64-row tiles run fp8's own wgmma,
+# no widening of the weights), and at 128 rows the K split (unsplit 128x128 tiles, the default there, took
+# 2.8-4.5x bf16's time on an H100; `fp8_kernel.SPLIT_ROWS`)
+other 70 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 128
+grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
+
+# the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by
+# each program
 other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
 grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
 
-# gemlite's int4 GEMMs (its wheel; its first call tunes for a minute, so after the rest)
+# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes later)
 say ""
-GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite
+GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 
-# the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4
-tpot 70 qwen3-30b-a3b bf16
-tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
-tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
-
-# the FP8 GEMM's tiles and K splits at one row (the default, 16x64 at ~512 programs, was the fastest of
-# these on an H200: bench/results/h200-2026-11-26/run3) and at 128 rows (unsplit 128x128 tiles, the
-# default there, took 2.8-4.5x bf16's time on an H100; `fp8_kernel.SPLIT_ROWS`)
-other 70 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 128
-grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
+# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
+# prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
+# GEMM's above: this checks where they cross)
+other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 \
+  --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
+grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
 
 # decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 52% of a copy's bandwidth
 # on an H100 where bf16 read at 83%): batch 64 and 256 at 1k and 4k contexts, key blocks of 64 (the
@@ -123,6 +129,16 @@ other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 25
   --page-size 16 --kv-cache-dtype auto fp8 --decode-block-n 0 32 16 --decode-warps 4 8 --tokens 16 \
   --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
 awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
+
+# gemlite's int4 GEMMs (its wheel; its first call tunes for a minute, so after the rest)
+say ""
+GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite
+
+# the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4
+tpot 70 qwen3-30b-a3b bf16
+tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
+tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
+fi
 
 say ""
 "$PY" -m gapless.bench.quant report "${runs[@]}" 2>&1 | tee -a "$LOG"

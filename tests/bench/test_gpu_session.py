@@ -104,11 +104,12 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             pytest.fail(f"{' '.join(args)}: the parser refused it (exit {e.code})")
     if part == "all":  # the benchmarks in order of importance
         assert [c[1] for c in benches] == [
-            *["gapless.bench.quant"] * 7,  # gpu_quant.sh: make, six runs of the issue's targets,
+            *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, five runs of the issue's targets,
+            *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs; its tables (the FP8
+            "gapless.bench.quant",  # GEMM's two scripts first, not modules): int4 on the Triton GEMM,
             "gapless.bench.int4_gemm",  # the int4 GEMMs,
-            *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs,
-            *["gapless.bench.quant"] * 4,  # gemlite's run, the mixture's three,
             "gapless.bench.kernels",  # decode attention over each cache,
+            *["gapless.bench.quant"] * 4,  # gemlite's run, the mixture's three,
             "gapless.bench.quant",  # the report
             "gapless.bench.gpu",  # gpu_bench.sh's one benchmark
             "gapless.bench.kernels",
@@ -228,3 +229,21 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
     ran = re.findall(r"^== \S+ \+\d+ s (\S+) ", steps, flags=re.M)
     assert ran == [name for name in ALL_STEPS if name not in ("latency", "served")], steps
     assert not any("gapless.bench.latency" in c for cmd in commands for c in cmd)
+
+
+def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
+    """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): the FP8 GEMM's sweep
+    first, no TPOT run of the targets, no nano-vllm run; the targets phase alone the reverse."""
+    (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
+    tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
+    scripts = [c[0] for c in tables if c[:1] != ["-m"]]
+    assert scripts[0].endswith("fp8_gemm.py") and "--sweep" in tables[1]
+    runs = [c for c in tables if c[:3] == ["-m", "gapless.bench.quant", "run"]]
+    assert runs and not any("--profile" in c for c in runs)  # (the targets' runs are profiled)
+    assert not any("gapless.bench.gpu" in c for c in tables)
+    targets = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "g", ROOT, QUANT_PHASES="targets")
+    runs = [c for c in targets if c[:3] == ["-m", "gapless.bench.quant", "run"]]
+    assert len(runs) == 5 and all("--profile" in c for c in runs)
+    assert not any(c[0].endswith("fp8_gemm.py") for c in targets)
+    for args in runs:
+        _parse_bench(args, monkeypatch)
