@@ -5,6 +5,7 @@
 # root on the device, after `bash bench/gpu_wheels.sh` here (the server's wheels, carried in .whl/):
 #
 #   run(command="bash bench/gpu_session.sh all", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/gpu_session.sh quant", carry=[".whl"], timeout_s=300)     # then, if time is left
 #   run(command="bash bench/gpu_session.sh suite", carry=[".whl"], timeout_s=600)     # another session
 #
 # Parts:
@@ -38,6 +39,10 @@
 #           fused kernels, piecewise graphs, torch ops), and the host bench at 1,024-token prompts
 #   sweep   the decode and extend kernels' tunings (what `kernels` times at the defaults), for a session
 #           with time to spare
+#   quant   the rest of issue 36's runs, which `all` has no time for: bench/gpu_quant.sh's tables phase (the
+#           FP8 GEMM's decode tiles and ways of rounding x, the FP8 and int4 GEMMs alone, the int4 Triton
+#           GEMM's TPOT, the decode attention sweep over each KV cache, gemlite, the mixture), in 240 s: a
+#           second call after `all` on the same machine
 #
 # SKIP="latency served" leaves those steps out (names as in steps.log, a folder's first part: "bench" for
 # bench/run), for a session rechecking what changed with the device time it has left.
@@ -50,7 +55,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case "$part" in all | suite | serve | prefill | sweep) ;; *) sed -n 2,46p "$0"; exit 2 ;; esac
+case "$part" in all | suite | serve | prefill | sweep | quant) ;; *) sed -n 2,54p "$0"; exit 2 ;; esac
 OUT=${OUT:-bench/results/gpu_session}
 WORK=${WORK:-${TMPDIR:-/tmp}/gpu_session/$part}
 BUDGET=${SESSION_BUDGET_S:-530}
@@ -216,6 +221,9 @@ case "$part" in
         --output-len 1 --modes overlap plain --rounds 1 --engine-option device=cuda \
         --engine-option dtype=bfloat16 --engine-option chunked_prefill_size=$chunk --json "$WORK/prefill_$chunk.json"
     done
+    ;;
+  quant)
+    step 240 quant env OUT="$WORK/quant" PY="$PY" QUANT_PHASES=tables QUANT_BUDGET_S=225 bash bench/gpu_quant.sh
     ;;
   sweep)
     # decode: programs per SM 2 is one split a request at batch 256 (the default), 32 and 64 are 3 and 5

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("all", "suite", "serve", "prefill", "sweep")
+PARTS = ("all", "suite", "serve", "prefill", "sweep", "quant")
 # the `all` part's steps, most important first (issue 34 item 6; issue 36's, the one open, first)
 ALL_STEPS = ["quant", "cuda_tests", "bench/run", "kernels", "latency", "served", "lora", "vision"]
 RECORDER = textwrap.dedent(
