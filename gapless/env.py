@@ -136,6 +136,15 @@ INT4_KERNEL = _var(
     "decode rows beside gapless's Triton GEMM for more, where tinygemm fits a layer and the GPU has room; "
     "or the one named, for every layer (`gapless.model.quant.int4_kernels`)",
 )
+FP8_DECODE = _var(
+    "GAPLESS_FP8_DECODE",
+    "launch",
+    _one_of("launch", "program", "fp16"),
+    "`launch`, `program` or `fp16`",
+    "FP8 layers' decode rows (up to 16) on CUDA: their activations rounded to e4m3 by a launch before the "
+    "GEMM, or by each of its programs, or not rounded: taken to float16 against the weights widened to "
+    "float16 (W8A16, closer to the unquantized model) (`gapless.model.quant.fp8_kernel`)",
+)
 API_KEY = _var("GAPLESS_API_KEY", None, _optional_str, "string", "the default of `gapless serve --api-key`")
 LOG_LEVEL = _var(
     "GAPLESS_LOG_LEVEL",

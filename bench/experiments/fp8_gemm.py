@@ -6,16 +6,17 @@ Qwen3-8B: microseconds a call (CUDA graphs: launch cost excluded) and the weight
 
 Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton kernel
 (`gapless.model.quant.fp8_kernel`) with per-channel and with [128, 128] block scales, x rounded in the
-GEMM's loop; per-channel with x rounded before the loop (`PREQUANT_ROWS = 16`) by a launch before the GEMM
-(`PREQUANT_BY = "launch"`, the default since an H100 measured it) and by each program for its share of K
-("program": no launch, not yet timed); `torch._scaled_mm` with rowwise scales (bf16 out; its activation
+GEMM's loop; per-channel at decode sizes (`DECODE_ROWS = 16`) with x rounded before the loop by a launch
+before the GEMM (`DECODE_X = "launch"`, the default since an H100 measured it), by each program for its
+share of K ("program": no launch, not yet timed), and not rounded ("fp16", W8A16: no launch, not yet
+timed); `torch._scaled_mm` with rowwise scales (bf16 out; its activation
 quantization, a separate torch step, timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's
 block recipes (x per 1x128, w per 128x128; where this torch has it, else the cell says why). Whichever is
 faster at 1 row is the decode path to keep.
 
 `--sweep` times per-channel FP8 on Qwen3-8B's layers at each decode tile (16-row tiles run an fp16 dot on
 the weights widened in registers; 64-row tiles, fp8's own wgmma, compiled for sm_90 here: QGMMA, no
-widening), each way of rounding x, and at 128 rows the larger tiles with K split and not.
+widening, except for x in fp16), each `DECODE_X`, and at 128 rows the larger tiles with K split and not.
 """
 
 from __future__ import annotations
@@ -49,14 +50,14 @@ def _us(fn) -> float:
 
 HEADER = (
     "| model | layer | N x K | rows | bf16 us | fp8 channel us | fp8 block us "
-    "| fp8 channel x rounded first us | fp8 channel x rounded by each program us | _scaled_mm us "
+    "| fp8 channel x rounded first us | by each program us | x in fp16 us | _scaled_mm us "
     "| F.scaled_mm block us | bf16 GB/s | fp8 GB/s |"
 )
 
 
 @contextlib.contextmanager
 def _kernel_settings(**values: object) -> Iterator[None]:
-    """`fp8_kernel`'s module settings (PREQUANT_ROWS, PREQUANT_BY, ...) set to `values` for the block."""
+    """`fp8_kernel`'s module settings (DECODE_ROWS, DECODE_X, ...) set to `values` for the block."""
     saved = {name: getattr(fp8_kernel, name) for name in values}
     for name, v in values.items():
         setattr(fp8_kernel, name, v)
@@ -91,32 +92,33 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
 
     channel = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
     bf16 = _us(lambda: torch.mm(x, wb.t()))
-    with _kernel_settings(PREQUANT_ROWS=0):
+    with _kernel_settings(DECODE_ROWS=0):
         block = _us(lambda: fp8_gemm(x, qb, sb, 128, 128, 128, None))
         chan = _us(channel)
-    with _kernel_settings(PREQUANT_ROWS=16, PREQUANT_BY="launch"):
-        by_launch = _us(channel)
-    with _kernel_settings(PREQUANT_ROWS=16, PREQUANT_BY="program"):
-        by_program = _us(channel)
+    decode = {}
+    for by in ("launch", "program", "fp16"):
+        with _kernel_settings(DECODE_ROWS=16, DECODE_X=by):
+            decode[by] = _us(channel)
     smm = _us(scaled_mm)
     fsmm = _us(block_scaled_mm)
-    best = min(chan, by_launch, by_program)
+    best = min(chan, *decode.values())
+    cells = (bf16, chan, block, *decode.values(), smm, fsmm)
     return (
-        f"| {model} | {name} | {n} x {k} | {m} | {bf16:.1f} | {chan:.1f} | {block:.1f} | {by_launch:.1f} "
-        f"| {by_program:.1f} | {smm:.1f} | {fsmm:.1f} "
-        f"| {2 * n * k / bf16 / 1e3:.0f} | {n * k / best / 1e3:.0f} |"
+        f"| {model} | {name} | {n} x {k} | {m} | "
+        + " | ".join(f"{us:.1f}" for us in cells)
+        + f" | {2 * n * k / bf16 / 1e3:.0f} | {n * k / best / 1e3:.0f} |"
     )
 
 
 # what `--sweep` times: at decode sizes (<= 16 rows, `fp8_kernel.DECODE_TILES`) each tile (BM, BN, warps,
 # stages) with K split to about 512 programs (16 x 32 and 16 x 128 tiles, and 1024 programs, were slower on
-# every layer on an H200: bench/results/h200-2026-11-26/run3) and x rounded by a launch or by each program;
+# every layer on an H200: bench/results/h200-2026-11-26/run3) and each way x meets the weights (`DECODE_X`);
 # at more rows (`fp8_kernel._tiles`'s others) with the K split off (the default) and on (`SPLIT_ROWS`
 # raised); 0 programs: no split
 SWEEP_TILES = [(16, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4)]
-SWEEP_ROUNDING = ["launch", "program"]
+SWEEP_ROUNDING = ["launch", "program", "fp16"]
 SWEEP_TILES_MORE = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
-SWEEP_SPLITS_MORE = [0, 264, 512]
+SWEEP_SPLITS_MORE = [0, 512]
 
 
 def _sweep_configs(m: int) -> list[tuple[tuple[int, int, int, int], int, str]]:
@@ -130,9 +132,7 @@ def sweep(rows: list[int]) -> None:
     """Per-channel FP8 on Qwen3-8B's layers at each tile, split target and rounding of x: us a call, the
     weight's GB/s, the fastest marked."""
     dev = torch.device("cuda")
-    print(
-        "| layer | N x K | rows | tiles (BM, BN, warps, stages) | split programs | x rounded by | us | GB/s |"
-    )
+    print("| layer | N x K | rows | tiles (BM, BN, warps, stages) | split programs | decode x | us | GB/s |")
     print("|---|---|---:|---|---:|---|---:|---:|")
     for name, n, k in SHAPES["qwen3-8b"]:
         qc, sc = quantize_rows(torch.randn(n, k, device=dev) * 0.02)
@@ -146,7 +146,7 @@ def sweep(rows: list[int]) -> None:
                     _tiles=functools.partial(lambda t, _m: t, tiles),
                     SPLIT_PROGRAMS=programs or fp8_kernel.SPLIT_PROGRAMS,
                     SPLIT_ROWS=max(m, 16) if programs else 0,
-                    PREQUANT_BY=by,
+                    DECODE_X=by,
                 ):
                     times[tiles, programs, by] = _us(call)
             fp8_kernel._LOCKS.clear()
@@ -154,7 +154,7 @@ def sweep(rows: list[int]) -> None:
             for (tiles, programs, by), us in times.items():
                 mark = " (best)" if (tiles, programs, by) == best else ""
                 gbs = n * k / us / 1e3
-                rounding = by if m <= fp8_kernel.PREQUANT_ROWS else "the loop"
+                rounding = by if m <= fp8_kernel.DECODE_ROWS else "the loop"
                 cells = (name, f"{n} x {k}", m, tiles, programs, rounding, f"{us:.1f}{mark}", f"{gbs:.0f}")
                 print("| " + " | ".join(str(c) for c in cells) + " |")
 
@@ -169,7 +169,7 @@ def main() -> None:
         sweep(args.rows)
         return
     print(HEADER)
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|" + "---:|" * 10)
     for model, layers in SHAPES.items():
         for name, n, k in layers:
             for m in args.rows:

@@ -25,7 +25,7 @@ time, so the cache layout (page size, fragmentation, a prefix that ends mid-page
 
 An fp8 (e4m3) KV cache (`--kv-cache-dtype fp8`) is read by the same kernels, compiled apart (`KV_FP8`, a
 constexpr: the bf16 kernels are unchanged): keys and values are widened to q's dtype as they are loaded,
-a half-precision q taken to float16 first (`_fp16_query`: e4m3 widens to float16 exactly in one
+a half-precision q taken to float16 first (`clamped_fp16`: e4m3 widens to float16 exactly in one
 instruction a pair, to bfloat16 only through float16 on sm_90), the per-tensor k scale is folded into the
 score scale and the v scale applied to the output once, both read from device tensors (so CUDA graphs
 replay them as they are set, and nothing syncs).
@@ -165,11 +165,11 @@ else:
 
 
 @triton.jit
-def _fp16_query(q):
-    """q in float16 for an fp8 cache's dots: e4m3 keys and values widen to float16 exactly, two in one
-    instruction, where bfloat16 costs three more a pair (sm_90); a bfloat16 q is exact in float16 inside
-    its range, to which it is clamped."""
-    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+def clamped_fp16(x):
+    """x in float16, for dots against e4m3 (an fp8 cache's keys and values, FP8 weights): e4m3 widens to
+    float16 exactly, two in one instruction, where bfloat16 costs three more a pair (sm_90); a bfloat16 x
+    is exact in float16 inside its range, to which it is clamped."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
 
 @triton.jit
@@ -318,7 +318,7 @@ def _extend_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     elif KV_FP8 and not IEEE:  # (a float32 q keeps float32 dots)
-        q = _fp16_query(q)
+        q = clamped_fp16(q)
     if KV_FP8:  # scores of e4m3 keys times the k scale: folded into the score scale
         k_scale = tl.load(KScale)
         scale_log2, cap_in = scale_log2 * k_scale, cap_in * k_scale
@@ -467,7 +467,7 @@ def _decode_split_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     elif KV_FP8 and not IEEE:  # (a float32 q keeps float32 dots)
-        q = _fp16_query(q)
+        q = clamped_fp16(q)
     if KV_FP8:  # scores of e4m3 keys times the k scale: folded into the score scale
         k_scale = tl.load(KScale)
         scale_log2, cap_in = scale_log2 * k_scale, cap_in * k_scale

@@ -275,12 +275,12 @@ def _fp8() -> dict[str, Callable[[], object]]:
         w = torch.zeros(n, k).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
         x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
-        before = fp8_kernel.PREQUANT_ROWS, fp8_kernel.PREQUANT_BY
-        fp8_kernel.PREQUANT_ROWS, fp8_kernel.PREQUANT_BY = prequant, by
+        before = fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X
+        fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = prequant, by
         try:
             return fp8_kernel.fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
         finally:
-            fp8_kernel.PREQUANT_ROWS, fp8_kernel.PREQUANT_BY = before
+            fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = before
 
     cases: dict[str, Callable[[], object]] = {
         f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
@@ -288,11 +288,9 @@ def _fp8() -> dict[str, Callable[[], object]]:
         for dtype in DTYPES
         for block in (False, True)
     }
-    for dtype in DTYPES:  # x rounded before the loop (`PREQUANT_ROWS`): by a launch, by each program
-        cases[f"fp8 gemm 1 rows {dtype} channel, x rounded first"] = partial(run, 1, dtype, False, 16)
-        cases[f"fp8 gemm 1 rows {dtype} channel, x rounded by each program"] = partial(
-            run, 1, dtype, False, 16, "program"
-        )
+    for dtype in DTYPES:  # a decode's x (`DECODE_X`): rounded by a launch, by each program; in fp16
+        for by in ("launch", "program", "fp16"):
+            cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}"] = partial(run, 1, dtype, False, 16, by)
     return cases
 
 

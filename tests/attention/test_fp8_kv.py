@@ -110,7 +110,7 @@ def test_start_up_self_check_runs_an_fp8_probe():
 
 
 def test_a_bfloat16_query_past_float16s_range_stays_finite():
-    """Over an fp8 cache a bfloat16 query runs the dots in float16 (`_fp16_query`): a component past
+    """Over an fp8 cache a bfloat16 query runs the dots in float16 (`clamped_fp16`): a component past
     float16's range is clamped to it, not turned to inf (and the scores' NaN); the softmax it peaks is the
     reference's."""
     q, k8, v8, meta, clean8, scales = fp8_batch(3, "decode", 16, torch.bfloat16)

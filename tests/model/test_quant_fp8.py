@@ -313,7 +313,7 @@ def test_decode_rows_split_k_and_leave_the_counters_at_rest(monkeypatch, rows):
 @pytest.mark.parametrize("block", [None, (16, 64)])
 def test_decode_rows_rounded_before_the_gemm_give_the_same_bits(monkeypatch, block, by):
     """At decode sizes x may be rounded to e4m3 before the GEMM's loop, by its own launch or by each
-    program for its share of K (`PREQUANT_BY`): the bits the loop's own rounding gives (so a row's result
+    program for its share of K (`DECODE_X`): the bits the loop's own rounding gives (so a row's result
     does not depend on how many rows ride with it), here on activations that are not exact in e4m3, K
     split over several programs a tile."""
     from gapless.model.quant import fp8_kernel
@@ -326,11 +326,42 @@ def test_decode_rows_rounded_before_the_gemm_give_the_same_bits(monkeypatch, blo
     monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 2)  # (one 16 x 64 tile, 4 groups: 2 splits of 2)
     monkeypatch.setattr(fp8_kernel, "_LOCKS", {})  # (counters for 2 programs: this test's alone)
     assert fp8_kernel._splits(5, 1, 4, x.device) == 2
-    monkeypatch.setattr(fp8_kernel, "PREQUANT_ROWS", 0)
+    monkeypatch.setattr(fp8_kernel, "DECODE_ROWS", 0)
     in_loop = fp8_gemm(x, q, s, rps, group, act, bias)
-    monkeypatch.setattr(fp8_kernel, "PREQUANT_ROWS", 16)
-    monkeypatch.setattr(fp8_kernel, "PREQUANT_BY", by)
+    monkeypatch.setattr(fp8_kernel, "DECODE_ROWS", 16)
+    monkeypatch.setattr(fp8_kernel, "DECODE_X", by)
     assert torch.equal(fp8_gemm(x, q, s, rps, group, act, bias), in_loop)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
+)
+@pytest.mark.parametrize("block", [None, (16, 64)])
+def test_decode_rows_in_fp16_are_x_in_fp16_times_the_dequantized_weights(monkeypatch, block):
+    """`GAPLESS_FP8_DECODE=fp16` (W8A16): a decode's x is not rounded to e4m3 but taken to float16, clamped to
+    its range (a component past it counts as 65504), against the dequantized weights, K split; more rows
+    than `DECODE_ROWS` are still rounded to e4m3."""
+    from gapless.model.quant import fp8_kernel
+
+    n, k, act = 48, 200, 64
+    w = torch.randn(n, k) * 0.05
+    q, s = quantize_rows(w) if block is None else quantize_blocks(w, block)
+    rps, group = (1, 0) if block is None else block
+    wd = dequantize(q, s, rps, group).double()
+    x, bias = torch.randn(20, k) * 3, torch.randn(n)
+    x[0, 3] = 1e6
+    monkeypatch.setenv("GAPLESS_FP8_DECODE", "fp16")  # (what DECODE_X = None reads)
+    y = fp8_gemm(x[:5], q, s, rps, group, act, bias)
+    monkeypatch.setattr(fp8_kernel, "DECODE_X", "fp16")
+    assert torch.equal(fp8_gemm(x[:5], q, s, rps, group, act, bias), y)
+    ref = x[:5].clamp(-65504, 65504).half().double() @ wd.T + bias.double()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-3)
+    w8a8 = reference_linear(x[:5], wd.float(), act, bias)  # (e4m3's x: off by far more)
+    assert (y - w8a8).abs().max() > 100 * (y.double() - ref).abs().max()
+    x = _exact_activations(20, k, act)  # 20 rows: rounded to e4m3 in the loop, as without the setting
+    torch.testing.assert_close(
+        fp8_gemm(x, q, s, rps, group, act, bias), reference_linear(x, wd.float(), act, bias)
+    )
 
 
 @pytest.mark.skipif(
@@ -339,7 +370,8 @@ def test_decode_rows_rounded_before_the_gemm_give_the_same_bits(monkeypatch, blo
 @pytest.mark.parametrize("tiles", [(64, 32, 4, 4), (64, 64, 4, 4)])
 def test_decode_rows_in_the_sweeps_64_row_tiles_match_the_reference(monkeypatch, tiles):
     """The 64-row decode tiles `bench/experiments/fp8_gemm.py --sweep` times (fp8's own wgmma on sm_90)
-    give the reference's result at 1 and 5 rows, x rounded before the loop either way, K split."""
+    give the reference's result at 1 and 5 rows, x rounded before the loop either way or taken to fp16, K
+    split."""
     from gapless.model.quant import fp8_kernel
 
     n, k, act = 80, 256, 64
@@ -349,8 +381,8 @@ def test_decode_rows_in_the_sweeps_64_row_tiles_match_the_reference(monkeypatch,
     for rows in (1, 5):
         x, bias = _exact_activations(rows, k, act, seed=rows), torch.randn(n)
         ref = reference_linear(x, dequantize(q, s, 1, 0), act, bias)
-        for by in ("launch", "program"):
-            monkeypatch.setattr(fp8_kernel, "PREQUANT_BY", by)
+        for by in ("launch", "program", "fp16"):  # (the activations are exact in e4m3 and fp16)
+            monkeypatch.setattr(fp8_kernel, "DECODE_X", by)
             torch.testing.assert_close(fp8_gemm(x, q, s, 1, 0, act, bias), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -372,19 +404,23 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
         assert torch.equal(fp8_gemm(*args), y)
     from gapless.model.quant import fp8_kernel
 
-    # x rounded before the loop (`PREQUANT_ROWS`), by its own launch or by each program: the in-loop bits
+    # x rounded before the loop (`DECODE_ROWS`), by its own launch or by each program: the in-loop bits;
+    # in fp16 (W8A16): x in fp16 times the dequantized weights, to bf16's rounding
     x = torch.randn(3, 1024, dtype=torch.bfloat16, device=dev)
     args = (x, q.to(dev), s.to(dev), 128, 128, 128, None)
-    before = fp8_kernel.PREQUANT_ROWS, fp8_kernel.PREQUANT_BY
+    before = fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X
     try:
-        fp8_kernel.PREQUANT_ROWS = 0
+        fp8_kernel.DECODE_ROWS = 0
         in_loop = fp8_gemm(*args)
-        fp8_kernel.PREQUANT_ROWS = 16
+        fp8_kernel.DECODE_ROWS = 16
         for by in ("launch", "program"):
-            fp8_kernel.PREQUANT_BY = by
+            fp8_kernel.DECODE_X = by
             assert torch.equal(fp8_gemm(*args), in_loop), by
+        fp8_kernel.DECODE_X = "fp16"
+        ref = x.float().cpu() @ dequantize(q, s, 128, 128).T
+        assert (fp8_gemm(*args).float().cpu() - ref).abs().max() <= 0.01 * ref.abs().max()
     finally:
-        fp8_kernel.PREQUANT_ROWS, fp8_kernel.PREQUANT_BY = before
+        fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = before
 
     assert int(fp8_kernel._LOCKS[y.device].abs().sum()) == 0  # every split tile's counter back at 0
 

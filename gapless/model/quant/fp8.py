@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gapless import env
 from gapless.model.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -112,6 +113,8 @@ class Fp8LinearMethod:
         self, layer: Any, spec: QuantSpec, rows_per_scale: int, k_group: int, act_group: int
     ) -> None:
         self.name, self.quant_method = spec.label, spec.name
+        if layer.weight.device.type == "cuda" and env.FP8_DECODE.get() == "fp16":
+            self.name += ", W8A16 at decode"  # (the start-up line says so: not the rows' W8A8 bits)
         self.rows_per_scale, self.k_group, self.act_group = rows_per_scale, k_group, act_group
         self.out_features = layer.weight.shape[0]
         self.dequantized: torch.Tensor | None = None

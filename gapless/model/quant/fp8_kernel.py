@@ -5,13 +5,16 @@ inside the GEMM (no host sync: CUDA graphs capture it as any other kernel).
 Each program computes a [BM, BN] tile of y: for each BK-wide step along K it loads x's tile, takes each
 row's scale, rounds x / scale to e4m3, loads W's e4m3 tile, and adds `dot(xq, wq) * x_scale * w_scale`
 (the fp8 tensor-core product, accumulated in float32). At decode sizes every program rounds the same few
-rows again, in its loop, where the rounding waits on x's loads; so up to `PREQUANT_ROWS` rows (a
-decode's), x is rounded before the loop (`PREQUANT_BY`): by one small launch before the GEMM
-(`_fp8_quant_kernel`), or by each program for its own share of K before its loop, into the same buffer
-(the programs of one share write the same bytes), with no launch. Either way the same arithmetic
-(`_round_rows`: the same bits), and the loop loads the e4m3 rows and their scales. W's scale is looked
-up at (row // rows_per_scale, k // k_group): one per row and whole K (per-channel, `stride_sk` 0), or one
-per [rows, k_group] block.
+rows again, in its loop, where the rounding waits on x's loads; so up to `DECODE_ROWS` rows (a decode's)
+x meets the weights as `DECODE_X` says: rounded before the loop, by one small launch before the GEMM
+(`_fp8_quant_kernel`) or by each program for its own share of K, into the same buffer (the programs of
+one share write the same bytes), with no launch; either way the same arithmetic (`_round_rows`: the same
+bits), and the loop loads the e4m3 rows and their scales. Or not rounded to e4m3 at all ("fp16", W8A16):
+x in float16 (clamped to its range) against the weights widened to float16, which on sm_90 is what a
+16-row tile's dot runs anyway (Triton widens both e4m3 operands for an fp16 HMMA; 64-row tiles take fp8's
+own wgmma); closer to the float model than e4m3's 3-bit x, but not the bits of the rows past
+`DECODE_ROWS`. W's scale is looked up at (row // rows_per_scale, k // k_group): one per row and whole K
+(per-channel, `stride_sk` 0), or one per [rows, k_group] block.
 
 The Triton interpreter rounds some values to e4m3 wrongly (a carry into the next binade is lost:
 31.4 -> 16 instead of 32; triton 3.9), so the CPU tests feed it activations that are exact in e4m3 after
@@ -24,6 +27,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from gapless import env
+from gapless.attention.triton_kernels import clamped_fp16
 
 FP8_MAX = 448.0  # e4m3's largest finite value
 
@@ -100,24 +106,28 @@ def _fp8_gemm_kernel(
         tl.debug_barrier()  # (every thread's stores before any thread's loads below)
     for k0 in range(k_start, k_stop, BK):
         k_ok = (k0 + offs_k) < K
-        if ROUND > 0:  # x already e4m3 in xq [M, K], its scales [M, K / BK] in xs
-            xq = tl.load(
-                xq_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :],
-                mask=m_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            x_scale = tl.load(xs_ptr + offs_m * tl.cdiv(K, BK) + k0 // BK, mask=m_ok, other=0.0)
-        else:
-            x_tile = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
-            x = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            xq, x_scale = _round_rows(x.to(tl.float32))
         w = tl.load(
             w_ptr + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
             mask=n_ok[None, :] & k_ok[:, None],
             other=0.0,
         )
         w_scale = tl.load(s_row + (k0 // k_group) * stride_sk, mask=n_ok, other=0.0)
-        acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
+        if ROUND == 1 or ROUND == 2:  # x already e4m3 in xq [M, K], its scales [M, K / BK] in xs
+            xq = tl.load(
+                xq_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :],
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            x_scale = tl.load(xs_ptr + offs_m * tl.cdiv(K, BK) + k0 // BK, mask=m_ok, other=0.0)
+            acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
+        else:
+            x_tile = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+            x = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            if ROUND == 3:  # W8A16: x in fp16 (clamped to its range), the weights widened to fp16
+                acc += tl.dot(clamped_fp16(x), w.to(tl.float16)) * w_scale[None, :]
+            else:
+                xq, x_scale = _round_rows(x)
+                acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
     tile = offs_m[:, None] * N + offs_n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLITS > 1:
@@ -155,14 +165,16 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
-# at most this many rows, x is rounded to e4m3 before the GEMM's loop (0: never). By a launch before the
-# GEMM, on an H100 at one row it saved 11-21% of the GEMM's time on Qwen3-8B's layers (qkv 16.3 -> 12.9 us,
-# gate/up 48.9 -> 40.5) and cost 0.5-1 us on Qwen3-0.6B's, where the launch it adds is a large share
-# (bench/results/h100-2026-11-26/quant/fp8_gemm.log; bench/experiments/fp8_gemm.py times both)
-PREQUANT_ROWS = 16
-# how: "launch" (`_fp8_quant_kernel`, measured above) or "program" (each program its own share of K before
-# its loop: no launch; compiled for sm_90, not yet timed: `fp8_gemm.py`'s "x rounded by each program")
-PREQUANT_BY = "launch"
+# at most this many rows (a decode's), x meets the weights as `DECODE_X` says (more: rounded in the loop).
+# Rounded by a launch before the GEMM, on an H100 at one row it saved 11-21% of the GEMM's time on
+# Qwen3-8B's layers (qkv 16.3 -> 12.9 us, gate/up 48.9 -> 40.5) and cost 0.5-1 us on Qwen3-0.6B's, where
+# the launch it adds is a large share (bench/results/h100-2026-11-26/quant/fp8_gemm.log)
+DECODE_ROWS = 16
+# "launch" (measured above), "program" (each program rounds its share of K before its loop: no launch) or
+# "fp16" (W8A16: no rounding, no launch); the last two compiled for sm_90, not yet timed
+# (bench/experiments/fp8_gemm.py times all three); None: GAPLESS_FP8_DECODE's (default "launch")
+DECODE_X: str | None = None
+_ROUNDING = {"launch": 1, "program": 2, "fp16": 3}  # (the kernel's ROUND; 0: in the loop)
 # (BM, BN, warps, stages) at decode sizes (`_tiles`): on an H200 at one row, the fastest on each of Qwen3-8B's
 # layers of BN 32, 64, 128 and 512 or 1024 split programs (70.1 us the four against 78.6 at BN 32;
 # bench/results/h200-2026-11-26/run3/fp8_sweep.log, `bench/experiments/fp8_gemm.py --sweep`)
@@ -216,9 +228,9 @@ def fp8_gemm(
     steps = triton.cdiv(k_steps, splits)
     splits = triton.cdiv(k_steps, steps)  # no split left without a step
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
-    rounding = 0 if m > PREQUANT_ROWS else 1 if PREQUANT_BY == "launch" else 2
+    rounding = 0 if m > DECODE_ROWS else _ROUNDING[DECODE_X or env.FP8_DECODE.get()]
     xq, xs = y, y  # (unread unless x is rounded before the loop)
-    if rounding:
+    if rounding in (1, 2):
         xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
         xs = torch.empty(m, k_steps, dtype=torch.float32, device=x.device)
     if rounding == 1:
