@@ -4,8 +4,9 @@
 #   targets
 #   1. TPOT at batch 1 against bf16 (`gapless.bench.quant`; random weights, `load_format=dummy`: nothing
 #      written or read), each run in its own process and profiled: FP8 weights (`--quantization fp8`) on
-#      Qwen3-0.6B's and Qwen3-8B's shapes (the target: <= 0.6), int4 w4a16 (AWQ g128) on
-#      Qwen3-8B's (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
+#      Qwen3-0.6B's and Qwen3-8B's shapes (the target: <= 0.6; on 8B's also the decode rows in
+#      W8A16, `GAPLESS_FP8_DECODE=fp16`), int4 w4a16 (AWQ g128) on Qwen3-8B's (target: <= 0.4) through the
+#      default (`auto`: torch's tinygemm at decode rows)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the target: >= 1.3x bf16 KV's
 #      tok/s)
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
@@ -83,6 +84,8 @@ tpot 45 qwen3-0.6b bf16 --profile  # (first: a cold machine's start-up falls on 
 tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
 tpot 50 qwen3-8b bf16 --profile
 tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
+# the decode rows in W8A16 (no e4m3 rounding of x, no launch before each GEMM: GAPLESS_FP8_DECODE)
+GAPLESS_FP8_DECODE=fp16 tpot 45 qwen3-8b fp8_w8a16 --profile --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against

@@ -167,7 +167,7 @@ case "$part" in
     mkdir -p "$WORK/bench"
     # the quantized-checkpoint runs first: the one open issue whose figures need a GPU (36)
     # (its own budget cut so the CUDA tests get their time: on an H100 they were cut at 111 s)
-    step 300 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=290 bash bench/gpu_quant.sh
+    step 320 quant env OUT="$WORK/quant" PY="$PY" QUANT_BUDGET_S=310 bash bench/gpu_quant.sh
     step 180 cuda_tests "$PY" -m pytest -q -n 6 -p no:cacheprovider "${cuda_tests[@]}" \
       -k "(nccl or cuda or gpu or triton or graph or fused or kernel) and not sm90"
     step 140 bench/run env OUT="$WORK/bench" GPU_BENCH_TIMEOUT=125 PY="$PY" bash bench/gpu_bench.sh --skip-hf
