@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -73,6 +74,17 @@ AWQ_G128 = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, ver
 AWQ_SHAPES = ("qwen3-8b", "qwen3-30b-a3b")
 PROMPT_LEN = 128
 PROFILE_TOP = 12  # kernels a profile lists by name (the rest summed)
+# what a profile sums each kernel (each op on the CPU) under, by its name, the first that matches: the
+# linear layers (cuBLAS's, gapless's FP8 and int4 GEMMs and FP8's rounding of x, tinygemm, gemlite; on the
+# CPU torch's matmuls), the attention, everything else
+KINDS = {
+    "GEMMs": re.compile(
+        r"gemm|gemv|nvjet|xmma|cutlass|cublas|w4a16|tinygemm|int4pack|_fp8_quant|splitk"
+        r"|aten::mm|addmm|linear|matmul",
+        re.I,
+    ),
+    "attention": re.compile(r"decode|extend|attention|attn|flash|scaled_dot_product", re.I),
+}
 
 
 def make(out: Path) -> list[Path]:
@@ -101,8 +113,8 @@ def make(out: Path) -> list[Path]:
 def decode_profile(timed: Callable[[int], object], tokens: int, device: str) -> dict[str, Any]:
     """What a decode token costs kernel by kernel: `timed(1 + tokens)` and `timed(1)` (a request of that
     many output tokens) under torch.profiler, each kernel's time and calls in the second taken from the
-    first's, over `tokens`, as TPOT is. `us_per_token`: the sum; `ops`: the `PROFILE_TOP` costliest
-    [name, us, calls] a token; `other_us`: the rest's sum."""
+    first's, over `tokens`, as TPOT is. `us_per_token`: the sum; `kinds`: its share under each of `KINDS`
+    and "other"; `ops`: the `PROFILE_TOP` costliest [name, us, calls] a token; `other_us`: the rest's sum."""
     long = timing.op_times(lambda: timed(1 + tokens), device)
     short = timing.op_times(lambda: timed(1), device)
     per_token: dict[str, tuple[float, float]] = {}
@@ -113,7 +125,10 @@ def decode_profile(timed: Callable[[int], object], tokens: int, device: str) -> 
     ranked = sorted(per_token.items(), key=lambda kv: kv[1][0], reverse=True)
     top = [(name[:90], us, calls) for name, (us, calls) in ranked[:PROFILE_TOP]]
     total = sum(us for us, _ in per_token.values())
-    return dict(us_per_token=total, ops=top, other_us=total - sum(us for _, us, _ in top))
+    kinds = dict.fromkeys([*KINDS, "other"], 0.0)
+    for name, (us, _) in per_token.items():
+        kinds[next((kind for kind, pattern in KINDS.items() if pattern.search(name)), "other")] += us
+    return dict(us_per_token=total, kinds=kinds, ops=top, other_us=total - sum(us for _, us, _ in top))
 
 
 def run(
@@ -190,9 +205,10 @@ def _profile_lines(r: dict[str, Any]) -> list[str]:
     rows = [(name, f"{us:.1f}", f"{calls:g}") for name, us, calls in prof["ops"]]
     rows.append(("(the rest)", f"{prof['other_us']:.1f}", ""))
     name = f"{r['shape']} {r['quantization'] or 'bf16'}"
+    kinds = ", ".join(f"{kind} {us:.0f}" for kind, us in prof["kinds"].items())
     return [
         f"\n{name}: kernels {busy:.0f} us a token of TPOT's {tpot_us:.0f} ({busy / tpot_us:.0%}; the rest "
-        "idle between kernels or waiting on the host)",
+        f"idle between kernels or waiting on the host): {kinds}",
         *cli.markdown_table(("kernel", "us a token", "calls a token"), rows, "lrr"),
     ]
 

@@ -60,10 +60,35 @@ def test_run_profiles_a_decode_token_on_the_cpu():
     times = [us for _, us, _ in prof["ops"]]
     assert times == sorted(times, reverse=True) and all(t > 0 for t in times)
     assert abs(sum(times) + prof["other_us"] - prof["us_per_token"]) < 1e-6 * prof["us_per_token"]
-    # a decode token runs the model's matmuls: at least one a token
+    # a decode token runs the model's matmuls: at least one a token, summed as GEMMs
     assert any("mm" in name or "linear" in name for name, _, calls in prof["ops"] if calls >= 1)
+    assert set(prof["kinds"]) == {"GEMMs", "attention", "other"} and prof["kinds"]["GEMMs"] > 0
+    assert abs(sum(prof["kinds"].values()) - prof["us_per_token"]) < 1e-6 * prof["us_per_token"]
     text = quant.report([res])
     assert f"| {prof['ops'][0][0]} | {prof['ops'][0][1]:.1f} |" in text and "of TPOT's" in text
+    assert f"GEMMs {prof['kinds']['GEMMs']:.0f}, attention" in text
+
+
+def test_profile_kinds_name_the_engines_kernels():
+    """The kernel names a GPU profile shows (cuBLAS's, gapless's Triton kernels, tinygemm's) fall under the
+    kind they are."""
+    kind = {
+        name: next((k for k, p in quant.KINDS.items() if p.search(name)), "other")
+        for name in (
+            "nvjet_sm90_tst_72x64_64x12_4x1_v_bz_TNN",
+            "_fp8_gemm_kernel",
+            "_fp8_quant_kernel",
+            "_w4a16_kernel",
+            "void at::native::(anonymous namespace)::tinygemm_m16n8k16_chunk_kernel<...>",
+            "void cublasLt::splitKreduce_kernel<32, 16, int, float>",
+            "_decode_split_kernel",
+            "_extend_kernel",
+            "_rms_norm_kernel",
+            "_qk_norm_rope_store_kernel",
+            "_act_and_mul_kernel",
+        )
+    }
+    assert [k for k in kind.values()] == ["GEMMs"] * 6 + ["attention"] * 2 + ["other"] * 3, kind
 
 
 def test_the_report_leaves_out_runs_without_a_profile():
