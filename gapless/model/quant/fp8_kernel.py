@@ -216,8 +216,9 @@ def fp8_gemm(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """x [M, K] (float) times w [N, K] (e4m3)^T with w's float32 `scale` [N / rows_per_scale, K / k_group]
-    (k_group 0: one scale per row for all of K), x quantized per row and `act_group` columns; [M, N] in
-    x's dtype. At decode sizes K may be split over several programs per tile (`_splits`)."""
+    (k_group 0: one scale per row for all of K), x quantized per row and `act_group` columns (up to
+    `DECODE_ROWS` rows as `DECODE_X` says); [M, N] in x's dtype. At decode sizes K may be split over
+    several programs per tile (`_splits`)."""
     m, k = x.shape
     n = w.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
