@@ -24,6 +24,7 @@ import triton.language as tl
 
 from gapless import env
 from gapless.model.moe import WeightQuant
+from gapless.model.quant.int4_triton import unsigned_to_float
 
 # the interpreter multiplies the raw bits of bf16 `tl.dot` operands (triton-lang/triton#11584): there the
 # operands go in as fp32 (same values), as `gapless.attention.triton_kernels` does it
@@ -56,7 +57,7 @@ def _int_tile(
     at = (k0 // GROUP) * stride_sg + rows
     s = tl.load(Scales + at, mask=row_mask, other=0.0).to(tl.float32)
     z = tl.load(Zeros + at, mask=row_mask, other=0.0).to(tl.float32)
-    return (q.to(tl.float32) - z[None, :]) * s[None, :]
+    return (unsigned_to_float(q) - z[None, :]) * s[None, :]
 
 
 @triton.jit

@@ -144,6 +144,40 @@ def test_kernel_compiles_for_sm90():
     assert built.kernels == ["_w4a16_kernel"] and not built.failed, built
 
 
+@pytest.mark.slow  # (compiles over a cold Triton cache: ~30 s)
+def test_the_compiled_gemms_convert_no_integer_to_float():
+    """Compiled for sm_90 (the harness's stand-in driver, in a child process without the interpreter):
+    the int4/int8 GEMM and the mixtures' grouped GEMM over int experts take each packed value to float32
+    by bits (`unsigned_to_float`), with no `cvt` from an integer, which Hopper runs at a fraction of its
+    float rate (the code before took one a dequantized value: 288 in these kernels)."""
+    import os
+    import subprocess
+    import sys
+
+    from gapless import env
+
+    script = (
+        "import re\n"
+        "from gapless.testing.triton_compile import Compiler, _int4, _moe\n"
+        "with Compiler(90) as c:\n"
+        "    for name, case in {**_int4(), **_moe()}.items():\n"
+        "        if 'int' in name and 'bfloat16' in name:\n"
+        "            case()\n"
+        "ptx = [k.asm['ptx'] for n, k in c.compiled if n in ('_w4a16_kernel', '_grouped_gemm_kernel')]\n"
+        "print(len(ptx), sum(len(re.findall(r'cvt\\.\\w+\\.f32\\.[us]32', p)) for p in ptx))\n"
+    )
+    child_env = {k: v for k, v in os.environ.items() if k != env.TRITON_INTERPRET.name}
+    probe = "from triton.backends.nvidia.compiler import CUDABackend"
+    if subprocess.run([sys.executable, "-c", probe], env=child_env, capture_output=True).returncode:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=child_env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    kernels, conversions = map(int, r.stdout.split()[-2:])
+    assert kernels >= 8 and conversions == 0, r.stdout
+
+
 @pytest.mark.parametrize("kind", ["column", "merged", "row"])
 def test_tensor_parallel_pieces_make_the_whole_layer(kind):
     """Two ranks' pieces (scales and zeros cut with their weights: column layers by rows, row layers by

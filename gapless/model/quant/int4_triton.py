@@ -9,7 +9,8 @@ The weight is held in one layout whatever checkpoint it came from (`gapless.mode
 
 Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its
 [BLOCK_K / P, BLOCK_N] tile of int32 words (each word read once) and one row of scales and zeros (a K
-block never crosses a group: BLOCK_K divides G and K). Then, where the tiles allow (`nibble_dots`,
+block never crosses a group: BLOCK_K divides G and K); values go to float32 by their bits
+(`unsigned_to_float`), not by a conversion instruction. Then, where the tiles allow (`nibble_dots`,
 16-row tiles with BLOCK_K / P >= 16, chosen at one row), for each j < P it shifts value j out of every
 word, subtracts the zero, scales, and adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns
 k0 + P * r + j; otherwise it lays the P values of each word out as one [BLOCK_K, BLOCK_N] tile for one
@@ -42,6 +43,14 @@ from gapless import env
 INTERPRET = env.TRITON_INTERPRET.get()
 _TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs): what split-K aims for
 _MAX_SPLIT = 16
+
+
+@triton.jit
+def unsigned_to_float(q):
+    """q (int32 in [0, 2^23): a packed weight's values) as float32, exactly, without a conversion
+    instruction: its bits ORed into the mantissa of 2^23, minus 2^23. Hopper converts integers at a
+    fraction of its float rate (`I2FP`, on the conversion pipe), and every dequantized value took one."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -102,7 +111,7 @@ def _w4a16_kernel(
             s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             for j in tl.static_range(32 // BITS):
-                w = (((packed >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) - z[None, :]) * s[None, :]
+                w = (unsigned_to_float((packed >> (j * BITS)) & ((1 << BITS) - 1)) - z[None, :]) * s[None, :]
                 offs_k = offs_w * (32 // BITS) + j  # x's columns for value j: every P-th from j
                 x = tl.load(
                     X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
@@ -123,7 +132,7 @@ def _w4a16_kernel(
             s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
             z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
             # in fp32, then one rounding to the activations' dtype (as the reference path's weight)
-            w = (q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+            w = (unsigned_to_float(q) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
             if BLOCK_M == 1:  # one row: a GEMV on the CUDA cores, no dot tile to fill
                 if not AS_FP32:
                     w = w.to(x.dtype).to(tl.float32)
