@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from gapless import env
+from gapless.attention.triton_kernels import clamped_fp16
 from gapless.model.moe import WeightQuant
 from gapless.model.quant.int4_triton import unsigned_to_float
 
@@ -85,7 +86,9 @@ def _tile_product(
     """`a` [BLOCK_M, BLOCK_K] times one expert's weight `W` at inputs `offs_k` (from `k0`) and `rows`
     [BLOCK_K, BLOCK_N], in fp32: W as stored (a float or e4m3 W, `stride_wn` apart per row) or unpacked and
     dequantized (BITS: `_int_tile`), widened to A's type; SCALED: the product times the rows' scales of
-    this K step (`s_row`, one per `scale_cols` inputs)."""
+    this K step (`s_row`, one per `scale_cols` inputs). An e4m3 W under a bfloat16 A multiplies in float16
+    (`clamped_fp16`: A clamped to its range; e4m3 widens to float16 in one instruction a pair, to bfloat16
+    through a scalar conversion a value: 64 a loop body in the sm_90 binary)."""
     if BITS:
         w = _int_tile(
             W,
@@ -107,11 +110,12 @@ def _tile_product(
             mask=k_mask[:, None] & row_mask[None, :],
             other=0.0,
         )
-    w = w.to(a.dtype)  # (e4m3 and int tiles widened; a float tile is A's type already)
-    if IEEE:
-        part = tl.dot(a, w, input_precision="ieee")
+    if SCALED and a.dtype == tl.bfloat16:  # e4m3 under bf16: both to fp16 (e4m3 -> bf16 is two conversions)
+        part = tl.dot(clamped_fp16(a), w.to(tl.float16))
+    elif IEEE:
+        part = tl.dot(a, w.to(a.dtype), input_precision="ieee")
     else:
-        part = tl.dot(a, w)
+        part = tl.dot(a, w.to(a.dtype))  # (e4m3 and int tiles widened; a float tile is A's type already)
     if SCALED:
         part = part * tl.load(s_row + k0 // scale_cols, mask=row_mask, other=0.0)[None, :]
     return part

@@ -237,6 +237,33 @@ def test_fused_experts_over_fp8_weights_equal_the_dequantized_reference():
     assert not torch.allclose(want, reference_experts(x, w13, w2, weights, ids), atol=1e-5)
 
 
+def test_fused_experts_over_fp8_weights_multiply_bf16_activations_in_fp16(monkeypatch):
+    """Under bfloat16 activations the grouped GEMM multiplies e4m3 experts in float16 (one widening
+    instruction a pair on sm_90, where bfloat16 takes a scalar conversion a value): the reference's
+    result to bfloat16's rounding of the hidden rows, and an activation past float16's range (clamped to
+    it) gives finite outputs. (The kernel itself, not `fused_experts`' interpreter detour through float32,
+    under which a bfloat16 dot would multiply raw bits.)"""
+    from gapless.model import moe_triton
+    from gapless.model.moe import reference_experts, route
+
+    g = torch.Generator().manual_seed(1)
+    tokens, e, h, inter = 9, 4, 32, 48
+    x = torch.randn(tokens, h, generator=g).bfloat16()
+    w13, w2 = torch.randn(e, 2 * inter, h, generator=g) * 0.1, torch.randn(e, h, inter, generator=g) * 0.1
+    weights, ids = route(torch.randn(tokens, e, generator=g), 2, True, False)
+    q13, s13 = quantize_rows(w13.reshape(-1, h))
+    q2, s2 = quantize_rows(w2.reshape(-1, inter))
+    q13, q2 = q13.view(w13.shape), q2.view(w2.shape)
+    scales = ((s13.view(e, 2 * inter, 1), h), (s2.view(e, h, 1), inter))
+    monkeypatch.setattr(moe_triton, "INTERPRET", False)  # (bf16 into the kernel, as on a GPU)
+    got = moe_triton.fused_experts(x, q13, q2, weights, ids, scales=scales)
+    want = reference_experts(x.float(), _rows_rounded(w13), _rows_rounded(w2), weights, ids)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+    x[2, 5] = 1e5  # (bfloat16 holds it)
+    assert torch.isfinite(moe_triton.fused_experts(x, q13, q2, weights, ids, scales=scales)).all()
+
+
 # --- the layouts' arithmetic and the kernel ------------------------------------------------------------
 
 
