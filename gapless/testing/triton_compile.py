@@ -20,7 +20,9 @@ without TRITON_INTERPRET (the interpreter takes the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
 compiled binary records them (`cuobjdump --dump-resource-usage`, which comes with Triton): what decides
-how many programs an SM holds, for reading a tuning sweep without a GPU.
+how many programs an SM holds, for reading a tuning sweep without a GPU. With `--ops`, its SASS counted
+(`instruction_mix`): instructions, matrix instructions, and conversions, which Hopper runs on a slower
+pipe than float math (an integer or e4m3 -> bfloat16 conversion a weight value bounds a GEMM).
 """
 
 from __future__ import annotations
@@ -270,17 +272,20 @@ def _lora() -> dict[str, Callable[[], object]]:
 def _fp8() -> dict[str, Callable[[], object]]:
     from gapless.model.quant import fp8_kernel
 
-    def run(rows: int, dtype: torch.dtype, block: bool, prequant: int = 0, by: str = "launch") -> object:
+    def run(
+        rows: int, dtype: torch.dtype, block: bool, prequant: int = 0, by: str = "launch", tiles: Any = None
+    ) -> object:
         n, k = 96, 256
         w = torch.zeros(n, k).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
         x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
-        before = fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X
+        before = fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X, fp8_kernel.DECODE_TILES
         fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = prequant, by
+        fp8_kernel.DECODE_TILES = tiles or fp8_kernel.DECODE_TILES
         try:
             return fp8_kernel.fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
         finally:
-            fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = before
+            fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X, fp8_kernel.DECODE_TILES = before
 
     cases: dict[str, Callable[[], object]] = {
         f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
@@ -291,6 +296,10 @@ def _fp8() -> dict[str, Callable[[], object]]:
     for dtype in DTYPES:  # a decode's x (`DECODE_X`): rounded by a launch, by each program; in fp16
         for by in ("launch", "program", "fp16"):
             cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}"] = partial(run, 1, dtype, False, 16, by)
+            # the 64-row decode tiles `bench/experiments/fp8_gemm.py --sweep` times (fp8's wgmma)
+            cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}, 64-row tiles"] = partial(
+                run, 1, dtype, False, 16, by, (64, 64, 4, 4)
+            )
     return cases
 
 
@@ -385,6 +394,34 @@ def resources(kernel: Any) -> dict[str, int]:
     }
 
 
+CONVERSIONS = ("I2F", "I2FP", "F2I", "F2F", "F2FP", "I2I")  # the SASS opcodes that convert a number's type
+
+
+def instruction_mix(kernel: Any) -> dict[str, Any]:
+    """A compiled kernel's SASS, counted: its instructions, its matrix instructions (HMMA: mma.sync; HGMMA,
+    QGMMA: Hopper's wgmma, QGMMA on fp8) and each conversion opcode with its count (most run on a
+    slower pipe than float math); empty if cuobjdump is missing."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass, flags=re.M)
+    conversions: dict[str, int] = {}
+    for op in ops:
+        if op.split(".")[0] in CONVERSIONS:
+            conversions[op] = conversions.get(op, 0) + 1
+    return {
+        "instructions": len(ops),
+        "mma": sorted({op for op in ops if "MMA" in op.split(".")[0]}),
+        "conversions": conversions,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gapless.testing.triton_compile", description=__doc__)
     p.add_argument(
@@ -392,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--resources", action="store_true", help="each specialization's registers, spills and shared memory"
+    )
+    p.add_argument(
+        "--ops", action="store_true", help="each specialization's instructions, MMA kinds and conversions"
     )
     args = p.parse_args(argv)
     if env.TRITON_INTERPRET.get():
@@ -404,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, _ in compiler.compiled:
         kernels[name] = kernels.get(name, 0) + 1
     print(f"compiled for sm_{args.arch}: " + ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items())))
-    if args.resources:
+    if args.resources or args.ops:
         seen = set()
         for name, kernel in compiler.compiled:
             if kernel.hash in seen:  # the same specialization, launched again
@@ -416,7 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                 for path, value in kernel.src.constants.items()
                 if len(path) == 1 and isinstance(value, (int, bool))
             }
-            print(name, resources(kernel), constants)
+            print(name, resources(kernel) if args.resources else "", constants)
+            if args.ops:
+                print(" ", instruction_mix(kernel))
     for name, error in compiler.failed:
         print(f"FAILED {name}: {error}")
     return 1 if compiler.failed else 0

@@ -6,6 +6,7 @@ interpreter runs and the compiler refuses, is reported as failed."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -55,9 +56,11 @@ def nvidia_backend() -> None:
 # `make test`)
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(nvidia_backend) -> None:
-    """Every kernel builds, and `--resources` reads each specialization's registers and shared memory
-    from its binary (the attention kernels' block sizes beside them)."""
-    r = _run(["-m", "gapless.testing.triton_compile", "--arch", "90", "--resources"], ROOT)
+    """Every kernel builds, `--resources` reads each specialization's registers and shared memory from its
+    binary (the attention kernels' block sizes beside them), and `--ops` counts its SASS: the FP8 GEMM runs
+    a matrix instruction, and the int GEMMs' weights reach float math by bits, with no conversion from an
+    integer (nor e4m3 through float16 to bfloat16 in the grouped GEMM)."""
+    r = _run(["-m", "gapless.testing.triton_compile", "--arch", "90", "--resources", "--ops"], ROOT)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("compiled for sm_90: "))
     assert set(re.findall(r"(_\w+_kernel) x\d+", line)) == KERNELS, line
@@ -65,6 +68,18 @@ def test_every_kernel_compiles_for_sm90(nvidia_backend) -> None:
     assert split and all("'BLOCK_N': " in x for x in split), split
     registers = [int(n) for x in split for n in re.findall(r"'registers': (\d+)", x)]
     assert len(registers) == len(split) and all(0 < n <= 255 for n in registers), split
+    lines = r.stdout.splitlines()
+    mix = {
+        name: [
+            ast.literal_eval(lines[i + 1].strip()) for i, x in enumerate(lines) if x.startswith(name + " ")
+        ]
+        for name in ("_fp8_gemm_kernel", "_w4a16_kernel", "_grouped_gemm_kernel")
+    }
+    assert all(mix.values()) and all(m["mma"] for m in mix["_fp8_gemm_kernel"]), mix
+    for name in ("_w4a16_kernel", "_grouped_gemm_kernel"):
+        # (I2FP: a value's conversion; I2F.RP, once a kernel, is the integer division's reciprocal)
+        slow = [op for m in mix[name] for op in m["conversions"] if op.startswith(("I2FP", "F2F.BF16.F16"))]
+        assert not slow, (name, slow)
 
 
 def test_a_kernel_the_compiler_refuses_is_reported(nvidia_backend, tmp_path) -> None:
