@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gapless import env
 from gapless.bench import cli, timing
 
 # over the qwen3-0.6b size (`gapless.testing.checkpoints`, which holds what Qwen3's published configs
@@ -166,6 +167,8 @@ def run(
         tpots = [(timed(1 + tokens) - timed(1)) / tokens for _ in range(repeats)]
         info = llm.engine.info
         prof = decode_profile(timed, tokens, device) if profile else None
+    # the kernel choices the environment made for this run, where not the defaults
+    kernels = {v.name: v.get() for v in (env.INT4_KERNEL, env.FP8_DECODE) if v.get() != v.default}
     return dict(
         shape=path.name.removesuffix(AWQ_SUFFIX),  # (the int4 twin's ratio is to its bf16 shape's)
         options=options,
@@ -174,6 +177,7 @@ def run(
         tpot_ms=statistics.median(tpots) * 1e3,
         tpot_ms_all=[t * 1e3 for t in tpots],
         machine=cli.machine(device),
+        kernels=kernels,
         profile=prof,
     )
 
@@ -185,7 +189,7 @@ def report(results: list[dict[str, Any]]) -> str:
     for r in results:
         ref = base.get(r["shape"])
         ratio = f"{r['tpot_ms'] / ref:.2f}" if ref else "n/a"
-        rows.append((r["shape"], r["quantization"] or "bf16", f"{r['tpot_ms']:.3f}", ratio, r["weights"]))
+        rows.append((r["shape"], _weights(r), f"{r['tpot_ms']:.3f}", ratio, r["weights"]))
     header = ("shape", "weights", "TPOT ms (batch 1)", "ratio to bf16", "start-up line")
     lines = cli.markdown_table(header, rows, "llrrl")
     if results:
@@ -193,6 +197,12 @@ def report(results: list[dict[str, Any]]) -> str:
     for r in results:
         lines += _profile_lines(r)
     return "\n".join(lines)
+
+
+def _weights(r: dict[str, Any]) -> str:
+    """A run's format, with the kernel choices its environment made (`GAPLESS_FP8_DECODE=fp16`)."""
+    chosen = " ".join(f"{name}={value}" for name, value in r.get("kernels", {}).items())
+    return f"{r['quantization'] or 'bf16'}{f' ({chosen})' if chosen else ''}"
 
 
 def _profile_lines(r: dict[str, Any]) -> list[str]:
@@ -204,7 +214,7 @@ def _profile_lines(r: dict[str, Any]) -> list[str]:
     busy = prof["us_per_token"]
     rows = [(name, f"{us:.1f}", f"{calls:g}") for name, us, calls in prof["ops"]]
     rows.append(("(the rest)", f"{prof['other_us']:.1f}", ""))
-    name = f"{r['shape']} {r['quantization'] or 'bf16'}"
+    name = f"{r['shape']} {_weights(r)}"
     kinds = ", ".join(f"{kind} {us:.0f}" for kind, us in prof["kinds"].items())
     return [
         f"\n{name}: kernels {busy:.0f} us a token of TPOT's {tpot_us:.0f} ({busy / tpot_us:.0%}; the rest "

@@ -44,9 +44,27 @@ def test_report_gives_the_ratio_to_bf16():
     runs = [
         dict(shape="qwen3-8b", quantization=None, tpot_ms=10.0, weights="w: 16 GB", machine=machine),
         dict(shape="qwen3-8b", quantization="fp8", tpot_ms=5.5, weights="w: 8 GB", machine=machine),
+        dict(
+            shape="qwen3-8b",
+            quantization="fp8",
+            tpot_ms=5.0,
+            weights="w: 8 GB",
+            machine=machine,
+            kernels={"GAPLESS_FP8_DECODE": "fp16"},
+        ),
     ]
     text = quant.report(runs)
     assert "| qwen3-8b | fp8 | 5.500 | 0.55 |" in text and "| qwen3-8b | bf16 | 10.000 | 1.00 |" in text
+    assert "| qwen3-8b | fp8 (GAPLESS_FP8_DECODE=fp16) | 5.000 | 0.50 |" in text
+
+
+def test_a_run_records_the_kernels_its_environment_chose(monkeypatch):
+    """A run under `GAPLESS_FP8_DECODE=fp16` says so in its JSON (the defaults are left out)."""
+    from gapless.testing.checkpoints import cached_checkpoint
+
+    monkeypatch.setenv("GAPLESS_FP8_DECODE", "fp16")
+    res = quant.run(cached_checkpoint("qwen3"), {}, tokens=2, repeats=1, device="cpu")
+    assert res["kernels"] == {"GAPLESS_FP8_DECODE": "fp16"}
 
 
 def test_run_profiles_a_decode_token_on_the_cpu():
