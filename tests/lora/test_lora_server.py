@@ -170,6 +170,7 @@ def _pinned_clients(url: str, count: int) -> dict[int, httpx.Client]:
     raise AssertionError(f"connections reached API servers {sorted(found)} only")
 
 
+@pytest.mark.slow  # (three API server processes, ~8 s)
 def test_adapters_loaded_through_any_api_server_are_served_by_all(setup):
     """`--api-server-count 2`: an adapter loaded through one API server process is listed and answered
     (as transformers + peft) by the other, and one unloaded through either is gone from both."""

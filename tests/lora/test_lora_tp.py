@@ -92,6 +92,7 @@ def test_tensor_parallel_lora_is_accepted():
     assert cfg.tensor_parallel_size == 2 and cfg.enable_lora
 
 
+@pytest.mark.slow  # (two tensor-parallel rank processes, ~7 s)
 def test_two_ranks_mixed_adapters_equal_peft(family):  # noqa: F811  # the imported fixture
     """Qwen3 (4 query heads over 2 KV heads: one KV head a rank) on two ranks: every row of a batch of
     three adapters and the base equals PEFT's; the adapters' loads and the slot vector reach both ranks

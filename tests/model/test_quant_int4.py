@@ -348,6 +348,7 @@ def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(
     assert len(calls) >= 3 * 2 * 4  # forwards x layers x projections (q/k/v, o, gate/up, down)
 
 
+@pytest.mark.slow  # (two tensor-parallel rank processes, ~9 s)
 def test_two_ranks_give_the_dequantized_models_tokens(ckpt_factory, tmp_path):
     """Tensor parallelism over quantized layers (gloo, one process per rank): fused q/k/v and gate/up cut
     by rows, o and down by groups (32 inputs a group: one group of o's 64 inputs per rank)."""

@@ -21,6 +21,9 @@ from gapless.server import protocol as P
 from gapless.testing.server import ServerProcess, alive, wait_until
 from tests.server.conftest import API_KEY, same_answers, wait_idle_and_clean
 
+# (several API server processes a test, ~35 s in all: the slow tier, which CI runs after `make test`)
+pytestmark = pytest.mark.slow
+
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 SHUTDOWN_S = 15.0
 

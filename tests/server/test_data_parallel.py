@@ -20,6 +20,9 @@ from gapless.engine.preflight import ALLOW_LONG_MAX_MODEL_LEN_ENV
 from gapless.testing.server import ServerProcess, alive, wait_until
 from tests.server.conftest import API_KEY
 
+# (two engine replicas behind a router, ~16 s in all: the slow tier, which CI runs after `make test`)
+pytestmark = pytest.mark.slow
+
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 # the session server's options (tests/server/conftest.py), so greedy tokens can be compared with it, but a
 # context long enough that a request cannot finish before its abort arrives (the rope is the default one:
