@@ -54,7 +54,8 @@ def _left(workers: set[int]) -> list[int]:
     return [p for p in workers if alive(p)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+# (SIGTERM in `make test`; SIGINT, the same path from another signal, in the slow tier: ~8 s a case)
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGTERM])
 def test_signal_ends_open_streams_and_stops_every_process(ckpt_factory, tmp_path, sig):
     # SIGINT's server runs the built-in tiny random model, made on first use (not in ~)
     default = sig == signal.SIGINT
@@ -99,9 +100,10 @@ def _check_logs(out: str) -> None:
     ("worker", "layout"),
     [
         ("scheduler", "split"),
-        # (the same split layout as the scheduler's case, another worker: the slow tier)
+        # (the same split layout as the scheduler's case, another worker; the merged layout's worker:
+        # the slow tier, ~8 s a case)
         pytest.param("detokenizer", "split", marks=pytest.mark.slow),
-        ("tokenizer+detokenizer", "merged"),
+        pytest.param("tokenizer+detokenizer", "merged", marks=pytest.mark.slow),
     ],
 )
 def test_dead_worker_makes_the_server_exit_with_an_error(ckpt_factory, worker, layout):
