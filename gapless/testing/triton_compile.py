@@ -357,6 +357,17 @@ def compile_cases(group: str, name_has: str, arch: int = 90) -> Built | None:
         "            case()\n"
         "print(json.dumps([sorted({n for n, _ in c.compiled}), len(c.compiled), [n for n, _ in c.failed]]))"
     )
+    out = compile_child(script, f"compiling the {group} cases")
+    if out is None:
+        return None
+    kernels, compilations, failed = json.loads(out.strip().splitlines()[-1])
+    return Built(kernels, compilations, failed)
+
+
+def compile_child(script: str, what: str) -> str | None:
+    """`script`'s stdout, run by Python in a child process without TRITON_INTERPRET (the compiler's
+    place), with this checkout first on its path; None where this Triton has no NVIDIA backend; a
+    `RuntimeError` naming `what` with the child's stderr if it fails."""
     child_env = {**os.environ}  # (handed on, less the interpreter's switch)
     child_env.pop(env.TRITON_INTERPRET.name, None)
     root = str(Path(__file__).resolve().parents[2])
@@ -368,23 +379,29 @@ def compile_cases(group: str, name_has: str, arch: int = 90) -> Built | None:
         [sys.executable, "-c", script], env=child_env, capture_output=True, text=True, timeout=600
     )
     if r.returncode:
-        raise RuntimeError(f"compiling the {group} cases failed:\n{r.stderr[-3000:]}")
-    kernels, compilations, failed = json.loads(r.stdout.strip().splitlines()[-1])
-    return Built(kernels, compilations, failed)
+        raise RuntimeError(f"{what} failed:\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def _cuobjdump(kernel: Any, flag: str) -> str | None:
+    """What Triton's cuobjdump prints of a compiled kernel's binary with `flag`; None if it is missing."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
 
 
 def resources(kernel: Any) -> dict[str, int]:
     """A compiled kernel's registers, spill bytes ("local") and shared memory (static and Triton's dynamic)
     per program, from its binary; empty if cuobjdump is missing."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
+    out = _cuobjdump(kernel, "--dump-resource-usage")
+    if out is None:
         return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     fields = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", out))
     return {
         "registers": int(fields.get("REG", 0)),
@@ -401,15 +418,9 @@ def instruction_mix(kernel: Any) -> dict[str, Any]:
     """A compiled kernel's SASS, counted: its instructions, its matrix instructions (HMMA: mma.sync; HGMMA,
     QGMMA: Hopper's wgmma, QGMMA on fp8) and each conversion opcode with its count (most run on a
     slower pipe than float math); empty if cuobjdump is missing."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
+    sass = _cuobjdump(kernel, "-sass")
+    if sass is None:
         return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass, flags=re.M)
     conversions: dict[str, int] = {}
     for op in ops:

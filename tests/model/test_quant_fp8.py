@@ -216,21 +216,30 @@ def test_online_fp8_mixture_equals_its_rounded_weights(ckpt_factory, arch, devic
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU test_moe's CUDA cases run the kernel"
 )
-def test_fused_experts_over_fp8_weights_equal_the_dequantized_reference():
-    """The grouped GEMM over e4m3 experts (each tile widened, each row's sum scaled) equals the per-expert
-    torch path over the dequantized weights, with and without an adapter path's whole outputs."""
-    from gapless.model.moe import reference_experts, route
-    from gapless.model.moe_triton import fused_experts
+def _fp8_experts(seed: int) -> tuple[torch.Tensor, tuple, tuple, tuple, tuple]:
+    """A mixture layer for the grouped GEMM over e4m3 experts: x [9, 32]; 4 experts' float w13 [96, 32]
+    and w2 [32, 48]; the same rounded to e4m3 a row, with their scales as `fused_experts` takes them;
+    each token's 2 experts (routing weights, ids)."""
+    from gapless.model.moe import route
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     tokens, e, h, inter = 9, 4, 32, 48
     x = torch.randn(tokens, h, generator=g)
     w13, w2 = torch.randn(e, 2 * inter, h, generator=g) * 0.1, torch.randn(e, h, inter, generator=g) * 0.1
-    weights, ids = route(torch.randn(tokens, e, generator=g), 2, True, False)
+    routed = route(torch.randn(tokens, e, generator=g), 2, True, False)
     q13, s13 = quantize_rows(w13.reshape(-1, h))
     q2, s2 = quantize_rows(w2.reshape(-1, inter))
-    q13, q2 = q13.view(w13.shape), q2.view(w2.shape)
     scales = ((s13.view(e, 2 * inter, 1), h), (s2.view(e, h, 1), inter))
+    return x, (w13, w2), (q13.view(w13.shape), q2.view(w2.shape)), scales, routed
+
+
+def test_fused_experts_over_fp8_weights_equal_the_dequantized_reference():
+    """The grouped GEMM over e4m3 experts (each tile widened, each row's sum scaled) equals the per-expert
+    torch path over the dequantized weights."""
+    from gapless.model.moe import reference_experts
+    from gapless.model.moe_triton import fused_experts
+
+    x, (w13, w2), (q13, q2), scales, (weights, ids) = _fp8_experts(0)
     want = reference_experts(x, _rows_rounded(w13), _rows_rounded(w2), weights, ids)
     got = fused_experts(x, q13, q2, weights, ids, scales=scales)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -244,17 +253,10 @@ def test_fused_experts_over_fp8_weights_multiply_bf16_activations_in_fp16(monkey
     it) gives finite outputs. (The kernel itself, not `fused_experts`' interpreter detour through float32,
     under which a bfloat16 dot would multiply raw bits.)"""
     from gapless.model import moe_triton
-    from gapless.model.moe import reference_experts, route
+    from gapless.model.moe import reference_experts
 
-    g = torch.Generator().manual_seed(1)
-    tokens, e, h, inter = 9, 4, 32, 48
-    x = torch.randn(tokens, h, generator=g).bfloat16()
-    w13, w2 = torch.randn(e, 2 * inter, h, generator=g) * 0.1, torch.randn(e, h, inter, generator=g) * 0.1
-    weights, ids = route(torch.randn(tokens, e, generator=g), 2, True, False)
-    q13, s13 = quantize_rows(w13.reshape(-1, h))
-    q2, s2 = quantize_rows(w2.reshape(-1, inter))
-    q13, q2 = q13.view(w13.shape), q2.view(w2.shape)
-    scales = ((s13.view(e, 2 * inter, 1), h), (s2.view(e, h, 1), inter))
+    x, (w13, w2), (q13, q2), scales, (weights, ids) = _fp8_experts(1)
+    x = x.bfloat16()
     monkeypatch.setattr(moe_triton, "INTERPRET", False)  # (bf16 into the kernel, as on a GPU)
     got = moe_triton.fused_experts(x, q13, q2, weights, ids, scales=scales)
     want = reference_experts(x.float(), _rows_rounded(w13), _rows_rounded(w2), weights, ids)

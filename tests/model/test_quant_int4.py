@@ -30,7 +30,7 @@ from gapless.model.quant.int4 import (
 from gapless.model.quant.int4_triton import GemmConfig, choose_config, nibble_dots, w4a16_matmul
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 from gapless.testing.quant_checkpoints import layout_tensors, quantization_config, quantize, write_quantized
-from gapless.testing.triton_compile import compile_cases
+from gapless.testing.triton_compile import compile_cases, compile_child
 
 MAX_NEW = 8
 # the Triton GEMM runs on CUDA where there is one, else under the interpreter (tests/conftest.py sets it)
@@ -150,12 +150,6 @@ def test_the_compiled_gemms_convert_no_integer_to_float():
     the int4/int8 GEMM and the mixtures' grouped GEMM over int experts take each packed value to float32
     by bits (`unsigned_to_float`), with no `cvt` from an integer, which Hopper runs at a fraction of its
     float rate (the code before took one a dequantized value: 288 in these kernels)."""
-    import os
-    import subprocess
-    import sys
-
-    from gapless import env
-
     script = (
         "import re\n"
         "from gapless.testing.triton_compile import Compiler, _int4, _moe\n"
@@ -166,16 +160,11 @@ def test_the_compiled_gemms_convert_no_integer_to_float():
         "ptx = [k.asm['ptx'] for n, k in c.compiled if n in ('_w4a16_kernel', '_grouped_gemm_kernel')]\n"
         "print(len(ptx), sum(len(re.findall(r'cvt\\.\\w+\\.f32\\.[us]32', p)) for p in ptx))\n"
     )
-    child_env = {k: v for k, v in os.environ.items() if k != env.TRITON_INTERPRET.name}
-    probe = "from triton.backends.nvidia.compiler import CUDABackend"
-    if subprocess.run([sys.executable, "-c", probe], env=child_env, capture_output=True).returncode:
+    out = compile_child(script, "compiling the int GEMMs")
+    if out is None:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
-    r = subprocess.run(
-        [sys.executable, "-c", script], env=child_env, capture_output=True, text=True, timeout=600
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    kernels, conversions = map(int, r.stdout.split()[-2:])
-    assert kernels >= 8 and conversions == 0, r.stdout
+    kernels, conversions = map(int, out.split()[-2:])
+    assert kernels >= 8 and conversions == 0, out
 
 
 @pytest.mark.parametrize("kind", ["column", "merged", "row"])
