@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -273,14 +274,19 @@ def _fp8() -> dict[str, Callable[[], object]]:
     from gapless.model.quant import fp8_kernel
 
     def run(
-        rows: int, dtype: torch.dtype, block: bool, prequant: int = 0, by: str = "launch", tiles: Any = None
+        rows: int,
+        dtype: torch.dtype,
+        block: bool,
+        decode_rows: int = 0,
+        by: str = "launch",
+        tiles: Any = None,
     ) -> object:
         n, k = 96, 256
         w = torch.zeros(n, k).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
         x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
         before = fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X, fp8_kernel.DECODE_TILES
-        fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = prequant, by
+        fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = decode_rows, by
         fp8_kernel.DECODE_TILES = tiles or fp8_kernel.DECODE_TILES
         try:
             return fp8_kernel.fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
@@ -422,14 +428,10 @@ def instruction_mix(kernel: Any) -> dict[str, Any]:
     if sass is None:
         return {}
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass, flags=re.M)
-    conversions: dict[str, int] = {}
-    for op in ops:
-        if op.split(".")[0] in CONVERSIONS:
-            conversions[op] = conversions.get(op, 0) + 1
     return {
         "instructions": len(ops),
         "mma": sorted({op for op in ops if "MMA" in op.split(".")[0]}),
-        "conversions": conversions,
+        "conversions": dict(Counter(op for op in ops if op.split(".")[0] in CONVERSIONS)),
     }
 
 
