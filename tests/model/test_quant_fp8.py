@@ -132,6 +132,16 @@ def test_a_scale_of_the_wrong_shape_is_refused_by_name(ckpt_factory, tmp_path):
 
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU cases check the same)")
+GPU = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (the interpreter's run on the CPU)
+
+
+def _tie_tolerance(device: str) -> float:
+    """A mixture's greedy tie tolerance: on the CPU each activation is rounded to e4m3 as the reference
+    rounds it, so tokens are equal. On CUDA float32's last bits differ (cuBLAS, the attention kernel),
+    and one such bit at an e4m3 midpoint moves a value by 2^-4: a divergence at a near-tie is accepted.
+    (On an H200 the dense layers on the torch reference path diverged as the kernels did: 4.2e-2 at
+    step 6; the fused experts equal the reference to 2e-7.)"""
+    return 1e-3 if device == "cpu" else NEAR_TIE
 
 
 @pytest.mark.parametrize(
@@ -161,7 +171,7 @@ def test_fp8_checkpoint_of_a_mixture_equals_its_dequantized_weights(
     hf = load_hf_model(ref)
     with _activations_rounded(hf, block[1] if block else 0):
         for out, p in zip(ours, prompts):
-            check_greedy(out, hf_greedy(hf, p, MAX_NEW), tol=1e-3)
+            check_greedy(out, hf_greedy(hf, p, MAX_NEW), tol=_tie_tolerance(device))
 
 
 def test_a_mixtures_bad_expert_scale_is_refused_in_one_line(ckpt_factory, tmp_path):
@@ -210,12 +220,14 @@ def test_online_fp8_mixture_equals_its_rounded_weights(ckpt_factory, arch, devic
                 p.copy_(_rows_rounded(p))
     with _activations_rounded(hf, 0):
         for out, p in zip(ours, prompts):
-            check_greedy(out, hf_greedy(hf, p, MAX_NEW), tol=1e-3)
+            check_greedy(out, hf_greedy(hf, p, MAX_NEW), tol=_tie_tolerance(device))
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="the interpreter's run; on a GPU test_moe's CUDA cases run the kernel"
-)
+def _on_gpu(*tensors):
+    """`tensors` (and (tensor, int) pairs, as scales) on `GPU`."""
+    return tuple((t[0].to(GPU), t[1]) if isinstance(t, tuple) else t.to(GPU) for t in tensors)
+
+
 def _fp8_experts(seed: int) -> tuple[torch.Tensor, tuple, tuple, tuple, tuple]:
     """A mixture layer for the grouped GEMM over e4m3 experts: x [9, 32]; 4 experts' float w13 [96, 32]
     and w2 [32, 48]; the same rounded to e4m3 a row, with their scales as `fused_experts` takes them;
@@ -241,7 +253,7 @@ def test_fused_experts_over_fp8_weights_equal_the_dequantized_reference():
 
     x, (w13, w2), (q13, q2), scales, (weights, ids) = _fp8_experts(0)
     want = reference_experts(x, _rows_rounded(w13), _rows_rounded(w2), weights, ids)
-    got = fused_experts(x, q13, q2, weights, ids, scales=scales)
+    got = fused_experts(*_on_gpu(x, q13, q2, weights, ids), scales=_on_gpu(*scales)).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(want, reference_experts(x, w13, w2, weights, ids), atol=1e-5)
 
@@ -258,12 +270,13 @@ def test_fused_experts_over_fp8_weights_multiply_bf16_activations_in_fp16(monkey
     x, (w13, w2), (q13, q2), scales, (weights, ids) = _fp8_experts(1)
     x = x.bfloat16()
     monkeypatch.setattr(moe_triton, "INTERPRET", False)  # (bf16 into the kernel, as on a GPU)
-    got = moe_triton.fused_experts(x, q13, q2, weights, ids, scales=scales)
+    args, scales = _on_gpu(x, q13, q2, weights, ids), _on_gpu(*scales)
+    got = moe_triton.fused_experts(*args, scales=scales).cpu()
     want = reference_experts(x.float(), _rows_rounded(w13), _rows_rounded(w2), weights, ids)
     assert got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
-    x[2, 5] = 1e5  # (bfloat16 holds it)
-    assert torch.isfinite(moe_triton.fused_experts(x, q13, q2, weights, ids, scales=scales)).all()
+    args[0][2, 5] = 1e5  # (bfloat16 holds it)
+    assert torch.isfinite(moe_triton.fused_experts(*args, scales=scales)).all()
 
 
 # --- the layouts' arithmetic and the kernel ------------------------------------------------------------
