@@ -113,8 +113,8 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
 # what `--sweep` times: at decode sizes (<= 16 rows, `fp8_kernel.DECODE_TILES`) each tile (BM, BN, warps,
 # stages) with K split to about 512 programs (16 x 32 and 16 x 128 tiles, and 1024 programs, were slower on
 # every layer on an H200: bench/results/h200-2026-11-26/run3) and each way x meets the weights (`DECODE_X`);
-# at more rows (`fp8_kernel._tiles`'s others) with the K split off (the default) and on (`SPLIT_ROWS`
-# raised); 0 programs: no split
+# at more rows (`fp8_kernel._tiles`'s others) with the K split off and on (on is the default to
+# `SPLIT_ROWS`, from the H200's sweep at 128 rows: bench/results/h200-2026-11-27); 0 programs: no split
 SWEEP_TILES = [(16, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4)]
 SWEEP_ROUNDING = ["launch", "program", "fp16"]
 SWEEP_TILES_MORE = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]

@@ -326,18 +326,17 @@ def test_triton_gemm_matches_the_reference_under_the_interpreter(rows, block):
 )
 @pytest.mark.parametrize("rows", [3, 33])
 def test_decode_rows_split_k_and_leave_the_counters_at_rest(monkeypatch, rows):
-    """At decode sizes K is cut over several programs per tile, the last to arrive adding the partial
-    tiles: the same result as one program per tile (to fp32 rounding), and every counter back at 0; at 33
-    rows too, in 64-row tiles, where `SPLIT_ROWS` lets it (the sweep's option)."""
+    """Up to `SPLIT_ROWS` rows (a decode's 16-row tiles, and 64-row tiles at 33) K is cut over several
+    programs per tile, the last to arrive adding the partial tiles: the same result as one program per
+    tile (to fp32 rounding), and every counter back at 0. Past `SPLIT_ROWS`, one program per tile."""
     from gapless.model.quant import fp8_kernel
 
     n, k, act = 48, 448, 64  # 7 steps of 64: splits of 1 step each
     w = torch.randn(n, k) * 0.05
     q, s = quantize_blocks(w, (16, 64))
     x, bias = _exact_activations(rows, k, act, seed=1), torch.randn(n)
-    assert fp8_kernel._splits(rows, 2, 7, x.device) == (7 if rows <= 16 else 1)
-    monkeypatch.setattr(fp8_kernel, "SPLIT_ROWS", 64)
     assert fp8_kernel._splits(rows, 2, 7, x.device) == 7
+    assert fp8_kernel._splits(fp8_kernel.SPLIT_ROWS + 1, 2, 7, x.device) == 1
     split = fp8_gemm(x, q, s, 16, 64, act, bias)
     assert int(fp8_kernel._LOCKS[x.device].abs().sum()) == 0
     monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 1)

@@ -156,12 +156,13 @@ def _fp8_gemm_kernel(
 
 def _tiles(m: int) -> tuple[int, int, int, int]:
     """(BM, BN, warps, stages) for M rows: at decode sizes a narrow N tile, so a weight's rows spread over
-    more programs (the GEMM reads every weight once: bandwidth wants every SM busy; K is split too); larger
-    tiles from 64 rows up, where the tensor cores' work is the cost."""
+    more programs (the GEMM reads every weight once: bandwidth wants every SM busy; K is split too); 64-row
+    tiles (fp8's wgmma) up to `MID_ROWS`, K split there too; 128 x 128 above, where the tensor cores'
+    work is the cost."""
     if m <= 16:
         return DECODE_TILES
-    if m <= 64:
-        return 64, 64, 4, 3
+    if m <= MID_ROWS:
+        return MID_TILES
     return 128, 128, 8, 3
 
 
@@ -180,10 +181,14 @@ _ROUNDING = {"launch": 1, "program": 2, "fp16": 3}  # (the kernel's ROUND; 0: in
 # bench/results/h200-2026-11-26/run3/fp8_sweep.log, `bench/experiments/fp8_gemm.py --sweep`)
 DECODE_TILES = (16, 64, 4, 4)
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
-# K is split at this many rows or fewer (more: at 128 rows the 128 x 128 tiles are 32-192 programs on 132
-# SMs, 2.8-4.5x bf16's time on Qwen3-8B's layers on an H100; `fp8_gemm.py --sweep --rows 128` times the
-# split there, not yet run on a GPU)
-SPLIT_ROWS = 16
+# From 17 rows to MID_ROWS, MID_TILES with K split as at decode sizes (up to SPLIT_ROWS rows). On an H200
+# at 128 rows, the fastest of 128 x 128, 64 x 128 and 64 x 64 tiles, split or not, on each of Qwen3-8B's
+# layers: qkv 39.4 us, o 32.9, gate/up 102.0, down 63.4, against 65.4, 65.1, 133.5, 192.1 at the
+# unsplit 128 x 128 tiles that ran from 65 rows before (bf16's cuBLAS: 16.8, 12.9, 58.4, down not timed;
+# bench/results/h200-2026-11-27/quant/fp8_sweep.log, fp8_gemm.log). Not timed between 17 and 127 rows.
+MID_ROWS = 128
+MID_TILES = (64, 128, 4, 3)
+SPLIT_ROWS = 128
 # per device: the split tiles' arrival counters, all 0 at rest; one buffer for good (a CUDA graph keeps
 # its address), of SPLIT_PROGRAMS counters: a GEMM splits only when it has fewer tiles than that
 _LOCKS: dict[torch.device, torch.Tensor] = {}
