@@ -127,14 +127,16 @@ grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
 
 # decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 52% of a copy's bandwidth
 # on an H100 where bf16 read at 83%): batch 64 and 256 at 1k and 4k contexts, key blocks of 64 (the
-# default), 32 and 16 and 4 or 8 warps (compiled for sm_90 here, the fp8 kernel at the default holds 143
-# registers a thread against bf16's 79: 3 programs an SM against 5; at 16 keys, 100 and 5)
+# default) and 32, 4 or 8 warps (compiled for sm_90 here, the fp8 kernel at the default holds 143
+# registers a thread against bf16's 79: 3 programs an SM against 5)
 # (`gapless.bench.kernels`; its other tables cut to their smallest)
-# (on an H100 the default, 64 keys and 4 warps, was the fastest at batch 256: bench/results/h100-2026-11-26/
-# quant/run2)
+# (on an H100 the default, 64 keys and 4 warps, was the fastest at batch 256, 16 keys the slowest
+# everywhere: bench/results/h100-2026-11-26/quant/run2); each with the whole key blocks unmasked
+# (`DecodeTuning.whole_blocks`: the fp8 loop body 555 instructions against 611 in the sm_90 binary, where
+# the H200's 1.32 TB/s of e4m3 against bf16's 2.45 says the fp8 kernel is bound by its instructions)
 other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 256 --context 1024 4096 \
-  --page-size 16 --kv-cache-dtype auto fp8 --decode-block-n 0 32 16 --decode-warps 4 8 --tokens 16 \
-  --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
+  --page-size 16 --kv-cache-dtype auto fp8 --decode-block-n 0 32 --decode-warps 4 8 \
+  --decode-whole-blocks 0 1 --tokens 16 --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
 awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 
 # gemlite's int4 GEMMs (its wheel; its first call tunes for a minute, so after the rest)

@@ -87,6 +87,10 @@ class DecodeTuning:
     - `heads_first`: launch a request's kv heads next to each other (its programs run at the same time,
       and each token's K/V row of all heads, contiguous in the pool, is read at once) rather than each kv
       head's requests (the default; the GPU sweep says which reads faster).
+    - `whole_blocks`: a split's whole key blocks in a loop without masks, its partial last block after
+      (one mask for every block, the default). In the sm_90 binary, 64-key blocks at head dim 128: a
+      loop body of 555 instructions instead of 611 over an fp8 cache, 359 instead of 457 over bf16, for
+      more registers (148 against 143, 96 against 79): for the GPU sweep to weigh.
     """
 
     block_n: int | None = None
@@ -95,6 +99,7 @@ class DecodeTuning:
     programs_per_sm: int = 2
     min_split_len: int = MIN_SPLIT_LEN
     heads_first: bool = False
+    whole_blocks: bool = False
 
     def __post_init__(self) -> None:
         _check_tuning(
@@ -422,6 +427,7 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    WHOLE_BLOCKS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -476,7 +482,17 @@ def _decode_split_kernel(
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
     acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)
     table_row = Table + row * stride_table
-    for n0 in range(start, end, BLOCK_N):
+    whole = start
+    if WHOLE_BLOCKS:  # the whole blocks first, unmasked
+        whole += (end - start) // BLOCK_N * BLOCK_N
+        for n0 in range(start, whole, BLOCK_N):
+            slots = tl.load(table_row + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+            m_i, l_i, acc = _attend_block(
+                q, K, V, slots, d_mask[None, :], d_mask, kvh, offs_d, d_mask, stride_kt, stride_kh,
+                stride_vt, stride_vh, scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST,
+                False, KV_FP8,
+            )  # fmt: skip
+    for n0 in range(whole, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
@@ -798,6 +814,7 @@ def decode_attention(
         BLOCK_N=tuning.keys_per_block(d),
         SOFTCAP=bool(softcap),
         HEADS_FIRST=tuning.heads_first,
+        WHOLE_BLOCKS=tuning.whole_blocks,
         SPLIT=splits > 1,
         BLOCK_G=block_g,
         BLOCK_S=block_s,

@@ -4,6 +4,7 @@
         [--context 1024 4096 8192] [--page-size 1 16] [--kv-cache-dtype auto fp8]
         [--decode-block-n 0 32 64 128] [--decode-warps 4 8]
         [--decode-stages 2 3] [--decode-programs-per-sm 2 32] [--decode-heads-first 0 1]
+        [--decode-whole-blocks 0 1]
         [--extend-block-m 0 128]
         [--extend-block-n 0 32] [--extend-warps 4 8] [--extend-stages 2 3] [--sample-batch 1 8 64 256]
         [--vocab 151936] [--json FILE]
@@ -16,7 +17,8 @@
    `--batch`, context, page size and KV dtype (`--kv-cache-dtype`: fp8 reads 1 byte an element), and with
    Triton for each decode kernel variant (every combination of `--decode-block-n` (0: the default),
    `--decode-warps`, `--decode-stages`, `--decode-programs-per-sm`, the split heuristic's target (the row
-   shows the split count it chose), and `--decode-heads-first`, the grid's order): the KV bytes a step
+   shows the split count it chose), `--decode-heads-first`, the grid's order, and `--decode-whole-blocks`,
+   the unmasked loop over whole key blocks): the KV bytes a step
    must read (K and V of every cached token, once) over its median time, against a device-to-device copy
    of as many bytes in the same run (its bandwidth counts the bytes read and written), so the ratio says
    how near attention runs to what this device's memory delivers.
@@ -38,6 +40,7 @@ rather than L2 where its working set is small (`cold_copies`).
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -152,19 +155,19 @@ def attention_rows(
 
 
 def decode_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
-    """The decode kernel variants to time (`--decode-block-n/-warps/-stages/-programs-per-sm/-heads-first`,
-    every combination) when the backend is Triton's; [None] (the backend as it is) otherwise."""
+    """The decode kernel variants to time (every combination of the `--decode-*` options) when the backend
+    is Triton's; [None] (the backend as it is) otherwise."""
     if not hasattr(backend, "decode_tuning"):
         return [None]
     from gapless.attention.triton_kernels import DecodeTuning
 
+    combos = itertools.product(  # block_n, num_warps, num_stages, programs_per_sm, then the two flags
+        args.decode_block_n, args.decode_warps, args.decode_stages, args.decode_programs_per_sm,
+        args.decode_heads_first, args.decode_whole_blocks,
+    )  # fmt: skip
     return [
-        DecodeTuning(block_n=n or None, num_warps=w, num_stages=st, programs_per_sm=pps, heads_first=bool(hf))
-        for n in args.decode_block_n
-        for w in args.decode_warps
-        for st in args.decode_stages
-        for pps in args.decode_programs_per_sm
-        for hf in args.decode_heads_first
+        DecodeTuning(n or None, w, st, pps, heads_first=bool(hf), whole_blocks=bool(wb))
+        for n, w, st, pps, hf, wb in combos
     ]
 
 
@@ -245,6 +248,7 @@ def _attention_case(
                 "num_stages": tuning.num_stages if tuning is not None else None,
                 "programs_per_sm": tuning.programs_per_sm if tuning is not None else None,
                 "heads_first": tuning.heads_first if tuning is not None else None,
+                "whole_blocks": tuning.whole_blocks if tuning is not None else None,
                 "splits": splits[0] if splits else None,
                 "attention_us": t_attn,
                 "attention_tb_s": attn_tbs,
@@ -362,6 +366,7 @@ def report(res: dict[str, Any]) -> list[str]:
             ("stages", "num_stages", _opt),
             ("programs/SM", "programs_per_sm", _opt),
             ("heads first", "heads_first", _opt),
+            ("whole blocks", "whole_blocks", _opt),
             ("splits", "splits", _opt),
             ("µs", "attention_us", _fmt),
             ("KV read TB/s", "attention_tb_s", "{:.3f}".format),
@@ -430,14 +435,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[2],
         help=f"{tune}: the split count aims at this many programs per SM",
     )
-    p.add_argument(
-        "--decode-heads-first",
-        type=int,
-        nargs="+",
-        choices=(0, 1),
-        default=[0],
-        help=f"{tune}: 1 launches a request's kv heads side by side (grid order)",
-    )
+    for flag, what in (
+        ("heads-first", "1 launches a request's kv heads side by side (grid order)"),
+        ("whole-blocks", "1 runs a split's whole key blocks without masks, its partial block after"),
+    ):
+        p.add_argument(
+            f"--decode-{flag}", type=int, nargs="+", choices=(0, 1), default=[0], help=f"{tune}: {what}"
+        )
     p.add_argument("--extend-tokens", type=cli.positive_int, nargs="+", default=[2048, 16384])
     p.add_argument("--extend-len", type=cli.positive_int, default=1024, help="tokens per extend request")
     tune = "extend kernel variants to time, every combination (Triton backend)"

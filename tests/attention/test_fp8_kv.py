@@ -9,6 +9,7 @@ import torch
 
 from gapless.attention import TorchRefBackend  # noqa: E402
 from gapless.attention.triton_backend import TritonBackend  # noqa: E402
+from gapless.attention.triton_kernels import DecodeTuning  # noqa: E402
 from gapless.memory.kv_pool import FP8, FP8_MAX, quantize_fp8  # noqa: E402
 from tests.attention.test_triton import DECODE, DEVICE, EXTEND, make_batch
 
@@ -62,6 +63,19 @@ def test_fp8_cache_with_window_and_softcap(mode):
     backend = TritonBackend(num_splits=2)
     out = backend.forward(q, k8, v8, backend.prepare(meta), 0.5, **layer, **scales)
     torch.testing.assert_close(out, torch_ref(q, clean8, meta, 0.5, scales, **layer), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layer", [{}, {"window": 24, "softcap": 2.0}], ids=["plain", "window-softcap"])
+def test_decode_over_fp8_cache_with_whole_blocks_unmasked(layer):
+    """`DecodeTuning.whole_blocks` (whole key blocks without masks, the partial one after) over an fp8
+    cache: the reference's answer, in one split or three."""
+    q, k8, v8, meta, clean8, scales = fp8_batch(9, "decode", 16, torch.float32)
+    want = torch_ref(q, clean8, meta, 0.5, scales, **layer)
+    tuning = DecodeTuning(block_n=16, whole_blocks=True)
+    for splits in (1, 3):
+        backend = TritonBackend(num_splits=splits, decode_tuning=tuning)
+        out = backend.forward(q, k8, v8, backend.prepare(meta), 0.5, **layer, **scales)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_dequantizes_as_scale_times_fp8():

@@ -227,6 +227,13 @@ TUNINGS = [
         torch.bfloat16,
         id="heads-first-splits-page16-bf16",
     ),
+    pytest.param(tk.DecodeTuning(block_n=16, whole_blocks=True), 16, torch.float32, id="whole-blocks-page16"),
+    pytest.param(
+        tk.DecodeTuning(programs_per_sm=16, min_split_len=16, whole_blocks=True),
+        1,
+        torch.bfloat16,
+        id="whole-blocks-splits-page1-bf16",
+    ),
 ]
 
 
@@ -244,6 +251,28 @@ def test_decode_tunings_match_reference(tuning, page_size, dtype, heads, kv_head
     check(out, reference(q, clean, meta, 24**-0.5), dtype)
     ((splits, *_),) = state.scratch.values()
     assert splits == tk.decode_num_splits(4, kv_heads, 301, backend._num_sms(DEVICE), tuning)
+
+
+def test_decode_whole_blocks_at_contexts_of_whole_blocks():
+    """`whole_blocks` where every context is a multiple of the key block (no partial block after the
+    unmasked loop) and where none is: the reference's answer, split or not."""
+    for prefix_lens in ([31, 63, 15], [2, 40, 17]):
+        q, k, v, meta, clean = make_batch(
+            11,
+            heads=4,
+            kv_heads=2,
+            d=32,
+            page_size=16,
+            garbage=True,
+            prefix_lens=prefix_lens,
+            extend_lens=[1] * 3,
+        )
+        want = reference(q, clean, meta, 32**-0.5)
+        for splits in (1, 2):
+            backend = TritonBackend(
+                num_splits=splits, decode_tuning=tk.DecodeTuning(block_n=16, whole_blocks=True)
+            )
+            check(backend.forward(q, k, v, backend.prepare(meta), 32**-0.5), want, torch.float32)
 
 
 def test_decode_tuning_is_checked():
