@@ -20,6 +20,7 @@ from gapless.bench.workload import Workload, random_workload
 from gapless.testing import cached_checkpoint
 
 
+@pytest.mark.slow  # (a benchmark run, ~8 s)
 def test_gpu_bench_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     argv = ["--quick", "--size", "tiny", "--device", "cpu", "--dtype", "float32", "--json", str(out)]

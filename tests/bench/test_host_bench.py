@@ -12,6 +12,7 @@ from gapless.bench import host
 from gapless.engine.meter import BubbleMeter
 
 
+@pytest.mark.slow  # (a benchmark run, ~8 s)
 def test_host_bench_smoke(tmp_path, capsys):
     out = tmp_path / "host.json"
     rows = host.main(

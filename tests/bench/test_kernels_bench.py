@@ -6,6 +6,7 @@ sort."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gapless.testing.triton import import_kernels_or_skip
@@ -17,6 +18,7 @@ from gapless.bench import kernels, kernels_sampling  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels under the interpreter
 
 
+@pytest.mark.slow  # (every table of the benchmark, ~7 s)
 def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys):
     argv = (
         f"--device {DEVICE} --dtype float32 --tokens 3 --hidden 37 --heads 2 --kv-heads 1 --head-dim 12 "

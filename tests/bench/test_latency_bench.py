@@ -24,6 +24,7 @@ def _check_row(r: dict, concurrency: int, requests: int) -> None:
         assert per_request_s * requests <= r["wall_s"] * 1.001
 
 
+@pytest.mark.slow  # (a benchmark run offline and served, ~9 s)
 def test_latency_bench_offline_and_served_on_cpu(tmp_path):
     out = tmp_path / "latency.json"
     argv = "--size tiny --device cpu --dtype float32 --prompt-len 12 --concurrency 1 3 --requests 1"

@@ -137,6 +137,7 @@ def test_decode_tiles_split_k_on_an_8b_layer():
     assert choose_config(4096, 4096, 4096, 128).split_k == 1
 
 
+@pytest.mark.slow  # (sm_90 compiles, ~9 s)
 def test_kernel_compiles_for_sm90():
     built = compile_cases("int4", "bfloat16")  # (the float16 ones: the whole harness's test)
     if built is None:

@@ -221,6 +221,7 @@ def test_a_malformed_expert_tensor_is_refused_in_one_line(ckpt_factory, tmp_path
     assert "\n" not in msg and "model.layers.0.mlp.experts" in msg and says in msg, msg
 
 
+@pytest.mark.slow  # (20 sm_90 compiles, ~18 s)
 def test_int_experts_compile_for_sm90():
     """The grouped GEMM's int4 and int8 variants (plain and adapter paths, both half-precision dtypes:
     20 specializations with the adapters' own kernels) compile for sm_90 (`gapless.testing.triton_compile`),

@@ -139,7 +139,12 @@ def _args(batch: SamplingBatch) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "window"), [(torch.float32, ts.WINDOW), (torch.bfloat16, ts.WINDOW), (torch.bfloat16, 4)]
+    ("dtype", "window"),
+    [
+        (torch.float32, ts.WINDOW),
+        pytest.param(torch.bfloat16, ts.WINDOW, marks=pytest.mark.slow),  # (~7 s each)
+        pytest.param(torch.bfloat16, 4, marks=pytest.mark.slow),
+    ],
 )
 def test_floors_keep_the_sort_paths_tokens(dtype: torch.dtype, window: int) -> None:
     """Every filter, their mixes and the edge cases, 37 columns in five chunks: the floors keep exactly

@@ -5,6 +5,7 @@ whose vocabulary its tokenizer covers only in part (most of its tokens decode to
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from gapless.bench import serving
 from gapless.default_model.tokenizer import VOCAB_SIZE, build_tokenizer
@@ -54,6 +55,7 @@ def test_serving_benchmark_against_the_server(server, client, tmp_path):
     wait_idle_and_clean(client)
 
 
+@pytest.mark.slow  # (a server of its own, ~8 s)
 def test_every_token_counts_when_the_tokenizer_covers_less_than_the_vocabulary(tmp_path):
     """A random model of 32,000 ids with the 1,000-id trained tokenizer: nearly every token it samples
     decodes to no text, so most streams carry no text at all. Each request still completes with its

@@ -82,6 +82,7 @@ def test_every_kernel_compiles_for_sm90(nvidia_backend) -> None:
         assert not slow, (name, slow)
 
 
+@pytest.mark.slow  # (a compile in a child process, ~7 s)
 def test_a_kernel_the_compiler_refuses_is_reported(nvidia_backend, tmp_path) -> None:
     (tmp_path / "bad_kernel.py").write_text(
         textwrap.dedent(
