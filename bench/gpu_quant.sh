@@ -11,15 +11,16 @@
 #      tok/s)
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3. the FP8 GEMM's decode tiles and ways of rounding x, and its K split at 128 rows (`fp8_gemm.py
-#      --sweep`); the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and
-#      128 rows, x rounded in the GEMM's loop and before it (bench/experiments/fp8_gemm.py)
-#   4. int4 TPOT through the Triton GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no
+#   3. decode attention alone over each KV cache, key blocks, warps and unmasked whole blocks swept
+#      (`gapless.bench.kernels`)
+#   4. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
+#   5. int4 TPOT through the Triton GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no
 #      ratio); the int4 GEMMs alone (Triton, tinygemm, gemlite) against bf16 on Llama-3-8B's layers, from
 #      decode to prefill sizes (`gapless.bench.int4_gemm`)
-#   5. decode attention alone over each KV cache, key blocks and warps swept (`gapless.bench.kernels`)
-#   6. Qwen3-8B's int4 TPOT on gemlite; the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its
-#      experts in the fused grouped GEMM)
+#   6. the FP8 GEMM's tiles, K splits and ways of rounding x at 1, 32 and 128 rows (`fp8_gemm.py
+#      --sweep`); the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and
+#      128 rows (bench/experiments/fp8_gemm.py)
+#   7. Qwen3-8B's int4 TPOT on gemlite
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
 # bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each run), fp8_sweep.log,
 # fp8_gemm.log, int4_gemm.log, kv_attention.log. bench/gpu_session.sh's `all` part calls it first (step
@@ -102,29 +103,8 @@ tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
 fi
 
 if phase tables; then
-# the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs was the fastest of
-# the 16-row tiles on an H200: bench/results/h200-2026-11-26/run3; the 64-row tiles run fp8's own wgmma,
-# no widening of the weights), and at 128 rows the K split (unsplit 128x128 tiles, the default there, took
-# 2.8-4.5x bf16's time on an H100; `fp8_kernel.SPLIT_ROWS`)
-other 70 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 128
-grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
-
-# the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by
-# each program
-other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
-grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
-
-# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes later)
-say ""
-GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
-
-# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
-# prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
-# GEMM's above: this checks where they cross)
-other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 \
-  --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
-grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
-
+# what no GPU has measured first: the decode-attention sweep, the mixture, the int4 tables; then the
+# FP8 GEMM tables, whose 1- and 128-row questions an H200 answered (bench/results/h200-2026-11-27)
 # decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 52% of a copy's bandwidth
 # on an H100 where bf16 read at 83%): batch 64 and 256 at 1k and 4k contexts, key blocks of 64 (the
 # default) and 32, 4 or 8 warps (compiled for sm_90 here, the fp8 kernel at the default holds 143
@@ -139,14 +119,38 @@ other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 25
   --decode-whole-blocks 0 1 --tokens 16 --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
 awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 
-# gemlite's int4 GEMMs (its wheel; its first call tunes for a minute, so after the rest)
-say ""
-GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite
-
-# the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4
+# the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU
+# has run these yet)
 tpot 70 qwen3-30b-a3b bf16
 tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
 tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
+
+# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes later)
+say ""
+GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
+
+# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
+# prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
+# GEMM's above: this checks where they cross)
+other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 \
+  --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
+grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
+
+# the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs, x rounded by a
+# launch, the fastest on an H200: bench/results/h200-2026-11-27), and past 16 rows the tiles, the K split
+# (64x128 split, the default to 128 rows since that sweep) and x rounded in the loop or by a launch first
+# (no GPU has timed rows between 17 and 127)
+other 80 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
+grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
+
+# the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by
+# each program
+other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
+grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
+
+# gemlite's int4 GEMMs (its wheel; its first call tunes for a minute, so after the rest)
+say ""
+GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite
 fi
 
 say ""

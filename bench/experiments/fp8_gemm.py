@@ -6,17 +6,19 @@ Qwen3-8B: microseconds a call (CUDA graphs: launch cost excluded) and the weight
 
 Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton kernel
 (`gapless.model.quant.fp8_kernel`) with per-channel and with [128, 128] block scales, x rounded in the
-GEMM's loop; per-channel at decode sizes (`DECODE_ROWS = 16`) with x rounded before the loop by a launch
-before the GEMM (`DECODE_X = "launch"`, the default since an H100 measured it), by each program for its
-share of K ("program": no launch, not yet timed), and not rounded ("fp16", W8A16: no launch, not yet
-timed); `torch._scaled_mm` with rowwise scales (bf16 out; its activation
-quantization, a separate torch step, timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's
-block recipes (x per 1x128, w per 128x128; where this torch has it, else the cell says why). Whichever is
-faster at 1 row is the decode path to keep.
+GEMM's loop; per-channel with x rounded before the loop by a launch before the GEMM (`DECODE_X =
+"launch"`, the default at decode sizes, `DECODE_ROWS = 16`, since an H100 measured it), by each program
+for its share of K ("program": no launch), and not rounded ("fp16", W8A16: no launch), each at any row
+count (`DECODE_ROWS` raised to it: at 128 rows, what rounding first would gain there);
+`torch._scaled_mm` with rowwise scales (bf16 out; its activation quantization, a separate torch step,
+timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's block recipes (x per 1x128, w per
+128x128; where this torch has it, else the cell says why). Whichever is faster at 1 row is the decode
+path to keep.
 
 `--sweep` times per-channel FP8 on Qwen3-8B's layers at each decode tile (16-row tiles run an fp16 dot on
 the weights widened in registers; 64-row tiles, fp8's own wgmma, compiled for sm_90 here: QGMMA, no
-widening, except for x in fp16), each `DECODE_X`, and at 128 rows the larger tiles with K split and not.
+widening, except for x in fp16), each `DECODE_X`, and past 16 rows the larger tiles with K split and
+not, x rounded in the loop or by a launch first.
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
         block = _us(lambda: fp8_gemm(x, qb, sb, 128, 128, 128, None))
         chan = _us(channel)
     decode = {}
-    for by in ("launch", "program", "fp16"):
-        with _kernel_settings(DECODE_ROWS=16, DECODE_X=by):
+    for by in ("launch", "program", "fp16"):  # (past 16 rows too: DECODE_ROWS raised to the rows)
+        with _kernel_settings(DECODE_ROWS=max(m, 16), DECODE_X=by):
             decode[by] = _us(channel)
     smm = _us(scaled_mm)
     fsmm = _us(block_scaled_mm)
@@ -114,18 +116,20 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
 # stages) with K split to about 512 programs (16 x 32 and 16 x 128 tiles, and 1024 programs, were slower on
 # every layer on an H200: bench/results/h200-2026-11-26/run3) and each way x meets the weights (`DECODE_X`);
 # at more rows (`fp8_kernel._tiles`'s others) with the K split off and on (on is the default to
-# `SPLIT_ROWS`, from the H200's sweep at 128 rows: bench/results/h200-2026-11-27); 0 programs: no split
+# `SPLIT_ROWS`, from the H200's sweep at 128 rows: bench/results/h200-2026-11-27), x rounded in the loop
+# ("loop": the default past `DECODE_ROWS`) or by a launch first; 0 programs: no split
 SWEEP_TILES = [(16, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4)]
 SWEEP_ROUNDING = ["launch", "program", "fp16"]
 SWEEP_TILES_MORE = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
 SWEEP_SPLITS_MORE = [0, 512]
+SWEEP_ROUNDING_MORE = ["loop", "launch"]
 
 
 def _sweep_configs(m: int) -> list[tuple[tuple[int, int, int, int], int, str]]:
     """(tiles, split programs, x's rounding) for `m` rows."""
     if m <= 16:
         return [(t, 512, by) for t in SWEEP_TILES for by in SWEEP_ROUNDING]
-    return [(t, p, "launch") for t in SWEEP_TILES_MORE for p in SWEEP_SPLITS_MORE]
+    return [(t, p, by) for t in SWEEP_TILES_MORE for p in SWEEP_SPLITS_MORE for by in SWEEP_ROUNDING_MORE]
 
 
 def sweep(rows: list[int]) -> None:
@@ -146,7 +150,8 @@ def sweep(rows: list[int]) -> None:
                     _tiles=functools.partial(lambda t, _m: t, tiles),
                     SPLIT_PROGRAMS=programs or fp8_kernel.SPLIT_PROGRAMS,
                     SPLIT_ROWS=max(m, 16) if programs else 0,
-                    DECODE_X=by,
+                    DECODE_ROWS=16 if by == "loop" else max(m, 16),
+                    DECODE_X="launch" if by == "loop" else by,
                 ):
                     times[tiles, programs, by] = _us(call)
             fp8_kernel._LOCKS.clear()
@@ -154,8 +159,7 @@ def sweep(rows: list[int]) -> None:
             for (tiles, programs, by), us in times.items():
                 mark = " (best)" if (tiles, programs, by) == best else ""
                 gbs = n * k / us / 1e3
-                rounding = by if m <= fp8_kernel.DECODE_ROWS else "the loop"
-                cells = (name, f"{n} x {k}", m, tiles, programs, rounding, f"{us:.1f}{mark}", f"{gbs:.0f}")
+                cells = (name, f"{n} x {k}", m, tiles, programs, by, f"{us:.1f}{mark}", f"{gbs:.0f}")
                 print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
