@@ -105,18 +105,18 @@ fi
 if phase tables; then
 # what no GPU has measured first: the decode-attention sweep, the mixture, the int4 tables; then the
 # FP8 GEMM tables, whose 1- and 128-row questions an H200 answered (bench/results/h200-2026-11-27)
-# decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 52% of a copy's bandwidth
-# on an H100 where bf16 read at 83%): batch 64 and 256 at 1k and 4k contexts, key blocks of 64 (the
-# default) and 32, 4 or 8 warps (compiled for sm_90 here, the fp8 kernel at the default holds 143
-# registers a thread against bf16's 79: 3 programs an SM against 5)
-# (`gapless.bench.kernels`; its other tables cut to their smallest)
-# (on an H100 the default, 64 keys and 4 warps, was the fastest at batch 256, 16 keys the slowest
-# everywhere: bench/results/h100-2026-11-26/quant/run2); each with the whole key blocks unmasked
-# (`DecodeTuning.whole_blocks`: the fp8 loop body 555 instructions against 611 in the sm_90 binary, where
-# the H200's 1.32 TB/s of e4m3 against bf16's 2.45 says the fp8 kernel is bound by its instructions)
+# decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 48% of a copy's bandwidth
+# on an H200 where bf16 read at 88%: bound by its instructions, bench/results/h200-2026-11-27): batch 64
+# and 256 at 1k and 4k contexts, key blocks of 64 (the default) and 32 at 4 warps (the fastest on an
+# H100: bench/results/h100-2026-11-26/quant/run2), each with the whole key blocks unmasked
+# (`DecodeTuning.whole_blocks`) and an fp8 cache's values read in pairs (`values_in_pairs`); in the sm_90
+# binary the fp8 loop body is 611 instructions and 143 registers, 555 and 148 with the first, 453 and
+# 105 with the second, 397 and 124 with both (`gapless.bench.kernels`; its other tables cut to their
+# smallest)
 other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 256 --context 1024 4096 \
-  --page-size 16 --kv-cache-dtype auto fp8 --decode-block-n 0 32 --decode-warps 4 8 \
-  --decode-whole-blocks 0 1 --tokens 16 --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
+  --page-size 16 --kv-cache-dtype auto fp8 --decode-block-n 0 32 --decode-whole-blocks 0 1 \
+  --decode-values-in-pairs 0 1 --tokens 16 --extend-tokens 2048 --sample-batch 1 \
+  --json "$OUT/kv_attention.json"
 awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 
 # the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU

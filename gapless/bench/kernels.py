@@ -17,11 +17,11 @@
    `--batch`, context, page size and KV dtype (`--kv-cache-dtype`: fp8 reads 1 byte an element), and with
    Triton for each decode kernel variant (every combination of `--decode-block-n` (0: the default),
    `--decode-warps`, `--decode-stages`, `--decode-programs-per-sm`, the split heuristic's target (the row
-   shows the split count it chose), `--decode-heads-first`, the grid's order, and `--decode-whole-blocks`,
-   the unmasked loop over whole key blocks): the KV bytes a step
-   must read (K and V of every cached token, once) over its median time, against a device-to-device copy
-   of as many bytes in the same run (its bandwidth counts the bytes read and written), so the ratio says
-   how near attention runs to what this device's memory delivers.
+   shows the split count it chose), `--decode-heads-first`, the grid's order, `--decode-whole-blocks`,
+   the unmasked loop over whole key blocks, and `--decode-values-in-pairs`, an fp8 cache's values read as
+   16-bit pairs): the KV bytes a step must read (K and V of every cached token, once) over its median
+   time, against a device-to-device copy of as many bytes in the same run (its bandwidth counts the bytes
+   read and written), so the ratio says how near attention runs to what this device's memory delivers.
 3. Extend (prefill) attention over `--extend-tokens` new tokens a batch (requests of `--extend-len`
    tokens, no cached prefix): causal attention's FLOPs (4 * heads * head_dim * L(L+1)/2 a request) over
    its median time, against a `--matmul-n` square matmul in the same dtype measured in the same run; with
@@ -161,13 +161,14 @@ def decode_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
         return [None]
     from gapless.attention.triton_kernels import DecodeTuning
 
-    combos = itertools.product(  # block_n, num_warps, num_stages, programs_per_sm, then the two flags
+    combos = itertools.product(  # block_n, num_warps, num_stages, programs_per_sm, then the three flags
         args.decode_block_n, args.decode_warps, args.decode_stages, args.decode_programs_per_sm,
-        args.decode_heads_first, args.decode_whole_blocks,
+        args.decode_heads_first, args.decode_whole_blocks, args.decode_values_in_pairs,
     )  # fmt: skip
+    flags = ("heads_first", "whole_blocks", "values_in_pairs")
     return [
-        DecodeTuning(n or None, w, st, pps, heads_first=bool(hf), whole_blocks=bool(wb))
-        for n, w, st, pps, hf, wb in combos
+        DecodeTuning(n or None, w, st, pps, **{f: bool(v) for f, v in zip(flags, on, strict=True)})
+        for n, w, st, pps, *on in combos
     ]
 
 
@@ -249,6 +250,7 @@ def _attention_case(
                 "programs_per_sm": tuning.programs_per_sm if tuning is not None else None,
                 "heads_first": tuning.heads_first if tuning is not None else None,
                 "whole_blocks": tuning.whole_blocks if tuning is not None else None,
+                "values_in_pairs": tuning.values_in_pairs if tuning is not None else None,
                 "splits": splits[0] if splits else None,
                 "attention_us": t_attn,
                 "attention_tb_s": attn_tbs,
@@ -367,6 +369,7 @@ def report(res: dict[str, Any]) -> list[str]:
             ("programs/SM", "programs_per_sm", _opt),
             ("heads first", "heads_first", _opt),
             ("whole blocks", "whole_blocks", _opt),
+            ("value pairs", "values_in_pairs", _opt),
             ("splits", "splits", _opt),
             ("µs", "attention_us", _fmt),
             ("KV read TB/s", "attention_tb_s", "{:.3f}".format),
@@ -438,6 +441,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, what in (
         ("heads-first", "1 launches a request's kv heads side by side (grid order)"),
         ("whole-blocks", "1 runs a split's whole key blocks without masks, its partial block after"),
+        ("values-in-pairs", "1 reads an fp8 cache's values as 16-bit pairs, widened a pair at once"),
     ):
         p.add_argument(
             f"--decode-{flag}", type=int, nargs="+", choices=(0, 1), default=[0], help=f"{tune}: {what}"

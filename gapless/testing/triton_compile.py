@@ -9,9 +9,10 @@ into a compile (Triton's `warmup`), so the engine's own launchers run as on the 
 no kernel executing: their outputs are garbage, and only compile errors count.
 
 What it launches: the start-up self-checks' own probes. Attention (`gapless.attention.selfcheck`: an
-extend batch, and a decode batch split over several programs, in one, and with its whole key blocks
-unmasked) in fp32, bf16 and fp16, with and without a sliding window and soft-capping, at head dims 64
-and 128, and over an fp8 (e4m3) cache (bf16 and fp16 queries); the fused model kernels
+extend batch, and a decode batch split over several programs, in one, with its whole key blocks
+unmasked, and with an fp8 cache's values read in pairs) in fp32, bf16 and fp16, with and without a
+sliding window and soft-capping, at head dims 64 and 128, and over an fp8 (e4m3) cache (bf16 and fp16
+queries); the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
 the MoE grouped GEMM (float, e4m3 and int4/int8 experts); the FP8 GEMM; the int4/int8 weight-only GEMM;
@@ -118,10 +119,14 @@ def _attention() -> dict[str, Callable[[], object]]:
 
     # the backend refuses CPU tensors unless built for the interpreter; here they only carry shapes
     compile_only = type("CompileOnly", (TritonBackend,), {"interpreted": True})
-    # the decode kernel three times: split (the probe's long context; the last split merges), whole (one
-    # split), and with its whole key blocks unmasked (`DecodeTuning.whole_blocks`, the GPU sweep's option)
-    whole_blocks = triton_kernels.DecodeTuning(whole_blocks=True)
-    backends = (compile_only(), compile_only(num_splits=1), compile_only(decode_tuning=whole_blocks))
+    # the decode kernel four times: split (the probe's long context; the last split merges), whole (one
+    # split), and with the GPU sweep's options (`DecodeTuning`): its whole key blocks unmasked, an fp8
+    # cache's values read in pairs (PTX's conversion: compiled only here before a GPU runs it)
+    tunings = (
+        triton_kernels.DecodeTuning(whole_blocks=True),
+        triton_kernels.DecodeTuning(values_in_pairs=True),
+    )
+    backends = (compile_only(), compile_only(num_splits=1), *(compile_only(decode_tuning=t) for t in tunings))
 
     def run(probe: selfcheck.Probe) -> None:
         for name, (prefix_lens, extend_lens) in selfcheck.CASES.items():
