@@ -93,8 +93,8 @@ class DecodeTuning:
       more registers (148 against 143, 96 against 79): for the GPU sweep to weigh.
     - `values_in_pairs`: over an fp8 cache on sm_89+, the values read as 16-bit pairs and widened by one
       PTX conversion a pair before P @ V's layout change (`_e4m3_pairs_to_fp16`), instead of the e4m3
-      tile Triton reads from shared memory a byte at a time. In the sm_90 binary: a loop body of 441
-      instructions instead of 611 (397 with `whole_blocks`), 124 registers instead of 143. Elsewhere
+      tile Triton reads from shared memory a byte at a time. In the sm_90 binary: a loop body of 453
+      instructions and 105 registers instead of 611 and 143 (397 and 124 with `whole_blocks`). Elsewhere
       (another cache, an older GPU) it changes nothing; under the interpreter the same pairs are widened
       by Triton's conversions.
     """
