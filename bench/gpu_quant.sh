@@ -106,14 +106,14 @@ if phase tables; then
 # what no GPU has measured first: the decode-attention sweep, the mixture, the int4 tables; then the
 # FP8 GEMM tables, whose 1- and 128-row questions an H200 answered (bench/results/h200-2026-11-27)
 # decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 48% of a copy's bandwidth
-# on an H200 where bf16 read at 88%: bound by its instructions, bench/results/h200-2026-11-27): batch 64
-# and 256 at 1k and 4k contexts, key blocks of 64 (the default) and 32 at 4 warps (the fastest on an
-# H100: bench/results/h100-2026-11-26/quant/run2), each with the whole key blocks unmasked
+# on an H200 where bf16 read at 88%: bound by its instructions, bench/results/h200-2026-11-27): batch 256
+# (nano-vllm's) at 1k and 4k contexts, key blocks of 64 (the default) and 32 at 4 warps (the fastest on
+# an H100: bench/results/h100-2026-11-26/quant/run2), each with the whole key blocks unmasked
 # (`DecodeTuning.whole_blocks`) and an fp8 cache's values read in pairs (`values_in_pairs`); in the sm_90
 # binary the fp8 loop body is 611 instructions and 143 registers, 555 and 148 with the first, 453 and
 # 105 with the second, 397 and 124 with both (`gapless.bench.kernels`; its other tables cut to their
 # smallest)
-other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 256 --context 1024 4096 \
+other 75 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 \
   --page-size 16 --kv-cache-dtype auto fp8 --decode-block-n 0 32 --decode-whole-blocks 0 1 \
   --decode-values-in-pairs 0 1 --tokens 16 --extend-tokens 2048 --sample-batch 1 \
   --json "$OUT/kv_attention.json"
