@@ -99,8 +99,8 @@ def greedy_cases(chunk: int, third_chunk: int, third: str = "process") -> list[A
     """The engine options each family's greedy test runs under, with their test ids: pages of 1 with
     overlap and prefill chunks of `chunk` (they cut through, or must stop before, the images); pages of 16
     with whole prompts in one batch on the plain loop; pages of 16 in chunks of `third_chunk` in the
-    device process (`third="process"`) or on the Triton extend kernel (`"triton"`); on CUDA, fp32 pages of
-    16 in chunks of `chunk`."""
+    device process (`third="process"`, in the slow tier) or on the Triton extend kernel (`"triton"`); on
+    CUDA, fp32 pages of 16 in chunks of `chunk`."""
     import pytest
 
     cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU cases cover it)")
@@ -109,6 +109,7 @@ def greedy_cases(chunk: int, third_chunk: int, third: str = "process") -> list[A
         pytest.param(dict(page_size=16, overlap=False), id="page16-plain"),
         pytest.param(
             dict(page_size=16, chunked_prefill_size=third_chunk, **_THIRD[third]),
+            marks=pytest.mark.slow if third == "process" else (),  # (a device process: ~7-9 s)
             id=f"page16-chunk{third_chunk}-{third}",
         ),
         pytest.param(

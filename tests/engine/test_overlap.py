@@ -162,6 +162,7 @@ def test_reading_an_unwritten_future_slot_fails_loudly(qwen3):
             eng.step()
 
 
+@pytest.mark.slow  # (a device process killed, ~10 s)
 def test_device_process_death_is_an_error_not_a_hang(qwen3):
     llm = overlap_llm(qwen3, chaos_seed=None, worker="process")
     stream = llm.engine.stream  # the engine lets go of it at shutdown
@@ -174,6 +175,7 @@ def test_device_process_death_is_an_error_not_a_hang(qwen3):
     assert stream.conn.closed
 
 
+@pytest.mark.slow  # (a device process, ~7 s)
 def test_bad_checkpoint_error_comes_back_from_the_device_process(tmp_path, qwen3):
     import shutil
 

@@ -103,6 +103,7 @@ def test_greedy_parity_while_freeing(references, page_size, radix, loop, kv):
         llm.check_integrity()
 
 
+@pytest.mark.slow  # (a device process, ~9 s)
 def test_device_process_overlap(references):
     """The overlap loop against a real device process (what a CPU with 4+ cores runs): freeing at
     schedule time while the process still runs the previous batch keeps tokens exact and leaks nothing."""

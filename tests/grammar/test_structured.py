@@ -149,6 +149,7 @@ def test_every_constrained_output_is_valid_and_free_ones_unchanged(
         llm.check_integrity()
 
 
+@pytest.mark.slow  # (a device process, ~8 s)
 def test_device_process_overlap_matches_plain(qwen3, constrained_reference):
     """The deferred sampling job crosses the device process's pipe too."""
     with LLM(

@@ -19,6 +19,7 @@ def test_auto_merges_below_four_cores():
         choose_layout("single")
 
 
+@pytest.mark.slow  # (two servers, ~10 s)
 def test_merged_layout_serves_the_same_tokens_as_split(server, session_answers):
     """The session's server runs the layout `auto` picks here; a second one, the other layout, on the
     same model and options: both answer every request alike, to the token."""

@@ -122,6 +122,7 @@ def test_each_hop_sends_one_message_per_step_for_all_streams(server, client):
     assert updates <= 12 * 5, d
 
 
+@pytest.mark.slow  # (a server of its own, ~10 s)
 def test_stream_interval_sends_a_requests_tokens_in_groups_with_the_same_text(ckpt_factory, server, client):
     """`--stream-interval 4` (SGLang's and vLLM's flag): a request's first token goes out at once, then
     its tokens four at a time, its end at once; every hop carries a quarter of the updates, and the

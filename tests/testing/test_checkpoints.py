@@ -259,6 +259,7 @@ def test_default_model_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert (path / name).read_bytes() == (ref / name).read_bytes(), name
 
 
+@pytest.mark.slow  # (fresh interpreters, ~7 s)
 def test_the_server_and_the_engine_do_not_import_the_test_machinery() -> None:
     code = (
         "import sys, gapless.server.launch, gapless.server.workers.scheduler_loop, "
