@@ -16,10 +16,10 @@ from tests.attention.test_triton import DECODE, DEVICE, EXTEND, make_batch
 # a verify batch: each request's K+1 = 4 positions after its accepted prefix, run by the extend kernel
 VERIFY = dict(prefix_lens=[7, 40, 129], extend_lens=[4, 4, 4])
 LENS = {"extend": EXTEND, "decode": DECODE, "verify": VERIFY}
-K_SCALE, V_SCALE = 2.0**-5, 0.011
+K_SCALE, V_SCALE = 2.0**-5, 0.011  # randn / scale well inside e4m3's range; one not a power of two
 _CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (the float32 cases check the same)"
-)  # randn / scale well inside e4m3's range; one not a power of two
+)
 
 
 def fp8_batch(seed, mode, page_size, dtype, d=32, garbage=True):
