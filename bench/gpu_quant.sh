@@ -4,9 +4,9 @@
 #   targets
 #   1. TPOT at batch 1 against bf16 (`gapless.bench.quant`; random weights, `load_format=dummy`: nothing
 #      written or read), each run in its own process and profiled: FP8 weights (`--quantization fp8`) on
-#      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6; on 8B's also the decode rows in
-#      W8A16, `GAPLESS_FP8_DECODE=fp16`), int4 w4a16 (AWQ g128) on Qwen3-8B's (target: <= 0.4) through the
-#      default (`auto`: torch's tinygemm at decode rows)
+#      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6; on 8B's also one row through the
+#      FP8 GEMV, `GAPLESS_FP8_GEMV_ROWS=1`, x rounded by a launch and in its registers), int4 w4a16 (AWQ
+#      g128) on Qwen3-8B's (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
 #      tok/s)
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
@@ -84,8 +84,12 @@ if phase targets; then
 tpot 45 qwen3-0.6b bf16 --profile  # (first: a cold machine's start-up falls on the smallest model)
 tpot 50 qwen3-8b bf16 --profile
 tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
-# the decode rows in W8A16 (no e4m3 rounding of x, no launch before each GEMM: GAPLESS_FP8_DECODE)
-GAPLESS_FP8_DECODE=fp16 tpot 45 qwen3-8b fp8_w8a16 --profile --engine-option quantization=fp8
+# one row on the CUDA cores (GAPLESS_FP8_GEMV_ROWS: the FP8 GEMV, no 16-row tile), x rounded by a launch
+# before each GEMV and in its registers (no launch: GAPLESS_FP8_DECODE=program); W8A16 at decode (fp16)
+# took 4.391 ms on an H200 against launch's 3.651 (bench/results/h200-2026-11-27): not run again
+GAPLESS_FP8_GEMV_ROWS=1 tpot 45 qwen3-8b fp8_gemv --profile --engine-option quantization=fp8
+GAPLESS_FP8_GEMV_ROWS=1 GAPLESS_FP8_DECODE=program tpot 45 qwen3-8b fp8_gemv_program --profile \
+  --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
@@ -139,8 +143,9 @@ grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
 # the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs, x rounded by a
 # launch, the fastest on an H200: bench/results/h200-2026-11-27), and past 16 rows the tiles, the K split
 # (64x128 split, the default to 128 rows since that sweep) and x rounded in the loop or by a launch first
-# (no GPU has timed rows between 17 and 127)
-other 80 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
+# (no GPU has timed rows between 17 and 127); at one row the FP8 GEMV too, its (BN, warps), 512 and 1024
+# programs, x by a launch or in its registers
+other 100 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
 grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
 
 # the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by

@@ -40,6 +40,13 @@ def _one_of(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _at_least(low: int, raw: str) -> int:
+    value = int(raw)
+    if value < low:
+        raise ValueError(f"below {low}")
+    return value
+
+
 def _optional_str(raw: str) -> str | None:
     return raw or None  # set but empty: as if unset
 
@@ -144,6 +151,14 @@ FP8_DECODE = _var(
     "FP8 layers' decode rows (up to 16) on CUDA: their activations rounded to e4m3 by a launch before the "
     "GEMM, or by each of its programs, or not rounded: taken to float16 against the weights widened to "
     "float16 (W8A16, closer to the unquantized model) (`gapless.model.quant.fp8_kernel`)",
+)
+FP8_GEMV_ROWS = _var(
+    "GAPLESS_FP8_GEMV_ROWS",
+    0,
+    lambda raw: _at_least(0, raw),
+    "integer >= 0",
+    "FP8 layers on CUDA: up to this many rows the GEMM runs as a GEMV on the CUDA cores instead of "
+    "16-row tensor-core tiles (0: never) (`gapless.model.quant.fp8_kernel`)",
 )
 API_KEY = _var("GAPLESS_API_KEY", None, _optional_str, "string", "the default of `gapless serve --api-key`")
 LOG_LEVEL = _var(

@@ -53,6 +53,11 @@ def test_a_value_of_the_wrong_kind_names_the_variable(monkeypatch):
     monkeypatch.setenv("GAPLESS_CPU_GEMM", "fast")
     with pytest.raises(ValueError, match="GAPLESS_CPU_GEMM='fast': not one of onednn, plain"):
         env.CPU_GEMM.get()
+    monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", "-1")
+    with pytest.raises(ValueError, match="GAPLESS_FP8_GEMV_ROWS='-1': below 0"):
+        env.FP8_GEMV_ROWS.get()
+    monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", " 4 ")
+    assert env.FP8_GEMV_ROWS.get() == 4
     monkeypatch.setenv("GAPLESS_LOG_LEVEL", "DEBUG")
     assert env.LOG_LEVEL.get() == "debug"
 

@@ -9,7 +9,8 @@ Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton 
 GEMM's loop; per-channel with x rounded before the loop by a launch before the GEMM (`DECODE_X =
 "launch"`, the default at decode sizes, `DECODE_ROWS = 16`, since an H100 measured it), by each program
 for its share of K ("program": no launch), and not rounded ("fp16", W8A16: no launch), each at any row
-count (`DECODE_ROWS` raised to it: at 128 rows, what rounding first would gain there);
+count (`DECODE_ROWS` raised to it: at 128 rows, what rounding first would gain there); the GEMV on the
+CUDA cores (`GEMV_ROWS`, x by a launch; up to 16 rows);
 `torch._scaled_mm` with rowwise scales (bf16 out; its activation quantization, a separate torch step,
 timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's block recipes (x per 1x128, w per
 128x128; where this torch has it, else the cell says why). Whichever is faster at 1 row is the decode
@@ -18,7 +19,8 @@ path to keep.
 `--sweep` times per-channel FP8 on Qwen3-8B's layers at each decode tile (16-row tiles run an fp16 dot on
 the weights widened in registers; 64-row tiles, fp8's own wgmma, compiled for sm_90 here: QGMMA, no
 widening, except for x in fp16), each `DECODE_X`, and past 16 rows the larger tiles with K split and
-not, x rounded in the loop or by a launch first.
+not, x rounded in the loop or by a launch first; at one row also the GEMV (`GEMV_ROWS`) at each
+(BN, warps), K split to 512 and 1024 programs, x by a launch or in its registers (and in fp16).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def _us(fn) -> float:
 
 HEADER = (
     "| model | layer | N x K | rows | bf16 us | fp8 channel us | fp8 block us "
-    "| fp8 channel x rounded first us | by each program us | x in fp16 us | _scaled_mm us "
+    "| fp8 channel x rounded first us | by each program us | x in fp16 us | GEMV us | _scaled_mm us "
     "| F.scaled_mm block us | bf16 GB/s | fp8 GB/s |"
 )
 
@@ -101,10 +103,12 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
     for by in ("launch", "program", "fp16"):  # (past 16 rows too: DECODE_ROWS raised to the rows)
         with _kernel_settings(DECODE_ROWS=max(m, 16), DECODE_X=by):
             decode[by] = _us(channel)
+    with _kernel_settings(DECODE_ROWS=max(m, 16), DECODE_X="launch", GEMV_ROWS=m):
+        gemv = _us(channel) if m <= 16 else float("nan")
     smm = _us(scaled_mm)
     fsmm = _us(block_scaled_mm)
-    best = min(chan, *decode.values())
-    cells = (bf16, chan, block, *decode.values(), smm, fsmm)
+    best = min(chan, *decode.values(), gemv)
+    cells = (bf16, chan, block, *decode.values(), gemv, smm, fsmm)
     return (
         f"| {model} | {name} | {n} x {k} | {m} | "
         + " | ".join(f"{us:.1f}" for us in cells)
@@ -123,20 +127,34 @@ SWEEP_ROUNDING = ["launch", "program", "fp16"]
 SWEEP_TILES_MORE = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
 SWEEP_SPLITS_MORE = [0, 512]
 SWEEP_ROUNDING_MORE = ["loop", "launch"]
+# the GEMV on the CUDA cores (`fp8_kernel.GEMV_ROWS`, at one row): (BN, warps) x split programs x x's
+# rounding (W8A16 at the default tiles only: a choice of arithmetic more than of speed)
+SWEEP_GEMV = [(32, 4), (64, 4), (64, 8)]
+SWEEP_GEMV_PROGRAMS = [512, 1024]
+
+Config = tuple[tuple[int, ...], int, str, bool]  # (tiles, split programs, x's rounding, GEMV)
 
 
-def _sweep_configs(m: int) -> list[tuple[tuple[int, int, int, int], int, str]]:
-    """(tiles, split programs, x's rounding) for `m` rows."""
-    if m <= 16:
-        return [(t, 512, by) for t in SWEEP_TILES for by in SWEEP_ROUNDING]
-    return [(t, p, by) for t in SWEEP_TILES_MORE for p in SWEEP_SPLITS_MORE for by in SWEEP_ROUNDING_MORE]
+def _sweep_configs(m: int) -> list[Config]:
+    """(tiles, split programs, x's rounding, GEMV) for `m` rows: the GEMV's at one row."""
+    if m > 16:
+        more = [(t, p, by) for t in SWEEP_TILES_MORE for p in SWEEP_SPLITS_MORE for by in SWEEP_ROUNDING_MORE]
+        return [(t, p, by, False) for t, p, by in more]
+    configs: list[Config] = [(t, 512, by, False) for t in SWEEP_TILES for by in SWEEP_ROUNDING]
+    if m == 1:
+        gemv = [(t, p, by) for t in SWEEP_GEMV for p in SWEEP_GEMV_PROGRAMS for by in ("launch", "program")]
+        configs += [(t, p, by, True) for t, p, by in gemv] + [(fp8_kernel.GEMV_TILES, 512, "fp16", True)]
+    return configs
 
 
 def sweep(rows: list[int]) -> None:
     """Per-channel FP8 on Qwen3-8B's layers at each tile, split target and rounding of x: us a call, the
     weight's GB/s, the fastest marked."""
     dev = torch.device("cuda")
-    print("| layer | N x K | rows | tiles (BM, BN, warps, stages) | split programs | decode x | us | GB/s |")
+    print(
+        "| layer | N x K | rows | tiles (BM, BN, warps, stages; GEMV: BN, warps) | split programs | decode x "
+        "| us | GB/s |"
+    )
     print("|---|---|---:|---|---:|---|---:|---:|")
     for name, n, k in SHAPES["qwen3-8b"]:
         qc, sc = quantize_rows(torch.randn(n, k, device=dev) * 0.02)
@@ -144,22 +162,25 @@ def sweep(rows: list[int]) -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             call = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
             times = {}
-            for tiles, programs, by in _sweep_configs(m):
+            for tiles, programs, by, gemv in _sweep_configs(m):
                 fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
                 with _kernel_settings(
                     _tiles=functools.partial(lambda t, _m: t, tiles),
+                    GEMV_ROWS=m if gemv else 0,
+                    GEMV_TILES=tiles if gemv else fp8_kernel.GEMV_TILES,
                     SPLIT_PROGRAMS=programs or fp8_kernel.SPLIT_PROGRAMS,
                     SPLIT_ROWS=max(m, 16) if programs else 0,
                     DECODE_ROWS=16 if by == "loop" else max(m, 16),
                     DECODE_X="launch" if by == "loop" else by,
                 ):
-                    times[tiles, programs, by] = _us(call)
+                    times[tiles, programs, by, gemv] = _us(call)
             fp8_kernel._LOCKS.clear()
             best = min(times, key=lambda c: times[c])
-            for (tiles, programs, by), us in times.items():
-                mark = " (best)" if (tiles, programs, by) == best else ""
+            for (tiles, programs, by, gemv), us in times.items():
+                mark = " (best)" if (tiles, programs, by, gemv) == best else ""
                 gbs = n * k / us / 1e3
-                cells = (name, f"{n} x {k}", m, tiles, programs, by, f"{us:.1f}{mark}", f"{gbs:.0f}")
+                shape = f"GEMV {tiles}" if gemv else str(tiles)
+                cells = (name, f"{n} x {k}", m, shape, programs, by, f"{us:.1f}{mark}", f"{gbs:.0f}")
                 print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
@@ -173,7 +194,7 @@ def main() -> None:
         sweep(args.rows)
         return
     print(HEADER)
-    print("|---|---|---|---:|" + "---:|" * 10)
+    print("|---|---|---|---:|" + "---:|" * 11)
     for model, layers in SHAPES.items():
         for name, n, k in layers:
             for m in args.rows:

@@ -168,7 +168,9 @@ def run(
         info = llm.engine.info
         prof = decode_profile(timed, tokens, device) if profile else None
     # the kernel choices the environment made for this run, where not the defaults
-    kernels = {v.name: v.get() for v in (env.INT4_KERNEL, env.FP8_DECODE) if v.get() != v.default}
+    kernels = {
+        v.name: v.get() for v in (env.INT4_KERNEL, env.FP8_DECODE, env.FP8_GEMV_ROWS) if v.get() != v.default
+    }
     return dict(
         shape=path.name.removesuffix(AWQ_SUFFIX),  # (the int4 twin's ratio is to its bf16 shape's)
         options=options,

@@ -287,18 +287,21 @@ def _fp8() -> dict[str, Callable[[], object]]:
         decode_rows: int = 0,
         by: str = "launch",
         tiles: Any = None,
+        gemv_rows: int = 0,
     ) -> object:
         n, k = 96, 256
         w = torch.zeros(n, k).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
         x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
-        before = fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X, fp8_kernel.DECODE_TILES
-        fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = decode_rows, by
+        names = ("DECODE_ROWS", "DECODE_X", "DECODE_TILES", "GEMV_ROWS")
+        before = {name: getattr(fp8_kernel, name) for name in names}
+        fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X, fp8_kernel.GEMV_ROWS = decode_rows, by, gemv_rows
         fp8_kernel.DECODE_TILES = tiles or fp8_kernel.DECODE_TILES
         try:
             return fp8_kernel.fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
         finally:
-            fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X, fp8_kernel.DECODE_TILES = before
+            for name, value in before.items():
+                setattr(fp8_kernel, name, value)
 
     cases: dict[str, Callable[[], object]] = {
         f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
@@ -313,6 +316,11 @@ def _fp8() -> dict[str, Callable[[], object]]:
             cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}, 64-row tiles"] = partial(
                 run, 1, dtype, False, 16, by, (64, 64, 4, 4)
             )
+            # the GEMV on the CUDA cores (`GEMV_ROWS`), per-channel and block scales
+            for block in (False, True):
+                cases[f"fp8 gemv 1 rows {dtype} {'block' if block else 'channel'}, decode x {by}"] = partial(
+                    run, 1, dtype, block, 16, by, None, 1
+                )
     return cases
 
 

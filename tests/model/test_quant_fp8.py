@@ -427,6 +427,74 @@ def test_decode_rows_in_the_sweeps_64_row_tiles_match_the_reference(monkeypatch,
             torch.testing.assert_close(fp8_gemm(x, q, s, 1, 0, act, bias), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
+)
+@pytest.mark.parametrize("block, bn", [(None, 16), ((16, 64), 16), ((16, 64), 32)])
+def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn):
+    """Up to `GEMV_ROWS` rows the GEMV on the CUDA cores runs instead of the tiles: per-channel scales
+    (applied at the end), block scales one per tile a step (BN 16 inside a 16-row block) or one per row a
+    step (BN 32 over two blocks), K split, a partial last group and a partial last tile. x rounded by a
+    launch or in the GEMV's registers: the same bits; the GEMM's result to fp32 rounding; in fp16 (W8A16),
+    x in fp16 times the dequantized weights."""
+    from gapless.model.quant import fp8_kernel
+
+    n, k, act = 40, 200, 64
+    w = torch.randn(n, k) * 0.05
+    q, s = quantize_rows(w) if block is None else quantize_blocks(w, block)
+    rps, group = (1, 0) if block is None else block
+    wd = dequantize(q, s, rps, group)
+    monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 8)
+    monkeypatch.setattr(fp8_kernel, "_LOCKS", {})
+    monkeypatch.setattr(fp8_kernel, "GEMV_TILES", (bn, 4))
+    x, bias = _exact_activations(3, k, act, seed=2), torch.randn(n)
+    tiles = fp8_gemm(x, q, s, rps, group, act, bias)
+    monkeypatch.setattr(fp8_kernel, "GEMV_ROWS", 3)
+    monkeypatch.setattr(fp8_kernel, "DECODE_X", "launch")
+    gemv = fp8_gemm(x, q, s, rps, group, act, bias)
+    torch.testing.assert_close(gemv, tiles, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv, reference_linear(x, wd, act, bias), rtol=1e-5, atol=1e-5)
+    x = torch.randn(3, k)  # (not exact in e4m3: the two roundings of x agree all the same)
+    by_launch = fp8_gemm(x, q, s, rps, group, act, bias)
+    monkeypatch.setattr(fp8_kernel, "DECODE_X", "program")
+    assert torch.equal(fp8_gemm(x, q, s, rps, group, act, bias), by_launch)
+    monkeypatch.setattr(fp8_kernel, "DECODE_X", "fp16")
+    x[1, 5] = 1e6
+    ref = x.clamp(-65504, 65504).half().double() @ wd.double().T + bias.double()
+    in_fp16 = fp8_gemm(x, q, s, rps, group, act, bias)
+    torch.testing.assert_close(in_fp16.double(), ref, rtol=1e-5, atol=1e-3)
+    assert int(fp8_kernel._LOCKS[x.device].abs().sum()) == 0
+    monkeypatch.setattr(fp8_kernel, "GEMV_ROWS", None)  # GAPLESS_FP8_GEMV_ROWS's then, default 0: the tiles
+    monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", "3")
+    assert torch.equal(fp8_gemm(x, q, s, rps, group, act, bias), in_fp16)
+    monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", "2")  # (3 rows: past it)
+    assert not torch.equal(fp8_gemm(x, q, s, rps, group, act, bias), in_fp16)
+
+
+@pytest.mark.slow  # (sm_90 compiles in a child process, ~15 s)
+def test_the_gemvs_weights_stay_in_registers_when_compiled():
+    """Compiled for sm_90 (the harness's stand-in driver), the GEMV multiplies on the CUDA cores (no
+    matrix instruction) and its weight tile goes from its load to its multiply without crossing shared
+    memory (a 64 x 128 e4m3 tile, 8 KB, did when x was a [1, BK] tile: the compiler moved W into x's
+    layout), for each way of rounding x and both kinds of weight scales."""
+    from gapless.testing.triton_compile import compile_child
+
+    script = (
+        "from gapless.testing.triton_compile import Compiler, _fp8\n"
+        "with Compiler(90) as c:\n"
+        "    for name, case in _fp8().items():\n"
+        "        if 'gemv' in name and 'bfloat16' in name:\n"
+        "            case()\n"
+        "ks = {k.hash: k for n, k in c.compiled if n == '_fp8_gemv_kernel'}.values()\n"
+        "print(len(ks), max(k.metadata.shared for k in ks), sum('mma' in k.asm['ptx'] for k in ks))\n"
+    )
+    out = compile_child(script, "compiling the FP8 GEMV")
+    if out is None:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    kernels, shared, with_mma = map(int, out.split()[-3:])
+    assert kernels == 6 and shared < 4096 and with_mma == 0, out
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_89+)")
 def test_triton_gemm_matches_the_reference_on_the_gpu():
     if torch.cuda.get_device_capability() < (8, 9):
@@ -459,9 +527,22 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
             assert torch.equal(fp8_gemm(*args), in_loop), by
         fp8_kernel.DECODE_X = "fp16"
         ref = x.float().cpu() @ dequantize(q, s, 128, 128).T
-        assert (fp8_gemm(*args).float().cpu() - ref).abs().max() <= 0.01 * ref.abs().max()
+        in_fp16 = fp8_gemm(*args)
+        assert (in_fp16.float().cpu() - ref).abs().max() <= 0.01 * ref.abs().max()
+        # the GEMV (`GEMV_ROWS`): x rounded by a launch or in its registers, the same bits; the tiles'
+        # result to bf16's rounding; W8A16 as the tiles' fp16
+        fp8_kernel.GEMV_ROWS = 3
+        for by, tiles in (("launch", in_loop), ("program", in_loop), ("fp16", in_fp16)):
+            fp8_kernel.DECODE_X = by
+            gemv = fp8_gemm(*args)
+            assert (gemv.float() - tiles.float()).abs().max() <= 0.01 * tiles.float().abs().max(), by
+        fp8_kernel.DECODE_X = "launch"
+        by_launch = fp8_gemm(*args)
+        fp8_kernel.DECODE_X = "program"
+        assert torch.equal(fp8_gemm(*args), by_launch)
     finally:
         fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = before
+        fp8_kernel.GEMV_ROWS = None
 
     assert int(fp8_kernel._LOCKS[y.device].abs().sum()) == 0  # every split tile's counter back at 0
 

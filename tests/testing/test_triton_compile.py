@@ -32,6 +32,7 @@ KERNELS = {
     "_lora_shrink_kernel",
     "_lora_expand_kernel",
     "_fp8_gemm_kernel",
+    "_fp8_gemv_kernel",
     "_fp8_quant_kernel",
     "_w4a16_kernel",
 }

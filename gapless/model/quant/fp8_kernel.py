@@ -16,6 +16,11 @@ own wgmma); closer to the float model than e4m3's 3-bit x, but not the bits of t
 `DECODE_ROWS`. W's scale is looked up at (row // rows_per_scale, k // k_group): one per row and whole K
 (per-channel, `stride_sk` 0), or one per [rows, k_group] block.
 
+Up to `GEMV_ROWS` rows (off unless set) the product runs on the CUDA cores instead (`_fp8_gemv_kernel`):
+each weight row's bytes loaded along K, widened to float32 and multiplied by x (rounded as above, the
+same bits), with no 16-row tile of which 15 rows are padding. Either kernel may split K at decode sizes
+(`_splits`), finishing a tile the same way (`_finish`).
+
 The Triton interpreter rounds some values to e4m3 wrongly (a carry into the next binade is lost:
 31.4 -> 16 instead of 32; triton 3.9), so the CPU tests feed it activations that are exact in e4m3 after
 scaling; the GPU test (and `bench/experiments/fp8_gemm.py`) checks real rounding against the torch
@@ -128,30 +133,129 @@ def _fp8_gemm_kernel(
             else:
                 xq, x_scale = _round_rows(x)
                 acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
-    tile = offs_m[:, None] * N + offs_n[None, :]
+    _finish(acc, y_ptr, p_ptr, lock_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, pid_s, HAS_BIAS, SPLITS)
+
+
+@triton.jit
+def _finish(
+    acc,
+    y_ptr,
+    p_ptr,
+    lock_ptr,
+    b_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_ym,
+    pid_s,
+    HAS_BIAS: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """y's [rows, columns] tile at (offs_m, offs_n) from `acc` (float32), the bias added; with K split
+    (SPLITS > 1), each split's partial tile to its own slice of p, and the tile's last split to arrive adds
+    them up in split order (the same sum whatever the arrival order) and resets the tile's counter (at
+    `lock_ptr`, indexed by program ids 0 and 1)."""
+    m_ok = offs_m < M
+    n_ok = offs_n < N
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLITS > 1:
-        # each split's partial tile to its own slice; the tile's last split to arrive adds them up in
-        # split order (the same sum whatever the arrival order) and resets the tile's counter
+        tile = offs_m[:, None] * N + offs_n[None, :]
         tl.store(p_ptr + pid_s * M * N + tile, acc, mask=ok)
-        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
+        lock = lock_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         tl.debug_barrier()  # every thread's stores issued before the (releasing) count
         if tl.atomic_add(lock, 1, sem="acq_rel") == SPLITS - 1:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            acc = tl.zeros_like(acc)
             for sp in range(SPLITS):
                 acc += tl.load(p_ptr + sp * M * N + tile, mask=ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(lock, 0)
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(
-                y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok
-            )
+            _store_y(acc, y_ptr, b_ptr, offs_m, offs_n, n_ok, ok, stride_ym, HAS_BIAS)
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok
-        )
+        _store_y(acc, y_ptr, b_ptr, offs_m, offs_n, n_ok, ok, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _store_y(acc, y_ptr, b_ptr, offs_m, offs_n, n_ok, ok, stride_ym, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,
+    xq_ptr,
+    xs_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    p_ptr,
+    lock_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_sk,
+    stride_ym,
+    rows_per_scale,
+    k_group,
+    split_k,
+    HAS_BIAS: tl.constexpr,
+    ROUND: tl.constexpr,
+    SCALES: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Row `program_id(0)` of y, columns [pid_n * BN, +BN), over one share of K, on the CUDA cores: W's
+    [BN, BK] tile read along K (each row's contiguous bytes, in the layout it loads in), widened to
+    float32, times x's BK values (as ROUND says: 1, the e4m3 row and scales a launch wrote; 2, rounded
+    here, in registers, by `_round_rows`; 3, x in fp16), added into a [BN, BK] float32 accumulator (one
+    FMA a weight) summed along K once, at the end. W's scales (SCALES): 0, one a row for all of K,
+    applied at the end; 1, the tile's rows inside one block of scales, one a step, folded into x; 2, one
+    a row a step."""
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    n_ok = offs_n < N
+    s_row = s_ptr + (offs_n // rows_per_scale) * stride_sn
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    k_start = pid_s * split_k
+    k_stop = tl.minimum(k_start + split_k, K)
+    for k0 in range(k_start, k_stop, BK):
+        k_ok = (k0 + offs_k) < K
+        w_tile = w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
+        w = tl.load(w_tile, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        # x as a [BK] vector, broadcast over W's rows (a [1, BK] tile would take a layout of its own, into
+        # which the compiler moves W's tile through shared memory)
+        if ROUND == 1:
+            xq = tl.load(xq_ptr + row * K + k0 + offs_k, mask=k_ok, other=0.0)
+            x = xq.to(tl.float32) * tl.load(xs_ptr + row * tl.cdiv(K, BK) + k0 // BK)
+        else:
+            x = tl.load(x_ptr + row * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
+            if ROUND == 3:  # W8A16: x in fp16 (clamped to its range), as the GEMM's dot takes it
+                x = clamped_fp16(x).to(tl.float32)
+            else:
+                xq, x_scale = _round_rows(x.to(tl.float32)[None, :])
+                x = tl.sum(xq.to(tl.float32) * x_scale[:, None], axis=0)  # (one row: its values)
+        if SCALES == 1:  # one scale for the tile's rows this step (their block's): folded into x
+            x *= tl.load(s_ptr + (pid_n * BN // rows_per_scale) * stride_sn + (k0 // k_group) * stride_sk)
+        w = w.to(tl.float32)
+        if SCALES == 2:
+            w *= tl.load(s_row + (k0 // k_group) * stride_sk, mask=n_ok, other=0.0)[:, None]
+        acc += w * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if SCALES == 0:
+        y *= tl.load(s_row, mask=n_ok, other=0.0)
+    offs_m = row + tl.arange(0, 1)
+    _finish(
+        y[None, :], y_ptr, p_ptr, lock_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, pid_s, HAS_BIAS, SPLITS
+    )
 
 
 def _tiles(m: int) -> tuple[int, int, int, int]:
@@ -180,6 +284,17 @@ _ROUNDING = {"launch": 1, "program": 2, "fp16": 3}  # (the kernel's ROUND; 0: in
 # layers of BN 32, 64, 128 and 512 or 1024 split programs (70.1 us the four against 78.6 at BN 32;
 # bench/results/h200-2026-11-26/run3/fp8_sweep.log, `bench/experiments/fp8_gemm.py --sweep`)
 DECODE_TILES = (16, 64, 4, 4)
+# Up to this many rows (None: GAPLESS_FP8_GEMV_ROWS's, default 0: never) the GEMM runs as a GEMV on the
+# CUDA cores (`_fp8_gemv_kernel`), a program row per row of x, BN x BK weight tiles (GEMV_TILES: BN,
+# warps), K split as at decode sizes; x as `DECODE_X` says (its rounding in the loop, past DECODE_ROWS,
+# is the same rounding in the GEMV's registers). At one row the 16-row tiles do 16x the tensor-core work
+# of the one row. In the sm_90 binary (bfloat16, per-channel, x by a launch) the GEMV's loop body is 213
+# instructions for 64 x 128 weight bytes (3.3 a byte: 64 FFMA, 65 widenings to float32, 33 pair
+# unpacks), 127 registers, against the 16 x 64 tiles' 203 for as many bytes, fed by asynchronous copies
+# 4 stages deep where the GEMV's loads are plain (its latency hidden by the programs an SM holds only).
+# Not yet timed: `bench/experiments/fp8_gemm.py --sweep` times it and the kit's TPOT runs it.
+GEMV_ROWS: int | None = None
+GEMV_TILES = (64, 4)
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
 # From 17 rows to MID_ROWS, MID_TILES with K split as at decode sizes (up to SPLIT_ROWS rows). On an H200
 # at 128 rows, the fastest of 128 x 128, 64 x 128 and 64 x 64 tiles, split or not, on each of Qwen3-8B's
@@ -228,7 +343,8 @@ def fp8_gemm(
     n = w.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, warps, stages = _tiles(m)
+    gemv = m <= (GEMV_ROWS if GEMV_ROWS is not None else env.FP8_GEMV_ROWS.get())
+    bm, bn, warps, stages = (1, *GEMV_TILES, 1) if gemv else _tiles(m)
     tiles_m, tiles_n, k_steps = triton.cdiv(m, bm), triton.cdiv(n, bn), triton.cdiv(k, act_group)
     splits = _splits(m, tiles_m * tiles_n, k_steps, x.device)
     steps = triton.cdiv(k_steps, splits)
@@ -236,12 +352,12 @@ def fp8_gemm(
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     rounding = 0 if m > DECODE_ROWS else _ROUNDING[DECODE_X or env.FP8_DECODE.get()]
     xq, xs = y, y  # (unread unless x is rounded before the loop)
-    if rounding in (1, 2):
+    if rounding == 1 or rounding == 2 and not gemv:  # (the GEMV rounds x in its registers: no buffer)
         xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
         xs = torch.empty(m, k_steps, dtype=torch.float32, device=x.device)
     if rounding == 1:
         _fp8_quant_kernel[(m, k_steps)](x, xq, xs, k, x.stride(0), BK=act_group)
-    _fp8_gemm_kernel[(tiles_m, tiles_n, splits)](
+    args = (
         x,
         xq,
         xs,
@@ -262,6 +378,23 @@ def fp8_gemm(
         rows_per_scale,
         k_group or k,
         steps * act_group,
+    )
+    grid = (tiles_m, tiles_n, splits)
+    if gemv:  # x's rounding in the loop is the GEMV's in its registers (2): the same bits
+        _fp8_gemv_kernel[grid](
+            *args,
+            HAS_BIAS=bias is not None,
+            ROUND=rounding or 2,
+            SCALES=0 if k_group == 0 else 1 if rows_per_scale % bn == 0 else 2,
+            SPLITS=splits,
+            BN=bn,
+            BK=act_group,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        return y
+    _fp8_gemm_kernel[grid](
+        *args,
         HAS_BIAS=bias is not None,
         ROUND=rounding,
         SPLITS=splits,
