@@ -135,8 +135,10 @@ GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 
 # the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
 # prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
-# GEMM's above: this checks where they cross)
-other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 \
+# GEMM's above: this checks where they cross); at one row also the Triton GEMV (`--block-m 1`: the CUDA
+# cores, x as a vector; 503 instructions a loop body in the sm_90 binary where it was 1,916 when an H200
+# timed it at 2.9-4.4x bf16's time)
+other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 --block-m 0 1 \
   --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
 grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
 

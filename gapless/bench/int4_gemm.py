@@ -81,9 +81,10 @@ def _library(
     return dict(kernel=kernel, us=us, gb_s=q_bytes / us / 1e3, rel_err=rel, **_NO_TILES)
 
 
-def _configs(chosen: GemmConfig, args: argparse.Namespace) -> list[GemmConfig]:
-    """Every combination of the tile options asked for (0: the heuristic's choice, `chosen`)."""
-    return [
+def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmConfig]:
+    """Every combination of the tile options asked for (0: the heuristic's choice, `chosen`); the GEMV
+    (`--block-m 1`) at one row only (past it, it reads the weights once a row)."""
+    configs = [
         chosen._replace(
             block_m=bm or chosen.block_m,
             block_n=bn or chosen.block_n,
@@ -96,6 +97,7 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace) -> list[GemmConfig]:
             args.block_m, args.block_n, args.split_k, args.block_k, args.warps, args.nibble_dots
         )
     ]
+    return [c for c in configs if c.block_m != 1 or m == 1]
 
 
 def _timed(
@@ -146,7 +148,7 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             chosen = choose_config(m, n, k, method.group)
             row["variants"] = [
                 _timed(x, ref, method, q_set, cfg, args)
-                for cfg in (_configs(chosen, args) if triton_runs and "triton" in args.kernels else [])
+                for cfg in (_configs(chosen, args, m) if triton_runs and "triton" in args.kernels else [])
             ]
             if device.type == "cuda":
                 row["variants"] += [_library(kn, w, x, ref, args) for kn in args.kernels if kn != "triton"]

@@ -123,10 +123,11 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
         y = w4a16_matmul(x, *args, config=cfg)
         torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-4)
     half = Int4LinearMethod(w, spec, torch.bfloat16, DEVICE, kernel="triton")  # (not tinygemm on CUDA)
-    y = w4a16_matmul(x.bfloat16(), half.qweight, half.scales, half.zeros, group, bits)
-    assert y.dtype == torch.bfloat16
     tol = x.abs().sum().item() * 2e-2 / k**0.5
-    torch.testing.assert_close(y.double().cpu(), ref, rtol=2e-2, atol=tol)
+    for cfg in [None, *gemv]:  # (the GEMV's weights in float32, not rounded to bf16 first)
+        y = w4a16_matmul(x.bfloat16(), half.qweight, half.scales, half.zeros, group, bits, cfg)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.double().cpu(), ref, rtol=2e-2, atol=tol)
 
 
 def test_decode_tiles_split_k_on_an_8b_layer():

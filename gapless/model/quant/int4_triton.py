@@ -10,7 +10,7 @@ The weight is held in one layout whatever checkpoint it came from (`gapless.mode
 Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its
 [BLOCK_K / P, BLOCK_N] tile of int32 words (each word read once) and one row of scales and zeros (a K
 block never crosses a group: BLOCK_K divides G and K); values go to float32 by their bits
-(`unsigned_to_float`), not by a conversion instruction. Then, where the tiles allow (`nibble_dots`,
+(`unsigned_to_float`, `_value`), not by a conversion instruction. Then, where the tiles allow (`nibble_dots`,
 16-row tiles with BLOCK_K / P >= 16, chosen at one row), for each j < P it shifts value j out of every
 word, subtracts the zero, scales, and adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns
 k0 + P * r + j; otherwise it lays the P values of each word out as one [BLOCK_K, BLOCK_N] tile for one
@@ -19,7 +19,11 @@ registers and 10 KB of shared memory a program against the second's 128 and 34 K
 shared-memory stores a step on the reshape.
 
 `BLOCK_M = 1` (a tile option for one row, `gapless.bench.int4_gemm --block-m 1`) multiplies on the CUDA
-cores instead (broadcast and sum over K), with no 16-row dot tile of which 15 rows are padding.
+cores instead, value by value as the dots per value do, with no 16-row dot tile of which 15 rows are
+padding: each value times x's column for it, loaded as a vector, into a float32 accumulator of the words'
+shape summed over K once at the end; its weights stay in float32 (not rounded to x's dtype as the dots'
+are). In the sm_90 binary (bf16, 4 bits) its loop body is 503 instructions for 16 x 64 words, where it was
+1,916 (448 shuffles a step: x as a [1, K] tile, the weights moved into its layout and summed each step).
 
 Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
 is split among programs, each writing float32 partial sums into its own slice of a [SPLIT, M, N] buffer,
@@ -51,6 +55,15 @@ def unsigned_to_float(q):
     instruction: its bits ORed into the mantissa of 2^23, minus 2^23. Hopper converts integers at a
     fraction of its float rate (`I2FP`, on the conversion pipe), and every dequantized value took one."""
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _value(packed, j, z, s, BITS: tl.constexpr):
+    """Value j of every word of `packed`, dequantized in float32: its bits under the mantissa of 2^23 (as
+    `unsigned_to_float`), less `z` (the zeros plus 2^23: exact, the zeros being integers, one subtraction
+    a value instead of two), times the scales `s` ([BLOCK_N] each)."""
+    q = (packed >> (j * BITS)) & ((1 << BITS) - 1)
+    return ((q | 0x4B000000).to(tl.float32, bitcast=True) - z[None, :]) * s[None, :]
 
 
 @triton.jit
@@ -98,6 +111,7 @@ def _w4a16_kernel(
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc_gemv = tl.zeros((BLOCK_K // (32 // BITS), BLOCK_N), dtype=tl.float32)  # (BLOCK_M = 1's)
     for k0 in range(k_start, k_stop, BLOCK_K):
         g = k0 // GROUP
         # each int32 read once: [BLOCK_K / P, BLOCK_N] words (row r holds k = k0 + P * r + j at bits BITS * j)
@@ -107,18 +121,24 @@ def _w4a16_kernel(
             mask=(offs_w < k_stop // (32 // BITS))[:, None] & n_mask[None, :],
             other=0,
         )
-        if NIBBLE_DOTS:  # value j of every word at once: a [BLOCK_K / P, BLOCK_N] tile and its own dot
+        if BLOCK_M == 1 or NIBBLE_DOTS:  # value j of every word at once: a [BLOCK_K / P, BLOCK_N] tile
             s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) + 8388608.0
             for j in tl.static_range(32 // BITS):
-                w = (unsigned_to_float((packed >> (j * BITS)) & ((1 << BITS) - 1)) - z[None, :]) * s[None, :]
+                w = _value(packed, j, z, s, BITS)
                 offs_k = offs_w * (32 // BITS) + j  # x's columns for value j: every P-th from j
-                x = tl.load(
-                    X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & (offs_k < k_stop)[None, :],
-                    other=0.0,
-                )
-                acc = _accumulate(acc, x, w, IEEE, AS_FP32)
+                if BLOCK_M == 1:  # one row on the CUDA cores, times x's columns broadcast over the words'
+                    # (x as a vector: a [1, K] tile would take a layout of its own, into which the compiler
+                    # moves the weights through shared memory)
+                    x = tl.load(X + pid_m * stride_xm + offs_k, mask=offs_k < k_stop, other=0.0)
+                    acc_gemv += w * x.to(tl.float32)[:, None]
+                else:  # its own dot
+                    x = tl.load(
+                        X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & (offs_k < k_stop)[None, :],
+                        other=0.0,
+                    )
+                    acc = _accumulate(acc, x, w, IEEE, AS_FP32)
         else:  # the P values of each word laid out as the [BLOCK_K, BLOCK_N] tile, one dot
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(
@@ -133,12 +153,9 @@ def _w4a16_kernel(
             z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
             # in fp32, then one rounding to the activations' dtype (as the reference path's weight)
             w = (unsigned_to_float(q) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
-            if BLOCK_M == 1:  # one row: a GEMV on the CUDA cores, no dot tile to fill
-                if not AS_FP32:
-                    w = w.to(x.dtype).to(tl.float32)
-                acc += tl.sum(tl.trans(x.to(tl.float32)) * w, axis=0)[None, :]
-            else:
-                acc = _accumulate(acc, x, w, IEEE, AS_FP32)
+            acc = _accumulate(acc, x, w, IEEE, AS_FP32)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc_gemv, axis=0)[None, :]
     out = Out + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
