@@ -5,10 +5,10 @@
 #   1. TPOT at batch 1 against bf16 (`gapless.bench.quant`; random weights, `load_format=dummy`: nothing
 #      written or read), each run in its own process and profiled: FP8 weights (`--quantization fp8`) on
 #      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6; on 8B's also one row through the
-#      FP8 GEMV, `GAPLESS_FP8_GEMV_ROWS=1`, x rounded by a launch and in its registers), int4 w4a16 (AWQ
-#      g128) on Qwen3-8B's (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
+#      FP8 GEMV, `GAPLESS_FP8_GEMV_ROWS=1`, x rounded by a launch), int4 w4a16 (AWQ g128) on Qwen3-8B's
+#      (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
-#      tok/s)
+#      tok/s); then Qwen3-0.6B's FP8 and, with what time is left, Qwen3-8B's int4 through gemlite
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3. decode attention alone over each KV cache, key blocks, warps and unmasked whole blocks swept
@@ -20,7 +20,6 @@
 #   6. the FP8 GEMM's tiles, K splits and ways of rounding x at 1, 32 and 128 rows (`fp8_gemm.py
 #      --sweep`); the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and
 #      128 rows (bench/experiments/fp8_gemm.py)
-#   7. Qwen3-8B's int4 TPOT on gemlite
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
 # bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each run), fp8_sweep.log,
 # fp8_gemm.log, int4_gemm.log, kv_attention.log. bench/gpu_session.sh's `all` part calls it first (step
@@ -84,12 +83,10 @@ if phase targets; then
 tpot 45 qwen3-0.6b bf16 --profile  # (first: a cold machine's start-up falls on the smallest model)
 tpot 50 qwen3-8b bf16 --profile
 tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
-# one row on the CUDA cores (GAPLESS_FP8_GEMV_ROWS: the FP8 GEMV, no 16-row tile), x rounded by a launch
-# before each GEMV and in its registers (no launch: GAPLESS_FP8_DECODE=program); W8A16 at decode (fp16)
-# took 4.391 ms on an H200 against launch's 3.651 (bench/results/h200-2026-11-27): not run again
+# one row on the CUDA cores (GAPLESS_FP8_GEMV_ROWS: the FP8 GEMV, no 16-row tile; x rounded by a launch
+# before it; the sweep below times x rounded in its registers, no launch); W8A16 at decode (fp16) took
+# 4.391 ms on an H200 against launch's 3.651 (bench/results/h200-2026-11-27): not run again
 GAPLESS_FP8_GEMV_ROWS=1 tpot 45 qwen3-8b fp8_gemv --profile --engine-option quantization=fp8
-GAPLESS_FP8_GEMV_ROWS=1 GAPLESS_FP8_DECODE=program tpot 45 qwen3-8b fp8_gemv_program --profile \
-  --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
@@ -101,9 +98,14 @@ for kv in auto fp8; do
   grep -E '^\| gapless' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
 done
 
-# the small shape's FP8 last: its target is out of reach (docs/gpu.md), its profile says how far
+# the small shape's FP8: its target is out of reach (docs/gpu.md; 1.05x bf16 on an H200), its profile says
+# how far
 say ""
 tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
+
+# int4 through gemlite's kernels (its wheel; its first call tunes for up to a minute: last, with what time
+# the budget leaves; no GPU has run it yet)
+GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite --profile
 fi
 
 if phase tables; then
@@ -155,9 +157,6 @@ grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
 other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
 grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
 
-# gemlite's int4 GEMMs (its wheel; its first call tunes for a minute, so after the rest)
-say ""
-GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite
 fi
 
 say ""

@@ -106,11 +106,10 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
         assert [c[1] for c in benches] == [
             *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, five runs of the targets,
             *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs,
-            "gapless.bench.quant",  # the small shape's FP8; its tables:
+            *["gapless.bench.quant"] * 2,  # the small shape's FP8, int4 on gemlite; its tables:
             "gapless.bench.kernels",  # decode attention over each cache,
             *["gapless.bench.quant"] * 4,  # the mixture's three, int4 on the Triton GEMM,
             "gapless.bench.int4_gemm",  # the int4 GEMMs (the FP8 GEMM's two scripts, not modules),
-            "gapless.bench.quant",  # gemlite's run,
             "gapless.bench.quant",  # the report
             "gapless.bench.gpu",  # gpu_bench.sh's one benchmark
             "gapless.bench.kernels",
@@ -246,7 +245,7 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert not any("gapless.bench.gpu" in c for c in tables)
     targets = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "g", ROOT, QUANT_PHASES="targets")
     runs = [c for c in targets if c[:3] == ["-m", "gapless.bench.quant", "run"]]
-    assert len(runs) == 6 and all("--profile" in c for c in runs)
+    assert len(runs) == 7 and all("--profile" in c for c in runs)
     assert not any(c[0].endswith("fp8_gemm.py") for c in targets)
     for args in runs:
         _parse_bench(args, monkeypatch)
