@@ -139,9 +139,10 @@ GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 # prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
 # GEMM's above: this checks where they cross); at one row also the Triton GEMV (`--block-m 1`: the CUDA
 # cores, x as a vector; 503 instructions a loop body in the sm_90 binary where it was 1,916 when an H200
-# timed it at 2.9-4.4x bf16's time)
+# timed it at 2.9-4.4x bf16's time), and the dots' values dequantized by PTX (`--ptx-values`: 338
+# instructions a loop body at one row against 530; the same bits)
 other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 --block-m 0 1 \
-  --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
+  --ptx-values 0 1 --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
 grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
 
 # the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs, x rounded by a

@@ -3,13 +3,14 @@ layer shapes, at decode's row counts.
 
     python -m gapless.bench.int4_gemm --device cuda [--m 1 16] [--shapes 4096:28672 14336:4096 ...]
         [--bits 4] [--group 128] [--block-m 0 1] [--block-n 0 32 128] [--split-k 0 1 4 8] [--block-k 0 64]
-        [--warps 0 8] [--nibble-dots 1 0] [--kernels triton tinygemm gemlite] [--json FILE]
+        [--warps 0 8] [--nibble-dots 1 0] [--ptx-values 0 1] [--kernels triton tinygemm gemlite] [--json FILE]
 
 For each layer shape IN:OUT (default: Llama-3-8B's fused q/k/v 4096:6144, o 4096:4096, fused gate/up
 4096:28672, down 14336:4096) and each row count M: the median device time of `torch.mm` on a bf16 weight,
 and of the quantized GEMM for each tile variant (every combination of `--block-m` (1: the
 GEMV variant), `--block-n`, `--split-k`, `--block-k`, `--warps`; 0: the heuristic's choice; and
-`--nibble-dots`: a dot per value of the words, or one reshaped tile, `int4_triton`'s docstring), its
+`--nibble-dots`: a dot per value of the words, or one reshaped tile, `int4_triton`'s docstring; and
+`--ptx-values`: those values dequantized by PTX, where they can be), its
 weight bytes read per microsecond (packed weight + scales + zeros), and the ratio to bf16. Device time is
 `gapless.bench.timing.median_us`: `--iters` calls captured in a CUDA graph and replayed, each call reading
 a weight from memory, not L2 (`cold_copies`). A row also carries the largest difference from the bf16
@@ -35,7 +36,14 @@ from gapless.bench.timing import cold_copies, cycling, median_us
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec, Unpacked
 from gapless.model.quant.int4_kernels import KERNELS, library_kernel
-from gapless.model.quant.int4_triton import INTERPRET, GemmConfig, choose_config, nibble_dots, w4a16_matmul
+from gapless.model.quant.int4_triton import (
+    INTERPRET,
+    GemmConfig,
+    choose_config,
+    nibble_dots,
+    ptx_values,
+    w4a16_matmul,
+)
 from gapless.testing.quant_checkpoints import quantize
 
 LLAMA3_8B = ["4096:6144", "4096:4096", "4096:28672", "14336:4096"]
@@ -83,7 +91,8 @@ def _library(
 
 def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmConfig]:
     """Every combination of the tile options asked for (0: the heuristic's choice, `chosen`); the GEMV
-    (`--block-m 1`) at one row only (past it, it reads the weights once a row)."""
+    (`--block-m 1`) at one row only (past it, it reads the weights once a row), PTX values where they run
+    (elsewhere the row would be Triton's again)."""
     configs = [
         chosen._replace(
             block_m=bm or chosen.block_m,
@@ -92,12 +101,22 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmC
             block_k=bk or chosen.block_k,
             num_warps=warps or chosen.num_warps,
             nibble_dots=bool(nibble),
+            ptx_values=bool(ptx),
         )
-        for bm, bn, split, bk, warps, nibble in itertools.product(
-            args.block_m, args.block_n, args.split_k, args.block_k, args.warps, args.nibble_dots
+        for bm, bn, split, bk, warps, nibble, ptx in itertools.product(
+            args.block_m,
+            args.block_n,
+            args.split_k,
+            args.block_k,
+            args.warps,
+            args.nibble_dots,
+            args.ptx_values,
         )
     ]
-    return [c for c in configs if c.block_m != 1 or m == 1]
+    dtype = getattr(torch, args.dtype)  # (PTX values only where they run: no row twice)
+    return [
+        c for c in configs if (c.block_m != 1 or m == 1) and ptx_values(c, args.bits, dtype) == c.ptx_values
+    ]
 
 
 def _timed(
@@ -120,7 +139,7 @@ def _timed(
         split_k=cfg.split_k,
         block_k=cfg.block_k,
         warps=cfg.num_warps,
-        nibble_dots=nibble_dots(cfg, method.bits),
+        nibble_dots="ptx" if ptx_values(cfg, method.bits, x.dtype) else nibble_dots(cfg, method.bits),
         us=us,
         gb_s=q_bytes / us / 1e3,
         rel_err=err / max(ref.abs().max().item(), 1e-30),
@@ -159,8 +178,9 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _dots(nibble: object) -> str:
-    """The dots column: P (a dot per value of the words), 1 (one reshaped tile), - (not this kernel)."""
-    return "-" if nibble == "-" else ("P" if nibble else "1")
+    """The dots column: P (a dot per value of the words), ptx (those values by PTX), 1 (one reshaped
+    tile), - (not this kernel)."""
+    return nibble if nibble in ("-", "ptx") else ("P" if nibble else "1")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,6 +203,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=(0, 1),
         default=[1],
         help="1: a dot per value of the words where the tiles allow (the default); 0: one reshaped tile",
+    )
+    p.add_argument(
+        "--ptx-values",
+        type=int,
+        nargs="+",
+        choices=(0, 1),
+        default=[0],
+        help="1: the dots' values dequantized by PTX (4 bits, half precision, compiled); 0: by Triton",
     )
     p.add_argument(
         "--kernels",

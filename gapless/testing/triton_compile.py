@@ -327,20 +327,27 @@ def _fp8() -> dict[str, Callable[[], object]]:
 def _int4() -> dict[str, Callable[[], object]]:
     from gapless.model.quant.int4_triton import choose_config, w4a16_matmul
 
-    def run(dtype: torch.dtype, bits: int, m: int, gemv: bool) -> object:
+    def run(dtype: torch.dtype, bits: int, m: int, variant: str) -> object:
         k, n, group = 512, 256, 128
         x = torch.zeros(m, k, dtype=dtype)
         qweight = torch.zeros(k * bits // 32, n, dtype=torch.int32)
         scales = torch.zeros(k // group, n, dtype=dtype)
-        config = choose_config(m, n, k, group)._replace(block_m=1) if gemv else None
+        config = choose_config(m, n, k, group)
+        if variant == "gemv":
+            config = config._replace(block_m=1)
+        if variant == "ptx":
+            config = config._replace(ptx_values=True)
         return w4a16_matmul(x, qweight, scales, scales, group, bits, config)
 
-    # decode (16-row tiles, K split; and the one-row GEMV) and prefill tiles, 4 and 8 bits, both
-    # half-precision dtypes
+    # decode (16-row tiles, K split; their values by PTX; and the one-row GEMV) and prefill tiles, 4 and 8
+    # bits, both half-precision dtypes
+    cases = ((4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 256, ""), (8, 1, ""))
     return {
-        f"int{bits} gemm {dtype} m={m}{' gemv' if gemv else ''}": partial(run, dtype, bits, m, gemv)
+        f"int{bits} gemm {dtype} m={m}{' ' + variant if variant else ''}": partial(
+            run, dtype, bits, m, variant
+        )
         for dtype in DTYPES
-        for bits, m, gemv in ((4, 1, False), (4, 1, True), (4, 256, False), (8, 1, False))
+        for bits, m, variant in cases
     }
 
 

@@ -27,7 +27,7 @@ from gapless.model.quant.int4 import (
     int4_spec_from_config,
     unpack,
 )
-from gapless.model.quant.int4_triton import GemmConfig, choose_config, nibble_dots, w4a16_matmul
+from gapless.model.quant.int4_triton import GemmConfig, choose_config, nibble_dots, ptx_values, w4a16_matmul
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 from gapless.testing.quant_checkpoints import layout_tensors, quantization_config, quantize, write_quantized
 from gapless.testing.triton_compile import compile_cases, compile_child
@@ -128,6 +128,14 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
         y = w4a16_matmul(x.bfloat16(), half.qweight, half.scales, half.zeros, group, bits, cfg)
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.double().cpu(), ref, rtol=2e-2, atol=tol)
+    if bits == 4 and group % 128 == 0:  # the dots' values by PTX: the same bits as Triton's (on CUDA)
+        for dtype in (torch.bfloat16, torch.float16):
+            held = Int4LinearMethod(w, spec, dtype, DEVICE, kernel="triton")
+            by = [GemmConfig(16, 32, 128, 2, 4, 3, True, ptx) for ptx in (False, True)]
+            assert ptx_values(by[1], bits, dtype) == (DEVICE == "cuda")  # (the interpreter: Triton's)
+            args = (held.qweight, held.scales, held.zeros, group, bits)
+            ys = [w4a16_matmul(x.to(dtype), *args, config=cfg) for cfg in by]
+            assert torch.equal(ys[0], ys[1]), dtype
 
 
 def test_decode_tiles_split_k_on_an_8b_layer():

@@ -18,6 +18,12 @@ dot. The first keeps each value where it was unpacked: compiled for sm_90 at one
 registers and 10 KB of shared memory a program against the second's 128 and 34 KB, which spends 64
 shared-memory stores a step on the reshape.
 
+With `GemmConfig.ptx_values` (off until a GPU times it; 4 bits, bf16 or fp16 activations, compiled) the
+dots' values come from PTX instead (`_values_ptx`), two at a time: a nibble pair ORed into the mantissas
+of a power of two, the zero subtracted and the scale applied on half-precision pairs; the same bits as
+Triton's path (a CUDA test checks them equal), in a loop body of 338 instructions at one row (bf16, sm_90)
+against 530.
+
 `BLOCK_M = 1` (a tile option for one row, `gapless.bench.int4_gemm --block-m 1`) multiplies on the CUDA
 cores instead, value by value as the dots per value do, with no 16-row dot tile of which 15 rows are
 padding: each value times x's column for it, loaded as a vector, into a float32 accumulator of the words'
@@ -66,6 +72,71 @@ def _value(packed, j, z, s, BITS: tl.constexpr):
     return ((q | 0x4B000000).to(tl.float32, bitcast=True) - z[None, :]) * s[None, :]
 
 
+# PTX of `_values_ptx`: words $8 -> values $0..$7, two at a time: the pair of nibbles 16 bits apart ORed into
+# the mantissas of MAGIC (2^7 in bf16, 2^10 in fp16: MAGIC + q exactly), less MAGIC + zero ($10, negated:
+# exact), times the scale ($9: one rounding, as the dot's weight tile has), -0 added (the sign of 0 * s)
+_VALUES_ASM = """{
+.reg .b32 v, t, s2, nz2, one2, nzero, magic, mask;
+mov.b32 s2, {$9, $9};
+mov.b32 nz2, {$10, $10};
+mov.b32 one2, ONE;
+mov.b32 nzero, 0x80008000;
+mov.b32 magic, MAGIC;
+mov.b32 mask, 0x000F000F;
+mov.b32 t, $8;
+lop3.b32 v, t, mask, magic, 0xEA;
+fma.rn.TYPE v, v, one2, nz2;
+fma.rn.TYPE v, v, s2, nzero;
+mov.b32 {$0, $4}, v;
+shr.u32 t, $8, 4;
+lop3.b32 v, t, mask, magic, 0xEA;
+fma.rn.TYPE v, v, one2, nz2;
+fma.rn.TYPE v, v, s2, nzero;
+mov.b32 {$1, $5}, v;
+shr.u32 t, $8, 8;
+lop3.b32 v, t, mask, magic, 0xEA;
+fma.rn.TYPE v, v, one2, nz2;
+fma.rn.TYPE v, v, s2, nzero;
+mov.b32 {$2, $6}, v;
+shr.u32 t, $8, 12;
+lop3.b32 v, t, mask, magic, 0xEA;
+fma.rn.TYPE v, v, one2, nz2;
+fma.rn.TYPE v, v, s2, nzero;
+mov.b32 {$3, $7}, v;
+}"""
+_BF16_VALUES_ASM = tl.constexpr(
+    _VALUES_ASM.replace("TYPE", "bf16x2").replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300")
+)
+_FP16_VALUES_ASM = tl.constexpr(
+    _VALUES_ASM.replace("TYPE", "f16x2").replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400")
+)
+
+
+@triton.jit
+def _values_ptx(packed, s, z, BF16: tl.constexpr):
+    """The 8 values of every 4-bit word of `packed` ([R, BLOCK_N] int32), each dequantized in x's dtype
+    (bf16 with BF16, else fp16) as `_value` and one rounding to that dtype give it, the same bits, by PTX:
+    per word 4 `lop3`, 3 shifts and 8 `fma` on value pairs (`_VALUES_ASM`), where `_value` takes a
+    shift, a bitfield extract, an OR, a subtraction and a product a value, and the rounding a conversion
+    a pair. `s` and `z`, the scales and zeros ([BLOCK_N]), in x's dtype. Compiled for sm_90 by the
+    harness; the CUDA tests check its bits against `_value`'s (the interpreter cannot run PTX)."""
+    magic = 128.0 if BF16 else 1024.0
+    nz = (-(z.to(tl.float32) + magic)).to(s.dtype)  # (exact: small integers)
+    s2 = tl.broadcast_to(s[None, :], packed.shape)
+    nz2 = tl.broadcast_to(nz[None, :], packed.shape)
+    if BF16:
+        values = tl.inline_asm_elementwise(
+            _BF16_VALUES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [packed, s2, nz2],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        values = tl.inline_asm_elementwise(
+            _FP16_VALUES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [packed, s2, nz2],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    return values
+
+
 @triton.jit
 def _accumulate(acc, x, w, IEEE: tl.constexpr, AS_FP32: tl.constexpr):
     """acc + x @ w, w the fp32 dequantized tile: rounded once to x's dtype for the dot (fp32 operands
@@ -99,6 +170,7 @@ def _w4a16_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NIBBLE_DOTS: tl.constexpr,
+    PTX_VALUES: tl.constexpr,
 ):
     """Out[pid_k, m, n] = sum over this program's share of K of X[m, k] * W[n, k] (see the module)."""
     pid_m = tl.program_id(0)
@@ -122,10 +194,17 @@ def _w4a16_kernel(
             other=0,
         )
         if BLOCK_M == 1 or NIBBLE_DOTS:  # value j of every word at once: a [BLOCK_K / P, BLOCK_N] tile
-            s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) + 8388608.0
+            s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
+            z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
+            if PTX_VALUES:  # every value of the words at once, in x's dtype (the dots only)
+                values = _values_ptx(packed, s, z, PTX_VALUES == 1)
+            s = s.to(tl.float32)
+            z = z.to(tl.float32) + 8388608.0
             for j in tl.static_range(32 // BITS):
-                w = _value(packed, j, z, s, BITS)
+                if PTX_VALUES:
+                    w = values[j]
+                else:
+                    w = _value(packed, j, z, s, BITS)
                 offs_k = offs_w * (32 // BITS) + j  # x's columns for value j: every P-th from j
                 if BLOCK_M == 1:  # one row on the CUDA cores, times x's columns broadcast over the words'
                     # (x as a vector: a [1, K] tile would take a layout of its own, into which the compiler
@@ -170,6 +249,7 @@ class GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     nibble_dots: bool = True  # a dot per value of the words where the tiles allow (the module's docstring)
+    ptx_values: bool = False  # those values by PTX, where they run (`ptx_values`)
 
 
 def _block_k(group: int, k: int, most: int) -> int:
@@ -184,6 +264,13 @@ def nibble_dots(cfg: GemmConfig, bits: int) -> bool:
     """Whether a launch with `cfg` takes a dot per value of the words: asked for, and its tiles allow it
     (16 rows or more, BLOCK_K / P >= 16: each dot's K at least the tensor cores' 16)."""
     return cfg.nibble_dots and cfg.block_m >= 16 and cfg.block_k // (32 // bits) >= 16
+
+
+def ptx_values(cfg: GemmConfig, bits: int, dtype: torch.dtype) -> bool:
+    """Whether a launch with `cfg` dequantizes by PTX (`_values_ptx`): asked for, a dot per value of the
+    words (`nibble_dots`), 4 bits, half-precision activations, and compiled (not the interpreter)."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    return cfg.ptx_values and nibble_dots(cfg, bits) and bits == 4 and half and not INTERPRET
 
 
 def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
@@ -256,6 +343,7 @@ def w4a16_matmul(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         NIBBLE_DOTS=nibble_dots(cfg, bits),
+        PTX_VALUES=(1 if x.dtype == torch.bfloat16 else 2) if ptx_values(cfg, bits, x.dtype) else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
