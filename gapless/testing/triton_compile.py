@@ -332,11 +332,8 @@ def _int4() -> dict[str, Callable[[], object]]:
         x = torch.zeros(m, k, dtype=dtype)
         qweight = torch.zeros(k * bits // 32, n, dtype=torch.int32)
         scales = torch.zeros(k // group, n, dtype=dtype)
-        config = choose_config(m, n, k, group)
-        if variant == "gemv":
-            config = config._replace(block_m=1)
-        if variant == "ptx":
-            config = config._replace(ptx_values=True)
+        config = choose_config(m, n, k, group)._replace(ptx_values=variant == "ptx")
+        config = config._replace(block_m=1) if variant == "gemv" else config
         return w4a16_matmul(x, qweight, scales, scales, group, bits, config)
 
     # decode (16-row tiles, K split; their values by PTX; and the one-row GEMV) and prefill tiles, 4 and 8

@@ -196,6 +196,7 @@ def _w4a16_kernel(
         if BLOCK_M == 1 or NIBBLE_DOTS:  # value j of every word at once: a [BLOCK_K / P, BLOCK_N] tile
             s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
             z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
+            values = packed  # (no values before the loop but by PTX)
             if PTX_VALUES:  # every value of the words at once, in x's dtype (the dots only)
                 values = _values_ptx(packed, s, z, PTX_VALUES == 1)
             s = s.to(tl.float32)
