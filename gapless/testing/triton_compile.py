@@ -332,13 +332,13 @@ def _int4() -> dict[str, Callable[[], object]]:
         x = torch.zeros(m, k, dtype=dtype)
         qweight = torch.zeros(k * bits // 32, n, dtype=torch.int32)
         scales = torch.zeros(k // group, n, dtype=dtype)
-        config = choose_config(m, n, k, group)._replace(ptx_values=variant == "ptx")
-        config = config._replace(block_m=1) if variant == "gemv" else config
+        config = choose_config(m, n, k, group)._replace(ptx_values="ptx" in variant)
+        config = config._replace(block_m=1) if "gemv" in variant else config
         return w4a16_matmul(x, qweight, scales, scales, group, bits, config)
 
     # decode (16-row tiles, K split; their values by PTX; and the one-row GEMV) and prefill tiles, 4 and 8
     # bits, both half-precision dtypes
-    cases = ((4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 256, ""), (8, 1, ""))
+    cases = ((4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 1, "gemv ptx"), (4, 256, ""), (8, 1, ""))
     return {
         f"int{bits} gemm {dtype} m={m}{' ' + variant if variant else ''}": partial(
             run, dtype, bits, m, variant

@@ -124,7 +124,8 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
         torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-4)
     half = Int4LinearMethod(w, spec, torch.bfloat16, DEVICE, kernel="triton")  # (not tinygemm on CUDA)
     tol = x.abs().sum().item() * 2e-2 / k**0.5
-    for cfg in [None, *gemv]:  # (the GEMV's weights in float32, not rounded to bf16 first)
+    ptx_gemv = [c._replace(ptx_values=True) for c in gemv]  # (its weights rounded to bf16, by PTX on CUDA)
+    for cfg in [None, *gemv, *ptx_gemv]:  # (the GEMV's weights in float32, not rounded to bf16 first)
         y = w4a16_matmul(x.bfloat16(), half.qweight, half.scales, half.zeros, group, bits, cfg)
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.double().cpu(), ref, rtol=2e-2, atol=tol)

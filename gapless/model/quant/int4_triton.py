@@ -10,8 +10,8 @@ The weight is held in one layout whatever checkpoint it came from (`gapless.mode
 Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its
 [BLOCK_K / P, BLOCK_N] tile of int32 words (each word read once) and one row of scales and zeros (a K
 block never crosses a group: BLOCK_K divides G and K); values go to float32 by their bits
-(`unsigned_to_float`, `_value`), not by a conversion instruction. Then, where the tiles allow (`nibble_dots`,
-16-row tiles with BLOCK_K / P >= 16, chosen at one row), for each j < P it shifts value j out of every
+(`unsigned_to_float`, `_value`), not by a conversion instruction. Then, where the tiles allow
+(`nibble_dots`, 16-row tiles with BLOCK_K / P >= 16, chosen at one row), for each j < P it shifts value j out of every
 word, subtracts the zero, scales, and adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns
 k0 + P * r + j; otherwise it lays the P values of each word out as one [BLOCK_K, BLOCK_N] tile for one
 dot. The first keeps each value where it was unpacked: compiled for sm_90 at one row (bf16, 4 bits), 56
@@ -22,14 +22,15 @@ With `GemmConfig.ptx_values` (off until a GPU times it; 4 bits, bf16 or fp16 act
 dots' values come from PTX instead (`_values_ptx`), two at a time: a nibble pair ORed into the mantissas
 of a power of two, the zero subtracted and the scale applied on half-precision pairs; the same bits as
 Triton's path (a CUDA test checks them equal), in a loop body of 338 instructions at one row (bf16, sm_90)
-against 530.
+against 530; the GEMV's too (then rounded to x's dtype as the dots' are: 415 instructions against 503).
 
 `BLOCK_M = 1` (a tile option for one row, `gapless.bench.int4_gemm --block-m 1`) multiplies on the CUDA
 cores instead, value by value as the dots per value do, with no 16-row dot tile of which 15 rows are
 padding: each value times x's column for it, loaded as a vector, into a float32 accumulator of the words'
 shape summed over K once at the end; its weights stay in float32 (not rounded to x's dtype as the dots'
-are). In the sm_90 binary (bf16, 4 bits) its loop body is 503 instructions for 16 x 64 words, where it was
-1,916 (448 shuffles a step: x as a [1, K] tile, the weights moved into its layout and summed each step).
+are, unless by PTX, above). In the sm_90 binary (bf16, 4 bits) its loop body is 503 instructions for 16 x
+64 words, where it was 1,916 (448 shuffles a step: x as a [1, K] tile, the weights moved into its layout
+and summed each step).
 
 Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
 is split among programs, each writing float32 partial sums into its own slice of a [SPLIT, M, N] buffer,
@@ -197,7 +198,7 @@ def _w4a16_kernel(
             s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
             z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
             values = packed  # (no values before the loop but by PTX)
-            if PTX_VALUES:  # every value of the words at once, in x's dtype (the dots only)
+            if PTX_VALUES:  # every value of the words at once, in x's dtype
                 values = _values_ptx(packed, s, z, PTX_VALUES == 1)
             s = s.to(tl.float32)
             z = z.to(tl.float32) + 8388608.0
@@ -211,7 +212,7 @@ def _w4a16_kernel(
                     # (x as a vector: a [1, K] tile would take a layout of its own, into which the compiler
                     # moves the weights through shared memory)
                     x = tl.load(X + pid_m * stride_xm + offs_k, mask=offs_k < k_stop, other=0.0)
-                    acc_gemv += w * x.to(tl.float32)[:, None]
+                    acc_gemv += w.to(tl.float32) * x.to(tl.float32)[:, None]
                 else:  # its own dot
                     x = tl.load(
                         X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
@@ -269,9 +270,11 @@ def nibble_dots(cfg: GemmConfig, bits: int) -> bool:
 
 def ptx_values(cfg: GemmConfig, bits: int, dtype: torch.dtype) -> bool:
     """Whether a launch with `cfg` dequantizes by PTX (`_values_ptx`): asked for, a dot per value of the
-    words (`nibble_dots`), 4 bits, half-precision activations, and compiled (not the interpreter)."""
+    words (`nibble_dots`) or the GEMV, 4 bits, half-precision activations, and compiled (not the
+    interpreter)."""
     half = dtype in (torch.bfloat16, torch.float16)
-    return cfg.ptx_values and nibble_dots(cfg, bits) and bits == 4 and half and not INTERPRET
+    by_value = nibble_dots(cfg, bits) or cfg.block_m == 1
+    return cfg.ptx_values and by_value and bits == 4 and half and not INTERPRET
 
 
 def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
