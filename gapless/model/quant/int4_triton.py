@@ -7,16 +7,15 @@ The weight is held in one layout whatever checkpoint it came from (`gapless.mode
 - `scales`, `zeros` [K / G, N] in the activations' dtype: `W[n, k] = (q - zeros[g, n]) * scales[g, n]`,
   g = k // G (G the group size; G = K is one group per output channel).
 
-Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its
-[BLOCK_K / P, BLOCK_N] tile of int32 words (each word read once) and one row of scales and zeros (a K
-block never crosses a group: BLOCK_K divides G and K); values go to float32 by their bits
-(`unsigned_to_float`, `_value`), not by a conversion instruction. Then, where the tiles allow
-(`nibble_dots`, 16-row tiles with BLOCK_K / P >= 16, chosen at one row), for each j < P it shifts value j out of every
-word, subtracts the zero, scales, and adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns
-k0 + P * r + j; otherwise it lays the P values of each word out as one [BLOCK_K, BLOCK_N] tile for one
-dot. The first keeps each value where it was unpacked: compiled for sm_90 at one row (bf16, 4 bits), 56
-registers and 10 KB of shared memory a program against the second's 128 and 34 KB, which spends 64
-shared-memory stores a step on the reshape.
+Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its [BLOCK_K / P,
+BLOCK_N] tile of int32 words (each word read once) and one row of scales and zeros (a K block never crosses
+a group: BLOCK_K divides G and K); values go to float32 by their bits (`unsigned_to_float`, `_value`), not
+by a conversion instruction. Then, where the tiles allow (`nibble_dots`, 16-row tiles with BLOCK_K / P >=
+16, chosen at one row), for each j < P it shifts value j out of every word, subtracts the zero, scales, and
+adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns k0 + P * r + j; otherwise it lays the P
+values of each word out as one [BLOCK_K, BLOCK_N] tile for one dot. The first keeps each value where it was
+unpacked: compiled for sm_90 at one row (bf16, 4 bits), 56 registers and 10 KB of shared memory a program
+against the second's 128 and 34 KB, which spends 64 shared-memory stores a step on the reshape.
 
 With `GemmConfig.ptx_values` (off until a GPU times it; 4 bits, bf16 or fp16 activations, compiled) the
 dots' values come from PTX instead (`_values_ptx`), two at a time: a nibble pair ORed into the mantissas
