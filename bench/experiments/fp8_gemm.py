@@ -20,7 +20,8 @@ path to keep.
 the weights widened in registers; 64-row tiles, fp8's own wgmma, compiled for sm_90 here: QGMMA, no
 widening, except for x in fp16), each `DECODE_X`, and past 16 rows the larger tiles with K split and
 not, x rounded in the loop or by a launch first; at one row also the GEMV (`GEMV_ROWS`) at each
-(BN, warps), K split to 512 and 1024 programs, x by a launch or in its registers (and in fp16).
+(BN, warps, steps a loop iteration), K split to 512 and 1024 programs, x by a launch or in its registers
+(and in fp16).
 """
 
 from __future__ import annotations
@@ -127,9 +128,9 @@ SWEEP_ROUNDING = ["launch", "program", "fp16"]
 SWEEP_TILES_MORE = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
 SWEEP_SPLITS_MORE = [0, 512]
 SWEEP_ROUNDING_MORE = ["loop", "launch"]
-# the GEMV on the CUDA cores (`fp8_kernel.GEMV_ROWS`, at one row): (BN, warps) x split programs x x's
-# rounding (W8A16 at the default tiles only: a choice of arithmetic more than of speed)
-SWEEP_GEMV = [(32, 4), (64, 4), (64, 8)]
+# the GEMV on the CUDA cores (`fp8_kernel.GEMV_ROWS`, at one row): (BN, warps, steps a loop iteration) x
+# split programs x x's rounding (W8A16 at the default tiles only: a choice of arithmetic more than of speed)
+SWEEP_GEMV = [(32, 4, 1), (64, 4, 1), (64, 8, 1), (32, 4, 2), (64, 4, 2)]
 SWEEP_GEMV_PROGRAMS = [512, 1024]
 
 Config = tuple[tuple[int, ...], int, str, bool]  # (tiles, split programs, x's rounding, GEMV)
@@ -152,8 +153,8 @@ def sweep(rows: list[int]) -> None:
     weight's GB/s, the fastest marked."""
     dev = torch.device("cuda")
     print(
-        "| layer | N x K | rows | tiles (BM, BN, warps, stages; GEMV: BN, warps) | split programs | decode x "
-        "| us | GB/s |"
+        "| layer | N x K | rows | tiles (BM, BN, warps, stages; GEMV: BN, warps, unroll) | split programs "
+        "| decode x | us | GB/s |"
     )
     print("|---|---|---:|---|---:|---|---:|---:|")
     for name, n, k in SHAPES["qwen3-8b"]:

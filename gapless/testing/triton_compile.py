@@ -280,23 +280,17 @@ def _lora() -> dict[str, Callable[[], object]]:
 def _fp8() -> dict[str, Callable[[], object]]:
     from gapless.model.quant import fp8_kernel
 
-    def run(
-        rows: int,
-        dtype: torch.dtype,
-        block: bool,
-        decode_rows: int = 0,
-        by: str = "launch",
-        tiles: Any = None,
-        gemv_rows: int = 0,
-    ) -> object:
+    def run(rows: int, dtype: torch.dtype, block: bool, by: str = "launch", **settings: Any) -> object:
+        """One GEMM of `rows` rows, x as `by` says at decode sizes, `fp8_kernel`'s `settings` (DECODE_TILES,
+        GEMV_ROWS, GEMV_TILES) set for it."""
         n, k = 96, 256
         w = torch.zeros(n, k).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
         x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
-        names = ("DECODE_ROWS", "DECODE_X", "DECODE_TILES", "GEMV_ROWS")
-        before = {name: getattr(fp8_kernel, name) for name in names}
-        fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X, fp8_kernel.GEMV_ROWS = decode_rows, by, gemv_rows
-        fp8_kernel.DECODE_TILES = tiles or fp8_kernel.DECODE_TILES
+        settings = {"DECODE_ROWS": 0, "DECODE_X": by, **settings}  # (0: x rounded in the loop)
+        before = {name: getattr(fp8_kernel, name) for name in settings}
+        for name, value in settings.items():
+            setattr(fp8_kernel, name, value)
         try:
             return fp8_kernel.fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
         finally:
@@ -309,18 +303,19 @@ def _fp8() -> dict[str, Callable[[], object]]:
         for dtype in DTYPES
         for block in (False, True)
     }
-    for dtype in DTYPES:  # a decode's x (`DECODE_X`): rounded by a launch, by each program; in fp16
-        for by in ("launch", "program", "fp16"):
-            cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}"] = partial(run, 1, dtype, False, 16, by)
-            # the 64-row decode tiles `bench/experiments/fp8_gemm.py --sweep` times (fp8's wgmma)
-            cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}, 64-row tiles"] = partial(
-                run, 1, dtype, False, 16, by, (64, 64, 4, 4)
+    decode = {"DECODE_ROWS": 16}  # a decode's x (`DECODE_X`): rounded by a launch, by each program; in fp16
+    for dtype, by in ((dtype, by) for dtype in DTYPES for by in ("launch", "program", "fp16")):
+        cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}"] = partial(run, 1, dtype, False, by, **decode)
+        # the 64-row decode tiles `bench/experiments/fp8_gemm.py --sweep` times (fp8's wgmma)
+        cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}, 64-row tiles"] = partial(
+            run, 1, dtype, False, by, DECODE_TILES=(64, 64, 4, 4), **decode
+        )
+        # the GEMV on the CUDA cores (`GEMV_ROWS`), per-channel and block scales, and two steps at once
+        for block, unroll in ((False, 1), (True, 1), (False, 2)):
+            name = (
+                f"fp8 gemv 1 rows {dtype} {'block' if block else 'channel'}, decode x {by}, unroll {unroll}"
             )
-            # the GEMV on the CUDA cores (`GEMV_ROWS`), per-channel and block scales
-            for block in (False, True):
-                cases[f"fp8 gemv 1 rows {dtype} {'block' if block else 'channel'}, decode x {by}"] = partial(
-                    run, 1, dtype, block, 16, by, None, 1
-                )
+            cases[name] = partial(run, 1, dtype, block, by, GEMV_ROWS=1, GEMV_TILES=(64, 4, unroll), **decode)
     return cases
 
 

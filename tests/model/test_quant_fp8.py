@@ -430,23 +430,24 @@ def test_decode_rows_in_the_sweeps_64_row_tiles_match_the_reference(monkeypatch,
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
 )
-@pytest.mark.parametrize("block, bn", [(None, 16), ((16, 64), 16), ((16, 64), 32)])
-def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn):
+@pytest.mark.parametrize("block, bn, unroll", [(None, 16, 1), ((16, 64), 16, 2), ((16, 64), 32, 1)])
+def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn, unroll):
     """Up to `GEMV_ROWS` rows the GEMV on the CUDA cores runs instead of the tiles: per-channel scales
     (applied at the end), block scales one per tile a step (BN 16 inside a 16-row block) or one per row a
-    step (BN 32 over two blocks), K split, a partial last group and a partial last tile. x rounded by a
-    launch or in the GEMV's registers: the same bits; the GEMM's result to fp32 rounding; in fp16 (W8A16),
-    x in fp16 times the dequantized weights."""
+    step (BN 32 over two blocks), K split (in shares of an odd number of steps: two steps a loop
+    iteration leave the last one's second masked), a partial last group and a partial last tile. x
+    rounded by a launch or in the GEMV's registers: the same bits; the GEMM's result to fp32 rounding; in
+    fp16 (W8A16), x in fp16 times the dequantized weights."""
     from gapless.model.quant import fp8_kernel
 
-    n, k, act = 40, 200, 64
+    n, k, act = 40, 150, 64  # (3 steps: with 3 rows of x, every tile's K split in 3)
     w = torch.randn(n, k) * 0.05
     q, s = quantize_rows(w) if block is None else quantize_blocks(w, block)
     rps, group = (1, 0) if block is None else block
     wd = dequantize(q, s, rps, group)
-    monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 8)
+    monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 64)
     monkeypatch.setattr(fp8_kernel, "_LOCKS", {})
-    monkeypatch.setattr(fp8_kernel, "GEMV_TILES", (bn, 4))
+    monkeypatch.setattr(fp8_kernel, "GEMV_TILES", (bn, 4, unroll))
     x, bias = _exact_activations(3, k, act, seed=2), torch.randn(n)
     tiles = fp8_gemm(x, q, s, rps, group, act, bias)
     monkeypatch.setattr(fp8_kernel, "GEMV_ROWS", 3)
@@ -454,6 +455,9 @@ def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn):
     gemv = fp8_gemm(x, q, s, rps, group, act, bias)
     torch.testing.assert_close(gemv, tiles, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gemv, reference_linear(x, wd, act, bias), rtol=1e-5, atol=1e-5)
+    with monkeypatch.context() as whole:  # (K not split: each program all of it)
+        whole.setattr(fp8_kernel, "SPLIT_PROGRAMS", 1)
+        torch.testing.assert_close(fp8_gemm(x, q, s, rps, group, act, bias), gemv, rtol=1e-5, atol=1e-5)
     x = torch.randn(3, k)  # (not exact in e4m3: the two roundings of x agree all the same)
     by_launch = fp8_gemm(x, q, s, rps, group, act, bias)
     monkeypatch.setattr(fp8_kernel, "DECODE_X", "program")
@@ -476,7 +480,7 @@ def test_the_gemvs_weights_stay_in_registers_when_compiled():
     """Compiled for sm_90 (the harness's stand-in driver), the GEMV multiplies on the CUDA cores (no
     matrix instruction) and its weight tile goes from its load to its multiply without crossing shared
     memory (a 64 x 128 e4m3 tile, 8 KB, did when x was a [1, BK] tile: the compiler moved W into x's
-    layout), for each way of rounding x and both kinds of weight scales."""
+    layout), for each way of rounding x, both kinds of weight scales and one step or two a loop iteration."""
     from gapless.testing.triton_compile import compile_child
 
     script = (
@@ -492,7 +496,7 @@ def test_the_gemvs_weights_stay_in_registers_when_compiled():
     if out is None:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     kernels, shared, with_mma = map(int, out.split()[-3:])
-    assert kernels == 6 and shared < 4096 and with_mma == 0, out
+    assert kernels == 9 and shared < 4096 and with_mma == 0, out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_89+)")

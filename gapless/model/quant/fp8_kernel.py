@@ -209,6 +209,7 @@ def _fp8_gemv_kernel(
     SPLITS: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """Row `program_id(0)` of y, columns [pid_n * BN, +BN), over one share of K, on the CUDA cores: W's
     [BN, BK] tile read along K (each row's contiguous bytes, in the layout it loads in), widened to
@@ -216,7 +217,7 @@ def _fp8_gemv_kernel(
     here, in registers, by `_round_rows`; 3, x in fp16), added into a [BN, BK] float32 accumulator (one
     FMA a weight) summed along K once, at the end. W's scales (SCALES): 0, one a row for all of K,
     applied at the end; 1, the tile's rows inside one block of scales, one a step, folded into x; 2, one
-    a row a step."""
+    a row a step. UNROLL steps a loop iteration (their loads issued together)."""
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -227,28 +228,39 @@ def _fp8_gemv_kernel(
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     k_start = pid_s * split_k
     k_stop = tl.minimum(k_start + split_k, K)
-    for k0 in range(k_start, k_stop, BK):
-        k_ok = (k0 + offs_k) < K
-        w_tile = w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
-        w = tl.load(w_tile, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        # x as a [BK] vector, broadcast over W's rows (a [1, BK] tile would take a layout of its own, into
-        # which the compiler moves W's tile through shared memory)
-        if ROUND == 1:
-            xq = tl.load(xq_ptr + row * K + k0 + offs_k, mask=k_ok, other=0.0)
-            x = xq.to(tl.float32) * tl.load(xs_ptr + row * tl.cdiv(K, BK) + k0 // BK)
-        else:
-            x = tl.load(x_ptr + row * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
-            if ROUND == 3:  # W8A16: x in fp16 (clamped to its range), as the GEMM's dot takes it
-                x = clamped_fp16(x).to(tl.float32)
+    w_tile = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    for k0 in range(k_start, k_stop, BK * UNROLL):
+        # the weights of UNROLL steps loaded first, all in flight together (x's layout change for the
+        # broadcast below passes through shared memory, a barrier no load is moved across)
+        w0 = tl.load(w_tile + k0, mask=n_ok[:, None] & ((k0 + offs_k) < k_stop)[None, :], other=0.0)
+        w1 = w0
+        if UNROLL == 2:
+            k1 = k0 + BK  # (past k_stop: the next split's share, or past K; masked)
+            w1 = tl.load(w_tile + k1, mask=n_ok[:, None] & ((k1 + offs_k) < k_stop)[None, :], other=0.0)
+        for u in tl.static_range(UNROLL):
+            kk = k0 + u * BK
+            on = kk < k_stop
+            k_ok = (kk + offs_k) < k_stop
+            # x as a [BK] vector, broadcast over W's rows (a [1, BK] tile would take a layout of its own,
+            # into which the compiler moves W's tile through shared memory)
+            if ROUND == 1:
+                xq = tl.load(xq_ptr + row * K + kk + offs_k, mask=k_ok, other=0.0)
+                x = xq.to(tl.float32) * tl.load(xs_ptr + row * tl.cdiv(K, BK) + kk // BK, mask=on, other=0.0)
             else:
-                xq, x_scale = _round_rows(x.to(tl.float32)[None, :])
-                x = tl.sum(xq.to(tl.float32) * x_scale[:, None], axis=0)  # (one row: its values)
-        if SCALES == 1:  # one scale for the tile's rows this step (their block's): folded into x
-            x *= tl.load(s_ptr + (pid_n * BN // rows_per_scale) * stride_sn + (k0 // k_group) * stride_sk)
-        w = w.to(tl.float32)
-        if SCALES == 2:
-            w *= tl.load(s_row + (k0 // k_group) * stride_sk, mask=n_ok, other=0.0)[:, None]
-        acc += w * x[None, :]
+                x = tl.load(x_ptr + row * stride_xm + kk + offs_k, mask=k_ok, other=0.0)
+                if ROUND == 3:  # W8A16: x in fp16 (clamped to its range), as the GEMM's dot takes it
+                    x = clamped_fp16(x).to(tl.float32)
+                else:
+                    xq, x_scale = _round_rows(x.to(tl.float32)[None, :])
+                    x = tl.sum(xq.to(tl.float32) * x_scale[:, None], axis=0)  # (one row: its values)
+            if SCALES == 1:  # one scale for the tile's rows this step (their block's): folded into x
+                block = (pid_n * BN // rows_per_scale) * stride_sn + (kk // k_group) * stride_sk
+                x *= tl.load(s_ptr + block, mask=on, other=0.0)
+            w = (w0 if u == 0 else w1).to(tl.float32)
+            if SCALES == 2:
+                rows_on = n_ok & (kk + 0 * offs_n < k_stop)  # (a vector: the interpreter's masks)
+                w *= tl.load(s_row + (kk // k_group) * stride_sk, mask=rows_on, other=0.0)[:, None]
+            acc += w * x[None, :]
     y = tl.sum(acc, axis=1)
     if SCALES == 0:
         y *= tl.load(s_row, mask=n_ok, other=0.0)
@@ -284,17 +296,18 @@ _ROUNDING = {"launch": 1, "program": 2, "fp16": 3}  # (the kernel's ROUND; 0: in
 # layers of BN 32, 64, 128 and 512 or 1024 split programs (70.1 us the four against 78.6 at BN 32;
 # bench/results/h200-2026-11-26/run3/fp8_sweep.log, `bench/experiments/fp8_gemm.py --sweep`)
 DECODE_TILES = (16, 64, 4, 4)
-# Up to this many rows (None: GAPLESS_FP8_GEMV_ROWS's, default 0: never) the GEMM runs as a GEMV on the
-# CUDA cores (`_fp8_gemv_kernel`), a program row per row of x, BN x BK weight tiles (GEMV_TILES: BN,
-# warps), K split as at decode sizes; x as `DECODE_X` says (its rounding in the loop, past DECODE_ROWS,
-# is the same rounding in the GEMV's registers). At one row the 16-row tiles do 16x the tensor-core work
-# of the one row. In the sm_90 binary (bfloat16, per-channel, x by a launch) the GEMV's loop body is 213
-# instructions for 64 x 128 weight bytes (3.3 a byte: 64 FFMA, 65 widenings to float32, 33 pair
-# unpacks), 127 registers, against the 16 x 64 tiles' 203 for as many bytes, fed by asynchronous copies
-# 4 stages deep where the GEMV's loads are plain (its latency hidden by the programs an SM holds only).
-# Not yet timed: `bench/experiments/fp8_gemm.py --sweep` times it and the kit's TPOT runs it.
+# Up to this many rows (None: GAPLESS_FP8_GEMV_ROWS's, default 0: never) the GEMM runs as a GEMV on the CUDA
+# cores (`_fp8_gemv_kernel`), a program row per row of x, BN x BK weight tiles (GEMV_TILES: BN, warps, steps
+# a loop iteration whose loads go out together), K split as at decode sizes; x as `DECODE_X` says (its
+# rounding in the loop, past DECODE_ROWS, is the same rounding in the GEMV's registers). At one row the
+# 16-row tiles do 16x the tensor-core work of the one row. In the sm_90 binary (bfloat16, per-channel, x by
+# a launch) the GEMV's loop body is 213 instructions for 64 x 128 weight bytes (3.3 a byte: 64 FFMA, 65
+# widenings to float32, 33 pair unpacks), 127 registers, against the 16 x 64 tiles' 203 for as many bytes,
+# fed by asynchronous copies 4 stages deep where the GEMV's loads are plain (its latency hidden by the
+# programs an SM holds, and by two steps' loads at once with UNROLL 2: 157 registers). Not yet timed:
+# `bench/experiments/fp8_gemm.py --sweep` times it and the kit's TPOT runs it.
 GEMV_ROWS: int | None = None
-GEMV_TILES = (64, 4)
+GEMV_TILES = (64, 4, 1)
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
 # From 17 rows to MID_ROWS, MID_TILES with K split as at decode sizes (up to SPLIT_ROWS rows). On an H200
 # at 128 rows, the fastest of 128 x 128, 64 x 128 and 64 x 64 tiles, split or not, on each of Qwen3-8B's
@@ -344,7 +357,7 @@ def fp8_gemm(
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     gemv = m <= (GEMV_ROWS if GEMV_ROWS is not None else env.FP8_GEMV_ROWS.get())
-    bm, bn, warps, stages = (1, *GEMV_TILES, 1) if gemv else _tiles(m)
+    bm, bn, warps, stages = (1, *GEMV_TILES[:2], 1) if gemv else _tiles(m)
     tiles_m, tiles_n, k_steps = triton.cdiv(m, bm), triton.cdiv(n, bn), triton.cdiv(k, act_group)
     splits = _splits(m, tiles_m * tiles_n, k_steps, x.device)
     steps = triton.cdiv(k_steps, splits)
@@ -389,6 +402,7 @@ def fp8_gemm(
             SPLITS=splits,
             BN=bn,
             BK=act_group,
+            UNROLL=GEMV_TILES[2],
             num_warps=warps,
             num_stages=stages,
         )
