@@ -394,3 +394,73 @@ def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch
     assert bool(experts) == (arch == "qwen3_moe")
     assert len(experts) == formats.get("awq w4a16 g32 experts", 0)
     assert all(m.int_quant is not None for m in experts)
+
+
+def _half(pattern: int, dtype: torch.dtype) -> float:
+    """The `dtype` (bf16 or fp16) value of a 16-bit pattern."""
+    return torch.tensor([pattern], dtype=torch.int32).view(torch.int16)[:1].view(dtype).item()
+
+
+def _pattern(x: float, dtype: torch.dtype) -> int:
+    """`x` rounded to `dtype` (exact in float32 here), as its 16-bit pattern."""
+    return int(torch.tensor([x], dtype=torch.float32).to(dtype).view(torch.int16).item()) & 0xFFFF
+
+
+def _run_ptx(asm: str, inputs: dict[str, int], dtype: torch.dtype) -> list[int]:
+    """`asm` (`_values_ptx`'s PTX: mov, shr, lop3 and fma on 16-bit pairs) run on `inputs` ($8: a word, $9:
+    a scale's pattern, $10: a negated zero's), as PTX defines each instruction: outputs $0..$7's patterns.
+    fma: the exact product and sum (float64; exact for these operands), rounded once to `dtype`."""
+    regs = dict(inputs)
+
+    def val(op: str) -> int:
+        return int(op, 16) if op.startswith("0x") else regs[op] if op in regs else int(op)
+
+    for line in asm.strip().removeprefix("{").removesuffix("}").split(";"):
+        op, _, rest = line.strip().partition(" ")
+        args = [a.strip(" {}") for a in rest.split(",")]
+        if not op or op == ".reg":
+            continue
+        if op == "mov.b32" and rest.startswith("{"):  # {low, high} <- a register
+            regs[args[0]], regs[args[1]] = val(args[2]) & 0xFFFF, val(args[2]) >> 16
+        elif op == "mov.b32" and "{" in rest:  # a register <- {low, high}
+            regs[args[0]] = val(args[1]) | val(args[2]) << 16
+        elif op == "mov.b32":
+            regs[args[0]] = val(args[1])
+        elif op == "shr.u32":
+            regs[args[0]] = val(args[1]) >> val(args[2])
+        elif op == "lop3.b32":  # bit i of the result: bit (a_i b_i c_i) of the table
+            a, b, c, table = (val(x) for x in args[1:])
+            picks = ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1) for i in range(32))
+            regs[args[0]] = sum((table >> pick & 1) << i for i, pick in enumerate(picks))
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            a, b, c = ([_half(val(x) >> sh & 0xFFFF, dtype) for sh in (0, 16)] for x in args[1:])
+            lo, hi = (_pattern(a[i] * b[i] + c[i], dtype) for i in (0, 1))
+            regs[args[0]] = lo | hi << 16
+        else:
+            raise AssertionError(f"an instruction this test does not run: {line.strip()}")
+    return [regs[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_ptx_values_are_the_triton_paths_bits(dtype):
+    """`_values_ptx`'s PTX, run instruction by instruction as PTX defines them (the interpreter cannot run
+    PTX; the CUDA test runs it on the GPU): for words with every nibble value, zeros 0-16 and scales of
+    both signs and many magnitudes, value j of each word is (q_j - z) * s rounded once to x's dtype, the
+    bits `_value` and the dot's rounding give (so the magic numbers, the shifts and which output each
+    half goes to are checked here)."""
+    from gapless.model.quant import int4_triton
+
+    asm = (int4_triton._BF16_VALUES_ASM if dtype == torch.bfloat16 else int4_triton._FP16_VALUES_ASM).value
+    magic = 128.0 if dtype == torch.bfloat16 else 1024.0
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-(2**31), 2**31, (48,), generator=gen, dtype=torch.int64).tolist()
+    words += [0, -1, 0x76543210, 0x0F0F0F0F]
+    scales = (
+        torch.randn(len(words), generator=gen) * 10.0 ** torch.randint(-4, 2, (len(words),), generator=gen)
+    ).tolist()
+    zeros = torch.randint(0, 17, (len(words),), generator=gen).tolist()
+    for word, scale, zero in zip(words, scales, zeros):
+        s = _half(_pattern(scale, dtype), dtype)  # (the scale as held: in x's dtype)
+        inputs = {"$8": word & 0xFFFFFFFF, "$9": _pattern(s, dtype), "$10": _pattern(-(zero + magic), dtype)}
+        want = [_pattern((((word & 0xFFFFFFFF) >> 4 * j & 15) - zero) * s, dtype) for j in range(8)]
+        assert _run_ptx(asm, inputs, dtype) == want, (hex(word), s, zero)

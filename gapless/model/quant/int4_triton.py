@@ -118,8 +118,9 @@ def _values_ptx(packed, s, z, BF16: tl.constexpr):
     (bf16 with BF16, else fp16) as `_value` and one rounding to that dtype give it, the same bits, by PTX:
     per word 4 `lop3`, 3 shifts and 8 `fma` on value pairs (`_VALUES_ASM`), where `_value` takes a
     shift, a bitfield extract, an OR, a subtraction and a product a value, and the rounding a conversion
-    a pair. `s` and `z`, the scales and zeros ([BLOCK_N]), in x's dtype. Compiled for sm_90 by the
-    harness; the CUDA tests check its bits against `_value`'s (the interpreter cannot run PTX)."""
+    a pair. `s` and `z`, the scales and zeros ([BLOCK_N]), in x's dtype. The interpreter cannot run PTX:
+    a CPU test runs `_VALUES_ASM` instruction by instruction as PTX defines them against `_value`'s bits,
+    the harness compiles it for sm_90, and the CUDA tests check its bits on the GPU."""
     magic = 128.0 if BF16 else 1024.0
     nz = (-(z.to(tl.float32) + magic)).to(s.dtype)  # (exact: small integers)
     s2 = tl.broadcast_to(s[None, :], packed.shape)
