@@ -72,54 +72,37 @@ def _value(packed, j, z, s, BITS: tl.constexpr):
     return ((q | 0x4B000000).to(tl.float32, bitcast=True) - z[None, :]) * s[None, :]
 
 
-# PTX of `_values_ptx`: words $8 -> values $0..$7, two at a time: the pair of nibbles 16 bits apart ORed into
-# the mantissas of MAGIC (2^7 in bf16, 2^10 in fp16: MAGIC + q exactly), less MAGIC + zero ($10, negated:
-# exact), times the scale ($9: one rounding, as the dot's weight tile has), -0 added (the sign of 0 * s)
-_VALUES_ASM = """{
-.reg .b32 v, t, s2, nz2, one2, nzero, magic, mask;
-mov.b32 s2, {$9, $9};
-mov.b32 nz2, {$10, $10};
-mov.b32 one2, ONE;
-mov.b32 nzero, 0x80008000;
-mov.b32 magic, MAGIC;
-mov.b32 mask, 0x000F000F;
-mov.b32 t, $8;
-lop3.b32 v, t, mask, magic, 0xEA;
-fma.rn.TYPE v, v, one2, nz2;
-fma.rn.TYPE v, v, s2, nzero;
-mov.b32 {$0, $4}, v;
-shr.u32 t, $8, 4;
-lop3.b32 v, t, mask, magic, 0xEA;
-fma.rn.TYPE v, v, one2, nz2;
-fma.rn.TYPE v, v, s2, nzero;
-mov.b32 {$1, $5}, v;
-shr.u32 t, $8, 8;
-lop3.b32 v, t, mask, magic, 0xEA;
-fma.rn.TYPE v, v, one2, nz2;
-fma.rn.TYPE v, v, s2, nzero;
-mov.b32 {$2, $6}, v;
-shr.u32 t, $8, 12;
-lop3.b32 v, t, mask, magic, 0xEA;
-fma.rn.TYPE v, v, one2, nz2;
-fma.rn.TYPE v, v, s2, nzero;
-mov.b32 {$3, $7}, v;
-}"""
-_BF16_VALUES_ASM = tl.constexpr(
-    _VALUES_ASM.replace("TYPE", "bf16x2").replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300")
-)
-_FP16_VALUES_ASM = tl.constexpr(
-    _VALUES_ASM.replace("TYPE", "f16x2").replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400")
-)
+def _values_asm(pair: str, one: str, magic: str) -> str:
+    """The PTX of `_values_ptx` for one half-precision type (`pair`: bf16x2 or f16x2; its 1.0 and MAGIC
+    as two 16-bit patterns): word $8 -> values $0..$7, two at a time: nibbles i and i + 4 (16 bits apart)
+    ORed into the mantissas of MAGIC (2^7 in bf16, 2^10 in fp16: MAGIC + q exactly), less MAGIC + the
+    zero ($10, negated: exact), times the scale ($9: one rounding, as the dots' weight tile has), -0 added
+    (the sign of 0 * s kept)."""
+    head = (
+        ".reg .b32 v, t, s2, nz2, one2, nzero, magic, mask;\n"
+        f"mov.b32 s2, {{$9, $9}};\nmov.b32 nz2, {{$10, $10}};\nmov.b32 one2, {one};\n"
+        f"mov.b32 nzero, 0x80008000;\nmov.b32 magic, {magic};\nmov.b32 mask, 0x000F000F;\n"
+    )
+    pairs = "".join(
+        f"shr.u32 t, $8, {4 * i};\nlop3.b32 v, t, mask, magic, 0xEA;\n"
+        f"fma.rn.{pair} v, v, one2, nz2;\nfma.rn.{pair} v, v, s2, nzero;\nmov.b32 {{${i}, ${i + 4}}}, v;\n"
+        for i in range(4)
+    )
+    return "{\n" + head + pairs + "}"
+
+
+_BF16_VALUES_ASM = tl.constexpr(_values_asm("bf16x2", "0x3F803F80", "0x43004300"))
+_FP16_VALUES_ASM = tl.constexpr(_values_asm("f16x2", "0x3C003C00", "0x64006400"))
 
 
 @triton.jit
 def _values_ptx(packed, s, z, BF16: tl.constexpr):
     """The 8 values of every 4-bit word of `packed` ([R, BLOCK_N] int32), each dequantized in x's dtype
     (bf16 with BF16, else fp16) as `_value` and one rounding to that dtype give it, the same bits, by PTX:
-    per word 4 `lop3`, 3 shifts and 8 `fma` on value pairs (`_VALUES_ASM`), where `_value` takes a
+    per word 4 `lop3`, 3 shifts and 8 `fma` on value pairs (`_values_asm`), where `_value` takes a
     shift, a bitfield extract, an OR, a subtraction and a product a value, and the rounding a conversion
     a pair. `s` and `z`, the scales and zeros ([BLOCK_N]), in x's dtype. The interpreter cannot run PTX:
-    a CPU test runs `_VALUES_ASM` instruction by instruction as PTX defines them against `_value`'s bits,
+    a CPU test runs that PTX instruction by instruction as PTX defines them against `_value`'s bits,
     the harness compiles it for sm_90, and the CUDA tests check its bits on the GPU."""
     magic = 128.0 if BF16 else 1024.0
     nz = (-(z.to(tl.float32) + magic)).to(s.dtype)  # (exact: small integers)
