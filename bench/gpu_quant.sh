@@ -13,12 +13,13 @@
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3. decode attention alone over each KV cache, key blocks, warps and unmasked whole blocks swept
 #      (`gapless.bench.kernels`)
-#   4. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
-#   5. int4 TPOT through the Triton GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no
-#      ratio); the int4 GEMMs alone (Triton, tinygemm, gemlite) against bf16 on Llama-3-8B's layers, from
-#      decode to prefill sizes (`gapless.bench.int4_gemm`)
-#   6. the FP8 GEMM's tiles, K splits and ways of rounding x at 1, 32 and 128 rows (`fp8_gemm.py
-#      --sweep`); the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and
+#   4. the FP8 GEMM's tiles, K splits and ways of rounding x at 1, 32 and 128 rows, and its GEMV's at one
+#      row (`fp8_gemm.py --sweep`)
+#   5. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm, gemlite) against bf16 on
+#      Llama-3-8B's layers, from decode to prefill sizes (`gapless.bench.int4_gemm`)
+#   6. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM);
+#      int4 TPOT through the Triton GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no
+#      ratio); the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and
 #      128 rows (bench/experiments/fp8_gemm.py)
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
 # bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each run), fp8_sweep.log,
@@ -109,8 +110,8 @@ GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite --profile
 fi
 
 if phase tables; then
-# what no GPU has measured first: the decode-attention sweep, the mixture, the int4 tables; then the
-# FP8 GEMM tables, whose 1- and 128-row questions an H200 answered (bench/results/h200-2026-11-27)
+# what decides a default first (the decode-attention sweep over each cache, the FP8 GEMM's sweep with its
+# GEMV, the int4 GEMMs with theirs), then what no GPU has run (the mixture), then the rest
 # decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 48% of a copy's bandwidth
 # on an H200 where bf16 read at 88%: bound by its instructions, bench/results/h200-2026-11-27): batch 256
 # (nano-vllm's) at 1k and 4k contexts, key blocks of 64 (the default) and 32 at 4 warps (the fastest on
@@ -125,15 +126,13 @@ other 75 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 256 -
   --json "$OUT/kv_attention.json"
 awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 
-# the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU
-# has run these yet)
-tpot 70 qwen3-30b-a3b bf16
-tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
-tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
-
-# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes later)
-say ""
-GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
+# the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs, x rounded by a
+# launch, the fastest on an H200: bench/results/h200-2026-11-27), and past 16 rows the tiles, the K split
+# (64x128 split, the default to 128 rows since that sweep) and x rounded in the loop or by a launch first
+# (no GPU has timed rows between 17 and 127); at one row the FP8 GEMV too, its (BN, warps), 512 and 1024
+# programs, x by a launch or in its registers
+other 100 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
+grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
 
 # the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
 # prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
@@ -145,13 +144,15 @@ other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2
   --ptx-values 0 1 --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
 grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
 
-# the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs, x rounded by a
-# launch, the fastest on an H200: bench/results/h200-2026-11-27), and past 16 rows the tiles, the K split
-# (64x128 split, the default to 128 rows since that sweep) and x rounded in the loop or by a launch first
-# (no GPU has timed rows between 17 and 127); at one row the FP8 GEMV too, its (BN, warps), 512 and 1024
-# programs, x by a launch or in its registers
-other 100 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
-grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
+# the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU
+# has run these yet)
+tpot 70 qwen3-30b-a3b bf16
+tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
+tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
+
+# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run is among the targets)
+say ""
+GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 
 # the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by
 # each program

@@ -107,9 +107,9 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, five runs of the issue's targets,
             *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs,
             *["gapless.bench.quant"] * 2,  # the small shape's FP8, int4 on gemlite; its tables:
-            "gapless.bench.kernels",  # decode attention over each cache,
-            *["gapless.bench.quant"] * 4,  # the mixture's three, int4 on the Triton GEMM,
-            "gapless.bench.int4_gemm",  # the int4 GEMMs (the FP8 GEMM's two scripts, not modules),
+            "gapless.bench.kernels",  # decode attention over each cache, (the FP8 sweep: a script)
+            "gapless.bench.int4_gemm",  # the int4 GEMMs,
+            *["gapless.bench.quant"] * 4,  # the mixture's three, int4 on the Triton GEMM, (the FP8 GEMM)
             "gapless.bench.quant",  # the report
             "gapless.bench.gpu",  # gpu_bench.sh's one benchmark
             "gapless.bench.kernels",
@@ -232,14 +232,16 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
-    """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): the decode-attention
-    sweep first (unmasked whole blocks among its variants), the FP8 GEMM's sweep among the rest, no TPOT
-    run of the targets, no nano-vllm run; the targets phase alone the reverse."""
+    """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): the sweeps that decide
+    defaults first (decode attention with unmasked whole blocks among its variants, the FP8 GEMM's, the
+    int4 GEMMs' with PTX values), no TPOT run of the targets, no nano-vllm run; the targets phase alone the
+    reverse."""
     (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
     assert tables[1][:2] == ["-m", "gapless.bench.kernels"] and "--decode-whole-blocks" in tables[1]
-    assert any(c[0].endswith("fp8_gemm.py") and "--sweep" in c for c in tables)
+    assert tables[2][0].endswith("fp8_gemm.py") and "--sweep" in tables[2]  # (what decides defaults first)
+    assert tables[3][:2] == ["-m", "gapless.bench.int4_gemm"] and "--ptx-values" in tables[3]
     runs = [c for c in tables if c[:3] == ["-m", "gapless.bench.quant", "run"]]
     assert runs and not any("--profile" in c for c in runs)  # (the targets' runs are profiled)
     assert not any("gapless.bench.gpu" in c for c in tables)
