@@ -5,10 +5,10 @@
 #   1. TPOT at batch 1 against bf16 (`gapless.bench.quant`; random weights, `load_format=dummy`: nothing
 #      written or read), each run in its own process and profiled: FP8 weights (`--quantization fp8`) on
 #      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6; on 8B's also one row through the
-#      FP8 GEMV, `GAPLESS_FP8_GEMV_ROWS=1`, x rounded by a launch), int4 w4a16 (AWQ g128) on Qwen3-8B's
-#      (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
+#      FP8 GEMV, `GAPLESS_FP8_GEMV_ROWS=1`, x rounded by a launch and in its registers), int4 w4a16 (AWQ
+#      g128) on Qwen3-8B's (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
-#      tok/s); then Qwen3-0.6B's FP8 and, with what time is left, Qwen3-8B's int4 through gemlite
+#      tok/s); then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3. decode attention alone over each KV cache, key blocks, warps and unmasked whole blocks swept
@@ -20,7 +20,7 @@
 #   6. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM);
 #      int4 TPOT through the Triton GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no
 #      ratio); the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and
-#      128 rows (bench/experiments/fp8_gemm.py)
+#      128 rows (bench/experiments/fp8_gemm.py); Qwen3-8B's int4 TPOT on gemlite
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
 # bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each run), fp8_sweep.log,
 # fp8_gemm.log, int4_gemm.log, kv_attention.log. bench/gpu_session.sh's `all` part calls it first (step
@@ -84,10 +84,12 @@ if phase targets; then
 tpot 45 qwen3-0.6b bf16 --profile  # (first: a cold machine's start-up falls on the smallest model)
 tpot 50 qwen3-8b bf16 --profile
 tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
-# one row on the CUDA cores (GAPLESS_FP8_GEMV_ROWS: the FP8 GEMV, no 16-row tile; x rounded by a launch
-# before it; the sweep below times x rounded in its registers, no launch); W8A16 at decode (fp16) took
-# 4.391 ms on an H200 against launch's 3.651 (bench/results/h200-2026-11-27): not run again
+# one row on the CUDA cores (GAPLESS_FP8_GEMV_ROWS: the FP8 GEMV, no 16-row tile), x rounded by a launch
+# before it, and in its registers (GAPLESS_FP8_DECODE=program: no launch, the same bits); W8A16 at decode
+# (fp16) took 4.391 ms on an H200 against launch's 3.651 (bench/results/h200-2026-11-27): not run again
 GAPLESS_FP8_GEMV_ROWS=1 tpot 45 qwen3-8b fp8_gemv --profile --engine-option quantization=fp8
+GAPLESS_FP8_GEMV_ROWS=1 GAPLESS_FP8_DECODE=program tpot 45 qwen3-8b fp8_gemv_program --profile \
+  --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
@@ -103,10 +105,6 @@ done
 # how far
 say ""
 tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
-
-# int4 through gemlite's kernels (its wheel; its first call tunes for up to a minute: last, with what time
-# the budget leaves; no GPU has run it yet)
-GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite --profile
 fi
 
 if phase tables; then
@@ -150,7 +148,7 @@ tpot 70 qwen3-30b-a3b bf16
 tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
 tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
 
-# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run is among the targets)
+# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes last)
 say ""
 GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 
@@ -159,6 +157,10 @@ GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
 grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
 
+# int4 through gemlite's kernels (its wheel; its first call tunes for up to a minute, so last; on an H100
+# 0.59x bf16's TPOT against tinygemm's 0.50x: bench/results/h100-2026-11-26/quant)
+say ""
+GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite
 fi
 
 say ""
