@@ -66,6 +66,7 @@ def test_allowed_long_max_model_len_warns_and_runs_past_the_model_length(qwen3, 
     check_greedy(out[0].token_ids, hf_greedy(load_hf_model(qwen3), prompt, 4))
 
 
+@pytest.mark.slow  # (~9 s: a `gapless serve` process)
 def test_serve_refuses_it_in_one_line_before_starting_workers(qwen3, monkeypatch):
     monkeypatch.delenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, raising=False)
     done = subprocess.run(

@@ -111,6 +111,7 @@ def test_finish_while_in_flight_emits_nothing_more(qwen3, reference, chaos_seed)
         llm.check_integrity()
 
 
+@pytest.mark.slow  # (~9 s: the device process; the in-process chaos cases stay in make test)
 def test_device_process_with_chaos_matches_reference(qwen3, reference):
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     with overlap_llm(qwen3, chaos_seed=7, worker="process") as llm:

@@ -71,7 +71,10 @@ def _names(n: int) -> list[str | None]:
 WORKERS = {"llama": {"cpu_worker": "process"}, "qwen3": {"cuda_graph_max_bs": 8}, "phi3": {}}
 
 
-@pytest.mark.parametrize("arch", list(WORKERS))
+# (llama's, on a CPU worker process, ~10 s: the slow tier)
+@pytest.mark.parametrize(
+    "arch", [pytest.param(a, marks=pytest.mark.slow) if a == "llama" else a for a in WORKERS]
+)
 def test_mixed_adapters_equal_peft(family, arch):
     """Every row of a batch of three adapters and the base equals PEFT's unmerged forward of its own."""
     base, loras, prompts, refs = family(arch)

@@ -148,7 +148,10 @@ def test_act_and_mul(dtype, act, rows, n):
 # qwen3: per-head q/k norm (Llama's arithmetic), SiLU, pre-norms; gemma3_text: per-head Gemma norms, GeGLU,
 # norms on both sides of each sublayer, two RoPE tables, decoding through the graph runner's padded static
 # buffers (padded rows store into the padding slot, as with torch)
-@pytest.mark.parametrize(("arch", "graph_bs"), [("qwen3", 0), ("gemma3_text", 4)])
+@pytest.mark.parametrize(
+    ("arch", "graph_bs"),
+    [("qwen3", 0), pytest.param("gemma3_text", 4, marks=pytest.mark.slow)],  # (~9 s)
+)
 def test_model_greedy_same_with_fused_kernels(ckpt_factory, arch, graph_bs):
     path = ckpt_factory(arch)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9, 8, 7, 6]]  # three: a graph bucket of 4, one padded row

@@ -228,6 +228,7 @@ def test_dequantize_env_keeps_the_float_path_and_start_up_names_each(ckpt_factor
     assert line.startswith("weights: ") and " MB (" in line and "Q4_1 as int4 g32" in line, line
 
 
+@pytest.mark.slow  # (~8 s)
 def test_default_model_weights_fit_in_its_file_size():
     """Issue 35's memory target: the default model's weights held <= 1.2x its GGUF file's size."""
     from gapless.default_model import smollm2

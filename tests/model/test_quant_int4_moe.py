@@ -84,6 +84,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     assert sum(n is not None for n in notes) <= 1, notes  # same weights: at most a rare near-tie
 
 
+@pytest.mark.slow  # (~8 s)
 def test_a_served_model_on_the_int_grouped_gemm_gives_the_reference_paths_tokens(ckpt_factory, tmp_path):
     """The GPU's path in a served model (interpreted without a GPU): every mixture layer through the
     grouped GEMM unpacking its int4 experts gives the CPU reference path's greedy tokens."""

@@ -300,6 +300,7 @@ def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(dtype: torch.dtype) 
         assert token(2, 3) == alone
 
 
+@pytest.mark.slow  # (~8 s)
 def test_sampler_with_the_kernel_samples_after_its_stages() -> None:
     """Penalties, logit bias and a token mask (as `constrain` applies a grammar's) run before the
     kernel: the sampler's tokens are the kernel's on the logits those stages make, and every one is

@@ -113,6 +113,7 @@ def test_a_long_tokenization_does_not_hold_up_other_requests(client):
     assert small_end < big_end, f"the small request waited for the big one's {big_s:.1f} s tokenization"
 
 
+@pytest.mark.slow  # (~9 s)
 def test_debug_state_and_metrics_answer_within_a_second_during_a_long_prefill(client):
     prompt = [7] * 16000  # one prefill step of seconds on a CPU (a chunk holds 16384 tokens)
     answers: list[tuple[str, float, bool]] = []  # (path, seconds, stale)

@@ -157,6 +157,7 @@ def test_openapi_publishes_the_pooling_requests(http):
     )
 
 
+@pytest.mark.slow  # (~10 s)
 def test_causal_lm_reranker_scores_and_ranks_as_transformers(ckpt_factory, tmp_path):
     """`--task score`: each pair's prompt from `--score-template` (a file), scored by the true token against
     the false one at its end; /v1/rerank's order and /v1/score's values are transformers'."""

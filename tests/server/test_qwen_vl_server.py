@@ -9,6 +9,7 @@ import io
 
 import numpy as np
 import openai
+import pytest
 from PIL import Image
 
 from gapless import LLM, SamplingParams
@@ -23,6 +24,7 @@ def _data_url(h: int, w: int, seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+@pytest.mark.slow  # (~12 s; tests/server/test_vision_server.py serves images in make test)
 def test_openai_client_matches_offline_chat(tmp_path):
     ckpt = make_qwen_vl_checkpoint(tmp_path / "qwen_vl")
     parts: list[dict] = [{"type": "text", "text": "Look"}]
