@@ -27,9 +27,8 @@ not, x rounded in the loop or by a launch first; at one row also the GEMV (`GEMV
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import triton.testing
@@ -60,19 +59,6 @@ HEADER = (
 )
 
 
-@contextlib.contextmanager
-def _kernel_settings(**values: object) -> Iterator[None]:
-    """`fp8_kernel`'s module settings (DECODE_ROWS, DECODE_X, ...) set to `values` for the block."""
-    saved = {name: getattr(fp8_kernel, name) for name in values}
-    for name, v in values.items():
-        setattr(fp8_kernel, name, v)
-    try:
-        yield
-    finally:
-        for name, v in saved.items():
-            setattr(fp8_kernel, name, v)
-
-
 def row(model: str, name: str, n: int, k: int, m: int) -> str:
     """One shape at `m` rows: each path's microseconds, and the weight bytes per second of bf16 and fp8."""
     dev = torch.device("cuda")
@@ -97,14 +83,14 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
 
     channel = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
     bf16 = _us(lambda: torch.mm(x, wb.t()))
-    with _kernel_settings(DECODE_ROWS=0):
+    with mock.patch.multiple(fp8_kernel, DECODE_ROWS=0):
         block = _us(lambda: fp8_gemm(x, qb, sb, 128, 128, 128, None))
         chan = _us(channel)
     decode = {}
     for by in ("launch", "program", "fp16"):  # (past 16 rows too: DECODE_ROWS raised to the rows)
-        with _kernel_settings(DECODE_ROWS=max(m, 16), DECODE_X=by):
+        with mock.patch.multiple(fp8_kernel, DECODE_ROWS=max(m, 16), DECODE_X=by):
             decode[by] = _us(channel)
-    with _kernel_settings(DECODE_ROWS=max(m, 16), DECODE_X="launch", GEMV_ROWS=m):
+    with mock.patch.multiple(fp8_kernel, DECODE_ROWS=max(m, 16), DECODE_X="launch", GEMV_ROWS=m):
         gemv = _us(channel) if m <= 16 else float("nan")
     smm = _us(scaled_mm)
     fsmm = _us(block_scaled_mm)
@@ -165,7 +151,8 @@ def sweep(rows: list[int]) -> None:
             times = {}
             for tiles, programs, by, gemv in _sweep_configs(m):
                 fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
-                with _kernel_settings(
+                with mock.patch.multiple(
+                    fp8_kernel,
                     _tiles=functools.partial(lambda t, _m: t, tiles),
                     GEMV_ROWS=m if gemv else 0,
                     GEMV_TILES=tiles if gemv else fp8_kernel.GEMV_TILES,

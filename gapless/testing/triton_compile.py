@@ -41,6 +41,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
+from unittest import mock
 
 import torch
 
@@ -288,14 +289,8 @@ def _fp8() -> dict[str, Callable[[], object]]:
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
         x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
         settings = {"DECODE_ROWS": 0, "DECODE_X": by, **settings}  # (0: x rounded in the loop)
-        before = {name: getattr(fp8_kernel, name) for name in settings}
-        for name, value in settings.items():
-            setattr(fp8_kernel, name, value)
-        try:
+        with mock.patch.multiple(fp8_kernel, **settings):
             return fp8_kernel.fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
-        finally:
-            for name, value in before.items():
-                setattr(fp8_kernel, name, value)
 
     cases: dict[str, Callable[[], object]] = {
         f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
