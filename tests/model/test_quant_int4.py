@@ -119,8 +119,13 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     bk = 16 * (32 // bits)  # the narrowest K block a dot per value takes: 16 words' rows
     wide = [GemmConfig(16, 32, bk, 2, 4, 3, nibble) for nibble in (True, False)] if group % bk == 0 else []
     assert [nibble_dots(c, bits) for c in wide] == ([True, False] if wide else [])
-    if m <= 16:  # decode's tiles take it at one row, wherever the group allows its K block
-        assert nibble_dots(choose_config(m, n, k, group), bits) == (m == 1 and group % bk == 0)
+    if m <= 16:  # decode: the GEMV with PTX values at one row, 16-row tiles of one reshaped dot above
+        chosen = choose_config(m, n, k, group)
+        assert (chosen.block_m, chosen.ptx_values, nibble_dots(chosen, bits)) == (
+            1 if m == 1 else 16,
+            m == 1,
+            False,
+        )
     for cfg in [None, GemmConfig(16, 32, 32, 4, 4, 3), *gemv, *wide]:
         y = w4a16_matmul(x, *args, config=cfg)
         torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-4)
@@ -136,17 +141,19 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
         for dtype in (torch.bfloat16, torch.float16):
             held = Int4LinearMethod(w, spec, dtype, DEVICE, kernel="triton")
             by = [GemmConfig(16, 32, 128, 2, 4, 3, True, ptx) for ptx in (False, True)]
-            assert ptx_values(by[1], bits, dtype) == (DEVICE == "cuda")  # (the interpreter: Triton's)
+            assert ptx_values(by[1], bits, dtype) == (DEVICE.type == "cuda")  # (the interpreter: Triton's)
             args = (held.qweight, held.scales, held.zeros, group, bits)
             ys = [w4a16_matmul(x.to(dtype), *args, config=cfg) for cfg in by]
             assert torch.equal(ys[0], ys[1]), dtype
 
 
 def test_decode_tiles_split_k_on_an_8b_layer():
-    """M <= 16 on a 4096 x 14336 layer: 16-row tiles, K split so about two programs per SM run."""
-    cfg = choose_config(1, 4096, 14336, 128)
-    assert cfg.block_m == 16 and cfg.split_k > 1
-    assert 128 <= (4096 // cfg.block_n) * cfg.split_k <= 264
+    """M <= 16 on a 4096 x 14336 layer: the GEMV at one row, 16-row tiles above, K split so about two
+    programs per SM run."""
+    for m in (1, 16):
+        cfg = choose_config(m, 4096, 14336, 128)
+        assert cfg.block_m == (1 if m == 1 else 16) and cfg.split_k > 1
+        assert 128 <= (4096 // cfg.block_n) * cfg.split_k <= 264
     assert choose_config(4096, 4096, 4096, 128).split_k == 1
 
 

@@ -11,23 +11,23 @@ Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): i
 BLOCK_N] tile of int32 words (each word read once) and one row of scales and zeros (a K block never crosses
 a group: BLOCK_K divides G and K); values go to float32 by their bits (`unsigned_to_float`, `_value`), not
 by a conversion instruction. Then, where the tiles allow (`nibble_dots`, 16-row tiles with BLOCK_K / P >=
-16, chosen at one row), for each j < P it shifts value j out of every word, subtracts the zero, scales, and
+16, an option), for each j < P it shifts value j out of every word, subtracts the zero, scales, and
 adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns k0 + P * r + j; otherwise it lays the P
 values of each word out as one [BLOCK_K, BLOCK_N] tile for one dot. The first keeps each value where it was
 unpacked: compiled for sm_90 at one row (bf16, 4 bits), 56 registers and 10 KB of shared memory a program
 against the second's 128 and 34 KB, which spends 64 shared-memory stores a step on the reshape.
 
-With `GemmConfig.ptx_values` (off until a GPU times it; 4 bits, bf16 or fp16 activations, compiled) the
+With `GemmConfig.ptx_values` (chosen at one row; 4 bits, bf16 or fp16 activations, compiled) the
 dots' values come from PTX instead (`_values_ptx`), two at a time: a nibble pair ORed into the mantissas
 of a power of two, the zero subtracted and the scale applied on half-precision pairs; the same bits as
 Triton's path (a CUDA test checks them equal), in a loop body of 338 instructions at one row (bf16, sm_90)
 against 530; the GEMV's too (then rounded to x's dtype as the dots' are: 415 instructions against 503).
 
-`BLOCK_M = 1` (a tile option for one row, `gapless.bench.int4_gemm --block-m 1`) multiplies on the CUDA
-cores instead, value by value as the dots per value do, with no 16-row dot tile of which 15 rows are
-padding: each value times x's column for it, loaded as a vector, into a float32 accumulator of the words'
-shape summed over K once at the end; its weights stay in float32 (not rounded to x's dtype as the dots'
-are, unless by PTX, above). In the sm_90 binary (bf16, 4 bits) its loop body is 503 instructions for 16 x
+`BLOCK_M = 1` (the GEMV, chosen at one row: `choose_config`) multiplies on the CUDA cores instead, value
+by value as the dots per value do, with no 16-row dot tile of which 15 rows are padding: each value times
+x's column for it, loaded as a vector, into a float32 accumulator of the words' shape summed over K once
+at the end; its weights stay in float32 (not rounded to x's dtype as the dots' are, unless by PTX,
+above). In the sm_90 binary (bf16, 4 bits) its loop body is 503 instructions for 16 x
 64 words, where it was 1,916 (448 shuffles a step: x as a [1, K] tile, the weights moved into its layout
 and summed each step).
 
@@ -261,13 +261,16 @@ def ptx_values(cfg: GemmConfig, bits: int, dtype: torch.dtype) -> bool:
 
 
 def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
-    """Tiles by the row count: decode (M <= 16) takes 16-row tiles and splits K until about
-    `_TARGET_PROGRAMS` programs run; larger M takes larger tiles and fewer splits. A dot per value of the
-    words at one row only: on an H100 it took 0.83-0.96x the reshaped tile's time at one row on Llama-3-8B's
-    layers, 1.25-1.45x at 16, where each dot loads 16 rows of x strided (bench/results/h100-2026-11-26/
-    quant/run2/int4_gemm.log)."""
+    """Tiles by the row count: one row takes the GEMV (BLOCK_M 1), its values by PTX where they can be
+    (`ptx_values`); up to 16 rows, 16-row tiles; both split K until about `_TARGET_PROGRAMS` programs run;
+    larger M takes larger tiles and fewer splits. On an H200 at one row on Llama-3-8B's layers the GEMV
+    with PTX values took 20.2, 13.0, 42.6 and 30.7 us where the 16-row tiles' dots per value took 25.9,
+    16.6, 62.9 and 42.9 (bench/results/h200-2026-11-27-gemv/int4_gemm.log; tinygemm: 9.7, 6.9, 33.1,
+    18.8). A dot per value of the words up to 16 rows at one row only: on an H100 it took 0.83-0.96x the
+    reshaped tile's time at one row, 1.25-1.45x at 16, where each dot loads 16 rows of x strided
+    (bench/results/h100-2026-11-26/quant/run2/int4_gemm.log)."""
     if m <= 16:
-        bm, bn, bk, warps = 16, 64, _block_k(group, k, 128), 4
+        bm, bn, bk, warps = 1 if m == 1 else 16, 64, _block_k(group, k, 128), 4
     elif m <= 64:
         bm, bn, bk, warps = 32 if m <= 32 else 64, 64, _block_k(group, k, 64), 4
     else:
@@ -277,7 +280,7 @@ def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     split = 1
     while split * 2 <= _MAX_SPLIT and tiles * split * 2 <= _TARGET_PROGRAMS and k_blocks >= split * 2 * 4:
         split *= 2
-    return GemmConfig(bm, bn, bk, split, warps, 3, nibble_dots=m == 1)
+    return GemmConfig(bm, bn, bk, split, warps, 3, nibble_dots=m == 1, ptx_values=m == 1)
 
 
 def w4a16_matmul(
