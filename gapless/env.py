@@ -145,20 +145,21 @@ INT4_KERNEL = _var(
 )
 FP8_DECODE = _var(
     "GAPLESS_FP8_DECODE",
-    "launch",
-    _one_of("launch", "program", "fp16"),
-    "`launch`, `program` or `fp16`",
-    "FP8 layers' decode rows (up to 16) on CUDA: their activations rounded to e4m3 by a launch before the "
-    "GEMM, or by each of its programs, or not rounded: taken to float16 against the weights widened to "
-    "float16 (W8A16, closer to the unquantized model) (`gapless.model.quant.fp8_kernel`)",
+    "auto",
+    _one_of("auto", "launch", "program", "fp16"),
+    "`auto`, `launch`, `program` or `fp16`",
+    "FP8 layers' rows up to 128 on CUDA: their activations rounded to e4m3 by a launch before the GEMM, or "
+    "by each of its programs, or not rounded: taken to float16 against the weights widened to float16 "
+    "(W8A16, closer to the unquantized model); `auto`: in the one-row GEMV's registers, else by a launch "
+    "(`gapless.model.quant.fp8_kernel`)",
 )
 FP8_GEMV_ROWS = _var(
     "GAPLESS_FP8_GEMV_ROWS",
-    0,
+    1,
     lambda raw: _at_least(0, raw),
     "integer >= 0",
-    "FP8 layers on CUDA: up to this many rows the GEMM runs as a GEMV on the CUDA cores instead of "
-    "16-row tensor-core tiles (0: never) (`gapless.model.quant.fp8_kernel`)",
+    "FP8 layers on CUDA: up to this many rows the GEMM of a weight of at most 2^25 values runs as a GEMV "
+    "on the CUDA cores instead of 16-row tensor-core tiles (0: never) (`gapless.model.quant.fp8_kernel`)",
 )
 API_KEY = _var("GAPLESS_API_KEY", None, _optional_str, "string", "the default of `gapless serve --api-key`")
 LOG_LEVEL = _var(

@@ -59,14 +59,14 @@ def test_report_gives_the_ratio_to_bf16():
 
 
 def test_a_run_records_the_kernels_its_environment_chose(monkeypatch):
-    """A run under `GAPLESS_FP8_DECODE=fp16` and `GAPLESS_FP8_GEMV_ROWS=1` says so in its JSON (the defaults
+    """A run under `GAPLESS_FP8_DECODE=fp16` and `GAPLESS_FP8_GEMV_ROWS=0` says so in its JSON (the defaults
     are left out)."""
     from gapless.testing.checkpoints import cached_checkpoint
 
     monkeypatch.setenv("GAPLESS_FP8_DECODE", "fp16")
-    monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", "1")
+    monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", "0")
     res = quant.run(cached_checkpoint("qwen3"), {}, tokens=2, repeats=1, device="cpu")
-    assert res["kernels"] == {"GAPLESS_FP8_DECODE": "fp16", "GAPLESS_FP8_GEMV_ROWS": 1}
+    assert res["kernels"] == {"GAPLESS_FP8_DECODE": "fp16", "GAPLESS_FP8_GEMV_ROWS": 0}
 
 
 def test_run_profiles_a_decode_token_on_the_cpu():

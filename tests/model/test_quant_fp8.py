@@ -468,11 +468,43 @@ def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn, unroll):
     in_fp16 = fp8_gemm(x, q, s, rps, group, act, bias)
     torch.testing.assert_close(in_fp16.double(), ref, rtol=1e-5, atol=1e-3)
     assert int(fp8_kernel._LOCKS[x.device].abs().sum()) == 0
-    monkeypatch.setattr(fp8_kernel, "GEMV_ROWS", None)  # GAPLESS_FP8_GEMV_ROWS's then, default 0: the tiles
+    monkeypatch.setattr(fp8_kernel, "GEMV_ROWS", None)  # GAPLESS_FP8_GEMV_ROWS's then (default 1)
     monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", "3")
     assert torch.equal(fp8_gemm(x, q, s, rps, group, act, bias), in_fp16)
     monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", "2")  # (3 rows: past it)
     assert not torch.equal(fp8_gemm(x, q, s, rps, group, act, bias), in_fp16)
+    monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", "3")
+    monkeypatch.setattr(fp8_kernel, "GEMV_MAX_WEIGHTS", n * k - 1)  # (a weight past it: the tiles)
+    assert not torch.equal(fp8_gemm(x, q, s, rps, group, act, bias), in_fp16)
+
+
+def test_auto_rounds_x_in_the_gemvs_registers_and_by_a_launch_before_the_tiles(monkeypatch):
+    """`GAPLESS_FP8_DECODE=auto` (the default): one row through the GEMV (`GAPLESS_FP8_GEMV_ROWS`'s
+    default, 1) rounds x in its registers, with no rounding launch; more rows, up to `DECODE_ROWS`, through
+    the tiles, by a launch first; either way the bits of the other rounding."""
+    from gapless.model.quant import fp8_kernel
+
+    launches = []
+
+    class Counted:  # the rounding kernel, its launches counted
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    real = fp8_kernel._fp8_quant_kernel
+    monkeypatch.setattr(fp8_kernel, "_fp8_quant_kernel", Counted())
+    monkeypatch.delenv("GAPLESS_FP8_DECODE", raising=False)
+    monkeypatch.delenv("GAPLESS_FP8_GEMV_ROWS", raising=False)
+    n, k, act = 40, 128, 64
+    q, s = quantize_rows(torch.randn(n, k) * 0.05)
+    for m, rounded in ((1, []), (2, [(2, 2)])):
+        x = torch.randn(m, k)
+        auto = fp8_gemm(x, q, s, 1, 0, act, None)
+        assert launches == rounded, m
+        with monkeypatch.context() as other:  # (the other rounding: the same bits)
+            other.setattr(fp8_kernel, "DECODE_X", "launch" if m == 1 else "program")
+            assert torch.equal(fp8_gemm(x, q, s, 1, 0, act, None), auto)
+        launches.clear()
 
 
 @pytest.mark.slow  # (sm_90 compiles in a child process, ~15 s)

@@ -5,21 +5,21 @@ inside the GEMM (no host sync: CUDA graphs capture it as any other kernel).
 Each program computes a [BM, BN] tile of y: for each BK-wide step along K it loads x's tile, takes each
 row's scale, rounds x / scale to e4m3, loads W's e4m3 tile, and adds `dot(xq, wq) * x_scale * w_scale`
 (the fp8 tensor-core product, accumulated in float32). At decode sizes every program rounds the same few
-rows again, in its loop, where the rounding waits on x's loads; so up to `DECODE_ROWS` rows (a decode's)
-x meets the weights as `DECODE_X` says: rounded before the loop, by one small launch before the GEMM
-(`_fp8_quant_kernel`) or by each program for its own share of K, into the same buffer (the programs of
-one share write the same bytes), with no launch; either way the same arithmetic (`_round_rows`: the same
-bits), and the loop loads the e4m3 rows and their scales. Or not rounded to e4m3 at all ("fp16", W8A16):
-x in float16 (clamped to its range) against the weights widened to float16, which on sm_90 is what a
-16-row tile's dot runs anyway (Triton widens both e4m3 operands for an fp16 HMMA; 64-row tiles take fp8's
-own wgmma); closer to the float model than e4m3's 3-bit x, but not the bits of the rows past
-`DECODE_ROWS`. W's scale is looked up at (row // rows_per_scale, k // k_group): one per row and whole K
-(per-channel, `stride_sk` 0), or one per [rows, k_group] block.
+rows again, in its loop, where the rounding waits on x's loads; so up to `DECODE_ROWS` rows (a decode's
+or a small batch's) x meets the weights as `DECODE_X` says: rounded before the loop, by one small launch
+before the GEMM (`_fp8_quant_kernel`) or by each program for its own share of K, into the same buffer
+(the programs of one share write the same bytes), with no launch; either way the same arithmetic
+(`_round_rows`: the same bits), and the loop loads the e4m3 rows and their scales. Or not rounded to e4m3
+at all ("fp16", W8A16): x in float16 (clamped to its range) against the weights widened to float16, which
+on sm_90 is what a 16-row tile's dot runs anyway (Triton widens both e4m3 operands for an fp16 HMMA;
+64-row tiles take fp8's own wgmma); closer to the float model than e4m3's 3-bit x, but not the bits of
+the rows past `DECODE_ROWS`. W's scale is looked up at (row // rows_per_scale, k // k_group): one per row
+and whole K (per-channel, `stride_sk` 0), or one per [rows, k_group] block.
 
-Up to `GEMV_ROWS` rows (off unless set) the product runs on the CUDA cores instead (`_fp8_gemv_kernel`):
-each weight row's bytes loaded along K, widened to float32 and multiplied by x (rounded as above, the
-same bits), with no 16-row tile of which 15 rows are padding. Either kernel may split K at decode sizes
-(`_splits`), finishing a tile the same way (`_finish`).
+Up to `GEMV_ROWS` rows (one by default), for weights of at most `GEMV_MAX_WEIGHTS`, the product runs on
+the CUDA cores instead (`_fp8_gemv_kernel`): each weight row's bytes loaded along K, widened to float32
+and multiplied by x (rounded as above, the same bits), with no 16-row tile of which 15 rows are padding.
+Either kernel may split K at decode sizes (`_splits`), finishing a tile the same way (`_finish`).
 
 The Triton interpreter rounds some values to e4m3 wrongly (a carry into the next binade is lost:
 31.4 -> 16 instead of 32; triton 3.9), so the CPU tests feed it activations that are exact in e4m3 after
@@ -282,40 +282,48 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
-# at most this many rows (a decode's), x meets the weights as `DECODE_X` says (more: rounded in the loop).
-# Rounded by a launch before the GEMM, on an H100 at one row it saved 11-21% of the GEMM's time on
-# Qwen3-8B's layers (qkv 16.3 -> 12.9 us, gate/up 48.9 -> 40.5) and cost 0.5-1 us on Qwen3-0.6B's, where
-# the launch it adds is a large share (bench/results/h100-2026-11-26/quant/fp8_gemm.log)
-DECODE_ROWS = 16
-# "launch" (measured above), "program" (each program rounds its share of K before its loop: no launch) or
-# "fp16" (W8A16: no rounding, no launch); the last two compiled for sm_90, not yet timed
-# (bench/experiments/fp8_gemm.py times all three); None: GAPLESS_FP8_DECODE's (default "launch")
+# at most this many rows, x meets the weights as `DECODE_X` says (more: rounded in the loop). Rounded by a
+# launch before the GEMM, on an H100 at one row it saved 11-21% of the GEMM's time on Qwen3-8B's layers
+# (qkv 16.3 -> 12.9 us, gate/up 48.9 -> 40.5; bench/results/h100-2026-11-26/quant/fp8_gemm.log); on an
+# H200 it took 44-56% of the time of rounding in the loop at 32 rows (64 x 64 tiles split: qkv 30.9 ->
+# 14.8 us, o 23.6 -> 13.1, gate/up 98.4 -> 43.1, down 54.2 -> 24.3), 35-50% at 128 rows (qkv 69.9 ->
+# 31.9, o 40.1 -> 19.9, gate/up 177.0 -> 61.4) (bench/results/h200-2026-11-27-gemv/fp8_sweep.log)
+DECODE_ROWS = 128
+# "launch", "program" (each program rounds its share of K before its loop: no launch), "fp16" (W8A16: no
+# rounding, no launch) or "auto": the GEMV's x in its registers ("program"), the tiles' by a launch, the
+# fastest of each on an H200 (the GEMV at one row: qkv 9.9 -> 8.4 us, o 8.2 -> 6.6, down 18.5 -> 17.9;
+# the 16-row tiles: 10.6 against 16.3, 8.8 against 11.3); None: GAPLESS_FP8_DECODE's (default "auto")
 DECODE_X: str | None = None
 _ROUNDING = {"launch": 1, "program": 2, "fp16": 3}  # (the kernel's ROUND; 0: in the loop)
 # (BM, BN, warps, stages) at decode sizes (`_tiles`): on an H200 at one row, the fastest on each of Qwen3-8B's
 # layers of BN 32, 64, 128 and 512 or 1024 split programs (70.1 us the four against 78.6 at BN 32;
 # bench/results/h200-2026-11-26/run3/fp8_sweep.log, `bench/experiments/fp8_gemm.py --sweep`)
 DECODE_TILES = (16, 64, 4, 4)
-# Up to this many rows (None: GAPLESS_FP8_GEMV_ROWS's, default 0: never) the GEMM runs as a GEMV on the CUDA
-# cores (`_fp8_gemv_kernel`), a program row per row of x, BN x BK weight tiles (GEMV_TILES: BN, warps, steps
-# a loop iteration whose loads go out together), K split as at decode sizes; x as `DECODE_X` says (its
-# rounding in the loop, past DECODE_ROWS, is the same rounding in the GEMV's registers). At one row the
-# 16-row tiles do 16x the tensor-core work of the one row. In the sm_90 binary (bfloat16, per-channel, x by
-# a launch) the GEMV's loop body is 213 instructions for 64 x 128 weight bytes (3.3 a byte: 64 FFMA, 65
-# widenings to float32, 33 pair unpacks), 127 registers, against the 16 x 64 tiles' 203 for as many bytes,
+# Up to this many rows (None: GAPLESS_FP8_GEMV_ROWS's, default 1) the GEMM of a weight of at most
+# GEMV_MAX_WEIGHTS values runs as a GEMV on the CUDA cores (`_fp8_gemv_kernel`), a program row per row of
+# x, BN x BK weight tiles (GEMV_TILES: BN, warps, steps a loop iteration whose loads go out together), K
+# split as at decode sizes; x as `DECODE_X` says (its rounding in the loop, past DECODE_ROWS, is the same
+# rounding in the GEMV's registers). At one row the 16-row tiles do 16x the tensor-core work of the one
+# row. In the sm_90 binary (bfloat16, per-channel, x by a launch) the GEMV's loop body is 213 instructions
+# for 64 x 128 weight bytes (3.3 a byte), 127 registers, against the 16 x 64 tiles' 203 for as many bytes,
 # fed by asynchronous copies 4 stages deep where the GEMV's loads are plain (its latency hidden by the
-# programs an SM holds, and by two steps' loads at once with UNROLL 2: 157 registers). Not yet timed:
-# `bench/experiments/fp8_gemm.py --sweep` times it and the kit's TPOT runs it.
+# programs an SM holds). On an H200 at one row (x in its registers, 512 programs; the tiles' x by a
+# launch): qkv 8.4 us against 10.6, o 6.6 against 8.8, down 17.9 against 17.5, gate/up (100M values)
+# 40.5 against 30.7, whence the bound; 64 x 4 warps was the fastest GEMV tile on the three, UNROLL 2 on
+# gate/up alone (32.9) (bench/results/h200-2026-11-27-gemv/fp8_sweep.log).
 GEMV_ROWS: int | None = None
+GEMV_MAX_WEIGHTS = 1 << 25
 GEMV_TILES = (64, 4, 1)
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
 # From 17 rows to MID_ROWS, MID_TILES with K split as at decode sizes (up to SPLIT_ROWS rows). On an H200
-# at 128 rows, the fastest of 128 x 128, 64 x 128 and 64 x 64 tiles, split or not, on each of Qwen3-8B's
-# layers: qkv 39.4 us, o 32.9, gate/up 102.0, down 63.4, against 65.4, 65.1, 133.5, 192.1 at the
-# unsplit 128 x 128 tiles that ran from 65 rows before (bf16's cuBLAS: 16.8, 12.9, 58.4, down not timed;
-# bench/results/h200-2026-11-27/quant/fp8_sweep.log, fp8_gemm.log). Not timed between 17 and 127 rows.
+# at 32 rows with x rounded by a launch (DECODE_ROWS), 64 x 64 split was the fastest of 128 x 128, 64 x 128
+# and 64 x 64, split or not, on qkv, o and down, and 64 x 64 unsplit on gate/up (32.4 us against 43.1);
+# the four 95.3 us against 158.3 before (64 x 128 split, x rounded in the loop); at 128 rows, 64 x 64
+# split: qkv 31.9 us, o 19.9, gate/up 61.4 (64 x 128 unsplit: 24.1, 23.5, 61.6; down not timed)
+# (bench/results/h200-2026-11-27-gemv/fp8_sweep.log; bf16's cuBLAS at 128 rows: 16.8, 12.9, 58.4 in
+# bench/results/h200-2026-11-27/quant/fp8_gemm.log).
 MID_ROWS = 128
-MID_TILES = (64, 128, 4, 3)
+MID_TILES = (64, 64, 4, 3)
 SPLIT_ROWS = 128
 # per device: the split tiles' arrival counters, all 0 at rest; one buffer for good (a CUDA graph keeps
 # its address), of SPLIT_PROGRAMS counters: a GEMM splits only when it has fewer tiles than that
@@ -356,14 +364,23 @@ def fp8_gemm(
     n = w.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    gemv = m <= (GEMV_ROWS if GEMV_ROWS is not None else env.FP8_GEMV_ROWS.get())
+    gemv = (
+        m <= (GEMV_ROWS if GEMV_ROWS is not None else env.FP8_GEMV_ROWS.get()) and n * k <= GEMV_MAX_WEIGHTS
+    )
     bm, bn, warps, stages = (1, *GEMV_TILES[:2], 1) if gemv else _tiles(m)
     tiles_m, tiles_n, k_steps = triton.cdiv(m, bm), triton.cdiv(n, bn), triton.cdiv(k, act_group)
     splits = _splits(m, tiles_m * tiles_n, k_steps, x.device)
     steps = triton.cdiv(k_steps, splits)
     splits = triton.cdiv(k_steps, steps)  # no split left without a step
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
-    rounding = 0 if m > DECODE_ROWS else _ROUNDING[DECODE_X or env.FP8_DECODE.get()]
+    by = DECODE_X or env.FP8_DECODE.get()
+    rounding = (
+        0
+        if m > DECODE_ROWS
+        else _ROUNDING["program" if gemv else "launch"]
+        if by == "auto"
+        else _ROUNDING[by]
+    )
     xq, xs = y, y  # (unread unless x is rounded before the loop)
     if rounding == 1 or rounding == 2 and not gemv:  # (the GEMV rounds x in its registers: no buffer)
         xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
