@@ -96,7 +96,10 @@ class DecodeTuning:
       tile Triton reads from shared memory a byte at a time. In the sm_90 binary: a loop body of 453
       instructions and 105 registers instead of 611 and 143 (397 and 124 with `whole_blocks`). Elsewhere
       (another cache, an older GPU) it changes nothing; under the interpreter the same pairs are widened
-      by Triton's conversions.
+      by Triton's conversions. None (the default): on with blocks of 64 keys or more. On an H200 at batch
+      256 and head dim 128, pairs took 64-key blocks over an fp8 cache from 254 to 210 us at 1k keys and
+      965 to 807 at 4k, and 32-key blocks from 273 to 316 and 1,057 to 1,227; `whole_blocks` took bf16's
+      64-key blocks from 279 to 289 and 1,085 to 1,132 (bench/results/h200-2026-11-27-gemv).
     """
 
     block_n: int | None = None
@@ -106,7 +109,7 @@ class DecodeTuning:
     min_split_len: int = MIN_SPLIT_LEN
     heads_first: bool = False
     whole_blocks: bool = False
-    values_in_pairs: bool = False
+    values_in_pairs: bool | None = None
 
     def __post_init__(self) -> None:
         _check_tuning(
@@ -118,6 +121,12 @@ class DecodeTuning:
         if self.block_n is not None:
             return self.block_n
         return _DECODE_BLOCK_N if _block_d(head_dim) <= 128 else 32
+
+    def pairs(self, head_dim: int) -> bool:
+        """`values_in_pairs`, or its default for `head_dim`'s key blocks."""
+        if self.values_in_pairs is not None:
+            return self.values_in_pairs
+        return self.keys_per_block(head_dim) >= 64
 
 
 @dataclass(frozen=True)
@@ -850,7 +859,7 @@ def decode_attention(
     block_s = max(2, triton.next_power_of_2(splits))
     grid = (kv_heads, batch, splits) if tuning.heads_first else (batch, kv_heads, splits)
     flags = _dot_flags(q.dtype, k_cache.dtype)
-    if flags["KV_FP8"] and tuning.values_in_pairs:
+    if flags["KV_FP8"] and tuning.pairs(d):
         flags["KV_FP8"] = _values_in_pairs(v_cache)
     _decode_split_kernel[grid](
         *args,

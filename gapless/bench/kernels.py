@@ -165,9 +165,9 @@ def decode_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
         args.decode_block_n, args.decode_warps, args.decode_stages, args.decode_programs_per_sm,
         args.decode_heads_first, args.decode_whole_blocks, args.decode_values_in_pairs,
     )  # fmt: skip
-    flags = ("heads_first", "whole_blocks", "values_in_pairs")
+    flags = ("heads_first", "whole_blocks", "values_in_pairs")  # (a flag's None: DecodeTuning's default)
     return [
-        DecodeTuning(n or None, w, st, pps, **{f: bool(v) for f, v in zip(flags, on, strict=True)})
+        DecodeTuning(n or None, w, st, pps, **{f: bool(v) for f, v in zip(flags, on) if v is not None})
         for n, w, st, pps, *on in combos
     ]
 
@@ -250,7 +250,7 @@ def _attention_case(
                 "programs_per_sm": tuning.programs_per_sm if tuning is not None else None,
                 "heads_first": tuning.heads_first if tuning is not None else None,
                 "whole_blocks": tuning.whole_blocks if tuning is not None else None,
-                "values_in_pairs": tuning.values_in_pairs if tuning is not None else None,
+                "values_in_pairs": tuning.pairs(D) if tuning is not None else None,
                 "splits": splits[0] if splits else None,
                 "attention_us": t_attn,
                 "attention_tb_s": attn_tbs,
@@ -444,7 +444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("values-in-pairs", "1 reads an fp8 cache's values as 16-bit pairs, widened a pair at once"),
     ):
         p.add_argument(
-            f"--decode-{flag}", type=int, nargs="+", choices=(0, 1), default=[0], help=f"{tune}: {what}"
+            f"--decode-{flag}", type=int, nargs="+", choices=(0, 1), default=[None], help=f"{tune}: {what}"
         )
     p.add_argument("--extend-tokens", type=cli.positive_int, nargs="+", default=[2048, 16384])
     p.add_argument("--extend-len", type=cli.positive_int, default=1024, help="tokens per extend request")

@@ -281,6 +281,12 @@ def test_decode_tuning_is_checked():
     with pytest.raises(ValueError, match="num_warps=0: must be >= 1"):
         tk.DecodeTuning(num_warps=0)
     assert tk.DecodeTuning().keys_per_block(128) == 64 and tk.DecodeTuning().keys_per_block(256) == 32
+    # an fp8 cache's values in pairs by default where the blocks are 64 keys or more (where an H200 timed it
+    # faster), as set otherwise
+    assert tk.DecodeTuning().pairs(128) and not tk.DecodeTuning().pairs(256)
+    assert not tk.DecodeTuning(block_n=32).pairs(128) and tk.DecodeTuning(block_n=128).pairs(256)
+    assert tk.DecodeTuning(block_n=32, values_in_pairs=True).pairs(128)
+    assert not tk.DecodeTuning(values_in_pairs=False).pairs(128)
     # the split heuristic follows the occupancy target: 4 programs per SM of 132 over 1 x 8 programs
     assert tk.decode_num_splits(1, 8, 32768, 132, tk.DecodeTuning(programs_per_sm=4)) == 64
     assert tk.decode_num_splits(1, 8, 32768, 132, tk.DecodeTuning(programs_per_sm=1)) == 17

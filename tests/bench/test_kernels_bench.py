@@ -77,3 +77,16 @@ def test_decode_attention_rows_over_an_fp8_cache():
     assert all(r["attention_us"] > 0 for r in rows)
     read = [r["attention_tb_s"] * r["attention_us"] for r in rows]  # bytes / 1e6
     assert abs(read[0] - 2 * read[1]) < 1e-9 * read[0]
+
+
+def test_decode_tunings_leave_an_unnamed_flag_at_its_default():
+    """The decode variants: a flag not on the command line keeps `DecodeTuning`'s default (an fp8 cache's
+    values in pairs at 64-key blocks), one named takes each value given."""
+    from gapless.attention.triton_kernels import DecodeTuning
+
+    triton_backend = type("Backend", (), {"decode_tuning": DecodeTuning()})()
+    plain = kernels.decode_tunings(kernels.parse_args([]), triton_backend)
+    assert plain == [DecodeTuning()] and plain[0].pairs(128)
+    both = kernels.decode_tunings(kernels.parse_args("--decode-values-in-pairs 0 1".split()), triton_backend)
+    assert [t.values_in_pairs for t in both] == [False, True] and not both[0].pairs(128)
+    assert kernels.decode_tunings(kernels.parse_args([]), object()) == [None]  # (not Triton's backend)
