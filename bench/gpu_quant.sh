@@ -4,14 +4,14 @@
 #   targets
 #   1. TPOT at batch 1 against bf16 (`gapless.bench.quant`; random weights, `load_format=dummy`: nothing
 #      written or read), each run in its own process and profiled: FP8 weights (`--quantization fp8`) on
-#      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6; on 8B's also one row through the
-#      FP8 GEMV, `GAPLESS_FP8_GEMV_ROWS=1`, x rounded by a launch and in its registers), int4 w4a16 (AWQ
-#      g128) on Qwen3-8B's (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
+#      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6; each also without the one-row FP8
+#      GEMV, `GAPLESS_FP8_GEMV_ROWS=0`), int4 w4a16 (AWQ g128) on Qwen3-8B's (target: <= 0.4) through the
+#      default (`auto`: torch's tinygemm at decode rows)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
 #      tok/s); then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3. decode attention alone over each KV cache, key blocks, warps and unmasked whole blocks swept
+#   3. decode attention alone over each KV cache, pages of 1 and 16 tokens, unmasked whole blocks or not
 #      (`gapless.bench.kernels`)
 #   4. the FP8 GEMM's tiles, K splits and ways of rounding x at 1, 32 and 128 rows, and its GEMV's at one
 #      row (`fp8_gemm.py --sweep`)
@@ -84,12 +84,11 @@ if phase targets; then
 tpot 45 qwen3-0.6b bf16 --profile  # (first: a cold machine's start-up falls on the smallest model)
 tpot 50 qwen3-8b bf16 --profile
 tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
-# one row on the CUDA cores (GAPLESS_FP8_GEMV_ROWS: the FP8 GEMV, no 16-row tile), x rounded by a launch
-# before it, and in its registers (GAPLESS_FP8_DECODE=program: no launch, the same bits); W8A16 at decode
-# (fp16) took 4.391 ms on an H200 against launch's 3.651 (bench/results/h200-2026-11-27): not run again
-GAPLESS_FP8_GEMV_ROWS=1 tpot 45 qwen3-8b fp8_gemv --profile --engine-option quantization=fp8
-GAPLESS_FP8_GEMV_ROWS=1 GAPLESS_FP8_DECODE=program tpot 45 qwen3-8b fp8_gemv_program --profile \
-  --engine-option quantization=fp8
+# the default's one row on the CUDA cores where the weight is small (qkv and o: the FP8 GEMV, x rounded in
+# its registers, no launch), against the 16-row tiles everywhere (GAPLESS_FP8_GEMV_ROWS=0, the default
+# until the H200's sweep of 2026-11-27 (bench/results/h200-2026-11-27-gemv): 3.611 ms there; the GEMV on
+# every layer took 3.897)
+GAPLESS_FP8_GEMV_ROWS=0 tpot 45 qwen3-8b fp8_tiles --profile --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
@@ -101,26 +100,26 @@ for kv in auto fp8; do
   grep -E '^\| gapless' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
 done
 
-# the small shape's FP8: its target is out of reach (docs/gpu.md; 1.05x bf16 on an H200), its profile says
-# how far
+# the small shape's FP8: its target is out of reach (docs/gpu.md; 1.05-1.07x bf16 on an H200), its profile
+# says how far; every layer of it is under the GEMV's bound (no rounding launch), against the tiles
 say ""
 tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
+GAPLESS_FP8_GEMV_ROWS=0 tpot 40 qwen3-0.6b fp8_tiles --profile --engine-option quantization=fp8
 fi
 
 if phase tables; then
 # what decides a default first (the decode-attention sweep over each cache, the FP8 GEMM's sweep with its
 # GEMV, the int4 GEMMs with theirs), then what no GPU has run (the mixture), then the rest
-# decode attention alone over a bf16 and an fp8 cache (the fp8 run above read at 48% of a copy's bandwidth
-# on an H200 where bf16 read at 88%: bound by its instructions, bench/results/h200-2026-11-27): batch 256
-# (nano-vllm's) at 1k and 4k contexts, key blocks of 64 (the default) and 32 at 4 warps (the fastest on
-# an H100: bench/results/h100-2026-11-26/quant/run2), each with the whole key blocks unmasked
-# (`DecodeTuning.whole_blocks`) and an fp8 cache's values read in pairs (`values_in_pairs`); in the sm_90
-# binary the fp8 loop body is 611 instructions and 143 registers, 555 and 148 with the first, 453 and
-# 105 with the second, 397 and 124 with both (`gapless.bench.kernels`; its other tables cut to their
-# smallest)
-other 75 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 \
-  --page-size 16 --kv-cache-dtype auto fp8 --decode-block-n 0 32 --decode-whole-blocks 0 1 \
-  --decode-values-in-pairs 0 1 --tokens 16 --extend-tokens 2048 --sample-batch 1 \
+# decode attention alone over a bf16 and an fp8 cache: batch 256 (nano-vllm's) at 1k and 4k contexts, pages
+# of 1 token (the engine's default, which the FP8 KV run above uses; no GPU has timed an fp8 cache there)
+# and 16, each with the whole key blocks unmasked (`DecodeTuning.whole_blocks`) and not; an fp8 cache's
+# values in pairs (`values_in_pairs`, the default at 64-key blocks since an H200 timed them at 0.83x the
+# time of the values read a byte at a time, bench/results/h200-2026-11-27-gemv; the FP8 KV run of that
+# call, before the change, took 0.92x bf16's tok/s: this table and the next FP8 KV run say why)
+# (`gapless.bench.kernels`; its other tables cut to their smallest)
+other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 \
+  --page-size 1 16 --kv-cache-dtype auto fp8 --decode-whole-blocks 0 1 --tokens 16 --extend-tokens 2048 \
+  --sample-batch 1 \
   --json "$OUT/kv_attention.json"
 awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 

@@ -10,14 +10,14 @@ no kernel executing: their outputs are garbage, and only compile errors count.
 
 What it launches: the start-up self-checks' own probes. Attention (`gapless.attention.selfcheck`: an
 extend batch, and a decode batch split over several programs, in one, with its whole key blocks
-unmasked, and with an fp8 cache's values read in pairs) in fp32, bf16 and fp16, with and without a
-sliding window and soft-capping, at head dims 64 and 128, and over an fp8 (e4m3) cache (bf16 and fp16
-queries); the fused model kernels
-(`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
-arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`);
-the MoE grouped GEMM (float, e4m3 and int4/int8 experts); the FP8 GEMM; the int4/int8 weight-only GEMM;
-the LoRA kernels. Exit status 1, naming each kernel and its error, when any fails to compile. Run it
-without TRITON_INTERPRET (the interpreter takes the compiler's place).
+unmasked, and with an fp8 cache's values read a byte at a time, not in pairs) in fp32, bf16 and fp16,
+with and without a sliding window and soft-capping, at head dims 64 and 128, and over an fp8 (e4m3)
+cache (bf16 and fp16 queries); the fused model kernels (`gapless.model.fused.disagreement`) on the tiny
+models of families whose kernels differ (RMSNorm arithmetic, q/k norms, activations) in bf16 and fp16;
+the sampling kernels (`gapless.sampling.fused`); the MoE grouped GEMM (float, e4m3 and int4/int8
+experts); the FP8 GEMM; the int4/int8 weight-only GEMM; the LoRA kernels. Exit status 1, naming each
+kernel and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter takes
+the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
 compiled binary records them (`cuobjdump --dump-resource-usage`, which comes with Triton): what decides
@@ -122,10 +122,10 @@ def _attention() -> dict[str, Callable[[], object]]:
     compile_only = type("CompileOnly", (TritonBackend,), {"interpreted": True})
     # the decode kernel four times: split (the probe's long context; the last split merges), whole (one
     # split), and with the GPU sweep's options (`DecodeTuning`): its whole key blocks unmasked, an fp8
-    # cache's values read in pairs (PTX's conversion: compiled only here before a GPU runs it)
+    # cache's values read a byte at a time (the default reads them in pairs, by PTX's conversion)
     tunings = (
         triton_kernels.DecodeTuning(whole_blocks=True),
-        triton_kernels.DecodeTuning(values_in_pairs=True),
+        triton_kernels.DecodeTuning(values_in_pairs=False),
     )
     backends = (compile_only(), compile_only(num_splits=1), *(compile_only(decode_tuning=t) for t in tunings))
 
@@ -282,13 +282,14 @@ def _fp8() -> dict[str, Callable[[], object]]:
     from gapless.model.quant import fp8_kernel
 
     def run(rows: int, dtype: torch.dtype, block: bool, by: str = "launch", **settings: Any) -> object:
-        """One GEMM of `rows` rows, x as `by` says at decode sizes, `fp8_kernel`'s `settings` (DECODE_TILES,
-        GEMV_ROWS, GEMV_TILES) set for it."""
+        """One GEMM of `rows` rows, x as `by` says up to DECODE_ROWS rows (0 unless set: x rounded in the
+        loop), `fp8_kernel`'s `settings` (DECODE_ROWS, DECODE_TILES, GEMV_ROWS: 0, the tiles, unless set,
+        GEMV_TILES) set for it."""
         n, k = 96, 256
         w = torch.zeros(n, k).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
         x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
-        settings = {"DECODE_ROWS": 0, "DECODE_X": by, **settings}  # (0: x rounded in the loop)
+        settings = {"DECODE_ROWS": 0, "DECODE_X": by, "GEMV_ROWS": 0, **settings}
         with mock.patch.multiple(fp8_kernel, **settings):
             return fp8_kernel.fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
 
@@ -298,9 +299,12 @@ def _fp8() -> dict[str, Callable[[], object]]:
         for dtype in DTYPES
         for block in (False, True)
     }
-    decode = {"DECODE_ROWS": 16}  # a decode's x (`DECODE_X`): rounded by a launch, by each program; in fp16
+    decode = {"DECODE_ROWS": 128}  # x (`DECODE_X`): rounded by a launch, by each program; in fp16
     for dtype, by in ((dtype, by) for dtype in DTYPES for by in ("launch", "program", "fp16")):
-        cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}"] = partial(run, 1, dtype, False, by, **decode)
+        for rows in (1, 40):  # a decode's 16-row tiles, a small batch's 64-row ones
+            cases[f"fp8 gemm {rows} rows {dtype} channel, decode x {by}"] = partial(
+                run, rows, dtype, False, by, **decode
+            )
         # the 64-row decode tiles `bench/experiments/fp8_gemm.py --sweep` times (fp8's wgmma)
         cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}, 64-row tiles"] = partial(
             run, 1, dtype, False, by, DECODE_TILES=(64, 64, 4, 4), **decode
@@ -323,12 +327,15 @@ def _int4() -> dict[str, Callable[[], object]]:
         qweight = torch.zeros(k * bits // 32, n, dtype=torch.int32)
         scales = torch.zeros(k // group, n, dtype=dtype)
         config = choose_config(m, n, k, group)._replace(ptx_values="ptx" in variant)
-        config = config._replace(block_m=1) if "gemv" in variant else config
+        config = config._replace(block_m=1 if "gemv" in variant else 16) if m == 1 else config
         return w4a16_matmul(x, qweight, scales, scales, group, bits, config)
 
-    # decode (16-row tiles, K split; their values by PTX; and the one-row GEMV) and prefill tiles, 4 and 8
-    # bits, both half-precision dtypes
-    cases = ((4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 1, "gemv ptx"), (4, 256, ""), (8, 1, ""))
+    # decode (16-row tiles, K split; their values by PTX; and the one-row GEMV, by default with them) and
+    # prefill tiles, 4 and 8 bits, both half-precision dtypes
+    cases = (
+        (4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 1, "gemv ptx"), (4, 256, ""), (8, 1, ""),
+        (8, 1, "gemv"),
+    )  # fmt: skip
     return {
         f"int{bits} gemm {dtype} m={m}{' ' + variant if variant else ''}": partial(
             run, dtype, bits, m, variant
