@@ -7,10 +7,10 @@ Qwen3-8B: microseconds a call (CUDA graphs: launch cost excluded) and the weight
 Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton kernel
 (`gapless.model.quant.fp8_kernel`) with per-channel and with [128, 128] block scales, x rounded in the
 GEMM's loop; per-channel with x rounded before the loop by a launch before the GEMM (`DECODE_X =
-"launch"`, the default at decode sizes, `DECODE_ROWS = 16`, since an H100 measured it), by each program
-for its share of K ("program": no launch), and not rounded ("fp16", W8A16: no launch), each at any row
-count (`DECODE_ROWS` raised to it: at 128 rows, what rounding first would gain there); the GEMV on the
-CUDA cores (`GEMV_ROWS`, x by a launch; up to 16 rows);
+"launch"`, the tiles' default up to `DECODE_ROWS`), by each program for its share of K ("program": no
+launch), and not rounded ("fp16", W8A16: no launch), each at any row count (`DECODE_ROWS` raised to it);
+the GEMV on the CUDA cores (`GEMV_ROWS`, whatever the weight's size, x by a launch; up to 16 rows); the
+tiles' columns with the GEMV off;
 `torch._scaled_mm` with rowwise scales (bf16 out; its activation quantization, a separate torch step,
 timed with it); `torch.nn.functional.scaled_mm` with DeepSeek's block recipes (x per 1x128, w per
 128x128; where this torch has it, else the cell says why). Whichever is faster at 1 row is the decode
@@ -83,14 +83,15 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
 
     channel = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
     bf16 = _us(lambda: torch.mm(x, wb.t()))
-    with mock.patch.multiple(fp8_kernel, DECODE_ROWS=0):
+    with mock.patch.multiple(fp8_kernel, DECODE_ROWS=0, GEMV_ROWS=0):
         block = _us(lambda: fp8_gemm(x, qb, sb, 128, 128, 128, None))
         chan = _us(channel)
     decode = {}
-    for by in ("launch", "program", "fp16"):  # (past 16 rows too: DECODE_ROWS raised to the rows)
-        with mock.patch.multiple(fp8_kernel, DECODE_ROWS=max(m, 16), DECODE_X=by):
+    for by in ("launch", "program", "fp16"):  # (at any row count: DECODE_ROWS raised to the rows)
+        with mock.patch.multiple(fp8_kernel, DECODE_ROWS=max(m, 16), DECODE_X=by, GEMV_ROWS=0):
             decode[by] = _us(channel)
-    with mock.patch.multiple(fp8_kernel, DECODE_ROWS=max(m, 16), DECODE_X="launch", GEMV_ROWS=m):
+    gemv_at = {"GEMV_ROWS": m, "GEMV_MAX_WEIGHTS": n * k}
+    with mock.patch.multiple(fp8_kernel, DECODE_ROWS=max(m, 16), DECODE_X="launch", **gemv_at):
         gemv = _us(channel) if m <= 16 else float("nan")
     smm = _us(scaled_mm)
     fsmm = _us(block_scaled_mm)
@@ -155,6 +156,7 @@ def sweep(rows: list[int]) -> None:
                     fp8_kernel,
                     _tiles=functools.partial(lambda t, _m: t, tiles),
                     GEMV_ROWS=m if gemv else 0,
+                    GEMV_MAX_WEIGHTS=n * k,
                     GEMV_TILES=tiles if gemv else fp8_kernel.GEMV_TILES,
                     SPLIT_PROGRAMS=programs or fp8_kernel.SPLIT_PROGRAMS,
                     SPLIT_ROWS=max(m, 16) if programs else 0,
