@@ -90,9 +90,9 @@ def _library(
 
 
 def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmConfig]:
-    """Every combination of the tile options asked for (0: the heuristic's choice, `chosen`); the GEMV
-    (`--block-m 1`) at one row only (past it, it reads the weights once a row), PTX values where they run
-    (elsewhere the row would be Triton's again)."""
+    """Every combination of the tile options asked for (0: the heuristic's choice, `chosen`), each once;
+    the GEMV (`--block-m 1`) at one row only (past it, it reads the weights once a row), PTX values where
+    they run (elsewhere the row would be Triton's again)."""
     configs = [
         chosen._replace(
             block_m=bm or chosen.block_m,
@@ -114,9 +114,8 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmC
         )
     ]
     dtype = getattr(torch, args.dtype)  # (PTX values only where they run: no row twice)
-    return [
-        c for c in configs if (c.block_m != 1 or m == 1) and ptx_values(c, args.bits, dtype) == c.ptx_values
-    ]
+    wanted = (c for c in configs if c.block_m != 1 or m == 1)
+    return list(dict.fromkeys(c for c in wanted if ptx_values(c, args.bits, dtype) == c.ptx_values))
 
 
 def _timed(

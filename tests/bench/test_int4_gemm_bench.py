@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kern
 def test_int4_gemm_bench_times_each_variant_and_checks_its_product(tmp_path):
     out = tmp_path / "int4.json"
     argv = f"--device {DEVICE} --dtype float32 --shapes 256:64 --m 1 3 --group 128 --block-n 0 32 --iters 1"
-    argv += " --nibble-dots 1 0 --kernels triton tinygemm"  # (tinygemm: CUDA only; it refuses float32)
+    argv += " --block-m 16 --nibble-dots 1 0 --kernels triton tinygemm"  # (tinygemm: CUDA only, not float32)
     res = int4_gemm.main(argv.split() + ["--warmup", "0", "--json", str(out)])
     assert [(r["shape"], r["m"]) for r in res] == [("256:64", 1), ("256:64", 3)]
     for r in res:
@@ -31,3 +31,6 @@ def test_int4_gemm_bench_times_each_variant_and_checks_its_product(tmp_path):
         else:
             assert not library
     assert json.loads(out.read_text())["rows"] == res
+    argv = f"--device {DEVICE} --dtype float32 --shapes 256:64 --m 1 --group 128 --iters 1 --warmup 0"
+    chosen = int4_gemm.main(argv.split() + ["--block-m", "0", "1", "--kernels", "triton"])
+    assert [v["block_m"] for v in chosen[0]["variants"]] == [1]  # (one row: the GEMV, chosen; timed once)
