@@ -11,7 +11,7 @@
 #      tok/s); then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3. decode attention alone over each KV cache, pages of 1 and 16 tokens, unmasked whole blocks or not
+#   3. decode attention alone over each KV cache, batches of 8, 64 and 256, pages of 1 and 16 tokens
 #      (`gapless.bench.kernels`)
 #   4. the FP8 GEMM's tiles, K splits and ways of rounding x at 1, 32 and 128 rows, and its GEMV's at one
 #      row (`fp8_gemm.py --sweep`)
@@ -110,16 +110,15 @@ fi
 if phase tables; then
 # what decides a default first (the decode-attention sweep over each cache, the FP8 GEMM's sweep with its
 # GEMV, the int4 GEMMs with theirs), then what no GPU has run (the mixture), then the rest
-# decode attention alone over a bf16 and an fp8 cache: batch 256 (nano-vllm's) at 1k and 4k contexts, pages
-# of 1 token (the engine's default, which the FP8 KV run above uses; no GPU has timed an fp8 cache there)
-# and 16, each with the whole key blocks unmasked (`DecodeTuning.whole_blocks`) and not; an fp8 cache's
-# values in pairs (`values_in_pairs`, the default at 64-key blocks since an H200 timed them at 0.83x the
-# time of the values read a byte at a time, bench/results/h200-2026-11-27-gemv; the FP8 KV run of that
-# call, before the change, took 0.92x bf16's tok/s: this table and the next FP8 KV run say why)
-# (`gapless.bench.kernels`; its other tables cut to their smallest)
-other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 \
-  --page-size 1 16 --kv-cache-dtype auto fp8 --decode-whole-blocks 0 1 --tokens 16 --extend-tokens 2048 \
-  --sample-batch 1 \
+# decode attention alone over a bf16 and an fp8 cache: batches of 256 (nano-vllm's full batch), 64 and 8
+# (its tail, where K is split), 1k and 4k contexts, pages of 1 token (the engine's default, which the FP8
+# KV run above uses) and 16, at the kernel's defaults: an fp8 cache's values in pairs at 64-key blocks
+# (`DecodeTuning.values_in_pairs`, on since an H200 timed them at 0.83x the time of the values read a
+# byte at a time at batch 256, pages of 16: bench/results/h200-2026-11-27-gemv; the FP8 KV run of that
+# call, before the change, took 0.92x bf16's tok/s, its device time a step up: this table says where the
+# fp8 kernel loses) (`gapless.bench.kernels`; its other tables cut to their smallest)
+other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 8 64 256 --context 1024 4096 \
+  --page-size 1 16 --kv-cache-dtype auto fp8 --tokens 16 --extend-tokens 2048 --sample-batch 1 \
   --json "$OUT/kv_attention.json"
 awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 

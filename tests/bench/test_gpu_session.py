@@ -234,13 +234,12 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): the sweeps that decide
-    defaults first (decode attention with unmasked whole blocks among its variants, the FP8 GEMM's, the
-    int4 GEMMs' with PTX values), no TPOT run of the targets, no nano-vllm run; the targets phase alone the
-    reverse."""
+    defaults first (decode attention over each KV cache, the FP8 GEMM's, the int4 GEMMs' with PTX
+    values), no TPOT run of the targets, no nano-vllm run; the targets phase alone the reverse."""
     (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
-    assert tables[1][:2] == ["-m", "gapless.bench.kernels"] and "--decode-whole-blocks" in tables[1]
+    assert tables[1][:2] == ["-m", "gapless.bench.kernels"] and "fp8" in tables[1]  # (over each KV cache)
     assert tables[2][0].endswith("fp8_gemm.py") and "--sweep" in tables[2]  # (what decides defaults first)
     assert tables[3][:2] == ["-m", "gapless.bench.int4_gemm"] and "--ptx-values" in tables[3]
     runs = [c for c in tables if c[:3] == ["-m", "gapless.bench.quant", "run"]]
