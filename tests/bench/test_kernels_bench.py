@@ -13,7 +13,7 @@ from gapless.testing.triton import import_kernels_or_skip
 
 fk = import_kernels_or_skip("gapless.model.fused.triton_kernels")
 
-from gapless.bench import kernels, kernels_sampling  # noqa: E402
+from gapless.bench import kernels, kernels_attention, kernels_sampling  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels under the interpreter
 
@@ -67,12 +67,15 @@ def test_kernels_bench_reports_every_kernel_and_attention_case(tmp_path, capsys)
 
 def test_decode_attention_rows_over_an_fp8_cache():
     """`--kv-cache-dtype auto fp8`: each case once per KV dtype, the fp8 one counting 1 byte an element
-    (so its KV read bandwidth is half bf16's at the same time)."""
+    (so its KV read bandwidth is half bf16's at the same time); extend attention over each too."""
     args = kernels.parse_args(
         f"--device {DEVICE} --dtype bfloat16 --heads 2 --kv-heads 1 --head-dim 16 --batch 2 --context 20 "
-        "--page-size 4 --attention triton --iters 1 --warmup 0 --kv-cache-dtype auto fp8".split()
+        "--page-size 4 --attention triton --iters 1 --warmup 0 --kv-cache-dtype auto fp8 --extend-tokens 24 "
+        "--extend-len 16 --matmul-n 16".split()
     )
-    rows = kernels.attention_rows(args, torch.device(DEVICE), torch.bfloat16)
+    extend = kernels_attention.extend_rows(args, torch.device(DEVICE), torch.bfloat16)
+    assert [r["kv_dtype"] for r in extend] == ["auto", "fp8"] and all(r["attention_us"] > 0 for r in extend)
+    rows = kernels_attention.attention_rows(args, torch.device(DEVICE), torch.bfloat16)
     assert [r["kv_dtype"] for r in rows] == ["auto", "fp8"]
     assert all(r["attention_us"] > 0 for r in rows)
     read = [r["attention_tb_s"] * r["attention_us"] for r in rows]  # bytes / 1e6
@@ -85,8 +88,11 @@ def test_decode_tunings_leave_an_unnamed_flag_at_its_default():
     from gapless.attention.triton_kernels import DecodeTuning
 
     triton_backend = type("Backend", (), {"decode_tuning": DecodeTuning()})()
-    plain = kernels.decode_tunings(kernels.parse_args([]), triton_backend)
+    plain = kernels_attention.decode_tunings(kernels.parse_args([]), triton_backend)
     assert plain == [DecodeTuning()] and plain[0].pairs(128)
-    both = kernels.decode_tunings(kernels.parse_args("--decode-values-in-pairs 0 1".split()), triton_backend)
+    both = kernels_attention.decode_tunings(
+        kernels.parse_args("--decode-values-in-pairs 0 1".split()), triton_backend
+    )
     assert [t.values_in_pairs for t in both] == [False, True] and not both[0].pairs(128)
-    assert kernels.decode_tunings(kernels.parse_args([]), object()) == [None]  # (not Triton's backend)
+    not_triton = object()
+    assert kernels_attention.decode_tunings(kernels.parse_args([]), not_triton) == [None]
