@@ -116,11 +116,12 @@ if phase tables; then
 # (`DecodeTuning.values_in_pairs`, on since an H200 timed them at 0.83x the time of the values read a
 # byte at a time at batch 256, pages of 16: bench/results/h200-2026-11-27-gemv; the FP8 KV run of that
 # call, before the change, took 0.92x bf16's tok/s, its device time a step up: this table says where the
-# fp8 kernel loses) (`gapless.bench.kernels`; its other tables cut to their smallest)
+# fp8 kernel loses); extend attention over each cache at 2,048 tokens (prefill reads the cache too)
+# (`gapless.bench.kernels`; its other tables cut to their smallest)
 other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 8 64 256 --context 1024 4096 \
   --page-size 1 16 --kv-cache-dtype auto fp8 --tokens 16 --extend-tokens 2048 --sample-batch 1 \
   --json "$OUT/kv_attention.json"
-awk '/^decode attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
+awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 
 # the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs, x rounded by a
 # launch, the fastest on an H200: bench/results/h200-2026-11-27), and past 16 rows the tiles, the K split
