@@ -374,13 +374,9 @@ def fp8_gemm(
     splits = triton.cdiv(k_steps, steps)  # no split left without a step
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     by = DECODE_X or env.FP8_DECODE.get()
-    rounding = (
-        0
-        if m > DECODE_ROWS
-        else _ROUNDING["program" if gemv else "launch"]
-        if by == "auto"
-        else _ROUNDING[by]
-    )
+    if by == "auto":  # the GEMV's x in its registers, the tiles' by a launch
+        by = "program" if gemv else "launch"
+    rounding = 0 if m > DECODE_ROWS else _ROUNDING[by]
     xq, xs = y, y  # (unread unless x is rounded before the loop)
     if rounding == 1 or rounding == 2 and not gemv:  # (the GEMV rounds x in its registers: no buffer)
         xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)

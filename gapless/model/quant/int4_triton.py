@@ -266,9 +266,9 @@ def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     larger M takes larger tiles and fewer splits. On an H200 at one row on Llama-3-8B's layers the GEMV
     with PTX values took 20.2, 13.0, 42.6 and 30.7 us where the 16-row tiles' dots per value took 25.9,
     16.6, 62.9 and 42.9 (bench/results/h200-2026-11-27-gemv/int4_gemm.log; tinygemm: 9.7, 6.9, 33.1,
-    18.8). A dot per value of the words up to 16 rows at one row only: on an H100 it took 0.83-0.96x the
-    reshaped tile's time at one row, 1.25-1.45x at 16, where each dot loads 16 rows of x strided
-    (bench/results/h100-2026-11-26/quant/run2/int4_gemm.log)."""
+    18.8). The dots per value stay asked for at one row, for 16-row tiles forced there (`--block-m 16`):
+    on an H100 they took 0.83-0.96x the reshaped tile's time at one row, 1.25-1.45x at 16, where each dot
+    loads 16 rows of x strided (bench/results/h100-2026-11-26/quant/run2/int4_gemm.log)."""
     if m <= 16:
         bm, bn, bk, warps = 1 if m == 1 else 16, 64, _block_k(group, k, 128), 4
     elif m <= 64:
