@@ -10,7 +10,7 @@ For each layer shape IN:OUT (default: Llama-3-8B's fused q/k/v 4096:6144, o 4096
 and of the quantized GEMM for each tile variant (every combination of `--block-m` (1: the
 GEMV variant), `--block-n`, `--split-k`, `--block-k`, `--warps`; 0: the heuristic's choice; and
 `--nibble-dots`: a dot per value of the words, or one reshaped tile, `int4_triton`'s docstring; and
-`--ptx-values`: those values dequantized by PTX, where they can be), its
+`--ptx-values`: those values dequantized by PTX, where they can be; either not given: the heuristic's), its
 weight bytes read per microsecond (packed weight + scales + zeros), and the ratio to bf16. Device time is
 `gapless.bench.timing.median_us`: `--iters` calls captured in a CUDA graph and replayed, each call reading
 a weight from memory, not L2 (`cold_copies`). A row also carries the largest difference from the bf16
@@ -90,9 +90,9 @@ def _library(
 
 
 def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmConfig]:
-    """Every combination of the tile options asked for (0: the heuristic's choice, `chosen`), each once;
-    the GEMV (`--block-m 1`) at one row only (past it, it reads the weights once a row), PTX values where
-    they run (elsewhere the row would be Triton's again)."""
+    """Every combination of the tile options asked for (0, or None for the two flags: the heuristic's
+    choice, `chosen`), each as it runs (dots per value and PTX values only where they can) and once; the
+    GEMV (`--block-m 1`) at one row only (past it, it reads the weights once a row)."""
     configs = [
         chosen._replace(
             block_m=bm or chosen.block_m,
@@ -100,8 +100,8 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmC
             split_k=split or chosen.split_k,
             block_k=bk or chosen.block_k,
             num_warps=warps or chosen.num_warps,
-            nibble_dots=bool(nibble),
-            ptx_values=bool(ptx),
+            nibble_dots=chosen.nibble_dots if nibble is None else bool(nibble),
+            ptx_values=chosen.ptx_values if ptx is None else bool(ptx),
         )
         for bm, bn, split, bk, warps, nibble, ptx in itertools.product(
             args.block_m,
@@ -113,9 +113,13 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmC
             args.ptx_values,
         )
     ]
-    dtype = getattr(torch, args.dtype)  # (PTX values only where they run: no row twice)
-    wanted = (c for c in configs if c.block_m != 1 or m == 1)
-    return list(dict.fromkeys(c for c in wanted if ptx_values(c, args.bits, dtype) == c.ptx_values))
+    dtype = getattr(torch, args.dtype)
+    runs = (
+        c._replace(nibble_dots=nibble_dots(c, args.bits), ptx_values=ptx_values(c, args.bits, dtype))
+        for c in configs
+        if c.block_m != 1 or m == 1
+    )
+    return list(dict.fromkeys(runs))
 
 
 def _timed(
@@ -195,22 +199,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--block-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--warps", type=int, nargs="+", default=[0], help="0: the heuristic's")
-    p.add_argument(
-        "--nibble-dots",
-        type=int,
-        nargs="+",
-        choices=(0, 1),
-        default=[1],
-        help="1: a dot per value of the words where the tiles allow (the default); 0: one reshaped tile",
-    )
-    p.add_argument(
-        "--ptx-values",
-        type=int,
-        nargs="+",
-        choices=(0, 1),
-        default=[0],
-        help="1: the dots' values dequantized by PTX (4 bits, half precision, compiled); 0: by Triton",
-    )
+    for flag, what in (
+        ("nibble-dots", "1: a dot per value of the words where the tiles allow; 0: one reshaped tile"),
+        ("ptx-values", "1: the values dequantized by PTX (4 bits, half precision, compiled); 0: by Triton"),
+    ):
+        p.add_argument(f"--{flag}", type=int, nargs="+", choices=(0, 1), default=[None], help=f"{what}")
     p.add_argument(
         "--kernels",
         nargs="+",
