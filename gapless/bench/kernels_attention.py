@@ -197,7 +197,7 @@ def extend_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         meta = extend_metadata(tokens, args.extend_len, device)
         q = torch.randn(tokens, H, D, device=device, dtype=dtype)
         kv_dtype = kv_cache_dtype(kv, dtype)
-        k, v = (torch.randn(tokens + 1, KVH, D, device=device, dtype=dtype).to(kv_dtype) for _ in "kv")
+        k, v = (torch.randn(tokens + 1, KVH, D, device=device, dtype=dtype).to(kv_dtype) for _ in range(2))
         flops = sum(4 * H * D * L * (L + 1) // 2 for L in meta.extend_lens.tolist())
         for tuning in extend_tunings(args, backend):
             scales = _cache_scales(kv_dtype, device)
