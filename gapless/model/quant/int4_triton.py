@@ -27,9 +27,9 @@ against 530; the GEMV's too (then rounded to x's dtype as the dots' are: 415 ins
 by value as the dots per value do, with no 16-row dot tile of which 15 rows are padding: each value times
 x's column for it, loaded as a vector, into a float32 accumulator of the words' shape summed over K once
 at the end; its weights stay in float32 (not rounded to x's dtype as the dots' are, unless by PTX,
-above). In the sm_90 binary (bf16, 4 bits) its loop body is 503 instructions for 16 x
-64 words, where it was 1,916 (448 shuffles a step: x as a [1, K] tile, the weights moved into its layout
-and summed each step).
+above). In the sm_90 binary (bf16, 4 bits) its loop body is 503 instructions for 16 x 64 words, where it
+was 1,916 (448 shuffles a step: x as a [1, K] tile, the weights moved into its layout and summed each
+step).
 
 Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
 is split among programs, each writing float32 partial sums into its own slice of a [SPLIT, M, N] buffer,
