@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 T = TypeVar("T", bound="DataclassInstance")
 
 _SLACK_BYTES = 1 << 16
+ALIGN_BYTES = 16  # where a batch's index vectors start in their buffer (`packed`)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -57,8 +58,17 @@ def _map_value(v: Any, fn: Callable[[Any], Any], kind: type) -> Any:
 
 def packed(*parts: torch.Tensor) -> list[torch.Tensor]:
     """1-D tensors of one dtype as views of one new buffer, so that the batch moves in one copy (and no
-    view shares memory with the tensors it came from)."""
-    return list(torch.cat(parts).split([p.shape[0] for p in parts]))
+    view shares memory with the tensors it came from). Each view starts `ALIGN_BYTES`-aligned (the
+    parts padded with zeros to a multiple of it): Triton compiles a kernel apart for each pattern of
+    16-byte alignment among its pointers, so views at any offset would compile the batch's kernels
+    again, mid-run, whenever the vectors' lengths fell a new way."""
+    step = max(1, ALIGN_BYTES // parts[0].element_size())
+    pad = torch.zeros(step - 1, dtype=parts[0].dtype, device=parts[0].device)
+    sizes = [p.shape[0] for p in parts]
+    tails = [-n % step for n in sizes]
+    buf = torch.cat([x for p, t in zip(parts, tails) for x in (p, pad[:t])])
+    chunks = buf.split([n + t for n, t in zip(sizes, tails)])
+    return [c[:n] for c, n in zip(chunks, sizes)]
 
 
 def _moves_whole(t: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from gapless.engine.spec.inputs import HistoryWrites, VerifyInputs
 from gapless.sampling.logprobs import PromptLogprob, PromptScoreAsk, host_scores
 from gapless.sampling.mask import TokenMask
 from gapless.sampling.rows import RowParams, SampleFlags
+from gapless.tensors import ALIGN_BYTES
 
 if TYPE_CHECKING:
     from gapless.engine.vision import ImageBatch, RopeBatch
@@ -144,6 +145,12 @@ class DecodeVectors(NamedTuple, Generic[V]):
 DECODE_VECTORS = len(DecodeVectors._fields)
 
 
+def decode_width(n: int) -> int:
+    """The row pitch, in elements, of the [DECODE_VECTORS, width] buffer of a decode of `n` requests: `n`
+    padded so that every vector starts `ALIGN_BYTES`-aligned, as `gapless.tensors.packed` starts them."""
+    return n + -n % (ALIGN_BYTES // 8)
+
+
 def decode_batch(
     vectors: DecodeVectors[torch.Tensor],
     max_seq_len: int,
@@ -182,27 +189,28 @@ _OPTIONAL_FIELDS = [
 
 
 def plain_decode_buffer(batch: ForwardBatch) -> torch.Tensor | None:
-    """The [DECODE_VECTORS, B] buffer whose rows are the index vectors of `batch`, when `batch` is a plain
-    decode made by `decode_batch` from one such buffer and nothing else rides with it (every optional
-    field at its default: no table writes, mask, new rows or speculative inputs); else None. Such a
-    batch travels to the device process as its buffer's bytes and three scalars' worth of header
-    (`gapless.engine.stream.process`) instead of a pickled dataclass of views: the launch's largest cost
-    at 256 rows."""
+    """The [DECODE_VECTORS, decode_width(B)] buffer whose rows hold the index vectors of `batch`, when
+    `batch` is a plain decode made by `decode_batch` from one such buffer and nothing else rides with it
+    (every optional field at its default: no table writes, mask, new rows or speculative inputs); else
+    None. Such a batch travels to the device process as its buffer's bytes and four scalars' worth of
+    header (`gapless.engine.stream.process`) instead of a pickled dataclass of views: the launch's
+    largest cost at 256 rows."""
     if not batch.is_decode or any(getattr(batch, f.name) != default for f, default in _OPTIONAL_FIELDS):
         return None
-    rows, n = batch.rows, batch.rows.shape[0]
+    rows, width = batch.rows, decode_width(batch.rows.shape[0])
     storage = rows.untyped_storage()
-    if rows.device.type != "cpu" or rows.storage_offset() != 0 or storage.nbytes() != DECODE_VECTORS * n * 8:
+    if rows.device.type != "cpu" or rows.storage_offset() or storage.nbytes() != DECODE_VECTORS * width * 8:
         return None
-    buf = torch.empty(0, dtype=torch.int64).set_(storage, 0, (DECODE_VECTORS, n), (n, 1))
+    buf = torch.empty(0, dtype=torch.int64).set_(storage, 0, (DECODE_VECTORS, width), (width, 1))
     if batch.sample_steps.data_ptr() != buf[DECODE_VECTORS - 1].data_ptr():  # not decode_batch's layout
         return None
     return buf
 
 
-def decode_from_bytes(data: bytes, max_seq_len: int, sampling: SampleFlags | None) -> ForwardBatch:
-    """The decode batch `plain_decode_buffer` found, from its buffer's bytes (a writable copy)."""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.int64).view(DECODE_VECTORS, -1)
+def decode_from_bytes(data: bytes, n: int, max_seq_len: int, sampling: SampleFlags | None) -> ForwardBatch:
+    """The decode batch of `n` requests `plain_decode_buffer` found, from its buffer's bytes (a writable
+    copy)."""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.int64).view(DECODE_VECTORS, -1)[:, :n]
     return decode_batch(DecodeVectors(*buf.unbind(0)), max_seq_len, sampling)
 
 

@@ -39,7 +39,7 @@ from gapless.engine.batch import TableWrites
 from gapless.engine.request import Req
 from gapless.engine.scheduler.build import BatchBuilder
 from gapless.engine.scheduler.kv import DecodeSlots
-from gapless.tensors import dataclass_to_device, packed
+from gapless.tensors import ALIGN_BYTES, dataclass_to_device, map_tensors, packed
 from gapless.testing.hf_reference import make_prompts
 
 aten = torch.ops.aten
@@ -188,7 +188,9 @@ LOOPS = {
 def test_device_job_never_syncs(ckpt_factory, loop):
     """Extends with cached prefixes and chunks, decodes eager (6 rows) and through the graph runner's
     padded buffers (<= 4 rows), every sampling stage, penalties, logprobs and prompt logprobs (scored in
-    chunks of 32): no host sync anywhere."""
+    chunks of 32): no host sync anywhere. And every vector of every batch starts 16-byte aligned in its
+    buffer, as its device copy will (Triton compiles a kernel apart for each pattern of 16-byte
+    alignment among its pointers: views at any offset compiled again mid-run)."""
     path = str(ckpt_factory("llama"))
     with LLM(
         path,
@@ -204,6 +206,7 @@ def test_device_job_never_syncs(ckpt_factory, loop):
         run = runner.run
 
         def watched(batch):
+            assert not _misaligned(batch)
             with forbid_host_syncs():
                 return run(batch)
 
@@ -217,6 +220,35 @@ def test_device_job_never_syncs(ckpt_factory, loop):
         assert runner.graphs is not None and sum(runner.graphs.runs.values()) > 0
         assert llm.engine.stats.decode_batches > sum(runner.graphs.runs.values())  # eager decodes too
         llm.check_integrity()
+
+
+def _misaligned(batch) -> list[str]:
+    """The batch's tensors (nested ones too) that start at an offset of their buffer that is not a
+    multiple of `ALIGN_BYTES`, with their offsets."""
+    found: list[str] = []
+
+    def check(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() and t.storage_offset() * t.element_size() % ALIGN_BYTES:
+            found.append(f"{tuple(t.shape)} {t.dtype} at byte {t.storage_offset() * t.element_size()}")
+        return t
+
+    map_tensors(batch, check)
+    return found
+
+
+def test_packed_views_start_aligned():
+    """`packed` pads each part so that every view starts `ALIGN_BYTES` into its buffer, whatever the
+    parts' lengths, and keeps their values; a decode's buffer pads its rows the same way."""
+    parts = [torch.arange(n) + 10 * n for n in (3, 1, 0, 5, 2)]
+    views = packed(*parts)
+    assert [v.tolist() for v in views] == [p.tolist() for p in parts]
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    assert [v.storage_offset() * 8 % ALIGN_BYTES for v in views] == [0] * 5
+    assert [v.storage_offset() for v in packed(*(p.int() for p in parts))] == [0, 4, 8, 8, 16]
+    reqs = [Req(str(i), [1, 2, 3], SamplingParams(), seed=i, arrival=i, row=i, sampled=i) for i in range(3)]
+    slots = DecodeSlots(np.array([0, 1, 2]), np.array([3, 4, 5]), np.array([30, 40, 50]))
+    batch = BatchBuilder(4, 100).decode(reqs, slots, None).forward
+    assert not _misaligned(batch) and batch.positions.tolist() == [3, 4, 5]
 
 
 class _HostToDevice(TorchDispatchMode):

@@ -18,7 +18,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from gapless.engine.batch import DecodeVectors, ForwardBatch, PenaltyInit, TableWrites, decode_batch
+from gapless.engine.batch import (
+    DECODE_VECTORS,
+    DecodeVectors,
+    ForwardBatch,
+    PenaltyInit,
+    TableWrites,
+    decode_batch,
+    decode_width,
+)
 from gapless.engine.pooling import PooledReq, plan_pool
 from gapless.engine.prompt_logprobs import Scored, plan_scores
 from gapless.engine.request import Extend, Req
@@ -110,15 +118,15 @@ class BatchBuilder:
         """The decode batch of `reqs`, whose new tokens' KV slots `slots` holds. Moves state at schedule
         time: each request's `sampled` counts this batch's token."""
         n = len(reqs)
-        buf = np.empty((len(DecodeVectors._fields), n), dtype=np.int64)
-        host = DecodeVectors(*buf)  # views of the buffer's rows, by name
+        buf = torch.zeros(DECODE_VECTORS, decode_width(n), dtype=torch.int64)[:, :n]
+        host = DecodeVectors(*buf.numpy())  # views of the buffer's rows, by name
         host.rows[:], host.positions[:], host.out_slots[:] = slots.rows, slots.positions, slots.out
         host.ones[:] = 1
         host.token_index[:] = np.arange(n)
         host.steps[:] = steps = [r.sampled for r in reqs]
         for r in reqs:
             r.sampled += 1
-        vectors = DecodeVectors(*torch.from_numpy(buf).unbind(0))
+        vectors = DecodeVectors(*buf.unbind(0))
         if table_writes is not None:  # (after a retraction's drain) in the same buffer, to keep one copy
             vectors, table_writes = pack_groups(vectors, table_writes)
         flags = self.stages.flags(slots.rows)

@@ -90,14 +90,14 @@ def start_module(module: str, payload: object) -> Child:
 
 
 class _DecodeOnWire:
-    """A plain decode batch as it crosses the pipe: its buffer's bytes, its longest sequence and its
-    sampling flags. Unpickled, it is the `ForwardBatch` again (`decode_from_bytes`), so every reader of
-    the pipe (the device process, a tensor-parallel rank) gets the batch it always got."""
+    """A plain decode batch as it crosses the pipe: its buffer's bytes, its size, its longest sequence
+    and its sampling flags. Unpickled, it is the `ForwardBatch` again (`decode_from_bytes`), so every
+    reader of the pipe (the device process, a tensor-parallel rank) gets the batch it always got."""
 
     __slots__ = ("args",)
 
     def __init__(self, buf: torch.Tensor, batch: ForwardBatch) -> None:
-        self.args = (buf.numpy().tobytes(), batch.max_seq_len, batch.sampling)
+        self.args = (buf.numpy().tobytes(), batch.rows.shape[0], batch.max_seq_len, batch.sampling)
 
     def __reduce__(self) -> tuple:
         return decode_from_bytes, self.args
