@@ -11,16 +11,16 @@
 #      tok/s); then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3. decode attention alone over each KV cache, batches of 8, 64 and 256, pages of 1 and 16 tokens
-#      (`gapless.bench.kernels`)
-#   4. the FP8 GEMM's tiles, K splits and ways of rounding x at 1, 32 and 128 rows, and its GEMV's at one
-#      row (`fp8_gemm.py --sweep`)
-#   5. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm, gemlite) against bf16 on
-#      Llama-3-8B's layers, from decode to prefill sizes (`gapless.bench.int4_gemm`)
-#   6. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM);
+#   3. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM);
 #      int4 TPOT through the Triton GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no
 #      ratio); the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and
-#      128 rows (bench/experiments/fp8_gemm.py); Qwen3-8B's int4 TPOT on gemlite
+#      128 rows (bench/experiments/fp8_gemm.py)
+#   4. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm) against bf16 on Llama-3-8B's
+#      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`)
+#   5. decode attention alone over each KV cache, batches of 8, 64 and 256, pages of 1 and 16 tokens
+#      (`gapless.bench.kernels`)
+#   6. the FP8 GEMM's tiles, K splits and ways of rounding x at 1, 32 and 128 rows, and its GEMV's at one
+#      row (`fp8_gemm.py --sweep`); Qwen3-8B's int4 TPOT on gemlite
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
 # bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each run), fp8_sweep.log,
 # fp8_gemm.log, int4_gemm.log, kv_attention.log. bench/gpu_session.sh's `all` part calls it first (step
@@ -108,38 +108,9 @@ GAPLESS_FP8_GEMV_ROWS=0 tpot 40 qwen3-0.6b fp8_tiles --profile --engine-option q
 fi
 
 if phase tables; then
-# what decides a default first (the decode-attention sweep over each cache, the FP8 GEMM's sweep with its
-# GEMV, the int4 GEMMs with theirs), then what no GPU has run (the mixture), then the rest
-# decode attention alone over a bf16 and an fp8 cache: batches of 256 (nano-vllm's full batch), 64 and 8
-# (its tail, where K is split), 1k and 4k contexts, pages of 1 token (the engine's default, which the FP8
-# KV run above uses) and 16, at the kernel's defaults: an fp8 cache's values in pairs at 64-key blocks
-# (`DecodeTuning.values_in_pairs`, on since an H200 timed them at 0.83x the time of the values read a
-# byte at a time at batch 256, pages of 16: bench/results/h200-2026-11-27-gemv; the FP8 KV run of that
-# call, before the change, took 0.92x bf16's tok/s, its device time a step up: this table says where the
-# fp8 kernel loses); extend attention over each cache at 2,048 tokens (prefill reads the cache too)
-# (`gapless.bench.kernels`; its other tables cut to their smallest)
-other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 8 64 256 --context 1024 4096 \
-  --page-size 1 16 --kv-cache-dtype auto fp8 --tokens 16 --extend-tokens 2048 --sample-batch 1 \
-  --json "$OUT/kv_attention.json"
-awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
-
-# the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs, x rounded by a
-# launch, the fastest on an H200: bench/results/h200-2026-11-27), and past 16 rows the tiles, the K split
-# (64x128 split, the default to 128 rows since that sweep) and x rounded in the loop or by a launch first
-# (no GPU has timed rows between 17 and 127); at one row the FP8 GEMV too, its (BN, warps), 512 and 1024
-# programs, x by a launch or in its registers
-other 100 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
-grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
-
-# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
-# prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
-# GEMM's above: this checks where they cross); at one row also the Triton GEMV (`--block-m 1`: the CUDA
-# cores, x as a vector; 503 instructions a loop body in the sm_90 binary where it was 1,916 when an H200
-# timed it at 2.9-4.4x bf16's time), and the dots' values dequantized by PTX (`--ptx-values`: 338
-# instructions a loop body at one row against 530; the same bits)
-other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 --block-m 0 1 \
-  --ptx-values 0 1 --kernels triton tinygemm gemlite --json "$OUT/int4_gemm.json"
-grep -E '^\|' "$OUT/int4_gemm.log" 2>/dev/null | tee -a "$LOG"
+# what no GPU has run first (the mixture quantized), then the int4 GEMMs' table, the TPOT and FP8 tables,
+# and last the two sweeps that decided today's defaults (an H200 ran them on 4e5a5eb:
+# bench/results/h200-2026-11-27-default), to see them again after a change to their kernels
 
 # the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU
 # has run these yet)
@@ -155,6 +126,35 @@ GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 # each program
 other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
 grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
+
+# the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
+# prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
+# GEMM's above: this checks where they cross); at one row also the Triton GEMV (`--block-m 1`: the CUDA
+# cores, x as a vector; 503 instructions a loop body in the sm_90 binary where it was 1,916 when an H200
+# timed it at 2.9-4.4x bf16's time), and the dots' values dequantized by PTX (`--ptx-values`: 338
+# instructions a loop body at one row against 530; the same bits)
+# (gemlite's kernels are left to their TPOT run below: their first call tunes for longer than this step's
+# limit, and with them in its list the table printed no row in 60 s on an H200)
+other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2048 --block-m 0 1 \
+  --ptx-values 0 1 --kernels triton tinygemm --json "$OUT/int4_gemm.json"
+tee -a "$LOG" <"$OUT/int4_gemm.log" 2>/dev/null
+
+# decode attention alone over a bf16 and an fp8 cache: batches of 256 (nano-vllm's full batch), 64 and 8
+# (its tail, where K is split), 1k and 4k contexts, pages of 1 token (the engine's default, which the FP8
+# KV run above uses) and 16, at the kernel's defaults (an fp8 cache's values in pairs at 64-key blocks:
+# 0.75x bf16's time at batch 256 on an H200); extend attention over each cache at 2,048 tokens (prefill
+# reads the cache too) (`gapless.bench.kernels`; its other tables cut to their smallest)
+other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 8 64 256 --context 1024 4096 \
+  --page-size 1 16 --kv-cache-dtype auto fp8 --tokens 16 --extend-tokens 2048 --sample-batch 1 \
+  --json "$OUT/kv_attention.json"
+awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
+
+# the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs, x rounded by a
+# launch), and at 32 and 128 rows the tiles (64x64 split, the default to 128 rows), the K split and x
+# rounded in the loop or by a launch first; at one row the FP8 GEMV too, its (BN, warps, steps), 512 and
+# 1024 programs, x by a launch, in its registers or in fp16
+other 100 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
+grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
 
 # int4 through gemlite's kernels (its wheel; its first call tunes for up to a minute, so last; on an H100
 # 0.59x bf16's TPOT against tinygemm's 0.50x: bench/results/h100-2026-11-26/quant)

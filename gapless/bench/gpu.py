@@ -191,6 +191,12 @@ def _copy_tb_s(device: str) -> float | None:
     return copy_tb_s(2**30, torch.device(device), argparse.Namespace(iters=20, warmup=3))
 
 
+def _compiled(names: list[str]) -> str:
+    """`triton_compiles`' names as a phrase: "nothing", or each kernel with its count."""
+    counts = {n: names.count(n) for n in dict.fromkeys(names)}
+    return ", ".join(f"{n} x{c}" for n, c in counts.items()) or "nothing"
+
+
 def _interrupted(e: BaseException | None) -> bool:
     """Whether `e` is, or was raised while handling, a KeyboardInterrupt (an error raised by some cleanup
     after an interrupt would otherwise hide it)."""
@@ -343,7 +349,8 @@ class _Bench:
         cli.progress(
             f"{run.label}: {g['output_tokens_per_s']:.0f} tok/s in {g['wall_s']:.2f} s "
             f"(load {g['load_s']:.1f} s, warm-up {g['warmup_s']:.1f} s), "
-            f"idle {pct(g['device_idle_fraction'])}, {g['retractions']} retractions"
+            f"idle {pct(g['device_idle_fraction'])}, {g['retractions']} retractions, "
+            f"Triton compiled {_compiled(g['triton_compiles'])} in the timed run"
         )
         return g
 

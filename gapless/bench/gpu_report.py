@@ -107,6 +107,8 @@ def _gapless_row(key: str, g: dict[str, Any]) -> list[str]:
     )
     if g.get("peak_gib") is not None:
         notes += f"; peak {g['peak_gib']} GiB"
+    if g.get("triton_compiles"):  # (each one seconds of host time the warm-up should have taken)
+        notes += f"; {len(g['triton_compiles'])} Triton compiles in the timed run"
     return [
         LABELS[key],
         str(g["requests"]),

@@ -12,6 +12,8 @@ import dataclasses
 import gc
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +201,7 @@ def run_gapless(
         gc.collect()
         gc_before = gc_pauses().pause_s
         _sync(llm.engine.info.device)
-        with OtherLoad() as others:
+        with OtherLoad() as others, triton_compiles() as compiled:
             t0 = time.perf_counter()
             if prof is not None:
                 prof.enable()
@@ -238,10 +240,39 @@ def run_gapless(
         device_idle_s=meter["device_idle_s"],
         device_jobs=meter["device_jobs"],
         host_s=meter["host_s"],
+        triton_compiles=compiled,
         engine_options={k: v for k, v in opts.items() if k != "kv_cache_tokens"},
         stats=stats,
         meter=meter,
     )
+
+
+@contextmanager
+def triton_compiles() -> Iterator[list[str]]:
+    """The names of the Triton kernels compiled inside the block, one per compilation (none recorded
+    where this Triton has no `knobs.runtime.jit_cache_hook`). Triton compiles a kernel again for each new
+    set of constexprs, argument types and pointer alignments, seconds of host time each: in a timed run,
+    a stall the warm-up should have taken."""
+    names: list[str] = []
+    try:
+        from triton import knobs
+
+        runtime = knobs.runtime
+        before = runtime.jit_cache_hook
+    except (ImportError, AttributeError):
+        yield names
+        return
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        fn = kwargs.get("fn")
+        names.append(getattr(fn, "name", "?"))
+        return before(*args, **kwargs) if before is not None else None  # None: compile it
+
+    runtime.jit_cache_hook = hook
+    try:
+        yield names
+    finally:
+        runtime.jit_cache_hook = before
 
 
 def hf_generate(model: Any, prompts: list[list[int]], max_new: int, pad: int) -> torch.Tensor:

@@ -47,6 +47,7 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
         assert 0.0 < g["busy_fraction_of_wall"] <= 1.0
         assert g["decode_batches"] + g["prefill_batches"] == g["steps"] > 0
         assert g["warmup_requests"] == gpu.QUICK_WARMUP[0]
+        assert g["triton_compiles"] == []  # (the interpreter compiles nothing; the sm_90 harness test does)
     assert res["greedy"]["engine_options"]["overlap"] != res["plain"]["engine_options"]["overlap"]
     assert res["sampling"]["qwen3"] == dict(temperature=0.6, top_k=20, top_p=0.95)
     assert res["sampling"]["sampled"] == dict(temperature=0.6) and res["copy_tb_s"] is None
@@ -80,7 +81,11 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     for key in gpu.RUNS:
         gpu_report.derive(fake[key], fake["model_info"], fake["workload"]["decode_kv_tokens_read"], 3.0)
         assert fake[key]["decode_read_vs_copy"] == fake[key]["decode_read_tb_per_s"] / 3.0
+    fake["greedy"]["triton_compiles"] = ["_extend_kernel", "_extend_kernel"]
     report = gpu.format_report(fake)
+    assert "2 Triton compiles in the timed run" in report
+    names = fake["greedy"]["triton_compiles"] + ["_draw_kernel"]
+    assert gpu._compiled(names) == "_extend_kernel x2, _draw_kernel x1"
     assert "NVIDIA H100 80GB HBM3 (79.2 GiB, 132 SMs, sm_90, driver 580.159.04), CUDA 13.0" in report
     assert "GPU idle" in report and "FAILED: OutOfMemoryError" in report and "3.00 TB/s" in report
     assert fake["ratios"]["gapless_vs_transformers"] is None and "overlap / no overlap" in report

@@ -107,9 +107,9 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, five runs of the issue's targets,
             *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs,
             *["gapless.bench.quant"] * 2,  # the small shape's FP8, with and without its GEMV; its tables:
-            "gapless.bench.kernels",  # decode attention over each cache, (the FP8 sweep: a script)
-            "gapless.bench.int4_gemm",  # the int4 GEMMs,
             *["gapless.bench.quant"] * 4,  # the mixture's three, int4 on the Triton GEMM, (the FP8 GEMM)
+            "gapless.bench.int4_gemm",  # the int4 GEMMs,
+            "gapless.bench.kernels",  # decode attention over each cache, (the FP8 sweep: a script)
             "gapless.bench.quant",  # gemlite's run,
             "gapless.bench.quant",  # the report
             "gapless.bench.gpu",  # gpu_bench.sh's one benchmark
@@ -233,15 +233,19 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
-    """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): the sweeps that decide
-    defaults first (decode attention over each KV cache, the FP8 GEMM's, the int4 GEMMs' with PTX
-    values), no TPOT run of the targets, no nano-vllm run; the targets phase alone the reverse."""
+    """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): what no GPU has run first
+    (the mixture quantized), the int4 GEMMs' table (without gemlite, whose first call tunes past the
+    step's limit), the sweeps last; no TPOT run of the targets, no nano-vllm run; the targets phase alone
+    the reverse."""
     (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
-    assert tables[1][:2] == ["-m", "gapless.bench.kernels"] and "fp8" in tables[1]  # (over each KV cache)
-    assert tables[2][0].endswith("fp8_gemm.py") and "--sweep" in tables[2]  # (what decides defaults first)
-    assert tables[3][:2] == ["-m", "gapless.bench.int4_gemm"] and "--ptx-values" in tables[3]
+    assert [c[3].rsplit("/", 1)[1] for c in tables[1:4]] == ["qwen3-30b-a3b"] * 2 + ["qwen3-30b-a3b-awq"]
+    int4_gemm, attention, sweep = tables[6:9]
+    assert int4_gemm[:2] == ["-m", "gapless.bench.int4_gemm"] and "--ptx-values" in int4_gemm
+    assert "gemlite" not in int4_gemm
+    assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
+    assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep
     runs = [c for c in tables if c[:3] == ["-m", "gapless.bench.quant", "run"]]
     assert runs and not any("--profile" in c for c in runs)  # (the targets' runs are profiled)
     assert not any("gapless.bench.gpu" in c for c in tables)
