@@ -429,7 +429,7 @@ def _extend_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ml_b", "stride_ml_h"])  # (docs/gpu.md#no-compile-mid-run)
 def _decode_split_kernel(
     Q,
     K,

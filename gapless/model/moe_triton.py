@@ -121,7 +121,7 @@ def _tile_product(
     return part
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries"])  # (docs/gpu.md#no-compile-mid-run)
 def _grouped_gemm_kernel(
     A,
     W,

@@ -60,7 +60,7 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr):
     tl.store(s_ptr + row * tl.num_programs(1) + g + tl.arange(0, 1), scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (docs/gpu.md#no-compile-mid-run)
 def _fp8_gemm_kernel(
     x_ptr,
     xq_ptr,
@@ -181,7 +181,7 @@ def _store_y(acc, y_ptr, b_ptr, offs_m, offs_n, n_ok, ok, stride_ym, HAS_BIAS: t
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (docs/gpu.md#no-compile-mid-run)
 def _fp8_gemv_kernel(
     x_ptr,
     xq_ptr,

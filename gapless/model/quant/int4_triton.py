@@ -134,7 +134,7 @@ def _accumulate(acc, x, w, IEEE: tl.constexpr, AS_FP32: tl.constexpr):
     return acc + tl.dot(x, w)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (docs/gpu.md#no-compile-mid-run)
 def _w4a16_kernel(
     X,
     Qw,
