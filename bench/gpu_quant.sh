@@ -4,11 +4,10 @@
 #   targets
 #   1. TPOT at batch 1 against bf16 (`gapless.bench.quant`; random weights, `load_format=dummy`: nothing
 #      written or read), each run in its own process and profiled: FP8 weights (`--quantization fp8`) on
-#      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6; each also without the one-row FP8
-#      GEMV, `GAPLESS_FP8_GEMV_ROWS=0`), int4 w4a16 (AWQ g128) on Qwen3-8B's (target: <= 0.4) through the
-#      default (`auto`: torch's tinygemm at decode rows)
+#      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6), int4 w4a16 (AWQ g128) on
+#      Qwen3-8B's (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
-#      tok/s); then Qwen3-0.6B's FP8
+#      tok/s), each with 16 decode steps profiled; then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM);
@@ -84,27 +83,24 @@ if phase targets; then
 tpot 45 qwen3-0.6b bf16 --profile  # (first: a cold machine's start-up falls on the smallest model)
 tpot 50 qwen3-8b bf16 --profile
 tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
-# the default's one row on the CUDA cores where the weight is small (qkv and o: the FP8 GEMV, x rounded in
-# its registers, no launch), against the 16-row tiles everywhere (GAPLESS_FP8_GEMV_ROWS=0, the default
-# until the H200's sweep of 2026-11-27 (bench/results/h200-2026-11-27-gemv): 3.611 ms there; the GEMV on
-# every layer took 3.897)
-GAPLESS_FP8_GEMV_ROWS=0 tpot 45 qwen3-8b fp8_tiles --profile --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
-# the bf16 KV cache's run just before it on the same machine
-# (the H100's FP8 run wrote its table and was cut at 55 s on its way out: 60)
+# the bf16 KV cache's run just before it on the same machine; each run then profiles 16 decode steps of
+# its 256 requests at once (`--profile-steps`: each kernel's device time a step, attention's against the
+# rest), and names any Triton compile in its timed run (an H200's fp8 run of 4e5a5eb lost 0.66 s of
+# host time to them in prefill: bench/results/h200-2026-11-27-default)
 for kv in auto fp8; do
-  other 60 "kv_$kv" env OUT="$OUT/kv_$kv" GPU_BENCH_TIMEOUT=55 PY="$PY" bash bench/gpu_bench.sh --skip-hf \
-    --runs greedy --kv-cache-dtype "$kv"
-  grep -E '^\| gapless' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
+  other 75 "kv_$kv" env OUT="$OUT/kv_$kv" GPU_BENCH_TIMEOUT=70 PY="$PY" bash bench/gpu_bench.sh --skip-hf \
+    --runs greedy --kv-cache-dtype "$kv" --profile-steps 16
+  grep -E '^\| gapless|Triton compiled' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
+  sed -n '/a decode step of every request/,/^$/p' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
 done
 
-# the small shape's FP8: its target is out of reach (docs/gpu.md; 1.05-1.07x bf16 on an H200), its profile
-# says how far; every layer of it is under the GEMV's bound (no rounding launch), against the tiles
+# the small shape's FP8 (every layer under the GEMV's bound: no rounding launch; 0.75x bf16's TPOT on an
+# H200, 1.01x without the GEMV: bench/results/h200-2026-11-27-default)
 say ""
 tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
-GAPLESS_FP8_GEMV_ROWS=0 tpot 40 qwen3-0.6b fp8_tiles --profile --engine-option quantization=fp8
 fi
 
 if phase tables; then

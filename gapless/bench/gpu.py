@@ -19,7 +19,10 @@ batch to its longest output). For gapless it reports output tokens/s, wall time,
 while requests were pending), host and device ms per step, the bytes decode read per second against a
 device copy measured in the same run, the KV pool and any retraction; then the ratios and the machine.
 It prints a markdown table for the README and rewrites `--json` after every run, so a run cut short
-keeps what finished.
+keeps what finished. Each gapless run names the Triton kernels compiled in its timed run (seconds of host
+time each; the warm-up should have taken them), and with `--profile-steps N` it then runs N decode steps
+of every request at once under torch.profiler (`gapless.bench.timing.decode_profile`): each kernel's
+device time a step, tabled after the report.
 """
 
 from __future__ import annotations
@@ -106,6 +109,14 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"the gapless runs, in this order (default all: {' '.join(RUNS)})",
     )
     g.add_argument("--skip-plain", action="store_true", help="leave out the run without overlap (plain)")
+    g.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each gapless run, N decode steps over every request at once under torch.profiler: "
+        "each kernel's device time a step (default 0: none)",
+    )
     h = p.add_argument_group("transformers")
     h.add_argument("--skip-hf", action="store_true", help="run gapless only")
     h.add_argument(
@@ -344,6 +355,7 @@ class _Bench:
             dtype=args.dtype,
             warmup=self.warm,
             sampling=run.sampling,
+            profile_steps=args.profile_steps,
         )
         derive(g, self.info, self.kv_read, self.res["copy_tb_s"])
         cli.progress(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from gapless.bench import cli
+from gapless.bench import cli, timing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,5 +226,22 @@ def format_report(res: dict[str, Any]) -> str:
         "decode read: KV and weights over the wall time (prefill included: a lower bound).",
         "",
         *_verdict(res),
+        *_profiles(res),
     ]
     return "\n".join(lines)
+
+
+def _profiles(res: dict[str, Any]) -> list[str]:
+    """Each gapless run's `kernel_profile` (`--profile-steps`), a table under a line of its kinds."""
+    lines = []
+    for key in RUNS:
+        prof = (res.get(key) or {}).get("kernel_profile")
+        if prof:
+            kinds = ", ".join(f"{kind} {us:.0f}" for kind, us in prof["kinds"].items())
+            lines += [
+                "",
+                f"{LABELS[key]}: kernels {prof['us_per_step']:.0f} us a decode step of every request at once "
+                f"(`--profile-steps`, after the timed run): {kinds}",
+                *timing.profile_table(prof, "step"),
+            ]
+    return lines

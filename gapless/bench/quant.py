@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,18 +72,6 @@ AWQ_SUFFIX = "-awq"
 AWQ_G128 = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
 AWQ_SHAPES = ("qwen3-8b", "qwen3-30b-a3b")
 PROMPT_LEN = 128
-PROFILE_TOP = 12  # kernels a profile lists by name (the rest summed)
-# what a profile sums each kernel (each op on the CPU) under, by its name, the first that matches: the
-# linear layers (cuBLAS's, gapless's FP8 and int4 GEMMs and FP8's rounding of x, tinygemm, gemlite; on the
-# CPU torch's matmuls), the attention, everything else
-KINDS = {
-    "GEMMs": re.compile(
-        r"gemm|gemv|nvjet|xmma|cutlass|cublas|w4a16|tinygemm|int4pack|_fp8_quant|splitk"
-        r"|aten::mm|addmm|linear|matmul",
-        re.I,
-    ),
-    "attention": re.compile(r"decode|extend|attention|attn|flash|scaled_dot_product", re.I),
-}
 
 
 def make(out: Path) -> list[Path]:
@@ -111,27 +97,6 @@ def make(out: Path) -> list[Path]:
     return made
 
 
-def decode_profile(timed: Callable[[int], object], tokens: int, device: str) -> dict[str, Any]:
-    """What a decode token costs kernel by kernel: `timed(1 + tokens)` and `timed(1)` (a request of that
-    many output tokens) under torch.profiler, each kernel's time and calls in the second taken from the
-    first's, over `tokens`, as TPOT is. `us_per_token`: the sum; `kinds`: its share under each of `KINDS`
-    and "other"; `ops`: the `PROFILE_TOP` costliest [name, us, calls] a token; `other_us`: the rest's sum."""
-    long = timing.op_times(lambda: timed(1 + tokens), device)
-    short = timing.op_times(lambda: timed(1), device)
-    per_token: dict[str, tuple[float, float]] = {}
-    for name, (us, calls) in long.items():
-        us0, calls0 = short.get(name, (0.0, 0))
-        if us > us0:
-            per_token[name] = ((us - us0) / tokens, (calls - calls0) / tokens)
-    ranked = sorted(per_token.items(), key=lambda kv: kv[1][0], reverse=True)
-    top = [(name[:90], us, calls) for name, (us, calls) in ranked[:PROFILE_TOP]]
-    total = sum(us for us, _ in per_token.values())
-    kinds = dict.fromkeys([*KINDS, "other"], 0.0)
-    for name, (us, _) in per_token.items():
-        kinds[next((kind for kind, pattern in KINDS.items() if pattern.search(name)), "other")] += us
-    return dict(us_per_token=total, kinds=kinds, ops=top, other_us=total - sum(us for _, us, _ in top))
-
-
 def run(
     path: Path,
     options: dict[str, Any],
@@ -141,7 +106,7 @@ def run(
     profile: bool = False,
 ) -> dict[str, Any]:
     """One engine on `path`'s shape with random weights: its TPOT at batch 1, and with `profile` its
-    `decode_profile` (see the module's docstring)."""
+    `timing.decode_profile` (see the module's docstring)."""
     from gapless import LLM, SamplingParams
 
     opts: dict[str, Any] = dict(
@@ -166,7 +131,7 @@ def run(
         timed(1 + tokens)  # warm-up: kernels compiled, graphs replayed once
         tpots = [(timed(1 + tokens) - timed(1)) / tokens for _ in range(repeats)]
         info = llm.engine.info
-        prof = decode_profile(timed, tokens, device) if profile else None
+        prof = timing.decode_profile(timed, tokens, device) if profile else None
     # the kernel choices the environment made for this run, where not the defaults
     kernels = {
         v.name: v.get() for v in (env.INT4_KERNEL, env.FP8_DECODE, env.FP8_GEMV_ROWS) if v.get() != v.default
@@ -213,15 +178,13 @@ def _profile_lines(r: dict[str, Any]) -> list[str]:
     if not prof:
         return []
     tpot_us = r["tpot_ms"] * 1e3
-    busy = prof["us_per_token"]
-    rows = [(name, f"{us:.1f}", f"{calls:g}") for name, us, calls in prof["ops"]]
-    rows.append(("(the rest)", f"{prof['other_us']:.1f}", ""))
+    busy = prof["us_per_step"]
     name = f"{r['shape']} {_weights(r)}"
     kinds = ", ".join(f"{kind} {us:.0f}" for kind, us in prof["kinds"].items())
     return [
         f"\n{name}: kernels {busy:.0f} us a token of TPOT's {tpot_us:.0f} ({busy / tpot_us:.0%}; the rest "
         f"idle between kernels or waiting on the host): {kinds}",
-        *cli.markdown_table(("kernel", "us a token", "calls a token"), rows, "lrr"),
+        *timing.profile_table(prof, "token"),
     ]
 
 

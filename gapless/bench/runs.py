@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gapless.bench import timing
 from gapless.bench.workload import Workload
 from gapless.engine.heap import gc_pauses
 
@@ -162,9 +163,12 @@ def run_gapless(
     dtype: str = "float32",
     warmup: Workload = WARMUP,
     sampling: dict[str, Any] | None = None,
+    profile_steps: int = 0,
 ) -> dict[str, Any]:
     """One `LLM.generate` over the whole workload, each request to exactly its output length, greedy
     unless `sampling` says otherwise (more `SamplingParams` fields: a temperature, top-k, a grammar).
+    With `profile_steps`, then `timing.decode_profile` of that many decode steps over every request at
+    once (their prompts rotated, so the prefix cache holds none of them): `kernel_profile`.
 
     `threads` goes to the engine's device side (on a CPU it may run in its own process, which does not
     inherit this process's `torch.set_num_threads`); `options` are further `LLM` options (they win over
@@ -213,6 +217,12 @@ def run_gapless(
         stats = _stats_delta(llm.engine.stats, before)
         meter = _meter(llm)
         meter["gc_pause_s"] = gc_pauses().pause_s - gc_before  # this process's collections meanwhile
+
+        def rotated(n: int) -> None:  # every request, n output tokens, its prompt rotated by n tokens
+            prompts = [p[n % len(p) :] + p[: n % len(p)] for p in work.prompts]
+            llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, **extra), use_tqdm=False)
+
+        kernels = timing.decode_profile(rotated, profile_steps, device) if profile_steps else None
         info = dataclasses.asdict(llm.engine.info)
         runner = llm.engine.runner  # None when the device side runs in its own process
         backend = type(getattr(runner, "backend", None)).__name__ if runner is not None else None
@@ -241,6 +251,7 @@ def run_gapless(
         device_jobs=meter["device_jobs"],
         host_s=meter["host_s"],
         triton_compiles=compiled,
+        kernel_profile=kernels,
         engine_options={k: v for k, v in opts.items() if k != "kv_cache_tokens"},
         stats=stats,
         meter=meter,

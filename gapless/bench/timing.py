@@ -1,17 +1,32 @@
-"""Device timing the microbenchmarks share: the median of a call, and a device copy's bandwidth (the
-yardstick a memory-bound kernel or a decode step is held against, measured in the same run)."""
+"""Device timing the benchmarks share: the median of a call, a device copy's bandwidth (the yardstick a
+memory-bound kernel or a decode step is held against, measured in the same run), and a decode step's
+cost kernel by kernel (`decode_profile`)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 
 REPLAYS = 5  # timed replays of the captured calls on CUDA; the median counts
+PROFILE_TOP = 12  # kernels a profile lists by name (the rest summed)
+# what a profile sums each kernel (each op on the CPU) under, by its name, the first that matches: the
+# linear layers (cuBLAS's, gapless's FP8 and int4 GEMMs and FP8's rounding of x, tinygemm, gemlite; on the
+# CPU torch's matmuls), the attention, everything else
+KINDS = {
+    "GEMMs": re.compile(
+        r"gemm|gemv|nvjet|xmma|cutlass|cublas|w4a16|tinygemm|int4pack|_fp8_quant|splitk"
+        r"|aten::mm|addmm|linear|matmul",
+        re.I,
+    ),
+    "attention": re.compile(r"decode|extend|attention|attn|flash|scaled_dot_product", re.I),
+}
 
 
 def median_us(fn: Callable[[], object], device: torch.device, args: argparse.Namespace) -> float:
@@ -101,3 +116,35 @@ def op_times(fn: Callable[[], object], device: str) -> dict[str, tuple[float, in
         fn()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     return {e.key: (float(getattr(e, attr)), e.count) for e in prof.key_averages() if getattr(e, attr) > 0}
+
+
+def decode_profile(timed: Callable[[int], object], steps: int, device: str) -> dict[str, Any]:
+    """What a decode step (a token of each request) costs kernel by kernel: `timed(1 + steps)` and
+    `timed(1)` (requests of that many output tokens, their prompts computed in both) under torch.profiler,
+    each kernel's time and calls in the second taken from the first's, over `steps`. `us_per_step`: the
+    sum; `kinds`: its share under each of `KINDS` and "other"; `ops`: the `PROFILE_TOP` costliest [name,
+    us, calls] a step; `other_us`: the rest's sum."""
+    long = op_times(lambda: timed(1 + steps), device)
+    short = op_times(lambda: timed(1), device)
+    per_step: dict[str, tuple[float, float]] = {}
+    for name, (us, calls) in long.items():
+        us0, calls0 = short.get(name, (0.0, 0))
+        if us > us0:
+            per_step[name] = ((us - us0) / steps, (calls - calls0) / steps)
+    ranked = sorted(per_step.items(), key=lambda kv: kv[1][0], reverse=True)
+    top = [(name[:90], us, calls) for name, (us, calls) in ranked[:PROFILE_TOP]]
+    total = sum(us for us, _ in per_step.values())
+    kinds = dict.fromkeys([*KINDS, "other"], 0.0)
+    for name, (us, _) in per_step.items():
+        kinds[next((kind for kind, pattern in KINDS.items() if pattern.search(name)), "other")] += us
+    return dict(us_per_step=total, kinds=kinds, ops=top, other_us=total - sum(us for _, us, _ in top))
+
+
+def profile_table(prof: dict[str, Any], unit: str) -> list[str]:
+    """`decode_profile`'s costliest kernels and the rest as a markdown table, each's us and calls a
+    `unit` ("token", "step")."""
+    from gapless.bench.cli import markdown_table
+
+    rows = [(name, f"{us:.1f}", f"{calls:g}") for name, us, calls in prof["ops"]]
+    rows.append(("(the rest)", f"{prof['other_us']:.1f}", ""))
+    return markdown_table(("kernel", f"us a {unit}", f"calls a {unit}"), rows, "lrr")

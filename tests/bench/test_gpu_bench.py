@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gapless.bench import cli, gpu, gpu_report
+from gapless.bench.runs import run_gapless
 from gapless.bench.workload import Workload, random_workload
 from gapless.testing import cached_checkpoint
 
@@ -82,14 +83,33 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
         gpu_report.derive(fake[key], fake["model_info"], fake["workload"]["decode_kv_tokens_read"], 3.0)
         assert fake[key]["decode_read_vs_copy"] == fake[key]["decode_read_tb_per_s"] / 3.0
     fake["greedy"]["triton_compiles"] = ["_extend_kernel", "_extend_kernel"]
+    kinds = {"GEMMs": 900.0, "attention": 2500.0, "other": 600.0}
+    ops = [["_decode_split_kernel", 2500.0, 28.0], ["nvjet_sm90_tst", 900.0, 113.0]]
+    fake["sampled"]["kernel_profile"] = dict(us_per_step=4000.0, kinds=kinds, ops=ops, other_us=600.0)
     report = gpu.format_report(fake)
     assert "2 Triton compiles in the timed run" in report
+    assert "kernels 4000 us a decode step of every request at once" in report
+    assert "GEMMs 900, attention 2500, other 600" in report
+    assert "| _decode_split_kernel | 2500.0 | 28 |" in report
     names = fake["greedy"]["triton_compiles"] + ["_draw_kernel"]
     assert gpu._compiled(names) == "_extend_kernel x2, _draw_kernel x1"
     assert "NVIDIA H100 80GB HBM3 (79.2 GiB, 132 SMs, sm_90, driver 580.159.04), CUDA 13.0" in report
     assert "GPU idle" in report and "FAILED: OutOfMemoryError" in report and "3.00 TB/s" in report
     assert fake["ratios"]["gapless_vs_transformers"] is None and "overlap / no overlap" in report
     assert ">= 20,000 tok/s, NOT met" in report and "of copy)" in report  # the H100's target
+
+
+def test_a_run_profiles_its_decode_steps_on_the_cpu():
+    """`profile_steps`: after the timed run, every request's decode steps under torch.profiler (prompts
+    rotated: the prefix cache holds none of them), each op's time a step; on the CPU torch's ops."""
+    vocab = json.loads((cached_checkpoint("qwen3") / "config.json").read_text())["vocab_size"]
+    work = random_workload(4, 8, 16, 2, 4, vocab_size=vocab, seed=0)
+    g = run_gapless(cached_checkpoint("qwen3"), work, options={"page_size": 4}, profile_steps=3)
+    prof = g["kernel_profile"]
+    assert prof["us_per_step"] > 0 and prof["kinds"]["GEMMs"] > 0 and prof["ops"]
+    assert abs(sum(us for _, us, _ in prof["ops"]) + prof["other_us"] - prof["us_per_step"]) < 1e-3
+    assert g["output_tokens"] == work.output_tokens  # (the timed run's, not the profile's)
+    assert run_gapless(cached_checkpoint("qwen3"), work.head(1))["kernel_profile"] is None
 
 
 def test_decode_kv_reads_match_a_step_by_step_count():

@@ -104,9 +104,9 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             pytest.fail(f"{' '.join(args)}: the parser refused it (exit {e.code})")
     if part == "all":  # the benchmarks in order of importance
         assert [c[1] for c in benches] == [
-            *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, five runs of the targets,
+            *["gapless.bench.quant"] * 5,  # gpu_quant.sh: make, four runs of the targets,
             *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs,
-            *["gapless.bench.quant"] * 2,  # the small shape's FP8, with and without its GEMV; its tables:
+            "gapless.bench.quant",  # the small shape's FP8; its tables:
             *["gapless.bench.quant"] * 4,  # the mixture's three, int4 on the Triton GEMM, (the FP8 GEMM)
             "gapless.bench.int4_gemm",  # the int4 GEMMs,
             "gapless.bench.kernels",  # decode attention over each cache, (the FP8 sweep: a script)
@@ -251,7 +251,9 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert not any("gapless.bench.gpu" in c for c in tables)
     targets = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "g", ROOT, QUANT_PHASES="targets")
     runs = [c for c in targets if c[:3] == ["-m", "gapless.bench.quant", "run"]]
-    assert len(runs) == 7 and all("--profile" in c for c in runs)
+    assert len(runs) == 5 and all("--profile" in c for c in runs)
+    kv_runs = [c for c in targets if c[:2] == ["-m", "gapless.bench.gpu"]]
+    assert len(kv_runs) == 2 and all("--profile-steps" in c for c in kv_runs)
     assert not any(c[0].endswith("fp8_gemm.py") for c in targets)
     for args in runs:
         _parse_bench(args, monkeypatch)

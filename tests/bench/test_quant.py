@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from gapless.bench import quant
+from gapless.bench import quant, timing
 from gapless.bench.cli import machine as this_machine
 from gapless.model.config import load_model_config
 from gapless.model.quant.int4 import Int4Spec, int4_spec_from_config
@@ -76,14 +76,14 @@ def test_run_profiles_a_decode_token_on_the_cpu():
 
     res = quant.run(cached_checkpoint("qwen3"), {}, tokens=4, repeats=1, device="cpu", profile=True)
     prof = res["profile"]
-    assert 0 < len(prof["ops"]) <= quant.PROFILE_TOP and prof["us_per_token"] > 0
+    assert 0 < len(prof["ops"]) <= timing.PROFILE_TOP and prof["us_per_step"] > 0
     times = [us for _, us, _ in prof["ops"]]
     assert times == sorted(times, reverse=True) and all(t > 0 for t in times)
-    assert abs(sum(times) + prof["other_us"] - prof["us_per_token"]) < 1e-6 * prof["us_per_token"]
+    assert abs(sum(times) + prof["other_us"] - prof["us_per_step"]) < 1e-6 * prof["us_per_step"]
     # a decode token runs the model's matmuls: at least one a token, summed as GEMMs
     assert any("mm" in name or "linear" in name for name, _, calls in prof["ops"] if calls >= 1)
     assert set(prof["kinds"]) == {"GEMMs", "attention", "other"} and prof["kinds"]["GEMMs"] > 0
-    assert abs(sum(prof["kinds"].values()) - prof["us_per_token"]) < 1e-6 * prof["us_per_token"]
+    assert abs(sum(prof["kinds"].values()) - prof["us_per_step"]) < 1e-6 * prof["us_per_step"]
     text = quant.report([res])
     assert f"| {prof['ops'][0][0]} | {prof['ops'][0][1]:.1f} |" in text and "of TPOT's" in text
     assert f"GEMMs {prof['kinds']['GEMMs']:.0f}, attention" in text
@@ -93,7 +93,7 @@ def test_profile_kinds_name_the_engines_kernels():
     """The kernel names a GPU profile shows (cuBLAS's, gapless's Triton kernels, tinygemm's) fall under the
     kind they are."""
     kind = {
-        name: next((k for k, p in quant.KINDS.items() if p.search(name)), "other")
+        name: next((k for k, p in timing.KINDS.items() if p.search(name)), "other")
         for name in (
             "nvjet_sm90_tst_72x64_64x12_4x1_v_bz_TNN",
             "_fp8_gemm_kernel",
