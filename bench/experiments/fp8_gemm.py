@@ -19,8 +19,8 @@ path to keep.
 `--sweep` times per-channel FP8 on Qwen3-8B's layers at each decode tile (16-row tiles run an fp16 dot on
 the weights widened in registers; 64-row tiles, fp8's own wgmma, compiled for sm_90 here: QGMMA, no
 widening, except for x in fp16), each `DECODE_X`, and past 16 rows the larger tiles with K split and
-not, x rounded in the loop or by a launch first; at one row also the GEMV (`GEMV_ROWS`) at each
-(BN, warps, steps a loop iteration), K split to 512 and 1024 programs, x by a launch or in its registers
+not, x rounded in the loop or by a launch first; at one row also the default tile's K split and stages,
+and the GEMV (`GEMV_ROWS`) at each (BN, warps, steps a loop iteration), x by a launch or in its registers
 (and in fp16).
 """
 
@@ -105,20 +105,24 @@ def row(model: str, name: str, n: int, k: int, m: int) -> str:
 
 
 # what `--sweep` times: at decode sizes (<= 16 rows, `fp8_kernel.DECODE_TILES`) each tile (BM, BN, warps,
-# stages) with K split to about 512 programs (16 x 32 and 16 x 128 tiles, and 1024 programs, were slower on
-# every layer on an H200: bench/results/h200-2026-11-26/run3) and each way x meets the weights (`DECODE_X`);
-# at more rows (`fp8_kernel._tiles`'s others) with the K split off and on (on is the default to
-# `SPLIT_ROWS`, from the H200's sweep at 128 rows: bench/results/h200-2026-11-27), x rounded in the loop
-# ("loop": the default past `DECODE_ROWS`) or by a launch first; 0 programs: no split
-SWEEP_TILES = [(16, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4)]
+# stages) with K split to about 512 programs and each way x meets the weights (`DECODE_X`); at one row the
+# default tile also unsplit and split to 256 programs, over 3, 4 and 6 stages, x by a launch (gate/up and
+# down, too big for the GEMV, run on it at 3.3 and 2.9 TB/s where bf16's cuBLAS reads 4.1 and 3.7:
+# bench/results/h200-2026-11-27-default); at more rows (`fp8_kernel._tiles`'s others) with the K split off
+# and on (on is the default to `SPLIT_ROWS`), x rounded in the loop ("loop": the default past
+# `DECODE_ROWS`) or by a launch first; 0 programs: no split. 16 x 32, 16 x 128 and 64 x 32 tiles, and 1024
+# programs, were slower on every layer on an H200 (bench/results/h200-2026-11-26/run3,
+# h200-2026-11-27-default).
+SWEEP_TILES = [(16, 64, 4, 4), (64, 64, 4, 4)]
 SWEEP_ROUNDING = ["launch", "program", "fp16"]
+SWEEP_ONE_ROW = [((16, 64, 4, s), p) for s in (3, 4, 6) for p in (0, 256, 512)]
 SWEEP_TILES_MORE = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
 SWEEP_SPLITS_MORE = [0, 512]
 SWEEP_ROUNDING_MORE = ["loop", "launch"]
 # the GEMV on the CUDA cores (`fp8_kernel.GEMV_ROWS`, at one row): (BN, warps, steps a loop iteration) x
-# split programs x x's rounding (W8A16 at the default tiles only: a choice of arithmetic more than of speed)
-SWEEP_GEMV = [(32, 4, 1), (64, 4, 1), (64, 8, 1), (32, 4, 2), (64, 4, 2)]
-SWEEP_GEMV_PROGRAMS = [512, 1024]
+# x's rounding, at 512 programs (W8A16 at the default tiles only: a choice of arithmetic more than of
+# speed); 64 x 8 warps, 32 x 4 two steps a loop and 1024 programs were slower on every layer on an H200
+SWEEP_GEMV = [(32, 4, 1), (64, 4, 1), (64, 4, 2)]
 
 Config = tuple[tuple[int, ...], int, str, bool]  # (tiles, split programs, x's rounding, GEMV)
 
@@ -130,8 +134,10 @@ def _sweep_configs(m: int) -> list[Config]:
         return [(t, p, by, False) for t, p, by in more]
     configs: list[Config] = [(t, 512, by, False) for t in SWEEP_TILES for by in SWEEP_ROUNDING]
     if m == 1:
-        gemv = [(t, p, by) for t in SWEEP_GEMV for p in SWEEP_GEMV_PROGRAMS for by in ("launch", "program")]
-        configs += [(t, p, by, True) for t, p, by in gemv] + [(fp8_kernel.GEMV_TILES, 512, "fp16", True)]
+        one_row: list[Config] = [(t, p, "launch", False) for t, p in SWEEP_ONE_ROW]
+        configs += [c for c in one_row if c not in configs]
+        configs += [(t, 512, by, True) for t in SWEEP_GEMV for by in ("launch", "program")]
+        configs.append((fp8_kernel.GEMV_TILES, 512, "fp16", True))
     return configs
 
 

@@ -116,3 +116,15 @@ def test_cpu_profile_counts_one_decode_steps_ops(capsys):
     assert per["mkldnn::_linear_pointwise"][1] == 4 * layers + 1
     out = capsys.readouterr().out
     assert "ms per step under the profiler" in out and len(out.splitlines()) == 2 + 5
+
+
+def test_fp8_sweep_configs_are_distinct_and_cover_the_one_row_split():
+    """`fp8_gemm.py --sweep`'s configurations: none twice; at one row the default tile also unsplit and
+    split to 256 programs over 3 and 6 stages, and the GEMV; past 16 rows neither (its tiles split or not)."""
+    pytest.importorskip("triton", reason="the FP8 GEMM experiment imports triton.testing")
+    sweep = _experiment("fp8_gemm")
+    one, many = sweep._sweep_configs(1), sweep._sweep_configs(32)
+    assert len(set(one)) == len(one) and len(set(many)) == len(many)
+    assert {((16, 64, 4, s), p, "launch", False) for s in (3, 6) for p in (0, 256)} <= set(one)
+    assert any(gemv for *_, gemv in one) and not any(gemv for *_, gemv in many)
+    assert {p for _, p, _, _ in many} == {0, 512} and all(t[0] >= 64 for t, *_ in many)
