@@ -40,9 +40,9 @@
 #   sweep   the decode and extend kernels' tunings (what `kernels` times at the defaults), for a session
 #           with time to spare
 #   quant   the rest of issue 36's runs, which `all` has no time for: bench/gpu_quant.sh's tables phase (the
-#           FP8 GEMM's decode tiles and ways of rounding x, the FP8 and int4 GEMMs alone, the int4 Triton
-#           GEMM's TPOT, the decode attention sweep over each KV cache, gemlite, the mixture), in 240 s: a
-#           second call after `all` on the same machine
+#           mixture's shape in each format, the int4 Triton GEMM's TPOT, the FP8 and int4 GEMMs alone, the
+#           decode attention sweep over each KV cache, the FP8 GEMM's sweep, gemlite), in 240 s: a second
+#           call after `all` on the same machine
 #
 # SKIP="latency served" leaves those steps out (names as in steps.log, a folder's first part: "bench" for
 # bench/run), for a session rechecking what changed with the device time it has left.
