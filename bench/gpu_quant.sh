@@ -10,16 +10,16 @@
 #      tok/s), each with 16 decode steps profiled; then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM);
-#      int4 TPOT through the Triton GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no
-#      ratio); the FP8 GEMM alone against bf16 and torch._scaled_mm on both models' linear shapes, 1 and
-#      128 rows (bench/experiments/fp8_gemm.py)
-#   4. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm) against bf16 on Llama-3-8B's
-#      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`)
-#   5. decode attention alone over each KV cache, batches of 8, 64 and 256, pages of 1 and 16 tokens
+#   3. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
+#   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
+#      at one row (`fp8_gemm.py --sweep`)
+#   5. decode attention alone over each KV cache, batches of 8, 64 and 256, blocks of 64 and 128 keys
 #      (`gapless.bench.kernels`)
-#   6. the FP8 GEMM's tiles, K splits and ways of rounding x at 1, 32 and 128 rows, and its GEMV's at one
-#      row (`fp8_gemm.py --sweep`); Qwen3-8B's int4 TPOT on gemlite
+#   6. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm) against bf16 on Llama-3-8B's
+#      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`); int4 TPOT through the Triton
+#      GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no ratio); the FP8 GEMM alone against
+#      bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows
+#      (bench/experiments/fp8_gemm.py); Qwen3-8B's int4 TPOT on gemlite
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
 # bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each run), fp8_sweep.log,
 # fp8_gemm.log, int4_gemm.log, kv_attention.log. bench/gpu_session.sh's `all` part calls it first (step
@@ -104,9 +104,9 @@ tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
 fi
 
 if phase tables; then
-# what no GPU has run first (the mixture quantized), then the int4 GEMMs' table, the TPOT and FP8 tables,
-# and last the two sweeps that decided today's defaults (an H200 ran them on 4e5a5eb:
-# bench/results/h200-2026-11-27-default), to see them again after a change to their kernels
+# what no GPU has run first (the mixture quantized), then the sweeps that decide the next defaults (the
+# FP8 GEMM's at one row for gate/up and down; decode attention over an fp8 cache in 128-key blocks),
+# then the int4 GEMMs' table, the int4 Triton GEMM's TPOT, the FP8 GEMM's table and gemlite
 
 # the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU
 # has run these yet)
@@ -114,14 +114,24 @@ tpot 70 qwen3-30b-a3b bf16
 tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
 tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
 
-# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes last)
-say ""
-GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
+# the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs, x rounded by a
+# launch: the default for gate/up and down, at 3.3 and 2.9 TB/s where bf16's cuBLAS reads 4.1 and 3.7),
+# that tile also unsplit and at 256 programs over 3, 4 and 6 stages, and the GEMV's tiles, x by a launch,
+# in its registers or in fp16; at 32 and 128 rows the tiles (64x64 split, the default to 128 rows), the K
+# split and x rounded in the loop or by a launch first
+other 100 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
+grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
 
-# the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by
-# each program
-other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
-grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
+# decode attention alone over a bf16 and an fp8 cache: batches of 256 (nano-vllm's full batch), 64 and 8
+# (its tail, where K is split), 1k and 4k contexts, pages of 1 token (the engine's default; 16 timed the
+# same within 1% on an H200), at the kernel's default blocks of 64 keys (an fp8 cache's values in pairs:
+# 0.75x bf16's time at batch 256 on an H200: bench/results/h200-2026-11-27-default) and 128 (an fp8 block
+# of 128 keys is as many bytes as bf16's of 64; sm_90 binary: 142 registers, 73 KB shared, no spills);
+# extend attention over each cache at 2,048 tokens (`gapless.bench.kernels`; its other tables cut)
+other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 8 64 256 --context 1024 4096 \
+  --page-size 1 --kv-cache-dtype auto fp8 --decode-block-n 0 128 --tokens 16 --extend-tokens 2048 \
+  --sample-batch 1 --json "$OUT/kv_attention.json"
+awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 
 # the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
 # prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
@@ -135,22 +145,14 @@ other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2
   --ptx-values 0 1 --kernels triton tinygemm --json "$OUT/int4_gemm.json"
 tee -a "$LOG" <"$OUT/int4_gemm.log" 2>/dev/null
 
-# decode attention alone over a bf16 and an fp8 cache: batches of 256 (nano-vllm's full batch), 64 and 8
-# (its tail, where K is split), 1k and 4k contexts, pages of 1 token (the engine's default, which the FP8
-# KV run above uses) and 16, at the kernel's defaults (an fp8 cache's values in pairs at 64-key blocks:
-# 0.75x bf16's time at batch 256 on an H200); extend attention over each cache at 2,048 tokens (prefill
-# reads the cache too) (`gapless.bench.kernels`; its other tables cut to their smallest)
-other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 8 64 256 --context 1024 4096 \
-  --page-size 1 16 --kv-cache-dtype auto fp8 --tokens 16 --extend-tokens 2048 --sample-batch 1 \
-  --json "$OUT/kv_attention.json"
-awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
+# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes last)
+say ""
+GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 
-# the FP8 GEMM's decode tiles and ways of rounding x at one row (16x64 at ~512 programs, x rounded by a
-# launch), and at 32 and 128 rows the tiles (64x64 split, the default to 128 rows), the K split and x
-# rounded in the loop or by a launch first; at one row the FP8 GEMV too, its (BN, warps, steps), 512 and
-# 1024 programs, x by a launch, in its registers or in fp16
-other 100 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
-grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
+# the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by
+# each program
+other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
+grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
 
 # int4 through gemlite's kernels (its wheel; its first call tunes for up to a minute, so last; on an H100
 # 0.59x bf16's TPOT against tinygemm's 0.50x: bench/results/h100-2026-11-26/quant)

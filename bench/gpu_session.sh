@@ -40,8 +40,8 @@
 #   sweep   the decode and extend kernels' tunings (what `kernels` times at the defaults), for a session
 #           with time to spare
 #   quant   the rest of issue 36's runs, which `all` has no time for: bench/gpu_quant.sh's tables phase (the
-#           mixture's shape in each format, the int4 Triton GEMM's TPOT, the FP8 and int4 GEMMs alone, the
-#           decode attention sweep over each KV cache, the FP8 GEMM's sweep, gemlite), in 240 s: a second
+#           mixture's shape in each format, the FP8 GEMM's sweep, decode attention over each KV cache, the
+#           int4 GEMMs alone, the int4 Triton GEMM's TPOT, the FP8 GEMM alone, gemlite), in 240 s: a second
 #           call after `all` on the same machine
 #
 # SKIP="latency served" leaves those steps out (names as in steps.log, a folder's first part: "bench" for

@@ -107,9 +107,10 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             *["gapless.bench.quant"] * 5,  # gpu_quant.sh: make, four runs of the issue's targets,
             *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs,
             "gapless.bench.quant",  # the small shape's FP8; its tables:
-            *["gapless.bench.quant"] * 4,  # the mixture's three, int4 on the Triton GEMM, (the FP8 GEMM)
+            *["gapless.bench.quant"] * 3,  # the mixture's three, (the FP8 sweep: a script)
+            "gapless.bench.kernels",  # decode attention over each cache,
             "gapless.bench.int4_gemm",  # the int4 GEMMs,
-            "gapless.bench.kernels",  # decode attention over each cache, (the FP8 sweep: a script)
+            "gapless.bench.quant",  # int4 on the Triton GEMM, (the FP8 GEMM's table: a script)
             "gapless.bench.quant",  # gemlite's run,
             "gapless.bench.quant",  # the report
             "gapless.bench.gpu",  # gpu_bench.sh's one benchmark
@@ -234,18 +235,19 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): what no GPU has run first
-    (the mixture quantized), the int4 GEMMs' table (without gemlite, whose first call tunes past the
-    step's limit), the sweeps last; no TPOT run of the targets, no nano-vllm run; the targets phase alone
-    the reverse."""
+    (the mixture quantized), then the FP8 GEMM's sweep and decode attention in 128-key blocks, then the
+    int4 GEMMs' table (without gemlite, whose first call tunes past the step's limit); no TPOT run of the
+    targets, no nano-vllm run; the targets phase alone the reverse."""
     (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
     assert [c[3].rsplit("/", 1)[1] for c in tables[1:4]] == ["qwen3-30b-a3b"] * 2 + ["qwen3-30b-a3b-awq"]
-    int4_gemm, attention, sweep = tables[6:9]
+    sweep, attention, int4_gemm = tables[4:7]
+    assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep
+    assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
+    assert attention[attention.index("--decode-block-n") + 1 :][:2] == ["0", "128"]
     assert int4_gemm[:2] == ["-m", "gapless.bench.int4_gemm"] and "--ptx-values" in int4_gemm
     assert "gemlite" not in int4_gemm
-    assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
-    assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep
     runs = [c for c in tables if c[:3] == ["-m", "gapless.bench.quant", "run"]]
     assert runs and not any("--profile" in c for c in runs)  # (the targets' runs are profiled)
     assert not any("gapless.bench.gpu" in c for c in tables)
