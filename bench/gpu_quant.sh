@@ -118,8 +118,9 @@ tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 
 # launch: the default for gate/up and down, at 3.3 and 2.9 TB/s where bf16's cuBLAS reads 4.1 and 3.7),
 # that tile also unsplit and at 256 programs over 3, 4 and 6 stages, and the GEMV's tiles, x by a launch,
 # in its registers or in fp16; at 32 and 128 rows the tiles (64x64 split, the default to 128 rows), the K
-# split and x rounded in the loop or by a launch first
-other 100 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
+# split and x rounded in the loop or by a launch first; first, Qwen3-0.6B's layers through the GEMV at one
+# row, K split to 0-512 programs
+other 110 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
 grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
 
 # decode attention alone over a bf16 and an fp8 cache: batches of 256 (nano-vllm's full batch), 64 and 8

@@ -123,6 +123,12 @@ SWEEP_ROUNDING_MORE = ["loop", "launch"]
 # x's rounding, at 512 programs (W8A16 at the default tiles only: a choice of arithmetic more than of
 # speed); 64 x 8 warps, 32 x 4 two steps a loop and 1024 programs were slower on every layer on an H200
 SWEEP_GEMV = [(32, 4, 1), (64, 4, 1), (64, 4, 2)]
+# Qwen3-0.6B's layers at one row (all under the GEMV's bound, 5.1 us each on an H200 where 3.2 would meet
+# the 0.6x target: bench/results/h200-2026-11-27-default): the default GEMV with K split to 0 (none), 128,
+# 256 and 512 programs (K is 1,024-3,072 there: at 512 programs a program takes one 128-column step)
+SWEEP_SMALL: list[tuple[tuple[int, ...], int, str, bool]] = [
+    (fp8_kernel.GEMV_TILES, p, "program", True) for p in (0, 128, 256, 512)
+]
 
 Config = tuple[tuple[int, ...], int, str, bool]  # (tiles, split programs, x's rounding, GEMV)
 
@@ -142,48 +148,56 @@ def _sweep_configs(m: int) -> list[Config]:
 
 
 def sweep(rows: list[int]) -> None:
-    """Per-channel FP8 on Qwen3-8B's layers at each tile, split target and rounding of x: us a call, the
-    weight's GB/s, the fastest marked."""
-    dev = torch.device("cuda")
+    """Per-channel FP8 at each tile, split target and rounding of x, on Qwen3-0.6B's layers at one row
+    (`SWEEP_SMALL`) and Qwen3-8B's at `rows`: us a call, the weight's GB/s, the fastest marked."""
     print(
         "| layer | N x K | rows | tiles (BM, BN, warps, stages; GEMV: BN, warps, unroll) | split programs "
         "| decode x | us | GB/s |"
     )
     print("|---|---|---:|---|---:|---|---:|---:|")
+    if 1 in rows:
+        for name, n, k in SHAPES["qwen3-0.6b"]:
+            _sweep_layer(name, n, k, 1, SWEEP_SMALL)
     for name, n, k in SHAPES["qwen3-8b"]:
-        qc, sc = quantize_rows(torch.randn(n, k, device=dev) * 0.02)
         for m in rows:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            call = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
-            times = {}
-            for tiles, programs, by, gemv in _sweep_configs(m):
-                fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
-                with mock.patch.multiple(
-                    fp8_kernel,
-                    _tiles=functools.partial(lambda t, _m: t, tiles),
-                    GEMV_ROWS=m if gemv else 0,
-                    GEMV_MAX_WEIGHTS=n * k,
-                    GEMV_TILES=tiles if gemv else fp8_kernel.GEMV_TILES,
-                    SPLIT_PROGRAMS=programs or fp8_kernel.SPLIT_PROGRAMS,
-                    SPLIT_ROWS=max(m, 16) if programs else 0,
-                    DECODE_ROWS=16 if by == "loop" else max(m, 16),
-                    DECODE_X="launch" if by == "loop" else by,
-                ):
-                    times[tiles, programs, by, gemv] = _us(call)
-            fp8_kernel._LOCKS.clear()
-            best = min(times, key=lambda c: times[c])
-            for (tiles, programs, by, gemv), us in times.items():
-                mark = " (best)" if (tiles, programs, by, gemv) == best else ""
-                gbs = n * k / us / 1e3
-                shape = f"GEMV {tiles}" if gemv else str(tiles)
-                cells = (name, f"{n} x {k}", m, shape, programs, by, f"{us:.1f}{mark}", f"{gbs:.0f}")
-                print("| " + " | ".join(str(c) for c in cells) + " |")
+            _sweep_layer(name, n, k, m, _sweep_configs(m))
+
+
+def _sweep_layer(name: str, n: int, k: int, m: int, configs: list[Config]) -> None:
+    """One layer's rows of the sweep table: `m` rows of x against an [n, k] weight at each config."""
+    dev = torch.device("cuda")
+    qc, sc = quantize_rows(torch.randn(n, k, device=dev) * 0.02)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    call = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
+    times = {}
+    for tiles, programs, by, gemv in configs:
+        fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
+        with mock.patch.multiple(
+            fp8_kernel,
+            _tiles=functools.partial(lambda t, _m: t, tiles),
+            GEMV_ROWS=m if gemv else 0,
+            GEMV_MAX_WEIGHTS=n * k,
+            GEMV_TILES=tiles if gemv else fp8_kernel.GEMV_TILES,
+            SPLIT_PROGRAMS=programs or fp8_kernel.SPLIT_PROGRAMS,
+            SPLIT_ROWS=max(m, 16) if programs else 0,
+            DECODE_ROWS=16 if by == "loop" else max(m, 16),
+            DECODE_X="launch" if by == "loop" else by,
+        ):
+            times[tiles, programs, by, gemv] = _us(call)
+    fp8_kernel._LOCKS.clear()
+    best = min(times, key=lambda c: times[c])
+    for (tiles, programs, by, gemv), us in times.items():
+        mark = " (best)" if (tiles, programs, by, gemv) == best else ""
+        gbs = n * k / us / 1e3
+        shape = f"GEMV {tiles}" if gemv else str(tiles)
+        cells = (name, f"{n} x {k}", m, shape, programs, by, f"{us:.1f}{mark}", f"{gbs:.0f}")
+        print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128, 2048])
-    p.add_argument("--sweep", action="store_true", help="tiles x K splits x rounding on Qwen3-8B's layers")
+    p.add_argument("--sweep", action="store_true", help="tiles x K splits x rounding (see `sweep`)")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     if args.sweep:

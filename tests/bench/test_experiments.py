@@ -128,3 +128,5 @@ def test_fp8_sweep_configs_are_distinct_and_cover_the_one_row_split():
     assert {((16, 64, 4, s), p, "launch", False) for s in (3, 6) for p in (0, 256)} <= set(one)
     assert any(gemv for *_, gemv in one) and not any(gemv for *_, gemv in many)
     assert {p for _, p, _, _ in many} == {0, 512} and all(t[0] >= 64 for t, *_ in many)
+    small = sweep.SWEEP_SMALL  # (Qwen3-0.6B's layers: the GEMV's K split)
+    assert {p for _, p, _, _ in small} == {0, 128, 256, 512} and all(gemv for *_, gemv in small)
