@@ -222,7 +222,7 @@ def run_gapless(
             prompts = [p[n % len(p) :] + p[: n % len(p)] for p in work.prompts]
             llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, **extra), use_tqdm=False)
 
-        kernels = timing.decode_profile(rotated, profile_steps, device) if profile_steps else None
+        kernel_profile = timing.decode_profile(rotated, profile_steps, device) if profile_steps else None
         info = dataclasses.asdict(llm.engine.info)
         runner = llm.engine.runner  # None when the device side runs in its own process
         backend = type(getattr(runner, "backend", None)).__name__ if runner is not None else None
@@ -251,7 +251,7 @@ def run_gapless(
         device_jobs=meter["device_jobs"],
         host_s=meter["host_s"],
         triton_compiles=compiled,
-        kernel_profile=kernels,
+        kernel_profile=kernel_profile,
         engine_options={k: v for k, v in opts.items() if k != "kv_cache_tokens"},
         stats=stats,
         meter=meter,

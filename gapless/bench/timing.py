@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from gapless.bench.cli import markdown_table
+
 REPLAYS = 5  # timed replays of the captured calls on CUDA; the median counts
 PROFILE_TOP = 12  # kernels a profile lists by name (the rest summed)
 # what a profile sums each kernel (each op on the CPU) under, by its name, the first that matches: the
@@ -143,8 +145,6 @@ def decode_profile(timed: Callable[[int], object], steps: int, device: str) -> d
 def profile_table(prof: dict[str, Any], unit: str) -> list[str]:
     """`decode_profile`'s costliest kernels and the rest as a markdown table, each's us and calls a
     `unit` ("token", "step")."""
-    from gapless.bench.cli import markdown_table
-
     rows = [(name, f"{us:.1f}", f"{calls:g}") for name, us, calls in prof["ops"]]
     rows.append(("(the rest)", f"{prof['other_us']:.1f}", ""))
     return markdown_table(("kernel", f"us a {unit}", f"calls a {unit}"), rows, "lrr")
