@@ -105,7 +105,8 @@ fi
 
 if phase tables; then
 # what no GPU has run first (the mixture quantized), then the sweeps that decide the next defaults (the
-# FP8 GEMM's at one row for gate/up and down; decode attention over an fp8 cache in 128-key blocks),
+# FP8 GEMM's at one row for gate/up and down; decode attention at batch 1 split less, and over an fp8
+# cache in 128-key blocks),
 # then the int4 GEMMs' table, the int4 Triton GEMM's TPOT, the FP8 GEMM's table and gemlite
 
 # the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU
@@ -122,6 +123,14 @@ tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 
 # row, K split to 0-512 programs
 other 110 fp8_sweep "$PY" bench/experiments/fp8_gemm.py --sweep --rows 1 32 128
 grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
+
+# decode attention at batch 1 over the short contexts of a chat's first tokens (and of the TPOT runs above:
+# 8.2 us a layer on an H200 at ~190 keys, split in 3, merged by the last split), each split at least 64
+# keys (the default), 256 or 1,024 (one split up to there)
+other 40 attention_b1 "$PY" -m gapless.bench.kernels --device cuda --batch 1 --context 128 256 512 1024 \
+  --page-size 1 --decode-min-split-len 0 256 1024 --tokens 16 --extend-tokens 2048 --sample-batch 1 \
+  --json "$OUT/attention_b1.json"
+awk '/^decode attention/,/^$/' "$OUT/attention_b1.log" 2>/dev/null | tee -a "$LOG"
 
 # decode attention alone over a bf16 and an fp8 cache: batches of 256 (nano-vllm's full batch), 64 and 8
 # (its tail, where K is split), 1k and 4k contexts, pages of 1 token (the engine's default; 16 timed the

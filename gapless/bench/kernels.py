@@ -167,6 +167,7 @@ def report(res: dict[str, Any]) -> list[str]:
             ("warps", "num_warps", _opt),
             ("stages", "num_stages", _opt),
             ("programs/SM", "programs_per_sm", _opt),
+            ("min split", "min_split_len", _opt),
             ("heads first", "heads_first", _opt),
             ("whole blocks", "whole_blocks", _opt),
             ("value pairs", "values_in_pairs", _opt),
@@ -238,6 +239,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=[2],
         help=f"{tune}: the split count aims at this many programs per SM",
+    )
+    p.add_argument(
+        "--decode-min-split-len",
+        type=int,
+        nargs="+",
+        default=[0],
+        help=f"{tune}: no split shorter than this many keys; 0: its default",
     )
     for flag, what in (
         ("heads-first", "1 launches a request's kv heads side by side (grid order)"),

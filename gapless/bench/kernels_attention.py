@@ -59,17 +59,19 @@ def decode_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
     is Triton's; [None] (the backend as it is) otherwise."""
     if not hasattr(backend, "decode_tuning"):
         return [None]
-    from gapless.attention.triton_kernels import DecodeTuning
+    from gapless.attention.triton_kernels import MIN_SPLIT_LEN, DecodeTuning
 
-    combos = itertools.product(  # block_n, num_warps, num_stages, programs_per_sm, then the three flags
+    combos = itertools.product(  # block_n, warps, stages, programs_per_sm, min_split_len, the three flags
         args.decode_block_n, args.decode_warps, args.decode_stages, args.decode_programs_per_sm,
-        args.decode_heads_first, args.decode_whole_blocks, args.decode_values_in_pairs,
+        args.decode_min_split_len, args.decode_heads_first, args.decode_whole_blocks,
+        args.decode_values_in_pairs,
     )  # fmt: skip
     flags = ("heads_first", "whole_blocks", "values_in_pairs")  # (a flag's None: DecodeTuning's default)
-    return [
-        DecodeTuning(n or None, w, st, pps, **{f: bool(v) for f, v in zip(flags, on) if v is not None})
-        for n, w, st, pps, *on in combos
-    ]
+    tunings = []
+    for n, w, st, pps, msl, *on in combos:
+        named = {f: bool(v) for f, v in zip(flags, on) if v is not None}
+        tunings.append(DecodeTuning(n or None, w, st, pps, msl or MIN_SPLIT_LEN, **named))
+    return tunings
 
 
 def extend_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
@@ -147,6 +149,7 @@ def _attention_case(
                 "num_warps": tuning.num_warps if tuning is not None else None,
                 "num_stages": tuning.num_stages if tuning is not None else None,
                 "programs_per_sm": tuning.programs_per_sm if tuning is not None else None,
+                "min_split_len": tuning.min_split_len if tuning is not None else None,
                 "heads_first": tuning.heads_first if tuning is not None else None,
                 "whole_blocks": tuning.whole_blocks if tuning is not None else None,
                 "values_in_pairs": tuning.pairs(D) if tuning is not None else None,

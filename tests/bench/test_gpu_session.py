@@ -108,6 +108,7 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs,
             "gapless.bench.quant",  # the small shape's FP8; its tables:
             *["gapless.bench.quant"] * 3,  # the mixture's three, (the FP8 sweep: a script)
+            "gapless.bench.kernels",  # decode attention at batch 1,
             "gapless.bench.kernels",  # decode attention over each cache,
             "gapless.bench.int4_gemm",  # the int4 GEMMs,
             "gapless.bench.quant",  # int4 on the Triton GEMM, (the FP8 GEMM's table: a script)
@@ -242,7 +243,8 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
     assert [c[3].rsplit("/", 1)[1] for c in tables[1:4]] == ["qwen3-30b-a3b"] * 2 + ["qwen3-30b-a3b-awq"]
-    sweep, attention, int4_gemm = tables[4:7]
+    sweep, batch1, attention, int4_gemm = tables[4:8]
+    assert batch1[:2] == ["-m", "gapless.bench.kernels"] and "--decode-min-split-len" in batch1
     assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep
     assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
     assert attention[attention.index("--decode-block-n") + 1 :][:2] == ["0", "128"]

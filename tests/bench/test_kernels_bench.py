@@ -94,5 +94,9 @@ def test_decode_tunings_leave_an_unnamed_flag_at_its_default():
         kernels.parse_args("--decode-values-in-pairs 0 1".split()), triton_backend
     )
     assert [t.values_in_pairs for t in both] == [False, True] and not both[0].pairs(128)
+    lens = kernels_attention.decode_tunings(
+        kernels.parse_args("--decode-min-split-len 0 256".split()), triton_backend
+    )
+    assert [t.min_split_len for t in lens] == [DecodeTuning().min_split_len, 256]
     not_triton = object()
     assert kernels_attention.decode_tunings(kernels.parse_args([]), not_triton) == [None]
