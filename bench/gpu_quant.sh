@@ -7,7 +7,7 @@
 #      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6), int4 w4a16 (AWQ g128) on
 #      Qwen3-8B's (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
-#      tok/s), each with 16 decode steps profiled; then Qwen3-0.6B's FP8
+#      tok/s), each with 8 decode steps profiled; then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
@@ -86,13 +86,13 @@ tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
-# the bf16 KV cache's run just before it on the same machine; each run then profiles 16 decode steps of
+# the bf16 KV cache's run just before it on the same machine; each run then profiles 8 decode steps of
 # its 256 requests at once (`--profile-steps`: each kernel's device time a step, attention's against the
 # rest), and names any Triton compile in its timed run (an H200's fp8 run of 4e5a5eb lost 0.66 s of
 # host time to them in prefill: bench/results/h200-2026-11-27-default)
 for kv in auto fp8; do
-  other 75 "kv_$kv" env OUT="$OUT/kv_$kv" GPU_BENCH_TIMEOUT=70 PY="$PY" bash bench/gpu_bench.sh --skip-hf \
-    --runs greedy --kv-cache-dtype "$kv" --profile-steps 16
+  other 80 "kv_$kv" env OUT="$OUT/kv_$kv" GPU_BENCH_TIMEOUT=75 PY="$PY" bash bench/gpu_bench.sh --skip-hf \
+    --runs greedy --kv-cache-dtype "$kv" --profile-steps 8
   grep -E '^\| gapless|Triton compiled' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
   sed -n '/a decode step of every request/,/^$/p' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
 done
