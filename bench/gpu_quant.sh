@@ -88,8 +88,8 @@ tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ in
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
 # the bf16 KV cache's run just before it on the same machine; each run then profiles 8 decode steps of
 # its 256 requests at once (`--profile-steps`: each kernel's device time a step, attention's against the
-# rest), and names any Triton compile in its timed run (an H200's fp8 run of 4e5a5eb lost 0.66 s of
-# host time to them in prefill: bench/results/h200-2026-11-27-default)
+# rest), and names any Triton compile in its timed run (an H200's fp8 run of 4e5a5eb took 0.66 s more
+# host time in prefill than bf16's, likely compiling: bench/results/h200-2026-11-27-default)
 for kv in auto fp8; do
   other 80 "kv_$kv" env OUT="$OUT/kv_$kv" GPU_BENCH_TIMEOUT=75 PY="$PY" bash bench/gpu_bench.sh --skip-hf \
     --runs greedy --kv-cache-dtype "$kv" --profile-steps 8
