@@ -58,6 +58,11 @@ def derive(g: dict[str, Any], info: dict[str, Any], kv_read_tokens: int, copy_tb
     g["decode_read_tb_per_s"] = read / 1e12 / g["wall_s"]  # a lower bound: the wall time includes prefill
     # the copy's TB/s counts the bytes it read and wrote, as `gapless.bench.kernels` compares attention
     g["decode_read_vs_copy"] = g["decode_read_tb_per_s"] / copy_tb_s if copy_tb_s else None
+    # the decode jobs' own device time (the meter splits it by kind): each step's, and what they read in it
+    meter = g.get("meter") or {}
+    decode_s, decode_steps = meter.get("decode_device_s"), meter.get("decode_steps")
+    g["decode_device_ms_per_step"] = 1e3 * decode_s / decode_steps if decode_s and decode_steps else None
+    g["decode_read_tb_per_device_s"] = read / 1e12 / decode_s if decode_s else None
 
 
 def target_tok_s(machine: dict[str, Any]) -> int | None:
@@ -105,6 +110,11 @@ def _gapless_row(key: str, g: dict[str, Any]) -> list[str]:
         f"{g['decode_bytes_read'] / 1e12:.1f} TB, {g['decode_read_tb_per_s']:.2f} TB/s"
         + ("" if vs_copy is None else f" ({vs_copy:.0%} of copy)")
     )
+    if g.get("decode_device_ms_per_step"):
+        notes += (
+            f"; decode {g['decode_device_ms_per_step']:.2f} ms of device time a step, reading "
+            f"{g['decode_read_tb_per_device_s']:.2f} TB/s"
+        )
     if g.get("peak_gib") is not None:
         notes += f"; peak {g['peak_gib']} GiB"
     if g.get("triton_compiles"):  # (each one seconds of host time the warm-up should have taken)

@@ -136,6 +136,8 @@ _METER = (
     "prefill_steps",
     "decode_steps",
     "decode_host_s",
+    "prefill_device_s",
+    "decode_device_s",
 )
 
 

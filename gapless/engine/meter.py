@@ -14,8 +14,8 @@ from gapless.engine.stats import EngineStats
 
 
 class BubbleMeter:
-    """Fills the time figures of an `EngineStats` (`steps`, `device_jobs`, `device_busy_s`,
-    `device_idle_s`, `host_s` and its prefill/decode split). The scheduler wraps each host span of its
+    """Fills the time figures of an `EngineStats` (`steps`, `device_jobs`, `device_busy_s` and
+    `host_s` with their prefill/decode splits, `device_idle_s`). The scheduler wraps each host span of its
     loop in `span` (and the part of one that is not its own in `paused`), reports each device job
     (`job`), and at the end of a step says what the step launched (`step_done`)."""
 
@@ -29,6 +29,7 @@ class BubbleMeter:
         st = self._stats
         st.steps = st.device_jobs = st.prefill_steps = st.decode_steps = 0
         st.device_busy_s = st.device_idle_s = st.host_s = st.prefill_host_s = st.decode_host_s = 0.0
+        st.prefill_device_s = st.decode_device_s = 0.0
         self._step_host = 0.0  # host time of the step under way
         self._last_end: float | None = None
         self.spans: list[tuple[str, str, float, float]] = []  # (track, name, start, end)
@@ -85,11 +86,15 @@ class BubbleMeter:
             self.went_idle()
 
     def job(self, name: str, start: float, end: float, idle: float = 0.0) -> None:
-        """A device job ran [start, end], waiting `idle` of it (a sampling deferred for its mask); the gap
-        since the previous job was a bubble."""
+        """A device job of kind `name` ("extend" or "decode") ran [start, end], waiting `idle` of it (a
+        sampling deferred for its mask); the gap since the previous job was a bubble."""
         st = self._stats
         st.device_jobs += 1
         st.device_busy_s += end - start - idle
+        if name == "extend":
+            st.prefill_device_s += end - start - idle
+        elif name == "decode":
+            st.decode_device_s += end - start - idle
         st.device_idle_s += idle
         if self._last_end is not None:
             st.device_idle_s += max(0.0, start - self._last_end)

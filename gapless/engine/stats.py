@@ -43,6 +43,9 @@ class EngineStats:
     prefill_host_s: float = 0.0
     decode_steps: int = 0
     decode_host_s: float = 0.0
+    # the device time of extend and of decode jobs (`device_busy_s` split the same way)
+    prefill_device_s: float = 0.0
+    decode_device_s: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -71,6 +74,7 @@ class EngineStats:
     mean_host_ms_per_prefill_step = property(lambda self: _ms_per(self.prefill_host_s, self.prefill_steps))
     mean_host_ms_per_decode_step = property(lambda self: _ms_per(self.decode_host_s, self.decode_steps))
     mean_device_ms_per_job = property(lambda self: _ms_per(self.device_busy_s, self.device_jobs))
+    mean_device_ms_per_decode_step = property(lambda self: _ms_per(self.decode_device_s, self.decode_steps))
 
     def as_dict(self) -> dict[str, float | int]:
         """Every figure, the derived ones included, under its own name."""
@@ -83,6 +87,7 @@ class EngineStats:
             "mean_host_ms_per_prefill_step",
             "mean_host_ms_per_decode_step",
             "mean_device_ms_per_job",
+            "mean_device_ms_per_decode_step",
         )
         return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in derived}}
 

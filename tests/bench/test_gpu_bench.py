@@ -49,6 +49,11 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
         assert g["decode_batches"] + g["prefill_batches"] == g["steps"] > 0
         assert g["warmup_requests"] == gpu.QUICK_WARMUP[0]
         assert g["triton_compiles"] == []  # (the interpreter compiles nothing; the sm_90 harness test does)
+        # the decode jobs' device time, a share of all jobs', per decode step
+        meter = g["meter"]
+        assert 0 < meter["decode_device_s"] < g["device_busy_s"] and meter["prefill_device_s"] > 0
+        assert g["decode_device_ms_per_step"] == 1e3 * meter["decode_device_s"] / meter["decode_steps"]
+        assert f"decode {g['decode_device_ms_per_step']:.2f} ms of device time a step" in res["report"]
     assert res["greedy"]["engine_options"]["overlap"] != res["plain"]["engine_options"]["overlap"]
     assert res["sampling"]["qwen3"] == dict(temperature=0.6, top_k=20, top_p=0.95)
     assert res["sampling"]["sampled"] == dict(temperature=0.6) and res["copy_tb_s"] is None

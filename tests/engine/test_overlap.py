@@ -214,6 +214,7 @@ def test_bubble_meter_counts_gaps_only_while_work_is_pending():
     m.job("decode", 10.0, 11.0)  # after an idle period: not a bubble
     st = m.stats()
     assert st.device_jobs == 3 and st.device_busy_s == pytest.approx(3.0)
+    assert (st.prefill_device_s, st.decode_device_s) == pytest.approx((1.0, 2.0))
     assert st.device_idle_s == pytest.approx(0.5)
     assert st.device_idle_fraction == pytest.approx(0.5 / 3.5)
     assert st.mean_host_ms_per_step == pytest.approx(200.0)
