@@ -89,12 +89,13 @@ class BubbleMeter:
         """A device job of kind `name` ("extend" or "decode") ran [start, end], waiting `idle` of it (a
         sampling deferred for its mask); the gap since the previous job was a bubble."""
         st = self._stats
+        busy = end - start - idle
         st.device_jobs += 1
-        st.device_busy_s += end - start - idle
+        st.device_busy_s += busy
         if name == "extend":
-            st.prefill_device_s += end - start - idle
+            st.prefill_device_s += busy
         elif name == "decode":
-            st.decode_device_s += end - start - idle
+            st.decode_device_s += busy
         st.device_idle_s += idle
         if self._last_end is not None:
             st.device_idle_s += max(0.0, start - self._last_end)
