@@ -274,7 +274,8 @@ def test_draws_follow_the_exact_filtered_softmax() -> None:
         assert stat < _critical(len(exp) - 1), (i, p, observed.tolist(), expected.tolist())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (float32, ~7 s, in the slow tier; bfloat16's case stays in `make test`)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(dtype: torch.dtype) -> None:
     """Top-k + top-p (both searches in float32, the window in bf16) with other rows of every mode before
     or after it: the same token, step by step, as when it is alone (its chunks and sums do not depend on
