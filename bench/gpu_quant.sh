@@ -83,6 +83,8 @@ if phase targets; then
 tpot 45 qwen3-0.6b bf16 --profile  # (first: a cold machine's start-up falls on the smallest model)
 tpot 50 qwen3-8b bf16 --profile
 tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
+# the same with x rounded by the layers' own launches, as before the fused norm and SiLU·mul rounded it
+GAPLESS_FP8_UNFUSED_ROUNDING=1 tpot 45 qwen3-8b fp8_unfused --profile --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against

@@ -161,6 +161,12 @@ FP8_GEMV_ROWS = _var(
     "FP8 layers on CUDA: up to this many rows the GEMM of a weight of at most 2^25 values runs as a GEMV "
     "on the CUDA cores instead of 16-row tensor-core tiles (0: never) (`gapless.model.quant.fp8_kernel`)",
 )
+FP8_UNFUSED_ROUNDING = _bool(
+    "GAPLESS_FP8_UNFUSED_ROUNDING",
+    "FP8 layers on CUDA round their activations to e4m3 by a launch of their own before their tiles, as "
+    "before; off (the default): the fused RMSNorm or gated activation before the layer rounds them as it "
+    "writes them, the same bits, and the layer launches nothing (`gapless.model.quant.fp8_kernel`)",
+)
 API_KEY = _var("GAPLESS_API_KEY", None, _optional_str, "string", "the default of `gapless serve --api-key`")
 LOG_LEVEL = _var(
     "GAPLESS_LOG_LEVEL",

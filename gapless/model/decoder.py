@@ -32,6 +32,7 @@ from gapless.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    _Linear,
     make_rms_norm,
 )
 from gapless.model.moe import SparseMoE
@@ -193,8 +194,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
-        h = self.act_and_mul(h) if self.fused is None else self.fused.act_and_mul(h, self.act)
-        return self.down_proj(h)
+        if self.fused is None:
+            return self.down_proj(self.act_and_mul(h))
+        group = self.down_proj.input_rounding(h.numel() // h.shape[-1])  # (rounded for FP8 as written)
+        return self.down_proj(self.fused.act_and_mul(h, self.act, group))
 
 
 class DecoderLayer(nn.Module):
@@ -227,16 +230,20 @@ class DecoderLayer(nn.Module):
         return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
     def _add_norm(
-        self, place: int, x: torch.Tensor, residual: torch.Tensor | None
+        self, place: int, x: torch.Tensor, residual: torch.Tensor | None, feeds: _Linear | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the input norm at `place` of residual + x, that sum); the first layer's residual is x."""
+        """(the input norm at `place` of residual + x, that sum); the first layer's residual is x.
+        `feeds`: the layer the norm's output goes to (`RMSNorm`'s, for FP8 rounding)."""
         name = self.norm_names[place]
-        if residual is None:
-            return self._norm(place, x), x
         if name is None:
+            if residual is None:
+                return x, x
             residual = x + residual
             return residual, residual
-        return self.get_submodule(name)(x, residual)
+        norm = self.get_submodule(name)
+        if residual is None:
+            return norm(x, None, feeds), x
+        return norm(x, residual, feeds)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -251,14 +258,15 @@ class DecoderLayer(nn.Module):
         """The layer up to its attention: (the queries, the residual stream), its K/V stored. With
         `after_attention`, what `forward` runs around the attention (`gapless.engine.piecewise_graph`
         captures each side, the attention between them runs as it comes)."""
-        h, residual = self._add_norm(0, x, residual)
+        h, residual = self._add_norm(0, x, residual, self.self_attn.qkv_proj)
         return self.self_attn.project(h, ctx), residual
 
     def after_attention(
         self, attn: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer from its attention's output `attn` on: (its MLP output, the residual stream)."""
-        h, residual = self._add_norm(2, self._output(1, self.self_attn.output(attn)), residual)
+        feeds = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else None  # (a mixture: its router)
+        h, residual = self._add_norm(2, self._output(1, self.self_attn.output(attn)), residual, feeds)
         return self._output(3, self.mlp(h)), residual
 
 

@@ -62,6 +62,13 @@ class _Linear(nn.Module):
         y = self.linear_method.apply(self, x)
         return y if self.lora is None else self.lora.add(x, y)
 
+    def input_rounding(self, rows: int) -> int:
+        """The column group in which this layer's method would round x of `rows` rows to e4m3 before its
+        GEMM (0: it would not), for the fused kernel before the layer to do it as it writes x
+        (`gapless.model.quant.base.RoundedRows`)."""
+        ask = getattr(self.linear_method, "input_rounding", None)
+        return 0 if ask is None else ask(self, rows)
+
 
 class ColumnParallelLinear(_Linear):
     """A linear layer split by output features (W's rows): each rank computes its slice of y, with no
@@ -191,7 +198,9 @@ class RMSNorm(nn.Module):
 
     `norm(x)` is the norm of x; `norm(x, residual)` adds x to the residual stream first and returns
     (norm of the sum, the sum): vLLM's shape, which lets the fused kernel do the add and the norm in one
-    pass over the row (`gapless.model.fused`, set in `fused` when chosen; torch otherwise)."""
+    pass over the row (`gapless.model.fused`, set in `fused` when chosen; torch otherwise). `feeds`: the
+    linear layer the norm's output goes to, whose x the fused kernel rounds to e4m3 as it writes it where
+    the layer asks (`_Linear.input_rounding`: an FP8 layer that would launch that rounding itself)."""
 
     kind = "llama"  # the arithmetic's name, a key of `RMS_NORMS` (and of the fused kernel's kinds)
     fused: Any = None  # the fused-kernels module when the model runs them (`gapless.model.fused`)
@@ -202,10 +211,11 @@ class RMSNorm(nn.Module):
         self.weight = _set_loader(nn.Parameter(torch.ones(dim)), default_weight_loader)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, feeds: _Linear | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fused is not None:
-            return self.fused.rms_norm(x, self.weight, self.eps, self.kind, residual)
+            group = 0 if feeds is None else feeds.input_rounding(x.numel() // x.shape[-1])
+            return self.fused.rms_norm(x, self.weight, self.eps, self.kind, residual, group)
         if residual is None:
             return self.normalize(x)
         residual = x + residual

@@ -315,7 +315,16 @@ def _fp8() -> dict[str, Callable[[], object]]:
                 f"fp8 gemv 1 rows {dtype} {'block' if block else 'channel'}, decode x {by}, unroll {unroll}"
             )
             cases[name] = partial(run, 1, dtype, block, by, GEMV_ROWS=1, GEMV_TILES=(64, 4, unroll), **decode)
+    for dtype in DTYPES:  # x rounded for the tiles by the fused norm and SiLU·mul before them (8B's widths)
+        cases[f"fp8 rounding in the norm and activation {dtype}"] = partial(_rounded_before, dtype)
     return cases
+
+
+def _rounded_before(dtype: torch.dtype) -> None:
+    from gapless.model.fused.triton_kernels import act_and_mul, rms_norm
+
+    rms_norm(x := torch.zeros(2, 4096, dtype=dtype), x[0], 1e-6, "llama", x, round_group=128)
+    act_and_mul(torch.zeros(2, 2 * 12288, dtype=dtype), "silu", round_group=128)
 
 
 def _int4() -> dict[str, Callable[[], object]]:
@@ -459,19 +468,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--resources", action="store_true", help="each specialization's registers, spills and shared memory"
     )
-    p.add_argument(
-        "--ops", action="store_true", help="each specialization's instructions, MMA kinds and conversions"
-    )
+    p.add_argument("--ops", action="store_true", help="each specialization's instructions, MMAs, conversions")
     args = p.parse_args(argv)
     if env.TRITON_INTERPRET.get():
-        print(
-            "triton_compile: unset TRITON_INTERPRET (the interpreter replaces the compiler)", file=sys.stderr
-        )
+        print("triton_compile: unset TRITON_INTERPRET (it replaces the compiler)", file=sys.stderr)
         return 2
     compiler = compile_all(args.arch)
-    kernels: dict[str, int] = {}
-    for name, _ in compiler.compiled:
-        kernels[name] = kernels.get(name, 0) + 1
+    kernels = Counter(name for name, _ in compiler.compiled)
     print(f"compiled for sm_{args.arch}: " + ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items())))
     if args.resources or args.ops:
         seen = set()
@@ -479,9 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             if kernel.hash in seen:  # the same specialization, launched again
                 continue
             seen.add(kernel.hash)
-            names = kernel.src.fn.arg_names
             constants = {  # the launch's constexpr arguments, by name (block sizes, flags)
-                names[path[0]]: value
+                kernel.src.fn.arg_names[path[0]]: value
                 for path, value in kernel.src.constants.items()
                 if len(path) == 1 and isinstance(value, (int, bool))
             }

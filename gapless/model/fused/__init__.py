@@ -22,7 +22,7 @@ from typing import cast
 import torch
 
 from gapless.memory.kv_pool import FP8, KVPool
-from gapless.model.decoder import MLP, Attention, CausalLM
+from gapless.model.decoder import MLP, Attention, CausalLM, DecoderLayer
 from gapless.model.layers import GATED_ACTIVATIONS, RMSNorm
 
 log = logging.getLogger(__name__)
@@ -156,9 +156,13 @@ def _probes(
             return [GATED_ACTIVATIONS[cfg.hidden_act](gate_up)]
         return [fused.act_and_mul(gate_up, cfg.hidden_act)]
 
-    return {
+    probes = {
         "rms_norm": lambda: [body.norm(x)],
         "add_rms_norm": lambda: list(body.norm(x, residual)),
         "qk_norm_rope_store": rope_store,
         "act_and_mul": act,
     }
+    layer = cast(DecoderLayer, body.layers[0])
+    if isinstance(mlp := layer.mlp, MLP):  # from the norm before it: where FP8 layers' x is rounded by both
+        probes["norm_into_mlp"] = lambda: [mlp(layer._add_norm(2, x, residual, mlp.gate_up_proj)[0])]
+    return probes

@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 
 from gapless.attention.triton_kernels import INTERPRET, _sum
+from gapless.model.quant.base import RoundedRows, attach_rounding
+from gapless.model.quant.fp8_kernel import round_rows
 
 __all__ = ["INTERPRET", "KINDS", "ACTIVATIONS", "rms_norm", "qk_norm_rope_store", "act_and_mul"]
 
@@ -84,12 +86,34 @@ def _scale(normed, w, KIND: tl.constexpr):
 
 
 @triton.jit
+def _store_rounded(out, row, first, n, Q, S, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """`out` (float32 [BLOCK]: columns [first, first + BLOCK) of a row of n, those past n zero) rounded to
+    e4m3 per GROUP columns by the FP8 GEMM's own rounding (`round_rows`: the same bits as its launch would
+    write from the stored row) into row `row` of Q [rows, n] and of its scales S [rows, ceil(n / GROUP)]."""
+    q, scale = round_rows(tl.reshape(out, (BLOCK // GROUP, GROUP)))
+    groups = first // GROUP + tl.arange(0, BLOCK // GROUP)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    tl.store(Q + row * n + cols, q, mask=cols < n)
+    tl.store(S + row * tl.cdiv(n, GROUP) + groups, scale, mask=groups * GROUP < n)
+
+
+def _rounding(rows: int, n: int, group: int, device: torch.device) -> RoundedRows | None:
+    """Empty buffers for `rows` rows of n columns rounded to e4m3 per `group` columns (0: None)."""
+    if not group:
+        return None
+    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=device)
+    return RoundedRows(q, torch.empty(rows, triton.cdiv(n, group), dtype=torch.float32, device=device), group)
+
+
+@triton.jit
 def _rms_norm_kernel(
     X,
     R,
     W,
     Out,
     ROut,
+    Q,
+    S,
     n_cols,
     stride_x,
     stride_r,
@@ -99,9 +123,10 @@ def _rms_norm_kernel(
     KIND: tl.constexpr,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     """One row: (x + residual, rounded to the dtype and written out as the new residual, when HAS_RES),
-    then its RMSNorm."""
+    then its RMSNorm; with GROUP, the norm also rounded to e4m3 for an FP8 layer (`_store_rounded`)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -116,13 +141,21 @@ def _rms_norm_kernel(
     w = tl.load(W + offs, mask=mask, other=0.0)
     out = _rounded(_scale(x32 * inv, w, KIND), Out.dtype.element_ty)
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
+    if GROUP:
+        _store_rounded(out, row, 0, n_cols, Q, S, BLOCK, GROUP)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    kind: str,
+    residual: torch.Tensor | None = None,
+    round_group: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of `x` [T, n] (the last dim contiguous); with `residual`, of `x + residual`, returned with
-    that sum as the new residual (x's dtype)."""
+    that sum as the new residual (x's dtype). `round_group`: the norm also rounded to e4m3 per that many
+    columns, carried on it for the FP8 layer it feeds (`RoundedRows`); 0: not."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
@@ -131,7 +164,8 @@ def rms_norm(
     if residual is not None:
         r_in = residual.reshape(-1, n)
         res_out = r_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    rows, block = x2.shape[0], triton.next_power_of_2(n)
+    rows, block = x2.shape[0], max(triton.next_power_of_2(n), round_group)
+    rounded = _rounding(rows, n, round_group, x.device)
     if rows:
         _rms_norm_kernel[(rows,)](
             x2,
@@ -139,6 +173,7 @@ def rms_norm(
             weight,
             out,
             r_out,
+            *(rounded[:2] if rounded is not None else (out, out)),  # (unwritten without GROUP)
             n,
             x2.stride(0),
             r_in.stride(0),
@@ -148,11 +183,11 @@ def rms_norm(
             KIND=KINDS[kind],
             HAS_RES=residual is not None,
             BLOCK=block,
+            GROUP=round_group,
             num_warps=min(max(block // 256, 1), 16),  # ~8 fp32 values a thread, whatever the width
         )
-    if res_out is None:
-        return out.view(x.shape)
-    return out.view(x.shape), res_out.view(x.shape)
+    normed = out.view(x.shape) if rounded is None else attach_rounding(out.view(x.shape), rounded)
+    return normed if res_out is None else (normed, res_out.view(x.shape))
 
 
 @triton.jit
@@ -297,11 +332,15 @@ def qk_norm_rope_store(
 
 
 @triton.jit
-def _act_and_mul_kernel(X, Out, n, stride_x, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(
+    X, Out, Q, S, n, stride_x, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr
+):
     """One block of one row: act(gate) * up, with gate = x[:n] and up = x[n:]; act's result is rounded
-    to the dtype before the product, as the two torch ops round."""
+    to the dtype before the product, as the two torch ops round. With GROUP (which divides BLOCK), the
+    block also rounded to e4m3 for an FP8 layer (`_store_rounded`)."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    first = tl.program_id(1) * BLOCK
+    offs = first + tl.arange(0, BLOCK)
     mask = offs < n
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(X + row * stride_x + n + offs, mask=mask, other=0.0)
@@ -314,17 +353,29 @@ def _act_and_mul_kernel(X, Out, n, stride_x, stride_o, ACT: tl.constexpr, BLOCK:
         a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * y)) - 1.0))
     out = _rounded(_rounded(a, gate.dtype) * up.to(tl.float32), gate.dtype)
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
+    if GROUP:
+        _store_rounded(out, row, first, n, Q, S, BLOCK, GROUP)  # (columns past n: 0, as loaded)
 
 
-def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+def act_and_mul(x: torch.Tensor, act: str, round_group: int = 0) -> torch.Tensor:
     """act(gate) * up for x = [gate, up] along the last dim ([T, 2n] -> [T, n]); `act` a key of
-    `ACTIVATIONS`."""
+    `ACTIVATIONS`. `round_group`: as `rms_norm` takes it."""
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n)
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    rounded = _rounding(x2.shape[0], n, round_group, x.device)
     if x2.shape[0] and n:
-        block = min(_ACT_BLOCK, triton.next_power_of_2(n))
+        block = max(min(_ACT_BLOCK, triton.next_power_of_2(n)), round_group)
         _act_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, out, n, x2.stride(0), out.stride(0), ACT=ACTIVATIONS[act], BLOCK=block
+            x2,
+            out,
+            *(rounded[:2] if rounded is not None else (out, out)),  # (unwritten without GROUP)
+            n,
+            x2.stride(0),
+            out.stride(0),
+            ACT=ACTIVATIONS[act],
+            BLOCK=block,
+            GROUP=round_group,
         )
-    return out.view(*x.shape[:-1], n)
+    out = out.view(*x.shape[:-1], n)
+    return out if rounded is None else attach_rounding(out, rounded)

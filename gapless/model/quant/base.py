@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,39 @@ class LinearMethod(Protocol):
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this method holds beyond the layer's parameters (its quantized weight, scales)."""
         ...
+
+    # A method may also define `input_rounding(layer, rows) -> int`: the column group in which it would
+    # round x of `rows` rows to e4m3 before its GEMM (0: it would not), for the kernel before the layer
+    # to do it instead (`RoundedRows`); `_Linear.input_rounding` asks it.
+
+
+class RoundedRows(NamedTuple):
+    """x's rows rounded to e4m3 by the kernel that wrote x (the fused RMSNorm or gated activation,
+    `gapless.model.fused`), for the FP8 layer after it, which would otherwise launch that rounding itself:
+    `q` [M, K] e4m3 and `scales` [M, ceil(K / group)] float32, x ~ q * scale per row and `group` columns.
+
+    It travels on x itself (`attach_rounding`, `rounding_of`): whatever op comes between the two makes a
+    new tensor without it, and the layer then rounds x as before, so a stale or mismatched rounding can
+    never be read."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    group: int
+
+
+_ROUNDED = "_gapless_rounded_rows"  # the attribute on x that carries its `RoundedRows`
+
+
+def attach_rounding(x: torch.Tensor, rows: RoundedRows) -> torch.Tensor:
+    """x, carrying `rows` (its own rounding) for the layer it feeds."""
+    setattr(x, _ROUNDED, rows)
+    return x
+
+
+def rounding_of(x: torch.Tensor, group: int) -> RoundedRows | None:
+    """The rounding x carries in columns of `group` (`attach_rounding`); None: none, or another group."""
+    rows = getattr(x, _ROUNDED, None)
+    return rows if rows is not None and rows.group == group else None
 
 
 class UnquantizedLinearMethod:

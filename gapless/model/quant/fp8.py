@@ -40,6 +40,7 @@ from gapless.model.layers import (
     default_weight_loader,
     set_weight_loader,
 )
+from gapless.model.quant.base import rounding_of
 from gapless.model.quant.formats import QuantFormatError, QuantSpec
 from gapless.model.quant.fp8_kernel import FP8_MAX
 
@@ -128,10 +129,27 @@ class Fp8LinearMethod:
         from gapless.model.quant.fp8_kernel import fp8_gemm
 
         x2 = x.reshape(-1, x.shape[-1])
+        rounded = rounding_of(x, self.act_group)  # (x rounded already by the kernel that wrote it)
         y = fp8_gemm(
-            x2, layer.weight, layer.weight_scale, self.rows_per_scale, self.k_group, self.act_group, bias
+            x2,
+            layer.weight,
+            layer.weight_scale,
+            self.rows_per_scale,
+            self.k_group,
+            self.act_group,
+            bias,
+            None if rounded is None else rounded[:2],
         )
         return y.view(*x.shape[:-1], self.out_features)
+
+    def input_rounding(self, layer: Any, rows: int) -> int:
+        """`act_group` where the GEMM would round x of `rows` rows before its loop (`rounds_before`), for
+        the kernel before the layer to do it instead; 0 elsewhere and on the CPU (the reference)."""
+        if self.dequantized is not None:
+            return 0
+        from gapless.model.quant.fp8_kernel import rounds_before
+
+        return self.act_group if rounds_before(rows, *layer.weight.shape) else 0
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.dequantized is None else [self.dequantized]  # weight and scale are parameters

@@ -9,7 +9,7 @@ rows again, in its loop, where the rounding waits on x's loads; so up to `DECODE
 or a small batch's) x meets the weights as `DECODE_X` says: rounded before the loop, by one small launch
 before the GEMM (`_fp8_quant_kernel`) or by each program for its own share of K, into the same buffer
 (the programs of one share write the same bytes), with no launch; either way the same arithmetic
-(`_round_rows`: the same bits), and the loop loads the e4m3 rows and their scales. Or not rounded to e4m3
+(`round_rows`: the same bits), and the loop loads the e4m3 rows and their scales. Or not rounded to e4m3
 at all ("fp16", W8A16): x in float16 (clamped to its range) against the weights widened to float16, which
 on sm_90 is what a 16-row tile's dot runs anyway (Triton widens both e4m3 operands for an fp16 HMMA;
 64-row tiles take fp8's own wgmma); closer to the float model than e4m3's 3-bit x, but not the bits of
@@ -40,9 +40,10 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 
 
 @triton.jit
-def _round_rows(x):
+def round_rows(x):
     """x (float32, [rows, BK]: one group of columns a row) as e4m3 and each row's scale (the group's
-    largest |x| / 448): the one rounding of x every path takes."""
+    largest |x| / 448): the one rounding of x every path takes (also the fused norm's and activation's,
+    `gapless.model.fused.triton_kernels`, that round x for the layer after them)."""
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
     return (x / scale[:, None]).to(tl.float8e4nv), scale
 
@@ -55,7 +56,7 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr):
     offs = g * BK + tl.arange(0, BK)
     ok = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-    q, scale = _round_rows(x)
+    q, scale = round_rows(x)
     tl.store(q_ptr + row * K + offs[None, :], q, mask=ok[None, :])
     tl.store(s_ptr + row * tl.num_programs(1) + g + tl.arange(0, 1), scale)
 
@@ -105,7 +106,7 @@ def _fp8_gemm_kernel(
         for k0 in range(k_start, k_stop, BK):
             ok = m_ok[:, None] & ((k0 + offs_k) < K)[None, :]
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=ok, other=0.0)
-            q, scale = _round_rows(x.to(tl.float32))
+            q, scale = round_rows(x.to(tl.float32))
             tl.store(xq_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :], q, mask=ok)
             tl.store(xs_ptr + offs_m * tl.cdiv(K, BK) + k0 // BK, scale, mask=m_ok)
         tl.debug_barrier()  # (every thread's stores before any thread's loads below)
@@ -131,7 +132,7 @@ def _fp8_gemm_kernel(
             if ROUND == 3:  # W8A16: x in fp16 (clamped to its range), the weights widened to fp16
                 acc += tl.dot(clamped_fp16(x), w.to(tl.float16)) * w_scale[None, :]
             else:
-                xq, x_scale = _round_rows(x)
+                xq, x_scale = round_rows(x)
                 acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
     _finish(acc, y_ptr, p_ptr, lock_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, pid_s, HAS_BIAS, SPLITS)
 
@@ -214,7 +215,7 @@ def _fp8_gemv_kernel(
     """Row `program_id(0)` of y, columns [pid_n * BN, +BN), over one share of K, on the CUDA cores: W's
     [BN, BK] tile read along K (each row's contiguous bytes, in the layout it loads in), widened to
     float32, times x's BK values (as ROUND says: 1, the e4m3 row and scales a launch wrote; 2, rounded
-    here, in registers, by `_round_rows`; 3, x in fp16), added into a [BN, BK] float32 accumulator (one
+    here, in registers, by `round_rows`; 3, x in fp16), added into a [BN, BK] float32 accumulator (one
     FMA a weight) summed along K once, at the end. W's scales (SCALES): 0, one a row for all of K,
     applied at the end; 1, the tile's rows inside one block of scales, one a step, folded into x; 2, one
     a row a step. UNROLL steps a loop iteration (their loads issued together)."""
@@ -251,7 +252,7 @@ def _fp8_gemv_kernel(
                 if ROUND == 3:  # W8A16: x in fp16 (clamped to its range), as the GEMM's dot takes it
                     x = clamped_fp16(x).to(tl.float32)
                 else:
-                    xq, x_scale = _round_rows(x.to(tl.float32)[None, :])
+                    xq, x_scale = round_rows(x.to(tl.float32)[None, :])
                     x = tl.sum(xq.to(tl.float32) * x_scale[:, None], axis=0)  # (one row: its values)
             if SCALES == 1:  # one scale for the tile's rows this step (their block's): folded into x
                 block = (pid_n * BN // rows_per_scale) * stride_sn + (kk // k_group) * stride_sk
@@ -347,6 +348,25 @@ def _splits(m: int, n_tiles: int, k_steps: int, device: torch.device) -> int:
     return splits
 
 
+def _plan(m: int, n: int, k: int) -> tuple[bool, int]:
+    """(whether the GEMV runs, the kernel's ROUND) for x of M rows and a weight [N, K]."""
+    gemv = (
+        m <= (GEMV_ROWS if GEMV_ROWS is not None else env.FP8_GEMV_ROWS.get()) and n * k <= GEMV_MAX_WEIGHTS
+    )
+    by = DECODE_X or env.FP8_DECODE.get()
+    if by == "auto":  # the GEMV's x in its registers, the tiles' by a launch
+        by = "program" if gemv else "launch"
+    return gemv, 0 if m > DECODE_ROWS else _ROUNDING[by]
+
+
+def rounds_before(m: int, n: int, k: int) -> bool:
+    """Whether `fp8_gemm` rounds x of M rows into a buffer before its loop, for a weight [N, K] (by a
+    launch, or by its tiles' programs): what the kernel before the layer may do instead, passing the result
+    as `rounded` (unless `GAPLESS_FP8_UNFUSED_ROUNDING`; `gapless.model.quant.base.RoundedRows`)."""
+    gemv, rounding = _plan(m, n, k)
+    return not env.FP8_UNFUSED_ROUNDING.get() and (rounding == 1 or rounding == 2 and not gemv)
+
+
 def fp8_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -355,34 +375,39 @@ def fp8_gemm(
     k_group: int,
     act_group: int,
     bias: torch.Tensor | None,
+    rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [M, K] (float) times w [N, K] (e4m3)^T with w's float32 `scale` [N / rows_per_scale, K / k_group]
     (k_group 0: one scale per row for all of K), x quantized per row and `act_group` columns (up to
     `DECODE_ROWS` rows as `DECODE_X` says); [M, N] in x's dtype. At decode sizes K may be split over
-    several programs per tile (`_splits`)."""
+    several programs per tile (`_splits`). `rounded`: x already rounded so (e4m3 [M, K] and float32
+    scales [M, ceil(K / act_group)], `_fp8_quant_kernel`'s layout), taken where x would be rounded before
+    the loop (`rounds_before`) instead of rounding it again; ignored elsewhere."""
     m, k = x.shape
     n = w.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    gemv = (
-        m <= (GEMV_ROWS if GEMV_ROWS is not None else env.FP8_GEMV_ROWS.get()) and n * k <= GEMV_MAX_WEIGHTS
-    )
+    gemv, rounding = _plan(m, n, k)
     bm, bn, warps, stages = (1, *GEMV_TILES[:2], 1) if gemv else _tiles(m)
     tiles_m, tiles_n, k_steps = triton.cdiv(m, bm), triton.cdiv(n, bn), triton.cdiv(k, act_group)
     splits = _splits(m, tiles_m * tiles_n, k_steps, x.device)
     steps = triton.cdiv(k_steps, splits)
     splits = triton.cdiv(k_steps, steps)  # no split left without a step
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
-    by = DECODE_X or env.FP8_DECODE.get()
-    if by == "auto":  # the GEMV's x in its registers, the tiles' by a launch
-        by = "program" if gemv else "launch"
-    rounding = 0 if m > DECODE_ROWS else _ROUNDING[by]
     xq, xs = y, y  # (unread unless x is rounded before the loop)
     if rounding == 1 or rounding == 2 and not gemv:  # (the GEMV rounds x in its registers: no buffer)
-        xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-        xs = torch.empty(m, k_steps, dtype=torch.float32, device=x.device)
-    if rounding == 1:
-        _fp8_quant_kernel[(m, k_steps)](x, xq, xs, k, x.stride(0), BK=act_group)
+        if rounded is not None:
+            if rounded[0].shape != (m, k) or rounded[1].shape != (m, k_steps):
+                raise ValueError(
+                    f"x rounded as {tuple(rounded[0].shape)} and {tuple(rounded[1].shape)} scales, "
+                    f"expected ({m}, {k}) and ({m}, {k_steps})"
+                )
+            (xq, xs), rounding = rounded, 1
+        else:
+            xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+            xs = torch.empty(m, k_steps, dtype=torch.float32, device=x.device)
+            if rounding == 1:
+                _fp8_quant_kernel[(m, k_steps)](x, xq, xs, k, x.stride(0), BK=act_group)
     args = (
         x,
         xq,

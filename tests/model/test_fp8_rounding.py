@@ -1,0 +1,192 @@
+"""x rounded to e4m3 by the kernel before an FP8 layer (`gapless.model.quant.base.RoundedRows`).
+
+Where an FP8 layer would launch the rounding of its activations before its GEMM (2-128 rows, the tiles),
+the fused RMSNorm and gated activation before it round them as they write them instead, with the GEMM's
+own arithmetic (`fp8_kernel.round_rows`), so the layer computes the same bits without the launch. Without
+a GPU the kernels run under Triton's interpreter (tests/conftest.py), whose e4m3 rounding is off for some
+values; both sides of every comparison here round through the same function, so their bits agree
+anyway, and on a GPU the same tests check real rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gapless.model import loader
+from gapless.model.quant.base import RoundedRows, attach_rounding, rounding_of
+from gapless.model.quant.fp8 import activation_group, quantize_rows
+from gapless.testing.triton import import_kernels_or_skip
+
+fk = import_kernels_or_skip("gapless.model.fused.triton_kernels")
+
+from gapless.model import fused  # noqa: E402
+from gapless.model.quant import fp8_kernel  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GPU_FP8 = not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 9)
+pytestmark = pytest.mark.skipif(not GPU_FP8, reason="the FP8 GEMM needs sm_89+ on a GPU")
+
+
+def _launched(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as the FP8 layer's own launch rounds them (`_fp8_quant_kernel`)."""
+    m, k = x.shape
+    steps = -(-k // group)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, steps, dtype=torch.float32, device=x.device)
+    fp8_kernel._fp8_quant_kernel[(m, steps)](x, q, s, k, x.stride(0), BK=group)
+    return q, s
+
+
+def _same_rounding(out: torch.Tensor, group: int) -> None:
+    rows = rounding_of(out, group)
+    assert rows is not None and rounding_of(out, group * 2) is None
+    q, s = _launched(out.reshape(-1, out.shape[-1]), group)
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows.scales, s)
+
+
+def _rand(*shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize(("n", "group"), [(200, 64), (256, 128), (12, 16)])
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+@torch.inference_mode()
+def test_the_norm_rounds_its_output_as_the_layers_launch_would(n, group, kind):
+    """Rows whose width is no multiple of the group, and narrower than the smallest group."""
+    x, res, w = _rand(3, n), _rand(3, n, seed=1), _rand(n, seed=2)
+    plain, plain_res = fk.rms_norm(x, w, 1e-6, kind, res)
+    out, new_res = fk.rms_norm(x, w, 1e-6, kind, res, round_group=group)
+    assert torch.equal(out, plain) and torch.equal(new_res, plain_res)
+    assert rounding_of(plain, group) is None
+    _same_rounding(out, group)
+    _same_rounding(fk.rms_norm(x, w, 1e-6, kind, round_group=group), group)  # (no residual)
+
+
+@pytest.mark.parametrize(("n", "group"), [(1500, 128), (40, 64)])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@torch.inference_mode()
+def test_the_activation_rounds_its_output_as_the_layers_launch_would(n, group, act):
+    """Across several programs' blocks of a row (1,500 columns: two of 1,024), and one narrow block."""
+    x = _rand(2, 2 * n)
+    out = fk.act_and_mul(x, act, round_group=group)
+    assert torch.equal(out, fk.act_and_mul(x, act))
+    _same_rounding(out, group)
+
+
+@torch.inference_mode()
+def test_the_gemm_takes_x_rounded_before_it_instead_of_launching(monkeypatch):
+    """Two rows through the tiles: with x's rounding given, the same bits and no rounding launch; a
+    rounding of another shape refused by name; the GEMV (one row) rounds in its registers, never asks."""
+    launches = []
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    real = fp8_kernel._fp8_quant_kernel
+    n, k, act = 48, 256, 128
+    w, s = (t.to(DEVICE) for t in quantize_rows(torch.randn(n, k) * 0.05))
+    x = _rand(2, k)
+    rounded = _launched(x, act)
+    monkeypatch.setattr(fp8_kernel, "_fp8_quant_kernel", Counted())
+    assert fp8_kernel.rounds_before(2, n, k) and not fp8_kernel.rounds_before(1, n, k)
+    want = fp8_kernel.fp8_gemm(x, w, s, 1, 0, act, None)
+    assert len(launches) == 1
+    assert torch.equal(fp8_kernel.fp8_gemm(x, w, s, 1, 0, act, None, rounded), want)
+    assert len(launches) == 1
+    with pytest.raises(ValueError, match=r"expected \(2, 256\) and \(2, 2\)"):
+        fp8_kernel.fp8_gemm(x, w, s, 1, 0, act, None, (rounded[0][:1], rounded[1][:1]))
+    monkeypatch.setenv("GAPLESS_FP8_UNFUSED_ROUNDING", "1")
+    assert not fp8_kernel.rounds_before(2, n, k)
+
+
+def test_a_rounding_travels_only_on_the_tensor_it_was_made_for():
+    x = torch.zeros(2, 4)
+    rows = RoundedRows(torch.zeros(2, 4, dtype=torch.float8_e4m3fn), torch.ones(2, 1), 4)
+    assert attach_rounding(x, rows) is x and rounding_of(x, 4) is rows
+    assert rounding_of(x.view(2, 4), 4) is None and rounding_of(x * 1, 4) is None
+
+
+class _Counted:
+    """`_fp8_quant_kernel` with its launches counted."""
+
+    def __init__(self, real):
+        self.real, self.launches = real, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.real[grid]
+
+
+def _fp8_model(ckpt_factory):
+    """The tiny Qwen3 with `--quantization fp8`, its layers on the Triton GEMM (on the CPU too, under the
+    interpreter, not the reference)."""
+    model = loader.load_model(ckpt_factory("qwen3"), torch.bfloat16, DEVICE, quantization="fp8")
+    for module in model.modules():
+        if getattr(getattr(module, "linear_method", None), "dequantized", None) is not None:
+            module.linear_method.dequantized = None
+    return model
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@torch.inference_mode()
+def test_a_layer_with_fp8_linears_rounds_in_its_norms_and_activation(ckpt_factory, monkeypatch, rows):
+    """A Qwen3 layer quantized to FP8 (`--quantization fp8`) with the fused kernels and the Triton GEMM:
+    at 3 rows the input norm rounds qkv's x, the post-attention norm gate/up's and the activation down's,
+    leaving o's own launch alone, with the outputs' bits unchanged (against `GAPLESS_FP8_UNFUSED_ROUNDING=1`:
+    four launches); at one row the GEMV rounds in its registers and nothing rounds before it."""
+    model = _fp8_model(ckpt_factory)
+    fused.set_fused(model, fk)
+    layer = model.model.layers[0]
+    cfg = model.cfg
+    assert layer.mlp.down_proj.linear_method.act_group == activation_group(cfg.intermediate_size, 0)
+    x, residual, attn = (
+        _rand(rows, cfg.hidden_size),
+        _rand(rows, cfg.hidden_size, seed=1),
+        _rand(rows, cfg.q_size, seed=2),
+    )
+    counted = _Counted(fp8_kernel._fp8_quant_kernel)
+    monkeypatch.setattr(fp8_kernel, "_fp8_quant_kernel", counted)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        h, res = layer._add_norm(0, x, residual, layer.self_attn.qkv_proj)
+        return (layer.self_attn.qkv_proj(h), *layer.after_attention(attn.view(rows, -1, cfg.head_dim), res))
+
+    fused_out, fused_launches = run(), counted.launches
+    monkeypatch.setenv("GAPLESS_FP8_UNFUSED_ROUNDING", "1")
+    counted.launches = 0
+    plain = run()
+    for a, b in zip(fused_out, plain, strict=True):
+        assert torch.equal(a, b)
+    assert (fused_launches, counted.launches) == ((0, 0) if rows == 1 else (1, 4))
+
+
+@torch.inference_mode()
+def test_the_start_up_check_runs_the_rounding_into_the_mlp(ckpt_factory, monkeypatch):
+    """`gapless.model.fused.disagreement` takes the norm into the MLP through the kernels: with FP8 layers
+    their x rounded by the norm and activation agrees with the layers' own rounding, and a wrong rounding
+    (scales off by 2) is found, so the model would run torch's kernels instead."""
+    model = _fp8_model(ckpt_factory)
+    assert fused.disagreement(model, fk, DEVICE) is None
+    real = fk.act_and_mul
+
+    def off_by_two(x, act, round_group=0):
+        out = real(x, act, round_group)
+        rows = rounding_of(out, round_group)
+        return out if rows is None else attach_rounding(out, rows._replace(scales=rows.scales * 2))
+
+    monkeypatch.setattr(fk, "act_and_mul", off_by_two)
+    assert fused.disagreement(model, fk, DEVICE).startswith("norm_into_mlp: relative error")
+
+
+@pytest.mark.slow  # (sm_90 compiles in a child process, ~20 s)
+def test_the_rounding_norm_and_activation_compile_for_sm90():
+    from gapless.testing.triton_compile import compile_cases
+
+    built = compile_cases("fp8", "rounding in")
+    if built is None:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    assert built.kernels == ["_act_and_mul_kernel", "_rms_norm_kernel"] and not built.failed, built
