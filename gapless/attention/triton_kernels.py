@@ -489,6 +489,10 @@ def _decode_split_kernel(
         kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     seq_len = tl.load(PrefixLens + b) + tl.load(ExtendLens + b)
+    # (loaded with the lengths, not after the return below: at batch 1 the kernel is a chain of loads,
+    # each waiting on the one before, and these need not wait)
+    row = tl.load(Rows + b).to(tl.int64)
+    q_row = tl.load(QStart + b).to(tl.int64)
     # the query at seq_len - 1 sees keys [first, seq_len): the splits share out those alone, whole key
     # blocks each (only a split's last block is partial), so `active` splits are not empty
     first = tl.maximum(seq_len - window, 0)
@@ -503,8 +507,6 @@ def _decode_split_kernel(
     if start >= seq_len:
         return
     end = tl.minimum(start + chunk, seq_len)
-    row = tl.load(Rows + b).to(tl.int64)
-    q_row = tl.load(QStart + b).to(tl.int64)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
