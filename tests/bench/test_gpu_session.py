@@ -255,7 +255,7 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert not any("gapless.bench.gpu" in c for c in tables)
     targets = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "g", ROOT, QUANT_PHASES="targets")
     runs = [c for c in targets if c[:3] == ["-m", "gapless.bench.quant", "run"]]
-    assert len(runs) == 5 and all("--profile" in c for c in runs)
+    assert len(runs) == 6 and all("--profile" in c for c in runs)
     kv_runs = [c for c in targets if c[:2] == ["-m", "gapless.bench.gpu"]]
     assert len(kv_runs) == 2 and all("--profile-steps" in c for c in kv_runs)
     assert not any(c[0].endswith("fp8_gemm.py") for c in targets)
