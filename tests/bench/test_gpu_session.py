@@ -104,7 +104,7 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             pytest.fail(f"{' '.join(args)}: the parser refused it (exit {e.code})")
     if part == "all":  # the benchmarks in order of importance
         assert [c[1] for c in benches] == [
-            *["gapless.bench.quant"] * 5,  # gpu_quant.sh: make, four runs of the targets,
+            *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, five runs of the targets,
             *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs,
             "gapless.bench.quant",  # the small shape's FP8; its tables:
             *["gapless.bench.quant"] * 3,  # the mixture's three, (the FP8 sweep: a script)
