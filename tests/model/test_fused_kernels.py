@@ -68,6 +68,21 @@ def test_rms_norm_with_and_without_residual(dtype, kind, rows):
     _close(got, want, dtype)
 
 
+@torch.inference_mode()
+def test_rms_norm_keeps_non_finite_values_where_torch_has_them():
+    """The weight's load is tied to the sum of squares (`_with_early`) without changing it: an inf or NaN
+    weight spoils its own column alone, a NaN in x its whole row, as in torch."""
+    norm = make_rms_norm(37, 1e-5, "llama").to(device=DEVICE)
+    norm.weight.data = _rand(37, dtype=torch.float32, seed=1)
+    norm.weight.data[[3, 9]] = torch.tensor([float("inf"), float("nan")], device=DEVICE)
+    x = _rand(2, 37, dtype=torch.float32, seed=2)
+    x[1, 5] = float("nan")
+    got, want = fk.rms_norm(x, norm.weight, norm.eps, "llama"), norm(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert got[1].isnan().all() and got[0].isfinite().sum() == 35
+    _close(got[0].nan_to_num(0, 0, 0), want[0].nan_to_num(0, 0, 0), torch.float32)
+
+
 def _rope_store_reference(rope, positions, q, k, v, k_cache, v_cache, slots, norms):
     if norms is not None:
         q, k = norms[0](q), norms[1](k)

@@ -73,6 +73,17 @@ def _e4m3_grid(x, scale):
 
 
 @triton.jit
+def _with_early(value, loaded):
+    """`value` (float32, never -0: a square here) as it is, but computed after `loaded` arrives: 0 * loaded
+    is +-0 or NaN, its minimum with 0 is +-0 (`tl.minimum` drops a NaN operand, as PTX's `min.f32` and the
+    interpreter's `fmin` do), and adding +-0 leaves such a value as it was, a NaN included. ptxas issues a
+    load whose value is first needed after a reduction's barrier only once the loads before that barrier
+    have arrived (sm_90 SASS: the RMSNorm's weight), a second trip to memory in a kernel that at one row is
+    a chain of them; used before the barrier, it goes out with them."""
+    return value + tl.minimum(0.0 * loaded.to(tl.float32), 0.0)
+
+
+@triton.jit
 def _scale(normed, w, KIND: tl.constexpr):
     """The weight applied to fp32 normed values, in fp32, rounded where the torch reference rounds:
     llama: weight * normed.to(dtype) (a product in the weight's dtype); fp32 (OLMo 2): weight * normed
@@ -130,6 +141,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    w = tl.load(W + offs, mask=mask, other=0.0)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
@@ -137,8 +149,7 @@ def _rms_norm_kernel(
         tl.store(ROut + row * stride_ro + offs, x32.to(ROut.dtype.element_ty), mask=mask)
     else:
         x32 = x.to(tl.float32)
-    inv = tl.rsqrt(_sum(x32 * x32, 0) / n_cols + eps)
-    w = tl.load(W + offs, mask=mask, other=0.0)
+    inv = tl.rsqrt(_sum(_with_early(x32 * x32, w), 0) / n_cols + eps)
     out = _rounded(_scale(x32 * inv, w, KIND), Out.dtype.element_ty)
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
     if GROUP:
@@ -236,23 +247,34 @@ def _qk_norm_rope_store_kernel(
     half = head_dim // 2
     partner = tl.where(offs < half, offs + half, offs - half)  # rotate-half's source element
     is_q = h < num_q_heads
+    kvh = h - num_q_heads
+    # every load that waits on no other first (at one token the kernel is a chain of trips to memory):
+    # the position (the table's loads wait on it), x and its rotate-half partners, a kv head's v and slot
+    pos = tl.load(Pos + t).to(tl.int64)
     if is_q:
         src = Q + t * stride_qt + h * stride_qh
         w_ptr = QW
     else:
-        src = K + t * stride_kt + (h - num_q_heads) * stride_kh
+        src = K + t * stride_kt + kvh * stride_kh
         w_ptr = KW
     x = tl.load(src + offs, mask=mask, other=0.0)
     dtype = x.dtype
     xf = x.to(tl.float32)
     xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
+    v_mask = mask & (kvh + 0 * offs >= 0)  # (a vector: the interpreter's masks)
+    v = tl.load(V + t * stride_vt + kvh * stride_vh + offs, mask=v_mask, other=0.0)
+    slot = tl.load(Slots + t).to(tl.int64)  # (every token has one: read by the q heads too, unused)
+    early = xp + v.to(tl.float32) + slot.to(tl.float32)
+    if KV_FP8:
+        k_scale, v_scale = tl.load(KScale), tl.load(VScale)
+        early += k_scale + v_scale
     if NORM:  # the per-head RMSNorm, rounded to the dtype as its torch module returns it
-        inv = tl.rsqrt(_sum(xf * xf, 0) / head_dim + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         wp = tl.load(w_ptr + partner, mask=mask, other=0.0)
+        early += w.to(tl.float32) + wp.to(tl.float32)
+        inv = tl.rsqrt(_sum(_with_early(xf * xf, early), 0) / head_dim + eps)
         xf = _rounded(_scale(xf * inv, w, KIND), dtype)
         xp = _rounded(_scale(xp * inv, wp, KIND), dtype)
-    pos = tl.load(Pos + t).to(tl.int64)
     # the table's cos and signed sin, cast to the dtype as the torch reference casts them
     cos = _rounded(tl.load(CosSin + pos * stride_cs + offs, mask=mask, other=0.0).to(tl.float32), dtype)
     sin = tl.load(CosSin + pos * stride_cs + head_dim + offs, mask=mask, other=0.0).to(tl.float32)
@@ -261,16 +283,14 @@ def _qk_norm_rope_store_kernel(
     if is_q:
         tl.store(QOut + t * stride_ot + h * stride_oh + offs, rot.to(QOut.dtype.element_ty), mask=mask)
     else:
-        kvh = h - num_q_heads
-        slot = tl.load(Slots + t).to(tl.int64)
         k_dst = KCache + slot * stride_kct + kvh * stride_kch + offs
-        v = tl.load(V + t * stride_vt + kvh * stride_vh + offs, mask=mask, other=0.0)
         v_dst = VCache + slot * stride_vct + kvh * stride_vch + offs
         if KV_FP8:
-            rot = _e4m3_grid(rot, tl.load(KScale))
-            v = _e4m3_grid(v.to(tl.float32), tl.load(VScale))
+            rot = _e4m3_grid(rot, k_scale)
+            tl.store(v_dst, _e4m3_grid(v.to(tl.float32), v_scale).to(VCache.dtype.element_ty), mask=mask)
+        else:
+            tl.store(v_dst, v.to(VCache.dtype.element_ty), mask=mask)
         tl.store(k_dst, rot.to(KCache.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(VCache.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rope_store(
