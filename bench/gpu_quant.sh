@@ -85,6 +85,13 @@ tpot 50 qwen3-8b bf16 --profile
 tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
 # the same with x rounded by the layers' own launches, as before the fused norm and SiLU·mul rounded it
 GAPLESS_FP8_UNFUSED_ROUNDING=1 tpot 45 qwen3-8b fp8_unfused --profile --engine-option quantization=fp8
+# the same with programmatic dependent launch (`gapless.pdl`: each Triton kernel launched while the one
+# before it runs; 132 us of a token idle between kernels in the run above on an H200)
+GAPLESS_PDL=1 tpot 45 qwen3-8b fp8_pdl --profile --engine-option quantization=fp8
+# the small shape's FP8 (every layer under the GEMV's bound: no rounding launch; 0.75x bf16's TPOT on an
+# H200, 1.01x without the GEMV: bench/results/h200-2026-11-27-default), launch-bound: then with PDL
+tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
+GAPLESS_PDL=1 tpot 40 qwen3-0.6b fp8_pdl --profile --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
@@ -98,11 +105,6 @@ for kv in auto fp8; do
   grep -E '^\| gapless|Triton compiled' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
   sed -n '/a decode step of every request/,/^$/p' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
 done
-
-# the small shape's FP8 (every layer under the GEMV's bound: no rounding launch; 0.75x bf16's TPOT on an
-# H200, 1.01x without the GEMV: bench/results/h200-2026-11-27-default)
-say ""
-tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
 fi
 
 if phase tables; then

@@ -92,6 +92,11 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DISABLE_OVERLAP = _bool(
     "GAPLESS_DISABLE_OVERLAP", "the default of `overlap` (`--disable-overlap`): on turns the overlap loop off"
 )
+PDL = _bool(
+    "GAPLESS_PDL",
+    "programmatic dependent launch of gapless's Triton kernels on sm_90+: each launched while the kernel "
+    "before it still runs, its programs waiting on the SMs for that kernel's end (`gapless.pdl`)",
+)
 ALLOW_LONG_MAX_MODEL_LEN = _bool(
     "GAPLESS_ALLOW_LONG_MAX_MODEL_LEN",
     "allow a `--max-model-len` past the model's trained context (outputs beyond it may be wrong)",

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gapless"
 
 LAYERS: list[set[str]] = [
-    {"config", "cli", "env", "sampling_params", "tensors", "default_model"},
+    {"config", "cli", "env", "sampling_params", "tensors", "default_model", "pdl"},
     {"memory"},
     {"attention", "sampling"},
     {"model"},

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gapless import env
+from gapless import env, pdl
 from gapless.attention.base import AttentionMetadata
 from gapless.memory.kv_pool import FP8
 
@@ -478,6 +478,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (kv heads, batch, splits): a request's heads launch side by side
         kvh = tl.program_id(0)
@@ -488,6 +489,7 @@ def _decode_split_kernel(
         kvh = tl.program_id(1)
         kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
+    pdl.wait_for_previous(PDL)
     seq_len = tl.load(PrefixLens + b) + tl.load(ExtendLens + b)
     # (loaded with the lengths, not after the return below: at batch 1 the kernel is a chain of loads,
     # each waiting on the one before, and these need not wait)
@@ -888,5 +890,6 @@ def decode_attention(
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
         **flags,
+        **pdl.launch_args(q.device),
     )
     return out

@@ -104,9 +104,8 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             pytest.fail(f"{' '.join(args)}: the parser refused it (exit {e.code})")
     if part == "all":  # the benchmarks in order of importance
         assert [c[1] for c in benches] == [
-            *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, five runs of the targets,
-            *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs,
-            "gapless.bench.quant",  # the small shape's FP8; its tables:
+            *["gapless.bench.quant"] * 9,  # gpu_quant.sh: make, eight runs of the targets,
+            *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs; its tables:
             *["gapless.bench.quant"] * 3,  # the mixture's three, (the FP8 sweep: a script)
             "gapless.bench.kernels",  # decode attention at batch 1,
             "gapless.bench.kernels",  # decode attention over each cache,
@@ -255,7 +254,7 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert not any("gapless.bench.gpu" in c for c in tables)
     targets = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "g", ROOT, QUANT_PHASES="targets")
     runs = [c for c in targets if c[:3] == ["-m", "gapless.bench.quant", "run"]]
-    assert len(runs) == 6 and all("--profile" in c for c in runs)
+    assert len(runs) == 8 and all("--profile" in c for c in runs)
     kv_runs = [c for c in targets if c[:2] == ["-m", "gapless.bench.gpu"]]
     assert len(kv_runs) == 2 and all("--profile-steps" in c for c in kv_runs)
     assert not any(c[0].endswith("fp8_gemm.py") for c in targets)

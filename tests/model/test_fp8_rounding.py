@@ -34,7 +34,7 @@ def _launched(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     steps = -(-k // group)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, steps, dtype=torch.float32, device=x.device)
-    fp8_kernel._fp8_quant_kernel[(m, steps)](x, q, s, k, x.stride(0), BK=group)
+    fp8_kernel._fp8_quant_kernel[(m, steps)](x, q, s, k, x.stride(0), BK=group, PDL=False)
     return q, s
 
 

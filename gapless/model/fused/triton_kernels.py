@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gapless import pdl
 from gapless.attention.triton_kernels import INTERPRET, _sum
 from gapless.model.quant.base import RoundedRows, attach_rounding
 from gapless.model.quant.fp8_kernel import round_rows
@@ -135,13 +136,15 @@ def _rms_norm_kernel(
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row: (x + residual, rounded to the dtype and written out as the new residual, when HAS_RES),
     then its RMSNorm; with GROUP, the norm also rounded to e4m3 for an FP8 layer (`_store_rounded`)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    w = tl.load(W + offs, mask=mask, other=0.0)
+    w = tl.load(W + offs, mask=mask, other=0.0)  # (a weight: before the wait, `gapless.pdl`)
+    pdl.wait_for_previous(PDL)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
@@ -196,6 +199,7 @@ def rms_norm(
             BLOCK=block,
             GROUP=round_group,
             num_warps=min(max(block // 256, 1), 16),  # ~8 fp32 values a thread, whatever the width
+            **pdl.launch_args(x.device),
         )
     normed = out.view(x.shape) if rounded is None else attach_rounding(out.view(x.shape), rounded)
     return normed if res_out is None else (normed, res_out.view(x.shape))
@@ -236,6 +240,7 @@ def _qk_norm_rope_store_kernel(
     KIND: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (token t, head h): h < num_q_heads is query head h, written to QOut; the others are kv
     head h - num_q_heads, whose rotated k and whose v go to the token's KV slot (KV_FP8: divided by the
@@ -248,6 +253,7 @@ def _qk_norm_rope_store_kernel(
     partner = tl.where(offs < half, offs + half, offs - half)  # rotate-half's source element
     is_q = h < num_q_heads
     kvh = h - num_q_heads
+    pdl.wait_for_previous(PDL)
     # every load that waits on no other first (at one token the kernel is a chain of trips to memory):
     # the position (the table's loads wait on it), x and its rotate-half partners, a kv head's v and slot
     pos = tl.load(Pos + t).to(tl.int64)
@@ -347,13 +353,24 @@ def qk_norm_rope_store(
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         KIND=KINDS[kind],
         BLOCK_D=triton.next_power_of_2(d),
+        **pdl.launch_args(q.device),
     )
     return out
 
 
 @triton.jit
 def _act_and_mul_kernel(
-    X, Out, Q, S, n, stride_x, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr
+    X,
+    Out,
+    Q,
+    S,
+    n,
+    stride_x,
+    stride_o,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One block of one row: act(gate) * up, with gate = x[:n] and up = x[n:]; act's result is rounded
     to the dtype before the product, as the two torch ops round. With GROUP (which divides BLOCK), the
@@ -361,6 +378,7 @@ def _act_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * BLOCK
     offs = first + tl.arange(0, BLOCK)
+    pdl.wait_for_previous(PDL)
     mask = offs < n
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(X + row * stride_x + n + offs, mask=mask, other=0.0)
@@ -396,6 +414,7 @@ def act_and_mul(x: torch.Tensor, act: str, round_group: int = 0) -> torch.Tensor
             ACT=ACTIVATIONS[act],
             BLOCK=block,
             GROUP=round_group,
+            **pdl.launch_args(x.device),
         )
     out = out.view(*x.shape[:-1], n)
     return out if rounded is None else attach_rounding(out, rounded)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gapless import env
+from gapless import env, pdl
 from gapless.attention.triton_kernels import clamped_fp16
 
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -49,10 +49,11 @@ def round_rows(x):
 
 
 @triton.jit
-def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr):
+def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr, PDL: tl.constexpr):
     """Row `program_id(0)`'s columns [g * BK, (g + 1) * BK) (g = `program_id(1)`) as e4m3 and their scale."""
     row = tl.program_id(0)
     g = tl.program_id(1)
+    pdl.wait_for_previous(PDL)
     offs = g * BK + tl.arange(0, BK)
     ok = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
@@ -89,10 +90,12 @@ def _fp8_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
+    pdl.wait_for_previous(PDL)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -211,6 +214,7 @@ def _fp8_gemv_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row `program_id(0)` of y, columns [pid_n * BN, +BN), over one share of K, on the CUDA cores: W's
     [BN, BK] tile read along K (each row's contiguous bytes, in the layout it loads in), widened to
@@ -222,6 +226,7 @@ def _fp8_gemv_kernel(
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
+    pdl.wait_for_previous(PDL)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < N
@@ -407,7 +412,9 @@ def fp8_gemm(
             xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
             xs = torch.empty(m, k_steps, dtype=torch.float32, device=x.device)
             if rounding == 1:
-                _fp8_quant_kernel[(m, k_steps)](x, xq, xs, k, x.stride(0), BK=act_group)
+                _fp8_quant_kernel[(m, k_steps)](
+                    x, xq, xs, k, x.stride(0), BK=act_group, **pdl.launch_args(x.device)
+                )
     args = (
         x,
         xq,
@@ -443,6 +450,7 @@ def fp8_gemm(
             UNROLL=GEMV_TILES[2],
             num_warps=warps,
             num_stages=stages,
+            **pdl.launch_args(x.device),
         )
         return y
     _fp8_gemm_kernel[grid](
@@ -455,5 +463,6 @@ def fp8_gemm(
         BK=act_group,
         num_warps=warps,
         num_stages=stages,
+        **pdl.launch_args(x.device),
     )
     return y
