@@ -271,6 +271,7 @@ def _qk_norm_rope_store_kernel(
     v = tl.load(V + t * stride_vt + kvh * stride_vh + offs, mask=v_mask, other=0.0)
     slot = tl.load(Slots + t).to(tl.int64)  # (every token has one: read by the q heads too, unused)
     early = xp + v.to(tl.float32) + slot.to(tl.float32)
+    k_scale, v_scale = 1.0, 1.0  # (an fp8 cache's, loaded now: the stores below wait on nothing more)
     if KV_FP8:
         k_scale, v_scale = tl.load(KScale), tl.load(VScale)
         early += k_scale + v_scale
