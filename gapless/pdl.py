@@ -11,7 +11,9 @@ nodes (CUDA 12.3+).
 
 The contract every kernel launched so keeps (`wait_for_previous`): nothing that an earlier kernel may
 write, or read, is loaded or stored before its wait; only the model's own weights, which no kernel writes,
-may be loaded before it. Its dependents are let go right after the wait (`griddepcontrol.launch_dependents`),
+may be loaded before it. The FP8 GEMM and GEMV fetch the first `PREFETCH_BYTES` of each of their weight
+rows into L2 then (`prefetch_weights`), so a layer's weights start streaming while the kernel before it
+runs. Its dependents are let go right after the wait (`griddepcontrol.launch_dependents`),
 so at most one kernel runs ahead, and no program of a kernel holds an SM before every program of the one
 before it has been placed. A kernel after one that never lets go (torch's, cuBLAS's) launches when that
 one ends, as without PDL.
@@ -50,6 +52,22 @@ def launch_args(device: torch.device) -> dict[str, Any]:
     """The arguments a launcher adds for PDL on `device`: `PDL` (the kernel's constexpr) and Triton's
     `launch_pdl` where it is active."""
     return {"PDL": True, "launch_pdl": True} if active(device) else {"PDL": False}
+
+
+# bytes of each weight row a GEMM's program fetches into L2 before its wait: two 128-byte lines, 8 MB of
+# Qwen3-8B's qkv (512 programs of 64 rows), all of Qwen3-0.6B's layers at one row
+PREFETCH_BYTES = tl.constexpr(256)
+_PREFETCH = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
+
+
+@triton.jit
+def prefetch_weights(rows, start, stop, PDL: tl.constexpr):
+    """With PDL, before the wait: bytes [start, min(stop, start + PREFETCH_BYTES)) of each weight row
+    (`rows`, a vector of pointers to the rows' byte 0) fetched into L2, a 128-byte line at a time, by
+    PTX's `prefetch` (no register written, nothing waited for). Without: nothing."""
+    if PDL:
+        for k in range(start, tl.minimum(stop, start + PREFETCH_BYTES), 128):
+            tl.inline_asm_elementwise(_PREFETCH, "=r,l", [rows + k], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

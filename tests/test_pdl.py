@@ -38,7 +38,7 @@ def test_off_by_default_and_on_the_cpu(monkeypatch):
 def test_each_decode_kernel_waits_first_when_compiled_with_pdl():
     """With PDL forced on, each kernel of an FP8 decode step builds for sm_90 with Triton's `launch_pdl`,
     and its PTX waits (`griddepcontrol.wait`) before its first load of anything but a weight and lets
-    the next kernel go (`griddepcontrol.launch_dependents`) after."""
+    the next kernel go (`griddepcontrol.launch_dependents`) after; the GEMMs prefetch weights first."""
     from gapless.testing.triton_compile import compile_child
 
     script = textwrap.dedent(
@@ -73,8 +73,9 @@ def test_each_decode_kernel_waits_first_when_compiled_with_pdl():
             ptx = k.asm["ptx"]
             wait = ptx.find("griddepcontrol.wait")
             loads = [m.start() for m in re.finditer(r"ld\\.global", ptx)]
+            prefetch = ptx.find("prefetch.global.L2")
             out[name] = [bool(k.metadata.launch_pdl), wait, "griddepcontrol.launch_dependents" in ptx,
-                         sum(p < wait for p in loads)]
+                         sum(p < wait for p in loads), -1 < prefetch < wait]
         print(json.dumps([out, len(c.failed)]))
         """
     )
@@ -83,10 +84,12 @@ def test_each_decode_kernel_waits_first_when_compiled_with_pdl():
         pytest.skip("this triton has no NVIDIA backend to compile with")
     kernels, failed = json.loads(out.strip().splitlines()[-1])
     assert failed == 0 and sorted(kernels) == DECODE_KERNELS, kernels
-    for name, (launch_pdl, wait, lets_go, loads_before) in kernels.items():
+    for name, (launch_pdl, wait, lets_go, loads_before, prefetched) in kernels.items():
         assert launch_pdl and wait > 0 and lets_go, name
-        # only the RMSNorm's weight is loaded before its wait (a weight: no kernel writes it)
+        # only the RMSNorm's weight is loaded before its wait (a weight: no kernel writes it), and the
+        # GEMMs' weights fetched into L2
         assert loads_before == (1 if name == "_rms_norm_kernel" else 0), (name, loads_before)
+        assert prefetched == (name in ("_fp8_gemm_kernel", "_fp8_gemv_kernel")), name
 
 
 @pytest.mark.skipif(

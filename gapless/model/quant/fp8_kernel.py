@@ -95,16 +95,17 @@ def _fp8_gemm_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    pdl.wait_for_previous(PDL)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    s_row = s_ptr + (offs_n // rows_per_scale) * stride_sn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_start = pid_s * split_k
     k_stop = tl.minimum(k_start + split_k, K)
+    pdl.prefetch_weights(w_ptr + tl.where(n_ok, offs_n, 0) * stride_wn, k_start, k_stop, PDL)
+    pdl.wait_for_previous(PDL)
+    s_row = s_ptr + (offs_n // rows_per_scale) * stride_sn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     if ROUND == 2:  # this program's share of x rounded first, into xq / xs (`_fp8_quant_kernel`'s layout)
         for k0 in range(k_start, k_stop, BK):
             ok = m_ok[:, None] & ((k0 + offs_k) < K)[None, :]
@@ -226,14 +227,15 @@ def _fp8_gemv_kernel(
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    pdl.wait_for_previous(PDL)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < N
-    s_row = s_ptr + (offs_n // rows_per_scale) * stride_sn
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
     k_start = pid_s * split_k
     k_stop = tl.minimum(k_start + split_k, K)
+    pdl.prefetch_weights(w_ptr + tl.where(n_ok, offs_n, 0) * stride_wn, k_start, k_stop, PDL)
+    pdl.wait_for_previous(PDL)
+    s_row = s_ptr + (offs_n // rows_per_scale) * stride_sn
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
     w_tile = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
     for k0 in range(k_start, k_stop, BK * UNROLL):
         # the weights of UNROLL steps loaded first, all in flight together (x's layout change for the
