@@ -35,7 +35,7 @@ def test_off_by_default_and_on_the_cpu(monkeypatch):
 
 
 @pytest.mark.slow  # (sm_90 compiles in a child process, ~40 s)
-def test_each_decode_kernel_waits_first_when_compiled_with_pdl():
+def test_each_decode_kernel_waits_first_in_its_sm90_ptx_with_pdl():
     """With PDL forced on, each kernel of an FP8 decode step builds for sm_90 with Triton's `launch_pdl`,
     and its PTX waits (`griddepcontrol.wait`) before its first load of anything but a weight and lets
     the next kernel go (`griddepcontrol.launch_dependents`) after; the GEMMs prefetch weights first."""
@@ -96,7 +96,7 @@ def test_each_decode_kernel_waits_first_when_compiled_with_pdl():
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
     reason="programmatic dependent launch needs an sm_90+ GPU",
 )
-def test_the_tokens_are_the_same_with_pdl(ckpt_factory, monkeypatch):
+def test_cuda_graph_tokens_are_the_same_with_pdl(ckpt_factory, monkeypatch):
     """A tiny Qwen3 in FP8 on CUDA graphs (every decode kernel Triton's): greedy tokens with PDL equal
     those without, for a batch of ragged prompts."""
     from gapless import LLM, SamplingParams

@@ -53,7 +53,7 @@ def _rand(*shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> to
 @pytest.mark.parametrize(("n", "group"), [(200, 64), (256, 128), (12, 16)])
 @pytest.mark.parametrize("kind", ["llama", "gemma"])
 @torch.inference_mode()
-def test_the_norm_rounds_its_output_as_the_layers_launch_would(n, group, kind):
+def test_the_fused_norm_rounds_its_output_as_the_layers_launch_would(n, group, kind):
     """Rows whose width is no multiple of the group, and narrower than the smallest group."""
     x, res, w = _rand(3, n), _rand(3, n, seed=1), _rand(n, seed=2)
     plain, plain_res = fk.rms_norm(x, w, 1e-6, kind, res)
@@ -67,7 +67,7 @@ def test_the_norm_rounds_its_output_as_the_layers_launch_would(n, group, kind):
 @pytest.mark.parametrize(("n", "group"), [(1500, 128), (40, 64)])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @torch.inference_mode()
-def test_the_activation_rounds_its_output_as_the_layers_launch_would(n, group, act):
+def test_the_fused_activation_rounds_its_output_as_the_layers_launch_would(n, group, act):
     """Across several programs' blocks of a row (1,500 columns: two of 1,024), and one narrow block."""
     x = _rand(2, 2 * n)
     out = fk.act_and_mul(x, act, round_group=group)
@@ -76,7 +76,7 @@ def test_the_activation_rounds_its_output_as_the_layers_launch_would(n, group, a
 
 
 @torch.inference_mode()
-def test_the_gemm_takes_x_rounded_before_it_instead_of_launching(monkeypatch):
+def test_the_gemm_kernel_takes_x_rounded_before_it_instead_of_launching(monkeypatch):
     """Two rows through the tiles: with x's rounding given, the same bits and no rounding launch; a
     rounding of another shape refused by name; the GEMV (one row) rounds in its registers, never asks."""
     launches = []
@@ -133,7 +133,7 @@ def _fp8_model(ckpt_factory):
 
 @pytest.mark.parametrize("rows", [1, 3])
 @torch.inference_mode()
-def test_a_layer_with_fp8_linears_rounds_in_its_norms_and_activation(ckpt_factory, monkeypatch, rows):
+def test_a_layer_with_fp8_linears_rounds_in_its_fused_norms_and_activation(ckpt_factory, monkeypatch, rows):
     """A Qwen3 layer quantized to FP8 (`--quantization fp8`) with the fused kernels and the Triton GEMM:
     at 3 rows the input norm rounds qkv's x, the post-attention norm gate/up's and the activation down's,
     leaving o's own launch alone, with the outputs' bits unchanged (against `GAPLESS_FP8_UNFUSED_ROUNDING=1`:
@@ -165,7 +165,7 @@ def test_a_layer_with_fp8_linears_rounds_in_its_norms_and_activation(ckpt_factor
 
 
 @torch.inference_mode()
-def test_the_start_up_check_runs_the_rounding_into_the_mlp(ckpt_factory, monkeypatch):
+def test_the_start_up_check_runs_the_fused_rounding_into_the_mlp(ckpt_factory, monkeypatch):
     """`gapless.model.fused.disagreement` takes the norm into the MLP through the kernels: with FP8 layers
     their x rounded by the norm and activation agrees with the layers' own rounding, and a wrong rounding
     (scales off by 2) is found, so the model would run torch's kernels instead."""
