@@ -133,7 +133,7 @@ def run(
         info = llm.engine.info
         prof = timing.decode_profile(timed, tokens, device) if profile else None
     # the kernel choices the environment made for this run, where not the defaults
-    chosen = (env.INT4_KERNEL, env.FP8_DECODE, env.FP8_GEMV_ROWS, env.FP8_UNFUSED_ROUNDING)
+    chosen = (env.INT4_KERNEL, env.FP8_DECODE, env.FP8_GEMV_ROWS, env.FP8_UNFUSED_ROUNDING, env.PDL)
     kernels = {v.name: v.get() for v in chosen if v.get() != v.default}
     return dict(
         shape=path.name.removesuffix(AWQ_SUFFIX),  # (the int4 twin's ratio is to its bf16 shape's)
