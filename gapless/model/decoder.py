@@ -265,7 +265,7 @@ class DecoderLayer(nn.Module):
         self, attn: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer from its attention's output `attn` on: (its MLP output, the residual stream)."""
-        feeds = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else None  # (a mixture: its router)
+        feeds = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else None  # (a mixture's: none rounded)
         h, residual = self._add_norm(2, self._output(1, self.self_attn.output(attn)), residual, feeds)
         return self._output(3, self.mlp(h)), residual
 
