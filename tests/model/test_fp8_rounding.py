@@ -164,6 +164,7 @@ def test_a_layer_with_fp8_linears_rounds_in_its_fused_norms_and_activation(ckpt_
     assert (fused_launches, counted.launches) == ((0, 0) if rows == 1 else (1, 4))
 
 
+@pytest.mark.slow  # (~6 s: every start-up probe under the interpreter, twice; the kit's CUDA step runs it)
 @torch.inference_mode()
 def test_the_start_up_check_runs_the_fused_rounding_into_the_mlp(ckpt_factory, monkeypatch):
     """`gapless.model.fused.disagreement` takes the norm into the MLP through the kernels: with FP8 layers
