@@ -13,8 +13,8 @@ The contract every kernel launched so keeps (`wait_for_previous`): nothing that 
 write, or read, is loaded or stored before its wait; only the model's own weights, which no kernel writes,
 may be loaded before it. The FP8 GEMM and GEMV fetch the first `PREFETCH_BYTES` of each of their weight
 rows into L2 then (`prefetch_weights`), so a layer's weights start streaming while the kernel before it
-runs. Its dependents are let go right after the wait (`griddepcontrol.launch_dependents`),
-so at most one kernel runs ahead, and no program of a kernel holds an SM before every program of the one
+runs. Each kernel lets the next one launch right after its wait (`griddepcontrol.launch_dependents`), so
+at most one kernel runs ahead, and no program of a kernel holds an SM before every program of the one
 before it has been placed. A kernel after one that never lets go (torch's, cuBLAS's) launches when that
 one ends, as without PDL.
 
