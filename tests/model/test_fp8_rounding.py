@@ -31,11 +31,20 @@ pytestmark = pytest.mark.skipif(not GPU_FP8, reason="the FP8 GEMM needs sm_89+ o
 def _launched(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x's rows as the FP8 layer's own launch rounds them (`_fp8_quant_kernel`)."""
     m, k = x.shape
-    steps = -(-k // group)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, steps, dtype=torch.float32, device=x.device)
-    fp8_kernel._fp8_quant_kernel[(m, steps)](x, q, s, k, x.stride(0), BK=group, PDL=False)
+    q, s = fp8_kernel.rounding_buffers(m, k, group, x.device)
+    fp8_kernel._fp8_quant_kernel[(m, s.shape[1])](x, q, s, k, x.stride(0), BK=group, PDL=False)
     return q, s
+
+
+class _Counted:
+    """`_fp8_quant_kernel` with its launches counted."""
+
+    def __init__(self, real):
+        self.real, self.launches = real, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.real[grid]
 
 
 def _same_rounding(out: torch.Tensor, group: int) -> None:
@@ -79,24 +88,17 @@ def test_the_fused_activation_rounds_its_output_as_the_layers_launch_would(n, gr
 def test_the_gemm_kernel_takes_x_rounded_before_it_instead_of_launching(monkeypatch):
     """Two rows through the tiles: with x's rounding given, the same bits and no rounding launch; a
     rounding of another shape refused by name; the GEMV (one row) rounds in its registers, never asks."""
-    launches = []
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    real = fp8_kernel._fp8_quant_kernel
     n, k, act = 48, 256, 128
     w, s = (t.to(DEVICE) for t in quantize_rows(torch.randn(n, k) * 0.05))
     x = _rand(2, k)
     rounded = _launched(x, act)
-    monkeypatch.setattr(fp8_kernel, "_fp8_quant_kernel", Counted())
+    counted = _Counted(fp8_kernel._fp8_quant_kernel)
+    monkeypatch.setattr(fp8_kernel, "_fp8_quant_kernel", counted)
     assert fp8_kernel.rounds_before(2, n, k) and not fp8_kernel.rounds_before(1, n, k)
     want = fp8_kernel.fp8_gemm(x, w, s, 1, 0, act, None)
-    assert len(launches) == 1
+    assert counted.launches == 1
     assert torch.equal(fp8_kernel.fp8_gemm(x, w, s, 1, 0, act, None, rounded), want)
-    assert len(launches) == 1
+    assert counted.launches == 1
     with pytest.raises(ValueError, match=r"expected \(2, 256\) and \(2, 2\)"):
         fp8_kernel.fp8_gemm(x, w, s, 1, 0, act, None, (rounded[0][:1], rounded[1][:1]))
     monkeypatch.setenv("GAPLESS_FP8_UNFUSED_ROUNDING", "1")
@@ -108,17 +110,6 @@ def test_a_rounding_travels_only_on_the_tensor_it_was_made_for():
     rows = RoundedRows(torch.zeros(2, 4, dtype=torch.float8_e4m3fn), torch.ones(2, 1), 4)
     assert attach_rounding(x, rows) is x and rounding_of(x, 4) is rows
     assert rounding_of(x.view(2, 4), 4) is None and rounding_of(x * 1, 4) is None
-
-
-class _Counted:
-    """`_fp8_quant_kernel` with its launches counted."""
-
-    def __init__(self, real):
-        self.real, self.launches = real, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.real[grid]
 
 
 def _fp8_model(ckpt_factory):

@@ -30,7 +30,7 @@ import triton.language as tl
 from gapless import pdl
 from gapless.attention.triton_kernels import INTERPRET, _sum
 from gapless.model.quant.base import RoundedRows, attach_rounding
-from gapless.model.quant.fp8_kernel import round_rows
+from gapless.model.quant.fp8_kernel import round_rows, rounding_buffers
 
 __all__ = ["INTERPRET", "KINDS", "ACTIVATIONS", "rms_norm", "qk_norm_rope_store", "act_and_mul"]
 
@@ -111,10 +111,7 @@ def _store_rounded(out, row, first, n, Q, S, BLOCK: tl.constexpr, GROUP: tl.cons
 
 def _rounding(rows: int, n: int, group: int, device: torch.device) -> RoundedRows | None:
     """Empty buffers for `rows` rows of n columns rounded to e4m3 per `group` columns (0: None)."""
-    if not group:
-        return None
-    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=device)
-    return RoundedRows(q, torch.empty(rows, triton.cdiv(n, group), dtype=torch.float32, device=device), group)
+    return RoundedRows(*rounding_buffers(rows, n, group, device), group) if group else None
 
 
 @triton.jit

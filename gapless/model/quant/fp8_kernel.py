@@ -366,12 +366,24 @@ def _plan(m: int, n: int, k: int) -> tuple[bool, int]:
     return gemv, 0 if m > DECODE_ROWS else _ROUNDING[by]
 
 
+def _buffered(gemv: bool, rounding: int) -> bool:
+    """Whether x is rounded into a buffer before the loop: by a launch, or by the tiles' programs (the
+    GEMV rounds x in its registers: no buffer)."""
+    return rounding == 1 or rounding == 2 and not gemv
+
+
 def rounds_before(m: int, n: int, k: int) -> bool:
     """Whether `fp8_gemm` rounds x of M rows into a buffer before its loop, for a weight [N, K] (by a
     launch, or by its tiles' programs): what the kernel before the layer may do instead, passing the result
     as `rounded` (unless `GAPLESS_FP8_UNFUSED_ROUNDING`; `gapless.model.quant.base.RoundedRows`)."""
-    gemv, rounding = _plan(m, n, k)
-    return not env.FP8_UNFUSED_ROUNDING.get() and (rounding == 1 or rounding == 2 and not gemv)
+    return not env.FP8_UNFUSED_ROUNDING.get() and _buffered(*_plan(m, n, k))
+
+
+def rounding_buffers(m: int, k: int, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty buffers for x [M, K] rounded per `group` columns: e4m3 [M, K] and float32 scales
+    [M, ceil(K / group)], `_fp8_quant_kernel`'s layout (and the fused norm's and activation's)."""
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device)
+    return q, torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=device)
 
 
 def fp8_gemm(
@@ -402,7 +414,7 @@ def fp8_gemm(
     splits = triton.cdiv(k_steps, steps)  # no split left without a step
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     xq, xs = y, y  # (unread unless x is rounded before the loop)
-    if rounding == 1 or rounding == 2 and not gemv:  # (the GEMV rounds x in its registers: no buffer)
+    if _buffered(gemv, rounding):
         if rounded is not None:
             if rounded[0].shape != (m, k) or rounded[1].shape != (m, k_steps):
                 raise ValueError(
@@ -411,8 +423,7 @@ def fp8_gemm(
                 )
             (xq, xs), rounding = rounded, 1
         else:
-            xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-            xs = torch.empty(m, k_steps, dtype=torch.float32, device=x.device)
+            xq, xs = rounding_buffers(m, k, act_group, x.device)
             if rounding == 1:
                 _fp8_quant_kernel[(m, k_steps)](
                     x, xq, xs, k, x.stride(0), BK=act_group, **pdl.launch_args(x.device)
