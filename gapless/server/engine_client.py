@@ -223,8 +223,8 @@ class EngineClient:
     async def replica_stats(self) -> list[P.Stats]:
         """Each replica's counters, with its KV integrity check when idle. A scheduler answers between
         steps; one that has not within STATS_WAIT_S (a long prefill step holds it) is shown by the last
-        counters it sent, with their age in `stats_age_s` and the integrity check marked not run, so that
-        /metrics and /debug/state answer at once whatever the schedulers are doing."""
+        counters it sent, with their age in `stats_age_s` (None before its first answer) and the integrity
+        check marked not run, so that /metrics and /debug/state answer at once whatever the schedulers do."""
         ticket = next(self._tickets)
         wait = self.stats_waiters[ticket] = _StatsWait(self.replicas)
         self.send(P.StatsReq(ticket, self.api_server))
@@ -246,8 +246,7 @@ class EngineClient:
     def _stale_stats(self, replica: int) -> P.Stats:
         stale = dict(self.last_stats[replica])
         at = self.last_stats_at[replica]
-        if at is not None:
-            stale["stats_age_s"] = round(time.monotonic() - at, 3)
+        stale["stats_age_s"] = None if at is None else round(time.monotonic() - at, 3)
         stale["integrity"] = "not checked: the scheduler is busy; its last counters"
         stale["replica"] = replica
         return stale

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from gapless.server.engine_client import EngineClient
 from gapless.testing.server import ServerProcess
 from tests.server.conftest import wait_idle_and_clean
 
@@ -141,6 +142,15 @@ def test_debug_state_and_metrics_answer_within_a_second_during_a_long_prefill(cl
     assert not slow, f"answers that took a second or more: {slow}"
     assert any(stale for _, _, stale in answers), "no answer came while the scheduler was busy"
     assert wait_idle_and_clean(client)["integrity"] == "ok"
+
+
+def test_a_stale_answer_before_the_schedulers_first_says_so():
+    # the slow test above may ask first while the prefill runs: the answer is still marked stale
+    engine = EngineClient.__new__(EngineClient)
+    engine.last_stats, engine.last_stats_at = [{}, {"running": 3}], [None, time.monotonic() - 2]
+    never, old = engine._stale_stats(0), engine._stale_stats(1)
+    assert never["stats_age_s"] is None and "not checked" in never["integrity"] and never["replica"] == 0
+    assert old["running"] == 3 and old["stats_age_s"] >= 2
 
 
 def test_max_tokens_default_applies_where_a_request_sets_no_limit(client):
