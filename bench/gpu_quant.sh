@@ -10,6 +10,7 @@
 #      tok/s), each with 8 decode steps profiled; then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
+#   3a. the one-row GEMVs (FP8, int4) with their loads 1-4 loop iterations deep
 #   3. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
 #   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
 #      at one row (`fp8_gemm.py --sweep`)
@@ -108,10 +109,21 @@ done
 fi
 
 if phase tables; then
-# what no GPU has run first (the mixture quantized), then the sweeps that decide the next defaults (the
+# the one-row GEMVs' loads pipelined first (short: each decides a default), then what no GPU has run (the
+# mixture quantized), then the sweeps that decide the next defaults (the
 # FP8 GEMM's at one row for gate/up and down; decode attention at batch 1 split less, and over an fp8
 # cache in 128-key blocks),
 # then the int4 GEMMs' table, the int4 Triton GEMM's TPOT, the FP8 GEMM's table and gemlite
+
+# the GEMVs' loads through asynchronous copies 1-4 loop iterations deep (never timed; 1 is today's plain
+# loads, the default): FP8 on both models' layers against the default path, so also whether the GEMV then
+# beats the 16-row tiles on the 8B's gate/up and down (`fp8_gemm.py --gemv-stages`); int4 on Llama-3-8B's
+# layers against tinygemm, the default at decode (on an H200 the GEMV took 1.3-2.1x its time)
+other 40 fp8_gemv_stages "$PY" bench/experiments/fp8_gemm.py --gemv-stages
+grep -E '^\|' "$OUT/fp8_gemv_stages.log" 2>/dev/null | tee -a "$LOG"
+other 35 int4_gemv_stages "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 --block-m 1 --ptx-values 1 \
+  --stages 1 2 3 4 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
+tee -a "$LOG" <"$OUT/int4_gemv_stages.log" 2>/dev/null
 
 # the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU
 # has run these yet)

@@ -3,6 +3,7 @@ Qwen3-8B: microseconds a call (CUDA graphs: launch cost excluded) and the weight
 
     python bench/experiments/fp8_gemm.py [--rows 1 16 128 2048]        # on a GPU of sm_89 or newer
     python bench/experiments/fp8_gemm.py --sweep [--rows 1 128]        # tiles x K splits x x's rounding
+    python bench/experiments/fp8_gemm.py --gemv-stages                 # the GEMV's loads 1-4 steps deep
 
 Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton kernel
 (`gapless.model.quant.fp8_kernel`) with per-channel and with [128, 128] block scales, x rounded in the
@@ -20,8 +21,14 @@ path to keep.
 the weights widened in registers; 64-row tiles, fp8's own wgmma, compiled for sm_90 here: QGMMA, no
 widening, except for x in fp16), each `DECODE_X`, and past 16 rows the larger tiles with K split and
 not, x rounded in the loop or by a launch first; at one row also the default tile's K split and stages,
-and the GEMV (`GEMV_ROWS`) at each (BN, warps, steps a loop iteration), x by a launch or in its registers
-(and in fp16).
+and the GEMV (`GEMV_ROWS`) at each (BN, warps, steps a loop iteration, stages), x by a launch or in its
+registers (and in fp16).
+
+`--gemv-stages` times, at one row on both models' layers, the default path (`fp8_gemm` as it chooses)
+against the GEMV whatever the weight's size, its loads 1 to 4 loop iterations deep (`GEMV_TILES`' stages:
+asynchronous copies from 2), x in its registers, K split to 512 programs: whether the stages make the
+GEMV faster, and whether they make it faster than the 16-row tiles on the 8B's gate/up and down (whose
+default row here includes x's rounding launch, which the engine's fused norm and activation save it).
 """
 
 from __future__ import annotations
@@ -119,10 +126,11 @@ SWEEP_ONE_ROW = [((16, 64, 4, s), p) for s in (3, 4, 6) for p in (0, 256, 512)]
 SWEEP_TILES_MORE = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
 SWEEP_SPLITS_MORE = [0, 512]
 SWEEP_ROUNDING_MORE = ["loop", "launch"]
-# the GEMV on the CUDA cores (`fp8_kernel.GEMV_ROWS`, at one row): (BN, warps, steps a loop iteration) x
-# x's rounding, at 512 programs (W8A16 at the default tiles only: a choice of arithmetic more than of
-# speed); 64 x 8 warps, 32 x 4 two steps a loop and 1024 programs were slower on every layer on an H200
-SWEEP_GEMV = [(32, 4, 1), (64, 4, 1), (64, 4, 2)]
+# the GEMV on the CUDA cores (`fp8_kernel.GEMV_ROWS`, at one row): (BN, warps, steps a loop iteration,
+# stages) x x's rounding, at 512 programs (W8A16 at the default tiles only: a choice of arithmetic more than
+# of speed); 64 x 8 warps, 32 x 4 two steps a loop and 1024 programs were slower on every layer on an H200
+SWEEP_GEMV = [(32, 4, 1, 1), (64, 4, 1, 1), (64, 4, 2, 1)]
+GEMV_STAGES = [1, 2, 3, 4]  # `--gemv-stages`' (1: plain loads, as before stages)
 # Qwen3-0.6B's layers at one row (all under the GEMV's bound, 5.1 us each on an H200 where 3.2 would meet
 # the 0.6x target: bench/results/h200-2026-11-27-default): the default GEMV with K split to 0 (none), 128,
 # 256 and 512 programs (K is 1,024-3,072 there: at 512 programs a program takes one 128-column step)
@@ -163,13 +171,28 @@ def sweep(rows: list[int]) -> None:
             _sweep_layer(name, n, k, m, _sweep_configs(m))
 
 
-def _sweep_layer(name: str, n: int, k: int, m: int, configs: list[Config]) -> None:
+def gemv_stages() -> None:
+    """At one row, each layer of both models: the default path, then the GEMV at each of `GEMV_STAGES`."""
+    print(
+        "| layer | N x K | rows | tiles (BM, BN, warps, stages; GEMV: BN, warps, unroll, stages) "
+        "| split programs | decode x | us | GB/s |"
+    )
+    print("|---|---|---:|---|---:|---|---:|---:|")
+    for model, layers in SHAPES.items():
+        for name, n, k in layers:
+            gemv = [((64, 4, 1, s), 512, "program", True) for s in GEMV_STAGES]
+            _sweep_layer(f"{model} {name}", n, k, 1, gemv, default=True)
+
+
+def _sweep_layer(name: str, n: int, k: int, m: int, configs: list[Config], default: bool = False) -> None:
     """One layer's rows of the sweep table: `m` rows of x against an [n, k] weight at each config."""
     dev = torch.device("cuda")
     qc, sc = quantize_rows(torch.randn(n, k, device=dev) * 0.02)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     call = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
     times = {}
+    if default:  # (as the engine runs it: tiles or GEMV, split and rounding its own)
+        times[(), 0, "default", False] = _us(call)
     for tiles, programs, by, gemv in configs:
         fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
         with mock.patch.multiple(
@@ -189,7 +212,7 @@ def _sweep_layer(name: str, n: int, k: int, m: int, configs: list[Config]) -> No
     for (tiles, programs, by, gemv), us in times.items():
         mark = " (best)" if (tiles, programs, by, gemv) == best else ""
         gbs = n * k / us / 1e3
-        shape = f"GEMV {tiles}" if gemv else str(tiles)
+        shape = f"GEMV {tiles}" if gemv else str(tiles) if tiles else "default"
         cells = (name, f"{n} x {k}", m, shape, programs, by, f"{us:.1f}{mark}", f"{gbs:.0f}")
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
@@ -198,8 +221,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128, 2048])
     p.add_argument("--sweep", action="store_true", help="tiles x K splits x rounding (see `sweep`)")
+    p.add_argument(
+        "--gemv-stages", action="store_true", help="the GEMV's stages at one row (see `gemv_stages`)"
+    )
     args = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    if args.gemv_stages:
+        gemv_stages()
+        return
     if args.sweep:
         sweep(args.rows)
         return

@@ -48,7 +48,7 @@ from gapless.testing.quant_checkpoints import quantize
 
 LLAMA3_8B = ["4096:6144", "4096:4096", "4096:28672", "14336:4096"]
 # a row's tile columns where no Triton tile applies (a library's row, or no kernel at all)
-_NO_TILES = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-", nibble_dots="-")
+_NO_TILES = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-", stages="-", nibble_dots="-")
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -100,15 +100,17 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmC
             split_k=split or chosen.split_k,
             block_k=bk or chosen.block_k,
             num_warps=warps or chosen.num_warps,
+            num_stages=stages or chosen.num_stages,
             nibble_dots=chosen.nibble_dots if nibble is None else bool(nibble),
             ptx_values=chosen.ptx_values if ptx is None else bool(ptx),
         )
-        for bm, bn, split, bk, warps, nibble, ptx in itertools.product(
+        for bm, bn, split, bk, warps, stages, nibble, ptx in itertools.product(
             args.block_m,
             args.block_n,
             args.split_k,
             args.block_k,
             args.warps,
+            args.stages,
             args.nibble_dots,
             args.ptx_values,
         )
@@ -142,6 +144,7 @@ def _timed(
         split_k=cfg.split_k,
         block_k=cfg.block_k,
         warps=cfg.num_warps,
+        stages=cfg.num_stages,
         nibble_dots="ptx" if ptx_values(cfg, method.bits, x.dtype) else nibble_dots(cfg, method.bits),
         us=us,
         gb_s=q_bytes / us / 1e3,
@@ -199,6 +202,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--block-k", type=int, nargs="+", default=[0], help="0: the heuristic's")
     p.add_argument("--warps", type=int, nargs="+", default=[0], help="0: the heuristic's")
+    p.add_argument(
+        "--stages",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="loop iterations in flight (GemmConfig); 0: the heuristic's",
+    )
     for flag, what in (
         ("nibble-dots", "1: a dot per value of the words where the tiles allow; 0: one reshaped tile"),
         ("ptx-values", "1: the values dequantized by PTX (4 bits, half precision, compiled); 0: by Triton"),
@@ -222,7 +232,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"int{args.bits} g{args.group} weight-only GEMM vs torch.mm {args.dtype} on {name}")
-    cols = ("IN:OUT", "M", "bf16 us", "kernel", "BM", "BN", "split", "BK", "warps", "dots", "int us", "GB/s")
+    cols = (
+        "IN:OUT",
+        "M",
+        "bf16 us",
+        "kernel",
+        "BM",
+        "BN",
+        "split",
+        "BK",
+        "warps",
+        "st",
+        "dots",
+        "int us",
+        "GB/s",
+    )
     widths = (12, 3, 9, 8, 3, 4, 5, 4, 5, 4, 8, 7, 7)
     print(" ".join(f"{h:>{w}}" for h, w in zip((*cols, "x bf16"), widths)))
     result = rows(args)
@@ -230,7 +254,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for v in r["variants"] or [dict(kernel="-", **_NO_TILES)]:
             line = (
                 f"{r['shape']:>12} {r['m']:>3} {r['bf16_us']:>9.1f} {v['kernel']:>8} {v['block_m']:>3} "
-                f"{v['block_n']:>4} {v['split_k']:>5} {v['block_k']:>4} {v['warps']:>5} "
+                f"{v['block_n']:>4} {v['split_k']:>5} {v['block_k']:>4} {v['warps']:>5} {v['stages']:>2} "
                 f"{_dots(v['nibble_dots']):>4} "
             )
             if "us" not in v:

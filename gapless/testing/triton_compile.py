@@ -309,12 +309,12 @@ def _fp8() -> dict[str, Callable[[], object]]:
         cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}, 64-row tiles"] = partial(
             run, 1, dtype, False, by, DECODE_TILES=(64, 64, 4, 4), **decode
         )
-        # the GEMV on the CUDA cores (`GEMV_ROWS`), per-channel and block scales, and two steps at once
-        for block, unroll in ((False, 1), (True, 1), (False, 2)):
-            name = (
-                f"fp8 gemv 1 rows {dtype} {'block' if block else 'channel'}, decode x {by}, unroll {unroll}"
-            )
-            cases[name] = partial(run, 1, dtype, block, by, GEMV_ROWS=1, GEMV_TILES=(64, 4, unroll), **decode)
+        # the GEMV on the CUDA cores (`GEMV_ROWS`), per-channel and block scales, two steps at once, and
+        # its loads through asynchronous copies three iterations deep
+        for unroll, stages, block in ((1, 1, False), (1, 1, True), (2, 1, False), (1, 3, False)):
+            tiles, scales = (64, 4, unroll, stages), "block" if block else "channel"
+            name = f"fp8 gemv 1 rows {dtype} {scales}, decode x {by}, unroll {unroll}, stages {stages}"
+            cases[name] = partial(run, 1, dtype, block, by, GEMV_ROWS=1, GEMV_TILES=tiles, **decode)
     for dtype in DTYPES:  # x rounded for the tiles by the fused norm and SiLU·mul before them (8B's widths)
         cases[f"fp8 rounding in the norm and activation {dtype}"] = partial(_rounded_before, dtype)
     return cases
@@ -337,13 +337,14 @@ def _int4() -> dict[str, Callable[[], object]]:
         scales = torch.zeros(k // group, n, dtype=dtype)
         config = choose_config(m, n, k, group)._replace(ptx_values="ptx" in variant)
         config = config._replace(block_m=1 if "gemv" in variant else 16) if m == 1 else config
+        config = config._replace(num_stages=3) if "stages" in variant else config
         return w4a16_matmul(x, qweight, scales, scales, group, bits, config)
 
-    # decode (16-row tiles, K split; their values by PTX; and the one-row GEMV, by default with them) and
-    # prefill tiles, 4 and 8 bits, both half-precision dtypes
+    # decode (16-row tiles, K split; their values by PTX; the one-row GEMV, by default with them, its loads
+    # also 3 stages deep) and prefill tiles, 4 and 8 bits, both half-precision dtypes
     cases = (
-        (4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 1, "gemv ptx"), (4, 256, ""), (8, 1, ""),
-        (8, 1, "gemv"),
+        (4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 1, "gemv ptx"), (4, 1, "gemv ptx stages"),
+        (4, 256, ""), (8, 1, ""), (8, 1, "gemv"),
     )  # fmt: skip
     return {
         f"int{bits} gemm {dtype} m={m}{' ' + variant if variant else ''}": partial(

@@ -430,8 +430,10 @@ def test_decode_rows_in_the_sweeps_64_row_tiles_match_the_reference(monkeypatch,
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
 )
-@pytest.mark.parametrize("block, bn, unroll", [(None, 16, 1), ((16, 64), 16, 2), ((16, 64), 32, 1)])
-def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn, unroll):
+@pytest.mark.parametrize(
+    "block, bn, unroll, stages", [(None, 16, 1, 3), ((16, 64), 16, 2, 1), ((16, 64), 32, 1, 2)]
+)
+def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn, unroll, stages):
     """Up to `GEMV_ROWS` rows the GEMV on the CUDA cores runs instead of the tiles: per-channel scales
     (applied at the end), block scales one per tile a step (BN 16 inside a 16-row block) or one per row a
     step (BN 32 over two blocks), K split (in shares of an odd number of steps: two steps a loop
@@ -447,7 +449,7 @@ def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn, unroll):
     wd = dequantize(q, s, rps, group)
     monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 64)
     monkeypatch.setattr(fp8_kernel, "_LOCKS", {})
-    monkeypatch.setattr(fp8_kernel, "GEMV_TILES", (bn, 4, unroll))
+    monkeypatch.setattr(fp8_kernel, "GEMV_TILES", (bn, 4, unroll, stages))
     x, bias = _exact_activations(3, k, act, seed=2), torch.randn(n)
     tiles = fp8_gemm(x, q, s, rps, group, act, bias)
     monkeypatch.setattr(fp8_kernel, "GEMV_ROWS", 3)
@@ -507,28 +509,38 @@ def test_auto_rounds_x_in_the_gemvs_registers_and_by_a_launch_before_the_tiles(m
         launches.clear()
 
 
-@pytest.mark.slow  # (sm_90 compiles in a child process, ~15 s)
+@pytest.mark.slow  # (sm_90 compiles in a child process, ~20 s)
 def test_the_gemvs_weights_stay_in_registers_when_compiled():
     """Compiled for sm_90 (the harness's stand-in driver), the GEMV multiplies on the CUDA cores (no
     matrix instruction) and its weight tile goes from its load to its multiply without crossing shared
     memory (a 64 x 128 e4m3 tile, 8 KB, did when x was a [1, BK] tile: the compiler moved W into x's
-    layout), for each way of rounding x, both kinds of weight scales and one step or two a loop iteration."""
+    layout), for each way of rounding x, both kinds of weight scales and one step or two a loop iteration;
+    asked for stages, its loads go through asynchronous copies into shared memory, that many deep."""
     from gapless.testing.triton_compile import compile_child
 
     script = (
+        "import json\n"
         "from gapless.testing.triton_compile import Compiler, _fp8\n"
+        "out = []\n"
         "with Compiler(90) as c:\n"
         "    for name, case in _fp8().items():\n"
         "        if 'gemv' in name and 'bfloat16' in name:\n"
+        "            before = len(c.compiled)\n"
         "            case()\n"
-        "ks = {k.hash: k for n, k in c.compiled if n == '_fp8_gemv_kernel'}.values()\n"
-        "print(len(ks), max(k.metadata.shared for k in ks), sum('mma' in k.asm['ptx'] for k in ks))\n"
+        "            out += [[name, k.metadata.shared, 'mma' in k.asm['ptx'], 'cp.async' in k.asm['ptx']]\n"
+        "                    for n, k in c.compiled[before:] if n == '_fp8_gemv_kernel']\n"
+        "print(json.dumps(out))\n"
     )
     out = compile_child(script, "compiling the FP8 GEMV")
     if out is None:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
-    kernels, shared, with_mma = map(int, out.split()[-3:])
-    assert kernels == 9 and shared < 4096 and with_mma == 0, out
+    kernels = json.loads(out.strip().splitlines()[-1])
+    assert len(kernels) == 12 and not any(mma for _, _, mma, _ in kernels), kernels
+    for name, shared, _, copies in kernels:
+        if name.endswith("stages 3"):  # two 8 KB weight tiles ahead
+            assert copies and shared >= 2 * 8192, (name, shared)
+        else:
+            assert not copies and shared < 4096, (name, shared)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_89+)")

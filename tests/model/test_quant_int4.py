@@ -188,6 +188,27 @@ def test_the_compiled_gemms_convert_no_integer_to_float():
     assert kernels >= 8 and conversions == 0, out
 
 
+@pytest.mark.slow  # (sm_90 compiles in a child process, ~10 s)
+def test_the_gemv_asked_for_stages_loads_through_asynchronous_copies():
+    """Compiled for sm_90, the one-row GEMV's loop loads with plain loads by default (1 stage) and, asked
+    for 3 stages, through asynchronous copies (`cp.async`) into shared memory: Triton pipelines a loop's
+    loads that feed no dot only when the loop says how deep (`tl.range(num_stages=)`)."""
+    script = (
+        "from gapless.testing.triton_compile import Compiler, _int4\n"
+        "with Compiler(90) as c:\n"
+        "    for name, case in _int4().items():\n"
+        "        if 'int4' in name and 'bfloat16' in name and 'gemv ptx' in name:\n"
+        "            before = len(c.compiled)\n"
+        "            case()\n"
+        "            built = c.compiled[before:]\n"
+        "            print(name.endswith('stages'), *('cp.async' in k.asm['ptx'] for _, k in built))\n"
+    )
+    out = compile_child(script, "compiling the int4 GEMV")
+    if out is None:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    assert sorted(out.split("\n")[-3:]) == ["", "False False", "True True"], out
+
+
 @pytest.mark.parametrize("kind", ["column", "merged", "row"])
 def test_tensor_parallel_pieces_make_the_whole_layer(kind):
     """Two ranks' pieces (scales and zeros cut with their weights: column layers by rows, row layers by

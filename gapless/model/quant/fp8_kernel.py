@@ -215,6 +215,7 @@ def _fp8_gemv_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     UNROLL: tl.constexpr,
+    STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Row `program_id(0)` of y, columns [pid_n * BN, +BN), over one share of K, on the CUDA cores: W's
@@ -223,7 +224,9 @@ def _fp8_gemv_kernel(
     here, in registers, by `round_rows`; 3, x in fp16), added into a [BN, BK] float32 accumulator (one
     FMA a weight) summed along K once, at the end. W's scales (SCALES): 0, one a row for all of K,
     applied at the end; 1, the tile's rows inside one block of scales, one a step, folded into x; 2, one
-    a row a step. UNROLL steps a loop iteration (their loads issued together)."""
+    a row a step. UNROLL steps a loop iteration (their loads issued together); STAGES > 1: the loop's loads
+    through asynchronous copies that many iterations deep (Triton pipelines only a dot's loads unless the
+    loop asks: in the sm_90 binary 4 LDGSTS a step, 18 KB of shared memory at 3, registers unchanged)."""
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -237,7 +240,7 @@ def _fp8_gemv_kernel(
     s_row = s_ptr + (offs_n // rows_per_scale) * stride_sn
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     w_tile = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    for k0 in range(k_start, k_stop, BK * UNROLL):
+    for k0 in tl.range(k_start, k_stop, BK * UNROLL, num_stages=STAGES):
         # the weights of UNROLL steps loaded first, all in flight together (x's layout change for the
         # broadcast below passes through shared memory, a barrier no load is moved across)
         w0 = tl.load(w_tile + k0, mask=n_ok[:, None] & ((k0 + offs_k) < k_stop)[None, :], other=0.0)
@@ -309,7 +312,8 @@ _ROUNDING = {"launch": 1, "program": 2, "fp16": 3}  # (the kernel's ROUND; 0: in
 DECODE_TILES = (16, 64, 4, 4)
 # Up to this many rows (None: GAPLESS_FP8_GEMV_ROWS's, default 1) the GEMM of a weight of at most
 # GEMV_MAX_WEIGHTS values runs as a GEMV on the CUDA cores (`_fp8_gemv_kernel`), a program row per row of
-# x, BN x BK weight tiles (GEMV_TILES: BN, warps, steps a loop iteration whose loads go out together), K
+# x, BN x BK weight tiles (GEMV_TILES: BN, warps, steps a loop iteration whose loads go out together, and
+# loop iterations whose loads are in flight at once through asynchronous copies: 1, none ahead), K
 # split as at decode sizes; x as `DECODE_X` says (its rounding in the loop, past DECODE_ROWS, is the same
 # rounding in the GEMV's registers). At one row the 16-row tiles do 16x the tensor-core work of the one
 # row. In the sm_90 binary (bfloat16, per-channel, x by a launch) the GEMV's loop body is 213 instructions
@@ -318,10 +322,11 @@ DECODE_TILES = (16, 64, 4, 4)
 # programs an SM holds). On an H200 at one row (x in its registers, 512 programs; the tiles' x by a
 # launch): qkv 8.4 us against 10.6, o 6.6 against 8.8, down 17.9 against 17.5, gate/up (100M values)
 # 40.5 against 30.7, whence the bound; 64 x 4 warps was the fastest GEMV tile on the three, UNROLL 2 on
-# gate/up alone (32.9) (bench/results/h200-2026-11-27-gemv/fp8_sweep.log).
+# gate/up alone (32.9) (bench/results/h200-2026-11-27-gemv/fp8_sweep.log). Stages were never timed: the kit
+# times 1-4 on both models' layers (`bench/experiments/fp8_gemm.py --gemv-stages`).
 GEMV_ROWS: int | None = None
 GEMV_MAX_WEIGHTS = 1 << 25
-GEMV_TILES = (64, 4, 1)
+GEMV_TILES = (64, 4, 1, 1)
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
 # From 17 rows to MID_ROWS, MID_TILES with K split as at decode sizes (up to SPLIT_ROWS rows). On an H200
 # at 32 rows with x rounded by a launch (DECODE_ROWS), 64 x 64 split was the fastest of 128 x 128, 64 x 128
@@ -461,6 +466,7 @@ def fp8_gemm(
             BN=bn,
             BK=act_group,
             UNROLL=GEMV_TILES[2],
+            STAGES=GEMV_TILES[3],
             num_warps=warps,
             num_stages=stages,
             **pdl.launch_args(x.device),

@@ -155,6 +155,7 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     NIBBLE_DOTS: tl.constexpr,
     PTX_VALUES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     """Out[pid_k, m, n] = sum over this program's share of K of X[m, k] * W[n, k] (see the module)."""
     pid_m = tl.program_id(0)
@@ -168,7 +169,8 @@ def _w4a16_kernel(
     k_stop = tl.minimum(k_start + k_per_split, K)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     acc_gemv = tl.zeros((BLOCK_K // (32 // BITS), BLOCK_N), dtype=tl.float32)  # (BLOCK_M = 1's)
-    for k0 in range(k_start, k_stop, BLOCK_K):
+    # (LOOP_STAGES: the GEMV's loads pipelined as `GemmConfig.num_stages` says; None: the dots' alone)
+    for k0 in tl.range(k_start, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         g = k0 // GROUP
         # each int32 read once: [BLOCK_K / P, BLOCK_N] words (row r holds k = k0 + P * r + j at bits BITS * j)
         offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
@@ -225,7 +227,10 @@ def _w4a16_kernel(
 
 
 class GemmConfig(NamedTuple):
-    """One launch's tile sizes and K split (`choose_config`)."""
+    """One launch's tile sizes and K split (`choose_config`). `num_stages`: the loads feeding the dots
+    that many loop iterations deep; the GEMV's (BLOCK_M 1, no dot) likewise, every load of its loop through
+    asynchronous copies from 2 (1: plain loads; in the sm_90 binary at 4, 4 LDGSTS a step and 14 KB of
+    shared memory, 90 registers against 71)."""
 
     block_m: int
     block_n: int
@@ -280,7 +285,9 @@ def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     split = 1
     while split * 2 <= _MAX_SPLIT and tiles * split * 2 <= _TARGET_PROGRAMS and k_blocks >= split * 2 * 4:
         split *= 2
-    return GemmConfig(bm, bn, bk, split, warps, 3, nibble_dots=m == 1, ptx_values=m == 1)
+    # (the GEMV's stages never timed: 1, its loads as timed; `python -m gapless.bench.int4_gemm --stages`)
+    stages = 1 if bm == 1 else 3
+    return GemmConfig(bm, bn, bk, split, warps, stages, nibble_dots=m == 1, ptx_values=m == 1)
 
 
 def w4a16_matmul(
@@ -334,6 +341,7 @@ def w4a16_matmul(
         BLOCK_K=cfg.block_k,
         NIBBLE_DOTS=nibble_dots(cfg, bits),
         PTX_VALUES=(1 if x.dtype == torch.bfloat16 else 2) if ptx_values(cfg, bits, x.dtype) else 0,
+        LOOP_STAGES=cfg.num_stages if cfg.block_m == 1 else None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
