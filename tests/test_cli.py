@@ -71,6 +71,24 @@ def test_help_is_fast_and_parsing_imports_no_engine():
     assert done.stdout.strip() == "[]", done.stdout
 
 
+@pytest.mark.slow  # (a fresh interpreter importing torch and transformers: ~5 s)
+def test_serves_own_process_imports_no_modeling_code():
+    """What `gapless serve`'s own process imports to check its configuration and serve HTTP (the model's
+    source and config, the process layout, the API) leaves transformers' modeling code out: it pulls in
+    torch._dynamo, which took ~1.6 s of each server's start on 2 cores (the workers' fork server imports
+    what they run, beside it)."""
+    modules = (
+        "gapless.server.launch", "gapless.engine.preflight", "gapless.model.source", "gapless.server.layout",
+        "gapless.server.workers.scheduler_loop", "gapless.server.workers.sockets", "gapless.server.api",
+    )  # fmt: skip
+    code = "import importlib, sys\n"
+    code += f"for m in {modules!r}:\n    importlib.import_module(m)\n"
+    code += "print(sorted(m for m in ('transformers.modeling_utils', 'torch._dynamo') if m in sys.modules))\n"
+    done = _python(["-c", code])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def test_vllm_and_sglang_flags_are_aliases():
     args = parse_args(
         ["serve", "/ckpt", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]

@@ -16,13 +16,16 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import GenerationConfig, PretrainedConfig
 
 from gapless import env
 from gapless.default_model.tokenizer import FILLER_TEXT, build_tokenizer, trained_tokenizer_json
+
+if TYPE_CHECKING:  # (transformers' modeling code imports torch._dynamo: ~1.6 s a process that needs none)
+    from transformers import PreTrainedModel
 
 # RoPE goes in as `rope_theta` / `rope_scaling`: transformers 5 folds them into `rope_parameters`
 # (which is what config.json then carries), and 4.x takes them as they are.
@@ -126,6 +129,8 @@ def _uninitialised_model(config: PretrainedConfig, seed: int) -> PreTrainedModel
     inv_freq), left as garbage, are never saved. Where that might not hold (a persistent buffer, which
     init would fill and the checkpoint carry, or a tie not restored) it builds the model the plain way.
     """
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
