@@ -203,6 +203,10 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server, clien
 
 # ------------------------------------------------------------------ hardening (issue 18)
 BIG = 2**64  # past what msgpack and int64 carry: once a 500 that left an open request behind
+BIG_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {"name": "n", "schema": {"type": "integer", "maximum": BIG}},
+}
 
 
 def _same_connection(server, method: str, path: str, body: bytes, headers: dict) -> tuple[int, bytes]:
@@ -242,6 +246,8 @@ def _same_connection(server, method: str, path: str, body: bytes, headers: dict)
         ("/v1/completions", {"prompt": ["hi", [BIG]]}, "prompt"),
         ("/v1/chat/completions", {"max_completion_tokens": BIG}, "max_completion_tokens"),
         ("/v1/chat/completions", {"chat_template_kwargs": {"x": [1, {"y": BIG}]}}, "chat_template_kwargs"),
+        ("/v1/chat/completions", {"guided_json": {"": -BIG}}, "guided_json"),  # (a fuzzer's find: a 500)
+        ("/v1/completions", {"response_format": BIG_SCHEMA}, "response_format"),
         ("/generate", {"sampling_params": {"max_new_tokens": BIG}}, "sampling_params.max_new_tokens"),
         ("/generate", {"sampling_params": {"seed": -BIG}}, "sampling_params.seed"),
     ],
