@@ -22,9 +22,11 @@ serve: install
 
 # the suite but its slow tier (tests marked `slow`: multi-process tensor parallelism, the GPU kit's script
 # checks, the real model's download, mypy, the sm_90 compile of every kernel, ...), which CI runs after it
-# (.ci/run)
+# (.ci/run); in TEST_WORKERS processes (pytest-xdist), each file's tests in one (its servers start once):
+# the tests run torch on one thread, so a 2-core machine runs two at once
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
