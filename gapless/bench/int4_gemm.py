@@ -232,8 +232,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"int{args.bits} g{args.group} weight-only GEMM vs torch.mm {args.dtype} on {name}")
-    cols = ("IN:OUT", "M", "bf16 us", "kernel", "BM", "BN", "split", "BK", "warps", "st", "dots", "int us")
-    cols += ("GB/s", "x bf16")
+    cols = (
+        "IN:OUT", "M", "bf16 us", "kernel", "BM", "BN", "split", "BK", "warps", "st", "dots", "int us",
+        "GB/s", "x bf16",
+    )  # fmt: skip
     widths = (12, 3, 9, 8, 3, 4, 5, 4, 5, 2, 4, 8, 7, 7)
     print(" ".join(f"{h:>{w}}" for h, w in zip(cols, widths, strict=True)))
     result = rows(args)

@@ -244,7 +244,7 @@ class EngineClient:
         self._send_ctx.term()
 
     def _stale_stats(self, replica: int) -> P.Stats:
-        stale = dict(self.last_stats[replica])
+        stale: dict[str, Any] = dict(self.last_stats[replica])  # (its age None: JSON's null)
         at = self.last_stats_at[replica]
         stale["stats_age_s"] = None if at is None else round(time.monotonic() - at, 3)
         stale["integrity"] = "not checked: the scheduler is busy; its last counters"
