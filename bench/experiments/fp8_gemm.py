@@ -139,6 +139,10 @@ SWEEP_SMALL: list[tuple[tuple[int, ...], int, str, bool]] = [
 ]
 
 Config = tuple[tuple[int, ...], int, str, bool]  # (tiles, split programs, x's rounding, GEMV)
+SWEEP_HEADER = (  # `--sweep`'s and `--gemv-stages`' tables
+    "| layer | N x K | rows | tiles (BM, BN, warps, stages; GEMV: BN, warps, unroll, stages) "
+    "| split programs | decode x | us | GB/s |\n|---|---|---:|---|---:|---|---:|---:|"
+)
 
 
 def _sweep_configs(m: int) -> list[Config]:
@@ -158,11 +162,7 @@ def _sweep_configs(m: int) -> list[Config]:
 def sweep(rows: list[int]) -> None:
     """Per-channel FP8 at each tile, split target and rounding of x, on Qwen3-0.6B's layers at one row
     (`SWEEP_SMALL`) and Qwen3-8B's at `rows`: us a call, the weight's GB/s, the fastest marked."""
-    print(
-        "| layer | N x K | rows | tiles (BM, BN, warps, stages; GEMV: BN, warps, unroll) | split programs "
-        "| decode x | us | GB/s |"
-    )
-    print("|---|---|---:|---|---:|---|---:|---:|")
+    print(SWEEP_HEADER)
     if 1 in rows:
         for name, n, k in SHAPES["qwen3-0.6b"]:
             _sweep_layer(name, n, k, 1, SWEEP_SMALL)
@@ -173,11 +173,7 @@ def sweep(rows: list[int]) -> None:
 
 def gemv_stages() -> None:
     """At one row, each layer of both models: the default path, then the GEMV at each of `GEMV_STAGES`."""
-    print(
-        "| layer | N x K | rows | tiles (BM, BN, warps, stages; GEMV: BN, warps, unroll, stages) "
-        "| split programs | decode x | us | GB/s |"
-    )
-    print("|---|---|---:|---|---:|---|---:|---:|")
+    print(SWEEP_HEADER)
     for model, layers in SHAPES.items():
         for name, n, k in layers:
             gemv = [((64, 4, 1, s), 512, "program", True) for s in GEMV_STAGES]
