@@ -195,9 +195,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
                     f'tool_choice "required" or a named function excludes {source}', "tool_choice"
                 )
             structured, source = tool_constraint, "tool_choice"
-        _fits_the_wire(structured, source or "")  # (a JSON schema is any JSON)
         fields.update(structured)
         if source is not None:
+            _fits_the_wire(structured, source)  # (a JSON schema is any JSON)
             fields["grammar_after"] = self.grammar_after(served)
         for name in (
             "temperature",
