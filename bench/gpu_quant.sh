@@ -119,11 +119,13 @@ if phase tables; then
 # loads, the default): FP8 on both models' layers against the default path, so also whether the GEMV then
 # beats the 16-row tiles on the 8B's gate/up and down (`fp8_gemm.py --gemv-stages`); int4 on Llama-3-8B's
 # layers against tinygemm, the default at decode (on an H200 the GEMV took 1.3-2.1x its time), with K split
-# as the 16-row tiles want (about 264 programs: 192 on qkv, 1.5 an SM) and 8 ways
+# as the 16-row tiles want (about 264 programs: 192 on qkv, 1.5 an SM) and 8 ways, each with PTX values (the
+# default) and factored (`--factored`: the scale and zero once a word; 335 instructions a loop body in the
+# sm_90 binary against 420)
 other 40 fp8_gemv_stages "$PY" bench/experiments/fp8_gemm.py --gemv-stages
 grep -E '^\|' "$OUT/fp8_gemv_stages.log" 2>/dev/null | tee -a "$LOG"
-other 45 int4_gemv_stages "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 --block-m 1 --ptx-values 1 \
-  --stages 1 2 3 4 --split-k 0 8 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
+other 55 int4_gemv_stages "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 --block-m 1 --ptx-values 1 \
+  --factored 0 1 --stages 1 2 4 --split-k 0 8 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
 tee -a "$LOG" <"$OUT/int4_gemv_stages.log" 2>/dev/null
 
 # the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU

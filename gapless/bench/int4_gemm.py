@@ -3,14 +3,16 @@ layer shapes, at decode's row counts.
 
     python -m gapless.bench.int4_gemm --device cuda [--m 1 16] [--shapes 4096:28672 14336:4096 ...]
         [--bits 4] [--group 128] [--block-m 0 1] [--block-n 0 32 128] [--split-k 0 1 4 8] [--block-k 0 64]
-        [--warps 0 8] [--nibble-dots 1 0] [--ptx-values 0 1] [--kernels triton tinygemm gemlite] [--json FILE]
+        [--warps 0 8] [--nibble-dots 1 0] [--ptx-values 0 1] [--factored 0 1]
+        [--kernels triton tinygemm gemlite] [--json FILE]
 
 For each layer shape IN:OUT (default: Llama-3-8B's fused q/k/v 4096:6144, o 4096:4096, fused gate/up
 4096:28672, down 14336:4096) and each row count M: the median device time of `torch.mm` on a bf16 weight,
 and of the quantized GEMM for each tile variant (every combination of `--block-m` (1: the
 GEMV variant), `--block-n`, `--split-k`, `--block-k`, `--warps`; 0: the heuristic's choice; and
 `--nibble-dots`: a dot per value of the words, or one reshaped tile, `int4_triton`'s docstring; and
-`--ptx-values`: those values dequantized by PTX, where they can be; either not given: the heuristic's), its
+`--ptx-values`: those values dequantized by PTX, where they can be; `--factored`: the GEMV's scales and
+zeros applied once a word, its column "fac"; any of the three not given: the heuristic's), its
 weight bytes read per microsecond (packed weight + scales + zeros), and the ratio to bf16. Device time is
 `gapless.bench.timing.median_us`: `--iters` calls captured in a CUDA graph and replayed, each call reading
 a weight from memory, not L2 (`cold_copies`). A row also carries the largest difference from the bf16
@@ -40,6 +42,7 @@ from gapless.model.quant.int4_triton import (
     INTERPRET,
     GemmConfig,
     choose_config,
+    factored,
     nibble_dots,
     ptx_values,
     w4a16_matmul,
@@ -103,8 +106,9 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmC
             num_stages=stages or chosen.num_stages,
             nibble_dots=chosen.nibble_dots if nibble is None else bool(nibble),
             ptx_values=chosen.ptx_values if ptx is None else bool(ptx),
+            factored=chosen.factored if fac is None else bool(fac),
         )
-        for bm, bn, split, bk, warps, stages, nibble, ptx in itertools.product(
+        for bm, bn, split, bk, warps, stages, nibble, ptx, fac in itertools.product(
             args.block_m,
             args.block_n,
             args.split_k,
@@ -113,11 +117,16 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmC
             args.stages,
             args.nibble_dots,
             args.ptx_values,
+            args.factored,
         )
     ]
     dtype = getattr(torch, args.dtype)
     runs = (
-        c._replace(nibble_dots=nibble_dots(c, args.bits), ptx_values=ptx_values(c, args.bits, dtype))
+        c._replace(
+            nibble_dots=nibble_dots(c, args.bits),
+            ptx_values=ptx_values(c, args.bits, dtype),
+            factored=factored(c),
+        )
         for c in configs
         if c.block_m != 1 or m == 1
     )
@@ -145,7 +154,7 @@ def _timed(
         block_k=cfg.block_k,
         warps=cfg.num_warps,
         stages=cfg.num_stages,
-        nibble_dots="ptx" if ptx_values(cfg, method.bits, x.dtype) else nibble_dots(cfg, method.bits),
+        nibble_dots=_values(cfg, method.bits, x.dtype),
         us=us,
         gb_s=q_bytes / us / 1e3,
         rel_err=err / max(ref.abs().max().item(), 1e-30),
@@ -183,10 +192,18 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+def _values(cfg: GemmConfig, bits: int, dtype: torch.dtype) -> str | bool:
+    """How a Triton row takes its values (the dots column's, `_dots`): "fac" (the factored GEMV), "ptx"
+    (by PTX), else whether a dot per value of the words."""
+    if factored(cfg):
+        return "fac"
+    return "ptx" if ptx_values(cfg, bits, dtype) else nibble_dots(cfg, bits)
+
+
 def _dots(nibble: object) -> str:
-    """The dots column: P (a dot per value of the words), ptx (those values by PTX), 1 (one reshaped
-    tile), - (not this kernel)."""
-    return nibble if nibble in ("-", "ptx") else ("P" if nibble else "1")
+    """The dots column: P (a dot per value of the words), ptx (those values by PTX), fac (the factored
+    GEMV), 1 (one reshaped tile), - (not this kernel)."""
+    return nibble if nibble in ("-", "ptx", "fac") else ("P" if nibble else "1")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -212,6 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, what in (
         ("nibble-dots", "1: a dot per value of the words where the tiles allow; 0: one reshaped tile"),
         ("ptx-values", "1: the values dequantized by PTX (4 bits, half precision, compiled); 0: by Triton"),
+        ("factored", "1: the GEMV's scales and zeros once a word (BLOCK_M 1); 0: once a value"),
     ):
         p.add_argument(f"--{flag}", type=int, nargs="+", choices=(0, 1), default=[None], help=f"{what}")
     p.add_argument(

@@ -335,16 +335,16 @@ def _int4() -> dict[str, Callable[[], object]]:
         x = torch.zeros(m, k, dtype=dtype)
         qweight = torch.zeros(k * bits // 32, n, dtype=torch.int32)
         scales = torch.zeros(k // group, n, dtype=dtype)
-        config = choose_config(m, n, k, group)._replace(ptx_values="ptx" in variant)
+        config = choose_config(m, n, k, group)
+        config = config._replace(ptx_values="ptx" in variant, factored="factored" in variant)
         config = config._replace(block_m=1 if "gemv" in variant else 16) if m == 1 else config
         config = config._replace(num_stages=3) if "stages" in variant else config
         return w4a16_matmul(x, qweight, scales, scales, group, bits, config)
 
-    # decode (16-row tiles, K split; their values by PTX; the one-row GEMV, by default with them, its loads
-    # also 3 stages deep) and prefill tiles, 4 and 8 bits, both half-precision dtypes
+    # decode (16-row tiles, K split, PTX values; the GEMV: PTX, 3 stages, factored), prefill; 4, 8 bits
     cases = (
         (4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 1, "gemv ptx"), (4, 1, "gemv ptx stages"),
-        (4, 256, ""), (8, 1, ""), (8, 1, "gemv"),
+        (4, 1, "gemv factored"), (4, 256, ""), (8, 1, ""), (8, 1, "gemv"), (8, 1, "gemv factored"),
     )  # fmt: skip
     return {
         f"int{bits} gemm {dtype} m={m}{' ' + variant if variant else ''}": partial(

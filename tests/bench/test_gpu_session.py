@@ -236,17 +236,18 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): the one-row GEMVs' stages
-    first (FP8 and int4: short, each deciding a default), what no GPU has run next (the mixture quantized),
-    then the FP8 GEMM's sweep and decode attention in 128-key blocks, then the int4 GEMMs' table (without
-    gemlite, whose first call tunes past the step's limit); no TPOT run of the targets, no nano-vllm run;
-    the targets phase alone the reverse."""
+    first (FP8 and int4, the latter also factored: short, each deciding a default), what no GPU has run
+    next (the mixture quantized), then the FP8 GEMM's sweep and decode attention in 128-key blocks, then
+    the int4 GEMMs' table (without gemlite, whose first call tunes past the step's limit); no TPOT run of
+    the targets, no nano-vllm run; the targets phase alone the reverse."""
     (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
     fp8_stages, int4_stages = tables[1:3]
     assert fp8_stages[0].endswith("fp8_gemm.py") and "--gemv-stages" in fp8_stages
     assert int4_stages[:2] == ["-m", "gapless.bench.int4_gemm"] and "tinygemm" in int4_stages
-    assert int4_stages[int4_stages.index("--stages") + 1 :][:4] == ["1", "2", "3", "4"]
+    assert int4_stages[int4_stages.index("--stages") + 1 :][:3] == ["1", "2", "4"]
+    assert int4_stages[int4_stages.index("--factored") + 1 :][:2] == ["0", "1"]  # (PTX values, factored)
     assert [c[3].rsplit("/", 1)[1] for c in tables[3:6]] == ["qwen3-30b-a3b"] * 2 + ["qwen3-30b-a3b-awq"]
     sweep, batch1, attention, int4_gemm = tables[6:10]
     assert batch1[:2] == ["-m", "gapless.bench.kernels"] and "--decode-min-split-len" in batch1

@@ -38,3 +38,6 @@ def test_int4_gemm_bench_times_each_variant_and_checks_its_product(tmp_path):
     staged = int4_gemm.main([*argv.split(), "--block-m", "1", "--stages", "0", "1", "3"])
     variants = staged[0]["variants"]
     assert [v["stages"] for v in variants] == [1, 3] and all(v["rel_err"] < 1e-5 for v in variants)
+    # the factored GEMV (`--factored`, its dots column "fac"): the same product
+    fac = int4_gemm.main([*argv.split(), "--block-m", "1", "--factored", "0", "1"])[0]["variants"]
+    assert [(v["nibble_dots"], v["rel_err"] < 1e-5) for v in fac] == [(False, True), ("fac", True)]

@@ -112,10 +112,10 @@ CASES = [
 def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     """The chosen tiles, a split of K into 4 with narrow tiles (partial sums over the split summed), the
     decode tiles with a dot per value of the words and with one reshaped tile (`nibble_dots`, where the
-    group allows a 128-wide K block), and the one-row GEMV tiles (a program a row), in fp32; and bf16
-    activations and scales within bf16's rounding, the GEMV's too at one row (with PTX values where
-    they run); and at one row the dots' values by PTX give Triton's bits in bf16 and fp16 (on CUDA: the
-    interpreter takes Triton's path)."""
+    group allows a 128-wide K block), and the one-row GEMV tiles (a program a row), plain and factored
+    (`_factored_words`), in fp32; and bf16 activations and scales within bf16's rounding, the GEMVs' too
+    at one row (with PTX values where they run); and at one row the dots' values by PTX give Triton's
+    bits in bf16 and fp16 (on CUDA: the interpreter takes Triton's path)."""
     n, k = 96, 256
     gen = torch.Generator().manual_seed(m)
     w = quantize(torch.randn(n, k, generator=gen), bits, group, sym=False)
@@ -125,7 +125,8 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     spec = Int4Spec("gptq", bits, group, False)
     method = Int4LinearMethod(w, spec, torch.float32, DEVICE, kernel="triton")
     args = (method.qweight, method.scales, method.zeros, group, bits)
-    gemv = [GemmConfig(1, 32, 32, 2, 4, 3)] if m <= 5 else []  # a program a row: slow interpreted
+    # a program a row: slow interpreted
+    gemv = [GemmConfig(1, 32, 32, 2, 4, 3, factored=f) for f in (False, True)] if m <= 5 else []
     bk = 16 * (32 // bits)  # the narrowest K block a dot per value takes: 16 words' rows
     wide = [GemmConfig(16, 32, bk, 2, 4, 3, nibble) for nibble in (True, False)] if group % bk == 0 else []
     assert [nibble_dots(c, bits) for c in wide] == ([True, False] if wide else [])
@@ -142,7 +143,7 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     half = Int4LinearMethod(w, spec, torch.bfloat16, DEVICE, kernel="triton")  # (not tinygemm on CUDA)
     tol = x.abs().sum().item() * 2e-2 / k**0.5
     # the GEMV at one row (its weights in float32, or rounded to bf16 by PTX on CUDA)
-    one_row = [*gemv, *(c._replace(ptx_values=True) for c in gemv)] if m == 1 else []
+    one_row = [*gemv, *(c._replace(ptx_values=True) for c in gemv[:1])] if m == 1 else []
     for cfg in [None, *one_row]:
         y = w4a16_matmul(x.bfloat16(), half.qweight, half.scales, half.zeros, group, bits, cfg)
         assert y.dtype == torch.bfloat16
@@ -217,6 +218,35 @@ def test_the_gemv_asked_for_stages_loads_through_asynchronous_copies():
     if out is None:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     assert sorted(out.split("\n")[-3:]) == ["", "False False", "True True"], out
+
+
+@pytest.mark.slow  # (sm_90 compiles in a child process, ~10 s)
+def test_the_factored_gemv_compiles_to_fewer_instructions():
+    """Compiled for sm_90 (bf16): the factored GEMV (`_factored_words`) is fewer instructions than the
+    GEMV with PTX values (488 against 568 with Triton 3.6 and 3.9; its loop body 335 against 420), with
+    about one LOP3 a value: 64 values a thread a step, where a LOP3 split into an AND and an OR (both
+    constants immediates) would add 64. 8 bits: fewer than the plain GEMV."""
+    script = (
+        "from gapless.testing.triton_compile import Compiler, _int4, _cuobjdump, instruction_mix\n"
+        "with Compiler(90) as c:\n"
+        "    for name, case in _int4().items():\n"
+        "        if 'bfloat16' in name and 'gemv' in name and 'stages' not in name:\n"
+        "            before = len(c.compiled)\n"
+        "            case()\n"
+        "            (_, k), = c.compiled[before:]\n"
+        "            lop3 = _cuobjdump(k, '-sass').count('LOP3.LUT')\n"
+        "            how = name.split('gemv')[1].strip() or '-'\n"
+        "            print(name.split()[0], how, instruction_mix(k)['instructions'], lop3)\n"
+    )
+    out = compile_child(script, "compiling the int GEMVs")
+    if out is None:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    got = {
+        (bits, how): (int(n), int(lop3)) for bits, how, n, lop3 in (line.split() for line in out.splitlines())
+    }
+    assert got[("int4", "factored")][0] < 0.9 * got[("int4", "ptx")][0], got
+    assert got[("int4", "factored")][1] < 100, got  # (72-75 whole-kernel; split, 64 more)
+    assert got[("int8", "factored")][0] < got[("int8", "-")][0], got
 
 
 @pytest.mark.parametrize("kind", ["column", "merged", "row"])

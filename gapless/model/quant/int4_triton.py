@@ -31,6 +31,11 @@ above). In the sm_90 binary (bf16, 4 bits) its loop body is 503 instructions for
 was 1,916 (448 shuffles a step: x as a [1, K] tile, the weights moved into its layout and summed each
 step).
 
+`GemmConfig.factored` (an option, never timed) takes the GEMV's scales and zeros out of its values
+(`_factored_words`): each word's values less the zero times x summed in float32, times the scale once a
+word; a value is one LOP3, one FADD and one FFMA; 335 instructions a loop body at one row (bf16, sm_90)
+against the PTX values' 420. Its weights are not rounded to x's dtype either.
+
 Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
 is split among programs, each writing float32 partial sums into its own slice of a [SPLIT, M, N] buffer,
 summed by torch afterwards (deterministic, no atomics). Every size comes from host ints (the shapes), so
@@ -122,6 +127,35 @@ def _values_ptx(packed, s, z, BF16: tl.constexpr):
 
 
 @triton.jit
+def _factored_words(acc, packed, x_row, offs_w, s, z, magic, BITS: tl.constexpr):
+    """`acc` ([BLOCK_K / P, BLOCK_N] float32) plus the GEMV's products over `packed`'s words: each word's
+    sum over its P values of (q - zero) times x, times the scale once a word, not once a value. A value's
+    q - zero from its bits alone, in float32: the word's low half, or its high half shifted down once,
+    ANDed to value j's bits at 4j (8j with 8 bits) and ORed into the mantissa of 2^(23 - 4j), whose last
+    bit is worth 1 there, less (2^(23 - 4j) + zero): exact; one LOP3 and one FADD a value, then its FFMA.
+    `magic`: 2^23's bits (0x4B000000) as a kernel argument, so a register: with two immediates (the mask
+    and the power of two) ptxas splits the AND and the OR into two LOP3s. `x_row`: x's row, read without
+    masks (every step is a whole BLOCK_K); `s`, `z` ([BLOCK_N]): the group's scales and zeros. No weight
+    is rounded (as `_value`'s)."""
+    P: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = P // 2
+    high = packed >> 16  # (arithmetic: the sign's copies above bit 15 are masked off with the rest)
+    z = z.to(tl.float32)
+    sums = tl.zeros(packed.shape, tl.float32)
+    for j in tl.static_range(P):
+        x = tl.load(x_row + offs_w * P + j).to(tl.float32)  # x's columns for value j: every P-th from j
+        shift = BITS * (j % HALF)  # (constant: j is)
+        if j < HALF:
+            bits = packed & (((1 << BITS) - 1) << shift)
+        else:
+            bits = high & (((1 << BITS) - 1) << shift)
+        power = 1.0 * (1 << (23 - shift))
+        q = (bits | (magic - (shift << 23))).to(tl.float32, bitcast=True) - (z + power)[None, :]
+        sums += q * x[:, None]
+    return acc + sums * s.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _accumulate(acc, x, w, IEEE: tl.constexpr, AS_FP32: tl.constexpr):
     """acc + x @ w, w the fp32 dequantized tile: rounded once to x's dtype for the dot (fp32 operands
     with `AS_FP32`), fp32 dots in IEEE precision."""
@@ -146,6 +180,7 @@ def _w4a16_kernel(
     K,
     stride_xm,
     k_per_split,
+    magic,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
     IEEE: tl.constexpr,
@@ -155,6 +190,7 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     NIBBLE_DOTS: tl.constexpr,
     PTX_VALUES: tl.constexpr,
+    FACTORED: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
 ):
     """Out[pid_k, m, n] = sum over this program's share of K of X[m, k] * W[n, k] (see the module)."""
@@ -179,9 +215,11 @@ def _w4a16_kernel(
             mask=(offs_w < k_stop // (32 // BITS))[:, None] & n_mask[None, :],
             other=0,
         )
-        if BLOCK_M == 1 or NIBBLE_DOTS:  # value j of every word at once: a [BLOCK_K / P, BLOCK_N] tile
-            s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
-            z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
+        s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
+        z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
+        if FACTORED:  # (the GEMV's)
+            acc_gemv = _factored_words(acc_gemv, packed, X + pid_m * stride_xm, offs_w, s, z, magic, BITS)
+        elif BLOCK_M == 1 or NIBBLE_DOTS:  # value j of every word at once: a [BLOCK_K / P, BLOCK_N] tile
             values = packed  # (no values before the loop but by PTX)
             if PTX_VALUES:  # every value of the words at once, in x's dtype
                 values = _values_ptx(packed, s, z, PTX_VALUES == 1)
@@ -215,8 +253,6 @@ def _w4a16_kernel(
             shifts = tl.arange(0, 32 // BITS) * BITS
             q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
             q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-            s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
-            z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
             # in fp32, then one rounding to the activations' dtype (as the reference path's weight)
             w = (unsigned_to_float(q) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
             acc = _accumulate(acc, x, w, IEEE, AS_FP32)
@@ -240,6 +276,7 @@ class GemmConfig(NamedTuple):
     num_stages: int
     nibble_dots: bool = True  # a dot per value of the words where the tiles allow (the module's docstring)
     ptx_values: bool = False  # those values by PTX, where they run (`ptx_values`)
+    factored: bool = False  # the GEMV's scales and zeros once a word (`_factored_words`; BLOCK_M 1 only)
 
 
 def _block_k(group: int, k: int, most: int) -> int:
@@ -256,12 +293,17 @@ def nibble_dots(cfg: GemmConfig, bits: int) -> bool:
     return cfg.nibble_dots and cfg.block_m >= 16 and cfg.block_k // (32 // bits) >= 16
 
 
+def factored(cfg: GemmConfig) -> bool:
+    """Whether a launch with `cfg` is the factored GEMV (`_factored_words`): asked for, at BLOCK_M 1."""
+    return cfg.factored and cfg.block_m == 1
+
+
 def ptx_values(cfg: GemmConfig, bits: int, dtype: torch.dtype) -> bool:
     """Whether a launch with `cfg` dequantizes by PTX (`_values_ptx`): asked for, a dot per value of the
-    words (`nibble_dots`) or the GEMV, 4 bits, half-precision activations, and compiled (not the
+    words (`nibble_dots`) or the GEMV unfactored, 4 bits, half-precision activations, and compiled (not the
     interpreter)."""
     half = dtype in (torch.bfloat16, torch.float16)
-    by_value = nibble_dots(cfg, bits) or cfg.block_m == 1
+    by_value = nibble_dots(cfg, bits) or (cfg.block_m == 1 and not factored(cfg))
     return cfg.ptx_values and by_value and bits == 4 and half and not INTERPRET
 
 
@@ -332,6 +374,7 @@ def w4a16_matmul(
         k,
         x.stride(0),
         k_per_split,
+        0x4B000000,  # (`_factored_words`' magic)
         GROUP=group,
         BITS=bits,
         IEEE=x.dtype == torch.float32,
@@ -341,6 +384,7 @@ def w4a16_matmul(
         BLOCK_K=cfg.block_k,
         NIBBLE_DOTS=nibble_dots(cfg, bits),
         PTX_VALUES=(1 if x.dtype == torch.bfloat16 else 2) if ptx_values(cfg, bits, x.dtype) else 0,
+        FACTORED=factored(cfg),
         LOOP_STAGES=cfg.num_stages if cfg.block_m == 1 else None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
