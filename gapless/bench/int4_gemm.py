@@ -36,8 +36,9 @@ import torch
 from gapless.bench import cli
 from gapless.bench.timing import cold_copies, cycling, median_us
 from gapless.model.quant.formats import QuantFormatError
-from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec, Unpacked
+from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.model.quant.int4_kernels import KERNELS, library_kernel
+from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 from gapless.model.quant.int4_triton import (
     INTERPRET,
     GemmConfig,

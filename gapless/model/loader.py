@@ -29,7 +29,7 @@ from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
 from gapless.model.kv_scales import KVScaleReader
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
-from gapless.model.quant import formats, gguf_cpu, int4, int4_kernels, weights_summary
+from gapless.model.quant import formats, gguf_cpu, int4, int4_kernels, int4_layouts, weights_summary
 from gapless.model.quant.formats import QuantFormatError, QuantSpec
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
@@ -143,7 +143,7 @@ def load_model(
         name = decoder_name
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
-        hit = int4.split_name(name, int4_spec) if int4_spec is not None else None
+        hit = int4_layouts.split_name(name, int4_spec) if int4_spec is not None else None
         if hit is not None and isinstance(tensor, torch.Tensor):
             int4_parts.setdefault(hit[0], {})[hit[1]] = tensor  # as stored: packed ints, scales
             continue
@@ -256,7 +256,9 @@ def _prepare_quantized(model: CausalLM, spec: QuantSpec | None, path: Path) -> t
     return scheme, quantized
 
 
-def _int4_kernel(model: CausalLM, spec: int4.Int4Spec, dtype: torch.dtype, device: torch.device) -> str:
+def _int4_kernel(
+    model: CausalLM, spec: int4_layouts.Int4Spec, dtype: torch.dtype, device: torch.device
+) -> str:
     """Which int4 GEMMs the model's layers run: GAPLESS_INT4_KERNEL, with `auto`'s second copies if the
     GPU has room for them (`int4_kernels.for_model`, weighed on the float layers before they are packed)."""
     numel = sum(
@@ -268,7 +270,7 @@ def _int4_kernel(model: CausalLM, spec: int4.Int4Spec, dtype: torch.dtype, devic
 def _install_int4(
     model: CausalLM,
     quantized: dict[str, dict[str, torch.Tensor]],
-    spec: int4.Int4Spec,
+    spec: int4_layouts.Int4Spec,
     dtype: torch.dtype,
     kernel: str,
 ) -> list[str]:
@@ -291,12 +293,12 @@ def _install_int4(
     for layer_name, sources in per_layer.items():
         layer = modules[layer_name]
         offsets = getattr(layer, "checkpoint_offsets", None)
-        shards: dict[Any, int4.Unpacked] = {}
+        shards: dict[Any, int4_layouts.Unpacked] = {}
         experts = isinstance(layer, moe.Experts)
         device = layer.gate_up_proj.device if experts else layer.weight.device
         for module, name, shard in sources:
             parts = {k: t.to(device) for k, t in quantized.pop(module).items()}
-            w = int4.unpack(spec, parts, module)
+            w = int4_layouts.unpack(spec, parts, module)
             pieces = int4.split_rows(w, offsets) if shard is None and offsets else {shard: w}
             shards.update(pieces)
             filled += [name if s is None else f"{name}#{s}" for s in pieces]

@@ -14,16 +14,22 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from gapless.model.quant.int4 import AWQ_ORDER, Unpacked, pack_int32
+from gapless.model.quant.int4_layouts import AWQ_ORDER, Unpacked, pack_int32
 
 LAYOUTS = ("awq", "gptq", "gptq_v2", "compressed-tensors")
 # every decoder projection: attention's, dense MLPs' (a shared expert's too), each expert's (Mixtral: w1/2/3)
 _PROJ = re.compile(r"model\.layers\.\d+\..*(_proj|\.experts\.\d+\.w[123])\.weight$")
 
 
-def quantize(w: torch.Tensor, bits: int, group: int, sym: bool) -> Unpacked:
+def quantize(
+    w: torch.Tensor, bits: int, group: int, sym: bool, order: torch.Tensor | None = None
+) -> Unpacked:
     """`w` [N, K] rounded to `bits`-bit integers in groups of `group` inputs (-1: the whole row), with
-    float16 scales (as the checkpoints store them): asymmetric min/max, or symmetric with zero 2^(bits-1)."""
+    float16 scales (as the checkpoints store them): asymmetric min/max, or symmetric with zero 2^(bits-1).
+    `order` (act-order): the inputs taken in that order, group j // G holding inputs order[j]."""
+    if order is not None:
+        q = quantize(w[:, order], bits, group, sym)
+        return Unpacked(q.q, q.scale, q.zero, order)
     n, k = w.shape
     g = k if group < 0 else group
     wg = w.float().reshape(n, k // g, g)
@@ -55,25 +61,37 @@ def layout_tensors(w: Unpacked, layout: str, bits: int, group: int) -> dict[str,
             "qzeros": _awq_pack(w.zero.t().to(torch.int16)),
             "scales": w.scale.t().half().contiguous(),
         }
+    # act-order: q's columns back in input order, each input's group in g_idx
+    g_idx = torch.arange(k, dtype=torch.int32) // (k if group < 0 else group)
+    q = w.q
+    if w.order is not None:
+        q, g_idx = (
+            torch.empty_like(q).index_copy_(1, w.order, q),
+            torch.empty_like(g_idx).index_copy_(0, w.order, g_idx),
+        )
     if layout in ("gptq", "gptq_v2"):
         stored = w.zero.to(torch.int64) - (1 if layout == "gptq" else 0)
         return {
-            "qweight": pack_int32(w.q.t(), bits, dim=0),
+            "qweight": pack_int32(q.t(), bits, dim=0),
             "qzeros": pack_int32((stored & mask).t(), bits, dim=1),
             "scales": w.scale.t().half().contiguous(),
-            "g_idx": torch.arange(k, dtype=torch.int32) // (k if group < 0 else group),
+            "g_idx": g_idx,
         }
     out = {
-        "weight_packed": pack_int32(w.q, bits, dim=1),
+        "weight_packed": pack_int32(q, bits, dim=1),
         "weight_scale": w.scale.half(),
         "weight_shape": torch.tensor([n, k]),
     }
     if not bool((w.zero == (1 << (bits - 1))).all()):
         out["weight_zero_point"] = pack_int32(w.zero, bits, dim=0)
+    if w.order is not None:
+        out["weight_g_idx"] = g_idx
     return out
 
 
-def quantization_config(layout: str, bits: int, group: int, sym: bool) -> dict[str, Any]:
+def quantization_config(
+    layout: str, bits: int, group: int, sym: bool, act_order: bool = False
+) -> dict[str, Any]:
     """The `quantization_config` a checkpoint of `layout` carries in its config.json."""
     if layout == "awq":
         return dict(quant_method="awq", bits=bits, group_size=group, zero_point=True, version="gemm")
@@ -82,7 +100,7 @@ def quantization_config(layout: str, bits: int, group: int, sym: bool) -> dict[s
             quant_method="gptq",
             bits=bits,
             group_size=group,
-            desc_act=False,
+            desc_act=act_order,
             sym=sym,
             checkpoint_format=layout,
         )
@@ -92,7 +110,7 @@ def quantization_config(layout: str, bits: int, group: int, sym: bool) -> dict[s
         symmetric=sym,
         strategy="group" if group > 0 else "channel",
         group_size=group if group > 0 else None,
-        actorder=None,
+        actorder="group" if act_order else None,
         dynamic=False,
     )
     return dict(
@@ -105,13 +123,24 @@ def quantization_config(layout: str, bits: int, group: int, sym: bool) -> dict[s
 
 
 def write_quantized(
-    src: Path, dst: Path, layout: str, *, bits: int = 4, group: int = 32, sym: bool = False
+    src: Path,
+    dst: Path,
+    layout: str,
+    *,
+    bits: int = 4,
+    group: int = 32,
+    sym: bool = False,
+    act_order: bool = False,
 ) -> tuple[Path, Path]:
     """(the quantized checkpoint, its float32 reference) written under `dst` from the one-file float
     checkpoint `src`: every decoder projection quantized, everything else (embeddings, norms, LM head,
-    biases) kept in float."""
+    biases) kept in float. `act_order` (GPTQ, compressed-tensors): each projection's inputs grouped in a
+    random order, the same for the projections one input feeds (a layer's q/k/v, its gate/up), as
+    act-order's quantizers order them by the input's statistics."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+    if act_order and layout == "awq":
+        raise ValueError("AWQ has no act-order")
     qdir, refdir = dst / layout, dst / f"{layout}-reference"
     for d in (qdir, refdir):
         shutil.copytree(src, d, dirs_exist_ok=True)
@@ -122,7 +151,7 @@ def write_quantized(
         if not _PROJ.match(name):
             quantized[name] = reference[name] = t
             continue
-        w = quantize(t, bits, group, sym)
+        w = quantize(t, bits, group, sym, _input_order(name, t.shape[1]) if act_order else None)
         prefix = name.removesuffix(".weight")
         for suffix, packed in layout_tensors(w, layout, bits, group).items():
             quantized[f"{prefix}.{suffix}"] = packed.contiguous()
@@ -130,6 +159,22 @@ def write_quantized(
     save_file(quantized, str(qdir / "model.safetensors"), metadata={"format": "pt"})
     save_file(reference, str(refdir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(layout, bits, group, sym)
+    config["quantization_config"] = quantization_config(layout, bits, group, sym, act_order)
     (qdir / "config.json").write_text(json.dumps(config, indent=2))
     return qdir, refdir
+
+
+def _input_order(name: str, k: int) -> torch.Tensor:
+    """A random order of a projection's `k` inputs, seeded by what feeds them (the layer and its input:
+    the attention's, o's, the MLP's, down's), so projections sharing an input share it."""
+    layer = int(name.split(".")[2])
+    feeds = next((i for i, kinds in enumerate(_INPUTS) if any(s in name for s in kinds)), len(_INPUTS))
+    return torch.randperm(k, generator=torch.Generator().manual_seed(1000 * layer + feeds))
+
+
+_INPUTS = (
+    ("q_proj", "k_proj", "v_proj", "qkv_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj", "gate_up"),
+    ("down_proj",),
+)

@@ -14,8 +14,9 @@ import torch
 from gapless import LLM, SamplingParams, env
 from gapless.model.quant import int4_kernels
 from gapless.model.quant.formats import QuantFormatError
-from gapless.model.quant.int4 import Int4LinearMethod, Int4Spec, Unpacked
+from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.model.quant.int4_kernels import GemLite, TinyGemm, tinygemm_form
+from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 from gapless.testing.quant_checkpoints import quantize, write_quantized
 
 CUDA = torch.cuda.is_available()

@@ -18,15 +18,9 @@ from gapless import LLM, SamplingParams
 from gapless.model import layers, loader, parallel
 from gapless.model.moe import Experts
 from gapless.model.quant import weights_held, weights_summary
-from gapless.model.quant.int4 import (
-    AWQ_ORDER,
-    Int4LinearMethod,
-    Int4Spec,
-    QuantFormatError,
-    install,
-    int4_spec_from_config,
-    unpack,
-)
+from gapless.model.quant.formats import QuantFormatError
+from gapless.model.quant.int4 import Int4LinearMethod, install
+from gapless.model.quant.int4_layouts import AWQ_ORDER, Int4Spec, int4_spec_from_config, unpack
 from gapless.model.quant.int4_triton import GemmConfig, choose_config, nibble_dots, ptx_values, w4a16_matmul
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 from gapless.testing.quant_checkpoints import layout_tensors, quantization_config, quantize, write_quantized
@@ -299,20 +293,26 @@ def _greedy(
 
 
 @pytest.mark.parametrize(
-    "arch,layout,bits,sym",
+    "arch,layout,bits,sym,act_order",
     [
-        ("qwen2", "awq", 4, False),  # q/k/v bias, tied head
-        ("llama", "gptq", 4, True),
-        ("phi3", "gptq", 8, False),  # q/k/v and gate/up fused in the checkpoint
-        ("qwen3", "compressed-tensors", 4, False),
+        ("qwen2", "awq", 4, False, False),  # q/k/v bias, tied head
+        ("llama", "gptq", 4, True, False),
+        ("phi3", "gptq", 8, False, False),  # q/k/v and gate/up fused in the checkpoint
+        ("qwen3", "compressed-tensors", 4, False, False),
+        # act-order (GPTQ's desc_act, compressed-tensors' actorder group): inputs grouped by g_idx
+        ("llama", "gptq", 4, False, True),
+        ("phi3", "gptq_v2", 8, True, True),
+        ("qwen3", "compressed-tensors", 4, False, True),
     ],
 )
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
-    ckpt_factory, tmp_path, arch, layout, bits, sym
+    ckpt_factory, tmp_path, arch, layout, bits, sym, act_order
 ):
     from transformers import AutoModelForCausalLM
 
-    qdir, refdir = write_quantized(ckpt_factory(arch), tmp_path, layout, bits=bits, group=32, sym=sym)
+    qdir, refdir = write_quantized(
+        ckpt_factory(arch), tmp_path, layout, bits=bits, group=32, sym=sym, act_order=act_order
+    )
     model = loader.load_model(qdir, torch.float32, torch.device("cpu"))
     formats, held = weights_held(model)
     assert any(f.startswith(f"{layout.split('_')[0]} w{bits}a16") for f in formats), formats
@@ -326,16 +326,19 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
 
 
 @pytest.mark.parametrize(
-    "layout,sym,packages",
+    "layout,sym,act_order,packages",
     [
-        ("gptq", False, ("gptqmodel", "optimum")),
-        ("awq", False, ("awq",)),
+        ("gptq", False, False, ("gptqmodel", "optimum")),
+        ("gptq", False, True, ("gptqmodel", "optimum")),
+        ("awq", False, False, ("awq",)),
         # symmetric: transformers 5.24 declares an asymmetric checkpoint's zero points unpacked ([N, G])
         # and refuses the packed [N / 8, G] that compressed-tensors itself writes and reads
-        ("compressed-tensors", True, ("compressed_tensors",)),
+        ("compressed-tensors", True, False, ("compressed_tensors",)),
+        # (act-order: compressed-tensors 0.20 refuses `actorder: group`, "removed"; checkpoints written
+        # before it carry it, read here as GPTQ's g_idx)
     ],
 )
-def test_transformers_reads_the_tiny_checkpoint(ckpt_factory, tmp_path, layout, sym, packages):
+def test_transformers_reads_the_tiny_checkpoint(ckpt_factory, tmp_path, layout, sym, act_order, packages):
     """transformers' own reading of the file (through `packages`) gives the reference's logits: the
     layout as the tests write it is the layout its writers' readers read. (compressed-tensors 0.20,
     installed aside, gave logits equal to the reference's, difference 0.0, at 4 and 8 bits.)"""
@@ -346,7 +349,9 @@ def test_transformers_reads_the_tiny_checkpoint(ckpt_factory, tmp_path, layout, 
         )
     from transformers import AutoModelForCausalLM
 
-    qdir, refdir = write_quantized(ckpt_factory("llama"), tmp_path, layout, group=32, sym=sym)
+    qdir, refdir = write_quantized(
+        ckpt_factory("llama"), tmp_path, layout, group=32, sym=sym, act_order=act_order
+    )
     ids = torch.tensor([make_prompts(1000, n=1, max_len=20, shared_prefix=4)[0]])
     theirs = AutoModelForCausalLM.from_pretrained(str(qdir), dtype=torch.float32).eval()(ids).logits
     ref = AutoModelForCausalLM.from_pretrained(str(refdir), dtype=torch.float32).eval()(ids).logits
@@ -354,7 +359,6 @@ def test_transformers_reads_the_tiny_checkpoint(ckpt_factory, tmp_path, layout, 
 
 
 REFUSED = [
-    (dict(quant_method="gptq", bits=4, group_size=128, desc_act=True), "desc_act=true (act-order)"),
     (dict(quant_method="gptq", bits=3, group_size=128), "bits=3 is not run"),
     (dict(quant_method="gptq", bits=4, group_size=100), "group_size=100 is not run"),
     (dict(quant_method="awq", bits=4, group_size=128, version="gemv"), "version='gemv'"),
@@ -382,20 +386,72 @@ def test_unsupported_schemes_are_refused_before_any_weight_loads(
 
 def test_compressed_tensors_act_order_and_fp8_are_told_apart():
     ct = quantization_config("compressed-tensors", 4, 128, True)
-    ct["config_groups"]["group_0"]["weights"]["actorder"] = "group"
-    with pytest.raises(QuantFormatError, match="actorder='group'"):
+    for order in ("group", "weight"):  # (group: g_idx read per layer; weight: groups contiguous)
+        ct["config_groups"]["group_0"]["weights"]["actorder"] = order
+        assert int4_spec_from_config(ct) == Int4Spec("compressed-tensors", 4, 128, True)
+    ct["config_groups"]["group_0"]["weights"]["actorder"] = "sideways"
+    with pytest.raises(QuantFormatError, match="actorder='sideways'"):
         int4_spec_from_config(ct)
     ct["format"] = "float-quantized"  # FP8: another method's, not refused here
     assert int4_spec_from_config(ct) is None
     assert int4_spec_from_config(dict(quant_method="fp8")) is None and int4_spec_from_config(None) is None
 
 
-def test_act_order_g_idx_is_refused_by_name():
-    w = quantize(torch.randn(16, 64), 4, 32, False)
+def test_act_order_g_idx_orders_the_inputs_and_a_malformed_one_is_refused_by_name():
+    """A g_idx that groups the inputs out of order (act-order) unpacks to q's columns sorted by group and
+    the inputs' order, whose weight is the one quantized; the plain k // G and compressed-tensors' all -1
+    to none; a g_idx whose groups are not all G inputs is refused, naming the layer."""
+    gen = torch.Generator().manual_seed(3)
+    dense, order = torch.randn(16, 64, generator=gen), torch.randperm(64, generator=gen)
+    spec = Int4Spec("gptq", 4, 32, False, zero_offset=1)  # (GPTQ's v1 zeros, as `layout_tensors` writes)
+    w = quantize(dense, 4, 32, False, order)
     stored = layout_tensors(w, "gptq", 4, 32)
-    stored["g_idx"] = stored["g_idx"].flip(0)
-    with pytest.raises(QuantFormatError, match="g_idx is not k // group_size"):
-        unpack(Int4Spec("gptq", 4, 32, False), stored, "layer")
+    assert not torch.equal(stored["g_idx"], torch.arange(64) // 32)  # (out of order: act-order's)
+    got = unpack(spec, stored, "layer")
+    assert torch.equal(got.dequantize(), w.dequantize())
+    # each group's inputs those quantized together (in increasing order within it: g_idx says no more)
+    assert torch.equal(got.order.view(2, 32), order.view(2, 32).sort(1).values)
+    torch.testing.assert_close(got.dequantize(), dense, atol=0.2, rtol=0)  # (the weight quantized)
+    plain = layout_tensors(quantize(dense, 4, 32, False), "gptq", 4, 32)
+    assert unpack(spec, plain, "layer").order is None
+    ct = layout_tensors(quantize(dense, 4, 32, False), "compressed-tensors", 4, 32)
+    ct["weight_g_idx"] = torch.full((64,), -1, dtype=torch.int32)
+    assert unpack(Int4Spec("compressed-tensors", 4, 32, False), ct, "layer").order is None
+    stored["g_idx"] = torch.arange(64, dtype=torch.int32) % 3 % 2  # (groups of 43 and 21)
+    with pytest.raises(QuantFormatError, match="^layer: g_idx does not put exactly 32 inputs"):
+        unpack(spec, stored, "layer")
+
+
+def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(monkeypatch):
+    """An act-order layer (its inputs gathered into the weight's order) gives x @ W^T on the CPU's
+    reference path and through the Triton GEMM (interpreted here); a layer whose inputs split over
+    ranks (row-parallel) and a fused layer whose shards' orders differ are refused by name."""
+    from gapless.model.quant import int4
+
+    gen = torch.Generator().manual_seed(4)
+    k, n = 64, 48
+    x, dense = torch.randn(3, k, generator=gen), torch.randn(n, k, generator=gen)
+    w = quantize(dense, 4, 32, False, torch.randperm(k, generator=gen))
+    want = x @ w.dequantize().t()
+    spec = Int4Spec("gptq", 4, 32, False)
+    layer = layers.ReplicatedLinear(k, n, bias=False)
+    install(layer, {None: w}, spec, torch.float32, "layer", "triton")
+    torch.testing.assert_close(layer.linear_method.apply(layer, x), want)
+    monkeypatch.setattr(int4, "TRITON_ON_CPU", True)
+    torch.testing.assert_close(layer.linear_method.apply(layer, x), want, rtol=1e-5, atol=1e-4)
+    parallel.use(parallel.TPGroup(rank=0, size=2))
+    try:
+        row, merged = (
+            layers.RowParallelLinear(k, n),
+            layers.MergedColumnParallelLinear(k, {"gate": n, "up": n}),
+        )
+    finally:
+        parallel.use(parallel.SINGLE)
+    with pytest.raises(QuantFormatError, match="^row: act-order .* split over 2 ranks is not built"):
+        install(row, {None: w}, spec, torch.float32, "row", "triton")
+    other = quantize(dense, 4, 32, False, torch.randperm(k, generator=gen))
+    with pytest.raises(QuantFormatError, match="^mlp: its shards' act-orders"):
+        install(merged, {"gate": w, "up": other}, spec, torch.float32, "mlp", "triton")
 
 
 def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(

@@ -19,7 +19,8 @@ from gapless import LLM, SamplingParams
 from gapless.model import loader, parallel
 from gapless.model.moe import Experts, WeightQuant, reference_experts, route
 from gapless.model.quant import weights_held, weights_summary
-from gapless.model.quant.int4 import QuantFormatError, pack_int32
+from gapless.model.quant.formats import QuantFormatError
+from gapless.model.quant.int4_layouts import pack_int32
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
 from gapless.testing.quant_checkpoints import quantize, write_quantized
 from gapless.testing.ranks import assert_experts_cut, load_as_ranks
@@ -115,7 +116,7 @@ def _held_in(quant: WeightQuant, dtype: torch.dtype) -> WeightQuant:
 
 def _dequantize(packed: torch.Tensor, quant: WeightQuant, bits: int) -> torch.Tensor:
     """Stacked packed experts [E, K / P, rows] as float32 weights [E, rows, K], by the layout's formula."""
-    from gapless.model.quant.int4 import unpack_int32
+    from gapless.model.quant.int4_layouts import unpack_int32
 
     assert quant.zeros is not None
     out = []
@@ -232,3 +233,11 @@ def test_int_experts_compile_for_sm90():
         pytest.skip("this triton has no NVIDIA backend to compile with")
     assert built.kernels[:2] == ["_grouped_gemm_kernel", "_lora_expand_kernel"], built
     assert built.compilations == 20 and not built.failed, built
+
+
+def test_act_order_experts_are_refused_by_name(ckpt_factory, tmp_path):
+    """A mixture whose experts carry act-order (a g_idx out of order) is refused, naming the layer: the
+    grouped GEMM reads each expert's groups in input order (its attention's act-order would run)."""
+    qdir, _ = write_quantized(ckpt_factory("qwen3_moe"), tmp_path, "gptq", group=16, act_order=True)
+    with pytest.raises(QuantFormatError, match=r"^model\.layers\.0\.mlp\.experts: experts with act-order"):
+        loader.load_model(qdir, torch.float32, torch.device("cpu"))

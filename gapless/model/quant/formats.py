@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from gapless.model.quant.int4 import Int4Spec
+    from gapless.model.quant.int4_layouts import Int4Spec
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores
 
@@ -118,12 +118,12 @@ def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
 def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
     """AWQ, GPTQ and compressed-tensors `pack-quantized`: int4/int8 weights with group-wise scales and
     zeros, activations in the model's dtype (`gapless.model.quant.int4` reads and refuses the layouts)."""
-    from gapless.model.quant import int4
+    from gapless.model.quant import int4_layouts
 
     method = str(qcfg.get("quant_method", "")).lower()
     if online:
         raise QuantFormatError(f"quantization {method} is a checkpoint's format, not one applied at load")
-    spec = int4.int4_spec_from_config(qcfg)
+    spec = int4_layouts.int4_spec_from_config(qcfg)
     assert spec is not None  # (its methods are these; another compressed-tensors format never gets here)
     return QuantSpec(method, "int4", spec.label, min_capability=(8, 0), weight_only=spec)
 

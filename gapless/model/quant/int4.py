@@ -1,24 +1,7 @@
-"""Weight-only int4/int8 checkpoints (w4a16, w8a16, group-wise scales and zeros) kept quantized: AWQ (GEMM
-layout), GPTQ (no act-order) and compressed-tensors `pack-quantized`.
-
-Each layout's tensors are unpacked at load into one form (`Unpacked`: q [N, K] unsigned, scale and zero
-[N, K / G], `W = (q - zero) * scale`), cut for tensor parallelism and stacked for fused projections there,
-then packed into the one layout the GEMM reads (`gapless.model.quant.int4_triton`'s docstring). The layouts,
-as their writers (AutoAWQ, AutoGPTQ/GPTQModel, compressed-tensors) store them:
-
-- **AWQ** (`quant_method: awq`, `version: gemm`, 4 bits): `qweight` int32 [K, N / 8] packed along N,
-  the 8 columns of an int32 interleaved: nibble i (bits 4i..4i+3) holds column `AWQ_ORDER[i]` of its 8
-  (0, 2, 4, 6, 1, 3, 5, 7); `qzeros` int32 [K / G, N / 8] the same way; `scales` [K / G, N]. The zeros are
-  the integer zero points as they are.
-- **GPTQ** (`quant_method: gptq`): `qweight` int32 [K / P, N] packed along K, value k at bits
-  `bits * (k % P)` of row k // P (P = 32 / bits); `qzeros` int32 [K / G, N / P] packed along N the same
-  way; `scales` [K / G, N]; `g_idx` [K] (k // G without act-order). The zeros are stored minus one
-  (`checkpoint_format: gptq`, the default, AutoGPTQ's `zeros -= 1` before packing) or as they are
-  (`gptq_v2`); a symmetric checkpoint's zero is 2^(bits-1).
-- **compressed-tensors** `pack-quantized` (`quant_method: compressed-tensors`): `weight_packed` int32
-  [N, K / P] packed along K (value k at bits `bits * (k % P)`), each value stored as q + 2^(bits-1) with q
-  signed; `weight_scale` [N, K / G]; `weight_zero_point` int32 [N / P, K / G] packed along N the same way,
-  only when asymmetric (symmetric: zero 0, i.e. 2^(bits-1) unsigned); `weight_shape` [2] = (N, K).
+"""Weight-only int4/int8 checkpoints (w4a16, w8a16, group-wise scales and zeros) kept quantized: each
+layer's weight, read into one form by `gapless.model.quant.int4_layouts` (AWQ, GPTQ, compressed-tensors
+`pack-quantized`), cut for tensor parallelism and stacked for fused projections here, then packed into the
+one layout the GEMM reads (`gapless.model.quant.int4_triton`'s docstring).
 
 On CUDA the layer runs the Triton GEMM. Elsewhere (the CPU) `apply` is a reference path: it dequantizes
 the whole weight to the activations' dtype on every call and multiplies with torch, so the quantized
@@ -32,240 +15,16 @@ GEMM (`gapless.model.moe_triton`) unpacks them on CUDA, the CPU multiplies with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from gapless.model.quant import int4_kernels
-from gapless.model.quant.formats import QuantFormatError  # (every format's one error)
-
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i]
-METHODS = ("awq", "gptq", "compressed-tensors")
-TENSORS = {
-    "awq": ("qweight", "qzeros", "scales"),
-    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
-    "compressed-tensors": (
-        "weight_packed",
-        "weight_scale",
-        "weight_zero_point",
-        "weight_shape",
-        "weight_g_idx",
-    ),
-}
-
+from gapless.model.quant.formats import QuantFormatError
+from gapless.model.quant.int4_layouts import Int4Spec, Unpacked, pack_int32, unpack_int32
 
 # the tests set this under Triton's interpreter: the layers then run the Triton GEMM on CPU tensors too
 TRITON_ON_CPU = False
-
-
-@dataclass(frozen=True)
-class Int4Spec:
-    """A checkpoint's weight-only integer quantization, as `int4_spec_from_config` reads it."""
-
-    method: str  # one of METHODS
-    bits: int  # 4 or 8
-    group_size: int  # -1: one group per output channel (the whole row)
-    sym: bool
-    zero_offset: int = 0  # added to the stored zero points (GPTQ's v1 format: 1)
-
-    @property
-    def label(self) -> str:
-        group = "channel" if self.group_size < 0 else f"g{self.group_size}"
-        return f"{self.method} w{self.bits}a16 {group}"
-
-    def group_for(self, k: int) -> int:
-        return k if self.group_size < 0 else self.group_size
-
-
-def _refuse(method: str, what: str) -> QuantFormatError:
-    return QuantFormatError(f"quantization_config ({method}): {what}")
-
-
-def _check_bits_group(method: str, bits: Any, group: Any, allowed: tuple[int, ...]) -> tuple[int, int]:
-    if bits not in allowed:
-        raise _refuse(method, f"bits={bits} is not run; bits: {', '.join(map(str, allowed))}")
-    if group is None:
-        group = -1
-    if not isinstance(group, int) or not (group == -1 or (group >= 16 and group & (group - 1) == 0)):
-        raise _refuse(method, f"group_size={group} is not run; a power of two >= 16, or -1 (per channel)")
-    return int(bits), group
-
-
-def _awq(qc: dict[str, Any]) -> Int4Spec:
-    version = str(qc.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise _refuse("awq", f"version={version!r} is not read; only the GEMM layout (version 'gemm')")
-    bits, group = _check_bits_group(
-        "awq", qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size")), (4,)
-    )
-    if qc.get("zero_point", True) is False:
-        raise _refuse("awq", "zero_point=false is not read; AWQ's GEMM layout with zero points only")
-    return Int4Spec("awq", bits, group, sym=False)
-
-
-def _gptq(qc: dict[str, Any]) -> Int4Spec:
-    if qc.get("desc_act"):
-        raise _refuse("gptq", "desc_act=true (act-order) is not built; quantize with desc_act=false")
-    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
-    if fmt not in ("gptq", "gptq_v2"):
-        raise _refuse("gptq", f"checkpoint_format={fmt!r} is not read; gptq or gptq_v2")
-    if qc.get("lm_head"):
-        raise _refuse("gptq", "lm_head=true (a quantized LM head) is not built")
-    bits, group = _check_bits_group("gptq", qc.get("bits"), qc.get("group_size"), (4, 8))
-    sym = bool(qc.get("sym", True))
-    return Int4Spec("gptq", bits, group, sym, zero_offset=1 if fmt == "gptq" else 0)
-
-
-def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
-    groups = list((qc.get("config_groups") or {}).values())
-    if not groups:
-        raise _refuse("compressed-tensors", "no config_groups")
-    formats = {str(g.get("format") or qc.get("format")) for g in groups}
-    if formats != {"pack-quantized"}:
-        return None  # another compressed-tensors format (float-quantized: the FP8 method's)
-    schemes = {repr(sorted(g.get("weights", {}).items())) for g in groups}
-    if len(schemes) != 1:
-        raise _refuse("compressed-tensors", "config_groups with different weight schemes are not run")
-    w = groups[0].get("weights") or {}
-    if any(g.get("input_activations") for g in groups):
-        raise _refuse(
-            "compressed-tensors", "pack-quantized with quantized activations is not run (w4a16/w8a16 only)"
-        )
-    if w.get("type", "int") != "int":
-        raise _refuse("compressed-tensors", f"weights of type {w.get('type')!r} are not run; int only")
-    if w.get("actorder") not in (None, False):
-        raise _refuse("compressed-tensors", f"actorder={w.get('actorder')!r} (act-order) is not built")
-    if w.get("dynamic"):
-        raise _refuse("compressed-tensors", "dynamic weight quantization is not run")
-    strategy = w.get("strategy")
-    if strategy not in ("group", "channel"):
-        raise _refuse("compressed-tensors", f"strategy={strategy!r} is not run; group or channel")
-    targets = {t for g in groups for t in g.get("targets", [])}
-    if targets - {"Linear"}:
-        raise _refuse("compressed-tensors", f"targets {sorted(targets)} are not run; Linear only")
-    group_size = w.get("group_size") if strategy == "group" else -1
-    bits, group = _check_bits_group("compressed-tensors", w.get("num_bits"), group_size, (4, 8))
-    return Int4Spec(
-        "compressed-tensors",
-        bits,
-        group,
-        bool(w.get("symmetric", True)),
-    )
-
-
-def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
-    """The weight-only integer scheme a checkpoint's `quantization_config` names; None when it names none
-    (or another method: FP8). Raises `QuantFormatError`, one line naming the field, for a scheme of these
-    methods that is not run (act-order, bits other than 4/8, a group size that is not a power of two)."""
-    if not qc:
-        return None
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "awq":
-        return _awq(qc)
-    if method == "gptq":
-        return _gptq(qc)
-    if method == "compressed-tensors":
-        return _compressed(qc)
-    return None
-
-
-class Unpacked(NamedTuple):
-    """One projection's weight as `W = (q - zero) * scale`: q int16 [N, K] (unsigned values), scale
-    float32 and zero float32 [N, K / G]."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        """W float32 [N, K]."""
-        group = self.q.shape[1] // self.scale.shape[1]
-        zero, scale = (t.repeat_interleave(group, dim=1) for t in (self.zero, self.scale))
-        return (self.q.float() - zero) * scale
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Unsigned values from int32s packed along `dim` (0 or 1), value j of an int32 at bits `bits * j`."""
-    per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-    mask = (1 << bits) - 1
-    if dim == 0:  # [R, C] -> [R * per, C]
-        v = (packed.unsqueeze(1) >> shifts.view(1, per, 1)) & mask
-        return v.reshape(packed.shape[0] * per, packed.shape[1]).to(torch.int16)
-    v = (packed.unsqueeze(2) >> shifts.view(1, 1, per)) & mask
-    return v.reshape(packed.shape[0], packed.shape[1] * per).to(torch.int16)
-
-
-def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """The inverse of `unpack_int32`: values (0 .. 2^bits - 1) packed along `dim` into int32s."""
-    per = 32 // bits
-    v = values.to(torch.int64)
-    if dim == 0:
-        v = v.reshape(v.shape[0] // per, per, v.shape[1]).transpose(1, 2)
-    else:
-        v = v.reshape(v.shape[0], v.shape[1] // per, per)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=v.device)
-    word = (v << shifts).sum(-1)
-    word = torch.where(word >= 2**31, word - 2**32, word)  # as int32's two's complement
-    return word.to(torch.int32)
-
-
-def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
-    """AWQ's [R, C / 8] int32s (interleaved) as [R, C] nibbles in column order."""
-    nibbles = unpack_int32(packed, 4, dim=1).view(packed.shape[0], -1, 8)
-    inverse = [AWQ_ORDER.index(c) for c in range(8)]  # column c sits at nibble inverse[c]
-    return nibbles[..., inverse].reshape(packed.shape[0], -1)
-
-
-def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
-    """One checkpoint module's tensors (`TENSORS[spec.method]` by suffix) as `Unpacked`; `where` names
-    the module in errors."""
-    need = TENSORS[spec.method][: 2 if spec.method == "compressed-tensors" else 3]  # the rest optional
-    missing = [n for n in need if n not in parts]
-    if missing:
-        raise QuantFormatError(f"{where}: the {spec.method} checkpoint lacks {', '.join(missing)}")
-    if spec.method == "awq":
-        q = _awq_columns(parts["qweight"]).t()  # [K, N] -> [N, K]
-        zero = _awq_columns(parts["qzeros"]).t().float()
-        scale = parts["scales"].float().t()
-    elif spec.method == "gptq":
-        q = unpack_int32(parts["qweight"], spec.bits, dim=0).t()
-        if "g_idx" in parts:
-            _check_g_idx(parts["g_idx"], q.shape[1], spec.group_for(q.shape[1]), where)
-        # v1 adds the 1 back without wrapping, as AutoGPTQ's and vLLM's kernels do (a zero of 0 was
-        # stored as 15 and reads as 16: those checkpoints' own flaw, read as every reader reads it)
-        zero = (unpack_int32(parts["qzeros"], spec.bits, dim=1).float() + spec.zero_offset).t()
-        scale = parts["scales"].float().t()
-    else:
-        if "weight_g_idx" in parts:
-            raise QuantFormatError(f"{where}: weight_g_idx (act-order) is not built")
-        q = unpack_int32(parts["weight_packed"], spec.bits, dim=1)
-        scale = parts["weight_scale"].float()
-        if "weight_shape" in parts:
-            n, k = (int(v) for v in parts["weight_shape"].tolist())
-            q = q[:n, :k]
-        half = float(1 << (spec.bits - 1))
-        if spec.sym or "weight_zero_point" not in parts:
-            zero = torch.full_like(scale, half)
-        else:
-            zero = unpack_int32(parts["weight_zero_point"], spec.bits, dim=0)[: q.shape[0]].float()
-    q = q.contiguous()
-    n, k = q.shape
-    group = spec.group_for(k)
-    if k % group or scale.shape != (n, k // group) or zero.shape != scale.shape:
-        raise QuantFormatError(
-            f"{where}: {spec.label} weight [{n}, {k}] with scales {tuple(scale.shape)} and zeros "
-            f"{tuple(zero.shape)}: not groups of {group} along the input"
-        )
-    return Unpacked(q, scale.contiguous(), zero.contiguous())
-
-
-def _check_g_idx(g_idx: torch.Tensor, k: int, group: int, where: str) -> None:
-    """GPTQ's g_idx must be the plain k // G (no act-order); anything else is refused by name."""
-    plain = torch.arange(k, dtype=torch.int64) // group
-    if g_idx.shape != (k,) or not torch.equal(g_idx.to(torch.int64).cpu(), plain):
-        raise QuantFormatError(f"{where}: g_idx is not k // group_size (act-order), which is not built")
 
 
 class Int4LinearMethod:
@@ -282,6 +41,8 @@ class Int4LinearMethod:
         self.name, self.quant_method = spec.label, spec.method
         self.bits, self.group = spec.bits, k // w.scale.shape[1]
         self.out_features, self.in_features, self.dtype = n, k, dtype
+        # act-order: x's columns gathered into the weight's order first (one small copy a call)
+        self.order = None if w.order is None else w.order.to(device)
         if k % (32 // spec.bits):
             raise QuantFormatError(f"{spec.label}: in_features {k} is not a multiple of {32 // spec.bits}")
         choice = kernel or int4_kernels.chosen()
@@ -301,7 +62,7 @@ class Int4LinearMethod:
         self.zeros = w.zero.t().to(dtype).contiguous().to(device)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """W [N, K] in `dtype` (the reference path's weight)."""
+        """W [N, K] in `dtype` (the reference path's weight), its columns in `order` as held."""
         q = unpack_int32(self.qweight, self.bits, dim=0)  # [K, N]
         zero, scale = (t.repeat_interleave(self.group, dim=0) for t in (self.zeros, self.scales))
         return ((q.float() - zero.float()) * scale.float()).t().to(dtype)  # as the GEMM: fp32, one rounding
@@ -309,6 +70,8 @@ class Int4LinearMethod:
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        if self.order is not None:
+            x = x.index_select(1, self.order)
         if self.library is not None and (self.library_rows is None or x.shape[0] <= self.library_rows):
             y = self.library(x.to(self.dtype)).to(x.dtype)
         elif x.is_cuda or TRITON_ON_CPU:
@@ -325,25 +88,20 @@ class Int4LinearMethod:
 
     def tensors(self) -> list[torch.Tensor]:
         held = self.library.tensors() if self.library is not None else []
+        held += [self.order] if self.order is not None else []
         return held + ([self.qweight, self.scales, self.zeros] if self.triton_held else [])
-
-
-def split_name(name: str, spec: Int4Spec) -> tuple[str, str] | None:
-    """(module, tensor) for a checkpoint tensor the scheme quantizes (`model.layers.0.mlp.down_proj`,
-    `qweight`); None for every other tensor."""
-    module, _, tensor = name.rpartition(".")
-    return (module, tensor) if tensor in TENSORS[spec.method] else None
 
 
 def split_rows(w: Unpacked, offsets: dict[Any, tuple[int, int]]) -> dict[Any, Unpacked]:
     """A fused projection's weight (Phi-3's qkv_proj) cut along its rows into its shards."""
-    return {s: Unpacked(*(t.narrow(0, off, n) for t in w)) for s, (off, n) in offsets.items()}
+    return {s: w.with_parts(*(t.narrow(0, off, n) for t in w[:3])) for s, (off, n) in offsets.items()}
 
 
 def shard_for_rank(w: Unpacked, layer: Any, shard: Any, where: str) -> Unpacked:
     """This rank's piece of one (shard of a) projection, cut as the layer cuts its float weight: a
     column-parallel layer keeps its rows (scales and zeros with them), a row-parallel one its columns
-    and the groups they fall in (so each rank's input slice must be whole groups)."""
+    and the groups they fall in (so each rank's input slice must be whole groups; act-order's groups
+    are spread over every rank's inputs: refused)."""
     from gapless.model import layers
 
     tp = getattr(layer, "tp", None)
@@ -351,13 +109,17 @@ def shard_for_rank(w: Unpacked, layer: Any, shard: Any, where: str) -> Unpacked:
         return w
     if isinstance(layer, layers.RowParallelLinear):
         k, groups = w.q.shape[1], w.scale.shape[1]
+        if w.order is not None:
+            raise QuantFormatError(
+                f"{where}: act-order (g_idx) on a layer whose inputs split over {tp.size} ranks is not built"
+            )
         if groups % tp.size:
             raise QuantFormatError(
                 f"{where}: {groups} groups of {k // groups} inputs do not split over {tp.size} ranks"
             )
-        return Unpacked(tp.part(w.q, tp.size, dim=1), *(tp.part(t, tp.size, dim=1) for t in w[1:]))
+        return Unpacked(*(tp.part(t, tp.size, dim=1) for t in w[:3]))
     parts = layer.shard_parts[shard] if isinstance(layer, layers.MergedColumnParallelLinear) else tp.size
-    return Unpacked(*(tp.part(t, parts) for t in w))
+    return w.with_parts(*(tp.part(t, parts) for t in w[:3]))
 
 
 def install(
@@ -377,13 +139,19 @@ def install(
             f"{where}: the checkpoint quantizes only some of its shards (missing {missing})"
         )
     pieces = [shard_for_rank(shards[s], layer, s, where) for s in order]
-    w = Unpacked(*(torch.cat(ts) for ts in zip(*pieces)))
+    if not all(_same_order(p.order, pieces[0].order) for p in pieces):  # (the stack meets one x)
+        raise QuantFormatError(f"{where}: its shards' act-orders (g_idx) differ; one input order is built")
+    w = pieces[0].with_parts(*(torch.cat(ts) for ts in zip(*(p[:3] for p in pieces))))
     if w.q.shape != tuple(layer.weight.shape):
         raise QuantFormatError(
             f"{where}: quantized weight {tuple(w.q.shape)} does not fit the layer's "
             f"{tuple(layer.weight.shape)}"
         )
     return _hold(layer, w, spec, dtype, kernel)
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _hold(layer: Any, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, kernel: str) -> Int4LinearMethod:
@@ -416,6 +184,9 @@ def install_experts(
             f"{where}: {spec.label} experts of {hidden} x {inter} inputs: not multiples of 16"
         )
 
+    if any(w.order is not None for w in shards.values()):
+        raise QuantFormatError(f"{where}: experts with act-order (g_idx) are not built")
+
     def mine(e: int, proj: str) -> Unpacked:
         w = shards[(e, proj)]
         if tp.size > 1 and proj == "down":
@@ -425,15 +196,15 @@ def install_experts(
                     f"{where}: expert {e} down's {groups} groups of {w.q.shape[1] // groups} inputs do not "
                     f"split over {tp.size} ranks"
                 )
-            return Unpacked(*(tp.part(t, tp.size, dim=1) for t in w))
-        return Unpacked(*(tp.part(t, tp.size) for t in w)) if tp.size > 1 else w
+            return Unpacked(*(tp.part(t, tp.size, dim=1) for t in w[:3]))
+        return Unpacked(*(tp.part(t, tp.size) for t in w[:3])) if tp.size > 1 else w
 
     cpu = experts.gate_up_proj.device.type == "cpu"
     packed, quants, dequantized = [], [], []
     for projs, shape in ((("gate", "up"), (2 * inter, hidden)), (("down",), (hidden, inter))):
         qs, scales, zeros, floats = [], [], [], []
         for e in range(e_count):
-            w = Unpacked(*(torch.cat(ts) for ts in zip(*(mine(e, p) for p in projs))))
+            w = Unpacked(*(torch.cat(ts) for ts in zip(*(mine(e, p)[:3] for p in projs))))
             if w.q.shape != shape:
                 raise QuantFormatError(
                     f"{where}: expert {e} {'/'.join(projs)} weight {tuple(w.q.shape)} does not fit {shape}"

@@ -1,5 +1,5 @@
 """Which GEMM an int4/int8 weight-only layer runs on CUDA (`GAPLESS_INT4_KERNEL`), each holding the weight
-in its own layout, built from the one unpacked form `W = (q - zero) * scale` (`int4.Unpacked`):
+in its own layout, built from the one unpacked form `W = (q - zero) * scale` (`int4_layouts.Unpacked`):
 
 - `auto` (the default): a layer tinygemm can run holds two copies of its weight, tinygemm's for up to
   `TINYGEMM_ROWS` rows (decode) and the Triton GEMM's for more (prefill, larger batches), as long as the
@@ -36,7 +36,7 @@ from gapless import env
 from gapless.model.quant.formats import QuantFormatError
 
 if TYPE_CHECKING:
-    from gapless.model.quant.int4 import Int4Spec, Unpacked
+    from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 
 log = logging.getLogger(__name__)
 

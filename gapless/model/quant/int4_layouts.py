@@ -1,0 +1,285 @@
+"""The weight-only int4/int8 checkpoints' configs and layouts (AWQ's GEMM layout, GPTQ's,
+compressed-tensors' `pack-quantized`): a `quantization_config` read into an `Int4Spec`, and each layer's
+tensors unpacked into one form (`Unpacked`: q [N, K] unsigned, scale and zero [N, K / G],
+`W = (q - zero) * scale`), which `gapless.model.quant.int4` cuts, stacks and packs for the GEMM. The
+layouts, as their writers (AutoAWQ, AutoGPTQ/GPTQModel, compressed-tensors) store them:
+
+- **AWQ** (`quant_method: awq`, `version: gemm`, 4 bits): `qweight` int32 [K, N / 8] packed along N,
+  the 8 columns of an int32 interleaved: nibble i (bits 4i..4i+3) holds column `AWQ_ORDER[i]` of its 8
+  (0, 2, 4, 6, 1, 3, 5, 7); `qzeros` int32 [K / G, N / 8] the same way; `scales` [K / G, N]. The zeros are
+  the integer zero points as they are.
+- **GPTQ** (`quant_method: gptq`): `qweight` int32 [K / P, N] packed along K, value k at bits
+  `bits * (k % P)` of row k // P (P = 32 / bits); `qzeros` int32 [K / G, N / P] packed along N the same
+  way; `scales` [K / G, N]; `g_idx` [K], input k's group (k // G without act-order). The zeros are
+  stored minus one (`checkpoint_format: gptq`, the default, AutoGPTQ's `zeros -= 1` before packing) or
+  as they are (`gptq_v2`); a symmetric checkpoint's zero is 2^(bits-1).
+- **compressed-tensors** `pack-quantized` (`quant_method: compressed-tensors`): `weight_packed` int32
+  [N, K / P] packed along K (value k at bits `bits * (k % P)`), each value stored as q + 2^(bits-1) with q
+  signed; `weight_scale` [N, K / G]; `weight_zero_point` int32 [N / P, K / G] packed along N the same way,
+  only when asymmetric (symmetric: zero 0, i.e. 2^(bits-1) unsigned); `weight_shape` [2] = (N, K);
+  `weight_g_idx` [K] as GPTQ's g_idx, with `actorder: group`.
+
+Act-order (GPTQ's `desc_act: true`, compressed-tensors' `actorder: group`) puts each input in a group by
+its g_idx, not by its position: the unpacked form sorts q's columns by group (`act_order`), so the groups
+are contiguous again, and keeps the inputs' order, by which the layer gathers x before its GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from gapless.model.quant.formats import QuantFormatError  # (every format's one error)
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i]
+METHODS = ("awq", "gptq", "compressed-tensors")
+TENSORS = {
+    "awq": ("qweight", "qzeros", "scales"),
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),  # (g_idx: act-order's, `act_order`)
+    "compressed-tensors": (
+        "weight_packed",
+        "weight_scale",
+        "weight_zero_point",
+        "weight_shape",
+        "weight_g_idx",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Int4Spec:
+    """A checkpoint's weight-only integer quantization, as `int4_spec_from_config` reads it."""
+
+    method: str  # one of METHODS
+    bits: int  # 4 or 8
+    group_size: int  # -1: one group per output channel (the whole row)
+    sym: bool
+    zero_offset: int = 0  # added to the stored zero points (GPTQ's v1 format: 1)
+
+    @property
+    def label(self) -> str:
+        group = "channel" if self.group_size < 0 else f"g{self.group_size}"
+        return f"{self.method} w{self.bits}a16 {group}"
+
+    def group_for(self, k: int) -> int:
+        return k if self.group_size < 0 else self.group_size
+
+
+def _refuse(method: str, what: str) -> QuantFormatError:
+    return QuantFormatError(f"quantization_config ({method}): {what}")
+
+
+def _check_bits_group(method: str, bits: Any, group: Any, allowed: tuple[int, ...]) -> tuple[int, int]:
+    if bits not in allowed:
+        raise _refuse(method, f"bits={bits} is not run; bits: {', '.join(map(str, allowed))}")
+    if group is None:
+        group = -1
+    if not isinstance(group, int) or not (group == -1 or (group >= 16 and group & (group - 1) == 0)):
+        raise _refuse(method, f"group_size={group} is not run; a power of two >= 16, or -1 (per channel)")
+    return int(bits), group
+
+
+def _awq(qc: dict[str, Any]) -> Int4Spec:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _refuse("awq", f"version={version!r} is not read; only the GEMM layout (version 'gemm')")
+    bits, group = _check_bits_group(
+        "awq", qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size")), (4,)
+    )
+    if qc.get("zero_point", True) is False:
+        raise _refuse("awq", "zero_point=false is not read; AWQ's GEMM layout with zero points only")
+    return Int4Spec("awq", bits, group, sym=False)
+
+
+def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's g_idx, `unpack`)
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _refuse("gptq", f"checkpoint_format={fmt!r} is not read; gptq or gptq_v2")
+    if qc.get("lm_head"):
+        raise _refuse("gptq", "lm_head=true (a quantized LM head) is not built")
+    bits, group = _check_bits_group("gptq", qc.get("bits"), qc.get("group_size"), (4, 8))
+    sym = bool(qc.get("sym", True))
+    return Int4Spec("gptq", bits, group, sym, zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        raise _refuse("compressed-tensors", "no config_groups")
+    formats = {str(g.get("format") or qc.get("format")) for g in groups}
+    if formats != {"pack-quantized"}:
+        return None  # another compressed-tensors format (float-quantized: the FP8 method's)
+    schemes = {repr(sorted(g.get("weights", {}).items())) for g in groups}
+    if len(schemes) != 1:
+        raise _refuse("compressed-tensors", "config_groups with different weight schemes are not run")
+    w = groups[0].get("weights") or {}
+    if any(g.get("input_activations") for g in groups):
+        raise _refuse(
+            "compressed-tensors", "pack-quantized with quantized activations is not run (w4a16/w8a16 only)"
+        )
+    if w.get("type", "int") != "int":
+        raise _refuse("compressed-tensors", f"weights of type {w.get('type')!r} are not run; int only")
+    # act-order: "group" stores each input's group (`weight_g_idx`, read by `unpack`); "weight" only
+    # quantized in that order, its groups contiguous
+    if w.get("actorder") not in (None, False, True, "group", "weight", "static"):
+        raise _refuse("compressed-tensors", f"actorder={w.get('actorder')!r} is not read")
+    if w.get("dynamic"):
+        raise _refuse("compressed-tensors", "dynamic weight quantization is not run")
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise _refuse("compressed-tensors", f"strategy={strategy!r} is not run; group or channel")
+    targets = {t for g in groups for t in g.get("targets", [])}
+    if targets - {"Linear"}:
+        raise _refuse("compressed-tensors", f"targets {sorted(targets)} are not run; Linear only")
+    group_size = w.get("group_size") if strategy == "group" else -1
+    bits, group = _check_bits_group("compressed-tensors", w.get("num_bits"), group_size, (4, 8))
+    return Int4Spec(
+        "compressed-tensors",
+        bits,
+        group,
+        bool(w.get("symmetric", True)),
+    )
+
+
+def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
+    """The weight-only integer scheme a checkpoint's `quantization_config` names; None when it names none
+    (or another method: FP8). Raises `QuantFormatError`, one line naming the field, for a scheme of these
+    methods that is not run (bits other than 4/8, a group size that is not a power of two, ...)."""
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "awq":
+        return _awq(qc)
+    if method == "gptq":
+        return _gptq(qc)
+    if method == "compressed-tensors":
+        return _compressed(qc)
+    return None
+
+
+class Unpacked(NamedTuple):
+    """One projection's weight as `W = (q - zero) * scale`: q int16 [N, K] (unsigned values), scale
+    float32 and zero float32 [N, K / G]; column j of q in group j // G. `order` (act-order, `act_order`):
+    column j of q is input `order[j]` (so x[:, order] meets q); None: input j."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    order: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        """W float32 [N, K], its columns the inputs' (in input order)."""
+        group = self.q.shape[1] // self.scale.shape[1]
+        zero, scale = (t.repeat_interleave(group, dim=1) for t in (self.zero, self.scale))
+        w = (self.q.float() - zero) * scale
+        if self.order is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.order, w)
+
+    def with_parts(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Unpacked:
+        """Another (q, scale, zero) over the same inputs in the same order (a cut, a stack of rows)."""
+        return Unpacked(q, scale, zero, self.order)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unsigned values from int32s packed along `dim` (0 or 1), value j of an int32 at bits `bits * j`."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    mask = (1 << bits) - 1
+    if dim == 0:  # [R, C] -> [R * per, C]
+        v = (packed.unsqueeze(1) >> shifts.view(1, per, 1)) & mask
+        return v.reshape(packed.shape[0] * per, packed.shape[1]).to(torch.int16)
+    v = (packed.unsqueeze(2) >> shifts.view(1, 1, per)) & mask
+    return v.reshape(packed.shape[0], packed.shape[1] * per).to(torch.int16)
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The inverse of `unpack_int32`: values (0 .. 2^bits - 1) packed along `dim` into int32s."""
+    per = 32 // bits
+    v = values.to(torch.int64)
+    if dim == 0:
+        v = v.reshape(v.shape[0] // per, per, v.shape[1]).transpose(1, 2)
+    else:
+        v = v.reshape(v.shape[0], v.shape[1] // per, per)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=v.device)
+    word = (v << shifts).sum(-1)
+    word = torch.where(word >= 2**31, word - 2**32, word)  # as int32's two's complement
+    return word.to(torch.int32)
+
+
+def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's [R, C / 8] int32s (interleaved) as [R, C] nibbles in column order."""
+    nibbles = unpack_int32(packed, 4, dim=1).view(packed.shape[0], -1, 8)
+    inverse = [AWQ_ORDER.index(c) for c in range(8)]  # column c sits at nibble inverse[c]
+    return nibbles[..., inverse].reshape(packed.shape[0], -1)
+
+
+def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
+    """One checkpoint module's tensors (`TENSORS[spec.method]` by suffix) as `Unpacked`; `where` names
+    the module in errors."""
+    need = TENSORS[spec.method][: 2 if spec.method == "compressed-tensors" else 3]  # the rest optional
+    missing = [n for n in need if n not in parts]
+    if missing:
+        raise QuantFormatError(f"{where}: the {spec.method} checkpoint lacks {', '.join(missing)}")
+    if spec.method == "awq":
+        q = _awq_columns(parts["qweight"]).t()  # [K, N] -> [N, K]
+        zero = _awq_columns(parts["qzeros"]).t().float()
+        scale = parts["scales"].float().t()
+    elif spec.method == "gptq":
+        q = unpack_int32(parts["qweight"], spec.bits, dim=0).t()
+        # v1 adds the 1 back without wrapping, as AutoGPTQ's and vLLM's kernels do (a zero of 0 was
+        # stored as 15 and reads as 16: those checkpoints' own flaw, read as every reader reads it)
+        zero = (unpack_int32(parts["qzeros"], spec.bits, dim=1).float() + spec.zero_offset).t()
+        scale = parts["scales"].float().t()
+    else:
+        q = unpack_int32(parts["weight_packed"], spec.bits, dim=1)
+        scale = parts["weight_scale"].float()
+        if "weight_shape" in parts:
+            n, k = (int(v) for v in parts["weight_shape"].tolist())
+            q = q[:n, :k]
+        half = float(1 << (spec.bits - 1))
+        if spec.sym or "weight_zero_point" not in parts:
+            zero = torch.full_like(scale, half)
+        else:
+            zero = unpack_int32(parts["weight_zero_point"], spec.bits, dim=0)[: q.shape[0]].float()
+    n, k = q.shape
+    group = spec.group_for(k)
+    if k % group or scale.shape != (n, k // group) or zero.shape != scale.shape:
+        raise QuantFormatError(
+            f"{where}: {spec.label} weight [{n}, {k}] with scales {tuple(scale.shape)} and zeros "
+            f"{tuple(zero.shape)}: not groups of {group} along the input"
+        )
+    g_idx = parts.get("g_idx", parts.get("weight_g_idx"))
+    order = None if g_idx is None else act_order(g_idx, k, group, where)
+    if order is not None:
+        q = q.index_select(1, order.to(q.device))
+    return Unpacked(q.contiguous(), scale.contiguous(), zero.contiguous(), order)
+
+
+def act_order(g_idx: torch.Tensor, k: int, group: int, where: str) -> torch.Tensor | None:
+    """The inputs' order that makes each group contiguous, from a layer's g_idx (input k's group): None
+    where g_idx is already k // G (no act-order, or GPTQ's static groups) or all -1 (compressed-tensors'
+    "no order"); else the stable sort of g_idx (int64 [K]), which gives group j // G to column j when
+    every group has exactly G inputs, as act-order's quantizers write it. Anything else is refused by
+    name."""
+    g = g_idx.to(torch.int64).cpu()
+    if g.shape != (k,):
+        raise QuantFormatError(f"{where}: g_idx of shape {tuple(g.shape)} for {k} inputs")
+    plain = torch.arange(k, dtype=torch.int64) // group
+    if torch.equal(g, plain) or bool((g == -1).all()):
+        return None
+    order = torch.sort(g, stable=True).indices
+    if not torch.equal(g[order], plain):
+        raise QuantFormatError(
+            f"{where}: g_idx does not put exactly {group} inputs in each of {k // group} groups"
+        )
+    return order
+
+
+def split_name(name: str, spec: Int4Spec) -> tuple[str, str] | None:
+    """(module, tensor) for a checkpoint tensor the scheme quantizes (`model.layers.0.mlp.down_proj`,
+    `qweight`); None for every other tensor."""
+    module, _, tensor = name.rpartition(".")
+    return (module, tensor) if tensor in TENSORS[spec.method] else None
