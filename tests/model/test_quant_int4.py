@@ -424,8 +424,9 @@ def test_act_order_g_idx_orders_the_inputs_and_a_malformed_one_is_refused_by_nam
 
 def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(monkeypatch):
     """An act-order layer (its inputs gathered into the weight's order) gives x @ W^T on the CPU's
-    reference path and through the Triton GEMM (interpreted here); a layer whose inputs split over
-    ranks (row-parallel) and a fused layer whose shards' orders differ are refused by name."""
+    reference path and through the Triton GEMM (interpreted here; on CUDA also tinygemm's); a layer whose
+    inputs split over ranks (row-parallel) and a fused layer whose shards' orders differ are refused by
+    name."""
     from gapless.model.quant import int4
 
     gen = torch.Generator().manual_seed(4)
@@ -439,6 +440,11 @@ def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(mo
     torch.testing.assert_close(layer.linear_method.apply(layer, x), want)
     monkeypatch.setattr(int4, "TRITON_ON_CPU", True)
     torch.testing.assert_close(layer.linear_method.apply(layer, x), want, rtol=1e-5, atol=1e-4)
+    if DEVICE.type == "cuda":  # bf16 on CUDA: tinygemm's copy (`auto` at decode rows), the Triton GEMM
+        for kernel in ("auto", "triton"):
+            method = Int4LinearMethod(w, spec, torch.bfloat16, DEVICE, kernel)
+            y = method.apply(None, x.to(DEVICE, torch.bfloat16)).float().cpu()
+            torch.testing.assert_close(y, want, rtol=2e-2, atol=5e-2 * want.abs().max().item())
     parallel.use(parallel.TPGroup(rank=0, size=2))
     try:
         row, merged = (
