@@ -261,9 +261,9 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
 def act_order(g_idx: torch.Tensor, k: int, group: int, where: str) -> torch.Tensor | None:
     """The inputs' order that makes each group contiguous, from a layer's g_idx (input k's group): None
     where g_idx is already k // G (no act-order, or GPTQ's static groups) or all -1 (compressed-tensors'
-    "no order"); else the stable sort of g_idx (int64 [K]), which gives group j // G to column j when
-    every group has exactly G inputs, as act-order's quantizers write it. Anything else is refused by
-    name."""
+    "no order"); else the stable sort of g_idx (int64 [K], on g_idx's device), which gives group j // G
+    to column j when every group has exactly G inputs, as act-order's quantizers write it. Anything else
+    is refused by name."""
     g = g_idx.to(torch.int64).cpu()
     if g.shape != (k,):
         raise QuantFormatError(f"{where}: g_idx of shape {tuple(g.shape)} for {k} inputs")
@@ -275,7 +275,7 @@ def act_order(g_idx: torch.Tensor, k: int, group: int, where: str) -> torch.Tens
         raise QuantFormatError(
             f"{where}: g_idx does not put exactly {group} inputs in each of {k // group} groups"
         )
-    return order
+    return order.to(g_idx.device)
 
 
 def split_name(name: str, spec: Int4Spec) -> tuple[str, str] | None:
