@@ -177,6 +177,9 @@ tee -a "$LOG" <"$OUT/int4_gemm.log" 2>/dev/null
 # gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes last)
 say ""
 GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
+# act-order (GPTQ desc_act): the default GEMMs behind a gather of x a layer (`index_select`, never timed;
+# against the AWQ twin's TPOT above)
+tpot 50 qwen3-8b-gptq-act int4_act_order
 
 # the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by
 # each program

@@ -8,8 +8,9 @@
 `make` writes each shape's config.json (Qwen3-0.6B's, Qwen3-8B's and the mixture Qwen3-30B-A3B's
 published values) and the built-in tokenizer, no weights, and for the two larger shapes a `-awq` twin
 whose config carries an AWQ int4 g128 `quantization_config` (the common int4 layout; every int4/int8
-layout runs the same GEMM). `run` loads it with `load_format=dummy` (random weights made on the device,
-in the int4 form where the config says so, none read: a 16 GB checkpoint is neither built nor read) in
+layout runs the same GEMM), and for the 8B a `-gptq-act` twin, GPTQ int4 g128 with act-order (the same
+GEMMs behind a gather of x a layer). `run` loads it with `load_format=dummy` (random weights made on the
+device, in the int4 form where the config says so, none read: a 16 GB checkpoint is neither built nor read) in
 bfloat16, on CUDA graphs at batch 1, and times one request at a time: a 128-token prompt generating 1
 token (its prefill) and generating 1 + `--tokens` (default 64); TPOT = the difference / `--tokens`, the
 median of `--repeats` (default 3) after a warm-up. `--profile` then runs both once more under torch.profiler:
@@ -67,11 +68,17 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B),
 }
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-# the int4 twins' quantization_config: AutoAWQ's GEMM layout, 4 bits, groups of 128, zero points
-AWQ_SUFFIX = "-awq"
+# the int4 twins (suffix -> quantization_config, the shapes given one): AutoAWQ's GEMM layout, 4 bits,
+# groups of 128, zero points; GPTQ's with act-order (desc_act), the same sizes
 AWQ_G128 = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
-AWQ_SHAPES = ("qwen3-8b", "qwen3-30b-a3b")
+GPTQ_ACT_G128 = dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc_act=True)
+TWINS = {"-awq": (AWQ_G128, ("qwen3-8b", "qwen3-30b-a3b")), "-gptq-act": (GPTQ_ACT_G128, ("qwen3-8b",))}
 PROMPT_LEN = 128
+
+
+def _shape_of(name: str) -> str:
+    """The bf16 shape a (twin's) directory name is of."""
+    return next((name.removesuffix(s) for s in TWINS if name.endswith(s)), name)
 
 
 def make(out: Path) -> list[Path]:
@@ -88,12 +95,13 @@ def make(out: Path) -> list[Path]:
         cfg.save_pretrained(path)
         build_tokenizer().save_pretrained(path)
         made.append(path)
-        if name in AWQ_SHAPES:
-            twin = out / f"{name}{AWQ_SUFFIX}"
-            shutil.copytree(path, twin, dirs_exist_ok=True)
-            config = json.loads((path / "config.json").read_text()) | {"quantization_config": AWQ_G128}
-            (twin / "config.json").write_text(json.dumps(config, indent=2))
-            made.append(twin)
+        for suffix, (qc, shapes) in TWINS.items():
+            if name in shapes:
+                twin = out / f"{name}{suffix}"
+                shutil.copytree(path, twin, dirs_exist_ok=True)
+                config = json.loads((path / "config.json").read_text()) | {"quantization_config": qc}
+                (twin / "config.json").write_text(json.dumps(config, indent=2))
+                made.append(twin)
     return made
 
 
@@ -136,7 +144,7 @@ def run(
     chosen = (env.INT4_KERNEL, env.FP8_DECODE, env.FP8_GEMV_ROWS, env.FP8_UNFUSED_ROUNDING, env.PDL)
     kernels = {v.name: v.get() for v in chosen if v.get() != v.default}
     return dict(
-        shape=path.name.removesuffix(AWQ_SUFFIX),  # (the int4 twin's ratio is to its bf16 shape's)
+        shape=_shape_of(path.name),  # (an int4 twin's ratio is to its bf16 shape's)
         options=options,
         weights=info.weights,
         quantization=info.quantization,

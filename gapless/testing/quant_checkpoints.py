@@ -28,8 +28,7 @@ def quantize(
     float16 scales (as the checkpoints store them): asymmetric min/max, or symmetric with zero 2^(bits-1).
     `order` (act-order): the inputs taken in that order, group j // G holding inputs order[j]."""
     if order is not None:
-        q = quantize(w[:, order], bits, group, sym)
-        return Unpacked(q.q, q.scale, q.zero, order)
+        return quantize(w[:, order], bits, group, sym)._replace(order=order)
     n, k = w.shape
     g = k if group < 0 else group
     wg = w.float().reshape(n, k // g, g)

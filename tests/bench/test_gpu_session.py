@@ -111,7 +111,8 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             "gapless.bench.kernels",  # decode attention at batch 1,
             "gapless.bench.kernels",  # decode attention over each cache,
             "gapless.bench.int4_gemm",  # the int4 GEMMs,
-            "gapless.bench.quant",  # int4 on the Triton GEMM, (the FP8 GEMM's table: a script)
+            "gapless.bench.quant",  # int4 on the Triton GEMM,
+            "gapless.bench.quant",  # act-order int4, (the FP8 GEMM's table: a script)
             "gapless.bench.quant",  # gemlite's run,
             "gapless.bench.quant",  # the report
             "gapless.bench.gpu",  # gpu_bench.sh's one benchmark

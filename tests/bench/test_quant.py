@@ -18,6 +18,7 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         "qwen3-0.6b",
         "qwen3-8b",
         "qwen3-8b-awq",
+        "qwen3-8b-gptq-act",
         "qwen3-30b-a3b",
         "qwen3-30b-a3b-awq",
     ]
@@ -27,6 +28,9 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         qc = json.loads((tmp_path / f"{name}-awq" / "config.json").read_text())["quantization_config"]
         assert int4_spec_from_config(qc) == Int4Spec("awq", 4, 128, sym=False)
         assert "quantization_config" not in json.loads((tmp_path / name / "config.json").read_text())
+    qc = json.loads((tmp_path / "qwen3-8b-gptq-act" / "config.json").read_text())["quantization_config"]
+    assert int4_spec_from_config(qc) == Int4Spec("gptq", 4, 128, True, zero_offset=1, act_order=True)
+    assert quant._shape_of("qwen3-8b-gptq-act") == quant._shape_of("qwen3-8b-awq") == "qwen3-8b"
     moe = load_model_config(tmp_path / "qwen3-30b-a3b")  # every layer a mixture of 128 experts, 8 routed
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
     assert all(moe.moe_layers) and moe.num_layers == 48

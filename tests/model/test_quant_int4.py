@@ -388,7 +388,12 @@ def test_compressed_tensors_act_order_and_fp8_are_told_apart():
     ct = quantization_config("compressed-tensors", 4, 128, True)
     for order in ("group", "weight"):  # (group: g_idx read per layer; weight: groups contiguous)
         ct["config_groups"]["group_0"]["weights"]["actorder"] = order
-        assert int4_spec_from_config(ct) == Int4Spec("compressed-tensors", 4, 128, True)
+        spec = Int4Spec("compressed-tensors", 4, 128, True, act_order=order == "group")
+        assert int4_spec_from_config(ct) == spec
+    assert spec.label == "compressed-tensors w4a16 g128"  # ("weight": no order to name)
+    gptq = dict(quant_method="gptq", bits=4, group_size=128, desc_act=True)
+    assert int4_spec_from_config(gptq).label == "gptq w4a16 g128 act-order"
+    assert not int4_spec_from_config(gptq | {"static_groups": True}).act_order  # (static: g_idx k // G)
     ct["config_groups"]["group_0"]["weights"]["actorder"] = "sideways"
     with pytest.raises(QuantFormatError, match="actorder='sideways'"):
         int4_spec_from_config(ct)
@@ -497,11 +502,12 @@ def test_two_ranks_give_the_dequantized_models_tokens(ckpt_factory, tmp_path):
     assert sum(n is not None for n in notes) <= 1, notes
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch):
+@pytest.mark.parametrize("arch,layout", [("qwen3", "awq"), ("qwen3_moe", "awq"), ("qwen3", "gptq")])
+def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch, layout):
     """`load_format="dummy"` of an int4 checkpoint's config (`gapless.bench.quant`'s int4 shapes): the
     layers such a checkpoint quantizes (every linear but the routers, the experts) hold random int4
-    weights of the dummy floats' spread, the LM head stays float, and the engine generates."""
+    weights of the dummy floats' spread, the LM head stays float, and the engine generates; with
+    act-order (GPTQ's here) each layer in a random input order, which it gathers x into."""
     src = ckpt_factory(arch)
     dst = tmp_path / "m"
     dst.mkdir()
@@ -509,7 +515,8 @@ def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch
         if not f.name.endswith(".safetensors") and f.is_file():
             (dst / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = quantization_config("awq", 4, 32, False)
+    act = layout == "gptq"
+    cfg["quantization_config"] = quantization_config(layout, 4, 32, act, act_order=act)
     (dst / "config.json").write_text(json.dumps(cfg))
     opts = dict(device="cpu", kv_cache_tokens=256, overlap=False, load_format="dummy")
     with LLM(str(dst), **opts) as llm:
@@ -520,12 +527,14 @@ def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch
     linears = [m for m in model.modules() if isinstance(m, layers._Linear)]
     int4s = [m.linear_method for m in linears if isinstance(m.linear_method, Int4LinearMethod)]
     routers = [m for m in linears if isinstance(m, layers.ReplicatedLinear)]
-    assert formats["awq w4a16 g32"] == len(int4s) == len(linears) - len(routers) > 0
+    label = f"{layout} w4a16 g32" + (" act-order" if act else "")
+    assert formats[label] == len(int4s) == len(linears) - len(routers) > 0
+    assert all((m.order is not None) == act for m in int4s)
     assert not isinstance(model.lm_head.linear_method, Int4LinearMethod)
     assert int4s[0].dequantized(torch.float32).std().item() == pytest.approx(0.02, rel=0.1)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     assert bool(experts) == (arch == "qwen3_moe")
-    assert len(experts) == formats.get("awq w4a16 g32 experts", 0)
+    assert len(experts) == formats.get(f"{label} experts", 0)
     assert all(m.int_quant is not None for m in experts)
 
 

@@ -232,13 +232,14 @@ def install_experts(
 def random_unpacked(n: int, k: int, spec: Int4Spec, device: torch.device) -> Unpacked:
     """A random [N, K] weight in the scheme's form: values uniform over the 2^bits levels, zero at the
     middle, one scale per group such that W's standard deviation is 0.02 (as `--load-format dummy`'s float
-    weights)."""
+    weights); with act-order, its inputs in a random order (so the layer gathers x as a loaded one does)."""
     group, levels = spec.group_for(k), 1 << spec.bits
     if k % group:
         raise QuantFormatError(f"{spec.label}: {k} inputs are not whole groups of {group}")
     q = torch.randint(0, levels, (n, k), dtype=torch.int16, device=device)
     scale = torch.full((n, k // group), 0.02 * 12**0.5 / levels, device=device)
-    return Unpacked(q, scale, torch.full_like(scale, levels / 2))
+    order = torch.randperm(k, device=device) if spec.act_order else None
+    return Unpacked(q, scale, torch.full_like(scale, levels / 2), order)
 
 
 def is_quantized_linear(module: Any) -> bool:

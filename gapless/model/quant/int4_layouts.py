@@ -57,11 +57,12 @@ class Int4Spec:
     group_size: int  # -1: one group per output channel (the whole row)
     sym: bool
     zero_offset: int = 0  # added to the stored zero points (GPTQ's v1 format: 1)
+    act_order: bool = False  # the config names act-order (each layer's g_idx says its order: `act_order`)
 
     @property
     def label(self) -> str:
         group = "channel" if self.group_size < 0 else f"g{self.group_size}"
-        return f"{self.method} w{self.bits}a16 {group}"
+        return f"{self.method} w{self.bits}a16 {group}" + (" act-order" if self.act_order else "")
 
     def group_for(self, k: int) -> int:
         return k if self.group_size < 0 else self.group_size
@@ -101,7 +102,8 @@ def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's 
         raise _refuse("gptq", "lm_head=true (a quantized LM head) is not built")
     bits, group = _check_bits_group("gptq", qc.get("bits"), qc.get("group_size"), (4, 8))
     sym = bool(qc.get("sym", True))
-    return Int4Spec("gptq", bits, group, sym, zero_offset=1 if fmt == "gptq" else 0)
+    act_order = bool(qc.get("desc_act")) and not qc.get("static_groups")  # (static: g_idx is k // G)
+    return Int4Spec("gptq", bits, group, sym, 1 if fmt == "gptq" else 0, act_order)
 
 
 def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
@@ -135,12 +137,8 @@ def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
         raise _refuse("compressed-tensors", f"targets {sorted(targets)} are not run; Linear only")
     group_size = w.get("group_size") if strategy == "group" else -1
     bits, group = _check_bits_group("compressed-tensors", w.get("num_bits"), group_size, (4, 8))
-    return Int4Spec(
-        "compressed-tensors",
-        bits,
-        group,
-        bool(w.get("symmetric", True)),
-    )
+    symmetric, act_order = bool(w.get("symmetric", True)), w.get("actorder") in (True, "group")
+    return Int4Spec("compressed-tensors", bits, group, symmetric, act_order=act_order)
 
 
 def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
