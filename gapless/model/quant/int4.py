@@ -88,8 +88,8 @@ class Int4LinearMethod:
 
     def tensors(self) -> list[torch.Tensor]:
         held = self.library.tensors() if self.library is not None else []
-        held += [self.order] if self.order is not None else []
-        return held + ([self.qweight, self.scales, self.zeros] if self.triton_held else [])
+        held += [self.qweight, self.scales, self.zeros] if self.triton_held else []
+        return held + ([self.order] if self.order is not None else [])
 
 
 def split_rows(w: Unpacked, offsets: dict[Any, tuple[int, int]]) -> dict[Any, Unpacked]:
