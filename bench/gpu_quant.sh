@@ -10,7 +10,7 @@
 #      tok/s), each with 8 decode steps profiled; then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3a. the one-row GEMVs (FP8, int4) with their loads 1-4 loop iterations deep
+#   3a. the one-row GEMVs (FP8, int4; int4 also factored) with their loads 1-4 loop iterations deep
 #   3. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
 #   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
 #      at one row (`fp8_gemm.py --sweep`)
@@ -18,7 +18,8 @@
 #      (`gapless.bench.kernels`)
 #   6. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm) against bf16 on Llama-3-8B's
 #      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`); int4 TPOT through the Triton
-#      GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no ratio); the FP8 GEMM alone against
+#      GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no ratio), and with act-order (GPTQ
+#      `desc_act`: a gather of x a layer); the FP8 GEMM alone against
 #      bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows
 #      (bench/experiments/fp8_gemm.py); Qwen3-8B's int4 TPOT on gemlite
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
