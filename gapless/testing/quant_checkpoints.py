@@ -163,17 +163,18 @@ def write_quantized(
     return qdir, refdir
 
 
-def _input_order(name: str, k: int) -> torch.Tensor:
-    """A random order of a projection's `k` inputs, seeded by what feeds them (the layer and its input:
-    the attention's, o's, the MLP's, down's), so projections sharing an input share it."""
-    layer = int(name.split(".")[2])
-    feeds = next((i for i, kinds in enumerate(_INPUTS) if any(s in name for s in kinds)), len(_INPUTS))
-    return torch.randperm(k, generator=torch.Generator().manual_seed(1000 * layer + feeds))
-
-
+# what feeds a projection, by its name: the attention's input, o's, the MLP's, down's
 _INPUTS = (
     ("q_proj", "k_proj", "v_proj", "qkv_proj"),
     ("o_proj",),
     ("gate_proj", "up_proj", "gate_up"),
     ("down_proj",),
 )
+
+
+def _input_order(name: str, k: int) -> torch.Tensor:
+    """A random order of a projection's `k` inputs, seeded by what feeds them (the layer and its input:
+    the attention's, o's, the MLP's, down's), so projections sharing an input share it."""
+    layer = int(name.split(".")[2])
+    feeds = next((i for i, kinds in enumerate(_INPUTS) if any(s in name for s in kinds)), len(_INPUTS))
+    return torch.randperm(k, generator=torch.Generator().manual_seed(1000 * layer + feeds))

@@ -15,6 +15,7 @@ GEMM (`gapless.model.moe_triton`) unpacks them on CUDA, the CPU multiplies with 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -94,7 +95,7 @@ class Int4LinearMethod:
 
 def split_rows(w: Unpacked, offsets: dict[Any, tuple[int, int]]) -> dict[Any, Unpacked]:
     """A fused projection's weight (Phi-3's qkv_proj) cut along its rows into its shards."""
-    return {s: w.with_parts(*(t.narrow(0, off, n) for t in w[:3])) for s, (off, n) in offsets.items()}
+    return {s: w.map(partial(torch.narrow, dim=0, start=off, length=n)) for s, (off, n) in offsets.items()}
 
 
 def shard_for_rank(w: Unpacked, layer: Any, shard: Any, where: str) -> Unpacked:
@@ -117,9 +118,9 @@ def shard_for_rank(w: Unpacked, layer: Any, shard: Any, where: str) -> Unpacked:
             raise QuantFormatError(
                 f"{where}: {groups} groups of {k // groups} inputs do not split over {tp.size} ranks"
             )
-        return Unpacked(*(tp.part(t, tp.size, dim=1) for t in w[:3]))
+        return w.map(lambda t: tp.part(t, tp.size, dim=1))
     parts = layer.shard_parts[shard] if isinstance(layer, layers.MergedColumnParallelLinear) else tp.size
-    return w.with_parts(*(tp.part(t, parts) for t in w[:3]))
+    return w.map(lambda t: tp.part(t, parts))
 
 
 def install(
@@ -141,7 +142,8 @@ def install(
     pieces = [shard_for_rank(shards[s], layer, s, where) for s in order]
     if not all(_same_order(p.order, pieces[0].order) for p in pieces):  # (the stack meets one x)
         raise QuantFormatError(f"{where}: its shards' act-orders (g_idx) differ; one input order is built")
-    w = pieces[0].with_parts(*(torch.cat(ts) for ts in zip(*(p[:3] for p in pieces))))
+    q, scale, zero = map(torch.cat, zip(*(p.tensors for p in pieces)))
+    w = Unpacked(q, scale, zero, pieces[0].order)
     if w.q.shape != tuple(layer.weight.shape):
         raise QuantFormatError(
             f"{where}: quantized weight {tuple(w.q.shape)} does not fit the layer's "
@@ -196,15 +198,15 @@ def install_experts(
                     f"{where}: expert {e} down's {groups} groups of {w.q.shape[1] // groups} inputs do not "
                     f"split over {tp.size} ranks"
                 )
-            return Unpacked(*(tp.part(t, tp.size, dim=1) for t in w[:3]))
-        return Unpacked(*(tp.part(t, tp.size) for t in w[:3])) if tp.size > 1 else w
+            return w.map(lambda t: tp.part(t, tp.size, dim=1))
+        return w.map(lambda t: tp.part(t, tp.size)) if tp.size > 1 else w
 
     cpu = experts.gate_up_proj.device.type == "cpu"
     packed, quants, dequantized = [], [], []
     for projs, shape in ((("gate", "up"), (2 * inter, hidden)), (("down",), (hidden, inter))):
         qs, scales, zeros, floats = [], [], [], []
         for e in range(e_count):
-            w = Unpacked(*(torch.cat(ts) for ts in zip(*(mine(e, p)[:3] for p in projs))))
+            w = Unpacked(*map(torch.cat, zip(*(mine(e, p).tensors for p in projs))))
             if w.q.shape != shape:
                 raise QuantFormatError(
                     f"{where}: expert {e} {'/'.join(projs)} weight {tuple(w.q.shape)} does not fit {shape}"

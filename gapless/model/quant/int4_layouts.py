@@ -26,6 +26,7 @@ are contiguous again, and keeps the inputs' order, by which the layer gathers x 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -176,9 +177,13 @@ class Unpacked(NamedTuple):
             return w
         return torch.empty_like(w).index_copy_(1, self.order, w)
 
-    def with_parts(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Unpacked:
-        """Another (q, scale, zero) over the same inputs in the same order (a cut, a stack of rows)."""
-        return Unpacked(q, scale, zero, self.order)
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q, self.scale, self.zero
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Unpacked:
+        """q, scale and zero each through `fn` (a cut along rows or groups), the inputs' order kept."""
+        return Unpacked(fn(self.q), fn(self.scale), fn(self.zero), self.order)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -252,7 +257,7 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
     g_idx = parts.get("g_idx", parts.get("weight_g_idx"))
     order = None if g_idx is None else act_order(g_idx, k, group, where)
     if order is not None:
-        q = q.index_select(1, order.to(q.device))
+        q = q.index_select(1, order)
     return Unpacked(q.contiguous(), scale.contiguous(), zero.contiguous(), order)
 
 
