@@ -19,7 +19,7 @@
 #   6. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm) against bf16 on Llama-3-8B's
 #      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`); int4 TPOT through the Triton
 #      GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no ratio), and with act-order (GPTQ
-#      `desc_act`: a gather of x a layer); the FP8 GEMM alone against
+#      `desc_act`: o's x gathered a layer); the FP8 GEMM alone against
 #      bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows
 #      (bench/experiments/fp8_gemm.py); Qwen3-8B's int4 TPOT on gemlite
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
@@ -178,8 +178,9 @@ tee -a "$LOG" <"$OUT/int4_gemm.log" 2>/dev/null
 # gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes last)
 say ""
 GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
-# act-order (GPTQ desc_act): the default GEMMs behind a gather of x a layer (`index_select`, never timed;
-# against the AWQ twin's TPOT above)
+# act-order (GPTQ desc_act): the default GEMMs, x's columns in each layer's order, written so by the fused
+# norms and SiLU·mul, gathered for o alone (`index_select`, one a layer; never timed; against the AWQ
+# twin's TPOT above)
 tpot 50 qwen3-8b-gptq-act int4_act_order
 
 # the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by

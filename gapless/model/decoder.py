@@ -196,8 +196,9 @@ class MLP(nn.Module):
         h = self.gate_up_proj(x)
         if self.fused is None:
             return self.down_proj(self.act_and_mul(h))
-        group = self.down_proj.input_rounding(h.numel() // h.shape[-1])  # (rounded for FP8 as written)
-        return self.down_proj(self.fused.act_and_mul(h, self.act, group))
+        down = self.down_proj  # (its x rounded for FP8, or in act-order's column order, as written)
+        group = down.input_rounding(h.numel() // h.shape[-1])
+        return down(self.fused.act_and_mul(h, self.act, group, down.input_order()))
 
 
 class DecoderLayer(nn.Module):

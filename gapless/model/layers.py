@@ -69,6 +69,11 @@ class _Linear(nn.Module):
         ask = getattr(self.linear_method, "input_rounding", None)
         return 0 if ask is None else ask(self, rows)
 
+    def input_order(self) -> torch.Tensor | None:
+        """The order this layer's method reads x's columns in (int4 act-order; None: as they are), for the
+        fused kernel before the layer to write them so beside x (`quant.base.OrderedColumns`)."""
+        return getattr(self.linear_method, "order", None)
+
 
 class ColumnParallelLinear(_Linear):
     """A linear layer split by output features (W's rows): each rank computes its slice of y, with no
@@ -200,7 +205,8 @@ class RMSNorm(nn.Module):
     (norm of the sum, the sum): vLLM's shape, which lets the fused kernel do the add and the norm in one
     pass over the row (`gapless.model.fused`, set in `fused` when chosen; torch otherwise). `feeds`: the
     linear layer the norm's output goes to, whose x the fused kernel rounds to e4m3 as it writes it where
-    the layer asks (`_Linear.input_rounding`: an FP8 layer that would launch that rounding itself)."""
+    the layer asks (`_Linear.input_rounding`: an FP8 layer that would launch that rounding itself), or
+    writes in the layer's column order beside it (`_Linear.input_order`: int4 act-order's gather)."""
 
     kind = "llama"  # the arithmetic's name, a key of `RMS_NORMS` (and of the fused kernel's kinds)
     fused: Any = None  # the fused-kernels module when the model runs them (`gapless.model.fused`)
@@ -214,8 +220,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None, feeds: _Linear | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fused is not None:
-            group = 0 if feeds is None else feeds.input_rounding(x.numel() // x.shape[-1])
-            return self.fused.rms_norm(x, self.weight, self.eps, self.kind, residual, group)
+            if feeds is None:
+                return self.fused.rms_norm(x, self.weight, self.eps, self.kind, residual)
+            group = feeds.input_rounding(x.numel() // x.shape[-1])
+            return self.fused.rms_norm(
+                x, self.weight, self.eps, self.kind, residual, group, feeds.input_order()
+            )
         if residual is None:
             return self.normalize(x)
         residual = x + residual

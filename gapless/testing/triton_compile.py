@@ -193,11 +193,8 @@ def _sampling() -> dict[str, Callable[[], object]]:
     temperature, top_p, min_p = torch.tensor([0.7, 0.0, 1.2]), torch.tensor([0.9, 1.0, 0.5]), torch.zeros(3)
     top_k, seeds, steps = torch.tensor([5, vocab, 40]), torch.tensor([1, 2, -3]), torch.tensor([0, 4, 9])
     counts = torch.randint(0, 3, (4, vocab), generator=g, dtype=torch.int32)
-    prompt, rows, factors = (
-        torch.rand(4, vocab, generator=g) < 0.3,
-        torch.tensor([3, 0, 1]),
-        torch.ones(batch),
-    )
+    prompt, rows = torch.rand(4, vocab, generator=g) < 0.3, torch.tensor([3, 0, 1])
+    factors = torch.ones(batch)
     draw_args = (temperature, top_k, top_p, min_p, seeds, steps)
 
     def draw(dtype: torch.dtype, need: tuple[bool, bool, bool]) -> object:
@@ -315,16 +312,19 @@ def _fp8() -> dict[str, Callable[[], object]]:
             tiles, scales = (64, 4, unroll, stages), "block" if block else "channel"
             name = f"fp8 gemv 1 rows {dtype} {scales}, decode x {by}, unroll {unroll}, stages {stages}"
             cases[name] = partial(run, 1, dtype, block, by, GEMV_ROWS=1, GEMV_TILES=tiles, **decode)
-    for dtype in DTYPES:  # x rounded for the tiles by the fused norm and SiLU·mul before them (8B's widths)
-        cases[f"fp8 rounding in the norm and activation {dtype}"] = partial(_rounded_before, dtype)
+    for dtype in DTYPES:  # x written by the fused norm and SiLU·mul (8B's widths): rounded for FP8's tiles,
+        # or in an int4 act-order layer's column order
+        cases[f"fp8 rounding in the norm and activation {dtype}"] = partial(_written_before, dtype, 128)
+        cases[f"act-order x from the norm and activation {dtype}"] = partial(_written_before, dtype, 0)
     return cases
 
 
-def _rounded_before(dtype: torch.dtype) -> None:
+def _written_before(dtype: torch.dtype, group: int) -> None:
     from gapless.model.fused.triton_kernels import act_and_mul, rms_norm
 
-    rms_norm(x := torch.zeros(2, 4096, dtype=dtype), x[0], 1e-6, "llama", x, round_group=128)
-    act_and_mul(torch.zeros(2, 2 * 12288, dtype=dtype), "silu", round_group=128)
+    order, order_down = (None, None) if group else (torch.arange(4096), torch.arange(12288))
+    rms_norm(x := torch.zeros(2, 4096, dtype=dtype), x[0], 1e-6, "llama", x, group, order)
+    act_and_mul(torch.zeros(2, 2 * 12288, dtype=dtype), "silu", group, order_down)
 
 
 def _int4() -> dict[str, Callable[[], object]]:

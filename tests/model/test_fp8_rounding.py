@@ -165,8 +165,8 @@ def test_the_start_up_check_runs_the_fused_rounding_into_the_mlp(ckpt_factory, m
     assert fused.disagreement(model, fk, DEVICE) is None
     real = fk.act_and_mul
 
-    def off_by_two(x, act, round_group=0):
-        out = real(x, act, round_group)
+    def off_by_two(x, act, round_group=0, order=None):
+        out = real(x, act, round_group, order)
         rows = rounding_of(out, round_group)
         return out if rows is None else attach_rounding(out, rows._replace(scales=rows.scales * 2))
 

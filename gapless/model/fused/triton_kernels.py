@@ -12,6 +12,10 @@ store's `index_copy_`), and each of them is a host launch in eager prefill. Here
   cache when `backend.forward` is called) kept by one kernel instead of the norm, rotate and copy ops.
 - `act_and_mul`: SiLU(gate)·up and GeLU-tanh(gate)·up over the fused gate/up projection's output.
 
+The norm and the activation can also write, beside their output, what the layer they feed would launch a
+kernel for: x rounded to e4m3 for an FP8 layer (`RoundedRows`), x's columns in an int4 act-order layer's
+order (`OrderedColumns`), carried on the output tensor.
+
 Each rounds where the torch sequence it replaces rounds (a product of two bf16 tensors is computed in
 fp32 and rounded to bf16 before the next op), so in bf16/fp16 they agree with the torch reference to the
 last bit but for the order of the fp32 sum of squares and `rsqrt`'s own rounding; `gapless.model.fused`
@@ -29,7 +33,7 @@ import triton.language as tl
 
 from gapless import pdl
 from gapless.attention.triton_kernels import INTERPRET, _sum
-from gapless.model.quant.base import RoundedRows, attach_rounding
+from gapless.model.quant.base import OrderedColumns, RoundedRows, attach_order, attach_rounding
 from gapless.model.quant.fp8_kernel import round_rows, rounding_buffers
 
 __all__ = ["INTERPRET", "KINDS", "ACTIVATIONS", "rms_norm", "qk_norm_rope_store", "act_and_mul"]
@@ -114,6 +118,17 @@ def _rounding(rows: int, n: int, group: int, device: torch.device) -> RoundedRow
     return RoundedRows(*rounding_buffers(rows, n, group, device), group) if group else None
 
 
+def _ordering(out: torch.Tensor, order: torch.Tensor | None) -> OrderedColumns | None:
+    """An empty buffer like `out` [rows, n] for its columns in `order` (None: None)."""
+    return None if order is None else OrderedColumns(torch.empty_like(out), order)
+
+
+def _carrying(out: torch.Tensor, rounded: RoundedRows | None, ordered: OrderedColumns | None) -> torch.Tensor:
+    """`out` with what its kernel wrote beside it for the layer it feeds attached."""
+    out = out if rounded is None else attach_rounding(out, rounded)
+    return out if ordered is None else attach_order(out, ordered)
+
+
 @triton.jit
 def _rms_norm_kernel(
     X,
@@ -123,6 +138,8 @@ def _rms_norm_kernel(
     ROut,
     Q,
     S,
+    Order,
+    P,
     n_cols,
     stride_x,
     stride_r,
@@ -133,20 +150,33 @@ def _rms_norm_kernel(
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
+    ORDERED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One row: (x + residual, rounded to the dtype and written out as the new residual, when HAS_RES),
-    then its RMSNorm; with GROUP, the norm also rounded to e4m3 for an FP8 layer (`_store_rounded`)."""
+    then its RMSNorm; with GROUP, the norm also rounded to e4m3 for an FP8 layer (`_store_rounded`); with
+    ORDERED, also written to P [rows, n] with its columns in `Order` (column i: the norm's column
+    Order[i]), computed again from x (and residual) gathered in that order, so the same bits."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     w = tl.load(W + offs, mask=mask, other=0.0)  # (a weight: before the wait, `gapless.pdl`)
+    src, w_src = offs, w  # (the columns in `Order`, and their weights, where ORDERED)
+    if ORDERED:
+        src = tl.load(Order + offs, mask=mask, other=0)
+        w_src = tl.load(W + src, mask=mask, other=0.0)
     pdl.wait_for_previous(PDL)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    x_src = x.to(tl.float32)
+    if ORDERED:
+        x_src = tl.load(X + row * stride_x + src, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
         x32 = _rounded(x.to(tl.float32) + r.to(tl.float32), ROut.dtype.element_ty)
         tl.store(ROut + row * stride_ro + offs, x32.to(ROut.dtype.element_ty), mask=mask)
+        if ORDERED:
+            r_src = tl.load(R + row * stride_r + src, mask=mask, other=0.0).to(tl.float32)
+            x_src = _rounded(x_src + r_src, ROut.dtype.element_ty)
     else:
         x32 = x.to(tl.float32)
     inv = tl.rsqrt(_sum(_with_early(x32 * x32, w), 0) / n_cols + eps)
@@ -154,6 +184,9 @@ def _rms_norm_kernel(
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
     if GROUP:
         _store_rounded(out, row, 0, n_cols, Q, S, BLOCK, GROUP)
+    if ORDERED:
+        ordered = _rounded(_scale(x_src * inv, w_src, KIND), Out.dtype.element_ty)
+        tl.store(P + row * n_cols + offs, ordered.to(P.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -163,10 +196,13 @@ def rms_norm(
     kind: str,
     residual: torch.Tensor | None = None,
     round_group: int = 0,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of `x` [T, n] (the last dim contiguous); with `residual`, of `x + residual`, returned with
     that sum as the new residual (x's dtype). `round_group`: the norm also rounded to e4m3 per that many
-    columns, carried on it for the FP8 layer it feeds (`RoundedRows`); 0: not."""
+    columns, carried on it for the FP8 layer it feeds (`RoundedRows`); 0: not. `order` ([n] int64): the
+    norm also written with its columns in that order, carried on it for the int4 act-order layer it
+    feeds (`OrderedColumns`); None: not."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
@@ -176,7 +212,7 @@ def rms_norm(
         r_in = residual.reshape(-1, n)
         res_out = r_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     rows, block = x2.shape[0], max(triton.next_power_of_2(n), round_group)
-    rounded = _rounding(rows, n, round_group, x.device)
+    rounded, ordered = _rounding(rows, n, round_group, x.device), _ordering(out, order)
     if rows:
         _rms_norm_kernel[(rows,)](
             x2,
@@ -185,6 +221,7 @@ def rms_norm(
             out,
             r_out,
             *(rounded[:2] if rounded is not None else (out, out)),  # (unwritten without GROUP)
+            *(ordered[::-1] if ordered is not None else (out, out)),  # (Order, P; unread without ORDERED)
             n,
             x2.stride(0),
             r_in.stride(0),
@@ -195,10 +232,11 @@ def rms_norm(
             HAS_RES=residual is not None,
             BLOCK=block,
             GROUP=round_group,
+            ORDERED=ordered is not None,
             num_warps=min(max(block // 256, 1), 16),  # ~8 fp32 values a thread, whatever the width
             **pdl.launch_args(x.device),
         )
-    normed = out.view(x.shape) if rounded is None else attach_rounding(out.view(x.shape), rounded)
+    normed = _carrying(out.view(x.shape), rounded, ordered)
     return normed if res_out is None else (normed, res_out.view(x.shape))
 
 
@@ -357,29 +395,9 @@ def qk_norm_rope_store(
 
 
 @triton.jit
-def _act_and_mul_kernel(
-    X,
-    Out,
-    Q,
-    S,
-    n,
-    stride_x,
-    stride_o,
-    ACT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    GROUP: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One block of one row: act(gate) * up, with gate = x[:n] and up = x[n:]; act's result is rounded
-    to the dtype before the product, as the two torch ops round. With GROUP (which divides BLOCK), the
-    block also rounded to e4m3 for an FP8 layer (`_store_rounded`)."""
-    row = tl.program_id(0).to(tl.int64)
-    first = tl.program_id(1) * BLOCK
-    offs = first + tl.arange(0, BLOCK)
-    pdl.wait_for_previous(PDL)
-    mask = offs < n
-    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(X + row * stride_x + n + offs, mask=mask, other=0.0)
+def _act_mul(gate, up, ACT: tl.constexpr):
+    """act(gate) * up in float32, act's result rounded to the dtype before the product, as the two torch
+    ops round; the product rounded to the dtype too."""
     g = gate.to(tl.float32)
     if ACT == 0:
         a = g / (1.0 + tl.exp(-g))
@@ -387,32 +405,73 @@ def _act_and_mul_kernel(
         y = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
         y = tl.minimum(tl.maximum(y, -15.0), 15.0)
         a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * y)) - 1.0))
-    out = _rounded(_rounded(a, gate.dtype) * up.to(tl.float32), gate.dtype)
+    return _rounded(_rounded(a, gate.dtype) * up.to(tl.float32), gate.dtype)
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    X,
+    Out,
+    Q,
+    S,
+    Order,
+    P,
+    n,
+    stride_x,
+    stride_o,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    ORDERED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One block of one row: act(gate) * up (`_act_mul`), with gate = x[:n] and up = x[n:]. With GROUP
+    (which divides BLOCK), the block also rounded to e4m3 for an FP8 layer (`_store_rounded`); with
+    ORDERED, the block of P [rows, n] whose column i is the output's column Order[i] also written, from
+    gate and up gathered in that order (the same bits)."""
+    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * BLOCK
+    offs = first + tl.arange(0, BLOCK)
+    mask = offs < n
+    src = offs  # (the output's columns in `Order`, where ORDERED)
+    if ORDERED:
+        src = tl.load(Order + offs, mask=mask, other=0)  # (a weight's order: before the wait)
+    pdl.wait_for_previous(PDL)
+    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(X + row * stride_x + n + offs, mask=mask, other=0.0)
+    if ORDERED:
+        gate_src = tl.load(X + row * stride_x + src, mask=mask, other=0.0)
+        up_src = tl.load(X + row * stride_x + n + src, mask=mask, other=0.0)
+        tl.store(P + row * n + offs, _act_mul(gate_src, up_src, ACT).to(P.dtype.element_ty), mask=mask)
+    out = _act_mul(gate, up, ACT)
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
     if GROUP:
         _store_rounded(out, row, first, n, Q, S, BLOCK, GROUP)  # (columns past n: 0, as loaded)
 
 
-def act_and_mul(x: torch.Tensor, act: str, round_group: int = 0) -> torch.Tensor:
+def act_and_mul(
+    x: torch.Tensor, act: str, round_group: int = 0, order: torch.Tensor | None = None
+) -> torch.Tensor:
     """act(gate) * up for x = [gate, up] along the last dim ([T, 2n] -> [T, n]); `act` a key of
-    `ACTIVATIONS`. `round_group`: as `rms_norm` takes it."""
+    `ACTIVATIONS`. `round_group`, `order`: as `rms_norm` takes them."""
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n)
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    rounded = _rounding(x2.shape[0], n, round_group, x.device)
+    rounded, ordered = _rounding(x2.shape[0], n, round_group, x.device), _ordering(out, order)
     if x2.shape[0] and n:
         block = max(min(_ACT_BLOCK, triton.next_power_of_2(n)), round_group)
         _act_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
             x2,
             out,
             *(rounded[:2] if rounded is not None else (out, out)),  # (unwritten without GROUP)
+            *(ordered[::-1] if ordered is not None else (out, out)),  # (Order, P; unread without ORDERED)
             n,
             x2.stride(0),
             out.stride(0),
             ACT=ACTIVATIONS[act],
             BLOCK=block,
             GROUP=round_group,
+            ORDERED=ordered is not None,
             **pdl.launch_args(x.device),
         )
-    out = out.view(*x.shape[:-1], n)
-    return out if rounded is None else attach_rounding(out, rounded)
+    return _carrying(out.view(*x.shape[:-1], n), rounded, ordered)

@@ -25,7 +25,9 @@ class LinearMethod(Protocol):
 
     # A method may also define `input_rounding(layer, rows) -> int`: the column group in which it would
     # round x of `rows` rows to e4m3 before its GEMM (0: it would not), for the kernel before the layer
-    # to do it instead (`RoundedRows`); `_Linear.input_rounding` asks it.
+    # to do it instead (`RoundedRows`); `_Linear.input_rounding` asks it. And `order` (a tensor or None):
+    # the order it reads x's columns in (int4 act-order), for that kernel to write them so beside x
+    # (`OrderedColumns`); `_Linear.input_order` asks it.
 
 
 class RoundedRows(NamedTuple):
@@ -55,6 +57,31 @@ def rounding_of(x: torch.Tensor, group: int) -> RoundedRows | None:
     """The rounding x carries in columns of `group` (`attach_rounding`); None: none, or another group."""
     rows = getattr(x, _ROUNDED, None)
     return rows if rows is not None and rows.group == group else None
+
+
+class OrderedColumns(NamedTuple):
+    """x's columns in a layer's input order (int4 act-order: x[:, order]), written beside x by the kernel
+    that wrote x (the fused RMSNorm or gated activation), for the layer after it, which would otherwise
+    gather them itself. It travels on x as `RoundedRows` does (`attach_order`, `in_order`)."""
+
+    x: torch.Tensor
+    order: torch.Tensor
+
+
+_ORDERED = "_gapless_ordered_columns"  # the attribute on x that carries its `OrderedColumns`
+
+
+def attach_order(x: torch.Tensor, cols: OrderedColumns) -> torch.Tensor:
+    """x, carrying `cols` (its own columns in a layer's order) for the layer it feeds."""
+    setattr(x, _ORDERED, cols)
+    return x
+
+
+def in_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x [M, K]'s columns in `order`: those x carries for that very order tensor (`attach_order`), else
+    gathered here (one small copy)."""
+    cols = getattr(x, _ORDERED, None)
+    return cols.x if cols is not None and cols.order is order else x.index_select(1, order)
 
 
 class UnquantizedLinearMethod:

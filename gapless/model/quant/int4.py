@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from gapless.model.quant import int4_kernels
+from gapless.model.quant.base import in_order
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4_layouts import Int4Spec, Unpacked, pack_int32, unpack_int32
 
@@ -42,7 +43,8 @@ class Int4LinearMethod:
         self.name, self.quant_method = spec.label, spec.method
         self.bits, self.group = spec.bits, k // w.scale.shape[1]
         self.out_features, self.in_features, self.dtype = n, k, dtype
-        # act-order: x's columns gathered into the weight's order first (one small copy a call)
+        # act-order: x's columns in the weight's order first (`in_order`: written so by the kernel before
+        # the layer where it can, else one small gather a call)
         self.order = None if w.order is None else w.order.to(device)
         if k % (32 // spec.bits):
             raise QuantFormatError(f"{spec.label}: in_features {k} is not a multiple of {32 // spec.bits}")
@@ -72,7 +74,7 @@ class Int4LinearMethod:
         if x.dim() != 2:
             return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         if self.order is not None:
-            x = x.index_select(1, self.order)
+            x = in_order(x, self.order)
         if self.library is not None and (self.library_rows is None or x.shape[0] <= self.library_rows):
             y = self.library(x.to(self.dtype)).to(x.dtype)
         elif x.is_cuda or TRITON_ON_CPU:
