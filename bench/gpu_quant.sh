@@ -10,7 +10,8 @@
 #      tok/s), each with 8 decode steps profiled; then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3a. the one-row GEMVs (FP8, int4; int4 also factored) with their loads 1-4 loop iterations deep
+#   3a. the one-row GEMVs (FP8, int4; int4 also factored) with their loads 1-4 loop iterations deep; the
+#      swapped int4 tiles (W x^T) at 1 and 16 rows, and Qwen3-8B's int4 TPOT with them
 #   3. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
 #   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
 #      at one row (`fp8_gemm.py --sweep`)
@@ -128,6 +129,15 @@ grep -E '^\|' "$OUT/fp8_gemv_stages.log" 2>/dev/null | tee -a "$LOG"
 other 55 int4_gemv_stages "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 --block-m 1 --ptx-values 1 \
   --factored 0 1 --stages 1 2 4 --split-k 0 8 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
 tee -a "$LOG" <"$OUT/int4_gemv_stages.log" 2>/dev/null
+
+# the swapped int4 tiles (W x^T, the dequantized weights the tensor cores' first operand, from registers:
+# `GAPLESS_INT4_SWAPPED`, never timed; in the sm_90 binary 253 instructions a 4 KB step where the GEMV takes
+# 420 and the 16-row tiles 627) against the 16-row tiles and tinygemm at 1 and 16 rows, plain loads and 3
+# stages; then Qwen3-8B's int4 TPOT with them at every decode row (against the AWQ twin's in the targets)
+other 45 int4_swapped "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 --block-m 16 --swapped 0 1 \
+  --nibble-dots 0 --ptx-values 1 --stages 1 3 --kernels triton tinygemm --json "$OUT/int4_swapped.json"
+tee -a "$LOG" <"$OUT/int4_swapped.log" 2>/dev/null
+GAPLESS_INT4_KERNEL=triton GAPLESS_INT4_SWAPPED=1 tpot 45 qwen3-8b-awq int4_swapped
 
 # the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU
 # has run these yet)

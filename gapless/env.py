@@ -148,6 +148,12 @@ INT4_KERNEL = _var(
     "decode rows beside gapless's Triton GEMM for more, where tinygemm fits a layer and the GPU has room; "
     "or the one named, for every layer (`gapless.model.quant.int4_kernels`)",
 )
+INT4_SWAPPED = _bool(
+    "GAPLESS_INT4_SWAPPED",
+    "int4/int8 layers on gapless's Triton GEMM at up to 64 rows: W x^T tiles (the dequantized weights the "
+    "tensor cores' first operand, from registers) instead of the one-row GEMV and x W^T tiles; never timed, "
+    "so off (`gapless.model.quant.int4_triton`)",
+)
 FP8_DECODE = _var(
     "GAPLESS_FP8_DECODE",
     "auto",

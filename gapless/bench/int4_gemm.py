@@ -3,7 +3,7 @@ layer shapes, at decode's row counts.
 
     python -m gapless.bench.int4_gemm --device cuda [--m 1 16] [--shapes 4096:28672 14336:4096 ...]
         [--bits 4] [--group 128] [--block-m 0 1] [--block-n 0 32 128] [--split-k 0 1 4 8] [--block-k 0 64]
-        [--warps 0 8] [--nibble-dots 1 0] [--ptx-values 0 1] [--factored 0 1]
+        [--warps 0 8] [--nibble-dots 1 0] [--ptx-values 0 1] [--factored 0 1] [--swapped 0 1]
         [--kernels triton tinygemm gemlite] [--json FILE]
 
 For each layer shape IN:OUT (default: Llama-3-8B's fused q/k/v 4096:6144, o 4096:4096, fused gate/up
@@ -12,7 +12,8 @@ and of the quantized GEMM for each tile variant (every combination of `--block-m
 GEMV variant), `--block-n`, `--split-k`, `--block-k`, `--warps`; 0: the heuristic's choice; and
 `--nibble-dots`: a dot per value of the words, or one reshaped tile, `int4_triton`'s docstring; and
 `--ptx-values`: those values dequantized by PTX, where they can be; `--factored`: the GEMV's scales and
-zeros applied once a word, its column "fac"; any of the three not given: the heuristic's), its
+zeros applied once a word; `--swapped`: W x^T, W the dots' first operand, at 16 rows or more; any of the
+four not given: the heuristic's; the dots column says which ran, `_values`), its
 weight bytes read per microsecond (packed weight + scales + zeros), and the ratio to bf16. Device time is
 `gapless.bench.timing.median_us`: `--iters` calls captured in a CUDA graph and replayed, each call reading
 a weight from memory, not L2 (`cold_copies`). A row also carries the largest difference from the bf16
@@ -46,13 +47,14 @@ from gapless.model.quant.int4_triton import (
     factored,
     nibble_dots,
     ptx_values,
+    swapped,
     w4a16_matmul,
 )
 from gapless.testing.quant_checkpoints import quantize
 
 LLAMA3_8B = ["4096:6144", "4096:4096", "4096:28672", "14336:4096"]
 # a row's tile columns where no Triton tile applies (a library's row, or no kernel at all)
-_NO_TILES = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-", stages="-", nibble_dots="-")
+_NO_TILES = dict(block_m="-", block_n="-", split_k="-", block_k="-", warps="-", stages="-", dots="-")
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -108,8 +110,9 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmC
             nibble_dots=chosen.nibble_dots if nibble is None else bool(nibble),
             ptx_values=chosen.ptx_values if ptx is None else bool(ptx),
             factored=chosen.factored if fac is None else bool(fac),
+            swapped=chosen.swapped if swap is None else bool(swap),
         )
-        for bm, bn, split, bk, warps, stages, nibble, ptx, fac in itertools.product(
+        for bm, bn, split, bk, warps, stages, nibble, ptx, fac, swap in itertools.product(
             args.block_m,
             args.block_n,
             args.split_k,
@@ -119,6 +122,7 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmC
             args.nibble_dots,
             args.ptx_values,
             args.factored,
+            args.swapped,
         )
     ]
     dtype = getattr(torch, args.dtype)
@@ -127,6 +131,7 @@ def _configs(chosen: GemmConfig, args: argparse.Namespace, m: int) -> list[GemmC
             nibble_dots=nibble_dots(c, args.bits),
             ptx_values=ptx_values(c, args.bits, dtype),
             factored=factored(c),
+            swapped=swapped(c),
         )
         for c in configs
         if c.block_m != 1 or m == 1
@@ -155,7 +160,7 @@ def _timed(
         block_k=cfg.block_k,
         warps=cfg.num_warps,
         stages=cfg.num_stages,
-        nibble_dots=_values(cfg, method.bits, x.dtype),
+        dots=_values(cfg, method.bits, x.dtype),
         us=us,
         gb_s=q_bytes / us / 1e3,
         rel_err=err / max(ref.abs().max().item(), 1e-30),
@@ -193,18 +198,16 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
-def _values(cfg: GemmConfig, bits: int, dtype: torch.dtype) -> str | bool:
-    """How a Triton row takes its values (the dots column's, `_dots`): "fac" (the factored GEMV), "ptx"
-    (by PTX), else whether a dot per value of the words."""
+def _values(cfg: GemmConfig, bits: int, dtype: torch.dtype) -> str:
+    """How a Triton row takes its values, its dots column: fac (the factored GEMV), ptx (by PTX), P (a dot
+    per value of the words), 1 (one reshaped tile); the swapped tiles (W x^T) T, then P or 1, then x where
+    by PTX. A library's row: -."""
     if factored(cfg):
         return "fac"
-    return "ptx" if ptx_values(cfg, bits, dtype) else nibble_dots(cfg, bits)
-
-
-def _dots(nibble: object) -> str:
-    """The dots column: P (a dot per value of the words), ptx (those values by PTX), fac (the factored
-    GEMV), 1 (one reshaped tile), - (not this kernel)."""
-    return nibble if nibble in ("-", "ptx", "fac") else ("P" if nibble else "1")
+    ptx, by_value = ptx_values(cfg, bits, dtype), "P" if nibble_dots(cfg, bits) else "1"
+    if swapped(cfg):
+        return f"T{by_value}{'x' if ptx else ''}"
+    return "ptx" if ptx else by_value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -231,6 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("nibble-dots", "1: a dot per value of the words where the tiles allow; 0: one reshaped tile"),
         ("ptx-values", "1: the values dequantized by PTX (4 bits, half precision, compiled); 0: by Triton"),
         ("factored", "1: the GEMV's scales and zeros once a word (BLOCK_M 1); 0: once a value"),
+        ("swapped", "1: W x^T, W the dots' first operand (BLOCK_M >= 16); 0: x W^T"),
     ):
         p.add_argument(f"--{flag}", type=int, nargs="+", choices=(0, 1), default=[None], help=f"{what}")
     p.add_argument(
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             line = (
                 f"{r['shape']:>12} {r['m']:>3} {r['bf16_us']:>9.1f} {v['kernel']:>8} {v['block_m']:>3} "
                 f"{v['block_n']:>4} {v['split_k']:>5} {v['block_k']:>4} {v['warps']:>5} {v['stages']:>2} "
-                f"{_dots(v['nibble_dots']):>4} "
+                f"{v['dots']:>4} "
             )
             if "us" not in v:
                 print(line + f"  cannot run: {v.get('error', 'no kernel here')}")

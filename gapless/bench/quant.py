@@ -141,7 +141,14 @@ def run(
         info = llm.engine.info
         prof = timing.decode_profile(timed, tokens, device) if profile else None
     # the kernel choices the environment made for this run, where not the defaults
-    chosen = (env.INT4_KERNEL, env.FP8_DECODE, env.FP8_GEMV_ROWS, env.FP8_UNFUSED_ROUNDING, env.PDL)
+    chosen = (
+        env.INT4_KERNEL,
+        env.INT4_SWAPPED,
+        env.FP8_DECODE,
+        env.FP8_GEMV_ROWS,
+        env.FP8_UNFUSED_ROUNDING,
+        env.PDL,
+    )
     kernels = {v.name: v.get() for v in chosen if v.get() != v.default}
     return dict(
         shape=_shape_of(path.name),  # (an int4 twin's ratio is to its bf16 shape's)

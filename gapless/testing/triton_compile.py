@@ -332,19 +332,18 @@ def _int4() -> dict[str, Callable[[], object]]:
 
     def run(dtype: torch.dtype, bits: int, m: int, variant: str) -> object:
         k, n, group = 512, 256, 128
-        x = torch.zeros(m, k, dtype=dtype)
-        qweight = torch.zeros(k * bits // 32, n, dtype=torch.int32)
-        scales = torch.zeros(k // group, n, dtype=dtype)
-        config = choose_config(m, n, k, group)
-        config = config._replace(ptx_values="ptx" in variant, factored="factored" in variant)
+        x, qweight = torch.zeros(m, k, dtype=dtype), torch.zeros(k * bits // 32, n, dtype=torch.int32)
+        scales, flags = torch.zeros(k // group, n, dtype=dtype), ("ptx_values", "factored", "swapped")
+        config = choose_config(m, n, k, group)._replace(**{f: f.split("_")[0] in variant for f in flags})
         config = config._replace(block_m=1 if "gemv" in variant else 16) if m == 1 else config
         config = config._replace(num_stages=3) if "stages" in variant else config
         return w4a16_matmul(x, qweight, scales, scales, group, bits, config)
 
-    # decode (16-row tiles, K split, PTX values; the GEMV: PTX, 3 stages, factored), prefill; 4, 8 bits
+    # decode (16-row tiles, K split, PTX values; the GEMV: PTX, 3 stages, factored; W x^T), prefill; 4, 8 bits
     cases = (
         (4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 1, "gemv ptx"), (4, 1, "gemv ptx stages"),
-        (4, 1, "gemv factored"), (4, 256, ""), (8, 1, ""), (8, 1, "gemv"), (8, 1, "gemv factored"),
+        (4, 1, "gemv factored"), (4, 16, ""), (4, 16, "ptx swapped"), (4, 256, ""), (8, 1, ""),
+        (8, 1, "gemv"), (8, 1, "gemv factored"), (8, 16, "swapped"),
     )  # fmt: skip
     return {
         f"int{bits} gemm {dtype} m={m}{' ' + variant if variant else ''}": partial(

@@ -23,7 +23,7 @@ def test_int4_gemm_bench_times_each_variant_and_checks_its_product(tmp_path):
     for r in res:
         triton = [v for v in r["variants"] if v["kernel"] == "triton"]
         assert r["bf16_us"] > 0 and [v["block_n"] for v in triton] == [64, 64, 32, 32]
-        assert [v["nibble_dots"] for v in triton] == [True, False, True, False]
+        assert [v["dots"] for v in triton] == ["P", "1", "P", "1"]
         assert all(v["us"] > 0 and v["rel_err"] < 1e-5 for v in triton)
         library = [v for v in r["variants"] if v["kernel"] != "triton"]
         if DEVICE == "cuda":
@@ -40,4 +40,9 @@ def test_int4_gemm_bench_times_each_variant_and_checks_its_product(tmp_path):
     assert [v["stages"] for v in variants] == [1, 3] and all(v["rel_err"] < 1e-5 for v in variants)
     # the factored GEMV (`--factored`, its dots column "fac"): the same product
     fac = int4_gemm.main([*argv.split(), "--block-m", "1", "--factored", "0", "1"])[0]["variants"]
-    assert [(v["nibble_dots"], v["rel_err"] < 1e-5) for v in fac] == [(False, True), ("fac", True)]
+    assert [(v["dots"], v["rel_err"] < 1e-5) for v in fac] == [("1", True), ("fac", True)]
+    # the swapped tiles (`--swapped`, W x^T: dots column T), at 16 rows: a dot per value and one K tile
+    argv = argv.replace("--m 1", "--m 3")
+    swap = int4_gemm.main([*argv.split(), "--block-m", "16", "--swapped", "1", "--nibble-dots", "1", "0"])
+    variants = swap[0]["variants"]
+    assert [(v["dots"], v["rel_err"] < 1e-5) for v in variants] == [("TP", True), ("T1", True)]

@@ -21,7 +21,14 @@ from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4 import Int4LinearMethod, install
 from gapless.model.quant.int4_layouts import AWQ_ORDER, Int4Spec, int4_spec_from_config, unpack
-from gapless.model.quant.int4_triton import GemmConfig, choose_config, nibble_dots, ptx_values, w4a16_matmul
+from gapless.model.quant.int4_triton import (
+    GemmConfig,
+    choose_config,
+    nibble_dots,
+    ptx_values,
+    swapped,
+    w4a16_matmul,
+)
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 from gapless.testing.quant_checkpoints import layout_tensors, quantization_config, quantize, write_quantized
 from gapless.testing.triton_compile import compile_cases, compile_child
@@ -106,10 +113,11 @@ CASES = [
 def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     """The chosen tiles, a split of K into 4 with narrow tiles (partial sums over the split summed), the
     decode tiles with a dot per value of the words and with one reshaped tile (`nibble_dots`, where the
-    group allows a 128-wide K block), and the one-row GEMV tiles (a program a row), plain and factored
-    (`_factored_words`), in fp32; and bf16 activations and scales within bf16's rounding, the GEMVs' too
-    at one row (with PTX values where they run); and at one row the dots' values by PTX give Triton's
-    bits in bf16 and fp16 (on CUDA: the interpreter takes Triton's path)."""
+    group allows a 128-wide K block), both also swapped (W x^T: `GemmConfig.swapped`), and the one-row
+    GEMV tiles (a program a row), plain and factored (`_factored_words`), in fp32; and bf16 activations
+    and scales within bf16's rounding, the GEMVs' and swapped tiles' too at one row (with PTX values where
+    they run); and at one row the dots' values by PTX give Triton's bits in bf16 and fp16, swapped or not
+    (on CUDA: the interpreter takes Triton's path)."""
     n, k = 96, 256
     gen = torch.Generator().manual_seed(m)
     w = quantize(torch.randn(n, k, generator=gen), bits, group, sym=False)
@@ -124,6 +132,7 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     bk = 16 * (32 // bits)  # the narrowest K block a dot per value takes: 16 words' rows
     wide = [GemmConfig(16, 32, bk, 2, 4, 3, nibble) for nibble in (True, False)] if group % bk == 0 else []
     assert [nibble_dots(c, bits) for c in wide] == ([True, False] if wide else [])
+    swap = [c._replace(block_m=16 if m <= 16 else 32, swapped=True) for c in wide]
     if m <= 16:  # decode: the GEMV with PTX values at one row, 16-row tiles of one reshaped dot above
         chosen = choose_config(m, n, k, group)
         assert (chosen.block_m, chosen.ptx_values, nibble_dots(chosen, bits)) == (
@@ -131,13 +140,13 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
             m == 1,
             False,
         )
-    for cfg in [None, GemmConfig(16, 32, 32, 4, 4, 3), *gemv, *wide]:
+    for cfg in [None, GemmConfig(16, 32, 32, 4, 4, 3), *gemv, *wide, *swap]:
         y = w4a16_matmul(x, *args, config=cfg)
         torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-4)
     half = Int4LinearMethod(w, spec, torch.bfloat16, DEVICE, kernel="triton")  # (not tinygemm on CUDA)
     tol = x.abs().sum().item() * 2e-2 / k**0.5
     # the GEMV at one row (its weights in float32, or rounded to bf16 by PTX on CUDA)
-    one_row = [*gemv, *(c._replace(ptx_values=True) for c in gemv[:1])] if m == 1 else []
+    one_row = [*gemv, *(c._replace(ptx_values=True) for c in [*gemv[:1], *swap])] if m == 1 else []
     for cfg in [None, *one_row]:
         y = w4a16_matmul(x.bfloat16(), half.qweight, half.scales, half.zeros, group, bits, cfg)
         assert y.dtype == torch.bfloat16
@@ -145,11 +154,12 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     if bits == 4 and group % 128 == 0 and m == 1:  # the dots' values by PTX: Triton's bits (on CUDA)
         for dtype in (torch.bfloat16, torch.float16):
             held = Int4LinearMethod(w, spec, dtype, DEVICE, kernel="triton")
-            by = [GemmConfig(16, 32, 128, 2, 4, 3, True, ptx) for ptx in (False, True)]
-            assert ptx_values(by[1], bits, dtype) == (DEVICE.type == "cuda")  # (the interpreter: Triton's)
-            args = (held.qweight, held.scales, held.zeros, group, bits)
-            ys = [w4a16_matmul(x.to(dtype), *args, config=cfg) for cfg in by]
-            assert torch.equal(ys[0], ys[1]), dtype
+            for nibble, swapped in ((True, False), (True, True), (False, True)):
+                by = [GemmConfig(16, 32, 128, 2, 4, 3, nibble, ptx, swapped=swapped) for ptx in (False, True)]
+                assert ptx_values(by[1], bits, dtype) == (DEVICE.type == "cuda")  # (interpreted: Triton's)
+                args = (held.qweight, held.scales, held.zeros, group, bits)
+                ys = [w4a16_matmul(x.to(dtype), *args, config=cfg) for cfg in by]
+                assert torch.equal(ys[0], ys[1]), (dtype, nibble, swapped)
 
 
 def test_decode_tiles_split_k_on_an_8b_layer():
@@ -160,6 +170,17 @@ def test_decode_tiles_split_k_on_an_8b_layer():
         assert cfg.block_m == (1 if m == 1 else 16) and cfg.split_k > 1
         assert 128 <= (4096 // cfg.block_n) * cfg.split_k <= 264
     assert choose_config(4096, 4096, 4096, 128).split_k == 1
+
+
+def test_swapped_tiles_are_chosen_up_to_64_rows_where_asked_for(monkeypatch):
+    """`GAPLESS_INT4_SWAPPED`: the swapped tiles (W x^T, one K tile a step, PTX values) at 1-64 rows, one
+    row padded to 16; past 64 rows, and without it, the tiles as before."""
+    plain = [choose_config(m, 4096, 14336, 128) for m in (1, 16, 64, 65)]
+    monkeypatch.setenv("GAPLESS_INT4_SWAPPED", "1")
+    chosen = [choose_config(m, 4096, 14336, 128) for m in (1, 16, 64, 65)]
+    assert [c.block_m for c in chosen] == [16, 16, 64, 64] and chosen[3] == plain[3]
+    assert all(swapped(c) and c.ptx_values and not c.nibble_dots for c in chosen[:3])
+    assert not any(swapped(c) for c in plain)
 
 
 @pytest.mark.slow  # (sm_90 compiles, ~9 s)
@@ -242,6 +263,34 @@ def test_the_factored_gemv_compiles_to_fewer_instructions():
     assert got[("int4", "factored")][0] < 0.9 * got[("int4", "ptx")][0], got
     assert got[("int4", "factored")][1] < 100, got  # (72-75 whole-kernel; split, 64 more)
     assert got[("int8", "factored")][0] < got[("int8", "-")][0], got
+
+
+@pytest.mark.slow  # (sm_90 compiles in a child process, ~10 s)
+def test_the_swapped_tiles_feed_the_tensor_cores_w_from_registers():
+    """Compiled for sm_90 (bf16, 16 rows): the swapped tiles (W x^T, `GemmConfig.swapped`, PTX values) run
+    Hopper's wgmma with W, the first operand, in registers (`HGMMA ... R, R, gdesc`: each of its 8), in
+    fewer instructions than the 16-row default's (x W^T on mma.sync, W through shared memory a value at
+    a time: 856 against 648 with Triton 3.6, 808 against 600 with 3.9), with fewer shared-memory stores
+    (the values go 8 at a time, `_k_tile`)."""
+    script = (
+        "import re\n"
+        "from gapless.testing.triton_compile import Compiler, _int4, _cuobjdump, instruction_mix\n"
+        "with Compiler(90) as c:\n"
+        "    for name, case in _int4().items():\n"
+        "        if 'int4' in name and 'bfloat16' in name and 'm=16' in name:\n"
+        "            before = len(c.compiled)\n"
+        "            case()\n"
+        "            (_, k), = c.compiled[before:]\n"
+        "            sass = _cuobjdump(k, '-sass')\n"
+        "            wgmma = len(re.findall(r'HGMMA\\.\\S+ R\\d+, R\\d+, gdesc', sass))\n"
+        "            print('swapped' in name, instruction_mix(k)['instructions'], wgmma, sass.count('STS'))\n"
+    )
+    out = compile_child(script, "compiling the int4 16-row tiles")
+    if out is None:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    got = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in out.splitlines()}
+    (plain, _, plain_stores), (swapped, wgmma, stores) = got["False"], got["True"]
+    assert swapped < 0.85 * plain and wgmma == 8 and stores < plain_stores / 2, got
 
 
 @pytest.mark.parametrize("kind", ["column", "merged", "row"])
@@ -466,11 +515,13 @@ def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(mo
         install(merged, {"gate": w, "up": other}, spec, torch.float32, "mlp", "triton")
 
 
+@pytest.mark.parametrize("swapped_tiles", [False, True])
 def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(
-    ckpt_factory, tmp_path, monkeypatch
+    ckpt_factory, tmp_path, monkeypatch, swapped_tiles
 ):
     """The GPU's path, every projection through the Triton GEMM (on CUDA where there is one, else under
-    the interpreter), in a served model: the same greedy tokens as the CPU's dequantizing path."""
+    the interpreter), in a served model: the same greedy tokens as the CPU's dequantizing path; also with
+    the swapped tiles (`GAPLESS_INT4_SWAPPED`) at every decode row."""
     from gapless.model.quant import int4
 
     qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, "gptq", group=32)
@@ -478,13 +529,20 @@ def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(
     reference = _greedy(qdir, prompts, max_new=3)
     from gapless.model.quant import int4_triton
 
-    calls = []
-    gemm = int4_triton.w4a16_matmul
-    monkeypatch.setattr(int4_triton, "w4a16_matmul", lambda *a, **k: calls.append(1) or gemm(*a, **k))
+    calls = []  # (each call: whether its tiles are the swapped ones)
+    gemm, choose = int4_triton.w4a16_matmul, int4_triton.choose_config
+
+    def counted(x, qweight, *args):
+        calls.append(swapped(choose(x.shape[0], qweight.shape[1], x.shape[1], args[2])))
+        return gemm(x, qweight, *args)
+
+    monkeypatch.setattr(int4_triton, "w4a16_matmul", counted)
     monkeypatch.setattr(int4, "TRITON_ON_CPU", DEVICE.type == "cpu")
     monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")
+    monkeypatch.setenv("GAPLESS_INT4_SWAPPED", "1" if swapped_tiles else "0")
     assert _greedy(qdir, prompts, max_new=3, device=DEVICE.type) == reference
     assert len(calls) >= 3 * 2 * 4  # forwards x layers x projections (q/k/v, o, gate/up, down)
+    assert set(calls) == {swapped_tiles}  # (every call: 12 rows at most)
 
 
 @pytest.mark.slow  # (two tensor-parallel rank processes, ~9 s)

@@ -36,6 +36,15 @@ step).
 word; a value is one LOP3, one FADD and one FFMA; 335 instructions a loop body at one row (bf16, sm_90)
 against the PTX values' 420. Its weights are not rounded to x's dtype either.
 
+`GemmConfig.swapped` (an option, `GAPLESS_INT4_SWAPPED`; never timed) computes each tile transposed,
+W x^T, with W the dots' first operand: Hopper's wgmma reads that operand from registers, so the
+dequantized weights reach the tensor cores without the trip through shared memory a value at a time that
+the second operand takes, and x (padded to 16 rows: at one row 15 are padding, which a bandwidth-bound
+GEMM does not feel) takes that trip instead. With one K tile a step (`_k_tile`, values by PTX) its sm_90
+loop body is 253 instructions for 16 x 64 words at one row and 16 alike, against the GEMV's 420 and the
+16-row tiles' 627, its wgmma reading W from registers; the values still pass through shared memory once,
+16 bytes a store, to reach the register layout the tensor cores read.
+
 Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
 is split among programs, each writing float32 partial sums into its own slice of a [SPLIT, M, N] buffer,
 summed by torch afterwards (deterministic, no atomics). Every size comes from host ints (the shapes), so
@@ -72,9 +81,10 @@ def unsigned_to_float(q):
 def _value(packed, j, z, s, BITS: tl.constexpr):
     """Value j of every word of `packed`, dequantized in float32: its bits under the mantissa of 2^23 (as
     `unsigned_to_float`), less `z` (the zeros plus 2^23: exact, the zeros being integers, one subtraction
-    a value instead of two), times the scales `s` ([BLOCK_N] each)."""
+    a value instead of two), times the scales `s` (each broadcast over `packed`'s words: [1, BLOCK_N], or
+    [BLOCK_N, 1] for the swapped dots' words)."""
     q = (packed >> (j * BITS)) & ((1 << BITS) - 1)
-    return ((q | 0x4B000000).to(tl.float32, bitcast=True) - z[None, :]) * s[None, :]
+    return ((q | 0x4B000000).to(tl.float32, bitcast=True) - z) * s
 
 
 def _values_asm(pair: str, one: str, magic: str) -> str:
@@ -102,17 +112,18 @@ _FP16_VALUES_ASM = tl.constexpr(_values_asm("f16x2", "0x3C003C00", "0x64006400")
 
 @triton.jit
 def _values_ptx(packed, s, z, BF16: tl.constexpr):
-    """The 8 values of every 4-bit word of `packed` ([R, BLOCK_N] int32), each dequantized in x's dtype
-    (bf16 with BF16, else fp16) as `_value` and one rounding to that dtype give it, the same bits, by PTX:
-    per word 4 `lop3`, 3 shifts and 8 `fma` on value pairs (`_values_asm`), where `_value` takes a
-    shift, a bitfield extract, an OR, a subtraction and a product a value, and the rounding a conversion
-    a pair. `s` and `z`, the scales and zeros ([BLOCK_N]), in x's dtype. The interpreter cannot run PTX:
-    a CPU test runs that PTX instruction by instruction as PTX defines them against `_value`'s bits,
-    the harness compiles it for sm_90, and the CUDA tests check its bits on the GPU."""
+    """The 8 values of every 4-bit word of `packed` ([R, C] int32), each dequantized in x's dtype (bf16
+    with BF16, else fp16) as `_value` and one rounding to that dtype give it, the same bits, by PTX: per
+    word 4 `lop3`, 3 shifts and 8 `fma` on value pairs (`_values_asm`), where `_value` takes a shift, a
+    bitfield extract, an OR, a subtraction and a product a value, and the rounding a conversion a pair.
+    `s` and `z`, the scales and zeros in x's dtype, broadcast over the words as `_value` takes them. The
+    interpreter cannot run PTX: a CPU test runs that PTX instruction by instruction as PTX defines them
+    against `_value`'s bits, the harness compiles it for sm_90, and the CUDA tests check its bits on the
+    GPU."""
     magic = 128.0 if BF16 else 1024.0
     nz = (-(z.to(tl.float32) + magic)).to(s.dtype)  # (exact: small integers)
-    s2 = tl.broadcast_to(s[None, :], packed.shape)
-    nz2 = tl.broadcast_to(nz[None, :], packed.shape)
+    s2 = tl.broadcast_to(s, packed.shape)
+    nz2 = tl.broadcast_to(nz, packed.shape)
     if BF16:
         values = tl.inline_asm_elementwise(
             _BF16_VALUES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [packed, s2, nz2],
@@ -156,16 +167,88 @@ def _factored_words(acc, packed, x_row, offs_w, s, z, magic, BITS: tl.constexpr)
 
 
 @triton.jit
-def _accumulate(acc, x, w, IEEE: tl.constexpr, AS_FP32: tl.constexpr):
-    """acc + x @ w, w the fp32 dequantized tile: rounded once to x's dtype for the dot (fp32 operands
-    with `AS_FP32`), fp32 dots in IEEE precision."""
+def _accumulate(acc, x, w, IEEE: tl.constexpr, AS_FP32: tl.constexpr, SWAPPED: tl.constexpr = False):
+    """acc + x @ w (SWAPPED: acc + w @ x, x transposed), w the dequantized tile: rounded once to x's dtype
+    for the dot (fp32 operands with `AS_FP32`), fp32 dots in IEEE precision."""
     if AS_FP32:
         x = x.to(tl.float32)
+        w = w.to(tl.float32)
     else:
         w = w.to(x.dtype)
+    a, b = (w, x) if SWAPPED else (x, w)
     if IEEE:
-        return acc + tl.dot(x, w, input_precision="ieee")
-    return acc + tl.dot(x, w)
+        return acc + tl.dot(a, b, input_precision="ieee")
+    return acc + tl.dot(a, b)
+
+
+@triton.jit
+def _k_tile(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr):
+    """The P value tiles of a [BLOCK_N, BLOCK_K / P] word tile (tile j: value j of every word) as one
+    [BLOCK_N, BLOCK_K] tile in K's order (column P * c + j: word c's value j), by joins: each thread keeps
+    the values it unpacked, consecutive along K, which reach the tensor cores' register layout by
+    16-byte stores to shared memory and matrix loads (in the sm_90 binary; a broadcast shift and reshape
+    instead took 3.5x the instructions)."""
+    if P == 8:
+        t = tl.join(
+            tl.join(tl.join(v[0], v[4]), tl.join(v[2], v[6])),
+            tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7])),
+        )
+    else:  # (8 bits: 4 values a word)
+        t = tl.join(tl.join(v[0], v[2]), tl.join(v[1], v[3]))
+    # (each join's index is a new last dim: flattened, the innermost join's is j's top bit)
+    return tl.reshape(t, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _swapped_step(
+    acc_t, Qw, X, k0, offs_w, offs_n, offs_m, n_mask, m_mask, k_stop, N, stride_xm, s, z,
+    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
+    PTX_VALUES: tl.constexpr, IEEE: tl.constexpr, AS_FP32: tl.constexpr,
+):  # fmt: skip
+    """`acc_t` ([BLOCK_N, BLOCK_M] float32: the output transposed) plus W's tile times x's, W the dots'
+    first operand (`GemmConfig.swapped`): its words loaded [BLOCK_N, BLOCK_K / P], dequantized (by PTX
+    where PTX_VALUES, else `_value`), then a dot per value of the words (NIBBLE_DOTS) or one K tile
+    (`_k_tile`)."""
+    P: tl.constexpr = 32 // BITS
+    packed = tl.load(
+        Qw + offs_w[None, :].to(tl.int64) * N + offs_n[:, None],
+        mask=n_mask[:, None] & (offs_w < k_stop // P)[None, :],
+        other=0,
+    )
+    if PTX_VALUES:
+        v = _values_ptx(packed, s[:, None], z[:, None], PTX_VALUES == 1)
+    else:
+        zf, sf = z.to(tl.float32)[:, None] + 8388608.0, s.to(tl.float32)[:, None]
+        if P == 8:
+            v = (
+                _value(packed, 0, zf, sf, BITS), _value(packed, 1, zf, sf, BITS),
+                _value(packed, 2, zf, sf, BITS), _value(packed, 3, zf, sf, BITS),
+                _value(packed, 4, zf, sf, BITS), _value(packed, 5, zf, sf, BITS),
+                _value(packed, 6, zf, sf, BITS), _value(packed, 7, zf, sf, BITS),
+            )  # fmt: skip
+        else:
+            v = (
+                _value(packed, 0, zf, sf, BITS), _value(packed, 1, zf, sf, BITS),
+                _value(packed, 2, zf, sf, BITS), _value(packed, 3, zf, sf, BITS),
+            )  # fmt: skip
+    if NIBBLE_DOTS:
+        for j in tl.static_range(P):
+            offs_k = offs_w * P + j  # x's columns for value j: every P-th from j
+            x = tl.load(
+                X + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
+                mask=m_mask[None, :] & (offs_k < k_stop)[:, None],
+                other=0.0,
+            )
+            acc_t = _accumulate(acc_t, x, v[j], IEEE, AS_FP32, True)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            X + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
+            mask=m_mask[None, :] & (offs_k < k_stop)[:, None],
+            other=0.0,
+        )
+        acc_t = _accumulate(acc_t, x, _k_tile(v, BLOCK_N, BLOCK_K, P), IEEE, AS_FP32, True)
+    return acc_t
 
 
 @triton.jit(do_not_specialize=["M"])  # (docs/gpu.md#no-compile-mid-run)
@@ -191,6 +274,7 @@ def _w4a16_kernel(
     NIBBLE_DOTS: tl.constexpr,
     PTX_VALUES: tl.constexpr,
     FACTORED: tl.constexpr,
+    SWAPPED: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
 ):
     """Out[pid_k, m, n] = sum over this program's share of K of X[m, k] * W[n, k] (see the module)."""
@@ -204,27 +288,36 @@ def _w4a16_kernel(
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # (SWAPPED's: the output transposed)
     acc_gemv = tl.zeros((BLOCK_K // (32 // BITS), BLOCK_N), dtype=tl.float32)  # (BLOCK_M = 1's)
-    # (LOOP_STAGES: the GEMV's loads pipelined as `GemmConfig.num_stages` says; None: the dots' alone)
+    # (LOOP_STAGES: the GEMV's and swapped tiles' loads pipelined as `GemmConfig.num_stages` says; None:
+    # the loads feeding dots alone)
     for k0 in tl.range(k_start, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         g = k0 // GROUP
         # each int32 read once: [BLOCK_K / P, BLOCK_N] words (row r holds k = k0 + P * r + j at bits BITS * j)
         offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
-        packed = tl.load(
-            Qw + offs_w[:, None].to(tl.int64) * N + offs_n[None, :],
-            mask=(offs_w < k_stop // (32 // BITS))[:, None] & n_mask[None, :],
-            other=0,
-        )
         s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
         z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
-        if FACTORED:  # (the GEMV's)
+        packed = offs_w  # (SWAPPED loads its words transposed)
+        if not SWAPPED:
+            packed = tl.load(
+                Qw + offs_w[:, None].to(tl.int64) * N + offs_n[None, :],
+                mask=(offs_w < k_stop // (32 // BITS))[:, None] & n_mask[None, :],
+                other=0,
+            )
+        if SWAPPED:
+            acc_t = _swapped_step(
+                acc_t, Qw, X, k0, offs_w, offs_n, offs_m, n_mask, m_mask, k_stop, N, stride_xm, s, z,
+                BITS, BLOCK_N, BLOCK_K, NIBBLE_DOTS, PTX_VALUES, IEEE, AS_FP32,
+            )  # fmt: skip
+        elif FACTORED:  # (the GEMV's)
             acc_gemv = _factored_words(acc_gemv, packed, X + pid_m * stride_xm, offs_w, s, z, magic, BITS)
         elif BLOCK_M == 1 or NIBBLE_DOTS:  # value j of every word at once: a [BLOCK_K / P, BLOCK_N] tile
             values = packed  # (no values before the loop but by PTX)
             if PTX_VALUES:  # every value of the words at once, in x's dtype
-                values = _values_ptx(packed, s, z, PTX_VALUES == 1)
-            s = s.to(tl.float32)
-            z = z.to(tl.float32) + 8388608.0
+                values = _values_ptx(packed, s[None, :], z[None, :], PTX_VALUES == 1)
+            s = s.to(tl.float32)[None, :]
+            z = z.to(tl.float32)[None, :] + 8388608.0
             for j in tl.static_range(32 // BITS):
                 if PTX_VALUES:
                     w = values[j]
@@ -258,6 +351,8 @@ def _w4a16_kernel(
             acc = _accumulate(acc, x, w, IEEE, AS_FP32)
     if BLOCK_M == 1:
         acc = tl.sum(acc_gemv, axis=0)[None, :]
+    if SWAPPED:
+        acc = tl.trans(acc_t)
     out = Out + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -277,6 +372,7 @@ class GemmConfig(NamedTuple):
     nibble_dots: bool = True  # a dot per value of the words where the tiles allow (the module's docstring)
     ptx_values: bool = False  # those values by PTX, where they run (`ptx_values`)
     factored: bool = False  # the GEMV's scales and zeros once a word (`_factored_words`; BLOCK_M 1 only)
+    swapped: bool = False  # W the dots' first operand, x (padded to 16 rows) the second (`swapped`)
 
 
 def _block_k(group: int, k: int, most: int) -> int:
@@ -298,12 +394,18 @@ def factored(cfg: GemmConfig) -> bool:
     return cfg.factored and cfg.block_m == 1
 
 
+def swapped(cfg: GemmConfig) -> bool:
+    """Whether a launch with `cfg` computes its tiles transposed, W x^T (`_swapped_step`): asked for, at
+    BLOCK_M >= 16 (x's rows are the dots' second dimension, 16 at least)."""
+    return cfg.swapped and cfg.block_m >= 16
+
+
 def ptx_values(cfg: GemmConfig, bits: int, dtype: torch.dtype) -> bool:
     """Whether a launch with `cfg` dequantizes by PTX (`_values_ptx`): asked for, a dot per value of the
-    words (`nibble_dots`) or the GEMV unfactored, 4 bits, half-precision activations, and compiled (not the
-    interpreter)."""
+    words (`nibble_dots`), the swapped tiles or the GEMV unfactored, 4 bits, half-precision activations,
+    and compiled (not the interpreter)."""
     half = dtype in (torch.bfloat16, torch.float16)
-    by_value = nibble_dots(cfg, bits) or (cfg.block_m == 1 and not factored(cfg))
+    by_value = nibble_dots(cfg, bits) or swapped(cfg) or (cfg.block_m == 1 and not factored(cfg))
     return cfg.ptx_values and by_value and bits == 4 and half and not INTERPRET
 
 
@@ -315,11 +417,13 @@ def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     16.6, 62.9 and 42.9 (bench/results/h200-2026-11-27-gemv/int4_gemm.log; tinygemm: 9.7, 6.9, 33.1,
     18.8). The dots per value stay asked for at one row, for 16-row tiles forced there (`--block-m 16`):
     on an H100 they took 0.83-0.96x the reshaped tile's time at one row, 1.25-1.45x at 16, where each dot
-    loads 16 rows of x strided (bench/results/h100-2026-11-26/quant/run2/int4_gemm.log)."""
+    loads 16 rows of x strided (bench/results/h100-2026-11-26/quant/run2/int4_gemm.log).
+    `GAPLESS_INT4_SWAPPED`: up to 64 rows, the swapped tiles (`swapped`) instead, one row padded to 16."""
+    swap = m <= 64 and env.INT4_SWAPPED.get()
     if m <= 16:
-        bm, bn, bk, warps = 1 if m == 1 else 16, 64, _block_k(group, k, 128), 4
+        bm, bn, bk, warps = 1 if m == 1 and not swap else 16, 64, _block_k(group, k, 128), 4
     elif m <= 64:
-        bm, bn, bk, warps = 32 if m <= 32 else 64, 64, _block_k(group, k, 64), 4
+        bm, bn, bk, warps = 32 if m <= 32 else 64, 64, _block_k(group, k, 128 if swap else 64), 4
     else:
         bm, bn, bk, warps = 64, 128, _block_k(group, k, 64), 8
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -327,8 +431,11 @@ def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     split = 1
     while split * 2 <= _MAX_SPLIT and tiles * split * 2 <= _TARGET_PROGRAMS and k_blocks >= split * 2 * 4:
         split *= 2
-    # (the GEMV's stages never timed: 1, its loads as timed; `python -m gapless.bench.int4_gemm --stages`)
-    stages = 1 if bm == 1 else 3
+    # (the GEMV's stages never timed: 1, its loads as timed; `python -m gapless.bench.int4_gemm --stages`;
+    # the swapped tiles' neither: 1, their fewest instructions in the sm_90 binary)
+    stages = 1 if bm == 1 or swap else 3
+    if swap:  # (one K tile a step, values by PTX)
+        return GemmConfig(bm, bn, bk, split, warps, stages, nibble_dots=False, ptx_values=True, swapped=True)
     return GemmConfig(bm, bn, bk, split, warps, stages, nibble_dots=m == 1, ptx_values=m == 1)
 
 
@@ -385,7 +492,8 @@ def w4a16_matmul(
         NIBBLE_DOTS=nibble_dots(cfg, bits),
         PTX_VALUES=(1 if x.dtype == torch.bfloat16 else 2) if ptx_values(cfg, bits, x.dtype) else 0,
         FACTORED=factored(cfg),
-        LOOP_STAGES=cfg.num_stages if cfg.block_m == 1 else None,
+        SWAPPED=swapped(cfg),
+        LOOP_STAGES=cfg.num_stages if cfg.block_m == 1 or swapped(cfg) else None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
