@@ -10,8 +10,8 @@
 #      tok/s), each with 8 decode steps profiled; then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3a. the one-row GEMVs (FP8, int4; int4 also factored) with their loads 1-4 loop iterations deep; the
-#      swapped int4 tiles (W x^T) at 1 and 16 rows, and Qwen3-8B's int4 TPOT with them
+#   3a. Qwen3-8B's FP8 and int4 TPOT with every layer in swapped tiles (W x^T), and those tiles alone at 1
+#      and 16 rows; the one-row GEMVs (FP8, int4; int4 also factored) with their loads 1-4 iterations deep
 #   3. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
 #   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
 #      at one row (`fp8_gemm.py --sweep`)
@@ -111,11 +111,29 @@ done
 fi
 
 if phase tables; then
-# the one-row GEMVs' loads pipelined first (short: each decides a default), then what no GPU has run (the
-# mixture quantized), then the sweeps that decide the next defaults (the
+# the swapped tiles first (W x^T, never timed: the likeliest way to the issue's FP8 and int4 targets), as
+# TPOT and alone; the one-row GEMVs' loads pipelined next (short: each decides a default), then what no
+# GPU has run (the mixture quantized), then the sweeps that decide the next defaults (the
 # FP8 GEMM's at one row for gate/up and down; decode attention at batch 1 split less, and over an fp8
 # cache in 128-key blocks),
 # then the int4 GEMMs' table, the int4 Triton GEMM's TPOT, the FP8 GEMM's table and gemlite
+
+# Qwen3-8B's TPOT with every FP8 layer (`GAPLESS_FP8_SWAPPED`: up to 16 rows, the GEMV off) and every int4
+# layer (`GAPLESS_INT4_SWAPPED`, on the Triton GEMM) in swapped tiles, against the targets phase's FP8
+# (0.70x bf16's on an H200) and AWQ (tinygemm: 0.66x) runs on this machine: FP8's are fp8's wgmma with both
+# operands e4m3 from shared memory (115 instructions a loop step for 64 x 128 weight bytes in the sm_90
+# binary, no widening), int4's the dequantized weights as wgmma's register operand (253 instructions a 4 KB
+# step, against the GEMV's 420 and the 16-row tiles' 627)
+GAPLESS_FP8_SWAPPED=1 tpot 45 qwen3-8b fp8_swapped --engine-option quantization=fp8
+GAPLESS_INT4_KERNEL=triton GAPLESS_INT4_SWAPPED=1 tpot 45 qwen3-8b-awq int4_swapped
+# each alone: FP8 on both models' layers at 1 and 16 rows against the default path, BN 64 and 128, K split
+# to 256 and 512 programs (`fp8_gemm.py --swapped`); int4 on Llama-3-8B's layers against the 16-row tiles
+# and tinygemm at 1 and 16 rows, plain loads and 3 stages
+other 40 fp8_swapped "$PY" bench/experiments/fp8_gemm.py --swapped
+grep -E '^\|' "$OUT/fp8_swapped.log" 2>/dev/null | tee -a "$LOG"
+other 45 int4_swapped "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 --block-m 16 --swapped 0 1 \
+  --nibble-dots 0 --ptx-values 1 --stages 1 3 --kernels triton tinygemm --json "$OUT/int4_swapped.json"
+tee -a "$LOG" <"$OUT/int4_swapped.log" 2>/dev/null
 
 # the GEMVs' loads through asynchronous copies 1-4 loop iterations deep (never timed; 1 is today's plain
 # loads, the default): FP8 on both models' layers against the default path, so also whether the GEMV then
@@ -129,15 +147,6 @@ grep -E '^\|' "$OUT/fp8_gemv_stages.log" 2>/dev/null | tee -a "$LOG"
 other 55 int4_gemv_stages "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 --block-m 1 --ptx-values 1 \
   --factored 0 1 --stages 1 2 4 --split-k 0 8 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
 tee -a "$LOG" <"$OUT/int4_gemv_stages.log" 2>/dev/null
-
-# the swapped int4 tiles (W x^T, the dequantized weights the tensor cores' first operand, from registers:
-# `GAPLESS_INT4_SWAPPED`, never timed; in the sm_90 binary 253 instructions a 4 KB step where the GEMV takes
-# 420 and the 16-row tiles 627) against the 16-row tiles and tinygemm at 1 and 16 rows, plain loads and 3
-# stages; then Qwen3-8B's int4 TPOT with them at every decode row (against the AWQ twin's in the targets)
-other 45 int4_swapped "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 --block-m 16 --swapped 0 1 \
-  --nibble-dots 0 --ptx-values 1 --stages 1 3 --kernels triton tinygemm --json "$OUT/int4_swapped.json"
-tee -a "$LOG" <"$OUT/int4_swapped.log" 2>/dev/null
-GAPLESS_INT4_KERNEL=triton GAPLESS_INT4_SWAPPED=1 tpot 45 qwen3-8b-awq int4_swapped
 
 # the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU
 # has run these yet)

@@ -172,6 +172,12 @@ FP8_GEMV_ROWS = _var(
     "FP8 layers on CUDA: up to this many rows the GEMM of a weight of at most 2^25 values runs as a GEMV "
     "on the CUDA cores instead of 16-row tensor-core tiles (0: never) (`gapless.model.quant.fp8_kernel`)",
 )
+FP8_SWAPPED = _bool(
+    "GAPLESS_FP8_SWAPPED",
+    "FP8 layers on CUDA at up to 16 rows: W x^T tiles (W's e4m3 tile the first operand of fp8's wgmma, x "
+    "padded to 16 rows the second) in place of the one-row GEMV and the 16-row tiles; never timed, so off "
+    "(`gapless.model.quant.fp8_kernel`)",
+)
 FP8_UNFUSED_ROUNDING = _bool(
     "GAPLESS_FP8_UNFUSED_ROUNDING",
     "FP8 layers on CUDA round their activations to e4m3 by a launch of their own before their tiles, as "

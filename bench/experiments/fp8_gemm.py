@@ -4,6 +4,7 @@ Qwen3-8B: microseconds a call (CUDA graphs: launch cost excluded) and the weight
     python bench/experiments/fp8_gemm.py [--rows 1 16 128 2048]        # on a GPU of sm_89 or newer
     python bench/experiments/fp8_gemm.py --sweep [--rows 1 128]        # tiles x K splits x x's rounding
     python bench/experiments/fp8_gemm.py --gemv-stages                 # the GEMV's loads 1-4 steps deep
+    python bench/experiments/fp8_gemm.py --swapped                     # the swapped tiles (W x^T)
 
 Rows are tokens (1: batch-1 decode). Columns: bf16 `torch.mm`; gapless's Triton kernel
 (`gapless.model.quant.fp8_kernel`) with per-channel and with [128, 128] block scales, x rounded in the
@@ -134,11 +135,17 @@ GEMV_STAGES = [1, 2, 3, 4]  # `--gemv-stages`' (1: plain loads, as before stages
 # Qwen3-0.6B's layers at one row (all under the GEMV's bound, 5.1 us each on an H200 where 3.2 would meet
 # the 0.6x target: bench/results/h200-2026-11-27-default): the default GEMV with K split to 0 (none), 128,
 # 256 and 512 programs (K is 1,024-3,072 there: at 512 programs a program takes one 128-column step)
-SWEEP_SMALL: list[tuple[tuple[int, ...], int, str, bool]] = [
-    (fp8_kernel.GEMV_TILES, p, "program", True) for p in (0, 128, 256, 512)
+SWEEP_SMALL: list[tuple[tuple[int, ...], int, str, str]] = [
+    (fp8_kernel.GEMV_TILES, p, "program", "gemv") for p in (0, 128, 256, 512)
 ]
+# `--swapped`: the swapped tiles (W x^T: `fp8_kernel.SWAPPED_ROWS`, never timed; fp8's wgmma with both
+# operands e4m3 from shared memory, 115 instructions a loop step for 64 x 128 weight bytes in the sm_90
+# binary) at BN 64 (K split to 256 and 512 programs) and 128 (512), x by a launch, at 1 and 16 rows
+SWEEP_SWAPPED = [((16, 64, 4, 4), 256), ((16, 64, 4, 4), 512), ((16, 128, 4, 4), 512)]
 
-Config = tuple[tuple[int, ...], int, str, bool]  # (tiles, split programs, x's rounding, GEMV)
+Config = tuple[
+    tuple[int, ...], int, str, str
+]  # (tiles, split programs, x's rounding, "tiles" | "gemv" | "swapped")
 SWEEP_HEADER = (  # `--sweep`'s and `--gemv-stages`' tables
     "| layer | N x K | rows | tiles (BM, BN, warps, stages; GEMV: BN, warps, unroll, stages) "
     "| split programs | decode x | us | GB/s |\n|---|---|---:|---|---:|---|---:|---:|"
@@ -149,13 +156,13 @@ def _sweep_configs(m: int) -> list[Config]:
     """(tiles, split programs, x's rounding, GEMV) for `m` rows: the GEMV's at one row."""
     if m > 16:
         more = [(t, p, by) for t in SWEEP_TILES_MORE for p in SWEEP_SPLITS_MORE for by in SWEEP_ROUNDING_MORE]
-        return [(t, p, by, False) for t, p, by in more]
-    configs: list[Config] = [(t, 512, by, False) for t in SWEEP_TILES for by in SWEEP_ROUNDING]
+        return [(t, p, by, "tiles") for t, p, by in more]
+    configs: list[Config] = [(t, 512, by, "tiles") for t in SWEEP_TILES for by in SWEEP_ROUNDING]
     if m == 1:
-        one_row: list[Config] = [(t, p, "launch", False) for t, p in SWEEP_ONE_ROW]
+        one_row: list[Config] = [(t, p, "launch", "tiles") for t, p in SWEEP_ONE_ROW]
         configs += [c for c in one_row if c not in configs]
-        configs += [(t, 512, by, True) for t in SWEEP_GEMV for by in ("launch", "program")]
-        configs.append((fp8_kernel.GEMV_TILES, 512, "fp16", True))
+        configs += [(t, 512, by, "gemv") for t in SWEEP_GEMV for by in ("launch", "program")]
+        configs.append((fp8_kernel.GEMV_TILES, 512, "fp16", "gemv"))
     return configs
 
 
@@ -176,8 +183,19 @@ def gemv_stages() -> None:
     print(SWEEP_HEADER)
     for model, layers in SHAPES.items():
         for name, n, k in layers:
-            gemv = [((64, 4, 1, s), 512, "program", True) for s in GEMV_STAGES]
+            gemv = [((64, 4, 1, s), 512, "program", "gemv") for s in GEMV_STAGES]
             _sweep_layer(f"{model} {name}", n, k, 1, gemv, default=True)
+
+
+def swapped() -> None:
+    """At 1 and 16 rows, each layer of both models: the default path, then the swapped tiles at each of
+    `SWEEP_SWAPPED`."""
+    print(SWEEP_HEADER)
+    for model, layers in SHAPES.items():
+        for name, n, k in layers:
+            for m in (1, 16):
+                configs = [(t, p, "launch", "swapped") for t, p in SWEEP_SWAPPED]
+                _sweep_layer(f"{model} {name}", n, k, m, configs, default=True)
 
 
 def _sweep_layer(name: str, n: int, k: int, m: int, configs: list[Config], default: bool = False) -> None:
@@ -188,27 +206,29 @@ def _sweep_layer(name: str, n: int, k: int, m: int, configs: list[Config], defau
     call = functools.partial(fp8_gemm, x, qc, sc, 1, 0, 128, None)
     times = {}
     if default:  # (as the engine runs it: tiles or GEMV, split and rounding its own)
-        times[(), 0, "default", False] = _us(call)
-    for tiles, programs, by, gemv in configs:
+        times[(), 0, "default", "tiles"] = _us(call)
+    for tiles, programs, by, kind in configs:
         fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
         with mock.patch.multiple(
             fp8_kernel,
             _tiles=functools.partial(lambda t, _m: t, tiles),
-            GEMV_ROWS=m if gemv else 0,
+            GEMV_ROWS=m if kind == "gemv" else 0,
             GEMV_MAX_WEIGHTS=n * k,
-            GEMV_TILES=tiles if gemv else fp8_kernel.GEMV_TILES,
+            GEMV_TILES=tiles if kind == "gemv" else fp8_kernel.GEMV_TILES,
+            SWAPPED_ROWS=m if kind == "swapped" else 0,
+            SWAPPED_TILES=tiles if kind == "swapped" else fp8_kernel.SWAPPED_TILES,
             SPLIT_PROGRAMS=programs or fp8_kernel.SPLIT_PROGRAMS,
             SPLIT_ROWS=max(m, 16) if programs else 0,
             DECODE_ROWS=16 if by == "loop" else max(m, 16),
             DECODE_X="launch" if by == "loop" else by,
         ):
-            times[tiles, programs, by, gemv] = _us(call)
+            times[tiles, programs, by, kind] = _us(call)
     fp8_kernel._LOCKS.clear()
     best = min(times, key=lambda c: times[c])
-    for (tiles, programs, by, gemv), us in times.items():
-        mark = " (best)" if (tiles, programs, by, gemv) == best else ""
+    for (tiles, programs, by, kind), us in times.items():
+        mark = " (best)" if (tiles, programs, by, kind) == best else ""
         gbs = n * k / us / 1e3
-        shape = f"GEMV {tiles}" if gemv else str(tiles) if tiles else "default"
+        shape = f"{kind} {tiles}" if kind != "tiles" else str(tiles) if tiles else "default"
         cells = (name, f"{n} x {k}", m, shape, programs, by, f"{us:.1f}{mark}", f"{gbs:.0f}")
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
@@ -220,10 +240,14 @@ def main() -> None:
     p.add_argument(
         "--gemv-stages", action="store_true", help="the GEMV's stages at one row (see `gemv_stages`)"
     )
+    p.add_argument("--swapped", action="store_true", help="the swapped tiles at 1 and 16 rows (`swapped`)")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     if args.gemv_stages:
         gemv_stages()
+        return
+    if args.swapped:
+        swapped()
         return
     if args.sweep:
         sweep(args.rows)

@@ -146,6 +146,7 @@ def run(
         env.INT4_SWAPPED,
         env.FP8_DECODE,
         env.FP8_GEMV_ROWS,
+        env.FP8_SWAPPED,
         env.FP8_UNFUSED_ROUNDING,
         env.PDL,
     )

@@ -280,13 +280,13 @@ def _fp8() -> dict[str, Callable[[], object]]:
 
     def run(rows: int, dtype: torch.dtype, block: bool, by: str = "launch", **settings: Any) -> object:
         """One GEMM of `rows` rows, x as `by` says up to DECODE_ROWS rows (0 unless set: x rounded in the
-        loop), `fp8_kernel`'s `settings` (DECODE_ROWS, DECODE_TILES, GEMV_ROWS: 0, the tiles, unless set,
-        GEMV_TILES) set for it."""
+        loop), `fp8_kernel`'s `settings` (DECODE_ROWS, DECODE_TILES, GEMV_ROWS and SWAPPED_ROWS: 0, the
+        tiles, unless set, GEMV_TILES) set for it."""
         n, k = 96, 256
         w = torch.zeros(n, k).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
         x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
-        settings = {"DECODE_ROWS": 0, "DECODE_X": by, "GEMV_ROWS": 0, **settings}
+        settings = {"DECODE_ROWS": 0, "DECODE_X": by, "GEMV_ROWS": 0, "SWAPPED_ROWS": 0, **settings}
         with mock.patch.multiple(fp8_kernel, **settings):
             return fp8_kernel.fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
 
@@ -297,15 +297,15 @@ def _fp8() -> dict[str, Callable[[], object]]:
         for block in (False, True)
     }
     decode = {"DECODE_ROWS": 128}  # x (`DECODE_X`): rounded by a launch, by each program; in fp16
+    # the sweep's 64-row decode tiles (fp8's wgmma), the swapped tiles (W x^T, `SWAPPED_ROWS`)
+    wider = (("64-row tiles", "DECODE_TILES", (64, 64, 4, 4)), ("swapped", "SWAPPED_ROWS", 16))
     for dtype, by in ((dtype, by) for dtype in DTYPES for by in ("launch", "program", "fp16")):
         for rows in (1, 40):  # a decode's 16-row tiles, a small batch's 64-row ones
-            cases[f"fp8 gemm {rows} rows {dtype} channel, decode x {by}"] = partial(
-                run, rows, dtype, False, by, **decode
-            )
-        # the 64-row decode tiles `bench/experiments/fp8_gemm.py --sweep` times (fp8's wgmma)
-        cases[f"fp8 gemm 1 rows {dtype} channel, decode x {by}, 64-row tiles"] = partial(
-            run, 1, dtype, False, by, DECODE_TILES=(64, 64, 4, 4), **decode
-        )
+            name = f"fp8 gemm {rows} rows {dtype} channel, decode x {by}"
+            cases[name] = partial(run, rows, dtype, False, by, **decode)
+        for tag, setting, value in wider:
+            name = f"fp8 gemm 1 rows {dtype} channel, decode x {by}, {tag}"
+            cases[name] = partial(run, 1, dtype, False, by, **{setting: value}, **decode)
         # the GEMV on the CUDA cores (`GEMV_ROWS`), per-channel and block scales, two steps at once, and
         # its loads through asynchronous copies three iterations deep
         for unroll, stages, block in ((1, 1, False), (1, 1, True), (2, 1, False), (1, 3, False)):

@@ -125,8 +125,11 @@ def test_fp8_sweep_configs_are_distinct_and_cover_the_one_row_split():
     sweep = _experiment("fp8_gemm")
     one, many = sweep._sweep_configs(1), sweep._sweep_configs(32)
     assert len(set(one)) == len(one) and len(set(many)) == len(many)
-    assert {((16, 64, 4, s), p, "launch", False) for s in (3, 6) for p in (0, 256)} <= set(one)
-    assert any(gemv for *_, gemv in one) and not any(gemv for *_, gemv in many)
+    assert {((16, 64, 4, s), p, "launch", "tiles") for s in (3, 6) for p in (0, 256)} <= set(one)
+    assert any(kind == "gemv" for *_, kind in one) and all(kind == "tiles" for *_, kind in many)
     assert {p for _, p, _, _ in many} == {0, 512} and all(t[0] >= 64 for t, *_ in many)
     small = sweep.SWEEP_SMALL  # (Qwen3-0.6B's layers: the GEMV's K split)
-    assert {p for _, p, _, _ in small} == {0, 128, 256, 512} and all(gemv for *_, gemv in small)
+    assert {p for _, p, _, _ in small} == {0, 128, 256, 512} and all(kind == "gemv" for *_, kind in small)
+    # `--swapped`: 16-row tiles (x padded to 16: the wgmma's N), each config once
+    swapped = sweep.SWEEP_SWAPPED
+    assert len(set(swapped)) == len(swapped) and all(t[0] == 16 for t, _ in swapped)

@@ -2,7 +2,7 @@
 
 Where an FP8 layer would launch the rounding of its activations before its GEMM (2-128 rows, the tiles),
 the fused RMSNorm and gated activation before it round them as they write them instead, with the GEMM's
-own arithmetic (`fp8_kernel.round_rows`), so the layer computes the same bits without the launch. Without
+own arithmetic (`fp8_rounding.round_rows`), so the layer computes the same bits without the launch. Without
 a GPU the kernels run under Triton's interpreter (tests/conftest.py), whose e4m3 rounding is off for some
 values; both sides of every comparison here round through the same function, so their bits agree
 anyway, and on a GPU the same tests check real rounding.

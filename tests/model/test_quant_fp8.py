@@ -430,6 +430,39 @@ def test_decode_rows_in_the_sweeps_64_row_tiles_match_the_reference(monkeypatch,
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
 )
+@pytest.mark.parametrize("block", [None, (16, 64)])
+def test_the_swapped_tiles_give_the_references_result(monkeypatch, block):
+    """Up to `SWAPPED_ROWS` rows the tiles run swapped (W x^T, W's tile the dot's first operand; on sm_90
+    fp8's wgmma with no widening), the GEMV off: the reference's result at 1 and 5 rows, per-channel and
+    block scales, x rounded before the loop either way, in the loop or taken to fp16, K split, a partial
+    last tile. `GAPLESS_FP8_SWAPPED` turns them on to 16 rows."""
+    from gapless.model.quant import fp8_kernel
+
+    n, k, act = 80, 256, 64
+    w = torch.randn(n, k) * 0.05
+    q, s = quantize_rows(w) if block is None else quantize_blocks(w, block)
+    rps, group = (1, 0) if block is None else block
+    wd = dequantize(q, s, rps, group)
+    monkeypatch.setattr(fp8_kernel, "SWAPPED_ROWS", 16)
+    for rows in (1, 5):
+        assert not fp8_kernel._plan(rows, n, k)[0]  # (no GEMV)
+        x, bias = _exact_activations(rows, k, act, seed=rows), torch.randn(n)
+        ref = reference_linear(x, wd, act, bias)
+        for by in ("launch", "program", "fp16"):  # (the activations are exact in e4m3 and fp16)
+            monkeypatch.setattr(fp8_kernel, "DECODE_X", by)
+            torch.testing.assert_close(fp8_gemm(x, q, s, rps, group, act, bias), ref, rtol=1e-5, atol=1e-5)
+        with monkeypatch.context() as loop:  # (x rounded in the loop: past DECODE_ROWS)
+            loop.setattr(fp8_kernel, "DECODE_ROWS", 0)
+            torch.testing.assert_close(fp8_gemm(x, q, s, rps, group, act, bias), ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(fp8_kernel, "SWAPPED_ROWS", None)  # GAPLESS_FP8_SWAPPED's then (default off)
+    assert not fp8_kernel._swapped(1)
+    monkeypatch.setenv("GAPLESS_FP8_SWAPPED", "1")
+    assert fp8_kernel._swapped(16) and not fp8_kernel._swapped(17)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
+)
 @pytest.mark.parametrize(
     "block, bn, unroll, stages", [(None, 16, 1, 3), ((16, 64), 16, 2, 1), ((16, 64), 32, 1, 2)]
 )
@@ -507,6 +540,36 @@ def test_auto_rounds_x_in_the_gemvs_registers_and_by_a_launch_before_the_tiles(m
             other.setattr(fp8_kernel, "DECODE_X", "launch" if m == 1 else "program")
             assert torch.equal(fp8_gemm(x, q, s, 1, 0, act, None), auto)
         launches.clear()
+
+
+@pytest.mark.slow  # (sm_90 compiles in a child process, ~10 s)
+def test_the_swapped_tiles_multiply_e4m3_on_fp8s_wgmma_when_compiled():
+    """Compiled for sm_90 (bf16, one row, x by a launch): the swapped tiles run fp8's own wgmma on both
+    operands in e4m3 (`QGMMA ... E4M3.E4M3`) with nothing widened (a few `F2FP` for the output: 4 with
+    Triton 3.6 and 3.9), in fewer instructions than the 16-row tiles, which widen both operands to fp16
+    for mma.sync (68 `F2FP`; 616-624 instructions against 648-680; their loop bodies 161 and 209 on
+    Qwen3-8B's gate/up, for as many weight bytes)."""
+    from gapless.testing.triton_compile import compile_child
+
+    script = (
+        "import re\n"
+        "from gapless.testing.triton_compile import Compiler, _fp8, _cuobjdump, instruction_mix\n"
+        "with Compiler(90) as c:\n"
+        "    for name, case in _fp8().items():\n"
+        "        if name.startswith('fp8 gemm 1 rows torch.bfloat16 channel, decode x launch'):\n"
+        "            case()\n"
+        "            k = c.compiled[-1][1]\n"
+        "            sass = _cuobjdump(k, '-sass')\n"
+        "            fp8 = len(re.findall(r'QGMMA\\.\\S+\\.E4M3\\.E4M3', sass))\n"
+        "            n = instruction_mix(k)['instructions']\n"
+        "            print(name.split(', ')[-1], n, fp8, sass.count('F2FP'))\n"
+    )
+    out = compile_child(script, "compiling the FP8 tiles")
+    if out is None:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    got = {line.rsplit(" ", 3)[0]: [int(v) for v in line.split()[-3:]] for line in out.splitlines()}
+    (tiles, tiles_fp8, widened), (swapped, fp8, f2fp) = got["decode x launch"], got["swapped"]
+    assert fp8 > 0 and f2fp <= 8 and swapped < tiles and tiles_fp8 == 0 and widened >= 64, got
 
 
 @pytest.mark.slow  # (sm_90 compiles in a child process, ~20 s)

@@ -34,7 +34,7 @@ import triton.language as tl
 from gapless import pdl
 from gapless.attention.triton_kernels import INTERPRET, _sum
 from gapless.model.quant.base import OrderedColumns, RoundedRows, attach_order, attach_rounding
-from gapless.model.quant.fp8_kernel import round_rows, rounding_buffers
+from gapless.model.quant.fp8_rounding import round_rows, rounding_buffers
 
 __all__ = ["INTERPRET", "KINDS", "ACTIVATIONS", "rms_norm", "qk_norm_rope_store", "act_and_mul"]
 

@@ -35,31 +35,9 @@ import triton.language as tl
 
 from gapless import env, pdl
 from gapless.attention.triton_kernels import clamped_fp16
+from gapless.model.quant.fp8_rounding import _fp8_quant_kernel, round_rows, rounding_buffers
 
 FP8_MAX = 448.0  # e4m3's largest finite value
-
-
-@triton.jit
-def round_rows(x):
-    """x (float32, [rows, BK]: one group of columns a row) as e4m3 and each row's scale (the group's
-    largest |x| / 448): the one rounding of x every path takes (also the fused norm's and activation's,
-    `gapless.model.fused.triton_kernels`, that round x for the layer after them)."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-    return (x / scale[:, None]).to(tl.float8e4nv), scale
-
-
-@triton.jit
-def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr, PDL: tl.constexpr):
-    """Row `program_id(0)`'s columns [g * BK, (g + 1) * BK) (g = `program_id(1)`) as e4m3 and their scale."""
-    row = tl.program_id(0)
-    g = tl.program_id(1)
-    pdl.wait_for_previous(PDL)
-    offs = g * BK + tl.arange(0, BK)
-    ok = offs < K
-    x = tl.load(x_ptr + row * stride_xm + offs[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-    q, scale = round_rows(x)
-    tl.store(q_ptr + row * K + offs[None, :], q, mask=ok[None, :])
-    tl.store(s_ptr + row * tl.num_programs(1) + g + tl.arange(0, 1), scale)
 
 
 @triton.jit(do_not_specialize=["M"])  # (docs/gpu.md#no-compile-mid-run)
@@ -90,6 +68,7 @@ def _fp8_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    SWAPPED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -105,7 +84,10 @@ def _fp8_gemm_kernel(
     pdl.prefetch_weights(w_ptr + tl.where(n_ok, offs_n, 0) * stride_wn, k_start, k_stop, PDL)
     pdl.wait_for_previous(PDL)
     s_row = s_ptr + (offs_n // rows_per_scale) * stride_sn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAPPED:  # (the tile transposed: [BN, BM])
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     if ROUND == 2:  # this program's share of x rounded first, into xq / xs (`_fp8_quant_kernel`'s layout)
         for k0 in range(k_start, k_stop, BK):
             ok = m_ok[:, None] & ((k0 + offs_k) < K)[None, :]
@@ -116,11 +98,18 @@ def _fp8_gemm_kernel(
         tl.debug_barrier()  # (every thread's stores before any thread's loads below)
     for k0 in range(k_start, k_stop, BK):
         k_ok = (k0 + offs_k) < K
-        w = tl.load(
-            w_ptr + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
-            mask=n_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
+        if SWAPPED:  # W's [BN, BK] tile, each row's bytes along K (the dot's first operand)
+            w = tl.load(
+                w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :],
+                mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+        else:
+            w = tl.load(
+                w_ptr + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
+                mask=n_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
         w_scale = tl.load(s_row + (k0 // k_group) * stride_sk, mask=n_ok, other=0.0)
         if ROUND == 1 or ROUND == 2:  # x already e4m3 in xq [M, K], its scales [M, K / BK] in xs
             xq = tl.load(
@@ -129,16 +118,30 @@ def _fp8_gemm_kernel(
                 other=0.0,
             )
             x_scale = tl.load(xs_ptr + offs_m * tl.cdiv(K, BK) + k0 // BK, mask=m_ok, other=0.0)
-            acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
+            acc = _add_product(acc, xq, w, x_scale, w_scale, SWAPPED)
         else:
             x_tile = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
             x = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             if ROUND == 3:  # W8A16: x in fp16 (clamped to its range), the weights widened to fp16
-                acc += tl.dot(clamped_fp16(x), w.to(tl.float16)) * w_scale[None, :]
+                ones = tl.full((BM,), 1.0, tl.float32)
+                acc = _add_product(acc, clamped_fp16(x), w.to(tl.float16), ones, w_scale, SWAPPED)
             else:
                 xq, x_scale = round_rows(x)
-                acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
+                acc = _add_product(acc, xq, w, x_scale, w_scale, SWAPPED)
+    if SWAPPED:
+        acc = tl.trans(acc)
     _finish(acc, y_ptr, p_ptr, lock_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, pid_s, HAS_BIAS, SPLITS)
+
+
+@triton.jit
+def _add_product(acc, x, w, x_scale, w_scale, SWAPPED: tl.constexpr):
+    """acc + x w ([BM, BK] times [BK, BN]) times x's scales a row and W's a column; SWAPPED: acc and the
+    product transposed, [BN, BM], w [BN, BK] the dot's first operand (`SWAPPED_ROWS`)."""
+    if SWAPPED:
+        acc += tl.dot(w, tl.trans(x)) * w_scale[:, None] * x_scale[None, :]
+    else:
+        acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
+    return acc
 
 
 @triton.jit
@@ -327,6 +330,14 @@ DECODE_TILES = (16, 64, 4, 4)
 GEMV_ROWS: int | None = None
 GEMV_MAX_WEIGHTS = 1 << 25
 GEMV_TILES = (64, 4, 1, 1)
+# Up to this many rows (None: 16 where GAPLESS_FP8_SWAPPED is on, else 0) every weight's tiles run
+# swapped (`_add_product`): y^T = W x^T, W's [BN, BK] e4m3 tile the dot's first operand and x (its rows
+# padded to BM) the second, both e4m3 from shared memory into fp8's wgmma, the GEMV off. In the sm_90
+# binary `QGMMA.64x16x32` with no widening, 115 instructions a loop step for 64 x 128 weight bytes, where
+# the 16-row tiles widen both operands to fp16 for an mma.sync. Never timed: off; SWAPPED_TILES (BM, BN,
+# warps, stages) as the 16-row tiles', K split the same way (`bench/experiments/fp8_gemm.py --swapped`).
+SWAPPED_ROWS: int | None = None
+SWAPPED_TILES = (16, 64, 4, 4)
 SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about this many programs
 # From 17 rows to MID_ROWS, MID_TILES with K split as at decode sizes (up to SPLIT_ROWS rows). On an H200
 # at 32 rows with x rounded by a launch (DECODE_ROWS), 64 x 64 split was the fastest of 128 x 128, 64 x 128
@@ -360,11 +371,15 @@ def _splits(m: int, n_tiles: int, k_steps: int, device: torch.device) -> int:
     return splits
 
 
+def _swapped(m: int) -> bool:
+    """Whether x of M rows meets the weights in swapped tiles (`SWAPPED_ROWS`)."""
+    return m <= (SWAPPED_ROWS if SWAPPED_ROWS is not None else 16 if env.FP8_SWAPPED.get() else 0)
+
+
 def _plan(m: int, n: int, k: int) -> tuple[bool, int]:
     """(whether the GEMV runs, the kernel's ROUND) for x of M rows and a weight [N, K]."""
-    gemv = (
-        m <= (GEMV_ROWS if GEMV_ROWS is not None else env.FP8_GEMV_ROWS.get()) and n * k <= GEMV_MAX_WEIGHTS
-    )
+    gemv_rows = GEMV_ROWS if GEMV_ROWS is not None else env.FP8_GEMV_ROWS.get()
+    gemv = m <= gemv_rows and n * k <= GEMV_MAX_WEIGHTS and not _swapped(m)
     by = DECODE_X or env.FP8_DECODE.get()
     if by == "auto":  # the GEMV's x in its registers, the tiles' by a launch
         by = "program" if gemv else "launch"
@@ -382,13 +397,6 @@ def rounds_before(m: int, n: int, k: int) -> bool:
     launch, or by its tiles' programs): what the kernel before the layer may do instead, passing the result
     as `rounded` (unless `GAPLESS_FP8_UNFUSED_ROUNDING`; `gapless.model.quant.base.RoundedRows`)."""
     return not env.FP8_UNFUSED_ROUNDING.get() and _buffered(*_plan(m, n, k))
-
-
-def rounding_buffers(m: int, k: int, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty buffers for x [M, K] rounded per `group` columns: e4m3 [M, K] and float32 scales
-    [M, ceil(K / group)], `_fp8_quant_kernel`'s layout (and the fused norm's and activation's)."""
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device)
-    return q, torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=device)
 
 
 def fp8_gemm(
@@ -412,7 +420,8 @@ def fp8_gemm(
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     gemv, rounding = _plan(m, n, k)
-    bm, bn, warps, stages = (1, *GEMV_TILES[:2], 1) if gemv else _tiles(m)
+    swapped = _swapped(m)
+    bm, bn, warps, stages = (1, *GEMV_TILES[:2], 1) if gemv else SWAPPED_TILES if swapped else _tiles(m)
     tiles_m, tiles_n, k_steps = triton.cdiv(m, bm), triton.cdiv(n, bn), triton.cdiv(k, act_group)
     splits = _splits(m, tiles_m * tiles_n, k_steps, x.device)
     steps = triton.cdiv(k_steps, splits)
@@ -480,6 +489,7 @@ def fp8_gemm(
         BM=bm,
         BN=bn,
         BK=act_group,
+        SWAPPED=swapped,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch_args(x.device),
