@@ -176,9 +176,12 @@ def test_the_start_up_check_runs_the_fused_rounding_into_the_mlp(ckpt_factory, m
 
 @pytest.mark.slow  # (sm_90 compiles in a child process, ~20 s)
 def test_the_rounding_norm_and_activation_compile_for_sm90():
+    """Both ways the norm and activation write for the layer after them: x rounded for FP8, and x's
+    columns in an int4 act-order layer's order (tests/model/test_ordered_columns.py); 2 dtypes each."""
     from gapless.testing.triton_compile import compile_cases
 
-    built = compile_cases("fp8", "rounding in")
+    built = compile_cases("fp8", "the norm and activation")
     if built is None:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     assert built.kernels == ["_act_and_mul_kernel", "_rms_norm_kernel"] and not built.failed, built
+    assert built.compilations == 2 * 2 * 2, built  # (each kernel, each way, each dtype)

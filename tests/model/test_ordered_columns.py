@@ -144,13 +144,3 @@ def test_the_start_up_check_runs_the_ordered_norm_into_the_mlp(ckpt_factory, tmp
 
     monkeypatch.setattr(fk, "act_and_mul", shifted)
     assert fused.disagreement(model, fk, DEVICE).startswith("norm_into_mlp: relative error")
-
-
-@pytest.mark.slow  # (sm_90 compiles in a child process, ~20 s)
-def test_the_ordering_norm_and_activation_compile_for_sm90():
-    from gapless.testing.triton_compile import compile_cases
-
-    built = compile_cases("fp8", "act-order x")
-    if built is None:
-        pytest.skip("this Triton has no NVIDIA backend to compile with")
-    assert built.kernels == ["_act_and_mul_kernel", "_rms_norm_kernel"] and not built.failed, built
