@@ -6,7 +6,9 @@ entries by expert and pads each expert's run to a multiple of `BLOCK_M`, so ever
 sorted entries belongs to one expert; the kernel's program for a block multiplies its entries' rows by
 that expert's weight matrix alone. All of it is sized from host ints (the padded length is bounded by
 `T * top_k + min(E, T * top_k) * (BLOCK_M - 1)`; blocks past the real padded length return at once), so
-nothing reads device memory on the host and a CUDA graph can capture it.
+nothing reads device memory on the host and a CUDA graph can capture it. At decode sizes (up to
+`ALIGN_KERNEL_ENTRIES` entries) the sorting is one small kernel (`_align_kernel`) rather than some 25 torch
+ops, each a launch at every MoE layer of a step (48 layers on Qwen3-30B-A3B: ~1,200 launches a token).
 
 The plain per-expert loop in `gapless.model.moe.reference_experts` is the yardstick: tests run this under
 Triton's interpreter (`TRITON_INTERPRET=1`, fp32) against it. As in `gapless.attention.triton_kernels`,
@@ -245,15 +247,66 @@ def _rows(w: torch.Tensor, quant: WeightQuant | None) -> int:
     return w.shape[2] if quant is not None and quant.bits else w.shape[1]
 
 
+# up to this many entries (T * top_k: a decode of 8 tokens at top-8) `align` is one launch
+# (`_align_kernel`) instead of some 25 torch ops, each a kernel of its own at every MoE layer of a step
+ALIGN_KERNEL_ENTRIES = 64
+
+
+def _capacity(n: int, num_experts: int, block_m: int) -> int:
+    """The length of `align`'s sorted entries: every entry, each expert's run padded, in whole blocks."""
+    return -(-(n + min(num_experts, n) * (block_m - 1)) // block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(
+    Ids, SortedIds, BlockExpert, NumPadded, n, num_experts, capacity,
+    BLOCK_M: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    """`align` in one program for n <= NP entries: each entry's rank among its expert's (the entries
+    before it with its expert), its expert's count and padded run, the run's start (the padded runs of
+    the experts below it); from them every output, by comparing entries pairwise ([NP, NP])."""
+    i = tl.arange(0, NP)
+    valid = i < n
+    e = tl.load(Ids + i, mask=valid, other=0)
+    same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]
+    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int64), axis=1)
+    padded = (tl.sum(same.to(tl.int64), axis=1) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    first = valid & (rank == 0)  # (one entry an expert carries its run)
+    start = tl.sum(tl.where((e[None, :] < e[:, None]) & first[None, :], padded[None, :], 0), axis=1)
+    total = tl.sum(tl.where(first, padded, 0), axis=0)
+    p = tl.arange(0, CAP)
+    tl.store(SortedIds + p, n + 0 * p.to(tl.int64), mask=p < capacity)  # (the sentinel everywhere first)
+    tl.debug_barrier()
+    tl.store(SortedIds + start + rank, i.to(tl.int64), mask=valid)
+    b = tl.arange(0, NB) * BLOCK_M  # each block's first entry: the expert whose run holds it
+    holds = first[None, :] & (start[None, :] <= b[:, None]) & (b[:, None] < (start + padded)[None, :])
+    expert = tl.sum(tl.where(holds, e[None, :], 0), axis=1)
+    expert = tl.where(b < total, expert, num_experts - 1)  # (past the runs: the last, as searchsorted's)
+    tl.store(BlockExpert + tl.arange(0, NB), expert, mask=b < capacity)
+    tl.store(NumPadded + tl.arange(0, 1), total + tl.zeros((1,), tl.int64))
+
+
 def align(
     ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Entries (flat indices into `ids` [T, top_k]) sorted by expert, each expert's run padded to a multiple
-    of `block_m` with the sentinel `ids.numel()`; the expert of each block; and the padded length (a
-    one-element device tensor). Only device ops: the host never reads a count."""
+    """Entries (flat indices into `ids` [T, top_k]) sorted by expert, stably, each expert's run padded to a
+    multiple of `block_m` with the sentinel `ids.numel()`; the expert of each block; and the padded length
+    (a one-element device tensor). Only device ops: the host never reads a count. Up to
+    `ALIGN_KERNEL_ENTRIES` entries one launch (`_align_kernel`), else torch's ops."""
     flat = ids.reshape(-1)
     n = flat.numel()
     dev = flat.device
+    capacity = _capacity(n, num_experts, block_m)
+    if 0 < n <= ALIGN_KERNEL_ENTRIES:
+        sorted_ids = torch.empty(capacity, dtype=torch.int64, device=dev)
+        block_expert = torch.empty(capacity // block_m, dtype=torch.int64, device=dev)
+        num_padded = torch.empty(1, dtype=torch.int64, device=dev)
+        np2, blocks = triton.next_power_of_2(n), triton.next_power_of_2(capacity // block_m)
+        _align_kernel[(1,)](
+            flat.contiguous(), sorted_ids, block_expert, num_padded, n, num_experts, capacity,
+            BLOCK_M=block_m, NP=np2, CAP=triton.next_power_of_2(capacity), NB=blocks,
+        )  # fmt: skip
+        return sorted_ids, block_expert, num_padded
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -261,7 +314,6 @@ def align(
     order = torch.argsort(flat, stable=True)
     sorted_expert = flat[order]
     rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_expert]
-    capacity = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m) * block_m
     sorted_ids = torch.full((capacity,), n, dtype=torch.int64, device=dev)
     sorted_ids[(ends - padded)[sorted_expert] + rank] = order
     block_start = torch.arange(0, capacity, block_m, device=dev)

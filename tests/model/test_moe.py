@@ -82,6 +82,28 @@ def test_fused_experts_match_the_reference_loop(tokens: int, hidden: int, inter:
     assert sorted(sorted_ids[sorted_ids < flat.numel()].tolist()) == list(range(flat.numel()))
 
 
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 8, 128), (3, 2, 4), (8, 8, 64), (5, 4, 60)])
+def test_align_in_one_launch_gives_the_torch_ops_result(monkeypatch, tokens, top_k, experts) -> None:
+    """Up to `ALIGN_KERNEL_ENTRIES` entries `align` is one kernel (`_align_kernel`): the same sorted
+    entries (stable by expert, runs padded with the sentinel), blocks' experts and padded length as the
+    torch ops', bit for bit, for a decode's token and batches whose experts take several entries each
+    (repeated ids), more experts than entries and fewer; at blocks of 16 and 4."""
+    pytest.importorskip("triton", reason="the fused MoE path is Triton")
+    from gapless.model import moe_triton
+
+    g = torch.Generator().manual_seed(tokens * experts)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    if tokens > 1:
+        ids[1] = ids[0]  # (two tokens on the same experts)
+    for block_m in (16, 4):
+        fused = moe_triton.align(ids, experts, block_m)
+        with monkeypatch.context() as torch_ops:
+            torch_ops.setattr(moe_triton, "ALIGN_KERNEL_ENTRIES", 0)
+            want = moe_triton.align(ids, experts, block_m)
+        for got, ref in zip(fused, want, strict=True):
+            assert got.dtype == ref.dtype and torch.equal(got, ref), (block_m, got, ref)
+
+
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory) -> Path:
     from gapless.testing import make_checkpoint

@@ -25,6 +25,7 @@ KERNELS = {
     "_qk_norm_rope_store_kernel",
     "_act_and_mul_kernel",
     "_grouped_gemm_kernel",
+    "_align_kernel",
     "_bounds_kernel",
     "_search_kernel",
     "_draw_kernel",
