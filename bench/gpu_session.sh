@@ -39,7 +39,8 @@
 #           fused kernels, piecewise graphs, torch ops), and the host bench at 1,024-token prompts
 #   sweep   the decode and extend kernels' tunings (what `kernels` times at the defaults), for a session
 #           with time to spare
-#   quant   the rest of issue 36's runs, which `all` has no time for: bench/gpu_quant.sh's tables phase (the
+#   quant   the rest of issue 36's runs, which `all` has no time for: bench/gpu_quant.sh's tables phase
+#           (Qwen3-8B's FP8 and int4 TPOT on swapped tiles and those tiles alone, the GEMVs' stages, the
 #           mixture's shape in each format, the FP8 GEMM's sweep, decode attention over each KV cache, the
 #           int4 GEMMs alone, the int4 Triton GEMM's TPOT, the FP8 GEMM alone, gemlite), in 240 s: a second
 #           call after `all` on the same machine
