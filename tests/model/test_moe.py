@@ -83,7 +83,7 @@ def test_fused_experts_match_the_reference_loop(tokens: int, hidden: int, inter:
 
 
 @pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 8, 128), (3, 2, 4), (8, 8, 64), (5, 4, 60)])
-def test_align_in_one_launch_gives_the_torch_ops_result(monkeypatch, tokens, top_k, experts) -> None:
+def test_the_align_kernel_gives_the_torch_ops_result(monkeypatch, tokens, top_k, experts) -> None:
     """Up to `ALIGN_KERNEL_ENTRIES` entries `align` is one kernel (`_align_kernel`): the same sorted
     entries (stable by expert, runs padded with the sentinel), blocks' experts and padded length as the
     torch ops', bit for bit, for a decode's token and batches whose experts take several entries each

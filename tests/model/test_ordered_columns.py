@@ -125,7 +125,7 @@ def test_an_act_order_layer_takes_x_in_order_from_its_fused_norms_and_activation
 
 
 @torch.inference_mode()
-def test_the_start_up_check_runs_the_ordered_norm_into_the_mlp(ckpt_factory, tmp_path, monkeypatch):
+def test_the_fused_start_up_check_runs_the_ordered_norm_into_the_mlp(ckpt_factory, tmp_path, monkeypatch):
     """`gapless.model.fused.disagreement` takes the norm into the MLP through the kernels: with act-order
     layers the columns the norm and activation write in order agree with the layers' own gathers, and a
     wrong order (columns shifted by one) is found, so the model would run torch's kernels instead."""

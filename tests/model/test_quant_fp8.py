@@ -651,9 +651,18 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
         by_launch = fp8_gemm(*args)
         fp8_kernel.DECODE_X = "program"
         assert torch.equal(fp8_gemm(*args), by_launch)
+        # the swapped tiles (`SWAPPED_ROWS`: fp8's wgmma on both e4m3 operands): the tiles' result to bf16's
+        # rounding, x by a launch, by each program, in the loop, in fp16
+        fp8_kernel.GEMV_ROWS, fp8_kernel.SWAPPED_ROWS = 0, 16
+        for by, tiles in (("launch", in_loop), ("program", in_loop), ("fp16", in_fp16)):
+            fp8_kernel.DECODE_X = by
+            swapped = fp8_gemm(*args)
+            assert (swapped.float() - tiles.float()).abs().max() <= 0.01 * tiles.float().abs().max(), by
+        fp8_kernel.DECODE_ROWS = 0
+        assert (fp8_gemm(*args).float() - in_loop.float()).abs().max() <= 0.01 * in_loop.float().abs().max()
     finally:
         fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = before
-        fp8_kernel.GEMV_ROWS = None
+        fp8_kernel.GEMV_ROWS = fp8_kernel.SWAPPED_ROWS = None
 
     assert int(fp8_kernel._LOCKS[y.device].abs().sum()) == 0  # every split tile's counter back at 0
 
