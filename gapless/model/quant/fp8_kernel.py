@@ -19,7 +19,9 @@ and whole K (per-channel, `stride_sk` 0), or one per [rows, k_group] block.
 Up to `GEMV_ROWS` rows (one by default), for weights of at most `GEMV_MAX_WEIGHTS`, the product runs on
 the CUDA cores instead (`_fp8_gemv_kernel`): each weight row's bytes loaded along K, widened to float32
 and multiplied by x (rounded as above, the same bits), with no 16-row tile of which 15 rows are padding.
-Either kernel may split K at decode sizes (`_splits`), finishing a tile the same way (`_finish`).
+Either kernel may split K at decode sizes (`_splits`), finishing a tile the same way (`_finish`). Up to
+`SWAPPED_ROWS` rows (an option, `GAPLESS_FP8_SWAPPED`) the tiles run transposed instead, y^T = W x^T, so
+that W's tile is the first operand of fp8's wgmma and x, padded to 16 rows, the second (`_add_product`).
 
 The Triton interpreter rounds some values to e4m3 wrongly (a carry into the next binade is lost:
 31.4 -> 16 instead of 32; triton 3.9), so the CPU tests feed it activations that are exact in e4m3 after
