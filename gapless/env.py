@@ -161,8 +161,8 @@ FP8_DECODE = _var(
     "`auto`, `launch`, `program` or `fp16`",
     "FP8 layers' rows up to 128 on CUDA: their activations rounded to e4m3 by a launch before the GEMM, or "
     "by each of its programs, or not rounded: taken to float16 against the weights widened to float16 "
-    "(W8A16, closer to the unquantized model); `auto`: in the one-row GEMV's registers, else by a launch "
-    "(`gapless.model.quant.fp8_kernel`)",
+    "(W8A16, closer to the unquantized model); `auto`: in the one-row GEMV's registers, by each program "
+    "of the swapped tiles, else by a launch (`gapless.model.quant.fp8_kernel`)",
 )
 FP8_GEMV_ROWS = _var(
     "GAPLESS_FP8_GEMV_ROWS",

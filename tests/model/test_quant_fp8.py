@@ -435,7 +435,7 @@ def test_the_swapped_tiles_give_the_references_result(monkeypatch, block):
     """Up to `SWAPPED_ROWS` rows the tiles run swapped (W x^T, W's tile the dot's first operand; on sm_90
     fp8's wgmma with no widening), the GEMV off: the reference's result at 1 and 5 rows, per-channel and
     block scales, x rounded before the loop either way, in the loop or taken to fp16, K split, a partial
-    last tile. `GAPLESS_FP8_SWAPPED` turns them on to 16 rows."""
+    last tile. `GAPLESS_FP8_SWAPPED` turns them on to 16 rows, x rounded by each program under `auto`."""
     from gapless.model.quant import fp8_kernel
 
     n, k, act = 80, 256, 64
@@ -458,6 +458,9 @@ def test_the_swapped_tiles_give_the_references_result(monkeypatch, block):
     assert not fp8_kernel._swapped(1)
     monkeypatch.setenv("GAPLESS_FP8_SWAPPED", "1")
     assert fp8_kernel._swapped(16) and not fp8_kernel._swapped(17)
+    monkeypatch.setattr(fp8_kernel, "DECODE_X", None)
+    monkeypatch.delenv("GAPLESS_FP8_DECODE", raising=False)
+    assert fp8_kernel._plan(1, n, k) == (False, 2)  # (`auto`: each program rounds its share, no launch)
 
 
 @pytest.mark.skipif(
