@@ -10,9 +10,10 @@
 #      tok/s), each with 8 decode steps profiled; then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3a. Qwen3-8B's FP8 and int4 TPOT with every layer in swapped tiles (W x^T), and those tiles alone at 1
-#      and 16 rows; the one-row GEMVs (FP8, int4; int4 also factored) with their loads 1-4 iterations deep
-#   3. the mixture Qwen3-30B-A3B's shape in bf16, FP8 and int4 (its experts in the fused grouped GEMM)
+#   3a. Qwen3-8B's FP8 and int4 TPOT with every layer in swapped tiles (W x^T), the mixture's in bf16, the
+#      swapped tiles alone at 1 and 16 rows; the one-row GEMVs (FP8, int4; int4 also factored) with their
+#      loads 1-4 iterations deep
+#   3. the mixture Qwen3-30B-A3B's shape in FP8 and int4 (its experts in the fused grouped GEMM)
 #   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
 #      at one row (`fp8_gemm.py --sweep`)
 #   5. decode attention alone over each KV cache, batches of 8, 64 and 256, blocks of 64 and 128 keys
@@ -126,6 +127,9 @@ if phase tables; then
 # step, against the GEMV's 420 and the 16-row tiles' 627)
 GAPLESS_FP8_SWAPPED=1 tpot 45 qwen3-8b fp8_swapped --engine-option quantization=fp8
 GAPLESS_INT4_KERNEL=triton GAPLESS_INT4_SWAPPED=1 tpot 45 qwen3-8b-awq int4_swapped
+# the mixture Qwen3-30B-A3B's shape in bf16 (~61 GB; 7.0 ms a token on an H200 before its sort by expert
+# became one kernel at decode sizes, `moe_triton._align_kernel`: ~25 launches fewer a layer, 48 layers)
+tpot 70 qwen3-30b-a3b bf16
 # each alone: FP8 on both models' layers at 1 and 16 rows against the default path, BN 64 and 128, K split
 # to 256 and 512 programs (`fp8_gemm.py --swapped`); int4 on Llama-3-8B's layers against the 16-row tiles
 # and tinygemm at 1 and 16 rows, plain loads and 3 stages
@@ -148,9 +152,7 @@ other 55 int4_gemv_stages "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 -
   --factored 0 1 --stages 1 2 4 --split-k 0 8 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
 tee -a "$LOG" <"$OUT/int4_gemv_stages.log" 2>/dev/null
 
-# the mixture (~61 GB in bf16): its experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU
-# has run these yet)
-tpot 70 qwen3-30b-a3b bf16
+# the mixture's experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU has run these yet)
 tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
 tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
 
