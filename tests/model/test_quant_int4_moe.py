@@ -226,13 +226,13 @@ def test_a_malformed_expert_tensor_is_refused_in_one_line(ckpt_factory, tmp_path
 @pytest.mark.slow  # (20 sm_90 compiles, ~18 s)
 def test_int_experts_compile_for_sm90():
     """The grouped GEMM's int4 and int8 variants (plain and adapter paths, both half-precision dtypes:
-    20 specializations with the adapters' own kernels) compile for sm_90 (`gapless.testing.triton_compile`),
-    none failing."""
+    20 specializations with the adapters' own kernels, and the sort by expert's kernel once a case: 6)
+    compile for sm_90 (`gapless.testing.triton_compile`), none failing."""
     built = compile_cases("moe", " int")
     if built is None:
         pytest.skip("this triton has no NVIDIA backend to compile with")
-    assert built.kernels[:2] == ["_grouped_gemm_kernel", "_lora_expand_kernel"], built
-    assert built.compilations == 20 and not built.failed, built
+    assert built.kernels[:3] == ["_align_kernel", "_grouped_gemm_kernel", "_lora_expand_kernel"], built
+    assert built.compilations == 20 + 6 and not built.failed, built
 
 
 def test_act_order_experts_are_refused_by_name(ckpt_factory, tmp_path):
