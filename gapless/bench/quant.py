@@ -9,11 +9,12 @@
 published values) and the built-in tokenizer, no weights, and for the two larger shapes a `-awq` twin
 whose config carries an AWQ int4 g128 `quantization_config` (the common int4 layout; every int4/int8
 layout runs the same GEMM), and for the 8B a `-gptq-act` twin, GPTQ int4 g128 with act-order (the same
-GEMMs behind a gather of x a layer). `run` loads it with `load_format=dummy` (random weights made on the
-device, in the int4 form where the config says so, none read: a 16 GB checkpoint is neither built nor read) in
-bfloat16, on CUDA graphs at batch 1, and times one request at a time: a 128-token prompt generating 1
-token (its prefill) and generating 1 + `--tokens` (default 64); TPOT = the difference / `--tokens`, the
-median of `--repeats` (default 3) after a warm-up. `--profile` then runs both once more under torch.profiler:
+GEMMs, x's columns in each layer's order: gathered for o, written so by the fused kernels for the rest).
+`run` loads it with `load_format=dummy` (random weights made on the device, in the int4 form where the
+config says so, none read: a 16 GB checkpoint is neither built nor read) in bfloat16, on CUDA graphs at
+batch 1, and times one request at a time: a 128-token prompt generating 1 token (its prefill) and
+generating 1 + `--tokens` (default 64); TPOT = the difference / `--tokens`, the median of `--repeats`
+(default 3) after a warm-up. `--profile` then runs both once more under torch.profiler:
 each kernel's device time a token (the same difference over `--tokens`), and their sum against TPOT (the
 rest: the device idle between kernels, or the host behind it).
 `--engine-option` adds an engine option (quantization=fp8: the bf16 weights quantized at load, one scale

@@ -117,7 +117,8 @@ def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
 
 def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
     """AWQ, GPTQ and compressed-tensors `pack-quantized`: int4/int8 weights with group-wise scales and
-    zeros, activations in the model's dtype (`gapless.model.quant.int4` reads and refuses the layouts)."""
+    zeros, activations in the model's dtype (`gapless.model.quant.int4_layouts` reads and refuses the
+    layouts)."""
     from gapless.model.quant import int4_layouts
 
     method = str(qcfg.get("quant_method", "")).lower()

@@ -383,8 +383,9 @@ def _plan(m: int, n: int, k: int) -> tuple[bool, int]:
     gemv_rows = GEMV_ROWS if GEMV_ROWS is not None else env.FP8_GEMV_ROWS.get()
     gemv = m <= gemv_rows and n * k <= GEMV_MAX_WEIGHTS and not _swapped(m)
     by = DECODE_X or env.FP8_DECODE.get()
-    if by == "auto":  # the GEMV's x in its registers, the swapped tiles' by each program (untimed: no
-        by = "program" if gemv or _swapped(m) else "launch"  # launch for o), the tiles' by a launch
+    if by == "auto":  # the GEMV's x in its registers and the swapped tiles' by each program (no launch
+        # for o's; untimed), the tiles' by a launch
+        by = "program" if gemv or _swapped(m) else "launch"
     return gemv, 0 if m > DECODE_ROWS else _ROUNDING[by]
 
 

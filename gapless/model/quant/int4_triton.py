@@ -172,7 +172,6 @@ def _accumulate(acc, x, w, IEEE: tl.constexpr, AS_FP32: tl.constexpr, SWAPPED: t
     for the dot (fp32 operands with `AS_FP32`), fp32 dots in IEEE precision."""
     if AS_FP32:
         x = x.to(tl.float32)
-        w = w.to(tl.float32)
     else:
         w = w.to(x.dtype)
     a, b = (w, x) if SWAPPED else (x, w)
