@@ -6,24 +6,22 @@ path's profile (`bench/profile_served.sh`).
         [--threads N] [--compare] [--compare-one-row]
 
 Per batch size B: B prompts of `--prompt-len` random token ids, greedy with `ignore_eos`; a step's time is
-(time of `--steps` + 2 new tokens - time of 2 new tokens) / `--steps`, so the prefill and the first
-decode cancel out, best of `--repeat`. `--compare` loads the model twice, once with the CPU's GEMMs on
-plain weights (`GAPLESS_CPU_GEMM=plain`, see `gapless.model.cpu_gemm`) and once by default (prepacked),
-and times them in alternation (plain, default, plain, ...), so that on a shared machine both see the same
-load: it prints each one's step time and default/plain, the ratio to trust. `--compare-one-row` times the
-default engine also with `gapless.model.cpu_gemm.ONE_ROW_AS = 1` (oneDNN's one-row kernel called on a
-lone row as it is, where the default computes it as copies of itself), alternating in the same way, and
-prints default/one_row_direct (the same at 2 rows and more). `--compare-compile` loads the engine
-a second time with `cpu_compile=True` (its decode layers compiled: `gapless.engine.cpu_compile`) and
-prints default/compiled, the compiled step's speed-up. `--compare-without-gemms` times the default
-engine also with every prepacked GEMM (the linear layers and the LM head) replaced by a cached zero
-result of its shape, alternating in the same way: what a step costs besides its GEMMs (the attention,
-norms, RoPE, sampling, the host), the floor that no GEMM kernel lowers; it prints
-without_gemms/default, the share of the step outside the GEMMs. The op count is the number
-of torch operators (`aten::*`, nested ones included) that one decode step dispatches, from the torch
-profiler: on a CPU each costs a few microseconds of dispatch whatever its size, so it is the part of a
-small model's step that is overhead.
-"""
+(time of `--steps` + 2 new tokens - time of 2 new tokens) / `--steps`, each time the best of `--repeat`, so
+the prefill and the first decode cancel out. `--compare` loads the model twice, once with the CPU's GEMMs on
+plain weights (`GAPLESS_CPU_GEMM=plain`, see `gapless.model.cpu_gemm`) and once by default (prepacked), and
+times them in alternation (plain, default, plain, ...), so that on a shared machine both see the same load: it
+prints each one's step time and default/plain, the ratio to trust. `--compare-one-row` times the default
+engine also with `gapless.model.cpu_gemm.ONE_ROW_AS = 1` (oneDNN's one-row kernel called on a lone row as it
+is, where the default computes it as copies of itself), alternating in the same way, and prints
+default/one_row_direct (the same at 2 rows and more). `--compare-compile` loads the engine a second time with
+`cpu_compile=True` (its decode layers compiled: `gapless.engine.cpu_compile`) and prints default/compiled, the
+compiled step's speed-up. `--compare-without-gemms` times the default engine also with every prepacked GEMM
+(the linear layers and the LM head) replaced by a cached zero result of its shape, alternating in the same
+way: what a step costs besides its GEMMs (the attention, norms, RoPE, sampling, the host), the floor that no
+GEMM kernel lowers; it prints without_gemms/default, the share of the step outside the GEMMs. The op count is
+the number of torch operators (`aten::*`, nested ones included) that one decode step dispatches, from the
+torch profiler: on a CPU each costs a few microseconds of dispatch whatever its size, so it is the part of a
+small model's step that is overhead."""
 
 from __future__ import annotations
 
@@ -43,17 +41,13 @@ from gapless.model import cpu_gemm
 DEFAULT_ONE_ROW_AS = cpu_gemm.ONE_ROW_AS
 
 
-def step_ms(llm, prompts: list[list[int]], steps: int, repeat: int) -> float:  # noqa: ANN001 (LLM)
-    """Best-of-`repeat` ms per decode step over `steps` steps."""
+def generate_s(llm, prompts: list[list[int]], tokens: int) -> float:  # noqa: ANN001 (LLM)
+    """Seconds to generate `tokens` new tokens greedily for every prompt."""
     from gapless import SamplingParams
 
-    def run(n: int) -> float:
-        t = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t
-
-    run(2)  # warm-up
-    return min((run(steps + 2) - run(2)) / steps for _ in range(repeat)) * 1e3
+    t = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - t
 
 
 def ops_per_step(llm, prompts: list[list[int]]) -> int:  # noqa: ANN001 (LLM)
@@ -147,12 +141,18 @@ def _variant(label: str) -> Iterator[None]:
 
 
 def _measure(engines: dict[str, Any], prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    """Each engine's best ms per step, the rounds alternating between the engines."""
-    best = {label: float("inf") for label in engines}
-    for _ in range(args.repeat):
+    """Each engine's ms per step, the rounds alternating between the engines: its best run of `--steps` + 2
+    tokens less its best run of 2 (noise only adds time, so each length's best is its own estimate)."""
+    long = {label: float("inf") for label in engines}
+    short = dict(long)
+    for i in range(args.repeat):
         for label, llm in engines.items():
             with _variant(label):
-                best[label] = min(best[label], step_ms(llm, prompts, args.steps, 1))
+                if i == 0:
+                    generate_s(llm, prompts, 2)  # warm-up
+                long[label] = min(long[label], generate_s(llm, prompts, args.steps + 2))
+                short[label] = min(short[label], generate_s(llm, prompts, 2))
+    best = {label: (long[label] - short[label]) / args.steps * 1e3 for label in engines}
     row: dict[str, Any] = {"batch": len(prompts)}
     for label, ms in best.items():
         row[label] = dict(ms_per_step=ms, tok_s=len(prompts) * 1e3 / ms)

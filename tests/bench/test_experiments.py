@@ -39,7 +39,7 @@ def test_embed_times_both_and_agrees():
 
 def test_cpu_step_compare_times_plain_packed_and_without_gemms_and_packing_cuts_ops():
     model = cached_checkpoint("qwen3")
-    argv = ["--model", str(model), "--batch", "1", "3", "--steps", "2", "--repeat", "1", "--threads", "1"]
+    argv = ["--model", str(model), "--batch", "1", "3", "--steps", "8", "--repeat", "2", "--threads", "1"]
     rows = cpu_step.main(
         [*argv, "--compare", "--compare-one-row", "--compare-without-gemms", "--kv-cache-tokens", "512"]
     )
