@@ -10,14 +10,14 @@
 #      tok/s), each with 8 decode steps profiled; then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3a. Qwen3-8B's FP8 and int4 TPOT with every layer in swapped tiles (W x^T), the mixture's in bf16, the
-#      swapped tiles alone at 1 and 16 rows; the one-row GEMVs (FP8, int4; int4 also factored) with their
-#      loads 1-4 iterations deep
+#   3a. Qwen3-8B's FP8 and int4 TPOT with every layer in swapped tiles (W x^T); decode attention alone over
+#      each KV cache, batches of 64 and 256, blocks of 64 and 128 keys, 2 and 3 stages
+#      (`gapless.bench.kernels`); the mixture's TPOT in bf16; the swapped tiles alone at 1 and 16 rows; the
+#      one-row GEMVs (FP8, int4; int4 also factored) with their loads 1-4 iterations deep
 #   3. the mixture Qwen3-30B-A3B's shape in FP8 and int4 (its experts in the fused grouped GEMM)
 #   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
 #      at one row (`fp8_gemm.py --sweep`)
-#   5. decode attention alone over each KV cache, batches of 8, 64 and 256, blocks of 64 and 128 keys
-#      (`gapless.bench.kernels`)
+#   5. decode attention at batch 1 over short contexts, split less
 #   6. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm) against bf16 on Llama-3-8B's
 #      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`); int4 TPOT through the Triton
 #      GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no ratio), and with act-order (GPTQ
@@ -112,12 +112,12 @@ done
 fi
 
 if phase tables; then
-# the swapped tiles first (W x^T, never timed: the likeliest way to the issue's FP8 and int4 targets), as
-# TPOT and alone; the one-row GEMVs' loads pipelined next (short: each decides a default), then what no
-# GPU has run (the mixture quantized), then the sweeps that decide the next defaults (the
-# FP8 GEMM's at one row for gate/up and down; decode attention at batch 1 split less, and over an fp8
-# cache in 128-key blocks),
-# then the int4 GEMMs' table, the int4 Triton GEMM's TPOT, the FP8 GEMM's table and gemlite
+# the swapped tiles first (W x^T, never timed: the likeliest way to the issue's FP8 and int4 targets) as
+# TPOT, then decode attention over each cache (the FP8 KV target's), the mixture in bf16, the swapped
+# tiles alone; the one-row GEMVs' loads pipelined next (short: each decides a default), then what no GPU
+# has run (the mixture quantized), then the sweeps that decide the next defaults (the FP8 GEMM's at one
+# row for gate/up and down; decode attention at batch 1 split less), then the int4 GEMMs' table, the int4
+# Triton GEMM's TPOT, the FP8 GEMM's table and gemlite
 
 # Qwen3-8B's TPOT with every FP8 layer (`GAPLESS_FP8_SWAPPED`: up to 16 rows, the GEMV off) and every int4
 # layer (`GAPLESS_INT4_SWAPPED`, on the Triton GEMM) in swapped tiles, against the targets phase's FP8
@@ -127,6 +127,19 @@ if phase tables; then
 # step, against the GEMV's 420 and the 16-row tiles' 627)
 GAPLESS_FP8_SWAPPED=1 tpot 45 qwen3-8b fp8_swapped --engine-option quantization=fp8
 GAPLESS_INT4_KERNEL=triton GAPLESS_INT4_SWAPPED=1 tpot 45 qwen3-8b-awq int4_swapped
+# decode attention alone over a bf16 and an fp8 cache (the FP8 KV target's lever): batches of 256
+# (nano-vllm's full batch) and 64, 1k and 4k contexts, pages of 1 token (the engine's default; 16 timed the
+# same within 1% on an H200), blocks of 64 keys (the default; an fp8 cache's values in pairs: 0.75x bf16's
+# time at batch 256 on an H200, 2.6 TB/s of e4m3 against bf16's 3.9: bench/results/h200-2026-11-27-default)
+# and 128 (as many bytes as bf16's 64; sm_90 binary at group 4: 152 registers, 73 KB shared), each loaded 1
+# and 2 blocks ahead (2 and 3 stages; at 3 an fp8 cache's value pairs go through asynchronous copies too).
+# Inferred from that run, not measured: both caches ran ~3 programs an SM at about the same time a block,
+# which bf16's bytes make the bandwidth and fp8's half bytes 2/3 of it, so more bytes in flight an SM is
+# what fp8 lacks. Extend attention over each cache at 2,048 tokens (its other tables cut)
+other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 256 --context 1024 4096 \
+  --page-size 1 --kv-cache-dtype auto fp8 --decode-block-n 0 128 --decode-stages 2 3 --tokens 16 \
+  --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
+awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 # the mixture Qwen3-30B-A3B's shape in bf16 (~61 GB; 7.0 ms a token on an H200 before its sort by expert
 # became one kernel at decode sizes, `moe_triton._align_kernel`: ~25 launches fewer a layer, 48 layers)
 tpot 70 qwen3-30b-a3b bf16
@@ -172,17 +185,6 @@ other 40 attention_b1 "$PY" -m gapless.bench.kernels --device cuda --batch 1 --c
   --page-size 1 --decode-min-split-len 0 256 1024 --tokens 16 --extend-tokens 2048 --sample-batch 1 \
   --json "$OUT/attention_b1.json"
 awk '/^decode attention/,/^$/' "$OUT/attention_b1.log" 2>/dev/null | tee -a "$LOG"
-
-# decode attention alone over a bf16 and an fp8 cache: batches of 256 (nano-vllm's full batch), 64 and 8
-# (its tail, where K is split), 1k and 4k contexts, pages of 1 token (the engine's default; 16 timed the
-# same within 1% on an H200), at the kernel's default blocks of 64 keys (an fp8 cache's values in pairs:
-# 0.75x bf16's time at batch 256 on an H200: bench/results/h200-2026-11-27-default) and 128 (an fp8 block
-# of 128 keys is as many bytes as bf16's of 64; sm_90 binary: 142 registers, 73 KB shared, no spills);
-# extend attention over each cache at 2,048 tokens (`gapless.bench.kernels`; its other tables cut)
-other 60 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 8 64 256 --context 1024 4096 \
-  --page-size 1 --kv-cache-dtype auto fp8 --decode-block-n 0 128 --tokens 16 --extend-tokens 2048 \
-  --sample-batch 1 --json "$OUT/kv_attention.json"
-awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 
 # the int4/int8 weight-only GEMM against bf16's on Llama-3-8B's layers, from a decode's 1 and 16 rows to a
 # prefill's 256 and 2048 (`auto` runs tinygemm's copy up to int4_kernels.TINYGEMM_ROWS rows, the Triton
