@@ -100,6 +100,16 @@ class DecodeTuning:
       256 and head dim 128, pairs took 64-key blocks over an fp8 cache from 254 to 210 us at 1k keys and
       965 to 807 at 4k, and 32-key blocks from 273 to 316 and 1,057 to 1,227; `whole_blocks` took bf16's
       64-key blocks from 279 to 289 and 1,085 to 1,132 (bench/results/h200-2026-11-27-gemv).
+    - `prefetch`: each key block's keys and values loaded into registers one block ahead, while the block
+      before is computed, and its slots two blocks ahead, with Triton's own pipelining off in that loop
+      (`_prefetched_blocks`; `num_stages` then shapes nothing of it). In the sm_90 binary Triton's
+      pipelining, at 2 stages or 3, issues the next block's copies near a step's end and waits for all of
+      them at the top of the next step (the slots' load ahead of the keys' keeps it from going deeper),
+      so a program's loads and its compute take turns; prefetched, each load is in flight through a
+      whole step's compute, for the tiles' registers (sm_90 binary, Triton 3.6, head dim 128, group 4,
+      64-key blocks: 241 registers over bf16 where the default takes 96, 204 over fp8 where it takes 138,
+      at 4 warps; 150 and 126 at 8), so fewer programs an SM. Not with `whole_blocks` (every block is
+      masked, as the last one). For the GPU sweep to weigh.
     """
 
     block_n: int | None = None
@@ -110,11 +120,14 @@ class DecodeTuning:
     heads_first: bool = False
     whole_blocks: bool = False
     values_in_pairs: bool | None = None
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         _check_tuning(
             self, "decode", ("block_n",), ("num_warps", "num_stages", "programs_per_sm", "min_split_len")
         )
+        if self.prefetch and self.whole_blocks:
+            raise ValueError("decode prefetch and whole_blocks: one or the other (prefetch masks each block)")
 
     def keys_per_block(self, head_dim: int) -> int:
         """`block_n`, or its default for `head_dim`."""
@@ -210,50 +223,54 @@ def _e4m3_pairs_to_fp16(w, ASM: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(
-    q,
-    K,
-    V,
-    slots,
-    visible,
-    kv_mask,
-    kvh,
-    offs_d,
-    d_mask,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    scale_log2,
-    cap_in,
-    cap_out,
-    m_i,
-    l_i,
-    acc,
-    SOFTCAP: tl.constexpr,
-    IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    MASK: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """One block of keys of the online softmax, for both kernels: scores of `q` [M, BLOCK_D] against the
-    keys in `slots` [BLOCK_N] where `visible` [M or 1, BLOCK_N] (others -inf), then the running max `m_i`,
-    sum `l_i` and accumulator `acc` rescaled and updated with the block's values. Returns them.
-    SOFTCAP: scores s * scale become cap * tanh(s * scale / cap) (`cap_in` = scale / cap, `cap_out` =
-    cap * log2(e)) before the mask, as Gemma 2 caps them. MASK False: every key of the block exists
-    (`kv_mask` all true) and every query sees it (`visible` all true), so neither is applied. KV_FP8
-    (nonzero): the cache holds e4m3, widened to q's dtype here; its scales are the callers' (the k scale
-    folded into `scale_log2`/`cap_in`, the v scale applied to the output). 2 and 3: the values read as
-    16-bit pairs and widened a pair at once (`_e4m3_pairs_to_fp16`: 2 by PTX, 3 by Triton's conversions;
-    `DecodeTuning.values_in_pairs`)."""
+def _load_keys(K, slots, kv_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, MASK: tl.constexpr):
+    """A block's keys at `slots`, [BLOCK_D, BLOCK_N], as the cache holds them. MASK False: every slot
+    exists (`kv_mask` unused)."""
     if MASK:
         k_mask = kv_mask[None, :] & d_mask[:, None]
     else:
         k_mask = d_mask[:, None]
-    k = tl.load(
-        K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=k_mask, other=0.0
-    )  # [BLOCK_D, BLOCK_N]
+    return tl.load(K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=k_mask, other=0.0)
+
+
+@triton.jit
+def _load_values(
+    V, slots, kv_mask, kvh, offs_d, d_mask, stride_vt, stride_vh, MASK: tl.constexpr, KV_FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """A block's values at `slots`, [BLOCK_N, BLOCK_D], as the cache holds them; an fp8 cache's with
+    KV_FP8 >= 2 as [BLOCK_N, BLOCK_D // 2] uint16 pairs along the head dimension (for `_add_values`)."""
+    if KV_FP8 >= 2:
+        pairs: tl.constexpr = offs_d.shape[0] // 2
+        pair_mask = (tl.arange(0, pairs) < HEAD_DIM // 2)[None, :]  # (HEAD_DIM even)
+        if MASK:
+            pair_mask = kv_mask[:, None] & pair_mask
+        first = (slots[:, None] * stride_vt + kvh * stride_vh) // 2  # (strides even: checked by the caller)
+        v = tl.load(V.to(tl.pointer_type(tl.uint16), bitcast=True) + first + tl.arange(0, pairs)[None, :],
+                    mask=pair_mask, other=0)  # fmt: skip
+    else:  # (one return: Triton refuses returns of different types, even in a branch it leaves out)
+        if MASK:
+            v_mask = kv_mask[:, None] & d_mask[None, :]
+        else:
+            v_mask = d_mask[None, :]
+        v = tl.load(
+            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=v_mask, other=0.0
+        )
+    return v
+
+
+@triton.jit
+def _scores(
+    q, k, visible, scale_log2, cap_in, cap_out, m_i, l_i, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, MASK: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    """The online softmax's first half for a block of keys `k`: scores of `q` [M, BLOCK_D] where `visible`
+    [M or 1, BLOCK_N] (others -inf), the new running max and sum, the block's weights p [M, BLOCK_N] and
+    the factor `alpha` [M] the accumulator is rescaled by. SOFTCAP: scores s * scale become
+    cap * tanh(s * scale / cap) (`cap_in` = scale / cap, `cap_out` = cap * log2(e)) before the mask, as
+    Gemma 2 caps them. MASK False: every query sees every key of the block (`visible` unused). KV_FP8
+    (nonzero): e4m3 keys, widened to q's dtype here (the k scale is folded into `scale_log2`/`cap_in` by
+    the callers)."""
     if KV_FP8:
         k = k.to(q.dtype)
     # the dot's variants are spelt out, not a helper each: nested @jit calls are slow under the interpreter
@@ -274,36 +291,86 @@ def _attend_block(
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_sub)
     p = tl.exp2(s - m_sub[:, None])
-    l_i = l_i * alpha + _sum(p, 1)
-    if MASK:
-        v_mask = kv_mask[:, None] & d_mask[None, :]
+    return m_new, l_i * alpha + _sum(p, 1), p, alpha
+
+
+@triton.jit
+def _add_values(
+    p, v, alpha, acc, q, IEEE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    """The online softmax's second half: `acc` rescaled by `alpha` plus P @ V, for `_load_values`'s `v`
+    (an fp8 cache's widened to q's dtype here, with KV_FP8 2 and 3 from pairs, a pair at once:
+    `_e4m3_pairs_to_fp16`, 2 by PTX, 3 by Triton's conversions; its v scale is the callers')."""
+    if KV_FP8 >= 2:
+        lo, hi = _e4m3_pairs_to_fp16(v, KV_FP8 == 2)
+        p, v = p.to(q.dtype), tl.reshape(tl.join(lo, hi), (p.shape[1], q.shape[1])).to(q.dtype)
+    elif KV_FP8:  # P @ V in q's dtype, the values widened to it
+        p, v = p.to(q.dtype), v.to(q.dtype)
     else:
-        v_mask = d_mask[None, :]
-    if KV_FP8 >= 2:  # e4m3 values read as 16-bit pairs along the head dimension, widened a pair at once
-        pairs: tl.constexpr = offs_d.shape[0] // 2
-        pair_mask = (tl.arange(0, pairs) < HEAD_DIM // 2)[None, :]  # (HEAD_DIM even)
-        if MASK:
-            pair_mask = kv_mask[:, None] & pair_mask
-        first = (slots[:, None] * stride_vt + kvh * stride_vh) // 2  # (strides even: checked by the caller)
-        w = tl.load(V.to(tl.pointer_type(tl.uint16), bitcast=True) + first + tl.arange(0, pairs)[None, :],
-                    mask=pair_mask, other=0)  # fmt: skip
-        lo, hi = _e4m3_pairs_to_fp16(w, KV_FP8 == 2)
-        p, v = p.to(q.dtype), tl.reshape(tl.join(lo, hi), (slots.shape[0], offs_d.shape[0])).to(q.dtype)
-    else:
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=v_mask, other=0.0
-        )  # [BLOCK_N, BLOCK_D]
-        if KV_FP8:  # P @ V in q's dtype, the values widened to it
-            p, v = p.to(q.dtype), v.to(q.dtype)
-        else:
-            p = p.to(V.dtype.element_ty)  # P @ V in the input dtype, as flash attention does
+        p = p.to(v.dtype)  # P @ V in the input dtype, as flash attention does
     if UPCAST:
         p, v = p.to(tl.float32), v.to(tl.float32)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p, v)
-    return m_new, l_i, acc
+    return acc
+
+
+@triton.jit
+def _attend_block(
+    q, K, V, slots, visible, kv_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
+    scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, MASK: tl.constexpr, KV_FP8: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """One block of keys of the online softmax, for both kernels, its keys and values loaded here: the
+    keys, the scores, then the values (so that Triton's pipelining, or else the order, keeps the values
+    out of the registers the scores need). Returns the new `m_i`, `l_i`, `acc`. MASK False: every key of
+    the block exists (`kv_mask` all true) and every query sees it (`visible` all true)."""
+    k = _load_keys(K, slots, kv_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, MASK)
+    m_i, l_i, p, alpha = _scores(
+        q, k, visible, scale_log2, cap_in, cap_out, m_i, l_i, SOFTCAP, IEEE, UPCAST, MASK, KV_FP8
+    )
+    v = _load_values(V, slots, kv_mask, kvh, offs_d, d_mask, stride_vt, stride_vh, MASK, KV_FP8, HEAD_DIM)
+    return m_i, l_i, _add_values(p, v, alpha, acc, q, IEEE, UPCAST, KV_FP8)
+
+
+@triton.jit
+def _prefetched_blocks(
+    q, K, V, table_row, start, end, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
+    scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, KV_FP8: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over the keys [start, end) of a table row, a block at a time, each block's keys
+    and values loaded into registers a block ahead (during the block before's compute) and its slots two
+    blocks ahead (`DecodeTuning.prefetch`); returns the new `m_i`, `l_i`, `acc`. Triton's pipelining is
+    off in this loop: in the sm_90 binary, at 2 or 3 stages, it issues a step's copies of the next block
+    near the step's end and waits for all of them at the top of the next step, before any of its
+    compute, so their latency is not hidden."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+    k = _load_keys(K, slots, n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, True)
+    v = _load_values(V, slots, n_mask, kvh, offs_d, d_mask, stride_vt, stride_vh, True, KV_FP8, HEAD_DIM)
+    next_mask = offs_n + BLOCK_N < end
+    next_slots = tl.load(table_row + offs_n + BLOCK_N, mask=next_mask, other=0).to(tl.int64)
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
+        k_now, v_now, mask_now = k, v, n_mask
+        # (past `end` every lane is masked: nothing is read)
+        k = _load_keys(K, next_slots, next_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, True)
+        v = _load_values(
+            V, next_slots, next_mask, kvh, offs_d, d_mask, stride_vt, stride_vh, True, KV_FP8, HEAD_DIM
+        )
+        n_mask = next_mask
+        offs_n = n0 + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+        next_mask = offs_n < end
+        next_slots = tl.load(table_row + offs_n, mask=next_mask, other=0).to(tl.int64)
+        m_i, l_i, p, alpha = _scores(
+            q, k_now, mask_now[None, :], scale_log2, cap_in, cap_out, m_i, l_i, SOFTCAP, IEEE, UPCAST, True,
+            KV_FP8,
+        )  # fmt: skip
+        acc = _add_values(p, v_now, alpha, acc, q, IEEE, UPCAST, KV_FP8)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -478,6 +545,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (kv heads, batch, splits): a request's heads launch side by side
@@ -532,25 +600,31 @@ def _decode_split_kernel(
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
     acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)
     table_row = Table + row * stride_table
-    whole = start
-    if WHOLE_BLOCKS:  # the whole blocks first, unmasked
-        whole += (end - start) // BLOCK_N * BLOCK_N
-        for n0 in range(start, whole, BLOCK_N):
-            slots = tl.load(table_row + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-            m_i, l_i, acc = _attend_block(
-                q, K, V, slots, d_mask[None, :], d_mask, kvh, offs_d, d_mask, stride_kt, stride_kh,
-                stride_vt, stride_vh, scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST,
-                False, KV_FP8, HEAD_DIM,
-            )  # fmt: skip
-    for n0 in range(whole, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
-        m_i, l_i, acc = _attend_block(
-            q, K, V, slots, n_mask[None, :], n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt,
-            stride_vh, scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, True, KV_FP8,
-            HEAD_DIM,
+    if PREFETCH:
+        m_i, l_i, acc = _prefetched_blocks(
+            q, K, V, table_row, start, end, kvh, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
+            scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST, KV_FP8, HEAD_DIM, BLOCK_N,
         )  # fmt: skip
+    else:
+        whole = start
+        if WHOLE_BLOCKS:  # the whole blocks first, unmasked
+            whole += (end - start) // BLOCK_N * BLOCK_N
+            for n0 in range(start, whole, BLOCK_N):
+                slots = tl.load(table_row + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+                m_i, l_i, acc = _attend_block(
+                    q, K, V, slots, d_mask[None, :], d_mask, kvh, offs_d, d_mask, stride_kt, stride_kh,
+                    stride_vt, stride_vh, scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST,
+                    False, KV_FP8, HEAD_DIM,
+                )  # fmt: skip
+        for n0 in range(whole, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+            m_i, l_i, acc = _attend_block(
+                q, K, V, slots, n_mask[None, :], n_mask, kvh, offs_d, d_mask, stride_kt, stride_kh,
+                stride_vt, stride_vh, scale_log2, cap_in, cap_out, m_i, l_i, acc, SOFTCAP, IEEE, UPCAST,
+                True, KV_FP8, HEAD_DIM,
+            )  # fmt: skip
     if KV_FP8:  # before the split's output is written or merged: merging is linear in it
         acc = acc * tl.load(VScale)
 
@@ -883,6 +957,7 @@ def decode_attention(
         SOFTCAP=bool(softcap),
         HEADS_FIRST=tuning.heads_first,
         WHOLE_BLOCKS=tuning.whole_blocks,
+        PREFETCH=tuning.prefetch,
         SPLIT=splits > 1,
         BLOCK_G=block_g,
         BLOCK_S=block_s,

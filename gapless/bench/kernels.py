@@ -171,6 +171,7 @@ def report(res: dict[str, Any]) -> list[str]:
             ("heads first", "heads_first", _opt),
             ("whole blocks", "whole_blocks", _opt),
             ("value pairs", "values_in_pairs", _opt),
+            ("prefetch", "prefetch", _opt),
             ("splits", "splits", _opt),
             ("µs", "attention_us", _fmt),
             ("KV read TB/s", "attention_tb_s", "{:.3f}".format),
@@ -251,6 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("heads-first", "1 launches a request's kv heads side by side (grid order)"),
         ("whole-blocks", "1 runs a split's whole key blocks without masks, its partial block after"),
         ("values-in-pairs", "1 reads an fp8 cache's values as 16-bit pairs, widened a pair at once"),
+        ("prefetch", "1 loads each key block's keys and values into registers a block ahead"),
     ):
         p.add_argument(
             f"--decode-{flag}", type=int, nargs="+", choices=(0, 1), default=[None], help=f"{tune}: {what}"

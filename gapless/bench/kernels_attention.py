@@ -61,15 +61,17 @@ def decode_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
         return [None]
     from gapless.attention.triton_kernels import MIN_SPLIT_LEN, DecodeTuning
 
-    combos = itertools.product(  # block_n, warps, stages, programs_per_sm, min_split_len, the three flags
+    combos = itertools.product(  # block_n, warps, stages, programs_per_sm, min_split_len, the four flags
         args.decode_block_n, args.decode_warps, args.decode_stages, args.decode_programs_per_sm,
         args.decode_min_split_len, args.decode_heads_first, args.decode_whole_blocks,
-        args.decode_values_in_pairs,
+        args.decode_values_in_pairs, args.decode_prefetch,
     )  # fmt: skip
-    flags = ("heads_first", "whole_blocks", "values_in_pairs")  # (a flag's None: DecodeTuning's default)
+    flags = ("heads_first", "whole_blocks", "values_in_pairs", "prefetch")  # (None: DecodeTuning's default)
     tunings = []
     for n, w, st, pps, msl, *on in combos:
         named = {f: bool(v) for f, v in zip(flags, on) if v is not None}
+        if named.get("prefetch") and named.get("whole_blocks"):
+            continue  # (exclusive: DecodeTuning refuses both)
         tunings.append(DecodeTuning(n or None, w, st, pps, msl or MIN_SPLIT_LEN, **named))
     return tunings
 
@@ -153,6 +155,7 @@ def _attention_case(
                 "heads_first": tuning.heads_first if tuning is not None else None,
                 "whole_blocks": tuning.whole_blocks if tuning is not None else None,
                 "values_in_pairs": tuning.pairs(D) if tuning is not None else None,
+                "prefetch": tuning.prefetch if tuning is not None else None,
                 "splits": splits[0] if splits else None,
                 "attention_us": t_attn,
                 "attention_tb_s": attn_tbs,

@@ -240,8 +240,8 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): Qwen3-8B's FP8 and int4
-    TPOT on the swapped tiles first, decode attention over each cache in 64- and 128-key blocks 2 and 3
-    stages deep (the FP8 KV target's lever) and the mixture's TPOT in bf16, then those tiles alone, the
+    TPOT on the swapped tiles first, decode attention over each cache in 64- and 128-key blocks,
+    prefetched or not (the FP8 KV target's lever) and the mixture's TPOT in bf16, then those tiles alone, the
     one-row GEMVs' stages (FP8 and int4, the latter also factored: short, each deciding a default), what no
     GPU has run next (the mixture quantized), then the FP8 GEMM's sweep and decode attention at batch 1,
     then the int4 GEMMs' table (without gemlite, whose first call tunes past the step's limit); no TPOT run
@@ -256,7 +256,7 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     ]  # fmt: skip
     assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
     assert attention[attention.index("--decode-block-n") + 1 :][:2] == ["0", "128"]
-    assert attention[attention.index("--decode-stages") + 1 :][:2] == ["2", "3"]
+    assert attention[attention.index("--decode-prefetch") + 1 :][:2] == ["0", "1"]
     fp8_alone, int4_alone = tables[5:7]
     assert fp8_alone[0].endswith("fp8_gemm.py") and "--swapped" in fp8_alone
     assert int4_alone[:2] == ["-m", "gapless.bench.int4_gemm"] and "--swapped" in int4_alone
@@ -268,6 +268,7 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert [c[3].rsplit("/", 1)[1] for c in tables[9:11]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
     sweep, batch1, int4_gemm = tables[11:14]
     assert batch1[:2] == ["-m", "gapless.bench.kernels"] and "--decode-min-split-len" in batch1
+    assert "--decode-prefetch" in batch1
     assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep
     assert int4_gemm[:2] == ["-m", "gapless.bench.int4_gemm"] and "--ptx-values" in int4_gemm
     assert "gemlite" not in int4_gemm

@@ -98,5 +98,10 @@ def test_decode_tunings_leave_an_unnamed_flag_at_its_default():
         kernels.parse_args("--decode-min-split-len 0 256".split()), triton_backend
     )
     assert [t.min_split_len for t in lens] == [DecodeTuning().min_split_len, 256]
+    # prefetch and whole blocks together are skipped (DecodeTuning refuses them), the rest all kept
+    mixed = kernels_attention.decode_tunings(
+        kernels.parse_args("--decode-prefetch 0 1 --decode-whole-blocks 0 1".split()), triton_backend
+    )
+    assert [(t.whole_blocks, t.prefetch) for t in mixed] == [(False, False), (False, True), (True, False)]
     not_triton = object()
     assert kernels_attention.decode_tunings(kernels.parse_args([]), not_triton) == [None]
