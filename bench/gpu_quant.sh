@@ -11,9 +11,9 @@
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3a. Qwen3-8B's FP8 and int4 TPOT with every layer in swapped tiles (W x^T); decode attention alone over
-#      each KV cache, batches of 64 and 256, blocks of 64 and 128 keys, prefetched or not, 4 and 8 warps
-#      (`gapless.bench.kernels`); the mixture's TPOT in bf16; the swapped tiles alone at 1 and 16 rows; the
-#      one-row GEMVs (FP8, int4; int4 also factored) with their loads 1-4 iterations deep
+#      each KV cache, batches of 64 and 256, blocks of 64 and 128 keys, registers capped at 96, 128 or
+#      not (`gapless.bench.kernels`); the mixture's TPOT in bf16; the swapped tiles alone at 1 and 16
+#      rows; the one-row GEMVs (FP8, int4; int4 also factored) with their loads 1-4 iterations deep
 #   3. the mixture Qwen3-30B-A3B's shape in FP8 and int4 (its experts in the fused grouped GEMM)
 #   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
 #      at one row (`fp8_gemm.py --sweep`)
@@ -131,16 +131,14 @@ GAPLESS_INT4_KERNEL=triton GAPLESS_INT4_SWAPPED=1 tpot 45 qwen3-8b-awq int4_swap
 # (nano-vllm's full batch) and 64, 1k and 4k contexts, pages of 1 token (the engine's default; 16 timed the
 # same within 1% on an H200), blocks of 64 keys (the default; an fp8 cache's values in pairs: 0.75x bf16's
 # time at batch 256 on an H200, 2.6 TB/s of e4m3 against bf16's 3.9: bench/results/h200-2026-11-27-default)
-# and 128 (as many bytes as bf16's 64), each as Triton pipelines it and prefetched (`DecodeTuning.prefetch`:
-# the next block's keys and values in registers during this one's compute), at 4 and 8 warps. In the sm_90
-# binary Triton's pipelining waits at the top of each step for the copies it issued near the end of the
-# step before (the slots' load ahead of the keys' keeps it from going deeper), so a program's loads and
-# compute take turns, and an fp8 program, half the bytes a step in about the same time, reads at about
-# 2/3 of bf16's rate; prefetched, a step's loads are in flight through its compute, for registers
-# (Triton 3.6: bf16 241, fp8 204 at 4 warps; 150 and 126 at 8; docs/gpu.md). Extend attention over each
-# cache at 2,048 tokens
+# and 128 (as many bytes as bf16's 64), each with the registers the compiler chooses and capped at 96 and
+# 128 (`DecodeTuning.max_registers`). In the sm_90 binary (Triton 3.6) a program keeps about one block in
+# flight (docs/gpu.md#fp8-kv-on-a-gpu), so the programs an SM holds bound its bytes in flight: the fp8
+# kernel's 138 registers fit 3 programs an SM where bf16's 96 fit 5, and 3 x 16 KB against 5 x 32 KB is
+# about the measured 2/3 of bf16's rate; capped at 96 (no spills) fp8 fits 5 too. Extend attention over
+# each cache at 2,048 tokens
 other 75 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 256 --context 1024 4096 \
-  --page-size 1 --kv-cache-dtype auto fp8 --decode-block-n 0 128 --decode-prefetch 0 1 --decode-warps 4 8 \
+  --page-size 1 --kv-cache-dtype auto fp8 --decode-block-n 0 128 --decode-max-registers 0 96 128 \
   --tokens 16 --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
 awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 # the mixture Qwen3-30B-A3B's shape in bf16 (~61 GB; 7.0 ms a token on an H200 before its sort by expert
@@ -183,8 +181,9 @@ grep -E '^\|' "$OUT/fp8_sweep.log" 2>/dev/null | tee -a "$LOG"
 
 # decode attention at batch 1 over the short contexts of a chat's first tokens (and of the TPOT runs above:
 # 8.2 us a layer on an H200 at ~190 keys, split in 3, merged by the last split), each split at least 64
-# keys (the default), 256 or 1,024 (one split up to there), each also prefetched (a split's blocks one
-# after another: there the loads' latency is all a program waits on)
+# keys (the default), 256 or 1,024 (one split up to there), each also prefetched (`DecodeTuning.prefetch`:
+# the next block's keys and values in registers during this one's compute; at batch 1 a program's loads'
+# latency is most of what it waits on, and 2 programs an SM leave registers to spare)
 other 40 attention_b1 "$PY" -m gapless.bench.kernels --device cuda --batch 1 --context 128 256 512 1024 \
   --page-size 1 --decode-min-split-len 0 256 1024 --decode-prefetch 0 1 --tokens 16 --extend-tokens 2048 \
   --sample-batch 1 --json "$OUT/attention_b1.json"

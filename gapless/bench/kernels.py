@@ -172,6 +172,7 @@ def report(res: dict[str, Any]) -> list[str]:
             ("whole blocks", "whole_blocks", _opt),
             ("value pairs", "values_in_pairs", _opt),
             ("prefetch", "prefetch", _opt),
+            ("max regs", "max_registers", _opt),
             ("splits", "splits", _opt),
             ("µs", "attention_us", _fmt),
             ("KV read TB/s", "attention_tb_s", "{:.3f}".format),
@@ -234,6 +235,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-block-n", type=int, nargs="+", default=[0], help=f"{tune}; 0: its default")
     p.add_argument("--decode-warps", type=cli.positive_int, nargs="+", default=[4], help=tune)
     p.add_argument("--decode-stages", type=cli.positive_int, nargs="+", default=[2], help=tune)
+    p.add_argument(
+        "--decode-max-registers",
+        type=int,
+        nargs="+",
+        default=[0],
+        help=f"{tune}: a cap on a thread's registers (Triton's maxnreg); 0: none",
+    )
     p.add_argument(
         "--decode-programs-per-sm",
         type=cli.positive_int,

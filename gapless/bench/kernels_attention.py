@@ -61,18 +61,20 @@ def decode_tunings(args: argparse.Namespace, backend: Any) -> list[Any]:
         return [None]
     from gapless.attention.triton_kernels import MIN_SPLIT_LEN, DecodeTuning
 
-    combos = itertools.product(  # block_n, warps, stages, programs_per_sm, min_split_len, the four flags
+    combos = itertools.product(  # block_n, warps, stages, programs/SM, min split, max registers, 4 flags
         args.decode_block_n, args.decode_warps, args.decode_stages, args.decode_programs_per_sm,
-        args.decode_min_split_len, args.decode_heads_first, args.decode_whole_blocks,
-        args.decode_values_in_pairs, args.decode_prefetch,
+        args.decode_min_split_len, args.decode_max_registers, args.decode_heads_first,
+        args.decode_whole_blocks, args.decode_values_in_pairs, args.decode_prefetch,
     )  # fmt: skip
     flags = ("heads_first", "whole_blocks", "values_in_pairs", "prefetch")  # (None: DecodeTuning's default)
     tunings = []
-    for n, w, st, pps, msl, *on in combos:
+    for n, w, st, pps, msl, regs, *on in combos:
         named = {f: bool(v) for f, v in zip(flags, on) if v is not None}
         if named.get("prefetch") and named.get("whole_blocks"):
             continue  # (exclusive: DecodeTuning refuses both)
-        tunings.append(DecodeTuning(n or None, w, st, pps, msl or MIN_SPLIT_LEN, **named))
+        tunings.append(
+            DecodeTuning(n or None, w, st, pps, msl or MIN_SPLIT_LEN, max_registers=regs or None, **named)
+        )
     return tunings
 
 
@@ -156,6 +158,7 @@ def _attention_case(
                 "whole_blocks": tuning.whole_blocks if tuning is not None else None,
                 "values_in_pairs": tuning.pairs(D) if tuning is not None else None,
                 "prefetch": tuning.prefetch if tuning is not None else None,
+                "max_registers": tuning.max_registers if tuning is not None else None,
                 "splits": splits[0] if splits else None,
                 "attention_us": t_attn,
                 "attention_tb_s": attn_tbs,

@@ -235,6 +235,7 @@ TUNINGS = [
         id="whole-blocks-splits-page1-bf16",
     ),
     pytest.param(tk.DecodeTuning(block_n=16, prefetch=True), 16, torch.float32, id="prefetch-page16"),
+    pytest.param(tk.DecodeTuning(max_registers=96), 1, torch.bfloat16, id="capped-page1-bf16"),
     pytest.param(
         tk.DecodeTuning(programs_per_sm=16, min_split_len=16, prefetch=True),
         1,
@@ -287,6 +288,8 @@ def test_decode_tuning_is_checked():
         tk.DecodeTuning(block_n=24)
     with pytest.raises(ValueError, match="prefetch and whole_blocks: one or the other"):
         tk.DecodeTuning(prefetch=True, whole_blocks=True)
+    with pytest.raises(ValueError, match=r"max_registers=300: must be in \[24, 255\]"):
+        tk.DecodeTuning(max_registers=300)
     with pytest.raises(ValueError, match="num_warps=0: must be >= 1"):
         tk.DecodeTuning(num_warps=0)
     assert tk.DecodeTuning().keys_per_block(128) == 64 and tk.DecodeTuning().keys_per_block(256) == 32
@@ -567,21 +570,22 @@ def test_self_check_replaces_a_backend_that_does_not_work(how, says, caplog):
     assert type(chosen) is TorchRefBackend and says in caplog.text
 
 
-_PREFETCH_SASS = """
+_DECODE_SASS = """
 import re, torch
 from gapless.attention import selfcheck, triton_kernels
 from gapless.attention.triton_backend import TritonBackend
-from gapless.testing.triton_compile import Compiler, _cuobjdump
+from gapless.testing.triton_compile import Compiler, _cuobjdump, resources
 compile_only = type("CompileOnly", (TritonBackend,), {"interpreted": True})
+tunings = {"default": {}, "prefetch": {"prefetch": True}, "capped": {"max_registers": 96}}
 for kv in (None, torch.float8_e4m3fn):
-    for prefetch in (False, True):
-        tuning = triton_kernels.DecodeTuning(prefetch=prefetch)
-        backend = compile_only(num_splits=1, decode_tuning=tuning)
+    for name, knobs in tunings.items():
+        backend = compile_only(num_splits=1, decode_tuning=triton_kernels.DecodeTuning(**knobs))
         probe = selfcheck.Probe(8, 2, 128, torch.bfloat16, kv_dtype=kv)
         with Compiler(90) as c, torch.inference_mode():
             q, k, v, meta = selfcheck.batch(probe, *selfcheck.CASES["decode"], torch.device("cpu"), 0, ())
             backend.forward(q, k, v, backend.prepare(meta), 0.1, **probe.layer(), **probe.kv_scales("cpu"))
-        sass = _cuobjdump(c.compiled[-1][1], "-sass")
+        kernel = c.compiled[-1][1]
+        sass = _cuobjdump(kernel, "-sass")
         at = r"/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?"  # an instruction's address, a predicate
         ops = [(int(a, 16), op) for a, op in re.findall(at + r"([A-Z][A-Za-z0-9_.]*)", sass)]
         jumps = [(int(a, 16), int(t, 16)) for a, t in re.findall(at + r"BRA\\s+0x([0-9a-f]+)", sass)]
@@ -589,26 +593,32 @@ for kv in (None, torch.float8_e4m3fn):
         end, top = max(((a, t) for a, t in jumps if t < a), key=lambda r: r[0] - r[1])
         body = [op.split(".")[0] for a, op in ops if top <= a <= end]
         early = body[: body.index("HMMA")].count("LDG")
-        print(kv is not None, prefetch, body.count("DEPBAR"), body.count("LDGSTS"), early)
+        res = resources(kernel)
+        print(kv is not None, name, body.count("DEPBAR"), body.count("LDGSTS"), early, res["registers"],
+              res["spill_bytes"])
 """
 
 
-@pytest.mark.slow  # (four sm_90 compiles in a child process, ~40 s)
-def test_prefetched_decode_loads_the_next_block_before_computing_this_one():
+@pytest.mark.slow  # (six sm_90 compiles in a child process, ~60 s)
+def test_decode_tunings_binaries_prefetch_and_cap_registers():
     """Compiled for sm_90 (bf16 queries, head dim 128, over a bf16 and an fp8 cache): the default decode
     loop copies the next block asynchronously (LDGSTS) and waits for the copies (DEPBAR) in the loop;
     `prefetch` has neither, and issues its global loads of the next block (LDG) before the loop body's
-    first matrix instruction, so they are in flight during the block's compute."""
+    first matrix instruction, so they are in flight during the block's compute; `max_registers=96` holds
+    each kernel to 96 registers a thread without spilling."""
     from gapless.testing.triton_compile import compile_child
 
-    out = compile_child(_PREFETCH_SASS, "compiling the decode kernel")
+    out = compile_child(_DECODE_SASS, "compiling the decode kernel")
     if out is None:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
-    rows = [line.split() for line in out.strip().splitlines()]
-    got = {(fp8 == "True", pf == "True"): (int(w), int(c), int(g)) for fp8, pf, w, c, g in rows}
-    assert len(got) == 4, out
+    got = {
+        (fp8 == "True", name): [int(x) for x in rest] for fp8, name, *rest in map(str.split, out.splitlines())
+    }
+    assert len(got) == 6, out
     for fp8 in (False, True):
-        waits, copies, _ = got[fp8, False]
+        waits, copies, _, _, _ = got[fp8, "default"]
         assert waits >= 1 and copies >= 8, (fp8, got)
-        waits, copies, early_loads = got[fp8, True]
+        waits, copies, early_loads, _, _ = got[fp8, "prefetch"]
         assert waits == 0 and copies == 0 and early_loads >= 8, (fp8, got)
+        *_, registers, spilled = got[fp8, "capped"]
+        assert registers <= 96 and spilled == 0, (fp8, got)

@@ -240,12 +240,12 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): Qwen3-8B's FP8 and int4
-    TPOT on the swapped tiles first, decode attention over each cache in 64- and 128-key blocks,
-    prefetched or not (the FP8 KV target's lever) and the mixture's TPOT in bf16, then those tiles alone, the
-    one-row GEMVs' stages (FP8 and int4, the latter also factored: short, each deciding a default), what no
-    GPU has run next (the mixture quantized), then the FP8 GEMM's sweep and decode attention at batch 1,
-    then the int4 GEMMs' table (without gemlite, whose first call tunes past the step's limit); no TPOT run
-    of the targets, no nano-vllm run; the targets phase alone the reverse."""
+    TPOT on the swapped tiles first, decode attention over each cache in 64- and 128-key blocks, its
+    registers capped or not (the FP8 KV target's lever) and the mixture's TPOT in bf16, then those tiles
+    alone, the one-row GEMVs' stages (FP8 and int4, the latter also factored: short, each deciding a
+    default), what no GPU has run next (the mixture quantized), then the FP8 GEMM's sweep and decode
+    attention at batch 1, then the int4 GEMMs' table (without gemlite, whose first call tunes past the
+    step's limit); no TPOT run of the targets, no nano-vllm run; the targets phase alone the reverse."""
     (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
@@ -256,7 +256,7 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     ]  # fmt: skip
     assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
     assert attention[attention.index("--decode-block-n") + 1 :][:2] == ["0", "128"]
-    assert attention[attention.index("--decode-prefetch") + 1 :][:2] == ["0", "1"]
+    assert attention[attention.index("--decode-max-registers") + 1 :][:3] == ["0", "96", "128"]
     fp8_alone, int4_alone = tables[5:7]
     assert fp8_alone[0].endswith("fp8_gemm.py") and "--swapped" in fp8_alone
     assert int4_alone[:2] == ["-m", "gapless.bench.int4_gemm"] and "--swapped" in int4_alone

@@ -103,5 +103,9 @@ def test_decode_tunings_leave_an_unnamed_flag_at_its_default():
         kernels.parse_args("--decode-prefetch 0 1 --decode-whole-blocks 0 1".split()), triton_backend
     )
     assert [(t.whole_blocks, t.prefetch) for t in mixed] == [(False, False), (False, True), (True, False)]
+    capped = kernels_attention.decode_tunings(
+        kernels.parse_args("--decode-max-registers 0 96".split()), triton_backend
+    )
+    assert [t.max_registers for t in capped] == [None, 96]
     not_triton = object()
     assert kernels_attention.decode_tunings(kernels.parse_args([]), not_triton) == [None]
