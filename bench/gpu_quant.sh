@@ -12,8 +12,9 @@
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3a. Qwen3-8B's FP8 and int4 TPOT with every layer in swapped tiles (W x^T); decode attention alone over
 #      each KV cache, batches of 64 and 256, blocks of 64 and 128 keys, registers capped at 96, 128 or
-#      not (`gapless.bench.kernels`); the mixture's TPOT in bf16; the swapped tiles alone at 1 and 16
-#      rows; the one-row GEMVs (FP8, int4; int4 also factored) with their loads 1-4 iterations deep
+#      not (`gapless.bench.kernels`); nano-vllm's workload over the FP8 KV cache with those registers
+#      capped at 96; the mixture's TPOT in bf16; the swapped tiles alone at 1 and 16 rows; the one-row
+#      GEMVs (FP8, int4; int4 also factored) with their loads 1-4 iterations deep
 #   3. the mixture Qwen3-30B-A3B's shape in FP8 and int4 (its experts in the fused grouped GEMM)
 #   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
 #      at one row (`fp8_gemm.py --sweep`)
@@ -113,11 +114,11 @@ fi
 
 if phase tables; then
 # the swapped tiles first (W x^T, never timed: the likeliest way to the issue's FP8 and int4 targets) as
-# TPOT, then decode attention over each cache (the FP8 KV target's), the mixture in bf16, the swapped
-# tiles alone; the one-row GEMVs' loads pipelined next (short: each decides a default), then what no GPU
-# has run (the mixture quantized), then the sweeps that decide the next defaults (the FP8 GEMM's at one
-# row for gate/up and down; decode attention at batch 1 split less), then the int4 GEMMs' table, the int4
-# Triton GEMM's TPOT, the FP8 GEMM's table and gemlite
+# TPOT, then decode attention over each cache and the FP8 KV run capped (the FP8 KV target's), the
+# mixture in bf16, the swapped tiles alone; the one-row GEMVs' loads pipelined next (short: each decides
+# a default), then what no GPU has run (the mixture quantized), then the sweeps that decide the next
+# defaults (the FP8 GEMM's at one row for gate/up and down; decode attention at batch 1 split less), then
+# the int4 GEMMs' table, the int4 Triton GEMM's TPOT, the FP8 GEMM's table and gemlite
 
 # Qwen3-8B's TPOT with every FP8 layer (`GAPLESS_FP8_SWAPPED`: up to 16 rows, the GEMV off) and every int4
 # layer (`GAPLESS_INT4_SWAPPED`, on the Triton GEMM) in swapped tiles, against the targets phase's FP8
@@ -141,6 +142,12 @@ other 75 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 25
   --page-size 1 --kv-cache-dtype auto fp8 --decode-block-n 0 128 --decode-max-registers 0 96 128 \
   --tokens 16 --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
 awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
+# nano-vllm's workload again with the FP8 KV cache, the decode kernel's registers capped at 96
+# (`GAPLESS_DECODE_MAX_REGISTERS`: 5 programs an SM where the default's 138 registers fit 3), against the
+# targets phase's bf16 KV run on this machine (the first call's `kv_auto`)
+other 80 kv_fp8_capped env GAPLESS_DECODE_MAX_REGISTERS=96 OUT="$OUT/kv_fp8_capped" GPU_BENCH_TIMEOUT=75 \
+  PY="$PY" bash bench/gpu_bench.sh --skip-hf --runs greedy --kv-cache-dtype fp8 --profile-steps 8
+grep -E '^\| gapless|Triton compiled' "$OUT/kv_fp8_capped/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
 # the mixture Qwen3-30B-A3B's shape in bf16 (~61 GB; 7.0 ms a token on an H200 before its sort by expert
 # became one kernel at decode sizes, `moe_triton._align_kernel`: ~25 launches fewer a layer, 48 layers)
 tpot 70 qwen3-30b-a3b bf16

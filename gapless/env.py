@@ -51,6 +51,15 @@ def _optional_str(raw: str) -> str | None:
     return raw or None  # set but empty: as if unset
 
 
+def _registers(raw: str) -> int | None:
+    if not raw.strip():
+        return None  # set but empty: as if unset
+    value = int(raw)
+    if not 24 <= value <= 255:
+        raise ValueError("not in [24, 255]")
+    return value
+
+
 @dataclass(frozen=True)
 class EnvVar(Generic[T]):
     """One environment variable: its `name`, the `default` when it is unset, how its text is parsed, and
@@ -153,6 +162,15 @@ INT4_SWAPPED = _bool(
     "int4/int8 layers on gapless's Triton GEMM at up to 64 rows: W x^T tiles (the dequantized weights the "
     "tensor cores' first operand, from registers) instead of the one-row GEMV and x W^T tiles; never timed, "
     "so off (`gapless.model.quant.int4_triton`)",
+)
+DECODE_MAX_REGISTERS = _var(
+    "GAPLESS_DECODE_MAX_REGISTERS",
+    None,
+    _registers,
+    "integer 24-255",
+    "the Triton decode attention kernel's registers a thread capped at this (`DecodeTuning.max_registers`, "
+    "Triton's `maxnreg`), so more programs fit an SM; unset: the compiler's choice. Never timed, so unset "
+    "(`gapless.attention.triton_kernels`)",
 )
 FP8_DECODE = _var(
     "GAPLESS_FP8_DECODE",

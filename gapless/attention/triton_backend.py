@@ -38,12 +38,13 @@ class TritonBackend:
     ) -> None:
         """`num_splits` fixes the decode split count (tests); by default it follows the batch.
         `decode_tuning`, `extend_tuning`: the kernels' knobs (`triton_kernels.DecodeTuning`,
-        `ExtendTuning`; None: their defaults)."""
+        `ExtendTuning`; None: their defaults, the decode kernel's registers capped as
+        `GAPLESS_DECODE_MAX_REGISTERS` says)."""
         import gapless.attention.triton_kernels as triton_kernels
 
         self._k = triton_kernels
         self.num_splits = num_splits
-        self.decode_tuning = decode_tuning if decode_tuning is not None else triton_kernels.DEFAULT_DECODE
+        self.decode_tuning = decode_tuning or triton_kernels.default_decode_tuning()
         self.extend_tuning = extend_tuning if extend_tuning is not None else triton_kernels.DEFAULT_EXTEND
         self._sms: dict[torch.device, int] = {}
 

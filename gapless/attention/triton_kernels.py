@@ -51,7 +51,7 @@ the interpreter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -195,6 +195,13 @@ def _check_tuning(tuning: object, kernel: str, blocks: tuple[str, ...], counts: 
 
 DEFAULT_DECODE = DecodeTuning()
 DEFAULT_EXTEND = ExtendTuning()
+
+
+def default_decode_tuning() -> DecodeTuning:
+    """`DEFAULT_DECODE`, its registers capped as `GAPLESS_DECODE_MAX_REGISTERS` says where it is set."""
+    cap = env.DECODE_MAX_REGISTERS.get()
+    return DEFAULT_DECODE if cap is None else replace(DEFAULT_DECODE, max_registers=cap)
+
 
 if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction

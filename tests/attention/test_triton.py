@@ -622,3 +622,17 @@ def test_decode_tunings_binaries_prefetch_and_cap_registers():
         assert waits == 0 and copies == 0 and early_loads >= 8, (fp8, got)
         *_, registers, spilled = got[fp8, "capped"]
         assert registers <= 96 and spilled == 0, (fp8, got)
+
+
+def test_the_environment_caps_the_default_decode_registers(monkeypatch):
+    """`GAPLESS_DECODE_MAX_REGISTERS`: the backend's default decode tuning takes the cap (and keeps every
+    other default); a tuning given keeps its own; unset, the plain default; out of range, an error naming
+    the variable."""
+    monkeypatch.setenv("GAPLESS_DECODE_MAX_REGISTERS", "96")
+    assert TritonBackend().decode_tuning == tk.DecodeTuning(max_registers=96)
+    assert TritonBackend(decode_tuning=tk.DecodeTuning(block_n=16)).decode_tuning.max_registers is None
+    monkeypatch.setenv("GAPLESS_DECODE_MAX_REGISTERS", "")
+    assert TritonBackend().decode_tuning is tk.DEFAULT_DECODE
+    monkeypatch.setenv("GAPLESS_DECODE_MAX_REGISTERS", "512")
+    with pytest.raises(ValueError, match=r"GAPLESS_DECODE_MAX_REGISTERS='512': not in \[24, 255\]"):
+        TritonBackend()
