@@ -40,11 +40,11 @@ KERNELS = {
 }
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -55,15 +55,17 @@ def nvidia_backend() -> None:
         pytest.skip(f"this triton has no NVIDIA backend to compile with: {r.stderr.strip()[-200:]}")
 
 
-# (~230 s with a cold Triton cache, as on a clean machine; the int4, MoE and refused-kernel compiles stay in
-# `make test`)
+# (~660 s with a cold Triton cache on a 2-core machine, as CI's clean one, past the suite's 600 s limit per
+# test: 90 attention kernels alone take ~300 s; ~220 s warm. The int4, MoE and refused-kernel compiles stay
+# in `make test`)
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_every_kernel_compiles_for_sm90(nvidia_backend) -> None:
     """Every kernel builds, `--resources` reads each specialization's registers and shared memory from its
     binary (the attention kernels' block sizes beside them), and `--ops` counts its SASS: the FP8 GEMM runs
     a matrix instruction, and the int GEMMs' weights reach float math by bits, with no conversion from an
     integer (nor e4m3 through float16 to bfloat16 in the grouped GEMM)."""
-    r = _run(["-m", "gapless.testing.triton_compile", "--arch", "90", "--resources", "--ops"], ROOT)
+    r = _run(["-m", "gapless.testing.triton_compile", "--arch", "90", "--resources", "--ops"], ROOT, 1400)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("compiled for sm_90: "))
     assert set(re.findall(r"(_\w+_kernel) x\d+", line)) == KERNELS, line
