@@ -135,9 +135,9 @@ GAPLESS_INT4_KERNEL=triton GAPLESS_INT4_SWAPPED=1 tpot 45 qwen3-8b-awq int4_swap
 # and 128 (as many bytes as bf16's 64), each with the registers the compiler chooses and capped at 96 and
 # 128 (`DecodeTuning.max_registers`). In the sm_90 binary (Triton 3.6) a program keeps about one block in
 # flight (docs/gpu.md#fp8-kv-on-a-gpu), so the programs an SM holds bound its bytes in flight: the fp8
-# kernel's 138 registers fit 3 programs an SM where bf16's 96 fit 5, and 3 x 16 KB against 5 x 32 KB is
-# about the measured 2/3 of bf16's rate; capped at 96 (no spills) fp8 fits 5 too. Extend attention over
-# each cache at 2,048 tokens
+# kernel's 138 registers fit 3 programs an SM where bf16's 96 fit 5 (at the ~2.4 us step fp8's 2.6 TB/s
+# implies, 5 would read past the bandwidth); capped at 96 (no spills) fp8 fits 5 too. Extend attention
+# over each cache at 2,048 tokens
 other 75 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 256 --context 1024 4096 \
   --page-size 1 --kv-cache-dtype auto fp8 --decode-block-n 0 128 --decode-max-registers 0 96 128 \
   --tokens 16 --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
