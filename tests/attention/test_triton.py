@@ -212,8 +212,8 @@ def test_decode_split_counts(num_splits):
 
 
 # the decode kernel's knobs (`DecodeTuning`), page sizes 1 and 16: key blocks of 16 to 128 (more than the
-# 6- and 1-key contexts, several for the 301-key one), warps/stages (GPU-only knobs: still checked to
-# launch), and a split heuristic pushed to many short splits
+# 6- and 1-key contexts, several for the 301-key one), warps/stages and the register cap (GPU-only knobs:
+# still checked to launch), a split heuristic pushed to many short splits, whole blocks, and prefetch
 TUNINGS = [
     pytest.param(tk.DecodeTuning(block_n=16, num_warps=2, num_stages=1), 1, torch.float32, id="n16-page1"),
     pytest.param(tk.DecodeTuning(block_n=32, num_warps=8, num_stages=3), 16, torch.float32, id="n32-page16"),
