@@ -208,7 +208,6 @@ def _sweep_layer(name: str, n: int, k: int, m: int, configs: list[Config], defau
     if default:  # (as the engine runs it: tiles or GEMV, split and rounding its own)
         times[(), 0, "default", "tiles"] = _us(call)
     for tiles, programs, by, kind in configs:
-        fp8_kernel._LOCKS.clear()  # (its counters are sized by SPLIT_PROGRAMS)
         with mock.patch.multiple(
             fp8_kernel,
             _tiles=functools.partial(lambda t, _m: t, tiles),
@@ -223,7 +222,6 @@ def _sweep_layer(name: str, n: int, k: int, m: int, configs: list[Config], defau
             DECODE_X="launch" if by == "loop" else by,
         ):
             times[tiles, programs, by, kind] = _us(call)
-    fp8_kernel._LOCKS.clear()
     best = min(times, key=lambda c: times[c])
     for (tiles, programs, by, kind), us in times.items():
         mark = " (best)" if (tiles, programs, by, kind) == best else ""

@@ -27,7 +27,7 @@ import triton.language as tl
 from gapless import env
 from gapless.attention.triton_kernels import clamped_fp16
 from gapless.model.moe import WeightQuant
-from gapless.model.quant.int4_triton import unsigned_to_float
+from gapless.model.quant.int4_values import unsigned_to_float
 
 # the interpreter multiplies the raw bits of bf16 `tl.dot` operands (triton-lang/triton#11584): there the
 # operands go in as fp32 (same values), as `gapless.attention.triton_kernels` does it

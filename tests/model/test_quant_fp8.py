@@ -329,7 +329,7 @@ def test_decode_rows_split_k_and_leave_the_counters_at_rest(monkeypatch, rows):
     """Up to `SPLIT_ROWS` rows (a decode's 16-row tiles, and 64-row tiles at 33) K is cut over several
     programs per tile, the last to arrive adding the partial tiles: the same result as one program per
     tile (to fp32 rounding), and every counter back at 0. Past `SPLIT_ROWS`, one program per tile."""
-    from gapless.model.quant import fp8_kernel
+    from gapless.model.quant import fp8_kernel, split_k
 
     n, k, act = 48, 448, 64  # 7 steps of 64: splits of 1 step each
     w = torch.randn(n, k) * 0.05
@@ -338,7 +338,7 @@ def test_decode_rows_split_k_and_leave_the_counters_at_rest(monkeypatch, rows):
     assert fp8_kernel._splits(rows, 2, 7, x.device) == 7
     assert fp8_kernel._splits(fp8_kernel.SPLIT_ROWS + 1, 2, 7, x.device) == 1
     split = fp8_gemm(x, q, s, 16, 64, act, bias)
-    assert int(fp8_kernel._LOCKS[x.device].abs().sum()) == 0
+    assert int(split_k._COUNTERS[x.device].abs().sum()) == 0
     monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 1)
     assert fp8_kernel._splits(rows, 2, 7, x.device) == 1
     whole = fp8_gemm(x, q, s, 16, 64, act, bias)
@@ -365,7 +365,6 @@ def test_decode_rows_rounded_before_the_gemm_give_the_same_bits(monkeypatch, blo
     rps, group = (1, 0) if block is None else block
     x, bias = torch.randn(5, k), torch.randn(n)
     monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 2)  # (one 16 x 64 tile, 4 groups: 2 splits of 2)
-    monkeypatch.setattr(fp8_kernel, "_LOCKS", {})  # (counters for 2 programs: this test's alone)
     assert fp8_kernel._splits(5, 1, 4, x.device) == 2
     monkeypatch.setattr(fp8_kernel, "DECODE_ROWS", 0)
     in_loop = fp8_gemm(x, q, s, rps, group, act, bias)
@@ -476,7 +475,7 @@ def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn, unroll, stages)
     iteration leave the last one's second masked), a partial last group and a partial last tile. x
     rounded by a launch or in the GEMV's registers: the same bits; the GEMM's result to fp32 rounding; in
     fp16 (W8A16), x in fp16 times the dequantized weights."""
-    from gapless.model.quant import fp8_kernel
+    from gapless.model.quant import fp8_kernel, split_k
 
     n, k, act = 40, 150, 64  # (3 steps: with 3 rows of x, every tile's K split in 3)
     w = torch.randn(n, k) * 0.05
@@ -484,7 +483,6 @@ def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn, unroll, stages)
     rps, group = (1, 0) if block is None else block
     wd = dequantize(q, s, rps, group)
     monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 64)
-    monkeypatch.setattr(fp8_kernel, "_LOCKS", {})
     monkeypatch.setattr(fp8_kernel, "GEMV_TILES", (bn, 4, unroll, stages))
     x, bias = _exact_activations(3, k, act, seed=2), torch.randn(n)
     tiles = fp8_gemm(x, q, s, rps, group, act, bias)
@@ -505,7 +503,7 @@ def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn, unroll, stages)
     ref = x.clamp(-65504, 65504).half().double() @ wd.double().T + bias.double()
     in_fp16 = fp8_gemm(x, q, s, rps, group, act, bias)
     torch.testing.assert_close(in_fp16.double(), ref, rtol=1e-5, atol=1e-3)
-    assert int(fp8_kernel._LOCKS[x.device].abs().sum()) == 0
+    assert int(split_k._COUNTERS[x.device].abs().sum()) == 0
     monkeypatch.setattr(fp8_kernel, "GEMV_ROWS", None)  # GAPLESS_FP8_GEMV_ROWS's then (default 1)
     monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", "3")
     assert torch.equal(fp8_gemm(x, q, s, rps, group, act, bias), in_fp16)
@@ -625,7 +623,7 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
         assert (y.float().cpu() - ref).abs().max() <= 0.02 * ref.abs().max()
         # one row: K split over 8 programs a tile, added in a fixed order (the same bits every call)
         assert torch.equal(fp8_gemm(*args), y)
-    from gapless.model.quant import fp8_kernel
+    from gapless.model.quant import fp8_kernel, split_k
 
     # x rounded before the loop (`DECODE_ROWS`), by its own launch or by each program: the in-loop bits;
     # in fp16 (W8A16): x in fp16 times the dequantized weights, to bf16's rounding
@@ -667,7 +665,7 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
         fp8_kernel.DECODE_ROWS, fp8_kernel.DECODE_X = before
         fp8_kernel.GEMV_ROWS = fp8_kernel.SWAPPED_ROWS = None
 
-    assert int(fp8_kernel._LOCKS[y.device].abs().sum()) == 0  # every split tile's counter back at 0
+    assert int(split_k._COUNTERS[y.device].abs().sum()) == 0  # every split tile's counter back at 0
 
 
 # --- whole models -------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from gapless import LLM, SamplingParams
 from gapless.model import layers, loader, parallel
 from gapless.model.moe import Experts
-from gapless.model.quant import weights_held, weights_summary
+from gapless.model.quant import split_k, weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4 import Int4LinearMethod, install
 from gapless.model.quant.int4_layouts import AWQ_ORDER, Int4Spec, int4_spec_from_config, unpack
@@ -111,10 +111,11 @@ CASES = [
 
 @pytest.mark.parametrize("bits,group,m", CASES)
 def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
-    """The chosen tiles, a split of K into 4 with narrow tiles (partial sums over the split summed), the
+    """The chosen tiles, a split of K into 4 with narrow tiles (the partial sums added by a tile's last
+    split to finish, every tile's counter then back at 0: `split_k.finish`), the
     decode tiles with a dot per value of the words and with one reshaped tile (`nibble_dots`, where the
     group allows a 128-wide K block), both also swapped (W x^T: `GemmConfig.swapped`), and the one-row
-    GEMV tiles (a program a row), plain and factored (`_factored_words`), in fp32; and bf16 activations
+    GEMV tiles (a program a row), plain and factored (`factored_words`), in fp32; and bf16 activations
     and scales within bf16's rounding, the GEMVs' and swapped tiles' too at one row (with PTX values where
     they run); and at one row the dots' values by PTX give Triton's bits in bf16 and fp16, swapped or not
     (on CUDA: the interpreter takes Triton's path)."""
@@ -143,6 +144,7 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     for cfg in [None, GemmConfig(16, 32, 32, 4, 4, 3), *gemv, *wide, *swap]:
         y = w4a16_matmul(x, *args, config=cfg)
         torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-4)
+    assert int(split_k._COUNTERS[x.device].abs().sum()) == 0
     half = Int4LinearMethod(w, spec, torch.bfloat16, DEVICE, kernel="triton")  # (not tinygemm on CUDA)
     tol = x.abs().sum().item() * 2e-2 / k**0.5
     # the GEMV at one row (its weights in float32, or rounded to bf16 by PTX on CUDA)
@@ -170,6 +172,18 @@ def test_decode_tiles_split_k_on_an_8b_layer():
         assert cfg.block_m == (1 if m == 1 else 16) and cfg.split_k > 1
         assert 128 <= (4096 // cfg.block_n) * cfg.split_k <= 264
     assert choose_config(4096, 4096, 4096, 128).split_k == 1
+
+
+def test_a_split_gemm_with_more_tiles_than_counters_is_refused(monkeypatch):
+    """`split_k.counters` holds `COUNTERS` tiles' counters; a split GEMM with more tiles (a config forced
+    so) is refused by name, before any launch, and the same GEMM unsplit runs."""
+    monkeypatch.setattr(split_k, "COUNTERS", 2)
+    w = quantize(torch.randn(96, 256), 4, 128, sym=False)
+    method = Int4LinearMethod(w, Int4Spec("gptq", 4, 128, False), torch.float32, DEVICE, kernel="triton")
+    args = (torch.randn(1, 256).to(DEVICE), method.qweight, method.scales, method.zeros, 128, 4)
+    with pytest.raises(ValueError, match="at most 2 output tiles, got 3"):
+        w4a16_matmul(*args, config=GemmConfig(16, 32, 32, 2, 4, 3))
+    assert w4a16_matmul(*args, config=GemmConfig(16, 32, 32, 1, 4, 3)).shape == (1, 96)
 
 
 def test_swapped_tiles_are_chosen_up_to_64_rows_where_asked_for(monkeypatch):
@@ -237,7 +251,7 @@ def test_the_gemv_asked_for_stages_loads_through_asynchronous_copies():
 
 @pytest.mark.slow  # (sm_90 compiles in a child process, ~10 s)
 def test_the_factored_gemv_compiles_to_fewer_instructions():
-    """Compiled for sm_90 (bf16): the factored GEMV (`_factored_words`) is fewer instructions than the
+    """Compiled for sm_90 (bf16): the factored GEMV (`factored_words`) is fewer instructions than the
     GEMV with PTX values (480 against 560 with Triton 3.6, 488 against 568 with 3.9; on Llama-3-8B's down
     shape its loop body 335 against 420), with about one LOP3 a value: 64 values a thread a step, where
     a LOP3 split into an AND and an OR (both constants immediates) would add 64. 8 bits: fewer than the
@@ -608,7 +622,7 @@ def _pattern(x: float, dtype: torch.dtype) -> int:
 
 
 def _run_ptx(asm: str, inputs: dict[str, int], dtype: torch.dtype) -> list[int]:
-    """`asm` (`_values_ptx`'s PTX: mov, shr, lop3 and fma on 16-bit pairs) run on `inputs` ($8: a word, $9:
+    """`asm` (`values_ptx`'s PTX: mov, shr, lop3 and fma on 16-bit pairs) run on `inputs` ($8: a word, $9:
     a scale's pattern, $10: a negated zero's), as PTX defines each instruction: outputs $0..$7's patterns.
     fma: the exact product and sum (float64; exact for these operands), rounded once to `dtype`."""
     regs = dict(inputs)
@@ -644,14 +658,14 @@ def _run_ptx(asm: str, inputs: dict[str, int], dtype: torch.dtype) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_ptx_values_are_the_triton_paths_bits(dtype):
-    """`_values_ptx`'s PTX, run instruction by instruction as PTX defines them (the interpreter cannot run
+    """`values_ptx`'s PTX, run instruction by instruction as PTX defines them (the interpreter cannot run
     PTX; the CUDA test runs it on the GPU): for words with every nibble value, zeros 0-16 and scales of
     both signs and many magnitudes, value j of each word is (q_j - z) * s rounded once to x's dtype, the
-    bits `_value` and the dot's rounding give (so the magic numbers, the shifts and which output each
+    bits `value` and the dot's rounding give (so the magic numbers, the shifts and which output each
     half goes to are checked here)."""
-    from gapless.model.quant import int4_triton
+    from gapless.model.quant import int4_values
 
-    asm = (int4_triton._BF16_VALUES_ASM if dtype == torch.bfloat16 else int4_triton._FP16_VALUES_ASM).value
+    asm = (int4_values._BF16_VALUES_ASM if dtype == torch.bfloat16 else int4_values._FP16_VALUES_ASM).value
     magic = 128.0 if dtype == torch.bfloat16 else 1024.0
     gen = torch.Generator().manual_seed(0)
     words = torch.randint(-(2**31), 2**31, (48,), generator=gen, dtype=torch.int64).tolist()

@@ -19,7 +19,7 @@ and whole K (per-channel, `stride_sk` 0), or one per [rows, k_group] block.
 Up to `GEMV_ROWS` rows (one by default), for weights of at most `GEMV_MAX_WEIGHTS`, the product runs on
 the CUDA cores instead (`_fp8_gemv_kernel`): each weight row's bytes loaded along K, widened to float32
 and multiplied by x (rounded as above, the same bits), with no 16-row tile of which 15 rows are padding.
-Either kernel may split K at decode sizes (`_splits`), finishing a tile the same way (`_finish`). Up to
+Either kernel may split K at decode sizes (`_splits`), finishing a tile the same way (`split_k.finish`). Up to
 `SWAPPED_ROWS` rows (an option, `GAPLESS_FP8_SWAPPED`) the tiles run transposed instead, y^T = W x^T, so
 that W's tile is the first operand of fp8's wgmma and x, padded to 16 rows, the second (`_add_product`).
 
@@ -38,6 +38,7 @@ import triton.language as tl
 from gapless import env, pdl
 from gapless.attention.triton_kernels import clamped_fp16
 from gapless.model.quant.fp8_rounding import _fp8_quant_kernel, round_rows, rounding_buffers
+from gapless.model.quant.split_k import counters, finish, partial_sums
 
 FP8_MAX = 448.0  # e4m3's largest finite value
 
@@ -66,7 +67,7 @@ def _fp8_gemm_kernel(
     split_k,
     HAS_BIAS: tl.constexpr,
     ROUND: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -132,7 +133,7 @@ def _fp8_gemm_kernel(
                 acc = _add_product(acc, xq, w, x_scale, w_scale, SWAPPED)
     if SWAPPED:
         acc = tl.trans(acc)
-    _finish(acc, y_ptr, p_ptr, lock_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, pid_s, HAS_BIAS, SPLITS)
+    finish(acc, y_ptr, p_ptr, lock_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -144,51 +145,6 @@ def _add_product(acc, x, w, x_scale, w_scale, SWAPPED: tl.constexpr):
     else:
         acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
     return acc
-
-
-@triton.jit
-def _finish(
-    acc,
-    y_ptr,
-    p_ptr,
-    lock_ptr,
-    b_ptr,
-    offs_m,
-    offs_n,
-    M,
-    N,
-    stride_ym,
-    pid_s,
-    HAS_BIAS: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    """y's [rows, columns] tile at (offs_m, offs_n) from `acc` (float32), the bias added; with K split
-    (SPLITS > 1), each split's partial tile to its own slice of p, and the tile's last split to arrive adds
-    them up in split order (the same sum whatever the arrival order) and resets the tile's counter (at
-    `lock_ptr`, indexed by program ids 0 and 1)."""
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    ok = m_ok[:, None] & n_ok[None, :]
-    if SPLITS > 1:
-        tile = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(p_ptr + pid_s * M * N + tile, acc, mask=ok)
-        lock = lock_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        tl.debug_barrier()  # every thread's stores issued before the (releasing) count
-        if tl.atomic_add(lock, 1, sem="acq_rel") == SPLITS - 1:
-            acc = tl.zeros_like(acc)
-            for sp in range(SPLITS):
-                acc += tl.load(p_ptr + sp * M * N + tile, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(lock, 0)
-            _store_y(acc, y_ptr, b_ptr, offs_m, offs_n, n_ok, ok, stride_ym, HAS_BIAS)
-    else:
-        _store_y(acc, y_ptr, b_ptr, offs_m, offs_n, n_ok, ok, stride_ym, HAS_BIAS)
-
-
-@triton.jit
-def _store_y(acc, y_ptr, b_ptr, offs_m, offs_n, n_ok, ok, stride_ym, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["M"])  # (docs/gpu.md#no-compile-mid-run)
@@ -216,7 +172,7 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     ROUND: tl.constexpr,
     SCALES: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     UNROLL: tl.constexpr,
@@ -281,9 +237,7 @@ def _fp8_gemv_kernel(
     if SCALES == 0:
         y *= tl.load(s_row, mask=n_ok, other=0.0)
     offs_m = row + tl.arange(0, 1)
-    _finish(
-        y[None, :], y_ptr, p_ptr, lock_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, pid_s, HAS_BIAS, SPLITS
-    )
+    finish(y[None, :], y_ptr, p_ptr, lock_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 def _tiles(m: int) -> tuple[int, int, int, int]:
@@ -351,25 +305,18 @@ SPLIT_PROGRAMS = 512  # at decode sizes, K is split until the GEMM runs about th
 MID_ROWS = 128
 MID_TILES = (64, 64, 4, 3)
 SPLIT_ROWS = 128
-# per device: the split tiles' arrival counters, all 0 at rest; one buffer for good (a CUDA graph keeps
-# its address), of SPLIT_PROGRAMS counters: a GEMM splits only when it has fewer tiles than that
-_LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
 def _splits(m: int, n_tiles: int, k_steps: int, device: torch.device) -> int:
     """How many parts K is cut into: 1 (each program runs the whole of K) unless the rows are a decode's
     (<= `SPLIT_ROWS`) and the tiles too few to keep every SM reading; then enough parts for
     `SPLIT_PROGRAMS` programs, each at least one BK step. 1 also while a CUDA graph is being captured
-    before the device has its counters."""
+    before the device has its counters (`split_k.counters`)."""
     if m > SPLIT_ROWS:
         return 1
     splits = min(k_steps, -(-SPLIT_PROGRAMS // n_tiles))
-    if splits <= 1:
+    if splits <= 1 or counters(device, n_tiles) is None:
         return 1
-    if device not in _LOCKS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return 1
-        _LOCKS[device] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
     return splits
 
 
@@ -429,7 +376,7 @@ def fp8_gemm(
     splits = _splits(m, tiles_m * tiles_n, k_steps, x.device)
     steps = triton.cdiv(k_steps, splits)
     splits = triton.cdiv(k_steps, steps)  # no split left without a step
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    partial = partial_sums(splits, m, n, x.device) if splits > 1 else y
     xq, xs = y, y  # (unread unless x is rounded before the loop)
     if _buffered(gemv, rounding):
         if rounded is not None:
@@ -454,7 +401,7 @@ def fp8_gemm(
         bias if bias is not None else scale,
         y,
         partial,
-        _LOCKS[x.device] if splits > 1 else y,
+        counters(x.device, tiles_m * tiles_n) if splits > 1 else y,
         m,
         n,
         k,
@@ -474,7 +421,7 @@ def fp8_gemm(
             HAS_BIAS=bias is not None,
             ROUND=rounding or 2,
             SCALES=0 if k_group == 0 else 1 if rows_per_scale % bn == 0 else 2,
-            SPLITS=splits,
+            SPLIT=splits > 1,
             BN=bn,
             BK=act_group,
             UNROLL=GEMV_TILES[2],
@@ -488,7 +435,7 @@ def fp8_gemm(
         *args,
         HAS_BIAS=bias is not None,
         ROUND=rounding,
-        SPLITS=splits,
+        SPLIT=splits > 1,
         BM=bm,
         BN=bn,
         BK=act_group,

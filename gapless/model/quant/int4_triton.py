@@ -9,8 +9,8 @@ The weight is held in one layout whatever checkpoint it came from (`gapless.mode
 
 Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its [BLOCK_K / P,
 BLOCK_N] tile of int32 words (each word read once) and one row of scales and zeros (a K block never crosses
-a group: BLOCK_K divides G and K); values go to float32 by their bits (`unsigned_to_float`, `_value`), not
-by a conversion instruction. Then, where the tiles allow (`nibble_dots`, 16-row tiles with BLOCK_K / P >=
+a group: BLOCK_K divides G and K); values go to float32 by their bits (`int4_values`), not by a
+conversion instruction. Then, where the tiles allow (`nibble_dots`, 16-row tiles with BLOCK_K / P >=
 16, an option), for each j < P it shifts value j out of every word, subtracts the zero, scales, and
 adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns k0 + P * r + j; otherwise it lays the P
 values of each word out as one [BLOCK_K, BLOCK_N] tile for one dot. The first keeps each value where it was
@@ -18,10 +18,8 @@ unpacked: compiled for sm_90 at one row (bf16, 4 bits), 56 registers and 10 KB o
 against the second's 128 and 34 KB, which spends 64 shared-memory stores a step on the reshape.
 
 With `GemmConfig.ptx_values` (chosen at one row; 4 bits, bf16 or fp16 activations, compiled) the
-dots' values come from PTX instead (`_values_ptx`), two at a time: a nibble pair ORed into the mantissas
-of a power of two, the zero subtracted and the scale applied on half-precision pairs; the same bits as
-Triton's path (a CUDA test checks them equal), in a loop body of 338 instructions at one row (bf16, sm_90)
-against 530; the GEMV's too (then rounded to x's dtype as the dots' are: 415 instructions against 503).
+dots' values come from PTX instead (`int4_values.values_ptx`): the same bits as Triton's path, in a loop
+body of 338 instructions at one row (bf16, sm_90) against 530; the GEMV's too (415 against 503).
 
 `BLOCK_M = 1` (the GEMV, chosen at one row: `choose_config`) multiplies on the CUDA cores instead, value
 by value as the dots per value do, with no 16-row dot tile of which 15 rows are padding: each value times
@@ -32,9 +30,8 @@ was 1,916 (448 shuffles a step: x as a [1, K] tile, the weights moved into its l
 step).
 
 `GemmConfig.factored` (an option, never timed) takes the GEMV's scales and zeros out of its values
-(`_factored_words`): each word's values less the zero times x summed in float32, times the scale once a
-word; a value is one LOP3, one FADD and one FFMA; 335 instructions a loop body at one row (bf16, sm_90)
-against the PTX values' 420. Its weights are not rounded to x's dtype either.
+(`int4_values.factored_words`): 335 instructions a loop body at one row (bf16, sm_90) against the PTX
+values' 420. Its weights are not rounded to x's dtype either.
 
 `GemmConfig.swapped` (an option, `GAPLESS_INT4_SWAPPED`; never timed) computes each tile transposed,
 W x^T, with W the dots' first operand: Hopper's wgmma reads that operand from registers, so the
@@ -46,9 +43,10 @@ loop body is 253 instructions for 16 x 64 words at one row and 16 alike, against
 16 bytes a store, to reach the register layout the tensor cores read.
 
 Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
-is split among programs, each writing float32 partial sums into its own slice of a [SPLIT, M, N] buffer,
-summed by torch afterwards (deterministic, no atomics). Every size comes from host ints (the shapes), so
-nothing here syncs with the device and a CUDA graph captures it.
+is split among programs, and the last of a tile's programs to finish adds their partial sums up in split
+order (`split_k.finish`: one launch, deterministic; a sum and a cast by torch after it were two more
+kernels a layer). Every size comes from host ints (the shapes), so nothing here syncs with the device and
+a CUDA graph captures it.
 
 As in `gapless.model.moe_triton`, fp32 dots use `input_precision="ieee"`, and under the interpreter the
 dot's operands go in as fp32 (the interpreter multiplies bf16 operands' raw bits, triton-lang/triton#11584).
@@ -63,107 +61,12 @@ import triton
 import triton.language as tl
 
 from gapless import env
+from gapless.model.quant.int4_values import factored_words, unsigned_to_float, value, values_ptx
+from gapless.model.quant.split_k import counters, finish, partial_sums
 
 INTERPRET = env.TRITON_INTERPRET.get()
 _TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs): what split-K aims for
 _MAX_SPLIT = 16
-
-
-@triton.jit
-def unsigned_to_float(q):
-    """q (int32 in [0, 2^23): a packed weight's values) as float32, exactly, without a conversion
-    instruction: its bits ORed into the mantissa of 2^23, minus 2^23. Hopper converts integers at a
-    fraction of its float rate (`I2FP`, on the conversion pipe), and every dequantized value took one."""
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _value(packed, j, z, s, BITS: tl.constexpr):
-    """Value j of every word of `packed`, dequantized in float32: its bits under the mantissa of 2^23 (as
-    `unsigned_to_float`), less `z` (the zeros plus 2^23: exact, the zeros being integers, one subtraction
-    a value instead of two), times the scales `s` (each broadcast over `packed`'s words: [1, BLOCK_N], or
-    [BLOCK_N, 1] for the swapped dots' words)."""
-    q = (packed >> (j * BITS)) & ((1 << BITS) - 1)
-    return ((q | 0x4B000000).to(tl.float32, bitcast=True) - z) * s
-
-
-def _values_asm(pair: str, one: str, magic: str) -> str:
-    """The PTX of `_values_ptx` for one half-precision type (`pair`: bf16x2 or f16x2; its 1.0 and MAGIC
-    as two 16-bit patterns): word $8 -> values $0..$7, two at a time: nibbles i and i + 4 (16 bits apart)
-    ORed into the mantissas of MAGIC (2^7 in bf16, 2^10 in fp16: MAGIC + q exactly), less MAGIC + the
-    zero ($10, negated: exact), times the scale ($9: one rounding, as the dots' weight tile has), -0 added
-    (the sign of 0 * s kept)."""
-    head = (
-        ".reg .b32 v, t, s2, nz2, one2, nzero, magic, mask;\n"
-        f"mov.b32 s2, {{$9, $9}};\nmov.b32 nz2, {{$10, $10}};\nmov.b32 one2, {one};\n"
-        f"mov.b32 nzero, 0x80008000;\nmov.b32 magic, {magic};\nmov.b32 mask, 0x000F000F;\n"
-    )
-    pairs = "".join(
-        f"shr.u32 t, $8, {4 * i};\nlop3.b32 v, t, mask, magic, 0xEA;\n"
-        f"fma.rn.{pair} v, v, one2, nz2;\nfma.rn.{pair} v, v, s2, nzero;\nmov.b32 {{${i}, ${i + 4}}}, v;\n"
-        for i in range(4)
-    )
-    return "{\n" + head + pairs + "}"
-
-
-_BF16_VALUES_ASM = tl.constexpr(_values_asm("bf16x2", "0x3F803F80", "0x43004300"))
-_FP16_VALUES_ASM = tl.constexpr(_values_asm("f16x2", "0x3C003C00", "0x64006400"))
-
-
-@triton.jit
-def _values_ptx(packed, s, z, BF16: tl.constexpr):
-    """The 8 values of every 4-bit word of `packed` ([R, C] int32), each dequantized in x's dtype (bf16
-    with BF16, else fp16) as `_value` and one rounding to that dtype give it, the same bits, by PTX: per
-    word 4 `lop3`, 3 shifts and 8 `fma` on value pairs (`_values_asm`), where `_value` takes a shift, a
-    bitfield extract, an OR, a subtraction and a product a value, and the rounding a conversion a pair.
-    `s` and `z`, the scales and zeros in x's dtype, broadcast over the words as `_value` takes them. The
-    interpreter cannot run PTX: a CPU test runs that PTX instruction by instruction as PTX defines them
-    against `_value`'s bits, the harness compiles it for sm_90, and the CUDA tests check its bits on the
-    GPU."""
-    magic = 128.0 if BF16 else 1024.0
-    nz = (-(z.to(tl.float32) + magic)).to(s.dtype)  # (exact: small integers)
-    s2 = tl.broadcast_to(s, packed.shape)
-    nz2 = tl.broadcast_to(nz, packed.shape)
-    if BF16:
-        values = tl.inline_asm_elementwise(
-            _BF16_VALUES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [packed, s2, nz2],
-            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        values = tl.inline_asm_elementwise(
-            _FP16_VALUES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [packed, s2, nz2],
-            dtype=(tl.float16,) * 8, is_pure=True, pack=1,
-        )  # fmt: skip
-    return values
-
-
-@triton.jit
-def _factored_words(acc, packed, x_row, offs_w, s, z, magic, BITS: tl.constexpr):
-    """`acc` ([BLOCK_K / P, BLOCK_N] float32) plus the GEMV's products over `packed`'s words: each word's
-    sum over its P values of (q - zero) times x, times the scale once a word, not once a value. A value's
-    q - zero from its bits alone, in float32: the word's low half, or its high half shifted down once,
-    ANDed to value j's bits at 4j (8j with 8 bits) and ORed into the mantissa of 2^(23 - 4j), whose last
-    bit is worth 1 there, less (2^(23 - 4j) + zero): exact; one LOP3 and one FADD a value, then its FFMA.
-    `magic`: 2^23's bits (0x4B000000) as a kernel argument, so a register: with two immediates (the mask
-    and the power of two) ptxas splits the AND and the OR into two LOP3s. `x_row`: x's row, read without
-    masks (every step is a whole BLOCK_K); `s`, `z` ([BLOCK_N]): the group's scales and zeros. No weight
-    is rounded (as `_value`'s)."""
-    P: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = P // 2
-    high = packed >> 16  # (arithmetic: the sign's copies above bit 15 are masked off with the rest)
-    z = z.to(tl.float32)
-    sums = tl.zeros(packed.shape, tl.float32)
-    for j in tl.static_range(P):
-        x = tl.load(x_row + offs_w * P + j).to(tl.float32)  # x's columns for value j: every P-th from j
-        shift = BITS * (j % HALF)  # (constant: j is)
-        if j < HALF:
-            bits = packed & (((1 << BITS) - 1) << shift)
-        else:
-            bits = high & (((1 << BITS) - 1) << shift)
-        power = 1.0 * (1 << (23 - shift))
-        q = (bits | (magic - (shift << 23))).to(tl.float32, bitcast=True) - (z + power)[None, :]
-        sums += q * x[:, None]
-    return acc + sums * s.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -206,7 +109,7 @@ def _swapped_step(
 ):  # fmt: skip
     """`acc_t` ([BLOCK_N, BLOCK_M] float32: the output transposed) plus W's tile times x's, W the dots'
     first operand (`GemmConfig.swapped`): its words loaded [BLOCK_N, BLOCK_K / P], dequantized (by PTX
-    where PTX_VALUES, else `_value`), then a dot per value of the words (NIBBLE_DOTS) or one K tile
+    where PTX_VALUES, else `value`), then a dot per value of the words (NIBBLE_DOTS) or one K tile
     (`_k_tile`)."""
     P: tl.constexpr = 32 // BITS
     packed = tl.load(
@@ -215,20 +118,20 @@ def _swapped_step(
         other=0,
     )
     if PTX_VALUES:
-        v = _values_ptx(packed, s[:, None], z[:, None], PTX_VALUES == 1)
+        v = values_ptx(packed, s[:, None], z[:, None], PTX_VALUES == 1)
     else:
         zf, sf = z.to(tl.float32)[:, None] + 8388608.0, s.to(tl.float32)[:, None]
         if P == 8:
             v = (
-                _value(packed, 0, zf, sf, BITS), _value(packed, 1, zf, sf, BITS),
-                _value(packed, 2, zf, sf, BITS), _value(packed, 3, zf, sf, BITS),
-                _value(packed, 4, zf, sf, BITS), _value(packed, 5, zf, sf, BITS),
-                _value(packed, 6, zf, sf, BITS), _value(packed, 7, zf, sf, BITS),
+                value(packed, 0, zf, sf, BITS), value(packed, 1, zf, sf, BITS),
+                value(packed, 2, zf, sf, BITS), value(packed, 3, zf, sf, BITS),
+                value(packed, 4, zf, sf, BITS), value(packed, 5, zf, sf, BITS),
+                value(packed, 6, zf, sf, BITS), value(packed, 7, zf, sf, BITS),
             )  # fmt: skip
         else:
             v = (
-                _value(packed, 0, zf, sf, BITS), _value(packed, 1, zf, sf, BITS),
-                _value(packed, 2, zf, sf, BITS), _value(packed, 3, zf, sf, BITS),
+                value(packed, 0, zf, sf, BITS), value(packed, 1, zf, sf, BITS),
+                value(packed, 2, zf, sf, BITS), value(packed, 3, zf, sf, BITS),
             )  # fmt: skip
     if NIBBLE_DOTS:
         for j in tl.static_range(P):
@@ -257,6 +160,8 @@ def _w4a16_kernel(
     Scales,
     Zeros,
     Out,
+    Partial,
+    Counters,
     M,
     N,
     K,
@@ -275,8 +180,10 @@ def _w4a16_kernel(
     FACTORED: tl.constexpr,
     SWAPPED: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Out[pid_k, m, n] = sum over this program's share of K of X[m, k] * W[n, k] (see the module)."""
+    """Out[m, n] = sum over K of X[m, k] * W[n, k] (see the module); with K split (SPLIT) this
+    program's share of it, added to the others' by `split_k.finish`."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -310,18 +217,18 @@ def _w4a16_kernel(
                 BITS, BLOCK_N, BLOCK_K, NIBBLE_DOTS, PTX_VALUES, IEEE, AS_FP32,
             )  # fmt: skip
         elif FACTORED:  # (the GEMV's)
-            acc_gemv = _factored_words(acc_gemv, packed, X + pid_m * stride_xm, offs_w, s, z, magic, BITS)
+            acc_gemv = factored_words(acc_gemv, packed, X + pid_m * stride_xm, offs_w, s, z, magic, BITS)
         elif BLOCK_M == 1 or NIBBLE_DOTS:  # value j of every word at once: a [BLOCK_K / P, BLOCK_N] tile
             values = packed  # (no values before the loop but by PTX)
             if PTX_VALUES:  # every value of the words at once, in x's dtype
-                values = _values_ptx(packed, s[None, :], z[None, :], PTX_VALUES == 1)
+                values = values_ptx(packed, s[None, :], z[None, :], PTX_VALUES == 1)
             s = s.to(tl.float32)[None, :]
             z = z.to(tl.float32)[None, :] + 8388608.0
             for j in tl.static_range(32 // BITS):
                 if PTX_VALUES:
                     w = values[j]
                 else:
-                    w = _value(packed, j, z, s, BITS)
+                    w = value(packed, j, z, s, BITS)
                 offs_k = offs_w * (32 // BITS) + j  # x's columns for value j: every P-th from j
                 if BLOCK_M == 1:  # one row on the CUDA cores, times x's columns broadcast over the words'
                     # (x as a vector: a [1, K] tile would take a layout of its own, into which the compiler
@@ -352,8 +259,7 @@ def _w4a16_kernel(
         acc = tl.sum(acc_gemv, axis=0)[None, :]
     if SWAPPED:
         acc = tl.trans(acc_t)
-    out = Out + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    finish(acc, Out, Partial, Counters, Out, offs_m, offs_n, M, N, N, False, SPLIT)
 
 
 class GemmConfig(NamedTuple):
@@ -370,7 +276,7 @@ class GemmConfig(NamedTuple):
     num_stages: int
     nibble_dots: bool = True  # a dot per value of the words where the tiles allow (the module's docstring)
     ptx_values: bool = False  # those values by PTX, where they run (`ptx_values`)
-    factored: bool = False  # the GEMV's scales and zeros once a word (`_factored_words`; BLOCK_M 1 only)
+    factored: bool = False  # the GEMV's scales and zeros once a word (`factored_words`; BLOCK_M 1 only)
     swapped: bool = False  # W the dots' first operand, x (padded to 16 rows) the second (`swapped`)
 
 
@@ -389,7 +295,7 @@ def nibble_dots(cfg: GemmConfig, bits: int) -> bool:
 
 
 def factored(cfg: GemmConfig) -> bool:
-    """Whether a launch with `cfg` is the factored GEMV (`_factored_words`): asked for, at BLOCK_M 1."""
+    """Whether a launch with `cfg` is the factored GEMV (`factored_words`): asked for, at BLOCK_M 1."""
     return cfg.factored and cfg.block_m == 1
 
 
@@ -400,7 +306,7 @@ def swapped(cfg: GemmConfig) -> bool:
 
 
 def ptx_values(cfg: GemmConfig, bits: int, dtype: torch.dtype) -> bool:
-    """Whether a launch with `cfg` dequantizes by PTX (`_values_ptx`): asked for, a dot per value of the
+    """Whether a launch with `cfg` dequantizes by PTX (`values_ptx`): asked for, a dot per value of the
     words (`nibble_dots`), the swapped tiles or the GEMV unfactored, 4 bits, half-precision activations,
     and compiled (not the interpreter)."""
     half = dtype in (torch.bfloat16, torch.float16)
@@ -463,11 +369,12 @@ def w4a16_matmul(
     k_blocks = triton.cdiv(k, cfg.block_k)
     k_per_split = triton.cdiv(k_blocks, cfg.split_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
-    out = torch.empty(
-        (split, m, n) if split > 1 else (m, n),
-        dtype=torch.float32 if split > 1 else x.dtype,
-        device=x.device,
-    )
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    locks = counters(x.device, tiles) if split > 1 else None
+    if locks is None:  # (unsplit, or a CUDA graph captured before the device has its counters)
+        split, k_per_split = 1, k_blocks * cfg.block_k
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    partial = partial_sums(split, m, n, x.device) if split > 1 else out
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
     _w4a16_kernel[grid](
         x,
@@ -475,12 +382,14 @@ def w4a16_matmul(
         scales,
         zeros,
         out,
+        partial,
+        locks if locks is not None else out,
         m,
         n,
         k,
         x.stride(0),
         k_per_split,
-        0x4B000000,  # (`_factored_words`' magic)
+        0x4B000000,  # (`factored_words`' magic)
         GROUP=group,
         BITS=bits,
         IEEE=x.dtype == torch.float32,
@@ -493,7 +402,8 @@ def w4a16_matmul(
         FACTORED=factored(cfg),
         SWAPPED=swapped(cfg),
         LOOP_STAGES=cfg.num_stages if cfg.block_m == 1 or swapped(cfg) else None,
+        SPLIT=split > 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return out.sum(0).to(x.dtype) if split > 1 else out
+    return out
