@@ -10,21 +10,22 @@
 #      tok/s), each with 8 decode steps profiled; then Qwen3-0.6B's FP8
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
-#   3a. Qwen3-8B's FP8 and int4 TPOT with every layer in swapped tiles (W x^T); decode attention alone over
-#      each KV cache, batches of 64 and 256, blocks of 64 and 128 keys, registers capped at 96, 128 or
-#      not (`gapless.bench.kernels`); nano-vllm's workload over the FP8 KV cache with those registers
-#      capped at 96; the mixture's TPOT in bf16; the swapped tiles alone at 1 and 16 rows; the one-row
-#      GEMVs (FP8, int4; int4 also factored) with their loads 1-4 iterations deep
+#   3a. Qwen3-8B's int4 TPOT on the swapped tiles (W x^T) and on the Triton GEMM as chosen (the GEMV at
+#      one row), its FP8 TPOT on the swapped tiles (against the targets phase's runs on this machine);
+#      decode attention alone over each KV cache, batches of 64 and 256, blocks of 64 and 128 keys,
+#      registers capped at 96, 128 or not (`gapless.bench.kernels`); the int4 GEMV with its loads 1-4
+#      iterations deep and K split 8 and 16 ways, factored or not, against tinygemm; nano-vllm's workload
+#      over the FP8 KV cache with the decode kernel's registers capped at 96; the FP8 GEMV's stages
+#   3b. the mixture's TPOT in bf16; the swapped tiles alone at 1 and 16 rows
 #   3. the mixture Qwen3-30B-A3B's shape in FP8 and int4 (its experts in the fused grouped GEMM)
 #   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
 #      at one row (`fp8_gemm.py --sweep`)
 #   5. decode attention at batch 1 over short contexts, split less, prefetched or not
 #   6. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm) against bf16 on Llama-3-8B's
-#      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`); int4 TPOT through the Triton
-#      GEMM alone (`GAPLESS_INT4_KERNEL`; no bf16 run in this phase: no ratio), and with act-order (GPTQ
-#      `desc_act`: o's x gathered a layer); the FP8 GEMM alone against
-#      bf16 and torch._scaled_mm on both models' linear shapes, 1 and 128 rows
-#      (bench/experiments/fp8_gemm.py); Qwen3-8B's int4 TPOT on gemlite
+#      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`); int4 TPOT with act-order (GPTQ
+#      `desc_act`: o's x gathered a layer); the FP8 GEMM alone against bf16 and torch._scaled_mm on both
+#      models' linear shapes, 1 and 128 rows (bench/experiments/fp8_gemm.py); Qwen3-8B's int4 TPOT on
+#      gemlite
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
 # bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each run), fp8_sweep.log,
 # fp8_gemm.log, int4_gemm.log, kv_attention.log. bench/gpu_session.sh's `all` part calls it first (step
@@ -113,12 +114,14 @@ done
 fi
 
 if phase tables; then
-# the swapped tiles first (W x^T, never timed: the likeliest way to the issue's FP8 and int4 targets) as
-# TPOT, then decode attention over each cache and the FP8 KV run capped (the FP8 KV target's), the
-# mixture in bf16, the swapped tiles alone; the one-row GEMVs' loads pipelined next (short: each decides
-# a default), then what no GPU has run (the mixture quantized), then the sweeps that decide the next
-# defaults (the FP8 GEMM's at one row for gate/up and down; decode attention at batch 1 split less), then
-# the int4 GEMMs' table, the int4 Triton GEMM's TPOT, the FP8 GEMM's table and gemlite
+# the int4 and FP8 targets' likeliest ways first, as TPOT: int4 on the swapped tiles and on the Triton GEMV
+# (never timed since a split GEMM's parts were added by a torch sum and cast after it, two launches a
+# layer), FP8 on the swapped tiles; then decode attention over each cache (the FP8 KV target's lever), the
+# int4 GEMV's stages and splits against tinygemm, the FP8 KV run capped, the FP8 GEMV's stages (each
+# short, each deciding a default); the mixture in bf16, the swapped tiles alone, what no GPU has run (the
+# mixture quantized), the sweeps that decide the next defaults (the FP8 GEMM's at one row for gate/up and
+# down; decode attention at batch 1 split less), the int4 GEMMs' table, act-order, the FP8 GEMM's table and
+# gemlite
 
 # Qwen3-8B's TPOT with every FP8 layer (`GAPLESS_FP8_SWAPPED`: up to 16 rows, the GEMV off) and every int4
 # layer (`GAPLESS_INT4_SWAPPED`, on the Triton GEMM) in swapped tiles, against the targets phase's FP8
@@ -126,8 +129,11 @@ if phase tables; then
 # operands e4m3 from shared memory (115 instructions a loop step for 64 x 128 weight bytes in the sm_90
 # binary, no widening), int4's the dequantized weights as wgmma's register operand (253 instructions a 4 KB
 # step, against the GEMV's 420 and the 16-row tiles' 627)
-GAPLESS_FP8_SWAPPED=1 tpot 45 qwen3-8b fp8_swapped --engine-option quantization=fp8
 GAPLESS_INT4_KERNEL=triton GAPLESS_INT4_SWAPPED=1 tpot 45 qwen3-8b-awq int4_swapped
+# the same on gapless's Triton GEMM as chosen (`GAPLESS_INT4_KERNEL=triton`: the GEMV at one row, its K
+# split over about 264 programs, the parts added by the tile's last program, `split_k.finish`)
+GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
+GAPLESS_FP8_SWAPPED=1 tpot 45 qwen3-8b fp8_swapped --engine-option quantization=fp8
 # decode attention alone over a bf16 and an fp8 cache (the FP8 KV target's lever): batches of 256
 # (nano-vllm's full batch) and 64, 1k and 4k contexts, pages of 1 token (the engine's default; 16 timed the
 # same within 1% on an H200), blocks of 64 keys (the default; an fp8 cache's values in pairs: 0.75x bf16's
@@ -142,12 +148,29 @@ other 75 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 25
   --page-size 1 --kv-cache-dtype auto fp8 --decode-block-n 0 128 --decode-max-registers 0 96 128 \
   --tokens 16 --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
 awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
+# the GEMVs' loads through asynchronous copies 1-4 loop iterations deep (never timed; 1 is today's plain
+# loads, the default): FP8 on both models' layers against the default path, so also whether the GEMV then
+# beats the 16-row tiles on the 8B's gate/up and down (`fp8_gemm.py --gemv-stages`); int4 on Llama-3-8B's
+# layers against tinygemm, the default at decode (on an H200 the GEMV took 1.3-2.1x its time), with K split
+# as the 16-row tiles want (about 264 programs: 192 on qkv, 1.5 an SM), 8 and 16 ways, each with PTX values
+# (the default) and factored (`--factored`: the scale and zero once a word; 335 instructions a loop body in
+# the sm_90 binary against 420). Why deeper or more: a program's plain loads keep one 4 KB step in flight,
+# so 1.5 programs an SM hold ~6 KB where the H200's bandwidth wants ~29 KB an SM in flight (4.8 TB/s times
+# ~0.8 us, over 132 SMs: docs/gpu.md); 8 splits put 768 programs on qkv (~6 an SM), 4 stages 16 KB a
+# program. A split's parts are added by the tile's last program (`split_k.finish`), no launch after
+other 55 int4_gemv_stages "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 --block-m 1 --ptx-values 1 \
+  --factored 0 1 --stages 1 2 4 --split-k 0 8 16 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
+tee -a "$LOG" <"$OUT/int4_gemv_stages.log" 2>/dev/null
 # nano-vllm's workload again with the FP8 KV cache, the decode kernel's registers capped at 96
 # (`GAPLESS_DECODE_MAX_REGISTERS`: 5 programs an SM where the default's 138 registers fit 3), against the
 # targets phase's bf16 KV run on this machine (the first call's `kv_auto`)
 other 80 kv_fp8_capped env GAPLESS_DECODE_MAX_REGISTERS=96 OUT="$OUT/kv_fp8_capped" GPU_BENCH_TIMEOUT=75 \
   PY="$PY" bash bench/gpu_bench.sh --skip-hf --runs greedy --kv-cache-dtype fp8 --profile-steps 8
 grep -E '^\| gapless|Triton compiled' "$OUT/kv_fp8_capped/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
+# (the FP8 GEMVs' stages, as above)
+other 40 fp8_gemv_stages "$PY" bench/experiments/fp8_gemm.py --gemv-stages
+grep -E '^\|' "$OUT/fp8_gemv_stages.log" 2>/dev/null | tee -a "$LOG"
+
 # the mixture Qwen3-30B-A3B's shape in bf16 (~61 GB; 7.0 ms a token on an H200 before its sort by expert
 # became one kernel at decode sizes, `moe_triton._align_kernel`: ~25 launches fewer a layer, 48 layers)
 tpot 70 qwen3-30b-a3b bf16
@@ -159,19 +182,6 @@ grep -E '^\|' "$OUT/fp8_swapped.log" 2>/dev/null | tee -a "$LOG"
 other 45 int4_swapped "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 --block-m 16 --swapped 0 1 \
   --nibble-dots 0 --ptx-values 1 --stages 1 3 --kernels triton tinygemm --json "$OUT/int4_swapped.json"
 tee -a "$LOG" <"$OUT/int4_swapped.log" 2>/dev/null
-
-# the GEMVs' loads through asynchronous copies 1-4 loop iterations deep (never timed; 1 is today's plain
-# loads, the default): FP8 on both models' layers against the default path, so also whether the GEMV then
-# beats the 16-row tiles on the 8B's gate/up and down (`fp8_gemm.py --gemv-stages`); int4 on Llama-3-8B's
-# layers against tinygemm, the default at decode (on an H200 the GEMV took 1.3-2.1x its time), with K split
-# as the 16-row tiles want (about 264 programs: 192 on qkv, 1.5 an SM) and 8 ways, each with PTX values (the
-# default) and factored (`--factored`: the scale and zero once a word; 335 instructions a loop body in the
-# sm_90 binary against 420)
-other 40 fp8_gemv_stages "$PY" bench/experiments/fp8_gemm.py --gemv-stages
-grep -E '^\|' "$OUT/fp8_gemv_stages.log" 2>/dev/null | tee -a "$LOG"
-other 55 int4_gemv_stages "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 --block-m 1 --ptx-values 1 \
-  --factored 0 1 --stages 1 2 4 --split-k 0 8 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
-tee -a "$LOG" <"$OUT/int4_gemv_stages.log" 2>/dev/null
 
 # the mixture's experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU has run these yet)
 tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
@@ -208,12 +218,10 @@ other 60 int4_gemm "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 256 2
   --ptx-values 0 1 --kernels triton tinygemm --json "$OUT/int4_gemm.json"
 tee -a "$LOG" <"$OUT/int4_gemm.log" 2>/dev/null
 
-# gapless's Triton GEMM by name (`gapless.model.quant.int4_kernels`; gemlite's run comes last)
 say ""
-GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 # act-order (GPTQ desc_act): the default GEMMs, x's columns in each layer's order, written so by the fused
 # norms and SiLU·mul, gathered for o alone (`index_select`, one a layer; never timed; against the AWQ
-# twin's TPOT above)
+# twin's TPOT in the targets phase)
 tpot 50 qwen3-8b-gptq-act int4_act_order
 
 # the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by

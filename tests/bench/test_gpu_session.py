@@ -106,16 +106,15 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
         assert [c[1] for c in benches] == [
             *["gapless.bench.quant"] * 9,  # gpu_quant.sh: make, eight runs of the issue's targets,
             *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs;
-            *["gapless.bench.quant"] * 2,  # tables: FP8 and int4 TPOT on swapped tiles,
+            *["gapless.bench.quant"] * 3,  # tables: int4 TPOT on swapped tiles and the Triton GEMM, FP8's,
             "gapless.bench.kernels",  # decode attention over each cache,
+            "gapless.bench.int4_gemm",  # the int4 GEMV's stages and splits,
             "gapless.bench.gpu",  # the FP8 KV cache's run with the decode kernel's registers capped,
-            "gapless.bench.quant",  # the mixture's bf16, (FP8's alone: a script)
-            "gapless.bench.int4_gemm",  # int4's alone, (the FP8 GEMV's stages: a script)
-            "gapless.bench.int4_gemm",  # the int4 GEMV's,
+            "gapless.bench.quant",  # (the FP8 GEMV's stages: a script) the mixture's bf16,
+            "gapless.bench.int4_gemm",  # (FP8's swapped tiles alone: a script) int4's,
             *["gapless.bench.quant"] * 2,  # the mixture's FP8 and int4, (the FP8 sweep: a script)
             "gapless.bench.kernels",  # decode attention at batch 1,
             "gapless.bench.int4_gemm",  # the int4 GEMMs,
-            "gapless.bench.quant",  # int4 on the Triton GEMM,
             "gapless.bench.quant",  # act-order int4, (the FP8 GEMM's table: a script)
             "gapless.bench.quant",  # gemlite's run,
             "gapless.bench.quant",  # the report
@@ -240,37 +239,38 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
-    """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): Qwen3-8B's FP8 and int4
-    TPOT on the swapped tiles first, decode attention over each cache in 64- and 128-key blocks with its
-    registers capped or not and the FP8 KV cache's nano-vllm run with them capped (the FP8 KV target's
-    lever), the mixture's TPOT in bf16, then those tiles alone, the one-row GEMVs' stages (FP8 and int4,
-    the latter also factored: short, each deciding a default), what no GPU has run next (the mixture
-    quantized), then the FP8 GEMM's sweep and decode attention at batch 1, then the int4 GEMMs' table
-    (without gemlite, whose first call tunes past the step's limit); no TPOT run of the targets and no
-    other nano-vllm run; the targets phase alone the reverse."""
+    """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): Qwen3-8B's int4 TPOT on
+    the swapped tiles and on the Triton GEMM and its FP8 TPOT on the swapped tiles first, decode attention
+    over each cache in 64- and 128-key blocks with its registers capped or not (the FP8 KV target's lever),
+    the int4 GEMV's stages and splits (factored or not, against tinygemm), the FP8 KV cache's nano-vllm run
+    with the registers capped, the FP8 GEMV's stages (short, each deciding a default); then the mixture's
+    TPOT in bf16, the swapped tiles alone, what no GPU has run (the mixture quantized), the FP8 GEMM's sweep
+    and decode attention at batch 1, then the int4 GEMMs' table (without gemlite, whose first call tunes
+    past the step's limit); no TPOT run of the targets and no other nano-vllm run; the targets phase alone
+    the reverse."""
     (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     tables = [c for c in tables if c[:1] != ["-"]]  # (gpu_bench.sh's versions: a script on stdin)
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
-    fp8_swapped, int4_swapped, attention, capped, mixture = tables[1:6]
+    int4_swapped, int4_triton, fp8_swapped, attention, int4_stages, capped, fp8_stages, mixture = tables[1:9]
     assert capped[:2] == ["-m", "gapless.bench.gpu"] and "fp8" in capped  # (the FP8 KV run, registers capped)
-    assert fp8_swapped[:3] == int4_swapped[:3] == mixture[:3] == ["-m", "gapless.bench.quant", "run"]
-    assert [c[3].rsplit("/", 1)[1] for c in (fp8_swapped, int4_swapped, mixture)] == [
-        "qwen3-8b", "qwen3-8b-awq", "qwen3-30b-a3b"
-    ]  # fmt: skip
+    tpots = (int4_swapped, int4_triton, fp8_swapped, mixture)
+    assert all(c[:3] == ["-m", "gapless.bench.quant", "run"] for c in tpots)
+    models = [c[3].rsplit("/", 1)[1] for c in tpots]
+    assert models == ["qwen3-8b-awq", "qwen3-8b-awq", "qwen3-8b", "qwen3-30b-a3b"]
     assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
     assert attention[attention.index("--decode-block-n") + 1 :][:2] == ["0", "128"]
     assert attention[attention.index("--decode-max-registers") + 1 :][:3] == ["0", "96", "128"]
-    fp8_alone, int4_alone = tables[6:8]
-    assert fp8_alone[0].endswith("fp8_gemm.py") and "--swapped" in fp8_alone
-    assert int4_alone[:2] == ["-m", "gapless.bench.int4_gemm"] and "--swapped" in int4_alone
-    fp8_stages, int4_stages = tables[8:10]
     assert fp8_stages[0].endswith("fp8_gemm.py") and "--gemv-stages" in fp8_stages
     assert int4_stages[:2] == ["-m", "gapless.bench.int4_gemm"] and "tinygemm" in int4_stages
     assert int4_stages[int4_stages.index("--stages") + 1 :][:3] == ["1", "2", "4"]
+    assert int4_stages[int4_stages.index("--split-k") + 1 :][:3] == ["0", "8", "16"]
     assert int4_stages[int4_stages.index("--factored") + 1 :][:2] == ["0", "1"]  # (PTX values, factored)
-    assert [c[3].rsplit("/", 1)[1] for c in tables[10:12]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
-    sweep, batch1, int4_gemm = tables[12:15]
+    fp8_alone, int4_alone = tables[9:11]
+    assert fp8_alone[0].endswith("fp8_gemm.py") and "--swapped" in fp8_alone
+    assert int4_alone[:2] == ["-m", "gapless.bench.int4_gemm"] and "--swapped" in int4_alone
+    assert [c[3].rsplit("/", 1)[1] for c in tables[11:13]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
+    sweep, batch1, int4_gemm = tables[13:16]
     assert batch1[:2] == ["-m", "gapless.bench.kernels"] and "--decode-min-split-len" in batch1
     assert "--decode-prefetch" in batch1
     assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep
