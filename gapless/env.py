@@ -196,6 +196,13 @@ FP8_SWAPPED = _bool(
     "padded to 16 rows the second) in place of the one-row GEMV and the 16-row tiles; never timed, so off "
     "(`gapless.model.quant.fp8_kernel`)",
 )
+FP8_UNFUSED_ACTIVATION = _bool(
+    "GAPLESS_FP8_UNFUSED_ACTIVATION",
+    "FP8 layers on CUDA fed by a gated activation (an MLP's down projection) where the one-row GEMV runs: "
+    "the fused activation's launch writes x first, as before; off (the default): the GEMV computes "
+    "act(gate) * up as it loads x, the same bits, with no launch before it "
+    "(`gapless.model.quant.fp8_kernel`)",
+)
 FP8_UNFUSED_ROUNDING = _bool(
     "GAPLESS_FP8_UNFUSED_ROUNDING",
     "FP8 layers on CUDA round their activations to e4m3 by a launch of their own before their tiles, as "

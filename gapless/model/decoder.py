@@ -196,8 +196,10 @@ class MLP(nn.Module):
         h = self.gate_up_proj(x)
         if self.fused is None:
             return self.down_proj(self.act_and_mul(h))
-        down = self.down_proj  # (its x rounded for FP8, or in act-order's column order, as written)
-        group = down.input_rounding(h.numel() // h.shape[-1])
+        down, rows = self.down_proj, h.numel() // h.shape[-1]
+        if down.takes_gated(rows):  # (the FP8 GEMV makes act(gate) * up as it loads x: no launch here)
+            return down(h, gated=self.act)
+        group = down.input_rounding(rows)  # (x rounded for FP8, or in act-order's column order, as written)
         return down(self.fused.act_and_mul(h, self.act, group, down.input_order()))
 
 

@@ -58,9 +58,20 @@ class _Linear(nn.Module):
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         default_weight_loader(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: str | None = None) -> torch.Tensor:
+        """`gated` (a `GATED_ACTIVATIONS` key, where `takes_gated`): x is that activation's input, [gate,
+        up], which the layer's method applies as it reads x."""
+        if gated is not None:
+            return self.linear_method.apply(self, x, gated)  # type: ignore[call-arg]  # (`takes_gated`'s)
         y = self.linear_method.apply(self, x)
         return y if self.lora is None else self.lora.add(x, y)
+
+    def takes_gated(self, rows: int) -> bool:
+        """Whether this layer's method takes x of `rows` rows as a gated activation's input (the FP8 GEMV
+        makes act(gate) * up as it loads x: no activation launch before it); never with a LoRA adapter,
+        which needs x itself."""
+        ask = getattr(self.linear_method, "takes_gated", None)
+        return self.lora is None and ask is not None and ask(self, rows)
 
     def input_rounding(self, rows: int) -> int:
         """The column group in which this layer's method would round x of `rows` rows to e4m3 before its
@@ -144,8 +155,8 @@ class RowParallelLinear(_Linear):
         else:
             default_weight_loader(param, loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+    def forward(self, x: torch.Tensor, gated: str | None = None) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x, gated))
 
 
 class ReplicatedLinear(_Linear):

@@ -31,10 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
-import tempfile
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -46,6 +44,7 @@ from unittest import mock
 import torch
 
 from gapless import env
+from gapless.testing.sass import instruction_mix, resources
 
 # families whose fused kernels differ: RMSNorm arithmetic (Llama, Gemma, OLMo 2), q/k norms (Qwen3,
 # OLMo 2), activations (SiLU; GeLU(tanh) in Gemma); each in both half-precision dtypes
@@ -278,17 +277,25 @@ def _lora() -> dict[str, Callable[[], object]]:
 def _fp8() -> dict[str, Callable[[], object]]:
     from gapless.model.quant import fp8_kernel
 
-    def run(rows: int, dtype: torch.dtype, block: bool, by: str = "launch", **settings: Any) -> object:
+    def run(
+        rows: int,
+        dtype: torch.dtype,
+        block: bool,
+        by: str = "launch",
+        gated: str | None = None,
+        **settings: Any,
+    ) -> object:
         """One GEMM of `rows` rows, x as `by` says up to DECODE_ROWS rows (0 unless set: x rounded in the
         loop), `fp8_kernel`'s `settings` (DECODE_ROWS, DECODE_TILES, GEMV_ROWS and SWAPPED_ROWS: 0, the
-        tiles, unless set, GEMV_TILES) set for it."""
+        tiles, unless set, GEMV_TILES) set for it; `gated`: x a gated activation's input (the GEMV's)."""
         n, k = 96, 256
         w = torch.zeros(n, k).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
-        x, bias = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, dtype=dtype)
+        x, bias = torch.zeros(rows, k * (2 if gated else 1), dtype=dtype), torch.zeros(n, dtype=dtype)
         settings = {"DECODE_ROWS": 0, "DECODE_X": by, "GEMV_ROWS": 0, "SWAPPED_ROWS": 0, **settings}
         with mock.patch.multiple(fp8_kernel, **settings):
-            return fp8_kernel.fp8_gemm(x, w, scale, 128 if block else 1, 128 if block else 0, 128, bias)
+            block_args = (128, 128) if block else (1, 0)
+            return fp8_kernel.fp8_gemm(x, w, scale, *block_args, 128, bias, gated=gated)
 
     cases: dict[str, Callable[[], object]] = {
         f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
@@ -312,6 +319,10 @@ def _fp8() -> dict[str, Callable[[], object]]:
             tiles, scales = (64, 4, unroll, stages), "block" if block else "channel"
             name = f"fp8 gemv 1 rows {dtype} {scales}, decode x {by}, unroll {unroll}, stages {stages}"
             cases[name] = partial(run, 1, dtype, block, by, GEMV_ROWS=1, GEMV_TILES=tiles, **decode)
+        if by != "launch":  # the GEMV making a gated activation's output as it loads x
+            act = "silu" if by == "program" else "gelu_pytorch_tanh"
+            name = f"fp8 gemv 1 rows {dtype} channel, decode x {by}, gated {act}"
+            cases[name] = partial(run, 1, dtype, False, by, act, GEMV_ROWS=1, **decode)
     for dtype in DTYPES:  # x written by the fused norm and SiLU·mul (8B's widths): rounded for FP8's tiles,
         # or in an int4 act-order layer's column order
         cases[f"fp8 rounding in the norm and activation {dtype}"] = partial(_written_before, dtype, 128)
@@ -412,52 +423,6 @@ def compile_child(script: str, what: str) -> str | None:
     if r.returncode:
         raise RuntimeError(f"{what} failed:\n{r.stderr[-3000:]}")
     return r.stdout
-
-
-def _cuobjdump(kernel: Any, flag: str) -> str | None:
-    """What Triton's cuobjdump prints of a compiled kernel's binary with `flag`; None if it is missing."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
-
-
-def resources(kernel: Any) -> dict[str, int]:
-    """A compiled kernel's registers, spill bytes ("local") and shared memory (static and Triton's dynamic)
-    per program, from its binary; empty if cuobjdump is missing."""
-    out = _cuobjdump(kernel, "--dump-resource-usage")
-    if out is None:
-        return {}
-    fields = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", out))
-    return {
-        "registers": int(fields.get("REG", 0)),
-        "spill_bytes": int(fields.get("LOCAL", 0)),
-        "shared_bytes": int(fields.get("SHARED", 0)) + int(kernel.metadata.shared),
-        "warps": int(kernel.metadata.num_warps),
-    }
-
-
-CONVERSIONS = ("I2F", "I2FP", "F2I", "F2F", "F2FP", "I2I")  # the SASS opcodes that convert a number's type
-
-
-def instruction_mix(kernel: Any) -> dict[str, Any]:
-    """A compiled kernel's SASS, counted: its instructions, its matrix instructions (HMMA: mma.sync; HGMMA,
-    QGMMA: Hopper's wgmma, QGMMA on fp8) and each conversion opcode with its count (most run on a
-    slower pipe than float math); empty if cuobjdump is missing."""
-    sass = _cuobjdump(kernel, "-sass")
-    if sass is None:
-        return {}
-    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass, flags=re.M)
-    return {
-        "instructions": len(ops),
-        "mma": sorted({op for op in ops if "MMA" in op.split(".")[0]}),
-        "conversions": dict(Counter(op for op in ops if op.split(".")[0] in CONVERSIONS)),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

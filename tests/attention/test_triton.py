@@ -574,7 +574,8 @@ _DECODE_SASS = """
 import re, torch
 from gapless.attention import selfcheck, triton_kernels
 from gapless.attention.triton_backend import TritonBackend
-from gapless.testing.triton_compile import Compiler, _cuobjdump, resources
+from gapless.testing.sass import cuobjdump, resources
+from gapless.testing.triton_compile import Compiler
 compile_only = type("CompileOnly", (TritonBackend,), {"interpreted": True})
 tunings = {"default": {}, "prefetch": {"prefetch": True}, "capped": {"max_registers": 96}}
 for kv in (None, torch.float8_e4m3fn):
@@ -585,7 +586,7 @@ for kv in (None, torch.float8_e4m3fn):
             q, k, v, meta = selfcheck.batch(probe, *selfcheck.CASES["decode"], torch.device("cpu"), 0, ())
             backend.forward(q, k, v, backend.prepare(meta), 0.1, **probe.layer(), **probe.kv_scales("cpu"))
         kernel = c.compiled[-1][1]
-        sass = _cuobjdump(kernel, "-sass")
+        sass = cuobjdump(kernel, "-sass")
         at = r"/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?"  # an instruction's address, a predicate
         ops = [(int(a, 16), op) for a, op in re.findall(at + r"([A-Z][A-Za-z0-9_.]*)", sass)]
         jumps = [(int(a, 16), int(t, 16)) for a, t in re.findall(at + r"BRA\\s+0x([0-9a-f]+)", sass)]

@@ -106,7 +106,8 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
         assert [c[1] for c in benches] == [
             *["gapless.bench.quant"] * 9,  # gpu_quant.sh: make, eight runs of the issue's targets,
             *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs;
-            *["gapless.bench.quant"] * 3,  # tables: int4 TPOT on swapped tiles and the Triton GEMM, FP8's,
+            *["gapless.bench.quant"] * 4,  # tables: int4 TPOT on swapped tiles and the Triton GEMM, FP8's,
+            # the 0.6B's FP8 with its activations launched,
             "gapless.bench.kernels",  # decode attention over each cache,
             "gapless.bench.int4_gemm",  # the int4 GEMV's stages and splits,
             "gapless.bench.gpu",  # the FP8 KV cache's run with the decode kernel's registers capped,
@@ -240,7 +241,8 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): Qwen3-8B's int4 TPOT on
-    the swapped tiles and on the Triton GEMM and its FP8 TPOT on the swapped tiles first, decode attention
+    the swapped tiles and on the Triton GEMM, its FP8 TPOT on the swapped tiles and Qwen3-0.6B's FP8 with
+    its activations launched first, decode attention
     over each cache in 64- and 128-key blocks with its registers capped or not (the FP8 KV target's lever),
     the int4 GEMV's stages and splits (factored or not, against tinygemm), the FP8 KV cache's nano-vllm run
     with the registers capped, the FP8 GEMV's stages (short, each deciding a default); then the mixture's
@@ -252,12 +254,13 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     tables = [c for c in tables if c[:1] != ["-"]]  # (gpu_bench.sh's versions: a script on stdin)
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
-    int4_swapped, int4_triton, fp8_swapped, attention, int4_stages, capped, fp8_stages, mixture = tables[1:9]
+    int4_swapped, int4_triton, fp8_swapped, ungated = tables[1:5]
+    attention, int4_stages, capped, fp8_stages, mixture = tables[5:10]
     assert capped[:2] == ["-m", "gapless.bench.gpu"] and "fp8" in capped  # (the FP8 KV run, registers capped)
-    tpots = (int4_swapped, int4_triton, fp8_swapped, mixture)
+    tpots = (int4_swapped, int4_triton, fp8_swapped, ungated, mixture)
     assert all(c[:3] == ["-m", "gapless.bench.quant", "run"] for c in tpots)
     models = [c[3].rsplit("/", 1)[1] for c in tpots]
-    assert models == ["qwen3-8b-awq", "qwen3-8b-awq", "qwen3-8b", "qwen3-30b-a3b"]
+    assert models == ["qwen3-8b-awq", "qwen3-8b-awq", "qwen3-8b", "qwen3-0.6b", "qwen3-30b-a3b"]
     assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
     assert attention[attention.index("--decode-block-n") + 1 :][:2] == ["0", "128"]
     assert attention[attention.index("--decode-max-registers") + 1 :][:3] == ["0", "96", "128"]
@@ -266,11 +269,11 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert int4_stages[int4_stages.index("--stages") + 1 :][:3] == ["1", "2", "4"]
     assert int4_stages[int4_stages.index("--split-k") + 1 :][:3] == ["0", "8", "16"]
     assert int4_stages[int4_stages.index("--factored") + 1 :][:2] == ["0", "1"]  # (PTX values, factored)
-    fp8_alone, int4_alone = tables[9:11]
+    fp8_alone, int4_alone = tables[10:12]
     assert fp8_alone[0].endswith("fp8_gemm.py") and "--swapped" in fp8_alone
     assert int4_alone[:2] == ["-m", "gapless.bench.int4_gemm"] and "--swapped" in int4_alone
-    assert [c[3].rsplit("/", 1)[1] for c in tables[11:13]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
-    sweep, batch1, int4_gemm = tables[13:16]
+    assert [c[3].rsplit("/", 1)[1] for c in tables[12:14]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
+    sweep, batch1, int4_gemm = tables[14:17]
     assert batch1[:2] == ["-m", "gapless.bench.kernels"] and "--decode-min-split-len" in batch1
     assert "--decode-prefetch" in batch1
     assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep

@@ -105,6 +105,31 @@ def test_the_gemm_kernel_takes_x_rounded_before_it_instead_of_launching(monkeypa
     assert not fp8_kernel.rounds_before(2, n, k)
 
 
+@pytest.mark.parametrize("by", ["program", "fp16"])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@torch.inference_mode()
+def test_the_gemv_makes_a_gated_activation_as_it_loads_x(monkeypatch, act, by):
+    """At one row the GEMV takes the gate/up projection's output [gate, up] and makes act(gate) * up as it
+    loads x: the bits of the fused activation's output through the same GEMV (x rounded in its registers,
+    or in fp16), with K split over programs and a partial last group; the tiles (two rows) are refused by
+    name, and `GAPLESS_FP8_UNFUSED_ACTIVATION` turns it off."""
+    n, k, act_group = 48, 200, 64
+    w, s = (t.to(DEVICE) for t in quantize_rows(torch.randn(n, k) * 0.05))
+    h, bias = _rand(1, 2 * k) * 3, _rand(n, seed=1)
+    monkeypatch.setattr(fp8_kernel, "DECODE_X", by)
+    assert fp8_kernel.takes_gated(1, n, k) and not fp8_kernel.takes_gated(2, n, k)
+    assert fp8_kernel._splits(1, 1, 4, h.device) == 4
+    want = fp8_kernel.fp8_gemm(fk.act_and_mul(h, act), w, s, 1, 0, act_group, bias)
+    got = fp8_kernel.fp8_gemm(h, w, s, 1, 0, act_group, bias, gated=act)
+    assert torch.equal(got, want)
+    other = "silu" if act != "silu" else "gelu_pytorch_tanh"  # (the activation is what the kernel runs)
+    assert not torch.equal(fp8_kernel.fp8_gemm(h, w, s, 1, 0, act_group, bias, gated=other), want)
+    with pytest.raises(ValueError, match=r"no gated input at 2 rows of a weight \[48, 200\]"):
+        fp8_kernel.fp8_gemm(_rand(2, 2 * k), w, s, 1, 0, act_group, bias, gated=act)
+    monkeypatch.setenv("GAPLESS_FP8_UNFUSED_ACTIVATION", "1")
+    assert not fp8_kernel.takes_gated(1, n, k)
+
+
 def test_a_rounding_travels_only_on_the_tensor_it_was_made_for():
     x = torch.zeros(2, 4)
     rows = RoundedRows(torch.zeros(2, 4, dtype=torch.float8_e4m3fn), torch.ones(2, 1), 4)
@@ -153,6 +178,30 @@ def test_a_layer_with_fp8_linears_rounds_in_its_fused_norms_and_activation(ckpt_
     for a, b in zip(fused_out, plain, strict=True):
         assert torch.equal(a, b)
     assert (fused_launches, counted.launches) == ((0, 0) if rows == 1 else (1, 4))
+
+
+@torch.inference_mode()
+def test_at_one_row_the_mlp_leaves_its_activation_to_the_fp8_gemv(ckpt_factory, monkeypatch):
+    """A Qwen3 MLP quantized to FP8 with the fused kernels, at one row: the down projection's GEMV makes
+    the activation as it loads x (no `act_and_mul` launch), the same bits as with the activation's launch
+    (`GAPLESS_FP8_UNFUSED_ACTIVATION`); at 3 rows (the tiles), and with a LoRA adapter on the layer
+    (which needs x itself), the launch stays."""
+    model = _fp8_model(ckpt_factory)
+    fused.set_fused(model, fk)
+    mlp = model.model.layers[0].mlp
+    calls = []
+    real = fk.act_and_mul
+    monkeypatch.setattr(fk, "act_and_mul", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    x = _rand(1, model.cfg.hidden_size)
+    folded = mlp(x)
+    assert calls == [] and mlp.down_proj.takes_gated(1) and not mlp.down_proj.takes_gated(3)
+    monkeypatch.setenv("GAPLESS_FP8_UNFUSED_ACTIVATION", "1")
+    assert torch.equal(mlp(x), folded) and calls == [1]
+    monkeypatch.delenv("GAPLESS_FP8_UNFUSED_ACTIVATION")
+    mlp(_rand(3, model.cfg.hidden_size))
+    assert calls == [1, 3]
+    monkeypatch.setattr(mlp.down_proj, "lora", object())
+    assert not mlp.down_proj.takes_gated(1)
 
 
 @pytest.mark.slow  # (~6 s: every start-up probe under the interpreter, twice; the kit's CUDA step runs it)

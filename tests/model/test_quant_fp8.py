@@ -554,13 +554,14 @@ def test_the_swapped_tiles_multiply_e4m3_on_fp8s_wgmma_when_compiled():
 
     script = (
         "import re\n"
-        "from gapless.testing.triton_compile import Compiler, _fp8, _cuobjdump, instruction_mix\n"
+        "from gapless.testing.triton_compile import Compiler, _fp8\n"
+        "from gapless.testing.sass import cuobjdump, instruction_mix\n"
         "with Compiler(90) as c:\n"
         "    for name, case in _fp8().items():\n"
         "        if name.startswith('fp8 gemm 1 rows torch.bfloat16 channel, decode x launch'):\n"
         "            case()\n"
         "            k = c.compiled[-1][1]\n"
-        "            sass = _cuobjdump(k, '-sass')\n"
+        "            sass = cuobjdump(k, '-sass')\n"
         "            fp8 = len(re.findall(r'QGMMA\\.\\S+\\.E4M3\\.E4M3', sass))\n"
         "            n = instruction_mix(k)['instructions']\n"
         "            print(name.split(', ')[-1], n, fp8, sass.count('F2FP'))\n"
@@ -578,8 +579,9 @@ def test_the_gemvs_weights_stay_in_registers_when_compiled():
     """Compiled for sm_90 (the harness's stand-in driver), the GEMV multiplies on the CUDA cores (no
     matrix instruction) and its weight tile goes from its load to its multiply without crossing shared
     memory (a 64 x 128 e4m3 tile, 8 KB, did when x was a [1, BK] tile: the compiler moved W into x's
-    layout), for each way of rounding x, both kinds of weight scales and one step or two a loop iteration;
-    asked for stages, its loads go through asynchronous copies into shared memory, that many deep."""
+    layout), for each way of rounding x, both kinds of weight scales, one step or two a loop iteration and
+    a gated activation made as x loads; asked for stages, its loads go through asynchronous copies into
+    shared memory, that many deep."""
     from gapless.testing.triton_compile import compile_child
 
     script = (
@@ -599,7 +601,7 @@ def test_the_gemvs_weights_stay_in_registers_when_compiled():
     if out is None:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     kernels = json.loads(out.strip().splitlines()[-1])
-    assert len(kernels) == 12 and not any(mma for _, _, mma, _ in kernels), kernels
+    assert len(kernels) == 14 and not any(mma for _, _, mma, _ in kernels), kernels
     for name, shared, _, copies in kernels:
         if name.endswith("stages 3"):  # two 8 KB weight tiles ahead
             assert copies and shared >= 2 * 8192, (name, shared)

@@ -257,14 +257,15 @@ def test_the_factored_gemv_compiles_to_fewer_instructions():
     a LOP3 split into an AND and an OR (both constants immediates) would add 64. 8 bits: fewer than the
     plain GEMV."""
     script = (
-        "from gapless.testing.triton_compile import Compiler, _int4, _cuobjdump, instruction_mix\n"
+        "from gapless.testing.triton_compile import Compiler, _int4\n"
+        "from gapless.testing.sass import cuobjdump, instruction_mix\n"
         "with Compiler(90) as c:\n"
         "    for name, case in _int4().items():\n"
         "        if 'bfloat16' in name and 'gemv' in name and 'stages' not in name:\n"
         "            before = len(c.compiled)\n"
         "            case()\n"
         "            (_, k), = c.compiled[before:]\n"
-        "            lop3 = _cuobjdump(k, '-sass').count('LOP3.LUT')\n"
+        "            lop3 = cuobjdump(k, '-sass').count('LOP3.LUT')\n"
         "            how = name.split('gemv')[1].strip() or '-'\n"
         "            print(name.split()[0], how, instruction_mix(k)['instructions'], lop3)\n"
     )
@@ -288,14 +289,15 @@ def test_the_swapped_tiles_feed_the_tensor_cores_w_from_registers():
     (the values go 8 at a time, `_k_tile`)."""
     script = (
         "import re\n"
-        "from gapless.testing.triton_compile import Compiler, _int4, _cuobjdump, instruction_mix\n"
+        "from gapless.testing.triton_compile import Compiler, _int4\n"
+        "from gapless.testing.sass import cuobjdump, instruction_mix\n"
         "with Compiler(90) as c:\n"
         "    for name, case in _int4().items():\n"
         "        if 'int4' in name and 'bfloat16' in name and 'm=16' in name:\n"
         "            before = len(c.compiled)\n"
         "            case()\n"
         "            (_, k), = c.compiled[before:]\n"
-        "            sass = _cuobjdump(k, '-sass')\n"
+        "            sass = cuobjdump(k, '-sass')\n"
         "            wgmma = len(re.findall(r'HGMMA\\.\\S+ R\\d+, R\\d+, gdesc', sass))\n"
         "            print('swapped' in name, instruction_mix(k)['instructions'], wgmma, sass.count('STS'))\n"
     )

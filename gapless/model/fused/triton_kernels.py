@@ -35,30 +35,13 @@ from gapless import pdl
 from gapless.attention.triton_kernels import INTERPRET, _sum
 from gapless.model.quant.base import OrderedColumns, RoundedRows, attach_order, attach_rounding
 from gapless.model.quant.fp8_rounding import round_rows, rounding_buffers
+from gapless.model.triton_math import ACTIVATIONS, act_mul, rounded
 
 __all__ = ["INTERPRET", "KINDS", "ACTIVATIONS", "rms_norm", "qk_norm_rope_store", "act_and_mul"]
 
 # the RMSNorm arithmetics (`gapless.model.layers.RMS_NORMS` keys) by the kernels' KIND constant
 KINDS = {"llama": 0, "fp32": 1, "gemma": 2}
-# the gated activations (`gapless.model.layers.GATED_ACTIVATIONS` keys) by the kernel's ACT constant
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 _ACT_BLOCK = 1024
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # (constexpr: a jitted function reads no other globals)
-# Triton's interpreter casts fp32 to bf16 by truncation (round toward zero, also when storing to a bf16
-# pointer); the GPU rounds to nearest even, as torch does. Under the interpreter `_rounded` rounds by hand.
-_ROUND_BY_HAND = tl.constexpr(INTERPRET)
-
-
-@triton.jit
-def _rounded(x, dtype: tl.constexpr):
-    """fp32 `x` rounded to `dtype` (to nearest, ties to even), returned as fp32: what torch's op in `dtype`
-    would have produced, ready for the next op."""
-    if _ROUND_BY_HAND and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -94,7 +77,7 @@ def _scale(normed, w, KIND: tl.constexpr):
     llama: weight * normed.to(dtype) (a product in the weight's dtype); fp32 (OLMo 2): weight * normed
     in fp32; gemma: (1 + weight) * normed in fp32. The caller casts the result to the output dtype."""
     if KIND == 0:
-        return w.to(tl.float32) * _rounded(normed, w.dtype)
+        return w.to(tl.float32) * rounded(normed, w.dtype)
     elif KIND == 1:
         return w.to(tl.float32) * normed
     else:
@@ -172,20 +155,20 @@ def _rms_norm_kernel(
         x_src = tl.load(X + row * stride_x + src, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
-        x32 = _rounded(x.to(tl.float32) + r.to(tl.float32), ROut.dtype.element_ty)
+        x32 = rounded(x.to(tl.float32) + r.to(tl.float32), ROut.dtype.element_ty)
         tl.store(ROut + row * stride_ro + offs, x32.to(ROut.dtype.element_ty), mask=mask)
         if ORDERED:
             r_src = tl.load(R + row * stride_r + src, mask=mask, other=0.0).to(tl.float32)
-            x_src = _rounded(x_src + r_src, ROut.dtype.element_ty)
+            x_src = rounded(x_src + r_src, ROut.dtype.element_ty)
     else:
         x32 = x.to(tl.float32)
     inv = tl.rsqrt(_sum(_with_early(x32 * x32, w), 0) / n_cols + eps)
-    out = _rounded(_scale(x32 * inv, w, KIND), Out.dtype.element_ty)
+    out = rounded(_scale(x32 * inv, w, KIND), Out.dtype.element_ty)
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
     if GROUP:
         _store_rounded(out, row, 0, n_cols, Q, S, BLOCK, GROUP)
     if ORDERED:
-        ordered = _rounded(_scale(x_src * inv, w_src, KIND), Out.dtype.element_ty)
+        ordered = rounded(_scale(x_src * inv, w_src, KIND), Out.dtype.element_ty)
         tl.store(P + row * n_cols + offs, ordered.to(P.dtype.element_ty), mask=mask)
 
 
@@ -315,13 +298,13 @@ def _qk_norm_rope_store_kernel(
         wp = tl.load(w_ptr + partner, mask=mask, other=0.0)
         early += w.to(tl.float32) + wp.to(tl.float32)
         inv = tl.rsqrt(_sum(_with_early(xf * xf, early), 0) / head_dim + eps)
-        xf = _rounded(_scale(xf * inv, w, KIND), dtype)
-        xp = _rounded(_scale(xp * inv, wp, KIND), dtype)
+        xf = rounded(_scale(xf * inv, w, KIND), dtype)
+        xp = rounded(_scale(xp * inv, wp, KIND), dtype)
     # the table's cos and signed sin, cast to the dtype as the torch reference casts them
-    cos = _rounded(tl.load(CosSin + pos * stride_cs + offs, mask=mask, other=0.0).to(tl.float32), dtype)
+    cos = rounded(tl.load(CosSin + pos * stride_cs + offs, mask=mask, other=0.0).to(tl.float32), dtype)
     sin = tl.load(CosSin + pos * stride_cs + head_dim + offs, mask=mask, other=0.0).to(tl.float32)
-    sin = _rounded(sin, dtype)
-    rot = _rounded(_rounded(xf * cos, dtype) + _rounded(xp * sin, dtype), dtype)
+    sin = rounded(sin, dtype)
+    rot = rounded(rounded(xf * cos, dtype) + rounded(xp * sin, dtype), dtype)
     if is_q:
         tl.store(QOut + t * stride_ot + h * stride_oh + offs, rot.to(QOut.dtype.element_ty), mask=mask)
     else:
@@ -395,20 +378,6 @@ def qk_norm_rope_store(
 
 
 @triton.jit
-def _act_mul(gate, up, ACT: tl.constexpr):
-    """act(gate) * up in float32, act's result rounded to the dtype before the product, as the two torch
-    ops round; the product rounded to the dtype too."""
-    g = gate.to(tl.float32)
-    if ACT == 0:
-        a = g / (1.0 + tl.exp(-g))
-    else:  # tanh(y) = 2 sigmoid(2y) - 1; past |y| = 15 tanh is 1.0 in fp32 (and exp would overflow)
-        y = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        y = tl.minimum(tl.maximum(y, -15.0), 15.0)
-        a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * y)) - 1.0))
-    return _rounded(_rounded(a, gate.dtype) * up.to(tl.float32), gate.dtype)
-
-
-@triton.jit
 def _act_and_mul_kernel(
     X,
     Out,
@@ -425,7 +394,7 @@ def _act_and_mul_kernel(
     ORDERED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One block of one row: act(gate) * up (`_act_mul`), with gate = x[:n] and up = x[n:]. With GROUP
+    """One block of one row: act(gate) * up (`act_mul`), with gate = x[:n] and up = x[n:]. With GROUP
     (which divides BLOCK), the block also rounded to e4m3 for an FP8 layer (`_store_rounded`); with
     ORDERED, the block of P [rows, n] whose column i is the output's column Order[i] also written, from
     gate and up gathered in that order (the same bits)."""
@@ -442,8 +411,8 @@ def _act_and_mul_kernel(
     if ORDERED:
         gate_src = tl.load(X + row * stride_x + src, mask=mask, other=0.0)
         up_src = tl.load(X + row * stride_x + n + src, mask=mask, other=0.0)
-        tl.store(P + row * n + offs, _act_mul(gate_src, up_src, ACT).to(P.dtype.element_ty), mask=mask)
-    out = _act_mul(gate, up, ACT)
+        tl.store(P + row * n + offs, act_mul(gate_src, up_src, ACT).to(P.dtype.element_ty), mask=mask)
+    out = act_mul(gate, up, ACT)
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
     if GROUP:
         _store_rounded(out, row, first, n, Q, S, BLOCK, GROUP)  # (columns past n: 0, as loaded)

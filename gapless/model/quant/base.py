@@ -27,7 +27,9 @@ class LinearMethod(Protocol):
     # round x of `rows` rows to e4m3 before its GEMM (0: it would not), for the kernel before the layer
     # to do it instead (`RoundedRows`); `_Linear.input_rounding` asks it. And `order` (a tensor or None):
     # the order it reads x's columns in (int4 act-order), for that kernel to write them so beside x
-    # (`OrderedColumns`); `_Linear.input_order` asks it.
+    # (`OrderedColumns`); `_Linear.input_order` asks it. And `takes_gated(layer, rows) -> bool`: whether its
+    # `apply(layer, x, gated)` takes x as a gated activation's input, [gate, up] (the FP8 GEMV's), so the
+    # activation's launch is left out; `_Linear.takes_gated` asks it.
 
 
 class RoundedRows(NamedTuple):

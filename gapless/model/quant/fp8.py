@@ -122,7 +122,9 @@ class Fp8LinearMethod:
         if layer.weight.device.type == "cpu":
             self.dequantized = dequantize(layer.weight, layer.weight_scale, rows_per_scale, k_group)
 
-    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, gated: str | None = None) -> torch.Tensor:
+        """`gated` (where `takes_gated`): x is a gated activation's input, [..., 2K] = [gate, up], and the
+        layer's input act(gate) * up, which the GEMV makes as it loads it."""
         bias = getattr(layer, "bias", None)
         if self.dequantized is not None:
             return reference_linear(x, self.dequantized, self.act_group, bias)
@@ -139,8 +141,18 @@ class Fp8LinearMethod:
             self.act_group,
             bias,
             None if rounded is None else rounded[:2],
+            gated,
         )
         return y.view(*x.shape[:-1], self.out_features)
+
+    def takes_gated(self, layer: Any, rows: int) -> bool:
+        """Whether `apply` takes x of `rows` rows as a gated activation's input (`fp8_kernel.takes_gated`:
+        the one-row GEMV), so that no activation launch comes before the layer; not on the CPU."""
+        if self.dequantized is not None:
+            return False
+        from gapless.model.quant.fp8_kernel import takes_gated
+
+        return takes_gated(rows, *layer.weight.shape)
 
     def input_rounding(self, layer: Any, rows: int) -> int:
         """`act_group` where the GEMM would round x of `rows` rows before its loop (`rounds_before`), for

@@ -39,6 +39,7 @@ from gapless import env, pdl
 from gapless.attention.triton_kernels import clamped_fp16
 from gapless.model.quant.fp8_rounding import _fp8_quant_kernel, round_rows, rounding_buffers
 from gapless.model.quant.split_k import counters, finish, partial_sums
+from gapless.model.triton_math import ACTIVATIONS, act_mul
 
 FP8_MAX = 448.0  # e4m3's largest finite value
 
@@ -177,6 +178,7 @@ def _fp8_gemv_kernel(
     BK: tl.constexpr,
     UNROLL: tl.constexpr,
     STAGES: tl.constexpr,
+    GATED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Row `program_id(0)` of y, columns [pid_n * BN, +BN), over one share of K, on the CUDA cores: W's
@@ -187,7 +189,10 @@ def _fp8_gemv_kernel(
     applied at the end; 1, the tile's rows inside one block of scales, one a step, folded into x; 2, one
     a row a step. UNROLL steps a loop iteration (their loads issued together); STAGES > 1: the loop's loads
     through asynchronous copies that many iterations deep (Triton pipelines only a dot's loads unless the
-    loop asks: in the sm_90 binary 4 LDGSTS a step, 18 KB of shared memory at 3, registers unchanged)."""
+    loop asks: in the sm_90 binary 4 LDGSTS a step, 18 KB of shared memory at 3, registers unchanged).
+    GATED >= 0 (`triton_math.ACTIVATIONS`' value; ROUND 2 or 3): x's row is a gated activation's input,
+    [gate, up] of 2K, and x = act(gate) * up as the fused kernel computes it (`act_mul`: the same bits),
+    made as it is loaded, with no launch before the GEMV to write it."""
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -220,6 +225,9 @@ def _fp8_gemv_kernel(
                 x = xq.to(tl.float32) * tl.load(xs_ptr + row * tl.cdiv(K, BK) + kk // BK, mask=on, other=0.0)
             else:
                 x = tl.load(x_ptr + row * stride_xm + kk + offs_k, mask=k_ok, other=0.0)
+                if GATED >= 0:  # x's row [gate, up]: act(gate) * up, rounded to x's dtype (as stored)
+                    up = tl.load(x_ptr + row * stride_xm + K + kk + offs_k, mask=k_ok, other=0.0)
+                    x = act_mul(x, up, GATED)
                 if ROUND == 3:  # W8A16: x in fp16 (clamped to its range), as the GEMM's dot takes it
                     x = clamped_fp16(x).to(tl.float32)
                 else:
@@ -349,6 +357,13 @@ def rounds_before(m: int, n: int, k: int) -> bool:
     return not env.FP8_UNFUSED_ROUNDING.get() and _buffered(*_plan(m, n, k))
 
 
+def takes_gated(m: int, n: int, k: int) -> bool:
+    """Whether `fp8_gemm` takes x of M rows as a gated activation's input for a weight [N, K]: where the
+    GEMV runs and rounds x in its registers (or takes it in fp16), unless `GAPLESS_FP8_UNFUSED_ACTIVATION`."""
+    gemv, rounding = _plan(m, n, k)
+    return gemv and rounding != 1 and not env.FP8_UNFUSED_ACTIVATION.get()
+
+
 def fp8_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -358,15 +373,20 @@ def fp8_gemm(
     act_group: int,
     bias: torch.Tensor | None,
     rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gated: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] (float) times w [N, K] (e4m3)^T with w's float32 `scale` [N / rows_per_scale, K / k_group]
     (k_group 0: one scale per row for all of K), x quantized per row and `act_group` columns (up to
     `DECODE_ROWS` rows as `DECODE_X` says); [M, N] in x's dtype. At decode sizes K may be split over
     several programs per tile (`_splits`). `rounded`: x already rounded so (e4m3 [M, K] and float32
     scales [M, ceil(K / act_group)], `_fp8_quant_kernel`'s layout), taken where x would be rounded before
-    the loop (`rounds_before`) instead of rounding it again; ignored elsewhere."""
-    m, k = x.shape
+    the loop (`rounds_before`) instead of rounding it again; ignored elsewhere. `gated` (a key of
+    `triton_math.ACTIVATIONS`, where `takes_gated`): x is [M, 2K], [gate, up], and the product is of
+    act(gate) * up, made by the GEMV as it loads x (the bits `act_and_mul` would write)."""
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
+    if gated and not takes_gated(m, n, k):
+        raise ValueError(f"the FP8 GEMM takes no gated input at {m} rows of a weight [{n}, {k}]")
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     gemv, rounding = _plan(m, n, k)
@@ -426,6 +446,7 @@ def fp8_gemm(
             BK=act_group,
             UNROLL=GEMV_TILES[2],
             STAGES=GEMV_TILES[3],
+            GATED=ACTIVATIONS[gated] if gated else -1,
             num_warps=warps,
             num_stages=stages,
             **pdl.launch_args(x.device),
