@@ -303,9 +303,12 @@ def _fp8() -> dict[str, Callable[[], object]]:
         for dtype in DTYPES
         for block in (False, True)
     }
-    decode = {"DECODE_ROWS": 128}  # x (`DECODE_X`): rounded by a launch, by each program; in fp16
+    decode: dict[str, Any] = {"DECODE_ROWS": 128}  # x (`DECODE_X`): by a launch, by each program; fp16
     # the sweep's 64-row decode tiles (fp8's wgmma), the swapped tiles (W x^T, `SWAPPED_ROWS`)
-    wider = (("64-row tiles", "DECODE_TILES", (64, 64, 4, 4)), ("swapped", "SWAPPED_ROWS", 16))
+    wider: tuple[tuple[str, str, Any], ...] = (
+        ("64-row tiles", "DECODE_TILES", (64, 64, 4, 4)),
+        ("swapped", "SWAPPED_ROWS", 16),
+    )
     for dtype, by in ((dtype, by) for dtype in DTYPES for by in ("launch", "program", "fp16")):
         for rows in (1, 40):  # a decode's 16-row tiles, a small batch's 64-row ones
             name = f"fp8 gemm {rows} rows {dtype} channel, decode x {by}"
