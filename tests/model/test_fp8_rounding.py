@@ -108,7 +108,7 @@ def test_the_gemm_kernel_takes_x_rounded_before_it_instead_of_launching(monkeypa
 @pytest.mark.parametrize("by", ["program", "fp16"])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @torch.inference_mode()
-def test_the_gemv_makes_a_gated_activation_as_it_loads_x(monkeypatch, act, by):
+def test_the_gemv_fuses_a_gated_activation_into_its_loads_of_x(monkeypatch, act, by):
     """At one row the GEMV takes the gate/up projection's output [gate, up] and makes act(gate) * up as it
     loads x: the bits of the fused activation's output through the same GEMV (x rounded in its registers,
     or in fp16), with K split over programs and a partial last group; the tiles (two rows) are refused by
@@ -181,7 +181,7 @@ def test_a_layer_with_fp8_linears_rounds_in_its_fused_norms_and_activation(ckpt_
 
 
 @torch.inference_mode()
-def test_at_one_row_the_mlp_leaves_its_activation_to_the_fp8_gemv(ckpt_factory, monkeypatch):
+def test_at_one_row_the_fp8_gemv_fuses_the_mlps_activation(ckpt_factory, monkeypatch):
     """A Qwen3 MLP quantized to FP8 with the fused kernels, at one row: the down projection's GEMV makes
     the activation as it loads x (no `act_and_mul` launch), the same bits as with the activation's launch
     (`GAPLESS_FP8_UNFUSED_ACTIVATION`); at 3 rows (the tiles), and with a LoRA adapter on the layer
