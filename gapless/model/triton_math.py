@@ -1,6 +1,6 @@
 """Triton arithmetic that two kernels must do alike to give the same bits: the fused kernels
-(`gapless.model.fused.triton_kernels`) and the FP8 GEMV, which can compute a gated activation as it loads
-its x (`gapless.model.quant.fp8_kernel`) instead of reading the fused kernel's output."""
+(`gapless.model.fused.triton_kernels`) and the FP8 GEMV, which can compute a gated activation or an
+RMSNorm as it loads its x (`gapless.model.quant.fp8_gemv`) instead of reading the fused kernel's output."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import triton.language as tl
 
 from gapless.attention.triton_kernels import INTERPRET
 
+# the RMSNorm arithmetics (`gapless.model.layers.RMS_NORMS` keys) by the kernels' KIND constant
+NORM_KINDS = {"llama": 0, "fp32": 1, "gemma": 2}
 # the gated activations (`gapless.model.layers.GATED_ACTIVATIONS` keys) by the kernels' ACT constant
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # (constexpr: a jitted function reads no other globals)
@@ -41,3 +43,16 @@ def act_mul(gate, up, ACT: tl.constexpr):
         y = tl.minimum(tl.maximum(y, -15.0), 15.0)
         a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * y)) - 1.0))
     return rounded(rounded(a, gate.dtype) * up.to(tl.float32), gate.dtype)
+
+
+@triton.jit
+def norm_scale(normed, w, KIND: tl.constexpr):
+    """The weight applied to fp32 normed values, in fp32, rounded where the torch reference rounds:
+    llama: weight * normed.to(dtype) (a product in the weight's dtype); fp32 (OLMo 2): weight * normed
+    in fp32; gemma: (1 + weight) * normed in fp32. The caller casts the result to the output dtype."""
+    if KIND == 0:
+        return w.to(tl.float32) * rounded(normed, w.dtype)
+    elif KIND == 1:
+        return w.to(tl.float32) * normed
+    else:
+        return (1.0 + w.to(tl.float32)) * normed

@@ -35,12 +35,10 @@ from gapless import pdl
 from gapless.attention.triton_kernels import INTERPRET, _sum
 from gapless.model.quant.base import OrderedColumns, RoundedRows, attach_order, attach_rounding
 from gapless.model.quant.fp8_rounding import round_rows, rounding_buffers
-from gapless.model.triton_math import ACTIVATIONS, act_mul, rounded
+from gapless.model.triton_math import ACTIVATIONS, NORM_KINDS, act_mul, norm_scale, rounded
 
-__all__ = ["INTERPRET", "KINDS", "ACTIVATIONS", "rms_norm", "qk_norm_rope_store", "act_and_mul"]
+__all__ = ["INTERPRET", "ACTIVATIONS", "rms_norm", "qk_norm_rope_store", "act_and_mul"]
 
-# the RMSNorm arithmetics (`gapless.model.layers.RMS_NORMS` keys) by the kernels' KIND constant
-KINDS = {"llama": 0, "fp32": 1, "gemma": 2}
 _ACT_BLOCK = 1024
 
 
@@ -69,19 +67,6 @@ def _with_early(value, loaded):
     have arrived (sm_90 SASS: the RMSNorm's weight), a second trip to memory in a kernel that at one row is
     a chain of them; used before the barrier, it goes out with them."""
     return value + tl.minimum(0.0 * loaded.to(tl.float32), 0.0)
-
-
-@triton.jit
-def _scale(normed, w, KIND: tl.constexpr):
-    """The weight applied to fp32 normed values, in fp32, rounded where the torch reference rounds:
-    llama: weight * normed.to(dtype) (a product in the weight's dtype); fp32 (OLMo 2): weight * normed
-    in fp32; gemma: (1 + weight) * normed in fp32. The caller casts the result to the output dtype."""
-    if KIND == 0:
-        return w.to(tl.float32) * rounded(normed, w.dtype)
-    elif KIND == 1:
-        return w.to(tl.float32) * normed
-    else:
-        return (1.0 + w.to(tl.float32)) * normed
 
 
 @triton.jit
@@ -163,12 +148,12 @@ def _rms_norm_kernel(
     else:
         x32 = x.to(tl.float32)
     inv = tl.rsqrt(_sum(_with_early(x32 * x32, w), 0) / n_cols + eps)
-    out = rounded(_scale(x32 * inv, w, KIND), Out.dtype.element_ty)
+    out = rounded(norm_scale(x32 * inv, w, KIND), Out.dtype.element_ty)
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
     if GROUP:
         _store_rounded(out, row, 0, n_cols, Q, S, BLOCK, GROUP)
     if ORDERED:
-        ordered = rounded(_scale(x_src * inv, w_src, KIND), Out.dtype.element_ty)
+        ordered = rounded(norm_scale(x_src * inv, w_src, KIND), Out.dtype.element_ty)
         tl.store(P + row * n_cols + offs, ordered.to(P.dtype.element_ty), mask=mask)
 
 
@@ -211,7 +196,7 @@ def rms_norm(
             out.stride(0),
             r_out.stride(0),
             eps,
-            KIND=KINDS[kind],
+            KIND=NORM_KINDS[kind],
             HAS_RES=residual is not None,
             BLOCK=block,
             GROUP=round_group,
@@ -298,8 +283,8 @@ def _qk_norm_rope_store_kernel(
         wp = tl.load(w_ptr + partner, mask=mask, other=0.0)
         early += w.to(tl.float32) + wp.to(tl.float32)
         inv = tl.rsqrt(_sum(_with_early(xf * xf, early), 0) / head_dim + eps)
-        xf = rounded(_scale(xf * inv, w, KIND), dtype)
-        xp = rounded(_scale(xp * inv, wp, KIND), dtype)
+        xf = rounded(norm_scale(xf * inv, w, KIND), dtype)
+        xp = rounded(norm_scale(xp * inv, wp, KIND), dtype)
     # the table's cos and signed sin, cast to the dtype as the torch reference casts them
     cos = rounded(tl.load(CosSin + pos * stride_cs + offs, mask=mask, other=0.0).to(tl.float32), dtype)
     sin = tl.load(CosSin + pos * stride_cs + head_dim + offs, mask=mask, other=0.0).to(tl.float32)
@@ -370,7 +355,7 @@ def qk_norm_rope_store(
         eps,
         NORM=norm is not None,
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
-        KIND=KINDS[kind],
+        KIND=NORM_KINDS[kind],
         BLOCK_D=triton.next_power_of_2(d),
         **pdl.launch_args(q.device),
     )
