@@ -11,8 +11,8 @@
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3a. Qwen3-8B's int4 TPOT on the swapped tiles (W x^T) and on the Triton GEMM as chosen (the GEMV at
-#      one row), its FP8 TPOT on the swapped tiles, Qwen3-0.6B's FP8 with the activation launched before
-#      each down GEMV (against the targets phase's runs on this machine);
+#      one row), its FP8 TPOT on the swapped tiles, Qwen3-0.6B's FP8 with the activation and the norms
+#      launched before the GEMVs (against the targets phase's runs on this machine);
 #      decode attention alone over each KV cache, batches of 64 and 256, blocks of 64 and 128 keys,
 #      registers capped at 96, 128 or not (`gapless.bench.kernels`); the int4 GEMV with its loads 1-4
 #      iterations deep and K split 8 and 16 ways, factored or not, against tinygemm; nano-vllm's workload
@@ -117,7 +117,7 @@ fi
 if phase tables; then
 # the int4 and FP8 targets' likeliest ways first, as TPOT: int4 on the swapped tiles and on the Triton GEMV
 # (never timed since a split GEMM's parts were added by a torch sum and cast after it, two launches a
-# layer), FP8 on the swapped tiles, the 0.6B's FP8 with its activations launched; then decode attention over each cache (the FP8 KV target's lever), the
+# layer), FP8 on the swapped tiles, the 0.6B's FP8 with its activations and norms launched; then decode attention over each cache (the FP8 KV target's lever), the
 # int4 GEMV's stages and splits against tinygemm, the FP8 KV run capped, the FP8 GEMV's stages (each
 # short, each deciding a default); the mixture in bf16, the swapped tiles alone, what no GPU has run (the
 # mixture quantized), the sweeps that decide the next defaults (the FP8 GEMM's at one row for gate/up and
@@ -135,10 +135,11 @@ GAPLESS_INT4_KERNEL=triton GAPLESS_INT4_SWAPPED=1 tpot 45 qwen3-8b-awq int4_swap
 # split over about 264 programs, the parts added by the tile's last program, `split_k.finish`)
 GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 GAPLESS_FP8_SWAPPED=1 tpot 45 qwen3-8b fp8_swapped --engine-option quantization=fp8
-# Qwen3-0.6B's FP8 with the activation launched before each down GEMV (`GAPLESS_FP8_UNFUSED_ACTIVATION`),
-# against the targets phase's run, where the GEMV makes it as it loads x (one launch a layer fewer; never
-# timed)
-GAPLESS_FP8_UNFUSED_ACTIVATION=1 tpot 40 qwen3-0.6b fp8_ungated --engine-option quantization=fp8
+# Qwen3-0.6B's FP8 with the activation launched before each down GEMV and the RMSNorm before each qkv
+# and gate/up GEMV (`GAPLESS_FP8_UNFUSED_ACTIVATION`, `GAPLESS_FP8_UNFUSED_NORM`), against the targets
+# phase's run, where the GEMVs make them as they load x (three launches a layer fewer; never timed)
+GAPLESS_FP8_UNFUSED_ACTIVATION=1 GAPLESS_FP8_UNFUSED_NORM=1 \
+    tpot 40 qwen3-0.6b fp8_launched --engine-option quantization=fp8
 # decode attention alone over a bf16 and an fp8 cache (the FP8 KV target's lever): batches of 256
 # (nano-vllm's full batch) and 64, 1k and 4k contexts, pages of 1 token (the engine's default; 16 timed the
 # same within 1% on an H200), blocks of 64 keys (the default; an fp8 cache's values in pairs: 0.75x bf16's

@@ -203,6 +203,12 @@ FP8_UNFUSED_ACTIVATION = _bool(
     "act(gate) * up as it loads x, the same bits, with no launch before it "
     "(`gapless.model.quant.fp8_kernel`)",
 )
+FP8_UNFUSED_NORM = _bool(
+    "GAPLESS_FP8_UNFUSED_NORM",
+    "FP8 layers on CUDA fed by an RMSNorm (qkv, an MLP's gate/up) where the one-row GEMV runs: the fused "
+    "norm's launch writes x first, as before; off (the default): the GEMV adds the residual and norms x as "
+    "it loads it, with no launch before it (`gapless.model.quant.fp8_gemv`)",
+)
 FP8_UNFUSED_ROUNDING = _bool(
     "GAPLESS_FP8_UNFUSED_ROUNDING",
     "FP8 layers on CUDA round their activations to e4m3 by a launch of their own before their tiles, as "

@@ -36,6 +36,7 @@ from gapless.model.layers import (
     make_rms_norm,
 )
 from gapless.model.moe import SparseMoE
+from gapless.model.quant.base import PendingNorm
 from gapless.model.vision.base import VisionEncoder
 
 # `DecoderBody.compiled_layers` (`gapless.engine.cpu_compile.CompiledLayers`): (body, x, ctx) -> hidden
@@ -108,9 +109,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.output(self.attend(self.project(x, ctx), ctx))
 
-    def project(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The queries of `x` [T, heads, d], its keys and values stored in this layer's KV: the part before
-        the attention itself, which reads only `ctx`'s positions, slots and pool."""
+    def project(self, x: torch.Tensor | PendingNorm, ctx: ForwardContext) -> torch.Tensor:
+        """The queries of `x` [T, heads, d] (or of the norm qkv takes as its input), its keys and values
+        stored in this layer's KV: the part before the attention itself, which reads only `ctx`'s
+        positions, slots and pool."""
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         if cfg.qk_norm == "all":
@@ -192,7 +194,8 @@ class MLP(nn.Module):
         self.act = cfg.hidden_act
         self.act_and_mul = GATED_ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """The MLP of `x` (or of the norm gate/up takes as its input, `PendingNorm`)."""
         h = self.gate_up_proj(x)
         if self.fused is None:
             return self.down_proj(self.act_and_mul(h))
@@ -234,9 +237,10 @@ class DecoderLayer(nn.Module):
 
     def _add_norm(
         self, place: int, x: torch.Tensor, residual: torch.Tensor | None, feeds: _Linear | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
         """(the input norm at `place` of residual + x, that sum); the first layer's residual is x.
-        `feeds`: the layer the norm's output goes to (`RMSNorm`'s, for FP8 rounding)."""
+        `feeds`: the layer the norm's output goes to (`RMSNorm`'s: for FP8 rounding, or the norm left to
+        that layer, a `PendingNorm`)."""
         name = self.norm_names[place]
         if name is None:
             if residual is None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gapless.model import parallel
-from gapless.model.quant.base import UNQUANTIZED, LinearMethod
+from gapless.model.quant.base import UNQUANTIZED, LinearMethod, PendingNorm
 
 
 def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:
@@ -58,11 +58,15 @@ class _Linear(nn.Module):
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         default_weight_loader(param, loaded)
 
-    def forward(self, x: torch.Tensor, gated: str | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm, gated: str | None = None) -> torch.Tensor:
         """`gated` (a `GATED_ACTIVATIONS` key, where `takes_gated`): x is that activation's input, [gate,
-        up], which the layer's method applies as it reads x."""
+        up], which the layer's method applies as it reads x. x a `PendingNorm` (where `takes_norm`): the
+        layer's method norms it as it reads it."""
+        method: Any = self.linear_method  # (`takes_gated`'s and `takes_norm`'s take more arguments)
+        if isinstance(x, PendingNorm):
+            return method.apply(self, x.x, norm=x)
         if gated is not None:
-            return self.linear_method.apply(self, x, gated)  # type: ignore[call-arg]  # (`takes_gated`'s)
+            return method.apply(self, x, gated)
         y = self.linear_method.apply(self, x)
         return y if self.lora is None else self.lora.add(x, y)
 
@@ -71,6 +75,13 @@ class _Linear(nn.Module):
         makes act(gate) * up as it loads x: no activation launch before it); never with a LoRA adapter,
         which needs x itself."""
         ask = getattr(self.linear_method, "takes_gated", None)
+        return self.lora is None and ask is not None and ask(self, rows)
+
+    def takes_norm(self, rows: int) -> bool:
+        """Whether this layer's method takes x of `rows` rows as an RMSNorm's input (`PendingNorm`: the FP8
+        GEMV adds the residual and norms x as it loads it, no norm launch before it); never with a LoRA
+        adapter, which needs the normed x itself."""
+        ask = getattr(self.linear_method, "takes_norm", None)
         return self.lora is None and ask is not None and ask(self, rows)
 
     def input_rounding(self, rows: int) -> int:
@@ -155,7 +166,7 @@ class RowParallelLinear(_Linear):
         else:
             default_weight_loader(param, loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
 
-    def forward(self, x: torch.Tensor, gated: str | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm, gated: str | None = None) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x, gated))
 
 
@@ -217,7 +228,9 @@ class RMSNorm(nn.Module):
     pass over the row (`gapless.model.fused`, set in `fused` when chosen; torch otherwise). `feeds`: the
     linear layer the norm's output goes to, whose x the fused kernel rounds to e4m3 as it writes it where
     the layer asks (`_Linear.input_rounding`: an FP8 layer that would launch that rounding itself), or
-    writes in the layer's column order beside it (`_Linear.input_order`: int4 act-order's gather)."""
+    writes in the layer's column order beside it (`_Linear.input_order`: int4 act-order's gather). Where
+    the layer takes the norm's input itself (`_Linear.takes_norm`: the FP8 GEMV at one row), nothing is
+    launched: a `PendingNorm` stands in for the norm's output, and the layer writes the new residual."""
 
     kind = "llama"  # the arithmetic's name, a key of `RMS_NORMS` (and of the fused kernel's kinds)
     fused: Any = None  # the fused-kernels module when the model runs them (`gapless.model.fused`)
@@ -229,11 +242,14 @@ class RMSNorm(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, feeds: _Linear | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | PendingNorm | tuple[torch.Tensor | PendingNorm, torch.Tensor]:
         if self.fused is not None:
             if feeds is None:
                 return self.fused.rms_norm(x, self.weight, self.eps, self.kind, residual)
-            group = feeds.input_rounding(x.numel() // x.shape[-1])
+            rows = x.numel() // x.shape[-1]
+            if feeds.takes_norm(rows):
+                return self._left_to_layer(x, residual)
+            group = feeds.input_rounding(rows)
             return self.fused.rms_norm(
                 x, self.weight, self.eps, self.kind, residual, group, feeds.input_order()
             )
@@ -241,6 +257,15 @@ class RMSNorm(nn.Module):
             return self.normalize(x)
         residual = x + residual
         return self.normalize(residual), residual
+
+    def _left_to_layer(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> PendingNorm | tuple[PendingNorm, torch.Tensor]:
+        """The norm as the layer it feeds will compute it (`PendingNorm`), and with `residual`, the new
+        residual: an empty tensor, which that layer writes."""
+        out = None if residual is None else torch.empty(residual.shape, dtype=x.dtype, device=x.device)
+        pending = PendingNorm(x, residual, self.weight, self.eps, self.kind, out)
+        return pending if out is None else (pending, out)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """The torch reference: the norm of x alone."""

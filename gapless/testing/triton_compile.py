@@ -276,6 +276,7 @@ def _lora() -> dict[str, Callable[[], object]]:
 
 def _fp8() -> dict[str, Callable[[], object]]:
     from gapless.model.quant import fp8_kernel
+    from gapless.model.quant.base import PendingNorm
 
     def run(
         rows: int,
@@ -283,19 +284,22 @@ def _fp8() -> dict[str, Callable[[], object]]:
         block: bool,
         by: str = "launch",
         gated: str | None = None,
+        norm: str | None = None,
         **settings: Any,
     ) -> object:
         """One GEMM of `rows` rows, x as `by` says up to DECODE_ROWS rows (0 unless set: x rounded in the
         loop), `fp8_kernel`'s `settings` (DECODE_ROWS, DECODE_TILES, GEMV_ROWS and SWAPPED_ROWS: 0, the
-        tiles, unless set, GEMV_TILES) set for it; `gated`: x a gated activation's input (the GEMV's)."""
+        tiles, unless set, GEMV_TILES) set for it; `gated`: x a gated activation's input, `norm` (a norm
+        arithmetic): x an RMSNorm's input with a residual (the GEMV's)."""
         n, k = 96, 256
         w = torch.zeros(n, k).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2) if block else torch.ones(n, 1)
         x, bias = torch.zeros(rows, k * (2 if gated else 1), dtype=dtype), torch.zeros(n, dtype=dtype)
+        normed = PendingNorm(x, x.clone(), bias.new_zeros(k), 1e-6, norm, x.clone()) if norm else None
         settings = {"DECODE_ROWS": 0, "DECODE_X": by, "GEMV_ROWS": 0, "SWAPPED_ROWS": 0, **settings}
         with mock.patch.multiple(fp8_kernel, **settings):
             block_args = (128, 128) if block else (1, 0)
-            return fp8_kernel.fp8_gemm(x, w, scale, *block_args, 128, bias, gated=gated)
+            return fp8_kernel.fp8_gemm(x, w, scale, *block_args, 128, bias, gated=gated, norm=normed)
 
     cases: dict[str, Callable[[], object]] = {
         f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
@@ -326,6 +330,9 @@ def _fp8() -> dict[str, Callable[[], object]]:
             act = "silu" if by == "program" else "gelu_pytorch_tanh"
             name = f"fp8 gemv 1 rows {dtype} channel, decode x {by}, gated {act}"
             cases[name] = partial(run, 1, dtype, False, by, act, GEMV_ROWS=1, **decode)
+            kind = "llama" if by == "program" else "gemma"  # (or an RMSNorm's, adding the residual)
+            name = f"fp8 gemv 1 rows {dtype} channel, decode x {by}, normed {kind}"
+            cases[name] = partial(run, 1, dtype, False, by, norm=kind, GEMV_ROWS=1, **decode)
     for dtype in DTYPES:  # x written by the fused norm and SiLU·mul (8B's widths): rounded for FP8's tiles,
         # or in an int4 act-order layer's column order
         cases[f"fp8 rounding in the norm and activation {dtype}"] = partial(_written_before, dtype, 128)

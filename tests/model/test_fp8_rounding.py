@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gapless.model import loader
-from gapless.model.quant.base import RoundedRows, attach_rounding, rounding_of
+from gapless.model.quant.base import PendingNorm, RoundedRows, attach_rounding, rounding_of
 from gapless.model.quant.fp8 import activation_group, quantize_rows
 from gapless.testing.triton import import_kernels_or_skip
 
@@ -108,7 +108,7 @@ def test_the_gemm_kernel_takes_x_rounded_before_it_instead_of_launching(monkeypa
 @pytest.mark.parametrize("by", ["program", "fp16"])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @torch.inference_mode()
-def test_the_gemv_fuses_a_gated_activation_into_its_loads_of_x(monkeypatch, act, by):
+def test_the_gemv_takes_a_fused_gated_activation_as_it_loads_x(monkeypatch, act, by):
     """At one row the GEMV takes the gate/up projection's output [gate, up] and makes act(gate) * up as it
     loads x: the bits of the fused activation's output through the same GEMV (x rounded in its registers,
     or in fp16), with K split over programs and a partial last group; the tiles (two rows) are refused by
@@ -128,6 +128,50 @@ def test_the_gemv_fuses_a_gated_activation_into_its_loads_of_x(monkeypatch, act,
         fp8_kernel.fp8_gemm(_rand(2, 2 * k), w, s, 1, 0, act_group, bias, gated=act)
     monkeypatch.setenv("GAPLESS_FP8_UNFUSED_ACTIVATION", "1")
     assert not fp8_kernel.takes_gated(1, n, k)
+
+
+def _same_product(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same bits under the interpreter (both sides sum the squares alike); on a GPU the norm kernel's
+    warps and the GEMV's may add a row's squares in another order (its rsqrt a step apart): close."""
+    if DEVICE.type == "cpu":
+        assert torch.equal(got, want)
+    else:
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.0, atol=0.02 * scale)
+
+
+@pytest.mark.parametrize("by", ["program", "fp16"])
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+@pytest.mark.parametrize("with_residual", [True, False])
+@torch.inference_mode()
+def test_the_gemv_takes_a_fused_rmsnorm_as_it_loads_x(monkeypatch, by, kind, with_residual):
+    """At one row the GEMV takes an RMSNorm's input (`PendingNorm`): it adds the residual, writes the sum
+    (the bits of the fused norm's new residual) and norms x as it loads it, giving the product of the
+    fused norm's output through the same GEMV (x rounded in its registers, or in fp16), with K split over
+    programs and a partial last group; another norm arithmetic gives other bits; two rows, and a norm
+    with a gated input, are refused by name; `GAPLESS_FP8_UNFUSED_NORM` turns it off."""
+    n, k, act_group, eps = 48, 200, 64, 1e-6
+    w, s = (t.to(DEVICE) for t in quantize_rows(torch.randn(n, k) * 0.05))
+    x, bias, weight = _rand(1, k) * 3, _rand(n, seed=1), _rand(k, seed=2)
+    residual = _rand(1, k, seed=3) if with_residual else None
+    monkeypatch.setattr(fp8_kernel, "DECODE_X", by)
+    assert fp8_kernel.takes_norm(1, n, k) and not fp8_kernel.takes_norm(2, n, k)
+    assert fp8_kernel._splits(1, 1, 4, x.device) == 4
+    normed = fk.rms_norm(x, weight, eps, kind, residual)
+    want = fp8_kernel.fp8_gemm(normed[0] if with_residual else normed, w, s, 1, 0, act_group, bias)
+    out = torch.full_like(x, float("nan")) if with_residual else None
+    norm = PendingNorm(x, residual, weight, eps, kind, out)
+    _same_product(fp8_kernel.fp8_gemm(x, w, s, 1, 0, act_group, bias, norm=norm), want)
+    if with_residual:
+        assert torch.equal(out, normed[1])
+    other = norm._replace(kind="llama" if kind == "gemma" else "gemma")
+    assert not torch.equal(fp8_kernel.fp8_gemm(x, w, s, 1, 0, act_group, bias, norm=other), want)
+    with pytest.raises(ValueError, match=r"no RMSNorm's input at 2 rows of a weight \[48, 200\]"):
+        fp8_kernel.fp8_gemm(_rand(2, k), w, s, 1, 0, act_group, bias, norm=norm)
+    with pytest.raises(ValueError, match=r"no RMSNorm's input at 1 rows"):
+        fp8_kernel.fp8_gemm(torch.cat([x, x], 1), w, s, 1, 0, act_group, bias, gated="silu", norm=norm)
+    monkeypatch.setenv("GAPLESS_FP8_UNFUSED_NORM", "1")
+    assert not fp8_kernel.takes_norm(1, n, k)
 
 
 def test_a_rounding_travels_only_on_the_tensor_it_was_made_for():
@@ -181,7 +225,7 @@ def test_a_layer_with_fp8_linears_rounds_in_its_fused_norms_and_activation(ckpt_
 
 
 @torch.inference_mode()
-def test_at_one_row_the_fp8_gemv_fuses_the_mlps_activation(ckpt_factory, monkeypatch):
+def test_at_one_row_the_fp8_gemv_runs_the_mlps_activation_fused(ckpt_factory, monkeypatch):
     """A Qwen3 MLP quantized to FP8 with the fused kernels, at one row: the down projection's GEMV makes
     the activation as it loads x (no `act_and_mul` launch), the same bits as with the activation's launch
     (`GAPLESS_FP8_UNFUSED_ACTIVATION`); at 3 rows (the tiles), and with a LoRA adapter on the layer
@@ -202,6 +246,40 @@ def test_at_one_row_the_fp8_gemv_fuses_the_mlps_activation(ckpt_factory, monkeyp
     assert calls == [1, 3]
     monkeypatch.setattr(mlp.down_proj, "lora", object())
     assert not mlp.down_proj.takes_gated(1)
+
+
+@torch.inference_mode()
+def test_at_one_row_the_fp8_gemvs_run_the_layers_norms_fused(ckpt_factory, monkeypatch):
+    """A Qwen3 layer quantized to FP8 with the fused kernels, at one row: qkv's and gate/up's GEMVs add the
+    residual and norm x as they load it (no `rms_norm` launch), the outputs and the residual stream as
+    with the norms' launches (`GAPLESS_FP8_UNFUSED_NORM`); the first layer's norm has no residual to add;
+    at 3 rows (the tiles), and with a LoRA adapter on the layer (which needs the normed x), they stay."""
+    model = _fp8_model(ckpt_factory)
+    fused.set_fused(model, fk)
+    layer, cfg = model.model.layers[0], model.model.layers[0].self_attn.cfg
+    calls = []
+    real = fk.rms_norm
+    monkeypatch.setattr(fk, "rms_norm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+
+    def run(rows: int, first: bool = False) -> list[torch.Tensor]:
+        x, residual = _rand(rows, cfg.hidden_size), _rand(rows, cfg.hidden_size, seed=1)
+        attn = _rand(rows, cfg.q_size, seed=2).view(rows, -1, cfg.head_dim)
+        h, res = layer._add_norm(0, x, None if first else residual, layer.self_attn.qkv_proj)
+        return [layer.self_attn.qkv_proj(h), res, *layer.after_attention(attn, res)]
+
+    for first in (False, True):
+        folded = run(1, first)
+        assert calls == [] and layer.self_attn.qkv_proj.takes_norm(1), first
+        monkeypatch.setenv("GAPLESS_FP8_UNFUSED_NORM", "1")
+        for got, want in zip(folded, run(1, first), strict=True):
+            _same_product(got, want) if got.shape[-1] != cfg.hidden_size else torch.equal(got, want)
+        assert calls == [1, 1]
+        monkeypatch.delenv("GAPLESS_FP8_UNFUSED_NORM")
+        calls.clear()
+    run(3)
+    assert calls == [3, 3] and not layer.mlp.gate_up_proj.takes_norm(3)
+    monkeypatch.setattr(layer.mlp.gate_up_proj, "lora", object())
+    assert not layer.mlp.gate_up_proj.takes_norm(1) and layer.self_attn.qkv_proj.takes_norm(1)
 
 
 @pytest.mark.slow  # (~6 s: every start-up probe under the interpreter, twice; the kit's CUDA step runs it)

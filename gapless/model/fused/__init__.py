@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 from typing import cast
 
@@ -23,7 +24,8 @@ import torch
 
 from gapless.memory.kv_pool import FP8, KVPool
 from gapless.model.decoder import MLP, Attention, CausalLM, DecoderLayer
-from gapless.model.layers import GATED_ACTIVATIONS, RMSNorm
+from gapless.model.layers import GATED_ACTIVATIONS, RMSNorm, _Linear
+from gapless.model.quant.base import PendingNorm
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +165,24 @@ def _probes(
         "act_and_mul": act,
     }
     layer = cast(DecoderLayer, body.layers[0])
-    if isinstance(mlp := layer.mlp, MLP):  # from the norm before it: where FP8 layers' x is rounded by both
-        probes["norm_into_mlp"] = lambda: [mlp(layer._add_norm(2, x, residual, mlp.gate_up_proj)[0])]
+    # from the norm before each: where FP8 layers' x is rounded by both; at one row, where the FP8 GEMV
+    # takes the norm's (and the activation's) input itself and writes the new residual
+    rows, proj = {"": (x, residual), "_one_row": (x[:1], residual[:1])}, attn.qkv_proj
+    for suffix, (xs, res) in rows.items():
+        probes[f"norm_into_qkv{suffix}"] = partial(_norm_into, layer, 0, proj, proj, xs, res)
+        if isinstance(mlp := layer.mlp, MLP):
+            probes[f"norm_into_mlp{suffix}"] = partial(_norm_into, layer, 2, mlp.gate_up_proj, mlp, xs, res)
     return probes
+
+
+def _norm_into(
+    layer: DecoderLayer,
+    place: int,
+    feeds: _Linear,
+    then: Callable[[torch.Tensor | PendingNorm], torch.Tensor],
+    x: torch.Tensor,
+    residual: torch.Tensor,
+) -> list[torch.Tensor]:
+    """[`then` of the layer's norm at `place` of x + residual, feeding `feeds`; the new residual]."""
+    h, new = layer._add_norm(place, x, residual, feeds)
+    return [then(h), new]  # (`then` first: the layer that takes the norm's input writes `new`)

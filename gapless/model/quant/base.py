@@ -29,7 +29,9 @@ class LinearMethod(Protocol):
     # the order it reads x's columns in (int4 act-order), for that kernel to write them so beside x
     # (`OrderedColumns`); `_Linear.input_order` asks it. And `takes_gated(layer, rows) -> bool`: whether its
     # `apply(layer, x, gated)` takes x as a gated activation's input, [gate, up] (the FP8 GEMV's), so the
-    # activation's launch is left out; `_Linear.takes_gated` asks it.
+    # activation's launch is left out; `_Linear.takes_gated` asks it. And `takes_norm(layer, rows) -> bool`:
+    # whether its `apply(layer, x, norm=...)` takes x as an RMSNorm's input (`PendingNorm`), so the norm's
+    # launch is left out; `_Linear.takes_norm` asks it.
 
 
 class RoundedRows(NamedTuple):
@@ -59,6 +61,23 @@ def rounding_of(x: torch.Tensor, group: int) -> RoundedRows | None:
     """The rounding x carries in columns of `group` (`attach_rounding`); None: none, or another group."""
     rows = getattr(x, _ROUNDED, None)
     return rows if rows is not None and rows.group == group else None
+
+
+class PendingNorm(NamedTuple):
+    """An RMSNorm left to the layer it feeds (`_Linear.takes_norm`: the FP8 GEMV at one row, which norms x
+    as it loads it, with no launch before it). The layer's input is the norm of `x` + `residual` (of `x`
+    alone where residual is None) by `weight` and `eps`, in the arithmetic `kind` (a `layers.RMS_NORMS`
+    key); the layer also writes x + residual, the residual stream after the add, into `residual_out` (an
+    empty tensor like the residual, which the norm returned as the new residual; None without one).
+
+    It is not a tensor: whatever else would read it as the norm's output fails, it cannot read x unnormed."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    kind: str
+    residual_out: torch.Tensor | None
 
 
 class OrderedColumns(NamedTuple):

@@ -40,7 +40,7 @@ from gapless.model.layers import (
     default_weight_loader,
     set_weight_loader,
 )
-from gapless.model.quant.base import rounding_of
+from gapless.model.quant.base import PendingNorm, rounding_of
 from gapless.model.quant.formats import QuantFormatError, QuantSpec
 from gapless.model.quant.fp8_kernel import FP8_MAX
 
@@ -122,11 +122,16 @@ class Fp8LinearMethod:
         if layer.weight.device.type == "cpu":
             self.dequantized = dequantize(layer.weight, layer.weight_scale, rows_per_scale, k_group)
 
-    def apply(self, layer: Any, x: torch.Tensor, gated: str | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: Any, x: torch.Tensor, gated: str | None = None, norm: PendingNorm | None = None
+    ) -> torch.Tensor:
         """`gated` (where `takes_gated`): x is a gated activation's input, [..., 2K] = [gate, up], and the
-        layer's input act(gate) * up, which the GEMV makes as it loads it."""
+        layer's input act(gate) * up, which the GEMV makes as it loads it. `norm` (where `takes_norm`): x
+        is `norm.x`, and the layer's input its RMSNorm, which the GEMV makes as it loads it."""
         bias = getattr(layer, "bias", None)
         if self.dequantized is not None:
+            if gated is not None or norm is not None:
+                raise ValueError("the CPU's FP8 reference takes x, not an activation's or norm's input")
             return reference_linear(x, self.dequantized, self.act_group, bias)
         from gapless.model.quant.fp8_kernel import fp8_gemm
 
@@ -142,6 +147,7 @@ class Fp8LinearMethod:
             bias,
             None if rounded is None else rounded[:2],
             gated,
+            norm,
         )
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -153,6 +159,15 @@ class Fp8LinearMethod:
         from gapless.model.quant.fp8_kernel import takes_gated
 
         return takes_gated(rows, *layer.weight.shape)
+
+    def takes_norm(self, layer: Any, rows: int) -> bool:
+        """Whether `apply` takes x of `rows` rows as an RMSNorm's input (`fp8_kernel.takes_norm`: the
+        one-row GEMV), so that no norm launch comes before the layer; not on the CPU."""
+        if self.dequantized is not None:
+            return False
+        from gapless.model.quant.fp8_kernel import takes_norm
+
+        return takes_norm(rows, *layer.weight.shape)
 
     def input_rounding(self, layer: Any, rows: int) -> int:
         """`act_group` where the GEMM would round x of `rows` rows before its loop (`rounds_before`), for

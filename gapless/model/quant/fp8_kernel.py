@@ -18,7 +18,8 @@ and whole K (per-channel, `stride_sk` 0), or one per [rows, k_group] block.
 
 Up to `GEMV_ROWS` rows (one by default), for weights of at most `GEMV_MAX_WEIGHTS`, the product runs on
 the CUDA cores instead (`_fp8_gemv_kernel`): each weight row's bytes loaded along K, widened to float32
-and multiplied by x (rounded as above, the same bits), with no 16-row tile of which 15 rows are padding.
+and multiplied by x (rounded as above, the same bits), with no 16-row tile of which 15 rows are padding
+(`fp8_gemv`, which can also make x from the input of the norm or gated activation before the layer).
 Either kernel may split K at decode sizes (`_splits`), finishing a tile the same way (`split_k.finish`). Up to
 `SWAPPED_ROWS` rows (an option, `GAPLESS_FP8_SWAPPED`) the tiles run transposed instead, y^T = W x^T, so
 that W's tile is the first operand of fp8's wgmma and x, padded to 16 rows, the second (`_add_product`).
@@ -37,9 +38,11 @@ import triton.language as tl
 
 from gapless import env, pdl
 from gapless.attention.triton_kernels import clamped_fp16
+from gapless.model.quant.base import PendingNorm
+from gapless.model.quant.fp8_gemv import _fp8_gemv_kernel
 from gapless.model.quant.fp8_rounding import _fp8_quant_kernel, round_rows, rounding_buffers
 from gapless.model.quant.split_k import counters, finish, partial_sums
-from gapless.model.triton_math import ACTIVATIONS, act_mul
+from gapless.model.triton_math import ACTIVATIONS, NORM_KINDS
 
 FP8_MAX = 448.0  # e4m3's largest finite value
 
@@ -146,106 +149,6 @@ def _add_product(acc, x, w, x_scale, w_scale, SWAPPED: tl.constexpr):
     else:
         acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
     return acc
-
-
-@triton.jit(do_not_specialize=["M"])  # (docs/gpu.md#no-compile-mid-run)
-def _fp8_gemv_kernel(
-    x_ptr,
-    xq_ptr,
-    xs_ptr,
-    w_ptr,
-    s_ptr,
-    b_ptr,
-    y_ptr,
-    p_ptr,
-    lock_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_sk,
-    stride_ym,
-    rows_per_scale,
-    k_group,
-    split_k,
-    HAS_BIAS: tl.constexpr,
-    ROUND: tl.constexpr,
-    SCALES: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    UNROLL: tl.constexpr,
-    STAGES: tl.constexpr,
-    GATED: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Row `program_id(0)` of y, columns [pid_n * BN, +BN), over one share of K, on the CUDA cores: W's
-    [BN, BK] tile read along K (each row's contiguous bytes, in the layout it loads in), widened to
-    float32, times x's BK values (as ROUND says: 1, the e4m3 row and scales a launch wrote; 2, rounded
-    here, in registers, by `round_rows`; 3, x in fp16), added into a [BN, BK] float32 accumulator (one
-    FMA a weight) summed along K once, at the end. W's scales (SCALES): 0, one a row for all of K,
-    applied at the end; 1, the tile's rows inside one block of scales, one a step, folded into x; 2, one
-    a row a step. UNROLL steps a loop iteration (their loads issued together); STAGES > 1: the loop's loads
-    through asynchronous copies that many iterations deep (Triton pipelines only a dot's loads unless the
-    loop asks: in the sm_90 binary 4 LDGSTS a step, 18 KB of shared memory at 3, registers unchanged).
-    GATED >= 0 (`triton_math.ACTIVATIONS`' value; ROUND 2 or 3): x's row is a gated activation's input,
-    [gate, up] of 2K, and x = act(gate) * up as the fused kernel computes it (`act_mul`: the same bits),
-    made as it is loaded, with no launch before the GEMV to write it."""
-    row = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    n_ok = offs_n < N
-    k_start = pid_s * split_k
-    k_stop = tl.minimum(k_start + split_k, K)
-    pdl.prefetch_weights(w_ptr + tl.where(n_ok, offs_n, 0) * stride_wn, k_start, k_stop, PDL)
-    pdl.wait_for_previous(PDL)
-    s_row = s_ptr + (offs_n // rows_per_scale) * stride_sn
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
-    w_tile = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    for k0 in tl.range(k_start, k_stop, BK * UNROLL, num_stages=STAGES):
-        # the weights of UNROLL steps loaded first, all in flight together (x's layout change for the
-        # broadcast below passes through shared memory, a barrier no load is moved across)
-        w0 = tl.load(w_tile + k0, mask=n_ok[:, None] & ((k0 + offs_k) < k_stop)[None, :], other=0.0)
-        w1 = w0
-        if UNROLL == 2:
-            k1 = k0 + BK  # (past k_stop: the next split's share, or past K; masked)
-            w1 = tl.load(w_tile + k1, mask=n_ok[:, None] & ((k1 + offs_k) < k_stop)[None, :], other=0.0)
-        for u in tl.static_range(UNROLL):
-            kk = k0 + u * BK
-            on = kk < k_stop
-            k_ok = (kk + offs_k) < k_stop
-            # x as a [BK] vector, broadcast over W's rows (a [1, BK] tile would take a layout of its own,
-            # into which the compiler moves W's tile through shared memory)
-            if ROUND == 1:
-                xq = tl.load(xq_ptr + row * K + kk + offs_k, mask=k_ok, other=0.0)
-                x = xq.to(tl.float32) * tl.load(xs_ptr + row * tl.cdiv(K, BK) + kk // BK, mask=on, other=0.0)
-            else:
-                x = tl.load(x_ptr + row * stride_xm + kk + offs_k, mask=k_ok, other=0.0)
-                if GATED >= 0:  # x's row [gate, up]: act(gate) * up, rounded to x's dtype (as stored)
-                    up = tl.load(x_ptr + row * stride_xm + K + kk + offs_k, mask=k_ok, other=0.0)
-                    x = act_mul(x, up, GATED)
-                if ROUND == 3:  # W8A16: x in fp16 (clamped to its range), as the GEMM's dot takes it
-                    x = clamped_fp16(x).to(tl.float32)
-                else:
-                    xq, x_scale = round_rows(x.to(tl.float32)[None, :])
-                    x = tl.sum(xq.to(tl.float32) * x_scale[:, None], axis=0)  # (one row: its values)
-            if SCALES == 1:  # one scale for the tile's rows this step (their block's): folded into x
-                block = (pid_n * BN // rows_per_scale) * stride_sn + (kk // k_group) * stride_sk
-                x *= tl.load(s_ptr + block, mask=on, other=0.0)
-            w = (w0 if u == 0 else w1).to(tl.float32)
-            if SCALES == 2:
-                rows_on = n_ok & (kk + 0 * offs_n < k_stop)  # (a vector: the interpreter's masks)
-                w *= tl.load(s_row + (kk // k_group) * stride_sk, mask=rows_on, other=0.0)[:, None]
-            acc += w * x[None, :]
-    y = tl.sum(acc, axis=1)
-    if SCALES == 0:
-        y *= tl.load(s_row, mask=n_ok, other=0.0)
-    offs_m = row + tl.arange(0, 1)
-    finish(y[None, :], y_ptr, p_ptr, lock_ptr, b_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 def _tiles(m: int) -> tuple[int, int, int, int]:
@@ -357,11 +260,23 @@ def rounds_before(m: int, n: int, k: int) -> bool:
     return not env.FP8_UNFUSED_ROUNDING.get() and _buffered(*_plan(m, n, k))
 
 
+def _loads_x(m: int, n: int, k: int) -> bool:
+    """Whether the GEMV runs for x of M rows and a weight [N, K] and loads x itself (rounding it in its
+    registers, or taking it in fp16): where it can make x from the input of the kernel before it."""
+    gemv, rounding = _plan(m, n, k)
+    return gemv and rounding != 1
+
+
 def takes_gated(m: int, n: int, k: int) -> bool:
     """Whether `fp8_gemm` takes x of M rows as a gated activation's input for a weight [N, K]: where the
-    GEMV runs and rounds x in its registers (or takes it in fp16), unless `GAPLESS_FP8_UNFUSED_ACTIVATION`."""
-    gemv, rounding = _plan(m, n, k)
-    return gemv and rounding != 1 and not env.FP8_UNFUSED_ACTIVATION.get()
+    GEMV loads x (`_loads_x`), unless `GAPLESS_FP8_UNFUSED_ACTIVATION`."""
+    return _loads_x(m, n, k) and not env.FP8_UNFUSED_ACTIVATION.get()
+
+
+def takes_norm(m: int, n: int, k: int) -> bool:
+    """Whether `fp8_gemm` takes x of M rows as an RMSNorm's input (`PendingNorm`) for a weight [N, K]:
+    where the GEMV loads x (`_loads_x`), unless `GAPLESS_FP8_UNFUSED_NORM`."""
+    return _loads_x(m, n, k) and not env.FP8_UNFUSED_NORM.get()
 
 
 def fp8_gemm(
@@ -374,6 +289,7 @@ def fp8_gemm(
     bias: torch.Tensor | None,
     rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
     gated: str | None = None,
+    norm: PendingNorm | None = None,
 ) -> torch.Tensor:
     """x [M, K] (float) times w [N, K] (e4m3)^T with w's float32 `scale` [N / rows_per_scale, K / k_group]
     (k_group 0: one scale per row for all of K), x quantized per row and `act_group` columns (up to
@@ -382,11 +298,15 @@ def fp8_gemm(
     scales [M, ceil(K / act_group)], `_fp8_quant_kernel`'s layout), taken where x would be rounded before
     the loop (`rounds_before`) instead of rounding it again; ignored elsewhere. `gated` (a key of
     `triton_math.ACTIVATIONS`, where `takes_gated`): x is [M, 2K], [gate, up], and the product is of
-    act(gate) * up, made by the GEMV as it loads x (the bits `act_and_mul` would write)."""
+    act(gate) * up, made by the GEMV as it loads x (the bits `act_and_mul` would write). `norm` (where
+    `takes_norm`): x is `norm.x`, an RMSNorm's input, and the product is of its norm (of x + `norm.residual`,
+    written to `norm.residual_out`), made by the GEMV as it loads x (the bits `rms_norm` would write)."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
     if gated and not takes_gated(m, n, k):
         raise ValueError(f"the FP8 GEMM takes no gated input at {m} rows of a weight [{n}, {k}]")
+    if norm is not None and (gated or not takes_norm(m, n, k)):
+        raise ValueError(f"the FP8 GEMM takes no RMSNorm's input at {m} rows of a weight [{n}, {k}]")
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     gemv, rounding = _plan(m, n, k)
@@ -438,6 +358,7 @@ def fp8_gemm(
     if gemv:  # x's rounding in the loop is the GEMV's in its registers (2): the same bits
         _fp8_gemv_kernel[grid](
             *args,
+            *_norm_args(norm, m, k, y),
             HAS_BIAS=bias is not None,
             ROUND=rounding or 2,
             SCALES=0 if k_group == 0 else 1 if rows_per_scale % bn == 0 else 2,
@@ -447,6 +368,9 @@ def fp8_gemm(
             UNROLL=GEMV_TILES[2],
             STAGES=GEMV_TILES[3],
             GATED=ACTIVATIONS[gated] if gated else -1,
+            NORM=NORM_KINDS[norm.kind] if norm is not None else -1,
+            RESIDUAL=norm is not None and norm.residual is not None,
+            ROW_BLOCK=triton.next_power_of_2(k),
             num_warps=warps,
             num_stages=stages,
             **pdl.launch_args(x.device),
@@ -466,3 +390,18 @@ def fp8_gemm(
         **pdl.launch_args(x.device),
     )
     return y
+
+
+def _norm_args(
+    norm: PendingNorm | None, m: int, k: int, unread: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """The GEMV's (residual, norm weight, residual out, eps) for `norm` ([M, K] rows, contiguous); `unread`
+    where it has none."""
+    if norm is None:
+        return unread, unread, unread, 0.0
+    if norm.residual is None:
+        return unread, norm.weight, unread, norm.eps
+    out = norm.residual_out
+    if out is None or out.shape != norm.residual.shape or not out.is_contiguous():
+        raise ValueError("an RMSNorm's residual add needs a contiguous residual_out of the residual's shape")
+    return norm.residual.reshape(m, k).contiguous(), norm.weight, out, norm.eps
