@@ -107,7 +107,7 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             *["gapless.bench.quant"] * 9,  # gpu_quant.sh: make, eight runs of the issue's targets,
             *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs;
             *["gapless.bench.quant"] * 4,  # tables: int4 TPOT on swapped tiles and the Triton GEMM, FP8's,
-            # the 0.6B's FP8 with its activations launched,
+            # the 0.6B's FP8 with activations, norms launched,
             "gapless.bench.kernels",  # decode attention over each cache,
             "gapless.bench.int4_gemm",  # the int4 GEMV's stages and splits,
             "gapless.bench.gpu",  # the FP8 KV cache's run with the decode kernel's registers capped,
@@ -229,6 +229,26 @@ def test_the_freeze_guard_names_the_test_that_leaves_the_heap_frozen(tmp_path):
     assert line.startswith("FROZEN after test_leak.py::test_leaks: ") and line in r.stdout
 
 
+def test_the_cuda_steps_selection_takes_the_fp8_gemvs_fused_paths():
+    """The `all` part's CUDA tests are a `-k` selection: the FP8 GEMV's tests that take a fused norm or
+    activation (which equal bits and compiled kernels only a GPU checks for real) are in it by name."""
+    text = (ROOT / "bench/gpu_session.sh").read_text()
+    (expression,) = re.findall(r'step \d+ cuda_tests .*?-k "([^"]+)"', text, flags=re.S)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-k", expression,
+         "tests/model/test_fp8_rounding.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    selected = {line.split("::")[1].split("[")[0] for line in r.stdout.splitlines() if "::" in line}
+    gemv = {
+        "test_the_gemv_takes_a_fused_gated_activation_as_it_loads_x",
+        "test_at_one_row_the_fp8_gemv_runs_the_mlps_activation_fused",
+        "test_the_gemv_takes_a_fused_rmsnorm_as_it_loads_x",
+        "test_at_one_row_the_fp8_gemvs_run_the_layers_norms_fused",
+    }
+    assert r.returncode == 0 and gemv <= selected, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def test_skip_leaves_the_named_steps_out(tmp_path):
     """SKIP="latency served": the all part runs every other step, and says which it skipped."""
     commands = _run_part(ROOT / "bench/gpu_session.sh", "all", tmp_path, ROOT, SKIP="latency served")
@@ -242,7 +262,7 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): Qwen3-8B's int4 TPOT on
     the swapped tiles and on the Triton GEMM, its FP8 TPOT on the swapped tiles and Qwen3-0.6B's FP8 with
-    its activations launched first, decode attention
+    its activations and norms launched first, decode attention
     over each cache in 64- and 128-key blocks with its registers capped or not (the FP8 KV target's lever),
     the int4 GEMV's stages and splits (factored or not, against tinygemm), the FP8 KV cache's nano-vllm run
     with the registers capped, the FP8 GEMV's stages (short, each deciding a default); then the mixture's
@@ -254,10 +274,10 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     tables = [c for c in tables if c[:1] != ["-"]]  # (gpu_bench.sh's versions: a script on stdin)
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
-    int4_swapped, int4_triton, fp8_swapped, ungated = tables[1:5]
+    int4_swapped, int4_triton, fp8_swapped, launched = tables[1:5]
     attention, int4_stages, capped, fp8_stages, mixture = tables[5:10]
     assert capped[:2] == ["-m", "gapless.bench.gpu"] and "fp8" in capped  # (the FP8 KV run, registers capped)
-    tpots = (int4_swapped, int4_triton, fp8_swapped, ungated, mixture)
+    tpots = (int4_swapped, int4_triton, fp8_swapped, launched, mixture)
     assert all(c[:3] == ["-m", "gapless.bench.quant", "run"] for c in tpots)
     models = [c[3].rsplit("/", 1)[1] for c in tpots]
     assert models == ["qwen3-8b-awq", "qwen3-8b-awq", "qwen3-8b", "qwen3-0.6b", "qwen3-30b-a3b"]
