@@ -172,6 +172,11 @@ def test_the_gemv_takes_a_fused_rmsnorm_as_it_loads_x(monkeypatch, by, kind, wit
         fp8_kernel.fp8_gemm(torch.cat([x, x], 1), w, s, 1, 0, act_group, bias, gated="silu", norm=norm)
     monkeypatch.setenv("GAPLESS_FP8_UNFUSED_NORM", "1")
     assert not fp8_kernel.takes_norm(1, n, k)
+    # compiled on a GPU (PDL off) the normed GEMV prefetches its weights into L2 before its norm's loads
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda")
+    assert fp8_kernel._prefetches(norm, cuda) and not fp8_kernel._prefetches(None, cuda)
+    assert not fp8_kernel._prefetches(norm, torch.device("cpu"))
 
 
 def test_a_rounding_travels_only_on_the_tensor_it_was_made_for():

@@ -580,20 +580,26 @@ def test_the_gemvs_weights_stay_in_registers_when_compiled():
     matrix instruction) and its weight tile goes from its load to its multiply without crossing shared
     memory (a 64 x 128 e4m3 tile, 8 KB, did when x was a [1, BK] tile: the compiler moved W into x's
     layout), for each way of rounding x, both kinds of weight scales, one step or two a loop iteration, a
-    gated activation or an RMSNorm made as x loads; asked for stages, its loads go through asynchronous
-    copies into shared memory, that many deep."""
+    gated activation or an RMSNorm made as x loads (then its weights' first bytes prefetched into L2
+    before its first load, as on a GPU); asked for stages, its loads go through asynchronous copies into
+    shared memory, that many deep."""
     from gapless.testing.triton_compile import compile_child
 
     script = (
         "import json\n"
+        "from unittest import mock\n"
+        "from gapless.model.quant import fp8_kernel\n"
         "from gapless.testing.triton_compile import Compiler, _fp8\n"
         "out = []\n"
-        "with Compiler(90) as c:\n"
+        "first = lambda ptx: ptx.find('prefetch.global.L2') < ptx.find('ld.global')\n"
+        "gpu = mock.patch.object(fp8_kernel, '_prefetches', lambda norm, device: norm is not None)\n"
+        "with gpu, Compiler(90) as c:\n"
         "    for name, case in _fp8().items():\n"
         "        if 'gemv' in name and 'bfloat16' in name:\n"
         "            before = len(c.compiled)\n"
         "            case()\n"
-        "            out += [[name, k.metadata.shared, 'mma' in k.asm['ptx'], 'cp.async' in k.asm['ptx']]\n"
+        "            out += [[name, k.metadata.shared, 'mma' in k.asm['ptx'], 'cp.async' in k.asm['ptx'],\n"
+        "                     'prefetch.global.L2' in k.asm['ptx'] and first(k.asm['ptx'])]\n"
         "                    for n, k in c.compiled[before:] if n == '_fp8_gemv_kernel']\n"
         "print(json.dumps(out))\n"
     )
@@ -601,12 +607,14 @@ def test_the_gemvs_weights_stay_in_registers_when_compiled():
     if out is None:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     kernels = json.loads(out.strip().splitlines()[-1])
-    assert len(kernels) == 16 and not any(mma for _, _, mma, _ in kernels), kernels
-    for name, shared, _, copies in kernels:
+    assert len(kernels) == 16 and not any(mma for _, _, mma, _, _ in kernels), kernels
+    for name, shared, _, copies, prefetched in kernels:
         if name.endswith("stages 3"):  # two 8 KB weight tiles ahead
             assert copies and shared >= 2 * 8192, (name, shared)
         else:
             assert not copies and shared < 4096, (name, shared)
+        # normed: the weights' first bytes asked of L2 before any load (the norm's row's among them)
+        assert prefetched == ("normed" in name), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_89+)")

@@ -53,6 +53,7 @@ def _fp8_gemv_kernel(
     NORM: tl.constexpr,
     RESIDUAL: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Row `program_id(0)` of y, columns [pid_n * BN, +BN), over one share of K, on the CUDA cores: W's
@@ -70,7 +71,9 @@ def _fp8_gemv_kernel(
     value; ROUND 2 or 3): x is an RMSNorm's input, and the GEMV's x its norm by the weight at `nw_ptr`
     (with RESIDUAL, of x + the residual at `r_ptr` [M, K], that sum written to `ro_ptr` by the row's
     first program), as the fused kernel computes it (`_rms_norm_kernel`: the same arithmetic), its row's
-    sum of squares taken by each program before its loop, with no launch before the GEMV."""
+    sum of squares taken by each program before its loop, with no launch before the GEMV. PREFETCH (with
+    PDL, or NORM on a GPU): the first `pdl.PREFETCH_BYTES` of each of the program's weight rows fetched
+    into L2 first (`pdl.prefetch_weights`), so the weights stream in while the program waits or norms."""
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -79,7 +82,9 @@ def _fp8_gemv_kernel(
     n_ok = offs_n < N
     k_start = pid_s * split_k
     k_stop = tl.minimum(k_start + split_k, K)
-    pdl.prefetch_weights(w_ptr + tl.where(n_ok, offs_n, 0) * stride_wn, k_start, k_stop, PDL)
+    # the weights' first bytes into L2 before anything waits: on the kernel before (PDL) or on the norm's
+    # row (PREFETCH): at 512 programs a program's whole share of K on Qwen3-0.6B
+    pdl.prefetch_weights(w_ptr + tl.where(n_ok, offs_n, 0) * stride_wn, k_start, k_stop, PREFETCH)
     pdl.wait_for_previous(PDL)
     inv = 0.0
     if NORM >= 0:

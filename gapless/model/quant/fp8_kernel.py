@@ -371,6 +371,7 @@ def fp8_gemm(
             NORM=NORM_KINDS[norm.kind] if norm is not None else -1,
             RESIDUAL=norm is not None and norm.residual is not None,
             ROW_BLOCK=triton.next_power_of_2(k),
+            PREFETCH=_prefetches(norm, x.device),
             num_warps=warps,
             num_stages=stages,
             **pdl.launch_args(x.device),
@@ -390,6 +391,13 @@ def fp8_gemm(
         **pdl.launch_args(x.device),
     )
     return y
+
+
+def _prefetches(norm: PendingNorm | None, device: torch.device) -> bool:
+    """Whether the GEMV fetches its weights' first bytes into L2 before it waits or norms x: where PDL runs,
+    or where it norms x, compiled (PTX's prefetch: not under the interpreter)."""
+    compiled = device.type == "cuda" and not env.TRITON_INTERPRET.get()
+    return pdl.active(device) or (norm is not None and compiled)
 
 
 def _norm_args(
