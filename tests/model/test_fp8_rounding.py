@@ -179,6 +179,24 @@ def test_the_gemv_takes_a_fused_rmsnorm_as_it_loads_x(monkeypatch, by, kind, wit
     assert not fp8_kernel._prefetches(norm, torch.device("cpu"))
 
 
+@torch.inference_mode()
+def test_the_gemv_takes_a_fused_rmsnorm_of_each_of_several_rows(monkeypatch):
+    """Up to `GEMV_ROWS` rows (3 here), x a view with rows wider than K: each row's norm and residual its
+    own, as the fused norm writes them."""
+    n, k, act_group, eps = 40, 256, 128, 1e-5
+    w, s = (t.to(DEVICE) for t in quantize_rows(torch.randn(n, k) * 0.05))
+    x, residual, weight = _rand(3, k + 8)[:, 8:], _rand(3, k, seed=1), _rand(k, seed=2)
+    monkeypatch.setattr(fp8_kernel, "GEMV_ROWS", 3)
+    monkeypatch.setattr(fp8_kernel, "DECODE_X", "program")
+    normed, summed = fk.rms_norm(x.contiguous(), weight, eps, "llama", residual)
+    out = torch.empty_like(residual)
+    got = fp8_kernel.fp8_gemm(
+        x, w, s, 1, 0, act_group, None, norm=PendingNorm(x, residual, weight, eps, "llama", out)
+    )
+    _same_product(got, fp8_kernel.fp8_gemm(normed, w, s, 1, 0, act_group, None))
+    assert torch.equal(out, summed)
+
+
 def test_a_rounding_travels_only_on_the_tensor_it_was_made_for():
     x = torch.zeros(2, 4)
     rows = RoundedRows(torch.zeros(2, 4, dtype=torch.float8_e4m3fn), torch.ones(2, 1), 4)
