@@ -95,8 +95,9 @@ GAPLESS_FP8_UNFUSED_ROUNDING=1 tpot 45 qwen3-8b fp8_unfused --profile --engine-o
 # the same with programmatic dependent launch (`gapless.pdl`: each Triton kernel launched while the one
 # before it runs; 132 us of a token idle between kernels in the run above on an H200)
 GAPLESS_PDL=1 tpot 45 qwen3-8b fp8_pdl --profile --engine-option quantization=fp8
-# the small shape's FP8 (every layer under the GEMV's bound: no rounding launch; 0.75x bf16's TPOT on an
-# H200, 1.01x without the GEMV: bench/results/h200-2026-11-27-default), launch-bound: then with PDL
+# the small shape's FP8 (every layer under the GEMV's bound: no rounding launch, and now no activation or
+# input norm launch, the GEMVs make them as they load x; 0.75x bf16's TPOT on an H200 before those two,
+# 1.01x without the GEMV: bench/results/h200-2026-11-27-default), launch-bound: then with PDL
 tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
 GAPLESS_PDL=1 tpot 40 qwen3-0.6b fp8_pdl --profile --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
