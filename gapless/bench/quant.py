@@ -106,6 +106,9 @@ def make(out: Path) -> list[Path]:
     return made
 
 
+KERNEL_VARIABLES = ("GAPLESS_FP8_", "GAPLESS_INT4_", "GAPLESS_PDL", "GAPLESS_DECODE_")
+
+
 def run(
     path: Path,
     options: dict[str, Any],
@@ -141,16 +144,9 @@ def run(
         tpots = [(timed(1 + tokens) - timed(1)) / tokens for _ in range(repeats)]
         info = llm.engine.info
         prof = timing.decode_profile(timed, tokens, device) if profile else None
-    # the kernel choices the environment made for this run, where not the defaults
-    chosen = (
-        env.INT4_KERNEL,
-        env.INT4_SWAPPED,
-        env.FP8_DECODE,
-        env.FP8_GEMV_ROWS,
-        env.FP8_SWAPPED,
-        env.FP8_UNFUSED_ROUNDING,
-        env.PDL,
-    )
+    # the kernel choices the environment made for this run (every variable of the quantized layers' kernels,
+    # of PDL and of the decode kernel), where not the defaults
+    chosen = [v for name, v in env.VARIABLES.items() if name.startswith(KERNEL_VARIABLES)]
     kernels = {v.name: v.get() for v in chosen if v.get() != v.default}
     return dict(
         shape=_shape_of(path.name),  # (an int4 twin's ratio is to its bf16 shape's)

@@ -63,15 +63,21 @@ def test_report_gives_the_ratio_to_bf16():
 
 
 def test_a_run_records_the_kernels_its_environment_chose(monkeypatch):
-    """A run under `GAPLESS_FP8_DECODE=fp16`, `GAPLESS_FP8_GEMV_ROWS=0` and `GAPLESS_PDL=1` says so in its
-    JSON (the defaults are left out)."""
+    """A run under `GAPLESS_FP8_DECODE=fp16`, `GAPLESS_FP8_GEMV_ROWS=0`, `GAPLESS_PDL=1` and
+    `GAPLESS_FP8_UNFUSED_NORM=1` says so in its JSON (the defaults are left out)."""
     from gapless.testing.checkpoints import cached_checkpoint
 
     monkeypatch.setenv("GAPLESS_FP8_DECODE", "fp16")
     monkeypatch.setenv("GAPLESS_FP8_GEMV_ROWS", "0")
     monkeypatch.setenv("GAPLESS_PDL", "1")
+    monkeypatch.setenv("GAPLESS_FP8_UNFUSED_NORM", "1")
     res = quant.run(cached_checkpoint("qwen3"), {}, tokens=2, repeats=1, device="cpu")
-    assert res["kernels"] == {"GAPLESS_FP8_DECODE": "fp16", "GAPLESS_FP8_GEMV_ROWS": 0, "GAPLESS_PDL": True}
+    assert res["kernels"] == {
+        "GAPLESS_FP8_DECODE": "fp16",
+        "GAPLESS_FP8_GEMV_ROWS": 0,
+        "GAPLESS_FP8_UNFUSED_NORM": True,
+        "GAPLESS_PDL": True,
+    }
 
 
 def test_run_profiles_a_decode_token_on_the_cpu():
