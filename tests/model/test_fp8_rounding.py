@@ -182,7 +182,8 @@ def test_the_gemv_takes_a_fused_rmsnorm_as_it_loads_x(monkeypatch, by, kind, wit
 @torch.inference_mode()
 def test_the_gemv_takes_a_fused_rmsnorm_of_each_of_several_rows(monkeypatch):
     """Up to `GEMV_ROWS` rows (3 here), x a view with rows wider than K: each row's norm and residual its
-    own, as the fused norm writes them."""
+    own, as the fused norm writes them. No rows: an empty product, nothing launched (K was split over no
+    tiles: a ZeroDivisionError)."""
     n, k, act_group, eps = 40, 256, 128, 1e-5
     w, s = (t.to(DEVICE) for t in quantize_rows(torch.randn(n, k) * 0.05))
     x, residual, weight = _rand(3, k + 8)[:, 8:], _rand(3, k, seed=1), _rand(k, seed=2)
@@ -195,6 +196,8 @@ def test_the_gemv_takes_a_fused_rmsnorm_of_each_of_several_rows(monkeypatch):
     )
     _same_product(got, fp8_kernel.fp8_gemm(normed, w, s, 1, 0, act_group, None))
     assert torch.equal(out, summed)
+    none = PendingNorm(x[:0], residual[:0], weight, eps, "llama", out[:0])  # (no rows: nothing launched)
+    assert fp8_kernel.fp8_gemm(x[:0], w, s, 1, 0, act_group, None, norm=none).shape == (0, n)
 
 
 def test_a_rounding_travels_only_on_the_tensor_it_was_made_for():

@@ -300,9 +300,12 @@ def fp8_gemm(
     `triton_math.ACTIVATIONS`, where `takes_gated`): x is [M, 2K], [gate, up], and the product is of
     act(gate) * up, made by the GEMV as it loads x (the bits `act_and_mul` would write). `norm` (where
     `takes_norm`): x is `norm.x`, an RMSNorm's input, and the product is of its norm (of x + `norm.residual`,
-    written to `norm.residual_out`), made by the GEMV as it loads x (the bits `rms_norm` would write)."""
+    written to `norm.residual_out`), made by the GEMV as it loads x (`rms_norm`'s arithmetic). No rows:
+    nothing launched."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
+    if m == 0:  # (no rows: no launch, and no tiles to split K over)
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
     if gated and not takes_gated(m, n, k):
         raise ValueError(f"the FP8 GEMM takes no gated input at {m} rows of a weight [{n}, {k}]")
     if norm is not None and (gated or not takes_norm(m, n, k)):
