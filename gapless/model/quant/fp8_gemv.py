@@ -1,7 +1,8 @@
 """The FP8 GEMV at one row (or a few), on the CUDA cores: `_fp8_gemv_kernel`, which `fp8_kernel.fp8_gemm`
 launches where it runs (`GEMV_ROWS`), and the input arithmetic it can take from the kernel before it: a
-gated activation (`GATED`) or an RMSNorm with its residual add (`NORM`), each made as x is loaded, with
-the bits the fused kernel would have written (`gapless.model.triton_math`)."""
+gated activation (`GATED`) or an RMSNorm with its residual add (`NORM`), each made as x is loaded with
+the fused kernel's arithmetic (`gapless.model.triton_math`): the activation's bits, and the norm's but for
+the order a GPU adds its row's squares in (each kernel's own warps)."""
 
 from __future__ import annotations
 
