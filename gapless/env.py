@@ -201,7 +201,7 @@ FP8_UNFUSED_ACTIVATION = _bool(
     "FP8 layers on CUDA fed by a gated activation (an MLP's down projection) where the one-row GEMV runs: "
     "the fused activation's launch writes x first, as before; off (the default): the GEMV computes "
     "act(gate) * up as it loads x, the same bits, with no launch before it "
-    "(`gapless.model.quant.fp8_kernel`)",
+    "(`gapless.model.quant.fp8_gemv`)",
 )
 FP8_UNFUSED_NORM = _bool(
     "GAPLESS_FP8_UNFUSED_NORM",
