@@ -7,16 +7,17 @@
 #      Qwen3-0.6B's and Qwen3-8B's shapes (the issue's target: <= 0.6), int4 w4a16 (AWQ g128) on
 #      Qwen3-8B's (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the issue's target: >= 1.3x bf16 KV's
-#      tok/s), each with 8 decode steps profiled; then Qwen3-0.6B's FP8
+#      tok/s), each with 8 decode steps profiled, then the FP8 cache's again with the decode kernel
+#      pipelined 5 stages deep (`GAPLESS_DECODE_STAGES=5`)
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3a. Qwen3-8B's int4 TPOT on the swapped tiles (W x^T) and on the Triton GEMM as chosen (the GEMV at
 #      one row), its FP8 TPOT on the swapped tiles, Qwen3-0.6B's FP8 with the activation and the norms
 #      launched before the GEMVs (against the targets phase's runs on this machine);
-#      decode attention alone over each KV cache, batches of 64 and 256, blocks of 64 and 128 keys,
-#      registers capped at 96, 128 or not (`gapless.bench.kernels`); the int4 GEMV with its loads 1-4
-#      iterations deep and K split 8 and 16 ways, factored or not, against tinygemm; nano-vllm's workload
-#      over the FP8 KV cache with the decode kernel's registers capped at 96; the FP8 GEMV's stages
+#      decode attention alone over each KV cache, batches of 64 and 256, 2 and 5 stages, registers capped
+#      at 96, 128 or not (`gapless.bench.kernels`); the int4 GEMV with its loads 1-4 iterations deep and K
+#      split 8 and 16 ways, factored or not, against tinygemm; nano-vllm's workload over the bf16 KV cache
+#      with the decode kernel 5 stages deep; the FP8 GEMV's stages
 #   3b. the mixture's TPOT in bf16; the swapped tiles alone at 1 and 16 rows
 #   3. the mixture Qwen3-30B-A3B's shape in FP8 and int4 (its experts in the fused grouped GEMM)
 #   4. the FP8 GEMM's tiles, K splits, stages and ways of rounding x at 1, 32 and 128 rows, and its GEMV's
@@ -25,8 +26,8 @@
 #   6. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm) against bf16 on Llama-3-8B's
 #      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`); int4 TPOT with act-order (GPTQ
 #      `desc_act`: o's x gathered a layer); the FP8 GEMM alone against bf16 and torch._scaled_mm on both
-#      models' linear shapes, 1 and 128 rows (bench/experiments/fp8_gemm.py); Qwen3-8B's int4 TPOT on
-#      gemlite
+#      models' linear shapes, 1 and 128 rows (bench/experiments/fp8_gemm.py); Qwen3-8B's FP8 TPOT with x
+#      rounded by launches; its int4 TPOT on gemlite
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
 # bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each run), fp8_sweep.log,
 # fp8_gemm.log, int4_gemm.log, kv_attention.log. bench/gpu_session.sh's `all` part calls it first (step
@@ -83,6 +84,15 @@ other() {  # $1: limit (s), $2: name (its log $OUT/$2.log), the rest: the comman
 }
 
 phase() { [[ " ${QUANT_PHASES:-targets tables} " == *" $1 "* ]]; }
+kv_run() {  # nano-vllm's workload, greedy, 8 decode steps profiled: $1: the run's name, $2: its KV cache
+  # dtype, the rest: its environment (NAME=value); then its table rows and profile
+  local name=$1 kv=$2
+  shift 2
+  other 80 "$name" env "$@" OUT="$OUT/$name" GPU_BENCH_TIMEOUT=75 PY="$PY" bash bench/gpu_bench.sh --skip-hf \
+    --runs greedy --kv-cache-dtype "$kv" --profile-steps 8
+  grep -E '^\| gapless|Triton compiled' "$OUT/$name/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
+  sed -n '/a decode step of every request/,/^$/p' "$OUT/$name/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
+}
 
 if phase targets; then
 # each TPOT run of the issue's targets profiled after it is timed (`--profile`: each kernel's device time a
@@ -90,11 +100,6 @@ if phase targets; then
 tpot 45 qwen3-0.6b bf16 --profile  # (first: a cold machine's start-up falls on the smallest model)
 tpot 50 qwen3-8b bf16 --profile
 tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
-# the same with x rounded by the layers' own launches, as before the fused norm and SiLU·mul rounded it
-GAPLESS_FP8_UNFUSED_ROUNDING=1 tpot 45 qwen3-8b fp8_unfused --profile --engine-option quantization=fp8
-# the same with programmatic dependent launch (`gapless.pdl`: each Triton kernel launched while the one
-# before it runs; 132 us of a token idle between kernels in the run above on an H200)
-GAPLESS_PDL=1 tpot 45 qwen3-8b fp8_pdl --profile --engine-option quantization=fp8
 # the small shape's FP8 (every layer under the GEMV's bound: no rounding launch, and now no activation or
 # input norm launch, the GEMVs make them as they load x; 0.75x bf16's TPOT on an H200 before those two,
 # 1.01x without the GEMV: bench/results/h200-2026-11-27-default), launch-bound: then with PDL
@@ -107,23 +112,25 @@ tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ in
 # its 256 requests at once (`--profile-steps`: each kernel's device time a step, attention's against the
 # rest), and names any Triton compile in its timed run (an H200's fp8 run of 4e5a5eb took 0.66 s more
 # host time in prefill than bf16's, likely compiling: bench/results/h200-2026-11-27-default)
-for kv in auto fp8; do
-  other 80 "kv_$kv" env OUT="$OUT/kv_$kv" GPU_BENCH_TIMEOUT=75 PY="$PY" bash bench/gpu_bench.sh --skip-hf \
-    --runs greedy --kv-cache-dtype "$kv" --profile-steps 8
-  grep -E '^\| gapless|Triton compiled' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
-  sed -n '/a decode step of every request/,/^$/p' "$OUT/kv_$kv/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
-done
+# then the FP8 KV cache's run again with the decode kernel pipelined 5 stages deep (`GAPLESS_DECODE_STAGES`:
+# in the sm_90 binary 2-4 stages keep one buffer, so each step waits for all its copies and a program's
+# loads and compute take turns; 5 keep the next key block's copies in flight through a block's compute,
+# for shared memory: docs/gpu.md#fp8-kv-on-a-gpu), against the same bf16 run
+kv_run kv_auto auto
+kv_run kv_fp8 fp8
+kv_run kv_fp8_staged fp8 GAPLESS_DECODE_STAGES=5
 fi
 
 if phase tables; then
 # the int4 and FP8 targets' likeliest ways first, as TPOT: int4 on the swapped tiles and on the Triton GEMV
 # (never timed since a split GEMM's parts were added by a torch sum and cast after it, two launches a
-# layer), FP8 on the swapped tiles, the 0.6B's FP8 with its activations and norms launched; then decode attention over each cache (the FP8 KV target's lever), the
-# int4 GEMV's stages and splits against tinygemm, the FP8 KV run capped, the FP8 GEMV's stages (each
-# short, each deciding a default); the mixture in bf16, the swapped tiles alone, what no GPU has run (the
-# mixture quantized), the sweeps that decide the next defaults (the FP8 GEMM's at one row for gate/up and
-# down; decode attention at batch 1 split less), the int4 GEMMs' table, act-order, the FP8 GEMM's table and
-# gemlite
+# layer), FP8 on the swapped tiles, the 0.6B's FP8 with its activations and norms launched; then decode
+# attention over each cache (the FP8 KV target's lever), the int4 GEMV's stages and splits against
+# tinygemm, the bf16 KV run pipelined deeper, the FP8 GEMV's stages (each short, each deciding a default);
+# the mixture in bf16, the swapped tiles alone, what no GPU has run (the mixture quantized), the sweeps
+# that decide the next defaults (the FP8 GEMM's at one row for gate/up and down; decode attention at batch
+# 1 split less), the int4 GEMMs' table, act-order, the FP8 GEMM's table, the 8B's FP8 with x rounded by
+# launches, and gemlite
 
 # Qwen3-8B's TPOT with every FP8 layer (`GAPLESS_FP8_SWAPPED`: up to 16 rows, the GEMV off) and every int4
 # layer (`GAPLESS_INT4_SWAPPED`, on the Triton GEMM) in swapped tiles, against the targets phase's FP8
@@ -144,15 +151,18 @@ GAPLESS_FP8_UNFUSED_ACTIVATION=1 GAPLESS_FP8_UNFUSED_NORM=1 \
 # decode attention alone over a bf16 and an fp8 cache (the FP8 KV target's lever): batches of 256
 # (nano-vllm's full batch) and 64, 1k and 4k contexts, pages of 1 token (the engine's default; 16 timed the
 # same within 1% on an H200), blocks of 64 keys (the default; an fp8 cache's values in pairs: 0.75x bf16's
-# time at batch 256 on an H200, 2.6 TB/s of e4m3 against bf16's 3.9: bench/results/h200-2026-11-27-default)
-# and 128 (as many bytes as bf16's 64), each with the registers the compiler chooses and capped at 96 and
-# 128 (`DecodeTuning.max_registers`). In the sm_90 binary (Triton 3.6) a program keeps about one block in
-# flight (docs/gpu.md#fp8-kv-on-a-gpu), so the programs an SM holds bound its bytes in flight: the fp8
-# kernel's 138 registers fit 3 programs an SM where bf16's 96 fit 5 (at the ~2.4 us step fp8's 2.6 TB/s
-# implies, 5 would read past the bandwidth); capped at 96 (no spills) fp8 fits 5 too. Extend attention
-# over each cache at 2,048 tokens
+# time at batch 256 on an H200, 2.6 TB/s of e4m3 against bf16's 3.9: bench/results/h200-2026-11-27-default),
+# pipelined 2 stages deep (the default) and 5 (`DecodeTuning.num_stages`), each with the registers the
+# compiler chooses and capped at 96 and 128 (`DecodeTuning.max_registers`). In the sm_90 binary (Triton 3.6)
+# at 2 stages a program has one block in flight at most, and none during its compute
+# (docs/gpu.md#fp8-kv-on-a-gpu), so the programs an SM holds bound its bytes in flight: the fp8 kernel's 138
+# registers fit 3 programs an SM where bf16's 96 fit 5 (at the ~2.4 us step fp8's 2.6 TB/s implies, 5
+# would read past the bandwidth); capped at 96 (no spills) fp8 fits 5 too. At 5 stages the next block's
+# copies are in flight through a block's compute, in 57.3 KB of shared memory over fp8 (3 programs an SM
+# at 148 registers, 4 capped at 128) and 73.7 over bf16 (3). Extend attention over each cache at 2,048
+# tokens
 other 75 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 256 --context 1024 4096 \
-  --page-size 1 --kv-cache-dtype auto fp8 --decode-block-n 0 128 --decode-max-registers 0 96 128 \
+  --page-size 1 --kv-cache-dtype auto fp8 --decode-stages 2 5 --decode-max-registers 0 96 128 \
   --tokens 16 --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
 awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
 # the GEMVs' loads through asynchronous copies 1-4 loop iterations deep (never timed; 1 is today's plain
@@ -168,12 +178,14 @@ awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | te
 other 55 int4_gemv_stages "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 --block-m 1 --ptx-values 1 \
   --factored 0 1 --stages 1 2 4 --split-k 0 8 16 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
 tee -a "$LOG" <"$OUT/int4_gemv_stages.log" 2>/dev/null
-# nano-vllm's workload again with the FP8 KV cache, the decode kernel's registers capped at 96
-# (`GAPLESS_DECODE_MAX_REGISTERS`: 5 programs an SM where the default's 138 registers fit 3), against the
-# targets phase's bf16 KV run on this machine (the first call's `kv_auto`)
-other 80 kv_fp8_capped env GAPLESS_DECODE_MAX_REGISTERS=96 OUT="$OUT/kv_fp8_capped" GPU_BENCH_TIMEOUT=75 \
-  PY="$PY" bash bench/gpu_bench.sh --skip-hf --runs greedy --kv-cache-dtype fp8 --profile-steps 8
-grep -E '^\| gapless|Triton compiled' "$OUT/kv_fp8_capped/gpu_bench.log" 2>/dev/null | tee -a "$LOG"
+# nano-vllm's workload with the bf16 KV cache and the decode kernel 5 stages deep: against the targets
+# phase's bf16 run (the first call's `kv_auto`), whether the default changes for both caches, and the FP8
+# KV target's ratio then (against `kv_fp8_staged`)
+kv_run kv_auto_staged auto GAPLESS_DECODE_STAGES=5
+# Qwen3-8B's FP8 with programmatic dependent launch (`gapless.pdl`: each Triton kernel launched while the
+# one before it runs; 132 us of a token idle between kernels in an H200's FP8 run), against the targets
+# phase's FP8 run (the targets phase times the 0.6B's, where launches weigh most)
+GAPLESS_PDL=1 tpot 45 qwen3-8b fp8_pdl --engine-option quantization=fp8
 # (the FP8 GEMVs' stages, as above)
 other 40 fp8_gemv_stages "$PY" bench/experiments/fp8_gemm.py --gemv-stages
 grep -E '^\|' "$OUT/fp8_gemv_stages.log" 2>/dev/null | tee -a "$LOG"
@@ -235,6 +247,10 @@ tpot 50 qwen3-8b-gptq-act int4_act_order
 # each program
 other 45 fp8_gemm "$PY" bench/experiments/fp8_gemm.py --rows 1 128
 grep -E '^\|' "$OUT/fp8_gemm.log" 2>/dev/null | tee -a "$LOG"
+
+# Qwen3-8B's FP8 with x rounded by the layers' own launches, as before the fused norm and SiLU·mul rounded
+# it (`GAPLESS_FP8_UNFUSED_ROUNDING`), against the targets phase's FP8 run
+GAPLESS_FP8_UNFUSED_ROUNDING=1 tpot 45 qwen3-8b fp8_unfused --engine-option quantization=fp8
 
 # int4 through gemlite's kernels (its wheel; its first call tunes for up to a minute, so last; on an H100
 # 0.59x bf16's TPOT against tinygemm's 0.50x: bench/results/h100-2026-11-26/quant)

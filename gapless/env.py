@@ -51,13 +51,18 @@ def _optional_str(raw: str) -> str | None:
     return raw or None  # set but empty: as if unset
 
 
-def _registers(raw: str) -> int | None:
-    if not raw.strip():
-        return None  # set but empty: as if unset
-    value = int(raw)
-    if not 24 <= value <= 255:
-        raise ValueError("not in [24, 255]")
-    return value
+def _optional_in(low: int, high: int) -> Callable[[str], int | None]:
+    """An integer in [low, high], or None where set but empty (as if unset)."""
+
+    def parse(raw: str) -> int | None:
+        if not raw.strip():
+            return None
+        value = int(raw)
+        if not low <= value <= high:
+            raise ValueError(f"not in [{low}, {high}]")
+        return value
+
+    return parse
 
 
 @dataclass(frozen=True)
@@ -166,11 +171,20 @@ INT4_SWAPPED = _bool(
 DECODE_MAX_REGISTERS = _var(
     "GAPLESS_DECODE_MAX_REGISTERS",
     None,
-    _registers,
+    _optional_in(24, 255),
     "integer 24-255",
     "the Triton decode attention kernel's registers a thread capped at this (`DecodeTuning.max_registers`, "
     "Triton's `maxnreg`), so more programs fit an SM; unset: the compiler's choice. Never timed, so unset "
     "(`gapless.attention.triton_kernels`)",
+)
+DECODE_STAGES = _var(
+    "GAPLESS_DECODE_STAGES",
+    None,
+    _optional_in(1, 8),
+    "integer 1-8",
+    "the Triton decode attention kernel's software-pipelining depth (`DecodeTuning.num_stages`); unset: 2. "
+    "At 5 its loop keeps the next key block's copies in flight through a block's compute, for twice the "
+    "shared memory. Never timed, so unset (`gapless.attention.triton_kernels`)",
 )
 FP8_DECODE = _var(
     "GAPLESS_FP8_DECODE",

@@ -38,8 +38,8 @@ class TritonBackend:
     ) -> None:
         """`num_splits` fixes the decode split count (tests); by default it follows the batch.
         `decode_tuning`, `extend_tuning`: the kernels' knobs (`triton_kernels.DecodeTuning`,
-        `ExtendTuning`; None: their defaults, the decode kernel's registers capped as
-        `GAPLESS_DECODE_MAX_REGISTERS` says)."""
+        `ExtendTuning`; None: their defaults, the decode kernel's registers and stages as
+        `GAPLESS_DECODE_MAX_REGISTERS` and `GAPLESS_DECODE_STAGES` say)."""
         import gapless.attention.triton_kernels as triton_kernels
 
         self._k = triton_kernels

@@ -82,6 +82,14 @@ class DecodeTuning:
 
     - `block_n`: keys a program loads per step (a power of two >= 16; None: 64, 32 past head dim 128).
     - `num_warps`, `num_stages`: the launch's warps and software-pipelining depth (Triton's meanings).
+      In the sm_90 binary (Triton 3.6 and 3.9, head dim 128, 64-key blocks) 2-4 stages keep one buffer
+      of keys and values: a step waits for all its copies at its top (`DEPBAR.LE SB0, 0x0`), computes,
+      then copies the next block, so a program's loads and its compute take turns; 5 keep two, and a
+      step waits only for its own block (`0x4`: four copy groups, the next block's keys and values and
+      the slots three blocks ahead in two layouts, stay in flight through its compute), for shared
+      memory (73.7 KB over bf16 and 57.3 over fp8, against 39.9) and registers (Triton 3.6: 128 over
+      bf16 and 148 over fp8, against 96 and 138). `GAPLESS_DECODE_STAGES` sets it for the engine's
+      default tuning.
     - `programs_per_sm`: the split count aims at this many programs per SM (`decode_num_splits`).
     - `min_split_len`: no split shorter than this many keys (each split costs the merge a row).
     - `heads_first`: launch a request's kv heads next to each other (its programs run at the same time,
@@ -103,13 +111,13 @@ class DecodeTuning:
     - `prefetch`: each key block's keys and values loaded into registers one block ahead, while the block
       before is computed, and its slots two blocks ahead, with Triton's own pipelining off in that loop
       (`_prefetched_blocks`; `num_stages` then shapes nothing of it). In the sm_90 binary Triton's
-      pipelining, at 2 stages or 3, issues the next block's copies near a step's end and waits for all of
-      them at the top of the next step (the slots' load ahead of the keys' keeps it from going deeper),
-      so a program's loads and its compute take turns; prefetched, each load is in flight through a
-      whole step's compute, for the tiles' registers (sm_90 binary, Triton 3.6, head dim 128, group 4,
-      64-key blocks: 241 registers over bf16 where the default takes 96, 204 over fp8 where it takes 138,
-      at 4 warps; 150 and 126 at 8), so fewer programs an SM. Not with `whole_blocks` (every block is
-      masked, as the last one). For the GPU sweep to weigh.
+      pipelining, at 2-4 stages, issues the next block's copies near a step's end and waits for all of
+      them at the top of the next step (the slots' load ahead of the keys' keeps it from going deeper
+      short of 5 stages: `num_stages`), so a program's loads and its compute take turns; prefetched,
+      each load is in flight through a whole step's compute, for the tiles' registers (sm_90 binary,
+      Triton 3.6, head dim 128, group 4, 64-key blocks: 241 registers over bf16 where the default takes
+      96, 204 over fp8 where it takes 138, at 4 warps; 150 and 126 at 8), so fewer programs an SM. Not
+      with `whole_blocks` (every block is masked, as the last one). For the GPU sweep to weigh.
     - `max_registers`: a cap on the registers a thread (Triton's `maxnreg`, ptxas's `.maxnreg`), so more
       programs fit an SM; None: the compiler's choice. Each program has about one block of keys and
       values in flight at a time, so the programs an SM holds bound its bytes in flight. In the sm_90
@@ -198,9 +206,14 @@ DEFAULT_EXTEND = ExtendTuning()
 
 
 def default_decode_tuning() -> DecodeTuning:
-    """`DEFAULT_DECODE`, its registers capped as `GAPLESS_DECODE_MAX_REGISTERS` says where it is set."""
-    cap = env.DECODE_MAX_REGISTERS.get()
-    return DEFAULT_DECODE if cap is None else replace(DEFAULT_DECODE, max_registers=cap)
+    """`DEFAULT_DECODE`, with its registers capped as `GAPLESS_DECODE_MAX_REGISTERS` says and its stages as
+    `GAPLESS_DECODE_STAGES` says, each where it is set."""
+    tuning, cap, stages = DEFAULT_DECODE, env.DECODE_MAX_REGISTERS.get(), env.DECODE_STAGES.get()
+    if cap is not None:
+        tuning = replace(tuning, max_registers=cap)
+    if stages is not None:
+        tuning = replace(tuning, num_stages=stages)
+    return tuning
 
 
 if INTERPRET:
@@ -360,9 +373,9 @@ def _prefetched_blocks(
     """The online softmax over the keys [start, end) of a table row, a block at a time, each block's keys
     and values loaded into registers a block ahead (during the block before's compute) and its slots two
     blocks ahead (`DecodeTuning.prefetch`); returns the new `m_i`, `l_i`, `acc`. Triton's pipelining is
-    off in this loop: in the sm_90 binary, at 2 or 3 stages, it issues a step's copies of the next block
+    off in this loop: in the sm_90 binary, at 2-4 stages, it issues a step's copies of the next block
     near the step's end and waits for all of them at the top of the next step, before any of its
-    compute, so their latency is not hidden."""
+    compute, so their latency is not hidden (at 5 it is, for shared memory: `DecodeTuning.num_stages`)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
     slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)

@@ -10,7 +10,7 @@ no kernel executing: their outputs are garbage, and only compile errors count.
 
 What it launches: the start-up self-checks' own probes. Attention (`gapless.attention.selfcheck`: an
 extend batch, and a decode batch split over several programs, in one, with its whole key blocks
-unmasked, and with an fp8 cache's values read a byte at a time, not in pairs) in fp32, bf16 and fp16,
+unmasked, with an fp8 cache's values read a byte at a time, not in pairs, and pipelined 5 stages deep) in fp32, bf16 and fp16,
 with and without a sliding window and soft-capping, at head dims 64 and 128, and over an fp8 (e4m3)
 cache (bf16 and fp16 queries); the fused model kernels (`gapless.model.fused.disagreement`) on the tiny
 models of families whose kernels differ (RMSNorm arithmetic, q/k norms, activations) in bf16 and fp16;
@@ -119,12 +119,14 @@ def _attention() -> dict[str, Callable[[], object]]:
 
     # the backend refuses CPU tensors unless built for the interpreter; here they only carry shapes
     compile_only = type("CompileOnly", (TritonBackend,), {"interpreted": True})
-    # the decode kernel four times: split (the probe's long context; the last split merges), whole (one
+    # the decode kernel five times: split (the probe's long context; the last split merges), whole (one
     # split), and with the GPU sweep's options (`DecodeTuning`): its whole key blocks unmasked, an fp8
-    # cache's values read a byte at a time (the default reads them in pairs, by PTX's conversion)
+    # cache's values read a byte at a time (the default reads them in pairs, by PTX's conversion), and
+    # pipelined 5 stages deep (`GAPLESS_DECODE_STAGES`)
     tunings = (
         triton_kernels.DecodeTuning(whole_blocks=True),
         triton_kernels.DecodeTuning(values_in_pairs=False),
+        triton_kernels.DecodeTuning(num_stages=5),
     )
     backends = (compile_only(), compile_only(num_splits=1), *(compile_only(decode_tuning=t) for t in tunings))
 

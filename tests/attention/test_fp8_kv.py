@@ -75,8 +75,9 @@ def test_fp8_cache_with_window_and_softcap(mode):
         DecodeTuning(block_n=16, values_in_pairs=True),
         DecodeTuning(whole_blocks=True, values_in_pairs=True),
         DecodeTuning(block_n=16, values_in_pairs=True, prefetch=True),
+        DecodeTuning(block_n=16, values_in_pairs=True, num_stages=5),
     ],
-    ids=["whole-blocks", "pairs", "both", "prefetch-pairs"],
+    ids=["whole-blocks", "pairs", "both", "prefetch-pairs", "staged-pairs"],
 )
 @pytest.mark.parametrize("layer", [{}, {"window": 24, "softcap": 2.0}], ids=["plain", "window-softcap"])
 @pytest.mark.parametrize(
@@ -90,9 +91,10 @@ def test_fp8_cache_with_window_and_softcap(mode):
 def test_decode_kernel_tunings_over_fp8_cache(tuning, layer, d, dtype):
     """`DecodeTuning.whole_blocks` (whole key blocks without masks, the partial one after),
     `values_in_pairs` (the values read as 16-bit pairs, widened a pair at once: under the interpreter by
-    Triton's conversions, on sm_89+ by PTX's) and `prefetch` (each block's keys and values loaded a block
-    ahead) over an fp8 cache, at a head dim the block covers and one it pads: the reference's answer, in
-    one split or three, NaN outside the contexts unread."""
+    Triton's conversions, on sm_89+ by PTX's), `prefetch` (each block's keys and values loaded a block
+    ahead) and 5 stages (Triton's copies a block ahead, on a GPU) over an fp8 cache, at a head dim the
+    block covers and one it pads: the reference's answer, in one split or three, NaN outside the contexts
+    unread."""
     q, k8, v8, meta, clean8, scales = fp8_batch(9, "decode", 16, dtype, d=d)
     want = torch_ref(q.float(), clean8, meta, 0.5, scales, **layer)
     for splits in (1, 3):

@@ -212,8 +212,9 @@ def test_decode_split_counts(num_splits):
 
 
 # the decode kernel's knobs (`DecodeTuning`), page sizes 1 and 16: key blocks of 16 to 128 (more than the
-# 6- and 1-key contexts, several for the 301-key one), warps/stages and the register cap (GPU-only knobs:
-# still checked to launch), a split heuristic pushed to many short splits, whole blocks, and prefetch
+# 6- and 1-key contexts, several for the 301-key one), warps/stages (5: two buffers) and the register cap
+# (GPU-only knobs: still checked to launch), a split heuristic pushed to many short splits, whole blocks,
+# and prefetch
 TUNINGS = [
     pytest.param(tk.DecodeTuning(block_n=16, num_warps=2, num_stages=1), 1, torch.float32, id="n16-page1"),
     pytest.param(tk.DecodeTuning(block_n=32, num_warps=8, num_stages=3), 16, torch.float32, id="n32-page16"),
@@ -236,6 +237,7 @@ TUNINGS = [
     ),
     pytest.param(tk.DecodeTuning(block_n=16, prefetch=True), 16, torch.float32, id="prefetch-page16"),
     pytest.param(tk.DecodeTuning(max_registers=96), 1, torch.bfloat16, id="capped-page1-bf16"),
+    pytest.param(tk.DecodeTuning(num_stages=5), 16, torch.bfloat16, id="staged-page16-bf16"),
     pytest.param(
         tk.DecodeTuning(programs_per_sm=16, min_split_len=16, prefetch=True),
         1,
@@ -577,7 +579,8 @@ from gapless.attention.triton_backend import TritonBackend
 from gapless.testing.sass import cuobjdump, resources
 from gapless.testing.triton_compile import Compiler
 compile_only = type("CompileOnly", (TritonBackend,), {"interpreted": True})
-tunings = {"default": {}, "prefetch": {"prefetch": True}, "capped": {"max_registers": 96}}
+tunings = {"default": {}, "prefetch": {"prefetch": True}, "capped": {"max_registers": 96},
+           "staged": {"num_stages": 5}}
 for kv in (None, torch.float8_e4m3fn):
     for name, knobs in tunings.items():
         backend = compile_only(num_splits=1, decode_tuning=triton_kernels.DecodeTuning(**knobs))
@@ -594,19 +597,23 @@ for kv in (None, torch.float8_e4m3fn):
         end, top = max(((a, t) for a, t in jumps if t < a), key=lambda r: r[0] - r[1])
         body = [op.split(".")[0] for a, op in ops if top <= a <= end]
         early = body[: body.index("HMMA")].count("LDG")
+        # the most copy groups a wait in the loop leaves in flight (DEPBAR.LE SB0, n)
+        waits = re.findall(at + r"DEPBAR\\.LE\\s+SB0,\\s*0x([0-9a-f]+)", sass)
+        pending = max([int(n, 16) for a, n in waits if top <= int(a, 16) <= end] or [-1])
         res = resources(kernel)
-        print(kv is not None, name, body.count("DEPBAR"), body.count("LDGSTS"), early, res["registers"],
-              res["spill_bytes"])
+        print(kv is not None, name, body.count("DEPBAR"), body.count("LDGSTS"), early, pending,
+              res["registers"], res["spill_bytes"])
 """
 
 
-@pytest.mark.slow  # (six sm_90 compiles in a child process, ~60 s)
-def test_decode_tunings_binaries_prefetch_and_cap_registers():
+@pytest.mark.slow  # (eight sm_90 compiles in a child process, ~80 s)
+def test_decode_tunings_binaries_prefetch_stage_and_cap_registers():
     """Compiled for sm_90 (bf16 queries, head dim 128, over a bf16 and an fp8 cache): the default decode
-    loop copies the next block asynchronously (LDGSTS) and waits for the copies (DEPBAR) in the loop;
-    `prefetch` has neither, and issues its global loads of the next block (LDG) before the loop body's
-    first matrix instruction, so they are in flight during the block's compute; `max_registers=96` holds
-    each kernel to 96 registers a thread without spilling."""
+    loop copies the next block asynchronously (LDGSTS) and waits for every copy (DEPBAR, none left in
+    flight) in the loop; at 5 stages its wait leaves the next block's copies in flight; `prefetch` has
+    neither, and issues its global loads of the next block (LDG) before the loop body's first matrix
+    instruction, so they are in flight during the block's compute; `max_registers=96` holds each kernel
+    to 96 registers a thread without spilling."""
     from gapless.testing.triton_compile import compile_child
 
     out = compile_child(_DECODE_SASS, "compiling the decode kernel")
@@ -615,11 +622,13 @@ def test_decode_tunings_binaries_prefetch_and_cap_registers():
     got = {
         (fp8 == "True", name): [int(x) for x in rest] for fp8, name, *rest in map(str.split, out.splitlines())
     }
-    assert len(got) == 6, out
+    assert len(got) == 8, out
     for fp8 in (False, True):
-        waits, copies, _, _, _ = got[fp8, "default"]
-        assert waits >= 1 and copies >= 8, (fp8, got)
-        waits, copies, early_loads, _, _ = got[fp8, "prefetch"]
+        waits, copies, _, pending, _, _ = got[fp8, "default"]
+        assert waits >= 1 and copies >= 8 and pending == 0, (fp8, got)
+        waits, copies, _, pending, _, _ = got[fp8, "staged"]
+        assert waits >= 1 and copies >= 8 and pending >= 2, (fp8, got)  # (the keys' and values' groups)
+        waits, copies, early_loads, _, _, _ = got[fp8, "prefetch"]
         assert waits == 0 and copies == 0 and early_loads >= 8, (fp8, got)
         *_, registers, spilled = got[fp8, "capped"]
         assert registers <= 96 and spilled == 0, (fp8, got)
@@ -636,4 +645,17 @@ def test_the_environment_caps_the_default_decode_registers(monkeypatch):
     assert TritonBackend().decode_tuning is tk.DEFAULT_DECODE
     monkeypatch.setenv("GAPLESS_DECODE_MAX_REGISTERS", "512")
     with pytest.raises(ValueError, match=r"GAPLESS_DECODE_MAX_REGISTERS='512': not in \[24, 255\]"):
+        TritonBackend()
+
+
+def test_the_environment_stages_the_default_decode_kernel(monkeypatch):
+    """`GAPLESS_DECODE_STAGES`: the backend's default decode tuning takes the pipelining depth, beside a
+    register cap; a tuning given keeps its own; out of range, an error naming the variable."""
+    monkeypatch.setenv("GAPLESS_DECODE_STAGES", "5")
+    assert TritonBackend().decode_tuning == tk.DecodeTuning(num_stages=5)
+    monkeypatch.setenv("GAPLESS_DECODE_MAX_REGISTERS", "128")
+    assert TritonBackend().decode_tuning == tk.DecodeTuning(num_stages=5, max_registers=128)
+    assert TritonBackend(decode_tuning=tk.DecodeTuning(block_n=16)).decode_tuning.num_stages == 2
+    monkeypatch.setenv("GAPLESS_DECODE_STAGES", "9")
+    with pytest.raises(ValueError, match=r"GAPLESS_DECODE_STAGES='9': not in \[1, 8\]"):
         TritonBackend()

@@ -31,6 +31,8 @@ RECORDER = textwrap.dedent(
     import json, os, sys, time
     with open(os.environ["GPU_SESSION_COMMANDS"], "a") as f:
         f.write(json.dumps(sys.argv[1:]) + "\\n")
+    with open(os.environ["GPU_SESSION_COMMANDS"] + ".env", "a") as f:  # (gapless's variables it ran with)
+        f.write(json.dumps({k: v for k, v in os.environ.items() if k.startswith("GAPLESS_")}) + "\\n")
     if sys.argv[1:2] == ["-m"]:
         time.sleep(float(os.environ.get("STAND_IN_SLEEP", "0")))
     """
@@ -49,7 +51,8 @@ COLLECTOR = textwrap.dedent(
 
 
 def _run_part(script: Path, part: str, tmp_path: Path, cwd: Path, **env_extra: str) -> list[list[str]]:
-    """Run `script`'s part with the recorder as Python; the command lines it ran Python with."""
+    """Run `script`'s part with the recorder as Python; the command lines it ran Python with (and, in
+    `tmp_path / "commands.jsonl.env"`, line for line, the GAPLESS_ variables each ran with)."""
     recorder = tmp_path / "python"
     recorder.write_text(f"#!{sys.executable}\n{RECORDER}")
     recorder.chmod(0o755)
@@ -68,6 +71,11 @@ def _run_part(script: Path, part: str, tmp_path: Path, cwd: Path, **env_extra: s
     )
     assert r.returncode == 0, r.stdout + r.stderr
     return [json.loads(line) for line in commands.read_text().splitlines()]
+
+
+def _envs(tmp_path: Path) -> list[dict[str, str]]:
+    """The GAPLESS_ variables of each command `_run_part` recorded in `tmp_path`, in its order."""
+    return [json.loads(line) for line in (tmp_path / "commands.jsonl.env").read_text().splitlines()]
 
 
 def _parse_bench(args: list[str], monkeypatch) -> None:
@@ -104,19 +112,21 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             pytest.fail(f"{' '.join(args)}: the parser refused it (exit {e.code})")
     if part == "all":  # the benchmarks in order of importance
         assert [c[1] for c in benches] == [
-            *["gapless.bench.quant"] * 9,  # gpu_quant.sh: make, eight runs of the issue's targets,
-            *["gapless.bench.gpu"] * 2,  # the bf16 and the FP8 KV cache's runs;
+            *["gapless.bench.quant"] * 7,  # gpu_quant.sh: make, six runs of the issue's targets,
+            *["gapless.bench.gpu"] * 3,  # the bf16 and the FP8 KV cache's runs, the FP8's at 5 stages;
             *["gapless.bench.quant"] * 4,  # tables: int4 TPOT on swapped tiles and the Triton GEMM, FP8's,
             # the 0.6B's FP8 with activations, norms launched,
             "gapless.bench.kernels",  # decode attention over each cache,
             "gapless.bench.int4_gemm",  # the int4 GEMV's stages and splits,
-            "gapless.bench.gpu",  # the FP8 KV cache's run with the decode kernel's registers capped,
+            "gapless.bench.gpu",  # the bf16 KV cache's run at 5 stages,
+            "gapless.bench.quant",  # the 8B's FP8 with PDL,
             "gapless.bench.quant",  # (the FP8 GEMV's stages: a script) the mixture's bf16,
             "gapless.bench.int4_gemm",  # (FP8's swapped tiles alone: a script) int4's,
             *["gapless.bench.quant"] * 2,  # the mixture's FP8 and int4, (the FP8 sweep: a script)
             "gapless.bench.kernels",  # decode attention at batch 1,
             "gapless.bench.int4_gemm",  # the int4 GEMMs,
             "gapless.bench.quant",  # act-order int4, (the FP8 GEMM's table: a script)
+            "gapless.bench.quant",  # the 8B's FP8 with x rounded by launches,
             "gapless.bench.quant",  # gemlite's run,
             "gapless.bench.quant",  # the report
             "gapless.bench.gpu",  # gpu_bench.sh's one benchmark
@@ -262,38 +272,39 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): Qwen3-8B's int4 TPOT on
     the swapped tiles and on the Triton GEMM, its FP8 TPOT on the swapped tiles and Qwen3-0.6B's FP8 with
-    its activations and norms launched first, decode attention
-    over each cache in 64- and 128-key blocks with its registers capped or not (the FP8 KV target's lever),
-    the int4 GEMV's stages and splits (factored or not, against tinygemm), the FP8 KV cache's nano-vllm run
-    with the registers capped, the FP8 GEMV's stages (short, each deciding a default); then the mixture's
-    TPOT in bf16, the swapped tiles alone, what no GPU has run (the mixture quantized), the FP8 GEMM's sweep
-    and decode attention at batch 1, then the int4 GEMMs' table (without gemlite, whose first call tunes
-    past the step's limit); no TPOT run of the targets and no other nano-vllm run; the targets phase alone
-    the reverse."""
+    its activations and norms launched first, decode attention over each cache at 2 and 5 stages with its
+    registers capped or not (the FP8 KV target's lever), the int4 GEMV's stages and splits (factored or
+    not, against tinygemm), the bf16 KV cache's nano-vllm run at 5 stages, the 8B's FP8 with PDL, the FP8
+    GEMV's stages (short, each deciding a default); then the mixture's TPOT in bf16, the swapped tiles
+    alone, what no GPU has run (the mixture quantized), the FP8 GEMM's sweep and decode attention at batch
+    1, then the int4 GEMMs' table (without gemlite, whose first call tunes past the step's limit); no TPOT
+    run of the targets and no other nano-vllm run; the targets phase alone the reverse, its FP8 KV runs at
+    the default stages and at 5."""
     (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
-    tables = [c for c in tables if c[:1] != ["-"]]  # (gpu_bench.sh's versions: a script on stdin)
+    # (less gpu_bench.sh's versions: a script on stdin)
+    tables, envs = zip(*((c, e) for c, e in zip(tables, _envs(tmp_path / "t")) if c[:1] != ["-"]))
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
     int4_swapped, int4_triton, fp8_swapped, launched = tables[1:5]
-    attention, int4_stages, capped, fp8_stages, mixture = tables[5:10]
-    assert capped[:2] == ["-m", "gapless.bench.gpu"] and "fp8" in capped  # (the FP8 KV run, registers capped)
-    tpots = (int4_swapped, int4_triton, fp8_swapped, launched, mixture)
+    attention, int4_stages, staged, pdl, fp8_stages, mixture = tables[5:11]
+    assert staged[:2] == ["-m", "gapless.bench.gpu"] and "auto" in staged  # (the bf16 KV run, 5 stages)
+    tpots = (int4_swapped, int4_triton, fp8_swapped, launched, pdl, mixture)
     assert all(c[:3] == ["-m", "gapless.bench.quant", "run"] for c in tpots)
     models = [c[3].rsplit("/", 1)[1] for c in tpots]
-    assert models == ["qwen3-8b-awq", "qwen3-8b-awq", "qwen3-8b", "qwen3-0.6b", "qwen3-30b-a3b"]
+    assert models == ["qwen3-8b-awq", "qwen3-8b-awq", "qwen3-8b", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"]
     assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
-    assert attention[attention.index("--decode-block-n") + 1 :][:2] == ["0", "128"]
+    assert attention[attention.index("--decode-stages") + 1 :][:2] == ["2", "5"]
     assert attention[attention.index("--decode-max-registers") + 1 :][:3] == ["0", "96", "128"]
     assert fp8_stages[0].endswith("fp8_gemm.py") and "--gemv-stages" in fp8_stages
     assert int4_stages[:2] == ["-m", "gapless.bench.int4_gemm"] and "tinygemm" in int4_stages
     assert int4_stages[int4_stages.index("--stages") + 1 :][:3] == ["1", "2", "4"]
     assert int4_stages[int4_stages.index("--split-k") + 1 :][:3] == ["0", "8", "16"]
     assert int4_stages[int4_stages.index("--factored") + 1 :][:2] == ["0", "1"]  # (PTX values, factored)
-    fp8_alone, int4_alone = tables[10:12]
+    fp8_alone, int4_alone = tables[11:13]
     assert fp8_alone[0].endswith("fp8_gemm.py") and "--swapped" in fp8_alone
     assert int4_alone[:2] == ["-m", "gapless.bench.int4_gemm"] and "--swapped" in int4_alone
-    assert [c[3].rsplit("/", 1)[1] for c in tables[12:14]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
-    sweep, batch1, int4_gemm = tables[14:17]
+    assert [c[3].rsplit("/", 1)[1] for c in tables[13:15]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
+    sweep, batch1, int4_gemm = tables[15:18]
     assert batch1[:2] == ["-m", "gapless.bench.kernels"] and "--decode-min-split-len" in batch1
     assert "--decode-prefetch" in batch1
     assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep
@@ -301,12 +312,16 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert "gemlite" not in int4_gemm
     runs = [c for c in tables if c[:3] == ["-m", "gapless.bench.quant", "run"]]
     assert runs and not any("--profile" in c for c in runs)  # (the targets' runs are profiled)
-    assert [c for c in tables if "gapless.bench.gpu" in c] == [capped]  # (no other nano-vllm run)
+    assert [c for c in tables if "gapless.bench.gpu" in c] == [staged]  # (no other nano-vllm run)
+    assert envs[tables.index(staged)]["GAPLESS_DECODE_STAGES"] == "5"
     targets = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "g", ROOT, QUANT_PHASES="targets")
     runs = [c for c in targets if c[:3] == ["-m", "gapless.bench.quant", "run"]]
-    assert len(runs) == 8 and all("--profile" in c for c in runs)
+    assert len(runs) == 6 and all("--profile" in c for c in runs)
     kv_runs = [c for c in targets if c[:2] == ["-m", "gapless.bench.gpu"]]
-    assert len(kv_runs) == 2 and all("--profile-steps" in c for c in kv_runs)
+    assert len(kv_runs) == 3 and all("--profile-steps" in c for c in kv_runs)
+    caches = [c[c.index("--kv-cache-dtype") + 1] for c in kv_runs]
+    stages = [_envs(tmp_path / "g")[targets.index(c)].get("GAPLESS_DECODE_STAGES") for c in kv_runs]
+    assert list(zip(caches, stages)) == [("auto", None), ("fp8", None), ("fp8", "5")]
     assert not any(c[0].endswith("fp8_gemm.py") for c in targets)
     for args in runs:
         _parse_bench(args, monkeypatch)
