@@ -9,12 +9,12 @@ into a compile (Triton's `warmup`), so the engine's own launchers run as on the 
 no kernel executing: their outputs are garbage, and only compile errors count.
 
 What it launches: the start-up self-checks' own probes. Attention (`gapless.attention.selfcheck`: an
-extend batch, and a decode batch split over several programs, in one, with its whole key blocks
-unmasked, with an fp8 cache's values read a byte at a time, not in pairs, and pipelined 5 stages deep) in fp32, bf16 and fp16,
-with and without a sliding window and soft-capping, at head dims 64 and 128, and over an fp8 (e4m3)
-cache (bf16 and fp16 queries); the fused model kernels (`gapless.model.fused.disagreement`) on the tiny
-models of families whose kernels differ (RMSNorm arithmetic, q/k norms, activations) in bf16 and fp16;
-the sampling kernels (`gapless.sampling.fused`); the MoE grouped GEMM (float, e4m3 and int4/int8
+extend batch, and a decode batch split over several programs, in one, with its whole key blocks unmasked,
+with an fp8 cache's values read a byte at a time, not in pairs, and pipelined 5 stages deep) in fp32,
+bf16 and fp16, with and without a sliding window and soft-capping, at head dims 64 and 128, and over an
+fp8 (e4m3) cache (bf16 and fp16 queries); the fused model kernels (`gapless.model.fused.disagreement`) on
+the tiny models of families whose kernels differ (RMSNorm arithmetic, q/k norms, activations) in bf16 and
+fp16; the sampling kernels (`gapless.sampling.fused`); the MoE grouped GEMM (float, e4m3 and int4/int8
 experts); the FP8 GEMM; the int4/int8 weight-only GEMM; the LoRA kernels. Exit status 1, naming each
 kernel and its error, when any fails to compile. Run it without TRITON_INTERPRET (the interpreter takes
 the compiler's place).
