@@ -234,11 +234,13 @@ case "$part" in
     ;;
   sweep)
     # decode: programs per SM 2 is one split a request at batch 256 (the default), 32 and 64 are 3 and 5
-    # shorter splits; extend: blocks of 64 x 64 (the default) against 128 queries and 32 keys
+    # shorter splits; extend: blocks of 64 x 64 (the default) against 128 queries and 32 keys; both 2
+    # stages deep (the default: one buffer of keys and values, in the sm_90 binary 3 and 4 the same) and 5
+    # (two: the next block's copies in flight through a block's compute)
     step 300 kernel_sweep "$PY" -m gapless.bench.kernels --device cuda --batch 1 8 256 --context 1024 4096 8192 \
       --page-size 1 16 --decode-block-n 0 32 --decode-warps 4 8 --decode-stages 2 5 \
       --decode-programs-per-sm 2 32 64 --decode-heads-first 0 1 --extend-block-m 0 128 --extend-block-n 0 32 \
-      --extend-warps 4 8 --extend-stages 2 3 --sample-batch 1 256 --json "$WORK/kernel_sweep.json"
+      --extend-warps 4 8 --extend-stages 2 5 --sample-batch 1 256 --json "$WORK/kernel_sweep.json"
     ;;
 esac
 pack

@@ -167,7 +167,10 @@ class ExtendTuning:
 
     - `block_m`, `block_n`: queries a program takes and keys it loads per step (powers of two >= 16;
       None: 64 and 64 up to head dim 128, where fp32 keys go by 32; 32 and 32 past it).
-    - `num_warps`, `num_stages`: the launch's warps and software-pipelining depth.
+    - `num_warps`, `num_stages`: the launch's warps and software-pipelining depth. As the decode
+      kernel's (`DecodeTuning`), in the sm_90 binary 2-4 stages keep one buffer of keys and values, and
+      5 two (Triton 3.6, head dim 128: 116.7 KB of shared memory over bf16 against 82.9, 246 registers
+      against 220).
     """
 
     block_m: int | None = None

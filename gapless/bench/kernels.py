@@ -3,10 +3,10 @@
     python -m gapless.bench.kernels --device cuda [--dtype bfloat16] [--tokens 256] [--batch 1 64 256]
         [--context 1024 4096 8192] [--page-size 1 16] [--kv-cache-dtype auto fp8]
         [--decode-block-n 0 32 64 128] [--decode-warps 4 8]
-        [--decode-stages 2 3] [--decode-programs-per-sm 2 32] [--decode-heads-first 0 1]
+        [--decode-stages 2 5] [--decode-programs-per-sm 2 32] [--decode-heads-first 0 1]
         [--decode-whole-blocks 0 1]
         [--extend-block-m 0 128]
-        [--extend-block-n 0 32] [--extend-warps 4 8] [--extend-stages 2 3] [--sample-batch 1 8 64 256]
+        [--extend-block-n 0 32] [--extend-warps 4 8] [--extend-stages 2 5] [--sample-batch 1 8 64 256]
         [--vocab 151936] [--json FILE]
 
 1. Each fused Triton kernel of `gapless.model.fused` against the torch sequence it replaces (residual
