@@ -336,9 +336,14 @@ def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     split = 1
     while split * 2 <= _MAX_SPLIT and tiles * split * 2 <= _TARGET_PROGRAMS and k_blocks >= split * 2 * 4:
         split *= 2
-    # (the GEMV's stages never timed: 1, its loads as timed; `python -m gapless.bench.int4_gemm --stages`;
-    # the swapped tiles' neither: 1, their fewest instructions in the sm_90 binary)
-    stages = 1 if bm == 1 or swap else 3
+    # (the GEMV's stages never timed: 1, its loads as timed; `python -m gapless.bench.int4_gemm --stages`.
+    # The swapped tiles' neither: 4, for bytes in flight over instructions. In the sm_90 binary (Triton
+    # 3.6, one row, Llama-3-8B's qkv) at 1 their loads are plain, one 4 KB K step a program in flight,
+    # 253 instructions a step; at 4, three steps (the loop's wait leaves 8 copy groups), 380 instructions,
+    # 38.6 KB of shared memory against 21.5, 96 registers either way; at 2 the wait leaves none in flight.
+    # Roughly: at ~2 programs an SM plain loads would hold ~1.3 TB/s; 380 instructions a 4 KB step issue
+    # at ~2.3 TB/s. The kit's table times 1 and 4.)
+    stages = 1 if bm == 1 else 4 if swap else 3
     if swap:  # (one K tile a step, values by PTX)
         return GemmConfig(bm, bn, bk, split, warps, stages, nibble_dots=False, ptx_values=True, swapped=True)
     return GemmConfig(bm, bn, bk, split, warps, stages, nibble_dots=m == 1, ptx_values=m == 1)
