@@ -102,9 +102,8 @@ tpot 50 qwen3-8b bf16 --profile
 tpot 50 qwen3-8b fp8 --profile --engine-option quantization=fp8
 # the small shape's FP8 (every layer under the GEMV's bound: no rounding launch, and now no activation or
 # input norm launch, the GEMVs make them as they load x; 0.75x bf16's TPOT on an H200 before those two,
-# 1.01x without the GEMV: bench/results/h200-2026-11-27-default), launch-bound: then with PDL
+# 1.01x without the GEMV: bench/results/h200-2026-11-27-default), launch-bound: with PDL after the KV runs
 tpot 40 qwen3-0.6b fp8 --profile --engine-option quantization=fp8
-GAPLESS_PDL=1 tpot 40 qwen3-0.6b fp8_pdl --profile --engine-option quantization=fp8
 tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ int4 g128), the default GEMM
 
 # the FP8 KV cache on nano-vllm's workload, greedy (`bench/gpu_bench.sh --kv-cache-dtype fp8`), against
@@ -119,6 +118,9 @@ tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ in
 kv_run kv_auto auto
 kv_run kv_fp8 fp8
 kv_run kv_fp8_staged fp8 GAPLESS_DECODE_STAGES=5
+# Qwen3-0.6B's FP8 with programmatic dependent launch (`gapless.pdl`: each Triton kernel launched while the
+# one before it runs), against its run above; last, as the one the budget cuts first
+GAPLESS_PDL=1 tpot 40 qwen3-0.6b fp8_pdl --profile --engine-option quantization=fp8
 fi
 
 if phase tables; then
