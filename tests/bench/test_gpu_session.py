@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gapless import env as gapless_env
+
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("all", "suite", "serve", "prefill", "sweep", "quant")
 # the `all` part's steps, most important first (issue 34 item 6; issue 36's, the one open, first)
@@ -315,7 +317,13 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert runs and not any("--profile" in c for c in runs)  # (the targets' runs are profiled)
     assert [c for c in tables if "gapless.bench.gpu" in c] == [staged]  # (no other nano-vllm run)
     assert envs[tables.index(staged)]["GAPLESS_DECODE_STAGES"] == "5"
+    assert envs[tables.index(pdl)]["GAPLESS_PDL"] == "1"
+    assert envs[tables.index(fp8_swapped)]["GAPLESS_FP8_SWAPPED"] == "1"
+    assert {"GAPLESS_FP8_UNFUSED_ACTIVATION", "GAPLESS_FP8_UNFUSED_NORM"} <= set(envs[tables.index(launched)])
     targets = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "g", ROOT, QUANT_PHASES="targets")
+    # every variable a run is given is one gapless reads (a misspelt one would time the default)
+    given = {name for phase in ("t", "g") for e in _envs(tmp_path / phase) for name in e}
+    assert given and given <= set(gapless_env.VARIABLES), given - set(gapless_env.VARIABLES)
     runs = [c for c in targets if c[:3] == ["-m", "gapless.bench.quant", "run"]]
     assert len(runs) == 6 and all("--profile" in c for c in runs)
     kv_runs = [c for c in targets if c[:2] == ["-m", "gapless.bench.gpu"]]
