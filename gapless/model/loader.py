@@ -31,6 +31,7 @@ from gapless.model.kv_scales import KVScaleReader
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
 from gapless.model.quant import formats, gguf_cpu, int4, int4_kernels, int4_layouts, weights_summary
 from gapless.model.quant.formats import QuantFormatError, QuantSpec
+from gapless.model.quant.fp8 import checkpoint_scale
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
 
@@ -154,8 +155,7 @@ def load_model(
             continue
         if kv_scales.take(name, tensor):
             continue
-        if name.endswith(".weight_scale_inv"):
-            name = name[: -len("_inv")]  # fp8's scale is a multiplier, as compressed-tensors' weight_scale
+        name, tensor = checkpoint_scale(name, tensor)
         keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
         loaded.update(_place(model, params, name, tensor if keep else tensor.to(dtype)))
     int4_kernel = _int4_kernel(model, int4_spec, dtype, device) if int4_spec is not None else ""

@@ -14,8 +14,26 @@ from safetensors.torch import load_file, save_file
 
 from gapless.model.quant.fp8 import FP8_MAX, quantize_blocks, quantize_rows
 
-# layout -> (quantization_config maker, how weights are scaled); block sizes come from `block`
-LAYOUTS = ("fp8", "ct-tensor", "ct-channel", "ct-block")
+# block sizes come from `block` but for ModelOpt's, always [128, 128]; "fp8-tensor": `quant_method: fp8`
+# without blocks (vLLM's and AutoFP8's); "modelopt": its per-tensor FP8 said by `hf_quant_config.json`
+# alone (older exports), the other two in config.json
+LAYOUTS = (
+    "fp8",
+    "ct-tensor",
+    "ct-channel",
+    "ct-block",
+    "fp8-tensor",
+    "modelopt",
+    "modelopt-channel",
+    "modelopt-block",
+)
+_MODELOPT_ALGOS = {
+    "modelopt": "FP8",
+    "modelopt-channel": "FP8_PER_CHANNEL_PER_TOKEN",
+    "modelopt-block": "FP8_PB_WO",
+}
+_STATIC = ("fp8-tensor", "modelopt")  # layouts whose checkpoints carry a static `input_scale`
+KV_SCALE = 0.05  # ModelOpt's layouts' KV-cache scale, each k_proj's `k_scale` and v_proj's `v_scale`
 _PROJ = re.compile(r"model\.layers\.\d+\..*\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.weight$")
 
 
@@ -34,33 +52,49 @@ def _ct_config(strategy: str, block: tuple[int, int] | None) -> dict:
 
 
 def quant_config(layout: str, block: tuple[int, int]) -> dict:
-    """The config.json `quantization_config` of `layout`."""
-    if layout == "fp8":
-        return {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": list(block),
-        }
+    """The config.json `quantization_config` of `layout` (ModelOpt's older export: its
+    `hf_quant_config.json`)."""
+    if layout in ("fp8", "fp8-tensor"):
+        blocks = {"weight_block_size": list(block)} if layout == "fp8" else {}
+        scheme = "static" if layout in _STATIC else "dynamic"
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": scheme, **blocks}
+    if layout == "modelopt":
+        algos = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+        return {"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": algos}
+    if layout in _MODELOPT_ALGOS:
+        kv = {"type": "float", "num_bits": 8, "dynamic": False, "strategy": "tensor"}
+        algo = _MODELOPT_ALGOS[layout]
+        return {"quant_method": "modelopt", "quant_algo": algo, "ignore": ["lm_head"], "kv_cache_scheme": kv}
     strategy = layout.removeprefix("ct-")
     return _ct_config(strategy, block if strategy == "block" else None)
 
 
+def _blocks(layout: str, block: tuple[int, int]) -> tuple[int, int] | None:
+    """The weight block `layout` scales by (None: per tensor or per row)."""
+    return {"fp8": block, "ct-block": block, "modelopt-block": (128, 128)}.get(layout)
+
+
 def _quantize(w: torch.Tensor, layout: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, its scale as the layout stores it)."""
-    if layout in ("fp8", "ct-block"):
-        return quantize_blocks(w, block)
-    if layout == "ct-channel":
-        return quantize_rows(w)
-    scale = w.float().abs().max().clamp_min(1e-12) / FP8_MAX  # ct-tensor: one scale, shape [1]
-    scale = scale.bfloat16().float()  # stored in bfloat16, as llm-compressor writes it for bf16 models
-    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(1)
+    blocks = _blocks(layout, block)
+    if blocks is not None:
+        q, scale = quantize_blocks(w, blocks)
+        return q, scale[:, None, :, None] if layout == "modelopt-block" else scale  # ModelOpt's: 4-D
+    if layout in ("ct-channel", "modelopt-channel"):
+        q, scale = quantize_rows(w)
+        return q, scale.view(-1) if layout == "modelopt-channel" else scale  # ModelOpt's: [N]
+    scale = w.float().abs().max().clamp_min(1e-12) / FP8_MAX  # one scale
+    if layout == "ct-tensor":  # shape [1] in bfloat16, as llm-compressor writes it for bf16 models
+        scale = scale.bfloat16().float().reshape(1)
+    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor, layout: str, block: tuple[int, int]) -> torch.Tensor:
     n, k = q.shape
-    if layout in ("fp8", "ct-block"):
-        s = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    blocks = _blocks(layout, block)
+    if blocks is not None:
+        s = scale.reshape(-(-n // blocks[0]), -(-k // blocks[1]))
+        s = s.repeat_interleave(blocks[0], 0)[:n].repeat_interleave(blocks[1], 1)[:, :k]
     else:
         s = scale.reshape(-1, 1).expand(n, k)
     return q.float() * s.float()
@@ -88,12 +122,21 @@ def write_fp8_checkpoint(
             q, scale = _quantize(w, layout, block)
             quantized[name] = q.contiguous()
             stored = scale.bfloat16() if layout == "ct-tensor" else scale.float()
-            quantized[name[: -len("weight")] + scale_name] = stored.contiguous()
+            module = name[: -len("weight")]
+            quantized[module + scale_name] = stored.contiguous()
+            if layout in _STATIC:  # a calibrated activation scale, which gapless does not read
+                quantized[module + "input_scale"] = torch.tensor(0.02)
+            if layout.startswith("modelopt") and module.endswith(("k_proj.", "v_proj.")):
+                kv = module.rsplit(".", 2)[-2][0]  # "k" or "v"
+                quantized[f"{module}{kv}_scale"] = torch.tensor(KV_SCALE)  # the KV cache's
             floats[name] = _dequantized(q, stored, layout, block).contiguous()
     save_file(quantized, str(dst / "model.safetensors"), metadata={"format": "pt"})
     save_file(floats, str(ref / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     (ref / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32"}, indent=2))
-    cfg["quantization_config"] = quant_config(layout, block)
+    if layout == "modelopt":
+        (dst / "hf_quant_config.json").write_text(json.dumps(quant_config(layout, block), indent=2))
+    else:
+        cfg["quantization_config"] = quant_config(layout, block)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst, ref

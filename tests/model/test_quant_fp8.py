@@ -55,6 +55,9 @@ CPU = torch.device("cpu")
         ("ct-tensor", "compressed-tensors fp8 e4m3 per-tensor"),
         ("ct-channel", "compressed-tensors fp8 e4m3 per-channel"),
         ("ct-block", "compressed-tensors fp8 e4m3 block 128x128"),
+        ("fp8-tensor", "fp8 e4m3 per-tensor"),
+        ("modelopt-channel", "modelopt fp8 e4m3 per-channel"),
+        ("modelopt-block", "modelopt fp8 e4m3 block 128x128"),
     ],
 )
 def test_each_layouts_config_names_its_format(layout, label):
@@ -719,13 +722,19 @@ def _activations_rounded(hf, k_group):
         ("ct-tensor", None, "cpu"),
         ("ct-channel", None, "cpu"),
         ("ct-block", (16, 32), "cpu"),
+        ("fp8-tensor", None, "cpu"),
+        ("modelopt", None, "cpu"),
+        ("modelopt-channel", None, "cpu"),
+        ("modelopt-block", (128, 128), "cpu"),
         ("online", None, "cpu"),
         pytest.param("online", None, "cuda", marks=_CUDA, id="online-None-cuda"),
     ],
 )
 def test_fp8_greedy_equals_the_dequantized_float32_model(ckpt_factory, tmp_path, layout, block, device):
-    """Qwen3 (fused q/k/v and gate/up, whose shards' scales are placed as their weights) in each layout;
-    [128, 128] blocks on a 64-wide model are ragged (one partial block). Against transformers on the
+    """Qwen3 (fused q/k/v and gate/up, whose shards' scales are placed as their weights) in each layout
+    (vLLM's and AutoFP8's per-tensor `quant_method: fp8` and ModelOpt's three among them, with the static
+    `input_scale`s and KV-cache scales those carry); [128, 128] blocks on a 64-wide model are ragged (one
+    partial block). Against transformers on the
     dequantized weights with its activations rounded as ours are: the same tokens but for float32
     summation-order near-ties. Against it with float activations (the issue's accuracy check): near-ties
     of the e4m3 activations' size, counted. On CUDA (the fused kernels, the GEMV at one row taking the
@@ -737,7 +746,8 @@ def test_fp8_greedy_equals_the_dequantized_float32_model(ckpt_factory, tmp_path,
     loaded = loader.load_model(model, torch.float32, CPU, **kw)
     held = weights_held(loaded)[0]
     assert sum(n for f, n in held.items() if "fp8 e4m3" in f) == 8, held  # 4 projections x 2 layers
-    assert quantization(loaded) == ("compressed-tensors" if layout.startswith("ct-") else "fp8")
+    named = {"ct": "compressed-tensors", "modelopt": "modelopt"}.get(layout.split("-")[0], "fp8")
+    assert quantization(loaded) == named
     prompts = make_prompts(1000, n=4, max_len=40, shared_prefix=8)
     ours = _greedy(model, prompts, device=device, **kw)
     hf = load_hf_model(ref)

@@ -1,8 +1,9 @@
 """Which quantized format a checkpoint's weights are in, read before any weight loads.
 
 A checkpoint says it in its `config.json`'s `quantization_config` (`quant_method`, vLLM's and Hugging
-Face's names); `--quantization` (`EngineConfig.quantization`) names one for a float checkpoint to be
-quantized at load (`fp8`), or repeats the checkpoint's own. `resolve` turns the two into a `QuantSpec` and
+Face's names) or in ModelOpt's `hf_quant_config.json`; `--quantization` (`EngineConfig.quantization`)
+names one for a float checkpoint to be quantized at load (`fp8`), or repeats the checkpoint's own (or
+names vLLM's kernel for it: `FLAG_ALIASES`). `resolve` turns the two into a `QuantSpec` and
 refuses, in one line naming the format, one that is unknown, malformed, or cannot run on the device in
 use. One entry of `FORMATS` per `quant_method` (compressed-tensors: one per its own `format`, in
 `CT_FORMATS`): a parser of the config into a spec. The loader (`gapless.model.loader`) hands the spec to
@@ -65,16 +66,17 @@ Parser = Callable[[dict[str, Any], bool], QuantSpec]  # (quantization_config, on
 
 def _fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     """`quant_method: fp8`: Hugging Face's FineGrainedFP8 / DeepSeek layout (Qwen's `*-FP8` repositories):
-    e4m3 weights, `weight_scale_inv` per `weight_block_size` block; or, `online`, a float checkpoint
-    quantized at load with one scale per output row."""
+    e4m3 weights, `weight_scale_inv` per `weight_block_size` block; without `weight_block_size` (vLLM's
+    and AutoFP8's serialization) a `weight_scale` per tensor; or, `online`, a float checkpoint quantized
+    at load with one scale per output row."""
     if online:
         return QuantSpec("fp8", "fp8", "fp8 e4m3 per-channel (quantized at load)", online=True)
     fmt = qcfg.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise QuantFormatError(f"quantization fp8: fmt={fmt!r} is not run (e4m3 only)")
     block = qcfg.get("weight_block_size")
-    if block is None:
-        raise QuantFormatError("quantization fp8: a checkpoint without weight_block_size is not run")
+    if block is None:  # vLLM's own FP8 serialization and AutoFP8's (neuralmagic's older `*-FP8`)
+        return QuantSpec("fp8", "fp8", "fp8 e4m3 per-tensor", per_tensor=True)
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise QuantFormatError(f"quantization fp8: weight_block_size={block!r} is not [rows, columns]")
     return QuantSpec(
@@ -129,6 +131,40 @@ def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
     return QuantSpec(method, "int4", spec.label, min_capability=(8, 0), weight_only=spec)
 
 
+# ModelOpt's FP8 `quant_algo`s -> (how the label says its scales, the weight block they cover)
+MODELOPT_FP8 = {
+    "FP8": ("per-tensor", None),
+    "FP8_PER_CHANNEL_PER_TOKEN": ("per-channel", None),
+    "FP8_PB_WO": ("block 128x128", (128, 128)),
+}
+MODELOPT_FILE = "hf_quant_config.json"  # ModelOpt's own record of a checkpoint's format
+
+
+def modelopt_algo(qcfg: dict[str, Any]) -> str:
+    """A ModelOpt config's `quant_algo`, upper-cased ("" for none: only its KV cache is quantized): at the
+    top (config.json's `quantization_config`) or under `quantization` (`hf_quant_config.json`'s)."""
+    inner = qcfg.get("quantization")
+    return str((inner if isinstance(inner, dict) else qcfg).get("quant_algo") or "").upper()
+
+
+def _modelopt(qcfg: dict[str, Any], online: bool) -> QuantSpec:
+    """NVIDIA ModelOpt's FP8 (`nvidia/*-FP8`): e4m3 weights and a `weight_scale` per tensor (`FP8`, its
+    static `input_scale` not read), per output row (`FP8_PER_CHANNEL_PER_TOKEN`) or per [128, 128] block
+    (`FP8_PB_WO`, stored [row blocks, 1, column blocks, 1]; its activations rounded as every FP8 layer's,
+    as vLLM runs it). NVFP4, MXFP8 and the rest are refused by name."""
+    if online:
+        raise QuantFormatError("quantization modelopt is a checkpoint's format, not one applied at load")
+    algo = modelopt_algo(qcfg)
+    if algo not in MODELOPT_FP8:
+        raise QuantFormatError(
+            f"quantization modelopt: quant_algo {algo or None!r} is not run (runs: {', '.join(MODELOPT_FP8)})"
+        )
+    scales, block = MODELOPT_FP8[algo]
+    return QuantSpec(
+        "modelopt", "fp8", f"modelopt fp8 e4m3 {scales}", weight_block=block, per_tensor=algo == "FP8"
+    )
+
+
 # compressed-tensors' own `format` -> its parser (the quantization_config and its one config group)
 CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "float-quantized": _ct_float,
@@ -163,16 +199,34 @@ FORMATS: dict[str, Parser] = {
     "compressed-tensors": _compressed_tensors,
     "awq": _int4,
     "gptq": _int4,
+    "modelopt": _modelopt,
+}
+# vLLM's `--quantization` names for its own kernels of a checkpoint's format: accepted for a checkpoint in
+# one of those formats, which then runs as it would without the flag
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "awq_marlin": ("awq",),
+    "gptq_marlin": ("gptq",),
+    "moe_wna16": ("awq", "gptq"),
 }
 
 
 def checkpoint_quantization(path: Path) -> dict[str, Any] | None:
-    """The `quantization_config` of a checkpoint directory's config.json (None: none, or a GGUF file)."""
+    """The quantization config of a checkpoint directory (None: float weights, or a GGUF file): its
+    config.json's `quantization_config` (`compression_config` in older compressed-tensors checkpoints),
+    else ModelOpt's `hf_quant_config.json` as `quant_method: modelopt`. A ModelOpt config without a
+    `quant_algo` quantizes the KV cache alone (its scales are read where the cache is fp8): None."""
     cfg_file = path / "config.json"
     if not path.is_dir() or not cfg_file.is_file():
         return None
-    qcfg = json.loads(cfg_file.read_text()).get("quantization_config")
-    return dict(qcfg) if qcfg else None
+    cfg = json.loads(cfg_file.read_text())
+    qcfg = cfg.get("quantization_config") or cfg.get("compression_config")
+    if not qcfg and (path / MODELOPT_FILE).is_file():
+        qcfg = {**json.loads((path / MODELOPT_FILE).read_text()), "quant_method": "modelopt"}
+    if not qcfg:
+        return None
+    if str(qcfg.get("quant_method", "")).lower() == "modelopt" and not modelopt_algo(qcfg):
+        return None
+    return dict(qcfg)
 
 
 def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device | str) -> QuantSpec | None:
@@ -185,10 +239,18 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
             f"quantization {method or '(no quant_method)'!r} in config.json is not run; "
             f"runs: {', '.join(FORMATS)}"
         )
-    if flag is not None and flag not in FORMATS:
+    if flag is not None and flag not in FORMATS and flag not in FLAG_ALIASES:
         raise QuantFormatError(
-            f"--quantization {flag!r} is not a known format; formats: {', '.join(FORMATS)}"
+            f"--quantization {flag!r} is not a known format; formats: {', '.join(FORMATS)} "
+            f"(and vLLM's kernel names {', '.join(FLAG_ALIASES)} for their checkpoints)"
         )
+    if flag in FLAG_ALIASES:
+        if method not in FLAG_ALIASES[flag]:
+            raise QuantFormatError(
+                f"--quantization {flag} runs a {' or '.join(FLAG_ALIASES[flag])} checkpoint; "
+                f"the checkpoint is {f'quantized as {method}' if method else 'float'}"
+            )
+        flag = method
     if qcfg is not None and flag is not None and flag != method:
         raise QuantFormatError(f"--quantization {flag} but the checkpoint is quantized as {method}")
     if qcfg is None and flag is None:

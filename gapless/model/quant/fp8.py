@@ -1,12 +1,13 @@
 """FP8 e4m3 weights, W8A8: the layers' linear method and how their weights and scales load.
 
-Three layouts come in (`gapless.model.quant.formats` names them), all held as one: the layer's `weight`
+These layouts come in (`gapless.model.quant.formats` names them), all held as one: the layer's `weight`
 in e4m3 [N, K] and a float32 `weight_scale` [N / rows_per_scale, K / k_group], w = q * scale:
 
 - `quant_method: fp8` (Hugging Face's FineGrainedFP8, DeepSeek's and Qwen's `*-FP8` layout): a
   `weight_scale_inv` per [128, 128] block (the name notwithstanding, a multiplier);
 - compressed-tensors `float-quantized`: `weight_scale` per tensor ([1] or a scalar), per output row
-  ([N, 1]) or per `block_structure` block;
+  ([N, 1]) or per `block_structure` block; `quant_method: fp8` without blocks (vLLM's and AutoFP8's)
+  and ModelOpt's FP8 alike (ModelOpt's blocks stored [N / 128, 1, K / 128, 1]: `checkpoint_scale`);
 - `--quantization fp8` of a float checkpoint: each row quantized at load, its scale its largest |w| / 448.
 
 While loading, a scale's rows are expanded to one per weight row, so tensor parallelism and the fused
@@ -49,6 +50,17 @@ log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 ACT_GROUP = 128  # activation columns per dynamic scale where the weight has no block width
 SCALE_NAMES = ("weight_scale_inv", "weight_scale")  # a checkpoint's weight scale (fp8's, compressed-tensors')
+
+
+def checkpoint_scale(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A checkpoint tensor under the name and shape its parameter loads it as: fp8's `weight_scale_inv` (a
+    multiplier, the name notwithstanding) as `weight_scale`, and ModelOpt's block scales [row blocks, 1,
+    column blocks, 1] as [row blocks, column blocks]; any other tensor as it is."""
+    if name.endswith(".weight_scale_inv"):
+        name = name[: -len("_inv")]
+    if name.endswith(".weight_scale") and tensor.dim() == 4 and tensor.shape[1] == tensor.shape[3] == 1:
+        tensor = tensor[:, 0, :, 0]
+    return name, tensor
 
 
 def activation_group(k: int, k_group: int) -> int:

@@ -1,0 +1,101 @@
+"""The quantized formats and flags vLLM users bring (`gapless.model.quant.formats`): NVIDIA ModelOpt's FP8
+checkpoints, said by config.json or by ModelOpt's own `hf_quant_config.json` alone; older
+compressed-tensors checkpoints' `compression_config`; and `--quantization` naming vLLM's kernel for a
+checkpoint's format (`awq_marlin`, `gptq_marlin`, `moe_wna16`). Their weights' parity with transformers is
+`test_quant_fp8.py`'s greedy test, over these layouts too."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gapless.model.quant import formats
+from gapless.model.quant.formats import QuantFormatError
+from gapless.testing.fp8_checkpoints import quant_config, write_fp8_checkpoint
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+
+
+def _one_line(excinfo, *words):
+    msg = str(excinfo.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_modelopts_own_file_says_the_format_when_config_json_does_not(ckpt_factory, tmp_path):
+    dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "modelopt")
+    assert "quantization_config" not in json.loads((dst / "config.json").read_text())
+    qcfg = formats.checkpoint_quantization(dst)
+    spec = formats.resolve(qcfg, None, "cpu")
+    assert spec is not None and (spec.name, spec.label) == ("modelopt", "modelopt fp8 e4m3 per-tensor")
+    assert formats.resolve(qcfg, "modelopt", "cpu") == spec  # the flag repeating it
+    # config.json's own quantization_config wins over the file
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = quant_config("modelopt-channel", (128, 128))
+    (dst / "config.json").write_text(json.dumps(cfg))
+    assert formats.resolve(formats.checkpoint_quantization(dst), None, "cpu").label.endswith("per-channel")
+
+
+def test_a_modelopt_export_of_the_kv_cache_alone_loads_float_weights(ckpt_factory, tmp_path):
+    """`quant_algo: null` with `kv_cache_quant_algo: FP8`: the weights are float; the cache's scales are
+    read where the cache is fp8 (`gapless.model.kv_scales`)."""
+    dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "modelopt")
+    file = dst / formats.MODELOPT_FILE
+    cfg = json.loads(file.read_text())
+    cfg["quantization"]["quant_algo"] = None
+    file.write_text(json.dumps(cfg))
+    assert formats.checkpoint_quantization(dst) is None
+
+
+@pytest.mark.parametrize(
+    ("qcfg", "words"),
+    [
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, ["quant_algo 'NVFP4' is not run", "FP8_PB_WO"]),
+        ({"quant_method": "modelopt", "quantization": {"quant_algo": "mxfp8"}}, ["'MXFP8'"]),
+        ({"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"}, ["'modelopt_fp4'", "is not run"]),
+    ],
+)
+def test_modelopt_formats_not_run_are_refused_by_name(qcfg, words):
+    with pytest.raises(QuantFormatError) as e:
+        formats.resolve(qcfg, None, "cpu")
+    _one_line(e, *words)
+
+
+def test_older_compressed_tensors_checkpoints_say_it_in_compression_config(ckpt_factory, tmp_path):
+    dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "ct-channel")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["compression_config"] = cfg.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    spec = formats.resolve(formats.checkpoint_quantization(dst), None, "cpu")
+    assert spec is not None and spec.label == "compressed-tensors fp8 e4m3 per-channel"
+
+
+@pytest.mark.parametrize(
+    ("qcfg", "flag", "method"),
+    [
+        (AWQ, "awq_marlin", "awq"),
+        (GPTQ, "gptq_marlin", "gptq"),
+        (AWQ, "moe_wna16", "awq"),
+        (GPTQ, "moe_wna16", "gptq"),
+    ],
+)
+def test_vllms_kernel_names_run_the_checkpoints_own_format(qcfg, flag, method):
+    spec = formats.resolve(qcfg, flag, "cpu")
+    assert spec is not None and spec.name == method and spec == formats.resolve(qcfg, None, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("qcfg", "flag", "words"),
+    [
+        (AWQ, "gptq_marlin", ["--quantization gptq_marlin runs a gptq checkpoint", "quantized as awq"]),
+        (None, "awq_marlin", ["--quantization awq_marlin runs a awq checkpoint", "the checkpoint is float"]),
+        (quant_config("fp8", (128, 128)), "moe_wna16", ["awq or gptq", "quantized as fp8"]),
+        (None, "marlin", ["'marlin' is not a known format", "awq_marlin"]),
+        (None, "modelopt", ["modelopt is a checkpoint's format"]),
+    ],
+)
+def test_a_kernel_name_for_another_format_is_refused_in_one_line(qcfg, flag, words):
+    with pytest.raises(QuantFormatError) as e:
+        formats.resolve(qcfg, flag, "cpu")
+    _one_line(e, *words)
