@@ -15,7 +15,12 @@ CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
 FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused_kernels
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; see gapless.memory.kv_pool.kv_cache_dtype
+KV_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "fp8",
+    "fp8_e4m3",
+)  # vLLM's names; see gapless.memory.kv_pool.kv_cache_dtype
 LOAD_FORMATS = ("auto", "dummy")  # see gapless.model.loader.load_model
 # --task's names (vLLM's and SGLang's too) and the task each means (gapless.engine.pooling)
 TASK_NAMES = {
@@ -87,9 +92,10 @@ class EngineConfig:
     dtype: str = option("auto", "auto: checkpoint dtype on GPU, float32 on CPU")
     kv_cache_dtype: str = option(
         "auto",
-        "the KV cache's element type (vLLM's flag): auto: the model's dtype; fp8 or fp8_e4m3: "
-        "float8 e4m3 with per-layer k/v scales from the checkpoint (else 1.0), twice the tokens per "
-        "byte",
+        "the KV cache's element type (vLLM's flag): auto: the checkpoint's own where its ModelOpt "
+        "config names FP8 (as vLLM), else the model's dtype; bfloat16: the model's dtype, whatever the "
+        "checkpoint says; fp8 or fp8_e4m3: float8 e4m3 with per-layer k/v scales from the checkpoint "
+        "(else 1.0), twice the tokens per byte",
     )
     quantization: str | None = option(
         None,

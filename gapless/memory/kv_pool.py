@@ -17,16 +17,20 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value: the store saturates there
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV pool's dtype for `--kv-cache-dtype` `name` (vLLM's names): "auto" is the model's dtype,
-    "fp8"/"fp8_e4m3" float8 e4m3; anything else is refused by name."""
-    if name == "auto":
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, checkpoint: str | None = None) -> torch.dtype:
+    """The KV pool's dtype for `--kv-cache-dtype` `name` (vLLM's names): "auto" is the checkpoint's own
+    KV format where it names one (`checkpoint`: `formats.checkpoint_kv_cache`, ModelOpt's FP8), else the
+    model's dtype; "bfloat16" (vLLM's name for an unquantized cache, whatever the checkpoint says) the
+    model's dtype; "fp8"/"fp8_e4m3" float8 e4m3; anything else is refused by name."""
+    if name == "auto" and checkpoint is not None:
+        name = checkpoint
+    if name in ("auto", "bfloat16"):
         return model_dtype
     if name in ("fp8", "fp8_e4m3"):
         return FP8
     if name == "fp8_e5m2":
         raise ValueError("kv_cache_dtype='fp8_e5m2': float8 e5m2 KV is not built; use fp8 (e4m3)")
-    raise ValueError(f"kv_cache_dtype={name!r}: must be auto, fp8 or fp8_e4m3")
+    raise ValueError(f"kv_cache_dtype={name!r}: must be auto, bfloat16, fp8 or fp8_e4m3")
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,7 @@ def test_bad_kv_cache_dtype_is_refused_by_name(value, message):
 
 
 def test_kv_cache_dtype_flag_takes_vllm_values():
-    for value in ("auto", "fp8", "fp8_e4m3"):
+    for value in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
         args = parse_args(["serve", "m", "--kv-cache-dtype", value])
         assert engine_options(args)["kv_cache_dtype"] == value
         EngineConfig(model="m", kv_cache_dtype=value)

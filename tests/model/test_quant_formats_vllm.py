@@ -1,7 +1,8 @@
 """The quantized formats and flags vLLM users bring (`gapless.model.quant.formats`): NVIDIA ModelOpt's FP8
-checkpoints, said by config.json or by ModelOpt's own `hf_quant_config.json` alone; older
-compressed-tensors checkpoints' `compression_config`; and `--quantization` naming vLLM's kernel for a
-checkpoint's format (`awq_marlin`, `gptq_marlin`, `moe_wna16`). Their weights' parity with transformers is
+checkpoints, said by config.json or by ModelOpt's own `hf_quant_config.json` alone, whose FP8 KV cache
+`--kv-cache-dtype auto` takes (as vLLM); older compressed-tensors checkpoints' `compression_config`; and
+`--quantization` naming vLLM's kernel for a checkpoint's format (`awq_marlin`, `gptq_marlin`,
+`moe_wna16`). Their weights' parity with transformers is
 `test_quant_fp8.py`'s greedy test, over these layouts too."""
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from gapless import LLM
+from gapless.memory.kv_pool import FP8
 from gapless.model.quant import formats
 from gapless.model.quant.formats import QuantFormatError
-from gapless.testing.fp8_checkpoints import quant_config, write_fp8_checkpoint
+from gapless.testing.fp8_checkpoints import KV_SCALE, quant_config, write_fp8_checkpoint
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
@@ -99,3 +103,22 @@ def test_a_kernel_name_for_another_format_is_refused_in_one_line(qcfg, flag, wor
     with pytest.raises(QuantFormatError) as e:
         formats.resolve(qcfg, flag, "cpu")
     _one_line(e, *words)
+
+
+@pytest.mark.parametrize("layout", ["modelopt", "modelopt-channel"])
+def test_auto_takes_a_modelopt_checkpoints_fp8_kv_cache_and_bfloat16_refuses_it(
+    ckpt_factory, tmp_path, layout
+):
+    """ModelOpt's `kv_cache_quant_algo: FP8` (`hf_quant_config.json`) or config.json's `kv_cache_scheme`:
+    `auto` makes the cache e4m3 with the checkpoint's k/v scales, as vLLM; `bfloat16` (vLLM's name for an
+    unquantized cache) keeps the model's dtype; a checkpoint that names no KV format keeps it under `auto`."""
+    dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / layout, layout)
+    assert formats.checkpoint_kv_cache(dst) == "fp8_e4m3"
+    opts = dict(device="cpu", dtype="float32", kv_cache_tokens=256, overlap=False)
+    with LLM(str(dst), **opts) as llm:
+        pool = llm.engine.runner.kv_pool
+        assert pool.k[0].dtype == FP8 and pool.scales[0].flatten().tolist() == pytest.approx([KV_SCALE] * 2)
+    with LLM(str(dst), kv_cache_dtype="bfloat16", **opts) as llm:
+        assert llm.engine.runner.kv_pool.k[0].dtype == torch.float32
+    other, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "ct", "ct-tensor")
+    assert formats.checkpoint_kv_cache(other) is None

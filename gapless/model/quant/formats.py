@@ -22,6 +22,7 @@ the module `gapless.model.quant.<spec.scheme>`, which provides:
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     import torch
 
     from gapless.model.quant.int4_layouts import Int4Spec
+
+log = logging.getLogger(__name__)
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores
 
@@ -210,11 +213,10 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
-def checkpoint_quantization(path: Path) -> dict[str, Any] | None:
-    """The quantization config of a checkpoint directory (None: float weights, or a GGUF file): its
-    config.json's `quantization_config` (`compression_config` in older compressed-tensors checkpoints),
-    else ModelOpt's `hf_quant_config.json` as `quant_method: modelopt`. A ModelOpt config without a
-    `quant_algo` quantizes the KV cache alone (its scales are read where the cache is fp8): None."""
+def _declared(path: Path) -> dict[str, Any] | None:
+    """A checkpoint directory's quantization config as written: config.json's `quantization_config`
+    (`compression_config` in older compressed-tensors checkpoints), else ModelOpt's `hf_quant_config.json`
+    as `quant_method: modelopt`; None: none, or no checkpoint directory (a GGUF file)."""
     cfg_file = path / "config.json"
     if not path.is_dir() or not cfg_file.is_file():
         return None
@@ -222,11 +224,43 @@ def checkpoint_quantization(path: Path) -> dict[str, Any] | None:
     qcfg = cfg.get("quantization_config") or cfg.get("compression_config")
     if not qcfg and (path / MODELOPT_FILE).is_file():
         qcfg = {**json.loads((path / MODELOPT_FILE).read_text()), "quant_method": "modelopt"}
-    if not qcfg:
+    return dict(qcfg) if qcfg else None
+
+
+def _is_modelopt(qcfg: dict[str, Any]) -> bool:
+    return str(qcfg.get("quant_method", "")).lower() == "modelopt"
+
+
+def checkpoint_quantization(path: Path) -> dict[str, Any] | None:
+    """The quantization config of a checkpoint's weights (`_declared`); None: float weights, among them a
+    ModelOpt export without a `quant_algo`, which quantizes the KV cache alone (`checkpoint_kv_cache`)."""
+    qcfg = _declared(path)
+    if qcfg is None or _is_modelopt(qcfg) and not modelopt_algo(qcfg):
         return None
-    if str(qcfg.get("quant_method", "")).lower() == "modelopt" and not modelopt_algo(qcfg):
+    return qcfg
+
+
+def checkpoint_kv_cache(path: Path | str) -> str | None:
+    """The KV cache format a checkpoint's ModelOpt config names, which `--kv-cache-dtype auto` takes (as
+    vLLM does): "fp8_e4m3" where its `kv_cache_quant_algo` is FP8 (config.json's ModelOpt config: a
+    `kv_cache_scheme` of 8-bit floats); None where it names none, or one not built (NVFP4: logged)."""
+    qcfg = _declared(Path(path))
+    if qcfg is None or not _is_modelopt(qcfg):
         return None
-    return dict(qcfg)
+    inner = qcfg.get("quantization")
+    algo = str((inner if isinstance(inner, dict) else qcfg).get("kv_cache_quant_algo") or "").upper()
+    scheme = qcfg.get("kv_cache_scheme")
+    if (
+        algo == "FP8"
+        or isinstance(scheme, dict)
+        and (scheme.get("type"), scheme.get("num_bits")) == ("float", 8)
+    ):
+        return "fp8_e4m3"
+    if algo and algo != "NONE":
+        log.warning(
+            "the checkpoint's KV cache format %s is not built: the cache is in the model's dtype", algo
+        )
+    return None
 
 
 def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device | str) -> QuantSpec | None:
