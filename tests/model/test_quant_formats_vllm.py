@@ -122,3 +122,26 @@ def test_auto_takes_a_modelopt_checkpoints_fp8_kv_cache_and_bfloat16_refuses_it(
         assert llm.engine.runner.kv_pool.k[0].dtype == torch.float32
     other, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "ct", "ct-tensor")
     assert formats.checkpoint_kv_cache(other) is None
+
+
+@pytest.mark.parametrize(
+    ("kv", "want"),
+    [
+        ({"kv_cache_quant_algo": "fp8"}, "fp8_e4m3"),
+        ({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}, "fp8_e4m3"),
+        ({"kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}}, "fp8_e4m3"),
+        ({"kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": True}}, None),
+        ({"kv_cache_quant_algo": "NVFP4"}, None),
+        ({"kv_cache_quant_algo": None}, None),
+    ],
+)
+def test_the_kv_cache_a_modelopt_config_names(ckpt_factory, tmp_path, kv, want):
+    """vLLM's reading: static 8-bit floats or FP8, at the top or under `quantization`; anything else
+    (dynamic scales, NVFP4, none) leaves `auto` the model's dtype."""
+    src = ckpt_factory("qwen3")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8", **kv}
+    dst = tmp_path / "m"
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(cfg))
+    assert formats.checkpoint_kv_cache(dst) == want

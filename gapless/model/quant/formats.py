@@ -242,24 +242,24 @@ def checkpoint_quantization(path: Path) -> dict[str, Any] | None:
 
 def checkpoint_kv_cache(path: Path | str) -> str | None:
     """The KV cache format a checkpoint's ModelOpt config names, which `--kv-cache-dtype auto` takes (as
-    vLLM does): "fp8_e4m3" where its `kv_cache_quant_algo` is FP8 (config.json's ModelOpt config: a
-    `kv_cache_scheme` of 8-bit floats); None where it names none, or one not built (NVFP4: logged)."""
+    vLLM does): "fp8_e4m3" where its `kv_cache_scheme` is static 8-bit floats or its `kv_cache_quant_algo`
+    FP8 (at the top of the config or under `quantization`); None where it names none, or one not built
+    (NVFP4: logged)."""
     qcfg = _declared(Path(path))
     if qcfg is None or not _is_modelopt(qcfg):
         return None
     inner = qcfg.get("quantization")
-    algo = str((inner if isinstance(inner, dict) else qcfg).get("kv_cache_quant_algo") or "").upper()
-    scheme = qcfg.get("kv_cache_scheme")
-    if (
-        algo == "FP8"
-        or isinstance(scheme, dict)
-        and (scheme.get("type"), scheme.get("num_bits")) == ("float", 8)
-    ):
+    places = [inner, qcfg] if isinstance(inner, dict) else [qcfg]
+    named = [p.get(key) for key in ("kv_cache_scheme", "kv_cache_quant_algo") for p in places]
+    kv = next((k for k in named if k), None)
+    if isinstance(kv, dict):
+        static_fp8 = (kv.get("type"), kv.get("num_bits"), kv.get("dynamic")) == ("float", 8, False)
+        kv = "FP8" if static_fp8 else str(kv)
+    if kv is None:
+        return None
+    if str(kv).upper() == "FP8":
         return "fp8_e4m3"
-    if algo and algo != "NONE":
-        log.warning(
-            "the checkpoint's KV cache format %s is not built: the cache is in the model's dtype", algo
-        )
+    log.warning("the checkpoint's KV cache format %s is not built: the cache is in the model's dtype", kv)
     return None
 
 
