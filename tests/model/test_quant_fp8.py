@@ -685,7 +685,9 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
 
 
 def _greedy(model, prompts, **kw):
+    # (an unquantized cache, which ModelOpt's layouts, naming an FP8 one, would otherwise get)
     engine = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "overlap": False, **kw}
+    engine.setdefault("kv_cache_dtype", "bfloat16")
     with LLM(str(model), **engine) as llm:
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
