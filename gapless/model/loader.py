@@ -1,11 +1,11 @@
-"""Load a model: a Hugging Face checkpoint directory (config.json + single or sharded *.safetensors) or a
-GGUF file (read by `gapless.model.gguf`). Both yield Hugging Face names and layouts, so one loop places
-either. A GGUF file's quantized matrices stay quantized on a CPU with one rank
-(`gapless.model.quant.gguf_cpu`; `GAPLESS_GGUF_WEIGHTS=dequantize` dequantizes them to the model's dtype,
-as happens on a GPU and with tensor parallelism until those have quantized kernels). A checkpoint whose
-`quantization_config` names AWQ, GPTQ or compressed-tensors `pack-quantized` keeps its int4/int8
-projections quantized on every device and with tensor parallelism (`gapless.model.quant.int4`); a scheme
-it does not run is refused before any weight is read."""
+"""Load a model: a Hugging Face checkpoint directory (config.json + single or sharded *.safetensors) or a GGUF
+file (read by `gapless.model.gguf`). Both yield Hugging Face names and layouts, so one loop places either. A
+GGUF file's quantized matrices stay quantized on a CPU with one rank (`gapless.model.quant.gguf_cpu`;
+`GAPLESS_GGUF_WEIGHTS=dequantize` dequantizes them to the model's dtype, as happens on a GPU and with tensor
+parallelism until those have quantized kernels). A checkpoint whose `quantization_config` names AWQ, GPTQ or
+compressed-tensors `pack-quantized`/`int-quantized` keeps its int4/int8 projections quantized on every device
+and with tensor parallelism (`gapless.model.quant.int4`); a scheme it does not run is refused before any
+weight is read."""
 
 from __future__ import annotations
 
@@ -144,7 +144,9 @@ def load_model(
         name = decoder_name
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
-        hit = int4_layouts.split_name(name, int4_spec) if int4_spec is not None else None
+        hit = None
+        if int4_spec is not None and isinstance(tensor, torch.Tensor):
+            hit = int4_layouts.split_name(name, int4_spec, tensor.dtype)
         if hit is not None and isinstance(tensor, torch.Tensor):
             int4_parts.setdefault(hit[0], {})[hit[1]] = tensor  # as stored: packed ints, scales
             continue
@@ -225,7 +227,9 @@ def _random_weights(model: CausalLM) -> None:
             p.data.copy_(torch.randn(p.shape, device=p.device) * 0.02)
 
 
-_SKIPPED = (".input_scale",)  # a checkpoint's static activation scales: activations are scaled per token
+# a checkpoint's static activation scales (and int8 zero points): activations are scaled per token, or not
+# quantized at all (int-quantized: w8a16)
+_SKIPPED = (".input_scale", ".input_zero_point")
 
 
 def quant_spec(path: Path, quantization: str | None, device: torch.device | str) -> QuantSpec | None:

@@ -1,7 +1,7 @@
 """Tiny weight-only int4/int8 checkpoints for tests: a float checkpoint's decoder projections quantized
-group-wise and written in AWQ's, GPTQ's or compressed-tensors' `pack-quantized` layout (as described in
-`gapless.model.quant.int4`), beside a float checkpoint holding the same weights dequantized (the
-reference a quantized model must equal)."""
+group-wise and written in AWQ's, GPTQ's or compressed-tensors' `pack-quantized` or `int-quantized` (W8A8
+INT8) layout (as described in `gapless.model.quant.int4_layouts`), beside a float checkpoint holding the
+same weights dequantized (the reference a quantized model must equal)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from gapless.model.quant.int4_layouts import AWQ_ORDER, Unpacked, pack_int32
 
-LAYOUTS = ("awq", "gptq", "gptq_v2", "compressed-tensors")
+LAYOUTS = ("awq", "gptq", "gptq_v2", "compressed-tensors", "int-quantized")
 # every decoder projection: attention's, dense MLPs' (a shared expert's too), each expert's (Mixtral: w1/2/3)
 _PROJ = re.compile(r"model\.layers\.\d+\..*(_proj|\.experts\.\d+\.w[123])\.weight$")
 
@@ -43,6 +43,11 @@ def quantize(
     scale = scale.clamp_min(1e-6).half().float()
     q = torch.clamp(torch.round(wg / scale[..., None]) + zero[..., None], 0, top)
     return Unpacked(q.reshape(n, k).to(torch.int16), scale, zero)
+
+
+def label_method(layout: str) -> str:
+    """How the start-up line's format label begins for a checkpoint of `layout` (`Int4Spec.label`)."""
+    return "compressed-tensors int-quantized" if layout == "int-quantized" else layout.split("_")[0]
 
 
 def _awq_pack(v: torch.Tensor) -> torch.Tensor:
@@ -76,12 +81,21 @@ def layout_tensors(w: Unpacked, layout: str, bits: int, group: int) -> dict[str,
             "scales": w.scale.t().half().contiguous(),
             "g_idx": g_idx,
         }
+    half = 1 << (bits - 1)
+    asymmetric = not bool((w.zero == half).all())
+    if layout == "int-quantized":  # the signed values and zero points in int8, unpacked
+        out = {"weight": (q - half).to(torch.int8), "weight_scale": w.scale.half()}
+        if asymmetric:
+            out["weight_zero_point"] = (w.zero - half).to(torch.int8)
+        if w.order is not None:
+            out["weight_g_idx"] = g_idx
+        return out
     out = {
         "weight_packed": pack_int32(q, bits, dim=1),
         "weight_scale": w.scale.half(),
         "weight_shape": torch.tensor([n, k]),
     }
-    if not bool((w.zero == (1 << (bits - 1))).all()):
+    if asymmetric:
         out["weight_zero_point"] = pack_int32(w.zero, bits, dim=0)
     if w.order is not None:
         out["weight_g_idx"] = g_idx
@@ -112,10 +126,15 @@ def quantization_config(
         actorder="group" if act_order else None,
         dynamic=False,
     )
+    # int-quantized: a W8A8 checkpoint's dynamic per-token int8 activations (which gapless does not take)
+    acts = dict(num_bits=8, type="int", symmetric=True, dynamic=True, strategy="token")
+    group_0 = dict(
+        targets=["Linear"], weights=weights, input_activations=acts if layout == "int-quantized" else None
+    )
     return dict(
         quant_method="compressed-tensors",
-        format="pack-quantized",
-        config_groups={"group_0": dict(targets=["Linear"], weights=weights, input_activations=None)},
+        format="pack-quantized" if layout == "compressed-tensors" else layout,
+        config_groups={"group_0": group_0},
         ignore=["lm_head"],
         quantization_status="compressed",
     )

@@ -2,7 +2,8 @@
 checkpoints, said by config.json or by ModelOpt's own `hf_quant_config.json` alone, whose FP8 KV cache
 `--kv-cache-dtype auto` takes (as vLLM); older compressed-tensors checkpoints' `compression_config`; and
 `--quantization` naming vLLM's kernel for a checkpoint's format (`awq_marlin`, `gptq_marlin`,
-`moe_wna16`). Their weights' parity with transformers is
+`moe_wna16`); compressed-tensors' W8A8 INT8 (`int-quantized`), run as w8a16 (its greedy parity with
+transformers is `test_quant_int4.py`'s). Their weights' parity with transformers is
 `test_quant_fp8.py`'s greedy test, over these layouts too."""
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from gapless import LLM
 from gapless.memory.kv_pool import FP8
 from gapless.model.quant import formats
 from gapless.model.quant.formats import QuantFormatError
+from gapless.model.quant.int4_layouts import int4_spec_from_config, split_name, unpack
 from gapless.testing.fp8_checkpoints import KV_SCALE, quant_config, write_fp8_checkpoint
+from gapless.testing.quant_checkpoints import quantization_config
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
@@ -145,3 +148,31 @@ def test_the_kv_cache_a_modelopt_config_names(ckpt_factory, tmp_path, kv, want):
     dst.mkdir()
     (dst / "config.json").write_text(json.dumps(cfg))
     assert formats.checkpoint_kv_cache(dst) == want
+
+
+def test_compressed_tensors_w8a8_int8_runs_as_w8a16():
+    """`int-quantized` (RedHatAI's `*-quantized.w8a8`): int8 values as they are in `weight`, a scale per
+    row, per group or per tensor; the int8 activation scheme is left unused (the activations stay in the
+    model's dtype), and the float layers' `weight`s are not taken for quantized ones."""
+    qc = quantization_config("int-quantized", 8, -1, True)
+    spec = formats.resolve(qc, None, "cpu")
+    assert (
+        spec is not None
+        and spec.scheme == "int4"
+        and spec.label == "compressed-tensors int-quantized w8a16 channel"
+    )
+    qc["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    per_tensor = int4_spec_from_config(qc)
+    values = torch.tensor([[-3, 0, 5, 127], [1, -128, 2, 0]], dtype=torch.int8)
+    w = unpack(per_tensor, {"weight": values, "weight_scale": torch.tensor([0.5])}, "probe")
+    torch.testing.assert_close(w.dequantize(), values.float() * 0.5, rtol=0, atol=0)
+    zero = torch.tensor([[1], [-2]], dtype=torch.int8)  # asymmetric, per row
+    asym = int4_spec_from_config(quantization_config("int-quantized", 8, -1, False))
+    parts = {"weight": values, "weight_scale": torch.tensor([[0.5], [0.25]]), "weight_zero_point": zero}
+    want = (values.float() - zero.float()) * torch.tensor([[0.5], [0.25]])
+    torch.testing.assert_close(unpack(asym, parts, "probe").dequantize(), want, rtol=0, atol=0)
+    assert split_name("model.layers.0.mlp.down_proj.weight", spec.weight_only, torch.int8) is not None
+    assert split_name("model.layers.0.input_layernorm.weight", spec.weight_only, torch.bfloat16) is None
+    qc["config_groups"]["group_0"]["weights"]["strategy"] = "block"
+    with pytest.raises(QuantFormatError, match="strategy='block' is not run; group or channel or tensor"):
+        int4_spec_from_config(qc)

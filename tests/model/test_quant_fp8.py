@@ -80,7 +80,11 @@ def _one_line(excinfo, *words):
         (quant_config("fp8", (128, 128)), "compressed-tensors", ["quantized as fp8"]),
         ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, None, ["e5m2"]),
         ({"quant_method": "fp8", "weight_block_size": [128]}, None, ["weight_block_size=[128]"]),
-        ({"quant_method": "compressed-tensors", "format": "int-quantized"}, None, ["'int-quantized'"]),
+        (
+            {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
+            None,
+            ["'nvfp4-pack-quantized'"],
+        ),
         (
             {**quant_config("ct-channel", (1, 1)), "sparsity_config": {"format": "sparse-24"}},
             None,

@@ -30,7 +30,13 @@ from gapless.model.quant.int4_triton import (
     w4a16_matmul,
 )
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
-from gapless.testing.quant_checkpoints import layout_tensors, quantization_config, quantize, write_quantized
+from gapless.testing.quant_checkpoints import (
+    label_method,
+    layout_tensors,
+    quantization_config,
+    quantize,
+    write_quantized,
+)
 from gapless.testing.triton_compile import compile_cases, compile_child
 
 MAX_NEW = 8
@@ -54,6 +60,9 @@ def _element(layout: str, t: dict[str, torch.Tensor], bits: int, group: int, n: 
         q = (_u32(int(t["qweight"][k // per, n])) >> (bits * (k % per))) & mask
         z = (_u32(int(t["qzeros"][g, n // per])) >> (bits * (n % per))) & mask
         return (q - (z + (layout == "gptq"))) * float(t["scales"][g, n])
+    if layout == "int-quantized":  # the signed values and zero points as they are
+        zp = int(t["weight_zero_point"][n, g]) if "weight_zero_point" in t else 0
+        return (int(t["weight"][n, k]) - zp) * float(t["weight_scale"][n, g])
     half = 1 << (bits - 1)  # compressed-tensors: stored = signed + 2^(bits-1)
     q_signed = ((_u32(int(t["weight_packed"][n, k // per])) >> (bits * (k % per))) & mask) - half
     zp_signed = 0
@@ -81,6 +90,9 @@ CASES = [  # layout, bits, group, symmetric
     ("compressed-tensors", 4, 32, True),
     ("compressed-tensors", 4, 32, False),
     ("compressed-tensors", 8, -1, True),
+    ("int-quantized", 8, -1, True),  # (W8A8 INT8's usual: per channel, symmetric)
+    ("int-quantized", 8, 32, False),
+    ("int-quantized", 4, 32, True),
 ]
 
 
@@ -369,6 +381,8 @@ def _greedy(
         ("llama", "gptq", 4, False, True),
         ("phi3", "gptq_v2", 8, True, True),
         ("qwen3", "compressed-tensors", 4, False, True),
+        ("qwen3", "int-quantized", 8, True, False),  # W8A8 INT8, run as w8a16
+        ("phi3", "int-quantized", 8, False, True),
     ],
 )
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
@@ -381,7 +395,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     )
     model = loader.load_model(qdir, torch.float32, torch.device("cpu"))
     formats, held = weights_held(model)
-    assert any(f.startswith(f"{layout.split('_')[0]} w{bits}a16") for f in formats), formats
+    assert any(f.startswith(f"{label_method(layout)} w{bits}a16") for f in formats), formats
     assert held < weights_held(loader.load_model(refdir, torch.float32, torch.device("cpu")))[1]
     assert f"w{bits}a16 g32" in weights_summary(model)
     prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)

@@ -22,7 +22,7 @@ from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4_layouts import pack_int32
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
-from gapless.testing.quant_checkpoints import quantize, write_quantized
+from gapless.testing.quant_checkpoints import label_method, quantize, write_quantized
 from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 from gapless.testing.triton_compile import compile_cases
 
@@ -56,6 +56,7 @@ def _greedy(
         ("mixtral", "compressed-tensors", 4, 16, False, "cpu"),
         ("mixtral", "gptq_v2", 8, -1, False, "cpu"),
         ("qwen2_moe", "compressed-tensors", 8, 16, True, "cpu"),  # its shared expert: the dense int8 path
+        ("qwen3_moe", "int-quantized", 8, -1, True, "cpu"),  # W8A8 INT8 experts, run as w8a16
         ("olmoe", "awq", 4, 16, False, "cpu"),
         pytest.param("qwen3_moe", "gptq", 4, 16, False, "cuda", marks=_CUDA, id="qwen3_moe-gptq-cuda"),
     ],
@@ -72,7 +73,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     assert experts and all(m.gate_up_proj.dtype == torch.int32 and m.int_quant is not None for m in experts)
     assert all(m.int_quant is not None and m.int_quant[0].bits == bits for m in experts)
     g = "channel" if group < 0 else f"g{group}"
-    label = f"{layout.split('_')[0]} w{bits}a16 {g} experts"
+    label = f"{label_method(layout)} w{bits}a16 {g} experts"
     assert weights_held(model)[0].get(label) == len(experts), weights_summary(model)
     assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32  # the router: as stored
     if arch == "qwen2_moe":
@@ -170,7 +171,7 @@ def test_fused_experts_over_int_weights_equal_the_dequantized_reference(bits, gr
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("layout", ["gptq", "awq", "compressed-tensors"])
+@pytest.mark.parametrize("layout", ["gptq", "awq", "compressed-tensors", "int-quantized"])
 def test_tensor_parallel_ranks_hold_their_experts_pieces(ckpt_factory, tmp_path, layout):
     """A mixture's int4 checkpoint built as rank r of 2: each rank's experts, dequantized, are its gate/up
     rows and down columns (whole groups) of the whole model's."""

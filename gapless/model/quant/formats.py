@@ -121,9 +121,9 @@ def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
 
 
 def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
-    """AWQ, GPTQ and compressed-tensors `pack-quantized`: int4/int8 weights with group-wise scales and
-    zeros, activations in the model's dtype (`gapless.model.quant.int4_layouts` reads and refuses the
-    layouts)."""
+    """AWQ, GPTQ and compressed-tensors `pack-quantized` and `int-quantized`: int4/int8 weights with
+    group-wise scales and zeros, activations in the model's dtype (`gapless.model.quant.int4_layouts`
+    reads and refuses the layouts)."""
     from gapless.model.quant import int4_layouts
 
     method = str(qcfg.get("quant_method", "")).lower()
@@ -172,6 +172,7 @@ def _modelopt(qcfg: dict[str, Any], online: bool) -> QuantSpec:
 CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "float-quantized": _ct_float,
     "pack-quantized": lambda qcfg, group: _int4(qcfg),
+    "int-quantized": lambda qcfg, group: _int4(qcfg),  # (W8A8 INT8, run as w8a16: `int4_layouts`)
 }
 
 

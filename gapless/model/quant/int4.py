@@ -1,7 +1,7 @@
-"""Weight-only int4/int8 checkpoints (w4a16, w8a16, group-wise scales and zeros) kept quantized: each
-layer's weight, read into one form by `gapless.model.quant.int4_layouts` (AWQ, GPTQ, compressed-tensors
-`pack-quantized`), cut for tensor parallelism and stacked for fused projections here, then packed into the
-one layout the GEMM reads (`gapless.model.quant.int4_triton`'s docstring).
+"""Weight-only int4/int8 checkpoints (w4a16, w8a16, group-wise scales and zeros) kept quantized: each layer's
+weight, read into one form by `gapless.model.quant.int4_layouts` (AWQ, GPTQ, compressed-tensors
+`pack-quantized` and `int-quantized`), cut for tensor parallelism and stacked for fused projections here, then
+packed into the one layout the GEMM reads (`gapless.model.quant.int4_triton`'s docstring).
 
 On CUDA the layer runs the Triton GEMM. Elsewhere (the CPU) `apply` is a reference path: it dequantizes
 the whole weight to the activations' dtype on every call and multiplies with torch, so the quantized

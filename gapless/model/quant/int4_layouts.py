@@ -13,6 +13,10 @@ layouts, as their writers (AutoAWQ, AutoGPTQ/GPTQModel, compressed-tensors) stor
   way; `scales` [K / G, N]; `g_idx` [K], input k's group (k // G without act-order). The zeros are
   stored minus one (`checkpoint_format: gptq`, the default, AutoGPTQ's `zeros -= 1` before packing) or
   as they are (`gptq_v2`); a symmetric checkpoint's zero is 2^(bits-1).
+- **compressed-tensors** `int-quantized` (its W8A8 INT8 checkpoints, `*-quantized.w8a8`): `weight` int8
+  [N, K] holding the signed values as they are, `weight_scale` [N, K / G] (per tensor: [1]),
+  `weight_zero_point` int8 likewise, only when asymmetric. Run as w8a16: the activations stay in the
+  model's dtype, the checkpoint's int8 activation scheme unused (closer to the float model than W8A8).
 - **compressed-tensors** `pack-quantized` (`quant_method: compressed-tensors`): `weight_packed` int32
   [N, K / P] packed along K (value k at bits `bits * (k % P)`), each value stored as q + 2^(bits-1) with q
   signed; `weight_scale` [N, K / G]; `weight_zero_point` int32 [N / P, K / G] packed along N the same way,
@@ -47,6 +51,7 @@ TENSORS = {
         "weight_g_idx",
     ),
 }
+UNPACKED_TENSORS = ("weight", "weight_scale", "weight_zero_point", "weight_g_idx")  # int-quantized's
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,18 @@ class Int4Spec:
     sym: bool
     zero_offset: int = 0  # added to the stored zero points (GPTQ's v1 format: 1)
     act_order: bool = False  # the config names act-order (each layer's g_idx says its order: `act_order`)
+    packed: bool = True  # False: compressed-tensors' `int-quantized`, int8 values as they are
 
     @property
     def label(self) -> str:
         group = "channel" if self.group_size < 0 else f"g{self.group_size}"
-        return f"{self.method} w{self.bits}a16 {group}" + (" act-order" if self.act_order else "")
+        method = self.method if self.packed else f"{self.method} int-quantized"
+        return f"{method} w{self.bits}a16 {group}" + (" act-order" if self.act_order else "")
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The checkpoint tensors (last part of the name) a quantized layer of this layout has."""
+        return TENSORS[self.method] if self.packed else UNPACKED_TENSORS
 
     def group_for(self, k: int) -> int:
         return k if self.group_size < 0 else self.group_size
@@ -112,13 +124,14 @@ def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
     if not groups:
         raise _refuse("compressed-tensors", "no config_groups")
     formats = {str(g.get("format") or qc.get("format")) for g in groups}
-    if formats != {"pack-quantized"}:
+    if formats not in ({"pack-quantized"}, {"int-quantized"}):
         return None  # another compressed-tensors format (float-quantized: the FP8 method's)
+    packed = formats == {"pack-quantized"}
     schemes = {repr(sorted(g.get("weights", {}).items())) for g in groups}
     if len(schemes) != 1:
         raise _refuse("compressed-tensors", "config_groups with different weight schemes are not run")
     w = groups[0].get("weights") or {}
-    if any(g.get("input_activations") for g in groups):
+    if packed and any(g.get("input_activations") for g in groups):  # (int-quantized's: left unused)
         raise _refuse(
             "compressed-tensors", "pack-quantized with quantized activations is not run (w4a16/w8a16 only)"
         )
@@ -131,15 +144,16 @@ def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
     if w.get("dynamic"):
         raise _refuse("compressed-tensors", "dynamic weight quantization is not run")
     strategy = w.get("strategy")
-    if strategy not in ("group", "channel"):
-        raise _refuse("compressed-tensors", f"strategy={strategy!r} is not run; group or channel")
+    strategies = ("group", "channel") if packed else ("group", "channel", "tensor")
+    if strategy not in strategies:
+        raise _refuse("compressed-tensors", f"strategy={strategy!r} is not run; {' or '.join(strategies)}")
     targets = {t for g in groups for t in g.get("targets", [])}
     if targets - {"Linear"}:
         raise _refuse("compressed-tensors", f"targets {sorted(targets)} are not run; Linear only")
     group_size = w.get("group_size") if strategy == "group" else -1
     bits, group = _check_bits_group("compressed-tensors", w.get("num_bits"), group_size, (4, 8))
     symmetric, act_order = bool(w.get("symmetric", True)), w.get("actorder") in (True, "group")
-    return Int4Spec("compressed-tensors", bits, group, symmetric, act_order=act_order)
+    return Int4Spec("compressed-tensors", bits, group, symmetric, act_order=act_order, packed=packed)
 
 
 def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
@@ -220,13 +234,20 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
 
 
 def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
-    """One checkpoint module's tensors (`TENSORS[spec.method]` by suffix) as `Unpacked`; `where` names
-    the module in errors."""
-    need = TENSORS[spec.method][: 2 if spec.method == "compressed-tensors" else 3]  # the rest optional
+    """One checkpoint module's tensors (`spec.tensors` by suffix) as `Unpacked`; `where` names the
+    module in errors."""
+    need = spec.tensors[: 2 if spec.method == "compressed-tensors" else 3]  # the rest optional
     missing = [n for n in need if n not in parts]
     if missing:
         raise QuantFormatError(f"{where}: the {spec.method} checkpoint lacks {', '.join(missing)}")
-    if spec.method == "awq":
+    half = float(1 << (spec.bits - 1))
+    if not spec.packed:  # int-quantized: the signed values and zero points as they are
+        q = (parts["weight"].to(torch.int16) + int(half)).contiguous()
+        scale = _per_row(parts["weight_scale"], q.shape[0])
+        zero = torch.full_like(scale, half)
+        if not spec.sym and "weight_zero_point" in parts:
+            zero = _per_row(parts["weight_zero_point"], q.shape[0]) + half
+    elif spec.method == "awq":
         q = _awq_columns(parts["qweight"]).t()  # [K, N] -> [N, K]
         zero = _awq_columns(parts["qzeros"]).t().float()
         scale = parts["scales"].float().t()
@@ -242,7 +263,6 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
         if "weight_shape" in parts:
             n, k = (int(v) for v in parts["weight_shape"].tolist())
             q = q[:n, :k]
-        half = float(1 << (spec.bits - 1))
         if spec.sym or "weight_zero_point" not in parts:
             zero = torch.full_like(scale, half)
         else:
@@ -281,8 +301,18 @@ def act_order(g_idx: torch.Tensor, k: int, group: int, where: str) -> torch.Tens
     return order.to(g_idx.device)
 
 
-def split_name(name: str, spec: Int4Spec) -> tuple[str, str] | None:
-    """(module, tensor) for a checkpoint tensor the scheme quantizes (`model.layers.0.mlp.down_proj`,
-    `qweight`); None for every other tensor."""
+def _per_row(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A scale or zero point as float32 [N, groups]: one per tensor ([1] or a scalar) repeated for the N
+    rows, a row's ([N]) as one column."""
+    t = t.float()
+    return t.reshape(1, 1).expand(n, 1).contiguous() if t.numel() == 1 else t.reshape(n, -1)
+
+
+def split_name(name: str, spec: Int4Spec, dtype: torch.dtype) -> tuple[str, str] | None:
+    """(module, tensor) for a checkpoint tensor (of `dtype`) the scheme quantizes
+    (`model.layers.0.mlp.down_proj`, `qweight`); None for every other tensor (an int-quantized
+    checkpoint's `weight` only where it is int8: its float layers' weights have the same name)."""
     module, _, tensor = name.rpartition(".")
-    return (module, tensor) if tensor in TENSORS[spec.method] else None
+    if tensor not in spec.tensors or tensor == "weight" and dtype != torch.int8:
+        return None
+    return module, tensor
