@@ -160,7 +160,8 @@ INT4_KERNEL = _var(
     "`auto`, `triton`, `tinygemm` or `gemlite`",
     "int4/int8 weight-only layers on CUDA: `auto` holds torch's own int4 GEMM (`_weight_int4pack_mm`) for "
     "decode rows beside gapless's Triton GEMM for more, where tinygemm fits a layer and the GPU has room; "
-    "or the one named, for every layer (`gapless.model.quant.int4_kernels`)",
+    "or the one named, for every layer; on the CPU `auto` runs torch's CPU int4/int8 kernels where they "
+    "take a layer, any name the reference path (`gapless.model.quant.int4_kernels`)",
 )
 INT4_SWAPPED = _bool(
     "GAPLESS_INT4_SWAPPED",

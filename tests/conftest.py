@@ -35,6 +35,14 @@ def ckpt_factory(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def int4_reference_path(monkeypatch):
+    """int4/int8 weight-only layers on the CPU take the reference path (exact against the dequantized
+    weights), not torch's CPU kernels that `auto` gives them, which round the activations to bfloat16
+    (their parity: tests/model/test_int4_cpu.py); on CUDA the Triton GEMM."""
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     """Tiny models run fastest on one thread; more threads only add synchronisation (and contend in CI)."""

@@ -6,10 +6,11 @@
     python -m gapless.bench.quant report r1.json r2.json ...   # each run's TPOT and its ratio to bf16's
 
 `make` writes each shape's config.json (Qwen3-0.6B's, Qwen3-8B's and the mixture Qwen3-30B-A3B's
-published values) and the built-in tokenizer, no weights, and for the two larger shapes a `-awq` twin
-whose config carries an AWQ int4 g128 `quantization_config` (the common int4 layout; every int4/int8
-layout runs the same GEMM), and for the 8B a `-gptq-act` twin, GPTQ int4 g128 with act-order (the same
-GEMMs, x's columns in each layer's order: gathered for o, written so by the fused kernels for the rest).
+published values) and the built-in tokenizer, no weights, and for each shape a `-awq` twin whose config
+carries an AWQ int4 g128 `quantization_config` (the common int4 layout; every int4/int8 layout runs the
+same GEMM), for the 8B a `-gptq-act` twin, GPTQ int4 g128 with act-order (the same GEMMs, x's columns in
+each layer's order: gathered for o, written so by the fused kernels for the rest), and for the 0.6B an
+`-int8` twin, GPTQ int8 per channel.
 `run` loads it with `load_format=dummy` (random weights made on the device, in the int4 form where the
 config says so, none read: a 16 GB checkpoint is neither built nor read) in bfloat16, on CUDA graphs at
 batch 1, and times one request at a time: a 128-token prompt generating 1 token (its prefill) and
@@ -69,11 +70,17 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B),
 }
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-# the int4 twins (suffix -> quantization_config, the shapes given one): AutoAWQ's GEMM layout, 4 bits,
-# groups of 128, zero points; GPTQ's with act-order (desc_act), the same sizes
+# the int4/int8 twins (suffix -> quantization_config, the shapes given one): AutoAWQ's GEMM layout, 4 bits,
+# groups of 128, zero points; GPTQ's with act-order (desc_act), the same sizes; GPTQ's int8, one group a row
+# (the 0.6B's: the CPU's int8 kernel, bench/results/int4_cpu)
 AWQ_G128 = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
 GPTQ_ACT_G128 = dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc_act=True)
-TWINS = {"-awq": (AWQ_G128, ("qwen3-8b", "qwen3-30b-a3b")), "-gptq-act": (GPTQ_ACT_G128, ("qwen3-8b",))}
+GPTQ_INT8 = dict(quant_method="gptq", bits=8, group_size=-1, sym=True, desc_act=False)
+TWINS = {
+    "-awq": (AWQ_G128, ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")),
+    "-gptq-act": (GPTQ_ACT_G128, ("qwen3-8b",)),
+    "-int8": (GPTQ_INT8, ("qwen3-0.6b",)),
+}
 PROMPT_LEN = 128
 
 

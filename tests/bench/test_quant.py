@@ -16,13 +16,15 @@ def test_make_writes_each_shape_without_weights(tmp_path):
     paths = quant.make(tmp_path)
     assert [p.name for p in paths] == [
         "qwen3-0.6b",
+        "qwen3-0.6b-awq",
+        "qwen3-0.6b-int8",
         "qwen3-8b",
         "qwen3-8b-awq",
         "qwen3-8b-gptq-act",
         "qwen3-30b-a3b",
         "qwen3-30b-a3b-awq",
     ]
-    for name in ("qwen3-8b", "qwen3-30b-a3b"):  # the int4 twin: the same model, an AWQ g128 config
+    for name in ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"):  # the int4 twin: the same model, AWQ g128
         twin = load_model_config(tmp_path / f"{name}-awq")
         assert twin == load_model_config(tmp_path / name)
         qc = json.loads((tmp_path / f"{name}-awq" / "config.json").read_text())["quantization_config"]
@@ -30,6 +32,8 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         assert "quantization_config" not in json.loads((tmp_path / name / "config.json").read_text())
     qc = json.loads((tmp_path / "qwen3-8b-gptq-act" / "config.json").read_text())["quantization_config"]
     assert int4_spec_from_config(qc) == Int4Spec("gptq", 4, 128, True, zero_offset=1, act_order=True)
+    qc = json.loads((tmp_path / "qwen3-0.6b-int8" / "config.json").read_text())["quantization_config"]
+    assert int4_spec_from_config(qc) == Int4Spec("gptq", 8, -1, True, zero_offset=1)
     assert quant._shape_of("qwen3-8b-gptq-act") == quant._shape_of("qwen3-8b-awq") == "qwen3-8b"
     moe = load_model_config(tmp_path / "qwen3-30b-a3b")  # every layer a mixture of 128 experts, 8 routed
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)

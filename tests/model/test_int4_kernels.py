@@ -48,24 +48,32 @@ def test_env_names_the_kernel(monkeypatch):
     assert all(env.INT4_KERNEL.parse(k) == k for k in int4_kernels.KERNELS)  # the module's choices
 
 
+CPU_KERNEL = int4_kernels.CPU_KERNEL
+
+
 @pytest.mark.parametrize(
-    "bits,group,dtype,n,k,kernel",
+    "bits,group,dtype,n,k,kernel,on_cpu",
     [
-        (4, 128, torch.bfloat16, 4096, 4096, "tinygemm+triton"),
-        (4, 32, torch.bfloat16, 64, 128, "tinygemm+triton"),
-        (8, 128, torch.bfloat16, 4096, 4096, "triton"),  # tinygemm: 4 bits only
-        (4, 128, torch.float16, 4096, 4096, "triton"),  # bfloat16 only
-        (4, 4096, torch.bfloat16, 4096, 4096, "triton"),  # a group a row
-        (4, 16, torch.bfloat16, 4096, 4096, "triton"),
-        (4, 128, torch.bfloat16, 4100, 4096, "triton"),  # N not a multiple of 8
+        (4, 128, torch.bfloat16, 4096, 4096, "tinygemm+triton", CPU_KERNEL),
+        (4, 32, torch.bfloat16, 64, 128, "tinygemm+triton", CPU_KERNEL),
+        (8, 128, torch.bfloat16, 4096, 4096, "triton", "triton"),  # tinygemm: 4 bits; the CPU's int8: rows
+        (8, 4096, torch.bfloat16, 4096, 4096, "triton", CPU_KERNEL),  # (int8, a group a row)
+        (8, 48, torch.bfloat16, 4096, 48, "triton", "triton"),  # (K no multiple of 32)
+        (4, 128, torch.float16, 4096, 4096, "triton", CPU_KERNEL),  # tinygemm: bfloat16 only
+        (4, 4096, torch.bfloat16, 4096, 4096, "triton", "triton"),  # a group a row
+        (4, 16, torch.bfloat16, 4096, 4096, "triton", "triton"),
+        (4, 128, torch.bfloat16, 4100, 4096, "triton", CPU_KERNEL),  # N not a multiple of 8 (CPU: padded)
     ],
 )
-def test_auto_takes_tinygemm_where_it_runs_the_layer(bits, group, dtype, n, k, kernel):
+def test_auto_takes_tinygemm_where_it_runs_the_layer(bits, group, dtype, n, k, kernel, on_cpu):
+    """On CUDA tinygemm's copy beside the Triton GEMM's where tinygemm runs the layer; on the CPU torch's
+    CPU kernels where they take it, else the reference path (the Triton layout's)."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert int4_kernels.for_layer("auto", bits, group, dtype, n, k, cuda) == kernel
-    assert int4_kernels.for_layer("auto", bits, group, dtype, n, k, cpu) == "triton"  # the reference's layout
+    assert int4_kernels.for_layer("auto", bits, group, dtype, n, k, cpu) == on_cpu
     for named in ("triton", "tinygemm", "gemlite"):  # a named kernel is every layer's (refused if it cannot)
         assert int4_kernels.for_layer(named, bits, group, dtype, n, k, cuda) == named
+        assert int4_kernels.for_layer(named, bits, group, dtype, n, k, cpu) == "triton"
 
 
 class _FakeLibrary:

@@ -43,6 +43,9 @@ MAX_NEW = 8
 # the Triton GEMM runs on CUDA where there is one, else under the interpreter (tests/conftest.py sets it)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+# the reference path, exact against the dequantized weights (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("int4_reference_path")
+
 
 def _u32(word: int) -> int:
     return word & 0xFFFFFFFF

@@ -30,6 +30,9 @@ MAX_NEW = 8
 CPU = torch.device("cpu")
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU cases check the same)")
 
+# the reference path, exact against the dequantized weights (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("int4_reference_path")
+
 
 def _experts(model: torch.nn.Module) -> list[Experts]:
     return [m for m in model.modules() if isinstance(m, Experts)]

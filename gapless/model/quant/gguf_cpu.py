@@ -170,6 +170,31 @@ def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> t
     return y if y.dtype == dtype else y.to(dtype)
 
 
+class CpuInt4:
+    """A weight of 4-bit values `q` [N, K] (0..15) with `w = (q - 8) * scale + zero` per `group` columns
+    (scale and zero [N, K / group]), as torch's CPU int4 GEMM holds it (`_weight_int4pack_mm_for_cpu`:
+    groups of 32, 64, 128 or 256, scales and zeros in bfloat16, N a multiple of 16, so the rows are padded).
+    Called on rows x [M, K], it returns x W^T [M, N] in bfloat16, x taken as bfloat16."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> None:
+        n = q.shape[0]
+        self.out_features, self.group = n, group
+        pad = -n % _ROW_MULTIPLE
+        if pad:
+            q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype)])
+            scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.padded = bool(pad)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = _INT4_MM(x.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
+        return y[:, : self.out_features] if self.padded else y
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales_zeros]
+
+
 class Int4LinearMethod:
     """Weight-only int4 GEMM, groups of 32 (see the module's docstring). `parts`: the matrices whose rows
     the layer's weight stacks (a fused q/k/v or gate/up), each of an int4 type."""
@@ -179,26 +204,17 @@ class Int4LinearMethod:
     def __init__(self, parts: list[GGUFBlocks], bias: torch.Tensor | None) -> None:
         self.name = f"{_label(parts)} as int4 g{GROUP}"
         q, scale, zero = (torch.cat(t) for t in zip(*(int4_parts(p) for p in parts)))
-        self.out_features = n = q.shape[0]
-        pad = -n % _ROW_MULTIPLE
-        if pad:
-            q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype)])
-            scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.padded = bool(pad)
+        self.weight = CpuInt4(q, scale, zero, GROUP)
+        self.out_features = q.shape[0]
         self.bias = None if bias is None else bias.detach().float()
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-        y = _INT4_MM(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
-        if self.padded:
-            y = y[:, : self.out_features]
-        return _finish(y, self.bias, x.dtype)
+        return _finish(self.weight(x), self.bias, x.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.packed, self.scales_zeros]
+        return self.weight.tensors()
 
 
 class Int8Rows:

@@ -3,10 +3,11 @@ weight, read into one form by `gapless.model.quant.int4_layouts` (AWQ, GPTQ, com
 `pack-quantized` and `int-quantized`), cut for tensor parallelism and stacked for fused projections here, then
 packed into the one layout the GEMM reads (`gapless.model.quant.int4_triton`'s docstring).
 
-On CUDA the layer runs the Triton GEMM. Elsewhere (the CPU) `apply` is a reference path: it dequantizes
-the whole weight to the activations' dtype on every call and multiplies with torch, so the quantized
-checkpoint is exact against a float model holding the same dequantized weights (tests), at a float GEMM's
-cost plus the dequantization: for parity, not speed.
+On CUDA the layer runs the Triton GEMM (or a library's: `int4_kernels`); on the CPU torch's CPU int4/int8
+kernels where they take it (`int4_kernels.cpu_runs`). Elsewhere `apply` is a reference path: it
+dequantizes the whole weight to the activations' dtype on every call and multiplies with torch, so the
+quantized checkpoint is exact against a float model holding the same dequantized weights (tests), at a
+float GEMM's cost plus the dequantization: for parity, not speed.
 
 A mixture's experts (`...experts.3.gate_proj.qweight`, Mixtral's `w1`/`w3`/`w2`) are unpacked the same way
 and stacked by `install_experts` into the layer's `Experts`, each expert in the GEMM's layout; the grouped

@@ -1,5 +1,5 @@
-"""Which GEMM an int4/int8 weight-only layer runs on CUDA (`GAPLESS_INT4_KERNEL`), each holding the weight
-in its own layout, built from the one unpacked form `W = (q - zero) * scale` (`int4_layouts.Unpacked`):
+"""Which GEMM an int4/int8 weight-only layer runs (`GAPLESS_INT4_KERNEL`), each holding the weight in its
+own layout, built from the one unpacked form `W = (q - zero) * scale` (`int4_layouts.Unpacked`). On CUDA:
 
 - `auto` (the default): a layer tinygemm can run holds two copies of its weight, tinygemm's for up to
   `TINYGEMM_ROWS` rows (decode) and the Triton GEMM's for more (prefill, larger batches), as long as the
@@ -14,6 +14,13 @@ in its own layout, built from the one unpacked form `W = (q - zero) * scale` (`i
 - `gemlite`: gemlite's Triton kernels (`pip install gemlite`; GEMV kernels at one row, split-K ones at a
   few), 4 or 8 bits, fed the same `(q - zero) * scale` form unchanged (`fma_mode=False`). Its split-K
   kernels add their partial sums with atomics: the last bits of a product may differ between runs.
+
+On the CPU, `auto` runs torch's CPU kernels where they take a layer (`CPU_KERNEL`; `cpu_runs`): 4 bits
+in groups of 32-256 through `_weight_int4pack_mm_for_cpu` (`gguf_cpu.CpuInt4`, as GGUF's int4 layers),
+8 bits one group a row through `_weight_int8pack_mm` (`CpuInt8`), the activations as bfloat16 (their
+vectorized path) and the scales and zeros rounded to bfloat16; any other choice, and a layer they do not
+take, runs the reference path (`int4.Int4LinearMethod`), which dequantizes the whole weight each call:
+exact against the dequantized model, for tests, ~650x slower at one row on a 2048 x 8192 layer.
 
 Measured on an H100 (bench/results/h100-2026-11-26/quant): Qwen3-8B's TPOT at batch 1 with AWQ int4
 weights is 0.50x bf16's on tinygemm, 0.59x on gemlite, 0.89x on the Triton GEMM; at one row tinygemm takes
@@ -34,6 +41,7 @@ import torch
 
 from gapless import env
 from gapless.model.quant.formats import QuantFormatError
+from gapless.model.quant.gguf_cpu import CpuInt4
 
 if TYPE_CHECKING:
     from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
@@ -41,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "triton", "tinygemm", "gemlite")  # (`env.INT4_KERNEL`'s choices)
+CPU_KERNEL = "torch-cpu"  # (what `auto` runs on the CPU where `cpu_runs`)
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 # under `auto`, the rows up to which a layer runs its tinygemm copy: where the H100's times at 1 and 16
 # rows cross, taken as linear between (6-11 rows on Llama-3-8B's layers)
@@ -58,15 +67,25 @@ def for_layer(
 ) -> str:
     """What a layer of `bits`, `group` and weight [n, k] in `dtype` runs on `device` under the model's
     `choice` (`for_model`): on CUDA the kernel named, or under `auto` `tinygemm+triton` (both copies)
-    where tinygemm runs the layer, else `triton`; elsewhere `triton` (the reference path, which
-    dequantizes the Triton GEMM's layout)."""
+    where tinygemm runs the layer, else `triton`; elsewhere, under `auto`, torch's CPU kernels where
+    they take the layer (`cpu_runs`), else `triton` (the reference path, which dequantizes the Triton
+    GEMM's layout)."""
     if device.type != "cuda":
-        return "triton"
+        return CPU_KERNEL if choice == "auto" and cpu_runs(bits, group, k) else "triton"
     if choice != "auto":
         return choice
     fits = bits == 4 and dtype == torch.bfloat16 and group in TINYGEMM_GROUPS  # (K: groups, so 32s)
     fits = fits and n % 8 == 0 and k % group == 0
     return "tinygemm+triton" if fits else "triton"
+
+
+def cpu_runs(bits: int, group: int, k: int) -> bool:
+    """Whether torch's CPU kernels take a layer of `bits` in groups of `group` over `k` inputs: 4 bits
+    in groups of 32-256, or 8 bits one group a row with `k` a multiple of 32 (the int8 kernel reads
+    wrong memory, or crashes, where K is no multiple of 16)."""
+    if bits == 4:
+        return group in TINYGEMM_GROUPS and k % group == 0
+    return bits == 8 and group == k and k % 32 == 0
 
 
 def for_model(numel: int, bits: int, dtype: torch.dtype, device: torch.device) -> str:
@@ -184,8 +203,33 @@ class GemLite:
         return [self.layer.W_q, self.layer.scales, self.layer.zeros]
 
 
+class CpuInt8:
+    """A layer's 8-bit weight, one group a row, for torch's CPU `_weight_int8pack_mm`: the values as
+    signed int8 `q - 128` and the scales in bfloat16, so `W = (q - 128) * scale + offset` with a row's
+    `offset = (128 - zero) * scale`, added as x's row sums times it (none where symmetric)."""
+
+    def __init__(self, w: Unpacked) -> None:
+        self.q = (w.q - 128).to(torch.int8).contiguous()
+        self.scale = w.scale[:, 0].to(torch.bfloat16).contiguous()
+        offset = (128.0 - w.zero[:, 0]) * self.scale.float()
+        self.offset = offset if bool(offset.any()) else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        return y if self.offset is None else y + x.float().sum(-1, keepdim=True) * self.offset
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.scale] + ([self.offset] if self.offset is not None else [])
+
+
 def library_kernel(
     kernel: str, w: Unpacked, bits: int, dtype: torch.dtype, device: torch.device, label: str
-) -> TinyGemm | GemLite:
-    """The library `kernel`'s form of one layer's weight `w` (`tinygemm` or `gemlite`)."""
+) -> TinyGemm | GemLite | CpuInt4 | CpuInt8:
+    """The library `kernel`'s form of one layer's weight `w` (`tinygemm`, `gemlite`, or `CPU_KERNEL`:
+    `CpuInt4` at 4 bits, `CpuInt8` at 8)."""
+    if kernel == CPU_KERNEL:
+        if bits == 8:
+            return CpuInt8(w)
+        return CpuInt4(w.q, w.scale, (8.0 - w.zero) * w.scale, w.q.shape[1] // w.scale.shape[1])
     return (TinyGemm if kernel == "tinygemm" else GemLite)(w, bits, dtype, device, label)

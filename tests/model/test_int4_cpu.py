@@ -1,0 +1,108 @@
+"""int4/int8 weight-only checkpoints on the CPU through torch's own kernels (`int4_kernels.CPU_KERNEL`,
+what `GAPLESS_INT4_KERNEL=auto` gives a layer they take): each layer's product against the dequantized
+matmul of its bfloat16-rounded activations, which layers they take, and whole models' greedy tokens against
+transformers on the same weights dequantized, diverging at near-ties of the bfloat16 roundings only. (The
+reference path, exact: test_quant_int4.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gapless import LLM, SamplingParams
+from gapless.model.quant import int4_kernels, weights_held
+from gapless.model.quant.gguf_cpu import CpuInt4
+from gapless.model.quant.int4 import Int4LinearMethod
+from gapless.model.quant.int4_kernels import CPU_KERNEL, CpuInt8
+from gapless.model.quant.int4_layouts import Int4Spec
+from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
+from gapless.testing.quant_checkpoints import label_method, quantize, write_quantized
+
+CPU = torch.device("cpu")
+MAX_NEW = 8
+# bfloat16 activations, scales and zeros move these tiny models' logits (std ~2) by a few hundredths; a
+# greedy divergence is accepted where the reference's top-2 logits are within this, and counted
+NEAR_TIE = 0.15
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "sym", "n", "library"),
+    [
+        (4, 32, False, 64, CpuInt4),
+        (4, 128, True, 24, CpuInt4),  # 24 rows: padded to 32 for the packing, cut from the product
+        (8, -1, True, 64, CpuInt8),
+        (8, -1, False, 40, CpuInt8),  # asymmetric: the zero's offset added through x's row sums
+    ],
+)
+@pytest.mark.parametrize("m", [1, 7])
+def test_each_kernel_gives_the_dequantized_product(bits, group, sym, n, library, m):
+    k = 256
+    gen = torch.Generator().manual_seed(bits * 100 + n + m)
+    w = quantize(torch.randn(n, k, generator=gen) * 0.05, bits, group, sym)
+    spec = Int4Spec("gptq", bits, group, sym)
+    method = Int4LinearMethod(w, spec, torch.float32, CPU)
+    assert isinstance(method.library, library) and method.name.endswith(f"({CPU_KERNEL})")
+    assert not method.triton_held  # the kernel's layout alone: no second copy
+    x = torch.randn(m, k, generator=gen)
+    want = x.bfloat16().float() @ w.dequantize().t()
+    got = method.apply(torch.nn.Module(), x)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "k"),
+    [(8, 32, 256), (4, 16, 256), (8, -1, 48)],  # int8 in groups; int4 groups under 32; K no multiple of 32
+)
+def test_a_layer_the_kernels_do_not_take_keeps_the_reference_path(bits, group, k):
+    w = quantize(torch.randn(16, k) * 0.05, bits, group, True)
+    method = Int4LinearMethod(w, Int4Spec("gptq", bits, group, True), torch.float32, CPU)
+    assert method.library is None and method.triton_held
+    x = torch.randn(3, k)
+    torch.testing.assert_close(
+        method.apply(torch.nn.Module(), x), x @ w.dequantize().t(), rtol=1e-5, atol=1e-5
+    )
+    assert (
+        int4_kernels.for_layer("auto", bits, w.q.shape[1] // w.scale.shape[1], torch.float32, 16, k, CPU)
+        == "triton"
+    )
+
+
+def _greedy(model, prompts):
+    with LLM(str(model), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout", "bits", "group", "sym", "act_order"),
+    [
+        ("qwen3", "awq", 4, 32, False, False),
+        ("phi3", "gptq", 4, 64, True, True),  # fused q/k/v and gate/up, act-order: x gathered first
+        ("llama", "int-quantized", 8, -1, False, False),  # W8A8 INT8, asymmetric, per row
+    ],
+)
+def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
+    ckpt_factory, tmp_path, arch, layout, bits, group, sym, act_order
+):
+    from transformers import AutoModelForCausalLM
+
+    qdir, refdir = write_quantized(
+        ckpt_factory(arch), tmp_path, layout, bits=bits, group=group, sym=sym, act_order=act_order
+    )
+    g = "channel" if group < 0 else f"g{group}"
+    with LLM(str(qdir), device="cpu", dtype="float32", kv_cache_tokens=256, overlap=False) as llm:
+        formats = dict(llm.engine.info.weight_formats)
+        held = weights_held(llm.engine.runner.model)[1]
+    label = f"{label_method(layout)} w{bits}a16 {g}" + (" act-order" if act_order else "")
+    assert formats.get(f"{label} ({CPU_KERNEL})"), formats  # every quantized layer on the kernels
+    with LLM(str(refdir), device="cpu", dtype="float32", kv_cache_tokens=256, overlap=False) as llm:
+        assert held < weights_held(llm.engine.runner.model)[1]  # the float model's weights
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
+    ours = _greedy(qdir, prompts)
+    ref = AutoModelForCausalLM.from_pretrained(str(refdir), dtype=torch.float32).eval()
+    notes = [check_greedy(o, hf_greedy(ref, p, MAX_NEW), tol=NEAR_TIE) for o, p in zip(ours, prompts)]
+    ties = [n for n in notes if n is not None]
+    print(f"{layout} w{bits} {g}: {len(ties)} of {len(prompts)} prompts diverged at a near-tie: {ties}")
