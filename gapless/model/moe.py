@@ -16,7 +16,8 @@ checkpoint's per-expert tensors):
 Quantized experts (`WeightQuant`): fp8 (e4m3 with float32 scales, a checkpoint's or `--quantization fp8`)
 and int4/int8 weight-only (an AWQ, GPTQ or compressed-tensors checkpoint's, packed as
 `gapless.model.quant.int4.install_experts` stacks them); the grouped GEMM dequantizes each tile, and on
-the CPU the reference loop multiplies with the weights dequantized once at load.
+the CPU the reference loop multiplies with the weights dequantized once at load, or (int4 in groups of
+32-256, int8 per row) runs each expert's torch CPU kernel (`ExpertKernels`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 from gapless.model import parallel
 from gapless.model.config import ModelConfig
 from gapless.model.layers import GATED_ACTIVATIONS, ReplicatedLinear, set_weight_loader
+from gapless.model.quant.base import WeightKernel
 
 # per-expert checkpoint tensors: `...mlp.experts.3.gate_proj.weight` (Qwen, OLMoE) or
 # `...block_sparse_moe.experts.3.w1.weight` (Mixtral: w1 gate, w3 up, w2 down), and an fp8 checkpoint's
@@ -76,17 +78,26 @@ def route(
     return (weights if fp32_weights else weights.to(logits.dtype)), ids
 
 
+# each expert's weight as a kernel (on the CPU, torch's: `gapless.model.quant.int4_kernels.library_kernel`)
+ExpertKernels = list[WeightKernel]
+
+
+def _project(x: torch.Tensor, w: torch.Tensor | WeightKernel) -> torch.Tensor:
+    return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x).to(x.dtype)
+
+
 def reference_experts(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | ExpertKernels,
+    w2: torch.Tensor | ExpertKernels,
     weights: torch.Tensor,
     ids: torch.Tensor,
     lora: Any = None,
 ) -> torch.Tensor:
     """The experts as transformers runs them: for each expert with tokens, in order, its MLP on its
-    tokens, times their routing weights, added into the output in the model's dtype. `lora`: the layer's
-    resident adapters (`gapless.lora.table.ExpertLoRA`), each projection's delta added to its output."""
+    tokens, times their routing weights, added into the output in the model's dtype (`w13`, `w2`: the
+    stacked float weights, or each expert's kernel). `lora`: the layer's resident adapters
+    (`gapless.lora.table.ExpertLoRA`), each projection's delta added to its output."""
     out = torch.zeros_like(x)
     act = GATED_ACTIVATIONS["silu"]
     entry_slots = lora.entry_slots(ids) if lora is not None else None
@@ -94,11 +105,11 @@ def reference_experts(
         token, slot = torch.where(ids == expert)
         xe = x[token]
         slots = entry_slots[token * ids.shape[1] + slot] if entry_slots is not None else None
-        gate_up = F.linear(xe, w13[expert])
+        gate_up = _project(xe, w13[expert])
         if slots is not None:
             gate_up = lora.add("gate_up_proj", gate_up, xe, slots)
         h = act(gate_up)
-        y = F.linear(h, w2[expert])
+        y = _project(h, w2[expert])
         if slots is not None:
             y = lora.add("down_proj", y, h, slots)
         out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
@@ -135,7 +146,11 @@ class Experts(nn.Module):
         self.scale_block: tuple[int, int] | None = None  # a checkpoint's [rows, cols] scale blocks
         self.float_dtype = self.gate_up_proj.dtype  # the model's, which the CPU reference computes in
         self.quant_label = ""
-        self.dequantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (on the CPU) what the reference loop multiplies with: gate/up's and down's weights dequantized at
+        # load, or each expert's kernel (`hold_int`)
+        self.cpu_weights: tuple[torch.Tensor, torch.Tensor] | tuple[ExpertKernels, ExpertKernels] | None = (
+            None
+        )
         # int4/int8 (`hold_int`): gate/up's and down's quantization, the parameters then packed words
         self.int_quant: tuple[WeightQuant, WeightQuant] | None = None
 
@@ -220,20 +235,21 @@ class Experts(nn.Module):
         for w, s, bc in pairs:
             full = s.repeat_interleave(bc, 2)[..., : w.shape[2]]
             dq.append((w.float() * full).to(self.float_dtype))
-        self.dequantized = (dq[0], dq[1])
+        self.cpu_weights = (dq[0], dq[1])
 
     def hold_int(
         self,
         packed: tuple[torch.Tensor, torch.Tensor],
         quant: tuple[WeightQuant, WeightQuant],
-        dequantized: tuple[torch.Tensor, torch.Tensor] | None,
+        cpu_weights: tuple[torch.Tensor, torch.Tensor] | tuple[ExpertKernels, ExpertKernels] | None,
         label: str,
     ) -> None:
         """Hold int4/int8 experts (`gapless.model.quant.int4.install_experts` makes them): gate/up's and
-        down's packed words (`WeightQuant`'s layout) in place of the float weights, and on the CPU the
-        `dequantized` float weights the reference path multiplies with."""
+        down's packed words (`WeightQuant`'s layout) in place of the float weights, and on the CPU what the
+        reference loop multiplies with (`cpu_weights`: the dequantized float weights, or each expert's
+        kernel)."""
         self.gate_up_proj, self.down_proj = (nn.Parameter(w, requires_grad=False) for w in packed)
-        self.int_quant, self.dequantized, self.quant_label = quant, dequantized, f"{label} experts"
+        self.int_quant, self.cpu_weights, self.quant_label = quant, cpu_weights, f"{label} experts"
 
     @property
     def weight_format(self) -> str | None:
@@ -241,9 +257,12 @@ class Experts(nn.Module):
         return self.quant_label or None
 
     def side_tensors(self) -> list[torch.Tensor]:
-        """The tensors held beside the parameters: int scales and zeros, the CPU's dequantized weights."""
+        """The tensors held beside the parameters: int scales and zeros, the CPU's weights or kernels'."""
         quant = [t for q in self.int_quant or () for t in (q.scales, q.zeros) if t is not None]
-        return quant + list(self.dequantized or ())
+        held: list[torch.Tensor] = []
+        for w in self.cpu_weights or ():
+            held += [w] if isinstance(w, torch.Tensor) else [t for k in w for t in k.tensors()]
+        return quant + held
 
     def quantize_fp8(self, label: str) -> None:
         """Hold the weights in e4m3 with one float32 scale per expert row (`--quantization fp8` at load,
@@ -276,7 +295,7 @@ class Experts(nn.Module):
                 )
             out = fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.lora, scales)
         else:
-            w13, w2 = self.dequantized or (self.gate_up_proj, self.down_proj)
+            w13, w2 = self.cpu_weights or (self.gate_up_proj, self.down_proj)
             out = reference_experts(x, w13, w2, weights, ids, self.lora)
         return self.tp.all_reduce(out)
 

@@ -28,14 +28,15 @@ def load_as_ranks(path: str | Path, size: int = 2) -> tuple[Any, list[Any]]:
 
 def assert_experts_cut(whole: Any, ranks: list[Any]) -> None:
     """Each rank's experts, dequantized, are its share of the whole layer's: gate/up rows and down
-    columns (`gapless.model.moe.Experts`, `dequantized` as the CPU holds it)."""
-    assert whole.dequantized is not None
-    w13, w2 = whole.dequantized
+    columns (`gapless.model.moe.Experts`, `cpu_weights` the float weights the CPU holds: the reference
+    path's, `GAPLESS_INT4_KERNEL=triton`)."""
+    assert whole.cpu_weights is not None
+    w13, w2 = whole.cpu_weights
     inter = w13.shape[1] // 2
     gate, up = w13[:, :inter], w13[:, inter:]
     n = len(ranks)
     for r, part in enumerate(ranks):
-        assert part.dequantized is not None
+        assert part.cpu_weights is not None
         mine = torch.cat([gate.chunk(n, dim=1)[r], up.chunk(n, dim=1)[r]], dim=1)
-        torch.testing.assert_close(part.dequantized[0], mine, rtol=0, atol=0)
-        torch.testing.assert_close(part.dequantized[1], w2.chunk(n, dim=2)[r], rtol=0, atol=0)
+        torch.testing.assert_close(part.cpu_weights[0], mine, rtol=0, atol=0)
+        torch.testing.assert_close(part.cpu_weights[1], w2.chunk(n, dim=2)[r], rtol=0, atol=0)

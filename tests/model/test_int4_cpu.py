@@ -82,6 +82,8 @@ def _greedy(model, prompts):
         ("qwen3", "awq", 4, 32, False, False),
         ("phi3", "gptq", 4, 64, True, True),  # fused q/k/v and gate/up, act-order: x gathered first
         ("llama", "int-quantized", 8, -1, False, False),  # W8A8 INT8, asymmetric, per row
+        ("qwen3_moe", "awq", 4, 32, False, False),  # each expert's kernel in the reference loop
+        ("qwen3_moe", "int-quantized", 8, -1, True, False),
     ],
 )
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
@@ -98,6 +100,8 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
         held = weights_held(llm.engine.runner.model)[1]
     label = f"{label_method(layout)} w{bits}a16 {g}" + (" act-order" if act_order else "")
     assert formats.get(f"{label} ({CPU_KERNEL})"), formats  # every quantized layer on the kernels
+    if arch == "qwen3_moe":  # and every layer's experts
+        assert formats.get(f"{label} ({CPU_KERNEL}) experts"), formats
     with LLM(str(refdir), device="cpu", dtype="float32", kv_cache_tokens=256, overlap=False) as llm:
         assert held < weights_held(llm.engine.runner.model)[1]  # the float model's weights
     prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)

@@ -171,7 +171,7 @@ def test_fp8_checkpoint_of_a_mixture_equals_its_dequantized_weights(
     dst, ref = write_fp8_checkpoint(src, tmp_path / layout, layout, block or (128, 128))
     loaded = loader.load_model(dst, torch.float32, CPU)
     experts = [m for m in loaded.modules() if type(m).__name__ == "Experts"]
-    assert experts and all(m.gate_up_proj.dtype == FP8 and m.dequantized is not None for m in experts)
+    assert experts and all(m.gate_up_proj.dtype == FP8 and m.cpu_weights is not None for m in experts)
     assert any(f.endswith("experts") for f in weights_held(loaded)[0]), weights_held(loaded)
     prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=6)
     ours = _greedy(dst, prompts, device=device)

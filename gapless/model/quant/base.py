@@ -34,6 +34,17 @@ class LinearMethod(Protocol):
     # launch is left out; `_Linear.takes_norm` asks it.
 
 
+class WeightKernel(Protocol):
+    """One weight as a library's kernel holds it (`gapless.model.quant.int4_kernels`): called on rows x
+    [M, K], x W^T [M, N]."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the kernel's layout holds."""
+        ...
+
+
 class RoundedRows(NamedTuple):
     """x's rows rounded to e4m3 by the kernel that wrote x (the fused RMSNorm or gated activation,
     `gapless.model.fused`), for the FP8 layer after it, which would otherwise launch that rounding itself:

@@ -173,7 +173,8 @@ def install_experts(
     """Give a mixture's `Experts` its quantized weights from each expert's projections (shard id
     (expert, "gate" | "up" | "down") -> whole unpacked weight): cut for this rank as the float experts are
     (gate/up by rows, down by columns: whole groups per rank), stacked, packed (`moe.WeightQuant`'s
-    layout), and on the CPU dequantized beside for the reference path."""
+    layout), and on the CPU, for the reference loop, each expert's torch CPU kernel where `auto` gives
+    one (`int4_kernels.for_layer`), else the weights dequantized beside."""
     from gapless.model.moe import WeightQuant
 
     tp, e_count, inter = experts.tp, experts.num_experts, experts.inter
@@ -204,10 +205,13 @@ def install_experts(
             return w.map(lambda t: tp.part(t, tp.size, dim=1))
         return w.map(lambda t: tp.part(t, tp.size)) if tp.size > 1 else w
 
-    cpu = experts.gate_up_proj.device.type == "cpu"
-    packed, quants, dequantized = [], [], []
+    device = experts.gate_up_proj.device
+    cpu = device.type == "cpu"
+    packed, quants, cpu_weights = [], [], []
     for projs, shape in ((("gate", "up"), (2 * inter, hidden)), (("down",), (hidden, inter))):
-        qs, scales, zeros, floats = [], [], [], []
+        qs, scales, zeros, floats, kernels = [], [], [], [], []
+        group = spec.group_for(shape[1])
+        kernel = int4_kernels.for_layer(int4_kernels.chosen(), spec.bits, group, dtype, *shape, device)
         for e in range(e_count):
             w = Unpacked(*map(torch.cat, zip(*(mine(e, p).tensors for p in projs))))
             if w.q.shape != shape:
@@ -219,18 +223,18 @@ def install_experts(
             qs.append(pack_int32(w.q.t(), spec.bits, dim=0))
             scales.append(held.scale.t().contiguous())
             zeros.append(held.zero.t().contiguous())
-            if cpu:
+            if kernel == int4_kernels.CPU_KERNEL:
+                kernels.append(int4_kernels.library_kernel(kernel, w, spec.bits, dtype, device, spec.label))
+            elif cpu:
                 floats.append(Unpacked(w.q, held.scale.float(), held.zero.float()).dequantize().to(dtype))
         packed.append(torch.stack(qs))
-        group = shape[1] // scales[0].shape[0]
         quants.append(WeightQuant(torch.stack(scales), group, torch.stack(zeros), spec.bits))
-        if cpu:
-            dequantized.append(torch.stack(floats))
+        cpu_weights.append(kernels or (torch.stack(floats) if cpu else None))
+    label = spec.label + (
+        f" ({int4_kernels.CPU_KERNEL})" if all(isinstance(w, list) for w in cpu_weights) else ""
+    )
     experts.hold_int(
-        (packed[0], packed[1]),
-        (quants[0], quants[1]),
-        (dequantized[0], dequantized[1]) if cpu else None,
-        spec.label,
+        (packed[0], packed[1]), (quants[0], quants[1]), tuple(cpu_weights) if cpu else None, label
     )
 
 

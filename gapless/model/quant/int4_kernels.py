@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gapless import env
+from gapless.model.quant.base import WeightKernel
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.gguf_cpu import CpuInt4
 
@@ -225,7 +226,7 @@ class CpuInt8:
 
 def library_kernel(
     kernel: str, w: Unpacked, bits: int, dtype: torch.dtype, device: torch.device, label: str
-) -> TinyGemm | GemLite | CpuInt4 | CpuInt8:
+) -> WeightKernel:
     """The library `kernel`'s form of one layer's weight `w` (`tinygemm`, `gemlite`, or `CPU_KERNEL`:
     `CpuInt4` at 4 bits, `CpuInt8` at 8)."""
     if kernel == CPU_KERNEL:
