@@ -89,10 +89,9 @@ def check_quantization(cfg: EngineConfig, path: Path) -> None:
     qcfg = formats.checkpoint_quantization(path)
     if qcfg is None and cfg.quantization is None:
         return
-    if cfg.quantization is not None and not path.is_dir():
-        raise ValueError(
-            f"--quantization {cfg.quantization} applies to a safetensors checkpoint, not a GGUF file"
-        )
+    if not path.is_dir():  # a GGUF file
+        formats.check_gguf_flag(cfg.quantization)
+        return
     import torch
 
     auto = "cuda" if torch.cuda.is_available() else "cpu"

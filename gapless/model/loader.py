@@ -30,7 +30,7 @@ from gapless.model.gguf import is_gguf_file
 from gapless.model.kv_scales import KVScaleReader
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
 from gapless.model.quant import formats, gguf_cpu, int4, int4_kernels, int4_layouts, weights_summary
-from gapless.model.quant.formats import QuantFormatError, QuantSpec
+from gapless.model.quant.formats import QuantSpec
 from gapless.model.quant.fp8 import checkpoint_scale
 from gapless.model.quant.gguf_cpu import GGUFBlocks
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
@@ -234,10 +234,9 @@ _SKIPPED = (".input_scale", ".input_zero_point")
 
 def quant_spec(path: Path, quantization: str | None, device: torch.device | str) -> QuantSpec | None:
     """The quantized format a load of `path` runs (None: float weights), or a one-line QuantFormatError."""
-    if quantization is not None and is_gguf_file(path):
-        raise QuantFormatError(
-            f"--quantization {quantization} applies to a safetensors checkpoint, not a GGUF file"
-        )
+    if is_gguf_file(path):
+        formats.check_gguf_flag(quantization)
+        return None
     return formats.resolve(formats.checkpoint_quantization(path), quantization, device)
 
 

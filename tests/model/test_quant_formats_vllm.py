@@ -176,3 +176,23 @@ def test_compressed_tensors_w8a8_int8_runs_as_w8a16():
     qc["config_groups"]["group_0"]["weights"]["strategy"] = "block"
     with pytest.raises(QuantFormatError, match="strategy='block' is not run; group or channel or tensor"):
         int4_spec_from_config(qc)
+
+
+def test_quantization_gguf_names_a_gguf_files_own_format(ckpt_factory, tmp_path):
+    """vLLM's `--quantization gguf` runs a GGUF file as it would without the flag; another format named
+    for a GGUF file, and `gguf` for a safetensors checkpoint, are refused in one line."""
+    from gapless.config import EngineConfig
+    from gapless.engine.preflight import check_engine_config
+    from gapless.testing.gguf_files import write_gguf
+
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "m.Q8_0.gguf", "Q8_0")
+    check_engine_config(EngineConfig(model=str(path), device="cpu", quantization="gguf"))
+    opts = dict(device="cpu", kv_cache_tokens=256, overlap=False)
+    with LLM(str(path), quantization="gguf", **opts) as llm:
+        assert "Q8_0" in " ".join(dict(llm.engine.info.weight_formats))
+    with pytest.raises(QuantFormatError) as e:
+        check_engine_config(EngineConfig(model=str(path), device="cpu", quantization="fp8"))
+    _one_line(e, "--quantization fp8 applies to a safetensors checkpoint", "gguf")
+    with pytest.raises(QuantFormatError) as e:
+        formats.resolve(None, "gguf", "cpu")
+    _one_line(e, "--quantization gguf names a GGUF file's format")

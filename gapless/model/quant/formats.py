@@ -264,11 +264,27 @@ def checkpoint_kv_cache(path: Path | str) -> str | None:
     return None
 
 
+GGUF = "gguf"  # vLLM's `--quantization` name for a GGUF file's own format
+
+
+def check_gguf_flag(flag: str | None) -> None:
+    """Refuse `--quantization` for a GGUF file, but vLLM's `gguf` (the file's own format, a no-op here:
+    its quantized matrices are read as the file stores them, `gapless.model.gguf`)."""
+    if flag not in (None, GGUF):
+        raise QuantFormatError(
+            f"--quantization {flag} applies to a safetensors checkpoint, not a GGUF file (its format: gguf)"
+        )
+
+
 def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device | str) -> QuantSpec | None:
     """The format a load runs: the checkpoint's (`qcfg`), or `flag` applied at load to a float checkpoint;
     None: float weights. QuantFormatError (one line) for an unknown format, a flag that contradicts the
     checkpoint, a malformed config, or a device that cannot run it."""
     method = None if qcfg is None else str(qcfg.get("quant_method", "")).lower()
+    if flag == GGUF:
+        raise QuantFormatError(
+            "--quantization gguf names a GGUF file's format; this checkpoint is no GGUF file"
+        )
     if qcfg is not None and method not in FORMATS:
         raise QuantFormatError(
             f"quantization {method or '(no quant_method)'!r} in config.json is not run; "
