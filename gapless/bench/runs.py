@@ -10,6 +10,7 @@ from __future__ import annotations
 import cProfile
 import dataclasses
 import gc
+import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -220,8 +221,11 @@ def run_gapless(
         meter = _meter(llm)
         meter["gc_pause_s"] = gc_pauses().pause_s - gc_before  # this process's collections meanwhile
 
-        def rotated(n: int) -> None:  # every request, n output tokens, its prompt rotated by n tokens
-            prompts = [p[n % len(p) :] + p[: n % len(p)] for p in work.prompts]
+        shifts = itertools.count(1)
+
+        def rotated(n: int) -> None:  # every request, n output tokens, its prompt rotated anew each call
+            k = next(shifts)  # (so the prefix cache holds none of them: each run computes its prompts)
+            prompts = [p[k % len(p) :] + p[: k % len(p)] for p in work.prompts]
             llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, **extra), use_tqdm=False)
 
         kernel_profile = timing.decode_profile(rotated, profile_steps, device) if profile_steps else None

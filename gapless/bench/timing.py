@@ -18,6 +18,7 @@ from gapless.bench.cli import markdown_table
 
 REPLAYS = 5  # timed replays of the captured calls on CUDA; the median counts
 PROFILE_TOP = 12  # kernels a profile lists by name (the rest summed)
+SHORT_RUNS = 3  # `decode_profile`'s runs of the one-token requests, the least of each kernel's taken
 # what a profile sums each kernel (each op on the CPU) under, by its name, the first that matches: the
 # linear layers (cuBLAS's, gapless's FP8 and int4 GEMMs and FP8's rounding of x, tinygemm, gemlite; on the
 # CPU torch's matmuls), the attention, everything else
@@ -123,11 +124,16 @@ def op_times(fn: Callable[[], object], device: str) -> dict[str, tuple[float, in
 def decode_profile(timed: Callable[[int], object], steps: int, device: str) -> dict[str, Any]:
     """What a decode step (a token of each request) costs kernel by kernel: `timed(1 + steps)` and
     `timed(1)` (requests of that many output tokens, their prompts computed in both) under torch.profiler,
-    each kernel's time and calls in the second taken from the first's, over `steps`. `us_per_step`: the
-    sum; `kinds`: its share under each of `KINDS` and "other"; `ops`: the `PROFILE_TOP` costliest [name,
-    us, calls] a step; `other_us`: the rest's sum."""
+    each kernel's time and calls in the second taken from the first's, over `steps`; the second's the
+    least of `SHORT_RUNS` runs of it, so that one run slowed by another process (a loaded CPU's) does not
+    take a kernel's steps from it. `us_per_step`: the sum; `kinds`: its share under each of `KINDS` and
+    "other"; `ops`: the `PROFILE_TOP` costliest [name, us, calls] a step; `other_us`: the rest's sum."""
     long = op_times(lambda: timed(1 + steps), device)
-    short = op_times(lambda: timed(1), device)
+    runs = [op_times(lambda: timed(1), device) for _ in range(SHORT_RUNS)]
+    short = {
+        name: min((run[name] for run in runs if name in run), key=lambda t: t[0], default=(0.0, 0))
+        for name in long
+    }
     per_step: dict[str, tuple[float, float]] = {}
     for name, (us, calls) in long.items():
         us0, calls0 = short.get(name, (0.0, 0))

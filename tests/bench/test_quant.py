@@ -107,6 +107,24 @@ def test_run_profiles_a_decode_token_on_the_cpu():
     assert f"GEMMs {prof['kinds']['GEMMs']:.0f}, attention" in text
 
 
+def test_a_decode_profile_takes_the_least_of_the_one_token_runs(monkeypatch):
+    """A one-token run slowed by another process (its GEMM at 150 us, against 10 and 12) does not take
+    the decode steps' GEMM time away; an op of the long run alone counts whole."""
+    runs = iter(
+        [
+            {"aten::mm": (100.0, 17), "aten::add": (30.0, 17), "aten::silu": (8.0, 16)},  # 1 + 16 tokens
+            {"aten::mm": (150.0, 1)},
+            {"aten::mm": (10.0, 1), "aten::add": (2.0, 1)},
+            {"aten::mm": (12.0, 1)},
+        ]
+    )
+    monkeypatch.setattr(timing, "op_times", lambda fn, device: next(runs))
+    prof = timing.decode_profile(lambda n: None, 16, "cpu")
+    want = [("aten::mm", 90.0 / 16, 1.0), ("aten::add", 28.0 / 16, 1.0), ("aten::silu", 0.5, 1.0)]
+    assert prof["ops"] == want
+    assert prof["kinds"]["GEMMs"] == 90.0 / 16 and prof["kinds"]["other"] == 36.0 / 16
+
+
 def test_profile_kinds_name_the_engines_kernels():
     """The kernel names a GPU profile shows (cuBLAS's, gapless's Triton kernels, tinygemm's) fall under the
     kind they are."""
