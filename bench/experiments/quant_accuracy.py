@@ -10,15 +10,18 @@ model (the first divergence per prompt, and the float model's top-2 logit gap th
 The CPU runs each format's reference path: FP8 W8A8 rounds the activations as the CUDA kernel does and
 multiplies by the dequantized weight; int4/int8 run the dequantized weights (their rounding is the
 checkpoint's own, here round-to-nearest by `gapless.testing.quant_checkpoints`, not GPTQ's or AWQ's
-calibrated one, so it is the worst case of each layout). The FP8 KV cache stores e4m3 keys and values with
-scales 1.0 (the checkpoint has none). lm-evaluation-harness's tasks need their datasets, which this machine
-cannot download: the perplexity stands in for them.
+calibrated one, so it is the worst case of each layout); and the int rows torch's CPU kernels take (int4
+in groups of 32-256, int8 per row) again on those kernels, the engine's default on the CPU, which round
+the activations, scales and zeros to bfloat16 (`GAPLESS_INT4_KERNEL=auto` against `triton`). The FP8 KV
+cache stores e4m3 keys and values with scales 1.0 (the checkpoint has none). lm-evaluation-harness's tasks
+need their datasets, which this machine cannot download: the perplexity stands in for them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from gguf_quality import PROMPTS, TEXT, run  # (the script beside this one)
 from safetensors.torch import save_file
 
 from gapless.default_model.smollm2 import smollm2_path
+from gapless.model.quant.int4_kernels import cpu_runs
 from gapless.testing.fp8_checkpoints import write_fp8_checkpoint
 from gapless.testing.quant_checkpoints import write_quantized
 
@@ -52,7 +56,8 @@ def float_checkpoint(dst: Path) -> Path:
 
 
 def formats(work: Path) -> dict[str, tuple[Path, dict[str, object]]]:
-    """Each row's label -> (its checkpoint, written under `work`, and its engine options); float32 first."""
+    """Each row's label -> (its checkpoint, written under `work`, and its engine options, among them
+    `GAPLESS_INT4_KERNEL` as "int4_kernel"); float32 first."""
     base = float_checkpoint(work / "float32")
     rows: dict[str, tuple[Path, dict[str, object]]] = {
         "float32": (base, {}),
@@ -61,9 +66,14 @@ def formats(work: Path) -> dict[str, tuple[Path, dict[str, object]]]:
     }
     for layout, label in (("fp8", "fp8 block 128x128"), ("ct-tensor", "compressed-tensors fp8 per-tensor")):
         rows[label] = (write_fp8_checkpoint(base, work / layout, layout)[0], {})
-    for layout, bits, group, sym in (("gptq", 4, 64, True), ("awq", 4, 64, False), ("gptq", 8, 64, True)):
-        out = write_quantized(base, work / f"{layout}{bits}", layout, bits=bits, group=group, sym=sym)[0]
-        rows[f"{layout} int{bits} g{group} ({'sym' if sym else 'asym'}, round-to-nearest)"] = (out, {})
+    ints = (("gptq", 4, 64, True), ("awq", 4, 64, False), ("gptq", 8, 64, True), ("gptq", 8, -1, True))
+    for layout, bits, group, sym in ints:
+        out = work / f"{layout}{bits}g{group}"
+        out = write_quantized(base, out, layout, bits=bits, group=group, sym=sym)[0]
+        label = f"{layout} int{bits} {'channel' if group < 0 else f'g{group}'} ({'sym' if sym else 'asym'})"
+        rows[f"{label}, reference path"] = (out, {"int4_kernel": "triton"})
+        if cpu_runs(bits, group if group > 0 else 576, 576):  # (the model's hidden size)
+            rows[f"{label}, torch's CPU kernels"] = (out, {"int4_kernel": "auto"})
     return rows
 
 
@@ -76,6 +86,8 @@ def main() -> None:
     print(f"the default model's Q4_1 GGUF dequantized to float32 ({base}); the fixed text: {len(TEXT)} chars")
     ref_ppl, ref_tokens, ref_top, _ = run(str(base))
     for label, (path, options) in rows.items():
+        options = dict(options)
+        os.environ["GAPLESS_INT4_KERNEL"] = str(options.pop("int4_kernel", "auto"))
         ppl, tokens = (ref_ppl, ref_tokens) if label == "float32" else run(str(path), **options)[:2]
         first = [
             next((i for i, (a, b) in enumerate(zip(q, f)) if a != b), None)
