@@ -1,0 +1,42 @@
+"""LoRA adapters over a quantized base model (the delta is added after the layer's own output, whatever its
+weight format): greedy tokens equal `transformers` + `peft` on the same weights dequantized, on the int4
+reference path exactly and through torch's CPU int4 kernels but at near-ties of their bfloat16 roundings;
+and the adapter changes the base model's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from gapless import LLM, LoRARequest, SamplingParams
+from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
+from gapless.testing.lora import ATTENTION, MLP, make_adapter, peft_model
+from gapless.testing.quant_checkpoints import write_quantized
+
+pytest.importorskip("peft", reason="the reference is transformers + peft")
+
+MAX_NEW = 8
+# torch's CPU int4 kernel rounds the activations, scales and zeros to bfloat16: with an adapter's deltas
+# these tiny models' logits move by up to a few tenths (tests/model/test_int4_cpu.py's bound, doubled)
+NEAR_TIE = 0.3
+
+
+@pytest.mark.parametrize(("kernel", "tol"), [("triton", 1e-3), ("auto", NEAR_TIE)])
+def test_an_adapter_over_int4_weights_equals_peft_on_the_dequantized_model(
+    ckpt_factory, tmp_path, monkeypatch, kernel, tol
+):
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", kernel)  # (triton: the CPU's exact reference path)
+    qdir, refdir = write_quantized(ckpt_factory("qwen3"), tmp_path, "awq", bits=4, group=32)
+    adapter = make_adapter(refdir, tmp_path / "adapter", ATTENTION + MLP, r=8, alpha=16, seed=1)
+    prompts = make_prompts(500, n=4, shared_prefix=8, max_len=30)
+    model = peft_model(refdir, adapter)
+    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    opts = dict(device="cpu", dtype="float32", kv_cache_tokens=512, overlap=False, enable_lora=True)
+    with LLM(str(qdir), max_lora_rank=8, **opts) as llm:
+        assert any("awq w4a16" in f for f in dict(llm.engine.info.weight_formats))
+        lora = [LoRARequest("a", 1, str(adapter))] * len(prompts)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        base = llm.generate(prompts, params, use_tqdm=False)
+    notes = [check_greedy(o.token_ids, r, tol=tol) for o, r in zip(outs, refs)]
+    assert sum(n is not None for n in notes) <= 1, notes
+    assert any(o.token_ids != b.token_ids for o, b in zip(outs, base))  # the adapter is applied
