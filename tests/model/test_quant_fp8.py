@@ -788,11 +788,13 @@ def test_transformers_reads_the_tiny_fp8_checkpoint_as_we_do(ckpt_factory, tmp_p
             torch.testing.assert_close(w.float(), ours[name], rtol=2**-8, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("layout", ["fp8", "ct-tensor"])
+@pytest.mark.parametrize("layout", ["fp8", "ct-tensor", "modelopt-block"])  # (ModelOpt's: 4-D, 128 x 128)
 def test_tensor_parallel_ranks_hold_their_weights_scales(ckpt_factory, tmp_path, layout):
     """Built as rank r of 2, each fused and row-parallel layer holds the rows (or columns) of its weight
-    and of its scales that rank 0 of 1 holds at the same places: scales are sharded with their weights."""
-    src = ckpt_factory("llama", hidden_size=128, intermediate_size=256, head_dim=32)
+    and of its scales that rank 0 of 1 holds at the same places: scales are sharded with their weights.
+    (ModelOpt's blocks are 128 wide: twice the width, so that each rank's input columns are whole blocks.)"""
+    wide = 2 if layout == "modelopt-block" else 1
+    src = ckpt_factory("llama", hidden_size=128 * wide, intermediate_size=256 * wide, head_dim=32 * wide)
     dst, _ = write_fp8_checkpoint(src, tmp_path / layout, layout, block=(32, 32))
     whole, ranks = load_as_ranks(dst)
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
