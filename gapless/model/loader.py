@@ -144,12 +144,11 @@ def load_model(
         name = decoder_name
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
-        hit = None
         if int4_spec is not None and isinstance(tensor, torch.Tensor):
             hit = int4_layouts.split_name(name, int4_spec, tensor.dtype)
-        if hit is not None and isinstance(tensor, torch.Tensor):
-            int4_parts.setdefault(hit[0], {})[hit[1]] = tensor  # as stored: packed ints, scales
-            continue
+            if hit is not None:
+                int4_parts.setdefault(hit[0], {})[hit[1]] = tensor  # as stored: packed ints, scales
+                continue
         if isinstance(tensor, GGUFBlocks):
             name, shard = _target(name)
             blocks.setdefault(name.rsplit(".", 1)[0], {})[shard] = tensor

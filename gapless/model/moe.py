@@ -17,7 +17,7 @@ Quantized experts (`WeightQuant`): fp8 (e4m3 with float32 scales, a checkpoint's
 and int4/int8 weight-only (an AWQ, GPTQ or compressed-tensors checkpoint's, packed as
 `gapless.model.quant.int4.install_experts` stacks them); the grouped GEMM dequantizes each tile, and on
 the CPU the reference loop multiplies with the weights dequantized once at load, or (int4 in groups of
-32-256, int8 per row) runs each expert's torch CPU kernel (`ExpertKernels`).
+32-256, int8 per row) runs each expert's torch CPU kernel (`ExpertWeights`).
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ def route(
     return (weights if fp32_weights else weights.to(logits.dtype)), ids
 
 
-# each expert's weight as a kernel (on the CPU, torch's: `gapless.model.quant.int4_kernels.library_kernel`)
-ExpertKernels = list[WeightKernel]
+# a projection's weights for the CPU's loop: every expert's stacked [E, out, in] (float), or each expert's
+# kernel (torch's CPU ones: `gapless.model.quant.int4_kernels.library_kernel`)
+ExpertWeights = torch.Tensor | list[WeightKernel]
 
 
 def _project(x: torch.Tensor, w: torch.Tensor | WeightKernel) -> torch.Tensor:
@@ -88,8 +89,8 @@ def _project(x: torch.Tensor, w: torch.Tensor | WeightKernel) -> torch.Tensor:
 
 def reference_experts(
     x: torch.Tensor,
-    w13: torch.Tensor | ExpertKernels,
-    w2: torch.Tensor | ExpertKernels,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
     weights: torch.Tensor,
     ids: torch.Tensor,
     lora: Any = None,
@@ -148,9 +149,7 @@ class Experts(nn.Module):
         self.quant_label = ""
         # (on the CPU) what the reference loop multiplies with: gate/up's and down's weights dequantized at
         # load, or each expert's kernel (`hold_int`)
-        self.cpu_weights: tuple[torch.Tensor, torch.Tensor] | tuple[ExpertKernels, ExpertKernels] | None = (
-            None
-        )
+        self.cpu_weights: tuple[ExpertWeights, ExpertWeights] | None = None
         # int4/int8 (`hold_int`): gate/up's and down's quantization, the parameters then packed words
         self.int_quant: tuple[WeightQuant, WeightQuant] | None = None
 
@@ -241,7 +240,7 @@ class Experts(nn.Module):
         self,
         packed: tuple[torch.Tensor, torch.Tensor],
         quant: tuple[WeightQuant, WeightQuant],
-        cpu_weights: tuple[torch.Tensor, torch.Tensor] | tuple[ExpertKernels, ExpertKernels] | None,
+        cpu_weights: tuple[ExpertWeights, ExpertWeights] | None,
         label: str,
     ) -> None:
         """Hold int4/int8 experts (`gapless.model.quant.int4.install_experts` makes them): gate/up's and
