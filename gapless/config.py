@@ -21,7 +21,7 @@ KV_CACHE_DTYPES = (
     "fp8",
     "fp8_e4m3",
 )  # vLLM's names; see gapless.memory.kv_pool.kv_cache_dtype
-LOAD_FORMATS = ("auto", "dummy")  # see gapless.model.loader.load_model
+LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")  # vLLM's names; see gapless.engine.preflight
 # --task's names (vLLM's and SGLang's too) and the task each means (gapless.engine.pooling)
 TASK_NAMES = {
     "auto": "auto",
@@ -110,7 +110,8 @@ class EngineConfig:
     load_format: str = option(
         "auto",
         "auto: the checkpoint's weights; dummy: random weights in the checkpoint's shape, none read (as "
-        "vLLM's --load-format dummy: for benchmarks, with a config.json and a tokenizer only)",
+        "vLLM's --load-format dummy: for benchmarks, with a config.json and a tokenizer only); "
+        "safetensors or gguf (vLLM's names): auto, for a checkpoint of that kind (the other is refused)",
     )
     page_size: int = option(1, "tokens per KV cache page; the prefix cache shares whole pages")
     radix_cache: bool = option(True, "reuse the KV cache of shared prompt prefixes (a radix tree)")

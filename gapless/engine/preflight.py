@@ -45,6 +45,9 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     otherwise. Idempotent."""
     cfg = localize(cfg)  # refuses, by name, an architecture or a feature the decoder lacks
     path = Path(cfg.model)
+    if cfg.load_format in ("safetensors", "gguf") and path.is_dir() != (cfg.load_format == "safetensors"):
+        kind = "a safetensors checkpoint" if path.is_dir() else "a GGUF file"
+        raise ValueError(f"--load-format {cfg.load_format}: {cfg.model} is {kind}")
     mcfg = load_model_config(path)
     if path.is_dir():  # a GGUF file carries its weights and tokenizer
         weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))

@@ -2,8 +2,8 @@
 checkpoints, said by config.json or by ModelOpt's own `hf_quant_config.json` alone, whose FP8 KV cache
 `--kv-cache-dtype auto` takes (as vLLM); older compressed-tensors checkpoints' `compression_config`; and
 `--quantization` naming vLLM's kernel for a checkpoint's format (`awq_marlin`, `gptq_marlin`,
-`moe_wna16`); compressed-tensors' W8A8 INT8 (`int-quantized`), run as w8a16 (its greedy parity with
-transformers is `test_quant_int4.py`'s). Their weights' parity with transformers is
+`moe_wna16`), and `gguf` for a GGUF file; `--load-format safetensors` and `gguf`; compressed-tensors'
+W8A8 INT8 (`int-quantized`), run as w8a16 (its greedy parity with transformers is `test_quant_int4.py`'s). Their weights' parity with transformers is
 `test_quant_fp8.py`'s greedy test, over these layouts too."""
 
 from __future__ import annotations
@@ -196,3 +196,22 @@ def test_quantization_gguf_names_a_gguf_files_own_format(ckpt_factory, tmp_path)
     with pytest.raises(QuantFormatError) as e:
         formats.resolve(None, "gguf", "cpu")
     _one_line(e, "--quantization gguf names a GGUF file's format")
+
+
+def test_load_format_takes_vllms_names_for_the_checkpoints_kind(ckpt_factory, tmp_path):
+    """`--load-format safetensors` and `gguf` (vLLM's) are `auto` for a checkpoint of that kind; for the
+    other kind, and for a format gapless does not read (`pt`), a one-line refusal before anything loads."""
+    from gapless.config import EngineConfig
+    from gapless.engine.preflight import check_engine_config
+    from gapless.testing.gguf_files import write_gguf
+
+    src = ckpt_factory("llama", rope_scaling=None)
+    gguf_file = write_gguf(src, tmp_path / "m.Q8_0.gguf", "Q8_0")
+    for model, fmt in ((src, "safetensors"), (gguf_file, "gguf")):
+        assert check_engine_config(EngineConfig(model=str(model), device="cpu", load_format=fmt)).cfg
+    for model, fmt, kind in ((gguf_file, "safetensors", "a GGUF file"), (src, "gguf", "a safetensors")):
+        with pytest.raises(ValueError) as e:
+            check_engine_config(EngineConfig(model=str(model), device="cpu", load_format=fmt))
+        _one_line(e, f"--load-format {fmt}", kind)
+    with pytest.raises(ValueError, match="load_format.*must be one of"):
+        EngineConfig(model=str(src), load_format="pt")
