@@ -1,10 +1,12 @@
-"""The quantized formats and flags vLLM users bring (`gapless.model.quant.formats`): NVIDIA ModelOpt's FP8
-checkpoints, said by config.json or by ModelOpt's own `hf_quant_config.json` alone, whose FP8 KV cache
-`--kv-cache-dtype auto` takes (as vLLM); older compressed-tensors checkpoints' `compression_config`; and
-`--quantization` naming vLLM's kernel for a checkpoint's format (`awq_marlin`, `gptq_marlin`,
-`moe_wna16`), and `gguf` for a GGUF file; `--load-format safetensors` and `gguf`; compressed-tensors'
-W8A8 INT8 (`int-quantized`), run as w8a16 (its greedy parity with transformers is `test_quant_int4.py`'s). Their weights' parity with transformers is
-`test_quant_fp8.py`'s greedy test, over these layouts too."""
+"""The quantized formats and flags vLLM users bring (`gapless.model.quant.formats`):
+- NVIDIA ModelOpt's FP8 checkpoints, said by config.json or by ModelOpt's own `hf_quant_config.json`
+  alone, whose FP8 KV cache `--kv-cache-dtype auto` takes (as vLLM);
+- older compressed-tensors checkpoints' `compression_config`;
+- `--quantization` naming vLLM's kernel for a checkpoint's format (`awq_marlin`, `gptq_marlin`,
+  `moe_wna16`), and `gguf` for a GGUF file; `--load-format safetensors` and `gguf`;
+- compressed-tensors' W8A8 INT8 (`int-quantized`), run as w8a16.
+The weights' greedy parity with transformers is `test_quant_fp8.py`'s (FP8 layouts) and
+`test_quant_int4.py`'s (int-quantized)."""
 
 from __future__ import annotations
 
