@@ -50,7 +50,7 @@ from gapless.model.config import load_model_config
 from gapless.model.decoder import CausalLM, ForwardContext, ImageRows
 from gapless.model.fused import use_fused_kernels
 from gapless.model.loader import load_model, resolve_dtype
-from gapless.model.quant import formats, quantization, weights_held, weights_summary
+from gapless.model.quant import quantization, weights_held, weights_summary
 from gapless.sampling.fused import draw_kernel, nucleus_kernel, penalty_kernel
 from gapless.sampling.logprobs import PromptScores, score_prompt
 from gapless.sampling.mask import TokenMask
@@ -95,7 +95,6 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
         if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
             log.warning(why)
-        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype, formats.checkpoint_kv_cache(cfg.model))
         self.model: CausalLM = load_model(
             cfg.model,
             self.dtype,
@@ -104,6 +103,7 @@ class ModelRunner:
             quantization=cfg.quantization,
             dummy=cfg.load_format == "dummy",
         )
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype, self.model.kv_cache_format)
         self.model_config = mcfg
         vision = self.model.vision  # a vision-language model's encoder, and the images it keeps per row
         per_call = encoder_images(cfg, vision.spec.tokens_per_image) if vision is not None else 0

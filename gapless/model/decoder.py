@@ -352,8 +352,10 @@ class CausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", "gate"),
         ".up_proj.": (".gate_up_proj.", "up"),
     }
-    # an FP8 KV cache's per-layer scales from the checkpoint (1.0 where none), set by the loader
+    # an FP8 KV cache's per-layer scales from the checkpoint (1.0 where none), set by the loader, and the KV
+    # cache format the checkpoint names, which `--kv-cache-dtype auto` takes (`formats.checkpoint_kv_cache`)
     kv_cache_scales: KVScales | None = None
+    kv_cache_format: str | None = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         """`max_positions`: the positions RoPE's table covers (default: the model's

@@ -170,6 +170,7 @@ def load_model(
     else:
         _check_complete(model, path, loaded, encoder.missing_weights() if encoder is not None else [])
     model.kv_cache_scales = kv_scales.scales(cfg.num_layers)
+    model.kv_cache_format = formats.checkpoint_kv_cache(path, device)
     model.requires_grad_(False).eval()
     if scheme is not None:
         assert spec is not None

@@ -118,7 +118,7 @@ def test_auto_takes_a_modelopt_checkpoints_fp8_kv_cache_and_bfloat16_refuses_it(
     `auto` makes the cache e4m3 with the checkpoint's k/v scales, as vLLM; `bfloat16` (vLLM's name for an
     unquantized cache) keeps the model's dtype; a checkpoint that names no KV format keeps it under `auto`."""
     dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / layout, layout)
-    assert formats.checkpoint_kv_cache(dst) == "fp8_e4m3"
+    assert formats.checkpoint_kv_cache(dst, "cpu") == "fp8_e4m3"
     opts = dict(device="cpu", dtype="float32", kv_cache_tokens=256, overlap=False)
     with LLM(str(dst), **opts) as llm:
         pool = llm.engine.runner.kv_pool
@@ -126,7 +126,17 @@ def test_auto_takes_a_modelopt_checkpoints_fp8_kv_cache_and_bfloat16_refuses_it(
     with LLM(str(dst), kv_cache_dtype="bfloat16", **opts) as llm:
         assert llm.engine.runner.kv_pool.k[0].dtype == torch.float32
     other, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "ct", "ct-tensor")
-    assert formats.checkpoint_kv_cache(other) is None
+    assert formats.checkpoint_kv_cache(other, "cpu") is None
+
+
+def test_an_older_gpu_keeps_the_models_dtype_for_a_checkpoints_fp8_kv_cache(
+    ckpt_factory, tmp_path, monkeypatch
+):
+    """Triton's e4m3 takes sm_89: on an Ampere GPU `auto` does not take the checkpoint's FP8 cache."""
+    dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "modelopt")
+    for capability, want in (((8, 0), None), ((8, 9), "fp8_e4m3"), ((9, 0), "fp8_e4m3")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert formats.checkpoint_kv_cache(dst, "cuda") == want
 
 
 @pytest.mark.parametrize(
@@ -149,7 +159,7 @@ def test_the_kv_cache_a_modelopt_config_names(ckpt_factory, tmp_path, kv, want):
     dst = tmp_path / "m"
     dst.mkdir()
     (dst / "config.json").write_text(json.dumps(cfg))
-    assert formats.checkpoint_kv_cache(dst) == want
+    assert formats.checkpoint_kv_cache(dst, "cpu") == want
 
 
 def test_compressed_tensors_w8a8_int8_runs_as_w8a16():

@@ -241,12 +241,13 @@ def checkpoint_quantization(path: Path) -> dict[str, Any] | None:
     return qcfg
 
 
-def checkpoint_kv_cache(path: Path | str) -> str | None:
+def checkpoint_kv_cache(path: Path, device: torch.device | str) -> str | None:
     """The KV cache format a checkpoint's ModelOpt config names, which `--kv-cache-dtype auto` takes (as
     vLLM does): "fp8_e4m3" where its `kv_cache_scheme` is static 8-bit floats or its `kv_cache_quant_algo`
     FP8 (at the top of the config or under `quantization`); None where it names none, or one not built
-    (NVFP4: logged)."""
-    qcfg = _declared(Path(path))
+    (NVFP4), or where `device` is a GPU older than e4m3 needs (Triton's e4m3 takes sm_89: an Ampere GPU
+    keeps the model's dtype, as vLLM's fix for older GPUs does), each of those logged."""
+    qcfg = _declared(path)
     if qcfg is None or not _is_modelopt(qcfg):
         return None
     inner = qcfg.get("quantization")
@@ -258,10 +259,16 @@ def checkpoint_kv_cache(path: Path | str) -> str | None:
         kv = "FP8" if static_fp8 else str(kv)
     if kv is None:
         return None
-    if str(kv).upper() == "FP8":
-        return "fp8_e4m3"
-    log.warning("the checkpoint's KV cache format %s is not built: the cache is in the model's dtype", kv)
-    return None
+    if str(kv).upper() != "FP8":
+        log.warning("the checkpoint's KV cache format %s is not built: the cache is in the model's dtype", kv)
+        return None
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        log.warning("the checkpoint's fp8 KV cache needs sm_89 or newer: the cache is in the model's dtype")
+        return None
+    return "fp8_e4m3"
 
 
 GGUF = "gguf"  # vLLM's `--quantization` name for a GGUF file's own format
