@@ -229,7 +229,7 @@ def _random_weights(model: CausalLM) -> None:
 
 # a checkpoint's static activation scales (and int8 zero points): activations are scaled per token, or not
 # quantized at all (int-quantized: w8a16)
-_SKIPPED = (".input_scale", ".input_zero_point")
+_SKIPPED = (".input_scale", ".input_zero_point", ".input_scale_ub")  # (fbgemm_fp8's bound: not used)
 
 
 def quant_spec(path: Path, quantization: str | None, device: torch.device | str) -> QuantSpec | None:

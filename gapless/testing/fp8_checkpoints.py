@@ -16,7 +16,8 @@ from gapless.model.quant.fp8 import FP8_MAX, quantize_blocks, quantize_rows
 
 # block sizes come from `block` but for ModelOpt's, always [128, 128]; "fp8-tensor": `quant_method: fp8`
 # without blocks (vLLM's and AutoFP8's); "modelopt": its per-tensor FP8 said by `hf_quant_config.json`
-# alone (older exports), the other two in config.json
+# alone (older exports), the other two in config.json; "fbgemm": `fbgemm_fp8`, per row, with transformers'
+# `input_scale_ub` beside each weight
 LAYOUTS = (
     "fp8",
     "ct-tensor",
@@ -26,6 +27,7 @@ LAYOUTS = (
     "modelopt",
     "modelopt-channel",
     "modelopt-block",
+    "fbgemm",
 )
 _MODELOPT_ALGOS = {
     "modelopt": "FP8",
@@ -61,6 +63,8 @@ def quant_config(layout: str, block: tuple[int, int]) -> dict:
     if layout == "modelopt":
         algos = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
         return {"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": algos}
+    if layout == "fbgemm":
+        return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": []}
     if layout in _MODELOPT_ALGOS:
         kv = {"type": "float", "num_bits": 8, "dynamic": False, "strategy": "tensor"}
         algo = _MODELOPT_ALGOS[layout]
@@ -80,7 +84,7 @@ def _quantize(w: torch.Tensor, layout: str, block: tuple[int, int]) -> tuple[tor
     if blocks is not None:
         q, scale = quantize_blocks(w, blocks)
         return q, scale[:, None, :, None] if layout == "modelopt-block" else scale  # ModelOpt's: 4-D
-    if layout in ("ct-channel", "modelopt-channel"):
+    if layout in ("ct-channel", "modelopt-channel", "fbgemm"):
         q, scale = quantize_rows(w)
         return q, scale.view(-1) if layout == "modelopt-channel" else scale  # ModelOpt's: [N]
     scale = w.float().abs().max().clamp_min(1e-12) / FP8_MAX  # one scale
@@ -126,6 +130,8 @@ def write_fp8_checkpoint(
             quantized[module + scale_name] = stored.contiguous()
             if layout in _STATIC:  # a calibrated activation scale, which gapless does not read
                 quantized[module + "input_scale"] = torch.tensor(0.02)
+            if layout == "fbgemm":  # a bound on a token's activation scale, which gapless does not read
+                quantized[module + "input_scale_ub"] = torch.tensor([1200.0])
             if layout.startswith("modelopt") and module.endswith(("k_proj.", "v_proj.")):
                 kv = module.rsplit(".", 2)[-2][0]  # "k" or "v"
                 quantized[f"{module}{kv}_scale"] = torch.tensor(KV_SCALE)  # the KV cache's

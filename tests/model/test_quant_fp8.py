@@ -58,6 +58,7 @@ CPU = torch.device("cpu")
         ("fp8-tensor", "fp8 e4m3 per-tensor"),
         ("modelopt-channel", "modelopt fp8 e4m3 per-channel"),
         ("modelopt-block", "modelopt fp8 e4m3 block 128x128"),
+        ("fbgemm", "fbgemm fp8 e4m3 per-channel"),
     ],
 )
 def test_each_layouts_config_names_its_format(layout, label):
@@ -732,6 +733,7 @@ def _activations_rounded(hf, k_group):
         ("modelopt", None, "cpu"),
         ("modelopt-channel", None, "cpu"),
         ("modelopt-block", (128, 128), "cpu"),
+        ("fbgemm", None, "cpu"),
         ("online", None, "cpu"),
         pytest.param("online", None, "cuda", marks=_CUDA, id="online-None-cuda"),
     ],
@@ -752,8 +754,8 @@ def test_fp8_greedy_equals_the_dequantized_float32_model(ckpt_factory, tmp_path,
     loaded = loader.load_model(model, torch.float32, CPU, **kw)
     held = weights_held(loaded)[0]
     assert sum(n for f, n in held.items() if "fp8 e4m3" in f) == 8, held  # 4 projections x 2 layers
-    named = {"ct": "compressed-tensors", "modelopt": "modelopt"}.get(layout.split("-")[0], "fp8")
-    assert quantization(loaded) == named
+    methods = {"ct": "compressed-tensors", "modelopt": "modelopt", "fbgemm": "fbgemm_fp8"}
+    assert quantization(loaded) == methods.get(layout.split("-")[0], "fp8")
     prompts = make_prompts(1000, n=4, max_len=40, shared_prefix=8)
     ours = _greedy(model, prompts, device=device, **kw)
     hf = load_hf_model(ref)

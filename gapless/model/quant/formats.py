@@ -168,6 +168,15 @@ def _modelopt(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     )
 
 
+def _fbgemm_fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
+    """`quant_method: fbgemm_fp8` (Meta's `Llama-3.1-405B-Instruct-FP8`): e4m3 weights with a
+    `weight_scale` per output row; activations quantized per token at run time, as every FP8 layer's (its
+    `activation_scale_ub`, a bound on a token's scale, and any `input_scale_ub` tensor are not used)."""
+    if online:
+        raise QuantFormatError("quantization fbgemm_fp8 is a checkpoint's format, not one applied at load")
+    return QuantSpec("fbgemm_fp8", "fp8", "fbgemm fp8 e4m3 per-channel")
+
+
 # compressed-tensors' own `format` -> its parser (the quantization_config and its one config group)
 CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "float-quantized": _ct_float,
@@ -204,6 +213,7 @@ FORMATS: dict[str, Parser] = {
     "awq": _int4,
     "gptq": _int4,
     "modelopt": _modelopt,
+    "fbgemm_fp8": _fbgemm_fp8,
 }
 # vLLM's `--quantization` names for its own kernels of a checkpoint's format: accepted for a checkpoint in
 # one of those formats, which then runs as it would without the flag
