@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from gapless.model.quant.int4_layouts import AWQ_ORDER, Unpacked, pack_int32
+from gapless.model.quant.int4_layouts import AWQ_ORDER, Unpacked, int4_spec_from_config, pack_int32
 
 LAYOUTS = ("awq", "gptq", "gptq_v2", "compressed-tensors", "int-quantized")
 # every decoder projection: attention's, dense MLPs' (a shared expert's too), each expert's (Mixtral: w1/2/3)
@@ -45,9 +45,11 @@ def quantize(
     return Unpacked(q.reshape(n, k).to(torch.int16), scale, zero)
 
 
-def label_method(layout: str) -> str:
-    """How the start-up line's format label begins for a checkpoint of `layout` (`Int4Spec.label`)."""
-    return "compressed-tensors int-quantized" if layout == "int-quantized" else layout.split("_")[0]
+def layout_label(layout: str, bits: int, group: int, sym: bool, act_order: bool = False) -> str:
+    """The weight format the loader names a checkpoint of `layout` by (`Int4Spec.label`, of its config)."""
+    spec = int4_spec_from_config(quantization_config(layout, bits, group, sym, act_order))
+    assert spec is not None
+    return spec.label
 
 
 def _awq_pack(v: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.model.quant.int4_kernels import CPU_KERNEL, CpuInt8
 from gapless.model.quant.int4_layouts import Int4Spec
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
-from gapless.testing.quant_checkpoints import label_method, quantize, write_quantized
+from gapless.testing.quant_checkpoints import layout_label, quantize, write_quantized
 
 CPU = torch.device("cpu")
 MAX_NEW = 8
@@ -98,7 +98,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     with LLM(str(qdir), device="cpu", dtype="float32", kv_cache_tokens=256, overlap=False) as llm:
         formats = dict(llm.engine.info.weight_formats)
         held = weights_held(llm.engine.runner.model)[1]
-    label = f"{label_method(layout)} w{bits}a16 {g}" + (" act-order" if act_order else "")
+    label = layout_label(layout, bits, group, sym, act_order)
     assert formats.get(f"{label} ({CPU_KERNEL})"), formats  # every quantized layer on the kernels
     if arch == "qwen3_moe":  # and every layer's experts
         assert formats.get(f"{label} ({CPU_KERNEL}) experts"), formats

@@ -31,7 +31,7 @@ from gapless.model.quant.int4_triton import (
 )
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 from gapless.testing.quant_checkpoints import (
-    label_method,
+    layout_label,
     layout_tensors,
     quantization_config,
     quantize,
@@ -398,7 +398,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     )
     model = loader.load_model(qdir, torch.float32, torch.device("cpu"))
     formats, held = weights_held(model)
-    assert any(f.startswith(f"{label_method(layout)} w{bits}a16") for f in formats), formats
+    assert any(f.startswith(layout_label(layout, bits, 32, sym, act_order)) for f in formats), formats
     assert held < weights_held(loader.load_model(refdir, torch.float32, torch.device("cpu")))[1]
     assert f"w{bits}a16 g32" in weights_summary(model)
     prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)

@@ -22,7 +22,7 @@ from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4_layouts import pack_int32
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
-from gapless.testing.quant_checkpoints import label_method, quantize, write_quantized
+from gapless.testing.quant_checkpoints import layout_label, quantize, write_quantized
 from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 from gapless.testing.triton_compile import compile_cases
 
@@ -75,8 +75,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     experts = _experts(model)
     assert experts and all(m.gate_up_proj.dtype == torch.int32 and m.int_quant is not None for m in experts)
     assert all(m.int_quant is not None and m.int_quant[0].bits == bits for m in experts)
-    g = "channel" if group < 0 else f"g{group}"
-    label = f"{label_method(layout)} w{bits}a16 {g} experts"
+    label = f"{layout_label(layout, bits, group, sym)} experts"
     assert weights_held(model)[0].get(label) == len(experts), weights_summary(model)
     assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32  # the router: as stored
     if arch == "qwen2_moe":
