@@ -87,18 +87,23 @@ def check_tensor_parallel(cfg: EngineConfig, mcfg: ModelConfig) -> None:
 
 
 def check_quantization(cfg: EngineConfig, path: Path) -> None:
-    """QuantFormatError (a ValueError, one line naming the format) for a quantized format that is unknown
-    or that the device cannot run (`gapless.model.quant.formats`); imports torch only when there is one."""
+    """QuantFormatError (a ValueError, one line naming the format) for a quantized format, of the weights
+    or the KV cache, that is unknown or that the device cannot run (`gapless.model.quant.formats`);
+    imports torch only when there is one."""
     qcfg = formats.checkpoint_quantization(path)
+    fp8_cache = cfg.kv_cache_dtype in ("fp8", "fp8_e4m3")
+    if qcfg is None and cfg.quantization is None and not fp8_cache:
+        return
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    formats.check_kv_cache(cfg.kv_cache_dtype, device)
     if qcfg is None and cfg.quantization is None:
         return
     if not path.is_dir():  # a GGUF file
         formats.check_gguf_flag(cfg.quantization)
         return
-    import torch
-
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    formats.resolve(qcfg, cfg.quantization, auto if cfg.device == "auto" else cfg.device)
+    formats.resolve(qcfg, cfg.quantization, device)
 
 
 def check_max_model_len(max_model_len: int | None, limit: int, model: str) -> None:

@@ -139,6 +139,29 @@ def test_an_older_gpu_keeps_the_models_dtype_for_a_checkpoints_fp8_kv_cache(
         assert formats.checkpoint_kv_cache(dst, "cuda") == want
 
 
+def test_an_fp8_kv_cache_asked_for_on_an_older_gpu_is_refused_before_anything_loads(
+    ckpt_factory, monkeypatch
+):
+    """`--kv-cache-dtype fp8` on an Ampere GPU (no e4m3 in its Triton) is refused in the pre-flight by
+    name; auto and bfloat16 pass, and so does fp8 on sm_89."""
+    from gapless.config import EngineConfig
+    from gapless.engine.preflight import check_quantization
+
+    src = ckpt_factory("qwen3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    for capability in ((8, 0), (8, 9)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        for kv in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
+            cfg = EngineConfig(model=str(src), kv_cache_dtype=kv)
+            if capability == (8, 0) and kv.startswith("fp8"):
+                with pytest.raises(QuantFormatError) as e:
+                    check_quantization(cfg, src)
+                _one_line(e, f"--kv-cache-dtype {kv}", "sm_89", "NVIDIA A100 is sm_80")
+            else:
+                check_quantization(cfg, src)
+
+
 @pytest.mark.parametrize(
     ("kv", "want"),
     [
@@ -175,6 +198,7 @@ def test_compressed_tensors_w8a8_int8_runs_as_w8a16():
     )
     qc["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
     per_tensor = int4_spec_from_config(qc)
+    assert per_tensor is not None and per_tensor.label == "compressed-tensors int-quantized w8a16 tensor"
     values = torch.tensor([[-3, 0, 5, 127], [1, -128, 2, 0]], dtype=torch.int8)
     w = unpack(per_tensor, {"weight": values, "weight_scale": torch.tensor([0.5])}, "probe")
     torch.testing.assert_close(w.dequantize(), values.float() * 0.5, rtol=0, atol=0)

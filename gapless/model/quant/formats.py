@@ -328,6 +328,22 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
     return spec
 
 
+def check_kv_cache(name: str, device: torch.device | str) -> None:
+    """Refuse `--kv-cache-dtype` fp8 (e4m3) on a CUDA device older than sm_89, whose Triton has no e4m3 to
+    read or store the cache with (`auto` there keeps the model's dtype: `checkpoint_kv_cache`)."""
+    import torch
+
+    device = torch.device(device)
+    if name not in ("fp8", "fp8_e4m3") or device.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < FP8_MIN_CAPABILITY:
+        raise QuantFormatError(
+            f"--kv-cache-dtype {name} needs a GPU of sm_89 or newer (Triton's e4m3); "
+            f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}: use auto"
+        )
+
+
 def check_device(spec: QuantSpec, device: torch.device | str) -> None:
     """Refuse `spec` on a CUDA device older than its kernels need (the CPU runs a reference path)."""
     import torch

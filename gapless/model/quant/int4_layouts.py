@@ -65,10 +65,11 @@ class Int4Spec:
     zero_offset: int = 0  # added to the stored zero points (GPTQ's v1 format: 1)
     act_order: bool = False  # the config names act-order (each layer's g_idx says its order: `act_order`)
     packed: bool = True  # False: compressed-tensors' `int-quantized`, int8 values as they are
+    per_tensor: bool = False  # int-quantized's strategy tensor: one scale, read as one per row (group -1)
 
     @property
     def label(self) -> str:
-        group = "channel" if self.group_size < 0 else f"g{self.group_size}"
+        group = "tensor" if self.per_tensor else "channel" if self.group_size < 0 else f"g{self.group_size}"
         method = self.method if self.packed else f"{self.method} int-quantized"
         return f"{method} w{self.bits}a16 {group}" + (" act-order" if self.act_order else "")
 
@@ -153,7 +154,15 @@ def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
     group_size = w.get("group_size") if strategy == "group" else -1
     bits, group = _check_bits_group("compressed-tensors", w.get("num_bits"), group_size, (4, 8))
     symmetric, act_order = bool(w.get("symmetric", True)), w.get("actorder") in (True, "group")
-    return Int4Spec("compressed-tensors", bits, group, symmetric, act_order=act_order, packed=packed)
+    return Int4Spec(
+        "compressed-tensors",
+        bits,
+        group,
+        symmetric,
+        act_order=act_order,
+        packed=packed,
+        per_tensor=strategy == "tensor",
+    )
 
 
 def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
