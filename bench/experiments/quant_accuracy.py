@@ -2,7 +2,7 @@
 default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantized to a float32 checkpoint by transformers)
 against itself quantized in each format gapless serves, and with an FP8 KV cache.
 
-    PYTHONPATH=. .venv/bin/python bench/experiments/quant_accuracy.py [--work DIR]
+    PYTHONPATH=. .venv/bin/python bench/experiments/quant_accuracy.py [--work DIR] [--only WORDS ...]
 
 Each row is one engine on the CPU (float32 activations), scored as `gguf_quality.py` scores a GGUF type:
 perplexity of its fixed text, and greedy agreement over 64 new tokens of its 8 prompts against the float32
@@ -10,11 +10,12 @@ model (the first divergence per prompt, and the float model's top-2 logit gap th
 The CPU runs each format's reference path: FP8 W8A8 rounds the activations as the CUDA kernel does and
 multiplies by the dequantized weight; int4/int8 run the dequantized weights (their rounding is the
 checkpoint's own, here round-to-nearest by `gapless.testing.quant_checkpoints`, not GPTQ's or AWQ's
-calibrated one, so it is the worst case of each layout); and the int rows torch's CPU kernels take (int4
-in groups of 32-256, int8 per row) again on those kernels, the engine's default on the CPU, which round
-the activations, scales and zeros to bfloat16 (`GAPLESS_INT4_KERNEL=auto` against `triton`). The FP8 KV
+calibrated one, so it is the worst case of each layout); and the int rows torch's CPU kernels take (4
+or 8 bits in groups of 32-256 or per row) again on those kernels, the engine's default on the CPU, which
+round the activations, scales and zeros to bfloat16 (`GAPLESS_INT4_KERNEL=auto` against `triton`). The FP8 KV
 cache stores e4m3 keys and values with scales 1.0 (the checkpoint has none). lm-evaluation-harness's tasks
-need their datasets, which this machine cannot download: the perplexity stands in for them.
+need their datasets, which this machine cannot download: the perplexity stands in for them. `--only`
+runs the rows whose label holds any of its words (the float32 reference always).
 """
 
 from __future__ import annotations
@@ -80,8 +81,11 @@ def formats(work: Path) -> dict[str, tuple[Path, dict[str, object]]]:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python bench/experiments/quant_accuracy.py")
     p.add_argument("--work", help="where the checkpoints are written (default: a temporary directory)")
+    p.add_argument("--only", nargs="+", help="the rows whose label holds any of these (default: all)")
     args = p.parse_args()
     rows = formats(Path(args.work or tempfile.mkdtemp(prefix="quant_accuracy-")))
+    if args.only:
+        rows = {k: v for k, v in rows.items() if k == "float32" or any(w in k for w in args.only)}
     base = rows["float32"][0]
     print(f"the default model's Q4_1 GGUF dequantized to float32 ({base}); the fixed text: {len(TEXT)} chars")
     ref_ppl, ref_tokens, ref_top, _ = run(str(base))

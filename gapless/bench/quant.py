@@ -10,7 +10,7 @@ published values) and the built-in tokenizer, no weights, and for each shape a `
 carries an AWQ int4 g128 `quantization_config` (the common int4 layout; every int4/int8 layout runs the
 same GEMM), for the 8B a `-gptq-act` twin, GPTQ int4 g128 with act-order (the same GEMMs, x's columns in
 each layer's order: gathered for o, written so by the fused kernels for the rest), and for the 0.6B an
-`-int8` twin, GPTQ int8 per channel.
+`-int8` twin, GPTQ int8 per channel, and an `-int8-g128` one, in groups of 128 (Qwen's `*-GPTQ-Int8`).
 `run` loads it with `load_format=dummy` (random weights made on the device, in the int4 form where the
 config says so, none read: a 16 GB checkpoint is neither built nor read) in bfloat16, on CUDA graphs at
 batch 1, and times one request at a time: a 128-token prompt generating 1 token (its prefill) and
@@ -72,14 +72,16 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # the int4/int8 twins (suffix -> quantization_config, the shapes given one): AutoAWQ's GEMM layout, 4 bits,
 # groups of 128, zero points; GPTQ's with act-order (desc_act), the same sizes; GPTQ's int8, one group a row
-# (the 0.6B's: the CPU's int8 kernel, bench/results/int4_cpu)
+# and in groups of 128 (Qwen's own *-GPTQ-Int8) (the 0.6B's: the CPU's kernels, bench/results/int4_cpu)
 AWQ_G128 = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
 GPTQ_ACT_G128 = dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc_act=True)
 GPTQ_INT8 = dict(quant_method="gptq", bits=8, group_size=-1, sym=True, desc_act=False)
+GPTQ_INT8_G128 = {**GPTQ_INT8, "group_size": 128}
 TWINS = {
     "-awq": (AWQ_G128, ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")),
     "-gptq-act": (GPTQ_ACT_G128, ("qwen3-8b",)),
     "-int8": (GPTQ_INT8, ("qwen3-0.6b",)),
+    "-int8-g128": (GPTQ_INT8_G128, ("qwen3-0.6b",)),
 }
 PROMPT_LEN = 128
 

@@ -18,6 +18,7 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         "qwen3-0.6b",
         "qwen3-0.6b-awq",
         "qwen3-0.6b-int8",
+        "qwen3-0.6b-int8-g128",
         "qwen3-8b",
         "qwen3-8b-awq",
         "qwen3-8b-gptq-act",
@@ -34,6 +35,9 @@ def test_make_writes_each_shape_without_weights(tmp_path):
     assert int4_spec_from_config(qc) == Int4Spec("gptq", 4, 128, True, zero_offset=1, act_order=True)
     qc = json.loads((tmp_path / "qwen3-0.6b-int8" / "config.json").read_text())["quantization_config"]
     assert int4_spec_from_config(qc) == Int4Spec("gptq", 8, -1, True, zero_offset=1)
+    qc = json.loads((tmp_path / "qwen3-0.6b-int8-g128" / "config.json").read_text())["quantization_config"]
+    assert int4_spec_from_config(qc) == Int4Spec("gptq", 8, 128, True, zero_offset=1)
+    assert quant._shape_of("qwen3-0.6b-int8-g128") == "qwen3-0.6b"
     assert quant._shape_of("qwen3-8b-gptq-act") == quant._shape_of("qwen3-8b-awq") == "qwen3-8b"
     moe = load_model_config(tmp_path / "qwen3-30b-a3b")  # every layer a mixture of 128 experts, 8 routed
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)

@@ -56,12 +56,13 @@ CPU_KERNEL = int4_kernels.CPU_KERNEL
     [
         (4, 128, torch.bfloat16, 4096, 4096, "tinygemm+triton", CPU_KERNEL),
         (4, 32, torch.bfloat16, 64, 128, "tinygemm+triton", CPU_KERNEL),
-        (8, 128, torch.bfloat16, 4096, 4096, "triton", "triton"),  # tinygemm: 4 bits; the CPU's int8: rows
+        (8, 128, torch.bfloat16, 4096, 4096, "triton", CPU_KERNEL),  # tinygemm: 4 bits
         (8, 4096, torch.bfloat16, 4096, 4096, "triton", CPU_KERNEL),  # (int8, a group a row)
         (8, 48, torch.bfloat16, 4096, 48, "triton", "triton"),  # (K no multiple of 32)
         (4, 128, torch.float16, 4096, 4096, "triton", CPU_KERNEL),  # tinygemm: bfloat16 only
-        (4, 4096, torch.bfloat16, 4096, 4096, "triton", "triton"),  # a group a row
+        (4, 4096, torch.bfloat16, 4096, 4096, "triton", CPU_KERNEL),  # a group a row (CPU: as int8)
         (4, 16, torch.bfloat16, 4096, 4096, "triton", "triton"),
+        (8, 16, torch.bfloat16, 4096, 4096, "triton", "triton"),
         (4, 128, torch.bfloat16, 4100, 4096, "triton", CPU_KERNEL),  # N not a multiple of 8 (CPU: padded)
     ],
 )

@@ -11,7 +11,8 @@ float GEMM's cost plus the dequantization: for parity, not speed.
 
 A mixture's experts (`...experts.3.gate_proj.qweight`, Mixtral's `w1`/`w3`/`w2`) are unpacked the same way
 and stacked by `install_experts` into the layer's `Experts`, each expert in the GEMM's layout; the grouped
-GEMM (`gapless.model.moe_triton`) unpacks them on CUDA, the CPU multiplies with them dequantized at load.
+GEMM (`gapless.model.moe_triton`) unpacks them on CUDA; the CPU runs each expert's CPU kernel where one
+takes it, else multiplies with them dequantized at load.
 """
 
 from __future__ import annotations

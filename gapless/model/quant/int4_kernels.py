@@ -15,12 +15,16 @@ own layout, built from the one unpacked form `W = (q - zero) * scale` (`int4_lay
   few), 4 or 8 bits, fed the same `(q - zero) * scale` form unchanged (`fma_mode=False`). Its split-K
   kernels add their partial sums with atomics: the last bits of a product may differ between runs.
 
-On the CPU, `auto` runs torch's CPU kernels where they take a layer (`CPU_KERNEL`; `cpu_runs`): 4 bits
-in groups of 32-256 through `_weight_int4pack_mm_for_cpu` (`gguf_cpu.CpuInt4`, as GGUF's int4 layers),
-8 bits one group a row through `_weight_int8pack_mm` (`CpuInt8`), the activations as bfloat16 (their
-vectorized path) and the scales and zeros rounded to bfloat16; any other choice, and a layer they do not
-take, runs the reference path (`int4.Int4LinearMethod`), which dequantizes the whole weight each call:
-exact against the dequantized model, for tests, ~650x slower at one row on a 2048 x 8192 layer.
+On the CPU, `auto` runs torch's CPU kernels where they take a layer (`CPU_KERNEL`; `cpu_runs`), the
+activations as bfloat16 (their vectorized path) and the scales and zeros rounded to bfloat16:
+
+- 4 bits in groups of 32-256: `_weight_int4pack_mm_for_cpu` (`gguf_cpu.CpuInt4`, as GGUF's int4 layers);
+- 8 bits in groups of 32-256: the same kernel over each value's two nibbles (`CpuInt8Groups`);
+- 4 or 8 bits one group a row: `_weight_int8pack_mm` (`CpuInt8`).
+
+Any other choice, and a layer they do not take, runs the reference path (`int4.Int4LinearMethod`), which
+dequantizes the whole weight each call: exact against the dequantized model, for tests, ~650x slower at
+one row on a 2048 x 8192 layer.
 
 Measured on an H100 (bench/results/h100-2026-11-26/quant): Qwen3-8B's TPOT at batch 1 with AWQ int4
 weights is 0.50x bf16's on tinygemm, 0.59x on gemlite, 0.89x on the Triton GEMM; at one row tinygemm takes
@@ -81,12 +85,10 @@ def for_layer(
 
 
 def cpu_runs(bits: int, group: int, k: int) -> bool:
-    """Whether torch's CPU kernels take a layer of `bits` in groups of `group` over `k` inputs: 4 bits
-    in groups of 32-256, or 8 bits one group a row with `k` a multiple of 32 (the int8 kernel reads
-    wrong memory, or crashes, where K is no multiple of 16)."""
-    if bits == 4:
-        return group in TINYGEMM_GROUPS and k % group == 0
-    return bits == 8 and group == k and k % 32 == 0
+    """Whether torch's CPU kernels take a layer of `bits` (4 or 8) in groups of `group` over `k` inputs:
+    groups of 32-256, or one group a row with `k` a multiple of 32 (the int8 kernel reads wrong memory,
+    or crashes, where K is no multiple of 16)."""
+    return k % group == 0 and (group in TINYGEMM_GROUPS or group == k and k % 32 == 0)
 
 
 def for_model(numel: int, bits: int, dtype: torch.dtype, device: torch.device) -> str:
@@ -205,14 +207,16 @@ class GemLite:
 
 
 class CpuInt8:
-    """A layer's 8-bit weight, one group a row, for torch's CPU `_weight_int8pack_mm`: the values as
-    signed int8 `q - 128` and the scales in bfloat16, so `W = (q - 128) * scale + offset` with a row's
-    `offset = (128 - zero) * scale`, added as x's row sums times it (none where symmetric)."""
+    """A layer's 4- or 8-bit weight, one group a row, for torch's CPU `_weight_int8pack_mm`: the values as
+    signed int8 `q - mid` (mid = 2^(bits - 1)) and the scales in bfloat16, so `W = (q - mid) * scale +
+    offset` with a row's `offset = (mid - zero) * scale`, added as x's row sums times it (none where
+    symmetric)."""
 
-    def __init__(self, w: Unpacked) -> None:
-        self.q = (w.q - 128).to(torch.int8).contiguous()
+    def __init__(self, w: Unpacked, bits: int) -> None:
+        mid = 1 << (bits - 1)
+        self.q = (w.q.to(torch.int32) - mid).to(torch.int8).contiguous()
         self.scale = w.scale[:, 0].to(torch.bfloat16).contiguous()
-        offset = (128.0 - w.zero[:, 0]) * self.scale.float()
+        offset = (mid - w.zero[:, 0]) * self.scale.float()
         self.offset = offset if bool(offset.any()) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -224,13 +228,45 @@ class CpuInt8:
         return [self.q, self.scale] + ([self.offset] if self.offset is not None else [])
 
 
+class CpuInt8Groups:
+    """A layer's 8-bit weight in groups of 32-256 for torch's CPU int4 GEMM (`CpuInt4`), over K doubled:
+    each value `q = 16 hi + lo` as its high nibbles (scaled 16x) beside its low ones, x beside itself, so
+    `W = (hi - 8) * 16 s + (lo - 8) * s + offset` with a group's `offset = (136 - zero) * s` (s its scale
+    rounded to bfloat16) in the low nibbles' zeros. The kernel rounds those to bfloat16, exact where
+    symmetric (8 s); what it loses is added as x's group sums times it."""
+
+    def __init__(self, w: Unpacked) -> None:
+        n, k = w.q.shape
+        self.groups = w.scale.shape[1]
+        q, scale = w.q.to(torch.int32), w.scale.to(torch.bfloat16).float()
+        offset = (136.0 - w.zero) * scale
+        zeros = torch.cat([torch.zeros_like(offset), offset], dim=1)
+        self.kernel = CpuInt4(
+            torch.cat([q >> 4, q & 15], dim=1), torch.cat([16 * scale, scale], dim=1), zeros, k // self.groups
+        )
+        lost = offset - offset.to(torch.bfloat16).float()
+        self.lost = lost.t().contiguous() if bool(lost.any()) else None  # [K / G, N]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        y = self.kernel(torch.cat([x, x], dim=-1))
+        if self.lost is None:
+            return y
+        return y + x.float().view(x.shape[0], self.groups, -1).sum(-1) @ self.lost
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.kernel.tensors() + ([self.lost] if self.lost is not None else [])
+
+
 def library_kernel(
     kernel: str, w: Unpacked, bits: int, dtype: torch.dtype, device: torch.device, label: str
 ) -> WeightKernel:
     """The library `kernel`'s form of one layer's weight `w` (`tinygemm`, `gemlite`, or `CPU_KERNEL`:
-    `CpuInt4` at 4 bits, `CpuInt8` at 8)."""
+    `CpuInt8` one group a row, else `CpuInt4` at 4 bits and `CpuInt8Groups` at 8)."""
     if kernel == CPU_KERNEL:
+        if w.scale.shape[1] == 1:
+            return CpuInt8(w, bits)
         if bits == 8:
-            return CpuInt8(w)
+            return CpuInt8Groups(w)
         return CpuInt4(w.q, w.scale, (8.0 - w.zero) * w.scale, w.q.shape[1] // w.scale.shape[1])
     return (TinyGemm if kernel == "tinygemm" else GemLite)(w, bits, dtype, device, label)
