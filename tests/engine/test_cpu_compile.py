@@ -77,6 +77,26 @@ def test_a_quantized_gguf_compiles_once_and_equals_transformers(ckpt_factory, tm
     assert sum(t is not None for t in ties) <= 1, ties
 
 
+@pytest.mark.slow
+def test_an_int8_checkpoint_in_groups_compiles_once_and_equals_transformers(ckpt_factory, tmp_path):
+    """Weight-only int8 in groups, asymmetric, on torch's CPU kernels (the int4 kernel over each value's
+    two nibbles, the zeros' lost bits added as x's group sums): the compiled decode gives transformers'
+    tokens on the dequantized weights (near-ties of the bfloat16 roundings counted) and compiles nothing
+    after its warm-up."""
+    from gapless.model.quant.int4_kernels import CPU_KERNEL
+    from gapless.testing.quant_checkpoints import write_quantized
+
+    qdir, refdir = write_quantized(ckpt_factory("llama"), tmp_path, "gptq", bits=8, group=32, sym=False)
+    prompts = make_prompts(503, n=4, shared_prefix=0, max_len=24)
+    hf = load_hf_model(refdir)
+    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    with _llm(qdir) as llm:
+        assert any(CPU_KERNEL in f for f, _ in llm.engine.info.weight_formats)
+    outs = _compiled_greedy(qdir, prompts)
+    ties = [check_greedy(o, r, tol=0.15) for o, r in zip(outs, [refs[0], *refs])]
+    assert sum(t is not None for t in ties) <= 1, ties
+
+
 def test_a_compiler_error_falls_back_to_the_eager_layers(ckpt_factory, monkeypatch, caplog):
     """A compile that raises (no C++ compiler, an op inductor cannot lower) is logged once and the engine
     decodes eagerly: the same tokens as an engine without the option."""
