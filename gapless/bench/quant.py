@@ -128,6 +128,8 @@ def run(
 ) -> dict[str, Any]:
     """One engine on `path`'s shape with random weights: its TPOT at batch 1, and with `profile` its
     `timing.decode_profile` (see the module's docstring)."""
+    import torch
+
     from gapless import LLM, SamplingParams
 
     opts: dict[str, Any] = dict(
@@ -148,7 +150,13 @@ def run(
         llm.generate(prompt, params, use_tqdm=False)
         return time.perf_counter() - t0
 
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     with LLM(str(path), **opts) as llm:
+        # the most the load, the KV pool and the CUDA graphs' capture held at once (a quantized model's
+        # layers never hold their float weights: `layers.deferred_weights`)
+        start_peak = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None
         timed(1 + tokens)  # warm-up: kernels compiled, graphs replayed once
         tpots = [(timed(1 + tokens) - timed(1)) / tokens for _ in range(repeats)]
         info = llm.engine.info
@@ -161,6 +169,7 @@ def run(
         shape=_shape_of(path.name),  # (an int4 twin's ratio is to its bf16 shape's)
         options=options,
         weights=info.weights,
+        start_peak_gib=start_peak,
         quantization=info.quantization,
         tpot_ms=statistics.median(tpots) * 1e3,
         tpot_ms_all=[t * 1e3 for t in tpots],
@@ -177,7 +186,8 @@ def report(results: list[dict[str, Any]]) -> str:
     for r in results:
         ref = base.get(r["shape"])
         ratio = f"{r['tpot_ms'] / ref:.2f}" if ref else "n/a"
-        rows.append((r["shape"], _weights(r), f"{r['tpot_ms']:.3f}", ratio, r["weights"]))
+        peak = f"; start-up peak {r['start_peak_gib']} GiB" if r.get("start_peak_gib") is not None else ""
+        rows.append((r["shape"], _weights(r), f"{r['tpot_ms']:.3f}", ratio, r["weights"] + peak))
     header = ("shape", "weights", "TPOT ms (batch 1)", "ratio to bf16", "start-up line")
     lines = cli.markdown_table(header, rows, "llrrl")
     if results:

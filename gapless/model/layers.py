@@ -11,8 +11,10 @@ With one rank (the default) they hold whole weights and no collective runs. Each
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +33,41 @@ def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Paramete
 def set_weight_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:
     """`param`, carrying `loader` as its `weight_loader` (for layers defined outside this module)."""
     return _set_loader(param, loader)
+
+
+_DEFERRED = contextvars.ContextVar("deferred_weights", default=False)
+
+
+@contextlib.contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Build layers whose weights (`new_weight`: the linear layers', the experts') hold no memory until a
+    float tensor is loaded into them (`materialize`): a quantized layer's weight is replaced by its
+    quantized form without its float one ever being allocated, so a quantized checkpoint loads in about
+    its own size, not the float model's."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def new_weight(*shape: int) -> nn.Parameter:
+    """An uninitialized weight of `shape` in the default dtype and device; inside `deferred_weights` a
+    placeholder of that shape, dtype and device whose elements all share one (`is_placeholder`)."""
+    if _DEFERRED.get():
+        return nn.Parameter(torch.empty(()).expand(*shape))
+    return nn.Parameter(torch.empty(*shape))
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether `t` is a deferred weight not yet given its memory (`new_weight`)."""
+    return t.numel() > 1 and all(s == 0 for s in t.stride())
+
+
+def materialize(param: nn.Parameter) -> None:
+    """Give a deferred weight its memory (uninitialized, for a loader to fill); any other is left as it is."""
+    if is_placeholder(param):
+        param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
@@ -52,7 +89,7 @@ class _Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = _set_loader(nn.Parameter(torch.empty(out_features, in_features)), self.load_shard)
+        self.weight = _set_loader(new_weight(out_features, in_features), self.load_shard)
         self.bias = _set_loader(nn.Parameter(torch.empty(out_features)), self.load_shard) if bias else None
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:

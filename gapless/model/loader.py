@@ -28,7 +28,15 @@ from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
 from gapless.model.kv_scales import KVScaleReader
-from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding, _Linear, default_weight_loader
+from gapless.model.layers import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    _Linear,
+    default_weight_loader,
+    deferred_weights,
+    is_placeholder,
+    materialize,
+)
 from gapless.model.quant import formats, gguf_cpu, int4, int4_kernels, int4_layouts, weights_summary
 from gapless.model.quant.formats import QuantSpec
 from gapless.model.quant.fp8 import checkpoint_scale
@@ -127,8 +135,8 @@ def load_model(
     int4_spec = spec.weight_only if spec is not None else None
     int4_kernels.check_load(int4_spec, dtype, device)  # (GAPLESS_INT4_KERNEL's library, if it names one)
     int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> its packed tensors
-    with _default_dtype(dtype), torch.device(device):
-        model = CausalLM(cfg, max_positions)
+    with _default_dtype(dtype), torch.device(device), deferred_weights():
+        model = CausalLM(cfg, max_positions)  # (a layer's weight takes memory as a float tensor loads)
     scheme, quantized = _prepare_quantized(model, spec, path)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -164,7 +172,7 @@ def load_model(
         assert int4_spec is not None
         loaded.update(_install_int4(model, int4_parts, int4_spec, dtype, int4_kernel))
     if dummy:
-        _random_weights(model)
+        _random_weights(model, int4_spec is not None)
         if int4_spec is not None:  # the layers an int4/int8 checkpoint quantizes, random in its form
             int4.install_random(model, int4_spec, dtype, int4_kernel)
     else:
@@ -179,6 +187,7 @@ def load_model(
         _install_quantized(model, blocks)  # the other layers keep torch's GEMM on their float weight
     elif int4_spec is None:  # (the float layers beside int4 ones keep torch's GEMM)
         pack_cpu_gemms(model)
+    _check_materialized(model)
     log.info("%s", weights_summary(model))
     model.vision = encoder  # (after the decoder's GEMMs are packed: the encoder keeps torch's)
     _drop_loaders(model)
@@ -218,9 +227,28 @@ def _check_complete(model: CausalLM, path: Path, loaded: set[str], encoder_missi
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:8])}")
 
 
-def _random_weights(model: CausalLM) -> None:
-    """Every parameter random (normal, std 0.02; e4m3 weights alike), norms and scales 1."""
+def _check_materialized(model: CausalLM) -> None:
+    """Refuse a load that left a deferred weight without its memory (`layers.deferred_weights`): neither
+    a float tensor nor a quantized form filled it (a fused layer whose checkpoint quantizes only some
+    shards fails in its quantized form's install first)."""
+    empty = [name for name, p in model.named_parameters() if is_placeholder(p)]
+    if empty:
+        raise ValueError(f"weights left unloaded: {', '.join(empty[:8])}")
+
+
+def _quantized_by_int4(module: torch.nn.Module) -> bool:
+    """Whether an int4/int8 checkpoint's layout (and `int4.install_random`) quantizes `module`."""
+    return isinstance(module, moe.Experts) or int4.is_quantized_linear(module)
+
+
+def _random_weights(model: CausalLM, int4_layers: bool) -> None:
+    """Every parameter random (normal, std 0.02; e4m3 weights alike), norms and scales 1; with
+    `int4_layers`, not the weights an int4/int8 checkpoint quantizes (their float ones are never made)."""
+    quantized = {n for n, m in model.named_modules() if int4_layers and _quantized_by_int4(m)}
     for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[0] in quantized and is_placeholder(p):
+            continue
+        materialize(p)
         if "norm" in name or name.endswith("weight_scale"):
             p.data.fill_(1.0)
         else:
@@ -346,6 +374,7 @@ def _place(
     param = params.get(name)
     if param is None:
         raise ValueError(f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model")
+    materialize(param)  # (a deferred weight: its memory, as a float tensor fills it)
     loader = getattr(param, "weight_loader", default_weight_loader)
     # where each shard sits in the checkpoint's fused tensor (whole, whatever this rank keeps of it)
     offsets = getattr(_owner(model, name), "checkpoint_offsets", None)

@@ -31,7 +31,7 @@ from torch import nn
 
 from gapless.model import parallel
 from gapless.model.config import ModelConfig
-from gapless.model.layers import GATED_ACTIVATIONS, ReplicatedLinear, set_weight_loader
+from gapless.model.layers import GATED_ACTIVATIONS, ReplicatedLinear, new_weight, set_weight_loader
 from gapless.model.quant.base import WeightKernel
 
 # per-expert checkpoint tensors: `...mlp.experts.3.gate_proj.weight` (Qwen, OLMoE) or
@@ -129,12 +129,8 @@ class Experts(nn.Module):
         self.tp = parallel.current()
         inter //= self.tp.size
         self.num_experts, self.inter = num_experts, inter
-        self.gate_up_proj = set_weight_loader(
-            nn.Parameter(torch.empty(num_experts, 2 * inter, hidden)), self.load_shard
-        )
-        self.down_proj = set_weight_loader(
-            nn.Parameter(torch.empty(num_experts, hidden, inter)), self.load_shard
-        )
+        self.gate_up_proj = set_weight_loader(new_weight(num_experts, 2 * inter, hidden), self.load_shard)
+        self.down_proj = set_weight_loader(new_weight(num_experts, hidden, inter), self.load_shard)
         self.use_triton: bool | None = None  # None: by device (CUDA: fused Triton); tests force either
         # the experts' resident LoRA adapters (`gapless.lora.table.ExpertLoRA`), when LoRA is enabled
         self.lora: Any = None
