@@ -138,7 +138,9 @@ def load_model(
     with _default_dtype(dtype), torch.device(device), deferred_weights():
         model = CausalLM(cfg, max_positions)  # (a layer's weight takes memory as a float tensor loads)
     scheme, quantized = _prepare_quantized(model, spec, path)
+    rounding = _OnlineRounding(model, scheme, spec, quantized if spec is not None and spec.online else [])
     params = dict(model.named_parameters(remove_duplicate=False))
+    expected = _expected(model)  # (before an online load's rounding adds its layers' scales)
     loaded: set[str] = set()
     blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
     encoder = new_encoder(cfg.vision, cfg.hidden_size, dtype, device) if cfg.vision is not None else None
@@ -166,7 +168,9 @@ def load_model(
             continue
         name, tensor = checkpoint_scale(name, tensor)
         keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
-        loaded.update(_place(model, params, name, tensor if keep else tensor.to(dtype)))
+        filled = _place(model, params, name, tensor if keep else tensor.to(dtype))
+        loaded.update(filled)
+        rounding.filled(filled)
     int4_kernel = _int4_kernel(model, int4_spec, dtype, device) if int4_spec is not None else ""
     if int4_parts:
         assert int4_spec is not None
@@ -176,13 +180,14 @@ def load_model(
         if int4_spec is not None:  # the layers an int4/int8 checkpoint quantizes, random in its form
             int4.install_random(model, int4_spec, dtype, int4_kernel)
     else:
-        _check_complete(model, path, loaded, encoder.missing_weights() if encoder is not None else [])
+        missing = sorted(expected - loaded) + (encoder.missing_weights() if encoder is not None else [])
+        _check_complete(model, path, missing)
     model.kv_cache_scales = kv_scales.scales(cfg.num_layers)
     model.kv_cache_format = formats.checkpoint_kv_cache(path, device)
     model.requires_grad_(False).eval()
     if scheme is not None:
         assert spec is not None
-        scheme.finish(model, spec, quantized)
+        scheme.finish(model, spec, quantized, rounding.done)
     if blocks:
         _install_quantized(model, blocks)  # the other layers keep torch's GEMM on their float weight
     elif int4_spec is None:  # (the float layers beside int4 ones keep torch's GEMM)
@@ -214,11 +219,10 @@ def _decoder_name(name: str, tensor: object, encoder: VisionEncoder | None, dtyp
     return name
 
 
-def _check_complete(model: CausalLM, path: Path, loaded: set[str], encoder_missing: list[str]) -> None:
-    """Refuse a checkpoint that lacks weights the model (or its vision encoder: `encoder_missing`) has; a
+def _check_complete(model: CausalLM, path: Path, missing: list[str]) -> None:
+    """Refuse a checkpoint that lacks weights the model or its vision encoder has (`missing`); a
     sentence-transformers embedding model may lack its head (it pools hidden states, and the one token its
     requests sample, and drop, comes from zeros)."""
-    missing = sorted(_expected(model) - loaded) + encoder_missing
     if missing == ["lm_head.weight"] and (path / "modules.json").is_file():
         model.lm_head.weight.data.zero_()
         log.info("%s has no lm_head: loaded for embeddings only", path)
@@ -401,17 +405,48 @@ def _target(name: str) -> tuple[str, str | None]:
 
 
 def _expected(model: CausalLM) -> set[str]:
-    """The names `_place` must fill: each parameter, or each of its shards (`name#shard`) where its module
-    lists them (a fused projection's `shard_offsets`, the experts' `checkpoint_shards`)."""
-    expected = set()
-    for name, _ in model.named_parameters():
-        owner = _owner(model, name)
-        if isinstance(owner, moe.Experts):
-            shards = owner.checkpoint_shards(name.rsplit(".", 1)[1])
-        else:
-            shards = list(getattr(owner, "shard_offsets", None) or ())
-        expected.update([f"{name}#{s}" for s in shards] if shards else [name])
-    return expected
+    """The names `_place` must fill: each parameter's `_names_of`."""
+    return {n for name, _ in model.named_parameters() for n in _names_of(model, name)}
+
+
+def _names_of(model: torch.nn.Module, name: str) -> list[str]:
+    """The names `_place` fills parameter `name` by: each of its shards (`name#shard`) where its module
+    lists them (a fused projection's `shard_offsets`, the experts' `checkpoint_shards`), else `name`."""
+    owner = _owner(model, name)
+    if isinstance(owner, moe.Experts):
+        shards = owner.checkpoint_shards(name.rsplit(".", 1)[1])
+    else:
+        shards = list(getattr(owner, "shard_offsets", None) or ())
+    return [f"{name}#{s}" for s in shards] if shards else [name]
+
+
+class _OnlineRounding:
+    """`--quantization fp8` of a float checkpoint (`modules`: none for any other load): each layer it
+    quantizes is rounded to e4m3 as the last of its float weight's tensors loads (`fp8.finish_module`),
+    so the load holds the float weights of the layers whose tensors are still arriving (one, for a
+    checkpoint stored layer by layer), not the float model's."""
+
+    def __init__(self, model: CausalLM, scheme: Any, spec: QuantSpec | None, modules: list[str]) -> None:
+        self.model, self.scheme, self.spec = model, scheme, spec
+        self.waiting: dict[str, set[str]] = {}  # module -> the names still to fill its weights
+        for module in modules:
+            experts = isinstance(model.get_submodule(module), moe.Experts)
+            weights = ("gate_up_proj", "down_proj") if experts else ("weight",)
+            self.waiting[module] = {n for w in weights for n in _names_of(model, f"{module}.{w}")}
+        self.done: set[str] = set()
+
+    def filled(self, names: list[str]) -> None:
+        """`_place` filled `names`: round each layer whose weights are now whole."""
+        for name in names:
+            module = name.partition("#")[0].rsplit(".", 1)[0]
+            waiting = self.waiting.get(module)
+            if waiting is None or name not in waiting:
+                continue
+            waiting.discard(name)
+            if not waiting:
+                del self.waiting[module]
+                self.scheme.finish_module(self.model.get_submodule(module), self.spec)
+                self.done.add(module)
 
 
 def _owner(model: torch.nn.Module, param_name: str) -> torch.nn.Module:

@@ -107,3 +107,43 @@ def test_an_int4_load_peaks_below_its_float_weights_on_a_gpu(ckpt_factory, tmp_p
     model = loader.load_model(path, torch.bfloat16, dev)
     assert torch.cuda.max_memory_allocated(dev) - base < rest + 0.6 * float_bytes
     del model
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_online_fp8_rounds_each_layer_as_it_loads(ckpt_factory, materialized, monkeypatch, arch):
+    """`--quantization fp8` of a float checkpoint (stored layer by layer, as checkpoints are) rounds each
+    layer to e4m3 as its last float tensor loads: the float weights held at once never pass one decoder
+    layer's (and the routers', which stay float), where rounding at the end held the whole float model."""
+    from gapless.model.quant import fp8
+
+    src = ckpt_factory(arch)
+    with torch.device("meta"):
+        shapes = CausalLM(load_model_config(src))
+    routers = _weights(shapes, routers_only=True)
+    layer = max(_weights(m) for m in shapes.model.layers)
+    live, peak = [0], [0]
+    real_finish = fp8.finish_module
+
+    def finishing(module, spec):
+        held = (module.gate_up_proj, module.down_proj) if isinstance(module, Experts) else (module.weight,)
+        live[0] -= sum(p.numel() * p.element_size() for p in held)
+        real_finish(module, spec)
+
+    monkeypatch.setattr(fp8, "finish_module", finishing)
+    real_materialize = loader.materialize
+
+    def counting(param):
+        if is_placeholder(param):
+            live[0] += param.numel() * param.element_size()
+            peak[0] = max(peak[0], live[0])
+        real_materialize(param)
+
+    monkeypatch.setattr(loader, "materialize", counting)
+    model = loader.load_model(src, torch.float32, CPU, quantization="fp8")
+    assert live[0] == routers and 0 < peak[0] <= layer + routers < _weights(shapes)
+    assert all(
+        p.dtype == torch.float8_e4m3fn
+        for m in model.modules()
+        if isinstance(m, Experts)
+        for p in (m.gate_up_proj, m.down_proj)
+    )

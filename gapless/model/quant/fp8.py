@@ -25,6 +25,7 @@ the float weight beside the e4m3 one). A static `input_scale` of a checkpoint is
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -314,37 +315,46 @@ def prepare(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
         layer.weight_scale = _scale_param(layer, spec, name)
 
 
-def finish(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
-    """After loading: quantize an online load's float weights by rows, store block scales per block where
-    their rows repeat, and install `Fp8LinearMethod` on each module; a mixture's experts quantized by
-    rows (online) or given their CPU reference's float weights."""
+def finish_module(layer: Any, spec: QuantSpec) -> None:
+    """Quantize an online load's float weights by rows (freeing them), store block scales per block where
+    their rows repeat, and install `Fp8LinearMethod`; a mixture's experts quantized by rows (online) or
+    given their CPU reference's float weights."""
+    from gapless.model.moe import Experts
+
+    if isinstance(layer, Experts):
+        if spec.online:
+            layer.quantize_fp8(spec.label)
+        else:
+            layer.finish_fp8()
+        return
+    if spec.online:
+        q, s = quantize_rows(layer.weight.data)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(s, requires_grad=False)
+    rows_per_scale, k_group = 1, 0
+    if spec.weight_block is not None:
+        br, bc = spec.weight_block
+        k_group = bc
+        s = layer.weight_scale.data
+        n = s.shape[0]
+        if n % br == 0 and torch.equal(s.view(n // br, br, -1), s[::br, None].expand(n // br, br, -1)):
+            layer.weight_scale = nn.Parameter(s[::br].contiguous(), requires_grad=False)
+            rows_per_scale = br
+    act_group = activation_group(layer.weight.shape[1], k_group)
+    layer.linear_method = Fp8LinearMethod(layer, spec, rows_per_scale, k_group, act_group)
+
+
+def finish(model: nn.Module, spec: QuantSpec, modules: list[str], done: Collection[str] = ()) -> None:
+    """After loading: `finish_module` on each of `modules` but those `done` (an online load's loader
+    finishes each layer as its last float tensor loads, so one layer's float weight is held at a time)."""
     from gapless.model.moe import Experts
 
     experts = 0
     for name in modules:
         layer: Any = model.get_submodule(name)
-        if isinstance(layer, Experts):
-            if spec.online:
-                layer.quantize_fp8(spec.label)
-            else:
-                layer.finish_fp8()
-            experts += 1
-            continue
-        if spec.online:
-            q, s = quantize_rows(layer.weight.data)
-            layer.weight = nn.Parameter(q, requires_grad=False)
-            layer.weight_scale = nn.Parameter(s, requires_grad=False)
-        rows_per_scale, k_group = 1, 0
-        if spec.weight_block is not None:
-            br, bc = spec.weight_block
-            k_group = bc
-            s = layer.weight_scale.data
-            n = s.shape[0]
-            if n % br == 0 and torch.equal(s.view(n // br, br, -1), s[::br, None].expand(n // br, br, -1)):
-                layer.weight_scale = nn.Parameter(s[::br].contiguous(), requires_grad=False)
-                rows_per_scale = br
-        act_group = activation_group(layer.weight.shape[1], k_group)
-        layer.linear_method = Fp8LinearMethod(layer, spec, rows_per_scale, k_group, act_group)
+        experts += isinstance(layer, Experts)
+        if name not in done:
+            finish_module(layer, spec)
     log.info(
         "fp8 weights (%s) in %d layers and %d experts' layers", spec.label, len(modules) - experts, experts
     )
