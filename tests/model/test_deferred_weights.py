@@ -89,10 +89,11 @@ def test_a_weight_no_tensor_fills_is_refused(ckpt_factory, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's peak memory (the CPU test counts bytes)")
-def test_an_int4_load_peaks_below_its_float_weights_on_a_gpu(ckpt_factory, tmp_path):
+def test_an_int4_load_peaks_below_its_float_weights_on_a_gpu(ckpt_factory, tmp_path, int4_reference_path):
     """Beside what every load holds (embeddings, head, norms, RoPE's table), the load's peak on the GPU
     holds the int4 layers and a layer's unpacking, well under the float weights it never makes (it held
-    all of them before deferred weights)."""
+    all of them before deferred weights). One copy of each layer, the Triton GEMM's (`auto` adds
+    tinygemm's for decode)."""
     src = ckpt_factory("qwen3", hidden_size=512, intermediate_size=2048, num_hidden_layers=8)
     path = write_quantized(src, tmp_path, "awq", bits=4, group=32)[0]
     dev = torch.device("cuda")
