@@ -22,11 +22,12 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from gapless import env
-from gapless.model import gguf, moe, parallel
+from gapless.model import gguf, moe, parallel, weight_names
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
 from gapless.model.gguf import is_gguf_file
+from gapless.model.int4_loading import Int4Layers
 from gapless.model.kv_scales import KVScaleReader
 from gapless.model.layers import (
     ParallelLMHead,
@@ -134,13 +135,14 @@ def load_model(
     spec = quant_spec(path, quantization, device)
     int4_spec = spec.weight_only if spec is not None else None
     int4_kernels.check_load(int4_spec, dtype, device)  # (GAPLESS_INT4_KERNEL's library, if it names one)
-    int4_parts: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> its packed tensors
     with _default_dtype(dtype), torch.device(device), deferred_weights():
         model = CausalLM(cfg, max_positions)  # (a layer's weight takes memory as a float tensor loads)
     scheme, quantized = _prepare_quantized(model, spec, path)
     rounding = _OnlineRounding(model, scheme, spec, quantized if spec is not None and spec.online else [])
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = _expected(model)  # (before an online load's rounding adds its layers' scales)
+    expected = weight_names.expected(model)  # (before an online load's rounding adds its layers' scales)
+    int4_kernel = _int4_kernel(model, int4_spec, dtype, device) if int4_spec is not None else ""
+    int4_layers = Int4Layers(model, int4_spec, dtype, int4_kernel) if int4_spec is not None else None
     loaded: set[str] = set()
     blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
     encoder = new_encoder(cfg.vision, cfg.hidden_size, dtype, device) if cfg.vision is not None else None
@@ -154,13 +156,13 @@ def load_model(
         name = decoder_name
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head shares the embedding table
-        if int4_spec is not None and isinstance(tensor, torch.Tensor):
-            hit = int4_layouts.split_name(name, int4_spec, tensor.dtype)
+        if int4_layers is not None and isinstance(tensor, torch.Tensor):
+            hit = int4_layouts.split_name(name, int4_layers.spec, tensor.dtype)
             if hit is not None:
-                int4_parts.setdefault(hit[0], {})[hit[1]] = tensor  # as stored: packed ints, scales
+                int4_layers.add(*hit, tensor)  # as stored (packed ints, scales); a whole layer installed
                 continue
         if isinstance(tensor, GGUFBlocks):
-            name, shard = _target(name)
+            name, shard = weight_names.target(name)
             blocks.setdefault(name.rsplit(".", 1)[0], {})[shard] = tensor
             loaded.add(name if shard is None else f"{name}#{shard}")
             continue
@@ -171,10 +173,8 @@ def load_model(
         filled = _place(model, params, name, tensor if keep else tensor.to(dtype))
         loaded.update(filled)
         rounding.filled(filled)
-    int4_kernel = _int4_kernel(model, int4_spec, dtype, device) if int4_spec is not None else ""
-    if int4_parts:
-        assert int4_spec is not None
-        loaded.update(_install_int4(model, int4_parts, int4_spec, dtype, int4_kernel))
+    if int4_layers is not None:
+        loaded.update(int4_layers.finish())
     if dummy:
         _random_weights(model, int4_spec is not None)
         if int4_spec is not None:  # the layers an int4/int8 checkpoint quantizes, random in its form
@@ -285,7 +285,8 @@ def _prepare_quantized(model: CausalLM, spec: QuantSpec | None, path: Path) -> t
             for name in names:
                 for suffix in scheme.SCALE_NAMES:
                     if name.endswith(f".{suffix}"):
-                        targets.add(_target(f"{name[: -len(suffix)]}weight")[0].rsplit(".", 1)[0])
+                        param = weight_names.target(f"{name[: -len(suffix)]}weight")[0]
+                        targets.add(param.rsplit(".", 1)[0])
     quantized = scheme.quantized_modules(model, spec, targets)
     scheme.prepare(model, spec, quantized)
     return scheme, quantized
@@ -300,48 +301,6 @@ def _int4_kernel(
         m.weight.numel() for m in model.modules() if isinstance(m, _Linear) and int4.is_quantized_linear(m)
     )
     return int4_kernels.for_model(numel, spec.bits, dtype, device)
-
-
-def _install_int4(
-    model: CausalLM,
-    quantized: dict[str, dict[str, torch.Tensor]],
-    spec: int4_layouts.Int4Spec,
-    dtype: torch.dtype,
-    kernel: str,
-) -> list[str]:
-    """Give each layer whose weight came quantized its `Int4LinearMethod` (a mixture's experts: their
-    stacked packed weights, `int4.install_experts`); the names it filled. A layer at a time, on its
-    device: its checkpoint modules unpacked, cut and packed, its float weight freed, before the next (so
-    at most one layer's unpacked form, a mixture layer's every expert, is held beside the packed
-    checkpoint)."""
-    per_layer: dict[str, list[tuple[str, str, str | None]]] = {}  # layer -> (ckpt module, param, shard)
-    modules = dict(model.named_modules())
-    for module in quantized:
-        name, shard = _target(f"{module}.weight")
-        layer_name = name.rsplit(".", 1)[0]
-        if layer_name not in modules:
-            raise ValueError(
-                f"checkpoint module {module!r} has no place in the {model.cfg.architecture} model"
-            )
-        per_layer.setdefault(layer_name, []).append((module, name, shard))
-    filled = []
-    for layer_name, sources in per_layer.items():
-        layer = modules[layer_name]
-        offsets = getattr(layer, "checkpoint_offsets", None)
-        shards: dict[Any, int4_layouts.Unpacked] = {}
-        experts = isinstance(layer, moe.Experts)
-        device = layer.gate_up_proj.device if experts else layer.weight.device
-        for module, name, shard in sources:
-            parts = {k: t.to(device) for k, t in quantized.pop(module).items()}
-            w = int4_layouts.unpack(spec, parts, module)
-            pieces = int4.split_rows(w, offsets) if shard is None and offsets else {shard: w}
-            shards.update(pieces)
-            filled += [name if s is None else f"{name}#{s}" for s in pieces]
-        if experts:  # a mixture's experts: every expert's projections stacked
-            int4.install_experts(layer, shards, spec, dtype, layer_name)
-        else:
-            int4.install(layer, shards, spec, dtype, layer_name, kernel)
-    return filled
 
 
 def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFBlocks]]) -> None:
@@ -374,14 +333,14 @@ def _place(
 
     A separate q/k/v or gate/up tensor goes into its shard of the fused parameter; a tensor the checkpoint
     already fuses (Phi-3's `qkv_proj`, `gate_up_proj`) is split along its rows into every shard."""
-    name, shard = _target(name)
+    name, shard = weight_names.target(name)
     param = params.get(name)
     if param is None:
         raise ValueError(f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model")
     materialize(param)  # (a deferred weight: its memory, as a float tensor fills it)
     loader = getattr(param, "weight_loader", default_weight_loader)
     # where each shard sits in the checkpoint's fused tensor (whole, whatever this rank keeps of it)
-    offsets = getattr(_owner(model, name), "checkpoint_offsets", None)
+    offsets = getattr(weight_names.owner(model, name), "checkpoint_offsets", None)
     if shard is None and offsets:
         if tensor.shape[0] != sum(n for _, n in offsets.values()):
             whole = sum(n for _, n in offsets.values())
@@ -391,33 +350,6 @@ def _place(
         return [f"{name}#{s}" for s in offsets]
     loader(param, tensor, shard)
     return [name if shard is None else f"{name}#{shard}"]
-
-
-def _target(name: str) -> tuple[str, str | None]:
-    """(the parameter, the shard of it) a checkpoint tensor `name` fills; shard None: the whole of it."""
-    target = moe.checkpoint_target(name)  # one expert's projection, or Mixtral's router
-    if target is not None:
-        return target
-    for frag, (fused, shard_id) in CausalLM.fused_weights.items():
-        if frag in name:
-            return name.replace(frag, fused), shard_id
-    return name, None
-
-
-def _expected(model: CausalLM) -> set[str]:
-    """The names `_place` must fill: each parameter's `_names_of`."""
-    return {n for name, _ in model.named_parameters() for n in _names_of(model, name)}
-
-
-def _names_of(model: torch.nn.Module, name: str) -> list[str]:
-    """The names `_place` fills parameter `name` by: each of its shards (`name#shard`) where its module
-    lists them (a fused projection's `shard_offsets`, the experts' `checkpoint_shards`), else `name`."""
-    owner = _owner(model, name)
-    if isinstance(owner, moe.Experts):
-        shards = owner.checkpoint_shards(name.rsplit(".", 1)[1])
-    else:
-        shards = list(getattr(owner, "shard_offsets", None) or ())
-    return [f"{name}#{s}" for s in shards] if shards else [name]
 
 
 class _OnlineRounding:
@@ -430,9 +362,7 @@ class _OnlineRounding:
         self.model, self.scheme, self.spec = model, scheme, spec
         self.waiting: dict[str, set[str]] = {}  # module -> the names still to fill its weights
         for module in modules:
-            experts = isinstance(model.get_submodule(module), moe.Experts)
-            weights = ("gate_up_proj", "down_proj") if experts else ("weight",)
-            self.waiting[module] = {n for w in weights for n in _names_of(model, f"{module}.{w}")}
+            self.waiting[module] = weight_names.weights_of(model, module)
         self.done: set[str] = set()
 
     def filled(self, names: list[str]) -> None:
@@ -447,7 +377,3 @@ class _OnlineRounding:
                 del self.waiting[module]
                 self.scheme.finish_module(self.model.get_submodule(module), self.spec)
                 self.done.add(module)
-
-
-def _owner(model: torch.nn.Module, param_name: str) -> torch.nn.Module:
-    return model.get_submodule(param_name.rsplit(".", 1)[0])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from gapless.model import loader
 from gapless.model.config import load_model_config
@@ -148,3 +149,42 @@ def test_online_fp8_rounds_each_layer_as_it_loads(ckpt_factory, materialized, mo
         if isinstance(m, Experts)
         for p in (m.gate_up_proj, m.down_proj)
     )
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout", "bits", "sym", "act_order"),
+    [
+        ("qwen3", "awq", 4, False, False),
+        ("phi3", "gptq", 4, True, True),  # (Phi-3 stores q/k/v and gate/up fused)
+        ("qwen3_moe", "compressed-tensors", 4, True, False),
+        ("llama", "int-quantized", 8, False, False),
+    ],
+)
+def test_an_int4_checkpoint_installs_each_layer_as_it_loads(
+    ckpt_factory, tmp_path, monkeypatch, arch, layout, bits, sym, act_order
+):
+    """Each layer is installed as the last tensor of its modules is read, so the host holds at most a
+    decoder layer's packed tensors (it held the whole checkpoint's until the end before), and none is
+    left to install after the last tensor."""
+    from gapless.model.int4_loading import Int4Layers
+
+    path = write_quantized(
+        ckpt_factory(arch), tmp_path, layout, bits=bits, group=32, sym=sym, act_order=act_order
+    )[0]
+    held, left = [0], []
+    real_install, real_finish = Int4Layers._install, Int4Layers.finish
+
+    def installing(self, layer):
+        held[0] = max(held[0], len(self.parts))
+        real_install(self, layer)
+
+    def finishing(self):
+        left.append(len(self.layers))
+        return real_finish(self)
+
+    monkeypatch.setattr(Int4Layers, "_install", installing)
+    monkeypatch.setattr(Int4Layers, "finish", finishing)
+    loader.load_model(path, torch.float32, CPU)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:  # (a decoder layer's modules)
+        first = {n.rsplit(".", 1)[0] for n in f.keys() if n.startswith("model.layers.0.")}
+    assert left == [0] and 0 < held[0] <= len(first)

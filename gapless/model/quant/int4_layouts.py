@@ -242,6 +242,20 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     return nibbles[..., inverse].reshape(packed.shape[0], -1)
 
 
+def whole_tensors(spec: Int4Spec) -> tuple[str, ...]:
+    """The tensors a checkpoint module of `spec` is whole with, as its layout's writers store them: every
+    one `unpack` reads for this scheme (GPTQ's g_idx always, compressed-tensors' weight_shape always, its
+    zero points where asymmetric and g_idx with act-order by group), so none it reads comes later."""
+    if spec.method != "compressed-tensors":
+        return spec.tensors
+    names = ["weight_packed", "weight_scale", "weight_shape"] if spec.packed else ["weight", "weight_scale"]
+    return (
+        *names,
+        *(["weight_zero_point"] if not spec.sym else []),
+        *(["weight_g_idx"] if spec.act_order else []),
+    )
+
+
 def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
     """One checkpoint module's tensors (`spec.tensors` by suffix) as `Unpacked`; `where` names the
     module in errors."""

@@ -1,0 +1,101 @@
+"""An int4/int8 checkpoint's quantized tensors (AWQ, GPTQ, compressed-tensors), gathered by checkpoint
+module as they are read and installed a layer at a time (`gapless.model.quant.int4`) as soon as every
+tensor of every module the layer is made of has arrived: the host holds the packed tensors of the layers
+still arriving (one, for a checkpoint stored layer by layer), not the whole checkpoint's, which each
+tensor-parallel rank read whole before. What has not arrived whole by the end is installed then, where a
+missing tensor or shard is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gapless.model import moe, weight_names
+from gapless.model.decoder import CausalLM
+from gapless.model.quant import int4
+from gapless.model.quant.formats import QuantFormatError
+from gapless.model.quant.int4_layouts import Int4Spec, Unpacked, act_order, unpack, whole_tensors
+
+_ORDERS = ("g_idx", "weight_g_idx")  # act-order's tensors, which `unpack` reads where they are
+
+
+class Int4Layers:
+    """The quantized layers of one load (see the module's docstring); `add` each tensor as it is read,
+    `finish` after the last. `filled`: the names (`weight_names`) their installs filled."""
+
+    def __init__(self, model: CausalLM, spec: Int4Spec, dtype: torch.dtype, kernel: str) -> None:
+        self.model, self.spec, self.dtype, self.kernel = model, spec, dtype, kernel
+        self.modules = dict(model.named_modules())
+        self.whole = whole_tensors(spec)
+        self.parts: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> its tensors, as stored
+        self.layers: dict[str, list[str]] = {}  # layer -> the checkpoint modules it is made of
+        self.missing: dict[str, set[str]] = {}  # layer -> the names its whole modules do not fill yet
+        self.whole_modules: set[str] = set()  # checkpoint modules with every tensor they are whole with
+        self.installed: set[str] = set()  # checkpoint modules whose layer is installed
+        self.filled: list[str] = []
+
+    def add(self, module: str, tensor: str, value: torch.Tensor) -> None:
+        """Checkpoint module `module`'s tensor `tensor` (`qweight`, `scales`, ...); its layer installed
+        if that made it whole."""
+        if module in self.installed:
+            self._late(module, tensor, value)
+            return
+        self.parts.setdefault(module, {})[tensor] = value
+        layer = weight_names.target(f"{module}.weight")[0].rsplit(".", 1)[0]
+        if layer not in self.modules:
+            raise ValueError(
+                f"checkpoint module {module!r} has no place in the {self.model.cfg.architecture} model"
+            )
+        if layer not in self.layers:
+            self.layers[layer] = []
+            self.missing[layer] = weight_names.weights_of(self.model, layer)
+        sources = self.layers[layer]
+        if module not in sources:
+            sources.append(module)
+        if module not in self.whole_modules and set(self.whole) <= set(self.parts[module]):
+            self.whole_modules.add(module)
+            self.missing[layer] -= set(weight_names.filled_by(self.model, f"{module}.weight"))
+            if not self.missing[layer] and all(m in self.whole_modules for m in sources):
+                self._install(layer)
+
+    def finish(self) -> list[str]:
+        """Install every layer not yet whole (unpacking or installing refuses what it lacks); the names
+        all the installs filled."""
+        for layer in list(self.layers):
+            self._install(layer)
+        return self.filled
+
+    def _install(self, layer_name: str) -> None:
+        """`layer_name`'s modules unpacked on its device, cut and packed (`int4.install`, a mixture's
+        experts `int4.install_experts`), their tensors dropped."""
+        layer = self.modules[layer_name]
+        experts = isinstance(layer, moe.Experts)
+        device = layer.gate_up_proj.device if experts else layer.weight.device
+        offsets = getattr(layer, "checkpoint_offsets", None)
+        shards: dict[Any, Unpacked] = {}
+        del self.missing[layer_name]
+        for module in self.layers.pop(layer_name):
+            shard = weight_names.target(f"{module}.weight")[1]
+            parts = {k: t.to(device) for k, t in self.parts.pop(module).items()}
+            w = unpack(self.spec, parts, module)
+            pieces = int4.split_rows(w, offsets) if shard is None and offsets else {shard: w}
+            shards.update(pieces)
+            self.filled += weight_names.filled_by(self.model, f"{module}.weight")
+            self.installed.add(module)
+        if experts:  # a mixture's experts: every expert's projections stacked
+            int4.install_experts(layer, shards, self.spec, self.dtype, layer_name)
+        else:
+            int4.install(layer, shards, self.spec, self.dtype, layer_name, self.kernel)
+
+    def _late(self, module: str, tensor: str, value: torch.Tensor) -> None:
+        """A tensor of a module whose layer is installed: one `unpack` does not read for this scheme is
+        left; a non-trivial act-order (the config naming none) is refused, as the layer was installed
+        without it."""
+        if tensor in _ORDERS:
+            k = value.numel()
+            if act_order(value, k, self.spec.group_for(k), module) is not None:
+                raise QuantFormatError(
+                    f"{module}.{tensor}: an act-order stored after the layer's other tensors, where the "
+                    "config names none; it is not read"
+                )
