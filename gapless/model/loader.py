@@ -176,7 +176,7 @@ def load_model(
     if int4_layers is not None:
         loaded.update(int4_layers.finish())
     if dummy:
-        _random_weights(model, int4_spec is not None)
+        _random_weights(model, int4_spec is not None, rounding)
         if int4_spec is not None:  # the layers an int4/int8 checkpoint quantizes, random in its form
             int4.install_random(model, int4_spec, dtype, int4_kernel)
     else:
@@ -245,11 +245,12 @@ def _quantized_by_int4(module: torch.nn.Module) -> bool:
     return isinstance(module, moe.Experts) or int4.is_quantized_linear(module)
 
 
-def _random_weights(model: CausalLM, int4_layers: bool) -> None:
-    """Every parameter random (normal, std 0.02; e4m3 weights alike), norms and scales 1; with
-    `int4_layers`, not the weights an int4/int8 checkpoint quantizes (their float ones are never made)."""
+def _random_weights(model: CausalLM, int4_layers: bool, rounding: _OnlineRounding) -> None:
+    """Every parameter random (normal, std 0.02; e4m3 weights alike), norms and scales 1, each layer
+    `--quantization fp8` quantizes rounded as its weight is made (`rounding`), as a checkpoint's load
+    does; with `int4_layers`, not the weights an int4/int8 checkpoint quantizes (never made)."""
     quantized = {n for n, m in model.named_modules() if int4_layers and _quantized_by_int4(m)}
-    for name, p in model.named_parameters():
+    for name, p in list(model.named_parameters()):  # (the rounding replaces a layer's parameters)
         if name.rsplit(".", 1)[0] in quantized and is_placeholder(p):
             continue
         materialize(p)
@@ -257,6 +258,7 @@ def _random_weights(model: CausalLM, int4_layers: bool) -> None:
             p.data.fill_(1.0)
         else:
             p.data.copy_(torch.randn(p.shape, device=p.device) * 0.02)
+        rounding.filled(weight_names.names_of(model, name))
 
 
 # a checkpoint's static activation scales (and int8 zero points): activations are scaled per token, or not

@@ -111,11 +111,13 @@ def test_an_int4_load_peaks_below_its_float_weights_on_a_gpu(ckpt_factory, tmp_p
     del model
 
 
+@pytest.mark.parametrize("dummy", [False, True])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_online_fp8_rounds_each_layer_as_it_loads(ckpt_factory, materialized, monkeypatch, arch):
+def test_online_fp8_rounds_each_layer_as_it_loads(ckpt_factory, materialized, monkeypatch, arch, dummy):
     """`--quantization fp8` of a float checkpoint (stored layer by layer, as checkpoints are) rounds each
     layer to e4m3 as its last float tensor loads: the float weights held at once never pass one decoder
-    layer's (and the routers', which stay float), where rounding at the end held the whole float model."""
+    layer's (and the routers', which stay float), where rounding at the end held the whole float model.
+    Random weights (`--load-format dummy`) are made and rounded the same way."""
     from gapless.model.quant import fp8
 
     src = ckpt_factory(arch)
@@ -141,7 +143,7 @@ def test_online_fp8_rounds_each_layer_as_it_loads(ckpt_factory, materialized, mo
         real_materialize(param)
 
     monkeypatch.setattr(loader, "materialize", counting)
-    model = loader.load_model(src, torch.float32, CPU, quantization="fp8")
+    model = loader.load_model(src, torch.float32, CPU, quantization="fp8", dummy=dummy)
     assert live[0] == routers and 0 < peak[0] <= layer + routers < _weights(shapes)
     assert all(
         p.dtype == torch.float8_e4m3fn
