@@ -139,7 +139,6 @@ def load_model(
         model = CausalLM(cfg, max_positions)  # (a layer's weight takes memory as a float tensor loads)
     scheme, quantized = _prepare_quantized(model, spec, path)
     rounding = _OnlineRounding(model, scheme, spec, quantized if spec is not None and spec.online else [])
-    params = dict(model.named_parameters(remove_duplicate=False))
     expected = weight_names.expected(model)  # (before an online load's rounding adds its layers' scales)
     int4_kernel = _int4_kernel(model, int4_spec, dtype, device) if int4_spec is not None else ""
     int4_layers = Int4Layers(model, int4_spec, dtype, int4_kernel) if int4_spec is not None else None
@@ -170,7 +169,7 @@ def load_model(
             continue
         name, tensor = checkpoint_scale(name, tensor)
         keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
-        filled = _place(model, params, name, tensor if keep else tensor.to(dtype))
+        filled = _place(model, name, tensor if keep else tensor.to(dtype))
         loaded.update(filled)
         rounding.filled(filled)
     if int4_layers is not None:
@@ -250,7 +249,8 @@ def _random_weights(model: CausalLM, int4_layers: bool, rounding: _OnlineRoundin
     `--quantization fp8` quantizes rounded as its weight is made (`rounding`), as a checkpoint's load
     does; with `int4_layers`, not the weights an int4/int8 checkpoint quantizes (never made)."""
     quantized = {n for n, m in model.named_modules() if int4_layers and _quantized_by_int4(m)}
-    for name, p in list(model.named_parameters()):  # (the rounding replaces a layer's parameters)
+    for name in [n for n, _ in model.named_parameters()]:  # (by name: the rounding replaces parameters,
+        p = model.get_parameter(name)  # and a kept reference would hold a rounded layer's float weight)
         if name.rsplit(".", 1)[0] in quantized and is_placeholder(p):
             continue
         materialize(p)
@@ -328,17 +328,18 @@ def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFB
         module.weight.data = module.weight.data.new_empty(0)
 
 
-def _place(
-    model: CausalLM, params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor
-) -> list[str]:
+def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:
     """Load one checkpoint tensor into its parameter; the names it filled (`name#shard` for a fused one).
 
     A separate q/k/v or gate/up tensor goes into its shard of the fused parameter; a tensor the checkpoint
     already fuses (Phi-3's `qkv_proj`, `gate_up_proj`) is split along its rows into every shard."""
     name, shard = weight_names.target(name)
-    param = params.get(name)
-    if param is None:
-        raise ValueError(f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model")
+    try:  # (looked up each time, not kept: an online load's rounding replaces a layer's parameters,
+        param = model.get_parameter(name)  # and a kept reference would hold its float weight)
+    except AttributeError:
+        raise ValueError(
+            f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model"
+        ) from None
     materialize(param)  # (a deferred weight: its memory, as a float tensor fills it)
     loader = getattr(param, "weight_loader", default_weight_loader)
     # where each shard sits in the checkpoint's fused tensor (whole, whatever this rank keeps of it)

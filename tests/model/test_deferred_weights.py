@@ -6,6 +6,8 @@ peak against the float model's weights."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -128,9 +130,12 @@ def test_online_fp8_rounds_each_layer_as_it_loads(ckpt_factory, materialized, mo
     live, peak = [0], [0]
     real_finish = fp8.finish_module
 
+    rounded: list[weakref.ref] = []  # the float weights rounding replaced: freed at once, none kept
+
     def finishing(module, spec):
         held = (module.gate_up_proj, module.down_proj) if isinstance(module, Experts) else (module.weight,)
         live[0] -= sum(p.numel() * p.element_size() for p in held)
+        rounded.extend(weakref.ref(p) for p in held)
         real_finish(module, spec)
 
     monkeypatch.setattr(fp8, "finish_module", finishing)
@@ -140,10 +145,12 @@ def test_online_fp8_rounds_each_layer_as_it_loads(ckpt_factory, materialized, mo
         if is_placeholder(param):
             live[0] += param.numel() * param.element_size()
             peak[0] = max(peak[0], live[0])
+            assert all(r() is None for r in rounded), "a rounded layer's float weight is still held"
         real_materialize(param)
 
     monkeypatch.setattr(loader, "materialize", counting)
     model = loader.load_model(src, torch.float32, CPU, quantization="fp8", dummy=dummy)
+    assert rounded
     assert live[0] == routers and 0 < peak[0] <= layer + routers < _weights(shapes)
     assert all(
         p.dtype == torch.float8_e4m3fn
