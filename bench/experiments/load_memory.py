@@ -1,0 +1,54 @@
+"""Peak host memory (RSS) of loading a model on the CPU, one load a process, for the quantized loads
+`gapless.model.layers.deferred_weights` and `gapless.model.int4_loading` change.
+
+    PYTHONPATH=. python bench/experiments/load_memory.py make DIR     # DIR/float, DIR/q/awq
+    PYTHONPATH=. python bench/experiments/load_memory.py measure CKPT {file|dummy} [QUANTIZATION]
+
+`make` writes a random float32 Qwen3 of 8 layers (hidden 1024, MLP 3072, 16 heads of 128, 32,000 tokens)
+and its AWQ int4 g128 twin. `measure` prints the process's peak RSS after `load_model` (float32, CPU) of
+CKPT's weights (`file`) or random ones in its form (`dummy`, `--load-format dummy`), with QUANTIZATION as
+`--quantization`. On a CPU a float weight never written takes no memory (its pages are not touched), so
+what a GPU load saves shows here only where the old load wrote float weights (random ones, or an online
+FP8 load's); the allocator's own pattern moves the rest by ~100 MB (glibc's dynamic mmap threshold:
+`MALLOC_MMAP_THRESHOLD_` fixed takes it out).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def make(d: Path) -> None:
+    from gapless.testing.checkpoints import make_checkpoint
+    from gapless.testing.quant_checkpoints import write_quantized
+
+    shape = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16)
+    shape |= dict(num_key_value_heads=8, head_dim=128, vocab_size=32000)
+    src = make_checkpoint(d / "float", "qwen3", **shape)
+    print(src, write_quantized(src, d / "q", "awq", bits=4, group=128)[0])
+
+
+def measure(path: str, mode: str, quantization: str | None) -> None:
+    import torch
+
+    from gapless.model.loader import load_model
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.time()
+    load_model(path, torch.float32, torch.device("cpu"), quantization=quantization, dummy=mode == "dummy")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # (KiB on Linux)
+    print(
+        f"{Path(path).name} {mode} {quantization or ''}: peak RSS {peak / 1024:.0f} MiB (before the load "
+        f"{before / 1024:.0f}), load {time.time() - t:.1f} s",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["make"]:
+        make(Path(sys.argv[2]))
+    else:
+        measure(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
