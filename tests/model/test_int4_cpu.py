@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gapless import LLM, SamplingParams
+from gapless.model.moe import Experts
 from gapless.model.quant import int4_kernels, weights_held
 from gapless.model.quant.gguf_cpu import CpuInt4
 from gapless.model.quant.int4 import Int4LinearMethod
@@ -122,6 +123,8 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     with LLM(str(qdir), device="cpu", dtype="float32", kv_cache_tokens=256, overlap=False) as llm:
         formats = dict(llm.engine.info.weight_formats)
         held = weights_held(llm.engine.runner.model)[1]
+        experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
+        assert all(m.gate_up_proj.numel() == m.down_proj.numel() == 0 for m in experts)  # (kernels alone)
     label = layout_label(layout, bits, group, sym, act_order)
     assert formats.get(f"{label} ({CPU_KERNEL})"), formats  # every quantized layer on the kernels
     if arch == "qwen3_moe":  # and every layer's experts

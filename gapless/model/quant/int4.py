@@ -175,7 +175,8 @@ def install_experts(
     (expert, "gate" | "up" | "down") -> whole unpacked weight): cut for this rank as the float experts are
     (gate/up by rows, down by columns: whole groups per rank), stacked, packed (`moe.WeightQuant`'s
     layout), and on the CPU, for the reference loop, each expert's torch CPU kernel where `auto` gives
-    one (`int4_kernels.for_layer`), else the weights dequantized beside."""
+    one (`int4_kernels.for_layer`: then the packed words are not kept), else the weights dequantized
+    beside."""
     from gapless.model.moe import WeightQuant
 
     tp, e_count, inter = experts.tp, experts.num_experts, experts.inter
@@ -231,9 +232,10 @@ def install_experts(
         packed.append(torch.stack(qs))
         quants.append(WeightQuant(torch.stack(scales), group, torch.stack(zeros), spec.bits))
         cpu_weights.append(kernels or (torch.stack(floats) if cpu else None))
-    label = spec.label + (
-        f" ({int4_kernels.CPU_KERNEL})" if all(isinstance(w, list) for w in cpu_weights) else ""
-    )
+    kernels_alone = all(isinstance(w, list) for w in cpu_weights)
+    label = spec.label + (f" ({int4_kernels.CPU_KERNEL})" if kernels_alone else "")
+    if kernels_alone:  # the CPU's kernels hold every expert: no packed words beside them
+        packed = [p.new_empty(0) for p in packed]
     experts.hold_int(
         (packed[0], packed[1]), (quants[0], quants[1]), tuple(cpu_weights) if cpu else None, label
     )
