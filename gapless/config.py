@@ -15,12 +15,9 @@ CPU_WORKERS = ("auto", "inline", "thread", "process")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_backend
 FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused_kernels
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
-KV_CACHE_DTYPES = (
-    "auto",
-    "bfloat16",
-    "fp8",
-    "fp8_e4m3",
-)  # vLLM's names; see gapless.memory.kv_pool.kv_cache_dtype
+# the KV cache's element types, by vLLM's names (gapless.memory.kv_pool.kv_cache_dtype): float8 e4m3's two
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", *FP8_KV_CACHE_DTYPES)
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")  # vLLM's names; see gapless.engine.preflight
 # --task's names (vLLM's and SGLang's too) and the task each means (gapless.engine.pooling)
 TASK_NAMES = {

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from gapless import env
-from gapless.config import EngineConfig
+from gapless.config import FP8_KV_CACHE_DTYPES, EngineConfig
 from gapless.engine.pooling import pooling_spec
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.generation_config import generation_defaults
@@ -91,8 +91,7 @@ def check_quantization(cfg: EngineConfig, path: Path) -> None:
     or the KV cache, that is unknown or that the device cannot run (`gapless.model.quant.formats`);
     imports torch only when there is one."""
     qcfg = formats.checkpoint_quantization(path)
-    fp8_cache = cfg.kv_cache_dtype in ("fp8", "fp8_e4m3")
-    if qcfg is None and cfg.quantization is None and not fp8_cache:
+    if qcfg is None and cfg.quantization is None and cfg.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
         return
     import torch
 

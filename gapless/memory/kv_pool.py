@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from gapless.config import FP8_KV_CACHE_DTYPES
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value: the store saturates there
 
@@ -26,7 +28,7 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, checkpoint: str | None =
         name = checkpoint
     if name in ("auto", "bfloat16"):
         return model_dtype
-    if name in ("fp8", "fp8_e4m3"):
+    if name in FP8_KV_CACHE_DTYPES:
         return FP8
     if name == "fp8_e5m2":
         raise ValueError("kv_cache_dtype='fp8_e5m2': float8 e5m2 KV is not built; use fp8 (e4m3)")

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gapless.config import FP8_KV_CACHE_DTYPES
+
 if TYPE_CHECKING:
     import torch
 
@@ -331,10 +333,12 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
 def check_kv_cache(name: str, device: torch.device | str) -> None:
     """Refuse `--kv-cache-dtype` fp8 (e4m3) on a CUDA device older than sm_89, whose Triton has no e4m3 to
     read or store the cache with (`auto` there keeps the model's dtype: `checkpoint_kv_cache`)."""
+    if name not in FP8_KV_CACHE_DTYPES:
+        return
     import torch
 
     device = torch.device(device)
-    if name not in ("fp8", "fp8_e4m3") or device.type != "cuda":
+    if device.type != "cuda":
         return
     cap = torch.cuda.get_device_capability(device)
     if tuple(cap) < FP8_MIN_CAPABILITY:
