@@ -22,7 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from gapless import env
-from gapless.model import gguf, moe, parallel, weight_names
+from gapless.model import gguf, parallel, weight_names
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
@@ -239,16 +239,11 @@ def _check_materialized(model: CausalLM) -> None:
         raise ValueError(f"weights left unloaded: {', '.join(empty[:8])}")
 
 
-def _quantized_by_int4(module: torch.nn.Module) -> bool:
-    """Whether an int4/int8 checkpoint's layout (and `int4.install_random`) quantizes `module`."""
-    return isinstance(module, moe.Experts) or int4.is_quantized_linear(module)
-
-
 def _random_weights(model: CausalLM, int4_layers: bool, rounding: _OnlineRounding) -> None:
     """Every parameter random (normal, std 0.02; e4m3 weights alike), norms and scales 1, each layer
     `--quantization fp8` quantizes rounded as its weight is made (`rounding`), as a checkpoint's load
     does; with `int4_layers`, not the weights an int4/int8 checkpoint quantizes (never made)."""
-    quantized = {n for n, m in model.named_modules() if int4_layers and _quantized_by_int4(m)}
+    quantized = {n for n, m in model.named_modules() if int4_layers and int4.quantizes(m)}
     for name in [n for n, _ in model.named_parameters()]:  # (by name: the rounding replaces parameters,
         p = model.get_parameter(name)  # and a kept reference would hold a rounded layer's float weight)
         if name.rsplit(".", 1)[0] in quantized and is_placeholder(p):

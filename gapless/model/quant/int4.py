@@ -209,11 +209,17 @@ def install_experts(
 
     device = experts.gate_up_proj.device
     cpu = device.type == "cpu"
+    projections = ((("gate", "up"), (2 * inter, hidden)), (("down",), (hidden, inter)))
+    choice = int4_kernels.chosen()
+    kinds = [
+        int4_kernels.for_layer(choice, spec.bits, spec.group_for(s[1]), dtype, *s, device)
+        for _, s in projections
+    ]
+    kernels_alone = all(k == int4_kernels.CPU_KERNEL for k in kinds)  # (then no packed words are kept)
     packed, quants, cpu_weights = [], [], []
-    for projs, shape in ((("gate", "up"), (2 * inter, hidden)), (("down",), (hidden, inter))):
+    for (projs, shape), kernel in zip(projections, kinds):
         qs, scales, zeros, floats, kernels = [], [], [], [], []
         group = spec.group_for(shape[1])
-        kernel = int4_kernels.for_layer(int4_kernels.chosen(), spec.bits, group, dtype, *shape, device)
         for e in range(e_count):
             w = Unpacked(*map(torch.cat, zip(*(mine(e, p).tensors for p in projs))))
             if w.q.shape != shape:
@@ -222,20 +228,18 @@ def install_experts(
                 )
             # scales and zeros as held (the model's dtype), so the CPU's weights are the kernel's
             held = Unpacked(w.q, w.scale.to(dtype), w.zero.to(dtype))
-            qs.append(pack_int32(w.q.t(), spec.bits, dim=0))
+            if not kernels_alone:
+                qs.append(pack_int32(w.q.t(), spec.bits, dim=0))
             scales.append(held.scale.t().contiguous())
             zeros.append(held.zero.t().contiguous())
             if kernel == int4_kernels.CPU_KERNEL:
                 kernels.append(int4_kernels.library_kernel(kernel, w, spec.bits, dtype, device, spec.label))
             elif cpu:
                 floats.append(Unpacked(w.q, held.scale.float(), held.zero.float()).dequantize().to(dtype))
-        packed.append(torch.stack(qs))
+        packed.append(torch.stack(qs) if qs else torch.empty(0, dtype=torch.int32, device=device))
         quants.append(WeightQuant(torch.stack(scales), group, torch.stack(zeros), spec.bits))
         cpu_weights.append(kernels or (torch.stack(floats) if cpu else None))
-    kernels_alone = all(isinstance(w, list) for w in cpu_weights)
     label = spec.label + (f" ({int4_kernels.CPU_KERNEL})" if kernels_alone else "")
-    if kernels_alone:  # the CPU's kernels hold every expert: no packed words beside them
-        packed = [p.new_empty(0) for p in packed]
     experts.hold_int(
         (packed[0], packed[1]), (quants[0], quants[1]), tuple(cpu_weights) if cpu else None, label
     )
@@ -259,6 +263,14 @@ def is_quantized_linear(module: Any) -> bool:
     from gapless.model import layers
 
     return isinstance(module, layers._Linear) and not isinstance(module, layers.ReplicatedLinear)
+
+
+def quantizes(module: Any) -> bool:
+    """Whether an int4/int8 checkpoint's layout (and `install_random`) quantizes `module`: a mixture's
+    experts, or `is_quantized_linear`."""
+    from gapless.model.moe import Experts
+
+    return isinstance(module, Experts) or is_quantized_linear(module)
 
 
 def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) -> None:
