@@ -281,6 +281,8 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) 
     from gapless.model.moe import Experts
 
     for name, module in model.named_modules():
+        if not quantizes(module):
+            continue
         if isinstance(module, Experts):
             device, tp = module.gate_up_proj.device, module.tp
             hidden, inter = module.gate_up_proj.shape[2], module.inter * tp.size
@@ -291,6 +293,6 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) 
                 for p in shapes
             }
             install_experts(module, shards, spec, dtype, name)
-        elif is_quantized_linear(module):
+        else:
             n, k = module.weight.shape
             _hold(module, random_unpacked(n, k, spec, module.weight.device), spec, dtype, kernel)
