@@ -134,16 +134,16 @@ GGUF_WEIGHTS = _var(
     "quantized",
     _one_of("quantized", "dequantize"),
     "`quantized` or `dequantize`",
-    "a GGUF file's quantized matrices on a one-rank CPU: kept quantized, or loaded as float weights "
-    "(comparisons)",
+    "a GGUF file's quantized matrices: kept quantized (on a one-rank CPU in its CPU layouts, on a GPU and "
+    "across ranks on the int4/int8 path), or loaded as float weights (comparisons)",
 )
 GGUF_LAYOUT = _var(
     "GAPLESS_GGUF_LAYOUT",
     "mixed",
     _one_of("mixed", "int4", "int8"),
     "`mixed`, `int4` or `int8`",
-    "kept-quantized GGUF layers of int4 types: gate/up as int4 and the rest as int8 rows, int4 wherever "
-    "exact (fewest bytes), or int8 rows everywhere (fastest)",
+    "kept-quantized GGUF layers of int4 types on a one-rank CPU: gate/up as int4 and the rest as int8 rows, "
+    "int4 wherever exact (fewest bytes), or int8 rows everywhere (fastest); on a GPU int4 wherever exact",
 )
 GGUF_ACTIVATIONS = _var(
     "GAPLESS_GGUF_ACTIVATIONS",

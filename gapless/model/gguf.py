@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gapless.model.quant.gguf_cpu import FLOAT_TYPES, QUANTIZED_TYPES, GGUFBlocks
+from gapless.model.quant.gguf_blocks import FLOAT_TYPES, QUANTIZED_TYPES, GGUFBlocks
 
 # general.architecture -> the Hugging Face architecture the one decoder runs it as. llama.cpp writes
 # Mistral models as `llama` (same tensors; gapless refuses a real sliding window either way).
@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # (Hugging Face names)
 _PERMUTED_QK = ("llama", "mistral")  # llama.cpp's converter permutes q/k rows of these
 
 # llama.cpp tensor names -> Hugging Face names ("{}" is the layer index)
@@ -209,10 +210,11 @@ def dequantize(tensor: Any) -> np.ndarray:
 
 
 def iter_weights(
-    path: str | Path, keep_quantized: bool = False
+    path: str | Path, keep_quantized: bool = False, tables: bool = True
 ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """(Hugging Face name, float32 tensor) for each tensor the model uses, q/k rows unpermuted; with
-    `keep_quantized`, a quantized matrix comes as its blocks (`GGUFBlocks`, rows in the same order)."""
+    `keep_quantized`, a quantized matrix comes as its blocks (`GGUFBlocks`, rows in the same order), the
+    embedding table and LM head too unless `tables` is False."""
     meta = metadata(path)
     arch = meta["general.architecture"]
     heads = int(meta[f"{arch}.attention.head_count"])
@@ -223,6 +225,7 @@ def iter_weights(
             continue
         kind = tensor.tensor_type.name
         blocks = keep_quantized and kind in QUANTIZED_TYPES and len(tensor.shape) == 2
+        blocks = blocks and (tables or name not in _TABLES)
         # the blocks of a row are its bytes: as [rows, bytes per row] they permute like the weights
         w = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1) if blocks else dequantize(tensor)
         if arch in _PERMUTED_QK and ".attn_q." in tensor.name:

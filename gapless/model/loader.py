@@ -1,11 +1,11 @@
 """Load a model: a Hugging Face checkpoint directory (config.json + single or sharded *.safetensors) or a GGUF
 file (read by `gapless.model.gguf`). Both yield Hugging Face names and layouts, so one loop places either. A
-GGUF file's quantized matrices stay quantized on a CPU with one rank (`gapless.model.quant.gguf_cpu`;
-`GAPLESS_GGUF_WEIGHTS=dequantize` dequantizes them to the model's dtype, as happens on a GPU and with tensor
-parallelism until those have quantized kernels). A checkpoint whose `quantization_config` names AWQ, GPTQ or
-compressed-tensors `pack-quantized`/`int-quantized` keeps its int4/int8 projections quantized on every device
-and with tensor parallelism (`gapless.model.quant.int4`); a scheme it does not run is refused before any
-weight is read."""
+GGUF file's quantized matrices stay quantized: on a CPU with one rank in `gapless.model.quant.gguf_cpu`'s
+layers, on a GPU and with tensor parallelism on the int4/int8 path (`gapless.model.quant.gguf_int4`);
+`GAPLESS_GGUF_WEIGHTS=dequantize` dequantizes them to the model's dtype. A checkpoint whose
+`quantization_config` names AWQ, GPTQ or compressed-tensors `pack-quantized`/`int-quantized` keeps its
+int4/int8 projections quantized on every device and with tensor parallelism (`gapless.model.quant.int4`); a
+scheme it does not run is refused before any weight is read."""
 
 from __future__ import annotations
 
@@ -38,10 +38,18 @@ from gapless.model.layers import (
     is_placeholder,
     materialize,
 )
-from gapless.model.quant import formats, gguf_cpu, int4, int4_kernels, int4_layouts, weights_summary
+from gapless.model.quant import (
+    formats,
+    gguf_cpu,
+    gguf_int4,
+    int4,
+    int4_kernels,
+    int4_layouts,
+    weights_summary,
+)
 from gapless.model.quant.formats import QuantSpec
 from gapless.model.quant.fp8 import checkpoint_scale
-from gapless.model.quant.gguf_cpu import GGUFBlocks
+from gapless.model.quant.gguf_blocks import GGUFBlocks
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
 
 log = logging.getLogger(__name__)
@@ -78,19 +86,22 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def keeps_gguf_quantized(path: Path, device: torch.device) -> bool:
-    """Whether a load of `path` keeps its quantized matrices quantized: a GGUF file on a CPU, one rank."""
-    if not is_gguf_file(path) or device.type != "cpu" or parallel.current().size != 1:
-        return False
-    return env.GGUF_WEIGHTS.get() != "dequantize"
+def gguf_kept(path: Path, device: torch.device) -> str:
+    """How a load of `path` keeps a GGUF file's quantized matrices: "cpu" on a CPU with one rank
+    (`gguf_cpu`'s layers, the embedding table read from the file), "int4" on a GPU or across ranks (the
+    projections on the int4/int8 path, `gguf_int4`; the embedding table and LM head as floats), or ""
+    (not a GGUF file, or `GAPLESS_GGUF_WEIGHTS=dequantize`: every matrix a float weight)."""
+    if not is_gguf_file(path) or env.GGUF_WEIGHTS.get() == "dequantize":
+        return ""
+    return "cpu" if device.type == "cpu" and parallel.current().size == 1 else "int4"
 
 
-def iter_weights(path: Path, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+def iter_weights(path: Path, gguf_blocks: str = "") -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Each weight of a checkpoint directory or a GGUF file, under its Hugging Face name; a checkpoint's
     with a progress bar on stderr (by bytes read: a big model loads for minutes, and the bar shows it
-    moving). With `keep_quantized`, a GGUF file's quantized matrices come as their blocks."""
+    moving). A GGUF file's quantized matrices come as their blocks as `gguf_blocks` (`gguf_kept`) says."""
     if is_gguf_file(path):
-        yield from gguf.iter_weights(path, keep_quantized)
+        yield from gguf.iter_weights(path, bool(gguf_blocks), tables=gguf_blocks == "cpu")
         return
     files = safetensors_files(path)
     with tqdm(
@@ -146,7 +157,8 @@ def load_model(
     blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
     encoder = new_encoder(cfg.vision, cfg.hidden_size, dtype, device) if cfg.vision is not None else None
     kv_scales = KVScaleReader()  # an FP8 KV cache's scales, where the checkpoint has them
-    for name, tensor in [] if dummy else iter_weights(path, keeps_gguf_quantized(path, device)):
+    kept = gguf_kept(path, device)
+    for name, tensor in [] if dummy else iter_weights(path, kept):
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
         decoder_name = _decoder_name(name, tensor, encoder, dtype)
@@ -188,7 +200,7 @@ def load_model(
         assert spec is not None
         scheme.finish(model, spec, quantized, rounding.done)
     if blocks:
-        _install_quantized(model, blocks)  # the other layers keep torch's GEMM on their float weight
+        _install_gguf(model, blocks, kept, dtype)  # the other layers keep torch's GEMM on their float weight
     elif int4_spec is None:  # (the float layers beside int4 ones keep torch's GEMM)
         pack_cpu_gemms(model)
     _check_materialized(model)
@@ -300,10 +312,16 @@ def _int4_kernel(
     return int4_kernels.for_model(numel, spec.bits, dtype, device)
 
 
-def _install_quantized(model: CausalLM, blocks: dict[str, dict[str | None, GGUFBlocks]]) -> None:
-    """Give each module whose weight came as GGUF blocks its quantized form, and free its float weight.
-    An embedding table is read from the file where it lies (`gguf_cpu.FileRows`); a tied LM head holds the
-    table in its own layout."""
+def _install_gguf(
+    model: CausalLM, blocks: dict[str, dict[str | None, GGUFBlocks]], kept: str, dtype: torch.dtype
+) -> None:
+    """Give each module whose weight came as GGUF blocks its quantized form (as `gguf_kept` says: "int4",
+    `gguf_int4`'s; "cpu", `gguf_cpu`'s), its float weight never made. On the CPU an embedding table is
+    read from the file where it lies (`gguf_cpu.FileRows`); a tied LM head holds the table in its own
+    layout."""
+    if kept == "int4":
+        gguf_int4.install(model, blocks, dtype)
+        return
     for module_name, shards in blocks.items():
         module = model.get_submodule(module_name)
         order = list(getattr(module, "shard_offsets", None) or [None])

@@ -16,17 +16,13 @@ from gapless import LLM, SamplingParams
 from gapless.model import loader
 from gapless.model.config import load_model_config
 from gapless.model.quant import weights_held, weights_summary
+from gapless.model.quant.gguf_blocks import INT4_TYPES, INT8_TYPES, QUANTIZED_TYPES, GGUFBlocks, int4_parts
 from gapless.model.quant.gguf_cpu import (
     ACTIVATIONS_ENV,
-    INT4_TYPES,
-    INT8_TYPES,
     LAYOUT_ENV,
-    QUANTIZED_TYPES,
     FileRows,
-    GGUFBlocks,
     Int8DynamicLinearMethod,
     Int8LinearMethod,
-    int4_parts,
     linear_method,
 )
 from gapless.testing.gguf_files import write_gguf
@@ -261,7 +257,7 @@ def test_a_file_with_a_type_gapless_does_not_read_is_refused_by_name(ckpt_factor
 
 
 def test_q8_0_rows_dequantize_as_gguf_does():
-    from gapless.model.quant.gguf_cpu import dequantize_rows
+    from gapless.model.quant.gguf_blocks import dequantize_rows
 
     b = _random_blocks("Q8_0", 24, 256)
     torch.testing.assert_close(dequantize_rows(b, 3, 20), _dequantized(b)[3:20], rtol=0, atol=0)

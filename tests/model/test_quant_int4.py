@@ -565,9 +565,9 @@ def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(
     calls = []  # (each call: whether its tiles are the swapped ones)
     gemm, choose = int4_triton.w4a16_matmul, int4_triton.choose_config
 
-    def counted(x, qweight, *args):
+    def counted(x, qweight, *args, **kwargs):
         calls.append(swapped(choose(x.shape[0], qweight.shape[1], x.shape[1], args[2])))
-        return gemm(x, qweight, *args)
+        return gemm(x, qweight, *args, **kwargs)
 
     monkeypatch.setattr(int4_triton, "w4a16_matmul", counted)
     monkeypatch.setattr(int4, "TRITON_ON_CPU", DEVICE.type == "cpu")

@@ -40,122 +40,26 @@ once.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from gapless import env
 from gapless.model import opaque_gemm
+from gapless.model.quant.gguf_blocks import (
+    GROUP,
+    QUANTIZED_TYPES,
+    GGUFBlocks,
+    dequantize_rows,
+    int4_parts,
+    int8_rows,
+    is_int4,
+    label,
+)
 
 LAYOUT_ENV = env.GGUF_LAYOUT.name  # "mixed" (default) or "int4": see `int4_for`
 ACTIVATIONS_ENV = env.GGUF_ACTIVATIONS.name  # "int8" (default) or "bfloat16": the int8 rows' kernel
-GROUP = 32  # the int4 kernel's group: a Q4_0/Q4_1 block, a Q4_K sub-block
 _ROW_MULTIPLE = 16  # the int4 packing's N must be a multiple of this; other shapes are padded with zero rows
-_CHUNK_ROWS = 1024  # rows dequantized at a time on the way to int8
-
-# types the int4 layout holds exactly, and those requantized to int8 rows
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
-QUANTIZED_TYPES = INT4_TYPES + INT8_TYPES
-FLOAT_TYPES = ("F32", "F16", "BF16")
-
-
-@dataclass(frozen=True)
-class GGUFBlocks:
-    """One quantized matrix as the file stores it: `data[r]` is row r's blocks (`qtype` names the type)."""
-
-    qtype: str
-    cols: int
-    data: np.ndarray  # uint8 [rows, bytes per row]
-
-    @property
-    def rows(self) -> int:
-        return int(self.data.shape[0])
-
-
-def _f16(raw: np.ndarray) -> torch.Tensor:
-    """Little-endian f16 fields (last axis: 2 bytes each) as float32."""
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).astype(np.float32)).squeeze(-1)
-
-
-def _nibbles(qs: np.ndarray) -> torch.Tensor:
-    """32 weights from 16 bytes each (last axis): low nibbles are weights 0-15, high ones 16-31."""
-    qs = np.asarray(qs)
-    return torch.from_numpy(np.concatenate([qs & 15, qs >> 4], axis=-1))
-
-
-def _k_scales(scales: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's 8 six-bit (scale, min) pairs per super-block, packed in 12 bytes (llama.cpp's
-    `get_scale_min_k4`)."""
-    s = torch.from_numpy(np.ascontiguousarray(scales)).to(torch.int32)
-    lo, hi = s[..., 0:4], s[..., 4:8]
-    sc = torch.cat([lo & 63, (s[..., 8:12] & 15) | ((lo >> 6) << 4)], dim=-1)
-    mn = torch.cat([hi & 63, (s[..., 8:12] >> 4) | ((hi >> 6) << 4)], dim=-1)
-    return sc.float(), mn.float()
-
-
-def int4_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q uint8 [rows, cols] in 0..15, scale and zero float32 [rows, cols / 32]) with
-    `w = (q - 8) * scale + zero` exactly the file's weights (Q4_0, Q4_1, Q4_K)."""
-    rows = b.rows
-    if b.qtype == "Q4_0":
-        blk = b.data.reshape(rows, -1, 18)
-        scale = _f16(blk[..., 0:2])
-        return _nibbles(blk[..., 2:]).reshape(rows, -1), scale, torch.zeros_like(scale)
-    if b.qtype == "Q4_1":
-        blk = b.data.reshape(rows, -1, 20)
-        scale, offset = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
-        return _nibbles(blk[..., 4:]).reshape(rows, -1), scale, offset + 8 * scale
-    if b.qtype == "Q4_K":
-        blk = b.data.reshape(rows, -1, 144)
-        d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
-        sc, mn = _k_scales(blk[..., 4:16])
-        qs = np.asarray(blk[..., 16:]).reshape(rows, -1, 4, 32)
-        q = torch.from_numpy(
-            np.stack([qs & 15, qs >> 4], axis=3)
-        )  # [rows, super-blocks, 4, 2 (sub-block), 32]
-        scale, offset = (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
-        return q.reshape(rows, -1), scale, offset + 8 * scale
-    raise ValueError(f"{b.qtype} has no int4 layout; the int4 types are {', '.join(INT4_TYPES)}")
-
-
-def dequantize_rows(b: GGUFBlocks, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) as float32 (the `gguf` package's dequantization; Q8_0's `q * d` in torch, the
-    same products, several times faster)."""
-    from gguf import GGMLQuantizationType, quants
-
-    if b.qtype == "Q8_0":
-        blk = b.data[start:stop].reshape(stop - start, -1, 34)
-        q = torch.from_numpy(np.ascontiguousarray(blk[..., 2:]).view(np.int8))
-        return (q.float() * _f16(blk[..., 0:2])[..., None]).reshape(stop - start, b.cols)
-
-    w = quants.dequantize(b.data[start:stop], GGMLQuantizationType[b.qtype])
-    return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(stop - start, b.cols))
-
-
-def int8_rows(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [rows, cols], scale bfloat16 [rows]): each row requantized as `q * scale`, with
-    `scale >= max|w| / 127` the nearest bfloat16 at or above it, so |q| <= 127."""
-    q = torch.empty(b.rows, b.cols, dtype=torch.int8)
-    scale = torch.empty(b.rows, dtype=torch.bfloat16)
-    for start in range(0, b.rows, _CHUNK_ROWS):
-        stop = min(start + _CHUNK_ROWS, b.rows)
-        w = dequantize_rows(b, start, stop)
-        s = (w.abs().amax(dim=1) / 127).clamp_min(1e-30)
-        s16 = s.bfloat16()
-        s16 = torch.where(
-            s16.float() < s, torch.nextafter(s16, torch.tensor(float("inf"), dtype=s16.dtype)), s16
-        )
-        q[start:stop] = torch.round(w / s16.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        scale[start:stop] = s16
-    return q, scale
-
-
-def _label(parts: list[GGUFBlocks]) -> str:
-    return "+".join(sorted({p.qtype for p in parts}))
-
 
 # the kernels' overloads, looked up once (a decode step calls them ~120 times, and on a CPU each Python-side
 # lookup through `torch.ops` is a visible cost)
@@ -202,7 +106,7 @@ class Int4LinearMethod:
     quant_method = "gguf"
 
     def __init__(self, parts: list[GGUFBlocks], bias: torch.Tensor | None) -> None:
-        self.name = f"{_label(parts)} as int4 g{GROUP}"
+        self.name = f"{label(parts)} as int4 g{GROUP}"
         q, scale, zero = (torch.cat(t) for t in zip(*(int4_parts(p) for p in parts)))
         self.weight = CpuInt4(q, scale, zero, GROUP)
         self.out_features = q.shape[0]
@@ -221,7 +125,7 @@ class Int8Rows:
     """int8 rows with one bfloat16 scale each: the int8 GEMMs' weight."""
 
     def __init__(self, parts: list[GGUFBlocks]) -> None:
-        self.qtype = _label(parts)
+        self.qtype = label(parts)
         q, scale = zip(*(int8_rows(p) for p in parts))
         self.q, self.scale = torch.cat(q), torch.cat(scale)
 
@@ -330,11 +234,6 @@ class Int8DynamicLinearMethod:
 
     def tensors(self) -> list[torch.Tensor]:
         return []  # fbgemm's packed weight is no tensor: `opaque_bytes` counts it
-
-
-def is_int4(parts: list[GGUFBlocks]) -> bool:
-    """Every part is of a type the int4 layout holds exactly."""
-    return all(p.qtype in INT4_TYPES for p in parts)
 
 
 LinearMethod = Int4LinearMethod | Int8LinearMethod | Int8DynamicLinearMethod

@@ -66,9 +66,16 @@ class Int4Spec:
     act_order: bool = False  # the config names act-order (each layer's g_idx says its order: `act_order`)
     packed: bool = True  # False: compressed-tensors' `int-quantized`, int8 values as they are
     per_tensor: bool = False  # int-quantized's strategy tensor: one scale, read as one per row (group -1)
+    # what a file holds where it is not a checkpoint's scheme: a GGUF file's block types ("Q4_K"), which
+    # the label names as `gguf_cpu`'s layers do ("Q4_K as int4 g32", "Q6_K as int8 per-row")
+    source: str = ""
 
     @property
     def label(self) -> str:
+        if self.source:
+            return f"{self.source} as int{self.bits} " + (
+                "per-row" if self.group_size < 0 else f"g{self.group_size}"
+            )
         group = "tensor" if self.per_tensor else "channel" if self.group_size < 0 else f"g{self.group_size}"
         method = self.method if self.packed else f"{self.method} int-quantized"
         return f"{method} w{self.bits}a16 {group}" + (" act-order" if self.act_order else "")

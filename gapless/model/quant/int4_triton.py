@@ -357,9 +357,12 @@ def w4a16_matmul(
     group: int,
     bits: int,
     config: GemmConfig | None = None,
+    integer_zeros: bool = True,
 ) -> torch.Tensor:
     """`x @ W^T` for x [M, K] (the activations' dtype, that of `scales`), W in the layout the module
-    describes; the result [M, N] in x's dtype."""
+    describes; the result [M, N] in x's dtype. `integer_zeros`: whether every zero is an integer, as a
+    checkpoint's are (not a GGUF file's, `gguf_int4`, held in another float dtype: the values are
+    then never made by PTX, whose arithmetic holds integer zeros alone)."""
     m, k = x.shape
     n = qweight.shape[1]
     if qweight.shape[0] * (32 // bits) != k or scales.shape != (k // group, n) or zeros.shape != scales.shape:
@@ -403,7 +406,9 @@ def w4a16_matmul(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         NIBBLE_DOTS=nibble_dots(cfg, bits),
-        PTX_VALUES=(1 if x.dtype == torch.bfloat16 else 2) if ptx_values(cfg, bits, x.dtype) else 0,
+        PTX_VALUES=(1 if x.dtype == torch.bfloat16 else 2)
+        if integer_zeros and ptx_values(cfg, bits, x.dtype)
+        else 0,
         FACTORED=factored(cfg),
         SWAPPED=swapped(cfg),
         LOOP_STAGES=cfg.num_stages if cfg.block_m == 1 or swapped(cfg) else None,

@@ -1,0 +1,68 @@
+"""A GGUF file's quantized projections on the int4/int8 weight-only path (`gapless.model.quant.int4`): on a
+GPU, and across tensor-parallel ranks, where `gguf_cpu`'s layers (one rank's CPU kernels) do not run.
+
+Each projection is read from its blocks (`gguf_blocks`) into the path's one form, `W = (q - zero) * scale`
+(`int4_layouts.Unpacked`), then held, cut for each rank and run like an AWQ/GPTQ checkpoint's (on a GPU:
+tinygemm at decode rows and the Triton GEMM above, `int4_kernels`):
+
+- **Q4_0, Q4_1, Q4_K**: 4 bits in groups of 32, the file's values. Their blocks say `w = q * scale +
+  offset`; the path's zero is `-offset / scale`, a float (the GEMM holds it in the activations' dtype: in
+  bfloat16 a zero below 16 is within 1/32 of a step of the file's). A group whose scale is 0, every weight
+  its offset, is held as q = 8, zero 7 and scale `offset`: exact.
+- **every other type** (Q8_0, Q5_0, Q5_1, the other K-quants): int8 rows, each row requantized with one
+  scale (`gguf_blocks.int8_rows`, as `gguf_cpu`'s int8 rows), held as 8 bits one group a row.
+
+A fused projection (q/k/v, gate/up) whose parts mix the two (Q4_K_M files write some layers' `attn_v` as
+Q6_K) runs as int8 rows, as on the CPU. Unlike `gguf_cpu`'s default layout, every projection whose parts
+are all of the 4-bit types stays 4-bit: on a GPU the fewest bytes are the fastest decode. The embedding
+table and the LM head load as float weights (the loader dequantizes them), as an AWQ checkpoint's do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gapless.model.quant import int4, int4_kernels
+from gapless.model.quant.gguf_blocks import GROUP, GGUFBlocks, int4_parts, int8_rows, is_int4, label
+from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
+
+
+def spec_for(parts: list[GGUFBlocks]) -> Int4Spec:
+    """The int4/int8 scheme a projection stacked from `parts` is held in: 4 bits in groups of 32 where
+    every part is of a 4-bit type, else 8 bits one group a row."""
+    if is_int4(parts):
+        return Int4Spec("gguf", 4, GROUP, sym=False, source=label(parts))
+    return Int4Spec("gguf", 8, -1, sym=True, source=label(parts))
+
+
+def unpacked(b: GGUFBlocks, bits: int) -> Unpacked:
+    """One matrix's weight in the path's form, as `bits` (4: its 4-bit values and groups; 8: int8 rows)."""
+    if bits == 8:
+        q, scale = int8_rows(b)
+        rows = torch.full((b.rows, 1), 128.0)
+        return Unpacked(q.to(torch.int16) + 128, scale.float()[:, None], rows)
+    q, scale, z0 = int4_parts(b)  # w = (q - 8) * scale + z0
+    q = q.to(torch.int16)
+    flat = scale == 0  # (every weight of such a group is its offset, z0)
+    zero = torch.where(flat, 7.0, (8.0 - z0.double() / torch.where(flat, 1.0, scale).double()).float())
+    if bool(flat.any()):
+        q.view(b.rows, -1, GROUP)[flat] = 8
+        scale = torch.where(flat, z0, scale)
+    return Unpacked(q, scale, zero)
+
+
+def install(model: Any, blocks: dict[str, dict[Any, GGUFBlocks]], dtype: torch.dtype) -> None:
+    """Give each projection whose weight came as GGUF blocks (module name -> checkpoint shard -> blocks)
+    its int4/int8 form in `dtype`, cut for this rank (`int4.install`); its float weight is never made."""
+    specs = {name: spec_for(list(shards.values())) for name, shards in blocks.items()}
+    device = model.lm_head.weight.device
+    numel = sum(
+        model.get_submodule(name).weight.numel() for name, spec in specs.items() if spec.bits == 4
+    )  # (the layers whose second copy, tinygemm's, `auto` weighs)
+    kernel = int4_kernels.for_model(numel, 4, dtype, device)
+    for name, shards in blocks.items():
+        spec = specs[name]
+        whole = {shard: unpacked(b, spec.bits) for shard, b in shards.items()}
+        int4.install(model.get_submodule(name), whole, spec, dtype, name, kernel)

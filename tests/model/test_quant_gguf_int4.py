@@ -1,0 +1,172 @@
+"""GGUF matrices on the int4/int8 weight-only path (`gapless.model.quant.gguf_int4`), as a GPU and tensor
+parallelism hold them: each type's form against the file's weights, whole-model greedy tokens against
+transformers reading the same file, each rank's pieces against the dequantized model's, and on CUDA the
+GPU's kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gapless import LLM, SamplingParams
+from gapless.model import layers, loader, parallel
+from gapless.model.quant import weights_held
+from gapless.model.quant.gguf_blocks import INT4_TYPES, INT8_TYPES, int8_rows
+from gapless.model.quant.gguf_int4 import spec_for, unpacked
+from gapless.model.quant.int4 import Int4LinearMethod
+from gapless.testing.gguf_files import write_gguf
+from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
+from gapless.testing.ranks import load_as_ranks
+from tests.model.test_quant_gguf import MAX_NEW, NEAR_TIE, _dequantized, _k_quant_gguf, _random_blocks
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+def test_4_bit_types_hold_the_files_values_in_groups_of_32(qtype):
+    """`(q - zero) * scale` is the file's weights (to float32's rounding of the zero), q its 4-bit values;
+    groups whose scale is 0 (every weight its offset) are exact too."""
+    b = _random_blocks(qtype, 40, 512)
+    size = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}[qtype]
+    b.data.reshape(40, -1, size)[3, 0, 0:2] = 0  # row 3's first scale an f16 0 (Q4_K's d: 8 groups)
+    w = unpacked(b, 4)
+    assert w.q.dtype == torch.int16 and 0 <= int(w.q.min()) and int(w.q.max()) <= 15
+    assert w.scale.shape == w.zero.shape == (40, 512 // 32)
+    ref = _dequantized(b)
+    torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+    flat = ref[3, : 256 if qtype == "Q4_K" else 32]
+    torch.testing.assert_close(w.dequantize()[3, : flat.numel()], flat, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_other_types_hold_their_int8_rows(qtype):
+    """8 bits one group a row, q + 128 less the zero 128: exactly `int8_rows`' requantized weights."""
+    b = _random_blocks(qtype, 24, 256)
+    w = unpacked(b, 8)
+    q, scale = int8_rows(b)
+    assert w.scale.shape == w.zero.shape == (24, 1) and bool((w.zero == 128).all())
+    torch.testing.assert_close(w.dequantize(), q.float() * scale.float()[:, None], rtol=0, atol=0)
+
+
+def test_a_projection_is_4_bit_where_every_part_is():
+    four, six = _random_blocks("Q4_K", 32, 256), _random_blocks("Q6_K", 16, 256, seed=1)
+    assert spec_for([four, four]).label == "Q4_K as int4 g32"
+    assert spec_for([four, six]).label == "Q4_K+Q6_K as int8 per-row"
+    assert spec_for([six]).bits == 8 and spec_for([six]).group_size == -1
+
+
+@pytest.fixture
+def int4_path(monkeypatch, int4_reference_path):
+    """A CPU load as a GPU's: the projections on the int4/int8 path, exact against their dequantized
+    weights (the reference path), the embedding table and head as floats."""
+    monkeypatch.setattr(loader, "gguf_kept", lambda path, device: "int4" if path.suffix == ".gguf" else "")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K"])
+def test_greedy_equals_transformers_reading_the_file(ckpt_factory, tmp_path, monkeypatch, int4_path, qtype):
+    from transformers import AutoModelForCausalLM
+
+    wide = dict(hidden_size=256, intermediate_size=256, head_dim=64) if qtype.endswith("_K") else {}
+    ckpt = ckpt_factory("llama", rope_scaling=None, **wide)
+    path = tmp_path / f"llama.{qtype}.gguf"
+    path = _k_quant_gguf(ckpt, path, monkeypatch) if qtype == "Q4_K" else write_gguf(ckpt, path, qtype)
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
+        ours = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        model = llm.engine.runner.model
+    label = f"{qtype} as int4 g32" if qtype in INT4_TYPES else f"{qtype} as int8 per-row"
+    formats, _ = weights_held(model)
+    projections = [m for m in model.modules() if isinstance(m, layers._Linear) and m is not model.lm_head]
+    assert formats[label] == len(projections) and all(
+        isinstance(m.linear_method, Int4LinearMethod) for m in projections
+    )
+    assert not isinstance(model.lm_head.linear_method, Int4LinearMethod)  # (a float head, as AWQ's)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tol = NEAR_TIE["int4" if qtype in INT4_TYPES else "int8"]
+    notes = [check_greedy(out, hf_greedy(ref, p, MAX_NEW), tol=tol) for out, p in zip(ours, prompts)]
+    print(f"{qtype}: {sum(n is not None for n in notes)} of {len(prompts)} diverged at a near-tie")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_each_rank_holds_its_piece_of_the_files_weights(ckpt_factory, tmp_path, monkeypatch, qtype):
+    """Two ranks: every projection quantized (q/k/v and gate/up cut by rows; o and down by groups of 32,
+    or, as int8 rows, by columns under the row's scale), each rank's weight the dequantized file's piece."""
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / f"m.{qtype}.gguf", qtype)
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")  # (the reference path: its weights dequantized)
+    _, ranks = load_as_ranks(path)
+    monkeypatch.setenv("GAPLESS_GGUF_WEIGHTS", "dequantize")
+    monkeypatch.setenv("GAPLESS_CPU_GEMM", "plain")  # (the float weights as loaded, not packed)
+    _, floats = load_as_ranks(path)
+    for part, float_part in zip(ranks, floats):
+        for name, m in part.named_modules():
+            if isinstance(m, layers._Linear) and m is not part.lm_head:
+                assert isinstance(m.linear_method, Int4LinearMethod), name
+                want = float_part.get_submodule(name).weight
+                got = m.linear_method.dequantized(torch.float32)
+                if qtype == "Q8_0":  # (requantized rows: within half a step of each whole row's)
+                    step = m.linear_method.scales.t()  # [N, 1]
+                    assert step.shape == (want.shape[0], 1), name
+                    assert bool(((got - want).abs() <= 0.5 * step * (1 + 2**-8)).all()), name
+                else:
+                    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
+    assert parallel.current().size == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU path: the tests above)")
+def test_on_cuda_the_gpus_kernels_give_the_dequantized_models_tokens(ckpt_factory, tmp_path, monkeypatch):
+    """A GGUF on a GPU: int4 layers on tinygemm at decode and the Triton GEMM above, int8 rows on the
+    Triton GEMM, greedy as the dequantized model within near-ties."""
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "m.Q4_1.gguf", "Q4_1")
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def run() -> tuple[list, dict]:
+        with LLM(str(path), device="cuda", dtype="bfloat16", kv_cache_tokens=2048) as llm:
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+            return outs, dict(llm.engine.info.weight_formats)
+
+    quantized, formats = run()
+    assert any(f.startswith("Q4_1 as int4 g32 (tinygemm") for f in formats), formats
+    monkeypatch.setenv("GAPLESS_GGUF_WEIGHTS", "dequantize")
+    floats, float_formats = run()
+    assert not any("Q4_1" in f for f in float_formats), float_formats
+    for q, f in zip(quantized, floats):
+        for step, (a, b) in enumerate(zip(q.token_ids, f.token_ids)):
+            if a != b:  # a near-tie of the float model's: its top two within the int4 layout's rounding
+                assert f.top_logprobs is not None
+                top = sorted((lp for _, lp in f.top_logprobs[step]), reverse=True)[:2]
+                assert top[0] - top[1] < 2 * NEAR_TIE["int4"], (step, top)
+                break
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_fractional_zeros_are_held_in_float16_and_the_triton_gemm_takes_them(m):
+    """A GGUF layer's zeros are not integers: under bfloat16 activations they are held in float16 (8 bits
+    of bfloat16 put a zero up to 1/32 of a step off), never made into values by PTX (whose arithmetic
+    holds integer zeros alone), and the Triton GEMM (on CUDA, else interpreted) gives the product of the
+    weights as held within bfloat16's rounding."""
+    from gapless.model.quant import int4
+    from gapless.model.quant.int4_triton import choose_config, w4a16_matmul
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    b = _random_blocks("Q4_1", 64, 256, seed=m)
+    w = unpacked(b, 4)
+    assert not torch.equal(w.zero, w.zero.round())
+    held = Int4LinearMethod(w, spec_for([b]), torch.bfloat16, device, kernel="triton")
+    assert held.zeros.dtype == torch.float16 and not held.integer_zeros
+    torch.testing.assert_close(held.zeros.float().t().cpu(), w.zero.half().float(), rtol=0, atol=0)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+    ref = x.double() @ held.dequantized(torch.float32).double().cpu().t()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(int4, "TRITON_ON_CPU", device.type == "cpu")
+        y = held.apply(None, x.to(device))
+    tol = x.double().abs() @ held.dequantized(torch.float32).double().abs().cpu().t() * 2**-7
+    assert y.dtype == torch.bfloat16 and bool(((y.double().cpu() - ref).abs() <= tol + 1e-6).all())
+    # the values not made by PTX (on CUDA it would round each zero to an integer; interpreted, never PTX)
+    plain = choose_config(m, 64, 256, 32)._replace(ptx_values=False)
+    args = (held.qweight, held.scales, held.zeros, 32, 4)
+    assert torch.equal(y, w4a16_matmul(x.to(device), *args, config=plain, integer_zeros=False))
+    rounded = w._replace(zero=w.zero.round())
+    integer = Int4LinearMethod(rounded, spec_for([b]), torch.bfloat16, device, "triton")
+    assert integer.zeros.dtype == torch.bfloat16 and integer.integer_zeros
