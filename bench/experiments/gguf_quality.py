@@ -2,7 +2,11 @@
 Q4_1 with a Q8_0 embedding table): perplexity of a fixed text, and greedy agreement over 64 new tokens
 of a few prompts, kept-quantized against the same file dequantized to float32. Run as
 
-    PYTHONPATH=. .venv/bin/python bench/experiments/gguf_quality.py [FILE.gguf]
+    PYTHONPATH=. .venv/bin/python bench/experiments/gguf_quality.py [FILE.gguf] [--int4-path]
+
+`--int4-path`: the projections as a GPU holds them instead (`gapless.model.quant.gguf_int4`, the reference
+path's dequantized weights), in float32 and in bfloat16 (a GPU's dtype: scales and zeros held in it),
+each against the file dequantized in the same dtype.
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ PROMPTS = [
 Top = list[list[list[tuple[int, float]]]]  # per prompt, per step, the top (token, logprob) pairs
 
 
-def run(path: str, **options: object) -> tuple[float, list[list[int]], Top, list[list[float]]]:
+def run(
+    path: str, dtype: str = "float32", **options: object
+) -> tuple[float, list[list[int]], Top, list[list[float]]]:
     """(perplexity of TEXT, greedy tokens of PROMPTS, their top-2 and chosen logprobs) of `path` on the CPU
-    in float32, with the engine's `options`."""
-    with LLM(path, device="cpu", dtype="float32", kv_cache_tokens=4096, overlap=False, **options) as llm:
+    in `dtype`, with the engine's `options`."""
+    with LLM(path, device="cpu", dtype=dtype, kv_cache_tokens=4096, overlap=False, **options) as llm:
         ids = llm.tokenizer.encode(TEXT)
         out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
         nll = [-lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:])]
@@ -68,8 +74,36 @@ def file_types(path: str) -> str:
     return ", ".join(f"{k} x{n}" for k, n in kinds.most_common())
 
 
+def int4_path(path: str) -> None:
+    """`--int4-path`: the file's projections on the int4/int8 path, against the file dequantized, in
+    float32 and bfloat16 (the module's docstring)."""
+    from gapless.model import loader
+
+    os.environ["GAPLESS_INT4_KERNEL"] = "triton"  # (on the CPU: the reference path, the weights as held)
+    kept = loader.gguf_kept
+    for dtype in ("float32", "bfloat16"):
+        os.environ["GAPLESS_GGUF_WEIGHTS"] = "dequantize"
+        ppl_f, toks_f, _, _ = run(path, dtype)
+        os.environ["GAPLESS_GGUF_WEIGHTS"] = "quantized"
+        loader.gguf_kept = lambda p, device: "int4" if kept(p, device) else ""  # type: ignore[assignment]
+        try:
+            ppl_q, toks_q, _, _ = run(path, dtype)
+        finally:
+            loader.gguf_kept = kept  # type: ignore[assignment]
+        same = sum(q == f for q, f in zip(toks_q, toks_f))
+        print(
+            f"{dtype}: perplexity dequantized {ppl_f:.4f}, int4 path {ppl_q:.4f} "
+            f"({100 * (ppl_q / ppl_f - 1):+.2f}%); greedy identical {same}/{len(PROMPTS)}"
+        )
+
+
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else str(smollm2_path())
+    args = [a for a in sys.argv[1:] if a != "--int4-path"]
+    path = args[0] if args else str(smollm2_path())
+    if "--int4-path" in sys.argv:
+        print(f"file {path}: {file_types(path)}")
+        int4_path(path)
+        return
     os.environ["GAPLESS_GGUF_WEIGHTS"] = "dequantize"
     ppl_f, toks_f, top_f, lp_f = run(path)
     os.environ["GAPLESS_GGUF_WEIGHTS"] = "quantized"
