@@ -105,6 +105,16 @@ def tensor_names(path: str | Path) -> set[str]:
     return {t.name for t in _reader(str(path)).tensors}
 
 
+def quantized_types(path: str | Path) -> dict[str, str]:
+    """Each quantized matrix's type by its Hugging Face name, from the file's header (no weight read)."""
+    types = {}
+    for t in _reader(str(path)).tensors:
+        name = hf_name(t.name)
+        if name is not None and t.tensor_type.name in QUANTIZED_TYPES and len(t.shape) == 2:
+            types[name] = t.tensor_type.name
+    return types
+
+
 def _rope_scaling(meta: dict[str, Any], arch: str, names: set[str]) -> dict[str, Any] | None:
     if "rope_freqs.weight" in names:  # llama3-style scaling, stored as per-frequency factors
         raise ValueError(

@@ -50,6 +50,7 @@ from gapless.model.quant import (
 from gapless.model.quant.formats import QuantSpec
 from gapless.model.quant.fp8 import checkpoint_scale
 from gapless.model.quant.gguf_blocks import GGUFBlocks
+from gapless.model.quant.gguf_int4 import GGUFLayers
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
 
 log = logging.getLogger(__name__)
@@ -154,10 +155,10 @@ def load_model(
     int4_kernel = _int4_kernel(model, int4_spec, dtype, device) if int4_spec is not None else ""
     int4_layers = Int4Layers(model, int4_spec, dtype, int4_kernel) if int4_spec is not None else None
     loaded: set[str] = set()
-    blocks: dict[str, dict[str | None, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
     encoder = new_encoder(cfg.vision, cfg.hidden_size, dtype, device) if cfg.vision is not None else None
     kv_scales = KVScaleReader()  # an FP8 KV cache's scales, where the checkpoint has them
     kept = gguf_kept(path, device)
+    gguf_layers = _gguf_layers(model, path, kept, dtype)  # (None: no GGUF blocks)
     for name, tensor in [] if dummy else iter_weights(path, kept):
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
@@ -174,7 +175,8 @@ def load_model(
                 continue
         if isinstance(tensor, GGUFBlocks):
             name, shard = weight_names.target(name)
-            blocks.setdefault(name.rsplit(".", 1)[0], {})[shard] = tensor
+            assert gguf_layers is not None
+            gguf_layers.add(name.rsplit(".", 1)[0], shard, tensor)
             loaded.add(name if shard is None else f"{name}#{shard}")
             continue
         if kv_scales.take(name, tensor):
@@ -199,9 +201,8 @@ def load_model(
     if scheme is not None:
         assert spec is not None
         scheme.finish(model, spec, quantized, rounding.done)
-    if blocks:
-        _install_gguf(model, blocks, kept, dtype)  # the other layers keep torch's GEMM on their float weight
-    elif int4_spec is None:  # (the float layers beside int4 ones keep torch's GEMM)
+    # (the float layers beside quantized GGUF or int4 ones keep torch's GEMM)
+    if not (gguf_layers is not None and gguf_layers.finish()) and int4_spec is None:
         pack_cpu_gemms(model)
     _check_materialized(model)
     log.info("%s", weights_summary(model))
@@ -312,33 +313,50 @@ def _int4_kernel(
     return int4_kernels.for_model(numel, spec.bits, dtype, device)
 
 
-def _install_gguf(
-    model: CausalLM, blocks: dict[str, dict[str | None, GGUFBlocks]], kept: str, dtype: torch.dtype
-) -> None:
-    """Give each module whose weight came as GGUF blocks its quantized form (as `gguf_kept` says: "int4",
-    `gguf_int4`'s; "cpu", `gguf_cpu`'s), its float weight never made. On the CPU an embedding table is
-    read from the file where it lies (`gguf_cpu.FileRows`); a tied LM head holds the table in its own
-    layout."""
+def _gguf_layers(
+    model: CausalLM, path: Path, kept: str, dtype: torch.dtype
+) -> GGUFLayers | _CpuGGUFLayers | None:
+    """What takes a GGUF load's quantized matrices as `gguf_kept` says (`add` each, `finish` after the
+    last): the int4/int8 path's layers, installed as each module is whole ("int4"), or the CPU's ("cpu");
+    None where none come as blocks."""
     if kept == "int4":
-        gguf_int4.install(model, blocks, dtype)
-        return
-    for module_name, shards in blocks.items():
-        module = model.get_submodule(module_name)
-        order = list(getattr(module, "shard_offsets", None) or [None])
-        parts = [shards[s] for s in order]
-        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
-            if len(parts) != 1:
-                raise ValueError(f"{module_name}: an embedding table of {len(parts)} GGUF matrices")
-            module.quantized_rows = gguf_cpu.FileRows(parts[0])
-            head = model.lm_head
-            if head.weight is module.weight:  # tied: the head holds the table in its own layout
-                head.linear_method = gguf_cpu.linear_method(parts, None, gguf_cpu.int4_for("lm_head"))
-        elif isinstance(module, (_Linear, ParallelLMHead)):
-            int4 = gguf_cpu.int4_for(module_name)
-            module.linear_method = gguf_cpu.linear_method(parts, getattr(module, "bias", None), int4)
-        else:
-            raise ValueError(f"{module_name} ({type(module).__name__}) has no quantized form")
-        module.weight.data = module.weight.data.new_empty(0)
+        return gguf_int4.GGUFLayers(model, gguf.quantized_types(path), dtype)
+    return _CpuGGUFLayers(model) if kept == "cpu" else None
+
+
+class _CpuGGUFLayers:
+    """A one-rank CPU's GGUF layers (`gguf_cpu`): every matrix gathered, then each module given its
+    quantized form, its float weight never made. An embedding table is read from the file where it lies
+    (`gguf_cpu.FileRows`); a tied LM head holds the table in its own layout."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.blocks: dict[str, dict[Any, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
+
+    def add(self, name: str, shard: Any, blocks: GGUFBlocks) -> None:
+        self.blocks.setdefault(name, {})[shard] = blocks
+
+    def finish(self) -> bool:
+        """Install every module's quantized form; whether any came."""
+        model = self.model
+        for module_name, shards in self.blocks.items():
+            module = model.get_submodule(module_name)
+            order = list(getattr(module, "shard_offsets", None) or [None])
+            parts = [shards[s] for s in order]
+            if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+                if len(parts) != 1:
+                    raise ValueError(f"{module_name}: an embedding table of {len(parts)} GGUF matrices")
+                module.quantized_rows = gguf_cpu.FileRows(parts[0])
+                head = model.lm_head
+                if head.weight is module.weight:  # tied: the head holds the table in its own layout
+                    head.linear_method = gguf_cpu.linear_method(parts, None, gguf_cpu.int4_for("lm_head"))
+            elif isinstance(module, (_Linear, ParallelLMHead)):
+                int4 = gguf_cpu.int4_for(module_name)
+                module.linear_method = gguf_cpu.linear_method(parts, getattr(module, "bias", None), int4)
+            else:
+                raise ValueError(f"{module_name} ({type(module).__name__}) has no quantized form")
+            module.weight.data = module.weight.data.new_empty(0)
+        return bool(self.blocks)
 
 
 def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:

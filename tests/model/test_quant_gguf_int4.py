@@ -170,3 +170,35 @@ def test_fractional_zeros_are_held_in_float16_and_the_triton_gemm_takes_them(m):
     rounded = w._replace(zero=w.zero.round())
     integer = Int4LinearMethod(rounded, spec_for([b]), torch.bfloat16, device, "triton")
     assert integer.zeros.dtype == torch.bfloat16 and integer.integer_zeros
+
+
+def test_each_projection_is_installed_as_soon_as_its_module_is_whole(ckpt_factory, tmp_path, int4_path):
+    """The host holds the blocks of the projection still arriving, not the file's: every install comes
+    during the read, with at most q and k waiting for v (or gate for up); none is left to `finish`."""
+    from gapless.model.quant.gguf_int4 import GGUFLayers
+
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "m.Q4_0.gguf", "Q4_0")
+    waiting, install = [], GGUFLayers._install
+
+    def recorded(self, name, shards):
+        waiting.append(len(self.pending))
+        install(self, name, shards)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GGUFLayers, "_install", recorded)
+        mp.setattr(GGUFLayers, "finish", lambda self: (not self.pending) and self.installed > 0)
+        model = loader.load_model(path, torch.float32, torch.device("cpu"))
+    projections = [m for m in model.modules() if isinstance(m, layers._Linear) and m is not model.lm_head]
+    assert len(waiting) == len(projections) and max(waiting) <= 1, waiting
+
+
+def test_a_float_gguf_on_the_cpu_still_packs_its_gemms(ckpt_factory, tmp_path):
+    """No matrix comes quantized from an F32 file: its layers are packed for the CPU as a checkpoint's."""
+    from gapless.model.cpu_gemm import unavailable_reason
+
+    why = unavailable_reason(torch.device("cpu"), torch.float32)
+    if why is not None:
+        pytest.skip(f"packed CPU GEMMs are off here: {why}")
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "m.F32.gguf", "F32")
+    model = loader.load_model(path, torch.float32, torch.device("cpu"))
+    assert all(m.cpu_gemm is not None for m in model.modules() if isinstance(m, layers._Linear))

@@ -16,6 +16,7 @@ A fused projection (q/k/v, gate/up) whose parts mix the two (Q4_K_M files write 
 Q6_K) runs as int8 rows, as on the CPU. Unlike `gguf_cpu`'s default layout, every projection whose parts
 are all of the 4-bit types stays 4-bit: on a GPU the fewest bytes are the fastest decode. The embedding
 table and the LM head load as float weights (the loader dequantizes them), as an AWQ checkpoint's do.
+Each projection is installed as soon as its module's last shard is read (`GGUFLayers`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,17 @@ from typing import Any
 
 import torch
 
+from gapless.model import weight_names
 from gapless.model.quant import int4, int4_kernels
-from gapless.model.quant.gguf_blocks import GROUP, GGUFBlocks, int4_parts, int8_rows, is_int4, label
+from gapless.model.quant.gguf_blocks import (
+    GROUP,
+    INT4_TYPES,
+    GGUFBlocks,
+    int4_parts,
+    int8_rows,
+    is_int4,
+    label,
+)
 from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 
 
@@ -53,16 +63,44 @@ def unpacked(b: GGUFBlocks, bits: int) -> Unpacked:
     return Unpacked(q, scale, zero)
 
 
-def install(model: Any, blocks: dict[str, dict[Any, GGUFBlocks]], dtype: torch.dtype) -> None:
-    """Give each projection whose weight came as GGUF blocks (module name -> checkpoint shard -> blocks)
-    its int4/int8 form in `dtype`, cut for this rank (`int4.install`); its float weight is never made."""
-    specs = {name: spec_for(list(shards.values())) for name, shards in blocks.items()}
-    device = model.lm_head.weight.device
-    numel = sum(
-        model.get_submodule(name).weight.numel() for name, spec in specs.items() if spec.bits == 4
-    )  # (the layers whose second copy, tinygemm's, `auto` weighs)
-    kernel = int4_kernels.for_model(numel, 4, dtype, device)
-    for name, shards in blocks.items():
-        spec = specs[name]
+class GGUFLayers:
+    """The projections of one GGUF load on this path, each installed (`int4.install`: cut for this rank,
+    held in `dtype`, its float weight never made) as soon as every shard of its module has been read, so
+    the host holds the blocks of the one projection still arriving, not the file's. `add` each matrix as
+    it is read (module name, checkpoint shard, blocks), `finish` after the last; `types` (each matrix's
+    type by name, from the file's header) weighs `auto`'s second copies before the first install."""
+
+    def __init__(self, model: Any, types: dict[str, str], dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+        self.pending: dict[str, dict[Any, GGUFBlocks]] = {}
+        self.installed = 0
+        by_module: dict[str, list[str]] = {}
+        for name, qtype in types.items():
+            module = weight_names.target(name)[0].rsplit(".", 1)[0]
+            by_module.setdefault(module, []).append(qtype)
+        numel = sum(  # (the layers whose second copy, tinygemm's, `auto` weighs)
+            model.get_submodule(m).weight.numel()
+            for m, kinds in by_module.items()
+            if m.startswith("model.layers.") and all(k in INT4_TYPES for k in kinds)
+        )
+        self.kernel = int4_kernels.for_model(numel, 4, dtype, model.lm_head.weight.device)
+
+    def add(self, name: str, shard: Any, blocks: GGUFBlocks) -> None:
+        shards = self.pending.setdefault(name, {})
+        shards[shard] = blocks
+        layer = self.model.get_submodule(name)
+        if all(s in shards for s in getattr(layer, "shard_offsets", None) or [None]):
+            self._install(name, self.pending.pop(name))
+
+    def finish(self) -> bool:
+        """Install what is still pending, which `int4.install` refuses by name (a shard missing); whether
+        any projection came quantized."""
+        for name in list(self.pending):
+            self._install(name, self.pending.pop(name))
+        return self.installed > 0
+
+    def _install(self, name: str, shards: dict[Any, GGUFBlocks]) -> None:
+        self.installed += 1
+        spec = spec_for(list(shards.values()))
         whole = {shard: unpacked(b, spec.bits) for shard, b in shards.items()}
-        int4.install(model.get_submodule(name), whole, spec, dtype, name, kernel)
+        int4.install(self.model.get_submodule(name), whole, spec, self.dtype, name, self.kernel)
