@@ -27,7 +27,7 @@
 #      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`); int4 TPOT with act-order (GPTQ
 #      `desc_act`: o's x gathered a layer); the FP8 GEMM alone against bf16 and torch._scaled_mm on both
 #      models' linear shapes, 1 and 128 rows (bench/experiments/fp8_gemm.py); Qwen3-8B's FP8 TPOT with x
-#      rounded by launches; its int4 TPOT on gemlite
+#      rounded by launches; its int4 TPOT on gemlite; its TPOT as a Q4_K_M GGUF file
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
 # bench/results/gpu_quant: gpu_quant.log (the tables), quant_*.json (each run), fp8_sweep.log,
 # fp8_gemm.log, int4_gemm.log, kv_attention.log. bench/gpu_session.sh's `all` part calls it first (step
@@ -258,6 +258,14 @@ GAPLESS_FP8_UNFUSED_ROUNDING=1 tpot 45 qwen3-8b fp8_unfused --engine-option quan
 # 0.59x bf16's TPOT against tinygemm's 0.50x: bench/results/h100-2026-11-26/quant)
 say ""
 GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite
+
+# a GGUF file on the GPU (its projections on the int4/int8 path: Q4_K in groups of 32 on tinygemm at decode,
+# Q6_K and fused q/k/v with a Q6_K v as int8 rows on the Triton GEMV; never timed): Qwen3-8B's shape as
+# llama.cpp's Q4_K_M mix of random Q4_K and Q6_K blocks (~4.8 GB written first, then read as a file),
+# against the targets phase's bf16 and AWQ runs
+say ""
+other 45 gguf_write "$PY" -m gapless.bench.quant gguf "$SHAPES/qwen3-8b"
+tpot 120 qwen3-8b-gguf gguf --engine-option load_format=auto
 fi
 
 say ""

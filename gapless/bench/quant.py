@@ -4,6 +4,8 @@
     python -m gapless.bench.quant run DIR/qwen3-8b --engine-option quantization=fp8 --json r.json
     python -m gapless.bench.quant run DIR/qwen3-8b-awq --json r.json       # int4 w4a16, AWQ g128
     python -m gapless.bench.quant report r1.json r2.json ...   # each run's TPOT and its ratio to bf16's
+    python -m gapless.bench.quant gguf DIR/qwen3-8b [Q4_K_M]  # DIR/qwen3-8b-gguf/model.Q4_K_M.gguf
+    python -m gapless.bench.quant run DIR/qwen3-8b-gguf --engine-option load_format=auto --json r.json
 
 `make` writes each shape's config.json (Qwen3-0.6B's, Qwen3-8B's and the mixture Qwen3-30B-A3B's
 published values) and the built-in tokenizer, no weights, and for each shape a `-awq` twin whose config
@@ -18,6 +20,9 @@ generating 1 + `--tokens` (default 64); TPOT = the difference / `--tokens`, the 
 (default 3) after a warm-up. `--profile` then runs both once more under torch.profiler:
 each kernel's device time a token (the same difference over `--tokens`), and their sum against TPOT (the
 rest: the device idle between kernels, or the host behind it).
+`gguf` writes a shape as a GGUF file of random weights (`gapless.testing.gguf_files.write_random_gguf`:
+by default llama.cpp's Q4_K_M mix of Q4_K and Q6_K matrices, ~4.8 GB for the 8B), which `run` reads like
+a real file with `--engine-option load_format=auto` (a GGUF's projections on the int4/int8 path on a GPU).
 `--engine-option` adds an engine option (quantization=fp8: the bf16 weights quantized at load, one scale
 per row). Each run in its own process, so the GPU holds one model at a time (bench/gpu_quant.sh).
 """
@@ -86,9 +91,22 @@ TWINS = {
 PROMPT_LEN = 128
 
 
+GGUF_SUFFIX = "-gguf"  # (the directory `gguf` writes a shape's file into)
+
+
 def _shape_of(name: str) -> str:
-    """The bf16 shape a (twin's) directory name is of."""
-    return next((name.removesuffix(s) for s in TWINS if name.endswith(s)), name)
+    """The bf16 shape a (twin's, or GGUF file's) directory name is of."""
+    return next((name.removesuffix(s) for s in (*TWINS, GGUF_SUFFIX) if name.endswith(s)), name)
+
+
+def gguf_file(shape: Path, qtype: str) -> Path:
+    """`shape`'s directory as a GGUF file of random weights in `qtype` (the module's docstring), in a
+    directory of its own beside it."""
+    from gapless.testing.gguf_files import write_random_gguf
+
+    out = shape.parent / f"{shape.name}{GGUF_SUFFIX}"
+    out.mkdir(exist_ok=True)
+    return write_random_gguf(shape, out / f"model.{qtype}.gguf", qtype)
 
 
 def make(out: Path) -> list[Path]:
@@ -234,6 +252,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         r.add_argument_group("engine"), "extra LLM option, repeatable (quantization=fp8)"
     )
     sub.add_parser("report").add_argument("json", type=Path, nargs="+")
+    g = sub.add_parser("gguf")
+    g.add_argument("shape", type=Path)
+    g.add_argument("qtype", nargs="?", default="Q4_K_M")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.cmd == "run":
         cli.take_engine_options(r, args)
@@ -251,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         if args.json:
             cli.write_json(args.json, res)
+    elif args.cmd == "gguf":
+        print(gguf_file(args.shape, args.qtype))
     else:
         print(report([json.loads(f.read_text()) for f in args.json if f.is_file()]))
 

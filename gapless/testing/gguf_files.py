@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
+from gapless.model.quant.gguf_blocks import GGUFBlocks
+
 # Hugging Face architecture -> llama.cpp's (Mistral is written as llama)
 ARCHS = {
     "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA,
@@ -129,5 +131,87 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+# where each type keeps its f16 fields (bytes into a block): the scale (and min) of the block
+_F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82]}
+_F16_AT |= {"Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
+    """Random, valid blocks of `qtype` (every quantized type, the K-quants included, which gguf-py cannot
+    quantize): random bytes with each block's f16 scales set to small finite values, so the weights are
+    about as small as a checkpoint's (|w| < ~0.1)."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    # a K-quant's weight is its f16 scale times a 6- or 8-bit sub-scale times q: smaller f16 scales
+    low, high = (1e-5, 1e-4) if qtype.endswith("_K") else (1e-3, 1e-2)
+    for at in _F16_AT[qtype]:
+        values = rng.uniform(low, high, (rows, cols // block)).astype(np.float16)
+        data[..., at : at + 2] = values.view(np.uint8).reshape(rows, cols // block, 2)
+    return GGUFBlocks(qtype, cols, data.reshape(rows, -1))
+
+
+def q4_k_m_type(name: str, layers: int) -> str:
+    """The type llama.cpp's Q4_K_M gives a matrix (`llama_tensor_get_type`, its "use more bits" rule): Q6_K
+    for the output and for attn_v and ffn_down in the first and last eighth of the layers and every third
+    between, Q4_K for the rest."""
+    if name == "output.weight":
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        i = int(name.split(".")[1])
+        if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
+def write_random_gguf(ckpt: str | Path, out: str | Path, qtype: str = "Q4_K_M") -> Path:
+    """A GGUF file `out` of the config and tokenizer in `ckpt` (no weights needed) with random weights: every
+    matrix random blocks of `qtype` (`random_blocks`), or "Q4_K_M" llama.cpp's mix of Q4_K and Q6_K
+    (`q4_k_m_type`), the norms ones. Written a tensor at a time (a model's size on disk, not in memory):
+    for benchmarks of a model's shape as a GGUF file holds it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt, out = Path(ckpt), Path(out)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    arch = ARCHS[cfg["architectures"][0]]
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt))
+    shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    if cfg.get("tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    _add_config(writer, cfg, f"random-{gguf.MODEL_ARCH_NAMES[arch]}")
+    _add_tokenizer(writer, ckpt)
+    _add_sampling(writer, ckpt)
+    plan = []  # (GGUF name, shape, type or None: F32 ones)
+    for hf_name, shape in shapes.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, f"no GGUF name for {hf_name}"
+        kind = None
+        if len(shape) == 2:
+            kind = q4_k_m_type(name, cfg["num_hidden_layers"]) if qtype == "Q4_K_M" else qtype
+        plan.append((name, shape, kind))
+        if kind is None:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+        else:
+            raw = gguf.GGMLQuantizationType[kind]
+            block, size = gguf.GGML_QUANT_SIZES[raw]
+            if shape[1] % block:
+                raise ValueError(f"{hf_name} {shape}: {kind} takes rows of whole {block}-weight blocks")
+            byte_shape = (shape[0], shape[1] // block * size)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for seed, (_, shape, kind) in enumerate(plan):
+        data = np.ones(shape, np.float32) if kind is None else random_blocks(kind, *shape, seed=seed).data
+        writer.write_tensor_data(data)
     writer.close()
     return out

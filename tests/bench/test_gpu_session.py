@@ -131,6 +131,7 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             "gapless.bench.quant",  # act-order int4, (the FP8 GEMM's table: a script)
             "gapless.bench.quant",  # the 8B's FP8 with x rounded by launches,
             "gapless.bench.quant",  # gemlite's run,
+            *["gapless.bench.quant"] * 2,  # the 8B as a Q4_K_M GGUF file: written, timed,
             "gapless.bench.quant",  # the report
             "gapless.bench.gpu",  # gpu_bench.sh's one benchmark
             "gapless.bench.kernels",
@@ -280,7 +281,8 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     not, against tinygemm), the bf16 KV cache's nano-vllm run at 5 stages, the 8B's FP8 with PDL, the FP8
     GEMV's stages (short, each deciding a default); then the mixture's TPOT in bf16, the swapped tiles
     alone, what no GPU has run (the mixture quantized), the FP8 GEMM's sweep and decode attention at batch
-    1, then the int4 GEMMs' table (without gemlite, whose first call tunes past the step's limit); no TPOT
+    1, then the int4 GEMMs' table (without gemlite, whose first call tunes past the step's limit), last
+    the 8B written as a Q4_K_M GGUF file and timed; no TPOT
     run of the targets and no other nano-vllm run; the targets phase alone the reverse, its FP8 KV runs at
     the default stages and at 5."""
     (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
@@ -313,6 +315,9 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep
     assert int4_gemm[:2] == ["-m", "gapless.bench.int4_gemm"] and "--ptx-values" in int4_gemm
     assert "gemlite" not in int4_gemm
+    write, gguf = tables[-3:-1]  # (last before the report: the 8B as a GGUF file, written then timed)
+    assert write[:3] == ["-m", "gapless.bench.quant", "gguf"] and write[3].endswith("/qwen3-8b")
+    assert gguf[3].endswith("/qwen3-8b-gguf") and "load_format=auto" in gguf
     runs = [c for c in tables if c[:3] == ["-m", "gapless.bench.quant", "run"]]
     assert runs and not any("--profile" in c for c in runs)  # (the targets' runs are profiled)
     assert [c for c in tables if "gapless.bench.gpu" in c] == [staged]  # (no other nano-vllm run)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gapless.bench import quant, timing
 from gapless.bench.cli import machine as this_machine
 from gapless.model.config import load_model_config
@@ -155,3 +157,39 @@ def test_the_report_leaves_out_runs_without_a_profile():
     machine = this_machine("cpu")
     run = dict(shape="qwen3-8b", quantization=None, tpot_ms=10.0, weights="w", machine=machine, profile=None)
     assert "of TPOT's" not in quant.report([run])
+
+
+def test_gguf_writes_a_shape_as_a_q4_k_m_file_that_runs(tmp_path, monkeypatch):
+    """`gguf` writes a shape (here a small Qwen3 of 16 layers) as a GGUF file of random blocks in llama.cpp's
+    Q4_K_M mix: each matrix the type its rule gives (Q6_K for attn_v and ffn_down in the first and last
+    eighth of the layers and every third between), which the engine reads and runs; `run`'s ratio is to
+    the shape's bf16 run."""
+    import gguf
+
+    from gapless.model.quant.gguf_blocks import QUANTIZED_TYPES
+    from gapless.testing.checkpoints import make_checkpoint
+    from gapless.testing.gguf_files import q4_k_m_type
+
+    shape = make_checkpoint(
+        tmp_path / "qwen3-small",
+        "qwen3",
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=64,
+        num_hidden_layers=16,
+    )
+    path = quant.gguf_file(shape, "Q4_K_M")
+    assert path.parent.name == "qwen3-small-gguf" and quant._shape_of(path.parent.name) == "qwen3-small"
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    six = [i for i in range(16) if types[f"blk.{i}.ffn_down.weight"] == "Q6_K"]
+    assert six == [0, 1, 4, 7, 10, 13, 14, 15]  # (16 layers: 2 first, 2 last, every third from 2 between)
+    v = [f"blk.{i}.attn_v.weight" for i in range(16)]
+    assert all(types[name] == q4_k_m_type(name, 16) for name in v)
+    assert {types[f"blk.{i}.attn_q.weight"] for i in range(16)} == {"Q4_K"}
+    assert types["blk.0.attn_norm.weight"] == "F32" and set(types.values()) <= {"F32", *QUANTIZED_TYPES}
+    narrow = r"embed_tokens.weight \(1000, 64\): Q4_K takes rows of whole 256-weight blocks"
+    with pytest.raises(ValueError, match=narrow):
+        quant.gguf_file(make_checkpoint(tmp_path / "narrow", "qwen3", num_hidden_layers=2), "Q4_K")
+    res = quant.run(path.parent, {"load_format": "auto"}, tokens=2, repeats=1, device="cpu")
+    assert res["shape"] == "qwen3-small" and res["quantization"] == "gguf" and res["tpot_ms"] > 0
+    assert "Q4_K as int4 g32" in res["weights"] and "Q6_K as int8 per-row" in res["weights"], res["weights"]

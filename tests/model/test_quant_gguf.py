@@ -25,7 +25,7 @@ from gapless.model.quant.gguf_cpu import (
     Int8LinearMethod,
     linear_method,
 )
-from gapless.testing.gguf_files import write_gguf
+from gapless.testing.gguf_files import random_blocks, write_gguf
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 
 GQ = gguf.GGMLQuantizationType
@@ -37,25 +37,6 @@ BF16_REL = 4 * 2.0**-9
 INT8_ACT_REL = 1.01 / (63.5 * 254)
 
 
-def _random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
-    """Random, valid blocks of `qtype` (every type, the K-quants included, which gguf-py cannot quantize):
-    random bytes with each block's f16 scales set to small finite values."""
-    kind = GQ[qtype]
-    block, size = gguf.GGML_QUANT_SIZES[kind]
-    rng = np.random.default_rng(seed)
-    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    # where each type keeps its f16 fields (bytes): the scale (and min) of the block
-    f16_at = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82]}
-    f16_at |= {"Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-    # a K-quant's weight is its f16 scale times a 6- or 8-bit sub-scale times q: smaller f16 scales keep
-    # every type's weights about as small as a checkpoint's (|w| < ~0.1)
-    low, high = (1e-5, 1e-4) if qtype.endswith("_K") else (1e-3, 1e-2)
-    for at in f16_at[qtype]:
-        values = rng.uniform(low, high, (rows, cols // block)).astype(np.float16)
-        data[..., at : at + 2] = values.view(np.uint8).reshape(rows, cols // block, 2)
-    return GGUFBlocks(qtype, cols, data.reshape(rows, -1))
-
-
 def _dequantized(b: GGUFBlocks) -> torch.Tensor:
     w = gguf.quants.dequantize(b.data, GQ[b.qtype])
     return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(b.rows, b.cols))
@@ -64,7 +45,7 @@ def _dequantized(b: GGUFBlocks) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", INT4_TYPES)
 def test_int4_layout_holds_the_files_weights_exactly(qtype):
     """Before the kernel's bfloat16 scales, the int4 form is the file's weights, bit for bit."""
-    b = _random_blocks(qtype, 40, 512)
+    b = random_blocks(qtype, 40, 512)
     q, scale, zero = int4_parts(b)
     assert q.min() >= 0 and q.max() <= 15
     w = (q.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
@@ -83,7 +64,7 @@ def test_each_types_linear_matches_its_dequantized_weight(qtype, rows, acts, mon
     its activations' rounding. The output rows (40) are not a multiple of the int4 packing's 16: the
     padding is exercised too. One input channel is an outlier 30x the others (as LLM activations have)."""
     monkeypatch.setenv(ACTIVATIONS_ENV, acts)
-    b = _random_blocks(qtype, 40, 512, seed=rows)
+    b = random_blocks(qtype, 40, 512, seed=rows)
     w = _dequantized(b)
     bias = torch.randn(40)
     method = linear_method([b], bias)
@@ -110,7 +91,7 @@ def test_int8_activations_are_per_row_not_per_batch():
     """A row's result through the int8 GEMM is the same alone as in any batch (each row quantized over its
     own range: fbgemm's one range per batch is pinned), and a row of large values beside it changes
     nothing, where fbgemm's own per-batch quantization would round the small row to ~nothing."""
-    method = linear_method([_random_blocks("Q8_0", 48, 256)], None)
+    method = linear_method([random_blocks("Q8_0", 48, 256)], None)
     assert isinstance(method, Int8DynamicLinearMethod)
     x = torch.randn(5, 256)
     x[3] *= 1000
@@ -124,7 +105,7 @@ def test_int8_activations_are_per_row_not_per_batch():
 
 def test_a_fused_weight_of_mixed_types_runs_as_int8_rows():
     """A q/k/v whose parts are of different types (llama.cpp's mixes: Q4_K with a Q6_K v) stacks them."""
-    parts = [_random_blocks("Q4_K", 32, 256), _random_blocks("Q6_K", 16, 256, seed=1)]
+    parts = [random_blocks("Q4_K", 32, 256), random_blocks("Q6_K", 16, 256, seed=1)]
     method = linear_method(parts, None)
     assert isinstance(method, Int8DynamicLinearMethod)
     assert method.name == "Q4_K+Q6_K as int8 per-row, int8 activations"
@@ -136,7 +117,7 @@ def test_a_fused_weight_of_mixed_types_runs_as_int8_rows():
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
 def test_embedding_rows_read_from_the_file_are_its_weights(qtype):
     """`FileRows` gives the file's own rows (dequantized as gguf does) for ids of any shape, holding none."""
-    b = _random_blocks(qtype, 64, 256)
+    b = random_blocks(qtype, 64, 256)
     rows = FileRows(b)
     ids = torch.tensor([[3, 0], [63, 3]])
     out = rows.lookup(ids)
@@ -170,7 +151,7 @@ def _k_quant_gguf(ckpt, out, monkeypatch):
     def quantize(w, kind):
         if kind != GQ.Q4_K:
             return real(w, kind)
-        return _random_blocks("Q4_K", w.shape[0], w.shape[1], seed=next(count)).data
+        return random_blocks("Q4_K", w.shape[0], w.shape[1], seed=next(count)).data
 
     monkeypatch.setattr(gguf.quants, "quantize", quantize)
     return write_gguf(ckpt, out, "Q4_K")
@@ -259,5 +240,5 @@ def test_a_file_with_a_type_gapless_does_not_read_is_refused_by_name(ckpt_factor
 def test_q8_0_rows_dequantize_as_gguf_does():
     from gapless.model.quant.gguf_blocks import dequantize_rows
 
-    b = _random_blocks("Q8_0", 24, 256)
+    b = random_blocks("Q8_0", 24, 256)
     torch.testing.assert_close(dequantize_rows(b, 3, 20), _dequantized(b)[3:20], rtol=0, atol=0)

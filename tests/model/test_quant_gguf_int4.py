@@ -14,17 +14,17 @@ from gapless.model.quant import weights_held
 from gapless.model.quant.gguf_blocks import INT4_TYPES, INT8_TYPES, int8_rows
 from gapless.model.quant.gguf_int4 import spec_for, unpacked
 from gapless.model.quant.int4 import Int4LinearMethod
-from gapless.testing.gguf_files import write_gguf
+from gapless.testing.gguf_files import random_blocks, write_gguf
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 from gapless.testing.ranks import load_as_ranks
-from tests.model.test_quant_gguf import MAX_NEW, NEAR_TIE, _dequantized, _k_quant_gguf, _random_blocks
+from tests.model.test_quant_gguf import MAX_NEW, NEAR_TIE, _dequantized, _k_quant_gguf
 
 
 @pytest.mark.parametrize("qtype", INT4_TYPES)
 def test_4_bit_types_hold_the_files_values_in_groups_of_32(qtype):
     """`(q - zero) * scale` is the file's weights (to float32's rounding of the zero), q its 4-bit values;
     groups whose scale is 0 (every weight its offset) are exact too."""
-    b = _random_blocks(qtype, 40, 512)
+    b = random_blocks(qtype, 40, 512)
     size = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}[qtype]
     b.data.reshape(40, -1, size)[3, 0, 0:2] = 0  # row 3's first scale an f16 0 (Q4_K's d: 8 groups)
     w = unpacked(b, 4)
@@ -39,7 +39,7 @@ def test_4_bit_types_hold_the_files_values_in_groups_of_32(qtype):
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_other_types_hold_their_int8_rows(qtype):
     """8 bits one group a row, q + 128 less the zero 128: exactly `int8_rows`' requantized weights."""
-    b = _random_blocks(qtype, 24, 256)
+    b = random_blocks(qtype, 24, 256)
     w = unpacked(b, 8)
     q, scale = int8_rows(b)
     assert w.scale.shape == w.zero.shape == (24, 1) and bool((w.zero == 128).all())
@@ -47,7 +47,7 @@ def test_other_types_hold_their_int8_rows(qtype):
 
 
 def test_a_projection_is_4_bit_where_every_part_is():
-    four, six = _random_blocks("Q4_K", 32, 256), _random_blocks("Q6_K", 16, 256, seed=1)
+    four, six = random_blocks("Q4_K", 32, 256), random_blocks("Q6_K", 16, 256, seed=1)
     assert spec_for([four, four]).label == "Q4_K as int4 g32"
     assert spec_for([four, six]).label == "Q4_K+Q6_K as int8 per-row"
     assert spec_for([six]).bits == 8 and spec_for([six]).group_size == -1
@@ -150,7 +150,7 @@ def test_fractional_zeros_are_held_in_float16_and_the_triton_gemm_takes_them(m):
     from gapless.model.quant.int4_triton import choose_config, w4a16_matmul
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    b = _random_blocks("Q4_1", 64, 256, seed=m)
+    b = random_blocks("Q4_1", 64, 256, seed=m)
     w = unpacked(b, 4)
     assert not torch.equal(w.zero, w.zero.round())
     held = Int4LinearMethod(w, spec_for([b]), torch.bfloat16, device, kernel="triton")
