@@ -211,7 +211,9 @@ def write_random_gguf(ckpt: str | Path, out: str | Path, qtype: str = "Q4_K_M") 
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for seed, (_, shape, kind) in enumerate(plan):
-        data = np.ones(shape, np.float32) if kind is None else random_blocks(kind, *shape, seed=seed).data
-        writer.write_tensor_data(data)
+        if kind is None:
+            writer.write_tensor_data(np.ones(shape, np.float32))
+        else:
+            writer.write_tensor_data(random_blocks(kind, shape[0], shape[1], seed).data)
     writer.close()
     return out

@@ -127,7 +127,8 @@ CASES = [
 @pytest.mark.parametrize("bits,group,m", CASES)
 def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     """The chosen tiles, a split of K into 4 with narrow tiles (the partial sums added by a tile's last
-    split to finish, every tile's counter then back at 0: `split_k.finish`), the
+    split to finish, every tile's counter then back at 0: `split_k.finish`), K steps over several groups
+    (groups of 32 and 64 under the chosen 128-wide step: each word row's scales and zeros), the
     decode tiles with a dot per value of the words and with one reshaped tile (`nibble_dots`, where the
     group allows a 128-wide K block), both also swapped (W x^T: `GemmConfig.swapped`), and the one-row
     GEMV tiles (a program a row), plain and factored (`factored_words`), in fp32; and bf16 activations
@@ -146,7 +147,8 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     # a program a row: slow interpreted
     gemv = [GemmConfig(1, 32, 32, 2, 4, 3, factored=f) for f in (False, True)] if m <= 5 else []
     bk = 16 * (32 // bits)  # the narrowest K block a dot per value takes: 16 words' rows
-    wide = [GemmConfig(16, 32, bk, 2, 4, 3, nibble) for nibble in (True, False)] if group % bk == 0 else []
+    whole = group % bk == 0 or bk % group == 0  # (a K step in one group, or over whole groups)
+    wide = [GemmConfig(16, 32, bk, 2, 4, 3, nibble) for nibble in (True, False)] if whole else []
     assert [nibble_dots(c, bits) for c in wide] == ([True, False] if wide else [])
     swap = [c._replace(block_m=16 if m <= 16 else 32, swapped=True) for c in wide]
     if m <= 16:  # decode: the GEMV with PTX values at one row, 16-row tiles of one reshaped dot above
@@ -168,7 +170,7 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
         y = w4a16_matmul(x.bfloat16(), half.qweight, half.scales, half.zeros, group, bits, cfg)
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.double().cpu(), ref, rtol=2e-2, atol=tol)
-    if bits == 4 and group % 128 == 0 and m == 1:  # the dots' values by PTX: Triton's bits (on CUDA)
+    if bits == 4 and whole and m == 1:  # the dots' values by PTX: Triton's bits (on CUDA)
         for dtype in (torch.bfloat16, torch.float16):
             held = Int4LinearMethod(w, spec, dtype, DEVICE, kernel="triton")
             for nibble, swapped in ((True, False), (True, True), (False, True)):

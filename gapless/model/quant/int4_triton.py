@@ -8,14 +8,15 @@ The weight is held in one layout whatever checkpoint it came from (`gapless.mode
   g = k // G (G the group size; G = K is one group per output channel).
 
 Each program computes a [BLOCK_M, BLOCK_N] tile over one share of K (split-K): it loads its [BLOCK_K / P,
-BLOCK_N] tile of int32 words (each word read once) and one row of scales and zeros (a K block never crosses
-a group: BLOCK_K divides G and K); values go to float32 by their bits (`int4_values`), not by a
-conversion instruction. Then, where the tiles allow (`nibble_dots`, 16-row tiles with BLOCK_K / P >=
-16, an option), for each j < P it shifts value j out of every word, subtracts the zero, scales, and
-adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns k0 + P * r + j; otherwise it lays the P
-values of each word out as one [BLOCK_K, BLOCK_N] tile for one dot. The first keeps each value where it was
-unpacked: compiled for sm_90 at one row (bf16, 4 bits), 56 registers and 10 KB of shared memory a program
-against the second's 128 and 34 KB, which spends 64 shared-memory stores a step on the reshape.
+BLOCK_N] tile of int32 words (each word read once) and their scales and zeros: one row where the K block is in
+one group (BLOCK_K divides G), else each word row's group's (BLOCK_K a multiple of G: groups of 32 or 64, a
+GGUF file's 32, read 128 at a step, not a step of 4 words a group); values go to float32 by their bits
+(`int4_values`), not by a conversion instruction. Then, where the tiles allow (`nibble_dots`, 16-row tiles
+with BLOCK_K / P >= 16, an option), for each j < P it shifts value j out of every word, subtracts the zero,
+scales, and adds the dot of that [BLOCK_K / P, BLOCK_N] tile with x's columns k0 + P * r + j; otherwise it
+lays the P values of each word out as one [BLOCK_K, BLOCK_N] tile for one dot. The first keeps each value
+where it was unpacked: compiled for sm_90 at one row (bf16, 4 bits), 56 registers and 10 KB of shared memory a
+program against the second's 128 and 34 KB, which spends 64 shared-memory stores a step on the reshape.
 
 With `GemmConfig.ptx_values` (chosen at one row; 4 bits, bf16 or fp16 activations, compiled) the
 dots' values come from PTX instead (`int4_values.values_ptx`): the same bits as Triton's path, in a loop
@@ -61,7 +62,7 @@ import triton
 import triton.language as tl
 
 from gapless import env
-from gapless.model.quant.int4_values import factored_words, unsigned_to_float, value, values_ptx
+from gapless.model.quant.int4_values import biased_zeros, factored_words, unsigned_to_float, value, values_ptx
 from gapless.model.quant.split_k import counters, finish, partial_sums
 
 INTERPRET = env.TRITON_INTERPRET.get()
@@ -102,10 +103,34 @@ def _k_tile(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr):
 
 
 @triton.jit
+def _group_rows(Scales, Zeros, k0, offs_w, offs_n, n_mask, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                BITS: tl.constexpr, SWAPPED: tl.constexpr):  # fmt: skip
+    """(scales, zeros) over a K step's [BLOCK_K / P, BLOCK_N] words (`SWAPPED`: [BLOCK_N, BLOCK_K / P]):
+    its group's row, broadcast over the words, where the step is in one group (BLOCK_K <= GROUP); else
+    each word row's group's (a word's P values are in one group: GROUP >= P)."""
+    if BLOCK_K <= GROUP:
+        s = tl.load(Scales + (k0 // GROUP) * N + offs_n, mask=n_mask, other=0.0)
+        z = tl.load(Zeros + (k0 // GROUP) * N + offs_n, mask=n_mask, other=0.0)
+        if SWAPPED:
+            s, z = s[:, None], z[:, None]
+        else:
+            s, z = s[None, :], z[None, :]
+    else:
+        groups = offs_w // (GROUP // (32 // BITS))  # (each word row's group)
+        if SWAPPED:
+            at, ok = groups[None, :] * N + offs_n[:, None], n_mask[:, None]
+        else:
+            at, ok = groups[:, None] * N + offs_n[None, :], n_mask[None, :]
+        s = tl.load(Scales + at, mask=ok, other=0.0)
+        z = tl.load(Zeros + at, mask=ok, other=0.0)
+    return s, z
+
+
+@triton.jit
 def _swapped_step(
     acc_t, Qw, X, k0, offs_w, offs_n, offs_m, n_mask, m_mask, k_stop, N, stride_xm, s, z,
     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
-    PTX_VALUES: tl.constexpr, IEEE: tl.constexpr, AS_FP32: tl.constexpr,
+    PTX_VALUES: tl.constexpr, IEEE: tl.constexpr, AS_FP32: tl.constexpr, INTEGER_ZEROS: tl.constexpr,
 ):  # fmt: skip
     """`acc_t` ([BLOCK_N, BLOCK_M] float32: the output transposed) plus W's tile times x's, W the dots'
     first operand (`GemmConfig.swapped`): its words loaded [BLOCK_N, BLOCK_K / P], dequantized (by PTX
@@ -118,20 +143,20 @@ def _swapped_step(
         other=0,
     )
     if PTX_VALUES:
-        v = values_ptx(packed, s[:, None], z[:, None], PTX_VALUES == 1)
+        v = values_ptx(packed, s, z, PTX_VALUES == 1)
     else:
-        zf, sf = z.to(tl.float32)[:, None] + 8388608.0, s.to(tl.float32)[:, None]
+        zf, sf = biased_zeros(z, INTEGER_ZEROS), s.to(tl.float32)
         if P == 8:
             v = (
-                value(packed, 0, zf, sf, BITS), value(packed, 1, zf, sf, BITS),
-                value(packed, 2, zf, sf, BITS), value(packed, 3, zf, sf, BITS),
-                value(packed, 4, zf, sf, BITS), value(packed, 5, zf, sf, BITS),
-                value(packed, 6, zf, sf, BITS), value(packed, 7, zf, sf, BITS),
+                value(packed, 0, zf, sf, BITS, INTEGER_ZEROS), value(packed, 1, zf, sf, BITS, INTEGER_ZEROS),
+                value(packed, 2, zf, sf, BITS, INTEGER_ZEROS), value(packed, 3, zf, sf, BITS, INTEGER_ZEROS),
+                value(packed, 4, zf, sf, BITS, INTEGER_ZEROS), value(packed, 5, zf, sf, BITS, INTEGER_ZEROS),
+                value(packed, 6, zf, sf, BITS, INTEGER_ZEROS), value(packed, 7, zf, sf, BITS, INTEGER_ZEROS),
             )  # fmt: skip
         else:
             v = (
-                value(packed, 0, zf, sf, BITS), value(packed, 1, zf, sf, BITS),
-                value(packed, 2, zf, sf, BITS), value(packed, 3, zf, sf, BITS),
+                value(packed, 0, zf, sf, BITS, INTEGER_ZEROS), value(packed, 1, zf, sf, BITS, INTEGER_ZEROS),
+                value(packed, 2, zf, sf, BITS, INTEGER_ZEROS), value(packed, 3, zf, sf, BITS, INTEGER_ZEROS),
             )  # fmt: skip
     if NIBBLE_DOTS:
         for j in tl.static_range(P):
@@ -179,6 +204,7 @@ def _w4a16_kernel(
     PTX_VALUES: tl.constexpr,
     FACTORED: tl.constexpr,
     SWAPPED: tl.constexpr,
+    INTEGER_ZEROS: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
@@ -199,11 +225,11 @@ def _w4a16_kernel(
     # (LOOP_STAGES: the GEMV's and swapped tiles' loads pipelined as `GemmConfig.num_stages` says; None:
     # the loads feeding dots alone)
     for k0 in tl.range(k_start, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
-        g = k0 // GROUP
         # each int32 read once: [BLOCK_K / P, BLOCK_N] words (row r holds k = k0 + P * r + j at bits BITS * j)
         offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
-        s = tl.load(Scales + g * N + offs_n, mask=n_mask, other=0.0)
-        z = tl.load(Zeros + g * N + offs_n, mask=n_mask, other=0.0)
+        # the scales and zeros over the words: one row of them ([1, BLOCK_N]) where the step is in one
+        # group, else each word row's group's ([BLOCK_K / P, BLOCK_N]); transposed for SWAPPED's words
+        s, z = _group_rows(Scales, Zeros, k0, offs_w, offs_n, n_mask, N, GROUP, BLOCK_K, BITS, SWAPPED)
         packed = offs_w  # (SWAPPED loads its words transposed)
         if not SWAPPED:
             packed = tl.load(
@@ -214,21 +240,21 @@ def _w4a16_kernel(
         if SWAPPED:
             acc_t = _swapped_step(
                 acc_t, Qw, X, k0, offs_w, offs_n, offs_m, n_mask, m_mask, k_stop, N, stride_xm, s, z,
-                BITS, BLOCK_N, BLOCK_K, NIBBLE_DOTS, PTX_VALUES, IEEE, AS_FP32,
+                BITS, BLOCK_N, BLOCK_K, NIBBLE_DOTS, PTX_VALUES, IEEE, AS_FP32, INTEGER_ZEROS,
             )  # fmt: skip
         elif FACTORED:  # (the GEMV's)
             acc_gemv = factored_words(acc_gemv, packed, X + pid_m * stride_xm, offs_w, s, z, magic, BITS)
         elif BLOCK_M == 1 or NIBBLE_DOTS:  # value j of every word at once: a [BLOCK_K / P, BLOCK_N] tile
             values = packed  # (no values before the loop but by PTX)
             if PTX_VALUES:  # every value of the words at once, in x's dtype
-                values = values_ptx(packed, s[None, :], z[None, :], PTX_VALUES == 1)
-            s = s.to(tl.float32)[None, :]
-            z = z.to(tl.float32)[None, :] + 8388608.0
+                values = values_ptx(packed, s, z, PTX_VALUES == 1)
+            s = s.to(tl.float32)
+            z = biased_zeros(z, INTEGER_ZEROS)
             for j in tl.static_range(32 // BITS):
                 if PTX_VALUES:
                     w = values[j]
                 else:
-                    w = value(packed, j, z, s, BITS)
+                    w = value(packed, j, z, s, BITS, INTEGER_ZEROS)
                 offs_k = offs_w * (32 // BITS) + j  # x's columns for value j: every P-th from j
                 if BLOCK_M == 1:  # one row on the CUDA cores, times x's columns broadcast over the words'
                     # (x as a vector: a [1, K] tile would take a layout of its own, into which the compiler
@@ -252,8 +278,17 @@ def _w4a16_kernel(
             shifts = tl.arange(0, 32 // BITS) * BITS
             q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
             q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+            if BLOCK_K > GROUP:  # (each K row's group's: the word rows' spread over their P values)
+                s = tl.reshape(
+                    tl.broadcast_to(s[:, None, :], (BLOCK_K // (32 // BITS), 32 // BITS, BLOCK_N)),
+                    (BLOCK_K, BLOCK_N),
+                )
+                z = tl.reshape(
+                    tl.broadcast_to(z[:, None, :], (BLOCK_K // (32 // BITS), 32 // BITS, BLOCK_N)),
+                    (BLOCK_K, BLOCK_N),
+                )
             # in fp32, then one rounding to the activations' dtype (as the reference path's weight)
-            w = (unsigned_to_float(q) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+            w = (unsigned_to_float(q) - z.to(tl.float32)) * s.to(tl.float32)
             acc = _accumulate(acc, x, w, IEEE, AS_FP32)
     if BLOCK_M == 1:
         acc = tl.sum(acc_gemv, axis=0)[None, :]
@@ -281,9 +316,10 @@ class GemmConfig(NamedTuple):
 
 
 def _block_k(group: int, k: int, most: int) -> int:
-    """The largest power of two <= `most` that divides the group (so a K block stays in one group)."""
+    """The largest power of two <= `most` that divides K and either divides the group (a K block in one
+    group) or is a multiple of it (a block of whole groups, each word row's scales and zeros its own)."""
     bk = most
-    while bk > 16 and (group % bk or k % bk):
+    while bk > 16 and (k % bk or (group % bk and bk % group)):
         bk //= 2
     return bk
 
@@ -361,8 +397,9 @@ def w4a16_matmul(
 ) -> torch.Tensor:
     """`x @ W^T` for x [M, K] (the activations' dtype, that of `scales`), W in the layout the module
     describes; the result [M, N] in x's dtype. `integer_zeros`: whether every zero is an integer, as a
-    checkpoint's are (not a GGUF file's, `gguf_int4`, held in another float dtype: the values are
-    then never made by PTX, whose arithmetic holds integer zeros alone)."""
+    checkpoint's are (not a GGUF file's, `gguf_int4`, held in another float dtype: the values are then
+    never made by PTX nor factored, whose arithmetic holds integer zeros alone, and each value's zero is
+    subtracted apart from the 2^23 its bits are read under, `int4_values.value`)."""
     m, k = x.shape
     n = qweight.shape[1]
     if qweight.shape[0] * (32 // bits) != k or scales.shape != (k // group, n) or zeros.shape != scales.shape:
@@ -371,8 +408,12 @@ def w4a16_matmul(
             f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not fit group {group}"
         )
     cfg = config or choose_config(m, n, k, group)
-    if group % cfg.block_k or k % cfg.block_k or cfg.block_k & (cfg.block_k - 1):
-        raise ValueError(f"BLOCK_K {cfg.block_k} must be a power of two dividing the group {group} and K {k}")
+    bk = cfg.block_k
+    if k % bk or bk & (bk - 1) or (group % bk and bk % group) or group < 32 // bits:
+        raise ValueError(
+            f"BLOCK_K {bk} must be a power of two dividing K {k} and dividing the group {group} or a "
+            f"multiple of it (groups of at least {32 // bits})"
+        )
     x = x.contiguous()
     k_blocks = triton.cdiv(k, cfg.block_k)
     k_per_split = triton.cdiv(k_blocks, cfg.split_k) * cfg.block_k
@@ -409,8 +450,9 @@ def w4a16_matmul(
         PTX_VALUES=(1 if x.dtype == torch.bfloat16 else 2)
         if integer_zeros and ptx_values(cfg, bits, x.dtype)
         else 0,
-        FACTORED=factored(cfg),
+        FACTORED=integer_zeros and factored(cfg),
         SWAPPED=swapped(cfg),
+        INTEGER_ZEROS=integer_zeros,
         LOOP_STAGES=cfg.num_stages if cfg.block_m == 1 or swapped(cfg) else None,
         SPLIT=split > 1,
         num_warps=cfg.num_warps,

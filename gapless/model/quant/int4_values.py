@@ -27,13 +27,26 @@ def unsigned_to_float(q):
 
 
 @triton.jit
-def value(packed, j, z, s, BITS: tl.constexpr):
+def value(packed, j, z, s, BITS: tl.constexpr, BIASED: tl.constexpr = True):
     """Value j of every word of `packed`, dequantized in float32: its bits under the mantissa of 2^23 (as
-    `unsigned_to_float`), less `z` (the zeros plus 2^23: exact, the zeros being integers, one subtraction
-    a value instead of two), times the scales `s` (each broadcast over `packed`'s words: [1, BLOCK_N], or
-    [BLOCK_N, 1] for the swapped dots' words)."""
+    `unsigned_to_float`), less `z`, times the scales `s` (each broadcast over `packed`'s words: [1,
+    BLOCK_N], or [BLOCK_N, 1] for the swapped dots' words; or each word row's own, where a K step spans
+    groups). `BIASED`: `z` is the zeros plus 2^23 (`biased_zeros`: exact for integer zeros, one subtraction
+    a value instead of two); else the zeros themselves (a GGUF file's are not integers, whose fraction
+    2^23 + z would lose), subtracted after 2^23."""
     q = (packed >> (j * BITS)) & ((1 << BITS) - 1)
-    return ((q | 0x4B000000).to(tl.float32, bitcast=True) - z) * s
+    f = (q | 0x4B000000).to(tl.float32, bitcast=True)
+    if BIASED:
+        return (f - z) * s
+    return ((f - 8388608.0) - z) * s
+
+
+@triton.jit
+def biased_zeros(z, INTEGER_ZEROS: tl.constexpr):
+    """The zeros as `value` takes them: plus 2^23 where they are integers (`BIASED`), else as they are."""
+    if INTEGER_ZEROS:
+        return z.to(tl.float32) + 8388608.0
+    return z.to(tl.float32)
 
 
 def _values_asm(pair: str, one: str, magic: str) -> str:
@@ -95,8 +108,8 @@ def factored_words(acc, packed, x_row, offs_w, s, z, magic, BITS: tl.constexpr):
     bit is worth 1 there, less (2^(23 - 4j) + zero): exact; one LOP3 and one FADD a value, then its FFMA.
     `magic`: 2^23's bits (0x4B000000) as a kernel argument, so a register: with two immediates (the mask
     and the power of two) ptxas splits the AND and the OR into two LOP3s. `x_row`: x's row, read without
-    masks (every step is a whole BLOCK_K); `s`, `z` ([BLOCK_N]): the group's scales and zeros. No weight
-    is rounded (as `value`'s)."""
+    masks (every step is a whole BLOCK_K); `s`, `z`: the scales and zeros over the words ([1, BLOCK_N]:
+    one group's; or each word row's). No weight is rounded (as `value`'s)."""
     P: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = P // 2
     high = packed >> 16  # (arithmetic: the sign's copies above bit 15 are masked off with the rest)
@@ -110,6 +123,6 @@ def factored_words(acc, packed, x_row, offs_w, s, z, magic, BITS: tl.constexpr):
         else:
             bits = high & (((1 << BITS) - 1) << shift)
         power = 1.0 * (1 << (23 - shift))
-        q = (bits | (magic - (shift << 23))).to(tl.float32, bitcast=True) - (z + power)[None, :]
+        q = (bits | (magic - (shift << 23))).to(tl.float32, bitcast=True) - (z + power)
         sums += q * x[:, None]
-    return acc + sums * s.to(tl.float32)[None, :]
+    return acc + sums * s.to(tl.float32)
