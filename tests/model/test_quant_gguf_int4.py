@@ -226,3 +226,28 @@ def test_a_float_gguf_on_the_cpu_still_packs_its_gemms(ckpt_factory, tmp_path):
     path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "m.F32.gguf", "F32")
     model = loader.load_model(path, torch.float32, torch.device("cpu"))
     assert all(m.cpu_gemm is not None for m in model.modules() if isinstance(m, layers._Linear))
+
+
+def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(ckpt_factory, tmp_path, int4_path):
+    """A Q4_1 file's projections through the Triton GEMM (on CUDA where there is one, else under the
+    interpreter) in a served model: the reference path's greedy tokens (float32; fractional zeros in every
+    layer, groups of 32 over 128-wide K steps)."""
+    from gapless.model.quant import int4, int4_triton
+
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "m.Q4_1.gguf", "Q4_1")
+    prompts = make_prompts(1000, n=1, max_len=12, shared_prefix=4)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def tokens(on: str) -> list[int]:
+        with LLM(str(path), device=on, dtype="float32", kv_cache_tokens=1024, overlap=False) as llm:
+            return llm.generate(prompts, greedy, use_tqdm=False)[0].token_ids
+
+    reference = tokens("cpu")
+    calls = []
+    gemm = int4_triton.w4a16_matmul
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(int4_triton, "w4a16_matmul", lambda *a, **k: calls.append(k) or gemm(*a, **k))
+        mp.setattr(int4, "TRITON_ON_CPU", device == "cpu")
+        assert tokens(device) == reference
+    assert len(calls) >= 3 * 2 * 4 and all(k["integer_zeros"] is False for k in calls)
