@@ -15,8 +15,9 @@
 #      one row), its FP8 TPOT on the swapped tiles, Qwen3-0.6B's FP8 with the activation and the norms
 #      launched before the GEMVs (against the targets phase's runs on this machine);
 #      decode attention alone over each KV cache, batches of 64 and 256, 2 and 5 stages, registers capped
-#      at 96, 128 or not (`gapless.bench.kernels`); the int4 GEMV with its loads 1-4 iterations deep and K
-#      split 8 and 16 ways, factored or not, against tinygemm; nano-vllm's workload over the bf16 KV cache
+#      at 96, 128 or not (`gapless.bench.kernels`); the int4 GEMV with its loads 1 and 4 iterations deep and
+#      K split as now chosen (~7 programs an SM), as before (~2) and 16 ways, factored or not, against
+#      tinygemm; nano-vllm's workload over the bf16 KV cache
 #      with the decode kernel 5 stages deep; the FP8 GEMV's stages
 #   3b. the mixture's TPOT in bf16; the swapped tiles alone at 1 and 16 rows
 #   3. the mixture Qwen3-30B-A3B's shape in FP8 and int4 (its experts in the fused grouped GEMM)
@@ -142,7 +143,7 @@ if phase tables; then
 # step, against the GEMV's 420 and the 16-row tiles' 627)
 GAPLESS_INT4_KERNEL=triton GAPLESS_INT4_SWAPPED=1 tpot 45 qwen3-8b-awq int4_swapped
 # the same on gapless's Triton GEMM as chosen (`GAPLESS_INT4_KERNEL=triton`: the GEMV at one row, its K
-# split over about 264 programs, the parts added by the tile's last program, `split_k.finish`)
+# split for ~7 programs an SM, never timed, the parts added by the tile's last program, `split_k.finish`)
 GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 GAPLESS_FP8_SWAPPED=1 tpot 45 qwen3-8b fp8_swapped --engine-option quantization=fp8
 # Qwen3-0.6B's FP8 with the activation launched before each down GEMV and the RMSNorm before each qkv
@@ -171,14 +172,15 @@ awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | te
 # loads, the default): FP8 on both models' layers against the default path, so also whether the GEMV then
 # beats the 16-row tiles on the 8B's gate/up and down (`fp8_gemm.py --gemv-stages`); int4 on Llama-3-8B's
 # layers against tinygemm, the default at decode (on an H200 the GEMV took 1.3-2.1x its time), with K split
-# as the 16-row tiles want (about 264 programs: 192 on qkv, 1.5 an SM), 8 and 16 ways, each with PTX values
-# (the default) and factored (`--factored`: the scale and zero once a word; 335 instructions a loop body in
-# the sm_90 binary against 420). Why deeper or more: a program's plain loads keep one 4 KB step in flight,
-# so 1.5 programs an SM hold ~6 KB where the H200's bandwidth wants ~29 KB an SM in flight (4.8 TB/s times
-# ~0.8 us, over 132 SMs: docs/gpu.md); 8 splits put 768 programs on qkv (~6 an SM), 4 stages 16 KB a
-# program. A split's parts are added by the tile's last program (`split_k.finish`), no launch after
+# as now chosen (`--split-k 0`: ~7 programs an SM, as its registers allow: 768 on qkv), as before (2 on
+# qkv, 4 on o and down: ~2 an SM; that H200 run) and 16 ways, each with PTX values (the default) and
+# factored (`--factored`: the scale and zero once a word; 335 instructions a loop body in the sm_90 binary
+# against 420). Why deeper or more: a program's plain loads keep one 4 KB step in flight, so 1.5 programs an
+# SM hold ~6 KB where the H200's bandwidth wants ~29 KB an SM in flight (4.8 TB/s times ~0.8 us, over 132
+# SMs: docs/gpu.md); 4 stages 16 KB a program. A split's parts are added by the tile's last program
+# (`split_k.finish`), no launch after
 other 55 int4_gemv_stages "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 --block-m 1 --ptx-values 1 \
-  --factored 0 1 --stages 1 2 4 --split-k 0 8 16 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
+  --factored 0 1 --stages 1 4 --split-k 0 2 4 16 --kernels triton tinygemm --json "$OUT/int4_gemv_stages.json"
 tee -a "$LOG" <"$OUT/int4_gemv_stages.log" 2>/dev/null
 # nano-vllm's workload with the bf16 KV cache and the decode kernel 5 stages deep: against the targets
 # phase's bf16 run (the first call's `kv_auto`), whether the default changes for both caches, and the FP8

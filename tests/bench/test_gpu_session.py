@@ -302,8 +302,8 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert attention[attention.index("--decode-max-registers") + 1 :][:3] == ["0", "96", "128"]
     assert fp8_stages[0].endswith("fp8_gemm.py") and "--gemv-stages" in fp8_stages
     assert int4_stages[:2] == ["-m", "gapless.bench.int4_gemm"] and "tinygemm" in int4_stages
-    assert int4_stages[int4_stages.index("--stages") + 1 :][:3] == ["1", "2", "4"]
-    assert int4_stages[int4_stages.index("--split-k") + 1 :][:3] == ["0", "8", "16"]
+    assert int4_stages[int4_stages.index("--stages") + 1 :][:2] == ["1", "4"]
+    assert int4_stages[int4_stages.index("--split-k") + 1 :][:4] == ["0", "2", "4", "16"]  # (now, before)
     assert int4_stages[int4_stages.index("--factored") + 1 :][:2] == ["0", "1"]  # (PTX values, factored)
     fp8_alone, int4_alone = tables[11:13]
     assert fp8_alone[0].endswith("fp8_gemm.py") and "--swapped" in fp8_alone

@@ -22,6 +22,7 @@ from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4 import Int4LinearMethod, install
 from gapless.model.quant.int4_layouts import AWQ_ORDER, Int4Spec, int4_spec_from_config, unpack
 from gapless.model.quant.int4_triton import (
+    GEMV_PROGRAMS_PER_SM,
     GemmConfig,
     choose_config,
     nibble_dots,
@@ -182,12 +183,18 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
 
 
 def test_decode_tiles_split_k_on_an_8b_layer():
-    """M <= 16 on a 4096 x 14336 layer: the GEMV at one row, 16-row tiles above, K split so about two
-    programs per SM run."""
-    for m in (1, 16):
-        cfg = choose_config(m, 4096, 14336, 128)
-        assert cfg.block_m == (1 if m == 1 else 16) and cfg.split_k > 1
-        assert 128 <= (4096 // cfg.block_n) * cfg.split_k <= 264
+    """M <= 16 on a 4096 x 14336 layer: 16-row tiles at 16 rows, K split so about two programs an SM run;
+    the GEMV at one row, K split so about as many programs run as the SMs hold (`GEMV_PROGRAMS_PER_SM`),
+    whatever their count, each share two K steps at least; none split at prefill sizes."""
+    cfg = choose_config(16, 4096, 14336, 128)
+    assert cfg.block_m == 16 and 128 <= (4096 // cfg.block_n) * cfg.split_k <= 264
+    for sms in (132, 100, 40):
+        gemv = choose_config(1, 4096, 14336, 128, sms)
+        steps = -(-14336 // gemv.block_k // gemv.split_k)
+        programs = (4096 // gemv.block_n) * -(-14336 // gemv.block_k // steps)
+        assert gemv.block_m == 1 and steps >= 2, (sms, gemv)
+        assert 0.75 * GEMV_PROGRAMS_PER_SM * sms <= programs <= GEMV_PROGRAMS_PER_SM * sms, (sms, programs)
+    assert choose_config(1, 4096, 256, 128).split_k == 1  # (two K steps: one share)
     assert choose_config(4096, 4096, 4096, 128).split_k == 1
 
 

@@ -55,6 +55,7 @@ dot's operands go in as fp32 (the interpreter multiplies bf16 operands' raw bits
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -66,8 +67,15 @@ from gapless.model.quant.int4_values import biased_zeros, factored_words, unsign
 from gapless.model.quant.split_k import counters, finish, partial_sums
 
 INTERPRET = env.TRITON_INTERPRET.get()
-_TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs): what split-K aims for
+_TARGET_PROGRAMS = (
+    264  # about two programs per SM of an H100/H200 (132 SMs): what the tiles' split-K aims for
+)
 _MAX_SPLIT = 16
+# the GEMV's programs an SM holds at once (its sm_90 binary: 72 registers, 4 warps: 7 of them), what its K
+# split aims for: each program keeps one 4 KB step of words in flight (plain loads), so the bytes in flight
+# are the programs' (`choose_config`)
+GEMV_PROGRAMS_PER_SM = 7
+SMS = 132  # (an H100's or H200's SMs: what `choose_config` assumes where it is given no device's)
 
 
 @triton.jit
@@ -350,15 +358,21 @@ def ptx_values(cfg: GemmConfig, bits: int, dtype: torch.dtype) -> bool:
     return cfg.ptx_values and by_value and bits == 4 and half and not INTERPRET
 
 
-def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
+def choose_config(m: int, n: int, k: int, group: int, sms: int = SMS) -> GemmConfig:
     """Tiles by the row count: one row takes the GEMV (BLOCK_M 1), its values by PTX where they can be
-    (`ptx_values`); up to 16 rows, 16-row tiles; both split K until about `_TARGET_PROGRAMS` programs run;
-    larger M takes larger tiles and fewer splits. On an H200 at one row on Llama-3-8B's layers the GEMV
-    with PTX values took 20.2, 13.0, 42.6 and 30.7 us where the 16-row tiles' dots per value took 25.9,
-    16.6, 62.9 and 42.9 (bench/results/h200-2026-11-27-gemv/int4_gemm.log; tinygemm: 9.7, 6.9, 33.1,
-    18.8). The dots per value stay asked for at one row, for 16-row tiles forced there (`--block-m 16`):
-    on an H100 they took 0.83-0.96x the reshaped tile's time at one row, 1.25-1.45x at 16, where each dot
-    loads 16 rows of x strided (bench/results/h100-2026-11-26/quant/run2/int4_gemm.log).
+    (`ptx_values`), K split until its programs fill the `sms` SMs as its registers allow
+    (`GEMV_PROGRAMS_PER_SM`), each share two K steps at least; up to 16 rows, 16-row tiles, K split until
+    about `_TARGET_PROGRAMS` programs run; larger M takes larger tiles and fewer splits.
+
+    The GEMV's split is not yet timed (the kit's `int4_gemv_stages` table). On an H200 at one row, split
+    for ~2 programs an SM, its time followed its programs' count, each keeping one 4 KB step in flight:
+    ~0.9 us a step after ~6 us fixed (Llama-3-8B's qkv 20.2 us for 192 programs of 16 steps, o 13.0 for 256
+    of 8, down 30.7 for 256 of 28, gate/up 42.6 for 448 of 32, 1.4 TB/s at the most: 0.8-1.8 MB in flight
+    where ~4 TB/s wants ~4 MB; tinygemm 9.7, 6.9, 18.8 and 33.1; the 16-row tiles' dots per value 25.9,
+    16.6, 42.9 and 62.9: bench/results/h200-2026-11-27-gemv/int4_gemm.log). So it now runs ~7 an SM (768,
+    704, 896 and 896 programs there). The dots per value stay asked for at one row, for 16-row tiles forced
+    there (`--block-m 16`): on an H100 they took 0.83-0.96x the reshaped tile's time at one row, 1.25-1.45x
+    at 16, where each dot loads 16 rows of x strided (bench/results/h100-2026-11-26/quant/run2/int4_gemm.log).
     `GAPLESS_INT4_SWAPPED`: up to 64 rows, the swapped tiles (`swapped`) instead, one row padded to 16."""
     swap = m <= 64 and env.INT4_SWAPPED.get()
     if m <= 16:
@@ -370,8 +384,12 @@ def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, bk)
     split = 1
-    while split * 2 <= _MAX_SPLIT and tiles * split * 2 <= _TARGET_PROGRAMS and k_blocks >= split * 2 * 4:
-        split *= 2
+    if bm == 1:  # (the programs an SM holds; each share of K two steps at least)
+        shares = min(_MAX_SPLIT, k_blocks // 2, GEMV_PROGRAMS_PER_SM * sms // tiles)
+        split = triton.cdiv(k_blocks, triton.cdiv(k_blocks, shares)) if shares > 1 else 1
+    else:
+        while split * 2 <= _MAX_SPLIT and tiles * split * 2 <= _TARGET_PROGRAMS and k_blocks >= split * 8:
+            split *= 2
     # (the GEMV's stages never timed: 1, its loads as timed; `python -m gapless.bench.int4_gemm --stages`.
     # The swapped tiles' neither: 4, for bytes in flight over instructions. In the sm_90 binary (Triton
     # 3.6, one row, Llama-3-8B's qkv) at 1 their loads are plain, one 4 KB K step a program in flight,
@@ -383,6 +401,12 @@ def choose_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     if swap:  # (one K tile a step, values by PTX)
         return GemmConfig(bm, bn, bk, split, warps, stages, nibble_dots=False, ptx_values=True, swapped=True)
     return GemmConfig(bm, bn, bk, split, warps, stages, nibble_dots=m == 1, ptx_values=m == 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _sms(device: torch.device) -> int:
+    """The GPU's SMs (`SMS` elsewhere: the interpreter's runs choose as an H100's would)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else SMS
 
 
 def w4a16_matmul(
@@ -407,7 +431,7 @@ def w4a16_matmul(
             f"int{bits} GEMM: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
             f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not fit group {group}"
         )
-    cfg = config or choose_config(m, n, k, group)
+    cfg = config or choose_config(m, n, k, group, _sms(x.device))
     bk = cfg.block_k
     if k % bk or bk & (bk - 1) or (group % bk and bk % group) or group < 32 // bits:
         raise ValueError(
