@@ -141,20 +141,20 @@ MAX_NEW = 8
 NEAR_TIE = {"int4": 0.15, "int8": 0.3}
 
 
-def _k_quant_gguf(ckpt, out, monkeypatch):
-    """The checkpoint as a GGUF file whose matrices are Q4_K: gguf-py cannot quantize to Q4_K, so each
-    matrix is written as random Q4_K blocks (the comparison is between two readings of the same file; the
-    f16 scales of `_random_blocks` keep the weights as small as the checkpoint's)."""
+def _k_quant_gguf(ckpt, out, monkeypatch, qtype="Q4_K"):
+    """The checkpoint as a GGUF file whose matrices are of K-quant `qtype`: gguf-py cannot quantize to
+    K-quants, so each matrix is written as random blocks (the comparison is between two readings of the
+    same file; the f16 scales of `random_blocks` keep the weights as small as the checkpoint's)."""
     real = gguf.quants.quantize
     count = iter(range(1000))
 
     def quantize(w, kind):
-        if kind != GQ.Q4_K:
+        if kind != GQ[qtype]:
             return real(w, kind)
-        return random_blocks("Q4_K", w.shape[0], w.shape[1], seed=next(count)).data
+        return random_blocks(qtype, w.shape[0], w.shape[1], seed=next(count)).data
 
     monkeypatch.setattr(gguf.quants, "quantize", quantize)
-    return write_gguf(ckpt, out, "Q4_K")
+    return write_gguf(ckpt, out, qtype)
 
 
 def _greedy(model, prompts):

@@ -11,7 +11,7 @@ import torch
 from gapless import LLM, SamplingParams
 from gapless.model import layers, loader, parallel
 from gapless.model.quant import weights_held
-from gapless.model.quant.gguf_blocks import INT4_TYPES, INT8_TYPES, int8_rows
+from gapless.model.quant.gguf_blocks import AFFINE, INT4_TYPES, int8_rows
 from gapless.model.quant.gguf_int4 import spec_for, unpacked
 from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.gguf_files import random_blocks, write_gguf
@@ -27,7 +27,7 @@ def test_4_bit_types_hold_the_files_values_in_groups_of_32(qtype):
     b = random_blocks(qtype, 40, 512)
     size = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}[qtype]
     b.data.reshape(40, -1, size)[3, 0, 0:2] = 0  # row 3's first scale an f16 0 (Q4_K's d: 8 groups)
-    w = unpacked(b, 4)
+    w = unpacked(b, spec_for([b]))
     assert w.q.dtype == torch.int16 and 0 <= int(w.q.min()) and int(w.q.max()) <= 15
     assert w.scale.shape == w.zero.shape == (40, 512 // 32)
     ref = _dequantized(b)
@@ -36,21 +36,53 @@ def test_4_bit_types_hold_the_files_values_in_groups_of_32(qtype):
     torch.testing.assert_close(w.dequantize()[3, : flat.numel()], flat, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", INT8_TYPES)
-def test_other_types_hold_their_int8_rows(qtype):
-    """8 bits one group a row, q + 128 less the zero 128: exactly `int8_rows`' requantized weights."""
-    b = random_blocks(qtype, 24, 256)
-    w = unpacked(b, 8)
+@pytest.mark.parametrize("qtype", sorted(AFFINE))
+def test_the_other_types_hold_the_files_values_and_scales(qtype):
+    """Q8_0, Q5_0/Q5_1, Q5_K, Q6_K and Q2_K: their own values in groups of their own scales (`AFFINE`),
+    the file's weights to float32's rounding, a group whose scale is 0 exact too; on the CPU, whose
+    kernels take groups of 32 and more, Q6_K and Q2_K as int8 rows."""
+    bits, group = AFFINE[qtype]
+    b = random_blocks(qtype, 24, 512)
+    scale_at = {"Q8_0": 0, "Q5_0": 0, "Q5_1": 0, "Q5_K": 0, "Q6_K": 208, "Q2_K": 80}[qtype]
+    size = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q6_K": 210, "Q2_K": 84}[qtype]
+    b.data.reshape(24, -1, size)[5, 0, scale_at : scale_at + 2] = 0  # row 5's first d an f16 0
+    spec = spec_for([b])
+    assert (spec.bits, spec.group_size) == (bits, group) and spec.label == f"{qtype} as int{bits} g{group}"
+    w = unpacked(b, spec)
+    assert int(w.q.min()) >= 0 and int(w.q.max()) < 1 << bits and w.scale.shape == (24, 512 // group)
+    ref = _dequantized(b)
+    torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+    assert bool((ref[5, :32] == ref[5, 0]).all()) or qtype in ("Q6_K", "Q2_K")  # (d 0: the offsets alone)
+    torch.testing.assert_close(w.dequantize()[5, :32], ref[5, :32], rtol=0, atol=0)
+    on_cpu = spec_for([b], cpu=True)
+    assert on_cpu.group_size == (-1 if group < 32 else group), on_cpu
+
+
+def test_q3_k_holds_int8_rows():
+    """Q3_K's scales are not read: 8 bits one group a row, q + 128 less the zero 128, exactly `int8_rows`'
+    requantized weights."""
+    b = random_blocks("Q3_K", 24, 256)
+    spec = spec_for([b])
+    assert spec.label == "Q3_K as int8 per-row"
+    w = unpacked(b, spec)
     q, scale = int8_rows(b)
     assert w.scale.shape == w.zero.shape == (24, 1) and bool((w.zero == 128).all())
     torch.testing.assert_close(w.dequantize(), q.float() * scale.float()[:, None], rtol=0, atol=0)
 
 
-def test_a_projection_is_4_bit_where_every_part_is():
+def test_a_projection_takes_its_parts_widest_bits_and_narrowest_groups():
+    """A q/k/v of Q4_K q and k and a Q6_K v: 8 bits in groups of 16, every part its own values (Q4_K's
+    group scales repeated over two groups); with a Q3_K part, int8 rows."""
     four, six = random_blocks("Q4_K", 32, 256), random_blocks("Q6_K", 16, 256, seed=1)
     assert spec_for([four, four]).label == "Q4_K as int4 g32"
-    assert spec_for([four, six]).label == "Q4_K+Q6_K as int8 per-row"
-    assert spec_for([six]).bits == 8 and spec_for([six]).group_size == -1
+    spec = spec_for([four, six])
+    assert spec.label == "Q4_K+Q6_K as int8 g16"
+    for b in (four, six):
+        w = unpacked(b, spec)
+        assert w.scale.shape == (b.rows, 256 // 16)
+        ref = _dequantized(b)
+        torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+    assert spec_for([four, random_blocks("Q3_K", 16, 256)]).label == "Q3_K+Q4_K as int8 per-row"
 
 
 @pytest.fixture
@@ -73,7 +105,7 @@ def test_greedy_equals_transformers_reading_the_file(ckpt_factory, tmp_path, mon
     with LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
         ours = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         model = llm.engine.runner.model
-    label = f"{qtype} as int4 g32" if qtype in INT4_TYPES else f"{qtype} as int8 per-row"
+    label = f"{qtype} as int4 g32" if qtype in INT4_TYPES else f"{qtype} as int8 g32"
     formats, _ = weights_held(model)
     projections = [m for m in model.modules() if isinstance(m, layers._Linear) and m is not model.lm_head]
     assert formats[label] == len(projections) and all(
@@ -88,11 +120,15 @@ def test_greedy_equals_transformers_reading_the_file(ckpt_factory, tmp_path, mon
     print(f"{qtype}: {sum(n is not None for n in notes)} of {len(prompts)} diverged at a near-tie")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K", "Q3_K"])
 def test_each_rank_holds_its_piece_of_the_files_weights(ckpt_factory, tmp_path, monkeypatch, qtype):
-    """Two ranks: every projection quantized (q/k/v and gate/up cut by rows; o and down by groups of 32,
-    or, as int8 rows, by columns under the row's scale), each rank's weight the dequantized file's piece."""
-    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / f"m.{qtype}.gguf", qtype)
+    """Two ranks: every projection quantized (q/k/v and gate/up cut by rows; o and down by groups, or, as
+    int8 rows (Q3_K, and Q6_K's groups of 16 on the CPU), by columns under the row's scale), each rank's
+    weight the dequantized file's piece."""
+    wide = dict(hidden_size=256, intermediate_size=256, head_dim=64) if qtype.endswith("_K") else {}
+    ckpt = ckpt_factory("llama", rope_scaling=None, **wide)
+    path = tmp_path / f"m.{qtype}.gguf"
+    path = _k_quant_gguf(ckpt, path, monkeypatch, qtype) if wide else write_gguf(ckpt, path, qtype)
     monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")  # (the reference path: its weights dequantized)
     _, ranks = load_as_ranks(path)
     monkeypatch.setenv("GAPLESS_GGUF_WEIGHTS", "dequantize")
@@ -104,20 +140,30 @@ def test_each_rank_holds_its_piece_of_the_files_weights(ckpt_factory, tmp_path, 
                 assert isinstance(m.linear_method, Int4LinearMethod), name
                 want = float_part.get_submodule(name).weight
                 got = m.linear_method.dequantized(torch.float32)
-                if qtype == "Q8_0":  # (requantized rows: within half a step of each whole row's)
+                if m.linear_method.name.endswith("per-row"):  # (within half a step of each whole row's)
                     step = m.linear_method.scales.t()  # [N, 1]
                     assert step.shape == (want.shape[0], 1), name
                     assert bool(((got - want).abs() <= 0.5 * step * (1 + 2**-8)).all()), name
                 else:
                     torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
+    rows = {
+        m.linear_method.name.endswith("per-row")
+        for r in ranks
+        for m in r.modules()
+        if isinstance(m, layers._Linear) and m is not r.lm_head
+    }
+    assert rows == {qtype in ("Q6_K", "Q3_K")}
     assert parallel.current().size == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU path: the tests above)")
-def test_on_cuda_the_gpus_kernels_give_the_dequantized_models_tokens(ckpt_factory, tmp_path, monkeypatch):
-    """A GGUF on a GPU: int4 layers on tinygemm at decode and the Triton GEMM above, int8 rows on the
-    Triton GEMM, greedy as the dequantized model within near-ties."""
-    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "m.Q4_1.gguf", "Q4_1")
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_on_cuda_the_gpus_kernels_give_the_dequantized_models_tokens(
+    ckpt_factory, tmp_path, monkeypatch, qtype
+):
+    """A GGUF on a GPU: 4-bit layers on tinygemm at decode and the Triton GEMM above, Q8_0's 8 bits in
+    groups of 32 on the Triton GEMM, greedy as the dequantized model within near-ties."""
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / f"m.{qtype}.gguf", qtype)
     prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
 
@@ -127,10 +173,11 @@ def test_on_cuda_the_gpus_kernels_give_the_dequantized_models_tokens(ckpt_factor
             return outs, dict(llm.engine.info.weight_formats)
 
     quantized, formats = run()
-    assert any(f.startswith("Q4_1 as int4 g32 (tinygemm") for f in formats), formats
+    label = "Q4_1 as int4 g32 (tinygemm" if qtype == "Q4_1" else "Q8_0 as int8 g32"
+    assert any(f.startswith(label) for f in formats), formats
     monkeypatch.setenv("GAPLESS_GGUF_WEIGHTS", "dequantize")
     floats, float_formats = run()
-    assert not any("Q4_1" in f for f in float_formats), float_formats
+    assert not any(qtype in f for f in float_formats), float_formats
     for q, f in zip(quantized, floats):
         for step, (a, b) in enumerate(zip(q.token_ids, f.token_ids)):
             if a != b:  # a near-tie of the float model's: its top two within the int4 layout's rounding
@@ -151,7 +198,7 @@ def test_the_triton_gemm_takes_fractional_zeros_exactly(m):
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     b = random_blocks("Q4_1", 64, 256, seed=m)
-    w = unpacked(b, 4)
+    w = unpacked(b, spec_for([b]))
     assert not torch.equal(w.zero, w.zero.round())
     held = Int4LinearMethod(w, spec_for([b]), torch.float32, device, kernel="triton")
     assert held.zeros.dtype == torch.float32 and not held.integer_zeros
@@ -178,7 +225,7 @@ def test_fractional_zeros_are_held_in_float16_under_bfloat16():
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     b = random_blocks("Q4_1", 64, 256)
-    w = unpacked(b, 4)
+    w = unpacked(b, spec_for([b]))
     held = Int4LinearMethod(w, spec_for([b]), torch.bfloat16, device, kernel="triton")
     assert held.zeros.dtype == torch.float16 and not held.integer_zeros
     torch.testing.assert_close(held.zeros.float().t().cpu(), w.zero.half().float(), rtol=0, atol=0)

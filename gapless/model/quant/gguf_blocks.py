@@ -80,6 +80,67 @@ def int4_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     raise ValueError(f"{b.qtype} has no int4 layout; the int4 types are {', '.join(INT4_TYPES)}")
 
 
+# the other types an affine form `w = (q - zero) * scale` holds exactly: (bits its values take, the weights
+# one scale and zero cover). Q3_K's scales, 6-bit signed and packed apart, are not read: it has none.
+AFFINE = {
+    "Q8_0": (8, 32),
+    "Q5_0": (8, 32),
+    "Q5_1": (8, 32),
+    "Q5_K": (8, 32),
+    "Q6_K": (8, 16),
+    "Q2_K": (4, 16),
+}
+_BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q6_K": 210, "Q2_K": 84}  # (a block's bytes)
+
+
+def _group_scales(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, offset) float32 [rows, groups] of an `AFFINE` type's blocks: `w = q * scale + offset` over
+    each group of the type's, q its unsigned values, read from the blocks' headers as llama.cpp's
+    dequantization takes them (ggml-quants.c)."""
+    rows = b.rows
+    blk = b.data.reshape(rows, -1, _BLOCK_BYTES[b.qtype])
+    if b.qtype in ("Q8_0", "Q5_0"):  # (q - 128) * d, (q - 16) * d
+        d = _f16(blk[..., 0:2])
+        return d, -d * (128 if b.qtype == "Q8_0" else 16)
+    if b.qtype == "Q5_1":  # q * d + m
+        return _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
+    if b.qtype == "Q5_K":  # d * sc * q - dmin * m, 8 groups of 32 a super-block (Q4_K's scales)
+        d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
+        sc, mn = _k_scales(blk[..., 4:16])
+        return (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
+    if b.qtype == "Q6_K":  # d * sc * (q - 32), 16 groups of 16, sc int8
+        d = _f16(blk[..., 208:210])[..., None]
+        sc = torch.from_numpy(np.ascontiguousarray(blk[..., 192:208]).view(np.int8)).float()
+        scale = (d * sc).reshape(rows, -1)
+        return scale, -32 * scale
+    # Q2_K: d * (s & 15) * q - dmin * (s >> 4), 16 groups of 16
+    s = torch.from_numpy(np.ascontiguousarray(blk[..., 0:16])).to(torch.int32)
+    d, dmin = _f16(blk[..., 80:82])[..., None], _f16(blk[..., 82:84])[..., None]
+    return (d * (s & 15)).reshape(rows, -1), (-dmin * (s >> 4)).reshape(rows, -1)
+
+
+def affine_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int16 [rows, cols], scale and zero float32 [rows, groups]) of an `AFFINE` type, `w = (q - zero) *
+    scale` its weights: the scales read from the blocks, each value from its weight as the `gguf` package
+    dequantizes it (exact: an integer to float32's rounding), the zero `-offset / scale`. A group whose
+    scale is 0 (every weight its offset) is q = 1, zero 0, scale its offset: exact too."""
+    bits, group = AFFINE[b.qtype]
+    scale, offset = _group_scales(b)
+    flat = scale == 0
+    zero = torch.where(flat, 0.0, (-offset.double() / torch.where(flat, 1.0, scale).double()).float())
+    scale = torch.where(flat, offset, scale)
+    q = torch.empty(b.rows, b.cols, dtype=torch.int16)
+    for start in range(0, b.rows, _CHUNK_ROWS):
+        stop = min(start + _CHUNK_ROWS, b.rows)
+        w = dequantize_rows(b, start, stop).view(stop - start, -1, group).double()
+        s, z = scale[start:stop, :, None].double(), zero[start:stop, :, None].double()
+        v = torch.where(flat[start:stop, :, None], 1.0, torch.round(w / s + z))
+        q[start:stop] = v.view(stop - start, -1).to(torch.int16)
+    if int(q.min()) < 0 or int(q.max()) >= 1 << bits:
+        raise ValueError(f"{b.qtype}: values outside {bits} bits; the blocks are not of this type")
+    return q, scale, zero
+
+
 def dequantize_rows(b: GGUFBlocks, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) as float32 (the `gguf` package's dequantization; Q8_0's `q * d` in torch, the
     same products, several times faster)."""

@@ -6,16 +6,21 @@ Each projection is read from its blocks (`gguf_blocks`) into the path's one form
 tinygemm at decode rows and the Triton GEMM above, `int4_kernels`):
 
 - **Q4_0, Q4_1, Q4_K**: 4 bits in groups of 32, the file's values. Their blocks say `w = q * scale +
-  offset`; the path's zero is `-offset / scale`, a float (the GEMM holds it in the activations' dtype: in
-  bfloat16 a zero below 16 is within 1/32 of a step of the file's). A group whose scale is 0, every weight
-  its offset, is held as q = 8, zero 7 and scale `offset`: exact.
-- **every other type** (Q8_0, Q5_0, Q5_1, the other K-quants): int8 rows, each row requantized with one
-  scale (`gguf_blocks.int8_rows`, as `gguf_cpu`'s int8 rows), held as 8 bits one group a row.
+  offset`; the path's zero is `-offset / scale`, a float (held in float16 under bfloat16 activations,
+  `int4.Int4LinearMethod`). A group whose scale is 0, every weight its offset, is held as q = 8, zero 7 and
+  scale `offset`: exact.
+- **Q8_0, Q5_0, Q5_1, Q5_K** (8 bits in groups of 32), **Q6_K** (8 bits in groups of 16), **Q2_K** (4 bits
+  in groups of 16): the file's values and scales too (`gguf_blocks.affine_parts`), where llama.cpp and
+  vLLM read them exactly and `gguf_cpu`'s int8 rows round them (Q8_0 +2.2% perplexity there). On the CPU
+  (tensor parallelism), groups of 16, which no CPU kernel takes, are int8 rows instead.
+- **Q3_K**: int8 rows, each row requantized with one scale (`gguf_blocks.int8_rows`, as `gguf_cpu`'s),
+  held as 8 bits one group a row.
 
-A fused projection (q/k/v, gate/up) whose parts mix the two (Q4_K_M files write some layers' `attn_v` as
-Q6_K) runs as int8 rows, as on the CPU. Unlike `gguf_cpu`'s default layout, every projection whose parts
-are all of the 4-bit types stays 4-bit: on a GPU the fewest bytes are the fastest decode. The embedding
-table and the LM head load as float weights (the loader dequantizes them), as an AWQ checkpoint's do.
+A fused projection (q/k/v, gate/up) whose parts differ (Q4_K_M files write some layers' `attn_v` as Q6_K)
+is held in the widest of their bits and the narrowest of their groups (Q4_K with Q6_K: 8 bits in groups of
+16, every value still the file's), or as int8 rows if one part is. Unlike `gguf_cpu`'s default layout,
+every 4-bit projection stays 4-bit: on a GPU the fewest bytes are the fastest decode. The embedding table
+and the LM head load as float weights (the loader dequantizes them), as an AWQ checkpoint's do.
 Each projection is installed as soon as its module's last shard is read (`GGUFLayers`).
 """
 
@@ -28,39 +33,57 @@ import torch
 from gapless.model import weight_names
 from gapless.model.quant import int4, int4_kernels
 from gapless.model.quant.gguf_blocks import (
+    AFFINE,
     GROUP,
     INT4_TYPES,
     GGUFBlocks,
+    affine_parts,
     int4_parts,
     int8_rows,
-    is_int4,
     label,
 )
 from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 
 
-def spec_for(parts: list[GGUFBlocks]) -> Int4Spec:
-    """The int4/int8 scheme a projection stacked from `parts` is held in: 4 bits in groups of 32 where
-    every part is of a 4-bit type, else 8 bits one group a row."""
-    if is_int4(parts):
-        return Int4Spec("gguf", 4, GROUP, sym=False, source=label(parts))
-    return Int4Spec("gguf", 8, -1, sym=True, source=label(parts))
+def _form(qtype: str, cpu: bool) -> tuple[int, int]:
+    """(bits, group; -1: int8 rows, one group a row) a matrix of `qtype` is held in (the module's
+    docstring); `cpu`: on the CPU, whose kernels take groups of 32 and more."""
+    if qtype in INT4_TYPES:
+        return 4, GROUP
+    if qtype in AFFINE and not (cpu and AFFINE[qtype][1] < 32):
+        return AFFINE[qtype]
+    return 8, -1
 
 
-def unpacked(b: GGUFBlocks, bits: int) -> Unpacked:
-    """One matrix's weight in the path's form, as `bits` (4: its 4-bit values and groups; 8: int8 rows)."""
-    if bits == 8:
+def spec_for(parts: list[GGUFBlocks], cpu: bool = False) -> Int4Spec:
+    """The int4/int8 scheme a projection stacked from `parts` is held in: the widest of their forms' bits
+    in the narrowest of their groups, or int8 rows if any part is (`_form`)."""
+    forms = [_form(p.qtype, cpu) for p in parts]
+    if any(group < 0 for _, group in forms):
+        return Int4Spec("gguf", 8, -1, sym=True, source=label(parts))
+    bits, group = max(b for b, _ in forms), min(g for _, g in forms)
+    return Int4Spec("gguf", bits, group, sym=False, source=label(parts))
+
+
+def unpacked(b: GGUFBlocks, spec: Int4Spec) -> Unpacked:
+    """One matrix's weight in the path's form for a projection held as `spec` (`spec_for`): its own
+    values, scales and zeros, each (scale, zero) repeated over `spec`'s narrower groups; or int8 rows."""
+    if spec.group_size < 0:
         q, scale = int8_rows(b)
         rows = torch.full((b.rows, 1), 128.0)
         return Unpacked(q.to(torch.int16) + 128, scale.float()[:, None], rows)
-    q, scale, z0 = int4_parts(b)  # w = (q - 8) * scale + z0
-    q = q.to(torch.int16)
-    flat = scale == 0  # (every weight of such a group is its offset, z0)
-    zero = torch.where(flat, 7.0, (8.0 - z0.double() / torch.where(flat, 1.0, scale).double()).float())
-    if bool(flat.any()):
-        q.view(b.rows, -1, GROUP)[flat] = 8
-        scale = torch.where(flat, z0, scale)
-    return Unpacked(q, scale, zero)
+    if b.qtype in INT4_TYPES:
+        q, scale, z0 = int4_parts(b)  # w = (q - 8) * scale + z0
+        q = q.to(torch.int16)
+        flat = scale == 0  # (every weight of such a group is its offset, z0)
+        zero = torch.where(flat, 7.0, (8.0 - z0.double() / torch.where(flat, 1.0, scale).double()).float())
+        if bool(flat.any()):
+            q.view(b.rows, -1, GROUP)[flat] = 8
+            scale = torch.where(flat, z0, scale)
+    else:
+        q, scale, zero = affine_parts(b)
+    per = b.cols // scale.shape[1] // spec.group_size  # (each of its groups, in the projection's)
+    return Unpacked(q, scale.repeat_interleave(per, 1), zero.repeat_interleave(per, 1))
 
 
 class GGUFLayers:
@@ -101,6 +124,6 @@ class GGUFLayers:
 
     def _install(self, name: str, shards: dict[Any, GGUFBlocks]) -> None:
         self.installed += 1
-        spec = spec_for(list(shards.values()))
-        whole = {shard: unpacked(b, spec.bits) for shard, b in shards.items()}
+        spec = spec_for(list(shards.values()), self.model.lm_head.weight.device.type == "cpu")
+        whole = {shard: unpacked(b, spec) for shard, b in shards.items()}
         int4.install(self.model.get_submodule(name), whole, spec, self.dtype, name, self.kernel)
