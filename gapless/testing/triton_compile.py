@@ -354,7 +354,7 @@ def _int4() -> dict[str, Callable[[], object]]:
     from gapless.model.quant.int4_triton import choose_config, w4a16_matmul
 
     def run(dtype: torch.dtype, bits: int, m: int, variant: str) -> object:
-        k, n, group = 512, 256, 32 if "fractional" in variant else 128
+        k, n, group = 512, 256, 16 if "g16" in variant else 32 if "fractional" in variant else 128
         x, qweight = torch.zeros(m, k, dtype=dtype), torch.zeros(k * bits // 32, n, dtype=torch.int32)
         scales, flags = torch.zeros(k // group, n, dtype=dtype), ("ptx_values", "factored", "swapped")
         config = choose_config(m, n, k, group)._replace(**{f: f.split("_")[0] in variant for f in flags})
@@ -366,12 +366,13 @@ def _int4() -> dict[str, Callable[[], object]]:
         return w4a16_matmul(x, qweight, scales, scales, group, bits, config)
 
     # decode (16-row tiles, K split, PTX values; the GEMV: PTX, 3 stages, factored; W x^T), prefill; 4, 8
-    # bits; a GGUF layer's fractional zeros in groups of 32 at 1, 16 and 256 rows
+    # bits; a GGUF layer's fractional zeros in groups of 32 at 1, 16 and 256 rows, and of 16 (Q6_K's, Q2_K's)
     cases = (
         (4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 1, "gemv ptx"), (4, 1, "gemv ptx stages"),
         (4, 1, "gemv factored"), (4, 16, ""), (4, 16, "ptx swapped"), (4, 256, ""), (8, 1, ""),
         (8, 1, "gemv"), (8, 1, "gemv factored"), (8, 16, "swapped"), (4, 1, "gemv ptx fractional"),
-        (4, 16, "fractional"), (4, 256, "fractional"),
+        (4, 16, "fractional"), (4, 256, "fractional"), (8, 1, "gemv fractional g16"),
+        (4, 16, "fractional g16"),
     )  # fmt: skip
     return {
         f"int{bits} gemm {dtype} m={m}{' ' + variant if variant else ''}": partial(
