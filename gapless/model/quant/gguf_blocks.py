@@ -1,7 +1,8 @@
-"""A GGUF file's quantized matrices as the file stores them (`GGUFBlocks`), and their values in the two
-forms gapless runs them in: int4 in groups of 32 (`int4_parts`: Q4_0, Q4_1 and Q4_K, exact) and int8 rows
-(`int8_rows`: every type, requantized with one scale a row). `gguf_cpu` runs these forms through torch's
-CPU kernels; `gguf_int4` hands them to the int4/int8 weight-only path (a GPU's kernels, tensor parallelism).
+"""A GGUF file's quantized matrices as the file stores them (`GGUFBlocks`), and their values in the forms
+gapless runs them in: int4 in groups of 32 (`int4_parts`: Q4_0, Q4_1 and Q4_K, exact), the other types'
+own values and scales (`affine_parts`: all but Q3_K, exact) and int8 rows (`int8_rows`: every type,
+requantized with one scale a row). `gguf_cpu` runs the first and the last through torch's CPU kernels;
+`gguf_int4` hands them to the int4/int8 weight-only path (a GPU's kernels, tensor parallelism).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 GROUP = 32  # an int4 form's group: a Q4_0/Q4_1 block, a Q4_K sub-block
 _CHUNK_ROWS = 1024  # rows dequantized at a time on the way to int8
 
-# types the int4 layout holds exactly, and those requantized to int8 rows
+# types the int4 layout holds exactly, and those the CPU requantizes to int8 rows (`gguf_cpu`)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
 QUANTIZED_TYPES = INT4_TYPES + INT8_TYPES
@@ -132,9 +133,10 @@ def affine_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     q = torch.empty(b.rows, b.cols, dtype=torch.int16)
     for start in range(0, b.rows, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, b.rows)
-        w = dequantize_rows(b, start, stop).view(stop - start, -1, group).double()
-        s, z = scale[start:stop, :, None].double(), zero[start:stop, :, None].double()
-        v = torch.where(flat[start:stop, :, None], 1.0, torch.round(w / s + z))
+        w = dequantize_rows(b, start, stop).view(stop - start, -1, group)
+        # (w / scale + zero: an integer to float32's rounding of q - zero and zero, far under 1/2)
+        v = w.div_(scale[start:stop, :, None]).add_(zero[start:stop, :, None]).round_()
+        v.masked_fill_(flat[start:stop, :, None], 1.0)
         q[start:stop] = v.view(stop - start, -1).to(torch.int16)
     if int(q.min()) < 0 or int(q.max()) >= 1 << bits:
         raise ValueError(f"{b.qtype}: values outside {bits} bits; the blocks are not of this type")
