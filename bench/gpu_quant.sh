@@ -262,9 +262,9 @@ say ""
 GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite
 
 # a GGUF file on the GPU (its projections on the int4/int8 path: Q4_K in groups of 32 on tinygemm at decode,
-# Q6_K and fused q/k/v with a Q6_K v as int8 rows on the Triton GEMV; never timed): Qwen3-8B's shape as
-# llama.cpp's Q4_K_M mix of random Q4_K and Q6_K blocks (~4.8 GB written first, then read as a file),
-# against the targets phase's bf16 and AWQ runs
+# Q6_K and fused q/k/v with a Q6_K v as 8 bits in groups of 16 on the Triton GEMV; never timed): Qwen3-8B's
+# shape as llama.cpp's Q4_K_M mix of random Q4_K and Q6_K blocks (~4.8 GB written first, then read as a
+# file, its blocks converted on the host: ~1 minute here), against the targets phase's bf16 and AWQ runs
 say ""
 other 45 gguf_write "$PY" -m gapless.bench.quant gguf "$SHAPES/qwen3-8b"
 tpot 120 qwen3-8b-gguf gguf --engine-option load_format=auto
