@@ -380,6 +380,7 @@ def _int4() -> dict[str, Callable[[], object]]:
         )
         for dtype in DTYPES
         for bits, m, variant in cases
+        if dtype == torch.bfloat16 or "fractional" not in variant  # (a GGUF layer's: bf16, a GPU's dtype)
     }
 
 
