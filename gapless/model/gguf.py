@@ -1,4 +1,6 @@
-"""GGUF files (llama.cpp's format), read with the `gguf` package, the format's own library.
+"""GGUF files (llama.cpp's format), read with the `gguf` package, the format's own library. A model split in
+several files (`NAME-00001-of-00003.gguf` ...: llama.cpp's `gguf-split`, its converter's `--split-max-*`) is
+read as one: the metadata from the first part, the tensors from every part (`split_parts`).
 
 A GGUF file carries the config, the tokenizer and the weights in one file. This module turns each into
 what the safetensors path already has: the metadata into a Hugging Face style `config.json` dict (which
@@ -21,6 +23,7 @@ transformers does when it loads a GGUF. The Qwen families are written unpermuted
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,6 +85,37 @@ def is_gguf_file(path: str | Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+# a file of a model split in several (llama.cpp's `gguf-split`, and its converter's --split-max-*): the first
+# holds the metadata, every one some tensors
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_parts(path: str | Path) -> list[Path]:
+    """The files a GGUF model is in: `path` alone, or, where its name is a split's part
+    (`NAME-00002-of-00003.gguf`), every part in order, the first first; a missing part is named."""
+    path = Path(path)
+    m = _SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    parts = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = ", ".join(p.name for p in parts if not p.is_file())
+    if missing:
+        raise ValueError(f"{path.name} is part of a model split in {count} files; missing: {missing}")
+    return parts
+
+
+def _readers(path: str | Path) -> list[Any]:
+    """Each part's reader (`split_parts`), the first first."""
+    return [_reader(str(p)) for p in split_parts(path)]
+
+
+def _tensors(path: str | Path) -> Iterator[Any]:
+    """Every tensor of the model, across its parts."""
+    for reader in _readers(path):
+        yield from reader.tensors
+
+
 def _reader(path: str) -> Any:
     """The file's reader, shared by the config and weight reads of one load (and keyed by the file's
     size and mtime, so a file rewritten in place is read afresh)."""
@@ -89,7 +123,7 @@ def _reader(path: str) -> Any:
     return _open(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=16)
 def _open(path: str, size: int, mtime_ns: int) -> Any:
     from gguf import GGUFReader  # memory-maps the file: opening it reads only the header
 
@@ -97,18 +131,19 @@ def _open(path: str, size: int, mtime_ns: int) -> Any:
 
 
 def metadata(path: str | Path) -> dict[str, Any]:
-    """Every metadata field of the file as a Python value (strings, numbers, lists)."""
-    return {name: field.contents() for name, field in _reader(str(path)).fields.items()}
+    """Every metadata field of the file (of a split model's first part, which holds them) as a Python
+    value (strings, numbers, lists)."""
+    return {name: field.contents() for name, field in _readers(path)[0].fields.items()}
 
 
 def tensor_names(path: str | Path) -> set[str]:
-    return {t.name for t in _reader(str(path)).tensors}
+    return {t.name for t in _tensors(path)}
 
 
 def quantized_types(path: str | Path) -> dict[str, str]:
     """Each quantized matrix's type by its Hugging Face name, from the file's header (no weight read)."""
     types = {}
-    for t in _reader(str(path)).tensors:
+    for t in _tensors(path):
         name = hf_name(t.name)
         if name is not None and t.tensor_type.name in QUANTIZED_TYPES and len(t.shape) == 2:
             types[name] = t.tensor_type.name
@@ -151,7 +186,7 @@ def config_dict(path: str | Path) -> dict[str, Any]:
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:  # the embedding table's rows: the shape is in ggml order, [hidden, vocab]
-        vocab = next(int(t.shape[-1]) for t in _reader(str(path)).tensors if t.name == "token_embd.weight")
+        vocab = next(int(t.shape[-1]) for t in _tensors(path) if t.name == "token_embd.weight")
     return {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": int(vocab),
@@ -174,7 +209,7 @@ def config_dict(path: str | Path) -> dict[str, Any]:
 
 def tensor_types(path: str | Path) -> dict[str, str]:
     """Each tensor's type name (F32, Q4_1, ...), by llama.cpp tensor name."""
-    return {t.name: t.tensor_type.name for t in _reader(str(path)).tensors}
+    return {t.name: t.tensor_type.name for t in _tensors(path)}
 
 
 def _check_types(path: str | Path) -> None:
@@ -229,7 +264,7 @@ def iter_weights(
     arch = meta["general.architecture"]
     heads = int(meta[f"{arch}.attention.head_count"])
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    for tensor in _reader(str(path)).tensors:
+    for tensor in _tensors(path):
         name = hf_name(tensor.name)
         if name is None:
             continue

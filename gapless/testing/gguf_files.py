@@ -98,16 +98,17 @@ def _add_sampling(writer: gguf.GGUFWriter, ckpt: Path) -> None:
             add(gen[name])
 
 
-def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32") -> Path:
+def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tensors: int = 0) -> Path:
     """Write the checkpoint directory `ckpt` (one safetensors file) as a GGUF file `out`, its matrices in
-    `qtype` (one of TYPES)."""
+    `qtype` (one of TYPES); with `split_tensors`, split as llama.cpp's converter splits a model, at most
+    that many tensors a file (`out`'s stem + `-00001-of-0000N.gguf` ...; the first file returned)."""
     ckpt, out = Path(ckpt), Path(out)
     cfg = json.loads((ckpt / "config.json").read_text())
     arch = ARCHS[cfg["architectures"][0]]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError("write the checkpoint without RoPE scaling (llama.cpp stores it as rope_freqs)")
-    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch], split_max_tensors=split_tensors)
     _add_config(writer, cfg, f"tiny-{gguf.MODEL_ARCH_NAMES[arch]}")
     _add_tokenizer(writer, ckpt)
     _add_sampling(writer, ckpt)
@@ -132,7 +133,7 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
+    return writer.format_shard_names(out)[0]
 
 
 # where each type keeps its f16 fields (bytes into a block): the scale (and min) of the block

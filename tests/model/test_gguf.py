@@ -141,6 +141,39 @@ def test_a_directory_holding_one_gguf_file_names_it(gguf_file, tmp_path):
         resolve_model(str(tmp_path))
 
 
+def test_a_model_split_in_several_files_reads_as_the_whole_file(ckpt_factory, tmp_path, monkeypatch):
+    """A model split as llama.cpp's converter splits it (`NAME-00001-of-00003.gguf` ..., the metadata in
+    the first): named by its first part, any other part, or their directory, it loads as the unsplit file
+    (kept quantized, on the CPU's layers and on the int4/int8 path: the same weights held, the same
+    greedy tokens); a missing part is refused by name."""
+    from gapless.model import gguf as gguf_reader
+    from gapless.model import loader
+
+    monkeypatch.delenv("GAPLESS_GGUF_WEIGHTS")
+    ckpt = ckpt_factory("llama", rope_scaling=None)
+    whole = write_gguf(ckpt, tmp_path / "whole.Q4_1.gguf", "Q4_1")
+    (tmp_path / "split").mkdir()
+    first = write_gguf(ckpt, tmp_path / "split" / "m.Q4_1.gguf", "Q4_1", split_tensors=8)
+    parts = sorted((tmp_path / "split").iterdir())
+    assert [p.name for p in parts] == [f"m.Q4_1-0000{i}-of-00003.gguf" for i in (1, 2, 3)] and first == parts[
+        0
+    ]
+    assert gguf_reader.split_parts(parts[2]) == parts and gguf_reader.tensor_names(
+        first
+    ) == gguf_reader.tensor_names(whole)
+    assert gguf_reader.quantized_types(parts[1]) == gguf_reader.quantized_types(whole)
+    assert resolve_model(str(parts[1])) == first and resolve_model(str(tmp_path / "split")) == first
+    prompts = make_prompts(1000, n=2, max_len=20, shared_prefix=4)
+    expected = _greedy(str(whole), prompts)
+    assert _greedy(str(parts[2]), prompts) == _greedy(str(tmp_path / "split"), prompts) == expected
+    monkeypatch.setattr(loader, "gguf_kept", lambda path, device: "int4")  # (as a GPU and ranks read it)
+    assert _greedy(str(first), prompts) == _greedy(str(whole), prompts)
+    parts[1].unlink()
+    missing = "00001-of-00003.gguf is part of a model split in 3 files; missing: m.Q4_1-00002-of-00003.gguf"
+    with pytest.raises(ModelSourceError, match=missing):
+        resolve_model(str(first))
+
+
 def _unsupported_gguf(path: Path) -> Path:
     writer = gguf.GGUFWriter(str(path), "gpt2")
     writer.add_block_count(1)
