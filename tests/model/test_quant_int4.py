@@ -146,7 +146,12 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
     method = Int4LinearMethod(w, spec, torch.float32, DEVICE, kernel="triton")
     args = (method.qweight, method.scales, method.zeros, group, bits)
     # a program a row: slow interpreted
-    gemv = [GemmConfig(1, 32, 32, 2, 4, 3, factored=f) for f in (False, True)] if m <= 5 else []
+    # (BLOCK_K 32 and 128: in one group of 32 or more, and over four groups of 32)
+    gemv = (
+        [GemmConfig(1, 32, bk, 2, 4, 3, factored=f) for bk in (32, 128) for f in (False, True)]
+        if m <= 5
+        else []
+    )
     bk = 16 * (32 // bits)  # the narrowest K block a dot per value takes: 16 words' rows
     whole = group % bk == 0 or bk % group == 0  # (a K step in one group, or over whole groups)
     wide = [GemmConfig(16, 32, bk, 2, 4, 3, nibble) for nibble in (True, False)] if whole else []
