@@ -339,19 +339,21 @@ def test_the_swapped_tiles_feed_the_tensor_cores_w_from_registers():
     assert swapped < 0.85 * plain and wgmma == 8 and stores < plain_stores / 2, got
 
 
-@pytest.mark.parametrize("kind", ["column", "merged", "row"])
+@pytest.mark.parametrize("kind", ["column", "merged", "row", "row per channel"])
 def test_tensor_parallel_pieces_make_the_whole_layer(kind):
     """Two ranks' pieces (scales and zeros cut with their weights: column layers by rows, row layers by
-    groups) concatenate (column) or sum (row) to the whole layer's output."""
+    groups, or per channel by columns under each row's scale and zero) concatenate (column) or sum (row)
+    to the whole layer's output."""
     gen = torch.Generator().manual_seed(1)
-    spec = Int4Spec("gptq", 4, 32, False)
-    k, n = (128, 64) if kind == "row" else (64, 96)
+    group = 128 if kind == "row per channel" else 32
+    spec = Int4Spec("gptq", 4, -1 if group == 128 else 32, False)
+    k, n = (128, 64) if kind.startswith("row") else (64, 96)
     x = torch.randn(3, k, generator=gen)
     sizes = {"gate": 64, "up": 32}
     shards = (
         {s: quantize(torch.randn(size, k, generator=gen), 4, 32, False) for s, size in sizes.items()}
         if kind == "merged"
-        else {None: quantize(torch.randn(n, k, generator=gen), 4, 32, False)}
+        else {None: quantize(torch.randn(n, k, generator=gen), 4, group, False)}
     )
     outs = []
     for rank in range(2):
@@ -361,12 +363,13 @@ def test_tensor_parallel_pieces_make_the_whole_layer(kind):
                 "column": lambda: layers.ColumnParallelLinear(k, n),
                 "merged": lambda: layers.MergedColumnParallelLinear(k, sizes),
                 "row": lambda: layers.RowParallelLinear(k, n),
+                "row per channel": lambda: layers.RowParallelLinear(k, n),
             }[kind]()
         finally:
             parallel.use(parallel.SINGLE)
         install(layer, shards, spec, torch.float32, kind, "triton")
-        outs.append(layer.linear_method.apply(layer, x.chunk(2, 1)[rank] if kind == "row" else x))
-    if kind == "row":
+        outs.append(layer.linear_method.apply(layer, x.chunk(2, 1)[rank] if kind.startswith("row") else x))
+    if kind.startswith("row"):
         whole = x @ shards[None].dequantize().t()
         torch.testing.assert_close(outs[0] + outs[1], whole, rtol=1e-5, atol=1e-5)
     elif kind == "column":

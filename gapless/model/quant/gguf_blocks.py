@@ -1,6 +1,6 @@
 """A GGUF file's quantized matrices as the file stores them (`GGUFBlocks`), and their values in the forms
 gapless runs them in: int4 in groups of 32 (`int4_parts`: Q4_0, Q4_1 and Q4_K, exact), the other types'
-own values and scales (`affine_parts`: all but Q3_K, exact) and int8 rows (`int8_rows`: every type,
+own values and scales (`affine_parts`, exact) and int8 rows (`int8_rows`: every type,
 requantized with one scale a row). `gguf_cpu` runs the first and the last through torch's CPU kernels;
 `gguf_int4` hands them to the int4/int8 weight-only path (a GPU's kernels, tensor parallelism).
 """
@@ -82,16 +82,17 @@ def int4_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 # the other types an affine form `w = (q - zero) * scale` holds exactly: (bits its values take, the weights
-# one scale and zero cover). Q3_K's scales, 6-bit signed and packed apart, are not read: it has none.
+# one scale and zero cover)
 AFFINE = {
     "Q8_0": (8, 32),
     "Q5_0": (8, 32),
     "Q5_1": (8, 32),
     "Q5_K": (8, 32),
     "Q6_K": (8, 16),
+    "Q3_K": (4, 16),
     "Q2_K": (4, 16),
 }
-_BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q6_K": 210, "Q2_K": 84}  # (a block's bytes)
+_BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "Q2_K": 84}
 
 
 def _group_scales(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +115,14 @@ def _group_scales(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
         sc = torch.from_numpy(np.ascontiguousarray(blk[..., 192:208]).view(np.int8)).float()
         scale = (d * sc).reshape(rows, -1)
         return scale, -32 * scale
+    if b.qtype == "Q3_K":  # d * (sc - 32) * (q - 4), 16 groups of 16, sc 6 bits: its low 4 in bytes
+        # 96-103 (groups 0-7 the low nibbles, 8-15 the high), its top 2 in bytes 104-107 (group j: byte
+        # j % 4, bits 2 * (j // 4))
+        raw = torch.from_numpy(np.ascontiguousarray(blk[..., 96:108])).to(torch.int32)
+        low = torch.cat([raw[..., 0:8] & 15, raw[..., 0:8] >> 4], dim=-1)
+        top = torch.stack([(raw[..., 8:12] >> (2 * k)) & 3 for k in range(4)], dim=-2).flatten(-2)
+        scale = (_f16(blk[..., 108:110])[..., None] * ((low | (top << 4)) - 32)).reshape(rows, -1)
+        return scale, -4 * scale
     # Q2_K: d * (s & 15) * q - dmin * (s >> 4), 16 groups of 16
     s = torch.from_numpy(np.ascontiguousarray(blk[..., 0:16])).to(torch.int32)
     d, dmin = _f16(blk[..., 80:82])[..., None], _f16(blk[..., 82:84])[..., None]

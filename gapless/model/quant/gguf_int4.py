@@ -9,18 +9,17 @@ tinygemm at decode rows and the Triton GEMM above, `int4_kernels`):
   offset`; the path's zero is `-offset / scale`, a float (held in float16 under bfloat16 activations,
   `int4.Int4LinearMethod`). A group whose scale is 0, every weight its offset, is held as q = 8, zero 7 and
   scale `offset`: exact.
-- **Q8_0, Q5_0, Q5_1, Q5_K** (8 bits in groups of 32), **Q6_K** (8 bits in groups of 16), **Q2_K** (4 bits
-  in groups of 16): the file's values and scales too (`gguf_blocks.affine_parts`), where llama.cpp and
-  vLLM read them exactly and `gguf_cpu`'s int8 rows round them (Q8_0 +2.2% perplexity there). On the CPU
-  (tensor parallelism), groups of 16, which no CPU kernel takes, are int8 rows instead.
-- **Q3_K**: int8 rows, each row requantized with one scale (`gguf_blocks.int8_rows`, as `gguf_cpu`'s),
-  held as 8 bits one group a row.
+- **Q8_0, Q5_0, Q5_1, Q5_K** (8 bits in groups of 32), **Q6_K** (8 bits in groups of 16), **Q3_K, Q2_K** (4
+  bits in groups of 16): the file's values and scales too (`gguf_blocks.affine_parts`), where llama.cpp and
+  vLLM read them exactly and `gguf_cpu`'s int8 rows round them (Q8_0 +2.2% perplexity there). On the CPU's
+  kernels (tensor parallelism), groups of 16, which none takes, are int8 rows instead: each row
+  requantized with one scale (`gguf_blocks.int8_rows`, as `gguf_cpu`'s), 8 bits one group a row.
 
-A fused projection (q/k/v, gate/up) whose parts differ (Q4_K_M files write some layers' `attn_v` as Q6_K)
-is held in the widest of their bits and the narrowest of their groups (Q4_K with Q6_K: 8 bits in groups of
-16, every value still the file's), or as int8 rows if one part is. Unlike `gguf_cpu`'s default layout,
-every 4-bit projection stays 4-bit: on a GPU the fewest bytes are the fastest decode. The embedding table
-and the LM head load as float weights (the loader dequantizes them), as an AWQ checkpoint's do.
+A fused projection (q/k/v, gate/up) whose parts differ (Q4_K_M files write some layers' `attn_v` as Q6_K) is
+held in the widest of their bits and the narrowest of their groups (Q4_K with Q6_K: 8 bits in groups of 16,
+every value still the file's), or as int8 rows if one part is (on the CPU). Unlike `gguf_cpu`'s default
+layout, every 4-bit projection stays 4-bit: on a GPU the fewest bytes are the fastest decode. The embedding
+table and the LM head load as float weights (the loader dequantizes them), as an AWQ checkpoint's do.
 Each projection is installed as soon as its module's last shard is read (`GGUFLayers`).
 """
 
@@ -47,7 +46,7 @@ from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 
 def _form(qtype: str, cpu: bool) -> tuple[int, int]:
     """(bits, group; -1: int8 rows, one group a row) a matrix of `qtype` is held in (the module's
-    docstring); `cpu`: on the CPU, whose kernels take groups of 32 and more."""
+    docstring); `cpu`: for the CPU's kernels, which take groups of 32 and more."""
     if qtype in INT4_TYPES:
         return 4, GROUP
     if qtype in AFFINE and not (cpu and AFFINE[qtype][1] < 32):
@@ -128,6 +127,7 @@ class GGUFLayers:
         self.installed += 1
         layer = self.model.get_submodule(name)
         device = layer.weight.device
-        spec = spec_for(list(shards.values()), device.type == "cpu")
+        cpu_kernels = device.type == "cpu" and int4_kernels.chosen() == "auto"  # (else the reference path)
+        spec = spec_for(list(shards.values()), cpu_kernels)
         whole = {shard: unpacked(b, spec).map(lambda t: t.to(device)) for shard, b in shards.items()}
         int4.install(layer, whole, spec, self.dtype, name, self.kernel)
