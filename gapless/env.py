@@ -143,7 +143,7 @@ GGUF_LAYOUT = _var(
     _one_of("mixed", "int4", "int8"),
     "`mixed`, `int4` or `int8`",
     "kept-quantized GGUF layers of int4 types on a one-rank CPU: gate/up as int4 and the rest as int8 rows, "
-    "int4 wherever exact (fewest bytes), or int8 rows everywhere (fastest); on a GPU int4 wherever exact",
+    "int4 wherever exact (fewest bytes), or int8 rows everywhere (fastest); on a GPU each type's own form",
 )
 GGUF_ACTIVATIONS = _var(
     "GAPLESS_GGUF_ACTIVATIONS",
