@@ -92,15 +92,16 @@ AFFINE = {
     "Q3_K": (4, 16),
     "Q2_K": (4, 16),
 }
-_BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "Q2_K": 84}
 
 
 def _group_scales(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, offset) float32 [rows, groups] of an `AFFINE` type's blocks: `w = q * scale + offset` over
     each group of the type's, q its unsigned values, read from the blocks' headers as llama.cpp's
     dequantization takes them (ggml-quants.c)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     rows = b.rows
-    blk = b.data.reshape(rows, -1, _BLOCK_BYTES[b.qtype])
+    blk = b.data.reshape(rows, -1, GGML_QUANT_SIZES[GGMLQuantizationType[b.qtype]][1])
     if b.qtype in ("Q8_0", "Q5_0"):  # (q - 128) * d, (q - 16) * d
         d = _f16(blk[..., 0:2])
         return d, -d * (128 if b.qtype == "Q8_0" else 16)
@@ -129,16 +130,21 @@ def _group_scales(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     return (d * (s & 15)).reshape(rows, -1), (-dmin * (s >> 4)).reshape(rows, -1)
 
 
-def affine_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q int16 [rows, cols], scale and zero float32 [rows, groups]) of an `AFFINE` type, `w = (q - zero) *
-    scale` its weights: the scales read from the blocks, each value from its weight as the `gguf` package
-    dequantizes it (exact: an integer to float32's rounding), the zero `-offset / scale`. A group whose
-    scale is 0 (every weight its offset) is q = 1, zero 0, scale its offset: exact too."""
-    bits, group = AFFINE[b.qtype]
-    scale, offset = _group_scales(b)
+def zero_form(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups `w = q * scale + offset` as `w = (q - zero) * scale`: (scale, zero, flat), the zero
+    `-offset / scale` (a float); a group whose scale is 0 (`flat`: every weight its offset) takes scale
+    `offset` and zero 0, for q = 1 (the caller's to set): exact too."""
     flat = scale == 0
     zero = torch.where(flat, 0.0, (-offset.double() / torch.where(flat, 1.0, scale).double()).float())
-    scale = torch.where(flat, offset, scale)
+    return torch.where(flat, offset, scale), zero, flat
+
+
+def affine_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int16 [rows, cols], scale and zero float32 [rows, groups]) of an `AFFINE` type, `w = (q - zero) *
+    scale` its weights (`zero_form`): the scales read from the blocks, each value from its weight as the
+    `gguf` package dequantizes it (exact: an integer to float32's rounding)."""
+    bits, group = AFFINE[b.qtype]
+    scale, zero, flat = zero_form(*_group_scales(b))
     q = torch.empty(b.rows, b.cols, dtype=torch.int16)
     for start in range(0, b.rows, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, b.rows)

@@ -7,8 +7,8 @@ tinygemm at decode rows and the Triton GEMM above, `int4_kernels`):
 
 - **Q4_0, Q4_1, Q4_K**: 4 bits in groups of 32, the file's values. Their blocks say `w = q * scale +
   offset`; the path's zero is `-offset / scale`, a float (held in float16 under bfloat16 activations,
-  `int4.Int4LinearMethod`). A group whose scale is 0, every weight its offset, is held as q = 8, zero 7 and
-  scale `offset`: exact.
+  `int4.Int4LinearMethod`). A group whose scale is 0, every weight its offset, is held as q = 1, zero 0 and
+  scale `offset`: exact (`gguf_blocks.zero_form`).
 - **Q8_0, Q5_0, Q5_1, Q5_K** (8 bits in groups of 32), **Q6_K** (8 bits in groups of 16), **Q3_K, Q2_K** (4
   bits in groups of 16): the file's values and scales too (`gguf_blocks.affine_parts`), where llama.cpp and
   vLLM read them exactly and `gguf_cpu`'s int8 rows round them (Q8_0 +2.2% perplexity there). On the CPU's
@@ -40,6 +40,7 @@ from gapless.model.quant.gguf_blocks import (
     int4_parts,
     int8_rows,
     label,
+    zero_form,
 )
 from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 
@@ -73,12 +74,9 @@ def unpacked(b: GGUFBlocks, spec: Int4Spec) -> Unpacked:
         return Unpacked(q.to(torch.int16) + 128, scale.float()[:, None], rows)
     if b.qtype in INT4_TYPES:
         q, scale, z0 = int4_parts(b)  # w = (q - 8) * scale + z0
+        scale, zero, flat = zero_form(scale, (z0.double() - 8 * scale.double()).float())
         q = q.to(torch.int16)
-        flat = scale == 0  # (every weight of such a group is its offset, z0)
-        zero = torch.where(flat, 7.0, (8.0 - z0.double() / torch.where(flat, 1.0, scale).double()).float())
-        if bool(flat.any()):
-            q.view(b.rows, -1, GROUP)[flat] = 8
-            scale = torch.where(flat, z0, scale)
+        q.view(b.rows, -1, GROUP)[flat] = 1
     else:
         q, scale, zero = affine_parts(b)
     per = b.cols // scale.shape[1] // spec.group_size  # (each of its groups, in the projection's)
