@@ -40,8 +40,18 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# a mixture of experts llama.cpp writes under a dense architecture's name (`expert_count` > 0): Mixtral
+_MIXTURES = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM"}
+# whether llama.cpp renormalises the chosen experts' weights (its `norm_w`), where the file does not say
+# (`expert_weights_norm`): Qwen3-MoE yes, Qwen2-MoE no (Mixtral always, whatever the config)
+_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}
 _TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # (Hugging Face names)
+# float in every format gapless reads, quantized in a file or not: a mixture's router, its shared expert's
+# gate (both tiny; llama.cpp's converter keeps them F32)
+_ALWAYS_FLOAT = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
 _PERMUTED_QK = ("llama", "mistral")  # llama.cpp's converter permutes q/k rows of these
 
 # llama.cpp tensor names -> Hugging Face names ("{}" is the layer index)
@@ -62,6 +72,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # every expert's, stacked [experts, rows, cols]
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert, and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 
 
@@ -141,12 +159,16 @@ def tensor_names(path: str | Path) -> set[str]:
 
 
 def quantized_types(path: str | Path) -> dict[str, str]:
-    """Each quantized matrix's type by its Hugging Face name, from the file's header (no weight read)."""
+    """Each quantized matrix's type by its Hugging Face name (an expert's one at a time), from the file's
+    header (no weight read); not a router's, which loads as a float."""
     types = {}
     for t in _tensors(path):
         name = hf_name(t.name)
-        if name is not None and t.tensor_type.name in QUANTIZED_TYPES and len(t.shape) == 2:
-            types[name] = t.tensor_type.name
+        if name is None or not _as_blocks(t, name, True, True):
+            continue
+        experts = int(t.shape[2]) if len(t.shape) == 3 else 0
+        for one in [_expert_name(name, e) for e in range(experts)] if experts else [name]:
+            types[one] = t.tensor_type.name
     return types
 
 
@@ -179,16 +201,16 @@ def config_dict(path: str | Path) -> dict[str, Any]:
             f"unsupported GGUF architecture {arch!r} in {path}; gapless runs GGUF files of "
             f"{', '.join(ARCHITECTURES)}"
         )
-    if experts := meta.get(f"{arch}.expert_count"):
-        raise ValueError(f"{arch}: mixture-of-experts (expert_count={experts}) is not supported")
     hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
     head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:  # the embedding table's rows: the shape is in ggml order, [hidden, vocab]
         vocab = next(int(t.shape[-1]) for t in _tensors(path) if t.name == "token_embd.weight")
-    return {
-        "architectures": [ARCHITECTURES[arch]],
+    mixture = _mixture(path, meta, arch, names)
+    architecture = _MIXTURES[arch] if mixture and arch in _MIXTURES else ARCHITECTURES[arch]
+    return mixture | {
+        "architectures": [architecture],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(meta[f"{arch}.feed_forward_length"]),
@@ -205,6 +227,44 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "use_sliding_window": False,
     }
+
+
+def _mixture(path: str | Path, meta: dict[str, Any], arch: str, names: set[str]) -> dict[str, Any]:
+    """A mixture of experts' config fields ({} for a dense model): the experts (`expert_count`, and
+    `expert_used_count` a token), their width, the shared expert's (Qwen2-MoE), the layers without a router
+    (`mlp_only_layers`) and whether the chosen weights are renormalised (llama.cpp's rule for the
+    architecture where the file does not say). Refuses what gapless's routers do not compute."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        if arch in _NORM_TOPK:
+            raise ValueError(f"{path}: a {arch} file without {arch}.expert_count")
+        return {}
+    if arch not in _NORM_TOPK and arch not in _MIXTURES:
+        raise ValueError(f"{arch}: mixture-of-experts (expert_count={experts}) is not supported")
+    gating = int(meta.get(f"{arch}.expert_gating_func", 1))
+    if gating != 1:  # (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid, ...)
+        raise ValueError(f"{arch}: expert_gating_func {gating} is not supported; gapless routes by softmax")
+    layers = int(meta[f"{arch}.block_count"])
+    # (ggml's shapes run innermost first: ffn_gate_exps is [hidden, width, experts])
+    widths = {t.name: int(t.shape[1]) for t in _tensors(path) if "exp" in t.name and len(t.shape) > 1}
+    routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
+    if not routed:
+        raise ValueError(f"{path}: expert_count={experts} but no layer has a router (ffn_gate_inp)")
+    if arch in _MIXTURES:  # Mixtral's experts are feed_forward_length wide, every layer routed
+        return {"num_local_experts": experts, "num_experts_per_tok": int(meta[f"{arch}.expert_used_count"])}
+    width = meta.get(f"{arch}.expert_feed_forward_length") or widths[f"blk.{routed[0]}.ffn_gate_exps.weight"]
+    fields: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": int(meta[f"{arch}.expert_used_count"]),
+        "moe_intermediate_size": int(width),
+        "mlp_only_layers": [i for i in range(layers) if i not in routed],
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", _NORM_TOPK[arch])),
+    }
+    shared = f"blk.{routed[0]}.ffn_up_shexp.weight"
+    if shared in widths:
+        width = meta.get(f"{arch}.expert_shared_feed_forward_length") or widths[shared]
+        fields["shared_expert_intermediate_size"] = int(width)
+    return fields
 
 
 def tensor_types(path: str | Path) -> dict[str, str]:
@@ -254,12 +314,24 @@ def dequantize(tensor: Any) -> np.ndarray:
     return quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
 
 
+def _as_blocks(tensor: Any, name: str, keep_quantized: bool, tables: bool) -> bool:
+    """Whether `iter_weights` gives the tensor as its blocks (else dequantized)."""
+    quantized = keep_quantized and tensor.tensor_type.name in QUANTIZED_TYPES and len(tensor.shape) >= 2
+    return quantized and (tables or name not in _TABLES) and not name.endswith(_ALWAYS_FLOAT)
+
+
+def _expert_name(stacked: str, expert: int) -> str:
+    """One expert's name in a stacked experts tensor's (`...mlp.experts.gate_proj.weight`)."""
+    return stacked.replace(".experts.", f".experts.{expert}.")
+
+
 def iter_weights(
     path: str | Path, keep_quantized: bool = False, tables: bool = True
 ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
-    """(Hugging Face name, float32 tensor) for each tensor the model uses, q/k rows unpermuted; with
-    `keep_quantized`, a quantized matrix comes as its blocks (`GGUFBlocks`, rows in the same order), the
-    embedding table and LM head too unless `tables` is False."""
+    """(Hugging Face name, float32 tensor) for each tensor the model uses, q/k rows unpermuted, a
+    mixture's stacked experts one expert at a time (`...experts.3.gate_proj.weight`, as a checkpoint
+    stores them); with `keep_quantized`, a quantized matrix comes as its blocks (`GGUFBlocks`, rows in the
+    same order), the embedding table and LM head too unless `tables` is False (a router never)."""
     meta = metadata(path)
     arch = meta["general.architecture"]
     heads = int(meta[f"{arch}.attention.head_count"])
@@ -269,18 +341,34 @@ def iter_weights(
         if name is None:
             continue
         kind = tensor.tensor_type.name
-        blocks = keep_quantized and kind in QUANTIZED_TYPES and len(tensor.shape) == 2
-        blocks = blocks and (tables or name not in _TABLES)
+        blocks = _as_blocks(tensor, name, keep_quantized, tables)
+        rows = int(np.prod([int(n) for n in tensor.shape[1:]]))
         # the blocks of a row are its bytes: as [rows, bytes per row] they permute like the weights
-        w = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1) if blocks else dequantize(tensor)
+        w = np.asarray(tensor.data).reshape(rows, -1) if blocks else dequantize(tensor)
         if arch in _PERMUTED_QK and ".attn_q." in tensor.name:
             w = _unpermute(w, heads)
         elif arch in _PERMUTED_QK and ".attn_k." in tensor.name:
             w = _unpermute(w, kv_heads)
-        if blocks:
-            # a plain array, the memory map left behind; but an embedding table is read where it lies
-            # (`gguf_cpu.FileRows`: a lookup reads its rows only)
-            data = w if name.endswith("embed_tokens.weight") else np.array(w)
-            yield name, GGUFBlocks(kind, int(tensor.shape[0]), data)
+        elif name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # (llama.cpp's is a vector; Hugging Face's a [1, hidden] linear)
+        if len(tensor.shape) == 3:  # a mixture's experts, [experts, rows, cols]: one matrix each
+            count = int(tensor.shape[2])
+            per = w.reshape(count, rows // count, -1)
+            for e in range(count):
+                yield _expert_name(name, e), _matrix(per[e], kind, int(tensor.shape[0]), blocks)
             continue
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable))
+        # (an embedding table's blocks are read where they lie: `gguf_cpu.FileRows` reads a lookup's rows)
+        yield (
+            name,
+            _matrix(w, kind, int(tensor.shape[0]), blocks, copy=not name.endswith("embed_tokens.weight")),
+        )
+
+
+def _matrix(
+    w: np.ndarray, kind: str, cols: int, blocks: bool, copy: bool = True
+) -> torch.Tensor | GGUFBlocks:
+    """One matrix as `iter_weights` gives it: its blocks, a plain array unless not `copy` (else the memory
+    map's pages), or a float32 tensor."""
+    if blocks:
+        return GGUFBlocks(kind, cols, np.array(w) if copy else w)
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable))

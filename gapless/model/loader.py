@@ -38,6 +38,7 @@ from gapless.model.layers import (
     is_placeholder,
     materialize,
 )
+from gapless.model.moe import Experts
 from gapless.model.quant import (
     formats,
     gguf_cpu,
@@ -176,7 +177,7 @@ def load_model(
         if isinstance(tensor, GGUFBlocks):
             name, shard = weight_names.target(name)
             assert gguf_layers is not None
-            gguf_layers.add(name.rsplit(".", 1)[0], shard, tensor)
+            gguf_layers.add(name, shard, tensor)
             loaded.add(name if shard is None else f"{name}#{shard}")
             continue
         if kv_scales.take(name, tensor):
@@ -321,26 +322,30 @@ def _gguf_layers(
     None where none come as blocks."""
     if kept == "int4":
         return gguf_int4.GGUFLayers(model, gguf.quantized_types(path), dtype)
-    return _CpuGGUFLayers(model) if kept == "cpu" else None
+    return _CpuGGUFLayers(model, dtype) if kept == "cpu" else None
 
 
 class _CpuGGUFLayers:
     """A one-rank CPU's GGUF layers (`gguf_cpu`): every matrix gathered, then each module given its
-    quantized form, its float weight never made. An embedding table is read from the file where it lies
+    quantized form, its float weight never made (a mixture's experts the int4/int8 path's,
+    `gguf_int4.install_experts`). An embedding table is read from the file where it lies
     (`gguf_cpu.FileRows`); a tied LM head holds the table in its own layout."""
 
-    def __init__(self, model: CausalLM) -> None:
-        self.model = model
+    def __init__(self, model: CausalLM, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
         self.blocks: dict[str, dict[Any, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
 
-    def add(self, name: str, shard: Any, blocks: GGUFBlocks) -> None:
-        self.blocks.setdefault(name, {})[shard] = blocks
+    def add(self, param: str, shard: Any, blocks: GGUFBlocks) -> None:
+        self.blocks.setdefault(param.rsplit(".", 1)[0], {})[shard] = blocks
 
     def finish(self) -> bool:
         """Install every module's quantized form; whether any came."""
         model = self.model
         for module_name, shards in self.blocks.items():
             module = model.get_submodule(module_name)
+            if isinstance(module, Experts):
+                gguf_int4.install_experts(module, shards, self.dtype, module_name)
+                continue
             order = list(getattr(module, "shard_offsets", None) or [None])
             parts = [shards[s] for s in order]
             if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):

@@ -11,6 +11,7 @@ transformers reads the same file (`from_pretrained(dir, gguf_file=...)`) as the 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -23,8 +24,11 @@ from gapless.model.quant.gguf_blocks import GGUFBlocks
 ARCHS = {
     "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA,
     "MistralForCausalLM": gguf.MODEL_ARCH.LLAMA,
+    "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,  # (llama with experts, as llama.cpp writes Mixtral)
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
+    "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
+    "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
 }
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
@@ -79,6 +83,14 @@ def _add_config(writer: gguf.GGUFWriter, cfg: dict, name: str) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg["vocab_size"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:  # (Mixtral's experts are feed_forward_length wide, Qwen's expert_feed_forward_length)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
 
 def _add_sampling(writer: gguf.GGUFWriter, ckpt: Path) -> None:
@@ -98,6 +110,28 @@ def _add_sampling(writer: gguf.GGUFWriter, ckpt: Path) -> None:
             add(gen[name])
 
 
+# one expert's projection in a checkpoint (Qwen's names, Mixtral's w1/w2/w3)
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+# kept in F32 whatever the type, as convert_hf_to_gguf.py keeps them: routers and the shared expert's gate
+_F32_ALWAYS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def _stacked(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors with each layer's per-expert projections stacked, [experts, rows, cols],
+    under the experts' name (`...experts.gate_proj.weight`), as llama.cpp's converter stacks them."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, w in tensors.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = w
+        else:
+            experts.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = w
+    for name, by_id in experts.items():
+        out[name] = np.stack([by_id[e] for e in range(len(by_id))])
+    return out
+
+
 def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tensors: int = 0) -> Path:
     """Write the checkpoint directory `ckpt` (one safetensors file) as a GGUF file `out`, its matrices in
     `qtype` (one of TYPES); with `split_tensors`, split as llama.cpp's converter splits a model, at most
@@ -115,7 +149,7 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tens
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     kind = gguf.GGMLQuantizationType[qtype]
-    for hf, w in load_file(str(ckpt / "model.safetensors")).items():
+    for hf, w in _stacked(load_file(str(ckpt / "model.safetensors"))).items():
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"no GGUF name for {hf}"
         w = w.astype(np.float32)
@@ -123,7 +157,9 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tens
             w = _permute(w, heads)
         elif arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _permute(w, kv_heads)
-        if w.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            w = w.reshape(-1)  # ([1, hidden]: llama.cpp's model takes it as a vector)
+        if w.ndim == 1 or kind == gguf.GGMLQuantizationType.F32 or name.endswith(_F32_ALWAYS):
             writer.add_tensor(name, w)
         elif kind == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, w.astype(np.float16))
@@ -159,11 +195,11 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFBlocks
 
 def q4_k_m_type(name: str, layers: int) -> str:
     """The type llama.cpp's Q4_K_M gives a matrix (`llama_tensor_get_type`, its "use more bits" rule): Q6_K
-    for the output and for attn_v and ffn_down in the first and last eighth of the layers and every third
-    between, Q4_K for the rest."""
+    for the output and for attn_v and ffn_down (a mixture's ffn_down_exps too) in the first and last eighth
+    of the layers and every third between, Q4_K for the rest."""
     if name == "output.weight":
         return "Q6_K"
-    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
         i = int(name.split(".")[1])
         if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2:
             return "Q6_K"
@@ -173,8 +209,9 @@ def q4_k_m_type(name: str, layers: int) -> str:
 def write_random_gguf(ckpt: str | Path, out: str | Path, qtype: str = "Q4_K_M") -> Path:
     """A GGUF file `out` of the config and tokenizer in `ckpt` (no weights needed) with random weights: every
     matrix random blocks of `qtype` (`random_blocks`), or "Q4_K_M" llama.cpp's mix of Q4_K and Q6_K
-    (`q4_k_m_type`), the norms ones. Written a tensor at a time (a model's size on disk, not in memory):
-    for benchmarks of a model's shape as a GGUF file holds it."""
+    (`q4_k_m_type`), a mixture's experts stacked, its routers random F32, the norms ones. Written a tensor
+    at a time (a model's size on disk, not in memory): for benchmarks of a model's shape as a GGUF file
+    holds it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -183,7 +220,18 @@ def write_random_gguf(ckpt: str | Path, out: str | Path, qtype: str = "Q4_K_M") 
     arch = ARCHS[cfg["architectures"][0]]
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt))
-    shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for k, v in hf.state_dict().items():
+        if k.endswith(".experts.gate_up_proj"):  # transformers' fused experts: llama.cpp's gate and up
+            e, rows, cols = v.shape
+            shapes |= {
+                f"{k[: -len('gate_up_proj')]}{p}.weight": (e, rows // 2, cols)
+                for p in ("gate_proj", "up_proj")
+            }
+        elif k.endswith(".experts.down_proj"):
+            shapes[f"{k}.weight"] = tuple(v.shape)
+        else:
+            shapes[k] = tuple(v.shape)
     if cfg.get("tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
@@ -196,7 +244,7 @@ def write_random_gguf(ckpt: str | Path, out: str | Path, qtype: str = "Q4_K_M") 
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"no GGUF name for {hf_name}"
         kind = None
-        if len(shape) == 2:
+        if len(shape) >= 2 and not name.endswith(_F32_ALWAYS):
             kind = q4_k_m_type(name, cfg["num_hidden_layers"]) if qtype == "Q4_K_M" else qtype
         plan.append((name, shape, kind))
         if kind is None:
@@ -204,17 +252,21 @@ def write_random_gguf(ckpt: str | Path, out: str | Path, qtype: str = "Q4_K_M") 
         else:
             raw = gguf.GGMLQuantizationType[kind]
             block, size = gguf.GGML_QUANT_SIZES[raw]
-            if shape[1] % block:
+            if shape[-1] % block:
                 raise ValueError(f"{hf_name} {shape}: {kind} takes rows of whole {block}-weight blocks")
-            byte_shape = (shape[0], shape[1] // block * size)
+            byte_shape = (*shape[:-1], shape[-1] // block * size)
             writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for seed, (_, shape, kind) in enumerate(plan):
-        if kind is None:
-            writer.write_tensor_data(np.ones(shape, np.float32))
+    rng = np.random.default_rng(0)
+    for seed, (name, shape, kind) in enumerate(plan):
+        if kind is not None:
+            rows = int(np.prod(shape[:-1]))
+            writer.write_tensor_data(random_blocks(kind, rows, shape[-1], seed).data.reshape(*shape[:-1], -1))
+        elif name.endswith("ffn_gate_inp.weight"):  # a router: logits of about unit size, clear choices
+            writer.write_tensor_data((rng.standard_normal(shape) / shape[-1] ** 0.5).astype(np.float32))
         else:
-            writer.write_tensor_data(random_blocks(kind, shape[0], shape[1], seed).data)
+            writer.write_tensor_data(np.ones(shape, np.float32))
     writer.close()
     return out

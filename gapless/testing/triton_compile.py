@@ -246,6 +246,15 @@ def _moe() -> dict[str, Callable[[], object]]:
         if quant == "fp8":  # `--quantization fp8`'s experts: e4m3 weights, a float32 scale per expert row
             w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
             scales = ((torch.ones(experts, 2 * inter, 1), hidden), (torch.ones(experts, hidden, 1), inter))
+        elif quant == "gguf":  # a GGUF file's under bfloat16: gate/up 4 bits g32, down 8 bits g16 (Q4_K_M's
+            # Q6_K), fractional zeros held in float16 (`int4.zeros_dtype`)
+            w13 = torch.zeros(experts, hidden * 4 // 32, 2 * inter, dtype=torch.int32)
+            w2 = torch.zeros(experts, inter * 8 // 32, hidden, dtype=torch.int32)
+            s13, s2 = torch.ones(experts, hidden // 32, 2 * inter), torch.ones(experts, inter // 16, hidden)
+            scales = (
+                WeightQuant(s13.to(dtype), 32, s13.half(), 4),
+                WeightQuant(s2.to(dtype), 16, s2.half(), 8),
+            )
         elif quant:  # an int4/int8 checkpoint's experts: packed words, group-wise scales and zeros of 16
             bits = int(quant[3:])
             w13 = torch.zeros(experts, hidden * bits // 32, 2 * inter, dtype=torch.int32)
@@ -255,13 +264,14 @@ def _moe() -> dict[str, Callable[[], object]]:
         return moe_triton.fused_experts(x, w13, w2, weights, ids, adapters, scales)
 
     cases = [(False, q) for q in ("", "fp8", "int4", "int8")] + [(True, ""), (True, "int4")]
-    return {
+    built: dict[str, Callable[[], object]] = {
         f"moe {dtype}{' lora' if lora else ''}{' ' + quant if quant else ''}": partial(
             run, dtype, lora, quant
         )
         for dtype in DTYPES
         for lora, quant in cases
     }
+    return built | {"moe torch.bfloat16 int gguf": partial(run, torch.bfloat16, False, "gguf")}
 
 
 def _lora() -> dict[str, Callable[[], object]]:

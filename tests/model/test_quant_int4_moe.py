@@ -186,14 +186,27 @@ def test_tensor_parallel_ranks_hold_their_experts_pieces(ckpt_factory, tmp_path,
 
 
 def test_a_group_a_ranks_cut_would_split_is_refused_in_one_line(ckpt_factory, tmp_path, monkeypatch):
-    """32 inputs of each expert's down projection in one group of 32: two ranks cannot each hold whole
+    """96 inputs of each expert's down projection in three groups of 32: two ranks cannot each hold whole
     groups."""
-    qdir, _ = write_quantized(ckpt_factory("qwen3_moe"), tmp_path, "gptq", bits=4, group=32, sym=False)
+    src = ckpt_factory("qwen3_moe", moe_intermediate_size=96)
+    qdir, _ = write_quantized(src, tmp_path, "gptq", bits=4, group=32, sym=False)
     monkeypatch.setattr(parallel, "_current", parallel.TPGroup(rank=0, size=2))
     with pytest.raises(QuantFormatError) as e:
         loader.load_model(qdir, torch.float32, CPU)
     msg = str(e.value)
-    assert "\n" not in msg and "down's 1 groups of 32 inputs do not split over 2 ranks" in msg, msg
+    assert "\n" not in msg and "down's 3 groups of 32 inputs do not split over 2 ranks" in msg, msg
+
+
+def test_one_group_a_row_splits_as_per_channel(ckpt_factory, tmp_path):
+    """32 inputs of each expert's down projection in one group of 32 (or per channel, int8 rows): each of
+    two ranks holds its columns with the row's scale and zero, exactly its piece of the whole layer."""
+    src = ckpt_factory("qwen3_moe")
+    for group in (32, -1):
+        qdir, _ = write_quantized(src, tmp_path / str(group), "gptq", bits=4, group=group, sym=False)
+        whole, ranks = load_as_ranks(qdir)
+        experts = [m.model.layers[0].mlp.experts for m in ranks]
+        assert all(e.int_quant is not None and e.int_quant[1].group == 16 for e in experts)
+        assert_experts_cut(whole.model.layers[0].mlp.experts, experts)
 
 
 @pytest.mark.parametrize(
@@ -226,16 +239,17 @@ def test_a_malformed_expert_tensor_is_refused_in_one_line(ckpt_factory, tmp_path
     assert "\n" not in msg and "model.layers.0.mlp.experts" in msg and says in msg, msg
 
 
-@pytest.mark.slow  # (20 sm_90 compiles, ~18 s)
+@pytest.mark.slow  # (22 sm_90 compiles, ~20 s)
 def test_int_experts_compile_for_sm90():
-    """The grouped GEMM's int4 and int8 variants (plain and adapter paths, both half-precision dtypes:
-    20 specializations with the adapters' own kernels, and the sort by expert's kernel once a case: 6)
+    """The grouped GEMM's int4 and int8 variants (plain and adapter paths, both half-precision dtypes, and
+    a GGUF file's experts under bfloat16: 4-bit g32 gate/up, 8-bit g16 down, float16 zeros: 22
+    specializations with the adapters' own kernels, and the sort by expert's kernel once a case: 7)
     compile for sm_90 (`gapless.testing.triton_compile`), none failing."""
     built = compile_cases("moe", " int")
     if built is None:
         pytest.skip("this triton has no NVIDIA backend to compile with")
     assert built.kernels[:3] == ["_align_kernel", "_grouped_gemm_kernel", "_lora_expand_kernel"], built
-    assert built.compilations == 20 + 6 and not built.failed, built
+    assert built.compilations == 22 + 7 and not built.failed, built
 
 
 def test_act_order_experts_are_refused_by_name(ckpt_factory, tmp_path):

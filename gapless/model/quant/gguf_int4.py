@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gapless.model import weight_names
+from gapless.model.moe import Experts
 from gapless.model.quant import int4, int4_kernels
 from gapless.model.quant.gguf_blocks import (
     AFFINE,
@@ -83,34 +84,61 @@ def unpacked(b: GGUFBlocks, spec: Int4Spec) -> Unpacked:
     return Unpacked(q, scale.repeat_interleave(per, 1), zero.repeat_interleave(per, 1))
 
 
+def install_experts(experts: Any, shards: dict[Any, GGUFBlocks], dtype: torch.dtype, where: str) -> None:
+    """A mixture's `Experts` from every expert's blocks (shard (expert, "gate" | "up" | "down")), on the
+    experts' device: gate/up in the widest bits and narrowest groups of all their experts' (`spec_for`),
+    down in its own (a Q4_K_M file's down is Q6_K in some layers, its gate/up Q4_K), each expert's values
+    the file's; on the CPU's kernels a form they take (`spec_for`'s `cpu`)."""
+    device = experts.gate_up_proj.device
+    cpu = device.type == "cpu" and int4_kernels.chosen() == "auto"
+    specs = {
+        param: spec_for([shards[s] for s in experts.checkpoint_shards(param) if s in shards], cpu)
+        for param in ("gate_up_proj", "down_proj")
+    }
+    whole = {
+        (e, proj): unpacked(b, specs["down_proj" if proj == "down" else "gate_up_proj"]).map(
+            lambda t: t.to(device)
+        )
+        for (e, proj), b in shards.items()
+    }
+    int4.install_experts(experts, whole, specs["gate_up_proj"], dtype, where, down_spec=specs["down_proj"])
+
+
 class GGUFLayers:
     """The projections of one GGUF load on this path, each installed (`int4.install`: cut for this rank,
-    held in `dtype`, its float weight never made) as soon as every shard of its module has been read, so
-    the host holds the blocks of the one projection still arriving, not the file's. `add` each matrix as
-    it is read (module name, checkpoint shard, blocks), `finish` after the last; `types` (each matrix's
-    type by name, from the file's header) weighs `auto`'s second copies before the first install."""
+    held in `dtype`, its float weight never made; a mixture's experts `install_experts`) as soon as every
+    shard of its module has been read, so the host holds the blocks of the one module still arriving, not
+    the file's. `add` each matrix as it is read (parameter name, checkpoint shard, blocks), `finish` after
+    the last; `types` (each matrix's type by name, from the file's header) weighs `auto`'s second copies
+    before the first install."""
 
     def __init__(self, model: Any, types: dict[str, str], dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
-        self.pending: dict[str, dict[Any, GGUFBlocks]] = {}
+        self.pending: dict[str, dict[Any, GGUFBlocks]] = {}  # module -> shard -> its blocks
+        self.missing: dict[str, set[str]] = {}  # module -> the names (`weight_names`) it still lacks
         self.installed = 0
         by_module: dict[str, list[str]] = {}
         for name, qtype in types.items():
             module = weight_names.target(name)[0].rsplit(".", 1)[0]
             by_module.setdefault(module, []).append(qtype)
-        numel = sum(  # (the layers whose second copy, tinygemm's, `auto` weighs)
+        numel = sum(  # (the layers whose second copy, tinygemm's, `auto` weighs: not experts)
             model.get_submodule(m).weight.numel()
             for m, kinds in by_module.items()
-            if m.startswith("model.layers.") and all(k in INT4_TYPES for k in kinds)
+            if m.startswith("model.layers.")
+            and not isinstance(model.get_submodule(m), Experts)
+            and all(k in INT4_TYPES for k in kinds)
         )
         self.kernel = int4_kernels.for_model(numel, 4, dtype, model.lm_head.weight.device)
 
-    def add(self, name: str, shard: Any, blocks: GGUFBlocks) -> None:
-        shards = self.pending.setdefault(name, {})
-        shards[shard] = blocks
-        layer = self.model.get_submodule(name)
-        if all(s in shards for s in getattr(layer, "shard_offsets", None) or [None]):
-            self._install(name, self.pending.pop(name))
+    def add(self, param: str, shard: Any, blocks: GGUFBlocks) -> None:
+        module = param.rsplit(".", 1)[0]
+        self.pending.setdefault(module, {})[shard] = blocks
+        if module not in self.missing:
+            self.missing[module] = weight_names.weights_of(self.model, module)
+        self.missing[module].discard(param if shard is None else f"{param}#{shard}")
+        if not self.missing[module]:
+            del self.missing[module]
+            self._install(module, self.pending.pop(module))
 
     def finish(self) -> bool:
         """Install what is still pending, which `int4.install` refuses by name (a shard missing); whether
@@ -124,6 +152,9 @@ class GGUFLayers:
         AWQ checkpoint's layers are: a GPU packs an 8B's words in a fraction of the host's time)."""
         self.installed += 1
         layer = self.model.get_submodule(name)
+        if isinstance(layer, Experts):
+            install_experts(layer, shards, self.dtype, name)
+            return
         device = layer.weight.device
         cpu_kernels = device.type == "cpu" and int4_kernels.chosen() == "auto"  # (else the reference path)
         spec = spec_for(list(shards.values()), cpu_kernels)

@@ -61,17 +61,13 @@ class Int4LinearMethod:
             rows = f" to {self.library_rows} rows, triton above" if also else ""
             self.name = f"{spec.label} ({library}{rows})"
         # a checkpoint's zeros are integers; a GGUF file's are not (`gguf_int4`), which the PTX values
-        # cannot hold (`int4_triton.ptx_values`) and bfloat16 holds up to 1/32 of a step off: they are held
-        # in float16 then (on the default model's Q4_1 layers 0.18% RMS weight error, bfloat16's 0.41%)
+        # cannot hold (`int4_triton.ptx_values`); held as `zeros_dtype` says
         self.integer_zeros = bool(torch.equal(w.zero, w.zero.round()))
         if not self.triton_held:
             return
-        zeros = dtype
-        if dtype == torch.bfloat16 and not self.integer_zeros:
-            zeros = torch.float16 if float(w.zero.abs().max()) < 2**15 else torch.float32
         self.qweight = pack_int32(w.q.t(), spec.bits, dim=0).to(device)
         self.scales = w.scale.t().to(dtype).contiguous().to(device)
-        self.zeros = w.zero.t().to(zeros).contiguous().to(device)
+        self.zeros = w.zero.t().to(zeros_dtype([w.zero], dtype)).contiguous().to(device)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] in `dtype` (the reference path's weight), its columns in `order` as held."""
@@ -110,9 +106,32 @@ class Int4LinearMethod:
         return held + ([self.order] if self.order is not None else [])
 
 
+def zeros_dtype(zeros: list[torch.Tensor], dtype: torch.dtype) -> torch.dtype:
+    """The dtype zeros are held in under a model of `dtype`: its own, but where bfloat16 would hold a
+    fractional zero (a GGUF file's, `gguf_int4`) up to 1/32 of a step off, float16 (on the default model's
+    Q4_1 layers 0.18% RMS weight error, bfloat16's 0.41%), or float32 past float16's range."""
+    if dtype != torch.bfloat16 or all(torch.equal(z, z.round()) for z in zeros):
+        return dtype
+    return torch.float16 if max(float(z.abs().max()) for z in zeros) < 2**15 else torch.float32
+
+
 def split_rows(w: Unpacked, offsets: dict[Any, tuple[int, int]]) -> dict[Any, Unpacked]:
     """A fused projection's weight (Phi-3's qkv_proj) cut along its rows into its shards."""
     return {s: w.map(partial(torch.narrow, dim=0, start=off, length=n)) for s, (off, n) in offsets.items()}
+
+
+def split_columns(w: Unpacked, tp: Any, what: str) -> Unpacked:
+    """This rank's columns of a weight whose inputs split over `tp`'s ranks and the groups they fall in:
+    each rank's input slice must be whole groups, or the row one group (per channel: every rank's columns
+    keep the row's scale and zero); else a one-line error beginning with `what`."""
+    k, groups = w.q.shape[1], w.scale.shape[1]
+    if groups == 1:
+        return Unpacked(tp.part(w.q, tp.size, dim=1), w.scale, w.zero)
+    if groups % tp.size:
+        raise QuantFormatError(
+            f"{what} {groups} groups of {k // groups} inputs do not split over {tp.size} ranks"
+        )
+    return w.map(lambda t: tp.part(t, tp.size, dim=1))
 
 
 def shard_for_rank(w: Unpacked, layer: Any, shard: Any, where: str) -> Unpacked:
@@ -127,18 +146,11 @@ def shard_for_rank(w: Unpacked, layer: Any, shard: Any, where: str) -> Unpacked:
     if tp is None or tp.size == 1 or isinstance(layer, layers.ReplicatedLinear):
         return w
     if isinstance(layer, layers.RowParallelLinear):
-        k, groups = w.q.shape[1], w.scale.shape[1]
         if w.order is not None:
             raise QuantFormatError(
                 f"{where}: act-order (g_idx) on a layer whose inputs split over {tp.size} ranks is not built"
             )
-        if groups == 1:  # (per channel)
-            return Unpacked(tp.part(w.q, tp.size, dim=1), w.scale, w.zero)
-        if groups % tp.size:
-            raise QuantFormatError(
-                f"{where}: {groups} groups of {k // groups} inputs do not split over {tp.size} ranks"
-            )
-        return w.map(lambda t: tp.part(t, tp.size, dim=1))
+        return split_columns(w, tp, f"{where}:")
     parts = layer.shard_parts[shard] if isinstance(layer, layers.MergedColumnParallelLinear) else tp.size
     return w.map(lambda t: tp.part(t, parts))
 
@@ -185,14 +197,19 @@ def _hold(layer: Any, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, kernel: s
 
 
 def install_experts(
-    experts: Any, shards: dict[Any, Unpacked], spec: Int4Spec, dtype: torch.dtype, where: str
+    experts: Any,
+    shards: dict[Any, Unpacked],
+    spec: Int4Spec,
+    dtype: torch.dtype,
+    where: str,
+    down_spec: Int4Spec | None = None,
 ) -> None:
     """Give a mixture's `Experts` its quantized weights from each expert's projections (shard id
-    (expert, "gate" | "up" | "down") -> whole unpacked weight): cut for this rank as the float experts are
-    (gate/up by rows, down by columns: whole groups per rank), stacked, packed (`moe.WeightQuant`'s
-    layout), and on the CPU, for the reference loop, each expert's torch CPU kernel where `auto` gives
-    one (`int4_kernels.for_layer`: then the packed words are not kept), else the weights dequantized
-    beside."""
+    (expert, "gate" | "up" | "down") -> whole unpacked weight, in `spec`; down in `down_spec` where it
+    differs): cut for this rank as the float experts are (gate/up by rows, down by columns: whole groups
+    per rank), stacked, packed (`moe.WeightQuant`'s layout), zeros held as `zeros_dtype` says, and on the
+    CPU, for the reference loop, each expert's torch CPU kernel where `auto` gives one
+    (`int4_kernels.for_layer`: then the packed words are not kept), else the weights dequantized beside."""
     from gapless.model.moe import WeightQuant
 
     tp, e_count, inter = experts.tp, experts.num_experts, experts.inter
@@ -214,48 +231,45 @@ def install_experts(
     def mine(e: int, proj: str) -> Unpacked:
         w = shards[(e, proj)]
         if tp.size > 1 and proj == "down":
-            groups = w.scale.shape[1]
-            if groups % tp.size:
-                raise QuantFormatError(
-                    f"{where}: expert {e} down's {groups} groups of {w.q.shape[1] // groups} inputs do not "
-                    f"split over {tp.size} ranks"
-                )
-            return w.map(lambda t: tp.part(t, tp.size, dim=1))
+            return split_columns(w, tp, f"{where}: expert {e} down's")
         return w.map(lambda t: tp.part(t, tp.size)) if tp.size > 1 else w
 
     device = experts.gate_up_proj.device
     cpu = device.type == "cpu"
+    specs = (spec, down_spec or spec)
     projections = ((("gate", "up"), (2 * inter, hidden)), (("down",), (hidden, inter)))
     choice = int4_kernels.chosen()
     kinds = [
-        int4_kernels.for_layer(choice, spec.bits, spec.group_for(s[1]), dtype, *s, device)
-        for _, s in projections
+        int4_kernels.for_layer(choice, sp.bits, sp.group_for(s[1]), dtype, *s, device)
+        for sp, (_, s) in zip(specs, projections)
     ]
     kernels_alone = all(k == int4_kernels.CPU_KERNEL for k in kinds)  # (then no packed words are kept)
     packed, quants, cpu_weights = [], [], []
-    for (projs, shape), kernel in zip(projections, kinds):
+    for sp, (projs, shape), kernel in zip(specs, projections, kinds):
         qs, scales, zeros, floats, kernels = [], [], [], [], []
-        group = spec.group_for(shape[1])
-        for e in range(e_count):
-            w = Unpacked(*map(torch.cat, zip(*(mine(e, p).tensors for p in projs))))
+        ws = [Unpacked(*map(torch.cat, zip(*(mine(e, p).tensors for p in projs)))) for e in range(e_count)]
+        group = shape[1] // ws[0].scale.shape[1]  # (this rank's: one group a row where it splits one)
+        zero_dtype = zeros_dtype([w.zero for w in ws], dtype)
+        for e, w in enumerate(ws):
             if w.q.shape != shape:
                 raise QuantFormatError(
                     f"{where}: expert {e} {'/'.join(projs)} weight {tuple(w.q.shape)} does not fit {shape}"
                 )
-            # scales and zeros as held (the model's dtype), so the CPU's weights are the kernel's
-            held = Unpacked(w.q, w.scale.to(dtype), w.zero.to(dtype))
+            # scales and zeros as held, so the CPU's weights are the kernel's
+            held = Unpacked(w.q, w.scale.to(dtype), w.zero.to(zero_dtype))
             if not kernels_alone:
-                qs.append(pack_int32(w.q.t(), spec.bits, dim=0))
+                qs.append(pack_int32(w.q.t(), sp.bits, dim=0))
             scales.append(held.scale.t().contiguous())
             zeros.append(held.zero.t().contiguous())
             if kernel == int4_kernels.CPU_KERNEL:
-                kernels.append(int4_kernels.library_kernel(kernel, w, spec.bits, dtype, device, spec.label))
+                kernels.append(int4_kernels.library_kernel(kernel, w, sp.bits, dtype, device, sp.label))
             elif cpu:
                 floats.append(Unpacked(w.q, held.scale.float(), held.zero.float()).dequantize().to(dtype))
         packed.append(torch.stack(qs) if qs else torch.empty(0, dtype=torch.int32, device=device))
-        quants.append(WeightQuant(torch.stack(scales), group, torch.stack(zeros), spec.bits))
+        quants.append(WeightQuant(torch.stack(scales), group, torch.stack(zeros), sp.bits))
         cpu_weights.append(kernels or (torch.stack(floats) if cpu else None))
-    label = spec.label + (f" ({int4_kernels.CPU_KERNEL})" if kernels_alone else "")
+    label = spec.label if specs[1] == spec else f"{spec.label}, down {specs[1].label}"
+    label += f" ({int4_kernels.CPU_KERNEL})" if kernels_alone else ""
     experts.hold_int(
         (packed[0], packed[1]), (quants[0], quants[1]), tuple(cpu_weights) if cpu else None, label
     )
