@@ -90,6 +90,18 @@ def test_a_projection_takes_its_parts_widest_bits_and_narrowest_groups():
     assert spec_for([four, three], cpu=True).label == "Q3_K+Q4_K as int8 per-row"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU: the tests above)")
+@pytest.mark.parametrize("qtype", INT4_TYPES + tuple(AFFINE))
+def test_on_cuda_the_blocks_decode_as_on_the_cpu(qtype):
+    """The values, scales and zeros a GPU reads from the blocks (a load decodes them on the layer's device)
+    are the CPU's, bit for bit."""
+    b = random_blocks(qtype, 24, 512)
+    spec = spec_for([b])
+    on_cpu, on_gpu = unpacked(b, spec), unpacked(b, spec, "cuda")
+    for a, g in zip(on_cpu.tensors, on_gpu.tensors):
+        assert g.is_cuda and torch.equal(a, g.cpu())
+
+
 @pytest.fixture
 def int4_path(monkeypatch, int4_reference_path):
     """A CPU load as a GPU's: the projections on the int4/int8 path, exact against their dequantized

@@ -35,47 +35,63 @@ class GGUFBlocks:
         return int(self.data.shape[0])
 
 
-def _f16(raw: np.ndarray) -> torch.Tensor:
+def block_bytes(qtype: str) -> int:
+    """The bytes of one block of `qtype` (gguf's own table)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return int(GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1])
+
+
+def _blocks(b: GGUFBlocks, device: torch.device | str) -> torch.Tensor:
+    """The blocks as uint8 [rows, blocks, bytes a block] on `device`, where every form below is read from
+    them with torch's integer ops (a GPU decodes an 8B model's in a fraction of the host's time)."""
+    data = torch.from_numpy(np.ascontiguousarray(b.data)).to(device)
+    return data.view(b.rows, -1, block_bytes(b.qtype))
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
     """Little-endian f16 fields (last axis: 2 bytes each) as float32."""
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).astype(np.float32)).squeeze(-1)
+    return raw.contiguous().view(torch.float16).float().squeeze(-1)
 
 
-def _nibbles(qs: np.ndarray) -> torch.Tensor:
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """32 weights from 16 bytes each (last axis): low nibbles are weights 0-15, high ones 16-31."""
-    qs = np.asarray(qs)
-    return torch.from_numpy(np.concatenate([qs & 15, qs >> 4], axis=-1))
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
 
 
-def _k_scales(scales: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def _bits(raw: torch.Tensor, count: int) -> torch.Tensor:
+    """Bits 0 .. count - 1 of each byte (last axis), bit k along a new axis before it."""
+    shifts = torch.arange(count, device=raw.device, dtype=torch.uint8)[:, None]
+    return (raw[..., None, :] >> shifts) & 1
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K's 8 six-bit (scale, min) pairs per super-block, packed in 12 bytes (llama.cpp's
     `get_scale_min_k4`)."""
-    s = torch.from_numpy(np.ascontiguousarray(scales)).to(torch.int32)
+    s = scales.to(torch.int32)
     lo, hi = s[..., 0:4], s[..., 4:8]
     sc = torch.cat([lo & 63, (s[..., 8:12] & 15) | ((lo >> 6) << 4)], dim=-1)
     mn = torch.cat([hi & 63, (s[..., 8:12] >> 4) | ((hi >> 6) << 4)], dim=-1)
     return sc.float(), mn.float()
 
 
-def int4_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_parts(
+    b: GGUFBlocks, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q uint8 [rows, cols] in 0..15, scale and zero float32 [rows, cols / 32]) with
-    `w = (q - 8) * scale + zero` exactly the file's weights (Q4_0, Q4_1, Q4_K)."""
-    rows = b.rows
+    `w = (q - 8) * scale + zero` exactly the file's weights (Q4_0, Q4_1, Q4_K), read on `device`."""
+    rows, blk = b.rows, _blocks(b, device)
     if b.qtype == "Q4_0":
-        blk = b.data.reshape(rows, -1, 18)
         scale = _f16(blk[..., 0:2])
         return _nibbles(blk[..., 2:]).reshape(rows, -1), scale, torch.zeros_like(scale)
     if b.qtype == "Q4_1":
-        blk = b.data.reshape(rows, -1, 20)
         scale, offset = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
         return _nibbles(blk[..., 4:]).reshape(rows, -1), scale, offset + 8 * scale
     if b.qtype == "Q4_K":
-        blk = b.data.reshape(rows, -1, 144)
         d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
         sc, mn = _k_scales(blk[..., 4:16])
-        qs = np.asarray(blk[..., 16:]).reshape(rows, -1, 4, 32)
-        q = torch.from_numpy(
-            np.stack([qs & 15, qs >> 4], axis=3)
-        )  # [rows, super-blocks, 4, 2 (sub-block), 32]
+        qs = blk[..., 16:].reshape(rows, -1, 4, 32)
+        q = torch.stack([qs & 15, qs >> 4], dim=3)  # [rows, super-blocks, 4, 2 (sub-block), 32]
         scale, offset = (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
         return q.reshape(rows, -1), scale, offset + 8 * scale
     raise ValueError(f"{b.qtype} has no int4 layout; the int4 types are {', '.join(INT4_TYPES)}")
@@ -94,40 +110,65 @@ AFFINE = {
 }
 
 
-def _group_scales(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, offset) float32 [rows, groups] of an `AFFINE` type's blocks: `w = q * scale + offset` over
-    each group of the type's, q its unsigned values, read from the blocks' headers as llama.cpp's
-    dequantization takes them (ggml-quants.c)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    rows = b.rows
-    blk = b.data.reshape(rows, -1, GGML_QUANT_SIZES[GGMLQuantizationType[b.qtype]][1])
-    if b.qtype in ("Q8_0", "Q5_0"):  # (q - 128) * d, (q - 16) * d
+def _group_scales(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, offset) float32 [rows, groups] of an `AFFINE` type's blocks (`_blocks`): `w = q * scale +
+    offset` over each group of the type's, q its unsigned values (`_values`), read from the blocks'
+    headers as llama.cpp's dequantization takes them (ggml-quants.c)."""
+    rows = blk.shape[0]
+    if qtype in ("Q8_0", "Q5_0"):  # (q - 128) * d, (q - 16) * d
         d = _f16(blk[..., 0:2])
-        return d, -d * (128 if b.qtype == "Q8_0" else 16)
-    if b.qtype == "Q5_1":  # q * d + m
+        return d, -d * (128 if qtype == "Q8_0" else 16)
+    if qtype == "Q5_1":  # q * d + m
         return _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
-    if b.qtype == "Q5_K":  # d * sc * q - dmin * m, 8 groups of 32 a super-block (Q4_K's scales)
+    if qtype == "Q5_K":  # d * sc * q - dmin * m, 8 groups of 32 a super-block (Q4_K's scales)
         d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
         sc, mn = _k_scales(blk[..., 4:16])
         return (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
-    if b.qtype == "Q6_K":  # d * sc * (q - 32), 16 groups of 16, sc int8
+    if qtype == "Q6_K":  # d * sc * (q - 32), 16 groups of 16, sc int8
         d = _f16(blk[..., 208:210])[..., None]
-        sc = torch.from_numpy(np.ascontiguousarray(blk[..., 192:208]).view(np.int8)).float()
-        scale = (d * sc).reshape(rows, -1)
+        scale = (d * blk[..., 192:208].contiguous().view(torch.int8).float()).reshape(rows, -1)
         return scale, -32 * scale
-    if b.qtype == "Q3_K":  # d * (sc - 32) * (q - 4), 16 groups of 16, sc 6 bits: its low 4 in bytes
+    if qtype == "Q3_K":  # d * (sc - 32) * (q - 4), 16 groups of 16, sc 6 bits: its low 4 in bytes
         # 96-103 (groups 0-7 the low nibbles, 8-15 the high), its top 2 in bytes 104-107 (group j: byte
         # j % 4, bits 2 * (j // 4))
-        raw = torch.from_numpy(np.ascontiguousarray(blk[..., 96:108])).to(torch.int32)
+        raw = blk[..., 96:108].to(torch.int32)
         low = torch.cat([raw[..., 0:8] & 15, raw[..., 0:8] >> 4], dim=-1)
         top = torch.stack([(raw[..., 8:12] >> (2 * k)) & 3 for k in range(4)], dim=-2).flatten(-2)
         scale = (_f16(blk[..., 108:110])[..., None] * ((low | (top << 4)) - 32)).reshape(rows, -1)
         return scale, -4 * scale
     # Q2_K: d * (s & 15) * q - dmin * (s >> 4), 16 groups of 16
-    s = torch.from_numpy(np.ascontiguousarray(blk[..., 0:16])).to(torch.int32)
+    s = blk[..., 0:16].to(torch.int32)
     d, dmin = _f16(blk[..., 80:82])[..., None], _f16(blk[..., 82:84])[..., None]
     return (d * (s & 15)).reshape(rows, -1), (-dmin * (s >> 4)).reshape(rows, -1)
+
+
+def _values(qtype: str, blk: torch.Tensor) -> torch.Tensor:
+    """An `AFFINE` type's unsigned values, uint8 [rows, cols] in weight order, read from its blocks
+    (`_blocks`) as llama.cpp's `dequantize_row_*` reads them."""
+    rows = blk.shape[0]
+    if qtype == "Q8_0":  # 32 int8 values after d: + 128, the sign bit flipped
+        q = blk[..., 2:34] ^ 128
+    elif qtype in ("Q5_0", "Q5_1"):  # qh (4 bytes: bit j value j's fifth), then 16 bytes of nibbles
+        at = 2 if qtype == "Q5_0" else 4
+        high = _bits(blk[..., at : at + 4], 8).transpose(-1, -2).flatten(-2)  # bit j of the 32-bit word
+        q = _nibbles(blk[..., at + 4 : at + 20]) | (high << 4)
+    elif qtype == "Q5_K":  # 8 sub-blocks of 32: qs's nibbles (low: even ones), qh's bit k for sub-block k
+        ql = blk[..., 48:176].reshape(rows, -1, 4, 1, 32)
+        low = torch.cat([ql & 15, ql >> 4], dim=3).flatten(2, 3)  # [rows, super-blocks, 8, 32]
+        q = low | (_bits(blk[..., 16:48], 8) << 4)
+    elif qtype == "Q6_K":  # two halves of 128: ql's nibbles (4 bits) and qh's pairs (2 bits), in 4 runs of 32
+        ql, qh = blk[..., 0:128].reshape(rows, -1, 2, 64), blk[..., 128:192].reshape(rows, -1, 2, 32)
+        runs = [ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4]
+        q = torch.stack([r | (((qh >> (2 * k)) & 3) << 4) for k, r in enumerate(runs)], dim=3)
+    else:  # Q3_K, Q2_K: two halves of 128, each 32 bytes of 2-bit values (run j at bits 2j), Q3_K's third
+        # bit from hmask (bit 4 * half + j)
+        at = 32 if qtype == "Q3_K" else 16
+        qs = blk[..., at : at + 64].reshape(rows, -1, 2, 1, 32)
+        shifts = torch.arange(0, 8, 2, device=blk.device, dtype=torch.uint8)[:, None]
+        q = (qs >> shifts) & 3  # [rows, super-blocks, 2, 4, 32]
+        if qtype == "Q3_K":
+            q = q | (_bits(blk[..., 0:32], 8).view(q.shape) << 2)
+    return q.reshape(rows, -1)
 
 
 def zero_form(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,22 +180,17 @@ def zero_form(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.where(flat, offset, scale), zero, flat
 
 
-def affine_parts(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def affine_parts(
+    b: GGUFBlocks, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q int16 [rows, cols], scale and zero float32 [rows, groups]) of an `AFFINE` type, `w = (q - zero) *
-    scale` its weights (`zero_form`): the scales read from the blocks, each value from its weight as the
-    `gguf` package dequantizes it (exact: an integer to float32's rounding)."""
+    scale` its weights (`zero_form`): values and scales read from the blocks (`_values`, `_group_scales`)
+    on `device`."""
     bits, group = AFFINE[b.qtype]
-    scale, zero, flat = zero_form(*_group_scales(b))
-    q = torch.empty(b.rows, b.cols, dtype=torch.int16)
-    for start in range(0, b.rows, _CHUNK_ROWS):
-        stop = min(start + _CHUNK_ROWS, b.rows)
-        w = dequantize_rows(b, start, stop).view(stop - start, -1, group)
-        # (w / scale + zero: an integer to float32's rounding of q - zero and zero, far under 1/2)
-        v = w.div_(scale[start:stop, :, None]).add_(zero[start:stop, :, None]).round_()
-        v.masked_fill_(flat[start:stop, :, None], 1.0)
-        q[start:stop] = v.view(stop - start, -1).to(torch.int16)
-    if int(q.min()) < 0 or int(q.max()) >= 1 << bits:
-        raise ValueError(f"{b.qtype}: values outside {bits} bits; the blocks are not of this type")
+    blk = _blocks(b, device)
+    scale, zero, flat = zero_form(*_group_scales(b.qtype, blk))
+    q = _values(b.qtype, blk).to(torch.int16)
+    q.view(b.rows, -1, group)[flat] = 1
     return q, scale, zero
 
 
@@ -164,8 +200,8 @@ def dequantize_rows(b: GGUFBlocks, start: int, stop: int) -> torch.Tensor:
     from gguf import GGMLQuantizationType, quants
 
     if b.qtype == "Q8_0":
-        blk = b.data[start:stop].reshape(stop - start, -1, 34)
-        q = torch.from_numpy(np.ascontiguousarray(blk[..., 2:]).view(np.int8))
+        blk = torch.from_numpy(np.ascontiguousarray(b.data[start:stop])).view(stop - start, -1, 34)
+        q = blk[..., 2:].contiguous().view(torch.int8)
         return (q.float() * _f16(blk[..., 0:2])[..., None]).reshape(stop - start, b.cols)
 
     w = quants.dequantize(b.data[start:stop], GGMLQuantizationType[b.qtype])

@@ -66,20 +66,21 @@ def spec_for(parts: list[GGUFBlocks], cpu: bool = False) -> Int4Spec:
     return Int4Spec("gguf", bits, group, sym=False, source=label(parts))
 
 
-def unpacked(b: GGUFBlocks, spec: Int4Spec) -> Unpacked:
-    """One matrix's weight in the path's form for a projection held as `spec` (`spec_for`): its own
-    values, scales and zeros, each (scale, zero) repeated over `spec`'s narrower groups; or int8 rows."""
+def unpacked(b: GGUFBlocks, spec: Int4Spec, device: torch.device | str = "cpu") -> Unpacked:
+    """One matrix's weight in the path's form for a projection held as `spec` (`spec_for`), on `device`:
+    its own values, scales and zeros (read there from the blocks), each (scale, zero) repeated over
+    `spec`'s narrower groups; or int8 rows (read on the host: the CPU's form)."""
     if spec.group_size < 0:
         q, scale = int8_rows(b)
         rows = torch.full((b.rows, 1), 128.0)
-        return Unpacked(q.to(torch.int16) + 128, scale.float()[:, None], rows)
+        return Unpacked(q.to(torch.int16) + 128, scale.float()[:, None], rows).map(lambda t: t.to(device))
     if b.qtype in INT4_TYPES:
-        q, scale, z0 = int4_parts(b)  # w = (q - 8) * scale + z0
+        q, scale, z0 = int4_parts(b, device)  # w = (q - 8) * scale + z0
         scale, zero, flat = zero_form(scale, (z0.double() - 8 * scale.double()).float())
         q = q.to(torch.int16)
         q.view(b.rows, -1, GROUP)[flat] = 1
     else:
-        q, scale, zero = affine_parts(b)
+        q, scale, zero = affine_parts(b, device)
     per = b.cols // scale.shape[1] // spec.group_size  # (each of its groups, in the projection's)
     return Unpacked(q, scale.repeat_interleave(per, 1), zero.repeat_interleave(per, 1))
 
@@ -96,9 +97,7 @@ def install_experts(experts: Any, shards: dict[Any, GGUFBlocks], dtype: torch.dt
         for param in ("gate_up_proj", "down_proj")
     }
     whole = {
-        (e, proj): unpacked(b, specs["down_proj" if proj == "down" else "gate_up_proj"]).map(
-            lambda t: t.to(device)
-        )
+        (e, proj): unpacked(b, specs["down_proj" if proj == "down" else "gate_up_proj"], device)
         for (e, proj), b in shards.items()
     }
     int4.install_experts(experts, whole, specs["gate_up_proj"], dtype, where, down_spec=specs["down_proj"])
@@ -148,8 +147,8 @@ class GGUFLayers:
         return self.installed > 0
 
     def _install(self, name: str, shards: dict[Any, GGUFBlocks]) -> None:
-        """`name`'s projection read from its blocks on the host, then cut and packed on its device (as an
-        AWQ checkpoint's layers are: a GPU packs an 8B's words in a fraction of the host's time)."""
+        """`name`'s projection read from its blocks, cut and packed on its device (as an AWQ checkpoint's
+        layers are: a GPU decodes and packs an 8B's blocks in a fraction of the host's time)."""
         self.installed += 1
         layer = self.model.get_submodule(name)
         if isinstance(layer, Experts):
@@ -158,5 +157,5 @@ class GGUFLayers:
         device = layer.weight.device
         cpu_kernels = device.type == "cpu" and int4_kernels.chosen() == "auto"  # (else the reference path)
         spec = spec_for(list(shards.values()), cpu_kernels)
-        whole = {shard: unpacked(b, spec).map(lambda t: t.to(device)) for shard, b in shards.items()}
+        whole = {shard: unpacked(b, spec, device) for shard, b in shards.items()}
         int4.install(layer, whole, spec, self.dtype, name, self.kernel)
