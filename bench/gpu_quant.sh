@@ -264,8 +264,11 @@ GAPLESS_INT4_KERNEL=gemlite tpot 70 qwen3-8b-awq int4_gemlite
 # a GGUF file on the GPU (its projections on the int4/int8 path: Q4_K in groups of 32 on tinygemm at decode,
 # Q6_K and fused q/k/v with a Q6_K v as 8 bits in groups of 16 on the Triton GEMV; never timed): Qwen3-8B's
 # shape as llama.cpp's Q4_K_M mix of random Q4_K and Q6_K blocks (~4.8 GB written first, then read as a
-# file, its blocks converted on the host: ~1 minute here), against the targets phase's bf16 and AWQ runs
+# file, its blocks decoded on the GPU), against the targets phase's bf16 and AWQ runs; first the rate each
+# type's blocks decode at on the GPU (a 4096 x 4096 matrix; on this 2-core host 510-1,020 M weights/s)
 say ""
+other 20 gguf_decode "$PY" bench/experiments/gguf_decode.py --device cuda
+grep "M weights/s" "$OUT/gguf_decode.log" 2>/dev/null | tee -a "$LOG"
 other 45 gguf_write "$PY" -m gapless.bench.quant gguf "$SHAPES/qwen3-8b"
 tpot 120 qwen3-8b-gguf gguf --engine-option load_format=auto
 fi

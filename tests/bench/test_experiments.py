@@ -1,7 +1,8 @@
 """Smoke tests of the experiments in bench/experiments/ (scripts outside the package, whose results are
 recorded under bench/results/): `cpu_step --compare` times plain and prepacked GEMMs side by side (and
 the packed step dispatches fewer ops), `cpu_gemm` the GEMMs alone, `detokenize` the server's detokenizer
-per step, `spy` py-spy's stacks as a table, `embed` embeddings against sentence-transformers."""
+per step, `spy` py-spy's stacks as a table, `embed` embeddings against sentence-transformers, `gguf_decode`
+each GGUF type's decoding rate."""
 
 from __future__ import annotations
 
@@ -133,3 +134,9 @@ def test_fp8_sweep_configs_are_distinct_and_cover_the_one_row_split():
     # `--swapped`: 16-row tiles (x padded to 16: the wgmma's N), each config once
     swapped = sweep.SWEEP_SWAPPED
     assert len(set(swapped)) == len(swapped) and all(t[0] == 16 for t, _ in swapped)
+
+
+def test_gguf_decode_rates_every_type():
+    rates = _experiment("gguf_decode").main(["--rows", "16", "--cols", "256"])
+    assert set(rates) == {"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"}
+    assert all(r > 0 for r in rates.values())
