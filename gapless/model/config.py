@@ -77,7 +77,9 @@ _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 # keys whose presence marks a checkpoint with more than a text decoder (vision or audio towers)
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "mm_projector_type")
-_ROPE_TYPES = ("default", "linear", "llama3")
+# (`freq_factors`: each frequency divided by its own factor, as a GGUF file's `rope_freqs` stores Llama 3.x's
+# scaling; `gapless.model.gguf` writes it, no Hugging Face config does)
+_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,10 @@ names (`gapless.model.generation_config`).
 
 llama.cpp's converter permutes the rows of the q and k projections of `llama` models (its RoPE pairs
 neighbouring elements, Hugging Face's pairs the two halves of a head); `_unpermute` undoes that, as
-transformers does when it loads a GGUF. The Qwen families are written unpermuted.
+transformers does when it loads a GGUF. The Qwen families are written unpermuted. Its converter stores Llama
+3.x's `llama3` RoPE scaling as one divisor a frequency (`rope_freqs`), read as `freq_factors` scaling. A
+mixture of experts (`qwen2moe`, `qwen3moe`, and Mixtral as `llama` with `expert_count`) stores each layer's
+experts stacked, given one expert at a time.
 """
 
 from __future__ import annotations
@@ -172,12 +175,15 @@ def quantized_types(path: str | Path) -> dict[str, str]:
     return types
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, names: set[str]) -> dict[str, Any] | None:
-    if "rope_freqs.weight" in names:  # llama3-style scaling, stored as per-frequency factors
-        raise ValueError(
-            "this GGUF stores RoPE scaling as a rope_freqs tensor (llama3-style), which gapless does not "
-            "read yet; use the model's Hugging Face checkpoint"
-        )
+def _rope_scaling(
+    path: str | Path, meta: dict[str, Any], arch: str, names: set[str]
+) -> dict[str, Any] | None:
+    """The file's RoPE scaling as `config.json`'s `rope_scaling` takes it: linear/yarn-style metadata, or
+    llama.cpp's per-frequency factors (`rope_freqs`, how its converter stores Llama 3.x's `llama3`
+    scaling: each frequency divided by its factor) as gapless's `freq_factors`."""
+    if "rope_freqs.weight" in names:
+        factors = next(t for t in _tensors(path) if t.name == "rope_freqs.weight")
+        return {"rope_type": "freq_factors", "factors": [float(f) for f in dequantize(factors).reshape(-1)]}
     key = f"{arch}.rope.scaling."
     kind = meta.get(key + "type")
     if kind in (None, "none"):
@@ -191,7 +197,8 @@ def _rope_scaling(meta: dict[str, Any], arch: str, names: set[str]) -> dict[str,
 def config_dict(path: str | Path) -> dict[str, Any]:
     """The file's metadata as the `config.json` dict a Hugging Face checkpoint of it would carry.
 
-    Raises ValueError naming the architecture when it is not one gapless runs, and for mixture-of-experts.
+    Raises ValueError naming the architecture when it is not one gapless runs, and what of a mixture of
+    experts or RoPE scaling it does not compute.
     """
     meta, names = metadata(path), tensor_names(path)
     _check_types(path)
@@ -207,6 +214,13 @@ def config_dict(path: str | Path) -> dict[str, Any]:
     vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:  # the embedding table's rows: the shape is in ggml order, [hidden, vocab]
         vocab = next(int(t.shape[-1]) for t in _tensors(path) if t.name == "token_embd.weight")
+    rope_scaling = _rope_scaling(path, meta, arch, names)
+    head_dim = int(head_dim) if head_dim else hidden // heads
+    if rope_scaling is not None and len(rope_scaling.get("factors", [0] * (head_dim // 2))) != head_dim // 2:
+        raise ValueError(
+            f"{path}: rope_freqs holds {len(rope_scaling['factors'])} factors; a head of {head_dim} takes "
+            f"{head_dim // 2}"
+        )
     mixture = _mixture(path, meta, arch, names)
     architecture = _MIXTURES[arch] if mixture and arch in _MIXTURES else ARCHITECTURES[arch]
     return mixture | {
@@ -217,11 +231,11 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "num_hidden_layers": int(meta[f"{arch}.block_count"]),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(head_dim) if head_dim else hidden // heads,
+        "head_dim": head_dim,
         "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
         "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(meta, arch, names),
+        "rope_scaling": rope_scaling,
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),

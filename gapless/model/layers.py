@@ -354,11 +354,14 @@ def make_rms_norm(dim: int, eps: float, kind: str) -> RMSNorm:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies of rotary embeddings, with `linear` or `llama3` scaling applied."""
+    """Inverse frequencies of rotary embeddings, with `linear`, `llama3` or `freq_factors` scaling applied
+    (the last each frequency divided by its own factor, a GGUF file's `rope_freqs`)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
     kind = scaling["rope_type"]
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor

@@ -2,10 +2,12 @@
 
 Written with the `gguf` package as llama.cpp's `convert_hf_to_gguf.py` writes them: the metadata keys its
 writer names, tensor names from gguf's own `TensorNameMap` (not gapless's table), llama's q/k rows
-permuted as llama.cpp permutes them, 1-D tensors (norms, biases) kept in F32 and matrices stored in the
-chosen type, and the byte-level BPE tokenizer as `tokenizer.ggml.*` (tokens, types, merges, special ids,
-chat template), and the sampling defaults of its `generation_config.json` as `general.sampling.*`.
-transformers reads the same file (`from_pretrained(dir, gguf_file=...)`) as the reference.
+permuted as llama.cpp permutes them, Llama 3.x's RoPE scaling as its `rope_freqs` factors, a mixture's
+experts stacked, 1-D tensors (norms, biases) and routers kept in F32 and matrices stored in the chosen
+type, and the byte-level BPE tokenizer as `tokenizer.ggml.*` (tokens, types, merges, special ids, chat
+template), and the sampling defaults of its `generation_config.json` as `general.sampling.*`.
+transformers reads the same file (`from_pretrained(dir, gguf_file=...)`) as the reference (where it
+reads the file's RoPE scaling and experts: else the checkpoint it was written from).
 """
 
 from __future__ import annotations
@@ -140,8 +142,8 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tens
     cfg = json.loads((ckpt / "config.json").read_text())
     arch = ARCHS[cfg["architectures"][0]]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError("write the checkpoint without RoPE scaling (llama.cpp stores it as rope_freqs)")
+    if rope.get("rope_type", "default") not in ("default", "llama3"):
+        raise ValueError(f"llama.cpp's converter writes no {rope['rope_type']!r} RoPE scaling")
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch], split_max_tensors=split_tensors)
     _add_config(writer, cfg, f"tiny-{gguf.MODEL_ARCH_NAMES[arch]}")
     _add_tokenizer(writer, ckpt)
@@ -165,11 +167,29 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tens
             writer.add_tensor(name, w.astype(np.float16))
         else:
             writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(cfg, rope))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(out)[0]
+
+
+def _llama3_factors(cfg: dict, rope: dict) -> np.ndarray:
+    """Llama 3.x's `llama3` RoPE scaling as llama.cpp's converter stores it (`rope_freqs`): each frequency's
+    divisor, 1 above the high-frequency band, `factor` below the low one, the smooth blend's between."""
+    heads = cfg["num_attention_heads"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blend))
+    return factors.astype(np.float32)
 
 
 # where each type keeps its f16 fields (bytes into a block): the scale (and min) of the block

@@ -19,7 +19,7 @@ from gapless.__main__ import main
 from gapless.model.config import load_model_config
 from gapless.model.source import ModelSourceError, resolve_model
 from gapless.testing.gguf_files import TYPES, write_gguf
-from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
+from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
 
 MAX_NEW = 8
 
@@ -202,7 +202,32 @@ def test_serve_refuses_what_it_cannot_run_in_one_line(gguf_file, ckpt_factory, t
     assert "unsupported GGUF architecture 'gpt2'" in capsys.readouterr().err
 
 
-def test_rope_scaling_stored_as_rope_freqs_is_refused_by_name(gguf_file, tmp_path):
+def test_llama3_rope_scaling_is_read_from_rope_freqs(ckpt_factory, tmp_path):
+    """Llama 3.x's `llama3` RoPE scaling, which llama.cpp's converter stores as per-frequency divisors
+    (`rope_freqs`; the tiny llama's bands put frequencies in all three): the frequencies are the
+    checkpoint's, and greedy tokens equal transformers' on the checkpoint the file was written from
+    (transformers' own GGUF reader drops the tensor)."""
+    from gapless.model.layers import rope_inv_freq
+
+    ckpt = ckpt_factory("llama")
+    want = load_model_config(ckpt)
+    assert want.rope_scaling is not None and want.rope_scaling["rope_type"] == "llama3"
+    for qtype in ("F32", "Q8_0"):
+        path = write_gguf(ckpt, tmp_path / f"llama3.{qtype}.gguf", qtype)
+        got = load_model_config(path)
+        assert got.rope_scaling is not None and got.rope_scaling["rope_type"] == "freq_factors"
+        factors = torch.tensor(got.rope_scaling["factors"])
+        assert factors.min() == 1 and factors.max() == want.rope_scaling["factor"]
+        assert bool(((factors > 1) & (factors < factors.max())).any())  # (the blended band)
+        ours, theirs = (rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling) for c in (got, want))
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    prompts = make_prompts(1000, n=3, max_len=90, shared_prefix=8)
+    ref = load_hf_model(ckpt)
+    for out, p in zip(_greedy(str(tmp_path / "llama3.F32.gguf"), prompts), prompts):
+        assert check_greedy(out, hf_greedy(ref, p, MAX_NEW)) is None
+
+
+def test_rope_freqs_of_the_wrong_length_are_refused_by_name(gguf_file, tmp_path):
     src = gguf_file("llama", "F32")
     reader = gguf.GGUFReader(str(src))
     writer = gguf.GGUFWriter(str(tmp_path / "scaled.gguf"), "llama")
@@ -216,11 +241,11 @@ def test_rope_scaling_stored_as_rope_freqs_is_refused_by_name(gguf_file, tmp_pat
             )
     for t in reader.tensors:
         writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    writer.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    writer.add_tensor("rope_freqs.weight", np.ones(5, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="rope_freqs"):
+    with pytest.raises(ValueError, match="rope_freqs holds 5 factors; a head of 16 takes 8"):
         load_model_config(tmp_path / "scaled.gguf")
     load_model_config(src)  # the file it was copied from still loads
