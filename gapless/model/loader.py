@@ -325,43 +325,36 @@ def _gguf_layers(
     return _CpuGGUFLayers(model, dtype) if kept == "cpu" else None
 
 
-class _CpuGGUFLayers:
-    """A one-rank CPU's GGUF layers (`gguf_cpu`): every matrix gathered, then each module given its
-    quantized form, its float weight never made (a mixture's experts the int4/int8 path's,
+class _CpuGGUFLayers(gguf_int4.GGUFModules):
+    """A one-rank CPU's GGUF layers (`gguf_cpu`), each module given its quantized form as soon as it is
+    whole (`GGUFModules`), its float weight never made (a mixture's experts the int4/int8 path's,
     `gguf_int4.install_experts`). An embedding table is read from the file where it lies
     (`gguf_cpu.FileRows`); a tied LM head holds the table in its own layout."""
 
     def __init__(self, model: CausalLM, dtype: torch.dtype) -> None:
-        self.model, self.dtype = model, dtype
-        self.blocks: dict[str, dict[Any, GGUFBlocks]] = {}  # module -> shard -> its quantized blocks
+        super().__init__(model)
+        self.dtype = dtype
 
-    def add(self, param: str, shard: Any, blocks: GGUFBlocks) -> None:
-        self.blocks.setdefault(param.rsplit(".", 1)[0], {})[shard] = blocks
-
-    def finish(self) -> bool:
-        """Install every module's quantized form; whether any came."""
-        model = self.model
-        for module_name, shards in self.blocks.items():
-            module = model.get_submodule(module_name)
-            if isinstance(module, Experts):
-                gguf_int4.install_experts(module, shards, self.dtype, module_name)
-                continue
-            order = list(getattr(module, "shard_offsets", None) or [None])
-            parts = [shards[s] for s in order]
-            if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
-                if len(parts) != 1:
-                    raise ValueError(f"{module_name}: an embedding table of {len(parts)} GGUF matrices")
-                module.quantized_rows = gguf_cpu.FileRows(parts[0])
-                head = model.lm_head
-                if head.weight is module.weight:  # tied: the head holds the table in its own layout
-                    head.linear_method = gguf_cpu.linear_method(parts, None, gguf_cpu.int4_for("lm_head"))
-            elif isinstance(module, (_Linear, ParallelLMHead)):
-                int4 = gguf_cpu.int4_for(module_name)
-                module.linear_method = gguf_cpu.linear_method(parts, getattr(module, "bias", None), int4)
-            else:
-                raise ValueError(f"{module_name} ({type(module).__name__}) has no quantized form")
-            module.weight.data = module.weight.data.new_empty(0)
-        return bool(self.blocks)
+    def _install(self, name: str, shards: dict[Any, GGUFBlocks]) -> None:
+        module = self.model.get_submodule(name)
+        if isinstance(module, Experts):
+            gguf_int4.install_experts(module, shards, self.dtype, name)
+            return
+        order = list(getattr(module, "shard_offsets", None) or [None])
+        parts = [shards[s] for s in order]
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+            if len(parts) != 1:
+                raise ValueError(f"{name}: an embedding table of {len(parts)} GGUF matrices")
+            module.quantized_rows = gguf_cpu.FileRows(parts[0])
+            head = self.model.lm_head
+            if head.weight is module.weight:  # tied: the head holds the table in its own layout
+                head.linear_method = gguf_cpu.linear_method(parts, None, gguf_cpu.int4_for("lm_head"))
+        elif isinstance(module, (_Linear, ParallelLMHead)):
+            int4 = gguf_cpu.int4_for(name)
+            module.linear_method = gguf_cpu.linear_method(parts, getattr(module, "bias", None), int4)
+        else:
+            raise ValueError(f"{name} ({type(module).__name__}) has no quantized form")
+        module.weight.data = module.weight.data.new_empty(0)
 
 
 def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:

@@ -189,6 +189,25 @@ def test_quantized_gguf_greedy_equals_the_dequantized_model(ckpt_factory, tmp_pa
     print(f"{qtype}: {len(ties)} of {len(prompts)} prompts diverged at a near-tie: {ties}")
 
 
+def test_each_module_is_installed_as_soon_as_it_is_whole(ckpt_factory, tmp_path):
+    """The CPU's layers stream as the int4/int8 path's do: each module's quantized form is made as its last
+    shard is read (the host holds at most q and k waiting for v, or gate for up, not the file's blocks),
+    none is left to the end."""
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "m.Q4_0.gguf", "Q4_0")
+    waiting, layers, install = [], [], loader._CpuGGUFLayers._install
+
+    def recorded(self, name, shards):
+        waiting.append(len(self.pending))
+        layers.append(self)
+        install(self, name, shards)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader._CpuGGUFLayers, "_install", recorded)
+        loader.load_model(path, torch.float32, torch.device("cpu"))
+    modules = 2 + 4 * 2  # the embedding table, the head, and each layer's q/k/v, o, gate/up and down
+    assert len(waiting) == modules and max(waiting) <= 1 and not layers[-1].pending, waiting
+
+
 def test_dequantize_env_keeps_the_float_path_and_start_up_names_each(ckpt_factory, tmp_path, monkeypatch):
     """The start-up line (`weights_summary`) names the format and the bytes; dequantized, the same file
     holds about 6x the bytes (float32 against 5 bits a weight, the embedding and norms aside)."""

@@ -103,19 +103,49 @@ def install_experts(experts: Any, shards: dict[Any, GGUFBlocks], dtype: torch.dt
     int4.install_experts(experts, whole, specs["gate_up_proj"], dtype, where, down_spec=specs["down_proj"])
 
 
-class GGUFLayers:
-    """The projections of one GGUF load on this path, each installed (`int4.install`: cut for this rank,
-    held in `dtype`, its float weight never made; a mixture's experts `install_experts`) as soon as every
-    shard of its module has been read, so the host holds the blocks of the one module still arriving, not
-    the file's. `add` each matrix as it is read (parameter name, checkpoint shard, blocks), `finish` after
-    the last; `types` (each matrix's type by name, from the file's header) weighs `auto`'s second copies
-    before the first install."""
+class GGUFModules:
+    """A GGUF load's quantized modules, each installed (`_install`, a subclass's) as soon as every shard of
+    it has been read, so the host holds the blocks of the modules still arriving, not the file's. `add`
+    each matrix as it is read (parameter name, checkpoint shard, blocks), `finish` after the last."""
 
-    def __init__(self, model: Any, types: dict[str, str], dtype: torch.dtype) -> None:
-        self.model, self.dtype = model, dtype
+    def __init__(self, model: Any) -> None:
+        self.model = model
         self.pending: dict[str, dict[Any, GGUFBlocks]] = {}  # module -> shard -> its blocks
         self.missing: dict[str, set[str]] = {}  # module -> the names (`weight_names`) it still lacks
         self.installed = 0
+
+    def add(self, param: str, shard: Any, blocks: GGUFBlocks) -> None:
+        module = param.rsplit(".", 1)[0]
+        self.pending.setdefault(module, {})[shard] = blocks
+        if module not in self.missing:
+            self.missing[module] = weight_names.weights_of(self.model, module)
+        self.missing[module].discard(param if shard is None else f"{param}#{shard}")
+        if not self.missing[module]:
+            del self.missing[module]
+            self.installed += 1
+            self._install(module, self.pending.pop(module))
+
+    def finish(self) -> bool:
+        """Install what is still pending, which the install refuses by name (a shard missing); whether any
+        module came quantized."""
+        for name in list(self.pending):
+            self.installed += 1
+            self._install(name, self.pending.pop(name))
+        return self.installed > 0
+
+    def _install(self, name: str, shards: dict[Any, GGUFBlocks]) -> None:
+        raise NotImplementedError
+
+
+class GGUFLayers(GGUFModules):
+    """The projections of one GGUF load on this path (`GGUFModules`), each installed by `int4.install`
+    (cut for this rank, held in `dtype`, its float weight never made; a mixture's experts
+    `install_experts`); `types` (each matrix's type by name, from the file's header) weighs `auto`'s second
+    copies before the first install."""
+
+    def __init__(self, model: Any, types: dict[str, str], dtype: torch.dtype) -> None:
+        super().__init__(model)
+        self.dtype = dtype
         by_module: dict[str, list[str]] = {}
         for name, qtype in types.items():
             module = weight_names.target(name)[0].rsplit(".", 1)[0]
@@ -129,27 +159,9 @@ class GGUFLayers:
         )
         self.kernel = int4_kernels.for_model(numel, 4, dtype, model.lm_head.weight.device)
 
-    def add(self, param: str, shard: Any, blocks: GGUFBlocks) -> None:
-        module = param.rsplit(".", 1)[0]
-        self.pending.setdefault(module, {})[shard] = blocks
-        if module not in self.missing:
-            self.missing[module] = weight_names.weights_of(self.model, module)
-        self.missing[module].discard(param if shard is None else f"{param}#{shard}")
-        if not self.missing[module]:
-            del self.missing[module]
-            self._install(module, self.pending.pop(module))
-
-    def finish(self) -> bool:
-        """Install what is still pending, which `int4.install` refuses by name (a shard missing); whether
-        any projection came quantized."""
-        for name in list(self.pending):
-            self._install(name, self.pending.pop(name))
-        return self.installed > 0
-
     def _install(self, name: str, shards: dict[Any, GGUFBlocks]) -> None:
         """`name`'s projection read from its blocks, cut and packed on its device (as an AWQ checkpoint's
         layers are: a GPU decodes and packs an 8B's blocks in a fraction of the host's time)."""
-        self.installed += 1
         layer = self.model.get_submodule(name)
         if isinstance(layer, Experts):
             install_experts(layer, shards, self.dtype, name)
