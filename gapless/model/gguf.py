@@ -45,6 +45,8 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # a mixture of experts llama.cpp writes under a dense architecture's name (`expert_count` > 0): Mixtral
 _MIXTURES = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM"}
@@ -85,6 +87,18 @@ _LAYER_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 
+
+# Gemma's norms (llama.cpp's names): an attention and an MLP norm on each side of its sublayer
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma's: llama.cpp's converter stores every RMSNorm weight plus 1 (Gemma's norm multiplies by 1 + w)
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
+# llama.cpp's Gemma: every `pattern`-th layer global, the rest sliding (`set_swa_pattern`), the window
+# layers' RoPE base (Gemma 3), and the 27B's layer count, whose queries it scales by hidden / heads
+_GEMMA = {"gemma2": (2, None, 46), "gemma3": (6, 10000.0, 62)}
 
 # llama.cpp's sampling metadata (`general.sampling.*`, written by newer converters) -> the
 # generation_config.json names of the same defaults
@@ -165,8 +179,9 @@ def quantized_types(path: str | Path) -> dict[str, str]:
     """Each quantized matrix's type by its Hugging Face name (an expert's one at a time), from the file's
     header (no weight read); not a router's, which loads as a float."""
     types = {}
+    arch = metadata(path)["general.architecture"]
     for t in _tensors(path):
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None or not _as_blocks(t, name, True, True):
             continue
         experts = int(t.shape[2]) if len(t.shape) == 3 else 0
@@ -221,7 +236,7 @@ def config_dict(path: str | Path) -> dict[str, Any]:
             f"{path}: rope_freqs holds {len(rope_scaling['factors'])} factors; a head of {head_dim} takes "
             f"{head_dim // 2}"
         )
-    mixture = _mixture(path, meta, arch, names)
+    mixture = _mixture(path, meta, arch, names) | _gemma(meta, arch, hidden, heads, head_dim)
     architecture = _MIXTURES[arch] if mixture and arch in _MIXTURES else ARCHITECTURES[arch]
     return mixture | {
         "architectures": [architecture],
@@ -241,6 +256,35 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "use_sliding_window": False,
     }
+
+
+def _gemma(meta: dict[str, Any], arch: str, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 2's and 3's config fields ({} for another architecture), as llama.cpp runs the file: its
+    window and which layers slide (`sliding_window_pattern`, else every second / sixth layer global), the
+    soft-caps it stores (Gemma 2), the queries' scale (1 / sqrt(head_dim), the 27B's 1 / sqrt(hidden /
+    heads): the file does not say; llama.cpp tells the 27B by its layer count) and the window layers' RoPE
+    base (Gemma 3's, 10,000, unscaled)."""
+    if arch not in _GEMMA:
+        return {}
+    pattern, local_base, layers_27b = _GEMMA[arch]
+    layers = int(meta[f"{arch}.block_count"])
+    fields: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if layers == layers_27b else head_dim,
+        "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+    }
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window:
+        fields["sliding_window"] = int(window)
+        stored = meta.get(f"{arch}.attention.sliding_window_pattern", pattern)
+        if isinstance(stored, list):  # (a flag a layer: whether it slides)
+            fields["layer_types"] = ["sliding_attention" if s else "full_attention" for s in stored]
+        else:
+            fields["sliding_window_pattern"] = int(stored)
+    if local_base is not None:
+        fields["rope_local_base_freq"] = local_base
+    return fields
 
 
 def _mixture(path: str | Path, meta: dict[str, Any], arch: str, names: set[str]) -> dict[str, Any]:
@@ -303,13 +347,15 @@ def generation_config_dict(path: str | Path) -> dict[str, Any]:
     return {name: meta[key] for key, name in _SAMPLING_KEYS.items() if key in meta}
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name; None for tensors the model has no use for."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name in a file of `arch`; None for tensors the model has
+    no use for."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    names = _LAYER_NAMES | _GEMMA_NAMES if arch in _GEMMA else _LAYER_NAMES
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -351,7 +397,7 @@ def iter_weights(
     heads = int(meta[f"{arch}.attention.head_count"])
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     for tensor in _tensors(path):
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         kind = tensor.tensor_type.name
@@ -365,6 +411,8 @@ def iter_weights(
             w = _unpermute(w, kv_heads)
         elif name.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)  # (llama.cpp's is a vector; Hugging Face's a [1, hidden] linear)
+        elif arch in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            w = w - 1
         if len(tensor.shape) == 3:  # a mixture's experts, [experts, rows, cols]: one matrix each
             count = int(tensor.shape[2])
             per = w.reshape(count, rows // count, -1)

@@ -31,7 +31,10 @@ ARCHS = {
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
     "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
+    "Gemma2ForCausalLM": gguf.MODEL_ARCH.GEMMA2,
+    "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
 }
+_GEMMA = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
@@ -68,10 +71,16 @@ def _add_tokenizer(writer: gguf.GGUFWriter, ckpt: Path) -> None:
         writer.add_chat_template(template)
 
 
+def _global_rope(cfg: dict) -> dict:
+    """The checkpoint's RoPE parameters (Gemma 3's: its global layers'; llama.cpp fixes the others')."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return rope.get("full_attention", rope)
+
+
 def _add_config(writer: gguf.GGUFWriter, cfg: dict, name: str) -> None:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    rope = cfg.get("rope_parameters") or {}
+    rope = _global_rope(cfg)
     writer.add_name(name)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -85,6 +94,17 @@ def _add_config(writer: gguf.GGUFWriter, cfg: dict, name: str) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg["vocab_size"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if cfg.get("sliding_window") and writer.arch in ("gemma2", "gemma3"):  # (what its converter writes)
+        writer.add_sliding_window(cfg["sliding_window"])
+    for key, add in (
+        ("attn_logit_softcapping", writer.add_attn_logit_softcapping),
+        ("final_logit_softcapping", writer.add_final_logit_softcapping),
+    ):
+        if writer.arch == "gemma2" and cfg.get(key) is not None:
+            add(cfg[key])
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if experts:  # (Mixtral's experts are feed_forward_length wide, Qwen's expert_feed_forward_length)
         writer.add_expert_count(experts)
@@ -141,8 +161,8 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tens
     ckpt, out = Path(ckpt), Path(out)
     cfg = json.loads((ckpt / "config.json").read_text())
     arch = ARCHS[cfg["architectures"][0]]
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") not in ("default", "llama3"):
+    rope = _global_rope(cfg)
+    if rope.get("rope_type", "default") not in ("default", "llama3", "linear"):
         raise ValueError(f"llama.cpp's converter writes no {rope['rope_type']!r} RoPE scaling")
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch], split_max_tensors=split_tensors)
     _add_config(writer, cfg, f"tiny-{gguf.MODEL_ARCH_NAMES[arch]}")
@@ -155,6 +175,8 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tens
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"no GGUF name for {hf}"
         w = w.astype(np.float32)
+        if arch in _GEMMA and name.endswith("norm.weight"):
+            w = w + 1  # (its converter's: llama.cpp's RMSNorm multiplies by the weight, Gemma's by 1 + it)
         if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _permute(w, heads)
         elif arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("attn_k.weight", "attn_k.bias")):

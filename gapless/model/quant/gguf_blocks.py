@@ -45,7 +45,7 @@ def block_bytes(qtype: str) -> int:
 def _blocks(b: GGUFBlocks, device: torch.device | str) -> torch.Tensor:
     """The blocks as uint8 [rows, blocks, bytes a block] on `device`, where every form below is read from
     them with torch's integer ops (a GPU decodes an 8B model's in a fraction of the host's time)."""
-    data = torch.from_numpy(np.ascontiguousarray(b.data)).to(device)
+    data = torch.from_numpy(np.require(b.data, requirements=["C", "W"])).to(device)  # (a map's: copied)
     return data.view(b.rows, -1, block_bytes(b.qtype))
 
 
@@ -200,7 +200,9 @@ def dequantize_rows(b: GGUFBlocks, start: int, stop: int) -> torch.Tensor:
     from gguf import GGMLQuantizationType, quants
 
     if b.qtype == "Q8_0":
-        blk = torch.from_numpy(np.ascontiguousarray(b.data[start:stop])).view(stop - start, -1, 34)
+        blk = torch.from_numpy(np.require(b.data[start:stop], requirements=["C", "W"])).view(
+            stop - start, -1, 34
+        )
         q = blk[..., 2:].contiguous().view(torch.int8)
         return (q.float() * _f16(blk[..., 0:2])[..., None]).reshape(stop - start, b.cols)
 
