@@ -47,6 +47,7 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # a mixture of experts llama.cpp writes under a dense architecture's name (`expert_count` > 0): Mixtral
 _MIXTURES = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM"}
@@ -93,6 +94,12 @@ _GEMMA_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# each architecture's own names where they differ from `_LAYER_NAMES`: Phi-3's fused q/k/v and gate/up
+_ARCH_NAMES = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 # Gemma's: llama.cpp's converter stores every RMSNorm weight plus 1 (Gemma's norm multiplies by 1 + w)
 _NORMS_PLUS_ONE = ("gemma2", "gemma3")
@@ -196,6 +203,11 @@ def _rope_scaling(
     """The file's RoPE scaling as `config.json`'s `rope_scaling` takes it: linear/yarn-style metadata, or
     llama.cpp's per-frequency factors (`rope_freqs`, how its converter stores Llama 3.x's `llama3`
     scaling: each frequency divided by its factor) as gapless's `freq_factors`."""
+    if "rope_factors_long.weight" in names:  # (Phi-3's 128k models)
+        raise ValueError(
+            f"{path}: LongRoPE scaling (rope_factors_long/short) is not supported: its factors switch by "
+            "sequence length, which a batch of requests of different lengths cannot follow token-exactly"
+        )
     if "rope_freqs.weight" in names:
         factors = next(t for t in _tensors(path) if t.name == "rope_freqs.weight")
         return {"rope_type": "freq_factors", "factors": [float(f) for f in dequantize(factors).reshape(-1)]}
@@ -224,7 +236,8 @@ def config_dict(path: str | Path) -> dict[str, Any]:
             f"{', '.join(ARCHITECTURES)}"
         )
     hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+    rotated = meta.get(f"{arch}.rope.dimension_count")  # (Phi-3's: a head's first dimensions alone)
+    head_dim = meta.get(f"{arch}.attention.key_length") or (None if arch == "phi3" else rotated)
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:  # the embedding table's rows: the shape is in ggml order, [hidden, vocab]
@@ -236,9 +249,10 @@ def config_dict(path: str | Path) -> dict[str, Any]:
             f"{path}: rope_freqs holds {len(rope_scaling['factors'])} factors; a head of {head_dim} takes "
             f"{head_dim // 2}"
         )
-    mixture = _mixture(path, meta, arch, names) | _gemma(meta, arch, hidden, heads, head_dim)
+    mixture = _mixture(path, meta, arch, names)
     architecture = _MIXTURES[arch] if mixture and arch in _MIXTURES else ARCHITECTURES[arch]
-    return mixture | {
+    family = mixture | _gemma(meta, arch, hidden, heads, head_dim)
+    return {
         "architectures": [architecture],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
@@ -251,11 +265,13 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
         "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "rope_scaling": rope_scaling,
+        "partial_rotary_factor": int(rotated or head_dim) / head_dim,
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "use_sliding_window": False,
-    }
+        "sliding_window": meta.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None,
+    } | family
 
 
 def _gemma(meta: dict[str, Any], arch: str, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
@@ -353,7 +369,7 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
-    names = _LAYER_NAMES | _GEMMA_NAMES if arch in _GEMMA else _LAYER_NAMES
+    names = _LAYER_NAMES | _ARCH_NAMES.get(arch, {})
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None

@@ -175,10 +175,8 @@ def load_model(
                 int4_layers.add(*hit, tensor)  # as stored (packed ints, scales); a whole layer installed
                 continue
         if isinstance(tensor, GGUFBlocks):
-            name, shard = weight_names.target(name)
             assert gguf_layers is not None
-            gguf_layers.add(name, shard, tensor)
-            loaded.add(name if shard is None else f"{name}#{shard}")
+            loaded.update(gguf_layers.add(name, tensor))
             continue
         if kv_scales.take(name, tensor):
             continue
@@ -340,8 +338,8 @@ class _CpuGGUFLayers(gguf_int4.GGUFModules):
         if isinstance(module, Experts):
             gguf_int4.install_experts(module, shards, self.dtype, name)
             return
-        order = list(getattr(module, "shard_offsets", None) or [None])
-        parts = [shards[s] for s in order]
+        order = [None] if None in shards else list(getattr(module, "shard_offsets", None) or [None])
+        parts = [shards[s] for s in order]  # (a projection the file stores fused: whole, its rows in order)
         if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
             if len(parts) != 1:
                 raise ValueError(f"{name}: an embedding table of {len(parts)} GGUF matrices")

@@ -31,6 +31,7 @@ ARCHS = {
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
     "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
+    "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
     "Gemma2ForCausalLM": gguf.MODEL_ARCH.GEMMA2,
     "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
 }
@@ -97,7 +98,7 @@ def _add_config(writer: gguf.GGUFWriter, cfg: dict, name: str) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    if cfg.get("sliding_window") and writer.arch in ("gemma2", "gemma3"):  # (what its converter writes)
+    if cfg.get("sliding_window") and writer.arch in ("gemma2", "gemma3", "phi3"):  # (its converter's)
         writer.add_sliding_window(cfg["sliding_window"])
     for key, add in (
         ("attn_logit_softcapping", writer.add_attn_logit_softcapping),

@@ -106,7 +106,8 @@ def install_experts(experts: Any, shards: dict[Any, GGUFBlocks], dtype: torch.dt
 class GGUFModules:
     """A GGUF load's quantized modules, each installed (`_install`, a subclass's) as soon as every shard of
     it has been read, so the host holds the blocks of the modules still arriving, not the file's. `add`
-    each matrix as it is read (parameter name, checkpoint shard, blocks), `finish` after the last."""
+    each matrix as it is read (its Hugging Face name, blocks), `finish` after the last; a module's shards
+    are keyed by `weight_names.target`'s shard id (None: a projection the file stores fused, Phi-3's)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -114,16 +115,20 @@ class GGUFModules:
         self.missing: dict[str, set[str]] = {}  # module -> the names (`weight_names`) it still lacks
         self.installed = 0
 
-    def add(self, param: str, shard: Any, blocks: GGUFBlocks) -> None:
+    def add(self, name: str, blocks: GGUFBlocks) -> list[str]:
+        """Take one matrix; the names (`weight_names`) it fills."""
+        param, shard = weight_names.target(name)
         module = param.rsplit(".", 1)[0]
         self.pending.setdefault(module, {})[shard] = blocks
         if module not in self.missing:
             self.missing[module] = weight_names.weights_of(self.model, module)
-        self.missing[module].discard(param if shard is None else f"{param}#{shard}")
+        filled = weight_names.filled_by(self.model, name)
+        self.missing[module] -= set(filled)
         if not self.missing[module]:
             del self.missing[module]
             self.installed += 1
             self._install(module, self.pending.pop(module))
+        return filled
 
     def finish(self) -> bool:
         """Install what is still pending, which the install refuses by name (a shard missing); whether any
@@ -170,4 +175,7 @@ class GGUFLayers(GGUFModules):
         cpu_kernels = device.type == "cpu" and int4_kernels.chosen() == "auto"  # (else the reference path)
         spec = spec_for(list(shards.values()), cpu_kernels)
         whole = {shard: unpacked(b, spec, device) for shard, b in shards.items()}
+        offsets = getattr(layer, "checkpoint_offsets", None)
+        if None in whole and offsets:  # (stored fused: each shard its rows)
+            whole = int4.split_rows(whole[None], offsets)
         int4.install(layer, whole, spec, self.dtype, name, self.kernel)

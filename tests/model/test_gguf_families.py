@@ -1,12 +1,14 @@
-"""Gemma 2 and Gemma 3 GGUF files (`gapless.model.gguf`), as llama.cpp's converter writes them: its norm
-names, every RMSNorm weight stored plus 1, the window and soft-caps in the metadata, the window layers'
-pattern and RoPE base and the queries' scale as llama.cpp fixes them. The config read back is the
-checkpoint's; a float file's greedy tokens are the checkpoint's under transformers, a quantized file's
-transformers' reading the same file."""
+"""Gemma 2, Gemma 3 and Phi-3 GGUF files (`gapless.model.gguf`), as llama.cpp's converter writes them.
+Gemma: its norm names, every RMSNorm weight stored plus 1, the window and soft-caps in the metadata, the
+window layers' pattern and RoPE base and the queries' scale as llama.cpp fixes them. Phi-3: q/k/v and
+gate/up stored fused (`attn_qkv`, `ffn_up`), its window. The config read back is the checkpoint's; a float
+file's greedy tokens are the checkpoint's under transformers, a quantized file's transformers' reading the
+same file; what gapless does not compute (LongRoPE, a partial rotation) is refused by name."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ MAX_NEW = 8
 # head tied (its converter drops lm_head), Gemma 3 without a final soft-cap and its window layers every
 # sixth layer global (its converter writes no pattern): six layers
 _TINY = {
+    "phi3": dict(sliding_window=48),  # (a window every layer: Phi-3-mini's 2047 of 4096)
     "gemma2": dict(query_pre_attn_scalar=16, tie_word_embeddings=True),
     "gemma3_text": dict(
         query_pre_attn_scalar=16, final_logit_softcapping=None, num_hidden_layers=6, layer_types=None
@@ -47,7 +50,7 @@ def test_a_gemma_files_config_and_float_model_are_the_checkpoints(ckpt_factory, 
     ours, theirs = load_model_config(path), load_model_config(ckpt)
     fields = [f.name for f in dataclasses.fields(ours) if f.name not in _UNSTORED]
     assert {f: getattr(ours, f) for f in fields} == {f: getattr(theirs, f) for f in fields}
-    assert any(ours.window_layers) and not all(ours.window_layers)
+    assert ours.sliding_window is not None and any(ours.window_layers)
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps, rel=1e-6)
     prompts = make_prompts(1000, n=3, max_len=60, shared_prefix=6)  # (past the 24-token window)
     ref = load_hf_model(ckpt)
@@ -55,7 +58,7 @@ def test_a_gemma_files_config_and_float_model_are_the_checkpoints(ckpt_factory, 
         assert check_greedy(out, hf_greedy(ref, p, MAX_NEW)) is None
 
 
-@pytest.mark.parametrize(("arch", "qtype"), [("gemma2", "Q8_0"), ("gemma3_text", "Q4_1")])
+@pytest.mark.parametrize(("arch", "qtype"), [("gemma2", "Q8_0"), ("gemma3_text", "Q4_1"), ("phi3", "Q4_0")])
 def test_a_quantized_gemma_file_equals_transformers_reading_it(
     ckpt_factory, tmp_path, monkeypatch, int4_reference_path, arch, qtype
 ):
@@ -90,3 +93,50 @@ def test_the_27bs_queries_are_scaled_by_hidden_over_heads(ckpt_factory, tmp_path
     meta = gguf.metadata(path) | {f"{name}.block_count": layers}
     monkeypatch.setattr(gguf, "metadata", lambda p: meta)
     assert gguf.config_dict(path)["query_pre_attn_scalar"] == 64 // 4
+
+
+def test_a_fused_phi3_file_runs_the_cpus_layers(ckpt_factory, tmp_path):
+    """On one CPU rank (`gguf_cpu`'s layers, the default) the fused q/k/v and gate/up are each one
+    quantized layer of the file's rows; greedy tokens equal transformers' reading the file within the int8
+    rounding's near-ties."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gapless.model.quant import weights_held
+
+    ckpt = ckpt_factory("phi3", **_TINY["phi3"])
+    path = write_gguf(ckpt, tmp_path / "phi3.Q4_0.gguf", "Q4_0")
+    model = loader.load_model(path, torch.float32, torch.device("cpu"))
+    assert sum(weights_held(model)[0].values()) == 2 * 4 + 1  # (each layer's 4, the head)
+    prompts = make_prompts(1000, n=3, max_len=60, shared_prefix=6)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, config=AutoConfig.from_pretrained(ckpt), dtype=torch.float32
+    ).eval()
+    for out, p in zip(_greedy(path, prompts), prompts):
+        check_greedy(out, hf_greedy(ref, p, MAX_NEW), tol=0.3)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (
+            {"names": "rope_factors_long.weight"},
+            "LongRoPE scaling (rope_factors_long/short) is not supported",
+        ),
+        ({"phi3.rope.dimension_count": 12}, "partial_rotary_factor=0.75 is not supported"),
+    ],
+)
+def test_what_phi3_files_need_beyond_gapless_is_refused_by_name(
+    ckpt_factory, tmp_path, monkeypatch, change, says
+):
+    """Phi-3.5's and Phi-4-mini's 128k files (LongRoPE's per-length factors) and a rotation of a head's
+    first dimensions alone (Phi-4-mini): refused in one line."""
+    path = write_gguf(ckpt_factory("phi3", **_TINY["phi3"]), tmp_path / "m.gguf")
+    if "names" in change:
+        names = gguf.tensor_names(path) | {change["names"]}
+        monkeypatch.setattr(gguf, "tensor_names", lambda p: names)
+    else:
+        meta = gguf.metadata(path) | change
+        monkeypatch.setattr(gguf, "metadata", lambda p: meta)
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        load_model_config(path)
+    assert "\n" not in str(e.value)
