@@ -238,17 +238,22 @@ def install_experts(
     cpu = device.type == "cpu"
     specs = (spec, down_spec or spec)
     projections = ((("gate", "up"), (2 * inter, hidden)), (("down",), (hidden, inter)))
+    # each projection's experts as this rank holds them, and their group (one a row where a rank's cut
+    # splits a row's one group)
+    held_ws = [
+        [Unpacked(*map(torch.cat, zip(*(mine(e, p).tensors for p in projs)))) for e in range(e_count)]
+        for projs, _ in projections
+    ]
+    groups = [shape[1] // ws[0].scale.shape[1] for ws, (_, shape) in zip(held_ws, projections)]
     choice = int4_kernels.chosen()
     kinds = [
-        int4_kernels.for_layer(choice, sp.bits, sp.group_for(s[1]), dtype, *s, device)
-        for sp, (_, s) in zip(specs, projections)
+        int4_kernels.for_layer(choice, sp.bits, g, dtype, *s, device)
+        for sp, g, (_, s) in zip(specs, groups, projections)
     ]
     kernels_alone = all(k == int4_kernels.CPU_KERNEL for k in kinds)  # (then no packed words are kept)
     packed, quants, cpu_weights = [], [], []
-    for sp, (projs, shape), kernel in zip(specs, projections, kinds):
+    for sp, ws, group, (projs, shape), kernel in zip(specs, held_ws, groups, projections, kinds):
         qs, scales, zeros, floats, kernels = [], [], [], [], []
-        ws = [Unpacked(*map(torch.cat, zip(*(mine(e, p).tensors for p in projs)))) for e in range(e_count)]
-        group = shape[1] // ws[0].scale.shape[1]  # (this rank's: one group a row where it splits one)
         zero_dtype = zeros_dtype([w.zero for w in ws], dtype)
         for e, w in enumerate(ws):
             if w.q.shape != shape:
