@@ -320,7 +320,10 @@ def _mixture(path: str | Path, meta: dict[str, Any], arch: str, names: set[str])
         raise ValueError(f"{arch}: expert_gating_func {gating} is not supported; gapless routes by softmax")
     layers = int(meta[f"{arch}.block_count"])
     # (ggml's shapes run innermost first: ffn_gate_exps is [hidden, width, experts])
-    widths = {t.name: int(t.shape[1]) for t in _tensors(path) if "exp" in t.name and len(t.shape) > 1}
+    experts_of = ("_exps.weight", "_shexp.weight")  # (the shared expert's gate, `_inp_shexp`, is a vector)
+    widths = {
+        t.name: int(t.shape[1]) for t in _tensors(path) if t.name.endswith(experts_of) and len(t.shape) > 1
+    }
     routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
     if not routed:
         raise ValueError(f"{path}: expert_count={experts} but no layer has a router (ffn_gate_inp)")

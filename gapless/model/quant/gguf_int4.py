@@ -25,6 +25,7 @@ Each projection is installed as soon as its module's last shard is read (`GGUFLa
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ def install_experts(experts: Any, shards: dict[Any, GGUFBlocks], dtype: torch.dt
     int4.install_experts(experts, whole, specs["gate_up_proj"], dtype, where, down_spec=specs["down_proj"])
 
 
-class GGUFModules:
+class GGUFModules(ABC):
     """A GGUF load's quantized modules, each installed (`_install`, a subclass's) as soon as every shard of
     it has been read, so the host holds the blocks of the modules still arriving, not the file's. `add`
     each matrix as it is read (its Hugging Face name, blocks), `finish` after the last; a module's shards
@@ -138,8 +139,9 @@ class GGUFModules:
             self._install(name, self.pending.pop(name))
         return self.installed > 0
 
+    @abstractmethod
     def _install(self, name: str, shards: dict[Any, GGUFBlocks]) -> None:
-        raise NotImplementedError
+        """Give module `name` its quantized form from its shards' blocks."""
 
 
 class GGUFLayers(GGUFModules):
