@@ -43,6 +43,15 @@ def int4_reference_path(monkeypatch):
     monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")
 
 
+@pytest.fixture
+def int4_path(monkeypatch, int4_reference_path):
+    """A CPU load of a GGUF file as a GPU's: every projection and expert on the int4/int8 path, exact
+    against their dequantized weights (the reference path), the embedding table and head as floats."""
+    from gapless.model import loader
+
+    monkeypatch.setattr(loader, "gguf_kept", lambda path, device: "int4" if path.suffix == ".gguf" else "")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     """Tiny models run fastest on one thread; more threads only add synchronisation (and contend in CI)."""

@@ -215,22 +215,40 @@ def _llama3_factors(cfg: dict, rope: dict) -> np.ndarray:
     return factors.astype(np.float32)
 
 
-# where each type keeps its f16 fields (bytes into a block): the scale (and min) of the block
+# where each type keeps its f16 fields (bytes into a block): the scale (and min) of the block (IQ1_M's is
+# spread over four nibbles: `_iq1_m_scales`)
 _F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82]}
 _F16_AT |= {"Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+_F16_AT |= {t: [0] for t in ("IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S")}
+
+
+def _iq1_m_scales(data: np.ndarray, d: np.ndarray) -> None:
+    """IQ1_M's f16 scale `d` written into its blocks (`data` [..., 56]): its 16 bits a nibble in the top
+    of each of the four scale words (bytes 48-55), their other bits kept."""
+    words = data[..., 48:56].copy().view(np.uint16)
+    nibbles = (d.view(np.uint16)[..., None] >> np.arange(0, 16, 4, dtype=np.uint16)) & 15
+    data[..., 48:56] = ((words & 0x0FFF) | (nibbles << 12)).view(np.uint8)
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
-    """Random, valid blocks of `qtype` (every quantized type, the K-quants included, which gguf-py cannot
-    quantize): random bytes with each block's f16 scales set to small finite values, so the weights are
-    about as small as a checkpoint's (|w| < ~0.1)."""
+    """Random, valid blocks of `qtype` (every quantized type, the K- and i-quants included, which gguf-py
+    cannot quantize): random bytes with each block's f16 scales set to small finite values, so the weights
+    are about as small as a checkpoint's (|w| < ~0.1)."""
     kind = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[kind]
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    # a K-quant's weight is its f16 scale times a 6- or 8-bit sub-scale times q: smaller f16 scales
-    low, high = (1e-5, 1e-4) if qtype.endswith("_K") else (1e-3, 1e-2)
-    for at in _F16_AT[qtype]:
+    # a K- or i-quant's weight is its f16 scale times a sub-scale times q (IQ4_NL's q up to 127, IQ2's 43):
+    # smaller f16 scales
+    if qtype.endswith("_K") or qtype in ("IQ4_XS", "IQ3_XXS", "IQ3_S"):
+        low, high = 1e-5, 1e-4
+    elif qtype.startswith(("IQ4", "IQ2")):
+        low, high = 1e-4, 1e-3
+    else:
+        low, high = 1e-3, 1e-2
+    if qtype == "IQ1_M":
+        _iq1_m_scales(data, rng.uniform(low, high, (rows, cols // block)).astype(np.float16))
+    for at in _F16_AT.get(qtype, []):
         values = rng.uniform(low, high, (rows, cols // block)).astype(np.float16)
         data[..., at : at + 2] = values.view(np.uint8).reshape(rows, cols // block, 2)
     return GGUFBlocks(qtype, cols, data.reshape(rows, -1))

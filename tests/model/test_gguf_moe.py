@@ -126,13 +126,6 @@ def test_what_the_routers_do_not_compute_is_refused_by_name(
     assert "\n" not in str(e.value)
 
 
-@pytest.fixture
-def int4_path(monkeypatch, int4_reference_path):
-    """A CPU load as a GPU's: every projection and expert on the int4/int8 path, exact against their
-    dequantized weights (the reference path)."""
-    monkeypatch.setattr(loader, "gguf_kept", lambda path, device: "int4" if path.suffix == ".gguf" else "")
-
-
 @pytest.mark.parametrize(
     ("arch", "qtype", "label"),
     [
@@ -173,6 +166,19 @@ def test_a_float_mixtral_file_is_the_checkpoints_model(ckpt_factory, tmp_path):
         assert check_greedy(out, hf_greedy(ref, p, MAX_NEW)) is None
 
 
+def _prompt_logprobs_equal_transformers(ckpt, path, tmp_path):
+    """Every prompt position's logprob equals transformers' reading the same file, within 1e-3."""
+    prompts = make_prompts(1000, n=2, max_len=24, shared_prefix=4)
+    outs = _generate(path, prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    ref = _reference(ckpt, path, tmp_path)
+    for prompt, out in zip(prompts, outs):
+        ours = torch.tensor([next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]])
+        theirs = (
+            hf_logits(ref, prompt).log_softmax(-1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        )
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-3)
+
+
 def test_a_q4_k_m_files_experts_hold_gate_up_and_down_each_in_its_form(ckpt_factory, tmp_path, int4_path):
     """llama.cpp's Q4_K_M mix (random blocks: gguf-py cannot write K-quants): gate/up Q4_K as 4 bits in
     groups of 32, down Q6_K (of 3 layers, in the last) as 8 bits in groups of 16, Q4_K elsewhere; every
@@ -184,15 +190,20 @@ def test_a_q4_k_m_files_experts_hold_gate_up_and_down_each_in_its_form(ckpt_fact
     labels = [m.weight_format for m in _experts(model)]
     mixed = "Q4_K as int4 g32, down Q6_K as int8 g16 experts"
     assert labels == ["Q4_K as int4 g32 experts"] * 2 + [mixed], labels
-    prompts = make_prompts(1000, n=2, max_len=24, shared_prefix=4)
-    outs = _generate(path, prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    ref = _reference(ckpt, path, tmp_path)
-    for prompt, out in zip(prompts, outs):
-        ours = torch.tensor([next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]])
-        theirs = (
-            hf_logits(ref, prompt).log_softmax(-1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-        )
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-3)
+    _prompt_logprobs_equal_transformers(ckpt, path, tmp_path)
+
+
+@pytest.mark.parametrize(("qtype", "form"), [("IQ3_S", "int4 g32"), ("IQ2_XS", "int8 g16")])
+def test_i_quant_experts_hold_the_files_values(ckpt_factory, tmp_path, int4_path, qtype, form):
+    """A mixture written in an i-quant (random blocks; IQ3_S's 4 bits with a zero of 7.5, IQ2_XS's lattice
+    in 8 bits in groups of 16): every expert held in that form, every prompt position's logprob equal to
+    transformers' reading the same file."""
+    wide = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, head_dim=64)
+    ckpt = ckpt_factory("qwen3_moe", **_TINY["qwen3_moe"], **wide)
+    path = write_random_gguf(ckpt, tmp_path / f"m.{qtype}.gguf", qtype)
+    model = loader.load_model(path, torch.float32, CPU)
+    assert [m.weight_format for m in _experts(model)] == [f"{qtype} as {form} experts"] * 2
+    _prompt_logprobs_equal_transformers(ckpt, path, tmp_path)
 
 
 def test_on_one_cpu_rank_the_experts_run_the_cpus_kernels(ckpt_factory, tmp_path):

@@ -126,8 +126,8 @@ def test_embedding_rows_read_from_the_file_are_its_weights(qtype):
 
 
 def test_an_unknown_type_is_refused_by_name():
-    b = GGUFBlocks("IQ4_NL", 32, np.zeros((4, 18), dtype=np.uint8))
-    with pytest.raises(ValueError, match="IQ4_NL is not run quantized"):
+    b = GGUFBlocks("MXFP4", 32, np.zeros((4, 17), dtype=np.uint8))
+    with pytest.raises(ValueError, match="MXFP4 is not run quantized"):
         linear_method([b], None)
 
 
@@ -248,11 +248,11 @@ def test_a_file_with_a_type_gapless_does_not_read_is_refused_by_name(ckpt_factor
         gguf.quants,
         "quantize",
         lambda w, kind: (
-            np.zeros((w.shape[0], w.shape[1] // 32 * 18), np.uint8) if kind == GQ.IQ4_NL else real(w, kind)
+            np.zeros((w.shape[0], w.shape[1] // 32 * 17), np.uint8) if kind == GQ.MXFP4 else real(w, kind)
         ),
     )
-    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "iq.gguf", "IQ4_NL")
-    with pytest.raises(ValueError, match=r"GGUF tensor type IQ4_NL \(e\.g\. .*\) in .* is not supported"):
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "mx.gguf", "MXFP4")
+    with pytest.raises(ValueError, match=r"GGUF tensor type MXFP4 \(e\.g\. .*\) in .* is not supported"):
         load_model_config(path)
 
 

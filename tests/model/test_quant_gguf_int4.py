@@ -10,7 +10,7 @@ import torch
 
 from gapless import LLM, SamplingParams
 from gapless.model import layers, loader, parallel
-from gapless.model.quant import weights_held
+from gapless.model.quant import gguf_iq, weights_held
 from gapless.model.quant.gguf_blocks import AFFINE, INT4_TYPES, int8_rows
 from gapless.model.quant.gguf_int4 import spec_for, unpacked
 from gapless.model.quant.int4 import Int4LinearMethod
@@ -36,7 +36,7 @@ def test_4_bit_types_hold_the_files_values_in_groups_of_32(qtype):
     torch.testing.assert_close(w.dequantize()[3, : flat.numel()], flat, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", sorted(AFFINE))
+@pytest.mark.parametrize("qtype", sorted(set(AFFINE) - set(gguf_iq.FORMS)))  # (the i-quants: test_gguf_iq)
 def test_the_other_types_hold_the_files_values_and_scales(qtype):
     """Q8_0, Q5_0/Q5_1, Q5_K, Q6_K, Q3_K and Q2_K: their own values in groups of their own scales
     (`AFFINE`; Q3_K's 6-bit scales unpacked from their two places), the file's weights to float32's
@@ -100,13 +100,6 @@ def test_on_cuda_the_blocks_decode_as_on_the_cpu(qtype):
     on_cpu, on_gpu = unpacked(b, spec), unpacked(b, spec, "cuda")
     for a, g in zip(on_cpu.tensors, on_gpu.tensors):
         assert g.is_cuda and torch.equal(a, g.cpu())
-
-
-@pytest.fixture
-def int4_path(monkeypatch, int4_reference_path):
-    """A CPU load as a GPU's: the projections on the int4/int8 path, exact against their dequantized
-    weights (the reference path), the embedding table and head as floats."""
-    monkeypatch.setattr(loader, "gguf_kept", lambda path, device: "int4" if path.suffix == ".gguf" else "")
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"])

@@ -1,8 +1,9 @@
 """A GGUF file's quantized matrices as the file stores them (`GGUFBlocks`), and their values in the forms
-gapless runs them in: int4 in groups of 32 (`int4_parts`: Q4_0, Q4_1 and Q4_K, exact), the other types'
-own values and scales (`affine_parts`, exact) and int8 rows (`int8_rows`: every type,
-requantized with one scale a row). `gguf_cpu` runs the first and the last through torch's CPU kernels;
-`gguf_int4` hands them to the int4/int8 weight-only path (a GPU's kernels, tensor parallelism).
+gapless runs them in: int4 in groups of 32 (`int4_parts`: Q4_0, Q4_1 and Q4_K, exact), every type's own
+values and scales (`affine_parts`, exact; the i-quants' from their tables, `gguf_iq`) and int8 rows
+(`int8_rows`: every type, requantized with one scale a row). `gguf_cpu` runs the first and the last
+through torch's CPU kernels; `gguf_int4` hands them to the int4/int8 weight-only path (a GPU's kernels,
+tensor parallelism).
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gapless.model.quant import gguf_iq
+from gapless.model.quant.gguf_bits import bits, f16, nibbles
+
 GROUP = 32  # an int4 form's group: a Q4_0/Q4_1 block, a Q4_K sub-block
 _CHUNK_ROWS = 1024  # rows dequantized at a time on the way to int8
 
 # types the int4 layout holds exactly, and those the CPU requantizes to int8 rows (`gguf_cpu`)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
+INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", *gguf_iq.FORMS)
 QUANTIZED_TYPES = INT4_TYPES + INT8_TYPES
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -49,22 +53,6 @@ def _blocks(b: GGUFBlocks, device: torch.device | str) -> torch.Tensor:
     return data.view(b.rows, -1, block_bytes(b.qtype))
 
 
-def _f16(raw: torch.Tensor) -> torch.Tensor:
-    """Little-endian f16 fields (last axis: 2 bytes each) as float32."""
-    return raw.contiguous().view(torch.float16).float().squeeze(-1)
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """32 weights from 16 bytes each (last axis): low nibbles are weights 0-15, high ones 16-31."""
-    return torch.cat([qs & 15, qs >> 4], dim=-1)
-
-
-def _bits(raw: torch.Tensor, count: int) -> torch.Tensor:
-    """Bits 0 .. count - 1 of each byte (last axis), bit k along a new axis before it."""
-    shifts = torch.arange(count, device=raw.device, dtype=torch.uint8)[:, None]
-    return (raw[..., None, :] >> shifts) & 1
-
-
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K's 8 six-bit (scale, min) pairs per super-block, packed in 12 bytes (llama.cpp's
     `get_scale_min_k4`)."""
@@ -80,21 +68,10 @@ def int4_parts(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q uint8 [rows, cols] in 0..15, scale and zero float32 [rows, cols / 32]) with
     `w = (q - 8) * scale + zero` exactly the file's weights (Q4_0, Q4_1, Q4_K), read on `device`."""
-    rows, blk = b.rows, _blocks(b, device)
-    if b.qtype == "Q4_0":
-        scale = _f16(blk[..., 0:2])
-        return _nibbles(blk[..., 2:]).reshape(rows, -1), scale, torch.zeros_like(scale)
-    if b.qtype == "Q4_1":
-        scale, offset = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
-        return _nibbles(blk[..., 4:]).reshape(rows, -1), scale, offset + 8 * scale
-    if b.qtype == "Q4_K":
-        d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
-        sc, mn = _k_scales(blk[..., 4:16])
-        qs = blk[..., 16:].reshape(rows, -1, 4, 32)
-        q = torch.stack([qs & 15, qs >> 4], dim=3)  # [rows, super-blocks, 4, 2 (sub-block), 32]
-        scale, offset = (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
-        return q.reshape(rows, -1), scale, offset + 8 * scale
-    raise ValueError(f"{b.qtype} has no int4 layout; the int4 types are {', '.join(INT4_TYPES)}")
+    if b.qtype not in INT4_TYPES:
+        raise ValueError(f"{b.qtype} has no int4 layout; the int4 types are {', '.join(INT4_TYPES)}")
+    q, scale, offset = _affine(b.qtype, _blocks(b, device))
+    return q, scale, offset + 8 * scale
 
 
 # the other types an affine form `w = (q - zero) * scale` holds exactly: (bits its values take, the weights
@@ -107,7 +84,9 @@ AFFINE = {
     "Q6_K": (8, 16),
     "Q3_K": (4, 16),
     "Q2_K": (4, 16),
+    **gguf_iq.FORMS,
 }
+_FORMS = {t: (4, GROUP) for t in INT4_TYPES} | AFFINE  # (every type's)
 
 
 def _group_scales(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,17 +94,17 @@ def _group_scales(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     offset` over each group of the type's, q its unsigned values (`_values`), read from the blocks'
     headers as llama.cpp's dequantization takes them (ggml-quants.c)."""
     rows = blk.shape[0]
-    if qtype in ("Q8_0", "Q5_0"):  # (q - 128) * d, (q - 16) * d
-        d = _f16(blk[..., 0:2])
-        return d, -d * (128 if qtype == "Q8_0" else 16)
-    if qtype == "Q5_1":  # q * d + m
-        return _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
-    if qtype == "Q5_K":  # d * sc * q - dmin * m, 8 groups of 32 a super-block (Q4_K's scales)
-        d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
+    if qtype in ("Q8_0", "Q5_0", "Q4_0"):  # (q - 128) * d, (q - 16) * d, (q - 8) * d
+        d = f16(blk[..., 0:2])
+        return d, -d * {"Q8_0": 128, "Q5_0": 16, "Q4_0": 8}[qtype]
+    if qtype in ("Q5_1", "Q4_1"):  # q * d + m
+        return f16(blk[..., 0:2]), f16(blk[..., 2:4])
+    if qtype in ("Q5_K", "Q4_K"):  # d * sc * q - dmin * m, 8 groups of 32 a super-block
+        d, dmin = f16(blk[..., 0:2])[..., None], f16(blk[..., 2:4])[..., None]
         sc, mn = _k_scales(blk[..., 4:16])
         return (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
     if qtype == "Q6_K":  # d * sc * (q - 32), 16 groups of 16, sc int8
-        d = _f16(blk[..., 208:210])[..., None]
+        d = f16(blk[..., 208:210])[..., None]
         scale = (d * blk[..., 192:208].contiguous().view(torch.int8).float()).reshape(rows, -1)
         return scale, -32 * scale
     if qtype == "Q3_K":  # d * (sc - 32) * (q - 4), 16 groups of 16, sc 6 bits: its low 4 in bytes
@@ -134,11 +113,11 @@ def _group_scales(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         raw = blk[..., 96:108].to(torch.int32)
         low = torch.cat([raw[..., 0:8] & 15, raw[..., 0:8] >> 4], dim=-1)
         top = torch.stack([(raw[..., 8:12] >> (2 * k)) & 3 for k in range(4)], dim=-2).flatten(-2)
-        scale = (_f16(blk[..., 108:110])[..., None] * ((low | (top << 4)) - 32)).reshape(rows, -1)
+        scale = (f16(blk[..., 108:110])[..., None] * ((low | (top << 4)) - 32)).reshape(rows, -1)
         return scale, -4 * scale
     # Q2_K: d * (s & 15) * q - dmin * (s >> 4), 16 groups of 16
     s = blk[..., 0:16].to(torch.int32)
-    d, dmin = _f16(blk[..., 80:82])[..., None], _f16(blk[..., 82:84])[..., None]
+    d, dmin = f16(blk[..., 80:82])[..., None], f16(blk[..., 82:84])[..., None]
     return (d * (s & 15)).reshape(rows, -1), (-dmin * (s >> 4)).reshape(rows, -1)
 
 
@@ -148,14 +127,19 @@ def _values(qtype: str, blk: torch.Tensor) -> torch.Tensor:
     rows = blk.shape[0]
     if qtype == "Q8_0":  # 32 int8 values after d: + 128, the sign bit flipped
         q = blk[..., 2:34] ^ 128
+    elif qtype in ("Q4_0", "Q4_1"):  # 16 bytes of nibbles after d (and m)
+        q = nibbles(blk[..., 2 if qtype == "Q4_0" else 4 :])
+    elif qtype == "Q4_K":  # 4 runs of 64 weights: 32 bytes, low nibbles the first 32, high ones the next
+        qs = blk[..., 16:].reshape(rows, -1, 4, 32)
+        q = torch.stack([qs & 15, qs >> 4], dim=3)
     elif qtype in ("Q5_0", "Q5_1"):  # qh (4 bytes: bit j value j's fifth), then 16 bytes of nibbles
         at = 2 if qtype == "Q5_0" else 4
-        high = _bits(blk[..., at : at + 4], 8).transpose(-1, -2).flatten(-2)  # bit j of the 32-bit word
-        q = _nibbles(blk[..., at + 4 : at + 20]) | (high << 4)
+        high = bits(blk[..., at : at + 4], 8).transpose(-1, -2).flatten(-2)  # bit j of the 32-bit word
+        q = nibbles(blk[..., at + 4 : at + 20]) | (high << 4)
     elif qtype == "Q5_K":  # 8 sub-blocks of 32: qs's nibbles (low: even ones), qh's bit k for sub-block k
         ql = blk[..., 48:176].reshape(rows, -1, 4, 1, 32)
         low = torch.cat([ql & 15, ql >> 4], dim=3).flatten(2, 3)  # [rows, super-blocks, 8, 32]
-        q = low | (_bits(blk[..., 16:48], 8) << 4)
+        q = low | (bits(blk[..., 16:48], 8) << 4)
     elif qtype == "Q6_K":  # two halves of 128: ql's nibbles (4 bits) and qh's pairs (2 bits), in 4 runs of 32
         ql, qh = blk[..., 0:128].reshape(rows, -1, 2, 64), blk[..., 128:192].reshape(rows, -1, 2, 32)
         runs = [ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4]
@@ -167,7 +151,7 @@ def _values(qtype: str, blk: torch.Tensor) -> torch.Tensor:
         shifts = torch.arange(0, 8, 2, device=blk.device, dtype=torch.uint8)[:, None]
         q = (qs >> shifts) & 3  # [rows, super-blocks, 2, 4, 32]
         if qtype == "Q3_K":
-            q = q | (_bits(blk[..., 0:32], 8).view(q.shape) << 2)
+            q = q | (bits(blk[..., 0:32], 8).view(q.shape) << 2)
     return q.reshape(rows, -1)
 
 
@@ -180,17 +164,23 @@ def zero_form(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.where(flat, offset, scale), zero, flat
 
 
+def _affine(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [rows, cols], scale and offset float32 [rows, groups]) of any quantized type's blocks
+    (`_blocks`): `w = q * scale + offset`, over each of the type's groups (`_FORMS`)."""
+    if qtype in gguf_iq.FORMS:
+        return gguf_iq.parts(qtype, blk)
+    return (_values(qtype, blk), *_group_scales(qtype, blk))
+
+
 def affine_parts(
     b: GGUFBlocks, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q int16 [rows, cols], scale and zero float32 [rows, groups]) of an `AFFINE` type, `w = (q - zero) *
-    scale` its weights (`zero_form`): values and scales read from the blocks (`_values`, `_group_scales`)
-    on `device`."""
-    bits, group = AFFINE[b.qtype]
-    blk = _blocks(b, device)
-    scale, zero, flat = zero_form(*_group_scales(b.qtype, blk))
-    q = _values(b.qtype, blk).to(torch.int16)
-    q.view(b.rows, -1, group)[flat] = 1
+    """(q int16 [rows, cols], scale and zero float32 [rows, groups]) of any quantized type, `w = (q - zero)
+    * scale` its weights (`zero_form`): values and scales read from the blocks (`_affine`) on `device`."""
+    q, scale, offset = _affine(b.qtype, _blocks(b, device))
+    scale, zero, flat = zero_form(scale, offset)
+    q = q.to(torch.int16)
+    q.view(b.rows, -1, _FORMS[b.qtype][1])[flat] = 1
     return q, scale, zero
 
 
@@ -204,7 +194,7 @@ def dequantize_rows(b: GGUFBlocks, start: int, stop: int) -> torch.Tensor:
             stop - start, -1, 34
         )
         q = blk[..., 2:].contiguous().view(torch.int8)
-        return (q.float() * _f16(blk[..., 0:2])[..., None]).reshape(stop - start, b.cols)
+        return (q.float() * f16(blk[..., 0:2])[..., None]).reshape(stop - start, b.cols)
 
     w = quants.dequantize(b.data[start:stop], GGMLQuantizationType[b.qtype])
     return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(stop - start, b.cols))

@@ -39,10 +39,8 @@ from gapless.model.quant.gguf_blocks import (
     INT4_TYPES,
     GGUFBlocks,
     affine_parts,
-    int4_parts,
     int8_rows,
     label,
-    zero_form,
 )
 from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 
@@ -75,13 +73,7 @@ def unpacked(b: GGUFBlocks, spec: Int4Spec, device: torch.device | str = "cpu") 
         q, scale = int8_rows(b)
         rows = torch.full((b.rows, 1), 128.0)
         return Unpacked(q.to(torch.int16) + 128, scale.float()[:, None], rows).map(lambda t: t.to(device))
-    if b.qtype in INT4_TYPES:
-        q, scale, z0 = int4_parts(b, device)  # w = (q - 8) * scale + z0
-        scale, zero, flat = zero_form(scale, (z0.double() - 8 * scale.double()).float())
-        q = q.to(torch.int16)
-        q.view(b.rows, -1, GROUP)[flat] = 1
-    else:
-        q, scale, zero = affine_parts(b, device)
+    q, scale, zero = affine_parts(b, device)
     per = b.cols // scale.shape[1] // spec.group_size  # (each of its groups, in the projection's)
     return Unpacked(q, scale.repeat_interleave(per, 1), zero.repeat_interleave(per, 1))
 

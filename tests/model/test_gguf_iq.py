@@ -1,0 +1,117 @@
+"""GGUF's i-quants (`gapless.model.quant.gguf_iq`): each type's values and scales against the `gguf`
+package's dequantization bit for bit, the form each is held in, and whole models written in them against
+transformers reading the same file, on the int4/int8 path (a GPU's, tensor parallelism) and the CPU's
+kernels (int8 rows)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gapless import LLM, SamplingParams
+from gapless.model import layers
+from gapless.model.quant import gguf_iq, weights_held
+from gapless.model.quant.gguf_blocks import affine_parts, dequantize_rows
+from gapless.model.quant.gguf_int4 import spec_for, unpacked
+from gapless.model.quant.int4 import Int4LinearMethod
+from gapless.testing.gguf_files import random_blocks
+from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
+from tests.model.test_quant_gguf import MAX_NEW, NEAR_TIE, _dequantized, _k_quant_gguf
+
+
+def _zero_first_scale(b, qtype: str, row: int) -> None:
+    """Row `row`'s first block's f16 scale set to 0 (IQ1_M's is the top nibbles of its four scale words)."""
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
+    blk = b.data.reshape(b.rows, -1, size)
+    if qtype == "IQ1_M":
+        blk[row, 0, 49:56:2] &= 0x0F
+    else:
+        blk[row, 0, 0:2] = 0
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_iq.FORMS))
+def test_each_i_quant_is_the_files_weights_bit_for_bit(qtype):
+    """The values (table levels, lattice points with their signs) and group scales read from the blocks
+    are the file's weights exactly, in the form `FORMS` gives (IQ3_S and IQ1_* in 4 bits with a zero of
+    7.5 or 4.5, the rest in 8), a block whose scale is 0 too; on the CPU's kernels groups of 16 are int8
+    rows."""
+    bits, group = gguf_iq.FORMS[qtype]
+    b = random_blocks(qtype, 24, 512)
+    _zero_first_scale(b, qtype, 5)
+    ref = _dequantized(b)
+    assert bool((ref[5, :32] == 0).all()) and ref.abs().max() > 0
+    spec = spec_for([b])
+    assert (spec.bits, spec.group_size) == (bits, group) and spec.label == f"{qtype} as int{bits} g{group}"
+    w = unpacked(b, spec)
+    assert int(w.q.min()) >= 0 and int(w.q.max()) < 1 << bits and w.scale.shape == (24, 512 // group)
+    torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=0)
+    assert spec_for([b], cpu=True).group_size == (-1 if group < 32 else group)
+    # the same values whatever the rows read (a chunked read), and the float rows the CPU's int8 rows and
+    # the embedding table take are gguf's
+    q, scale, zero = affine_parts(b)
+    part = type(b)(qtype, b.cols, b.data[7:19])
+    assert all(torch.equal(a[7:19], p) for a, p in zip((q, scale, zero), affine_parts(part)))
+    torch.testing.assert_close(dequantize_rows(b, 7, 19), ref[7:19], rtol=0, atol=0)
+
+
+def test_the_sign_parity_and_the_levels_are_llama_cpps():
+    """The 7-bit sign indices' eighth sign is their parity (llama.cpp's `ksigns_iq2xs` table, which gguf
+    ships), and IQ4's levels are its 16 non-uniform ones."""
+    ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
+    assert gguf_iq._even_signs(torch.arange(128)).tolist() == ksigns.tolist()
+    assert gguf_iq._table("IQ4_XS").tolist() == list(gguf.quants.IQ4_NL.kvalues)
+
+
+def test_an_unknown_type_is_refused_where_blocks_are_read():
+    blk = torch.zeros(2, 1, 66, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="TQ2_0 is not an i-quant"):
+        gguf_iq.parts("TQ2_0", blk)
+
+
+WIDE = dict(hidden_size=256, intermediate_size=256, head_dim=64)  # (i-quants' super-blocks are 256 wide)
+
+
+def _model_of(ckpt_factory, tmp_path, monkeypatch, qtype):
+    ckpt = ckpt_factory("llama", rope_scaling=None, **WIDE)
+    return _k_quant_gguf(ckpt, tmp_path / f"llama.{qtype}.gguf", monkeypatch, qtype)
+
+
+def _check_against_transformers(path, qtype, tol):
+    from transformers import AutoModelForCausalLM
+
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
+        ours = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        model = llm.engine.runner.model
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    notes = [check_greedy(out, hf_greedy(ref, p, MAX_NEW), tol=tol) for out, p in zip(ours, prompts)]
+    print(f"{qtype}: {sum(n is not None for n in notes)} of {len(prompts)} diverged at a near-tie")
+    return model
+
+
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ3_S", "IQ2_XS", "IQ1_M"])
+def test_greedy_on_the_int4_path_equals_transformers(ckpt_factory, tmp_path, monkeypatch, int4_path, qtype):
+    """A whole model in each form (8 bits in groups of 32 and 16, 4 bits with a fractional zero in groups
+    of 32 and 16), every projection on the int4/int8 path as a GPU holds it: transformers' greedy tokens
+    reading the same file, divergences at near-ties only."""
+    path = _model_of(ckpt_factory, tmp_path, monkeypatch, qtype)
+    model = _check_against_transformers(path, qtype, NEAR_TIE["int4"])
+    bits, group = gguf_iq.FORMS[qtype]
+    projections = [m for m in model.modules() if isinstance(m, layers._Linear) and m is not model.lm_head]
+    assert weights_held(model)[0][f"{qtype} as int{bits} g{group}"] == len(projections)
+    assert all(isinstance(m.linear_method, Int4LinearMethod) for m in projections)
+
+
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ2_XXS"])
+def test_greedy_on_the_cpus_kernels_equals_transformers(ckpt_factory, tmp_path, monkeypatch, qtype):
+    """The CPU's default layout holds an i-quant's projections as int8 rows (requantized from the file's
+    weights) and runs them on torch's int8 kernels: transformers' greedy tokens, near-ties aside."""
+    path = _model_of(ckpt_factory, tmp_path, monkeypatch, qtype)
+    model = _check_against_transformers(path, qtype, NEAR_TIE["int8"])
+    formats = weights_held(model)[0]
+    assert any(f.startswith(f"{qtype} as int8 per-row") for f in formats), formats
