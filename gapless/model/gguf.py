@@ -54,7 +54,6 @@ _MIXTURES = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM"}
 # whether llama.cpp renormalises the chosen experts' weights (its `norm_w`), where the file does not say
 # (`expert_weights_norm`): Qwen3-MoE yes, Qwen2-MoE no (Mixtral always, whatever the config)
 _NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}
-_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # (Hugging Face names)
 # float in every format gapless reads, quantized in a file or not: a mixture's router, its shared expert's
 # gate (both tiny; llama.cpp's converter keeps them F32)
 _ALWAYS_FLOAT = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
@@ -189,7 +188,7 @@ def quantized_types(path: str | Path) -> dict[str, str]:
     arch = metadata(path)["general.architecture"]
     for t in _tensors(path):
         name = hf_name(t.name, arch)
-        if name is None or not _as_blocks(t, name, True, True):
+        if name is None or not _as_blocks(t, name, True):
             continue
         experts = int(t.shape[2]) if len(t.shape) == 3 else 0
         for one in [_expert_name(name, e) for e in range(experts)] if experts else [name]:
@@ -393,10 +392,10 @@ def dequantize(tensor: Any) -> np.ndarray:
     return quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
 
 
-def _as_blocks(tensor: Any, name: str, keep_quantized: bool, tables: bool) -> bool:
+def _as_blocks(tensor: Any, name: str, keep_quantized: bool) -> bool:
     """Whether `iter_weights` gives the tensor as its blocks (else dequantized)."""
     quantized = keep_quantized and tensor.tensor_type.name in QUANTIZED_TYPES and len(tensor.shape) >= 2
-    return quantized and (tables or name not in _TABLES) and not name.endswith(_ALWAYS_FLOAT)
+    return quantized and not name.endswith(_ALWAYS_FLOAT)
 
 
 def _expert_name(stacked: str, expert: int) -> str:
@@ -405,12 +404,12 @@ def _expert_name(stacked: str, expert: int) -> str:
 
 
 def iter_weights(
-    path: str | Path, keep_quantized: bool = False, tables: bool = True
+    path: str | Path, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """(Hugging Face name, float32 tensor) for each tensor the model uses, q/k rows unpermuted, a
     mixture's stacked experts one expert at a time (`...experts.3.gate_proj.weight`, as a checkpoint
     stores them); with `keep_quantized`, a quantized matrix comes as its blocks (`GGUFBlocks`, rows in the
-    same order), the embedding table and LM head too unless `tables` is False (a router never)."""
+    same order), the embedding table and LM head too (a router never)."""
     meta = metadata(path)
     arch = meta["general.architecture"]
     heads = int(meta[f"{arch}.attention.head_count"])
@@ -420,7 +419,7 @@ def iter_weights(
         if name is None:
             continue
         kind = tensor.tensor_type.name
-        blocks = _as_blocks(tensor, name, keep_quantized, tables)
+        blocks = _as_blocks(tensor, name, keep_quantized)
         rows = int(np.prod([int(n) for n in tensor.shape[1:]]))
         # the blocks of a row are its bytes: as [rows, bytes per row] they permute like the weights
         w = np.asarray(tensor.data).reshape(rows, -1) if blocks else dequantize(tensor)

@@ -224,7 +224,8 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = -(-vocab_size // tp.size)
         self.first = tp.rank * self.rows
         self.weight = _set_loader(nn.Parameter(torch.empty(self.rows, dim)), self.load_shard)
-        # the table kept quantized, when the loader chose so (one rank): `lookup(ids)` gives float rows
+        # this rank's rows kept quantized, where the loader chose so (a GGUF file's table): `lookup(ids,
+        # dtype)` gives them as floats
         self.quantized_rows: Any = None
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
@@ -232,14 +233,17 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quantized_rows is not None:
             return self.quantized_rows.lookup(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.first
         outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0.0))
 
 

@@ -91,7 +91,7 @@ def safetensors_files(path: Path) -> list[Path]:
 def gguf_kept(path: Path, device: torch.device) -> str:
     """How a load of `path` keeps a GGUF file's quantized matrices: "cpu" on a CPU with one rank
     (`gguf_cpu`'s layers, the embedding table read from the file), "int4" on a GPU or across ranks (the
-    projections on the int4/int8 path, `gguf_int4`; the embedding table and LM head as floats), or ""
+    projections and the LM head on the int4/int8 path, the table as its blocks: `gguf_int4`), or ""
     (not a GGUF file, or `GAPLESS_GGUF_WEIGHTS=dequantize`: every matrix a float weight)."""
     if not is_gguf_file(path) or env.GGUF_WEIGHTS.get() == "dequantize":
         return ""
@@ -103,7 +103,7 @@ def iter_weights(path: Path, gguf_blocks: str = "") -> Iterator[tuple[str, torch
     with a progress bar on stderr (by bytes read: a big model loads for minutes, and the bar shows it
     moving). A GGUF file's quantized matrices come as their blocks as `gguf_blocks` (`gguf_kept`) says."""
     if is_gguf_file(path):
-        yield from gguf.iter_weights(path, bool(gguf_blocks), tables=gguf_blocks == "cpu")
+        yield from gguf.iter_weights(path, bool(gguf_blocks))
         return
     files = safetensors_files(path)
     with tqdm(

@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from gapless import LLM, SamplingParams
-from gapless.model import layers
 from gapless.model.quant import gguf_iq, weights_held
 from gapless.model.quant.gguf_blocks import affine_parts, dequantize_rows
 from gapless.model.quant.gguf_int4 import spec_for, unpacked
-from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.gguf_files import random_blocks
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 from tests.model.test_quant_gguf import MAX_NEW, NEAR_TIE, _dequantized, _k_quant_gguf
+from tests.model.test_quant_gguf_int4 import assert_kept_on_the_path
 
 
 def _zero_first_scale(b, qtype: str, row: int) -> None:
@@ -61,7 +60,7 @@ def test_the_sign_parity_and_the_levels_are_llama_cpps():
     ships), and IQ4's levels are its 16 non-uniform ones."""
     ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
     assert gguf_iq._even_signs(torch.arange(128)).tolist() == ksigns.tolist()
-    assert gguf_iq._table("IQ4_XS").tolist() == list(gguf.quants.IQ4_NL.kvalues)
+    assert gguf_iq._table("IQ4_XS", torch.device("cpu")).tolist() == list(gguf.quants.IQ4_NL.kvalues)
 
 
 def test_an_unknown_type_is_refused_where_blocks_are_read():
@@ -102,9 +101,7 @@ def test_greedy_on_the_int4_path_equals_transformers(ckpt_factory, tmp_path, mon
     path = _model_of(ckpt_factory, tmp_path, monkeypatch, qtype)
     model = _check_against_transformers(path, qtype, NEAR_TIE["int4"])
     bits, group = gguf_iq.FORMS[qtype]
-    projections = [m for m in model.modules() if isinstance(m, layers._Linear) and m is not model.lm_head]
-    assert weights_held(model)[0][f"{qtype} as int{bits} g{group}"] == len(projections)
-    assert all(isinstance(m.linear_method, Int4LinearMethod) for m in projections)
+    assert_kept_on_the_path(model, f"{qtype} as int{bits} g{group}")
 
 
 @pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ2_XXS"])

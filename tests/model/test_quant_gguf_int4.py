@@ -12,7 +12,7 @@ from gapless import LLM, SamplingParams
 from gapless.model import layers, loader, parallel
 from gapless.model.quant import gguf_iq, weights_held
 from gapless.model.quant.gguf_blocks import AFFINE, INT4_TYPES, int8_rows
-from gapless.model.quant.gguf_int4 import spec_for, unpacked
+from gapless.model.quant.gguf_int4 import DeviceRows, spec_for, unpacked
 from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.gguf_files import random_blocks, write_gguf
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
@@ -102,6 +102,15 @@ def test_on_cuda_the_blocks_decode_as_on_the_cpu(qtype):
         assert g.is_cuda and torch.equal(a, g.cpu())
 
 
+def assert_kept_on_the_path(model, label: str) -> None:
+    """Every projection and the LM head on the int4/int8 path in the form `label` names, the embedding
+    table held as the file's blocks (`DeviceRows`)."""
+    gemms = [m for m in model.modules() if isinstance(m, layers._Linear)] + [model.lm_head]
+    assert weights_held(model)[0][label] == len(gemms), weights_held(model)[0]
+    assert all(isinstance(m.linear_method, Int4LinearMethod) for m in gemms)
+    assert isinstance(model.model.embed_tokens.quantized_rows, DeviceRows)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"])
 def test_greedy_equals_transformers_reading_the_file(ckpt_factory, tmp_path, monkeypatch, int4_path, qtype):
     """Each form in a whole model (the K-quants' files random blocks, which gguf-py cannot write from
@@ -119,12 +128,7 @@ def test_greedy_equals_transformers_reading_the_file(ckpt_factory, tmp_path, mon
         model = llm.engine.runner.model
     bits, group = (4, 32) if qtype in INT4_TYPES else AFFINE[qtype]
     label = f"{qtype} as int{bits} g{group}"
-    formats, _ = weights_held(model)
-    projections = [m for m in model.modules() if isinstance(m, layers._Linear) and m is not model.lm_head]
-    assert formats[label] == len(projections) and all(
-        isinstance(m.linear_method, Int4LinearMethod) for m in projections
-    )
-    assert not isinstance(model.lm_head.linear_method, Int4LinearMethod)  # (a float head, as AWQ's)
+    assert_kept_on_the_path(model, label)
     ref = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -133,11 +137,52 @@ def test_greedy_equals_transformers_reading_the_file(ckpt_factory, tmp_path, mon
     print(f"{qtype}: {sum(n is not None for n in notes)} of {len(prompts)} diverged at a near-tie")
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_a_tied_table_is_held_as_blocks_and_its_head_on_the_path(ckpt_factory, tmp_path, int4_path, qtype):
+    """A tied embedding (Qwen2's): the table held as the file's blocks, the head a second, quantized form
+    of the same blocks on the int4/int8 path, no float copy of either; transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(ckpt_factory("qwen2"), tmp_path / f"qwen2.{qtype}.gguf", qtype)
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
+        ours = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        model = llm.engine.runner.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.numel() == 0
+    assert_kept_on_the_path(model, f"{qtype} as int{4 if qtype in INT4_TYPES else 8} g32")
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tol = NEAR_TIE["int4" if qtype in INT4_TYPES else "int8"]
+    for out, p in zip(ours, prompts):
+        check_greedy(out, hf_greedy(ref, p, MAX_NEW), tol=tol)
+
+
+@pytest.mark.slow  # (two tensor-parallel rank processes, ~10 s)
+def test_two_ranks_over_a_tied_gguf_give_transformers_tokens(ckpt_factory, tmp_path):
+    """Tensor parallelism (gloo, one process per rank) over a tied GGUF file on the CPU's kernels: each
+    rank looks up its rows of the table's blocks, its head rows on the int4 kernel; the greedy tokens are
+    transformers' reading the file."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(ckpt_factory("qwen2"), tmp_path / "qwen2.Q4_1.gguf", "Q4_1")
+    prompts = make_prompts(1000, n=2, max_len=30, shared_prefix=8)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2) as llm:
+        ours = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    notes = [check_greedy(o, hf_greedy(ref, p, MAX_NEW), tol=NEAR_TIE["int4"]) for o, p in zip(ours, prompts)]
+    assert sum(n is not None for n in notes) <= 1, notes
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K", "Q3_K"])
 def test_each_rank_holds_its_piece_of_the_files_weights(ckpt_factory, tmp_path, monkeypatch, qtype):
     """Two ranks (on the reference path, `GAPLESS_INT4_KERNEL=triton`: each type's own form, as a GPU
-    holds it): every projection quantized (q/k/v and gate/up cut by rows; o and down by groups), each
-    rank's weight the dequantized file's piece."""
+    holds it): every projection and the head quantized (q/k/v, gate/up and the head cut by rows; o and
+    down by groups), each rank's weight the dequantized file's piece, its embedding rows the file's."""
     wide = dict(hidden_size=256, intermediate_size=256, head_dim=64) if qtype.endswith("_K") else {}
     ckpt = ckpt_factory("llama", rope_scaling=None, **wide)
     path = tmp_path / f"m.{qtype}.gguf"
@@ -149,11 +194,14 @@ def test_each_rank_holds_its_piece_of_the_files_weights(ckpt_factory, tmp_path, 
     _, floats = load_as_ranks(path)
     for part, float_part in zip(ranks, floats):
         for name, m in part.named_modules():
-            if isinstance(m, layers._Linear) and m is not part.lm_head:
+            if isinstance(m, (layers._Linear, layers.ParallelLMHead)):
                 assert isinstance(m.linear_method, Int4LinearMethod), name
                 want = float_part.get_submodule(name).weight
                 got = m.linear_method.dequantized(torch.float32)
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
+        table, float_table = part.model.embed_tokens, float_part.model.embed_tokens.weight
+        rows = table.quantized_rows.lookup(torch.arange(table.rows))  # (this rank's numbering)
+        torch.testing.assert_close(rows, float_table, rtol=0, atol=0)
     assert parallel.current().size == 1
 
 
@@ -260,8 +308,8 @@ def test_each_projection_is_installed_as_soon_as_its_module_is_whole(ckpt_factor
         mp.setattr(GGUFLayers, "_install", recorded)
         mp.setattr(GGUFLayers, "finish", lambda self: (not self.pending) and self.installed > 0)
         model = loader.load_model(path, torch.float32, torch.device("cpu"))
-    projections = [m for m in model.modules() if isinstance(m, layers._Linear) and m is not model.lm_head]
-    assert len(waiting) == len(projections) and max(waiting) <= 1, waiting
+    projections = [m for m in model.modules() if isinstance(m, layers._Linear)]
+    assert len(waiting) == len(projections) + 2 and max(waiting) <= 1, waiting  # (and the table and head)
 
 
 def test_a_float_gguf_on_the_cpu_still_packs_its_gemms(ckpt_factory, tmp_path):

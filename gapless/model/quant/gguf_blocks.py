@@ -184,6 +184,18 @@ def affine_parts(
     return q, scale, zero
 
 
+def decoded_rows(qtype: str, data: torch.Tensor) -> torch.Tensor:
+    """Rows of blocks (uint8 [rows, bytes a row], on any device) as float32 [rows, cols]: `q * scale +
+    offset` (`_affine`) in float64, rounded once, the `gguf` package's dequantization bit for bit (its
+    products of an f16 scale and small integers are exact but the last). Torch ops alone, no host sync:
+    a lookup in a captured graph."""
+    blk = data.view(data.shape[0], -1, block_bytes(qtype))
+    q, scale, offset = _affine(qtype, blk)
+    group = _FORMS[qtype][1]
+    w = q.double().view(*scale.shape, group) * scale.double()[..., None] + offset.double()[..., None]
+    return w.float().view(data.shape[0], -1)
+
+
 def dequantize_rows(b: GGUFBlocks, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) as float32 (the `gguf` package's dequantization; Q8_0's `q * d` in torch, the
     same products, several times faster)."""

@@ -19,8 +19,8 @@ A fused projection (q/k/v, gate/up) whose parts differ (Q4_K_M files write some 
 held in the widest of their bits and the narrowest of their groups (Q4_K with Q6_K: 8 bits in groups of 16,
 every value still the file's), or as int8 rows if one part is (on the CPU). Unlike `gguf_cpu`'s default
 layout, every 4-bit projection stays 4-bit: on a GPU the fewest bytes are the fastest decode. The embedding
-table and the LM head load as float weights (the loader dequantizes them), as an AWQ checkpoint's do.
-Each projection is installed as soon as its module's last shard is read (`GGUFLayers`).
+table is held as the file's blocks, each lookup decoding its rows (`DeviceRows`); the LM head, untied or
+tied, runs on this path. Each module is installed as soon as its last shard is read (`GGUFLayers`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from gapless.model import weight_names
+from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding
 from gapless.model.moe import Experts
 from gapless.model.quant import int4, int4_kernels
 from gapless.model.quant.gguf_blocks import (
@@ -39,6 +42,7 @@ from gapless.model.quant.gguf_blocks import (
     INT4_TYPES,
     GGUFBlocks,
     affine_parts,
+    decoded_rows,
     int8_rows,
     label,
 )
@@ -78,13 +82,32 @@ def unpacked(b: GGUFBlocks, spec: Int4Spec, device: torch.device | str = "cpu") 
     return Unpacked(q, scale.repeat_interleave(per, 1), zero.repeat_interleave(per, 1))
 
 
+class DeviceRows:
+    """Rows of an embedding table (this rank's) held as the file's blocks on the table's device, each lookup
+    decoding the rows it gathers (`decoded_rows`: the file's weights, as a float load's table holds them)."""
+
+    def __init__(self, b: GGUFBlocks, first: int, count: int, device: torch.device) -> None:
+        self.qtype, self.cols = b.qtype, b.cols
+        self.data = torch.from_numpy(np.require(b.data[first : first + count], requirements=["C", "W"]))
+        self.data = self.data.to(device)
+        decoded_rows(self.qtype, self.data[:1])  # (an i-quant's tables placed now, not in a captured graph)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` (this rank's numbering) in `dtype`."""
+        rows = decoded_rows(self.qtype, self.data[ids.reshape(-1)])
+        return rows.view(*ids.shape, self.cols).to(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data]
+
+
 def install_experts(experts: Any, shards: dict[Any, GGUFBlocks], dtype: torch.dtype, where: str) -> None:
     """A mixture's `Experts` from every expert's blocks (shard (expert, "gate" | "up" | "down")), on the
     experts' device: gate/up in the widest bits and narrowest groups of all their experts' (`spec_for`),
     down in its own (a Q4_K_M file's down is Q6_K in some layers, its gate/up Q4_K), each expert's values
     the file's; on the CPU's kernels a form they take (`spec_for`'s `cpu`)."""
     device = experts.gate_up_proj.device
-    cpu = device.type == "cpu" and int4_kernels.chosen() == "auto"
+    cpu = _cpu_kernels(device)
     specs = {
         param: spec_for([shards[s] for s in experts.checkpoint_shards(param) if s in shards], cpu)
         for param in ("gate_up_proj", "down_proj")
@@ -139,8 +162,8 @@ class GGUFModules(ABC):
 class GGUFLayers(GGUFModules):
     """The projections of one GGUF load on this path (`GGUFModules`), each installed by `int4.install`
     (cut for this rank, held in `dtype`, its float weight never made; a mixture's experts
-    `install_experts`); `types` (each matrix's type by name, from the file's header) weighs `auto`'s second
-    copies before the first install."""
+    `install_experts`, the table and head `_install_table`); `types` (each matrix's type by name, from
+    the file's header) weighs `auto`'s second copies before the first install."""
 
     def __init__(self, model: Any, types: dict[str, str], dtype: torch.dtype) -> None:
         super().__init__(model)
@@ -149,12 +172,15 @@ class GGUFLayers(GGUFModules):
         for name, qtype in types.items():
             module = weight_names.target(name)[0].rsplit(".", 1)[0]
             by_module.setdefault(module, []).append(qtype)
-        numel = sum(  # (the layers whose second copy, tinygemm's, `auto` weighs: not experts)
-            model.get_submodule(m).weight.numel()
-            for m, kinds in by_module.items()
-            if m.startswith("model.layers.")
-            and not isinstance(model.get_submodule(m), Experts)
-            and all(k in INT4_TYPES for k in kinds)
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        gemms = [  # (the layers whose second copy, tinygemm's, `auto` weighs: not experts, not a table)
+            m
+            for m in by_module
+            if (m.startswith("model.layers.") and not isinstance(model.get_submodule(m), Experts))
+            or m == ("model.embed_tokens" if tied else "lm_head")
+        ]
+        numel = sum(
+            model.get_submodule(m).weight.numel() for m in gemms if all(k in INT4_TYPES for k in by_module[m])
         )
         self.kernel = int4_kernels.for_model(numel, 4, dtype, model.lm_head.weight.device)
 
@@ -165,11 +191,37 @@ class GGUFLayers(GGUFModules):
         if isinstance(layer, Experts):
             install_experts(layer, shards, self.dtype, name)
             return
+        if isinstance(layer, VocabParallelEmbedding):
+            self._install_table(name, layer, shards)
+            return
         device = layer.weight.device
-        cpu_kernels = device.type == "cpu" and int4_kernels.chosen() == "auto"  # (else the reference path)
-        spec = spec_for(list(shards.values()), cpu_kernels)
+        spec = spec_for(list(shards.values()), _cpu_kernels(device))
         whole = {shard: unpacked(b, spec, device) for shard, b in shards.items()}
         offsets = getattr(layer, "checkpoint_offsets", None)
         if None in whole and offsets:  # (stored fused: each shard its rows)
             whole = int4.split_rows(whole[None], offsets)
         int4.install(layer, whole, spec, self.dtype, name, self.kernel)
+
+    def _install_table(self, name: str, table: VocabParallelEmbedding, shards: dict[Any, GGUFBlocks]) -> None:
+        """The embedding table as its blocks on its device, this rank's rows (`DeviceRows`); the LM head,
+        untied or tied (a second form of the same blocks), on the int4/int8 path, its rows this rank's
+        and padded with zero weights to the head's."""
+        if list(shards) != [None]:
+            raise ValueError(f"{name}: a table of {len(shards)} GGUF matrices")
+        b, device = shards[None], table.weight.device
+        count = max(0, min(table.rows, b.rows - table.first))
+        head = self.model.lm_head
+        if not isinstance(table, ParallelLMHead):
+            table.quantized_rows = DeviceRows(b, table.first, count, device)
+        if table is head or head.weight is table.weight:
+            spec = spec_for([b], _cpu_kernels(device))
+            mine = GGUFBlocks(b.qtype, b.cols, b.data[table.first : table.first + count])
+            w = unpacked(mine, spec, device).map(lambda t: F.pad(t, (0, 0, 0, head.rows - count)))
+            int4.hold(head, w, spec, self.dtype, self.kernel)
+        table.weight.data = table.weight.data.new_empty(0)
+
+
+def _cpu_kernels(device: torch.device) -> bool:
+    """Whether int4/int8 layers on `device` run torch's CPU kernels (`auto` on a CPU; else the GPU's, or
+    the reference path)."""
+    return device.type == "cpu" and int4_kernels.chosen() == "auto"

@@ -37,21 +37,21 @@ _UNSIGNED = {"IQ3_S": (15, 2), "IQ1_S": (9, 2), "IQ1_M": (9, 2)}
 
 
 @functools.cache
-def _table(qtype: str) -> torch.Tensor:
+def _table(qtype: str, device: torch.device) -> torch.Tensor:
     """`qtype`'s levels (IQ4: int16 [16]) or lattice (int16 [points, 4 or 8]; IQ1's in {-1, 0, 1}), from
-    the `gguf` package's tables."""
+    the `gguf` package's tables, on `device` (kept: a lookup in a captured graph copies nothing)."""
     from gguf import quants
 
     if qtype.startswith("IQ4"):
-        return torch.tensor(quants.IQ4_NL.kvalues, dtype=torch.int16)
+        return torch.tensor(quants.IQ4_NL.kvalues, dtype=torch.int16, device=device)
     kind = getattr(quants, qtype)
     kind.init_grid()
-    return torch.from_numpy(np.asarray(kind.grid).reshape(kind.grid_shape).astype(np.int16))
+    return torch.from_numpy(np.asarray(kind.grid).reshape(kind.grid_shape).astype(np.int16)).to(device)
 
 
 def _lookup(qtype: str, index: torch.Tensor) -> torch.Tensor:
     """The levels or lattice points at `index` (int16; a lattice's along a new last axis)."""
-    return _table(qtype).to(index.device)[index.to(torch.int32)]
+    return _table(qtype, index.device)[index.to(torch.int32)]
 
 
 def _even_signs(index: torch.Tensor) -> torch.Tensor:

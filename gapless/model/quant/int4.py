@@ -181,14 +181,14 @@ def install(
             f"{where}: quantized weight {tuple(w.q.shape)} does not fit the layer's "
             f"{tuple(layer.weight.shape)}"
         )
-    return _hold(layer, w, spec, dtype, kernel)
+    return hold(layer, w, spec, dtype, kernel)
 
 
 def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
-def _hold(layer: Any, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, kernel: str) -> Int4LinearMethod:
+def hold(layer: Any, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, kernel: str) -> Int4LinearMethod:
     """`layer`'s method from its (this rank's) whole weight `w`; its float weight freed."""
     method = Int4LinearMethod(w, spec, dtype, layer.weight.device, kernel)
     layer.linear_method = method
@@ -330,4 +330,4 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) 
             install_experts(module, shards, spec, dtype, name)
         else:
             n, k = module.weight.shape
-            _hold(module, random_unpacked(n, k, spec, module.weight.device), spec, dtype, kernel)
+            hold(module, random_unpacked(n, k, spec, module.weight.device), spec, dtype, kernel)
