@@ -90,7 +90,8 @@ class DeviceRows:
         self.qtype, self.cols = b.qtype, b.cols
         self.data = torch.from_numpy(np.require(b.data[first : first + count], requirements=["C", "W"]))
         self.data = self.data.to(device)
-        decoded_rows(self.qtype, self.data[:1])  # (an i-quant's tables placed now, not in a captured graph)
+        if count:  # (an i-quant's tables placed now, not in a captured graph)
+            decoded_rows(self.qtype, self.data[:1])
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` (this rank's numbering) in `dtype`."""
