@@ -86,13 +86,13 @@ AFFINE = {
     "Q2_K": (4, 16),
     **gguf_iq.FORMS,
 }
-_FORMS = {t: (4, GROUP) for t in INT4_TYPES} | AFFINE  # (every type's)
+FORMS = {t: (4, GROUP) for t in INT4_TYPES} | AFFINE  # every quantized type's (bits, group)
 
 
 def _group_scales(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, offset) float32 [rows, groups] of an `AFFINE` type's blocks (`_blocks`): `w = q * scale +
-    offset` over each group of the type's, q its unsigned values (`_values`), read from the blocks'
-    headers as llama.cpp's dequantization takes them (ggml-quants.c)."""
+    """(scale, offset) float32 [rows, groups] of a legacy or K-quant type's blocks (`_blocks`; the
+    i-quants': `gguf_iq`): `w = q * scale + offset` over each group of the type's, q its unsigned values
+    (`_values`), read from the blocks' headers as llama.cpp's dequantization takes them (ggml-quants.c)."""
     rows = blk.shape[0]
     if qtype in ("Q8_0", "Q5_0", "Q4_0"):  # (q - 128) * d, (q - 16) * d, (q - 8) * d
         d = f16(blk[..., 0:2])
@@ -122,8 +122,8 @@ def _group_scales(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _values(qtype: str, blk: torch.Tensor) -> torch.Tensor:
-    """An `AFFINE` type's unsigned values, uint8 [rows, cols] in weight order, read from its blocks
-    (`_blocks`) as llama.cpp's `dequantize_row_*` reads them."""
+    """A legacy or K-quant type's unsigned values (the i-quants': `gguf_iq`), uint8 [rows, cols] in weight
+    order, read from its blocks (`_blocks`) as llama.cpp's `dequantize_row_*` reads them."""
     rows = blk.shape[0]
     if qtype == "Q8_0":  # 32 int8 values after d: + 128, the sign bit flipped
         q = blk[..., 2:34] ^ 128
@@ -166,7 +166,7 @@ def zero_form(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, 
 
 def _affine(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q uint8 [rows, cols], scale and offset float32 [rows, groups]) of any quantized type's blocks
-    (`_blocks`): `w = q * scale + offset`, over each of the type's groups (`_FORMS`)."""
+    (`_blocks`): `w = q * scale + offset`, over each of the type's groups (`FORMS`)."""
     if qtype in gguf_iq.FORMS:
         return gguf_iq.parts(qtype, blk)
     return (_values(qtype, blk), *_group_scales(qtype, blk))
@@ -180,7 +180,7 @@ def affine_parts(
     q, scale, offset = _affine(b.qtype, _blocks(b, device))
     scale, zero, flat = zero_form(scale, offset)
     q = q.to(torch.int16)
-    q.view(b.rows, -1, _FORMS[b.qtype][1])[flat] = 1
+    q.view(b.rows, -1, FORMS[b.qtype][1])[flat] = 1
     return q, scale, zero
 
 
@@ -191,7 +191,7 @@ def decoded_rows(qtype: str, data: torch.Tensor) -> torch.Tensor:
     a lookup in a captured graph."""
     blk = data.view(data.shape[0], -1, block_bytes(qtype))
     q, scale, offset = _affine(qtype, blk)
-    group = _FORMS[qtype][1]
+    group = FORMS[qtype][1]
     w = q.double().view(*scale.shape, group) * scale.double()[..., None] + offset.double()[..., None]
     return w.float().view(data.shape[0], -1)
 

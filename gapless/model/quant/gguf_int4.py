@@ -37,8 +37,7 @@ from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding
 from gapless.model.moe import Experts
 from gapless.model.quant import int4, int4_kernels
 from gapless.model.quant.gguf_blocks import (
-    AFFINE,
-    GROUP,
+    FORMS,
     INT4_TYPES,
     GGUFBlocks,
     affine_parts,
@@ -52,11 +51,8 @@ from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 def _form(qtype: str, cpu: bool) -> tuple[int, int]:
     """(bits, group; -1: int8 rows, one group a row) a matrix of `qtype` is held in (the module's
     docstring); `cpu`: for the CPU's kernels, which take groups of 32 and more."""
-    if qtype in INT4_TYPES:
-        return 4, GROUP
-    if qtype in AFFINE and not (cpu and AFFINE[qtype][1] < 32):
-        return AFFINE[qtype]
-    return 8, -1
+    bits, group = FORMS[qtype]
+    return (8, -1) if cpu and group < 32 else (bits, group)
 
 
 def spec_for(parts: list[GGUFBlocks], cpu: bool = False) -> Int4Spec:
