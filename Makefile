@@ -28,8 +28,9 @@ TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
+# the slow tier the same way: one process took 513 s on a 2-core machine, two 333 s
 test-slow: install
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(PY) -m gapless.bench.offline
