@@ -210,6 +210,11 @@ class EngineConfig:
         None, "a separate tokenizer (path or Hugging Face id); None: the model's own"
     )
     chat_template: str | None = option(None, "a template file or the template itself; None: the tokenizer's")
+    mmproj: str | None = option(
+        None,
+        "a GGUF model's vision projector file (llama.cpp's --mmproj); None: the one in the model file's "
+        "directory, if any",
+    )
     trust_remote_code: bool = option(False, "refused: gapless runs no code from a checkpoint")
     generation_config: str = option(
         "auto",

@@ -31,7 +31,6 @@ from gapless.engine import pooling, prompt_logprobs
 from gapless.engine.detokenize import detokenize
 from gapless.engine.grammar import Grammars, check_logit_bias
 from gapless.engine.heap import gc_pauses
-from gapless.engine.image_io import ImageLimits
 from gapless.engine.images import ImagePrompter, PromptImage
 from gapless.engine.meter import BubbleMeter
 from gapless.engine.preflight import check_engine_config
@@ -249,9 +248,7 @@ class Engine:
         if self.vision is None:
             raise ValueError(f"{self.cfg.model} is a text model: it takes no images")
         if self._prompter is None:
-            self._prompter = ImagePrompter(
-                self.cfg.model, self.vision.image_token_id, ImageLimits.of(self.cfg)
-            )
+            self._prompter = ImagePrompter(self.cfg, self.vision.image_token_id)
         return self._prompter
 
     def check_params(self, params: SamplingParams) -> None:

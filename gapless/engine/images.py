@@ -59,18 +59,28 @@ def image_prompter(cfg: EngineConfig) -> ImagePrompter | None:
     from gapless.model.config import load_model_config
 
     spec = load_model_config(cfg.model).vision
-    return ImagePrompter(cfg.model, spec.image_token_id, ImageLimits.of(cfg)) if spec is not None else None
+    return ImagePrompter(cfg, spec.image_token_id) if spec is not None else None
+
+
+def _processor(cfg: EngineConfig) -> Any:
+    """The processor of `cfg`'s (local) model: a checkpoint's own, or a GGUF file's built from its vision
+    projector and its tokenizer (`gguf_vision.new_processor`)."""
+    from gapless.model import gguf, gguf_vision
+    from gapless.model.source import load_tokenizer
+    from gapless.model.vision import new_processor
+
+    if gguf.is_gguf_file(cfg.model):
+        return gguf_vision.new_processor(cfg.model, load_tokenizer(cfg))
+    return new_processor(cfg.model)
 
 
 class ImagePrompter:
     """A vision-language model's chats to prompt ids and images, through its processor."""
 
-    def __init__(self, model_path: str, image_token_id: int, limits: ImageLimits) -> None:
-        from gapless.model.vision import new_processor
-
-        self.processor = new_processor(model_path)
+    def __init__(self, cfg: EngineConfig, image_token_id: int) -> None:
+        self.processor = _processor(cfg)
         self.image_token_id = image_token_id
-        self.limits = limits
+        self.limits = ImageLimits.of(cfg)
 
     def render(
         self, chat: list[dict[str, Any]], images: list[Any], template_kwargs: dict[str, Any] | None = None

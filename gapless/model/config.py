@@ -17,6 +17,8 @@ from typing import Any
 from gapless.model.generation_config import read_generation_config
 from gapless.model.gguf import config_dict as gguf_config_dict
 from gapless.model.gguf import is_gguf_file
+from gapless.model.gguf_vision import config_dict as gguf_vision_config_dict
+from gapless.model.gguf_vision import mmproj_for
 from gapless.model.vision import VISION_ARCHITECTURES, VisionSpec, is_vision_config, text_config, vision_spec
 
 # architecture -> per-family switches of the one decoder implementation:
@@ -155,10 +157,13 @@ def _eos_ids(*candidates: Any) -> tuple[int, ...]:
 
 def load_model_config(path: str | Path) -> ModelConfig:
     """Read and validate the config of a checkpoint directory (`config.json`, plus `generation_config.json`
-    for EOS ids) or of a GGUF file (its metadata, as `gapless.model.gguf.config_dict` maps it)."""
+    for EOS ids) or of a GGUF file (its metadata, as `gapless.model.gguf.config_dict` maps it; with a
+    vision projector beside it, as `gapless.model.gguf_vision.config_dict` does)."""
     path = Path(path)
     if is_gguf_file(path):
-        return model_config_from_dict(gguf_config_dict(path), str(path))
+        mmproj = mmproj_for(path)
+        cfg = gguf_vision_config_dict(path, mmproj) if mmproj is not None else gguf_config_dict(path)
+        return model_config_from_dict(cfg, str(path))
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face checkpoint directory")

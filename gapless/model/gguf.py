@@ -151,7 +151,7 @@ def _readers(path: str | Path) -> list[Any]:
     return [_reader(str(p)) for p in split_parts(path)]
 
 
-def _tensors(path: str | Path) -> Iterator[Any]:
+def tensors(path: str | Path) -> Iterator[Any]:
     """Every tensor of the model, across its parts."""
     for reader in _readers(path):
         yield from reader.tensors
@@ -177,8 +177,14 @@ def metadata(path: str | Path) -> dict[str, Any]:
     return {name: field.contents() for name, field in _readers(path)[0].fields.items()}
 
 
+def architecture(path: str | Path) -> str | None:
+    """`general.architecture` of this one file, read from its own header (a split model's part too)."""
+    field = _reader(str(path)).fields.get("general.architecture")
+    return None if field is None else str(field.contents())
+
+
 def tensor_names(path: str | Path) -> set[str]:
-    return {t.name for t in _tensors(path)}
+    return {t.name for t in tensors(path)}
 
 
 def quantized_types(path: str | Path) -> dict[str, str]:
@@ -186,7 +192,7 @@ def quantized_types(path: str | Path) -> dict[str, str]:
     header (no weight read); not a router's, which loads as a float."""
     types = {}
     arch = metadata(path)["general.architecture"]
-    for t in _tensors(path):
+    for t in tensors(path):
         name = hf_name(t.name, arch)
         if name is None or not _as_blocks(t, name, True):
             continue
@@ -208,7 +214,7 @@ def _rope_scaling(
             "sequence length, which a batch of requests of different lengths cannot follow token-exactly"
         )
     if "rope_freqs.weight" in names:
-        factors = next(t for t in _tensors(path) if t.name == "rope_freqs.weight")
+        factors = next(t for t in tensors(path) if t.name == "rope_freqs.weight")
         return {"rope_type": "freq_factors", "factors": [float(f) for f in dequantize(factors).reshape(-1)]}
     key = f"{arch}.rope.scaling."
     kind = meta.get(key + "type")
@@ -240,7 +246,7 @@ def config_dict(path: str | Path) -> dict[str, Any]:
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:  # the embedding table's rows: the shape is in ggml order, [hidden, vocab]
-        vocab = next(int(t.shape[-1]) for t in _tensors(path) if t.name == "token_embd.weight")
+        vocab = next(int(t.shape[-1]) for t in tensors(path) if t.name == "token_embd.weight")
     rope_scaling = _rope_scaling(path, meta, arch, names)
     head_dim = int(head_dim) if head_dim else hidden // heads
     if rope_scaling is not None and len(rope_scaling.get("factors", [0] * (head_dim // 2))) != head_dim // 2:
@@ -321,7 +327,7 @@ def _mixture(path: str | Path, meta: dict[str, Any], arch: str, names: set[str])
     # (ggml's shapes run innermost first: ffn_gate_exps is [hidden, width, experts])
     experts_of = ("_exps.weight", "_shexp.weight")  # (the shared expert's gate, `_inp_shexp`, is a vector)
     widths = {
-        t.name: int(t.shape[1]) for t in _tensors(path) if t.name.endswith(experts_of) and len(t.shape) > 1
+        t.name: int(t.shape[1]) for t in tensors(path) if t.name.endswith(experts_of) and len(t.shape) > 1
     }
     routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
     if not routed:
@@ -345,7 +351,7 @@ def _mixture(path: str | Path, meta: dict[str, Any], arch: str, names: set[str])
 
 def tensor_types(path: str | Path) -> dict[str, str]:
     """Each tensor's type name (F32, Q4_1, ...), by llama.cpp tensor name."""
-    return {t.name: t.tensor_type.name for t in _tensors(path)}
+    return {t.name: t.tensor_type.name for t in tensors(path)}
 
 
 def _check_types(path: str | Path) -> None:
@@ -414,7 +420,7 @@ def iter_weights(
     arch = meta["general.architecture"]
     heads = int(meta[f"{arch}.attention.head_count"])
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    for tensor in _tensors(path):
+    for tensor in tensors(path):
         name = hf_name(tensor.name, arch)
         if name is None:
             continue

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from gapless import env
-from gapless.model import gguf, parallel, weight_names
+from gapless.model import gguf, gguf_vision, parallel, weight_names
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.cpu_gemm import pack_cpu_gemms
 from gapless.model.decoder import CausalLM
@@ -101,9 +101,13 @@ def gguf_kept(path: Path, device: torch.device) -> str:
 def iter_weights(path: Path, gguf_blocks: str = "") -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Each weight of a checkpoint directory or a GGUF file, under its Hugging Face name; a checkpoint's
     with a progress bar on stderr (by bytes read: a big model loads for minutes, and the bar shows it
-    moving). A GGUF file's quantized matrices come as their blocks as `gguf_blocks` (`gguf_kept`) says."""
+    moving). A GGUF file's quantized matrices come as their blocks as `gguf_blocks` (`gguf_kept`) says;
+    its vision projector's tensors (`gguf_vision`), where it has one, as float32."""
     if is_gguf_file(path):
         yield from gguf.iter_weights(path, bool(gguf_blocks))
+        mmproj = gguf_vision.mmproj_for(path)
+        if mmproj is not None:
+            yield from gguf_vision.iter_weights(mmproj)
         return
     files = safetensors_files(path)
     with tqdm(

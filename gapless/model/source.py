@@ -29,6 +29,7 @@ from gapless.default_model import DEFAULT_MODEL, TINY_RANDOM, builtin_model_path
 from gapless.default_model.checkpoint import build_atomically, cache_dir
 from gapless.model.config import load_model_config
 from gapless.model.gguf import is_gguf_file, split_parts
+from gapless.model.gguf_vision import is_mmproj, mmproj_for
 
 # What a checkpoint needs from a Hugging Face repository (not its other weight formats, nor its GGUFs)
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
@@ -41,12 +42,17 @@ class ModelSourceError(ValueError):
 def _local(path: Path, *, tokenizer: bool = False) -> Path:
     """The checkpoint directory or GGUF file at `path` (for a tokenizer, any directory)."""
     if path.is_file():
+        if is_mmproj(path):
+            raise ModelSourceError(
+                f"{path} is a vision projector (llama.cpp's mmproj): name the model's file with --model "
+                "(and this one with --mmproj)"
+            )
         if is_gguf_file(path):
             return _first_part(path)
         raise ModelSourceError(f"{path} is a file but not a GGUF file")
     if (path / "config.json").is_file() or tokenizer:
         return path
-    ggufs = sorted(path.glob("*.gguf"))
+    ggufs = [g for g in sorted(path.glob("*.gguf")) if not is_mmproj(g)]  # (a projector rides along)
     if len(ggufs) == 1 or (ggufs and _first_part(ggufs[0]) == ggufs[0] and split_parts(ggufs[0]) == ggufs):
         return ggufs[0]  # (one file, or one model's split parts: the first)
     if ggufs:
@@ -148,6 +154,8 @@ def localize(cfg: EngineConfig) -> EngineConfig:
             "architectures it implements"
         )
     model = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir)
+    if cfg.mmproj is not None:
+        model = _paired(model, Path(cfg.mmproj).expanduser())
     tokenizer = None
     if cfg.tokenizer is not None:
         tokenizer = str(resolve_model(cfg.tokenizer, download_dir=cfg.download_dir, tokenizer=True))
@@ -160,23 +168,54 @@ def localize(cfg: EngineConfig) -> EngineConfig:
     return dataclasses.replace(cfg, model=str(model), tokenizer=tokenizer)
 
 
+def _paired(model: Path, mmproj: Path) -> Path:
+    """The GGUF model file `model` paired with the vision projector `mmproj` (`--mmproj`): `model` itself
+    where that projector is the one beside it, else its link in a cache directory that links both."""
+    if not is_mmproj(mmproj):
+        raise ModelSourceError(f"--mmproj {mmproj}: not a GGUF vision projector file (llama.cpp's mmproj)")
+    if not is_gguf_file(model):
+        raise ModelSourceError(f"--mmproj pairs a projector with a GGUF model; {model} is not a GGUF file")
+    try:
+        beside = mmproj_for(model)
+    except ValueError:
+        beside = None  # (several in its directory: the named one is linked apart)
+    if beside is not None and beside.resolve() == mmproj.resolve():
+        return model
+    parts = split_parts(model)
+    key = "|".join(str(p.resolve()) for p in [*parts, mmproj])
+    target = cache_dir() / "gguf-pairs" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def link(tmp: Path) -> None:
+        for p in [*parts, mmproj]:
+            (tmp / p.name).symlink_to(p.resolve())
+
+    return build_atomically(target, link) / model.name
+
+
 def _gguf_tokenizer_dir(path: Path) -> Path:
     """The tokenizer transformers builds from a GGUF file's metadata, saved once into the cache.
 
     Building it takes seconds for a real vocabulary, and every worker process needs it; the saved copy
     loads in a fraction of that. The key covers the file (path, size, mtime) and the transformers version.
+    The copy is saved as the generic fast tokenizer: a family's own class (transformers 5's
+    `GemmaTokenizer`) would rebuild its own normalizer and pre-tokenizer on loading it, not the file's
+    (a byte-level vocabulary in a Gemma file then read each newline as another token).
     """
+    import json
+
     import transformers
 
     st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|generic"
     target = cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
-    return build_atomically(
-        target,
-        lambda tmp: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(
-            str(tmp)
-        ),
-    )
+
+    def build(tmp: Path) -> None:
+        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
+        config = tmp / "tokenizer_config.json"
+        generic = {**json.loads(config.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}
+        config.write_text(json.dumps(generic))
+
+    return build_atomically(target, build)
 
 
 def load_tokenizer(cfg: EngineConfig) -> PreTrainedTokenizerBase:

@@ -35,9 +35,9 @@ def _tokenizer() -> Any:
     return tokenizer
 
 
-def tiny_gemma3_config() -> Gemma3Config:
+def tiny_gemma3_config(**text_overrides: Any) -> Gemma3Config:
     """SigLIP (32 px, 4-px patches, 3 layers) into a 2-layer Gemma 3 decoder whose first layer slides over
-    24 tokens, 16 tokens an image."""
+    24 tokens, 16 tokens an image; `text_overrides`: the decoder's config fields changed."""
     tokenizer = _tokenizer()
     # the text-only tests' tiny Gemma 3 decoder (its sliding and global RoPE), with Gemma 3 VLM's activation
     # and no logit soft-cap
@@ -46,6 +46,7 @@ def tiny_gemma3_config() -> Gemma3Config:
         final_logit_softcapping=None,
         hidden_activation="gelu_pytorch_tanh",
         vocab_size=len(tokenizer),
+        **text_overrides,
     )
     vision = SiglipVisionConfig(
         hidden_size=32,
@@ -68,10 +69,11 @@ def tiny_gemma3_config() -> Gemma3Config:
     )
 
 
-def make_gemma3_checkpoint(path: str | Path, seed: int = 0) -> Path:
-    """Write a random tiny Gemma 3 vision-language checkpoint with its processor to `path`."""
+def make_gemma3_checkpoint(path: str | Path, seed: int = 0, **text_overrides: Any) -> Path:
+    """Write a random tiny Gemma 3 vision-language checkpoint with its processor to `path`
+    (`text_overrides`: as `tiny_gemma3_config`'s)."""
     path = Path(path)
-    save_model(path, Gemma3ForConditionalGeneration, tiny_gemma3_config(), seed)
+    save_model(path, Gemma3ForConditionalGeneration, tiny_gemma3_config(**text_overrides), seed)
     tokenizer = _tokenizer()
     image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = Gemma3Processor(

@@ -21,6 +21,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from gapless.model.quant.gguf_blocks import GGUFBlocks
+from gapless.model.vision import text_weight_name
+from gapless.model.vision.gemma3 import gemma3_text_config
 
 # Hugging Face architecture -> llama.cpp's (Mistral is written as llama)
 ARCHS = {
@@ -161,6 +163,11 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tens
     that many tensors a file (`out`'s stem + `-00001-of-0000N.gguf` ...; the first file returned)."""
     ckpt, out = Path(ckpt), Path(out)
     cfg = json.loads((ckpt / "config.json").read_text())
+    # a vision-language checkpoint: its decoder, as llama.cpp's converter writes it (the tower and
+    # projector go to their own file: `gapless.testing.gguf_mmproj`)
+    vision = "text_config" in cfg
+    if vision:
+        cfg = {**gemma3_text_config(cfg["text_config"]), "architectures": ["Gemma3ForCausalLM"]}
     arch = ARCHS[cfg["architectures"][0]]
     rope = _global_rope(cfg)
     if rope.get("rope_type", "default") not in ("default", "llama3", "linear"):
@@ -173,7 +180,9 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tens
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     kind = gguf.GGMLQuantizationType[qtype]
     for hf, w in _stacked(load_file(str(ckpt / "model.safetensors"))).items():
-        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if vision and "language_model." not in hf:
+            continue
+        name = names.get_name(text_weight_name(hf), try_suffixes=(".weight", ".bias"))
         assert name is not None, f"no GGUF name for {hf}"
         w = w.astype(np.float32)
         if arch in _GEMMA and name.endswith("norm.weight"):
