@@ -212,8 +212,8 @@ class EngineConfig:
     chat_template: str | None = option(None, "a template file or the template itself; None: the tokenizer's")
     mmproj: str | None = option(
         None,
-        "a GGUF model's vision projector file (llama.cpp's --mmproj); None: the one in the model file's "
-        "directory, if any",
+        "a GGUF model's vision projector file (llama.cpp's --mmproj); none: no projector (a text model); "
+        "None: the one in the model file's directory, if any",
     )
     trust_remote_code: bool = option(False, "refused: gapless runs no code from a checkpoint")
     generation_config: str = option(

@@ -173,6 +173,8 @@ def new_processor(path: str | Path, tokenizer: Any) -> Any:
         image_std=list(meta.get("clip.vision.image_std", [0.5] * 3)),
     )
     boi, eoi, image = IMAGE_TOKENS
+    # the names Gemma3Processor reads (`tokenizer.boi_token`, ...), which Gemma's tokenizer_config.json
+    # holds and a GGUF file does not; transformers has no public setter
     tokenizer._set_model_specific_special_tokens({"boi_token": boi, "eoi_token": eoi, "image_token": image})
     return Gemma3Processor(
         image_processor=images,

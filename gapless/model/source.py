@@ -155,7 +155,7 @@ def localize(cfg: EngineConfig) -> EngineConfig:
         )
     model = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir)
     if cfg.mmproj is not None:
-        model = _paired(model, Path(cfg.mmproj).expanduser())
+        model = _paired(model, None if cfg.mmproj == "none" else Path(cfg.mmproj).expanduser())
     tokenizer = None
     if cfg.tokenizer is not None:
         tokenizer = str(resolve_model(cfg.tokenizer, download_dir=cfg.download_dir, tokenizer=True))
@@ -168,25 +168,26 @@ def localize(cfg: EngineConfig) -> EngineConfig:
     return dataclasses.replace(cfg, model=str(model), tokenizer=tokenizer)
 
 
-def _paired(model: Path, mmproj: Path) -> Path:
-    """The GGUF model file `model` paired with the vision projector `mmproj` (`--mmproj`): `model` itself
-    where that projector is the one beside it, else its link in a cache directory that links both."""
-    if not is_mmproj(mmproj):
+def _paired(model: Path, mmproj: Path | None) -> Path:
+    """The GGUF model file `model` paired with the vision projector `mmproj` (`--mmproj`), or with none
+    (`--mmproj none`): `model` itself where its directory already pairs it so, else its link in a cache
+    directory that links the two (or the model alone)."""
+    if mmproj is not None and not is_mmproj(mmproj):
         raise ModelSourceError(f"--mmproj {mmproj}: not a GGUF vision projector file (llama.cpp's mmproj)")
     if not is_gguf_file(model):
         raise ModelSourceError(f"--mmproj pairs a projector with a GGUF model; {model} is not a GGUF file")
     try:
         beside = mmproj_for(model)
     except ValueError:
-        beside = None  # (several in its directory: the named one is linked apart)
-    if beside is not None and beside.resolve() == mmproj.resolve():
-        return model
-    parts = split_parts(model)
-    key = "|".join(str(p.resolve()) for p in [*parts, mmproj])
+        beside = model  # (several in its directory: linked apart whatever was named)
+    if [p.resolve() for p in (beside,) if p] == [p.resolve() for p in (mmproj,) if p]:
+        return model  # (its directory pairs it so already)
+    files = [*split_parts(model), *([mmproj] if mmproj is not None else [])]
+    key = "|".join(str(p.resolve()) for p in files)
     target = cache_dir() / "gguf-pairs" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def link(tmp: Path) -> None:
-        for p in [*parts, mmproj]:
+        for p in files:
             (tmp / p.name).symlink_to(p.resolve())
 
     return build_atomically(target, link) / model.name

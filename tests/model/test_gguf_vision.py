@@ -106,11 +106,16 @@ def test_chats_with_images_give_transformers_tokens(ckpt, pair, tmp_path, paired
         llm.check_integrity()
 
 
-def test_a_text_file_alone_stays_a_text_model(ckpt, pair, tmp_path):
+def test_a_text_file_alone_or_with_mmproj_none_is_a_text_model(ckpt, pair, tmp_path):
     (tmp_path / "alone").mkdir()
     alone = shutil.copy(pair / "gemma3-tiny.F32.gguf", tmp_path / "alone")
     assert load_model_config(alone).vision is None
     assert load_model_config(pair / "gemma3-tiny.F32.gguf").vision is not None
+    unpaired = localize(EngineConfig(model=str(pair / "gemma3-tiny.F32.gguf"), device="cpu", mmproj="none"))
+    assert load_model_config(unpaired.model).vision is None
+    with LLM(unpaired.model, device="cpu", cpu_worker="inline") as llm:
+        assert llm.engine.vision is None
+        assert llm.chat(CONVS[2], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0].token_ids
 
 
 def test_pairing_errors_are_one_line_each(ckpt, pair, tmp_path):
