@@ -21,7 +21,7 @@ import torch
 
 from gapless.model import gguf
 
-PROJECTORS = ("gemma3",)  # llama.cpp's `clip.projector_type`s read
+PROJECTORS = {"gemma3": "gemma3"}  # llama.cpp's `clip.projector_type`s read -> the model architecture of each
 _TOWER = "vision_tower.vision_model."  # the checkpoint's names of the tower (transformers v4's layout)
 _TOWER_PARTS = ("embeddings.patch_embedding", "embeddings.position_embedding", "post_layernorm")
 _LAYER_PARTS = (
@@ -51,31 +51,48 @@ def is_mmproj(path: str | Path) -> bool:
 
 
 def mmproj_for(path: str | Path) -> Path | None:
-    """The projector paired with the model GGUF file `path`: the one `clip` file in its directory, else
-    None; two or more are refused by name (`--mmproj` names one)."""
+    """The projector paired with the model GGUF file `path`: the one `clip` file in its directory made for
+    such a model (`_fits`: another model's projector in a shared folder is not), else None; two or more
+    are refused by name (`--mmproj` names one)."""
     path = Path(path)
-    return _beside(str(path.parent.resolve()), path.parent.stat().st_mtime_ns) if path.is_file() else None
-
-
-@functools.lru_cache(maxsize=16)
-def _beside(folder: str, mtime_ns: int) -> Path | None:
-    found = [p for p in sorted(Path(folder).glob("*.gguf")) if is_mmproj(p)]
+    if not path.is_file():
+        return None
+    found = [
+        p for p in _projectors(str(path.parent.resolve()), path.parent.stat().st_mtime_ns) if _fits(path, p)
+    ]
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
         raise ValueError(
-            f"{folder} holds {len(found)} vision projector files ({names}): name one with --mmproj"
+            f"{path.parent} holds {len(found)} vision projector files ({names}): name one with --mmproj"
         )
     return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=16)
+def _projectors(folder: str, mtime_ns: int) -> list[Path]:
+    return [p for p in sorted(Path(folder).glob("*.gguf")) if is_mmproj(p)]
+
+
+def _kind(meta: dict[str, Any]) -> Any:
+    return meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
+
+
+def _fits(path: Path, mmproj: Path) -> bool:
+    """Whether `mmproj` projects into the model file `path`'s embeddings: as wide, and of the model's
+    architecture where its type is one read here (a type not read fits by width, to be refused by name)."""
+    meta, arch = gguf.metadata(mmproj), gguf.architecture(path)
+    wide = meta.get("clip.vision.projection_dim") == gguf.metadata(path).get(f"{arch}.embedding_length")
+    return wide and PROJECTORS.get(_kind(meta), arch) == arch
 
 
 def _meta(mmproj: Path) -> dict[str, Any]:
     """The projector's metadata, refused by name unless it is a vision projector of a type read here."""
     meta = gguf.metadata(mmproj)
-    kind = meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
+    kind = _kind(meta)
     if not meta.get("clip.has_vision_encoder") or kind not in PROJECTORS:
         raise ValueError(
             f"{mmproj.name}: vision projector type {kind!r} is not supported "
-            f"(supported: {', '.join(PROJECTORS)})"
+            f"(supported: {', '.join(PROJECTORS)}; --mmproj none runs the model as text alone)"
         )
     return meta
 

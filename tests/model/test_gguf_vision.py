@@ -20,6 +20,7 @@ from gapless.config import EngineConfig
 from gapless.model import gguf_vision
 from gapless.model.config import load_model_config
 from gapless.model.source import ModelSourceError, load_tokenizer, localize
+from gapless.testing.checkpoints import cached_checkpoint
 from gapless.testing.gemma3_checkpoint import TOKENS_PER_IMAGE, make_gemma3_checkpoint
 from gapless.testing.gguf_files import write_gguf
 from gapless.testing.gguf_mmproj import write_mmproj
@@ -107,10 +108,18 @@ def test_chats_with_images_give_transformers_tokens(ckpt, pair, tmp_path, paired
 
 
 def test_a_text_file_alone_or_with_mmproj_none_is_a_text_model(ckpt, pair, tmp_path):
+    """Alone, with `--mmproj none`, or beside another model's projector (a shared folder of GGUF files:
+    a Qwen3 file as wide as Gemma's projects), a model file is a text model."""
     (tmp_path / "alone").mkdir()
     alone = shutil.copy(pair / "gemma3-tiny.F32.gguf", tmp_path / "alone")
     assert load_model_config(alone).vision is None
     assert load_model_config(pair / "gemma3-tiny.F32.gguf").vision is not None
+    shared = tmp_path / "shared"
+    shutil.copytree(pair, shared)
+    other = write_gguf(cached_checkpoint("qwen3"), shared / "qwen3-tiny.F32.gguf", "F32")
+    assert load_model_config(other).hidden_size == load_model_config(alone).hidden_size
+    assert load_model_config(other).vision is None
+    assert load_model_config(shared / "gemma3-tiny.F32.gguf").vision is not None
     unpaired = localize(EngineConfig(model=str(pair / "gemma3-tiny.F32.gguf"), device="cpu", mmproj="none"))
     assert load_model_config(unpaired.model).vision is None
     with LLM(unpaired.model, device="cpu", cpu_worker="inline") as llm:
