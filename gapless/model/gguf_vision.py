@@ -1,13 +1,13 @@
 """A GGUF model's image encoder: llama.cpp's vision projector file (`mmproj`, `general.architecture: clip`),
 as its `llama-server --mmproj` takes it and GGUF repositories ship it beside the model's files.
 
-A model GGUF file is paired with the one projector file in its directory (`mmproj_for`), or with the file
-`--mmproj` names (`gapless.model.source.localize` links the two into one directory). The pair runs as the
-Hugging Face vision-language model the two files were converted from: the model file's config inside
-the projector's (`config_dict`), the projector's tensors under their checkpoint names (`iter_weights`, by
-the `gguf` package's own name map, dequantized to float32), its image processor from the projector's
-metadata (`new_processor`). Projector type `gemma3` (Gemma 3: a SigLIP tower, average-pooled, RMS-normed
-and projected by one matrix) is read; another is refused by name.
+A model GGUF file is paired with the one projector file in its directory made for it (`mmproj_for`), or
+with the file `--mmproj` names (`gapless.model.source.localize` links the two into one directory). The
+pair runs as the Hugging Face vision-language model the two files were converted from: the model file's
+config inside the projector's (`config_dict`), the projector's tensors under their checkpoint names
+(`iter_weights`, by the `gguf` package's own name map, dequantized to float32), its image processor from
+the projector's metadata (`new_processor`). Projector type `gemma3` (Gemma 3: a SigLIP tower,
+average-pooled, RMS-normed and projected by one matrix) is read; another is refused by name.
 """
 
 from __future__ import annotations
