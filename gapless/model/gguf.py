@@ -177,10 +177,12 @@ def metadata(path: str | Path) -> dict[str, Any]:
     return {name: field.contents() for name, field in _readers(path)[0].fields.items()}
 
 
-def architecture(path: str | Path) -> str | None:
-    """`general.architecture` of this one file, read from its own header (a split model's part too)."""
-    field = _reader(str(path)).fields.get("general.architecture")
-    return None if field is None else str(field.contents())
+def field(path: str | Path, key: str) -> Any:
+    """One metadata field of this one file (a split model's part too, from its own header) as a Python
+    value; None where the file has none. Cheaper than `metadata`, which converts every field (a real
+    vocabulary's token list among them)."""
+    found = _reader(str(path)).fields.get(key)
+    return None if found is None else found.contents()
 
 
 def tensor_names(path: str | Path) -> set[str]:

@@ -47,7 +47,7 @@ _POOL = 4  # the projector's pooling of the patch grid where the file does not s
 
 def is_mmproj(path: str | Path) -> bool:
     """A GGUF file of llama.cpp's `clip` architecture: a projector, not a model."""
-    return gguf.is_gguf_file(path) and gguf.architecture(path) == "clip"
+    return gguf.is_gguf_file(path) and gguf.field(path, "general.architecture") == "clip"
 
 
 def mmproj_for(path: str | Path) -> Path | None:
@@ -80,8 +80,8 @@ def _kind(meta: dict[str, Any]) -> Any:
 def _fits(path: Path, mmproj: Path) -> bool:
     """Whether `mmproj` projects into the model file `path`'s embeddings: as wide, and of the model's
     architecture where its type is one read here (a type not read fits by width, to be refused by name)."""
-    meta, arch = gguf.metadata(mmproj), gguf.architecture(path)
-    wide = meta.get("clip.vision.projection_dim") == gguf.metadata(path).get(f"{arch}.embedding_length")
+    meta, arch = gguf.metadata(mmproj), gguf.field(path, "general.architecture")
+    wide = meta.get("clip.vision.projection_dim") == gguf.field(path, f"{arch}.embedding_length")
     return wide and PROJECTORS.get(_kind(meta), arch) == arch
 
 
@@ -126,7 +126,7 @@ def config_dict(path: str | Path, mmproj: Path) -> dict[str, Any]:
             f"{mmproj.name} projects to {meta['clip.vision.projection_dim']} wide; "
             f"{Path(path).name}'s embeddings are {text['hidden_size']} wide: not its projector"
         )
-    vocab = list(gguf.metadata(path).get("tokenizer.ggml.tokens") or [])
+    vocab = list(gguf.field(path, "tokenizer.ggml.tokens") or [])
     missing = [t for t in IMAGE_TOKENS if t not in vocab]
     if missing:
         raise ValueError(

@@ -70,9 +70,10 @@ def test_the_projectors_tensors_are_the_checkpoints(ckpt, tmp_path):
     """Every tower and projector tensor, from an F16 file (the form GGUF repositories ship): the
     checkpoint's rounded to f16 (the embeddings F32, as written), the norm's weight less the 1 added."""
     path = write_mmproj(ckpt, tmp_path / "mmproj-f16.gguf", "F16")
+    checkpoint = {k.removeprefix("model."): v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
     stored = {
-        k.removeprefix("vision_tower."): v
-        for k, v in load_file(str(ckpt / "model.safetensors")).items()
+        k.removeprefix("vision_tower.").removeprefix("vision_model."): v
+        for k, v in checkpoint.items()
         if not k.startswith("language_model.")
     }
     read = {k.removeprefix("vision_tower.vision_model."): v for k, v in gguf_vision.iter_weights(path)}
