@@ -174,7 +174,7 @@ def _open(path: str, size: int, mtime_ns: int) -> Any:
 def metadata(path: str | Path) -> dict[str, Any]:
     """Every metadata field of the file (of a split model's first part, which holds them) as a Python
     value (strings, numbers, lists)."""
-    return {name: field.contents() for name, field in _readers(path)[0].fields.items()}
+    return {name: f.contents() for name, f in _readers(path)[0].fields.items()}
 
 
 def field(path: str | Path, key: str) -> Any:
