@@ -1,7 +1,8 @@
 """The quantized formats and flags vLLM users bring (`gapless.model.quant.formats`):
 - NVIDIA ModelOpt's FP8 checkpoints, said by config.json or by ModelOpt's own `hf_quant_config.json`
   alone, whose FP8 KV cache `--kv-cache-dtype auto` takes (as vLLM);
-- older compressed-tensors checkpoints' `compression_config`;
+- older compressed-tensors checkpoints' `compression_config`, and AutoGPTQ's and AutoAWQ's own
+  `quantize_config.json` and `quant_config.json` where config.json says nothing;
 - `--quantization` naming vLLM's kernel for a checkpoint's format (`awq_marlin`, `gptq_marlin`,
   `moe_wna16`), and `gguf` for a GGUF file; `--load-format safetensors` and `gguf`;
 - compressed-tensors' W8A8 INT8 (`int-quantized`), run as w8a16.
@@ -15,13 +16,13 @@ import json
 import pytest
 import torch
 
-from gapless import LLM
+from gapless import LLM, SamplingParams
 from gapless.memory.kv_pool import FP8
 from gapless.model.quant import formats
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4_layouts import int4_spec_from_config, split_name, unpack
 from gapless.testing.fp8_checkpoints import KV_SCALE, quant_config, write_fp8_checkpoint
-from gapless.testing.quant_checkpoints import quantization_config
+from gapless.testing.quant_checkpoints import quantization_config, write_quantized
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
@@ -80,6 +81,76 @@ def test_older_compressed_tensors_checkpoints_say_it_in_compression_config(ckpt_
     assert spec is not None and spec.label == "compressed-tensors fp8 e4m3 per-channel"
 
 
+def _to_legacy_file(qdir, name, drop=(), rename=None):
+    """The checkpoint `qdir` with its quantization_config moved out of config.json into `name`, as
+    AutoGPTQ and AutoAWQ wrote it: the keys in `drop` left out, those in `rename` renamed."""
+    cfg = json.loads((qdir / "config.json").read_text())
+    qcfg = cfg.pop("quantization_config")
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    legacy = {(rename or {}).get(k, k): v for k, v in qcfg.items() if k not in drop}
+    (qdir / name).write_text(json.dumps(legacy))
+    return qcfg
+
+
+@pytest.mark.parametrize(
+    ("layout", "name", "drop", "rename"),
+    [
+        # AutoGPTQ's quantize_config.json (before it said its quant_method)
+        ("gptq", "quantize_config.json", ("quant_method",), None),
+        # AutoAWQ's quant_config.json: its own keys (casperhansen's and TheBloke's older AWQ repositories)
+        ("awq", "quant_config.json", ("quant_method",), {"bits": "w_bit", "group_size": "q_group_size"}),
+        # an AWQ record under AutoGPTQ's file name, said by its keys
+        ("awq", "quantize_config.json", ("quant_method",), None),
+    ],
+)
+def test_autogptq_and_autoawq_files_say_the_format_when_config_json_does_not(
+    ckpt_factory, tmp_path, layout, name, drop, rename
+):
+    qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, layout, group=32)
+    want = formats.resolve(formats.checkpoint_quantization(qdir), None, "cpu")
+    _to_legacy_file(qdir, name, drop, rename)
+    assert "quantization_config" not in json.loads((qdir / "config.json").read_text())
+    qcfg = formats.checkpoint_quantization(qdir)
+    assert qcfg is not None and qcfg["quant_method"] == layout
+    assert formats.resolve(qcfg, None, "cpu") == want
+    assert formats.resolve(qcfg, layout, "cpu") == want  # vLLM's users pass the flag for these
+    with pytest.raises(QuantFormatError) as e:
+        formats.resolve(qcfg, "awq" if layout == "gptq" else "gptq", "cpu")
+    _one_line(e, f"quantized as {layout}")
+
+
+def test_a_checkpoint_said_by_autogptqs_file_alone_gives_the_same_tokens(ckpt_factory, tmp_path):
+    """The whole load (`LLM`) of a GPTQ checkpoint said by quantize_config.json alone: the same greedy
+    tokens and the same format as the checkpoint saying it in config.json. Before, its `g_idx` tensors
+    had "no place in the model"."""
+    qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path / "a", "gptq", group=32)
+    legacy, _ = write_quantized(ckpt_factory("qwen3"), tmp_path / "b", "gptq", group=32)
+    _to_legacy_file(legacy, "quantize_config.json", drop=("quant_method",))
+    prompts, params = (
+        [[1, 2, 3, 4, 5], [9, 8, 7]],
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    )
+    outs, labels = [], []
+    for d in (qdir, legacy):
+        with LLM(str(d), dtype="float32", kv_cache_tokens=512, overlap=False) as llm:
+            outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            labels.append(llm.engine.info.weight_formats)
+    assert outs[0] == outs[1] and labels[0] == labels[1] and "gptq" in str(labels[0]), labels
+
+
+def test_a_malformed_legacy_file_is_refused_by_name(ckpt_factory, tmp_path):
+    qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, "gptq", group=32)
+    _to_legacy_file(qdir, "quantize_config.json")
+    (qdir / "quantize_config.json").write_text("{bits: 4")
+    with pytest.raises(QuantFormatError) as e:
+        formats.checkpoint_quantization(qdir)
+    _one_line(e, "quantize_config.json", "is not readable JSON")
+    (qdir / "quantize_config.json").write_text("[4, 128]")
+    with pytest.raises(QuantFormatError) as e:
+        formats.checkpoint_quantization(qdir)
+    _one_line(e, "quantize_config.json", "is not a JSON object")
+
+
 @pytest.mark.parametrize(
     ("qcfg", "flag", "method"),
     [
@@ -101,7 +172,12 @@ def test_vllms_kernel_names_run_the_checkpoints_own_format(qcfg, flag, method):
         (None, "awq_marlin", ["--quantization awq_marlin runs a awq checkpoint", "the checkpoint is float"]),
         (quant_config("fp8", (128, 128)), "moe_wna16", ["awq or gptq", "quantized as fp8"]),
         (None, "marlin", ["'marlin' is not a known format", "awq_marlin"]),
-        (None, "modelopt", ["modelopt is a checkpoint's format"]),
+        (None, "modelopt", ["--quantization modelopt reads a checkpoint quantized as modelopt", "only fp8"]),
+        (
+            None,
+            "gptq",
+            ["--quantization gptq reads a checkpoint quantized as gptq", "declares no quantization"],
+        ),
     ],
 )
 def test_a_kernel_name_for_another_format_is_refused_in_one_line(qcfg, flag, words):

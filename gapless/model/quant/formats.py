@@ -69,6 +69,15 @@ class QuantFormatError(ValueError):
 Parser = Callable[[dict[str, Any], bool], QuantSpec]  # (quantization_config, online) -> spec
 
 
+def _not_at_load(method: str) -> QuantFormatError:
+    """`--quantization METHOD` on a checkpoint that declares no format: METHOD is read, not applied."""
+    return QuantFormatError(
+        f"--quantization {method} reads a checkpoint quantized as {method}, but this one declares no "
+        "quantization (config.json's quantization_config, hf_quant_config.json, quantize_config.json): "
+        "only fp8 is applied at load to float weights"
+    )
+
+
 def _fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     """`quant_method: fp8`: Hugging Face's FineGrainedFP8 / DeepSeek layout (Qwen's `*-FP8` repositories):
     e4m3 weights, `weight_scale_inv` per `weight_block_size` block; without `weight_block_size` (vLLM's
@@ -130,7 +139,7 @@ def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
 
     method = str(qcfg.get("quant_method", "")).lower()
     if online:
-        raise QuantFormatError(f"quantization {method} is a checkpoint's format, not one applied at load")
+        raise _not_at_load(method)
     spec = int4_layouts.int4_spec_from_config(qcfg)
     assert spec is not None  # (its methods are these; another compressed-tensors format never gets here)
     return QuantSpec(method, "int4", spec.label, min_capability=(8, 0), weight_only=spec)
@@ -158,7 +167,7 @@ def _modelopt(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     (`FP8_PB_WO`, stored [row blocks, 1, column blocks, 1]; its activations rounded as every FP8 layer's,
     as vLLM runs it). NVFP4, MXFP8 and the rest are refused by name."""
     if online:
-        raise QuantFormatError("quantization modelopt is a checkpoint's format, not one applied at load")
+        raise _not_at_load("modelopt")
     algo = modelopt_algo(qcfg)
     if algo not in MODELOPT_FP8:
         raise QuantFormatError(
@@ -175,7 +184,7 @@ def _fbgemm_fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     `weight_scale` per output row; activations quantized per token at run time, as every FP8 layer's (its
     `activation_scale_ub`, a bound on a token's scale, and any `input_scale_ub` tensor are not used)."""
     if online:
-        raise QuantFormatError("quantization fbgemm_fp8 is a checkpoint's format, not one applied at load")
+        raise _not_at_load("fbgemm_fp8")
     return QuantSpec("fbgemm_fp8", "fp8", "fbgemm fp8 e4m3 per-channel")
 
 
@@ -189,9 +198,7 @@ CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
 
 def _compressed_tensors(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     if online:
-        raise QuantFormatError(
-            "quantization compressed-tensors is a checkpoint's format, not one applied at load"
-        )
+        raise _not_at_load("compressed-tensors")
     fmt = qcfg.get("format")
     if fmt not in CT_FORMATS:
         raise QuantFormatError(
@@ -226,18 +233,47 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
+# AutoGPTQ's and AutoAWQ's own records of a checkpoint's format, from before transformers wrote it into
+# config.json (vLLM reads them too); a record without a `quant_method` is AWQ's by AWQ's own keys
+LEGACY_FILES = ("quantize_config.json", "quant_config.json")
+_AWQ_KEYS = ("w_bit", "q_group_size", "version", "zero_point")
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise QuantFormatError(f"{file.name} of {file.parent} is not readable JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise QuantFormatError(f"{file.name} of {file.parent} is not a JSON object")
+    return data
+
+
+def _legacy(path: Path) -> dict[str, Any] | None:
+    """The first of `LEGACY_FILES` in `path`, its `quant_method` filled in where it says none (awq where it
+    has AWQ's keys, else gptq: AutoGPTQ's `quantize_config.json`)."""
+    file = next((path / f for f in LEGACY_FILES if (path / f).is_file()), None)
+    if file is None:
+        return None
+    qcfg = _read_json(file)
+    if not qcfg.get("quant_method"):
+        qcfg["quant_method"] = "awq" if any(k in qcfg for k in _AWQ_KEYS) else "gptq"
+    return qcfg
+
+
 def _declared(path: Path) -> dict[str, Any] | None:
     """A checkpoint directory's quantization config as written: config.json's `quantization_config`
     (`compression_config` in older compressed-tensors checkpoints), else ModelOpt's `hf_quant_config.json`
-    as `quant_method: modelopt`; None: none, or no checkpoint directory (a GGUF file)."""
+    as `quant_method: modelopt`, else AutoGPTQ's or AutoAWQ's own file (`LEGACY_FILES`); None: none, or
+    no checkpoint directory (a GGUF file)."""
     cfg_file = path / "config.json"
     if not path.is_dir() or not cfg_file.is_file():
         return None
     cfg = json.loads(cfg_file.read_text())
     qcfg = cfg.get("quantization_config") or cfg.get("compression_config")
     if not qcfg and (path / MODELOPT_FILE).is_file():
-        qcfg = {**json.loads((path / MODELOPT_FILE).read_text()), "quant_method": "modelopt"}
-    return dict(qcfg) if qcfg else None
+        qcfg = {**_read_json(path / MODELOPT_FILE), "quant_method": "modelopt"}
+    return dict(qcfg) if qcfg else _legacy(path)
 
 
 def _is_modelopt(qcfg: dict[str, Any]) -> bool:
@@ -325,7 +361,10 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
         raise QuantFormatError(f"--quantization {flag} but the checkpoint is quantized as {method}")
     if qcfg is None and flag is None:
         return None
-    spec = FORMATS[method](qcfg, False) if qcfg is not None and method else FORMATS[str(flag)]({}, True)
+    if qcfg is not None and method:
+        spec = FORMATS[method](qcfg, False)
+    else:
+        spec = FORMATS[str(flag)]({"quant_method": flag}, True)
     check_device(spec, device)
     return spec
 
