@@ -49,7 +49,7 @@ from gapless.model.quant import (
     weights_summary,
 )
 from gapless.model.quant.formats import QuantSpec
-from gapless.model.quant.fp8 import checkpoint_scale
+from gapless.model.quant.fp8 import SCALE_NAMES, checkpoint_scale
 from gapless.model.quant.gguf_blocks import GGUFBlocks
 from gapless.model.quant.gguf_int4 import GGUFLayers
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
@@ -359,6 +359,14 @@ class _CpuGGUFLayers(gguf_int4.GGUFModules):
         module.weight.data = module.weight.data.new_empty(0)
 
 
+# the last parts of the names quantized checkpoints give their tensors (AWQ, GPTQ, compressed-tensors, FP8)
+_QUANTIZED_TENSORS = {
+    *int4_layouts.TENSORS["gptq"],
+    *int4_layouts.TENSORS["compressed-tensors"],
+    *SCALE_NAMES,
+}
+
+
 def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:
     """Load one checkpoint tensor into its parameter; the names it filled (`name#shard` for a fused one).
 
@@ -368,8 +376,14 @@ def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:
     try:  # (looked up each time, not kept: an online load's rounding replaces a layer's parameters,
         param = model.get_parameter(name)  # and a kept reference would hold its float weight)
     except AttributeError:
+        hint = ""
+        if name.rpartition(".")[2] in _QUANTIZED_TENSORS:
+            hint = (
+                " (a quantized checkpoint's tensor, but the checkpoint declares no quantization: "
+                "config.json's quantization_config, hf_quant_config.json or quantize_config.json)"
+            )
         raise ValueError(
-            f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model"
+            f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model{hint}"
         ) from None
     materialize(param)  # (a deferred weight: its memory, as a float tensor fills it)
     loader = getattr(param, "weight_loader", default_weight_loader)

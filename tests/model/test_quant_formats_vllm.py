@@ -138,6 +138,15 @@ def test_a_checkpoint_said_by_autogptqs_file_alone_gives_the_same_tokens(ckpt_fa
     assert outs[0] == outs[1] and labels[0] == labels[1] and "gptq" in str(labels[0]), labels
 
 
+def test_a_quantized_checkpoint_declaring_nothing_is_refused_saying_so(ckpt_factory, tmp_path):
+    qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, "gptq", group=32)
+    _to_legacy_file(qdir, "notes.json")  # (the declaration gone from where it is read)
+    assert formats.checkpoint_quantization(qdir) is None
+    with pytest.raises(ValueError) as e:
+        LLM(str(qdir), dtype="float32", kv_cache_tokens=512, overlap=False)
+    _one_line(e, "has no place in the", "a quantized checkpoint's tensor", "declares no quantization")
+
+
 def test_a_malformed_legacy_file_is_refused_by_name(ckpt_factory, tmp_path):
     qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, "gptq", group=32)
     _to_legacy_file(qdir, "quantize_config.json")
