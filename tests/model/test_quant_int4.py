@@ -465,7 +465,39 @@ REFUSED = [
     (dict(quant_method="awq", bits=4, group_size=128, version="gemv"), "version='gemv'"),
     (dict(quant_method="awq", bits=8, group_size=128), "bits=8 is not run"),
     (dict(quant_method="gptq", bits=4, group_size=128, checkpoint_format="marlin"), "checkpoint_format"),
+    # GPTQModel's per-module rules: other bits (or groups, ...) for some modules
+    (
+        dict(quant_method="gptq", bits=4, group_size=128, dynamic={r"+:.*mlp.*": {"bits": 8}}),
+        r"dynamic rule '+:.*mlp.*' quantizes with its own bits",
+    ),
+    (
+        dict(
+            quant_method="gptq", bits=4, group_size=128, dynamic={r".*down.*": {"group_size": 64, "bits": 4}}
+        ),
+        "its own group_size: not built",
+    ),
 ]
+
+
+def test_a_module_a_dynamic_rule_leaves_float_loads_float(ckpt_factory, tmp_path):
+    """GPTQModel's `-:` rule (a module left unquantized): that module's float weight beside the quantized
+    ones, read as the checkpoint holds it; the tokens are the dequantized reference's."""
+    from safetensors.torch import load_file, save_file
+
+    qdir, refdir = write_quantized(ckpt_factory("qwen3"), tmp_path, "gptq", group=32)
+    float_module = "model.layers.1.mlp.down_proj"
+    tensors = load_file(str(qdir / "model.safetensors"))
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(float_module + ".")}
+    tensors[f"{float_module}.weight"] = load_file(str(refdir / "model.safetensors"))[f"{float_module}.weight"]
+    save_file(tensors, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((qdir / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = {r"-:.*layers\.1\.mlp\.down_proj": {}}
+    (qdir / "config.json").write_text(json.dumps(config))
+    model = loader.load_model(qdir, torch.float32, torch.device("cpu"))
+    assert not isinstance(model.get_submodule(float_module).linear_method, Int4LinearMethod)
+    assert isinstance(model.get_submodule("model.layers.0.mlp.down_proj").linear_method, Int4LinearMethod)
+    prompts = make_prompts(1000, n=2, max_len=16, shared_prefix=4)
+    assert _greedy(qdir, prompts, max_new=4) == _greedy(refdir, prompts, max_new=4)
 
 
 @pytest.mark.parametrize("qc,says", REFUSED, ids=[s for _, s in REFUSED])

@@ -122,9 +122,32 @@ def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's 
     if qc.get("lm_head"):
         raise _refuse("gptq", "lm_head=true (a quantized LM head) is not built")
     bits, group = _check_bits_group("gptq", qc.get("bits"), qc.get("group_size"), (4, 8))
+    _check_dynamic(qc)
     sym = bool(qc.get("sym", True))
     act_order = bool(qc.get("desc_act")) and not qc.get("static_groups")  # (static: g_idx is k // G)
     return Int4Spec("gptq", bits, group, sym, 1 if fmt == "gptq" else 0, act_order)
+
+
+def _check_dynamic(qc: dict[str, Any]) -> None:
+    """GPTQModel's per-module rules (`dynamic`): a rule that leaves modules unquantized (`-:`) is read from
+    the checkpoint itself (a layer is quantized where its tensors are); one that quantizes modules with
+    other bits, groups, symmetry or act-order than the config's is refused by name (one scheme a model)."""
+    rules = qc.get("dynamic") or {}
+    if not isinstance(rules, dict):
+        raise _refuse("gptq", f"dynamic={rules!r} is not a dict of module rules")
+    for pattern, override in rules.items():
+        if str(pattern).startswith("-:"):
+            continue
+        changed = sorted(
+            k for k, v in (override or {}).items() if k in _SCHEME_KEYS and v != qc.get(k, _SCHEME_KEYS[k])
+        )
+        if changed:
+            raise _refuse(
+                "gptq", f"dynamic rule {pattern!r} quantizes with its own {', '.join(changed)}: not built"
+            )
+
+
+_SCHEME_KEYS = {"bits": None, "group_size": None, "sym": True, "desc_act": False}  # (and their defaults)
 
 
 def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
