@@ -6,6 +6,7 @@ positions equal transformers' own."""
 
 from __future__ import annotations
 
+import json
 from functools import partial
 
 import pytest
@@ -147,3 +148,24 @@ def test_v4_flat_config_reads_the_same(ckpt):
     assert old.mrope_section == (2, 3, 3) and old.rope_scaling is None
     assert dataclasses.replace(old, vision=None) == dataclasses.replace(new, vision=None)
     assert dataclasses.replace(old.vision, config={}) == dataclasses.replace(new.vision, config={})
+
+
+@pytest.mark.parametrize("layout", ["awq", "gptq"])
+def test_a_quantized_language_model_beside_a_float_vision_tower(ckpt, tmp_path, monkeypatch, layout):
+    """As Qwen's own `*-VL-*-AWQ` checkpoints hold it: the language model's projections int4, the vision
+    tower float (its `visual.*` tensors as they are). Image chats give the greedy tokens of the same
+    checkpoint with those projections dequantized (the int4 layers on their exact float32 path)."""
+    from gapless import LLM
+    from gapless.testing.quant_checkpoints import write_quantized
+
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")  # (on the CPU: the dequantizing reference path)
+    qdir, refdir = write_quantized(ckpt, tmp_path, layout, group=32)
+    outs, formats = [], []
+    for path in (qdir, refdir):
+        with LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=1024, overlap=False) as llm:
+            outs.append([o.token_ids for o in llm.chat(CONVS[:2], GREEDY, use_tqdm=False)])
+            formats.append(dict(llm.engine.info.weight_formats))
+    assert outs[0] == outs[1]
+    layers = json.loads((ckpt / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    int4 = {f: n for f, n in formats[0].items() if f.startswith(f"{layout} w4a16 g32")}
+    assert list(int4.values()) == [4 * layers] and formats[0]["float32"] == 1, formats  # (the LM head)
