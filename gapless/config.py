@@ -99,10 +99,10 @@ class EngineConfig:
         "the weights' quantized format (vLLM's names): fp8 quantizes a float checkpoint's linear layers "
         "to fp8 e4m3 at load (one scale per output row; activations per token); None: the checkpoint's "
         "own (config.json's quantization_config: fp8, compressed-tensors, awq, gptq, modelopt, "
-        "fbgemm_fp8; or hf_quant_config.json), else float; the checkpoint's own name, or vLLM's kernel "
-        "for it (awq_marlin, gptq_marlin, moe_wna16), runs the checkpoint as it is, as gguf does a GGUF "
-        "file. A format the device cannot run is refused before any weight loads "
-        "(gapless.model.quant.formats)",
+        "fbgemm_fp8; or hf_quant_config.json, quantize_config.json, quant_config.json), else float; the "
+        "checkpoint's own name, or vLLM's kernel for it (awq_marlin, gptq_marlin, moe_wna16), runs the "
+        "checkpoint as it is, as gguf does a GGUF file. A format the device cannot run is refused before "
+        "any weight loads (gapless.model.quant.formats)",
     )
     load_format: str = option(
         "auto",
