@@ -86,7 +86,11 @@ class EngineConfig:
         "Hugging Face id (gapless.model.source)"
     )
     device: str = option("auto", "auto: cuda when available, else cpu")
-    dtype: str = option("auto", "auto: checkpoint dtype on GPU, float32 on CPU")
+    dtype: str = option(
+        "auto",
+        "auto: checkpoint dtype on GPU (bfloat16 for a float16 int4 checkpoint torch's int4 decode GEMM "
+        "takes), float32 on CPU",
+    )
     kv_cache_dtype: str = option(
         "auto",
         "the KV cache's element type (vLLM's flag): auto: the checkpoint's own where its ModelOpt "

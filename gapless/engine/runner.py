@@ -92,7 +92,7 @@ class ModelRunner:
         mcfg = parallel.rank_view(load_model_config(cfg.model), parallel.current())
         # EngineConfig refused a max_model_len past the model's own unless told to allow it
         max_context = cfg.max_model_len or mcfg.max_position_embeddings
-        self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device)
+        self.dtype = resolve_dtype(cfg.dtype, mcfg, self.device, cfg.model, cfg.quantization)
         if self.device.type == "cpu" and (why := slow_dtype_warning(self.dtype)):
             log.warning(why)
         self.model: CausalLM = load_model(

@@ -64,14 +64,31 @@ GGUF_ENV = env.GGUF_WEIGHTS.name  # "dequantize": GGUF matrices as float weights
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """`auto` means the checkpoint's dtype on an accelerator and float32 on the CPU (where bf16 is slow)."""
+def resolve_dtype(
+    dtype: str | torch.dtype,
+    cfg: ModelConfig,
+    device: torch.device,
+    path: str | Path | None = None,
+    quantization: str | None = None,
+) -> torch.dtype:
+    """`auto` means the checkpoint's dtype on an accelerator and float32 on the CPU (where bf16 is slow);
+    but an int4 checkpoint at `path` (its format: `quant_spec(path, quantization)`) saved in float16 runs
+    in bfloat16 on a GPU where torch's int4 decode GEMM takes its layers in that dtype alone
+    (`int4_kernels.wants_bfloat16`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.type == "cpu":
             return torch.float32
-        return _DTYPES.get(cfg.torch_dtype or "bfloat16", torch.bfloat16)
+        chosen = _DTYPES.get(cfg.torch_dtype or "bfloat16", torch.bfloat16)
+        spec = quant_spec(path, quantization, device) if chosen == torch.float16 and path else None
+        if spec is not None and int4_kernels.wants_bfloat16(spec.weight_only, device):
+            log.info(
+                "dtype auto: bfloat16, not the checkpoint's float16, for torch's int4 decode GEMM "
+                "(tinygemm: bfloat16 only); --dtype float16 keeps float16 (the Triton GEMM at every row)"
+            )
+            return torch.bfloat16
+        return chosen
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
@@ -277,8 +294,9 @@ def _random_weights(model: CausalLM, int4_layers: bool, rounding: _OnlineRoundin
 _SKIPPED = (".input_scale", ".input_zero_point", ".input_scale_ub")  # (fbgemm_fp8's bound: not used)
 
 
-def quant_spec(path: Path, quantization: str | None, device: torch.device | str) -> QuantSpec | None:
+def quant_spec(path: str | Path, quantization: str | None, device: torch.device | str) -> QuantSpec | None:
     """The quantized format a load of `path` runs (None: float weights), or a one-line QuantFormatError."""
+    path = Path(path)
     if is_gguf_file(path):
         formats.check_gguf_flag(quantization)
         return None

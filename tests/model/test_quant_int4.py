@@ -459,6 +459,42 @@ def test_transformers_reads_the_tiny_checkpoint(ckpt_factory, tmp_path, layout, 
     torch.testing.assert_close(theirs.float(), ref, rtol=2e-2, atol=2e-2)
 
 
+def test_a_float16_int4_checkpoint_runs_in_bfloat16_where_tinygemm_takes_it(
+    ckpt_factory, tmp_path, monkeypatch
+):
+    """AutoAWQ and AutoGPTQ save their checkpoints in float16, which torch's int4 decode GEMM (tinygemm)
+    does not take: under `--dtype auto` on a GPU with bfloat16 such a checkpoint runs in bfloat16 (its
+    layers then take tinygemm's copy at decode), unless the kernel asked for or the bits rule tinygemm
+    out, or the dtype is named. (int4 checkpoints need sm_80, which has bfloat16.)"""
+    from gapless.model.config import load_model_config
+
+    monkeypatch.delenv("GAPLESS_INT4_KERNEL")  # (the module's fixture names the reference path)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def auto(path):
+        return loader.resolve_dtype("auto", load_model_config(path), cuda, path)
+
+    paths = {}
+    for name, layout, bits in (("awq", "awq", 4), ("gptq8", "gptq", 8)):
+        qdir, refdir = write_quantized(ckpt_factory("qwen3"), tmp_path / name, layout, bits=bits, group=32)
+        for d in (qdir, refdir):
+            config = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps(dict(config, torch_dtype="float16")))
+        paths[name], paths["float"] = qdir, refdir
+    assert auto(paths["awq"]) == torch.bfloat16
+    assert (
+        loader.resolve_dtype("float16", load_model_config(paths["awq"]), cuda, paths["awq"]) == torch.float16
+    )
+    assert auto(paths["gptq8"]) == torch.float16  # (8 bits: the Triton GEMM, in the checkpoint's dtype)
+    assert auto(paths["float"]) == torch.float16
+    assert loader.resolve_dtype("auto", load_model_config(paths["awq"]), cuda) == torch.float16  # (no path)
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")
+    assert auto(paths["awq"]) == torch.float16
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "tinygemm")
+    assert auto(paths["awq"]) == torch.bfloat16
+
+
 REFUSED = [
     (dict(quant_method="gptq", bits=3, group_size=128), "bits=3 is not run"),
     (dict(quant_method="gptq", bits=4, group_size=100), "group_size=100 is not run"),

@@ -84,7 +84,7 @@ class DraftModel:
         )
         # this rank's heads under tensor parallelism: the draft is sharded like the target, its pool too
         self.config: ModelConfig = parallel.rank_view(load_model_config(Path(path)), parallel.current())
-        self.dtype = resolve_dtype(cfg.dtype, self.config, device)
+        self.dtype = resolve_dtype(cfg.dtype, self.config, device, path)
         self.model: CausalLM = load_model(path, self.dtype, device, max_positions=max_positions)
         mc = self.config
         probe = Probe(

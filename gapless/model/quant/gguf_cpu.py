@@ -8,7 +8,7 @@ which: `int4_for`; by default int4 for the gate/up projections of int4 types, in
   and Q4_K, whose blocks are all `w = q * scale + offset` over 32 weights with a 4-bit q, which is the
   kernel's `w = (q - 8) * scale + zero` with `zero = offset + 8 * scale`. The 4-bit values are exact; the
   kernel takes its scales and zeros in bfloat16, so each group's scale and zero are rounded to bfloat16
-  (f16 in the file: 3 bits of mantissa lost, <= 2^-9 relative). The activations go in as bfloat16.
+  (f16 in the file: 3 bits of mantissa lost, <= 2^-8 relative). The activations go in as bfloat16.
 - **int8, one scale per row** (`Int8Rows`): every other type (Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K),
   which have no exact image in a 4-bit layout and whose per-block scales no int8 kernel here (one scale
   per output row) can hold, and the int4 types' layers that `int4_for` runs faster as int8. Each row is

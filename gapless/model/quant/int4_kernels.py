@@ -84,6 +84,19 @@ def for_layer(
     return "tinygemm+triton" if fits else "triton"
 
 
+def wants_bfloat16(spec: Int4Spec | None, device: torch.device) -> bool:
+    """Whether a model of `spec`'s int4 layers on `device` should run in bfloat16 where its checkpoint
+    says float16 (as AutoAWQ and AutoGPTQ save theirs): tinygemm, the decode GEMM `auto` gives such layers
+    (`for_layer`), takes bfloat16 alone, so in float16 every layer would run the Triton GEMM at every row
+    (on an H100, Qwen3-8B's AWQ TPOT 0.89x bf16's where tinygemm's was 0.50x). A GPU with bfloat16
+    (sm_80+), 4 bits in groups tinygemm takes, and the kernel left to `auto` or named `tinygemm`."""
+    if spec is None or device.type != "cuda" or chosen() not in ("auto", "tinygemm"):
+        return False
+    if spec.bits != 4 or spec.group_size not in TINYGEMM_GROUPS:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def cpu_runs(bits: int, group: int, k: int) -> bool:
     """Whether torch's CPU kernels take a layer of `bits` (4 or 8) in groups of `group` over `k` inputs:
     groups of 32-256, or one group a row with `k` a multiple of 32 (the int8 kernel reads wrong memory,
