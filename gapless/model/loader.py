@@ -102,7 +102,8 @@ def safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    return files
+    # Mistral's own format beside the Hugging Face one: the same weights under other names
+    return [f for f in files if not f.name.startswith("consolidated")] or files
 
 
 def gguf_kept(path: Path, device: torch.device) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,29 @@ from gapless.model.config import load_model_config
 from gapless.model.gguf import is_gguf_file, split_parts
 from gapless.model.gguf_vision import is_mmproj, mmproj_for
 
-# What a checkpoint needs from a Hugging Face repository (not its other weight formats, nor its GGUFs)
-HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
+# What a checkpoint needs from a Hugging Face repository (not its other weight formats, nor its GGUFs):
+# its configs and tokenizer first, then the weights its index names (`_weight_patterns`)
+HUB_META = ["*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"]
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _weight_patterns(snapshot: Path) -> list[str]:
+    """The weight files to fetch into `snapshot` (its configs there already): the shards its safetensors
+    index names where it has one, not every `*.safetensors` (Mistral's repositories hold their weights
+    twice: the index's shards and their own `consolidated.safetensors`), else every `*.safetensors`."""
+    index = snapshot / SAFETENSORS_INDEX
+    if not index.is_file():
+        return ["*.safetensors"]
+    return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+
+
+def _has_weights(snapshot: Path) -> bool:
+    """Whether a cached snapshot holds its weights (a download cut short, or a tokenizer's, holds only its
+    configs)."""
+    shards = _weight_patterns(snapshot)
+    return any(snapshot.glob("*.safetensors")) and all(
+        (snapshot / f).is_file() for f in shards if "*" not in f
+    )
 
 
 class ModelSourceError(ValueError):
@@ -74,8 +96,9 @@ def _hub_offline() -> bool:
     return env.HF_HUB_OFFLINE.get()
 
 
-def _hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> Path:
-    """The local snapshot of a Hugging Face repository: from the cache, else downloaded (unless offline)."""
+def _hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None, weights: bool = True) -> Path:
+    """The local snapshot of a Hugging Face repository: from the cache, else downloaded (unless offline):
+    its configs and tokenizer, and with `weights` the safetensors weights (`_weight_patterns`)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -85,15 +108,20 @@ def _hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None) 
         RevisionNotFoundError,
     )
 
-    kw: dict[str, Any] = dict(revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES)
+    kw: dict[str, Any] = dict(revision=revision, cache_dir=download_dir)
     at = f"{repo_id}@{revision}" if revision else repo_id
     try:
         try:
-            return Path(snapshot_download(repo_id, local_files_only=True, **kw))
+            cached = Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=HUB_META, **kw))
+            if _hub_offline() or not weights or _has_weights(cached):
+                return cached
         except LocalEntryNotFoundError:
             if _hub_offline():
                 raise
-            return Path(snapshot_download(repo_id, **kw))
+        meta = Path(snapshot_download(repo_id, allow_patterns=HUB_META, **kw))
+        if not weights:
+            return meta
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_META + _weight_patterns(meta), **kw))
     except GatedRepoError:
         raise ModelSourceError(
             f"{repo_id} is a gated Hugging Face repository: accept its terms on huggingface.co, set HF_TOKEN"
@@ -128,7 +156,7 @@ def resolve_model(
     if builtin is not None:
         return builtin
     if name.count("/") == 1 and not name.startswith((".", "/", "~")):
-        return _local(_hub_snapshot(name, revision, download_dir), tokenizer=tokenizer)
+        return _local(_hub_snapshot(name, revision, download_dir, weights=not tokenizer), tokenizer=tokenizer)
     raise ModelSourceError(
         f"model {name!r}: no such file or directory, and not a built-in model ({DEFAULT_MODEL}, "
         f"{TINY_RANDOM}) nor a Hugging Face id (org/name)"

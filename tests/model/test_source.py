@@ -88,6 +88,70 @@ def test_hub_errors_are_one_line_each(hub, capsys, monkeypatch):
     assert "gated Hugging Face repository" in err and err.count("\n") == 1, err
 
 
+def _fake_hub(monkeypatch, tmp_path, repo_files: dict[str, bytes]) -> list[list[str]]:
+    """huggingface_hub's `snapshot_download` over a repository of `repo_files` (name -> bytes), online:
+    each call lays out the files its `allow_patterns` match in one snapshot directory, as the hub client
+    does; the patterns of each call that downloads, returned."""
+    import fnmatch
+
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    snap, calls = tmp_path / "snapshot", []
+
+    def download(repo_id, *, allow_patterns, local_files_only=False, **kw):
+        if local_files_only:
+            if not snap.exists():
+                raise LocalEntryNotFoundError("not cached")
+            return str(snap)
+        calls.append(list(allow_patterns))
+        for name, data in repo_files.items():
+            if any(fnmatch.fnmatch(name, p) for p in allow_patterns):
+                (snap / name).parent.mkdir(parents=True, exist_ok=True)
+                (snap / name).write_bytes(data)
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    return calls
+
+
+def test_a_hub_download_fetches_the_weights_its_index_names(monkeypatch, tmp_path, ckpt_factory):
+    """A Mistral repository holds its weights twice: the Hugging Face shards its index names and its own
+    `consolidated.safetensors`: the download fetches the configs first, then the index's shards only.
+    A tokenizer's fetch takes no weights; a snapshot whose weights are missing (cut short, or fetched for
+    its tokenizer) fetches them."""
+    import json
+
+    ckpt = ckpt_factory("qwen3")
+    weights = (ckpt / "model.safetensors").read_bytes()
+    files = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.suffix != ".safetensors"}
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}
+    files |= {
+        "model-00001-of-00001.safetensors": weights,
+        "model.safetensors.index.json": json.dumps(index).encode(),
+        "consolidated.safetensors": b"the same weights, in Mistral's names",
+        "original/consolidated.00.pth": b"a pickle",
+        "params.json": b"{}",
+    }
+    calls = _fake_hub(monkeypatch, tmp_path, files)
+    tok = resolve_model("mistralai/tiny", tokenizer=True)
+    assert not any(tok.glob("*.safetensors")) and len(calls) == 1
+    path = resolve_model("mistralai/tiny")  # (cached without weights: fetched now)
+    assert sorted(p.name for p in path.glob("*.safetensors")) == ["model-00001-of-00001.safetensors"]
+    assert not (path / "original" / "consolidated.00.pth").exists()
+    assert "model-00001-of-00001.safetensors" in calls[-1] and "*.safetensors" not in calls[-1]
+    n = len(calls)
+    assert resolve_model("mistralai/tiny") == path and len(calls) == n  # (cached whole: no download)
+    # a repository without an index: every safetensors file; a consolidated one beside the model's is not read
+    (path / "model.safetensors.index.json").unlink()
+    (path / "model-00001-of-00001.safetensors").rename(path / "model.safetensors")
+    (path / "consolidated.safetensors").write_bytes(weights)
+    from gapless.model.loader import safetensors_files
+
+    assert safetensors_files(path) == [path / "model.safetensors"]
+
+
 def test_tokenizer_and_chat_template_flags(hub, ckpt_factory, tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
