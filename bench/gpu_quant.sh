@@ -8,7 +8,8 @@
 #      Qwen3-8B's (target: <= 0.4) through the default (`auto`: torch's tinygemm at decode rows)
 #   2. nano-vllm's workload, greedy, with a bf16 and an FP8 KV cache (the target: >= 1.3x bf16 KV's
 #      tok/s), each with 8 decode steps profiled, then the FP8 cache's again with the decode kernel
-#      pipelined 5 stages deep (`GAPLESS_DECODE_STAGES=5`)
+#      pipelined 5 stages deep (`GAPLESS_DECODE_STAGES=5`); then Qwen3-8B's FP8 in Qwen's own layout
+#      (`-fp8`: a scale per [128, 128] block, as `Qwen/Qwen3-8B-FP8` holds it)
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3a. Qwen3-8B's int4 TPOT on the swapped tiles (W x^T) and on the Triton GEMM as chosen (the GEMV at
@@ -119,6 +120,9 @@ tpot 50 qwen3-8b-awq int4 --profile  # (its config's quantization_config: AWQ in
 kv_run kv_auto auto
 kv_run kv_fp8 fp8
 kv_run kv_fp8_staged fp8 GAPLESS_DECODE_STAGES=5
+# Qwen's own FP8 layout (`Qwen/Qwen3-8B-FP8`: a scale per [128, 128] block, the checkpoints users serve),
+# against the per-channel run above: the same GEMV and tiles, each K step's block scale loaded with it
+tpot 45 qwen3-8b-fp8 fp8_block --profile
 # Qwen3-0.6B's FP8 with programmatic dependent launch (`gapless.pdl`: each Triton kernel launched while the
 # one before it runs), against its run above; last, as the one the budget cuts first
 GAPLESS_PDL=1 tpot 40 qwen3-0.6b fp8_pdl --profile --engine-option quantization=fp8

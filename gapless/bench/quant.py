@@ -12,14 +12,15 @@ published values) and the built-in tokenizer, no weights, and for each shape a `
 carries an AWQ int4 g128 `quantization_config` (the common int4 layout; every int4/int8 layout runs the
 same GEMM), for the 8B a `-gptq-act` twin, GPTQ int4 g128 with act-order (the same GEMMs, x's columns in
 each layer's order: gathered for o, written so by the fused kernels for the rest), and for the 0.6B an
-`-int8` twin, GPTQ int8 per channel, and an `-int8-g128` one, in groups of 128 (Qwen's `*-GPTQ-Int8`).
+`-int8` twin, GPTQ int8 per channel, and an `-int8-g128` one, in groups of 128 (Qwen's `*-GPTQ-Int8`);
+for the 0.6B and the 8B an `-fp8` twin, Qwen's own `*-FP8` layout (e4m3, a scale per [128, 128] block).
 `run` loads it with `load_format=dummy` (random weights made on the device, in the int4 form where the
-config says so, none read: a 16 GB checkpoint is neither built nor read) in bfloat16, on CUDA graphs at
-batch 1, and times one request at a time: a 128-token prompt generating 1 token (its prefill) and
-generating 1 + `--tokens` (default 64); TPOT = the difference / `--tokens`, the median of `--repeats`
-(default 3) after a warm-up. `--profile` then runs both once more under torch.profiler:
-each kernel's device time a token (the same difference over `--tokens`), and their sum against TPOT (the
-rest: the device idle between kernels, or the host behind it).
+config says so, e4m3 where it is FP8's, none read: a 16 GB checkpoint is neither built nor read) in
+bfloat16, on CUDA graphs at batch 1, and times one request at a time: a 128-token prompt generating 1
+token (its prefill) and generating 1 + `--tokens` (default 64); TPOT = the difference / `--tokens`, the
+median of `--repeats` (default 3) after a warm-up. `--profile` then runs both once more under
+torch.profiler: each kernel's device time a token (the same difference over `--tokens`), and their sum
+against TPOT (the rest: the device idle between kernels, or the host behind it).
 `gguf` writes a shape as a GGUF file of random weights (`gapless.testing.gguf_files.write_random_gguf`:
 by default llama.cpp's Q4_K_M mix of Q4_K and Q6_K matrices, ~4.8 GB for the 8B), which `run` reads like
 a real file with `--engine-option load_format=auto` (a GGUF's projections on the int4/int8 path on a GPU).
@@ -75,18 +76,22 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B),
 }
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-# the int4/int8 twins (suffix -> quantization_config, the shapes given one): AutoAWQ's GEMM layout, 4 bits,
+# the quantized twins (suffix -> quantization_config, the shapes given one): AutoAWQ's GEMM layout, 4 bits,
 # groups of 128, zero points; GPTQ's with act-order (desc_act), the same sizes; GPTQ's int8, one group a row
-# and in groups of 128 (Qwen's own *-GPTQ-Int8) (the 0.6B's: the CPU's kernels, bench/results/int4_cpu)
+# and in groups of 128 (Qwen's own *-GPTQ-Int8) (the 0.6B's: the CPU's kernels, bench/results/int4_cpu);
+# Qwen's own *-FP8, e4m3 with a scale per [128, 128] block (the targets' other FP8 runs quantize the bf16
+# weights at load, one scale a row)
 AWQ_G128 = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
 GPTQ_ACT_G128 = dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc_act=True)
 GPTQ_INT8 = dict(quant_method="gptq", bits=8, group_size=-1, sym=True, desc_act=False)
 GPTQ_INT8_G128 = {**GPTQ_INT8, "group_size": 128}
+FP8_BLOCK = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
 TWINS = {
     "-awq": (AWQ_G128, ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")),
     "-gptq-act": (GPTQ_ACT_G128, ("qwen3-8b",)),
     "-int8": (GPTQ_INT8, ("qwen3-0.6b",)),
     "-int8-g128": (GPTQ_INT8_G128, ("qwen3-0.6b",)),
+    "-fp8": (FP8_BLOCK, ("qwen3-0.6b", "qwen3-8b")),
 }
 PROMPT_LEN = 128
 

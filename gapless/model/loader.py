@@ -172,7 +172,7 @@ def load_model(
     int4_kernels.check_load(int4_spec, dtype, device)  # (GAPLESS_INT4_KERNEL's library, if it names one)
     with _default_dtype(dtype), torch.device(device), deferred_weights():
         model = CausalLM(cfg, max_positions)  # (a layer's weight takes memory as a float tensor loads)
-    scheme, quantized = _prepare_quantized(model, spec, path)
+    scheme, quantized = _prepare_quantized(model, spec, path, dummy)
     rounding = _OnlineRounding(model, scheme, spec, quantized if spec is not None and spec.online else [])
     expected = weight_names.expected(model)  # (before an online load's rounding adds its layers' scales)
     int4_kernel = _int4_kernel(model, int4_spec, dtype, device) if int4_spec is not None else ""
@@ -304,13 +304,16 @@ def quant_spec(path: str | Path, quantization: str | None, device: torch.device 
     return formats.resolve(formats.checkpoint_quantization(path), quantization, device)
 
 
-def _prepare_quantized(model: CausalLM, spec: QuantSpec | None, path: Path) -> tuple[Any, list[str]]:
-    """(the format's module, the modules it quantizes), their parameters made ready for its tensors."""
+def _prepare_quantized(
+    model: CausalLM, spec: QuantSpec | None, path: Path, dummy: bool
+) -> tuple[Any, list[str]]:
+    """(the format's module, the modules it quantizes), their parameters made ready for its tensors (a
+    `dummy` load: the modules such checkpoints quantize, `usual_targets`)."""
     if spec is None or spec.scheme == "int4":  # int4's layers take their method after loading
         return None, []
     scheme = importlib.import_module(f"gapless.model.quant.{spec.scheme}")
-    targets: set[str] = set()
-    if not spec.online:
+    targets: set[str] = set(scheme.usual_targets(model)) if dummy else set()
+    if not spec.online and not dummy:
         for file in safetensors_files(path):
             with safe_open(str(file), framework="pt") as f:
                 names = list(f.keys())

@@ -116,7 +116,7 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
         assert [c[1] for c in benches] == [
             *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, five runs of the issue's targets,
             *["gapless.bench.gpu"] * 3,  # the bf16 and the FP8 KV cache's runs, the FP8's at 5 stages,
-            "gapless.bench.quant",  # the 0.6B's FP8 with PDL;
+            *["gapless.bench.quant"] * 2,  # the 8B's FP8 in Qwen's own block layout, the 0.6B's with PDL;
             *["gapless.bench.quant"] * 4,  # tables: int4 TPOT on swapped tiles and the Triton GEMM, FP8's,
             # the 0.6B's FP8 with activations, norms launched,
             "gapless.bench.kernels",  # decode attention over each cache,
@@ -330,7 +330,8 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     given = {name for phase in ("t", "g") for e in _envs(tmp_path / phase) for name in e}
     assert given and given <= set(gapless_env.VARIABLES), given - set(gapless_env.VARIABLES)
     runs = [c for c in targets if c[:3] == ["-m", "gapless.bench.quant", "run"]]
-    assert len(runs) == 6 and all("--profile" in c for c in runs)
+    assert len(runs) == 7 and all("--profile" in c for c in runs)
+    assert runs[-2][3].endswith("/qwen3-8b-fp8")  # (Qwen's own FP8 layout, after the KV runs)
     kv_runs = [c for c in targets if c[:2] == ["-m", "gapless.bench.gpu"]]
     assert len(kv_runs) == 3 and all("--profile-steps" in c for c in kv_runs)
     caches = [c[c.index("--kv-cache-dtype") + 1] for c in kv_runs]

@@ -11,6 +11,7 @@ import pytest
 from gapless.bench import quant, timing
 from gapless.bench.cli import machine as this_machine
 from gapless.model.config import load_model_config
+from gapless.model.quant import formats
 from gapless.model.quant.int4_layouts import Int4Spec, int4_spec_from_config
 
 
@@ -21,9 +22,11 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         "qwen3-0.6b-awq",
         "qwen3-0.6b-int8",
         "qwen3-0.6b-int8-g128",
+        "qwen3-0.6b-fp8",
         "qwen3-8b",
         "qwen3-8b-awq",
         "qwen3-8b-gptq-act",
+        "qwen3-8b-fp8",
         "qwen3-30b-a3b",
         "qwen3-30b-a3b-awq",
     ]
@@ -39,7 +42,11 @@ def test_make_writes_each_shape_without_weights(tmp_path):
     assert int4_spec_from_config(qc) == Int4Spec("gptq", 8, -1, True, zero_offset=1)
     qc = json.loads((tmp_path / "qwen3-0.6b-int8-g128" / "config.json").read_text())["quantization_config"]
     assert int4_spec_from_config(qc) == Int4Spec("gptq", 8, 128, True, zero_offset=1)
-    assert quant._shape_of("qwen3-0.6b-int8-g128") == "qwen3-0.6b"
+    for name in ("qwen3-0.6b", "qwen3-8b"):  # Qwen's own *-FP8: e4m3, a scale per 128 x 128 block
+        spec = formats.resolve(formats.checkpoint_quantization(tmp_path / f"{name}-fp8"), None, "cpu")
+        assert spec is not None and spec.label == "fp8 e4m3 block 128x128"
+        assert load_model_config(tmp_path / f"{name}-fp8") == load_model_config(tmp_path / name)
+    assert quant._shape_of("qwen3-0.6b-int8-g128") == quant._shape_of("qwen3-0.6b-fp8") == "qwen3-0.6b"
     assert quant._shape_of("qwen3-8b-gptq-act") == quant._shape_of("qwen3-8b-awq") == "qwen3-8b"
     moe = load_model_config(tmp_path / "qwen3-30b-a3b")  # every layer a mixture of 128 experts, 8 routed
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gapless import LLM, SamplingParams
-from gapless.model import loader
+from gapless.model import layers, loader
 from gapless.model.quant import formats, quantization, weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.fp8 import (
@@ -841,3 +841,49 @@ def test_dummy_load_format_reads_no_weights_and_quantizes_at_load(ckpt_factory, 
         assert len(out[0].token_ids) == 3
         assert llm.engine.info.quantization == "fp8"
         assert dict(llm.engine.info.weight_formats)["fp8 e4m3 per-channel (quantized at load)"] == 8
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout", "label"),
+    [
+        ("qwen3", "fp8", "fp8 e4m3 block 128x128"),  # Qwen's own *-FP8 (bench/gpu_quant.sh's 8B twin)
+        ("qwen3", "ct-channel", "compressed-tensors fp8 e4m3 per-channel"),
+        ("qwen3", "modelopt", "modelopt fp8 e4m3 per-tensor"),  # (said by hf_quant_config.json alone)
+        ("qwen3_moe", "fp8", "fp8 e4m3 block 128x128"),
+    ],
+)
+def test_dummy_load_format_holds_an_fp8_checkpoints_layers_in_its_layout(
+    ckpt_factory, tmp_path, arch, layout, label
+):
+    """`load_format="dummy"` of an FP8 checkpoint's config (it has no tensors to name its quantized layers):
+    the layers such checkpoints quantize (every linear but the routers and the head, the experts) hold
+    e4m3 weights and scales in the config's layout, and the engine generates. Before, the load looked for
+    the checkpoint's scales in files it does not have."""
+    from gapless.model.moe import Experts
+    from gapless.model.quant.fp8 import Fp8LinearMethod
+
+    dst = tmp_path / "m"
+    shutil.copytree(ckpt_factory(arch), dst, ignore=shutil.ignore_patterns("*.safetensors*"))
+    qcfg = quant_config(layout, (128, 128))
+    if layout == "modelopt":
+        (dst / formats.MODELOPT_FILE).write_text(json.dumps(qcfg))
+    else:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qcfg)))
+    opts = dict(device="cpu", kv_cache_tokens=256, overlap=False, load_format="dummy")
+    with LLM(str(dst), **opts) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].token_ids) == 3
+        model, info = llm.engine.runner.model, llm.engine.info
+    linears = [m for m in model.modules() if isinstance(m, layers._Linear)]
+    fp8 = [m for m in linears if isinstance(m.linear_method, Fp8LinearMethod)]
+    routers = [m for m in linears if isinstance(m, layers.ReplicatedLinear)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert dict(info.weight_formats)[label] == len(fp8) == len(linears) - len(routers) > 0
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
+    assert not isinstance(model.lm_head.linear_method, Fp8LinearMethod)
+    n, k = fp8[0].weight.shape
+    # (a block's scale per block; a row's, and a tensor's, held per row: a fused layer's shards differ)
+    assert tuple(fp8[0].weight_scale.shape) == ((-(-n // 128), -(-k // 128)) if layout == "fp8" else (n, 1))
+    assert bool(experts) == (arch == "qwen3_moe")
+    assert len(experts) == dict(info.weight_formats).get(f"{label} experts", 0), info.weight_formats

@@ -13,6 +13,7 @@ the module `gapless.model.quant.<spec.scheme>`, which provides:
   them from the safetensors headers, before loading: a layer with one is quantized);
 - `quantized_modules(model, spec, targets) -> list[str]`: the modules to quantize (`targets`: those the
   checkpoint marks), or a one-line QuantFormatError;
+- `usual_targets(model) -> list[str]`: the modules such checkpoints mark (`--load-format dummy`'s targets);
 - `prepare(model, spec, modules)`: before loading, give those modules the parameters their checkpoint
   tensors load into (each with its `weight_loader`, cutting it as tensor parallelism and fused shards do);
 - `finish(model, spec, modules)`: after loading, install each module's `linear_method` (whose

@@ -254,6 +254,19 @@ def _scale_param(layer: _Linear, spec: QuantSpec, module_name: str) -> nn.Parame
     return set_weight_loader(param, load)
 
 
+def usual_targets(model: nn.Module) -> list[str]:
+    """The modules FP8 checkpoints quantize, and `--quantization fp8` does: every linear layer but the
+    routers (and the LM head, which is no `_Linear`), and every mixture's experts; what `--load-format
+    dummy` makes of an FP8 checkpoint's config, which has no tensors to say it."""
+    from gapless.model.moe import Experts
+
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear) or isinstance(m, Experts)
+    ]
+
+
 def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> list[str]:
     """The modules whose weights the load keeps in fp8: those the checkpoint gives scales for (`targets`,
     module names; a mixture's experts, `...experts.3.gate_proj`, as their layer's `Experts`), or with
@@ -263,12 +276,7 @@ def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> l
 
     experts = [name for name, m in model.named_modules() if isinstance(m, Experts)]
     if spec.online:
-        linears = [
-            name
-            for name, m in model.named_modules()
-            if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)
-        ]
-        return linears + experts
+        return usual_targets(model)
     # the checkpoint's experts' scales: each mixture layer's experts, all of them, in fp8
     expert_targets = {t for t in targets if t in experts or ".experts." in t}
     targets = targets - expert_targets
