@@ -109,9 +109,9 @@ def safetensors_files(path: Path) -> list[Path]:
 def gguf_kept(path: Path, device: torch.device) -> str:
     """How a load of `path` keeps a GGUF file's quantized matrices: "cpu" on a CPU with one rank
     (`gguf_cpu`'s layers, the embedding table read from the file), "int4" on a GPU, across ranks or under
-    `GAPLESS_GGUF_LAYOUT=groups` (the
-    projections and the LM head on the int4/int8 path, the table as its blocks: `gguf_int4`), or ""
-    (not a GGUF file, or `GAPLESS_GGUF_WEIGHTS=dequantize`: every matrix a float weight)."""
+    `GAPLESS_GGUF_LAYOUT=groups` (the projections and the LM head on the int4/int8 path, the table as its
+    blocks: `gguf_int4`), or "" (not a GGUF file, or `GAPLESS_GGUF_WEIGHTS=dequantize`: every matrix a
+    float weight)."""
     if not is_gguf_file(path) or env.GGUF_WEIGHTS.get() == "dequantize":
         return ""
     one_rank_cpu = device.type == "cpu" and parallel.current().size == 1

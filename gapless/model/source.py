@@ -42,10 +42,10 @@ def _weight_patterns(snapshot: Path) -> list[str]:
     """The weight files to fetch into `snapshot` (its configs there already): the shards its safetensors
     index names where it has one, not every `*.safetensors` (Mistral's repositories hold their weights
     twice: the index's shards and their own `consolidated.safetensors`), else every `*.safetensors`."""
-    index = snapshot / SAFETENSORS_INDEX
-    if not index.is_file():
+    try:  # (no index, or one that is none: every file, and the loader says what is wrong)
+        return sorted(set(json.loads((snapshot / SAFETENSORS_INDEX).read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ["*.safetensors"]
-    return sorted(set(json.loads(index.read_text())["weight_map"].values()))
 
 
 def _has_weights(snapshot: Path) -> bool:

@@ -128,6 +128,9 @@ def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's 
     return Int4Spec("gptq", bits, group, sym, 1 if fmt == "gptq" else 0, act_order)
 
 
+_SCHEME_KEYS = {"bits": None, "group_size": None, "sym": True, "desc_act": False}  # (and their defaults)
+
+
 def _check_dynamic(qc: dict[str, Any]) -> None:
     """GPTQModel's per-module rules (`dynamic`): a rule that leaves modules unquantized (`-:`) is read from
     the checkpoint itself (a layer is quantized where its tensors are); one that quantizes modules with
@@ -145,9 +148,6 @@ def _check_dynamic(qc: dict[str, Any]) -> None:
             raise _refuse(
                 "gptq", f"dynamic rule {pattern!r} quantizes with its own {', '.join(changed)}: not built"
             )
-
-
-_SCHEME_KEYS = {"bits": None, "group_size": None, "sym": True, "desc_act": False}  # (and their defaults)
 
 
 def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
