@@ -501,6 +501,8 @@ REFUSED = [
     (dict(quant_method="awq", bits=4, group_size=128, version="gemv"), "version='gemv'"),
     (dict(quant_method="awq", bits=8, group_size=128), "bits=8 is not run"),
     (dict(quant_method="gptq", bits=4, group_size=128, checkpoint_format="marlin"), "checkpoint_format"),
+    (dict(quant_method="gptq", bits=4, group_size=128, is_marlin_format=True), "'marlin' is not read"),
+    (dict(quant_method="gptq", bits=4, group_size=128, format="bitblas"), "'bitblas' is not read"),
     # GPTQModel's per-module rules: other bits (or groups, ...) for some modules
     (
         dict(quant_method="gptq", bits=4, group_size=128, dynamic={r"+:.*mlp.*": {"bits": 8}}),
@@ -551,6 +553,17 @@ def test_unsupported_schemes_are_refused_before_any_weight_loads(
     with pytest.raises(QuantFormatError, match=r"^quantization_config \((gptq|awq)\): ") as e:
         loader.load_model(qdir, torch.float32, torch.device("cpu"))
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gptqs_format_is_read_under_each_name_its_writers_gave_it():
+    """`checkpoint_format` (AutoGPTQ, GPTQModel), `format` (some GPTQModel releases): gptq_v2 stores its
+    zero points as they are, gptq (v1) minus one; a v2 checkpoint read as v1 would be off a step a
+    weight."""
+    base = dict(quant_method="gptq", bits=4, group_size=128, sym=False)
+    for key in ("checkpoint_format", "format"):
+        assert int4_spec_from_config({**base, key: "gptq_v2"}).zero_offset == 0, key
+        assert int4_spec_from_config({**base, key: "gptq"}).zero_offset == 1, key
+    assert int4_spec_from_config(base).zero_offset == 1  # (neither: AutoGPTQ's v1)
 
 
 def test_compressed_tensors_act_order_and_fp8_are_told_apart():

@@ -116,7 +116,10 @@ def _awq(qc: dict[str, Any]) -> Int4Spec:
 
 
 def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's g_idx, `unpack`)
-    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    # (the format's key: `checkpoint_format`, `format` in some GPTQModel releases, AutoGPTQ's older flag)
+    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+    if qc.get("is_marlin_format"):
+        fmt = "marlin"
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse("gptq", f"checkpoint_format={fmt!r} is not read; gptq or gptq_v2")
     if qc.get("lm_head"):
