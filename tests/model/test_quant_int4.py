@@ -503,6 +503,7 @@ REFUSED = [
     (dict(quant_method="gptq", bits=4, group_size=128, checkpoint_format="marlin"), "checkpoint_format"),
     (dict(quant_method="gptq", bits=4, group_size=128, is_marlin_format=True), "'marlin' is not read"),
     (dict(quant_method="gptq", bits=4, group_size=128, format="bitblas"), "'bitblas' is not read"),
+    (dict(quant_method="gptq", bits=4, group_size=128, pack_dtype="int16"), "pack_dtype='int16' is not read"),
     # GPTQModel's per-module rules: other bits (or groups, ...) for some modules
     (
         dict(quant_method="gptq", bits=4, group_size=128, dynamic={r"+:.*mlp.*": {"bits": 8}}),

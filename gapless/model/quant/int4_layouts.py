@@ -124,6 +124,8 @@ def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's 
         raise _refuse("gptq", f"checkpoint_format={fmt!r} is not read; gptq or gptq_v2")
     if qc.get("lm_head"):
         raise _refuse("gptq", "lm_head=true (a quantized LM head) is not built")
+    if str(qc.get("pack_dtype") or "int32").removeprefix("torch.") != "int32":  # (GPTQModel's option)
+        raise _refuse("gptq", f"pack_dtype={qc['pack_dtype']!r} is not read; values packed in int32 only")
     bits, group = _check_bits_group("gptq", qc.get("bits"), qc.get("group_size"), (4, 8))
     _check_dynamic(qc)
     sym = bool(qc.get("sym", True))
