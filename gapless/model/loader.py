@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +51,7 @@ from gapless.model.quant.formats import QuantSpec
 from gapless.model.quant.fp8 import SCALE_NAMES, checkpoint_scale
 from gapless.model.quant.gguf_blocks import GGUFBlocks
 from gapless.model.quant.gguf_int4 import GGUFLayers
+from gapless.model.source import index_shards
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
 
 log = logging.getLogger(__name__)
@@ -95,10 +95,9 @@ def resolve_dtype(
 
 
 def safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
+    shards = index_shards(path)
+    if shards is not None:
+        return [path / n for n in shards]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")

@@ -38,14 +38,23 @@ HUB_META = ["*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"]
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+def index_shards(checkpoint: Path) -> list[str] | None:
+    """The safetensors files a checkpoint directory's index names, sorted; None where it has no index."""
+    index = checkpoint / SAFETENSORS_INDEX
+    if not index.is_file():
+        return None
+    return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+
+
 def _weight_patterns(snapshot: Path) -> list[str]:
     """The weight files to fetch into `snapshot` (its configs there already): the shards its safetensors
     index names where it has one, not every `*.safetensors` (Mistral's repositories hold their weights
     twice: the index's shards and their own `consolidated.safetensors`), else every `*.safetensors`."""
-    try:  # (no index, or one that is none: every file, and the loader says what is wrong)
-        return sorted(set(json.loads((snapshot / SAFETENSORS_INDEX).read_text())["weight_map"].values()))
+    try:  # (an index that is none: every file, and the loader says what is wrong)
+        shards = index_shards(snapshot)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return ["*.safetensors"]
+        shards = None
+    return shards or ["*.safetensors"]
 
 
 def _has_weights(snapshot: Path) -> bool:
