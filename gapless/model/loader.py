@@ -403,7 +403,7 @@ def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:
         if name.rpartition(".")[2] in _QUANTIZED_TENSORS:
             hint = (
                 " (a quantized checkpoint's tensor, but the checkpoint declares no quantization: "
-                "config.json's quantization_config, hf_quant_config.json or quantize_config.json)"
+                f"{formats.DECLARED_IN})"
             )
         raise ValueError(
             f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model{hint}"

@@ -70,12 +70,17 @@ class QuantFormatError(ValueError):
 Parser = Callable[[dict[str, Any], bool], QuantSpec]  # (quantization_config, online) -> spec
 
 
+# where a checkpoint declares its format (`_declared`), as the refusals of one declaring none name them
+DECLARED_IN = (
+    "config.json's quantization_config, hf_quant_config.json, quantize_config.json or quant_config.json"
+)
+
+
 def _not_at_load(method: str) -> QuantFormatError:
     """`--quantization METHOD` on a checkpoint that declares no format: METHOD is read, not applied."""
     return QuantFormatError(
         f"--quantization {method} reads a checkpoint quantized as {method}, but this one declares no "
-        "quantization (config.json's quantization_config, hf_quant_config.json, quantize_config.json): "
-        "only fp8 is applied at load to float weights"
+        f"quantization ({DECLARED_IN}): only fp8 is applied at load to float weights"
     )
 
 
