@@ -18,7 +18,8 @@ SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
 # the KV cache's element types, by vLLM's names (gapless.memory.kv_pool.kv_cache_dtype): float8 e4m3's two
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 KV_CACHE_DTYPES = ("auto", "bfloat16", *FP8_KV_CACHE_DTYPES)
-LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")  # vLLM's names; see gapless.engine.preflight
+# --load-format's values, vLLM's names (gapless.engine.preflight)
+LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf", "bitsandbytes")
 # --task's names (vLLM's and SGLang's too) and the task each means (gapless.engine.pooling)
 TASK_NAMES = {
     "auto": "auto",
@@ -103,16 +104,17 @@ class EngineConfig:
         "the weights' quantized format (vLLM's names): fp8 quantizes a float checkpoint's linear layers "
         "to fp8 e4m3 at load (one scale per output row; activations per token); None: the checkpoint's "
         "own (config.json's quantization_config: fp8, compressed-tensors, awq, gptq, modelopt, "
-        "fbgemm_fp8; or hf_quant_config.json, quantize_config.json, quant_config.json), else float; the "
-        "checkpoint's own name, or vLLM's kernel for it (awq_marlin, gptq_marlin, moe_wna16), runs the "
-        "checkpoint as it is, as gguf does a GGUF file. A format the device cannot run is refused before "
-        "any weight loads (gapless.model.quant.formats)",
+        "fbgemm_fp8, bitsandbytes; or hf_quant_config.json, quantize_config.json, quant_config.json), "
+        "else float; the checkpoint's own name, or vLLM's kernel for it (awq_marlin, gptq_marlin, "
+        "moe_wna16), runs the checkpoint as it is, as gguf does a GGUF file. A format the device cannot run "
+        "is refused before any weight loads (gapless.model.quant.formats)",
     )
     load_format: str = option(
         "auto",
         "auto: the checkpoint's weights; dummy: random weights in the checkpoint's shape, none read (as "
         "vLLM's --load-format dummy: for benchmarks, with a config.json and a tokenizer only); "
-        "safetensors or gguf (vLLM's names): auto, for a checkpoint of that kind (the other is refused)",
+        "safetensors, gguf or bitsandbytes (vLLM's names): auto, for a checkpoint of that kind (another is "
+        "refused)",
     )
     page_size: int = option(1, "tokens per KV cache page; the prefix cache shares whole pages")
     radix_cache: bool = option(True, "reuse the KV cache of shared prompt prefixes (a radix tree)")

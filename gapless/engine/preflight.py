@@ -45,9 +45,18 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     otherwise. Idempotent."""
     cfg = localize(cfg)  # refuses, by name, an architecture or a feature the decoder lacks
     path = Path(cfg.model)
-    if cfg.load_format in ("safetensors", "gguf") and path.is_dir() != (cfg.load_format == "safetensors"):
+    if cfg.load_format in ("safetensors", "gguf", "bitsandbytes") and path.is_dir() == (
+        cfg.load_format == "gguf"
+    ):
         kind = "a safetensors checkpoint" if path.is_dir() else "a GGUF file"
         raise ValueError(f"--load-format {cfg.load_format}: {cfg.model} is {kind}")
+    if cfg.load_format == "bitsandbytes":  # (vLLM's older name for reading one: `auto` reads it alike)
+        method = (formats.checkpoint_quantization(path) or {}).get("quant_method")
+        if str(method).lower() != "bitsandbytes":
+            raise ValueError(
+                f"--load-format bitsandbytes: {cfg.model} is no bitsandbytes checkpoint "
+                f"(quant_method {method!r})"
+            )
     mcfg = load_model_config(path)
     if path.is_dir():  # a GGUF file carries its weights and tokenizer
         weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))

@@ -39,6 +39,7 @@ from gapless.model.layers import (
 )
 from gapless.model.moe import Experts
 from gapless.model.quant import (
+    bnb,
     formats,
     gguf_cpu,
     gguf_int4,
@@ -183,7 +184,8 @@ def load_model(
     kv_scales = KVScaleReader()  # an FP8 KV cache's scales, where the checkpoint has them
     kept = gguf_kept(path, device)
     gguf_layers = _gguf_layers(model, path, kept, dtype)  # (None: no GGUF blocks)
-    for name, tensor in [] if dummy else iter_weights(path, kept):
+    weights = [] if dummy else iter_weights(path, kept)
+    for name, tensor in bnb.dequantized(weights) if spec is not None and spec.scheme == "bnb" else weights:
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
         decoder_name = _decoder_name(name, tensor, encoder, dtype)
@@ -245,12 +247,18 @@ def _decoder_name(name: str, tensor: object, encoder: VisionEncoder | None, dtyp
     """The decoder's name of a checkpoint tensor, or None where the vision encoder took it (a
     vision-language checkpoint: its encoder's weights, the decoder's renamed)."""
     if encoder is not None:
-        if isinstance(tensor, torch.Tensor) and encoder.load_weight(name, tensor.to(dtype)):
+        if isinstance(tensor, torch.Tensor) and encoder.load_weight(name, _as_float(tensor, dtype)):
             return None
         name = text_weight_name(name)
     if name.split(".", 1)[0] in _BODY_PARTS:  # a bare decoder's (an embedding model saved without its
         name = f"model.{name}"  # head, e.g. Qwen3-Embedding): the body's names, unprefixed
     return name
+
+
+def _as_float(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float tensor in `dtype`; any other as it is (an integer one is a quantized weight, which the
+    vision encoder refuses by name rather than read as a cast of its codes)."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def _check_complete(model: CausalLM, path: Path, missing: list[str]) -> None:
@@ -310,8 +318,8 @@ def _prepare_quantized(
 ) -> tuple[Any, list[str]]:
     """(the format's module, the modules it quantizes), their parameters made ready for its tensors (a
     `dummy` load: the modules such checkpoints quantize, `usual_targets`)."""
-    if spec is None or spec.scheme == "int4":  # int4's layers take their method after loading
-        return None, []
+    if spec is None or spec.scheme in ("int4", "bnb"):  # int4's layers take their method after loading,
+        return None, []  # bnb's weights are read as floats (`bnb.dequantized`)
     scheme = importlib.import_module(f"gapless.model.quant.{spec.scheme}")
     targets: set[str] = set(scheme.usual_targets(model)) if dummy else set()
     if not spec.online and not dummy:
@@ -387,6 +395,8 @@ _QUANTIZED_TENSORS = {
     *int4_layouts.TENSORS["gptq"],
     *int4_layouts.TENSORS["compressed-tensors"],
     *SCALE_NAMES,
+    "SCB",  # (bitsandbytes 8-bit's; its 4-bit weights' side tensors below)
+    *bnb.PARTS,
 }
 
 

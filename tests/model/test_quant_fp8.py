@@ -76,7 +76,7 @@ def _one_line(excinfo, *words):
 @pytest.mark.parametrize(
     ("qcfg", "flag", "words"),
     [
-        ({"quant_method": "bitsandbytes"}, None, ["'bitsandbytes'", "is not run"]),
+        ({"quant_method": "hqq"}, None, ["'hqq'", "is not run"]),
         (None, "frobnicate", ["--quantization 'frobnicate'", "not a known format"]),
         (quant_config("fp8", (128, 128)), "compressed-tensors", ["quantized as fp8"]),
         ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, None, ["e5m2"]),

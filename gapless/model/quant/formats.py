@@ -51,7 +51,8 @@ class QuantSpec:
     (None: one scale per output row, or per tensor: `per_tensor`). Which layers are quantized is read
     from the checkpoint itself (the weights that come with scales), not from its config's ignore lists;
     `weight_only`: an int4/int8 checkpoint's layout (`gapless.model.quant.int4`, which loads its layers
-    itself after the float weights, not through `prepare`/`finish`)."""
+    itself after the float weights, not through `prepare`/`finish`). Scheme "bnb" (bitsandbytes 4-bit)
+    has neither: the loader reads its weights through `gapless.model.quant.bnb.dequantized`, as floats."""
 
     name: str
     scheme: str
@@ -194,6 +195,22 @@ def _fbgemm_fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     return QuantSpec("fbgemm_fp8", "fp8", "fbgemm fp8 e4m3 per-channel")
 
 
+def _bitsandbytes(qcfg: dict[str, Any], online: bool) -> QuantSpec:
+    """`quant_method: bitsandbytes`: `load_in_8bit` (LLM.int8's int8 weights, a scale per row) kept
+    quantized as w8a16 (`int4_layouts`); `load_in_4bit` (NF4/FP4 codebooks) dequantized as it is read
+    (`gapless.model.quant.bnb`: no kernel here takes a codebook), labelled so."""
+    if online:
+        raise _not_at_load("bitsandbytes")
+    if qcfg.get("load_in_8bit") or qcfg.get("_load_in_8bit"):
+        return _int4(qcfg)
+    if not (qcfg.get("load_in_4bit") or qcfg.get("_load_in_4bit")):
+        raise QuantFormatError("quantization bitsandbytes: neither load_in_4bit nor load_in_8bit is set")
+    kind = str(qcfg.get("bnb_4bit_quant_type") or "fp4").lower()
+    return QuantSpec(
+        "bitsandbytes", "bnb", f"bitsandbytes {kind}, dequantized at load", min_capability=(0, 0)
+    )
+
+
 # compressed-tensors' own `format` -> its parser (the quantization_config and its one config group)
 CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "float-quantized": _ct_float,
@@ -229,6 +246,7 @@ FORMATS: dict[str, Parser] = {
     "gptq": _int4,
     "modelopt": _modelopt,
     "fbgemm_fp8": _fbgemm_fp8,
+    "bitsandbytes": _bitsandbytes,
 }
 # vLLM's `--quantization` names for its own kernels of a checkpoint's format: accepted for a checkpoint in
 # one of those formats, which then runs as it would without the flag

@@ -22,6 +22,10 @@ layouts, as their writers (AutoAWQ, AutoGPTQ/GPTQModel, compressed-tensors) stor
   signed; `weight_scale` [N, K / G]; `weight_zero_point` int32 [N / P, K / G] packed along N the same way,
   only when asymmetric (symmetric: zero 0, i.e. 2^(bits-1) unsigned); `weight_shape` [2] = (N, K);
   `weight_g_idx` [K] as GPTQ's g_idx, with `actorder: group`.
+- **bitsandbytes** 8-bit (`quant_method: bitsandbytes`, `load_in_8bit`: LLM.int8's checkpoints): `weight`
+  int8 [N, K] signed, `SCB` float32 [N], each row's absolute maximum (`W = weight * SCB / 127`),
+  `weight_format` the layout's code (0: row-major, the only one bitsandbytes still writes). Run as w8a16,
+  as int-quantized is: not LLM.int8's int8 activations and float outlier columns.
 
 Act-order (GPTQ's `desc_act: true`, compressed-tensors' `actorder: group`) puts each input in a group by
 its g_idx, not by its position: the unpacked form sorts q's columns by group (`act_order`), so the groups
@@ -39,7 +43,7 @@ import torch
 from gapless.model.quant.formats import QuantFormatError  # (every format's one error)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i]
-METHODS = ("awq", "gptq", "compressed-tensors")
+METHODS = ("awq", "gptq", "compressed-tensors", "bitsandbytes")
 TENSORS = {
     "awq": ("qweight", "qzeros", "scales"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),  # (g_idx: act-order's, `act_order`)
@@ -50,6 +54,7 @@ TENSORS = {
         "weight_shape",
         "weight_g_idx",
     ),
+    "bitsandbytes": ("weight", "SCB", "weight_format"),  # (8-bit; its 4-bit form: `gapless.model.quant.bnb`)
 }
 UNPACKED_TENSORS = ("weight", "weight_scale", "weight_zero_point", "weight_g_idx")  # int-quantized's
 
@@ -64,7 +69,7 @@ class Int4Spec:
     sym: bool
     zero_offset: int = 0  # added to the stored zero points (GPTQ's v1 format: 1)
     act_order: bool = False  # the config names act-order (each layer's g_idx says its order: `act_order`)
-    packed: bool = True  # False: compressed-tensors' `int-quantized`, int8 values as they are
+    packed: bool = True  # False: int8 values as they are (compressed-tensors' int-quantized, bitsandbytes)
     per_tensor: bool = False  # int-quantized's strategy tensor: one scale, read as one per row (group -1)
     # what a file holds where it is not a checkpoint's scheme: a GGUF file's block types ("Q4_K"), which
     # the label names as `gguf_cpu`'s layers do ("Q4_K as int4 g32", "Q6_K as int8 per-row")
@@ -77,13 +82,18 @@ class Int4Spec:
                 "per-row" if self.group_size < 0 else f"g{self.group_size}"
             )
         group = "tensor" if self.per_tensor else "channel" if self.group_size < 0 else f"g{self.group_size}"
-        method = self.method if self.packed else f"{self.method} int-quantized"
+        method = f"{self.method} int-quantized" if self.int_quantized else self.method
         return f"{method} w{self.bits}a16 {group}" + (" act-order" if self.act_order else "")
 
     @property
     def tensors(self) -> tuple[str, ...]:
         """The checkpoint tensors (last part of the name) a quantized layer of this layout has."""
-        return TENSORS[self.method] if self.packed else UNPACKED_TENSORS
+        return UNPACKED_TENSORS if self.int_quantized else TENSORS[self.method]
+
+    @property
+    def int_quantized(self) -> bool:
+        """compressed-tensors' `int-quantized` layout (int8 `weight` and `weight_scale`)."""
+        return self.method == "compressed-tensors" and not self.packed
 
     def group_for(self, k: int) -> int:
         return k if self.group_size < 0 else self.group_size
@@ -213,6 +223,8 @@ def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
         return _gptq(qc)
     if method == "compressed-tensors":
         return _compressed(qc)
+    if method == "bitsandbytes" and (qc.get("load_in_8bit") or qc.get("_load_in_8bit")):
+        return Int4Spec("bitsandbytes", 8, -1, sym=True, packed=False)
     return None
 
 
@@ -294,12 +306,19 @@ def whole_tensors(spec: Int4Spec) -> tuple[str, ...]:
 def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
     """One checkpoint module's tensors (`spec.tensors` by suffix) as `Unpacked`; `where` names the
     module in errors."""
-    need = spec.tensors[: 2 if spec.method == "compressed-tensors" else 3]  # the rest optional
-    missing = [n for n in need if n not in parts]
+    need = spec.tensors[: 2 if spec.method in ("compressed-tensors", "bitsandbytes") else 3]  # (the rest
+    missing = [n for n in need if n not in parts]  # optional)
     if missing:
         raise QuantFormatError(f"{where}: the {spec.method} checkpoint lacks {', '.join(missing)}")
     half = float(1 << (spec.bits - 1))
-    if not spec.packed:  # int-quantized: the signed values and zero points as they are
+    if spec.method == "bitsandbytes":
+        layout = int(parts.get("weight_format", torch.tensor(0)).item())
+        if layout != 0:
+            raise QuantFormatError(f"{where}: bitsandbytes weight_format {layout} is not read; 0 (row-major)")
+        q = (parts["weight"].to(torch.int16) + int(half)).contiguous()
+        scale = _per_row(parts["SCB"], q.shape[0]) / 127.0
+        zero = torch.full_like(scale, half)
+    elif not spec.packed:  # int-quantized: the signed values and zero points as they are
         q = (parts["weight"].to(torch.int16) + int(half)).contiguous()
         scale = _per_row(parts["weight_scale"], q.shape[0])
         zero = torch.full_like(scale, half)

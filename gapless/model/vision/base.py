@@ -65,6 +65,11 @@ class VisionEncoder(nn.Module, ABC):
     def place(self, own: str, name: str, tensor: torch.Tensor) -> None:
         """Copy checkpoint tensor `name` into the encoder's parameter `own`, its shape checked."""
         param = self.get_parameter(own)
+        if not tensor.is_floating_point():  # (a quantized tower's int8 weight, e.g. bitsandbytes 8-bit)
+            raise ValueError(
+                f"checkpoint weight {name!r} is {str(tensor.dtype).removeprefix('torch.')}: the vision "
+                "encoder's weights load as floats (a quantized vision tower is not run)"
+            )
         if param.shape != tensor.shape:
             raise ValueError(
                 f"checkpoint weight {name!r} is {tuple(tensor.shape)}; expected {tuple(param.shape)}"

@@ -1,0 +1,144 @@
+"""bitsandbytes 4-bit checkpoints (`quant_method: bitsandbytes`, `load_in_4bit`: unsloth's `*-bnb-4bit`
+repositories, QLoRA merges), read as float weights: each quantized weight is dequantized as its tensors
+arrive and goes on as the float `...weight` it was, so the model runs its float layers. NF4 and FP4 are
+codebooks (16 float values), not the evenly spaced levels the int4 GEMMs take (`W = (q - zero) * scale`),
+so no kernel here keeps them quantized: such a model holds the float model's bytes.
+
+As Hugging Face's bitsandbytes integration stores a layer's weight (the `weight` of an `nn.Linear`):
+
+- `weight`: the codes, two to a byte, the first in the high nibble, over the weight flattened row by row
+  (uint8 [N * K / 2, 1]; stored in `bnb_4bit_quant_storage`'s dtype where that is not uint8);
+- `weight.quant_map` float32 [16]: the codebook (NF4's or FP4's);
+- `weight.absmax`: one scale per `blocksize` values (float32), or, double-quantized, uint8 codes into
+  `weight.nested_quant_map` [256] times `weight.nested_absmax` (one per `nested_blocksize` scales) plus
+  `nested_offset`;
+- `weight.quant_state.bitsandbytes__nf4` (or `__fp4`): uint8 bytes of a JSON object with `quant_type`,
+  `blocksize`, `shape`, `dtype` and, double-quantized, `nested_blocksize` and `nested_offset`.
+
+Value i is `quant_map[code_i] * absmax[i // blocksize]` in float32, as bitsandbytes computes it. The
+8-bit form (`load_in_8bit`, int8 weights and a per-row `SCB`) stays quantized on the int8 path instead
+(`gapless.model.quant.int4_layouts`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from gapless.model.quant.formats import QuantFormatError
+
+log = logging.getLogger(__name__)
+
+STATE = ".quant_state.bitsandbytes__"  # + the quant type: the tensor holding a weight's JSON state
+PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")  # `weight.<part>`
+QUANT_TYPES = ("nf4", "fp4")
+
+
+def _split(name: str) -> tuple[str, str] | None:
+    """(the weight's name, its part: "state" or one of `PARTS`) for a 4-bit weight's side tensor; None
+    for every other tensor."""
+    if STATE in name:
+        return name.split(STATE, 1)[0], "state"
+    weight, _, part = name.rpartition(".")
+    return (weight, part) if part in PARTS and weight.endswith("weight") else None
+
+
+def _state(t: torch.Tensor, where: str) -> dict[str, Any]:
+    try:
+        state = json.loads(bytes(t.to(torch.uint8).flatten().tolist()))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise QuantFormatError(f"{where}: its bitsandbytes quant_state is not readable JSON: {e}") from None
+    kind = state.get("quant_type") if isinstance(state, dict) else None
+    if kind not in QUANT_TYPES:
+        raise QuantFormatError(
+            f"{where}: bitsandbytes quant_type {kind!r} is not read; {' or '.join(QUANT_TYPES)}"
+        )
+    return state
+
+
+def _blockwise(values: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """values (float32, flat) times one scale per `block` of them (the last block may be short)."""
+    n = values.numel()
+    if scales.numel() != -(-n // block):
+        raise QuantFormatError(f"{scales.numel()} scales for {n} values in blocks of {block}")
+    return values * scales.repeat_interleave(block)[:n]
+
+
+def dequantize(parts: dict[str, torch.Tensor], where: str) -> torch.Tensor:
+    """One weight in float32 from its tensors (`weight`: the packed codes, the rest by part name, `state`
+    the JSON's tensor), as bitsandbytes' own `dequantize_4bit` computes it."""
+    missing = [p for p in ("weight", "state", "absmax", "quant_map") if p not in parts]
+    missing = ["quant_state" if p == "state" else p for p in missing]
+    state = _state(parts["state"], where) if "state" in parts else {}
+    nested = "nested_blocksize" in state
+    missing += [p for p in ("nested_absmax", "nested_quant_map") if nested and p not in parts]
+    if missing:
+        raise QuantFormatError(f"{where}: the bitsandbytes 4-bit checkpoint lacks its {', '.join(missing)}")
+    shape = [int(s) for s in state["shape"]]
+    n = 1
+    for s in shape:
+        n *= s
+    absmax = parts["absmax"].float().flatten()
+    if nested:
+        codes = parts["nested_quant_map"].float()[parts["absmax"].flatten().long()]
+        absmax = _blockwise(codes, parts["nested_absmax"].float().flatten(), int(state["nested_blocksize"]))
+        absmax = absmax + float(state["nested_offset"])
+    packed = parts["weight"].contiguous().view(torch.uint8).flatten()
+    if packed.numel() * 2 < n:
+        raise QuantFormatError(f"{where}: {packed.numel()} bytes of codes for a weight of {shape}")
+    codes = torch.stack([packed >> 4, packed & 15], dim=1).flatten()[:n].long()
+    table = parts["quant_map"].float().flatten()
+    if table.numel() != 16:
+        raise QuantFormatError(f"{where}: a quant_map of {table.numel()} values (a 4-bit codebook has 16)")
+    return _blockwise(table[codes], absmax, int(state["blocksize"])).view(shape)
+
+
+def dequantized(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors with each 4-bit weight's tensors (wherever in the stream they come)
+    replaced by that weight in float32, yielded as its last tensor arrives; every other tensor as it is.
+    A weight whose tensors have not all come by the end is refused by name."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    count, numel = 0, 0
+    for name, tensor in weights:
+        hit = _split(name)
+        if hit is None and not (name in waiting or _packed(name, tensor)):
+            yield name, tensor
+            continue
+        weight, part = hit if hit is not None else (name, "weight")
+        parts = waiting.setdefault(weight, {})
+        parts[part] = tensor
+        if _complete(parts):
+            w = dequantize(waiting.pop(weight), weight)
+            count, numel = count + 1, numel + w.numel()
+            yield weight, w
+    if waiting:
+        weight, parts = next(iter(waiting.items()))
+        dequantize(parts, weight)  # (names what it lacks)
+        raise QuantFormatError(f"{weight}: an incomplete bitsandbytes 4-bit weight ({sorted(parts)})")
+    log.info(
+        "bitsandbytes 4-bit: %d weights (%.1fM values) dequantized at load; they run as float layers "
+        "(no NF4/FP4 kernel here)",
+        count,
+        numel / 1e6,
+    )
+
+
+def _packed(name: str, tensor: Any) -> bool:
+    """Whether a `...weight` tensor is 4-bit codes: one column of bytes (or of the quant storage's dtype),
+    where a float weight is [N, K]."""
+    return (
+        name.endswith("weight")
+        and isinstance(tensor, torch.Tensor)
+        and tensor.dim() == 2
+        and tensor.shape[1] == 1
+    )
+
+
+def _complete(parts: dict[str, torch.Tensor]) -> bool:
+    if not {"weight", "state", "absmax", "quant_map"} <= set(parts):
+        return False
+    nested = "nested_blocksize" in _state(parts["state"], "a bitsandbytes weight")
+    return not nested or {"nested_absmax", "nested_quant_map"} <= set(parts)

@@ -1,0 +1,131 @@
+"""Tiny bitsandbytes checkpoints for tests: a float checkpoint's decoder projections quantized as Hugging
+Face's bitsandbytes integration stores them (`gapless.model.quant.bnb` describes the 4-bit tensors,
+`gapless.model.quant.int4_layouts` the 8-bit ones), beside a float checkpoint holding the same weights
+dequantized (the reference a quantized model must equal). Written here, not by bitsandbytes: its
+codebooks (`NF4`, `FP4`) and blocks are the format's, the quantizer a plain nearest-value rounding."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gapless.testing.quant_checkpoints import _PROJ
+
+# bitsandbytes' codebooks (`bitsandbytes.functional`'s NF4 and FP4 maps), by code
+NF4 = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+)  # fmt: skip
+FP4 = (
+    0.0, 0.005208333333, 0.66666667, 1.0, 0.33333333, 0.5, 0.16666667, 0.25,
+    -0.0, -0.005208333333, -0.66666667, -1.0, -0.33333333, -0.5, -0.16666667, -0.25,
+)  # fmt: skip
+KINDS = ("nf4", "fp4", "int8")
+
+
+def _nearest(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Each value's code: the index of the nearest table entry."""
+    return (x.unsqueeze(-1) - table).abs().argmin(-1)
+
+
+def _four_bit(w: torch.Tensor, kind: str, nested: bool, block: int = 64) -> dict[str, torch.Tensor]:
+    """One weight's tensors (by suffix after `weight`, "" the codes), and "reference": W dequantized."""
+    table = torch.tensor(NF4 if kind == "nf4" else FP4, dtype=torch.float32)
+    flat = w.float().flatten()
+    absmax = flat.view(-1, block).abs().amax(-1).clamp(min=1e-12)
+    codes = _nearest(flat.view(-1, block) / absmax[:, None], table).flatten().to(torch.uint8)
+    out = {"": ((codes[0::2] << 4) | codes[1::2]).unsqueeze(1), ".quant_map": table}
+    dtype = str(w.dtype).removeprefix("torch.")
+    state: dict[str, object] = {
+        "quant_type": kind,
+        "blocksize": block,
+        "dtype": dtype,
+        "shape": list(w.shape),
+    }
+    held = absmax
+    if nested:  # the scales themselves as uint8 codes, 256 to a scale, around their mean
+        offset, nested_block = float(absmax.mean()), 256
+        centered = absmax - offset
+        pad = -len(centered) % nested_block
+        groups = torch.cat([centered, centered.new_zeros(pad)]).view(-1, nested_block)
+        nested_absmax = groups.abs().amax(-1).clamp(min=1e-12)
+        nested_map = torch.linspace(-1, 1, 256)
+        scale_codes = _nearest(groups / nested_absmax[:, None], nested_map).flatten()[: len(absmax)]
+        out |= {
+            ".absmax": scale_codes.to(torch.uint8),
+            ".nested_absmax": nested_absmax,
+            ".nested_quant_map": nested_map,
+        }
+        state |= {"nested_blocksize": nested_block, "nested_dtype": "float32", "nested_offset": offset}
+        held = nested_map[scale_codes] * nested_absmax.repeat_interleave(nested_block)[: len(absmax)] + offset
+    else:
+        out[".absmax"] = absmax
+    out[f".quant_state.bitsandbytes__{kind}"] = torch.tensor(
+        list(json.dumps(state).encode()), dtype=torch.uint8
+    )
+    out["reference"] = (table[codes.long()].view(-1, block) * held[:, None]).view(w.shape)
+    return out
+
+
+def _eight_bit(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One weight's tensors as `_four_bit`'s: int8 rows, each scaled by its absolute maximum (`SCB`)."""
+    scb = w.float().abs().amax(1).clamp(min=1e-12)
+    q = torch.round(w.float() * 127 / scb[:, None]).clamp(-127, 127).to(torch.int8)
+    return {
+        "": q,
+        "_format": torch.tensor(0, dtype=torch.uint8),  # (`weight_format`: row-major)
+        "SCB": scb,
+        "reference": q.float() * (scb[:, None] / 127),
+    }
+
+
+def quantization_config(kind: str, nested: bool = True) -> dict[str, object]:
+    """The `quantization_config` transformers writes for a bitsandbytes checkpoint of `kind`."""
+    four = kind != "int8"
+    return {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": four,
+        "load_in_8bit": not four,
+        "bnb_4bit_quant_type": kind if four else "fp4",
+        "bnb_4bit_use_double_quant": four and nested,
+        "bnb_4bit_compute_dtype": "bfloat16",
+        "bnb_4bit_quant_storage": "uint8",
+        "llm_int8_skip_modules": None,
+        "llm_int8_threshold": 6.0,
+        "llm_int8_has_fp16_weight": False,
+    }
+
+
+def write_bnb(src: Path, dst: Path, kind: str, nested: bool = True) -> tuple[Path, Path]:
+    """(the bitsandbytes checkpoint of `kind` (one of KINDS; 4-bit ones double-quantized where `nested`),
+    its float32 reference) written under `dst` from the one-file float checkpoint `src`: every decoder
+    projection quantized, everything else kept in float."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; one of {KINDS}")
+    qdir, refdir = dst / f"bnb-{kind}", dst / f"bnb-{kind}-reference"
+    for d in (qdir, refdir):
+        shutil.copytree(src, d, dirs_exist_ok=True)
+    quantized: dict[str, torch.Tensor] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not _PROJ.match(name):
+            quantized[name] = reference[name] = t
+            continue
+        parts = _eight_bit(t) if kind == "int8" else _four_bit(t, kind, nested)
+        reference[name] = parts.pop("reference").to(t.dtype)
+        module = name.removesuffix(".weight")
+        for suffix, tensor in parts.items():
+            key = f"{module}.{suffix}" if suffix == "SCB" else f"{name}{suffix}"
+            quantized[key] = tensor.contiguous()
+    save_file(quantized, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(reference, str(refdir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(kind, nested)
+    (qdir / "config.json").write_text(json.dumps(config, indent=2))
+    return qdir, refdir

@@ -1,0 +1,264 @@
+"""bitsandbytes checkpoints (`quant_method: bitsandbytes`): 4-bit (NF4, FP4, double-quantized or not)
+read as float weights, 8-bit kept int8 on the w8a16 path. Each against transformers on the same
+dequantized weights (checkpoints the tests write: `gapless.testing.bnb_checkpoints`), and, where
+bitsandbytes is installed, against transformers reading checkpoints through bitsandbytes: the tests'
+files, and files bitsandbytes itself wrote."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gapless import LLM, SamplingParams
+from gapless.model import loader
+from gapless.model.quant import quantization, weights_held
+from gapless.model.quant.formats import QuantFormatError, resolve
+from gapless.testing.bnb_checkpoints import quantization_config, write_bnb
+from gapless.testing.hf_reference import check_greedy, hf_greedy, hf_logits, load_hf_model, make_prompts
+
+MAX_NEW = 8
+CPU = torch.device("cpu")
+BNB_ABSENT = importlib.util.find_spec("bitsandbytes") is None
+NEEDS_BNB = pytest.mark.skipif(
+    BNB_ABSENT, reason="bitsandbytes is absent: transformers reads and writes its checkpoints through it"
+)
+
+
+def _greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    with LLM(str(model), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )
+    return [o.token_ids for o in outs]
+
+
+def _agrees(qdir: Path, reference: torch.nn.Module) -> None:
+    """Greedy tokens equal the reference's, or diverge at a near-tie once at most."""
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
+    notes = [
+        check_greedy(o, hf_greedy(reference, p, MAX_NEW)) for o, p in zip(_greedy(qdir, prompts), prompts)
+    ]
+    assert sum(n is not None for n in notes) <= 1, notes
+
+
+@pytest.mark.parametrize(
+    "arch,kind,nested",
+    [
+        ("llama", "nf4", True),  # unsloth's `*-bnb-4bit`: NF4, double-quantized
+        ("qwen3", "fp4", False),
+        ("phi3", "nf4", False),  # q/k/v and gate/up fused in the checkpoint
+        ("qwen2", "int8", False),  # q/k/v bias, tied head
+        ("phi3", "int8", False),
+    ],
+)
+def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
+    ckpt_factory, tmp_path, int4_reference_path, arch, kind, nested
+):
+    qdir, refdir = write_bnb(ckpt_factory(arch), tmp_path, kind, nested)
+    model = loader.load_model(qdir, torch.float32, CPU)
+    ref_model = loader.load_model(refdir, torch.float32, CPU)
+    formats, held = weights_held(model)
+    if kind == "int8":  # kept int8: fewer bytes than the float reference's
+        assert formats.get("bitsandbytes w8a16 channel"), formats
+        assert quantization(model) == "bitsandbytes"
+        assert held < weights_held(ref_model)[1]
+    else:  # read as floats: the reference's weights, bit for bit
+        assert quantization(model) is None and formats == weights_held(ref_model)[0]
+        ours, theirs = dict(model.named_parameters()), dict(ref_model.named_parameters())
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    _agrees(qdir, load_hf_model(refdir))
+
+
+def test_int8_on_the_cpus_kernel(ckpt_factory, tmp_path):
+    """Under `auto` the CPU runs the 8-bit rows on torch's int8 kernel (x rounded to bfloat16)."""
+    qdir, refdir = write_bnb(ckpt_factory("llama"), tmp_path, "int8")
+    formats, _ = weights_held(loader.load_model(qdir, torch.float32, CPU))
+    assert any(f.startswith("bitsandbytes w8a16 channel (torch-cpu") for f in formats), formats
+    _agrees(qdir, load_hf_model(refdir))
+
+
+@pytest.mark.parametrize(
+    "qcfg,words",
+    [
+        ({"quant_method": "bitsandbytes"}, ("neither load_in_4bit nor load_in_8bit",)),
+        (quantization_config("nf4"), ("bitsandbytes nf4, dequantized at load",)),
+        (quantization_config("int8"), ("bitsandbytes w8a16 channel",)),
+    ],
+)
+def test_the_config_names_the_format(qcfg, words):
+    try:
+        label = resolve(qcfg, None, "cpu").label
+    except QuantFormatError as e:
+        label = str(e)
+    assert all(w in label for w in words), label
+
+
+def test_bitsandbytes_is_not_applied_at_load_to_a_float_checkpoint(ckpt_factory):
+    with pytest.raises(QuantFormatError, match="--quantization bitsandbytes reads a checkpoint"):
+        loader.load_model(ckpt_factory("llama"), torch.float32, CPU, quantization="bitsandbytes")
+
+
+def _edit(qdir: Path, fn) -> None:
+    file = qdir / "model.safetensors"
+    tensors = load_file(str(file))
+    fn(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _state_name(tensors: dict[str, torch.Tensor]) -> str:
+    return next(n for n in tensors if ".quant_state." in n)
+
+
+@pytest.mark.parametrize(
+    "kind,edit,words",
+    [
+        ("nf4", lambda t: t.pop(_state_name(t).split(".quant_state")[0] + ".absmax"), ("lacks its absmax",)),
+        ("nf4", lambda t: t.pop(_state_name(t)), ("down_proj.weight", "lacks its quant_state")),
+        (
+            "nf4",
+            lambda t: t.__setitem__(
+                _state_name(t),
+                torch.tensor(list(json.dumps({"quant_type": "int4"}).encode()), dtype=torch.uint8),
+            ),
+            ("quant_type 'int4' is not read",),
+        ),
+        (
+            "int8",
+            lambda t: t.__setitem__(
+                next(n for n in t if n.endswith("weight_format")), torch.tensor(2, dtype=torch.uint8)
+            ),
+            ("weight_format 2 is not read",),
+        ),
+    ],
+)
+def test_a_broken_checkpoint_is_refused_by_name(ckpt_factory, tmp_path, kind, edit, words):
+    qdir, _ = write_bnb(ckpt_factory("llama"), tmp_path, kind)
+    _edit(qdir, edit)
+    with pytest.raises(QuantFormatError) as e:
+        loader.load_model(qdir, torch.float32, CPU)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def _compute_in_float32(qdir: Path) -> None:
+    """The checkpoint's 4-bit layers computed in float32 by bitsandbytes (the tests' models are float32)."""
+    file = qdir / "config.json"
+    config = json.loads(file.read_text())
+    config["quantization_config"]["bnb_4bit_compute_dtype"] = "float32"
+    file.write_text(json.dumps(config))
+
+
+def _float_path(model: torch.nn.Module) -> torch.nn.Module:
+    """A transformers model's bitsandbytes 4-bit layers on their float path: on a CPU with AVX512-BF16,
+    bitsandbytes otherwise runs its fused kernel at inference, x and the scales rounded to bfloat16."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model.eval()
+
+
+@NEEDS_BNB
+@pytest.mark.parametrize("kind,nested", [("nf4", True), ("fp4", False)])
+def test_transformers_reads_the_tiny_4bit_checkpoint(ckpt_factory, tmp_path, kind, nested):
+    """transformers' own reading of the tests' file (through bitsandbytes) gives the reference's logits: the
+    layout as the tests write it is the one bitsandbytes reads."""
+    qdir, refdir = write_bnb(ckpt_factory("llama"), tmp_path, kind, nested)
+    _compute_in_float32(qdir)
+    ids = make_prompts(1000, n=1, max_len=20, shared_prefix=4)[0]
+    theirs = hf_logits(_float_path(load_hf_model(qdir)), ids)
+    torch.testing.assert_close(theirs.float(), hf_logits(load_hf_model(refdir), ids), rtol=1e-5, atol=1e-5)
+
+
+@NEEDS_BNB
+def test_transformers_reads_the_tiny_8bit_checkpoint(ckpt_factory, tmp_path):
+    """bitsandbytes' reading of the tests' 8-bit file holds the reference's weights (its layers then round
+    x to int8 too, LLM.int8, so their logits are not the yardstick)."""
+    from bitsandbytes.functional import int8_vectorwise_dequant
+
+    qdir, refdir = write_bnb(ckpt_factory("llama"), tmp_path, "int8")
+    theirs, ref = load_hf_model(qdir), load_hf_model(refdir)
+    for layer, ref_layer in zip(theirs.model.layers, ref.model.layers):
+        for a, b in (
+            (layer.self_attn.q_proj, ref_layer.self_attn.q_proj),
+            (layer.mlp.down_proj, ref_layer.mlp.down_proj),
+        ):
+            w = int8_vectorwise_dequant(a.weight.CB, a.weight.SCB)
+            torch.testing.assert_close(w.float(), b.weight.float(), rtol=1e-6, atol=1e-7)
+
+
+@NEEDS_BNB
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_a_checkpoint_bitsandbytes_wrote_gives_its_tokens(ckpt_factory, tmp_path, kind):
+    """A checkpoint quantized and saved by transformers through bitsandbytes (its NF4/FP4, double
+    quantization, its nested code map), against transformers running it through bitsandbytes."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=kind,
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    src = ckpt_factory("llama")
+    theirs = AutoModelForCausalLM.from_pretrained(str(src), quantization_config=config, device_map="cpu")
+    qdir = tmp_path / f"bnb-{kind}"
+    theirs.save_pretrained(str(qdir))
+    for file in src.iterdir():  # (the tokenizer's files)
+        if not (qdir / file.name).exists():
+            shutil.copy(file, qdir / file.name)
+    written = json.loads((qdir / "config.json").read_text())["quantization_config"]
+    assert (written["quant_method"], written["bnb_4bit_quant_type"]) == ("bitsandbytes", kind)
+    _agrees(qdir, _float_path(theirs))
+
+
+def test_vllms_load_format_bitsandbytes_reads_a_bitsandbytes_checkpoint(ckpt_factory, tmp_path):
+    """`--load-format bitsandbytes` (vLLM's older spelling, with `--quantization bitsandbytes`) is `auto`
+    for a bitsandbytes checkpoint; any other checkpoint is refused in one line before anything loads."""
+    from gapless.config import EngineConfig
+    from gapless.engine.preflight import check_engine_config
+
+    src = ckpt_factory("llama")
+    qdir, _ = write_bnb(src, tmp_path, "nf4")
+    cfg = EngineConfig(model=str(qdir), device="cpu", load_format="bitsandbytes", quantization="bitsandbytes")
+    assert check_engine_config(cfg).cfg.load_format == "bitsandbytes"
+    with pytest.raises(ValueError) as e:
+        check_engine_config(EngineConfig(model=str(src), device="cpu", load_format="bitsandbytes"))
+    assert "\n" not in str(e.value) and "is no bitsandbytes checkpoint (quant_method None)" in str(e.value)
+
+
+def test_a_quantized_vision_tower_is_refused_by_name(tmp_path):
+    """An 8-bit vision tower (bitsandbytes quantizes every linear layer it is not told to skip) is refused
+    naming the weight, not read as its int8 codes cast to floats."""
+    from gapless.testing.qwen_vl_checkpoints import make_qwen_vl_checkpoint
+
+    qdir = make_qwen_vl_checkpoint(tmp_path / "vl")
+    name = "visual.blocks.0.attn.qkv.weight"
+
+    def quantize_one(tensors: dict[str, torch.Tensor]) -> None:
+        key = next(n for n in tensors if n.endswith(name))
+        tensors[key] = torch.ones_like(tensors[key], dtype=torch.int8)
+
+    _edit(qdir, quantize_one)
+    with pytest.raises(ValueError) as e:
+        loader.load_model(qdir, torch.float32, CPU)
+    assert "\n" not in str(e.value) and "is int8: the vision encoder's weights load as floats" in str(e.value)
+
+
+def test_codes_stored_in_another_dtype_read_the_same(ckpt_factory, tmp_path):
+    """`bnb_4bit_quant_storage: bfloat16` (QLoRA under FSDP) stores the same bytes as bfloat16 pairs."""
+    qdir, refdir = write_bnb(ckpt_factory("llama"), tmp_path, "nf4")
+
+    def as_bfloat16(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n, t in tensors.items() if n.endswith(".weight") and t.dtype == torch.uint8]:
+            tensors[name] = tensors[name].reshape(-1, 2).view(torch.bfloat16)  # [N * K / 4, 1]
+
+    _edit(qdir, as_bfloat16)
+    ours = dict(loader.load_model(qdir, torch.float32, CPU).named_parameters())
+    theirs = dict(loader.load_model(refdir, torch.float32, CPU).named_parameters())
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
