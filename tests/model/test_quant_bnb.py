@@ -193,17 +193,25 @@ def test_transformers_reads_the_tiny_8bit_checkpoint(ckpt_factory, tmp_path):
 
 
 @NEEDS_BNB
-@pytest.mark.parametrize("kind", ["nf4", "fp4"])
-def test_a_checkpoint_bitsandbytes_wrote_gives_its_tokens(ckpt_factory, tmp_path, kind):
+@pytest.mark.parametrize("kind", ["nf4", "fp4", "int8"])
+def test_a_checkpoint_bitsandbytes_wrote_gives_its_tokens(ckpt_factory, tmp_path, int4_reference_path, kind):
     """A checkpoint quantized and saved by transformers through bitsandbytes (its NF4/FP4, double
-    quantization, its nested code map), against transformers running it through bitsandbytes."""
+    quantization, its nested code map; its int8 rows), against transformers running it: through
+    bitsandbytes at 4 bits; at 8 bits on its weights dequantized (`CB * SCB / 127`) in a float model, as
+    bitsandbytes' own layers round x to int8 too."""
+    from bitsandbytes.functional import int8_vectorwise_dequant
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    config = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=kind,
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
+    four = kind != "int8"
+    config = (
+        BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=kind,
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+        if four
+        else BitsAndBytesConfig(load_in_8bit=True)
     )
     src = ckpt_factory("llama")
     theirs = AutoModelForCausalLM.from_pretrained(str(src), quantization_config=config, device_map="cpu")
@@ -213,8 +221,17 @@ def test_a_checkpoint_bitsandbytes_wrote_gives_its_tokens(ckpt_factory, tmp_path
         if not (qdir / file.name).exists():
             shutil.copy(file, qdir / file.name)
     written = json.loads((qdir / "config.json").read_text())["quantization_config"]
-    assert (written["quant_method"], written["bnb_4bit_quant_type"]) == ("bitsandbytes", kind)
-    _agrees(qdir, _float_path(theirs))
+    assert (written["quant_method"], written["load_in_4bit"]) == ("bitsandbytes", four)
+    if four:
+        _agrees(qdir, _float_path(theirs))
+        return
+    reference = load_hf_model(src)
+    quantized = {n: m for n, m in theirs.named_modules() if hasattr(getattr(m, "weight", None), "SCB")}
+    assert quantized
+    for name, module in quantized.items():
+        w = int8_vectorwise_dequant(module.weight.CB, module.weight.SCB)
+        reference.get_submodule(name).weight.data.copy_(w)
+    _agrees(qdir, reference)
 
 
 def test_vllms_load_format_bitsandbytes_reads_a_bitsandbytes_checkpoint(ckpt_factory, tmp_path):
