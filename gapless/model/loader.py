@@ -185,7 +185,9 @@ def load_model(
     kept = gguf_kept(path, device)
     gguf_layers = _gguf_layers(model, path, kept, dtype)  # (None: no GGUF blocks)
     weights = [] if dummy else iter_weights(path, kept)
-    for name, tensor in bnb.dequantized(weights) if spec is not None and spec.scheme == "bnb" else weights:
+    for name, tensor in (
+        bnb.dequantized(weights, device) if spec is not None and spec.scheme == "bnb" else weights
+    ):
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
         decoder_name = _decoder_name(name, tensor, encoder, dtype)
