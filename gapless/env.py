@@ -155,6 +155,15 @@ GGUF_ACTIVATIONS = _var(
     "kept-quantized GGUF layers held as int8 rows: their activations quantized to int8 per row (fbgemm's "
     "int8 GEMM, faster) or given as bfloat16 (the weight-only kernel)",
 )
+BNB_WEIGHTS = _var(
+    "GAPLESS_BNB_WEIGHTS",
+    "auto",
+    _one_of("auto", "dequantize"),
+    "`auto` or `dequantize`",
+    "a bitsandbytes 4-bit checkpoint's weights: `auto` keeps them NF4/FP4 on a one-rank CPU where "
+    "bitsandbytes is installed (its CPU kernel), else float; `dequantize` always float "
+    "(`gapless.model.quant.bnb`)",
+)
 INT4_KERNEL = _var(
     "GAPLESS_INT4_KERNEL",
     "auto",

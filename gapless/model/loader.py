@@ -174,8 +174,11 @@ def load_model(
     int4_kernels.check_load(int4_spec, dtype, device)  # (GAPLESS_INT4_KERNEL's library, if it names one)
     with _default_dtype(dtype), torch.device(device), deferred_weights():
         model = CausalLM(cfg, max_positions)  # (a layer's weight takes memory as a float tensor loads)
-    scheme, quantized = _prepare_quantized(model, spec, path, dummy)
-    rounding = _OnlineRounding(model, scheme, spec, quantized if spec is not None and spec.online else [])
+    scheme, quantized = _prepare_quantized(model, spec, path, dummy, device)
+    rounded = spec is not None and (
+        spec.online or spec.scheme == "bnb"
+    )  # (float weights quantized as loaded)
+    rounding = _OnlineRounding(model, scheme, spec, quantized if rounded else [])
     expected = weight_names.expected(model)  # (before an online load's rounding adds its layers' scales)
     int4_kernel = _int4_kernel(model, int4_spec, dtype, device) if int4_spec is not None else ""
     int4_layers = Int4Layers(model, int4_spec, dtype, int4_kernel) if int4_spec is not None else None
@@ -316,12 +319,14 @@ def quant_spec(path: str | Path, quantization: str | None, device: torch.device 
 
 
 def _prepare_quantized(
-    model: CausalLM, spec: QuantSpec | None, path: Path, dummy: bool
+    model: CausalLM, spec: QuantSpec | None, path: Path, dummy: bool, device: torch.device
 ) -> tuple[Any, list[str]]:
     """(the format's module, the modules it quantizes), their parameters made ready for its tensors (a
     `dummy` load: the modules such checkpoints quantize, `usual_targets`)."""
-    if spec is None or spec.scheme in ("int4", "bnb"):  # int4's layers take their method after loading,
-        return None, []  # bnb's weights are read as floats (`bnb.dequantized`)
+    if spec is None or spec.scheme == "int4":  # int4's layers take their method after loading
+        return None, []
+    if spec.scheme == "bnb" and not bnb.kept(device):  # (its weights read as floats, and left so)
+        return None, []
     scheme = importlib.import_module(f"gapless.model.quant.{spec.scheme}")
     targets: set[str] = set(scheme.usual_targets(model)) if dummy else set()
     if not spec.online and not dummy:

@@ -17,7 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from gapless import LLM, SamplingParams
 from gapless.model import loader
-from gapless.model.quant import quantization, weights_held
+from gapless.model.layers import ReplicatedLinear, _Linear
+from gapless.model.quant import bnb, quantization, weights_held
+from gapless.model.quant.base import UNQUANTIZED
 from gapless.model.quant.formats import QuantFormatError, resolve
 from gapless.testing.bnb_checkpoints import quantization_config, write_bnb
 from gapless.testing.hf_reference import check_greedy, hf_greedy, hf_logits, load_hf_model, make_prompts
@@ -58,8 +60,9 @@ def _agrees(qdir: Path, reference: torch.nn.Module) -> None:
     ],
 )
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
-    ckpt_factory, tmp_path, int4_reference_path, arch, kind, nested
+    ckpt_factory, tmp_path, int4_reference_path, monkeypatch, arch, kind, nested
 ):
+    monkeypatch.setenv("GAPLESS_BNB_WEIGHTS", "dequantize")  # (4-bit: read as floats and left so)
     qdir, refdir = write_bnb(ckpt_factory(arch), tmp_path, kind, nested)
     model = loader.load_model(qdir, torch.float32, CPU)
     ref_model = loader.load_model(refdir, torch.float32, CPU)
@@ -76,6 +79,53 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     _agrees(qdir, load_hf_model(refdir))
 
 
+FUSED_ABSENT = BNB_ABSENT or not bnb._fused_cpu_kernel()
+NEEDS_FUSED = pytest.mark.skipif(
+    FUSED_ABSENT,
+    reason="bitsandbytes' fused 4-bit CPU kernel (bitsandbytes installed, a CPU with AVX512-BF16) is absent: "
+    "4-bit weights stay float here (test_greedy_tokens_equal_transformers_on_the_dequantized_weights)",
+)
+
+
+@NEEDS_FUSED
+@pytest.mark.parametrize(
+    "arch,kind,nested", [("llama", "nf4", True), ("qwen3", "fp4", False), ("phi3", "nf4", False)]
+)
+def test_4bit_kept_on_the_cpu_gives_bitsandbytes_own_tokens(ckpt_factory, tmp_path, arch, kind, nested):
+    """Under `auto` a one-rank CPU keeps every 4-bit layer in 4 bits on bitsandbytes' own kernel, from
+    the codes and scales its weights were dequantized from: fewer bytes than the float model's, and the
+    tokens of transformers running the checkpoint through bitsandbytes (the same kernel, x in bfloat16)."""
+    qdir, refdir = write_bnb(ckpt_factory(arch), tmp_path, kind, nested)
+    model = loader.load_model(qdir, torch.float32, CPU)
+    formats, held = weights_held(model)
+    linear = [m for m in model.modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
+    assert all(isinstance(m.linear_method, bnb.Bnb4LinearMethod) for m in linear), formats
+    assert formats[f"bitsandbytes {kind} b64 (bitsandbytes' CPU kernel)"] == len(linear)
+    assert quantization(model) == "bitsandbytes"
+    assert held < weights_held(loader.load_model(refdir, torch.float32, CPU))[1]
+    _agrees(qdir, load_hf_model(qdir))
+
+
+@NEEDS_FUSED
+def test_a_layer_the_checkpoint_keeps_float_stays_float(ckpt_factory, tmp_path):
+    """A layer whose float weight no block size gives back (bitsandbytes' `llm_int8_skip_modules`) is not
+    quantized at load: it stays float beside the kept ones."""
+    qdir, refdir = write_bnb(ckpt_factory("llama"), tmp_path, "nf4")
+    reference = load_file(str(refdir / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def keep_float(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.startswith(name)]:
+            del tensors[key]
+        tensors[name] = reference[name] + 1e-3 * torch.randn_like(reference[name])
+
+    _edit(qdir, keep_float)
+    model = loader.load_model(qdir, torch.float32, CPU)
+    down = model.get_submodule("model.layers.0.mlp.down_proj")
+    assert down.linear_method is UNQUANTIZED  # (its float weight, prepacked for the CPU's GEMM)
+    assert isinstance(model.get_submodule("model.layers.1.mlp.down_proj").linear_method, bnb.Bnb4LinearMethod)
+
+
 def test_int8_on_the_cpus_kernel(ckpt_factory, tmp_path):
     """Under `auto` the CPU runs the 8-bit rows on torch's int8 kernel (x rounded to bfloat16)."""
     qdir, refdir = write_bnb(ckpt_factory("llama"), tmp_path, "int8")
@@ -88,7 +138,8 @@ def test_int8_on_the_cpus_kernel(ckpt_factory, tmp_path):
     "qcfg,words",
     [
         ({"quant_method": "bitsandbytes"}, ("neither load_in_4bit nor load_in_8bit",)),
-        (quantization_config("nf4"), ("bitsandbytes nf4, dequantized at load",)),
+        (quantization_config("nf4"), ("bitsandbytes nf4",)),
+        ({**quantization_config("nf4"), "bnb_4bit_quant_type": "int4"}, ("bnb_4bit_quant_type 'int4'",)),
         (quantization_config("int8"), ("bitsandbytes w8a16 channel",)),
     ],
 )
@@ -193,11 +244,16 @@ def test_transformers_reads_the_tiny_8bit_checkpoint(ckpt_factory, tmp_path):
 
 
 @NEEDS_BNB
-@pytest.mark.parametrize("kind", ["nf4", "fp4", "int8"])
-def test_a_checkpoint_bitsandbytes_wrote_gives_its_tokens(ckpt_factory, tmp_path, int4_reference_path, kind):
+@pytest.mark.parametrize(
+    "kind,weights", [("nf4", "auto"), ("nf4", "dequantize"), ("fp4", "auto"), ("int8", "auto")]
+)
+def test_a_checkpoint_bitsandbytes_wrote_gives_its_tokens(
+    ckpt_factory, tmp_path, int4_reference_path, monkeypatch, kind, weights
+):
     """A checkpoint quantized and saved by transformers through bitsandbytes (its NF4/FP4, double
     quantization, its nested code map; its int8 rows), against transformers running it: through
-    bitsandbytes at 4 bits; at 8 bits on its weights dequantized (`CB * SCB / 127`) in a float model, as
+    bitsandbytes at 4 bits (its fused CPU kernel where gapless keeps the weights in 4 bits, else its float
+    path); at 8 bits on its weights dequantized (`CB * SCB / 127`) in a float model, as
     bitsandbytes' own layers round x to int8 too."""
     from bitsandbytes.functional import int8_vectorwise_dequant
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -222,8 +278,9 @@ def test_a_checkpoint_bitsandbytes_wrote_gives_its_tokens(ckpt_factory, tmp_path
             shutil.copy(file, qdir / file.name)
     written = json.loads((qdir / "config.json").read_text())["quantization_config"]
     assert (written["quant_method"], written["load_in_4bit"]) == ("bitsandbytes", four)
-    if four:
-        _agrees(qdir, _float_path(theirs))
+    if four:  # kept in 4 bits: their fused kernel's tokens (x in bfloat16); else their float path's
+        monkeypatch.setenv("GAPLESS_BNB_WEIGHTS", weights)
+        _agrees(qdir, theirs.eval() if bnb.kept(CPU) else _float_path(theirs))
         return
     reference = load_hf_model(src)
     quantized = {n: m for n, m in theirs.named_modules() if hasattr(getattr(m, "weight", None), "SCB")}

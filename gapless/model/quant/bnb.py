@@ -17,18 +17,31 @@ As Hugging Face's bitsandbytes integration stores a layer's weight (the `weight`
 
 Value i is `quant_map[code_i] * absmax[i // blocksize]` in float32, as bitsandbytes computes it. The
 8-bit form (`load_in_8bit`, int8 weights and a per-row `SCB`) stays quantized on the int8 path instead
-(`gapless.model.quant.int4_layouts`)."""
+(`gapless.model.quant.int4_layouts`).
+
+On a one-rank CPU with bitsandbytes installed and its fused CPU kernel usable (AVX512-BF16; `kept`), each
+linear layer is quantized again as its float weight becomes whole (the loader's online rounding, as
+`--quantization fp8` does): `quantize_4bit` in the checkpoint's blocks gives back the very codes and
+scales of a weight dequantized from them (each block's largest value is its scale times a code of +-1;
+double-quantized scales are kept as float32), which is checked, so a layer the checkpoint kept in float,
+or whose blocks span rows, stays float. The layer then runs bitsandbytes' own `Linear4bit` (x in
+bfloat16): on an AVX512 CPU, one thread, 0.18-0.22x bfloat16 torch.mm's time at one row on Llama-3-8B's
+layers, 0.46-0.50x at eight (`bench/results/bnb_cpu`). Elsewhere its weights run as float layers."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
-from gapless.model.quant.formats import QuantFormatError
+from gapless import env
+from gapless.model.quant.formats import QuantFormatError, QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +132,7 @@ def dequantized(weights: Iterable[tuple[str, Any]], device: torch.device) -> Ite
         weight, parts = next(iter(waiting.items()))
         dequantize(parts, weight)  # (names what it lacks)
         raise QuantFormatError(f"{weight}: an incomplete bitsandbytes 4-bit weight ({sorted(parts)})")
-    log.info(
-        "bitsandbytes 4-bit: %d weights (%.1fM values) dequantized at load; they run as float layers "
-        "(no NF4/FP4 kernel here)",
-        count,
-        numel / 1e6,
-    )
+    log.info("bitsandbytes 4-bit: %d weights (%.1fM values) read as floats", count, numel / 1e6)
 
 
 def _packed(name: str, tensor: Any) -> bool:
@@ -143,3 +151,109 @@ def _complete(parts: dict[str, torch.Tensor]) -> bool:
         return False
     nested = "nested_blocksize" in _state(parts["state"], "a bitsandbytes weight")
     return not nested or {"nested_absmax", "nested_quant_map"} <= set(parts)
+
+
+# the loader's scheme protocol (`gapless.model.quant.formats`), for a load that keeps 4-bit weights (`kept`)
+SCALE_NAMES: tuple[str, ...] = ()  # (the checkpoint's side tensors never reach the loader: `dequantized`)
+BLOCKS = (64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' block sizes, its default first
+
+
+@functools.cache
+def _fused_cpu_kernel() -> bool:
+    """Whether bitsandbytes is installed and runs its fused 4-bit kernel on this CPU (where it does not, its
+    layers dequantize their whole weight on every call: slower than a float layer)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return False
+    import bitsandbytes
+
+    with torch.device("meta"):
+        probe = bitsandbytes.nn.Linear4bit(64, 64, bias=False)
+    return bool(getattr(probe, "support_avx512bf16_for_cpu", False))
+
+
+def kept(device: torch.device) -> bool:
+    """Whether a load onto `device` keeps 4-bit weights quantized (the module's docstring)."""
+    from gapless.model import parallel
+
+    if env.BNB_WEIGHTS.get() != "auto" or device.type != "cpu" or parallel.current().size != 1:
+        return False
+    return _fused_cpu_kernel()
+
+
+class Bnb4LinearMethod:
+    """`x W^T + b` through bitsandbytes' `Linear4bit` holding W's codes and scales (x in bfloat16)."""
+
+    quant_method = "bitsandbytes"
+
+    def __init__(self, codes: torch.Tensor, state: Any, kind: str) -> None:
+        import bitsandbytes
+
+        n, k = state.shape
+        with torch.device("meta"):
+            self.linear: Any = bitsandbytes.nn.Linear4bit(
+                k, n, bias=False, compute_dtype=torch.bfloat16, quant_type=kind
+            )
+        self.linear.weight = bitsandbytes.nn.Params4bit(
+            codes, quant_state=state, quant_type=kind, blocksize=state.blocksize, compress_statistics=False,
+            bnb_quantized=True, module=self.linear,
+        )  # fmt: skip
+        self.linear.eval()
+        self.name = f"bitsandbytes {kind} b{state.blocksize} (bitsandbytes' CPU kernel)"
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x.to(torch.bfloat16)).to(x.dtype)
+        bias = getattr(layer, "bias", None)
+        return y if bias is None else y + bias
+
+    def tensors(self) -> list[torch.Tensor]:
+        state = self.linear.weight.quant_state
+        return [self.linear.weight.data, state.absmax, state.code]
+
+
+def usual_targets(model: nn.Module) -> list[str]:
+    """Every linear layer but the routers (the head is no `_Linear`); a mixture's experts stay float."""
+    from gapless.model.quant import int4
+
+    return [name for name, m in model.named_modules() if int4.is_quantized_linear(m)]
+
+
+def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> list[str]:
+    return usual_targets(model)
+
+
+def prepare(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
+    """Nothing: the layers load their float weights (dequantized as read), `finish_module` keeps them."""
+
+
+def finish_module(layer: Any, spec: QuantSpec) -> None:
+    """`layer`'s float weight quantized again in the first block size that gives back the same weight
+    (to within its dtype's rounding, for a model below float32), held by `Bnb4LinearMethod` and freed; a
+    weight none gives back (a layer the checkpoint kept in float) stays float."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    w = layer.weight.data
+    kind = spec.codebook
+    for block in (b for b in BLOCKS if w.shape[1] % b == 0):
+        codes, state = quantize_4bit(w.float(), blocksize=block, compress_statistics=False, quant_type=kind)
+        back = dequantize_4bit(codes, state).to(w.dtype)
+        if torch.equal(back, w) or w.dtype != torch.float32 and torch.allclose(back, w, rtol=2**-7, atol=0):
+            layer.linear_method = Bnb4LinearMethod(codes, state, kind)
+            layer.weight.data = w.new_empty(0)
+            return
+
+
+def finish(model: nn.Module, spec: QuantSpec, modules: list[str], done: Collection[str] = ()) -> None:
+    """After loading: `finish_module` on each of `modules` not `done` (the loader's rounding finishes each
+    layer as it becomes whole); how many layers were kept logged."""
+    for name in modules:
+        if name not in done:
+            finish_module(model.get_submodule(name), spec)
+    kept_layers = sum(
+        isinstance(getattr(model.get_submodule(n), "linear_method", None), Bnb4LinearMethod) for n in modules
+    )
+    log.info(
+        "bitsandbytes %s: %d of %d linear layers kept in 4 bits (bitsandbytes' CPU kernel)",
+        spec.codebook,
+        kept_layers,
+        len(modules),
+    )

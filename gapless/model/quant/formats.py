@@ -51,8 +51,9 @@ class QuantSpec:
     (None: one scale per output row, or per tensor: `per_tensor`). Which layers are quantized is read
     from the checkpoint itself (the weights that come with scales), not from its config's ignore lists;
     `weight_only`: an int4/int8 checkpoint's layout (`gapless.model.quant.int4`, which loads its layers
-    itself after the float weights, not through `prepare`/`finish`). Scheme "bnb" (bitsandbytes 4-bit)
-    has neither: the loader reads its weights through `gapless.model.quant.bnb.dequantized`, as floats."""
+    itself after the float weights, not through `prepare`/`finish`). Scheme "bnb" (bitsandbytes 4-bit):
+    the loader reads its weights through `gapless.model.quant.bnb.dequantized`, as floats, and where
+    `bnb.kept` quantizes them again as they become whole, as an online load's."""
 
     name: str
     scheme: str
@@ -62,6 +63,7 @@ class QuantSpec:
     per_tensor: bool = False
     min_capability: tuple[int, int] = FP8_MIN_CAPABILITY
     weight_only: Int4Spec | None = None  # scheme "int4": the bits, groups and zeros of the layout
+    codebook: str = ""  # scheme "bnb": its 4-bit values' codebook, "nf4" or "fp4"
 
 
 class QuantFormatError(ValueError):
@@ -197,8 +199,8 @@ def _fbgemm_fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
 
 def _bitsandbytes(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     """`quant_method: bitsandbytes`: `load_in_8bit` (LLM.int8's int8 weights, a scale per row) kept
-    quantized as w8a16 (`int4_layouts`); `load_in_4bit` (NF4/FP4 codebooks) dequantized as it is read
-    (`gapless.model.quant.bnb`: no kernel here takes a codebook), labelled so."""
+    quantized as w8a16 (`int4_layouts`); `load_in_4bit` (NF4/FP4 codebooks) dequantized as it is read,
+    then kept in 4 bits where bitsandbytes' CPU kernel runs (`gapless.model.quant.bnb`)."""
     if online:
         raise _not_at_load("bitsandbytes")
     if qcfg.get("load_in_8bit") or qcfg.get("_load_in_8bit"):
@@ -206,9 +208,11 @@ def _bitsandbytes(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     if not (qcfg.get("load_in_4bit") or qcfg.get("_load_in_4bit")):
         raise QuantFormatError("quantization bitsandbytes: neither load_in_4bit nor load_in_8bit is set")
     kind = str(qcfg.get("bnb_4bit_quant_type") or "fp4").lower()
-    return QuantSpec(
-        "bitsandbytes", "bnb", f"bitsandbytes {kind}, dequantized at load", min_capability=(0, 0)
-    )
+    if kind not in ("nf4", "fp4"):
+        raise QuantFormatError(
+            f"quantization bitsandbytes: bnb_4bit_quant_type {kind!r} is not read; nf4 or fp4"
+        )
+    return QuantSpec("bitsandbytes", "bnb", f"bitsandbytes {kind}", min_capability=(0, 0), codebook=kind)
 
 
 # compressed-tensors' own `format` -> its parser (the quantization_config and its one config group)
