@@ -198,6 +198,8 @@ class Bnb4LinearMethod:
             bnb_quantized=True, module=self.linear,
         )  # fmt: skip
         self.linear.eval()
+        with torch.no_grad():  # (its first call lays the codes out for its CPU kernel: here, not in a
+            self.linear(torch.zeros(1, k, dtype=torch.bfloat16))  # compiled graph's first run)
         self.name = f"bitsandbytes {kind} b{state.blocksize} (bitsandbytes' CPU kernel)"
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
