@@ -57,6 +57,27 @@ def _compiled_greedy(path, prompts) -> list[list[int]]:
 
 
 @pytest.mark.slow
+def test_bitsandbytes_4bit_layers_compile_once_and_give_bitsandbytes_tokens(ckpt_factory, tmp_path):
+    """NF4 layers kept on bitsandbytes' CPU kernel (its codes laid out for it at load): the compiled decode
+    gives the tokens of transformers running the checkpoint through bitsandbytes, compiling nothing after
+    its warm-up."""
+    from gapless.model.quant import bnb
+    from gapless.testing.bnb_checkpoints import write_bnb
+
+    if not bnb.kept(torch.device("cpu")):
+        pytest.skip(
+            "no bitsandbytes, or no AVX512-BF16 for its fused 4-bit CPU kernel: 4-bit layers stay float"
+        )
+    qdir, _ = write_bnb(ckpt_factory("llama"), tmp_path, "nf4")
+    prompts = make_prompts(503, n=4, shared_prefix=0, max_len=24)
+    hf = load_hf_model(qdir)
+    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    outs = _compiled_greedy(qdir, prompts)
+    ties = [check_greedy(o, r) for o, r in zip(outs, [refs[0], *refs])]
+    assert sum(t is not None for t in ties) <= 1, ties
+
+
+@pytest.mark.slow
 def test_a_quantized_gguf_compiles_once_and_equals_transformers(ckpt_factory, tmp_path):
     """GGUF layers kept quantized (int4 gate/up, int8 rows with int8 activations through fbgemm's packed
     weight): the compiled decode reads the same file as transformers does (near-ties counted) and
