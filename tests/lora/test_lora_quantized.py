@@ -1,11 +1,14 @@
 """LoRA adapters over a quantized base model (the delta is added after the layer's own output, whatever its
 weight format): greedy tokens equal `transformers` + `peft` on the same weights dequantized, on the int4
-reference path exactly and through torch's CPU int4 kernels but at near-ties of their bfloat16 roundings;
-and the adapter changes the base model's tokens."""
+reference path exactly and through torch's CPU int4 kernels (and bitsandbytes' 4-bit one) but at near-ties
+of their bfloat16 roundings; and the adapter changes the base model's tokens."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from gapless import LLM, LoRARequest, SamplingParams
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
@@ -26,6 +29,27 @@ def test_an_adapter_over_int4_weights_equals_peft_on_the_dequantized_model(
 ):
     monkeypatch.setenv("GAPLESS_INT4_KERNEL", kernel)  # (triton: the CPU's exact reference path)
     qdir, refdir = write_quantized(ckpt_factory("qwen3"), tmp_path, "awq", bits=4, group=32)
+    _adapter_equals_peft(qdir, refdir, tmp_path, "awq w4a16", tol)
+
+
+@pytest.mark.parametrize(("weights", "tol"), [("dequantize", 1e-3), ("auto", NEAR_TIE)])
+def test_a_qlora_adapter_over_bitsandbytes_4bit_weights_equals_peft(
+    ckpt_factory, tmp_path, monkeypatch, weights, tol
+):
+    """QLoRA's case: an adapter trained over a bitsandbytes NF4 base, served over that base (read as floats,
+    or kept in 4 bits on bitsandbytes' CPU kernel where `auto` keeps them: x in bfloat16)."""
+    from gapless.model.quant import bnb
+    from gapless.testing.bnb_checkpoints import write_bnb
+
+    monkeypatch.setenv("GAPLESS_BNB_WEIGHTS", weights)
+    qdir, refdir = write_bnb(ckpt_factory("qwen3"), tmp_path, "nf4")
+    label = "bitsandbytes nf4" if bnb.kept(torch.device("cpu")) else "float32"
+    _adapter_equals_peft(qdir, refdir, tmp_path, label, tol)
+
+
+def _adapter_equals_peft(qdir: Path, refdir: Path, tmp_path: Path, label: str, tol: float) -> None:
+    """An adapter made over the reference's weights: served over the quantized checkpoint (its layers in
+    a format named `label`), greedy tokens equal peft's on the reference, and differ from the base's."""
     adapter = make_adapter(refdir, tmp_path / "adapter", ATTENTION + MLP, r=8, alpha=16, seed=1)
     prompts = make_prompts(500, n=4, shared_prefix=8, max_len=30)
     model = peft_model(refdir, adapter)
@@ -33,7 +57,7 @@ def test_an_adapter_over_int4_weights_equals_peft_on_the_dequantized_model(
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     opts = dict(device="cpu", dtype="float32", kv_cache_tokens=512, overlap=False, enable_lora=True)
     with LLM(str(qdir), max_lora_rank=8, **opts) as llm:
-        assert any("awq w4a16" in f for f in dict(llm.engine.info.weight_formats))
+        assert any(label in f for f in dict(llm.engine.info.weight_formats)), llm.engine.info.weight_formats
         lora = [LoRARequest("a", 1, str(adapter))] * len(prompts)
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         base = llm.generate(prompts, params, use_tqdm=False)
