@@ -107,6 +107,17 @@ def test_4bit_kept_on_the_cpu_gives_bitsandbytes_own_tokens(ckpt_factory, tmp_pa
 
 
 @NEEDS_FUSED
+@pytest.mark.parametrize("nested", [True, False])
+def test_a_bfloat16_model_keeps_every_4bit_layer(ckpt_factory, tmp_path, nested):
+    """In bfloat16 the weights read are the codes times their scales rounded: quantizing them again gives
+    back the same codes (to within that rounding), so every layer is kept."""
+    qdir, _ = write_bnb(ckpt_factory("llama"), tmp_path, "nf4", nested)
+    model = loader.load_model(qdir, torch.bfloat16, CPU)
+    linear = [m for m in model.modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
+    assert all(isinstance(m.linear_method, bnb.Bnb4LinearMethod) for m in linear)
+
+
+@NEEDS_FUSED
 def test_a_layer_the_checkpoint_keeps_float_stays_float(ckpt_factory, tmp_path):
     """A layer whose float weight no block size gives back (bitsandbytes' `llm_int8_skip_modules`) is not
     quantized at load: it stays float beside the kept ones."""
