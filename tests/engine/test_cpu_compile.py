@@ -12,7 +12,13 @@ import torch
 from gapless import LLM, SamplingParams
 from gapless.config import EngineConfig
 from gapless.engine import cpu_compile
-from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+from gapless.testing.hf_reference import (
+    TIE_TOLERANCE,
+    check_greedy,
+    hf_greedy,
+    load_hf_model,
+    make_prompts,
+)
 
 MAX_NEW = 8
 PARAMS = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -28,11 +34,16 @@ def test_compiled_decode_equals_transformers(ckpt_factory, arch):
     """One request alone, then four at once (the two graphs warm-up made): every decode step runs the
     compiled layers and the tokens are transformers' (a near-tie at most, counted)."""
     path = ckpt_factory(arch)
-    prompts = make_prompts(500, n=4, shared_prefix=0, max_len=24)
-    hf = load_hf_model(path)
-    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    _compiled_equals(path, load_hf_model(path), seed=500)
+
+
+def _compiled_equals(path, reference, seed: int, tol: float = TIE_TOLERANCE) -> None:
+    """The compiled decode's greedy tokens (`_compiled_greedy`) of four prompts are `reference`'s, or
+    diverge at a near-tie (within `tol`) once at most."""
+    prompts = make_prompts(seed, n=4, shared_prefix=0, max_len=24)
+    refs = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
     outs = _compiled_greedy(path, prompts)
-    ties = [check_greedy(o, r) for o, r in zip(outs, [refs[0], *refs])]
+    ties = [check_greedy(o, r, tol=tol) for o, r in zip(outs, [refs[0], *refs])]
     assert sum(t is not None for t in ties) <= 1, ties
 
 
@@ -69,12 +80,7 @@ def test_bitsandbytes_4bit_layers_compile_once_and_give_bitsandbytes_tokens(ckpt
             "no bitsandbytes, or no AVX512-BF16 for its fused 4-bit CPU kernel: 4-bit layers stay float"
         )
     qdir, _ = write_bnb(ckpt_factory("llama"), tmp_path, "nf4")
-    prompts = make_prompts(503, n=4, shared_prefix=0, max_len=24)
-    hf = load_hf_model(qdir)
-    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    outs = _compiled_greedy(qdir, prompts)
-    ties = [check_greedy(o, r) for o, r in zip(outs, [refs[0], *refs])]
-    assert sum(t is not None for t in ties) <= 1, ties
+    _compiled_equals(qdir, load_hf_model(qdir), seed=503)
 
 
 @pytest.mark.slow
@@ -87,15 +93,11 @@ def test_a_quantized_gguf_compiles_once_and_equals_transformers(ckpt_factory, tm
     from gapless.testing.gguf_files import write_gguf
 
     path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "llama.Q4_1.gguf", "Q4_1")
-    prompts = make_prompts(502, n=4, shared_prefix=0, max_len=24)
     ref = AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    refs = [hf_greedy(ref, p, MAX_NEW) for p in prompts]
-    outs = _compiled_greedy(path, prompts)
     # the int8 rows' rounding moves logits by up to ~0.15 (tests/model/test_quant_gguf.py)
-    ties = [check_greedy(o, r, tol=0.3) for o, r in zip(outs, [refs[0], *refs])]
-    assert sum(t is not None for t in ties) <= 1, ties
+    _compiled_equals(path, ref, seed=502, tol=0.3)
 
 
 @pytest.mark.slow
