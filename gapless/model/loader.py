@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,9 +175,8 @@ def load_model(
     with _default_dtype(dtype), torch.device(device), deferred_weights():
         model = CausalLM(cfg, max_positions)  # (a layer's weight takes memory as a float tensor loads)
     scheme, quantized = _prepare_quantized(model, spec, path, dummy, device)
-    rounded = spec is not None and (
-        spec.online or spec.scheme == "bnb"
-    )  # (float weights quantized as loaded)
+    # float weights quantized as their layers load whole: `--quantization fp8`'s, bitsandbytes 4-bit's kept
+    rounded = spec is not None and (spec.online or spec.scheme == "bnb")
     rounding = _OnlineRounding(model, scheme, spec, quantized if rounded else [])
     expected = weight_names.expected(model)  # (before an online load's rounding adds its layers' scales)
     int4_kernel = _int4_kernel(model, int4_spec, dtype, device) if int4_spec is not None else ""
@@ -187,10 +186,10 @@ def load_model(
     kv_scales = KVScaleReader()  # an FP8 KV cache's scales, where the checkpoint has them
     kept = gguf_kept(path, device)
     gguf_layers = _gguf_layers(model, path, kept, dtype)  # (None: no GGUF blocks)
-    weights = [] if dummy else iter_weights(path, kept)
-    for name, tensor in (
-        bnb.dequantized(weights, device) if spec is not None and spec.scheme == "bnb" else weights
-    ):
+    weights: Iterable[tuple[str, Any]] = [] if dummy else iter_weights(path, kept)
+    if spec is not None and spec.scheme == "bnb":
+        weights = bnb.dequantized(weights, device)  # (its 4-bit weights read as floats)
+    for name, tensor in weights:
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
         decoder_name = _decoder_name(name, tensor, encoder, dtype)
