@@ -1,5 +1,6 @@
 """bitsandbytes checkpoints (`quant_method: bitsandbytes`): 4-bit (NF4, FP4, double-quantized or not)
-read as float weights, 8-bit kept int8 on the w8a16 path. Each against transformers on the same
+read as float weights, and kept in 4 bits on bitsandbytes' CPU kernel where it runs; 8-bit kept int8 on
+the w8a16 path. Each against transformers on the same
 dequantized weights (checkpoints the tests write: `gapless.testing.bnb_checkpoints`), and, where
 bitsandbytes is installed, against transformers reading checkpoints through bitsandbytes: the tests'
 files, and files bitsandbytes itself wrote."""
@@ -38,6 +39,11 @@ def _greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
             prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
         )
     return [o.token_ids for o in outs]
+
+
+def _linear_layers(model: torch.nn.Module) -> list[_Linear]:
+    """The layers a bitsandbytes checkpoint quantizes: every linear layer but the routers."""
+    return [m for m in model.modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
 
 
 def _agrees(qdir: Path, reference: torch.nn.Module) -> None:
@@ -98,7 +104,7 @@ def test_4bit_kept_on_the_cpu_gives_bitsandbytes_own_tokens(ckpt_factory, tmp_pa
     qdir, refdir = write_bnb(ckpt_factory(arch), tmp_path, kind, nested)
     model = loader.load_model(qdir, torch.float32, CPU)
     formats, held = weights_held(model)
-    linear = [m for m in model.modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
+    linear = _linear_layers(model)
     assert all(isinstance(m.linear_method, bnb.Bnb4LinearMethod) for m in linear), formats
     assert formats[f"bitsandbytes {kind} b64 (bitsandbytes' CPU kernel)"] == len(linear)
     assert quantization(model) == "bitsandbytes"
@@ -113,7 +119,7 @@ def test_a_bfloat16_model_keeps_every_4bit_layer(ckpt_factory, tmp_path, nested)
     back the same codes (to within that rounding), so every layer is kept."""
     qdir, _ = write_bnb(ckpt_factory("llama"), tmp_path, "nf4", nested)
     model = loader.load_model(qdir, torch.bfloat16, CPU)
-    linear = [m for m in model.modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
+    linear = _linear_layers(model)
     assert all(isinstance(m.linear_method, bnb.Bnb4LinearMethod) for m in linear)
 
 
