@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gapless.testing.quant_checkpoints import _PROJ
+from gapless.testing.quant_checkpoints import PROJECTIONS
 
 # bitsandbytes' codebooks (`bitsandbytes.functional`'s NF4 and FP4 maps), by code
 NF4 = (
@@ -114,7 +114,7 @@ def write_bnb(src: Path, dst: Path, kind: str, nested: bool = True) -> tuple[Pat
     quantized: dict[str, torch.Tensor] = {}
     reference: dict[str, torch.Tensor] = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
-        if not _PROJ.match(name):
+        if not PROJECTIONS.match(name):
             quantized[name] = reference[name] = t
             continue
         parts = _eight_bit(t) if kind == "int8" else _four_bit(t, kind, nested)

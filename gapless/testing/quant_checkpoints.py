@@ -18,7 +18,7 @@ from gapless.model.quant.int4_layouts import AWQ_ORDER, Unpacked, int4_spec_from
 
 LAYOUTS = ("awq", "gptq", "gptq_v2", "compressed-tensors", "int-quantized")
 # every decoder projection: attention's, dense MLPs' (a shared expert's too), each expert's (Mixtral: w1/2/3)
-_PROJ = re.compile(r"model\.layers\.\d+\..*(_proj|\.experts\.\d+\.w[123])\.weight$")
+PROJECTIONS = re.compile(r"model\.layers\.\d+\..*(_proj|\.experts\.\d+\.w[123])\.weight$")
 
 
 def quantize(
@@ -168,7 +168,7 @@ def write_quantized(
     quantized: dict[str, torch.Tensor] = {}
     reference: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if not _PROJ.match(name):
+        if not PROJECTIONS.match(name):
             quantized[name] = reference[name] = t
             continue
         w = quantize(t, bits, group, sym, _input_order(name, t.shape[1]) if act_order else None)
