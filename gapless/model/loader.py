@@ -401,8 +401,8 @@ _QUANTIZED_TENSORS = {
     *int4_layouts.TENSORS["gptq"],
     *int4_layouts.TENSORS["compressed-tensors"],
     *SCALE_NAMES,
-    "SCB",  # (bitsandbytes 8-bit's; its 4-bit weights' side tensors below)
-    *bnb.PARTS,
+    *(t for t in int4_layouts.TENSORS["bitsandbytes"] if t != "weight"),  # (8-bit's SCB, weight_format)
+    *bnb.PARTS,  # (4-bit's)
 }
 
 

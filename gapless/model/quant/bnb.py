@@ -83,13 +83,12 @@ def _blockwise(values: torch.Tensor, scales: torch.Tensor, block: int) -> torch.
 def dequantize(parts: dict[str, torch.Tensor], where: str) -> torch.Tensor:
     """One weight in float32 from its tensors (`weight`: the packed codes, the rest by part name, `state`
     the JSON's tensor), as bitsandbytes' own `dequantize_4bit` computes it."""
-    missing = [p for p in ("weight", "state", "absmax", "quant_map") if p not in parts]
-    missing = ["quant_state" if p == "state" else p for p in missing]
-    state = _state(parts["state"], where) if "state" in parts else {}
-    nested = "nested_blocksize" in state
-    missing += [p for p in ("nested_absmax", "nested_quant_map") if nested and p not in parts]
+    missing = _missing(parts, where)
     if missing:
-        raise QuantFormatError(f"{where}: the bitsandbytes 4-bit checkpoint lacks its {', '.join(missing)}")
+        named = ["quant_state" if p == "state" else p for p in missing]
+        raise QuantFormatError(f"{where}: the bitsandbytes 4-bit checkpoint lacks its {', '.join(named)}")
+    state = _state(parts["state"], where)
+    nested = "nested_blocksize" in state
     shape = [int(s) for s in state["shape"]]
     n = 1
     for s in shape:
@@ -124,14 +123,12 @@ def dequantized(weights: Iterable[tuple[str, Any]], device: torch.device) -> Ite
         weight, part = hit if hit is not None else (name, "weight")
         parts = waiting.setdefault(weight, {})
         parts[part] = tensor
-        if _complete(parts):
+        if not _missing(parts, weight):
             w = dequantize({k: t.to(device) for k, t in waiting.pop(weight).items()}, weight)
             count, numel = count + 1, numel + w.numel()
             yield weight, w
-    if waiting:
-        weight, parts = next(iter(waiting.items()))
-        dequantize(parts, weight)  # (names what it lacks)
-        raise QuantFormatError(f"{weight}: an incomplete bitsandbytes 4-bit weight ({sorted(parts)})")
+    for weight, parts in waiting.items():  # (each lacks a tensor: refused, naming it)
+        dequantize(parts, weight)
     log.info("bitsandbytes 4-bit: %d weights (%.1fM values) read as floats", count, numel / 1e6)
 
 
@@ -146,11 +143,12 @@ def _packed(name: str, tensor: Any) -> bool:
     )
 
 
-def _complete(parts: dict[str, torch.Tensor]) -> bool:
-    if not {"weight", "state", "absmax", "quant_map"} <= set(parts):
-        return False
-    nested = "nested_blocksize" in _state(parts["state"], "a bitsandbytes weight")
-    return not nested or {"nested_absmax", "nested_quant_map"} <= set(parts)
+def _missing(parts: dict[str, torch.Tensor], where: str) -> list[str]:
+    """The parts a 4-bit weight's tensors still lack (the nested scales' where its state names them)."""
+    need = ["weight", "state", "absmax", "quant_map"]
+    if "state" in parts and "nested_blocksize" in _state(parts["state"], where):
+        need += ["nested_absmax", "nested_quant_map"]
+    return [p for p in need if p not in parts]
 
 
 # the loader's scheme protocol (`gapless.model.quant.formats`), for a load that keeps 4-bit weights (`kept`)
