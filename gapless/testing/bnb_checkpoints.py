@@ -2,7 +2,7 @@
 Face's bitsandbytes integration stores them (`gapless.model.quant.bnb` describes the 4-bit tensors,
 `gapless.model.quant.int4_layouts` the 8-bit ones), beside a float checkpoint holding the same weights
 dequantized (the reference a quantized model must equal). Written here, not by bitsandbytes: its
-codebooks (`NF4`, `FP4`) and blocks are the format's, the quantizer a plain nearest-value rounding."""
+codebooks (`bnb.TABLES`) and blocks are the format's, the quantizer a plain nearest-value rounding."""
 
 from __future__ import annotations
 
@@ -13,19 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from gapless.model.quant.bnb import TABLES
 from gapless.testing.quant_checkpoints import PROJECTIONS
 
-# bitsandbytes' codebooks (`bitsandbytes.functional`'s NF4 and FP4 maps), by code
-NF4 = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0,
-)  # fmt: skip
-FP4 = (
-    0.0, 0.005208333333, 0.66666667, 1.0, 0.33333333, 0.5, 0.16666667, 0.25,
-    -0.0, -0.005208333333, -0.66666667, -1.0, -0.33333333, -0.5, -0.16666667, -0.25,
-)  # fmt: skip
 KINDS = ("nf4", "fp4", "int8")
 
 
@@ -36,7 +26,7 @@ def _nearest(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 def _four_bit(w: torch.Tensor, kind: str, nested: bool, block: int = 64) -> dict[str, torch.Tensor]:
     """One weight's tensors (by suffix after `weight`, "" the codes), and "reference": W dequantized."""
-    table = torch.tensor(NF4 if kind == "nf4" else FP4, dtype=torch.float32)
+    table = torch.tensor(TABLES[kind], dtype=torch.float32)
     flat = w.float().flatten()
     absmax = flat.view(-1, block).abs().amax(-1).clamp(min=1e-12)
     codes = _nearest(flat.view(-1, block) / absmax[:, None], table).flatten().to(torch.uint8)

@@ -1,5 +1,6 @@
 """bitsandbytes checkpoints (`quant_method: bitsandbytes`): 4-bit (NF4, FP4, double-quantized or not)
-read as float weights, and kept in 4 bits on bitsandbytes' CPU kernel where it runs; 8-bit kept int8 on
+read as float weights, kept in 4 bits on bitsandbytes' CPU kernel where it runs and on the int4 path's
+Triton GEMM with the codebook (a GPU's; here its reference path and the interpreter); 8-bit kept int8 on
 the w8a16 path. Each against transformers on the same
 dequantized weights (checkpoints the tests write: `gapless.testing.bnb_checkpoints`), and, where
 bitsandbytes is installed, against transformers reading checkpoints through bitsandbytes: the tests'
@@ -19,9 +20,10 @@ from safetensors.torch import load_file, save_file
 from gapless import LLM, SamplingParams
 from gapless.model import loader
 from gapless.model.layers import ReplicatedLinear, _Linear
-from gapless.model.quant import bnb, quantization, weights_held
+from gapless.model.quant import bnb, int4, quantization, weights_held
 from gapless.model.quant.base import UNQUANTIZED
 from gapless.model.quant.formats import QuantFormatError, resolve
+from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.bnb_checkpoints import quantization_config, write_bnb
 from gapless.testing.hf_reference import check_greedy, hf_greedy, hf_logits, load_hf_model, make_prompts
 
@@ -141,6 +143,69 @@ def test_a_layer_the_checkpoint_keeps_float_stays_float(ckpt_factory, tmp_path):
     down = model.get_submodule("model.layers.0.mlp.down_proj")
     assert down.linear_method is UNQUANTIZED  # (its float weight, prepacked for the CPU's GEMM)
     assert isinstance(model.get_submodule("model.layers.1.mlp.down_proj").linear_method, bnb.Bnb4LinearMethod)
+
+
+@pytest.mark.parametrize(
+    "arch,kind,nested", [("llama", "nf4", True), ("qwen3", "fp4", False), ("phi3", "nf4", False)]
+)
+def test_4bit_kept_for_the_triton_gemm_holds_the_checkpoints_weights(
+    ckpt_factory, tmp_path, monkeypatch, arch, kind, nested
+):
+    """Where the Triton GEMM keeps 4-bit weights (a GPU's route, here on its reference path), every linear
+    layer holds the checkpoint's codes and scales with the codebook: its weight the reference's bit for
+    bit (fused projections stacked), fewer bytes, and transformers' tokens on the reference."""
+    monkeypatch.setattr(bnb, "kept", lambda device: "triton")
+    monkeypatch.setenv("GAPLESS_CPU_GEMM", "plain")  # (the reference's float weights left as loaded)
+    qdir, refdir = write_bnb(ckpt_factory(arch), tmp_path, kind, nested)
+    model = loader.load_model(qdir, torch.float32, CPU)
+    ref_model = loader.load_model(refdir, torch.float32, CPU)
+    formats, _ = weights_held(model)
+    linear = _linear_layers(model)
+    assert all(isinstance(m.linear_method, Int4LinearMethod) for m in linear), formats
+    assert formats[f"bitsandbytes {kind} g64"] == len(linear) and quantization(model) == "bitsandbytes"
+    for name, m in model.named_modules():
+        if m in linear:
+            assert torch.equal(
+                m.linear_method.dequantized(torch.float32), ref_model.get_submodule(name).weight
+            )
+    four_bit = sum(t.numel() * t.element_size() for m in linear for t in m.linear_method.tensors())
+    assert four_bit < 0.15 * sum(
+        m.out_features * m.in_features * 4 for m in (x.linear_method for x in linear)
+    )
+    _agrees(qdir, load_hf_model(refdir))
+
+
+def test_4bit_on_the_interpreted_triton_gemm_gives_transformers_tokens(ckpt_factory, tmp_path, monkeypatch):
+    """The Triton GEMM itself over the codebook's weights (under the interpreter: `int4.TRITON_ON_CPU`,
+    which `kept` takes as a GPU's route): transformers' greedy tokens on the reference; in bfloat16
+    every layer is kept too (its weights within their rounding)."""
+    from gapless.model.quant import int4_triton
+
+    gemm, calls = int4_triton.w4a16_matmul, []
+    monkeypatch.setattr(
+        int4_triton, "w4a16_matmul", lambda *a, **k: calls.append(k["levels"] is not None) or gemm(*a, **k)
+    )
+    monkeypatch.setattr(int4, "TRITON_ON_CPU", True)
+    qdir, refdir = write_bnb(ckpt_factory("llama"), tmp_path, "nf4", nested=True)
+    model = loader.load_model(qdir, torch.bfloat16, CPU)
+    nf4 = torch.tensor(bnb.NF4, dtype=torch.float32)  # (the levels in float32 whatever the model's dtype)
+    assert all(torch.equal(m.linear_method.levels, nf4) for m in _linear_layers(model))
+    _agrees(qdir, load_hf_model(refdir))
+    assert len(calls) >= 8 * 4 and all(calls)  # (forwards x projections, each with the codebook)
+
+
+def test_codes_give_back_only_a_weight_of_their_codebook_and_blocks():
+    """`bnb.codes` finds a block-quantized weight's codes and scales in its own blocks (128 here) and
+    codebook, and none in blocks that split the checkpoint's, another codebook, or a float weight."""
+    table = torch.tensor(bnb.NF4)
+    q = torch.randint(1, 15, (8, 256))  # (NF4: code 0 is -1.0, code 15 is 1.0)
+    q[:, ::128] = 15  # (each block of 128 holds its scale times 1.0 once: not each block of 64)
+    scale = torch.rand(8, 2) + 0.1
+    w = table[q] * scale.repeat_interleave(128, dim=1)
+    found = bnb.codes(w, "nf4", 128)
+    assert found is not None and torch.equal(found[0].long(), q) and torch.equal(found[1], scale)
+    assert bnb.codes(w, "nf4", 64) is None and bnb.codes(w, "fp4", 128) is None
+    assert bnb.codes(torch.randn(8, 256), "nf4", 64) is None
 
 
 def test_int8_on_the_cpus_kernel(ckpt_factory, tmp_path):

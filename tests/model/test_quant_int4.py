@@ -187,6 +187,48 @@ def test_triton_gemm_equals_the_dequantized_matmul(bits, group, m):
                 assert torch.equal(ys[0], ys[1]), (dtype, nibble, swapped)
 
 
+@pytest.mark.parametrize("m", [1, 5, pytest.param(70, marks=pytest.mark.slow)])  # (70: ~14 s interpreted)
+def test_a_codebooks_weight_in_the_triton_gemm_equals_the_dequantized_matmul(m):
+    """A codebook's weight (`Unpacked.levels`: bitsandbytes' NF4, `W = levels[q] * scale`, no zeros held)
+    through the chosen tiles, the GEMV, dots per value, one reshaped tile, K steps over two groups of 64,
+    and configs asking for PTX values, factored or swapped tiles (which take Triton's lookups instead), in
+    float32 and bfloat16; on any device and whatever `GAPLESS_INT4_KERNEL` names, the layer is the Triton
+    GEMM's; levels of the wrong size are refused."""
+    from gapless.model.quant.bnb import NF4
+    from gapless.model.quant.int4_layouts import Unpacked
+
+    n, k, group = 96, 256, 64
+    gen = torch.Generator().manual_seed(m)
+    scale = torch.rand(n, k // group, generator=gen) + 0.5
+    w = Unpacked(
+        torch.randint(0, 16, (n, k), generator=gen), scale, torch.zeros_like(scale), None, torch.tensor(NF4)
+    )
+    x = torch.randn(m, k, generator=gen)
+    ref = x.double() @ w.dequantize().double().t()
+    spec = Int4Spec("bitsandbytes", 4, group, True, codebook="nf4")
+    method = Int4LinearMethod(w, spec, torch.float32, DEVICE, kernel="tinygemm")
+    assert method.triton_held and method.library is None and method.zeros.numel() == 0
+    assert method.name == "bitsandbytes nf4 g64"
+    assert torch.equal(method.dequantized(torch.float32).cpu(), w.dequantize())
+    args = (method.qweight, method.scales, method.zeros, group, 4)
+    configs = [
+        None,
+        GemmConfig(1, 32, 128, 2, 4, 1),  # (the GEMV, two groups a K step)
+        GemmConfig(16, 32, 128, 2, 4, 3, True),  # (a dot per value of the words)
+        GemmConfig(16, 32, 64, 1, 4, 3, False),  # (one reshaped tile)
+        GemmConfig(16, 32, 128, 2, 4, 3, True, ptx_values=True, swapped=True),
+        GemmConfig(1, 32, 64, 2, 4, 1, ptx_values=True, factored=True),
+    ]
+    for cfg in configs:
+        y = w4a16_matmul(x.to(DEVICE), *args, config=cfg, levels=method.levels)
+        torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-4)
+    half = Int4LinearMethod(w, spec, torch.bfloat16, DEVICE)
+    y = half.apply(None, x.to(DEVICE, torch.bfloat16))
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=2e-2, atol=x.abs().sum().item() * 2e-2 / k**0.5)
+    with pytest.raises(ValueError, match=r"levels \(8,\) torch.float32: float32 \[16\]"):
+        w4a16_matmul(x.to(DEVICE), *args, levels=method.levels[:8])
+
+
 def test_decode_tiles_split_k_on_an_8b_layer():
     """M <= 16 on a 4096 x 14336 layer: 16-row tiles at 16 rows, K split so about two programs an SM run;
     the GEMV at one row, K split so about as many programs run as the SMs hold (`GEMV_PROGRAMS_PER_SM`),

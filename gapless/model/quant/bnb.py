@@ -19,14 +19,19 @@ Value i is `quant_map[code_i] * absmax[i // blocksize]` in float32, as bitsandby
 8-bit form (`load_in_8bit`, int8 weights and a per-row `SCB`) stays quantized on the int8 path instead
 (`gapless.model.quant.int4_layouts`).
 
-On a one-rank CPU with bitsandbytes installed and its fused CPU kernel usable (AVX512-BF16; `kept`), each
-linear layer is quantized again as its float weight becomes whole (the loader's online rounding, as
-`--quantization fp8` does): `quantize_4bit` in the checkpoint's blocks gives back the very codes and
-scales of a weight dequantized from them (each block's largest value is its scale times a code of +-1;
-double-quantized scales are kept as float32), which is checked, so a layer the checkpoint kept in float,
-or whose blocks span rows, stays float. The layer then runs bitsandbytes' own `Linear4bit` (x in
-bfloat16): on an AVX512 CPU, one thread, 0.18-0.22x bfloat16 torch.mm's time at one row on Llama-3-8B's
-layers, 0.46-0.50x at eight (`bench/results/bnb_cpu`). Elsewhere its weights run as float layers."""
+Where a kernel keeps them (`kept`), each linear layer is quantized again as its float weight becomes whole
+(the loader's online rounding, as `--quantization fp8` does): quantizing in the checkpoint's blocks gives
+back the very codes and scales of a weight dequantized from them (each block's largest value is its scale
+times a code of +-1; double-quantized scales are kept as float32), which is checked, so a layer the
+checkpoint kept in float, or whose blocks span rows (or a rank's share of them), stays float. Then:
+
+- on CUDA, the int4 path's Triton GEMM with the codebook (`codes`; `int4_triton`: each value a lookup in
+  the 16 levels), every rank's shard of a layer its own; no bitsandbytes needed; never timed on a GPU;
+- on a one-rank CPU with bitsandbytes installed and its fused CPU kernel usable (AVX512-BF16),
+  bitsandbytes' own `Linear4bit` (x in bfloat16): one thread, 0.18-0.22x bfloat16 torch.mm's time at one
+  row on Llama-3-8B's layers, 0.46-0.50x at eight (`bench/results/bnb_cpu`).
+
+Elsewhere its weights run as float layers; a mixture's experts always do."""
 
 from __future__ import annotations
 
@@ -45,6 +50,18 @@ from gapless.model.quant.formats import QuantFormatError, QuantSpec
 
 log = logging.getLogger(__name__)
 
+# bitsandbytes' codebooks (`bitsandbytes.functional`'s NF4 and FP4 maps), by code
+NF4 = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+)  # fmt: skip
+FP4 = (
+    0.0, 0.005208333333, 0.66666667, 1.0, 0.33333333, 0.5, 0.16666667, 0.25,
+    -0.0, -0.005208333333, -0.66666667, -1.0, -0.33333333, -0.5, -0.16666667, -0.25,
+)  # fmt: skip
+TABLES = {"nf4": NF4, "fp4": FP4}
 STATE = ".quant_state.bitsandbytes__"  # + the quant type: the tensor holding a weight's JSON state
 PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")  # `weight.<part>`
 QUANT_TYPES = ("nf4", "fp4")
@@ -169,13 +186,20 @@ def _fused_cpu_kernel() -> bool:
     return bool(getattr(probe, "support_avx512bf16_for_cpu", False))
 
 
-def kept(device: torch.device) -> bool:
-    """Whether a load onto `device` keeps 4-bit weights quantized (the module's docstring)."""
+def kept(device: torch.device) -> str | None:
+    """What keeps a load's 4-bit weights quantized on `device` (the module's docstring): "triton" on CUDA
+    (and on the CPU where the tests run the Triton GEMM there, `int4.TRITON_ON_CPU`), "bitsandbytes" on a
+    one-rank CPU where its fused kernel runs; None: float layers."""
     from gapless.model import parallel
+    from gapless.model.quant import int4
 
-    if env.BNB_WEIGHTS.get() != "auto" or device.type != "cpu" or parallel.current().size != 1:
-        return False
-    return _fused_cpu_kernel()
+    if env.BNB_WEIGHTS.get() != "auto":
+        return None
+    if device.type == "cuda" or device.type == "cpu" and int4.TRITON_ON_CPU:
+        return "triton"
+    if device.type != "cpu" or parallel.current().size != 1:
+        return None
+    return "bitsandbytes" if _fused_cpu_kernel() else None
 
 
 class Bnb4LinearMethod:
@@ -225,21 +249,74 @@ def prepare(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
     """Nothing: the layers load their float weights (dequantized as read), `finish_module` keeps them."""
 
 
+def _gives_back(back: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether weights quantized again, `back` (in w's dtype), are `w`: exactly in float32, else within
+    that dtype's rounding of the float32 product (its last bit)."""
+    return torch.equal(back, w) or w.dtype != torch.float32 and torch.allclose(back, w, rtol=2**-7, atol=0)
+
+
+def codes(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes int16 [N, K], absmax float32 [N, K / block]) of `w` [N, K] in codebook `kind`, blocks of
+    `block` along its rows (K a multiple of it), that give `w` back (`_gives_back`); None where none do
+    (a weight not so quantized, or in other blocks). Each value's code is its nearest level, a slice of
+    rows at a time (bounded memory on any device)."""
+    table = torch.tensor(TABLES[kind], dtype=torch.float32, device=w.device)
+    order = table.argsort()
+    bounds = (table[order][1:] + table[order][:-1]) / 2
+    by_rank = order.to(torch.int16)
+    n, k = w.shape
+    out, scales = torch.empty(n, k, dtype=torch.int16, device=w.device), list[torch.Tensor]()
+    step = max(1, (1 << 22) // k)
+    for r in range(0, n, step):
+        part = w[r : r + step]
+        blocks = part.float().view(part.shape[0], k // block, block)
+        absmax = blocks.abs().amax(-1)
+        normalized = blocks / absmax.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+        q = by_rank[torch.bucketize(normalized, bounds, out_int32=True)]
+        if not _gives_back((table[q.long()] * absmax[..., None]).view_as(part).to(w.dtype), part):
+            return None
+        out[r : r + step], scales = q.view_as(part), [*scales, absmax]
+    return out, torch.cat(scales)
+
+
 def finish_module(layer: Any, spec: QuantSpec) -> None:
     """`layer`'s float weight quantized again in the first block size that gives back the same weight
-    (to within its dtype's rounding, for a model below float32), held by `Bnb4LinearMethod` and freed; a
+    (to within its dtype's rounding, for a model below float32), held by what `kept` names and freed; a
     weight none gives back (a layer the checkpoint kept in float) stays float."""
+    w = layer.weight.data
+    hold = _hold_for_triton if kept(w.device) == "triton" else _hold_for_bitsandbytes
+    for block in (b for b in BLOCKS if w.shape[1] % b == 0):
+        if hold(layer, w, spec.codebook, block):
+            return
+
+
+def _hold_for_triton(layer: Any, w: torch.Tensor, kind: str, block: int) -> bool:
+    """Whether `w` is `kind`'s in blocks of `block` (`codes`); if so `layer` holds its codes for the int4
+    path's Triton GEMM (`int4.Int4LinearMethod` with the codebook's levels), its float weight freed."""
+    from gapless.model.quant import int4
+    from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
+
+    found = codes(w, kind, block)
+    if found is None:
+        return False
+    q, absmax = found
+    held = Unpacked(
+        q, absmax, torch.zeros_like(absmax), levels=torch.tensor(TABLES[kind], dtype=torch.float32)
+    )
+    int4.hold(layer, held, Int4Spec("bitsandbytes", 4, block, sym=True, codebook=kind), w.dtype, "triton")
+    return True
+
+
+def _hold_for_bitsandbytes(layer: Any, w: torch.Tensor, kind: str, block: int) -> bool:
+    """As `_hold_for_triton`, by bitsandbytes' own quantizer, for its `Linear4bit` (`Bnb4LinearMethod`)."""
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
-    w = layer.weight.data
-    kind = spec.codebook
-    for block in (b for b in BLOCKS if w.shape[1] % b == 0):
-        codes, state = quantize_4bit(w.float(), blocksize=block, compress_statistics=False, quant_type=kind)
-        back = dequantize_4bit(codes, state).to(w.dtype)
-        if torch.equal(back, w) or w.dtype != torch.float32 and torch.allclose(back, w, rtol=2**-7, atol=0):
-            layer.linear_method = Bnb4LinearMethod(codes, state, kind)
-            layer.weight.data = w.new_empty(0)
-            return
+    q, state = quantize_4bit(w.float(), blocksize=block, compress_statistics=False, quant_type=kind)
+    if not _gives_back(dequantize_4bit(q, state).to(w.dtype), w):
+        return False
+    layer.linear_method = Bnb4LinearMethod(q, state, kind)
+    layer.weight.data = w.new_empty(0)
+    return True
 
 
 def finish(model: nn.Module, spec: QuantSpec, modules: list[str], done: Collection[str] = ()) -> None:
@@ -248,12 +325,12 @@ def finish(model: nn.Module, spec: QuantSpec, modules: list[str], done: Collecti
     for name in modules:
         if name not in done:
             finish_module(model.get_submodule(name), spec)
-    kept_layers = sum(
-        isinstance(getattr(model.get_submodule(n), "linear_method", None), Bnb4LinearMethod) for n in modules
-    )
+    methods = [getattr(model.get_submodule(n), "linear_method", None) for n in modules]
+    kept_layers = sum(getattr(m, "quant_method", None) == "bitsandbytes" for m in methods)
     log.info(
-        "bitsandbytes %s: %d of %d linear layers kept in 4 bits (bitsandbytes' CPU kernel)",
+        "bitsandbytes %s: %d of %d linear layers kept in 4 bits (%s)",
         spec.codebook,
         kept_layers,
         len(modules),
+        "bitsandbytes' CPU kernel" if any(isinstance(m, Bnb4LinearMethod) for m in methods) else "Triton",
     )

@@ -50,7 +50,9 @@ class Int4LinearMethod:
         self.order = None if w.order is None else w.order.to(device)
         if k % (32 // spec.bits):
             raise QuantFormatError(f"{spec.label}: in_features {k} is not a multiple of {32 // spec.bits}")
-        choice = kernel or int4_kernels.chosen()
+        # a codebook's weight (`Unpacked.levels`): the Triton GEMM alone takes it, on any device
+        self.levels = None if w.levels is None else w.levels.float().to(device)
+        choice = "triton" if self.levels is not None else kernel or int4_kernels.chosen()
         library, _, also = int4_kernels.for_layer(
             choice, spec.bits, self.group, dtype, n, k, device
         ).partition("+")
@@ -68,12 +70,17 @@ class Int4LinearMethod:
         self.qweight = pack_int32(w.q.t(), spec.bits, dim=0).to(device)
         self.scales = w.scale.t().to(dtype).contiguous().to(device)
         self.zeros = w.zero.t().to(zeros_dtype([w.zero], dtype)).contiguous().to(device)
+        if self.levels is not None:  # (its zeros are 0: not held)
+            self.zeros = self.zeros.new_empty(0)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] in `dtype` (the reference path's weight), its columns in `order` as held."""
         q = unpack_int32(self.qweight, self.bits, dim=0)  # [K, N]
-        zero, scale = (t.repeat_interleave(self.group, dim=0) for t in (self.zeros, self.scales))
-        return ((q.float() - zero.float()) * scale.float()).t().to(dtype)  # as the GEMM: fp32, one rounding
+        scale = self.scales.repeat_interleave(self.group, dim=0).float()
+        if self.levels is not None:
+            return (self.levels[q.long()] * scale).t().to(dtype)
+        zero = self.zeros.repeat_interleave(self.group, dim=0).float()
+        return ((q.float() - zero) * scale).t().to(dtype)  # as the GEMM: fp32, one rounding
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -93,6 +100,7 @@ class Int4LinearMethod:
                 self.group,
                 self.bits,
                 integer_zeros=self.integer_zeros,
+                levels=self.levels,
             )
             y = y.to(x.dtype)
         else:
@@ -103,7 +111,7 @@ class Int4LinearMethod:
     def tensors(self) -> list[torch.Tensor]:
         held = self.library.tensors() if self.library is not None else []
         held += [self.qweight, self.scales, self.zeros] if self.triton_held else []
-        return held + ([self.order] if self.order is not None else [])
+        return held + [t for t in (self.order, self.levels) if t is not None]
 
 
 def zeros_dtype(zeros: list[torch.Tensor], dtype: torch.dtype) -> torch.dtype:
@@ -126,7 +134,7 @@ def split_columns(w: Unpacked, tp: Any, what: str) -> Unpacked:
     keep the row's scale and zero); else a one-line error beginning with `what`."""
     k, groups = w.q.shape[1], w.scale.shape[1]
     if groups == 1:
-        return Unpacked(tp.part(w.q, tp.size, dim=1), w.scale, w.zero)
+        return w._replace(q=tp.part(w.q, tp.size, dim=1))
     if groups % tp.size:
         raise QuantFormatError(
             f"{what} {groups} groups of {k // groups} inputs do not split over {tp.size} ranks"
@@ -174,8 +182,10 @@ def install(
     pieces = [shard_for_rank(shards[s], layer, s, where) for s in order]
     if not all(_same_order(p.order, pieces[0].order) for p in pieces):  # (the stack meets one x)
         raise QuantFormatError(f"{where}: its shards' act-orders (g_idx) differ; one input order is built")
+    if not all(_same_order(p.levels, pieces[0].levels) for p in pieces):  # (one table a layer)
+        raise QuantFormatError(f"{where}: its shards' codebooks differ; one is built")
     q, scale, zero = map(torch.cat, zip(*(p.tensors for p in pieces)))
-    w = Unpacked(q, scale, zero, pieces[0].order)
+    w = Unpacked(q, scale, zero, pieces[0].order, pieces[0].levels)
     if w.q.shape != tuple(layer.weight.shape):
         raise QuantFormatError(
             f"{where}: quantized weight {tuple(w.q.shape)} does not fit the layer's "
@@ -227,6 +237,8 @@ def install_experts(
 
     if any(w.order is not None for w in shards.values()):
         raise QuantFormatError(f"{where}: experts with act-order (g_idx) are not built")
+    if any(w.levels is not None for w in shards.values()):
+        raise QuantFormatError(f"{where}: experts in a codebook (NF4, FP4) are not built")
 
     def mine(e: int, proj: str) -> Unpacked:
         w = shards[(e, proj)]

@@ -74,9 +74,12 @@ class Int4Spec:
     # what a file holds where it is not a checkpoint's scheme: a GGUF file's block types ("Q4_K"), which
     # the label names as `gguf_cpu`'s layers do ("Q4_K as int4 g32", "Q6_K as int8 per-row")
     source: str = ""
+    codebook: str = ""  # a codebook's name ("nf4"): the values are its levels (`Unpacked.levels`)
 
     @property
     def label(self) -> str:
+        if self.codebook:
+            return f"{self.method} {self.codebook} g{self.group_size}"
         if self.source:
             return f"{self.source} as int{self.bits} " + (
                 "per-row" if self.group_size < 0 else f"g{self.group_size}"
@@ -231,18 +234,21 @@ def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
 class Unpacked(NamedTuple):
     """One projection's weight as `W = (q - zero) * scale`: q int16 [N, K] (unsigned values), scale
     float32 and zero float32 [N, K / G]; column j of q in group j // G. `order` (act-order, `act_order`):
-    column j of q is input `order[j]` (so x[:, order] meets q); None: input j."""
+    column j of q is input `order[j]` (so x[:, order] meets q); None: input j. `levels` (a codebook's:
+    float32 [2^bits], bitsandbytes' NF4 or FP4): `W = levels[q] * scale`, the zeros 0."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     order: torch.Tensor | None = None
+    levels: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
         """W float32 [N, K], its columns the inputs' (in input order)."""
         group = self.q.shape[1] // self.scale.shape[1]
         zero, scale = (t.repeat_interleave(group, dim=1) for t in (self.zero, self.scale))
-        w = (self.q.float() - zero) * scale
+        values = self.q.float() if self.levels is None else self.levels.float()[self.q.long()]
+        w = (values - zero) * scale
         if self.order is None:
             return w
         return torch.empty_like(w).index_copy_(1, self.order, w)
@@ -252,8 +258,9 @@ class Unpacked(NamedTuple):
         return self.q, self.scale, self.zero
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Unpacked:
-        """q, scale and zero each through `fn` (a cut along rows or groups), the inputs' order kept."""
-        return Unpacked(fn(self.q), fn(self.scale), fn(self.zero), self.order)
+        """q, scale and zero each through `fn` (a cut along rows or groups), the inputs' order and the
+        levels kept."""
+        return Unpacked(fn(self.q), fn(self.scale), fn(self.zero), self.order, self.levels)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

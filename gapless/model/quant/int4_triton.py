@@ -43,6 +43,10 @@ loop body is 253 instructions for 16 x 64 words at one row and 16 alike, against
 16-row tiles' 627, its wgmma reading W from registers; the values still pass through shared memory once,
 16 bytes a store, to reach the register layout the tensor cores read.
 
+A codebook's weight (bitsandbytes' NF4 and FP4: 16 float levels, not evenly spaced) is held in the same
+layout with `W[n, k] = levels[q] * scales[g, n]` and no zeros (`levels`): each value is a gather load from
+the 64-byte table (`int4_values.level`), on the GEMV and the Triton-valued tiles; never timed on a GPU.
+
 Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
 is split among programs, and the last of a tile's programs to finish adds their partial sums up in split
 order (`split_k.finish`: one launch, deterministic; a sum and a cast by torch after it were two more
@@ -63,7 +67,14 @@ import triton
 import triton.language as tl
 
 from gapless import env
-from gapless.model.quant.int4_values import biased_zeros, factored_words, unsigned_to_float, value, values_ptx
+from gapless.model.quant.int4_values import (
+    biased_zeros,
+    factored_words,
+    level,
+    unsigned_to_float,
+    value,
+    values_ptx,
+)
 from gapless.model.quant.split_k import counters, finish, partial_sums
 
 INTERPRET = env.TRITON_INTERPRET.get()
@@ -112,13 +123,16 @@ def _k_tile(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr):
 
 @triton.jit
 def _group_rows(Scales, Zeros, k0, offs_w, offs_n, n_mask, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                BITS: tl.constexpr, SWAPPED: tl.constexpr):  # fmt: skip
+                BITS: tl.constexpr, SWAPPED: tl.constexpr, ZEROS: tl.constexpr = True):  # fmt: skip
     """(scales, zeros) over a K step's [BLOCK_K / P, BLOCK_N] words (`SWAPPED`: [BLOCK_N, BLOCK_K / P]):
     its group's row, broadcast over the words, where the step is in one group (BLOCK_K <= GROUP); else
-    each word row's group's (a word's P values are in one group: GROUP >= P)."""
+    each word row's group's (a word's P values are in one group: GROUP >= P). Without `ZEROS` (a
+    codebook's weight) no zero is read: the scales stand in for them, unused."""
     if BLOCK_K <= GROUP:
         s = tl.load(Scales + (k0 // GROUP) * N + offs_n, mask=n_mask, other=0.0)
-        z = tl.load(Zeros + (k0 // GROUP) * N + offs_n, mask=n_mask, other=0.0)
+        z = s
+        if ZEROS:
+            z = tl.load(Zeros + (k0 // GROUP) * N + offs_n, mask=n_mask, other=0.0)
         if SWAPPED:
             s, z = s[:, None], z[:, None]
         else:
@@ -130,7 +144,9 @@ def _group_rows(Scales, Zeros, k0, offs_w, offs_n, n_mask, N, GROUP: tl.constexp
         else:
             at, ok = groups[:, None] * N + offs_n[None, :], n_mask[None, :]
         s = tl.load(Scales + at, mask=ok, other=0.0)
-        z = tl.load(Zeros + at, mask=ok, other=0.0)
+        z = s
+        if ZEROS:
+            z = tl.load(Zeros + at, mask=ok, other=0.0)
     return s, z
 
 
@@ -192,6 +208,7 @@ def _w4a16_kernel(
     Qw,
     Scales,
     Zeros,
+    Levels,
     Out,
     Partial,
     Counters,
@@ -213,6 +230,7 @@ def _w4a16_kernel(
     FACTORED: tl.constexpr,
     SWAPPED: tl.constexpr,
     INTEGER_ZEROS: tl.constexpr,
+    CODEBOOK: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
@@ -237,7 +255,9 @@ def _w4a16_kernel(
         offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
         # the scales and zeros over the words: one row of them ([1, BLOCK_N]) where the step is in one
         # group, else each word row's group's ([BLOCK_K / P, BLOCK_N]); transposed for SWAPPED's words
-        s, z = _group_rows(Scales, Zeros, k0, offs_w, offs_n, n_mask, N, GROUP, BLOCK_K, BITS, SWAPPED)
+        s, z = _group_rows(
+            Scales, Zeros, k0, offs_w, offs_n, n_mask, N, GROUP, BLOCK_K, BITS, SWAPPED, not CODEBOOK
+        )
         packed = offs_w  # (SWAPPED loads its words transposed)
         if not SWAPPED:
             packed = tl.load(
@@ -261,6 +281,8 @@ def _w4a16_kernel(
             for j in tl.static_range(32 // BITS):
                 if PTX_VALUES:
                     w = values[j]
+                elif CODEBOOK:
+                    w = level(packed, j, s, Levels, BITS)
                 else:
                     w = value(packed, j, z, s, BITS, INTEGER_ZEROS)
                 offs_k = offs_w * (32 // BITS) + j  # x's columns for value j: every P-th from j
@@ -296,7 +318,10 @@ def _w4a16_kernel(
                     (BLOCK_K, BLOCK_N),
                 )
             # in fp32, then one rounding to the activations' dtype (as the reference path's weight)
-            w = (unsigned_to_float(q) - z.to(tl.float32)) * s.to(tl.float32)
+            if CODEBOOK:
+                w = tl.load(Levels + q) * s.to(tl.float32)
+            else:
+                w = (unsigned_to_float(q) - z.to(tl.float32)) * s.to(tl.float32)
             acc = _accumulate(acc, x, w, IEEE, AS_FP32)
     if BLOCK_M == 1:
         acc = tl.sum(acc_gemv, axis=0)[None, :]
@@ -418,20 +443,32 @@ def w4a16_matmul(
     bits: int,
     config: GemmConfig | None = None,
     integer_zeros: bool = True,
+    levels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ W^T` for x [M, K] (the activations' dtype, that of `scales`), W in the layout the module
     describes; the result [M, N] in x's dtype. `integer_zeros`: whether every zero is an integer, as a
     checkpoint's are (not a GGUF file's, `gguf_int4`, held in another float dtype: the values are then
     never made by PTX nor factored, whose arithmetic holds integer zeros alone, and each value's zero is
-    subtracted apart from the 2^23 its bits are read under, `int4_values.value`)."""
+    subtracted apart from the 2^23 its bits are read under, `int4_values.value`). `levels`: a codebook's
+    weight, `W[n, k] = levels[q] * scales[g, n]` (float32 [2^bits]; `zeros` unread), its values looked up
+    (`int4_values.level`) on the GEMV and the Triton-valued tiles alone (not by PTX, factored or
+    swapped)."""
     m, k = x.shape
     n = qweight.shape[1]
+    if levels is not None:
+        zeros = scales  # (unread)
+        if levels.shape != (1 << bits,) or levels.dtype != torch.float32:
+            raise ValueError(
+                f"int{bits} GEMM: levels {tuple(levels.shape)} {levels.dtype}: float32 [{1 << bits}]"
+            )
     if qweight.shape[0] * (32 // bits) != k or scales.shape != (k // group, n) or zeros.shape != scales.shape:
         raise ValueError(
             f"int{bits} GEMM: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
             f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not fit group {group}"
         )
     cfg = config or choose_config(m, n, k, group, _sms(x.device))
+    if levels is not None:  # (looked up by Triton alone)
+        cfg = cfg._replace(ptx_values=False, factored=False, swapped=False)
     bk = cfg.block_k
     if k % bk or bk & (bk - 1) or (group % bk and bk % group) or group < 32 // bits:
         raise ValueError(
@@ -454,6 +491,7 @@ def w4a16_matmul(
         qweight,
         scales,
         zeros,
+        levels if levels is not None else scales,
         out,
         partial,
         locks if locks is not None else out,
@@ -477,6 +515,7 @@ def w4a16_matmul(
         FACTORED=integer_zeros and factored(cfg),
         SWAPPED=swapped(cfg),
         INTEGER_ZEROS=integer_zeros,
+        CODEBOOK=levels is not None,
         LOOP_STAGES=cfg.num_stages if cfg.block_m == 1 or swapped(cfg) else None,
         SPLIT=split > 1,
         num_warps=cfg.num_warps,

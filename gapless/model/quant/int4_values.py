@@ -10,6 +10,8 @@ conversion instruction, which Hopper runs on a slow pipe:
   them equal).
 - `factored_words` (`GemmConfig.factored`, the GEMV's): each word's values less the zero times x summed
   in float32, times the scale once a word; a value is one LOP3, one FADD and one FFMA.
+- `level`: a codebook's value (NF4's, FP4's: 16 float levels, not evenly spaced), looked up by its bits,
+  times the scale.
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ def value(packed, j, z, s, BITS: tl.constexpr, BIASED: tl.constexpr = True):
     if BIASED:
         return (f - z) * s
     return ((f - 8388608.0) - z) * s
+
+
+@triton.jit
+def level(packed, j, s, Levels, BITS: tl.constexpr):
+    """Value j of every word of `packed` from a codebook, in float32: `Levels[q] * s` (`Levels`: its 2^BITS
+    float32 levels, in memory the cache holds; one gather load a value, where `value` takes arithmetic).
+    No zero: a codebook's levels are the values themselves."""
+    q = (packed >> (j * BITS)) & ((1 << BITS) - 1)
+    return tl.load(Levels + q) * s
 
 
 @triton.jit
