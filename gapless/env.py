@@ -160,9 +160,9 @@ BNB_WEIGHTS = _var(
     "auto",
     _one_of("auto", "dequantize"),
     "`auto` or `dequantize`",
-    "a bitsandbytes 4-bit checkpoint's weights: `auto` keeps them NF4/FP4 on a one-rank CPU where "
-    "bitsandbytes is installed and its fused CPU kernel runs (AVX512-BF16), else float; `dequantize` "
-    "always float (`gapless.model.quant.bnb`)",
+    "a bitsandbytes 4-bit checkpoint's weights: `auto` keeps them NF4/FP4 on CUDA (the int4 Triton GEMM "
+    "with the codebook) and on a one-rank CPU where bitsandbytes is installed and its fused CPU kernel runs "
+    "(AVX512-BF16), else float; `dequantize` always float (`gapless.model.quant.bnb`)",
 )
 INT4_KERNEL = _var(
     "GAPLESS_INT4_KERNEL",

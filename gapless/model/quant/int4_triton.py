@@ -38,10 +38,10 @@ values' 420. Its weights are not rounded to x's dtype either.
 W x^T, with W the dots' first operand: Hopper's wgmma reads that operand from registers, so the
 dequantized weights reach the tensor cores without the trip through shared memory a value at a time that
 the second operand takes, and x (padded to 16 rows: at one row 15 are padding, which a bandwidth-bound
-GEMM does not feel) takes that trip instead. With one K tile a step (`_k_tile`, values by PTX) its sm_90
-loop body is 253 instructions for 16 x 64 words at one row and 16 alike, against the GEMV's 420 and the
-16-row tiles' 627, its wgmma reading W from registers; the values still pass through shared memory once,
-16 bytes a store, to reach the register layout the tensor cores read.
+GEMM does not feel) takes that trip instead. With one K tile a step (`int4_tiles.k_tile`, values by PTX)
+its sm_90 loop body is 253 instructions for 16 x 64 words at one row and 16 alike, against the GEMV's
+420 and the 16-row tiles' 627, its wgmma reading W from registers; the values still pass through shared
+memory once, 16 bytes a store, to reach the register layout the tensor cores read.
 
 A codebook's weight (bitsandbytes' NF4 and FP4: 16 float levels, not evenly spaced) is held in the same
 layout with `W[n, k] = levels[q] * scales[g, n]` and no zeros (`levels`): each value is a gather load from
@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 
 from gapless import env
+from gapless.model.quant.int4_tiles import accumulate, swapped_step
 from gapless.model.quant.int4_values import (
     biased_zeros,
     factored_words,
@@ -87,38 +88,6 @@ _MAX_SPLIT = 16
 # are the programs' (`choose_config`)
 GEMV_PROGRAMS_PER_SM = 7
 SMS = 132  # (an H100's or H200's SMs: what `choose_config` assumes where it is given no device's)
-
-
-@triton.jit
-def _accumulate(acc, x, w, IEEE: tl.constexpr, AS_FP32: tl.constexpr, SWAPPED: tl.constexpr = False):
-    """acc + x @ w (SWAPPED: acc + w @ x, x transposed), w the dequantized tile: rounded once to x's dtype
-    for the dot (fp32 operands with `AS_FP32`), fp32 dots in IEEE precision."""
-    if AS_FP32:
-        x = x.to(tl.float32)
-    else:
-        w = w.to(x.dtype)
-    a, b = (w, x) if SWAPPED else (x, w)
-    if IEEE:
-        return acc + tl.dot(a, b, input_precision="ieee")
-    return acc + tl.dot(a, b)
-
-
-@triton.jit
-def _k_tile(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr):
-    """The P value tiles of a [BLOCK_N, BLOCK_K / P] word tile (tile j: value j of every word) as one
-    [BLOCK_N, BLOCK_K] tile in K's order (column P * c + j: word c's value j), by joins: each thread keeps
-    the values it unpacked, consecutive along K, which reach the tensor cores' register layout by
-    16-byte stores to shared memory and matrix loads (in the sm_90 binary; a broadcast shift and reshape
-    instead took 3.5x the instructions)."""
-    if P == 8:
-        t = tl.join(
-            tl.join(tl.join(v[0], v[4]), tl.join(v[2], v[6])),
-            tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7])),
-        )
-    else:  # (8 bits: 4 values a word)
-        t = tl.join(tl.join(v[0], v[2]), tl.join(v[1], v[3]))
-    # (each join's index is a new last dim: flattened, the innermost join's is j's top bit)
-    return tl.reshape(t, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -148,58 +117,6 @@ def _group_rows(Scales, Zeros, k0, offs_w, offs_n, n_mask, N, GROUP: tl.constexp
         if ZEROS:
             z = tl.load(Zeros + at, mask=ok, other=0.0)
     return s, z
-
-
-@triton.jit
-def _swapped_step(
-    acc_t, Qw, X, k0, offs_w, offs_n, offs_m, n_mask, m_mask, k_stop, N, stride_xm, s, z,
-    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
-    PTX_VALUES: tl.constexpr, IEEE: tl.constexpr, AS_FP32: tl.constexpr, INTEGER_ZEROS: tl.constexpr,
-):  # fmt: skip
-    """`acc_t` ([BLOCK_N, BLOCK_M] float32: the output transposed) plus W's tile times x's, W the dots'
-    first operand (`GemmConfig.swapped`): its words loaded [BLOCK_N, BLOCK_K / P], dequantized (by PTX
-    where PTX_VALUES, else `value`), then a dot per value of the words (NIBBLE_DOTS) or one K tile
-    (`_k_tile`)."""
-    P: tl.constexpr = 32 // BITS
-    packed = tl.load(
-        Qw + offs_w[None, :].to(tl.int64) * N + offs_n[:, None],
-        mask=n_mask[:, None] & (offs_w < k_stop // P)[None, :],
-        other=0,
-    )
-    if PTX_VALUES:
-        v = values_ptx(packed, s, z, PTX_VALUES == 1)
-    else:
-        zf, sf = biased_zeros(z, INTEGER_ZEROS), s.to(tl.float32)
-        if P == 8:
-            v = (
-                value(packed, 0, zf, sf, BITS, INTEGER_ZEROS), value(packed, 1, zf, sf, BITS, INTEGER_ZEROS),
-                value(packed, 2, zf, sf, BITS, INTEGER_ZEROS), value(packed, 3, zf, sf, BITS, INTEGER_ZEROS),
-                value(packed, 4, zf, sf, BITS, INTEGER_ZEROS), value(packed, 5, zf, sf, BITS, INTEGER_ZEROS),
-                value(packed, 6, zf, sf, BITS, INTEGER_ZEROS), value(packed, 7, zf, sf, BITS, INTEGER_ZEROS),
-            )  # fmt: skip
-        else:
-            v = (
-                value(packed, 0, zf, sf, BITS, INTEGER_ZEROS), value(packed, 1, zf, sf, BITS, INTEGER_ZEROS),
-                value(packed, 2, zf, sf, BITS, INTEGER_ZEROS), value(packed, 3, zf, sf, BITS, INTEGER_ZEROS),
-            )  # fmt: skip
-    if NIBBLE_DOTS:
-        for j in tl.static_range(P):
-            offs_k = offs_w * P + j  # x's columns for value j: every P-th from j
-            x = tl.load(
-                X + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
-                mask=m_mask[None, :] & (offs_k < k_stop)[:, None],
-                other=0.0,
-            )
-            acc_t = _accumulate(acc_t, x, v[j], IEEE, AS_FP32, True)
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            X + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
-            mask=m_mask[None, :] & (offs_k < k_stop)[:, None],
-            other=0.0,
-        )
-        acc_t = _accumulate(acc_t, x, _k_tile(v, BLOCK_N, BLOCK_K, P), IEEE, AS_FP32, True)
-    return acc_t
 
 
 @triton.jit(do_not_specialize=["M"])  # (docs/gpu.md#no-compile-mid-run)
@@ -266,7 +183,7 @@ def _w4a16_kernel(
                 other=0,
             )
         if SWAPPED:
-            acc_t = _swapped_step(
+            acc_t = swapped_step(
                 acc_t, Qw, X, k0, offs_w, offs_n, offs_m, n_mask, m_mask, k_stop, N, stride_xm, s, z,
                 BITS, BLOCK_N, BLOCK_K, NIBBLE_DOTS, PTX_VALUES, IEEE, AS_FP32, INTEGER_ZEROS,
             )  # fmt: skip
@@ -297,7 +214,7 @@ def _w4a16_kernel(
                         mask=m_mask[:, None] & (offs_k < k_stop)[None, :],
                         other=0.0,
                     )
-                    acc = _accumulate(acc, x, w, IEEE, AS_FP32)
+                    acc = accumulate(acc, x, w, IEEE, AS_FP32)
         else:  # the P values of each word laid out as the [BLOCK_K, BLOCK_N] tile, one dot
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(
@@ -322,7 +239,7 @@ def _w4a16_kernel(
                 w = tl.load(Levels + q) * s.to(tl.float32)
             else:
                 w = (unsigned_to_float(q) - z.to(tl.float32)) * s.to(tl.float32)
-            acc = _accumulate(acc, x, w, IEEE, AS_FP32)
+            acc = accumulate(acc, x, w, IEEE, AS_FP32)
     if BLOCK_M == 1:
         acc = tl.sum(acc_gemv, axis=0)[None, :]
     if SWAPPED:
@@ -369,8 +286,8 @@ def factored(cfg: GemmConfig) -> bool:
 
 
 def swapped(cfg: GemmConfig) -> bool:
-    """Whether a launch with `cfg` computes its tiles transposed, W x^T (`_swapped_step`): asked for, at
-    BLOCK_M >= 16 (x's rows are the dots' second dimension, 16 at least)."""
+    """Whether a launch with `cfg` computes its tiles transposed, W x^T (`int4_tiles.swapped_step`): asked
+    for, at BLOCK_M >= 16 (x's rows are the dots' second dimension, 16 at least)."""
     return cfg.swapped and cfg.block_m >= 16
 
 
