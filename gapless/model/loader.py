@@ -291,6 +291,8 @@ def _random_weights(model: CausalLM, int4_layers: bool, rounding: _OnlineRoundin
     `--quantization fp8` quantizes rounded as its weight is made (`rounding`), as a checkpoint's load
     does; with `int4_layers`, not the weights an int4/int8 checkpoint quantizes (never made)."""
     quantized = {n for n, m in model.named_modules() if int4_layers and int4.quantizes(m)}
+    # (a codebook's kept layers, bitsandbytes 4-bit's: random weights it holds, `bnb.representable`)
+    representable = getattr(rounding.scheme, "representable", None)
     for name in [n for n, _ in model.named_parameters()]:  # (by name: the rounding replaces parameters,
         p = model.get_parameter(name)  # and a kept reference would hold a rounded layer's float weight)
         if name.rsplit(".", 1)[0] in quantized and is_placeholder(p):
@@ -300,6 +302,8 @@ def _random_weights(model: CausalLM, int4_layers: bool, rounding: _OnlineRoundin
             p.data.fill_(1.0)
         else:
             p.data.copy_(torch.randn(p.shape, device=p.device) * 0.02)
+            if representable is not None and name.rsplit(".", 1)[0] in rounding.waiting:
+                p.data.copy_(representable(p.data, rounding.spec))
         rounding.filled(weight_names.names_of(model, name))
 
 

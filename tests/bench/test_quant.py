@@ -23,10 +23,12 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         "qwen3-0.6b-int8",
         "qwen3-0.6b-int8-g128",
         "qwen3-0.6b-fp8",
+        "qwen3-0.6b-nf4",
         "qwen3-8b",
         "qwen3-8b-awq",
         "qwen3-8b-gptq-act",
         "qwen3-8b-fp8",
+        "qwen3-8b-nf4",
         "qwen3-30b-a3b",
         "qwen3-30b-a3b-awq",
     ]
@@ -46,6 +48,9 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         spec = formats.resolve(formats.checkpoint_quantization(tmp_path / f"{name}-fp8"), None, "cpu")
         assert spec is not None and spec.label == "fp8 e4m3 block 128x128"
         assert load_model_config(tmp_path / f"{name}-fp8") == load_model_config(tmp_path / name)
+    for name in ("qwen3-0.6b", "qwen3-8b"):  # unsloth's *-bnb-4bit: NF4, double-quantized
+        spec = formats.resolve(formats.checkpoint_quantization(tmp_path / f"{name}-nf4"), None, "cpu")
+        assert spec is not None and (spec.scheme, spec.codebook) == ("bnb", "nf4")
     assert quant._shape_of("qwen3-0.6b-int8-g128") == quant._shape_of("qwen3-0.6b-fp8") == "qwen3-0.6b"
     assert quant._shape_of("qwen3-8b-gptq-act") == quant._shape_of("qwen3-8b-awq") == "qwen3-8b"
     moe = load_model_config(tmp_path / "qwen3-30b-a3b")  # every layer a mixture of 128 experts, 8 routed

@@ -194,6 +194,23 @@ def test_4bit_on_the_interpreted_triton_gemm_gives_transformers_tokens(ckpt_fact
     assert len(calls) >= 8 * 4 and all(calls)  # (forwards x projections, each with the codebook)
 
 
+def test_a_dummy_load_keeps_random_4bit_layers_and_generates(ckpt_factory, tmp_path, monkeypatch):
+    """`--load-format dummy` of an NF4 checkpoint's config (`gapless.bench.quant`'s `-nf4` shapes): random
+    weights NF4 holds (`bnb.representable`), which every linear layer then keeps as a checkpoint's; the
+    engine generates."""
+    monkeypatch.setattr(bnb, "kept", lambda device: "triton")
+    qdir, _ = write_bnb(ckpt_factory("qwen3"), tmp_path, "nf4", nested=True)
+    for file in qdir.glob("*.safetensors"):
+        file.unlink()
+    model = loader.load_model(qdir, torch.bfloat16, CPU, dummy=True)
+    linear = _linear_layers(model)
+    assert all(getattr(m.linear_method, "levels", None) is not None for m in linear)
+    assert all(0.01 < float(m.linear_method.dequantized(torch.float32).std()) < 0.03 for m in linear)
+    with LLM(str(qdir), device="cpu", dtype="bfloat16", load_format="dummy", kv_cache_tokens=256) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+
+
 def test_codes_give_back_only_a_weight_of_their_codebook_and_blocks():
     """`bnb.codes` finds a block-quantized weight's codes and scales in its own blocks (128 here) and
     codebook, and none in blocks that split the checkpoint's, another codebook, or a float weight."""

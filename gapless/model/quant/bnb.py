@@ -255,28 +255,54 @@ def _gives_back(back: torch.Tensor, w: torch.Tensor) -> bool:
     return torch.equal(back, w) or w.dtype != torch.float32 and torch.allclose(back, w, rtol=2**-7, atol=0)
 
 
-def codes(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(codes int16 [N, K], absmax float32 [N, K / block]) of `w` [N, K] in codebook `kind`, blocks of
-    `block` along its rows (K a multiple of it), that give `w` back (`_gives_back`); None where none do
-    (a weight not so quantized, or in other blocks). Each value's code is its nearest level, a slice of
-    rows at a time (bounded memory on any device)."""
+def _in_blocks(w: torch.Tensor, kind: str, block: int) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """For each slice of `w`'s rows [N, K] (a few million values: bounded memory on any device), the
+    slice, its codes in codebook `kind` (int16: each value's nearest level once divided by its block's
+    absolute maximum, blocks of `block` along the rows) and those absolute maxima (float32 [rows, K /
+    block])."""
     table = torch.tensor(TABLES[kind], dtype=torch.float32, device=w.device)
     order = table.argsort()
     bounds = (table[order][1:] + table[order][:-1]) / 2
     by_rank = order.to(torch.int16)
     n, k = w.shape
-    out, scales = torch.empty(n, k, dtype=torch.int16, device=w.device), list[torch.Tensor]()
     step = max(1, (1 << 22) // k)
     for r in range(0, n, step):
-        part = w[r : r + step]
-        blocks = part.float().view(part.shape[0], k // block, block)
+        rows = slice(r, r + step)
+        blocks = w[rows].float().view(-1, k // block, block)
         absmax = blocks.abs().amax(-1)
         normalized = blocks / absmax.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
-        q = by_rank[torch.bucketize(normalized, bounds, out_int32=True)]
-        if not _gives_back((table[q.long()] * absmax[..., None]).view_as(part).to(w.dtype), part):
+        yield rows, by_rank[torch.bucketize(normalized, bounds, out_int32=True)].view(-1, k), absmax
+
+
+def _values(q: torch.Tensor, absmax: torch.Tensor, kind: str) -> torch.Tensor:
+    """The float32 weights codes `q` [rows, K] and their blocks' `absmax` [rows, K / block] stand for."""
+    table = torch.tensor(TABLES[kind], dtype=torch.float32, device=q.device)
+    return (table[q.long()].view(*absmax.shape, -1) * absmax[..., None]).view_as(q)
+
+
+def codes(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes int16 [N, K], absmax float32 [N, K / block]) of `w` [N, K] in codebook `kind`, blocks of
+    `block` along its rows (K a multiple of it), that give `w` back (`_gives_back`); None where none do
+    (a weight not so quantized, or in other blocks)."""
+    out, scales = torch.empty(w.shape, dtype=torch.int16, device=w.device), list[torch.Tensor]()
+    for rows, q, absmax in _in_blocks(w, kind, block):
+        if not _gives_back(_values(q, absmax, kind).to(w.dtype), w[rows]):
             return None
-        out[r : r + step], scales = q.view_as(part), [*scales, absmax]
+        out[rows] = q
+        scales.append(absmax)
     return out, torch.cat(scales)
+
+
+def representable(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """`w` as the nearest weight `spec`'s codebook holds in bitsandbytes' default blocks of 64 (where K
+    allows; else `w`): a `--load-format dummy` load's random weights (`gapless.bench.quant`'s `-nf4`
+    shapes), which `finish_module` then keeps as a checkpoint's."""
+    if w.shape[1] % BLOCKS[0]:
+        return w
+    out = torch.empty_like(w)
+    for rows, q, absmax in _in_blocks(w, spec.codebook, BLOCKS[0]):
+        out[rows] = _values(q, absmax, spec.codebook).to(w.dtype)
+    return out
 
 
 def finish_module(layer: Any, spec: QuantSpec) -> None:

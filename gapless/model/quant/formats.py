@@ -200,7 +200,7 @@ def _fbgemm_fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
 def _bitsandbytes(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     """`quant_method: bitsandbytes`: `load_in_8bit` (LLM.int8's int8 weights, a scale per row) kept
     quantized as w8a16 (`int4_layouts`); `load_in_4bit` (NF4/FP4 codebooks) dequantized as it is read,
-    then kept in 4 bits where bitsandbytes' CPU kernel runs (`gapless.model.quant.bnb`)."""
+    then kept in 4 bits where a kernel takes them (`gapless.model.quant.bnb.kept`)."""
     if online:
         raise _not_at_load("bitsandbytes")
     if qcfg.get("load_in_8bit") or qcfg.get("_load_in_8bit"):
