@@ -34,18 +34,26 @@ def _zero_first_scale(b, qtype: str, row: int) -> None:
 def test_each_i_quant_is_the_files_weights_bit_for_bit(qtype):
     """The values (table levels, lattice points with their signs) and group scales read from the blocks
     are the file's weights exactly, in the form `FORMS` gives (IQ3_S and IQ1_* in 4 bits with a zero of
-    7.5 or 4.5, the rest in 8), a block whose scale is 0 too; on the CPU's kernels groups of 16 are int8
-    rows."""
+    7.5 or 4.5, the rest in 8), a block whose scale is 0 too; IQ4's also as 4-bit indices into its levels
+    (the codebook form a GPU holds them in); on the CPU's kernels groups of 16 are int8 rows."""
     bits, group = gguf_iq.FORMS[qtype]
     b = random_blocks(qtype, 24, 512)
     _zero_first_scale(b, qtype, 5)
     ref = _dequantized(b)
     assert bool((ref[5, :32] == 0).all()) and ref.abs().max() > 0
-    spec = spec_for([b])
+    spec = spec_for([b], codebook=False)
     assert (spec.bits, spec.group_size) == (bits, group) and spec.label == f"{qtype} as int{bits} g{group}"
     w = unpacked(b, spec)
     assert int(w.q.min()) >= 0 and int(w.q.max()) < 1 << bits and w.scale.shape == (24, 512 // group)
     torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=0)
+    if qtype in gguf_iq.CODEBOOK_TYPES:
+        spec = spec_for([b])
+        assert (spec.bits, spec.group_size, spec.label) == (4, 32, f"{qtype} as iq4_nl codes g32")
+        w = unpacked(b, spec)
+        assert int(w.q.max()) < 16 and w.levels is not None and not bool(w.zero.any())
+        torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=0)
+    else:
+        assert spec_for([b]) == spec
     assert spec_for([b], cpu=True).group_size == (-1 if group < 32 else group)
     # the same values whatever the rows read (a chunked read), and the float rows the CPU's int8 rows and
     # the embedding table take are gguf's
@@ -95,13 +103,17 @@ def _check_against_transformers(path, qtype, tol):
 
 @pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ3_S", "IQ2_XS", "IQ1_M"])
 def test_greedy_on_the_int4_path_equals_transformers(ckpt_factory, tmp_path, monkeypatch, int4_path, qtype):
-    """A whole model in each form (8 bits in groups of 32 and 16, 4 bits with a fractional zero in groups
-    of 32 and 16), every projection on the int4/int8 path as a GPU holds it: transformers' greedy tokens
+    """A whole model in each form (IQ4's indices into its levels, 8 bits in groups of 32 and 16, 4 bits
+    with a fractional zero in groups of 32 and 16), every projection on the int4/int8 path as a GPU holds it: transformers' greedy tokens
     reading the same file, divergences at near-ties only."""
     path = _model_of(ckpt_factory, tmp_path, monkeypatch, qtype)
     model = _check_against_transformers(path, qtype, NEAR_TIE["int4"])
     bits, group = gguf_iq.FORMS[qtype]
-    assert_kept_on_the_path(model, f"{qtype} as int{bits} g{group}")
+    form = "iq4_nl codes" if qtype in gguf_iq.CODEBOOK_TYPES else f"int{bits}"
+    assert_kept_on_the_path(model, f"{qtype} as {form} g{group}")
+    if qtype in gguf_iq.CODEBOOK_TYPES:  # (4 bits a weight, where the affine form takes 8)
+        gemms = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
+        assert all(g.qweight.numel() * 8 == g.out_features * g.in_features for g in gemms)
 
 
 @pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ2_XXS"])

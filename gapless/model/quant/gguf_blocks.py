@@ -184,6 +184,13 @@ def affine_parts(
     return q, scale, zero
 
 
+def codebook_parts(b: GGUFBlocks, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int16 [rows, cols], scale float32 [rows, groups of 32]) of an IQ4 type (`gguf_iq.CODEBOOK_TYPES`):
+    `w = gguf_iq.levels()[q] * scale`, read from the blocks on `device`."""
+    q, scale = gguf_iq.codes(b.qtype, _blocks(b, device))
+    return q.to(torch.int16), scale
+
+
 def decoded_rows(qtype: str, data: torch.Tensor) -> torch.Tensor:
     """Rows of blocks (uint8 [rows, bytes a row], on any device) as float32 [rows, cols]: `q * scale +
     offset` (`_affine`) in float64, rounded once, the `gguf` package's dequantization bit for bit (its

@@ -14,6 +14,10 @@ tinygemm at decode rows and the Triton GEMM above, `int4_kernels`):
   vLLM read them exactly and `gguf_cpu`'s int8 rows round them (Q8_0 +2.2% perplexity there). On the CPU's
   kernels (tensor parallelism), groups of 16, which none takes, are int8 rows instead: each row
   requantized with one scale (`gguf_blocks.int8_rows`, as `gguf_cpu`'s), 8 bits one group a row.
+- **IQ4_NL, IQ4_XS** (other i-quants: `gguf_iq`): 4 bits in groups of 32, each weight's index into IQ4's 16
+  levels, which the Triton GEMM takes as its codebook (`W = levels[q] * scale`, the file's weights); in
+  the affine form above they would take 8 bits. Not on the CPU's kernels, nor a mixture's experts (the
+  grouped GEMM takes no codebook), nor a projection fused with another type: there the affine form.
 
 A fused projection (q/k/v, gate/up) whose parts differ (Q4_K_M files write some layers' `attn_v` as Q6_K) is
 held in the widest of their bits and the narrowest of their groups (Q4_K with Q6_K: 8 bits in groups of 16,
@@ -35,17 +39,21 @@ import torch.nn.functional as F
 from gapless.model import weight_names
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding
 from gapless.model.moe import Experts
-from gapless.model.quant import int4, int4_kernels
+from gapless.model.quant import gguf_iq, int4, int4_kernels
 from gapless.model.quant.gguf_blocks import (
     FORMS,
+    GROUP,
     INT4_TYPES,
     GGUFBlocks,
     affine_parts,
+    codebook_parts,
     decoded_rows,
     int8_rows,
     label,
 )
 from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
+
+IQ4_CODEBOOK = "iq4_nl"  # (the levels IQ4_NL and IQ4_XS share, as a spec names its codebook)
 
 
 def _form(qtype: str, cpu: bool) -> tuple[int, int]:
@@ -55,9 +63,13 @@ def _form(qtype: str, cpu: bool) -> tuple[int, int]:
     return (8, -1) if cpu and group < 32 else (bits, group)
 
 
-def spec_for(parts: list[GGUFBlocks], cpu: bool = False) -> Int4Spec:
-    """The int4/int8 scheme a projection stacked from `parts` is held in: the widest of their forms' bits
-    in the narrowest of their groups, or int8 rows if any part is (`_form`)."""
+def spec_for(parts: list[GGUFBlocks], cpu: bool = False, codebook: bool = True) -> Int4Spec:
+    """The int4/int8 scheme a projection stacked from `parts` is held in: IQ4's 4-bit indices with its
+    levels as the codebook where every part is IQ4's (`gguf_iq.CODEBOOK_TYPES`; asked for by `codebook`,
+    and not for the CPU's kernels, which take none); else the widest of their forms' bits in the narrowest
+    of their groups, or int8 rows if any part is (`_form`)."""
+    if codebook and not cpu and all(p.qtype in gguf_iq.CODEBOOK_TYPES for p in parts):
+        return Int4Spec("gguf", 4, GROUP, sym=True, source=label(parts), codebook=IQ4_CODEBOOK)
     forms = [_form(p.qtype, cpu) for p in parts]
     if any(group < 0 for _, group in forms):
         return Int4Spec("gguf", 8, -1, sym=True, source=label(parts))
@@ -68,7 +80,11 @@ def spec_for(parts: list[GGUFBlocks], cpu: bool = False) -> Int4Spec:
 def unpacked(b: GGUFBlocks, spec: Int4Spec, device: torch.device | str = "cpu") -> Unpacked:
     """One matrix's weight in the path's form for a projection held as `spec` (`spec_for`), on `device`:
     its own values, scales and zeros (read there from the blocks), each (scale, zero) repeated over
-    `spec`'s narrower groups; or int8 rows (read on the host: the CPU's form)."""
+    `spec`'s narrower groups; IQ4's indices, scales and levels (a codebook's spec); or int8 rows (read on
+    the host: the CPU's form)."""
+    if spec.codebook:
+        q, scale = codebook_parts(b, device)
+        return Unpacked(q, scale, torch.zeros_like(scale), levels=gguf_iq.levels(device))
     if spec.group_size < 0:
         q, scale = int8_rows(b)
         rows = torch.full((b.rows, 1), 128.0)
@@ -106,7 +122,8 @@ def install_experts(experts: Any, shards: dict[Any, GGUFBlocks], dtype: torch.dt
     device = experts.gate_up_proj.device
     cpu = _cpu_kernels(device)
     specs = {
-        param: spec_for([shards[s] for s in experts.checkpoint_shards(param) if s in shards], cpu)
+        # (no codebook: the grouped GEMM takes none)
+        param: spec_for([shards[s] for s in experts.checkpoint_shards(param) if s in shards], cpu, False)
         for param in ("gate_up_proj", "down_proj")
     }
     whole = {

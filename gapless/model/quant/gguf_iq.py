@@ -9,6 +9,10 @@ unsigned values `u` and, a group, `scale` and `offset` with `w = u * scale + off
 - 8 bits (`u = v + 128`): IQ4_NL and IQ4_XS (levels -127 .. 113), IQ3_XXS (+-4 .. 62), IQ2_* (+-8, 25, 43);
 - 4 bits, where the signed values are every other integer: IQ3_S (+-1, 3 .. 15: `u = (v + 15) / 2`) and
   IQ1_S/IQ1_M (`8 (g + delta)` = +-1, 7, 9 with g in {-1, 0, 1}: `u = (v + 9) / 2`), a fractional zero.
+
+IQ4's are also read as they are stored (`codes`: each weight's 4-bit index into the 16 levels, and its
+group's scale), which the int4 path's Triton GEMM runs with the levels as its codebook (on a GPU: 4 bits
+a weight where the affine form takes 8).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ FORMS = {
 }
 # the signed values' offset to unsigned and their step: `u = (v + shift) / step`
 _UNSIGNED = {"IQ3_S": (15, 2), "IQ1_S": (9, 2), "IQ1_M": (9, 2)}
+# the types whose values are 4-bit indices into IQ4's 16 levels: held so on a GPU (`codes`), in 4 bits
+CODEBOOK_TYPES = ("IQ4_NL", "IQ4_XS")
 
 
 @functools.cache
@@ -64,11 +70,38 @@ def _even_signs(index: torch.Tensor) -> torch.Tensor:
     return (index | ((parity & 1) << 7)).to(torch.uint8)
 
 
+def _iq4(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index uint8 [rows, blocks, weights a block], scale float32 [rows, blocks, groups a block]) of IQ4's
+    blocks: each weight's level index, and its group's scale, `w = levels[index] * scale`."""
+    d = f16(blk[..., 0:2])[..., None]
+    if qtype == "IQ4_NL":  # d, 16 bytes of level indices
+        return nibbles(blk[..., 2:18]), d
+    # IQ4_XS: d, 2 bytes of scales' high bits, 4 of their low nibbles, 8 x 16 bytes of indices
+    rows, n = blk.shape[:2]
+    high = (words(blk[..., 2:4])[..., None] >> (2 * torch.arange(8, device=blk.device))) & 3
+    scale = d * ((each_nibble(blk[..., 4:8]).long() | (high << 4)) - 32)
+    return nibbles(blk[..., 8:136].reshape(rows, n, 8, 16)).flatten(2), scale
+
+
+def levels(device: torch.device | str = "cpu") -> torch.Tensor:
+    """IQ4's 16 levels (llama.cpp's `kvalues_iq4nl`), float32."""
+    return _table("IQ4_NL", torch.device(device)).float()
+
+
+def codes(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index uint8 [rows, cols], scale float32 [rows, groups of 32]) of a matrix of a `CODEBOOK_TYPES`
+    type from its blocks: `w = levels()[index] * scale`, exactly the file's weights."""
+    rows = blk.shape[0]
+    index, scale = _iq4(qtype, blk)
+    return index.reshape(rows, -1), scale.reshape(rows, -1)
+
+
 def _signed(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(v int16 [rows, blocks, weights a block], scale float32 [rows, blocks, groups a block]): the blocks'
     signed values and group scales, `w = v * scale`."""
-    if qtype == "IQ4_NL":  # d, 16 bytes of level indices
-        return _lookup(qtype, nibbles(blk[..., 2:18])), f16(blk[..., 0:2])[..., None]
+    if qtype in CODEBOOK_TYPES:
+        index, scale = _iq4(qtype, blk)
+        return _lookup(qtype, index), scale
     rows, n = blk.shape[:2]
     at = functools.partial(torch.arange, device=blk.device)
     if qtype == "IQ1_M":  # qs 32, qh 16 (a row's index high bits, bit 3 its delta's sign), 4 words of
@@ -82,10 +115,6 @@ def _signed(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v = 8 * grid + torch.where(nib & 8 > 0, -1, 1).to(torch.int16)[..., None]
         return v.flatten(2), d[..., None] * (2 * sub.flatten(2) + 1) / 8
     d = f16(blk[..., 0:2])[..., None]
-    if qtype == "IQ4_XS":  # d, 2 bytes of scales' high bits, 4 of their low nibbles, 8 x 16 bytes of indices
-        high = (words(blk[..., 2:4])[..., None] >> (2 * at(8))) & 3
-        scale = d * ((each_nibble(blk[..., 4:8]).long() | (high << 4)) - 32)
-        return _lookup(qtype, nibbles(blk[..., 8:136].reshape(rows, n, 8, 16))).flatten(2), scale
     if qtype in ("IQ2_XXS", "IQ3_XXS"):  # 8 groups of 32: 8 bytes of lattice indices each (IQ2: 4 of them, a
         # word apart; IQ3: 8, the words after all of them); a word a group of four 7-bit sign indices, the
         # group's 4-bit scale on top

@@ -78,12 +78,11 @@ class Int4Spec:
 
     @property
     def label(self) -> str:
+        if self.source:
+            form = f"{self.codebook} codes" if self.codebook else f"int{self.bits}"
+            return f"{self.source} as {form} " + ("per-row" if self.group_size < 0 else f"g{self.group_size}")
         if self.codebook:
             return f"{self.method} {self.codebook} g{self.group_size}"
-        if self.source:
-            return f"{self.source} as int{self.bits} " + (
-                "per-row" if self.group_size < 0 else f"g{self.group_size}"
-            )
         group = "tensor" if self.per_tensor else "channel" if self.group_size < 0 else f"g{self.group_size}"
         method = f"{self.method} int-quantized" if self.int_quantized else self.method
         return f"{method} w{self.bits}a16 {group}" + (" act-order" if self.act_order else "")
