@@ -104,8 +104,8 @@ def _check_against_transformers(path, qtype, tol):
 @pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ3_S", "IQ2_XS", "IQ1_M"])
 def test_greedy_on_the_int4_path_equals_transformers(ckpt_factory, tmp_path, monkeypatch, int4_path, qtype):
     """A whole model in each form (IQ4's indices into its levels, 8 bits in groups of 32 and 16, 4 bits
-    with a fractional zero in groups of 32 and 16), every projection on the int4/int8 path as a GPU holds it: transformers' greedy tokens
-    reading the same file, divergences at near-ties only."""
+    with a fractional zero in groups of 32 and 16), every projection on the int4/int8 path as a GPU holds
+    it: transformers' greedy tokens reading the same file, divergences at near-ties only."""
     path = _model_of(ckpt_factory, tmp_path, monkeypatch, qtype)
     model = _check_against_transformers(path, qtype, NEAR_TIE["int4"])
     bits, group = gguf_iq.FORMS[qtype]
