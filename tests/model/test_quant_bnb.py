@@ -211,6 +211,24 @@ def test_a_dummy_load_keeps_random_4bit_layers_and_generates(ckpt_factory, tmp_p
     assert len(out[0].token_ids) == 4
 
 
+def test_what_keeps_4bit_weights_on_each_device(monkeypatch):
+    """`kept`: the Triton GEMM on CUDA (any number of ranks) and where the tests run it on the CPU;
+    bitsandbytes' kernel on a one-rank CPU where it runs; none under `dequantize` or on CPU ranks."""
+    from gapless.model import parallel
+
+    cpu_kernel = None if FUSED_ABSENT else "bitsandbytes"
+    assert (bnb.kept(torch.device("cuda")), bnb.kept(CPU)) == ("triton", cpu_kernel)
+    parallel.use(parallel.TPGroup(rank=0, size=2))
+    try:
+        assert (bnb.kept(torch.device("cuda")), bnb.kept(CPU)) == ("triton", None)
+    finally:
+        parallel.use(parallel.SINGLE)
+    monkeypatch.setattr(int4, "TRITON_ON_CPU", True)
+    assert bnb.kept(CPU) == "triton"
+    monkeypatch.setenv("GAPLESS_BNB_WEIGHTS", "dequantize")
+    assert bnb.kept(torch.device("cuda")) is None and bnb.kept(CPU) is None
+
+
 def test_codes_give_back_only_a_weight_of_their_codebook_and_blocks():
     """`bnb.codes` finds a block-quantized weight's codes and scales in its own blocks (128 here) and
     codebook, and none in blocks that split the checkpoint's, another codebook, or a float weight."""
