@@ -46,12 +46,14 @@ class WeightQuant(NamedTuple):
     K] with float32 `scales` [E, rows, column blocks] of `group` columns (group K: per row). int4/int8
     (`bits`): W [E, K / P, rows] int32 words, P = 32 / bits values packed along K (value k at bits
     `bits * (k % P)`), `scales` and `zeros` [E, K / group, rows] in the model's dtype, W[e, row, k] =
-    (q - zero) * scale: each expert as `gapless.model.quant.int4_triton`'s layout."""
+    (q - zero) * scale: each expert as `gapless.model.quant.int4_triton`'s layout; with `levels` (a
+    codebook's, float32 [2^bits]) `levels[q] * scale`, no zeros."""
 
     scales: torch.Tensor
     group: int
     zeros: torch.Tensor | None = None
     bits: int = 0
+    levels: torch.Tensor | None = None
 
 
 def checkpoint_target(name: str) -> tuple[str, Any] | None:
@@ -252,8 +254,9 @@ class Experts(nn.Module):
         return self.quant_label or None
 
     def side_tensors(self) -> list[torch.Tensor]:
-        """The tensors held beside the parameters: int scales and zeros, the CPU's weights or kernels'."""
-        quant = [t for q in self.int_quant or () for t in (q.scales, q.zeros) if t is not None]
+        """The tensors held beside the parameters: int scales and zeros (or levels), the CPU's weights or
+        kernels'."""
+        quant = [t for q in self.int_quant or () for t in (q.scales, q.zeros, q.levels) if t is not None]
         held: list[torch.Tensor] = []
         for w in self.cpu_weights or ():
             held += [w] if isinstance(w, torch.Tensor) else [t for k in w for t in k.tensors()]

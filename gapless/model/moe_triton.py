@@ -39,6 +39,7 @@ def _int_tile(
     W,
     Scales,
     Zeros,
+    Levels,
     rows,
     row_mask,
     k0,
@@ -48,10 +49,12 @@ def _int_tile(
     GROUP: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CODEBOOK: tl.constexpr,
 ):
     """One expert's packed weight `W` (`_grouped_gemm_kernel`'s BITS layout; `Scales`, `Zeros` its own) at
     inputs k0 .. k0 + BLOCK_K and `rows`, dequantized in fp32 as [BLOCK_K, BLOCK_N]; the K step stays in
-    one group (BLOCK_K divides GROUP). Strides: W's per word row, the scales' and zeros' per group."""
+    one group (BLOCK_K divides GROUP). Strides: W's per word row, the scales' and zeros' per group.
+    CODEBOOK: each value `Levels[q] * scale`, no zero read (`int4_values.level`)."""
     offs_p = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
     words = tl.load(W + offs_p[:, None] * stride_wk + rows[None, :], mask=row_mask[None, :], other=0)
     shifts = tl.arange(0, 32 // BITS) * BITS
@@ -59,6 +62,8 @@ def _int_tile(
     q = tl.reshape(q, (BLOCK_K, BLOCK_N))
     at = (k0 // GROUP) * stride_sg + rows
     s = tl.load(Scales + at, mask=row_mask, other=0.0).to(tl.float32)
+    if CODEBOOK:
+        return tl.load(Levels + q) * s[None, :]
     z = tl.load(Zeros + at, mask=row_mask, other=0.0).to(tl.float32)
     return (unsigned_to_float(q) - z[None, :]) * s[None, :]
 
@@ -69,6 +74,7 @@ def _tile_product(
     W,
     Scales,
     Zeros,
+    Levels,
     rows,
     row_mask,
     offs_k,
@@ -84,6 +90,7 @@ def _tile_product(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     SCALED: tl.constexpr,
+    CODEBOOK: tl.constexpr,
 ):
     """`a` [BLOCK_M, BLOCK_K] times one expert's weight `W` at inputs `offs_k` (from `k0`) and `rows`
     [BLOCK_K, BLOCK_N], in fp32: W as stored (a float or e4m3 W, `stride_wn` apart per row) or unpacked and
@@ -96,6 +103,7 @@ def _tile_product(
             W,
             Scales,
             Zeros,
+            Levels,
             rows,
             row_mask,
             k0,
@@ -105,6 +113,7 @@ def _tile_product(
             GROUP,
             BLOCK_K,
             BLOCK_N,
+            CODEBOOK,
         )
     else:
         w = tl.load(
@@ -134,6 +143,7 @@ def _grouped_gemm_kernel(
     RouteWeights,
     Scales,
     Zeros,
+    Levels,
     num_entries,
     N,
     K,
@@ -150,6 +160,7 @@ def _grouped_gemm_kernel(
     SCALED: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    CODEBOOK: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -164,7 +175,8 @@ def _grouped_gemm_kernel(
     (exactly) to A's type for the dot, and each K step's product is scaled by its block's scale. BITS (4
     or 8; 0: not packed): `W[e]` is [K / P, rows] int32 words, P = 32 / BITS values each packed along K
     (value k at bits BITS * (k % P)), with `Scales`, `Zeros` [e, k // GROUP, row]: each tile is
-    unpacked and dequantized, (q - zero) * scale in fp32, then rounded once to A's type for the dot."""
+    unpacked and dequantized, (q - zero) * scale in fp32 (CODEBOOK: `Levels[q] * scale`, bitsandbytes'
+    NF4 or GGUF's IQ4 levels, no zeros), then rounded once to A's type for the dot."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
@@ -193,6 +205,7 @@ def _grouped_gemm_kernel(
             w_base,
             s_base,
             z_base,
+            Levels,
             offs_n,
             n_mask,
             offs_k,
@@ -208,6 +221,7 @@ def _grouped_gemm_kernel(
             BLOCK_N,
             IEEE,
             SCALED,
+            CODEBOOK,
         )
         if GATED:
             acc_up += _tile_product(
@@ -215,6 +229,7 @@ def _grouped_gemm_kernel(
                 w_base,
                 s_base,
                 z_base,
+                Levels,
                 offs_n + N,
                 n_mask,
                 offs_k,
@@ -230,6 +245,7 @@ def _grouped_gemm_kernel(
                 BLOCK_N,
                 IEEE,
                 SCALED,
+                CODEBOOK,
             )
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
@@ -394,6 +410,7 @@ def _grouped_gemm(
         weights,
         q.scales,
         q.zeros if q.zeros is not None else weights,
+        q.levels if q.levels is not None else weights,
         weights.numel(),
         n_out,
         k_in,
@@ -410,6 +427,7 @@ def _grouped_gemm(
         SCALED=quant is not None and not bits,
         BITS=bits,
         GROUP=q.group if bits else 1,
+        CODEBOOK=q.levels is not None,
         IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

@@ -255,6 +255,11 @@ def _moe() -> dict[str, Callable[[], object]]:
                 WeightQuant(s13.to(dtype), 32, s13.half(), 4),
                 WeightQuant(s2.to(dtype), 16, s2.half(), 8),
             )
+        elif quant == "codebook":  # a GGUF IQ4 file's (or NF4's): 4 bits g32, each value a lookup, no zeros
+            w13 = torch.zeros(experts, hidden * 4 // 32, 2 * inter, dtype=torch.int32)
+            w2 = torch.zeros(experts, inter * 4 // 32, hidden, dtype=torch.int32)
+            s13, s2 = torch.ones(experts, hidden // 32, 2 * inter), torch.ones(experts, inter // 32, hidden)
+            scales = tuple(WeightQuant(s.to(dtype), 32, None, 4, torch.zeros(16)) for s in (s13, s2))
         elif quant:  # an int4/int8 checkpoint's experts: packed words, group-wise scales and zeros of 16
             bits = int(quant[3:])
             w13 = torch.zeros(experts, hidden * bits // 32, 2 * inter, dtype=torch.int32)
@@ -271,7 +276,10 @@ def _moe() -> dict[str, Callable[[], object]]:
         for dtype in DTYPES
         for lora, quant in cases
     }
-    return built | {"moe torch.bfloat16 int gguf": partial(run, torch.bfloat16, False, "gguf")}
+    return built | {
+        f"moe torch.bfloat16 int {kind}": partial(run, torch.bfloat16, False, kind)
+        for kind in ("gguf", "codebook")
+    }
 
 
 def _lora() -> dict[str, Callable[[], object]]:

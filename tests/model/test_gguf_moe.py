@@ -193,11 +193,13 @@ def test_a_q4_k_m_files_experts_hold_gate_up_and_down_each_in_its_form(ckpt_fact
     _prompt_logprobs_equal_transformers(ckpt, path, tmp_path)
 
 
-@pytest.mark.parametrize(("qtype", "form"), [("IQ3_S", "int4 g32"), ("IQ2_XS", "int8 g16")])
+@pytest.mark.parametrize(
+    ("qtype", "form"), [("IQ3_S", "int4 g32"), ("IQ2_XS", "int8 g16"), ("IQ4_XS", "iq4_nl codes g32")]
+)
 def test_i_quant_experts_hold_the_files_values(ckpt_factory, tmp_path, int4_path, qtype, form):
     """A mixture written in an i-quant (random blocks; IQ3_S's 4 bits with a zero of 7.5, IQ2_XS's lattice
-    in 8 bits in groups of 16): every expert held in that form, every prompt position's logprob equal to
-    transformers' reading the same file."""
+    in 8 bits in groups of 16, IQ4_XS's 4-bit indices into its levels): every expert held in that form,
+    every prompt position's logprob equal to transformers' reading the same file."""
     wide = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, head_dim=64)
     ckpt = ckpt_factory("qwen3_moe", **_TINY["qwen3_moe"], **wide)
     path = write_random_gguf(ckpt, tmp_path / f"m.{qtype}.gguf", qtype)
@@ -264,16 +266,17 @@ def test_on_the_cpus_kernels_two_ranks_split_experts_held_as_int8_rows(ckpt_fact
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the cuda model test runs the kernel"
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_grouped_gemm_runs_a_files_experts(int4_reference_path, dtype):
+@pytest.mark.parametrize("gate_up_type", ["Q4_K", "IQ4_XS"])
+def test_the_grouped_gemm_runs_a_files_experts(int4_reference_path, dtype, gate_up_type):
     """The grouped GEMM (interpreted) over experts held from a file's blocks: gate/up Q4_K (4 bits g32,
-    fractional zeros), down Q6_K (8 bits g16), equals the per-expert loop over the dequantized weights;
-    under bfloat16 the zeros are held in float16."""
+    fractional zeros) or IQ4_XS (4-bit indices into its levels, no zeros), down Q6_K (8 bits g16), equals
+    the per-expert loop over the dequantized weights; under bfloat16 Q4_K's zeros are held in float16."""
     from gapless.model.moe_triton import fused_experts
 
     e, hidden, inter = 4, 256, 256
     experts = Experts(e, hidden, inter).to(dtype)
     shards = {
-        (i, p): random_blocks("Q4_K", inter, hidden, seed=2 * i + (p == "up"))
+        (i, p): random_blocks(gate_up_type, inter, hidden, seed=2 * i + (p == "up"))
         for i in range(e)
         for p in ("gate", "up")
     }
@@ -281,7 +284,9 @@ def test_the_grouped_gemm_runs_a_files_experts(int4_reference_path, dtype):
     install_experts(experts, shards, dtype, "experts")
     gate_up, down = experts.int_quant
     assert (gate_up.bits, gate_up.group, down.bits, down.group) == (4, 32, 8, 16)
-    assert gate_up.zeros.dtype == (torch.float16 if dtype == torch.bfloat16 else dtype)
+    assert down.levels is None and (gate_up.levels is not None) == (gate_up_type == "IQ4_XS")
+    if gate_up.levels is None:
+        assert gate_up.zeros.dtype == (torch.float16 if dtype == torch.bfloat16 else dtype)
     w13 = torch.stack([torch.cat([_dequantized(shards[(i, p)]) for p in ("gate", "up")]) for i in range(e)])
     w2 = torch.stack([_dequantized(shards[(i, "down")]) for i in range(e)])
     g = torch.Generator().manual_seed(0)

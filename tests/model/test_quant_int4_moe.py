@@ -173,6 +173,35 @@ def test_fused_experts_over_int_weights_equal_the_dequantized_reference(bits, gr
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's run; on a GPU the cuda model test runs the kernel"
+)
+def test_fused_experts_over_a_codebooks_weights_equal_the_dequantized_reference():
+    """Experts whose values index a codebook (IQ4's levels; `WeightQuant.levels`, no zeros) through the
+    grouped GEMM: the per-expert torch loop over `levels[q] * scale`, float32 and bfloat16."""
+    from gapless.model.moe_triton import fused_experts
+    from gapless.model.quant.gguf_iq import levels
+
+    g = torch.Generator().manual_seed(5)
+    tokens, e, h, inter, table = 9, 4, 64, 32, levels()
+
+    def experts(rows: int, k: int) -> tuple[torch.Tensor, WeightQuant, torch.Tensor]:
+        q = torch.randint(0, 16, (e, rows, k), generator=g)
+        scale = (torch.rand(e, rows, k // 32, generator=g) / 1000).bfloat16().float()  # (as bf16 holds it)
+        w = table[q] * scale.repeat_interleave(32, dim=2)
+        packed = torch.stack([pack_int32(x.t(), 4, dim=0) for x in q])
+        return packed, WeightQuant(scale.transpose(1, 2).contiguous(), 32, None, 4, table), w
+
+    x = torch.randn(tokens, h, generator=g)
+    (q13, s13, w13), (q2, s2, w2) = experts(2 * inter, h), experts(h, inter)
+    weights, ids = route(torch.randn(tokens, e, generator=g), 2, True, False)
+    want = reference_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(fused_experts(x, q13, q2, weights, ids, scales=(s13, s2)), want)
+    half = tuple(s._replace(scales=s.scales.bfloat16()) for s in (s13, s2))
+    got = fused_experts(x.bfloat16(), q13, q2, weights.bfloat16(), ids, scales=half)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("layout", ["gptq", "awq", "compressed-tensors", "int-quantized"])
 def test_tensor_parallel_ranks_hold_their_experts_pieces(ckpt_factory, tmp_path, layout):
     """A mixture's int4 checkpoint built as rank r of 2: each rank's experts, dequantized, are its gate/up
@@ -241,15 +270,15 @@ def test_a_malformed_expert_tensor_is_refused_in_one_line(ckpt_factory, tmp_path
 
 @pytest.mark.slow  # (22 sm_90 compiles, ~20 s)
 def test_int_experts_compile_for_sm90():
-    """The grouped GEMM's int4 and int8 variants (plain and adapter paths, both half-precision dtypes, and
-    a GGUF file's experts under bfloat16: 4-bit g32 gate/up, 8-bit g16 down, float16 zeros: 22
-    specializations with the adapters' own kernels, and the sort by expert's kernel once a case: 7)
-    compile for sm_90 (`gapless.testing.triton_compile`), none failing."""
+    """The grouped GEMM's int4 and int8 variants (plain and adapter paths, both half-precision dtypes, a
+    GGUF file's experts under bfloat16: 4-bit g32 gate/up, 8-bit g16 down, float16 zeros, and IQ4's
+    codebook experts: 24 specializations with the adapters' own kernels, and the sort by expert's kernel
+    once a case: 8) compile for sm_90 (`gapless.testing.triton_compile`), none failing."""
     built = compile_cases("moe", " int")
     if built is None:
         pytest.skip("this triton has no NVIDIA backend to compile with")
     assert built.kernels[:3] == ["_align_kernel", "_grouped_gemm_kernel", "_lora_expand_kernel"], built
-    assert built.compilations == 22 + 7 and not built.failed, built
+    assert built.compilations == 24 + 8 and not built.failed, built
 
 
 def test_act_order_experts_are_refused_by_name(ckpt_factory, tmp_path):

@@ -16,8 +16,8 @@ tinygemm at decode rows and the Triton GEMM above, `int4_kernels`):
   requantized with one scale (`gguf_blocks.int8_rows`, as `gguf_cpu`'s), 8 bits one group a row.
 - **IQ4_NL, IQ4_XS** (other i-quants: `gguf_iq`): 4 bits in groups of 32, each weight's index into IQ4's 16
   levels, which the Triton GEMM takes as its codebook (`W = levels[q] * scale`, the file's weights); in
-  the affine form above they would take 8 bits. Not on the CPU's kernels, nor a mixture's experts (the
-  grouped GEMM takes no codebook), nor a projection fused with another type: there the affine form.
+  the affine form above they would take 8 bits (a mixture's experts likewise, in the grouped GEMM). Not on
+  the CPU's kernels, nor a projection fused with another type: there the affine form.
 
 A fused projection (q/k/v, gate/up) whose parts differ (Q4_K_M files write some layers' `attn_v` as Q6_K) is
 held in the widest of their bits and the narrowest of their groups (Q4_K with Q6_K: 8 bits in groups of 16,
@@ -122,8 +122,7 @@ def install_experts(experts: Any, shards: dict[Any, GGUFBlocks], dtype: torch.dt
     device = experts.gate_up_proj.device
     cpu = _cpu_kernels(device)
     specs = {
-        # (no codebook: the grouped GEMM takes none)
-        param: spec_for([shards[s] for s in experts.checkpoint_shards(param) if s in shards], cpu, False)
+        param: spec_for([shards[s] for s in experts.checkpoint_shards(param) if s in shards], cpu)
         for param in ("gate_up_proj", "down_proj")
     }
     whole = {

@@ -237,8 +237,6 @@ def install_experts(
 
     if any(w.order is not None for w in shards.values()):
         raise QuantFormatError(f"{where}: experts with act-order (g_idx) are not built")
-    if any(w.levels is not None for w in shards.values()):
-        raise QuantFormatError(f"{where}: experts in a codebook (NF4, FP4) are not built")
 
     def mine(e: int, proj: str) -> Unpacked:
         w = shards[(e, proj)]
@@ -246,25 +244,33 @@ def install_experts(
             return split_columns(w, tp, f"{where}: expert {e} down's")
         return w.map(lambda t: tp.part(t, tp.size)) if tp.size > 1 else w
 
+    def stacked(e: int, projs: tuple[str, ...]) -> Unpacked:
+        parts = [mine(e, p) for p in projs]
+        q, scale, zero = map(torch.cat, zip(*(p.tensors for p in parts)))
+        return Unpacked(q, scale, zero, levels=parts[0].levels)
+
     device = experts.gate_up_proj.device
     cpu = device.type == "cpu"
     specs = (spec, down_spec or spec)
     projections = ((("gate", "up"), (2 * inter, hidden)), (("down",), (hidden, inter)))
     # each projection's experts as this rank holds them, and their group (one a row where a rank's cut
     # splits a row's one group)
-    held_ws = [
-        [Unpacked(*map(torch.cat, zip(*(mine(e, p).tensors for p in projs)))) for e in range(e_count)]
-        for projs, _ in projections
-    ]
+    held_ws = [[stacked(e, projs) for e in range(e_count)] for projs, _ in projections]
+    # a codebook's (`Unpacked.levels`) the same for every expert's gate, up (and down) alike
+    levels = [ws[0].levels for ws in held_ws]
+    for projs, _ in projections:
+        ws = [shards[(e, p)] for e in range(e_count) for p in projs]
+        if not all(_same_order(w.levels, ws[0].levels) for w in ws):
+            raise QuantFormatError(f"{where}: its experts' {'/'.join(projs)} codebooks differ; one is built")
     groups = [shape[1] // ws[0].scale.shape[1] for ws, (_, shape) in zip(held_ws, projections)]
     choice = int4_kernels.chosen()
-    kinds = [
-        int4_kernels.for_layer(choice, sp.bits, g, dtype, *s, device)
-        for sp, g, (_, s) in zip(specs, groups, projections)
+    kinds = [  # (no library takes a codebook)
+        int4_kernels.for_layer(choice if lv is None else "triton", sp.bits, g, dtype, *s, device)
+        for sp, g, lv, (_, s) in zip(specs, groups, levels, projections)
     ]
     kernels_alone = all(k == int4_kernels.CPU_KERNEL for k in kinds)  # (then no packed words are kept)
     packed, quants, cpu_weights = [], [], []
-    for sp, ws, group, (projs, shape), kernel in zip(specs, held_ws, groups, projections, kinds):
+    for sp, ws, group, lv, (projs, shape), kernel in zip(specs, held_ws, groups, levels, projections, kinds):
         qs, scales, zeros, floats, kernels = [], [], [], [], []
         zero_dtype = zeros_dtype([w.zero for w in ws], dtype)
         for e, w in enumerate(ws):
@@ -273,7 +279,7 @@ def install_experts(
                     f"{where}: expert {e} {'/'.join(projs)} weight {tuple(w.q.shape)} does not fit {shape}"
                 )
             # scales and zeros as held, so the CPU's weights are the kernel's
-            held = Unpacked(w.q, w.scale.to(dtype), w.zero.to(zero_dtype))
+            held = Unpacked(w.q, w.scale.to(dtype), w.zero.to(zero_dtype), levels=lv)
             if not kernels_alone:
                 qs.append(pack_int32(w.q.t(), sp.bits, dim=0))
             scales.append(held.scale.t().contiguous())
@@ -281,9 +287,13 @@ def install_experts(
             if kernel == int4_kernels.CPU_KERNEL:
                 kernels.append(int4_kernels.library_kernel(kernel, w, sp.bits, dtype, device, sp.label))
             elif cpu:
-                floats.append(Unpacked(w.q, held.scale.float(), held.zero.float()).dequantize().to(dtype))
+                floats.append(
+                    held._replace(scale=held.scale.float(), zero=held.zero.float()).dequantize().to(dtype)
+                )
         packed.append(torch.stack(qs) if qs else torch.empty(0, dtype=torch.int32, device=device))
-        quants.append(WeightQuant(torch.stack(scales), group, torch.stack(zeros), sp.bits))
+        held_levels = None if lv is None else lv.float().to(device)
+        held_zeros = torch.stack(zeros) if lv is None else None  # (a codebook's are 0: not held)
+        quants.append(WeightQuant(torch.stack(scales), group, held_zeros, sp.bits, held_levels))
         cpu_weights.append(kernels or (torch.stack(floats) if cpu else None))
     label = spec.label if specs[1] == spec else f"{spec.label}, down {specs[1].label}"
     label += f" ({int4_kernels.CPU_KERNEL})" if kernels_alone else ""
