@@ -255,17 +255,14 @@ def _moe() -> dict[str, Callable[[], object]]:
                 WeightQuant(s13.to(dtype), 32, s13.half(), 4),
                 WeightQuant(s2.to(dtype), 16, s2.half(), 8),
             )
-        elif quant == "codebook":  # a GGUF IQ4 file's (or NF4's): 4 bits g32, each value a lookup, no zeros
-            w13 = torch.zeros(experts, hidden * 4 // 32, 2 * inter, dtype=torch.int32)
-            w2 = torch.zeros(experts, inter * 4 // 32, hidden, dtype=torch.int32)
-            s13, s2 = torch.ones(experts, hidden // 32, 2 * inter), torch.ones(experts, inter // 32, hidden)
-            scales = tuple(WeightQuant(s.to(dtype), 32, None, 4, torch.zeros(16)) for s in (s13, s2))
-        elif quant:  # an int4/int8 checkpoint's experts: packed words, group-wise scales and zeros of 16
-            bits = int(quant[3:])
+        elif quant:  # an int4/int8 checkpoint's experts: packed words, group-wise scales and zeros of 16; or
+            # a codebook's (GGUF IQ4's): 4 bits, each value a lookup in its levels, no zeros
+            bits, levels = (4, torch.zeros(16)) if quant == "codebook" else (int(quant[3:]), None)
             w13 = torch.zeros(experts, hidden * bits // 32, 2 * inter, dtype=torch.int32)
             w2 = torch.zeros(experts, inter * bits // 32, hidden, dtype=torch.int32)
             s13, s2 = torch.ones(experts, hidden // 16, 2 * inter), torch.ones(experts, inter // 16, hidden)
-            scales = tuple(WeightQuant(s.to(dtype), 16, s.to(dtype), bits) for s in (s13, s2))
+            zeros = (None, None) if levels is not None else (s13.to(dtype), s2.to(dtype))
+            scales = tuple(WeightQuant(s.to(dtype), 16, z, bits, levels) for s, z in zip((s13, s2), zeros))
         return moe_triton.fused_experts(x, w13, w2, weights, ids, adapters, scales)
 
     cases = [(False, q) for q in ("", "fp8", "int4", "int8")] + [(True, ""), (True, "int4")]
@@ -276,10 +273,8 @@ def _moe() -> dict[str, Callable[[], object]]:
         for dtype in DTYPES
         for lora, quant in cases
     }
-    return built | {
-        f"moe torch.bfloat16 int {kind}": partial(run, torch.bfloat16, False, kind)
-        for kind in ("gguf", "codebook")
-    }
+    kinds = ("gguf", "codebook")  # (bfloat16's alone: a GPU's dtype)
+    return built | {f"moe torch.bfloat16 int {k}": partial(run, torch.bfloat16, False, k) for k in kinds}
 
 
 def _lora() -> dict[str, Callable[[], object]]:
