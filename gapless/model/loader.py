@@ -307,9 +307,9 @@ def _random_weights(model: CausalLM, int4_layers: bool, rounding: _OnlineRoundin
         rounding.filled(weight_names.names_of(model, name))
 
 
-# a checkpoint's static activation scales (and int8 zero points): activations are scaled per token, or not
-# quantized at all (int-quantized: w8a16)
-_SKIPPED = (".input_scale", ".input_zero_point", ".input_scale_ub")  # (fbgemm_fp8's bound: not used)
+# a checkpoint's static activation scales (and int8 zero points, fbgemm_fp8's bound): activations are
+# scaled per token, or not quantized at all (int-quantized: w8a16; NVFP4: w4a16)
+_SKIPPED = (".input_scale", ".input_zero_point", ".input_scale_ub", ".input_global_scale")
 
 
 def quant_spec(path: str | Path, quantization: str | None, device: torch.device | str) -> QuantSpec | None:

@@ -381,13 +381,14 @@ def _int4() -> dict[str, Callable[[], object]]:
 
     # decode (16-row tiles, K split, PTX values; the GEMV: PTX, 3 stages, factored; W x^T), prefill; 4, 8
     # bits; a GGUF layer's fractional zeros in groups of 32 at 1, 16 and 256 rows, and of 16 (Q6_K's, Q2_K's);
-    # a codebook's values (NF4's) at 1, 16 and 256 rows
+    # a codebook's values (NF4's) at 1, 16 and 256 rows, NVFP4's groups of 16
     cases = (
         (4, 1, ""), (4, 1, "gemv"), (4, 1, "ptx"), (4, 1, "gemv ptx"), (4, 1, "gemv ptx stages"),
         (4, 1, "gemv factored"), (4, 16, ""), (4, 16, "ptx swapped"), (4, 256, ""), (8, 1, ""),
         (8, 1, "gemv"), (8, 1, "gemv factored"), (8, 16, "swapped"), (4, 1, "gemv ptx fractional"),
         (4, 16, "fractional"), (4, 256, "fractional"), (8, 1, "gemv fractional g16"),
         (4, 16, "fractional g16"), (4, 1, "gemv codebook"), (4, 16, "codebook"), (4, 256, "codebook"),
+        (4, 1, "gemv codebook g16"),
     )  # fmt: skip
     return {
         f"int{bits} gemm {dtype} m={m}{' ' + variant if variant else ''}": partial(

@@ -151,9 +151,10 @@ def test_a_layer_the_checkpoint_keeps_float_stays_float(ckpt_factory, tmp_path):
 def test_4bit_kept_for_the_triton_gemm_holds_the_checkpoints_weights(
     ckpt_factory, tmp_path, monkeypatch, arch, kind, nested
 ):
-    """Where the Triton GEMM keeps 4-bit weights (a GPU's route, here on its reference path), every linear
-    layer holds the checkpoint's codes and scales with the codebook: its weight the reference's bit for
-    bit (fused projections stacked), fewer bytes, and transformers' tokens on the reference."""
+    """Where the Triton GEMM keeps 4-bit weights (a GPU's route; here, on the CPU, the layers' float weights
+    made once from them), every linear layer holds the checkpoint's codes and scales with the codebook: its
+    weight the reference's bit for bit (fused projections stacked), a GPU's bytes under a seventh of the
+    float32 weights', and transformers' tokens on the reference."""
     monkeypatch.setattr(bnb, "kept", lambda device: "triton")
     monkeypatch.setenv("GAPLESS_CPU_GEMM", "plain")  # (the reference's float weights left as loaded)
     qdir, refdir = write_bnb(ckpt_factory(arch), tmp_path, kind, nested)
@@ -168,10 +169,11 @@ def test_4bit_kept_for_the_triton_gemm_holds_the_checkpoints_weights(
             assert torch.equal(
                 m.linear_method.dequantized(torch.float32), ref_model.get_submodule(name).weight
             )
-    four_bit = sum(t.numel() * t.element_size() for m in linear for t in m.linear_method.tensors())
-    assert four_bit < 0.15 * sum(
-        m.out_features * m.in_features * 4 for m in (x.linear_method for x in linear)
-    )
+    methods = [m.linear_method for m in linear]
+    four_bit = sum(t.numel() * t.element_size() for m in methods for t in (m.qweight, m.scales, m.levels))
+    assert four_bit < 0.15 * sum(m.out_features * m.in_features * 4 for m in methods)
+    # (here, on the CPU, which no kernel of a codebook runs on: their float weights beside, made once)
+    assert all(torch.equal(m.float_weight, m.dequantized(torch.float32)) for m in methods)
     _agrees(qdir, load_hf_model(refdir))
 
 

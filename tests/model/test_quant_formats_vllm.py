@@ -61,7 +61,10 @@ def test_a_modelopt_export_of_the_kv_cache_alone_loads_float_weights(ckpt_factor
 @pytest.mark.parametrize(
     ("qcfg", "words"),
     [
-        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, ["quant_algo 'NVFP4' is not run", "FP8_PB_WO"]),
+        (
+            {"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"},
+            ["quant_algo 'W4A8_AWQ' is not run", "FP8_PB_WO, NVFP4"],
+        ),
         ({"quant_method": "modelopt", "quantization": {"quant_algo": "mxfp8"}}, ["'MXFP8'"]),
         ({"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"}, ["'modelopt_fp4'", "is not run"]),
     ],

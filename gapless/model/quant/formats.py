@@ -142,8 +142,9 @@ def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
 
 def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
     """AWQ, GPTQ and compressed-tensors `pack-quantized` and `int-quantized`: int4/int8 weights with
-    group-wise scales and zeros, activations in the model's dtype (`gapless.model.quant.int4_layouts`
-    reads and refuses the layouts)."""
+    group-wise scales and zeros; NVFP4 (ModelOpt's, compressed-tensors'): FP4 codes with group scales;
+    activations in the model's dtype (`gapless.model.quant.int4_layouts` reads and refuses the
+    layouts)."""
     from gapless.model.quant import int4_layouts
 
     method = str(qcfg.get("quant_method", "")).lower()
@@ -174,13 +175,17 @@ def _modelopt(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     """NVIDIA ModelOpt's FP8 (`nvidia/*-FP8`): e4m3 weights and a `weight_scale` per tensor (`FP8`, its
     static `input_scale` not read), per output row (`FP8_PER_CHANNEL_PER_TOKEN`) or per [128, 128] block
     (`FP8_PB_WO`, stored [row blocks, 1, column blocks, 1]; its activations rounded as every FP8 layer's,
-    as vLLM runs it). NVFP4, MXFP8 and the rest are refused by name."""
+    as vLLM runs it); NVFP4 (`nvidia/*-FP4`) on the weight-only path (`int4_layouts`). MXFP8 and the rest
+    are refused by name."""
     if online:
         raise _not_at_load("modelopt")
     algo = modelopt_algo(qcfg)
+    if algo == "NVFP4":
+        return _int4(qcfg)
     if algo not in MODELOPT_FP8:
+        runs = ", ".join([*MODELOPT_FP8, "NVFP4"])
         raise QuantFormatError(
-            f"quantization modelopt: quant_algo {algo or None!r} is not run (runs: {', '.join(MODELOPT_FP8)})"
+            f"quantization modelopt: quant_algo {algo or None!r} is not run (runs: {runs})"
         )
     scales, block = MODELOPT_FP8[algo]
     return QuantSpec(
@@ -220,6 +225,7 @@ CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "float-quantized": _ct_float,
     "pack-quantized": lambda qcfg, group: _int4(qcfg),
     "int-quantized": lambda qcfg, group: _int4(qcfg),  # (W8A8 INT8, run as w8a16: `int4_layouts`)
+    "nvfp4-pack-quantized": lambda qcfg, group: _int4(qcfg),  # (NVFP4, run as w4a16: `int4_layouts`)
 }
 
 
@@ -258,6 +264,7 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "awq_marlin": ("awq",),
     "gptq_marlin": ("gptq",),
     "moe_wna16": ("awq", "gptq"),
+    "modelopt_fp4": ("modelopt",),
 }
 
 

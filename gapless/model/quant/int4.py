@@ -1,13 +1,15 @@
 """Weight-only int4/int8 checkpoints (w4a16, w8a16, group-wise scales and zeros) kept quantized: each layer's
 weight, read into one form by `gapless.model.quant.int4_layouts` (AWQ, GPTQ, compressed-tensors
-`pack-quantized` and `int-quantized`), cut for tensor parallelism and stacked for fused projections here, then
-packed into the one layout the GEMM reads (`gapless.model.quant.int4_triton`'s docstring).
+`pack-quantized` and `int-quantized`, NVFP4), cut for tensor parallelism and stacked for fused projections
+here, then packed into the one layout the GEMM reads (`gapless.model.quant.int4_triton`'s docstring).
 
 On CUDA the layer runs the Triton GEMM (or a library's: `int4_kernels`); on the CPU torch's CPU int4/int8
 kernels where they take it (`int4_kernels.cpu_runs`). Elsewhere `apply` is a reference path: it
 dequantizes the whole weight to the activations' dtype on every call and multiplies with torch, so the
 quantized checkpoint is exact against a float model holding the same dequantized weights (tests), at a
-float GEMM's cost plus the dequantization: for parity, not speed.
+float GEMM's cost plus the dequantization: for parity, not speed. A codebook's weight (`Unpacked.levels`:
+bitsandbytes' NF4, GGUF's IQ4, NVFP4), which no CPU kernel takes, is dequantized once there instead and
+held beside its codes (the float model's bytes and more).
 
 A mixture's experts (`...experts.3.gate_proj.qweight`, Mixtral's `w1`/`w3`/`w2`) are unpacked the same way
 and stacked by `install_experts` into the layer's `Experts`, each expert in the GEMM's layout; the grouped
@@ -52,6 +54,7 @@ class Int4LinearMethod:
             raise QuantFormatError(f"{spec.label}: in_features {k} is not a multiple of {32 // spec.bits}")
         # a codebook's weight (`Unpacked.levels`): the Triton GEMM alone takes it, on any device
         self.levels = None if w.levels is None else w.levels.float().to(device)
+        self.float_weight: torch.Tensor | None = None  # (`apply`'s where no kernel takes a codebook)
         choice = "triton" if self.levels is not None else kernel or int4_kernels.chosen()
         library, _, also = int4_kernels.for_layer(
             choice, spec.bits, self.group, dtype, n, k, device
@@ -72,6 +75,10 @@ class Int4LinearMethod:
         self.zeros = w.zero.t().to(zeros_dtype([w.zero], dtype)).contiguous().to(device)
         if self.levels is not None:  # (its zeros are 0: not held)
             self.zeros = self.zeros.new_empty(0)
+        # a codebook's weight where no kernel of the device takes one (the CPU's int kernels take evenly
+        # spaced levels alone): dequantized once, beside its codes, not on every call
+        if self.levels is not None and device.type != "cuda" and not TRITON_ON_CPU:
+            self.float_weight = self.dequantized(dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] in `dtype` (the reference path's weight), its columns in `order` as held."""
@@ -104,14 +111,15 @@ class Int4LinearMethod:
             )
             y = y.to(x.dtype)
         else:
-            y = torch.mm(x, self.dequantized(x.dtype).t())
+            w = self.float_weight if self.float_weight is not None else self.dequantized(x.dtype)
+            y = torch.mm(x, w.to(x.dtype).t())
         bias = getattr(layer, "bias", None)
         return y if bias is None else y + bias
 
     def tensors(self) -> list[torch.Tensor]:
         held = self.library.tensors() if self.library is not None else []
         held += [self.qweight, self.scales, self.zeros] if self.triton_held else []
-        return held + [t for t in (self.order, self.levels) if t is not None]
+        return held + [t for t in (self.order, self.levels, self.float_weight) if t is not None]
 
 
 def zeros_dtype(zeros: list[torch.Tensor], dtype: torch.dtype) -> torch.dtype:

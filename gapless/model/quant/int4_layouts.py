@@ -27,6 +27,14 @@ layouts, as their writers (AutoAWQ, AutoGPTQ/GPTQModel, compressed-tensors) stor
   `weight_format` the layout's code (0: row-major, the only one bitsandbytes still writes). Run as w8a16,
   as int-quantized is: not LLM.int8's int8 activations and float outlier columns.
 
+- **NVFP4** (ModelOpt's `quant_algo: NVFP4`; compressed-tensors' `nvfp4-pack-quantized`): uint8 [N, K /
+  2], two FP4 (e2m1) codes a byte, the first in the low nibble (sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3,
+  4, 6); `weight_scale` float8_e4m3 [N, K / 16]; a per-tensor float32: ModelOpt's `weight_scale_2`
+  (`W = e2m1 * weight_scale * weight_scale_2`, codes in `weight`), compressed-tensors'
+  `weight_global_scale` (`W = e2m1 * weight_scale / weight_global_scale`, codes in `weight_packed`). Run
+  as w4a16 with the codes' values as a codebook (`Unpacked.levels`): the checkpoint's FP4 activation
+  scheme (Blackwell's tensor cores) unused, as int-quantized's int8 activations are.
+
 Act-order (GPTQ's `desc_act: true`, compressed-tensors' `actorder: group`) puts each input in a group by
 its g_idx, not by its position: the unpacked form sorts q's columns by group (`act_order`), so the groups
 are contiguous again, and keeps the inputs' order, by which the layer gathers x before its GEMM.
@@ -40,10 +48,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gapless.model.quant.formats import QuantFormatError  # (every format's one error)
+from gapless.model.quant.formats import QuantFormatError, modelopt_algo  # (every format's one error)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i]
-METHODS = ("awq", "gptq", "compressed-tensors", "bitsandbytes")
+METHODS = ("awq", "gptq", "compressed-tensors", "bitsandbytes", "modelopt")
 TENSORS = {
     "awq": ("qweight", "qzeros", "scales"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),  # (g_idx: act-order's, `act_order`)
@@ -57,6 +65,13 @@ TENSORS = {
     "bitsandbytes": ("weight", "SCB", "weight_format"),  # (8-bit; its 4-bit form: `gapless.model.quant.bnb`)
 }
 UNPACKED_TENSORS = ("weight", "weight_scale", "weight_zero_point", "weight_g_idx")  # int-quantized's
+NVFP4_TENSORS = {  # (codes, block scales, the per-tensor scale)
+    "modelopt": ("weight", "weight_scale", "weight_scale_2"),
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale"),
+}
+# FP4 e2m1's values by code: sign bit 3, magnitude bits 0-2
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+NVFP4_GROUP = 16
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,8 @@ class Int4Spec:
     @property
     def tensors(self) -> tuple[str, ...]:
         """The checkpoint tensors (last part of the name) a quantized layer of this layout has."""
+        if self.codebook == "nvfp4":
+            return NVFP4_TENSORS[self.method]
         return UNPACKED_TENSORS if self.int_quantized else TENSORS[self.method]
 
     @property
@@ -172,6 +189,8 @@ def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
     if not groups:
         raise _refuse("compressed-tensors", "no config_groups")
     formats = {str(g.get("format") or qc.get("format")) for g in groups}
+    if formats == {"nvfp4-pack-quantized"}:
+        return _nvfp4_config("compressed-tensors", [g.get("weights") or {} for g in groups])
     if formats not in ({"pack-quantized"}, {"int-quantized"}):
         return None  # another compressed-tensors format (float-quantized: the FP8 method's)
     packed = formats == {"pack-quantized"}
@@ -212,6 +231,17 @@ def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
     )
 
 
+def _nvfp4_config(method: str, weights: list[dict[str, Any]]) -> Int4Spec:
+    """An NVFP4 checkpoint's spec (`weights`: compressed-tensors' schemes, each e2m1 in groups of 16;
+    ModelOpt's: its config's group size alone)."""
+    for w in weights:
+        if (w.get("type", "float"), w.get("num_bits", 4)) != ("float", 4):
+            raise _refuse(method, f"NVFP4 weights {w.get('type')}{w.get('num_bits')}: fp4 (e2m1) only")
+        if w.get("group_size", NVFP4_GROUP) != NVFP4_GROUP:
+            raise _refuse(method, f"NVFP4 group_size={w.get('group_size')} is not read; {NVFP4_GROUP}")
+    return Int4Spec(method, 4, NVFP4_GROUP, sym=True, codebook="nvfp4")
+
+
 def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
     """The weight-only integer scheme a checkpoint's `quantization_config` names; None when it names none
     (or another method: FP8). Raises `QuantFormatError`, one line naming the field, for a scheme of these
@@ -227,6 +257,10 @@ def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
         return _compressed(qc)
     if method == "bitsandbytes" and (qc.get("load_in_8bit") or qc.get("_load_in_8bit")):
         return Int4Spec("bitsandbytes", 8, -1, sym=True, packed=False)
+    if method == "modelopt" and modelopt_algo(qc) == "NVFP4":
+        inner = qc.get("quantization")
+        group = (inner if isinstance(inner, dict) else qc).get("group_size", NVFP4_GROUP)
+        return _nvfp4_config("modelopt", [{"group_size": group}])
     return None
 
 
@@ -234,7 +268,8 @@ class Unpacked(NamedTuple):
     """One projection's weight as `W = (q - zero) * scale`: q int16 [N, K] (unsigned values), scale
     float32 and zero float32 [N, K / G]; column j of q in group j // G. `order` (act-order, `act_order`):
     column j of q is input `order[j]` (so x[:, order] meets q); None: input j. `levels` (a codebook's:
-    float32 [2^bits], bitsandbytes' NF4 or FP4): `W = levels[q] * scale`, the zeros 0."""
+    float32 [2^bits]: bitsandbytes' NF4 or FP4, GGUF's IQ4, NVFP4's e2m1): `W = levels[q] * scale`, the
+    zeros 0."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -299,7 +334,7 @@ def whole_tensors(spec: Int4Spec) -> tuple[str, ...]:
     """The tensors a checkpoint module of `spec` is whole with, as its layout's writers store them: every
     one `unpack` reads for this scheme (GPTQ's g_idx always, compressed-tensors' weight_shape always, its
     zero points where asymmetric and g_idx with act-order by group), so none it reads comes later."""
-    if spec.method != "compressed-tensors":
+    if spec.method != "compressed-tensors" or spec.codebook:
         return spec.tensors
     names = ["weight_packed", "weight_scale", "weight_shape"] if spec.packed else ["weight", "weight_scale"]
     return (
@@ -312,6 +347,8 @@ def whole_tensors(spec: Int4Spec) -> tuple[str, ...]:
 def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
     """One checkpoint module's tensors (`spec.tensors` by suffix) as `Unpacked`; `where` names the
     module in errors."""
+    if spec.codebook == "nvfp4":
+        return _nvfp4(spec, parts, where)
     need = spec.tensors[: 2 if spec.method in ("compressed-tensors", "bitsandbytes") else 3]  # (the rest
     missing = [n for n in need if n not in parts]  # optional)
     if missing:
@@ -364,6 +401,31 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
     return Unpacked(q.contiguous(), scale.contiguous(), zero.contiguous(), order)
 
 
+def _nvfp4(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
+    """An NVFP4 module's tensors (the module's docstring) as `Unpacked`: its codes, each group's scale
+    (the block scale times, or over, the tensor's) in float32, and FP4's values as the codebook."""
+    codes, blocks, whole = spec.tensors
+    missing = [n for n in spec.tensors if n not in parts]
+    if missing:
+        raise QuantFormatError(f"{where}: the {spec.label} checkpoint lacks {', '.join(missing)}")
+    packed = parts[codes].contiguous().view(torch.uint8)
+    q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1).to(torch.int16)
+    block = parts[blocks]
+    block = (block.view(torch.float8_e4m3fn) if block.dtype == torch.uint8 else block).float()
+    if parts[whole].numel() != 1:
+        raise QuantFormatError(f"{where}: {whole} of {parts[whole].numel()} values (one a tensor)")
+    tensor = parts[whole].float().reshape(())
+    scale = block * tensor if spec.method == "modelopt" else block / tensor
+    n, k = q.shape
+    if scale.shape != (n, k // NVFP4_GROUP):
+        raise QuantFormatError(
+            f"{where}: {spec.label} weight [{n}, {k}] with scales {tuple(scale.shape)}: not groups of "
+            f"{NVFP4_GROUP} along the input"
+        )
+    levels = torch.tensor(FP4_E2M1, dtype=torch.float32, device=q.device)
+    return Unpacked(q.contiguous(), scale.contiguous(), torch.zeros_like(scale), levels=levels)
+
+
 def act_order(g_idx: torch.Tensor, k: int, group: int, where: str) -> torch.Tensor | None:
     """The inputs' order that makes each group contiguous, from a layer's g_idx (input k's group): None
     where g_idx is already k // G (no act-order, or GPTQ's static groups) or all -1 (compressed-tensors'
@@ -396,6 +458,6 @@ def split_name(name: str, spec: Int4Spec, dtype: torch.dtype) -> tuple[str, str]
     (`model.layers.0.mlp.down_proj`, `qweight`); None for every other tensor (an int-quantized
     checkpoint's `weight` only where it is int8: its float layers' weights have the same name)."""
     module, _, tensor = name.rpartition(".")
-    if tensor not in spec.tensors or tensor == "weight" and dtype != torch.int8:
+    if tensor not in spec.tensors or tensor == "weight" and dtype.is_floating_point:
         return None
     return module, tensor

@@ -1,0 +1,97 @@
+"""Tiny NVFP4 checkpoints for tests: a float checkpoint's decoder projections quantized to FP4 (e2m1) codes
+in groups of 16 with float8_e4m3 group scales and a per-tensor float32 scale, written as ModelOpt's
+(`weight`, `weight_scale`, `weight_scale_2`; its `hf_quant_config.json`) or compressed-tensors'
+`nvfp4-pack-quantized` (`weight_packed`, `weight_scale`, `weight_global_scale`) layout
+(`gapless.model.quant.int4_layouts` describes both), beside a float checkpoint holding the same weights
+dequantized (the reference a quantized model must equal). The quantizer is a plain nearest-value rounding,
+its scales chosen as ModelOpt's and llm-compressor's are (the tensor's absolute maximum over 6 x 448, each
+group's over 6)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gapless.model.quant.int4_layouts import FP4_E2M1, NVFP4_GROUP
+from gapless.testing.quant_checkpoints import PROJECTIONS
+
+LAYOUTS = ("modelopt", "compressed-tensors")
+_E4M3_MAX, _E2M1_MAX = 448.0, 6.0
+
+
+def quantized(w: torch.Tensor, layout: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """`w` [N, K]'s tensors in `layout` (by the suffix after the module's name) and the float32 weight
+    they hold, computed as the loader reads them (the group scale in float32, times the code's value)."""
+    n, k = w.shape
+    table = torch.tensor(FP4_E2M1)
+    per_tensor = (w.float().abs().amax() / (_E2M1_MAX * _E4M3_MAX)).clamp_min(1e-12)  # ModelOpt's scale_2
+    groups = w.float().view(n, k // NVFP4_GROUP, NVFP4_GROUP)
+    block = (groups.abs().amax(-1) / _E2M1_MAX / per_tensor).clamp(max=_E4M3_MAX).to(torch.float8_e4m3fn)
+    if layout == "modelopt":
+        scale = block.float() * per_tensor
+        whole = {"weight_scale_2": per_tensor.reshape(()), "input_scale": torch.tensor(1.0)}
+    else:
+        global_scale = (1.0 / per_tensor).reshape(1)
+        scale = block.float() / global_scale
+        whole = {"weight_global_scale": global_scale, "input_global_scale": torch.ones(1)}
+    normalized = groups / scale.clamp_min(1e-30)[..., None]
+    codes = (normalized.unsqueeze(-1) - table).abs().argmin(-1).reshape(n, k).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    reference = (table[codes.long()].view(n, -1, NVFP4_GROUP) * scale[..., None]).view(n, k)
+    name = "weight" if layout == "modelopt" else "weight_packed"
+    return {name: packed, "weight_scale": block, **whole}, reference
+
+
+def quantization_config(layout: str) -> dict[str, object]:
+    """The config a checkpoint of `layout` declares: ModelOpt's `hf_quant_config.json`'s `quantization`,
+    or compressed-tensors' `quantization_config` (weights and activations NVFP4, the LM head left)."""
+    if layout == "modelopt":
+        return {"quant_algo": "NVFP4", "group_size": NVFP4_GROUP, "exclude_modules": ["lm_head"]}
+    fp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NVFP4_GROUP}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**fp4, "symmetric": True, "dynamic": False},
+                "input_activations": {**fp4, "symmetric": True, "dynamic": "local"},
+            }
+        },
+    }
+
+
+def write_nvfp4(src: Path, dst: Path, layout: str) -> tuple[Path, Path]:
+    """(the NVFP4 checkpoint, its float32 reference) written under `dst` from the one-file float
+    checkpoint `src`: every decoder projection (each expert's too) quantized, the rest kept in float."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+    qdir, refdir = dst / f"nvfp4-{layout}", dst / f"nvfp4-{layout}-reference"
+    for d in (qdir, refdir):
+        shutil.copytree(src, d, dirs_exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not PROJECTIONS.match(name):
+            out[name] = reference[name] = t
+            continue
+        tensors, reference[name] = quantized(t, layout)
+        reference[name] = reference[name].to(t.dtype)
+        prefix = name.removesuffix(".weight")
+        out |= {f"{prefix}.{suffix}": v.contiguous() for suffix, v in tensors.items()}
+    save_file(out, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(reference, str(refdir / "model.safetensors"), metadata={"format": "pt"})
+    if layout == "modelopt":
+        record = {"producer": {"name": "modelopt"}, "quantization": quantization_config(layout)}
+        (qdir / "hf_quant_config.json").write_text(json.dumps(record, indent=2))
+    else:
+        config = json.loads((src / "config.json").read_text())
+        config["quantization_config"] = quantization_config(layout)
+        (qdir / "config.json").write_text(json.dumps(config, indent=2))
+    return qdir, refdir
