@@ -13,7 +13,8 @@
 #   tables (what decides the next change; bench/gpu_session.sh's `all` has time for the targets only, so a
 #   second call runs these: `QUANT_PHASES=tables bash bench/gpu_quant.sh`)
 #   3a. Qwen3-8B's int4 TPOT on the swapped tiles (W x^T) and on the Triton GEMM as chosen (the GEMV at
-#      one row), its bitsandbytes NF4 TPOT (the codebook's lookups), its FP8 TPOT on the swapped tiles, Qwen3-0.6B's FP8 with the activation and the norms
+#      one row), its bitsandbytes NF4 and NVFP4 TPOT (the codebook's lookups), its FP8 TPOT on the swapped
+#      tiles, Qwen3-0.6B's FP8 with the activation and the norms
 #      launched before the GEMVs (against the targets phase's runs on this machine);
 #      decode attention alone over each KV cache, batches of 64 and 256, 2 and 5 stages, registers capped
 #      at 96, 128 or not (`gapless.bench.kernels`); the int4 GEMV with its loads 1 and 4 iterations deep and
@@ -154,6 +155,9 @@ GAPLESS_INT4_KERNEL=triton tpot 50 qwen3-8b-awq int4_triton
 # and the AWQ runs above: whether a GPU keeps such weights by default (`GAPLESS_BNB_WEIGHTS=auto`) or
 # runs them as floats (`dequantize`: bf16's TPOT, 3.5x the bytes)
 tpot 50 qwen3-8b-nf4 nf4
+# ModelOpt's NVFP4 (never run on a GPU): the same lookups in groups of 16 (a scale a 16 values), as vLLM
+# runs such checkpoints on Hopper, weight-only
+tpot 50 qwen3-8b-nvfp4 nvfp4
 GAPLESS_FP8_SWAPPED=1 tpot 45 qwen3-8b fp8_swapped --engine-option quantization=fp8
 # Qwen3-0.6B's FP8 with the activation launched before each down GEMV and the RMSNorm before each qkv
 # and gate/up GEMV (`GAPLESS_FP8_UNFUSED_ACTIVATION`, `GAPLESS_FP8_UNFUSED_NORM`), against the targets

@@ -14,7 +14,8 @@ same GEMM), for the 8B a `-gptq-act` twin, GPTQ int4 g128 with act-order (the sa
 each layer's order: gathered for o, written so by the fused kernels for the rest), and for the 0.6B an
 `-int8` twin, GPTQ int8 per channel, and an `-int8-g128` one, in groups of 128 (Qwen's `*-GPTQ-Int8`);
 for the 0.6B and the 8B an `-fp8` twin, Qwen's own `*-FP8` layout (e4m3, a scale per [128, 128] block),
-and an `-nf4` twin, bitsandbytes NF4 (unsloth's `*-bnb-4bit`), its random weights NF4's in blocks of 64.
+and an `-nf4` twin, bitsandbytes NF4 (unsloth's `*-bnb-4bit`), its random weights NF4's in blocks of 64;
+for the 8B an `-nvfp4` twin, ModelOpt's NVFP4 (FP4 codes in groups of 16, run weight-only).
 `run` loads it with `load_format=dummy` (random weights made on the device, in the int4 form where the
 config says so, e4m3 where it is FP8's, none read: a 16 GB checkpoint is neither built nor read) in
 bfloat16, on CUDA graphs at batch 1, and times one request at a time: a 128-token prompt generating 1
@@ -87,6 +88,8 @@ GPTQ_ACT_G128 = dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc
 GPTQ_INT8 = dict(quant_method="gptq", bits=8, group_size=-1, sym=True, desc_act=False)
 GPTQ_INT8_G128 = {**GPTQ_INT8, "group_size": 128}
 FP8_BLOCK = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
+# ModelOpt's NVFP4 (`nvidia/*-FP4`): FP4 codes in groups of 16, run weight-only on a Hopper GPU
+MODELOPT_NVFP4 = dict(quant_method="modelopt", quant_algo="NVFP4", group_size=16)
 # unsloth's `*-bnb-4bit` (bitsandbytes NF4, double-quantized): kept in 4 bits where a kernel takes them
 BNB_NF4 = dict(
     quant_method="bitsandbytes",
@@ -102,6 +105,7 @@ TWINS = {
     "-int8-g128": (GPTQ_INT8_G128, ("qwen3-0.6b",)),
     "-fp8": (FP8_BLOCK, ("qwen3-0.6b", "qwen3-8b")),
     "-nf4": (BNB_NF4, ("qwen3-0.6b", "qwen3-8b")),
+    "-nvfp4": (MODELOPT_NVFP4, ("qwen3-8b",)),
 }
 PROMPT_LEN = 128
 

@@ -29,6 +29,7 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         "qwen3-8b-gptq-act",
         "qwen3-8b-fp8",
         "qwen3-8b-nf4",
+        "qwen3-8b-nvfp4",
         "qwen3-30b-a3b",
         "qwen3-30b-a3b-awq",
     ]

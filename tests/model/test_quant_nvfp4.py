@@ -153,3 +153,23 @@ def test_another_group_size_is_refused_before_anything_loads():
         resolve(config, None, "cpu")
     with pytest.raises(QuantFormatError, match="NVFP4 group_size=32"):
         resolve({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, None, "cpu")
+
+
+def test_a_dummy_load_holds_random_fp4_codes_and_generates(ckpt_factory, tmp_path):
+    """`--load-format dummy` of an NVFP4 config (`gapless.bench.quant`'s `-nvfp4` shape): every projection
+    random FP4 codes with the e2m1 codebook, the weights' spread the dummy floats' (std 0.02), and the
+    engine generates."""
+    qdir, _ = write_nvfp4(ckpt_factory("qwen3"), tmp_path, "compressed-tensors")
+    for file in qdir.glob("*.safetensors"):
+        file.unlink()
+    model = loader.load_model(qdir, torch.float32, CPU, dummy=True)
+    methods = [
+        m.linear_method
+        for m in model.modules()
+        if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)
+    ]
+    assert methods and all(isinstance(m, Int4LinearMethod) and m.levels is not None for m in methods)
+    assert all(0.015 < float(m.dequantized(torch.float32).std()) < 0.025 for m in methods)
+    with LLM(str(qdir), device="cpu", dtype="float32", load_format="dummy", kv_cache_tokens=256) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
