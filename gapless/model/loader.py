@@ -351,6 +351,8 @@ def _int4_kernel(
 ) -> str:
     """Which int4 GEMMs the model's layers run: GAPLESS_INT4_KERNEL, with `auto`'s second copies if the
     GPU has room for them (`int4_kernels.for_model`, weighed on the float layers before they are packed)."""
+    if spec.codebook:  # (a codebook's layers run the Triton GEMM alone: no second copy)
+        return "triton"
     numel = sum(
         m.weight.numel() for m in model.modules() if isinstance(m, _Linear) and int4.is_quantized_linear(m)
     )

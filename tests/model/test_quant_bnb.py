@@ -35,8 +35,8 @@ NEEDS_BNB = pytest.mark.skipif(
 )
 
 
-def _greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    with LLM(str(model), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
+def _greedy(model: Path, prompts: list[list[int]], device: str = "cpu") -> list[list[int]]:
+    with LLM(str(model), device=device, dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
         )
@@ -48,12 +48,11 @@ def _linear_layers(model: torch.nn.Module) -> list[_Linear]:
     return [m for m in model.modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
 
 
-def _agrees(qdir: Path, reference: torch.nn.Module) -> None:
-    """Greedy tokens equal the reference's, or diverge at a near-tie once at most."""
+def _agrees(qdir: Path, reference: torch.nn.Module, device: str = "cpu") -> None:
+    """Greedy tokens (on `device`) equal the reference's, or diverge at a near-tie once at most."""
     prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
-    notes = [
-        check_greedy(o, hf_greedy(reference, p, MAX_NEW)) for o, p in zip(_greedy(qdir, prompts), prompts)
-    ]
+    ours = _greedy(qdir, prompts, device)
+    notes = [check_greedy(o, hf_greedy(reference, p, MAX_NEW)) for o, p in zip(ours, prompts)]
     assert sum(n is not None for n in notes) <= 1, notes
 
 
@@ -177,22 +176,23 @@ def test_4bit_kept_for_the_triton_gemm_holds_the_checkpoints_weights(
     _agrees(qdir, load_hf_model(refdir))
 
 
-def test_4bit_on_the_interpreted_triton_gemm_gives_transformers_tokens(ckpt_factory, tmp_path, monkeypatch):
-    """The Triton GEMM itself over the codebook's weights (under the interpreter: `int4.TRITON_ON_CPU`,
-    which `kept` takes as a GPU's route): transformers' greedy tokens on the reference; in bfloat16
-    every layer is kept too (its weights within their rounding)."""
+def test_4bit_on_the_triton_gemm_gives_transformers_tokens(ckpt_factory, tmp_path, monkeypatch):
+    """The Triton GEMM itself over the codebook's weights (on CUDA where there is one, else under the
+    interpreter: `int4.TRITON_ON_CPU`, which `kept` takes as a GPU's route): transformers' greedy tokens on
+    the reference; in bfloat16 every layer is kept too (its weights within their rounding)."""
     from gapless.model.quant import int4_triton
 
     gemm, calls = int4_triton.w4a16_matmul, []
     monkeypatch.setattr(
         int4_triton, "w4a16_matmul", lambda *a, **k: calls.append(k["levels"] is not None) or gemm(*a, **k)
     )
-    monkeypatch.setattr(int4, "TRITON_ON_CPU", True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(int4, "TRITON_ON_CPU", device.type == "cpu")
     qdir, refdir = write_bnb(ckpt_factory("llama"), tmp_path, "nf4", nested=True)
-    model = loader.load_model(qdir, torch.bfloat16, CPU)
+    model = loader.load_model(qdir, torch.bfloat16, device)
     nf4 = torch.tensor(bnb.NF4, dtype=torch.float32)  # (the levels in float32 whatever the model's dtype)
-    assert all(torch.equal(m.linear_method.levels, nf4) for m in _linear_layers(model))
-    _agrees(qdir, load_hf_model(refdir))
+    assert all(torch.equal(m.linear_method.levels.cpu(), nf4) for m in _linear_layers(model))
+    _agrees(qdir, load_hf_model(refdir), device.type)
     assert len(calls) >= 8 * 4 and all(calls)  # (forwards x projections, each with the codebook)
 
 

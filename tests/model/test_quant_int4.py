@@ -332,7 +332,7 @@ def test_the_factored_gemv_compiles_to_fewer_instructions():
         "from gapless.testing.sass import cuobjdump, instruction_mix\n"
         "with Compiler(90) as c:\n"
         "    for name, case in _int4().items():\n"
-        "        skip = 'stages' in name or 'fractional' in name\n"
+        "        skip = 'stages' in name or 'fractional' in name or 'codebook' in name\n"
         "        if 'bfloat16' in name and 'gemv' in name and not skip:\n"
         "            before = len(c.compiled)\n"
         "            case()\n"

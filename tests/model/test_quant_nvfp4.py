@@ -30,8 +30,8 @@ LABEL = {"modelopt": "modelopt nvfp4 g16", "compressed-tensors": "compressed-ten
 pytestmark = pytest.mark.usefixtures("int4_reference_path")
 
 
-def _greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    with LLM(str(model), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
+def _greedy(model: Path, prompts: list[list[int]], device: str = "cpu") -> list[list[int]]:
+    with LLM(str(model), device=device, dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
         )
@@ -85,9 +85,9 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     _agrees(qdir, refdir)
 
 
-def test_the_interpreted_triton_gemm_gives_the_reference_paths_tokens(ckpt_factory, tmp_path, monkeypatch):
-    """The GPU's path (the Triton GEMM over the codes, groups of 16, under the interpreter) in a served
-    model: the reference path's greedy tokens."""
+def test_the_triton_gemm_gives_the_reference_paths_tokens(ckpt_factory, tmp_path, monkeypatch):
+    """The GPU's path (the Triton GEMM over the codes, groups of 16; on CUDA where there is one, else under
+    the interpreter) in a served model: the CPU reference path's greedy tokens."""
     from gapless.model.quant import int4_triton
 
     qdir, _ = write_nvfp4(ckpt_factory("llama"), tmp_path, "compressed-tensors")
@@ -95,8 +95,9 @@ def test_the_interpreted_triton_gemm_gives_the_reference_paths_tokens(ckpt_facto
     want = _greedy(qdir, prompts)
     gemm, groups = int4_triton.w4a16_matmul, []
     monkeypatch.setattr(int4_triton, "w4a16_matmul", lambda *a, **k: groups.append(a[4]) or gemm(*a, **k))
-    monkeypatch.setattr(int4, "TRITON_ON_CPU", True)
-    assert _greedy(qdir, prompts) == want
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(int4, "TRITON_ON_CPU", device == "cpu")
+    assert _greedy(qdir, prompts, device) == want
     assert len(groups) >= 2 * 4 and set(groups) == {16}  # (forwards x projections, groups of 16)
 
 
