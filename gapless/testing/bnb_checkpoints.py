@@ -7,14 +7,12 @@ codebooks (`bnb.TABLES`) and blocks are the format's, the quantizer a plain near
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from gapless.model.quant.bnb import TABLES
-from gapless.testing.quant_checkpoints import PROJECTIONS
+from gapless.testing.quant_checkpoints import write_pair
 
 KINDS = ("nf4", "fp4", "int8")
 
@@ -99,22 +97,13 @@ def write_bnb(src: Path, dst: Path, kind: str, nested: bool = True) -> tuple[Pat
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; one of {KINDS}")
     qdir, refdir = dst / f"bnb-{kind}", dst / f"bnb-{kind}-reference"
-    for d in (qdir, refdir):
-        shutil.copytree(src, d, dirs_exist_ok=True)
-    quantized: dict[str, torch.Tensor] = {}
-    reference: dict[str, torch.Tensor] = {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        if not PROJECTIONS.match(name):
-            quantized[name] = reference[name] = t
-            continue
+
+    def quantized(name: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         parts = _eight_bit(t) if kind == "int8" else _four_bit(t, kind, nested)
-        reference[name] = parts.pop("reference").to(t.dtype)
-        module = name.removesuffix(".weight")
-        for suffix, tensor in parts.items():
-            key = f"{module}.{suffix}" if suffix == "SCB" else f"{name}{suffix}"
-            quantized[key] = tensor.contiguous()
-    save_file(quantized, str(qdir / "model.safetensors"), metadata={"format": "pt"})
-    save_file(reference, str(refdir / "model.safetensors"), metadata={"format": "pt"})
+        held, module = parts.pop("reference"), name.removesuffix(".weight")
+        return {f"{module}.{s}" if s == "SCB" else f"{name}{s}": v for s, v in parts.items()}, held
+
+    write_pair(src, qdir, refdir, quantized)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quantization_config(kind, nested)
     (qdir / "config.json").write_text(json.dumps(config, indent=2))

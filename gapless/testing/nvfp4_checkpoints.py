@@ -10,14 +10,12 @@ group's over 6)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from gapless.model.quant.int4_layouts import FP4_E2M1, NVFP4_GROUP
-from gapless.testing.quant_checkpoints import PROJECTIONS
+from gapless.testing.quant_checkpoints import write_pair
 
 LAYOUTS = ("modelopt", "compressed-tensors")
 _E4M3_MAX, _E2M1_MAX = 448.0, 6.0
@@ -73,20 +71,12 @@ def write_nvfp4(src: Path, dst: Path, layout: str) -> tuple[Path, Path]:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
     qdir, refdir = dst / f"nvfp4-{layout}", dst / f"nvfp4-{layout}-reference"
-    for d in (qdir, refdir):
-        shutil.copytree(src, d, dirs_exist_ok=True)
-    out: dict[str, torch.Tensor] = {}
-    reference: dict[str, torch.Tensor] = {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        if not PROJECTIONS.match(name):
-            out[name] = reference[name] = t
-            continue
-        tensors, reference[name] = quantized(t, layout)
-        reference[name] = reference[name].to(t.dtype)
-        prefix = name.removesuffix(".weight")
-        out |= {f"{prefix}.{suffix}": v.contiguous() for suffix, v in tensors.items()}
-    save_file(out, str(qdir / "model.safetensors"), metadata={"format": "pt"})
-    save_file(reference, str(refdir / "model.safetensors"), metadata={"format": "pt"})
+
+    def by_name(name: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        tensors, held = quantized(t, layout)
+        return {f"{name.removesuffix('.weight')}.{suffix}": v for suffix, v in tensors.items()}, held
+
+    write_pair(src, qdir, refdir, by_name)
     if layout == "modelopt":
         record = {"producer": {"name": "modelopt"}, "quantization": quantization_config(layout)}
         (qdir / "hf_quant_config.json").write_text(json.dumps(record, indent=2))

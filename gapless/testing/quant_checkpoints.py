@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,26 +163,41 @@ def write_quantized(
     if act_order and layout == "awq":
         raise ValueError("AWQ has no act-order")
     qdir, refdir = dst / layout, dst / f"{layout}-reference"
-    for d in (qdir, refdir):
-        shutil.copytree(src, d, dirs_exist_ok=True)
-    tensors = load_file(str(src / "model.safetensors"))
-    quantized: dict[str, torch.Tensor] = {}
-    reference: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if not PROJECTIONS.match(name):
-            quantized[name] = reference[name] = t
-            continue
+
+    def quantized(name: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         w = quantize(t, bits, group, sym, _input_order(name, t.shape[1]) if act_order else None)
         prefix = name.removesuffix(".weight")
-        for suffix, packed in layout_tensors(w, layout, bits, group).items():
-            quantized[f"{prefix}.{suffix}"] = packed.contiguous()
-        reference[name] = w.dequantize().to(t.dtype)
-    save_file(quantized, str(qdir / "model.safetensors"), metadata={"format": "pt"})
-    save_file(reference, str(refdir / "model.safetensors"), metadata={"format": "pt"})
+        return {f"{prefix}.{s}": v for s, v in layout_tensors(w, layout, bits, group).items()}, w.dequantize()
+
+    write_pair(src, qdir, refdir, quantized)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quantization_config(layout, bits, group, sym, act_order)
     (qdir / "config.json").write_text(json.dumps(config, indent=2))
     return qdir, refdir
+
+
+def write_pair(
+    src: Path,
+    qdir: Path,
+    refdir: Path,
+    quantized: Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]],
+) -> None:
+    """The one-file float checkpoint `src` copied to `qdir` and `refdir`, each decoder projection `name`
+    (`PROJECTIONS`) replaced in `qdir` by the tensors `quantized(name, weight)` gives (by full name) and in
+    `refdir` by the float32 weight they hold (in the weight's dtype); every other tensor kept in both."""
+    for d in (qdir, refdir):
+        shutil.copytree(src, d, dirs_exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not PROJECTIONS.match(name):
+            out[name] = reference[name] = t
+            continue
+        tensors, held = quantized(name, t)
+        out |= {key: v.contiguous() for key, v in tensors.items()}
+        reference[name] = held.to(t.dtype)
+    save_file(out, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(reference, str(refdir / "model.safetensors"), metadata={"format": "pt"})
 
 
 # what feeds a projection, by its name: the attention's input, o's, the MLP's, down's
