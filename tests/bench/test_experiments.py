@@ -2,7 +2,7 @@
 recorded under bench/results/): `cpu_step --compare` times plain and prepacked GEMMs side by side (and
 the packed step dispatches fewer ops), `cpu_gemm` the GEMMs alone, `detokenize` the server's detokenizer
 per step, `spy` py-spy's stacks as a table, `embed` embeddings against sentence-transformers, `gguf_decode`
-each GGUF type's decoding rate."""
+each GGUF type's decoding rate, `codebook_sass` the codebook GEMV's sm_90 instructions."""
 
 from __future__ import annotations
 
@@ -142,3 +142,24 @@ def test_gguf_decode_rates_every_type():
     i_quants = {"IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"}
     assert set(rates) == legacy_and_k | i_quants
     assert all(r > 0 for r in rates.values())
+
+
+@pytest.mark.slow  # (four sm_90 compiles in a child process, ~15 s)
+def test_codebook_sass_counts_a_load_a_value_for_the_codebooks():
+    """`codebook_sass` compiles the one-row GEMV for sm_90 with AWQ's values and a codebook's: the table
+    has each, and the codebook's gather loads outnumber the affine kernels' by far."""
+    from gapless.testing.triton_compile import compile_child
+
+    script = f"import runpy\nrunpy.run_path({str(EXPERIMENTS / 'codebook_sass.py')!r}, run_name='__main__')\n"
+    out = compile_child(script, "compiling the codebook GEMVs")
+    if out is None:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in out.splitlines()
+        if line.startswith("| ")
+    }
+    loads = {name: int(cells[1]) for name, cells in rows.items() if name != "values"}
+    assert len(loads) == 4 and min(loads["codebook g64 (NF4)"], loads["codebook g16 (NVFP4)"]) > 2 * max(
+        loads["affine, Triton's values"], loads["affine, PTX values"]
+    ), out
