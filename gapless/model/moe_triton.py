@@ -175,8 +175,8 @@ def _grouped_gemm_kernel(
     (exactly) to A's type for the dot, and each K step's product is scaled by its block's scale. BITS (4
     or 8; 0: not packed): `W[e]` is [K / P, rows] int32 words, P = 32 / BITS values each packed along K
     (value k at bits BITS * (k % P)), with `Scales`, `Zeros` [e, k // GROUP, row]: each tile is
-    unpacked and dequantized, (q - zero) * scale in fp32 (CODEBOOK: `Levels[q] * scale`, bitsandbytes'
-    NF4 or GGUF's IQ4 levels, no zeros), then rounded once to A's type for the dot."""
+    unpacked and dequantized, (q - zero) * scale in fp32 (CODEBOOK: `Levels[q] * scale`, GGUF's IQ4
+    levels or NVFP4's e2m1 values, no zeros), then rounded once to A's type for the dot."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):

@@ -43,9 +43,10 @@ its sm_90 loop body is 253 instructions for 16 x 64 words at one row and 16 alik
 420 and the 16-row tiles' 627, its wgmma reading W from registers; the values still pass through shared
 memory once, 16 bytes a store, to reach the register layout the tensor cores read.
 
-A codebook's weight (bitsandbytes' NF4 and FP4: 16 float levels, not evenly spaced) is held in the same
-layout with `W[n, k] = levels[q] * scales[g, n]` and no zeros (`levels`): each value is a gather load from
-the 64-byte table (`int4_values.level`), on the GEMV and the Triton-valued tiles; never timed on a GPU.
+A codebook's weight (bitsandbytes' NF4 and FP4, GGUF's IQ4, NVFP4's e2m1: 16 levels, not evenly spaced,
+`int4_layouts.Unpacked.levels`) is held in the same layout with `W[n, k] = levels[q] * scales[g, n]` and
+no zeros (`levels`): each value is a gather load from the 64-byte table (`int4_values.level`), on the GEMV
+and the Triton-valued tiles; never timed on a GPU (its sm_90 binary: bench/results/sm90_codebook_cpu).
 
 Decode (M <= 16) has few output tiles (N / BLOCK_N), fewer than the GPU's SMs on an 8B-shape layer, so K
 is split among programs, and the last of a tile's programs to finish adds their partial sums up in split
