@@ -10,8 +10,8 @@ conversion instruction, which Hopper runs on a slow pipe:
   them equal).
 - `factored_words` (`GemmConfig.factored`, the GEMV's): each word's values less the zero times x summed
   in float32, times the scale once a word; a value is one LOP3, one FADD and one FFMA.
-- `level`: a codebook's value (NF4's, FP4's: 16 float levels, not evenly spaced), looked up by its bits,
-  times the scale.
+- `level`: a codebook's value (NF4, FP4, IQ4, NVFP4's e2m1: 16 levels, not evenly spaced), looked up by
+  its bits, times the scale.
 """
 
 from __future__ import annotations
