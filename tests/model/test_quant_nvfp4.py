@@ -18,6 +18,7 @@ from gapless.model import loader
 from gapless.model.layers import ReplicatedLinear, _Linear
 from gapless.model.moe import Experts
 from gapless.model.quant import int4, quantization, weights_held
+from gapless.model.quant.base import UNQUANTIZED
 from gapless.model.quant.formats import QuantFormatError, checkpoint_quantization, resolve
 from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
@@ -77,6 +78,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
         torch.equal(m.linear_method.dequantized(torch.float32), ref.get_submodule(n).weight)
         for n, m in linear
     )
+    assert model.lm_head.linear_method is UNQUANTIZED  # (the checkpoint leaves it float)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     assert bool(experts) == (arch == "qwen3_moe")
     assert all(q.levels is not None and q.group == 16 for m in experts for q in m.int_quant)
