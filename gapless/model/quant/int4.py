@@ -72,9 +72,8 @@ class Int4LinearMethod:
             return
         self.qweight = pack_int32(w.q.t(), spec.bits, dim=0).to(device)
         self.scales = w.scale.t().to(dtype).contiguous().to(device)
-        self.zeros = w.zero.t().to(zeros_dtype([w.zero], dtype)).contiguous().to(device)
-        if self.levels is not None:  # (its zeros are 0: not held)
-            self.zeros = self.zeros.new_empty(0)
+        zero = w.zero if self.levels is None else w.zero[:0]  # (a codebook's zeros are 0: not held)
+        self.zeros = zero.t().to(zeros_dtype([w.zero], dtype)).contiguous().to(device)
         # a codebook's weight where no kernel of the device takes one (the CPU's int kernels take evenly
         # spaced levels alone): dequantized once, beside its codes, not on every call
         if self.levels is not None and device.type != "cuda" and not TRITON_ON_CPU:
