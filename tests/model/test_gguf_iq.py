@@ -34,8 +34,9 @@ def _zero_first_scale(b, qtype: str, row: int) -> None:
 def test_each_i_quant_is_the_files_weights_bit_for_bit(qtype):
     """The values (table levels, lattice points with their signs) and group scales read from the blocks
     are the file's weights exactly, in the form `FORMS` gives (IQ3_S and IQ1_* in 4 bits with a zero of
-    7.5 or 4.5, the rest in 8), a block whose scale is 0 too; IQ4's also as 4-bit indices into its levels
-    (the codebook form a GPU holds them in); on the CPU's kernels groups of 16 are int8 rows."""
+    7.5 or 4.5, the rest in 8), a block whose scale is 0 too; those in 8 bits also as 4-bit indices into
+    their codebook's levels (the form a GPU holds them in); on the CPU's kernels groups of 16 are int8
+    rows."""
     bits, group = gguf_iq.FORMS[qtype]
     b = random_blocks(qtype, 24, 512)
     _zero_first_scale(b, qtype, 5)
@@ -46,13 +47,16 @@ def test_each_i_quant_is_the_files_weights_bit_for_bit(qtype):
     w = unpacked(b, spec)
     assert int(w.q.min()) >= 0 and int(w.q.max()) < 1 << bits and w.scale.shape == (24, 512 // group)
     torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=0)
-    if qtype in gguf_iq.CODEBOOK_TYPES:
+    if qtype in gguf_iq.CODEBOOKS:
+        assert bits == 8
         spec = spec_for([b])
-        assert (spec.bits, spec.group_size, spec.label) == (4, 32, f"{qtype} as iq4_nl codes g32")
+        book = gguf_iq.CODEBOOKS[qtype]
+        assert (spec.bits, spec.group_size, spec.label) == (4, group, f"{qtype} as {book} codes g{group}")
         w = unpacked(b, spec)
         assert int(w.q.max()) < 16 and w.levels is not None and not bool(w.zero.any())
         torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=0)
     else:
+        assert bits == 4
         assert spec_for([b]) == spec
     assert spec_for([b], cpu=True).group_size == (-1 if group < 32 else group)
     # the same values whatever the rows read (a chunked read), and the float rows the CPU's int8 rows and
@@ -65,10 +69,32 @@ def test_each_i_quant_is_the_files_weights_bit_for_bit(qtype):
 
 def test_the_sign_parity_and_the_levels_are_llama_cpps():
     """The 7-bit sign indices' eighth sign is their parity (llama.cpp's `ksigns_iq2xs` table, which gguf
-    ships), and IQ4's levels are its 16 non-uniform ones."""
+    ships), IQ4's levels are its 16 non-uniform ones, and each lattice's codebook is its points' values
+    with both signs (IQ2_XS's and IQ2_S's lattices have IQ2_XXS's values)."""
     ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
     assert gguf_iq._even_signs(torch.arange(128)).tolist() == ksigns.tolist()
     assert gguf_iq._table("IQ4_XS", torch.device("cpu")).tolist() == list(gguf.quants.IQ4_NL.kvalues)
+    assert gguf_iq.levels("iq4_nl").tolist() == list(gguf.quants.IQ4_NL.kvalues)
+    iq3 = [4, 12, 20, 28, 36, 44, 52, 62]
+    assert gguf_iq.levels("iq3_xxs").tolist() == [-v for v in reversed(iq3)] + iq3
+    assert gguf_iq.levels("iq2").tolist() == [-43, -25, -8, 8, 25, 43] + [0] * 10
+    for qtype in ("IQ2_XS", "IQ2_S"):
+        assert gguf_iq._table(qtype, torch.device("cpu")).unique().tolist() == [8, 25, 43]
+
+
+def test_a_projection_fused_from_two_codebooks_is_held_affine():
+    """q/k/v in IQ2_XXS and IQ3_XXS (two codebooks, no one table of 16 holds both) stack in the affine
+    form, 8 bits in the narrower group; IQ2_XXS with IQ2_XS share theirs, in groups of 16: each the file's
+    weights."""
+    parts = [random_blocks(t, 8, 256) for t in ("IQ2_XXS", "IQ3_XXS", "IQ2_XS")]
+    assert spec_for(parts[:2]).label == "IQ2_XXS+IQ3_XXS as int8 g32"
+    shared = spec_for([parts[0], parts[2]])
+    assert shared.label == "IQ2_XS+IQ2_XXS as iq2 codes g16"
+    for spec, pair in ((spec_for(parts[:2]), parts[:2]), (shared, [parts[0], parts[2]])):
+        for b in pair:
+            w = unpacked(b, spec)
+            assert w.scale.shape == (8, 256 // spec.group_size)
+            torch.testing.assert_close(w.dequantize(), _dequantized(b), rtol=0, atol=0)
 
 
 def test_an_unknown_type_is_refused_where_blocks_are_read():
@@ -101,17 +127,18 @@ def _check_against_transformers(path, qtype, tol):
     return model
 
 
-@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ3_S", "IQ2_XS", "IQ1_M"])
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ1_M"])
 def test_greedy_on_the_int4_path_equals_transformers(ckpt_factory, tmp_path, monkeypatch, int4_path, qtype):
-    """A whole model in each form (IQ4's indices into its levels, 8 bits in groups of 32 and 16, 4 bits
-    with a fractional zero in groups of 32 and 16), every projection on the int4/int8 path as a GPU holds
-    it: transformers' greedy tokens reading the same file, divergences at near-ties only."""
+    """A whole model in each form (indices into IQ4's levels, into IQ3_XXS's lattice values and IQ2's in
+    groups of 16; 4 bits with a fractional zero in groups of 32 and 16), every projection on the int4
+    path as a GPU holds it: transformers' greedy tokens reading the same file, divergences at near-ties
+    only."""
     path = _model_of(ckpt_factory, tmp_path, monkeypatch, qtype)
     model = _check_against_transformers(path, qtype, NEAR_TIE["int4"])
     bits, group = gguf_iq.FORMS[qtype]
-    form = "iq4_nl codes" if qtype in gguf_iq.CODEBOOK_TYPES else f"int{bits}"
+    form = f"{gguf_iq.CODEBOOKS[qtype]} codes" if qtype in gguf_iq.CODEBOOKS else f"int{bits}"
     assert_kept_on_the_path(model, f"{qtype} as {form} g{group}")
-    if qtype in gguf_iq.CODEBOOK_TYPES:  # (4 bits a weight, where the affine form takes 8)
+    if qtype in gguf_iq.CODEBOOKS:  # (4 bits a weight, where the affine form takes 8)
         gemms = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
         assert all(g.qweight.numel() * 8 == g.out_features * g.in_features for g in gemms)
 

@@ -194,11 +194,11 @@ def test_a_q4_k_m_files_experts_hold_gate_up_and_down_each_in_its_form(ckpt_fact
 
 
 @pytest.mark.parametrize(
-    ("qtype", "form"), [("IQ3_S", "int4 g32"), ("IQ2_XS", "int8 g16"), ("IQ4_XS", "iq4_nl codes g32")]
+    ("qtype", "form"), [("IQ3_S", "int4 g32"), ("IQ2_XS", "iq2 codes g16"), ("IQ4_XS", "iq4_nl codes g32")]
 )
 def test_i_quant_experts_hold_the_files_values(ckpt_factory, tmp_path, int4_path, qtype, form):
-    """A mixture written in an i-quant (random blocks; IQ3_S's 4 bits with a zero of 7.5, IQ2_XS's lattice
-    in 8 bits in groups of 16, IQ4_XS's 4-bit indices into its levels): every expert held in that form,
+    """A mixture written in an i-quant (random blocks; IQ3_S's 4 bits with a zero of 7.5, IQ2_XS's 4-bit
+    indices into IQ2's levels in groups of 16, IQ4_XS's into IQ4's): every expert held in that form,
     every prompt position's logprob equal to transformers' reading the same file."""
     wide = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, head_dim=64)
     ckpt = ckpt_factory("qwen3_moe", **_TINY["qwen3_moe"], **wide)

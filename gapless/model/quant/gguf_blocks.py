@@ -185,8 +185,8 @@ def affine_parts(
 
 
 def codebook_parts(b: GGUFBlocks, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int16 [rows, cols], scale float32 [rows, groups of 32]) of an IQ4 type (`gguf_iq.CODEBOOK_TYPES`):
-    `w = gguf_iq.levels()[q] * scale`, read from the blocks on `device`."""
+    """(q int16 [rows, cols], scale float32 [rows, groups]) of an i-quant with a codebook
+    (`gguf_iq.CODEBOOKS`): `w = gguf_iq.levels(its codebook)[q] * scale`, read from the blocks on `device`."""
     q, scale = gguf_iq.codes(b.qtype, _blocks(b, device))
     return q.to(torch.int16), scale
 

@@ -14,10 +14,12 @@ tinygemm at decode rows and the Triton GEMM above, `int4_kernels`):
   vLLM read them exactly and `gguf_cpu`'s int8 rows round them (Q8_0 +2.2% perplexity there). On the CPU's
   kernels (tensor parallelism), groups of 16, which none takes, are int8 rows instead: each row
   requantized with one scale (`gguf_blocks.int8_rows`, as `gguf_cpu`'s), 8 bits one group a row.
-- **IQ4_NL, IQ4_XS** (other i-quants: `gguf_iq`): 4 bits in groups of 32, each weight's index into IQ4's 16
-  levels, which the Triton GEMM takes as its codebook (`W = levels[q] * scale`, the file's weights); in
-  the affine form above they would take 8 bits (a mixture's experts likewise, in the grouped GEMM). Not on
-  the CPU's kernels, nor a projection fused with another type: there the affine form.
+- **IQ4_NL, IQ4_XS, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S** (the i-quants the affine form takes in 8 bits:
+  `gguf_iq`): 4 bits in the type's groups (16 or 32), each weight's index into its type's levels (IQ4's
+  16, IQ3_XXS's 16 lattice values, IQ2's 6), which the Triton GEMM takes as its codebook (`W = levels[q] *
+  scale`, the file's weights; a mixture's experts likewise, in the grouped GEMM). Not on the CPU's
+  kernels, nor a projection fused with a type of another codebook: there the affine form. IQ3_S and IQ1_*
+  are 4 bits in the affine form already.
 
 A fused projection (q/k/v, gate/up) whose parts differ (Q4_K_M files write some layers' `attn_v` as Q6_K) is
 held in the widest of their bits and the narrowest of their groups (Q4_K with Q6_K: 8 bits in groups of 16,
@@ -42,7 +44,6 @@ from gapless.model.moe import Experts
 from gapless.model.quant import gguf_iq, int4, int4_kernels
 from gapless.model.quant.gguf_blocks import (
     FORMS,
-    GROUP,
     INT4_TYPES,
     GGUFBlocks,
     affine_parts,
@@ -53,8 +54,6 @@ from gapless.model.quant.gguf_blocks import (
 )
 from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 
-IQ4_CODEBOOK = "iq4_nl"  # (the levels IQ4_NL and IQ4_XS share, as a spec names its codebook)
-
 
 def _form(qtype: str, cpu: bool) -> tuple[int, int]:
     """(bits, group; -1: int8 rows, one group a row) a matrix of `qtype` is held in (the module's
@@ -64,13 +63,15 @@ def _form(qtype: str, cpu: bool) -> tuple[int, int]:
 
 
 def spec_for(parts: list[GGUFBlocks], cpu: bool = False, codebook: bool = True) -> Int4Spec:
-    """The int4/int8 scheme a projection stacked from `parts` is held in: IQ4's 4-bit indices with its
-    levels as the codebook where every part is IQ4's (`gguf_iq.CODEBOOK_TYPES`; asked for by `codebook`,
-    and not for the CPU's kernels, which take none); else the widest of their forms' bits in the narrowest
-    of their groups, or int8 rows if any part is (`_form`)."""
-    if codebook and not cpu and all(p.qtype in gguf_iq.CODEBOOK_TYPES for p in parts):
-        return Int4Spec("gguf", 4, GROUP, sym=True, source=label(parts), codebook=IQ4_CODEBOOK)
+    """The int4/int8 scheme a projection stacked from `parts` is held in: 4-bit indices into one codebook
+    where every part's type has that one (`gguf_iq.CODEBOOKS`; asked for by `codebook`, and not for the
+    CPU's kernels, which take none), in the narrowest of their groups; else the widest of their forms'
+    bits in the narrowest of their groups, or int8 rows if any part is (`_form`)."""
     forms = [_form(p.qtype, cpu) for p in parts]
+    books = {gguf_iq.CODEBOOKS.get(p.qtype) for p in parts}
+    if codebook and not cpu and len(books) == 1 and None not in books:
+        group = min(g for _, g in forms)
+        return Int4Spec("gguf", 4, group, sym=True, source=label(parts), codebook=books.pop() or "")
     if any(group < 0 for _, group in forms):
         return Int4Spec("gguf", 8, -1, sym=True, source=label(parts))
     bits, group = max(b for b, _ in forms), min(g for _, g in forms)
@@ -80,11 +81,12 @@ def spec_for(parts: list[GGUFBlocks], cpu: bool = False, codebook: bool = True) 
 def unpacked(b: GGUFBlocks, spec: Int4Spec, device: torch.device | str = "cpu") -> Unpacked:
     """One matrix's weight in the path's form for a projection held as `spec` (`spec_for`), on `device`:
     its own values, scales and zeros (read there from the blocks), each (scale, zero) repeated over
-    `spec`'s narrower groups; IQ4's indices, scales and levels (a codebook's spec); or int8 rows (read on
-    the host: the CPU's form)."""
+    `spec`'s narrower groups; an i-quant's indices, scales (likewise) and levels (a codebook's spec); or
+    int8 rows (read on the host: the CPU's form)."""
     if spec.codebook:
         q, scale = codebook_parts(b, device)
-        return Unpacked(q, scale, torch.zeros_like(scale), levels=gguf_iq.levels(device))
+        scale = scale.repeat_interleave(b.cols // scale.shape[1] // spec.group_size, 1)
+        return Unpacked(q, scale, torch.zeros_like(scale), levels=gguf_iq.levels(spec.codebook, device))
     if spec.group_size < 0:
         q, scale = int8_rows(b)
         rows = torch.full((b.rows, 1), 128.0)

@@ -10,9 +10,10 @@ unsigned values `u` and, a group, `scale` and `offset` with `w = u * scale + off
 - 4 bits, where the signed values are every other integer: IQ3_S (+-1, 3 .. 15: `u = (v + 15) / 2`) and
   IQ1_S/IQ1_M (`8 (g + delta)` = +-1, 7, 9 with g in {-1, 0, 1}: `u = (v + 9) / 2`), a fractional zero.
 
-IQ4's are also read as they are stored (`codes`: each weight's 4-bit index into the 16 levels, and its
-group's scale), which the int4 path's Triton GEMM runs with the levels as its codebook (on a GPU: 4 bits
-a weight where the affine form takes 8).
+The types the affine form takes in 8 bits are also read as a 4-bit codebook (`codes`: each weight's
+index into its type's levels, and its group's scale; `CODEBOOKS`), which the int4 path's Triton GEMM runs
+(on a GPU: 4 bits a weight where the affine form takes 8). Each has at most 16 signed values: IQ4's 16
+levels, IQ3_XXS's lattice values +-4, 12 .. 52, 62 (16), IQ2_*'s +-8, 25, 43 (6 of the 16 entries).
 """
 
 from __future__ import annotations
@@ -38,8 +39,17 @@ FORMS = {
 }
 # the signed values' offset to unsigned and their step: `u = (v + shift) / step`
 _UNSIGNED = {"IQ3_S": (15, 2), "IQ1_S": (9, 2), "IQ1_M": (9, 2)}
-# the types whose values are 4-bit indices into IQ4's 16 levels: held so on a GPU (`codes`), in 4 bits
-CODEBOOK_TYPES = ("IQ4_NL", "IQ4_XS")
+# the types held as 4-bit indices into a codebook on a GPU (`codes`), by the codebook's name (a spec's
+# `codebook`): those the affine form takes in 8 bits
+CODEBOOKS = {
+    "IQ4_NL": "iq4_nl",
+    "IQ4_XS": "iq4_nl",
+    "IQ3_XXS": "iq3_xxs",
+    "IQ2_XXS": "iq2",
+    "IQ2_XS": "iq2",
+    "IQ2_S": "iq2",
+}
+_CODEBOOK_SOURCE = {"iq4_nl": "IQ4_NL", "iq3_xxs": "IQ3_XXS", "iq2": "IQ2_XXS"}  # (whose table gives it)
 
 
 @functools.cache
@@ -83,23 +93,42 @@ def _iq4(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return nibbles(blk[..., 8:136].reshape(rows, n, 8, 16)).flatten(2), scale
 
 
-def levels(device: torch.device | str = "cpu") -> torch.Tensor:
-    """IQ4's 16 levels (llama.cpp's `kvalues_iq4nl`), float32."""
-    return _table("IQ4_NL", torch.device(device)).float()
+@functools.cache
+def _signed_levels(codebook: str, device: torch.device) -> torch.Tensor:
+    """Codebook `codebook`'s signed values (int16, ascending, at most 16): IQ4's levels, or a lattice's
+    values with both signs."""
+    table = _table(_CODEBOOK_SOURCE[codebook], device)
+    if codebook == "iq4_nl":
+        return table
+    magnitudes = table.unique()
+    return torch.cat([-magnitudes.flip(0), magnitudes])
+
+
+def levels(codebook: str = "iq4_nl", device: torch.device | str = "cpu") -> torch.Tensor:
+    """Codebook `codebook`'s 16 levels (a spec's `codebook` name, `CODEBOOKS`), float32; entries past its
+    values (IQ2's 6) are 0 and never indexed."""
+    values = _signed_levels(codebook, torch.device(device)).float()
+    return torch.nn.functional.pad(values, (0, 16 - values.numel()))
 
 
 def codes(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index uint8 [rows, cols], scale float32 [rows, groups of 32]) of a matrix of a `CODEBOOK_TYPES`
-    type from its blocks: `w = levels()[index] * scale`, exactly the file's weights."""
+    """(index uint8 [rows, cols], scale float32 [rows, groups]) of a matrix of a `CODEBOOKS` type from its
+    blocks: `w = levels(CODEBOOKS[qtype])[index] * scale`, exactly the file's weights, in the type's groups
+    (`FORMS`)."""
     rows = blk.shape[0]
-    index, scale = _iq4(qtype, blk)
+    if CODEBOOKS[qtype] == "iq4_nl":
+        index, scale = _iq4(qtype, blk)
+    else:  # each signed value's place among the codebook's (ascending: its rank)
+        v, scale = _signed(qtype, blk)
+        table = _signed_levels(CODEBOOKS[qtype], blk.device)
+        index = torch.searchsorted(table, v.contiguous()).to(torch.uint8)
     return index.reshape(rows, -1), scale.reshape(rows, -1)
 
 
 def _signed(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(v int16 [rows, blocks, weights a block], scale float32 [rows, blocks, groups a block]): the blocks'
     signed values and group scales, `w = v * scale`."""
-    if qtype in CODEBOOK_TYPES:
+    if qtype in ("IQ4_NL", "IQ4_XS"):
         index, scale = _iq4(qtype, blk)
         return _lookup(qtype, index), scale
     rows, n = blk.shape[:2]

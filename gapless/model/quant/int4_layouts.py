@@ -89,7 +89,8 @@ class Int4Spec:
     # what a file holds where it is not a checkpoint's scheme: a GGUF file's block types ("Q4_K"), which
     # the label names as `gguf_cpu`'s layers do ("Q4_K as int4 g32", "Q6_K as int8 per-row")
     source: str = ""
-    # a codebook's name ("nf4", "fp4", "iq4_nl", "nvfp4"): the values are its levels (`Unpacked.levels`)
+    # a codebook's name ("nf4", "fp4", "nvfp4"; GGUF's "iq4_nl", "iq3_xxs", "iq2"): the values are its
+    # levels (`Unpacked.levels`)
     codebook: str = ""
 
     @property
