@@ -10,7 +10,9 @@ model (the first divergence per prompt, and the float model's top-2 logit gap th
 The CPU runs each format's reference path: FP8 W8A8 rounds the activations as the CUDA kernel does and
 multiplies by the dequantized weight; int4/int8 run the dequantized weights (their rounding is the
 checkpoint's own, here round-to-nearest by `gapless.testing.quant_checkpoints`, not GPTQ's or AWQ's
-calibrated one, so it is the worst case of each layout); and the int rows torch's CPU kernels take (4
+calibrated one, so it is the worst case of each layout), as do NVFP4 (`gapless.testing.nvfp4_checkpoints`,
+weight-only as on Hopper) and bitsandbytes 4-bit (`gapless.testing.bnb_checkpoints`, bitsandbytes' own
+rounding to the nearest code: the engine's CPU default, bitsandbytes' fused kernel where it runs); and the int rows torch's CPU kernels take (4
 or 8 bits in groups of 32-256 or per row) again on those kernels, the engine's default on the CPU, which
 round the activations, scales and zeros to bfloat16 (`GAPLESS_INT4_KERNEL=auto` against `triton`). The FP8 KV
 cache stores e4m3 keys and values with scales 1.0 (the checkpoint has none). lm-evaluation-harness's tasks
@@ -32,7 +34,9 @@ from safetensors.torch import save_file
 
 from gapless.default_model.smollm2 import smollm2_path
 from gapless.model.quant.int4_kernels import cpu_runs
+from gapless.testing.bnb_checkpoints import write_bnb
 from gapless.testing.fp8_checkpoints import write_fp8_checkpoint
+from gapless.testing.nvfp4_checkpoints import write_nvfp4
 from gapless.testing.quant_checkpoints import write_quantized
 
 
@@ -75,6 +79,9 @@ def formats(work: Path) -> dict[str, tuple[Path, dict[str, object]]]:
         rows[f"{label}, reference path"] = (out, {"int4_kernel": "triton"})
         if cpu_runs(bits, group if group > 0 else 576, 576):  # (the model's hidden size)
             rows[f"{label}, torch's CPU kernels"] = (out, {"int4_kernel": "auto"})
+    for kind in ("nf4", "fp4", "int8"):  # (4-bit: blocks of 64, their absmax double-quantized)
+        rows[f"bitsandbytes {kind}"] = (write_bnb(base, work, kind)[0], {})
+    rows["nvfp4 (ModelOpt: e2m1 codes, e4m3 scales g16)"] = (write_nvfp4(base, work, "modelopt")[0], {})
     return rows
 
 

@@ -20,12 +20,14 @@ from safetensors.torch import load_file, save_file
 from gapless import LLM, SamplingParams
 from gapless.model import loader
 from gapless.model.layers import ReplicatedLinear, _Linear
+from gapless.model.moe import Experts
 from gapless.model.quant import bnb, int4, quantization, weights_held
 from gapless.model.quant.base import UNQUANTIZED
 from gapless.model.quant.formats import QuantFormatError, resolve
 from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.bnb_checkpoints import quantization_config, write_bnb
 from gapless.testing.hf_reference import check_greedy, hf_greedy, hf_logits, load_hf_model, make_prompts
+from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 
 MAX_NEW = 8
 CPU = torch.device("cpu")
@@ -176,6 +178,55 @@ def test_4bit_kept_for_the_triton_gemm_holds_the_checkpoints_weights(
     _agrees(qdir, load_hf_model(refdir))
 
 
+def _experts(model: torch.nn.Module) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+@pytest.mark.parametrize("kind,nested", [("nf4", True), ("fp4", False)])
+def test_4bit_experts_kept_for_the_triton_gemm_hold_the_checkpoints_weights(
+    ckpt_factory, tmp_path, monkeypatch, kind, nested
+):
+    """A mixture whose checkpoint quantizes each expert's projections (one `nn.Linear` an expert, as
+    transformers 4 wrote them: unsloth's MoE `*-bnb-4bit`): on the Triton route every layer's experts are
+    held as the checkpoint's codes for the grouped GEMM, each expert's weight the reference's bit for bit,
+    in 4 bits; transformers' tokens on the reference."""
+    monkeypatch.setattr(bnb, "kept", lambda device: "triton")
+    monkeypatch.setenv("GAPLESS_CPU_GEMM", "plain")
+    qdir, refdir = write_bnb(ckpt_factory("qwen3_moe", moe_intermediate_size=64), tmp_path, kind, nested)
+    model = loader.load_model(qdir, torch.float32, CPU)
+    ref = loader.load_model(refdir, torch.float32, CPU)
+    for ours, theirs in zip(_experts(model), _experts(ref), strict=True):
+        assert ours.weight_format == f"bitsandbytes {kind} g64 experts"
+        assert ours.int_quant is not None and ours.cpu_weights is not None
+        table = torch.tensor(bnb.TABLES[kind])
+        assert all(q.levels is not None and torch.equal(q.levels, table) for q in ours.int_quant)
+        assert (
+            ours.gate_up_proj.dtype == torch.int32
+            and ours.gate_up_proj.numel() * 8 == theirs.gate_up_proj.numel()
+        )
+        assert torch.equal(ours.cpu_weights[0], theirs.gate_up_proj) and torch.equal(
+            ours.cpu_weights[1], theirs.down_proj
+        )
+    _agrees(qdir, load_hf_model(refdir))
+
+
+def test_4bit_experts_on_two_ranks_hold_each_ranks_piece(ckpt_factory, tmp_path, monkeypatch):
+    """Each tensor-parallel rank quantizes its own piece of the experts again (gate/up rows, down columns
+    in whole blocks): the whole layer's weights cut; where a rank's down columns would split the
+    checkpoint's blocks (32 of a block of 64), its experts stay float."""
+    monkeypatch.setattr(bnb, "kept", lambda device: "triton")
+    monkeypatch.setenv("GAPLESS_INT4_KERNEL", "triton")
+    src = ckpt_factory("qwen3_moe", moe_intermediate_size=128)
+    qdir, _ = write_bnb(src, tmp_path, "nf4")
+    whole, ranks = load_as_ranks(qdir)
+    for experts, *pieces in zip(_experts(whole), *map(_experts, ranks), strict=True):
+        assert all(p.weight_format == "bitsandbytes nf4 g64 experts" for p in [experts, *pieces])
+        assert_experts_cut(experts, pieces)
+    qdir, _ = write_bnb(ckpt_factory("qwen3_moe", moe_intermediate_size=64), tmp_path / "split", "nf4")
+    _, ranks = load_as_ranks(qdir)
+    assert all(e.int_quant is None and e.weight_format is None for r in ranks for e in _experts(r))
+
+
 def test_4bit_on_the_triton_gemm_gives_transformers_tokens(ckpt_factory, tmp_path, monkeypatch):
     """The Triton GEMM itself over the codebook's weights (on CUDA where there is one, else under the
     interpreter: `int4.TRITON_ON_CPU`, which `kept` takes as a GPU's route): transformers' greedy tokens on
@@ -196,18 +247,22 @@ def test_4bit_on_the_triton_gemm_gives_transformers_tokens(ckpt_factory, tmp_pat
     assert len(calls) >= 8 * 4 and all(calls)  # (forwards x projections, each with the codebook)
 
 
-def test_a_dummy_load_keeps_random_4bit_layers_and_generates(ckpt_factory, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_a_dummy_load_keeps_random_4bit_layers_and_generates(ckpt_factory, tmp_path, monkeypatch, arch):
     """`--load-format dummy` of an NF4 checkpoint's config (`gapless.bench.quant`'s `-nf4` shapes): random
-    weights NF4 holds (`bnb.representable`), which every linear layer then keeps as a checkpoint's; the
-    engine generates."""
+    weights NF4 holds (`bnb.representable`), which every linear layer (and a mixture's experts) then keeps
+    as a checkpoint's; the engine generates."""
     monkeypatch.setattr(bnb, "kept", lambda device: "triton")
-    qdir, _ = write_bnb(ckpt_factory("qwen3"), tmp_path, "nf4", nested=True)
+    shape = {"moe_intermediate_size": 64} if arch == "qwen3_moe" else {}
+    qdir, _ = write_bnb(ckpt_factory(arch, **shape), tmp_path, "nf4", nested=True)
     for file in qdir.glob("*.safetensors"):
         file.unlink()
     model = loader.load_model(qdir, torch.bfloat16, CPU, dummy=True)
     linear = _linear_layers(model)
     assert all(getattr(m.linear_method, "levels", None) is not None for m in linear)
     assert all(0.01 < float(m.linear_method.dequantized(torch.float32).std()) < 0.03 for m in linear)
+    assert all(e.weight_format == "bitsandbytes nf4 g64 experts" for e in _experts(model))
+    assert len(_experts(model)) == (1 if arch == "qwen3_moe" else 0)
     with LLM(str(qdir), device="cpu", dtype="bfloat16", load_format="dummy", kv_cache_tokens=256) as llm:
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4

@@ -26,12 +26,14 @@ times a code of +-1; double-quantized scales are kept as float32), which is chec
 checkpoint kept in float, or whose blocks span rows (or a rank's share of them), stays float. Then:
 
 - on CUDA, the int4 path's Triton GEMM with the codebook (`codes`; `int4_triton`: each value a lookup in
-  the 16 levels), every rank's shard of a layer its own; no bitsandbytes needed; never timed on a GPU;
+  the 16 levels), every rank's shard of a layer its own; no bitsandbytes needed; never timed on a GPU. A
+  mixture's experts likewise (`_hold_experts`), for the grouped GEMM (`moe_triton`), where the checkpoint
+  quantized each expert's projections (transformers 4 wrote one `nn.Linear` an expert);
 - on a one-rank CPU with bitsandbytes installed and its fused CPU kernel usable (AVX512-BF16),
   bitsandbytes' own `Linear4bit` (x in bfloat16): one thread, 0.18-0.22x bfloat16 torch.mm's time at one
   row on Llama-3-8B's layers, 0.46-0.50x at eight (`bench/results/bnb_cpu`).
 
-Elsewhere its weights run as float layers; a mixture's experts always do."""
+Elsewhere its weights run as float layers, and so do a mixture's experts on bitsandbytes' CPU kernel."""
 
 from __future__ import annotations
 
@@ -235,10 +237,10 @@ class Bnb4LinearMethod:
 
 
 def usual_targets(model: nn.Module) -> list[str]:
-    """Every linear layer but the routers (the head is no `_Linear`); a mixture's experts stay float."""
+    """Every linear layer but the routers (the head is no `_Linear`), and every mixture's experts."""
     from gapless.model.quant import int4
 
-    return [name for name, m in model.named_modules() if int4.is_quantized_linear(m)]
+    return [name for name, m in model.named_modules() if int4.quantizes(m)]
 
 
 def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> list[str]:
@@ -294,21 +296,30 @@ def codes(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.T
 
 
 def representable(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """`w` as the nearest weight `spec`'s codebook holds in bitsandbytes' default blocks of 64 (where K
-    allows; else `w`): a `--load-format dummy` load's random weights (`gapless.bench.quant`'s `-nf4`
-    shapes), which `finish_module` then keeps as a checkpoint's."""
-    if w.shape[1] % BLOCKS[0]:
+    """`w` [..., K] (a layer's weight, or a mixture's experts' [E, N, K]) as the nearest weight `spec`'s
+    codebook holds in bitsandbytes' default blocks of 64 (where K allows; else `w`): a `--load-format
+    dummy` load's random weights (`gapless.bench.quant`'s `-nf4` shapes), which `finish_module` then keeps
+    as a checkpoint's."""
+    if w.shape[-1] % BLOCKS[0]:
         return w
-    out = torch.empty_like(w)
-    for rows, q, absmax in _in_blocks(w, spec.codebook, BLOCKS[0]):
-        out[rows] = _values(q, absmax, spec.codebook).to(w.dtype)
-    return out
+    rows = w.reshape(-1, w.shape[-1])
+    out = torch.empty_like(rows)
+    for sl, q, absmax in _in_blocks(rows, spec.codebook, BLOCKS[0]):
+        out[sl] = _values(q, absmax, spec.codebook).to(w.dtype)
+    return out.view_as(w)
 
 
 def finish_module(layer: Any, spec: QuantSpec) -> None:
     """`layer`'s float weight quantized again in the first block size that gives back the same weight
     (to within its dtype's rounding, for a model below float32), held by what `kept` names and freed; a
-    weight none gives back (a layer the checkpoint kept in float) stays float."""
+    weight none gives back (a layer the checkpoint kept in float) stays float. A mixture's experts
+    likewise for the Triton GEMM (`_hold_experts`); bitsandbytes' kernel takes none."""
+    from gapless.model.moe import Experts
+
+    if isinstance(layer, Experts):
+        if kept(layer.gate_up_proj.device) == "triton":
+            _hold_experts(layer, spec.codebook)
+        return
     w = layer.weight.data
     hold = _hold_for_triton if kept(w.device) == "triton" else _hold_for_bitsandbytes
     for block in (b for b in BLOCKS if w.shape[1] % b == 0):
@@ -333,6 +344,47 @@ def _hold_for_triton(layer: Any, w: torch.Tensor, kind: str, block: int) -> bool
     return True
 
 
+Codes = tuple[torch.Tensor, torch.Tensor]  # (codes int16 [N, K], absmax float32 [N, K / block]): `codes`
+
+
+def _expert_codes(weights: torch.Tensor, kind: str) -> tuple[int, list[Codes]] | None:
+    """(the block, each expert's `codes`) of a mixture's float weights [E, N, K] in the first block size
+    that gives back every expert's weight; None where none does."""
+    for block in (b for b in BLOCKS if weights.shape[2] % b == 0):
+        found: list[Codes] = []
+        for w in weights:  # (the first expert not given back ends the block's try)
+            code = codes(w, kind, block)
+            if code is None:
+                break
+            found.append(code)
+        else:
+            return block, found
+    return None
+
+
+def _hold_experts(experts: Any, kind: str) -> None:
+    """A mixture's `Experts` (this rank's float weights) held as codes for the grouped GEMM with the
+    codebook (`int4.install_experts`, its weights not cut again), gate/up and down each in its own first
+    block size that gives back every expert's weight; where either gives none back (experts the checkpoint
+    kept in float), they stay float."""
+    from gapless.model.quant import int4
+    from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
+
+    gate_up, down = (_expert_codes(w.data, kind) for w in (experts.gate_up_proj, experts.down_proj))
+    if gate_up is None or down is None:
+        return
+    table = torch.tensor(TABLES[kind], dtype=torch.float32)
+    shards: dict[tuple[int, str], Unpacked] = {}
+    for e, ((q, absmax), (dq, dabsmax)) in enumerate(zip(gate_up[1], down[1])):
+        both = Unpacked(q, absmax, torch.zeros_like(absmax), levels=table)  # (gate's rows, then up's)
+        shards[(e, "gate")] = both.map(lambda t: t[: experts.inter])
+        shards[(e, "up")] = both.map(lambda t: t[experts.inter :])
+        shards[(e, "down")] = Unpacked(dq, dabsmax, torch.zeros_like(dabsmax), levels=table)
+    spec, down_spec = (Int4Spec("bitsandbytes", 4, b, sym=True, codebook=kind) for b in (gate_up[0], down[0]))
+    dtype = experts.gate_up_proj.dtype
+    int4.install_experts(experts, shards, spec, dtype, "bitsandbytes experts", down_spec, cut=False)
+
+
 def _hold_for_bitsandbytes(layer: Any, w: torch.Tensor, kind: str, block: int) -> bool:
     """As `_hold_for_triton`, by bitsandbytes' own quantizer, for its `Linear4bit` (`Bnb4LinearMethod`)."""
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
@@ -351,12 +403,18 @@ def finish(model: nn.Module, spec: QuantSpec, modules: list[str], done: Collecti
     for name in modules:
         if name not in done:
             finish_module(model.get_submodule(name), spec)
-    methods = [getattr(model.get_submodule(n), "linear_method", None) for n in modules]
+    from gapless.model.moe import Experts
+
+    layers = [model.get_submodule(n) for n in modules]
+    methods = [getattr(m, "linear_method", None) for m in layers]
     kept_layers = sum(getattr(m, "quant_method", None) == "bitsandbytes" for m in methods)
+    experts = [m for m in layers if isinstance(m, Experts)]
     log.info(
-        "bitsandbytes %s: %d of %d linear layers kept in 4 bits (%s)",
+        "bitsandbytes %s: %d of %d linear layers and %d of %d mixtures' experts kept in 4 bits (%s)",
         spec.codebook,
         kept_layers,
-        len(modules),
+        len(modules) - len(experts),
+        sum(e.int_quant is not None for e in experts),
+        len(experts),
         "bitsandbytes' CPU kernel" if any(isinstance(m, Bnb4LinearMethod) for m in methods) else "Triton",
     )

@@ -220,13 +220,15 @@ def install_experts(
     dtype: torch.dtype,
     where: str,
     down_spec: Int4Spec | None = None,
+    cut: bool = True,
 ) -> None:
     """Give a mixture's `Experts` its quantized weights from each expert's projections (shard id
     (expert, "gate" | "up" | "down") -> whole unpacked weight, in `spec`; down in `down_spec` where it
     differs): cut for this rank as the float experts are (gate/up by rows, down by columns: whole groups
-    per rank), stacked, packed (`moe.WeightQuant`'s layout), zeros held as `zeros_dtype` says, and on the
-    CPU, for the reference loop, each expert's torch CPU kernel where `auto` gives one
-    (`int4_kernels.for_layer`: then the packed words are not kept), else the weights dequantized beside."""
+    per rank; not `cut`: already this rank's), stacked, packed (`moe.WeightQuant`'s layout), zeros held as
+    `zeros_dtype` says, and on the CPU, for the reference loop, each expert's torch CPU kernel where `auto`
+    gives one (`int4_kernels.for_layer`: then the packed words are not kept), else the weights dequantized
+    beside."""
     from gapless.model.moe import WeightQuant
 
     tp, e_count, inter = experts.tp, experts.num_experts, experts.inter
@@ -252,7 +254,7 @@ def install_experts(
         return w.map(lambda t: tp.part(t, tp.size)) if tp.size > 1 else w
 
     def stacked(e: int, projs: tuple[str, ...]) -> Unpacked:
-        parts = [mine(e, p) for p in projs]
+        parts = [mine(e, p) if cut else shards[(e, p)] for p in projs]
         q, scale, zero = map(torch.cat, zip(*(p.tensors for p in parts)))
         return Unpacked(q, scale, zero, levels=parts[0].levels)
 
