@@ -10,11 +10,12 @@ model (the first divergence per prompt, and the float model's top-2 logit gap th
 The CPU runs each format's reference path: FP8 W8A8 rounds the activations as the CUDA kernel does and
 multiplies by the dequantized weight; int4/int8 run the dequantized weights (their rounding is the
 checkpoint's own, here round-to-nearest by `gapless.testing.quant_checkpoints`, not GPTQ's or AWQ's
-calibrated one, so it is the worst case of each layout), as do NVFP4 (`gapless.testing.nvfp4_checkpoints`,
-weight-only as on Hopper) and bitsandbytes 4-bit (`gapless.testing.bnb_checkpoints`, bitsandbytes' own
-rounding to the nearest code: the engine's CPU default, bitsandbytes' fused kernel where it runs); and the int rows torch's CPU kernels take (4
-or 8 bits in groups of 32-256 or per row) again on those kernels, the engine's default on the CPU, which
-round the activations, scales and zeros to bfloat16 (`GAPLESS_INT4_KERNEL=auto` against `triton`). The FP8 KV
+calibrated one, so it is the worst case of each layout); NVFP4 (`gapless.testing.nvfp4_checkpoints`,
+weight-only as on Hopper) and bitsandbytes (`gapless.testing.bnb_checkpoints`: 4-bit codes the nearest
+level of each block of 64, double-quantized scales; 8-bit per row) likewise, on the engine's CPU default
+(bitsandbytes' fused 4-bit kernel where it runs); and the int rows torch's CPU kernels take (4 or 8 bits
+in groups of 32-256 or per row) again on those kernels, the engine's default on the CPU, which round the
+activations, scales and zeros to bfloat16 (`GAPLESS_INT4_KERNEL=auto` against `triton`). The FP8 KV
 cache stores e4m3 keys and values with scales 1.0 (the checkpoint has none). lm-evaluation-harness's tasks
 need their datasets, which this machine cannot download: the perplexity stands in for them. `--only`
 runs the rows whose label holds any of its words (the float32 reference always).

@@ -15,9 +15,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from gapless.model.quant.int4_layouts import AWQ_ORDER, Unpacked, int4_spec_from_config, pack_int32
+from gapless.model.quant.int4_configs import int4_spec_from_config
+from gapless.model.quant.int4_layouts import AWQ_ORDER, Unpacked, pack_int32
 
-LAYOUTS = ("awq", "gptq", "gptq_v2", "compressed-tensors", "int-quantized")
+# AutoRound's packings (`gapless.model.quant.auto_round`) by the layout each stores
+AUTO_ROUND = {"auto_round:auto_gptq": "gptq", "auto_round": "gptq_v2", "auto_round:auto_awq": "awq"}
+LAYOUTS = ("awq", "gptq", "gptq_v2", "compressed-tensors", "int-quantized", *AUTO_ROUND)
 # every decoder projection: attention's, dense MLPs' (a shared expert's too), each expert's (Mixtral: w1/2/3)
 PROJECTIONS = re.compile(r"model\.layers\.\d+\..*(_proj|\.experts\.\d+\.w[123])\.weight$")
 
@@ -59,7 +62,11 @@ def _awq_pack(v: torch.Tensor) -> torch.Tensor:
 
 
 def layout_tensors(w: Unpacked, layout: str, bits: int, group: int) -> dict[str, torch.Tensor]:
-    """One projection's tensors (by suffix) in `layout` (one of LAYOUTS)."""
+    """One projection's tensors (by suffix) in `layout` (one of LAYOUTS; AutoRound's GPTQ layout without
+    g_idx, as its exporter writes it)."""
+    if layout in AUTO_ROUND:
+        tensors = layout_tensors(w, AUTO_ROUND[layout], bits, group)
+        return {name: t for name, t in tensors.items() if name != "g_idx"}
     n, k = w.q.shape
     mask = (1 << bits) - 1
     if layout == "awq":
@@ -109,6 +116,18 @@ def quantization_config(
     layout: str, bits: int, group: int, sym: bool, act_order: bool = False
 ) -> dict[str, Any]:
     """The `quantization_config` a checkpoint of `layout` carries in its config.json."""
+    if layout in AUTO_ROUND:  # (as auto-round 0.9's exporter writes it)
+        return dict(
+            quant_method="auto-round",
+            packing_format=layout,
+            bits=bits,
+            group_size=group,
+            sym=sym,
+            data_type="int",
+            act_bits=16,
+            block_name_to_quantize="model.layers",
+            autoround_version="0.9.0",
+        )
     if layout == "awq":
         return dict(quant_method="awq", bits=bits, group_size=group, zero_point=True, version="gemm")
     if layout in ("gptq", "gptq_v2"):

@@ -20,7 +20,8 @@ from gapless import LLM, SamplingParams
 from gapless.memory.kv_pool import FP8
 from gapless.model.quant import formats
 from gapless.model.quant.formats import QuantFormatError
-from gapless.model.quant.int4_layouts import int4_spec_from_config, split_name, unpack
+from gapless.model.quant.int4_configs import int4_spec_from_config
+from gapless.model.quant.int4_layouts import split_name, unpack
 from gapless.testing.fp8_checkpoints import KV_SCALE, quant_config, write_fp8_checkpoint
 from gapless.testing.quant_checkpoints import quantization_config, write_quantized
 

@@ -20,7 +20,8 @@ from gapless.model.moe import Experts
 from gapless.model.quant import split_k, weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4 import Int4LinearMethod, install
-from gapless.model.quant.int4_layouts import AWQ_ORDER, Int4Spec, int4_spec_from_config, unpack
+from gapless.model.quant.int4_configs import int4_spec_from_config
+from gapless.model.quant.int4_layouts import AWQ_ORDER, Int4Spec, unpack
 from gapless.model.quant.int4_triton import (
     GEMV_PROGRAMS_PER_SM,
     GemmConfig,

@@ -141,16 +141,16 @@ def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
 
 
 def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
-    """AWQ, GPTQ and compressed-tensors `pack-quantized` and `int-quantized`: int4/int8 weights with
-    group-wise scales and zeros; NVFP4 (ModelOpt's, compressed-tensors'): FP4 codes with group scales;
-    activations in the model's dtype (`gapless.model.quant.int4_layouts` reads and refuses the
-    layouts)."""
-    from gapless.model.quant import int4_layouts
+    """AWQ, GPTQ, AutoRound and compressed-tensors `pack-quantized` and `int-quantized`: int4/int8 weights
+    with group-wise scales and zeros; NVFP4 (ModelOpt's, compressed-tensors'): FP4 codes with group
+    scales; activations in the model's dtype (`gapless.model.quant.int4_configs` reads and refuses the
+    configs, `int4_layouts` the tensors)."""
+    from gapless.model.quant import int4_configs
 
     method = str(qcfg.get("quant_method", "")).lower()
     if online:
         raise _not_at_load(method)
-    spec = int4_layouts.int4_spec_from_config(qcfg)
+    spec = int4_configs.int4_spec_from_config(qcfg)
     assert spec is not None  # (its methods are these; another compressed-tensors format never gets here)
     return QuantSpec(method, "int4", spec.label, min_capability=(8, 0), weight_only=spec)
 
@@ -257,6 +257,8 @@ FORMATS: dict[str, Parser] = {
     "modelopt": _modelopt,
     "fbgemm_fp8": _fbgemm_fp8,
     "bitsandbytes": _bitsandbytes,
+    "auto-round": _int4,
+    "intel/auto-round": _int4,
 }
 # vLLM's `--quantization` names for its own kernels of a checkpoint's format: accepted for a checkpoint in
 # one of those formats, which then runs as it would without the flag
@@ -265,6 +267,7 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "gptq_marlin": ("gptq",),
     "moe_wna16": ("awq", "gptq"),
     "modelopt_fp4": ("modelopt",),
+    "inc": ("auto-round", "intel/auto-round"),
 }
 
 

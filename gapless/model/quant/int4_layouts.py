@@ -1,8 +1,9 @@
-"""The weight-only int4/int8 checkpoints' configs and layouts (AWQ's GEMM layout, GPTQ's,
-compressed-tensors' `pack-quantized`): a `quantization_config` read into an `Int4Spec`, and each layer's
-tensors unpacked into one form (`Unpacked`: q [N, K] unsigned, scale and zero [N, K / G],
-`W = (q - zero) * scale`), which `gapless.model.quant.int4` cuts, stacks and packs for the GEMM. The
-layouts, as their writers (AutoAWQ, AutoGPTQ/GPTQModel, compressed-tensors) store them:
+"""The weight-only int4/int8 checkpoints' layouts (AWQ's GEMM layout, GPTQ's, compressed-tensors'
+`pack-quantized`, ...): their scheme (`Int4Spec`, which `gapless.model.quant.int4_configs` reads from a
+`quantization_config`), and each layer's tensors unpacked into one form (`Unpacked`: q [N, K] unsigned,
+scale and zero [N, K / G], `W = (q - zero) * scale`), which `gapless.model.quant.int4` cuts, stacks and
+packs for the GEMM. The layouts, as their writers (AutoAWQ, AutoGPTQ/GPTQModel, compressed-tensors; and
+AutoRound, which writes GPTQ's or AWQ's) store them:
 
 - **AWQ** (`quant_method: awq`, `version: gemm`, 4 bits): `qweight` int32 [K, N / 8] packed along N,
   the 8 columns of an int32 interleaved: nibble i (bits 4i..4i+3) holds column `AWQ_ORDER[i]` of its 8
@@ -44,11 +45,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from gapless.model.quant.formats import QuantFormatError, modelopt_algo  # (every format's one error)
+from gapless.model.quant.formats import QuantFormatError  # (every format's one error)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i]
 METHODS = ("awq", "gptq", "compressed-tensors", "bitsandbytes", "modelopt")
@@ -76,7 +77,7 @@ NVFP4_GROUP = 16
 
 @dataclass(frozen=True)
 class Int4Spec:
-    """A checkpoint's weight-only integer quantization, as `int4_spec_from_config` reads it."""
+    """A checkpoint's weight-only integer quantization, as `int4_configs.int4_spec_from_config` reads it."""
 
     method: str  # one of METHODS
     bits: int  # 4 or 8
@@ -92,9 +93,15 @@ class Int4Spec:
     # a codebook's name ("nf4", "fp4", "nvfp4"; GGUF's "iq4_nl", "iq3_xxs", "iq2"): the values are its
     # levels (`Unpacked.levels`)
     codebook: str = ""
+    # the tool that wrote the checkpoint where its layout is another method's (AutoRound writes GPTQ's or
+    # AWQ's: `gapless.model.quant.auto_round`), which the label names; its GPTQ layout stores no g_idx
+    producer: str = ""
 
     @property
     def label(self) -> str:
+        if self.producer:
+            group = "channel" if self.group_size < 0 else f"g{self.group_size}"
+            return f"{self.producer} w{self.bits}a16 {group} ({self.method} layout)"
         if self.source:
             form = f"{self.codebook} codes" if self.codebook else f"int{self.bits}"
             return f"{self.source} as {form} " + ("per-row" if self.group_size < 0 else f"g{self.group_size}")
@@ -118,152 +125,6 @@ class Int4Spec:
 
     def group_for(self, k: int) -> int:
         return k if self.group_size < 0 else self.group_size
-
-
-def _refuse(method: str, what: str) -> QuantFormatError:
-    return QuantFormatError(f"quantization_config ({method}): {what}")
-
-
-def _check_bits_group(method: str, bits: Any, group: Any, allowed: tuple[int, ...]) -> tuple[int, int]:
-    if bits not in allowed:
-        raise _refuse(method, f"bits={bits} is not run; bits: {', '.join(map(str, allowed))}")
-    if group is None:
-        group = -1
-    if not isinstance(group, int) or not (group == -1 or (group >= 16 and group & (group - 1) == 0)):
-        raise _refuse(method, f"group_size={group} is not run; a power of two >= 16, or -1 (per channel)")
-    return int(bits), group
-
-
-def _awq(qc: dict[str, Any]) -> Int4Spec:
-    version = str(qc.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise _refuse("awq", f"version={version!r} is not read; only the GEMM layout (version 'gemm')")
-    bits, group = _check_bits_group(
-        "awq", qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size")), (4,)
-    )
-    if qc.get("zero_point", True) is False:
-        raise _refuse("awq", "zero_point=false is not read; AWQ's GEMM layout with zero points only")
-    return Int4Spec("awq", bits, group, sym=False)
-
-
-def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's g_idx, `unpack`)
-    # (the format's key: `checkpoint_format`, `format` in some GPTQModel releases, AutoGPTQ's older flag)
-    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
-    if qc.get("is_marlin_format"):
-        fmt = "marlin"
-    if fmt not in ("gptq", "gptq_v2"):
-        raise _refuse("gptq", f"checkpoint_format={fmt!r} is not read; gptq or gptq_v2")
-    if qc.get("lm_head"):
-        raise _refuse("gptq", "lm_head=true (a quantized LM head) is not built")
-    if str(qc.get("pack_dtype") or "int32").removeprefix("torch.") != "int32":  # (GPTQModel's option)
-        raise _refuse("gptq", f"pack_dtype={qc['pack_dtype']!r} is not read; values packed in int32 only")
-    bits, group = _check_bits_group("gptq", qc.get("bits"), qc.get("group_size"), (4, 8))
-    _check_dynamic(qc)
-    sym = bool(qc.get("sym", True))
-    act_order = bool(qc.get("desc_act")) and not qc.get("static_groups")  # (static: g_idx is k // G)
-    return Int4Spec("gptq", bits, group, sym, 1 if fmt == "gptq" else 0, act_order)
-
-
-_SCHEME_KEYS = {"bits": None, "group_size": None, "sym": True, "desc_act": False}  # (and their defaults)
-
-
-def _check_dynamic(qc: dict[str, Any]) -> None:
-    """GPTQModel's per-module rules (`dynamic`): a rule that leaves modules unquantized (`-:`) is read from
-    the checkpoint itself (a layer is quantized where its tensors are); one that quantizes modules with
-    other bits, groups, symmetry or act-order than the config's is refused by name (one scheme a model)."""
-    rules = qc.get("dynamic") or {}
-    if not isinstance(rules, dict):
-        raise _refuse("gptq", f"dynamic={rules!r} is not a dict of module rules")
-    for pattern, override in rules.items():
-        if str(pattern).startswith("-:"):
-            continue
-        changed = sorted(
-            k for k, v in (override or {}).items() if k in _SCHEME_KEYS and v != qc.get(k, _SCHEME_KEYS[k])
-        )
-        if changed:
-            raise _refuse(
-                "gptq", f"dynamic rule {pattern!r} quantizes with its own {', '.join(changed)}: not built"
-            )
-
-
-def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
-    groups = list((qc.get("config_groups") or {}).values())
-    if not groups:
-        raise _refuse("compressed-tensors", "no config_groups")
-    formats = {str(g.get("format") or qc.get("format")) for g in groups}
-    if formats == {"nvfp4-pack-quantized"}:
-        return _nvfp4_config("compressed-tensors", [g.get("weights") or {} for g in groups])
-    if formats not in ({"pack-quantized"}, {"int-quantized"}):
-        return None  # another compressed-tensors format (float-quantized: the FP8 method's)
-    packed = formats == {"pack-quantized"}
-    schemes = {repr(sorted(g.get("weights", {}).items())) for g in groups}
-    if len(schemes) != 1:
-        raise _refuse("compressed-tensors", "config_groups with different weight schemes are not run")
-    w = groups[0].get("weights") or {}
-    if packed and any(g.get("input_activations") for g in groups):  # (int-quantized's: left unused)
-        raise _refuse(
-            "compressed-tensors", "pack-quantized with quantized activations is not run (w4a16/w8a16 only)"
-        )
-    if w.get("type", "int") != "int":
-        raise _refuse("compressed-tensors", f"weights of type {w.get('type')!r} are not run; int only")
-    # act-order: "group" stores each input's group (`weight_g_idx`, read by `unpack`); "weight" only
-    # quantized in that order, its groups contiguous
-    if w.get("actorder") not in (None, False, True, "group", "weight", "static"):
-        raise _refuse("compressed-tensors", f"actorder={w.get('actorder')!r} is not read")
-    if w.get("dynamic"):
-        raise _refuse("compressed-tensors", "dynamic weight quantization is not run")
-    strategy = w.get("strategy")
-    strategies = ("group", "channel") if packed else ("group", "channel", "tensor")
-    if strategy not in strategies:
-        raise _refuse("compressed-tensors", f"strategy={strategy!r} is not run; {' or '.join(strategies)}")
-    targets = {t for g in groups for t in g.get("targets", [])}
-    if targets - {"Linear"}:
-        raise _refuse("compressed-tensors", f"targets {sorted(targets)} are not run; Linear only")
-    group_size = w.get("group_size") if strategy == "group" else -1
-    bits, group = _check_bits_group("compressed-tensors", w.get("num_bits"), group_size, (4, 8))
-    symmetric, act_order = bool(w.get("symmetric", True)), w.get("actorder") in (True, "group")
-    return Int4Spec(
-        "compressed-tensors",
-        bits,
-        group,
-        symmetric,
-        act_order=act_order,
-        packed=packed,
-        per_tensor=strategy == "tensor",
-    )
-
-
-def _nvfp4_config(method: str, weights: list[dict[str, Any]]) -> Int4Spec:
-    """An NVFP4 checkpoint's spec (`weights`: compressed-tensors' schemes, each e2m1 in groups of 16;
-    ModelOpt's: its config's group size alone)."""
-    for w in weights:
-        if (w.get("type", "float"), w.get("num_bits", 4)) != ("float", 4):
-            raise _refuse(method, f"NVFP4 weights {w.get('type')}{w.get('num_bits')}: fp4 (e2m1) only")
-        if w.get("group_size", NVFP4_GROUP) != NVFP4_GROUP:
-            raise _refuse(method, f"NVFP4 group_size={w.get('group_size')} is not read; {NVFP4_GROUP}")
-    return Int4Spec(method, 4, NVFP4_GROUP, sym=True, codebook="nvfp4")
-
-
-def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
-    """The weight-only integer scheme a checkpoint's `quantization_config` names; None when it names none
-    (or another method: FP8). Raises `QuantFormatError`, one line naming the field, for a scheme of these
-    methods that is not run (bits other than 4/8, a group size that is not a power of two, ...)."""
-    if not qc:
-        return None
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "awq":
-        return _awq(qc)
-    if method == "gptq":
-        return _gptq(qc)
-    if method == "compressed-tensors":
-        return _compressed(qc)
-    if method == "bitsandbytes" and (qc.get("load_in_8bit") or qc.get("_load_in_8bit")):
-        return Int4Spec("bitsandbytes", 8, -1, sym=True, packed=False)
-    if method == "modelopt" and modelopt_algo(qc) == "NVFP4":
-        inner = qc.get("quantization")
-        group = (inner if isinstance(inner, dict) else qc).get("group_size", NVFP4_GROUP)
-        return _nvfp4_config("modelopt", [{"group_size": group}])
-    return None
 
 
 class Unpacked(NamedTuple):
@@ -336,6 +197,8 @@ def whole_tensors(spec: Int4Spec) -> tuple[str, ...]:
     """The tensors a checkpoint module of `spec` is whole with, as its layout's writers store them: every
     one `unpack` reads for this scheme (GPTQ's g_idx always, compressed-tensors' weight_shape always, its
     zero points where asymmetric and g_idx with act-order by group), so none it reads comes later."""
+    if spec.producer:  # (AutoRound's GPTQ layout: no g_idx, or a trivial one after the rest)
+        return tuple(t for t in spec.tensors if t != "g_idx")
     if spec.method != "compressed-tensors" or spec.codebook:
         return spec.tensors
     names = ["weight_packed", "weight_scale", "weight_shape"] if spec.packed else ["weight", "weight_scale"]
