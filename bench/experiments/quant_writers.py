@@ -1,17 +1,23 @@
-"""Checkpoints llm-compressor itself writes, read by gapless: a tiny llama (hidden 256, so groups of 128
-fit) quantized by llm-compressor's presets (`QuantizationModifier`, no calibration data: round to nearest),
-saved compressed; beside each, a float checkpoint whose projections are compressed-tensors' own
-`fake_quantize` of the quantized model's weights, the weights the compressed file must give back.
+"""Checkpoints the quantizers themselves write, read by gapless: a tiny llama (hidden 256, so groups of
+128 fit; random weights) quantized by llm-compressor's presets (`QuantizationModifier`, no calibration
+data: round to nearest) and by NVIDIA ModelOpt's configs (`mtq.quantize` over one batch of random tokens,
+`export_hf_checkpoint`), each saved as its tool saves it. Beside each, a float checkpoint holding the
+weights the tool itself says the file holds: compressed-tensors' `fake_quantize` of llm-compressor's
+quantized model; ModelOpt's own `NVFP4QTensor.dequantize` of its exported tensors (FP8: e4m3 times its
+per-tensor scale).
 
-llm-compressor pins its own transformers (5.17 for 0.14), so the writing runs in a venv of its own, the
-reading in the project's:
+Both tools pin their own transformers (5.17 for llm-compressor 0.14), so the writing runs in a venv of
+its own, the reading in the project's:
 
-    python -m venv /tmp/lcv && /tmp/lcv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
-    PYTHONPATH=. .venv/bin/python bench/experiments/llmcompressor_checkpoints.py source /tmp/lcw/src
-    /tmp/lcv/bin/python bench/experiments/llmcompressor_checkpoints.py write /tmp/lcw/src /tmp/lcw/out \
+    python -m venv /tmp/lcv && /tmp/lcv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1 \
+        nvidia-modelopt==0.47.0
+    PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py source /tmp/qw/src
+    /tmp/lcv/bin/python bench/experiments/quant_writers.py llmcompressor /tmp/qw/src /tmp/qw/out \
         W4A16 W4A16_ASYM W8A16 W8A8 FP8_DYNAMIC FP8_BLOCK NVFP4A16
-    PYTHONPATH=. .venv/bin/python bench/experiments/llmcompressor_checkpoints.py read /tmp/lcw/out \
-        W4A16 W4A16_ASYM W8A16 W8A8 FP8_DYNAMIC FP8_BLOCK NVFP4A16
+    /tmp/lcv/bin/python bench/experiments/quant_writers.py modelopt /tmp/qw/src /tmp/qw/out \
+        NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG
+    PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py read /tmp/qw/out W4A16 W4A16_ASYM \
+        W8A16 W8A8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG
 
 `read` loads each on the CPU's reference path (float32, `GAPLESS_INT4_KERNEL=triton`) and prints the
 largest difference between each quantized projection's weight as gapless holds it and the reference's
@@ -39,7 +45,45 @@ def source(dst: Path) -> None:
     )
 
 
-def write(src: Path, out: Path, schemes: list[str]) -> None:
+def _reference(src: Path, rdir: Path, held: dict[str, torch.Tensor]) -> None:
+    """The float checkpoint `src` copied to `rdir`, its projections `held` (by weight name) replaced."""
+    shutil.copytree(src, rdir, dirs_exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors")) | held
+    save_file(tensors, str(rdir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def modelopt(src: Path, out: Path, configs: list[str]) -> None:
+    import modelopt
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"modelopt {modelopt.__version__}")
+    for config in configs:
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+        ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+        mtq.quantize(model, getattr(mtq, config), lambda m, ids=ids: m(ids))  # (the calibration pass)
+        qdir = out / config
+        with torch.inference_mode():
+            export_hf_checkpoint(model, export_dir=str(qdir))
+        AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(qdir))
+        tensors, held = load_file(str(qdir / "model.safetensors")), {}
+        for k, w in tensors.items():
+            if not k.endswith(".weight") or f"{k}_scale" not in tensors:
+                continue
+            if f"{k}_scale_2" in tensors:  # NVFP4: ModelOpt's own dequantization of its packed codes
+                packed = NVFP4QTensor(torch.Size([w.shape[0], 2 * w.shape[1]]), torch.float32, w)
+                scales = dict(scale=tensors[f"{k}_scale"], double_scale=tensors[f"{k}_scale_2"])
+                held[k] = packed.dequantize(torch.float32, block_sizes={-1: 16}, **scales).float()
+            else:
+                held[k] = w.float() * tensors[f"{k}_scale"].float()
+        _reference(src, out / f"{config}-reference", held)
+        algo = json.loads((qdir / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
+        print(f"{config}: quant_algo {algo}, {len(held)} projections")
+
+
+def llmcompressor(src: Path, out: Path, schemes: list[str]) -> None:
     import compressed_tensors
     import llmcompressor
     import transformers
@@ -67,9 +111,7 @@ def write(src: Path, out: Path, schemes: list[str]) -> None:
         qdir, rdir = out / scheme, out / f"{scheme}-reference"
         model.save_pretrained(str(qdir), save_compressed=True)
         AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(qdir))
-        shutil.copytree(src, rdir, dirs_exist_ok=True)
-        tensors = load_file(str(src / "model.safetensors")) | held
-        save_file(tensors, str(rdir / "model.safetensors"), metadata={"format": "pt"})
+        _reference(src, rdir, held)
         fmt = json.loads((qdir / "config.json").read_text())["quantization_config"].get("format")
         print(f"{scheme}: {fmt}, {len(held)} projections")
 
@@ -130,7 +172,9 @@ if __name__ == "__main__":
     command, *args = sys.argv[1:]
     if command == "source":
         source(Path(args[0]))
-    elif command == "write":
-        write(Path(args[0]), Path(args[1]), args[2:])
+    elif command in ("llmcompressor", "modelopt"):
+        {"llmcompressor": llmcompressor, "modelopt": modelopt}[command](
+            Path(args[0]), Path(args[1]), args[2:]
+        )
     else:
         read(Path(args[0]), args[1:])
