@@ -11,7 +11,7 @@ its own, the reading in the project's:
 
     python -m venv /tmp/lcv && /tmp/lcv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1 \
         nvidia-modelopt==0.47.0
-    PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py source /tmp/qw/src
+    PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py source /tmp/qw/src [qwen3_moe]
     /tmp/lcv/bin/python bench/experiments/quant_writers.py llmcompressor /tmp/qw/src /tmp/qw/out \
         W4A16 W4A16_ASYM W8A16 W8A8 FP8_DYNAMIC FP8_BLOCK NVFP4A16
     /tmp/lcv/bin/python bench/experiments/quant_writers.py modelopt /tmp/qw/src /tmp/qw/out \
@@ -37,12 +37,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def source(dst: Path) -> None:
+def source(dst: Path, arch: str = "llama") -> None:
+    """The float checkpoint the tools quantize: `arch`'s tiny model at hidden 256 (qwen3_moe: its experts
+    too, and its second layer a dense MLP)."""
     from gapless.testing.checkpoints import make_checkpoint
 
-    print(
-        make_checkpoint(dst, "llama", hidden_size=256, intermediate_size=256, head_dim=64, rope_scaling=None)
-    )
+    wide = dict(hidden_size=256, intermediate_size=256, head_dim=64)
+    extra = dict(moe_intermediate_size=256) if arch == "qwen3_moe" else dict(rope_scaling=None)
+    print(make_checkpoint(dst, arch, **wide, **extra))
 
 
 def _reference(src: Path, rdir: Path, held: dict[str, torch.Tensor]) -> None:
@@ -132,6 +134,22 @@ def _held(m: torch.nn.Module) -> torch.Tensor | None:
     return w * s
 
 
+def _experts_held(name: str, m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A mixture's experts as the CPU's reference path holds them (`Experts.cpu_weights`, dequantized),
+    by each expert's weight name; {} for any other module."""
+    from gapless.model.moe import Experts
+
+    if not isinstance(m, Experts) or m.cpu_weights is None:
+        return {}
+    (gate_up, down), inter = m.cpu_weights, m.inter
+    held = {}
+    for e in range(m.num_experts):
+        held[f"{name}.{e}.gate_proj.weight"] = gate_up[e, :inter].float()
+        held[f"{name}.{e}.up_proj.weight"] = gate_up[e, inter:].float()
+        held[f"{name}.{e}.down_proj.weight"] = down[e].float()
+    return held
+
+
 def read(out: Path, schemes: list[str]) -> None:
     os.environ["GAPLESS_INT4_KERNEL"] = "triton"  # (the reference path: float32, exact)
     from transformers import AutoModelForCausalLM
@@ -149,6 +167,8 @@ def read(out: Path, schemes: list[str]) -> None:
         reference = load_file(str(rdir / "model.safetensors"))
         worst, count = 0.0, 0
         for name, m in model.named_modules():
+            for key, w in _experts_held(name, m).items():  # (a mixture's: each expert's projections)
+                worst, count = max(worst, (w - reference[key].float()).abs().max().item()), count + 1
             w = _held(m)
             if w is None:
                 continue
@@ -171,7 +191,7 @@ def read(out: Path, schemes: list[str]) -> None:
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     if command == "source":
-        source(Path(args[0]))
+        source(Path(args[0]), *args[1:])
     elif command in ("llmcompressor", "modelopt"):
         {"llmcompressor": llmcompressor, "modelopt": modelopt}[command](
             Path(args[0]), Path(args[1]), args[2:]
