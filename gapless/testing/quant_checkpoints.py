@@ -113,11 +113,17 @@ def layout_tensors(w: Unpacked, layout: str, bits: int, group: int) -> dict[str,
 
 
 def quantization_config(
-    layout: str, bits: int, group: int, sym: bool, act_order: bool = False
+    layout: str, bits: int, group: int, sym: bool, act_order: bool = False, head: bool = False
 ) -> dict[str, Any]:
-    """The `quantization_config` a checkpoint of `layout` carries in its config.json."""
+    """The `quantization_config` a checkpoint of `layout` carries in its config.json; `head`: its LM head
+    quantized too, as each writer says so (GPTQModel's `lm_head`, AutoRound's `extra_config`,
+    compressed-tensors' `ignore` without it)."""
+    if head and layout == "awq":
+        raise ValueError("AWQ checkpoints keep the LM head float")
     if layout in AUTO_ROUND:  # (as auto-round 0.9's exporter writes it)
+        extra = {"lm_head": dict(bits=bits, group_size=group, sym=sym, data_type="int")} if head else None
         return dict(
+            extra_config=extra,
             quant_method="auto-round",
             packing_format=layout,
             bits=bits,
@@ -138,6 +144,7 @@ def quantization_config(
             desc_act=act_order,
             sym=sym,
             checkpoint_format=layout,
+            lm_head=head,
         )
     weights = dict(
         num_bits=bits,
@@ -157,7 +164,7 @@ def quantization_config(
         quant_method="compressed-tensors",
         format="pack-quantized" if layout == "compressed-tensors" else layout,
         config_groups={"group_0": group_0},
-        ignore=["lm_head"],
+        ignore=[] if head else ["lm_head"],
         quantization_status="compressed",
     )
 
@@ -171,12 +178,14 @@ def write_quantized(
     group: int = 32,
     sym: bool = False,
     act_order: bool = False,
+    head: bool = False,
 ) -> tuple[Path, Path]:
     """(the quantized checkpoint, its float32 reference) written under `dst` from the one-file float
     checkpoint `src`: every decoder projection quantized, everything else (embeddings, norms, LM head,
-    biases) kept in float. `act_order` (GPTQ, compressed-tensors): each projection's inputs grouped in a
-    random order, the same for the projections one input feeds (a layer's q/k/v, its gate/up), as
-    act-order's quantizers order them by the input's statistics."""
+    biases) kept in float; with `head`, the LM head too (`quantize_head`). `act_order` (GPTQ,
+    compressed-tensors): each projection's inputs grouped in a random order, the same for the projections
+    one input feeds (a layer's q/k/v, its gate/up), as act-order's quantizers order them by the input's
+    statistics."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
     if act_order and layout == "awq":
@@ -189,10 +198,32 @@ def write_quantized(
         return {f"{prefix}.{s}": v for s, v in layout_tensors(w, layout, bits, group).items()}, w.dequantize()
 
     write_pair(src, qdir, refdir, quantized)
+    if head:
+        quantize_head(src, qdir, refdir, quantized)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(layout, bits, group, sym, act_order)
+    config["quantization_config"] = quantization_config(layout, bits, group, sym, act_order, head)
     (qdir / "config.json").write_text(json.dumps(config, indent=2))
     return qdir, refdir
+
+
+def quantize_head(
+    src: Path,
+    qdir: Path,
+    refdir: Path,
+    quantized: Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]],
+) -> None:
+    """`write_pair`'s checkpoints with the LM head quantized too (a tied model's: the embedding table's
+    weight, the table kept float beside it): its tensors (`quantized("lm_head.weight", weight)`) in place
+    of its float weight in `qdir`, its float32 weight in `refdir` as an untied head."""
+    tensors = load_file(str(src / "model.safetensors"))
+    weight = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    stored, held = quantized("lm_head.weight", weight)
+    for d, added in ((qdir, stored), (refdir, {"lm_head.weight": held.to(weight.dtype)})):
+        file = d / "model.safetensors"
+        kept = {k: v for k, v in load_file(str(file)).items() if k != "lm_head.weight"}
+        save_file(kept | added, str(file), metadata={"format": "pt"})
+    config = json.loads((refdir / "config.json").read_text())
+    (refdir / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}, indent=2))
 
 
 def write_pair(
@@ -231,6 +262,7 @@ _INPUTS = (
 def _input_order(name: str, k: int) -> torch.Tensor:
     """A random order of a projection's `k` inputs, seeded by what feeds them (the layer and its input:
     the attention's, o's, the MLP's, down's), so projections sharing an input share it."""
-    layer = int(name.split(".")[2])
+    parts = name.split(".")
+    layer = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else -1  # (-1: the LM head)
     feeds = next((i for i, kinds in enumerate(_INPUTS) if any(s in name for s in kinds)), len(_INPUTS))
     return torch.randperm(k, generator=torch.Generator().manual_seed(1000 * layer + feeds))

@@ -55,7 +55,8 @@ def test_each_packing_unpacks_to_the_quantizers_weights(packing, sym):
 def test_the_config_names_and_the_flags():
     """No `packing_format`: auto-round's default (`auto_gptq`); Intel Neural Compressor's older
     `intel/auto-round`; `--quantization auto-round` and vLLM's `inc` repeat the checkpoint's format; a
-    layer kept float by `extra_config` is read from the checkpoint, not refused."""
+    layer kept float by `extra_config`, or an LM head quantized as the rest, is read from the checkpoint,
+    not refused."""
     qc = quantization_config("auto_round:auto_gptq", 4, 128, True)
     spec = resolve(qc, None, "cpu")
     assert spec is not None and spec.name == "auto-round" and spec.weight_only is not None
@@ -66,6 +67,8 @@ def test_the_config_names_and_the_flags():
     assert old is not None and old.weight_only == spec.weight_only
     kept_float = {**qc, "extra_config": {"model.layers.0.mlp.down_proj": {"bits": 16, "data_type": "float"}}}
     assert resolve(kept_float, None, "cpu") == spec
+    head = quantization_config("auto_round:auto_gptq", 4, 128, True, head=True)  # (`--quant_lm_head`)
+    assert resolve(head, None, "cpu") == spec
     with pytest.raises(QuantFormatError, match="--quantization inc runs a auto-round or intel/auto-round"):
         resolve(quantization_config("gptq", 4, 128, True), "inc", "cpu")
 
@@ -81,7 +84,7 @@ REFUSED = [
     ({"bits": 2}, "bits=2 is not run"),
     ({"packing_format": "auto_round:auto_awq", "bits": 8}, "bits=8 is not run"),
     ({"group_size": 100}, "group_size=100 is not run"),
-    ({"extra_config": {"lm_head": {"bits": 8}}}, "extra_config quantizes the LM head ('lm_head')"),
+    ({"extra_config": {"lm_head": {"bits": 8}}}, "extra_config 'lm_head' quantizes with its own bits"),
     (
         {"extra_config": {r".*mlp\.down_proj": {"bits": 8}}},
         r"extra_config '.*mlp\\.down_proj' quantizes with its own bits: not built",

@@ -470,6 +470,43 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
 
 
 @pytest.mark.parametrize(
+    "arch,layout",
+    [
+        ("llama", "gptq"),  # GPTQModel's `lm_head: true`
+        ("qwen2", "gptq_v2"),  # a tied model: the table stays float, the head quantized beside it
+        ("qwen3", "compressed-tensors"),  # a config whose `ignore` leaves the head out
+        ("llama", "auto_round:auto_gptq"),  # AutoRound's `extra_config` head (`--quant_lm_head`)
+    ],
+)
+def test_a_quantized_lm_head_is_held_on_the_path(ckpt_factory, tmp_path, arch, layout):
+    """The LM head quantized as the layers are (`int4.install_head`): its weight the reference's bit for bit,
+    the embedding table float and untouched; transformers' greedy tokens on the reference; two ranks hold
+    their halves of its rows."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from gapless.testing.ranks import load_as_ranks
+
+    qdir, refdir = write_quantized(ckpt_factory(arch), tmp_path, layout, group=32, sym=True, head=True)
+    model = loader.load_model(qdir, torch.float32, torch.device("cpu"))
+    reference = load_file(str(refdir / "model.safetensors"))
+    head = model.lm_head.linear_method
+    assert isinstance(head, Int4LinearMethod) and model.lm_head.weight.numel() == 0
+    assert torch.equal(head.dequantized(torch.float32), reference["lm_head.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, reference["model.embed_tokens.weight"])
+    assert weights_held(model)[0] == {layout_label(layout, 4, 32, True): 9}  # (8 projections and the head)
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
+    ref = AutoModelForCausalLM.from_pretrained(str(refdir), dtype=torch.float32).eval()
+    notes = [check_greedy(o, hf_greedy(ref, p, MAX_NEW)) for o, p in zip(_greedy(qdir, prompts), prompts)]
+    assert sum(n is not None for n in notes) <= 1, notes
+    _, ranks = load_as_ranks(qdir)
+    halves = [r.lm_head.linear_method.dequantized(torch.float32) for r in ranks]
+    torch.testing.assert_close(
+        torch.cat(halves)[: len(reference["lm_head.weight"])], reference["lm_head.weight"]
+    )
+
+
+@pytest.mark.parametrize(
     "layout,sym,act_order,packages",
     [
         ("gptq", False, False, ("gptqmodel", "optimum")),

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from gapless.model import weight_names
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding
@@ -231,8 +230,7 @@ class GGUFLayers(GGUFModules):
         if table is head or head.weight is table.weight:
             spec = spec_for([b], _cpu_kernels(device))
             mine = GGUFBlocks(b.qtype, b.cols, b.data[table.first : table.first + count])
-            w = unpacked(mine, spec, device).map(lambda t: F.pad(t, (0, 0, 0, head.rows - count)))
-            int4.hold(head, w, spec, self.dtype, self.kernel)
+            int4.install_head(head, unpacked(mine, spec, device), spec, self.dtype, self.kernel, first=0)
         table.weight.data = table.weight.data.new_empty(0)
 
 

@@ -201,6 +201,19 @@ def install(
     return hold(layer, w, spec, dtype, kernel)
 
 
+def install_head(
+    head: Any, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, kernel: str, first: int | None = None
+) -> Int4LinearMethod:
+    """Give the LM head (a `ParallelLMHead`) its quantized weight from `w` [vocab rows, hidden]: this
+    rank's rows, from `first` (default the head's first row; 0 where `w` holds them alone), padded with
+    zero weights to the head's rows; its float weight freed (a tied table's with it: the caller's to
+    untie where the table keeps its float rows)."""
+    first = head.first if first is None else first
+    count = max(0, min(head.rows, w.q.shape[0] - first))
+    mine = w.map(lambda t: torch.nn.functional.pad(t[first : first + count], (0, 0, 0, head.rows - count)))
+    return hold(head, mine, spec, dtype, kernel)
+
+
 def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 

@@ -11,9 +11,11 @@ bitsandbytes' 8-bit, ModelOpt's NVFP4, and Intel's AutoRound, which writes GPTQ'
 - `auto_round:auto_awq`: AWQ's GEMM layout (4 bits, zero points stored).
 
 AutoRound's `extra_config` gives single layers their own scheme: a layer kept float (bits 16) is read as
-float from the checkpoint itself, as every format's; one quantized otherwise than the config says, or a
-quantized LM head, is refused by name, as are its other data types (FP8/MXFP4/NVFP4 exports) and quantized
-activations (`act_bits` < 16). As GPTQModel's `dynamic` rules, which are read the same way.
+float from the checkpoint itself, as every format's, and one quantized as the config says (its LM head,
+`--quant_lm_head`) as its tensors say; one quantized otherwise is refused by name, as are its other data
+types (FP8/MXFP4/NVFP4 exports) and quantized activations (`act_bits` < 16). As GPTQModel's `dynamic`
+rules, which are read the same way. A quantized LM head (GPTQModel's `lm_head: true`, AutoRound's, a
+compressed-tensors config that does not ignore it) is read as any layer (`int4.install_head`).
 """
 
 from __future__ import annotations
@@ -59,8 +61,6 @@ def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's 
         fmt = "marlin"
     if fmt not in ("gptq", "gptq_v2"):
         raise refuse("gptq", f"checkpoint_format={fmt!r} is not read; gptq or gptq_v2")
-    if qc.get("lm_head"):
-        raise refuse("gptq", "lm_head=true (a quantized LM head) is not built")
     if str(qc.get("pack_dtype") or "int32").removeprefix("torch.") != "int32":  # (GPTQModel's option)
         raise refuse("gptq", f"pack_dtype={qc['pack_dtype']!r} is not read; values packed in int32 only")
     bits, group = check_bits_group("gptq", qc.get("bits"), qc.get("group_size"), (4, 8))
@@ -208,8 +208,8 @@ def _auto_round(qc: dict[str, Any]) -> Int4Spec:
 
 def _check_extra(qc: dict[str, Any]) -> None:
     """Refuse an `extra_config` entry that quantizes a layer with its own bits, group, symmetry, data type
-    or activations, or quantizes the LM head; one keeping a layer float (bits >= 16) is the checkpoint's
-    to say."""
+    or activations; one keeping a layer float (bits >= 16), or quantizing one (the LM head) as the config
+    does, is the checkpoint's to say."""
     extra = qc.get("extra_config") or {}
     if not isinstance(extra, dict):
         raise refuse(AUTO_ROUND, f"extra_config={extra!r} is not a dict of layer schemes")
@@ -217,8 +217,6 @@ def _check_extra(qc: dict[str, Any]) -> None:
         override = override or {}
         if int(override.get("bits", qc.get("bits")) or 16) >= 16:
             continue
-        if "lm_head" in str(name):
-            raise refuse(AUTO_ROUND, f"extra_config quantizes the LM head ({name!r}): not built")
         changed = sorted(
             k
             for k, v in override.items()
