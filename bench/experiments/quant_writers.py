@@ -13,7 +13,7 @@ its own, the reading in the project's:
         nvidia-modelopt==0.47.0
     PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py source /tmp/qw/src [qwen3_moe]
     /tmp/lcv/bin/python bench/experiments/quant_writers.py llmcompressor /tmp/qw/src /tmp/qw/out \
-        W4A16 W4A16_ASYM W8A16 W8A8 FP8_DYNAMIC FP8_BLOCK NVFP4A16
+        W4A16 W4A16_ASYM W8A16 W8A8 W4A8 W4AFP8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 MXFP4A16
     /tmp/lcv/bin/python bench/experiments/quant_writers.py modelopt /tmp/qw/src /tmp/qw/out \
         NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG
     PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py read /tmp/qw/out W4A16 W4A16_ASYM \

@@ -1,6 +1,7 @@
-"""NVFP4 checkpoints (ModelOpt's `quant_algo: NVFP4`, compressed-tensors' `nvfp4-pack-quantized`) on the
-weight-only path: FP4 codes with the e2m1 values as the Triton GEMM's codebook, each group's scale its
-float8 block scale with the tensor's. Tiny checkpoints written by the tests
+"""FP4 checkpoints on the weight-only path: NVFP4 (ModelOpt's `quant_algo: NVFP4`, compressed-tensors'
+`nvfp4-pack-quantized`) and MXFP4 (compressed-tensors' `mxfp4-pack-quantized`), FP4 codes with the e2m1
+values as the Triton GEMM's codebook, each group's scale NVFP4's float8 block scale with the tensor's or
+MXFP4's power of two. Tiny checkpoints written by the tests
 (`gapless.testing.nvfp4_checkpoints`) against transformers on the same weights dequantized; the GEMM
 itself under the interpreter; malformed files refused in one line."""
 
@@ -26,7 +27,12 @@ from gapless.testing.nvfp4_checkpoints import quantization_config, write_nvfp4
 
 CPU = torch.device("cpu")
 MAX_NEW = 8
-LABEL = {"modelopt": "modelopt nvfp4 g16", "compressed-tensors": "compressed-tensors nvfp4 g16"}
+LABEL = {
+    "modelopt": "modelopt nvfp4 g16",
+    "compressed-tensors": "compressed-tensors nvfp4 g16",
+    "mxfp4": "compressed-tensors mxfp4 g32",
+}
+GROUP = {"modelopt": 16, "compressed-tensors": 16, "mxfp4": 32}
 
 pytestmark = pytest.mark.usefixtures("int4_reference_path")
 
@@ -56,6 +62,8 @@ def _agrees(qdir: Path, refdir: Path) -> None:
         ("qwen3", "compressed-tensors"),
         ("phi3", "modelopt"),  # q/k/v and gate/up fused in the checkpoint
         ("qwen3_moe", "compressed-tensors"),  # each expert's projections, in the grouped GEMM's layout
+        ("qwen3", "mxfp4"),
+        ("qwen3_moe", "mxfp4"),
     ],
 )
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
@@ -81,18 +89,20 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     assert model.lm_head.linear_method is UNQUANTIZED  # (the checkpoint leaves it float)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     assert bool(experts) == (arch == "qwen3_moe")
-    assert all(q.levels is not None and q.group == 16 for m in experts for q in m.int_quant)
+    assert all(q.levels is not None and q.group == GROUP[layout] for m in experts for q in m.int_quant)
     formats = weights_held(model)[0]
-    assert formats[LABEL[layout]] == len(linear) and quantization(model) == layout, formats
+    method = "compressed-tensors" if layout == "mxfp4" else layout
+    assert formats[LABEL[layout]] == len(linear) and quantization(model) == method, formats
     _agrees(qdir, refdir)
 
 
-def test_the_triton_gemm_gives_the_reference_paths_tokens(ckpt_factory, tmp_path, monkeypatch):
-    """The GPU's path (the Triton GEMM over the codes, groups of 16; on CUDA where there is one, else under
-    the interpreter) in a served model: the CPU reference path's greedy tokens."""
+@pytest.mark.parametrize("layout", ["compressed-tensors", "mxfp4"])
+def test_the_triton_gemm_gives_the_reference_paths_tokens(ckpt_factory, tmp_path, monkeypatch, layout):
+    """The GPU's path (the Triton GEMM over the codes, groups of 16 or 32; on CUDA where there is one, else
+    under the interpreter) in a served model: the CPU reference path's greedy tokens."""
     from gapless.model.quant import int4_triton
 
-    qdir, _ = write_nvfp4(ckpt_factory("llama"), tmp_path, "compressed-tensors")
+    qdir, _ = write_nvfp4(ckpt_factory("llama"), tmp_path, layout)
     prompts = make_prompts(1000, n=2, max_len=16, shared_prefix=4)
     want = _greedy(qdir, prompts)
     gemm, groups = int4_triton.w4a16_matmul, []
@@ -100,10 +110,10 @@ def test_the_triton_gemm_gives_the_reference_paths_tokens(ckpt_factory, tmp_path
     device = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(int4, "TRITON_ON_CPU", device == "cpu")
     assert _greedy(qdir, prompts, device) == want
-    assert len(groups) >= 2 * 4 and set(groups) == {16}  # (forwards x projections, groups of 16)
+    assert len(groups) >= 2 * 4 and set(groups) == {GROUP[layout]}  # (forwards x projections)
 
 
-@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors", "mxfp4"])
 def test_the_config_names_the_format(tmp_path, layout):
     config = quantization_config(layout)
     if layout == "modelopt":
@@ -149,6 +159,24 @@ def test_a_broken_checkpoint_is_refused_by_name(ckpt_factory, tmp_path, edit, wo
     assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
 
 
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (lambda t: t.pop(_first(t, ".weight_packed")), ("lacks weight_packed",)),
+        (
+            lambda t: t.__setitem__((n := _first(t, ".weight_scale")), t[n][:, :-1].contiguous()),
+            ("not groups of 32",),
+        ),
+    ],
+)
+def test_a_broken_mxfp4_checkpoint_is_refused_by_name(ckpt_factory, tmp_path, edit, words):
+    qdir, _ = write_nvfp4(ckpt_factory("llama"), tmp_path, "mxfp4")
+    _edit(qdir, edit)
+    with pytest.raises(QuantFormatError) as e:
+        loader.load_model(qdir, torch.float32, CPU)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
 def test_another_group_size_is_refused_before_anything_loads():
     config = quantization_config("compressed-tensors")
     config["config_groups"]["group_0"]["weights"]["group_size"] = 32  # type: ignore[index]
@@ -156,6 +184,10 @@ def test_another_group_size_is_refused_before_anything_loads():
         resolve(config, None, "cpu")
     with pytest.raises(QuantFormatError, match="NVFP4 group_size=32"):
         resolve({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, None, "cpu")
+    config = quantization_config("mxfp4")
+    config["config_groups"]["group_0"]["weights"]["group_size"] = 16  # type: ignore[index]
+    with pytest.raises(QuantFormatError, match="MXFP4 group_size=16 is not read; 32"):
+        resolve(config, None, "cpu")
 
 
 def test_a_dummy_load_holds_random_fp4_codes_and_generates(ckpt_factory, tmp_path):

@@ -226,6 +226,7 @@ CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "pack-quantized": lambda qcfg, group: _int4(qcfg),
     "int-quantized": lambda qcfg, group: _int4(qcfg),  # (W8A8 INT8, run as w8a16: `int4_layouts`)
     "nvfp4-pack-quantized": lambda qcfg, group: _int4(qcfg),  # (NVFP4, run as w4a16: `int4_layouts`)
+    "mxfp4-pack-quantized": lambda qcfg, group: _int4(qcfg),  # (MXFP4, likewise)
 }
 
 

@@ -27,7 +27,14 @@ import torch
 from gapless.model.quant import int4_kernels
 from gapless.model.quant.base import in_order
 from gapless.model.quant.formats import QuantFormatError
-from gapless.model.quant.int4_layouts import FP4_E2M1, Int4Spec, Unpacked, pack_int32, unpack_int32
+from gapless.model.quant.int4_layouts import (
+    FP4_CODEBOOKS,
+    FP4_E2M1,
+    Int4Spec,
+    Unpacked,
+    pack_int32,
+    unpack_int32,
+)
 
 # the tests set this under Triton's interpreter: the layers then run the Triton GEMM on CPU tensors too
 TRITON_ON_CPU = False
@@ -325,15 +332,15 @@ def install_experts(
 
 
 def random_unpacked(n: int, k: int, spec: Int4Spec, device: torch.device) -> Unpacked:
-    """A random [N, K] weight in the scheme's form: values uniform over the 2^bits levels (NVFP4's: its
-    codes), zero at the middle, one scale per group such that W's standard deviation is 0.02 (as
-    `--load-format dummy`'s float weights); with act-order, its inputs in a random order (so the layer
-    gathers x as a loaded one does)."""
+    """A random [N, K] weight in the scheme's form: values uniform over the 2^bits levels (NVFP4's and
+    MXFP4's: their codes), zero at the middle, one scale per group such that W's standard deviation is
+    0.02 (as `--load-format dummy`'s float weights); with act-order, its inputs in a random order (so the
+    layer gathers x as a loaded one does)."""
     group, levels = spec.group_for(k), 1 << spec.bits
     if k % group:
         raise QuantFormatError(f"{spec.label}: {k} inputs are not whole groups of {group}")
     q = torch.randint(0, levels, (n, k), dtype=torch.int16, device=device)
-    if spec.codebook == "nvfp4":  # (its codes' values: e2m1's, no zeros)
+    if spec.codebook in FP4_CODEBOOKS:  # (its codes' values: e2m1's, no zeros)
         table = torch.tensor(FP4_E2M1, device=device)
         scale = torch.full((n, k // group), 0.02 / float(table.square().mean().sqrt()), device=device)
         return Unpacked(q, scale, torch.zeros_like(scale), levels=table)

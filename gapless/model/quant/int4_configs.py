@@ -1,7 +1,8 @@
 """The weight-only int4/int8 schemes' configs: a checkpoint's `quantization_config` read into an `Int4Spec`
 (`int4_spec_from_config`), whose tensors `gapless.model.quant.int4_layouts` reads; a scheme that is not run
 refused in one line naming the field. AWQ (GEMM layout), GPTQ (v1 and v2 zeros, act-order, GPTQModel's
-`dynamic` rules), compressed-tensors' `pack-quantized`, `int-quantized` and `nvfp4-pack-quantized`,
+`dynamic` rules), compressed-tensors' `pack-quantized`, `int-quantized`, `nvfp4-pack-quantized` and
+`mxfp4-pack-quantized`,
 bitsandbytes' 8-bit, ModelOpt's NVFP4, and Intel's AutoRound, which writes GPTQ's or AWQ's layout, as its
 `packing_format` says (as auto-round's exporter picks its packer):
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from gapless.model.quant.formats import QuantFormatError, modelopt_algo
-from gapless.model.quant.int4_layouts import NVFP4_GROUP, Int4Spec
+from gapless.model.quant.int4_layouts import MXFP4_GROUP, NVFP4_GROUP, Int4Spec
 
 
 def refuse(method: str, what: str) -> QuantFormatError:
@@ -99,6 +100,8 @@ def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
     formats = {str(g.get("format") or qc.get("format")) for g in groups}
     if formats == {"nvfp4-pack-quantized"}:
         return _nvfp4_config("compressed-tensors", [g.get("weights") or {} for g in groups])
+    if formats == {"mxfp4-pack-quantized"}:
+        return _mxfp4_config([g.get("weights") or {} for g in groups])
     if formats not in ({"pack-quantized"}, {"int-quantized"}):
         return None  # another compressed-tensors format (float-quantized: the FP8 method's)
     packed = formats == {"pack-quantized"}
@@ -148,6 +151,17 @@ def _nvfp4_config(method: str, weights: list[dict[str, Any]]) -> Int4Spec:
         if w.get("group_size", NVFP4_GROUP) != NVFP4_GROUP:
             raise refuse(method, f"NVFP4 group_size={w.get('group_size')} is not read; {NVFP4_GROUP}")
     return Int4Spec(method, 4, NVFP4_GROUP, sym=True, codebook="nvfp4")
+
+
+def _mxfp4_config(weights: list[dict[str, Any]]) -> Int4Spec:
+    """A compressed-tensors MXFP4 checkpoint's spec (`mxfp4-pack-quantized`: e2m1 codes, an e8m0 scale
+    per 32 inputs, no per-tensor scale)."""
+    for w in weights:
+        if (w.get("type", "float"), w.get("num_bits", 4)) != ("float", 4):
+            raise refuse("compressed-tensors", f"MXFP4 weights {w.get('type')}{w.get('num_bits')}: fp4 only")
+        if w.get("group_size", MXFP4_GROUP) != MXFP4_GROUP:
+            raise refuse("compressed-tensors", f"MXFP4 group_size={w.get('group_size')} is not read; 32")
+    return Int4Spec("compressed-tensors", 4, MXFP4_GROUP, sym=True, codebook="mxfp4")
 
 
 def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:

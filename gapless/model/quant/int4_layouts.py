@@ -66,13 +66,16 @@ TENSORS = {
     "bitsandbytes": ("weight", "SCB", "weight_format"),  # (8-bit; its 4-bit form: `gapless.model.quant.bnb`)
 }
 UNPACKED_TENSORS = ("weight", "weight_scale", "weight_zero_point", "weight_g_idx")  # int-quantized's
-NVFP4_TENSORS = {  # (codes, block scales, the per-tensor scale)
-    "modelopt": ("weight", "weight_scale", "weight_scale_2"),
-    "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale"),
+FP4_TENSORS = {  # (codes, block scales[, the per-tensor scale]) by (codebook, method)
+    ("nvfp4", "modelopt"): ("weight", "weight_scale", "weight_scale_2"),
+    ("nvfp4", "compressed-tensors"): ("weight_packed", "weight_scale", "weight_global_scale"),
+    ("mxfp4", "compressed-tensors"): ("weight_packed", "weight_scale"),
 }
 # FP4 e2m1's values by code: sign bit 3, magnitude bits 0-2
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 NVFP4_GROUP = 16
+MXFP4_GROUP = 32
+FP4_CODEBOOKS = ("nvfp4", "mxfp4")  # (e2m1 codes: NVFP4's e4m3 group scales, MXFP4's e8m0 ones)
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,8 @@ class Int4Spec:
     @property
     def tensors(self) -> tuple[str, ...]:
         """The checkpoint tensors (last part of the name) a quantized layer of this layout has."""
-        if self.codebook == "nvfp4":
-            return NVFP4_TENSORS[self.method]
+        if self.codebook in FP4_CODEBOOKS:
+            return FP4_TENSORS[(self.codebook, self.method)]
         return UNPACKED_TENSORS if self.int_quantized else TENSORS[self.method]
 
     @property
@@ -212,8 +215,8 @@ def whole_tensors(spec: Int4Spec) -> tuple[str, ...]:
 def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
     """One checkpoint module's tensors (`spec.tensors` by suffix) as `Unpacked`; `where` names the
     module in errors."""
-    if spec.codebook == "nvfp4":
-        return _nvfp4(spec, parts, where)
+    if spec.codebook in FP4_CODEBOOKS:
+        return _fp4(spec, parts, where)
     need = spec.tensors[: 2 if spec.method in ("compressed-tensors", "bitsandbytes") else 3]  # (the rest
     missing = [n for n in need if n not in parts]  # optional)
     if missing:
@@ -266,26 +269,31 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
     return Unpacked(q.contiguous(), scale.contiguous(), zero.contiguous(), order)
 
 
-def _nvfp4(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
-    """An NVFP4 module's tensors (the module's docstring) as `Unpacked`: its codes, each group's scale
-    (the block scale times, or over, the tensor's) in float32, and FP4's values as the codebook."""
-    codes, blocks, whole = spec.tensors
+def _fp4(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
+    """An NVFP4 or MXFP4 module's tensors (the module's docstring) as `Unpacked`: its codes, each group's
+    scale in float32 (NVFP4: the e4m3 block scale times, or over, the tensor's; MXFP4: 2^(e8m0 - 127)),
+    and FP4's values as the codebook."""
     missing = [n for n in spec.tensors if n not in parts]
     if missing:
         raise QuantFormatError(f"{where}: the {spec.label} checkpoint lacks {', '.join(missing)}")
+    codes, blocks, *whole = spec.tensors
     packed = parts[codes].contiguous().view(torch.uint8)
     q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1).to(torch.int16)
     block = parts[blocks]
-    block = (block.view(torch.float8_e4m3fn) if block.dtype == torch.uint8 else block).float()
-    if parts[whole].numel() != 1:
-        raise QuantFormatError(f"{where}: {whole} of {parts[whole].numel()} values (one a tensor)")
-    tensor = parts[whole].float().reshape(())
-    scale = block * tensor if spec.method == "modelopt" else block / tensor
+    if spec.codebook == "mxfp4":  # (e8m0: a power of two's biased exponent; 255 is NaN, as the format)
+        exponent = block.contiguous().view(torch.uint8).float()
+        scale = torch.where(exponent == 255, float("nan"), torch.exp2(exponent - 127))
+    else:
+        block = (block.view(torch.float8_e4m3fn) if block.dtype == torch.uint8 else block).float()
+        if parts[whole[0]].numel() != 1:
+            raise QuantFormatError(f"{where}: {whole[0]} of {parts[whole[0]].numel()} values (one a tensor)")
+        tensor = parts[whole[0]].float().reshape(())
+        scale = block * tensor if spec.method == "modelopt" else block / tensor
     n, k = q.shape
-    if scale.shape != (n, k // NVFP4_GROUP):
+    if scale.shape != (n, k // spec.group_size):
         raise QuantFormatError(
             f"{where}: {spec.label} weight [{n}, {k}] with scales {tuple(scale.shape)}: not groups of "
-            f"{NVFP4_GROUP} along the input"
+            f"{spec.group_size} along the input"
         )
     levels = torch.tensor(FP4_E2M1, dtype=torch.float32, device=q.device)
     return Unpacked(q.contiguous(), scale.contiguous(), torch.zeros_like(scale), levels=levels)
