@@ -17,7 +17,7 @@ its own, the reading in the project's:
     /tmp/lcv/bin/python bench/experiments/quant_writers.py modelopt /tmp/qw/src /tmp/qw/out \
         NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG
     PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py read /tmp/qw/out W4A16 W4A16_ASYM \
-        W8A16 W8A8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG
+        W8A16 W8A8 W4A8 W4AFP8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 MXFP4A16 NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG
 
 `read` loads each on the CPU's reference path (float32, `GAPLESS_INT4_KERNEL=triton`) and prints the
 largest difference between each quantized projection's weight as gapless holds it and the reference's
