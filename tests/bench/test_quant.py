@@ -12,7 +12,8 @@ from gapless.bench import quant, timing
 from gapless.bench.cli import machine as this_machine
 from gapless.model.config import load_model_config
 from gapless.model.quant import formats
-from gapless.model.quant.int4_layouts import Int4Spec, int4_spec_from_config
+from gapless.model.quant.int4_configs import int4_spec_from_config
+from gapless.model.quant.int4_layouts import Int4Spec
 
 
 def test_make_writes_each_shape_without_weights(tmp_path):
