@@ -82,9 +82,9 @@ def _one_line(excinfo, *words):
         ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, None, ["e5m2"]),
         ({"quant_method": "fp8", "weight_block_size": [128]}, None, ["weight_block_size=[128]"]),
         (
-            {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"},
+            {"quant_method": "compressed-tensors", "format": "mxfp8-quantized"},  # (llm-compressor's MXFP8)
             None,
-            ["'mxfp4-pack-quantized'"],
+            ["'mxfp8-quantized'"],
         ),
         (
             {**quant_config("ct-channel", (1, 1)), "sparsity_config": {"format": "sparse-24"}},
