@@ -120,8 +120,8 @@ def codes(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         index, scale = _iq4(qtype, blk)
     else:  # each signed value's place among the codebook's (ascending: its rank)
         v, scale = _signed(qtype, blk)
-        table = _signed_levels(CODEBOOKS[qtype], blk.device)
-        index = torch.searchsorted(table, v.contiguous()).to(torch.uint8)
+        table = _signed_levels(CODEBOOKS[qtype], blk.device).int()  # (int32: searchsorted's on any device)
+        index = torch.searchsorted(table, v.int().contiguous()).to(torch.uint8)
     return index.reshape(rows, -1), scale.reshape(rows, -1)
 
 
