@@ -85,6 +85,8 @@ _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM
 # weights at load, one scale a row)
 AWQ_G128 = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
 GPTQ_ACT_G128 = dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc_act=True)
+# GPTQModel's `lm_head: true`: the LM head in 4 bits too (Qwen3-8B's: 1.24 GB in bf16, ~0.3 in int4)
+GPTQ_HEAD_G128 = dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc_act=False, lm_head=True)
 GPTQ_INT8 = dict(quant_method="gptq", bits=8, group_size=-1, sym=True, desc_act=False)
 GPTQ_INT8_G128 = {**GPTQ_INT8, "group_size": 128}
 FP8_BLOCK = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
@@ -101,6 +103,7 @@ BNB_NF4 = dict(
 TWINS = {
     "-awq": (AWQ_G128, ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")),
     "-gptq-act": (GPTQ_ACT_G128, ("qwen3-8b",)),
+    "-gptq-head": (GPTQ_HEAD_G128, ("qwen3-8b",)),
     "-int8": (GPTQ_INT8, ("qwen3-0.6b",)),
     "-int8-g128": (GPTQ_INT8_G128, ("qwen3-0.6b",)),
     "-fp8": (FP8_BLOCK, ("qwen3-0.6b", "qwen3-8b")),

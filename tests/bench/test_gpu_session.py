@@ -117,9 +117,9 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, five runs of the issue's targets,
             *["gapless.bench.gpu"] * 3,  # the bf16 and the FP8 KV cache's runs, the FP8's at 5 stages,
             *["gapless.bench.quant"] * 2,  # the 8B's FP8 in Qwen's own block layout, the 0.6B's with PDL;
-            # tables: int4 TPOT on swapped tiles and the Triton GEMM, NF4's, NVFP4's, FP8's, the 0.6B's FP8
-            # with activations, norms launched,
-            *["gapless.bench.quant"] * 6,
+            # tables: int4 TPOT on swapped tiles and the Triton GEMM, NF4's, NVFP4's, int4 with its head,
+            # FP8's, the 0.6B's FP8 with activations, norms launched,
+            *["gapless.bench.quant"] * 7,
             "gapless.bench.kernels",  # decode attention over each cache,
             "gapless.bench.int4_gemm",  # the int4 GEMV's stages and splits,
             "gapless.bench.gpu",  # the bf16 KV cache's run at 5 stages,
@@ -276,7 +276,8 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): Qwen3-8B's int4 TPOT on the
-    swapped tiles and on the Triton GEMM, its bitsandbytes NF4 and NVFP4 TPOT, its FP8 TPOT on the swapped
+    swapped tiles and on the Triton GEMM, its bitsandbytes NF4, NVFP4 and GPTQ-with-its-head TPOT, its FP8
+    TPOT on the swapped
     tiles and Qwen3-0.6B's FP8 with its activations and norms launched first, decode attention over each cache
     at 2 and 5 stages with its registers capped or not (the FP8 KV target's lever), the int4 GEMV's stages and
     splits (factored or not, against tinygemm), the bf16 KV cache's nano-vllm run at 5 stages, the 8B's FP8
@@ -290,15 +291,15 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     # (less gpu_bench.sh's versions: a script on stdin)
     tables, envs = zip(*((c, e) for c, e in zip(tables, _envs(tmp_path / "t")) if c[:1] != ["-"]))
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
-    int4_swapped, int4_triton, nf4, nvfp4, fp8_swapped, launched = tables[1:7]
-    attention, int4_stages, staged, pdl, fp8_stages, mixture = tables[7:13]
+    int4_swapped, int4_triton, nf4, nvfp4, int4_head, fp8_swapped, launched = tables[1:8]
+    attention, int4_stages, staged, pdl, fp8_stages, mixture = tables[8:14]
     assert staged[:2] == ["-m", "gapless.bench.gpu"] and "auto" in staged  # (the bf16 KV run, 5 stages)
-    tpots = (int4_swapped, int4_triton, nf4, nvfp4, fp8_swapped, launched, pdl, mixture)
+    tpots = (int4_swapped, int4_triton, nf4, nvfp4, int4_head, fp8_swapped, launched, pdl, mixture)
     assert all(c[:3] == ["-m", "gapless.bench.quant", "run"] for c in tpots)
     models = [c[3].rsplit("/", 1)[1] for c in tpots]
     assert models == [
-        "qwen3-8b-awq", "qwen3-8b-awq", "qwen3-8b-nf4", "qwen3-8b-nvfp4", "qwen3-8b", "qwen3-0.6b",
-        "qwen3-8b", "qwen3-30b-a3b",
+        "qwen3-8b-awq", "qwen3-8b-awq", "qwen3-8b-nf4", "qwen3-8b-nvfp4", "qwen3-8b-gptq-head", "qwen3-8b",
+        "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b",
     ]  # fmt: skip
     assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
     assert attention[attention.index("--decode-stages") + 1 :][:2] == ["2", "5"]
@@ -308,11 +309,11 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert int4_stages[int4_stages.index("--stages") + 1 :][:2] == ["1", "4"]
     assert int4_stages[int4_stages.index("--split-k") + 1 :][:4] == ["0", "2", "4", "16"]  # (now, before)
     assert int4_stages[int4_stages.index("--factored") + 1 :][:2] == ["0", "1"]  # (PTX values, factored)
-    fp8_alone, int4_alone = tables[13:15]
+    fp8_alone, int4_alone = tables[14:16]
     assert fp8_alone[0].endswith("fp8_gemm.py") and "--swapped" in fp8_alone
     assert int4_alone[:2] == ["-m", "gapless.bench.int4_gemm"] and "--swapped" in int4_alone
-    assert [c[3].rsplit("/", 1)[1] for c in tables[15:17]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
-    sweep, batch1, int4_gemm = tables[17:20]
+    assert [c[3].rsplit("/", 1)[1] for c in tables[16:18]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
+    sweep, batch1, int4_gemm = tables[18:21]
     assert batch1[:2] == ["-m", "gapless.bench.kernels"] and "--decode-min-split-len" in batch1
     assert "--decode-prefetch" in batch1
     assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep

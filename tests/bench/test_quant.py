@@ -28,6 +28,7 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         "qwen3-8b",
         "qwen3-8b-awq",
         "qwen3-8b-gptq-act",
+        "qwen3-8b-gptq-head",
         "qwen3-8b-fp8",
         "qwen3-8b-nf4",
         "qwen3-8b-nvfp4",
@@ -42,6 +43,8 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         assert "quantization_config" not in json.loads((tmp_path / name / "config.json").read_text())
     qc = json.loads((tmp_path / "qwen3-8b-gptq-act" / "config.json").read_text())["quantization_config"]
     assert int4_spec_from_config(qc) == Int4Spec("gptq", 4, 128, True, zero_offset=1, act_order=True)
+    qc = json.loads((tmp_path / "qwen3-8b-gptq-head" / "config.json").read_text())["quantization_config"]
+    assert int4_spec_from_config(qc) == Int4Spec("gptq", 4, 128, True, zero_offset=1, lm_head=True)
     qc = json.loads((tmp_path / "qwen3-0.6b-int8" / "config.json").read_text())["quantization_config"]
     assert int4_spec_from_config(qc) == Int4Spec("gptq", 8, -1, True, zero_offset=1)
     qc = json.loads((tmp_path / "qwen3-0.6b-int8-g128" / "config.json").read_text())["quantization_config"]

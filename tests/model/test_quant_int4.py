@@ -774,12 +774,16 @@ def test_two_ranks_give_the_dequantized_models_tokens(ckpt_factory, tmp_path):
     assert sum(n is not None for n in notes) <= 1, notes
 
 
-@pytest.mark.parametrize("arch,layout", [("qwen3", "awq"), ("qwen3_moe", "awq"), ("qwen3", "gptq")])
-def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch, layout):
+@pytest.mark.parametrize(
+    "arch,layout,head",
+    [("qwen3", "awq", False), ("qwen3_moe", "awq", False), ("qwen3", "gptq", False), ("qwen2", "gptq", True)],
+)
+def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch, layout, head):
     """`load_format="dummy"` of an int4 checkpoint's config (`gapless.bench.quant`'s int4 shapes): the
     layers such a checkpoint quantizes (every linear but the routers, the experts) hold random int4
-    weights of the dummy floats' spread, the LM head stays float, and the engine generates; with
-    act-order (GPTQ's here) each layer in a random input order, which it gathers x into."""
+    weights of the dummy floats' spread, the LM head stays float unless the config quantizes it (GPTQ's
+    `lm_head`: then it too, untied from a tied table, qwen2's), and the engine generates; with act-order
+    (GPTQ's here) each layer in a random input order, which it gathers x into."""
     src = ckpt_factory(arch)
     dst = tmp_path / "m"
     dst.mkdir()
@@ -788,7 +792,7 @@ def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch
             (dst / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((dst / "config.json").read_text())
     act = layout == "gptq"
-    cfg["quantization_config"] = quantization_config(layout, 4, 32, act, act_order=act)
+    cfg["quantization_config"] = quantization_config(layout, 4, 32, act, act_order=act, head=head)
     (dst / "config.json").write_text(json.dumps(cfg))
     opts = dict(device="cpu", kv_cache_tokens=256, overlap=False, load_format="dummy")
     with LLM(str(dst), **opts) as llm:
@@ -800,9 +804,10 @@ def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch
     int4s = [m.linear_method for m in linears if isinstance(m.linear_method, Int4LinearMethod)]
     routers = [m for m in linears if isinstance(m, layers.ReplicatedLinear)]
     label = f"{layout} w4a16 g32" + (" act-order" if act else "")
-    assert formats[label] == len(int4s) == len(linears) - len(routers) > 0
+    assert formats[label] == len(int4s) + head == len(linears) - len(routers) + head > 0
     assert all((m.order is not None) == act for m in int4s)
-    assert not isinstance(model.lm_head.linear_method, Int4LinearMethod)
+    assert isinstance(model.lm_head.linear_method, Int4LinearMethod) == head
+    assert model.model.embed_tokens.weight.numel() > 0  # (a tied table keeps its float rows)
     assert int4s[0].dequantized(torch.float32).std().item() == pytest.approx(0.02, rel=0.1)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     assert bool(experts) == (arch == "qwen3_moe")

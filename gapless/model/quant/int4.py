@@ -368,7 +368,9 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) 
     """A `--load-format dummy` load of a checkpoint of this scheme: random weights in its form
     (`random_unpacked`) for the layers such a checkpoint quantizes, every linear layer but the routers
     (and the LM head, which is not one) and every mixture's experts, cut for this rank as a loaded
-    checkpoint is. For benchmarks of shapes no quantized checkpoint is written for."""
+    checkpoint is; the LM head too where the config quantizes it (`Int4Spec.lm_head`: this rank's rows,
+    untied from the embedding table, which keeps its float rows). For benchmarks of shapes no quantized
+    checkpoint is written for."""
     from gapless.model.moe import Experts
 
     for name, module in model.named_modules():
@@ -387,3 +389,9 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) 
         else:
             n, k = module.weight.shape
             hold(module, random_unpacked(n, k, spec, module.weight.device), spec, dtype, kernel)
+    if spec.lm_head:
+        head = model.lm_head
+        rows, hidden = head.weight.shape
+        w = random_unpacked(rows, hidden, spec, head.weight.device)
+        head.weight = torch.nn.Parameter(head.weight.data.new_empty(0), requires_grad=False)  # (untied)
+        install_head(head, w, spec, dtype, kernel, first=0)

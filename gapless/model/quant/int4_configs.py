@@ -68,7 +68,8 @@ def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's 
     _check_dynamic(qc)
     sym = bool(qc.get("sym", True))
     act_order = bool(qc.get("desc_act")) and not qc.get("static_groups")  # (static: g_idx is k // G)
-    return Int4Spec("gptq", bits, group, sym, 1 if fmt == "gptq" else 0, act_order)
+    zero_offset = 1 if fmt == "gptq" else 0
+    return Int4Spec("gptq", bits, group, sym, zero_offset, act_order, lm_head=bool(qc.get("lm_head")))
 
 
 _SCHEME_KEYS = {"bits": None, "group_size": None, "sym": True, "desc_act": False}  # (and their defaults)
@@ -214,23 +215,28 @@ def _auto_round(qc: dict[str, Any]) -> Int4Spec:
     _check_extra(qc)
     allowed = (4,) if layout == "awq" else (4, 8)
     bits, group = check_bits_group(AUTO_ROUND, qc.get("bits"), qc.get("group_size"), allowed)
+    head = any("lm_head" in str(name) for name in _quantized_extra(qc))  # (`--quant_lm_head`)
     if layout == "awq":
-        return Int4Spec("awq", bits, group, sym=False, producer=AUTO_ROUND)
+        return Int4Spec("awq", bits, group, sym=False, producer=AUTO_ROUND, lm_head=head)
+    zero_offset = 1 if layout == "gptq" else 0
     sym = bool(qc.get("sym", True))
-    return Int4Spec("gptq", bits, group, sym, zero_offset=1 if layout == "gptq" else 0, producer=AUTO_ROUND)
+    return Int4Spec("gptq", bits, group, sym, zero_offset, producer=AUTO_ROUND, lm_head=head)
+
+
+def _quantized_extra(qc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """AutoRound's `extra_config` entries that quantize their layers (bits below 16), by layer name."""
+    extra = qc.get("extra_config") or {}
+    if not isinstance(extra, dict):
+        raise refuse(AUTO_ROUND, f"extra_config={extra!r} is not a dict of layer schemes")
+    entries = {str(name): override or {} for name, override in extra.items()}
+    return {n: o for n, o in entries.items() if int(o.get("bits", qc.get("bits")) or 16) < 16}
 
 
 def _check_extra(qc: dict[str, Any]) -> None:
     """Refuse an `extra_config` entry that quantizes a layer with its own bits, group, symmetry, data type
     or activations; one keeping a layer float (bits >= 16), or quantizing one (the LM head) as the config
     does, is the checkpoint's to say."""
-    extra = qc.get("extra_config") or {}
-    if not isinstance(extra, dict):
-        raise refuse(AUTO_ROUND, f"extra_config={extra!r} is not a dict of layer schemes")
-    for name, override in extra.items():
-        override = override or {}
-        if int(override.get("bits", qc.get("bits")) or 16) >= 16:
-            continue
+    for name, override in _quantized_extra(qc).items():
         changed = sorted(
             k
             for k, v in override.items()

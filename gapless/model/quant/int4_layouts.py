@@ -97,8 +97,11 @@ class Int4Spec:
     # levels (`Unpacked.levels`)
     codebook: str = ""
     # the tool that wrote the checkpoint where its layout is another method's (AutoRound writes GPTQ's or
-    # AWQ's: `gapless.model.quant.auto_round`), which the label names; its GPTQ layout stores no g_idx
+    # AWQ's: `int4_configs`), which the label names; its GPTQ layout stores no g_idx
     producer: str = ""
+    # the config quantizes the LM head too (GPTQModel's `lm_head`, AutoRound's `extra_config`): what a
+    # `--load-format dummy` load makes of it (a checkpoint's load reads the head's own tensors)
+    lm_head: bool = False
 
     @property
     def label(self) -> str:
