@@ -87,8 +87,6 @@ class Int4Layers:
         if experts:  # a mixture's experts: every expert's projections stacked
             int4.install_experts(layer, shards, self.spec, self.dtype, layer_name)
         elif isinstance(layer, ParallelLMHead):  # a quantized LM head (GPTQ's `lm_head: true`, ...)
-            if layer.weight is self.model.model.embed_tokens.weight:  # (tied: the table keeps its rows)
-                layer.weight = torch.nn.Parameter(layer.weight.data.new_empty(0), requires_grad=False)
             int4.install_head(layer, shards[None], self.spec, self.dtype, self.kernel)
         else:
             int4.install(layer, shards, self.spec, self.dtype, layer_name, self.kernel)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -67,8 +68,10 @@ def test_the_config_names_and_the_flags():
     assert old is not None and old.weight_only == spec.weight_only
     kept_float = {**qc, "extra_config": {"model.layers.0.mlp.down_proj": {"bits": 16, "data_type": "float"}}}
     assert resolve(kept_float, None, "cpu") == spec
-    head = quantization_config("auto_round:auto_gptq", 4, 128, True, head=True)  # (`--quant_lm_head`)
-    assert resolve(head, None, "cpu") == spec
+    head = resolve(quantization_config("auto_round:auto_gptq", 4, 128, True, head=True), None, "cpu")
+    assert head is not None and head.weight_only == replace(
+        spec.weight_only, lm_head=True
+    )  # (--quant_lm_head)
     with pytest.raises(QuantFormatError, match="--quantization inc runs a auto-round or intel/auto-round"):
         resolve(quantization_config("gptq", 4, 128, True), "inc", "cpu")
 

@@ -213,11 +213,12 @@ def install_head(
 ) -> Int4LinearMethod:
     """Give the LM head (a `ParallelLMHead`) its quantized weight from `w` [vocab rows, hidden]: this
     rank's rows, from `first` (default the head's first row; 0 where `w` holds them alone), padded with
-    zero weights to the head's rows; its float weight freed (a tied table's with it: the caller's to
-    untie where the table keeps its float rows)."""
+    zero weights to the head's rows; its float weight dropped, a head tied to the embedding table untied
+    first (the table keeps its float rows, where it keeps any)."""
     first = head.first if first is None else first
     count = max(0, min(head.rows, w.q.shape[0] - first))
     mine = w.map(lambda t: torch.nn.functional.pad(t[first : first + count], (0, 0, 0, head.rows - count)))
+    head.weight = torch.nn.Parameter(head.weight.data.new_empty(0), requires_grad=False)  # (untied)
     return hold(head, mine, spec, dtype, kernel)
 
 
@@ -392,6 +393,6 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) 
     if spec.lm_head:
         head = model.lm_head
         rows, hidden = head.weight.shape
-        w = random_unpacked(rows, hidden, spec, head.weight.device)
-        head.weight = torch.nn.Parameter(head.weight.data.new_empty(0), requires_grad=False)  # (untied)
-        install_head(head, w, spec, dtype, kernel, first=0)
+        install_head(
+            head, random_unpacked(rows, hidden, spec, head.weight.device), spec, dtype, kernel, first=0
+        )

@@ -2,9 +2,8 @@
 (`int4_spec_from_config`), whose tensors `gapless.model.quant.int4_layouts` reads; a scheme that is not run
 refused in one line naming the field. AWQ (GEMM layout), GPTQ (v1 and v2 zeros, act-order, GPTQModel's
 `dynamic` rules), compressed-tensors' `pack-quantized`, `int-quantized`, `nvfp4-pack-quantized` and
-`mxfp4-pack-quantized`,
-bitsandbytes' 8-bit, ModelOpt's NVFP4, and Intel's AutoRound, which writes GPTQ's or AWQ's layout, as its
-`packing_format` says (as auto-round's exporter picks its packer):
+`mxfp4-pack-quantized`, bitsandbytes' 8-bit, ModelOpt's NVFP4, and Intel's AutoRound, which writes GPTQ's
+or AWQ's layout, as its `packing_format` says (as auto-round's exporter picks its packer):
 
 - `auto_round:auto_gptq` (its default for symmetric weights): GPTQ's, the zeros stored minus one;
 - `auto_round` (asymmetric weights in its own format) and `auto_round:gptqmodel`: GPTQ's, the zeros as
@@ -210,7 +209,7 @@ def _auto_round(qc: dict[str, Any]) -> Int4Spec:
         raise refuse(AUTO_ROUND, f"packing_format={packing!r} is not read; {', '.join(PACKINGS)}")
     if str(qc.get("data_type") or "int") != "int":
         raise refuse(AUTO_ROUND, f"data_type={qc['data_type']!r} is not run; int only")
-    if int(qc.get("act_bits") or 16) < 16:
+    if _bits(qc.get("act_bits"), "act_bits") < 16:
         raise refuse(AUTO_ROUND, f"act_bits={qc['act_bits']} (quantized activations) is not run; weight-only")
     _check_extra(qc)
     allowed = (4,) if layout == "awq" else (4, 8)
@@ -229,7 +228,19 @@ def _quantized_extra(qc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if not isinstance(extra, dict):
         raise refuse(AUTO_ROUND, f"extra_config={extra!r} is not a dict of layer schemes")
     entries = {str(name): override or {} for name, override in extra.items()}
-    return {n: o for n, o in entries.items() if int(o.get("bits", qc.get("bits")) or 16) < 16}
+    if not all(isinstance(o, dict) for o in entries.values()):
+        raise refuse(AUTO_ROUND, "extra_config's entries are not dicts of a layer's scheme")
+    quantized = {n: o for n, o in entries.items() if _bits(o.get("bits", qc.get("bits")), f"{n} bits") < 16}
+    return quantized
+
+
+def _bits(value: Any, what: str) -> int:
+    """A scheme's bit count (None: 16, unquantized), refused by name where it is no integer."""
+    if value is None:
+        return 16
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise refuse(AUTO_ROUND, f"{what}={value!r} is not a number of bits")
+    return value
 
 
 def _check_extra(qc: dict[str, Any]) -> None:
