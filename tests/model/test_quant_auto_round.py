@@ -72,7 +72,7 @@ def test_the_config_names_and_the_flags():
     assert head is not None and head.weight_only == replace(
         spec.weight_only, lm_head=True
     )  # (--quant_lm_head)
-    with pytest.raises(QuantFormatError, match="--quantization inc runs a auto-round or intel/auto-round"):
+    with pytest.raises(QuantFormatError, match="--quantization inc runs a auto-round checkpoint"):
         resolve(quantization_config("gptq", 4, 128, True), "inc", "cpu")
 
 

@@ -67,7 +67,7 @@ def test_a_modelopt_export_of_the_kv_cache_alone_loads_float_weights(ckpt_factor
             ["quant_algo 'W4A8_AWQ' is not run", "FP8_PB_WO, NVFP4"],
         ),
         ({"quant_method": "modelopt", "quantization": {"quant_algo": "mxfp8"}}, ["'MXFP8'"]),
-        ({"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"}, ["'modelopt_fp4'", "is not run"]),
+        ({"quant_method": "modelopt_fp4", "quant_algo": "NVFP4_AWQ"}, ["'NVFP4_AWQ' is not run"]),
     ],
 )
 def test_modelopt_formats_not_run_are_refused_by_name(qcfg, words):

@@ -122,8 +122,11 @@ def test_the_config_names_the_format(tmp_path, layout):
         config = checkpoint_quantization(tmp_path)
     spec = resolve(config, None, "cpu")
     assert spec is not None and spec.label == LABEL[layout] and spec.weight_only is not None
-    if layout == "modelopt":  # (vLLM's name of its kernel for it)
+    if layout == "modelopt":  # (vLLM's name of its kernel for it, as a flag and as some exports' configs
+        # name it; ModelOpt's weight-only NVFP4 the same weights)
         assert resolve(config, "modelopt_fp4", "cpu") == spec
+        for named in ({"quant_method": "modelopt_fp4"}, {"quant_algo": "W4A16_NVFP4"}):
+            assert resolve({**config, **named}, None, "cpu") == spec
 
 
 def _edit(qdir: Path, fn) -> None:

@@ -147,7 +147,7 @@ def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
     configs, `int4_layouts` the tensors)."""
     from gapless.model.quant import int4_configs
 
-    method = str(qcfg.get("quant_method", "")).lower()
+    method = config_method(qcfg)
     if online:
         raise _not_at_load(method)
     spec = int4_configs.int4_spec_from_config(qcfg)
@@ -171,6 +171,19 @@ def modelopt_algo(qcfg: dict[str, Any]) -> str:
     return str((inner if isinstance(inner, dict) else qcfg).get("quant_algo") or "").upper()
 
 
+# ModelOpt's `quant_algo`s that hold NVFP4 weights (W4A16_NVFP4: the same weights, its activations float)
+MODELOPT_NVFP4 = ("NVFP4", "W4A16_NVFP4")
+# other names a config's `quant_method` gives a format (vLLM's names of its kernels for ModelOpt's,
+# written into some exports' configs; Intel Neural Compressor's older one for AutoRound's)
+CONFIG_ALIASES = {"modelopt_fp4": "modelopt", "modelopt_fp8": "modelopt", "intel/auto-round": "auto-round"}
+
+
+def config_method(qcfg: dict[str, Any]) -> str:
+    """A quantization config's `quant_method`, lower-cased, its aliases (`CONFIG_ALIASES`) resolved."""
+    method = str(qcfg.get("quant_method", "")).lower()
+    return CONFIG_ALIASES.get(method, method)
+
+
 def _modelopt(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     """NVIDIA ModelOpt's FP8 (`nvidia/*-FP8`): e4m3 weights and a `weight_scale` per tensor (`FP8`, its
     static `input_scale` not read), per output row (`FP8_PER_CHANNEL_PER_TOKEN`) or per [128, 128] block
@@ -180,10 +193,10 @@ def _modelopt(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     if online:
         raise _not_at_load("modelopt")
     algo = modelopt_algo(qcfg)
-    if algo == "NVFP4":
+    if algo in MODELOPT_NVFP4:
         return _int4(qcfg)
     if algo not in MODELOPT_FP8:
-        runs = ", ".join([*MODELOPT_FP8, "NVFP4"])
+        runs = ", ".join([*MODELOPT_FP8, *MODELOPT_NVFP4])
         raise QuantFormatError(
             f"quantization modelopt: quant_algo {algo or None!r} is not run (runs: {runs})"
         )
@@ -259,7 +272,6 @@ FORMATS: dict[str, Parser] = {
     "fbgemm_fp8": _fbgemm_fp8,
     "bitsandbytes": _bitsandbytes,
     "auto-round": _int4,
-    "intel/auto-round": _int4,
 }
 # vLLM's `--quantization` names for its own kernels of a checkpoint's format: accepted for a checkpoint in
 # one of those formats, which then runs as it would without the flag
@@ -268,7 +280,7 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "gptq_marlin": ("gptq",),
     "moe_wna16": ("awq", "gptq"),
     "modelopt_fp4": ("modelopt",),
-    "inc": ("auto-round", "intel/auto-round"),
+    "inc": ("auto-round",),
 }
 
 
@@ -316,7 +328,7 @@ def _declared(path: Path) -> dict[str, Any] | None:
 
 
 def _is_modelopt(qcfg: dict[str, Any]) -> bool:
-    return str(qcfg.get("quant_method", "")).lower() == "modelopt"
+    return config_method(qcfg) == "modelopt"
 
 
 def checkpoint_quantization(path: Path) -> dict[str, Any] | None:
@@ -374,7 +386,7 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
     """The format a load runs: the checkpoint's (`qcfg`), or `flag` applied at load to a float checkpoint;
     None: float weights. QuantFormatError (one line) for an unknown format, a flag that contradicts the
     checkpoint, a malformed config, or a device that cannot run it."""
-    method = None if qcfg is None else str(qcfg.get("quant_method", "")).lower()
+    method = None if qcfg is None else config_method(qcfg)
     if flag == GGUF:
         raise QuantFormatError(
             "--quantization gguf names a GGUF file's format; this checkpoint is no GGUF file"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gapless.model.quant.formats import QuantFormatError, modelopt_algo
+from gapless.model.quant.formats import MODELOPT_NVFP4, QuantFormatError, config_method, modelopt_algo
 from gapless.model.quant.int4_layouts import MXFP4_GROUP, NVFP4_GROUP, Int4Spec
 
 
@@ -170,7 +170,7 @@ def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
     methods that is not run (bits other than 4/8, a group size that is not a power of two, ...)."""
     if not qc:
         return None
-    method = str(qc.get("quant_method", "")).lower()
+    method = config_method(qc)
     if method == "awq":
         return _awq(qc)
     if method == "gptq":
@@ -179,9 +179,9 @@ def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
         return _compressed(qc)
     if method == "bitsandbytes" and (qc.get("load_in_8bit") or qc.get("_load_in_8bit")):
         return Int4Spec("bitsandbytes", 8, -1, sym=True, packed=False)
-    if method in AUTO_ROUND_METHODS:
+    if method == AUTO_ROUND:
         return _auto_round(qc)
-    if method == "modelopt" and modelopt_algo(qc) == "NVFP4":
+    if method == "modelopt" and modelopt_algo(qc) in MODELOPT_NVFP4:
         inner = qc.get("quantization")
         group = (inner if isinstance(inner, dict) else qc).get("group_size", NVFP4_GROUP)
         return _nvfp4_config("modelopt", [{"group_size": group}])
@@ -189,8 +189,7 @@ def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
 
 
 # Intel's AutoRound (the module's docstring)
-AUTO_ROUND = "auto-round"
-AUTO_ROUND_METHODS = (AUTO_ROUND, "intel/auto-round")  # (Intel Neural Compressor's older name)
+AUTO_ROUND = "auto-round"  # (also Intel Neural Compressor's older `intel/auto-round`: `CONFIG_ALIASES`)
 # `packing_format` -> the layout it stores (GPTQ's checkpoint_format, or AWQ's)
 PACKINGS = {
     "auto_round:auto_gptq": "gptq",
