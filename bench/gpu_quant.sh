@@ -159,9 +159,9 @@ tpot 50 qwen3-8b-nf4 nf4
 # runs such checkpoints on Hopper, weight-only
 tpot 50 qwen3-8b-nvfp4 nvfp4
 # GPTQ int4 with its LM head quantized too (GPTQModel's `lm_head: true`): the 8B's bf16 head took 283 us of
-# the AWQ run's 3,255 (an H200), which no int4 GEMM of the layers can win back; the int4 target (<= 0.4x
-# bf16's) leaves ~910 us for the 144 layer GEMMs with a bf16 head (4.1 TB/s, above cuBLAS bf16's 3.76 on
-# these layers), ~1,120 with the head in int4
+# the AWQ run's 3,255 (an H200), the same in every run that keeps it bf16; the int4 target (<= 0.4x bf16's)
+# leaves ~910 us for the 144 layer GEMMs with a bf16 head (3.69 GB: 4.1 TB/s, above cuBLAS bf16's 3.76 on
+# these layers), ~1,080 with the head in int4 (0.33 GB, ~110 us: 3.4 TB/s)
 tpot 50 qwen3-8b-gptq-head int4_head
 GAPLESS_FP8_SWAPPED=1 tpot 45 qwen3-8b fp8_swapped --engine-option quantization=fp8
 # Qwen3-0.6B's FP8 with the activation launched before each down GEMV and the RMSNorm before each qkv
