@@ -103,7 +103,7 @@ BNB_NF4 = dict(
 TWINS = {
     "-awq": (AWQ_G128, ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")),
     "-gptq-act": (GPTQ_ACT_G128, ("qwen3-8b",)),
-    "-gptq-head": (GPTQ_HEAD_G128, ("qwen3-8b",)),
+    "-gptq-head": (GPTQ_HEAD_G128, ("qwen3-0.6b", "qwen3-8b")),
     "-int8": (GPTQ_INT8, ("qwen3-0.6b",)),
     "-int8-g128": (GPTQ_INT8_G128, ("qwen3-0.6b",)),
     "-fp8": (FP8_BLOCK, ("qwen3-0.6b", "qwen3-8b")),

@@ -21,6 +21,7 @@ def test_make_writes_each_shape_without_weights(tmp_path):
     assert [p.name for p in paths] == [
         "qwen3-0.6b",
         "qwen3-0.6b-awq",
+        "qwen3-0.6b-gptq-head",
         "qwen3-0.6b-int8",
         "qwen3-0.6b-int8-g128",
         "qwen3-0.6b-fp8",
