@@ -1,15 +1,17 @@
 """Weight-only int4/int8 checkpoints (w4a16, w8a16, group-wise scales and zeros) kept quantized: each layer's
-weight, read into one form by `gapless.model.quant.int4_layouts` (AWQ, GPTQ, compressed-tensors
-`pack-quantized` and `int-quantized`, NVFP4), cut for tensor parallelism and stacked for fused projections
-here, then packed into the one layout the GEMM reads (`gapless.model.quant.int4_triton`'s docstring).
+weight, read into one form by `gapless.model.quant.int4_layouts` (AWQ, GPTQ, AutoRound's,
+compressed-tensors `pack-quantized` and `int-quantized`, NVFP4, MXFP4), cut for tensor parallelism and
+stacked for fused projections here, then packed into the one layout the GEMM reads
+(`gapless.model.quant.int4_triton`'s docstring).
 
 On CUDA the layer runs the Triton GEMM (or a library's: `int4_kernels`); on the CPU torch's CPU int4/int8
 kernels where they take it (`int4_kernels.cpu_runs`). Elsewhere `apply` is a reference path: it
 dequantizes the whole weight to the activations' dtype on every call and multiplies with torch, so the
 quantized checkpoint is exact against a float model holding the same dequantized weights (tests), at a
 float GEMM's cost plus the dequantization: for parity, not speed. A codebook's weight (`Unpacked.levels`:
-bitsandbytes' NF4, GGUF's IQ4, NVFP4), which no CPU kernel takes, is dequantized once there instead and
-held beside its codes (the float model's bytes and more).
+bitsandbytes' NF4, GGUF's IQ4/IQ3_XXS/IQ2, NVFP4, MXFP4), which no CPU kernel takes, is dequantized once
+there instead and held beside its codes (the float model's bytes and more). The LM head, where a
+checkpoint quantizes it, is held so too (`install_head`).
 
 A mixture's experts (`...experts.3.gate_proj.qweight`, Mixtral's `w1`/`w3`/`w2`) are unpacked the same way
 and stacked by `install_experts` into the layer's `Experts`, each expert in the GEMM's layout; the grouped

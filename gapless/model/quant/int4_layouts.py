@@ -35,6 +35,9 @@ AutoRound, which writes GPTQ's or AWQ's) store them:
   `weight_global_scale` (`W = e2m1 * weight_scale / weight_global_scale`, codes in `weight_packed`). Run
   as w4a16 with the codes' values as a codebook (`Unpacked.levels`): the checkpoint's FP4 activation
   scheme (Blackwell's tensor cores) unused, as int-quantized's int8 activations are.
+- **MXFP4** (compressed-tensors' `mxfp4-pack-quantized`): NVFP4's codes in `weight_packed`, `weight_scale`
+  uint8 [N, K / 32], each an e8m0 power of two's biased exponent (`W = e2m1 * 2^(scale - 127)`), no
+  per-tensor scale; run as NVFP4 is, in groups of 32.
 
 Act-order (GPTQ's `desc_act: true`, compressed-tensors' `actorder: group`) puts each input in a group by
 its g_idx, not by its position: the unpacked form sorts q's columns by group (`act_order`), so the groups
