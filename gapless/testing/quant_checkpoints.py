@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -219,11 +220,36 @@ def quantize_head(
     weight = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
     stored, held = quantized("lm_head.weight", weight)
     for d, added in ((qdir, stored), (refdir, {"lm_head.weight": held.to(weight.dtype)})):
-        file = d / "model.safetensors"
-        kept = {k: v for k, v in load_file(str(file)).items() if k != "lm_head.weight"}
-        save_file(kept | added, str(file), metadata={"format": "pt"})
+        edit_tensors(d, partial(_replace_head, added))
     config = json.loads((refdir / "config.json").read_text())
     (refdir / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}, indent=2))
+
+
+def _replace_head(added: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """`tensors` with the LM head's float weight replaced by `added`."""
+    tensors.pop("lm_head.weight", None)
+    tensors.update(added)
+
+
+def edit_tensors(checkpoint: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> None:
+    """A one-file checkpoint's tensors (by name) changed in place by `edit`, and saved again."""
+    file = checkpoint / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def load_refusal(checkpoint: Path) -> str:
+    """The message of the `QuantFormatError` loading `checkpoint` on the CPU raises (an AssertionError
+    where it loads)."""
+    from gapless.model import loader
+    from gapless.model.quant.formats import QuantFormatError
+
+    try:
+        loader.load_model(checkpoint, torch.float32, torch.device("cpu"))
+    except QuantFormatError as e:
+        return str(e)
+    raise AssertionError(f"{checkpoint} loaded; a QuantFormatError was expected")
 
 
 def write_pair(
