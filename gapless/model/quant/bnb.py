@@ -42,13 +42,16 @@ import importlib.util
 import json
 import logging
 from collections.abc import Collection, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from gapless import env
 from gapless.model.quant.formats import QuantFormatError, QuantSpec
+
+if TYPE_CHECKING:
+    from gapless.model.quant.int4_layouts import Unpacked
 
 log = logging.getLogger(__name__)
 
@@ -331,20 +334,28 @@ def _hold_for_triton(layer: Any, w: torch.Tensor, kind: str, block: int) -> bool
     """Whether `w` is `kind`'s in blocks of `block` (`codes`); if so `layer` holds its codes for the int4
     path's Triton GEMM (`int4.Int4LinearMethod` with the codebook's levels), its float weight freed."""
     from gapless.model.quant import int4
-    from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
+    from gapless.model.quant.int4_layouts import Int4Spec
 
     found = codes(w, kind, block)
     if found is None:
         return False
-    q, absmax = found
-    held = Unpacked(
-        q, absmax, torch.zeros_like(absmax), levels=torch.tensor(TABLES[kind], dtype=torch.float32)
-    )
-    int4.hold(layer, held, Int4Spec("bitsandbytes", 4, block, sym=True, codebook=kind), w.dtype, "triton")
+    spec = Int4Spec("bitsandbytes", 4, block, sym=True, codebook=kind)
+    int4.hold(layer, _unpacked(found, kind), spec, w.dtype, "triton")
     return True
 
 
 Codes = tuple[torch.Tensor, torch.Tensor]  # (codes int16 [N, K], absmax float32 [N, K / block]): `codes`
+
+
+def _unpacked(found: Codes, kind: str) -> Unpacked:
+    """`codes`' result as the int4 path's form (`int4_layouts.Unpacked`): the codes, each block's absolute
+    maximum its scale, no zeros, codebook `kind`'s levels."""
+    from gapless.model.quant.int4_layouts import Unpacked
+
+    q, absmax = found
+    return Unpacked(
+        q, absmax, torch.zeros_like(absmax), levels=torch.tensor(TABLES[kind], dtype=torch.float32)
+    )
 
 
 def _expert_codes(weights: torch.Tensor, kind: str) -> tuple[int, list[Codes]] | None:
@@ -368,18 +379,17 @@ def _hold_experts(experts: Any, kind: str) -> None:
     block size that gives back every expert's weight; where either gives none back (experts the checkpoint
     kept in float), they stay float."""
     from gapless.model.quant import int4
-    from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
+    from gapless.model.quant.int4_layouts import Int4Spec
 
     gate_up, down = (_expert_codes(w.data, kind) for w in (experts.gate_up_proj, experts.down_proj))
     if gate_up is None or down is None:
         return
-    table = torch.tensor(TABLES[kind], dtype=torch.float32)
     shards: dict[tuple[int, str], Unpacked] = {}
-    for e, ((q, absmax), (dq, dabsmax)) in enumerate(zip(gate_up[1], down[1])):
-        both = Unpacked(q, absmax, torch.zeros_like(absmax), levels=table)  # (gate's rows, then up's)
+    for e, (gu, dn) in enumerate(zip(gate_up[1], down[1])):
+        both = _unpacked(gu, kind)  # (gate's rows, then up's)
         shards[(e, "gate")] = both.map(lambda t: t[: experts.inter])
         shards[(e, "up")] = both.map(lambda t: t[experts.inter :])
-        shards[(e, "down")] = Unpacked(dq, dabsmax, torch.zeros_like(dabsmax), levels=table)
+        shards[(e, "down")] = _unpacked(dn, kind)
     spec, down_spec = (Int4Spec("bitsandbytes", 4, b, sym=True, codebook=kind) for b in (gate_up[0], down[0]))
     dtype = experts.gate_up_proj.dtype
     int4.install_experts(experts, shards, spec, dtype, "bitsandbytes experts", down_spec, cut=False)
