@@ -50,12 +50,17 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     ):
         kind = "a safetensors checkpoint" if path.is_dir() else "a GGUF file"
         raise ValueError(f"--load-format {cfg.load_format}: {cfg.model} is {kind}")
-    if cfg.load_format == "bitsandbytes":  # (vLLM's older name for reading one: `auto` reads it alike)
-        method = (formats.checkpoint_quantization(path) or {}).get("quant_method")
-        if str(method).lower() != "bitsandbytes":
+    # (vLLM's older name for reading one, or with `--quantization bitsandbytes` for quantizing a float one
+    # at load: `auto` loads either alike)
+    if cfg.load_format == "bitsandbytes":
+        qcfg = formats.checkpoint_quantization(path)
+        method = (qcfg or {}).get("quant_method")
+        in_flight = qcfg is None and cfg.quantization == "bitsandbytes"
+        if str(method).lower() != "bitsandbytes" and not in_flight:
+            hint = "" if qcfg else "; with --quantization bitsandbytes a float one is quantized at load"
             raise ValueError(
                 f"--load-format bitsandbytes: {cfg.model} is no bitsandbytes checkpoint "
-                f"(quant_method {method!r})"
+                f"(quant_method {method!r}){hint}"
             )
     mcfg = load_model_config(path)
     if path.is_dir():  # a GGUF file carries its weights and tokenizer

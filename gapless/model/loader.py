@@ -187,7 +187,7 @@ def load_model(
     kept = gguf_kept(path, device)
     gguf_layers = _gguf_layers(model, path, kept, dtype)  # (None: no GGUF blocks)
     weights: Iterable[tuple[str, Any]] = [] if dummy else iter_weights(path, kept)
-    if spec is not None and spec.scheme == "bnb":
+    if spec is not None and spec.scheme == "bnb" and not spec.online:
         weights = bnb.dequantized(weights, device)  # (its 4-bit weights read as floats)
     for name, tensor in weights:
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
@@ -328,7 +328,7 @@ def _prepare_quantized(
     `dummy` load: the modules such checkpoints quantize, `usual_targets`)."""
     if spec is None or spec.scheme == "int4":  # int4's layers take their method after loading
         return None, []
-    if spec.scheme == "bnb" and not bnb.kept(device):  # (its weights read as floats, and left so)
+    if spec.scheme == "bnb" and not (spec.online or bnb.kept(device)):  # (read as floats, and left so)
         return None, []
     scheme = importlib.import_module(f"gapless.model.quant.{spec.scheme}")
     targets: set[str] = set(scheme.usual_targets(model)) if dummy else set()
@@ -446,10 +446,11 @@ def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:
 
 
 class _OnlineRounding:
-    """`--quantization fp8` of a float checkpoint (`modules`: none for any other load): each layer it
-    quantizes is rounded to e4m3 as the last of its float weight's tensors loads (`fp8.finish_module`),
-    so the load holds the float weights of the layers whose tensors are still arriving (one, for a
-    checkpoint stored layer by layer), not the float model's."""
+    """`--quantization fp8` (or `bitsandbytes`) of a float checkpoint, and a bitsandbytes 4-bit checkpoint
+    kept in 4 bits (`modules`: none for any other load): each layer it quantizes is rounded as the last of
+    its float weight's tensors loads (the scheme's `finish_module`), so the load holds the float weights
+    of the layers whose tensors are still arriving (one, for a checkpoint stored layer by layer), not the
+    float model's."""
 
     def __init__(self, model: CausalLM, scheme: Any, spec: QuantSpec | None, modules: list[str]) -> None:
         self.model, self.scheme, self.spec = model, scheme, spec

@@ -13,14 +13,15 @@ from gapless.model import loader, parallel
 CPU = torch.device("cpu")
 
 
-def load_as_ranks(path: str | Path, size: int = 2) -> tuple[Any, list[Any]]:
-    """The model at `path` loaded whole, then as rank 0 .. `size` - 1 of `size` (float32, CPU)."""
-    whole = loader.load_model(path, torch.float32, CPU)
+def load_as_ranks(path: str | Path, size: int = 2, quantization: str | None = None) -> tuple[Any, list[Any]]:
+    """The model at `path` loaded whole, then as rank 0 .. `size` - 1 of `size` (float32, CPU;
+    `quantization` as `--quantization`)."""
+    whole = loader.load_model(path, torch.float32, CPU, quantization=quantization)
     ranks = []
     try:
         for rank in range(size):
             parallel.use(parallel.TPGroup(rank=rank, size=size))
-            ranks.append(loader.load_model(path, torch.float32, CPU))
+            ranks.append(loader.load_model(path, torch.float32, CPU, quantization=quantization))
     finally:
         parallel.use(parallel.SINGLE)
     return whole, ranks

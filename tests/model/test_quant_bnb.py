@@ -326,11 +326,6 @@ def test_the_config_names_the_format(qcfg, words):
     assert all(w in label for w in words), label
 
 
-def test_bitsandbytes_is_not_applied_at_load_to_a_float_checkpoint(ckpt_factory):
-    with pytest.raises(QuantFormatError, match="--quantization bitsandbytes reads a checkpoint"):
-        loader.load_model(ckpt_factory("llama"), torch.float32, CPU, quantization="bitsandbytes")
-
-
 def _state_name(tensors: dict[str, torch.Tensor]) -> str:
     return next(n for n in tensors if ".quant_state." in n)
 

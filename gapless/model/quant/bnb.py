@@ -1,8 +1,8 @@
 """bitsandbytes 4-bit checkpoints (`quant_method: bitsandbytes`, `load_in_4bit`: unsloth's `*-bnb-4bit`
 repositories, QLoRA merges), read as float weights: each quantized weight is dequantized as its tensors
-arrive and goes on as the float `...weight` it was, so the model runs its float layers. NF4 and FP4 are
-codebooks (16 float values), not the evenly spaced levels the int4 GEMMs take (`W = (q - zero) * scale`),
-so no kernel here keeps them quantized: such a model holds the float model's bytes.
+arrive and goes on as the float `...weight` it was, then kept in 4 bits where a kernel takes them (`kept`,
+below). NF4 and FP4 are codebooks (16 float values), not the evenly spaced levels of AWQ's and GPTQ's
+`W = (q - zero) * scale`.
 
 As Hugging Face's bitsandbytes integration stores a layer's weight (the `weight` of an `nn.Linear`):
 
@@ -33,7 +33,16 @@ checkpoint kept in float, or whose blocks span rows (or a rank's share of them),
   bitsandbytes' own `Linear4bit` (x in bfloat16): one thread, 0.18-0.22x bfloat16 torch.mm's time at one
   row on Llama-3-8B's layers, 0.46-0.50x at eight (`bench/results/bnb_cpu`).
 
-Elsewhere its weights run as float layers, and so do a mixture's experts on bitsandbytes' CPU kernel."""
+Elsewhere its weights run as float layers, and so do a mixture's experts on bitsandbytes' CPU kernel.
+
+`--quantization bitsandbytes` on a float checkpoint (vLLM's in-flight 4-bit, `QuantSpec.online`) quantizes
+every linear layer but the routers, and every mixture's experts, to NF4 in blocks of 64 (`ONLINE_BLOCK`) as
+each becomes whole, as bitsandbytes' `quantize_4bit` does with its defaults (each value times the
+reciprocal of its block's absolute maximum, to the nearest level; the scales float32: vLLM double-quantizes
+them and expands them again at load, so its scales carry an 8-bit rounding these do not), then holds them
+as above; where nothing keeps 4 bits, the float layer takes NF4's values in their place (`representable`),
+so every device computes the same model. A layer whose inputs (this rank's) are no multiple of 64 is
+refused by name before anything loads (bitsandbytes' blocks would run across its rows)."""
 
 from __future__ import annotations
 
@@ -176,6 +185,7 @@ def _missing(parts: dict[str, torch.Tensor], where: str) -> list[str]:
 # the loader's scheme protocol (`gapless.model.quant.formats`), for a load that keeps 4-bit weights (`kept`)
 SCALE_NAMES: tuple[str, ...] = ()  # (the checkpoint's side tensors never reach the loader: `dequantized`)
 BLOCKS = (64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' block sizes, its default first
+ONLINE_BLOCK = BLOCKS[0]  # `--quantization bitsandbytes` at load: NF4 in bitsandbytes' default blocks
 
 
 @functools.cache
@@ -247,7 +257,23 @@ def usual_targets(model: nn.Module) -> list[str]:
 
 
 def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> list[str]:
-    return usual_targets(model)
+    """`usual_targets`; quantized at load (`spec.online`), each one's inputs (this rank's) in whole blocks
+    of `ONLINE_BLOCK`, else a one-line QuantFormatError naming the layer."""
+    from gapless.model.moe import Experts
+
+    modules = usual_targets(model)
+    for name in modules if spec.online else ():
+        m = model.get_submodule(name)
+        weights: tuple[torch.Tensor, ...] = (
+            (m.gate_up_proj, m.down_proj) if isinstance(m, Experts) else (m.get_parameter("weight"),)
+        )
+        for k in (int(w.shape[-1]) for w in weights):
+            if k % ONLINE_BLOCK:
+                raise QuantFormatError(
+                    f"--quantization bitsandbytes: {name} takes {k} inputs (this rank's), not a "
+                    f"multiple of bitsandbytes' blocks of {ONLINE_BLOCK}"
+                )
+    return modules
 
 
 def prepare(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
@@ -275,7 +301,8 @@ def _in_blocks(w: torch.Tensor, kind: str, block: int) -> Iterator[tuple[slice, 
         rows = slice(r, r + step)
         blocks = w[rows].float().view(-1, k // block, block)
         absmax = blocks.abs().amax(-1)
-        normalized = blocks / absmax.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+        # (times the reciprocal, as bitsandbytes' `quantize_4bit`: the same codes at its levels' midpoints)
+        normalized = blocks * (1.0 / absmax.clamp(min=torch.finfo(torch.float32).tiny))[..., None]
         yield rows, by_rank[torch.bucketize(normalized, bounds, out_int32=True)].view(-1, k), absmax
 
 
@@ -285,13 +312,16 @@ def _values(q: torch.Tensor, absmax: torch.Tensor, kind: str) -> torch.Tensor:
     return (table[q.long()].view(*absmax.shape, -1) * absmax[..., None]).view_as(q)
 
 
-def codes(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def codes(
+    w: torch.Tensor, kind: str, block: int, check: bool = True
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(codes int16 [N, K], absmax float32 [N, K / block]) of `w` [N, K] in codebook `kind`, blocks of
     `block` along its rows (K a multiple of it), that give `w` back (`_gives_back`); None where none do
-    (a weight not so quantized, or in other blocks)."""
+    (a weight not so quantized, or in other blocks). Without `check` (a float weight quantized at load),
+    its nearest codes, whatever they give back."""
     out, scales = torch.empty(w.shape, dtype=torch.int16, device=w.device), list[torch.Tensor]()
     for rows, q, absmax in _in_blocks(w, kind, block):
-        if not _gives_back(_values(q, absmax, kind).to(w.dtype), w[rows]):
+        if check and not _gives_back(_values(q, absmax, kind).to(w.dtype), w[rows]):
             return None
         out[rows] = q
         scales.append(absmax)
@@ -312,31 +342,46 @@ def representable(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return out.view_as(w)
 
 
+def _blocks(k: int, spec: QuantSpec) -> tuple[int, ...]:
+    """The block sizes to try, in order, on a weight of `k` inputs: `ONLINE_BLOCK` quantized at load; else
+    each of `BLOCKS` dividing `k` (the checkpoint's is the one that gives its weight back)."""
+    return (ONLINE_BLOCK,) if spec.online else tuple(b for b in BLOCKS if k % b == 0)
+
+
 def finish_module(layer: Any, spec: QuantSpec) -> None:
     """`layer`'s float weight quantized again in the first block size that gives back the same weight
     (to within its dtype's rounding, for a model below float32), held by what `kept` names and freed; a
     weight none gives back (a layer the checkpoint kept in float) stays float. A mixture's experts
-    likewise for the Triton GEMM (`_hold_experts`); bitsandbytes' kernel takes none."""
+    likewise for the Triton GEMM (`_hold_experts`); bitsandbytes' kernel takes none. Quantized at load
+    (`spec.online`): in `ONLINE_BLOCK`s, unchecked; where nothing keeps 4 bits, its values in place."""
     from gapless.model.moe import Experts
 
     if isinstance(layer, Experts):
         if kept(layer.gate_up_proj.device) == "triton":
-            _hold_experts(layer, spec.codebook)
+            _hold_experts(layer, spec)
+        elif spec.online:
+            for w in (layer.gate_up_proj.data, layer.down_proj.data):
+                w.copy_(representable(w, spec))
         return
     w = layer.weight.data
-    hold = _hold_for_triton if kept(w.device) == "triton" else _hold_for_bitsandbytes
-    for block in (b for b in BLOCKS if w.shape[1] % b == 0):
-        if hold(layer, w, spec.codebook, block):
+    where = kept(w.device)
+    if where is None and spec.online:
+        w.copy_(representable(w, spec))
+        return
+    hold = _hold_for_triton if where == "triton" else _hold_for_bitsandbytes
+    for block in _blocks(w.shape[1], spec):
+        if hold(layer, w, spec.codebook, block, not spec.online):
             return
 
 
-def _hold_for_triton(layer: Any, w: torch.Tensor, kind: str, block: int) -> bool:
-    """Whether `w` is `kind`'s in blocks of `block` (`codes`); if so `layer` holds its codes for the int4
-    path's Triton GEMM (`int4.Int4LinearMethod` with the codebook's levels), its float weight freed."""
+def _hold_for_triton(layer: Any, w: torch.Tensor, kind: str, block: int, check: bool) -> bool:
+    """Whether `w` is `kind`'s in blocks of `block` (`codes`; not `check`ed: taken as it rounds); if so
+    `layer` holds its codes for the int4 path's Triton GEMM (`int4.Int4LinearMethod` with the codebook's
+    levels), its float weight freed."""
     from gapless.model.quant import int4
     from gapless.model.quant.int4_layouts import Int4Spec
 
-    found = codes(w, kind, block)
+    found = codes(w, kind, block, check)
     if found is None:
         return False
     spec = Int4Spec("bitsandbytes", 4, block, sym=True, codebook=kind)
@@ -358,13 +403,13 @@ def _unpacked(found: Codes, kind: str) -> Unpacked:
     )
 
 
-def _expert_codes(weights: torch.Tensor, kind: str) -> tuple[int, list[Codes]] | None:
+def _expert_codes(weights: torch.Tensor, spec: QuantSpec) -> tuple[int, list[Codes]] | None:
     """(the block, each expert's `codes`) of a mixture's float weights [E, N, K] in the first block size
-    that gives back every expert's weight; None where none does."""
-    for block in (b for b in BLOCKS if weights.shape[2] % b == 0):
+    that gives back every expert's weight (quantized at load: `ONLINE_BLOCK`'s); None where none does."""
+    for block in _blocks(weights.shape[2], spec):
         found: list[Codes] = []
         for w in weights:  # (the first expert not given back ends the block's try)
-            code = codes(w, kind, block)
+            code = codes(w, spec.codebook, block, not spec.online)
             if code is None:
                 break
             found.append(code)
@@ -373,7 +418,7 @@ def _expert_codes(weights: torch.Tensor, kind: str) -> tuple[int, list[Codes]] |
     return None
 
 
-def _hold_experts(experts: Any, kind: str) -> None:
+def _hold_experts(experts: Any, qspec: QuantSpec) -> None:
     """A mixture's `Experts` (this rank's float weights) held as codes for the grouped GEMM with the
     codebook (`int4.install_experts`, its weights not cut again), gate/up and down each in its own first
     block size that gives back every expert's weight; where either gives none back (experts the checkpoint
@@ -381,7 +426,8 @@ def _hold_experts(experts: Any, kind: str) -> None:
     from gapless.model.quant import int4
     from gapless.model.quant.int4_layouts import Int4Spec
 
-    gate_up, down = (_expert_codes(w.data, kind) for w in (experts.gate_up_proj, experts.down_proj))
+    kind = qspec.codebook
+    gate_up, down = (_expert_codes(w.data, qspec) for w in (experts.gate_up_proj, experts.down_proj))
     if gate_up is None or down is None:
         return
     shards: dict[tuple[int, str], Unpacked] = {}
@@ -395,12 +441,12 @@ def _hold_experts(experts: Any, kind: str) -> None:
     int4.install_experts(experts, shards, spec, dtype, "bitsandbytes experts", down_spec, cut=False)
 
 
-def _hold_for_bitsandbytes(layer: Any, w: torch.Tensor, kind: str, block: int) -> bool:
+def _hold_for_bitsandbytes(layer: Any, w: torch.Tensor, kind: str, block: int, check: bool) -> bool:
     """As `_hold_for_triton`, by bitsandbytes' own quantizer, for its `Linear4bit` (`Bnb4LinearMethod`)."""
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
     q, state = quantize_4bit(w.float(), blocksize=block, compress_statistics=False, quant_type=kind)
-    if not _gives_back(dequantize_4bit(q, state).to(w.dtype), w):
+    if check and not _gives_back(dequantize_4bit(q, state).to(w.dtype), w):
         return False
     layer.linear_method = Bnb4LinearMethod(q, state, kind)
     layer.weight.data = w.new_empty(0)

@@ -83,7 +83,7 @@ def _not_at_load(method: str) -> QuantFormatError:
     """`--quantization METHOD` on a checkpoint that declares no format: METHOD is read, not applied."""
     return QuantFormatError(
         f"--quantization {method} reads a checkpoint quantized as {method}, but this one declares no "
-        f"quantization ({DECLARED_IN}): only fp8 is applied at load to float weights"
+        f"quantization ({DECLARED_IN}): only fp8 and bitsandbytes are applied at load to float weights"
     )
 
 
@@ -218,9 +218,11 @@ def _fbgemm_fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
 def _bitsandbytes(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     """`quant_method: bitsandbytes`: `load_in_8bit` (LLM.int8's int8 weights, a scale per row) kept
     quantized as w8a16 (`int4_layouts`); `load_in_4bit` (NF4/FP4 codebooks) dequantized as it is read,
-    then kept in 4 bits where a kernel takes them (`gapless.model.quant.bnb.kept`)."""
+    then kept in 4 bits where a kernel takes them (`gapless.model.quant.bnb.kept`); `online` (a float
+    checkpoint, vLLM's in-flight 4-bit): NF4 in blocks of 64, quantized at load (`bnb`'s docstring)."""
     if online:
-        raise _not_at_load("bitsandbytes")
+        label = "bitsandbytes nf4 (quantized at load)"
+        return QuantSpec("bitsandbytes", "bnb", label, online=True, min_capability=(0, 0), codebook="nf4")
     if qcfg.get("load_in_8bit") or qcfg.get("_load_in_8bit"):
         return _int4(qcfg)
     if not (qcfg.get("load_in_4bit") or qcfg.get("_load_in_4bit")):
