@@ -82,6 +82,7 @@ def formats(work: Path) -> dict[str, tuple[Path, dict[str, object]]]:
             rows[f"{label}, torch's CPU kernels"] = (out, {"int4_kernel": "auto"})
     for kind in ("nf4", "fp4", "int8"):  # (4-bit: blocks of 64, their absmax double-quantized)
         rows[f"bitsandbytes {kind}"] = (write_bnb(base, work, kind)[0], {})
+    rows["bitsandbytes nf4 at load (--quantization bitsandbytes)"] = (base, {"quantization": "bitsandbytes"})
     rows["nvfp4 (ModelOpt: e2m1 codes, e4m3 scales g16)"] = (write_nvfp4(base, work, "modelopt")[0], {})
     mxfp4 = write_nvfp4(base, work, "mxfp4")[0]
     rows["mxfp4 (compressed-tensors: e2m1 codes, e8m0 scales g32)"] = (mxfp4, {})
