@@ -5,7 +5,8 @@
   `quantize_config.json` and `quant_config.json` where config.json says nothing;
 - `--quantization` naming vLLM's kernel for a checkpoint's format (`awq_marlin`, `gptq_marlin`,
   `moe_wna16`), and `gguf` for a GGUF file; `--load-format safetensors` and `gguf`;
-- compressed-tensors' W8A8 INT8 (`int-quantized`), run as w8a16.
+- compressed-tensors' W8A8 INT8 (`int-quantized`), run as w8a16;
+- SGLang's kernel names `w8a8_fp8` and `w8a8_int8`.
 The weights' greedy parity with transformers is `test_quant_fp8.py`'s (FP8 layouts) and
 `test_quant_int4.py`'s (int-quantized)."""
 
@@ -197,6 +198,59 @@ def test_a_kernel_name_for_another_format_is_refused_in_one_line(qcfg, flag, wor
     with pytest.raises(QuantFormatError) as e:
         formats.resolve(qcfg, flag, "cpu")
     _one_line(e, *words)
+
+
+CT_FP8 = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}},
+}
+
+
+@pytest.mark.parametrize(
+    ("qcfg", "flag", "label"),
+    [
+        (quant_config("fp8", (128, 128)), "w8a8_fp8", "fp8 e4m3 block 128x128"),
+        (CT_FP8, "w8a8_fp8", "compressed-tensors fp8 e4m3 per-channel"),
+        (None, "w8a8_fp8", "fp8 e4m3 per-channel (quantized at load)"),
+        (quantization_config("int-quantized", 8, -1, True), "w8a8_int8", "int-quantized w8a16 channel"),
+    ],
+)
+def test_sglangs_kernel_names_run_the_checkpoint_or_quantize_a_float_one(qcfg, flag, label):
+    """SGLang's `w8a8_fp8` runs an FP8 checkpoint as it is, and quantizes a float one to FP8 at load as
+    `fp8` does (as SGLang does); `w8a8_int8` runs compressed-tensors' int8 W8A8 as it is (as w8a16)."""
+    spec = formats.resolve(qcfg, flag, "cpu")
+    assert spec is not None and label in spec.label
+    assert spec == formats.resolve(qcfg, None if qcfg is not None else "fp8", "cpu")
+
+
+@pytest.mark.parametrize(
+    ("qcfg", "flag", "words"),
+    [
+        (AWQ, "w8a8_fp8", ["--quantization w8a8_fp8 runs an FP8 checkpoint", "the checkpoint is awq w4a16"]),
+        (
+            None,
+            "w8a8_int8",
+            ["--quantization w8a8_int8 runs an int8 W8A8 checkpoint", "the checkpoint is float"],
+        ),
+        (quantization_config("pack-quantized", 4, 128, True), "w8a8_int8", ["is compressed-tensors"]),
+        (CT_FP8, "w8a8_int8", ["runs an int8 W8A8 checkpoint", "fp8 e4m3 per-channel"]),
+    ],
+)
+def test_an_sglang_kernel_name_for_another_format_is_refused_in_one_line(qcfg, flag, words):
+    with pytest.raises(QuantFormatError) as e:
+        formats.resolve(qcfg, flag, "cpu")
+    _one_line(e, *words)
+
+
+def test_w8a8_fp8_quantizes_a_float_checkpoint_at_load(ckpt_factory):
+    from gapless.model import loader
+    from gapless.model.quant import quantization
+
+    model = loader.load_model(
+        ckpt_factory("qwen3"), torch.float32, torch.device("cpu"), quantization="w8a8_fp8"
+    )
+    assert quantization(model) == "fp8"
 
 
 @pytest.mark.parametrize("layout", ["modelopt", "modelopt-channel"])

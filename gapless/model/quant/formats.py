@@ -286,6 +286,33 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
+# SGLang's `--quantization` names for its kernels -> (what it runs: an FP8 checkpoint, or compressed-tensors'
+# int8 W8A8, run as they are; the format a float checkpoint is quantized to at load, None: none)
+SGLANG_FLAGS: dict[str, tuple[str, str | None]] = {"w8a8_fp8": ("fp8", "fp8"), "w8a8_int8": ("int8", None)}
+
+
+def _sglang_flag(qcfg: dict[str, Any] | None, flag: str, device: torch.device | str) -> QuantSpec:
+    """`--quantization w8a8_fp8` or `w8a8_int8` (`SGLANG_FLAGS`): the checkpoint's own format where it is
+    the one the flag names; a float checkpoint quantized at load where SGLang does so (w8a8_fp8: FP8 per
+    output row, as `fp8`); else a one-line QuantFormatError."""
+    kind, at_load = SGLANG_FLAGS[flag]
+    runs = (
+        "an FP8 checkpoint" if kind == "fp8" else "an int8 W8A8 checkpoint (compressed-tensors int-quantized)"
+    )
+    if qcfg is None:
+        if at_load is None:
+            raise QuantFormatError(f"--quantization {flag} runs {runs}; the checkpoint is float")
+        spec = resolve(None, at_load, device)
+        assert spec is not None
+        return spec
+    spec = resolve(qcfg, None, device)
+    assert spec is not None
+    int8 = spec.name == "compressed-tensors" and spec.weight_only is not None and spec.weight_only.bits == 8
+    if (spec.scheme == "fp8") if kind == "fp8" else int8:
+        return spec
+    raise QuantFormatError(f"--quantization {flag} runs {runs}; the checkpoint is {spec.label}")
+
+
 # AutoGPTQ's and AutoAWQ's own records of a checkpoint's format, from before transformers wrote it into
 # config.json (vLLM reads them too); a record without a `quant_method` is AWQ's by AWQ's own keys
 LEGACY_FILES = ("quantize_config.json", "quant_config.json")
@@ -388,6 +415,8 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
     """The format a load runs: the checkpoint's (`qcfg`), or `flag` applied at load to a float checkpoint;
     None: float weights. QuantFormatError (one line) for an unknown format, a flag that contradicts the
     checkpoint, a malformed config, or a device that cannot run it."""
+    if flag in SGLANG_FLAGS:
+        return _sglang_flag(qcfg, flag, device)
     method = None if qcfg is None else config_method(qcfg)
     if flag == GGUF:
         raise QuantFormatError(
@@ -401,7 +430,8 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
     if flag is not None and flag not in FORMATS and flag not in FLAG_ALIASES:
         raise QuantFormatError(
             f"--quantization {flag!r} is not a known format; formats: {', '.join(FORMATS)} "
-            f"(and vLLM's kernel names {', '.join(FLAG_ALIASES)} for their checkpoints)"
+            f"(and vLLM's and SGLang's kernel names {', '.join([*FLAG_ALIASES, *SGLANG_FLAGS])} for their "
+            "checkpoints)"
         )
     if flag in FLAG_ALIASES:
         if method not in FLAG_ALIASES[flag]:
