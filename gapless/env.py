@@ -251,6 +251,21 @@ LOG_LEVEL = _var(
 )
 
 # other libraries' variables that gapless reads too
+RTN_NUM_BITS = _var(
+    "RTN_NUM_BITS",
+    8,
+    int,
+    "4 or 8",
+    "vLLM's and SGLang's: the bits `--quantization rtn` rounds weights to (`gapless.model.quant.rtn`)",
+)
+RTN_GROUP_SIZE = _var(
+    "RTN_GROUP_SIZE",
+    128,
+    int,
+    "integer",
+    "vLLM's and SGLang's: the inputs of a row that share a scale under `--quantization rtn`, a power of "
+    "two; -1: one scale a row",
+)
 TRITON_INTERPRET = _bool(
     "TRITON_INTERPRET",
     "Triton's interpreter: gapless builds its Triton kernels for CPU tensors (read when they are imported)",

@@ -68,6 +68,20 @@ def check_greedy(ours: list[int], ref: Reference, tol: float = TIE_TOLERANCE) ->
     return None
 
 
+def assert_agrees(model: str | Path, reference: torch.nn.Module, max_new: int = 8, **engine: object) -> None:
+    """gapless' greedy tokens for `model` (engine options `engine`; on the CPU in float32 unless they say
+    otherwise) equal `reference`'s on three prompts, or part from them once at most, at a near-tie."""
+    from gapless import LLM, SamplingParams
+
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    options = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "overlap": False, **engine}
+    with LLM(str(model), **options) as llm:
+        ours = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    notes = [check_greedy(o, hf_greedy(reference, p, max_new)) for o, p in zip(ours, prompts)]
+    assert sum(n is not None for n in notes) <= 1, notes
+
+
 def make_prompts(
     vocab: int, n: int = 16, seed: int = 0, shared_prefix: int = 48, max_len: int = 90
 ) -> list[list[int]]:

@@ -7,8 +7,6 @@ everywhere."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +18,11 @@ from gapless.model.moe import Experts
 from gapless.model.quant import bnb, quantization, weights_held
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4 import Int4LinearMethod
-from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
-from gapless.testing.quant_checkpoints import edit_tensors
+from gapless.testing.hf_reference import assert_agrees, load_hf_model
+from gapless.testing.quant_checkpoints import rounded_copy
 from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 
 CPU = torch.device("cpu")
-MAX_NEW = 8
 NEEDS_BNB = pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None,
     reason="bitsandbytes is absent: its own quantizer and transformers' reading through it are the reference",
@@ -54,32 +51,6 @@ def _nearest_nf4(w: torch.Tensor) -> torch.Tensor:
     return (table[codes] * absmax).view(w.shape)
 
 
-def _agrees(src: Path, reference: torch.nn.Module, **engine) -> None:
-    """gapless' greedy tokens with `--quantization bitsandbytes` equal `reference`'s, or part once at most
-    at a near-tie."""
-    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    engine = {"device": "cpu", "dtype": "float32", **engine}
-    with LLM(str(src), quantization="bitsandbytes", kv_cache_tokens=2048, overlap=False, **engine) as llm:
-        ours = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    notes = [check_greedy(o, hf_greedy(reference, p, MAX_NEW)) for o, p in zip(ours, prompts)]
-    assert sum(n is not None for n in notes) <= 1, notes
-
-
-def _rounded_copy(src: Path, to: Path) -> Path:
-    """A float checkpoint of `src` with every projection's weight (each checkpoint tensor `*_proj.weight`,
-    an expert's among them; not a router's, the embedding's or the head's) NF4-rounded by `_nearest_nf4`:
-    the float32 reference that runs the weights quantized at load are meant to be."""
-    shutil.copytree(src, to)
-
-    def round_projections(tensors: dict[str, torch.Tensor]) -> None:
-        for name in [n for n in tensors if n.endswith("_proj.weight")]:
-            tensors[name] = _nearest_nf4(tensors[name])
-
-    edit_tensors(to, round_projections)
-    return to
-
-
 @pytest.mark.parametrize("arch", ["llama", "phi3"])  # (phi3: q/k/v and gate/up fused in the checkpoint)
 def test_the_triton_route_holds_each_layers_nearest_nf4_codes(ckpt_factory, tmp_path, monkeypatch, arch):
     """On the Triton GEMM's route (a GPU's; here its reference path) every linear layer holds NF4 codes in
@@ -88,7 +59,7 @@ def test_the_triton_route_holds_each_layers_nearest_nf4_codes(ckpt_factory, tmp_
     monkeypatch.setattr(bnb, "kept", lambda device: "triton")
     monkeypatch.setenv("GAPLESS_CPU_GEMM", "plain")
     src = ckpt_factory(arch)
-    ref = _rounded_copy(src, tmp_path / "rounded")
+    ref = rounded_copy(src, tmp_path / "rounded", _nearest_nf4)
     model, ref_model = _load(src), loader.load_model(ref, torch.float32, CPU)
     formats, _ = weights_held(model)
     linear = _linear_layers(model)
@@ -103,7 +74,7 @@ def test_the_triton_route_holds_each_layers_nearest_nf4_codes(ckpt_factory, tmp_
     four_bit = sum(t.numel() * t.element_size() for m in methods for t in (m.qweight, m.scales, m.levels))
     assert four_bit < 0.15 * sum(m.out_features * m.in_features * 4 for m in methods)
     assert torch.equal(model.lm_head.weight, ref_model.lm_head.weight)
-    _agrees(src, load_hf_model(ref))
+    assert_agrees(src, load_hf_model(ref), quantization="bitsandbytes")
 
 
 @NEEDS_BNB
@@ -143,7 +114,7 @@ def test_tokens_equal_transformers_quantizing_through_bitsandbytes(ckpt_factory)
             module.support_avx512bf16_for_cpu = False
     methods = {getattr(m.linear_method, "quant_method", None) for m in _linear_layers(_load(src))}
     assert methods == {"bitsandbytes" if fused else None}
-    _agrees(src, theirs.eval())
+    assert_agrees(src, theirs.eval(), quantization="bitsandbytes")
 
 
 def test_without_a_4bit_kernel_the_layers_hold_nf4s_values(ckpt_factory, tmp_path, monkeypatch):
@@ -152,7 +123,7 @@ def test_without_a_4bit_kernel_the_layers_hold_nf4s_values(ckpt_factory, tmp_pat
     tokens on the rounded weights."""
     monkeypatch.setenv("GAPLESS_CPU_GEMM", "plain")
     src = ckpt_factory("qwen3_moe", moe_intermediate_size=64)
-    ref = _rounded_copy(src, tmp_path / "rounded")
+    ref = rounded_copy(src, tmp_path / "rounded", _nearest_nf4)
     monkeypatch.setattr(bnb, "kept", lambda device: None)
     model, ref_model = _load(src), loader.load_model(ref, torch.float32, CPU)
     for (name, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
@@ -164,7 +135,7 @@ def test_without_a_4bit_kernel_the_layers_hold_nf4s_values(ckpt_factory, tmp_pat
         assert torch.equal(ours.cpu_weights[0], theirs.gate_up_proj)
         assert torch.equal(ours.cpu_weights[1], theirs.down_proj)
     monkeypatch.setattr(bnb, "kept", lambda device: None)
-    _agrees(src, load_hf_model(ref))
+    assert_agrees(src, load_hf_model(ref), quantization="bitsandbytes")
 
 
 def test_each_rank_quantizes_its_own_piece(ckpt_factory, monkeypatch):

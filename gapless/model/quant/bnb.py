@@ -250,10 +250,10 @@ class Bnb4LinearMethod:
 
 
 def usual_targets(model: nn.Module) -> list[str]:
-    """Every linear layer but the routers (the head is no `_Linear`), and every mixture's experts."""
+    """`int4.usual_targets`: every linear layer but the routers, and every mixture's experts."""
     from gapless.model.quant import int4
 
-    return [name for name, m in model.named_modules() if int4.quantizes(m)]
+    return int4.usual_targets(model)
 
 
 def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> list[str]:

@@ -64,6 +64,7 @@ class QuantSpec:
     min_capability: tuple[int, int] = FP8_MIN_CAPABILITY
     weight_only: Int4Spec | None = None  # scheme "int4": the bits, groups and zeros of the layout
     codebook: str = ""  # scheme "bnb": its 4-bit values' codebook, "nf4" or "fp4"
+    rtn: tuple[int, int] | None = None  # scheme "rtn": (bits, group; -1 one a row), `gapless.model.quant.rtn`
 
 
 class QuantFormatError(ValueError):
@@ -83,7 +84,7 @@ def _not_at_load(method: str) -> QuantFormatError:
     """`--quantization METHOD` on a checkpoint that declares no format: METHOD is read, not applied."""
     return QuantFormatError(
         f"--quantization {method} reads a checkpoint quantized as {method}, but this one declares no "
-        f"quantization ({DECLARED_IN}): only fp8 and bitsandbytes are applied at load to float weights"
+        f"quantization ({DECLARED_IN}): only fp8, bitsandbytes and rtn are applied at load to float weights"
     )
 
 
@@ -235,6 +236,18 @@ def _bitsandbytes(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     return QuantSpec("bitsandbytes", "bnb", f"bitsandbytes {kind}", min_capability=(0, 0), codebook=kind)
 
 
+def _rtn(qcfg: dict[str, Any], online: bool) -> QuantSpec:
+    """`--quantization rtn` (vLLM's, SGLang's): a float checkpoint rounded to int8 or int4 at load
+    (`gapless.model.quant.rtn`: its bits and group from vLLM's `RTN_NUM_BITS`, `RTN_GROUP_SIZE`)."""
+    from gapless.model.quant import rtn
+
+    if not online:
+        raise QuantFormatError("quantization rtn in a config: rtn quantizes a float checkpoint at load alone")
+    bits, group = rtn.settings()
+    label = f"rtn w{bits}a16 {'channel' if group < 0 else f'g{group}'} (quantized at load)"
+    return QuantSpec("rtn", "rtn", label, online=True, min_capability=(8, 0), rtn=(bits, group))
+
+
 # compressed-tensors' own `format` -> its parser (the quantization_config and its one config group)
 CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "float-quantized": _ct_float,
@@ -274,6 +287,7 @@ FORMATS: dict[str, Parser] = {
     "fbgemm_fp8": _fbgemm_fp8,
     "bitsandbytes": _bitsandbytes,
     "auto-round": _int4,
+    "rtn": _rtn,
 }
 # vLLM's `--quantization` names for its own kernels of a checkpoint's format: accepted for a checkpoint in
 # one of those formats, which then runs as it would without the flag

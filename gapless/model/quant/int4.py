@@ -359,6 +359,12 @@ def is_quantized_linear(module: Any) -> bool:
     return isinstance(module, layers._Linear) and not isinstance(module, layers.ReplicatedLinear)
 
 
+def usual_targets(model: Any) -> list[str]:
+    """The modules a weight-only scheme quantizes (`quantizes`), by name: every linear layer but the
+    routers (the head is no `_Linear`), and every mixture's experts."""
+    return [name for name, m in model.named_modules() if quantizes(m)]
+
+
 def quantizes(module: Any) -> bool:
     """Whether an int4/int8 checkpoint's layout (and `install_random`) quantizes `module`: a mixture's
     experts, or `is_quantized_linear`."""

@@ -85,7 +85,7 @@ FP4_CODEBOOKS = ("nvfp4", "mxfp4")  # (e2m1 codes: NVFP4's e4m3 group scales, MX
 class Int4Spec:
     """A checkpoint's weight-only integer quantization, as `int4_configs.int4_spec_from_config` reads it."""
 
-    method: str  # one of METHODS
+    method: str  # one of METHODS, or "rtn" (`gapless.model.quant.rtn`: rounded at load, no checkpoint layout)
     bits: int  # 4 or 8
     group_size: int  # -1: one group per output channel (the whole row)
     sym: bool

@@ -1,0 +1,183 @@
+"""`--quantization rtn` (vLLM's and SGLang's): a float checkpoint rounded to int8 or int4 at load
+(`gapless.model.quant.rtn`), against vLLM's own rounding as its `rtn_quantize` and `rtn_dequantize` write it,
+and transformers on the rounded weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gapless import LLM, SamplingParams
+from gapless.model import loader, parallel
+from gapless.model.layers import ReplicatedLinear, _Linear
+from gapless.model.moe import Experts
+from gapless.model.quant import quantization, weights_held
+from gapless.model.quant.formats import QuantFormatError, resolve
+from gapless.model.quant.int4 import Int4LinearMethod
+from gapless.testing.hf_reference import assert_agrees, load_hf_model
+from gapless.testing.quant_checkpoints import rounded_copy
+from gapless.testing.ranks import load_as_ranks
+
+CPU = torch.device("cpu")
+
+
+def _vllm_rtn(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """vLLM's `rtn_quantize` then `rtn_dequantize` of `w` [N, K] (group -1: a row), in its dtype, as vLLM
+    writes them: a scale from each group's largest |w|, values shifted by half the range."""
+    q_range = 2**bits
+    groups = w.shape[0] * w.shape[1] // group if group != -1 else w.shape[0]
+    flat = w.reshape(groups, -1)
+    lo, hi = flat.min(dim=1, keepdim=True)[0], flat.max(dim=1, keepdim=True)[0]
+    scale = torch.max(lo.abs(), hi.abs()) * 2.0 / (q_range - 1)
+    q = ((flat / scale).round() + q_range // 2).clamp(0, q_range - 1).to(torch.uint8)
+    data = q.to(scale.dtype) - q_range // 2
+    return torch.mul(data, scale).reshape(w.shape)
+
+
+def _linear_layers(model: torch.nn.Module) -> list[_Linear]:
+    return [m for m in model.modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
+
+
+def _experts(model: torch.nn.Module) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+@pytest.fixture
+def rtn(monkeypatch, int4_reference_path):
+    """`--quantization rtn`'s settings (bits, group); its layers on the exact reference path on the CPU."""
+
+    def use(bits: int, group: int) -> None:
+        monkeypatch.setenv("RTN_NUM_BITS", str(bits))
+        monkeypatch.setenv("RTN_GROUP_SIZE", str(group))
+
+    monkeypatch.setenv("GAPLESS_CPU_GEMM", "plain")  # (the float models' weights left as loaded)
+    return use
+
+
+@pytest.mark.parametrize(
+    "arch,bits,group,dtype",
+    [
+        ("llama", 4, 32, torch.float32),
+        ("llama", 8, 64, torch.bfloat16),
+        ("phi3", 4, -1, torch.bfloat16),  # (q/k/v and gate/up fused in the checkpoint; one scale a row)
+        ("qwen3", 8, -1, torch.float32),
+    ],
+)
+def test_each_layer_holds_vllms_rounding_of_its_weight(ckpt_factory, rtn, arch, bits, group, dtype):
+    """Every linear layer (the head and the embedding stay float) holds int values whose weight is vLLM's
+    rounding of its float weight in the model's dtype, bit for bit, in bits/8 bytes a weight and its group's
+    scale and zero; named for what it is."""
+    rtn(bits, group)
+    src = ckpt_factory(arch)
+    model, float_model = (loader.load_model(src, dtype, CPU, quantization=q) for q in ("rtn", None))
+    formats, held = weights_held(model)
+    linear = _linear_layers(model)
+    label = f"rtn w{bits}a16 {'channel' if group < 0 else f'g{group}'}"
+    assert all(isinstance(m.linear_method, Int4LinearMethod) for m in linear), formats
+    assert formats[label] == len(linear) and quantization(model) == "rtn"
+    for name, m in model.named_modules():
+        if m in linear:
+            w = float_model.get_submodule(name).weight
+            assert torch.equal(m.linear_method.dequantized(dtype), _vllm_rtn(w, bits, group)), name
+    assert torch.equal(model.lm_head.weight, float_model.lm_head.weight)
+    methods = [m.linear_method for m in linear]
+    ints = sum(t.numel() * t.element_size() for m in methods for t in (m.qweight, m.scales, m.zeros))
+    assert ints < (bits / 8 + 0.3) * sum(m.out_features * m.in_features for m in methods)  # (bytes a weight)
+
+
+@pytest.mark.parametrize("arch,shape", [("llama", {}), ("qwen3_moe", {"moe_intermediate_size": 64})])
+def test_greedy_tokens_equal_transformers_on_the_rounded_weights(ckpt_factory, tmp_path, rtn, arch, shape):
+    """A dense model and a mixture (its experts rounded too, on the grouped GEMM's path), 4 bits in groups
+    of 32: transformers' greedy tokens on the float checkpoint rounded as vLLM rounds it."""
+    rtn(4, 32)
+    src = ckpt_factory(arch, **shape)
+    ref = rounded_copy(src, tmp_path / "rounded", lambda w: _vllm_rtn(w, 4, 32))
+    model, ref_model = loader.load_model(src, torch.float32, CPU, quantization="rtn"), None
+    for experts in _experts(model):
+        ref_model = ref_model or loader.load_model(ref, torch.float32, CPU)
+        assert experts.weight_format == "rtn w4a16 g32 experts" and experts.int_quant is not None
+    for ours, theirs in zip(_experts(model), _experts(ref_model) if ref_model else [], strict=True):
+        assert ours.cpu_weights is not None
+        assert torch.equal(ours.cpu_weights[0], theirs.gate_up_proj)
+        assert torch.equal(ours.cpu_weights[1], theirs.down_proj)
+    assert len(_experts(model)) == (1 if shape else 0)
+    assert_agrees(src, load_hf_model(ref), quantization="rtn")
+
+
+def test_each_rank_rounds_its_own_piece(ckpt_factory, rtn):
+    """Two tensor-parallel ranks: each holds vLLM's rounding of its own float piece of every layer (rows, or
+    inputs in whole groups), as vLLM's ranks round theirs."""
+    rtn(4, 32)
+    src = ckpt_factory("qwen3_moe", moe_intermediate_size=128, head_dim=32)
+    _, ranks = load_as_ranks(src, quantization="rtn")
+    _, float_ranks = load_as_ranks(src)
+    for rank, float_rank in zip(ranks, float_ranks, strict=True):
+        for name, m in rank.named_modules():
+            if m in _linear_layers(rank):
+                w = float_rank.get_submodule(name).weight
+                assert torch.equal(m.linear_method.dequantized(torch.float32), _vllm_rtn(w, 4, 32)), name
+        assert all(e.weight_format == "rtn w4a16 g32 experts" for e in _experts(rank))
+
+
+@pytest.mark.parametrize(
+    "bits,group,ranks,words",
+    [
+        (3, 128, 1, "RTN_NUM_BITS=3; 4 or 8"),
+        (4, 48, 1, "RTN_GROUP_SIZE=48; a power of two from 8, or -1"),
+        (4, 4, 1, "RTN_GROUP_SIZE=4; a power of two from 8"),
+        (
+            8,
+            128,
+            1,
+            "self_attn.qkv_proj takes 64 inputs (this rank's), not a multiple of RTN_GROUP_SIZE 128",
+        ),
+        (
+            4,
+            64,
+            2,
+            "self_attn.o_proj takes 32 inputs (this rank's), not a multiple of RTN_GROUP_SIZE 64",
+        ),
+    ],
+)
+def test_settings_or_shapes_it_cannot_round_are_refused_before_loading(
+    ckpt_factory, monkeypatch, bits, group, ranks, words
+):
+    """vLLM's variables out of range, or a layer whose inputs (a rank's) are in no whole groups: refused in
+    one line naming them, before any weight is read."""
+    monkeypatch.setenv("RTN_NUM_BITS", str(bits))
+    monkeypatch.setenv("RTN_GROUP_SIZE", str(group))
+    src = ckpt_factory("llama")
+    read = []
+    monkeypatch.setattr(loader, "iter_weights", lambda *a: read.append(a) or iter(()))
+    parallel.use(parallel.TPGroup(rank=0, size=ranks))
+    try:
+        with pytest.raises(QuantFormatError) as e:
+            loader.load_model(src, torch.float32, CPU, quantization="rtn")
+    finally:
+        parallel.use(parallel.SINGLE)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not read
+
+
+def test_rtn_is_a_flag_not_a_checkpoints_format():
+    """`--quantization rtn` names a rounding at load: a config that declares it, or the flag on a quantized
+    checkpoint, is refused in one line."""
+    with pytest.raises(QuantFormatError, match="rtn quantizes a float checkpoint at load alone"):
+        resolve({"quant_method": "rtn"}, None, "cpu")
+    with pytest.raises(QuantFormatError, match="--quantization rtn but the checkpoint is quantized as awq"):
+        resolve({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, "rtn", "cpu")
+
+
+def test_the_engine_serves_it_on_the_cpus_own_kernels(ckpt_factory, monkeypatch):
+    """Under `auto` a CPU runs the rounded layers on torch's int kernels (named so); a dummy load rounds its
+    random weights alike; the engine generates either way."""
+    monkeypatch.setenv("RTN_NUM_BITS", "4")
+    monkeypatch.setenv("RTN_GROUP_SIZE", "32")
+    src = ckpt_factory("qwen3")
+    formats, _ = weights_held(loader.load_model(src, torch.bfloat16, CPU, quantization="rtn"))
+    assert formats == {"rtn w4a16 g32 (torch-cpu)": 8, "bfloat16": 1}, formats
+    for load_format in ("auto", "dummy"):
+        opts = {"dtype": "bfloat16", "kv_cache_tokens": 256, "load_format": load_format}
+        with LLM(str(src), device="cpu", quantization="rtn", **opts) as llm:
+            out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].token_ids) == 4
