@@ -104,7 +104,7 @@ class EngineConfig:
         "the weights' quantized format (vLLM's names): fp8 quantizes a float checkpoint's linear layers "
         "to fp8 e4m3 at load (one scale per output row; activations per token), bitsandbytes to NF4 in "
         "blocks of 64 (vLLM's in-flight 4-bit), rtn to int8 or int4 by round-to-nearest (RTN_NUM_BITS, "
-        "RTN_GROUP_SIZE); None: the checkpoint's "
+        "RTN_GROUP_SIZE), experts_int8 a mixture's experts alone to int8; None: the checkpoint's "
         "own (config.json's quantization_config: fp8, compressed-tensors, awq, gptq, modelopt, "
         "fbgemm_fp8, bitsandbytes; or hf_quant_config.json, quantize_config.json, quant_config.json), "
         "else float; the checkpoint's own name, or vLLM's or SGLang's kernel for it (awq_marlin, "

@@ -19,7 +19,7 @@ from gapless.config import FP8_KV_CACHE_DTYPES, EngineConfig
 from gapless.engine.pooling import pooling_spec
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.generation_config import generation_defaults
-from gapless.model.quant import formats
+from gapless.model.quant import declared, formats
 from gapless.model.source import localize
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     # (vLLM's older name for reading one, or with `--quantization bitsandbytes` for quantizing a float one
     # at load: `auto` loads either alike)
     if cfg.load_format == "bitsandbytes":
-        qcfg = formats.checkpoint_quantization(path)
+        qcfg = declared.checkpoint_quantization(path)
         method = (qcfg or {}).get("quant_method")
         in_flight = qcfg is None and cfg.quantization == "bitsandbytes"
         if str(method).lower() != "bitsandbytes" and not in_flight:
@@ -104,7 +104,7 @@ def check_quantization(cfg: EngineConfig, path: Path) -> None:
     """QuantFormatError (a ValueError, one line naming the format) for a quantized format, of the weights
     or the KV cache, that is unknown or that the device cannot run (`gapless.model.quant.formats`);
     imports torch only when there is one."""
-    qcfg = formats.checkpoint_quantization(path)
+    qcfg = declared.checkpoint_quantization(path)
     if qcfg is None and cfg.quantization is None and cfg.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
         return
     import torch

@@ -21,7 +21,7 @@ FP8_MAX = 448.0  # e4m3's largest finite value: the store saturates there
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, checkpoint: str | None = None) -> torch.dtype:
     """The KV pool's dtype for `--kv-cache-dtype` `name` (vLLM's names): "auto" is the checkpoint's own
-    KV format where it names one (`checkpoint`: `formats.checkpoint_kv_cache`, ModelOpt's FP8), else the
+    KV format where it names one (`checkpoint`: `declared.checkpoint_kv_cache`, ModelOpt's FP8), else the
     model's dtype; "bfloat16" (vLLM's name for an unquantized cache, whatever the checkpoint says) the
     model's dtype; "fp8"/"fp8_e4m3" float8 e4m3; anything else is refused by name."""
     if name == "auto" and checkpoint is not None:

@@ -353,7 +353,7 @@ class CausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", "up"),
     }
     # an FP8 KV cache's per-layer scales from the checkpoint (1.0 where none), set by the loader, and the KV
-    # cache format the checkpoint names, which `--kv-cache-dtype auto` takes (`formats.checkpoint_kv_cache`)
+    # cache format the checkpoint names, which `--kv-cache-dtype auto` takes (`declared.checkpoint_kv_cache`)
     kv_cache_scales: KVScales | None = None
     kv_cache_format: str | None = None
 

@@ -40,6 +40,7 @@ from gapless.model.layers import (
 from gapless.model.moe import Experts
 from gapless.model.quant import (
     bnb,
+    declared,
     formats,
     gguf_cpu,
     gguf_int4,
@@ -224,7 +225,7 @@ def load_model(
         missing = sorted(expected - loaded) + (encoder.missing_weights() if encoder is not None else [])
         _check_complete(model, path, missing)
     model.kv_cache_scales = kv_scales.scales(cfg.num_layers)
-    model.kv_cache_format = formats.checkpoint_kv_cache(path, device)
+    model.kv_cache_format = declared.checkpoint_kv_cache(path, device)
     model.requires_grad_(False).eval()
     if scheme is not None:
         assert spec is not None
@@ -318,7 +319,7 @@ def quant_spec(path: str | Path, quantization: str | None, device: torch.device 
     if is_gguf_file(path):
         formats.check_gguf_flag(quantization)
         return None
-    return formats.resolve(formats.checkpoint_quantization(path), quantization, device)
+    return formats.resolve(declared.checkpoint_quantization(path), quantization, device)
 
 
 def _prepare_quantized(

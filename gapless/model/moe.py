@@ -145,6 +145,7 @@ class Experts(nn.Module):
         self.scale_block: tuple[int, int] | None = None  # a checkpoint's [rows, cols] scale blocks
         self.float_dtype = self.gate_up_proj.dtype  # the model's, which the CPU reference computes in
         self.quant_label = ""
+        self.quant_method = ""  # (int experts': their format's family, as a linear method's `quant_method`)
         # (on the CPU) what the reference loop multiplies with: gate/up's and down's weights dequantized at
         # load, or each expert's kernel (`hold_int`)
         self.cpu_weights: tuple[ExpertWeights, ExpertWeights] | None = None
@@ -240,13 +241,15 @@ class Experts(nn.Module):
         quant: tuple[WeightQuant, WeightQuant],
         cpu_weights: tuple[ExpertWeights, ExpertWeights] | None,
         label: str,
+        method: str = "",
     ) -> None:
         """Hold int4/int8 experts (`gapless.model.quant.int4.install_experts` makes them): gate/up's and
         down's packed words (`WeightQuant`'s layout) in place of the float weights, and on the CPU what the
         reference loop multiplies with (`cpu_weights`: the dequantized float weights, or each expert's
-        kernel)."""
+        kernel); `method`: their format's family (`quant_method`)."""
         self.gate_up_proj, self.down_proj = (nn.Parameter(w, requires_grad=False) for w in packed)
         self.int_quant, self.cpu_weights, self.quant_label = quant, cpu_weights, f"{label} experts"
+        self.quant_method = method
 
     @property
     def weight_format(self) -> str | None:

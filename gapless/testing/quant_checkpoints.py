@@ -239,15 +239,17 @@ def edit_tensors(checkpoint: Path, edit: Callable[[dict[str, torch.Tensor]], obj
     save_file(tensors, str(file), metadata={"format": "pt"})
 
 
-def rounded_copy(src: Path, to: Path, round_weight: Callable[[torch.Tensor], torch.Tensor]) -> Path:
-    """A copy at `to` of the one-file float checkpoint `src`, every decoder projection's weight
-    (`PROJECTIONS`: each checkpoint tensor, an expert's among them; no router's, embedding's or head's)
+def rounded_copy(
+    src: Path, to: Path, round_weight: Callable[[torch.Tensor], torch.Tensor], which: re.Pattern = PROJECTIONS
+) -> Path:
+    """A copy at `to` of the one-file float checkpoint `src`, each weight `which` matches (every decoder
+    projection's: each checkpoint tensor, an expert's among them; no router's, embedding's or head's)
     through `round_weight`: the float reference of the model a load quantizes as it reads `src` (a rounding
     within each row gives a fused projection's weight as its checkpoint tensors' rounded one by one)."""
     shutil.copytree(src, to)
 
     def round_projections(tensors: dict[str, torch.Tensor]) -> None:
-        for name in [n for n in tensors if PROJECTIONS.match(n)]:
+        for name in [n for n in tensors if which.match(n)]:
             tensors[name] = round_weight(tensors[name])
 
     edit_tensors(to, round_projections)

@@ -11,7 +11,7 @@ import pytest
 from gapless.bench import quant, timing
 from gapless.bench.cli import machine as this_machine
 from gapless.model.config import load_model_config
-from gapless.model.quant import formats
+from gapless.model.quant import declared, formats
 from gapless.model.quant.int4_configs import int4_spec_from_config
 from gapless.model.quant.int4_layouts import Int4Spec
 
@@ -51,11 +51,11 @@ def test_make_writes_each_shape_without_weights(tmp_path):
     qc = json.loads((tmp_path / "qwen3-0.6b-int8-g128" / "config.json").read_text())["quantization_config"]
     assert int4_spec_from_config(qc) == Int4Spec("gptq", 8, 128, True, zero_offset=1)
     for name in ("qwen3-0.6b", "qwen3-8b"):  # Qwen's own *-FP8: e4m3, a scale per 128 x 128 block
-        spec = formats.resolve(formats.checkpoint_quantization(tmp_path / f"{name}-fp8"), None, "cpu")
+        spec = formats.resolve(declared.checkpoint_quantization(tmp_path / f"{name}-fp8"), None, "cpu")
         assert spec is not None and spec.label == "fp8 e4m3 block 128x128"
         assert load_model_config(tmp_path / f"{name}-fp8") == load_model_config(tmp_path / name)
     for name in ("qwen3-0.6b", "qwen3-8b"):  # unsloth's *-bnb-4bit: NF4, double-quantized
-        spec = formats.resolve(formats.checkpoint_quantization(tmp_path / f"{name}-nf4"), None, "cpu")
+        spec = formats.resolve(declared.checkpoint_quantization(tmp_path / f"{name}-nf4"), None, "cpu")
         assert spec is not None and (spec.scheme, spec.codebook) == ("bnb", "nf4")
     assert quant._shape_of("qwen3-0.6b-int8-g128") == quant._shape_of("qwen3-0.6b-fp8") == "qwen3-0.6b"
     assert quant._shape_of("qwen3-8b-gptq-act") == quant._shape_of("qwen3-8b-awq") == "qwen3-8b"

@@ -19,7 +19,7 @@ import torch
 
 from gapless import LLM, SamplingParams
 from gapless.memory.kv_pool import FP8
-from gapless.model.quant import formats
+from gapless.model.quant import declared, formats
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4_configs import int4_spec_from_config
 from gapless.model.quant.int4_layouts import split_name, unpack
@@ -38,7 +38,7 @@ def _one_line(excinfo, *words):
 def test_modelopts_own_file_says_the_format_when_config_json_does_not(ckpt_factory, tmp_path):
     dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "modelopt")
     assert "quantization_config" not in json.loads((dst / "config.json").read_text())
-    qcfg = formats.checkpoint_quantization(dst)
+    qcfg = declared.checkpoint_quantization(dst)
     spec = formats.resolve(qcfg, None, "cpu")
     assert spec is not None and (spec.name, spec.label) == ("modelopt", "modelopt fp8 e4m3 per-tensor")
     assert formats.resolve(qcfg, "modelopt", "cpu") == spec  # the flag repeating it
@@ -46,18 +46,18 @@ def test_modelopts_own_file_says_the_format_when_config_json_does_not(ckpt_facto
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = quant_config("modelopt-channel", (128, 128))
     (dst / "config.json").write_text(json.dumps(cfg))
-    assert formats.resolve(formats.checkpoint_quantization(dst), None, "cpu").label.endswith("per-channel")
+    assert formats.resolve(declared.checkpoint_quantization(dst), None, "cpu").label.endswith("per-channel")
 
 
 def test_a_modelopt_export_of_the_kv_cache_alone_loads_float_weights(ckpt_factory, tmp_path):
     """`quant_algo: null` with `kv_cache_quant_algo: FP8`: the weights are float; the cache's scales are
     read where the cache is fp8 (`gapless.model.kv_scales`)."""
     dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "modelopt")
-    file = dst / formats.MODELOPT_FILE
+    file = dst / declared.MODELOPT_FILE
     cfg = json.loads(file.read_text())
     cfg["quantization"]["quant_algo"] = None
     file.write_text(json.dumps(cfg))
-    assert formats.checkpoint_quantization(dst) is None
+    assert declared.checkpoint_quantization(dst) is None
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_older_compressed_tensors_checkpoints_say_it_in_compression_config(ckpt_
     cfg = json.loads((dst / "config.json").read_text())
     cfg["compression_config"] = cfg.pop("quantization_config")
     (dst / "config.json").write_text(json.dumps(cfg))
-    spec = formats.resolve(formats.checkpoint_quantization(dst), None, "cpu")
+    spec = formats.resolve(declared.checkpoint_quantization(dst), None, "cpu")
     assert spec is not None and spec.label == "compressed-tensors fp8 e4m3 per-channel"
 
 
@@ -112,10 +112,10 @@ def test_autogptq_and_autoawq_files_say_the_format_when_config_json_does_not(
     ckpt_factory, tmp_path, layout, name, drop, rename
 ):
     qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, layout, group=32)
-    want = formats.resolve(formats.checkpoint_quantization(qdir), None, "cpu")
+    want = formats.resolve(declared.checkpoint_quantization(qdir), None, "cpu")
     _to_legacy_file(qdir, name, drop, rename)
     assert "quantization_config" not in json.loads((qdir / "config.json").read_text())
-    qcfg = formats.checkpoint_quantization(qdir)
+    qcfg = declared.checkpoint_quantization(qdir)
     assert qcfg is not None and qcfg["quant_method"] == layout
     assert formats.resolve(qcfg, None, "cpu") == want
     assert formats.resolve(qcfg, layout, "cpu") == want  # vLLM's users pass the flag for these
@@ -146,7 +146,7 @@ def test_a_checkpoint_said_by_autogptqs_file_alone_gives_the_same_tokens(ckpt_fa
 def test_a_quantized_checkpoint_declaring_nothing_is_refused_saying_so(ckpt_factory, tmp_path):
     qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, "gptq", group=32)
     _to_legacy_file(qdir, "notes.json")  # (the declaration gone from where it is read)
-    assert formats.checkpoint_quantization(qdir) is None
+    assert declared.checkpoint_quantization(qdir) is None
     with pytest.raises(ValueError) as e:
         LLM(str(qdir), dtype="float32", kv_cache_tokens=512, overlap=False)
     _one_line(e, "has no place in the", "a quantized checkpoint's tensor", "declares no quantization")
@@ -157,11 +157,11 @@ def test_a_malformed_legacy_file_is_refused_by_name(ckpt_factory, tmp_path):
     _to_legacy_file(qdir, "quantize_config.json")
     (qdir / "quantize_config.json").write_text("{bits: 4")
     with pytest.raises(QuantFormatError) as e:
-        formats.checkpoint_quantization(qdir)
+        declared.checkpoint_quantization(qdir)
     _one_line(e, "quantize_config.json", "is not readable JSON")
     (qdir / "quantize_config.json").write_text("[4, 128]")
     with pytest.raises(QuantFormatError) as e:
-        formats.checkpoint_quantization(qdir)
+        declared.checkpoint_quantization(qdir)
     _one_line(e, "quantize_config.json", "is not a JSON object")
 
 
@@ -261,7 +261,7 @@ def test_auto_takes_a_modelopt_checkpoints_fp8_kv_cache_and_bfloat16_refuses_it(
     `auto` makes the cache e4m3 with the checkpoint's k/v scales, as vLLM; `bfloat16` (vLLM's name for an
     unquantized cache) keeps the model's dtype; a checkpoint that names no KV format keeps it under `auto`."""
     dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / layout, layout)
-    assert formats.checkpoint_kv_cache(dst, "cpu") == "fp8_e4m3"
+    assert declared.checkpoint_kv_cache(dst, "cpu") == "fp8_e4m3"
     opts = dict(device="cpu", dtype="float32", kv_cache_tokens=256, overlap=False)
     with LLM(str(dst), **opts) as llm:
         pool = llm.engine.runner.kv_pool
@@ -269,7 +269,7 @@ def test_auto_takes_a_modelopt_checkpoints_fp8_kv_cache_and_bfloat16_refuses_it(
     with LLM(str(dst), kv_cache_dtype="bfloat16", **opts) as llm:
         assert llm.engine.runner.kv_pool.k[0].dtype == torch.float32
     other, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "ct", "ct-tensor")
-    assert formats.checkpoint_kv_cache(other, "cpu") is None
+    assert declared.checkpoint_kv_cache(other, "cpu") is None
 
 
 def test_an_older_gpu_keeps_the_models_dtype_for_a_checkpoints_fp8_kv_cache(
@@ -279,7 +279,7 @@ def test_an_older_gpu_keeps_the_models_dtype_for_a_checkpoints_fp8_kv_cache(
     dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "modelopt")
     for capability, want in (((8, 0), None), ((8, 9), "fp8_e4m3"), ((9, 0), "fp8_e4m3")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert formats.checkpoint_kv_cache(dst, "cuda") == want
+        assert declared.checkpoint_kv_cache(dst, "cuda") == want
 
 
 def test_an_fp8_kv_cache_asked_for_on_an_older_gpu_is_refused_before_anything_loads(
@@ -325,7 +325,7 @@ def test_the_kv_cache_a_modelopt_config_names(ckpt_factory, tmp_path, kv, want):
     dst = tmp_path / "m"
     dst.mkdir()
     (dst / "config.json").write_text(json.dumps(cfg))
-    assert formats.checkpoint_kv_cache(dst, "cpu") == want
+    assert declared.checkpoint_kv_cache(dst, "cpu") == want
 
 
 def test_compressed_tensors_w8a8_int8_runs_as_w8a16():

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from gapless import LLM, SamplingParams
 from gapless.model import layers, loader
-from gapless.model.quant import formats, quantization, weights_held, weights_summary
+from gapless.model.quant import declared, formats, quantization, weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.fp8 import (
     FP8,
@@ -866,7 +866,7 @@ def test_dummy_load_format_holds_an_fp8_checkpoints_layers_in_its_layout(
     shutil.copytree(ckpt_factory(arch), dst, ignore=shutil.ignore_patterns("*.safetensors*"))
     qcfg = quant_config(layout, (128, 128))
     if layout == "modelopt":
-        (dst / formats.MODELOPT_FILE).write_text(json.dumps(qcfg))
+        (dst / declared.MODELOPT_FILE).write_text(json.dumps(qcfg))
     else:
         cfg = json.loads((dst / "config.json").read_text())
         (dst / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qcfg)))

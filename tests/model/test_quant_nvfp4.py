@@ -19,7 +19,8 @@ from gapless.model.layers import ReplicatedLinear, _Linear
 from gapless.model.moe import Experts
 from gapless.model.quant import int4, quantization, weights_held
 from gapless.model.quant.base import UNQUANTIZED
-from gapless.model.quant.formats import QuantFormatError, checkpoint_quantization, resolve
+from gapless.model.quant.declared import checkpoint_quantization
+from gapless.model.quant.formats import QuantFormatError, resolve
 from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
 from gapless.testing.nvfp4_checkpoints import quantization_config, write_nvfp4

@@ -1,8 +1,10 @@
 """`--quantization rtn` (vLLM's and SGLang's): a float checkpoint rounded to int8 or int4 at load
 (`gapless.model.quant.rtn`), against vLLM's own rounding as its `rtn_quantize` and `rtn_dequantize` write it,
-and transformers on the rounded weights."""
+and transformers on the rounded weights; vLLM's `experts_int8`, a mixture's experts alone in int8."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -181,3 +183,52 @@ def test_the_engine_serves_it_on_the_cpus_own_kernels(ckpt_factory, monkeypatch)
         with LLM(str(src), device="cpu", quantization="rtn", **opts) as llm:
             out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(out[0].token_ids) == 4
+
+
+def _vllm_experts_int8(w: torch.Tensor) -> torch.Tensor:
+    """vLLM's `quantize_in_place_and_get_scales` of `w` [N, K] (an expert's projection), times its scales
+    again: int8 with one scale a row, its largest |w| over 127."""
+    vmax = torch.iinfo(torch.int8).max
+    scales = torch.max(torch.abs(w), dim=1, keepdim=True)[0] / vmax
+    return (w / scales).round().clamp(-vmax, vmax) * scales
+
+
+EXPERT_WEIGHTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj\.weight$")
+
+
+def test_experts_int8_rounds_a_mixtures_experts_alone(
+    ckpt_factory, tmp_path, monkeypatch, int4_reference_path
+):
+    """`--quantization experts_int8` (vLLM's): each expert's projections held as vLLM's int8 rounding of
+    them, bit for bit, for the grouped GEMM; every other layer float; transformers' tokens on those weights.
+    A model with no mixture is refused by name."""
+    monkeypatch.setenv("GAPLESS_CPU_GEMM", "plain")
+    src = ckpt_factory("qwen3_moe", moe_intermediate_size=64)
+    ref = rounded_copy(src, tmp_path / "rounded", _vllm_experts_int8, EXPERT_WEIGHTS)
+    model = loader.load_model(src, torch.float32, CPU, quantization="experts_int8")
+    ref_model = loader.load_model(ref, torch.float32, CPU)
+    assert quantization(model) == "experts_int8"
+    assert weights_held(model)[0]["experts_int8 w8a16 channel experts"] == 1
+    for ours, theirs in zip(_experts(model), _experts(ref_model), strict=True):
+        assert ours.int_quant is not None and ours.cpu_weights is not None
+        assert torch.equal(ours.cpu_weights[0], theirs.gate_up_proj)
+        assert torch.equal(ours.cpu_weights[1], theirs.down_proj)
+    assert all(
+        torch.equal(p, ref_model.get_parameter(n)) for n, p in model.named_parameters() if "experts" not in n
+    )
+    assert_agrees(src, load_hf_model(ref), quantization="experts_int8")
+    with pytest.raises(QuantFormatError, match="experts_int8: the model has no mixture of experts"):
+        loader.load_model(ckpt_factory("llama"), torch.float32, CPU, quantization="experts_int8")
+
+
+def test_experts_int8_on_two_ranks_rounds_each_ranks_piece(ckpt_factory, monkeypatch, int4_reference_path):
+    """Each rank rounds its own piece of the experts (gate/up rows, down columns: a row's scale over this
+    rank's columns), as vLLM's ranks do."""
+    src = ckpt_factory("qwen3_moe", moe_intermediate_size=128, head_dim=32)
+    _, ranks = load_as_ranks(src, quantization="experts_int8")
+    _, float_ranks = load_as_ranks(src)
+    for rank, float_rank in zip(ranks, float_ranks, strict=True):
+        for ours, theirs in zip(_experts(rank), _experts(float_rank), strict=True):
+            assert ours.cpu_weights is not None
+            for held, w in zip(ours.cpu_weights, (theirs.gate_up_proj, theirs.down_proj)):
+                assert torch.equal(held, torch.stack([_vllm_experts_int8(e) for e in w]))

@@ -172,9 +172,11 @@ def weights_held(model: nn.Module) -> tuple[dict[str, int], int]:
 
 
 def quantization(model: nn.Module) -> str | None:
-    """The quantized formats the model's layers run (their `quant_method`s, joined by "+"); None: none."""
+    """The quantized formats the model's layers run (their `quant_method`s, and a mixture's int experts',
+    joined by "+"); None: none."""
     methods = {getattr(m, "linear_method", UNQUANTIZED).quant_method for m in model.modules()}
-    methods.discard(UNQUANTIZED.quant_method)
+    methods |= {m.quant_method for m in model.modules() if isinstance(getattr(m, "quant_method", None), str)}
+    methods -= {UNQUANTIZED.quant_method, ""}
     return "+".join(sorted(methods)) or None
 
 

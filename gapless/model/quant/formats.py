@@ -1,9 +1,10 @@
 """Which quantized format a checkpoint's weights are in, read before any weight loads.
 
 A checkpoint says it in its `config.json`'s `quantization_config` (`quant_method`, vLLM's and Hugging
-Face's names) or in ModelOpt's `hf_quant_config.json`; `--quantization` (`EngineConfig.quantization`)
-names one for a float checkpoint to be quantized at load (`fp8`), or repeats the checkpoint's own (or
-names vLLM's kernel for it: `FLAG_ALIASES`). `resolve` turns the two into a `QuantSpec` and
+Face's names) or in ModelOpt's `hf_quant_config.json` (`gapless.model.quant.declared` reads them);
+`--quantization` (`EngineConfig.quantization`) names one for a float checkpoint to be quantized at load
+(`fp8`, `bitsandbytes`, `rtn`, `experts_int8`), or repeats the checkpoint's own (or names vLLM's or
+SGLang's kernel for it: `FLAG_ALIASES`, `SGLANG_FLAGS`). `resolve` turns the two into a `QuantSpec` and
 refuses, in one line naming the format, one that is unknown, malformed, or cannot run on the device in
 use. One entry of `FORMATS` per `quant_method` (compressed-tensors: one per its own `format`, in
 `CT_FORMATS`): a parser of the config into a spec. The loader (`gapless.model.loader`) hands the spec to
@@ -22,11 +23,9 @@ the module `gapless.model.quant.<spec.scheme>`, which provides:
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gapless.config import FP8_KV_CACHE_DTYPES
@@ -74,7 +73,7 @@ class QuantFormatError(ValueError):
 Parser = Callable[[dict[str, Any], bool], QuantSpec]  # (quantization_config, online) -> spec
 
 
-# where a checkpoint declares its format (`_declared`), as the refusals of one declaring none name them
+# where a checkpoint declares its format (`declared`), as the refusals of one declaring none name them
 DECLARED_IN = (
     "config.json's quantization_config, hf_quant_config.json, quantize_config.json or quant_config.json"
 )
@@ -84,7 +83,8 @@ def _not_at_load(method: str) -> QuantFormatError:
     """`--quantization METHOD` on a checkpoint that declares no format: METHOD is read, not applied."""
     return QuantFormatError(
         f"--quantization {method} reads a checkpoint quantized as {method}, but this one declares no "
-        f"quantization ({DECLARED_IN}): only fp8, bitsandbytes and rtn are applied at load to float weights"
+        f"quantization ({DECLARED_IN}): only fp8, bitsandbytes, rtn and experts_int8 are applied at load to "
+        "float weights"
     )
 
 
@@ -162,7 +162,6 @@ MODELOPT_FP8 = {
     "FP8_PER_CHANNEL_PER_TOKEN": ("per-channel", None),
     "FP8_PB_WO": ("block 128x128", (128, 128)),
 }
-MODELOPT_FILE = "hf_quant_config.json"  # ModelOpt's own record of a checkpoint's format
 
 
 def modelopt_algo(qcfg: dict[str, Any]) -> str:
@@ -248,6 +247,17 @@ def _rtn(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     return QuantSpec("rtn", "rtn", label, online=True, min_capability=(8, 0), rtn=(bits, group))
 
 
+def _experts_int8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
+    """`--quantization experts_int8` (vLLM's): a float checkpoint's mixture experts rounded to int8 per row
+    at load (`gapless.model.quant.rtn`)."""
+    if not online:
+        raise QuantFormatError(
+            "quantization experts_int8 in a config: it rounds a float checkpoint at load alone"
+        )
+    label = "experts_int8 w8a16 channel (quantized at load)"
+    return QuantSpec("experts_int8", "rtn", label, online=True, min_capability=(8, 0), rtn=(8, -1))
+
+
 # compressed-tensors' own `format` -> its parser (the quantization_config and its one config group)
 CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "float-quantized": _ct_float,
@@ -288,6 +298,7 @@ FORMATS: dict[str, Parser] = {
     "bitsandbytes": _bitsandbytes,
     "auto-round": _int4,
     "rtn": _rtn,
+    "experts_int8": _experts_int8,
 }
 # vLLM's `--quantization` names for its own kernels of a checkpoint's format: accepted for a checkpoint in
 # one of those formats, which then runs as it would without the flag
@@ -325,92 +336,6 @@ def _sglang_flag(qcfg: dict[str, Any] | None, flag: str, device: torch.device | 
     if (spec.scheme == "fp8") if kind == "fp8" else int8:
         return spec
     raise QuantFormatError(f"--quantization {flag} runs {runs}; the checkpoint is {spec.label}")
-
-
-# AutoGPTQ's and AutoAWQ's own records of a checkpoint's format, from before transformers wrote it into
-# config.json (vLLM reads them too); a record without a `quant_method` is AWQ's by AWQ's own keys
-LEGACY_FILES = ("quantize_config.json", "quant_config.json")
-_AWQ_KEYS = ("w_bit", "q_group_size", "version", "zero_point")
-
-
-def _read_json(file: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise QuantFormatError(f"{file.name} of {file.parent} is not readable JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise QuantFormatError(f"{file.name} of {file.parent} is not a JSON object")
-    return data
-
-
-def _legacy(path: Path) -> dict[str, Any] | None:
-    """The first of `LEGACY_FILES` in `path`, its `quant_method` filled in where it says none (awq where it
-    has AWQ's keys, else gptq: AutoGPTQ's `quantize_config.json`)."""
-    file = next((path / f for f in LEGACY_FILES if (path / f).is_file()), None)
-    if file is None:
-        return None
-    qcfg = _read_json(file)
-    if not qcfg.get("quant_method"):
-        qcfg["quant_method"] = "awq" if any(k in qcfg for k in _AWQ_KEYS) else "gptq"
-    return qcfg
-
-
-def _declared(path: Path) -> dict[str, Any] | None:
-    """A checkpoint directory's quantization config as written: config.json's `quantization_config`
-    (`compression_config` in older compressed-tensors checkpoints), else ModelOpt's `hf_quant_config.json`
-    as `quant_method: modelopt`, else AutoGPTQ's or AutoAWQ's own file (`LEGACY_FILES`); None: none, or
-    no checkpoint directory (a GGUF file)."""
-    cfg_file = path / "config.json"
-    if not path.is_dir() or not cfg_file.is_file():
-        return None
-    cfg = json.loads(cfg_file.read_text())
-    qcfg = cfg.get("quantization_config") or cfg.get("compression_config")
-    if not qcfg and (path / MODELOPT_FILE).is_file():
-        qcfg = {**_read_json(path / MODELOPT_FILE), "quant_method": "modelopt"}
-    return dict(qcfg) if qcfg else _legacy(path)
-
-
-def _is_modelopt(qcfg: dict[str, Any]) -> bool:
-    return config_method(qcfg) == "modelopt"
-
-
-def checkpoint_quantization(path: Path) -> dict[str, Any] | None:
-    """The quantization config of a checkpoint's weights (`_declared`); None: float weights, among them a
-    ModelOpt export without a `quant_algo`, which quantizes the KV cache alone (`checkpoint_kv_cache`)."""
-    qcfg = _declared(path)
-    if qcfg is None or _is_modelopt(qcfg) and not modelopt_algo(qcfg):
-        return None
-    return qcfg
-
-
-def checkpoint_kv_cache(path: Path, device: torch.device | str) -> str | None:
-    """The KV cache format a checkpoint's ModelOpt config names, which `--kv-cache-dtype auto` takes (as
-    vLLM does): "fp8_e4m3" where its `kv_cache_scheme` is static 8-bit floats or its `kv_cache_quant_algo`
-    FP8 (at the top of the config or under `quantization`); None where it names none, or one not built
-    (NVFP4), or where `device` is a GPU older than e4m3 needs (Triton's e4m3 takes sm_89: an Ampere GPU
-    keeps the model's dtype, as vLLM's fix for older GPUs does), each of those logged."""
-    qcfg = _declared(path)
-    if qcfg is None or not _is_modelopt(qcfg):
-        return None
-    inner = qcfg.get("quantization")
-    places = [inner, qcfg] if isinstance(inner, dict) else [qcfg]
-    named = [p.get(key) for key in ("kv_cache_scheme", "kv_cache_quant_algo") for p in places]
-    kv = next((k for k in named if k), None)
-    if isinstance(kv, dict):
-        static_fp8 = (kv.get("type"), kv.get("num_bits"), kv.get("dynamic")) == ("float", 8, False)
-        kv = "FP8" if static_fp8 else str(kv)
-    if kv is None:
-        return None
-    if str(kv).upper() != "FP8":
-        log.warning("the checkpoint's KV cache format %s is not built: the cache is in the model's dtype", kv)
-        return None
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-        log.warning("the checkpoint's fp8 KV cache needs sm_89 or newer: the cache is in the model's dtype")
-        return None
-    return "fp8_e4m3"
 
 
 GGUF = "gguf"  # vLLM's `--quantization` name for a GGUF file's own format
@@ -468,7 +393,7 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
 
 def check_kv_cache(name: str, device: torch.device | str) -> None:
     """Refuse `--kv-cache-dtype` fp8 (e4m3) on a CUDA device older than sm_89, whose Triton has no e4m3 to
-    read or store the cache with (`auto` there keeps the model's dtype: `checkpoint_kv_cache`)."""
+    read or store the cache with (`auto` there keeps the model's dtype: `declared.checkpoint_kv_cache`)."""
     if name not in FP8_KV_CACHE_DTYPES:
         return
     import torch

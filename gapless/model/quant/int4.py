@@ -330,7 +330,11 @@ def install_experts(
     label = spec.label if specs[1] == spec else f"{spec.label}, down {specs[1].label}"
     label += f" ({int4_kernels.CPU_KERNEL})" if kernels_alone else ""
     experts.hold_int(
-        (packed[0], packed[1]), (quants[0], quants[1]), tuple(cpu_weights) if cpu else None, label
+        (packed[0], packed[1]),
+        (quants[0], quants[1]),
+        tuple(cpu_weights) if cpu else None,
+        label,
+        spec.method,
     )
 
 

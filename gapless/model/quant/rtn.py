@@ -9,12 +9,17 @@ Every linear layer but the routers (the LM head is none) and every mixture's exp
 becomes whole (the loader's online rounding, as `--quantization fp8`), each tensor-parallel rank its own
 piece, and held on the int4/int8 path as a checkpoint's would be (`int4.hold`, `int4.install_experts`):
 tinygemm and gapless's Triton GEMM on CUDA, torch's CPU kernels or the reference path on a CPU. A layer whose
-inputs (this rank's) are no multiple of the group is refused by name before any weight is read."""
+inputs (this rank's) are no multiple of the group is refused by name before any weight is read.
+
+`--quantization experts_int8` (vLLM's) rounds a mixture's experts alone, as vLLM's does: int8 with one
+scale a row (this rank's piece of it), its largest |w| over 127, `q = clamp(round(w / scale), -127, 127)`,
+held as `q + 128` less a zero of 128 (`EXPERTS_INT8`); a model with no mixture is refused by name."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,10 +49,13 @@ def settings() -> tuple[int, int]:
     return bits, group
 
 
+EXPERTS_INT8 = "experts_int8"  # (vLLM's name; `QuantSpec.name` of the experts-only rounding)
+
+
 def _spec(spec: QuantSpec) -> Int4Spec:
     assert spec.rtn is not None
     bits, group = spec.rtn
-    return Int4Spec("rtn", bits, group, sym=True)
+    return Int4Spec(spec.name, bits, group, sym=True)
 
 
 def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> list[str]:
@@ -57,6 +65,12 @@ def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> l
 
     assert spec.rtn is not None
     modules = usual_targets(model)
+    if spec.name == EXPERTS_INT8:
+        modules = [n for n in modules if isinstance(model.get_submodule(n), Experts)]
+        if not modules:
+            raise QuantFormatError(
+                "--quantization experts_int8: the model has no mixture of experts to round"
+            )
     for name in modules:
         m = model.get_submodule(name)
         weights: tuple[torch.Tensor, ...] = (
@@ -106,6 +120,15 @@ def rounded(w: torch.Tensor, bits: int, group: int) -> Unpacked:
     return Unpacked(q, scale, torch.full_like(scale, half))
 
 
+def experts_int8(w: torch.Tensor) -> Unpacked:
+    """`w` [N, K] rounded as vLLM's `experts_int8` rounds an expert's projection (the module's docstring),
+    in its dtype, as the int8 path's form."""
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    scaled = torch.where(scale > 0, w / scale, torch.zeros_like(w))  # (an all-zero row: its zero)
+    q = scaled.round().clamp(-127, 127) + 128
+    return Unpacked(q.to(torch.int16), scale.float(), torch.full_like(scale, 128, dtype=torch.float32))
+
+
 def finish_module(layer: Any, spec: QuantSpec) -> None:
     """`layer`'s float weight (a mixture's experts', each expert's projections) rounded and held on the
     int4/int8 path, the float weight freed."""
@@ -113,23 +136,21 @@ def finish_module(layer: Any, spec: QuantSpec) -> None:
 
     int4_spec = _spec(spec)
     bits, group = spec.rtn or (0, 0)
+    round_weight = experts_int8 if spec.name == EXPERTS_INT8 else partial(rounded, bits=bits, group=group)
     if not isinstance(layer, Experts):
         w = layer.weight.data
-        int4.hold(
-            layer,
-            rounded(w, bits, group),
-            int4_spec,
-            w.dtype,
-            getattr(layer, "rtn_kernel", int4_kernels.chosen()),
-        )
+        kernel = getattr(layer, "rtn_kernel", int4_kernels.chosen())
+        int4.hold(layer, round_weight(w), int4_spec, w.dtype, kernel)
         return
     shards: dict[tuple[int, str], Unpacked] = {}
     for e in range(layer.num_experts):
-        both = rounded(layer.gate_up_proj.data[e], bits, group)  # (gate's rows, then up's)
+        both = round_weight(layer.gate_up_proj.data[e])  # (gate's rows, then up's)
         shards[(e, "gate")] = both.map(lambda t: t[: layer.inter])
         shards[(e, "up")] = both.map(lambda t: t[layer.inter :])
-        shards[(e, "down")] = rounded(layer.down_proj.data[e], bits, group)
-    int4.install_experts(layer, shards, int4_spec, layer.gate_up_proj.dtype, "rtn experts", cut=False)
+        shards[(e, "down")] = round_weight(layer.down_proj.data[e])
+    int4.install_experts(
+        layer, shards, int4_spec, layer.gate_up_proj.dtype, f"{spec.name} experts", cut=False
+    )
 
 
 def finish(model: nn.Module, spec: QuantSpec, modules: list[str], done: Collection[str] = ()) -> None:
