@@ -63,7 +63,7 @@ def float_checkpoint(dst: Path) -> Path:
 
 def formats(work: Path) -> dict[str, tuple[Path, dict[str, object]]]:
     """Each row's label -> (its checkpoint, written under `work`, and its engine options, among them
-    `GAPLESS_INT4_KERNEL` as "int4_kernel"); float32 first."""
+    `GAPLESS_INT4_KERNEL` as "int4_kernel", and other variables as "env"); float32 first."""
     base = float_checkpoint(work / "float32")
     rows: dict[str, tuple[Path, dict[str, object]]] = {
         "float32": (base, {}),
@@ -83,6 +83,13 @@ def formats(work: Path) -> dict[str, tuple[Path, dict[str, object]]]:
     for kind in ("nf4", "fp4", "int8"):  # (4-bit: blocks of 64, their absmax double-quantized)
         rows[f"bitsandbytes {kind}"] = (write_bnb(base, work, kind)[0], {})
     rows["bitsandbytes nf4 at load (--quantization bitsandbytes)"] = (base, {"quantization": "bitsandbytes"})
+    for bits, group in ((8, 64), (4, 64)):  # (the model's 576 inputs: no whole groups of vLLM's default 128)
+        rtn = {"quantization": "rtn", "env": {"RTN_NUM_BITS": str(bits), "RTN_GROUP_SIZE": str(group)}}
+        rows[f"rtn int{bits} g{group} at load (--quantization rtn), reference path"] = (
+            base,
+            {**rtn, "int4_kernel": "triton"},
+        )
+        rows[f"rtn int{bits} g{group} at load (--quantization rtn), torch's CPU kernels"] = (base, rtn)
     rows["nvfp4 (ModelOpt: e2m1 codes, e4m3 scales g16)"] = (write_nvfp4(base, work, "modelopt")[0], {})
     mxfp4 = write_nvfp4(base, work, "mxfp4")[0]
     rows["mxfp4 (compressed-tensors: e2m1 codes, e8m0 scales g32)"] = (mxfp4, {})
@@ -103,6 +110,7 @@ def main() -> None:
     for label, (path, options) in rows.items():
         options = dict(options)
         os.environ["GAPLESS_INT4_KERNEL"] = str(options.pop("int4_kernel", "auto"))
+        os.environ.update(options.pop("env", {}))  # type: ignore[arg-type]
         ppl, tokens = (ref_ppl, ref_tokens) if label == "float32" else run(str(path), **options)[:2]
         first = [
             next((i for i, (a, b) in enumerate(zip(q, f)) if a != b), None)
