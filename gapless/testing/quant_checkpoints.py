@@ -231,6 +231,40 @@ def _replace_head(added: dict[str, torch.Tensor], tensors: dict[str, torch.Tenso
     tensors.update(added)
 
 
+def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The linear layers a weight-only scheme quantizes (`int4.is_quantized_linear`: all but the routers)."""
+    from gapless.model.quant.int4 import is_quantized_linear
+
+    return [m for m in model.modules() if is_quantized_linear(m)]
+
+
+def experts_of(model: torch.nn.Module) -> list[Any]:
+    """The model's mixtures' `Experts`, in order."""
+    from gapless.model.moe import Experts
+
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def assert_codebook_layers(model: torch.nn.Module, reference: torch.nn.Module, label: str) -> list[Any]:
+    """Every linear layer of `model` holds a codebook layer named `label` on the int4 path whose weight is
+    `reference`'s (the same model's float load) bit for bit, in under a seventh of float32's bytes; their
+    methods."""
+    from gapless.model.quant import base, int4
+
+    formats, _ = base.weights_held(model)
+    layers = linear_layers(model)
+    methods: list[Any] = [m.linear_method for m in layers]
+    assert all(isinstance(m, int4.Int4LinearMethod) for m in methods), formats
+    assert formats[label] == len(layers), formats
+    for name, m in model.named_modules():
+        if m in layers:
+            w = reference.get_submodule(name).get_parameter("weight")
+            assert torch.equal(m.linear_method.dequantized(torch.float32), w), name
+    four_bit = sum(t.numel() * t.element_size() for m in methods for t in (m.qweight, m.scales, m.levels))
+    assert four_bit < 0.15 * sum(m.out_features * m.in_features * 4 for m in methods)
+    return methods
+
+
 def edit_tensors(checkpoint: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> None:
     """A one-file checkpoint's tensors (by name) changed in place by `edit`, and saved again."""
     file = checkpoint / "model.safetensors"

@@ -21,6 +21,7 @@ from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.gguf_int4 import install_experts
 from gapless.testing.gguf_files import random_blocks, write_gguf, write_random_gguf
 from gapless.testing.hf_reference import check_greedy, hf_greedy, hf_logits, load_hf_model, make_prompts
+from gapless.testing.quant_checkpoints import experts_of
 from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 from tests.model.test_quant_gguf import NEAR_TIE, _dequantized
 
@@ -33,10 +34,6 @@ _TINY = {
     "qwen2_moe": dict(shared_expert_intermediate_size=64),
     "mixtral": {},
 }
-
-
-def _experts(model: torch.nn.Module) -> list[Experts]:
-    return [m for m in model.modules() if isinstance(m, Experts)]
 
 
 def _generate(path: Path, prompts: list[list[int]], params: SamplingParams) -> list:
@@ -143,7 +140,7 @@ def test_greedy_equals_transformers_on_the_files_weights(
     ckpt = ckpt_factory(arch, **_TINY[arch])
     path = write_gguf(ckpt, tmp_path / f"{arch}.{qtype}.gguf", qtype)
     model = loader.load_model(path, torch.float32, CPU)
-    experts = _experts(model)
+    experts = experts_of(model)
     assert len(experts) == 2 and all(m.gate_up_proj.dtype == torch.int32 for m in experts)
     assert weights_held(model)[0].get(f"{label} experts") == 2, weights_summary(model)
     assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32
@@ -187,7 +184,7 @@ def test_a_q4_k_m_files_experts_hold_gate_up_and_down_each_in_its_form(ckpt_fact
     ckpt = ckpt_factory("qwen3_moe", num_hidden_layers=3, **_TINY["qwen3_moe"], **wide)
     path = write_random_gguf(ckpt, tmp_path / "m.Q4_K_M.gguf")
     model = loader.load_model(path, torch.float32, CPU)
-    labels = [m.weight_format for m in _experts(model)]
+    labels = [m.weight_format for m in experts_of(model)]
     mixed = "Q4_K as int4 g32, down Q6_K as int8 g16 experts"
     assert labels == ["Q4_K as int4 g32 experts"] * 2 + [mixed], labels
     _prompt_logprobs_equal_transformers(ckpt, path, tmp_path)
@@ -204,7 +201,7 @@ def test_i_quant_experts_hold_the_files_values(ckpt_factory, tmp_path, int4_path
     ckpt = ckpt_factory("qwen3_moe", **_TINY["qwen3_moe"], **wide)
     path = write_random_gguf(ckpt, tmp_path / f"m.{qtype}.gguf", qtype)
     model = loader.load_model(path, torch.float32, CPU)
-    assert [m.weight_format for m in _experts(model)] == [f"{qtype} as {form} experts"] * 2
+    assert [m.weight_format for m in experts_of(model)] == [f"{qtype} as {form} experts"] * 2
     _prompt_logprobs_equal_transformers(ckpt, path, tmp_path)
 
 
@@ -214,7 +211,7 @@ def test_on_one_cpu_rank_the_experts_run_the_cpus_kernels(ckpt_factory, tmp_path
     ckpt = ckpt_factory("qwen3_moe", **_TINY["qwen3_moe"])
     path = write_gguf(ckpt, tmp_path / "m.Q8_0.gguf", "Q8_0")
     model = loader.load_model(path, torch.float32, CPU)
-    assert all(m.weight_format.startswith("Q8_0 as int8 g32") for m in _experts(model)), weights_summary(
+    assert all(m.weight_format.startswith("Q8_0 as int8 g32") for m in experts_of(model)), weights_summary(
         model
     )
     prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=6)

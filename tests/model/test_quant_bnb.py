@@ -19,15 +19,18 @@ from safetensors.torch import load_file
 
 from gapless import LLM, SamplingParams
 from gapless.model import loader
-from gapless.model.layers import ReplicatedLinear, _Linear
-from gapless.model.moe import Experts
 from gapless.model.quant import bnb, int4, quantization, weights_held
 from gapless.model.quant.base import UNQUANTIZED
 from gapless.model.quant.formats import QuantFormatError, resolve
-from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.bnb_checkpoints import quantization_config, write_bnb
 from gapless.testing.hf_reference import check_greedy, hf_greedy, hf_logits, load_hf_model, make_prompts
-from gapless.testing.quant_checkpoints import edit_tensors, load_refusal
+from gapless.testing.quant_checkpoints import (
+    assert_codebook_layers,
+    edit_tensors,
+    experts_of,
+    linear_layers,
+    load_refusal,
+)
 from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 
 MAX_NEW = 8
@@ -44,11 +47,6 @@ def _greedy(model: Path, prompts: list[list[int]], device: str = "cpu") -> list[
             prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
         )
     return [o.token_ids for o in outs]
-
-
-def _linear_layers(model: torch.nn.Module) -> list[_Linear]:
-    """The layers a bitsandbytes checkpoint quantizes: every linear layer but the routers."""
-    return [m for m in model.modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
 
 
 def _agrees(qdir: Path, reference: torch.nn.Module, device: str = "cpu") -> None:
@@ -108,7 +106,7 @@ def test_4bit_kept_on_the_cpu_gives_bitsandbytes_own_tokens(ckpt_factory, tmp_pa
     qdir, refdir = write_bnb(ckpt_factory(arch), tmp_path, kind, nested)
     model = loader.load_model(qdir, torch.float32, CPU)
     formats, held = weights_held(model)
-    linear = _linear_layers(model)
+    linear = linear_layers(model)
     assert all(isinstance(m.linear_method, bnb.Bnb4LinearMethod) for m in linear), formats
     assert formats[f"bitsandbytes {kind} b64 (bitsandbytes' CPU kernel)"] == len(linear)
     assert quantization(model) == "bitsandbytes"
@@ -123,7 +121,7 @@ def test_a_bfloat16_model_keeps_every_4bit_layer(ckpt_factory, tmp_path, nested)
     back the same codes (to within that rounding), so every layer is kept."""
     qdir, _ = write_bnb(ckpt_factory("llama"), tmp_path, "nf4", nested)
     model = loader.load_model(qdir, torch.bfloat16, CPU)
-    linear = _linear_layers(model)
+    linear = linear_layers(model)
     assert all(isinstance(m.linear_method, bnb.Bnb4LinearMethod) for m in linear)
 
 
@@ -162,25 +160,11 @@ def test_4bit_kept_for_the_triton_gemm_holds_the_checkpoints_weights(
     qdir, refdir = write_bnb(ckpt_factory(arch), tmp_path, kind, nested)
     model = loader.load_model(qdir, torch.float32, CPU)
     ref_model = loader.load_model(refdir, torch.float32, CPU)
-    formats, _ = weights_held(model)
-    linear = _linear_layers(model)
-    assert all(isinstance(m.linear_method, Int4LinearMethod) for m in linear), formats
-    assert formats[f"bitsandbytes {kind} g64"] == len(linear) and quantization(model) == "bitsandbytes"
-    for name, m in model.named_modules():
-        if m in linear:
-            assert torch.equal(
-                m.linear_method.dequantized(torch.float32), ref_model.get_submodule(name).weight
-            )
-    methods = [m.linear_method for m in linear]
-    four_bit = sum(t.numel() * t.element_size() for m in methods for t in (m.qweight, m.scales, m.levels))
-    assert four_bit < 0.15 * sum(m.out_features * m.in_features * 4 for m in methods)
+    methods = assert_codebook_layers(model, ref_model, f"bitsandbytes {kind} g64")
+    assert quantization(model) == "bitsandbytes"
     # (here, on the CPU, which no kernel of a codebook runs on: their float weights beside, made once)
     assert all(torch.equal(m.float_weight, m.dequantized(torch.float32)) for m in methods)
     _agrees(qdir, load_hf_model(refdir))
-
-
-def _experts(model: torch.nn.Module) -> list[Experts]:
-    return [m for m in model.modules() if isinstance(m, Experts)]
 
 
 @pytest.mark.parametrize("kind,nested", [("nf4", True), ("fp4", False)])
@@ -196,7 +180,7 @@ def test_4bit_experts_kept_for_the_triton_gemm_hold_the_checkpoints_weights(
     qdir, refdir = write_bnb(ckpt_factory("qwen3_moe", moe_intermediate_size=64), tmp_path, kind, nested)
     model = loader.load_model(qdir, torch.float32, CPU)
     ref = loader.load_model(refdir, torch.float32, CPU)
-    for ours, theirs in zip(_experts(model), _experts(ref), strict=True):
+    for ours, theirs in zip(experts_of(model), experts_of(ref), strict=True):
         assert ours.weight_format == f"bitsandbytes {kind} g64 experts"
         assert ours.int_quant is not None and ours.cpu_weights is not None
         table = torch.tensor(bnb.TABLES[kind])
@@ -220,12 +204,12 @@ def test_4bit_experts_on_two_ranks_hold_each_ranks_piece(ckpt_factory, tmp_path,
     src = ckpt_factory("qwen3_moe", moe_intermediate_size=128)
     qdir, _ = write_bnb(src, tmp_path, "nf4")
     whole, ranks = load_as_ranks(qdir)
-    for experts, *pieces in zip(_experts(whole), *map(_experts, ranks), strict=True):
+    for experts, *pieces in zip(experts_of(whole), *map(experts_of, ranks), strict=True):
         assert all(p.weight_format == "bitsandbytes nf4 g64 experts" for p in [experts, *pieces])
         assert_experts_cut(experts, pieces)
     qdir, _ = write_bnb(ckpt_factory("qwen3_moe", moe_intermediate_size=64), tmp_path / "split", "nf4")
     _, ranks = load_as_ranks(qdir)
-    assert all(e.int_quant is None and e.weight_format is None for r in ranks for e in _experts(r))
+    assert all(e.int_quant is None and e.weight_format is None for r in ranks for e in experts_of(r))
 
 
 def test_4bit_on_the_triton_gemm_gives_transformers_tokens(ckpt_factory, tmp_path, monkeypatch):
@@ -243,7 +227,7 @@ def test_4bit_on_the_triton_gemm_gives_transformers_tokens(ckpt_factory, tmp_pat
     qdir, refdir = write_bnb(ckpt_factory("llama"), tmp_path, "nf4", nested=True)
     model = loader.load_model(qdir, torch.bfloat16, device)
     nf4 = torch.tensor(bnb.NF4, dtype=torch.float32)  # (the levels in float32 whatever the model's dtype)
-    assert all(torch.equal(m.linear_method.levels.cpu(), nf4) for m in _linear_layers(model))
+    assert all(torch.equal(m.linear_method.levels.cpu(), nf4) for m in linear_layers(model))
     _agrees(qdir, load_hf_model(refdir), device.type)
     assert len(calls) >= 8 * 4 and all(calls)  # (forwards x projections, each with the codebook)
 
@@ -259,11 +243,11 @@ def test_a_dummy_load_keeps_random_4bit_layers_and_generates(ckpt_factory, tmp_p
     for file in qdir.glob("*.safetensors"):
         file.unlink()
     model = loader.load_model(qdir, torch.bfloat16, CPU, dummy=True)
-    linear = _linear_layers(model)
+    linear = linear_layers(model)
     assert all(getattr(m.linear_method, "levels", None) is not None for m in linear)
     assert all(0.01 < float(m.linear_method.dequantized(torch.float32).std()) < 0.03 for m in linear)
-    assert all(e.weight_format == "bitsandbytes nf4 g64 experts" for e in _experts(model))
-    assert len(_experts(model)) == (1 if arch == "qwen3_moe" else 0)
+    assert all(e.weight_format == "bitsandbytes nf4 g64 experts" for e in experts_of(model))
+    assert len(experts_of(model)) == (1 if arch == "qwen3_moe" else 0)
     with LLM(str(qdir), device="cpu", dtype="bfloat16", load_format="dummy", kv_cache_tokens=256) as llm:
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4

@@ -13,13 +13,10 @@ import torch
 
 from gapless import LLM, SamplingParams
 from gapless.model import loader
-from gapless.model.layers import ReplicatedLinear, _Linear
-from gapless.model.moe import Experts
-from gapless.model.quant import bnb, quantization, weights_held
+from gapless.model.quant import bnb, quantization
 from gapless.model.quant.formats import QuantFormatError
-from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.hf_reference import assert_agrees, load_hf_model
-from gapless.testing.quant_checkpoints import rounded_copy
+from gapless.testing.quant_checkpoints import assert_codebook_layers, experts_of, linear_layers, rounded_copy
 from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 
 CPU = torch.device("cpu")
@@ -31,14 +28,6 @@ NEEDS_BNB = pytest.mark.skipif(
 
 def _load(path, dtype=torch.float32, **kw):
     return loader.load_model(path, dtype, CPU, quantization="bitsandbytes", **kw)
-
-
-def _linear_layers(model: torch.nn.Module) -> list[_Linear]:
-    return [m for m in model.modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
-
-
-def _experts(model: torch.nn.Module) -> list[Experts]:
-    return [m for m in model.modules() if isinstance(m, Experts)]
 
 
 def _nearest_nf4(w: torch.Tensor) -> torch.Tensor:
@@ -61,18 +50,8 @@ def test_the_triton_route_holds_each_layers_nearest_nf4_codes(ckpt_factory, tmp_
     src = ckpt_factory(arch)
     ref = rounded_copy(src, tmp_path / "rounded", _nearest_nf4)
     model, ref_model = _load(src), loader.load_model(ref, torch.float32, CPU)
-    formats, _ = weights_held(model)
-    linear = _linear_layers(model)
-    assert all(isinstance(m.linear_method, Int4LinearMethod) for m in linear), formats
-    assert formats["bitsandbytes nf4 g64"] == len(linear) and quantization(model) == "bitsandbytes"
-    for name, m in model.named_modules():
-        if m in linear:
-            assert torch.equal(
-                m.linear_method.dequantized(torch.float32), ref_model.get_submodule(name).weight
-            )
-    methods = [m.linear_method for m in linear]
-    four_bit = sum(t.numel() * t.element_size() for m in methods for t in (m.qweight, m.scales, m.levels))
-    assert four_bit < 0.15 * sum(m.out_features * m.in_features * 4 for m in methods)
+    assert_codebook_layers(model, ref_model, "bitsandbytes nf4 g64")
+    assert quantization(model) == "bitsandbytes"
     assert torch.equal(model.lm_head.weight, ref_model.lm_head.weight)
     assert_agrees(src, load_hf_model(ref), quantization="bitsandbytes")
 
@@ -87,7 +66,7 @@ def test_the_codes_are_bitsandbytes_own(ckpt_factory, monkeypatch):
     monkeypatch.setenv("GAPLESS_CPU_GEMM", "plain")  # (the float model's weights left as loaded)
     src = ckpt_factory("qwen3")
     model, float_model = _load(src), loader.load_model(src, torch.float32, CPU)
-    linear = _linear_layers(model)
+    linear = linear_layers(model)
     for name, m in model.named_modules():
         if m in linear:
             w = float_model.get_submodule(name).weight
@@ -112,7 +91,7 @@ def test_tokens_equal_transformers_quantizing_through_bitsandbytes(ckpt_factory)
     for module in theirs.modules():
         if hasattr(module, "support_avx512bf16_for_cpu") and not fused:
             module.support_avx512bf16_for_cpu = False
-    methods = {getattr(m.linear_method, "quant_method", None) for m in _linear_layers(_load(src))}
+    methods = {getattr(m.linear_method, "quant_method", None) for m in linear_layers(_load(src))}
     assert methods == {"bitsandbytes" if fused else None}
     assert_agrees(src, theirs.eval(), quantization="bitsandbytes")
 
@@ -128,9 +107,9 @@ def test_without_a_4bit_kernel_the_layers_hold_nf4s_values(ckpt_factory, tmp_pat
     model, ref_model = _load(src), loader.load_model(ref, torch.float32, CPU)
     for (name, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
         assert torch.equal(p, r), name
-    assert all(e.int_quant is None for e in _experts(model))
+    assert all(e.int_quant is None for e in experts_of(model))
     monkeypatch.setattr(bnb, "kept", lambda device: "triton")
-    for ours, theirs in zip(_experts(_load(src)), _experts(ref_model), strict=True):
+    for ours, theirs in zip(experts_of(_load(src)), experts_of(ref_model), strict=True):
         assert ours.weight_format == "bitsandbytes nf4 g64 experts" and ours.cpu_weights is not None
         assert torch.equal(ours.cpu_weights[0], theirs.gate_up_proj)
         assert torch.equal(ours.cpu_weights[1], theirs.down_proj)
@@ -149,10 +128,10 @@ def test_each_rank_quantizes_its_own_piece(ckpt_factory, monkeypatch):
     _, float_ranks = load_as_ranks(src)
     for rank, float_rank in zip(ranks, float_ranks):
         for name, m in rank.named_modules():
-            if m in _linear_layers(rank):
+            if m in linear_layers(rank):
                 w = float_rank.get_submodule(name).weight
                 assert torch.equal(m.linear_method.dequantized(torch.float32), _nearest_nf4(w)), name
-    for experts, *pieces in zip(_experts(whole), *map(_experts, ranks), strict=True):
+    for experts, *pieces in zip(experts_of(whole), *map(experts_of, ranks), strict=True):
         assert all(p.weight_format == "bitsandbytes nf4 g64 experts" for p in [experts, *pieces])
         assert_experts_cut(experts, pieces)
 

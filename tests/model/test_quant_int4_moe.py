@@ -17,12 +17,12 @@ from safetensors.torch import load_file, save_file
 
 from gapless import LLM, SamplingParams
 from gapless.model import loader, parallel
-from gapless.model.moe import Experts, WeightQuant, reference_experts, route
+from gapless.model.moe import WeightQuant, reference_experts, route
 from gapless.model.quant import weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4_layouts import pack_int32
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
-from gapless.testing.quant_checkpoints import layout_label, quantize, write_quantized
+from gapless.testing.quant_checkpoints import experts_of, layout_label, quantize, write_quantized
 from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 from gapless.testing.triton_compile import compile_cases
 
@@ -34,16 +34,12 @@ _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (th
 pytestmark = pytest.mark.usefixtures("int4_reference_path")
 
 
-def _experts(model: torch.nn.Module) -> list[Experts]:
-    return [m for m in model.modules() if isinstance(m, Experts)]
-
-
 def _greedy(
     model: Path, prompts: list[list[int]], device: str = "cpu", fused: bool = False
 ) -> list[list[int]]:
     with LLM(str(model), device=device, dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
         if fused:  # every mixture layer on the grouped GEMM (interpreted on the CPU)
-            for module in _experts(llm.engine.runner.model):
+            for module in experts_of(llm.engine.runner.model):
                 module.use_triton = True
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
@@ -72,7 +68,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     dequantized float32 weights (on CUDA: through the grouped GEMM's int path)."""
     qdir, refdir = write_quantized(ckpt_factory(arch), tmp_path, layout, bits=bits, group=group, sym=sym)
     model = loader.load_model(qdir, torch.float32, CPU)
-    experts = _experts(model)
+    experts = experts_of(model)
     assert experts and all(m.gate_up_proj.dtype == torch.int32 and m.int_quant is not None for m in experts)
     assert all(m.int_quant is not None and m.int_quant[0].bits == bits for m in experts)
     label = f"{layout_label(layout, bits, group, sym)} experts"

@@ -11,13 +11,11 @@ import torch
 
 from gapless import LLM, SamplingParams
 from gapless.model import loader, parallel
-from gapless.model.layers import ReplicatedLinear, _Linear
-from gapless.model.moe import Experts
 from gapless.model.quant import quantization, weights_held
 from gapless.model.quant.formats import QuantFormatError, resolve
 from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.hf_reference import assert_agrees, load_hf_model
-from gapless.testing.quant_checkpoints import rounded_copy
+from gapless.testing.quant_checkpoints import experts_of, linear_layers, rounded_copy
 from gapless.testing.ranks import load_as_ranks
 
 CPU = torch.device("cpu")
@@ -34,14 +32,6 @@ def _vllm_rtn(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     q = ((flat / scale).round() + q_range // 2).clamp(0, q_range - 1).to(torch.uint8)
     data = q.to(scale.dtype) - q_range // 2
     return torch.mul(data, scale).reshape(w.shape)
-
-
-def _linear_layers(model: torch.nn.Module) -> list[_Linear]:
-    return [m for m in model.modules() if isinstance(m, _Linear) and not isinstance(m, ReplicatedLinear)]
-
-
-def _experts(model: torch.nn.Module) -> list[Experts]:
-    return [m for m in model.modules() if isinstance(m, Experts)]
 
 
 @pytest.fixture
@@ -73,7 +63,7 @@ def test_each_layer_holds_vllms_rounding_of_its_weight(ckpt_factory, rtn, arch, 
     src = ckpt_factory(arch)
     model, float_model = (loader.load_model(src, dtype, CPU, quantization=q) for q in ("rtn", None))
     formats, held = weights_held(model)
-    linear = _linear_layers(model)
+    linear = linear_layers(model)
     label = f"rtn w{bits}a16 {'channel' if group < 0 else f'g{group}'}"
     assert all(isinstance(m.linear_method, Int4LinearMethod) for m in linear), formats
     assert formats[label] == len(linear) and quantization(model) == "rtn"
@@ -95,14 +85,14 @@ def test_greedy_tokens_equal_transformers_on_the_rounded_weights(ckpt_factory, t
     src = ckpt_factory(arch, **shape)
     ref = rounded_copy(src, tmp_path / "rounded", lambda w: _vllm_rtn(w, 4, 32))
     model, ref_model = loader.load_model(src, torch.float32, CPU, quantization="rtn"), None
-    for experts in _experts(model):
+    for experts in experts_of(model):
         ref_model = ref_model or loader.load_model(ref, torch.float32, CPU)
         assert experts.weight_format == "rtn w4a16 g32 experts" and experts.int_quant is not None
-    for ours, theirs in zip(_experts(model), _experts(ref_model) if ref_model else [], strict=True):
+    for ours, theirs in zip(experts_of(model), experts_of(ref_model) if ref_model else [], strict=True):
         assert ours.cpu_weights is not None
         assert torch.equal(ours.cpu_weights[0], theirs.gate_up_proj)
         assert torch.equal(ours.cpu_weights[1], theirs.down_proj)
-    assert len(_experts(model)) == (1 if shape else 0)
+    assert len(experts_of(model)) == (1 if shape else 0)
     assert_agrees(src, load_hf_model(ref), quantization="rtn")
 
 
@@ -115,10 +105,10 @@ def test_each_rank_rounds_its_own_piece(ckpt_factory, rtn):
     _, float_ranks = load_as_ranks(src)
     for rank, float_rank in zip(ranks, float_ranks, strict=True):
         for name, m in rank.named_modules():
-            if m in _linear_layers(rank):
+            if m in linear_layers(rank):
                 w = float_rank.get_submodule(name).weight
                 assert torch.equal(m.linear_method.dequantized(torch.float32), _vllm_rtn(w, 4, 32)), name
-        assert all(e.weight_format == "rtn w4a16 g32 experts" for e in _experts(rank))
+        assert all(e.weight_format == "rtn w4a16 g32 experts" for e in experts_of(rank))
 
 
 @pytest.mark.parametrize(
@@ -209,7 +199,7 @@ def test_experts_int8_rounds_a_mixtures_experts_alone(
     ref_model = loader.load_model(ref, torch.float32, CPU)
     assert quantization(model) == "experts_int8"
     assert weights_held(model)[0]["experts_int8 w8a16 channel experts"] == 1
-    for ours, theirs in zip(_experts(model), _experts(ref_model), strict=True):
+    for ours, theirs in zip(experts_of(model), experts_of(ref_model), strict=True):
         assert ours.int_quant is not None and ours.cpu_weights is not None
         assert torch.equal(ours.cpu_weights[0], theirs.gate_up_proj)
         assert torch.equal(ours.cpu_weights[1], theirs.down_proj)
@@ -228,7 +218,7 @@ def test_experts_int8_on_two_ranks_rounds_each_ranks_piece(ckpt_factory, monkeyp
     _, ranks = load_as_ranks(src, quantization="experts_int8")
     _, float_ranks = load_as_ranks(src)
     for rank, float_rank in zip(ranks, float_ranks, strict=True):
-        for ours, theirs in zip(_experts(rank), _experts(float_rank), strict=True):
+        for ours, theirs in zip(experts_of(rank), experts_of(float_rank), strict=True):
             assert ours.cpu_weights is not None
             for held, w in zip(ours.cpu_weights, (theirs.gate_up_proj, theirs.down_proj)):
                 assert torch.equal(held, torch.stack([_vllm_experts_int8(e) for e in w]))
