@@ -163,7 +163,8 @@ step() {  # $1: seconds at most, $2: log name, the rest: the command. Cut to wha
 cuda_tests=(tests/test_pdl.py tests/model/test_fp8_rounding.py tests/model/test_ordered_columns.py
   tests/engine/test_cuda.py tests/model/test_quant_fp8.py tests/model/test_quant_int4.py
   tests/model/test_deferred_weights.py tests/model/test_quant_gguf_int4.py tests/model/test_gguf_moe.py
-  tests/model/test_moe.py tests/model/test_int4_kernels.py tests/engine/test_fp8_kv.py tests/attention
+  tests/model/test_moe.py tests/model/test_int4_kernels.py tests/model/test_quant_rtn.py
+  tests/model/test_quant_bnb_online.py tests/engine/test_fp8_kv.py tests/attention
   tests/sampling tests/model/test_fused_kernels.py tests/engine/test_window_kv.py tests/spec/test_graphs.py
   tests/distributed tests/engine/test_pooling.py tests/lora
   tests/engine/test_vision.py tests/engine/test_vision_gemma3.py tests/engine/test_qwen_vl.py

@@ -13,7 +13,7 @@ import torch
 
 from gapless import LLM, SamplingParams
 from gapless.model import loader
-from gapless.model.quant import bnb, quantization
+from gapless.model.quant import bnb, quantization, weights_held
 from gapless.model.quant.formats import QuantFormatError
 from gapless.testing.hf_reference import assert_agrees, load_hf_model
 from gapless.testing.quant_checkpoints import assert_codebook_layers, experts_of, linear_layers, rounded_copy
@@ -27,7 +27,11 @@ NEEDS_BNB = pytest.mark.skipif(
 
 
 def _load(path, dtype=torch.float32, **kw):
-    return loader.load_model(path, dtype, CPU, quantization="bitsandbytes", **kw)
+    return _load_on(path, CPU, dtype, **kw)
+
+
+def _load_on(path, device: torch.device, dtype=torch.float32, **kw):
+    return loader.load_model(path, dtype, device, quantization="bitsandbytes", **kw)
 
 
 def _nearest_nf4(w: torch.Tensor) -> torch.Tensor:
@@ -195,3 +199,17 @@ def test_vllms_older_spelling_quantizes_a_float_checkpoint(ckpt_factory):
     assert "\n" not in str(e.value) and "with --quantization bitsandbytes a float one is quantized" in str(
         e.value
     )
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device: the tests above check the same codes and tokens on the Triton route's reference",
+)
+def test_cuda_runs_nf4_at_load_on_the_codebook_gemm(ckpt_factory, tmp_path):
+    """On a GPU (float32): every layer on the Triton GEMM with NF4's levels, transformers' tokens on the
+    NF4-rounded weights."""
+    src = ckpt_factory("llama")
+    ref = rounded_copy(src, tmp_path / "rounded", _nearest_nf4)
+    formats, _ = weights_held(_load_on(src, torch.device("cuda")))
+    assert formats.get("bitsandbytes nf4 g64") == 8, formats
+    assert_agrees(src, load_hf_model(ref), quantization="bitsandbytes", device="cuda")

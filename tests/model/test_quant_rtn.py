@@ -222,3 +222,27 @@ def test_experts_int8_on_two_ranks_rounds_each_ranks_piece(ckpt_factory, monkeyp
             assert ours.cpu_weights is not None
             for held, w in zip(ours.cpu_weights, (theirs.gate_up_proj, theirs.down_proj)):
                 assert torch.equal(held, torch.stack([_vllm_experts_int8(e) for e in w]))
+
+
+NEEDS_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device: the tests above check the same weights and tokens on the CPU's reference path",
+)
+
+
+@NEEDS_CUDA
+def test_cuda_runs_the_rounded_layers_on_its_int_gemms(ckpt_factory, tmp_path, monkeypatch):
+    """On a GPU: in float32 the Triton GEMM over the rounded layers gives transformers' tokens on the
+    rounded weights; in bfloat16 4-bit layers take tinygemm's copy for decode too; the engine generates."""
+    monkeypatch.setenv("RTN_NUM_BITS", "4")
+    monkeypatch.setenv("RTN_GROUP_SIZE", "32")
+    src = ckpt_factory("llama")
+    ref = rounded_copy(src, tmp_path / "rounded", lambda w: _vllm_rtn(w, 4, 32))
+    assert_agrees(src, load_hf_model(ref), quantization="rtn", device="cuda")
+    formats, _ = weights_held(
+        loader.load_model(src, torch.bfloat16, torch.device("cuda"), quantization="rtn")
+    )
+    assert formats.get("rtn w4a16 g32 (tinygemm to 8 rows, triton above)") == 8, formats
+    with LLM(str(src), device="cuda", dtype="bfloat16", quantization="rtn", kv_cache_tokens=256) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
