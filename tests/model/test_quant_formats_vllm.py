@@ -172,6 +172,9 @@ def test_a_malformed_legacy_file_is_refused_by_name(ckpt_factory, tmp_path):
         (GPTQ, "gptq_marlin", "gptq"),
         (AWQ, "moe_wna16", "awq"),
         (GPTQ, "moe_wna16", "gptq"),
+        (AWQ, "awq_triton", "awq"),
+        (GPTQ, "gptq_bitblas", "gptq"),
+        (GPTQ, "ipex", "gptq"),
     ],
 )
 def test_vllms_kernel_names_run_the_checkpoints_own_format(qcfg, flag, method):

@@ -304,8 +304,11 @@ FORMATS: dict[str, Parser] = {
 # one of those formats, which then runs as it would without the flag
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "awq_marlin": ("awq",),
+    "awq_triton": ("awq",),
     "gptq_marlin": ("gptq",),
+    "gptq_bitblas": ("gptq",),
     "moe_wna16": ("awq", "gptq"),
+    "ipex": ("awq", "gptq"),  # (Intel's kernels for both on its CPUs and GPUs)
     "modelopt_fp4": ("modelopt",),
     "inc": ("auto-round",),
 }
