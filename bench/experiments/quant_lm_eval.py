@@ -104,10 +104,14 @@ def write_task(dst: Path, n: int) -> int:
     return len(docs)
 
 
-def serve_args(path: Path, options: dict[str, object]) -> list[str]:
-    """`gapless serve` flags of one row: its checkpoint on the CPU in float32, and its engine options."""
+def serve_args(path: Path, options: dict[str, object]) -> tuple[list[str], dict[str, str]]:
+    """`gapless serve` flags of one row (its checkpoint on the CPU in float32, and its engine options),
+    and the variables its server runs with (a row's "int4_kernel", `GAPLESS_INT4_KERNEL`; its "env")."""
+    options = dict(options)
+    env = {"GAPLESS_INT4_KERNEL": str(options.pop("int4_kernel", "auto"))}
+    env.update({k: str(v) for k, v in dict(options.pop("env", {})).items()})  # type: ignore[call-overload]
     engine = {"device": "cpu", "dtype": "float32", "model": path, "max_model_len": MAX_MODEL_LEN, **options}
-    return [f for k, v in engine.items() for f in (f"--{k.replace('_', '-')}", str(v))]
+    return [f for k, v in engine.items() for f in (f"--{k.replace('_', '-')}", str(v))], env
 
 
 def evaluate(url: str, model: str, tokenizer: str, tasks: Path, limit: int | None) -> dict:
@@ -158,7 +162,8 @@ def main() -> None:
     results: dict[str, tuple[float, float, float, dict[int, float], float]] = {}
     for label, (path, options) in rows.items():
         t0 = time.monotonic()
-        srv = ServerProcess(*serve_args(path, options))
+        flags, env = serve_args(path, options)
+        srv = ServerProcess(*flags, env=env)
         try:
             out = evaluate(srv.url, str(path), tokenizer, tasks, args.limit)
         finally:

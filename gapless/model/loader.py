@@ -447,11 +447,11 @@ def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:
 
 
 class _OnlineRounding:
-    """`--quantization fp8` (or `bitsandbytes`) of a float checkpoint, and a bitsandbytes 4-bit checkpoint
-    kept in 4 bits (`modules`: none for any other load): each layer it quantizes is rounded as the last of
-    its float weight's tensors loads (the scheme's `finish_module`), so the load holds the float weights
-    of the layers whose tensors are still arriving (one, for a checkpoint stored layer by layer), not the
-    float model's."""
+    """A float checkpoint quantized at load (`--quantization fp8`, `bitsandbytes`, `rtn`, `experts_int8`),
+    and a bitsandbytes 4-bit checkpoint kept in 4 bits (`modules`: none for any other load): each layer it
+    quantizes is rounded as the last of its float weight's tensors loads (the scheme's `finish_module`), so
+    the load holds the float weights of the layers whose tensors are still arriving (one, for a checkpoint
+    stored layer by layer), not the float model's."""
 
     def __init__(self, model: CausalLM, scheme: Any, spec: QuantSpec | None, modules: list[str]) -> None:
         self.model, self.scheme, self.spec = model, scheme, spec
