@@ -259,20 +259,12 @@ def usual_targets(model: nn.Module) -> list[str]:
 def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> list[str]:
     """`usual_targets`; quantized at load (`spec.online`), each one's inputs (this rank's) in whole blocks
     of `ONLINE_BLOCK`, else a one-line QuantFormatError naming the layer."""
-    from gapless.model.moe import Experts
+    from gapless.model.quant import int4
 
     modules = usual_targets(model)
-    for name in modules if spec.online else ():
-        m = model.get_submodule(name)
-        weights: tuple[torch.Tensor, ...] = (
-            (m.gate_up_proj, m.down_proj) if isinstance(m, Experts) else (m.get_parameter("weight"),)
-        )
-        for k in (int(w.shape[-1]) for w in weights):
-            if k % ONLINE_BLOCK:
-                raise QuantFormatError(
-                    f"--quantization bitsandbytes: {name} takes {k} inputs (this rank's), not a "
-                    f"multiple of bitsandbytes' blocks of {ONLINE_BLOCK}"
-                )
+    if spec.online:
+        blocks = f"bitsandbytes' blocks of {ONLINE_BLOCK}"
+        int4.check_inputs(model, modules, ONLINE_BLOCK, "bitsandbytes", blocks)
     return modules
 
 

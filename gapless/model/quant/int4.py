@@ -363,6 +363,22 @@ def is_quantized_linear(module: Any) -> bool:
     return isinstance(module, layers._Linear) and not isinstance(module, layers.ReplicatedLinear)
 
 
+def check_inputs(model: Any, modules: list[str], multiple: int, flag: str, what: str) -> None:
+    """Refuse, in one line naming it, a module of `modules` with a weight whose inputs (this rank's: a
+    linear layer's, or a mixture's gate/up or down) are no multiple of `multiple` (`what` says what that
+    is), as `--quantization FLAG` rounds them at load."""
+    from gapless.model.moe import Experts
+
+    for name in modules:
+        m = model.get_submodule(name)
+        weights = (m.gate_up_proj, m.down_proj) if isinstance(m, Experts) else (m.get_parameter("weight"),)
+        for k in (int(w.shape[-1]) for w in weights):
+            if k % multiple:
+                raise QuantFormatError(
+                    f"--quantization {flag}: {name} takes {k} inputs (this rank's), not a multiple of {what}"
+                )
+
+
 def usual_targets(model: Any) -> list[str]:
     """The modules a weight-only scheme quantizes (`quantizes`), by name: every linear layer but the
     routers (the head is no `_Linear`), and every mixture's experts."""

@@ -73,17 +73,8 @@ def quantized_modules(model: nn.Module, spec: QuantSpec, targets: set[str]) -> l
             )
     bits, group = spec.rtn
     whole = group if group > 0 else 32 // bits  # (a row's values, packed 32 // bits to a word)
-    for name in modules:
-        m = model.get_submodule(name)
-        weights: tuple[torch.Tensor, ...] = (
-            (m.gate_up_proj, m.down_proj) if isinstance(m, Experts) else (m.get_parameter("weight"),)
-        )
-        for k in (int(w.shape[-1]) for w in weights):
-            if k % whole:
-                raise QuantFormatError(
-                    f"--quantization {spec.name}: {name} takes {k} inputs (this rank's), not a multiple of "
-                    + (f"RTN_GROUP_SIZE {group}" if group > 0 else f"{whole} ({bits}-bit values to a word)")
-                )
+    what = f"RTN_GROUP_SIZE {group}" if group > 0 else f"{whole} ({bits}-bit values to a word)"
+    int4.check_inputs(model, modules, whole, spec.name, what)
     return modules
 
 
