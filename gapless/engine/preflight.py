@@ -73,8 +73,14 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     generation_defaults(cfg.model, cfg.generation_config)  # a checkpoint default no request could set
     check_max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, cfg.model)
     check_device(cfg.device)
-    check_quantization(cfg, path)
+    spec = check_quantization(cfg, path)
     check_tensor_parallel(cfg, mcfg)
+    if (
+        spec is not None and spec.online
+    ):  # (its layers' shapes, as the ranks cut them: after the cut is known)
+        from gapless.model.loader import check_layers
+
+        check_layers(mcfg, spec, cfg.tensor_parallel_size)
     pooling_spec(cfg)  # a sentence-transformers config gapless cannot run
     if mcfg.mrope_section is not None and cfg.speculative_algorithm is not None:  # (verify: 1-D positions)
         raise ValueError("speculative decoding of an M-RoPE model (Qwen2.5-VL) is not supported")
@@ -100,23 +106,23 @@ def check_tensor_parallel(cfg: EngineConfig, mcfg: ModelConfig) -> None:
         )
 
 
-def check_quantization(cfg: EngineConfig, path: Path) -> None:
-    """QuantFormatError (a ValueError, one line naming the format) for a quantized format, of the weights
-    or the KV cache, that is unknown or that the device cannot run (`gapless.model.quant.formats`);
-    imports torch only when there is one."""
+def check_quantization(cfg: EngineConfig, path: Path) -> formats.QuantSpec | None:
+    """The weights' quantized format (None: float, or a GGUF file's own); QuantFormatError (a ValueError,
+    one line naming the format) for a format, of the weights or the KV cache, that is unknown or that the
+    device cannot run (`gapless.model.quant.formats`); imports torch only when there is one."""
     qcfg = declared.checkpoint_quantization(path)
     if qcfg is None and cfg.quantization is None and cfg.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
-        return
+        return None
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     formats.check_kv_cache(cfg.kv_cache_dtype, device)
     if qcfg is None and cfg.quantization is None:
-        return
+        return None
     if not path.is_dir():  # a GGUF file
         formats.check_gguf_flag(cfg.quantization)
-        return
-    formats.resolve(qcfg, cfg.quantization, device)
+        return None
+    return formats.resolve(qcfg, cfg.quantization, device)
 
 
 def check_max_model_len(max_model_len: int | None, limit: int, model: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gapless import LLM, SamplingParams
+from gapless.__main__ import main
 from gapless.model import loader, parallel
 from gapless.model.quant import quantization, weights_held
 from gapless.model.quant.formats import QuantFormatError, resolve
@@ -147,6 +148,27 @@ def test_settings_or_shapes_it_cannot_round_are_refused_before_loading(
         parallel.use(parallel.SINGLE)
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not read
+
+
+@pytest.mark.parametrize(
+    "flag,env,words",
+    [
+        ("rtn", {"RTN_GROUP_SIZE": "128"}, "model.layers.0.self_attn.qkv_proj takes 64 inputs"),
+        ("bitsandbytes", {}, "model.layers.0.mlp.experts takes 32 inputs (this rank's), not a multiple of"),
+    ],
+)
+def test_serve_refuses_layers_it_cannot_round_in_one_line(
+    ckpt_factory, monkeypatch, capsys, flag, env, words
+):
+    """`gapless serve` checks the layers' shapes against the rounding before any worker starts (the model
+    built with no memory): one line on stderr, exit status 2, no traceback."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model = ckpt_factory("qwen3" if flag == "rtn" else "qwen3_moe")
+    capsys.readouterr()  # (the checkpoint's writing, if this test made it)
+    assert main(["serve", "--model", str(model), "--device", "cpu", "--quantization", flag]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
 def test_rtn_is_a_flag_not_a_checkpoints_format():
