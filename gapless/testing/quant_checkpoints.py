@@ -290,17 +290,22 @@ def rounded_copy(
     return to
 
 
-def load_refusal(checkpoint: Path) -> str:
-    """The message of the `QuantFormatError` loading `checkpoint` on the CPU raises (an AssertionError
-    where it loads)."""
+def assert_refused_after(
+    checkpoint: Path, edit: Callable[[dict[str, torch.Tensor]], object], words: tuple[str, ...]
+) -> None:
+    """`checkpoint` broken by `edit` (`edit_tensors`) is refused on a CPU load with a one-line
+    `QuantFormatError` holding every one of `words`."""
     from gapless.model import loader
     from gapless.model.quant.formats import QuantFormatError
 
+    edit_tensors(checkpoint, edit)
     try:
         loader.load_model(checkpoint, torch.float32, torch.device("cpu"))
     except QuantFormatError as e:
-        return str(e)
-    raise AssertionError(f"{checkpoint} loaded; a QuantFormatError was expected")
+        message = str(e)
+    else:
+        raise AssertionError(f"{checkpoint} loaded; a QuantFormatError was expected")
+    assert "\n" not in message and all(w in message for w in words), message
 
 
 def write_pair(

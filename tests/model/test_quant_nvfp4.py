@@ -24,7 +24,7 @@ from gapless.model.quant.formats import QuantFormatError, resolve
 from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
 from gapless.testing.nvfp4_checkpoints import quantization_config, write_nvfp4
-from gapless.testing.quant_checkpoints import edit_tensors, load_refusal
+from gapless.testing.quant_checkpoints import assert_refused_after
 
 CPU = torch.device("cpu")
 MAX_NEW = 8
@@ -157,10 +157,7 @@ def _first(tensors: dict[str, torch.Tensor], suffix: str) -> str:
     ],
 )
 def test_a_broken_checkpoint_is_refused_by_name(ckpt_factory, tmp_path, layout, edit, words):
-    qdir, _ = write_nvfp4(ckpt_factory("llama"), tmp_path, layout)
-    edit_tensors(qdir, edit)
-    message = load_refusal(qdir)
-    assert "\n" not in message and all(w in message for w in words), message
+    assert_refused_after(write_nvfp4(ckpt_factory("llama"), tmp_path, layout)[0], edit, words)
 
 
 def test_another_group_size_is_refused_before_anything_loads():
