@@ -117,6 +117,45 @@ def test_dead_worker_makes_the_server_exit_with_an_error(ckpt_factory, worker, l
     assert not _left(workers), "processes outlived the server"
 
 
+def _failing_worker(api: str, parent_pid: int) -> None:
+    from gapless.server.workers.child import run_worker
+    from gapless.server.workers.sockets import Sockets
+
+    def body(socks: Sockets) -> None:
+        raise ValueError("no such layer " + "x" * 200_000)  # a long traceback: several sends' worth
+
+    run_worker("scheduler", parent_pid, lambda: Sockets((), {}, (api,)), body)
+
+
+def test_a_failing_worker_reports_its_error_before_it_exits(tmp_path):
+    """A worker whose body raises (a start-up that fails) sends `Failed` with its traceback to the API
+    server, and the message is delivered before the process exits: closing its sockets at once dropped
+    it one time in four here, leaving the server to say only that the worker exited."""
+    import multiprocessing as mp
+
+    import zmq
+
+    from gapless.server import protocol as P
+
+    ctx = zmq.Context()
+    api = ctx.socket(zmq.PULL)
+    addr = f"ipc://{tmp_path / 'api'}"
+    api.bind(addr)
+    try:
+        for _ in range(12):
+            proc = mp.get_context("fork").Process(target=_failing_worker, args=(addr, os.getpid()))
+            proc.start()
+            proc.join(10)
+            assert proc.exitcode == 1
+            assert api.poll(2000), "the worker exited without its Failed message"
+            msg = P.decode(api.recv())
+            assert isinstance(msg, P.Failed) and msg.worker == "scheduler"
+            assert "ValueError: no such layer" in msg.error
+    finally:
+        api.close(linger=0)
+        ctx.term()
+
+
 def test_api_server_runs_on_uvloop_when_installed(monkeypatch, capsys):
     """The API server's loop is uvloop's when `import uvloop` works (a stand-in module here, whose
     factory makes a plain asyncio loop it can recognise), asyncio's otherwise; the start-up says which."""

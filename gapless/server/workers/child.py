@@ -15,7 +15,7 @@ from types import FrameType
 from gapless import env
 from gapless.server import protocol as P
 from gapless.server.logs import configure_logging
-from gapless.server.workers.sockets import Sockets
+from gapless.server.workers.sockets import FAILED_LINGER_MS, Sockets
 
 _PR_SET_PDEATHSIG = 1
 
@@ -58,6 +58,7 @@ def run_worker(
     """Run a worker's `body` on its sockets; report a failure to the API server, then die with it."""
     setup_child(parent_pid)
     socks = sockets()
+    linger_ms = 0  # a worker that ends cleanly drops what is unsent: nobody waits for it
     try:
         body(socks)
     except SystemExit:
@@ -65,8 +66,9 @@ def run_worker(
     except BaseException:  # noqa: BLE001 - report, then die with an error (the API server exits)
         try:
             socks.send("api", P.Failed(name, traceback.format_exc()))
+            linger_ms = FAILED_LINGER_MS  # closing at once could drop the report before it is sent
         except Exception:  # noqa: BLE001
             pass
         raise
     finally:
-        socks.close()
+        socks.close(linger_ms)

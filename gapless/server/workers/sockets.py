@@ -11,6 +11,7 @@ import zmq
 from gapless.server import protocol as P
 
 IDLE_POLL_MS = 500  # an idle worker wakes this often (to notice its parent is gone)
+FAILED_LINGER_MS = 1000  # how long a failing worker's sockets hold its `Failed` for the API server
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,9 @@ class Sockets:
             return P.decode(self.recv.recv())
         return None
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket: at once, dropping what is unsent, or after up to `linger_ms` delivering it
+        (a failing worker's last message)."""
         for sock in (self.recv, *self.push.values(), *self.apis):
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
         self.ctx.term()
