@@ -55,7 +55,9 @@ def setup_child(parent_pid: int) -> None:
 def run_worker(
     name: str, parent_pid: int, sockets: Callable[[], Sockets], body: Callable[[Sockets], None]
 ) -> None:
-    """Run a worker's `body` on its sockets; report a failure to the API server, then die with it."""
+    """Run a worker's `body` on its sockets. A failure goes to the API server as `Failed` with its
+    traceback, which the server prints (once: this process then exits with status 1 and prints nothing);
+    a failure that cannot be sent is raised here, so the traceback is printed by this process instead."""
     setup_child(parent_pid)
     socks = sockets()
     linger_ms = 0  # a worker that ends cleanly drops what is unsent: nobody waits for it
@@ -64,11 +66,8 @@ def run_worker(
     except SystemExit:
         pass
     except BaseException:  # noqa: BLE001 - report, then die with an error (the API server exits)
-        try:
-            socks.send("api", P.Failed(name, traceback.format_exc()))
-            linger_ms = FAILED_LINGER_MS  # closing at once could drop the report before it is sent
-        except Exception:  # noqa: BLE001
-            pass
-        raise
+        socks.send("api", P.Failed(name, traceback.format_exc()))  # (if this raises, both are printed)
+        linger_ms = FAILED_LINGER_MS  # closing at once could drop the report before it is sent
+        raise SystemExit(1) from None
     finally:
         socks.close(linger_ms)
