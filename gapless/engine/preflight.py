@@ -1,11 +1,11 @@
 """What can be known about an engine's options before a process starts or a weight loads.
 
 `Engine` runs `check_engine_config` first, and so do `gapless serve` and `gapless chat` before they start
-any worker: a model that cannot be found or fetched, a checkpoint without weights or tokenizer, an
-architecture gapless cannot run, a sampling default no request could set (or a `generation_config`
-folder without the file), a `max_model_len` past the model's context, or a device this machine lacks is
-one line within a second, rather than a worker's traceback after the model began loading. Only
-the device check imports torch, and only for a CUDA device.
+any worker: a model that cannot be found or fetched, a checkpoint without weights or tokenizer, weight
+files missing or cut short (`gapless.model.weight_files`), an architecture gapless cannot run, a sampling
+default no request could set (or a `generation_config` folder without the file), a `max_model_len` past
+the model's context, or a device this machine lacks is one line within a second, rather than a worker's
+traceback after the model began loading. Only the device check imports torch, and only for a CUDA device.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import NamedTuple
 from gapless import env
 from gapless.config import FP8_KV_CACHE_DTYPES, EngineConfig
 from gapless.engine.pooling import pooling_spec
+from gapless.model import weight_files
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.generation_config import generation_defaults
 from gapless.model.quant import declared, formats
@@ -65,8 +66,10 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     mcfg = load_model_config(path)
     if path.is_dir():  # a GGUF file carries its weights and tokenizer
         weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
-        if not weights and cfg.load_format != "dummy":  # (dummy: random weights, none are read)
-            raise ValueError(f"{cfg.model!r} has no *.safetensors weights (nor is it a GGUF file)")
+        if cfg.load_format != "dummy":  # (dummy: random weights, none are read)
+            if not weights:
+                raise ValueError(f"{cfg.model!r} has no *.safetensors weights (nor is it a GGUF file)")
+            weight_files.check_whole(path)  # (headers only: a shard missing or cut short, an LFS pointer)
         tokenizer = Path(cfg.tokenizer) if cfg.tokenizer is not None else path
         if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
             raise ValueError(f"{tokenizer} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,13 @@ def _reader(path: str) -> Any:
 def _open(path: str, size: int, mtime_ns: int) -> Any:
     from gguf import GGUFReader  # memory-maps the file: opening it reads only the header
 
-    return GGUFReader(path)
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as e:  # (what gguf raises)
+        raise ValueError(
+            f"{path}: not a whole GGUF file ({size:,} bytes; gguf's reader: {e}): a copy or download cut "
+            "short?"
+        ) from None
 
 
 def metadata(path: str | Path) -> dict[str, Any]:

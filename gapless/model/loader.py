@@ -53,8 +53,8 @@ from gapless.model.quant.formats import QuantSpec
 from gapless.model.quant.fp8 import SCALE_NAMES, checkpoint_scale
 from gapless.model.quant.gguf_blocks import GGUFBlocks
 from gapless.model.quant.gguf_int4 import GGUFLayers
-from gapless.model.source import index_shards
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
+from gapless.model.weight_files import safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -94,17 +94,6 @@ def resolve_dtype(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    shards = index_shards(path)
-    if shards is not None:
-        return [path / n for n in shards]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    # Mistral's own format beside the Hugging Face one: the same weights under other names
-    return [f for f in files if not f.name.startswith("consolidated")] or files
 
 
 def gguf_kept(path: Path, device: torch.device) -> str:

@@ -31,19 +31,11 @@ from gapless.default_model.checkpoint import build_atomically, cache_dir
 from gapless.model.config import load_model_config
 from gapless.model.gguf import is_gguf_file, split_parts
 from gapless.model.gguf_vision import is_mmproj, mmproj_for
+from gapless.model.weight_files import LFS_HINT, index_shards, is_lfs_pointer
 
 # What a checkpoint needs from a Hugging Face repository (not its other weight formats, nor its GGUFs):
 # its configs and tokenizer first, then the weights its index names (`_weight_patterns`)
 HUB_META = ["*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"]
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-def index_shards(checkpoint: Path) -> list[str] | None:
-    """The safetensors files a checkpoint directory's index names, sorted; None where it has no index."""
-    index = checkpoint / SAFETENSORS_INDEX
-    if not index.is_file():
-        return None
-    return sorted(set(json.loads(index.read_text())["weight_map"].values()))
 
 
 def _weight_patterns(snapshot: Path) -> list[str]:
@@ -80,7 +72,8 @@ def _local(path: Path, *, tokenizer: bool = False) -> Path:
             )
         if is_gguf_file(path):
             return _first_part(path)
-        raise ModelSourceError(f"{path} is a file but not a GGUF file")
+        what = LFS_HINT if is_lfs_pointer(path) else "not a GGUF file"
+        raise ModelSourceError(f"{path} is a file but {what}")
     if (path / "config.json").is_file() or tokenizer:
         return path
     ggufs = [g for g in sorted(path.glob("*.gguf")) if not is_mmproj(g)]  # (a projector rides along)
@@ -239,7 +232,6 @@ def _gguf_tokenizer_dir(path: Path) -> Path:
     `GemmaTokenizer`) would rebuild its own normalizer and pre-tokenizer on loading it, not the file's
     (a byte-level vocabulary in a Gemma file then read each newline as another token).
     """
-    import json
 
     import transformers
 

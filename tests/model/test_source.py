@@ -147,7 +147,7 @@ def test_a_hub_download_fetches_the_weights_its_index_names(monkeypatch, tmp_pat
     (path / "model.safetensors.index.json").unlink()
     (path / "model-00001-of-00001.safetensors").rename(path / "model.safetensors")
     (path / "consolidated.safetensors").write_bytes(weights)
-    from gapless.model.loader import safetensors_files
+    from gapless.model.weight_files import safetensors_files
 
     assert safetensors_files(path) == [path / "model.safetensors"]
 
