@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from gapless.model.config import ModelConfig
+from gapless.model.weight_files import WeightFileError, check_safetensors
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -155,6 +156,10 @@ def _read_config(name: str, path: Path) -> dict:
         if not (path / f).is_file():
             extra = " (only safetensors adapters are read)" if f == WEIGHTS_FILE else ""
             raise LoRAError(f"LoRA adapter {name!r}: {path / f} is missing{extra}")
+    try:
+        check_safetensors(path / WEIGHTS_FILE)  # (cut short, or an LFS pointer: named, not a reader's error)
+    except WeightFileError as e:
+        raise LoRAError(f"LoRA adapter {name!r}: {e}") from None
     try:
         cfg = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -72,6 +72,11 @@ def test_refusals_name_what_is_wrong(llama, tmp_path, ckpt_factory):
         load_adapter("missing", missing, cfg, 64)
     with pytest.raises(LoRAError, match="is not a directory"):
         load_adapter("nowhere", tmp_path / "nowhere", cfg, 64)
+    short = _copy(path, tmp_path, "short")
+    weights = short / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    with pytest.raises(LoRAError, match=r"'short': .*adapter_model.safetensors is cut short: [\d,]+ bytes"):
+        load_adapter("short", short, cfg, 64)
     dora = _copy(path, tmp_path, "dora")
     _edit_config(dora, use_dora=True)
     with pytest.raises(LoRAError, match="DoRA"):
