@@ -106,7 +106,7 @@ class EngineConfig:
         "blocks of 64 (vLLM's in-flight 4-bit), rtn to int8 or int4 by round-to-nearest (RTN_NUM_BITS, "
         "RTN_GROUP_SIZE), experts_int8 a mixture's experts alone to int8; None: the checkpoint's "
         "own (config.json's quantization_config: fp8, compressed-tensors, awq, gptq, modelopt, "
-        "fbgemm_fp8, bitsandbytes; or hf_quant_config.json, quantize_config.json, quant_config.json), "
+        "fbgemm_fp8, bitsandbytes, quark; or hf_quant_config.json, quantize_config.json, quant_config.json), "
         "else float; the checkpoint's own name, or vLLM's or SGLang's kernel for it (awq_marlin, "
         "awq_triton, gptq_marlin, gptq_bitblas, moe_wna16, ipex, w8a8_fp8, w8a8_int8), runs the checkpoint "
         "as it is (w8a8_fp8 quantizes a float one as fp8), as gguf does a GGUF file. A format the device "

@@ -2,7 +2,7 @@
 
 - `model.layers.N.self_attn.k_scale` / `.v_scale`: FP8 checkpoints (`quant_method: fp8`, llm-compressor);
 - `model.layers.N.self_attn.k_proj.output_scale` / `v_proj.output_scale`: compressed-tensors'
-  `kv_cache_scheme` (per-tensor);
+  `kv_cache_scheme` (per-tensor), and AMD Quark's `kv_cache_group`;
 - `model.layers.N.self_attn.k_proj.k_scale` / `v_proj.v_scale`: NVIDIA ModelOpt;
 - `model.layers.N.self_attn.kv_scale`: the older single scale (AutoFP8), for both k and v.
 
@@ -20,7 +20,8 @@ import torch
 
 _NAME = re.compile(
     r"^model\.layers\.(\d+)\.self_attn\."
-    r"(?:(k|v|kv)_scale|([kv])_proj\.output_scale|([kv])_proj\.([kv])_scale|q_scale|prob_scale)$"
+    r"(?:(k|v|kv)_scale|([kv])_proj\.output_scale|([kv])_proj\.([kv])_scale|q_scale|prob_scale"
+    r"|q_proj\.output_scale|prob_output_scale)$"
 )
 
 

@@ -258,6 +258,16 @@ def _experts_int8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     return QuantSpec("experts_int8", "rtn", label, online=True, min_capability=(8, 0), rtn=(8, -1))
 
 
+def _quark(qcfg: dict[str, Any], online: bool) -> QuantSpec:
+    """AMD Quark's checkpoints: FP8 W8A8 (and its FP8 KV cache's scales), int8, int4 and MXFP4 weights
+    (`gapless.model.quant.quark_configs`)."""
+    from gapless.model.quant import quark_configs
+
+    if online:
+        raise _not_at_load("quark")
+    return quark_configs.spec(qcfg)
+
+
 # compressed-tensors' own `format` -> its parser (the quantization_config and its one config group)
 CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "float-quantized": _ct_float,
@@ -299,6 +309,7 @@ FORMATS: dict[str, Parser] = {
     "auto-round": _int4,
     "rtn": _rtn,
     "experts_int8": _experts_int8,
+    "quark": _quark,
 }
 # vLLM's `--quantization` names for its own kernels of a checkpoint's format: accepted for a checkpoint in
 # one of those formats, which then runs as it would without the flag

@@ -181,6 +181,10 @@ def int4_spec_from_config(qc: dict[str, Any] | None) -> Int4Spec | None:
         return Int4Spec("bitsandbytes", 8, -1, sym=True, packed=False)
     if method == AUTO_ROUND:
         return _auto_round(qc)
+    if method == "quark":
+        from gapless.model.quant import quark_configs
+
+        return quark_configs.int4_spec(qc)
     if method == "modelopt" and modelopt_algo(qc) in MODELOPT_NVFP4:
         inner = qc.get("quantization")
         group = (inner if isinstance(inner, dict) else qc).get("group_size", NVFP4_GROUP)

@@ -37,7 +37,11 @@ AutoRound, which writes GPTQ's or AWQ's) store them:
   scheme (Blackwell's tensor cores) unused, as int-quantized's int8 activations are.
 - **MXFP4** (compressed-tensors' `mxfp4-pack-quantized`): NVFP4's codes in `weight_packed`, `weight_scale`
   uint8 [N, K / 32], each an e8m0 power of two's biased exponent (`W = e2m1 * 2^(scale - 127)`), no
-  per-tensor scale; run as NVFP4 is, in groups of 32.
+  per-tensor scale; run as NVFP4 is, in groups of 32. AMD Quark's MXFP4: the same in `weight`.
+- **AMD Quark** (`quant_method: quark`, `gapless.model.quant.quark_configs`): int4 in AWQ's layout under
+  `weight`, `weight_scale`, `weight_zero_point` (the columns interleaved as AWQ's, or in order: `reorder`),
+  uint4 values with their zero points, or int4's two's complement values without (zero 8 once unsigned);
+  int8 as int-quantized's.
 
 Act-order (GPTQ's `desc_act: true`, compressed-tensors' `actorder: group`) puts each input in a group by
 its g_idx, not by its position: the unpacked form sorts q's columns by group (`act_order`), so the groups
@@ -55,7 +59,7 @@ import torch
 from gapless.model.quant.formats import QuantFormatError  # (every format's one error)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: nibble i of an int32 holds column AWQ_ORDER[i]
-METHODS = ("awq", "gptq", "compressed-tensors", "bitsandbytes", "modelopt")
+METHODS = ("awq", "gptq", "compressed-tensors", "bitsandbytes", "modelopt", "quark")
 TENSORS = {
     "awq": ("qweight", "qzeros", "scales"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),  # (g_idx: act-order's, `act_order`)
@@ -67,12 +71,14 @@ TENSORS = {
         "weight_g_idx",
     ),
     "bitsandbytes": ("weight", "SCB", "weight_format"),  # (8-bit; its 4-bit form: `gapless.model.quant.bnb`)
+    "quark": ("weight", "weight_scale", "weight_zero_point"),
 }
 UNPACKED_TENSORS = ("weight", "weight_scale", "weight_zero_point", "weight_g_idx")  # int-quantized's
 FP4_TENSORS = {  # (codes, block scales[, the per-tensor scale]) by (codebook, method)
     ("nvfp4", "modelopt"): ("weight", "weight_scale", "weight_scale_2"),
     ("nvfp4", "compressed-tensors"): ("weight_packed", "weight_scale", "weight_global_scale"),
     ("mxfp4", "compressed-tensors"): ("weight_packed", "weight_scale"),
+    ("mxfp4", "quark"): ("weight", "weight_scale"),
 }
 # FP4 e2m1's values by code: sign bit 3, magnitude bits 0-2
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -105,6 +111,8 @@ class Int4Spec:
     # the config quantizes the LM head too (GPTQModel's `lm_head`, AutoRound's `extra_config`): what a
     # `--load-format dummy` load makes of it (a checkpoint's load reads the head's own tensors)
     lm_head: bool = False
+    # Quark's int4: each int32's 8 columns interleaved as AWQ's (its `pack_method: reorder`), or in order
+    reorder: bool = True
 
     @property
     def label(self) -> str:
@@ -117,7 +125,11 @@ class Int4Spec:
         if self.codebook:
             return f"{self.method} {self.codebook} g{self.group_size}"
         group = "tensor" if self.per_tensor else "channel" if self.group_size < 0 else f"g{self.group_size}"
-        method = f"{self.method} int-quantized" if self.int_quantized else self.method
+        method = (
+            f"{self.method} int-quantized"
+            if self.method == "compressed-tensors" and not self.packed
+            else self.method
+        )
         return f"{method} w{self.bits}a16 {group}" + (" act-order" if self.act_order else "")
 
     @property
@@ -129,8 +141,8 @@ class Int4Spec:
 
     @property
     def int_quantized(self) -> bool:
-        """compressed-tensors' `int-quantized` layout (int8 `weight` and `weight_scale`)."""
-        return self.method == "compressed-tensors" and not self.packed
+        """compressed-tensors' `int-quantized` layout (int8 `weight` and `weight_scale`), or Quark's int8."""
+        return self.method in ("compressed-tensors", "quark") and not self.packed
 
     def group_for(self, k: int) -> int:
         return k if self.group_size < 0 else self.group_size
@@ -208,9 +220,11 @@ def whole_tensors(spec: Int4Spec) -> tuple[str, ...]:
     zero points where asymmetric and g_idx with act-order by group), so none it reads comes later."""
     if spec.producer:  # (AutoRound's GPTQ layout: no g_idx, or a trivial one after the rest)
         return tuple(t for t in spec.tensors if t != "g_idx")
-    if spec.method != "compressed-tensors" or spec.codebook:
+    if spec.method not in ("compressed-tensors", "quark") or spec.codebook:
         return spec.tensors
-    names = ["weight_packed", "weight_scale", "weight_shape"] if spec.packed else ["weight", "weight_scale"]
+    names = ["weight", "weight_scale"]
+    if spec.packed and spec.method == "compressed-tensors":
+        names = ["weight_packed", "weight_scale", "weight_shape"]
     return (
         *names,
         *(["weight_zero_point"] if not spec.sym else []),
@@ -223,7 +237,9 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
     module in errors."""
     if spec.codebook in FP4_CODEBOOKS:
         return _fp4(spec, parts, where)
-    need = spec.tensors[: 2 if spec.method in ("compressed-tensors", "bitsandbytes") else 3]  # (the rest
+    need = spec.tensors[
+        : 2 if spec.method in ("compressed-tensors", "bitsandbytes", "quark") else 3
+    ]  # (the rest
     missing = [n for n in need if n not in parts]  # optional)
     if missing:
         raise QuantFormatError(f"{where}: the {spec.method} checkpoint lacks {', '.join(missing)}")
@@ -241,6 +257,8 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
         zero = torch.full_like(scale, half)
         if not spec.sym and "weight_zero_point" in parts:
             zero = _per_row(parts["weight_zero_point"], q.shape[0]) + half
+    elif spec.method == "quark":
+        q, scale, zero = _quark_int4(spec, parts, where)
     elif spec.method == "awq":
         q = _awq_columns(parts["qweight"]).t()  # [K, N] -> [N, K]
         zero = _awq_columns(parts["qzeros"]).t().float()
@@ -273,6 +291,26 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
     if order is not None:
         q = q.index_select(1, order)
     return Unpacked(q.contiguous(), scale.contiguous(), zero.contiguous(), order)
+
+
+def _quark_int4(
+    spec: Int4Spec, parts: dict[str, torch.Tensor], where: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Quark int4 module's (q [N, K], scale, zero): per group, AWQ's layout (packed along the outputs);
+    per channel, `weight` [N, K / 8] packed along the inputs, `weight_scale` [N], `weight_zero_point` [N /
+    8]; each word's 8 values interleaved as AWQ's or in order; int4's two's complement values made
+    unsigned (zero 8), uint4's zero points read."""
+    columns = _awq_columns if spec.reorder else lambda p: unpack_int32(p, 4, dim=1)
+    channel = spec.group_size < 0
+    q = columns(parts["weight"]) if channel else columns(parts["weight"]).t()  # ([K, N] -> [N, K])
+    scale = parts["weight_scale"].float()
+    scale = scale.reshape(-1, 1) if channel else scale.t()
+    if spec.sym:
+        return q ^ 8, scale, torch.full_like(scale, 8.0)
+    if "weight_zero_point" not in parts:
+        raise QuantFormatError(f"{where}: the quark uint4 checkpoint lacks weight_zero_point")
+    zero = parts["weight_zero_point"]
+    return q, scale, (columns(zero.reshape(1, -1)).reshape(-1, 1) if channel else columns(zero).t()).float()
 
 
 def _fp4(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpacked:
