@@ -4,7 +4,8 @@ data: round to nearest) and by NVIDIA ModelOpt's configs (`mtq.quantize` over on
 `export_hf_checkpoint`), each saved as its tool saves it. Beside each, a float checkpoint holding the
 weights the tool itself says the file holds: compressed-tensors' `fake_quantize` of llm-compressor's
 quantized model; ModelOpt's own `NVFP4QTensor.dequantize` of its exported tensors (FP8: e4m3 times its
-per-tensor scale).
+per-tensor scale); AMD Quark's `LLMTemplate` schemes (`export_safetensors`), beside Quark's own fake
+quantization of each layer's weight.
 
 Both tools pin their own transformers (5.17 for llm-compressor 0.14), so the writing runs in a venv of
 its own, the reading in the project's:
@@ -18,6 +19,14 @@ its own, the reading in the project's:
         NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG
     PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py read /tmp/qw/out W4A16 W4A16_ASYM \
         W8A16 W8A8 W4A8 W4AFP8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 MXFP4A16 NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG
+
+Quark (amd-quark 0.13, in a venv of its own: `pip install torch==2.13.0 amd-quark==0.13 transformers
+safetensors`; `+kv` with its FP8 KV cache, whose scales `read` checks with `--kv-cache-dtype fp8`):
+
+    /tmp/qv/bin/python bench/experiments/quant_writers.py quark /tmp/qw/src /tmp/qw/quark fp8 fp8+kv \
+        ptpc_fp8 int8 uint4_wo_128 uint4_wo_128@order int4_wo_128 int4_wo_128@order \
+        uint4_wo_per_channel int4_wo_per_channel mxfp4
+    PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py read /tmp/qw/quark fp8 fp8+kv ...
 
 `read` loads each on the CPU's reference path (float32, `GAPLESS_INT4_KERNEL=triton`) and prints the
 largest difference between each quantized projection's weight as gapless holds it and the reference's
@@ -118,6 +127,46 @@ def llmcompressor(src: Path, out: Path, schemes: list[str]) -> None:
         print(f"{scheme}: {fmt}, {len(held)} projections")
 
 
+def quark(src: Path, out: Path, schemes: list[str]) -> None:
+    """AMD Quark's `LLMTemplate` schemes (a scheme name, `+kv`: with its FP8 KV cache), calibrated on one
+    batch of random tokens (a mixture's experts unfused first, as Quark prepares them), exported by
+    `export_safetensors` (real_quantized, its default `reorder` packing; a name ending `@order`:
+    `pack_method="order"`); the reference holds Quark's own fake quantization of each layer's weight (its
+    `weight_quantizer`)."""
+    import quark as amd_quark
+    import transformers
+    from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
+    from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"quark {amd_quark.__version__}, transformers {transformers.__version__}")
+    for name in schemes:
+        scheme, _, kv = name.removesuffix("@order").partition("+")
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+        config = LLMTemplate.get(model.config.model_type).get_config(
+            scheme=scheme, kv_cache_scheme="fp8" if kv else None
+        )
+        ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+        preprocess_for_quantization(model)  # (transformers 5's fused experts as one linear layer each)
+        model = ModelQuantizer(config).quantize_model(model, [ids])
+        held = {}
+        with torch.no_grad():
+            for module_name, m in model.named_modules():
+                quantizer = getattr(m, "weight_quantizer", None)
+                if quantizer is not None and hasattr(m, "weight"):
+                    held[f"{module_name}.weight"] = quantizer(m.weight).float().clone()
+            pack = "order" if name.endswith("@order") else "reorder"
+            export_safetensors(model, str(out / name), pack_method=pack)
+        AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(out / name))
+        _reference(src, out / f"{name}-reference", held)
+        qcfg = json.loads((out / name / "config.json").read_text())["quantization_config"]
+        weight = qcfg["global_quant_config"]["weight"]
+        print(
+            f"{name}: {weight['dtype']} {weight['qscheme']}, kv {qcfg['export']['kv_cache_group']}, "
+            f"{len(held)} projections"
+        )
+
+
 def _held(m: torch.nn.Module) -> torch.Tensor | None:
     """A loaded layer's weight as gapless holds it, float32 (int4/int8/NVFP4: dequantized; FP8: e4m3 times
     its scale, per tensor, row or block)."""
@@ -181,8 +230,18 @@ def read(out: Path, schemes: list[str]) -> None:
         print(
             f"{scheme}: {weights_held(model)[0]}; {count} projections, max |gapless - reference| {worst:.3g}"
         )
-        with LLM(str(qdir), device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False) as llm:
+        kv = "+kv" in scheme  # (Quark's FP8 KV cache: its k/v projections' output scales)
+        options = dict(device="cpu", dtype="float32", kv_cache_tokens=2048, overlap=False)
+        with LLM(str(qdir), kv_cache_dtype="fp8" if kv else "auto", **options) as llm:
             ours = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            if kv:
+                stored = load_file(str(qdir / "model.safetensors"))
+                want = [
+                    [stored[f"model.layers.{i}.self_attn.{p}_proj.output_scale"].item() for i in range(2)]
+                    for p in "kv"
+                ]
+                held = llm.engine.runner.kv_pool.scales.flatten(1).tolist()
+                print(f"{scheme}: fp8 KV cache scales {held}, the checkpoint's {want}: equal {held == want}")
         hf = AutoModelForCausalLM.from_pretrained(str(rdir), dtype=torch.float32).eval()
         notes = [check_greedy(o, hf_greedy(hf, p, 8), tol=1.0) for o, p in zip(ours, prompts)]
         print(f"{scheme}: greedy against transformers on the reference:", [n or "same" for n in notes])
@@ -192,8 +251,8 @@ if __name__ == "__main__":
     command, *args = sys.argv[1:]
     if command == "source":
         source(Path(args[0]), *args[1:])
-    elif command in ("llmcompressor", "modelopt"):
-        {"llmcompressor": llmcompressor, "modelopt": modelopt}[command](
+    elif command in ("llmcompressor", "modelopt", "quark"):
+        {"llmcompressor": llmcompressor, "modelopt": modelopt, "quark": quark}[command](
             Path(args[0]), Path(args[1]), args[2:]
         )
     else:
