@@ -16,8 +16,9 @@ from gapless.model.quant.fp8 import FP8_MAX, quantize_blocks, quantize_rows
 
 # block sizes come from `block` but for ModelOpt's, always [128, 128]; "fp8-tensor": `quant_method: fp8`
 # without blocks (vLLM's and AutoFP8's); "modelopt": its per-tensor FP8 said by `hf_quant_config.json`
-# alone (older exports), the other two in config.json; "fbgemm": `fbgemm_fp8`, per row, with transformers'
-# `input_scale_ub` beside each weight
+# alone (older exports), the others in config.json; "fbgemm": `fbgemm_fp8`, per row, with transformers'
+# `input_scale_ub` beside each weight; "ct-group": float scales per `block`'s [1, G] group; the MXFP8 ones
+# (compressed-tensors' `mxfp8-quantized`, ModelOpt's `MXFP8`): groups of 32, e8m0 scales
 LAYOUTS = (
     "fp8",
     "ct-tensor",
@@ -28,24 +29,35 @@ LAYOUTS = (
     "modelopt-channel",
     "modelopt-block",
     "fbgemm",
+    "ct-group",
+    "ct-mxfp8",
+    "modelopt-mxfp8",
 )
+# MXFP8's: e4m3 in groups of 32 inputs, each scale a power of two stored as its biased exponent (uint8)
+_MX = ("ct-mxfp8", "modelopt-mxfp8")
+MX_GROUP = 32
 _MODELOPT_ALGOS = {
     "modelopt": "FP8",
     "modelopt-channel": "FP8_PER_CHANNEL_PER_TOKEN",
     "modelopt-block": "FP8_PB_WO",
+    "modelopt-mxfp8": "MXFP8",
 }
 _STATIC = ("fp8-tensor", "modelopt")  # layouts whose checkpoints carry a static `input_scale`
 KV_SCALE = 0.05  # ModelOpt's layouts' KV-cache scale, each k_proj's `k_scale` and v_proj's `v_scale`
 _PROJ = re.compile(r"model\.layers\.\d+\..*\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.weight$")
 
 
-def _ct_config(strategy: str, block: tuple[int, int] | None) -> dict:
+def _ct_config(strategy: str, block: tuple[int, int] | None, mx: bool = False) -> dict:
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy}
-    weights |= {"group_size": None, "block_structure": list(block) if block else None}
+    group = block[1] if strategy == "group" and block else None
+    weights |= {"group_size": group, "block_structure": list(block) if block and not group else None}
     acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    if mx:  # (llm-compressor's MXFP8 preset: e8m0 scales, activations per group of 32)
+        weights["scale_dtype"] = "torch.uint8"
+        acts = {**acts, "strategy": "group", "group_size": MX_GROUP, "scale_dtype": "torch.uint8"}
     return {
         "quant_method": "compressed-tensors",
-        "format": "float-quantized",
+        "format": "mxfp8-quantized" if mx else "float-quantized",
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
         "ignore": ["lm_head"],
@@ -69,18 +81,29 @@ def quant_config(layout: str, block: tuple[int, int]) -> dict:
         kv = {"type": "float", "num_bits": 8, "dynamic": False, "strategy": "tensor"}
         algo = _MODELOPT_ALGOS[layout]
         return {"quant_method": "modelopt", "quant_algo": algo, "ignore": ["lm_head"], "kv_cache_scheme": kv}
+    if layout == "ct-mxfp8":
+        return _ct_config("group", (1, MX_GROUP), mx=True)
     strategy = layout.removeprefix("ct-")
-    return _ct_config(strategy, block if strategy == "block" else None)
+    return _ct_config(strategy, block if strategy in ("block", "group") else None)
 
 
 def _blocks(layout: str, block: tuple[int, int]) -> tuple[int, int] | None:
     """The weight block `layout` scales by (None: per tensor or per row)."""
-    return {"fp8": block, "ct-block": block, "modelopt-block": (128, 128)}.get(layout)
+    mx = (1, MX_GROUP)
+    blocks = {"fp8": block, "ct-block": block, "ct-group": block, "modelopt-block": (128, 128)}
+    return (blocks | {"ct-mxfp8": mx, "modelopt-mxfp8": mx}).get(layout)
 
 
 def _quantize(w: torch.Tensor, layout: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, its scale as the layout stores it)."""
     blocks = _blocks(layout, block)
+    if layout in _MX:  # each group's scale 2^(floor(log2 amax) - 8), e4m3's largest exponent being 8
+        n, k = w.shape
+        groups = w.float().view(n, k // MX_GROUP, MX_GROUP)
+        scale = torch.exp2(torch.floor(torch.log2(groups.abs().amax(-1).clamp_min(2**-100))) - 8)
+        scale = scale.clamp(2.0**-127, 2.0**127)
+        q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(n, k)
+        return q, scale
     if blocks is not None:
         q, scale = quantize_blocks(w, blocks)
         return q, scale[:, None, :, None] if layout == "modelopt-block" else scale  # ModelOpt's: 4-D
@@ -126,8 +149,11 @@ def write_fp8_checkpoint(
             q, scale = _quantize(w, layout, block)
             quantized[name] = q.contiguous()
             stored = scale.bfloat16() if layout == "ct-tensor" else scale.float()
+            if layout in _MX:  # (the biased exponent; the reference is made of the powers of two)
+                quantized[name[: -len("weight")] + scale_name] = (torch.log2(scale) + 127).to(torch.uint8)
             module = name[: -len("weight")]
-            quantized[module + scale_name] = stored.contiguous()
+            if layout not in _MX:
+                quantized[module + scale_name] = stored.contiguous()
             if layout in _STATIC:  # a calibrated activation scale, which gapless does not read
                 quantized[module + "input_scale"] = torch.tensor(0.02)
             if layout == "fbgemm":  # a bound on a token's activation scale, which gapless does not read

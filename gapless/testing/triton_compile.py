@@ -296,31 +296,32 @@ def _fp8() -> dict[str, Callable[[], object]]:
     def run(
         rows: int,
         dtype: torch.dtype,
-        block: bool,
+        block: bool | tuple[int, int],
         by: str = "launch",
         gated: str | None = None,
         norm: str | None = None,
         **settings: Any,
     ) -> object:
-        """One GEMM of `rows` rows, x as `by` says up to DECODE_ROWS rows (0 unless set: x rounded in the
-        loop), `fp8_kernel`'s `settings` (DECODE_ROWS, DECODE_TILES, GEMV_ROWS and SWAPPED_ROWS: 0, the
-        tiles, unless set, GEMV_TILES) set for it; `gated`: x a gated activation's input, `norm` (a norm
-        arithmetic): x an RMSNorm's input with a residual (the GEMV's)."""
-        n, k = 96, 256
-        w = torch.zeros(n, k).to(torch.float8_e4m3fn)
-        scale = torch.ones(1, 2) if block else torch.ones(n, 1)
+        """One GEMM of `rows` rows (scales per row; True: per [128, 128] block; or per `block`), x as `by`
+        says up to DECODE_ROWS rows (0 unless set: x rounded in the loop), `fp8_kernel`'s `settings`
+        (DECODE_ROWS, DECODE_TILES, GEMV_ROWS, SWAPPED_ROWS: 0, the tiles, unless set, GEMV_TILES) set for
+        it; `gated`: x a gated activation's input, `norm` (an arithmetic): x an RMSNorm's, and residual."""
+        n, k, w = 96, 256, torch.zeros(96, 256).to(torch.float8_e4m3fn)
+        rps, group = (128, 128) if block is True else block or (1, 0)
+        scale = torch.ones(-(-n // rps), k // group if group else 1)
         x, bias = torch.zeros(rows, k * (2 if gated else 1), dtype=dtype), torch.zeros(n, dtype=dtype)
         normed = PendingNorm(x, x.clone(), bias.new_zeros(k), 1e-6, norm, x.clone()) if norm else None
         settings = {"DECODE_ROWS": 0, "DECODE_X": by, "GEMV_ROWS": 0, "SWAPPED_ROWS": 0, **settings}
         with mock.patch.multiple(fp8_kernel, **settings):
-            block_args = (128, 128) if block else (1, 0)
-            return fp8_kernel.fp8_gemm(x, w, scale, *block_args, 128, bias, gated=gated, norm=normed)
+            return fp8_kernel.fp8_gemm(x, w, scale, rps, group, group or 128, bias, gated=gated, norm=normed)
 
+    mx = (1, 32)  # MXFP8's scales: a row's and 32 inputs'
+    scales = lambda block: "mxfp8" if block == mx else "block" if block else "channel"  # noqa: E731
     cases: dict[str, Callable[[], object]] = {
-        f"fp8 gemm {rows} rows {dtype} {'block' if block else 'channel'}": partial(run, rows, dtype, block)
+        f"fp8 gemm {rows} rows {dtype} {scales(block)}": partial(run, rows, dtype, block)
         for rows in (1, 40, 200)  # each tile shape (`fp8_kernel._tiles`)
         for dtype in DTYPES
-        for block in (False, True)
+        for block in (False, True, mx)
     }
     decode: dict[str, Any] = {"DECODE_ROWS": 128}  # x (`DECODE_X`): by a launch, by each program; fp16
     # the sweep's 64-row decode tiles (fp8's wgmma), the swapped tiles (W x^T, `SWAPPED_ROWS`)
@@ -335,11 +336,11 @@ def _fp8() -> dict[str, Callable[[], object]]:
         for tag, setting, value in wider:
             name = f"fp8 gemm 1 rows {dtype} channel, decode x {by}, {tag}"
             cases[name] = partial(run, 1, dtype, False, by, **{setting: value}, **decode)
-        # the GEMV on the CUDA cores (`GEMV_ROWS`), per-channel and block scales, two steps at once, and
-        # its loads through asynchronous copies three iterations deep
-        for unroll, stages, block in ((1, 1, False), (1, 1, True), (2, 1, False), (1, 3, False)):
-            tiles, scales = (64, 4, unroll, stages), "block" if block else "channel"
-            name = f"fp8 gemv 1 rows {dtype} {scales}, decode x {by}, unroll {unroll}, stages {stages}"
+        # the GEMV on the CUDA cores (`GEMV_ROWS`), per-channel, block and MXFP8's scales, two steps at
+        # once, and its loads through asynchronous copies three iterations deep
+        for unroll, stages, block in ((1, 1, False), (1, 1, True), (2, 1, False), (1, 3, False), (1, 1, mx)):
+            name = f"fp8 gemv 1 rows {dtype} {scales(block)}, decode x {by}, unroll {unroll}, stages {stages}"
+            tiles = (64, 4, unroll, stages)
             cases[name] = partial(run, 1, dtype, block, by, GEMV_ROWS=1, GEMV_TILES=tiles, **decode)
         if by != "launch":  # the GEMV making a gated activation's output as it loads x
             act = "silu" if by == "program" else "gelu_pytorch_tanh"

@@ -65,9 +65,9 @@ def test_a_modelopt_export_of_the_kv_cache_alone_loads_float_weights(ckpt_factor
     [
         (
             {"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"},
-            ["quant_algo 'W4A8_AWQ' is not run", "FP8_PB_WO, NVFP4"],
+            ["quant_algo 'W4A8_AWQ' is not run", "FP8_PB_WO, MXFP8, NVFP4"],
         ),
-        ({"quant_method": "modelopt", "quantization": {"quant_algo": "mxfp8"}}, ["'MXFP8'"]),
+        ({"quant_method": "modelopt", "quantization": {"quant_algo": "int8_sq"}}, ["'INT8_SQ'"]),
         ({"quant_method": "modelopt_fp4", "quant_algo": "NVFP4_AWQ"}, ["'NVFP4_AWQ' is not run"]),
     ],
 )

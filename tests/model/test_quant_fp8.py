@@ -59,6 +59,9 @@ CPU = torch.device("cpu")
         ("modelopt-channel", "modelopt fp8 e4m3 per-channel"),
         ("modelopt-block", "modelopt fp8 e4m3 block 128x128"),
         ("fbgemm", "fbgemm fp8 e4m3 per-channel"),
+        ("ct-group", "compressed-tensors fp8 e4m3 g128"),
+        ("ct-mxfp8", "compressed-tensors mxfp8 e4m3 g32"),
+        ("modelopt-mxfp8", "modelopt mxfp8 e4m3 g32"),
     ],
 )
 def test_each_layouts_config_names_its_format(layout, label):
@@ -82,9 +85,9 @@ def _one_line(excinfo, *words):
         ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, None, ["e5m2"]),
         ({"quant_method": "fp8", "weight_block_size": [128]}, None, ["weight_block_size=[128]"]),
         (
-            {"quant_method": "compressed-tensors", "format": "mxfp8-quantized"},  # (llm-compressor's MXFP8)
+            {"quant_method": "compressed-tensors", "format": "marlin-24"},  # (2:4 sparse int4)
             None,
-            ["'mxfp8-quantized'"],
+            ["'marlin-24'"],
         ),
         (
             {**quant_config("ct-channel", (1, 1)), "sparsity_config": {"format": "sparse-24"}},
@@ -158,6 +161,7 @@ def _tie_tolerance(device: str) -> float:
         ("fp8", (32, 32), "cpu"),
         ("ct-channel", None, "cpu"),
         ("ct-tensor", None, "cpu"),
+        ("ct-mxfp8", (1, 32), "cpu"),
         pytest.param("fp8", (32, 32), "cuda", marks=_CUDA, id="fp8-cuda"),
     ],
 )
@@ -266,6 +270,24 @@ def test_fused_experts_over_fp8_weights_equal_the_dequantized_reference():
     assert not torch.allclose(want, reference_experts(x, w13, w2, weights, ids), atol=1e-5)
 
 
+def test_fused_experts_over_fp8_weights_scaled_per_group_of_inputs_equal_the_dequantized_reference():
+    """A scale per row and group of inputs (MXFP8's layout: groups of 32; of 16 here, which divides these
+    experts' 32 and 48 inputs): each K step's product scaled by its group's scale."""
+    from gapless.model.moe import reference_experts
+    from gapless.model.moe_triton import fused_experts
+
+    x, (w13, w2), _, _, (weights, ids) = _fp8_experts(1)
+    (e, n13, h), n2, inter = w13.shape, w2.shape[1], w2.shape[2]
+    q13, s13 = quantize_blocks(w13.reshape(-1, h), (1, 16))
+    q2, s2 = quantize_blocks(w2.reshape(-1, inter), (1, 16))
+    scales = ((s13.view(e, n13, h // 16), 16), (s2.view(e, n2, inter // 16), 16))
+    held = (dequantize(q, s, 1, 16).view(w.shape) for q, s, w in ((q13, s13, w13), (q2, s2, w2)))
+    want = reference_experts(x, *held, weights, ids)
+    quantized = (q13.view(w13.shape), q2.view(w2.shape))
+    got = fused_experts(*_on_gpu(x, *quantized, weights, ids), scales=_on_gpu(*scales)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_fused_experts_over_fp8_weights_multiply_bf16_activations_in_fp16(monkeypatch):
     """Under bfloat16 activations the grouped GEMM multiplies e4m3 experts in float16 (one widening
     instruction a pair on sm_90, where bfloat16 takes a scalar conversion a value): the reference's
@@ -316,13 +338,13 @@ def _exact_activations(m: int, k: int, group: int, seed: int = 0) -> torch.Tenso
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
 )
 @pytest.mark.parametrize("rows", [3, 20])
-@pytest.mark.parametrize("block", [None, (32, 64)])
+@pytest.mark.parametrize("block", [None, (32, 64), (1, 32)])  # ((1, 32): MXFP8's groups)
 def test_triton_gemm_matches_the_reference_under_the_interpreter(rows, block):
     n, k = 48, 192
     w = torch.randn(n, k) * 0.05
     q, s = quantize_rows(w) if block is None else quantize_blocks(w, block)
     rps, group = (1, 0) if block is None else block
-    act = 64
+    act = activation_group(k, group)
     x, bias = _exact_activations(rows, k, act), torch.randn(n)
     y = fp8_gemm(x, q, s, rps, group, act, bias)
     ref = reference_linear(x, dequantize(q, s, rps, group), act, bias)
@@ -474,7 +496,8 @@ def test_the_swapped_tiles_give_the_references_result(monkeypatch, block):
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the next test runs the kernel"
 )
 @pytest.mark.parametrize(
-    "block, bn, unroll, stages", [(None, 16, 1, 3), ((16, 64), 16, 2, 1), ((16, 64), 32, 1, 2)]
+    "block, bn, unroll, stages",
+    [(None, 16, 1, 3), ((16, 64), 16, 2, 1), ((16, 64), 32, 1, 2), ((1, 32), 16, 1, 2)],
 )
 def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn, unroll, stages):
     """Up to `GEMV_ROWS` rows the GEMV on the CUDA cores runs instead of the tiles: per-channel scales
@@ -485,10 +508,11 @@ def test_the_gemv_gives_the_gemms_result(monkeypatch, block, bn, unroll, stages)
     fp16 (W8A16), x in fp16 times the dequantized weights."""
     from gapless.model.quant import fp8_kernel, split_k
 
-    n, k, act = 40, 150, 64  # (3 steps: with 3 rows of x, every tile's K split in 3)
+    n, k = 40, 150  # (3 steps of 64: with 3 rows of x, every tile's K split in 3)
     w = torch.randn(n, k) * 0.05
     q, s = quantize_rows(w) if block is None else quantize_blocks(w, block)
     rps, group = (1, 0) if block is None else block
+    act = activation_group(k, group) if group == 32 else 64
     wd = dequantize(q, s, rps, group)
     monkeypatch.setattr(fp8_kernel, "SPLIT_PROGRAMS", 64)
     monkeypatch.setattr(fp8_kernel, "GEMV_TILES", (bn, 4, unroll, stages))
@@ -552,6 +576,19 @@ def test_auto_rounds_x_in_the_gemvs_registers_and_by_a_launch_before_the_tiles(m
 
 
 @pytest.mark.slow  # (sm_90 compiles in a child process, ~10 s)
+@pytest.mark.slow  # (14 sm_90 compiles in a child process, ~10 s warm)
+def test_mxfp8_groups_compile_for_sm90():
+    """The GEMM (each tile shape, both dtypes) and the GEMV (x rounded each way, and fp16) with MXFP8's
+    scales, a row's and 32 inputs', compile for sm_90 (`gapless.testing.triton_compile`), none failing."""
+    from gapless.testing.triton_compile import compile_cases
+
+    built = compile_cases("fp8", "mxfp8")
+    if built is None:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    assert built.kernels == ["_fp8_gemm_kernel", "_fp8_gemv_kernel", "_fp8_quant_kernel"], built
+    assert built.compilations == 14 and not built.failed, built
+
+
 def test_the_swapped_tiles_multiply_e4m3_on_fp8s_wgmma_when_compiled():
     """Compiled for sm_90 (bf16, one row, x by a launch): the swapped tiles run fp8's own wgmma on both
     operands in e4m3 (`QGMMA ... E4M3.E4M3`) with nothing widened (a few `F2FP` for the output: 4 with
@@ -734,6 +771,9 @@ def _activations_rounded(hf, k_group):
         ("modelopt-channel", None, "cpu"),
         ("modelopt-block", (128, 128), "cpu"),
         ("fbgemm", None, "cpu"),
+        ("ct-group", (1, 16), "cpu"),
+        ("ct-mxfp8", (1, 32), "cpu"),
+        ("modelopt-mxfp8", (1, 32), "cpu"),
         ("online", None, "cpu"),
         pytest.param("online", None, "cuda", marks=_CUDA, id="online-None-cuda"),
     ],
@@ -790,7 +830,7 @@ def test_transformers_reads_the_tiny_fp8_checkpoint_as_we_do(ckpt_factory, tmp_p
             torch.testing.assert_close(w.float(), ours[name], rtol=2**-8, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("layout", ["fp8", "ct-tensor", "modelopt-block"])  # (ModelOpt's: 4-D, 128 x 128)
+@pytest.mark.parametrize("layout", ["fp8", "ct-tensor", "modelopt-block", "ct-mxfp8"])  # (ModelOpt's: 4-D)
 def test_tensor_parallel_ranks_hold_their_weights_scales(ckpt_factory, tmp_path, layout):
     """Built as rank r of 2, each fused and row-parallel layer holds the rows (or columns) of its weight
     and of its scales that rank 0 of 1 holds at the same places: scales are sharded with their weights.

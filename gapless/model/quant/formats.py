@@ -113,8 +113,9 @@ def _fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
 
 def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
     """compressed-tensors `float-quantized`: e4m3 weights with `weight_scale` per tensor, per output row
-    (`channel`) or per `block_structure` block; activations quantized per token at run time (a static
-    `input_scale` in the checkpoint is not used: see docs/models.md)."""
+    (`channel`), per `block_structure` block or per `group_size` inputs (`mxfp8-quantized`: MXFP8, groups
+    of 32 with e8m0 scales); activations quantized per token at run time (a static `input_scale` in the
+    checkpoint is not used: see docs/models.md)."""
     w = group.get("weights") or {}
     if (w.get("type"), w.get("num_bits")) != ("float", 8):
         raise QuantFormatError(
@@ -135,9 +136,18 @@ def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
             )
         label = f"{base} block {block[0]}x{block[1]}"
         return QuantSpec("compressed-tensors", "fp8", label, weight_block=(block[0], block[1]))
+    if strategy == "group":  # (a [1, G] block: MXFP8's, G = 32, its scales e8m0)
+        size = w.get("group_size")
+        if not isinstance(size, int) or size < 16 or size & (size - 1):
+            raise QuantFormatError(
+                f"quantization compressed-tensors: fp8 group_size={size!r} is not a power of two >= 16"
+            )
+        mx = qcfg.get("format") == "mxfp8-quantized"
+        label = f"compressed-tensors {'mxfp8 e4m3' if mx else 'fp8 e4m3'} g{size}"
+        return QuantSpec("compressed-tensors", "fp8", label, weight_block=(1, size))
     raise QuantFormatError(
         f"quantization compressed-tensors float-quantized: weight strategy {strategy!r} is not run "
-        "(tensor, channel, block)"
+        "(tensor, channel, block, group)"
     )
 
 
@@ -156,11 +166,12 @@ def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
     return QuantSpec(method, "int4", spec.label, min_capability=(8, 0), weight_only=spec)
 
 
-# ModelOpt's FP8 `quant_algo`s -> (how the label says its scales, the weight block they cover)
+# ModelOpt's FP8 `quant_algo`s -> (how the label says its weights, the weight block a scale covers)
 MODELOPT_FP8 = {
-    "FP8": ("per-tensor", None),
-    "FP8_PER_CHANNEL_PER_TOKEN": ("per-channel", None),
-    "FP8_PB_WO": ("block 128x128", (128, 128)),
+    "FP8": ("fp8 e4m3 per-tensor", None),
+    "FP8_PER_CHANNEL_PER_TOKEN": ("fp8 e4m3 per-channel", None),
+    "FP8_PB_WO": ("fp8 e4m3 block 128x128", (128, 128)),
+    "MXFP8": ("mxfp8 e4m3 g32", (1, 32)),  # (its scales e8m0: `fp8.mx_scale`)
 }
 
 
@@ -188,8 +199,8 @@ def _modelopt(qcfg: dict[str, Any], online: bool) -> QuantSpec:
     """NVIDIA ModelOpt's FP8 (`nvidia/*-FP8`): e4m3 weights and a `weight_scale` per tensor (`FP8`, its
     static `input_scale` not read), per output row (`FP8_PER_CHANNEL_PER_TOKEN`) or per [128, 128] block
     (`FP8_PB_WO`, stored [row blocks, 1, column blocks, 1]; its activations rounded as every FP8 layer's,
-    as vLLM runs it); NVFP4 (`nvidia/*-FP4`) on the weight-only path (`int4_layouts`). MXFP8 and the rest
-    are refused by name."""
+    as vLLM runs it) or per 32 inputs, a power of two (`MXFP8`: uint8 e8m0 scales); NVFP4 (`nvidia/*-FP4`)
+    on the weight-only path (`int4_layouts`). The rest are refused by name."""
     if online:
         raise _not_at_load("modelopt")
     algo = modelopt_algo(qcfg)
@@ -200,10 +211,8 @@ def _modelopt(qcfg: dict[str, Any], online: bool) -> QuantSpec:
         raise QuantFormatError(
             f"quantization modelopt: quant_algo {algo or None!r} is not run (runs: {runs})"
         )
-    scales, block = MODELOPT_FP8[algo]
-    return QuantSpec(
-        "modelopt", "fp8", f"modelopt fp8 e4m3 {scales}", weight_block=block, per_tensor=algo == "FP8"
-    )
+    weights, block = MODELOPT_FP8[algo]
+    return QuantSpec("modelopt", "fp8", f"modelopt {weights}", weight_block=block, per_tensor=algo == "FP8")
 
 
 def _fbgemm_fp8(qcfg: dict[str, Any], online: bool) -> QuantSpec:
@@ -271,6 +280,7 @@ def _quark(qcfg: dict[str, Any], online: bool) -> QuantSpec:
 # compressed-tensors' own `format` -> its parser (the quantization_config and its one config group)
 CT_FORMATS: dict[str, Callable[[dict[str, Any], dict[str, Any]], QuantSpec]] = {
     "float-quantized": _ct_float,
+    "mxfp8-quantized": _ct_float,  # (e4m3 in groups of 32, e8m0 scales: `fp8.mx_scale`)
     "pack-quantized": lambda qcfg, group: _int4(qcfg),
     "int-quantized": lambda qcfg, group: _int4(qcfg),  # (W8A8 INT8, run as w8a16: `int4_layouts`)
     "nvfp4-pack-quantized": lambda qcfg, group: _int4(qcfg),  # (NVFP4, run as w4a16: `int4_layouts`)

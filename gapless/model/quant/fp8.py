@@ -6,8 +6,11 @@ in e4m3 [N, K] and a float32 `weight_scale` [N / rows_per_scale, K / k_group], w
 - `quant_method: fp8` (Hugging Face's FineGrainedFP8, DeepSeek's and Qwen's `*-FP8` layout): a
   `weight_scale_inv` per [128, 128] block (the name notwithstanding, a multiplier);
 - compressed-tensors `float-quantized`: `weight_scale` per tensor ([1] or a scalar), per output row
-  ([N, 1]) or per `block_structure` block; `quant_method: fp8` without blocks (vLLM's and AutoFP8's)
-  and ModelOpt's FP8 alike (ModelOpt's blocks stored [N / 128, 1, K / 128, 1]: `checkpoint_scale`);
+  ([N, 1]), per `block_structure` block, or per group of inputs ([N, K / G]: a [1, G] block);
+  `quant_method: fp8` without blocks (vLLM's and AutoFP8's) and ModelOpt's FP8 alike (ModelOpt's blocks
+  stored [N / 128, 1, K / 128, 1]: `checkpoint_scale`);
+- MXFP8 (compressed-tensors' `mxfp8-quantized`, ModelOpt's `quant_algo: MXFP8`): groups of 32 inputs,
+  each scale an e8m0 power of two (uint8), made float32 as it loads (`mx_scale`);
 - `--quantization fp8` of a float checkpoint: each row quantized at load, its scale its largest |w| / 448.
 
 While loading, a scale's rows are expanded to one per weight row, so tensor parallelism and the fused
@@ -55,13 +58,27 @@ SCALE_NAMES = ("weight_scale_inv", "weight_scale")  # a checkpoint's weight scal
 
 def checkpoint_scale(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     """A checkpoint tensor under the name and shape its parameter loads it as: fp8's `weight_scale_inv` (a
-    multiplier, the name notwithstanding) as `weight_scale`, and ModelOpt's block scales [row blocks, 1,
-    column blocks, 1] as [row blocks, column blocks]; any other tensor as it is."""
+    multiplier, the name notwithstanding) as `weight_scale`, ModelOpt's block scales [row blocks, 1,
+    column blocks, 1] as [row blocks, column blocks], and MXFP8's e8m0 scales (uint8 biased exponents) as
+    the powers of two they are (`mx_scale`); any other tensor as it is."""
     if name.endswith(".weight_scale_inv"):
         name = name[: -len("_inv")]
     if name.endswith(".weight_scale") and tensor.dim() == 4 and tensor.shape[1] == tensor.shape[3] == 1:
         tensor = tensor[:, 0, :, 0]
+    if name.endswith(".weight_scale") and tensor.dtype in E8M0:
+        tensor = mx_scale(tensor)
     return name, tensor
+
+
+# an MX format's scale types: e8m0 as its bytes (how compressed-tensors and ModelOpt store it) or as torch's
+E8M0 = tuple(t for t in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if t is not None)
+
+
+def mx_scale(exponents: torch.Tensor) -> torch.Tensor:
+    """e8m0 scales (a power of two's exponent biased by 127; 255 is NaN, as the OCP MX format has it) as
+    float32."""
+    e = exponents.contiguous().view(torch.uint8).float()
+    return torch.where(e == 255, float("nan"), torch.exp2(e - 127))
 
 
 def activation_group(k: int, k_group: int) -> int:
