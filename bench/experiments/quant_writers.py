@@ -3,9 +3,9 @@
 data: round to nearest) and by NVIDIA ModelOpt's configs (`mtq.quantize` over one batch of random tokens,
 `export_hf_checkpoint`), each saved as its tool saves it. Beside each, a float checkpoint holding the
 weights the tool itself says the file holds: compressed-tensors' `fake_quantize` of llm-compressor's
-quantized model; ModelOpt's own `NVFP4QTensor.dequantize` of its exported tensors (FP8: e4m3 times its
-per-tensor scale); AMD Quark's `LLMTemplate` schemes (`export_safetensors`), beside Quark's own fake
-quantization of each layer's weight.
+quantized model; ModelOpt's own `NVFP4QTensor.dequantize` (`MXFP8QTensor.dequantize`) of its exported
+tensors (FP8: e4m3 times its per-tensor scale); AMD Quark's `LLMTemplate` schemes
+(`export_safetensors`), beside Quark's own fake quantization of each layer's weight.
 
 Both tools pin their own transformers (5.17 for llm-compressor 0.14), so the writing runs in a venv of
 its own, the reading in the project's:
@@ -14,9 +14,9 @@ its own, the reading in the project's:
         nvidia-modelopt==0.47.0
     PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py source /tmp/qw/src [qwen3_moe]
     /tmp/lcv/bin/python bench/experiments/quant_writers.py llmcompressor /tmp/qw/src /tmp/qw/out \
-        W4A16 W4A16_ASYM W8A16 W8A8 W4A8 W4AFP8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 MXFP4A16
+        W4A16 W4A16_ASYM W8A16 W8A8 W4A8 W4AFP8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 MXFP4A16 MXFP8 MXFP8A16
     /tmp/lcv/bin/python bench/experiments/quant_writers.py modelopt /tmp/qw/src /tmp/qw/out \
-        NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG
+        NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG MXFP8_DEFAULT_CFG
     PYTHONPATH=. .venv/bin/python bench/experiments/quant_writers.py read /tmp/qw/out W4A16 W4A16_ASYM \
         W8A16 W8A8 W4A8 W4AFP8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 MXFP4A16 NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG
 
@@ -67,7 +67,7 @@ def modelopt(src: Path, out: Path, configs: list[str]) -> None:
     import modelopt
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
-    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+    from modelopt.torch.quantization.qtensor import MXFP8QTensor, NVFP4QTensor
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"modelopt {modelopt.__version__}")
@@ -87,6 +87,8 @@ def modelopt(src: Path, out: Path, configs: list[str]) -> None:
                 packed = NVFP4QTensor(torch.Size([w.shape[0], 2 * w.shape[1]]), torch.float32, w)
                 scales = dict(scale=tensors[f"{k}_scale"], double_scale=tensors[f"{k}_scale_2"])
                 held[k] = packed.dequantize(torch.float32, block_sizes={-1: 16}, **scales).float()
+            elif tensors[f"{k}_scale"].dtype == torch.uint8:  # MXFP8: ModelOpt's own, its e8m0 scales
+                held[k] = MXFP8QTensor(w.shape, torch.float32, w).dequantize(scale=tensors[f"{k}_scale"])
             else:
                 held[k] = w.float() * tensors[f"{k}_scale"].float()
         _reference(src, out / f"{config}-reference", held)
