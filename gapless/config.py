@@ -108,10 +108,10 @@ class EngineConfig:
         "own (config.json's quantization_config: fp8, compressed-tensors, awq, gptq, modelopt, "
         "fbgemm_fp8, bitsandbytes, quark; or hf_quant_config.json, quantize_config.json, quant_config.json), "
         "else float; the checkpoint's own name, or vLLM's or SGLang's kernel for it (awq_marlin, "
-        "awq_triton, gptq_marlin, gptq_bitblas, moe_wna16, ipex, w8a8_fp8, w8a8_int8), runs the checkpoint "
-        "as it is (w8a8_fp8 quantizes a float one as fp8), as gguf does a GGUF file. A format the device "
-        "cannot run "
-        "is refused before any weight loads (gapless.model.quant.formats)",
+        "awq_triton, gptq_marlin, gptq_bitblas, moe_wna16, ipex, modelopt_fp4, modelopt_mxfp8, w8a8_fp8, "
+        "w8a8_int8), runs the checkpoint as it is (w8a8_fp8 quantizes a float one as fp8), as gguf does a "
+        "GGUF file. A format the device cannot run is refused before any weight loads "
+        "(gapless.model.quant.formats)",
     )
     load_format: str = option(
         "auto",

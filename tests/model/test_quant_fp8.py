@@ -67,6 +67,10 @@ CPU = torch.device("cpu")
 def test_each_layouts_config_names_its_format(layout, label):
     spec = formats.resolve(quant_config(layout, (128, 128)), None, "cpu")
     assert spec is not None and spec.scheme == "fp8" and spec.label == label
+    if layout == "modelopt-mxfp8":  # (vLLM's name of its kernel, as a flag and as some exports name it)
+        mx = quant_config(layout, (128, 128))
+        assert formats.resolve(mx, "modelopt_mxfp8", "cpu") == spec
+        assert formats.resolve({**mx, "quant_method": "modelopt_mxfp8"}, None, "cpu") == spec
     assert formats.resolve(None, "fp8", "cpu").online  # --quantization fp8 of a float checkpoint
     assert formats.resolve(None, None, "cpu") is None
 

@@ -186,7 +186,12 @@ def modelopt_algo(qcfg: dict[str, Any]) -> str:
 MODELOPT_NVFP4 = ("NVFP4", "W4A16_NVFP4")
 # other names a config's `quant_method` gives a format (vLLM's names of its kernels for ModelOpt's,
 # written into some exports' configs; Intel Neural Compressor's older one for AutoRound's)
-CONFIG_ALIASES = {"modelopt_fp4": "modelopt", "modelopt_fp8": "modelopt", "intel/auto-round": "auto-round"}
+CONFIG_ALIASES = {
+    "modelopt_fp4": "modelopt",
+    "modelopt_fp8": "modelopt",
+    "modelopt_mxfp8": "modelopt",
+    "intel/auto-round": "auto-round",
+}
 
 
 def config_method(qcfg: dict[str, Any]) -> str:
@@ -331,6 +336,7 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "moe_wna16": ("awq", "gptq"),
     "ipex": ("awq", "gptq"),  # (Intel's kernels for both on its CPUs and GPUs)
     "modelopt_fp4": ("modelopt",),
+    "modelopt_mxfp8": ("modelopt",),
     "inc": ("auto-round",),
 }
 
