@@ -11,6 +11,7 @@ e4m3 rounding is wrong, see `fp8_kernel`), and with real rounding on a GPU when 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import shutil
 
@@ -671,17 +672,18 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need sm_89+")
     dev = torch.device("cuda")
-    for rows in (1, 40, 300):
+    for rows, (br, bc) in itertools.product((1, 40, 300), ((128, 128), (1, 32))):  # ((1, 32): MXFP8's)
         w = torch.randn(512, 1024) * 0.05
-        q, s = quantize_blocks(w, (128, 128))
+        q, s = quantize_blocks(w, (br, bc))
         x = torch.randn(rows, 1024, dtype=torch.bfloat16)
-        args = (x.to(dev), q.to(dev), s.to(dev), 128, 128, 128, None)
+        args = (x.to(dev), q.to(dev), s.to(dev), br, bc, bc, None)
         y = fp8_gemm(*args)
-        ref = reference_linear(x.float(), dequantize(q, s, 128, 128), 128, None)
+        ref = reference_linear(x.float(), dequantize(q, s, br, bc), bc, None)
         # e4m3 roundings at a tie may differ; bf16 output: relative 2^-8
-        assert (y.float().cpu() - ref).abs().max() <= 0.02 * ref.abs().max()
+        assert (y.float().cpu() - ref).abs().max() <= 0.02 * ref.abs().max(), (rows, br, bc)
         # one row: K split over 8 programs a tile, added in a fixed order (the same bits every call)
         assert torch.equal(fp8_gemm(*args), y)
+    q, s = quantize_blocks(w, (128, 128))
     from gapless.model.quant import fp8_kernel, split_k
 
     # x rounded before the loop (`DECODE_ROWS`), by its own launch or by each program: the in-loop bits;
