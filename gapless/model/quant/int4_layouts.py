@@ -38,10 +38,10 @@ AutoRound, which writes GPTQ's or AWQ's) store them:
 - **MXFP4** (compressed-tensors' `mxfp4-pack-quantized`): NVFP4's codes in `weight_packed`, `weight_scale`
   uint8 [N, K / 32], each an e8m0 power of two's biased exponent (`W = e2m1 * 2^(scale - 127)`), no
   per-tensor scale; run as NVFP4 is, in groups of 32. AMD Quark's MXFP4: the same in `weight`.
-- **AMD Quark** (`quant_method: quark`, `gapless.model.quant.quark_configs`): int4 in AWQ's layout under
-  `weight`, `weight_scale`, `weight_zero_point` (the columns interleaved as AWQ's, or in order: `reorder`),
-  uint4 values with their zero points, or int4's two's complement values without (zero 8 once unsigned);
-  int8 as int-quantized's.
+- **AMD Quark** (`quant_method: quark`, `gapless.model.quant.quark_configs`): int4 per group in AWQ's
+  layout under `weight`, `weight_scale`, `weight_zero_point` (each word's values interleaved as AWQ's, or
+  in order: `reorder`), per channel packed along the inputs instead (`_quark_int4`); uint4 values with
+  their zero points, or int4's two's complement values (zero 8 once unsigned); int8 as int-quantized's.
 
 Act-order (GPTQ's `desc_act: true`, compressed-tensors' `actorder: group`) puts each input in a group by
 its g_idx, not by its position: the unpacked form sorts q's columns by group (`act_order`), so the groups
@@ -125,10 +125,8 @@ class Int4Spec:
         if self.codebook:
             return f"{self.method} {self.codebook} g{self.group_size}"
         group = "tensor" if self.per_tensor else "channel" if self.group_size < 0 else f"g{self.group_size}"
-        method = (
-            f"{self.method} int-quantized"
-            if self.method == "compressed-tensors" and not self.packed
-            else self.method
+        method = self.method + (
+            " int-quantized" if self.method == "compressed-tensors" and not self.packed else ""
         )
         return f"{method} w{self.bits}a16 {group}" + (" act-order" if self.act_order else "")
 
@@ -237,10 +235,8 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
     module in errors."""
     if spec.codebook in FP4_CODEBOOKS:
         return _fp4(spec, parts, where)
-    need = spec.tensors[
-        : 2 if spec.method in ("compressed-tensors", "bitsandbytes", "quark") else 3
-    ]  # (the rest
-    missing = [n for n in need if n not in parts]  # optional)
+    short = spec.method in ("compressed-tensors", "bitsandbytes", "quark")  # (their other tensors: optional)
+    missing = [n for n in spec.tensors[: 2 if short else 3] if n not in parts]
     if missing:
         raise QuantFormatError(f"{where}: the {spec.method} checkpoint lacks {', '.join(missing)}")
     half = float(1 << (spec.bits - 1))
