@@ -60,14 +60,15 @@ def _tensor(config: Any) -> dict[str, Any] | None:
     return {k: config.get(k) for k in _KEYS}
 
 
-def _layer_configs(qcfg: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """Each layer scheme the config holds, by where it is (global, a name pattern, a module type)."""
-    found = [("global_quant_config", qcfg.get("global_quant_config") or {})]
+def _layer_configs(qcfg: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """Each layer scheme the config holds: (where it is, for errors; the layers it names, a name pattern
+    or a module type, "" for the global one; the scheme)."""
+    found = [("global_quant_config", "", qcfg.get("global_quant_config") or {})]
     for key in ("layer_quant_config", "layer_type_quant_config"):
         entries = qcfg.get(key) or {}
         if not isinstance(entries, dict):
             raise _refuse(f"{key} is not a dict of layer schemes")
-        found += [(f"{key}[{name!r}]", cfg or {}) for name, cfg in entries.items()]
+        found += [(f"{key}[{name!r}]", str(name), cfg or {}) for name, cfg in entries.items()]
     return found
 
 
@@ -90,14 +91,13 @@ def _check_kv_cache(where: str, output: dict[str, Any] | None) -> None:
 def linear_scheme(qcfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(weight, input) of the one scheme every quantized linear layer runs, each cut to `_KEYS`; the KV
     cache's scheme checked. One line naming what is not run: layers in different schemes, quantized
-    outputs (other than the KV cache's) or biases, no layer quantized at all."""
+    outputs (other than the KV cache's) or biases, dynamic weights, no layer quantized at all."""
     kv_group = _kv_cache_group(qcfg)
     schemes: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {}
-    for where, cfg in _layer_configs(qcfg):
+    for where, name, cfg in _layer_configs(qcfg):
         if not isinstance(cfg, dict):
             raise _refuse(f"{where} is not a dict of tensor schemes")
         weight, output = _tensor(cfg.get("weight")), _tensor(cfg.get("output_tensors"))
-        name = where.split("[", 1)[-1].strip("]'\"")
         if any(fnmatch.fnmatchcase(name, p) for p in kv_group):
             _check_kv_cache(where, output)
             output = None
@@ -114,15 +114,16 @@ def linear_scheme(qcfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] 
             f"layers in {len(schemes)} schemes ({kinds})" if schemes else "no layer scheme quantizes weights"
         )
         raise _refuse(f"{what}; one scheme for every quantized layer is run")
-    return next(iter(schemes.values()))
+    weight, act = next(iter(schemes.values()))
+    if weight["is_dynamic"]:
+        raise _refuse(f"dynamic {weight['dtype']} weights are not run")
+    return weight, act
 
 
 def spec(qcfg: dict[str, Any]) -> QuantSpec:
     """The format a Quark checkpoint runs as (the module's docstring)."""
     weight, act = linear_scheme(qcfg)
     dtype, qscheme = weight["dtype"], weight["qscheme"]
-    if weight["is_dynamic"]:
-        raise _refuse(f"dynamic {dtype} weights are not run")
     if dtype == "fp8_e4m3":
         if qscheme not in ("per_tensor", "per_channel") or weight["ch_axis"] not in (None, 0):
             raise _refuse(f"fp8_e4m3 weights {qscheme} (ch_axis {weight['ch_axis']}) are not run")
@@ -131,21 +132,15 @@ def spec(qcfg: dict[str, Any]) -> QuantSpec:
             raise _refuse(f"fp8_e4m3 weights with {got} activations are not run (W8A8 fp8 only)")
         label = f"quark fp8 e4m3 {qscheme.replace('_', '-')}"
         return QuantSpec(QUARK, "fp8", label, per_tensor=qscheme == "per_tensor")
-    weight_only = int4_spec(qcfg, weight, act)
+    weight_only = int4_spec(qcfg)
     return QuantSpec(QUARK, "int4", weight_only.label, min_capability=(8, 0), weight_only=weight_only)
 
 
-def int4_spec(
-    qcfg: dict[str, Any],
-    weight: dict[str, Any] | None = None,
-    act: dict[str, Any] | None = None,
-) -> Int4Spec:
-    """A Quark checkpoint's int8, int4 or MXFP4 weights as the weight-only path reads them (`weight`,
-    `act`: its `linear_scheme`, read here when not given)."""
+def int4_spec(qcfg: dict[str, Any]) -> Int4Spec:
+    """A Quark checkpoint's int8, int4 or MXFP4 weights as the weight-only path reads them."""
     from gapless.model.quant.int4_configs import check_bits_group
 
-    if weight is None:
-        weight, act = linear_scheme(qcfg)
+    weight, act = linear_scheme(qcfg)
     dtype, qscheme = weight["dtype"], weight["qscheme"]
     if dtype == "fp4":
         if (qscheme, weight["group_size"], weight["scale_format"]) != ("per_group", MXFP4_GROUP, "e8m0"):
