@@ -65,7 +65,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
             )
     mcfg = load_model_config(path)
     if path.is_dir():  # a GGUF file carries its weights and tokenizer
-        weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
+        weights = (path / weight_files.SAFETENSORS_INDEX).is_file() or any(path.glob("*.safetensors"))
         if cfg.load_format != "dummy":  # (dummy: random weights, none are read)
             if not weights:
                 raise ValueError(f"{cfg.model!r} has no *.safetensors weights (nor is it a GGUF file)")

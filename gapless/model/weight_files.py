@@ -55,9 +55,9 @@ def check_whole(path: Path) -> None:
     """WeightFileError unless every file a load of checkpoint directory `path` reads is there and whole."""
     try:
         files = safetensors_files(path)
+    except FileNotFoundError as e:
+        raise WeightFileError(str(e)) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise WeightFileError(str(e)) from None
         raise WeightFileError(f"{path / SAFETENSORS_INDEX}: not a safetensors index ({e})") from None
     missing = [f.name for f in files if not f.is_file()]
     if missing:
@@ -73,13 +73,13 @@ def check_whole(path: Path) -> None:
 def check_safetensors(file: Path) -> None:
     """WeightFileError unless `file` is a whole safetensors file: an 8-byte length, a JSON header of that
     length, and exactly the bytes its tensors' offsets cover after it."""
+    if is_lfs_pointer(file):
+        raise WeightFileError(f"{file} is {LFS_HINT}")
     size = file.stat().st_size
     with file.open("rb") as f:
         head = f.read(8)
-        if head == LFS_POINTER[:8] and is_lfs_pointer(file):
-            raise WeightFileError(f"{file} is {LFS_HINT}")
-        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
-        if length is None or not 0 < length <= min(_HEADER_LIMIT, size - 8):
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        if not 0 < length <= min(_HEADER_LIMIT, size - 8):
             raise WeightFileError(f"{file}: not a safetensors file ({size:,} bytes, no header in them)")
         try:
             header = json.loads(f.read(length))
