@@ -57,7 +57,7 @@ def layout_label(layout: str, bits: int, group: int, sym: bool, act_order: bool 
     return spec.label
 
 
-def _awq_pack(v: torch.Tensor) -> torch.Tensor:
+def awq_pack(v: torch.Tensor) -> torch.Tensor:
     """[R, C] nibbles -> AWQ's [R, C / 8] int32s, nibble i of a word holding column AWQ_ORDER[i]."""
     return pack_int32(v.reshape(v.shape[0], -1, 8)[..., list(AWQ_ORDER)].reshape(v.shape), 4, dim=1)
 
@@ -72,8 +72,8 @@ def layout_tensors(w: Unpacked, layout: str, bits: int, group: int) -> dict[str,
     mask = (1 << bits) - 1
     if layout == "awq":
         return {
-            "qweight": _awq_pack(w.q.t()),
-            "qzeros": _awq_pack(w.zero.t().to(torch.int16)),
+            "qweight": awq_pack(w.q.t()),
+            "qzeros": awq_pack(w.zero.t().to(torch.int16)),
             "scales": w.scale.t().half().contiguous(),
         }
     # act-order: q's columns back in input order, each input's group in g_idx

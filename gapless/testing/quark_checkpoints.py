@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from gapless.model.quant.int4_layouts import AWQ_ORDER, pack_int32
+from gapless.model.quant.fp8 import quantize_rows
+from gapless.model.quant.int4_layouts import pack_int32
 from gapless.testing.nvfp4_checkpoints import quantized as fp4_quantized
-from gapless.testing.quant_checkpoints import quantize, write_pair
+from gapless.testing.quant_checkpoints import awq_pack, quantize, write_pair
 
 # `+kv`: with Quark's FP8 KV cache (the k/v projections' output scales); `@order`: `pack_method: order`
 SCHEMES = (
@@ -30,7 +31,6 @@ SCHEMES = (
     "mxfp4",
 )
 KV_SCALE = 0.0625  # each layer's k/v output scale (+kv)
-_FP8_MAX = 448.0
 
 
 def tensor_config(
@@ -66,10 +66,15 @@ def tensor_config(
     }
 
 
+def _base(scheme: str) -> str:
+    """A scheme's name without its `+kv` and `@order` (what its layers hold)."""
+    return scheme.split("+")[0].split("@")[0]
+
+
 def layer_config(scheme: str) -> dict[str, Any]:
     """`scheme`'s `global_quant_config`: its weight's and its activations' schemes."""
-    name = scheme.split("+")[0].split("@")[0]
     fp8 = tensor_config("fp8_e4m3", "per_tensor")
+    mx: dict[str, Any] = dict(group_size=32, ch_axis=-1, symmetric=None, scale_format="e8m0")
     weight, act = {
         "fp8": (fp8, fp8),
         "ptpc_fp8": (
@@ -85,18 +90,10 @@ def layer_config(scheme: str) -> dict[str, Any]:
         "uint4_wo_per_channel": (tensor_config("uint4", "per_channel", ch_axis=0, symmetric=False), None),
         "int4_wo_per_channel": (tensor_config("int4", "per_channel", ch_axis=0), None),
         "mxfp4": (
-            tensor_config("fp4", "per_group", group_size=32, ch_axis=-1, symmetric=None, scale_format="e8m0"),
-            tensor_config(
-                "fp4",
-                "per_group",
-                group_size=32,
-                ch_axis=-1,
-                symmetric=None,
-                dynamic=True,
-                scale_format="e8m0",
-            ),
+            tensor_config("fp4", "per_group", **mx),
+            tensor_config("fp4", "per_group", dynamic=True, **mx),
         ),
-    }[name]
+    }[_base(scheme)]
     return {
         "bias": None,
         "input_tensors": act,
@@ -136,20 +133,16 @@ def quantization_config(scheme: str) -> dict[str, Any]:
 
 def _pack(columns: torch.Tensor, reorder: bool) -> torch.Tensor:
     """[R, C] nibbles -> [R, C / 8] int32s along C, interleaved as AWQ's (`reorder`) or in order."""
-    if reorder:
-        columns = columns.reshape(columns.shape[0], -1, 8)[..., list(AWQ_ORDER)].reshape(columns.shape)
-    return pack_int32(columns, 4, dim=1)
+    return awq_pack(columns) if reorder else pack_int32(columns, 4, dim=1)
 
 
 def quantized(w: torch.Tensor, scheme: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`w` [N, K]'s tensors in `scheme` (by the suffix after the module's name) and the float32 weight they
     hold."""
-    name = scheme.split("+")[0].split("@")[0]
-    w = w.float()
-    if name in ("fp8", "ptpc_fp8"):
-        top = w.abs().amax(1, keepdim=True) if name == "ptpc_fp8" else w.abs().amax()
-        scale = top.clamp_min(1e-12) / _FP8_MAX
-        q = (w / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    name, w = _base(scheme), w.float()
+    if name in ("fp8", "ptpc_fp8"):  # (per tensor: the weight's elements as one row)
+        q, scale = quantize_rows(w if name == "ptpc_fp8" else w.reshape(1, -1))
+        q = q.view(w.shape)
         stored = {"weight": q, "weight_scale": scale.reshape(-1) if name == "ptpc_fp8" else scale.reshape(())}
         if name == "fp8":  # (a calibrated activation scale, which gapless does not read)
             stored["input_scale"] = torch.tensor(0.02)

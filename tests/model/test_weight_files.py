@@ -106,21 +106,11 @@ def test_the_header_check_agrees_with_safetensors_on_what_it_reads(ckpt):
 
 
 def test_what_transformers_writes_is_whole(tmp_path):
-    """One file, and shards with an index (`max_shard_size`), as `save_pretrained` writes them."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """One file, and shards with an index, as `save_pretrained` writes them (the test checkpoints' writer)."""
+    from gapless.testing.checkpoints import make_checkpoint
 
-    cfg = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=128,
-    )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(tmp_path / "one")
-    model.save_pretrained(tmp_path / "shards", max_shard_size="20KB")
-    assert len(list((tmp_path / "shards").glob("*.safetensors"))) > 2
-    check_whole(tmp_path / "one")
-    check_whole(tmp_path / "shards")
+    one = make_checkpoint(tmp_path / "one", "llama")
+    shards = make_checkpoint(tmp_path / "shards", "llama", shards=3)
+    assert len(list(shards.glob("*.safetensors"))) > 2 and (shards / "model.safetensors.index.json").is_file()
+    check_whole(one)
+    check_whole(shards)
