@@ -16,7 +16,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see gapless.attention.make_b
 FUSED_KERNELS = ("auto", "torch", "triton")  # see gapless.model.fused.use_fused_kernels
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
 # the KV cache's element types, by vLLM's names (gapless.memory.kv_pool.kv_cache_dtype): float8 e4m3's two
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+# and float8 e5m2's, each scaled per layer
+E4M3_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+FP8_KV_CACHE_DTYPES = (*E4M3_KV_CACHE_DTYPES, "fp8_e5m2")
 KV_CACHE_DTYPES = ("auto", "bfloat16", *FP8_KV_CACHE_DTYPES)
 # --load-format's values, vLLM's names (gapless.engine.preflight)
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf", "bitsandbytes")
@@ -97,7 +99,8 @@ class EngineConfig:
         "the KV cache's element type (vLLM's flag): auto: the checkpoint's own where its ModelOpt "
         "config names FP8 (as vLLM), else the model's dtype; bfloat16: the model's dtype, whatever the "
         "checkpoint says; fp8 or fp8_e4m3: float8 e4m3 with per-layer k/v scales from the checkpoint "
-        "(else 1.0), twice the tokens per byte",
+        "(else 1.0), twice the tokens per byte; fp8_e5m2: float8 e5m2, scaled the same way (wider range, "
+        "one mantissa bit fewer; any GPU, where e4m3 needs sm_89+)",
     )
     quantization: str | None = option(
         None,
@@ -406,8 +409,6 @@ class EngineConfig:
             raise bad("limit_mm_per_prompt", str(e)) from None
 
     def _check_kv_cache_dtype(self, bad: Any) -> None:
-        if self.kv_cache_dtype == "fp8_e5m2":
-            raise bad("kv_cache_dtype", "float8 e5m2 KV is not built; use fp8 (e4m3)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
 

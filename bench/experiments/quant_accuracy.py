@@ -16,8 +16,9 @@ level of each block of 64, double-quantized scales; 8-bit per row) likewise, on 
 (bitsandbytes' fused 4-bit kernel where it runs); and the int rows torch's CPU kernels take (4 or 8 bits
 in groups of 32-256 or per row) again on those kernels, the engine's default on the CPU, which round the
 activations, scales and zeros to bfloat16 (`GAPLESS_INT4_KERNEL=auto` against `triton`). The FP8 KV
-cache stores e4m3 keys and values with scales 1.0 (the checkpoint has none). lm-evaluation-harness's tasks
-need their datasets, which this machine cannot download: the perplexity stands in for them. `--only`
+caches store e4m3 (or e5m2) keys and values with scales 1.0 (the checkpoint has none).
+lm-evaluation-harness's tasks need their datasets, which this machine cannot download: the perplexity
+stands in for them. `--only`
 runs the rows whose label holds any of its words (the float32 reference always).
 """
 
@@ -69,6 +70,7 @@ def formats(work: Path) -> dict[str, tuple[Path, dict[str, object]]]:
         "float32": (base, {}),
         "fp8 per-channel (--quantization fp8)": (base, {"quantization": "fp8"}),
         "fp8 KV cache (float32 weights)": (base, {"kv_cache_dtype": "fp8"}),
+        "fp8_e5m2 KV cache (float32 weights)": (base, {"kv_cache_dtype": "fp8_e5m2"}),
     }
     for layout, label in (("fp8", "fp8 block 128x128"), ("ct-tensor", "compressed-tensors fp8 per-tensor")):
         rows[label] = (write_fp8_checkpoint(base, work / layout, layout)[0], {})

@@ -17,12 +17,12 @@ import torch
 
 from gapless.attention.base import AttentionBackend, AttentionMetadata
 from gapless.attention.torch_ref import TorchRefBackend
-from gapless.memory.kv_pool import FP8, quantize_fp8
+from gapless.memory.kv_pool import FP8_DTYPES, quantize_fp8
 
 # relative error bound of the output (max abs error / max abs reference): bf16/fp16 keep ~3 digits
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 # the batches checked: name -> (prefix lens, extend lens); a decode long enough for several splits
-# an fp8 probe's k scale (v: 0.75 of it): randn / scale stays inside e4m3's range (448)
+# an fp8 probe's k scale (v: 0.75 of it): randn / scale stays inside e4m3's range (448), and e5m2's
 _FP8_SCALE = torch.tensor([2.0**-5])
 CASES = {"extend": ([0, 5, 37], [4, 1, 9]), "image": ([0, 6], [12, 9]), "decode": ([1, 40, 700], [1, 1, 1])}
 # a case's flat token spans whose tokens see the span's last (`AttentionMetadata.q_limits`: Gemma 3's images)
@@ -59,7 +59,7 @@ class Probe:
 
     def kv_scales(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The k/v scales `batch` quantizes an fp8 cache with, as `forward` takes them; {} for another."""
-        if self.kv_dtype != FP8:
+        if self.kv_dtype not in FP8_DTYPES:
             return {}
         return {"k_scale": _FP8_SCALE.to(device), "v_scale": (_FP8_SCALE * 0.75).to(device)}
 
@@ -104,8 +104,10 @@ def batch(
         meta.q_limits = limits.to(device)
     to = lambda t: t.to(device=device, dtype=probe.dtype)  # noqa: E731
     scales = probe.kv_scales(torch.device("cpu"))
-    if scales:  # as the KV pool stores them: k / scale in e4m3
-        k8, v8 = quantize_fp8(k, scales["k_scale"]), quantize_fp8(v, scales["v_scale"])
+    if scales:  # as the KV pool stores them: k / scale in the fp8 type
+        assert probe.kv_dtype is not None
+        k8 = quantize_fp8(k, scales["k_scale"], probe.kv_dtype)
+        v8 = quantize_fp8(v, scales["v_scale"], probe.kv_dtype)
         return to(q), k8.to(device), v8.to(device), meta
     return to(q), to(k), to(v), meta
 

@@ -23,12 +23,12 @@ time, so the cache layout (page size, fragmentation, a prefix that ends mid-page
   one split a request, each KV page read once. `DecodeTuning` holds the knobs (keys per block, warps,
   stages, the split heuristic's targets) for `gapless.bench.kernels` to sweep.
 
-An fp8 (e4m3) KV cache (`--kv-cache-dtype fp8`) is read by the same kernels, compiled apart (`KV_FP8`, a
-constexpr: the bf16 kernels are unchanged): keys and values are widened to q's dtype as they are loaded,
-a half-precision q taken to float16 first (`clamped_fp16`: e4m3 widens to float16 exactly in one
-instruction a pair, to bfloat16 only through float16 on sm_90), the per-tensor k scale is folded into the
-score scale and the v scale applied to the output once, both read from device tensors (so CUDA graphs
-replay them as they are set, and nothing syncs).
+An fp8 KV cache (`--kv-cache-dtype fp8`: e4m3, or `fp8_e5m2`) is read by the same kernels, compiled apart
+(`KV_FP8`, a constexpr: the bf16 kernels are unchanged): keys and values are widened to q's dtype as they
+are loaded, a half-precision q taken to float16 first (`clamped_fp16`: e4m3 widens to float16 exactly in
+one instruction a pair, to bfloat16 only through float16 on sm_90; e5m2 is a float16's high byte), the
+per-tensor k scale is folded into the score scale and the v scale applied to the output once, both read
+from device tensors (so CUDA graphs replay them as they are set, and nothing syncs).
 
 Launchers read grid sizes from host ints (`max_extend_len`, `max_seq_len`, shapes) and never sync the
 device. Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale). Head dims need not be powers
@@ -60,7 +60,7 @@ import triton.language as tl
 
 from gapless import env, pdl
 from gapless.attention.base import AttentionMetadata
-from gapless.memory.kv_pool import FP8
+from gapless.memory.kv_pool import E5M2, FP8_DTYPES
 
 INTERPRET = env.TRITON_INTERPRET.get()
 
@@ -99,9 +99,10 @@ class DecodeTuning:
       (one mask for every block, the default). In the sm_90 binary, 64-key blocks at head dim 128: a
       loop body of 555 instructions instead of 611 over an fp8 cache, 359 instead of 457 over bf16, for
       more registers (148 against 143, 96 against 79): for the GPU sweep to weigh.
-    - `values_in_pairs`: over an fp8 cache on sm_89+, the values read as 16-bit pairs and widened by one
-      PTX conversion a pair before P @ V's layout change (`_e4m3_pairs_to_fp16`), instead of the e4m3
-      tile Triton reads from shared memory a byte at a time. In the sm_90 binary: a loop body of 453
+    - `values_in_pairs`: over an e4m3 cache on sm_89+, the values read as 16-bit pairs and widened by one
+      PTX conversion a pair before P @ V's layout change (`_fp8_pairs_to_fp16`), instead of the e4m3
+      tile Triton reads from shared memory a byte at a time (over an e5m2 cache, on any GPU, the pairs
+      are widened by integer shifts). In the sm_90 binary: a loop body of 453
       instructions and 105 registers instead of 611 and 143 (397 and 124 with `whole_blocks`). Elsewhere
       (another cache, an older GPU) it changes nothing; under the interpreter the same pairs are widened
       by Triton's conversions. None (the default): on with blocks of 64 keys or more. On an H200 at batch
@@ -239,18 +240,25 @@ def clamped_fp16(x):
 
 
 @triton.jit
-def _e4m3_pairs_to_fp16(w, ASM: tl.constexpr):
-    """Each uint16 of `w` (two e4m3 values, the first in its low byte) as its two values in float16,
-    exactly: (first, second). ASM: one PTX conversion a pair (sm_89+), opaque to Triton, so the layout
-    change P @ V needs happens on the float16 values (`ldmatrix` transposes 16-bit elements; e4m3 ones
-    it would read a byte at a time); else Triton's own conversions (the interpreter's path)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
+def _fp8_pairs_to_fp16(w, HOW: tl.constexpr):
+    """Each uint16 of `w` (two fp8 values, the first in its low byte) as its two values in float16,
+    exactly: (first, second). HOW 2: e4m3 by one PTX conversion a pair (sm_89+), opaque to Triton, so the
+    layout change P @ V needs happens on the float16 values (`ldmatrix` transposes 16-bit elements; fp8
+    ones it would read a byte at a time); 3: e4m3 by Triton's own conversions (the interpreter's path); 4:
+    e5m2, whose byte is a float16's high byte, by integer masks and shifts (every target)."""
+    # (constexpr branches, no early return: Triton compiles what follows a return, e4m3 included, which
+    # targets before sm_89 lack)
+    if HOW == 4:
+        first = ((w & 0xFF) << 8).to(tl.uint16).to(tl.float16, bitcast=True)
+        second = (w & 0xFF00).to(tl.uint16).to(tl.float16, bitcast=True)
+    elif HOW == 2:
+        first, second = tl.inline_asm_elementwise(
             "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }", "=h,=h,h", [w],
             dtype=(tl.float16, tl.float16), is_pure=False, pack=1,
         )  # fmt: skip
-    first = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    second = (w >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        first = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        second = (w >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return first, second
 
 
@@ -301,8 +309,8 @@ def _scores(
     the factor `alpha` [M] the accumulator is rescaled by. SOFTCAP: scores s * scale become
     cap * tanh(s * scale / cap) (`cap_in` = scale / cap, `cap_out` = cap * log2(e)) before the mask, as
     Gemma 2 caps them. MASK False: every query sees every key of the block (`visible` unused). KV_FP8
-    (nonzero): e4m3 keys, widened to q's dtype here (the k scale is folded into `scale_log2`/`cap_in` by
-    the callers)."""
+    (nonzero): fp8 keys (e4m3 or e5m2), widened to q's dtype here (the k scale is folded into
+    `scale_log2`/`cap_in` by the callers)."""
     if KV_FP8:
         k = k.to(q.dtype)
     # the dot's variants are spelt out, not a helper each: nested @jit calls are slow under the interpreter
@@ -331,10 +339,10 @@ def _add_values(
     p, v, alpha, acc, q, IEEE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """The online softmax's second half: `acc` rescaled by `alpha` plus P @ V, for `_load_values`'s `v`
-    (an fp8 cache's widened to q's dtype here, with KV_FP8 2 and 3 from pairs, a pair at once:
-    `_e4m3_pairs_to_fp16`, 2 by PTX, 3 by Triton's conversions; its v scale is the callers')."""
+    (an fp8 cache's widened to q's dtype here, with KV_FP8 2-4 from pairs, a pair at once:
+    `_fp8_pairs_to_fp16`; its v scale is the callers')."""
     if KV_FP8 >= 2:
-        lo, hi = _e4m3_pairs_to_fp16(v, KV_FP8 == 2)
+        lo, hi = _fp8_pairs_to_fp16(v, KV_FP8)
         p, v = p.to(q.dtype), tl.reshape(tl.join(lo, hi), (p.shape[1], q.shape[1])).to(q.dtype)
     elif KV_FP8:  # P @ V in q's dtype, the values widened to it
         p, v = p.to(q.dtype), v.to(q.dtype)
@@ -759,16 +767,18 @@ def _dot_flags(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, int]:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"attention kernels take fp32, bf16 or fp16, not {dtype}")
     upcast = INTERPRET and dtype == torch.bfloat16
-    return {"IEEE": dtype == torch.float32 or upcast, "UPCAST": upcast, "KV_FP8": int(kv_dtype == FP8)}
+    return {"IEEE": dtype == torch.float32 or upcast, "UPCAST": upcast, "KV_FP8": int(kv_dtype in FP8_DTYPES)}
 
 
 def _values_in_pairs(v_cache: torch.Tensor) -> int:
-    """The decode kernel's KV_FP8 for `DecodeTuning.values_in_pairs` over this fp8 value cache: 2 (PTX's
-    pairwise conversion) on sm_89+ or for the sm_90 compile harness (CPU tensors, no interpreter), 3
-    (Triton's conversions) under the interpreter; 1 (as without it) where the PTX instruction is missing
-    or the pairs would not be whole 16-bit words."""
+    """The decode kernel's KV_FP8 for `DecodeTuning.values_in_pairs` over this fp8 value cache: for e5m2, 4
+    (integer shifts, every target); for e4m3, 2 (PTX's pairwise conversion) on sm_89+ or for the sm_90
+    compile harness (CPU tensors, no interpreter), 3 (Triton's conversions) under the interpreter; 1 (as
+    without it) where the PTX instruction is missing or the pairs would not be whole 16-bit words."""
     if v_cache.stride(0) % 2 or v_cache.stride(1) % 2 or v_cache.data_ptr() % 2:
         return 1
+    if v_cache.dtype == E5M2:
+        return 4
     if INTERPRET:
         return 3
     if v_cache.is_cuda and torch.cuda.get_device_capability(v_cache.device) < (8, 9):
@@ -782,7 +792,7 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scales: KVScaleArgs) -> None:
-    if k_cache.dtype == FP8 and v_cache.dtype == FP8:
+    if k_cache.dtype in FP8_DTYPES and v_cache.dtype == k_cache.dtype:
         k_scale, v_scale = scales
         if k_scale is None or v_scale is None:
             raise ValueError("an fp8 KV cache needs its k_scale and v_scale")
@@ -792,7 +802,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scales
             raise ValueError(f"k_scale and v_scale must be one fp32 element each on {q.device}")
     elif q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
         raise TypeError(
-            f"q, k_cache and v_cache must share a dtype (or the caches be fp8 e4m3), got "
+            f"q, k_cache and v_cache must share a dtype (or the caches both be fp8 e4m3 or e5m2), got "
             f"{q.dtype}/{k_cache.dtype}/{v_cache.dtype}"
         )
     if q.shape[2] != k_cache.shape[2] or k_cache.shape != v_cache.shape:

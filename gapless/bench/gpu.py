@@ -43,6 +43,8 @@ from gapless.bench.gpu_report import RUNS, derive, format_report, pct, ratios
 from gapless.bench.runs import run_gapless, run_transformers
 from gapless.bench.timing import copy_tb_s
 from gapless.bench.workload import Workload, random_workload
+from gapless.config import FP8_KV_CACHE_DTYPES
+from gapless.memory.kv_pool import FP8_NAMES, kv_cache_dtype
 
 # nano-vllm's bench.py: 256 seqs, input and output lengths uniform in [100, 1024].
 NANO_VLLM: dict[str, int] = dict(num_seqs=256, min_input=100, max_input=1024, min_output=100, max_output=1024)
@@ -93,8 +95,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=("auto", "fp8", "fp8_e4m3"),
-        help="the KV cache's dtype in both gapless runs (the engine's option): auto, the model's; fp8, e4m3",
+        choices=("auto", *FP8_KV_CACHE_DTYPES),
+        help="the KV cache's dtype in both gapless runs (the engine's option): auto, the model's; fp8, e4m3; "
+        "fp8_e5m2, e5m2",
     )
     cli.add_engine_option_arg(
         g,
@@ -263,7 +266,8 @@ class _Bench:
             self.info["kv_bytes_per_token"] //= torch.empty(
                 0, dtype=getattr(torch, args.dtype)
             ).element_size()
-        self.info["kv_cache_dtype"] = "fp8_e4m3" if args.kv_cache_dtype != "auto" else args.dtype
+        kv_dtype = kv_cache_dtype(args.kv_cache_dtype, getattr(torch, args.dtype))
+        self.info["kv_cache_dtype"] = FP8_NAMES.get(kv_dtype, args.dtype)
         cli.progress(
             f"model at {self.path} (built in {build_s:.1f} s): {self.info['params'] / 1e6:.0f}M params"
         )

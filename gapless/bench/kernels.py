@@ -14,8 +14,8 @@
    (default Qwen3-0.6B's: hidden 1024, 16 heads, 8 kv heads, head dim 128, intermediate 3072): median
    microseconds of each and the ratio.
 2. Decode attention (`gapless.bench.kernels_attention`; `--attention`, default the Triton backend on CUDA,
-   torch elsewhere) for each batch of `--batch`, context, page size and KV dtype (`--kv-cache-dtype`: fp8
-   reads 1 byte an element), and with Triton for each decode kernel variant (every combination of
+   torch elsewhere) for each batch of `--batch`, context, page size and KV dtype (`--kv-cache-dtype`: fp8 and
+   fp8_e5m2 read 1 byte an element), and with Triton for each decode kernel variant (every combination of
    `--decode-block-n` (0: the default), `--decode-warps`, `--decode-stages`, `--decode-programs-per-sm`,
    the split heuristic's target (the row shows the split count it chose), `--decode-heads-first`, the
    grid's order, `--decode-whole-blocks`, the unmasked loop over whole key blocks, and
@@ -229,7 +229,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=cli.positive_int, nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--page-size", type=cli.positive_int, nargs="+", default=[1, 16])
     p.add_argument(
-        "--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"], help="decode's KV"
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "fp8", "fp8_e5m2"],
+        help="decode's KV",
     )
     tune = "decode kernel variants to time, every combination (Triton backend)"
     p.add_argument("--decode-block-n", type=int, nargs="+", default=[0], help=f"{tune}; 0: its default")

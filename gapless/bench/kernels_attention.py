@@ -15,7 +15,7 @@ import torch
 from gapless.attention import make_backend
 from gapless.attention.base import AttentionMetadata
 from gapless.bench.timing import cold_copies, copy_tb_s, cycling, median_us
-from gapless.memory.kv_pool import FP8, kv_cache_dtype
+from gapless.memory.kv_pool import FP8_DTYPES, kv_cache_dtype
 
 
 def decode_metadata(batch: int, context: int, page_size: int, device: torch.device) -> AttentionMetadata:
@@ -191,7 +191,7 @@ def extend_metadata(tokens: int, req_len: int, device: torch.device) -> Attentio
 def _cache_scales(kv_dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """An fp8 cache's k and v scales (1: its values are randn, as the others'); none for another cache."""
     one = torch.ones(1, device=device)
-    return {"k_scale": one, "v_scale": one} if kv_dtype == FP8 else {}
+    return {"k_scale": one, "v_scale": one} if kv_dtype in FP8_DTYPES else {}
 
 
 def extend_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:

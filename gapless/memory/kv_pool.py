@@ -1,9 +1,9 @@
 """The physical KV cache: per layer, one K and one V tensor indexed directly by slot id.
 
-The cache holds the model's dtype, or float8 e4m3 (`--kv-cache-dtype fp8`, as vLLM's): then each layer
-has a per-tensor k and v scale (fp32 device tensors, 1.0 unless the checkpoint brings them), the store
-writes `saturate(x / scale)` in e4m3 and every reader multiplies back by the scale. One byte an element,
-so the same memory holds twice the tokens of bf16.
+The cache holds the model's dtype, or float8 (`--kv-cache-dtype fp8`/`fp8_e4m3`: e4m3, or `fp8_e5m2`:
+e5m2, as vLLM's): then each layer has a per-tensor k and v scale (fp32 device tensors, 1.0 unless the
+checkpoint brings them), the store writes `saturate(x / scale)` in the fp8 type and every reader multiplies
+back by the scale. One byte an element, so the same memory holds twice the tokens of bf16.
 """
 
 from __future__ import annotations
@@ -13,31 +13,42 @@ from typing import Protocol
 
 import torch
 
-from gapless.config import FP8_KV_CACHE_DTYPES
+from gapless.config import E4M3_KV_CACHE_DTYPES
 
 FP8 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_DTYPES = (FP8, E5M2)  # the fp8 caches' element types
+FP8_NAMES = {FP8: "fp8_e4m3", E5M2: "fp8_e5m2"}  # how the start-up line and the benchmarks name them
 FP8_MAX = 448.0  # e4m3's largest finite value: the store saturates there
+E5M2_MAX = 57344.0  # e5m2's
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, checkpoint: str | None = None) -> torch.dtype:
     """The KV pool's dtype for `--kv-cache-dtype` `name` (vLLM's names): "auto" is the checkpoint's own
     KV format where it names one (`checkpoint`: `declared.checkpoint_kv_cache`, ModelOpt's FP8), else the
     model's dtype; "bfloat16" (vLLM's name for an unquantized cache, whatever the checkpoint says) the
-    model's dtype; "fp8"/"fp8_e4m3" float8 e4m3; anything else is refused by name."""
+    model's dtype; "fp8"/"fp8_e4m3" float8 e4m3; "fp8_e5m2" float8 e5m2; anything else is refused by name."""
     if name == "auto" and checkpoint is not None:
         name = checkpoint
     if name in ("auto", "bfloat16"):
         return model_dtype
-    if name in FP8_KV_CACHE_DTYPES:
+    if name in E4M3_KV_CACHE_DTYPES:
         return FP8
     if name == "fp8_e5m2":
-        raise ValueError("kv_cache_dtype='fp8_e5m2': float8 e5m2 KV is not built; use fp8 (e4m3)")
-    raise ValueError(f"kv_cache_dtype={name!r}: must be auto, bfloat16, fp8 or fp8_e4m3")
+        return E5M2
+    raise ValueError(f"kv_cache_dtype={name!r}: must be auto, bfloat16, fp8, fp8_e4m3 or fp8_e5m2")
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x / scale` (in fp32), saturated to e4m3's range and rounded to nearest even, as e4m3."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an fp8 cache's element type: where its store saturates."""
+    return FP8_MAX if dtype == FP8 else E5M2_MAX
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
+    """`x / scale` (in fp32), saturated to `dtype`'s range and rounded to nearest even, as `dtype` (e4m3 or
+    e5m2)."""
+    top = fp8_max(dtype)
+    return (x.float() / scale).clamp_(-top, top).to(dtype)
 
 
 class AttentionShape(Protocol):
@@ -118,8 +129,8 @@ class KVPool:
 
     @property
     def quantized(self) -> bool:
-        """Whether the pool stores fp8 (scaled) rather than the model's dtype."""
-        return self.dtype == FP8
+        """Whether the pool stores fp8 (scaled: e4m3 or e5m2) rather than the model's dtype."""
+        return self.dtype in FP8_DTYPES
 
     def set_scales(self, k_scales: Sequence[float], v_scales: Sequence[float]) -> None:
         """Each layer's k and v dequantization scale (positive and finite), copied in place."""
@@ -141,7 +152,7 @@ class KVPool:
     def summary(self) -> str:
         """The pool's element type and bytes per token (all layers, K and V), for the start-up lines:
         "fp8_e4m3, 57344 B/token"."""
-        name = "fp8_e4m3" if self.quantized else str(self.dtype).removeprefix("torch.")
+        name = FP8_NAMES.get(self.dtype) or str(self.dtype).removeprefix("torch.")
         per_token = self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
         return f"{name}, {per_token} B/token"
 
@@ -162,6 +173,7 @@ class KVPool:
             self.v[layer].index_copy_(0, slots, v.to(self.dtype))
             return
         # through uint8 views: torch has no fp8 index_copy on CPU; the bytes are the same
-        k8, v8 = quantize_fp8(k, self.k_scale[layer]), quantize_fp8(v, self.v_scale[layer])
+        k8 = quantize_fp8(k, self.k_scale[layer], self.dtype)
+        v8 = quantize_fp8(v, self.v_scale[layer], self.dtype)
         self.k[layer].view(torch.uint8).index_copy_(0, slots, k8.view(torch.uint8))
         self.v[layer].view(torch.uint8).index_copy_(0, slots, v8.view(torch.uint8))

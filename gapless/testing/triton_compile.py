@@ -12,7 +12,7 @@ What it launches: the start-up self-checks' own probes. Attention (`gapless.atte
 extend batch, and a decode batch split over several programs, in one, with its whole key blocks unmasked,
 with an fp8 cache's values read a byte at a time, not in pairs, and pipelined 5 stages deep) in fp32,
 bf16 and fp16, with and without a sliding window and soft-capping, at head dims 64 and 128, and over an
-fp8 (e4m3) cache (bf16 and fp16 queries); the fused model kernels (`gapless.model.fused.disagreement`) on
+fp8 cache, e4m3 or e5m2 (bf16, fp16 queries); the fused model kernels (`gapless.model.fused.disagreement`) on
 the tiny models of families whose kernels differ (RMSNorm arithmetic, q/k norms, activations) in bf16 and
 fp16; the sampling kernels (`gapless.sampling.fused`); the MoE grouped GEMM (float, e4m3 and int4/int8
 experts); the FP8 GEMM; the int4/int8 weight-only GEMM; the LoRA kernels. Exit status 1, naming each
@@ -146,12 +146,12 @@ def _attention() -> dict[str, Callable[[], object]]:
         for head_dim in (64, 128)
         for window, softcap in ((None, None), (24, 30.0))
     ]
-    fp8 = torch.float8_e4m3fn  # an fp8 KV cache under bf16 and fp16 queries, plain and windowed + capped
-    probes += [
-        selfcheck.Probe(8, 2, 64, torch.bfloat16, kv_dtype=fp8),
-        selfcheck.Probe(8, 2, 128, torch.bfloat16, 24, 30.0, fp8),
-        selfcheck.Probe(8, 2, 128, torch.float16, kv_dtype=fp8),
-    ]
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):  # fp8 KV under bf16 and fp16 q, plain and windowed
+        probes += [
+            selfcheck.Probe(8, 2, 64, torch.bfloat16, kv_dtype=fp8),
+            selfcheck.Probe(8, 2, 128, torch.bfloat16, 24, 30.0, fp8),
+            selfcheck.Probe(8, 2, 128, torch.float16, kv_dtype=fp8),
+        ]
     return {f"attention {p}": partial(run, p) for p in probes}
 
 
@@ -175,8 +175,9 @@ def _model_kernels() -> dict[str, Callable[[], object]]:
         fused.set_fused(model, triton_kernels)  # the start-up check's probes, each through the kernels
         for probe in fused._probes(model, torch.device("cpu")).values():
             probe()
-        if family == "qwen3" and dtype == torch.bfloat16:  # the store into an fp8 (e4m3) cache
-            fused._probes(model, torch.device("cpu"), torch.float8_e4m3fn)["qk_norm_rope_store"]()
+        if family == "qwen3" and dtype == torch.bfloat16:  # the store into an fp8 (e4m3, e5m2) cache
+            for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+                fused._probes(model, torch.device("cpu"), fp8)["qk_norm_rope_store"]()
 
     return {
         f"model kernels {family} {dtype}": partial(run, family, dtype)
@@ -195,8 +196,7 @@ def _sampling() -> dict[str, Callable[[], object]]:
     top_k, seeds, steps = torch.tensor([5, vocab, 40]), torch.tensor([1, 2, -3]), torch.tensor([0, 4, 9])
     counts = torch.randint(0, 3, (4, vocab), generator=g, dtype=torch.int32)
     prompt, rows = torch.rand(4, vocab, generator=g) < 0.3, torch.tensor([3, 0, 1])
-    factors = torch.ones(batch)
-    draw_args = (temperature, top_k, top_p, min_p, seeds, steps)
+    factors, draw_args = torch.ones(batch), (temperature, top_k, top_p, min_p, seeds, steps)
 
     def draw(dtype: torch.dtype, need: tuple[bool, bool, bool]) -> object:
         return triton_sample.draw(logits.to(dtype), *draw_args, need)

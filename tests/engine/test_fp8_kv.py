@@ -1,7 +1,7 @@
-"""An fp8 (e4m3) KV cache end to end (`kv_cache_dtype="fp8"`): the engine's tokens are those of attention
-over the e4m3-rounded cache, exactly; against float32 KV (transformers) they diverge only at near-ties,
-counted; the pool holds twice bf16's tokens; the prefix cache and retraction stay exact; bad values are
-refused; a checkpoint's k/v scales are read and used."""
+"""An fp8 KV cache end to end (`kv_cache_dtype="fp8"`, e4m3, and `"fp8_e5m2"`): the engine's tokens are
+those of attention over the rounded cache, exactly; against float32 KV (transformers) they diverge only at
+near-ties, counted; the pool holds twice bf16's tokens; the prefix cache and retraction stay exact; bad
+values are refused; a checkpoint's k/v scales are read and used."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gapless import LLM, SamplingParams
 from gapless.__main__ import parse_args
 from gapless.cli import engine_options
 from gapless.config import EngineConfig
-from gapless.memory.kv_pool import FP8, KVPool, quantize_fp8
+from gapless.memory.kv_pool import E5M2, FP8, KVPool, quantize_fp8
 from gapless.model.kv_scales import KVScaleReader
 from gapless.testing import make_checkpoint
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
@@ -37,16 +37,18 @@ def _greedy(model: str, prompts, params: SamplingParams = GREEDY, **kw) -> list[
         return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_fp8_kv_is_attention_over_the_rounded_cache(qwen3, monkeypatch):
+@pytest.mark.parametrize(("kv", "fp8_type"), [("fp8", FP8), ("fp8_e5m2", E5M2)])
+def test_fp8_kv_is_attention_over_the_rounded_cache(qwen3, monkeypatch, kv, fp8_type):
     """Token for token, the fp8 engine equals a float32-KV engine whose store rounds K and V through e4m3
-    (scale 1.0): every reader dequantizes what the store wrote, and nothing else changes."""
+    (or e5m2; scale 1.0): every reader dequantizes what the store wrote, and nothing else changes."""
     prompts = make_prompts(1000, n=6, seed=2, max_len=40, shared_prefix=10)
-    fp8 = _greedy(qwen3, prompts, kv_cache_dtype="fp8")
+    fp8 = _greedy(qwen3, prompts, kv_cache_dtype=kv)
     store = KVPool.store
 
     def rounded_store(self, layer, slots, k, v):
         one = torch.ones(1)
-        store(self, layer, slots, quantize_fp8(k, one).float(), quantize_fp8(v, one).float())
+        k, v = quantize_fp8(k, one, fp8_type).float(), quantize_fp8(v, one, fp8_type).float()
+        store(self, layer, slots, k, v)
 
     monkeypatch.setattr(KVPool, "store", rounded_store)
     assert _greedy(qwen3, prompts) == fp8
@@ -56,7 +58,10 @@ def test_fp8_kv_is_attention_over_the_rounded_cache(qwen3, monkeypatch):
 
 def test_fp8_kv_greedy_diverges_from_float32_only_at_near_ties(qwen3):
     """Against transformers in float32 (float32 KV), each prompt's tokens are equal or first differ where
-    the reference's top-2 logits are within FP8_NEAR_TIE; the count is printed (pytest -s) and bounded."""
+    the reference's top-2 logits are within FP8_NEAR_TIE; the count is printed (pytest -s) and bounded.
+    (e5m2 keeps one mantissa bit fewer, which moves these logits past the tiny model's median top-2 gap:
+    every prompt diverges, so here it says nothing; bench/experiments/quant_accuracy.py measures it on
+    the default model.)"""
     hf = load_hf_model(qwen3)
     prompts = make_prompts(hf.config.vocab_size, n=8, seed=1, max_len=60, shared_prefix=20)
     refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
@@ -70,30 +75,34 @@ def test_fp8_kv_greedy_diverges_from_float32_only_at_near_ties(qwen3):
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the CUDA graphs test runs the kernels"
 )
-def test_triton_kernels_over_fp8_kv_give_the_torch_tokens(qwen3):
-    """The Triton attention kernels and the fused store (interpreted) over an fp8 cache: the tokens of
-    the torch path (the store is bit-exact, attention equal to fp32 rounding)."""
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_triton_kernels_over_fp8_kv_give_the_torch_tokens(qwen3, kv):
+    """The Triton attention kernels and the fused store (interpreted) over an fp8 cache, e4m3 or e5m2: the
+    tokens of the torch path (the store is bit-exact, attention equal to fp32 rounding)."""
     prompts = make_prompts(1000, n=1, seed=4, max_len=20, shared_prefix=8)  # the interpreter is slow
     short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    want = _greedy(qwen3, prompts, short, kv_cache_dtype="fp8")
+    want = _greedy(qwen3, prompts, short, kv_cache_dtype=kv)
     got = _greedy(
-        qwen3, prompts, short, kv_cache_dtype="fp8", attention_backend="triton", fused_kernels="triton"
+        qwen3, prompts, short, kv_cache_dtype=kv, attention_backend="triton", fused_kernels="triton"
     )
     assert got == want
 
 
 def test_pool_holds_twice_the_tokens_of_bf16(qwen3):
-    """The same KV memory holds 2x bf16's tokens (1 byte an element); the start-up summary says so."""
+    """The same KV memory holds 2x bf16's tokens (1 byte an element, e4m3 or e5m2); the start-up summary
+    says so."""
     sizes, summaries = {}, {}
-    for kv in ("auto", "fp8"):
+    dtypes = {"auto": torch.bfloat16, "fp8": FP8, "fp8_e5m2": E5M2}
+    for kv, dtype in dtypes.items():
         with LLM(qwen3, device="cpu", dtype="bfloat16", kv_cache_memory_gib=0.002, kv_cache_dtype=kv) as llm:
             runner = llm.engine.runner
             sizes[kv], summaries[kv] = llm.engine.info.kv_tokens, runner.kv_pool.summary()
-            assert runner.kv_pool.k_buffer.dtype == (FP8 if kv == "fp8" else torch.bfloat16)
-    assert abs(sizes["fp8"] - 2 * sizes["auto"]) <= 2, sizes  # (each rounded down to whole pages)
-    per_token = [int(s.split(", ")[1].split()[0]) for s in (summaries["auto"], summaries["fp8"])]
+            assert runner.kv_pool.k_buffer.dtype == dtype
+    per_token = {kv: int(s.split(", ")[1].split()[0]) for kv, s in summaries.items()}
     assert summaries["auto"].startswith("bfloat16, ")
-    assert per_token[0] == 2 * per_token[1] and summaries["fp8"].startswith("fp8_e4m3, "), summaries
+    for kv, name in (("fp8", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")):
+        assert abs(sizes[kv] - 2 * sizes["auto"]) <= 2, sizes  # (each rounded down to whole pages)
+        assert per_token["auto"] == 2 * per_token[kv] and summaries[kv].startswith(f"{name}, "), summaries
 
 
 def test_prefix_cache_and_retraction_stay_exact_with_fp8_kv(qwen3):
@@ -126,7 +135,7 @@ def test_prefix_cache_and_retraction_stay_exact_with_fp8_kv(qwen3):
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [("fp8_e5m2", "e5m2 KV is not built; use fp8"), ("int8", "must be one of"), ("FP8", "must be one of")],
+    [("fp8_e5m3", "must be one of"), ("int8", "must be one of"), ("FP8", "must be one of")],
 )
 def test_bad_kv_cache_dtype_is_refused_by_name(value, message):
     with pytest.raises(ValueError, match=rf"kv_cache_dtype='{value}': .*{message}"):
@@ -134,7 +143,7 @@ def test_bad_kv_cache_dtype_is_refused_by_name(value, message):
 
 
 def test_kv_cache_dtype_flag_takes_vllm_values():
-    for value in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
+    for value in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"):
         args = parse_args(["serve", "m", "--kv-cache-dtype", value])
         assert engine_options(args)["kv_cache_dtype"] == value
         EngineConfig(model="m", kv_cache_dtype=value)
@@ -169,6 +178,8 @@ def test_checkpoint_kv_scales_are_read_and_used(tmp_path):
         assert pool.scales[0].flatten().tolist() == [0.5, 0.125, 1.0]
         assert pool.scales[1].flatten().tolist() == [0.25, 2.0, 1.0]
         scaled = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(path, device="cpu", dtype="float32", kv_cache_tokens=512, kv_cache_dtype="fp8_e5m2") as llm:
+        assert llm.engine.runner.kv_pool.scales.flatten().tolist() == [0.5, 0.125, 1.0, 0.25, 2.0, 1.0]
     assert len(_greedy(path, prompts)) == 3  # float32 KV: the scales are read and left aside
     huge = {f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(1e9) for i in range(3) for n in "kv"}
     zeroed = _greedy(_with_scales(base, tmp_path / "huge", huge), prompts, kv_cache_dtype="fp8")

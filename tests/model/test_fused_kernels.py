@@ -122,14 +122,17 @@ def test_qk_norm_rope_store(dtype, head_dim, norm_kind, scaling, tokens):
     assert torch.equal(caches[3], caches[1]), "v is copied as it is"
 
 
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
-def test_qk_norm_rope_store_into_fp8_cache(dtype):
-    """Into an fp8 (e4m3) cache the kernel stores, bit for bit, `KVPool.store`'s quantization of what it
-    stores into a cache of the model's dtype: k / k_scale and v / v_scale in fp32, saturated at +-448
-    (the small scales here saturate some), rounded to nearest even."""
-    from gapless.memory.kv_pool import FP8, quantize_fp8
+def test_qk_norm_rope_store_into_fp8_cache(dtype, kv):
+    """Into an fp8 cache (e4m3 or e5m2) the kernel stores, bit for bit, `KVPool.store`'s quantization of
+    what it stores into a cache of the model's dtype: k / k_scale and v / v_scale in fp32, saturated at the
+    type's largest value (the small scales here saturate some), rounded to nearest even (the large ones
+    take some values to subnormals and zero)."""
+    from gapless.memory.kv_pool import E5M2, FP8, fp8_max, quantize_fp8
 
+    fp8_type = FP8 if kv == "e4m3" else E5M2
     tokens, heads, kv_heads, head_dim, slots_n = 5, 4, 2, 16, 11
     rope = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE)
     q, k, v = (
@@ -140,14 +143,21 @@ def test_qk_norm_rope_store_into_fp8_cache(dtype):
     norms = [make_rms_norm(head_dim, 1e-6, "llama").to(device=DEVICE, dtype=dtype) for _ in range(2)]
     norm = (norms[0].weight, norms[1].weight, norms[0].eps, "llama")
     plain = [torch.zeros(slots_n, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
-    fp8 = [torch.zeros(slots_n, kv_heads, head_dim, dtype=FP8, device=DEVICE) for _ in range(2)]
-    scales = torch.tensor([0.004], device=DEVICE), torch.tensor([0.0031], device=DEVICE)
     q_plain = fk.qk_norm_rope_store(positions, q, k, v, rope.cos_sin, *plain, slots, norm)
-    q_fp8 = fk.qk_norm_rope_store(positions, q, k, v, rope.cos_sin, *fp8, slots, norm, *scales)
-    assert torch.equal(q_fp8, q_plain)
-    for got, want, scale in zip(fp8, plain, scales):
-        assert torch.equal(got.view(torch.uint8), quantize_fp8(want, scale).view(torch.uint8))
-        assert (got.float().abs() == 448).any(), "some values saturate"
+    top, tiny = fp8_max(fp8_type), torch.finfo(fp8_type).smallest_normal
+    small, large = ((0.004, 0.0031), (60.0, 47.0)) if kv == "e4m3" else ((3e-5, 2.3e-5), (7e3, 5.1e3))
+    for k_scale, v_scale in (small, large):
+        fp8 = [torch.zeros(slots_n, kv_heads, head_dim, dtype=fp8_type, device=DEVICE) for _ in range(2)]
+        scales = torch.tensor([k_scale], device=DEVICE), torch.tensor([v_scale], device=DEVICE)
+        q_fp8 = fk.qk_norm_rope_store(positions, q, k, v, rope.cos_sin, *fp8, slots, norm, *scales)
+        assert torch.equal(q_fp8, q_plain)
+        for got, want, scale in zip(fp8, plain, scales):
+            assert torch.equal(got.view(torch.uint8), quantize_fp8(want, scale, fp8_type).view(torch.uint8))
+            stored = got[slots].float().abs()
+            if scale < 1:
+                assert (stored == top).any(), "some values saturate"
+            else:
+                assert ((stored > 0) & (stored < tiny)).any(), "some values are subnormal"
     with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
         fk.qk_norm_rope_store(positions, q, k, v, rope.cos_sin, *fp8, slots, norm)
 
@@ -222,12 +232,13 @@ def test_start_up_check_falls_back_to_torch_with_reason(ckpt_factory, caplog):
 
 def test_start_up_check_covers_the_store_into_an_fp8_cache(ckpt_factory):
     """With an fp8 KV cache the start-up check compares the store into one (scales not 1): the kernels
-    pass it, and a store that forgets the scales does not."""
-    from gapless.memory.kv_pool import FP8
+    pass it, into e4m3 and e5m2, and a store that forgets the scales does not."""
+    from gapless.memory.kv_pool import E5M2, FP8
     from gapless.model.loader import load_model
 
     model = load_model(ckpt_factory("qwen3"), torch.bfloat16, torch.device(DEVICE))
     assert fused.disagreement(model, fk, torch.device(DEVICE), FP8) is None
+    assert fused.disagreement(model, fk, torch.device(DEVICE), E5M2) is None
     broken = types.SimpleNamespace(**{n: getattr(fk, n) for n in fk.__all__})
     # the scales read as 1.0 (the decoder passes them after the norm: positional arguments 9 and 10)
     broken.qk_norm_rope_store = lambda *a: fk.qk_norm_rope_store(*a[:9], *map(torch.ones_like, a[9:]))

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from gapless import pdl
 from gapless.attention.triton_kernels import INTERPRET, _sum
+from gapless.memory.kv_pool import E5M2, FP8
 from gapless.model.quant.base import OrderedColumns, RoundedRows, attach_order, attach_rounding
 from gapless.model.quant.fp8_rounding import round_rows, rounding_buffers
 from gapless.model.triton_math import ACTIVATIONS, NORM_KINDS, act_mul, norm_scale, rounded
@@ -43,17 +44,22 @@ _ACT_BLOCK = 1024
 
 
 @triton.jit
-def _e4m3_grid(x, scale):
-    """fp32 `x / scale` saturated to e4m3's range (+-448) and rounded to nearest even on e4m3's grid, as
-    fp32, so its cast to e4m3 is exact: what torch's `(x / scale).clamp(-448, 448).to(float8_e4m3fn)`
-    stores (`gapless.memory.kv_pool.quantize_fp8`). By hand, on every target: Triton's interpreter rounds
-    a carry into the exponent wrongly (7.9 becomes 4). The grid's step is 2^(e - 3) for a value of
-    exponent e (3 mantissa bits; subnormals from e = -6), and adding then subtracting 2^(e + 20), whose
-    fp32 ulp is that step, rounds to it (to nearest even, as fp32 addition does)."""
-    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)  # IEEE division, as torch
+def _fp8_grid(x, scale, E5M2: tl.constexpr):
+    """fp32 `x / scale` saturated to the fp8 type's range (e4m3: +-448; E5M2: e5m2's +-57344) and rounded to
+    nearest even on its grid, as fp32, so its cast to the type is exact: what torch's
+    `(x / scale).clamp(-max, max).to(float8)` stores (`gapless.memory.kv_pool.quantize_fp8`). By hand, on
+    every target: Triton's interpreter rounds a carry into the exponent wrongly (7.9 becomes 4 in e4m3). The
+    grid's step is 2^(e - m) for a value of exponent e (m mantissa bits: e4m3's 3, e5m2's 2; subnormals
+    from e = -6, -14), and adding then subtracting 2^(e + 23 - m), whose fp32 ulp is that step, rounds to
+    it (to nearest even, as fp32 addition does)."""
+    if E5M2:
+        top, e_min, mantissa = 57344.0, -14, 2
+    else:
+        top, e_min, mantissa = 448.0, -6, 3
+    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -top), top)  # IEEE division, as torch
     bits = y.to(tl.int32, bitcast=True)
-    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    big = ((e + 147) << 23).to(tl.float32, bitcast=True)  # 2^(e + 20)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, e_min)
+    big = ((e + (150 - mantissa)) << 23).to(tl.float32, bitcast=True)  # 2^(e + 23 - m)
     r = (tl.abs(y) + big) - big
     return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # y's sign
 
@@ -247,7 +253,7 @@ def _qk_norm_rope_store_kernel(
 ):
     """Program (token t, head h): h < num_q_heads is query head h, written to QOut; the others are kv
     head h - num_q_heads, whose rotated k and whose v go to the token's KV slot (KV_FP8: divided by the
-    layer's scale, saturated and rounded to e4m3)."""
+    layer's scale, saturated and rounded to e4m3, or with KV_FP8 2 to e5m2)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -295,12 +301,19 @@ def _qk_norm_rope_store_kernel(
     else:
         k_dst = KCache + slot * stride_kct + kvh * stride_kch + offs
         v_dst = VCache + slot * stride_vct + kvh * stride_vch + offs
-        if KV_FP8:
-            rot = _e4m3_grid(rot, k_scale)
-            tl.store(v_dst, _e4m3_grid(v.to(tl.float32), v_scale).to(VCache.dtype.element_ty), mask=mask)
+        if KV_FP8:  # (v's rounding stored at once: Triton keeps a variable's type through the branch)
+            rot = _fp8_grid(rot, k_scale, KV_FP8 == 2)
+            tl.store(
+                v_dst,
+                _fp8_grid(v.to(tl.float32), v_scale, KV_FP8 == 2).to(VCache.dtype.element_ty),
+                mask=mask,
+            )
         else:
             tl.store(v_dst, v.to(VCache.dtype.element_ty), mask=mask)
         tl.store(k_dst, rot.to(KCache.dtype.element_ty), mask=mask)
+
+
+_KV_FP8 = {FP8: 1, E5M2: 2}  # the store kernel's KV_FP8 for an fp8 cache
 
 
 def qk_norm_rope_store(
@@ -320,13 +333,14 @@ def qk_norm_rope_store(
     kv_heads, d] at `slots` [T]. q, k, v: [T, heads or kv_heads, d], any strides with the last dim
     contiguous (views of the fused qkv projection's output). `cos_sin`: [positions, 2, d] fp32, cos then
     rotate-half's signed sin (`gapless.model.layers.RotaryEmbedding`). `norm`: (q weight, k weight, eps,
-    RMSNorm kind) of a per-head q/k norm applied first, or None. An fp8 (e4m3) cache comes with its
+    RMSNorm kind) of a per-head q/k norm applied first, or None. An fp8 (e4m3 or e5m2) cache comes with its
     `k_scale`/`v_scale` ([1] fp32 device tensors): it stores x / scale, saturated, as `KVPool.store`."""
     tokens, heads, d = q.shape
     out = torch.empty((tokens, heads, d), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
-    if k_cache.dtype == torch.float8_e4m3fn and (k_scale is None or v_scale is None):
+    kv_fp8 = _KV_FP8.get(k_cache.dtype, 0)
+    if kv_fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an fp8 KV cache needs its k_scale and v_scale")
     q_w, k_w, eps, kind = norm if norm is not None else (cos_sin, cos_sin, 0.0, "llama")
     _qk_norm_rope_store_kernel[(tokens, heads + k.shape[1])](
@@ -354,7 +368,7 @@ def qk_norm_rope_store(
         d,
         eps,
         NORM=norm is not None,
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        KV_FP8=kv_fp8,
         KIND=NORM_KINDS[kind],
         BLOCK_D=triton.next_power_of_2(d),
         **pdl.launch_args(q.device),

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gapless.config import FP8_KV_CACHE_DTYPES
+from gapless.config import E4M3_KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -423,8 +423,9 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
 
 def check_kv_cache(name: str, device: torch.device | str) -> None:
     """Refuse `--kv-cache-dtype` fp8 (e4m3) on a CUDA device older than sm_89, whose Triton has no e4m3 to
-    read or store the cache with (`auto` there keeps the model's dtype: `declared.checkpoint_kv_cache`)."""
-    if name not in FP8_KV_CACHE_DTYPES:
+    read or store the cache with (`auto` there keeps the model's dtype: `declared.checkpoint_kv_cache`;
+    fp8_e5m2 runs there)."""
+    if name not in E4M3_KV_CACHE_DTYPES:
         return
     import torch
 
@@ -435,7 +436,7 @@ def check_kv_cache(name: str, device: torch.device | str) -> None:
     if tuple(cap) < FP8_MIN_CAPABILITY:
         raise QuantFormatError(
             f"--kv-cache-dtype {name} needs a GPU of sm_89 or newer (Triton's e4m3); "
-            f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}: use auto"
+            f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}: use fp8_e5m2 or auto"
         )
 
 
