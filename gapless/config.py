@@ -18,7 +18,8 @@ SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
 # the KV cache's element types, by vLLM's names (gapless.memory.kv_pool.kv_cache_dtype): float8 e4m3's two
 # and float8 e5m2's, each scaled per layer
 E4M3_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-FP8_KV_CACHE_DTYPES = (*E4M3_KV_CACHE_DTYPES, "fp8_e5m2")
+E5M2_KV_CACHE_DTYPE = "fp8_e5m2"
+FP8_KV_CACHE_DTYPES = (*E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE)
 KV_CACHE_DTYPES = ("auto", "bfloat16", *FP8_KV_CACHE_DTYPES)
 # --load-format's values, vLLM's names (gapless.engine.preflight)
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf", "bitsandbytes")

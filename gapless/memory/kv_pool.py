@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from gapless.config import E4M3_KV_CACHE_DTYPES
+from gapless.config import E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE
 
 FP8 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -34,7 +34,7 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, checkpoint: str | None =
         return model_dtype
     if name in E4M3_KV_CACHE_DTYPES:
         return FP8
-    if name == "fp8_e5m2":
+    if name == E5M2_KV_CACHE_DTYPE:
         return E5M2
     raise ValueError(f"kv_cache_dtype={name!r}: must be auto, bfloat16, fp8, fp8_e4m3 or fp8_e5m2")
 

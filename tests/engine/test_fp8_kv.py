@@ -211,3 +211,26 @@ def test_fp8_kv_on_cuda_graphs_replay_the_eager_tokens(qwen3):
     graphs = _greedy(qwen3, prompts, **opts)
     eager = _greedy(qwen3, prompts, cuda_graph_max_bs=0, **opts)
     assert graphs == eager
+
+
+@pytest.mark.parametrize(("cap", "e4m3_runs"), [((8, 0), False), ((9, 0), True)])
+def test_the_kv_cache_dtype_is_checked_against_the_gpu(monkeypatch, caplog, cap, e4m3_runs):
+    """Before anything loads: e4m3 on a GPU older than sm_89 (an A100) is refused by name, pointing at
+    fp8_e5m2, which runs there; e5m2 where e4m3 runs too is taken, with a warning that e4m3 is the more
+    accurate. (The GPU's answers are stood in for: this checks the rule, not a device.)"""
+    from gapless.model.quant import formats
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    with caplog.at_level("WARNING", logger="gapless.model.quant.formats"):
+        formats.check_kv_cache("fp8_e5m2", "cuda")
+    assert ("fp8 (e4m3) runs here too" in caplog.text) == e4m3_runs
+    for name in ("fp8", "fp8_e4m3"):
+        if e4m3_runs:
+            formats.check_kv_cache(name, "cuda")
+        else:
+            with pytest.raises(
+                ValueError, match=rf"--kv-cache-dtype {name} needs .*sm_80: use fp8_e5m2 or auto"
+            ):
+                formats.check_kv_cache(name, "cuda")
+    formats.check_kv_cache("auto", "cuda")  # (the model's dtype: nothing to check)

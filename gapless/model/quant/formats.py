@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gapless.config import E4M3_KV_CACHE_DTYPES
+from gapless.config import E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE
 
 if TYPE_CHECKING:
     import torch
@@ -424,8 +424,9 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
 def check_kv_cache(name: str, device: torch.device | str) -> None:
     """Refuse `--kv-cache-dtype` fp8 (e4m3) on a CUDA device older than sm_89, whose Triton has no e4m3 to
     read or store the cache with (`auto` there keeps the model's dtype: `declared.checkpoint_kv_cache`;
-    fp8_e5m2 runs there)."""
-    if name not in E4M3_KV_CACHE_DTYPES:
+    fp8_e5m2 runs there). fp8_e5m2 asked for where e4m3 runs is taken, with a warning that e4m3 is the
+    more accurate of the two."""
+    if name not in (*E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE):
         return
     import torch
 
@@ -433,6 +434,14 @@ def check_kv_cache(name: str, device: torch.device | str) -> None:
     if device.type != "cuda":
         return
     cap = torch.cuda.get_device_capability(device)
+    if name == E5M2_KV_CACHE_DTYPE:
+        if tuple(cap) >= FP8_MIN_CAPABILITY:
+            log.warning(
+                "--kv-cache-dtype fp8_e5m2 on sm_%d%d: fp8 (e4m3) runs here too, the same bytes with one "
+                "more mantissa bit (docs/serving.md#fp8-kv-cache)",
+                *cap,
+            )
+        return
     if tuple(cap) < FP8_MIN_CAPABILITY:
         raise QuantFormatError(
             f"--kv-cache-dtype {name} needs a GPU of sm_89 or newer (Triton's e4m3); "
