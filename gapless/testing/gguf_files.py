@@ -241,8 +241,8 @@ def _iq1_m_scales(data: np.ndarray, d: np.ndarray) -> None:
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
     """Random, valid blocks of `qtype` (every quantized type, the K- and i-quants included, which gguf-py
-    cannot quantize): random bytes with each block's f16 scales set to small finite values, so the weights
-    are about as small as a checkpoint's (|w| < ~0.1)."""
+    cannot quantize): random bytes with each block's f16 scales (MXFP4's e8m0 one) set to small finite
+    values, so the weights are about as small as a checkpoint's (|w| < ~0.1)."""
     kind = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[kind]
     rng = np.random.default_rng(seed)
@@ -257,6 +257,8 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFBlocks
         low, high = 1e-3, 1e-2
     if qtype == "IQ1_M":
         _iq1_m_scales(data, rng.uniform(low, high, (rows, cols // block)).astype(np.float16))
+    if qtype == "MXFP4":  # an e8m0 byte: half its power of two, 2^(e - 128), times values up to 12
+        data[..., 0] = rng.integers(114, 122, (rows, cols // block), dtype=np.uint8)
     for at in _F16_AT.get(qtype, []):
         values = rng.uniform(low, high, (rows, cols // block)).astype(np.float16)
         data[..., at : at + 2] = values.view(np.uint8).reshape(rows, cols // block, 2)

@@ -139,7 +139,18 @@ def test_fp8_sweep_configs_are_distinct_and_cover_the_one_row_split():
 def test_gguf_decode_rates_every_type():
     rates = _experiment("gguf_decode").main(["--rows", "16", "--cols", "256"])
     legacy_and_k = {"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"}
-    i_quants = {"IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"}
+    i_quants = {
+        "IQ4_NL",
+        "IQ4_XS",
+        "IQ3_XXS",
+        "IQ3_S",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ2_S",
+        "IQ1_S",
+        "IQ1_M",
+        "MXFP4",
+    }
     assert set(rates) == legacy_and_k | i_quants
     assert all(r > 0 for r in rates.values())
 

@@ -21,11 +21,14 @@ from tests.model.test_quant_gguf_int4 import assert_kept_on_the_path
 
 
 def _zero_first_scale(b, qtype: str, row: int) -> None:
-    """Row `row`'s first block's f16 scale set to 0 (IQ1_M's is the top nibbles of its four scale words)."""
+    """Row `row`'s first block's f16 scale set to 0 (IQ1_M's is the top nibbles of its four scale words);
+    MXFP4's e8m0 has no 0: its values are set to level 0 instead."""
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
     blk = b.data.reshape(b.rows, -1, size)
     if qtype == "IQ1_M":
         blk[row, 0, 49:56:2] &= 0x0F
+    elif qtype == "MXFP4":
+        blk[row, 0, 1:] = 0
     else:
         blk[row, 0, 0:2] = 0
 
@@ -69,12 +72,19 @@ def test_each_i_quant_is_the_files_weights_bit_for_bit(qtype):
 
 def test_the_sign_parity_and_the_levels_are_llama_cpps():
     """The 7-bit sign indices' eighth sign is their parity (llama.cpp's `ksigns_iq2xs` table, which gguf
-    ships), IQ4's levels are its 16 non-uniform ones, and each lattice's codebook is its points' values
-    with both signs (IQ2_XS's and IQ2_S's lattices have IQ2_XXS's values)."""
+    ships), IQ4's levels are its 16 non-uniform ones, MXFP4's its doubled e2m1 values with half of each
+    e8m0 scale, and each lattice's codebook is its points' values with both signs (IQ2_XS's and IQ2_S's
+    lattices have IQ2_XXS's values)."""
     ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
     assert gguf_iq._even_signs(torch.arange(128)).tolist() == ksigns.tolist()
     assert gguf_iq._table("IQ4_XS", torch.device("cpu")).tolist() == list(gguf.quants.IQ4_NL.kvalues)
     assert gguf_iq.levels("iq4_nl").tolist() == list(gguf.quants.IQ4_NL.kvalues)
+    mxfp4 = list(gguf.quants.MXFP4.kvalues)  # (e2m1's values doubled, the codebook's e2m1 ones)
+    assert gguf_iq._table("MXFP4", torch.device("cpu")).tolist() == mxfp4
+    assert (gguf_iq.levels("mxfp4") * 2).tolist() == mxfp4
+    e = np.arange(256, dtype=np.uint8)  # every e8m0 byte: subnormal halves below 2, 2^127 at 255
+    want = gguf.quants.MXFP4.e8m0_to_fp32_half(e)
+    assert gguf_iq._e8m0_half(torch.from_numpy(e)).numpy().tobytes() == want.tobytes()
     iq3 = [4, 12, 20, 28, 36, 44, 52, 62]
     assert gguf_iq.levels("iq3_xxs").tolist() == [-v for v in reversed(iq3)] + iq3
     assert gguf_iq.levels("iq2").tolist() == [-43, -25, -8, 8, 25, 43] + [0] * 10
@@ -127,7 +137,7 @@ def _check_against_transformers(path, qtype, tol):
     return model
 
 
-@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ1_M"])
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "MXFP4", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ1_M"])
 def test_greedy_on_the_int4_path_equals_transformers(ckpt_factory, tmp_path, monkeypatch, int4_path, qtype):
     """A whole model in each form (indices into IQ4's levels, into IQ3_XXS's lattice values and IQ2's in
     groups of 16; 4 bits with a fractional zero in groups of 32 and 16), every projection on the int4
@@ -143,7 +153,7 @@ def test_greedy_on_the_int4_path_equals_transformers(ckpt_factory, tmp_path, mon
         assert all(g.qweight.numel() * 8 == g.out_features * g.in_features for g in gemms)
 
 
-@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ2_XXS"])
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "MXFP4", "IQ2_XXS"])
 def test_greedy_on_the_cpus_kernels_equals_transformers(ckpt_factory, tmp_path, monkeypatch, qtype):
     """The CPU's default layout holds an i-quant's projections as int8 rows (requantized from the file's
     weights) and runs them on torch's int8 kernels: transformers' greedy tokens, near-ties aside."""

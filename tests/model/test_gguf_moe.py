@@ -191,12 +191,19 @@ def test_a_q4_k_m_files_experts_hold_gate_up_and_down_each_in_its_form(ckpt_fact
 
 
 @pytest.mark.parametrize(
-    ("qtype", "form"), [("IQ3_S", "int4 g32"), ("IQ2_XS", "iq2 codes g16"), ("IQ4_XS", "iq4_nl codes g32")]
+    ("qtype", "form"),
+    [
+        ("IQ3_S", "int4 g32"),
+        ("IQ2_XS", "iq2 codes g16"),
+        ("IQ4_XS", "iq4_nl codes g32"),
+        ("MXFP4", "mxfp4 codes g32"),
+    ],
 )
 def test_i_quant_experts_hold_the_files_values(ckpt_factory, tmp_path, int4_path, qtype, form):
     """A mixture written in an i-quant (random blocks; IQ3_S's 4 bits with a zero of 7.5, IQ2_XS's 4-bit
-    indices into IQ2's levels in groups of 16, IQ4_XS's into IQ4's): every expert held in that form,
-    every prompt position's logprob equal to transformers' reading the same file."""
+    indices into IQ2's levels in groups of 16, IQ4_XS's into IQ4's) or in MXFP4 (llama.cpp's MXFP4_MOE
+    files' experts: indices into e2m1's values): every expert held in that form, every prompt position's
+    logprob equal to transformers' reading the same file."""
     wide = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, head_dim=64)
     ckpt = ckpt_factory("qwen3_moe", **_TINY["qwen3_moe"], **wide)
     path = write_random_gguf(ckpt, tmp_path / f"m.{qtype}.gguf", qtype)
@@ -263,11 +270,12 @@ def test_on_the_cpus_kernels_two_ranks_split_experts_held_as_int8_rows(ckpt_fact
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the cuda model test runs the kernel"
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("gate_up_type", ["Q4_K", "IQ4_XS"])
+@pytest.mark.parametrize("gate_up_type", ["Q4_K", "IQ4_XS", "MXFP4"])
 def test_the_grouped_gemm_runs_a_files_experts(int4_reference_path, dtype, gate_up_type):
     """The grouped GEMM (interpreted) over experts held from a file's blocks: gate/up Q4_K (4 bits g32,
-    fractional zeros) or IQ4_XS (4-bit indices into its levels, no zeros), down Q6_K (8 bits g16), equals
-    the per-expert loop over the dequantized weights; under bfloat16 Q4_K's zeros are held in float16."""
+    fractional zeros), IQ4_XS or MXFP4 (4-bit indices into its levels, no zeros), down Q6_K (8 bits g16),
+    equals the per-expert loop over the dequantized weights; under bfloat16 Q4_K's zeros are held in
+    float16."""
     from gapless.model.moe_triton import fused_experts
 
     e, hidden, inter = 4, 256, 256
@@ -281,7 +289,7 @@ def test_the_grouped_gemm_runs_a_files_experts(int4_reference_path, dtype, gate_
     install_experts(experts, shards, dtype, "experts")
     gate_up, down = experts.int_quant
     assert (gate_up.bits, gate_up.group, down.bits, down.group) == (4, 32, 8, 16)
-    assert down.levels is None and (gate_up.levels is not None) == (gate_up_type == "IQ4_XS")
+    assert down.levels is None and (gate_up.levels is not None) == (gate_up_type != "Q4_K")
     if gate_up.levels is None:
         assert gate_up.zeros.dtype == (torch.float16 if dtype == torch.bfloat16 else dtype)
     w13 = torch.stack([torch.cat([_dequantized(shards[(i, p)]) for p in ("gate", "up")]) for i in range(e)])

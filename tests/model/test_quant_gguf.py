@@ -126,8 +126,8 @@ def test_embedding_rows_read_from_the_file_are_its_weights(qtype):
 
 
 def test_an_unknown_type_is_refused_by_name():
-    b = GGUFBlocks("MXFP4", 32, np.zeros((4, 17), dtype=np.uint8))
-    with pytest.raises(ValueError, match="MXFP4 is not run quantized"):
+    b = GGUFBlocks("TQ2_0", 256, np.zeros((4, 66), dtype=np.uint8))
+    with pytest.raises(ValueError, match="TQ2_0 is not run quantized"):
         linear_method([b], None)
 
 
@@ -256,12 +256,13 @@ def test_a_file_with_a_type_gapless_does_not_read_is_refused_by_name(ckpt_factor
     monkeypatch.setattr(
         gguf.quants,
         "quantize",
-        lambda w, kind: (
-            np.zeros((w.shape[0], w.shape[1] // 32 * 17), np.uint8) if kind == GQ.MXFP4 else real(w, kind)
+        lambda w, kind: (  # (ternary TQ2_0: blocks of 256 in 66 bytes)
+            np.zeros((w.shape[0], w.shape[1] // 256 * 66), np.uint8) if kind == GQ.TQ2_0 else real(w, kind)
         ),
     )
-    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "mx.gguf", "MXFP4")
-    with pytest.raises(ValueError, match=r"GGUF tensor type MXFP4 \(e\.g\. .*\) in .* is not supported"):
+    ckpt = ckpt_factory("llama", rope_scaling=None, hidden_size=256, intermediate_size=256, head_dim=64)
+    path = write_gguf(ckpt, tmp_path / "tq.gguf", "TQ2_0")
+    with pytest.raises(ValueError, match=r"GGUF tensor type TQ2_0 \(e\.g\. .*\) in .* is not supported"):
         load_model_config(path)
 
 

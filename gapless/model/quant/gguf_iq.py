@@ -1,19 +1,22 @@
 """GGUF's i-quants (llama.cpp's IQ4_NL, IQ4_XS and the lattice types IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS,
-IQ2_XXS, IQ1_M, IQ1_S) in the affine form the other types take (`gguf_blocks.affine_parts`): each weight
-is a small integer times its group's scale, exactly, though the file stores an index into a table (IQ4's
-16 non-uniform levels) or into a lattice of 4 or 8 values (`gguf`'s own grids) with signs apart.
+IQ2_XXS, IQ1_M, IQ1_S), and MXFP4 (llama.cpp's MXFP4_MOE files' experts), in the affine form the other
+types take (`gguf_blocks.affine_parts`): each weight is a small integer times its group's scale, exactly,
+though the file stores an index into a table (IQ4's 16 non-uniform levels, MXFP4's e2m1 values doubled) or
+into a lattice of 4 or 8 values (`gguf`'s own grids) with signs apart.
 
 `parts` reads a matrix's blocks as llama.cpp's `dequantize_row_iq*` read them (ggml-quants.c), into
 unsigned values `u` and, a group, `scale` and `offset` with `w = u * scale + offset`:
 
-- 8 bits (`u = v + 128`): IQ4_NL and IQ4_XS (levels -127 .. 113), IQ3_XXS (+-4 .. 62), IQ2_* (+-8, 25, 43);
+- 8 bits (`u = v + 128`): IQ4_NL and IQ4_XS (levels -127 .. 113), MXFP4 (+-0 .. 12, times half its
+  block's e8m0 power of two), IQ3_XXS (+-4 .. 62), IQ2_* (+-8, 25, 43);
 - 4 bits, where the signed values are every other integer: IQ3_S (+-1, 3 .. 15: `u = (v + 15) / 2`) and
   IQ1_S/IQ1_M (`8 (g + delta)` = +-1, 7, 9 with g in {-1, 0, 1}: `u = (v + 9) / 2`), a fractional zero.
 
 The types the affine form takes in 8 bits are also read as a 4-bit codebook (`codes`: each weight's
 index into its type's levels, and its group's scale; `CODEBOOKS`), which the int4 path's Triton GEMM runs
 (on a GPU: 4 bits a weight where the affine form takes 8). Each has at most 16 signed values: IQ4's 16
-levels, IQ3_XXS's lattice values +-4, 12 .. 52, 62 (16), IQ2_*'s +-8, 25, 43 (6 of the 16 entries).
+levels, MXFP4's e2m1 values (the checkpoints' MXFP4 codebook: the file's doubled values with twice its
+scale), IQ3_XXS's lattice values +-4, 12 .. 52, 62 (16), IQ2_*'s +-8, 25, 43 (6 of the 16 entries).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import numpy as np
 import torch
 
 from gapless.model.quant.gguf_bits import each_nibble, f16, nibbles, signed, words
+from gapless.model.quant.int4_layouts import FP4_E2M1
 
 # (bits the unsigned values take, the weights one scale covers), as `gguf_blocks.AFFINE`
 FORMS = {
     "IQ4_NL": (8, 32),
     "IQ4_XS": (8, 32),
+    "MXFP4": (8, 32),
     "IQ3_XXS": (8, 32),
     "IQ3_S": (4, 32),
     "IQ2_XXS": (8, 32),
@@ -44,22 +49,25 @@ _UNSIGNED = {"IQ3_S": (15, 2), "IQ1_S": (9, 2), "IQ1_M": (9, 2)}
 CODEBOOKS = {
     "IQ4_NL": "iq4_nl",
     "IQ4_XS": "iq4_nl",
+    "MXFP4": "mxfp4",
     "IQ3_XXS": "iq3_xxs",
     "IQ2_XXS": "iq2",
     "IQ2_XS": "iq2",
     "IQ2_S": "iq2",
 }
 _CODEBOOK_SOURCE = {"iq4_nl": "IQ4_NL", "iq3_xxs": "IQ3_XXS", "iq2": "IQ2_XXS"}  # (whose table gives it)
+# the types indexing a table of 16 levels, and whose table it is
+_LEVELS = {"IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_NL", "MXFP4": "MXFP4"}
 
 
 @functools.cache
 def _table(qtype: str, device: torch.device) -> torch.Tensor:
-    """`qtype`'s levels (IQ4: int16 [16]) or lattice (int16 [points, 4 or 8]; IQ1's in {-1, 0, 1}), from
-    the `gguf` package's tables, on `device` (kept: a lookup in a captured graph copies nothing)."""
+    """`qtype`'s levels (IQ4, MXFP4: int16 [16]) or lattice (int16 [points, 4 or 8]; IQ1's in {-1, 0, 1}),
+    from the `gguf` package's tables, on `device` (kept: a lookup in a captured graph copies nothing)."""
     from gguf import quants
 
-    if qtype.startswith("IQ4"):
-        return torch.tensor(quants.IQ4_NL.kvalues, dtype=torch.int16, device=device)
+    if qtype in _LEVELS:
+        return torch.tensor(getattr(quants, _LEVELS[qtype]).kvalues, dtype=torch.int16, device=device)
     kind = getattr(quants, qtype)
     kind.init_grid()
     return torch.from_numpy(np.asarray(kind.grid).reshape(kind.grid_shape).astype(np.int16)).to(device)
@@ -80,9 +88,18 @@ def _even_signs(index: torch.Tensor) -> torch.Tensor:
     return (index | ((parity & 1) << 7)).to(torch.uint8)
 
 
-def _iq4(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index uint8 [rows, blocks, weights a block], scale float32 [rows, blocks, groups a block]) of IQ4's
-    blocks: each weight's level index, and its group's scale, `w = levels[index] * scale`."""
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's block scales: half each e8m0 byte's power of two, 2^(e - 128), float32 (subnormal for e < 2),
+    as ggml's `e8m0_to_fp32_half`."""
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32) - 128)
+
+
+def _leveled(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index uint8 [rows, blocks, weights a block], scale float32 [rows, blocks, groups a block]) of the
+    blocks of a type indexing a table of levels (`_LEVELS`): each weight's level index, and its group's
+    scale, `w = levels[index] * scale`."""
+    if qtype == "MXFP4":  # e8m0, 16 bytes of level indices
+        return nibbles(blk[..., 1:17]), _e8m0_half(blk[..., 0:1])
     d = f16(blk[..., 0:2])[..., None]
     if qtype == "IQ4_NL":  # d, 16 bytes of level indices
         return nibbles(blk[..., 2:18]), d
@@ -106,7 +123,9 @@ def _signed_levels(codebook: str, device: torch.device) -> torch.Tensor:
 
 def levels(codebook: str = "iq4_nl", device: torch.device | str = "cpu") -> torch.Tensor:
     """Codebook `codebook`'s 16 levels (a spec's `codebook` name, `CODEBOOKS`), float32; entries past its
-    values (IQ2's 6) are 0 and never indexed."""
+    values (IQ2's 6) are 0 and never indexed. "mxfp4": e2m1's, as a checkpoint's MXFP4 (`FP4_E2M1`)."""
+    if codebook == "mxfp4":
+        return torch.tensor(FP4_E2M1, device=device)
     values = _signed_levels(codebook, torch.device(device)).float()
     return torch.nn.functional.pad(values, (0, 16 - values.numel()))
 
@@ -116,8 +135,9 @@ def codes(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks: `w = levels(CODEBOOKS[qtype])[index] * scale`, exactly the file's weights, in the type's groups
     (`FORMS`)."""
     rows = blk.shape[0]
-    if CODEBOOKS[qtype] == "iq4_nl":
-        index, scale = _iq4(qtype, blk)
+    if qtype in _LEVELS:  # (MXFP4's: e2m1's values, half the file's, with twice its scale)
+        index, scale = _leveled(qtype, blk)
+        scale = scale * 2 if qtype == "MXFP4" else scale
     else:  # each signed value's place among the codebook's (ascending: its rank)
         v, scale = _signed(qtype, blk)
         table = _signed_levels(CODEBOOKS[qtype], blk.device).int()  # (int32: searchsorted's on any device)
@@ -128,8 +148,8 @@ def codes(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _signed(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(v int16 [rows, blocks, weights a block], scale float32 [rows, blocks, groups a block]): the blocks'
     signed values and group scales, `w = v * scale`."""
-    if qtype in ("IQ4_NL", "IQ4_XS"):
-        index, scale = _iq4(qtype, blk)
+    if qtype in _LEVELS:
+        index, scale = _leveled(qtype, blk)
         return _lookup(qtype, index), scale
     rows, n = blk.shape[:2]
     at = functools.partial(torch.arange, device=blk.device)
