@@ -84,7 +84,8 @@ REFUSED = [
     ),
     ({"data_type": "nv_fp"}, "data_type='nv_fp' is not run"),
     ({"act_bits": 8}, "act_bits=8 (quantized activations) is not run"),
-    ({"bits": 2}, "bits=2 is not run"),
+    ({"bits": 5}, "bits=5 is not run"),
+    ({"packing_format": "auto_round:auto_awq", "bits": 3}, "bits=3 is not run"),
     ({"packing_format": "auto_round:auto_awq", "bits": 8}, "bits=8 is not run"),
     ({"group_size": 100}, "group_size=100 is not run"),
     ({"extra_config": {"lm_head": {"bits": 8}}}, "extra_config 'lm_head' quantizes with its own bits"),
@@ -180,7 +181,7 @@ def _theirs(tensors: dict[str, torch.Tensor], module: str, spec, in_features: in
     from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
 
     n = parts["scales"].shape[1]
-    layer = QuantLinear(spec.bits, spec.group_size, in_features, n, bias=False)
+    layer = QuantLinear(spec.stored_bits or spec.bits, spec.group_size, in_features, n, bias=False)
     layer.qweight, layer.qzeros, layer.scales = parts["qweight"], parts["qzeros"], parts["scales"]
     with torch.no_grad():
         return layer(torch.eye(in_features, dtype=parts["scales"].dtype)).float().t()
@@ -188,12 +189,21 @@ def _theirs(tensors: dict[str, torch.Tensor], module: str, spec, in_features: in
 
 @pytest.mark.skipif(AUTO_ROUND_ABSENT, reason="auto-round is absent: it writes the checkpoints this reads")
 @pytest.mark.parametrize(
-    "fmt,sym", [("auto_round", True), ("auto_round", False), ("auto_round:auto_gptq", False)]
+    "fmt,sym,bits",
+    [
+        ("auto_round", True, 4),
+        ("auto_round", False, 4),
+        ("auto_round:auto_gptq", False, 4),
+        ("auto_round:auto_gptq", True, 3),  # (GPTQ's 3-bit words: 32 values in 3, held as 4 bits)
+        ("auto_round:auto_gptq", False, 2),
+    ],
 )
-def test_a_checkpoint_auto_round_wrote_is_read_as_its_own_readers_read_it(ckpt_factory, tmp_path, fmt, sym):
-    """auto-round (round-to-nearest, `iters=0`) quantizes a tiny model and saves it in `fmt` (its
-    `auto_round` format packs symmetric weights as `auto_round:auto_gptq`, asymmetric ones as AWQ's in
-    0.16): each projection unpacks to the weight auto-round's own readers give (to float16's rounding,
+def test_a_checkpoint_auto_round_wrote_is_read_as_its_own_readers_read_it(
+    ckpt_factory, tmp_path, fmt, sym, bits
+):
+    """auto-round (round-to-nearest, `iters=0`) quantizes a tiny model to `bits` and saves it in `fmt`
+    (its `auto_round` format packs symmetric weights as `auto_round:auto_gptq`, asymmetric ones as AWQ's
+    in 0.16): each projection unpacks to the weight auto-round's own readers give (to float16's rounding,
     in which they compute), and the model's greedy tokens are transformers' on those weights."""
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -201,14 +211,14 @@ def test_a_checkpoint_auto_round_wrote_is_read_as_its_own_readers_read_it(ckpt_f
     src = ckpt_factory("llama")
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     rounder = AutoRound(
-        model, AutoTokenizer.from_pretrained(str(src)), bits=4, group_size=32, sym=sym, iters=0,
+        model, AutoTokenizer.from_pretrained(str(src)), bits=bits, group_size=32, sym=sym, iters=0,
         disable_opt_rtn=True,
     )  # fmt: skip
     rounder.quantize_and_save(str(tmp_path / "out"), format=fmt)
     qdir = next((tmp_path / "out").iterdir())
     qcfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
     spec = int4_spec_from_config(qcfg)
-    assert spec is not None and spec.producer == "auto-round"
+    assert spec is not None and spec.producer == "auto-round" and (spec.stored_bits or spec.bits) == bits
     tensors = load_file(str(next(qdir.glob("*.safetensors"))))
     reference = load_file(str(src / "model.safetensors"))
     modules = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".qweight")})

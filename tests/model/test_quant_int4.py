@@ -53,6 +53,13 @@ def _u32(word: int) -> int:
     return word & 0xFFFFFFFF
 
 
+def _streamed(words: torch.Tensor, j: int, bits: int) -> int:
+    """Value j of int32 `words` read as one little-endian bit stream (GPTQ's 3 bits cross words)."""
+    at = bits * j
+    stream = sum(_u32(int(w)) << (32 * i) for i, w in enumerate(words[at // 32 : at // 32 + 2].tolist()))
+    return (stream >> (at % 32)) & ((1 << bits) - 1)
+
+
 def _element(layout: str, t: dict[str, torch.Tensor], bits: int, group: int, n: int, k: int) -> float:
     """W[n, k] read straight off the stored tensors, by each writer's documented formula."""
     per, mask, g = 32 // bits, (1 << bits) - 1, k // group
@@ -61,6 +68,9 @@ def _element(layout: str, t: dict[str, torch.Tensor], bits: int, group: int, n: 
         q = (_u32(int(t["qweight"][k, n // 8])) >> at) & mask
         z = (_u32(int(t["qzeros"][g, n // 8])) >> at) & mask
         return (q - z) * float(t["scales"][g, n])
+    if layout in ("gptq", "gptq_v2") and 32 % bits:  # (3 bits: AutoGPTQ's bit stream, 32 values in 3 words)
+        q, z = _streamed(t["qweight"][:, n], k, bits), _streamed(t["qzeros"][g], n, bits)
+        return (q - (z + (layout == "gptq"))) * float(t["scales"][g, n])
     if layout in ("gptq", "gptq_v2"):
         q = (_u32(int(t["qweight"][k // per, n])) >> (bits * (k % per))) & mask
         z = (_u32(int(t["qzeros"][g, n // per])) >> (bits * (n % per))) & mask
@@ -91,6 +101,9 @@ CASES = [  # layout, bits, group, symmetric
     ("gptq", 4, 32, True),
     ("gptq", 4, 64, False),
     ("gptq", 8, 32, False),
+    ("gptq", 3, 32, False),  # (held as 4 bits)
+    ("gptq", 3, 64, True),
+    ("gptq", 2, 32, False),
     ("gptq_v2", 4, 32, False),
     ("compressed-tensors", 4, 32, True),
     ("compressed-tensors", 4, 32, False),
@@ -103,11 +116,11 @@ CASES = [  # layout, bits, group, symmetric
 
 @pytest.mark.parametrize("layout,bits,group,sym", CASES)
 def test_unpacked_layout_equals_the_writers_formula(layout, bits, group, sym):
-    n, k = 24, 128
+    n, k = 32, 128  # (GPTQ's zeros pack along the outputs: 32 a 3-bit run of words)
     w = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(bits)), bits, group, sym)
     stored = layout_tensors(w, layout, bits, group)
     spec = int4_spec_from_config(quantization_config(layout, bits, group, sym))
-    assert spec is not None and spec.bits == bits
+    assert spec is not None and (spec.stored_bits or spec.bits) == bits and spec.bits == max(bits, 4)
     got = unpack(spec, stored, "probe").dequantize()
     g = k if group < 0 else group
     want = torch.tensor([[_element(layout, stored, bits, g, i, j) for j in range(k)] for i in range(n)])
@@ -440,6 +453,8 @@ def _greedy(
         ("qwen2", "awq", 4, False, False),  # q/k/v bias, tied head
         ("llama", "gptq", 4, True, False),
         ("phi3", "gptq", 8, False, False),  # q/k/v and gate/up fused in the checkpoint
+        ("llama", "gptq", 3, False, False),  # (2 and 3 bits held as 4)
+        ("qwen3", "gptq", 2, True, True),
         ("qwen3", "compressed-tensors", 4, False, False),
         # act-order (GPTQ's desc_act, compressed-tensors' actorder group): inputs grouped by g_idx
         ("llama", "gptq", 4, False, True),
@@ -576,7 +591,7 @@ def test_a_float16_int4_checkpoint_runs_in_bfloat16_where_tinygemm_takes_it(
 
 
 REFUSED = [
-    (dict(quant_method="gptq", bits=3, group_size=128), "bits=3 is not run"),
+    (dict(quant_method="gptq", bits=5, group_size=128), "bits=5 is not run"),
     (dict(quant_method="gptq", bits=4, group_size=100), "group_size=100 is not run"),
     (dict(quant_method="awq", bits=4, group_size=128, version="gemv"), "version='gemv'"),
     (dict(quant_method="awq", bits=8, group_size=128), "bits=8 is not run"),

@@ -63,12 +63,20 @@ def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's 
         raise refuse("gptq", f"checkpoint_format={fmt!r} is not read; gptq or gptq_v2")
     if str(qc.get("pack_dtype") or "int32").removeprefix("torch.") != "int32":  # (GPTQModel's option)
         raise refuse("gptq", f"pack_dtype={qc['pack_dtype']!r} is not read; values packed in int32 only")
-    bits, group = check_bits_group("gptq", qc.get("bits"), qc.get("group_size"), (4, 8))
+    bits, group = check_bits_group("gptq", qc.get("bits"), qc.get("group_size"), (2, 3, 4, 8))
     _check_dynamic(qc)
     sym = bool(qc.get("sym", True))
     act_order = bool(qc.get("desc_act")) and not qc.get("static_groups")  # (static: g_idx is k // G)
     zero_offset = 1 if fmt == "gptq" else 0
-    return Int4Spec("gptq", bits, group, sym, zero_offset, act_order, lm_head=bool(qc.get("lm_head")))
+    held, stored = held_bits(bits)
+    head = bool(qc.get("lm_head"))
+    return Int4Spec("gptq", held, group, sym, zero_offset, act_order, lm_head=head, stored_bits=stored)
+
+
+def held_bits(bits: int) -> tuple[int, int]:
+    """(the bits GPTQ's layout of `bits` is held in, `Int4Spec.stored_bits`): 2 and 3 as 4 (the kernels
+    take 4 and 8), the checkpoint's bits kept for reading it; 4 and 8 as they are (stored_bits 0)."""
+    return (4, bits) if bits < 4 else (bits, 0)
 
 
 _SCHEME_KEYS = {"bits": None, "group_size": None, "sym": True, "desc_act": False}  # (and their defaults)
@@ -215,14 +223,17 @@ def _auto_round(qc: dict[str, Any]) -> Int4Spec:
     if _bits(qc.get("act_bits"), "act_bits") < 16:
         raise refuse(AUTO_ROUND, f"act_bits={qc['act_bits']} (quantized activations) is not run; weight-only")
     _check_extra(qc)
-    allowed = (4,) if layout == "awq" else (4, 8)
+    allowed = (4,) if layout == "awq" else (2, 3, 4, 8)
     bits, group = check_bits_group(AUTO_ROUND, qc.get("bits"), qc.get("group_size"), allowed)
     head = any("lm_head" in str(name) for name in _quantized_extra(qc))  # (`--quant_lm_head`)
     if layout == "awq":
         return Int4Spec("awq", bits, group, sym=False, producer=AUTO_ROUND, lm_head=head)
     zero_offset = 1 if layout == "gptq" else 0
     sym = bool(qc.get("sym", True))
-    return Int4Spec("gptq", bits, group, sym, zero_offset, producer=AUTO_ROUND, lm_head=head)
+    held, stored = held_bits(bits)
+    return Int4Spec(
+        "gptq", held, group, sym, zero_offset, producer=AUTO_ROUND, lm_head=head, stored_bits=stored
+    )
 
 
 def _quantized_extra(qc: dict[str, Any]) -> dict[str, dict[str, Any]]:

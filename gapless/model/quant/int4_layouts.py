@@ -10,10 +10,12 @@ AutoRound, which writes GPTQ's or AWQ's) store them:
   (0, 2, 4, 6, 1, 3, 5, 7); `qzeros` int32 [K / G, N / 8] the same way; `scales` [K / G, N]. The zeros are
   the integer zero points as they are.
 - **GPTQ** (`quant_method: gptq`): `qweight` int32 [K / P, N] packed along K, value k at bits
-  `bits * (k % P)` of row k // P (P = 32 / bits); `qzeros` int32 [K / G, N / P] packed along N the same
-  way; `scales` [K / G, N]; `g_idx` [K], input k's group (k // G without act-order). The zeros are
-  stored minus one (`checkpoint_format: gptq`, the default, AutoGPTQ's `zeros -= 1` before packing) or
-  as they are (`gptq_v2`); a symmetric checkpoint's zero is 2^(bits-1).
+  `bits * (k % P)` of row k // P (P = 32 / bits; 3 bits: 32 values in each 3 rows, a little-endian bit
+  stream, value k at its bit 3 * (k % 32)); `qzeros` int32 [K / G, N / P] packed along N the same way;
+  `scales` [K / G, N]; `g_idx` [K], input k's group (k // G without act-order). The zeros are stored
+  minus one (`checkpoint_format: gptq`, the default, AutoGPTQ's `zeros -= 1` before packing) or as they
+  are (`gptq_v2`); a symmetric checkpoint's zero is 2^(bits-1). 2 and 3 bits are held as 4
+  (`Int4Spec.stored_bits`): the kernels take 4 and 8.
 - **compressed-tensors** `int-quantized` (its W8A8 INT8 checkpoints, `*-quantized.w8a8`): `weight` int8
   [N, K] holding the signed values as they are, `weight_scale` [N, K / G] (per tensor: [1]),
   `weight_zero_point` int8 likewise, only when asymmetric. Run as w8a16: the activations stay in the
@@ -92,7 +94,7 @@ class Int4Spec:
     """A checkpoint's weight-only integer quantization, as `int4_configs.int4_spec_from_config` reads it."""
 
     method: str  # one of METHODS, or "rtn" (`gapless.model.quant.rtn`: rounded at load, no checkpoint layout)
-    bits: int  # 4 or 8
+    bits: int  # 4 or 8: the bits a value is held in
     group_size: int  # -1: one group per output channel (the whole row)
     sym: bool
     zero_offset: int = 0  # added to the stored zero points (GPTQ's v1 format: 1)
@@ -113,12 +115,15 @@ class Int4Spec:
     lm_head: bool = False
     # Quark's int4: each int32's 8 columns interleaved as AWQ's (its `pack_method: reorder`), or in order
     reorder: bool = True
+    # the checkpoint's bits where fewer than those held (GPTQ's 2 and 3, held as 4); 0: `bits`
+    stored_bits: int = 0
 
     @property
     def label(self) -> str:
         if self.producer:
             group = "channel" if self.group_size < 0 else f"g{self.group_size}"
-            return f"{self.producer} w{self.bits}a16 {group} ({self.method} layout)"
+            held = f" as int{self.bits}" if self.stored_bits else ""
+            return f"{self.producer} w{self.stored_bits or self.bits}a16 {group}{held} ({self.method} layout)"
         if self.source:
             form = f"{self.codebook} codes" if self.codebook else f"int{self.bits}"
             return f"{self.source} as {form} " + ("per-row" if self.group_size < 0 else f"g{self.group_size}")
@@ -128,7 +133,10 @@ class Int4Spec:
         method = self.method + (
             " int-quantized" if self.method == "compressed-tensors" and not self.packed else ""
         )
-        return f"{method} w{self.bits}a16 {group}" + (" act-order" if self.act_order else "")
+        held = f" as int{self.bits}" if self.stored_bits else ""
+        return f"{method} w{self.stored_bits or self.bits}a16 {group}{held}" + (
+            " act-order" if self.act_order else ""
+        )
 
     @property
     def tensors(self) -> tuple[str, ...]:
@@ -180,10 +188,19 @@ class Unpacked(NamedTuple):
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Unsigned values from int32s packed along `dim` (0 or 1), value j of an int32 at bits `bits * j`."""
+    """Unsigned values from int32s packed along `dim` (0 or 1): the words along `dim` a little-endian bit
+    stream, value j at bit `bits * j`: 2, 4 or 8 bits whole values an int32 (value j of a word at bits
+    `bits * j`), 3 bits 32 values in 3 words, two of them across a word's end (GPTQ's packing)."""
+    mask = (1 << bits) - 1
+    if 32 % bits:
+        w = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+        at = torch.arange(w.shape[-1] * 32 // bits, device=packed.device) * bits
+        word, shift = at // 32, at % 32
+        # a value's bits in its word, and those past the word's end at the bottom of the next
+        spill = w[..., (word + 1).clamp(max=w.shape[-1] - 1)] << (32 - shift)
+        return (((w[..., word] >> shift) | spill) & mask).movedim(-1, dim).to(torch.int16)
     per = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-    mask = (1 << bits) - 1
     if dim == 0:  # [R, C] -> [R * per, C]
         v = (packed.unsqueeze(1) >> shifts.view(1, per, 1)) & mask
         return v.reshape(packed.shape[0] * per, packed.shape[1]).to(torch.int16)
@@ -193,16 +210,24 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """The inverse of `unpack_int32`: values (0 .. 2^bits - 1) packed along `dim` into int32s."""
-    per = 32 // bits
     v = values.to(torch.int64)
-    if dim == 0:
-        v = v.reshape(v.shape[0] // per, per, v.shape[1]).transpose(1, 2)
+    if 32 % bits:  # (3 bits: a bit stream, some values across two words)
+        v = v.movedim(dim, -1)
+        at = torch.arange(v.shape[-1], device=v.device) * bits
+        index, shift = (at // 32).expand_as(v), at % 32
+        word = torch.zeros(*v.shape[:-1], v.shape[-1] * bits // 32 + 1, dtype=torch.int64, device=v.device)
+        word.scatter_add_(-1, index, (v << shift) & 0xFFFFFFFF)  # (no two values share a bit)
+        word.scatter_add_(-1, index + 1, v >> (32 - shift))  # (the bits that cross a word's end)
+        word = word[..., :-1].movedim(-1, dim)
     else:
-        v = v.reshape(v.shape[0], v.shape[1] // per, per)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=v.device)
-    word = (v << shifts).sum(-1)
+        per = 32 // bits
+        if dim == 0:
+            v = v.reshape(v.shape[0] // per, per, v.shape[1]).transpose(1, 2)
+        else:
+            v = v.reshape(v.shape[0], v.shape[1] // per, per)
+        word = (v << torch.arange(0, 32, bits, dtype=torch.int64, device=v.device)).sum(-1)
     word = torch.where(word >= 2**31, word - 2**32, word)  # as int32's two's complement
-    return word.to(torch.int32)
+    return word.to(torch.int32).contiguous()
 
 
 def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
@@ -260,10 +285,11 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
         zero = _awq_columns(parts["qzeros"]).t().float()
         scale = parts["scales"].float().t()
     elif spec.method == "gptq":
-        q = unpack_int32(parts["qweight"], spec.bits, dim=0).t()
+        bits = spec.stored_bits or spec.bits
+        q = unpack_int32(parts["qweight"], bits, dim=0).t()
         # v1 adds the 1 back without wrapping, as AutoGPTQ's and vLLM's kernels do (a zero of 0 was
-        # stored as 15 and reads as 16: those checkpoints' own flaw, read as every reader reads it)
-        zero = (unpack_int32(parts["qzeros"], spec.bits, dim=1).float() + spec.zero_offset).t()
+        # stored as 2^bits - 1 and reads as 2^bits: those checkpoints' own flaw, read as every reader does)
+        zero = (unpack_int32(parts["qzeros"], bits, dim=1).float() + spec.zero_offset).t()
         scale = parts["scales"].float().t()
     else:
         q = unpack_int32(parts["weight_packed"], spec.bits, dim=1)
