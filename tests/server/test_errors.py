@@ -88,7 +88,7 @@ def test_bad_key_is_401_on_every_endpoint_but_health(server, model):
 
 def test_models_card_names_the_kv_cache(client):
     card = client.get("/v1/models").json()["data"][0]
-    assert re.fullmatch(r"(float32|bfloat16|float16|fp8_e4m3), \d+ B/token", card["kv_cache"]), card
+    assert re.fullmatch(r"(float32|bfloat16|float16|fp8_e4m3|fp8_e5m2), \d+ B/token", card["kv_cache"]), card
 
 
 def test_unknown_model_is_404(client, model):
