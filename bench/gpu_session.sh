@@ -157,14 +157,16 @@ step() {  # $1: seconds at most, $2: log name, the rest: the command. Cut to wha
 }
 
 # (in the order they matter now: pytest-xdist hands tests out in this order, and a call cut at its limit
-# (an H200's at 165 s, ~85% of them) leaves the last out: what no GPU has run yet (PDL, the FP8 rounding
-# and act-order's column order in the norm and activation, the swapped tiles, the MoE align kernel), then
-# the open issue's quantized formats and FP8 KV)
-cuda_tests=(tests/test_pdl.py tests/model/test_fp8_rounding.py tests/model/test_ordered_columns.py
+# (an H200's at 165 s, ~85% of them) leaves the last out: what no GPU has run yet (the e5m2 KV cache's
+# kernels, PDL, the FP8 rounding and act-order's column order in the norm and activation, the swapped
+# tiles, the MoE align kernel), then the open issue's quantized formats and FP8 KV)
+cuda_tests=(tests/attention/test_fp8_kv.py tests/test_pdl.py tests/model/test_fp8_rounding.py
+  tests/model/test_ordered_columns.py
   tests/engine/test_cuda.py tests/model/test_quant_fp8.py tests/model/test_quant_int4.py
   tests/model/test_deferred_weights.py tests/model/test_quant_gguf_int4.py tests/model/test_gguf_moe.py
   tests/model/test_moe.py tests/model/test_int4_kernels.py tests/model/test_quant_rtn.py
-  tests/model/test_quant_bnb_online.py tests/engine/test_fp8_kv.py tests/attention
+  tests/model/test_quant_bnb_online.py tests/engine/test_fp8_kv.py tests/attention/test_triton.py
+  tests/attention/test_torch_ref.py tests/attention/test_window_backends.py
   tests/sampling tests/model/test_fused_kernels.py tests/engine/test_window_kv.py tests/spec/test_graphs.py
   tests/distributed tests/engine/test_pooling.py tests/lora
   tests/engine/test_vision.py tests/engine/test_vision_gemma3.py tests/engine/test_qwen_vl.py

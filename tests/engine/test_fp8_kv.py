@@ -203,11 +203,12 @@ def test_kv_scale_names_and_bad_scales():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs over an fp8 cache")
-def test_fp8_kv_on_cuda_graphs_replay_the_eager_tokens(qwen3):
-    """On a GPU: the Triton kernels and fused store over an fp8 cache, decode replayed from CUDA graphs
-    (the scales read from device tensors inside them), give the eager run's tokens."""
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_on_cuda_graphs_replay_the_eager_tokens(qwen3, kv):
+    """On a GPU: the Triton kernels and fused store over an fp8 cache (e4m3, e5m2), decode replayed from
+    CUDA graphs (the scales read from device tensors inside them), give the eager run's tokens."""
     prompts = make_prompts(1000, n=6, seed=8, max_len=60, shared_prefix=20)
-    opts = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", attention_backend="auto")
+    opts = dict(device="cuda", dtype="bfloat16", kv_cache_dtype=kv, attention_backend="auto")
     graphs = _greedy(qwen3, prompts, **opts)
     eager = _greedy(qwen3, prompts, cuda_graph_max_bs=0, **opts)
     assert graphs == eager
