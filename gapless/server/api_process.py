@@ -134,6 +134,7 @@ def http_server(
         media=MediaPolicy.of_args(args),
     )
     metrics.set_weights(info.weight_formats)
+    metrics.set_kv_cache(info.kv_cache)
     app = create_app(ServerState(settings, client, health, metrics))
     config = uvicorn.Config(
         app,

@@ -101,6 +101,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.kv_cache = Gauge(
+            "gapless_kv_cache_info",
+            "The KV cache's element type and bytes per token, as a label (value 1): bfloat16, fp8_e4m3, "
+            "fp8_e5m2, ...",
+            ["model", "kv_cache"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.integrity = Gauge(
             "gapless_integrity_ok",
             "1 if the KV integrity check passed when last idle, 0 if it failed, -1 if not checked (busy)",
@@ -113,6 +121,11 @@ class Metrics:
         """The weights' formats, once at start-up: layers holding each (e.g. "fp8 e4m3 block 128x128")."""
         for label, layers in formats.items():
             self.weight_formats.labels(self.model, label).set(layers)
+
+    def set_kv_cache(self, summary: str) -> None:
+        """The KV cache's format, once at start-up (`KVPool.summary`: "fp8_e4m3, 57344 B/token")."""
+        if summary:
+            self.kv_cache.labels(self.model, summary).set(1)
 
     def started(self) -> None:
         """An HTTP request was submitted."""

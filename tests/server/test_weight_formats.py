@@ -1,5 +1,6 @@
-"""`/v1/models` and `/metrics` say which weight formats the served model's layers are held in (what the
-scheduler reported at start-up: `SchedulerInfo.quantization` and `weight_formats`)."""
+"""`/v1/models` and `/metrics` say which weight formats the served model's layers are held in, and the KV
+cache's (what the scheduler reported at start-up: `SchedulerInfo.quantization`, `weight_formats` and
+`kv_cache`)."""
 
 from __future__ import annotations
 
@@ -22,18 +23,21 @@ class _Client:
 def _app(info: SchedulerInfo):
     metrics = Metrics("m")
     metrics.set_weights(info.weight_formats)
+    metrics.set_kv_cache(info.kv_cache)
     return create_app(ServerState(Settings("m", "/models/m", info), _Client(), Health(), metrics))  # type: ignore[arg-type]  # the stand-in client
 
 
 def test_models_and_metrics_name_the_weight_formats():
     formats = {"bfloat16": 1, "fp8 e4m3 block 128x128": 196}
-    info = SchedulerInfo(64, 64, "cuda:0", 100, 2048, "weights: 9.1 GB", "fp8", formats)
+    kv = "fp8_e5m2, 73728 B/token"
+    info = SchedulerInfo(64, 64, "cuda:0", 100, 2048, "weights: 9.1 GB", "fp8", formats, kv_cache=kv)
     with TestClient(_app(info)) as http:
         card = http.get("/v1/models").json()["data"][0]
-        assert card["quantization"] == "fp8" and card["weight_formats"] == formats
+        assert card["quantization"] == "fp8" and card["weight_formats"] == formats and card["kv_cache"] == kv
         text = http.get("/metrics").text
     assert 'gapless_weight_format_layers{format="fp8 e4m3 block 128x128",model="m"} 196.0' in text, text
     assert 'gapless_weight_format_layers{format="bfloat16",model="m"} 1.0' in text
+    assert 'gapless_kv_cache_info{kv_cache="fp8_e5m2, 73728 B/token",model="m"} 1.0' in text, text
 
 
 def test_a_float_model_says_no_quantization():
