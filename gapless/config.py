@@ -20,7 +20,8 @@ SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # gapless.engine.spec
 E4M3_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 E5M2_KV_CACHE_DTYPE = "fp8_e5m2"
 FP8_KV_CACHE_DTYPES = (*E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE)
-KV_CACHE_DTYPES = ("auto", "bfloat16", *FP8_KV_CACHE_DTYPES)
+UNQUANTIZED_KV_CACHE_DTYPES = ("bfloat16", "bf16")  # (vLLM's name; SGLang's too, and its short one)
+KV_CACHE_DTYPES = ("auto", *UNQUANTIZED_KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES)
 # --load-format's values, vLLM's names (gapless.engine.preflight)
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf", "bitsandbytes")
 # --task's names (vLLM's and SGLang's too) and the task each means (gapless.engine.pooling)
@@ -98,10 +99,10 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto",
         "the KV cache's element type (vLLM's flag): auto: the checkpoint's own where its ModelOpt "
-        "config names FP8 (as vLLM), else the model's dtype; bfloat16: the model's dtype, whatever the "
-        "checkpoint says; fp8 or fp8_e4m3: float8 e4m3 with per-layer k/v scales from the checkpoint "
-        "(else 1.0), twice the tokens per byte; fp8_e5m2: float8 e5m2, scaled the same way (wider range, "
-        "one mantissa bit fewer; any GPU, where e4m3 needs sm_89+)",
+        "config names FP8 (as vLLM), else the model's dtype; bfloat16 (or SGLang's bf16): the model's "
+        "dtype, whatever the checkpoint says; fp8 or fp8_e4m3: float8 e4m3 with per-layer k/v scales from "
+        "the checkpoint (else 1.0), twice the tokens per byte; fp8_e5m2: float8 e5m2, scaled the same way "
+        "(wider range, one mantissa bit fewer; any GPU, where e4m3 needs sm_89+)",
     )
     quantization: str | None = option(
         None,

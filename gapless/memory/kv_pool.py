@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from gapless.config import E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE
+from gapless.config import E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE, UNQUANTIZED_KV_CACHE_DTYPES
 
 FP8 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -26,17 +26,18 @@ E5M2_MAX = 57344.0  # e5m2's
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, checkpoint: str | None = None) -> torch.dtype:
     """The KV pool's dtype for `--kv-cache-dtype` `name` (vLLM's names): "auto" is the checkpoint's own
     KV format where it names one (`checkpoint`: `declared.checkpoint_kv_cache`, ModelOpt's FP8), else the
-    model's dtype; "bfloat16" (vLLM's name for an unquantized cache, whatever the checkpoint says) the
-    model's dtype; "fp8"/"fp8_e4m3" float8 e4m3; "fp8_e5m2" float8 e5m2; anything else is refused by name."""
+    model's dtype; "bfloat16" or "bf16" (vLLM's and SGLang's names for an unquantized cache, whatever the
+    checkpoint says) the model's dtype; "fp8"/"fp8_e4m3" float8 e4m3; "fp8_e5m2" float8 e5m2; anything
+    else is refused by name."""
     if name == "auto" and checkpoint is not None:
         name = checkpoint
-    if name in ("auto", "bfloat16"):
+    if name == "auto" or name in UNQUANTIZED_KV_CACHE_DTYPES:
         return model_dtype
     if name in E4M3_KV_CACHE_DTYPES:
         return FP8
     if name == E5M2_KV_CACHE_DTYPE:
         return E5M2
-    raise ValueError(f"kv_cache_dtype={name!r}: must be auto, bfloat16, fp8, fp8_e4m3 or fp8_e5m2")
+    raise ValueError(f"kv_cache_dtype={name!r}: must be auto, bfloat16, bf16, fp8, fp8_e4m3 or fp8_e5m2")
 
 
 def fp8_max(dtype: torch.dtype) -> float:

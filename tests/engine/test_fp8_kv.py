@@ -143,7 +143,7 @@ def test_bad_kv_cache_dtype_is_refused_by_name(value, message):
 
 
 def test_kv_cache_dtype_flag_takes_vllm_values():
-    for value in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"):
+    for value in ("auto", "bfloat16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"):  # (bf16: SGLang's)
         args = parse_args(["serve", "m", "--kv-cache-dtype", value])
         assert engine_options(args)["kv_cache_dtype"] == value
         EngineConfig(model="m", kv_cache_dtype=value)
