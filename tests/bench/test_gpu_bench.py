@@ -187,14 +187,15 @@ def test_gpu_bench_script_writes_its_files(tmp_path):
     assert res["report"] in (tmp_path / "gpu_bench.log").read_text()
 
 
-def test_gpu_bench_fp8_kv_reaches_the_engine_and_the_byte_count():
-    argv = "--quick --size tiny --device cpu --dtype float32 --runs greedy --skip-hf --kv-cache-dtype fp8"
+@pytest.mark.parametrize(("kv", "name"), [("fp8", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")])
+def test_gpu_bench_fp8_kv_reaches_the_engine_and_the_byte_count(kv, name):
+    argv = f"--quick --size tiny --device cpu --dtype float32 --runs greedy --skip-hf --kv-cache-dtype {kv}"
     res = gpu.main(argv.split())
-    assert res["errors"] == [] and res["greedy"]["engine_options"]["kv_cache_dtype"] == "fp8"
+    assert res["errors"] == [] and res["greedy"]["engine_options"]["kv_cache_dtype"] == kv
     mi = res["model_info"]
-    assert mi["kv_cache_dtype"] == "fp8_e4m3"
+    assert mi["kv_cache_dtype"] == name
     per_layer = 2 * mi["num_key_value_heads"] * mi["head_dim"]
     assert mi["kv_bytes_per_token"] == per_layer * mi["num_hidden_layers"]  # one byte an element
-    assert "fp8_e4m3 KV per token" in res["report"]
+    assert f"{name} KV per token" in res["report"]
     with pytest.raises(SystemExit):
         gpu.main([*argv.split()[:-2], "--engine-option", "kv_cache_dtype=fp8"])
