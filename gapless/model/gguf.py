@@ -8,8 +8,8 @@ what the safetensors path already has: the metadata into a Hugging Face style `c
 Hugging Face names and layouts: dequantized to float32 (the loader casts them to the engine's dtype), or,
 where the loader keeps them quantized (`gapless.model.quant.gguf_cpu`), quantized matrices as their blocks.
 The tensor types read are F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K-Q6_K, the
-i-quants IQ1_S-IQ4_XS and MXFP4; a file holding another (TQ1_0, TQ2_0, ...) is refused by name with its
-config.
+i-quants IQ1_S-IQ4_XS, MXFP4 and the ternary TQ1_0/TQ2_0; a file holding another is refused by name with
+its config.
 
 The tokenizer and chat template are built by transformers from the same file
 (`gapless.model.source.load_tokenizer`); sampling defaults, where the file has them (`general.sampling.*`,

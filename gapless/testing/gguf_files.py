@@ -229,6 +229,7 @@ def _llama3_factors(cfg: dict, rope: dict) -> np.ndarray:
 _F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82]}
 _F16_AT |= {"Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 _F16_AT |= {t: [0] for t in ("IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S")}
+_F16_AT |= {"TQ1_0": [52], "TQ2_0": [64]}
 
 
 def _iq1_m_scales(data: np.ndarray, d: np.ndarray) -> None:

@@ -138,7 +138,20 @@ def test_fp8_sweep_configs_are_distinct_and_cover_the_one_row_split():
 
 def test_gguf_decode_rates_every_type():
     rates = _experiment("gguf_decode").main(["--rows", "16", "--cols", "256"])
-    legacy_and_k = {"Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"}
+    legacy_and_k = {
+        "Q4_0",
+        "Q4_1",
+        "Q4_K",
+        "Q8_0",
+        "Q5_0",
+        "Q5_1",
+        "Q5_K",
+        "Q6_K",
+        "Q3_K",
+        "Q2_K",
+        "TQ1_0",
+        "TQ2_0",
+    }
     i_quants = {
         "IQ4_NL",
         "IQ4_XS",

@@ -126,8 +126,9 @@ def test_embedding_rows_read_from_the_file_are_its_weights(qtype):
 
 
 def test_an_unknown_type_is_refused_by_name():
-    b = GGUFBlocks("TQ2_0", 256, np.zeros((4, 66), dtype=np.uint8))
-    with pytest.raises(ValueError, match="TQ2_0 is not run quantized"):
+    size = gguf.GGML_QUANT_SIZES[GQ.Q8_1][1]  # (Q8_1: llama.cpp's activations' type, blocks of 32)
+    b = GGUFBlocks("Q8_1", 32, np.zeros((4, size), dtype=np.uint8))
+    with pytest.raises(ValueError, match="Q8_1 is not run quantized"):
         linear_method([b], None)
 
 
@@ -256,13 +257,14 @@ def test_a_file_with_a_type_gapless_does_not_read_is_refused_by_name(ckpt_factor
     monkeypatch.setattr(
         gguf.quants,
         "quantize",
-        lambda w, kind: (  # (ternary TQ2_0: blocks of 256 in 66 bytes)
-            np.zeros((w.shape[0], w.shape[1] // 256 * 66), np.uint8) if kind == GQ.TQ2_0 else real(w, kind)
+        lambda w, kind: (  # (Q8_1, llama.cpp's activations' type: blocks of 32)
+            np.zeros((w.shape[0], w.shape[1] // 32 * gguf.GGML_QUANT_SIZES[GQ.Q8_1][1]), np.uint8)
+            if kind == GQ.Q8_1
+            else real(w, kind)
         ),
     )
-    ckpt = ckpt_factory("llama", rope_scaling=None, hidden_size=256, intermediate_size=256, head_dim=64)
-    path = write_gguf(ckpt, tmp_path / "tq.gguf", "TQ2_0")
-    with pytest.raises(ValueError, match=r"GGUF tensor type TQ2_0 \(e\.g\. .*\) in .* is not supported"):
+    path = write_gguf(ckpt_factory("llama", rope_scaling=None), tmp_path / "q81.gguf", "Q8_1")
+    with pytest.raises(ValueError, match=r"GGUF tensor type Q8_1 \(e\.g\. .*\) in .* is not supported"):
         load_model_config(path)
 
 

@@ -11,7 +11,7 @@ import torch
 from gapless import LLM, SamplingParams
 from gapless.model import layers, loader, parallel
 from gapless.model.quant import gguf_iq, weights_held
-from gapless.model.quant.gguf_blocks import AFFINE, INT4_TYPES, int8_rows
+from gapless.model.quant.gguf_blocks import AFFINE, INT4_TYPES, TERNARY, int8_rows
 from gapless.model.quant.gguf_int4 import DeviceRows, spec_for, unpacked
 from gapless.model.quant.int4 import Int4LinearMethod
 from gapless.testing.gguf_files import random_blocks, write_gguf
@@ -38,14 +38,16 @@ def test_4_bit_types_hold_the_files_values_in_groups_of_32(qtype):
 
 @pytest.mark.parametrize("qtype", sorted(set(AFFINE) - set(gguf_iq.FORMS)))  # (the i-quants: test_gguf_iq)
 def test_the_other_types_hold_the_files_values_and_scales(qtype):
-    """Q8_0, Q5_0/Q5_1, Q5_K, Q6_K, Q3_K and Q2_K: their own values in groups of their own scales
-    (`AFFINE`; Q3_K's 6-bit scales unpacked from their two places), the file's weights to float32's
-    rounding, a group whose scale is 0 exact too; on the CPU, whose kernels take groups of 32 and more,
-    Q6_K, Q3_K and Q2_K as int8 rows."""
+    """Q8_0, Q5_0/Q5_1, Q5_K, Q6_K, Q3_K, Q2_K and the ternary TQ1_0/TQ2_0: their own values in groups of
+    their own scales (`AFFINE`; Q3_K's 6-bit scales unpacked from their two places, TQ1_0's trits from
+    base 3), the file's weights to float32's rounding, a group whose scale is 0 exact too; on the CPU,
+    whose kernels take groups of 32 and more, Q6_K, Q3_K and Q2_K as int8 rows."""
     bits, group = AFFINE[qtype]
     b = random_blocks(qtype, 24, 512)
-    scale_at = {"Q8_0": 0, "Q5_0": 0, "Q5_1": 0, "Q5_K": 0, "Q6_K": 208, "Q3_K": 108, "Q2_K": 80}[qtype]
-    size = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "Q2_K": 84}[qtype]
+    scale_at = {"Q8_0": 0, "Q5_0": 0, "Q5_1": 0, "Q5_K": 0, "Q6_K": 208, "Q3_K": 108, "Q2_K": 80}
+    scale_at = (scale_at | TERNARY)[qtype]
+    size = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "Q2_K": 84}
+    size = (size | {"TQ1_0": 54, "TQ2_0": 66})[qtype]
     b.data.reshape(24, -1, size)[5, 0, scale_at : scale_at + 2] = 0  # row 5's first d an f16 0
     spec = spec_for([b])
     assert (spec.bits, spec.group_size) == (bits, group) and spec.label == f"{qtype} as int{bits} g{group}"
@@ -111,13 +113,18 @@ def assert_kept_on_the_path(model, label: str) -> None:
     assert isinstance(model.model.embed_tokens.quantized_rows, DeviceRows)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K", "TQ1_0"])
 def test_greedy_equals_transformers_reading_the_file(ckpt_factory, tmp_path, monkeypatch, int4_path, qtype):
     """Each form in a whole model (the K-quants' files random blocks, which gguf-py cannot write from
     weights): transformers' greedy tokens reading the same file, divergences at near-ties only."""
     from transformers import AutoModelForCausalLM
 
-    wide = dict(hidden_size=256, intermediate_size=256, head_dim=64) if qtype.endswith("_K") else {}
+    # (super-blocks of 256: the K-quants' and the ternary types' files are 256 wide, random blocks)
+    wide = (
+        dict(hidden_size=256, intermediate_size=256, head_dim=64)
+        if qtype.endswith("_K") or qtype in TERNARY
+        else {}
+    )
     ckpt = ckpt_factory("llama", rope_scaling=None, **wide)
     path = tmp_path / f"llama.{qtype}.gguf"
     path = _k_quant_gguf(ckpt, path, monkeypatch, qtype) if wide else write_gguf(ckpt, path, qtype)
@@ -183,7 +190,12 @@ def test_each_rank_holds_its_piece_of_the_files_weights(ckpt_factory, tmp_path, 
     """Two ranks (on the reference path, `GAPLESS_INT4_KERNEL=triton`: each type's own form, as a GPU
     holds it): every projection and the head quantized (q/k/v, gate/up and the head cut by rows; o and
     down by groups), each rank's weight the dequantized file's piece, its embedding rows the file's."""
-    wide = dict(hidden_size=256, intermediate_size=256, head_dim=64) if qtype.endswith("_K") else {}
+    # (super-blocks of 256: the K-quants' and the ternary types' files are 256 wide, random blocks)
+    wide = (
+        dict(hidden_size=256, intermediate_size=256, head_dim=64)
+        if qtype.endswith("_K") or qtype in TERNARY
+        else {}
+    )
     ckpt = ckpt_factory("llama", rope_scaling=None, **wide)
     path = tmp_path / f"m.{qtype}.gguf"
     path = _k_quant_gguf(ckpt, path, monkeypatch, qtype) if wide else write_gguf(ckpt, path, qtype)

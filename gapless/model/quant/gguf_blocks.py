@@ -17,11 +17,14 @@ from gapless.model.quant import gguf_iq
 from gapless.model.quant.gguf_bits import bits, f16, nibbles
 
 GROUP = 32  # an int4 form's group: a Q4_0/Q4_1 block, a Q4_K sub-block
+# the ternary types (TriLM's, BitNet's): a trit a weight, `w = (q - 1) * d` with one f16 d a block of 256,
+# at its end (TQ1_0: 5 trits a byte in base 3, scaled by 256/243; TQ2_0: 2 bits a trit)
+TERNARY = {"TQ1_0": 52, "TQ2_0": 64}  # (where each block's d sits)
 _CHUNK_ROWS = 1024  # rows dequantized at a time on the way to int8
 
 # types the int4 layout holds exactly, and those the CPU requantizes to int8 rows (`gguf_cpu`)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", *gguf_iq.FORMS)
+INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", *gguf_iq.FORMS, *TERNARY)
 QUANTIZED_TYPES = INT4_TYPES + INT8_TYPES
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -85,6 +88,7 @@ AFFINE = {
     "Q3_K": (4, 16),
     "Q2_K": (4, 16),
     **gguf_iq.FORMS,
+    **{t: (4, 256) for t in TERNARY},
 }
 FORMS = {t: (4, GROUP) for t in INT4_TYPES} | AFFINE  # every quantized type's (bits, group)
 
@@ -94,6 +98,9 @@ def _group_scales(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     i-quants': `gguf_iq`): `w = q * scale + offset` over each group of the type's, q its unsigned values
     (`_values`), read from the blocks' headers as llama.cpp's dequantization takes them (ggml-quants.c)."""
     rows = blk.shape[0]
+    if qtype in TERNARY:  # (q - 1) * d, one group a block
+        d = f16(blk[..., TERNARY[qtype] : TERNARY[qtype] + 2])
+        return d, -d
     if qtype in ("Q8_0", "Q5_0", "Q4_0"):  # (q - 128) * d, (q - 16) * d, (q - 8) * d
         d = f16(blk[..., 0:2])
         return d, -d * {"Q8_0": 128, "Q5_0": 16, "Q4_0": 8}[qtype]
@@ -125,7 +132,12 @@ def _values(qtype: str, blk: torch.Tensor) -> torch.Tensor:
     """A legacy or K-quant type's unsigned values (the i-quants': `gguf_iq`), uint8 [rows, cols] in weight
     order, read from its blocks (`_blocks`) as llama.cpp's `dequantize_row_*` reads them."""
     rows = blk.shape[0]
-    if qtype == "Q8_0":  # 32 int8 values after d: + 128, the sign bit flipped
+    if qtype == "TQ2_0":  # two halves of 128: 32 bytes each, run j at bits 2j
+        shifts = torch.arange(0, 8, 2, device=blk.device, dtype=torch.uint8)[:, None]
+        q = (blk[..., 0:64].reshape(rows, -1, 2, 1, 32) >> shifts) & 3
+    elif qtype == "TQ1_0":
+        q = _trits(blk)
+    elif qtype == "Q8_0":  # 32 int8 values after d: + 128, the sign bit flipped
         q = blk[..., 2:34] ^ 128
     elif qtype in ("Q4_0", "Q4_1"):  # 16 bytes of nibbles after d (and m)
         q = nibbles(blk[..., 2 if qtype == "Q4_0" else 4 :])
@@ -153,6 +165,19 @@ def _values(qtype: str, blk: torch.Tensor) -> torch.Tensor:
         if qtype == "Q3_K":
             q = q | (bits(blk[..., 0:32], 8).view(q.shape) << 2)
     return q.reshape(rows, -1)
+
+
+def _trits(blk: torch.Tensor) -> torch.Tensor:
+    """TQ1_0's 256 trits a block (uint8 [rows, blocks, 256]): 32 bytes of 5 (trit k of byte j is weight
+    32k + j), 16 bytes of 5 (160 + 16k + j), then 4 of 4 (240 + 4k + j), each byte a base-3 fraction of
+    256: trit k is `(byte * 3^k mod 256) * 3 >> 8`, as llama.cpp's `dequantize_row_tq1_0` reads it."""
+    rows, n = blk.shape[:2]
+    runs = []
+    for at, count, width in ((0, 5, 32), (32, 5, 16), (48, 4, 4)):
+        powers = 3 ** torch.arange(count, device=blk.device, dtype=torch.int32)[:, None]
+        shifted = (blk[..., at : at + width, None].transpose(-1, -2).to(torch.int32) * powers) & 255
+        runs.append((shifted * 3 >> 8).reshape(rows, n, count * width))
+    return torch.cat(runs, dim=-1).to(torch.uint8)
 
 
 def zero_form(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
