@@ -94,7 +94,7 @@ FORMS = {t: (4, GROUP) for t in INT4_TYPES} | AFFINE  # every quantized type's (
 
 
 def _group_scales(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, offset) float32 [rows, groups] of a legacy or K-quant type's blocks (`_blocks`; the
+    """(scale, offset) float32 [rows, groups] of a legacy, K-quant or ternary type's blocks (`_blocks`; the
     i-quants': `gguf_iq`): `w = q * scale + offset` over each group of the type's, q its unsigned values
     (`_values`), read from the blocks' headers as llama.cpp's dequantization takes them (ggml-quants.c)."""
     rows = blk.shape[0]
@@ -129,8 +129,8 @@ def _group_scales(qtype: str, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _values(qtype: str, blk: torch.Tensor) -> torch.Tensor:
-    """A legacy or K-quant type's unsigned values (the i-quants': `gguf_iq`), uint8 [rows, cols] in weight
-    order, read from its blocks (`_blocks`) as llama.cpp's `dequantize_row_*` reads them."""
+    """A legacy, K-quant or ternary type's unsigned values (the i-quants': `gguf_iq`), uint8 [rows, cols] in
+    weight order, read from its blocks (`_blocks`) as llama.cpp's `dequantize_row_*` reads them."""
     rows = blk.shape[0]
     if qtype == "TQ2_0":  # two halves of 128: 32 bytes each, run j at bits 2j
         shifts = torch.arange(0, 8, 2, device=blk.device, dtype=torch.uint8)[:, None]
