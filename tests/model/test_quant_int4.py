@@ -21,7 +21,7 @@ from gapless.model.quant import split_k, weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4 import Int4LinearMethod, install
 from gapless.model.quant.int4_configs import int4_spec_from_config
-from gapless.model.quant.int4_layouts import AWQ_ORDER, Int4Spec, unpack
+from gapless.model.quant.int4_layouts import AWQ_ORDER, Int4Spec, pack_int32, unpack, unpack_int32
 from gapless.model.quant.int4_triton import (
     GEMV_PROGRAMS_PER_SM,
     GemmConfig,
@@ -94,6 +94,28 @@ def test_awq_word_holds_its_columns_interleaved():
     parts["scales"] = torch.ones(1, 8)
     w = unpack(Int4Spec("awq", 4, 32, False), parts, "probe")
     assert w.q[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def test_gptq_3_bit_words_are_autogptqs_packing():
+    """3 bits a value, as AutoGPTQ's `pack` loop writes them (by hand here: per 3 words, 10 values, one
+    split 2 + 1 bits across the first two words, 10 more, one split 1 + 2 across the next, 10 more), are
+    what `unpack_int32` reads and `pack_int32` writes, along K (qweight) and along N (qzeros)."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.randint(0, 8, (64, 5), generator=g)
+    words = []
+    for col in values.t().tolist():
+        packed = []
+        for i in range(0, len(col), 32):
+            v = col[i : i + 32]
+            w0 = sum(v[j] << (3 * j) for j in range(10)) | ((v[10] & 3) << 30)
+            w1 = (v[10] >> 2) | sum(v[11 + j] << (3 * j + 1) for j in range(10)) | ((v[21] & 1) << 31)
+            w2 = (v[21] >> 1) | sum(v[22 + j] << (3 * j + 2) for j in range(10))
+            packed += [w - (1 << 32) if w >= 1 << 31 else w for w in (w0, w1, w2)]
+        words.append(packed)
+    qweight = torch.tensor(words, dtype=torch.int32).t()  # [K * 3 / 32, N]
+    assert torch.equal(unpack_int32(qweight, 3, dim=0).long(), values)
+    assert torch.equal(pack_int32(values, 3, dim=0), qweight)
+    assert torch.equal(unpack_int32(qweight.t().contiguous(), 3, dim=1).long(), values.t())  # (qzeros' way)
 
 
 CASES = [  # layout, bits, group, symmetric
