@@ -17,10 +17,13 @@ from gapless.config import E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE, UNQUANTIZE
 
 FP8 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-FP8_DTYPES = (FP8, E5M2)  # the fp8 caches' element types
-FP8_NAMES = {FP8: "fp8_e4m3", E5M2: "fp8_e5m2"}  # how the start-up line and the benchmarks name them
 FP8_MAX = 448.0  # e4m3's largest finite value: the store saturates there
 E5M2_MAX = 57344.0  # e5m2's
+# the fp8 caches' element types: how the start-up line and the benchmarks name each, and where its store
+# saturates
+FP8_NAMES = {FP8: "fp8_e4m3", E5M2: "fp8_e5m2"}
+_FP8_MAX = {FP8: FP8_MAX, E5M2: E5M2_MAX}
+FP8_DTYPES = tuple(FP8_NAMES)
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, checkpoint: str | None = None) -> torch.dtype:
@@ -41,8 +44,8 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, checkpoint: str | None =
 
 
 def fp8_max(dtype: torch.dtype) -> float:
-    """The largest finite value of an fp8 cache's element type: where its store saturates."""
-    return FP8_MAX if dtype == FP8 else E5M2_MAX
+    """The largest finite value of an fp8 cache's element type (e4m3 or e5m2): where its store saturates."""
+    return _FP8_MAX[dtype]
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gapless.config import E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE
+from gapless.config import E5M2_KV_CACHE_DTYPE, FP8_KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -426,7 +426,7 @@ def check_kv_cache(name: str, device: torch.device | str) -> None:
     read or store the cache with (`auto` there keeps the model's dtype: `declared.checkpoint_kv_cache`;
     fp8_e5m2 runs there). fp8_e5m2 asked for where e4m3 runs is taken, with a warning that e4m3 is the
     more accurate of the two."""
-    if name not in (*E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE):
+    if name not in FP8_KV_CACHE_DTYPES:
         return
     import torch
 
