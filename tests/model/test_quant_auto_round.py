@@ -181,7 +181,7 @@ def _theirs(tensors: dict[str, torch.Tensor], module: str, spec, in_features: in
     from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
 
     n = parts["scales"].shape[1]
-    layer = QuantLinear(spec.stored_bits or spec.bits, spec.group_size, in_features, n, bias=False)
+    layer = QuantLinear(spec.checkpoint_bits, spec.group_size, in_features, n, bias=False)
     layer.qweight, layer.qzeros, layer.scales = parts["qweight"], parts["qzeros"], parts["scales"]
     with torch.no_grad():
         return layer(torch.eye(in_features, dtype=parts["scales"].dtype)).float().t()
@@ -218,7 +218,7 @@ def test_a_checkpoint_auto_round_wrote_is_read_as_its_own_readers_read_it(
     qdir = next((tmp_path / "out").iterdir())
     qcfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
     spec = int4_spec_from_config(qcfg)
-    assert spec is not None and spec.producer == "auto-round" and (spec.stored_bits or spec.bits) == bits
+    assert spec is not None and spec.producer == "auto-round" and spec.checkpoint_bits == bits
     tensors = load_file(str(next(qdir.glob("*.safetensors"))))
     reference = load_file(str(src / "model.safetensors"))
     modules = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".qweight")})

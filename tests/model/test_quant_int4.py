@@ -142,7 +142,7 @@ def test_unpacked_layout_equals_the_writers_formula(layout, bits, group, sym):
     w = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(bits)), bits, group, sym)
     stored = layout_tensors(w, layout, bits, group)
     spec = int4_spec_from_config(quantization_config(layout, bits, group, sym))
-    assert spec is not None and (spec.stored_bits or spec.bits) == bits and spec.bits == max(bits, 4)
+    assert spec is not None and spec.checkpoint_bits == bits and spec.bits == max(bits, 4)
     got = unpack(spec, stored, "probe").dequantize()
     g = k if group < 0 else group
     want = torch.tensor([[_element(layout, stored, bits, g, i, j) for j in range(k)] for i in range(n)])

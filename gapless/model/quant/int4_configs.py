@@ -68,12 +68,12 @@ def _gptq(qc: dict[str, Any]) -> Int4Spec:  # (desc_act: read from each layer's 
     sym = bool(qc.get("sym", True))
     act_order = bool(qc.get("desc_act")) and not qc.get("static_groups")  # (static: g_idx is k // G)
     zero_offset = 1 if fmt == "gptq" else 0
-    held, stored = held_bits(bits)
+    held, stored = _held_bits(bits)
     head = bool(qc.get("lm_head"))
     return Int4Spec("gptq", held, group, sym, zero_offset, act_order, lm_head=head, stored_bits=stored)
 
 
-def held_bits(bits: int) -> tuple[int, int]:
+def _held_bits(bits: int) -> tuple[int, int]:
     """(the bits GPTQ's layout of `bits` is held in, `Int4Spec.stored_bits`): 2 and 3 as 4 (the kernels
     take 4 and 8), the checkpoint's bits kept for reading it; 4 and 8 as they are (stored_bits 0)."""
     return (4, bits) if bits < 4 else (bits, 0)
@@ -230,7 +230,7 @@ def _auto_round(qc: dict[str, Any]) -> Int4Spec:
         return Int4Spec("awq", bits, group, sym=False, producer=AUTO_ROUND, lm_head=head)
     zero_offset = 1 if layout == "gptq" else 0
     sym = bool(qc.get("sym", True))
-    held, stored = held_bits(bits)
+    held, stored = _held_bits(bits)
     return Int4Spec(
         "gptq", held, group, sym, zero_offset, producer=AUTO_ROUND, lm_head=head, stored_bits=stored
     )

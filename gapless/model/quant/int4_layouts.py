@@ -119,11 +119,17 @@ class Int4Spec:
     stored_bits: int = 0
 
     @property
+    def checkpoint_bits(self) -> int:
+        """The bits a value takes in the checkpoint (`stored_bits` where they are fewer than those held)."""
+        return self.stored_bits or self.bits
+
+    @property
     def label(self) -> str:
+        scheme = f"w{self.checkpoint_bits}a16"  # (and the bits held, where they differ)
+        held = f" as int{self.bits}" if self.stored_bits else ""
         if self.producer:
             group = "channel" if self.group_size < 0 else f"g{self.group_size}"
-            held = f" as int{self.bits}" if self.stored_bits else ""
-            return f"{self.producer} w{self.stored_bits or self.bits}a16 {group}{held} ({self.method} layout)"
+            return f"{self.producer} {scheme} {group}{held} ({self.method} layout)"
         if self.source:
             form = f"{self.codebook} codes" if self.codebook else f"int{self.bits}"
             return f"{self.source} as {form} " + ("per-row" if self.group_size < 0 else f"g{self.group_size}")
@@ -133,10 +139,7 @@ class Int4Spec:
         method = self.method + (
             " int-quantized" if self.method == "compressed-tensors" and not self.packed else ""
         )
-        held = f" as int{self.bits}" if self.stored_bits else ""
-        return f"{method} w{self.stored_bits or self.bits}a16 {group}{held}" + (
-            " act-order" if self.act_order else ""
-        )
+        return f"{method} {scheme} {group}{held}" + (" act-order" if self.act_order else "")
 
     @property
     def tensors(self) -> tuple[str, ...]:
@@ -285,7 +288,7 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
         zero = _awq_columns(parts["qzeros"]).t().float()
         scale = parts["scales"].float().t()
     elif spec.method == "gptq":
-        bits = spec.stored_bits or spec.bits
+        bits = spec.checkpoint_bits
         q = unpack_int32(parts["qweight"], bits, dim=0).t()
         # v1 adds the 1 back without wrapping, as AutoGPTQ's and vLLM's kernels do (a zero of 0 was
         # stored as 2^bits - 1 and reads as 2^bits: those checkpoints' own flaw, read as every reader does)
