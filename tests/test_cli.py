@@ -244,6 +244,25 @@ def test_serve_refuses_a_bad_environment_variable_by_name(ckpt_factory, capsys, 
     assert "GAPLESS_DISABLE_OVERLAP='maybe': not a boolean" in _refused(["serve", ckpt], capsys)
 
 
+def test_a_checkpoint_refused_as_the_worker_loads_it_ends_the_server_in_one_line(tmp_path, ckpt_factory):
+    """The checks above read configs; a tensor that contradicts its config (here a packed AWQ weight
+    stored as floats) is found as the scheduler worker loads it. The server then ends as a refusal does:
+    status 2 and one line naming the tensor, its traceback only at debug level."""
+    from safetensors.torch import load_file, save_file
+
+    from gapless.testing.quant_checkpoints import write_quantized
+
+    qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, "awq", group=32)
+    tensors = load_file(str(qdir / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.qweight"
+    tensors[name] = tensors[name].float()
+    save_file(tensors, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    done = _python(["-m", "gapless", "serve", str(qdir), "--device", "cpu", "--port", "0"])
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "failed to start" not in done.stderr, done.stderr
+    assert f"gapless: {name}: float32 [" in done.stderr and "int32 words" in done.stderr, done.stderr
+
+
 def test_an_unsupported_architecture_is_refused_by_name(tmp_path, ckpt_factory, capsys):
     ckpt = shutil.copytree(ckpt_factory("qwen3"), tmp_path / "gpt2")
     config = json.loads((ckpt / "config.json").read_text())

@@ -168,7 +168,10 @@ def load_model_config(path: str | Path) -> ModelConfig:
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face checkpoint directory")
     gen_eos = read_generation_config(path).get("eos_token_id")
-    return model_config_from_dict(json.loads(cfg_file.read_text()), str(cfg_file), gen_eos)
+    cfg = json.loads(cfg_file.read_text())
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file} is not a JSON object")
+    return model_config_from_dict(cfg, str(cfg_file), gen_eos)
 
 
 def _architecture(cfg: dict[str, Any], where: str) -> str:

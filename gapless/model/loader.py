@@ -200,7 +200,7 @@ def load_model(
         if kv_scales.take(name, tensor):
             continue
         name, tensor = checkpoint_scale(name, tensor)
-        keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale")  # their loaders cast
+        keep = tensor.dtype in _FP8_TYPES or name.endswith(".weight_scale")  # (their loaders cast, or refuse)
         filled = _place(model, name, tensor if keep else tensor.to(dtype))
         loaded.update(filled)
         rounding.filled(filled)
@@ -410,6 +410,7 @@ class _CpuGGUFLayers(gguf_int4.GGUFModules):
 
 
 # the last parts of the names quantized checkpoints give their tensors (AWQ, GPTQ, compressed-tensors, FP8)
+_FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _QUANTIZED_TENSORS = {
     *int4_layouts.TENSORS["gptq"],
     *int4_layouts.TENSORS["compressed-tensors"],
@@ -437,6 +438,15 @@ def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:
         raise ValueError(
             f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model{hint}"
         ) from None
+    if tensor.dtype in _FP8_TYPES and param.dtype != tensor.dtype:  # (a cast would change its codes)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if param.dtype in _FP8_TYPES:
+            why = "fp8 layers hold e4m3 (e5m2 weights are not run)"
+        elif name.endswith("_scale"):
+            why = f"this scale is read as {str(param.dtype).removeprefix('torch.')}"
+        else:
+            why = "its layer is not fp8: the checkpoint declares no fp8 format for it, or lacks its scale"
+        raise formats.QuantFormatError(f"checkpoint weight {name!r} is {dtype}, but {why}")
     materialize(param)  # (a deferred weight: its memory, as a float tensor fills it)
     loader = getattr(param, "weight_loader", default_weight_loader)
     # where each shard sits in the checkpoint's fused tensor (whole, whatever this rank keeps of it)

@@ -165,6 +165,9 @@ async def _wait_ready(client: EngineClient, workers: _Workers) -> P.SchedulerInf
         msg = await client.next_message(timeout_s=WATCHDOG_S)
         if isinstance(msg, P.Ready):
             ready[msg.worker] = msg.info
+        elif isinstance(msg, P.Failed) and msg.refusal:
+            log.debug("the %s worker refused to start:\n%s", msg.worker, msg.error)
+            raise _Refused(msg.refusal)
         elif isinstance(msg, P.Failed):
             raise RuntimeError(f"the {msg.worker} worker failed to start:\n{msg.error}")
         elif (why := workers.dead()) is not None:
@@ -285,6 +288,10 @@ class _Terminated(Exception):
     pass
 
 
+class _Refused(RuntimeError):
+    """A worker refused the configuration as it started (a ValueError there: `P.Failed.refusal`)."""
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise _Terminated
 
@@ -370,6 +377,9 @@ def _run(
             return run_event_loop(_serve(args, cfg, ends, workers, listener, metrics_dir, started))
         except (KeyboardInterrupt, _Terminated):
             return 0
+        except _Refused as e:  # as a refusal before the start: one line (its traceback at debug level)
+            print(f"gapless: {e}", file=sys.stderr, flush=True)
+            return 2
         except RuntimeError as e:
             print(f"gapless: {e}", file=sys.stderr, flush=True)
             return 1

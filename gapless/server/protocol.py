@@ -252,8 +252,12 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Failed(msgspec.Struct, tag=True):
+    """A worker's failure, with its traceback. `refusal`: a ValueError's message (the configuration or
+    checkpoint refused, as a worker found while it started): the server prints that line alone."""
+
     worker: str
     error: str
+    refusal: str = ""
 
 
 class Serve(msgspec.Struct, tag=True):

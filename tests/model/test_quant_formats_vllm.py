@@ -19,6 +19,7 @@ import torch
 
 from gapless import LLM, SamplingParams
 from gapless.memory.kv_pool import FP8
+from gapless.model.config import load_model_config
 from gapless.model.quant import declared, formats
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4_configs import int4_spec_from_config
@@ -163,6 +164,16 @@ def test_a_malformed_legacy_file_is_refused_by_name(ckpt_factory, tmp_path):
     with pytest.raises(QuantFormatError) as e:
         declared.checkpoint_quantization(qdir)
     _one_line(e, "quantize_config.json", "is not a JSON object")
+    config = json.loads((qdir / "config.json").read_text())
+    for key, value in (("quantization_config", 5), ("compression_config", ["gptq"])):
+        (qdir / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(QuantFormatError) as e:
+            declared.checkpoint_quantization(qdir)
+        _one_line(e, f"config.json's {key} is not a JSON object: {value!r}")
+    (qdir / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError) as e:
+        load_model_config(qdir)
+    _one_line(e, "config.json is not a JSON object")
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,13 @@ def test_each_layouts_config_names_its_format(layout, label):
     assert formats.resolve(None, None, "cpu") is None
 
 
+def _group_format(top: str, group: str) -> dict:
+    """compressed-tensors' per-channel FP8 config saying `top` as its format and `group` in its group."""
+    qcfg = quant_config("ct-channel", (1, 1))
+    groups = {name: {**g, "format": group} for name, g in qcfg["config_groups"].items()}
+    return {**qcfg, "format": top, "config_groups": groups}
+
+
 def _one_line(excinfo, *words):
     msg = str(excinfo.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
@@ -94,6 +101,15 @@ def _one_line(excinfo, *words):
             None,
             ["'marlin-24'"],
         ),
+        # fields of another JSON type than the writers write: one line naming the format, not a traceback
+        ({**quant_config("ct-channel", (1, 1)), "config_groups": "group_0"}, None, ["malformed config"]),
+        ({**quant_config("ct-channel", (1, 1)), "format": ["float-quantized"]}, None, ["malformed config"]),
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {"+:.*": 5}},
+            None,
+            ["quantization gptq: malformed config"],
+        ),
+        (_group_format("pack-quantized", "float-quantized"), None, ["format 'pack-quantized', but"]),
         (
             {**quant_config("ct-channel", (1, 1)), "sparsity_config": {"format": "sparse-24"}},
             None,
@@ -145,6 +161,29 @@ def test_a_scale_of_the_wrong_shape_is_refused_by_name(ckpt_factory, tmp_path):
     with pytest.raises(QuantFormatError) as e:
         loader.load_model(dst, torch.float32, CPU)
     _one_line(e, "model.layers.1.mlp.down_proj.weight_scale", "expected (2, 4)")
+
+
+@pytest.mark.parametrize("layout", ["fp8", "ct-channel"])
+def test_an_fp8_weight_without_its_scale_or_in_e5m2_is_refused_by_name(ckpt_factory, tmp_path, layout):
+    """A layer whose e4m3 weight comes without its scale is not an FP8 layer of the checkpoint's format:
+    its codes cast to floats would be the weights divided by their scale, so the load is refused naming
+    the weight; so is an e5m2 weight, which a cast to e4m3 would round again."""
+    dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", layout, block=(32, 32))
+    tensors = load_file(str(dst / "model.safetensors"))
+    weight = "model.layers.1.mlp.down_proj.weight"
+    for name in [n for n in tensors if n.startswith(weight.removesuffix("weight") + "weight_scale")]:
+        del tensors[name]
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(QuantFormatError) as e:
+        loader.load_model(dst, torch.float32, CPU)
+    _one_line(e, repr(weight), "float8_e4m3fn", "lacks its scale")
+    dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "r", layout, block=(32, 32))
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors[weight] = tensors[weight].to(torch.float8_e5m2)
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(QuantFormatError) as e:
+        loader.load_model(dst, torch.float32, CPU)
+    _one_line(e, repr(weight), "float8_e5m2", "e5m2 weights are not run")
 
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU cases check the same)")

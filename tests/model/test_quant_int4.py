@@ -727,6 +727,43 @@ def test_act_order_g_idx_orders_the_inputs_and_a_malformed_one_is_refused_by_nam
         unpack(spec, stored, "layer")
 
 
+def test_stored_tensors_of_another_kind_than_the_layout_are_refused_by_name():
+    """Each layout's tensors are of the kinds its writers store: a packed weight or zero point in floats,
+    a scale in integers or of 3 dims, an unpacked weight as unsigned bytes, a per-row scale of another
+    shape, or act-order without its g_idx would be read as a cast (or a misplacement) no writer made, so
+    each is refused naming the tensor."""
+    gen = torch.Generator().manual_seed(4)
+    dense = torch.randn(16, 64, generator=gen)
+    w, order = quantize(dense, 4, 32, False), torch.randperm(64, generator=gen)
+
+    def refused(spec: Int4Spec, parts: dict[str, torch.Tensor], says: str) -> None:
+        with pytest.raises(QuantFormatError, match=f"^layer{says}") as e:
+            unpack(spec, parts, "layer")
+        assert "\n" not in str(e.value)
+
+    for layout, spec in (("awq", Int4Spec("awq", 4, 32, False)), ("gptq", Int4Spec("gptq", 4, 32, False, 1))):
+        stored = layout_tensors(w, layout, 4, 32)
+        assert unpack(spec, stored, "layer").q.shape == (16, 64)  # (as written: read)
+        for name, bad, says in (
+            ("qweight", stored["qweight"].float(), r"\.qweight: float32 \[.*int32 words, 2-D"),
+            ("qzeros", stored["qzeros"].half(), r"\.qzeros: float16 .*int32 words"),
+            ("qweight", stored["qweight"].flatten(), r"\.qweight: int32 \[\d+\], .*2-D"),
+            ("scales", stored["scales"].to(torch.int32), r"\.scales: int32 .*floats"),
+            ("scales", stored["scales"][None], r"\.scales: float.* \[1, .*at most 2-D"),
+        ):
+            refused(spec, {**stored, name: bad}, says)
+    int8 = Int4Spec("compressed-tensors", 8, 32, True, packed=False)
+    stored = layout_tensors(quantize(dense, 8, 32, True), "int-quantized", 8, 32)
+    refused(int8, {**stored, "weight": stored["weight"].to(torch.uint8)}, r"\.weight: uint8 .*signed integer")
+    assert unpack(int8, {**stored, "weight": stored["weight"].to(torch.int32)}, "layer").q.shape == (16, 64)
+    refused(int8, {**stored, "weight_scale": stored["weight_scale"].t()}, r"\.weight_scale: shape \[2, 16\]")
+    act = Int4Spec("gptq", 4, 32, False, 1, act_order=True)
+    stored = layout_tensors(quantize(dense, 4, 32, False, order), "gptq", 4, 32)
+    assert unpack(act, stored, "layer").order is not None
+    without = {k: v for k, v in stored.items() if k != "g_idx"}
+    refused(act, without, ": the config names act-order.*lacks g_idx")
+
+
 def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(monkeypatch):
     """An act-order layer (its inputs gathered into the weight's order) gives x @ W^T on the CPU's
     reference path and through the Triton GEMM (interpreted here; on CUDA also tinygemm's); a layer whose

@@ -55,8 +55,11 @@ def _declared(path: Path) -> dict[str, Any] | None:
     cfg_file = path / "config.json"
     if not path.is_dir() or not cfg_file.is_file():
         return None
-    cfg = json.loads(cfg_file.read_text())
-    qcfg = cfg.get("quantization_config") or cfg.get("compression_config")
+    cfg = _read_json(cfg_file)
+    key = "quantization_config" if cfg.get("quantization_config") else "compression_config"
+    qcfg = cfg.get(key)
+    if qcfg and not isinstance(qcfg, dict):
+        raise QuantFormatError(f"config.json's {key} is not a JSON object: {qcfg!r}")
     if not qcfg and (path / MODELOPT_FILE).is_file():
         qcfg = {**_read_json(path / MODELOPT_FILE), "quant_method": "modelopt"}
     return dict(qcfg) if qcfg else _legacy(path)

@@ -119,8 +119,8 @@ def _ct_float(qcfg: dict[str, Any], group: dict[str, Any]) -> QuantSpec:
     w = group.get("weights") or {}
     if (w.get("type"), w.get("num_bits")) != ("float", 8):
         raise QuantFormatError(
-            f"quantization compressed-tensors float-quantized: weights {w.get('type')}{w.get('num_bits')} "
-            "are not run (float8 only)"
+            "quantization compressed-tensors float-quantized: weights of type "
+            f"{w.get('type')!r}, num_bits {w.get('num_bits')!r} are not run (type 'float', num_bits 8 only)"
         )
     strategy = w.get("strategy")
     base = "compressed-tensors fp8 e4m3"
@@ -162,7 +162,11 @@ def _int4(qcfg: dict[str, Any], online: bool = False) -> QuantSpec:
     if online:
         raise _not_at_load(method)
     spec = int4_configs.int4_spec_from_config(qcfg)
-    assert spec is not None  # (its methods are these; another compressed-tensors format never gets here)
+    if spec is None:  # (a compressed-tensors config whose groups' format is another's than its own)
+        formats = sorted({str(g.get("format")) for g in (qcfg.get("config_groups") or {}).values()})
+        raise QuantFormatError(
+            f"quantization {method}: format {qcfg.get('format')!r}, but its config groups' {formats}"
+        )
     return QuantSpec(method, "int4", spec.label, min_capability=(8, 0), weight_only=spec)
 
 
@@ -196,7 +200,7 @@ CONFIG_ALIASES = {
 
 def config_method(qcfg: dict[str, Any]) -> str:
     """A quantization config's `quant_method`, lower-cased, its aliases (`CONFIG_ALIASES`) resolved."""
-    method = str(qcfg.get("quant_method", "")).lower()
+    method = str(qcfg.get("quant_method") or "").lower()
     return CONFIG_ALIASES.get(method, method)
 
 
@@ -414,7 +418,13 @@ def resolve(qcfg: dict[str, Any] | None, flag: str | None, device: torch.device 
     if qcfg is None and flag is None:
         return None
     if qcfg is not None and method:
-        spec = FORMATS[method](qcfg, False)
+        try:
+            spec = FORMATS[method](qcfg, False)
+        except (TypeError, AttributeError, KeyError, IndexError, AssertionError) as e:
+            # a config's field of another JSON type than its format's (a string for a list, a number for
+            # an object, null): the parsers take the types the writers write, and this names the rest
+            what = f"{type(e).__name__}: {e}"
+            raise QuantFormatError(f"quantization {method}: malformed config ({what})") from None
     else:
         spec = FORMATS[str(flag)]({"quant_method": flag}, True)
     check_device(spec, device)

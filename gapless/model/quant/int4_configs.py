@@ -30,21 +30,26 @@ def refuse(method: str, what: str) -> QuantFormatError:
     return QuantFormatError(f"quantization_config ({method}): {what}")
 
 
+def _listed(value: Any) -> list[Any]:
+    """A config's list field, a lone string taken as a list of one (as some writers store `targets`)."""
+    return [value] if isinstance(value, str) else list(value or [])
+
+
 def check_bits_group(method: str, bits: Any, group: Any, allowed: tuple[int, ...]) -> tuple[int, int]:
     """(bits, group) of a config's scheme, refused in one line naming `method` where the bits are not
     `allowed` or the group is not a power of two >= 16 (or -1, None: per channel)."""
     if bits not in allowed:
-        raise refuse(method, f"bits={bits} is not run; bits: {', '.join(map(str, allowed))}")
+        raise refuse(method, f"bits={bits!r} is not run; bits: {', '.join(map(str, allowed))}")
     if group is None:
         group = -1
     if not isinstance(group, int) or not (group == -1 or (group >= 16 and group & (group - 1) == 0)):
-        raise refuse(method, f"group_size={group} is not run; a power of two >= 16, or -1 (per channel)")
+        raise refuse(method, f"group_size={group!r} is not run; a power of two >= 16, or -1 (per channel)")
     return int(bits), group
 
 
 def _awq(qc: dict[str, Any]) -> Int4Spec:
-    version = str(qc.get("version", "gemm")).lower()
-    if version != "gemm":
+    version = qc.get("version", "gemm")
+    if str(version).lower() != "gemm":
         raise refuse("awq", f"version={version!r} is not read; only the GEMM layout (version 'gemm')")
     bits, group = check_bits_group(
         "awq", qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size")), (4,)
@@ -133,7 +138,7 @@ def _compressed(qc: dict[str, Any]) -> Int4Spec | None:
     strategies = ("group", "channel") if packed else ("group", "channel", "tensor")
     if strategy not in strategies:
         raise refuse("compressed-tensors", f"strategy={strategy!r} is not run; {' or '.join(strategies)}")
-    targets = {t for g in groups for t in g.get("targets", [])}
+    targets = {str(t) for g in groups for t in _listed(g.get("targets", []))}
     if targets - {"Linear"}:
         raise refuse("compressed-tensors", f"targets {sorted(targets)} are not run; Linear only")
     group_size = w.get("group_size") if strategy == "group" else -1
@@ -157,7 +162,7 @@ def _nvfp4_config(method: str, weights: list[dict[str, Any]]) -> Int4Spec:
         if (w.get("type", "float"), w.get("num_bits", 4)) != ("float", 4):
             raise refuse(method, f"NVFP4 weights {w.get('type')}{w.get('num_bits')}: fp4 (e2m1) only")
         if w.get("group_size", NVFP4_GROUP) != NVFP4_GROUP:
-            raise refuse(method, f"NVFP4 group_size={w.get('group_size')} is not read; {NVFP4_GROUP}")
+            raise refuse(method, f"NVFP4 group_size={w.get('group_size')!r} is not read; {NVFP4_GROUP}")
     return Int4Spec(method, 4, NVFP4_GROUP, sym=True, codebook="nvfp4")
 
 
@@ -168,7 +173,7 @@ def _mxfp4_config(weights: list[dict[str, Any]]) -> Int4Spec:
         if (w.get("type", "float"), w.get("num_bits", 4)) != ("float", 4):
             raise refuse("compressed-tensors", f"MXFP4 weights {w.get('type')}{w.get('num_bits')}: fp4 only")
         if w.get("group_size", MXFP4_GROUP) != MXFP4_GROUP:
-            raise refuse("compressed-tensors", f"MXFP4 group_size={w.get('group_size')} is not read; 32")
+            raise refuse("compressed-tensors", f"MXFP4 group_size={w.get('group_size')!r} is not read; 32")
     return Int4Spec("compressed-tensors", 4, MXFP4_GROUP, sym=True, codebook="mxfp4")
 
 
@@ -221,7 +226,8 @@ def _auto_round(qc: dict[str, Any]) -> Int4Spec:
     if str(qc.get("data_type") or "int") != "int":
         raise refuse(AUTO_ROUND, f"data_type={qc['data_type']!r} is not run; int only")
     if _bits(qc.get("act_bits"), "act_bits") < 16:
-        raise refuse(AUTO_ROUND, f"act_bits={qc['act_bits']} (quantized activations) is not run; weight-only")
+        what = f"act_bits={qc['act_bits']!r} (quantized activations)"
+        raise refuse(AUTO_ROUND, f"{what} is not run; weight-only")
     _check_extra(qc)
     allowed = (4,) if layout == "awq" else (2, 3, 4, 8)
     bits, group = check_bits_group(AUTO_ROUND, qc.get("bits"), qc.get("group_size"), allowed)

@@ -263,6 +263,7 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
     module in errors."""
     if spec.codebook in FP4_CODEBOOKS:
         return _fp4(spec, parts, where)
+    _check_kinds(spec, parts, where)
     short = spec.method in ("compressed-tensors", "bitsandbytes", "quark")  # (their other tensors: optional)
     missing = [n for n in spec.tensors[: 2 if short else 3] if n not in parts]
     if missing:
@@ -273,14 +274,14 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
         if layout != 0:
             raise QuantFormatError(f"{where}: bitsandbytes weight_format {layout} is not read; 0 (row-major)")
         q = (parts["weight"].to(torch.int16) + int(half)).contiguous()
-        scale = _per_row(parts["SCB"], q.shape[0]) / 127.0
+        scale = _per_row(parts, "SCB", q.shape[0], where) / 127.0
         zero = torch.full_like(scale, half)
     elif not spec.packed:  # int-quantized: the signed values and zero points as they are
         q = (parts["weight"].to(torch.int16) + int(half)).contiguous()
-        scale = _per_row(parts["weight_scale"], q.shape[0])
+        scale = _per_row(parts, "weight_scale", q.shape[0], where)
         zero = torch.full_like(scale, half)
         if not spec.sym and "weight_zero_point" in parts:
-            zero = _per_row(parts["weight_zero_point"], q.shape[0]) + half
+            zero = _per_row(parts, "weight_zero_point", q.shape[0], where) + half
     elif spec.method == "quark":
         q, scale, zero = _quark_int4(spec, parts, where)
     elif spec.method == "awq":
@@ -312,10 +313,43 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
             f"{tuple(zero.shape)}: not groups of {group} along the input"
         )
     g_idx = parts.get("g_idx", parts.get("weight_g_idx"))
+    if g_idx is None and spec.act_order:  # (read as contiguous groups, its columns would be misplaced)
+        name = "weight_g_idx" if spec.method == "compressed-tensors" else "g_idx"
+        raise QuantFormatError(f"{where}: the config names act-order, but the checkpoint lacks {name}")
     order = None if g_idx is None else act_order(g_idx, k, group, where)
     if order is not None:
         q = q.index_select(1, order)
     return Unpacked(q.contiguous(), scale.contiguous(), zero.contiguous(), order)
+
+
+_SCALES = ("scales", "weight_scale", "SCB")
+_INDICES = ("g_idx", "weight_g_idx", "weight_shape", "weight_format")
+_SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
+_WEIGHTS = ("qweight", "weight_packed", "weight")
+
+
+def _check_kinds(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse a tensor of another kind than its layout stores (QuantFormatError): scales are floats,
+    indices integers, packed values and zero points int32 words, unpacked values int8, each a matrix (or
+    a scale's vector or scalar); anything else would be read as a cast no writer made."""
+    for name, t in parts.items():
+        if name in _SCALES:
+            ok, want = t.is_floating_point() and t.dim() <= 2, "floats, at most 2-D"
+        elif name in _INDICES:
+            ok, want = not t.is_floating_point() and t.dim() <= 1, "integers, 1-D"
+        elif spec.packed:  # (zero points: Quark's per channel a vector)
+            matrix = name in _WEIGHTS
+            ok = t.dtype == torch.int32 and (t.dim() == 2 if matrix else 1 <= t.dim() <= 2)
+            want = "int32 words, 2-D" if matrix else "int32 words"
+        elif name == "weight":  # (int8 as written; a wider signed integer holds the same values)
+            ok, want = t.dtype in _SIGNED and t.dim() == 2, "signed integer values, 2-D"
+        else:  # (int-quantized's zero points)
+            ok, want = not t.is_floating_point() and t.dim() <= 2, "integers"
+        if not ok:
+            dtype = str(t.dtype).removeprefix("torch.")
+            raise QuantFormatError(
+                f"{where}.{name}: {dtype} {list(t.shape)}, where {spec.method}'s layout stores {want}"
+            )
 
 
 def _quark_int4(
@@ -388,11 +422,15 @@ def act_order(g_idx: torch.Tensor, k: int, group: int, where: str) -> torch.Tens
     return order.to(g_idx.device)
 
 
-def _per_row(t: torch.Tensor, n: int) -> torch.Tensor:
-    """A scale or zero point as float32 [N, groups]: one per tensor ([1] or a scalar) repeated for the N
-    rows, a row's ([N]) as one column."""
-    t = t.float()
-    return t.reshape(1, 1).expand(n, 1).contiguous() if t.numel() == 1 else t.reshape(n, -1)
+def _per_row(parts: dict[str, torch.Tensor], name: str, n: int, where: str) -> torch.Tensor:
+    """Scales or zero points `name` as float32 [N, groups]: one per tensor ([1] or a scalar) repeated for
+    the N rows, a row's ([N]) as one column, [N, groups] as they are; any other shape refused."""
+    t = parts[name].float()
+    if t.numel() == 1:
+        return t.reshape(1, 1).expand(n, 1).contiguous()
+    if t.dim() in (1, 2) and t.shape[0] == n:
+        return t.reshape(n, -1)
+    raise QuantFormatError(f"{where}.{name}: shape {list(t.shape)}, for {n} rows (one, [N] or [N, groups])")
 
 
 def split_name(name: str, spec: Int4Spec, dtype: torch.dtype) -> tuple[str, str] | None:

@@ -126,7 +126,7 @@ def spec(qcfg: dict[str, Any]) -> QuantSpec:
     dtype, qscheme = weight["dtype"], weight["qscheme"]
     if dtype == "fp8_e4m3":
         if qscheme not in ("per_tensor", "per_channel") or weight["ch_axis"] not in (None, 0):
-            raise _refuse(f"fp8_e4m3 weights {qscheme} (ch_axis {weight['ch_axis']}) are not run")
+            raise _refuse(f"fp8_e4m3 weights {qscheme} (ch_axis {weight['ch_axis']!r}) are not run")
         if act is None or act["dtype"] != "fp8_e4m3":
             got = "float" if act is None else act["dtype"]
             raise _refuse(f"fp8_e4m3 weights with {got} activations are not run (W8A8 fp8 only)")

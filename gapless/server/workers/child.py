@@ -57,7 +57,9 @@ def run_worker(
 ) -> None:
     """Run a worker's `body` on its sockets. A failure goes to the API server as `Failed` with its
     traceback, which the server prints (once: this process then exits with status 1 and prints nothing);
-    a failure that cannot be sent is raised here, so the traceback is printed by this process instead."""
+    a ValueError's message goes with it as a refusal (a checkpoint the loader refused, say), which a
+    server still starting prints alone. A failure that cannot be sent is raised here, so the traceback
+    is printed by this process instead."""
     setup_child(parent_pid)
     socks = sockets()
     linger_ms = 0  # a worker that ends cleanly drops what is unsent: nobody waits for it
@@ -65,8 +67,12 @@ def run_worker(
         body(socks)
     except SystemExit:
         pass
-    except BaseException:  # noqa: BLE001 - report, then die with an error (the API server exits)
-        socks.send("api", P.Failed(name, traceback.format_exc()))  # (if this raises, both are printed)
+    except BaseException as e:  # noqa: BLE001 - report, then die with an error (the API server exits)
+        error, refusal = traceback.format_exc(), str(e) if isinstance(e, ValueError) else ""
+        # what the failed frames hold (a weights file's progress bar, say) is let go now, not in the
+        # SIGTERM the server answers with, whose SystemExit would land in its finalizer and print there
+        traceback.clear_frames(e.__traceback__)
+        socks.send("api", P.Failed(name, error, refusal))  # (if this raises, both are printed)
         linger_ms = FAILED_LINGER_MS  # closing at once could drop the report before it is sent
         raise SystemExit(1) from None
     finally:
