@@ -30,6 +30,11 @@ class RankFailed(RuntimeError):
     """A tensor-parallel rank died, hung or raised; the message names it."""
 
 
+class RankRefused(RankFailed, ValueError):
+    """A rank raised a ValueError (the configuration or checkpoint refused, as its model loaded): its
+    message as it is, which a server still starting prints alone (`server.workers.child`)."""
+
+
 def node_ranks(cfg: EngineConfig) -> range:
     """The ranks `cfg.node_rank`'s node runs: an equal share of `tensor_parallel_size`, in order."""
     per_node = cfg.tensor_parallel_size // cfg.nnodes
@@ -71,7 +76,12 @@ class LocalRanks:
             if conn.poll():
                 msg = pickle.loads(conn.recv_bytes())
                 if msg[0] == "error":
-                    err = RankFailed(f"tensor-parallel rank {rank} failed: {msg[1]!r}")
+                    refused = isinstance(msg[1], ValueError)
+                    err = (
+                        RankRefused(str(msg[1]))
+                        if refused
+                        else RankFailed(f"tensor-parallel rank {rank} failed: {msg[1]!r}")
+                    )
                     if sys.version_info >= (3, 11):  # notes are Python 3.11's
                         err.add_note(f"raised in rank {rank}:\n{msg[2]}")
                     return err
