@@ -52,6 +52,8 @@ class Int4LinearMethod:
     def __init__(
         self, w: Unpacked, spec: Int4Spec, dtype: torch.dtype, device: torch.device, kernel: str | None = None
     ) -> None:
+        if spec.bits == 4:  # (fewer bits' values about the middle, where the kernels' offsets are small)
+            w = w.centered(4)
         n, k = w.q.shape
         self.name, self.quant_method = spec.label, spec.method
         self.bits, self.group = spec.bits, k // w.scale.shape[1]

@@ -184,6 +184,21 @@ class Unpacked(NamedTuple):
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q, self.scale, self.zero
 
+    def centered(self, bits: int) -> Unpacked:
+        """The same weight, q and zero moved by one integer so that q's values sit about the middle of
+        `bits`' range (values of fewer bits held in more: GPTQ's 2 and 3 bits, GGUF's trits and Q3_K):
+        exact where the zeros are integers, and what the kernels that take a zero as an offset from the
+        middle, `(q - 2^(bits-1)) * scale + offset` with the offset in bfloat16 (tinygemm, torch's CPU
+        int4 kernel), need to keep that offset a small multiple of the scale. A codebook's, or fractional
+        zeros, as they are."""
+        if self.levels is not None or self.q.numel() == 0 or not torch.equal(self.zero, self.zero.round()):
+            return self
+        lo, hi = int(self.q.min()), int(self.q.max())
+        shift = min(max((1 << (bits - 1)) - (lo + hi + 1) // 2, -lo), (1 << bits) - 1 - hi)
+        if shift == 0:
+            return self
+        return Unpacked(self.q + shift, self.scale, self.zero + shift, self.order, self.levels)
+
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Unpacked:
         """q, scale and zero each through `fn` (a cut along rows or groups), the inputs' order and the
         levels kept."""
