@@ -186,6 +186,35 @@ def test_checkpoint_kv_scales_are_read_and_used(tmp_path):
     assert zeroed != scaled
 
 
+@pytest.mark.parametrize(("kv", "fp8_type"), [("fp8", FP8), ("fp8_e5m2", E5M2)])
+def test_a_draft_models_kv_is_stored_as_the_targets(tmp_path, kv, fp8_type):
+    """A draft model's pool takes `--kv-cache-dtype` as the target's does (vLLM's one cache dtype), with
+    the draft checkpoint's own k/v scales, and counts its bytes so: a model drafting for itself then
+    proposes exactly what the target samples, and every draft is accepted (with the draft's KV in float32
+    and the target's rounded, 15-35% were not)."""
+    base = make_checkpoint(tmp_path / "base", "qwen3", num_hidden_layers=2)
+    scales = {
+        f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(0.3 + i + 2 * (n == "v"))
+        for i in (0, 1)
+        for n in "kv"
+    }
+    path = _with_scales(base, tmp_path / "scaled", scales)
+    prompts = make_prompts(1000, n=4, seed=7, max_len=40, shared_prefix=12)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    spec = dict(speculative_algorithm="draft", speculative_draft_model=path, speculative_num_draft_tokens=3)
+    with LLM(path, device="cpu", dtype="float32", kv_cache_tokens=2048, kv_cache_dtype=kv, **spec) as llm:
+        runner = llm.engine.runner
+        draft, pool = runner.spec.draft, runner.kv_pool
+        assert draft.pool.k_buffer.dtype == pool.k_buffer.dtype == fp8_type
+        assert torch.equal(draft.pool.scales, pool.scales) and draft.pool.scales.max() > 1
+        mc = draft.config
+        assert draft.bytes_per_token == KVPool.bytes_per_token(2, mc.num_kv_heads, mc.head_dim, fp8_type)
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.stats
+        assert stats.spec_drafted_tokens > 0 and stats.spec_accepted_tokens == stats.spec_drafted_tokens
+    assert got == _greedy(path, prompts, params, kv_cache_dtype=kv, attention_backend="auto")
+
+
 def test_kv_scale_names_and_bad_scales():
     reader = KVScaleReader()
     assert reader.take("model.layers.1.self_attn.kv_scale", torch.tensor(0.5))  # AutoFP8: both

@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from gapless.attention import Probe, make_backend
 from gapless.attention.base import AttentionMetadata
 from gapless.config import EngineConfig
-from gapless.memory.kv_pool import KVPool
+from gapless.memory.kv_pool import KVPool, kv_cache_dtype
 from gapless.memory.req_table import ReqTable
 from gapless.model import parallel
 from gapless.model.config import ModelConfig, load_model_config
@@ -86,6 +86,9 @@ class DraftModel:
         self.config: ModelConfig = parallel.rank_view(load_model_config(Path(path)), parallel.current())
         self.dtype = resolve_dtype(cfg.dtype, self.config, device, path)
         self.model: CausalLM = load_model(path, self.dtype, device, max_positions=max_positions)
+        # its KV stored as the target's (`--kv-cache-dtype` names the engine's caches, as vLLM's), with
+        # the draft checkpoint's own k/v scales where an fp8 cache has them
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype, self.model.kv_cache_format)
         mc = self.config
         probe = Probe(
             mc.num_heads,
@@ -94,6 +97,7 @@ class DraftModel:
             self.dtype,
             mc.sliding_window,
             mc.attn_logit_softcapping,
+            self.kv_dtype,
         )
         self.backend = make_backend(cfg.attention_backend, device, probe)
         # drafts are target token ids: never a column past the target's vocabulary (or the draft's)
@@ -104,14 +108,12 @@ class DraftModel:
     def bytes_per_token(self) -> int:
         """Draft KV bytes per token: the target's plan sizes its pool with this added per token."""
         mc = self.config
-        return KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        return KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
 
     def make_pool(self, num_pages: int, page_size: int, device: torch.device) -> None:
         """The draft's KV pool: as many pages as the target's, so the target's slots index it."""
-        mc = self.config
-        self.pool = KVPool(
-            mc.num_layers, num_pages, page_size, mc.num_kv_heads, mc.head_dim, self.dtype, device
-        )
+        scales = self.model.kv_cache_scales
+        self.pool = KVPool.for_model(self.config, num_pages, page_size, self.kv_dtype, device, scales)
 
     def forward(self, ids: Tensor, positions: Tensor, slots: Tensor, meta: AttentionMetadata) -> Tensor:
         """The draft decoder over a flat batch placed like the target's; hidden states [T, hidden]."""
