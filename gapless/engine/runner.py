@@ -170,7 +170,7 @@ class ModelRunner:
         log.info(
             "KV cache: %d tokens (%s), %.3g GiB, max context %d (%s)",
             self.kv_tokens,
-            self.kv_pool.summary(),
+            self.kv_pool.summary(parallel.current().size),
             self.kv_tokens * per_token / 2**30,
             self.max_context,
             plan.describe() if plan is not None else f"kv_cache_tokens={cfg.kv_cache_tokens}",
@@ -274,6 +274,7 @@ class ModelRunner:
     @property
     def info(self) -> RunnerInfo:
         mc = self.model_config
+        ranks = parallel.current().size  # (each rank holds its share of the weights and the heads' KV)
         return RunnerInfo(
             device=str(self.device),
             num_pages=self.kv_pool.num_pages,
@@ -286,10 +287,10 @@ class ModelRunner:
             eos_token_ids=mc.eos_token_ids,
             sliding_window=mc.sliding_window,
             window_layers=mc.window_layers,
-            weights=weights_summary(self.model),
+            weights=weights_summary(self.model, ranks),
             quantization=quantization(self.model),
             weight_formats=tuple(sorted(weights_held(self.model)[0].items())),
-            kv_cache=self.kv_pool.summary(),
+            kv_cache=self.kv_pool.summary(ranks),
         )
 
     def forward_tokens(

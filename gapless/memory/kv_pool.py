@@ -153,12 +153,13 @@ class KVPool:
             return None, None
         return self.k_scale[layer], self.v_scale[layer]
 
-    def summary(self) -> str:
+    def summary(self, ranks: int = 1) -> str:
         """The pool's element type and bytes per token (all layers, K and V), for the start-up lines:
-        "fp8_e4m3, 57344 B/token"."""
+        "fp8_e4m3, 57344 B/token"; under tensor parallelism (`ranks` > 1) a rank's pool, its heads'
+        bytes: "fp8_e4m3, 28672 B/token on each of 2 ranks"."""
         name = FP8_NAMES.get(self.dtype) or str(self.dtype).removeprefix("torch.")
         per_token = self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-        return f"{name}, {per_token} B/token"
+        return f"{name}, {per_token} B/token{f' on each of {ranks} ranks' if ranks > 1 else ''}"
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

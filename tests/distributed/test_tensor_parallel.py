@@ -83,6 +83,9 @@ def test_two_ranks_give_transformers_greedy_output(references, arch, corner):
     options = dict(device="cpu", dtype="float32", max_running_requests=64, **CORNERS[corner])
     with LLM(str(path), tensor_parallel_size=2, **options, **_speculation(arch, path)) as llm:
         assert len(descendants(os.getpid()) - before) == 2  # one process per rank
+        info = llm.engine.info  # (each rank's share of the weights and of the heads' KV, said so)
+        assert info.kv_cache.endswith(" B/token on each of 2 ranks"), info.kv_cache
+        assert info.weights.startswith("weights: ") and " MB on each of 2 ranks (" in info.weights, info
         greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
         for i, (out, ref) in enumerate(zip(llm.generate(prompts, greedy, use_tqdm=False), refs)):
             if note := check_greedy(out.token_ids, ref):

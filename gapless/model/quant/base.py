@@ -180,8 +180,10 @@ def quantization(model: nn.Module) -> str | None:
     return "+".join(sorted(methods)) or None
 
 
-def weights_summary(model: nn.Module) -> str:
-    """One line for start-up: the bytes of weights and the format of the layers."""
+def weights_summary(model: nn.Module, ranks: int = 1) -> str:
+    """One line for start-up: the bytes of weights and the format of the layers; under tensor
+    parallelism (`ranks` > 1) a rank's share, said so."""
     formats, total = weights_held(model)
     kinds = ", ".join(f"{n} {label}" for label, n in sorted(formats.items()))
-    return f"weights: {total / 1e6:.1f} MB ({kinds})"
+    each = f" on each of {ranks} ranks" if ranks > 1 else ""
+    return f"weights: {total / 1e6:.1f} MB{each} ({kinds})"
