@@ -133,6 +133,50 @@ def test_a_rank_that_dies_or_hangs_ends_the_engine_naming_it(ckpt_factory, fault
     assert wait_until(lambda: not any(alive(p) for p in ranks), 15), "a rank outlived the engine"
 
 
+@pytest.mark.slow
+def test_a_checkpoint_the_ranks_refuse_as_they_load_is_a_refusal_naming_it(ckpt_factory, tmp_path):
+    """A tensor its layout cannot hold (a packed AWQ weight stored as floats) is refused by every rank's
+    loader; whichever rank reports first, the engine raises a ValueError with the loader's message (what
+    `gapless serve` prints as its one line, status 2), not a rank's traceback, and no rank is left."""
+    from safetensors.torch import load_file, save_file
+
+    from gapless.testing.quant_checkpoints import write_quantized
+
+    qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, "awq", group=32)
+    tensors = load_file(str(qdir / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.qweight"
+    tensors[name] = tensors[name].float()
+    save_file(tensors, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    before = descendants(os.getpid())
+    with pytest.raises(ValueError, match=rf"^{name}: float32 \[.*int32 words"):
+        LLM(str(qdir), device="cpu", kv_cache_tokens=1024, tensor_parallel_size=2)
+    assert wait_until(lambda: not (descendants(os.getpid()) - before), 15), "a rank outlived the refusal"
+
+
+def test_a_ranks_value_error_is_told_as_a_refusal_and_any_other_as_its_failure():
+    """What a rank sends as its error: a ValueError (its loader refused the checkpoint) becomes a
+    `RankRefused`, itself a ValueError with the message alone (the server's one line); anything else a
+    `RankFailed` naming the rank."""
+    import pickle
+    from multiprocessing import Pipe
+
+    from gapless.engine.tp.ranks import LocalRanks, RankRefused
+
+    ranks = LocalRanks.__new__(LocalRanks)  # (no process: the pipe stands in for rank 1's)
+    ranks.ranks, ranks.procs, ends = range(2), [], [Pipe(), Pipe()]
+    ranks.conns = [ours for ours, _ in ends]
+    ends[1][1].send_bytes(pickle.dumps(("error", ValueError("model.layers.0.mlp: bad"), "traceback")))
+    refused = ranks.failure(1)
+    assert isinstance(refused, RankRefused) and isinstance(refused, ValueError)
+    assert str(refused) == "model.layers.0.mlp: bad"
+    ends[1][1].send_bytes(pickle.dumps(("error", RuntimeError("CUDA error"), "traceback")))
+    failed = ranks.failure(1)
+    assert (
+        type(failed) is RankFailed
+        and str(failed) == "tensor-parallel rank 1 failed: RuntimeError('CUDA error')"
+    )
+
+
 def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(ckpt_factory):
     before = descendants(os.getpid())
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by it"):
