@@ -729,9 +729,9 @@ def test_act_order_g_idx_orders_the_inputs_and_a_malformed_one_is_refused_by_nam
 
 def test_stored_tensors_of_another_kind_than_the_layout_are_refused_by_name():
     """Each layout's tensors are of the kinds its writers store: a packed weight or zero point in floats,
-    a scale in integers or of 3 dims, an unpacked weight as unsigned bytes, a per-row scale of another
-    shape, or act-order without its g_idx would be read as a cast (or a misplacement) no writer made, so
-    each is refused naming the tensor."""
+    a scale in integers or of 3 dims, an unpacked weight as unsigned bytes or past its bits, a per-row
+    scale of another shape, or act-order without its g_idx would be read as a cast (or a misplacement)
+    no writer made, so each is refused naming the tensor."""
     gen = torch.Generator().manual_seed(4)
     dense = torch.randn(16, 64, generator=gen)
     w, order = quantize(dense, 4, 32, False), torch.randperm(64, generator=gen)
@@ -756,6 +756,8 @@ def test_stored_tensors_of_another_kind_than_the_layout_are_refused_by_name():
     stored = layout_tensors(quantize(dense, 8, 32, True), "int-quantized", 8, 32)
     refused(int8, {**stored, "weight": stored["weight"].to(torch.uint8)}, r"\.weight: uint8 .*signed integer")
     assert unpack(int8, {**stored, "weight": stored["weight"].to(torch.int32)}, "layer").q.shape == (16, 64)
+    int4 = Int4Spec("compressed-tensors", 4, 32, True, packed=False)  # (8 bits' values said to be 4)
+    refused(int4, stored, r": values out of 4 bits' range")
     refused(int8, {**stored, "weight_scale": stored["weight_scale"].t()}, r"\.weight_scale: shape \[2, 16\]")
     act = Int4Spec("gptq", 4, 32, False, 1, act_order=True)
     stored = layout_tensors(quantize(dense, 4, 32, False, order), "gptq", 4, 32)

@@ -320,14 +320,27 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
             zero = torch.full_like(scale, half)
         else:
             zero = unpack_int32(parts["weight_zero_point"], spec.bits, dim=0)[: q.shape[0]].float()
+    return _checked(spec, q, scale, zero, parts.get("g_idx", parts.get("weight_g_idx")), where)
+
+
+def _checked(
+    spec: Int4Spec,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    where: str,
+) -> Unpacked:
+    """`unpack`'s result once its values, groups and act-order are checked against the config."""
     n, k = q.shape
+    if not spec.packed and q.numel() and (int(q.min()) < 0 or int(q.max()) >= 1 << spec.bits):
+        raise QuantFormatError(f"{where}: values out of {spec.bits} bits' range (the config's num_bits)")
     group = spec.group_for(k)
     if k % group or scale.shape != (n, k // group) or zero.shape != scale.shape:
         raise QuantFormatError(
             f"{where}: {spec.label} weight [{n}, {k}] with scales {tuple(scale.shape)} and zeros "
             f"{tuple(zero.shape)}: not groups of {group} along the input"
         )
-    g_idx = parts.get("g_idx", parts.get("weight_g_idx"))
     if g_idx is None and spec.act_order:  # (read as contiguous groups, its columns would be misplaced)
         name = "weight_g_idx" if spec.method == "compressed-tensors" else "g_idx"
         raise QuantFormatError(f"{where}: the config names act-order, but the checkpoint lacks {name}")
