@@ -201,7 +201,7 @@ def load_model(
             continue
         name, tensor = checkpoint_scale(name, tensor)
         keep = tensor.dtype in _FP8_TYPES or name.endswith(".weight_scale")  # (their loaders cast, or refuse)
-        filled = _place(model, name, tensor if keep else tensor.to(dtype))
+        filled = _place(model, name, tensor if keep else tensor.to(dtype), spec)
         loaded.update(filled)
         rounding.filled(filled)
     if int4_layers is not None:
@@ -420,8 +420,9 @@ _QUANTIZED_TENSORS = {
 }
 
 
-def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:
-    """Load one checkpoint tensor into its parameter; the names it filled (`name#shard` for a fused one).
+def _place(model: CausalLM, name: str, tensor: torch.Tensor, spec: QuantSpec | None = None) -> list[str]:
+    """Load one checkpoint tensor into its parameter; the names it filled (`name#shard` for a fused one);
+    `spec`: the format the checkpoint declares, which a refusal names.
 
     A separate q/k/v or gate/up tensor goes into its shard of the fused parameter; a tensor the checkpoint
     already fuses (Phi-3's `qkv_proj`, `gate_up_proj`) is split along its rows into every shard."""
@@ -430,7 +431,10 @@ def _place(model: CausalLM, name: str, tensor: torch.Tensor) -> list[str]:
         param = model.get_parameter(name)  # and a kept reference would hold its float weight)
     except AttributeError:
         hint = ""
-        if name.rpartition(".")[2] in _QUANTIZED_TENSORS:
+        quantized = name.rpartition(".")[2] in _QUANTIZED_TENSORS
+        if quantized and spec is not None:
+            hint = f" (a quantized checkpoint's tensor, which its declared {spec.label} does not hold)"
+        elif quantized:
             hint = (
                 " (a quantized checkpoint's tensor, but the checkpoint declares no quantization: "
                 f"{formats.DECLARED_IN})"

@@ -151,6 +151,13 @@ def test_a_quantized_checkpoint_declaring_nothing_is_refused_saying_so(ckpt_fact
     with pytest.raises(ValueError) as e:
         LLM(str(qdir), dtype="float32", kv_cache_tokens=512, overlap=False)
     _one_line(e, "has no place in the", "a quantized checkpoint's tensor", "declares no quantization")
+    # declared, but as another format: the refusal names the one declared
+    cfg = json.loads((qdir / "config.json").read_text())
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    (qdir / "config.json").write_text(json.dumps({**cfg, "quantization_config": awq}))
+    with pytest.raises(ValueError) as e:
+        LLM(str(qdir), dtype="float32", kv_cache_tokens=512, overlap=False)
+    _one_line(e, "a quantized checkpoint's tensor, which its declared awq w4a16 g32 does not hold")
 
 
 def test_a_malformed_legacy_file_is_refused_by_name(ckpt_factory, tmp_path):
