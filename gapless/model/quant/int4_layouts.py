@@ -282,7 +282,9 @@ def unpack(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> Unpack
     short = spec.method in ("compressed-tensors", "bitsandbytes", "quark")  # (their other tensors: optional)
     missing = [n for n in spec.tensors[: 2 if short else 3] if n not in parts]
     if missing:
-        raise QuantFormatError(f"{where}: the {spec.method} checkpoint lacks {', '.join(missing)}")
+        # (an unpacked layout's `weight` is its integer values: a float one is read as a float layer's)
+        floats = " (as integers; a float weight there is a float layer's)" if "weight" in missing else ""
+        raise QuantFormatError(f"{where}: the {spec.method} checkpoint lacks {', '.join(missing)}{floats}")
     half = float(1 << (spec.bits - 1))
     if spec.method == "bitsandbytes":
         layout = int(parts.get("weight_format", torch.tensor(0)).item())
