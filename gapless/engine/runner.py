@@ -274,7 +274,6 @@ class ModelRunner:
     @property
     def info(self) -> RunnerInfo:
         mc = self.model_config
-        ranks = parallel.current().size  # (each rank holds its share of the weights and the heads' KV)
         return RunnerInfo(
             device=str(self.device),
             num_pages=self.kv_pool.num_pages,
@@ -287,10 +286,10 @@ class ModelRunner:
             eos_token_ids=mc.eos_token_ids,
             sliding_window=mc.sliding_window,
             window_layers=mc.window_layers,
-            weights=weights_summary(self.model, ranks),
+            weights=weights_summary(self.model, parallel.current().size),  # (a rank's share, said so)
             quantization=quantization(self.model),
             weight_formats=tuple(sorted(weights_held(self.model)[0].items())),
-            kv_cache=self.kv_pool.summary(ranks),
+            kv_cache=self.kv_pool.summary(parallel.current().size),
         )
 
     def forward_tokens(
