@@ -230,7 +230,9 @@ class EngineConfig:
         "a GGUF model's vision projector file (llama.cpp's --mmproj); none: no projector (a text model); "
         "None: the one in the model file's directory, if any",
     )
-    trust_remote_code: bool = option(False, "refused: gapless runs no code from a checkpoint")
+    trust_remote_code: bool = option(
+        False, "vLLM's flag, taken with a warning: gapless runs no code from a checkpoint, only its own"
+    )
     generation_config: str = option(
         "auto",
         "sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) of requests that "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ from gapless.model.config import load_model_config
 from gapless.model.gguf import is_gguf_file, split_parts
 from gapless.model.gguf_vision import is_mmproj, mmproj_for
 from gapless.model.weight_files import LFS_HINT, index_shards, is_lfs_pointer
+
+log = logging.getLogger(__name__)
 
 # What a checkpoint needs from a Hugging Face repository (not its other weight formats, nor its GGUFs):
 # its configs and tokenizer first, then the weights its index names (`_weight_patterns`)
@@ -178,10 +181,10 @@ def read_chat_template(value: str) -> str:
 def localize(cfg: EngineConfig) -> EngineConfig:
     """`cfg` with `model` and `tokenizer` resolved to local paths, everything checked that can be before
     a worker starts (the architecture, the chat template). Idempotent."""
-    if cfg.trust_remote_code:
-        raise ModelSourceError(
-            "--trust-remote-code is not supported: gapless runs no code from a checkpoint, only the "
-            "architectures it implements"
+    if cfg.trust_remote_code:  # (vLLM's command lines carry it; vLLM too runs its own code where it has it)
+        log.warning(
+            "--trust-remote-code: gapless runs no code from a checkpoint, only its own implementation of "
+            "the architectures it runs (another is refused by name)"
         )
     model = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir)
     if cfg.mmproj is not None:
@@ -195,7 +198,8 @@ def localize(cfg: EngineConfig) -> EngineConfig:
         raise ModelSourceError(f"{model}: {_first_line(e)}") from None
     if cfg.chat_template is not None:
         read_chat_template(cfg.chat_template)
-    return dataclasses.replace(cfg, model=str(model), tokenizer=tokenizer)
+    # (the warning above said once: the config made local takes the flag as done)
+    return dataclasses.replace(cfg, model=str(model), tokenizer=tokenizer, trust_remote_code=False)
 
 
 def _paired(model: Path, mmproj: Path | None) -> Path:

@@ -64,7 +64,6 @@ def test_hub_errors_are_one_line_each(hub, capsys, monkeypatch):
     cases = {
         ("tiny-org/missing",): "HF_HUB_OFFLINE=1 and it is not in the local Hugging Face cache",
         ("tiny-org/tiny-qwen3", "--revision", "v9"): "tiny-org/tiny-qwen3@v9",
-        ("tiny-org/tiny-qwen3", "--trust-remote-code"): "--trust-remote-code is not supported",
         (
             "tiny-org/tiny-qwen3",
             "--chat-template",
