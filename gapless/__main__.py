@@ -15,6 +15,7 @@ import os
 import sys
 
 from gapless.chat import add_chat_args
+from gapless.cli import FOREIGN_FLAGS
 from gapless.server.serve_args import add_serve_args
 
 SUBCOMMANDS = {
@@ -40,20 +41,54 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     return parser, subs
 
 
+# a prefix that turns a switch on or off: no hint crosses from one to another
+_POLARITY = ("--enable-", "--disable-", "--no-")
+
+
+def _polarity(flag: str) -> str:
+    return next((p for p in _POLARITY if flag.startswith(p)), "")
+
+
 def unknown_arguments(extra: list[str], parser: argparse.ArgumentParser) -> str:
-    """The error for arguments `parser` does not know: the first unknown flag and the nearest known one."""
+    """The error for arguments `parser` does not know: each unknown flag, with what to use instead (another
+    server's flag with no twin here: `FOREIGN_FLAGS`) or the nearest known flag that turns nothing the
+    other way (no --enable- for a --disable-)."""
     flags = [a.split("=", 1)[0] for a in extra if a.startswith("-")]
     if not flags:
         return f"unexpected argument(s): {' '.join(extra)}"
     known = [name for action in parser._actions for name in action.option_strings]
-    nearest = difflib.get_close_matches(flags[0], known, n=1)
-    hint = f"; did you mean {nearest[0]}?" if nearest else f" (see {parser.prog} --help)"
-    return f"unknown flag {flags[0]}{hint}"
+
+    def said(flag: str) -> str:
+        if flag in FOREIGN_FLAGS:
+            return f"{flag} ({FOREIGN_FLAGS[flag]})"
+        if flag.startswith("--no-") and f"--{flag[5:]}" in known:  # (vLLM's negation of a switch)
+            return f"{flag} (the default here: leave it out)"
+        close = difflib.get_close_matches(flag, known, n=3, cutoff=0.75)
+        near = [k for k in close if _polarity(k) == _polarity(flag)]
+        return f"{flag}; did you mean {near[0]}?" if near else f"{flag} (see {parser.prog} --help)"
+
+    unknown = list(dict.fromkeys(flags))
+    return f"unknown flag{'s' if len(unknown) > 1 else ''} {'; '.join(map(said, unknown))}"
+
+
+def _dashed(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`argv` with vLLM's underscored spellings of known flags (`--max_model_len`) dashed."""
+    known = {name for action in parser._actions for name in action.option_strings}
+
+    def dash(arg: str) -> str:
+        flag, eq, value = arg.partition("=")
+        dashed = flag.replace("_", "-")
+        return dashed + eq + value if arg.startswith("--") and "_" in flag and dashed in known else arg
+
+    return [dash(arg) for arg in argv]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Read the command line; an error exits with the subcommand's usage and status 2."""
     parser, subs = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in subs:
+        argv = [argv[0], *_dashed(argv[1:], subs[argv[0]])]
     args, extra = parser.parse_known_args(argv)
     if extra:
         subs[args.command].error(unknown_arguments(extra, subs[args.command]))

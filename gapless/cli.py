@@ -56,6 +56,9 @@ FLAG_ALIASES: dict[str, Alias] = {
     "--disable-cuda-graph": Alias("cuda_graph_max_bs", "SGLang", 0),
     "--disable-piecewise-cuda-graph": Alias("piecewise_cuda_graph_max_tokens", "SGLang", 0),
     "--enable-log-requests": Alias("log_requests", "vLLM", True),
+    "--disable-log-requests": Alias("log_requests", "vLLM", False),  # (vLLM's older flag: the default)
+    "--tokenizer-path": Alias("tokenizer", "SGLang"),
+    "-q": Alias("quantization", "vLLM"),
     "--disable-log-stats": Alias("log_stats_interval", "vLLM", 0.0),
     "--speculative-draft-model-path": Alias("speculative_draft_model", "SGLang"),
     "--speculative-ngram-min-match-window-size": Alias("ngram_min", "SGLang"),
@@ -72,6 +75,23 @@ FLAG_ALIASES: dict[str, Alias] = {
     "--convert": Alias("task", "vLLM"),  # embed, classify
 }
 
+# vLLM's and SGLang's flags with no flag of the same meaning here, and what to use instead
+FOREIGN_FLAGS = {
+    "--speculative-config": "vLLM's; here --speculative-algorithm ngram|draft, "
+    "--speculative-num-draft-tokens K and --speculative-draft-model PATH",
+    "--num-gpu-blocks-override": "vLLM's; the KV pool is sized in tokens here: --kv-cache-tokens",
+    "--pooler-config": "vLLM's; here --pooling-type and --normalize",
+    "--override-pooler-config": "vLLM's; here --pooling-type and --normalize",
+    "--is-embedding": "SGLang's; here --task embed",
+    "--lora-paths": "SGLang's; here --enable-lora --lora-modules NAME=PATH ...",
+    "--max-loras-per-batch": "SGLang's; here --max-loras",
+    "--base-gpu-id": "SGLang's; here --device cuda:N",
+    "--max-prefill-tokens": "SGLang's; a prefill batch's tokens here: --chunked-prefill-size",
+    "--nccl-port": "SGLang's; the ranks meet at --dist-init-addr HOST:PORT here",
+    "--tokenizer-mode": "vLLM's; the checkpoint's Hugging Face tokenizer is the one run here",
+    "--compilation-config": "vLLM's; CUDA graphs are captured here as --cuda-graph-max-bs says (0: none)",
+    "--enable-torch-compile": "SGLang's; on a CPU, --cpu-compile; on a GPU the kernels are Triton's already",
+}
 # vLLM's and SGLang's parallelism flags gapless does not run (tensor and data parallelism are options
 # above), so any size but 1 is refused by name
 _PARALLEL_FLAGS = {
@@ -110,6 +130,62 @@ _CHOICES = {
     "task": tuple(TASK_NAMES),
     "pooling_type": POOLING_TYPES + tuple(t.upper() for t in POOLING_TYPES),
 }
+
+
+def human_int(text: str) -> int:
+    """An integer as vLLM's flags take one: 32768, or with a suffix, 32k (x 1000) or 32K (x 1024)."""
+    text = text.strip()
+    if text[-1:] in _DECIMAL and text[:-1].replace(".", "", 1).isdigit():
+        return int(float(text[:-1]) * _DECIMAL[text[-1]])
+    if text[-1:] in _BINARY and text[:-1].isdigit():
+        return int(text[:-1]) * _BINARY[text[-1]]
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (an integer: 4096, 4k, 4K)") from None
+
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def _format_name(text: str) -> str | None:
+    """`--quantization`'s value: vLLM's "None" (or "none") is no format."""
+    return None if text.lower() == "none" else text
+
+
+def _algorithm(text: str) -> str:
+    """`--speculative-algorithm`'s value, as SGLang writes it too: NGRAM, STANDALONE (a draft model)."""
+    return {"standalone": "draft"}.get(text.lower(), text.lower())
+
+
+# options whose flag reads its value otherwise than as its type: vLLM's and SGLang's spellings
+_VALUE_TYPES: dict[str, Any] = {
+    "max_model_len": human_int,
+    "quantization": _format_name,
+    "speculative_algorithm": _algorithm,
+}
+
+# vLLM's and SGLang's flags that ask for what gapless does anyway: taken, and nothing changes
+ALREADY_SO: dict[str, str] = {
+    "--enable-chunked-prefill": "vLLM's: a prompt longer than --chunked-prefill-size is always chunked",
+    "--enable-auto-tool-choice": "vLLM's: tool_choice auto runs wherever --tool-call-parser names a parser",
+    "--enable-metrics": "SGLang's: /metrics is always served",
+}
+# theirs that take a value gapless has no use for: taken, and said so in the help
+UNUSED_VALUES: dict[str, str] = {
+    "--swap-space": "vLLM's CPU swap space: a preempted request is retracted and recomputed, not swapped",
+}
+
+
+def add_compat_args(parser: argparse.ArgumentParser) -> None:
+    """`ALREADY_SO`'s switches and `UNUSED_VALUES`' flags, so a command line written for vLLM or SGLang
+    runs here unchanged."""
+    group = parser.add_argument_group("vLLM's and SGLang's flags for what gapless does anyway (no effect)")
+    for flag, why in ALREADY_SO.items():
+        group.add_argument(flag, action="append_const", const=flag, dest="already_so", help=why)
+    for flag, why in UNUSED_VALUES.items():
+        group.add_argument(flag, dest=f"unused_{flag[2:].replace('-', '_')}", metavar="X", help=why)
 
 
 def add_option(group: _ArgumentAdder, option: str, *flags: str, **kwargs: Any) -> None:
@@ -168,12 +244,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         add_option(
             group,
             f.name,
-            type=_FLAG_TYPES[kind],
+            type=_VALUE_TYPES.get(f.name, _FLAG_TYPES[kind]),
             default=None,
             choices=choices,
             metavar=None if choices else _METAVARS.get(f.name, _METAVARS[kind]),
             help=_help(text, default),
         )
+    add_compat_args(parser)
     parallel = parser.add_argument_group("parallelism (vLLM's and SGLang's flags gapless does not run)")
     for axis, flags in _PARALLEL_FLAGS.items():
         parallel.add_argument(

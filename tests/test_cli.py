@@ -20,7 +20,7 @@ import pytest
 
 import gapless
 from gapless.__main__ import build_parser, main, parse_args
-from gapless.cli import _PARALLEL_FLAGS, FLAG_ALIASES, engine_options
+from gapless.cli import _PARALLEL_FLAGS, FLAG_ALIASES, config_from_args, engine_options
 from gapless.config import EngineConfig
 from gapless.testing.server import descendants
 
@@ -201,6 +201,78 @@ def test_flag_help_needs_no_source(tmp_path):
     assert out.returncode == 0, out.stderr
     with_help, options = map(int, out.stdout.split())
     assert with_help == options > 40
+
+
+def test_vllm_and_sglang_values_and_spellings_are_read_as_theirs():
+    """vLLM's human-readable integers (32k = 32000, 32K = 32768), "None" for no format, underscored flags;
+    SGLang's upper-case algorithm names and STANDALONE for a draft model; each server's parser names."""
+    args = parse_args(
+        ["serve", "/ckpt", "--max_model_len", "32k", "--speculative-algorithm", "STANDALONE", "-q", "None"]
+        + ["--tool-call-parser", "llama3_json", "--reasoning-parser", "deepseek_r1", "--tokenizer-path", "t"]
+        + ["--disable-log-requests"]
+    )
+    options = engine_options(args)
+    assert options == {"max_model_len": 32000, "speculative_algorithm": "draft", "tokenizer": "t"}, options
+    parsers = (args.tool_call_parser, args.reasoning_parser)
+    assert parsers == ("llama3", "deepseek-r1") and args.log_requests is False
+    for value, want in (("32K", 32768), ("1.5k", 1500), ("2048", 2048)):
+        assert engine_options(parse_args(["serve", "--context-length", value]))["max_model_len"] == want
+    sglang = parse_args(["serve", "--speculative-algorithm", "NGRAM", "--tool-call-parser", "qwen25"])
+    assert engine_options(sglang)["speculative_algorithm"] == "ngram" and sglang.tool_call_parser == "qwen"
+
+
+def test_their_switches_for_what_gapless_does_anyway_change_nothing():
+    """vLLM's --enable-chunked-prefill, --enable-auto-tool-choice, --swap-space and SGLang's --enable-metrics
+    are taken (a command line written for them runs) and set no option."""
+    plain = parse_args(["serve", "/ckpt", "--tool-call-parser", "hermes"])
+    theirs = parse_args(
+        ["serve", "/ckpt", "--tool-call-parser", "hermes", "--enable-chunked-prefill", "--swap-space", "4"]
+        + ["--enable-auto-tool-choice", "--enable-metrics"]
+    )
+    assert engine_options(theirs) == engine_options(plain) and theirs.tool_call_parser == "hermes"
+    assert theirs.already_so == ["--enable-chunked-prefill", "--enable-auto-tool-choice", "--enable-metrics"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        # every unknown flag at once, each with what to use here, or the nearest flag that turns nothing
+        # the other way (--disable-log-foo is no --enable-log-requests)
+        (
+            ["--is-embedding", "--frob", "--max-num-seq", "2"],
+            "unknown flags --is-embedding (SGLang's; here --task embed); --frob (see gapless serve --help); "
+            "--max-num-seq; did you mean --max-num-seqs?",
+        ),
+        (["--no-enforce-eager"], "unknown flag --no-enforce-eager (the default here: leave it out)"),
+        (
+            ["--disable-custom-all-reduce"],
+            "unknown flag --disable-custom-all-reduce (see gapless serve --help)",
+        ),
+        (
+            ["--enable-hierarchical-cache"],
+            "unknown flag --enable-hierarchical-cache (see gapless serve --help)",
+        ),
+        (["--max-model-len", "3.5K"], "invalid int value: '3.5K' (an integer: 4096, 4k, 4K)"),
+    ],
+)
+def test_unknown_flags_are_all_named_with_what_to_use(argv, said, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["serve", *argv])
+    error = capsys.readouterr().err.strip().split("\n")[-1]
+    assert error.startswith("gapless serve: error: ") and said in error, error
+
+
+def test_trust_remote_code_is_taken_with_a_warning_once(ckpt_factory, caplog):
+    """vLLM's command lines carry --trust-remote-code: gapless runs its own implementation of the
+    architecture as vLLM does where it has one, saying so once (the checked config no longer asks)."""
+    from gapless.engine.preflight import check_engine_config
+
+    cfg = config_from_args(parse_args(["serve", str(ckpt_factory("qwen3")), "--trust-remote-code"]))
+    checked, _ = check_engine_config(cfg)
+    assert not checked.trust_remote_code and "runs no code from a checkpoint" in caplog.text
+    caplog.clear()
+    check_engine_config(checked)
+    assert "trust-remote-code" not in caplog.text
 
 
 def test_the_serving_docs_name_every_alias():

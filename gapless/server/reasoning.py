@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 PARSERS = ("qwen3", "deepseek-r1")
+PARSER_ALIASES = {"deepseek_r1": "deepseek-r1"}  # (vLLM's name; `--reasoning-parser` takes it too)
 START, END = "<think>", "</think>"
 
 

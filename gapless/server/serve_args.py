@@ -11,8 +11,10 @@ from gapless.cli import add_engine_args, add_model_args, add_option
 from gapless.sampling_params import MAX_LOGPROBS
 from gapless.server.layout import LAYOUTS, MIN_CORES_FOR_SPLIT
 from gapless.server.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_MEDIA_BYTES, MAX_REDIRECTS
+from gapless.server.reasoning import PARSER_ALIASES as REASONING_ALIASES
 from gapless.server.reasoning import PARSERS as REASONING_PARSERS
 from gapless.server.router import LOAD_BALANCE_METHODS
+from gapless.server.tools import PARSER_ALIASES as TOOL_ALIASES
 from gapless.server.tools import PARSERS as TOOL_PARSERS
 
 
@@ -92,12 +94,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tool-call-parser",
+        type=lambda name: TOOL_ALIASES.get(name, name),
         choices=TOOL_PARSERS,
         default=None,
-        help="how the model writes tool calls, for tool_choice auto (vLLM's names; default: none)",
+        help="how the model writes tool calls, for tool_choice auto: hermes, llama3 (vLLM's llama3_json), "
+        "mistral, qwen (SGLang's qwen25) (default: none)",
     )
     parser.add_argument(
         "--reasoning-parser",
+        type=lambda name: REASONING_ALIASES.get(name, name),
         choices=REASONING_PARSERS,
         default=None,
         help="split <think>...</think> into reasoning_content (default: none, all is content)",

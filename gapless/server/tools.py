@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PARSERS = ("hermes", "llama3", "mistral", "qwen")
+# vLLM's and SGLang's names for these parsers (`--tool-call-parser` takes them too)
+PARSER_ALIASES = {"llama3_json": "llama3", "qwen25": "qwen"}
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _START = {"hermes": "<tool_call>", "qwen": "<tool_call>", "mistral": "[TOOL_CALLS]"}
 
