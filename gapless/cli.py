@@ -7,6 +7,7 @@ heavy."""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import MISSING, fields
 from typing import Any, NamedTuple, Protocol
 
@@ -77,8 +78,6 @@ FLAG_ALIASES: dict[str, Alias] = {
 
 # vLLM's and SGLang's flags with no flag of the same meaning here, and what to use instead
 FOREIGN_FLAGS = {
-    "--speculative-config": "vLLM's; here --speculative-algorithm ngram|draft, "
-    "--speculative-num-draft-tokens K and --speculative-draft-model PATH",
     "--num-gpu-blocks-override": "vLLM's; the KV pool is sized in tokens here: --kv-cache-tokens",
     "--pooler-config": "vLLM's; here --pooling-type and --normalize",
     "--override-pooler-config": "vLLM's; here --pooling-type and --normalize",
@@ -180,12 +179,55 @@ UNUSED_VALUES: dict[str, str] = {
 
 def add_compat_args(parser: argparse.ArgumentParser) -> None:
     """`ALREADY_SO`'s switches and `UNUSED_VALUES`' flags, so a command line written for vLLM or SGLang
-    runs here unchanged."""
+    runs here unchanged; and vLLM's `--speculative-config` (`speculative_options`)."""
     group = parser.add_argument_group("vLLM's and SGLang's flags for what gapless does anyway (no effect)")
     for flag, why in ALREADY_SO.items():
         group.add_argument(flag, action="append_const", const=flag, dest="already_so", help=why)
     for flag, why in UNUSED_VALUES.items():
         group.add_argument(flag, dest=f"unused_{flag[2:].replace('-', '_')}", metavar="X", help=why)
+    parser.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='vLLM\'s: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": N, '
+        '"prompt_lookup_max": M}, or {"model": PATH, "num_speculative_tokens": K} (a draft model), '
+        "as --speculative-algorithm and its options",
+    )
+
+
+# vLLM's --speculative-config keys gapless reads, and the options they set
+_SPECULATIVE_KEYS = {
+    "num_speculative_tokens": "speculative_num_draft_tokens",
+    "prompt_lookup_min": "ngram_min",
+    "prompt_lookup_max": "ngram_max",
+    "model": "speculative_draft_model",
+}
+
+
+def speculative_options(text: str) -> dict[str, Any]:
+    """vLLM's `--speculative-config` JSON as gapless's options: method "ngram" (prompt lookup), or a draft
+    "model" (method "draft_model", or none); ValueError naming a method or a key not run here."""
+    try:
+        spec = json.loads(text)
+    except ValueError:
+        spec = None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--speculative-config {text!r}: not a JSON object")
+    method = spec.get("method") or ("draft_model" if spec.get("model") else None)
+    algorithm = {"ngram": "ngram", "draft_model": "draft"}.get(str(method))
+    if algorithm is None or (algorithm == "draft") != bool(spec.get("model")):
+        raise ValueError(
+            f"--speculative-config: method {method!r} is not built here; ngram (prompt lookup) and a "
+            'draft model ({"model": PATH}) are'
+        )
+    unread = sorted(set(spec) - {"method", *_SPECULATIVE_KEYS})
+    if unread:
+        raise ValueError(
+            f"--speculative-config: {', '.join(unread)} not read here; {', '.join(_SPECULATIVE_KEYS)} are"
+        )
+    return {
+        "speculative_algorithm": algorithm,
+        **{_SPECULATIVE_KEYS[k]: v for k, v in spec.items() if k != "method"},
+    }
 
 
 def add_option(group: _ArgumentAdder, option: str, *flags: str, **kwargs: Any) -> None:
@@ -276,6 +318,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             )
     names = {f.name for f in fields(EngineConfig)} - {"model"}
     options = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if getattr(args, "speculative_config", None):  # (vLLM's one flag for them: its own flags win)
+        options = {**speculative_options(args.speculative_config), **options}
     if "dtype" in options:
         options["dtype"] = DTYPE_NAMES[options["dtype"]]
     return options

@@ -221,6 +221,31 @@ def test_vllm_and_sglang_values_and_spellings_are_read_as_theirs():
     assert engine_options(sglang)["speculative_algorithm"] == "ngram" and sglang.tool_call_parser == "qwen"
 
 
+def test_vllms_speculative_config_sets_the_speculative_options():
+    """vLLM's one flag for speculation, its JSON read as gapless's options (its own flags win); a method
+    not built, a key not read or no JSON object is one error naming it."""
+
+    def options(spec: str, *more: str) -> dict:
+        return engine_options(parse_args(["serve", "/ckpt", "--speculative-config", spec, *more]))
+
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+    want = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3}
+    assert options(ngram) == {**want, "ngram_min": 2, "ngram_max": 5}
+    assert options(ngram, "--speculative-num-draft-tokens", "6")["speculative_num_draft_tokens"] == 6
+    assert options('{"model": "/draft", "num_speculative_tokens": 2}') == {
+        "speculative_algorithm": "draft",
+        "speculative_draft_model": "/draft",
+        "speculative_num_draft_tokens": 2,
+    }
+    for spec, said in (
+        ('{"method": "eagle3", "model": "/e"}', "method 'eagle3' is not built here"),
+        ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "draft_tensor_parallel_size not read here"),
+        ("ngram", "--speculative-config 'ngram': not a JSON object"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            options(spec)
+
+
 def test_their_switches_for_what_gapless_does_anyway_change_nothing():
     """vLLM's --enable-chunked-prefill, --enable-auto-tool-choice, --swap-space and SGLang's --enable-metrics
     are taken (a command line written for them runs) and set no option."""
