@@ -314,10 +314,18 @@ def _state_name(tensors: dict[str, torch.Tensor]) -> str:
     return next(n for n in tensors if ".quant_state." in n)
 
 
+def _state_with(tensors: dict[str, torch.Tensor], **changes: object) -> None:
+    """The first layer's quant_state JSON with `changes` made."""
+    name = _state_name(tensors)
+    state = {**json.loads(bytes(tensors[name].tolist())), **changes}
+    tensors[name] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+
+
 @pytest.mark.parametrize(
     "kind,edit,words",
     [
         ("nf4", lambda t: t.pop(_state_name(t).split(".quant_state")[0] + ".absmax"), ("lacks its absmax",)),
+        ("nf4", lambda t: _state_with(t, blocksize=0), ("a quant_state blocksize of 0",)),
         ("nf4", lambda t: t.pop(_state_name(t)), ("down_proj.weight", "lacks its quant_state")),
         (
             "nf4",

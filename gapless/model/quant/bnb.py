@@ -103,11 +103,13 @@ def _state(t: torch.Tensor, where: str) -> dict[str, Any]:
     return state
 
 
-def _blockwise(values: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+def _blockwise(values: torch.Tensor, scales: torch.Tensor, block: int, where: str) -> torch.Tensor:
     """values (float32, flat) times one scale per `block` of them (the last block may be short)."""
     n = values.numel()
+    if block < 1:
+        raise QuantFormatError(f"{where}: a quant_state blocksize of {block}")
     if scales.numel() != -(-n // block):
-        raise QuantFormatError(f"{scales.numel()} scales for {n} values in blocks of {block}")
+        raise QuantFormatError(f"{where}: {scales.numel()} scales for {n} values in blocks of {block}")
     return values * scales.repeat_interleave(block)[:n]
 
 
@@ -127,7 +129,8 @@ def dequantize(parts: dict[str, torch.Tensor], where: str) -> torch.Tensor:
     absmax = parts["absmax"].float().flatten()
     if nested:
         codes = parts["nested_quant_map"].float()[parts["absmax"].flatten().long()]
-        absmax = _blockwise(codes, parts["nested_absmax"].float().flatten(), int(state["nested_blocksize"]))
+        nested_absmax = parts["nested_absmax"].float().flatten()
+        absmax = _blockwise(codes, nested_absmax, int(state["nested_blocksize"]), where)
         absmax = absmax + float(state["nested_offset"])
     packed = parts["weight"].contiguous().view(torch.uint8).flatten()
     if packed.numel() * 2 < n:
@@ -136,7 +139,7 @@ def dequantize(parts: dict[str, torch.Tensor], where: str) -> torch.Tensor:
     table = parts["quant_map"].float().flatten()
     if table.numel() != 16:
         raise QuantFormatError(f"{where}: a quant_map of {table.numel()} values (a 4-bit codebook has 16)")
-    return _blockwise(table[codes], absmax, int(state["blocksize"])).view(shape)
+    return _blockwise(table[codes], absmax, int(state["blocksize"]), where).view(shape)
 
 
 def dequantized(weights: Iterable[tuple[str, Any]], device: torch.device) -> Iterator[tuple[str, Any]]:
