@@ -3,8 +3,8 @@ streams its replies); also `python -m gapless ...`.
 
 Building the parser imports neither torch, transformers nor the web stack, so `gapless --help` and every
 argument error answer at once; a subcommand imports what it runs only once its arguments are read. An
-argument error prints the subcommand's usage and one line (for an unknown flag, the nearest known one) and
-exits with status 2.
+argument error prints the subcommand's usage and one line (every unknown flag, each with gapless's name
+for it or the nearest known one) and exits with status 2.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The command line's engine options: a flag for every `EngineConfig` option (`add_engine_args`), its help
 the option's own (`metadata["help"]`, so it is there wherever the package is installed from), and vLLM's
-and SGLang's names for the same settings as aliases (`FLAG_ALIASES`), so a command line written for
+and SGLang's names for the same settings as aliases (`FLAG_ALIASES`), their switches for what gapless
+does anyway (`ALREADY_SO`) and gapless's names for theirs (`FOREIGN_FLAGS`), so a command line written for
 either runs here. `gapless serve` and `gapless chat` build their parsers from it; it imports nothing
 heavy."""
 
@@ -318,7 +319,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             )
     names = {f.name for f in fields(EngineConfig)} - {"model"}
     options = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    if getattr(args, "speculative_config", None):  # (vLLM's one flag for them: its own flags win)
+    if getattr(args, "speculative_config", None):  # (vLLM's one flag for them: gapless's own flags win)
         options = {**speculative_options(args.speculative_config), **options}
     if "dtype" in options:
         options["dtype"] = DTYPE_NAMES[options["dtype"]]

@@ -360,8 +360,9 @@ _WEIGHTS = ("qweight", "weight_packed", "weight")
 
 def _check_kinds(spec: Int4Spec, parts: dict[str, torch.Tensor], where: str) -> None:
     """Refuse a tensor of another kind than its layout stores (QuantFormatError): scales are floats,
-    indices integers, packed values and zero points int32 words, unpacked values int8, each a matrix (or
-    a scale's vector or scalar); anything else would be read as a cast no writer made."""
+    indices integers, packed values and zero points int32 words, unpacked values signed integers (int8
+    as written), each a matrix (or a scale's vector or scalar); anything else would be read as a cast no
+    writer made."""
     for name, t in parts.items():
         if name in _SCALES:
             ok, want = t.is_floating_point() and t.dim() <= 2, "floats, at most 2-D"
