@@ -331,6 +331,16 @@ def test_serve_refuses_bad_arguments_before_starting_anything(tmp_path, ckpt_fac
     assert "tensor_parallel_size=3: the model's num_attention_heads (4) is not divisible by it" in err
 
 
+def test_several_served_names_need_the_model_named(ckpt_factory, capsys):
+    """vLLM's `--served-model-name A B` takes every word after it: with no model named, the model's path
+    written after it may have been taken for a name, so the server refuses rather than serve the default."""
+    ckpt = str(ckpt_factory("qwen3"))
+    capsys.readouterr()
+    assert parse_args(["serve", ckpt, "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+    err = _refused(["serve", "--served-model-name", "a", ckpt], capsys)
+    assert f"--served-model-name a {ckpt}: several names and no model named; name it first" in err, err
+
+
 def test_serve_refuses_a_bad_environment_variable_by_name(ckpt_factory, capsys, monkeypatch):
     ckpt = str(ckpt_factory("qwen3"))
     capsys.readouterr()  # the checkpoint's making may have written a progress bar

@@ -71,9 +71,10 @@ def run_event_loop(main: Coroutine[object, object, int], announce: bool = True) 
         return runner.run(main)
 
 
-def model_name(args: argparse.Namespace, cfg: EngineConfig) -> str:
-    """The model's id in the API."""
-    return args.served_model_name or Path(cfg.model).name
+def model_names(args: argparse.Namespace, cfg: EngineConfig) -> list[str]:
+    """The model's ids in the API (`--served-model-name`'s, else a path's last part): the first is that of a
+    request naming none."""
+    return list(args.served_model_name or [Path(cfg.model).name])
 
 
 def pipeline_client(
@@ -88,7 +89,7 @@ def pipeline_client(
     from gapless.server.engine_client import EngineClient
     from gapless.server.metrics import Metrics
 
-    health, metrics = Health(), Metrics(model_name(args, cfg), api_server, metrics_dir)
+    health, metrics = Health(), Metrics(model_names(args, cfg)[0], api_server, metrics_dir)
     return health, metrics, EngineClient(ends, metrics, health, api_server)
 
 
@@ -118,8 +119,9 @@ def http_server(
         shared = os.path.join(metrics.shared_dir, "loras.json") if metrics.shared_dir is not None else None
         mcfg = load_model_config(cfg.model)
         loras = served_adapters(args.lora_modules, mcfg, cfg.max_lora_rank, shared, cfg.lora_experts)
+    name, *aliases = model_names(args, cfg)
     settings = Settings(
-        model_name(args, cfg),
+        name,
         cfg.model,
         info,
         args.api_key,
@@ -132,6 +134,7 @@ def http_server(
         reasoning_parser=args.reasoning_parser,
         loras=loras,
         media=MediaPolicy.of_args(args),
+        model_aliases=tuple(aliases),
     )
     metrics.set_weights(info.weight_formats)
     metrics.set_kv_cache(info.kv_cache)

@@ -45,7 +45,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from gapless import env
-from gapless.cli import config_from_args
+from gapless.cli import chosen_model, config_from_args
 from gapless.config import EngineConfig
 from gapless.engine.heap import frozen_heap
 from gapless.server.api_process import api_server_name, http_server, pipeline_client, run_event_loop
@@ -333,12 +333,18 @@ def _serve_checked(args: argparse.Namespace, started: float) -> int:
     from gapless.model.source import served_name
 
     try:
+        names = args.served_model_name or []
+        if len(names) > 1 and chosen_model(args) is None:  # (the model's path taken for a second name?)
+            raise ValueError(
+                f"--served-model-name {' '.join(names)}: several names and no model named; name it first "
+                "(gapless serve MODEL --served-model-name ...) or with --model"
+            )
         named = config_from_args(args)
         # the model made local (fetched, downloaded) and checked before any worker starts
         cfg, mcfg = check_engine_config(named)
         _check_replica_devices(cfg)
         _check_loras(args, cfg, mcfg)
-        args.served_model_name = args.served_model_name or served_name(named.model)
+        args.served_model_name = args.served_model_name or [served_name(named.model)]
         if cfg.node_rank > 0:  # another node of a tensor-parallel group: its ranks only, no HTTP
             return _run_node(args, cfg)
         listener = listen(args.host, args.port)

@@ -30,8 +30,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="model id in the API (default: the model as named; a path's last part)",
+        metavar="NAME",
+        help="model id in the API (default: the model as named; a path's last part); several (vLLM's): each "
+        "is accepted as a request's model and listed by /v1/models, the first is a request's that names none",
     )
     parser.add_argument(
         "--lora-modules",

@@ -62,10 +62,12 @@ class ServedModel:
         max_context: int,
         max_tokens_default: int | None = None,
         max_logprobs: int = MAX_LOGPROBS,
+        names: tuple[str, ...] = (),
     ) -> ServedModel:
-        """The model served as `name` from `path`: the path as given, without a trailing slash and
-        resolved are accepted names too, so a client may name the checkpoint it knows."""
-        aliases = frozenset({path, path.rstrip("/") or path, os.path.realpath(path)}) - {name}
+        """The model served as `name` (and `names`, `--served-model-name`'s others) from `path`: the path as
+        given, without a trailing slash and resolved are accepted names too, so a client may name the
+        checkpoint it knows."""
+        aliases = frozenset({path, path.rstrip("/") or path, os.path.realpath(path), *names}) - {name}
         return cls(name, aliases, vocab_size, max_context, max_tokens_default, max_logprobs)
 
     def check_logprobs(self, value: int | None, field: str) -> None:

@@ -39,6 +39,7 @@ class Settings:
     reasoning_parser: str | None = None  # --reasoning-parser
     loras: AdapterRegistry | None = None  # the LoRA adapters served (--enable-lora), None: LoRA off
     media: MediaPolicy = MediaPolicy()  # which remote image URLs are fetched (--allow-remote-media, ...)
+    model_aliases: tuple[str, ...] = ()  # --served-model-name's names past the first: accepted, listed
 
     @functools.cached_property
     def served(self) -> ServedModel:
@@ -51,6 +52,7 @@ class Settings:
             info.max_context,
             self.max_tokens_default,
             self.max_logprobs,
+            self.model_aliases,
         )
         images = ImageLimits(*info.image_limits) if info.image_limits != (0, 0) else None
         return dataclasses.replace(

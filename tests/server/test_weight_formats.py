@@ -4,9 +4,11 @@ cache's (what the scheduler reported at start-up: `SchedulerInfo.quantization`, 
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 
 from gapless.server.api import create_app
+from gapless.server.errors import BadRequest
 from gapless.server.health import Health
 from gapless.server.metrics import Metrics
 from gapless.server.protocol import SchedulerInfo
@@ -20,11 +22,12 @@ class _Client:
         return []
 
 
-def _app(info: SchedulerInfo):
+def _app(info: SchedulerInfo, aliases: tuple[str, ...] = ()):
     metrics = Metrics("m")
     metrics.set_weights(info.weight_formats)
     metrics.set_kv_cache(info.kv_cache)
-    return create_app(ServerState(Settings("m", "/models/m", info), _Client(), Health(), metrics))  # type: ignore[arg-type]  # the stand-in client
+    settings = Settings("m", "/models/m", info, model_aliases=aliases)
+    return create_app(ServerState(settings, _Client(), Health(), metrics))  # type: ignore[arg-type]  # the stand-in client
 
 
 def test_models_and_metrics_name_the_weight_formats():
@@ -38,6 +41,20 @@ def test_models_and_metrics_name_the_weight_formats():
     assert 'gapless_weight_format_layers{format="fp8 e4m3 block 128x128",model="m"} 196.0' in text, text
     assert 'gapless_weight_format_layers{format="bfloat16",model="m"} 1.0' in text
     assert 'gapless_kv_cache_info{kv_cache="fp8_e5m2, 73728 B/token",model="m"} 1.0' in text, text
+
+
+def test_each_served_name_is_listed_and_accepted():
+    """`--served-model-name m b` (vLLM's several names): /v1/models lists the model under each, and a
+    request may name either; another name is a 404."""
+    info = SchedulerInfo(64, 64, "cpu", 100, 2048, "", None, {"float32": 15})
+    with TestClient(_app(info, ("b",))) as http:
+        cards = http.get("/v1/models").json()["data"]
+        served = http.app.state.server.settings.served  # type: ignore[attr-defined]
+    assert [c["id"] for c in cards] == ["m", "b"] and cards[1]["max_model_len"] == cards[0]["max_model_len"]
+    assert served.check_model("b") is None and served.check_model("m") is None
+    with pytest.raises(BadRequest) as e:
+        served.check_model("c")
+    assert e.value.status == 404
 
 
 def test_a_float_model_says_no_quantization():

@@ -23,7 +23,8 @@ async def health(request: Request) -> Response:
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])
 async def models(request: Request) -> JSONResponse:
-    """The served model, and each LoRA adapter served beside it with the model as its `parent`."""
+    """The served model (under each of its `--served-model-name` names), and each LoRA adapter served beside
+    it with the model as its `parent`."""
     settings = server_state(request).settings
     card = {
         "id": settings.served_model,
@@ -36,9 +37,14 @@ async def models(request: Request) -> JSONResponse:
         "kv_cache": settings.info.kv_cache,  # its dtype and bytes per token: "fp8_e4m3, 57344 B/token"
     }
     adapters = settings.loras.served() if settings.loras is not None else []
-    cards = [card] + [
-        {**card, "id": lo.lora_name, "root": lo.lora_path, "parent": settings.served_model} for lo in adapters
-    ]
+    cards = (
+        [card]
+        + [{**card, "id": alias} for alias in settings.model_aliases]
+        + [
+            {**card, "id": lo.lora_name, "root": lo.lora_path, "parent": settings.served_model}
+            for lo in adapters
+        ]
+    )
     return JSONResponse({"object": "list", "data": cards})
 
 
