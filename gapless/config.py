@@ -352,8 +352,8 @@ class EngineConfig:
             raise bad("kv_cache_tokens", f"must hold at least one page ({self.page_size} tokens)")
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise bad("kv_cache_memory_gib", "must be > 0")
-        if not 0 < self.mem_fraction_static < 1:
-            raise bad("mem_fraction_static", "must be in (0, 1)")
+        if not 0 < self.mem_fraction_static <= 1:  # (1: vLLM's whole GPU; the free memory still bounds it)
+            raise bad("mem_fraction_static", "must be in (0, 1]")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -88,9 +88,10 @@ def test_config_checks_the_new_options():
         EngineConfig(model="m", attention_backend="flash")
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         EngineConfig(model="m", cuda_graph_max_bs=-1)
-    for bad in (0.0, 1.0):
-        with pytest.raises(ValueError, match="mem_fraction_static"):
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"mem_fraction_static.*must be in \(0, 1\]"):
             EngineConfig(model="m", mem_fraction_static=bad)
+    assert EngineConfig(model="m", mem_fraction_static=1.0).mem_fraction_static == 1.0  # (vLLM's 1.0)
     from gapless.attention import BACKENDS
     from gapless.config import ATTENTION_BACKENDS
 
