@@ -44,7 +44,7 @@ DEFAULT_MAX_PIXELS = 4096 * 4096  # pixels per image (max_image_pixels)
 
 def parse_limit_mm(text: str) -> int:
     """Images per prompt from vLLM's `--limit-mm-per-prompt` syntax: `image=N` or `{"image": N}`; other
-    modalities are refused by name."""
+    modalities are refused by name, but at 0 (`video=0`: none asked for)."""
     import json
 
     text = text.strip()
@@ -52,7 +52,7 @@ def parse_limit_mm(text: str) -> int:
         pairs = json.loads(text) if text.startswith("{") else dict(p.split("=", 1) for p in text.split(","))
     except ValueError:
         raise ValueError(f'{text!r}: expected image=N or a JSON object such as {{"image": N}}') from None
-    unknown = sorted(set(pairs) - {"image"})
+    unknown = sorted(k for k, v in pairs.items() if k != "image" and str(v).strip() != "0")
     if unknown:
         raise ValueError(f"{text!r}: only images are taken (not {', '.join(unknown)})")
     try:

@@ -148,6 +148,7 @@ def _close_limited():
 def test_limit_syntax():
     assert parse_limit_mm("image=3") == 3
     assert parse_limit_mm('{"image": 0}') == 0
+    assert parse_limit_mm("image=2,video=0") == parse_limit_mm('{"image": 2, "video": 0}') == 2  # (0: none)
     for bad, why in [
         ("video=1", "only images"),
         ("image=x", "integer"),
