@@ -15,7 +15,7 @@ import os
 import sys
 
 from gapless.chat import add_chat_args
-from gapless.cli import FOREIGN_FLAGS
+from gapless.cli import FOREIGN_FLAGS, apply_switches
 from gapless.server.serve_args import add_serve_args
 
 SUBCOMMANDS = {
@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     if extra:
         subs[args.command].error(unknown_arguments(extra, subs[args.command]))
-    return args
+    return apply_switches(args)
 
 
 def main(argv: list[str] | None = None) -> int:

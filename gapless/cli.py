@@ -240,9 +240,28 @@ def add_option(group: _ArgumentAdder, option: str, *flags: str, **kwargs: Any) -
     for flag, a in aliases:
         if a.const is not None:
             help_text = f"{a.source}'s flag: sets {option} to {a.const}"
-            group.add_argument(
-                flag, dest=option, action="store_const", const=a.const, default=None, help=help_text
-            )
+            action = "store_const" if a.const else _SwitchOff  # (one that turns it off wins: below)
+            group.add_argument(flag, dest=option, action=action, const=a.const, default=None, help=help_text)
+
+
+class _SwitchOff(argparse.Action):
+    """Another server's switch that turns its option off (`--disable-cuda-graph`, `--enforce-eager`): it
+    wins over a value given for the option anywhere on the command line, as in SGLang and vLLM
+    (`--disable-cuda-graph --cuda-graph-max-bs 8`: no graphs). `apply_switches` sets it last."""
+
+    def __init__(self, option_strings: list[str], dest: str, const: Any = None, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, flag: Any = None) -> None:
+        setattr(namespace, self.dest, self.const)
+        namespace.switched_off = {**(getattr(namespace, "switched_off", None) or {}), self.dest: self.const}
+
+
+def apply_switches(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with every option a switch turned off (`_SwitchOff`) off, whatever came after it."""
+    for option, value in (getattr(args, "switched_off", None) or {}).items():
+        setattr(args, option, value)
+    return args
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -246,6 +246,21 @@ def test_vllms_speculative_config_sets_the_speculative_options():
             options(spec)
 
 
+def test_a_switch_that_turns_an_option_off_wins_over_its_value():
+    """SGLang's `--disable-cuda-graph` and vLLM's `--enforce-eager` turn CUDA graphs off whatever
+    `--cuda-graph-max-bs` says, before or after them, as in those servers; the value alone still sets it."""
+
+    def options(*argv: str) -> dict:
+        return engine_options(parse_args(["serve", "/ckpt", *argv]))
+
+    assert options("--disable-cuda-graph", "--cuda-graph-max-bs", "8") == {"cuda_graph_max_bs": 0}
+    assert options("--cuda-graph-max-bs", "8", "--enforce-eager") == {"cuda_graph_max_bs": 0}
+    assert options("--cuda-graph-max-bs", "8") == {"cuda_graph_max_bs": 8}
+    assert options("--no-enable-prefix-caching", "--enable-prefix-caching") == {"radix_cache": False}
+    args = parse_args(["serve", "/ckpt", "--disable-log-stats", "--log-stats-interval", "5"])
+    assert args.log_stats_interval == 0.0
+
+
 def test_their_switches_for_what_gapless_does_anyway_change_nothing():
     """vLLM's --enable-chunked-prefill, --enable-auto-tool-choice, --swap-space and SGLang's --enable-metrics
     are taken (a command line written for them runs) and set no option."""
