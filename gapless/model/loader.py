@@ -21,6 +21,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from gapless import env
+from gapless.memory.kv_pool import FP8_DTYPES
 from gapless.model import gguf, gguf_vision, parallel, weight_names
 from gapless.model.config import ModelConfig, load_model_config
 from gapless.model.cpu_gemm import pack_cpu_gemms
@@ -200,7 +201,7 @@ def load_model(
         if kv_scales.take(name, tensor):
             continue
         name, tensor = checkpoint_scale(name, tensor)
-        keep = tensor.dtype in _FP8_TYPES or name.endswith(".weight_scale")  # (their loaders cast, or refuse)
+        keep = tensor.dtype in FP8_DTYPES or name.endswith(".weight_scale")  # (their loaders cast, or refuse)
         filled = _place(model, name, tensor if keep else tensor.to(dtype), spec)
         loaded.update(filled)
         rounding.filled(filled)
@@ -410,7 +411,6 @@ class _CpuGGUFLayers(gguf_int4.GGUFModules):
 
 
 # the last parts of the names quantized checkpoints give their tensors (AWQ, GPTQ, compressed-tensors, FP8)
-_FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _QUANTIZED_TENSORS = {
     *int4_layouts.TENSORS["gptq"],
     *int4_layouts.TENSORS["compressed-tensors"],
@@ -442,9 +442,9 @@ def _place(model: CausalLM, name: str, tensor: torch.Tensor, spec: QuantSpec | N
         raise ValueError(
             f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model{hint}"
         ) from None
-    if tensor.dtype in _FP8_TYPES and param.dtype != tensor.dtype:  # (a cast would change its codes)
+    if tensor.dtype in FP8_DTYPES and param.dtype != tensor.dtype:  # (a cast would change its codes)
         dtype = str(tensor.dtype).removeprefix("torch.")
-        if param.dtype in _FP8_TYPES:
+        if param.dtype in FP8_DTYPES:
             why = "fp8 layers hold e4m3 (e5m2 weights are not run)"
         elif name.endswith("_scale"):
             why = f"this scale is read as {str(param.dtype).removeprefix('torch.')}"
