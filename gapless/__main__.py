@@ -45,6 +45,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 _POLARITY = ("--enable-", "--disable-", "--no-")
 
 
+def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [name for action in parser._actions for name in action.option_strings]
+
+
 def _polarity(flag: str) -> str:
     return next((p for p in _POLARITY if flag.startswith(p)), "")
 
@@ -56,7 +60,7 @@ def unknown_arguments(extra: list[str], parser: argparse.ArgumentParser) -> str:
     flags = [a.split("=", 1)[0] for a in extra if a.startswith("-")]
     if not flags:
         return f"unexpected argument(s): {' '.join(extra)}"
-    known = [name for action in parser._actions for name in action.option_strings]
+    known = _known_flags(parser)
 
     def said(flag: str) -> str:
         if flag in FOREIGN_FLAGS:
@@ -73,7 +77,7 @@ def unknown_arguments(extra: list[str], parser: argparse.ArgumentParser) -> str:
 
 def _dashed(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """`argv` with vLLM's underscored spellings of known flags (`--max_model_len`) dashed."""
-    known = {name for action in parser._actions for name in action.option_strings}
+    known = _known_flags(parser)
 
     def dash(arg: str) -> str:
         flag, eq, value = arg.partition("=")

@@ -76,10 +76,9 @@ class LocalRanks:
             if conn.poll():
                 msg = pickle.loads(conn.recv_bytes())
                 if msg[0] == "error":
-                    refused = isinstance(msg[1], ValueError)
                     err = (
                         RankRefused(str(msg[1]))
-                        if refused
+                        if isinstance(msg[1], ValueError)
                         else RankFailed(f"tensor-parallel rank {rank} failed: {msg[1]!r}")
                     )
                     if sys.version_info >= (3, 11):  # notes are Python 3.11's
