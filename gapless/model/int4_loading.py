@@ -62,9 +62,15 @@ class Int4Layers:
 
     def finish(self) -> list[str]:
         """Install every layer not yet whole (unpacking or installing refuses what it lacks); the names
-        all the installs filled."""
+        all the installs filled. A checkpoint with no layer in its declared format (a float checkpoint
+        beside a quantization config) is refused: its layers would run as floats under the format's name."""
         for layer in list(self.layers):
             self._install(layer)
+        if not self.installed:
+            raise QuantFormatError(
+                f"the checkpoint declares {self.spec.label}, but no layer is stored so "
+                f"({', '.join(self.spec.tensors)}): a float checkpoint beside a quantization config?"
+            )
         return self.filled
 
     def _install(self, layer_name: str) -> None:

@@ -54,6 +54,7 @@ from gapless.model.quant.formats import QuantSpec
 from gapless.model.quant.fp8 import SCALE_NAMES, checkpoint_scale
 from gapless.model.quant.gguf_blocks import GGUFBlocks
 from gapless.model.quant.gguf_int4 import GGUFLayers
+from gapless.model.quant.scale_checks import ScaleCheck
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
 from gapless.model.weight_files import safetensors_files
 
@@ -174,7 +175,7 @@ def load_model(
     int4_layers = Int4Layers(model, int4_spec, dtype, int4_kernel) if int4_spec is not None else None
     loaded: set[str] = set()
     encoder = new_encoder(cfg.vision, cfg.hidden_size, dtype, device) if cfg.vision is not None else None
-    kv_scales = KVScaleReader()  # an FP8 KV cache's scales, where the checkpoint has them
+    kv_scales, scale_check = KVScaleReader(), ScaleCheck()  # an FP8 KV cache's scales; weights' checked
     kept = gguf_kept(path, device)
     gguf_layers = _gguf_layers(model, path, kept, dtype)  # (None: no GGUF blocks)
     weights: Iterable[tuple[str, Any]] = [] if dummy else iter_weights(path, kept)
@@ -183,6 +184,7 @@ def load_model(
     for name, tensor in weights:
         if "rotary_emb" in name or (spec is not None and name.endswith(_SKIPPED)):
             continue
+        scale_check(name, tensor)
         decoder_name = _decoder_name(name, tensor, encoder, dtype)
         if decoder_name is None:
             continue  # the vision encoder's
@@ -205,7 +207,7 @@ def load_model(
         filled = _place(model, name, tensor if keep else tensor.to(dtype), spec)
         loaded.update(filled)
         rounding.filled(filled)
-    if int4_layers is not None:
+    if int4_layers is not None and not dummy:
         loaded.update(int4_layers.finish())
     if dummy:
         _random_weights(model, int4_spec is not None, rounding)
