@@ -4,7 +4,8 @@ streams its replies); also `python -m gapless ...`.
 Building the parser imports neither torch, transformers nor the web stack, so `gapless --help` and every
 argument error answer at once; a subcommand imports what it runs only once its arguments are read. An
 argument error prints the subcommand's usage and one line (every unknown flag, each with gapless's name
-for it or the nearest known one) and exits with status 2.
+for it or the nearest known one) and exits with status 2. `--config FILE`, vLLM's and SGLang's YAML file of
+flags, is read first by the same parser, its errors naming the file; the command line's flags win.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import sys
 
 from gapless.chat import add_chat_args
-from gapless.cli import FOREIGN_FLAGS, apply_switches
+from gapless.cli import DOTTED_FLAGS, FOREIGN_FLAGS, apply_switches, config_file_args
 from gapless.server.serve_args import add_serve_args
 
 SUBCOMMANDS = {
@@ -38,6 +39,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     }
     add_serve_args(subs["serve"])
     add_chat_args(subs["chat"])
+    for each in subs.values():
+        each.add_argument(
+            "--config",
+            metavar="FILE",
+            help="read flags from a YAML file (vLLM's and SGLang's): `port: 8000`, `max-model-len: 4096`, "
+            "`enforce-eager: true`, `served-model-name: [a, b]`; the command line's flags win",
+        )
     return parser, subs
 
 
@@ -87,15 +95,75 @@ def _dashed(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     return [dash(arg) for arg in argv]
 
 
+def _undotted(argv: list[str]) -> list[str]:
+    """`argv` with vLLM's dotted spellings of its compilation flags (`-O.level=3`, `-O.level 3`,
+    `--compilation-config.level 3`) as the flag and one value, which is not read."""
+    out, words = [], iter(argv)
+    for arg in words:
+        flag, dot, key = arg.partition(".")
+        if dot and flag.replace("_", "-") in DOTTED_FLAGS:
+            value = key if "=" in key else f"{key}={next(words, '')}"
+            arg = f"--compilation-config={value}"
+        out.append(arg)
+    return out
+
+
+def _words(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    return _dashed(_undotted(argv), parser)
+
+
+def _config_file(argv: list[str], parser: argparse.ArgumentParser) -> tuple[str | None, list[str]]:
+    """The file `--config FILE` names (None: none), and `argv` without it."""
+    at = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    if len(at) > 1:
+        parser.error("--config given more than once: one file")
+    if not at:
+        return None, argv
+    i = at[0]
+    if argv[i] != "--config":
+        return argv[i].partition("=")[2], argv[:i] + argv[i + 1 :]
+    if i + 1 == len(argv) or argv[i + 1].startswith("-"):  # (no value: argparse says so)
+        return None, argv
+    return argv[i + 1], argv[:i] + argv[i + 2 :]
+
+
+def _read_config(path: str, parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options a `--config` file gives, read by `parser` as the same flags on the command line would
+    be; an error names the file, with the subcommand's usage and status 2."""
+    try:
+        words = _words(config_file_args(path, _known_flags(parser)), parser)
+        parser.exit_on_error = False  # (its errors raised here, to name the file)
+        args, extra = parser.parse_known_args(words)
+    except (ValueError, argparse.ArgumentError) as e:
+        parser.error(f"--config {path}: {e}")
+    finally:
+        parser.exit_on_error = True
+    if args.model_arg is not None:  # a value no flag took (a list given to a flag of one value)
+        extra = [args.model_arg, *extra]
+    if extra:
+        parser.error(f"--config {path}: {unknown_arguments(extra, parser)}")
+    return args
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Read the command line; an error exits with the subcommand's usage and status 2."""
+    """Read the command line, and the `--config` file it names first (its flags lose to the command
+    line's; a model named on the command line wins over the file's); an error exits with the
+    subcommand's usage and status 2."""
     parser, subs = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in subs:
-        argv = [argv[0], *_dashed(argv[1:], subs[argv[0]])]
-    args, extra = parser.parse_known_args(argv)
-    if extra:
+    if not argv or argv[0] not in subs:  # (help, no subcommand, or a word before it: argparse says)
+        args, extra = parser.parse_known_args(argv)
         subs[args.command].error(unknown_arguments(extra, subs[args.command]))
+    sub = subs[argv[0]]
+    path, words = _config_file(_words(argv[1:], sub), sub)
+    args = _read_config(path, sub) if path is not None else argparse.Namespace()
+    file_model, args.model = getattr(args, "model", None), None
+    args, extra = sub.parse_known_args(words, args)
+    if extra:
+        sub.error(unknown_arguments(extra, sub))
+    if args.model is None and args.model_arg is None:
+        args.model = file_model
+    args.command, args.config = argv[0], path
     return apply_switches(args)
 
 

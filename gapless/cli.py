@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Collection
 from dataclasses import MISSING, fields
 from typing import Any, NamedTuple, Protocol
 
@@ -89,7 +90,6 @@ FOREIGN_FLAGS = {
     "--max-prefill-tokens": "SGLang's; a prefill batch's tokens here: --chunked-prefill-size",
     "--nccl-port": "SGLang's; the ranks meet at --dist-init-addr HOST:PORT here",
     "--tokenizer-mode": "vLLM's; the checkpoint's Hugging Face tokenizer is the one run here",
-    "--compilation-config": "vLLM's; CUDA graphs are captured here as --cuda-graph-max-bs says (0: none)",
     "--enable-torch-compile": "SGLang's; on a CPU, --cpu-compile; on a GPU the kernels are Triton's already",
 }
 # vLLM's and SGLang's parallelism flags gapless does not run (tensor and data parallelism are options
@@ -175,7 +175,15 @@ ALREADY_SO: dict[str, str] = {
 # theirs that take a value gapless has no use for: taken, and said so in the help
 UNUSED_VALUES: dict[str, str] = {
     "--swap-space": "vLLM's CPU swap space: a preempted request is retracted and recomputed, not swapped",
+    "--compilation-config": "vLLM's torch.compile and CUDA graph settings (JSON; also -O: -O3, -O 3, "
+    "-O.level=3, -O JSON): not read; the decode CUDA graphs here are --cuda-graph-max-bs's (vLLM's capture "
+    "sizes count tokens, prefill too), torch.compile on a CPU --cpu-compile",
+    "--optimization-level": "vLLM's optimization level (newer releases' -O): not read either",
 }
+# their short flags for the same: vLLM's -O (older releases: --compilation-config, newer: its level)
+_SHORT_FLAGS = {"--compilation-config": ("-O",)}
+# the flags whose dotted form vLLM reads as one key of their JSON (-O.level=3, --compilation-config.level 3)
+DOTTED_FLAGS = ("-O", "--compilation-config")
 
 
 def add_compat_args(parser: argparse.ArgumentParser) -> None:
@@ -185,7 +193,8 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     for flag, why in ALREADY_SO.items():
         group.add_argument(flag, action="append_const", const=flag, dest="already_so", help=why)
     for flag, why in UNUSED_VALUES.items():
-        group.add_argument(flag, dest=f"unused_{flag[2:].replace('-', '_')}", metavar="X", help=why)
+        dest = f"unused_{flag[2:].replace('-', '_')}"
+        group.add_argument(flag, *_SHORT_FLAGS.get(flag, ()), dest=dest, metavar="X", help=why)
     parser.add_argument(
         "--speculative-config",
         metavar="JSON",
@@ -229,6 +238,53 @@ def speculative_options(text: str) -> dict[str, Any]:
         "speculative_algorithm": algorithm,
         **{_SPECULATIVE_KEYS[k]: v for k, v in spec.items() if k != "method"},
     }
+
+
+def config_file_args(path: str, known: Collection[str]) -> list[str]:
+    """The command-line words of a YAML config file, as vLLM's and SGLang's `--config` reads one: each key
+    a flag (`port`, `tensor-parallel-size` or `max_model_len`), true the switch, false its `--no-` form
+    where `known` has one (else nothing: the switch left out), a list the flag's words, a mapping its
+    JSON, anything else its text. ValueError saying why for a file that cannot be read, is no YAML, or
+    holds no mapping (an empty one gives no words)."""
+    import yaml  # type: ignore[import-untyped]  # (no stubs installed)
+
+    try:
+        with open(path, "rb") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(e.strerror or str(e)) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ValueError(f"not valid YAML: {problem}{where}") from None
+    data = {} if data is None else data  # (an empty file: no flags)
+    if not isinstance(data, dict):
+        raise ValueError(f"not a YAML mapping of flags to values but a {type(data).__name__}")
+    words: list[str] = []
+    for key, value in data.items():
+        flag = str(key) if str(key).startswith("-") else f"--{key}"
+        if flag.replace("_", "-") == "--config":
+            raise ValueError(f"names another config file ({key}: {value}); one is read")
+        words += _config_words(flag, value, known)
+    return words
+
+
+def _config_words(flag: str, value: Any, known: Collection[str]) -> list[str]:
+    """One config file entry's command-line words (`config_file_args`)."""
+    if isinstance(value, bool):
+        negated = "--no-" + flag.lstrip("-").replace("_", "-")
+        if value or flag.replace("_", "-") not in known:  # (an unknown flag is refused as typed)
+            return [flag]
+        return [negated] if negated in known else []
+    if isinstance(value, list):
+        return [flag, *map(_config_word, value)] if value else []
+    return [f"{flag}={_config_word(value)}"]
+
+
+def _config_word(value: Any) -> str:
+    """A config file value as the command line writes it: a list or a mapping as JSON."""
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
 
 def add_option(group: _ArgumentAdder, option: str, *flags: str, **kwargs: Any) -> None:

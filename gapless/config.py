@@ -23,6 +23,7 @@ FP8_KV_CACHE_DTYPES = (*E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE)
 UNQUANTIZED_KV_CACHE_DTYPES = ("bfloat16", "bf16")  # (vLLM's name; SGLang's too, and its short one)
 KV_CACHE_DTYPES = ("auto", *UNQUANTIZED_KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES)
 # --load-format's values, vLLM's names (gapless.engine.preflight)
+NO_CHUNKING = -1  # chunked_prefill_size (SGLang's): the budget the context length (`engine.preflight`)
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf", "bitsandbytes")
 # --task's names (vLLM's and SGLang's too) and the task each means (gapless.engine.pooling)
 TASK_NAMES = {
@@ -131,7 +132,7 @@ class EngineConfig:
         None,
         "token budget of one prefill batch; longer prompts are chunked. None: chosen for the device "
         "at start-up (gapless.engine.defaults: 2048 on CPU; on CUDA by GPU memory, 16384 from 60 GiB "
-        "up)",
+        "up); -1 (SGLang's): no prompt chunked, the budget the context length",
     )
     max_running_requests: int = option(256, "most requests running (decoding) at once")
     kv_cache_tokens: int | None = option(
@@ -344,8 +345,8 @@ class EngineConfig:
 
         if self.page_size < 1:
             raise bad("page_size", "must be >= 1")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            raise bad("chunked_prefill_size", "must be >= 1")
+        if self.chunked_prefill_size not in (None, NO_CHUNKING) and self.chunked_prefill_size < 1:
+            raise bad("chunked_prefill_size", f"must be >= 1, or {NO_CHUNKING}: no chunking")
         if self.max_running_requests < 1:
             raise bad("max_running_requests", "must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:

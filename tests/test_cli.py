@@ -20,7 +20,7 @@ import pytest
 
 import gapless
 from gapless.__main__ import build_parser, main, parse_args
-from gapless.cli import _PARALLEL_FLAGS, FLAG_ALIASES, config_from_args, engine_options
+from gapless.cli import _PARALLEL_FLAGS, FLAG_ALIASES, chosen_model, config_from_args, engine_options
 from gapless.config import EngineConfig
 from gapless.testing.server import descendants
 
@@ -271,6 +271,101 @@ def test_their_switches_for_what_gapless_does_anyway_change_nothing():
     )
     assert engine_options(theirs) == engine_options(plain) and theirs.tool_call_parser == "hermes"
     assert theirs.already_so == ["--enable-chunked-prefill", "--enable-auto-tool-choice", "--enable-metrics"]
+
+
+def test_vllms_compilation_flags_are_taken_and_change_nothing():
+    """vLLM's -O in each spelling (-O3, -O 3, -O.level=3, -O.level 3, JSON), --compilation-config and
+    --optimization-level are taken and set no option: gapless captures its own CUDA graphs
+    (--cuda-graph-max-bs) and runs no torch.compile on a GPU."""
+    plain = engine_options(parse_args(["serve", "/ckpt", "--cuda-graph-max-bs", "8"]))
+    for flags in (
+        ["-O3"],
+        ["-O", "3"],
+        ["-O.level=3"],
+        ["-O.level", "3"],
+        ["-O", '{"level": 3}'],
+        ["--compilation-config", '{"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}'],
+        ["--compilation-config.max_cudagraph_capture_size", "16"],
+        ["--optimization-level", "2"],
+    ):
+        args = parse_args(["serve", "/ckpt", *flags, "--cuda-graph-max-bs", "8"])
+        assert args.model_arg == "/ckpt" and engine_options(args) == plain, flags
+
+
+def test_sglangs_chunked_prefill_size_minus_one_chunks_no_prompt(ckpt_factory):
+    """SGLang's `--chunked-prefill-size -1` (no chunking): the prefill budget becomes the context length,
+    the longest a prompt can be (`--max-model-len`, else the model's); any other value below 1 is refused."""
+    from gapless.engine.preflight import check_engine_config
+
+    ckpt = str(ckpt_factory("qwen3"))
+    checked = check_engine_config(
+        config_from_args(parse_args(["serve", ckpt, "--chunked-prefill-size", "-1"]))
+    )
+    assert checked.cfg.chunked_prefill_size == checked.model.max_position_embeddings
+    args = parse_args(["serve", ckpt, "--chunked-prefill-size", "-1", "--context-length", "100"])
+    assert check_engine_config(config_from_args(args)).cfg.chunked_prefill_size == 100
+    for value in ("-2", "0"):
+        with pytest.raises(ValueError, match=f"chunked_prefill_size={value}: must be >= 1, or -1"):
+            config_from_args(parse_args(["serve", ckpt, "--chunked-prefill-size", value]))
+
+
+def test_a_config_file_gives_its_flags_as_the_command_line_would(tmp_path):
+    """vLLM's and SGLang's `--config FILE`: each key a flag (dashed, underscored, an alias), true a switch,
+    false its --no- form or nothing, a list a flag's words, a mapping its JSON; the command line's flags
+    win over the file's, and a model named on the command line over the file's."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "model: /from-file\nport: 9000\ntensor-parallel-size: 2\nmax_model_len: 32k\nenforce-eager: true\n"
+        "enable-prefix-caching: false\ndisable-radix-cache: false\nserved-model-name: [a, b]\n"
+        "speculative-config: {method: ngram, num_speculative_tokens: 3}\nenable-chunked-prefill: true\n"
+        "chunked-prefill-size: 512\n"
+    )
+    args = parse_args(["serve", "--config", str(config), "--port", "9100", "--max-num-batched-tokens", "64"])
+    assert (args.model, args.port, args.served_model_name) == ("/from-file", 9100, ["a", "b"])
+    assert args.already_so == ["--enable-chunked-prefill"] and args.config == str(config)
+    assert engine_options(args) == {
+        "speculative_algorithm": "ngram",
+        "speculative_num_draft_tokens": 3,
+        "tensor_parallel_size": 2,
+        "max_model_len": 32000,
+        "cuda_graph_max_bs": 0,
+        "radix_cache": False,
+        "chunked_prefill_size": 64,
+    }
+    named = parse_args(["serve", "/cli", f"--config={config}"])
+    assert chosen_model(named) == "/cli" and named.port == 9000
+    assert chosen_model(parse_args(["serve", "--config", str(config), "--model-path", "/flag"])) == "/flag"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert engine_options(parse_args(["serve", "--config", str(empty)])) == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (None, "No such file or directory"),
+        ("- port\n- 9000\n", "not a YAML mapping of flags to values but a list"),
+        ("port: [9000\n", "not valid YAML: "),
+        ("port: http\n", "argument --port: 'http' is not a port number"),
+        (
+            "frob: 1\nmax-num-seq: 3\n",
+            "unknown flags --frob (see gapless serve --help); --max-num-seq; did you",
+        ),
+        ("frob: false\n", "unknown flag --frob (see gapless serve --help)"),
+        ("port: [9000, 9001]\n", "unexpected argument(s): 9001"),
+        ("config: other.yaml\n", "names another config file (config: other.yaml)"),
+    ],
+)
+def test_a_config_file_that_cannot_be_read_is_one_error_naming_it(tmp_path, text, said, capsys):
+    config = tmp_path / "config.yaml"
+    if text is not None:
+        config.write_text(text)
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "/ckpt", "--config", str(config)])
+    assert exit.value.code == 2
+    usage, error = capsys.readouterr().err.strip().split("\n")
+    assert usage == "usage: gapless serve [MODEL] [options]"
+    assert error.startswith(f"gapless serve: error: --config {config}: ") and said in error, error
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,13 @@ traceback after the model began loading. Only the device check imports torch, an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import NamedTuple
 
 from gapless import env
-from gapless.config import FP8_KV_CACHE_DTYPES, EngineConfig
+from gapless.config import FP8_KV_CACHE_DTYPES, NO_CHUNKING, EngineConfig
 from gapless.engine.pooling import pooling_spec
 from gapless.model import weight_files
 from gapless.model.config import ModelConfig, load_model_config
@@ -75,6 +76,8 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
             raise ValueError(f"{tokenizer} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     generation_defaults(cfg.model, cfg.generation_config)  # a checkpoint default no request could set
     check_max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, cfg.model)
+    if cfg.chunked_prefill_size == NO_CHUNKING:  # (a budget of the longest prompt: none is chunked)
+        cfg = dataclasses.replace(cfg, chunked_prefill_size=cfg.max_model_len or mcfg.max_position_embeddings)
     check_device(cfg.device)
     spec = check_quantization(cfg, path)
     check_tensor_parallel(cfg, mcfg)
