@@ -50,11 +50,11 @@ from gapless.model.quant import (
     int4_layouts,
     weights_summary,
 )
+from gapless.model.quant.checkpoint_checks import ScaleCheck, check_fp8_dtype
 from gapless.model.quant.formats import QuantSpec
 from gapless.model.quant.fp8 import SCALE_NAMES, checkpoint_scale
 from gapless.model.quant.gguf_blocks import GGUFBlocks
 from gapless.model.quant.gguf_int4 import GGUFLayers
-from gapless.model.quant.scale_checks import ScaleCheck
 from gapless.model.vision import VisionEncoder, new_encoder, text_weight_name
 from gapless.model.weight_files import safetensors_files
 
@@ -444,15 +444,7 @@ def _place(model: CausalLM, name: str, tensor: torch.Tensor, spec: QuantSpec | N
         raise ValueError(
             f"checkpoint weight {name!r} has no place in the {model.cfg.architecture} model{hint}"
         ) from None
-    if tensor.dtype in FP8_DTYPES and param.dtype != tensor.dtype:  # (a cast would change its codes)
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if param.dtype in FP8_DTYPES:
-            why = "fp8 layers hold e4m3 (e5m2 weights are not run)"
-        elif name.endswith("_scale"):
-            why = f"this scale is read as {str(param.dtype).removeprefix('torch.')}"
-        else:
-            why = "its layer is not fp8: the checkpoint declares no fp8 format for it, or lacks its scale"
-        raise formats.QuantFormatError(f"checkpoint weight {name!r} is {dtype}, but {why}")
+    check_fp8_dtype(name, tensor.dtype, param.dtype)
     materialize(param)  # (a deferred weight: its memory, as a float tensor fills it)
     loader = getattr(param, "weight_loader", default_weight_loader)
     # where each shard sits in the checkpoint's fused tensor (whole, whatever this rank keeps of it)

@@ -972,3 +972,42 @@ def test_dummy_load_format_holds_an_fp8_checkpoints_layers_in_its_layout(
     assert tuple(fp8[0].weight_scale.shape) == ((-(-n // 128), -(-k // 128)) if layout == "fp8" else (n, 1))
     assert bool(experts) == (arch == "qwen3_moe")
     assert len(experts) == dict(info.weight_formats).get(f"{label} experts", 0), info.weight_formats
+
+
+@pytest.mark.slow  # (two tensor-parallel rank processes a case, ~10 s each)
+@pytest.mark.parametrize(("arch", "block"), [("llama", (32, 32)), ("qwen3_moe", (16, 16))])
+def test_two_ranks_give_the_dequantized_models_tokens(ckpt_factory, tmp_path, arch, block):
+    """Tensor parallelism over an fp8 checkpoint, end to end (gloo, one process per rank): q/k/v and
+    gate/up cut by rows with their scales' blocks, o and down by input blocks, a mixture's experts
+    likewise. Greedy tokens against transformers on the dequantized weights with its activations rounded
+    as ours are; the ranks' all-reduce sums in another order, which may move an activation across an e4m3
+    midpoint: at most one near-tie. (`--quantization fp8` scales each rank's piece of a row as it loads,
+    so its model depends on the number of ranks; not this test's.)"""
+    src = ckpt_factory(arch, moe_intermediate_size=64) if arch == "qwen3_moe" else ckpt_factory(arch)
+    dst, ref = write_fp8_checkpoint(src, tmp_path / "q", "fp8", block)
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
+    ours = _greedy(dst, prompts, tensor_parallel_size=2)
+    hf = load_hf_model(ref)
+    with _activations_rounded(hf, block[1]):
+        notes = [check_greedy(o, hf_greedy(hf, p, MAX_NEW), tol=NEAR_TIE) for o, p in zip(ours, prompts)]
+    assert sum(n is not None for n in notes) <= 1, notes
+
+
+@pytest.mark.slow  # (two tensor-parallel rank processes, ~10 s)
+def test_two_ranks_read_an_fp8_kv_cache_as_one_does(ckpt_factory, tmp_path):
+    """`--kv-cache-dtype fp8` under tensor parallelism, with per-layer k/v scales from the checkpoint (the
+    weights float, so that only the cache is rounded): each rank stores its heads' keys and values in
+    e4m3 under the same scales, so two ranks' tokens are one rank's (only o's and down's all-reduce
+    differ, in float32's last bits)."""
+    dst = shutil.copytree(ckpt_factory("qwen3"), tmp_path / "scaled")
+    scales = {
+        f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(0.02 + 0.01 * i) for i in (0, 1) for kv in "kv"
+    }
+    save_file(
+        load_file(str(dst / "model.safetensors")) | scales,
+        str(dst / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
+    one, two = (_greedy(dst, prompts, kv_cache_dtype="fp8", tensor_parallel_size=n) for n in (1, 2))
+    assert one == two

@@ -1,4 +1,4 @@
-"""A quantized checkpoint's scales checked as they load (`gapless.model.quant.scale_checks`), and a
+"""A quantized checkpoint's tensors checked as they load (`gapless.model.quant.checkpoint_checks`), and a
 float checkpoint beside a weight-only quantization config refused (`Int4Layers.finish`): each a one-line
 refusal where the load went through before and served NaNs, or floats under the format's name."""
 
@@ -100,3 +100,16 @@ def test_a_dummy_load_of_a_weight_only_config_is_not_refused(ckpt_factory, tmp_p
     checkpoint = write_quantized(ckpt_factory("llama"), tmp_path, "awq")[0]
     model = loader.load_model(checkpoint, torch.float32, torch.device("cpu"), dummy=True)
     assert (quantization(model) or "").startswith("awq"), quantization(model)
+
+
+@pytest.mark.parametrize("layout", ["fp8", "ct-channel"])
+def test_a_float_weight_in_an_fp8_layer_is_refused(ckpt_factory, tmp_path, layout):
+    """A float weight where its layer is e4m3 (its scale kept) was cast to e4m3 codes and then scaled as
+    them: ~1/scale off, silently."""
+    checkpoint = write_fp8_checkpoint(ckpt_factory("llama"), tmp_path / "q", layout)[0]
+
+    def floats(tensors: dict[str, torch.Tensor]) -> None:
+        name = next(n for n in sorted(tensors) if n.endswith("down_proj.weight"))
+        tensors[name] = torch.randn(tensors[name].shape, dtype=torch.bfloat16) * 0.02
+
+    assert_refused_after(checkpoint, floats, ("down_proj.weight' is float32", "holds e4m3 codes"))
