@@ -61,3 +61,31 @@ def test_a_float_model_says_no_quantization():
     with TestClient(_app(SchedulerInfo(64, 64, "cpu", 100, 2048, "", None, {"float32": 15}))) as http:
         card = http.get("/v1/models").json()["data"][0]
     assert card["quantization"] is None and card["weight_formats"] == {"float32": 15}
+
+
+@pytest.mark.slow  # (a served model: ~15 s)
+def test_a_served_fp8_checkpoint_names_its_formats(ckpt_factory, tmp_path):
+    """The real path, not a stand-in: `gapless serve` of an fp8 checkpoint with an fp8 KV cache, read by
+    the `openai` client (/v1/models) and over HTTP (/metrics), and answering a completion."""
+    import httpx
+    from openai import OpenAI
+
+    from gapless.testing.fp8_checkpoints import write_fp8_checkpoint
+    from gapless.testing.server import ServerProcess
+
+    dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "fp8", block=(32, 32))
+    srv = ServerProcess(str(dst), "--device", "cpu", "--kv-cache-dtype", "fp8", "--kv-cache-tokens", "1024")
+    try:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        card = client.models.list().data[0].model_extra or {}
+        assert card["quantization"] == "fp8", card
+        assert card["weight_formats"] == {"float32": 1, "fp8 e4m3 block 32x32": 8}, card  # 4 x 2 layers
+        assert card["kv_cache"].startswith("fp8_e4m3, "), card
+        text = httpx.get(f"{srv.url}/metrics").text
+        assert 'format="fp8 e4m3 block 32x32"' in text and 'kv_cache="fp8_e4m3, ' in text, text
+        done = client.completions.create(
+            model=client.models.list().data[0].id, prompt="hi", max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        assert done.usage is not None and done.usage.completion_tokens == 4
+    finally:
+        assert srv.stop() == 0, srv.output
