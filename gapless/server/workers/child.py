@@ -72,6 +72,9 @@ def run_worker(
         # what the failed frames hold (a weights file's progress bar, say) is let go now, not in the
         # SIGTERM the server answers with, whose SystemExit would land in its finalizer and print there
         traceback.clear_frames(e.__traceback__)
+        # and this process ends on its own from here: the SIGTERM the server answers with would land in
+        # an exit finalizer (a semaphore's unlink, leaving the resource tracker to warn of a leak)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         socks.send("api", P.Failed(name, error, refusal))  # (if this raises, both are printed)
         linger_ms = FAILED_LINGER_MS  # closing at once could drop the report before it is sent
         raise SystemExit(1) from None
