@@ -9,7 +9,8 @@ Hugging Face names and layouts: dequantized to float32 (the loader casts them to
 where the loader keeps them quantized (`gapless.model.quant.gguf_cpu`), quantized matrices as their blocks.
 The tensor types read are F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K-Q6_K, the
 i-quants IQ1_S-IQ4_XS, MXFP4 and the ternary TQ1_0/TQ2_0; a file holding another is refused by name with
-its config.
+its config, as is one whose tensors' shapes or bytes are not what its metadata and header say
+(`gapless.model.quant.gguf_shapes`: a hand-written file's, a broken converter's).
 
 The tokenizer and chat template are built by transformers from the same file
 (`gapless.model.source.load_tokenizer`); sampling defaults, where the file has them (`general.sampling.*`,
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gapless.model.quant import gguf_shapes
 from gapless.model.quant.gguf_blocks import FLOAT_TYPES, QUANTIZED_TYPES, GGUFBlocks
 
 # general.architecture -> the Hugging Face architecture the one decoder runs it as. llama.cpp writes
@@ -154,8 +156,13 @@ def _readers(path: str | Path) -> list[Any]:
 
 
 def tensors(path: str | Path) -> Iterator[Any]:
-    """Every tensor of the model, across its parts."""
-    for reader in _readers(path):
+    """Every tensor of the model, across its parts (each part's layout checked as it is first read:
+    `gguf_shapes.check_layout`; not where only its header's fields are, a projector's search among them)."""
+    for part in split_parts(path):
+        reader = _reader(str(part))
+        if not getattr(reader, "layout_checked", False):
+            gguf_shapes.check_layout(reader, str(part))
+            reader.layout_checked = True
         yield from reader.tensors
 
 
@@ -175,7 +182,7 @@ def _open(path: str, size: int, mtime_ns: int) -> Any:
     except (ValueError, IndexError, KeyError, OverflowError, struct.error) as e:  # (what gguf raises)
         raise ValueError(
             f"{path}: not a whole GGUF file ({size:,} bytes; gguf's reader: {e}): a copy or download cut "
-            "short?"
+            "short, or a tensor's type in its header unlike its shape?"
         ) from None
 
 
@@ -239,9 +246,23 @@ def _rope_scaling(
 def config_dict(path: str | Path) -> dict[str, Any]:
     """The file's metadata as the `config.json` dict a Hugging Face checkpoint of it would carry.
 
-    Raises ValueError naming the architecture when it is not one gapless runs, and what of a mixture of
-    experts or RoPE scaling it does not compute.
+    Raises ValueError naming the architecture when it is not one gapless runs, what of a mixture of
+    experts or RoPE scaling it does not compute, a metadata key it needs and lacks, and a tensor whose
+    shape is not the config's (`gguf_shapes.check_shapes`).
     """
+    try:
+        cfg = _config_dict(path)
+    except KeyError as e:
+        raise ValueError(
+            f"{path}: its GGUF metadata has no {e.args[0]}, which its model's config needs"
+        ) from None
+    arch = metadata(path)["general.architecture"]
+    hf_names = {t.name: hf_name(t.name, arch) for t in tensors(path)}
+    gguf_shapes.check_shapes(tensors(path), {k: v for k, v in hf_names.items() if v}, cfg)
+    return cfg
+
+
+def _config_dict(path: str | Path) -> dict[str, Any]:
     meta, names = metadata(path), tensor_names(path)
     _check_types(path)
     arch = meta.get("general.architecture")
@@ -344,7 +365,11 @@ def _mixture(path: str | Path, meta: dict[str, Any], arch: str, names: set[str])
         raise ValueError(f"{path}: expert_count={experts} but no layer has a router (ffn_gate_inp)")
     if arch in _MIXTURES:  # Mixtral's experts are feed_forward_length wide, every layer routed
         return {"num_local_experts": experts, "num_experts_per_tok": int(meta[f"{arch}.expert_used_count"])}
-    width = meta.get(f"{arch}.expert_feed_forward_length") or widths[f"blk.{routed[0]}.ffn_gate_exps.weight"]
+    width = meta.get(f"{arch}.expert_feed_forward_length") or widths.get(
+        f"blk.{routed[0]}.ffn_gate_exps.weight"
+    )
+    if width is None:
+        raise ValueError(f"{path}: no {arch}.expert_feed_forward_length, nor blk.{routed[0]}.ffn_gate_exps")
     fields: dict[str, Any] = {
         "num_experts": experts,
         "num_experts_per_tok": int(meta[f"{arch}.expert_used_count"]),

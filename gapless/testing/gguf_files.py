@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -157,10 +158,18 @@ def _stacked(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tensors: int = 0) -> Path:
+def write_gguf(
+    ckpt: str | Path,
+    out: str | Path,
+    qtype: str = "F32",
+    split_tensors: int = 0,
+    edits: dict[str, Callable[[np.ndarray], np.ndarray | None]] | None = None,
+) -> Path:
     """Write the checkpoint directory `ckpt` (one safetensors file) as a GGUF file `out`, its matrices in
     `qtype` (one of TYPES); with `split_tensors`, split as llama.cpp's converter splits a model, at most
-    that many tensors a file (`out`'s stem + `-00001-of-0000N.gguf` ...; the first file returned)."""
+    that many tensors a file (`out`'s stem + `-00001-of-0000N.gguf` ...; the first file returned).
+    `edits` (by GGUF name: a broken converter's file, for tests of its refusal): each such tensor, as its
+    row-major float32 array about to be written, replaced by what its function returns (None: left out)."""
     ckpt, out = Path(ckpt), Path(out)
     cfg = json.loads((ckpt / "config.json").read_text())
     # a vision-language checkpoint: its decoder, as llama.cpp's converter writes it (the tower and
@@ -193,6 +202,11 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tens
             w = _permute(w, kv_heads)
         if name.endswith("ffn_gate_inp_shexp.weight"):
             w = w.reshape(-1)  # ([1, hidden]: llama.cpp's model takes it as a vector)
+        if edits and name in edits:
+            edited = edits[name](w)
+            if edited is None:
+                continue
+            w = np.ascontiguousarray(edited)
         if w.ndim == 1 or kind == gguf.GGMLQuantizationType.F32 or name.endswith(_F32_ALWAYS):
             writer.add_tensor(name, w)
         elif kind == gguf.GGMLQuantizationType.F16:
@@ -206,6 +220,16 @@ def write_gguf(ckpt: str | Path, out: str | Path, qtype: str = "F32", split_tens
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(out)[0]
+
+
+def retype(path: str | Path, name: str, qtype: str) -> None:
+    """Change, in place, the type the header of the GGUF file `path` gives its tensor `name` to `qtype`,
+    its bytes and shape kept (a file written wrong, for tests of its refusal)."""
+    reader = gguf.GGUFReader(str(path), "r+")
+    tensor = next(t for t in reader.tensors if t.name == name)
+    # (a tensor's header field's parts: name length, name, dims, shape, type, offset)
+    tensor.field.parts[4][0] = gguf.GGMLQuantizationType[qtype]
+    reader.data.flush()
 
 
 def _llama3_factors(cfg: dict, rope: dict) -> np.ndarray:
