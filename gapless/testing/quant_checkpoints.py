@@ -194,6 +194,7 @@ def write_quantized(
     qdir, refdir = dst / layout, dst / f"{layout}-reference"
 
     def quantized(name: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        check_packable(name, tuple(t.shape), layout, bits, group, sym)
         w = quantize(t, bits, group, sym, _input_order(name, t.shape[1]) if act_order else None)
         prefix = name.removesuffix(".weight")
         return {f"{prefix}.{s}": v for s, v in layout_tensors(w, layout, bits, group).items()}, w.dequantize()
@@ -205,6 +206,28 @@ def write_quantized(
     config["quantization_config"] = quantization_config(layout, bits, group, sym, act_order, head)
     (qdir / "config.json").write_text(json.dumps(config, indent=2))
     return qdir, refdir
+
+
+def check_packable(name: str, shape: tuple[int, ...], layout: str, bits: int, group: int, sym: bool) -> None:
+    """Refuse (ValueError, naming the weight) a weight `layout` cannot store in `bits`: its inputs not
+    whole groups, or a dimension it packs into int32 words not whole words (`bits` values a word, 3 bits'
+    32 values in 3 words: a 3-bit LM head's vocab a multiple of 32). What each packs: AWQ its outputs (its
+    weights' and zeros'), GPTQ (and AutoRound's) its inputs (the weights) and outputs (the zeros),
+    compressed-tensors' pack-quantized its inputs, and its outputs where it has zeros (asymmetric)."""
+    n, k = shape
+    per = 32 // bits if 32 % bits == 0 else 32
+    if group > 0 and k % group:
+        raise ValueError(f"{name} {list(shape)}: its {k} inputs are not whole groups of {group}")
+    sizes = {"inputs": k, "outputs": n}
+    packs = {"awq": ["outputs"], "compressed-tensors": ["inputs"] + ([] if sym else ["outputs"])}
+    for what in packs.get(AUTO_ROUND.get(layout, layout), [] if layout == "int-quantized" else list(sizes)):
+        if sizes[what] % per:
+            words = "3 int32 words" if bits == 3 else "an int32 word"
+            hint = f" (an LM head's vocab: e.g. {-(-n // per) * per})" if what == "outputs" else ""
+            raise ValueError(
+                f"{name} {list(shape)}: {layout} packs {bits}-bit values {per} to {words} along its {what}, "
+                f"and {sizes[what]} is not a multiple of {per}{hint}"
+            )
 
 
 def quantize_head(
