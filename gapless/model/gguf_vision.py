@@ -13,6 +13,7 @@ average-pooled, RMS-normed and projected by one matrix) is read; another is refu
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from gapless.model import gguf
+
+log = logging.getLogger(__name__)
 
 PROJECTORS = {"gemma3": "gemma3"}  # llama.cpp's `clip.projector_type`s read -> the model architecture of each
 _TOWER = "vision_tower.vision_model."  # the checkpoint's names of the tower (transformers v4's layout)
@@ -70,7 +73,16 @@ def mmproj_for(path: str | Path) -> Path | None:
 
 @functools.lru_cache(maxsize=16)
 def _projectors(folder: str, mtime_ns: int) -> list[Path]:
-    return [p for p in sorted(Path(folder).glob("*.gguf")) if is_mmproj(p)]
+    """The projector files among `folder`'s GGUF files; one that cannot be read (another file's download
+    cut short, say) is passed over with a warning, not let block the model beside it."""
+    found = []
+    for p in sorted(Path(folder).glob("*.gguf")):
+        try:
+            if is_mmproj(p):
+                found.append(p)
+        except ValueError as e:
+            log.warning("%s (passed over in the search for a vision projector)", e)
+    return found
 
 
 def _kind(meta: dict[str, Any]) -> Any:

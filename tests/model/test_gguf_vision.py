@@ -128,6 +128,17 @@ def test_a_text_file_alone_or_with_mmproj_none_is_a_text_model(ckpt, pair, tmp_p
         assert llm.chat(CONVS[2], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0].token_ids
 
 
+def test_a_cut_short_file_beside_the_model_is_passed_over_with_a_warning(tmp_path, caplog):
+    """A folder of GGUF files where another quant's download was cut short: the model beside it loads,
+    and the search for its projector warns of the file it could not read."""
+    good = write_gguf(cached_checkpoint("qwen3"), tmp_path / "qwen3-tiny.F32.gguf", "F32")
+    data = good.read_bytes()
+    (tmp_path / "qwen3-tiny.Q8_0.gguf").write_bytes(data[: len(data) // 3])
+    with caplog.at_level("WARNING", logger="gapless.model.gguf_vision"):
+        assert load_model_config(good).vision is None
+    assert "qwen3-tiny.Q8_0.gguf: not a whole GGUF file" in caplog.text, caplog.text
+
+
 def test_pairing_errors_are_one_line_each(ckpt, pair, tmp_path):
     model, mmproj = pair / "gemma3-tiny.F32.gguf", pair / "mmproj-gemma3-tiny-F32.gguf"
     with pytest.raises(ModelSourceError, match="is a vision projector .* --mmproj"):
