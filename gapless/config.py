@@ -22,8 +22,8 @@ E5M2_KV_CACHE_DTYPE = "fp8_e5m2"
 FP8_KV_CACHE_DTYPES = (*E4M3_KV_CACHE_DTYPES, E5M2_KV_CACHE_DTYPE)
 UNQUANTIZED_KV_CACHE_DTYPES = ("bfloat16", "bf16")  # (vLLM's name; SGLang's too, and its short one)
 KV_CACHE_DTYPES = ("auto", *UNQUANTIZED_KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES)
-# --load-format's values, vLLM's names (gapless.engine.preflight)
 NO_CHUNKING = -1  # chunked_prefill_size (SGLang's): the budget the context length (`engine.preflight`)
+# --load-format's values, vLLM's names (gapless.engine.preflight)
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf", "bitsandbytes")
 # --task's names (vLLM's and SGLang's too) and the task each means (gapless.engine.pooling)
 TASK_NAMES = {

@@ -53,9 +53,12 @@ def check_fp8_dtype(name: str, dtype: torch.dtype, param: torch.dtype) -> None:
     if dtype == param or (dtype not in FP8_DTYPES and param not in FP8_DTYPES):
         return
     given, held = (str(t).removeprefix("torch.") for t in (dtype, param))
-    if dtype not in FP8_DTYPES:
-        why = "its layer holds e4m3 codes under a scale, and a float weight is not cast into them"
-    elif param in FP8_DTYPES:
+    if dtype not in FP8_DTYPES:  # (as the loader cast it: not necessarily the checkpoint's own type)
+        raise QuantFormatError(
+            f"checkpoint weight {name!r} is floats, but its layer holds e4m3 codes under a scale, and a "
+            "float weight is not cast into them"
+        )
+    if param in FP8_DTYPES:
         why = "fp8 layers hold e4m3 (e5m2 weights are not run)"
     elif name.endswith("_scale"):
         why = f"this scale is read as {held}"
