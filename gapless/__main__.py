@@ -57,6 +57,18 @@ def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
     return [name for action in parser._actions for name in action.option_strings]
 
 
+def _flag_kinds(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each flag's kind, as a config file's value is read for it: "switch" (no value), "append" (given
+    once per value), "value"."""
+    kinds = {}
+    for action in parser._actions:
+        kind = (
+            "switch" if action.nargs == 0 else "append" if isinstance(action, argparse._AppendAction) else ""
+        )
+        kinds |= dict.fromkeys(action.option_strings, kind or "value")
+    return kinds
+
+
 def _polarity(flag: str) -> str:
     return next((p for p in _POLARITY if flag.startswith(p)), "")
 
@@ -97,14 +109,19 @@ def _dashed(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
 
 def _undotted(argv: list[str]) -> list[str]:
     """`argv` with vLLM's dotted spellings of its compilation flags (`-O.level=3`, `-O.level 3`,
-    `--compilation-config.level 3`) as the flag and one value, which is not read."""
-    out, words = [], iter(argv)
-    for arg in words:
+    `--compilation-config.level 3`) as the flag and one value, which is not read; and a bare `-O` whose
+    next word is no level (0-3) or JSON without one (as newer vLLM reads it: `-O /ckpt` names the model)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg, after = argv[i], argv[i + 1] if i + 1 < len(argv) else ""
         flag, dot, key = arg.partition(".")
         if dot and flag.replace("_", "-") in DOTTED_FLAGS:
-            value = key if "=" in key else f"{key}={next(words, '')}"
-            arg = f"--compilation-config={value}"
+            value = key if "=" in key else f"{key}={after}"
+            arg, i = f"--compilation-config={value}", i + (0 if "=" in key else 1)
+        elif arg == "-O" and not (after in ("0", "1", "2", "3") or after.startswith("{")):
+            arg = "--compilation-config="
         out.append(arg)
+        i += 1
     return out
 
 
@@ -131,7 +148,7 @@ def _read_config(path: str, parser: argparse.ArgumentParser) -> argparse.Namespa
     """The options a `--config` file gives, read by `parser` as the same flags on the command line would
     be; an error names the file, with the subcommand's usage and status 2."""
     try:
-        words = _words(config_file_args(path, _known_flags(parser)), parser)
+        words = _words(config_file_args(path, _flag_kinds(parser)), parser)
         parser.exit_on_error = False  # (its errors raised here, to name the file)
         args, extra = parser.parse_known_args(words)
     except (ValueError, argparse.ArgumentError) as e:
@@ -158,11 +175,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     path, words = _config_file(_words(argv[1:], sub), sub)
     args = _read_config(path, sub) if path is not None else argparse.Namespace()
     file_model, args.model = getattr(args, "model", None), None
+    file_off, args.switched_off = getattr(args, "switched_off", None) or {}, None
     args, extra = sub.parse_known_args(words, args)
     if extra:
         sub.error(unknown_arguments(extra, sub))
     if args.model is None and args.model_arg is None:
         args.model = file_model
+    # the file's switches that turned an option off, but where the command line set that option
+    kept = {option: off for option, off in file_off.items() if getattr(args, option) == off}
+    args.switched_off = {**kept, **(args.switched_off or {})}
     args.command, args.config = argv[0], path
     return apply_switches(args)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import Any, NamedTuple, Protocol
 
@@ -240,17 +240,19 @@ def speculative_options(text: str) -> dict[str, Any]:
     }
 
 
-def config_file_args(path: str, known: Collection[str]) -> list[str]:
+def config_file_args(path: str, kinds: Mapping[str, str]) -> list[str]:
     """The command-line words of a YAML config file, as vLLM's and SGLang's `--config` reads one: each key
     a flag (`port`, `tensor-parallel-size` or `max_model_len`), true the switch, false its `--no-` form
-    where `known` has one (else nothing: the switch left out), a list the flag's words, a mapping its
-    JSON, anything else its text. ValueError saying why for a file that cannot be read, is no YAML, or
-    holds no mapping (an empty one gives no words)."""
+    where it has one (else nothing: the switch left out), null or blank nothing (not set, as vLLM reads
+    it), a list the flag's words (a flag given once a value, `kinds`' "append", once per item), a mapping
+    its JSON, anything else its text. `kinds`: each known flag's "switch", "append" or "value". ValueError
+    saying why for a file that cannot be read, is no YAML, holds no mapping (an empty one gives no
+    words), or gives false to a flag that takes a value."""
     import yaml  # type: ignore[import-untyped]  # (no stubs installed)
 
     try:
         with open(path, "rb") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # (libyaml's, if built)
     except OSError as e:
         raise ValueError(e.strerror or str(e)) from None
     except yaml.YAMLError as e:
@@ -266,17 +268,24 @@ def config_file_args(path: str, known: Collection[str]) -> list[str]:
         flag = str(key) if str(key).startswith("-") else f"--{key}"
         if flag.replace("_", "-") == "--config":
             raise ValueError(f"names another config file ({key}: {value}); one is read")
-        words += _config_words(flag, value, known)
+        words += _config_words(flag, value, kinds)
     return words
 
 
-def _config_words(flag: str, value: Any, known: Collection[str]) -> list[str]:
+def _config_words(flag: str, value: Any, kinds: Mapping[str, str]) -> list[str]:
     """One config file entry's command-line words (`config_file_args`)."""
+    kind = kinds.get(flag.replace("_", "-"))  # (None: unknown, refused as typed)
+    if value is None:
+        return []
     if isinstance(value, bool):
+        if kind not in (None, "switch"):
+            raise ValueError(f"{flag.lstrip('-')}: {str(value).lower()} given to a flag that takes a value")
         negated = "--no-" + flag.lstrip("-").replace("_", "-")
-        if value or flag.replace("_", "-") not in known:  # (an unknown flag is refused as typed)
+        if value or kind is None:
             return [flag]
-        return [negated] if negated in known else []
+        return [negated] if negated in kinds else []
+    if isinstance(value, list) and kind == "append":
+        return [word for item in value for word in (flag, _config_word(item))]
     if isinstance(value, list):
         return [flag, *map(_config_word, value)] if value else []
     return [f"{flag}={_config_word(value)}"]
@@ -296,7 +305,7 @@ def add_option(group: _ArgumentAdder, option: str, *flags: str, **kwargs: Any) -
     for flag, a in aliases:
         if a.const is not None:
             help_text = f"{a.source}'s flag: sets {option} to {a.const}"
-            action = "store_const" if a.const else _SwitchOff  # (one that turns it off wins: below)
+            action = _SwitchOn if a.const else _SwitchOff  # (one that turns it off wins: below)
             group.add_argument(flag, dest=option, action=action, const=a.const, default=None, help=help_text)
 
 
@@ -311,6 +320,20 @@ class _SwitchOff(argparse.Action):
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, flag: Any = None) -> None:
         setattr(namespace, self.dest, self.const)
         namespace.switched_off = {**(getattr(namespace, "switched_off", None) or {}), self.dest: self.const}
+
+
+class _SwitchOn(argparse.Action):
+    """Another server's switch that sets its option to a value (`--enable-prefix-caching`): as `store_const`,
+    and it takes back a `_SwitchOff` of the same option given before it (`--no-enable-prefix-caching
+    --enable-prefix-caching`: on, the last of the pair, as vLLM reads its pairs)."""
+
+    def __init__(self, option_strings: list[str], dest: str, const: Any = None, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, flag: Any = None) -> None:
+        setattr(namespace, self.dest, self.const)
+        off = getattr(namespace, "switched_off", None) or {}
+        namespace.switched_off = {k: v for k, v in off.items() if k != self.dest}
 
 
 def apply_switches(args: argparse.Namespace) -> argparse.Namespace:

@@ -248,7 +248,9 @@ def test_vllms_speculative_config_sets_the_speculative_options():
 
 def test_a_switch_that_turns_an_option_off_wins_over_its_value():
     """SGLang's `--disable-cuda-graph` and vLLM's `--enforce-eager` turn CUDA graphs off whatever
-    `--cuda-graph-max-bs` says, before or after them, as in those servers; the value alone still sets it."""
+    `--cuda-graph-max-bs` says, before or after them, as in those servers; the value alone still sets it.
+    Of a pair of switches of one option (vLLM's `--enable-prefix-caching` and its `--no-` form) the last
+    wins, as vLLM reads them."""
 
     def options(*argv: str) -> dict:
         return engine_options(parse_args(["serve", "/ckpt", *argv]))
@@ -256,7 +258,9 @@ def test_a_switch_that_turns_an_option_off_wins_over_its_value():
     assert options("--disable-cuda-graph", "--cuda-graph-max-bs", "8") == {"cuda_graph_max_bs": 0}
     assert options("--cuda-graph-max-bs", "8", "--enforce-eager") == {"cuda_graph_max_bs": 0}
     assert options("--cuda-graph-max-bs", "8") == {"cuda_graph_max_bs": 8}
-    assert options("--no-enable-prefix-caching", "--enable-prefix-caching") == {"radix_cache": False}
+    assert options("--no-enable-prefix-caching", "--enable-prefix-caching") == {"radix_cache": True}
+    assert options("--enable-prefix-caching", "--no-enable-prefix-caching") == {"radix_cache": False}
+    assert options("--disable-radix-cache", "--enable-prefix-caching") == {"radix_cache": True}
     args = parse_args(["serve", "/ckpt", "--disable-log-stats", "--log-stats-interval", "5"])
     assert args.log_stats_interval == 0.0
 
@@ -338,6 +342,35 @@ def test_a_config_file_gives_its_flags_as_the_command_line_would(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert engine_options(parse_args(["serve", "--config", str(empty)])) == {}
+
+
+def test_a_config_files_nulls_falses_lists_and_switches_read_as_vllm_reads_them(tmp_path):
+    """null or blank: not set (vLLM's reading; a blank `api-key:` once required the key 'None'); false
+    for a flag that takes a value: refused, not dropped; a list for a flag given once per value: one per
+    item; a switch in the file that turns an option off yields to the command line's value for it."""
+    config = tmp_path / "c.yaml"
+    config.write_text("api-key:\ntokenizer: ~\nenable-prefix-caching: false\nenforce-eager: true\n")
+    args = parse_args(["serve", "/ckpt", "--config", str(config)])
+    assert args.api_key is None and args.tokenizer is None
+    assert engine_options(args) == {"radix_cache": False, "cuda_graph_max_bs": 0}
+    args = parse_args(["serve", "/ckpt", "--config", str(config), "--enable-prefix-caching"])
+    assert engine_options(args) == {"radix_cache": True, "cuda_graph_max_bs": 0}
+    args = parse_args(["serve", "/ckpt", "--config", str(config), "--cuda-graph-max-bs", "8"])
+    assert engine_options(args) == {"radix_cache": False, "cuda_graph_max_bs": 8}
+    config.write_text("stop: [a, b]\n")
+    assert parse_args(["chat", "/ckpt", "--config", str(config)]).stop == ["a", "b"]
+    config.write_text("served-model-name: no\n")  # (YAML 1.1's false)
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "/ckpt", "--config", str(config)])
+
+
+def test_a_bare_O_leaves_the_model_to_be_the_model():
+    """vLLM's `-O` takes the next word only as a level (0-3) or JSON: `gapless serve -O /ckpt` serves
+    /ckpt (it served the default model, /ckpt read as -O's value)."""
+    from gapless.cli import chosen_model
+
+    for argv in (["-O", "/ckpt"], ["-O", "3", "/ckpt"], ["/ckpt", "-O"], ["-O", '{"level": 3}', "/ckpt"]):
+        assert chosen_model(parse_args(["serve", *argv])) == "/ckpt", argv
 
 
 @pytest.mark.parametrize(
