@@ -81,12 +81,11 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     check_device(cfg.device)
     spec = check_quantization(cfg, path)
     check_tensor_parallel(cfg, mcfg)
-    if (
-        spec is not None and spec.online
-    ):  # (its layers' shapes, as the ranks cut them: after the cut is known)
+    blocks_cut = spec is not None and spec.weight_block is not None and cfg.tensor_parallel_size > 1
+    if spec is not None and (spec.online or blocks_cut):  # (the layers as the ranks cut them)
         from gapless.model.loader import check_layers
 
-        check_layers(mcfg, spec, cfg.tensor_parallel_size)
+        check_layers(mcfg, spec, cfg.tensor_parallel_size, path)
     pooling_spec(cfg)  # a sentence-transformers config gapless cannot run
     if mcfg.mrope_section is not None and cfg.speculative_algorithm is not None:  # (verify: 1-D positions)
         raise ValueError("speculative decoding of an M-RoPE model (Qwen2.5-VL) is not supported")

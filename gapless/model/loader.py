@@ -314,19 +314,21 @@ def quant_spec(path: str | Path, quantization: str | None, device: torch.device 
     return formats.resolve(declared.checkpoint_quantization(path), quantization, device)
 
 
-def check_layers(cfg: ModelConfig, spec: QuantSpec, tp_size: int) -> None:
-    """Refuse, before any process loads it, a format quantized at load (`spec.online`) that cannot take the
-    model's layers as `tp_size` ranks cut them (e.g. a layer's inputs in no whole blocks): the format's
-    own checks (`quantized_modules`) on the model built with no memory (`meta`), as rank 0 builds it."""
-    if not spec.online:
-        return
+def check_layers(cfg: ModelConfig, spec: QuantSpec, tp_size: int, path: Path) -> None:
+    """Refuse, before any process loads it, a format quantized at load (`spec.online`) or an fp8
+    checkpoint's blocks (under tensor parallelism) that cannot take the model's layers as `tp_size` ranks
+    cut them (e.g. a layer's inputs in no whole blocks): the format's own checks (`quantized_modules`, or
+    `prepare` on the checkpoint's layers) on the model built with no memory (`meta`), as rank 0 builds it."""
     scheme = importlib.import_module(f"gapless.model.quant.{spec.scheme}")
     previous = parallel.current()
     parallel.use(parallel.TPGroup(rank=0, size=tp_size))
     try:
         with torch.device("meta"), deferred_weights():
             model = CausalLM(cfg)
-        scheme.quantized_modules(model, spec, set())
+        if spec.online:
+            scheme.quantized_modules(model, spec, set())
+        else:
+            _prepare_quantized(model, spec, path, False, torch.device("meta"))
     finally:
         parallel.use(previous)
 

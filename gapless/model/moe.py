@@ -198,9 +198,7 @@ class Experts(nn.Module):
         from gapless.model.quant.formats import QuantFormatError
 
         e, hidden, inter = self.num_experts, self.gate_up_proj.shape[2], self.inter
-        bc = block[1] if block is not None else 0
-        if bc and (bc & (bc - 1) or bc < 16):
-            raise QuantFormatError(f"fp8 experts: block width {bc} is not a power of two >= 16")
+        bc = block[1] if block is not None else 0  # (a power of two >= 16: `QuantSpec`)
         if block is not None and self.tp.size > 1 and (inter % block[0] or inter % bc):
             raise QuantFormatError(
                 f"fp8 experts: {inter} columns per rank split the checkpoint's {block[0]}x{bc} scale blocks"

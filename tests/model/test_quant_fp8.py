@@ -152,6 +152,39 @@ def test_refused_before_any_weight_loads(ckpt_factory, tmp_path, monkeypatch):
     _one_line(e, "'hqq'")
 
 
+@pytest.mark.parametrize(
+    ("arch", "block", "words"),
+    [
+        ("qwen3", (128, 128), ("'s 64 input columns per rank split its 128-wide scale blocks",)),
+        ("qwen3_moe", (32, 32), ("fp8 experts: 16 columns per rank split", "32x32 scale blocks")),
+    ],
+)
+def test_blocks_the_ranks_would_split_are_refused_before_any_worker_starts(
+    ckpt_factory, tmp_path, monkeypatch, arch, block, words
+):
+    """Under tensor parallelism the pre-flight builds the model on `meta` as rank 0 cuts it and prepares
+    the checkpoint's fp8 layers, so blocks a rank's cut would split are refused there, reading no tensor
+    (they were found as the worker loaded)."""
+    from gapless.config import EngineConfig
+    from gapless.engine.preflight import check_engine_config
+
+    dst, _ = write_fp8_checkpoint(ckpt_factory(arch), tmp_path / "q", "fp8", block=block)
+    monkeypatch.setattr(loader, "iter_weights", lambda *a: pytest.fail("a weight was read"))
+    check_engine_config(EngineConfig(model=str(dst), device="cpu"))  # (one rank: whole blocks)
+    with pytest.raises(ValueError) as e:
+        check_engine_config(EngineConfig(model=str(dst), device="cpu", tensor_parallel_size=2))
+    _one_line(e, *words)
+
+
+def test_a_block_width_no_kernel_steps_through_is_refused_with_the_config():
+    for qcfg in (
+        {"quant_method": "fp8", "weight_block_size": [24, 24]},
+        quant_config("ct-block", (128, 96)),
+    ):
+        with pytest.raises(QuantFormatError, match="block width (24|96) is not a power of two >= 16"):
+            formats.resolve(qcfg, None, "cpu")
+
+
 def test_a_scale_of_the_wrong_shape_is_refused_by_name(ckpt_factory, tmp_path):
     dst, _ = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "fp8", block=(32, 32))
     tensors = load_file(str(dst / "model.safetensors"))

@@ -65,6 +65,13 @@ class QuantSpec:
     codebook: str = ""  # scheme "bnb": its 4-bit values' codebook, "nf4" or "fp4"
     rtn: tuple[int, int] | None = None  # scheme "rtn": (bits, group; -1 one a row), `gapless.model.quant.rtn`
 
+    def __post_init__(self) -> None:
+        width = self.weight_block[1] if self.weight_block is not None else 16
+        if width < 16 or width & (width - 1):  # (the fp8 kernels' K steps: whole blocks of them)
+            raise QuantFormatError(
+                f"quantization {self.name}: block width {width} is not a power of two >= 16"
+            )
+
 
 class QuantFormatError(ValueError):
     """A quantized format gapless cannot run here (one line, naming it)."""

@@ -331,10 +331,6 @@ def prepare(model: nn.Module, spec: QuantSpec, modules: list[str]) -> None:
                     f"quantization {spec.name}: {name}'s {k} input columns per rank split its "
                     f"{bc}-wide scale blocks"
                 )
-            if bc & (bc - 1) or bc < 16:
-                raise QuantFormatError(
-                    f"quantization {spec.name}: block width {bc} is not a power of two >= 16"
-                )
         weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=layer.weight.device), requires_grad=False)
         layer.weight = set_weight_loader(weight, layer.load_shard)
         layer.weight_scale = _scale_param(layer, spec, name)
