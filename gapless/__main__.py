@@ -60,12 +60,11 @@ def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
 def _flag_kinds(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Each flag's kind, as a config file's value is read for it: "switch" (no value), "append" (given
     once per value), "value"."""
-    kinds = {}
+    kinds: dict[str, str] = {}
     for action in parser._actions:
-        kind = (
-            "switch" if action.nargs == 0 else "append" if isinstance(action, argparse._AppendAction) else ""
-        )
-        kinds |= dict.fromkeys(action.option_strings, kind or "value")
+        appends = isinstance(action, argparse._AppendAction)
+        kind = "switch" if action.nargs == 0 else "append" if appends else "value"
+        kinds |= dict.fromkeys(action.option_strings, kind)
     return kinds
 
 

@@ -305,7 +305,8 @@ def test_sglangs_chunked_prefill_size_minus_one_chunks_no_prompt(ckpt_factory):
     checked = check_engine_config(
         config_from_args(parse_args(["serve", ckpt, "--chunked-prefill-size", "-1"]))
     )
-    assert checked.cfg.chunked_prefill_size == checked.model.max_position_embeddings
+    longest = checked.model.max_position_embeddings
+    assert (checked.cfg.chunked_prefill_size, checked.cfg.max_model_len) == (longest, longest)
     args = parse_args(["serve", ckpt, "--chunked-prefill-size", "-1", "--context-length", "100"])
     assert check_engine_config(config_from_args(args)).cfg.chunked_prefill_size == 100
     for value in ("-2", "0"):

@@ -77,7 +77,8 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     generation_defaults(cfg.model, cfg.generation_config)  # a checkpoint default no request could set
     check_max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, cfg.model)
     if cfg.chunked_prefill_size == NO_CHUNKING:  # (a budget of the longest prompt: none is chunked)
-        cfg = dataclasses.replace(cfg, chunked_prefill_size=cfg.max_model_len or mcfg.max_position_embeddings)
+        longest = cfg.max_model_len or mcfg.max_position_embeddings
+        cfg = dataclasses.replace(cfg, chunked_prefill_size=longest, max_model_len=longest)
     check_device(cfg.device)
     spec = check_quantization(cfg, path)
     check_tensor_parallel(cfg, mcfg)

@@ -149,6 +149,19 @@ def test_admission_fills_the_token_budget_and_chunks_the_request_that_overflows_
     assert p.entries() is None and p.kv.locks == 0
 
 
+def test_a_budget_that_holds_the_longest_prompt_chunks_none():
+    """SGLang's `--chunked-prefill-size -1` (the budget the context length, `engine.preflight`), or any
+    budget of at least `max_model_len`: a prompt that does not fit what the batch has left waits for the
+    next batch, whole, rather than being cut to fill this one."""
+    p = Planners(FakeKV(1000), chunked_prefill_size=8, max_model_len=8)
+    a, b, c = make_req(1, 5), make_req(2, 5), make_req(3, 3)
+    p.wait(a, b, c)
+    assert p.entries() == [("r1", 5)]  # b waits (fcfs: c behind it too); with a budget under 8, b is cut
+    assert p.queues.chunked is None and p.queues.waiting == [b, c] and p.kv.locks == 0
+    assert p.entries() == [("r2", 5), ("r3", 3)]
+    assert p.entries() is None and p.kv.locks == 0
+
+
 def test_a_long_prompt_is_prefilled_in_budget_sized_chunks_up_to_its_last_token():
     p = Planners(FakeKV(1000), chunked_prefill_size=8)
     req = make_req(1, 21)

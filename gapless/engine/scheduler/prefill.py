@@ -4,7 +4,9 @@ An extend batch continues the chunked request first, else admits waiting request
 (`lpm`: longest cached prefix first; `fcfs`), under two budgets: a token budget per batch
 (`chunked_prefill_size`; a longer prompt is prefilled in chunks, one chunked request at a time, never
 ending a chunk inside an image whose tokens attend both ways: `images.chunk_tokens`) and a KV budget
-that keeps back the running requests' decode reservation (`DecodeReserve`).
+that keeps back the running requests' decode reservation (`DecodeReserve`). Where the token budget holds
+the longest prompt (`max_model_len`; SGLang's `--chunked-prefill-size -1` sets both), no prompt is
+chunked: one that does not fit what a batch has left waits for the next.
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ class PrefillPlanner:
             ext = req.seq_len - match.length
             n = chunk_tokens(req.images, match.length, min(ext, plan.token_budget))
             own_reserve = self.reserve.tokens(req) if n == ext else 0
-            if not self._fits(n, own_reserve, plan.reserved, alone=not plan.entries and not q.running):
+            waits = n < ext and bool(plan.entries) and self._whole_prompts()  # (for a batch of its own)
+            alone = not plan.entries and not q.running
+            if waits or not self._fits(n, own_reserve, plan.reserved, alone=alone):
                 self.kv.unlock(match.node)
                 break
             self._admit(plan, req, match)
@@ -127,6 +131,11 @@ class PrefillPlanner:
                 break
             q.prompt_scheduled(req)
             plan.reserved += own_reserve
+
+    def _whole_prompts(self) -> bool:
+        """Whether the token budget holds the longest prompt, so that none is chunked."""
+        budget, longest = self.cfg.chunked_prefill_size, self.cfg.max_model_len
+        return budget is not None and longest is not None and budget >= longest
 
     def _active_loras(self) -> list:
         """The adapters of the requests that hold rows."""
