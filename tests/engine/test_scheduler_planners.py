@@ -150,9 +150,9 @@ def test_admission_fills_the_token_budget_and_chunks_the_request_that_overflows_
 
 
 def test_a_budget_that_holds_the_longest_prompt_chunks_none():
-    """SGLang's `--chunked-prefill-size -1` (the budget the context length, `engine.preflight`), or any
-    budget of at least `max_model_len`: a prompt that does not fit what the batch has left waits for the
-    next batch, whole, rather than being cut to fill this one."""
+    """SGLang's `--chunked-prefill-size -1` (the budget `max_model_len`, `engine.preflight`): a prompt that
+    does not fit what the batch has left waits for the next batch, whole, rather than being cut to fill
+    this one. A budget above `max_model_len` chunks as ever."""
     p = Planners(FakeKV(1000), chunked_prefill_size=8, max_model_len=8)
     a, b, c = make_req(1, 5), make_req(2, 5), make_req(3, 3)
     p.wait(a, b, c)
@@ -160,6 +160,9 @@ def test_a_budget_that_holds_the_longest_prompt_chunks_none():
     assert p.queues.chunked is None and p.queues.waiting == [b, c] and p.kv.locks == 0
     assert p.entries() == [("r2", 5), ("r3", 3)]
     assert p.entries() is None and p.kv.locks == 0
+    p = Planners(FakeKV(1000), chunked_prefill_size=8, max_model_len=6)
+    p.wait(make_req(1, 5), make_req(2, 5))
+    assert p.entries() == [("r1", 5), ("r2", 3)]
 
 
 def test_a_long_prompt_is_prefilled_in_budget_sized_chunks_up_to_its_last_token():

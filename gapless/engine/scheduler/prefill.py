@@ -4,8 +4,8 @@ An extend batch continues the chunked request first, else admits waiting request
 (`lpm`: longest cached prefix first; `fcfs`), under two budgets: a token budget per batch
 (`chunked_prefill_size`; a longer prompt is prefilled in chunks, one chunked request at a time, never
 ending a chunk inside an image whose tokens attend both ways: `images.chunk_tokens`) and a KV budget
-that keeps back the running requests' decode reservation (`DecodeReserve`). Where the token budget holds
-the longest prompt (`max_model_len`; SGLang's `--chunked-prefill-size -1` sets both), no prompt is
+that keeps back the running requests' decode reservation (`DecodeReserve`). Where the token budget is
+the longest prompt (`max_model_len`, as SGLang's `--chunked-prefill-size -1` sets both), no prompt is
 chunked: one that does not fit what a batch has left waits for the next.
 """
 
@@ -133,9 +133,8 @@ class PrefillPlanner:
             plan.reserved += own_reserve
 
     def _whole_prompts(self) -> bool:
-        """Whether the token budget holds the longest prompt, so that none is chunked."""
-        budget, longest = self.cfg.chunked_prefill_size, self.cfg.max_model_len
-        return budget is not None and longest is not None and budget >= longest
+        """Whether the token budget is the longest prompt (no chunking asked for), so that none is chunked."""
+        return self.cfg.chunked_prefill_size == self.cfg.max_model_len
 
     def _active_loras(self) -> list:
         """The adapters of the requests that hold rows."""
