@@ -1,10 +1,14 @@
 """LoRA adapters over a quantized base model (the delta is added after the layer's own output, whatever its
 weight format): greedy tokens equal `transformers` + `peft` on the same weights dequantized, on the int4
-reference path exactly and through torch's CPU int4 kernels (and bitsandbytes' 4-bit one) but at near-ties
-of their bfloat16 roundings; and the adapter changes the base model's tokens."""
+reference path exactly (AWQ, GPTQ with and without act-order, compressed-tensors, a mixture's experts),
+over fp8 W8A8 exactly with peft's base inputs rounded as ours, and through torch's CPU int4 kernels (and
+bitsandbytes' 4-bit one) but at near-ties of their bfloat16 roundings; and the adapter changes the base
+model's tokens."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,13 +27,36 @@ MAX_NEW = 8
 NEAR_TIE = 0.3
 
 
-@pytest.mark.parametrize(("kernel", "tol"), [("triton", 1e-3), ("auto", NEAR_TIE)])
+@pytest.mark.parametrize(
+    ("arch", "layout", "kernel", "tol"),
+    [
+        ("qwen3", "awq", "triton", 1e-3),
+        ("qwen3", "awq", "auto", NEAR_TIE),
+        ("qwen3", "gptq", "triton", 1e-3),
+        ("qwen3", "gptq-act", "triton", 1e-3),  # (x gathered into act-order's input order for the GEMM)
+        ("qwen3", "compressed-tensors", "triton", 1e-3),
+        ("qwen3_moe", "awq", "triton", 1e-3),  # (adapters on the stacked experts too)
+    ],
+)
 def test_an_adapter_over_int4_weights_equals_peft_on_the_dequantized_model(
-    ckpt_factory, tmp_path, monkeypatch, kernel, tol
+    ckpt_factory, tmp_path, monkeypatch, arch, layout, kernel, tol
 ):
     monkeypatch.setenv("GAPLESS_INT4_KERNEL", kernel)  # (triton: the CPU's exact reference path)
-    qdir, refdir = write_quantized(ckpt_factory("qwen3"), tmp_path, "awq", bits=4, group=32)
-    _adapter_equals_peft(qdir, refdir, tmp_path, "awq w4a16", tol)
+    written, act_order = layout.removesuffix("-act"), layout.endswith("-act")
+    src = ckpt_factory(arch)
+    qdir, refdir = write_quantized(src, tmp_path, written, bits=4, group=32, act_order=act_order)
+    label = f"{written} w4a16"
+    _adapter_equals_peft(qdir, refdir, tmp_path, label, tol)
+
+
+def test_an_adapter_over_fp8_weights_equals_peft_on_the_dequantized_model(ckpt_factory, tmp_path):
+    """Over an fp8 (W8A8) checkpoint the delta reads x unrounded, as peft's does: the reference is peft
+    on the dequantized weights with its base layers' inputs rounded to e4m3 as gapless's are (its LoRA
+    A/B, router and head not)."""
+    from gapless.testing.fp8_checkpoints import write_fp8_checkpoint
+
+    qdir, refdir = write_fp8_checkpoint(ckpt_factory("qwen3"), tmp_path / "q", "fp8", (32, 32))
+    _adapter_equals_peft(qdir, refdir, tmp_path, "fp8 e4m3 block 32x32", 1e-3, rounded_group=32)
 
 
 @pytest.mark.parametrize(("weights", "tol"), [("dequantize", 1e-3), ("auto", NEAR_TIE)])
@@ -47,13 +74,17 @@ def test_a_qlora_adapter_over_bitsandbytes_4bit_weights_equals_peft(
     _adapter_equals_peft(qdir, refdir, tmp_path, label, tol)
 
 
-def _adapter_equals_peft(qdir: Path, refdir: Path, tmp_path: Path, label: str, tol: float) -> None:
+def _adapter_equals_peft(
+    qdir: Path, refdir: Path, tmp_path: Path, label: str, tol: float, rounded_group: int | None = None
+) -> None:
     """An adapter made over the reference's weights: served over the quantized checkpoint (its layers in
-    a format named `label`), greedy tokens equal peft's on the reference, and differ from the base's."""
+    a format named `label`), greedy tokens equal peft's on the reference (`rounded_group`: its base layers'
+    inputs rounded to e4m3 in groups of that many, as fp8 W8A8's are), and differ from the base's."""
     adapter = make_adapter(refdir, tmp_path / "adapter", ATTENTION + MLP, r=8, alpha=16, seed=1)
     prompts = make_prompts(500, n=4, shared_prefix=8, max_len=30)
     model = peft_model(refdir, adapter)
-    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    with _base_inputs_rounded(model, rounded_group):
+        refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     opts = dict(device="cpu", dtype="float32", kv_cache_tokens=512, overlap=False, enable_lora=True)
     with LLM(str(qdir), max_lora_rank=8, **opts) as llm:
@@ -64,3 +95,30 @@ def _adapter_equals_peft(qdir: Path, refdir: Path, tmp_path: Path, label: str, t
     notes = [check_greedy(o.token_ids, r, tol=tol) for o, r in zip(outs, refs)]
     assert sum(n is not None for n in notes) <= 1, notes
     assert any(o.token_ids != b.token_ids for o, b in zip(outs, base))  # the adapter is applied
+
+
+@contextlib.contextmanager
+def _base_inputs_rounded(model: torch.nn.Module, group: int | None) -> Iterator[None]:
+    """peft's base layers with their inputs rounded to e4m3 as fp8's kernels round them (None: as they
+    are); the adapter's A and B, the router and the head unrounded."""
+    if group is None:
+        yield
+        return
+    from gapless.model.quant.fp8 import activation_group, dequantize, quantize_groups
+
+    plain = torch.nn.Linear.forward
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        name = names.get(id(self), "")
+        if "lm_head" in name or "lora_" in name or name.endswith(".gate"):
+            return plain(self, x)
+        k = activation_group(self.in_features, group)
+        q, s = quantize_groups(x.reshape(-1, x.shape[-1]), k)
+        return plain(self, dequantize(q, s, 1, k).view(x.shape))
+
+    torch.nn.Linear.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Linear.forward = plain  # type: ignore[method-assign]
