@@ -179,6 +179,7 @@ UNUSED_VALUES: dict[str, str] = {
     "-O.level=3, -O JSON): not read; the decode CUDA graphs here are --cuda-graph-max-bs's (vLLM's capture "
     "sizes count tokens, prefill too), torch.compile on a CPU --cpu-compile",
     "--optimization-level": "vLLM's optimization level (newer releases' -O): not read either",
+    "--uvicorn-log-level": "vLLM's log level for its HTTP server alone: here it logs at --log-level",
 }
 # their short flags for the same: vLLM's -O (older releases: --compilation-config, newer: its level)
 _SHORT_FLAGS = {"--compilation-config": ("-O",)}

@@ -291,6 +291,7 @@ def test_vllms_compilation_flags_are_taken_and_change_nothing():
         ["--compilation-config", '{"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}'],
         ["--compilation-config.max_cudagraph_capture_size", "16"],
         ["--optimization-level", "2"],
+        ["--uvicorn-log-level", "info"],  # (vLLM's own example config file has it)
     ):
         args = parse_args(["serve", "/ckpt", *flags, "--cuda-graph-max-bs", "8"])
         assert args.model_arg == "/ckpt" and engine_options(args) == plain, flags
