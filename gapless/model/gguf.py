@@ -277,7 +277,9 @@ def _config_dict(path: str | Path) -> dict[str, Any]:
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:  # the embedding table's rows: the shape is in ggml order, [hidden, vocab]
-        vocab = next(int(t.shape[-1]) for t in tensors(path) if t.name == "token_embd.weight")
+        vocab = next((int(t.shape[-1]) for t in tensors(path) if t.name == "token_embd.weight"), None)
+    if vocab is None:
+        raise ValueError(f"{path}: no {arch}.vocab_size, tokenizer.ggml.tokens nor token_embd.weight")
     rope_scaling = _rope_scaling(path, meta, arch, names)
     head_dim = int(head_dim) if head_dim else hidden // heads
     if rope_scaling is not None and len(rope_scaling.get("factors", [0] * (head_dim // 2))) != head_dim // 2:

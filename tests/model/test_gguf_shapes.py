@@ -204,3 +204,15 @@ def test_a_metadata_key_the_config_needs_is_refused_by_name_where_missing(
         ValueError, match=f"its GGUF metadata has no {re.escape(key)}, which its model's config"
     ):
         load_model_config(path)
+
+
+def test_a_file_that_says_no_vocabulary_is_refused_by_name(ckpt_factory, tmp_path, monkeypatch):
+    """No vocab_size, token list nor embedding table: refused naming the three (was: a StopIteration)."""
+    drop = {"token_embd.weight": lambda w: None}
+    path = write_gguf(_ckpt(ckpt_factory, "qwen3"), tmp_path / "m.gguf", "Q8_0", edits=drop)
+    meta = {
+        k: v for k, v in gguf.metadata(path).items() if k not in ("qwen3.vocab_size", "tokenizer.ggml.tokens")
+    }
+    monkeypatch.setattr(gguf, "metadata", lambda p: meta)
+    with pytest.raises(ValueError, match="no qwen3.vocab_size, tokenizer.ggml.tokens nor token_embd.weight"):
+        load_model_config(path)
