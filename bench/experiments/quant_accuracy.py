@@ -71,6 +71,9 @@ def formats(work: Path) -> dict[str, tuple[Path, dict[str, object]]]:
         "fp8 per-channel (--quantization fp8)": (base, {"quantization": "fp8"}),
         "fp8 KV cache (float32 weights)": (base, {"kv_cache_dtype": "fp8"}),
         "fp8_e5m2 KV cache (float32 weights)": (base, {"kv_cache_dtype": "fp8_e5m2"}),
+        # the "FP8 KV against bf16 KV": both in bfloat16, the KV cache the one difference
+        "bfloat16 weights and KV cache": (base, {"dtype": "bfloat16"}),
+        "fp8 KV cache (bfloat16 weights)": (base, {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}),
     }
     for layout, label in (("fp8", "fp8 block 128x128"), ("ct-tensor", "compressed-tensors fp8 per-tensor")):
         rows[label] = (write_fp8_checkpoint(base, work / layout, layout)[0], {})

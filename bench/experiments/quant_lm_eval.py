@@ -38,6 +38,9 @@ CONTEXT_CHARS = 700  # a context starts at the first sentence within this many c
 WORD = re.compile(r"[A-Za-z][a-z]*(?:['’-][a-z]+)*[,.;:]?")
 TARGET = re.compile(r" ([a-z]{3,})\.(?= |$)")  # a sentence's last word: lower case, 3+ letters, before ". "
 NOT_TARGETS = {"etc", "ones", "one", "its", "the"}
+# rows also paired with another row than float32: the issue's "FP8 KV against bf16 KV", the KV cache the
+# one difference between them
+BASELINES = {"fp8 KV cache (bfloat16 weights)": "bfloat16 weights and KV cache"}
 
 
 def paragraphs(text: str) -> list[str]:
@@ -190,6 +193,23 @@ def main() -> None:
         diff = "" if label == "float32" else f"{(acc - ref[0]) * 100:+.2f}"
         cells = [label, f"{acc * 100:.2f} ± {err * 100:.2f}", diff, str(flips), f"{ppl:.3f}", f"{wall:.0f} s"]
         print("| " + " | ".join(cells) + " |")
+    for label, base in BASELINES.items():
+        if label in results and base in results:
+            print(paired(label, results[label][3], base, results[base][3]))
+
+
+def paired(label: str, items: dict[int, float], base: str, base_items: dict[int, float]) -> str:
+    """`label`'s accuracy against `base`'s on the same items: the difference in points, its paired
+    standard error sqrt(d - (g - l)^2 / n) / n (d items differing, g gained, l lost), and g / l."""
+    n = len(items)
+    gained = sum(items[i] > base_items[i] for i in items)
+    lost = sum(items[i] < base_items[i] for i in items)
+    d = gained + lost
+    err = (d - (gained - lost) ** 2 / n) ** 0.5 / n
+    return (
+        f"{label} vs {base}: {(gained - lost) / n * 100:+.2f} points, paired stderr {err * 100:.2f}, "
+        f"{d} items differing ({gained} gained / {lost} lost)"
+    )
 
 
 if __name__ == "__main__":
