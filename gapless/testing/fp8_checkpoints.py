@@ -4,15 +4,24 @@ layouts gapless reads (`LAYOUTS`), written beside a float32 copy holding the sam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from gapless.model.quant.fp8 import FP8_MAX, quantize_blocks, quantize_rows
+from gapless.model.quant.fp8 import (
+    FP8_MAX,
+    activation_group,
+    dequantize,
+    quantize_blocks,
+    quantize_groups,
+    quantize_rows,
+)
 
 # block sizes come from `block` but for ModelOpt's, always [128, 128]; "fp8-tensor": `quant_method: fp8`
 # without blocks (vLLM's and AutoFP8's); "modelopt": its per-tensor FP8 said by `hf_quant_config.json`
@@ -172,3 +181,27 @@ def write_fp8_checkpoint(
         cfg["quantization_config"] = quant_config(layout, block)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst, ref
+
+
+@contextlib.contextmanager
+def inputs_rounded(
+    model: torch.nn.Module, k_group: int, unrounded: Callable[[str], bool] = lambda name: "lm_head" in name
+) -> Iterator[None]:
+    """A transformers `model` (or peft's) with its linear layers' inputs rounded to e4m3 as gapless's fp8
+    kernels round them (per token and `k_group` columns: `fp8.activation_group`), the reference W8A8's
+    tokens are compared with; a layer whose name `unrounded` says (the head, by default) left as it is."""
+    plain = torch.nn.Linear.forward
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if unrounded(names.get(id(self), "")):
+            return plain(self, x)
+        group = activation_group(self.in_features, k_group)
+        q, s = quantize_groups(x.reshape(-1, x.shape[-1]), group)
+        return plain(self, dequantize(q, s, 1, group).view(x.shape))
+
+    torch.nn.Linear.forward = forward  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Linear.forward = plain  # type: ignore[method-assign]

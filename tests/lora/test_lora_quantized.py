@@ -8,13 +8,13 @@ model's tokens."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from gapless import LLM, LoRARequest, SamplingParams
+from gapless.testing.fp8_checkpoints import inputs_rounded
 from gapless.testing.hf_reference import check_greedy, hf_greedy, make_prompts
 from gapless.testing.lora import ATTENTION, MLP, make_adapter, peft_model
 from gapless.testing.quant_checkpoints import write_quantized
@@ -83,7 +83,8 @@ def _adapter_equals_peft(
     adapter = make_adapter(refdir, tmp_path / "adapter", ATTENTION + MLP, r=8, alpha=16, seed=1)
     prompts = make_prompts(500, n=4, shared_prefix=8, max_len=30)
     model = peft_model(refdir, adapter)
-    with _base_inputs_rounded(model, rounded_group):
+    rounding = inputs_rounded(model, rounded_group, _unrounded) if rounded_group is not None else None
+    with rounding or contextlib.nullcontext():
         refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     opts = dict(device="cpu", dtype="float32", kv_cache_tokens=512, overlap=False, enable_lora=True)
@@ -97,28 +98,6 @@ def _adapter_equals_peft(
     assert any(o.token_ids != b.token_ids for o, b in zip(outs, base))  # the adapter is applied
 
 
-@contextlib.contextmanager
-def _base_inputs_rounded(model: torch.nn.Module, group: int | None) -> Iterator[None]:
-    """peft's base layers with their inputs rounded to e4m3 as fp8's kernels round them (None: as they
-    are); the adapter's A and B, the router and the head unrounded."""
-    if group is None:
-        yield
-        return
-    from gapless.model.quant.fp8 import activation_group, dequantize, quantize_groups
-
-    plain = torch.nn.Linear.forward
-    names = {id(m): name for name, m in model.named_modules()}
-
-    def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        name = names.get(id(self), "")
-        if "lm_head" in name or "lora_" in name or name.endswith(".gate"):
-            return plain(self, x)
-        k = activation_group(self.in_features, group)
-        q, s = quantize_groups(x.reshape(-1, x.shape[-1]), k)
-        return plain(self, dequantize(q, s, 1, k).view(x.shape))
-
-    torch.nn.Linear.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.nn.Linear.forward = plain  # type: ignore[method-assign]
+def _unrounded(name: str) -> bool:
+    """Over fp8, peft's layers whose inputs stay unrounded: the adapter's A and B, the router, the head."""
+    return "lm_head" in name or "lora_" in name or name.endswith(".gate")

@@ -10,7 +10,6 @@ e4m3 rounding is wrong, see `fp8_kernel`), and with real rounding on a GPU when 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import shutil
@@ -28,12 +27,11 @@ from gapless.model.quant.fp8 import (
     activation_group,
     dequantize,
     quantize_blocks,
-    quantize_groups,
     quantize_rows,
     reference_linear,
 )
 from gapless.model.quant.fp8_kernel import FP8_MAX, fp8_gemm
-from gapless.testing.fp8_checkpoints import quant_config, write_fp8_checkpoint
+from gapless.testing.fp8_checkpoints import inputs_rounded, quant_config, write_fp8_checkpoint
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
 from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 
@@ -258,7 +256,7 @@ def test_fp8_checkpoint_of_a_mixture_equals_its_dequantized_weights(
     prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=6)
     ours = _greedy(dst, prompts, device=device)
     hf = load_hf_model(ref)
-    with _activations_rounded(hf, block[1] if block else 0):
+    with inputs_rounded(hf, block[1] if block else 0):
         for out, p in zip(ours, prompts):
             check_greedy(out, hf_greedy(hf, p, MAX_NEW), tol=_tie_tolerance(device))
 
@@ -307,7 +305,7 @@ def test_online_fp8_mixture_equals_its_rounded_weights(ckpt_factory, arch, devic
             # every projection (attention, dense MLP layers, the experts' stacked ones), not the router
             if name.startswith("model.layers.") and (name.endswith("_proj.weight") or name.endswith("_proj")):
                 p.copy_(_rows_rounded(p))
-    with _activations_rounded(hf, 0):
+    with inputs_rounded(hf, 0):
         for out, p in zip(ours, prompts):
             check_greedy(out, hf_greedy(hf, p, MAX_NEW), tol=_tie_tolerance(device))
 
@@ -815,27 +813,6 @@ def _greedy(model, prompts, **kw):
     return [o.token_ids for o in outs]
 
 
-@contextlib.contextmanager
-def _activations_rounded(hf, k_group):
-    """transformers' decoder projections with their inputs rounded to e4m3 as the kernel rounds them."""
-    plain = torch.nn.Linear.forward
-
-    def forward(self, x):
-        if "lm_head" in self.name:
-            return plain(self, x)
-        group = activation_group(self.in_features, k_group)
-        q, s = quantize_groups(x.reshape(-1, x.shape[-1]), group)
-        return plain(self, dequantize(q, s, 1, group).view(x.shape))
-
-    for name, m in hf.named_modules():
-        m.name = name
-    torch.nn.Linear.forward = forward
-    try:
-        yield
-    finally:
-        torch.nn.Linear.forward = plain
-
-
 @pytest.mark.parametrize(
     ("layout", "block", "device"),
     [
@@ -877,7 +854,7 @@ def test_fp8_greedy_equals_the_dequantized_float32_model(ckpt_factory, tmp_path,
     prompts = make_prompts(1000, n=4, max_len=40, shared_prefix=8)
     ours = _greedy(model, prompts, device=device, **kw)
     hf = load_hf_model(ref)
-    with _activations_rounded(hf, block[1] if block else 0):
+    with inputs_rounded(hf, block[1] if block else 0):
         tol = _tie_tolerance(device)
         same = [check_greedy(o, hf_greedy(hf, p, MAX_NEW), tol=tol) for o, p in zip(ours, prompts)]
     notes = [check_greedy(out, hf_greedy(hf, p, MAX_NEW), tol=NEAR_TIE) for out, p in zip(ours, prompts)]
@@ -1021,7 +998,7 @@ def test_two_ranks_give_the_dequantized_models_tokens(ckpt_factory, tmp_path, ar
     prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=8)
     ours = _greedy(dst, prompts, tensor_parallel_size=2)
     hf = load_hf_model(ref)
-    with _activations_rounded(hf, block[1]):
+    with inputs_rounded(hf, block[1]):
         notes = [check_greedy(o, hf_greedy(hf, p, MAX_NEW), tol=NEAR_TIE) for o, p in zip(ours, prompts)]
     assert sum(n is not None for n in notes) <= 1, notes
 
