@@ -54,7 +54,7 @@ _POLARITY = ("--enable-", "--disable-", "--no-")
 
 
 def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
-    return [name for action in parser._actions for name in action.option_strings]
+    return list(_flag_kinds(parser))
 
 
 def _flag_kinds(parser: argparse.ArgumentParser) -> dict[str, str]:

@@ -310,31 +310,34 @@ def add_option(group: _ArgumentAdder, option: str, *flags: str, **kwargs: Any) -
             group.add_argument(flag, dest=option, action=action, const=a.const, default=None, help=help_text)
 
 
-class _SwitchOff(argparse.Action):
-    """Another server's switch that turns its option off (`--disable-cuda-graph`, `--enforce-eager`): it
-    wins over a value given for the option anywhere on the command line, as in SGLang and vLLM
-    (`--disable-cuda-graph --cuda-graph-max-bs 8`: no graphs). `apply_switches` sets it last."""
+class _Switch(argparse.Action):
+    """A switch of another server's that sets its option to `const` (no value on the command line)."""
 
     def __init__(self, option_strings: list[str], dest: str, const: Any = None, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
 
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, flag: Any = None) -> None:
         setattr(namespace, self.dest, self.const)
-        namespace.switched_off = {**(getattr(namespace, "switched_off", None) or {}), self.dest: self.const}
+        off = {k: v for k, v in (getattr(namespace, "switched_off", None) or {}).items() if k != self.dest}
+        namespace.switched_off = off | self._off()
+
+    def _off(self) -> dict[str, Any]:
+        return {}
 
 
-class _SwitchOn(argparse.Action):
-    """Another server's switch that sets its option to a value (`--enable-prefix-caching`): as `store_const`,
-    and it takes back a `_SwitchOff` of the same option given before it (`--no-enable-prefix-caching
-    --enable-prefix-caching`: on, the last of the pair, as vLLM reads its pairs)."""
+class _SwitchOn(_Switch):
+    """One that sets its option to a value (`--enable-prefix-caching`), as `store_const`, taking back a
+    `_SwitchOff` of the same option given before it (`--no-enable-prefix-caching --enable-prefix-caching`:
+    on, the last of the pair, as vLLM reads its pairs)."""
 
-    def __init__(self, option_strings: list[str], dest: str, const: Any = None, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
 
-    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, flag: Any = None) -> None:
-        setattr(namespace, self.dest, self.const)
-        off = getattr(namespace, "switched_off", None) or {}
-        namespace.switched_off = {k: v for k, v in off.items() if k != self.dest}
+class _SwitchOff(_Switch):
+    """One that turns its option off (`--disable-cuda-graph`, `--enforce-eager`): it wins over a value
+    given for the option anywhere on the command line, as in SGLang and vLLM (`--disable-cuda-graph
+    --cuda-graph-max-bs 8`: no graphs). `apply_switches` sets it last."""
+
+    def _off(self) -> dict[str, Any]:
+        return {self.dest: self.const}
 
 
 def apply_switches(args: argparse.Namespace) -> argparse.Namespace:
