@@ -200,8 +200,8 @@ def inputs_rounded(
         q, s = quantize_groups(x.reshape(-1, x.shape[-1]), group)
         return plain(self, dequantize(q, s, 1, group).view(x.shape))
 
-    torch.nn.Linear.forward = forward  # type: ignore[method-assign,assignment]
+    torch.nn.Linear.forward = forward  # type: ignore[method-assign,assignment]  # (patched for the reference)
     try:
         yield
     finally:
-        torch.nn.Linear.forward = plain  # type: ignore[method-assign]
+        torch.nn.Linear.forward = plain  # type: ignore[method-assign]  # (restored)
