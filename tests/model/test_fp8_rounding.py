@@ -3,9 +3,9 @@
 Where an FP8 layer would launch the rounding of its activations before its GEMM (2-128 rows, the tiles),
 the fused RMSNorm and gated activation before it round them as they write them instead, with the GEMM's
 own arithmetic (`fp8_rounding.round_rows`), so the layer computes the same bits without the launch. Without
-a GPU the kernels run under Triton's interpreter (tests/conftest.py), whose e4m3 rounding is off for some
-values; both sides of every comparison here round through the same function, so their bits agree
-anyway, and on a GPU the same tests check real rounding.
+a GPU the kernels run under Triton's interpreter (tests/conftest.py), whose own e4m3 conversion is off for
+some values, so there `round_rows` rounds on the grid by hand (`fp8_rounding.fp8_grid`): torch's bits, which
+the first test checks; on a GPU the same tests check the hardware's rounding.
 """
 
 from __future__ import annotations
@@ -57,6 +57,26 @@ def _same_rounding(out: torch.Tensor, group: int) -> None:
 def _rand(*shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("group", [16, 128])
+def test_the_layers_launch_rounds_as_torch_does_bit_for_bit(group):
+    """x rounded per row and group (`_fp8_quant_kernel`, `round_rows`) gives torch's e4m3 bits and scales
+    (`fp8.quantize_groups`) over values spread across e4m3's whole range: those whose rounding carries into
+    the next power of two (31.4 -> 32, which the interpreter's own conversion makes 16), e4m3's
+    subnormals, zeros of either sign."""
+    from gapless.model.quant.fp8 import quantize_groups
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 256, generator=g) * torch.exp(torch.randn(24, 256, generator=g) * 3)
+    x[0] = (x[0] * 0.1).clamp(-400, 400)
+    x[0, :6] = torch.tensor([448.0, 31.4, -31.4, 1.97, -0.0, 0.0])  # (448: row 0's first scale is 1)
+    x[0, 6:16] = 2.0 ** torch.arange(-12.0, -2.0)  # (under 2^-6 the subnormals, from 2^-9)
+    q, s = _launched(x.to(DEVICE), group)
+    want_q, want_s = quantize_groups(x, group)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s.cpu(), want_s)
+    assert float(q[0, 1]) == 32.0 and float(q[0, 9]) == 2.0**-9  # (a carry; a subnormal)
 
 
 @pytest.mark.parametrize(("n", "group"), [(200, 64), (256, 128), (12, 16)])

@@ -35,33 +35,12 @@ from gapless import pdl
 from gapless.attention.triton_kernels import INTERPRET, _sum
 from gapless.memory.kv_pool import E5M2, FP8
 from gapless.model.quant.base import OrderedColumns, RoundedRows, attach_order, attach_rounding
-from gapless.model.quant.fp8_rounding import round_rows, rounding_buffers
+from gapless.model.quant.fp8_rounding import fp8_grid, round_rows, rounding_buffers
 from gapless.model.triton_math import ACTIVATIONS, NORM_KINDS, act_mul, norm_scale, rounded
 
 __all__ = ["INTERPRET", "ACTIVATIONS", "rms_norm", "qk_norm_rope_store", "act_and_mul"]
 
 _ACT_BLOCK = 1024
-
-
-@triton.jit
-def _fp8_grid(x, scale, E5M2: tl.constexpr):
-    """fp32 `x / scale` saturated to the fp8 type's range (e4m3: +-448; E5M2: e5m2's +-57344) and rounded to
-    nearest even on its grid, as fp32, so its cast to the type is exact: what torch's
-    `(x / scale).clamp(-max, max).to(float8)` stores (`gapless.memory.kv_pool.quantize_fp8`). By hand, on
-    every target: Triton's interpreter rounds a carry into the exponent wrongly (7.9 becomes 4 in e4m3). The
-    grid's step is 2^(e - m) for a value of exponent e (m mantissa bits: e4m3's 3, e5m2's 2; subnormals
-    from e = -6, -14), and adding then subtracting 2^(e + 23 - m), whose fp32 ulp is that step, rounds to
-    it (to nearest even, as fp32 addition does)."""
-    if E5M2:
-        top, e_min, mantissa = 57344.0, -14, 2
-    else:
-        top, e_min, mantissa = 448.0, -6, 3
-    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -top), top)  # IEEE division, as torch
-    bits = y.to(tl.int32, bitcast=True)
-    e = tl.maximum(((bits >> 23) & 0xFF) - 127, e_min)
-    big = ((e + (150 - mantissa)) << 23).to(tl.float32, bitcast=True)  # 2^(e + 23 - m)
-    r = (tl.abs(y) + big) - big
-    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # y's sign
 
 
 @triton.jit
@@ -302,10 +281,10 @@ def _qk_norm_rope_store_kernel(
         k_dst = KCache + slot * stride_kct + kvh * stride_kch + offs
         v_dst = VCache + slot * stride_vct + kvh * stride_vch + offs
         if KV_FP8:  # (v's rounding stored at once: Triton keeps a variable's type through the branch)
-            rot = _fp8_grid(rot, k_scale, KV_FP8 == 2)
+            rot = fp8_grid(rot, k_scale, KV_FP8 == 2)
             tl.store(
                 v_dst,
-                _fp8_grid(v.to(tl.float32), v_scale, KV_FP8 == 2).to(VCache.dtype.element_ty),
+                fp8_grid(v.to(tl.float32), v_scale, KV_FP8 == 2).to(VCache.dtype.element_ty),
                 mask=mask,
             )
         else:

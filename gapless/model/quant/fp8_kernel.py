@@ -24,10 +24,11 @@ Either kernel may split K at decode sizes (`_splits`), finishing a tile the same
 `SWAPPED_ROWS` rows (an option, `GAPLESS_FP8_SWAPPED`) the tiles run transposed instead, y^T = W x^T, so
 that W's tile is the first operand of fp8's wgmma and x, padded to 16 rows, the second (`_add_product`).
 
-The Triton interpreter rounds some values to e4m3 wrongly (a carry into the next binade is lost:
-31.4 -> 16 instead of 32; triton 3.9), so the CPU tests feed it activations that are exact in e4m3 after
-scaling; the GPU test (and `bench/experiments/fp8_gemm.py`) checks real rounding against the torch
-reference (`gapless.model.quant.fp8.reference_linear`).
+The Triton interpreter's own e4m3 conversion is wrong for some values (a carry into the next binade is
+lost: 31.4 -> 16 instead of 32; triton 3.9), so under it `round_rows` rounds on the grid by hand, to
+torch's bits; the CPU tests run the kernels on any activations against the torch reference
+(`gapless.model.quant.fp8.reference_linear`), and the GPU test (and `bench/experiments/fp8_gemm.py`)
+checks the hardware's rounding against it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""x rounded to e4m3 per row and group of columns: the one arithmetic of the FP8 GEMM's activations
-(`gapless.model.quant.fp8_kernel`), of its rounding launch before the tiles, and of the fused RMSNorm and
-gated activation that round x for the FP8 layer after them (`gapless.model.fused.triton_kernels`)."""
+"""x rounded to e4m3 per row and group of columns: the one arithmetic of the FP8 GEMMs' activations
+(`gapless.model.quant.fp8_kernel`, the fused experts' `gapless.model.moe_triton`), of the rounding launch
+before the tiles, and of the fused RMSNorm and gated activation that round x for the FP8 layer after them
+(`gapless.model.fused.triton_kernels`); and `fp8_grid`, a value rounded onto an fp8 grid by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +9,31 @@ import torch
 import triton
 import triton.language as tl
 
-from gapless import pdl
+from gapless import env, pdl
+
+# under Triton's interpreter its own fp32 -> e4m3 conversion loses a carry into the next binade (31.4
+# becomes 16, not 32) and flushes subnormals (triton 3.9): there `round_rows` rounds on the grid by hand
+_BY_HAND = tl.constexpr(env.TRITON_INTERPRET.get())
+
+
+@triton.jit
+def fp8_grid(x, scale, E5M2: tl.constexpr):
+    """fp32 `x / scale` saturated to the fp8 type's range (e4m3: +-448; E5M2: e5m2's +-57344) and rounded to
+    nearest even on its grid, as fp32, so its cast to the type is exact: what torch's
+    `(x / scale).clamp(-max, max).to(float8)` stores (`gapless.memory.kv_pool.quantize_fp8`), on every
+    target. The grid's step is 2^(e - m) for a value of exponent e (m mantissa bits: e4m3's 3, e5m2's 2;
+    subnormals from e = -6, -14), and adding then subtracting 2^(e + 23 - m), whose fp32 ulp is that step,
+    rounds to it (to nearest even, as fp32 addition does)."""
+    if E5M2:
+        top, e_min, mantissa = 57344.0, -14, 2
+    else:
+        top, e_min, mantissa = 448.0, -6, 3
+    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -top), top)  # IEEE division, as torch
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, e_min)
+    big = ((e + (150 - mantissa)) << 23).to(tl.float32, bitcast=True)  # 2^(e + 23 - m)
+    r = (tl.abs(y) + big) - big
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # y's sign
 
 
 @triton.jit
@@ -17,7 +42,11 @@ def round_rows(x):
     largest |x| / 448): the one rounding of x every path takes (also the fused norm's and activation's,
     `gapless.model.fused.triton_kernels`, that round x for the layer after them)."""
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-    return (x / scale[:, None]).to(tl.float8e4nv), scale
+    if _BY_HAND:  # (the interpreter: `_BY_HAND`)
+        q = fp8_grid(x, scale[:, None], False).to(tl.float8e4nv)
+    else:
+        q = (x / scale[:, None]).to(tl.float8e4nv)
+    return q, scale
 
 
 @triton.jit
