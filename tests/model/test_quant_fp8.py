@@ -654,7 +654,6 @@ def test_auto_rounds_x_in_the_gemvs_registers_and_by_a_launch_before_the_tiles(m
         launches.clear()
 
 
-@pytest.mark.slow  # (sm_90 compiles in a child process, ~10 s)
 @pytest.mark.slow  # (14 sm_90 compiles in a child process, ~10 s warm)
 def test_mxfp8_groups_compile_for_sm90():
     """The GEMM (each tile shape, both dtypes) and the GEMV (x rounded each way, and fp16) with MXFP8's
@@ -668,6 +667,7 @@ def test_mxfp8_groups_compile_for_sm90():
     assert built.compilations == 14 and not built.failed, built
 
 
+@pytest.mark.slow  # (sm_90 compiles in a child process, ~10 s)
 def test_the_swapped_tiles_multiply_e4m3_on_fp8s_wgmma_when_compiled():
     """Compiled for sm_90 (bf16, one row, x by a launch): the swapped tiles run fp8's own wgmma on both
     operands in e4m3 (`QGMMA ... E4M3.E4M3`) with nothing widened (a few `F2FP` for the output: 4 with
