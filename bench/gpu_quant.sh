@@ -224,7 +224,7 @@ other 45 int4_swapped "$PY" -m gapless.bench.int4_gemm --device cuda --m 1 16 --
   --nibble-dots 0 --ptx-values 1 --stages 1 4 --kernels triton tinygemm --json "$OUT/int4_swapped.json"
 tee -a "$LOG" <"$OUT/int4_swapped.log" 2>/dev/null
 
-# the mixture's experts in fp8 (W8A16 in the fused grouped GEMM) and in int4 (no GPU has run these yet)
+# the mixture's experts in fp8 (W8A8 in the fused grouped GEMM) and in int4 (no GPU has run these yet)
 tpot 60 qwen3-30b-a3b fp8 --engine-option quantization=fp8
 tpot 70 qwen3-30b-a3b-awq int4  # (the experts in the fused grouped GEMM's int4 path, whatever the kernel)
 

@@ -13,11 +13,13 @@ checkpoint's per-expert tensors):
 - `gapless.model.moe_triton.fused_experts`: tokens sorted by expert and one grouped-GEMM Triton kernel,
   with no host reads, on CUDA.
 
-Quantized experts (`WeightQuant`): fp8 (e4m3 with float32 scales, a checkpoint's or `--quantization fp8`)
+Quantized experts (`WeightQuant`): fp8 (e4m3 with float32 scales, a checkpoint's or `--quantization fp8`;
+W8A8, the activations rounded to e4m3 per row and group of columns as the dense FP8 layers round them)
 and int4/int8 weight-only (an AWQ, GPTQ or compressed-tensors checkpoint's, packed as
-`gapless.model.quant.int4.install_experts` stacks them); the grouped GEMM dequantizes each tile, and on
-the CPU the reference loop multiplies with the weights dequantized once at load, or (int4 in groups of
-32-256, int8 per row) runs each expert's torch CPU kernel (`ExpertWeights`).
+`gapless.model.quant.int4.install_experts` stacks them); the grouped GEMM takes e4m3 tiles as they are
+and dequantizes integer ones, and on the CPU the reference loop multiplies with the weights dequantized
+once at load (fp8: x rounded as the kernel rounds it), or (int4 in groups of 32-256, int8 per row) runs
+each expert's torch CPU kernel (`ExpertWeights`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate"
 
 class WeightQuant(NamedTuple):
     """How one stacked expert weight is quantized, as the grouped GEMM reads it. e4m3 (bits 0): W [E, rows,
-    K] with float32 `scales` [E, rows, column blocks] of `group` columns (group K: per row). int4/int8
+    K] with float32 `scales` [E, rows, column blocks] of `group` columns (group K: per row), its inputs
+    rounded to e4m3 per row and `act_group` columns (W8A8; 0: `fp8.activation_group` of `group`, or of
+    none where it spans K). int4/int8
     (`bits`): W [E, K / P, rows] int32 words, P = 32 / bits values packed along K (value k at bits
     `bits * (k % P)`), `scales` and `zeros` [E, K / group, rows] in the model's dtype, W[e, row, k] =
     (q - zero) * scale: each expert as `gapless.model.quant.int4_triton`'s layout; with `levels` (a
@@ -54,6 +58,7 @@ class WeightQuant(NamedTuple):
     zeros: torch.Tensor | None = None
     bits: int = 0
     levels: torch.Tensor | None = None
+    act_group: int = 0
 
 
 def checkpoint_target(name: str) -> tuple[str, Any] | None:
@@ -85,8 +90,16 @@ def route(
 ExpertWeights = torch.Tensor | list[WeightKernel]
 
 
-def _project(x: torch.Tensor, w: torch.Tensor | WeightKernel) -> torch.Tensor:
-    return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x).to(x.dtype)
+def _project(x: torch.Tensor, w: torch.Tensor | WeightKernel, act_group: int) -> torch.Tensor:
+    """x W^T; `act_group` (e4m3 experts, W8A8): x rounded to e4m3 per row and that many columns first, as
+    the grouped GEMM rounds it, times the float32 dequantized W (`fp8.reference_linear`)."""
+    if not isinstance(w, torch.Tensor):
+        return w(x).to(x.dtype)
+    if act_group:
+        from gapless.model.quant.fp8 import reference_linear
+
+        return reference_linear(x, w, act_group, None)
+    return F.linear(x, w)
 
 
 def reference_experts(
@@ -96,11 +109,14 @@ def reference_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     lora: Any = None,
+    act_groups: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """The experts as transformers runs them: for each expert with tokens, in order, its MLP on its
     tokens, times their routing weights, added into the output in the model's dtype (`w13`, `w2`: the
     stacked float weights, or each expert's kernel). `lora`: the layer's resident adapters
-    (`gapless.lora.table.ExpertLoRA`), each projection's delta added to its output."""
+    (`gapless.lora.table.ExpertLoRA`), each projection's delta added to its output (reading its input
+    unrounded). `act_groups`: e4m3 experts' (W8A8) gate/up's and down's inputs rounded per that many
+    columns (`_project`)."""
     out = torch.zeros_like(x)
     act = GATED_ACTIVATIONS["silu"]
     entry_slots = lora.entry_slots(ids) if lora is not None else None
@@ -108,11 +124,11 @@ def reference_experts(
         token, slot = torch.where(ids == expert)
         xe = x[token]
         slots = entry_slots[token * ids.shape[1] + slot] if entry_slots is not None else None
-        gate_up = _project(xe, w13[expert])
+        gate_up = _project(xe, w13[expert], act_groups[0])
         if slots is not None:
             gate_up = lora.add("gate_up_proj", gate_up, xe, slots)
         h = act(gate_up)
-        y = _project(h, w2[expert])
+        y = _project(h, w2[expert], act_groups[1])
         if slots is not None:
             y = lora.add("down_proj", y, h, slots)
         out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
@@ -137,13 +153,14 @@ class Experts(nn.Module):
         # the experts' resident LoRA adapters (`gapless.lora.table.ExpertLoRA`), when LoRA is enabled
         self.lora: Any = None
         # fp8 (`quantize_fp8`, `prepare_fp8`): e4m3 weights' float32 scales, [E, rows, column blocks]
-        # (one block of all K: per row) with the blocks' width, and (on the CPU) the float weights the
+        # (one block of all K: per row) with the blocks' width, and (on the CPU) the float32 weights the
         # reference path multiplies with
         self.gate_up_scale: nn.Parameter | None = None
         self.down_scale: nn.Parameter | None = None
         self.scale_cols = (0, 0)  # gate_up's, down's columns per scale block
+        # gate_up's, down's activation columns per dynamic e4m3 scale (W8A8: `fp8.activation_group`)
+        self.act_groups = (0, 0)
         self.scale_block: tuple[int, int] | None = None  # a checkpoint's [rows, cols] scale blocks
-        self.float_dtype = self.gate_up_proj.dtype  # the model's, which the CPU reference computes in
         self.quant_label = ""
         self.quant_method = ""  # (int experts': their format's family, as a linear method's `quant_method`)
         # (on the CPU) what the reference loop multiplies with: gate/up's and down's weights dequantized at
@@ -203,7 +220,7 @@ class Experts(nn.Module):
             raise QuantFormatError(
                 f"fp8 experts: {inter} columns per rank split the checkpoint's {block[0]}x{bc} scale blocks"
             )
-        dev, self.float_dtype, self.scale_block = self.gate_up_proj.device, self.gate_up_proj.dtype, block
+        dev, self.scale_block = self.gate_up_proj.device, block
         for name, (rows, k) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
             weight = nn.Parameter(
                 torch.empty(e, rows, k, dtype=torch.float8_e4m3fn, device=dev), requires_grad=False
@@ -215,10 +232,18 @@ class Experts(nn.Module):
             )
             setattr(self, f"{name}_scale", set_weight_loader(scale, self.load_shard))
         self.scale_cols = (bc or hidden, bc or inter)
+        self._w8a8(bc, label)
+
+    def _w8a8(self, block_cols: int, label: str) -> None:
+        """e4m3 experts' activation groups (each projection's, of its own inputs) and label."""
+        from gapless.model.quant.fp8 import activation_group
+
+        k13, k2 = self.gate_up_proj.shape[2], self.down_proj.shape[2]
+        self.act_groups = (activation_group(k13, block_cols), activation_group(k2, block_cols))
         self.quant_label = f"{label} experts"
 
     def finish_fp8(self) -> None:
-        """After the e4m3 weights are in: on the CPU, the dequantized weights the reference path
+        """After the e4m3 weights are in: on the CPU, the float32 dequantized weights the reference path
         multiplies with."""
         if self.gate_up_proj.device.type != "cpu":
             return
@@ -230,7 +255,7 @@ class Experts(nn.Module):
         dq = []
         for w, s, bc in pairs:
             full = s.repeat_interleave(bc, 2)[..., : w.shape[2]]
-            dq.append((w.float() * full).to(self.float_dtype))
+            dq.append(w.float() * full)
         self.cpu_weights = (dq[0], dq[1])
 
     def hold_int(
@@ -265,12 +290,12 @@ class Experts(nn.Module):
 
     def quantize_fp8(self, label: str) -> None:
         """Hold the weights in e4m3 with one float32 scale per expert row (`--quantization fp8` at load,
-        after tensor parallelism's cut: each rank scales its own rows), half the bytes of bf16. The fused
-        kernel widens each tile exactly and scales the row's sum (W8A16: activations stay as they are);
-        on the CPU the reference path multiplies with the dequantized weights, kept beside."""
+        after tensor parallelism's cut: each rank scales its own rows), half the bytes of bf16, run W8A8
+        as a checkpoint's; on the CPU the reference path multiplies with the dequantized weights, kept
+        beside."""
         from gapless.model.quant.fp8 import quantize_rows
 
-        scales, self.float_dtype = [], self.gate_up_proj.dtype
+        scales = []
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(self, name).data
             q, s = quantize_rows(w.reshape(-1, w.shape[-1]))
@@ -278,7 +303,7 @@ class Experts(nn.Module):
             scales.append(nn.Parameter(s.view(*w.shape[:2], 1), requires_grad=False))
         self.gate_up_scale, self.down_scale = scales
         self.scale_cols = (self.gate_up_proj.shape[2], self.down_proj.shape[2])
-        self.quant_label = f"{label} experts"
+        self._w8a8(0, label)
         self.finish_fp8()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -289,13 +314,13 @@ class Experts(nn.Module):
             scales = self.int_quant
             if self.gate_up_scale is not None and self.down_scale is not None:
                 scales = (
-                    WeightQuant(self.gate_up_scale, self.scale_cols[0]),
-                    WeightQuant(self.down_scale, self.scale_cols[1]),
+                    WeightQuant(self.gate_up_scale, self.scale_cols[0], act_group=self.act_groups[0]),
+                    WeightQuant(self.down_scale, self.scale_cols[1], act_group=self.act_groups[1]),
                 )
             out = fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.lora, scales)
         else:
             w13, w2 = self.cpu_weights or (self.gate_up_proj, self.down_proj)
-            out = reference_experts(x, w13, w2, weights, ids, self.lora)
+            out = reference_experts(x, w13, w2, weights, ids, self.lora, self.act_groups)
         return self.tp.all_reduce(out)
 
 

@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 from gapless import env
-from gapless.attention.triton_kernels import clamped_fp16
 from gapless.model.moe import WeightQuant
+from gapless.model.quant.fp8 import activation_group
+from gapless.model.quant.fp8_rounding import round_rows
 from gapless.model.quant.int4_values import unsigned_to_float
 
 # the interpreter multiplies the raw bits of bf16 `tl.dot` operands (triton-lang/triton#11584): there the
@@ -71,6 +72,7 @@ def _int_tile(
 @triton.jit
 def _tile_product(
     a,
+    a_scale,
     W,
     Scales,
     Zeros,
@@ -93,11 +95,10 @@ def _tile_product(
     CODEBOOK: tl.constexpr,
 ):
     """`a` [BLOCK_M, BLOCK_K] times one expert's weight `W` at inputs `offs_k` (from `k0`) and `rows`
-    [BLOCK_K, BLOCK_N], in fp32: W as stored (a float or e4m3 W, `stride_wn` apart per row) or unpacked and
-    dequantized (BITS: `_int_tile`), widened to A's type; SCALED: the product times the rows' scales of
-    this K step (`s_row`, one per `scale_cols` inputs). An e4m3 W under a bfloat16 A multiplies in float16
-    (`clamped_fp16`: A clamped to its range; e4m3 widens to float16 in one instruction a pair, to bfloat16
-    through a scalar conversion a value: 64 a loop body in the sm_90 binary)."""
+    [BLOCK_K, BLOCK_N], in fp32: W as stored (a float W, `stride_wn` apart per row) or unpacked and
+    dequantized (BITS: `_int_tile`), widened to A's type. SCALED (W8A8): `a` in e4m3 with its rows' scales
+    `a_scale`, W's e4m3 tile as it is, the fp8 product times both scales (W's: the rows' of this K step,
+    `s_row`, one per `scale_cols` inputs)."""
     if BITS:
         w = _int_tile(
             W,
@@ -121,14 +122,13 @@ def _tile_product(
             mask=k_mask[:, None] & row_mask[None, :],
             other=0.0,
         )
-    if SCALED and a.dtype == tl.bfloat16:  # e4m3 under bf16: both to fp16 (e4m3 -> bf16 is two conversions)
-        part = tl.dot(clamped_fp16(a), w.to(tl.float16))
+    if SCALED:
+        w_scale = tl.load(s_row + k0 // scale_cols, mask=row_mask, other=0.0)
+        part = tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
     elif IEEE:
         part = tl.dot(a, w.to(a.dtype), input_precision="ieee")
     else:
-        part = tl.dot(a, w.to(a.dtype))  # (e4m3 and int tiles widened; a float tile is A's type already)
-    if SCALED:
-        part = part * tl.load(s_row + k0 // scale_cols, mask=row_mask, other=0.0)[None, :]
+        part = tl.dot(a, w.to(a.dtype))  # (int tiles widened; a float tile is A's type already)
     return part
 
 
@@ -170,9 +170,10 @@ def _grouped_gemm_kernel(
 
     A row of `A` is entry // ROWS_PER_A (the token, for the first GEMM; the entry itself for the second).
     GATED: `W[e]` holds gate rows [0, N) then up rows [N, 2N), and the result is silu(gate) * up.
-    WEIGHTED: the result is multiplied by the entry's routing weight. SCALED: `W` is e4m3 with float32
-    scales `Scales[e, row, k // scale_cols]` (one column block of all K: per row): each tile is widened
-    (exactly) to A's type for the dot, and each K step's product is scaled by its block's scale. BITS (4
+    WEIGHTED: the result is multiplied by the entry's routing weight. SCALED (W8A8): `W` is e4m3 with
+    float32 scales `Scales[e, row, k // scale_cols]` (one column block of all K: per row), and each K step
+    of A (BLOCK_K columns: its activation group) is rounded to e4m3 per row as the FP8 GEMM rounds x
+    (`round_rows`) for an e4m3 dot, the product scaled by both scales. BITS (4
     or 8; 0: not packed): `W[e]` is [K / P, rows] int32 words, P = 32 / BITS values each packed along K
     (value k at bits BITS * (k % P)), with `Scales`, `Zeros` [e, k // GROUP, row]: each tile is
     unpacked and dequantized, (q - zero) * scale in fp32 (CODEBOOK: `Levels[q] * scale`, GGUF's IQ4
@@ -200,8 +201,13 @@ def _grouped_gemm_kernel(
         a = tl.load(
             A + a_row[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0
         )
+        if SCALED:  # (padding rows: all zero, scale 1e-12 / 448, e4m3 zeros)
+            a, a_scale = round_rows(a.to(tl.float32))
+        else:
+            a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)  # (unread)
         acc += _tile_product(
             a,
+            a_scale,
             w_base,
             s_base,
             z_base,
@@ -226,6 +232,7 @@ def _grouped_gemm_kernel(
         if GATED:
             acc_up += _tile_product(
                 a,
+                a_scale,
                 w_base,
                 s_base,
                 z_base,
@@ -394,8 +401,8 @@ def _grouped_gemm(
     bits = q.bits
     block_n = min(64, max(16, triton.next_power_of_2(n_out)))
     block_k = min(64, max(16, triton.next_power_of_2(k_in)))
-    if quant is not None and q.group < k_in:  # a K step never crosses a scale block (a power of two)
-        block_k = min(block_k, q.group)
+    if quant is not None and not bits:  # e4m3: a K step is A's activation group (within a scale block)
+        block_k = q.act_group or activation_group(k_in, q.group if q.group < k_in else 0)
     if bits:  # and is whole words and groups: the largest power of two dividing both, at most 64
         block_k = min(64, q.group & -q.group, k_in & -k_in)
         if block_k < 16 or w.shape[1] * (32 // bits) != k_in:

@@ -183,25 +183,63 @@ def write_fp8_checkpoint(
     return dst, ref
 
 
+def _rounded(x: torch.Tensor, k: int, k_group: int) -> torch.Tensor:
+    """x [..., k] through e4m3 and back per token and `fp8.activation_group(k, k_group)` columns."""
+    group = activation_group(k, k_group)
+    q, s = quantize_groups(x.reshape(-1, k), group)
+    return dequantize(q, s, 1, group).view(x.shape)
+
+
+def _stacked_experts(m: torch.nn.Module) -> bool:
+    """Whether `m` is a transformers mixture's experts: gate/up and down weights stacked [E, rows, K]."""
+    return all(
+        isinstance(w, torch.Tensor) and w.dim() == 3
+        for w in (getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None))
+    )
+
+
 @contextlib.contextmanager
 def inputs_rounded(
     model: torch.nn.Module, k_group: int, unrounded: Callable[[str], bool] = lambda name: "lm_head" in name
 ) -> Iterator[None]:
     """A transformers `model` (or peft's) with its linear layers' inputs rounded to e4m3 as gapless's fp8
     kernels round them (per token and `k_group` columns: `fp8.activation_group`), the reference W8A8's
-    tokens are compared with; a layer whose name `unrounded` says (the head, by default) left as it is."""
-    plain = torch.nn.Linear.forward
+    tokens are compared with; a layer whose name `unrounded` says (the head, by default) left as it is.
+    A mixture's experts (a module holding stacked `gate_up_proj` and `down_proj` weights) run their own
+    loop (transformers' eager one: the forward its `use_experts_implementation` wraps), each projection's
+    input rounded the same way (its `F.linear` calls)."""
+    plain, plain_linear = torch.nn.Linear.forward, torch.nn.functional.linear
     names = {id(m): name for name, m in model.named_modules()}
 
     def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if unrounded(names.get(id(self), "")):
             return plain(self, x)
-        group = activation_group(self.in_features, k_group)
-        q, s = quantize_groups(x.reshape(-1, x.shape[-1]), group)
-        return plain(self, dequantize(q, s, 1, group).view(x.shape))
+        return plain(self, _rounded(x, self.in_features, k_group))
 
+    def rounded_linear(
+        input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return plain_linear(_rounded(input, weight.shape[-1], k_group), weight, bias)
+
+    def experts_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
+        eager = getattr(type(module).forward, "__wrapped__", type(module).forward)
+
+        def run(*args: object, **kwargs: object) -> torch.Tensor:
+            torch.nn.functional.linear = rounded_linear
+            try:
+                return eager(module, *args, **kwargs)
+            finally:
+                torch.nn.functional.linear = plain_linear
+
+        return run
+
+    experts = [m for name, m in model.named_modules() if _stacked_experts(m) and not unrounded(name)]
     torch.nn.Linear.forward = forward  # type: ignore[method-assign,assignment]  # (patched for the reference)
+    for m in experts:
+        m.forward = experts_forward(m)  # (patched for the reference)
     try:
         yield
     finally:
         torch.nn.Linear.forward = plain  # type: ignore[method-assign]  # (restored)
+        for m in experts:
+            del m.forward  # (the class's again)

@@ -245,8 +245,8 @@ def test_fp8_checkpoint_of_a_mixture_equals_its_dequantized_weights(
 ):
     """A mixture's fp8 checkpoint (each expert's projections quantized with their scales, as Qwen's
     `*-FP8` mixtures are): the experts load in e4m3 with their scales, per row or per block, and greedy
-    tokens equal transformers' on the dequantized weights (attention's inputs rounded as ours are, the
-    experts' W8A16 not)."""
+    tokens equal transformers' on the dequantized weights, every quantized projection's inputs rounded
+    as ours are (the experts' too: W8A8, as transformers' `FP8Experts`)."""
     src = ckpt_factory("qwen3_moe")
     dst, ref = write_fp8_checkpoint(src, tmp_path / layout, layout, block or (128, 128))
     loaded = loader.load_model(dst, torch.float32, CPU)
@@ -288,9 +288,9 @@ def _rows_rounded(w: torch.Tensor) -> torch.Tensor:
     ],
 )
 def test_online_fp8_mixture_equals_its_rounded_weights(ckpt_factory, arch, device):
-    """`--quantization fp8` of a mixture: attention and the experts in e4m3 (the experts W8A16: their
-    activations unrounded), the router float. Greedy tokens equal transformers' on the same rounded
-    weights, attention's inputs rounded as ours are (on CUDA: the fused experts' e4m3 grouped GEMM)."""
+    """`--quantization fp8` of a mixture: attention and the experts in e4m3, W8A8, the router float.
+    Greedy tokens equal transformers' on the same rounded weights, attention's and the experts' inputs
+    rounded as ours are (on CUDA: the fused experts' e4m3 grouped GEMM)."""
     src = ckpt_factory(arch)
     loaded = loader.load_model(src, torch.float32, CPU, quantization="fp8")
     held = weights_held(loaded)[0]
@@ -333,21 +333,25 @@ def _fp8_experts(seed: int) -> tuple[torch.Tensor, tuple, tuple, tuple, tuple]:
 
 
 def test_fused_experts_over_fp8_weights_equal_the_dequantized_reference():
-    """The grouped GEMM over e4m3 experts (each tile widened, each row's sum scaled) equals the per-expert
-    torch path over the dequantized weights."""
+    """The grouped GEMM over e4m3 experts (W8A8: each K step of the activations rounded to e4m3 per row,
+    an e4m3 dot, both scales) equals the per-expert torch path over the dequantized weights with the
+    activations rounded alike (per token and 128 columns, at most K: 32 for gate/up, 64 for down), and
+    not the path with them unrounded (W8A16)."""
     from gapless.model.moe import reference_experts
     from gapless.model.moe_triton import fused_experts
 
     x, (w13, w2), (q13, q2), scales, (weights, ids) = _fp8_experts(0)
-    want = reference_experts(x, _rows_rounded(w13), _rows_rounded(w2), weights, ids)
+    held = (_rows_rounded(w13), _rows_rounded(w2))
+    want = reference_experts(x, *held, weights, ids, act_groups=(32, 64))
     got = fused_experts(*_on_gpu(x, q13, q2, weights, ids), scales=_on_gpu(*scales)).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(want, reference_experts(x, w13, w2, weights, ids), atol=1e-5)
+    assert not torch.allclose(got, reference_experts(x, *held, weights, ids), atol=1e-3)
 
 
 def test_fused_experts_over_fp8_weights_scaled_per_group_of_inputs_equal_the_dequantized_reference():
     """A scale per row and group of inputs (MXFP8's layout: groups of 32; of 16 here, which divides these
-    experts' 32 and 48 inputs): each K step's product scaled by its group's scale."""
+    experts' 32 and 48 inputs): each K step's product scaled by its group's scale, the activations
+    rounded per the same 16 columns (`act_group`)."""
     from gapless.model.moe import reference_experts
     from gapless.model.moe_triton import fused_experts
 
@@ -357,18 +361,18 @@ def test_fused_experts_over_fp8_weights_scaled_per_group_of_inputs_equal_the_deq
     q2, s2 = quantize_blocks(w2.reshape(-1, inter), (1, 16))
     scales = ((s13.view(e, n13, h // 16), 16), (s2.view(e, n2, inter // 16), 16))
     held = (dequantize(q, s, 1, 16).view(w.shape) for q, s, w in ((q13, s13, w13), (q2, s2, w2)))
-    want = reference_experts(x, *held, weights, ids)
+    want = reference_experts(x, *held, weights, ids, act_groups=(16, 16))
     quantized = (q13.view(w13.shape), q2.view(w2.shape))
     got = fused_experts(*_on_gpu(x, *quantized, weights, ids), scales=_on_gpu(*scales)).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_fused_experts_over_fp8_weights_multiply_bf16_activations_in_fp16(monkeypatch):
-    """Under bfloat16 activations the grouped GEMM multiplies e4m3 experts in float16 (one widening
-    instruction a pair on sm_90, where bfloat16 takes a scalar conversion a value): the reference's
-    result to bfloat16's rounding of the hidden rows, and an activation past float16's range (clamped to
-    it) gives finite outputs. (The kernel itself, not `fused_experts`' interpreter detour through float32,
-    under which a bfloat16 dot would multiply raw bits.)"""
+def test_fused_experts_over_fp8_weights_round_bf16_activations_as_float32_ones(monkeypatch):
+    """Under bfloat16 activations the grouped GEMM rounds each tile to e4m3 from its bfloat16 values (e4m3
+    against e4m3: no widening of either operand): the reference on the same values to bfloat16's rounding
+    of the hidden rows; and an activation past float16's range only scales its group. (The kernel itself,
+    not `fused_experts`' interpreter detour through float32, under which a bfloat16 dot would multiply
+    raw bits.)"""
     from gapless.model import moe_triton
     from gapless.model.moe import reference_experts
 
@@ -377,11 +381,59 @@ def test_fused_experts_over_fp8_weights_multiply_bf16_activations_in_fp16(monkey
     monkeypatch.setattr(moe_triton, "INTERPRET", False)  # (bf16 into the kernel, as on a GPU)
     args, scales = _on_gpu(x, q13, q2, weights, ids), _on_gpu(*scales)
     got = moe_triton.fused_experts(*args, scales=scales).cpu()
-    want = reference_experts(x.float(), _rows_rounded(w13), _rows_rounded(w2), weights, ids)
+    held = (_rows_rounded(w13), _rows_rounded(w2))
+    want = reference_experts(x.float(), *held, weights, ids, act_groups=(32, 64))
     assert got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
-    args[0][2, 5] = 1e5  # (bfloat16 holds it)
-    assert torch.isfinite(moe_triton.fused_experts(*args, scales=scales)).all()
+    args[0][2, 5] = 1e5  # (bfloat16 holds it; float16 does not)
+    big = moe_triton.fused_experts(*args, scales=scales).cpu()
+    x[2, 5] = 1e5
+    want = reference_experts(x.float(), *held, weights, ids, act_groups=(32, 64))
+    assert torch.isfinite(big).all()
+    assert (big.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@pytest.mark.slow  # (sm_90 compiles in a child process, ~15 s)
+def test_fused_fp8_experts_multiply_e4m3_by_e4m3_when_compiled():
+    """Compiled for sm_90 at a checkpoint's widths ([128, 128] blocks: x rounded per 128 columns, each K
+    step one block), bfloat16 activations: past 512 routed entries (64-row tiles, a prefill's) both GEMMs
+    run fp8's own wgmma on e4m3 operands (`QGMMA ... E4M3.E4M3`), x rounded in registers (`F2FP.SATFINITE.
+    E4M3`), nothing spilled; at a decode's 16-row tiles they compile too."""
+    from gapless.testing.triton_compile import compile_child
+
+    script = (
+        "import json, re, torch\n"
+        "from gapless.model.moe import WeightQuant\n"
+        "from gapless.model.moe_triton import fused_experts\n"
+        "from gapless.testing.sass import cuobjdump, resources\n"
+        "from gapless.testing.triton_compile import Compiler\n"
+        "e, hidden, inter, out = 4, 256, 128, []\n"
+        "w13 = torch.zeros(e, 2 * inter, hidden).to(torch.float8_e4m3fn)\n"
+        "w2 = torch.zeros(e, hidden, inter).to(torch.float8_e4m3fn)\n"
+        "s13, s2 = torch.ones(e, 2 * inter, hidden // 128), torch.ones(e, hidden, inter // 128)\n"
+        "scales = (WeightQuant(s13, 128, act_group=128), WeightQuant(s2, 128, act_group=128))\n"
+        "with Compiler(90) as c, torch.inference_mode():\n"
+        "    for tokens in (300, 3):\n"
+        "        ids = torch.arange(tokens * 2).remainder(e).view(tokens, 2)\n"
+        "        x, weights = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.ones(tokens, 2)\n"
+        "        fused_experts(x, w13, w2, weights, ids, scales=scales)\n"
+        "    for name, k in c.compiled:\n"
+        "        if name == '_grouped_gemm_kernel':\n"
+        "            sass = cuobjdump(k, '-sass')\n"
+        "            out.append([len(re.findall(r'QGMMA\\.\\S+\\.E4M3\\.E4M3', sass)),\n"
+        "                        sass.count('F2FP.SATFINITE.E4M3'), resources(k)['spill_bytes']])\n"
+        "print(json.dumps([out, c.failed]))\n"
+    )
+    out = compile_child(script, "compiling the fp8 experts")
+    if out is None:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    kernels, failed = json.loads(out.strip().splitlines()[-1])
+    assert not failed and len(kernels) == 4, (kernels, failed)
+    (gate_up, down), decode = kernels[:2], kernels[2:]
+    assert all(wgmma > 0 and rounded > 0 and spills == 0 for wgmma, rounded, spills in (gate_up, down)), (
+        kernels
+    )
+    assert all(wgmma == 0 and rounded > 0 for wgmma, rounded, _ in decode), kernels
 
 
 # --- the layouts' arithmetic and the kernel ------------------------------------------------------------
