@@ -33,6 +33,7 @@ from gapless.model.quant.fp8 import (
 from gapless.model.quant.fp8_kernel import FP8_MAX, fp8_gemm
 from gapless.testing.fp8_checkpoints import inputs_rounded, quant_config, write_fp8_checkpoint
 from gapless.testing.hf_reference import check_greedy, hf_greedy, load_hf_model, make_prompts
+from gapless.testing.quant_checkpoints import experts_of
 from gapless.testing.ranks import assert_experts_cut, load_as_ranks
 
 MAX_NEW = 8
@@ -237,6 +238,7 @@ def _tie_tolerance(device: str) -> float:
         ("ct-channel", None, "cpu"),
         ("ct-tensor", None, "cpu"),
         ("ct-mxfp8", (1, 32), "cpu"),
+        ("fp8", (32, 32), "cpu-fused"),  # (the grouped GEMM under the interpreter)
         pytest.param("fp8", (32, 32), "cuda", marks=_CUDA, id="fp8-cuda"),
     ],
 )
@@ -254,7 +256,7 @@ def test_fp8_checkpoint_of_a_mixture_equals_its_dequantized_weights(
     assert experts and all(m.gate_up_proj.dtype == FP8 and m.cpu_weights is not None for m in experts)
     assert any(f.endswith("experts") for f in weights_held(loaded)[0]), weights_held(loaded)
     prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=6)
-    ours = _greedy(dst, prompts, device=device)
+    ours = _greedy(dst, prompts, device=device.removesuffix("-fused"), fused=device.endswith("fused"))
     hf = load_hf_model(ref)
     with inputs_rounded(hf, block[1] if block else 0):
         for out, p in zip(ours, prompts):
@@ -858,11 +860,13 @@ def test_triton_gemm_matches_the_reference_on_the_gpu():
 # --- whole models -------------------------------------------------------------------------------------------
 
 
-def _greedy(model, prompts, **kw):
+def _greedy(model, prompts, fused=False, **kw):
     # (an unquantized cache, which ModelOpt's layouts, naming an FP8 one, would otherwise get)
     engine = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "overlap": False, **kw}
     engine.setdefault("kv_cache_dtype", "bfloat16")
     with LLM(str(model), **engine) as llm:
+        for module in experts_of(llm.engine.runner.model) if fused else ():
+            module.use_triton = True  # (every mixture layer on the grouped GEMM: interpreted on the CPU)
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
         )
