@@ -133,13 +133,16 @@ def test_one_module_per_expert_reads_as_the_stacked_adapter(moe, tmp_path):
 
 
 @pytest.mark.parametrize("tokens", [5, 40])
-def test_fused_experts_with_lora_equal_the_torch_path(tokens):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_experts_with_lora_equal_the_torch_path(tokens, fp8):
     """The fused Triton experts with adapters (the interpreter's run; on CUDA the kernels') equal the
-    per-expert torch path with them, rows of two adapters and the base; and the adapters change them."""
+    per-expert torch path with them, rows of two adapters and the base; and the adapters change them.
+    fp8: the experts in e4m3 a row (W8A8: the base's inputs rounded to e4m3, the deltas' not)."""
     from gapless.lora import triton_kernels
     from gapless.lora.table import ExpertLoRA
     from gapless.model.moe import reference_experts, route
     from gapless.model.moe_triton import fused_experts
+    from gapless.model.quant.fp8 import activation_group, quantize_rows
 
     if not torch.cuda.is_available() and not triton_kernels.interpreted():
         pytest.skip("no GPU and TRITON_INTERPRET unset")
@@ -163,10 +166,17 @@ def test_fused_experts_with_lora_equal_the_torch_path(tokens):
     tables = {k: (a.to(dev), b.to(dev)) for k, (a, b) in tables.items()}
     fused = ExpertLoRA(SimpleNamespace(kernel=True, token_slots=token_slots.to(dev)), tables)
     torch_path = ExpertLoRA(SimpleNamespace(kernel=False, token_slots=token_slots, segments=object()), tables)
-    got = fused_experts(x.to(dev), w13.to(dev), w2.to(dev), weights.to(dev), ids.to(dev), fused).cpu()
-    want = reference_experts(x, w13, w2, weights, ids, torch_path)
+    held, scales, groups = (w13, w2), None, (0, 0)
+    if fp8:  # (each expert row's scale; the reference multiplies by the dequantized rows)
+        rounded = [quantize_rows(w.reshape(-1, w.shape[2])) for w in (w13, w2)]
+        held = tuple((q.float() * s).view(w.shape) for (q, s), w in zip(rounded, (w13, w2)))
+        w13, w2 = (q.view(w.shape) for (q, _), w in zip(rounded, (w13, w2)))
+        scales = tuple((s.view(*w.shape[:2], 1).to(dev), w.shape[2]) for (_, s), w in zip(rounded, (w13, w2)))
+        groups = (activation_group(h, 0), activation_group(inter, 0))
+    got = fused_experts(x.to(dev), w13.to(dev), w2.to(dev), weights.to(dev), ids.to(dev), fused, scales).cpu()
+    want = reference_experts(x, *held, weights, ids, torch_path, groups)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    plain = reference_experts(x, w13, w2, weights, ids)
+    plain = reference_experts(x, *held, weights, ids, act_groups=groups)
     base_rows = token_slots < 0
     torch.testing.assert_close(want[base_rows], plain[base_rows], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(want[~base_rows], plain[~base_rows], atol=1e-3)
