@@ -20,7 +20,9 @@ for the 8B an `-nvfp4` twin, ModelOpt's NVFP4 (FP4 codes in groups of 16, run we
 config says so, e4m3 where it is FP8's, none read: a 16 GB checkpoint is neither built nor read) in
 bfloat16, on CUDA graphs at batch 1, and times one request at a time: a 128-token prompt generating 1
 token (its prefill) and generating 1 + `--tokens` (default 64); TPOT = the difference / `--tokens`, the
-median of `--repeats` (default 3) after a warm-up. `--profile` then runs both once more under
+median of `--repeats` (default 3) after a warm-up, and the prefill's time (the one-token request's: a
+mixture's 128 x top-k routed entries take the grouped GEMM's 64-row tiles, where FP8 experts multiply on
+fp8's tensor cores). `--profile` then runs both once more under
 torch.profiler: each kernel's device time a token (the same difference over `--tokens`), and their sum
 against TPOT (the rest: the device idle between kernels, or the host behind it).
 `gguf` writes a shape as a GGUF file of random weights (`gapless.testing.gguf_files.write_random_gguf`:
@@ -198,7 +200,8 @@ def run(
         # layers never hold their float weights: `layers.deferred_weights`)
         start_peak = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None
         timed(1 + tokens)  # warm-up: kernels compiled, graphs replayed once
-        tpots = [(timed(1 + tokens) - timed(1)) / tokens for _ in range(repeats)]
+        pairs = [(timed(1 + tokens), timed(1)) for _ in range(repeats)]  # (long, then short, as before)
+        tpots = [(long - short) / tokens for long, short in pairs]
         info = llm.engine.info
         prof = timing.decode_profile(timed, tokens, device) if profile else None
     # the kernel choices the environment made for this run (every variable of the quantized layers' kernels,
@@ -213,6 +216,7 @@ def run(
         quantization=info.quantization,
         tpot_ms=statistics.median(tpots) * 1e3,
         tpot_ms_all=[t * 1e3 for t in tpots],
+        prefill_ms=statistics.median(short for _, short in pairs) * 1e3,
         machine=cli.machine(device),
         kernels=kernels,
         profile=prof,
@@ -220,16 +224,20 @@ def run(
 
 
 def report(results: list[dict[str, Any]]) -> str:
-    """A table of each run's TPOT, and its ratio to the bf16 run of the same shape."""
-    base = {r["shape"]: r["tpot_ms"] for r in results if not r["quantization"]}
+    """A table of each run's TPOT and prefill time, each with its ratio to the bf16 run of the same shape
+    (a run from before the prefill was recorded: n/a)."""
+    bf16 = [r for r in results if not r["quantization"]]
+    base = {(r["shape"], key): r.get(key) for r in bf16 for key in ("tpot_ms", "prefill_ms")}
     rows = []
     for r in results:
-        ref = base.get(r["shape"])
-        ratio = f"{r['tpot_ms'] / ref:.2f}" if ref else "n/a"
+        cells = []
+        for key, digits in (("tpot_ms", 3), ("prefill_ms", 1)):
+            ref, ms = base.get((r["shape"], key)), r.get(key)
+            cells += [f"{ms:.{digits}f}" if ms else "n/a", f"{ms / ref:.2f}" if ms and ref else "n/a"]
         peak = f"; start-up peak {r['start_peak_gib']} GiB" if r.get("start_peak_gib") is not None else ""
-        rows.append((r["shape"], _weights(r), f"{r['tpot_ms']:.3f}", ratio, r["weights"] + peak))
-    header = ("shape", "weights", "TPOT ms (batch 1)", "ratio to bf16", "start-up line")
-    lines = cli.markdown_table(header, rows, "llrrl")
+        rows.append((r["shape"], _weights(r), *cells, r["weights"] + peak))
+    header = ("shape", "weights", "TPOT ms (batch 1)", "ratio to bf16", "prefill ms (128 tokens)", "ratio")
+    lines = cli.markdown_table((*header, "start-up line"), rows, "llrrrrl")
     if results:
         lines.insert(0, cli.machine_line(results[0]["machine"]))
     for r in results:
@@ -290,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "run":
         res = run(args.path, args.engine_options, args.tokens, args.repeats, args.device, args.profile)
         print(
-            f"{res['shape']} {res['quantization'] or 'bf16'}: TPOT {res['tpot_ms']:.3f} ms; {res['weights']}"
+            f"{res['shape']} {res['quantization'] or 'bf16'}: TPOT {res['tpot_ms']:.3f} ms, prefill "
+            f"{res['prefill_ms']:.1f} ms; {res['weights']}"
         )
         if args.json:
             cli.write_json(args.json, res)

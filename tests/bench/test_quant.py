@@ -74,8 +74,22 @@ def test_make_writes_each_shape_without_weights(tmp_path):
 def test_report_gives_the_ratio_to_bf16():
     machine = this_machine("cpu")
     runs = [
-        dict(shape="qwen3-8b", quantization=None, tpot_ms=10.0, weights="w: 16 GB", machine=machine),
-        dict(shape="qwen3-8b", quantization="fp8", tpot_ms=5.5, weights="w: 8 GB", machine=machine),
+        dict(
+            shape="qwen3-8b",
+            quantization=None,
+            tpot_ms=10.0,
+            prefill_ms=40.0,
+            weights="w: 16 GB",
+            machine=machine,
+        ),
+        dict(
+            shape="qwen3-8b",
+            quantization="fp8",
+            tpot_ms=5.5,
+            prefill_ms=30.0,
+            weights="w: 8 GB",
+            machine=machine,
+        ),
         dict(
             shape="qwen3-8b",
             quantization="fp8",
@@ -86,8 +100,10 @@ def test_report_gives_the_ratio_to_bf16():
         ),
     ]
     text = quant.report(runs)
-    assert "| qwen3-8b | fp8 | 5.500 | 0.55 |" in text and "| qwen3-8b | bf16 | 10.000 | 1.00 |" in text
-    assert "| qwen3-8b | fp8 (GAPLESS_FP8_DECODE=fp16) | 5.000 | 0.50 |" in text
+    assert "| qwen3-8b | fp8 | 5.500 | 0.55 | 30.0 | 0.75 |" in text
+    assert "| qwen3-8b | bf16 | 10.000 | 1.00 | 40.0 | 1.00 |" in text
+    # (a run from before the prefill was recorded)
+    assert "| qwen3-8b | fp8 (GAPLESS_FP8_DECODE=fp16) | 5.000 | 0.50 | n/a | n/a |" in text
 
 
 def test_a_run_records_the_kernels_its_environment_chose(monkeypatch):
@@ -117,6 +133,7 @@ def test_run_profiles_a_decode_token_on_the_cpu():
     # on a loaded 2-core machine ranked 3 steps' matmuls below zero, and once 16 steps' out of the listed
     # ops, failing the matmul check below)
     res = quant.run(cached_checkpoint("qwen3"), {}, tokens=48, repeats=1, device="cpu", profile=True)
+    assert res["prefill_ms"] > 0 and res["tpot_ms"] > 0  # (the one-token request: its prefill)
     prof = res["profile"]
     assert 0 < len(prof["ops"]) <= timing.PROFILE_TOP and prof["us_per_step"] > 0
     times = [us for _, us, _ in prof["ops"]]
