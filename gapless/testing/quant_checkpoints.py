@@ -30,7 +30,9 @@ def quantize(
     w: torch.Tensor, bits: int, group: int, sym: bool, order: torch.Tensor | None = None
 ) -> Unpacked:
     """`w` [N, K] rounded to `bits`-bit integers in groups of `group` inputs (-1: the whole row), with
-    float16 scales (as the checkpoints store them): asymmetric min/max, or symmetric with zero 2^(bits-1).
+    float16 scales (as the checkpoints store them): asymmetric min/max, or symmetric with zero 2^(bits-1)
+    and AutoGPTQ's and compressed-tensors' scale, 2 max|w| / (2^bits - 1) (so a group's most negative
+    value takes code 0, its largest is clipped a step, to 2^(bits-1) - 1 steps).
     `order` (act-order): the inputs taken in that order, group j // G holding inputs order[j]."""
     if order is not None:
         return quantize(w[:, order], bits, group, sym)._replace(order=order)
@@ -39,7 +41,7 @@ def quantize(
     wg = w.float().reshape(n, k // g, g)
     top = (1 << bits) - 1
     if sym:
-        scale = wg.abs().amax(-1) / ((1 << (bits - 1)) - 1)
+        scale = wg.abs().amax(-1) * 2 / top
         zero = torch.full_like(scale, float(1 << (bits - 1)))
     else:
         lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
