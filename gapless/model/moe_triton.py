@@ -403,6 +403,8 @@ def _grouped_gemm(
     block_k = min(64, max(16, triton.next_power_of_2(k_in)))
     if quant is not None and not bits:  # e4m3: a K step is A's activation group (within a scale block)
         block_k = q.act_group or activation_group(k_in, q.group if q.group < k_in else 0)
+        if block_k < 16 or block_k & (block_k - 1) or (q.group < k_in and q.group % block_k):
+            raise ValueError(f"fp8 experts: activation groups of {block_k} in scale blocks of {q.group}")
     if bits:  # and is whole words and groups: the largest power of two dividing both, at most 64
         block_k = min(64, q.group & -q.group, k_in & -k_in)
         if block_k < 16 or w.shape[1] * (32 // bits) != k_in:

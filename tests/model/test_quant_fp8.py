@@ -369,6 +369,24 @@ def test_fused_experts_over_fp8_weights_scaled_per_group_of_inputs_equal_the_deq
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_fused_experts_refuse_activation_groups_no_k_step_can_take():
+    """An activation group the grouped GEMM cannot step through (past the weight's scale block, no power of
+    two, under 16) is refused by name, not run with the wrong scales."""
+    from gapless.model.moe import WeightQuant
+    from gapless.model.moe_triton import fused_experts
+
+    x, (w13, _), (q13, q2), _, (weights, ids) = _fp8_experts(1)
+    e, n13, h = w13.shape
+    s13, s2 = (
+        torch.ones(e, n13, h // 16, device=GPU),
+        torch.ones(e, q2.shape[1], q2.shape[2] // 16, device=GPU),
+    )
+    for group in (32, 48, 8):
+        scales = (WeightQuant(s13, 16, act_group=group), WeightQuant(s2, 16, act_group=group))
+        with pytest.raises(ValueError, match=f"activation groups of {group} in scale blocks of 16"):
+            fused_experts(*_on_gpu(x, q13, q2, weights, ids), scales=scales)
+
+
 def test_fused_experts_over_fp8_weights_round_bf16_activations_as_float32_ones(monkeypatch):
     """Under bfloat16 activations the grouped GEMM rounds each tile to e4m3 from its bfloat16 values (e4m3
     against e4m3: no widening of either operand): the reference on the same values to bfloat16's rounding
