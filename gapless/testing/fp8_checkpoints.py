@@ -53,7 +53,10 @@ _MODELOPT_ALGOS = {
 }
 _STATIC = ("fp8-tensor", "modelopt")  # layouts whose checkpoints carry a static `input_scale`
 KV_SCALE = 0.05  # ModelOpt's layouts' KV-cache scale, each k_proj's `k_scale` and v_proj's `v_scale`
-_PROJ = re.compile(r"model\.layers\.\d+\..*\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.weight$")
+# the projections quantized: every decoder layer's, each expert's too (Mixtral's `experts.N.w1/2/3`)
+_PROJ = re.compile(
+    r"model\.layers\.\d+\..*(\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj|\.experts\.\d+\.w[123])\.weight$"
+)
 
 
 def _ct_config(strategy: str, block: tuple[int, int] | None, mx: bool = False) -> dict:
@@ -234,6 +237,7 @@ def inputs_rounded(
         return run
 
     experts = [m for name, m in model.named_modules() if _stacked_experts(m) and not unrounded(name)]
+    own = {m: m.__dict__.get("forward") for m in experts}  # (a forward set on the instance, as hooks do)
     torch.nn.Linear.forward = forward  # type: ignore[method-assign,assignment]  # (patched for the reference)
     for m in experts:
         m.forward = experts_forward(m)  # (patched for the reference)
@@ -241,5 +245,8 @@ def inputs_rounded(
         yield
     finally:
         torch.nn.Linear.forward = plain  # type: ignore[method-assign]  # (restored)
-        for m in experts:
-            del m.forward  # (the class's again)
+        for m, before in own.items():
+            if before is None:
+                del m.forward  # (the class's again)
+            else:
+                m.forward = before

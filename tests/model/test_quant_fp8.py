@@ -232,24 +232,25 @@ def _tie_tolerance(device: str) -> float:
 
 
 @pytest.mark.parametrize(
-    ("layout", "block", "device"),
+    ("layout", "block", "device", "arch"),
     [
-        ("fp8", (32, 32), "cpu"),
-        ("ct-channel", None, "cpu"),
-        ("ct-tensor", None, "cpu"),
-        ("ct-mxfp8", (1, 32), "cpu"),
-        ("fp8", (32, 32), "cpu-fused"),  # (the grouped GEMM under the interpreter)
-        pytest.param("fp8", (32, 32), "cuda", marks=_CUDA, id="fp8-cuda"),
+        ("fp8", (32, 32), "cpu", "qwen3_moe"),
+        ("ct-channel", None, "cpu", "qwen3_moe"),
+        ("ct-tensor", None, "cpu", "qwen3_moe"),
+        ("ct-mxfp8", (1, 32), "cpu", "qwen3_moe"),
+        ("fp8", (32, 32), "cpu", "mixtral"),  # (its experts' w1/w3/w2)
+        ("fp8", (32, 32), "cpu-fused", "qwen3_moe"),  # (the grouped GEMM under the interpreter)
+        pytest.param("fp8", (32, 32), "cuda", "qwen3_moe", marks=_CUDA, id="fp8-cuda"),
     ],
 )
 def test_fp8_checkpoint_of_a_mixture_equals_its_dequantized_weights(
-    ckpt_factory, tmp_path, layout, block, device
+    ckpt_factory, tmp_path, layout, block, device, arch
 ):
     """A mixture's fp8 checkpoint (each expert's projections quantized with their scales, as Qwen's
     `*-FP8` mixtures are): the experts load in e4m3 with their scales, per row or per block, and greedy
     tokens equal transformers' on the dequantized weights, every quantized projection's inputs rounded
     as ours are (the experts' too: W8A8, as transformers' `FP8Experts`)."""
-    src = ckpt_factory("qwen3_moe")
+    src = ckpt_factory(arch)
     dst, ref = write_fp8_checkpoint(src, tmp_path / layout, layout, block or (128, 128))
     loaded = loader.load_model(dst, torch.float32, CPU)
     experts = [m for m in loaded.modules() if type(m).__name__ == "Experts"]
