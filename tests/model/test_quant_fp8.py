@@ -389,11 +389,11 @@ def test_fused_experts_refuse_activation_groups_no_k_step_can_take():
 
 
 def test_fused_experts_over_fp8_weights_round_bf16_activations_as_float32_ones(monkeypatch):
-    """Under bfloat16 activations the grouped GEMM rounds each tile to e4m3 from its bfloat16 values (e4m3
-    against e4m3: no widening of either operand): the reference on the same values to bfloat16's rounding
-    of the hidden rows; and an activation past float16's range only scales its group. (The kernel itself,
-    not `fused_experts`' interpreter detour through float32, under which a bfloat16 dot would multiply
-    raw bits.)"""
+    """Under bfloat16 activations the grouped GEMM rounds each tile to e4m3 from its bfloat16 values (no
+    float16 in between, which W8A16 clamped them to): the reference on the same values, to bfloat16's
+    rounding of the hidden rows; and an activation past float16's range only scales its group. (The
+    kernel itself, not `fused_experts`' interpreter detour through float32, under which a bfloat16 dot
+    would multiply raw bits.)"""
     from gapless.model import moe_triton
     from gapless.model.moe import reference_experts
 
@@ -418,8 +418,9 @@ def test_fused_experts_over_fp8_weights_round_bf16_activations_as_float32_ones(m
 def test_fused_fp8_experts_multiply_e4m3_by_e4m3_when_compiled():
     """Compiled for sm_90 at a checkpoint's widths ([128, 128] blocks: x rounded per 128 columns, each K
     step one block), bfloat16 activations: past 512 routed entries (64-row tiles, a prefill's) both GEMMs
-    run fp8's own wgmma on e4m3 operands (`QGMMA ... E4M3.E4M3`), x rounded in registers (`F2FP.SATFINITE.
-    E4M3`), nothing spilled; at a decode's 16-row tiles they compile too."""
+    run fp8's own wgmma on e4m3 operands (`QGMMA ... E4M3.E4M3`), x rounded in registers
+    (`F2FP.SATFINITE.E4M3`), nothing spilled; at a decode's 16-row tiles (mma.sync, both operands widened
+    to float16, as the dense GEMM's) x is rounded the same way (bench/results/sm90_moe_fp8_cpu)."""
     from gapless.testing.triton_compile import compile_child
 
     script = (
