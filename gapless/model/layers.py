@@ -131,7 +131,7 @@ class _Linear(nn.Module):
     def input_order(self) -> torch.Tensor | None:
         """The order this layer's method reads x's columns in (int4 act-order; None: as they are), for the
         fused kernel before the layer to write them so beside x (`quant.base.OrderedColumns`)."""
-        return getattr(self.linear_method, "order", None)
+        return getattr(self.linear_method, "written_order", None)
 
 
 class ColumnParallelLinear(_Linear):

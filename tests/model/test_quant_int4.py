@@ -768,9 +768,8 @@ def test_stored_tensors_of_another_kind_than_the_layout_are_refused_by_name():
 
 def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(monkeypatch):
     """An act-order layer (its inputs gathered into the weight's order) gives x @ W^T on the CPU's
-    reference path and through the Triton GEMM (interpreted here; on CUDA also tinygemm's); a layer whose
-    inputs split over ranks (row-parallel) and a fused layer whose shards' orders differ are refused by
-    name."""
+    reference path and through the Triton GEMM (interpreted here; on CUDA also tinygemm's); a fused layer
+    whose shards' orders differ is refused by name."""
     from gapless.model.quant import int4
 
     gen = torch.Generator().manual_seed(4)
@@ -782,6 +781,7 @@ def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(mo
     layer = layers.ReplicatedLinear(k, n, bias=False)
     install(layer, {None: w}, spec, torch.float32, "layer", "triton")
     torch.testing.assert_close(layer.linear_method.apply(layer, x), want)
+    assert layer.input_order() is layer.linear_method.order  # (the norm or activation before may write it)
     monkeypatch.setattr(int4, "TRITON_ON_CPU", True)
     torch.testing.assert_close(layer.linear_method.apply(layer, x), want, rtol=1e-5, atol=1e-4)
     if DEVICE.type == "cuda":  # bf16 on CUDA: tinygemm's copy (`auto` at decode rows), the Triton GEMM
@@ -791,17 +791,55 @@ def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(mo
             torch.testing.assert_close(y, want, rtol=2e-2, atol=5e-2 * want.abs().max().item())
     parallel.use(parallel.TPGroup(rank=0, size=2))
     try:
-        row, merged = (
-            layers.RowParallelLinear(k, n),
-            layers.MergedColumnParallelLinear(k, {"gate": n, "up": n}),
-        )
+        merged = layers.MergedColumnParallelLinear(k, {"gate": n, "up": n})
     finally:
         parallel.use(parallel.SINGLE)
-    with pytest.raises(QuantFormatError, match="^row: act-order .* split over 2 ranks is not built"):
-        install(row, {None: w}, spec, torch.float32, "row", "triton")
     other = quantize(dense, 4, 32, False, torch.randperm(k, generator=gen))
     with pytest.raises(QuantFormatError, match="^mlp: its shards' act-orders"):
         install(merged, {"gate": w, "up": other}, spec, torch.float32, "mlp", "triton")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_row_parallel_act_order_layer_regroups_each_ranks_inputs(monkeypatch, ranks):
+    """Under tensor parallelism a row-parallel act-order layer (o, down) holds on each rank its own inputs
+    of every group, each group's run padded with zero-valued columns to one power-of-two width
+    (`int4.regroup_for_rank`): the ranks' partial products add up to x @ W^T on the reference path and
+    through the Triton GEMM (interpreted), each rank at most twice its share of the weight, and the layer
+    gathers x itself (no order for the kernel before it to write: the padded one is no permutation). A
+    fractional zero, which no code leaves at 0, is refused by name."""
+    from gapless.model.quant import int4
+
+    gen = torch.Generator().manual_seed(5)
+    k, n = 256, 40
+    x, dense = torch.randn(3, k, generator=gen), torch.randn(n, k, generator=gen)
+    w = quantize(dense, 4, 32, True, torch.randperm(k, generator=gen))
+    want = x @ w.dequantize().t()
+    spec = Int4Spec("gptq", 4, 32, True)
+    held = []
+    for rank in range(ranks):
+        parallel.use(parallel.TPGroup(rank=rank, size=ranks))
+        try:
+            row = layers.RowParallelLinear(k, n)
+        finally:
+            parallel.use(parallel.SINGLE)
+        install(row, {None: w}, spec, torch.float32, "row", "triton")
+        held.append(row)
+    assert all(r.input_order() is None and r.linear_method.order is not None for r in held)
+    assert all(k // ranks < r.linear_method.in_features <= 2 * k // ranks for r in held)
+    parts = [x.chunk(ranks, dim=1)[i] for i in range(ranks)]
+    got = sum(r.linear_method.apply(r, p) for r, p in zip(held, parts))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(int4, "TRITON_ON_CPU", True)
+    got = sum(r.linear_method.apply(r, p) for r, p in zip(held, parts))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    fractional = w._replace(zero=w.zero + 0.5)
+    parallel.use(parallel.TPGroup(rank=0, size=ranks))
+    try:
+        row = layers.RowParallelLinear(k, n)
+    finally:
+        parallel.use(parallel.SINGLE)
+    with pytest.raises(QuantFormatError, match="^row: act-order with fractional zeros does not split"):
+        install(row, {None: fractional}, spec, torch.float32, "row", "triton")
 
 
 @pytest.mark.parametrize("swapped_tiles", [False, True])
@@ -834,13 +872,15 @@ def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(
     assert set(calls) == {swapped_tiles}  # (every call: 12 rows at most)
 
 
-@pytest.mark.slow  # (two tensor-parallel rank processes, ~9 s)
-def test_two_ranks_give_the_dequantized_models_tokens(ckpt_factory, tmp_path):
+@pytest.mark.slow  # (two tensor-parallel rank processes, ~9 s each)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_two_ranks_give_the_dequantized_models_tokens(ckpt_factory, tmp_path, act_order):
     """Tensor parallelism over quantized layers (gloo, one process per rank): fused q/k/v and gate/up cut
-    by rows, o and down by groups (32 inputs a group: one group of o's 64 inputs per rank)."""
+    by rows, o and down by groups (32 inputs a group: one group of o's 64 inputs per rank); with act-order
+    (GPTQ's desc_act), o and down regrouped on each rank (`int4.regroup_for_rank`)."""
     from transformers import AutoModelForCausalLM
 
-    qdir, refdir = write_quantized(ckpt_factory("llama"), tmp_path, "gptq", group=32)
+    qdir, refdir = write_quantized(ckpt_factory("llama"), tmp_path, "gptq", group=32, act_order=act_order)
     prompts = make_prompts(1000, n=2, max_len=30, shared_prefix=8)
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     with LLM(str(qdir), device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2) as llm:

@@ -61,6 +61,10 @@ class Int4LinearMethod:
         # act-order: x's columns in the weight's order first (`in_order`: written so by the kernel before
         # the layer where it can, else one small gather a call)
         self.order = None if w.order is None else w.order.to(device)
+        # the order a kernel before the layer may write x's columns in beside x: a permutation of them; not
+        # a rank's regrouped act-order layer's, padded (`regroup_for_rank`), which the layer gathers
+        permutes = w.order is not None and torch.equal(w.order.sort().values, torch.arange(len(w.order)))
+        self.written_order = self.order if permutes else None
         if k % (32 // spec.bits):
             raise QuantFormatError(f"{spec.label}: in_features {k} is not a multiple of {32 // spec.bits}")
         # a codebook's weight (`Unpacked.levels`): the Triton GEMM alone takes it, on any device
@@ -165,7 +169,7 @@ def shard_for_rank(w: Unpacked, layer: Any, shard: Any, where: str) -> Unpacked:
     column-parallel layer keeps its rows (scales and zeros with them), a row-parallel one its columns
     and the groups they fall in (so each rank's input slice must be whole groups, or the row one group:
     per channel, every rank's columns keep the row's scale and zero; act-order's groups are spread over
-    every rank's inputs: refused)."""
+    every rank's inputs: `regroup_for_rank`)."""
     from gapless.model import layers
 
     tp = getattr(layer, "tp", None)
@@ -173,12 +177,37 @@ def shard_for_rank(w: Unpacked, layer: Any, shard: Any, where: str) -> Unpacked:
         return w
     if isinstance(layer, layers.RowParallelLinear):
         if w.order is not None:
-            raise QuantFormatError(
-                f"{where}: act-order (g_idx) on a layer whose inputs split over {tp.size} ranks is not built"
-            )
+            return regroup_for_rank(w, tp, where)
         return split_columns(w, tp, f"{where}:")
     parts = layer.shard_parts[shard] if isinstance(layer, layers.MergedColumnParallelLinear) else tp.size
     return w.map(lambda t: tp.part(t, parts))
+
+
+def regroup_for_rank(w: Unpacked, tp: Any, where: str) -> Unpacked:
+    """An act-order weight's columns for this rank of a row-parallel layer (inputs [r K / n, (r + 1) K / n)
+    of its n ranks): act-order groups its inputs by `g_idx`, so each group's inputs lie on every rank, a
+    varying number on each. The rank keeps every group's scale and zero and its own inputs of each group,
+    in group order, each group's run padded to the same width, the largest run's rounded up to a power of
+    two (at least 16), with columns of the group's zero code: values of 0, which any x meets (their
+    `order` entry: input 0). The kernels then read whole groups of that width, as any act-order layer's,
+    at up to twice the rank's bytes. A fractional zero (no code holds 0) is refused in one line."""
+    k, groups = w.q.shape[1], w.scale.shape[1]
+    assert w.order is not None
+    if k % tp.size:
+        raise QuantFormatError(f"{where}: {k} act-order inputs do not split over {tp.size} ranks")
+    if not torch.equal(w.zero, w.zero.round()):
+        raise QuantFormatError(f"{where}: act-order with fractional zeros does not split over ranks")
+    first = tp.rank * (k // tp.size)
+    mine = ((w.order >= first) & (w.order < first + k // tp.size)).nonzero().flatten()  # (in group order)
+    group_of = mine // (k // groups)
+    counts = torch.bincount(group_of, minlength=groups)
+    width = max(16, 1 << (int(counts.max()) - 1).bit_length())
+    slot = group_of * width + torch.arange(len(mine)) - (counts.cumsum(0) - counts)[group_of]
+    q = w.zero.repeat_interleave(width, dim=1).to(w.q.dtype)  # (every slot the zero code: 0)
+    q[:, slot] = w.q[:, mine]
+    order = torch.zeros(groups * width, dtype=w.order.dtype)
+    order[slot] = w.order[mine] - first
+    return Unpacked(q, w.scale, w.zero, order, w.levels)
 
 
 def install(
@@ -204,7 +233,9 @@ def install(
         raise QuantFormatError(f"{where}: its shards' codebooks differ; one is built")
     q, scale, zero = map(torch.cat, zip(*(p.tensors for p in pieces)))
     w = Unpacked(q, scale, zero, pieces[0].order, pieces[0].levels)
-    if w.q.shape != tuple(layer.weight.shape):
+    # (the inputs it reads: a rank's regrouped act-order weight holds more columns than x has)
+    reads = w.q.shape[1] if w.order is None else int(w.order.max()) + 1
+    if (w.q.shape[0], reads) != tuple(layer.weight.shape):
         raise QuantFormatError(
             f"{where}: quantized weight {tuple(w.q.shape)} does not fit the layer's "
             f"{tuple(layer.weight.shape)}"
