@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from gapless.model.quant import split_k, weights_held, weights_summary
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4 import Int4LinearMethod, install
 from gapless.model.quant.int4_configs import int4_spec_from_config
-from gapless.model.quant.int4_layouts import AWQ_ORDER, Int4Spec, pack_int32, unpack, unpack_int32
+from gapless.model.quant.int4_layouts import AWQ_ORDER, Int4Spec, Unpacked, pack_int32, unpack, unpack_int32
 from gapless.model.quant.int4_triton import (
     GEMV_PROGRAMS_PER_SM,
     GemmConfig,
@@ -766,18 +767,34 @@ def test_stored_tensors_of_another_kind_than_the_layout_are_refused_by_name():
     refused(act, without, ": the config names act-order.*lacks g_idx")
 
 
+def _act_order_layer(
+    seed: int, k: int, n: int, sym: bool
+) -> tuple[torch.Tensor, torch.Tensor, Unpacked, Int4Spec]:
+    """x [3, k], a float weight [n, k], it quantized GPTQ-style in groups of 32 with its inputs in a random
+    order (act-order), and the spec."""
+    gen = torch.Generator().manual_seed(seed)
+    x, dense = torch.randn(3, k, generator=gen), torch.randn(n, k, generator=gen)
+    w = quantize(dense, 4, 32, sym, torch.randperm(k, generator=gen))
+    return x, dense, w, Int4Spec("gptq", 4, 32, sym)
+
+
+def _on_rank(rank: int, size: int, make: Any) -> Any:
+    """What `make()` builds as rank `rank` of `size` builds it (a layer cut for tensor parallelism)."""
+    parallel.use(parallel.TPGroup(rank=rank, size=size))
+    try:
+        return make()
+    finally:
+        parallel.use(parallel.SINGLE)
+
+
 def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(monkeypatch):
     """An act-order layer (its inputs gathered into the weight's order) gives x @ W^T on the CPU's
     reference path and through the Triton GEMM (interpreted here; on CUDA also tinygemm's); a fused layer
     whose shards' orders differ is refused by name."""
     from gapless.model.quant import int4
 
-    gen = torch.Generator().manual_seed(4)
-    k, n = 64, 48
-    x, dense = torch.randn(3, k, generator=gen), torch.randn(n, k, generator=gen)
-    w = quantize(dense, 4, 32, False, torch.randperm(k, generator=gen))
-    want = x @ w.dequantize().t()
-    spec = Int4Spec("gptq", 4, 32, False)
+    x, dense, w, spec = _act_order_layer(4, 64, 48, sym=False)
+    want, k, n = x @ w.dequantize().t(), 64, 48
     layer = layers.ReplicatedLinear(k, n, bias=False)
     install(layer, {None: w}, spec, torch.float32, "layer", "triton")
     torch.testing.assert_close(layer.linear_method.apply(layer, x), want)
@@ -789,12 +806,8 @@ def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(mo
             method = Int4LinearMethod(w, spec, torch.bfloat16, DEVICE, kernel)
             y = method.apply(None, x.to(DEVICE, torch.bfloat16)).float().cpu()
             torch.testing.assert_close(y, want, rtol=2e-2, atol=5e-2 * want.abs().max().item())
-    parallel.use(parallel.TPGroup(rank=0, size=2))
-    try:
-        merged = layers.MergedColumnParallelLinear(k, {"gate": n, "up": n})
-    finally:
-        parallel.use(parallel.SINGLE)
-    other = quantize(dense, 4, 32, False, torch.randperm(k, generator=gen))
+    merged = _on_rank(0, 2, lambda: layers.MergedColumnParallelLinear(k, {"gate": n, "up": n}))
+    other = quantize(dense, 4, 32, False, torch.randperm(k))
     with pytest.raises(QuantFormatError, match="^mlp: its shards' act-orders"):
         install(merged, {"gate": w, "up": other}, spec, torch.float32, "mlp", "triton")
 
@@ -809,21 +822,12 @@ def test_a_row_parallel_act_order_layer_regroups_each_ranks_inputs(monkeypatch, 
     fractional zero, which no code leaves at 0, is refused by name."""
     from gapless.model.quant import int4
 
-    gen = torch.Generator().manual_seed(5)
     k, n = 256, 40
-    x, dense = torch.randn(3, k, generator=gen), torch.randn(n, k, generator=gen)
-    w = quantize(dense, 4, 32, True, torch.randperm(k, generator=gen))
-    want = x @ w.dequantize().t()
-    spec = Int4Spec("gptq", 4, 32, True)
-    held = []
+    x, _, w, spec = _act_order_layer(5, k, n, sym=True)
+    want, held = x @ w.dequantize().t(), []
     for rank in range(ranks):
-        parallel.use(parallel.TPGroup(rank=rank, size=ranks))
-        try:
-            row = layers.RowParallelLinear(k, n)
-        finally:
-            parallel.use(parallel.SINGLE)
+        held.append(row := _on_rank(rank, ranks, lambda: layers.RowParallelLinear(k, n)))
         install(row, {None: w}, spec, torch.float32, "row", "triton")
-        held.append(row)
     assert all(r.input_order() is None and r.linear_method.order is not None for r in held)
     assert all(k // ranks < r.linear_method.in_features <= 2 * k // ranks for r in held)
     parts = [x.chunk(ranks, dim=1)[i] for i in range(ranks)]
@@ -833,11 +837,7 @@ def test_a_row_parallel_act_order_layer_regroups_each_ranks_inputs(monkeypatch, 
     got = sum(r.linear_method.apply(r, p) for r, p in zip(held, parts))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     fractional = w._replace(zero=w.zero + 0.5)
-    parallel.use(parallel.TPGroup(rank=0, size=ranks))
-    try:
-        row = layers.RowParallelLinear(k, n)
-    finally:
-        parallel.use(parallel.SINGLE)
+    row = _on_rank(0, ranks, lambda: layers.RowParallelLinear(k, n))
     with pytest.raises(QuantFormatError, match="^row: act-order with fractional zeros does not split"):
         install(row, {None: fractional}, spec, torch.float32, "row", "triton")
 
