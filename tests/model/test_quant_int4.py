@@ -793,8 +793,9 @@ def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(mo
     whose shards' orders differ is refused by name."""
     from gapless.model.quant import int4
 
-    x, dense, w, spec = _act_order_layer(4, 64, 48, sym=False)
-    want, k, n = x @ w.dequantize().t(), 64, 48
+    k, n = 64, 48
+    x, dense, w, spec = _act_order_layer(4, k, n, sym=False)
+    want = x @ w.dequantize().t()
     layer = layers.ReplicatedLinear(k, n, bias=False)
     install(layer, {None: w}, spec, torch.float32, "layer", "triton")
     torch.testing.assert_close(layer.linear_method.apply(layer, x), want)
