@@ -820,7 +820,7 @@ def test_a_row_parallel_act_order_layer_regroups_each_ranks_inputs(monkeypatch, 
     (`int4.regroup_for_rank`): the ranks' partial products add up to x @ W^T on the reference path and
     through the Triton GEMM (interpreted), each rank at most twice its share of the weight, and the layer
     gathers x itself (no order for the kernel before it to write: the padded one is no permutation). A
-    fractional zero, which no code leaves at 0, is refused by name."""
+    fractional zero (or a codebook), which no code leaves at 0, is refused by name."""
     from gapless.model.quant import int4
 
     k, n = 256, 40
@@ -839,7 +839,9 @@ def test_a_row_parallel_act_order_layer_regroups_each_ranks_inputs(monkeypatch, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     fractional = w._replace(zero=w.zero + 0.5)
     row = _on_rank(0, ranks, lambda: layers.RowParallelLinear(k, n))
-    with pytest.raises(QuantFormatError, match="^row: act-order with fractional zeros does not split"):
+    with pytest.raises(
+        QuantFormatError, match=r"^row: act-order whose zeros no code holds .* one rank only$"
+    ):
         install(row, {None: fractional}, spec, torch.float32, "row", "triton")
 
 

@@ -195,8 +195,10 @@ def regroup_for_rank(w: Unpacked, tp: Any, where: str) -> Unpacked:
     assert w.order is not None
     if k % tp.size:
         raise QuantFormatError(f"{where}: {k} act-order inputs do not split over {tp.size} ranks")
-    if not torch.equal(w.zero, w.zero.round()):
-        raise QuantFormatError(f"{where}: act-order with fractional zeros does not split over ranks")
+    if w.levels is not None or not torch.equal(w.zero, w.zero.round()):  # (no code would hold a 0)
+        raise QuantFormatError(
+            f"{where}: act-order whose zeros no code holds (fractional, or a codebook) runs on one rank only"
+        )
     first = tp.rank * (k // tp.size)
     mine = ((w.order >= first) & (w.order < first + k // tp.size)).nonzero().flatten()  # (in group order)
     group_of = mine // (k // groups)
