@@ -768,14 +768,14 @@ def test_stored_tensors_of_another_kind_than_the_layout_are_refused_by_name():
 
 
 def _act_order_layer(
-    seed: int, k: int, n: int, sym: bool
+    seed: int, k: int, n: int, sym: bool, group: int = 32
 ) -> tuple[torch.Tensor, torch.Tensor, Unpacked, Int4Spec]:
-    """x [3, k], a float weight [n, k], it quantized GPTQ-style in groups of 32 with its inputs in a random
-    order (act-order), and the spec."""
+    """x [3, k], a float weight [n, k], it quantized GPTQ-style in groups of `group` with its inputs in a
+    random order (act-order), and the spec."""
     gen = torch.Generator().manual_seed(seed)
     x, dense = torch.randn(3, k, generator=gen), torch.randn(n, k, generator=gen)
-    w = quantize(dense, 4, 32, sym, torch.randperm(k, generator=gen))
-    return x, dense, w, Int4Spec("gptq", 4, 32, sym)
+    w = quantize(dense, 4, group, sym, torch.randperm(k, generator=gen))
+    return x, dense, w, Int4Spec("gptq", 4, group, sym)
 
 
 def _on_rank(rank: int, size: int, make: Any) -> Any:
@@ -814,35 +814,44 @@ def test_act_order_layers_gather_x_on_every_path_and_refuse_what_is_not_built(mo
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_a_row_parallel_act_order_layer_regroups_each_ranks_inputs(monkeypatch, ranks):
+@pytest.mark.parametrize("zeros", ["symmetric", "asymmetric", "past the codes", "fractional"])
+def test_a_row_parallel_act_order_layer_regroups_each_ranks_inputs(monkeypatch, ranks, zeros):
     """Under tensor parallelism a row-parallel act-order layer (o, down) holds on each rank its own inputs
-    of every group, each group's run padded with zero-valued columns to one power-of-two width
-    (`int4.regroup_for_rank`): the ranks' partial products add up to x @ W^T on the reference path and
-    through the Triton GEMM (interpreted), each rank at most twice its share of the weight, and the layer
-    gathers x itself (no order for the kernel before it to write: the padded one is no permutation). A
-    fractional zero (or a codebook), which no code leaves at 0, is refused by name."""
+    of every group, each group's run padded to one power-of-two width (`int4.regroup_for_rank`): the
+    ranks' partial products add up to x @ W^T on the reference path and through the Triton GEMM
+    (interpreted), each rank at most twice its share of the weight; the layer gathers x itself (no order
+    for the kernel before it to write: the padded one is no permutation). The padding reads a zero
+    appended to x, so it adds exactly 0 whatever the group's zero: past the codes too (GPTQ v1's stored
+    zero of 0 reads back as 16) or fractional; and on the CPU's int4 kernel (`auto`, its zero an offset in
+    bfloat16) the split layer is as close as the whole one, where each rank's first input is large."""
     from gapless.model.quant import int4
 
-    k, n = 256, 40
-    x, _, w, spec = _act_order_layer(5, k, n, sym=True)
-    want, held = x @ w.dequantize().t(), []
-    for rank in range(ranks):
-        held.append(row := _on_rank(rank, ranks, lambda: layers.RowParallelLinear(k, n)))
-        install(row, {None: w}, spec, torch.float32, "row", "triton")
+    k, n = 512, 40  # (groups of 64: a rank's runs of ~64 / ranks inputs, padded to 32 at least)
+    x, _, w, spec = _act_order_layer(5, k, n, sym=zeros == "symmetric", group=64)
+    if zeros == "past the codes":
+        w = w._replace(zero=torch.where(torch.arange(w.zero.shape[1]) == 0, 16.0, w.zero))
+    elif zeros == "fractional":
+        w = w._replace(zero=w.zero + 0.5)
+    x[:, :: k // ranks] = 30.0  # (each rank's first input)
+    want = x @ w.dequantize().t()
+
+    def split(kernel: str) -> tuple[list[Any], torch.Tensor]:
+        held = []
+        for rank in range(ranks):
+            held.append(row := _on_rank(rank, ranks, lambda: layers.RowParallelLinear(k, n)))
+            install(row, {None: w}, spec, torch.float32, "row", kernel)
+        return held, sum(r.linear_method.apply(r, p) for r, p in zip(held, x.chunk(ranks, dim=1)))
+
+    held, got = split("triton")
     assert all(r.input_order() is None and r.linear_method.order is not None for r in held)
     assert all(k // ranks < r.linear_method.in_features <= 2 * k // ranks for r in held)
-    parts = [x.chunk(ranks, dim=1)[i] for i in range(ranks)]
-    got = sum(r.linear_method.apply(r, p) for r, p in zip(held, parts))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    whole = layers.ReplicatedLinear(k, n)
+    install(whole, {None: w}, spec, torch.float32, "whole", "auto")
+    error = (whole.linear_method.apply(whole, x) - want).abs().max()
+    assert (split("auto")[1] - want).abs().max() <= 2 * error + 1e-4 * want.abs().max()
     monkeypatch.setattr(int4, "TRITON_ON_CPU", True)
-    got = sum(r.linear_method.apply(r, p) for r, p in zip(held, parts))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    fractional = w._replace(zero=w.zero + 0.5)
-    row = _on_rank(0, ranks, lambda: layers.RowParallelLinear(k, n))
-    with pytest.raises(
-        QuantFormatError, match=r"^row: act-order whose zeros no code holds .* one rank only$"
-    ):
-        install(row, {None: fractional}, spec, torch.float32, "row", "triton")
+    torch.testing.assert_close(split("triton")[1], want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("swapped_tiles", [False, True])

@@ -62,9 +62,11 @@ class Int4LinearMethod:
         # the layer where it can, else one small gather a call)
         self.order = None if w.order is None else w.order.to(device)
         # the order a kernel before the layer may write x's columns in beside x: a permutation of them; not
-        # a rank's regrouped act-order layer's, padded (`regroup_for_rank`), which the layer gathers
-        permutes = w.order is not None and torch.equal(w.order.sort().values, torch.arange(len(w.order)))
+        # a rank's regrouped act-order layer's, padded (`regroup_for_rank`): that layer appends a zero to
+        # x, which its padding reads, and gathers
+        permutes = w.order is None or torch.equal(w.order.sort().values, torch.arange(len(w.order)))
         self.written_order = self.order if permutes else None
+        self.pads_x = not permutes
         if k % (32 // spec.bits):
             raise QuantFormatError(f"{spec.label}: in_features {k} is not a multiple of {32 // spec.bits}")
         # a codebook's weight (`Unpacked.levels`): the Triton GEMM alone takes it, on any device
@@ -107,7 +109,7 @@ class Int4LinearMethod:
         if x.dim() != 2:
             return self.apply(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         if self.order is not None:
-            x = in_order(x, self.order)
+            x = in_order(torch.nn.functional.pad(x, (0, 1)) if self.pads_x else x, self.order)
         if self.library is not None and (self.library_rows is None or x.shape[0] <= self.library_rows):
             y = self.library(x.to(self.dtype)).to(x.dtype)
         elif x.is_cuda or TRITON_ON_CPU:
@@ -187,27 +189,24 @@ def regroup_for_rank(w: Unpacked, tp: Any, where: str) -> Unpacked:
     """An act-order weight's columns for this rank of a row-parallel layer (inputs [r K / n, (r + 1) K / n)
     of its n ranks): act-order groups its inputs by `g_idx`, so each group's inputs lie on every rank, a
     varying number on each. The rank keeps every group's scale and zero and its own inputs of each group,
-    in group order, each group's run padded to the same width, the largest run's rounded up to a power of
-    two (at least 16), with columns of the group's zero code: values of 0, which any x meets (their
-    `order` entry: input 0). The kernels then read whole groups of that width, as any act-order layer's,
-    at up to twice the rank's bytes. A fractional zero (no code holds 0) is refused in one line."""
+    in group order, each group's run padded to the same width: the largest run's rounded up to a power of
+    two, at least 32 (the smallest group the library kernels take). A padding column reads input K / n,
+    which is no input: the zero the layer appends to x (`Int4LinearMethod.pads_x`), so it adds exactly 0
+    whatever its code (0) and the group's zero and scale. The kernels then read whole groups of that
+    width, as any act-order layer's: for groups of 128 up to 8 ranks, about twice the rank's bytes."""
     k, groups = w.q.shape[1], w.scale.shape[1]
     assert w.order is not None
     if k % tp.size:
         raise QuantFormatError(f"{where}: {k} act-order inputs do not split over {tp.size} ranks")
-    if w.levels is not None or not torch.equal(w.zero, w.zero.round()):  # (no code would hold a 0)
-        raise QuantFormatError(
-            f"{where}: act-order whose zeros no code holds (fractional, or a codebook) runs on one rank only"
-        )
-    first = tp.rank * (k // tp.size)
-    mine = ((w.order >= first) & (w.order < first + k // tp.size)).nonzero().flatten()  # (in group order)
+    first, inputs = tp.rank * (k // tp.size), k // tp.size
+    mine = ((w.order >= first) & (w.order < first + inputs)).nonzero().flatten()  # (in group order)
     group_of = mine // (k // groups)
     counts = torch.bincount(group_of, minlength=groups)
-    width = max(16, 1 << (int(counts.max()) - 1).bit_length())
+    width = max(32, 1 << (int(counts.max()) - 1).bit_length())
     slot = group_of * width + torch.arange(len(mine)) - (counts.cumsum(0) - counts)[group_of]
-    q = w.zero.repeat_interleave(width, dim=1).to(w.q.dtype)  # (every slot the zero code: 0)
+    q = torch.zeros(w.q.shape[0], groups * width, dtype=w.q.dtype)
     q[:, slot] = w.q[:, mine]
-    order = torch.zeros(groups * width, dtype=w.order.dtype)
+    order = torch.full((groups * width,), inputs, dtype=w.order.dtype)  # (padding: the appended zero)
     order[slot] = w.order[mine] - first
     return Unpacked(q, w.scale, w.zero, order, w.levels)
 
@@ -235,9 +234,11 @@ def install(
         raise QuantFormatError(f"{where}: its shards' codebooks differ; one is built")
     q, scale, zero = map(torch.cat, zip(*(p.tensors for p in pieces)))
     w = Unpacked(q, scale, zero, pieces[0].order, pieces[0].levels)
-    # (the inputs it reads: a rank's regrouped act-order weight holds more columns than x has)
-    reads = w.q.shape[1] if w.order is None else int(w.order.max()) + 1
-    if (w.q.shape[0], reads) != tuple(layer.weight.shape):
+    # the inputs it reads; a rank's regrouped act-order weight (`regroup_for_rank`) holds more columns than
+    # x has, its padding reading index `inputs`: the zero appended to x
+    inputs = layer.weight.shape[1]
+    reads = int(w.order.max()) if w.order is not None and w.q.shape[1] != inputs else w.q.shape[1]
+    if (w.q.shape[0], reads) != (layer.weight.shape[0], inputs):
         raise QuantFormatError(
             f"{where}: quantized weight {tuple(w.q.shape)} does not fit the layer's "
             f"{tuple(layer.weight.shape)}"
