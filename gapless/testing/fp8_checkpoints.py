@@ -14,14 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gapless.model.quant.fp8 import (
-    FP8_MAX,
-    activation_group,
-    dequantize,
-    quantize_blocks,
-    quantize_groups,
-    quantize_rows,
-)
+from gapless.model.quant.fp8 import FP8_MAX, activation_group, quantize_blocks, quantize_rows, rounded_inputs
 
 # block sizes come from `block` but for ModelOpt's, always [128, 128]; "fp8-tensor": `quant_method: fp8`
 # without blocks (vLLM's and AutoFP8's); "modelopt": its per-tensor FP8 said by `hf_quant_config.json`
@@ -188,9 +181,7 @@ def write_fp8_checkpoint(
 
 def _rounded(x: torch.Tensor, k: int, k_group: int) -> torch.Tensor:
     """x [..., k] through e4m3 and back per token and `fp8.activation_group(k, k_group)` columns."""
-    group = activation_group(k, k_group)
-    q, s = quantize_groups(x.reshape(-1, k), group)
-    return dequantize(q, s, 1, group).view(x.shape)
+    return rounded_inputs(x, activation_group(k, k_group))
 
 
 def _stacked_experts(m: torch.nn.Module) -> bool:

@@ -124,13 +124,17 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     return q.view(wp.shape)[:n, :k].contiguous(), scale
 
 
+def rounded_inputs(x: torch.Tensor, act_group: int) -> torch.Tensor:
+    """x [..., K] through e4m3 and back (float32) as the kernels round it, per row and `act_group` columns."""
+    q, s = quantize_groups(x.reshape(-1, x.shape[-1]), act_group)
+    return dequantize(q, s, 1, act_group).view(x.shape)
+
+
 def reference_linear(
     x: torch.Tensor, w: torch.Tensor, act_group: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """The CPU path: x rounded as the kernel rounds it, times the dequantized float32 weight `w`."""
-    q, s = quantize_groups(x.reshape(-1, x.shape[-1]), act_group)
-    xd = dequantize(q, s, 1, act_group)
-    y = xd @ w.t()
+    y = rounded_inputs(x, act_group).reshape(-1, x.shape[-1]) @ w.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
