@@ -53,10 +53,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 _POLARITY = ("--enable-", "--disable-", "--no-")
 
 
-def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
-    return list(_flag_kinds(parser))
-
-
 def _flag_kinds(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Each flag's kind, as a config file's value is read for it: "switch" (no value), "append" (given
     once per value), "value"."""
@@ -79,7 +75,7 @@ def unknown_arguments(extra: list[str], parser: argparse.ArgumentParser) -> str:
     flags = [a.split("=", 1)[0] for a in extra if a.startswith("-")]
     if not flags:
         return f"unexpected argument(s): {' '.join(extra)}"
-    known = _known_flags(parser)
+    known = _flag_kinds(parser)  # (its keys: every flag)
 
     def said(flag: str) -> str:
         if flag in FOREIGN_FLAGS:
@@ -96,7 +92,7 @@ def unknown_arguments(extra: list[str], parser: argparse.ArgumentParser) -> str:
 
 def _dashed(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """`argv` with vLLM's underscored spellings of known flags (`--max_model_len`) dashed."""
-    known = _known_flags(parser)
+    known = _flag_kinds(parser)  # (its keys: every flag)
 
     def dash(arg: str) -> str:
         flag, eq, value = arg.partition("=")
