@@ -17,8 +17,8 @@
 #      tiles, Qwen3-0.6B's FP8 with the activation and the norms
 #      launched before the GEMVs (against the targets phase's runs on this machine);
 #      decode attention alone over each KV cache, batches of 64 and 256, 2 and 5 stages, registers capped
-#      at 96, 128 or not (`gapless.bench.kernels`); the int4 GEMV with its loads 1 and 4 iterations deep and
-#      K split as now chosen (~7 programs an SM), as before (~2) and 16 ways, factored or not, against
+#      at 96, 128 or not (`gapless.bench.kernels`), and over the fp8 cache in 128-key blocks; the int4
+#      GEMV with its loads 1 and 4 iterations deep and K split as now chosen (~7 programs an SM), as before (~2) and 16 ways, factored or not, against
 #      tinygemm; nano-vllm's workload over the bf16 KV cache
 #      with the decode kernel 5 stages deep; the FP8 GEMV's stages
 #   3b. the mixture's TPOT in bf16; the swapped tiles alone at 1 and 16 rows
@@ -186,6 +186,15 @@ other 75 kv_attention "$PY" -m gapless.bench.kernels --device cuda --batch 64 25
   --page-size 1 --kv-cache-dtype auto fp8 --decode-stages 2 5 --decode-max-registers 0 96 128 \
   --tokens 16 --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention.json"
 awk '/^(decode|extend) attention/,/^$/' "$OUT/kv_attention.log" 2>/dev/null | tee -a "$LOG"
+# the same over the fp8 cache in blocks of 128 keys: as many bytes a block as bf16's 64 (16 KB of keys).
+# In the sm_90 binary (Triton 3.6 and 3.9) a step's slots load and its copies are issued after the step
+# before's compute and waited for at its top, so a program's bytes in flight are one block's: 16 KB over
+# fp8 against bf16's 32, at 105 registers (4 programs an SM) against 79 (5). At 128 keys: 142 registers
+# and 75 KB of shared memory, 3 programs an SM, 32 KB each in flight (never timed)
+other 30 kv_attention_128 "$PY" -m gapless.bench.kernels --device cuda --batch 256 --context 1024 4096 \
+  --page-size 1 --kv-cache-dtype fp8 --decode-block-n 128 --decode-stages 2 5 --decode-max-registers 0 128 \
+  --tokens 16 --extend-tokens 2048 --sample-batch 1 --json "$OUT/kv_attention_128.json"
+awk '/^decode attention/,/^$/' "$OUT/kv_attention_128.log" 2>/dev/null | tee -a "$LOG"
 # the GEMVs' loads through asynchronous copies 1-4 loop iterations deep (never timed; 1 is today's plain
 # loads, the default): FP8 on both models' layers against the default path, so also whether the GEMV then
 # beats the 16-row tiles on the 8B's gate/up and down (`fp8_gemm.py --gemv-stages`); int4 on Llama-3-8B's

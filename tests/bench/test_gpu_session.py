@@ -121,6 +121,7 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             # FP8's, the 0.6B's FP8 with activations, norms launched,
             *["gapless.bench.quant"] * 7,
             "gapless.bench.kernels",  # decode attention over each cache,
+            "gapless.bench.kernels",  # over the fp8 cache in 128-key blocks,
             "gapless.bench.int4_gemm",  # the int4 GEMV's stages and splits,
             "gapless.bench.gpu",  # the bf16 KV cache's run at 5 stages,
             "gapless.bench.quant",  # the 8B's FP8 with PDL,
@@ -279,7 +280,8 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     swapped tiles and on the Triton GEMM, its bitsandbytes NF4, NVFP4 and GPTQ-with-its-head TPOT, its FP8
     TPOT on the swapped
     tiles and Qwen3-0.6B's FP8 with its activations and norms launched first, decode attention over each cache
-    at 2 and 5 stages with its registers capped or not (the FP8 KV target's lever), the int4 GEMV's stages and
+    at 2 and 5 stages with its registers capped or not (the FP8 KV target's lever), over the fp8 cache
+    in 128-key blocks, the int4 GEMV's stages and
     splits (factored or not, against tinygemm), the bf16 KV cache's nano-vllm run at 5 stages, the 8B's FP8
     with PDL, the FP8 GEMV's stages (short, each deciding a default); then the mixture's TPOT in bf16, the
     swapped tiles alone, what no GPU has run (the mixture quantized), the FP8 GEMM's sweep and decode
@@ -292,7 +294,7 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     tables, envs = zip(*((c, e) for c, e in zip(tables, _envs(tmp_path / "t")) if c[:1] != ["-"]))
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
     int4_swapped, int4_triton, nf4, nvfp4, int4_head, fp8_swapped, launched = tables[1:8]
-    attention, int4_stages, staged, pdl, fp8_stages, mixture = tables[8:14]
+    attention, attention_128, int4_stages, staged, pdl, fp8_stages, mixture = tables[8:15]
     assert staged[:2] == ["-m", "gapless.bench.gpu"] and "auto" in staged  # (the bf16 KV run, 5 stages)
     tpots = (int4_swapped, int4_triton, nf4, nvfp4, int4_head, fp8_swapped, launched, pdl, mixture)
     assert all(c[:3] == ["-m", "gapless.bench.quant", "run"] for c in tpots)
@@ -304,16 +306,19 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
     assert attention[attention.index("--decode-stages") + 1 :][:2] == ["2", "5"]
     assert attention[attention.index("--decode-max-registers") + 1 :][:3] == ["0", "96", "128"]
+    assert attention_128[:2] == ["-m", "gapless.bench.kernels"]  # (fp8 alone, 128 keys a block)
+    assert attention_128[attention_128.index("--kv-cache-dtype") + 1 :][:2] == ["fp8", "--decode-block-n"]
+    assert attention_128[attention_128.index("--decode-block-n") + 1] == "128"
     assert fp8_stages[0].endswith("fp8_gemm.py") and "--gemv-stages" in fp8_stages
     assert int4_stages[:2] == ["-m", "gapless.bench.int4_gemm"] and "tinygemm" in int4_stages
     assert int4_stages[int4_stages.index("--stages") + 1 :][:2] == ["1", "4"]
     assert int4_stages[int4_stages.index("--split-k") + 1 :][:4] == ["0", "2", "4", "16"]  # (now, before)
     assert int4_stages[int4_stages.index("--factored") + 1 :][:2] == ["0", "1"]  # (PTX values, factored)
-    fp8_alone, int4_alone = tables[14:16]
+    fp8_alone, int4_alone = tables[15:17]
     assert fp8_alone[0].endswith("fp8_gemm.py") and "--swapped" in fp8_alone
     assert int4_alone[:2] == ["-m", "gapless.bench.int4_gemm"] and "--swapped" in int4_alone
-    assert [c[3].rsplit("/", 1)[1] for c in tables[16:18]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
-    sweep, batch1, int4_gemm = tables[18:21]
+    assert [c[3].rsplit("/", 1)[1] for c in tables[17:19]] == ["qwen3-30b-a3b", "qwen3-30b-a3b-awq"]
+    sweep, batch1, int4_gemm = tables[19:22]
     assert batch1[:2] == ["-m", "gapless.bench.kernels"] and "--decode-min-split-len" in batch1
     assert "--decode-prefetch" in batch1
     assert sweep[0].endswith("fp8_gemm.py") and "--sweep" in sweep
