@@ -321,9 +321,10 @@ def test_the_compiled_gemms_convert_no_integer_to_float():
     float rate (the code before took one a dequantized value: 288 in these kernels)."""
     script = (
         "import re\n"
-        "from gapless.testing.triton_compile import Compiler, _int4, _moe\n"
+        "from gapless.testing.triton_compile import Compiler\n"
+        "from gapless.testing.triton_cases import int4_cases, moe_cases\n"
         "with Compiler(90) as c:\n"
-        "    for name, case in {**_int4(), **_moe()}.items():\n"
+        "    for name, case in {**int4_cases(), **moe_cases()}.items():\n"
         "        if 'int' in name and 'bfloat16' in name:\n"
         "            case()\n"
         "ptx = [k.asm['ptx'] for n, k in c.compiled if n in ('_w4a16_kernel', '_grouped_gemm_kernel')]\n"
@@ -342,9 +343,10 @@ def test_the_gemv_asked_for_stages_loads_through_asynchronous_copies():
     for 3 stages, through asynchronous copies (`cp.async`) into shared memory: Triton pipelines a loop's
     loads that feed no dot only when the loop says how deep (`tl.range(num_stages=)`)."""
     script = (
-        "from gapless.testing.triton_compile import Compiler, _int4\n"
+        "from gapless.testing.triton_compile import Compiler\n"
+        "from gapless.testing.triton_cases import int4_cases\n"
         "with Compiler(90) as c:\n"
-        "    for name, case in _int4().items():\n"
+        "    for name, case in int4_cases().items():\n"
         "        if 'int4' in name and 'bfloat16' in name and 'gemv ptx' in name:\n"
         "            before = len(c.compiled)\n"
         "            case()\n"
@@ -365,10 +367,11 @@ def test_the_factored_gemv_compiles_to_fewer_instructions():
     a LOP3 split into an AND and an OR (both constants immediates) would add 64. 8 bits: fewer than the
     plain GEMV."""
     script = (
-        "from gapless.testing.triton_compile import Compiler, _int4\n"
+        "from gapless.testing.triton_compile import Compiler\n"
+        "from gapless.testing.triton_cases import int4_cases\n"
         "from gapless.testing.sass import cuobjdump, instruction_mix\n"
         "with Compiler(90) as c:\n"
-        "    for name, case in _int4().items():\n"
+        "    for name, case in int4_cases().items():\n"
         "        skip = 'stages' in name or 'fractional' in name or 'codebook' in name\n"
         "        if 'bfloat16' in name and 'gemv' in name and not skip:\n"
         "            before = len(c.compiled)\n"
@@ -398,10 +401,11 @@ def test_the_swapped_tiles_feed_the_tensor_cores_w_from_registers():
     (the values go 8 at a time, `_k_tile`)."""
     script = (
         "import re\n"
-        "from gapless.testing.triton_compile import Compiler, _int4\n"
+        "from gapless.testing.triton_compile import Compiler\n"
+        "from gapless.testing.triton_cases import int4_cases\n"
         "from gapless.testing.sass import cuobjdump, instruction_mix\n"
         "with Compiler(90) as c:\n"
-        "    for name, case in _int4().items():\n"
+        "    for name, case in int4_cases().items():\n"
         "        if 'int4' in name and 'bfloat16' in name and 'm=16' in name and 'fractional' not in name:\n"
         "            before = len(c.compiled)\n"
         "            case()\n"
