@@ -14,7 +14,7 @@ import torch
 from gapless.model import moe, weight_names
 from gapless.model.decoder import CausalLM
 from gapless.model.layers import ParallelLMHead
-from gapless.model.quant import int4
+from gapless.model.quant import int4, int4_experts
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4_layouts import Int4Spec, Unpacked, act_order, unpack, whole_tensors
 
@@ -75,7 +75,7 @@ class Int4Layers:
 
     def _install(self, layer_name: str) -> None:
         """`layer_name`'s modules unpacked on its device, cut and packed (`int4.install`, a mixture's
-        experts `int4.install_experts`), their tensors dropped."""
+        experts `int4_experts.install_experts`), their tensors dropped."""
         layer = self.modules[layer_name]
         experts = isinstance(layer, moe.Experts)
         device = layer.gate_up_proj.device if experts else layer.weight.device
@@ -91,7 +91,7 @@ class Int4Layers:
             self.filled += weight_names.filled_by(self.model, f"{module}.weight")
             self.installed.add(module)
         if experts:  # a mixture's experts: every expert's projections stacked
-            int4.install_experts(layer, shards, self.spec, self.dtype, layer_name)
+            int4_experts.install_experts(layer, shards, self.spec, self.dtype, layer_name)
         elif isinstance(layer, ParallelLMHead):  # a quantized LM head (GPTQ's `lm_head: true`, ...)
             int4.install_head(layer, shards[None], self.spec, self.dtype, self.kernel)
         else:

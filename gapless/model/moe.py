@@ -16,7 +16,7 @@ checkpoint's per-expert tensors):
 Quantized experts (`WeightQuant`): fp8 (e4m3 with float32 scales, a checkpoint's or `--quantization fp8`;
 W8A8, the activations rounded to e4m3 per row and group of columns as the dense FP8 layers round them)
 and int4/int8 weight-only (an AWQ, GPTQ or compressed-tensors checkpoint's, packed as
-`gapless.model.quant.int4.install_experts` stacks them); the grouped GEMM takes e4m3 tiles as they are
+`gapless.model.quant.int4_experts.install_experts` stacks them); the grouped GEMM takes e4m3 tiles as they are
 and dequantizes integer ones, and on the CPU the reference loop multiplies with the weights dequantized
 once at load (fp8: x rounded as the kernel rounds it), or (int4 in groups of 32-256, int8 per row) runs
 each expert's torch CPU kernel (`ExpertWeights`).

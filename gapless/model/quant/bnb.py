@@ -415,10 +415,10 @@ def _expert_codes(weights: torch.Tensor, spec: QuantSpec) -> tuple[int, list[Cod
 
 def _hold_experts(experts: Any, qspec: QuantSpec) -> None:
     """A mixture's `Experts` (this rank's float weights) held as codes for the grouped GEMM with the
-    codebook (`int4.install_experts`, its weights not cut again), gate/up and down each in its own first
-    block size that gives back every expert's weight; where either gives none back (experts the checkpoint
-    kept in float), they stay float."""
-    from gapless.model.quant import int4
+    codebook (`int4_experts.install_experts`, its weights not cut again), gate/up and down each in its own
+    first block size that gives back every expert's weight; where either gives none back (experts the
+    checkpoint kept in float), they stay float."""
+    from gapless.model.quant import int4_experts
     from gapless.model.quant.int4_layouts import Int4Spec
 
     kind = qspec.codebook
@@ -433,7 +433,7 @@ def _hold_experts(experts: Any, qspec: QuantSpec) -> None:
         shards[(e, "down")] = _unpacked(dn, kind)
     spec, down_spec = (Int4Spec("bitsandbytes", 4, b, sym=True, codebook=kind) for b in (gate_up[0], down[0]))
     dtype = experts.gate_up_proj.dtype
-    int4.install_experts(experts, shards, spec, dtype, "bitsandbytes experts", down_spec, cut=False)
+    int4_experts.install_experts(experts, shards, spec, dtype, "bitsandbytes experts", down_spec, cut=False)
 
 
 def _hold_for_bitsandbytes(layer: Any, w: torch.Tensor, kind: str, block: int, check: bool) -> bool:

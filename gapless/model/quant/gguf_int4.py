@@ -40,7 +40,7 @@ import torch
 from gapless.model import weight_names
 from gapless.model.layers import ParallelLMHead, VocabParallelEmbedding
 from gapless.model.moe import Experts
-from gapless.model.quant import gguf_iq, int4, int4_kernels
+from gapless.model.quant import gguf_iq, int4, int4_experts, int4_kernels
 from gapless.model.quant.gguf_blocks import (
     FORMS,
     INT4_TYPES,
@@ -130,7 +130,9 @@ def install_experts(experts: Any, shards: dict[Any, GGUFBlocks], dtype: torch.dt
         (e, proj): unpacked(b, specs["down_proj" if proj == "down" else "gate_up_proj"], device)
         for (e, proj), b in shards.items()
     }
-    int4.install_experts(experts, whole, specs["gate_up_proj"], dtype, where, down_spec=specs["down_proj"])
+    int4_experts.install_experts(
+        experts, whole, specs["gate_up_proj"], dtype, where, down_spec=specs["down_proj"]
+    )
 
 
 class GGUFModules(ABC):

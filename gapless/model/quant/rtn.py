@@ -7,9 +7,10 @@ dtype as vLLM does.
 
 Every linear layer but the routers (the LM head is none) and every mixture's experts are rounded as each
 becomes whole (the loader's online rounding, as `--quantization fp8`), each tensor-parallel rank its own
-piece, and held on the int4/int8 path as a checkpoint's would be (`int4.hold`, `int4.install_experts`):
-tinygemm and gapless's Triton GEMM on CUDA, torch's CPU kernels or the reference path on a CPU. A layer whose
-inputs (this rank's) are no multiple of the group is refused by name before any weight is read.
+piece, and held on the int4/int8 path as a checkpoint's would be (`int4.hold`,
+`int4_experts.install_experts`): tinygemm and gapless's Triton GEMM on CUDA, torch's CPU kernels or the
+reference path on a CPU. A layer whose inputs (this rank's) are no multiple of the group is refused by name
+before any weight is read.
 
 `--quantization experts_int8` (vLLM's) rounds a mixture's experts alone, as vLLM's does: int8 with one
 scale a row (this rank's piece of it), its largest |w| over 127, `q = clamp(round(w / scale), -127, 127)`,
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from gapless import env
-from gapless.model.quant import int4, int4_kernels
+from gapless.model.quant import int4, int4_experts, int4_kernels
 from gapless.model.quant.formats import QuantFormatError, QuantSpec
 from gapless.model.quant.int4_layouts import Int4Spec, Unpacked
 
@@ -139,7 +140,7 @@ def finish_module(layer: Any, spec: QuantSpec) -> None:
         shards[(e, "gate")] = both.map(lambda t: t[: layer.inter])
         shards[(e, "up")] = both.map(lambda t: t[layer.inter :])
         shards[(e, "down")] = round_weight(layer.down_proj.data[e])
-    int4.install_experts(
+    int4_experts.install_experts(
         layer, shards, int4_spec, layer.gate_up_proj.dtype, f"{spec.name} experts", cut=False
     )
 
