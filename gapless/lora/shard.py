@@ -7,7 +7,9 @@ piece and B whole: each rank's delta B (A_rank x_rank) is a partial sum, added b
 all-reduce, which sums it with the other ranks' exactly once. A mixture's experts are cut by their width
 (each rank holds its piece of every expert's gate/up rows and down columns): their gate/up LoRA keeps A
 whole and B's rows of this rank's gate and up pieces, their down LoRA A's columns of its piece and B
-whole, summed by the experts' all-reduce. With one rank nothing is cut.
+whole, summed by the experts' all-reduce. With one rank nothing is cut. Int act-order experts hold their
+intermediate width reordered (`Experts.inter_order`): their adapters' down A columns and gate/up B rows are
+taken in that order first, on any number of ranks.
 """
 
 from __future__ import annotations
@@ -69,17 +71,29 @@ def expert_rank_shape(shape: LayerShape, name: str, experts: Any) -> RankShape:
 
 def rank_expert_delta(d: ExpertDelta, experts: Any) -> ExpertDelta:
     """`d` (every expert's A and B of the whole layer) cut to `experts`' rank: down's A columns, or gate/up
-    B's rows of the gate and up pieces it writes, placed where the rank holds them."""
+    B's rows of the gate and up pieces it writes, placed where the rank holds them; in the experts'
+    intermediate order where act-order reordered it."""
     tp = experts.tp
+    inter, local = experts.inter * tp.size, experts.inter  # the whole width, this rank's
+    if experts.inter_order is not None:
+        d = _in_inter_order(d, experts.inter_order, inter)
     if tp.size == 1:
         return d
     if d.name == "down_proj":
         return d._replace(a=tp.part(d.a, tp.size, dim=2).contiguous())
-    inter, local = experts.inter * tp.size, experts.inter  # the whole width, this rank's
     pieces = []
     for off in range(d.row, d.row + d.b.shape[1], inter):  # its gate rows, its up rows (or one of them)
         pieces.append(tp.part(d.b[:, off - d.row : off - d.row + inter], tp.size, dim=1))
     return d._replace(row=d.row // inter * local, b=torch.cat(pieces, dim=1).contiguous())
+
+
+def _in_inter_order(d: ExpertDelta, order: torch.Tensor, inter: int) -> ExpertDelta:
+    """`d` with each expert's intermediate column j the checkpoint's `order[e, j]` ([E, I]): down's A
+    columns, or each gate and up piece of B's rows."""
+    if d.name == "down_proj":
+        return d._replace(a=d.a.gather(2, order[:, None, :].expand_as(d.a)))
+    pieces = [d.b[:, off - d.row : off - d.row + inter] for off in range(d.row, d.row + d.b.shape[1], inter)]
+    return d._replace(b=torch.cat([p.gather(1, order[:, :, None].expand_as(p)) for p in pieces], dim=1))
 
 
 def rank_adapter(

@@ -51,7 +51,8 @@ class WeightQuant(NamedTuple):
     (`bits`): W [E, K / P, rows] int32 words, P = 32 / bits values packed along K (value k at bits
     `bits * (k % P)`), `scales` and `zeros` [E, K / group, rows] in the model's dtype, W[e, row, k] =
     (q - zero) * scale: each expert as `gapless.model.quant.int4_triton`'s layout; with `levels` (a
-    codebook's, float32 [2^bits]) `levels[q] * scale`, no zeros."""
+    codebook's, float32 [2^bits]) `levels[q] * scale`, no zeros. `order` (act-order: int32 [E, K]): expert
+    e's column k reads input `order[e, k]`, its groups contiguous in that order; None: input k."""
 
     scales: torch.Tensor
     group: int
@@ -59,6 +60,7 @@ class WeightQuant(NamedTuple):
     bits: int = 0
     levels: torch.Tensor | None = None
     act_group: int = 0
+    order: torch.Tensor | None = None
 
 
 def checkpoint_target(name: str) -> tuple[str, Any] | None:
@@ -168,6 +170,10 @@ class Experts(nn.Module):
         self.cpu_weights: tuple[ExpertWeights, ExpertWeights] | None = None
         # int4/int8 (`hold_int`): gate/up's and down's quantization, the parameters then packed words
         self.int_quant: tuple[WeightQuant, WeightQuant] | None = None
+        # int act-order experts (`hold_int`): [E, I] int64, the whole intermediate's column j being the
+        # checkpoint's column inter_order[e, j] (gate/up rows and down columns taken so at load); LoRA's
+        # expert adapters are taken in it (`gapless.lora.shard`). None: the checkpoint's order
+        self.inter_order: torch.Tensor | None = None
 
     def checkpoint_shards(self, param: str) -> list[tuple[int, str]]:
         """The shard ids that together fill `param` (the loader checks that none is missing)."""
@@ -265,14 +271,16 @@ class Experts(nn.Module):
         cpu_weights: tuple[ExpertWeights, ExpertWeights] | None,
         label: str,
         method: str = "",
+        inter_order: torch.Tensor | None = None,
     ) -> None:
-        """Hold int4/int8 experts (`gapless.model.quant.int4.install_experts` makes them): gate/up's and
-        down's packed words (`WeightQuant`'s layout) in place of the float weights, and on the CPU what the
-        reference loop multiplies with (`cpu_weights`: the dequantized float weights, or each expert's
-        kernel); `method`: their format's family (`quant_method`)."""
+        """Hold int4/int8 experts (`gapless.model.quant.int4_experts.install_experts` makes them): gate/up's
+        and down's packed words (`WeightQuant`'s layout) in place of the float weights, and on the CPU what
+        the reference loop multiplies with (`cpu_weights`: the dequantized float weights, or each expert's
+        kernel); `method`: their format's family (`quant_method`); `inter_order`: the intermediate's order
+        where act-order reordered it (`inter_order`)."""
         self.gate_up_proj, self.down_proj = (nn.Parameter(w, requires_grad=False) for w in packed)
         self.int_quant, self.cpu_weights, self.quant_label = quant, cpu_weights, f"{label} experts"
-        self.quant_method = method
+        self.quant_method, self.inter_order = method, inter_order
 
     @property
     def weight_format(self) -> str | None:
@@ -282,7 +290,9 @@ class Experts(nn.Module):
     def side_tensors(self) -> list[torch.Tensor]:
         """The tensors held beside the parameters: int scales and zeros (or levels), the CPU's weights or
         kernels'."""
-        quant = [t for q in self.int_quant or () for t in (q.scales, q.zeros, q.levels) if t is not None]
+        quant = [
+            t for q in self.int_quant or () for t in (q.scales, q.zeros, q.levels, q.order) if t is not None
+        ]
         held: list[torch.Tensor] = []
         for w in self.cpu_weights or ():
             held += [w] if isinstance(w, torch.Tensor) else [t for k in w for t in k.tensors()]

@@ -144,6 +144,7 @@ def _grouped_gemm_kernel(
     Scales,
     Zeros,
     Levels,
+    Order,
     num_entries,
     N,
     K,
@@ -161,6 +162,7 @@ def _grouped_gemm_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     CODEBOOK: tl.constexpr,
+    ORDERED: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -177,7 +179,9 @@ def _grouped_gemm_kernel(
     or 8; 0: not packed): `W[e]` is [K / P, rows] int32 words, P = 32 / BITS values each packed along K
     (value k at bits BITS * (k % P)), with `Scales`, `Zeros` [e, k // GROUP, row]: each tile is
     unpacked and dequantized, (q - zero) * scale in fp32 (CODEBOOK: `Levels[q] * scale`, GGUF's IQ4
-    levels or NVFP4's e2m1 values, no zeros), then rounded once to A's type for the dot."""
+    levels or NVFP4's e2m1 values, no zeros), then rounded once to A's type for the dot. ORDERED
+    (act-order): W[e]'s column k reads A's column `Order[e, k]` (int32 [E, K]), so each K step gathers its
+    columns of A."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
@@ -198,8 +202,12 @@ def _grouped_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
+        if ORDERED:
+            cols = tl.load(Order + expert * K + offs_k, mask=k_mask, other=0)
+        else:
+            cols = offs_k
         a = tl.load(
-            A + a_row[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0
+            A + a_row[:, None] * stride_am + cols[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0
         )
         if SCALED:  # (padding rows: all zero, scale 1e-12 / 448, e4m3 zeros)
             a, a_scale = round_rows(a.to(tl.float32))
@@ -409,6 +417,11 @@ def _grouped_gemm(
         block_k = min(64, q.group & -q.group, k_in & -k_in)
         if block_k < 16 or w.shape[1] * (32 // bits) != k_in:
             raise ValueError(f"int{bits} experts: packed {tuple(w.shape)} for {k_in} inputs, group {q.group}")
+    order = q.order
+    if order is not None and (order.shape != (w.shape[0], k_in) or order.dtype != torch.int32 or not bits):
+        raise ValueError(
+            f"experts' act-order {tuple(order.shape)} {order.dtype}: int32 [{w.shape[0]}, {k_in}]"
+        )
     _grouped_gemm_kernel[(sorted_ids.numel() // block_m, triton.cdiv(n_out, block_n))](
         a,
         w,
@@ -420,6 +433,7 @@ def _grouped_gemm(
         q.scales,
         q.zeros if q.zeros is not None else weights,
         q.levels if q.levels is not None else weights,
+        order.contiguous() if order is not None else weights,
         weights.numel(),
         n_out,
         k_in,
@@ -437,6 +451,7 @@ def _grouped_gemm(
         BITS=bits,
         GROUP=q.group if bits else 1,
         CODEBOOK=q.levels is not None,
+        ORDERED=order is not None,
         IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

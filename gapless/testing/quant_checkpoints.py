@@ -367,9 +367,12 @@ _INPUTS = (
 
 
 def _input_order(name: str, k: int) -> torch.Tensor:
-    """A random order of a projection's `k` inputs, seeded by what feeds them (the layer and its input:
-    the attention's, o's, the MLP's, down's), so projections sharing an input share it."""
+    """A random order of a projection's `k` inputs, seeded by what feeds them (the layer, the expert and
+    its input: the attention's, o's, the MLP's, down's), so projections sharing an input share it, and
+    each expert has its own (as act-order's quantizers order inputs by each one's own statistics)."""
     parts = name.split(".")
     layer = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else -1  # (-1: the LM head)
+    expert = re.search(r"\.experts\.(\d+)\.", name)
     feeds = next((i for i, kinds in enumerate(_INPUTS) if any(s in name for s in kinds)), len(_INPUTS))
-    return torch.randperm(k, generator=torch.Generator().manual_seed(1000 * layer + feeds))
+    seed = (1000 * layer + (int(expert.group(1)) + 1 if expert else 0)) * 8 + feeds
+    return torch.randperm(k, generator=torch.Generator().manual_seed(seed))

@@ -15,9 +15,9 @@ pipelined 5 stages deep) in fp32, bf16 and fp16, with and without a sliding wind
 dims 64 and 128, and over an fp8 cache, e4m3 or e5m2 (bf16, fp16 queries); the fused model kernels
 (`gapless.model.fused.disagreement`) on the tiny models of families whose kernels differ (RMSNorm
 arithmetic, q/k norms, activations) in bf16 and fp16; the sampling kernels (`gapless.sampling.fused`); the
-MoE grouped GEMM (float, e4m3 and int4/int8 experts); the FP8 GEMM; the int4/int8 weight-only GEMM; the LoRA
-kernels. Exit status 1, naming each kernel and its error, when any fails to compile. Run it without
-TRITON_INTERPRET (the interpreter takes the compiler's place).
+MoE grouped GEMM (float, e4m3 and int4/int8 experts, int4 also with act-order); the FP8 GEMM; the int4/int8
+weight-only GEMM; the LoRA kernels. Exit status 1, naming each kernel and its error, when any fails to
+compile. Run it without TRITON_INTERPRET (the interpreter takes the compiler's place).
 
 With `--resources`, each specialization's registers, spills and shared memory per program, as the
 compiled binary records them (`cuobjdump --dump-resource-usage`, which comes with Triton): what decides

@@ -908,7 +908,13 @@ def test_two_ranks_give_the_dequantized_models_tokens(ckpt_factory, tmp_path, ac
 
 @pytest.mark.parametrize(
     "arch,layout,head",
-    [("qwen3", "awq", False), ("qwen3_moe", "awq", False), ("qwen3", "gptq", False), ("qwen2", "gptq", True)],
+    [
+        ("qwen3", "awq", False),
+        ("qwen3_moe", "awq", False),
+        ("qwen3", "gptq", False),
+        ("qwen2", "gptq", True),
+        ("qwen3_moe", "gptq", False),  # (act-order experts: gate and up given one order)
+    ],
 )
 def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch, layout, head):
     """`load_format="dummy"` of an int4 checkpoint's config (`gapless.bench.quant`'s int4 shapes): the
@@ -945,6 +951,11 @@ def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch
     assert bool(experts) == (arch == "qwen3_moe")
     assert len(experts) == formats.get(f"{label} experts", 0)
     assert all(m.int_quant is not None for m in experts)
+    for m in experts:  # (act-order experts: gate/up's x order held, down's taken onto gate/up's rows)
+        assert (
+            m.int_quant is not None
+            and (m.int_quant[0].order is not None) == (m.inter_order is not None) == act
+        )
 
 
 def _half(pattern: int, dtype: torch.dtype) -> float:

@@ -1,10 +1,11 @@
 """Weight-only int4/int8 mixtures of experts (AWQ, GPTQ, compressed-tensors `pack-quantized`): each
-expert's packed projections load into the stacked experts (`gapless.model.quant.int4.install_experts`),
+expert's packed projections load into the stacked experts (`gapless.model.quant.int4_experts`),
 the router stays float and a shared expert takes the dense int4 path. Tiny random mixtures are quantized
 here into each layout (`gapless.testing.quant_checkpoints`); greedy tokens equal transformers' on the same
 weights dequantized. The grouped GEMM's int path runs under Triton's interpreter against the per-expert
 torch loop, and compiles for sm_90; tensor parallelism's cut of the experts and malformed expert tensors
-are checked at load."""
+are checked at load; act-order experts (each expert's inputs grouped in its own order) give the same
+tokens, on either path and cut for two ranks."""
 
 from __future__ import annotations
 
@@ -96,16 +97,20 @@ def test_a_served_model_on_the_int_grouped_gemm_gives_the_reference_paths_tokens
 
 
 def _packed_experts(
-    g: torch.Generator, e: int, rows: int, k: int, bits: int, group: int
+    g: torch.Generator, e: int, rows: int, k: int, bits: int, group: int, ordered: bool = False
 ) -> tuple[torch.Tensor, WeightQuant, torch.Tensor]:
-    """Random experts [E, rows, k] quantized: their packed words, quantization, and dequantized weights."""
-    ws = [quantize(torch.randn(rows, k, generator=g) * 0.1, bits, group, sym=False) for _ in range(e)]
+    """Random experts [E, rows, k] quantized: their packed words, quantization, and dequantized weights (in
+    input order); `ordered`: each expert's inputs grouped in a random order of its own (act-order)."""
+    orders = [torch.randperm(k, generator=g) if ordered else None for _ in range(e)]
+    ws = [quantize(torch.randn(rows, k, generator=g) * 0.1, bits, group, False, o) for o in orders]
     packed = torch.stack([pack_int32(w.q.t(), bits, dim=0) for w in ws])
     scales, zeros = (
         torch.stack([t.t().contiguous() for t in ts]) for ts in zip(*((w.scale, w.zero) for w in ws))
     )
     gsize = k if group < 0 else group
-    return packed, WeightQuant(scales, gsize, zeros, bits), torch.stack([w.dequantize() for w in ws])
+    order = torch.stack([o for o in orders if o is not None]).int() if ordered else None
+    quant = WeightQuant(scales, gsize, zeros, bits, order=order)
+    return packed, quant, torch.stack([w.dequantize() for w in ws])
 
 
 def _held_in(quant: WeightQuant, dtype: torch.dtype) -> WeightQuant:
@@ -115,7 +120,8 @@ def _held_in(quant: WeightQuant, dtype: torch.dtype) -> WeightQuant:
 
 
 def _dequantize(packed: torch.Tensor, quant: WeightQuant, bits: int) -> torch.Tensor:
-    """Stacked packed experts [E, K / P, rows] as float32 weights [E, rows, K], by the layout's formula."""
+    """Stacked packed experts [E, K / P, rows] as float32 weights [E, rows, K] (in input order), by the
+    layout's formula."""
     from gapless.model.quant.int4_layouts import unpack_int32
 
     assert quant.zeros is not None
@@ -123,7 +129,8 @@ def _dequantize(packed: torch.Tensor, quant: WeightQuant, bits: int) -> torch.Te
     for e in range(packed.shape[0]):
         q = unpack_int32(packed[e], bits, dim=0).float()  # [K, rows]
         s, z = (t[e].float().repeat_interleave(quant.group, dim=0) for t in (quant.scales, quant.zeros))
-        out.append(((q - z) * s).t())
+        w = ((q - z) * s).t()  # (act-order: its columns in the expert's order, put back in the inputs')
+        out.append(w if quant.order is None else torch.empty_like(w).index_copy_(1, quant.order[e].long(), w))
     return torch.stack(out)
 
 
@@ -143,17 +150,21 @@ def _zero_adapters(experts: int, hidden: int, inter: int) -> object:
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter's run; on a GPU the cuda model test runs the kernel"
 )
-@pytest.mark.parametrize(("bits", "group", "inter"), [(4, 16, 48), (4, -1, 32), (8, 32, 64)])
-def test_fused_experts_over_int_weights_equal_the_dequantized_reference(bits, group, inter):
+@pytest.mark.parametrize(
+    ("bits", "group", "inter", "ordered"),
+    [(4, 16, 48, False), (4, -1, 32, False), (8, 32, 64, False), (4, 16, 32, True)],
+)
+def test_fused_experts_over_int_weights_equal_the_dequantized_reference(bits, group, inter, ordered):
     """The grouped GEMM over packed experts (each tile unpacked, its group's zero subtracted and scale
     applied) equals the per-expert torch loop over the dequantized weights, on the plain path and the
-    adapter path's (each GEMM's output whole)."""
+    adapter path's (each GEMM's output whole); `ordered`: gate/up's inputs in each expert's act-order,
+    each K step's columns of x gathered in it."""
     from gapless.model.moe_triton import fused_experts
 
     g = torch.Generator().manual_seed(bits + inter)
     tokens, e, h = 9, 4, 64
     x = torch.randn(tokens, h, generator=g)
-    q13, s13, w13 = _packed_experts(g, e, 2 * inter, h, bits, group)
+    q13, s13, w13 = _packed_experts(g, e, 2 * inter, h, bits, group, ordered)
     q2, s2, w2 = _packed_experts(g, e, h, inter, bits, group)
     weights, ids = route(torch.randn(tokens, e, generator=g), 2, True, False)
     want = reference_experts(x, w13, w2, weights, ids)
@@ -278,9 +289,58 @@ def test_int_experts_compile_for_sm90():
     assert built.compilations == 24 + 8 and not built.failed, built
 
 
-def test_act_order_experts_are_refused_by_name(ckpt_factory, tmp_path):
-    """A mixture whose experts carry act-order (a g_idx out of order) is refused, naming the layer: the
-    grouped GEMM reads each expert's groups in input order (its attention's act-order would run)."""
+@pytest.mark.parametrize(("arch", "layout"), [("qwen3_moe", "gptq"), ("mixtral", "compressed-tensors")])
+def test_act_order_experts_give_transformers_tokens(ckpt_factory, tmp_path, arch, layout):
+    """Experts with act-order (GPTQ's `desc_act`, compressed-tensors' `actorder: group`: each expert's
+    inputs grouped in its own order, gate and up sharing x's): down's order is taken onto gate's and up's
+    rows at load (down then plain), gate/up's kept for the grouped GEMM to gather x by; greedy tokens equal
+    transformers' on the dequantized weights, on the CPU's path and (interpreted) on the grouped GEMM."""
+    qdir, refdir = write_quantized(ckpt_factory(arch), tmp_path, layout, group=16, act_order=True)
+    model = loader.load_model(qdir, torch.float32, CPU)
+    experts = experts_of(model)
+    assert experts
+    for m in experts:
+        assert m.int_quant is not None and m.inter_order is not None
+        order13, order2 = m.int_quant[0].order, m.int_quant[1].order
+        assert order2 is None and order13 is not None and order13.dtype == torch.int32
+        assert len({tuple(o.tolist()) for o in order13}) == m.num_experts  # (each expert its own)
+        assert not torch.equal(m.inter_order[0], torch.arange(m.inter))
+    prompts = make_prompts(1000, n=3, max_len=30, shared_prefix=6)
+    ours = _greedy(qdir, prompts)
+    hf = load_hf_model(refdir)
+    notes = [check_greedy(o, hf_greedy(hf, p, MAX_NEW)) for o, p in zip(ours, prompts)]
+    assert sum(n is not None for n in notes) <= 1, notes
+    if arch == "qwen3_moe":
+        assert _greedy(qdir, prompts[:2], fused=True) == ours[:2]
+
+
+def test_act_order_experts_cut_for_tensor_parallelism(ckpt_factory, tmp_path):
+    """Two ranks of an act-order mixture: down plain after the reorder, so each rank holds whole groups of
+    the reordered intermediate, its gate/up rows the ones that write them; the ranks' experts summed give
+    the whole layer's."""
+    src = ckpt_factory("qwen3_moe", moe_intermediate_size=64)
+    qdir, _ = write_quantized(src, tmp_path, "gptq", bits=4, group=16, sym=False, act_order=True)
+    whole, ranks = load_as_ranks(qdir)
+    experts = [m.model.layers[0].mlp.experts for m in ranks]
+    full = whole.model.layers[0].mlp.experts
+    assert_experts_cut(full, experts)
+    assert full.cpu_weights is not None and all(e.cpu_weights is not None for e in experts)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, full.cpu_weights[0].shape[2], generator=g)
+    weights, ids = route(torch.randn(7, full.num_experts, generator=g), 2, True, False)
+    summed = sum(reference_experts(x, *e.cpu_weights, weights, ids) for e in experts if e.cpu_weights)
+    torch.testing.assert_close(summed, reference_experts(x, *full.cpu_weights, weights, ids))
+
+
+def test_act_order_experts_whose_gate_and_up_orders_differ_are_refused(ckpt_factory, tmp_path):
+    """The grouped GEMM gathers x once for an expert's gate and up: an expert whose two g_idx order x
+    differently is refused in one line naming it."""
     qdir, _ = write_quantized(ckpt_factory("qwen3_moe"), tmp_path, "gptq", group=16, act_order=True)
-    with pytest.raises(QuantFormatError, match=r"^model\.layers\.0\.mlp\.experts: experts with act-order"):
-        loader.load_model(qdir, torch.float32, torch.device("cpu"))
+    tensors = load_file(str(qdir / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.3.up_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()  # (still 16 inputs a group, another order)
+    save_file(tensors, str(qdir / "model.safetensors"))
+    with pytest.raises(QuantFormatError) as e:
+        loader.load_model(qdir, torch.float32, CPU)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("model.layers.0.mlp.experts: expert 3's gate and up"), msg

@@ -348,6 +348,8 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) 
                 for e in range(module.num_experts)
                 for p in shapes
             }
+            for e in range(module.num_experts):  # (act-order: gate and up read x in one order)
+                shards[(e, "up")] = shards[(e, "up")]._replace(order=shards[(e, "gate")].order)
             install_experts(module, shards, spec, dtype, name)
         else:
             n, k = module.weight.shape

@@ -3,11 +3,20 @@ expert's projections, unpacked as any layer's (`gapless.model.quant.int4_layouts
 parallelism, stacked and packed into the layer's `Experts` (`moe.WeightQuant`'s layout), which the grouped
 GEMM (`gapless.model.moe_triton`) unpacks on CUDA; the CPU runs each expert's CPU kernel where one takes it,
 else multiplies with them dequantized at load.
+
+Act-order (GPTQ's `desc_act`, compressed-tensors' `actorder: group`) orders each projection's inputs by
+group. Down's inputs are the expert's own intermediate width, which any order serves as long as gate/up
+write it: so gate's and up's rows are taken in down's order at load, and down becomes a plain grouped
+weight (no cost at run time, and tensor parallelism cuts whole groups as without act-order). Gate/up's
+inputs are x, every expert's, so the grouped GEMM gathers each K step's columns of x in the expert's
+order (`WeightQuant.order`); gate and up of an expert must share it, as act-order's quantizers give
+projections that read one input.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,7 +41,7 @@ def install_experts(
     per rank; not `cut`: already this rank's), stacked, packed (`moe.WeightQuant`'s layout), zeros held as
     `zeros_dtype` says, and on the CPU, for the reference loop, each expert's torch CPU kernel where `auto`
     gives one (`int4_kernels.for_layer`: then the packed words are not kept), else the weights dequantized
-    beside."""
+    beside. Act-order is taken in first (`_in_expert_order`)."""
     from gapless.model.moe import WeightQuant
 
     tp, e_count, inter = experts.tp, experts.num_experts, experts.inter
@@ -48,8 +57,8 @@ def install_experts(
             f"{where}: {spec.label} experts of {hidden} x {inter} inputs: not multiples of 16"
         )
 
-    if any(w.order is not None for w in shards.values()):
-        raise QuantFormatError(f"{where}: experts with act-order (g_idx) are not built")
+    orders = _in_expert_order(shards, e_count, where)
+    shards = orders.shards
 
     def mine(e: int, proj: str) -> Unpacked:
         w = shards[(e, proj)]
@@ -60,7 +69,7 @@ def install_experts(
     def stacked(e: int, projs: tuple[str, ...]) -> Unpacked:
         parts = [mine(e, p) if cut else shards[(e, p)] for p in projs]
         q, scale, zero = map(torch.cat, zip(*(p.tensors for p in parts)))
-        return Unpacked(q, scale, zero, levels=parts[0].levels)
+        return Unpacked(q, scale, zero, parts[0].order, parts[0].levels)  # (gate's order is up's)
 
     device = experts.gate_up_proj.device
     cpu = device.type == "cpu"
@@ -77,13 +86,18 @@ def install_experts(
             raise QuantFormatError(f"{where}: its experts' {'/'.join(projs)} codebooks differ; one is built")
     groups = [shape[1] // ws[0].scale.shape[1] for ws, (_, shape) in zip(held_ws, projections)]
     choice = int4_kernels.chosen()
-    kinds = [  # (no library takes a codebook)
-        int4_kernels.for_layer(choice if lv is None else "triton", sp.bits, g, dtype, *s, device)
-        for sp, g, lv, (_, s) in zip(specs, groups, levels, projections)
+    kinds = [  # (no library takes a codebook, nor x in an act-order's order: the CPU's floats take x)
+        int4_kernels.for_layer(
+            choice if lv is None and order is None else "triton", sp.bits, g, dtype, *s, device
+        )
+        for sp, g, lv, (_, s), order in zip(specs, groups, levels, projections, (orders.inputs, None))
     ]
     kernels_alone = all(k == int4_kernels.CPU_KERNEL for k in kinds)  # (then no packed words are kept)
     packed, quants, cpu_weights = [], [], []
-    for sp, ws, group, lv, (projs, shape), kernel in zip(specs, held_ws, groups, levels, projections, kinds):
+    held_orders = (None if orders.inputs is None else orders.inputs.to(device), None)
+    for sp, ws, group, lv, (projs, shape), kernel, order in zip(
+        specs, held_ws, groups, levels, projections, kinds, held_orders
+    ):
         qs, scales, zeros, floats, kernels = [], [], [], [], []
         zero_dtype = zeros_dtype([w.zero for w in ws], dtype)
         for e, w in enumerate(ws):
@@ -92,7 +106,7 @@ def install_experts(
                     f"{where}: expert {e} {'/'.join(projs)} weight {tuple(w.q.shape)} does not fit {shape}"
                 )
             # scales and zeros as held, so the CPU's weights are the kernel's
-            held = Unpacked(w.q, w.scale.to(dtype), w.zero.to(zero_dtype), levels=lv)
+            held = Unpacked(w.q, w.scale.to(dtype), w.zero.to(zero_dtype), w.order, lv)  # (floats: x's order)
             if not kernels_alone:
                 qs.append(pack_int32(w.q.t(), sp.bits, dim=0))
             scales.append(held.scale.t().contiguous())
@@ -106,7 +120,7 @@ def install_experts(
         packed.append(torch.stack(qs) if qs else torch.empty(0, dtype=torch.int32, device=device))
         held_levels = None if lv is None else lv.float().to(device)
         held_zeros = torch.stack(zeros) if lv is None else None  # (a codebook's are 0: not held)
-        quants.append(WeightQuant(torch.stack(scales), group, held_zeros, sp.bits, held_levels))
+        quants.append(WeightQuant(torch.stack(scales), group, held_zeros, sp.bits, held_levels, order=order))
         cpu_weights.append(kernels or (torch.stack(floats) if cpu else None))
     label = spec.label if specs[1] == spec else f"{spec.label}, down {specs[1].label}"
     label += f" ({int4_kernels.CPU_KERNEL})" if kernels_alone else ""
@@ -116,4 +130,43 @@ def install_experts(
         tuple(cpu_weights) if cpu else None,
         label,
         spec.method,
+        orders.inter,
     )
+
+
+class _Orders(NamedTuple):
+    """What `_in_expert_order` made of the experts' act-orders."""
+
+    shards: dict[Any, Unpacked]  # gate/up's rows in down's order, down's with none
+    inputs: torch.Tensor | None  # gate/up's [E, H] int32: expert e's column k reads x[:, inputs[e, k]]
+    inter: torch.Tensor | None  # [E, I] int64: the intermediate's column j is the checkpoint's inter[e, j]
+
+
+def _in_expert_order(shards: dict[Any, Unpacked], e_count: int, where: str) -> _Orders:
+    """The experts' act-orders taken in (the module's docstring): each expert's down order moved onto its
+    gate and up rows; gate/up's own (over x) returned stacked, refused in one line where an expert's gate
+    and up differ. Each None where no expert has one."""
+    out, inputs, inter = dict(shards), [], []
+    for e in range(e_count):
+        gate, up, down = (shards[(e, p)] for p in ("gate", "up", "down"))
+        if not same_order(gate.order, up.order):
+            raise QuantFormatError(
+                f"{where}: expert {e}'s gate and up act-orders (g_idx) differ; one order an expert is built"
+            )
+        rows = down.order
+        if rows is not None:
+            out[(e, "gate")], out[(e, "up")] = (w.map(partial(_taken, rows=rows)) for w in (gate, up))
+            out[(e, "down")] = down._replace(order=None)
+        inputs.append((gate.order, gate.q.shape[1]))
+        inter.append((rows, down.q.shape[1]))
+
+    def stacked(orders: list[tuple[torch.Tensor | None, int]], dtype: torch.dtype) -> torch.Tensor | None:
+        if all(o is None for o, _ in orders):
+            return None
+        return torch.stack([torch.arange(k) if o is None else o.cpu() for o, k in orders]).to(dtype)
+
+    return _Orders(out, stacked(inputs, torch.int32), stacked(inter, torch.int64))
+
+
+def _taken(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return t.index_select(0, rows.to(t.device))
