@@ -7,9 +7,9 @@ piece and B whole: each rank's delta B (A_rank x_rank) is a partial sum, added b
 all-reduce, which sums it with the other ranks' exactly once. A mixture's experts are cut by their width
 (each rank holds its piece of every expert's gate/up rows and down columns): their gate/up LoRA keeps A
 whole and B's rows of this rank's gate and up pieces, their down LoRA A's columns of its piece and B
-whole, summed by the experts' all-reduce. With one rank nothing is cut. Int act-order experts hold their
-intermediate width reordered (`Experts.inter_order`): their adapters' down A columns and gate/up B rows are
-taken in that order first, on any number of ranks.
+whole, summed by the experts' all-reduce. With one rank nothing is cut. Int act-order MLPs and experts
+hold their intermediate width reordered (`_Linear.inter_order`, `Experts.inter_order`): their adapters'
+down A columns and gate/up B rows are taken in that order first, on any number of ranks.
 """
 
 from __future__ import annotations
@@ -41,7 +41,17 @@ def rank_shape(shape: LayerShape, layer: object) -> RankShape:
 
 def rank_delta(d: ModuleDelta, layer: object) -> ModuleDelta:
     """`d` (a module's A and B on the whole layer) cut to what `layer`'s rank holds, its B rows placed
-    where that rank's fused weight holds them."""
+    where that rank's fused weight holds them; an int4 act-order MLP's in its reordered intermediate
+    (`_Linear.inter_order`) first."""
+    order = getattr(layer, "inter_order", None)
+    if order is not None and isinstance(layer, RowParallelLinear):  # (down: A's columns)
+        d = d._replace(a=d.a.index_select(1, order))
+    elif order is not None and isinstance(layer, MergedColumnParallelLinear):  # (gate/up: each piece's rows)
+        b = d.b.clone()
+        for off, n in layer.checkpoint_offsets.values():
+            if d.row <= off and off + n <= d.row + d.b.shape[0]:
+                b[off - d.row : off - d.row + n] = d.b[off - d.row : off - d.row + n].index_select(0, order)
+        d = d._replace(b=b)
     if isinstance(layer, RowParallelLinear):
         tp = layer.tp
         return d._replace(a=tp.part(d.a, tp.size, dim=1).contiguous()) if tp.size > 1 else d

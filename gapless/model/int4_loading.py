@@ -3,7 +3,11 @@ module as they are read and installed a layer at a time (`gapless.model.quant.in
 tensor of every module the layer is made of has arrived: the host holds the packed tensors of the layers
 still arriving (one, for a checkpoint stored layer by layer), not the whole checkpoint's, which each
 tensor-parallel rank read whole before. What has not arrived whole by the end is installed then, where a
-missing tensor or shard is refused by name."""
+missing tensor or shard is refused by name.
+
+Under act-order an MLP's gate/up waits for its down projection: down's order over the intermediate width
+is taken onto gate's and up's rows where `int4.takes_down_order` says so, down then installed without one
+(no gather of its input, and no padding on a tensor-parallel rank)."""
 
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ class Int4Layers:
         self.whole_modules: set[str] = set()  # checkpoint modules with every tensor they are whole with
         self.installed: set[str] = set()  # checkpoint modules whose layer is installed
         self.filled: list[str] = []
+        # act-order MLPs' layers whole and waiting for the other of their pair (`_install`)
+        self.waiting: set[str] = set()
+        self.finishing = False
 
     def add(self, module: str, tensor: str, value: torch.Tensor) -> None:
         """Checkpoint module `module`'s tensor `tensor` (`qweight`, `scales`, ...); its layer installed
@@ -64,8 +71,10 @@ class Int4Layers:
         """Install every layer not yet whole (unpacking or installing refuses what it lacks); the names
         all the installs filled. A checkpoint with no layer in its declared format (a float checkpoint
         beside a quantization config) is refused: its layers would run as floats under the format's name."""
+        self.finishing = True
         for layer in list(self.layers):
-            self._install(layer)
+            if layer in self.layers:  # (an MLP's pair: installed together)
+                self._install(layer)
         if not self.installed:
             raise QuantFormatError(
                 f"the checkpoint declares {self.spec.label}, but no layer is stored so "
@@ -74,8 +83,43 @@ class Int4Layers:
         return self.filled
 
     def _install(self, layer_name: str) -> None:
+        """`layer_name` installed (`_install_one`); under act-order an MLP's gate/up and down together,
+        once both are whole (or at the end, where the other never came quantized): down first, its order
+        taken onto gate/up's rows where `int4.takes_down_order` says so."""
+        pair = self._mlp_pair(layer_name)
+        if pair is None:
+            self._install_one(layer_name)
+            return
+        gate_up, down = pair
+        other = down if layer_name == gate_up else gate_up
+        if not self.finishing and other not in self.waiting:
+            self.waiting.add(layer_name)  # (whole, waiting for the other)
+            return
+        self.waiting -= {gate_up, down}
+        both = other in self.layers
+        order = self._install_one(down, take_order=both) if down in self.layers else None
+        if gate_up in self.layers:
+            self._install_one(gate_up, rows=order)
+
+    def _mlp_pair(self, layer_name: str) -> tuple[str, str] | None:
+        """Under act-order, (gate/up, down) of the MLP `layer_name` is one of; else None."""
+        if not self.spec.act_order:
+            return None
+        for mine, other in ((".gate_up_proj", ".down_proj"), (".down_proj", ".gate_up_proj")):
+            if layer_name.endswith(mine):
+                partner = layer_name.removesuffix(mine) + other
+                if partner in self.modules:
+                    return (layer_name, partner) if mine == ".gate_up_proj" else (partner, layer_name)
+        return None
+
+    def _install_one(
+        self, layer_name: str, take_order: bool = False, rows: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """`layer_name`'s modules unpacked on its device, cut and packed (`int4.install`, a mixture's
-        experts `int4_experts.install_experts`), their tensors dropped."""
+        experts `int4_experts.install_experts`), their tensors dropped. `take_order` (an act-order MLP's
+        down): installed without its order where its gate/up can take it (`int4.takes_down_order`), which
+        is returned; `rows` (that gate/up's): its rows taken in that order. Each such layer's
+        `inter_order` set to it."""
         layer = self.modules[layer_name]
         experts = isinstance(layer, moe.Experts)
         device = layer.gate_up_proj.device if experts else layer.weight.device
@@ -90,12 +134,22 @@ class Int4Layers:
             shards.update(pieces)
             self.filled += weight_names.filled_by(self.model, f"{module}.weight")
             self.installed.add(module)
+        taken = None
+        if take_order and shards.get(None) is not None and shards[None].order is not None:
+            w, gate_up = shards[None], self.modules[layer_name.removesuffix("down_proj") + "gate_up_proj"]
+            if int4.takes_down_order(gate_up, layer, w.scale.shape[1]):
+                taken, shards = w.order, {None: w._replace(order=None)}
+        if rows is not None:
+            shards = {s: w.rows_in(rows) for s, w in shards.items()}
+        if taken is not None or rows is not None:
+            layer.inter_order = taken if rows is None else rows
         if experts:  # a mixture's experts: every expert's projections stacked
             int4_experts.install_experts(layer, shards, self.spec, self.dtype, layer_name)
         elif isinstance(layer, ParallelLMHead):  # a quantized LM head (GPTQ's `lm_head: true`, ...)
             int4.install_head(layer, shards[None], self.spec, self.dtype, self.kernel)
         else:
             int4.install(layer, shards, self.spec, self.dtype, layer_name, self.kernel)
+        return taken
 
     def _late(self, module: str, tensor: str, value: torch.Tensor) -> None:
         """A tensor of a module whose layer is installed: one `unpack` does not read for this scheme is

@@ -858,6 +858,46 @@ def test_a_row_parallel_act_order_layer_regroups_each_ranks_inputs(monkeypatch, 
     torch.testing.assert_close(split("triton")[1], want, rtol=1e-5, atol=1e-4)
 
 
+def test_an_act_order_mlps_down_order_is_taken_onto_its_gate_up_rows(ckpt_factory, tmp_path):
+    """An act-order MLP's down reads the intermediate width gate/up alone write, so its order is taken
+    onto gate's and up's rows at load (`int4.takes_down_order`): down holds none (no gather, no ordered
+    copy for SiLU·mul to write), gate/up and down keep it for LoRA (`inter_order`), the tokens are the
+    dequantized model's, and each of two ranks holds down's plain half, where it was regrouped and padded
+    before. Where gate/up stay float (a dynamic rule's, layer 1), down keeps its order and gathers x."""
+    from safetensors.torch import load_file, save_file
+
+    from gapless.testing.ranks import load_as_ranks
+
+    qdir, refdir = write_quantized(ckpt_factory("llama"), tmp_path, "gptq", group=32, act_order=True)
+    prompts = make_prompts(1000, n=2, max_len=16, shared_prefix=4)
+    model = loader.load_model(qdir, torch.float32, torch.device("cpu"))
+    mlp = model.model.layers[0].mlp
+    down, gate_up = mlp.down_proj, mlp.gate_up_proj
+    assert down.linear_method.order is None and down.input_order() is None
+    assert down.inter_order is not None and gate_up.inter_order is down.inter_order
+    assert not torch.equal(down.inter_order, torch.arange(down.inter_order.numel()))
+    assert gate_up.linear_method.order is not None  # (x's order: its own act-order)
+    assert _greedy(qdir, prompts, max_new=4) == _greedy(refdir, prompts, max_new=4)
+    _, ranks = load_as_ranks(qdir)
+    inter = down.linear_method.in_features
+    assert all(r.model.layers[0].mlp.down_proj.linear_method.in_features == inter // 2 for r in ranks)
+    # layer 1's gate/up left float: its down as stored, its order kept
+    float_modules = ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj")
+    tensors = load_file(str(qdir / "model.safetensors"))
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(float_modules)}
+    reference = load_file(str(refdir / "model.safetensors"))
+    tensors.update({f"{m}.weight": reference[f"{m}.weight"] for m in float_modules})
+    save_file(tensors, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((qdir / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = {r"-:.*layers\.1\.mlp\.(gate|up)_proj": {}}
+    (qdir / "config.json").write_text(json.dumps(config))
+    model = loader.load_model(qdir, torch.float32, torch.device("cpu"))
+    down = model.model.layers[1].mlp.down_proj
+    assert down.linear_method.order is not None and down.inter_order is None
+    assert model.model.layers[0].mlp.down_proj.linear_method.order is None
+    assert _greedy(qdir, prompts, max_new=4) == _greedy(refdir, prompts, max_new=4)
+
+
 @pytest.mark.parametrize("swapped_tiles", [False, True])
 def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(
     ckpt_factory, tmp_path, monkeypatch, swapped_tiles
@@ -893,7 +933,8 @@ def test_the_triton_gemm_in_a_whole_model_gives_the_reference_paths_tokens(
 def test_two_ranks_give_the_dequantized_models_tokens(ckpt_factory, tmp_path, act_order):
     """Tensor parallelism over quantized layers (gloo, one process per rank): fused q/k/v and gate/up cut
     by rows, o and down by groups (32 inputs a group: one group of o's 64 inputs per rank); with act-order
-    (GPTQ's desc_act), o and down regrouped on each rank (`int4.regroup_for_rank`)."""
+    (GPTQ's desc_act), o regrouped on each rank (`int4.regroup_for_rank`), down's order taken onto
+    gate/up's rows (`int4.takes_down_order`)."""
     from transformers import AutoModelForCausalLM
 
     qdir, refdir = write_quantized(ckpt_factory("llama"), tmp_path, "gptq", group=32, act_order=act_order)
@@ -921,7 +962,8 @@ def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch
     layers such a checkpoint quantizes (every linear but the routers, the experts) hold random int4
     weights of the dummy floats' spread, the LM head stays float unless the config quantizes it (GPTQ's
     `lm_head`: then it too, untied from a tied table, qwen2's), and the engine generates; with act-order
-    (GPTQ's here) each layer in a random input order, which it gathers x into."""
+    (GPTQ's here) each layer in a random input order, which it gathers x into, but an MLP's down, as a
+    checkpoint's is held (its order on its gate/up's rows)."""
     src = ckpt_factory(arch)
     dst = tmp_path / "m"
     dst.mkdir()
@@ -943,7 +985,11 @@ def test_dummy_load_format_holds_random_int4_layers(ckpt_factory, tmp_path, arch
     routers = [m for m in linears if isinstance(m, layers.ReplicatedLinear)]
     label = f"{layout} w4a16 g32" + (" act-order" if act else "")
     assert formats[label] == len(int4s) + head == len(linears) - len(routers) + head > 0
-    assert all((m.order is not None) == act for m in int4s)
+    # (act-order: each layer in its order, but an MLP's down, whose order its gate/up's rows take)
+    downs = {id(m.linear_method) for n, m in model.named_modules() if n.endswith("mlp.down_proj")}
+    assert (bool(downs) or arch == "qwen3_moe") and all(
+        (m.order is not None) == (act and id(m) not in downs) for m in int4s
+    )
     assert isinstance(model.lm_head.linear_method, Int4LinearMethod) == head
     assert model.model.embed_tokens.weight.numel() > 0  # (a tied table keeps its float rows)
     assert int4s[0].dequantized(torch.float32).std().item() == pytest.approx(0.02, rel=0.1)

@@ -183,6 +183,20 @@ def shard_for_rank(w: Unpacked, layer: Any, shard: Any, where: str) -> Unpacked:
     return w.map(lambda t: tp.part(t, parts))
 
 
+def takes_down_order(gate_up: Any, down: Any, groups: int) -> bool:
+    """Whether an MLP's act-order down projection (its inputs in `groups` groups) has its order taken
+    onto gate/up's rows at load instead (`gapless.model.int4_loading`), down then a plain grouped weight:
+    the intermediate width is gate/up's output alone, so any order of it serves where gate/up write it so
+    (SiLU·mul works column by column). Not where gate/up add a bias (loaded apart, in the stored order),
+    nor where this rank's cut would split down's groups (then down is regrouped: `regroup_for_rank`)."""
+    from gapless.model import layers
+
+    pair = isinstance(gate_up, layers.MergedColumnParallelLinear) and isinstance(
+        down, layers.RowParallelLinear
+    )
+    return pair and gate_up.bias is None and groups % down.tp.size == 0
+
+
 def regroup_for_rank(w: Unpacked, tp: Any, where: str) -> Unpacked:
     """An act-order weight's columns for this rank of a row-parallel layer (inputs [r K / n, (r + 1) K / n)
     of its n ranks): act-order groups its inputs by `g_idx`, so each group's inputs lie on every rank, a
@@ -336,7 +350,8 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) 
     from gapless.model.moe import Experts
     from gapless.model.quant.int4_experts import install_experts  # (which imports this module)
 
-    for name, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
         if not quantizes(module):
             continue
         if isinstance(module, Experts):
@@ -353,7 +368,12 @@ def install_random(model: Any, spec: Int4Spec, dtype: torch.dtype, kernel: str) 
             install_experts(module, shards, spec, dtype, name)
         else:
             n, k = module.weight.shape
-            hold(module, random_unpacked(n, k, spec, module.weight.device), spec, dtype, kernel)
+            w = random_unpacked(n, k, spec, module.weight.device)
+            if w.order is not None and name.endswith(".down_proj"):  # (as a checkpoint's MLP is installed)
+                gate_up = modules.get(name.removesuffix("down_proj") + "gate_up_proj")
+                if takes_down_order(gate_up, module, w.scale.shape[1] * module.tp.size):
+                    w = w._replace(order=None)
+            hold(module, w, spec, dtype, kernel)
     if spec.lm_head:
         head = model.lm_head
         rows, hidden = head.weight.shape

@@ -15,7 +15,6 @@ projections that read one input.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -155,7 +154,7 @@ def _in_expert_order(shards: dict[Any, Unpacked], e_count: int, where: str) -> _
             )
         rows = down.order
         if rows is not None:
-            out[(e, "gate")], out[(e, "up")] = (w.map(partial(_taken, rows=rows)) for w in (gate, up))
+            out[(e, "gate")], out[(e, "up")] = gate.rows_in(rows), up.rows_in(rows)
             out[(e, "down")] = down._replace(order=None)
         inputs.append((gate.order, gate.q.shape[1]))
         inter.append((rows, down.q.shape[1]))
@@ -166,7 +165,3 @@ def _in_expert_order(shards: dict[Any, Unpacked], e_count: int, where: str) -> _
         return torch.stack([torch.arange(k) if o is None else o.cpu() for o, k in orders]).to(dtype)
 
     return _Orders(out, stacked(inputs, torch.int32), stacked(inter, torch.int64))
-
-
-def _taken(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return t.index_select(0, rows.to(t.device))

@@ -204,6 +204,10 @@ class Unpacked(NamedTuple):
         levels kept."""
         return Unpacked(fn(self.q), fn(self.scale), fn(self.zero), self.order, self.levels)
 
+    def rows_in(self, order: torch.Tensor) -> Unpacked:
+        """The same weight, its row j the row `order[j]` (its scales and zeros with it)."""
+        return self.map(lambda t: t.index_select(0, order.to(t.device)))
+
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Unsigned values from int32s packed along `dim` (0 or 1): the words along `dim` a little-endian bit
