@@ -28,7 +28,7 @@
 #   5. decode attention at batch 1 over short contexts, split less, prefetched or not
 #   6. the int4 GEMMs alone (Triton with its GEMV and PTX values, tinygemm) against bf16 on Llama-3-8B's
 #      layers, from decode to prefill sizes (`gapless.bench.int4_gemm`); int4 TPOT with act-order (GPTQ
-#      `desc_act`: o's x gathered a layer); the FP8 GEMM alone against bf16 and torch._scaled_mm on both
+#      `desc_act`: o's x gathered a layer), the 8B's and the mixture's; the FP8 GEMM alone against bf16 and torch._scaled_mm on both
 #      models' linear shapes, 1 and 128 rows (bench/experiments/fp8_gemm.py); Qwen3-8B's FP8 TPOT with x
 #      rounded by launches; its int4 TPOT on gemlite; its TPOT as a Q4_K_M GGUF file
 # then the table of every TPOT run and their profiles. Logs go to $1, else $OUT, else
@@ -270,9 +270,12 @@ tee -a "$LOG" <"$OUT/int4_gemm.log" 2>/dev/null
 
 say ""
 # act-order (GPTQ desc_act): the default GEMMs, x's columns in each layer's order, written so by the fused
-# norms and SiLU·mul, gathered for o alone (`index_select`, one a layer; never timed; against the AWQ
-# twin's TPOT in the targets phase)
+# norm before q/k/v and gate/up, gathered for o alone (`index_select`, one a layer), down's order on
+# gate/up's rows (never timed; against the AWQ twin's TPOT in the targets phase); then the mixture's, its
+# experts' gate/up gathering x's columns in each expert's order in the grouped GEMM (never run on a GPU;
+# against its AWQ twin's above)
 tpot 50 qwen3-8b-gptq-act int4_act_order
+tpot 60 qwen3-30b-a3b-gptq-act int4_act_order
 
 # the FP8 GEMM alone against bf16 and torch's on both models' shapes, x rounded in the loop, by a launch, by
 # each program

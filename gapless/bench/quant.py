@@ -10,8 +10,9 @@
 `make` writes each shape's config.json (Qwen3-0.6B's, Qwen3-8B's and the mixture Qwen3-30B-A3B's
 published values) and the built-in tokenizer, no weights, and for each shape a `-awq` twin whose config
 carries an AWQ int4 g128 `quantization_config` (the common int4 layout; every int4/int8 layout runs the
-same GEMM), for the 8B a `-gptq-act` twin, GPTQ int4 g128 with act-order (the same GEMMs, x's columns in
-each layer's order: gathered for o, written so by the fused kernels for the rest), and for the 0.6B an
+same GEMM), for the 8B and the mixture a `-gptq-act` twin, GPTQ int4 g128 with act-order (the same
+GEMMs, x's columns in each layer's order: gathered for o and by the grouped GEMM for the experts' gate/up,
+written so by the fused kernels for q/k/v and gate/up; down's order on gate/up's rows), and for the 0.6B an
 `-int8` twin, GPTQ int8 per channel, and an `-int8-g128` one, in groups of 128 (Qwen's `*-GPTQ-Int8`);
 for the 0.6B and the 8B an `-fp8` twin, Qwen's own `*-FP8` layout (e4m3, a scale per [128, 128] block),
 and an `-nf4` twin, bitsandbytes NF4 (unsloth's `*-bnb-4bit`), its random weights NF4's in blocks of 64;
@@ -104,7 +105,7 @@ BNB_NF4 = dict(
 )
 TWINS = {
     "-awq": (AWQ_G128, ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")),
-    "-gptq-act": (GPTQ_ACT_G128, ("qwen3-8b",)),
+    "-gptq-act": (GPTQ_ACT_G128, ("qwen3-8b", "qwen3-30b-a3b")),
     "-gptq-head": (GPTQ_HEAD_G128, ("qwen3-0.6b", "qwen3-8b")),
     "-int8": (GPTQ_INT8, ("qwen3-0.6b",)),
     "-int8-g128": (GPTQ_INT8_G128, ("qwen3-0.6b",)),

@@ -130,7 +130,7 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             *["gapless.bench.quant"] * 2,  # the mixture's FP8 and int4, (the FP8 sweep: a script)
             "gapless.bench.kernels",  # decode attention at batch 1,
             "gapless.bench.int4_gemm",  # the int4 GEMMs,
-            "gapless.bench.quant",  # act-order int4, (the FP8 GEMM's table: a script)
+            *["gapless.bench.quant"] * 2,  # act-order int4, the mixture's, (the FP8 GEMM's table: a script)
             "gapless.bench.quant",  # the 8B's FP8 with x rounded by launches,
             "gapless.bench.quant",  # gemlite's run,
             *["gapless.bench.quant"] * 2,  # the 8B as a Q4_K_M GGUF file: written, timed,

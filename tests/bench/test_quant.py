@@ -35,6 +35,7 @@ def test_make_writes_each_shape_without_weights(tmp_path):
         "qwen3-8b-nvfp4",
         "qwen3-30b-a3b",
         "qwen3-30b-a3b-awq",
+        "qwen3-30b-a3b-gptq-act",
     ]
     for name in ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"):  # the int4 twin: the same model, AWQ g128
         twin = load_model_config(tmp_path / f"{name}-awq")
