@@ -161,18 +161,17 @@ def moe_cases() -> dict[str, Callable[[], object]]:
                 WeightQuant(s2.to(dtype), 16, s2.half(), 8),
             )
         elif quant:  # an int4/int8 checkpoint's experts: packed words, group-wise scales and zeros of 16; or
-            # a codebook's (GGUF IQ4's): 4 bits, each value a lookup in its levels, no zeros; int4's without
-            # adapters with act-order (gate/up's x gathered in each expert's order)
+            # a codebook's (GGUF IQ4's): 4 bits, each value a lookup in its levels, no zeros; int4's with
+            # act-order (gate/up's x gathered in each expert's order; GGUF's cases are 4-bit without)
             bits, levels = (4, torch.zeros(16)) if quant == "codebook" else (int(quant[3:]), None)
             w13 = torch.zeros(experts, hidden * bits // 32, 2 * inter, dtype=torch.int32)
             w2 = torch.zeros(experts, inter * bits // 32, hidden, dtype=torch.int32)
             s13, s2 = torch.ones(experts, hidden // 16, 2 * inter), torch.ones(experts, inter // 16, hidden)
             zeros = (None, None) if levels is not None else (s13.to(dtype), s2.to(dtype))
             order = torch.arange(hidden, dtype=torch.int32).repeat(experts, 1) if quant == "int4" else None
-            orders = (None if lora else order, None)
             scales = tuple(
                 WeightQuant(s.to(dtype), 16, z, bits, levels, order=o)
-                for s, z, o in zip((s13, s2), zeros, orders)
+                for s, z, o in zip((s13, s2), zeros, (order, None))
             )
         return moe_triton.fused_experts(x, w13, w2, weights, ids, adapters, scales)
 
