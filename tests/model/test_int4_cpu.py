@@ -113,6 +113,7 @@ def _greedy(model, prompts):
         ("qwen3", "gptq", 8, 32, True, False),  # GPTQ int8 in groups (Qwen's *-GPTQ-Int8)
         ("llama", "compressed-tensors", 4, -1, False, False),  # w4a16 one group a row
         ("qwen3_moe", "awq", 4, 32, False, False),  # each expert's kernel in the reference loop
+        ("qwen3_moe", "gptq", 4, 32, False, True),  # act-order experts: x gathered for each expert's kernel
         ("qwen3_moe", "int-quantized", 8, -1, True, False),
     ],
 )

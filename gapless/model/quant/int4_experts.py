@@ -6,11 +6,11 @@ else multiplies with them dequantized at load.
 
 Act-order (GPTQ's `desc_act`, compressed-tensors' `actorder: group`) orders each projection's inputs by
 group. Down's inputs are the expert's own intermediate width, which any order serves as long as gate/up
-write it: so gate's and up's rows are taken in down's order at load, and down becomes a plain grouped
-weight (no cost at run time, and tensor parallelism cuts whole groups as without act-order). Gate/up's
-inputs are x, every expert's, so the grouped GEMM gathers each K step's columns of x in the expert's
-order (`WeightQuant.order`); gate and up of an expert must share it, as act-order's quantizers give
-projections that read one input.
+write it: so gate's and up's rows are taken in down's order at load, and down becomes a plain grouped weight
+(no cost at run time, and tensor parallelism cuts whole groups as without act-order). Gate/up's inputs are
+x, every expert's, so the grouped GEMM gathers each K step's columns of x in the expert's order
+(`WeightQuant.order`), as the CPU's kernels gather x (`_Gathered`); gate and up of an expert must share it,
+as act-order's quantizers give projections that read one input.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gapless.model.quant import int4_kernels
+from gapless.model.quant.base import WeightKernel
 from gapless.model.quant.formats import QuantFormatError
 from gapless.model.quant.int4 import same_order, split_columns, zeros_dtype
 from gapless.model.quant.int4_layouts import Int4Spec, Unpacked, pack_int32
@@ -85,11 +86,9 @@ def install_experts(
             raise QuantFormatError(f"{where}: its experts' {'/'.join(projs)} codebooks differ; one is built")
     groups = [shape[1] // ws[0].scale.shape[1] for ws, (_, shape) in zip(held_ws, projections)]
     choice = int4_kernels.chosen()
-    kinds = [  # (no library takes a codebook, nor x in an act-order's order: the CPU's floats take x)
-        int4_kernels.for_layer(
-            choice if lv is None and order is None else "triton", sp.bits, g, dtype, *s, device
-        )
-        for sp, g, lv, (_, s), order in zip(specs, groups, levels, projections, (orders.inputs, None))
+    kinds = [  # (no library takes a codebook)
+        int4_kernels.for_layer(choice if lv is None else "triton", sp.bits, g, dtype, *s, device)
+        for sp, g, lv, (_, s) in zip(specs, groups, levels, projections)
     ]
     kernels_alone = all(k == int4_kernels.CPU_KERNEL for k in kinds)  # (then no packed words are kept)
     packed, quants, cpu_weights = [], [], []
@@ -110,8 +109,9 @@ def install_experts(
                 qs.append(pack_int32(w.q.t(), sp.bits, dim=0))
             scales.append(held.scale.t().contiguous())
             zeros.append(held.zero.t().contiguous())
-            if kernel == int4_kernels.CPU_KERNEL:
-                kernels.append(int4_kernels.library_kernel(kernel, w, sp.bits, dtype, device, sp.label))
+            if kernel == int4_kernels.CPU_KERNEL:  # (act-order: x's columns gathered in the weight's order)
+                k = int4_kernels.library_kernel(kernel, w, sp.bits, dtype, device, sp.label)
+                kernels.append(k if w.order is None else _Gathered(k, w.order.to(device)))
             elif cpu:
                 floats.append(
                     held._replace(scale=held.scale.float(), zero=held.zero.float()).dequantize().to(dtype)
@@ -131,6 +131,20 @@ def install_experts(
         spec.method,
         orders.inter,
     )
+
+
+class _Gathered:
+    """An act-order expert's CPU kernel (`WeightKernel`, its weight's columns in the expert's order): x's
+    columns gathered in that order first, as an act-order layer gathers them."""
+
+    def __init__(self, kernel: WeightKernel, order: torch.Tensor) -> None:
+        self.kernel, self.order = kernel, order
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x.index_select(1, self.order))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.kernel.tensors(), self.order]
 
 
 class _Orders(NamedTuple):
