@@ -141,8 +141,9 @@ class Int4Layers:
                 taken, shards = w.order, {None: w._replace(order=None)}
         if rows is not None:
             shards = {s: w.rows_in(rows) for s, w in shards.items()}
-        if taken is not None or rows is not None:  # (on the CPU, where LoRA's adapters are read)
-            layer.inter_order = (taken if rows is None else rows).cpu()
+        inter_order = rows if rows is not None else taken
+        if inter_order is not None:  # (on the CPU, where LoRA's adapters are read)
+            layer.inter_order = inter_order.cpu()
         if experts:  # a mixture's experts: every expert's projections stacked
             int4_experts.install_experts(layer, shards, self.spec, self.dtype, layer_name)
         elif isinstance(layer, ParallelLMHead):  # a quantized LM head (GPTQ's `lm_head: true`, ...)
