@@ -86,9 +86,9 @@ class _Linear(nn.Module):
     # the layer's resident LoRA adapters (`gapless.lora.table.LoRALayer`), whose delta is added to the
     # output; None: no adapters
     lora: Any = None
-    # an int4 act-order MLP's intermediate order, on its gate/up (whose rows of each shard) and down (whose
-    # inputs) hold that width reordered at load (`gapless.model.quant.int4.takes_down_order`): the whole
-    # width's column j is the checkpoint's `inter_order[j]`; LoRA adapters are taken in it. None: as stored
+    # an int4 act-order MLP's intermediate order, on its gate/up and down: gate/up's rows (of each shard)
+    # and down's inputs hold that width reordered at load (`gapless.model.quant.int4.takes_down_order`), its
+    # column j the checkpoint's `inter_order[j]`; LoRA adapters are taken in it. None: as stored
     inter_order: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
