@@ -4,7 +4,8 @@
 An act-order layer reads x's columns in its weight's order (GPTQ `desc_act`: the inputs sorted by group).
 Where the fused RMSNorm or gated activation writes x, it writes those columns in that order beside it,
 with the same arithmetic, so the layer skips its own gather (one launch fewer a layer at decode); only
-o's input, written by attention, is still gathered. Without a GPU the kernels run under Triton's
+o's input, written by attention, is still gathered. (An MLP's down usually holds no order: its order is
+taken onto gate/up's rows at load, `int4.takes_down_order`.) Without a GPU the kernels run under Triton's
 interpreter (tests/conftest.py).
 """
 
@@ -93,19 +94,34 @@ class _CountedGathers:
         monkeypatch.setattr(torch.Tensor, "index_select", counted)
 
 
+def _keep_downs_order(monkeypatch) -> None:
+    """Loads after this keep each MLP's down in its own order (as where gate/up add a bias, or a rank's cut
+    would split down's groups), so the gated activation writes x in it."""
+    from gapless.model.quant import int4
+
+    monkeypatch.setattr(int4, "takes_down_order", lambda gate_up, down, groups: False)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("down_keeps_its_order", [False, True])
 @torch.inference_mode()
 def test_an_act_order_layer_takes_x_in_order_from_its_fused_norms_and_activation(
-    ckpt_factory, tmp_path, monkeypatch, rows
+    ckpt_factory, tmp_path, monkeypatch, rows, down_keeps_its_order
 ):
-    """A Qwen3 layer of a GPTQ act-order checkpoint with the fused kernels: qkv, gate/up and down read x
-    in their order as the norms and the activation wrote it, o gathers its own (1 gather, against 4 when
-    no kernel writes the order), with the outputs' bits unchanged."""
+    """A Qwen3 layer of a GPTQ act-order checkpoint with the fused kernels: qkv and gate/up read x in
+    their order as the norms wrote it, o gathers its own, and down reads x as it is (its order on gate/up's
+    rows): 1 gather, against 3 when no kernel writes the order. Where down keeps its order, the activation
+    writes x in it: 1 gather against 4. The outputs' bits unchanged."""
+    if down_keeps_its_order:
+        _keep_downs_order(monkeypatch)
     qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, "gptq", group=32, act_order=True)
     model = loader.load_model(qdir, torch.bfloat16, DEVICE)
     fused.set_fused(model, fk)
     layer, cfg = model.model.layers[0], model.cfg
-    assert all(m.input_order() is not None for m in layer.modules() if isinstance(m, _Linear))
+    ordered = {n for n, m in layer.named_modules() if isinstance(m, _Linear) and m.input_order() is not None}
+    assert ordered == {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"} | (
+        {"mlp.down_proj"} if down_keeps_its_order else set()
+    )
     x, residual = _rand(rows, cfg.hidden_size), _rand(rows, cfg.hidden_size, seed=1)
     attn = _rand(rows, cfg.q_size, seed=2)
 
@@ -119,7 +135,7 @@ def test_an_act_order_layer_takes_x_in_order_from_its_fused_norms_and_activation
     monkeypatch.setattr(_Linear, "input_order", lambda self: None)  # (no kernel writes the order)
     gathers.calls = 0
     plain = run()
-    assert gathers.calls == 4
+    assert gathers.calls == len(ordered)
     for a, b in zip(in_order_out, plain, strict=True):
         assert torch.equal(a, b)
 
@@ -127,8 +143,10 @@ def test_an_act_order_layer_takes_x_in_order_from_its_fused_norms_and_activation
 @torch.inference_mode()
 def test_the_fused_start_up_check_runs_the_ordered_norm_into_the_mlp(ckpt_factory, tmp_path, monkeypatch):
     """`gapless.model.fused.disagreement` takes the norm into the MLP through the kernels: with act-order
-    layers the columns the norm and activation write in order agree with the layers' own gathers, and a
-    wrong order (columns shifted by one) is found, so the model would run torch's kernels instead."""
+    layers (down keeping its order, so the activation writes one) the columns the norm and activation
+    write in order agree with the layers' own gathers, and a wrong order (columns shifted by one) is
+    found, so the model would run torch's kernels instead."""
+    _keep_downs_order(monkeypatch)
     qdir, _ = write_quantized(ckpt_factory("qwen3"), tmp_path, "gptq", group=32, act_order=True)
     model = loader.load_model(qdir, torch.bfloat16, DEVICE)
     assert fused.disagreement(model, fk, DEVICE) is None
