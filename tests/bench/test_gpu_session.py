@@ -117,11 +117,12 @@ def test_every_step_of_the_part_takes_its_arguments(part, tmp_path, monkeypatch)
             *["gapless.bench.quant"] * 6,  # gpu_quant.sh: make, five runs of the issue's targets,
             *["gapless.bench.gpu"] * 3,  # the bf16 and the FP8 KV cache's runs, the FP8's at 5 stages,
             *["gapless.bench.quant"] * 2,  # the 8B's FP8 in Qwen's own block layout, the 0.6B's with PDL;
-            # tables: int4 TPOT on swapped tiles and the Triton GEMM, NF4's, NVFP4's, int4 with its head,
-            # FP8's, the 0.6B's FP8 with activations, norms launched,
+            # tables: decode attention over each cache in 64- and 128-key blocks; int4 TPOT on swapped
+            # tiles and the Triton GEMM, NF4's, NVFP4's, int4 with its head, FP8's, the 0.6B's FP8 with
+            # activations, norms launched,
+            "gapless.bench.kernels",
             *["gapless.bench.quant"] * 7,
             "gapless.bench.kernels",  # decode attention over each cache,
-            "gapless.bench.kernels",  # over the fp8 cache in 128-key blocks,
             "gapless.bench.int4_gemm",  # the int4 GEMV's stages and splits,
             "gapless.bench.gpu",  # the bf16 KV cache's run at 5 stages,
             "gapless.bench.quant",  # the 8B's FP8 with PDL,
@@ -276,25 +277,25 @@ def test_skip_leaves_the_named_steps_out(tmp_path):
 
 
 def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
-    """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): Qwen3-8B's int4 TPOT on the
-    swapped tiles and on the Triton GEMM, its bitsandbytes NF4, NVFP4 and GPTQ-with-its-head TPOT, its FP8
-    TPOT on the swapped
-    tiles and Qwen3-0.6B's FP8 with its activations and norms launched first, decode attention over each cache
-    at 2 and 5 stages with its registers capped or not (the FP8 KV target's lever), over the fp8 cache
-    in 128-key blocks, the int4 GEMV's stages and
-    splits (factored or not, against tinygemm), the bf16 KV cache's nano-vllm run at 5 stages, the 8B's FP8
-    with PDL, the FP8 GEMV's stages (short, each deciding a default); then the mixture's TPOT in bf16, the
-    swapped tiles alone, what no GPU has run (the mixture quantized), the FP8 GEMM's sweep and decode
-    attention at batch 1, then the int4 GEMMs' table (without gemlite, whose first call tunes past the step's
-    limit), last the 8B written as a Q4_K_M GGUF file and timed; no TPOT run of the targets and no other nano-
-    vllm run; the targets phase alone the reverse, its FP8 KV runs at the default stages and at 5."""
+    """`QUANT_PHASES=tables bash bench/gpu_quant.sh` (a second call after `all`): first decode attention at
+    batch 256 over a bf16 and an fp8 cache in 64- and 128-key blocks (the FP8 KV target, the furthest from
+    its figure), then Qwen3-8B's int4 TPOT on the swapped tiles and on the Triton GEMM, its bitsandbytes
+    NF4, NVFP4 and GPTQ-with-its-head TPOT, its FP8 TPOT on the swapped tiles and Qwen3-0.6B's FP8 with
+    its activations and norms launched first, decode attention over each cache at 2 and 5 stages with its
+    registers capped or not (the FP8 KV target's lever), the int4 GEMV's stages and splits (factored or
+    not, against tinygemm), the bf16 KV cache's nano-vllm run at 5 stages, the 8B's FP8 with PDL, the FP8
+    GEMV's stages (short, each deciding a default); then the mixture's TPOT in bf16, the swapped tiles
+    alone, what no GPU has run (the mixture quantized), the FP8 GEMM's sweep and decode attention at batch
+    1, then the int4 GEMMs' table (without gemlite, whose first call tunes past the step's limit), last
+    the 8B written as a Q4_K_M GGUF file and timed; no TPOT run of the targets and no other nano-vllm run;
+    the targets phase alone the reverse, its FP8 KV runs at the default stages and at 5."""
     (tmp_path / "t").mkdir(), (tmp_path / "g").mkdir()
     tables = _run_part(ROOT / "bench/gpu_quant.sh", "", tmp_path / "t", ROOT, QUANT_PHASES="tables")
     # (less gpu_bench.sh's versions: a script on stdin)
     tables, envs = zip(*((c, e) for c, e in zip(tables, _envs(tmp_path / "t")) if c[:1] != ["-"]))
     assert tables[0][:3] == ["-m", "gapless.bench.quant", "make"]  # (both phases make the shapes first)
-    int4_swapped, int4_triton, nf4, nvfp4, int4_head, fp8_swapped, launched = tables[1:8]
-    attention, attention_128, int4_stages, staged, pdl, fp8_stages, mixture = tables[8:15]
+    blocks, int4_swapped, int4_triton, nf4, nvfp4, int4_head, fp8_swapped, launched = tables[1:9]
+    attention, int4_stages, staged, pdl, fp8_stages, mixture = tables[9:15]
     assert staged[:2] == ["-m", "gapless.bench.gpu"] and "auto" in staged  # (the bf16 KV run, 5 stages)
     tpots = (int4_swapped, int4_triton, nf4, nvfp4, int4_head, fp8_swapped, launched, pdl, mixture)
     assert all(c[:3] == ["-m", "gapless.bench.quant", "run"] for c in tpots)
@@ -306,9 +307,9 @@ def test_the_quant_scripts_tables_phase_runs_alone(tmp_path, monkeypatch):
     assert attention[:2] == ["-m", "gapless.bench.kernels"] and "fp8" in attention  # (over each KV cache)
     assert attention[attention.index("--decode-stages") + 1 :][:2] == ["2", "5"]
     assert attention[attention.index("--decode-max-registers") + 1 :][:3] == ["0", "96", "128"]
-    assert attention_128[:2] == ["-m", "gapless.bench.kernels"]  # (fp8 alone, 128 keys a block)
-    assert attention_128[attention_128.index("--kv-cache-dtype") + 1 :][:2] == ["fp8", "--decode-block-n"]
-    assert attention_128[attention_128.index("--decode-block-n") + 1] == "128"
+    assert blocks[:2] == ["-m", "gapless.bench.kernels"]  # (first: each cache, 64 and 128 keys a block)
+    assert blocks[blocks.index("--kv-cache-dtype") + 1 :][:2] == ["auto", "fp8"]
+    assert blocks[blocks.index("--decode-block-n") + 1 :][:2] == ["0", "128"]
     assert fp8_stages[0].endswith("fp8_gemm.py") and "--gemv-stages" in fp8_stages
     assert int4_stages[:2] == ["-m", "gapless.bench.int4_gemm"] and "tinygemm" in int4_stages
     assert int4_stages[int4_stages.index("--stages") + 1 :][:2] == ["1", "4"]
