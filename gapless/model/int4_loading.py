@@ -97,7 +97,7 @@ class Int4Layers:
             return
         self.waiting -= {gate_up, down}
         both = other in self.layers
-        order = self._install_one(down, take_order=both) if down in self.layers else None
+        order = self._install_one(down, gate_up if both else None) if down in self.layers else None
         if gate_up in self.layers:
             self._install_one(gate_up, rows=order)
 
@@ -113,13 +113,13 @@ class Int4Layers:
         return None
 
     def _install_one(
-        self, layer_name: str, take_order: bool = False, rows: torch.Tensor | None = None
+        self, layer_name: str, gate_up: str | None = None, rows: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """`layer_name`'s modules unpacked on its device, cut and packed (`int4.install`, a mixture's
-        experts `int4_experts.install_experts`), their tensors dropped. `take_order` (an act-order MLP's
-        down): installed without its order where its gate/up can take it (`int4.takes_down_order`), which
-        is returned; `rows` (that gate/up's): its rows taken in that order. Each such layer's
-        `inter_order` set to it."""
+        experts `int4_experts.install_experts`), their tensors dropped. `gate_up` (an act-order MLP's
+        down's, installed with it): down installed without its order where that gate/up can take it
+        (`int4.takes_down_order`), which is returned; `rows` (that gate/up's): its rows taken in that
+        order. Each such layer's `inter_order` set to it."""
         layer = self.modules[layer_name]
         experts = isinstance(layer, moe.Experts)
         device = layer.gate_up_proj.device if experts else layer.weight.device
@@ -135,9 +135,9 @@ class Int4Layers:
             self.filled += weight_names.filled_by(self.model, f"{module}.weight")
             self.installed.add(module)
         taken = None
-        if take_order and shards.get(None) is not None and shards[None].order is not None:
-            w, gate_up = shards[None], self.modules[layer_name.removesuffix("down_proj") + "gate_up_proj"]
-            if int4.takes_down_order(gate_up, layer, w.scale.shape[1]):
+        if gate_up is not None and shards.get(None) is not None and shards[None].order is not None:
+            w = shards[None]
+            if int4.takes_down_order(self.modules[gate_up], layer, w.scale.shape[1]):
                 taken, shards = w.order, {None: w._replace(order=None)}
         if rows is not None:
             shards = {s: w.rows_in(rows) for s, w in shards.items()}
